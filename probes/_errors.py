@@ -1,0 +1,17 @@
+"""The one domain exception type that the CLI turns into a red line and an exit code."""
+
+from __future__ import annotations
+
+
+class MpadviseError(Exception):
+    """An error a user can act on: says what was given, what was expected, and what to do.
+
+    The CLI prints ``str(error)`` on one line and exits with ``exit_code``.
+    """
+
+    exit_code: int = 1
+
+    def __init__(self, message: str, *, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code

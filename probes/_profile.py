@@ -1,0 +1,99 @@
+"""HardwareProfile: plain, hashable facts about one device, as gathered by the probes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What one device (a CUDA GPU or the host CPU) can do, as plain data.
+
+    Every field is a plain, hashable value so that a profile round-trips through JSON and can
+    be compared and hashed. CUDA-only fields are ``None`` for the CPU, and CPU-only fields keep
+    their defaults for a GPU (the host CPU of a GPU machine is a profile of its own).
+
+    Attributes:
+        kind: ``"cuda"`` or ``"cpu"``.
+        name: marketing name (``"NVIDIA H100 80GB HBM3"``) or CPU model string.
+        index: CUDA device index; ``None`` for the CPU.
+        compute_capability: ``(major, minor)`` for CUDA; ``None`` for the CPU.
+        sm_count: streaming multiprocessors (CUDA).
+        memory_total: bytes of device memory (CUDA) or of host RAM (CPU).
+        memory_free: bytes free when probed.
+        driver_version: NVIDIA driver version string, from NVML.
+        cuda_runtime: CUDA runtime that torch was built with (``torch.version.cuda``).
+        mig_enabled: whether MIG mode is on for this GPU (from NVML).
+        clocks_mhz: ``(sm_clock, sm_clock_max)`` from NVML, when known.
+        cores: logical CPU cores available to this process (CPU).
+        cpu_flags: the precision-relevant ISA flags present, sorted (CPU).
+        torch_version: ``torch.__version__`` at probe time.
+        libraries: ``(("torchao", "0.18.0"), ("transformer_engine", None))``: FP8 libraries and
+            their versions, ``None`` where not installed.
+        uuid: NVML UUID of the GPU, when known; not part of the fingerprint (two cards of the
+            same SKU give the same answer).
+    """
+
+    kind: str
+    name: str
+    index: int | None = None
+    compute_capability: tuple[int, int] | None = None
+    sm_count: int | None = None
+    memory_total: int | None = None
+    memory_free: int | None = None
+    driver_version: str | None = None
+    cuda_runtime: str | None = None
+    mig_enabled: bool | None = None
+    clocks_mhz: tuple[int, int] | None = None
+    cores: int | None = None
+    cpu_flags: tuple[str, ...] = ()
+    torch_version: str | None = None
+    libraries: tuple[tuple[str, str | None], ...] = field(default=())
+    uuid: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cuda", "cpu"):
+            raise ValueError(f"HardwareProfile.kind must be 'cuda' or 'cpu', got {self.kind!r}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def device(self) -> str:
+        """The torch device string for this profile (``"cuda:0"`` or ``"cpu"``)."""
+        return f"cuda:{self.index or 0}" if self.is_cuda else "cpu"
+
+    def has_flag(self, flag: str) -> bool:
+        return flag in self.cpu_flags
+
+    def library_version(self, name: str) -> str | None:
+        return dict(self.libraries).get(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (tuples become lists)."""
+        data = asdict(self)
+        data["cpu_flags"] = list(self.cpu_flags)
+        data["libraries"] = {k: v for k, v in self.libraries}
+        if self.compute_capability is not None:
+            data["compute_capability"] = list(self.compute_capability)
+        if self.clocks_mhz is not None:
+            data["clocks_mhz"] = list(self.clocks_mhz)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
+        """Inverse of ``to_dict``; unknown keys are ignored so that newer files still load."""
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        if kwargs.get("compute_capability") is not None:
+            kwargs["compute_capability"] = tuple(kwargs["compute_capability"])
+        if kwargs.get("clocks_mhz") is not None:
+            kwargs["clocks_mhz"] = tuple(kwargs["clocks_mhz"])
+        kwargs["cpu_flags"] = tuple(kwargs.get("cpu_flags") or ())
+        libs = kwargs.get("libraries") or {}
+        if isinstance(libs, dict):
+            libs = libs.items()
+        kwargs["libraries"] = tuple(sorted((str(k), v) for k, v in libs))
+        return cls(**kwargs)

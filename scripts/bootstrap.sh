@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv on first use and install the project with its test extras and the CPU build of torch.
+# Safe to run again: it only reinstalls when pyproject.toml changed since the last install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${MPADVISE_VENV:-.venv}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+stamp="$VENV/.mpadvise-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    # torch first, pinned: on these machines this version resolves to the CPU build.
+    # pyproject.toml keeps a range; only the install step pins.
+    "$VENV/bin/python" -m pip install -q "torch==${MPADVISE_TORCH:-2.13.0}"
+    "$VENV/bin/python" -m pip install -q -e ".[dev]"
+    touch "$stamp"
+fi
