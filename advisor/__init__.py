@@ -1,1 +1,37 @@
-"""placeholder"""
+"""mpadvise: measure, pick and apply the fastest stable precision policy for PyTorch training.
+
+What a training script needs::
+
+    import advisor
+
+    mp = advisor.load_policy()
+    model, optimizer = mp.setup(model, optimizer)
+    loader = DataLoader(ds, batch_size=mp.micro_batch_size(64))
+    for x, y in loader:
+        x, y = mp.to_device(x, y)
+        with mp.autocast():
+            loss = loss_fn(model(x), y)
+        mp.step(loss, optimizer)
+"""
+
+from __future__ import annotations
+
+from policies import MODES, Fp8Options, LossScale, Policy, PolicyError
+from probes import MpadviseError
+
+from ._load import load_policy
+from ._runtime import AppliedPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MODES",
+    "AppliedPolicy",
+    "Fp8Options",
+    "LossScale",
+    "MpadviseError",
+    "Policy",
+    "PolicyError",
+    "__version__",
+    "load_policy",
+]

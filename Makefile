@@ -1,0 +1,19 @@
+# The two commands of the README's quick start. Each creates .venv on first use.
+PY := .venv/bin/python
+
+.PHONY: demo test lint venv
+
+venv:
+	@bash scripts/bootstrap.sh
+
+# The main job on a bundled example.
+demo: venv
+	$(PY) -m advisor.cli probe
+
+# The whole test suite, as CI runs it.
+test: venv
+	$(PY) -m pytest -q tests
+	.venv/bin/ruff check advisor probes policies tests examples scripts
+
+lint: venv
+	.venv/bin/ruff check advisor probes policies tests examples scripts

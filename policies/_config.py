@@ -1,0 +1,354 @@
+"""The Policy: a frozen, validated description of how to train, and its TOML config file."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from probes._errors import MpadviseError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+SCHEMA = 1
+"""Config file schema written by this version. Older schemas are read and upgraded."""
+
+MODES: tuple[str, ...] = (
+    "fp32",
+    "tf32",
+    "fp16-mixed",
+    "bf16-mixed",
+    "fp16-true",
+    "bf16-true",
+    "fp8-te",
+    "fp8-torchao",
+)
+LOSS_SCALE_KINDS = ("none", "static", "dynamic")
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+TE_RECIPES = ("delayed", "current", "mxfp8", "block")
+FP8_FORMATS = ("hybrid", "e4m3")
+
+
+class PolicyError(MpadviseError, ValueError):
+    """A Policy field or a config file holds a value that is not allowed."""
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    return ", ".join(values)
+
+
+def _check_choice(owner: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise PolicyError(f"{owner}.{name}: {value!r} is not allowed; expected one of {_choices(allowed)}")
+
+
+def _check_positive(owner: str, name: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value <= 0:
+        what = "a positive integer" if integer else "a positive number"
+        raise PolicyError(f"{owner}.{name}: {value!r} is not allowed; expected {what}")
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Loss scaling for fp16-mixed: the GradScaler settings, or a static scale.
+
+    Attributes:
+        kind: ``"dynamic"`` (GradScaler), ``"static"`` (a fixed scale; overflowing steps are
+            still skipped) or ``"none"``.
+        init_scale: starting scale (dynamic) or the fixed scale (static). GradScaler's default
+            is 2**16.
+        growth_factor: multiply the scale by this after ``growth_interval`` clean steps.
+        backoff_factor: multiply the scale by this after an overflow.
+        growth_interval: clean steps between growths.
+    """
+
+    kind: str = "dynamic"
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        _check_choice("loss_scale", "kind", self.kind, LOSS_SCALE_KINDS)
+        _check_positive("loss_scale", "init_scale", self.init_scale)
+        _check_positive("loss_scale", "growth_factor", self.growth_factor)
+        if self.growth_factor <= 1.0:
+            raise PolicyError(f"loss_scale.growth_factor: {self.growth_factor!r} is not allowed; expected a number > 1")
+        if not isinstance(self.backoff_factor, (int, float)) or not 0.0 < self.backoff_factor < 1.0:
+            raise PolicyError(
+                f"loss_scale.backoff_factor: {self.backoff_factor!r} is not allowed; expected a number in (0, 1)"
+            )
+        _check_positive("loss_scale", "growth_interval", self.growth_interval, integer=True)
+
+
+@dataclass(frozen=True)
+class Fp8Options:
+    """FP8 recipe options, for ``fp8-torchao`` and ``fp8-te``.
+
+    Attributes:
+        recipe: torchao: ``tensorwise`` (default), ``rowwise``, ``rowwise_with_gw_hp``;
+            Transformer Engine: ``delayed`` (default), ``current``, ``mxfp8``, ``block``.
+            ``None`` takes the backend's default.
+        fp8_format: ``hybrid`` (E4M3 forward, E5M2 gradients) or ``e4m3`` (Transformer Engine).
+        amax_history_len: amax history for Transformer Engine's delayed scaling.
+        margin: scaling margin (powers of two) for Transformer Engine's delayed scaling.
+    """
+
+    recipe: str | None = None
+    fp8_format: str = "hybrid"
+    amax_history_len: int = 1024
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if self.recipe is not None:
+            _check_choice("fp8", "recipe", self.recipe, TORCHAO_RECIPES + TE_RECIPES)
+        _check_choice("fp8", "fp8_format", self.fp8_format, FP8_FORMATS)
+        _check_positive("fp8", "amax_history_len", self.amax_history_len, integer=True)
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise PolicyError(f"fp8.margin: {self.margin!r} is not allowed; expected an integer >= 0")
+
+
+@dataclass(frozen=True)
+class TunedOn:
+    """Where and when a policy was measured: the evidence that travels with it.
+
+    Attributes:
+        hardware_fingerprint: ``probes.hardware_fingerprint`` of the device it was tuned on.
+        device: the device's name, for people.
+        torch: torch version at tuning time.
+        libraries: FP8 library versions at tuning time (``(name, version or None)`` pairs).
+        date: ISO date of the tune.
+        speedup_vs_fp32: measured goodput ratio of this policy over fp32.
+        goodput: measured samples per second.
+        workload_fingerprint: fingerprint of model, optimizer, global batch and script.
+        model_signature: fingerprint of the model's structure alone.
+        script: the script that was tuned.
+        trials: number of trials run.
+    """
+
+    hardware_fingerprint: str = ""
+    device: str = ""
+    torch: str = ""
+    libraries: tuple[tuple[str, str | None], ...] = ()
+    date: str = ""
+    speedup_vs_fp32: float | None = None
+    goodput: float | None = None
+    workload_fingerprint: str | None = None
+    model_signature: str | None = None
+    script: str | None = None
+    trials: int | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How to train: precision mode, loss scaling, batch split and FP8 options.
+
+    A frozen, hashable value. Build one by hand (``Policy(mode="bf16-mixed")``), read it from a
+    config file (``Policy.from_toml``) or get it from ``mpadvise tune``.
+
+    Attributes:
+        mode: one of ``MODES``.
+        loss_scale: loss scaling; defaults to dynamic scaling for ``fp16-mixed`` and is only
+            allowed there.
+        micro_batch_size: the batch one forward pass sees; ``None`` keeps the script's own.
+        grad_accum_steps: micro-batches per optimizer step; ``None`` derives it so that the
+            script's global batch is kept.
+        grad_clip_norm: clip the unscaled gradients to this norm; ``None`` for no clipping.
+        fp8: FP8 options; only allowed for the fp8 modes.
+        tuned_on: the measurement record, for tuned policies.
+    """
+
+    mode: str = "fp32"
+    loss_scale: LossScale | None = None
+    micro_batch_size: int | None = None
+    grad_accum_steps: int | None = None
+    grad_clip_norm: float | None = None
+    fp8: Fp8Options | None = None
+    tuned_on: TunedOn | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_choice("Policy", "mode", self.mode, MODES)
+        if self.mode == "fp16-mixed" and self.loss_scale is None:
+            object.__setattr__(self, "loss_scale", LossScale())
+        if self.loss_scale is not None:
+            if not isinstance(self.loss_scale, LossScale):
+                raise PolicyError(f"Policy.loss_scale: expected a LossScale, got {type(self.loss_scale).__name__}")
+            if self.mode != "fp16-mixed" and self.loss_scale.kind != "none":
+                raise PolicyError(
+                    f"Policy.loss_scale: loss scaling applies to fp16-mixed only, not {self.mode!r}; "
+                    "remove [loss_scale] or set kind = \"none\""
+                )
+        if self.fp8 is not None:
+            if not isinstance(self.fp8, Fp8Options):
+                raise PolicyError(f"Policy.fp8: expected Fp8Options, got {type(self.fp8).__name__}")
+            if not self.mode.startswith("fp8-"):
+                raise PolicyError(f"Policy.fp8: FP8 options apply to fp8-te and fp8-torchao only, not {self.mode!r}")
+            if self.fp8.recipe is not None:
+                allowed = TE_RECIPES if self.mode == "fp8-te" else TORCHAO_RECIPES
+                _check_choice(f"fp8 ({self.mode})", "recipe", self.fp8.recipe, allowed)
+        _check_positive("Policy", "micro_batch_size", self.micro_batch_size, integer=True, allow_none=True)
+        _check_positive("Policy", "grad_accum_steps", self.grad_accum_steps, integer=True, allow_none=True)
+        _check_positive("Policy", "grad_clip_norm", self.grad_clip_norm, allow_none=True)
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        return self.loss_scale is not None and self.loss_scale.kind != "none"
+
+    def with_(self, **changes: Any) -> Policy:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        """One short line for people: ``fp16-mixed (dynamic loss scale 65536), micro-batch 32 x 2``."""
+        parts = [self.mode]
+        if self.uses_loss_scaling:
+            ls = self.loss_scale
+            assert ls is not None
+            parts.append(f"({ls.kind} loss scale {ls.init_scale:g})")
+        if self.fp8 is not None and self.fp8.recipe:
+            parts.append(f"(recipe {self.fp8.recipe})")
+        if self.micro_batch_size is not None:
+            accum = f" x {self.grad_accum_steps}" if self.grad_accum_steps else ""
+            parts.append(f"micro-batch {self.micro_batch_size}{accum}")
+        return " ".join(parts)
+
+    # ---- plain data -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON/TOML-ready dict with ``schema`` and ``mode`` first; ``None`` fields omitted."""
+        out: dict[str, Any] = {"schema": SCHEMA, "mode": self.mode}
+        for name in ("micro_batch_size", "grad_accum_steps", "grad_clip_norm"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.loss_scale is not None:
+            out["loss_scale"] = _table(self.loss_scale)
+        if self.fp8 is not None:
+            out["fp8"] = _table(self.fp8)
+        if self.tuned_on is not None:
+            tuned = _table(self.tuned_on)
+            tuned["libraries"] = {k: (v if v is not None else "") for k, v in self.tuned_on.libraries}
+            out["tuned_on"] = tuned
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "policy") -> Policy:
+        """Build and validate a Policy from a dict as written by ``to_dict``.
+
+        Raises:
+            PolicyError: naming ``source``, the field and the allowed values.
+        """
+        if not isinstance(data, dict):
+            raise PolicyError(f"{source}: expected a table of policy fields, got {type(data).__name__}")
+        data = dict(data)
+        schema = data.pop("schema", SCHEMA)
+        if isinstance(schema, bool) or not isinstance(schema, int) or schema < 1:
+            raise PolicyError(f"{source}: schema {schema!r} is not allowed; expected a positive integer")
+        if schema > SCHEMA:
+            raise PolicyError(
+                f"{source}: schema {schema} is newer than this mpadvise understands ({SCHEMA}); "
+                "upgrade mpadvise (pip install -U mpadvise)"
+            )
+        if "mode" not in data:
+            raise PolicyError(f"{source}: missing 'mode'; expected one of {_choices(MODES)}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PolicyError(f"{source}: unknown field {unknown[0]!r}; expected one of schema, {', '.join(sorted(known))}")
+        try:
+            if "loss_scale" in data:
+                data["loss_scale"] = _from_table(LossScale, data["loss_scale"], "loss_scale")
+            if "fp8" in data:
+                data["fp8"] = _from_table(Fp8Options, data["fp8"], "fp8")
+            if "tuned_on" in data:
+                tuned = dict(_require_table(data["tuned_on"], "tuned_on"))
+                libs = tuned.get("libraries", {})
+                if isinstance(libs, dict):
+                    tuned["libraries"] = tuple(sorted((str(k), v or None) for k, v in libs.items()))
+                else:
+                    tuned["libraries"] = tuple(tuple(x) for x in libs)
+                data["tuned_on"] = _from_table(TunedOn, tuned, "tuned_on")
+            return cls(**data)
+        except PolicyError as exc:
+            raise PolicyError(f"{source}: {exc}") from None
+        except TypeError as exc:
+            raise PolicyError(f"{source}: {exc}") from None
+
+    def to_toml(self) -> str:
+        """The config file text: readable by a person, ``mode`` at the top level."""
+        import tomli_w
+
+        header = (
+            "# mpadvise precision policy. Apply it in a training script with:\n"
+            "#     mp = advisor.load_policy()\n"
+            "# Fields: https://github.com/mpadvise/mpadvise#the-config-file\n"
+        )
+        return header + tomli_w.dumps(self.to_dict())
+
+    @classmethod
+    def from_toml(cls, text: str, *, source: str = "<string>") -> Policy:
+        """Parse config text. Raises PolicyError naming ``source`` and the problem."""
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise PolicyError(f"{source}: invalid TOML: {exc}") from None
+        return cls.from_dict(data, source=source)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the config file atomically (a partial file is never left behind)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(self.to_toml(), encoding="utf-8")
+            tmp.replace(path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise MpadviseError(f"cannot write config file {path}: {exc.strerror or exc}") from None
+        return path
+
+
+def load_config(path: str | Path) -> Policy:
+    """Read and validate a config file.
+
+    Raises:
+        PolicyError: the file is missing, unreadable, not TOML, or holds a bad value; the
+            message names the file and the problem on one line.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PolicyError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise PolicyError(f"config file {path} is a directory, expected a .toml file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise PolicyError(f"cannot read config file {path}: {reason}") from None
+    return Policy.from_toml(text, source=str(path))
+
+
+def _table(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj) if getattr(obj, f.name) is not None}
+
+
+def _require_table(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise PolicyError(f"[{name}] must be a table, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _from_table(cls: type, value: Any, name: str) -> Any:
+    table = _require_table(value, name)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise PolicyError(f"[{name}] has unknown field {unknown[0]!r}; expected one of {', '.join(sorted(known))}")
+    return cls(**table)

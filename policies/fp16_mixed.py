@@ -1,0 +1,75 @@
+"""fp16-mixed: fp16 autocast plus loss scaling (dynamic GradScaler, or a static scale)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .bf16_mixed import AutocastMode
+
+
+class Fp16Mixed(AutocastMode):
+    """fp16 autocast with a GradScaler built from the Policy's ``[loss_scale]``.
+
+    Static scaling keeps the scale fixed (``update(new_scale=...)`` after every step) but still
+    skips steps whose gradients overflow, as Apex's static scaler did.
+    """
+
+    name = "fp16-mixed"
+    dtype_name = "float16"
+
+    def __init__(self, policy, device) -> None:
+        super().__init__(policy, device)
+        import torch
+
+        ls = policy.loss_scale
+        self.static_scale: float | None = None
+        self.scaler = None
+        if ls is None or ls.kind == "none":
+            return
+        self.scaler = torch.amp.GradScaler(
+            device.type,
+            init_scale=ls.init_scale,
+            growth_factor=ls.growth_factor,
+            backoff_factor=ls.backoff_factor,
+            growth_interval=ls.growth_interval,
+        )
+        if ls.kind == "static":
+            self.static_scale = float(ls.init_scale)
+        self._unscaled = False
+
+    def backward(self, loss) -> None:
+        if self.scaler is None:
+            loss.backward()
+        else:
+            self.scaler.scale(loss).backward()
+
+    def unscale(self, optimizer) -> None:
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled = True
+
+    def optimizer_step(self, optimizer) -> bool:
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        # Unscaling here (not inside scaler.step) lets us read the overflow flag that decides
+        # whether GradScaler silently skips this step.
+        self.unscale(optimizer)
+        found_inf = sum(v.item() for v in self.scaler._found_inf_per_device(optimizer).values())
+        self.scaler.step(optimizer)
+        if self.static_scale is not None:
+            self.scaler.update(new_scale=self.static_scale)
+        else:
+            self.scaler.update()
+        self._unscaled = False
+        return found_inf == 0
+
+    def loss_scale(self) -> float | None:
+        return None if self.scaler is None else float(self.scaler.get_scale())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.scaler is None else {"scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,20 @@
+"""tf32: fp32 weights and activations, matmuls and convolutions on TF32 tensor cores (Ampere+)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from ._base import PrecisionMode
+from ._switches import matmul_switches
+
+
+class Tf32(PrecisionMode):
+    """TF32: sets the matmul precision switch while active and restores it on exit."""
+
+    name = "tf32"
+
+    @contextlib.contextmanager
+    def process_switches(self) -> Iterator[None]:
+        with matmul_switches(tf32=True, cuda=self.device.type == "cuda"):
+            yield

@@ -1,0 +1,195 @@
+"""fp8-te logic through a fake ``transformer_engine`` at the import boundary (real TE needs CUDA;
+its real tests are in tests/gpu/)."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+
+from advisor._runtime import _retarget_optimizer
+from policies import Fp8Options, Policy
+from probes import MpadviseError
+
+CUDA = torch.device("cuda")  # never used for tensors: the fake modules stay on the CPU
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    """Install a fake transformer_engine with the pieces mpadvise uses; return a call log."""
+    log: dict[str, list] = {"autocast": [], "fp8_autocast": [], "linear": [], "layernorm": []}
+
+    class Format(enum.Enum):
+        HYBRID = "hybrid"
+        E4M3 = "e4m3"
+
+    @dataclass
+    class DelayedScaling:
+        fp8_format: Format = Format.HYBRID
+        amax_history_len: int = 1024
+        margin: int = 0
+
+    @dataclass
+    class Float8CurrentScaling:
+        fp8_format: Format = Format.HYBRID
+
+    class MXFP8BlockScaling:
+        pass
+
+    class Float8BlockScaling:
+        pass
+
+    class Linear(nn.Linear):
+        def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None):
+            super().__init__(in_features, out_features, bias=bias, dtype=params_dtype)
+            log["linear"].append((in_features, out_features, bias, str(device)))
+
+    class LayerNorm(nn.LayerNorm):
+        def __init__(self, hidden_size, eps=1e-5, params_dtype=None, device=None):
+            super().__init__(hidden_size, eps=eps, dtype=params_dtype)
+            log["layernorm"].append((hidden_size, eps))
+
+    @contextlib.contextmanager
+    def autocast(enabled=True, recipe=None):
+        log["autocast"].append((enabled, recipe))
+        yield
+
+    @contextlib.contextmanager
+    def fp8_autocast(enabled=True, fp8_recipe=None):
+        log["fp8_autocast"].append((enabled, fp8_recipe))
+        yield
+
+    root = types.ModuleType("transformer_engine")
+    pytorch = types.ModuleType("transformer_engine.pytorch")
+    pytorch.Linear, pytorch.LayerNorm, pytorch.autocast, pytorch.fp8_autocast = Linear, LayerNorm, autocast, fp8_autocast
+    common = types.ModuleType("transformer_engine.common")
+    recipe = types.ModuleType("transformer_engine.common.recipe")
+    for cls in (Format, DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling):
+        setattr(recipe, cls.__name__, cls)
+    root.pytorch, root.common, common.recipe = pytorch, common, recipe
+    for name, mod in {
+        "transformer_engine": root,
+        "transformer_engine.pytorch": pytorch,
+        "transformer_engine.common": common,
+        "transformer_engine.common.recipe": recipe,
+    }.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    log["module"] = pytorch
+    log["recipe"] = recipe
+    return log
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32, bias=False)
+        self.head = nn.Linear(32, 3)  # 3 is not a multiple of 16: stays nn.Linear
+
+    def forward(self, x):
+        return self.head(self.down(torch.relu(self.up(self.norm(x)))))
+
+
+def make_mode(fp8: Fp8Options | None = None):
+    from policies.fp8_te import Fp8Te
+
+    return Fp8Te(Policy(mode="fp8-te", fp8=fp8), CUDA)
+
+
+def test_swaps_linear_and_layernorm_where_shapes_allow(fake_te):
+    torch.manual_seed(0)
+    model = Block()
+    reference = Block()
+    reference.load_state_dict(model.state_dict())
+    mode = make_mode()
+    converted = mode.convert_module(model)
+    te = fake_te["module"]
+    assert isinstance(converted.norm, te.LayerNorm)
+    assert isinstance(converted.up, te.Linear) and isinstance(converted.down, te.Linear)
+    assert type(converted.head) is nn.Linear
+    assert mode.swapped == ["norm", "up", "down"]
+    assert any("head (32->3)" in note for note in mode.notes)
+    assert fake_te["linear"] == [(32, 64, True, "cuda"), (64, 32, False, "cuda")]
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(converted(x), reference(x))  # weights were copied
+
+
+def test_optimizer_trains_the_swapped_parameters(fake_te):
+    model = Block()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = dict(model.named_parameters())
+    converted = make_mode().convert_module(model)
+    after = dict(converted.named_parameters())
+    _retarget_optimizer(optimizer, before, after, torch.device("cpu"))
+    trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert trained == {id(p) for p in converted.parameters()}
+    old_up = converted.up.weight.detach().clone()
+    converted(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    assert not torch.equal(converted.up.weight, old_up)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (None, ("DelayedScaling", "HYBRID", 1024, 0)),
+        (Fp8Options(recipe="delayed", fp8_format="e4m3", amax_history_len=16, margin=1), ("DelayedScaling", "E4M3", 16, 1)),
+        (Fp8Options(recipe="current"), ("Float8CurrentScaling", "HYBRID", None, None)),
+        (Fp8Options(recipe="mxfp8"), ("MXFP8BlockScaling", None, None, None)),
+        (Fp8Options(recipe="block"), ("Float8BlockScaling", None, None, None)),
+    ],
+)
+def test_recipe_comes_from_the_policy(fake_te, options, expected):
+    recipe = make_mode(options).recipe
+    fmt = getattr(recipe, "fp8_format", None)
+    got = (
+        type(recipe).__name__,
+        fmt.name if fmt is not None else None,
+        getattr(recipe, "amax_history_len", None),
+        getattr(recipe, "margin", None),
+    )
+    assert got == expected
+
+
+def test_forward_runs_under_te_autocast_with_the_recipe(fake_te):
+    mode = make_mode()
+    with mode.forward_context():
+        pass
+    assert fake_te["autocast"] == [(True, mode.recipe)]
+    assert fake_te["fp8_autocast"] == []
+
+
+def test_older_te_falls_back_to_fp8_autocast(fake_te, monkeypatch):
+    monkeypatch.delattr(fake_te["module"], "autocast")
+    mode = make_mode()
+    with mode.forward_context():
+        pass
+    assert fake_te["fp8_autocast"] == [(True, mode.recipe)]
+
+
+def test_state_dict_checks_recipe_on_resume(fake_te):
+    mode = make_mode()
+    state = mode.state_dict()
+    make_mode().load_state_dict(state)
+    with pytest.raises(MpadviseError, match="resume with the same policy"):
+        make_mode(Fp8Options(recipe="current")).load_state_dict(state)
+
+
+def test_missing_transformer_engine_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    with pytest.raises(MpadviseError, match=r'pip install "mpadvise\[fp8\]"'):
+        make_mode()
+
+
+def test_fp8_te_refuses_a_cpu_device(fake_te):
+    from policies.fp8_te import Fp8Te
+
+    with pytest.raises(MpadviseError, match="needs a CUDA device"):
+        Fp8Te(Policy(mode="fp8-te"), torch.device("cpu"))
