@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 
 POLICY_ENV = "MPADVISE_POLICY"
 """Environment variable naming a config file to use."""
-TRIAL_SPEC_ENV = "MPADVISE_TRIAL_SPEC"
-"""Set by ``mpadvise tune``/``trial`` in the child process: the JSON trial spec to run."""
 CONFIG_SUFFIX = ".mpadvise.toml"
 
 
@@ -156,6 +154,15 @@ def load_policy(
         An ``AppliedPolicy``: ``setup``, ``autocast``, ``step``, ``to_device``,
         ``micro_batch_size``, ``state_dict``/``load_state_dict``; also a context manager.
     """
+    from ._trial_child import applied_for_trial, spec_from_env
+
+    spec = spec_from_env()
+    if spec is not None:
+        # Under `mpadvise tune`/`trial` the injected candidate wins over everything else.
+        profile = _profile_for(spec.device or device)
+        applied = applied_for_trial(spec, profile=profile, device=spec.device or device)
+        get_logger().info(f"trial {spec.label or applied.policy.describe()} on {applied.device}")
+        return applied
     profile = _profile_for(device)
     resolution = resolve_policy(source, profile=profile, script=current_script())
     applied = AppliedPolicy(resolution.policy, profile=profile, source=resolution.source, device=device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +68,9 @@ class AppliedPolicy:
         self.skipped_steps = 0
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.last_batch_size: int | None = None
+        self.model_signature: str | None = None
+        self._workload_base: str | None = None
 
     # ---- what the policy says ---------------------------------------------------------------
 
@@ -127,6 +131,16 @@ class AppliedPolicy:
         return (self.policy.micro_batch_size or self._user_batch) * self.grad_accum_steps
 
     @property
+    def workload_fingerprint(self) -> str | None:
+        """Model structure, optimizer, global batch and script: the cache key of this workload.
+
+        Known after ``setup()``; the global batch joins once ``micro_batch_size()`` was called.
+        """
+        if self._workload_base is None:
+            return None
+        return hashlib.sha256(f"{self._workload_base}|global_batch={self.global_batch}".encode()).hexdigest()[:16]
+
+    @property
     def user_batch(self) -> int | None:
         """The batch size the script asked for (the argument of ``micro_batch_size``)."""
         return self._user_batch
@@ -149,6 +163,11 @@ class AppliedPolicy:
 
         if not isinstance(model, torch.nn.Module):
             raise MpadviseError(f"setup(model, ...): expected a torch.nn.Module, got {type(model).__name__}")
+        from ._workload import model_signature, workload_fingerprint
+
+        # Fingerprints describe the user's model, before any mode swaps its modules.
+        self.model_signature = model_signature(model)
+        self._workload_base = workload_fingerprint(model, optimizer, global_batch=None, script=_script_path())
         before = dict(model.named_parameters())
         model = model.to(self.device)
         model = self._mode.convert_module(model)
@@ -167,6 +186,9 @@ class AppliedPolicy:
         else a tuple.
         """
         moved = tuple(self._move(t) for t in tensors)
+        size = _leading_dim(tensors)
+        if size is not None:
+            self.last_batch_size = size  # samples per micro-batch, for throughput
         return moved[0] if len(moved) == 1 else moved
 
     def _move(self, value: Any) -> Any:
@@ -293,3 +315,23 @@ def _retarget_optimizer(
                 optimizer.state[new] = {
                     k: (v.to(device) if hasattr(v, "to") else v) for k, v in state.items()
                 }
+
+
+def _script_path() -> str | None:
+    from ._load import current_script
+
+    script = current_script()
+    return str(script) if script is not None else None
+
+
+def _leading_dim(values: Any) -> int | None:
+    """The batch dimension of the first tensor (depth first) with at least one dimension."""
+    for value in values.values() if isinstance(values, dict) else values:
+        if hasattr(value, "dim") and hasattr(value, "shape"):
+            if value.dim() > 0:
+                return int(value.shape[0])
+        elif isinstance(value, (list, tuple, dict)):
+            found = _leading_dim(value)
+            if found is not None:
+                return found
+    return None

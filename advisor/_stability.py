@@ -80,9 +80,11 @@ class TrialCurve:
             gradients overflowed. Empty when no scaler was used (no step skipped).
         loss_scale: per step, the GradScaler's scale, ``None`` where no scaler ran. Empty when
             not recorded at all.
-        underflow: per step, the fraction of sampled gradient values that are nonzero but
-            below fp16's smallest subnormal (``|g| < 2**-24``) and so flush to zero in fp16;
-            ``None`` where not measured. Empty when not recorded at all.
+        underflow: per step, the fraction of sampled nonzero gradient values whose scaled
+            magnitude ``|g| * loss_scale`` is below fp16's smallest normal value (2**-14):
+            they are subnormal in the fp16 backward, have lost precision, and the next
+            backoff flushes them to zero (below 2**-24). ``None`` where not measured (modes
+            other than fp16). Empty when not recorded at all.
         lr: the learning rate of the trial, when known (only reported, never judged).
     """
 
@@ -457,7 +459,8 @@ def judge(
             "underflow",
             f"{name} loses gradients to underflow: on average {_pct(metrics['mean_underflow'])} "
             f"of sampled gradient values (up to {_pct(metrics['max_underflow'])} on one step) "
-            f"are below fp16's smallest value 2^-24 and flush to zero, limit "
+            f"fall below fp16's normal range (2^-14) once scaled, where they lose precision and "
+            f"the next backoff flushes them to zero, limit "
             f"{_pct(t.max_underflow_fraction)}{scale_note}; {_advice(candidate.mode, 'underflow')}",
             metrics,
         )

@@ -250,7 +250,7 @@ def test_heavy_underflow(reference: TrialCurve) -> None:
     assert verdict.metrics["mean_underflow"] == pytest.approx(sum(measured) / len(measured))
     assert verdict.metrics["max_underflow"] == pytest.approx(max(measured))
     assert f"{verdict.metrics['mean_underflow']:.0%}" in verdict.reason
-    assert "2^-24" in verdict.reason
+    assert "2^-14" in verdict.reason
     assert "lowest loss scale 4" in verdict.reason
 
 

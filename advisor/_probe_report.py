@@ -1,0 +1,98 @@
+"""What ``mpadvise probe`` gathers (plain data) and how it is shown (rich tables)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def probe_report(*, bench: bool = False) -> dict[str, Any]:
+    """Every device's profile, fingerprint, supported modes and safe default, as plain data.
+
+    Args:
+        bench: also run the matmul micro-benchmark on each device.
+    """
+    import probes
+    from policies import capability_summary, safe_default_mode, supported_modes
+
+    devices = []
+    for profile in probes.detect():
+        mode, why = safe_default_mode(profile)
+        entry: dict[str, Any] = {
+            "profile": profile.to_dict(),
+            "fingerprint": probes.hardware_fingerprint(profile),
+            "capability": capability_summary(profile),
+            "peak_tflops": probes.peak_tflops(profile) if profile.is_cuda else {},
+            "modes": {
+                name: {"supported": s.supported, "emulated": s.emulated, "reason": s.reason}
+                for name, s in supported_modes(profile).items()
+            },
+            "safe_default": {"mode": mode, "reason": why},
+        }
+        if bench:
+            entry["bench"] = [row.to_dict() for row in probes.matmul_benchmark(profile)]
+        devices.append(entry)
+    primary = probes.primary_profile()
+    return {"primary": probes.hardware_fingerprint(primary), "devices": devices}
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.1f} GiB"
+
+
+def render_probe(report: dict[str, Any], console: Console) -> None:
+    """Print the probe report as tables."""
+    for device in report["devices"]:
+        p = device["profile"]
+        primary = " (training device)" if device["fingerprint"] == report["primary"] else ""
+        title = f"{p['name']}{primary}"
+        facts = Table(title=title, show_header=False, title_justify="left", title_style="bold")
+        facts.add_column(style="cyan")
+        facts.add_column()
+        facts.add_row("kind", p["kind"] + (f" (cuda:{p['index']})" if p["kind"] == "cuda" else ""))
+        facts.add_row("capability", device["capability"])
+        if p["kind"] == "cuda":
+            facts.add_row("compute capability", ".".join(map(str, p["compute_capability"] or [])))
+            facts.add_row("SMs", str(p["sm_count"]))
+            facts.add_row("memory", f"{_gib(p['memory_total'])} total, {_gib(p['memory_free'])} free")
+            facts.add_row("driver / CUDA", f"{p['driver_version'] or '-'} / {p['cuda_runtime'] or '-'}")
+            facts.add_row("MIG", {True: "on", False: "off", None: "unknown"}[p["mig_enabled"]])
+            if device["peak_tflops"]:
+                peaks = ", ".join(f"{k} {v:g}" for k, v in device["peak_tflops"].items())
+                facts.add_row("datasheet peak TFLOP/s", peaks)
+        else:
+            facts.add_row("cores", str(p["cores"]))
+            facts.add_row("memory", _gib(p["memory_total"]))
+            facts.add_row("precision ISA flags", ", ".join(p["cpu_flags"]) or "none")
+        facts.add_row("torch", str(p["torch_version"]))
+        libs = ", ".join(f"{k} {v or 'not installed'}" for k, v in p["libraries"].items())
+        facts.add_row("FP8 libraries", libs or "-")
+        facts.add_row("fingerprint", device["fingerprint"])
+        facts.add_row("safe default", f"[bold]{device['safe_default']['mode']}[/]: {device['safe_default']['reason']}")
+        console.print(facts)
+
+        modes = Table(title_justify="left")
+        modes.add_column("mode")
+        modes.add_column("supported")
+        modes.add_column("why")
+        for name, info in device["modes"].items():
+            mark = "[yellow]emulated[/]" if info["emulated"] else ("[green]yes[/]" if info["supported"] else "[red]no[/]")
+            modes.add_row(name, mark, info["reason"])
+        console.print(modes)
+
+        if "bench" in device:
+            bench = Table(title="matmul micro-benchmark", title_justify="left")
+            for col in ("dtype", "size", "TFLOP/s", "vs fp32", "of peak"):
+                bench.add_column(col, justify="right" if col != "dtype" else "left")
+            for row in device["bench"]:
+                frac = row.get("fraction_of_peak")
+                bench.add_row(
+                    row["dtype"],
+                    str(row["size"]),
+                    f"{row['tflops']:.3f}",
+                    f"{row['ratio_vs_fp32']:.2f}x" if row.get("ratio_vs_fp32") else "-",
+                    f"{frac:.0%}" if frac else "-",
+                )
+            console.print(bench)

@@ -1,0 +1,132 @@
+"""How trial and tune results are shown: rich tables, progress, and the optional plot."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from probes import MpadviseError
+
+if TYPE_CHECKING:
+    from ._trials import Evaluation
+
+VERDICT_STYLE = {"ok": "green", "unstable": "yellow"}
+
+
+def fmt_bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 2**30:
+        return f"{value / 2**30:.2f} GiB"
+    return f"{value / 2**20:.0f} MiB"
+
+
+def evaluation_table(reference: Evaluation, evaluations: list[Evaluation], *, title: str) -> Table:
+    """Mode, samples/s, speedup vs fp32, peak memory, final-loss gap, skips, verdict, reason."""
+    table = Table(title=title, title_justify="left", show_lines=False)
+    for name, justify in (
+        ("candidate", "left"), ("samples/s", "right"), ("vs fp32", "right"), ("peak memory", "right"),
+        ("final-loss gap", "right"), ("skipped", "right"), ("verdict", "left"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True, min_width=10 if name == "candidate" else None)
+    for ev in [reference, *evaluations]:
+        outcome = ev.outcome
+        style = VERDICT_STYLE.get(outcome, "red")
+        speed = "-" if ev.speedup is None else f"{ev.speedup:.2f}x" + (" (tie)" if ev.speed_verdict == "tie" and ev is not reference else "")
+        gap = "-" if ev.final_loss_gap is None else f"{ev.final_loss_gap:+.1%}"
+        table.add_row(
+            ev.label,
+            "-" if ev.goodput is None else f"{ev.goodput:,.0f}",
+            speed if ev is not reference else "1.00x",
+            fmt_bytes(ev.result.peak_memory),
+            gap if ev is not reference else "-",
+            str(sum(1 for s in ev.result.skipped if s)) if ev.result.skipped else "-",
+            f"[{style}]{outcome}[/]",
+        )
+    return table
+
+
+def print_reasons(console: Console, evaluations: list[Evaluation]) -> None:
+    """The verdict reason of each candidate, one paragraph each, under the table."""
+    for ev in evaluations:
+        style = VERDICT_STYLE.get(ev.outcome, "red")
+        reason = ev.reason or "ok"
+        console.print(f"[{style}]{ev.label}[/]: {reason}", highlight=False)
+        if ev.outcome not in ("ok", "unstable") and ev.result.stderr_tail:
+            tail = "\n".join(ev.result.stderr_tail.splitlines()[-5:])
+            console.print(f"[dim]{tail}[/]", highlight=False, markup=False)
+        for note in ev.result.notes:
+            console.print(f"  note: {note}", highlight=False)
+
+
+@contextmanager
+def trial_progress(console: Console, total: int, *, enabled: bool = True) -> Iterator[Any]:
+    """A progress bar over trials; yields ``(on_start, on_done)`` callbacks for the runners."""
+    if not enabled:
+        yield (lambda i, label: None, lambda i, ev: None)
+        return
+    progress = Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=console, transient=False,
+    )
+    with progress:
+        task = progress.add_task("trials", total=total)
+
+        def on_start(i: int, label: str) -> None:
+            progress.update(task, description=f"trial {i + 1}/{total}: {label}")
+
+        def on_done(i: int, ev: Evaluation) -> None:
+            progress.advance(task)
+            mark = "[green]ok[/]" if ev.outcome == "ok" else f"[red]{ev.outcome}[/]"
+            speed = "" if ev.speedup is None else f", {ev.speedup:.2f}x fp32"
+            progress.console.print(f"  {ev.label}: {mark}{speed}", highlight=False)
+
+        yield on_start, on_done
+
+
+def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation]) -> None:
+    """Loss curves over the fp32 reference, and median step time with its IQR as bars."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MpadviseError('--plot needs matplotlib; install it with: pip install "mpadvise[plot]"') from None
+    fig, (curves, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
+    curves.plot(reference.result.losses, color="black", linestyle="--", linewidth=2, label="fp32 (reference)")
+    for ev in evaluations:
+        if ev.result.losses:
+            curves.plot(ev.result.losses, label=f"{ev.label} ({ev.outcome})")
+    curves.set_xlabel("optimizer step")
+    curves.set_ylabel("loss")
+    curves.set_title("loss curves, same seed and data order")
+    curves.legend(fontsize=8)
+    timed = [ev for ev in [reference, *evaluations] if ev.timing is not None]
+    medians = [ev.timing.median * 1e3 for ev in timed]
+    lower = [(ev.timing.median - ev.timing.q1) * 1e3 for ev in timed]
+    upper = [(ev.timing.q3 - ev.timing.median) * 1e3 for ev in timed]
+    colors = ["gray" if ev is reference else ("tab:green" if ev.stable else "tab:red") for ev in timed]
+    bars.bar([ev.label for ev in timed], medians, yerr=[lower, upper], color=colors, capsize=4)
+    bars.set_ylabel("median step time (ms), IQR whiskers")
+    bars.set_title("step time (green: stable, red: not)")
+    bars.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise MpadviseError(f"cannot write plot {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)

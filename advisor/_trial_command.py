@@ -1,0 +1,72 @@
+"""``mpadvise trial``: the fp32 reference against named candidates, shown side by side."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from policies import Policy
+from probes import hardware_fingerprint
+from probes._trial import parse_memory
+
+from ._report import evaluation_table, plot_trials, print_reasons, trial_progress
+from ._script import check_modes, check_script, default_trial_modes
+from ._trials import ScriptRunner, TrialSettings, run_comparison
+
+EXIT_OK, EXIT_UNSTABLE = 0, 3
+
+
+def run_trial_command(
+    script: Path,
+    script_args: list[str],
+    *,
+    modes: list[str],
+    steps: int,
+    warmup: int,
+    memory_limit: str | None,
+    timeout: float,
+    seed: int,
+    device: str | None,
+    plot: Path | None,
+    json_output: bool,
+    console: Console,
+) -> int:
+    """Run the comparison and print it. Returns 0 when every candidate is stable, else 3."""
+    from ._load import _profile_for
+
+    path = check_script(script)
+    profile = _profile_for(device)
+    modes = check_modes(modes, profile) if modes else default_trial_modes(profile)
+    modes = [m for m in modes if m != "fp32"]
+    settings = TrialSettings(
+        warmup_steps=warmup, measure_steps=steps, seed=seed, timeout=timeout, device=device,
+        memory_limit=parse_memory(memory_limit) if memory_limit else None,
+    )
+    runner = ScriptRunner(path, script_args, settings)
+    candidates = [(Policy(mode=m), m) for m in modes]
+    progress_console = Console(stderr=True) if json_output else console
+    with trial_progress(progress_console, len(candidates) + 1, enabled=sys.stderr.isatty() or not json_output) as (start, done):
+        reference, evaluations = run_comparison(runner, candidates, on_start=start, on_done=done)
+    if plot is not None:
+        plot_trials(str(plot), reference, evaluations)
+    if json_output:
+        payload = {
+            "script": str(path),
+            "args": script_args,
+            "hardware": {"name": profile.name, "fingerprint": hardware_fingerprint(profile), "device": settings.device or profile.device},
+            "settings": {"warmup_steps": warmup, "measure_steps": steps, "seed": seed, "memory_limit": settings.memory_limit},
+            "reference": reference.to_dict(),
+            "candidates": [ev.to_dict() for ev in evaluations],
+            "plot": str(plot) if plot else None,
+        }
+        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+    else:
+        title = f"{path.name} on {profile.name}: {warmup} warm-up + {steps} measured steps per trial, seed {seed}"
+        console.print(evaluation_table(reference, evaluations, title=title))
+        print_reasons(console, evaluations)
+        if plot is not None:
+            console.print(f"plot written to {plot}")
+    return EXIT_OK if all(ev.stable for ev in evaluations) else EXIT_UNSTABLE

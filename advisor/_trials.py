@@ -1,0 +1,290 @@
+"""Trials of candidate policies against the fp32 reference: run, measure, judge.
+
+A *runner* turns a Policy into a TrialResult. ``ScriptRunner`` runs the user's script in a
+subprocess (``mpadvise trial``/``tune``); ``FunctionRunner`` runs a function in this process
+(``advisor.tune(train_fn)``, notebooks, fast tests). ``evaluate`` judges a result against the
+reference: stability verdict, timing summary, goodput and speedup.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from policies import Policy
+from probes import MpadviseError
+from probes._trial import TrialResult, TrialSpec, classify, run_trial
+
+from ._stability import StabilityThresholds, TrialCurve, Verdict, judge
+from ._timing import TimingSummary, compare, goodput, summarize
+
+
+class Runner(Protocol):
+    """Runs one candidate and returns what it measured. The search takes one as an argument."""
+
+    def __call__(self, policy: Policy, label: str) -> TrialResult: ...
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """The measuring window and limits shared by every trial of one comparison or tune."""
+
+    warmup_steps: int = 5
+    measure_steps: int = 40
+    seed: int = 0
+    memory_limit: int | None = None
+    timeout: float = 600.0
+    no_step_timeout: float = 120.0
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_steps", "measure_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "measure_steps" else 0):
+                raise MpadviseError(f"{name.replace('_', '-')}: {value!r} is not allowed; expected a whole number >= {1 if name == 'measure_steps' else 0}")
+
+    def spec(self, policy: Policy, result_path: str, label: str) -> TrialSpec:
+        return TrialSpec(
+            policy=policy.to_dict(),
+            result_path=result_path,
+            seed=self.seed,
+            warmup_steps=self.warmup_steps,
+            measure_steps=self.measure_steps,
+            memory_limit=self.memory_limit,
+            no_step_timeout=self.no_step_timeout,
+            device=self.device,
+            label=label,
+        )
+
+
+class ScriptRunner:
+    """Run ``python script args`` once per candidate, each in its own subprocess."""
+
+    def __init__(self, script: str | os.PathLike[str], args: list[str], settings: TrialSettings, *, python: str | None = None) -> None:
+        import sys
+
+        self.script = Path(script)
+        self.args = list(args)
+        self.settings = settings
+        self.python = python or sys.executable
+        self._dir = tempfile.TemporaryDirectory(prefix="mpadvise-trial-")
+        self._count = 0
+
+    def __call__(self, policy: Policy, label: str) -> TrialResult:
+        self._count += 1
+        path = os.path.join(self._dir.name, f"trial-{self._count}.json")
+        spec = self.settings.spec(policy, path, label)
+        return run_trial(self.script, self.args, spec, timeout=self.settings.timeout, python=self.python)
+
+
+class FunctionRunner:
+    """Run ``train_fn(mp)`` in this process once per candidate.
+
+    ``train_fn`` receives the AppliedPolicy and uses it as a script would (``setup``,
+    ``micro_batch_size``, ``autocast``, ``step``); it must build its model and data inside, so
+    every candidate starts from the same seed.
+    """
+
+    def __init__(self, train_fn: Callable[[Any], Any], settings: TrialSettings) -> None:
+        self.train_fn = train_fn
+        self.settings = settings
+
+    def __call__(self, policy: Policy, label: str) -> TrialResult:
+        import probes
+
+        from ._load import _profile_for
+        from ._trial_child import run_in_process
+
+        profile = _profile_for(self.settings.device) if self.settings.device else probes.primary_profile()
+        with tempfile.TemporaryDirectory(prefix="mpadvise-trial-") as tmp:
+            spec = self.settings.spec(policy, os.path.join(tmp, "result.json"), label)
+            start = time.perf_counter()
+            data, error = run_in_process(self.train_fn, spec, profile=profile)
+            wall = time.perf_counter() - start
+        return classify(
+            data,
+            exit_code=0 if error is None else 1,
+            timed_out=False,
+            stderr_tail=error or "",
+            spec=spec,
+            timeout=self.settings.timeout,
+            wall_s=wall,
+        )
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One candidate's result, judged against the fp32 reference."""
+
+    label: str
+    policy: Policy
+    result: TrialResult
+    verdict: Verdict | None
+    timing: TimingSummary | None
+    goodput: float | None
+    speedup: float | None
+    speed_verdict: str | None  # faster / slower / tie, against fp32
+    final_loss_gap: float | None
+
+    @property
+    def stable(self) -> bool:
+        return self.result.outcome == "ok" and self.verdict is not None and self.verdict.stable
+
+    @property
+    def outcome(self) -> str:
+        if self.result.outcome != "ok":
+            return self.result.outcome
+        return "ok" if self.verdict is None or self.verdict.stable else "unstable"
+
+    @property
+    def reason(self) -> str:
+        if self.result.outcome != "ok":
+            return self.result.reason
+        return "" if self.verdict is None else self.verdict.reason
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.result
+        return {
+            "label": self.label,
+            "mode": self.policy.mode,
+            "policy": self.policy.to_dict(),
+            "outcome": self.outcome,
+            "stable": self.stable,
+            "reason": self.reason,
+            "verdict": None if self.verdict is None else self.verdict.to_dict(),
+            "goodput": self.goodput,
+            "speedup_vs_fp32": self.speedup,
+            "speed_vs_fp32": self.speed_verdict,
+            "final_loss_gap": self.final_loss_gap,
+            "step_time": None if self.timing is None else self.timing.to_dict(),
+            "peak_memory": r.peak_memory,
+            "memory_kind": r.memory_kind,
+            "skipped_steps": sum(1 for s in r.skipped if s),
+            "steps": len(r.losses),
+            "micro_batch": r.micro_batch,
+            "grad_accum_steps": r.grad_accum_steps,
+            "global_batch": r.global_batch,
+            "user_batch": r.user_batch,
+            "notes": list(r.notes),
+            "exit_code": r.exit_code,
+            "stderr_tail": r.stderr_tail if self.result.outcome != "ok" else "",
+            "wall_s": r.wall_s,
+            "losses": [v if v == v and abs(v) != float("inf") else str(v) for v in r.losses],
+            "step_times": list(r.step_times),
+        }
+
+
+def curve_of(result: TrialResult, mode: str) -> TrialCurve:
+    return TrialCurve(
+        mode=mode,
+        losses=result.losses,
+        skipped=result.skipped,
+        loss_scale=result.loss_scale if any(v is not None for v in result.loss_scale) else (),
+        underflow=result.underflow if any(v is not None for v in result.underflow) else (),
+    )
+
+
+def samples_per_step(result: TrialResult) -> int | None:
+    """Samples one optimizer step consumed (median over steps), or the reported global batch."""
+    if result.samples:
+        ordered = sorted(s for s in result.samples if s)
+        if ordered:
+            return ordered[len(ordered) // 2]
+    return result.global_batch
+
+
+def evaluate(
+    label: str,
+    policy: Policy,
+    result: TrialResult,
+    reference: TrialResult | None,
+    *,
+    thresholds: StabilityThresholds | None = None,
+) -> Evaluation:
+    """Judge one result against the reference; a reference judged against itself is ``ok``."""
+    thresholds = thresholds or StabilityThresholds()
+    if result.outcome != "ok" or not result.step_times:
+        if result.outcome == "ok":  # ran, but the script ended before one full step was timed
+            result = result.with_outcome("no-step", "the script ended before a step could be timed")
+        return Evaluation(label, policy, result, None, None, None, None, None, None)
+    timing = summarize(result.step_times, _warmup(result))
+    good = _goodput(result, thresholds)
+    verdict = None
+    speedup = speed_verdict = gap = None
+    if reference is not None and reference.outcome == "ok" and reference.step_times:
+        verdict = judge(curve_of(result, policy.mode), curve_of(reference, "fp32"), thresholds)
+        gap = verdict.metrics.get("final_gap")
+        comparison = compare(timing, summarize(reference.step_times, _warmup(reference)))
+        speed_verdict = comparison.verdict
+        ref_good = _goodput(reference, thresholds)
+        # Goodput counts samples, so a candidate with another micro-batch compares fairly;
+        # without sample counts, fall back to the step-time ratio.
+        speedup = good / ref_good if good is not None and ref_good else comparison.ratio
+    return Evaluation(label, policy, result, verdict, timing, good, speedup, speed_verdict, gap)
+
+
+def _warmup(result: TrialResult) -> int:
+    """The warm-up to drop, leaving at least one timed step for a short run."""
+    return min(result.warmup_steps, max(0, len(result.step_times) - 1))
+
+
+def _goodput(result: TrialResult, thresholds: StabilityThresholds) -> float | None:
+    samples = samples_per_step(result)
+    if not samples:
+        return None
+    return goodput(samples, result.step_times, result.skipped, _warmup(result), calibration_steps=thresholds.calibration_steps)
+
+
+class ReferenceTrialError(MpadviseError):
+    """The fp32 reference did not give a usable baseline: no comparison is possible."""
+
+
+def check_reference(result: TrialResult) -> None:
+    """Raise a one-line error when the fp32 reference cannot serve as the baseline."""
+    if result.outcome != "ok":
+        raise ReferenceTrialError(f"the fp32 reference trial failed ({result.outcome}): {result.reason}")
+    bad = next((i for i, v in enumerate(result.losses) if not (v == v and abs(v) != float("inf"))), None)
+    if bad is not None:
+        raise ReferenceTrialError(
+            f"no verdict is possible: the fp32 reference itself is not finite (loss {result.losses[bad]} "
+            f"at step {bad}); lower the learning rate or fix the script, then try again"
+        )
+    if not result.step_times:
+        raise ReferenceTrialError("the fp32 reference ended before one step could be timed; let the script run longer")
+
+
+def run_comparison(
+    runner: Runner,
+    candidates: list[tuple[Policy, str]],
+    *,
+    thresholds: StabilityThresholds | None = None,
+    on_start: Callable[[int, str], None] | None = None,
+    on_done: Callable[[int, Evaluation], None] | None = None,
+) -> tuple[Evaluation, list[Evaluation]]:
+    """Run the fp32 reference, then each candidate, and judge each against the reference.
+
+    Raises:
+        MpadviseError: the reference failed or is not finite (no verdict is possible).
+    """
+    reference_policy = Policy(mode="fp32")
+    if on_start:
+        on_start(0, "fp32 (reference)")
+    ref_result = runner(reference_policy, "fp32")
+    check_reference(ref_result)
+    reference = evaluate("fp32", reference_policy, ref_result, ref_result, thresholds=thresholds)
+    if on_done:
+        on_done(0, reference)
+    evaluations = []
+    for i, (policy, label) in enumerate(candidates, start=1):
+        if on_start:
+            on_start(i, label)
+        evaluation = evaluate(label, policy, runner(policy, label), ref_result, thresholds=thresholds)
+        evaluations.append(evaluation)
+        if on_done:
+            on_done(i, evaluation)
+    return reference, evaluations

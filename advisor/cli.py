@@ -1,0 +1,131 @@
+"""The ``mpadvise`` command line: each command declares its options and delegates.
+
+torch is imported inside commands, so ``mpadvise --help`` stays fast. One domain exception
+(``MpadviseError``) is caught at the boundary and printed as one red line on stderr.
+Exit codes: 0 done, 1 error, 2 usage, 3 no stable policy found.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from probes import MpadviseError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+app = typer.Typer(
+    name="mpadvise",
+    help="Hardware-aware precision advisor for PyTorch training: measures, picks and applies "
+    "the fastest stable precision policy.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON for scripts.")]
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """Print one red line on stderr and return the Exit to raise."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def handle_errors(fn: F) -> F:
+    """Turn MpadviseError into one red line and its exit code; Ctrl-C into exit 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MpadviseError as exc:
+            raise fail(str(exc), exc.exit_code) from None
+        except KeyboardInterrupt:
+            raise fail("interrupted", 130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        from advisor import __version__
+
+        console.print(f"mpadvise {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Hardware-aware precision advisor for PyTorch training."""
+
+
+@app.command()
+@handle_errors
+def probe(
+    json_output: JsonOption = False,
+    bench: Annotated[bool, typer.Option("--bench", help="Also measure matmul TFLOP/s per dtype on each device.")] = False,
+) -> None:
+    """Show what this machine can do: devices, supported precision modes, the safe default."""
+    from ._probe_report import probe_report, render_probe
+
+    report = probe_report(bench=bench)
+    if json_output:
+        print_json(report)
+    else:
+        render_probe(report, console)
+
+
+@app.command(context_settings={"help_option_names": ["-h", "--help"]})
+@handle_errors
+def trial(
+    script: Annotated[Path, typer.Argument(help="The training script (it calls advisor.load_policy()).")],
+    script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
+    mode: Annotated[
+        list[str] | None, typer.Option("--mode", "-m", help="Candidate mode; repeat for several. Default: every supported mode.")
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Measured optimizer steps per trial (after the warm-up).")] = 40,
+    warmup: Annotated[int, typer.Option(help="Warm-up steps per trial, not timed.")] = 5,
+    memory_limit: Annotated[
+        str | None, typer.Option("--memory-limit", help="e.g. 4GiB: a real cap on CUDA, a verdict on peak RSS on CPU.")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds before a trial is killed.")] = 600.0,
+    seed: Annotated[int, typer.Option(help="Seed shared by every trial.")] = 0,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda:N; default: the first GPU, else the CPU.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write loss curves and step times to this PNG.")] = None,
+    json_output: JsonOption = False,
+) -> None:
+    """Run the fp32 reference and the named candidates; compare speed, memory and stability."""
+    from ._trial_command import run_trial_command
+
+    code = run_trial_command(
+        script, script_args or [], modes=mode or [], steps=steps, warmup=warmup, memory_limit=memory_limit,
+        timeout=timeout, seed=seed, device=device, plot=plot, json_output=json_output, console=console,
+    )
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

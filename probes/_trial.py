@@ -1,0 +1,360 @@
+"""Trial runs: run a training script in a subprocess under one candidate policy and classify
+what happened. The child side (recording inside ``step()``) lives in ``advisor``; this module
+only speaks the plain-JSON spec and result files, so it needs neither torch nor the policies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from probes._errors import MpadviseError
+
+OUTCOMES = ("ok", "oom", "unstable", "crash", "timeout", "unsupported", "no-step", "no-policy")
+"""``unstable`` is decided later, against the fp32 reference; the rest are decided here."""
+
+EXIT_NO_STEP = 97
+"""Exit status of a child whose watchdog saw no ``step()`` in time."""
+EXIT_UNSUPPORTED = 98
+"""Exit status of a child asked to run a mode its hardware lacks."""
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """What one trial runs: the candidate, the measuring window and the limits.
+
+    Attributes:
+        policy: the candidate Policy as a plain dict (``Policy.to_dict()``).
+        result_path: where the child writes its result JSON.
+        seed: seeds torch/random/numpy at ``load_policy()``; the same for every trial of a tune
+            so data order, initial weights and loss curves match step by step.
+        warmup_steps: optimizer steps not timed (allocator growth, autotuning, compilation).
+        measure_steps: optimizer steps timed after the warm-up.
+        memory_limit: bytes; on CUDA a real per-process cap, on CPU a verdict on peak RSS.
+        no_step_timeout: seconds after ``load_policy()`` without a ``step()`` before the child
+            gives up (a script that never calls ``step()`` is detected, not waited out).
+        device: ``"cpu"``/``"cuda:N"`` override, or ``None`` for the default device.
+        label: name of the trial for people (``"fp16-mixed static 1024 mb32"``).
+    """
+
+    policy: dict[str, Any]
+    result_path: str
+    seed: int = 0
+    warmup_steps: int = 5
+    measure_steps: int = 40
+    memory_limit: int | None = None
+    no_step_timeout: float = 120.0
+    device: str | None = None
+    label: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TrialSpec:
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """What one trial measured, and how it ended.
+
+    Per-step lists hold one entry per optimizer step from the first step (warm-up included,
+    so loss curves compare from step 0); ``step_times`` is indexed the same way, and the
+    timing statistics drop the first ``warmup_steps``.
+    """
+
+    outcome: str
+    reason: str = ""
+    label: str = ""
+    policy: dict[str, Any] = field(default_factory=dict)
+    exit_code: int | None = None
+    stderr_tail: str = ""
+    losses: tuple[float, ...] = ()
+    step_times: tuple[float, ...] = ()
+    loss_scale: tuple[float | None, ...] = ()
+    skipped: tuple[bool, ...] = ()
+    underflow: tuple[float | None, ...] = ()
+    samples: tuple[int, ...] = ()
+    warmup_steps: int = 0
+    peak_memory: int | None = None
+    memory_kind: str = ""
+    user_batch: int | None = None
+    micro_batch: int | None = None
+    grad_accum_steps: int | None = None
+    global_batch: int | None = None
+    workload_fingerprint: str | None = None
+    model_signature: str | None = None
+    device: str = ""
+    notes: tuple[str, ...] = ()
+    wall_s: float = 0.0
+
+    @property
+    def ran(self) -> bool:
+        """Whether the trial produced measurements (ok, or unstable once judged)."""
+        return self.outcome in ("ok", "unstable")
+
+    def with_outcome(self, outcome: str, reason: str) -> TrialResult:
+        data = self.to_dict()
+        data.update(outcome=outcome, reason=reason)
+        return TrialResult.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["losses"] = [_finite_or_text(v) for v in self.losses]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrialResult:
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        for name in (
+            "losses",
+            "step_times",
+            "loss_scale",
+            "skipped",
+            "underflow",
+            "samples",
+            "notes",
+        ):
+            if name in kwargs and kwargs[name] is not None:
+                kwargs[name] = tuple(kwargs[name])
+        kwargs["losses"] = tuple(float(v) for v in kwargs.get("losses", ()))
+        return cls(**kwargs)
+
+
+def _finite_or_text(value: float) -> float | str:
+    # Strict JSON has no NaN/Infinity: write them as strings that float() reads back.
+    return value if value == value and value not in (float("inf"), float("-inf")) else str(value)
+
+
+def parse_memory(text: str) -> int:
+    """``"4GiB"``, ``"512MiB"``, ``"2G"``, ``"1500000000"`` -> bytes.
+
+    Raises:
+        MpadviseError: naming the value and the accepted forms.
+    """
+    units = {
+        "": 1,
+        "b": 1,
+        "k": 10**3,
+        "kb": 10**3,
+        "kib": 2**10,
+        "m": 10**6,
+        "mb": 10**6,
+        "mib": 2**20,
+        "g": 10**9,
+        "gb": 10**9,
+        "gib": 2**30,
+        "t": 10**12,
+        "tb": 10**12,
+        "tib": 2**40,
+    }
+    raw = str(text).strip().lower().replace(" ", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise MpadviseError(
+            f"memory limit {text!r} is not a size; expected e.g. 4GiB, 512MiB or 2000000000"
+        )
+    return int(value * units[unit])
+
+
+def run_trial(
+    script: str | os.PathLike[str],
+    args: list[str],
+    spec: TrialSpec,
+    *,
+    timeout: float,
+    python: str = sys.executable,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> TrialResult:
+    """Run ``python script args`` with ``spec`` injected; classify the outcome.
+
+    Subprocesses isolate out-of-memory, CUDA errors, segfaults and hangs. The child writes its
+    measurements to ``spec.result_path``; stderr goes to a file whose tail is kept.
+
+    Returns:
+        A TrialResult whose outcome is one of ok, oom, crash, timeout, unsupported, no-step,
+        no-policy (``unstable`` is judged later against the reference).
+    """
+    result_path = Path(spec.result_path)
+    result_path.unlink(missing_ok=True)
+    spec_file = result_path.with_suffix(".spec.json")
+    spec_file.write_text(spec.to_json())
+    child_env = dict(os.environ if env is None else env)
+    child_env["MPADVISE_TRIAL_SPEC"] = str(spec_file)
+    child_env["PYTHONUNBUFFERED"] = "1"
+    child_env.pop("MPADVISE_POLICY", None)  # the spec decides; a leftover override must not
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+b") as err, tempfile.TemporaryFile("w+b") as out:
+        proc = subprocess.Popen(
+            [python, str(script), *args],
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+            cwd=cwd,
+            start_new_session=True,  # so a timeout can kill the script's own children too
+        )
+        timed_out = False
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            code = proc.wait()
+        except BaseException:
+            _kill_group(proc)
+            proc.wait()
+            raise
+        err.seek(0)
+        tail = _tail(err.read())
+    wall = time.perf_counter() - start
+    data = _read_json(result_path)
+    spec_file.unlink(missing_ok=True)
+    return classify(
+        data,
+        exit_code=code,
+        timed_out=timed_out,
+        stderr_tail=tail,
+        spec=spec,
+        timeout=timeout,
+        wall_s=wall,
+    )
+
+
+def classify(
+    data: dict[str, Any] | None,
+    *,
+    exit_code: int | None,
+    timed_out: bool,
+    stderr_tail: str,
+    spec: TrialSpec,
+    timeout: float,
+    wall_s: float = 0.0,
+) -> TrialResult:
+    """Decide the outcome of a finished child from its result file, exit code and stderr.
+
+    A pure function of its inputs, so every outcome class is unit-testable without processes.
+    """
+    base: dict[str, Any] = dict(data or {})
+    stage = base.pop("stage", None)
+    exception = base.pop("exception", None) or {}
+    base.update(
+        exit_code=exit_code,
+        stderr_tail=stderr_tail,
+        policy=spec.policy,
+        label=spec.label,
+        wall_s=wall_s,
+    )
+    last_line = _last_line(stderr_tail)
+
+    def result(outcome: str, reason: str) -> TrialResult:
+        return TrialResult.from_dict({**base, "outcome": outcome, "reason": reason})
+
+    if timed_out:
+        where = (
+            "before load_policy()"
+            if stage is None
+            else f"after {len(base.get('losses', []))} steps"
+        )
+        return result("timeout", f"no result within {timeout:g} s ({where}); the trial was killed")
+    if stage == "unsupported":
+        return result("unsupported", base.get("reason") or "mode not supported on this hardware")
+    if stage == "no-step":
+        return result(
+            "no-step",
+            f"the script never called step() within {spec.no_step_timeout:g} s of load_policy()",
+        )
+    if stage == "exception" or (stage not in (None, "done") and exit_code not in (0, None)):
+        kind = exception.get("type", "")
+        message = exception.get("message", "") or last_line
+        if (
+            "OutOfMemoryError" in kind
+            or kind == "MemoryError"
+            or "out of memory" in message.lower()
+        ):
+            return result("oom", f"out of memory: {message}".strip())
+        if kind == "MpadviseError":
+            return result("crash", message)
+        what = f"{kind}: {message}" if kind else (message or "no error message")
+        return result("crash", f"the script crashed (exit {_exit_text(exit_code)}): {what}")
+    if stage is None:
+        if exit_code not in (0, None):
+            return result(
+                "no-policy",
+                f"the script failed before load_policy() (exit {_exit_text(exit_code)}): {last_line or 'no error message'}",
+            )
+        return result("no-policy", "the script exited without calling advisor.load_policy()")
+    if stage in ("loaded", "setup") or (stage == "stepping" and not base.get("losses")):
+        return result(
+            "no-step",
+            "the script ended without calling step(); call mp.step(loss, optimizer) in the training loop",
+        )
+    if stage == "stepping":
+        return result(
+            "crash",
+            f"the script stopped after {len(base['losses'])} steps without finishing the trial (exit {_exit_text(exit_code)})",
+        )
+    # stage == "done"
+    peak = base.get("peak_memory")
+    if spec.memory_limit is not None and peak is not None and peak > spec.memory_limit:
+        return result(
+            "oom",
+            f"peak memory {peak / 2**20:.0f} MiB exceeds the limit {spec.memory_limit / 2**20:.0f} MiB",
+        )
+    return result("ok", "")
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return str(code)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
+def _tail(raw: bytes, max_chars: int = 4000, max_lines: int = 30) -> str:
+    text = raw.decode("utf-8", errors="replace")
+    # torchao prints loader warnings for kernels this machine cannot use; they are not the error.
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return "\n".join(lines[-max_lines:])[-max_chars:]
+
+
+def _last_line(tail: str) -> str:
+    for line in reversed(tail.splitlines()):
+        line = line.strip()
+        if line and not line.startswith(("mpadvise:", "W1", "I1")):
+            return line
+    return ""
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,139 @@
+"""Overhead of mpadvise's training loop against a hand-written torch.autocast + GradScaler loop.
+
+Same model, same data, same mode; the two loops are interleaved in one run (alternating which
+goes first each round) so machine noise hits both alike. Prints the median step time of each
+and their ratio per mode, and writes the table as JSON.
+
+    .venv/bin/python scripts/bench_overhead.py [--rounds 15] [--steps 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from advisor import AppliedPolicy, Policy
+from probes import cpu_profile
+
+HAND_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,
+               "bf16-true": torch.bfloat16, "fp16-true": torch.float16}
+
+
+def make_model(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 10))
+
+
+class HandLoop:
+    """What a careful user writes by hand for each mode."""
+
+    def __init__(self, mode: str, width: int) -> None:
+        self.dtype = HAND_DTYPES[mode]
+        self.true = mode.endswith("-true")
+        self.model = make_model(width)
+        if self.true:
+            self.model = self.model.to(self.dtype)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.scaler = torch.amp.GradScaler("cpu") if mode == "fp16-mixed" else None
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.true:
+            x = x.to(self.dtype)
+        with torch.autocast("cpu", dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None and not self.true):
+            loss = F.cross_entropy(self.model(x).float(), y)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+class MpadviseLoop:
+    """The same training step through AppliedPolicy."""
+
+    def __init__(self, mode: str, width: int) -> None:
+        self.mp = AppliedPolicy(Policy(mode=mode), profile=cpu_profile(), source="bench", device="cpu")
+        model = make_model(width)
+        self.model, self.opt = self.mp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = self.mp.to_device(x, y)
+        with self.mp.autocast():
+            loss = F.cross_entropy(self.model(x).float(), y)
+        self.mp.step(loss, self.opt)
+
+
+def timed_steps(loop, batches, steps: int) -> list[float]:
+    times = []
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        loop.step(x, y)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(mode: str, *, width: int, batch: int, rounds: int, steps: int, warmup: int) -> dict:
+    torch.manual_seed(1)
+    batches = [(torch.randn(batch, 256), torch.randint(0, 10, (batch,))) for _ in range(8)]
+    loops = {"hand": HandLoop(mode, width), "mpadvise": MpadviseLoop(mode, width)}
+    for loop in loops.values():
+        timed_steps(loop, batches, warmup)
+    samples: dict[str, list[float]] = {"hand": [], "mpadvise": []}
+    for r in range(rounds):
+        order = ["hand", "mpadvise"] if r % 2 == 0 else ["mpadvise", "hand"]
+        for name in order:
+            # The median of each short block is one sample: robust to a stray slow step.
+            samples[name].append(statistics.median(timed_steps(loops[name], batches, steps)))
+    hand, mine = statistics.median(samples["hand"]), statistics.median(samples["mpadvise"])
+    per_round = [m / h for m, h in zip(samples["mpadvise"], samples["hand"])]
+    q = statistics.quantiles(per_round, n=4)
+    return {
+        "mode": mode,
+        "hand_ms": hand * 1e3,
+        "mpadvise_ms": mine * 1e3,
+        "ratio": mine / hand,
+        "ratio_median_of_rounds": statistics.median(per_round),
+        "ratio_iqr": [q[0], q[2]],
+        "rounds": rounds,
+        "steps_per_round": steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", nargs="+", default=list(HAND_DTYPES))
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--json", dest="json_path", help="write the results here")
+    args = parser.parse_args()
+
+    rows = [measure(m, width=args.width, batch=args.batch, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
+            for m in args.modes]
+    machine = f"{platform.processor() or platform.machine()}, {cpu_profile().name}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    print(f"machine: {machine}")
+    print(f"MLP 256-{args.width}-{args.width}-10, batch {args.batch}, {args.rounds} interleaved rounds x {args.steps} steps")
+    print(f"{'mode':<12} {'hand ms':>9} {'mpadvise ms':>12} {'ratio':>7} {'per-round IQR':>16}")
+    for r in rows:
+        print(f"{r['mode']:<12} {r['hand_ms']:>9.3f} {r['mpadvise_ms']:>12.3f} {r['ratio']:>7.3f} "
+              f"{r['ratio_iqr'][0]:>7.3f}-{r['ratio_iqr'][1]:.3f}")
+    if args.json_path:
+        with open(args.json_path, "w") as fh:
+            json.dump({"machine": machine, "args": vars(args), "rows": rows}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
