@@ -1,1 +1,63 @@
-"""placeholder"""
+"""What this machine can do: hardware profiles, capability tables, fingerprints, matmul roofline.
+
+The public surface of the probes package. Importing it does not import torch (the CLI's
+``--help`` must stay fast); functions that need torch import it when called.
+"""
+
+from __future__ import annotations
+
+from probes._bench import BenchRow, matmul_benchmark
+from probes._capability import ArchCapability, capability_for, peak_tflops
+from probes._cpu import cpu_profile, parse_cpuinfo
+from probes._errors import MpadviseError
+from probes._fingerprint import hardware_fingerprint
+from probes._libraries import fp8_library_versions
+from probes._nvml import cuda_profiles, gpu_busy
+from probes._profile import HardwareProfile
+
+__all__ = [
+    "ArchCapability",
+    "BenchRow",
+    "HardwareProfile",
+    "MpadviseError",
+    "capability_for",
+    "cpu_profile",
+    "cuda_profiles",
+    "detect",
+    "fp8_library_versions",
+    "gpu_busy",
+    "hardware_fingerprint",
+    "matmul_benchmark",
+    "parse_cpuinfo",
+    "peak_tflops",
+    "primary_profile",
+]
+
+
+def detect() -> list[HardwareProfile]:
+    """Every visible CUDA device, in torch's order, then the host CPU.
+
+    Never raises for a missing GPU, driver or NVML: those machines get just the CPU.
+    """
+    return [*cuda_profiles(), cpu_profile()]
+
+
+def primary_profile() -> HardwareProfile:
+    """The device training runs on: the current CUDA device when CUDA is usable, else the CPU.
+
+    "Current" is ``torch.cuda.current_device()``, which is ``cuda:0`` unless the process (or
+    a launcher such as torchrun through ``LOCAL_RANK``) selected another.
+    """
+    import torch
+
+    try:
+        available = torch.cuda.is_available()
+        current = torch.cuda.current_device() if available else None
+    except Exception:
+        # A broken driver raises here instead of reporting False; train on the CPU.
+        available, current = False, None
+    if available:
+        for profile in cuda_profiles():
+            if profile.index == current:
+                return profile
+    return cpu_profile()

@@ -1,0 +1,361 @@
+"""Achieved square-matmul TFLOP/s per dtype on one device: where this hardware's roofline is.
+
+The numbers let results be reported against the datasheet peak and let the search try the
+most promising modes first. They are not a verdict: a model's step time also depends on
+memory traffic, kernel launch overhead and layer sizes, which only a trial step measures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from probes._capability import peak_tflops
+from probes._errors import MpadviseError
+
+if TYPE_CHECKING:
+    from probes._profile import HardwareProfile
+
+__all__ = ["BENCH_DTYPES", "BenchRow", "default_bench_dtypes", "matmul_benchmark"]
+
+BENCH_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
+
+# Big enough to saturate a data-centre GPU's tensor cores; on a CPU without native bf16 a
+# 1024 matmul takes seconds per call, so 512 keeps the whole CPU run near two seconds.
+_DEFAULT_SIZE = {"cuda": 8192, "cpu": 512}
+_CUDA_WARMUP_CALLS = 3  # cuBLAS picks its algorithm and the clocks ramp on the first calls
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One dtype's measured matmul throughput on one device.
+
+    Attributes:
+        dtype: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
+        device: torch device string (``"cuda:0"``, ``"cpu"``).
+        size: the square matrices' side.
+        tflops: median achieved TFLOP/s over the repeats (``2 * size**3`` per matmul);
+            ``None`` when skipped.
+        seconds: median seconds per matmul; ``None`` when skipped.
+        ratio_vs_fp32: ``tflops`` over the fp32 row's, when both were measured.
+        peak_tflops: datasheet dense peak for this dtype on this SKU, when known.
+        fraction_of_peak: ``tflops / peak_tflops``, when both are known.
+        repeats: timed repeats the median is over.
+        skipped: why this dtype was not measured, else ``None``.
+        spread: ``(slowest - fastest) / median`` over the repeats: the measurement noise,
+            so that close dtypes are not ranked on noise.
+    """
+
+    dtype: str
+    device: str
+    size: int
+    tflops: float | None
+    seconds: float | None
+    ratio_vs_fp32: float | None
+    peak_tflops: float | None
+    fraction_of_peak: float | None
+    repeats: int
+    skipped: str | None = None
+    spread: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+def default_bench_dtypes(profile: HardwareProfile) -> tuple[str, ...]:
+    """The dtypes worth measuring on this device.
+
+    CPU: fp32, fp16, bf16 (TF32 and FP8 have no CPU hardware path). CUDA: fp32 and fp16
+    everywhere, bf16 everywhere too (on pre-Ampere it shows what emulation costs), TF32
+    from compute capability 8.0, FP8 from 8.9.
+    """
+    if not profile.is_cuda:
+        return ("fp32", "fp16", "bf16")
+    cc = profile.compute_capability or (0, 0)
+    dtypes = ["fp32"]
+    if cc >= (8, 0):
+        dtypes.append("tf32")
+    dtypes += ["fp16", "bf16"]
+    if cc >= (8, 9):
+        dtypes.append("fp8")
+    return tuple(dtypes)
+
+
+def matmul_benchmark(
+    profile: HardwareProfile,
+    *,
+    dtypes: tuple[str, ...] | list[str] | None = None,
+    size: int | None = None,
+    min_seconds: float = 0.2,
+    repeats: int = 5,
+) -> list[BenchRow]:
+    """Measure square-matmul TFLOP/s per dtype on the profile's device.
+
+    Every global switch touched (the fp32 matmul precision, i.e. TF32, for CUDA and
+    oneDNN; the current CUDA device) is restored on exit, also after an error. Inputs come
+    from a private generator, so the global RNG state is untouched.
+
+    Args:
+        profile: the device to measure (``profile.device``).
+        dtypes: subset of ``BENCH_DTYPES``; ``None`` means ``default_bench_dtypes(profile)``.
+            A requested dtype the device cannot run comes back as a skipped row.
+        size: side of the square matrices; ``None`` means 8192 on CUDA, 512 on CPU.
+        min_seconds: measured time per dtype, split evenly over the repeats; each repeat
+            runs at least one matmul, so slow dtypes can take longer.
+        repeats: timed repeats; the reported figure is their median.
+
+    Returns:
+        One ``BenchRow`` per dtype, in ``BENCH_DTYPES`` order.
+
+    Raises:
+        MpadviseError: an argument is out of range, a dtype is unknown, or the profile is a
+            CUDA device that torch cannot see.
+    """
+    chosen = _validated_dtypes(profile, dtypes)
+    if size is None:
+        size = _DEFAULT_SIZE[profile.kind]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 16 or size % 16:
+        raise MpadviseError(f"size must be a multiple of 16 and at least 16, got {size!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise MpadviseError(f"repeats must be a positive integer, got {repeats!r}")
+    if not isinstance(min_seconds, (int, float)) or not min_seconds > 0:
+        raise MpadviseError(f"min_seconds must be a positive number, got {min_seconds!r}")
+
+    import torch
+
+    if profile.is_cuda and not torch.cuda.is_available():
+        raise MpadviseError(
+            f"cannot benchmark {profile.device} ({profile.name}): torch.cuda is not available "
+            f"in this process; check the driver and CUDA_VISIBLE_DEVICES"
+        )
+
+    measured: dict[str, tuple[float, float] | str] = {}
+    with contextlib.ExitStack() as stack:
+        if profile.is_cuda:
+            stack.enter_context(torch.cuda.device(profile.index or 0))
+        stack.enter_context(torch.no_grad())
+        for dtype in chosen:
+            reason = _skip_reason(torch, profile, dtype)
+            if reason is not None:
+                measured[dtype] = reason
+                continue
+            measured[dtype] = _measure(torch, profile, dtype, size, min_seconds, repeats)
+
+    peaks = peak_tflops(profile)
+    fp32 = measured.get("fp32")
+    fp32_tflops = _tflops(size, fp32[0]) if isinstance(fp32, tuple) else None
+    rows = []
+    for dtype in chosen:
+        result = measured[dtype]
+        peak = peaks.get(dtype)
+        if isinstance(result, str):
+            rows.append(
+                BenchRow(
+                    dtype=dtype,
+                    device=profile.device,
+                    size=size,
+                    tflops=None,
+                    seconds=None,
+                    ratio_vs_fp32=None,
+                    peak_tflops=peak,
+                    fraction_of_peak=None,
+                    repeats=repeats,
+                    skipped=result,
+                )
+            )
+            continue
+        seconds, spread = result
+        tflops = _tflops(size, seconds)
+        rows.append(
+            BenchRow(
+                dtype=dtype,
+                device=profile.device,
+                size=size,
+                tflops=tflops,
+                seconds=seconds,
+                ratio_vs_fp32=tflops / fp32_tflops if fp32_tflops else None,
+                peak_tflops=peak,
+                fraction_of_peak=tflops / peak if peak else None,
+                repeats=repeats,
+                spread=spread,
+            )
+        )
+    return rows
+
+
+def _validated_dtypes(
+    profile: HardwareProfile, dtypes: tuple[str, ...] | list[str] | None
+) -> tuple[str, ...]:
+    if dtypes is None:
+        return default_bench_dtypes(profile)
+    if isinstance(dtypes, str):
+        dtypes = (dtypes,)
+    unknown = [d for d in dtypes if d not in BENCH_DTYPES]
+    if unknown:
+        raise MpadviseError(
+            f"dtypes: unknown {', '.join(map(repr, unknown))}; "
+            f"expected some of {', '.join(BENCH_DTYPES)}"
+        )
+    return tuple(d for d in BENCH_DTYPES if d in dtypes)
+
+
+def _tflops(size: int, seconds: float) -> float:
+    return 2.0 * size**3 / seconds / 1e12
+
+
+def _skip_reason(torch: Any, profile: HardwareProfile, dtype: str) -> str | None:
+    cc = profile.compute_capability
+    if dtype == "tf32":
+        if not profile.is_cuda:
+            return "tf32 is a CUDA tensor-core format; this is a CPU"
+        if cc is not None and cc < (8, 0):
+            return f"tf32 needs compute capability >= 8.0; this is {cc[0]}.{cc[1]}"
+    if dtype == "fp8":
+        if not profile.is_cuda:
+            return "fp8 matmul needs CUDA (compute capability >= 8.9); this is a CPU"
+        if cc is not None and cc < (8, 9):
+            return f"fp8 matmul needs compute capability >= 8.9; this is {cc[0]}.{cc[1]}"
+        if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+            return f"torch {torch.__version__} has no torch._scaled_mm"
+    return None
+
+
+@contextlib.contextmanager
+def _fp32_matmul_precision(torch: Any, precision: str) -> Iterator[None]:
+    """Run fp32 matmuls at ``"highest"`` (IEEE) or ``"high"`` (TF32) for this block.
+
+    Goes through ``torch.set_float32_matmul_precision``, which sets the legacy switch and
+    the per-backend ``fp32_precision`` switches (torch >= 2.9) together. Setting only one of
+    them is not an option: cuBLAS matmuls raise ("mix of the legacy and new APIs") when the
+    two disagree. On exit the legacy value and each backend's own value are put back
+    exactly, also after an error.
+    """
+    saved = _precision_state(torch)
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        _restore_precision_state(torch, saved)
+
+
+# The per-backend switches that set_float32_matmul_precision writes (torch >= 2.9).
+_PRECISION_BACKENDS = ("cuda", "mkldnn")
+
+
+def _precision_state(torch: Any) -> tuple[str | None, dict[str, str]]:
+    try:
+        legacy: str | None = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        # The user mixed the legacy and the new API; torch refuses to report the legacy
+        # value. It is recovered below from the backend value it disagrees with.
+        legacy = None
+    backends = {}
+    for name in _PRECISION_BACKENDS:
+        matmul = getattr(getattr(torch.backends, name), "matmul", None)
+        if matmul is not None and hasattr(matmul, "fp32_precision"):
+            backends[name] = matmul.fp32_precision
+    return legacy, backends
+
+
+def _restore_precision_state(torch: Any, saved: tuple[str | None, dict[str, str]]) -> None:
+    legacy, backends = saved
+    if legacy is None:
+        # Mixed state: the legacy value disagrees with CUDA's, so it is its opposite.
+        legacy = "highest" if backends.get("cuda") == "tf32" else "high"
+    torch.set_float32_matmul_precision(legacy)
+    for name, value in backends.items():
+        getattr(torch.backends, name).matmul.fp32_precision = value
+
+
+def _operands(torch: Any, profile: HardwareProfile, dtype: str, size: int) -> Callable[[], Any]:
+    """A zero-argument callable that runs one ``size`` x ``size`` matmul in ``dtype``."""
+    device = profile.device
+    generator = torch.Generator(device=device)
+    generator.manual_seed(0)
+
+    def randn() -> Any:
+        return torch.randn(size, size, generator=generator, device=device, dtype=torch.float32)
+
+    if dtype == "fp8":
+        a = randn().to(torch.float8_e4m3fn)
+        # _scaled_mm wants the second operand column-major: a row-major (N, K) transposed.
+        b = randn().to(torch.float8_e4m3fn).t()
+        scale = torch.ones((), device=device, dtype=torch.float32)
+        return lambda: torch._scaled_mm(
+            a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16
+        )
+    torch_dtype = {
+        "fp32": torch.float32,
+        "tf32": torch.float32,
+        "fp16": torch.float16,
+        "bf16": torch.bfloat16,
+    }[dtype]
+    a, b = randn().to(torch_dtype), randn().to(torch_dtype)
+    return lambda: torch.mm(a, b)
+
+
+def _measure(
+    torch: Any,
+    profile: HardwareProfile,
+    dtype: str,
+    size: int,
+    min_seconds: float,
+    repeats: int,
+) -> tuple[float, float] | str:
+    """``(median seconds per matmul, relative spread)``, or a skip reason on OOM/errors."""
+    # TF32 only for the tf32 row; the fp32 row must be IEEE even if the caller enabled TF32
+    # (or, on a CPU, bf16 via "medium"), or it would measure the wrong thing.
+    precision = "high" if dtype == "tf32" else "highest"
+    try:
+        with _fp32_matmul_precision(torch, precision):
+            matmul = _operands(torch, profile, dtype, size)
+            timer = _cuda_timer(torch) if profile.is_cuda else _cpu_timer
+            if profile.is_cuda:
+                timer(matmul, _CUDA_WARMUP_CALLS)
+                one_call = timer(matmul, 1)
+            else:
+                # On a CPU the warm-up call doubles as the calibration: a dtype without
+                # native support takes a fifth of a second per call, and each saved call
+                # shortens the probe.
+                one_call = timer(matmul, 1)
+            per_repeat = min_seconds / repeats
+            calls = max(1, math.ceil(per_repeat / max(one_call, 1e-9)))
+            samples = [timer(matmul, calls) / calls for _ in range(repeats)]
+    except Exception as error:
+        # An OOM on a small GPU or a kernel this build lacks skips one dtype, not the run.
+        if type(error).__name__ == "OutOfMemoryError":
+            return f"out of memory at size {size}; pass a smaller size"
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return f"{dtype} matmul failed: {first_line[:200]}"
+    median = statistics.median(samples)
+    spread = (max(samples) - min(samples)) / median if median > 0 else 0.0
+    return median, spread
+
+
+def _cpu_timer(matmul: Callable[[], Any], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        matmul()
+    return time.perf_counter() - start
+
+
+def _cuda_timer(torch: Any) -> Callable[[Callable[[], Any], int], float]:
+    def timer(matmul: Callable[[], Any], calls: int) -> float:
+        # Events time the GPU work itself; a host clock would include launch latency.
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(calls):
+            matmul()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+    return timer

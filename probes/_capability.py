@@ -1,0 +1,324 @@
+"""What each NVIDIA architecture can do, and datasheet peak TFLOP/s per SKU: pure data.
+
+Two tables, both pure functions of plain data:
+
+- ``capability_for(compute_capability)``: which number formats have real hardware behind them
+  (tensor cores), keyed by compute capability. ``torch.cuda.is_bf16_supported()`` is not used
+  because it also says yes where bf16 is emulated (a V100 answers True).
+- ``peak_tflops(profile)``: the datasheet *dense* (no 2:4 sparsity) peak TFLOP/s per dtype
+  for known SKUs, matched by the device name. Used to report measured matmul throughput as a
+  fraction of the roofline; never used to decide what is supported.
+
+Every figure is quoted from the NVIDIA document named in the comment above its row; where the
+document gives only the sparse figure, the dense one is half of it (NVIDIA's sparse figures
+are exactly 2x the dense ones). docs/capabilities.md lists the same sources and the figures
+we are least sure of.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from probes._errors import MpadviseError
+
+if TYPE_CHECKING:
+    from probes._profile import HardwareProfile
+
+__all__ = ["ArchCapability", "SkuPeak", "SKU_PEAKS", "capability_for", "match_sku", "peak_tflops"]
+
+
+@dataclass(frozen=True)
+class ArchCapability:
+    """The number formats one GPU architecture runs in hardware.
+
+    Attributes:
+        arch: architecture name (``"Volta"``, ``"Turing"``, ``"Ampere"``, ``"Ada"``,
+            ``"Hopper"``, ``"Blackwell"``, ``"pre-Volta"``).
+        compute_capability: the ``(major, minor)`` this answer is for.
+        fp16_tensor_cores: fp16 matmuls run on tensor cores (Volta and later).
+        tf32: TF32 tensor cores, used for fp32 matmuls when allowed (Ampere and later).
+        bf16: bf16 tensor cores (Ampere and later); earlier GPUs only emulate bf16.
+        fp8: FP8 (E4M3/E5M2) tensor cores with per-tensor scaling (Ada, Hopper, Blackwell).
+        mxfp8: MXFP8, FP8 with hardware block scales of 32 elements (Blackwell).
+        nvfp4: NVFP4, 4-bit floats with hardware block scales (Blackwell).
+    """
+
+    arch: str
+    compute_capability: tuple[int, int]
+    fp16_tensor_cores: bool
+    tf32: bool
+    bf16: bool
+    fp8: bool
+    mxfp8: bool = False
+    nvfp4: bool = False
+
+    @property
+    def label(self) -> str:
+        """``"Hopper (9.0)"``: the architecture and compute capability, for messages."""
+        major, minor = self.compute_capability
+        return f"{self.arch} ({major}.{minor})"
+
+
+def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
+    """Which formats a GPU of this compute capability runs on tensor cores.
+
+    Args:
+        compute_capability: ``(major, minor)``, as in ``torch.cuda.get_device_capability()``.
+
+    Returns:
+        The architecture's capabilities. Minors not listed in NVIDIA's tables (say 8.8) get
+        their major's answer; majors newer than Blackwell are assumed to keep Blackwell's
+        formats, since each generation so far has kept its predecessor's.
+
+    Raises:
+        MpadviseError: ``compute_capability`` is not a pair of non-negative integers.
+    """
+    cc = _validated(compute_capability)
+    major, minor = cc
+    if major < 7:
+        # Pascal and older: no tensor cores. P100 (6.0) has fast fp16 arithmetic (2x fp32),
+        # consumer Pascal (6.1) runs fp16 at 1/64 rate; bf16 exists only as emulation.
+        return ArchCapability(
+            "pre-Volta", cc, fp16_tensor_cores=False, tf32=False, bf16=False, fp8=False
+        )
+    if major == 7:
+        # 7.0 V100, 7.2 Xavier (both Volta); 7.5 Turing. fp16 tensor cores only.
+        arch = "Turing" if minor >= 5 else "Volta"
+        return ArchCapability(arch, cc, fp16_tensor_cores=True, tf32=False, bf16=False, fp8=False)
+    if major == 8:
+        if (major, minor) >= (8, 9):
+            # 8.9 Ada: fourth-generation tensor cores with FP8.
+            return ArchCapability("Ada", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True)
+        # 8.0 A100, 8.6 GA10x (A10, RTX 30xx), 8.7 Orin: bf16 and TF32 tensor cores.
+        return ArchCapability("Ampere", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=False)
+    if major == 9:
+        return ArchCapability("Hopper", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True)
+    # 10.x B200/GB200, 11.x Thor, 12.x RTX 50xx / RTX PRO: fifth-generation tensor cores
+    # with hardware block scaling (MXFP8, NVFP4).
+    arch = "Blackwell" if major <= 12 else "post-Blackwell"
+    return ArchCapability(
+        arch, cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, mxfp8=True, nvfp4=True
+    )
+
+
+def _validated(compute_capability: object) -> tuple[int, int]:
+    if (
+        not isinstance(compute_capability, (tuple, list))
+        or len(compute_capability) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in compute_capability)
+        or min(compute_capability) < 0
+    ):
+        raise MpadviseError(
+            f"compute_capability must be a (major, minor) pair of non-negative integers, "
+            f"got {compute_capability!r}"
+        )
+    return (compute_capability[0], compute_capability[1])
+
+
+@dataclass(frozen=True)
+class SkuPeak:
+    """Datasheet dense peak TFLOP/s of one GPU SKU.
+
+    Attributes:
+        sku: short name (``"H100 SXM"``).
+        pattern: regular expression searched (case-insensitively) in the device name.
+        tflops: ``(("bf16", 989.4), ...)``: dense peak per dtype; absent dtypes have no
+            hardware path (a V100 has no bf16 entry).
+        source: the NVIDIA document the figures come from.
+    """
+
+    sku: str
+    pattern: str
+    tflops: tuple[tuple[str, float], ...]
+    source: str
+
+
+# Ordered: the first match wins, so more specific names come before their prefixes
+# (H100 PCIe before H100, A100 before A10). Variants whose figures we could not check
+# (H100 NVL, H200 NVL, L40 without S, A10G, RTX 3090 Ti, laptop parts) deliberately match
+# nothing: no number is better than a wrong one.
+SKU_PEAKS: tuple[SkuPeak, ...] = (
+    # NVIDIA Tesla P100 datasheet (PCIe and SXM2 variants), https://www.nvidia.com/en-us/data-center/tesla-p100/
+    # fp16 is CUDA-core half2 arithmetic (2x fp32), not tensor cores.
+    SkuPeak(
+        "P100 SXM2",
+        r"P100.*SXM2",
+        (("fp32", 10.6), ("fp16", 21.2)),
+        "NVIDIA Tesla P100 datasheet",
+    ),
+    SkuPeak(
+        "P100 PCIe",
+        r"P100.*PCIE",
+        (("fp32", 9.3), ("fp16", 18.7)),
+        "NVIDIA Tesla P100 datasheet",
+    ),
+    # NVIDIA Tesla V100 GPU Accelerator datasheet, https://www.nvidia.com/en-us/data-center/v100/
+    # "Tensor Performance" is fp16 in, fp32 accumulate.
+    SkuPeak(
+        "V100S PCIe",
+        r"V100S",
+        (("fp32", 16.4), ("fp16", 130.0)),
+        "NVIDIA V100 Tensor Core GPU datasheet (V100S)",
+    ),
+    SkuPeak(
+        "V100 SXM2",
+        r"V100\b.*SXM",
+        (("fp32", 15.7), ("fp16", 125.0)),
+        "NVIDIA Tesla V100 GPU Accelerator datasheet",
+    ),
+    SkuPeak(
+        "V100 PCIe",
+        r"V100\b.*PCIE",
+        (("fp32", 14.0), ("fp16", 112.0)),
+        "NVIDIA Tesla V100 GPU Accelerator datasheet",
+    ),
+    # NVIDIA T4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/tesla-t4/
+    # "Mixed Precision (FP16/FP32) 65 TFLOPS".
+    SkuPeak(
+        "T4",
+        r"\bT4\b",
+        (("fp32", 8.1), ("fp16", 65.0)),
+        "NVIDIA T4 Tensor Core GPU datasheet",
+    ),
+    # NVIDIA A100 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/a100/
+    # Same peaks for 40GB/80GB, SXM4 and PCIe; the datasheet's starred figures are sparse.
+    SkuPeak(
+        "A100",
+        r"\bA100\b",
+        (("fp32", 19.5), ("tf32", 156.0), ("fp16", 312.0), ("bf16", 312.0)),
+        "NVIDIA A100 Tensor Core GPU datasheet",
+    ),
+    # NVIDIA A10 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/products/a10-gpu/
+    SkuPeak(
+        "A10",
+        r"\bA10\b(?!\d|G)",
+        (("fp32", 31.2), ("tf32", 62.5), ("fp16", 125.0), ("bf16", 125.0)),
+        "NVIDIA A10 Tensor Core GPU datasheet",
+    ),
+    # NVIDIA Ampere GA102 GPU Architecture whitepaper (v2), table "GeForce RTX 3090",
+    # https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf
+    # GeForce runs fp16/bf16 with fp32 accumulate at half the fp16-accumulate rate (142);
+    # PyTorch accumulates in fp32, so the fp32-accumulate figure is the relevant one.
+    SkuPeak(
+        "RTX 3090",
+        r"RTX 3090(?!\s*Ti)(?!.*Laptop)",
+        (("fp32", 35.6), ("tf32", 35.6), ("fp16", 71.0), ("bf16", 71.0)),
+        "NVIDIA Ampere GA102 GPU Architecture whitepaper",
+    ),
+    # NVIDIA Ada GPU Architecture whitepaper, table "GeForce RTX 4090",
+    # https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf
+    # fp32-accumulate figures (fp16-accumulate doubles them); fp8 with fp32 accumulate is
+    # what torch._scaled_mm uses. See docs/capabilities.md: fp8 is the least certain here.
+    SkuPeak(
+        "RTX 4090",
+        r"RTX 4090(?!\s*D\b)(?!.*Laptop)",
+        (("fp32", 82.6), ("tf32", 82.6), ("fp16", 165.2), ("bf16", 165.2), ("fp8", 330.3)),
+        "NVIDIA Ada GPU Architecture whitepaper",
+    ),
+    # NVIDIA L4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/l4/
+    # The datasheet gives sparse figures only (120 / 242 / 485); dense is half.
+    SkuPeak(
+        "L4",
+        r"\bL4\b",
+        (("fp32", 30.3), ("tf32", 60.0), ("fp16", 121.0), ("bf16", 121.0), ("fp8", 242.5)),
+        "NVIDIA L4 Tensor Core GPU datasheet",
+    ),
+    # NVIDIA L40S GPU datasheet, https://www.nvidia.com/en-us/data-center/l40s/
+    SkuPeak(
+        "L40S",
+        r"\bL40S\b",
+        (("fp32", 91.6), ("tf32", 183.0), ("fp16", 362.05), ("bf16", 362.05), ("fp8", 733.0)),
+        "NVIDIA L40S GPU datasheet",
+    ),
+    # NVIDIA H100 Tensor Core GPU Architecture whitepaper, tables for H100 SXM5 and PCIe,
+    # https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper
+    # (the H100 datasheet, https://www.nvidia.com/en-us/data-center/h100/, gives the sparse
+    # figures, which are twice these). The PCIe part is named "NVIDIA H100 PCIe", the SXM
+    # part "NVIDIA H100 80GB HBM3".
+    SkuPeak(
+        "H100 PCIe",
+        r"H100\b.*PCIE",
+        (("fp32", 51.2), ("tf32", 378.0), ("fp16", 756.0), ("bf16", 756.0), ("fp8", 1513.0)),
+        "NVIDIA H100 Tensor Core GPU Architecture whitepaper",
+    ),
+    SkuPeak(
+        "H100 SXM",
+        r"H100\b.*\b(SXM|HBM3)\b",
+        (("fp32", 66.9), ("tf32", 494.7), ("fp16", 989.4), ("bf16", 989.4), ("fp8", 1978.9)),
+        "NVIDIA H100 Tensor Core GPU Architecture whitepaper",
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/
+    # H200 SXM is the H100 SXM die with more HBM: same compute peaks (datasheet sparse
+    # 989 / 1,979 / 3,958 halved, fp32 67).
+    SkuPeak(
+        "H200 SXM",
+        r"\bH200\b(?!.*NVL)",
+        (("fp32", 66.9), ("tf32", 494.7), ("fp16", 989.4), ("bf16", 989.4), ("fp8", 1978.9)),
+        "NVIDIA H200 Tensor Core GPU datasheet",
+    ),
+    # NVIDIA HGX B200 specifications (per GPU), https://www.nvidia.com/en-us/data-center/hgx/
+    # The page lists sparse tensor figures (FP4 18 PF, FP8 9 PF, BF16 4.5 PF, TF32 2.2 PF);
+    # dense is half. FP32 75 TFLOPS as listed there.
+    SkuPeak(
+        "B200",
+        r"\bB200\b",
+        (
+            ("fp32", 75.0),
+            ("tf32", 1100.0),
+            ("fp16", 2250.0),
+            ("bf16", 2250.0),
+            ("fp8", 4500.0),
+            ("fp4", 9000.0),
+        ),
+        "NVIDIA HGX B200 specifications",
+    ),
+    # NVIDIA GB200 NVL72 specifications (per GPU, at up to 1,200 W),
+    # https://www.nvidia.com/en-us/data-center/gb200-nvl72/ : sparse FP4 20 PF, FP8 10 PF,
+    # BF16 5 PF, TF32 2.5 PF; FP32 80 TFLOPS.
+    SkuPeak(
+        "GB200",
+        r"\bGB200\b",
+        (
+            ("fp32", 80.0),
+            ("tf32", 1250.0),
+            ("fp16", 2500.0),
+            ("bf16", 2500.0),
+            ("fp8", 5000.0),
+            ("fp4", 10000.0),
+        ),
+        "NVIDIA GB200 NVL72 specifications",
+    ),
+)
+
+_COMPILED = tuple((re.compile(peak.pattern, re.IGNORECASE), peak) for peak in SKU_PEAKS)
+
+
+def match_sku(device_name: str) -> SkuPeak | None:
+    """The datasheet row for a CUDA device name, or ``None`` for an unknown SKU.
+
+    Args:
+        device_name: the name CUDA reports (``"NVIDIA A100-SXM4-80GB"``).
+    """
+    for pattern, peak in _COMPILED:
+        if pattern.search(device_name):
+            return peak
+    return None
+
+
+def peak_tflops(profile: HardwareProfile) -> dict[str, float]:
+    """Datasheet dense peak TFLOP/s per dtype for this device; ``{}`` when unknown.
+
+    Args:
+        profile: a CUDA profile. CPUs have no table (peaks depend on clocks, cores and
+            vector width that vary by part), so a CPU profile gives ``{}``.
+
+    Returns:
+        ``{"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, ...}``: a fresh dict the caller may
+        modify. Keys are among ``fp32, tf32, fp16, bf16, fp8, fp4``.
+    """
+    if not profile.is_cuda:
+        return {}
+    peak = match_sku(profile.name)
+    return dict(peak.tflops) if peak is not None else {}

@@ -1,0 +1,278 @@
+"""Fake ``torch.cuda`` and fake ``pynvml`` for probing GPUs on a machine without one.
+
+The fakes copy the real interfaces' shapes: ``get_device_properties`` returns an object with
+``name``, ``major``, ``minor``, ``multi_processor_count``, ``total_memory`` and ``uuid``
+(printed without NVML's ``GPU-`` prefix, as torch prints it); the NVML fake raises
+``NVMLError`` subclasses the way pynvml does, refuses calls before ``nvmlInit``, and counts
+init/shutdown so tests can check they balance. GPU facts are the values the real cards report
+(names, SM counts, memory in bytes, max SM clocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+
+from probes import HardwareProfile, cuda_profiles
+
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class FakeGpu:
+    """What one real GPU reports, to both torch.cuda and NVML."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sm_count: int
+    memory_total: int
+    uuid: str  # NVML form, "GPU-..."
+    sm_clock_max: int
+    sm_clock: int = 210  # idle clock
+    memory_free: int | None = None
+    mig_mode: int | None = None  # None: NVML says NotSupported (consumer and older cards)
+    processes: tuple[int, ...] = ()
+
+    @property
+    def free(self) -> int:
+        return self.memory_free if self.memory_free is not None else self.memory_total - 512 * MIB
+
+
+def _uuid(n: int) -> str:
+    return f"GPU-{n:08x}-1d2c-4b6e-9f3a-{n:012x}"
+
+
+GPUS: dict[str, FakeGpu] = {
+    "P100": FakeGpu("Tesla P100-PCIE-16GB", (6, 0), 56, 16280 * MIB, _uuid(1), 1328),
+    "V100": FakeGpu("Tesla V100-SXM2-16GB", (7, 0), 80, 16160 * MIB, _uuid(2), 1530),
+    "T4": FakeGpu("Tesla T4", (7, 5), 40, 15102 * MIB, _uuid(3), 1590),
+    "A100": FakeGpu("NVIDIA A100-SXM4-80GB", (8, 0), 108, 81229 * MIB, _uuid(4), 1410, mig_mode=0),
+    "RTX 4090": FakeGpu("NVIDIA GeForce RTX 4090", (8, 9), 128, 24217 * MIB, _uuid(5), 3105),
+    "L4": FakeGpu("NVIDIA L4", (8, 9), 58, 22488 * MIB, _uuid(6), 2040),
+    "H100": FakeGpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 81079 * MIB, _uuid(7), 1980, mig_mode=0),
+    "H200": FakeGpu("NVIDIA H200", (9, 0), 132, 143771 * MIB, _uuid(8), 1980, mig_mode=0),
+    "B200": FakeGpu("NVIDIA B200", (10, 0), 148, 182642 * MIB, _uuid(9), 1965, mig_mode=0),
+}
+
+
+# --- torch.cuda ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FakeDeviceProperties:
+    """Shape of ``torch.cuda.get_device_properties(i)``."""
+
+    name: str
+    major: int
+    minor: int
+    multi_processor_count: int
+    total_memory: int
+    uuid: str | None
+
+
+class FakeTorchCuda:
+    """The parts of ``torch.cuda`` the probes use, over a list of visible GPUs.
+
+    Args:
+        gpus: the devices CUDA shows, in CUDA order (after ``CUDA_VISIBLE_DEVICES``).
+        available: what ``is_available()`` answers.
+        broken: ``is_available()`` raises, as with a driver/runtime mismatch.
+        with_uuid: whether device properties carry ``uuid`` (older torch lacks it).
+    """
+
+    def __init__(
+        self,
+        gpus: list[FakeGpu],
+        *,
+        available: bool = True,
+        broken: bool = False,
+        with_uuid: bool = True,
+    ) -> None:
+        self.gpus = list(gpus)
+        self.available = available
+        self.broken = broken
+        self.with_uuid = with_uuid
+
+    def is_available(self) -> bool:
+        if self.broken:
+            raise RuntimeError("CUDA driver initialization failed, you might not have a CUDA gpu.")
+        return self.available and bool(self.gpus)
+
+    def device_count(self) -> int:
+        return len(self.gpus) if self.available else 0
+
+    def get_device_properties(self, index: int) -> FakeDeviceProperties:
+        if not 0 <= index < len(self.gpus):
+            raise AssertionError("Invalid device id")  # what torch raises
+        gpu = self.gpus[index]
+        major, minor = gpu.compute_capability
+        uuid = gpu.uuid.removeprefix("GPU-") if self.with_uuid else None
+        return FakeDeviceProperties(gpu.name, major, minor, gpu.sm_count, gpu.memory_total, uuid)
+
+    def get_device_capability(self, index: int = 0) -> tuple[int, int]:
+        return self.gpus[index].compute_capability
+
+    def is_bf16_supported(self) -> bool:
+        # The real function answers True on any CUDA device because bf16 can be emulated:
+        # the reason the support table does not ask it.
+        return self.is_available()
+
+
+# --- pynvml ----------------------------------------------------------------------------------
+
+
+class NVMLError(Exception):
+    """pynvml's base error; subclasses per return code."""
+
+    def __init__(self, value: int = 999, message: str = "Unknown Error") -> None:
+        super().__init__(message)
+        self.value = value
+
+
+class NVMLError_Uninitialized(NVMLError):  # noqa: N801 - pynvml's own name
+    def __init__(self) -> None:
+        super().__init__(1, "Uninitialized")
+
+
+class NVMLError_NotSupported(NVMLError):  # noqa: N801
+    def __init__(self) -> None:
+        super().__init__(3, "Not Supported")
+
+
+class NVMLError_InvalidArgument(NVMLError):  # noqa: N801
+    def __init__(self) -> None:
+        super().__init__(2, "Invalid Argument")
+
+
+class NVMLError_LibraryNotFound(NVMLError):  # noqa: N801
+    def __init__(self) -> None:
+        super().__init__(12, "NVML Shared Library Not Found")
+
+
+@dataclass(frozen=True)
+class _Handle:
+    index: int
+
+
+@dataclass
+class FakeNvml:
+    """A stand-in for the ``pynvml`` module over every GPU in the machine (PCI order).
+
+    Args:
+        gpus: all GPUs NVML sees (it ignores ``CUDA_VISIBLE_DEVICES``).
+        driver: driver version string.
+        init_error: ``nvmlInit`` raises ``NVMLError_LibraryNotFound``, as on a machine
+            without the NVIDIA driver.
+        failing: names of functions that raise ``NVMLError_NotSupported``.
+    """
+
+    gpus: list[FakeGpu]
+    driver: str = "550.54.15"
+    init_error: bool = False
+    failing: frozenset[str] = frozenset()
+    inits: int = 0
+    shutdowns: int = 0
+    calls: list[str] = field(default_factory=list)
+
+    NVMLError = NVMLError
+    NVMLError_NotSupported = NVMLError_NotSupported
+    NVML_CLOCK_SM = 1
+    NVML_CLOCK_MEM = 2
+    NVML_DEVICE_MIG_ENABLE = 1
+
+    def _enter(self, function: str) -> None:
+        self.calls.append(function)
+        if self.inits <= self.shutdowns:
+            raise NVMLError_Uninitialized()
+        if function in self.failing:
+            raise NVMLError_NotSupported()
+
+    def _gpu(self, handle: _Handle) -> FakeGpu:
+        return self.gpus[handle.index]
+
+    def nvmlInit(self) -> None:  # noqa: N802 - pynvml's names
+        self.calls.append("nvmlInit")
+        if self.init_error:
+            raise NVMLError_LibraryNotFound()
+        self.inits += 1
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        self._enter("nvmlShutdown")
+        self.shutdowns += 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:  # noqa: N802
+        self._enter("nvmlSystemGetDriverVersion")
+        return self.driver
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        self._enter("nvmlDeviceGetCount")
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:  # noqa: N802
+        self._enter("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self.gpus):
+            raise NVMLError_InvalidArgument()
+        return _Handle(index)
+
+    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:  # noqa: N802
+        self._enter("nvmlDeviceGetUUID")
+        return self._gpu(handle).uuid
+
+    def nvmlDeviceGetMemoryInfo(self, handle: _Handle) -> SimpleNamespace:  # noqa: N802
+        self._enter("nvmlDeviceGetMemoryInfo")
+        gpu = self._gpu(handle)
+        return SimpleNamespace(
+            total=gpu.memory_total, free=gpu.free, used=gpu.memory_total - gpu.free
+        )
+
+    def nvmlDeviceGetMigMode(self, handle: _Handle) -> list[int]:  # noqa: N802
+        self._enter("nvmlDeviceGetMigMode")
+        gpu = self._gpu(handle)
+        if gpu.mig_mode is None:
+            raise NVMLError_NotSupported()
+        return [gpu.mig_mode, gpu.mig_mode]
+
+    def nvmlDeviceGetClockInfo(self, handle: _Handle, clock_type: int) -> int:  # noqa: N802
+        self._enter("nvmlDeviceGetClockInfo")
+        if clock_type != self.NVML_CLOCK_SM:
+            raise NVMLError_InvalidArgument()
+        return self._gpu(handle).sm_clock
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: _Handle, clock_type: int) -> int:  # noqa: N802
+        self._enter("nvmlDeviceGetMaxClockInfo")
+        if clock_type != self.NVML_CLOCK_SM:
+            raise NVMLError_InvalidArgument()
+        return self._gpu(handle).sm_clock_max
+
+    def nvmlDeviceGetComputeRunningProcesses(  # noqa: N802
+        self, handle: _Handle
+    ) -> list[SimpleNamespace]:
+        self._enter("nvmlDeviceGetComputeRunningProcesses")
+        return [
+            SimpleNamespace(pid=pid, usedGpuMemory=1024 * MIB)
+            for pid in self._gpu(handle).processes
+        ]
+
+
+# --- profiles --------------------------------------------------------------------------------
+
+CUDA_RUNTIME = "12.4"
+TORCH_VERSION = "2.5.1+cu124"
+WITH_FP8_LIBRARIES = (("torchao", "0.10.0"), ("transformer_engine", "2.1.0"))
+WITHOUT_FP8_LIBRARIES = (("torchao", None), ("transformer_engine", None))
+
+
+def gpu_profile(
+    key: str, *, libraries: tuple[tuple[str, str | None], ...] = WITH_FP8_LIBRARIES
+) -> HardwareProfile:
+    """The profile ``cuda_profiles`` builds for one fake GPU, with the given FP8 libraries."""
+    gpu = GPUS[key]
+    profiles = cuda_profiles(
+        torch_cuda=FakeTorchCuda([gpu]),
+        nvml=FakeNvml([gpu]),
+        cuda_runtime=CUDA_RUNTIME,
+        torch_version=TORCH_VERSION,
+    )
+    if len(profiles) != 1:
+        raise RuntimeError(f"expected one profile for {key}, got {profiles!r}")
+    return replace(profiles[0], libraries=libraries)

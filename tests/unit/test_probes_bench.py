@@ -1,0 +1,161 @@
+"""matmul_benchmark on the CPU: rows, skips, validation, and every global switch restored."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fakes import gpu_profile
+
+import probes._bench as bench
+from probes import BenchRow, HardwareProfile, MpadviseError, matmul_benchmark
+from probes._bench import _fp32_matmul_precision, default_bench_dtypes
+
+CPU = HardwareProfile(kind="cpu", name="test CPU", cores=2)
+FAST = {"size": 64, "min_seconds": 0.01, "repeats": 3}
+
+
+def test_cpu_rows_for_default_dtypes():
+    rows = matmul_benchmark(CPU, **FAST)
+    assert [row.dtype for row in rows] == ["fp32", "fp16", "bf16"]
+    for row in rows:
+        assert isinstance(row, BenchRow)
+        assert row.skipped is None
+        assert row.device == "cpu" and row.size == 64 and row.repeats == 3
+        assert row.tflops > 0 and row.seconds > 0
+        assert row.tflops == pytest.approx(2 * 64**3 / row.seconds / 1e12)
+        assert row.ratio_vs_fp32 > 0  # no claim on which is faster: that is what it measures
+        assert row.spread >= 0
+        assert row.peak_tflops is None and row.fraction_of_peak is None  # no CPU datasheet
+    assert rows[0].ratio_vs_fp32 == 1.0
+
+
+def test_rows_serialise_to_json():
+    (row,) = matmul_benchmark(CPU, dtypes=["fp32"], **FAST)
+    data = json.loads(json.dumps(row.to_dict()))
+    assert data["dtype"] == "fp32" and data["tflops"] == row.tflops
+
+
+def test_cuda_only_dtypes_are_skipped_on_cpu_with_a_reason():
+    rows = {row.dtype: row for row in matmul_benchmark(CPU, dtypes=("fp8", "tf32"), **FAST)}
+    assert list(rows) == ["tf32", "fp8"]  # canonical order
+    assert rows["tf32"].tflops is None and "CPU" in rows["tf32"].skipped
+    assert rows["fp8"].tflops is None and "8.9" in rows["fp8"].skipped
+
+
+def test_without_fp32_there_is_no_ratio():
+    (row,) = matmul_benchmark(CPU, dtypes=("bf16",), **FAST)
+    assert row.tflops > 0 and row.ratio_vs_fp32 is None
+
+
+def test_fraction_of_peak_when_the_datasheet_is_known(monkeypatch):
+    monkeypatch.setattr(bench, "peak_tflops", lambda profile: {"fp32": 2.0})
+    (row,) = matmul_benchmark(CPU, dtypes=("fp32",), **FAST)
+    assert row.peak_tflops == 2.0
+    assert row.fraction_of_peak == pytest.approx(row.tflops / 2.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"size": 100}, "size"),
+        ({"size": 0}, "size"),
+        ({"repeats": 0}, "repeats"),
+        ({"min_seconds": 0}, "min_seconds"),
+        ({"dtypes": ("fp64",)}, "dtypes"),
+    ],
+)
+def test_bad_arguments_name_the_field(kwargs, field):
+    with pytest.raises(MpadviseError, match=field):
+        matmul_benchmark(CPU, **{**FAST, **kwargs})
+
+
+def test_cuda_profile_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(MpadviseError, match="torch.cuda is not available"):
+        matmul_benchmark(gpu_profile("H100"), **FAST)
+
+
+def _read(getter):
+    try:
+        return getter()
+    except RuntimeError:
+        return "refused"  # torch refuses to report a mixed legacy/new state
+
+
+def _switches():
+    matmul = torch.backends.cuda.matmul
+    return (
+        _read(torch.get_float32_matmul_precision),
+        _read(lambda: matmul.allow_tf32),
+        getattr(matmul, "fp32_precision", None),
+        getattr(torch.backends.mkldnn.matmul, "fp32_precision", None),
+        torch.is_grad_enabled(),
+    )
+
+
+@pytest.fixture
+def default_precision():
+    """Leave the process's matmul precision switches as a fresh process has them."""
+    yield
+    torch.set_float32_matmul_precision("highest")
+    for backend in (torch.backends.cuda, torch.backends.mkldnn):
+        if hasattr(backend.matmul, "fp32_precision"):
+            backend.matmul.fp32_precision = "none"
+
+
+def _set_legacy_tf32():
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def _set_new_tf32_only():
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+
+
+def _set_new_ieee_with_legacy_high():
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+
+
+STARTING_STATES = {
+    "default": lambda: None,
+    "legacy-allow-tf32": _set_legacy_tf32,
+    "high": lambda: torch.set_float32_matmul_precision("high"),
+    "medium": lambda: torch.set_float32_matmul_precision("medium"),
+    "highest": lambda: torch.set_float32_matmul_precision("highest"),
+    "mixed-new-tf32": _set_new_tf32_only,
+    "mixed-new-ieee": _set_new_ieee_with_legacy_high,
+}
+
+
+@pytest.mark.parametrize("state", sorted(STARTING_STATES))
+@pytest.mark.parametrize("precision", ["high", "highest"])
+def test_precision_switches_restored_exactly(default_precision, state, precision):
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision") and state.startswith("mixed"):
+        pytest.skip("this torch has only the legacy API")
+    STARTING_STATES[state]()
+    before = _switches()
+    with pytest.raises(RuntimeError, match="boom"), _fp32_matmul_precision(torch, precision):
+        # Inside, the legacy and new switches agree, so cuBLAS will not refuse to run.
+        assert torch.backends.cuda.matmul.allow_tf32 == (precision == "high")
+        assert torch.get_float32_matmul_precision() == precision
+        raise RuntimeError("boom")
+    assert _switches() == before
+
+
+def test_benchmark_restores_switches_and_rng_state(default_precision):
+    torch.set_float32_matmul_precision("medium")
+    rng = torch.random.get_rng_state()
+    before = _switches()
+    matmul_benchmark(CPU, **FAST)
+    assert _switches() == before
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_default_dtypes_follow_the_hardware():
+    assert default_bench_dtypes(CPU) == ("fp32", "fp16", "bf16")
+    assert default_bench_dtypes(gpu_profile("V100")) == ("fp32", "fp16", "bf16")
+    assert default_bench_dtypes(gpu_profile("A100")) == ("fp32", "tf32", "fp16", "bf16")
+    assert default_bench_dtypes(gpu_profile("H100")) == ("fp32", "tf32", "fp16", "bf16", "fp8")
