@@ -289,6 +289,7 @@ def classify(
             "OutOfMemoryError" in kind
             or kind == "MemoryError"
             or "out of memory" in message.lower()
+            or "can't allocate memory" in message.lower()  # torch's CPU allocator
         ):
             return result("oom", f"out of memory: {message}".strip())
         if kind == "MpadviseError":

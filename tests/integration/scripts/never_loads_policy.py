@@ -1,0 +1,1 @@
+print("this script trains without mpadvise")

@@ -1,0 +1,4 @@
+import advisor
+
+def broken(:
+    pass
