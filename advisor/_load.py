@@ -164,10 +164,17 @@ def load_policy(
         get_logger().info(f"trial {spec.label or applied.policy.describe()} on {applied.device}")
         return applied
     profile = _profile_for(device)
-    resolution = resolve_policy(source, profile=profile, script=current_script())
+    resolution = resolve_policy(source, profile=profile, script=current_script(), cached=_cached)
     applied = AppliedPolicy(resolution.policy, profile=profile, source=resolution.source, device=device)
     get_logger().info(f"policy {resolution.policy.describe()} on {applied.device} (from {resolution.source})")
     return applied
+
+
+def _cached(profile: HardwareProfile, script: Path | None) -> tuple[Policy, str] | None:
+    """The cache entry for this hardware and script; imported only when no earlier source applies."""
+    from ._recommend import lookup
+
+    return lookup(profile, script)
 
 
 def _profile_for(device: str | None) -> HardwareProfile:

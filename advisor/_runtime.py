@@ -168,6 +168,11 @@ class AppliedPolicy:
         # Fingerprints describe the user's model, before any mode swaps its modules.
         self.model_signature = model_signature(model)
         self._workload_base = workload_fingerprint(model, optimizer, global_batch=None, script=_script_path())
+        tuned = self.policy.tuned_on
+        if tuned is not None and tuned.model_signature and tuned.model_signature != self.model_signature:
+            # The answer was measured on another model: its mode may be unstable or slow for
+            # this one. Switch before the conversion below, which is what the mode changes.
+            self._use_safe_default("model changed since tuning (structure differs from what was tuned)")
         before = dict(model.named_parameters())
         model = model.to(self.device)
         model = self._mode.convert_module(model)
@@ -178,6 +183,26 @@ class AppliedPolicy:
             get_logger().info(note)
         self.model, self.optimizer = model, optimizer
         return model if optimizer is None else (model, optimizer)
+
+    def _use_safe_default(self, why: str) -> None:
+        """Replace the policy by the hardware's safe default, warning once; before conversion only."""
+        from ._load import safe_default
+
+        default = safe_default(self.profile)
+        get_logger().warning(
+            f"{why}; run `mpadvise tune` again; using the safe default {default.mode} "
+            f"instead of {self.policy.describe()} from {self.source}"
+        )
+        # Switches entered by `with load_policy() as mp:` belong to the old mode: restore them
+        # (innermost first) and enter the new mode's in the same nesting.
+        depth = len(self._switch_stack)
+        while self._switch_stack:
+            self._switch_stack.pop().close()
+        self.policy = default
+        self.source = f"safe default for {self.profile.name} ({why})"
+        self._mode = create_mode(default, self.device)
+        for _ in range(depth):
+            self.__enter__()
 
     def to_device(self, *tensors: Any) -> Any:
         """Move tensors (or lists/tuples/dicts of them) to the device and cast them for the mode.

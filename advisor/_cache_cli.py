@@ -1,0 +1,615 @@
+"""``mpadvise show`` and ``mpadvise cache list|show|export|import|clear``: the cache, for people.
+
+Each command declares its options and delegates to a function that gathers plain data
+(``*_report``); rendering is separate, and ``--json`` prints the data itself. The commands are
+added to the main app by :func:`register`; everything from ``advisor.cli`` (the error
+boundary, the console) is imported when a command runs, so this module can be imported from
+``advisor/cli.py`` at any point.
+
+Reading commands (``show``, ``cache list``) treat a cache that cannot be opened as empty:
+one warning, exit 0. Commands that change the cache (``import``, ``clear``) and ``export``
+need it and fail with one line saying why.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from probes import MpadviseError
+
+if TYPE_CHECKING:
+    from probes import HardwareProfile
+
+    from ._cache import Store
+
+__all__ = [
+    "cache_list_report",
+    "clear_report",
+    "export_report",
+    "import_report",
+    "parse_duration",
+    "register",
+    "show_report",
+]
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON for scripts.")]
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``show`` and the ``cache`` command group to the ``mpadvise`` app.
+
+    Args:
+        app: the main Typer app (``advisor.cli.app``), or any app in tests.
+    """
+    from advisor.cli import handle_errors
+
+    app.command("show")(handle_errors(show))
+    cache_app = typer.Typer(
+        name="cache",
+        help="The per-GPU recommendation cache: list, show, export, import, clear.",
+        no_args_is_help=True,
+    )
+    cache_app.command("list")(handle_errors(cache_list))
+    cache_app.command("show")(handle_errors(cache_show))
+    cache_app.command("export")(handle_errors(cache_export))
+    cache_app.command("import")(handle_errors(cache_import))
+    cache_app.command("clear")(handle_errors(cache_clear))
+    app.add_typer(cache_app, name="cache")
+
+
+# --------------------------------------------------------------------------------------
+# Commands: declare and delegate
+
+
+def show(
+    all_hardware: Annotated[
+        bool, typer.Option("--all", help="Also list entries tuned on other hardware or versions.")
+    ] = False,
+    json_output: JsonOption = False,
+) -> None:
+    """Cached recommendations for this machine, and whether each still applies here."""
+    console, print_json = _output()
+    report = show_report(_machine_profiles(), include_other=all_hardware)
+    if json_output:
+        print_json(report)
+    else:
+        render_show(report, console)
+
+
+def cache_list(json_output: JsonOption = False) -> None:
+    """Every cached recommendation, for any hardware, newest first."""
+    console, print_json = _output()
+    report = cache_list_report()
+    if json_output:
+        print_json(report)
+    else:
+        render_list(report, console)
+
+
+def cache_show(
+    recommendation_id: Annotated[int, typer.Argument(metavar="ID", help="The id `mpadvise cache list` shows.")],
+    json_output: JsonOption = False,
+) -> None:
+    """One cached recommendation in full: policy, versions, hardware and its trials."""
+    console, print_json = _output()
+    record = cache_show_report(recommendation_id)
+    if json_output:
+        print_json(record)
+    else:
+        render_record(record, console)
+
+
+def cache_export(
+    file: Annotated[Path, typer.Argument(help="The JSON file to write (replaced if it exists).")],
+    ids: Annotated[
+        list[int] | None, typer.Option("--id", help="Export only this recommendation; repeat for several.")
+    ] = None,
+    json_output: JsonOption = False,
+) -> None:
+    """Write recommendations, their hardware profiles and trials to a file to share."""
+    console, print_json = _output()
+    report = export_report(file, ids=ids)
+    if json_output:
+        print_json(report)
+    else:
+        console.print(f"exported {_plural(report['exported'], 'recommendation')} to {report['file']}", highlight=False)
+
+
+def cache_import(
+    file: Annotated[Path, typer.Argument(help="A file written by `mpadvise cache export`.")],
+    json_output: JsonOption = False,
+) -> None:
+    """Add the recommendations of an exported file; refuses the whole file if any record is bad."""
+    console, print_json = _output()
+    report = import_report(file)
+    if json_output:
+        print_json(report)
+        return
+    line = f"imported {report['imported']} of {_plural(report['records'], 'record')} from {report['file']}"
+    if report["kept_newer"]:
+        line += f" ({report['kept_newer']} kept: the cached answer for the same key is newer)"
+    console.print(line, highlight=False)
+
+
+def cache_clear(
+    older_than: Annotated[
+        str | None,
+        typer.Option("--older-than", metavar="DURATION", help="Only entries older than this: 30d, 12h, 90m, 2w."),
+    ] = None,
+    json_output: JsonOption = False,
+) -> None:
+    """Delete cached recommendations and their trials (hardware profiles are kept)."""
+    console, print_json = _output()
+    age = parse_duration(older_than) if older_than is not None else None
+    report = clear_report(age)
+    if json_output:
+        print_json(report)
+    else:
+        scope = f" older than {older_than}" if older_than is not None else ""
+        console.print(f"deleted {_plural(report['deleted'], 'recommendation')}{scope} from {report['database']}", highlight=False)
+
+
+# --------------------------------------------------------------------------------------
+# The work: plain data in, plain data out
+
+
+def parse_duration(text: str) -> datetime.timedelta:
+    """``"30d"`` -> 30 days; also ``s``, ``m``, ``h``, ``w`` and sums such as ``1d12h``.
+
+    Args:
+        text: the ``--older-than`` value.
+
+    Returns:
+        The duration.
+
+    Raises:
+        MpadviseError: (exit 2, a usage error) the text is not a positive duration.
+    """
+    compact = text.strip().lower()
+    parts = list(_DURATION.finditer(compact))
+    covered = "".join(match.group(0) for match in parts)
+    if not parts or covered.replace(" ", "") != compact.replace(" ", ""):
+        raise MpadviseError(
+            f"--older-than {text!r} is not a duration; expected a number and a unit (s, m, h, d, "
+            "w) such as 30d, 12h or 1d12h",
+            exit_code=2,
+        )
+    seconds = sum(float(match.group(1)) * _UNIT_SECONDS[match.group(2)] for match in parts)
+    if seconds <= 0:
+        raise MpadviseError(f"--older-than {text!r} must be longer than zero, such as 30d", exit_code=2)
+    return datetime.timedelta(seconds=seconds)
+
+
+def show_report(profiles: list[HardwareProfile], *, include_other: bool = False) -> dict[str, Any]:
+    """What ``mpadvise show`` prints: this machine's entries, each judged valid or not here.
+
+    Args:
+        profiles: this machine's devices (first: the training device, which judges entries
+            from other hardware).
+        include_other: also list entries whose hardware fingerprint is not this machine's.
+
+    Returns:
+        ``{"database", "cache", "hardware", "recommendations", "other_hardware"}``: ``cache``
+        is False when no cache could be opened; ``other_hardware`` counts the entries of other
+        fingerprints (listed only with ``include_other``).
+    """
+    from probes import hardware_fingerprint
+
+    from ._recommend import entry_status
+
+    local = {hardware_fingerprint(profile): profile for profile in profiles}
+    report: dict[str, Any] = {
+        "database": str(_database_path()),
+        "cache": False,
+        "hardware": [{"fingerprint": fp, "device": p.name} for fp, p in local.items()],
+        "recommendations": [],
+        "other_hardware": 0,
+    }
+    rows = _read_rows()
+    if rows is None:
+        return report
+    report["cache"] = True
+    for row in rows:
+        here = local.get(row["hardware_fp"])
+        if here is None:
+            report["other_hardware"] += 1
+            if not include_other:
+                continue
+            reason = entry_status(row, profiles[0]) or "tuned on other hardware"
+            status = f"other hardware: {_detail(reason)}"
+        else:
+            reason = entry_status(row, here)
+            status = "valid" if reason is None else reason
+        entry = _summary_row(row)
+        entry.update(this_machine=here is not None, valid=reason is None, status=status)
+        report["recommendations"].append(entry)
+    return report
+
+
+def cache_list_report() -> dict[str, Any]:
+    """Every cached recommendation (no trials), newest first.
+
+    Returns:
+        ``{"database", "cache", "recommendations"}``; ``cache`` is False when no cache could
+        be opened.
+    """
+    rows = _read_rows()
+    return {
+        "database": str(_database_path()),
+        "cache": rows is not None,
+        "recommendations": [_summary_row(row) for row in rows or []],
+    }
+
+
+def cache_show_report(recommendation_id: int) -> dict[str, Any]:
+    """One recommendation with its trials, hardware profile and versions.
+
+    Args:
+        recommendation_id: the entry's id.
+
+    Returns:
+        The stored record.
+
+    Raises:
+        MpadviseError: there is no such entry, or no cache.
+    """
+    from ._cache import open_store
+    from ._recommend import nothing_cached_yet
+
+    if nothing_cached_yet(_database_path()):
+        raise MpadviseError(
+            f"recommendation #{recommendation_id} is not in the cache: nothing is cached in "
+            f"{_database_path()} yet; `mpadvise tune` caches its answers"
+        )
+    store = open_store()
+    if store is None:
+        raise MpadviseError(
+            f"recommendation #{recommendation_id} cannot be read: the cache {_database_path()} "
+            "cannot be opened (see the warning above)"
+        )
+    with store:
+        record = store.get(recommendation_id)
+    if record is None:
+        raise MpadviseError(
+            f"recommendation #{recommendation_id} is not in the cache {store.path}; "
+            "`mpadvise cache list` lists the ids"
+        )
+    return record
+
+
+def export_report(file: Path, *, ids: list[int] | None = None) -> dict[str, Any]:
+    """Export recommendations to ``file``.
+
+    Args:
+        file: where to write.
+        ids: only these entries; ``None`` or empty for all.
+
+    Returns:
+        ``{"file", "exported", "database"}``.
+    """
+    with _writable_store() as store:
+        count = store.export_records(file, ids=ids or None)
+        return {"file": str(file), "exported": count, "database": str(store.path)}
+
+
+def import_report(file: Path) -> dict[str, Any]:
+    """Import an exported file, all or nothing, after validating every record.
+
+    Beyond the store's own checks (format, field types), each record's policy must be valid
+    for this mpadvise, and its hardware fingerprint must be the one its hardware profile and
+    its policy's ``[tuned_on]`` record give: a record edited to claim other hardware, or
+    written by another fingerprint recipe, is refused.
+
+    Args:
+        file: a file written by ``mpadvise cache export``.
+
+    Returns:
+        ``{"file", "records", "imported", "kept_newer", "database"}``.
+
+    Raises:
+        MpadviseError: the file or a record is refused; nothing was imported.
+    """
+    records = _precheck_export(file)
+    with _writable_store() as store:
+        imported = store.import_records(file, validate_hardware=_check_record_hardware)
+        return {
+            "file": str(file),
+            "records": len(records),
+            "imported": imported,
+            "kept_newer": len(records) - imported,
+            "database": str(store.path),
+        }
+
+
+def clear_report(older_than: datetime.timedelta | None) -> dict[str, Any]:
+    """Delete recommendations, all or those older than ``older_than``.
+
+    Returns:
+        ``{"deleted", "older_than_seconds", "database"}``.
+    """
+    with _writable_store() as store:
+        deleted = store.clear(older_than)
+        return {
+            "deleted": deleted,
+            "older_than_seconds": None if older_than is None else older_than.total_seconds(),
+            "database": str(store.path),
+        }
+
+
+# --------------------------------------------------------------------------------------
+# Rendering
+
+
+def render_show(report: dict[str, Any], console: Console) -> None:
+    """Print ``mpadvise show``: this machine's entries, then (``--all``) the others and why
+    they do not apply here; a plain sentence when there is nothing to list."""
+    devices = ", ".join(item["device"] for item in report["hardware"]) or "this machine"
+    if not report["cache"]:
+        console.print(f"No cache: {report['database']} cannot be used (see the warning above).", highlight=False)
+        return
+    here = [row for row in report["recommendations"] if row["this_machine"]]
+    other = [row for row in report["recommendations"] if not row["this_machine"]]
+    if not here:
+        console.print(
+            f"No recommendations cached for this machine ({devices}) in {report['database']}. "
+            "`mpadvise tune train.py` measures and caches one.",
+            highlight=False,
+        )
+    else:
+        table = _table(f"This machine ({devices})", ("id", "script", "workload", "mode", "speedup", "tuned", "status"))
+        for row in here:
+            status = "[green]valid[/]" if row["valid"] else f"[yellow]{row['status']}[/]"
+            table.add_row(
+                str(row["id"]), row["script_name"] or "-", _short(row["workload_fp"]), row["mode"],
+                _speedup(row["speedup_vs_fp32"]), row["tuned"], status,
+            )
+        console.print(table)
+    if other:
+        table = _table("Other hardware or versions (not applied here)", ("id", "device", "script", "mode", "tuned", "why not"))
+        for row in other:
+            table.add_row(
+                str(row["id"]), row["device"] or row["hardware_fp"], row["script_name"] or "-",
+                row["mode"], row["tuned"], row["status"].removeprefix("other hardware: "),
+            )
+        console.print(table)
+    hidden = report["other_hardware"] - len(other)
+    if hidden:
+        console.print(
+            f"{_plural(hidden, 'entry', 'entries')} tuned on other hardware or versions not shown; "
+            "`mpadvise show --all` lists them.",
+            highlight=False,
+        )
+
+
+def render_list(report: dict[str, Any], console: Console) -> None:
+    """Print every cached recommendation as a table."""
+    rows = report["recommendations"]
+    if not report["cache"]:
+        console.print(f"No cache: {report['database']} cannot be used (see the warning above).", highlight=False)
+        return
+    if not rows:
+        console.print(f"The cache {report['database']} holds no recommendations.", highlight=False)
+        return
+    table = _table(report["database"], ("id", "device", "script", "workload", "mode", "speedup", "tuned"))
+    for row in rows:
+        table.add_row(
+            str(row["id"]), row["device"] or row["hardware_fp"], row["script_name"] or "-",
+            _short(row["workload_fp"]), row["mode"], _speedup(row["speedup_vs_fp32"]), row["tuned"],
+        )
+    console.print(table)
+
+
+def render_record(record: dict[str, Any], console: Console) -> None:
+    """Print one recommendation: facts, then its trials."""
+    summary = _summary_row(record)
+    facts = Table(title=f"cache entry #{record['id']}", show_header=False, title_justify="left", title_style="bold")
+    facts.add_column(style="cyan")
+    facts.add_column(overflow="fold")
+    facts.add_row("policy", summary["mode"])
+    facts.add_row("script", record["script"] or "-")
+    facts.add_row("device", summary["device"] or "-")
+    facts.add_row("hardware fingerprint", record["hardware_fp"])
+    facts.add_row("workload fingerprint", record["workload_fp"])
+    facts.add_row("speedup vs fp32", _speedup(record["speedup_vs_fp32"]))
+    facts.add_row("goodput", f"{record['goodput']:.1f} samples/s" if record["goodput"] else "-")
+    facts.add_row("tuned", str(record["created_at"]))
+    versions = ", ".join(f"{name} {version or 'absent'}" for name, version in (record["versions"] or {}).items())
+    facts.add_row("versions", versions or "-")
+    console.print(facts)
+    trials = record.get("trials") or []
+    if not trials:
+        return
+    table = Table(title="trials", title_justify="left")
+    for column in ("#", "mode", "outcome", "verdict", "goodput", "reason"):
+        table.add_column(column, overflow="fold")
+    for trial in trials:
+        goodput = trial.get("goodput")
+        table.add_row(
+            str(trial.get("number")), trial.get("mode") or "-", trial.get("outcome") or "-",
+            trial.get("verdict") or "-", "-" if goodput is None else f"{goodput:.1f}",
+            trial.get("reason") or "",
+        )
+    console.print(table)
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+
+
+def _output() -> tuple[Console, Callable[[Any], None]]:
+    """The CLI's console and JSON printer; also attaches the log handler for cache warnings."""
+    from advisor.cli import console, print_json
+
+    from ._log import get_logger
+
+    get_logger()
+    return console, print_json
+
+
+def _machine_profiles() -> list[HardwareProfile]:
+    """This machine's devices, training device first (tests replace this)."""
+    import probes
+
+    return probes.detect()
+
+
+def _database_path() -> Path:
+    from ._paths import database_path
+
+    return database_path()
+
+
+def _read_rows() -> list[dict[str, Any]] | None:
+    """Every recommendation, newest first; ``None`` when no cache can be opened (one warning)."""
+    from ._cache import open_store
+    from ._recommend import nothing_cached_yet
+
+    path = _database_path()
+    if nothing_cached_yet(path):
+        return []
+    store = open_store(path)
+    if store is None:
+        return None
+    with store:
+        return store.list_recommendations()
+
+
+def _writable_store() -> Store:
+    """The cache, for commands that need it: raises one clear line when it cannot be opened."""
+    from ._cache import Store
+
+    return Store(_database_path())
+
+
+def _summary_row(row: dict[str, Any]) -> dict[str, Any]:
+    """One recommendation as list/show print it (no trials)."""
+    from policies import Policy, PolicyError
+
+    try:
+        described = Policy.from_dict(row["policy"]).describe()
+    except PolicyError:
+        described = f"{row['mode']} (unreadable policy)"
+    hardware = row.get("hardware") or {}
+    summary = row.get("summary") or {}
+    script = row.get("script")
+    return {
+        "id": row["id"],
+        "hardware_fp": row["hardware_fp"],
+        "device": hardware.get("name") or summary.get("device"),
+        "workload_fp": row["workload_fp"],
+        "script": script,
+        "script_name": Path(script).name if script else None,
+        "mode": described,
+        "policy": row["policy"],
+        "speedup_vs_fp32": row["speedup_vs_fp32"],
+        "goodput": row["goodput"],
+        "created_at": row["created_at"],
+        "tuned": str(row["created_at"])[:10],
+        "versions": row.get("versions") or {},
+    }
+
+
+def _precheck_export(file: Path) -> list[Any]:
+    """The file's records, after checking each policy; leaves file-level errors to the store.
+
+    Returns:
+        The raw records (empty when the file is not a readable export: the store then
+        refuses it with its own message).
+    """
+    from policies import Policy, PolicyError
+
+    from ._cache import EXPORT_FORMAT
+
+    try:
+        document = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return []
+    if not isinstance(document, dict) or document.get("format") != EXPORT_FORMAT:
+        return []
+    records = document.get("records")
+    if not isinstance(records, list):
+        return []
+    for index, record in enumerate(records):
+        if not isinstance(record, dict) or not isinstance(record.get("policy"), dict):
+            continue  # the store names the missing or mistyped field
+        try:
+            policy = Policy.from_dict(record["policy"], source="policy")
+        except PolicyError as exc:
+            raise MpadviseError(f"{file}: record {index}: {exc}; nothing was imported") from None
+        tuned = policy.tuned_on
+        claimed = record.get("hardware_fp")
+        if tuned is not None and tuned.hardware_fingerprint and tuned.hardware_fingerprint != claimed:
+            raise MpadviseError(
+                f"{file}: record {index}: hardware_fp {claimed!r} disagrees with the policy's "
+                f"tuned_on.hardware_fingerprint {tuned.hardware_fingerprint!r}; the record was "
+                "edited or is corrupt; nothing was imported"
+            )
+    return records
+
+
+def _check_record_hardware(hardware_fp: str, profile: dict[str, Any] | None) -> None:
+    """Refuse a record whose fingerprint is not the one its hardware profile gives."""
+    from probes import HardwareProfile, hardware_fingerprint
+
+    if profile is None:
+        raise MpadviseError(
+            "it carries no hardware profile, so its hardware fingerprint cannot be checked; "
+            "export it again with `mpadvise cache export`"
+        )
+    try:
+        computed = hardware_fingerprint(HardwareProfile.from_dict(profile))
+    except (TypeError, ValueError) as exc:
+        raise MpadviseError(f"its hardware profile is invalid ({exc})") from None
+    if computed != hardware_fp:
+        raise MpadviseError(
+            f"hardware_fp {hardware_fp!r} is not the fingerprint of its hardware profile "
+            f"({computed!r}): the record was edited, or written by an mpadvise with another "
+            "fingerprint recipe; export it again from the machine that tuned it"
+        )
+
+
+def _table(title: str, columns: tuple[str, ...]) -> Table:
+    """A table whose short columns never wrap and whose prose columns fold rather than cut."""
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        if column in ("id", "workload", "speedup", "tuned"):
+            table.add_column(column, no_wrap=True)
+        elif column in ("status", "why not"):
+            table.add_column(column, overflow="fold", ratio=2)
+        elif column == "mode":
+            # Wide enough that the common mode names ("bf16-mixed") never break mid-word.
+            table.add_column(column, overflow="fold", ratio=1, min_width=10)
+        else:
+            table.add_column(column, overflow="fold", ratio=1)
+    return table
+
+
+def _detail(reason: str) -> str:
+    """``"tuned on other hardware or versions (torch a -> b)"`` -> ``"torch a -> b"``."""
+    match = re.fullmatch(r"tuned on other hardware or versions \((.*)\)", reason)
+    return match.group(1) if match else reason
+
+
+def _short(fingerprint: str) -> str:
+    # Tables show a prefix, as git shows short hashes; --json and `cache show` the whole key.
+    return fingerprint[:8]
+
+
+def _speedup(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _plural(count: int, singular: str, plural: str | None = None) -> str:
+    return f"{count} {singular if count == 1 else (plural or singular + 's')}"

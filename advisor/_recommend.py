@@ -1,0 +1,364 @@
+"""Tuned answers in the cache: record a tune's winner, find it again, tell when it no longer holds.
+
+The store (:mod:`advisor._cache`) keeps rows; this module decides what a row means for this
+machine and this script:
+
+* :func:`record_tune` stores the hardware profile and the winning policy with its trials. The
+  stored policy carries a complete ``[tuned_on]`` record (hardware fingerprint, versions, model
+  signature...), so every later check can be made from the policy alone.
+* :func:`lookup` is what ``load_policy()`` consults in a plain run: the newest entry for this
+  hardware fingerprint and this script. The hardware fingerprint includes the GPU name, compute
+  capability, memory size, driver, CUDA, torch and FP8 library versions, so an entry tuned
+  under anything else simply misses. Whether the *model* still matches is checked later, in
+  ``AppliedPolicy.setup()``, where the model is known.
+* :func:`stale_entries` and :func:`entry_status` say, for ``mpadvise show``, which entries do
+  not apply here and why.
+
+Nothing here raises for cache trouble during a lookup: a missing, damaged, locked or
+read-only cache costs at most one warning and the run continues with the next source.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from policies import Policy, PolicyError, TunedOn, supported_modes
+from probes import MpadviseError, hardware_fingerprint
+
+from ._log import get_logger
+
+if TYPE_CHECKING:
+    from probes import HardwareProfile
+
+    from ._cache import Store
+
+__all__ = [
+    "entry_label",
+    "entry_status",
+    "lookup",
+    "nothing_cached_yet",
+    "policy_of",
+    "record_tune",
+    "stale_entries",
+    "stored_profile",
+    "versions_of",
+]
+
+# Profile fields that describe one card at one moment rather than the hardware model: they
+# stay out of the stored profile, which travels in exports to other machines and people.
+_MOMENTARY_PROFILE_FIELDS = ("uuid", "memory_free")
+
+# Trial keys the store accepts (advisor._cache.TRIAL_FIELDS), repeated here so that building
+# a trial row does not import sqlite-utils before it is needed.
+_TRIAL_FIELDS = ("number", "mode", "params", "outcome", "verdict", "reason", "goodput", "metrics")
+
+
+def versions_of(profile: HardwareProfile) -> dict[str, str | None]:
+    """The library versions an answer was measured with: torch and each FP8 library.
+
+    Args:
+        profile: the hardware profile of the tune.
+
+    Returns:
+        ``{"torch": "2.5.1", "torchao": "0.10.0", "transformer_engine": None}``.
+    """
+    versions: dict[str, str | None] = {"torch": profile.torch_version}
+    versions.update(dict(profile.libraries))
+    return versions
+
+
+def stored_profile(profile: HardwareProfile) -> dict[str, Any]:
+    """The profile as the cache stores it: JSON-ready, without per-card identifiers.
+
+    Args:
+        profile: any hardware profile.
+
+    Returns:
+        ``profile.to_dict()`` without the UUID and the momentary free memory; its hardware
+        fingerprint is the same as the profile's.
+    """
+    data = profile.to_dict()
+    for name in _MOMENTARY_PROFILE_FIELDS:
+        data.pop(name, None)
+    return data
+
+
+def record_tune(
+    *,
+    profile: HardwareProfile,
+    policy: Policy,
+    script: str | os.PathLike[str],
+    workload_fingerprint: str,
+    trials: list[dict[str, Any]],
+    speedup_vs_fp32: float | None,
+    goodput: float | None,
+    store: Store | None = None,
+) -> int | None:
+    """Store a tune's winner for this hardware and workload, with the trials behind it.
+
+    The policy is stored with a complete ``[tuned_on]`` record: the hardware fingerprint,
+    device, torch and FP8 library versions come from ``profile``, the measurements from the
+    arguments; a ``model_signature`` and ``date`` already on ``policy.tuned_on`` are kept. An
+    earlier answer for the same (hardware, workload) key is replaced.
+
+    Args:
+        profile: the hardware the tune ran on.
+        policy: the winning policy.
+        script: the tuned training script; stored as an absolute path, so that a plain run
+            of the same file finds it.
+        workload_fingerprint: the workload's cache key (16 to 64 lowercase hex characters).
+        trials: one dict per trial, with keys among ``number``, ``mode``, ``params``,
+            ``outcome``, ``verdict``, ``reason``, ``goodput``, ``metrics``.
+        speedup_vs_fp32: the winner's goodput over the fp32 reference, if measured.
+        goodput: the winner's samples per second, if measured (stored as 0.0 when unknown).
+        store: an open store; default: the user's cache (``MPADVISE_HOME`` or XDG).
+
+    Returns:
+        The new recommendation's id, or ``None`` when there is no usable cache (after one
+        warning).
+
+    Raises:
+        MpadviseError: a field has the wrong type or shape (the message names it), or a trial
+            has a key the store does not accept.
+    """
+    for index, trial in enumerate(trials):
+        unknown = sorted(set(trial) - set(_TRIAL_FIELDS))
+        if unknown:
+            raise MpadviseError(
+                f"record_tune: trials[{index}] has key {unknown[0]!r}; allowed keys are "
+                f"{', '.join(_TRIAL_FIELDS)} (put anything else in 'metrics')"
+            )
+    script_path = str(Path(script).resolve())
+    fingerprint = hardware_fingerprint(profile)
+    earlier = policy.tuned_on or TunedOn()
+    date = earlier.date or datetime.date.today().isoformat()
+    tuned = TunedOn(
+        hardware_fingerprint=fingerprint,
+        device=profile.name,
+        torch=profile.torch_version or "",
+        libraries=tuple(sorted(profile.libraries)),
+        date=date,
+        speedup_vs_fp32=speedup_vs_fp32,
+        goodput=goodput,
+        workload_fingerprint=workload_fingerprint,
+        model_signature=earlier.model_signature,
+        script=script_path,
+        trials=len(trials),
+    )
+    stored_policy = replace(policy, tuned_on=tuned)
+    summary = {
+        "speedup_vs_fp32": speedup_vs_fp32,
+        "goodput": goodput,
+        "trial_count": len(trials),
+        "device": profile.name,
+        "date": date,
+        "model_signature": earlier.model_signature,
+    }
+    owned = store is None
+    if store is None:
+        from ._cache import open_store
+
+        store = open_store()
+        if store is None:
+            return None
+    try:
+        store.put_hardware(fingerprint, stored_profile(profile))
+        return store.put_recommendation(
+            hardware_fp=fingerprint,
+            workload_fp=workload_fingerprint,
+            script=script_path,
+            policy=stored_policy.to_dict(),
+            speedup_vs_fp32=speedup_vs_fp32,
+            # The store needs a number; an unmeasured goodput is recorded as 0, and the
+            # summary keeps the None.
+            goodput=goodput if goodput is not None else 0.0,
+            versions=versions_of(profile),
+            summary=summary,
+            trials=[dict(trial) for trial in trials],
+        )
+    finally:
+        if owned:
+            store.close()
+
+
+def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> tuple[Policy, str] | None:
+    """The cached policy for this hardware and script, for ``load_policy()``.
+
+    The newest entry with this hardware fingerprint whose script is this file wins; an entry
+    whose script only has the same base name (tuned elsewhere and imported, or moved) is used
+    when there is no exact match. ``AppliedPolicy.setup()`` then checks that the model is the
+    one that was tuned.
+
+    A cache that does not exist yet is not created and costs no warning; one that cannot be
+    used (damaged beyond repair, locked, unreadable directory) costs one warning.
+
+    Args:
+        profile: the hardware this run trains on.
+        script: the running script's path, or ``None`` (notebook, REPL: nothing to match).
+
+    Returns:
+        ``(policy, "cache entry #ID (tuned DATE)")``, or ``None`` on a miss or any cache
+        trouble.
+    """
+    if script is None:
+        return None
+    from ._cache import open_store
+    from ._paths import database_path
+
+    path = database_path()
+    if nothing_cached_yet(path):
+        # Opening would create the directory and the database file for a lookup that cannot
+        # hit; a plain training run should leave no files behind.
+        return None
+    store = open_store(path)
+    if store is None:
+        return None
+    script_path = str(Path(script).resolve())
+    try:
+        with store:
+            # The store matches a given base name against stored paths and their base names,
+            # so this one query returns the exact-path entries and the same-name ones.
+            rows = store.find_recommendations(
+                hardware_fp=hardware_fingerprint(profile), script=os.path.basename(script_path)
+            )
+    except (MpadviseError, OSError, ValueError) as exc:
+        # ValueError: a row whose JSON was damaged by hand. A cache must never stop training.
+        get_logger().warning(f"cache lookup in {path} failed: {exc}; continuing without the cache")
+        return None
+    if not rows:
+        return None
+    exact = [row for row in rows if row["script"] == script_path]
+    row = (exact or rows)[0]
+    try:
+        policy = policy_of(row)
+    except PolicyError as exc:
+        get_logger().warning(
+            f"{entry_label(row)} in {path} cannot be read ({exc}); ignoring it; "
+            "`mpadvise cache clear` removes it, `mpadvise tune` writes a new one"
+        )
+        return None
+    support = supported_modes(profile).get(policy.mode)
+    if support is None or not support.supported:
+        # Same hardware, but this mpadvise no longer runs the mode here (its support table
+        # changed): skipping the entry beats failing the run on it.
+        why = support.reason if support is not None else "unknown mode"
+        get_logger().warning(
+            f"not applying {entry_label(row)}: mode {policy.mode} cannot run on {profile.name} "
+            f"({why}); run `mpadvise tune` again"
+        )
+        return None
+    return policy, entry_label(row)
+
+
+def policy_of(row: dict[str, Any]) -> Policy:
+    """The Policy stored in a cache row.
+
+    Args:
+        row: a recommendation record from the store.
+
+    Returns:
+        The validated Policy, with its ``tuned_on`` record.
+
+    Raises:
+        PolicyError: the stored policy is not valid for this version of mpadvise.
+    """
+    return Policy.from_dict(row["policy"], source=f"cache entry #{row['id']}")
+
+
+def entry_label(row: dict[str, Any]) -> str:
+    """``"cache entry #7 (tuned 2025-03-01)"``: how logs and commands name a cache row."""
+    return f"cache entry #{row['id']} (tuned {str(row['created_at'])[:10]})"
+
+
+def entry_status(row: dict[str, Any], profile: HardwareProfile) -> str | None:
+    """Why a cache entry would not be applied on ``profile``, or ``None`` when it would be.
+
+    Args:
+        row: a recommendation record from the store.
+        profile: the hardware to judge it for.
+
+    Returns:
+        ``None`` when the entry is valid here; otherwise a reason for people, such as
+        ``"tuned on other hardware or versions (torch 2.4.0 -> 2.5.1)"``.
+    """
+    from ._load import foreign_reason
+
+    try:
+        policy = policy_of(row)
+    except PolicyError as exc:
+        return f"unreadable policy ({exc})"
+    reason = foreign_reason(policy, profile)
+    if reason is None and row["hardware_fp"] != hardware_fingerprint(profile):
+        # A policy stored without a [tuned_on] fingerprint: the row's key still says where it
+        # was measured.
+        reason = f"it was tuned on other hardware (fingerprint {row['hardware_fp']})"
+    if reason is not None:
+        return reason.removeprefix("it was ")
+    support = supported_modes(profile).get(policy.mode)
+    if support is not None and not support.supported:
+        return f"mode {policy.mode} cannot run here ({support.reason})"
+    return None
+
+
+def stale_entries(
+    profile: HardwareProfile,
+    script: str | os.PathLike[str] | None,
+    *,
+    store: Store | None = None,
+) -> list[tuple[dict[str, Any], str]]:
+    """Cache entries for ``script`` that were tuned on other hardware or versions, with why.
+
+    Args:
+        profile: the hardware this machine has.
+        script: a script path or base name; ``None`` for every script.
+        store: an open store; default: the user's cache, opened for this call.
+
+    Returns:
+        ``[(row, reason), ...]``, newest first; empty when there is no cache.
+    """
+    owned = store is None
+    if store is None:
+        from ._cache import open_store
+
+        store = open_store()
+        if store is None:
+            return []
+    try:
+        fingerprint = hardware_fingerprint(profile)
+        name = None if script is None else os.path.basename(os.fspath(script))
+        rows = store.find_recommendations(script=name)
+    finally:
+        if owned:
+            store.close()
+    stale = []
+    for row in rows:
+        if row["hardware_fp"] == fingerprint:
+            continue
+        stale.append((row, entry_status(row, profile) or "tuned on other hardware"))
+    return stale
+
+
+def nothing_cached_yet(path: Path) -> bool:
+    """Whether the cache file at ``path`` does not exist yet but could be created there.
+
+    Such a cache holds nothing, so readers can skip it without creating it. A location where
+    it could not be created (below a regular file, in a read-only directory) is not "nothing
+    cached yet": readers open it anyway, so that the store warns about it once.
+
+    Args:
+        path: the database file.
+
+    Returns:
+        True when ``path`` does not exist and its nearest existing ancestor is a writable
+        directory.
+    """
+    if path.exists():
+        return False
+    for ancestor in path.parents:
+        if ancestor.exists():
+            return ancestor.is_dir() and os.access(ancestor, os.W_OK | os.X_OK)
+    return False
