@@ -21,6 +21,7 @@ from probes import MpadviseError
 
 from ._load import load_policy
 from ._runtime import AppliedPolicy
+from ._tune_api import tune
 
 __version__ = "0.1.0"
 
@@ -34,4 +35,5 @@ __all__ = [
     "PolicyError",
     "__version__",
     "load_policy",
+    "tune",
 ]

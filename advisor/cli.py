@@ -122,6 +122,43 @@ def trial(
     raise typer.Exit(code)
 
 
+@app.command()
+@handle_errors
+def tune(
+    script: Annotated[Path, typer.Argument(help="The training script (it calls advisor.load_policy()).")],
+    script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
+    trials: Annotated[int, typer.Option(help="Trial budget of the search (the reference not counted).")] = 20,
+    time_budget: Annotated[float | None, typer.Option("--time-budget", help="Seconds after which no new trial starts.")] = None,
+    steps: Annotated[int, typer.Option(help="Measured optimizer steps per trial (after the warm-up).")] = 40,
+    warmup: Annotated[int, typer.Option(help="Warm-up steps per trial, not timed.")] = 5,
+    mode: Annotated[list[str] | None, typer.Option("--mode", "-m", help="Restrict the search to these modes.")] = None,
+    scale_batch: Annotated[bool, typer.Option("--scale-batch", help="Also try larger global batches (changes the optimisation).")] = False,
+    include_emulated: Annotated[bool, typer.Option("--include-emulated", help="Also search FP8 emulated on a CPU.")] = False,
+    memory_limit: Annotated[str | None, typer.Option("--memory-limit", help="e.g. 4GiB: candidates above it are infeasible.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds before a trial is killed.")] = 600.0,
+    seed: Annotated[int, typer.Option(help="Seed shared by every trial and the sampler.")] = 0,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda:N; default: the first GPU, else the CPU.")] = None,
+    storage: Annotated[str | None, typer.Option(help="Optuna storage URL; default: an SQLite file in the cache directory.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the stored study instead of starting afresh.")] = False,
+    out: Annotated[Path | None, typer.Option("--out", help="Config file to write; default: <script>.mpadvise.toml beside it.")] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Do not store the answer in the per-GPU cache.")] = False,
+    no_priors: Annotated[
+        bool, typer.Option("--no-priors", help="Measure candidates even when the matmul priors say they cannot win.")
+    ] = False,
+    json_output: JsonOption = False,
+) -> None:
+    """Search precision mode, loss scaling and micro-batch size for the fastest stable policy."""
+    from ._tune_command import run_tune_command
+
+    code = run_tune_command(
+        script, script_args or [], trials=trials, time_budget=time_budget, steps=steps, warmup=warmup,
+        memory_limit=memory_limit, timeout=timeout, seed=seed, device=device, modes=mode or [],
+        scale_batch=scale_batch, include_emulated=include_emulated, storage=storage, resume=resume, out=out,
+        cache=not no_cache, use_priors=not no_priors, json_output=json_output, console=console,
+    )
+    raise typer.Exit(code)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -1,0 +1,243 @@
+"""The search space and the pure decisions of the tuner: candidates, priors, bounds, ranking.
+
+No optuna, no torch, no clocks: the search module drives these with measured data, and the
+tests check them with made-up numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from policies import LossScale, Policy
+
+from ._stability import safety_rank
+
+FP16_INIT_SCALES: tuple[float, ...] = (2.0**8, 2.0**12, 2.0**16)
+FP16_GROWTH_INTERVALS: tuple[int, ...] = (500, 2000)
+MODE_DTYPE = {
+    "fp32": "fp32", "tf32": "tf32", "fp16-mixed": "fp16", "bf16-mixed": "bf16",
+    "fp16-true": "fp16", "bf16-true": "bf16", "fp8-te": "fp8", "fp8-torchao": "fp8",
+}
+# A candidate whose matmul dtype runs at under this fraction of fp32's rate on this device
+# cannot beat fp32 (at best it ties, and ties go to the safer policy): it is not worth a trial.
+SLOW_DTYPE_RATIO = 0.5
+# How far a candidate of an unmeasured mode may beat what its matmul ratio alone predicts
+# (memory-bound work halves its bytes in 16-bit dtypes; kernels differ).
+PRIOR_SLACK = 1.25
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One point of the search space: a precision mode and its settings.
+
+    Attributes:
+        mode: the precision mode.
+        micro_batch: samples per forward pass; ``None`` keeps the script's batch.
+        loss_scale: ``"dynamic"`` or ``"static"`` (fp16-mixed only).
+        init_scale: initial (dynamic) or fixed (static) loss scale (fp16-mixed only).
+        growth_interval: clean steps between scale growths (dynamic fp16-mixed only).
+    """
+
+    mode: str
+    micro_batch: int | None = None
+    loss_scale: str | None = None
+    init_scale: float | None = None
+    growth_interval: int | None = None
+
+    def policy(self, user_batch: int | None) -> Policy:
+        """The Policy a trial runs: accumulation keeps the global batch when the micro-batch
+        divides it; a larger micro-batch (``--scale-batch``) changes the global batch."""
+        loss_scale = None
+        if self.mode == "fp16-mixed":
+            loss_scale = LossScale(
+                kind=self.loss_scale or "dynamic",
+                init_scale=self.init_scale or 65536.0,
+                growth_interval=self.growth_interval or 2000,
+            )
+        micro = accum = None
+        if self.micro_batch is not None and self.micro_batch != user_batch:
+            micro = self.micro_batch
+            accum = max(1, user_batch // self.micro_batch) if user_batch and self.micro_batch < user_batch else 1
+        return Policy(mode=self.mode, loss_scale=loss_scale, micro_batch_size=micro, grad_accum_steps=accum)
+
+    @property
+    def label(self) -> str:
+        parts = [self.mode]
+        if self.mode == "fp16-mixed" and self.loss_scale:
+            parts.append(f"{self.loss_scale} 2^{int(math.log2(self.init_scale or 65536))}")
+            if self.loss_scale == "dynamic" and self.growth_interval:
+                parts.append(f"g{self.growth_interval}")
+        if self.micro_batch is not None:
+            parts.append(f"mb{self.micro_batch}")
+        return " ".join(parts)
+
+    def params(self) -> dict[str, object]:
+        """The Optuna parameters that select this candidate (for enqueueing)."""
+        out: dict[str, object] = {"mode": self.mode}
+        if self.micro_batch is not None:
+            out["micro_batch"] = self.micro_batch
+        if self.mode == "fp16-mixed":
+            out["loss_scale"] = self.loss_scale or "dynamic"
+            out["init_scale"] = self.init_scale or 65536.0
+            if (self.loss_scale or "dynamic") == "dynamic":
+                out["growth_interval"] = self.growth_interval or 2000
+        return out
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which candidates a tune may try on this hardware for this script.
+
+    Attributes:
+        modes: supported modes to search (unsupported ones are never in it).
+        micro_batches: micro-batch sizes, the script's own batch first.
+        user_batch: the script's global batch (from the reference trial).
+        scale_batch: whether micro-batches above the user's batch (a larger global batch,
+            which changes the optimisation) are allowed.
+    """
+
+    modes: tuple[str, ...]
+    micro_batches: tuple[int, ...]
+    user_batch: int | None
+    scale_batch: bool = False
+
+    def normalise(self, candidate: Candidate) -> Candidate:
+        """Drop settings that do not apply, so equal policies compare equal."""
+        micro = candidate.micro_batch
+        if micro == self.user_batch:
+            micro = None  # the script's own batch
+        if candidate.mode != "fp16-mixed":
+            return Candidate(candidate.mode, micro)
+        kind = candidate.loss_scale or "dynamic"
+        return Candidate(
+            "fp16-mixed", micro, kind, candidate.init_scale or 65536.0,
+            (candidate.growth_interval or 2000) if kind == "dynamic" else None,
+        )
+
+    def grid(self) -> list[Candidate]:
+        """Every candidate: what an exhaustive search would run."""
+        out = []
+        for mode in self.modes:
+            for micro in self.micro_batches:
+                if mode != "fp16-mixed":
+                    out.append(self.normalise(Candidate(mode, micro)))
+                    continue
+                for scale in FP16_INIT_SCALES:
+                    out.append(self.normalise(Candidate(mode, micro, "static", scale)))
+                    for growth in FP16_GROWTH_INTERVALS:
+                        out.append(self.normalise(Candidate(mode, micro, "dynamic", scale, growth)))
+        return list(dict.fromkeys(out))
+
+
+def micro_batch_choices(user_batch: int | None, *, scale_batch: bool = False) -> tuple[int, ...]:
+    """The user's batch, its halves and quarters (accumulated back), and with ``scale_batch``
+    its double and quadruple."""
+    if not user_batch:
+        return ()
+    choices = [user_batch]
+    for div in (2, 4):
+        if user_batch % div == 0 and user_batch // div >= 1:
+            choices.append(user_batch // div)
+    if scale_batch:
+        choices += [user_batch * 2, user_batch * 4]
+    return tuple(dict.fromkeys(choices))
+
+
+def space_for(
+    support: Mapping[str, object],
+    user_batch: int | None,
+    *,
+    include_emulated: bool = False,
+    scale_batch: bool = False,
+    modes: Iterable[str] | None = None,
+) -> SearchSpace:
+    """The space on this hardware: supported modes only; FP8 emulation only when asked for.
+
+    Args:
+        support: ``policies.supported_modes(profile)``.
+        user_batch: the script's batch, reported by the reference trial.
+        include_emulated: also search FP8 emulated on a CPU (correct numerics, no speed).
+        scale_batch: allow larger global batches.
+        modes: restrict to these modes (each must be supported).
+    """
+    wanted = list(modes) if modes else list(support)
+    chosen = []
+    for mode in wanted:
+        info = support[mode]
+        if not info.supported:  # type: ignore[attr-defined]
+            continue
+        if mode.startswith("fp8") and info.emulated and not include_emulated:  # type: ignore[attr-defined]
+            continue
+        chosen.append(mode)
+    if "fp32" not in chosen:
+        chosen.insert(0, "fp32")
+    return SearchSpace(tuple(chosen), micro_batch_choices(user_batch, scale_batch=scale_batch), user_batch, scale_batch)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the search knows about one evaluated candidate."""
+
+    candidate: Candidate
+    goodput: float  # samples/s; 0 when it did not run
+    feasible: bool  # ran and fit in memory
+    stable: bool
+    oom: bool = False
+    outcome: str = ""  # ok / unstable / oom / crash / ... for reports
+    reason: str = ""
+
+
+def upper_bound(
+    candidate: Candidate,
+    measured: Mapping[Candidate, Measured],
+    *,
+    user_batch: int | None,
+    reference_goodput: float,
+    dtype_ratio: Mapping[str, float],
+) -> float:
+    """The most goodput this untried candidate could plausibly reach (0 when it cannot run).
+
+    Priors, in order: a micro-batch split of settings that were unstable stays unstable; a
+    micro-batch at or above one that ran out of memory in this mode cannot
+    fit; a variant of a mode already measured at a micro-batch at least as large (another loss
+    scale, a smaller micro-batch accumulated back) is no faster than that run; an
+    unmeasured mode is bounded by its matmul speed ratio to fp32 on this device, and a dtype
+    under half fp32's rate cannot beat fp32 (at best it ties, and ties go to fp32).
+    """
+    size = candidate.micro_batch or user_batch or 0
+    same_mode = [m for m in measured.values() if m.candidate.mode == candidate.mode]
+    for m in same_mode:
+        # Accumulating smaller micro-batches keeps the optimisation the same, so it does not
+        # cure a precision instability; another loss scale might, and is still explored.
+        if m.feasible and not m.stable and _same_settings(m.candidate, candidate):
+            return 0.0
+    for m in same_mode:
+        if m.oom and size >= (m.candidate.micro_batch or user_batch or 0):
+            return 0.0
+    runs = [m.goodput for m in same_mode if m.feasible and (m.candidate.micro_batch or user_batch or 0) >= size]
+    if runs:
+        # Another loss scale, or a smaller micro-batch accumulated back, does not make a step
+        # faster than a measured run of the same mode at a batch at least as large.
+        return max(runs)
+    ratio = dtype_ratio.get(MODE_DTYPE.get(candidate.mode, ""))
+    if ratio is None:
+        return math.inf
+    if ratio < SLOW_DTYPE_RATIO and candidate.mode != "fp32":
+        return reference_goodput
+    return reference_goodput * max(ratio, 1.0) * PRIOR_SLACK
+
+
+def _same_settings(a: Candidate, b: Candidate) -> bool:
+    """Same mode and loss scaling, whatever the micro-batch."""
+    return (a.mode, a.loss_scale, a.init_scale, a.growth_interval) == (b.mode, b.loss_scale, b.init_scale, b.growth_interval)
+
+
+def preference_key(candidate: Candidate, user_batch: int | None) -> tuple[int, int, int]:
+    """Sort key among ties: safer mode first, then fewer accumulation steps, then dynamic
+    loss scaling (it adapts) over static."""
+    accum = 1
+    if candidate.micro_batch and user_batch and candidate.micro_batch < user_batch:
+        accum = user_batch // candidate.micro_batch
+    return (safety_rank(candidate.mode), accum, 0 if candidate.loss_scale in (None, "dynamic") else 1)
