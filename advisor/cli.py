@@ -159,6 +159,15 @@ def tune(
     raise typer.Exit(code)
 
 
+def _register_commands() -> None:
+    from ._cache_cli import register as register_cache
+
+    register_cache(app)
+
+
+_register_commands()
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
