@@ -46,22 +46,43 @@ def _suggest(trial: Any, space: SearchSpace) -> Candidate:
     return space.normalise(Candidate(mode, micro, kind, init, growth))
 
 
+def check_storage(storage: str | None) -> None:
+    """Open the Optuna storage once, so a bad URL fails before any trial runs.
+
+    Raises:
+        MpadviseError: naming the URL and the reason.
+    """
+    if storage is None:
+        return
+    import optuna
+
+    try:
+        optuna.storages.get_storage(storage)
+    except Exception as exc:  # bad dialect, unreachable server, unwritable file
+        raise MpadviseError(f"cannot open the Optuna study storage {storage!r}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _load_study(storage: str | None, study_name: str, *, resume: bool, seed: int) -> Any:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=4)
-    if not resume and storage is not None:
-        try:
-            optuna.delete_study(study_name=study_name, storage=storage)
-        except KeyError:
-            pass
     try:
+        if not resume and storage is not None:
+            try:
+                optuna.delete_study(study_name=study_name, storage=storage)
+            except KeyError:  # no such study yet
+                pass
         return optuna.create_study(
             study_name=study_name, storage=storage, direction="maximize", sampler=sampler, load_if_exists=resume
         )
     except Exception as exc:  # a bad URL, an unreachable server, a locked file
-        raise MpadviseError(f"cannot open the Optuna study storage {storage!r}: {exc}") from None
+        raise MpadviseError(f"cannot open the Optuna study storage {storage!r}: {_first_line(exc)}") from None
 
 
 def run_search(

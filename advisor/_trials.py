@@ -139,6 +139,8 @@ class Evaluation:
     def outcome(self) -> str:
         if self.result.outcome != "ok":
             return self.result.outcome
+        if self.verdict is not None and self.verdict.kind == "too_short":
+            return "too-short"  # not judged: neither stable nor shown to be unstable
         return "ok" if self.verdict is None or self.verdict.stable else "unstable"
 
     @property

@@ -19,6 +19,7 @@ from ._load import config_path_for
 from ._log import get_logger
 from ._report import VERDICT_STYLE, fmt_bytes
 from ._script import check_modes, check_script
+from ._search import check_storage
 from ._trials import ScriptRunner, TrialSettings
 from ._tune import TuneResult, tune_policy
 
@@ -85,6 +86,7 @@ def run_tune_command(
                              memory_limit=limit)
     fingerprint = hardware_fingerprint(profile)
     storage = storage if storage is not None else default_storage()
+    check_storage(storage)
     name = study_name_for(path, script_args, fingerprint)
     out_path = out or config_path_for(path)
     progress_console = Console(stderr=True) if json_output else console

@@ -16,13 +16,11 @@ mp = advisor.load_policy()
 net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
 model, optimizer = mp.setup(net, torch.optim.AdamW(net.parameters(), lr=3e-3))
 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=mp.micro_batch_size(32), shuffle=True)
-done = 0
-while done < steps:
+while mp.optimizer_steps < steps:  # optimizer steps, whatever the micro-batch split
     for xb, yb in loader:
         xb, yb = mp.to_device(xb, yb)
         with mp.autocast():
             loss = F.cross_entropy(model(xb).float(), yb)
         mp.step(loss, optimizer)
-        done += 1
-        if done >= steps:
+        if mp.optimizer_steps >= steps:
             break
