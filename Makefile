@@ -6,9 +6,9 @@ PY := .venv/bin/python
 venv:
 	@bash scripts/bootstrap.sh
 
-# The main job on a bundled example.
+# The main job on a bundled example: tune examples/mlp.py for this machine.
 demo: venv
-	$(PY) -m advisor.cli probe
+	$(PY) -m advisor.cli tune examples/mlp.py --trials 12
 
 # The whole test suite, as CI runs it.
 test: venv

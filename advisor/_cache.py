@@ -743,6 +743,12 @@ class Store:
         if workload_fp is not None:
             clauses.append("r.workload_fp = ?")
             params.append(workload_fp)
+        if script is not None:
+            # Filtered in SQL so a lookup does not decode every row of this hardware: the
+            # stored path equals ``script``, or (for a bare name) ends in "/<script>".
+            escaped = script.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            clauses.append("(r.script = ? OR r.script LIKE ? ESCAPE '\\')")
+            params += [script, f"%/{escaped}"]
         with self._read() as db:
             rows = _select_recommendations(db, " AND ".join(clauses) or "1", params)
             if script is not None:

@@ -93,6 +93,27 @@ def probe(
         render_probe(report, console)
 
 
+@app.command()
+@handle_errors
+def policy(
+    target: Annotated[
+        Path | None, typer.Argument(help="A training script, or a .toml config file to check.")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda:N; default: the first GPU, else the CPU.")] = None,
+    json_output: JsonOption = False,
+) -> None:
+    """Which policy load_policy() would apply for a script (or a config file) here, and why."""
+    from ._policy_command import explain_policy
+
+    info = explain_policy(target, device=device)
+    if json_output:
+        print_json(info)
+        return
+    console.print(f"[bold]{info['describe']}[/] from {info['source']}", highlight=False)
+    if info["not_applied_because"]:
+        console.print(f"[yellow]not applying the tuned policy[/]: {info['not_applied_because']}", highlight=False)
+
+
 @app.command(context_settings={"help_option_names": ["-h", "--help"]})
 @handle_errors
 def trial(
@@ -145,9 +166,25 @@ def tune(
     no_priors: Annotated[
         bool, typer.Option("--no-priors", help="Measure candidates even when the matmul priors say they cannot win.")
     ] = False,
+    submit: Annotated[
+        bool, typer.Option("--submit", help="Queue the tune with the local daemon (mpadvise daemon start) and follow it.")
+    ] = False,
     json_output: JsonOption = False,
 ) -> None:
     """Search precision mode, loss scaling and micro-batch size for the fastest stable policy."""
+    if submit:
+        from ._daemon_client import submit_tune
+
+        if storage is not None:
+            raise fail("--storage cannot be used with --submit: the daemon keeps its studies in its cache directory", 2)
+        code = submit_tune(
+            script, script_args or [], device=device, json_output=json_output, console=console,
+            options={"trials": trials, "time_budget": time_budget, "steps": steps, "warmup": warmup,
+                     "modes": mode or [], "scale_batch": scale_batch, "include_emulated": include_emulated,
+                     "memory_limit": memory_limit, "timeout": timeout, "seed": seed, "resume": resume,
+                     "out": str(out) if out is not None else None, "no_cache": no_cache, "no_priors": no_priors},
+        )
+        raise typer.Exit(code)
     from ._tune_command import run_tune_command
 
     code = run_tune_command(
@@ -161,8 +198,10 @@ def tune(
 
 def _register_commands() -> None:
     from ._cache_cli import register as register_cache
+    from ._daemon_cli import register as register_daemon
 
     register_cache(app)
+    register_daemon(app)
 
 
 _register_commands()

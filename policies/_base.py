@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -38,10 +37,9 @@ class PrecisionMode:
         """The dtype of most matmuls, or ``None`` for fp32."""
         return None
 
-    @contextlib.contextmanager
-    def process_switches(self) -> Iterator[None]:
-        """Set process-wide switches for the duration of the block and restore them exactly."""
-        yield
+    def process_switches(self) -> contextlib.AbstractContextManager[Any]:
+        """A context that sets process-wide switches and restores them exactly on exit."""
+        return contextlib.nullcontext()
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Return the module converted for this mode (already on ``device``)."""

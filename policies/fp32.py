@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from typing import Any
 
 from ._base import PrecisionMode
 from ._switches import matmul_switches
@@ -14,7 +14,5 @@ class Fp32(PrecisionMode):
 
     name = "fp32"
 
-    @contextlib.contextmanager
-    def process_switches(self) -> Iterator[None]:
-        with matmul_switches(tf32=False, cuda=self.device.type == "cuda"):
-            yield
+    def process_switches(self) -> contextlib.AbstractContextManager[Any]:
+        return matmul_switches(tf32=False, cuda=self.device.type == "cuda")
