@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from probes import ArchCapability, HardwareProfile, MpadviseError, capability_for
 
+from ._config import MODES
+
 __all__ = [
     "MODES",
     "ModeSupport",
@@ -18,17 +20,6 @@ __all__ = [
     "safe_default_mode",
     "supported_modes",
 ]
-
-MODES: tuple[str, ...] = (
-    "fp32",
-    "tf32",
-    "fp16-mixed",
-    "bf16-mixed",
-    "fp16-true",
-    "bf16-true",
-    "fp8-te",
-    "fp8-torchao",
-)
 
 _TE_INSTALL = 'pip install "mpadvise[fp8]"'
 _TORCHAO_INSTALL = 'pip install "mpadvise[torchao]"'
