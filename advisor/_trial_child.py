@@ -33,6 +33,7 @@ TRIAL_SPEC_ENV = "MPADVISE_TRIAL_SPEC"
 # they have lost precision, and the next loss-scale backoff flushes them to zero.
 FP16_MIN_NORMAL = 2.0**-14
 UNDERFLOW_SAMPLE = 1024  # values sampled per gradient tensor: cheap, and enough for a fraction
+_CHILD_APPLIED: AppliedPolicy | None = None
 
 
 class TrialComplete(BaseException):
@@ -82,12 +83,16 @@ def applied_for_trial(spec: TrialSpec, *, profile: HardwareProfile, device: str 
     In the trial child process: an unsupported candidate ends the process with
     ``EXIT_UNSUPPORTED``; uncaught exceptions are recorded for the parent.
     """
+    global _CHILD_APPLIED
+    if _CHILD_APPLIED is not None:  # a script that calls load_policy() twice gets one recorder
+        return _CHILD_APPLIED
     writer = ResultWriter(spec.result_path)
     writer.write(stage="loaded", pid=os.getpid())
     _install_excepthook(writer)
     applied = _build(spec, writer, profile=profile, device=device, in_process=False)
     if applied is None:
         _exit(EXIT_UNSUPPORTED)
+    _CHILD_APPLIED = applied
     return applied
 
 

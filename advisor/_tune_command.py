@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from probes import MpadviseError, hardware_fingerprint
@@ -90,8 +97,10 @@ def run_tune_command(
     name = study_name_for(path, script_args, fingerprint)
     out_path = out or config_path_for(path)
     progress_console = Console(stderr=True) if json_output else console
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=progress_console) as bar:
-        task = bar.add_task("starting", total=None)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=progress_console) as bar:
+        # The budget plus the reference; a search that stops early completes the bar.
+        task = bar.add_task("starting", total=trials + 1)
         count = {"n": 0}
 
         def on_start(label: str) -> None:
@@ -99,6 +108,7 @@ def run_tune_command(
             bar.update(task, description=f"trial {count['n']}: {label}")
 
         def on_done(label: str, ev: Any, m: Any) -> None:
+            bar.advance(task)
             style = VERDICT_STYLE.get(m.outcome, "red")
             speed = f", {ev.speedup:.2f}x fp32" if ev is not None and ev.speedup else ""
             bar.console.print(f"  {label}: [{style}]{m.outcome}[/]{speed}", highlight=False)
