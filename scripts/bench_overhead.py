@@ -118,8 +118,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads; 1 keeps a shared 2-core machine's noise out of the ratio")
     parser.add_argument("--json", dest="json_path", help="write the results here")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     rows = [measure(m, width=args.width, batch=args.batch, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
             for m in args.modes]

@@ -62,12 +62,18 @@ def bench(name: str, *, steps: int, warmup: int, rounds: int) -> dict:
     t0 = time.perf_counter()
     tuned = tune_policy(runner, profile, dtype_ratio=ratios)
     tuned_wall = time.perf_counter() - t0
+    # The sampler alone, without the priors, on a quarter of the grid's trials.
+    quarter = max(2, len(grid.space.grid()) // 4)
+    t0 = time.perf_counter()
+    blind = tune_policy(runner, profile, dtype_ratio=ratios, use_priors=False, trials=quarter - 1)
+    blind_wall = time.perf_counter() - t0
 
     user_batch = grid.space.user_batch
     thumb = Candidate(rule_of_thumb(profile))
     contenders = {
         "grid winner": grid.winner.policy(user_batch) if grid.winner else Policy(mode="fp32"),
         "tuned winner": tuned.winner.policy(user_batch) if tuned.winner else Policy(mode="fp32"),
+        "tuned winner, no priors": blind.winner.policy(user_batch) if blind.winner else Policy(mode="fp32"),
         "rule of thumb": thumb.policy(user_batch),
         "fp32": Policy(mode="fp32"),
     }
@@ -84,6 +90,10 @@ def bench(name: str, *, steps: int, warmup: int, rounds: int) -> dict:
         "cost_trials": (tuned.search.runs + 1) / (grid.search.runs + 1),
         "cost_wall": tuned_wall / grid_wall,
         "regret": 1 - good["tuned winner"] / good["grid winner"] if good["grid winner"] else None,
+        "no_priors_winner": blind.winner.label if blind.winner else None,
+        "no_priors_trials": blind.search.runs + 1,
+        "no_priors_wall_s": blind_wall,
+        "no_priors_regret": 1 - good["tuned winner, no priors"] / good["grid winner"] if good["grid winner"] else None,
         "speedup_vs_fp32": good["tuned winner"] / good["fp32"] if good["fp32"] else None,
         "speedup_vs_rule_of_thumb": good["tuned winner"] / good["rule of thumb"] if good["rule of thumb"] else None,
         "rule_of_thumb": thumb.label,
@@ -111,6 +121,10 @@ def main() -> None:
         print(f"{r['example']:<9} {str(r['grid_winner']):<26} {str(r['tuned_winner']):<26} {r['regret']:>7.1%} "
               f"{r['tuned_trials']:>3}/{r['grid_trials']:<5} {r['cost_wall']:>6.0%} {r['speedup_vs_fp32']:>7.2f}x "
               f"{r['speedup_vs_rule_of_thumb']:>8.2f}x")
+    print("without the priors (the sampler alone, a quarter of the grid's trials):")
+    for r in rows:
+        print(f"{r['example']:<9} {str(r['no_priors_winner']):<26} regret {r['no_priors_regret']:.1%}, "
+              f"{r['no_priors_trials']}/{r['grid_trials']} trials, {r['no_priors_wall_s'] / r['grid_wall_s']:.0%} of the wall time")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"machine": profile.to_dict(), "rows": rows}, indent=2, default=str))
 
