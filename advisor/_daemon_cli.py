@@ -1,0 +1,350 @@
+"""``mpadvise daemon run|start|stop|status``: the local service, from the command line.
+
+Each command declares its options and delegates: ``run`` serves in the foreground
+(:func:`advisor._daemon.serve`); ``start`` runs that same command detached, in a session of its
+own with its output in ``daemon.log``, and returns once ``/health`` answers; ``stop`` sends
+SIGTERM to the pid in ``daemon.pid`` and waits; ``status`` asks the running daemon. FastAPI
+and uvicorn are imported only by ``run`` and ``start``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from probes import MpadviseError
+
+__all__ = ["register", "start_daemon", "status_report", "stop_daemon"]
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON for scripts.")]
+HostOption = Annotated[str, typer.Option("--host", help="Address to serve on; anything but loopback needs --allow-remote.")]
+PortOption = Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port; 0 picks a free one (daemon.json says which).")]
+UdsOption = Annotated[
+    Path | None, typer.Option("--uds", help="Serve on this Unix socket (mode 0600) instead of TCP.")
+]
+RemoteOption = Annotated[
+    bool,
+    typer.Option("--allow-remote", help="Allow a non-loopback --host. Anyone with the token can then run scripts here."),
+]
+RootOption = Annotated[
+    list[Path] | None,
+    typer.Option("--allowed-root", help="Jobs' scripts must be under this directory; repeat for several. Default: your home."),
+]
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``daemon`` command group to the ``mpadvise`` app.
+
+    Args:
+        app: the main Typer app (``advisor.cli.app``), or any app in tests.
+    """
+    from advisor.cli import handle_errors
+
+    daemon_app = typer.Typer(
+        name="daemon",
+        help="A local service: cached recommendations over HTTP, and tune jobs queued one per GPU.",
+        no_args_is_help=True,
+    )
+    daemon_app.command("run")(handle_errors(run))
+    daemon_app.command("start")(handle_errors(start))
+    daemon_app.command("stop")(handle_errors(stop))
+    daemon_app.command("status")(handle_errors(status))
+    app.add_typer(daemon_app, name="daemon")
+
+
+# --------------------------------------------------------------------------------------
+# Commands: declare and delegate
+
+
+def run(
+    host: HostOption = "127.0.0.1",
+    port: PortOption = 8757,
+    uds: UdsOption = None,
+    allow_remote: RemoteOption = False,
+    allowed_root: RootOption = None,
+) -> None:
+    """Serve in the foreground until Ctrl-C or SIGTERM (logs on stderr)."""
+    from ._daemon import DaemonConfig, serve
+
+    serve(DaemonConfig(host=host, port=port, uds=uds.absolute() if uds else None, allow_remote=allow_remote,
+                       allowed_roots=tuple(p.absolute() for p in allowed_root or ())))
+
+
+def start(
+    host: HostOption = "127.0.0.1",
+    port: PortOption = 8757,
+    uds: UdsOption = None,
+    allow_remote: RemoteOption = False,
+    allowed_root: RootOption = None,
+    wait: Annotated[float, typer.Option("--wait", min=1, help="Seconds to wait for the daemon to answer.")] = 60.0,
+    json_output: JsonOption = False,
+) -> None:
+    """Start the daemon in the background (pid and log files in the cache directory)."""
+    console, err_console = _consoles()
+    info = start_daemon(host=host, port=port, uds=uds, allow_remote=allow_remote, allowed_roots=allowed_root or [],
+                        wait=wait)
+    if info.get("warning"):
+        err_console.print(f"[bold yellow]warning:[/] {info['warning']}", highlight=False, soft_wrap=True)
+    if json_output:
+        _print_json(info)
+        return
+    console.print(f"mpadvise daemon started (pid {info['pid']}) on {info['url']}", highlight=False)
+    console.print(f"jobs run on: {', '.join(info.get('slots') or [])}; scripts allowed under: "
+                  f"{', '.join(info.get('roots') or [])}", highlight=False)
+    console.print(f"token: {info['token_file']}; log: {info['log']}; stop it with `mpadvise daemon stop`",
+                  highlight=False)
+
+
+def stop(
+    wait: Annotated[float, typer.Option("--wait", min=1, help="Seconds to wait for it to exit.")] = 30.0,
+    json_output: JsonOption = False,
+) -> None:
+    """Stop the background daemon (SIGTERM); a running job is queued again at the next start."""
+    console, _ = _consoles()
+    info = stop_daemon(wait=wait)
+    if json_output:
+        _print_json(info)
+    elif info["stopped"]:
+        console.print(f"stopped the mpadvise daemon (pid {info['pid']})", highlight=False)
+    else:
+        console.print(f"no mpadvise daemon is running for {info['directory']}; nothing to stop", highlight=False)
+
+
+def status(
+    limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Show at most this many recent jobs.")] = 20,
+    json_output: JsonOption = False,
+) -> None:
+    """Whether the daemon answers, its slots, and the recent jobs."""
+    console, _ = _consoles()
+    report = status_report(limit=limit)
+    if json_output:
+        _print_json(report)
+    else:
+        render_status(report, console)
+
+
+# --------------------------------------------------------------------------------------
+# The work
+
+
+def start_daemon(
+    *,
+    host: str,
+    port: int,
+    uds: Path | None,
+    allow_remote: bool,
+    allowed_roots: list[Path],
+    wait: float,
+) -> dict[str, Any]:
+    """Run ``mpadvise daemon run`` detached and wait until ``/health`` answers.
+
+    Args:
+        host, port, uds, allow_remote, allowed_roots: as for ``daemon run``.
+        wait: seconds to wait for the first answer.
+
+    Returns:
+        The daemon's address record (``pid``, ``url``, ``log``, ``token_file``, ``slots``...),
+        plus ``warning`` for a remote bind.
+
+    Raises:
+        MpadviseError: a refused address (exit 2), a daemon already running, or one that
+            exited or did not answer in time (the message quotes its log).
+    """
+    from ._daemon import check_bind
+    from ._daemon_client import DaemonClient, DaemonPaths, daemon_running
+
+    # Refuse here, in the user's terminal, rather than in a log file they may not read.
+    warning = None if uds is not None else check_bind(host, allow_remote=allow_remote)
+    paths = DaemonPaths.here()
+    directory = paths.directory.absolute()
+    paths = DaemonPaths(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if daemon_running(paths):
+        where = _address(paths).get("url", "?")
+        raise MpadviseError(f"a daemon is already running for {directory} at {where}; "
+                            "`mpadvise daemon stop` stops it, `mpadvise daemon status` shows it")
+    argv = [sys.executable, "-m", "advisor.cli", "daemon", "run", "--host", host, "--port", str(port)]
+    if uds is not None:
+        argv += ["--uds", str(uds.absolute())]
+    if allow_remote:
+        argv.append("--allow-remote")
+    for root in allowed_roots:
+        argv += ["--allowed-root", str(root.absolute())]
+    env = dict(os.environ)
+    # The daemon runs from / (it must not keep a directory busy), so a relative cache
+    # directory has to be made absolute for it.
+    env["MPADVISE_HOME"] = str(directory)
+    with open(paths.log, "ab") as log:
+        log.write(f"--- mpadvise daemon start {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        log.flush()
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd="/",
+                                   start_new_session=True)
+    deadline = time.monotonic() + wait
+    while True:
+        code = process.poll()
+        if code is not None:
+            raise MpadviseError(
+                f"the daemon exited at start (code {code}): {_last_log_line(paths.log)} (log: {paths.log})",
+                exit_code=code if code == 2 else 1,
+            )
+        address = _address(paths)
+        if address.get("pid") == process.pid:
+            client = DaemonClient(uds=address["uds"]) if address.get("uds") else DaemonClient(url=address["url"])
+            try:
+                client.health()
+                break
+            except MpadviseError:
+                pass
+        if time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGTERM)
+            raise MpadviseError(f"the daemon did not answer within {wait:g} s; see {paths.log}")
+        time.sleep(0.1)
+    return {**address, "warning": warning}
+
+
+def stop_daemon(*, wait: float) -> dict[str, Any]:
+    """SIGTERM the daemon named by ``daemon.pid`` and wait for it to let go of its lock.
+
+    Args:
+        wait: seconds to wait.
+
+    Returns:
+        ``{"stopped": bool, "pid": int | None, "directory": str}``.
+
+    Raises:
+        MpadviseError: no pid file for a running daemon, or it did not exit in time.
+    """
+    from ._daemon_client import DaemonPaths, daemon_running
+
+    paths = DaemonPaths.here()
+    if not daemon_running(paths):
+        return {"stopped": False, "pid": None, "directory": str(paths.directory)}
+    try:
+        pid = int(paths.pid.read_text().strip())
+    except (OSError, ValueError):
+        raise MpadviseError(f"a daemon holds {paths.lock} but {paths.pid} is missing or unreadable; "
+                            "find it with `fuser` or `lsof` on the lock file and stop it by hand") from None
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        raise MpadviseError(f"not allowed to signal the daemon (pid {pid}); it runs as another user") from None
+    deadline = time.monotonic() + wait
+    while daemon_running(paths):
+        if time.monotonic() > deadline:
+            raise MpadviseError(f"the daemon (pid {pid}) did not stop within {wait:g} s; "
+                                f"`kill -9 {pid}` forces it (its jobs are queued again at the next start)")
+        time.sleep(0.1)
+    return {"stopped": True, "pid": pid, "directory": str(paths.directory)}
+
+
+def status_report(*, limit: int = 20) -> dict[str, Any]:
+    """What the running daemon says about itself and its recent jobs.
+
+    Args:
+        limit: how many recent jobs.
+
+    Returns:
+        ``{"running": True, "where": ..., "health": {...}, "jobs": [...]}``.
+
+    Raises:
+        MpadviseError: no daemon runs, or it does not answer.
+    """
+    from ._daemon_client import DaemonClient
+
+    client = DaemonClient.local()
+    return {"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)}
+
+
+def render_status(report: dict[str, Any], console: Console) -> None:
+    """Print the daemon's health, slots and jobs as tables."""
+    health = report["health"]
+    counts = ", ".join(f"{n} {state}" for state, n in health["jobs"].items() if n) or "no jobs waiting or running"
+    console.print(f"mpadvise daemon {health['version']} at {report['where']} (pid {health['pid']}, "
+                  f"up {_duration(health['uptime_s'])}): {counts}", highlight=False)
+    slots = Table(title="slots", title_justify="left")
+    for col in ("slot", "job", "doing"):
+        slots.add_column(col, no_wrap=True)
+    for slot in health["slots"]:
+        slots.add_row(slot["name"], (slot.get("job") or "-")[:12], slot["phase"])
+    console.print(slots)
+    if not report["jobs"]:
+        console.print("no jobs yet; queue one with `mpadvise tune --submit SCRIPT`")
+        return
+    jobs = Table(title="jobs (oldest first)", title_justify="left")
+    for col in ("id", "state", "script", "slot", "created", "last line"):
+        jobs.add_column(col, no_wrap=col != "last line", overflow="fold")
+    for job in report["jobs"]:
+        jobs.add_row(job["id"][:12], job["state"], Path(job["script"]).name, job.get("gpu") or job.get("requested_gpu")
+                     or "-", job["created_at"][:19].replace("T", " "), _job_line(job))
+    console.print(jobs)
+
+
+def _job_line(job: dict[str, Any]) -> str:
+    """One line about a job: its answer when it finished, else what it is doing."""
+    result = job.get("result") or {}
+    tune = result.get("tune")
+    if tune is not None:
+        if tune.get("winner_label"):
+            speed = tune.get("speedup_vs_fp32")
+            return f"winner {tune['winner_label']}" + (f", {speed:.2f}x fp32" if speed else "")
+        return "no stable policy fits"
+    if result.get("error"):
+        return str(result["error"])
+    progress = job.get("progress") or {}
+    return str((progress.get("recent") or [None])[-1] or progress.get("message") or "")
+
+
+# --------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _consoles() -> tuple[Console, Console]:
+    from advisor.cli import console, err_console
+
+    return console, err_console
+
+
+def _print_json(data: Any) -> None:
+    from advisor.cli import print_json
+
+    print_json(data)
+
+
+def _address(paths: Any) -> dict[str, Any]:
+    try:
+        data = json.loads(paths.address.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _last_log_line(path: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    for line in reversed(lines):
+        if line.startswith("error:"):
+            return line[len("error:"):].strip()
+    return lines[-1] if lines else "(empty log)"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
