@@ -66,6 +66,7 @@ from probes import HardwareProfile, MpadviseError
 
 from ._cache import FINISHED_JOB_STATES, JOB_STATES, Store
 from ._daemon_client import DaemonPaths, daemon_running, read_token
+from ._trials import WAIT_IDLE_ENV
 
 __all__ = [
     "DEFAULT_HOST",
@@ -727,6 +728,7 @@ class JobRunner:
         argv = tune_argv(job["script"], job.get("args") or [], options, slot.name, python=self.python)
         env = dict(os.environ)
         env[JOB_ENV] = job_id
+        env[WAIT_IDLE_ENV] = "1"  # and before every trial, not only before the tune starts
         env["COLUMNS"] = "160"  # the tune's lines are read back one by one: no wrapping
         env.pop("MPADVISE_POLICY", None)
         cwd = options.get("cwd") or os.path.dirname(job["script"])

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from policies import Policy
-from probes import MpadviseError
+from probes import HardwareProfile, MpadviseError
 from probes._trial import TrialResult, TrialSpec, classify, run_trial
 
 from ._stability import StabilityThresholds, TrialCurve, Verdict, judge
@@ -62,20 +62,72 @@ class TrialSettings:
         )
 
 
-class ScriptRunner:
-    """Run ``python script args`` once per candidate, each in its own subprocess."""
+WAIT_IDLE_ENV = "MPADVISE_WAIT_IDLE_GPU"
+"""Set (by the daemon) to make every trial wait until no other process computes on its GPU."""
 
-    def __init__(self, script: str | os.PathLike[str], args: list[str], settings: TrialSettings, *, python: str | None = None) -> None:
+
+def wait_until_idle(
+    profile: HardwareProfile | None,
+    *,
+    poll_s: float = 5.0,
+    on_wait: Callable[[list[int]], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Block until NVML shows no other compute process on the profile's GPU (no-op on a CPU).
+
+    Tuning beside someone's training run would disturb it and measure noise.
+    """
+    import probes
+
+    if profile is None or not profile.is_cuda:
+        return
+    while True:
+        pids = probes.gpu_busy(profile.index or 0, uuid=profile.uuid)
+        if not pids:
+            return
+        if on_wait is not None:
+            on_wait(pids)
+        sleep(poll_s)
+
+
+class ScriptRunner:
+    """Run ``python script args`` once per candidate, each in its own subprocess.
+
+    With ``wait_idle_on`` (a CUDA profile), each trial first waits until that GPU has no other
+    compute process.
+    """
+
+    def __init__(
+        self,
+        script: str | os.PathLike[str],
+        args: list[str],
+        settings: TrialSettings,
+        *,
+        python: str | None = None,
+        wait_idle_on: HardwareProfile | None = None,
+    ) -> None:
         import sys
 
         self.script = Path(script)
         self.args = list(args)
         self.settings = settings
         self.python = python or sys.executable
+        self.wait_idle_on = wait_idle_on
         self._dir = tempfile.TemporaryDirectory(prefix="mpadvise-trial-")
         self._count = 0
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
+        if self.wait_idle_on is not None:
+            from ._log import get_logger
+
+            warned: list[bool] = []
+
+            def note(pids: list[int]) -> None:
+                if not warned:
+                    warned.append(True)
+                    get_logger().info(f"waiting for {self.wait_idle_on.name} to be idle (other processes: {pids})")
+
+            wait_until_idle(self.wait_idle_on, on_wait=note)
         self._count += 1
         path = os.path.join(self._dir.name, f"trial-{self._count}.json")
         spec = self.settings.spec(policy, path, label)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from ._log import get_logger
 from ._report import VERDICT_STYLE, fmt_bytes
 from ._script import check_modes, check_script
 from ._search import check_storage
-from ._trials import ScriptRunner, TrialSettings
+from ._trials import WAIT_IDLE_ENV, ScriptRunner, TrialSettings
 from ._tune import TuneResult, tune_policy
 
 EXIT_FOUND, EXIT_NONE_STABLE = 0, 3
@@ -114,7 +115,8 @@ def run_tune_command(
             bar.console.print(f"  {label}: [{style}]{m.outcome}[/]{speed}", highlight=False)
 
         result = tune_policy(
-            ScriptRunner(path, script_args, settings), profile, trials=trials, time_budget=time_budget,
+            ScriptRunner(path, script_args, settings,
+                         wait_idle_on=profile if os.environ.get(WAIT_IDLE_ENV) else None), profile, trials=trials, time_budget=time_budget,
             scale_batch=scale_batch, include_emulated=include_emulated, modes=modes or None, memory_limit=limit,
             storage=storage, study_name=name, resume=resume, seed=seed, workload={"script": str(path)},
             use_priors=use_priors,
