@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policies import Policy, TunedOn, safe_default_mode, supported_modes
-from probes import HardwareProfile, MpadviseError, hardware_fingerprint
+from probes import HardwareProfile, hardware_fingerprint
 from probes._trial import TrialResult
 
+from ._script import check_modes
 from ._search import SearchOutcome, run_search
 from ._space import Candidate, Measured, SearchSpace, preference_key, space_for
 from ._stability import StabilityThresholds, safety_rank
@@ -179,9 +180,7 @@ def tune_policy(
     user_batch = ref_result.user_batch
     support = supported_modes(profile)
     if modes:
-        for m in modes:
-            if not support[m].supported:
-                raise MpadviseError(f"mode {m} cannot run on {profile.name}: {support[m].reason}")
+        modes = check_modes(modes, profile)  # unknown or unsupported: one clear error
     space = space_for(support, user_batch, include_emulated=include_emulated, scale_batch=scale_batch, modes=modes)
     ratios = dtype_ratio if dtype_ratio is not None else measure_dtype_ratios(profile)
     evaluations: dict[Candidate, Evaluation] = {}

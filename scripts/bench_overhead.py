@@ -86,7 +86,12 @@ def timed_steps(loop, batches, steps: int) -> list[float]:
 def measure(mode: str, *, width: int, batch: int, rounds: int, steps: int, warmup: int) -> dict:
     torch.manual_seed(1)
     batches = [(torch.randn(batch, 256), torch.randint(0, 10, (batch,))) for _ in range(8)]
-    loops = {"hand": HandLoop(mode, width), "mpadvise": MpadviseLoop(mode, width)}
+    if mode == "control":
+        # A/A control: two identical hand-written fp32 loops. Their ratio is the floor of what
+        # this measurement can resolve (memory placement alone moves it by a percent or two).
+        loops = {"hand": HandLoop("fp32", width), "mpadvise": HandLoop("fp32", width)}
+    else:
+        loops = {"hand": HandLoop(mode, width), "mpadvise": MpadviseLoop(mode, width)}
     for loop in loops.values():
         timed_steps(loop, batches, warmup)
     samples: dict[str, list[float]] = {"hand": [], "mpadvise": []}
@@ -112,7 +117,8 @@ def measure(mode: str, *, width: int, batch: int, rounds: int, steps: int, warmu
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=list(HAND_DTYPES))
+    parser.add_argument("--modes", nargs="+", default=["control", *HAND_DTYPES],
+                        help="modes to compare; 'control' times two identical hand-written fp32 loops")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=15)
