@@ -163,7 +163,7 @@ def render_tune(console: Console, result: TuneResult, script: Path, device: str,
                 cache_id: int | None, storage: str | None, study_name: str) -> None:
     """Results table ranked by goodput, the winner, and the line to add to the script."""
     ref = result.reference.goodput or 0.0
-    table = Table(title=f"{script.name} on {device}: {result.search.runs} trials run"
+    table = Table(title=f"{script.name} on {device}: the fp32 reference and {result.search.runs} trials"
                   + (f", {result.search.resumed} resumed" if result.search.resumed else "")
                   + f" of {len(result.space.grid())} candidates", title_justify="left")
     for col, justify in (("", "left"), ("candidate", "left"), ("samples/s", "right"), ("vs fp32", "right"),
