@@ -7,9 +7,7 @@ A100 profile, so what ``show`` calls "this machine" does not depend on where the
 from __future__ import annotations
 
 import json
-import logging
 import sqlite3
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -50,26 +48,6 @@ def app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> typer.Typer:
 
     register(application)
     return application
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def warnings() -> Iterator[list[str]]:
-    logger = logging.getLogger("mpadvise")
-    handler = _Collect()
-    logger.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        logger.removeHandler(handler)
 
 
 def run(app: typer.Typer, *args: str) -> Any:

@@ -8,11 +8,9 @@ modes.
 
 from __future__ import annotations
 
-import logging
 import sqlite3
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -56,27 +54,6 @@ def home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.delenv("MPADVISE_POLICY", raising=False)
     monkeypatch.setattr(_cache, "_warned_no_cache", set())
     return directory
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def warnings() -> Iterator[list[str]]:
-    """Warnings on the mpadvise logger (which does not propagate once configured)."""
-    logger = logging.getLogger("mpadvise")
-    handler = _Collect()
-    logger.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        logger.removeHandler(handler)
 
 
 @pytest.fixture
