@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from policies import Policy, PolicyError, supported_modes
 from probes import HardwareProfile
-from probes._trial import EXIT_NO_STEP, EXIT_UNSUPPORTED, TrialSpec
+from probes._trial import EXIT_NO_STEP, EXIT_UNSUPPORTED, TrialSpec, json_float
 
 from ._runtime import AppliedPolicy, StepObserver
 
@@ -294,7 +294,7 @@ class TrialRecorder(StepObserver):
         self.writer.write(
             stage="done",
             complete=complete,
-            losses=[v if v == v and abs(v) != float("inf") else str(v) for v in losses],
+            losses=[json_float(v) for v in losses],
             step_times=self._step_times(),
             loss_scale=self.loss_scale,
             skipped=self.skipped,

@@ -8,6 +8,7 @@ reference: stability verdict, timing summary, goodput and speedup.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 
 from policies import Policy
 from probes import HardwareProfile, MpadviseError
-from probes._trial import TrialResult, TrialSpec, classify, run_trial
+from probes._trial import TrialResult, TrialSpec, classify, json_float, run_trial
 
 from ._stability import StabilityThresholds, TrialCurve, Verdict, judge
 from ._timing import TimingSummary, compare, goodput, summarize
@@ -228,7 +229,7 @@ class Evaluation:
             "exit_code": r.exit_code,
             "stderr_tail": r.stderr_tail if self.result.outcome != "ok" else "",
             "wall_s": r.wall_s,
-            "losses": [v if v == v and abs(v) != float("inf") else str(v) for v in r.losses],
+            "losses": [json_float(v) for v in r.losses],
             "step_times": list(r.step_times),
         }
 
@@ -302,7 +303,7 @@ def check_reference(result: TrialResult) -> None:
     """Raise a one-line error when the fp32 reference cannot serve as the baseline."""
     if result.outcome != "ok":
         raise ReferenceTrialError(f"the fp32 reference trial failed ({result.outcome}): {result.reason}")
-    bad = next((i for i, v in enumerate(result.losses) if not (v == v and abs(v) != float("inf"))), None)
+    bad = next((i for i, v in enumerate(result.losses) if not math.isfinite(v)), None)
     if bad is not None:
         raise ReferenceTrialError(
             f"no verdict is possible: the fp32 reference itself is not finite (loss {result.losses[bad]} "

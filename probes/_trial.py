@@ -6,6 +6,7 @@ only speaks the plain-JSON spec and result files, so it needs neither torch nor 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -111,7 +112,7 @@ class TrialResult:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["losses"] = [_finite_or_text(v) for v in self.losses]
+        data["losses"] = [json_float(v) for v in self.losses]
         return data
 
     @classmethod
@@ -133,9 +134,9 @@ class TrialResult:
         return cls(**kwargs)
 
 
-def _finite_or_text(value: float) -> float | str:
-    # Strict JSON has no NaN/Infinity: write them as strings that float() reads back.
-    return value if value == value and value not in (float("inf"), float("-inf")) else str(value)
+def json_float(value: float) -> float | str:
+    """A loss for strict JSON, which has no NaN/Infinity: those become strings float() reads."""
+    return value if math.isfinite(value) else str(value)
 
 
 def parse_memory(text: str) -> int:
