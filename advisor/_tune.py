@@ -182,7 +182,10 @@ def tune_policy(
     if modes:
         modes = check_modes(modes, profile)  # unknown or unsupported: one clear error
     space = space_for(support, user_batch, include_emulated=include_emulated, scale_batch=scale_batch, modes=modes)
-    ratios = dtype_ratio if dtype_ratio is not None else measure_dtype_ratios(profile)
+    if dtype_ratio is not None:
+        ratios = dtype_ratio
+    else:  # the priors need the matmul ratios; without priors the benchmark is not worth its seconds
+        ratios = measure_dtype_ratios(profile) if use_priors else {}
     evaluations: dict[Candidate, Evaluation] = {}
 
     def judge_result(cand: Candidate, policy: Policy, result: TrialResult) -> tuple[Evaluation, Measured]:
