@@ -102,6 +102,12 @@ def summarize(step_times: Sequence[float], warmup: int = DEFAULT_WARMUP) -> Timi
     )
 
 
+def noise_band(a: TimingSummary, b: TimingSummary, *, min_margin: float = DEFAULT_MIN_MARGIN) -> float:
+    """The relative lead two measurements must exceed to differ: half the larger relative
+    IQR, and never less than ``min_margin`` (see ``compare`` for why)."""
+    return max(min_margin, max(a.rel_iqr, b.rel_iqr) / 2.0)
+
+
 def compare(
     a: TimingSummary, b: TimingSummary, *, min_margin: float = DEFAULT_MIN_MARGIN
 ) -> Comparison:
@@ -137,7 +143,7 @@ def compare(
                 f"compare: {name}.median must be > 0 seconds to form a ratio, got "
                 f"{summary.median!r}"
             )
-    noise = max(min_margin, max(a.rel_iqr, b.rel_iqr) / 2.0)
+    noise = noise_band(a, b, min_margin=min_margin)
     ratio = b.median / a.median
     if ratio > 1.0 + noise:
         verdict = "faster"

@@ -148,12 +148,11 @@ class FunctionRunner:
         self.settings = settings
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
-        import probes
 
         from ._load import _profile_for
         from ._trial_child import run_in_process
 
-        profile = _profile_for(self.settings.device) if self.settings.device else probes.primary_profile()
+        profile = _profile_for(self.settings.device)
         with tempfile.TemporaryDirectory(prefix="mpadvise-trial-") as tmp:
             spec = self.settings.spec(policy, os.path.join(tmp, "result.json"), label)
             start = time.perf_counter()

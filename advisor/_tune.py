@@ -17,7 +17,7 @@ from ._script import check_modes
 from ._search import SearchOutcome, run_search
 from ._space import Candidate, Measured, SearchSpace, preference_key, space_for
 from ._stability import StabilityThresholds, safety_rank
-from ._timing import compare, summarize
+from ._timing import DEFAULT_MIN_MARGIN, compare, noise_band, summarize
 from ._trials import Evaluation, Runner, check_reference, evaluate, samples_per_step
 
 REMEASURE_MAX = 3  # finalists re-measured side by side
@@ -265,14 +265,14 @@ def _finalists(
         return []
     stable.sort(key=lambda m: (-m.goodput, preference_key(m.candidate, user_batch)))
     best = stable[0]
+    best_ev = evaluations.get(best.candidate)
     out = []
     for m in stable[:REMEASURE_MAX]:
         ev = evaluations.get(m.candidate)
         per_sample = _per_sample_times(ev.result) if ev else []
-        best_ev = evaluations.get(best.candidate)
-        noise = 0.02
+        noise = DEFAULT_MIN_MARGIN
         if ev and best_ev and ev.timing and best_ev.timing:
-            noise = max(noise, max(ev.timing.rel_iqr, best_ev.timing.rel_iqr) / 2)
+            noise = noise_band(ev.timing, best_ev.timing)
         if m is best or m.goodput * (1 + noise) >= best.goodput:
             out.append(Finalist(m.candidate, [m.goodput], per_sample))
     return out

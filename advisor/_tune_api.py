@@ -62,12 +62,11 @@ def tune(
     Returns:
         A TuneResult: ``.policy`` is the winner (``None`` when nothing was stable).
     """
-    import probes
 
     from ._load import _profile_for
 
     settings = TrialSettings(warmup_steps=warmup, measure_steps=steps, seed=seed, memory_limit=memory_limit, device=device)
-    profile = _profile_for(device) if device else probes.primary_profile()
+    profile = _profile_for(device)
     result = tune_policy(
         FunctionRunner(train_fn, settings), profile, trials=trials, time_budget=time_budget, scale_batch=scale_batch,
         include_emulated=include_emulated, modes=modes, memory_limit=memory_limit, storage=storage,
