@@ -16,14 +16,12 @@ What a training script needs::
 
 from __future__ import annotations
 
+from advisor._load import load_policy
+from advisor._version import __version__
+from advisor.runtime import AppliedPolicy
+from advisor.tune import tune
 from policies import MODES, Fp8Options, LossScale, Policy, PolicyError
 from probes import MpadviseError
-
-from ._load import load_policy
-from ._runtime import AppliedPolicy
-from ._tune_api import tune
-
-__version__ = "0.1.0"
 
 __all__ = [
     "MODES",

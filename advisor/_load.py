@@ -3,23 +3,31 @@
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from policies import Policy, load_config, safe_default_mode, supported_modes
-from probes import MpadviseError, hardware_fingerprint
-
-from ._log import get_logger
-from ._runtime import AppliedPolicy
+import probes
+from advisor import _paths
+from advisor._log import get_logger
+from advisor.cache._recommend import lookup
+from advisor.runtime._applied import AppliedPolicy
+from advisor.tune._child import applied_for_trial, spec_from_env
+from policies import (
+    HardwareMismatch,
+    Policy,
+    hardware_mismatch,
+    load_config,
+    safe_default,
+    supported_modes,
+)
+from probes import MpadviseError
 
 if TYPE_CHECKING:
     from probes import HardwareProfile
 
 POLICY_ENV = "MPADVISE_POLICY"
 """Environment variable naming a config file to use."""
-CONFIG_SUFFIX = ".mpadvise.toml"
 
 
 @dataclass(frozen=True)
@@ -28,46 +36,12 @@ class Resolution:
 
     policy: Policy
     source: str
-    fallback_reason: str | None = None
+    mismatch: HardwareMismatch | None = None
 
-
-def config_path_for(script: str | os.PathLike[str]) -> Path:
-    """``train.py`` -> ``train.mpadvise.toml`` beside it."""
-    script = Path(script)
-    return script.with_name(script.stem + CONFIG_SUFFIX)
-
-
-def current_script() -> Path | None:
-    """The script this process runs (``__main__.__file__``), or ``None`` in a REPL/notebook."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv and sys.argv[0] else None)
-    if not path or path == "-c":
-        return None
-    return Path(path).resolve()
-
-
-def foreign_reason(policy: Policy, profile: HardwareProfile) -> str | None:
-    """Why a tuned policy must not be applied on this hardware, or ``None`` when it may be.
-
-    A policy without a ``[tuned_on]`` record was written by hand and applies anywhere it is
-    supported.
-    """
-    tuned = policy.tuned_on
-    if tuned is None or not tuned.hardware_fingerprint:
-        return None
-    if tuned.hardware_fingerprint == hardware_fingerprint(profile):
-        return None
-    differences = []
-    if tuned.device and tuned.device != profile.name:
-        differences.append(f"device {tuned.device} -> {profile.name}")
-    if tuned.torch and tuned.torch != profile.torch_version:
-        differences.append(f"torch {tuned.torch} -> {profile.torch_version}")
-    now_libs = dict(profile.libraries)
-    for name, version in tuned.libraries:
-        if now_libs.get(name) != version:
-            differences.append(f"{name} {version or 'absent'} -> {now_libs.get(name) or 'absent'}")
-    detail = "; ".join(differences) or "driver, CUDA or hardware details differ"
-    return f"it was tuned on other hardware or versions ({detail})"
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why a tuned policy was not applied (``"it was tuned on ..."``), for people."""
+        return None if self.mismatch is None else self.mismatch.reason()
 
 
 def resolve_policy(
@@ -98,30 +72,24 @@ def resolve_policy(
     elif environ.get(POLICY_ENV):
         path = environ[POLICY_ENV]
         candidates.append((load_config(path), f"{POLICY_ENV}={path}"))
-    elif script is not None and config_path_for(script).is_file():
-        path = config_path_for(script)
+    elif script is not None and _paths.config_path_for(script).is_file():
+        path = _paths.config_path_for(script)
         candidates.append((load_config(path), f"config file {path}"))
     elif cached is not None:
         hit = cached(profile, script)
         if hit is not None:
             candidates.append(hit)
     for policy, label in candidates:
-        reason = foreign_reason(policy, profile)
-        if reason is None:
+        mismatch = hardware_mismatch(policy, profile)
+        if mismatch is None:
             return Resolution(_check_supported(policy, profile, label), label)
         default = safe_default(profile)
         get_logger().warning(
-            f"not applying the policy from {label}: {reason}; using the safe default "
+            f"not applying the policy from {label}: {mismatch.reason()}; using the safe default "
             f"{default.mode} for {profile.name}; run `mpadvise tune` again on this machine"
         )
-        return Resolution(default, f"safe default for {profile.name}", fallback_reason=reason)
+        return Resolution(default, f"safe default for {profile.name}", mismatch=mismatch)
     return Resolution(safe_default(profile), f"safe default for {profile.name}")
-
-
-def safe_default(profile: HardwareProfile) -> Policy:
-    """The policy used when nothing was tuned for this hardware."""
-    mode, _why = safe_default_mode(profile)
-    return Policy(mode=mode)
 
 
 def _check_supported(policy: Policy, profile: HardwareProfile, label: str) -> Policy:
@@ -154,40 +122,16 @@ def load_policy(
         An ``AppliedPolicy``: ``setup``, ``autocast``, ``step``, ``to_device``,
         ``micro_batch_size``, ``state_dict``/``load_state_dict``; also a context manager.
     """
-    from ._trial_child import applied_for_trial, spec_from_env
 
     spec = spec_from_env()
     if spec is not None:
         # Under `mpadvise tune`/`trial` the injected candidate wins over everything else.
-        profile = _profile_for(spec.device or device)
+        profile = probes.profile_for(spec.device or device)
         applied = applied_for_trial(spec, profile=profile, device=spec.device or device)
         get_logger().info(f"trial {spec.label or applied.policy.describe()} on {applied.device}")
         return applied
-    profile = _profile_for(device)
-    resolution = resolve_policy(source, profile=profile, script=current_script(), cached=_cached)
+    profile = probes.profile_for(device)
+    resolution = resolve_policy(source, profile=profile, script=_paths.current_script(), cached=lookup)
     applied = AppliedPolicy(resolution.policy, profile=profile, source=resolution.source, device=device)
     get_logger().info(f"policy {resolution.policy.describe()} on {applied.device} (from {resolution.source})")
     return applied
-
-
-def _cached(profile: HardwareProfile, script: Path | None) -> tuple[Policy, str] | None:
-    """The cache entry for this hardware and script; imported only when no earlier source applies."""
-    from ._recommend import lookup
-
-    return lookup(profile, script)
-
-
-def _profile_for(device: str | None) -> HardwareProfile:
-    import probes
-
-    if device is None:
-        return probes.primary_profile()
-    if device == "cpu":
-        return probes.cpu_profile()
-    if device.startswith("cuda"):
-        index = int(device.split(":", 1)[1]) if ":" in device else 0
-        for profile in probes.cuda_profiles():
-            if profile.index == index:
-                return profile
-        raise MpadviseError(f"device {device!r} is not available; CUDA devices here: {len(probes.cuda_profiles())}")
-    raise MpadviseError(f"device {device!r} is not allowed; expected 'cpu', 'cuda' or 'cuda:N'")

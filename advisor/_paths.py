@@ -1,11 +1,28 @@
-"""Where mpadvise keeps its files: pure path logic that creates nothing."""
+"""Where mpadvise keeps its files and finds the script: pure path logic that creates nothing."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 DATABASE_NAME = "mpadvise.db"
+CONFIG_SUFFIX = ".mpadvise.toml"
+
+
+def config_path_for(script: str | os.PathLike[str]) -> Path:
+    """``train.py`` -> ``train.mpadvise.toml`` beside it."""
+    script = Path(script)
+    return script.with_name(script.stem + CONFIG_SUFFIX)
+
+
+def current_script() -> Path | None:
+    """The script this process runs (``__main__.__file__``), or ``None`` in a REPL/notebook."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv and sys.argv[0] else None)
+    if not path or path == "-c":
+        return None
+    return Path(path).resolve()
 
 
 def cache_dir() -> Path:

@@ -20,15 +20,24 @@ from ._config import (
     TunedOn,
     load_config,
 )
+from ._provenance import Difference, HardwareMismatch, hardware_mismatch
 from ._registry import create_mode, mode_class
-from ._support import ModeSupport, capability_summary, safe_default_mode, supported_modes
+from ._support import (
+    ModeSupport,
+    capability_summary,
+    safe_default,
+    safe_default_mode,
+    supported_modes,
+)
 
 __all__ = [
     "MODES",
     "SCHEMA",
     "TE_RECIPES",
     "TORCHAO_RECIPES",
+    "Difference",
     "Fp8Options",
+    "HardwareMismatch",
     "LossScale",
     "ModeSupport",
     "Policy",
@@ -37,8 +46,10 @@ __all__ = [
     "TunedOn",
     "capability_summary",
     "create_mode",
+    "hardware_mismatch",
     "load_config",
     "mode_class",
+    "safe_default",
     "safe_default_mode",
     "supported_modes",
 ]

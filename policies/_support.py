@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 from probes import ArchCapability, HardwareProfile, MpadviseError, capability_for
 
-from ._config import MODES
+from ._config import MODES, Policy
 
 __all__ = [
     "MODES",
     "ModeSupport",
     "capability_summary",
+    "safe_default",
     "safe_default_mode",
     "supported_modes",
 ]
@@ -126,6 +127,12 @@ def safe_default_mode(profile: HardwareProfile) -> tuple[str, str]:
         f"this CPU ({profile.name}) has neither AMX-BF16 nor AVX512-BF16, so bf16 is "
         f"emulated and usually slower than fp32",
     )
+
+
+def safe_default(profile: HardwareProfile) -> Policy:
+    """The policy used when nothing was tuned for this hardware: ``safe_default_mode``'s mode."""
+    mode, _why = safe_default_mode(profile)
+    return Policy(mode=mode)
 
 
 def capability_summary(profile: HardwareProfile) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from probes._bench import BenchRow, matmul_benchmark
 from probes._capability import ArchCapability, capability_for, peak_tflops
 from probes._cpu import cpu_profile, parse_cpuinfo
-from probes._errors import MpadviseError
+from probes._errors import MpadviseError, UsageError
 from probes._fingerprint import hardware_fingerprint
 from probes._libraries import fp8_library_versions
 from probes._nvml import cuda_profiles, gpu_busy
@@ -31,6 +31,8 @@ __all__ = [
     "parse_cpuinfo",
     "peak_tflops",
     "primary_profile",
+    "profile_for",
+    "UsageError",
 ]
 
 
@@ -61,3 +63,24 @@ def primary_profile() -> HardwareProfile:
             if profile.index == current:
                 return profile
     return cpu_profile()
+
+
+def profile_for(device: str | None) -> HardwareProfile:
+    """The profile of the device a run names: ``None`` (the primary device), ``"cpu"``,
+    ``"cuda"`` or ``"cuda:N"``.
+
+    Raises:
+        MpadviseError: a CUDA index that is not present, or a device name of another form.
+    """
+    if device is None:
+        return primary_profile()
+    if device == "cpu":
+        return cpu_profile()
+    if device.startswith("cuda"):
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        profiles = cuda_profiles()
+        for profile in profiles:
+            if profile.index == index:
+                return profile
+        raise MpadviseError(f"device {device!r} is not available; CUDA devices here: {len(profiles)}")
+    raise MpadviseError(f"device {device!r} is not allowed; expected 'cpu', 'cuda' or 'cuda:N'")

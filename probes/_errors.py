@@ -1,4 +1,6 @@
-"""The one domain exception type that the CLI turns into a red line and an exit code."""
+"""The project's errors: one domain exception type that the CLI turns into a red line and an
+exit code, and its usage-error kind. Everything imports them from here; this module imports
+nothing of the project."""
 
 from __future__ import annotations
 
@@ -15,3 +17,9 @@ class MpadviseError(Exception):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+
+
+class UsageError(MpadviseError):
+    """Bad command-line input (exit code 2)."""
+
+    exit_code = 2

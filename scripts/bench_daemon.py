@@ -39,7 +39,7 @@ def seed(home: Path, entries: int) -> list[str]:
     """Store ``entries`` recommendations (one trial each); returns the query paths to rotate."""
     os.environ["MPADVISE_HOME"] = str(home)
     sys.path.insert(0, str(ROOT))
-    from advisor._cache import Store
+    from advisor.cache._store import Store
 
     with Store() as store:
         for number in range(entries):

@@ -54,7 +54,7 @@ def timed(call) -> float:
 
 
 def seed_cache(profile: probes.HardwareProfile, mode: str, filler: int) -> None:
-    from advisor._recommend import record_tune
+    from advisor.cache._recommend import record_tune
 
     trials = [{"number": 0, "mode": "fp32", "outcome": "ok", "verdict": "stable", "goodput": 100.0}]
     for index in range(filler):
@@ -102,7 +102,7 @@ def main() -> None:
     if not applied.source.startswith("cache entry"):
         sys.exit(f"load_policy() did not resolve from the cache: {applied.source}")
 
-    from advisor._recommend import lookup
+    from advisor.cache._recommend import lookup
 
     calls = {
         "hand": lambda: advisor.load_policy(by_hand),

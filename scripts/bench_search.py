@@ -17,9 +17,9 @@ import statistics
 import time
 from pathlib import Path
 
-from advisor._space import Candidate
-from advisor._trials import ScriptRunner, TrialSettings, evaluate
-from advisor._tune import measure_dtype_ratios, tune_policy
+from advisor.tune._engine import measure_dtype_ratios, tune_policy
+from advisor.tune._space import Candidate
+from advisor.tune._trials import ScriptRunner, TrialSettings, evaluate
 from policies import Policy, supported_modes
 from probes import primary_profile
 

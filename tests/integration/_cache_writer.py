@@ -36,7 +36,7 @@ _package = types.ModuleType("advisor")
 _package.__path__ = [str(REPO / "advisor")]
 sys.modules.setdefault("advisor", _package)
 
-from advisor._cache import Store  # noqa: E402
+from advisor.cache._store import Store  # noqa: E402
 
 HARDWARE_FP = "0123456789abcdef"
 

@@ -34,7 +34,7 @@ def copy_scripts(root: Path, *names: str) -> None:
 
 def seed_recommendations(home: Path, count: int) -> None:
     """Store ``count`` recommendations for made-up scripts ``/work/train_N.py``."""
-    from advisor._cache import Store
+    from advisor.cache._store import Store
 
     with Store(home / "mpadvise.db") as store:
         for number in range(count):

@@ -16,10 +16,12 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from advisor import _cache, _cache_cli, cli
-from advisor._cache_cli import parse_duration, register
+from advisor import cli
 from advisor._paths import database_path
-from advisor._recommend import record_tune
+from advisor.cache import _store as _cache
+from advisor.cache._recommend import record_tune
+from advisor.cli import _cache as _cache_cli
+from advisor.cli._cache import parse_duration
 from policies import Policy, TunedOn
 from probes import HardwareProfile, hardware_fingerprint
 
@@ -46,7 +48,8 @@ def app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> typer.Typer:
     def root() -> None:
         """mpadvise (test app)."""
 
-    register(application)
+    application.command("show")(_cache_cli.show)
+    application.add_typer(_cache_cli.app, name="cache")
     return application
 
 

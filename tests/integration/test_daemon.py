@@ -21,19 +21,11 @@ from pathlib import Path
 import pytest
 from _daemon_server import ROOT, Daemon, copy_scripts, daemon_env, pid_alive, seed_recommendations
 
-from advisor._cache import Store
-from advisor._daemon import (
-    JobRunner,
-    LogTail,
-    Slot,
-    check_bind,
-    ensure_token,
-    is_loopback,
-    job_pids,
-    tune_argv,
-    under_roots,
-)
-from advisor._daemon_client import DaemonClient, read_token
+from advisor.cache._store import Store
+from advisor.daemon._client import DaemonClient, read_token
+from advisor.daemon._config import check_bind, is_loopback, under_roots
+from advisor.daemon._files import ensure_token
+from advisor.daemon._jobs import JobRunner, LogTail, Slot, job_pids, tune_argv
 from probes import MpadviseError
 
 TINY_TUNE = {"trials": 1, "steps": 32, "warmup": 2, "modes": ["fp32"]}

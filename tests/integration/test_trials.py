@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from advisor._trials import ScriptRunner, TrialSettings, run_comparison
+from advisor.tune._trials import ScriptRunner, TrialSettings, run_comparison
 from policies import Policy
 from probes._trial import TrialSpec, parse_memory, run_trial
 

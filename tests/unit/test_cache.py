@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from advisor import _cache
-from advisor._cache import (
+from advisor._paths import cache_dir, database_path
+from advisor.cache import _store as _cache
+from advisor.cache._store import (
     EXPORT_FORMAT,
     EXPORT_FORMAT_VERSION,
     SCHEMA_VERSION,
@@ -30,7 +31,6 @@ from advisor._cache import (
     migration,
     open_store,
 )
-from advisor._paths import cache_dir, database_path
 from probes._errors import MpadviseError
 
 HW = "0123456789abcdef"

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from advisor import __version__
-from advisor.cli import app
+from advisor.cli._app import app
 from policies import Policy, TunedOn
 
 runner = CliRunner()
@@ -28,7 +28,7 @@ def test_version():
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from advisor.cli import app; print('torch' in sys.modules, 'optuna' in sys.modules)"
+    code = "import sys; from advisor.cli._app import app; print('torch' in sys.modules, 'optuna' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False False"
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from advisor._runtime import _retarget_optimizer
+from advisor.runtime._applied import _retarget_optimizer
 from policies import Fp8Options, Policy
 from probes import MpadviseError
 

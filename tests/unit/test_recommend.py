@@ -21,16 +21,17 @@ from torch import nn
 
 import advisor
 import probes
-from advisor import _cache, _load
+from advisor import _paths
 from advisor._paths import database_path
-from advisor._recommend import (
+from advisor.cache import _store as _cache
+from advisor.cache._recommend import (
     lookup,
     nothing_cached_yet,
     record_tune,
     stale_entries,
     versions_of,
 )
-from advisor._workload import model_signature
+from advisor.runtime._workload import model_signature
 from policies import Policy, TunedOn, safe_default_mode
 
 GIB = 1024**3
@@ -62,7 +63,7 @@ def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "project" / "train.py"
     path.parent.mkdir()
     path.write_text("print('training')\n")
-    monkeypatch.setattr(_load, "current_script", lambda: path)
+    monkeypatch.setattr(_paths, "current_script", lambda: path)
     return path
 
 
@@ -257,7 +258,7 @@ def _tuned_mode() -> str:
 
 def test_resolution_order_config_file_then_cache_then_safe_default(script: Path) -> None:
     _record(_cpu(), script, mode=_tuned_mode())
-    config = _load.config_path_for(script)
+    config = _paths.config_path_for(script)
     Policy(mode="fp32").save(config)
     applied = advisor.load_policy(device="cpu")
     assert applied.source == f"config file {config}" and applied.mode == "fp32"

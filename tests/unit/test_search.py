@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from advisor._space import Candidate, Measured, space_for, upper_bound
-from advisor._tune import tune_policy
+from advisor.tune._engine import tune_policy
+from advisor.tune._space import Candidate, Measured, space_for, upper_bound
 from policies import Policy, supported_modes
 from probes import HardwareProfile
 from probes._trial import TrialResult

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from advisor._stability import (
+from advisor.tune._stability import (
     SAFETY_ORDER,
     VERDICT_KINDS,
     StabilityThresholds,

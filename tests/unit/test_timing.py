@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from advisor._timing import Comparison, TimingSummary, compare, goodput, summarize
+from advisor.tune._timing import Comparison, TimingSummary, compare, goodput, summarize
 
 
 def noisy(median: float, spread: float, n: int = 60, seed: int = 0) -> list[float]:

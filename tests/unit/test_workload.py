@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from advisor._workload import model_signature, workload_fingerprint
+from advisor.runtime._workload import model_signature, workload_fingerprint
 
 
 class Net(nn.Module):

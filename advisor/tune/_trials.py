@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import probes
+from advisor.tune._stability import StabilityThresholds, TrialCurve, Verdict, judge
+from advisor.tune._timing import TimingSummary, compare, goodput, summarize
 from policies import Policy
 from probes import HardwareProfile, MpadviseError
 from probes._trial import TrialResult, TrialSpec, classify, json_float, run_trial
-
-from ._stability import StabilityThresholds, TrialCurve, Verdict, judge
-from ._timing import TimingSummary, compare, goodput, summarize
 
 
 class Runner(Protocol):
@@ -119,7 +119,7 @@ class ScriptRunner:
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         if self.wait_idle_on is not None:
-            from ._log import get_logger
+            from advisor._log import get_logger
 
             warned: list[bool] = []
 
@@ -148,11 +148,9 @@ class FunctionRunner:
         self.settings = settings
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
+        from advisor.tune._child import run_in_process
 
-        from ._load import _profile_for
-        from ._trial_child import run_in_process
-
-        profile = _profile_for(self.settings.device)
+        profile = probes.profile_for(self.settings.device)
         with tempfile.TemporaryDirectory(prefix="mpadvise-trial-") as tmp:
             spec = self.settings.spec(policy, os.path.join(tmp, "result.json"), label)
             start = time.perf_counter()

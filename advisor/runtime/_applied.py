@@ -7,10 +7,11 @@ import hashlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from policies import Policy, create_mode
+from advisor import _paths
+from advisor._log import get_logger
+from advisor.runtime._workload import model_signature, workload_fingerprint
+from policies import Policy, create_mode, safe_default
 from probes import MpadviseError
-
-from ._log import get_logger
 
 if TYPE_CHECKING:
     import torch
@@ -163,8 +164,6 @@ class AppliedPolicy:
 
         if not isinstance(model, torch.nn.Module):
             raise MpadviseError(f"setup(model, ...): expected a torch.nn.Module, got {type(model).__name__}")
-        from ._workload import model_signature, workload_fingerprint
-
         # Fingerprints describe the user's model, before any mode swaps its modules.
         self.model_signature = model_signature(model)
         self._workload_base = workload_fingerprint(model, optimizer, global_batch=None, script=_script_path())
@@ -186,8 +185,6 @@ class AppliedPolicy:
 
     def _use_safe_default(self, why: str) -> None:
         """Replace the policy by the hardware's safe default, warning once; before conversion only."""
-        from ._load import safe_default
-
         default = safe_default(self.profile)
         get_logger().warning(
             f"{why}; run `mpadvise tune` again; using the safe default {default.mode} "
@@ -343,9 +340,7 @@ def _retarget_optimizer(
 
 
 def _script_path() -> str | None:
-    from ._load import current_script
-
-    script = current_script()
+    script = _paths.current_script()
     return str(script) if script is not None else None
 
 

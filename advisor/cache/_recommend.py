@@ -22,21 +22,27 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from policies import Policy, PolicyError, TunedOn, supported_modes
+from advisor._log import get_logger
+from policies import (
+    HardwareMismatch,
+    Policy,
+    PolicyError,
+    TunedOn,
+    hardware_mismatch,
+    supported_modes,
+)
 from probes import MpadviseError, hardware_fingerprint
 
-from ._log import get_logger
-
 if TYPE_CHECKING:
+    from advisor.cache._store import Store
     from probes import HardwareProfile
 
-    from ._cache import Store
-
 __all__ = [
+    "EntryStatus",
     "entry_label",
     "entry_status",
     "lookup",
@@ -160,7 +166,7 @@ def record_tune(
     }
     owned = store is None
     if store is None:
-        from ._cache import open_store
+        from advisor.cache._store import open_store
 
         store = open_store()
         if store is None:
@@ -206,8 +212,8 @@ def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> t
     """
     if script is None:
         return None
-    from ._cache import open_store
-    from ._paths import database_path
+    from advisor._paths import database_path
+    from advisor.cache._store import open_store
 
     path = database_path()
     if nothing_cached_yet(path):
@@ -274,7 +280,40 @@ def entry_label(row: dict[str, Any]) -> str:
     return f"cache entry #{row['id']} (tuned {str(row['created_at'])[:10]})"
 
 
-def entry_status(row: dict[str, Any], profile: HardwareProfile) -> str | None:
+@dataclass(frozen=True)
+class EntryStatus:
+    """Why a cache entry would not be applied on some hardware: data, formatted where shown.
+
+    Attributes:
+        kind: ``"unreadable"`` (its policy does not validate), ``"other_hardware"`` (tuned
+            elsewhere; ``mismatch`` says what differs), ``"other_fingerprint"`` (a policy without
+            a ``[tuned_on]`` fingerprint, stored under another hardware key) or
+            ``"unsupported"`` (its mode cannot run here).
+        mismatch: the named differences, for ``"other_hardware"``.
+        detail: the validation error, the other fingerprint, or the sentence saying which mode
+            cannot run here and why.
+    """
+
+    kind: str
+    mismatch: HardwareMismatch | None = None
+    detail: str = ""
+
+    def describe(self) -> str:
+        """One line for people: ``"tuned on other hardware or versions (torch a -> b)"``."""
+        if self.mismatch is not None:
+            return self.mismatch.describe()
+        if self.kind == "unreadable":
+            return f"unreadable policy ({self.detail})"
+        if self.kind == "other_fingerprint":
+            return f"tuned on other hardware (fingerprint {self.detail})"
+        return self.detail
+
+    def what_differs(self) -> str:
+        """Only what changed (``"torch a -> b"``) where that is known, else ``describe()``."""
+        return self.mismatch.detail() if self.mismatch is not None else self.describe()
+
+
+def entry_status(row: dict[str, Any], profile: HardwareProfile) -> EntryStatus | None:
     """Why a cache entry would not be applied on ``profile``, or ``None`` when it would be.
 
     Args:
@@ -282,25 +321,22 @@ def entry_status(row: dict[str, Any], profile: HardwareProfile) -> str | None:
         profile: the hardware to judge it for.
 
     Returns:
-        ``None`` when the entry is valid here; otherwise a reason for people, such as
-        ``"tuned on other hardware or versions (torch 2.4.0 -> 2.5.1)"``.
+        ``None`` when the entry is valid here; otherwise what stands in the way.
     """
-    from ._load import foreign_reason
-
     try:
         policy = policy_of(row)
     except PolicyError as exc:
-        return f"unreadable policy ({exc})"
-    reason = foreign_reason(policy, profile)
-    if reason is None and row["hardware_fp"] != hardware_fingerprint(profile):
+        return EntryStatus("unreadable", detail=str(exc))
+    mismatch = hardware_mismatch(policy, profile)
+    if mismatch is not None:
+        return EntryStatus("other_hardware", mismatch=mismatch)
+    if row["hardware_fp"] != hardware_fingerprint(profile):
         # A policy stored without a [tuned_on] fingerprint: the row's key still says where it
         # was measured.
-        reason = f"it was tuned on other hardware (fingerprint {row['hardware_fp']})"
-    if reason is not None:
-        return reason.removeprefix("it was ")
+        return EntryStatus("other_fingerprint", detail=row["hardware_fp"])
     support = supported_modes(profile).get(policy.mode)
     if support is not None and not support.supported:
-        return f"mode {policy.mode} cannot run here ({support.reason})"
+        return EntryStatus("unsupported", detail=f"mode {policy.mode} cannot run here ({support.reason})")
     return None
 
 
@@ -322,7 +358,7 @@ def stale_entries(
     """
     owned = store is None
     if store is None:
-        from ._cache import open_store
+        from advisor.cache._store import open_store
 
         store = open_store()
         if store is None:
@@ -338,7 +374,8 @@ def stale_entries(
     for row in rows:
         if row["hardware_fp"] == fingerprint:
             continue
-        stale.append((row, entry_status(row, profile) or "tuned on other hardware"))
+        status = entry_status(row, profile)
+        stale.append((row, status.describe() if status is not None else "tuned on other hardware"))
     return stale
 
 

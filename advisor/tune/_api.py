@@ -7,9 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._stability import StabilityThresholds
-from ._trials import FunctionRunner, TrialSettings
-from ._tune import TuneResult, tune_policy
+import probes
+from advisor.tune._engine import TuneResult, tune_policy
+from advisor.tune._stability import StabilityThresholds
+from advisor.tune._trials import FunctionRunner, TrialSettings
 
 
 def tune(
@@ -63,10 +64,8 @@ def tune(
         A TuneResult: ``.policy`` is the winner (``None`` when nothing was stable).
     """
 
-    from ._load import _profile_for
-
     settings = TrialSettings(warmup_steps=warmup, measure_steps=steps, seed=seed, memory_limit=memory_limit, device=device)
-    profile = _profile_for(device)
+    profile = probes.profile_for(device)
     result = tune_policy(
         FunctionRunner(train_fn, settings), profile, trials=trials, time_budget=time_budget, scale_batch=scale_batch,
         include_emulated=include_emulated, modes=modes, memory_limit=memory_limit, storage=storage,

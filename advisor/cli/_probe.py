@@ -1,4 +1,5 @@
-"""What ``mpadvise probe`` gathers (plain data) and how it is shown (rich tables)."""
+"""How ``mpadvise probe`` shows the hardware report (rich tables); the data is
+:func:`advisor._hardware.probe_report`."""
 
 from __future__ import annotations
 
@@ -6,36 +7,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-
-
-def probe_report(*, bench: bool = False) -> dict[str, Any]:
-    """Every device's profile, fingerprint, supported modes and safe default, as plain data.
-
-    Args:
-        bench: also run the matmul micro-benchmark on each device.
-    """
-    import probes
-    from policies import capability_summary, safe_default_mode, supported_modes
-
-    devices = []
-    for profile in probes.detect():
-        mode, why = safe_default_mode(profile)
-        entry: dict[str, Any] = {
-            "profile": profile.to_dict(),
-            "fingerprint": probes.hardware_fingerprint(profile),
-            "capability": capability_summary(profile),
-            "peak_tflops": probes.peak_tflops(profile) if profile.is_cuda else {},
-            "modes": {
-                name: {"supported": s.supported, "emulated": s.emulated, "reason": s.reason}
-                for name, s in supported_modes(profile).items()
-            },
-            "safe_default": {"mode": mode, "reason": why},
-        }
-        if bench:
-            entry["bench"] = [row.to_dict() for row in probes.matmul_benchmark(profile)]
-        devices.append(entry)
-    primary = probes.primary_profile()
-    return {"primary": probes.hardware_fingerprint(primary), "devices": devices}
 
 
 def _gib(value: int | None) -> str:

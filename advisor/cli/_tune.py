@@ -20,23 +20,23 @@ from rich.progress import (
 )
 from rich.table import Table
 
+import probes
+from advisor._log import get_logger
+from advisor._paths import config_path_for
+from advisor.cli._report import VERDICT_STYLE, fmt_bytes
+from advisor.tune._checks import check_modes, check_script
+from advisor.tune._engine import TuneResult, tune_policy
+from advisor.tune._search import check_storage
+from advisor.tune._trials import WAIT_IDLE_ENV, ScriptRunner, TrialSettings
 from probes import MpadviseError, hardware_fingerprint
 from probes._trial import parse_memory
-
-from ._load import config_path_for
-from ._log import get_logger
-from ._report import VERDICT_STYLE, fmt_bytes
-from ._script import check_modes, check_script
-from ._search import check_storage
-from ._trials import WAIT_IDLE_ENV, ScriptRunner, TrialSettings
-from ._tune import TuneResult, tune_policy
 
 EXIT_FOUND, EXIT_NONE_STABLE = 0, 3
 
 
 def default_storage() -> str | None:
     """The study database in the cache directory, or ``None`` (in memory) when unusable."""
-    from ._paths import cache_dir
+    from advisor._paths import cache_dir
 
     directory = cache_dir()
     try:
@@ -79,14 +79,13 @@ def run_tune_command(
     console: Console,
 ) -> int:
     """Run the tune and report it. Returns 0 when a stable policy was found, 3 when none was."""
-    from ._load import _profile_for
 
     path = check_script(script)
     if trials < 1:
         raise MpadviseError(f"--trials {trials} is not allowed; expected at least 1")
     if time_budget is not None and time_budget <= 0:
         raise MpadviseError(f"--time-budget {time_budget:g} is not allowed; expected seconds > 0")
-    profile = _profile_for(device)
+    profile = probes.profile_for(device)
     if modes:
         modes = check_modes(modes, profile)
     limit = parse_memory(memory_limit) if memory_limit else None
@@ -140,7 +139,7 @@ def run_tune_command(
 
 
 def _remember(result: TuneResult, profile: Any, script: Path) -> int | None:
-    from ._recommend import record_tune
+    from advisor.cache._recommend import record_tune
 
     assert result.policy is not None and result.policy.tuned_on is not None
     rows = []

@@ -6,13 +6,7 @@ import os
 from pathlib import Path
 
 from policies import MODES, supported_modes
-from probes import HardwareProfile, MpadviseError
-
-
-class UsageError(MpadviseError):
-    """Bad command-line input (exit code 2)."""
-
-    exit_code = 2
+from probes import HardwareProfile, MpadviseError, UsageError
 
 
 def check_script(script: str | os.PathLike[str]) -> Path:

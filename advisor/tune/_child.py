@@ -18,11 +18,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from advisor.runtime._applied import AppliedPolicy, StepObserver
 from policies import Policy, PolicyError, supported_modes
 from probes import HardwareProfile
 from probes._trial import EXIT_NO_STEP, EXIT_UNSUPPORTED, TrialSpec, json_float
-
-from ._runtime import AppliedPolicy, StepObserver
 
 if TYPE_CHECKING:
     import torch

@@ -22,11 +22,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from advisor.cli._common import JsonOption, console, err_console, handle_errors, print_json
 from probes import MpadviseError
 
-__all__ = ["register", "start_daemon", "status_report", "stop_daemon"]
+__all__ = ["app", "start_daemon", "status_report", "stop_daemon"]
 
-JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON for scripts.")]
 HostOption = Annotated[str, typer.Option("--host", help="Address to serve on; anything but loopback needs --allow-remote.")]
 PortOption = Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port; 0 picks a free one (daemon.json says which).")]
 UdsOption = Annotated[
@@ -42,26 +42,6 @@ RootOption = Annotated[
 ]
 
 
-def register(app: typer.Typer) -> None:
-    """Add the ``daemon`` command group to the ``mpadvise`` app.
-
-    Args:
-        app: the main Typer app (``advisor.cli.app``), or any app in tests.
-    """
-    from advisor.cli import handle_errors
-
-    daemon_app = typer.Typer(
-        name="daemon",
-        help="A local service: cached recommendations over HTTP, and tune jobs queued one per GPU.",
-        no_args_is_help=True,
-    )
-    daemon_app.command("run")(handle_errors(run))
-    daemon_app.command("start")(handle_errors(start))
-    daemon_app.command("stop")(handle_errors(stop))
-    daemon_app.command("status")(handle_errors(status))
-    app.add_typer(daemon_app, name="daemon")
-
-
 # --------------------------------------------------------------------------------------
 # Commands: declare and delegate
 
@@ -74,7 +54,8 @@ def run(
     allowed_root: RootOption = None,
 ) -> None:
     """Serve in the foreground until Ctrl-C or SIGTERM (logs on stderr)."""
-    from ._daemon import DaemonConfig, serve
+    from advisor.daemon._config import DaemonConfig
+    from advisor.daemon._server import serve
 
     serve(DaemonConfig(host=host, port=port, uds=uds.absolute() if uds else None, allow_remote=allow_remote,
                        allowed_roots=tuple(p.absolute() for p in allowed_root or ())))
@@ -90,13 +71,12 @@ def start(
     json_output: JsonOption = False,
 ) -> None:
     """Start the daemon in the background (pid and log files in the cache directory)."""
-    console, err_console = _consoles()
     info = start_daemon(host=host, port=port, uds=uds, allow_remote=allow_remote, allowed_roots=allowed_root or [],
                         wait=wait)
     if info.get("warning"):
         err_console.print(f"[bold yellow]warning:[/] {info['warning']}", highlight=False, soft_wrap=True)
     if json_output:
-        _print_json(info)
+        print_json(info)
         return
     console.print(f"mpadvise daemon started (pid {info['pid']}) on {info['url']}", highlight=False)
     console.print(f"jobs run on: {', '.join(info.get('slots') or [])}; scripts allowed under: "
@@ -110,10 +90,9 @@ def stop(
     json_output: JsonOption = False,
 ) -> None:
     """Stop the background daemon (SIGTERM); a running job is queued again at the next start."""
-    console, _ = _consoles()
     info = stop_daemon(wait=wait)
     if json_output:
-        _print_json(info)
+        print_json(info)
     elif info["stopped"]:
         console.print(f"stopped the mpadvise daemon (pid {info['pid']})", highlight=False)
     else:
@@ -125,10 +104,9 @@ def status(
     json_output: JsonOption = False,
 ) -> None:
     """Whether the daemon answers, its slots, and the recent jobs."""
-    console, _ = _consoles()
     report = status_report(limit=limit)
     if json_output:
-        _print_json(report)
+        print_json(report)
     else:
         render_status(report, console)
 
@@ -160,8 +138,8 @@ def start_daemon(
         MpadviseError: a refused address (exit 2), a daemon already running, or one that
             exited or did not answer in time (the message quotes its log).
     """
-    from ._daemon import check_bind
-    from ._daemon_client import DaemonClient, DaemonPaths, daemon_running
+    from advisor.daemon._client import DaemonClient, DaemonPaths, daemon_running
+    from advisor.daemon._config import check_bind
 
     # Refuse here, in the user's terminal, rather than in a log file they may not read.
     warning = None if uds is not None else check_bind(host, allow_remote=allow_remote)
@@ -224,7 +202,7 @@ def stop_daemon(*, wait: float) -> dict[str, Any]:
     Raises:
         MpadviseError: no pid file for a running daemon, or it did not exit in time.
     """
-    from ._daemon_client import DaemonPaths, daemon_running
+    from advisor.daemon._client import DaemonPaths, daemon_running
 
     paths = DaemonPaths.here()
     if not daemon_running(paths):
@@ -261,7 +239,7 @@ def status_report(*, limit: int = 20) -> dict[str, Any]:
     Raises:
         MpadviseError: no daemon runs, or it does not answer.
     """
-    from ._daemon_client import DaemonClient
+    from advisor.daemon._client import DaemonClient
 
     client = DaemonClient.local()
     return {"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)}
@@ -310,18 +288,6 @@ def _job_line(job: dict[str, Any]) -> str:
 # Small helpers
 
 
-def _consoles() -> tuple[Console, Console]:
-    from advisor.cli import console, err_console
-
-    return console, err_console
-
-
-def _print_json(data: Any) -> None:
-    from advisor.cli import print_json
-
-    print_json(data)
-
-
 def _address(paths: Any) -> dict[str, Any]:
     try:
         data = json.loads(paths.address.read_text())
@@ -348,3 +314,14 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds // 60} min"
     return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
+app = typer.Typer(
+    name="daemon",
+    help="A local service: cached recommendations over HTTP, and tune jobs queued one per GPU.",
+    no_args_is_help=True,
+)
+app.command("run")(handle_errors(run))
+app.command("start")(handle_errors(start))
+app.command("stop")(handle_errors(stop))
+app.command("status")(handle_errors(status))

@@ -22,9 +22,8 @@ from urllib.parse import quote, urlsplit
 from rich.console import Console
 from rich.table import Table
 
+from advisor._paths import cache_dir
 from probes import MpadviseError
-
-from ._paths import cache_dir
 
 __all__ = ["DaemonClient", "DaemonPaths", "daemon_running", "read_token", "render_job_result", "submit_tune"]
 

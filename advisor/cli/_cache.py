@@ -24,55 +24,35 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from advisor._log import get_logger
+from advisor.cli._common import JsonOption, console, handle_errors, print_json
 from probes import MpadviseError
 
 if TYPE_CHECKING:
+    from advisor.cache._store import Store
     from probes import HardwareProfile
 
-    from ._cache import Store
-
 __all__ = [
+    "app",
+    "show",
     "cache_list_report",
     "clear_report",
     "export_report",
     "import_report",
     "parse_duration",
-    "register",
     "show_report",
 ]
 
-JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON for scripts.")]
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``show`` and the ``cache`` command group to the ``mpadvise`` app.
-
-    Args:
-        app: the main Typer app (``advisor.cli.app``), or any app in tests.
-    """
-    from advisor.cli import handle_errors
-
-    app.command("show")(handle_errors(show))
-    cache_app = typer.Typer(
-        name="cache",
-        help="The per-GPU recommendation cache: list, show, export, import, clear.",
-        no_args_is_help=True,
-    )
-    cache_app.command("list")(handle_errors(cache_list))
-    cache_app.command("show")(handle_errors(cache_show))
-    cache_app.command("export")(handle_errors(cache_export))
-    cache_app.command("import")(handle_errors(cache_import))
-    cache_app.command("clear")(handle_errors(cache_clear))
-    app.add_typer(cache_app, name="cache")
 
 
 # --------------------------------------------------------------------------------------
 # Commands: declare and delegate
 
 
+@handle_errors
 def show(
     all_hardware: Annotated[
         bool, typer.Option("--all", help="Also list entries tuned on other hardware or versions.")
@@ -205,9 +185,8 @@ def show_report(profiles: list[HardwareProfile], *, include_other: bool = False)
         is False when no cache could be opened; ``other_hardware`` counts the entries of other
         fingerprints (listed only with ``include_other``).
     """
+    from advisor.cache._recommend import entry_status
     from probes import hardware_fingerprint
-
-    from ._recommend import entry_status
 
     local = {hardware_fingerprint(profile): profile for profile in profiles}
     report: dict[str, Any] = {
@@ -227,11 +206,11 @@ def show_report(profiles: list[HardwareProfile], *, include_other: bool = False)
             report["other_hardware"] += 1
             if not include_other:
                 continue
-            reason = entry_status(row, profiles[0]) or "tuned on other hardware"
-            status = f"other hardware: {_detail(reason)}"
+            reason = entry_status(row, profiles[0])
+            status = f"other hardware: {reason.what_differs() if reason is not None else 'tuned on other hardware'}"
         else:
             reason = entry_status(row, here)
-            status = "valid" if reason is None else reason
+            status = "valid" if reason is None else reason.describe()
         entry = _summary_row(row)
         entry.update(this_machine=here is not None, valid=reason is None, status=status)
         report["recommendations"].append(entry)
@@ -265,8 +244,8 @@ def cache_show_report(recommendation_id: int) -> dict[str, Any]:
     Raises:
         MpadviseError: there is no such entry, or no cache.
     """
-    from ._cache import open_store
-    from ._recommend import nothing_cached_yet
+    from advisor.cache._recommend import nothing_cached_yet
+    from advisor.cache._store import open_store
 
     if nothing_cached_yet(_database_path()):
         raise MpadviseError(
@@ -450,10 +429,6 @@ def render_record(record: dict[str, Any], console: Console) -> None:
 
 def _output() -> tuple[Console, Callable[[Any], None]]:
     """The CLI's console and JSON printer; also attaches the log handler for cache warnings."""
-    from advisor.cli import console, print_json
-
-    from ._log import get_logger
-
     get_logger()
     return console, print_json
 
@@ -466,15 +441,15 @@ def _machine_profiles() -> list[HardwareProfile]:
 
 
 def _database_path() -> Path:
-    from ._paths import database_path
+    from advisor._paths import database_path
 
     return database_path()
 
 
 def _read_rows() -> list[dict[str, Any]] | None:
     """Every recommendation, newest first; ``None`` when no cache can be opened (one warning)."""
-    from ._cache import open_store
-    from ._recommend import nothing_cached_yet
+    from advisor.cache._recommend import nothing_cached_yet
+    from advisor.cache._store import open_store
 
     path = _database_path()
     if nothing_cached_yet(path):
@@ -488,7 +463,7 @@ def _read_rows() -> list[dict[str, Any]] | None:
 
 def _writable_store() -> Store:
     """The cache, for commands that need it: raises one clear line when it cannot be opened."""
-    from ._cache import Store
+    from advisor.cache._store import Store
 
     return Store(_database_path())
 
@@ -528,9 +503,8 @@ def _precheck_export(file: Path) -> list[Any]:
         The raw records (empty when the file is not a readable export: the store then
         refuses it with its own message).
     """
+    from advisor.cache._store import EXPORT_FORMAT
     from policies import Policy, PolicyError
-
-    from ._cache import EXPORT_FORMAT
 
     try:
         document = json.loads(Path(file).read_text(encoding="utf-8"))
@@ -596,12 +570,6 @@ def _table(title: str, columns: tuple[str, ...]) -> Table:
     return table
 
 
-def _detail(reason: str) -> str:
-    """``"tuned on other hardware or versions (torch a -> b)"`` -> ``"torch a -> b"``."""
-    match = re.fullmatch(r"tuned on other hardware or versions \((.*)\)", reason)
-    return match.group(1) if match else reason
-
-
 def _short(fingerprint: str) -> str:
     # Tables show a prefix, as git shows short hashes; --json and `cache show` the whole key.
     return fingerprint[:8]
@@ -613,3 +581,15 @@ def _speedup(value: float | None) -> str:
 
 def _plural(count: int, singular: str, plural: str | None = None) -> str:
     return f"{count} {singular if count == 1 else (plural or singular + 's')}"
+
+
+app = typer.Typer(
+    name="cache",
+    help="The per-GPU recommendation cache: list, show, export, import, clear.",
+    no_args_is_help=True,
+)
+app.command("list")(handle_errors(cache_list))
+app.command("show")(handle_errors(cache_show))
+app.command("export")(handle_errors(cache_export))
+app.command("import")(handle_errors(cache_import))
+app.command("clear")(handle_errors(cache_clear))

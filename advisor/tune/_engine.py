@@ -9,16 +9,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from advisor.tune._checks import check_modes
+from advisor.tune._search import SearchOutcome, run_search
+from advisor.tune._space import Candidate, Measured, SearchSpace, preference_key, space_for
+from advisor.tune._stability import StabilityThresholds, safety_rank
+from advisor.tune._timing import DEFAULT_MIN_MARGIN, compare, noise_band, summarize
+from advisor.tune._trials import Evaluation, Runner, check_reference, evaluate, samples_per_step
 from policies import Policy, TunedOn, safe_default_mode, supported_modes
 from probes import HardwareProfile, hardware_fingerprint
 from probes._trial import TrialResult
-
-from ._script import check_modes
-from ._search import SearchOutcome, run_search
-from ._space import Candidate, Measured, SearchSpace, preference_key, space_for
-from ._stability import StabilityThresholds, safety_rank
-from ._timing import DEFAULT_MIN_MARGIN, compare, noise_band, summarize
-from ._trials import Evaluation, Runner, check_reference, evaluate, samples_per_step
 
 REMEASURE_MAX = 3  # finalists re-measured side by side
 REMEASURE_ROUNDS = 2  # extra runs of each finalist, interleaved

@@ -10,9 +10,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from advisor.tune._stability import safety_rank
 from policies import LossScale, Policy
-
-from ._stability import safety_rank
 
 FP16_INIT_SCALES: tuple[float, ...] = (2.0**8, 2.0**12, 2.0**16)
 FP16_GROWTH_INTERVALS: tuple[int, ...] = (500, 2000)

@@ -7,19 +7,14 @@ Exit codes: 0 done, 1 error, 2 usage, 3 no stable policy found.
 
 from __future__ import annotations
 
-import functools
-import json
-import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
 import typer
-from rich.console import Console
 
-from probes import MpadviseError
-
-F = TypeVar("F", bound=Callable[..., Any])
+from advisor._version import __version__
+from advisor.cli import _cache, _daemon
+from advisor.cli._common import JsonOption, console, fail, handle_errors, print_json
 
 app = typer.Typer(
     name="mpadvise",
@@ -29,41 +24,10 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
-
-JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON for scripts.")]
-
-
-def fail(message: str, code: int = 1) -> typer.Exit:
-    """Print one red line on stderr and return the Exit to raise."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
-
-
-def handle_errors(fn: F) -> F:
-    """Turn MpadviseError into one red line and its exit code; Ctrl-C into exit 130."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except MpadviseError as exc:
-            raise fail(str(exc), exc.exit_code) from None
-        except KeyboardInterrupt:
-            raise fail("interrupted", 130) from None
-
-    return wrapper  # type: ignore[return-value]
-
-
-def print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def _version_callback(value: bool) -> None:
     if value:
-        from advisor import __version__
-
         console.print(f"mpadvise {__version__}", highlight=False)
         raise typer.Exit()
 
@@ -84,7 +48,8 @@ def probe(
     bench: Annotated[bool, typer.Option("--bench", help="Also measure matmul TFLOP/s per dtype on each device.")] = False,
 ) -> None:
     """Show what this machine can do: devices, supported precision modes, the safe default."""
-    from ._probe_report import probe_report, render_probe
+    from advisor._hardware import probe_report
+    from advisor.cli._probe import render_probe
 
     report = probe_report(bench=bench)
     if json_output:
@@ -103,7 +68,7 @@ def policy(
     json_output: JsonOption = False,
 ) -> None:
     """Which policy load_policy() would apply for a script (or a config file) here, and why."""
-    from ._policy_command import explain_policy
+    from advisor.cli._policy import explain_policy
 
     info = explain_policy(target, device=device)
     if json_output:
@@ -134,7 +99,7 @@ def trial(
     json_output: JsonOption = False,
 ) -> None:
     """Run the fp32 reference and the named candidates; compare speed, memory and stability."""
-    from ._trial_command import run_trial_command
+    from advisor.cli._trial import run_trial_command
 
     code = run_trial_command(
         script, script_args or [], modes=mode or [], steps=steps, warmup=warmup, memory_limit=memory_limit,
@@ -173,7 +138,7 @@ def tune(
 ) -> None:
     """Search precision mode, loss scaling and micro-batch size for the fastest stable policy."""
     if submit:
-        from ._daemon_client import submit_tune
+        from advisor.daemon._client import submit_tune
 
         if storage is not None:
             raise fail("--storage cannot be used with --submit: the daemon keeps its studies in its cache directory", 2)
@@ -185,7 +150,7 @@ def tune(
                      "out": str(out) if out is not None else None, "no_cache": no_cache, "no_priors": no_priors},
         )
         raise typer.Exit(code)
-    from ._tune_command import run_tune_command
+    from advisor.cli._tune import run_tune_command
 
     code = run_tune_command(
         script, script_args or [], trials=trials, time_budget=time_budget, steps=steps, warmup=warmup,
@@ -196,21 +161,12 @@ def tune(
     raise typer.Exit(code)
 
 
-def _register_commands() -> None:
-    from ._cache_cli import register as register_cache
-    from ._daemon_cli import register as register_daemon
-
-    register_cache(app)
-    register_daemon(app)
-
-
-_register_commands()
+app.command("show")(_cache.show)
+app.add_typer(_cache.app, name="cache")
+app.add_typer(_daemon.app, name="daemon")
 
 
 def main() -> None:
     """Console-script entry point."""
     app()
 
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

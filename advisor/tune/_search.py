@@ -14,9 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from advisor.tune._space import Candidate, Measured, SearchSpace, preference_key, upper_bound
 from probes import MpadviseError
-
-from ._space import Candidate, Measured, SearchSpace, preference_key, upper_bound
 
 STUDY_ATTR_SPACE = "mpadvise:space"
 TRIAL_ATTR_RESULT = "mpadvise:result"

@@ -20,7 +20,7 @@ from rich.table import Table
 from probes import MpadviseError
 
 if TYPE_CHECKING:
-    from ._trials import Evaluation
+    from advisor.tune._trials import Evaluation
 
 VERDICT_STYLE = {"ok": "green", "unstable": "yellow"}
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from rich.console import Console
 
+import probes
+from advisor.cli._report import evaluation_table, plot_trials, print_reasons, trial_progress
+from advisor.tune._checks import check_modes, check_script, default_trial_modes
+from advisor.tune._trials import ScriptRunner, TrialSettings, run_comparison
 from policies import Policy
 from probes import hardware_fingerprint
 from probes._trial import parse_memory
-
-from ._report import evaluation_table, plot_trials, print_reasons, trial_progress
-from ._script import check_modes, check_script, default_trial_modes
-from ._trials import ScriptRunner, TrialSettings, run_comparison
 
 EXIT_OK, EXIT_UNSTABLE = 0, 3
 
@@ -35,10 +35,9 @@ def run_trial_command(
     console: Console,
 ) -> int:
     """Run the comparison and print it. Returns 0 when every candidate is stable, else 3."""
-    from ._load import _profile_for
 
     path = check_script(script)
-    profile = _profile_for(device)
+    profile = probes.profile_for(device)
     modes = check_modes(modes, profile) if modes else default_trial_modes(profile)
     modes = [m for m in modes if m != "fp32"]
     settings = TrialSettings(

@@ -1,0 +1,36 @@
+"""What this machine can do, as plain data: the report behind ``mpadvise probe`` and the
+daemon's ``GET /hardware``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import probes
+from policies import capability_summary, safe_default_mode, supported_modes
+
+
+def probe_report(*, bench: bool = False) -> dict[str, Any]:
+    """Every device's profile, fingerprint, supported modes and safe default, as plain data.
+
+    Args:
+        bench: also run the matmul micro-benchmark on each device.
+    """
+    devices = []
+    for profile in probes.detect():
+        mode, why = safe_default_mode(profile)
+        entry: dict[str, Any] = {
+            "profile": profile.to_dict(),
+            "fingerprint": probes.hardware_fingerprint(profile),
+            "capability": capability_summary(profile),
+            "peak_tflops": probes.peak_tflops(profile) if profile.is_cuda else {},
+            "modes": {
+                name: {"supported": s.supported, "emulated": s.emulated, "reason": s.reason}
+                for name, s in supported_modes(profile).items()
+            },
+            "safe_default": {"mode": mode, "reason": why},
+        }
+        if bench:
+            entry["bench"] = [row.to_dict() for row in probes.matmul_benchmark(profile)]
+        devices.append(entry)
+    primary = probes.primary_profile()
+    return {"primary": probes.hardware_fingerprint(primary), "devices": devices}

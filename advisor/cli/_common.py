@@ -1,0 +1,49 @@
+"""What every command shares: the consoles, the ``--json`` option, and the error boundary that
+turns ``MpadviseError`` into one red line and its exit code."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from probes import MpadviseError
+
+__all__ = ["JsonOption", "console", "err_console", "fail", "handle_errors", "print_json"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+console = Console()
+err_console = Console(stderr=True)
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON for scripts.")]
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """Print one red line on stderr and return the Exit to raise."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def handle_errors(fn: F) -> F:
+    """Turn MpadviseError into one red line and its exit code; Ctrl-C into exit 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MpadviseError as exc:
+            raise fail(str(exc), exc.exit_code) from None
+        except KeyboardInterrupt:
+            raise fail("interrupted", 130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")

@@ -1,0 +1,39 @@
+"""``mpadvise daemon``: a local HTTP service for cached answers and queued tune jobs.
+
+The service answers "what should this workload use on this GPU?" from the cache, and runs
+``mpadvise tune`` jobs one per GPU (one CPU slot on a machine without one), starting each only
+when NVML shows no other compute process on its GPU, so that tuning does not disturb training
+that is already running.
+
+A job API that runs scripts is remote code execution when it is reachable: Ray's
+unauthenticated job API bound to 0.0.0.0 became CVE-2023-48022. So:
+
+* it binds 127.0.0.1 (or a Unix socket created with mode 0600); any other address needs
+  ``allow_remote`` and is announced with a warning;
+* every request that starts, cancels or changes work needs the bearer token kept in a 0600
+  file in the cache directory; reads are open to loopback clients only;
+* on loopback the ``Host`` header must name the loopback, so a web page cannot reach the
+  service through DNS rebinding;
+* a job's script must exist under an allowed root, and its arguments travel as a list to
+  ``exec``, never through a shell; bodies are limited in size and every field is bounded.
+
+The queue lives in the cache database (:mod:`advisor.cache._store`), so jobs survive a restart: at
+start, a job that was running when the last daemon died has its leftover processes killed
+and is queued again once (:meth:`Store.requeue_interrupted`), then marked interrupted.
+
+A job runs ``python -m advisor.cli tune SCRIPT --json --device SLOT [options] -- ARGS`` in its
+own process group, so its answer lands in the cache exactly as ``mpadvise tune`` stores it.
+Its stderr becomes the job's progress and log tail, its stdout JSON the job's result.
+
+The pure decisions (may this address be bound, is this path under a root, which argv runs a
+job, what is a log's tail) are plain functions; the HTTP layer, the worker threads and the
+processes are shells around them.
+
+Modules: ``_config`` (settings, constants, pure address and path decisions), ``_files`` (token,
+lock, address file), ``_requests`` and ``_responses`` (validated bodies), ``_jobs`` (argv,
+slots, the runner), ``_app`` (HTTP routes and guards), ``_server`` (binding and serving; with
+``_app`` and the body models, the only modules that import FastAPI, pydantic or uvicorn) and
+``_client`` (standard library only). This ``__init__`` imports nothing, so that the client does
+not load the web framework. Arrows: the daemon uses ``cache``, ``tune`` (environment names
+only) and ``probes``; only the CLI imports it.
+"""

@@ -1,0 +1,447 @@
+"""The HTTP application: the routes, the request guard (body size, Host header) and the token check."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import ipaddress
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException
+
+from advisor._version import __version__
+from advisor.cache._store import FINISHED_JOB_STATES, JOB_STATES, Store
+from advisor.daemon._config import MAX_TEXT, DaemonConfig, under_roots
+from advisor.daemon._files import _now
+from advisor.daemon._jobs import JobRunner, Slot
+from advisor.daemon._requests import JobRequest, JobState
+from advisor.daemon._responses import (
+    ErrorBody,
+    HardwareReport,
+    Health,
+    Job,
+    JobList,
+    RecommendationList,
+    ValidationErrorBody,
+)
+from probes import MpadviseError
+
+
+@dataclass
+class DaemonState:
+    """What the request handlers share: stores, hardware, token, runner."""
+
+    config: DaemonConfig
+    token: str
+    store: Store
+    read_store: Store
+    report: dict[str, Any]
+    slots: list[Slot]
+    runner: JobRunner
+    mode_names: frozenset[str]
+    answers: AnswerCache
+    started: float = field(default_factory=time.time)
+    started_at: str = field(default_factory=_now)
+    local_only: bool = True
+
+
+def _json_bytes(data: Any) -> bytes:
+    # Plain json with ASCII escapes: no response model is re-validated on the hot path, and
+    # no stored text can make encoding fail.
+    return json.dumps(data, separators=(",", ":"), default=str).encode()
+
+
+def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(_json_bytes(data), status_code=status, headers=headers, media_type="application/json")
+
+
+class AnswerCache:
+    """Encoded ``GET /recommendations`` answers, valid until anyone commits to the database.
+
+    SQLite's ``PRAGMA data_version`` changes when another connection (in this process or any
+    other: a tune storing its answer, ``mpadvise cache clear``) commits, and costs a few
+    microseconds, against the query, the JSON decoding of every row and the encoding of the
+    answer. Bounded: past ``max_entries`` distinct queries it starts afresh.
+
+    Args:
+        store: the store whose connection is only read from (its data_version would not
+            change for its own writes).
+        max_entries: distinct queries kept.
+    """
+
+    def __init__(self, store: Store, max_entries: int = 256) -> None:
+        self._store = store
+        self._max = max_entries
+        self._answers: dict[Any, bytes] = {}
+        self._version: int | None = None
+
+    def _current(self) -> int | None:
+        try:
+            return int(self._store.db.execute("PRAGMA data_version").fetchone()[0])
+        except Exception:  # a closed or replaced connection: never serve from the cache then
+            return None
+
+    def get(self, key: Any) -> bytes | None:
+        """The stored answer for ``key`` if nothing was committed since it was stored."""
+        version = self._current()
+        if version is None or version != self._version:
+            self._answers.clear()
+            self._version = version
+            return None
+        return self._answers.get(key)
+
+    def put(self, key: Any, body: bytes) -> None:
+        if self._version is None:
+            return
+        if len(self._answers) >= self._max:
+            self._answers.clear()
+        self._answers[key] = body
+
+
+def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    text = {400: "Bad Host header, or a body that is not JSON", 401: "Token missing", 403: "Token wrong, or path outside the allowed roots",
+            404: "No such job", 409: "The job has already finished", 413: "Body too large",
+            422: "Invalid request: each item says where (loc) and what (msg)",
+            503: "The cache database is busy or unusable"}
+    if 422 in codes:
+        return {**{code: {"model": ErrorBody, "description": text[code]} for code in codes if code != 422},
+                422: {"model": ValidationErrorBody, "description": text[422]}}
+    return {code: {"model": ErrorBody, "description": text[code]} for code in codes}
+
+
+class _Guard:
+    """ASGI middleware: Host check on loopback, and the body size limit (413).
+
+    Plain ASGI rather than a Starlette ``BaseHTTPMiddleware``: it adds nothing measurable to a
+    GET, and it refuses an oversized body before the application reads it.
+    """
+
+    def __init__(self, app: Any, *, max_body: int, check_host: bool) -> None:
+        self.app = app
+        self.max_body = max_body
+        self.check_host = check_host
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = None
+        host = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"host":
+                host = value
+        if self.check_host and not _loopback_host_header(host):
+            await _send_error(send, 400, "the Host header must name the loopback (127.0.0.1, localhost or [::1]); "
+                                         "this daemon serves local clients only")
+            return
+        if length is not None:
+            try:
+                size = int(length)
+            except ValueError:
+                await _send_error(send, 400, "Content-Length is not a number")
+                return
+            if size > self.max_body:
+                await _send_error(send, 413, f"request body is {size} bytes; the limit is {self.max_body}")
+                return
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        # A chunked body has no length up front: read it (bounded) before the app does.
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_body:
+                await _send_error(send, 413, f"request body is over the limit of {self.max_body} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
+
+
+def _replay(messages: list[dict[str, Any]], receive: Callable[..., Any]) -> Callable[..., Any]:
+    async def replayed() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        return await receive()
+
+    return replayed
+
+
+async def _send_error(send: Callable[..., Any], status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+_LOOPBACK_HOSTS = frozenset({b"127.0.0.1", b"localhost", b"[::1]"})
+
+
+def _loopback_host_header(host: bytes | None) -> bool:
+    if not host:
+        return False
+    name = host.rsplit(b":", 1)[0] if not host.endswith(b"]") else host
+    if name in _LOOPBACK_HOSTS:
+        return True
+    # 127.0.0.0/8 as a whole is loopback; only literal addresses count (no DNS look-up here).
+    return _client_is_loopback(name.decode("ascii", errors="replace").strip("[]"))
+
+
+_bearer = HTTPBearer(auto_error=False, description="The contents of daemon.token in the cache directory.")
+
+
+async def _require_token(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    """The bearer token, for every request that starts or stops work (401 missing, 403 wrong)."""
+    token: str = request.app.state.daemon.token
+    if credentials is None:
+        raise HTTPException(401, "this request needs `Authorization: Bearer <token>`; the token is in "
+                                 "daemon.token in the cache directory", headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(credentials.credentials.encode("utf-8", "replace"), token.encode()):
+        raise HTTPException(403, "wrong token; read it again from daemon.token in the cache directory "
+                                 "(it changes when the file is deleted)")
+
+
+async def _require_read(request: Request) -> None:
+    """Reads are open to this machine only; a remote client (possible with --allow-remote) must
+    show the token for them too."""
+    client = request.client
+    if client is None or not client.host or _client_is_loopback(client.host):
+        return
+    token: str = request.app.state.daemon.token
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode("utf-8", "replace"), token.encode()):
+        raise HTTPException(401, "reads from other machines need `Authorization: Bearer <token>`",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+def create_app(state: DaemonState) -> FastAPI:
+    """The FastAPI application over ``state``; the lifespan starts and stops the job runner.
+
+    Args:
+        state: stores, hardware report, token and runner.
+
+    Returns:
+        The ASGI app (with the Host and body-size guard around it).
+    """
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.runner.start()
+        try:
+            yield
+        finally:
+            state.runner.stop()
+
+    app = FastAPI(
+        title="mpadvise daemon",
+        version=__version__,
+        summary="Cached precision recommendations and queued tune jobs for this machine.",
+        description=(
+            "Reads are open to loopback clients. `POST /jobs` and `DELETE /jobs/{id}` need "
+            "`Authorization: Bearer <token>`, the token being the contents of `daemon.token` "
+            "in the cache directory (mode 0600)."
+        ),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        lifespan=lifespan,
+    )
+    app.state.daemon = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+        # The default handler echoes each input back (up to the whole body) and cannot encode
+        # a lone surrogate; say where and what, nothing more.
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+                  for e in exc.errors()]
+        return _json({"detail": errors}, 422)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names only the methods of the first route on the path; a client (and
+            # RFC 9110) needs all of them.
+            headers["Allow"] = ", ".join(_allowed_methods(app, request.scope))
+        return _json({"detail": exc.detail}, exc.status_code, headers=headers)
+
+    @app.exception_handler(MpadviseError)
+    async def _store_error(_: Request, exc: MpadviseError) -> Response:
+        return _json({"detail": str(exc)}, 503)
+
+    @app.get("/health", response_model=Health, tags=["service"], responses=_error_responses(400))
+    async def health() -> Response:
+        """Whether the daemon answers, its slots, and how many jobs are in each state."""
+        counts = {name: 0 for name in JOB_STATES}
+        for job in state.read_store.list_jobs(states=("queued", "running", "cancelling")):
+            counts[job["state"]] += 1
+        return _json({
+            "status": "ok", "version": __version__, "pid": os.getpid(), "started_at": state.started_at,
+            "uptime_s": round(time.time() - state.started, 3), "slots": state.runner.slot_info(),
+            "jobs": {k: v for k, v in counts.items() if k in ("queued", "running", "cancelling")},
+        })
+
+    @app.get("/hardware", response_model=HardwareReport, tags=["service"], dependencies=[Depends(_require_read)],
+             responses=_error_responses(400, 401))
+    async def hardware() -> Response:
+        """This machine's devices (as `mpadvise probe --json` reports them) and the job slots."""
+        return _json({**state.report, "slots": state.runner.slot_info()})
+
+    @app.get("/recommendations", response_model=RecommendationList, tags=["cache"],
+             responses=_error_responses(400, 401, 422, 503))
+    async def recommendations(
+        request: Request,
+        workload: Annotated[str | None, Query(pattern=r"^[0-9a-f]{16,64}$", description="Workload fingerprint.")] = None,
+        script: Annotated[str | None, Query(min_length=1, max_length=MAX_TEXT,
+                                            description="Script path, or its file name.")] = None,
+        hardware: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9][\x21-\x7e]{0,255}$",
+                                              description="Hardware fingerprint (GET /hardware lists this machine's).")] = None,
+        trials: Annotated[bool, Query(description="Include each entry's trials.")] = False,
+        limit: Annotated[int, Query(ge=1, le=1000, description="At most this many, newest first.")] = 100,
+    ) -> Response:
+        """Cached recommendations, newest first, filtered by workload, script and hardware."""
+        # Called here rather than as a dependency: the hottest path, and FastAPI's dependency
+        # resolution costs a tenth of a request.
+        await _require_read(request)
+        key = (workload, script, hardware, trials, limit)
+        body = state.answers.get(key)
+        if body is None:
+            rows = state.read_store.find_recommendations(
+                hardware_fp=hardware, script=script, workload_fp=workload, with_trials=trials
+            )
+            body = _json_bytes({"count": len(rows), "recommendations": rows[:limit]})
+            state.answers.put(key, body)
+        return Response(body, media_type="application/json")
+
+    @app.post("/jobs", response_model=Job, status_code=201, tags=["jobs"], dependencies=[Depends(_require_token)],
+              responses=_error_responses(400, 401, 403, 413, 422, 503))
+    def create_job(request: JobRequest) -> Response:
+        """Queue a tune job; it runs when a slot (and its GPU) is free."""
+        roots = state.config.roots()
+        script = _checked_path(request.script, roots, "script", want="file")
+        cwd = _checked_path(request.cwd, roots, "cwd", want="dir") if request.cwd is not None else None
+        options = request.options.model_dump()
+        if request.options.out is not None:
+            out = _checked_path(request.options.out, roots, "options.out", want="new")
+            options["out"] = str(out)
+        unknown = sorted(set(request.options.modes) - state.mode_names)
+        if unknown:
+            raise _invalid(["body", "options", "modes"], f"unknown mode {', '.join(unknown)}; "
+                                     f"expected some of {', '.join(sorted(state.mode_names))}")
+        names = [slot.name for slot in state.slots]
+        if request.gpu is not None and request.gpu not in names:
+            raise _invalid(["body", "gpu"], f"gpu {request.gpu!r} is not a slot of this daemon; expected one of "
+                                     f"{', '.join(names)} (or none for the first free one)")
+        if cwd is not None:
+            options["cwd"] = str(cwd)
+        job_id = state.store.enqueue_job(script=str(script), args=request.args, options=options, gpu=request.gpu)
+        state.runner.wake()
+        job = state.store.get_job(job_id)
+        return _json(job, 201, headers={"Location": f"/jobs/{job_id}"})
+
+    @app.get("/jobs", response_model=JobList, tags=["jobs"], dependencies=[Depends(_require_read)],
+             responses=_error_responses(400, 401, 422, 503))
+    async def list_jobs(
+        state_filter: Annotated[list[JobState] | None, Query(alias="state", description="Only jobs in these states.")] = None,
+        limit: Annotated[int, Query(ge=1, le=1000, description="At most this many, the newest.")] = 100,
+    ) -> Response:
+        """Jobs in queue order (oldest first); the newest ``limit`` of them."""
+        jobs = state.read_store.list_jobs(states=state_filter)
+        return _json({"count": len(jobs), "jobs": jobs[-limit:]})
+
+    @app.get("/jobs/{job_id}", response_model=Job, tags=["jobs"], dependencies=[Depends(_require_read)],
+             responses=_error_responses(400, 401, 404, 422, 503))
+    async def get_job(job_id: Annotated[str, PathParam(max_length=64)]) -> Response:
+        """One job: state, progress, result (the tune's JSON) and the tail of its log."""
+        job = state.read_store.get_job(job_id)
+        if job is None:
+            raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
+        return _json(job)
+
+    @app.delete("/jobs/{job_id}", response_model=Job, tags=["jobs"], dependencies=[Depends(_require_token)],
+                responses={**_error_responses(400, 401, 403, 404, 409, 422, 503),
+                           202: {"model": Job, "description": "Cancelling: the running tune is being stopped"}})
+    def cancel_job(job_id: Annotated[str, PathParam(max_length=64)]) -> Response:
+        """Cancel a job: a queued one at once (200), a running one by killing its tune (202)."""
+        before = state.store.get_job(job_id)
+        if before is None:
+            raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
+        if before["state"] in FINISHED_JOB_STATES:
+            raise HTTPException(409, f"job {job_id} has already finished ({before['state']}); nothing to cancel")
+        job = state.store.cancel_job(job_id)
+        state.runner.cancel(job_id)
+        if job is None:  # deleted in between: the cache was cleared
+            raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
+        return _json(job, 202 if job["state"] == "cancelling" else 200)
+
+    return _Guard(app, max_body=state.config.max_body_bytes, check_host=state.local_only)  # type: ignore[return-value]
+
+
+def _allowed_methods(app: Any, scope: dict[str, Any]) -> list[str]:
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match != Match.NONE and getattr(route, "methods", None):
+            methods |= set(route.methods)
+    return sorted(methods)
+
+
+def _client_is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _invalid(loc: list[str], message: str) -> HTTPException:
+    """A 422 shaped like FastAPI's own (``detail`` a list of ``loc``/``msg``/``type``), so that
+    a client reads every validation failure the same way."""
+    return HTTPException(422, [{"loc": loc, "msg": message, "type": "value_error"}])
+
+
+def _checked_path(raw: str, roots: Sequence[Path], what: str, *, want: Literal["file", "dir", "new"]) -> Path:
+    """Resolve a path from a request and check it against the allowed roots (403/422)."""
+    if not os.path.isabs(raw):
+        raise _invalid(["body", *what.split(".")], f"{what} {raw!r} is not absolute; send the full path (the daemon's working "
+                                 "directory is not yours)")
+    try:
+        path = Path(os.path.realpath(raw))
+    except (OSError, ValueError) as exc:
+        raise _invalid(["body", *what.split(".")], f"{what} {raw!r} cannot be resolved ({exc})") from None
+    if not under_roots(path, roots):
+        raise HTTPException(403, f"{what} {raw!r} is outside the allowed roots ({', '.join(map(str, roots))}); "
+                                 "move it under one, or start the daemon with --allowed-root")
+    try:
+        if want == "file" and not path.is_file():
+            raise _invalid(["body", *what.split(".")], f"{what} {raw!r} does not exist or is not a file")
+        if want == "dir" and not path.is_dir():
+            raise _invalid(["body", *what.split(".")], f"{what} {raw!r} does not exist or is not a directory")
+        if want == "new" and not path.parent.is_dir():
+            raise _invalid(["body", *what.split(".")], f"{what} {raw!r}: its directory does not exist")
+    except OSError as exc:
+        raise _invalid(["body", *what.split(".")], f"{what} {raw!r} cannot be read ({exc.strerror or exc})") from None
+    return path

@@ -1,0 +1,125 @@
+"""The daemon's configuration, its constants, and the pure decisions about addresses and paths."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from advisor.daemon._files import _user_name
+from probes import MpadviseError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8757
+# A job request is a path, a few dozen options and an argument list: 64 KiB is generous, and
+# a bound means a client cannot make the daemon buffer (or store) an arbitrary amount.
+MAX_BODY_BYTES = 64 * 1024
+MAX_ARGS = 256
+MAX_TEXT = 4096
+# What the job record keeps of a tune's stderr: enough to see why it failed.
+LOG_TAIL_LINES = 40
+LOG_TAIL_CHARS = 8000
+RECENT_LINES = 20
+# The environment variable that marks every process of a job (the tune and its trials, which
+# run in sessions of their own): how leftovers are found after a crash or a cancel.
+JOB_ENV = "MPADVISE_DAEMON_JOB"
+
+logger = logging.getLogger("mpadvise.daemon")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """How the daemon listens and what it may run.
+
+    Args:
+        host: address to bind; loopback unless ``allow_remote``.
+        port: TCP port; 0 lets the system pick a free one (written to ``daemon.json``).
+        uds: serve on this Unix socket (mode 0600) instead of TCP.
+        allow_remote: permit a non-loopback ``host``.
+        allowed_roots: directories a job's script (and working directory and config file)
+            must be under; empty means the home directory of the user running the daemon.
+        max_body_bytes: larger request bodies are refused with 413.
+    """
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    uds: Path | None = None
+    allow_remote: bool = False
+    allowed_roots: tuple[Path, ...] = ()
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    def roots(self) -> tuple[Path, ...]:
+        """The allowed roots, resolved (symlinks followed), defaulting to the home directory."""
+        raw = self.allowed_roots or (Path.home(),)
+        return tuple(Path(os.path.realpath(root)) for root in raw)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only loopback addresses.
+
+    Args:
+        host: an IP address (IPv6 may be bracketed) or a host name; a name counts as loopback
+            when every address it resolves to is one (so a doctored ``/etc/hosts`` cannot
+            turn ``localhost`` into a public bind).
+
+    Returns:
+        True for 127.0.0.0/8, ::1 and names resolving only to them.
+    """
+    bare = host.strip().strip("[]")
+    if not bare:
+        return False
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(bare, None)
+    except (OSError, UnicodeError):
+        return False
+    addresses = {info[4][0] for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def check_bind(host: str, *, allow_remote: bool) -> str | None:
+    """Decide whether the daemon may bind ``host``.
+
+    Args:
+        host: the address asked for.
+        allow_remote: the user passed ``--allow-remote``.
+
+    Returns:
+        ``None`` for a loopback address, or the warning to print for a permitted remote one.
+
+    Raises:
+        MpadviseError: (exit code 2) a non-loopback address without ``allow_remote``.
+    """
+    if is_loopback(host):
+        return None
+    if not allow_remote:
+        raise MpadviseError(
+            f"--host {host} is not a loopback address; the daemon runs scripts on request, so it "
+            "serves on 127.0.0.1 (or --uds PATH) only; pass --allow-remote to bind it anyway",
+            exit_code=2,
+        )
+    return (
+        f"serving on {host}, reachable from other machines: every request except GET /health "
+        "needs the token, and anyone holding it can run scripts under the allowed roots as "
+        f"{_user_name()}; prefer 127.0.0.1 with an SSH tunnel"
+    )
+
+
+def under_roots(path: Path, roots: Sequence[Path]) -> bool:
+    """Whether ``path`` (already resolved) is one of ``roots`` or inside one.
+
+    Args:
+        path: an absolute, symlink-free path.
+        roots: resolved directories.
+
+    Returns:
+        True when some root contains ``path``.
+    """
+    return any(path == root or root in path.parents for root in roots)

@@ -1,0 +1,77 @@
+"""The daemon's private files: the token, the lock and the address file."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import secrets
+from pathlib import Path
+
+from advisor.daemon._client import read_token
+from probes import MpadviseError
+
+
+def ensure_token(path: Path) -> str:
+    """Read the daemon's token, creating it (mode 0600) on first start.
+
+    Args:
+        path: the token file.
+
+    Returns:
+        The token.
+
+    Raises:
+        MpadviseError: the file is readable by others or empty.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_token(path)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secrets.token_urlsafe(32) + "\n")
+    return read_token(path)
+
+
+def _acquire_lock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise MpadviseError(
+            f"a daemon is already running for {path.parent} (see {path.parent / 'daemon.json'}); "
+            "stop it with `mpadvise daemon stop` or use another MPADVISE_HOME"
+        ) from None
+    return fd
+
+
+def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def _remove_if_ours(path: Path, pid: int) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        text = path.read_text()
+        owner = json.loads(text).get("pid") if text.lstrip().startswith("{") else int(text.strip())
+        if owner == pid:
+            path.unlink()
+
+
+def _user_name() -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError):
+        return "this user"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,449 @@
+"""Jobs: the argv a tune job runs, the slots (one per GPU, or one CPU slot), and the runner
+threads that start, follow, cancel and recover them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from advisor.cache._store import Store
+from advisor.daemon._config import JOB_ENV, LOG_TAIL_CHARS, LOG_TAIL_LINES, RECENT_LINES, logger
+from advisor.daemon._files import _now
+from advisor.tune._trials import WAIT_IDLE_ENV
+from probes import HardwareProfile, MpadviseError
+
+
+def tune_argv(
+    script: str,
+    args: Sequence[str],
+    options: Mapping[str, Any],
+    slot: str,
+    *,
+    python: str = sys.executable,
+) -> list[str]:
+    """The command line that runs one job: ``mpadvise tune`` with ``--json`` on ``slot``.
+
+    Args:
+        script: the training script (absolute).
+        args: the script's own arguments; after ``--``, so none is read as an option.
+        options: validated :class:`TuneOptions` fields; ``None`` values are left to the
+            tune's defaults.
+        slot: ``"cpu"`` or ``"cuda:N"``, passed as ``--device``.
+        python: the interpreter.
+
+    Returns:
+        The argv list for ``subprocess.Popen`` (no shell is involved).
+    """
+    argv = [python, "-m", "advisor.cli", "tune", script, "--json", "--device", slot]
+    for name in ("trials", "time_budget", "steps", "warmup", "memory_limit", "timeout", "seed", "out"):
+        value = options.get(name)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    for mode in options.get("modes") or ():
+        argv += ["--mode", mode]
+    for flag in ("scale_batch", "include_emulated", "resume", "no_cache", "no_priors"):
+        if options.get(flag):
+            argv.append(f"--{flag.replace('_', '-')}")
+    return [*argv, "--", *args]
+
+
+class LogTail:
+    """The last lines of a job's stderr, with a count of every line seen.
+
+    Args:
+        max_lines: lines kept for the log tail.
+    """
+
+    def __init__(self, max_lines: int = LOG_TAIL_LINES) -> None:
+        self._lines: deque[str] = deque(maxlen=max_lines)
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self, raw: str) -> None:
+        """Record one line (a carriage-return redraw keeps only its last state)."""
+        line = raw.rstrip("\n").split("\r")[-1].rstrip()
+        if not line.strip():
+            return
+        with self._lock:
+            self._lines.append(line[:1000])
+            self.count += 1
+
+    def lines(self) -> list[str]:
+        with self._lock:
+            return list(self._lines)
+
+    def text(self) -> str:
+        """The tail as text, at most :data:`LOG_TAIL_CHARS` characters (the newest kept)."""
+        return "\n".join(self.lines())[-LOG_TAIL_CHARS:]
+
+    def error_line(self) -> str | None:
+        """What the tune said went wrong: its last ``error:`` line, else its last line."""
+        lines = self.lines()
+        for line in reversed(lines):
+            if line.startswith("error:"):
+                return line[len("error:"):].strip()
+        return lines[-1] if lines else None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one job at a time runs: a GPU (``cuda:N``) or, without one, the CPU.
+
+    Args:
+        name: ``"cpu"`` or ``"cuda:N"`` (torch's index, as ``--device`` takes it).
+        index: the CUDA index, ``None`` for the CPU.
+        uuid: the GPU's UUID, which NVML matches whatever ``CUDA_VISIBLE_DEVICES`` says.
+    """
+
+    name: str
+    index: int | None = None
+    uuid: str | None = None
+
+
+def slots_for(profiles: Sequence[HardwareProfile]) -> list[Slot]:
+    """One slot per CUDA device; one CPU slot when there is none.
+
+    Args:
+        profiles: what :func:`probes.detect` found.
+
+    Returns:
+        The slots, GPUs in torch's order.
+    """
+    gpus = [Slot(f"cuda:{p.index}", p.index, p.uuid) for p in profiles if p.is_cuda and p.index is not None]
+    return gpus or [Slot("cpu")]
+
+
+def nvml_busy(slot: Slot) -> list[int]:
+    """PIDs computing on the slot's GPU (none for the CPU slot)."""
+    if slot.index is None:
+        return []
+    from probes import gpu_busy
+
+    return gpu_busy(slot.index, uuid=slot.uuid)
+
+
+def job_pids(job_id: str, proc: Path = Path("/proc")) -> list[int]:
+    """Live processes of one job: those whose environment carries its :data:`JOB_ENV` mark.
+
+    Args:
+        job_id: the job.
+        proc: the proc file system (Linux); elsewhere nothing is found.
+
+    Returns:
+        The PIDs (this user's processes only: others' environments are unreadable).
+    """
+    marker = f"{JOB_ENV}={job_id}".encode()
+    found = []
+    try:
+        entries = list(os.scandir(proc))
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(os.path.join(entry.path, "environ"), "rb") as handle:
+                environ = handle.read()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_job(job_id: str, process: subprocess.Popen[bytes] | None = None) -> None:
+    """SIGKILL every process of a job: the tune, its process group, and its trials.
+
+    The trials run in sessions of their own (so that a trial timeout can kill a script's
+    children), so killing the tune's group is not enough; they are found by their mark.
+
+    Args:
+        job_id: the job.
+        process: the tune process, when this daemon started it.
+    """
+    if process is not None and process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+    for _ in range(10):
+        pids = [pid for pid in job_pids(job_id) if pid != os.getpid()]
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+@dataclass
+class _SlotState:
+    job: str | None = None
+    phase: str = "idle"
+
+
+@dataclass
+class JobRunner:
+    """One worker thread per slot: claim the oldest job, wait for an idle GPU, run the tune.
+
+    Args:
+        store: the cache store (shared, thread-safe).
+        slots: where jobs run.
+        jobs_dir: where each job's full log goes.
+        busy: PIDs computing on a slot's GPU (NVML; tests pass a fake).
+        python: the interpreter that runs ``advisor.cli tune``.
+        poll_s: how often a running job is checked for cancellation and progress.
+        gpu_poll_s: how often a waiting job asks NVML again.
+        idle_poll_s: how often an idle worker looks at the queue without being woken.
+    """
+
+    store: Store
+    slots: Sequence[Slot]
+    jobs_dir: Path
+    busy: Callable[[Slot], list[int]] = nvml_busy
+    python: str = sys.executable
+    poll_s: float = 0.25
+    gpu_poll_s: float = 2.0
+    idle_poll_s: float = 2.0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _wake: dict[str, threading.Event] = field(default_factory=dict)
+    _cancel: set[str] = field(default_factory=set)
+    _cancel_lock: threading.Lock = field(default_factory=threading.Lock)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _state: dict[str, _SlotState] = field(default_factory=dict)
+
+    def start(self) -> None:
+        """Start one worker thread per slot."""
+        # Job logs can quote a script's arguments and output: this user's eyes only.
+        self.jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for slot in self.slots:
+            self._wake[slot.name] = threading.Event()
+            self._state[slot.name] = _SlotState()
+            thread = threading.Thread(target=self._work, args=(slot,), name=f"mpadvise-job-{slot.name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def wake(self) -> None:
+        """Tell idle workers that a job was queued."""
+        for event in self._wake.values():
+            event.set()
+
+    def cancel(self, job_id: str) -> None:
+        """Ask the worker running ``job_id`` to stop it (the store already says cancelling)."""
+        with self._cancel_lock:
+            self._cancel.add(job_id)
+
+    def slot_info(self) -> list[dict[str, Any]]:
+        """Each slot, the job on it and what that job is doing."""
+        return [
+            {"name": s.name, "uuid": s.uuid, "job": self._state.get(s.name, _SlotState()).job,
+             "phase": self._state.get(s.name, _SlotState()).phase}
+            for s in self.slots
+        ]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the workers, killing running jobs; they stay ``running`` in the store, so the
+        next daemon queues them again (once)."""
+        self._stop.set()
+        self.wake()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    # -- worker ------------------------------------------------------------------------
+
+    def _cancelled(self, job_id: str) -> bool:
+        with self._cancel_lock:
+            return job_id in self._cancel
+
+    def _work(self, slot: Slot) -> None:
+        state = self._state[slot.name]
+        while not self._stop.is_set():
+            try:
+                job = self.store.claim_next_job(slot.name)
+            except MpadviseError as exc:
+                logger.warning("cannot read the job queue: %s", exc)
+                self._stop.wait(self.idle_poll_s)
+                continue
+            if job is None:
+                wake = self._wake[slot.name]
+                wake.wait(self.idle_poll_s)
+                wake.clear()
+                continue
+            state.job, state.phase = job["id"], "starting"
+            try:
+                self._run(job, slot, state)
+            except Exception as exc:  # a worker must outlive any one job
+                logger.exception("job %s failed inside the daemon", job["id"])
+                with contextlib.suppress(MpadviseError):
+                    self.store.finish_job(job["id"], state="failed",
+                                          result={"exit_code": None, "error": f"daemon error: {exc}"})
+            finally:
+                state.job, state.phase = None, "idle"
+                with self._cancel_lock:
+                    self._cancel.discard(job["id"])
+
+    def _asked_to_cancel(self, job_id: str, record: dict[str, Any] | None) -> bool:
+        return self._cancelled(job_id) or record is None or record.get("state") == "cancelling"
+
+    def _wait_for_idle_gpu(self, job: dict[str, Any], slot: Slot, state: _SlotState) -> bool:
+        """Block until no other process computes on the slot's GPU. False: cancel or stop."""
+        while True:
+            pids = self.busy(slot)
+            if not pids:
+                return True
+            state.phase = "waiting"
+            record = self.store.update_job(job["id"], progress={
+                "phase": "waiting", "slot": slot.name, "waiting_for_pids": pids, "updated_at": _now(),
+                "message": f"waiting for {slot.name} to be idle: PIDs {', '.join(map(str, pids))} compute on it",
+            })
+            if self._asked_to_cancel(job["id"], record):
+                self.store.finish_job(job["id"], state="cancelled")
+                logger.info("job %s cancelled while waiting for %s", job["id"], slot.name)
+                return False
+            if self._stop.wait(self.gpu_poll_s):
+                return False
+
+    def _run(self, job: dict[str, Any], slot: Slot, state: _SlotState) -> None:
+        job_id = job["id"]
+        if not self._wait_for_idle_gpu(job, slot, state):
+            return
+        options = job.get("options") or {}
+        argv = tune_argv(job["script"], job.get("args") or [], options, slot.name, python=self.python)
+        env = dict(os.environ)
+        env[JOB_ENV] = job_id
+        env[WAIT_IDLE_ENV] = "1"  # and before every trial, not only before the tune starts
+        env["COLUMNS"] = "160"  # the tune's lines are read back one by one: no wrapping
+        env.pop("MPADVISE_POLICY", None)
+        cwd = options.get("cwd") or os.path.dirname(job["script"])
+        log_path = self.jobs_dir / f"{job_id}.log"
+        out_path = self.jobs_dir / f"{job_id}.out"
+        tail = LogTail()
+        state.phase = "running"
+        logger.info("job %s started on %s: %s", job_id, slot.name, " ".join(argv[3:]))
+        with open(log_path, "ab") as log, open(out_path, "wb") as out:
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE, cwd=cwd, env=env,
+                start_new_session=True,  # its own group: a cancel kills it without touching us
+            )
+            pump = threading.Thread(target=_pump, args=(process.stderr, tail, log), daemon=True)
+            pump.start()
+            outcome, progress = self._follow(job_id, slot, process, tail)
+            pump.join(timeout=5)
+        if outcome == "stopped":
+            logger.info("job %s interrupted by the daemon stopping; it runs again at the next start", job_id)
+            return
+        if outcome == "cancelled":
+            self.store.finish_job(job_id, state="cancelled", log_tail=tail.text())
+            logger.info("job %s cancelled", job_id)
+            return
+        code = process.returncode
+        result = _result_of(code, out_path, tail)
+        final = "succeeded" if result.get("tune") is not None else "failed"
+        # The last lines first, so a follower that sees the job finished has seen them all.
+        self.store.update_job(job_id, progress={**progress, "phase": "finished", "exit_code": code,
+                                                "lines": tail.count, "recent": tail.lines()[-RECENT_LINES:],
+                                                "updated_at": _now()})
+        self.store.finish_job(job_id, state=final, result=result, log_tail=tail.text())
+        with contextlib.suppress(OSError):
+            out_path.unlink()
+        logger.info("job %s %s (exit code %s)", job_id, final, code)
+
+    def _follow(self, job_id: str, slot: Slot, process: subprocess.Popen[bytes],
+                tail: LogTail) -> tuple[str, dict[str, Any]]:
+        """Watch a running tune until it exits ("exited"), is cancelled, or the daemon stops.
+
+        Returns:
+            The outcome and the job's progress record so far.
+        """
+        progress: dict[str, Any] = {"phase": "running", "slot": slot.name, "pid": process.pid}
+        foreign: set[int] = set()
+        last_update = 0.0
+        last_count = -1
+        dirty = False
+        last_gpu_check = time.monotonic()
+        record: dict[str, Any] | None = self.store.update_job(job_id, progress={**progress, "updated_at": _now()})
+        while True:
+            try:
+                process.wait(timeout=self.poll_s)
+                return "exited", progress
+            except subprocess.TimeoutExpired:
+                pass
+            if self._stop.is_set():
+                kill_job(job_id, process)
+                process.wait()
+                return "stopped", progress
+            if self._asked_to_cancel(job_id, record):
+                kill_job(job_id, process)
+                process.wait()
+                return "cancelled", progress
+            now = time.monotonic()
+            if slot.index is not None and now - last_gpu_check >= self.gpu_poll_s:
+                # The tune's own trials compute on this GPU too; anything else is someone
+                # else's work that started after ours, and it skews what we measure.
+                last_gpu_check = now
+                ours = set(job_pids(job_id))
+                others = set(self.busy(slot)) - ours
+                if others - foreign:
+                    foreign |= others
+                    logger.warning("job %s: PIDs %s started computing on %s during the tune", job_id,
+                                   sorted(others), slot.name)
+                    progress["foreign_gpu_pids"] = sorted(foreign)
+                    dirty = True
+            changed = dirty or tail.count != last_count
+            # At most one write a second while lines come in, one every 5 s when quiet.
+            if (changed and now - last_update >= 1.0) or now - last_update >= 5.0:
+                dirty = False
+                last_count = tail.count
+                last_update = now
+                recent = tail.lines()[-RECENT_LINES:]
+                record = self.store.update_job(job_id, log_tail=tail.text(), progress={
+                    **progress, "lines": tail.count, "recent": recent, "updated_at": _now(),
+                })
+
+
+def _pump(stream: Any, tail: LogTail, log: Any) -> None:
+    for raw in iter(stream.readline, b""):
+        log.write(raw)
+        log.flush()
+        tail.add(raw.decode("utf-8", errors="replace"))
+    stream.close()
+
+
+def _result_of(code: int | None, out_path: Path, tail: LogTail) -> dict[str, Any]:
+    """The job result: the tune's JSON when it answered (exit 0 or 3), else why it failed."""
+    data = None
+    with contextlib.suppress(OSError, ValueError):
+        text = out_path.read_text(encoding="utf-8", errors="replace")
+        data = json.loads(text) if text.strip() else None
+    if code in (0, 3) and isinstance(data, dict):
+        return {"exit_code": code, "tune": data}
+    error = tail.error_line() or f"mpadvise tune exited with code {code} and no output"
+    return {"exit_code": code, "error": error}
+
+
+def recover_jobs(store: Store, *, max_retries: int = 1) -> list[dict[str, Any]]:
+    """At start: kill what is left of jobs the last daemon was running, and queue them again.
+
+    A daemon killed with -9 leaves its tune processes running (they are in their own process
+    groups); left alone they would store an answer while the same job runs again.
+
+    Args:
+        store: the cache store.
+        max_retries: how many restarts a job survives.
+
+    Returns:
+        The jobs changed (now queued, interrupted or cancelled).
+    """
+    for job in store.list_jobs(states=("running", "cancelling")):
+        kill_job(job["id"])
+    return store.requeue_interrupted(max_retries=max_retries)

@@ -1,0 +1,169 @@
+"""Serving: bind the address, write the daemon's files, run uvicorn until a signal."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from advisor._version import __version__
+from advisor.cache._store import Store
+from advisor.daemon._app import AnswerCache, DaemonState, create_app
+from advisor.daemon._client import DaemonPaths
+from advisor.daemon._config import DaemonConfig, check_bind, logger
+from advisor.daemon._files import _acquire_lock, _now, _remove_if_ours, _write_private, ensure_token
+from advisor.daemon._jobs import JobRunner, Slot, nvml_busy, recover_jobs, slots_for
+from probes import HardwareProfile, MpadviseError
+
+
+def _bind(config: DaemonConfig) -> tuple[socket.socket, dict[str, Any]]:
+    """Create the listening socket (so port 0 and the socket's mode are ours to control)."""
+    if config.uds is not None:
+        path = Path(config.uds).absolute()
+        if path.exists() or path.is_symlink():
+            if not path.is_socket():
+                raise MpadviseError(f"--uds {path} exists and is not a socket; choose another path")
+            path.unlink()  # a stale socket from a daemon that died (the lock says none runs)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # created 0600 from the start: no window where others may connect
+        try:
+            sock.bind(str(path))
+        except OSError as exc:
+            sock.close()
+            raise MpadviseError(f"cannot listen on {path} ({exc.strerror or exc})") from None
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        sock.listen(128)
+        return sock, {"uds": str(path), "url": f"http+unix://{path}"}
+    infos = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)
+    family, kind, proto, _, address = infos[0]
+    # proto must say TCP: asyncio turns Nagle off only on sockets that do, and with Nagle on,
+    # a keep-alive client waits out a 40 ms delayed ACK between a response's two writes.
+    sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        hint = "; another program uses it: pick another --port (0 picks a free one)" if exc.errno == 98 else ""
+        raise MpadviseError(f"cannot listen on {config.host}:{config.port} ({exc.strerror or exc}){hint}") from None
+    sock.listen(128)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return sock, {"host": host, "port": port, "url": f"http://{shown}:{port}"}
+
+
+def _setup_logging() -> None:
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s mpadvise daemon: %(message)s", "%Y-%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+@contextlib.contextmanager
+def _daemon_files(paths: DaemonPaths, address: dict[str, Any]) -> Iterator[None]:
+    pid = os.getpid()
+    _write_private(paths.pid, f"{pid}\n", 0o644)
+    _write_private(paths.address, json.dumps(address, indent=2) + "\n", 0o644)
+    try:
+        yield
+    finally:
+        _remove_if_ours(paths.address, pid)
+        _remove_if_ours(paths.pid, pid)
+
+
+def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = None) -> None:
+    """Run the daemon in this process until SIGTERM or Ctrl-C.
+
+    Args:
+        config: where to listen and what may run.
+        busy: PIDs computing on a slot's GPU; default NVML.
+
+    Raises:
+        MpadviseError: a refused or failed bind (exit code 2 for a refused address), another
+            daemon on this cache directory, an unusable token file or cache.
+    """
+    from advisor._hardware import probe_report
+
+    remote_warning = None if config.uds is not None else check_bind(config.host, allow_remote=config.allow_remote)
+    for root in config.roots():
+        if not root.is_dir():
+            raise MpadviseError(f"--allowed-root {root} is not a directory; give an existing directory", exit_code=2)
+    _setup_logging()
+    paths = DaemonPaths.here()
+    paths.directory.mkdir(parents=True, exist_ok=True)
+    lock = _acquire_lock(paths.lock)
+    stores: list[Store] = []
+    try:
+        token = ensure_token(paths.token)
+        store = Store()
+        stores.append(store)
+        read_store = Store()
+        stores.append(read_store)
+        for job in recover_jobs(store):
+            logger.info("job %s was running when the last daemon stopped: now %s (attempt %s)",
+                        job["id"], job["state"], job["attempts"])
+        report = {**probe_report(), "detected_at": _now()}
+        slots = slots_for([HardwareProfile.from_dict(d["profile"]) for d in report["devices"]])
+        modes = frozenset(name for device in report["devices"] for name in device["modes"])
+        runner = JobRunner(store=store, slots=slots, jobs_dir=paths.jobs, busy=busy or nvml_busy)
+        sock, address = _bind(config)
+        address.update(pid=os.getpid(), started_at=_now(), version=__version__, log=str(paths.log),
+                       token_file=str(paths.token), slots=[s.name for s in slots],
+                       roots=[str(r) for r in config.roots()])
+        state = DaemonState(config=config, token=token, store=store, read_store=read_store, report=report,
+                            slots=slots, runner=runner, mode_names=modes, answers=AnswerCache(read_store),
+                            local_only=config.uds is None and remote_warning is None)
+        app = create_app(state)
+        server = _Server(uvicorn.Config(
+            app, log_config=None, log_level="warning", access_log=False, lifespan="on",
+            proxy_headers=False,  # request.client must be the real peer: reads are open by address
+            server_header=False, timeout_keep_alive=5,
+        ))
+        with _daemon_files(paths, address):
+            if remote_warning:
+                logger.warning(remote_warning)
+            logger.info("listening on %s; jobs run on %s; token in %s", address["url"],
+                        ", ".join(s.name for s in slots), paths.token)
+            try:
+                server.run(sockets=[sock])
+            finally:
+                sock.close()
+                if config.uds is not None:
+                    with contextlib.suppress(OSError):
+                        Path(address["uds"]).unlink()
+            logger.info("stopped")
+    finally:
+        for opened in stores:
+            opened.close()
+        os.close(lock)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server without its habit of re-raising SIGTERM after a graceful stop (which
+    would kill the process before it removes its pid and address files)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
