@@ -120,12 +120,7 @@ def matmul_benchmark(
     chosen = _validated_dtypes(profile, dtypes)
     if size is None:
         size = _DEFAULT_SIZE[profile.kind]
-    if isinstance(size, bool) or not isinstance(size, int) or size < 16 or size % 16:
-        raise MpadviseError(f"size must be a multiple of 16 and at least 16, got {size!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise MpadviseError(f"repeats must be a positive integer, got {repeats!r}")
-    if not isinstance(min_seconds, (int, float)) or not min_seconds > 0:
-        raise MpadviseError(f"min_seconds must be a positive number, got {min_seconds!r}")
+    _check_settings(size, repeats, min_seconds)
 
     import torch
 
@@ -147,42 +142,47 @@ def matmul_benchmark(
                 continue
             measured[dtype] = _measure(torch, profile, dtype, size, min_seconds, repeats)
 
+    return _rows(profile, chosen, measured, size, repeats)
+
+
+def _check_settings(size: Any, repeats: Any, min_seconds: Any) -> None:
+    """Refuse a matrix size, repeat count or time budget that cannot give a measurement."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 16 or size % 16:
+        raise MpadviseError(f"size must be a multiple of 16 and at least 16, got {size!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise MpadviseError(f"repeats must be a positive integer, got {repeats!r}")
+    if not isinstance(min_seconds, (int, float)) or not min_seconds > 0:
+        raise MpadviseError(f"min_seconds must be a positive number, got {min_seconds!r}")
+
+
+def _rows(
+    profile: HardwareProfile,
+    chosen: tuple[str, ...],
+    measured: dict[str, tuple[float, float] | str],
+    size: int,
+    repeats: int,
+) -> list[BenchRow]:
+    """One row per dtype: TFLOP/s, the ratio to fp32 and the fraction of the datasheet peak,
+    or the reason it was skipped."""
     peaks = peak_tflops(profile)
     fp32 = measured.get("fp32")
     fp32_tflops = _tflops(size, fp32[0]) if isinstance(fp32, tuple) else None
     rows = []
     for dtype in chosen:
         result = measured[dtype]
-        peak = peaks.get(dtype)
+        common = {"dtype": dtype, "device": profile.device, "size": size, "peak_tflops": peaks.get(dtype), "repeats": repeats}
         if isinstance(result, str):
-            rows.append(
-                BenchRow(
-                    dtype=dtype,
-                    device=profile.device,
-                    size=size,
-                    tflops=None,
-                    seconds=None,
-                    ratio_vs_fp32=None,
-                    peak_tflops=peak,
-                    fraction_of_peak=None,
-                    repeats=repeats,
-                    skipped=result,
-                )
-            )
+            rows.append(BenchRow(**common, tflops=None, seconds=None, ratio_vs_fp32=None, fraction_of_peak=None, skipped=result))
             continue
         seconds, spread = result
         tflops = _tflops(size, seconds)
         rows.append(
             BenchRow(
-                dtype=dtype,
-                device=profile.device,
-                size=size,
+                **common,
                 tflops=tflops,
                 seconds=seconds,
                 ratio_vs_fp32=tflops / fp32_tflops if fp32_tflops else None,
-                peak_tflops=peak,
-                fraction_of_peak=tflops / peak if peak else None,
-                repeats=repeats,
+                fraction_of_peak=tflops / common["peak_tflops"] if common["peak_tflops"] else None,
                 spread=spread,
             )
         )

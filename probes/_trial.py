@@ -264,64 +264,65 @@ def classify(
         label=spec.label,
         wall_s=wall_s,
     )
-    last_line = _last_line(stderr_tail)
-
-    def result(outcome: str, reason: str) -> TrialResult:
-        return TrialResult.from_dict({**base, "outcome": outcome, "reason": reason})
-
     if timed_out:
-        where = (
-            "before load_policy()"
-            if stage is None
-            else f"after {len(base.get('losses', []))} steps"
-        )
-        return result("timeout", f"no result within {timeout:g} s ({where}); the trial was killed")
+        where = "before load_policy()" if stage is None else f"after {len(base.get('losses', []))} steps"
+        outcome, reason = "timeout", f"no result within {timeout:g} s ({where}); the trial was killed"
+    else:
+        outcome, reason = _outcome(stage, base, exception, exit_code, _last_line(stderr_tail), spec)
+    return TrialResult.from_dict({**base, "outcome": outcome, "reason": reason})
+
+
+def _outcome(
+    stage: str | None,
+    base: dict[str, Any],
+    exception: dict[str, Any],
+    exit_code: int | None,
+    last_line: str,
+    spec: TrialSpec,
+) -> tuple[str, str]:
+    """``(outcome, reason)`` of a child that ended by itself, from the last stage it reached."""
     if stage == "unsupported":
-        return result("unsupported", base.get("reason") or "mode not supported on this hardware")
+        return "unsupported", base.get("reason") or "mode not supported on this hardware"
     if stage == "no-step":
-        return result(
-            "no-step",
-            f"the script never called step() within {spec.no_step_timeout:g} s of load_policy()",
-        )
+        return "no-step", f"the script never called step() within {spec.no_step_timeout:g} s of load_policy()"
     if stage == "exception" or (stage not in (None, "done") and exit_code not in (0, None)):
-        kind = exception.get("type", "")
-        message = exception.get("message", "") or last_line
-        if (
-            "OutOfMemoryError" in kind
-            or kind == "MemoryError"
-            or "out of memory" in message.lower()
-            or "can't allocate memory" in message.lower()  # torch's CPU allocator
-        ):
-            return result("oom", f"out of memory: {message}".strip())
-        if kind == "MpadviseError":
-            return result("crash", message)
-        what = f"{kind}: {message}" if kind else (message or "no error message")
-        return result("crash", f"the script crashed (exit {_exit_text(exit_code)}): {what}")
+        return _failure(exception, exit_code, last_line)
     if stage is None:
         if exit_code not in (0, None):
-            return result(
+            return (
                 "no-policy",
                 f"the script failed before load_policy() (exit {_exit_text(exit_code)}): {last_line or 'no error message'}",
             )
-        return result("no-policy", "the script exited without calling advisor.load_policy()")
+        return "no-policy", "the script exited without calling advisor.load_policy()"
     if stage in ("loaded", "setup") or (stage == "stepping" and not base.get("losses")):
-        return result(
-            "no-step",
-            "the script ended without calling step(); call mp.step(loss, optimizer) in the training loop",
-        )
+        return "no-step", "the script ended without calling step(); call mp.step(loss, optimizer) in the training loop"
     if stage == "stepping":
-        return result(
+        return (
             "crash",
             f"the script stopped after {len(base['losses'])} steps without finishing the trial (exit {_exit_text(exit_code)})",
         )
     # stage == "done"
     peak = base.get("peak_memory")
     if spec.memory_limit is not None and peak is not None and peak > spec.memory_limit:
-        return result(
-            "oom",
-            f"peak memory {peak / 2**20:.0f} MiB exceeds the limit {spec.memory_limit / 2**20:.0f} MiB",
-        )
-    return result("ok", "")
+        return "oom", f"peak memory {peak / 2**20:.0f} MiB exceeds the limit {spec.memory_limit / 2**20:.0f} MiB"
+    return "ok", ""
+
+
+def _failure(exception: dict[str, Any], exit_code: int | None, last_line: str) -> tuple[str, str]:
+    """``(outcome, reason)`` of a child that raised: out of memory, our own error, or a crash."""
+    kind = exception.get("type", "")
+    message = exception.get("message", "") or last_line
+    if (
+        "OutOfMemoryError" in kind
+        or kind == "MemoryError"
+        or "out of memory" in message.lower()
+        or "can't allocate memory" in message.lower()  # torch's CPU allocator
+    ):
+        return "oom", f"out of memory: {message}".strip()
+    if kind == "MpadviseError":
+        return "crash", message
+    what = f"{kind}: {message}" if kind else (message or "no error message")
+    return "crash", f"the script crashed (exit {_exit_text(exit_code)}): {what}"
 
 
 def _exit_text(code: int | None) -> str:
