@@ -1,18 +1,21 @@
-"""How each precision mode is applied: the Policy config, one module per mode, and the registry.
+"""How each precision mode is applied: the Policy config, one class per mode, and the registry.
 
 Public surface: ``Policy`` (with ``LossScale``, ``Fp8Options``, ``TunedOn``), ``load_config``,
-``MODES``, the mode interface ``PrecisionMode`` and ``create_mode``, and the hardware support
-decisions ``supported_modes`` / ``safe_default_mode``.
+``MODES``, the mode interface ``PrecisionMode`` with its families (``AutocastMode``,
+``TrueHalfMode``, ``Fp8Mode``), the registry (``register_mode``, ``mode_class``,
+``create_mode``, ``safety_order``, ...), and the hardware support decisions
+``supported_modes`` / ``safe_default_mode``.
+
+``MODES`` is read from the registry each time it is looked up, so it lists a mode registered
+with ``register_mode`` too.
 """
 
 from __future__ import annotations
 
+from ._autocast import AutocastMode
 from ._base import PrecisionMode
 from ._config import (
-    MODES,
     SCHEMA,
-    TE_RECIPES,
-    TORCHAO_RECIPES,
     Fp8Options,
     LossScale,
     Policy,
@@ -20,8 +23,19 @@ from ._config import (
     TunedOn,
     load_config,
 )
+from ._fp8 import Fp8Mode
 from ._provenance import Difference, HardwareMismatch, hardware_mismatch
-from ._registry import create_mode, mode_class
+from ._registry import (
+    create_mode,
+    mode_class,
+    mode_classes,
+    mode_dtypes,
+    mode_names,
+    register_mode,
+    safety_order,
+    safety_rank,
+    unregister_mode,
+)
 from ._support import (
     ModeSupport,
     capability_summary,
@@ -29,13 +43,23 @@ from ._support import (
     safe_default_mode,
     supported_modes,
 )
+from ._true import TrueHalfMode
+from .fp8_te import Fp8Te
+from .fp8_torchao import Fp8Torchao
+
+TE_RECIPES: tuple[str, ...] = Fp8Te.fp8_recipes
+"""The recipes ``fp8-te`` accepts in ``[fp8]``."""
+TORCHAO_RECIPES: tuple[str, ...] = Fp8Torchao.fp8_recipes
+"""The recipes ``fp8-torchao`` accepts in ``[fp8]``."""
 
 __all__ = [
-    "MODES",
+    "MODES",  # noqa: F822 - provided by __getattr__ below, from the registry
     "SCHEMA",
     "TE_RECIPES",
     "TORCHAO_RECIPES",
+    "AutocastMode",
     "Difference",
+    "Fp8Mode",
     "Fp8Options",
     "HardwareMismatch",
     "LossScale",
@@ -43,13 +67,29 @@ __all__ = [
     "Policy",
     "PolicyError",
     "PrecisionMode",
+    "TrueHalfMode",
     "TunedOn",
     "capability_summary",
     "create_mode",
     "hardware_mismatch",
     "load_config",
     "mode_class",
+    "mode_classes",
+    "mode_dtypes",
+    "mode_names",
+    "register_mode",
     "safe_default",
     "safe_default_mode",
+    "safety_order",
+    "safety_rank",
     "supported_modes",
+    "unregister_mode",
 ]
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # MODES is derived from the registry on every lookup rather than copied once, so a mode
+    # registered later is never missing from it.
+    if name == "MODES":
+        return mode_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

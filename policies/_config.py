@@ -10,6 +10,8 @@ from typing import Any
 
 from probes._errors import MpadviseError
 
+from ._registry import fp8_recipes, mode_class, mode_classes, mode_names
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -18,19 +20,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 SCHEMA = 1
 """Config file schema written by this version. Older schemas are read and upgraded."""
 
-MODES: tuple[str, ...] = (
-    "fp32",
-    "tf32",
-    "fp16-mixed",
-    "bf16-mixed",
-    "fp16-true",
-    "bf16-true",
-    "fp8-te",
-    "fp8-torchao",
-)
 LOSS_SCALE_KINDS = ("none", "static", "dynamic")
-TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-TE_RECIPES = ("delayed", "current", "mxfp8", "block")
 FP8_FORMATS = ("hybrid", "e4m3")
 
 
@@ -40,6 +30,13 @@ class PolicyError(MpadviseError, ValueError):
 
 def _choices(values: tuple[str, ...]) -> str:
     return ", ".join(values)
+
+
+def _names(names: list[str]) -> str:
+    """``"a"``, ``"a and b"``, ``"a, b and c"``."""
+    if len(names) < 2:
+        return names[0] if names else "no mode"
+    return f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _check_choice(owner: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -94,9 +91,9 @@ class Fp8Options:
     """FP8 recipe options, for ``fp8-torchao`` and ``fp8-te``.
 
     Attributes:
-        recipe: torchao: ``tensorwise`` (default), ``rowwise``, ``rowwise_with_gw_hp``;
-            Transformer Engine: ``delayed`` (default), ``current``, ``mxfp8``, ``block``.
-            ``None`` takes the backend's default.
+        recipe: one of the FP8 mode's ``fp8_recipes``. torchao: ``tensorwise`` (default),
+            ``rowwise``, ``rowwise_with_gw_hp``; Transformer Engine: ``delayed`` (default),
+            ``current``, ``mxfp8``, ``block``. ``None`` takes the backend's default.
         fp8_format: ``hybrid`` (E4M3 forward, E5M2 gradients) or ``e4m3`` (Transformer Engine).
         amax_history_len: amax history for Transformer Engine's delayed scaling.
         margin: scaling margin (powers of two) for Transformer Engine's delayed scaling.
@@ -109,7 +106,7 @@ class Fp8Options:
 
     def __post_init__(self) -> None:
         if self.recipe is not None:
-            _check_choice("fp8", "recipe", self.recipe, TORCHAO_RECIPES + TE_RECIPES)
+            _check_choice("fp8", "recipe", self.recipe, fp8_recipes())
         _check_choice("fp8", "fp8_format", self.fp8_format, FP8_FORMATS)
         _check_positive("fp8", "amax_history_len", self.amax_history_len, integer=True)
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
@@ -155,14 +152,15 @@ class Policy:
     config file (``Policy.from_toml``) or get it from ``mpadvise tune``.
 
     Attributes:
-        mode: one of ``MODES``.
-        loss_scale: loss scaling; defaults to dynamic scaling for ``fp16-mixed`` and is only
-            allowed there.
+        mode: one of ``MODES`` (a registered mode).
+        loss_scale: loss scaling; defaults to dynamic scaling for the modes that scale the
+            loss (``fp16-mixed``) and is only allowed there.
         micro_batch_size: the batch one forward pass sees; ``None`` keeps the script's own.
         grad_accum_steps: micro-batches per optimizer step; ``None`` derives it so that the
             script's global batch is kept.
         grad_clip_norm: clip the unscaled gradients to this norm; ``None`` for no clipping.
-        fp8: FP8 options; only allowed for the fp8 modes.
+        fp8: FP8 options; only allowed for the modes that take them (``fp8-te``,
+            ``fp8-torchao``).
         tuned_on: the measurement record, for tuned policies.
     """
 
@@ -175,25 +173,29 @@ class Policy:
     tuned_on: TunedOn | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        _check_choice("Policy", "mode", self.mode, MODES)
-        if self.mode == "fp16-mixed" and self.loss_scale is None:
+        _check_choice("Policy", "mode", self.mode, mode_names())
+        mode = mode_class(self.mode)
+        if mode.loss_scaling and self.loss_scale is None:
             object.__setattr__(self, "loss_scale", LossScale())
         if self.loss_scale is not None:
             if not isinstance(self.loss_scale, LossScale):
                 raise PolicyError(f"Policy.loss_scale: expected a LossScale, got {type(self.loss_scale).__name__}")
-            if self.mode != "fp16-mixed" and self.loss_scale.kind != "none":
+            if not mode.loss_scaling and self.loss_scale.kind != "none":
+                scaled = _names([m.name for m in mode_classes() if m.loss_scaling])
                 raise PolicyError(
-                    f"Policy.loss_scale: loss scaling applies to fp16-mixed only, not {self.mode!r}; "
+                    f"Policy.loss_scale: loss scaling applies to {scaled} only, not {self.mode!r}; "
                     "remove [loss_scale] or set kind = \"none\""
                 )
         if self.fp8 is not None:
             if not isinstance(self.fp8, Fp8Options):
                 raise PolicyError(f"Policy.fp8: expected Fp8Options, got {type(self.fp8).__name__}")
-            if not self.mode.startswith("fp8-"):
-                raise PolicyError(f"Policy.fp8: FP8 options apply to fp8-te and fp8-torchao only, not {self.mode!r}")
+            if not mode.fp8_recipes:
+                fp8_modes = _names([m.name for m in mode_classes() if m.fp8_recipes])
+                raise PolicyError(
+                    f"Policy.fp8: FP8 options apply to {fp8_modes} only, not {self.mode!r}; remove [fp8]"
+                )
             if self.fp8.recipe is not None:
-                allowed = TE_RECIPES if self.mode == "fp8-te" else TORCHAO_RECIPES
-                _check_choice(f"fp8 ({self.mode})", "recipe", self.fp8.recipe, allowed)
+                _check_choice(f"fp8 ({self.mode})", "recipe", self.fp8.recipe, mode.fp8_recipes)
         _check_positive("Policy", "micro_batch_size", self.micro_batch_size, integer=True, allow_none=True)
         _check_positive("Policy", "grad_accum_steps", self.grad_accum_steps, integer=True, allow_none=True)
         _check_positive("Policy", "grad_clip_norm", self.grad_clip_norm, allow_none=True)
@@ -258,7 +260,7 @@ class Policy:
                 "upgrade mpadvise (pip install -U mpadvise)"
             )
         if "mode" not in data:
-            raise PolicyError(f"{source}: missing 'mode'; expected one of {_choices(MODES)}")
+            raise PolicyError(f"{source}: missing 'mode'; expected one of {_choices(mode_names())}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

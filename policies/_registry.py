@@ -1,46 +1,207 @@
-"""Which modes exist and which class applies each: adding a mode means adding a file and a line."""
+"""Which precision modes exist: one ordered list of mode classes, and what is derived from it.
+
+Everything that lists modes reads this registry: ``MODES``, config validation, hardware
+support, the search space, the safety order and the stability reasons. Adding a mode means
+writing its class (see ``PrecisionMode``) and registering it, here in ``BUILTIN_MODES`` or from
+outside with ``register_mode``. Importing the mode modules imports no torch and no FP8
+library: they import those inside the methods that need them.
+"""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from probes._errors import MpadviseError
 
-from ._config import MODES
+from ._base import PrecisionMode
+from .bf16_mixed import Bf16Mixed
+from .bf16_true import Bf16True
+from .fp8_te import Fp8Te
+from .fp8_torchao import Fp8Torchao
+from .fp16_mixed import Fp16Mixed
+from .fp16_true import Fp16True
+from .fp32 import Fp32
+from .tf32 import Tf32
 
 if TYPE_CHECKING:
     import torch
 
-    from ._base import PrecisionMode
     from ._config import Policy
 
-# Module and class per mode, imported on first use so that an unused mode's library (torchao,
-# Transformer Engine) is never imported.
-MODE_CLASSES: dict[str, tuple[str, str]] = {
-    "fp32": ("policies.fp32", "Fp32"),
-    "tf32": ("policies.tf32", "Tf32"),
-    "fp16-mixed": ("policies.fp16_mixed", "Fp16Mixed"),
-    "bf16-mixed": ("policies.bf16_mixed", "Bf16Mixed"),
-    "fp16-true": ("policies.fp16_true", "Fp16True"),
-    "bf16-true": ("policies.bf16_true", "Bf16True"),
-    "fp8-te": ("policies.fp8_te", "Fp8Te"),
-    "fp8-torchao": ("policies.fp8_torchao", "Fp8Torchao"),
-}
+ModeT = TypeVar("ModeT", bound=type[PrecisionMode])
 
-if set(MODE_CLASSES) != set(MODES):  # a mode added to one list and not the other
-    raise RuntimeError(f"mode registry out of sync: {sorted(set(MODE_CLASSES) ^ set(MODES))}")
+# The registered classes by name, in registration order: the order of MODES, of the support
+# table and of `mpadvise probe`.
+_REGISTRY: dict[str, type[PrecisionMode]] = {}
+
+
+def register_mode(cls: ModeT) -> ModeT:
+    """Add a precision mode class to the registry, after the modes already there.
+
+    Usable as a class decorator. Registering the same class again does nothing.
+
+    Args:
+        cls: a ``PrecisionMode`` subclass that sets ``name``, ``dtype_family`` and
+            ``safety_rank`` and says where it runs (``support``).
+
+    Returns:
+        ``cls``.
+
+    Raises:
+        TypeError: ``cls`` is not a PrecisionMode subclass.
+        ValueError: a description is missing or clashes with a registered mode (its name or
+            its safety rank); the message names the attribute and the fix.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, PrecisionMode)):
+        raise TypeError(
+            f"register_mode: {cls!r} is not a PrecisionMode subclass; derive the mode's class "
+            "from policies.PrecisionMode"
+        )
+    owner = f"register_mode({cls.__qualname__})"
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{owner}: name {name!r} is not allowed; set name to the mode's name, e.g. 'int8-mixed'")
+    if _REGISTRY.get(name) is cls:
+        return cls
+    if name in _REGISTRY:
+        raise ValueError(
+            f"{owner}: mode {name!r} is already registered by {_REGISTRY[name].__qualname__}; "
+            "give the class a name of its own"
+        )
+    family = getattr(cls, "dtype_family", None)
+    if not isinstance(family, str) or not family:
+        raise ValueError(
+            f"{owner}: dtype_family {family!r} is not allowed; set it to the dtype of most "
+            "matmuls, e.g. 'bf16'"
+        )
+    _check_rank(owner, cls)
+    if not isinstance(cls.fp8_recipes, tuple) or not all(isinstance(r, str) for r in cls.fp8_recipes):
+        raise ValueError(f"{owner}: fp8_recipes {cls.fp8_recipes!r} is not allowed; expected a tuple of recipe names")
+    if not _says_where_it_runs(cls):
+        raise ValueError(
+            f"{owner}: the class does not say where it runs; define support(profile), or "
+            "cuda_support(profile, cap) and cpu_support(profile)"
+        )
+    _REGISTRY[name] = cls
+    return cls
+
+
+def _check_rank(owner: str, cls: type[PrecisionMode]) -> None:
+    rank = getattr(cls, "safety_rank", None)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise ValueError(
+            f"{owner}: safety_rank {rank!r} is not allowed; set an integer, lower is safer "
+            f"(ranks in use: {_ranks_in_use()})"
+        )
+    for other in _REGISTRY.values():
+        if other.safety_rank == rank:
+            raise ValueError(
+                f"{owner}: safety_rank {rank} is already {other.name}'s; pick an unused rank "
+                f"(ranks in use: {_ranks_in_use()})"
+            )
+
+
+def _ranks_in_use() -> str:
+    return ", ".join(f"{cls.name} {cls.safety_rank}" for cls in _by_safety())
+
+
+def _says_where_it_runs(cls: type[PrecisionMode]) -> bool:
+    def defined(method: str) -> bool:
+        return getattr(cls, method).__func__ is not getattr(PrecisionMode, method).__func__
+
+    return defined("support") or (defined("cuda_support") and defined("cpu_support"))
+
+
+def unregister_mode(name: str) -> None:
+    """Remove a registered mode (a mode registered for a test, say).
+
+    Raises:
+        MpadviseError: no mode of that name is registered.
+    """
+    if name not in _REGISTRY:
+        raise MpadviseError(f"unknown mode {name!r}; expected one of {', '.join(_REGISTRY)}")
+    del _REGISTRY[name]
+
+
+def mode_classes() -> tuple[type[PrecisionMode], ...]:
+    """Every registered mode class, in registration order."""
+    return tuple(_REGISTRY.values())
+
+
+def mode_names() -> tuple[str, ...]:
+    """Every registered mode's name, in registration order (the value of ``MODES``)."""
+    return tuple(_REGISTRY)
 
 
 def mode_class(mode: str) -> type[PrecisionMode]:
-    """The class that applies ``mode``."""
+    """The class that applies ``mode``.
+
+    Raises:
+        MpadviseError: no mode of that name is registered.
+    """
     try:
-        module_name, class_name = MODE_CLASSES[mode]
-    except KeyError:
-        raise MpadviseError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}") from None
-    return getattr(importlib.import_module(module_name), class_name)
+        return _REGISTRY[mode]
+    except (KeyError, TypeError):
+        raise MpadviseError(f"unknown mode {mode!r}; expected one of {', '.join(_REGISTRY)}") from None
 
 
 def create_mode(policy: Policy, device: torch.device) -> PrecisionMode:
     """Instantiate the mode object for ``policy`` on ``device``."""
     return mode_class(policy.mode)(policy, device)
+
+
+def _by_safety() -> list[type[PrecisionMode]]:
+    return sorted(_REGISTRY.values(), key=lambda cls: cls.safety_rank)
+
+
+def safety_order() -> tuple[str, ...]:
+    """The registered modes from safest to least safe (by ``PrecisionMode.safety_rank``)."""
+    return tuple(cls.name for cls in _by_safety())
+
+
+def safety_rank(mode: str) -> int:
+    """How safe a precision mode is numerically; lower is safer.
+
+    Args:
+        mode: a registered mode name (``"fp32"``, ``"bf16-mixed"``, ...).
+
+    Returns:
+        The class's ``safety_rank`` (0 for fp32).
+
+    Raises:
+        ValueError: the mode is not registered, so it has no rank.
+    """
+    cls = _REGISTRY.get(mode) if isinstance(mode, str) else None
+    if cls is None:
+        raise ValueError(
+            f"mode {mode!r} has no safety rank; expected one of {', '.join(safety_order())} "
+            "(a new mode is ranked by its class's safety_rank once registered with "
+            "policies.register_mode)"
+        )
+    return cls.safety_rank
+
+
+def mode_dtypes() -> dict[str, str]:
+    """``{mode: dtype family of its matmuls}`` for every registered mode (the search's priors)."""
+    return {cls.name: cls.dtype_family for cls in _REGISTRY.values()}
+
+
+def fp8_recipes() -> tuple[str, ...]:
+    """Every FP8 recipe some registered mode accepts, each once, in registration order."""
+    return tuple(dict.fromkeys(recipe for cls in _REGISTRY.values() for recipe in cls.fp8_recipes))
+
+
+BUILTIN_MODES: tuple[type[PrecisionMode], ...] = (
+    Fp32,
+    Tf32,
+    Fp16Mixed,
+    Bf16Mixed,
+    Fp16True,
+    Bf16True,
+    Fp8Te,
+    Fp8Torchao,
+)
+"""The modes that ship with mpadvise, in the order they are listed everywhere."""
+
+for _cls in BUILTIN_MODES:
+    register_mode(_cls)

@@ -1,24 +1,21 @@
-"""Shared by the "-true" modes: the whole model, its optimizer state and its inputs in one dtype."""
+"""The "-true" family: the whole model, its optimizer state and its inputs in one half dtype."""
 
 from __future__ import annotations
 
-from ._base import PrecisionMode
+from ._half import HalfPrecisionMode
 
 
-class TrueHalfMode(PrecisionMode):
+class TrueHalfMode(HalfPrecisionMode):
     """Cast the model's floating parameters and buffers, and floating inputs, to one dtype.
 
     No autocast and no master weights: updates smaller than half the dtype's spacing at the
     weight's magnitude are lost (the stall the stability check looks for).
     """
 
-    dtype_name = "bfloat16"
-
-    @property
-    def compute_dtype(self):
-        import torch
-
-        return getattr(torch, self.dtype_name)
+    @classmethod
+    def label(cls) -> str:
+        # Reasons say "pure", since the missing master weights are what goes wrong.
+        return f"{cls.name} (pure {cls.dtype_family})"
 
     def convert_module(self, module):
         # Module.to(dtype) only touches floating tensors and keeps Parameter identity, so an

@@ -3,32 +3,20 @@ bf16 has fp32's exponent range."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
-
-from ._base import PrecisionMode
-
-
-class AutocastMode(PrecisionMode):
-    """Shared by the autocast modes: the forward runs under ``torch.autocast`` of one dtype."""
-
-    dtype_name = "bfloat16"
-
-    @property
-    def compute_dtype(self):
-        import torch
-
-        return getattr(torch, self.dtype_name)
-
-    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
-        import torch
-
-        # torch.autocast restores the previous autocast state on exit, also after an exception.
-        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+from ._autocast import AutocastMode
 
 
 class Bf16Mixed(AutocastMode):
     """bf16 autocast over fp32 master weights."""
 
     name = "bf16-mixed"
-    dtype_name = "bfloat16"
+    dtype_family = "bf16"
+    safety_rank = 20
+    cuda_caveat = "no loss scaling"
+
+    @classmethod
+    def advice(cls, kind: str) -> str:
+        return (
+            "bf16-mixed keeps fp32 weights, so an operation computed in bf16 is to blame; use "
+            "tf32 or fp32, or keep that operation in fp32"
+        )

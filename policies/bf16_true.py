@@ -6,5 +6,18 @@ from ._true import TrueHalfMode
 
 
 class Bf16True(TrueHalfMode):
+    """Pure bf16: stalls when updates are smaller than bf16's precision."""
+
     name = "bf16-true"
-    dtype_name = "bfloat16"
+    dtype_family = "bf16"
+    safety_rank = 60
+    cuda_caveat = "pure bf16 weights can stall when the learning rate is small"
+
+    @classmethod
+    def advice(cls, kind: str) -> str:
+        if kind == "stalled":
+            return (
+                "updates smaller than bf16's precision (8 significant bits, about 0.4% of a "
+                "weight) are lost; use bf16-mixed, which keeps fp32 master weights"
+            )
+        return "use bf16-mixed, which keeps fp32 master weights and optimizer state"

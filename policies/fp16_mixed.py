@@ -4,7 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from .bf16_mixed import AutocastMode
+from ._autocast import AutocastMode
+
+# What to try instead, per way fp16-mixed failed (see PrecisionMode.advice).
+_ADVICE = {
+    "diverged": "activations overflow fp16 even with loss scaling; use bf16-mixed where the "
+    "hardware has bf16, or keep the overflowing layers in fp32",
+    "climbed": "use bf16-mixed where the hardware has bf16, or keep the sensitive layers in fp32",
+    "scale_collapse": "use bf16-mixed where the hardware has bf16 (fp32's exponent range, no "
+    "loss scaling needed)",
+    "skips": "gradients overflow fp16 even at small scales; use bf16-mixed where the hardware "
+    "has bf16, or a longer growth_interval if the scale keeps growing into overflow",
+    "underflow": "the loss scale is too small; raise the initial scale or use a static loss "
+    "scale, or use bf16-mixed where the hardware has bf16",
+    "stalled": "use bf16-mixed where the hardware has bf16, or a larger loss scale if small "
+    "gradients flush to zero",
+}
 
 
 class Fp16Mixed(AutocastMode):
@@ -15,7 +30,17 @@ class Fp16Mixed(AutocastMode):
     """
 
     name = "fp16-mixed"
-    dtype_name = "float16"
+    dtype_family = "fp16"
+    safety_rank = 30
+    loss_scaling = True
+    cuda_caveat = "uses dynamic loss scaling"
+    # CPU autocast takes float16 and GradScaler("cpu") exists in every torch this package
+    # supports (>= 2.4); checked by running both on torch 2.13.
+    cpu_detail = "CPU autocast with GradScaler"
+
+    @classmethod
+    def advice(cls, kind: str) -> str:
+        return _ADVICE.get(kind, "use bf16-mixed where the hardware has bf16")
 
     def __init__(self, policy, device) -> None:
         super().__init__(policy, device)

@@ -6,5 +6,18 @@ from ._true import TrueHalfMode
 
 
 class Fp16True(TrueHalfMode):
+    """Pure fp16: overflows without loss scaling, and loses small updates."""
+
     name = "fp16-true"
-    dtype_name = "float16"
+    dtype_family = "fp16"
+    safety_rank = 70
+    cuda_caveat = (
+        "pure fp16 weights overflow and lose small updates without loss scaling of the weights "
+        "themselves"
+    )
+
+    @classmethod
+    def advice(cls, kind: str) -> str:
+        if kind == "diverged":
+            return "fp16 overflows without loss scaling; use fp16-mixed (GradScaler) or bf16-mixed"
+        return "use fp16-mixed (GradScaler, fp32 master weights) or bf16-mixed"

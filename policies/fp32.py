@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._base import PrecisionMode
+from ._device import ModeSupport
 from ._switches import matmul_switches
+
+if TYPE_CHECKING:
+    from probes import HardwareProfile
 
 
 class Fp32(PrecisionMode):
     """Full fp32: no autocast, and TF32 off for matmuls and convolutions so results are exact fp32."""
 
     name = "fp32"
+    dtype_family = "fp32"
+    safety_rank = 0
+
+    @classmethod
+    def support(cls, profile: HardwareProfile) -> ModeSupport:
+        return ModeSupport(cls.name, True, f"{cls.name}: runs everywhere; the reference for every mode")
 
     def process_switches(self) -> contextlib.AbstractContextManager[Any]:
         return matmul_switches(tf32=False, cuda=self.device.type == "cuda")

@@ -10,8 +10,8 @@ from typing import Any
 
 from probes._errors import MpadviseError
 
-from ._base import PrecisionMode
-from .fp8_torchao import fp8_shape_ok
+from ._device import TE_INSTALL
+from ._fp8 import Fp8Mode
 
 
 def import_transformer_engine() -> tuple[Any, Any]:
@@ -22,14 +22,14 @@ def import_transformer_engine() -> tuple[Any, Any]:
     except ImportError as exc:
         raise MpadviseError(
             f"fp8-te needs Transformer Engine, which cannot be imported ({exc}); "
-            'install it with: pip install "mpadvise[fp8]"'
+            f"install it with: {TE_INSTALL}"
         ) from None
     return te, recipe
 
 
 def build_recipe(recipe_mod: Any, options: Any) -> Any:
     """The TE recipe object for the Policy's ``[fp8]`` options (``delayed`` by default)."""
-    name = (options.recipe if options and options.recipe else "delayed")
+    name = options.recipe if options and options.recipe else Fp8Te.default_recipe
     fmt_name = options.fp8_format if options else "hybrid"
     fmt = getattr(recipe_mod.Format, fmt_name.upper())
     if name == "delayed":
@@ -44,13 +44,23 @@ def build_recipe(recipe_mod: Any, options: Any) -> Any:
         return recipe_mod.MXFP8BlockScaling()
     if name == "block":
         return recipe_mod.Float8BlockScaling()
-    raise MpadviseError(f"fp8.recipe: {name!r} is not a Transformer Engine recipe; expected delayed, current, mxfp8 or block")
+    raise MpadviseError(
+        f"fp8.recipe: {name!r} is not a Transformer Engine recipe; expected "
+        f"{', '.join(Fp8Te.fp8_recipes)}"
+    )
 
 
-class Fp8Te(PrecisionMode):
+class Fp8Te(Fp8Mode):
     """Swap ``nn.Linear``/``nn.LayerNorm`` for Transformer Engine modules; FP8 under te.autocast."""
 
     name = "fp8-te"
+    safety_rank = 50
+    fp8_recipes = ("delayed", "current", "mxfp8", "block")
+    default_recipe = "delayed"
+    library = "transformer_engine"
+    library_display = "transformer-engine"
+    install = TE_INSTALL
+    nothing_converted = "no Linear/LayerNorm could be swapped; this trains like fp32"
 
     def __init__(self, policy, device) -> None:
         super().__init__(policy, device)
@@ -58,18 +68,15 @@ class Fp8Te(PrecisionMode):
             raise MpadviseError(f"fp8-te needs a CUDA device; this policy runs on {device.type}")
         self.te, recipe_mod = import_transformer_engine()
         self.recipe = build_recipe(recipe_mod, policy.fp8)
-        self.swapped: list[str] = []
-        self.kept_high_precision: list[str] = []
+
+    @property
+    def swapped(self) -> list[str]:
+        """The layers replaced by Transformer Engine modules (``converted``, in TE's words)."""
+        return self.converted
 
     def convert_module(self, module):
         module = self._swap(module, prefix="")
-        if self.kept_high_precision:
-            self.notes.append(
-                "fp8-te: kept in high precision (dimensions not divisible by 16): "
-                + ", ".join(self.kept_high_precision)
-            )
-        if not self.swapped:
-            self.notes.append("fp8-te: no Linear/LayerNorm could be swapped; this trains like fp32")
+        self.note_conversion()
         return module
 
     def _swap(self, module, prefix: str):
@@ -88,8 +95,7 @@ class Fp8Te(PrecisionMode):
 
         te = self.te
         if type(module) is torch.nn.Linear:
-            if not fp8_shape_ok(module.in_features, module.out_features):
-                self.kept_high_precision.append(f"{fqn} ({module.in_features}->{module.out_features})")
+            if not self.fp8_eligible(fqn, module.in_features, module.out_features):
                 return None
             new = te.Linear(
                 module.in_features,
@@ -112,7 +118,7 @@ class Fp8Te(PrecisionMode):
             new.weight.copy_(module.weight)
             if getattr(module, "bias", None) is not None:
                 new.bias.copy_(module.bias)
-        self.swapped.append(fqn)
+        self.converted.append(fqn)
         return new
 
     def forward_context(self):
@@ -122,15 +128,6 @@ class Fp8Te(PrecisionMode):
         # Transformer Engine before 2.x spells it fp8_autocast(fp8_recipe=...).
         return te.fp8_autocast(enabled=True, fp8_recipe=self.recipe)
 
-    def state_dict(self) -> dict[str, Any]:
-        # The amax histories and scales live in each TE module's extra state, so they travel
-        # with model.state_dict(); here the recipe is recorded to check a resume uses the same.
-        return {"fp8_recipe": type(self.recipe).__name__}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("fp8_recipe")
-        if saved is not None and saved != type(self.recipe).__name__:
-            raise MpadviseError(
-                f"checkpoint was trained with Transformer Engine recipe {saved}, this policy uses "
-                f"{type(self.recipe).__name__}; resume with the same policy"
-            )
+    def recipe_record(self) -> str:
+        # Checkpoints record the TE recipe's class name (``DelayedScaling``), as they always have.
+        return type(self.recipe).__name__

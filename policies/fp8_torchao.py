@@ -8,20 +8,15 @@ FP8's, the speed is not. torchao is imported here only, and only when this mode 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from probes._errors import MpadviseError
 
-from ._base import PrecisionMode
+from ._device import TORCHAO_INSTALL, ModeSupport
+from ._fp8 import Fp8Mode
 
-# FP8 GEMMs need both matrix dimensions divisible by 16 (cuBLASLt's FP8 layout rule, which
-# torchao's Float8Linear inherits); other linears stay in high precision.
-FP8_DIM_MULTIPLE = 16
-
-
-def fp8_shape_ok(in_features: int, out_features: int) -> bool:
-    """Whether a Linear of this shape can run its matmuls in FP8."""
-    return in_features % FP8_DIM_MULTIPLE == 0 and out_features % FP8_DIM_MULTIPLE == 0
+if TYPE_CHECKING:
+    from probes import HardwareProfile
 
 
 def import_torchao_float8() -> Any:
@@ -31,21 +26,30 @@ def import_torchao_float8() -> Any:
     except ImportError as exc:
         raise MpadviseError(
             f"fp8-torchao needs torchao, which cannot be imported ({exc}); "
-            'install it with: pip install "mpadvise[torchao]"'
+            f"install it with: {TORCHAO_INSTALL}"
         ) from None
     return float8
 
 
-class Fp8Torchao(PrecisionMode):
+class Fp8Torchao(Fp8Mode):
     """Swap eligible ``nn.Linear`` layers for torchao ``Float8Linear``; report the others."""
 
     name = "fp8-torchao"
+    safety_rank = 40
+    fp8_recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+    default_recipe = "tensorwise"
+    library = "torchao"
+    library_display = "torchao"
+    install = TORCHAO_INSTALL
+    nothing_converted = "no Linear layer could run in FP8; this trains like fp32"
 
-    def __init__(self, policy, device) -> None:
-        super().__init__(policy, device)
-        self.recipe = (policy.fp8.recipe if policy.fp8 and policy.fp8.recipe else "tensorwise")
-        self.kept_high_precision: list[str] = []
-        self.converted: list[str] = []
+    @classmethod
+    def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
+        if profile.library_version(cls.library) is None:
+            return cls._not_installed()
+        return ModeSupport(
+            cls.name, True, f"{cls.name}: emulated on CPU (correct numerics, no speedup)", emulated=True
+        )
 
     @property
     def compute_dtype(self):
@@ -57,27 +61,20 @@ class Fp8Torchao(PrecisionMode):
         import torch
 
         float8 = import_torchao_float8()
-        config = float8.Float8LinearConfig.from_recipe_name(self.recipe)
+        config = float8.Float8LinearConfig.from_recipe_name(self.recipe_name)
 
         def eligible(mod: torch.nn.Module, fqn: str) -> bool:
             if not isinstance(mod, torch.nn.Linear):
                 return False
-            if fp8_shape_ok(mod.in_features, mod.out_features):
-                self.converted.append(fqn)
-                return True
-            self.kept_high_precision.append(f"{fqn} ({mod.in_features}->{mod.out_features})")
-            return False
+            if not self.fp8_eligible(fqn, mod.in_features, mod.out_features):
+                return False
+            self.converted.append(fqn)
+            return True
 
         module = float8.convert_to_float8_training(module, module_filter_fn=eligible, config=config)
-        if self.kept_high_precision:
-            self.notes.append(
-                "fp8-torchao: kept in high precision (dimensions not divisible by "
-                f"{FP8_DIM_MULTIPLE}): {', '.join(self.kept_high_precision)}"
-            )
-        if not self.converted:
-            self.notes.append("fp8-torchao: no Linear layer could run in FP8; this trains like fp32")
+        self.note_conversion()
         if self.device.type == "cpu":
-            self.notes.append("fp8-torchao: emulated on CPU (FP8 numerics, no speedup)")
+            self.notes.append(f"{self.name}: emulated on CPU (FP8 numerics, no speedup)")
         return module
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -88,16 +85,3 @@ class Fp8Torchao(PrecisionMode):
         if self.device.type == "cuda":
             return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
-
-    def state_dict(self) -> dict[str, Any]:
-        # Dynamic (per-step) scaling keeps no state between steps; the recipe is recorded so a
-        # resume can check it matches.
-        return {"fp8_recipe": self.recipe}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("fp8_recipe")
-        if saved is not None and saved != self.recipe:
-            raise MpadviseError(
-                f"checkpoint was trained with fp8 recipe {saved!r}, this policy uses {self.recipe!r}; "
-                "resume with the same policy"
-            )

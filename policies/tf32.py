@@ -3,16 +3,47 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._base import PrecisionMode
+from ._device import ModeSupport, cc_text, gpu_text
 from ._switches import matmul_switches
+
+if TYPE_CHECKING:
+    from probes import ArchCapability, HardwareProfile
 
 
 class Tf32(PrecisionMode):
     """TF32: sets the matmul precision switch while active and restores it on exit."""
 
     name = "tf32"
+    dtype_family = "tf32"
+    safety_rank = 10
+
+    @classmethod
+    def advice(cls, kind: str) -> str:
+        return "use fp32"
+
+    @classmethod
+    def cuda_support(cls, profile: HardwareProfile, cap: ArchCapability) -> ModeSupport:
+        if cap.tf32:
+            return ModeSupport(
+                cls.name, True, f"{cls.name}: fp32 matmuls run on TF32 tensor cores ({gpu_text(profile, cap)})"
+            )
+        return ModeSupport(
+            cls.name,
+            False,
+            f"{cls.name}: needs compute capability >= 8.0 (Ampere or newer); this is {cc_text(cap)} "
+            f"({profile.name})",
+        )
+
+    @classmethod
+    def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
+        return ModeSupport(
+            cls.name,
+            False,
+            f"{cls.name}: needs an NVIDIA GPU with compute capability >= 8.0; this is a CPU ({profile.name})",
+        )
 
     def process_switches(self) -> contextlib.AbstractContextManager[Any]:
         return matmul_switches(tf32=True, cuda=self.device.type == "cuda")

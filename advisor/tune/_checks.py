@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from policies import MODES, supported_modes
+from policies import mode_dtypes, mode_names, supported_modes
 from probes import HardwareProfile, MpadviseError, UsageError
 
 
@@ -43,8 +43,8 @@ def check_modes(modes: list[str], profile: HardwareProfile) -> list[str]:
     """
     support = supported_modes(profile)
     for mode in modes:
-        if mode not in MODES:
-            raise UsageError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if mode not in support:
+            raise UsageError(f"unknown mode {mode!r}; expected one of {', '.join(mode_names())}")
         if not support[mode].supported:
             available = ", ".join(m for m, s in support.items() if s.supported)
             raise MpadviseError(f"mode {mode} cannot run on {profile.name}: {support[mode].reason}; available here: {available}")
@@ -53,7 +53,8 @@ def check_modes(modes: list[str], profile: HardwareProfile) -> list[str]:
 
 def default_trial_modes(profile: HardwareProfile) -> list[str]:
     """Every supported mode except fp32 (the reference) and FP8 emulation (no speed to gain)."""
+    dtypes = mode_dtypes()
     return [
         m for m, s in supported_modes(profile).items()
-        if s.supported and m != "fp32" and not (m.startswith("fp8") and s.emulated)
+        if s.supported and m != "fp32" and not (dtypes[m] == "fp8" and s.emulated)
     ]

@@ -11,14 +11,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from advisor.tune._stability import safety_rank
-from policies import LossScale, Policy
+from policies import LossScale, Policy, mode_classes, mode_dtypes
 
+# The loss scales tried for a mode that scales its loss (PrecisionMode.loss_scaling).
 FP16_INIT_SCALES: tuple[float, ...] = (2.0**8, 2.0**12, 2.0**16)
 FP16_GROWTH_INTERVALS: tuple[int, ...] = (500, 2000)
-MODE_DTYPE = {
-    "fp32": "fp32", "tf32": "tf32", "fp16-mixed": "fp16", "bf16-mixed": "bf16",
-    "fp16-true": "fp16", "bf16-true": "bf16", "fp8-te": "fp8", "fp8-torchao": "fp8",
-}
 # A candidate whose matmul dtype runs at under this fraction of fp32's rate on this device
 # cannot beat fp32 (at best it ties, and ties go to the safer policy): it is not worth a trial.
 SLOW_DTYPE_RATIO = 0.5
@@ -34,9 +31,9 @@ class Candidate:
     Attributes:
         mode: the precision mode.
         micro_batch: samples per forward pass; ``None`` keeps the script's batch.
-        loss_scale: ``"dynamic"`` or ``"static"`` (fp16-mixed only).
-        init_scale: initial (dynamic) or fixed (static) loss scale (fp16-mixed only).
-        growth_interval: clean steps between scale growths (dynamic fp16-mixed only).
+        loss_scale: ``"dynamic"`` or ``"static"`` (modes that scale the loss: fp16-mixed).
+        init_scale: initial (dynamic) or fixed (static) loss scale (same modes).
+        growth_interval: clean steps between scale growths (dynamic loss scaling only).
     """
 
     mode: str
@@ -49,7 +46,7 @@ class Candidate:
         """The Policy a trial runs: accumulation keeps the global batch when the micro-batch
         divides it; a larger micro-batch (``--scale-batch``) changes the global batch."""
         loss_scale = None
-        if self.mode == "fp16-mixed":
+        if scales_loss(self.mode):
             loss_scale = LossScale(
                 kind=self.loss_scale or "dynamic",
                 init_scale=self.init_scale or 65536.0,
@@ -64,7 +61,7 @@ class Candidate:
     @property
     def label(self) -> str:
         parts = [self.mode]
-        if self.mode == "fp16-mixed" and self.loss_scale:
+        if scales_loss(self.mode) and self.loss_scale:
             parts.append(f"{self.loss_scale} 2^{int(math.log2(self.init_scale or 65536))}")
             if self.loss_scale == "dynamic" and self.growth_interval:
                 parts.append(f"g{self.growth_interval}")
@@ -77,7 +74,7 @@ class Candidate:
         out: dict[str, object] = {"mode": self.mode}
         if self.micro_batch is not None:
             out["micro_batch"] = self.micro_batch
-        if self.mode == "fp16-mixed":
+        if scales_loss(self.mode):
             out["loss_scale"] = self.loss_scale or "dynamic"
             out["init_scale"] = self.init_scale or 65536.0
             if (self.loss_scale or "dynamic") == "dynamic":
@@ -107,11 +104,11 @@ class SearchSpace:
         micro = candidate.micro_batch
         if micro == self.user_batch:
             micro = None  # the script's own batch
-        if candidate.mode != "fp16-mixed":
+        if not scales_loss(candidate.mode):
             return Candidate(candidate.mode, micro)
         kind = candidate.loss_scale or "dynamic"
         return Candidate(
-            "fp16-mixed", micro, kind, candidate.init_scale or 65536.0,
+            candidate.mode, micro, kind, candidate.init_scale or 65536.0,
             (candidate.growth_interval or 2000) if kind == "dynamic" else None,
         )
 
@@ -120,7 +117,7 @@ class SearchSpace:
         out = []
         for mode in self.modes:
             for micro in self.micro_batches:
-                if mode != "fp16-mixed":
+                if not scales_loss(mode):
                     out.append(self.normalise(Candidate(mode, micro)))
                     continue
                 for scale in FP16_INIT_SCALES:
@@ -128,6 +125,11 @@ class SearchSpace:
                     for growth in FP16_GROWTH_INTERVALS:
                         out.append(self.normalise(Candidate(mode, micro, "dynamic", scale, growth)))
         return list(dict.fromkeys(out))
+
+
+def scales_loss(mode: str) -> bool:
+    """Whether ``mode`` scales its loss, so that the search tries loss scales for it."""
+    return any(cls.name == mode and cls.loss_scaling for cls in mode_classes())
 
 
 def micro_batch_choices(user_batch: int | None, *, scale_batch: bool = False) -> tuple[int, ...]:
@@ -162,12 +164,14 @@ def space_for(
         modes: restrict to these modes (each must be supported).
     """
     wanted = list(modes) if modes else list(support)
+    dtypes = mode_dtypes()
     chosen = []
     for mode in wanted:
         info = support[mode]
         if not info.supported:  # type: ignore[attr-defined]
             continue
-        if mode.startswith("fp8") and info.emulated and not include_emulated:  # type: ignore[attr-defined]
+        # FP8 emulated (on a CPU) has FP8's numerics but none of its speed.
+        if dtypes.get(mode) == "fp8" and info.emulated and not include_emulated:  # type: ignore[attr-defined]
             continue
         chosen.append(mode)
     if "fp32" not in chosen:
@@ -220,7 +224,7 @@ def upper_bound(
         # Another loss scale, or a smaller micro-batch accumulated back, does not make a step
         # faster than a measured run of the same mode at a batch at least as large.
         return max(runs)
-    ratio = dtype_ratio.get(MODE_DTYPE.get(candidate.mode, ""))
+    ratio = dtype_ratio.get(mode_dtypes().get(candidate.mode, ""))
     if ratio is None:
         return math.inf
     if ratio < SLOW_DTYPE_RATIO and candidate.mode != "fp32":

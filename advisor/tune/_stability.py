@@ -11,27 +11,23 @@ The defaults of ``StabilityThresholds`` and the evidence for them are in docs/st
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
-# Lower rank = safer. Within the speed noise band the search prefers the safer policy:
-# full precision first; then mixed modes, which keep fp32 master weights (bf16 before fp16,
-# since bf16 has fp32's exponent range and needs no loss scaling); then FP8, which also keeps
-# high-precision weights but computes matmuls with 3 mantissa bits (torchao's default dynamic
-# per-tensor scaling before Transformer Engine's delayed scaling, whose amax history can go
-# stale after a spike); then pure low-precision modes, which lose small updates
-# (bf16 before fp16: fp16 also overflows without a scaler).
-SAFETY_ORDER: tuple[str, ...] = (
-    "fp32",
-    "tf32",
-    "bf16-mixed",
-    "fp16-mixed",
-    "fp8-torchao",
-    "fp8-te",
-    "bf16-true",
-    "fp16-true",
-)
+from policies import PrecisionMode, mode_class, safety_order
+from policies import safety_rank as safety_rank  # re-exported: the search ranks ties with it
+from probes import MpadviseError
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # SAFETY_ORDER (the modes from safest to least safe) is derived from the registered mode
+    # classes on every lookup, so a mode registered later is ranked too.
+    if name == "SAFETY_ORDER":
+        return safety_order()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 VERDICT_KINDS: tuple[str, ...] = (
     "ok",
@@ -46,27 +42,6 @@ VERDICT_KINDS: tuple[str, ...] = (
 
 # Below this, a loss level is treated as zero when it divides (avoids dividing by 0.0).
 _TINY = 1e-12
-
-
-def safety_rank(mode: str) -> int:
-    """How safe a precision mode is numerically; lower is safer.
-
-    Args:
-        mode: a mode name from ``SAFETY_ORDER`` (``"fp32"``, ``"bf16-mixed"``, ...).
-
-    Returns:
-        The mode's index in ``SAFETY_ORDER`` (0 for fp32).
-
-    Raises:
-        ValueError: the mode is not ranked; a new mode must be placed in ``SAFETY_ORDER``.
-    """
-    try:
-        return SAFETY_ORDER.index(mode)
-    except ValueError:
-        raise ValueError(
-            f"mode {mode!r} has no safety rank; expected one of {', '.join(SAFETY_ORDER)} "
-            "(a new mode must be added to advisor._stability.SAFETY_ORDER)"
-        ) from None
 
 
 @dataclass(frozen=True)
@@ -348,12 +323,13 @@ def judge(
     """Decide whether a candidate's trial curve is as stable as the fp32 reference's.
 
     Both curves come from the same seed and data order and are compared step by step over
-    their common length. The checks run in order, and the first that fails gives the verdict:
-    a non-finite reference (no verdict possible), a non-finite candidate loss on a step the
-    optimizer applied (diverged), too few steps, loss-scale collapse, persistent skips,
-    gradient underflow, a climbing loss (diverged), too little progress (stalled) and too
-    large a final gap (stalled). Non-finite losses on steps the GradScaler skipped are the
-    scaler doing its job: they count as skips, not divergence.
+    their common length. The checks of ``STABILITY_CHECKS`` run in order, and the first that
+    fails gives the verdict: a non-finite reference (no verdict possible), a non-finite
+    candidate loss on a step the optimizer applied (diverged), too few steps, a non-finite
+    tail (diverged), loss-scale collapse, persistent skips, gradient underflow, a climbing loss
+    (diverged), too little progress (stalled) and too large a final gap (stalled).
+    Non-finite losses on steps the GradScaler skipped are the scaler doing its job: they count
+    as skips, not divergence.
 
     Args:
         candidate: the curve of the precision mode under test.
@@ -363,257 +339,371 @@ def judge(
     Returns:
         The verdict, with a reason in words and the numbers behind it.
     """
-    t = StabilityThresholds() if thresholds is None else thresholds
-    name = _label(candidate.mode)
-    ref_name = reference.mode
+    comparison = _Comparison(
+        candidate, reference, StabilityThresholds() if thresholds is None else thresholds
+    )
+    for check in STABILITY_CHECKS:
+        verdict = check(comparison)
+        if verdict is not None:
+            return verdict
+    return _stable(comparison)
 
+
+@dataclass(frozen=True)
+class _ScalerStats:
+    """What the loss scaler did after calibration."""
+
+    calibration: int  # steps whose skips are calibration
+    scales: list[float]  # every recorded loss scale
+    skips: int  # skipped steps after calibration
+    judged_steps: int  # steps after calibration
+    skip_fraction: float
+    underflow: list[float]  # per-step underflow fractions after calibration (all if none)
+
+
+@dataclass(frozen=True)
+class _Levels:
+    """Smoothed start and end levels of both curves, and how each moved."""
+
+    c_start: float
+    c_end: float
+    r_start: float
+    r_end: float
+    r_drop: float  # how far the reference fell
+    ref_drop_rel: float  # ... as a fraction of its start
+    cand_rise_rel: float  # how far the candidate rose, as a fraction of its start
+
+
+@dataclass
+class _Comparison:
+    """A candidate curve against the reference, and the measurements the checks share.
+
+    Each measurement is computed on first use and recorded in ``metrics`` then, so a verdict
+    carries exactly the numbers computed up to its check, in the order they were computed.
+    """
+
+    candidate: TrialCurve
+    reference: TrialCurve
+    t: StabilityThresholds
+    metrics: dict[str, float | int | bool] = field(default_factory=dict)
+
+    @cached_property
+    def name(self) -> str:
+        return _label(self.candidate.mode)
+
+    @property
+    def ref_name(self) -> str:
+        return self.reference.mode
+
+    @cached_property
+    def n(self) -> int:
+        """Compared steps: the common length of the two curves."""
+        return min(len(self.candidate), len(self.reference))
+
+    def advice(self, kind: str) -> str:
+        return _advice(self.candidate.mode, kind)
+
+    @cached_property
+    def window(self) -> int:
+        """The smoothing window, in steps."""
+        t, n = self.t, self.n
+        window = min(max(t.min_smoothing_steps, round(n * t.smoothing_fraction)), max(1, n // 2))
+        self.metrics.update(steps=n, smoothing_window=window)
+        return window
+
+    @cached_property
+    def scaler(self) -> _ScalerStats:
+        n, candidate = self.n, self.candidate
+        cal = min(self.t.calibration_steps, n)
+        scales = [s for s in candidate.loss_scale[:n] if s is not None]
+        if scales:
+            self.metrics["min_scale"] = min(scales)
+        skips = sum(candidate.was_skipped(i) for i in range(cal, n))
+        judged_steps = n - cal
+        skip_fraction = skips / judged_steps if judged_steps else 0.0
+        self.metrics["skips_after_calibration"] = skips
+        self.metrics["skip_fraction"] = skip_fraction
+        under_all = [u for u in candidate.underflow[:n] if u is not None]
+        under = [u for u in candidate.underflow[cal:n] if u is not None] or under_all
+        if under:
+            self.metrics["mean_underflow"] = sum(under) / len(under)
+            self.metrics["max_underflow"] = max(under)
+        return _ScalerStats(cal, scales, skips, judged_steps, skip_fraction, under)
+
+    @cached_property
+    def levels(self) -> _Levels:
+        n, window = self.n, self.window
+        c_start, c_end = _levels(self.candidate.losses[:n], window)
+        r_start, r_end = _levels(self.reference.losses[:n], window)
+        r_drop = r_start - r_end
+        ref_drop_rel = r_drop / max(abs(r_start), _TINY)
+        cand_rise_rel = (c_end - c_start) / max(abs(c_start), _TINY)
+        self.metrics.update(
+            candidate_start=c_start, candidate_end=c_end, reference_start=r_start,
+            reference_end=r_end, reference_drop=ref_drop_rel, candidate_rise=cand_rise_rel,
+        )
+        return _Levels(c_start, c_end, r_start, r_end, r_drop, ref_drop_rel, cand_rise_rel)
+
+    @cached_property
+    def reference_flat(self) -> bool:
+        """fp32's loss did not fall (or rose): there is no decrease to compare against."""
+        lv = self.levels
+        flat = lv.r_drop <= 0 or lv.ref_drop_rel < self.t.min_reference_drop
+        self.metrics["reference_flat"] = flat
+        return flat
+
+    @cached_property
+    def final_gap(self) -> float:
+        # Relative to fp32's final loss, or to how far it fell when that is larger, so a loss
+        # that converges towards zero does not turn a tiny absolute gap into a huge ratio.
+        lv = self.levels
+        gap = (lv.c_end - lv.r_end) / max(abs(lv.r_end), lv.r_drop, _TINY)
+        self.metrics["final_gap"] = gap
+        return gap
+
+    def ref_curve(self) -> str:
+        """``"fp32's 1.142 -> 0.7277"``."""
+        return f"{self.ref_name}'s {_fmt(self.levels.r_start)} -> {_fmt(self.levels.r_end)}"
+
+    def flat_note(self) -> str:
+        """The clause saying that progress was not judged, or nothing."""
+        if not self.reference_flat:
+            return ""
+        return (
+            f"{self.ref_name}'s loss did not fall ({_fmt(self.levels.r_start)} -> "
+            f"{_fmt(self.levels.r_end)}), so progress cannot be compared and only the final "
+            "loss is judged; "
+        )
+
+
+def _reference_finite(c: _Comparison) -> Verdict | None:
+    """The fp32 reference itself went NaN or inf: no verdict is possible."""
+    reference = c.reference
     bad = _first_nonfinite(reference.losses, lambda i: False)
-    if bad is not None:
-        return Verdict(
-            False,
-            "reference_not_finite",
-            f"no verdict possible: the {ref_name} reference itself reached a "
-            f"{_describe(reference.losses[bad])} loss at step {bad + 1} of {len(reference)}, "
-            "so the script diverges even in full precision; lower the learning rate or fix the "
-            "script (a log or division by zero, say) before tuning",
-            {"reference_first_nonfinite_step": bad + 1, "steps": len(reference)},
-        )
-
-    bad = _first_nonfinite(candidate.losses, candidate.was_skipped)
-    if bad is not None:
-        applied = " on a step the optimizer applied" if any(candidate.skipped) else ""
-        return Verdict(
-            False,
-            "diverged",
-            f"{name} diverged: loss became {_describe(candidate.losses[bad])} at step {bad + 1} "
-            f"of {len(candidate)}{applied}; {_advice(candidate.mode, 'diverged')}",
-            {"first_nonfinite_step": bad + 1, "steps": len(candidate)},
-        )
-
-    n = min(len(candidate), len(reference))
-    if n < t.min_steps:
-        return Verdict(
-            False,
-            "too_short",
-            f"too few steps to judge {name}: {n} steps compared, need at least {t.min_steps}; "
-            "run the trial longer (a few hundred optimizer steps give a clear verdict)",
-            {"steps": n},
-        )
-
-    window = min(max(t.min_smoothing_steps, round(n * t.smoothing_fraction)), max(1, n // 2))
-    metrics: dict[str, float | int | bool] = {"steps": n, "smoothing_window": window}
-    cand_losses = candidate.losses[:n]
-    tail_bad = _nonfinite_tail(cand_losses, window)
-    if tail_bad is not None:
-        metrics["first_nonfinite_step"] = tail_bad + 1
-        return Verdict(
-            False,
-            "diverged",
-            f"{name} diverged: loss stayed {_describe(cand_losses[-1])} from step {tail_bad + 1} "
-            f"to the end ({n} steps), every one skipped by the scaler; "
-            f"{_advice(candidate.mode, 'diverged')}",
-            metrics,
-        )
-
-    # Loss scaler: collapse, then persistent skips, then underflow.
-    cal = min(t.calibration_steps, n)
-    scales = [s for s in candidate.loss_scale[:n] if s is not None]
-    if scales:
-        metrics["min_scale"] = min(scales)
-    skips = sum(candidate.was_skipped(i) for i in range(cal, n))
-    judged_steps = n - cal
-    skip_fraction = skips / judged_steps if judged_steps else 0.0
-    metrics["skips_after_calibration"] = skips
-    metrics["skip_fraction"] = skip_fraction
-    under_all = [u for u in candidate.underflow[:n] if u is not None]
-    under = [u for u in candidate.underflow[cal:n] if u is not None] or under_all
-    if under:
-        metrics["mean_underflow"] = sum(under) / len(under)
-        metrics["max_underflow"] = max(under)
-
-    if scales and min(scales) < t.min_loss_scale:
-        low = min(scales)
-        return Verdict(
-            False,
-            "scale_collapse",
-            f"{name}'s loss scale collapsed to {_format_scale(low)}, below the limit of "
-            f"{_format_scale(t.min_loss_scale)}, with {skips} of {judged_steps} steps skipped "
-            f"after the first {cal}: gradients overflow fp16 even unscaled; "
-            f"{_advice(candidate.mode, 'scale_collapse')}",
-            metrics,
-        )
-    if skips > 1 and skip_fraction > t.max_skip_fraction:
-        scale_note = f"; the loss scale fell to {_format_scale(min(scales))}" if scales else ""
-        return Verdict(
-            False,
-            "skips",
-            f"{name} skipped {_pct(skip_fraction)} of steps after the first {cal} "
-            f"({skips} of {judged_steps}; limit {_pct(t.max_skip_fraction)}{scale_note}): "
-            f"{_advice(candidate.mode, 'skips')}",
-            metrics,
-        )
-    if under and metrics["mean_underflow"] > t.max_underflow_fraction:
-        scale_note = f" (lowest loss scale {_format_scale(min(scales))})" if scales else ""
-        return Verdict(
-            False,
-            "underflow",
-            f"{name} loses gradients to underflow: on average {_pct(metrics['mean_underflow'])} "
-            f"of sampled gradient values (up to {_pct(metrics['max_underflow'])} on one step) "
-            f"fall below fp16's normal range (2^-14) once scaled, where they lose precision and "
-            f"the next backoff flushes them to zero, limit "
-            f"{_pct(t.max_underflow_fraction)}{scale_note}; {_advice(candidate.mode, 'underflow')}",
-            metrics,
-        )
-
-    # Loss curves, smoothed: levels are medians over the first and last windows.
-    c_start, c_end = _levels(cand_losses, window)
-    r_start, r_end = _levels(reference.losses[:n], window)
-    r_drop = r_start - r_end
-    c_rise = c_end - c_start
-    ref_drop_rel = r_drop / max(abs(r_start), _TINY)
-    cand_rise_rel = c_rise / max(abs(c_start), _TINY)
-    ref_rise_rel = -ref_drop_rel
-    metrics.update(
-        candidate_start=c_start,
-        candidate_end=c_end,
-        reference_start=r_start,
-        reference_end=r_end,
-        reference_drop=ref_drop_rel,
-        candidate_rise=cand_rise_rel,
-    )
-    ref_curve = f"{ref_name}'s {_fmt(r_start)} -> {_fmt(r_end)}"
-
-    if cand_rise_rel > t.climb_margin and ref_rise_rel <= t.climb_margin:
-        return Verdict(
-            False,
-            "diverged",
-            f"{name} diverged: its smoothed loss rose {_fmt(c_start)} -> {_fmt(c_end)} "
-            f"(+{_pct(cand_rise_rel)}, limit +{_pct(t.climb_margin)}) over {n} steps against "
-            f"{ref_curve}; {_advice(candidate.mode, 'climbed')}",
-            metrics,
-        )
-
-    # A reference that did not fall (or rose) gives no decrease to compare against.
-    reference_flat = r_drop <= 0 or ref_drop_rel < t.min_reference_drop
-    metrics["reference_flat"] = reference_flat
-    if not reference_flat:
-        progress = (c_start - c_end) / r_drop
-        metrics["progress_ratio"] = progress
-        if progress < t.min_progress_ratio:
-            if progress <= 0:
-                how = f"its smoothed loss did not fall ({_fmt(c_start)} -> {_fmt(c_end)})"
-            else:
-                how = (
-                    f"its smoothed loss fell {_pct(progress)} as far as {ref_name}'s "
-                    f"({_fmt(c_start)} -> {_fmt(c_end)})"
-                )
-            return Verdict(
-                False,
-                "stalled",
-                f"{name} stalled: {how} against {ref_curve} over {n} steps "
-                f"(limit {_pct(t.min_progress_ratio)}); {_advice(candidate.mode, 'stalled')}",
-                metrics,
-            )
-
-    # Relative to fp32's final loss, or to how far it fell when that is larger, so a loss
-    # that converges towards zero does not turn a tiny absolute gap into a huge ratio.
-    gap = (c_end - r_end) / max(abs(r_end), r_drop, _TINY)
-    metrics["final_gap"] = gap
-    flat_note = (
-        f"{ref_name}'s loss did not fall ({_fmt(r_start)} -> {_fmt(r_end)}), so progress "
-        "cannot be compared and only the final loss is judged; "
-        if reference_flat
-        else ""
-    )
-    if gap > t.max_final_gap:
-        return Verdict(
-            False,
-            "stalled",
-            f"{name} fell behind {ref_name}: {flat_note}its smoothed final loss is "
-            f"{_fmt(c_end)} against {_fmt(r_end)} after {n} steps ({_pct(gap)} higher, limit "
-            f"{_pct(t.max_final_gap)}); {_advice(candidate.mode, 'stalled')}",
-            metrics,
-        )
-
-    final = (
-        f"final loss {_pct(abs(gap))} {'higher' if gap > 0 else 'lower'} than {ref_name}'s "
-        f"(limit {_pct(t.max_final_gap)} higher)"
-    )
-    if reference_flat:
-        pace = f"{flat_note}{final}"
-    else:
-        pace = (
-            f"its loss fell {_pct(metrics['progress_ratio'])} as far as {ref_name}'s "
-            f"(limit {_pct(t.min_progress_ratio)}), {final}"
-        )
-    scaler_note = (
-        f", {skips} skipped step{'s' if skips != 1 else ''} after the first {cal}"
-        if candidate.skipped
-        else ""
-    )
+    if bad is None:
+        return None
     return Verdict(
-        True,
-        "ok",
-        f"{name} is stable over {n} steps: {pace}{scaler_note}",
+        False,
+        "reference_not_finite",
+        f"no verdict possible: the {c.ref_name} reference itself reached a "
+        f"{_describe(reference.losses[bad])} loss at step {bad + 1} of {len(reference)}, "
+        "so the script diverges even in full precision; lower the learning rate or fix the "
+        "script (a log or division by zero, say) before tuning",
+        {"reference_first_nonfinite_step": bad + 1, "steps": len(reference)},
+    )
+
+
+def _candidate_finite(c: _Comparison) -> Verdict | None:
+    """A NaN or inf loss on a step the optimizer applied is a divergence."""
+    candidate = c.candidate
+    bad = _first_nonfinite(candidate.losses, candidate.was_skipped)
+    if bad is None:
+        return None
+    applied = " on a step the optimizer applied" if any(candidate.skipped) else ""
+    return Verdict(
+        False,
+        "diverged",
+        f"{c.name} diverged: loss became {_describe(candidate.losses[bad])} at step {bad + 1} "
+        f"of {len(candidate)}{applied}; {c.advice('diverged')}",
+        {"first_nonfinite_step": bad + 1, "steps": len(candidate)},
+    )
+
+
+def _enough_steps(c: _Comparison) -> Verdict | None:
+    """Fewer than ``min_steps`` compared steps give no verdict."""
+    if c.n >= c.t.min_steps:
+        return None
+    return Verdict(
+        False,
+        "too_short",
+        f"too few steps to judge {c.name}: {c.n} steps compared, need at least {c.t.min_steps}; "
+        "run the trial longer (a few hundred optimizer steps give a clear verdict)",
+        {"steps": c.n},
+    )
+
+
+def _finite_tail(c: _Comparison) -> Verdict | None:
+    """Every step of the final window non-finite (each skipped by the scaler) is a divergence."""
+    losses = c.candidate.losses[: c.n]
+    tail_bad = _nonfinite_tail(losses, c.window)
+    if tail_bad is None:
+        return None
+    c.metrics["first_nonfinite_step"] = tail_bad + 1
+    return Verdict(
+        False,
+        "diverged",
+        f"{c.name} diverged: loss stayed {_describe(losses[-1])} from step {tail_bad + 1} "
+        f"to the end ({c.n} steps), every one skipped by the scaler; "
+        f"{c.advice('diverged')}",
+        c.metrics,
+    )
+
+
+def _scale_collapse(c: _Comparison) -> Verdict | None:
+    """A loss scale below ``min_loss_scale``: gradients overflow fp16 even unscaled."""
+    s, t = c.scaler, c.t
+    if not s.scales or min(s.scales) >= t.min_loss_scale:
+        return None
+    return Verdict(
+        False,
+        "scale_collapse",
+        f"{c.name}'s loss scale collapsed to {_format_scale(min(s.scales))}, below the limit of "
+        f"{_format_scale(t.min_loss_scale)}, with {s.skips} of {s.judged_steps} steps skipped "
+        f"after the first {s.calibration}: gradients overflow fp16 even unscaled; "
+        f"{c.advice('scale_collapse')}",
+        c.metrics,
+    )
+
+
+def _persistent_skips(c: _Comparison) -> Verdict | None:
+    """More than ``max_skip_fraction`` of the steps after calibration skipped (and more than one)."""
+    s, t = c.scaler, c.t
+    if not (s.skips > 1 and s.skip_fraction > t.max_skip_fraction):
+        return None
+    scale_note = f"; the loss scale fell to {_format_scale(min(s.scales))}" if s.scales else ""
+    return Verdict(
+        False,
+        "skips",
+        f"{c.name} skipped {_pct(s.skip_fraction)} of steps after the first {s.calibration} "
+        f"({s.skips} of {s.judged_steps}; limit {_pct(t.max_skip_fraction)}{scale_note}): "
+        f"{c.advice('skips')}",
+        c.metrics,
+    )
+
+
+def _gradient_underflow(c: _Comparison) -> Verdict | None:
+    """On average more than ``max_underflow_fraction`` of scaled gradients below fp16's normals."""
+    s, t, metrics = c.scaler, c.t, c.metrics
+    if not (s.underflow and metrics["mean_underflow"] > t.max_underflow_fraction):
+        return None
+    scale_note = f" (lowest loss scale {_format_scale(min(s.scales))})" if s.scales else ""
+    return Verdict(
+        False,
+        "underflow",
+        f"{c.name} loses gradients to underflow: on average {_pct(metrics['mean_underflow'])} "
+        f"of sampled gradient values (up to {_pct(metrics['max_underflow'])} on one step) "
+        f"fall below fp16's normal range (2^-14) once scaled, where they lose precision and "
+        f"the next backoff flushes them to zero, limit "
+        f"{_pct(t.max_underflow_fraction)}{scale_note}; {c.advice('underflow')}",
         metrics,
     )
 
 
+def _climb(c: _Comparison) -> Verdict | None:
+    """The smoothed loss rose by more than ``climb_margin`` while fp32's did not: a slow divergence."""
+    lv, t = c.levels, c.t
+    if not (lv.cand_rise_rel > t.climb_margin and -lv.ref_drop_rel <= t.climb_margin):
+        return None
+    return Verdict(
+        False,
+        "diverged",
+        f"{c.name} diverged: its smoothed loss rose {_fmt(lv.c_start)} -> {_fmt(lv.c_end)} "
+        f"(+{_pct(lv.cand_rise_rel)}, limit +{_pct(t.climb_margin)}) over {c.n} steps against "
+        f"{c.ref_curve()}; {c.advice('climbed')}",
+        c.metrics,
+    )
+
+
+def _progress(c: _Comparison) -> Verdict | None:
+    """The smoothed loss fell less than ``min_progress_ratio`` as far as fp32's: a stall."""
+    if c.reference_flat:
+        return None
+    lv, t = c.levels, c.t
+    progress = (lv.c_start - lv.c_end) / lv.r_drop
+    c.metrics["progress_ratio"] = progress
+    if progress >= t.min_progress_ratio:
+        return None
+    if progress <= 0:
+        how = f"its smoothed loss did not fall ({_fmt(lv.c_start)} -> {_fmt(lv.c_end)})"
+    else:
+        how = (
+            f"its smoothed loss fell {_pct(progress)} as far as {c.ref_name}'s "
+            f"({_fmt(lv.c_start)} -> {_fmt(lv.c_end)})"
+        )
+    return Verdict(
+        False,
+        "stalled",
+        f"{c.name} stalled: {how} against {c.ref_curve()} over {c.n} steps "
+        f"(limit {_pct(t.min_progress_ratio)}); {c.advice('stalled')}",
+        c.metrics,
+    )
+
+
+def _final_gap(c: _Comparison) -> Verdict | None:
+    """The smoothed final loss more than ``max_final_gap`` above fp32's: the candidate lags."""
+    gap, t = c.final_gap, c.t
+    if gap <= t.max_final_gap:
+        return None
+    return Verdict(
+        False,
+        "stalled",
+        f"{c.name} fell behind {c.ref_name}: {c.flat_note()}its smoothed final loss is "
+        f"{_fmt(c.levels.c_end)} against {_fmt(c.levels.r_end)} after {c.n} steps ({_pct(gap)} "
+        f"higher, limit {_pct(t.max_final_gap)}); {c.advice('stalled')}",
+        c.metrics,
+    )
+
+
+def _stable(c: _Comparison) -> Verdict:
+    """Every check passed: the ``ok`` verdict, with the numbers that show it."""
+    gap, t, s = c.final_gap, c.t, c.scaler
+    final = (
+        f"final loss {_pct(abs(gap))} {'higher' if gap > 0 else 'lower'} than {c.ref_name}'s "
+        f"(limit {_pct(t.max_final_gap)} higher)"
+    )
+    if c.reference_flat:
+        pace = f"{c.flat_note()}{final}"
+    else:
+        pace = (
+            f"its loss fell {_pct(c.metrics['progress_ratio'])} as far as {c.ref_name}'s "
+            f"(limit {_pct(t.min_progress_ratio)}), {final}"
+        )
+    scaler_note = (
+        f", {s.skips} skipped step{'s' if s.skips != 1 else ''} after the first {s.calibration}"
+        if c.candidate.skipped
+        else ""
+    )
+    return Verdict(True, "ok", f"{c.name} is stable over {c.n} steps: {pace}{scaler_note}", c.metrics)
+
+
+STABILITY_CHECKS: tuple[Callable[[_Comparison], Verdict | None], ...] = (
+    _reference_finite,
+    _candidate_finite,
+    _enough_steps,
+    _finite_tail,
+    _scale_collapse,
+    _persistent_skips,
+    _gradient_underflow,
+    _climb,
+    _progress,
+    _final_gap,
+)
+"""The checks ``judge`` runs, in order; the first that returns a Verdict gives it. The order puts
+the cause before its symptoms: an fp16 run that skips a third of its steps also falls behind,
+but the skips are what a user can act on (docs/stability.md, "What is checked, in order")."""
+
+
+def _mode_class(mode: str) -> type[PrecisionMode] | None:
+    """The registered class of ``mode``, or ``None`` (a curve may name any mode)."""
+    try:
+        return mode_class(mode)
+    except MpadviseError:
+        return None
+
+
 def _advice(mode: str, kind: str) -> str:
-    """What to try instead, in the user's terms, for a failure ``kind`` of ``mode``.
+    """What to try instead after a failure ``kind`` of ``mode``: the mode class's advice.
 
     ``kind`` is a verdict kind, or ``"climbed"`` for a finite loss that rose (a divergence
-    that is not an overflow).
+    that is not an overflow). A mode that is not registered gets the generic advice.
     """
-    if mode.startswith("fp8"):
-        return (
-            "FP8 matmuls (e4m3 keeps 3 mantissa bits) are too coarse for this model; use "
-            "bf16-mixed, or keep the sensitive layers (first, last, small ones) out of FP8"
-        )
-    if mode == "bf16-true":
-        if kind == "stalled":
-            return (
-                "updates smaller than bf16's precision (8 significant bits, about 0.4% of a "
-                "weight) are lost; use bf16-mixed, which keeps fp32 master weights"
-            )
-        return "use bf16-mixed, which keeps fp32 master weights and optimizer state"
-    if mode == "fp16-true":
-        if kind == "diverged":
-            return "fp16 overflows without loss scaling; use fp16-mixed (GradScaler) or bf16-mixed"
-        return "use fp16-mixed (GradScaler, fp32 master weights) or bf16-mixed"
-    if mode == "fp16-mixed":
-        return {
-            "diverged": "activations overflow fp16 even with loss scaling; use bf16-mixed where "
-            "the hardware has bf16, or keep the overflowing layers in fp32",
-            "climbed": "use bf16-mixed where the hardware has bf16, or keep the sensitive layers "
-            "in fp32",
-            "scale_collapse": "use bf16-mixed where the hardware has bf16 (fp32's exponent "
-            "range, no loss scaling needed)",
-            "skips": "gradients overflow fp16 even at small scales; use bf16-mixed where the "
-            "hardware has bf16, or a longer growth_interval if the scale keeps growing into "
-            "overflow",
-            "underflow": "the loss scale is too small; raise the initial scale or use a static "
-            "loss scale, or use bf16-mixed where the hardware has bf16",
-            "stalled": "use bf16-mixed where the hardware has bf16, or a larger loss scale if "
-            "small gradients flush to zero",
-        }.get(kind, "use bf16-mixed where the hardware has bf16")
-    if mode == "bf16-mixed":
-        return (
-            "bf16-mixed keeps fp32 weights, so an operation computed in bf16 is to blame; use "
-            "tf32 or fp32, or keep that operation in fp32"
-        )
-    if mode == "tf32":
-        return "use fp32"
-    return "use fp32 or bf16-mixed"
+    return (_mode_class(mode) or PrecisionMode).advice(kind)
 
 
 def _label(mode: str) -> str:
-    """The mode as named in reasons; pure modes say so, since that is what goes wrong."""
-    if mode == "bf16-true":
-        return "bf16-true (pure bf16)"
-    if mode == "fp16-true":
-        return "fp16-true (pure fp16)"
-    return mode
+    """The mode as named in reasons: the mode class's label, or the name as given."""
+    cls = _mode_class(mode)
+    return mode if cls is None else cls.label()
 
 
 def _first_nonfinite(losses: Sequence[float], skipped: Any) -> int | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from fakes import GPUS, WITHOUT_FP8_LIBRARIES, FakeTorchCuda, gpu_profile
 
-from policies._support import (
+from policies import (
     MODES,
     ModeSupport,
     capability_summary,

@@ -1,0 +1,127 @@
+"""The FP8 family: which layers may run in FP8, what was converted, where FP8 runs at all.
+
+Transformer Engine (``fp8-te``) and torchao (``fp8-torchao``) differ in how they swap layers
+and scale, and share the rest: the layer filter, the record of converted and kept layers and
+the notes about them, the recipe check on resume, and the support rule (FP8 tensor cores and
+the library installed).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from probes._errors import MpadviseError
+
+from ._base import PrecisionMode
+from ._device import ModeSupport, cc_text
+
+if TYPE_CHECKING:
+    import torch
+
+    from probes import ArchCapability, HardwareProfile
+
+    from ._config import Policy
+
+# FP8 GEMMs need both matrix dimensions divisible by 16 (cuBLASLt's FP8 layout rule, which
+# torchao's Float8Linear inherits); other linears stay in high precision.
+FP8_DIM_MULTIPLE = 16
+
+
+def fp8_shape_ok(in_features: int, out_features: int) -> bool:
+    """Whether a Linear of this shape can run its matmuls in FP8."""
+    return in_features % FP8_DIM_MULTIPLE == 0 and out_features % FP8_DIM_MULTIPLE == 0
+
+
+class Fp8Mode(PrecisionMode):
+    """Shared by the FP8 modes: eligible layers run their matmuls in FP8, the rest stay as they are.
+
+    Subclasses set ``fp8_recipes`` and ``default_recipe``, the library that provides FP8
+    (``library`` as ``probes`` records its version, ``library_display`` for people,
+    ``install`` the command that installs it) and ``nothing_converted``, the note when no
+    layer could run in FP8.
+
+    Attributes:
+        recipe_name: the ``[fp8]`` recipe of the policy, or the mode's default.
+        converted: the layers that run in FP8 (qualified names).
+        kept_high_precision: the layers left in high precision, with their shapes.
+    """
+
+    dtype_family = "fp8"
+    default_recipe: ClassVar[str]
+    library: ClassVar[str]
+    library_display: ClassVar[str]
+    install: ClassVar[str]
+    nothing_converted: ClassVar[str] = "no layer could run in FP8; this trains like fp32"
+
+    def __init__(self, policy: Policy, device: torch.device) -> None:
+        super().__init__(policy, device)
+        options = policy.fp8
+        self.recipe_name = options.recipe if options is not None and options.recipe else self.default_recipe
+        self.converted: list[str] = []
+        self.kept_high_precision: list[str] = []
+
+    @classmethod
+    def advice(cls, kind: str) -> str:
+        return (
+            "FP8 matmuls (e4m3 keeps 3 mantissa bits) are too coarse for this model; use "
+            "bf16-mixed, or keep the sensitive layers (first, last, small ones) out of FP8"
+        )
+
+    @classmethod
+    def cuda_support(cls, profile: HardwareProfile, cap: ArchCapability) -> ModeSupport:
+        if not cap.fp8:
+            return ModeSupport(
+                cls.name, False, f"{cls.name}: compute capability {cc_text(cap)} < 8.9 ({profile.name})"
+            )
+        version = profile.library_version(cls.library)
+        if version is None:
+            return cls._not_installed()
+        blocks = "; MXFP8 block scaling available" if cap.mxfp8 else ""
+        return ModeSupport(
+            cls.name,
+            True,
+            f"{cls.name}: FP8 tensor cores ({cap.label}) with {cls.library_display} {version}{blocks}",
+        )
+
+    @classmethod
+    def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
+        return ModeSupport(cls.name, False, f"{cls.name}: needs CUDA; this is a CPU")
+
+    @classmethod
+    def _not_installed(cls) -> ModeSupport:
+        return ModeSupport(cls.name, False, f"{cls.name}: {cls.library_display} is not installed ({cls.install})")
+
+    def fp8_eligible(self, fqn: str, in_features: int, out_features: int) -> bool:
+        """Whether a Linear of this shape may run in FP8; records it in ``kept_high_precision`` if not."""
+        if fp8_shape_ok(in_features, out_features):
+            return True
+        self.kept_high_precision.append(f"{fqn} ({in_features}->{out_features})")
+        return False
+
+    def note_conversion(self) -> None:
+        """Tell the user which layers stayed in high precision, or that none run in FP8."""
+        if self.kept_high_precision:
+            self.notes.append(
+                f"{self.name}: kept in high precision (dimensions not divisible by "
+                f"{FP8_DIM_MULTIPLE}): {', '.join(self.kept_high_precision)}"
+            )
+        if not self.converted:
+            self.notes.append(f"{self.name}: {self.nothing_converted}")
+
+    def recipe_record(self) -> str:
+        """What a checkpoint records of the recipe, to check that a resume uses the same."""
+        return self.recipe_name
+
+    def state_dict(self) -> dict[str, Any]:
+        # torchao's dynamic scaling keeps no state between steps, and Transformer Engine's amax
+        # histories travel in its modules' extra state (model.state_dict()); the recipe is
+        # recorded so that a resume can check it matches.
+        return {"fp8_recipe": self.recipe_record()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("fp8_recipe")
+        if saved is not None and saved != self.recipe_record():
+            raise MpadviseError(
+                f"checkpoint was trained with {self.name} recipe {saved!r}, this policy uses "
+                f"{self.recipe_record()!r}; resume with the same policy"
+            )
