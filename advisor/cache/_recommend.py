@@ -1,7 +1,7 @@
 """Tuned answers in the cache: record a tune's winner, find it again, tell when it no longer holds.
 
-The store (:mod:`advisor._cache`) keeps rows; this module decides what a row means for this
-machine and this script:
+The store (:mod:`advisor.cache._store`) keeps rows; this module decides what a row means for
+this machine and this script:
 
 * :func:`record_tune` stores the hardware profile and the winning policy with its trials. The
   stored policy carries a complete ``[tuned_on]`` record (hardware fingerprint, versions, model
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
+from advisor.cache._records import TRIAL_FIELDS
 from policies import (
     HardwareMismatch,
     Policy,
@@ -58,9 +59,6 @@ __all__ = [
 # stay out of the stored profile, which travels in exports to other machines and people.
 _MOMENTARY_PROFILE_FIELDS = ("uuid", "memory_free")
 
-# Trial keys the store accepts (advisor._cache.TRIAL_FIELDS), repeated here so that building
-# a trial row does not import sqlite-utils before it is needed.
-_TRIAL_FIELDS = ("number", "mode", "params", "outcome", "verdict", "reason", "goodput", "metrics")
 
 
 def versions_of(profile: HardwareProfile) -> dict[str, str | None]:
@@ -132,11 +130,11 @@ def record_tune(
             has a key the store does not accept.
     """
     for index, trial in enumerate(trials):
-        unknown = sorted(set(trial) - set(_TRIAL_FIELDS))
+        unknown = sorted(set(trial) - set(TRIAL_FIELDS))
         if unknown:
             raise MpadviseError(
                 f"record_tune: trials[{index}] has key {unknown[0]!r}; allowed keys are "
-                f"{', '.join(_TRIAL_FIELDS)} (put anything else in 'metrics')"
+                f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')"
             )
     script_path = str(Path(script).resolve())
     fingerprint = hardware_fingerprint(profile)

@@ -14,7 +14,6 @@ need it and fail with one line saying why.
 from __future__ import annotations
 
 import datetime
-import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -286,10 +285,10 @@ def export_report(file: Path, *, ids: list[int] | None = None) -> dict[str, Any]
 def import_report(file: Path) -> dict[str, Any]:
     """Import an exported file, all or nothing, after validating every record.
 
-    Beyond the store's own checks (format, field types), each record's policy must be valid
-    for this mpadvise, and its hardware fingerprint must be the one its hardware profile and
-    its policy's ``[tuned_on]`` record give: a record edited to claim other hardware, or
-    written by another fingerprint recipe, is refused.
+    Beyond the cache's record schema (format, field types and shapes), each record's policy
+    must be valid for this mpadvise, and its hardware fingerprint must be the one its hardware
+    profile and its policy's ``[tuned_on]`` record give: a record edited to claim other
+    hardware, or written by another fingerprint recipe, is refused.
 
     Args:
         file: a file written by ``mpadvise cache export``.
@@ -300,9 +299,12 @@ def import_report(file: Path) -> dict[str, Any]:
     Raises:
         MpadviseError: the file or a record is refused; nothing was imported.
     """
-    records = _precheck_export(file)
+    from advisor.cache._records import read_export
+
+    # The store first: an unusable cache is the error to report, whatever the file holds.
     with _writable_store() as store:
-        imported = store.import_records(file, validate_hardware=_check_record_hardware)
+        records = read_export(file, check=_check_imported_record)
+        imported = store.import_validated(records)
         return {
             "file": str(file),
             "records": len(records),
@@ -496,47 +498,20 @@ def _summary_row(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _precheck_export(file: Path) -> list[Any]:
-    """The file's records, after checking each policy; leaves file-level errors to the store.
-
-    Returns:
-        The raw records (empty when the file is not a readable export: the store then
-        refuses it with its own message).
-    """
-    from advisor.cache._store import EXPORT_FORMAT
-    from policies import Policy, PolicyError
-
-    try:
-        document = json.loads(Path(file).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return []
-    if not isinstance(document, dict) or document.get("format") != EXPORT_FORMAT:
-        return []
-    records = document.get("records")
-    if not isinstance(records, list):
-        return []
-    for index, record in enumerate(records):
-        if not isinstance(record, dict) or not isinstance(record.get("policy"), dict):
-            continue  # the store names the missing or mistyped field
-        try:
-            policy = Policy.from_dict(record["policy"], source="policy")
-        except PolicyError as exc:
-            raise MpadviseError(f"{file}: record {index}: {exc}; nothing was imported") from None
-        tuned = policy.tuned_on
-        claimed = record.get("hardware_fp")
-        if tuned is not None and tuned.hardware_fingerprint and tuned.hardware_fingerprint != claimed:
-            raise MpadviseError(
-                f"{file}: record {index}: hardware_fp {claimed!r} disagrees with the policy's "
-                f"tuned_on.hardware_fingerprint {tuned.hardware_fingerprint!r}; the record was "
-                "edited or is corrupt; nothing was imported"
-            )
-    return records
-
-
-def _check_record_hardware(hardware_fp: str, profile: dict[str, Any] | None) -> None:
-    """Refuse a record whose fingerprint is not the one its hardware profile gives."""
+def _check_imported_record(record: dict[str, Any]) -> None:
+    """Refuse a record (already checked against the cache's schema) that this mpadvise cannot
+    apply, or whose hardware fingerprint is not the one its policy and its profile give."""
+    from policies import Policy
     from probes import HardwareProfile, hardware_fingerprint
 
+    tuned = Policy.from_dict(record["policy"], source="policy").tuned_on
+    claimed = record["hardware_fp"]
+    if tuned is not None and tuned.hardware_fingerprint and tuned.hardware_fingerprint != claimed:
+        raise MpadviseError(
+            f"hardware_fp {claimed!r} disagrees with the policy's tuned_on.hardware_fingerprint "
+            f"{tuned.hardware_fingerprint!r}; the record was edited or is corrupt"
+        )
+    profile = record["hardware"]
     if profile is None:
         raise MpadviseError(
             "it carries no hardware profile, so its hardware fingerprint cannot be checked; "
@@ -546,9 +521,9 @@ def _check_record_hardware(hardware_fp: str, profile: dict[str, Any] | None) -> 
         computed = hardware_fingerprint(HardwareProfile.from_dict(profile))
     except (TypeError, ValueError) as exc:
         raise MpadviseError(f"its hardware profile is invalid ({exc})") from None
-    if computed != hardware_fp:
+    if computed != claimed:
         raise MpadviseError(
-            f"hardware_fp {hardware_fp!r} is not the fingerprint of its hardware profile "
+            f"hardware_fp {claimed!r} is not the fingerprint of its hardware profile "
             f"({computed!r}): the record was edited, or written by an mpadvise with another "
             "fingerprint recipe; export it again from the machine that tuned it"
         )

@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
@@ -19,9 +19,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from advisor._version import __version__
-from advisor.cache._store import FINISHED_JOB_STATES, JOB_STATES, Store
+from advisor.cache._jobs import FINISHED_JOB_STATES, JOB_STATES
+from advisor.cache._records import HARDWARE_FP_PATTERN, WORKLOAD_FP_PATTERN
+from advisor.cache._store import Store
 from advisor.daemon._config import MAX_TEXT, DaemonConfig, under_roots
 from advisor.daemon._files import _now
 from advisor.daemon._jobs import JobRunner, Slot
@@ -246,14 +249,6 @@ def create_app(state: DaemonState) -> FastAPI:
     Returns:
         The ASGI app (with the Host and body-size guard around it).
     """
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.runner.start()
-        try:
-            yield
-        finally:
-            state.runner.stop()
-
     app = FastAPI(
         title="mpadvise daemon",
         version=__version__,
@@ -266,142 +261,216 @@ def create_app(state: DaemonState) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json",
-        lifespan=lifespan,
+        lifespan=_lifespan,
     )
     app.state.daemon = state
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
-        # The default handler echoes each input back (up to the whole body) and cannot encode
-        # a lone surrogate; say where and what, nothing more.
-        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-                  for e in exc.errors()]
-        return _json({"detail": errors}, 422)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, exc: HTTPException) -> Response:
-        headers = dict(exc.headers or {})
-        if exc.status_code == 405:
-            # Starlette names only the methods of the first route on the path; a client (and
-            # RFC 9110) needs all of them.
-            headers["Allow"] = ", ".join(_allowed_methods(app, request.scope))
-        return _json({"detail": exc.detail}, exc.status_code, headers=headers)
-
-    @app.exception_handler(MpadviseError)
-    async def _store_error(_: Request, exc: MpadviseError) -> Response:
-        return _json({"detail": str(exc)}, 503)
-
-    @app.get("/health", response_model=Health, tags=["service"], responses=_error_responses(400))
-    async def health() -> Response:
-        """Whether the daemon answers, its slots, and how many jobs are in each state."""
-        counts = {name: 0 for name in JOB_STATES}
-        for job in state.read_store.list_jobs(states=("queued", "running", "cancelling")):
-            counts[job["state"]] += 1
-        return _json({
-            "status": "ok", "version": __version__, "pid": os.getpid(), "started_at": state.started_at,
-            "uptime_s": round(time.time() - state.started, 3), "slots": state.runner.slot_info(),
-            "jobs": {k: v for k, v in counts.items() if k in ("queued", "running", "cancelling")},
-        })
-
-    @app.get("/hardware", response_model=HardwareReport, tags=["service"], dependencies=[Depends(_require_read)],
-             responses=_error_responses(400, 401))
-    async def hardware() -> Response:
-        """This machine's devices (as `mpadvise probe --json` reports them) and the job slots."""
-        return _json({**state.report, "slots": state.runner.slot_info()})
-
-    @app.get("/recommendations", response_model=RecommendationList, tags=["cache"],
-             responses=_error_responses(400, 401, 422, 503))
-    async def recommendations(
-        request: Request,
-        workload: Annotated[str | None, Query(pattern=r"^[0-9a-f]{16,64}$", description="Workload fingerprint.")] = None,
-        script: Annotated[str | None, Query(min_length=1, max_length=MAX_TEXT,
-                                            description="Script path, or its file name.")] = None,
-        hardware: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9][\x21-\x7e]{0,255}$",
-                                              description="Hardware fingerprint (GET /hardware lists this machine's).")] = None,
-        trials: Annotated[bool, Query(description="Include each entry's trials.")] = False,
-        limit: Annotated[int, Query(ge=1, le=1000, description="At most this many, newest first.")] = 100,
-    ) -> Response:
-        """Cached recommendations, newest first, filtered by workload, script and hardware."""
-        # Called here rather than as a dependency: the hottest path, and FastAPI's dependency
-        # resolution costs a tenth of a request.
-        await _require_read(request)
-        key = (workload, script, hardware, trials, limit)
-        body = state.answers.get(key)
-        if body is None:
-            rows = state.read_store.find_recommendations(
-                hardware_fp=hardware, script=script, workload_fp=workload, with_trials=trials
-            )
-            body = _json_bytes({"count": len(rows), "recommendations": rows[:limit]})
-            state.answers.put(key, body)
-        return Response(body, media_type="application/json")
-
-    @app.post("/jobs", response_model=Job, status_code=201, tags=["jobs"], dependencies=[Depends(_require_token)],
-              responses=_error_responses(400, 401, 403, 413, 422, 503))
-    def create_job(request: JobRequest) -> Response:
-        """Queue a tune job; it runs when a slot (and its GPU) is free."""
-        roots = state.config.roots()
-        script = _checked_path(request.script, roots, "script", want="file")
-        cwd = _checked_path(request.cwd, roots, "cwd", want="dir") if request.cwd is not None else None
-        options = request.options.model_dump()
-        if request.options.out is not None:
-            out = _checked_path(request.options.out, roots, "options.out", want="new")
-            options["out"] = str(out)
-        unknown = sorted(set(request.options.modes) - state.mode_names)
-        if unknown:
-            raise _invalid(["body", "options", "modes"], f"unknown mode {', '.join(unknown)}; "
-                                     f"expected some of {', '.join(sorted(state.mode_names))}")
-        names = [slot.name for slot in state.slots]
-        if request.gpu is not None and request.gpu not in names:
-            raise _invalid(["body", "gpu"], f"gpu {request.gpu!r} is not a slot of this daemon; expected one of "
-                                     f"{', '.join(names)} (or none for the first free one)")
-        if cwd is not None:
-            options["cwd"] = str(cwd)
-        job_id = state.store.enqueue_job(script=str(script), args=request.args, options=options, gpu=request.gpu)
-        state.runner.wake()
-        job = state.store.get_job(job_id)
-        return _json(job, 201, headers={"Location": f"/jobs/{job_id}"})
-
-    @app.get("/jobs", response_model=JobList, tags=["jobs"], dependencies=[Depends(_require_read)],
-             responses=_error_responses(400, 401, 422, 503))
-    async def list_jobs(
-        state_filter: Annotated[list[JobState] | None, Query(alias="state", description="Only jobs in these states.")] = None,
-        limit: Annotated[int, Query(ge=1, le=1000, description="At most this many, the newest.")] = 100,
-    ) -> Response:
-        """Jobs in queue order (oldest first); the newest ``limit`` of them."""
-        jobs = state.read_store.list_jobs(states=state_filter)
-        return _json({"count": len(jobs), "jobs": jobs[-limit:]})
-
-    @app.get("/jobs/{job_id}", response_model=Job, tags=["jobs"], dependencies=[Depends(_require_read)],
-             responses=_error_responses(400, 401, 404, 422, 503))
-    async def get_job(job_id: Annotated[str, PathParam(max_length=64)]) -> Response:
-        """One job: state, progress, result (the tune's JSON) and the tail of its log."""
-        job = state.read_store.get_job(job_id)
-        if job is None:
-            raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
-        return _json(job)
-
-    @app.delete("/jobs/{job_id}", response_model=Job, tags=["jobs"], dependencies=[Depends(_require_token)],
-                responses={**_error_responses(400, 401, 403, 404, 409, 422, 503),
-                           202: {"model": Job, "description": "Cancelling: the running tune is being stopped"}})
-    def cancel_job(job_id: Annotated[str, PathParam(max_length=64)]) -> Response:
-        """Cancel a job: a queued one at once (200), a running one by killing its tune (202)."""
-        before = state.store.get_job(job_id)
-        if before is None:
-            raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
-        if before["state"] in FINISHED_JOB_STATES:
-            raise HTTPException(409, f"job {job_id} has already finished ({before['state']}); nothing to cancel")
-        job = state.store.cancel_job(job_id)
-        state.runner.cancel(job_id)
-        if job is None:  # deleted in between: the cache was cleared
-            raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
-        return _json(job, 202 if job["state"] == "cancelling" else 200)
-
+    _add_error_handlers(app)
+    for path, endpoint, options in _ROUTES:
+        app.add_api_route(path, endpoint, **options)
     return _Guard(app, max_body=state.config.max_body_bytes, check_host=state.local_only)  # type: ignore[return-value]
 
 
-def _allowed_methods(app: Any, scope: dict[str, Any]) -> list[str]:
-    from starlette.routing import Match
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Run the job runner while the application serves."""
+    runner = _state(app).runner
+    runner.start()
+    try:
+        yield
+    finally:
+        runner.stop()
 
+
+def _state(app: Any) -> DaemonState:
+    """What the handlers share, from the application they run in."""
+    state: DaemonState = app.state.daemon
+    return state
+
+
+# --------------------------------------------------------------------------------------
+# Errors: every body is {"detail": ...}
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Answer validation errors, HTTP errors and cache trouble in the daemon's error shapes."""
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(MpadviseError, _store_error)  # type: ignore[arg-type]
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+    # The default handler echoes each input back (up to the whole body) and cannot encode
+    # a lone surrogate; say where and what, nothing more.
+    errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+              for e in exc.errors()]
+    return _json({"detail": errors}, 422)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        # Starlette names only the methods of the first route on the path; a client (and
+        # RFC 9110) needs all of them.
+        headers["Allow"] = ", ".join(_allowed_methods(request.app, request.scope))
+    return _json({"detail": exc.detail}, exc.status_code, headers=headers)
+
+
+async def _store_error(_: Request, exc: MpadviseError) -> Response:
+    return _json({"detail": str(exc)}, 503)
+
+
+# --------------------------------------------------------------------------------------
+# Routes
+
+# Added to each application by create_app, in this order (the OpenAPI document's). Not an
+# included APIRouter: newer FastAPI keeps an included router as one nested route, and the 405
+# handler needs every route of the application to say which methods a path allows.
+_ROUTES: list[tuple[str, Callable[..., Any], dict[str, Any]]] = []
+_Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
+
+
+def _route(path: str, method: str, **options: Any) -> Callable[[_Endpoint], _Endpoint]:
+    """Declare the function below as the handler of ``method path`` (options as ``app.get``'s)."""
+
+    def declare(endpoint: _Endpoint) -> _Endpoint:
+        _ROUTES.append((path, endpoint, {"methods": [method], **options}))
+        return endpoint
+
+    return declare
+
+
+_WORKLOAD_QUERY = f"^{WORKLOAD_FP_PATTERN.pattern}$"
+_HARDWARE_QUERY = f"^{HARDWARE_FP_PATTERN.pattern}$"
+
+
+@_route("/health", "GET", response_model=Health, tags=["service"], responses=_error_responses(400))
+async def health(request: Request) -> Response:
+    """Whether the daemon answers, its slots, and how many jobs are in each state."""
+    state = _state(request.app)
+    counts = {name: 0 for name in JOB_STATES}
+    for job in state.read_store.list_jobs(states=("queued", "running", "cancelling")):
+        counts[job["state"]] += 1
+    return _json({
+        "status": "ok", "version": __version__, "pid": os.getpid(), "started_at": state.started_at,
+        "uptime_s": round(time.time() - state.started, 3), "slots": state.runner.slot_info(),
+        "jobs": {k: v for k, v in counts.items() if k in ("queued", "running", "cancelling")},
+    })
+
+
+@_route("/hardware", "GET", response_model=HardwareReport, tags=["service"], dependencies=[Depends(_require_read)],
+             responses=_error_responses(400, 401))
+async def hardware(request: Request) -> Response:
+    """This machine's devices (as `mpadvise probe --json` reports them) and the job slots."""
+    state = _state(request.app)
+    return _json({**state.report, "slots": state.runner.slot_info()})
+
+
+@_route("/recommendations", "GET", response_model=RecommendationList, tags=["cache"],
+             responses=_error_responses(400, 401, 422, 503))
+async def recommendations(
+    request: Request,
+    workload: Annotated[str | None, Query(pattern=_WORKLOAD_QUERY, description="Workload fingerprint.")] = None,
+    script: Annotated[str | None, Query(min_length=1, max_length=MAX_TEXT,
+                                        description="Script path, or its file name.")] = None,
+    hardware: Annotated[str | None, Query(pattern=_HARDWARE_QUERY,
+                                          description="Hardware fingerprint (GET /hardware lists this machine's).")] = None,
+    trials: Annotated[bool, Query(description="Include each entry's trials.")] = False,
+    limit: Annotated[int, Query(ge=1, le=1000, description="At most this many, newest first.")] = 100,
+) -> Response:
+    """Cached recommendations, newest first, filtered by workload, script and hardware."""
+    # Called here rather than as a dependency: the hottest path, and FastAPI's dependency
+    # resolution costs a tenth of a request.
+    await _require_read(request)
+    state = _state(request.app)
+    key = (workload, script, hardware, trials, limit)
+    body = state.answers.get(key)
+    if body is None:
+        rows = state.read_store.find_recommendations(
+            hardware_fp=hardware, script=script, workload_fp=workload, with_trials=trials
+        )
+        body = _json_bytes({"count": len(rows), "recommendations": rows[:limit]})
+        state.answers.put(key, body)
+    return Response(body, media_type="application/json")
+
+
+@_route("/jobs", "POST", response_model=Job, status_code=201, tags=["jobs"], dependencies=[Depends(_require_token)],
+              responses=_error_responses(400, 401, 403, 413, 422, 503))
+def create_job(request: Request, job: JobRequest) -> Response:
+    """Queue a tune job; it runs when a slot (and its GPU) is free."""
+    state = _state(request.app)
+    script, options = _checked_job(job, state)
+    job_id = state.store.enqueue_job(script=str(script), args=job.args, options=options, gpu=job.gpu)
+    state.runner.wake()
+    return _json(state.store.get_job(job_id), 201, headers={"Location": f"/jobs/{job_id}"})
+
+
+@_route("/jobs", "GET", response_model=JobList, tags=["jobs"], dependencies=[Depends(_require_read)],
+             responses=_error_responses(400, 401, 422, 503))
+async def list_jobs(
+    request: Request,
+    state_filter: Annotated[list[JobState] | None, Query(alias="state", description="Only jobs in these states.")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000, description="At most this many, the newest.")] = 100,
+) -> Response:
+    """Jobs in queue order (oldest first); the newest ``limit`` of them."""
+    jobs = _state(request.app).read_store.list_jobs(states=state_filter)
+    return _json({"count": len(jobs), "jobs": jobs[-limit:]})
+
+
+@_route("/jobs/{job_id}", "GET", response_model=Job, tags=["jobs"], dependencies=[Depends(_require_read)],
+             responses=_error_responses(400, 401, 404, 422, 503))
+async def get_job(request: Request, job_id: Annotated[str, PathParam(max_length=64)]) -> Response:
+    """One job: state, progress, result (the tune's JSON) and the tail of its log."""
+    job = _state(request.app).read_store.get_job(job_id)
+    if job is None:
+        raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
+    return _json(job)
+
+
+@_route("/jobs/{job_id}", "DELETE", response_model=Job, tags=["jobs"], dependencies=[Depends(_require_token)],
+                responses={**_error_responses(400, 401, 403, 404, 409, 422, 503),
+                           202: {"model": Job, "description": "Cancelling: the running tune is being stopped"}})
+def cancel_job(request: Request, job_id: Annotated[str, PathParam(max_length=64)]) -> Response:
+    """Cancel a job: a queued one at once (200), a running one by killing its tune (202)."""
+    state = _state(request.app)
+    before = state.store.get_job(job_id)
+    if before is None:
+        raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
+    if before["state"] in FINISHED_JOB_STATES:
+        raise HTTPException(409, f"job {job_id} has already finished ({before['state']}); nothing to cancel")
+    job = state.store.cancel_job(job_id)
+    state.runner.cancel(job_id)
+    if job is None:  # deleted in between: the cache was cleared
+        raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
+    return _json(job, 202 if job["state"] == "cancelling" else 200)
+
+
+def _checked_job(job: JobRequest, state: DaemonState) -> tuple[Path, dict[str, Any]]:
+    """A job request checked against this daemon: its paths (403/422), modes and slot (422).
+
+    Returns:
+        The resolved script, and the options to queue (paths resolved, ``cwd`` added).
+    """
+    roots = state.config.roots()
+    script = _checked_path(job.script, roots, "script", want="file")
+    cwd = _checked_path(job.cwd, roots, "cwd", want="dir") if job.cwd is not None else None
+    options = job.options.model_dump()
+    if job.options.out is not None:
+        out = _checked_path(job.options.out, roots, "options.out", want="new")
+        options["out"] = str(out)
+    unknown = sorted(set(job.options.modes) - state.mode_names)
+    if unknown:
+        raise _invalid(["body", "options", "modes"], f"unknown mode {', '.join(unknown)}; "
+                                 f"expected some of {', '.join(sorted(state.mode_names))}")
+    names = [slot.name for slot in state.slots]
+    if job.gpu is not None and job.gpu not in names:
+        raise _invalid(["body", "gpu"], f"gpu {job.gpu!r} is not a slot of this daemon; expected one of "
+                                 f"{', '.join(names)} (or none for the first free one)")
+    if cwd is not None:
+        options["cwd"] = str(cwd)
+    return script, options
+
+
+def _allowed_methods(app: Any, scope: dict[str, Any]) -> list[str]:
     methods: set[str] = set()
     for route in app.router.routes:
         match, _ = route.matches(scope)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, create_model
 
+from advisor.cache._records import RECORD_FIELDS
 from advisor.daemon._requests import JobState
 
 
@@ -33,20 +34,20 @@ class HardwareReport(BaseModel):
     detected_at: str
 
 
-class Recommendation(BaseModel):
-    id: int
-    hardware_fp: str
-    workload_fp: str
-    script: str | None = None
-    mode: str
-    policy: dict[str, Any]
-    speedup_vs_fp32: float | None = None
-    goodput: float | None = None
-    created_at: str
-    versions: dict[str, Any] | None = None
-    summary: dict[str, Any] | None = None
-    hardware: dict[str, Any] | None = None
-    trials: list[dict[str, Any]] | None = None
+def _recommendation_model() -> type[BaseModel]:
+    """A cache record as the daemon serves it, built from the cache's one record schema.
+
+    A field every stored record has (``not_null``) is required; the others may be null, and
+    ``trials`` is absent unless asked for.
+    """
+    fields: dict[str, Any] = {
+        field.name: (field.annotation, ...) if field.not_null else (field.annotation | None, None)
+        for field in RECORD_FIELDS
+    }
+    return create_model("Recommendation", __module__=__name__, **fields)
+
+
+Recommendation = _recommendation_model()
 
 
 class RecommendationList(BaseModel):

@@ -21,16 +21,11 @@ from typing import Any
 import pytest
 
 from advisor._paths import cache_dir, database_path
+from advisor.cache import _migrations, _recommendations
 from advisor.cache import _store as _cache
-from advisor.cache._store import (
-    EXPORT_FORMAT,
-    EXPORT_FORMAT_VERSION,
-    SCHEMA_VERSION,
-    Store,
-    migrate,
-    migration,
-    open_store,
-)
+from advisor.cache._migrations import SCHEMA_VERSION, migrate, migration
+from advisor.cache._records import EXPORT_FORMAT, EXPORT_FORMAT_VERSION, RECORD_FIELDS
+from advisor.cache._store import Store, open_store
 from probes._errors import MpadviseError
 
 HW = "0123456789abcdef"
@@ -122,7 +117,7 @@ def test_schema_is_created_in_wal_mode_with_its_version_recorded(store: Store) -
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         applied = [row[0] for row in conn.execute("SELECT name FROM _migrations")]
-        assert applied == [name for name, _ in _cache._MIGRATIONS]
+        assert applied == [name for name, _ in _migrations._MIGRATIONS]
         # The lookup is served by the unique (hardware_fp, workload_fp) index.
         plan = conn.execute(
             "EXPLAIN QUERY PLAN SELECT * FROM recommendations "
@@ -141,7 +136,7 @@ def test_migrate_applies_only_missing_migrations(
 ) -> None:
     assert migrate(store.db) == []
     calls = []
-    monkeypatch.setattr(_cache, "_MIGRATIONS", list(_cache._MIGRATIONS))
+    monkeypatch.setattr(_migrations, "_MIGRATIONS", list(_migrations._MIGRATIONS))
 
     @migration
     def m999_add_notes(db: Any) -> None:
@@ -307,6 +302,32 @@ def test_threads_can_share_one_store(store: Store) -> None:
         thread.join()
     assert errors == []
     assert len(store.list_recommendations()) == 40
+
+
+# -- the record schema --------------------------------------------------------------------------
+
+
+def test_stored_records_have_exactly_the_schema_fields(store: Store, tmp_path: Path) -> None:
+    store.put_hardware(HW, {"kind": "cpu", "name": "Test CPU"})
+    _put(store)
+    record = store.get_recommendation(HW, WL)
+    assert set(record) == {field.name for field in RECORD_FIELDS}
+    listed = store.find_recommendations(hardware_fp=HW)[0]
+    assert set(listed) == {field.name for field in RECORD_FIELDS} - {"trials"}
+    exported = tmp_path / "recs.json"
+    store.export_records(exported)
+    (entry,) = json.loads(exported.read_text())["records"]
+    assert set(entry) == {field.name for field in RECORD_FIELDS if field.origin != "store"}
+
+
+def test_the_daemon_serves_stored_records_through_the_same_schema(store: Store) -> None:
+    from advisor.daemon._responses import Recommendation
+
+    _put(store, script=None, speedup_vs_fp32=None)
+    for record in (store.get_recommendation(HW, WL), store.list_recommendations()[0]):
+        served = Recommendation.model_validate(record).model_dump(exclude_unset=True)
+        assert served == record
+    assert list(Recommendation.model_fields) == [field.name for field in RECORD_FIELDS]
 
 
 # -- export and import ------------------------------------------------------------------------
@@ -615,7 +636,7 @@ def test_damage_found_mid_command_moves_the_file_aside_and_retries(
     store: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _put(store)
-    original = _cache._select_recommendations
+    original = _recommendations._select_recommendations
     calls = []
 
     def damaged_once(*args: Any, **kwargs: Any) -> Any:
@@ -624,7 +645,7 @@ def test_damage_found_mid_command_moves_the_file_aside_and_retries(
             raise sqlite3.DatabaseError("database disk image is malformed")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_cache, "_select_recommendations", damaged_once)
+    monkeypatch.setattr(_recommendations, "_select_recommendations", damaged_once)
     with caplog.at_level(logging.WARNING, logger="mpadvise"):
         # The retry runs on the fresh database, where the key is simply not cached.
         assert store.get_recommendation(HW, WL) is None

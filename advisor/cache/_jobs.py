@@ -1,0 +1,252 @@
+"""The daemon's job queue, kept in the cache database so that queued jobs survive a restart.
+
+:class:`JobQueue` is the part of the Store that holds the ``jobs`` table: the daemon queues,
+claims, updates, finishes and cancels jobs through ``Store.enqueue_job`` and the methods
+below. A job is a plain dict of the table's columns, with its JSON fields decoded.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from advisor.cache._base import StoreBase, guarded
+from advisor.cache._records import Record, decode_json, json_text, utc_now
+from probes._errors import MpadviseError
+
+if TYPE_CHECKING:
+    import sqlite_utils
+
+JOB_STATES = (
+    "queued",
+    "running",
+    "cancelling",
+    "succeeded",
+    "failed",
+    "cancelled",
+    "interrupted",
+)
+FINISHED_JOB_STATES = ("succeeded", "failed", "cancelled", "interrupted")
+
+_JOB_JSON = ("args", "options", "progress", "result")
+
+
+class JobQueue(StoreBase):
+    """Tune jobs: queued, claimed by a slot, running, finished; oldest first."""
+
+    @guarded
+    def enqueue_job(
+        self,
+        *,
+        script: str,
+        args: Sequence[str] = (),
+        options: dict[str, Any] | None = None,
+        gpu: str | None = None,
+    ) -> str:
+        """Queue a tune job.
+
+        Args:
+            script: the training script.
+            args: the script's own arguments.
+            options: tune options (JSON-ready).
+            gpu: the slot the job must run on (kept as ``requested_gpu``); ``None`` lets any
+                slot take it. The ``gpu`` field names the slot that runs or ran it.
+
+        Returns:
+            The job id.
+        """
+        if not isinstance(script, str) or not script:
+            raise MpadviseError(f"job script must be a non-empty string, got {script!r}")
+        if isinstance(args, str) or not all(isinstance(arg, str) for arg in args):
+            raise MpadviseError(f"job args must be a list of strings, got {args!r}")
+        job_id = uuid.uuid4().hex
+        row = {
+            "id": job_id,
+            "state": "queued",
+            "script": script,
+            "args": json_text("args", list(args)),
+            "options": json_text("options", options or {}, require_dict=True),
+            "created_at": utc_now(),
+            "attempts": 0,
+            "gpu": None,
+            "requested_gpu": gpu,
+        }
+        with self._write() as db:
+            db.table("jobs").insert(row)
+        return job_id
+
+    @guarded
+    def claim_next_job(self, slot: str) -> Record | None:
+        """Atomically take the oldest queued job this slot may run, and mark it running.
+
+        Args:
+            slot: the GPU slot (``"cuda:0"``, ``"cpu"``...) asking for work; a job pinned to
+                another slot is left for that one.
+
+        Returns:
+            The job, now ``running`` on ``slot``, or ``None`` when nothing is queued.
+        """
+        with self._write() as db:
+            rows = list(
+                db.query(
+                    "SELECT id FROM jobs WHERE state = 'queued' "
+                    "AND (requested_gpu IS NULL OR requested_gpu = ?) "
+                    "ORDER BY created_at, rowid LIMIT 1",
+                    [slot],
+                )
+            )
+            if not rows:
+                return None
+            db.execute(
+                "UPDATE jobs SET state = 'running', started_at = ?, gpu = ? WHERE id = ?",
+                [utc_now(), slot, rows[0]["id"]],
+            )
+            return _get_job(db, rows[0]["id"])
+
+    @guarded
+    def update_job(
+        self,
+        job_id: str,
+        *,
+        progress: dict[str, Any] | None = None,
+        log_tail: str | None = None,
+    ) -> Record | None:
+        """Record a running job's progress.
+
+        Args:
+            job_id: the job.
+            progress: replaces the stored progress (JSON-ready) when given.
+            log_tail: replaces the stored log tail when given.
+
+        Returns:
+            The job after the update (its ``state`` tells the runner whether it was asked to
+            cancel), or ``None`` if there is no such job.
+        """
+        sets, params = [], []
+        if progress is not None:
+            sets.append("progress = ?")
+            params.append(json_text("progress", progress, require_dict=True))
+        if log_tail is not None:
+            sets.append("log_tail = ?")
+            params.append(log_tail)
+        with self._write() as db:
+            if sets:
+                db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", [*params, job_id])
+            return _get_job(db, job_id)
+
+    @guarded
+    def finish_job(
+        self,
+        job_id: str,
+        *,
+        state: str,
+        result: dict[str, Any] | None = None,
+        log_tail: str | None = None,
+    ) -> Record | None:
+        """Mark a job finished.
+
+        Args:
+            job_id: the job.
+            state: one of :data:`FINISHED_JOB_STATES`.
+            result: the outcome (JSON-ready).
+            log_tail: the last lines of its log.
+
+        Returns:
+            The job, or ``None`` if there is no such job.
+        """
+        if state not in FINISHED_JOB_STATES:
+            raise MpadviseError(
+                f"finished job state must be one of {', '.join(FINISHED_JOB_STATES)}, got {state!r}"
+            )
+        result_text = json_text("result", result) if result is not None else None
+        with self._write() as db:
+            db.execute(
+                "UPDATE jobs SET state = ?, finished_at = ?, result = COALESCE(?, result), "
+                "log_tail = COALESCE(?, log_tail) WHERE id = ?",
+                [state, utc_now(), result_text, log_tail, job_id],
+            )
+            return _get_job(db, job_id)
+
+    @guarded
+    def get_job(self, job_id: str) -> Record | None:
+        """One job, with its JSON fields decoded, or ``None``."""
+        return _get_job(self.db, job_id)
+
+    @guarded
+    def list_jobs(self, *, states: Iterable[str] | None = None) -> list[Record]:
+        """Jobs in queue order (oldest first), optionally only those in ``states``."""
+        if states is None:
+            rows = self.db.query("SELECT * FROM jobs ORDER BY created_at, rowid")
+        else:
+            wanted = list(states)
+            marks = ", ".join("?" for _ in wanted)
+            rows = self.db.query(
+                f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created_at, rowid", wanted
+            )
+        return [decode_json(row, _JOB_JSON) for row in rows]
+
+    @guarded
+    def cancel_job(self, job_id: str) -> Record | None:
+        """Cancel a job: a queued one at once, a running one by asking its runner.
+
+        Args:
+            job_id: the job.
+
+        Returns:
+            The job afterwards: ``cancelled`` if it was queued, ``cancelling`` if it was
+            running (the runner stops it and calls :meth:`finish_job`), unchanged if it had
+            already finished; ``None`` if there is no such job.
+        """
+        with self._write() as db:
+            db.execute(
+                "UPDATE jobs SET state = 'cancelled', finished_at = ? "
+                "WHERE id = ? AND state = 'queued'",
+                [utc_now(), job_id],
+            )
+            db.execute(
+                "UPDATE jobs SET state = 'cancelling' WHERE id = ? AND state = 'running'",
+                [job_id],
+            )
+            return _get_job(db, job_id)
+
+    @guarded
+    def requeue_interrupted(self, *, max_retries: int = 1) -> list[Record]:
+        """At daemon start: put back jobs that were running when the last daemon stopped.
+
+        A ``running`` job goes back to ``queued`` with ``attempts + 1`` while it has been
+        retried fewer than ``max_retries`` times, and becomes ``interrupted`` otherwise, so a
+        job that kills the daemon cannot do it forever. A ``cancelling`` job is
+        ``cancelled``.
+
+        Args:
+            max_retries: how many restarts a job survives.
+
+        Returns:
+            The jobs changed, after the change.
+        """
+        with self._write() as db:
+            ids = [
+                row["id"]
+                for row in db.query("SELECT id FROM jobs WHERE state IN ('running', 'cancelling')")
+            ]
+            now = utc_now()
+            db.execute(
+                "UPDATE jobs SET state = 'cancelled', finished_at = ? WHERE state = 'cancelling'",
+                [now],
+            )
+            db.execute(
+                "UPDATE jobs SET state = 'queued', attempts = attempts + 1, started_at = NULL, "
+                "gpu = NULL WHERE state = 'running' AND attempts < ?",
+                [max_retries],
+            )
+            db.execute(
+                "UPDATE jobs SET state = 'interrupted', finished_at = ? WHERE state = 'running'",
+                [now],
+            )
+            return [job for job in (_get_job(db, job_id) for job_id in ids) if job is not None]
+
+
+def _get_job(db: sqlite_utils.Database, job_id: str) -> Record | None:
+    rows = list(db.query("SELECT * FROM jobs WHERE id = ?", [job_id]))
+    return decode_json(rows[0], _JOB_JSON) if rows else None

@@ -1,0 +1,186 @@
+"""Schema changes: plain functions registered with :func:`migration`, applied in order.
+
+:func:`migrate` applies those a database lacks and records each in its ``_migrations`` table;
+``PRAGMA user_version`` holds the schema version (the number of migrations applied). A
+migration, once released, is history: it is never edited, only followed by another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from advisor.cache._base import transaction
+from advisor.cache._records import utc_now
+
+if TYPE_CHECKING:
+    import sqlite_utils
+
+MigrationFunction = Callable[["sqlite_utils.Database"], None]
+
+_MIGRATIONS: list[tuple[str, MigrationFunction]] = []
+
+
+class UnknownSchemaError(Exception):
+    """The database was written by a newer (or a different) program than this one."""
+
+
+def migration(function: MigrationFunction) -> MigrationFunction:
+    """Register ``function`` as the next schema migration (its name is its record).
+
+    Args:
+        function: takes the ``sqlite_utils.Database`` and changes the schema; it runs inside
+            the migrating transaction, so it must not commit.
+
+    Returns:
+        ``function`` unchanged.
+    """
+    if any(name == function.__name__ for name, _ in _MIGRATIONS):
+        raise ValueError(f"migration {function.__name__!r} is registered twice")
+    _MIGRATIONS.append((function.__name__, function))
+    return function
+
+
+@migration
+def m001_initial_schema(db: sqlite_utils.Database) -> None:
+    """Hardware profiles, recommendations with their trials, and the daemon's job queue."""
+    db.table("hardware").create(
+        {"fingerprint": str, "profile": str, "first_seen": str, "last_seen": str},
+        pk="fingerprint",
+        not_null=["profile", "first_seen", "last_seen"],
+    )
+    db.table("recommendations").create(
+        {
+            "id": int,
+            "hardware_fp": str,
+            "workload_fp": str,
+            "script": str,
+            "mode": str,
+            "policy": str,
+            "speedup_vs_fp32": float,
+            "goodput": float,
+            "created_at": str,
+            "versions": str,
+            "summary": str,
+        },
+        pk="id",
+        not_null=["hardware_fp", "workload_fp", "mode", "policy", "created_at"],
+    )
+    # The lookup key, and the rule that one key holds one answer.
+    db.table("recommendations").create_index(["hardware_fp", "workload_fp"], unique=True)
+    db.table("recommendations").create_index(["created_at"])
+    db.table("trials").create(
+        {
+            "id": int,
+            "recommendation_id": int,
+            "number": int,
+            "mode": str,
+            "params": str,
+            "outcome": str,
+            "verdict": str,
+            "reason": str,
+            "goodput": float,
+            "metrics": str,
+        },
+        pk="id",
+        not_null=["recommendation_id", "number"],
+        foreign_keys=[("recommendation_id", "recommendations", "id")],
+    )
+    db.table("trials").create_index(["recommendation_id", "number"])
+    db.table("jobs").create(
+        {
+            "id": str,
+            "state": str,
+            "script": str,
+            "args": str,
+            "options": str,
+            "created_at": str,
+            "started_at": str,
+            "finished_at": str,
+            "attempts": int,
+            "progress": str,
+            "result": str,
+            "log_tail": str,
+            "gpu": str,
+            "requested_gpu": str,
+        },
+        pk="id",
+        not_null=["state", "script", "created_at", "attempts"],
+        defaults={"attempts": 0},
+    )
+    db.table("jobs").create_index(["state", "created_at"])
+
+
+SCHEMA_VERSION = len(_MIGRATIONS)
+
+
+def migrate(db: sqlite_utils.Database) -> list[str]:
+    """Apply the registered migrations that ``db`` lacks, in order, in one write transaction.
+
+    Runs inside the caller's transaction when one is open, else in its own
+    ``BEGIN IMMEDIATE`` so that concurrent processes opening a fresh file apply each
+    migration exactly once.
+
+    Args:
+        db: the database to bring up to :data:`SCHEMA_VERSION`.
+
+    Returns:
+        The names of the migrations applied now (empty when it was up to date).
+
+    Raises:
+        UnknownSchemaError: the database records migrations this code does not know, a
+            schema version above :data:`SCHEMA_VERSION`, or holds tables but no migration
+            record (some other program's file).
+    """
+    if db.conn.in_transaction:
+        return _apply_migrations(db)
+    with transaction(db.conn, "BEGIN IMMEDIATE"):
+        return _apply_migrations(db)
+
+
+def ensure_schema(db: sqlite_utils.Database) -> None:
+    """Check ``db``'s schema and migrate it when it lags; up to date, it takes no write lock.
+
+    Raises:
+        UnknownSchemaError: as :func:`migrate`.
+    """
+    if len(_applied_migrations(db)) < len(_MIGRATIONS):
+        migrate(db)
+
+
+def _apply_migrations(db: sqlite_utils.Database) -> list[str]:
+    applied = _applied_migrations(db)
+    migrations = db.table("_migrations")
+    if not migrations.exists():
+        migrations.create({"name": str, "applied_at": str}, pk="name")
+    applied_now = []
+    for version, (name, function) in enumerate(_MIGRATIONS, start=1):
+        if name in applied:
+            continue
+        function(db)
+        migrations.insert({"name": name, "applied_at": utc_now()})
+        db.execute(f"PRAGMA user_version = {version}")
+        applied_now.append(name)
+    return applied_now
+
+
+def _applied_migrations(db: sqlite_utils.Database) -> set[str]:
+    """The recorded migrations, after checking that this code understands them all."""
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if "_migrations" not in tables:
+        if tables or version:
+            raise UnknownSchemaError(
+                f"it holds tables ({', '.join(sorted(tables))}) but no mpadvise schema record"
+            )
+        return set()
+    applied = {row[0] for row in db.execute("SELECT name FROM _migrations")}
+    known = {name for name, _ in _MIGRATIONS}
+    unknown = sorted(applied - known)
+    if unknown or version > len(_MIGRATIONS):
+        detail = f"migrations {', '.join(unknown)}" if unknown else f"user_version {version}"
+        raise UnknownSchemaError(
+            f"its schema is newer than this mpadvise understands ({detail}; this version "
+            f"knows schema {len(_MIGRATIONS)})"
+        )
+    return applied
