@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from advisor.tune._engine import measure_dtype_ratios, tune_policy
+from advisor.tune._options import TuneOptions
 from advisor.tune._space import Candidate
 from advisor.tune._trials import ScriptRunner, TrialSettings, evaluate
 from policies import Policy, supported_modes
@@ -57,15 +58,15 @@ def bench(name: str, *, steps: int, warmup: int, rounds: int) -> dict:
     runner = ScriptRunner(ROOT / script, args, TrialSettings(warmup_steps=warmup, measure_steps=steps))
 
     t0 = time.perf_counter()
-    grid = tune_policy(runner, profile, trials=10_000, use_priors=False, remeasure=False, dtype_ratio=ratios)
+    grid = tune_policy(runner, profile, TuneOptions(trials=10_000, no_priors=True), remeasure=False, dtype_ratio=ratios)
     grid_wall = time.perf_counter() - t0
     t0 = time.perf_counter()
-    tuned = tune_policy(runner, profile, dtype_ratio=ratios)
+    tuned = tune_policy(runner, profile, TuneOptions(), dtype_ratio=ratios)
     tuned_wall = time.perf_counter() - t0
     # The sampler alone, without the priors, on a quarter of the grid's trials.
     quarter = max(2, len(grid.space.grid()) // 4)
     t0 = time.perf_counter()
-    blind = tune_policy(runner, profile, dtype_ratio=ratios, use_priors=False, trials=quarter - 1)
+    blind = tune_policy(runner, profile, TuneOptions(trials=quarter - 1, no_priors=True), dtype_ratio=ratios)
     blind_wall = time.perf_counter() - t0
 
     user_batch = grid.space.user_batch

@@ -7,14 +7,18 @@ Exit codes: 0 done, 1 error, 2 usage, 3 no stable policy found.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from advisor._version import __version__
 from advisor.cli import _cache, _daemon
-from advisor.cli._common import JsonOption, console, fail, handle_errors, print_json
+from advisor.cli._common import JsonOption, console, handle_errors, print_json
+from advisor.tune._options import TuneOptions, option_info
 
 app = typer.Typer(
     name="mpadvise",
@@ -108,57 +112,62 @@ def trial(
     raise typer.Exit(code)
 
 
+# How each tune option reads on the command line where its field's type would not do.
+_TUNE_OPTION_TYPES: dict[str, Any] = {"modes": list[str] | None, "memory_limit": str | None, "out": Path | None}
+
+
+def with_tune_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Expand a command's ``options: TuneOptions`` parameter into one option per field.
+
+    Each option's flags, help and default come from :class:`TuneOptions`, so the command line
+    cannot drift from the API and the daemon; the values reach the command as one TuneOptions,
+    validated.
+    """
+    signature = inspect.signature(command, eval_str=True)
+    parameters = []
+    for parameter in signature.parameters.values():
+        if parameter.name != "options":
+            parameters.append(parameter)
+            continue
+        parameters += [
+            inspect.Parameter(
+                option.name, parameter.kind,
+                default=None if isinstance(option.default, tuple) else option.default,  # typer: a list defaults to None
+                annotation=Annotated[_TUNE_OPTION_TYPES.get(option.name, option.type),
+                                     typer.Option(*option.flags, help=option.help)],
+            )
+            for option in option_info()
+        ]
+
+    @functools.wraps(command)
+    def wrapper(**values: Any) -> Any:
+        given = {option.name: values.pop(option.name) for option in option_info()}
+        options = TuneOptions(**{name: value for name, value in given.items() if value is not None})
+        return command(options=options, **values)
+
+    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    return wrapper
+
+
 @app.command()
 @handle_errors
+@with_tune_options
 def tune(
     script: Annotated[Path, typer.Argument(help="The training script (it calls advisor.load_policy()).")],
     script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
-    trials: Annotated[int, typer.Option(help="Trial budget of the search (the reference not counted).")] = 20,
-    time_budget: Annotated[float | None, typer.Option("--time-budget", help="Seconds after which no new trial starts.")] = None,
-    steps: Annotated[int, typer.Option(help="Measured optimizer steps per trial (after the warm-up).")] = 40,
-    warmup: Annotated[int, typer.Option(help="Warm-up steps per trial, not timed.")] = 5,
-    mode: Annotated[list[str] | None, typer.Option("--mode", "-m", help="Restrict the search to these modes.")] = None,
-    scale_batch: Annotated[bool, typer.Option("--scale-batch", help="Also try larger global batches (changes the optimisation).")] = False,
-    include_emulated: Annotated[bool, typer.Option("--include-emulated", help="Also search FP8 emulated on a CPU.")] = False,
-    memory_limit: Annotated[str | None, typer.Option("--memory-limit", help="e.g. 4GiB: candidates above it are infeasible.")] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds before a trial is killed.")] = 600.0,
-    seed: Annotated[int, typer.Option(help="Seed shared by every trial and the sampler.")] = 0,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda:N; default: the first GPU, else the CPU.")] = None,
-    storage: Annotated[str | None, typer.Option(help="Optuna storage URL; default: an SQLite file in the cache directory.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the stored study instead of starting afresh.")] = False,
-    out: Annotated[Path | None, typer.Option("--out", help="Config file to write; default: <script>.mpadvise.toml beside it.")] = None,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Do not store the answer in the per-GPU cache.")] = False,
-    no_priors: Annotated[
-        bool, typer.Option("--no-priors", help="Measure candidates even when the matmul priors say they cannot win.")
-    ] = False,
+    *,
+    options: TuneOptions,
     submit: Annotated[
         bool, typer.Option("--submit", help="Queue the tune with the local daemon (mpadvise daemon start) and follow it.")
     ] = False,
     json_output: JsonOption = False,
 ) -> None:
     """Search precision mode, loss scaling and micro-batch size for the fastest stable policy."""
-    if submit:
-        from advisor.daemon._client import submit_tune
+    from advisor.cli._tune import run_tune_command, submit_tune_command
 
-        if storage is not None:
-            raise fail("--storage cannot be used with --submit: the daemon keeps its studies in its cache directory", 2)
-        code = submit_tune(
-            script, script_args or [], device=device, json_output=json_output, console=console,
-            options={"trials": trials, "time_budget": time_budget, "steps": steps, "warmup": warmup,
-                     "modes": mode or [], "scale_batch": scale_batch, "include_emulated": include_emulated,
-                     "memory_limit": memory_limit, "timeout": timeout, "seed": seed, "resume": resume,
-                     "out": str(out) if out is not None else None, "no_cache": no_cache, "no_priors": no_priors},
-        )
-        raise typer.Exit(code)
-    from advisor.cli._tune import run_tune_command
-
-    code = run_tune_command(
-        script, script_args or [], trials=trials, time_budget=time_budget, steps=steps, warmup=warmup,
-        memory_limit=memory_limit, timeout=timeout, seed=seed, device=device, modes=mode or [],
-        scale_batch=scale_batch, include_emulated=include_emulated, storage=storage, resume=resume, out=out,
-        cache=not no_cache, use_priors=not no_priors, json_output=json_output, console=console,
-    )
-    raise typer.Exit(code)
+    command = submit_tune_command if submit else run_tune_command
+    raise typer.Exit(command(script, script_args or [], options, json_output=json_output, console=console))
 
 
 app.command("show")(_cache.show)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -17,9 +18,11 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from policies import Policy
 from probes import MpadviseError
 
 if TYPE_CHECKING:
+    from advisor.tune._space import Measured
     from advisor.tune._trials import Evaluation
 
 VERDICT_STYLE = {"ok": "green", "unstable": "yellow"}
@@ -94,6 +97,100 @@ def trial_progress(console: Console, total: int, *, enabled: bool = True) -> Ite
             progress.console.print(f"  {ev.label}: {mark}{speed}", highlight=False)
 
         yield on_start, on_done
+
+
+@contextmanager
+def tune_progress(console: Console, total: int) -> Iterator[Any]:
+    """A progress bar over a tune's trials; yields ``(on_start, on_done)`` for the tuner."""
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("starting", total=total)
+        started = 0
+
+        def on_start(label: str) -> None:
+            nonlocal started
+            started += 1
+            bar.update(task, description=f"trial {started}: {label}")
+
+        def on_done(label: str, ev: Evaluation | None, m: Measured) -> None:
+            bar.advance(task)
+            style = VERDICT_STYLE.get(m.outcome, "red")
+            speed = f", {ev.speedup:.2f}x fp32" if ev is not None and ev.speedup else ""
+            bar.console.print(f"  {label}: [{style}]{m.outcome}[/]{speed}", highlight=False)
+
+        yield on_start, on_done
+
+
+def render_tune(tune: dict[str, Any], console: Console) -> None:
+    """A tune's summary from its JSON (what ``mpadvise tune --json`` prints, locally or from a
+    daemon job): the candidates ranked by goodput, why the others lost, the winner and its files.
+
+    Args:
+        tune: the tune's JSON, decoded.
+        console: where to print.
+    """
+    console.print(_tune_table(tune))
+    for row in tune.get("candidates") or []:
+        if not (row.get("stable") and row.get("feasible")) and row.get("reason"):
+            console.print(f"[{VERDICT_STYLE.get(row.get('outcome'), 'red')}]{row.get('label')}[/]: {row['reason']}",
+                          highlight=False)
+    _print_search(tune, console)
+    if tune.get("winner") is None:
+        console.print("[bold red]no stable policy fits[/]: every candidate was unstable, out of memory or failed")
+        return
+    _print_winner(tune, console)
+
+
+def _tune_table(tune: dict[str, Any]) -> Table:
+    resumed = tune.get("trials_resumed") or 0
+    title = (f"{Path(tune.get('script') or '?').name} on {(tune.get('hardware') or {}).get('name', '?')}: "
+             f"the fp32 reference and {tune.get('trials_run', 0)} trials"
+             + (f", {resumed} resumed" if resumed else "")
+             + f" of {(tune.get('space') or {}).get('grid_size', '?')} candidates")
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("", "left"), ("candidate", "left"), ("samples/s", "right"), ("vs fp32", "right"),
+                         ("peak memory", "right"), ("verdict", "left")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for row in tune.get("candidates") or []:
+        goodput, speedup, outcome = row.get("goodput"), row.get("speedup_vs_fp32"), row.get("outcome") or "ok"
+        table.add_row("→" if row.get("winner") else "", str(row.get("label")),
+                      f"{goodput:,.0f}" if goodput else "-", f"{speedup:.2f}x" if goodput and speedup else "-",
+                      fmt_bytes(row.get("peak_memory")), f"[{VERDICT_STYLE.get(outcome, 'red')}]{outcome}[/]")
+    return table
+
+
+def _print_search(tune: dict[str, Any], console: Console) -> None:
+    """The priors, why the search stopped, the side-by-side re-measurement and any tie."""
+    ratios = ", ".join(f"{k} {v:.2g}x" for k, v in (tune.get("matmul_ratio_vs_fp32") or {}).items() if k != "fp32")
+    if ratios:
+        console.print(f"matmul throughput vs fp32 on this device (the search's priors): {ratios}", highlight=False)
+    console.print(f"search stopped: {tune.get('stop_reason')}", highlight=False)
+    finalists = tune.get("finalists") or []
+    if len(finalists) > 1:
+        close = ", ".join(f"{f['label']} {f['goodput']:,.0f}/s" for f in finalists)
+        console.print(f"re-measured side by side: {close}", highlight=False)
+    if tune.get("tie_note"):
+        console.print(f"tie: {tune['tie_note']}", highlight=False)
+
+
+def _print_winner(tune: dict[str, Any], console: Console) -> None:
+    """The winner, its speedup, the files it went to, and the line to add to the script."""
+    try:
+        described = Policy.from_dict(tune["winner"]).describe()
+    except MpadviseError:  # written by another version: its label still says what won
+        described = str(tune.get("winner_label"))
+    speed = tune.get("speedup_vs_fp32")
+    console.print(f"[bold green]winner[/]: {described}" + (f", {speed:.2f}x fp32 goodput" if speed else ""),
+                  highlight=False)
+    if tune.get("scale_batch_note"):
+        console.print(f"[yellow]note[/]: {tune['scale_batch_note']}", highlight=False)
+    if tune.get("config_file"):
+        console.print(f"wrote {tune['config_file']}", highlight=False)
+    if tune.get("cache_id") is not None:
+        console.print(f"cached for this GPU/CPU as entry #{tune['cache_id']} (mpadvise show)", highlight=False)
+    if tune.get("storage"):
+        console.print(f"study {tune.get('study_name')!r} in {tune['storage']} (continue with --resume)", highlight=False)
+    console.print("add to the script: [bold]mp = advisor.load_policy()[/] (it reads the config file beside it)")
 
 
 def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation]) -> None:

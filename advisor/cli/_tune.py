@@ -1,4 +1,5 @@
-"""``mpadvise tune``: search, report, write the config file, remember the answer."""
+"""``mpadvise tune``: search, write the config file, remember the answer, report it; or queue
+the same tune with the local daemon (``--submit``) and report it the same way."""
 
 from __future__ import annotations
 
@@ -10,26 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from rich.table import Table
 
 import probes
 from advisor._log import get_logger
 from advisor._paths import config_path_for
-from advisor.cli._report import VERDICT_STYLE, fmt_bytes
+from advisor.cli._report import render_tune, tune_progress
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._engine import TuneResult, tune_policy
+from advisor.tune._options import TuneOptions
 from advisor.tune._search import check_storage
 from advisor.tune._trials import WAIT_IDLE_ENV, ScriptRunner, TrialSettings
-from probes import MpadviseError, hardware_fingerprint
-from probes._trial import parse_memory
+from probes import HardwareProfile, UsageError, hardware_fingerprint
 
 EXIT_FOUND, EXIT_NONE_STABLE = 0, 3
 
@@ -55,93 +47,62 @@ def study_name_for(script: Path, args: list[str], fingerprint: str) -> str:
     return f"{script.stem}-{fingerprint}-{digest}"
 
 
-def run_tune_command(
-    script: Path,
-    script_args: list[str],
-    *,
-    trials: int,
-    time_budget: float | None,
-    steps: int,
-    warmup: int,
-    memory_limit: str | None,
-    timeout: float,
-    seed: int,
-    device: str | None,
-    modes: list[str],
-    scale_batch: bool,
-    include_emulated: bool,
-    storage: str | None,
-    resume: bool,
-    out: Path | None,
-    cache: bool,
-    use_priors: bool,
-    json_output: bool,
-    console: Console,
-) -> int:
-    """Run the tune and report it. Returns 0 when a stable policy was found, 3 when none was."""
-
+def run_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
+                     console: Console) -> int:
+    """Run the tune here and report it. Returns 0 when a stable policy was found, 3 when none was."""
     path = check_script(script)
-    if trials < 1:
-        raise MpadviseError(f"--trials {trials} is not allowed; expected at least 1")
-    if time_budget is not None and time_budget <= 0:
-        raise MpadviseError(f"--time-budget {time_budget:g} is not allowed; expected seconds > 0")
-    profile = probes.profile_for(device)
-    if modes:
-        modes = check_modes(modes, profile)
-    limit = parse_memory(memory_limit) if memory_limit else None
-    settings = TrialSettings(warmup_steps=warmup, measure_steps=steps, seed=seed, timeout=timeout, device=device,
-                             memory_limit=limit)
+    profile = probes.profile_for(options.device)
+    options = _resolved(options, profile)
     fingerprint = hardware_fingerprint(profile)
-    storage = storage if storage is not None else default_storage()
-    check_storage(storage)
-    name = study_name_for(path, script_args, fingerprint)
-    out_path = out or config_path_for(path)
+    study_name = study_name_for(path, script_args, fingerprint)
     progress_console = Console(stderr=True) if json_output else console
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=progress_console) as bar:
-        # The budget plus the reference; a search that stops early completes the bar.
-        task = bar.add_task("starting", total=trials + 1)
-        count = {"n": 0}
-
-        def on_start(label: str) -> None:
-            count["n"] += 1
-            bar.update(task, description=f"trial {count['n']}: {label}")
-
-        def on_done(label: str, ev: Any, m: Any) -> None:
-            bar.advance(task)
-            style = VERDICT_STYLE.get(m.outcome, "red")
-            speed = f", {ev.speedup:.2f}x fp32" if ev is not None and ev.speedup else ""
-            bar.console.print(f"  {label}: [{style}]{m.outcome}[/]{speed}", highlight=False)
-
-        result = tune_policy(
-            ScriptRunner(path, script_args, settings,
-                         wait_idle_on=profile if os.environ.get(WAIT_IDLE_ENV) else None), profile, trials=trials, time_budget=time_budget,
-            scale_batch=scale_batch, include_emulated=include_emulated, modes=modes or None, memory_limit=limit,
-            storage=storage, study_name=name, resume=resume, seed=seed, workload={"script": str(path)},
-            use_priors=use_priors,
-            on_start=on_start, on_done=on_done,
-        )
-    written = None
-    cache_id = None
-    if result.policy is not None:
-        written = result.policy.save(out_path)
-        if cache:
-            cache_id = _remember(result, profile, path)
-    if json_output:
-        payload = result.to_dict()
-        payload.update(script=str(path), args=script_args, config_file=str(written) if written else None,
-                       cache_id=cache_id, storage=storage, study_name=name,
-                       hardware={"name": profile.name, "fingerprint": fingerprint})
-        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
-    else:
-        render_tune(console, result, path, profile.name, written, cache_id, storage, name)
+    result = _search(path, script_args, options, profile, study_name, progress_console)
+    written, cache_id = _keep(result, options, profile, path)
+    payload = result.to_dict()
+    payload.update(script=str(path), args=script_args, config_file=str(written) if written else None,
+                   cache_id=cache_id, storage=options.storage, study_name=study_name,
+                   hardware={"name": profile.name, "fingerprint": fingerprint})
+    _report(json.dumps(payload, indent=2, default=str), json_output=json_output, console=console)
     return EXIT_FOUND if result.policy is not None else EXIT_NONE_STABLE
+
+
+def _resolved(options: TuneOptions, profile: HardwareProfile) -> TuneOptions:
+    """The options with their modes checked on this hardware and the study storage chosen
+    (and opened once, so a bad URL fails before any trial runs)."""
+    modes = check_modes(list(options.modes), profile) if options.modes else []
+    storage = options.storage if options.storage is not None else default_storage()
+    check_storage(storage)
+    return options.with_(modes=modes, storage=storage)
+
+
+def _search(path: Path, script_args: list[str], options: TuneOptions, profile: HardwareProfile,
+            study_name: str, console: Console) -> TuneResult:
+    """The tune itself, one subprocess per trial, under a progress bar."""
+    # Under the daemon, every trial first waits until no other process computes on the GPU.
+    wait_idle_on = profile if os.environ.get(WAIT_IDLE_ENV) else None
+    runner = ScriptRunner(path, script_args, TrialSettings.for_tune(options), wait_idle_on=wait_idle_on)
+    # The budget plus the reference; a search that stops early completes the bar.
+    with tune_progress(console, options.trials + 1) as (on_start, on_done):
+        return tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
+                           on_start=on_start, on_done=on_done)
+
+
+def _keep(result: TuneResult, options: TuneOptions, profile: HardwareProfile,
+          path: Path) -> tuple[Path | None, int | None]:
+    """Write the winner's config file and cache it; returns the file and the cache entry."""
+    if result.policy is None:
+        return None, None
+    written = result.policy.save(Path(options.out) if options.out is not None else config_path_for(path))
+    cache_id = None if options.no_cache else _remember(result, profile, path)
+    return written, cache_id
 
 
 def _remember(result: TuneResult, profile: Any, script: Path) -> int | None:
     from advisor.cache._recommend import record_tune
 
-    assert result.policy is not None and result.policy.tuned_on is not None
+    tuned_on = None if result.policy is None else result.policy.tuned_on
+    if result.policy is None or tuned_on is None or not tuned_on.workload_fingerprint:
+        return None
     rows = []
     for number, (cand, m) in enumerate(result.ranking()):
         rows.append({
@@ -149,57 +110,53 @@ def _remember(result: TuneResult, profile: Any, script: Path) -> int | None:
             "verdict": "stable" if m.stable else "not stable", "reason": m.reason, "goodput": m.goodput,
             "metrics": {"feasible": m.feasible, "label": cand.label},
         })
-    workload = result.policy.tuned_on.workload_fingerprint
-    if not workload:
-        return None
     return record_tune(
-        profile=profile, policy=result.policy, script=str(script), workload_fingerprint=workload, trials=rows,
-        speedup_vs_fp32=result.winner_speedup, goodput=result.policy.tuned_on.goodput,
+        profile=profile, policy=result.policy, script=str(script), workload_fingerprint=tuned_on.workload_fingerprint,
+        trials=rows, speedup_vs_fp32=result.winner_speedup, goodput=tuned_on.goodput,
     )
 
 
-def render_tune(console: Console, result: TuneResult, script: Path, device: str, written: Path | None,
-                cache_id: int | None, storage: str | None, study_name: str) -> None:
-    """Results table ranked by goodput, the winner, and the line to add to the script."""
-    ref = result.reference.goodput or 0.0
-    table = Table(title=f"{script.name} on {device}: the fp32 reference and {result.search.runs} trials"
-                  + (f", {result.search.resumed} resumed" if result.search.resumed else "")
-                  + f" of {len(result.space.grid())} candidates", title_justify="left")
-    for col, justify in (("", "left"), ("candidate", "left"), ("samples/s", "right"), ("vs fp32", "right"),
-                         ("peak memory", "right"), ("verdict", "left")):
-        table.add_column(col, justify=justify, no_wrap=True)
-    for cand, m in result.ranking():
-        ev = result.evaluations.get(cand)
-        mark = "→" if cand == result.winner else ""
-        style = VERDICT_STYLE.get(m.outcome or "ok", "red")
-        table.add_row(mark, cand.label, f"{m.goodput:,.0f}" if m.goodput else "-",
-                      f"{m.goodput / ref:.2f}x" if ref and m.goodput else "-",
-                      fmt_bytes(ev.result.peak_memory) if ev else "-", f"[{style}]{m.outcome or 'ok'}[/]")
-    console.print(table)
-    for cand, m in result.ranking():
-        if not (m.stable and m.feasible) and m.reason:
-            console.print(f"[{VERDICT_STYLE.get(m.outcome, 'red')}]{cand.label}[/]: {m.reason}", highlight=False)
-    ratios = ", ".join(f"{k} {v:.2g}x" for k, v in result.dtype_ratio.items() if k != "fp32")
-    if ratios:
-        console.print(f"matmul throughput vs fp32 on this device (the search's priors): {ratios}", highlight=False)
-    console.print(f"search stopped: {result.search.stop_reason}", highlight=False)
-    if result.finalists and len(result.finalists) > 1:
-        close = ", ".join(f"{f.candidate.label} {f.goodput:,.0f}/s" for f in result.finalists)
-        console.print(f"re-measured side by side: {close}", highlight=False)
-    if result.tie_note:
-        console.print(f"tie: {result.tie_note}", highlight=False)
-    if result.policy is None:
-        console.print("[bold red]no stable policy fits[/]: every candidate was unstable, out of memory or failed")
-        return
-    speed = result.winner_speedup
-    console.print(f"[bold green]winner[/]: {result.policy.describe()}"
-                  + (f", {speed:.2f}x fp32 goodput" if speed else ""), highlight=False)
-    if result.scale_batch_note:
-        console.print(f"[yellow]note[/]: {result.scale_batch_note}", highlight=False)
-    if written:
-        console.print(f"wrote {written}", highlight=False)
-    if cache_id is not None:
-        console.print(f"cached for this GPU/CPU as entry #{cache_id} (mpadvise show)", highlight=False)
-    if storage:
-        console.print(f"study {study_name!r} in {storage} (continue with --resume)", highlight=False)
-    console.print("add to the script: [bold]mp = advisor.load_policy()[/] (it reads the config file beside it)")
+def _report(tune_json: str, *, json_output: bool, console: Console) -> None:
+    """Print a tune's JSON as is (``--json``), or its summary rendered from that same JSON."""
+    if json_output:
+        sys.stdout.write(tune_json + "\n")
+    else:
+        render_tune(json.loads(tune_json), console)
+
+
+def submit_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
+                        console: Console, poll_s: float = 1.0) -> int:
+    """Queue the tune with the local daemon, follow its lines, and report it as a local tune.
+
+    Returns:
+        The tune's exit code: 0 when a stable policy was found, 3 when none was.
+
+    Raises:
+        MpadviseError: no daemon, the job was refused (exit 2), failed, was cancelled or interrupted.
+    """
+    from advisor.daemon._client import DaemonClient, finished_tune, tune_job_body
+
+    if options.storage is not None:
+        raise UsageError("--storage cannot be used with --submit: the daemon keeps its studies in its cache directory")
+    body = tune_job_body(script, script_args, options)
+    client = DaemonClient.local(need_token=True)
+    err = Console(stderr=True) if json_output else console
+    # Run where a local tune would, in this directory, when the daemon allows it there;
+    # otherwise the daemon runs the job in the script's directory.
+    cwd = Path(os.path.realpath(os.getcwd()))
+    if client.allows(cwd):
+        body["cwd"] = str(cwd)
+    else:
+        err.print(f"note: the job runs in {Path(body['script']).parent} (the daemon does not allow {cwd})", highlight=False)
+    job = client.submit(body)
+    err.print(f"queued job {job['id']} with the daemon at {client.where}", highlight=False)
+    try:
+        job = client.follow(job, on_line=lambda line: err.print(line, highlight=False, markup=False),
+                            on_waiting=lambda message: err.print(message, highlight=False), poll_s=poll_s)
+    except KeyboardInterrupt:
+        client.cancel(job["id"])
+        err.print(f"cancelled job {job['id']}", highlight=False)
+        raise
+    tune, code = finished_tune(job)
+    _report(json.dumps(tune, indent=2, default=str), json_output=json_output, console=console)
+    return code

@@ -1,7 +1,7 @@
 """A small client for the local ``mpadvise daemon``: ``tune --submit`` and ``daemon status``.
 
 Standard library only (``http.client``), so the commands that use it import neither FastAPI
-nor an HTTP library. It finds the daemon through ``daemon.json`` in the cache directory (a
+nor an HTTP library; showing what it fetches is the CLI's part. It finds the daemon through ``daemon.json`` in the cache directory (a
 TCP URL or a Unix socket) and reads the token from ``daemon.token`` beside it.
 """
 
@@ -12,20 +12,18 @@ import http.client
 import json
 import os
 import socket
-import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from rich.console import Console
-from rich.table import Table
-
 from advisor._paths import cache_dir
+from advisor.tune._options import TuneOptions
 from probes import MpadviseError
 
-__all__ = ["DaemonClient", "DaemonPaths", "daemon_running", "read_token", "render_job_result", "submit_tune"]
+__all__ = ["DaemonClient", "DaemonPaths", "daemon_running", "finished_tune", "read_token", "tune_job_body"]
 
 FINISHED = ("succeeded", "failed", "cancelled", "interrupted")
 
@@ -263,6 +261,40 @@ class DaemonClient:
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self.call("DELETE", f"/jobs/{quote(job_id, safe='')}", auth=True)
 
+    def allows(self, directory: Path) -> bool:
+        """Whether the daemon lets jobs run in ``directory`` (under one of its allowed roots)."""
+        return any(directory == root or root in directory.parents for root in self.roots)
+
+    def follow(self, job: dict[str, Any], *, on_line: Callable[[str], None], on_waiting: Callable[[str], None],
+               poll_s: float = 1.0) -> dict[str, Any]:
+        """Look at a job every ``poll_s`` seconds until it finishes.
+
+        Args:
+            job: the job as ``submit`` returned it.
+            on_line: called with each new line of the tune's stderr, once.
+            on_waiting: called with each new message of a job waiting for its GPU.
+            poll_s: seconds between looks.
+
+        Returns:
+            The finished job.
+        """
+        seen = 0
+        waiting_shown = None
+        while job["state"] not in FINISHED:
+            time.sleep(poll_s)
+            job = self.job(job["id"])
+            progress = job.get("progress") or {}
+            if progress.get("phase") == "waiting" and progress.get("message") != waiting_shown:
+                waiting_shown = progress.get("message")
+                on_waiting(str(waiting_shown))
+            count = int(progress.get("lines") or 0)
+            recent = progress.get("recent") or []
+            if count > seen:
+                for line in recent[-min(count - seen, len(recent)):]:
+                    on_line(line)
+                seen = count
+        return job
+
 
 def _read_address(path: Path) -> dict[str, Any] | None:
     try:
@@ -272,116 +304,38 @@ def _read_address(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and (data.get("url") or data.get("uds")) else None
 
 
-def submit_tune(
-    script: Path,
-    script_args: list[str],
-    *,
-    options: dict[str, Any],
-    device: str | None,
-    json_output: bool,
-    console: Console,
-    poll_s: float = 1.0,
-) -> int:
-    """Queue a tune with the local daemon, follow it, and report it as ``mpadvise tune`` does.
+def tune_job_body(script: Path, script_args: Sequence[str], options: TuneOptions) -> dict[str, Any]:
+    """The ``POST /jobs`` body for a tune, its paths made absolute (the daemon's directory is not ours).
 
     Args:
-        script: the training script (made absolute here: the daemon's directory is not ours).
+        script: the training script.
         script_args: the script's own arguments.
-        options: ``TuneOptions`` fields (``trials``, ``steps``, ``modes``...).
-        device: ``cpu`` or ``cuda:N`` to pin the job to that slot; ``None`` for any.
-        json_output: print the tune's JSON (exactly what ``tune --json`` prints) on stdout.
-        console: where the summary goes.
-        poll_s: seconds between looks at the job.
+        options: the tune's options; ``device`` pins the job to that slot (``None``: any).
 
     Returns:
-        The tune's exit code: 0 when a stable policy was found, 3 when none was.
+        ``{"script", "args", "options", "gpu"}``; the caller may add ``cwd``.
 
     Raises:
-        MpadviseError: no daemon, the job was refused, failed, was cancelled or interrupted.
+        MpadviseError: the script does not exist.
     """
     path = Path(script).expanduser().absolute()
     if not path.is_file():
         raise MpadviseError(f"script {script} does not exist; give the path of a training script")
-    if options.get("out") is not None:
-        options = {**options, "out": str(Path(options["out"]).expanduser().absolute())}
-    client = DaemonClient.local(need_token=True)
-    err = Console(stderr=True) if json_output else console
-    body: dict[str, Any] = {"script": str(path), "args": list(script_args), "options": options, "gpu": device}
-    # Run where a local tune would, in this directory, when the daemon allows it there;
-    # otherwise the daemon runs the job in the script's directory.
-    cwd = Path(os.path.realpath(os.getcwd()))
-    if any(cwd == root or root in cwd.parents for root in client.roots):
-        body["cwd"] = str(cwd)
-    else:
-        err.print(f"note: the job runs in {path.parent} (the daemon does not allow {cwd})", highlight=False)
-    job = client.submit(body)
-    err.print(f"queued job {job['id']} with the daemon at {client.where}", highlight=False)
-    seen = 0
-    waiting_shown = None
-    try:
-        while job["state"] not in FINISHED:
-            time.sleep(poll_s)
-            job = client.job(job["id"])
-            progress = job.get("progress") or {}
-            if progress.get("phase") == "waiting" and progress.get("message") != waiting_shown:
-                waiting_shown = progress.get("message")
-                err.print(waiting_shown, highlight=False)
-            count = int(progress.get("lines") or 0)
-            recent = progress.get("recent") or []
-            if count > seen:
-                for line in recent[-min(count - seen, len(recent)):]:
-                    err.print(line, highlight=False, markup=False)
-                seen = count
-    except KeyboardInterrupt:
-        client.cancel(job["id"])
-        err.print(f"cancelled job {job['id']}", highlight=False)
-        raise
-    return _finish(job, json_output=json_output, console=console)
+    if options.out is not None:
+        options = options.with_(out=str(Path(options.out).expanduser().absolute()))
+    return {"script": str(path), "args": list(script_args), "options": options.to_dict(job=True), "gpu": options.device}
 
 
-def _finish(job: dict[str, Any], *, json_output: bool, console: Console) -> int:
+def finished_tune(job: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """A finished job's tune JSON and its exit code (0 found, 3 none stable).
+
+    Raises:
+        MpadviseError: the job failed, was cancelled or interrupted, naming its error line.
+    """
     result = job.get("result") or {}
     if job["state"] != "succeeded" or result.get("tune") is None:
         why = result.get("error") or (job.get("log_tail") or "").strip().splitlines()[-1:] or "no reason recorded"
         if isinstance(why, list):
             why = why[0]
         raise MpadviseError(f"job {job['id']} {job['state']}: {why} (GET /jobs/{job['id']} has its log tail)")
-    tune = result["tune"]
-    if json_output:
-        sys.stdout.write(json.dumps(tune, indent=2, default=str) + "\n")
-    else:
-        render_job_result(tune, console)
-    return int(result.get("exit_code") or 0)
-
-
-def render_job_result(tune: dict[str, Any], console: Console) -> None:
-    """The summary of a tune run by the daemon, from its JSON: ranking, winner, files.
-
-    Args:
-        tune: what ``mpadvise tune --json`` printed.
-        console: where to print.
-    """
-    ref = (tune.get("reference") or {}).get("goodput") or 0.0
-    table = Table(title=f"{Path(tune.get('script') or '?').name} on {(tune.get('hardware') or {}).get('name', '?')}: "
-                  f"{tune.get('trials_run', 0)} trials run", title_justify="left")
-    for col, justify in (("", "left"), ("candidate", "left"), ("samples/s", "right"), ("vs fp32", "right"),
-                         ("verdict", "left")):
-        table.add_column(col, justify=justify, no_wrap=True)
-    for cand in tune.get("candidates") or []:
-        goodput = cand.get("goodput")
-        table.add_row("→" if cand.get("winner") else "", str(cand.get("label")),
-                      f"{goodput:,.0f}" if goodput else "-", f"{goodput / ref:.2f}x" if ref and goodput else "-",
-                      str(cand.get("outcome") or "ok"))
-    console.print(table)
-    console.print(f"search stopped: {tune.get('stop_reason')}", highlight=False)
-    if tune.get("winner") is None:
-        console.print("[bold red]no stable policy fits[/]: every candidate was unstable, out of memory or failed")
-        return
-    speed = tune.get("speedup_vs_fp32")
-    console.print(f"[bold green]winner[/]: {tune.get('winner_label')}" + (f", {speed:.2f}x fp32 goodput" if speed else ""),
-                  highlight=False)
-    if tune.get("config_file"):
-        console.print(f"wrote {tune['config_file']}", highlight=False)
-    if tune.get("cache_id") is not None:
-        console.print(f"cached for this GPU/CPU as entry #{tune['cache_id']} (mpadvise show)", highlight=False)
-    console.print("add to the script: [bold]mp = advisor.load_policy()[/] (it reads the config file beside it)")
+    return result["tune"], int(result.get("exit_code") or 0)

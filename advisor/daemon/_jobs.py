@@ -20,6 +20,7 @@ from typing import Any
 from advisor.cache._store import Store
 from advisor.daemon._config import JOB_ENV, LOG_TAIL_CHARS, LOG_TAIL_LINES, RECENT_LINES, logger
 from advisor.daemon._files import _now
+from advisor.tune._options import TuneOptions
 from advisor.tune._trials import WAIT_IDLE_ENV
 from probes import HardwareProfile, MpadviseError
 
@@ -27,7 +28,7 @@ from probes import HardwareProfile, MpadviseError
 def tune_argv(
     script: str,
     args: Sequence[str],
-    options: Mapping[str, Any],
+    options: TuneOptions,
     slot: str,
     *,
     python: str = sys.executable,
@@ -37,25 +38,26 @@ def tune_argv(
     Args:
         script: the training script (absolute).
         args: the script's own arguments; after ``--``, so none is read as an option.
-        options: validated :class:`TuneOptions` fields; ``None`` values are left to the
-            tune's defaults.
-        slot: ``"cpu"`` or ``"cuda:N"``, passed as ``--device``.
+        options: the job's tune options; those left at their defaults are left out.
+        slot: ``"cpu"`` or ``"cuda:N"``, passed as ``--device`` (whatever ``options`` says).
         python: the interpreter.
 
     Returns:
         The argv list for ``subprocess.Popen`` (no shell is involved).
     """
-    argv = [python, "-m", "advisor.cli", "tune", script, "--json", "--device", slot]
-    for name in ("trials", "time_budget", "steps", "warmup", "memory_limit", "timeout", "seed", "out"):
-        value = options.get(name)
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    for mode in options.get("modes") or ():
-        argv += ["--mode", mode]
-    for flag in ("scale_batch", "include_emulated", "resume", "no_cache", "no_priors"):
-        if options.get(flag):
-            argv.append(f"--{flag.replace('_', '-')}")
-    return [*argv, "--", *args]
+    return [python, "-m", "advisor.cli", "tune", script, "--json", "--device", slot,
+            *options.with_(device=None).to_argv(), "--", *args]
+
+
+def job_options(job: Mapping[str, Any]) -> tuple[TuneOptions, str]:
+    """A stored job's tune options and the directory it runs in (its own, else the script's).
+
+    Raises:
+        MpadviseError: the stored options hold an unknown key or a value out of bounds.
+    """
+    stored = dict(job.get("options") or {})
+    cwd = stored.pop("cwd", None) or os.path.dirname(job["script"])  # kept beside the options
+    return TuneOptions.from_dict(stored), cwd
 
 
 class LogTail:
@@ -317,14 +319,13 @@ class JobRunner:
         job_id = job["id"]
         if not self._wait_for_idle_gpu(job, slot, state):
             return
-        options = job.get("options") or {}
+        options, cwd = job_options(job)
         argv = tune_argv(job["script"], job.get("args") or [], options, slot.name, python=self.python)
         env = dict(os.environ)
         env[JOB_ENV] = job_id
         env[WAIT_IDLE_ENV] = "1"  # and before every trial, not only before the tune starts
         env["COLUMNS"] = "160"  # the tune's lines are read back one by one: no wrapping
         env.pop("MPADVISE_POLICY", None)
-        cwd = options.get("cwd") or os.path.dirname(job["script"])
         log_path = self.jobs_dir / f"{job_id}.log"
         out_path = self.jobs_dir / f"{job_id}.out"
         tail = LogTail()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model
 
 from advisor.daemon._config import MAX_ARGS, MAX_TEXT
+from advisor.tune._options import option_info
 from probes import MpadviseError
 
 
@@ -40,25 +41,45 @@ SlotName = Annotated[str, StringConstraints(pattern=r"^(cpu|cuda:[0-9]{1,3})$")]
 JobState = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled", "interrupted"]
 
 
-class TuneOptions(BaseModel):
-    """The ``mpadvise tune`` options a job may set (bounded; the daemon picks the device)."""
+# The wire types of the tune options whose field type is wider than what a job may send:
+# text is bounded and checked, and a memory limit is text (e.g. "4GiB"), never bytes.
+_WIRE_TYPES: dict[str, Any] = {"modes": list[ModeName], "memory_limit": MemorySize | None, "out": Text | None}
+# What only the daemon adds to an option's help.
+_WIRE_NOTES = {"out": "Absolute, under an allowed root."}
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    trials: int = Field(20, ge=1, le=10_000, description="Trial budget of the search.")
-    time_budget: float | None = Field(None, gt=0, le=30 * 86400, description="Seconds after which no new trial starts.")
-    steps: int = Field(40, ge=1, le=1_000_000, description="Measured optimizer steps per trial.")
-    warmup: int = Field(5, ge=0, le=100_000, description="Warm-up steps per trial, not timed.")
-    modes: list[ModeName] = Field(default_factory=list, max_length=16, description="Restrict the search to these modes.")
-    scale_batch: bool = Field(False, description="Also try larger global batches.")
-    include_emulated: bool = Field(False, description="Also search FP8 emulated on a CPU.")
-    memory_limit: MemorySize | None = Field(None, description="e.g. 4GiB: candidates above it are infeasible.")
-    timeout: float = Field(600.0, gt=0, le=7 * 86400, description="Seconds before a trial is killed.")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed shared by every trial and the sampler.")
-    resume: bool = Field(False, description="Continue the stored study instead of starting afresh.")
-    out: Text | None = Field(None, description="Config file to write (absolute, under an allowed root).")
-    no_cache: bool = Field(False, description="Do not store the answer in the cache.")
-    no_priors: bool = Field(False, description="Measure candidates the matmul priors rule out.")
+def _job_options_model() -> type[BaseModel]:
+    """The ``options`` of a job request, built from the fields of :class:`TuneOptions`.
+
+    Names, defaults, help, lower bounds and the limits of a job all come from the dataclass, so
+    the wire cannot drift from ``mpadvise tune``; only the wire types of text fields are the
+    daemon's. Strict: no coercion, no unknown fields, no NaN or infinity.
+    """
+    options = [option for option in option_info() if option.job]
+    stray = set(_WIRE_TYPES) - {option.name for option in options}
+    if stray:
+        raise TypeError(f"wire types for {', '.join(sorted(stray))}, which no job option has")
+    definitions: dict[str, Any] = {}
+    for option in options:
+        bounds: dict[str, Any] = {}
+        if option.minimum is not None:
+            bounds["gt" if option.above else "ge"] = option.minimum
+        if option.job_limit is not None:
+            bounds["max_length" if isinstance(option.default, tuple) else "le"] = option.job_limit
+        default: dict[str, Any] = (
+            {"default_factory": list} if isinstance(option.default, tuple) else {"default": option.default}
+        )
+        description = " ".join(filter(None, (option.help, _WIRE_NOTES.get(option.name))))
+        definitions[option.name] = (_WIRE_TYPES.get(option.name, option.type),
+                                    Field(description=description, **default, **bounds))
+    return create_model(
+        "TuneOptions", __config__=ConfigDict(extra="forbid", strict=True, allow_inf_nan=False),
+        __doc__="The ``mpadvise tune`` options a job may set (bounded; the daemon picks the device).",
+        **definitions,
+    )
+
+
+TuneOptionsModel = _job_options_model()
 
 
 class JobRequest(BaseModel):
@@ -70,6 +91,6 @@ class JobRequest(BaseModel):
         description="Absolute path of the training script, under an allowed root."
     )
     args: list[Text] = Field(default_factory=list, max_length=MAX_ARGS, description="The script's own arguments.")
-    options: TuneOptions = Field(default_factory=TuneOptions)
+    options: TuneOptionsModel = Field(default_factory=TuneOptionsModel)  # type: ignore[valid-type]
     gpu: SlotName | None = Field(None, description="Run on this slot (cpu or cuda:N); default: the first free one.")
     cwd: Text | None = Field(None, description="Working directory (absolute, under an allowed root); default: the script's.")

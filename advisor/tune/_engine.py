@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import datetime as dt
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from advisor.tune._checks import check_modes
+from advisor.tune._options import TuneOptions
 from advisor.tune._search import SearchOutcome, run_search
 from advisor.tune._space import Candidate, Measured, SearchSpace, preference_key, space_for
 from advisor.tune._stability import StabilityThresholds, safety_rank
@@ -123,19 +125,10 @@ def measure_dtype_ratios(profile: HardwareProfile) -> dict[str, float]:
 def tune_policy(
     runner: Runner,
     profile: HardwareProfile,
+    options: TuneOptions | None = None,
     *,
-    trials: int | None = 20,
-    time_budget: float | None = None,
-    scale_batch: bool = False,
-    include_emulated: bool = False,
-    modes: list[str] | None = None,
-    memory_limit: int | None = None,
-    storage: str | None = None,
     study_name: str = "mpadvise",
-    resume: bool = False,
-    seed: int = 0,
     thresholds: StabilityThresholds | None = None,
-    use_priors: bool = True,
     dtype_ratio: dict[str, float] | None = None,
     remeasure: bool = True,
     workload: dict[str, Any] | None = None,
@@ -148,111 +141,169 @@ def tune_policy(
     Args:
         runner: runs one candidate Policy (subprocess script trials, or a function in-process).
         profile: the hardware the trials run on; decides the search space.
-        trials: trial budget for the search (the reference and re-measurements not counted).
-        time_budget: seconds after which no new trial starts.
-        scale_batch: also try micro-batches above the script's batch (changes the global batch).
-        include_emulated: search FP8 emulated on a CPU too.
-        modes: restrict the search to these modes.
-        memory_limit: bytes; candidates over it are infeasible.
-        storage, study_name, resume: where the Optuna study lives, for ``--resume``.
-        seed: seed of every trial and of the sampler.
+        options: the tune's options (defaults when ``None``). The tuner reads ``trials``
+            (the reference and re-measurements not counted), ``time_budget``, ``scale_batch``,
+            ``include_emulated``, ``modes``, ``memory_limit`` (candidates over it are
+            infeasible), ``storage`` and ``resume`` (where the Optuna study lives), ``seed``
+            (of the sampler) and ``no_priors``; the runner has the measuring window already.
+        study_name: the study's name in that storage.
         thresholds: stability thresholds.
-        use_priors: stop early when no untried candidate can beat the best.
         dtype_ratio: matmul ratios per dtype; measured on the device when ``None``.
         remeasure: re-measure close candidates interleaved before declaring a winner.
         workload: extra facts recorded in the winner's ``[tuned_on]`` (script name).
         on_start, on_done: progress callbacks.
+        clock: monotonic seconds (tests pass a fake).
 
     Raises:
         MpadviseError: the fp32 reference failed, so nothing can be judged.
     """
-    import time
-
+    options = options or TuneOptions()
     clock = clock or time.monotonic
     start = clock()
-    thresholds = thresholds or StabilityThresholds()
-    if on_start:
-        on_start("fp32 (reference)")
-    ref_result = runner(Policy(mode="fp32"), "fp32")
-    check_reference(ref_result)
-    reference = evaluate("fp32", Policy(mode="fp32"), ref_result, ref_result, thresholds=thresholds)
-    user_batch = ref_result.user_batch
-    support = supported_modes(profile)
-    if modes:
-        modes = check_modes(modes, profile)  # unknown or unsupported: one clear error
-    space = space_for(support, user_batch, include_emulated=include_emulated, scale_batch=scale_batch, modes=modes)
+    trials = _Trials(runner, thresholds or StabilityThresholds(), options.memory_limit_bytes, on_start, on_done)
+    reference = trials.run_reference()
+    user_batch = trials.user_batch
+    space = _space(profile, options, user_batch)
     if dtype_ratio is not None:
         ratios = dtype_ratio
     else:  # the priors need the matmul ratios; without priors the benchmark is not worth its seconds
-        ratios = measure_dtype_ratios(profile) if use_priors else {}
-    evaluations: dict[Candidate, Evaluation] = {}
-
-    def judge_result(cand: Candidate, policy: Policy, result: TrialResult) -> tuple[Evaluation, Measured]:
-        if memory_limit is not None and result.outcome == "ok" and result.peak_memory and result.peak_memory > memory_limit:
-            result = result.with_outcome(
-                "oom", f"peak memory {result.peak_memory / 2**20:.0f} MiB exceeds the limit {memory_limit / 2**20:.0f} MiB"
-            )
-        ev = evaluate(cand.label, policy, result, ref_result, thresholds=thresholds)
-        m = Measured(cand, ev.goodput or 0.0, feasible=ev.result.outcome == "ok", stable=ev.stable,
-                     oom=ev.result.outcome == "oom", outcome=ev.outcome, reason=ev.reason)
-        return ev, m
-
+        ratios = {} if options.no_priors else measure_dtype_ratios(profile)
     ref_cand = space.normalise(Candidate("fp32", user_batch))
-    ev, ref_measured = judge_result(ref_cand, Policy(mode="fp32"), ref_result)
-    evaluations[ref_cand] = ev
-    if on_done:
-        on_done(ref_cand.label, ev, ref_measured)
-
-    def run_candidate(cand: Candidate) -> Measured:
-        policy = cand.policy(user_batch)
-        if on_start:
-            on_start(cand.label)
-        ev, m = judge_result(cand, policy, runner(policy, cand.label))
-        evaluations[cand] = ev
-        if on_done:
-            on_done(cand.label, ev, m)
-        return m
-
-    default_mode, _ = safe_default_mode(profile)
-    # The reference and the hardware's safe default first, then each other mode's default
-    # settings, safest first: every mode gets one honest look before TPE explores variants.
-    first = [ref_cand] + [
-        space.normalise(Candidate(m, user_batch))
-        for m in sorted(space.modes, key=lambda m: (m != default_mode, safety_rank(m)))
-    ]
+    ref_measured = trials.record(ref_cand, Policy(mode="fp32"), trials.reference)
     search = run_search(
-        space, run_candidate, first=first, reference_goodput=reference.goodput or 0.0, dtype_ratio=ratios,
-        max_trials=trials, time_budget=time_budget, storage=storage, study_name=study_name, resume=resume,
-        seed=seed, use_priors=use_priors, known={ref_cand: ref_measured}, clock=clock,
+        space, trials.run, options, first=_first_candidates(space, profile, ref_cand),
+        reference_goodput=reference.goodput or 0.0, dtype_ratio=ratios, study_name=study_name,
+        known={ref_cand: ref_measured}, clock=clock,
     )
-    finalists = _finalists(search.measured, evaluations, user_batch)
+    finalists = _finalists(search.measured, trials.evaluations, user_batch)
     if remeasure and len(finalists) > 1:
-        finalists = _remeasure(finalists, runner, user_batch, ref_result, thresholds, on_start, on_done)
+        finalists = trials.remeasure(finalists)
     winner, tie_note = _pick_winner(finalists, user_batch)
     policy = None
     if winner is not None:
-        policy = winner.policy(user_batch)
         best = next(f for f in finalists if f.candidate == winner)
-        ev = evaluations.get(winner)
-        policy = policy.with_(tuned_on=TunedOn(
-            hardware_fingerprint=hardware_fingerprint(profile),
-            device=profile.name,
-            torch=profile.torch_version or "",
-            libraries=profile.libraries,
-            date=dt.date.today().isoformat(),
-            speedup_vs_fp32=round(best.goodput / reference.goodput, 4) if reference.goodput else None,
-            goodput=round(best.goodput, 3),
-            workload_fingerprint=ev.result.workload_fingerprint if ev else ref_result.workload_fingerprint,
-            model_signature=ev.result.model_signature if ev else ref_result.model_signature,
-            script=(workload or {}).get("script"),
-            trials=search.runs + search.resumed,
-        ))
-    scale_note = ""
-    if winner is not None and winner.micro_batch and user_batch and winner.micro_batch > user_batch:
-        scale_note = (f"the winner uses a global batch of {winner.micro_batch} instead of {user_batch}: this changes "
-                      "the optimisation (learning-rate and convergence may need retuning)")
-    return TuneResult(reference, space, search, evaluations, finalists, winner, policy, tie_note, scale_note,
-                      ratios, clock() - start)
+        policy = _tuned_policy(winner, best, trials, reference, profile, workload, search.runs + search.resumed)
+    return TuneResult(reference, space, search, trials.evaluations, finalists, winner, policy, tie_note,
+                      _scale_batch_note(winner, user_batch), ratios, clock() - start)
+
+
+@dataclass
+class _Trials:
+    """Runs candidates and judges each against the fp32 reference, keeping every evaluation."""
+
+    runner: Runner
+    thresholds: StabilityThresholds
+    memory_limit: int | None
+    on_start: Callable[[str], None] | None
+    on_done: Callable[[str, Evaluation | None, Measured], None] | None
+    evaluations: dict[Candidate, Evaluation] = field(default_factory=dict)
+    reference: TrialResult | None = None
+
+    @property
+    def user_batch(self) -> int | None:
+        return None if self.reference is None else self.reference.user_batch
+
+    def run_reference(self) -> Evaluation:
+        """Run fp32, the baseline every candidate is judged against.
+
+        Raises:
+            MpadviseError: the reference failed or is not finite.
+        """
+        if self.on_start:
+            self.on_start("fp32 (reference)")
+        result = self.runner(Policy(mode="fp32"), "fp32")
+        check_reference(result)
+        self.reference = result
+        return evaluate("fp32", Policy(mode="fp32"), result, result, thresholds=self.thresholds)
+
+    def run(self, cand: Candidate) -> Measured:
+        """Run one candidate of the search and record its evaluation."""
+        policy = cand.policy(self.user_batch)
+        if self.on_start:
+            self.on_start(cand.label)
+        return self.record(cand, policy, self.runner(policy, cand.label))
+
+    def record(self, cand: Candidate, policy: Policy, result: TrialResult) -> Measured:
+        """Judge a result (the memory limit too), keep its evaluation, and report it."""
+        if (self.memory_limit is not None and result.outcome == "ok" and result.peak_memory
+                and result.peak_memory > self.memory_limit):
+            result = result.with_outcome(
+                "oom", f"peak memory {result.peak_memory / 2**20:.0f} MiB exceeds the limit {self.memory_limit / 2**20:.0f} MiB"
+            )
+        ev = evaluate(cand.label, policy, result, self.reference, thresholds=self.thresholds)
+        m = Measured(cand, ev.goodput or 0.0, feasible=ev.result.outcome == "ok", stable=ev.stable,
+                     oom=ev.result.outcome == "oom", outcome=ev.outcome, reason=ev.reason)
+        self.evaluations[cand] = ev
+        if self.on_done:
+            self.on_done(cand.label, ev, m)
+        return m
+
+    def remeasure(self, finalists: list[Finalist]) -> list[Finalist]:
+        """Run each close finalist again, alternating between them, so noise hits them alike."""
+        for round_ in range(REMEASURE_ROUNDS):
+            order = finalists if round_ % 2 == 0 else list(reversed(finalists))
+            for f in order:
+                self._remeasure_one(f, f"{f.candidate.label} (re-measure {round_ + 1})")
+        return sorted(finalists, key=lambda f: -f.goodput)
+
+    def _remeasure_one(self, finalist: Finalist, label: str) -> None:
+        if self.on_start:
+            self.on_start(label)
+        policy = finalist.candidate.policy(self.user_batch)
+        result = self.runner(policy, label)
+        ev = evaluate(label, policy, result, self.reference, thresholds=self.thresholds)
+        if ev.stable and ev.goodput:
+            finalist.goodputs.append(ev.goodput)
+            finalist.per_sample_times.extend(_per_sample_times(result))
+        if self.on_done:
+            self.on_done(label, ev, Measured(finalist.candidate, ev.goodput or 0.0, ev.result.outcome == "ok",
+                                             ev.stable, outcome=ev.outcome, reason=ev.reason))
+
+
+def _space(profile: HardwareProfile, options: TuneOptions, user_batch: int | None) -> SearchSpace:
+    """The candidates this hardware supports, narrowed to the options' modes."""
+    support = supported_modes(profile)
+    modes = check_modes(list(options.modes), profile) if options.modes else None  # unknown or unsupported: one clear error
+    return space_for(support, user_batch, include_emulated=options.include_emulated,
+                     scale_batch=options.scale_batch, modes=modes)
+
+
+def _first_candidates(space: SearchSpace, profile: HardwareProfile, ref_cand: Candidate) -> list[Candidate]:
+    """The reference and the hardware's safe default first, then each other mode's default
+    settings, safest first: every mode gets one honest look before TPE explores variants."""
+    default_mode, _ = safe_default_mode(profile)
+    return [ref_cand] + [
+        space.normalise(Candidate(m, space.user_batch))
+        for m in sorted(space.modes, key=lambda m: (m != default_mode, safety_rank(m)))
+    ]
+
+
+def _tuned_policy(winner: Candidate, best: Finalist, trials: _Trials, reference: Evaluation,
+                  profile: HardwareProfile, workload: dict[str, Any] | None, trial_count: int) -> Policy:
+    """The winner's policy with its ``[tuned_on]`` record: hardware, versions, evidence."""
+    ev = trials.evaluations.get(winner)
+    measured = ev.result if ev else trials.reference
+    return winner.policy(trials.user_batch).with_(tuned_on=TunedOn(
+        hardware_fingerprint=hardware_fingerprint(profile),
+        device=profile.name,
+        torch=profile.torch_version or "",
+        libraries=profile.libraries,
+        date=dt.date.today().isoformat(),
+        speedup_vs_fp32=round(best.goodput / reference.goodput, 4) if reference.goodput else None,
+        goodput=round(best.goodput, 3),
+        workload_fingerprint=measured.workload_fingerprint,
+        model_signature=measured.model_signature,
+        script=(workload or {}).get("script"),
+        trials=trial_count,
+    ))
+
+
+def _scale_batch_note(winner: Candidate | None, user_batch: int | None) -> str:
+    """A warning when the winner changes the global batch (``scale_batch``), else empty."""
+    if winner is None or not winner.micro_batch or not user_batch or winner.micro_batch <= user_batch:
+        return ""
+    return (f"the winner uses a global batch of {winner.micro_batch} instead of {user_batch}: this changes "
+            "the optimisation (learning-rate and convergence may need retuning)")
 
 
 def _finalists(
@@ -281,26 +332,6 @@ def _per_sample_times(result: TrialResult) -> list[float]:
     samples = samples_per_step(result) or 1
     warm = min(result.warmup_steps, max(0, len(result.step_times) - 1))
     return [t / samples for t in result.step_times[warm:]]
-
-
-def _remeasure(finalists, runner, user_batch, ref_result, thresholds, on_start, on_done) -> list[Finalist]:
-    """Run each close finalist again, alternating between them, so noise hits them alike."""
-    for round_ in range(REMEASURE_ROUNDS):
-        order = finalists if round_ % 2 == 0 else list(reversed(finalists))
-        for f in order:
-            label = f"{f.candidate.label} (re-measure {round_ + 1})"
-            if on_start:
-                on_start(label)
-            policy = f.candidate.policy(user_batch)
-            result = runner(policy, label)
-            ev = evaluate(label, policy, result, ref_result, thresholds=thresholds)
-            if ev.stable and ev.goodput:
-                f.goodputs.append(ev.goodput)
-                f.per_sample_times.extend(_per_sample_times(result))
-            if on_done:
-                on_done(label, ev, Measured(f.candidate, ev.goodput or 0.0, ev.result.outcome == "ok", ev.stable,
-                                            outcome=ev.outcome, reason=ev.reason))
-    return sorted(finalists, key=lambda f: -f.goodput)
 
 
 def _pick_winner(finalists: list[Finalist], user_batch: int | None) -> tuple[Candidate | None, str]:

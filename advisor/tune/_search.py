@@ -14,7 +14,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from advisor.tune._space import Candidate, Measured, SearchSpace, preference_key, upper_bound
+from advisor.tune._options import TuneOptions
+from advisor.tune._space import (
+    FP16_GROWTH_INTERVALS,
+    FP16_INIT_SCALES,
+    Candidate,
+    Measured,
+    SearchSpace,
+    preference_key,
+    scales_loss,
+    upper_bound,
+)
 from probes import MpadviseError
 
 STUDY_ATTR_SPACE = "mpadvise:space"
@@ -37,11 +47,11 @@ class SearchOutcome:
 def _suggest(trial: Any, space: SearchSpace) -> Candidate:
     mode = trial.suggest_categorical("mode", list(space.modes))
     micro = trial.suggest_categorical("micro_batch", list(space.micro_batches)) if space.micro_batches else None
-    if mode != "fp16-mixed":
+    if not scales_loss(mode):
         return space.normalise(Candidate(mode, micro))
     kind = trial.suggest_categorical("loss_scale", ["dynamic", "static"])
-    init = trial.suggest_categorical("init_scale", [2.0**8, 2.0**12, 2.0**16])
-    growth = trial.suggest_categorical("growth_interval", [500, 2000]) if kind == "dynamic" else None
+    init = trial.suggest_categorical("init_scale", list(FP16_INIT_SCALES))
+    growth = trial.suggest_categorical("growth_interval", list(FP16_GROWTH_INTERVALS)) if kind == "dynamic" else None
     return space.normalise(Candidate(mode, micro, kind, init, growth))
 
 
@@ -87,17 +97,12 @@ def _load_study(storage: str | None, study_name: str, *, resume: bool, seed: int
 def run_search(
     space: SearchSpace,
     evaluate: Callable[[Candidate], Measured],
+    options: TuneOptions,
     *,
     first: list[Candidate],
     reference_goodput: float,
     dtype_ratio: dict[str, float],
-    max_trials: int | None,
-    time_budget: float | None,
-    storage: str | None = None,
     study_name: str = "mpadvise",
-    resume: bool = False,
-    seed: int = 0,
-    use_priors: bool = True,
     known: dict[Candidate, Measured] | None = None,
     on_trial: Callable[[Candidate, Measured], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
@@ -107,15 +112,15 @@ def run_search(
     Args:
         space: the candidates allowed on this hardware.
         evaluate: runs one candidate (a subprocess trial, or a fake in tests).
+        options: the tune's options; the search reads ``trials`` (trials run here),
+            ``time_budget`` (no trial starts after it), ``storage`` (Optuna storage URL,
+            ``None`` for in memory), ``resume`` (continue a stored study without running its
+            trials again), ``seed`` (of the sampler) and ``no_priors`` (measure candidates even
+            when no untried one can beat the best).
         first: candidates enqueued before the sampler takes over (fp32, the safe default).
         reference_goodput: fp32's goodput, for the priors.
         dtype_ratio: matmul TFLOP/s ratio to fp32 per dtype on this device (the priors).
-        max_trials: stop after this many trials run here (``None``: no limit).
-        time_budget: stop starting trials after this many seconds (``None``: no limit).
-        storage: Optuna storage URL (SQLite file, PostgreSQL...), ``None`` for in memory.
         study_name: the study's name in that storage.
-        resume: continue a stored study: its trials are not run again.
-        use_priors: stop early once no untried candidate can beat the best.
         known: candidates already measured (the reference), reused without running.
         on_trial: called after each candidate is evaluated.
         clock: monotonic seconds (tests pass a fake).
@@ -123,12 +128,75 @@ def run_search(
     Returns:
         Every measured candidate and why the search stopped.
     """
-    import optuna
-
     start = clock()
     outcome = SearchOutcome()
     outcome.measured.update(known or {})
-    study = _load_study(storage, study_name, resume=resume, seed=seed)
+    study = _load_study(options.storage, study_name, resume=options.resume, seed=options.seed)
+    _claim_space(study, space, study_name)
+    _restore(study, outcome)
+    grid = space.grid()
+    _enqueue_first(study, space, first)
+    priors = _Priors(space, reference_goodput, dtype_ratio, enabled=not options.no_priors)
+    duplicates = 0
+    while True:
+        untried = [c for c in grid if c not in outcome.measured]
+        outcome.stop_reason = _budget_spent(outcome, options, lambda: clock() - start, untried, len(grid))
+        if outcome.stop_reason:
+            break
+        promising = priors.promising(untried, outcome.measured)
+        if not promising:
+            outcome.stop_reason = (
+                f"no untried candidate can beat the best ({len(untried)} left; bounded by the measured "
+                "matmul ratios, memory fit and measured variants)"
+            )
+            break
+        trial = study.ask()
+        candidate = _suggest(trial, space)
+        if candidate in outcome.measured or candidate not in promising:
+            _tell_without_running(study, trial, candidate, outcome)
+            duplicates += 1
+            if duplicates >= MAX_DUPLICATE_PROPOSALS:
+                # The sampler keeps proposing what is known: pick the most promising untried one.
+                study.enqueue_trial(priors.most_promising(promising, outcome.measured).params())
+                duplicates = 0
+            continue
+        duplicates = 0
+        _run_trial(study, trial, candidate, evaluate, outcome)
+        if on_trial:
+            on_trial(candidate, outcome.measured[candidate])
+    outcome.wall_s = clock() - start
+    return outcome
+
+
+@dataclass(frozen=True)
+class _Priors:
+    """Upper bounds on what untried candidates could reach (matmul ratios, memory fit, measured
+    variants); with ``enabled`` off, every untried candidate stays promising."""
+
+    space: SearchSpace
+    reference_goodput: float
+    dtype_ratio: dict[str, float]
+    enabled: bool
+
+    def bound(self, candidate: Candidate, measured: dict[Candidate, Measured]) -> float:
+        return upper_bound(candidate, measured, user_batch=self.space.user_batch,
+                           reference_goodput=self.reference_goodput, dtype_ratio=self.dtype_ratio)
+
+    def promising(self, untried: list[Candidate], measured: dict[Candidate, Measured]) -> list[Candidate]:
+        """The untried candidates that could still beat the best stable one."""
+        if not self.enabled:
+            return untried
+        best = best_goodput(measured)
+        return [c for c in untried if self.bound(c, measured) > best]
+
+    def most_promising(self, promising: list[Candidate], measured: dict[Candidate, Measured]) -> Candidate:
+        """The highest bound (when enabled), the safest first among equals."""
+        return max(promising, key=lambda c: (self.bound(c, measured) if self.enabled else 0.0,
+                                             [-x for x in preference_key(c, self.space.user_batch)]))
+
+
+def _claim_space(study: Any, space: SearchSpace, study_name: str) -> None:
+    """Record the space in the study, refusing a stored study made for another one."""
     space_json = json.dumps({"modes": space.modes, "micro_batches": space.micro_batches, "user_batch": space.user_batch})
     stored_space = study.user_attrs.get(STUDY_ATTR_SPACE)
     if stored_space is not None and stored_space != space_json:
@@ -137,6 +205,12 @@ def run_search(
             "run without --resume to start a fresh study"
         )
     study.set_user_attr(STUDY_ATTR_SPACE, space_json)
+
+
+def _restore(study: Any, outcome: SearchOutcome) -> None:
+    """Take in what the study's completed trials measured (a resumed study)."""
+    import optuna
+
     for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         data = frozen.user_attrs.get(TRIAL_ATTR_RESULT)
         if data:
@@ -145,65 +219,44 @@ def run_search(
                 outcome.resumed += 1
             outcome.measured[m.candidate] = m
             outcome.order.append(m.candidate)
-    grid = space.grid()
+
+
+def _enqueue_first(study: Any, space: SearchSpace, first: list[Candidate]) -> None:
+    """Queue the candidates that run before the sampler takes over, unless the study has them."""
     done_params = [t.params for t in study.get_trials(deepcopy=False)]
     for cand in first:
         cand = space.normalise(cand)
         if cand.params() not in done_params:
             study.enqueue_trial(cand.params(), skip_if_exists=True)
 
-    duplicates = 0
-    while True:
-        if max_trials is not None and outcome.runs >= max_trials:
-            outcome.stop_reason = f"trial budget reached ({max_trials} trials)"
-            break
-        if time_budget is not None and clock() - start >= time_budget:
-            outcome.stop_reason = f"time budget reached ({time_budget:g} s)"
-            break
-        untried = [c for c in grid if c not in outcome.measured]
-        if not untried:
-            outcome.stop_reason = f"every candidate of the space was measured ({len(grid)})"
-            break
-        if use_priors:
-            best = best_goodput(outcome.measured)
-            bounds = {c: upper_bound(c, outcome.measured, user_batch=space.user_batch,
-                                     reference_goodput=reference_goodput, dtype_ratio=dtype_ratio) for c in untried}
-            promising = [c for c, b in bounds.items() if b > best]
-            if not promising:
-                outcome.stop_reason = (
-                    f"no untried candidate can beat the best ({len(untried)} left; bounded by the measured "
-                    "matmul ratios, memory fit and measured variants)"
-                )
-                break
-        else:
-            promising = untried
-        trial = study.ask()
-        candidate = _suggest(trial, space)
-        if candidate in outcome.measured or candidate not in promising:
-            # Tell the sampler what is known (or bounded) without running anything.
-            known_m = outcome.measured.get(candidate)
-            value = known_m.goodput if known_m else 0.0
-            _tell(study, trial, known_m or Measured(candidate, 0.0, feasible=False, stable=False), value)
-            duplicates += 1
-            if duplicates >= MAX_DUPLICATE_PROPOSALS:
-                # The sampler keeps proposing what is known: pick the most promising untried one.
-                pick = max(promising, key=lambda c: (upper_bound(c, outcome.measured, user_batch=space.user_batch,
-                                                                reference_goodput=reference_goodput,
-                                                                dtype_ratio=dtype_ratio) if use_priors else 0.0,
-                                                     [-x for x in preference_key(c, space.user_batch)]))
-                study.enqueue_trial(pick.params())
-                duplicates = 0
-            continue
-        duplicates = 0
-        measured = evaluate(candidate)
-        outcome.runs += 1
-        outcome.measured[candidate] = measured
-        outcome.order.append(candidate)
-        _tell(study, trial, measured, measured.goodput)
-        if on_trial:
-            on_trial(candidate, measured)
-    outcome.wall_s = clock() - start
-    return outcome
+
+def _budget_spent(
+    outcome: SearchOutcome, options: TuneOptions, elapsed: Callable[[], float], untried: list[Candidate], grid_size: int
+) -> str:
+    """Why the search stops before another trial (the trial or time budget, an exhausted
+    space); empty while it goes on."""
+    if outcome.runs >= options.trials:
+        return f"trial budget reached ({options.trials} trials)"
+    if options.time_budget is not None and elapsed() >= options.time_budget:
+        return f"time budget reached ({options.time_budget:g} s)"
+    if not untried:
+        return f"every candidate of the space was measured ({grid_size})"
+    return ""
+
+
+def _tell_without_running(study: Any, trial: Any, candidate: Candidate, outcome: SearchOutcome) -> None:
+    """Tell the sampler what is known (or bounded) of a proposal, without running it."""
+    known = outcome.measured.get(candidate)
+    _tell(study, trial, known or Measured(candidate, 0.0, feasible=False, stable=False), known.goodput if known else 0.0)
+
+
+def _run_trial(study: Any, trial: Any, candidate: Candidate, evaluate: Callable[[Candidate], Measured],
+               outcome: SearchOutcome) -> None:
+    measured = evaluate(candidate)
+    outcome.runs += 1
+    outcome.measured[candidate] = measured
+    outcome.order.append(candidate)
+    _tell(study, trial, measured, measured.goodput)
 
 
 def _tell(study: Any, trial: Any, measured: Measured, value: float) -> None:

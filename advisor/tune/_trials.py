@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import probes
+from advisor.tune._options import TuneOptions
 from advisor.tune._stability import StabilityThresholds, TrialCurve, Verdict, judge
 from advisor.tune._timing import TimingSummary, compare, goodput, summarize
 from policies import Policy
@@ -48,6 +49,12 @@ class TrialSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "measure_steps" else 0):
                 raise MpadviseError(f"{name.replace('_', '-')}: {value!r} is not allowed; expected a whole number >= {1 if name == 'measure_steps' else 0}")
+
+    @classmethod
+    def for_tune(cls, options: TuneOptions) -> TrialSettings:
+        """The measuring window and limits that a tune's options ask of every trial."""
+        return cls(warmup_steps=options.warmup, measure_steps=options.steps, seed=options.seed,
+                   memory_limit=options.memory_limit_bytes, timeout=options.timeout, device=options.device)
 
     def spec(self, policy: Policy, result_path: str, label: str) -> TrialSpec:
         return TrialSpec(

@@ -26,6 +26,7 @@ from advisor.daemon._client import DaemonClient, read_token
 from advisor.daemon._config import check_bind, is_loopback, under_roots
 from advisor.daemon._files import ensure_token
 from advisor.daemon._jobs import JobRunner, LogTail, Slot, job_pids, tune_argv
+from advisor.tune._options import TuneOptions
 from probes import MpadviseError
 
 TINY_TUNE = {"trials": 1, "steps": 32, "warmup": 2, "modes": ["fp32"]}
@@ -60,8 +61,9 @@ def test_under_roots_is_by_path_component():
 
 def test_tune_argv_keeps_script_args_after_the_separator():
     argv = tune_argv("/w/train.py", ["--lr", "0.1", "; rm -rf /"],
-                     {"trials": 3, "time_budget": None, "modes": ["fp32", "bf16-mixed"], "no_cache": True,
-                      "scale_batch": False, "memory_limit": "4GiB"}, "cuda:1", python="py")
+                     TuneOptions.from_dict({"trials": 3, "time_budget": None, "modes": ["fp32", "bf16-mixed"],
+                                            "no_cache": True, "scale_batch": False, "memory_limit": "4GiB"}),
+                     "cuda:1", python="py")
     assert argv[:8] == ["py", "-m", "advisor.cli", "tune", "/w/train.py", "--json", "--device", "cuda:1"]
     separator = argv.index("--")
     assert argv[separator + 1:] == ["--lr", "0.1", "; rm -rf /"]

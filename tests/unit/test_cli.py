@@ -1,17 +1,28 @@
-"""The CLI through typer's test runner: --version, --help without torch, probe, policy."""
+"""The CLI through typer's test runner: --version, --help without torch, probe, policy, and
+tune's options and its summary."""
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import typer
+from rich.console import Console
 from typer.testing import CliRunner
 
 from advisor import __version__
 from advisor.cli._app import app
+from advisor.cli._report import render_tune
+from advisor.tune._engine import tune_policy
+from advisor.tune._options import TuneOptions, option_info
 from policies import Policy, TunedOn
+from probes import HardwareProfile
+from probes._trial import TrialResult
 
 runner = CliRunner()
 
@@ -105,3 +116,91 @@ def test_missing_config_file_is_one_line():
 
 def test_unknown_command_is_a_usage_error():
     assert runner.invoke(app, ["frobnicate"]).exit_code == 2
+
+
+# -- tune: the options come from TuneOptions; one renderer works from the tune's JSON ---------
+
+
+def test_tune_declares_one_option_per_field_with_its_flag_default_and_help():
+    command = typer.main.get_command(app).commands["tune"]
+    params = {p.name: p for p in command.params}
+    assert [p.name for p in command.params] == ["script", "script_args", *(o.name for o in option_info()),
+                                                "submit", "json_output"]
+    for option in option_info():
+        param = params[option.name]
+        assert param.opts[0] == option.flag and param.help == option.help
+        assert param.default == (None if option.default == () else option.default)
+
+
+def test_tune_hands_the_command_one_tune_options(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(script, script_args, options, *, json_output, console):
+        seen.update(script=script, args=script_args, options=options, json=json_output)
+        return 3
+
+    monkeypatch.setattr("advisor.cli._tune.run_tune_command", fake_run)
+    wanted = TuneOptions(trials=3, time_budget=90.5, modes=["fp32", "bf16-mixed"], memory_limit="4GiB",
+                         out=str(tmp_path / "x.toml"), no_cache=True, no_priors=True, seed=4, device="cpu")
+    result = runner.invoke(app, ["tune", "train.py", *wanted.to_argv(), "--json", "--", "--lr", "0.1"])
+    assert result.exit_code == 3, result.output
+    assert seen == {"script": Path("train.py"), "args": ["--lr", "0.1"], "options": wanted, "json": True}
+
+
+def test_tune_bad_option_is_one_line_before_anything_runs():
+    result = runner.invoke(app, ["tune", "missing.py", "--steps", "0"])
+    assert result.exit_code == 1 and "--steps 0 is not allowed; expected a whole number >= 1" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_submit_refuses_storage_as_a_usage_error():
+    result = runner.invoke(app, ["tune", "--submit", "train.py", "--storage", "sqlite:///x.db"])
+    assert result.exit_code == 2 and "--storage cannot be used with --submit" in result.output
+
+
+def _fake_trial(policy, label):
+    steps = 40
+    losses = [2.0 * math.exp(-i / 20) for i in range(steps)]
+    if policy.mode == "fp16-mixed":
+        losses = losses[:10] + [float("nan")] * (steps - 10)
+    ms = {"fp32": 10.0, "bf16-mixed": 5.0}.get(policy.mode, 4.0)
+    return TrialResult(
+        outcome="ok", label=label, policy=policy.to_dict(), losses=tuple(losses), step_times=(ms / 1e3,) * steps,
+        samples=(64,) * steps, skipped=(False,) * steps, warmup_steps=3, user_batch=64, global_batch=64,
+        peak_memory=300 * 2**20, workload_fingerprint="ab" * 8, model_signature="cd" * 8,
+    )
+
+
+def _tune_json() -> dict:
+    profile = HardwareProfile(kind="cuda", name="NVIDIA A100-SXM4-80GB", index=0, compute_capability=(8, 0),
+                              memory_total=80 * 2**30, torch_version="2.13.0")
+    options = TuneOptions(trials=4, modes=["bf16-mixed", "fp16-mixed"], no_priors=True)
+    result = tune_policy(_fake_trial, profile, options, dtype_ratio={"fp32": 1.0, "bf16": 12.0}, remeasure=False)
+    payload = result.to_dict()
+    payload.update(script="/w/train.py", args=[], config_file="/w/train.mpadvise.toml", cache_id=4,
+                   storage="sqlite:////c/studies.db", study_name="train-s", hardware={"name": profile.name})
+    return json.loads(json.dumps(payload, default=str))
+
+
+def _rendered(tune: dict) -> str:
+    console = Console(record=True, width=200, file=io.StringIO())
+    render_tune(tune, console)
+    return console.export_text()
+
+
+def test_one_renderer_shows_a_tune_from_its_json():
+    tune = _tune_json()
+    text = _rendered(tune)
+    assert "train.py on NVIDIA A100-SXM4-80GB: the fp32 reference and " in text and " candidates" in text
+    winner = next(row for row in tune["candidates"] if row["winner"])
+    assert winner["mode"] == "bf16-mixed"
+    assert f"→ │ {winner['label']}" in text and "300 MiB" in text
+    assert "fp16-mixed" in text and "unstable" in text  # the loser, and why, under the table
+    assert "matmul throughput vs fp32 on this device (the search's priors): bf16 12x" in text
+    assert f"search stopped: {tune['stop_reason']}" in text
+    assert f"winner: {Policy.from_dict(tune['winner']).describe()}, " in text
+    assert "wrote /w/train.mpadvise.toml" in text and "entry #4" in text
+    assert "study 'train-s' in sqlite:////c/studies.db (continue with --resume)" in text
+
+    nothing = _rendered({**tune, "winner": None, "winner_label": None})
+    assert "no stable policy fits" in nothing and "wrote" not in nothing

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from advisor.tune._engine import tune_policy
+from advisor.tune._options import TuneOptions, option_info
 from advisor.tune._space import Candidate, Measured, space_for, upper_bound
 from policies import Policy, supported_modes
 from probes import HardwareProfile
@@ -55,7 +56,9 @@ class FakeRunner:
 def tune(runner, profile=GPU, **kwargs):
     kwargs.setdefault("dtype_ratio", RATIOS)
     kwargs.setdefault("trials", 30)
-    return tune_policy(runner, profile, **kwargs)
+    names = {option.name for option in option_info()}
+    options = TuneOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+    return tune_policy(runner, profile, options, **kwargs)
 
 
 def test_best_stable_candidate_wins():
@@ -83,7 +86,7 @@ def test_optuna_sees_constraints_and_no_failed_trials(tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     runner = FakeRunner({"fp32": 100, "tf32": 40, "bf16-mixed": 20, "fp16-mixed": 21, "bf16-true": 15,
                          "fp16-true": 14, "fp8-torchao": 30}, unstable={"fp16-true"})
-    tune(runner, storage=storage, study_name="s", remeasure=False, use_priors=False, trials=12)
+    tune(runner, storage=storage, study_name="s", remeasure=False, no_priors=True, trials=12)
     study = optuna.load_study(study_name="s", storage=storage)
     states = {t.state for t in study.trials}
     assert states == {optuna.trial.TrialState.COMPLETE}
@@ -103,7 +106,7 @@ def test_ties_go_to_the_safer_policy():
 def test_unsupported_modes_are_never_asked_for():
     # A V100 has no bf16 tensor cores and no TF32: those modes must never run.
     runner = FakeRunner({"fp32": 100, "fp16-mixed": 30, "fp16-true": 28})
-    result = tune(runner, profile=V100, remeasure=False, use_priors=False)
+    result = tune(runner, profile=V100, remeasure=False, no_priors=True)
     asked = {p.mode for p in runner.calls}
     assert asked <= {"fp32", "fp16-mixed", "fp16-true"}
     assert "bf16-mixed" not in result.space.modes and "tf32" not in result.space.modes
@@ -121,7 +124,7 @@ def test_memory_limit_makes_large_micro_batches_infeasible_and_accumulation_keep
     # 100 MiB + 20 MiB per sample: the user's 64 needs 1.35 GiB; a 1 GiB limit fits 32 and 16.
     runner = FakeRunner({"fp32": 100, "tf32": 40, "bf16-mixed": 20, "fp16-mixed": 21, "bf16-true": 15,
                          "fp16-true": 14, "fp8-torchao": 30}, memory_per_sample=20 * 2**20)
-    result = tune(runner, memory_limit=int(1.0 * 2**30), remeasure=False, use_priors=False, trials=60)
+    result = tune(runner, memory_limit=int(1.0 * 2**30), remeasure=False, no_priors=True, trials=60)
     assert result.winner is not None and result.winner.micro_batch == 32
     assert result.policy.micro_batch_size == 32 and result.policy.grad_accum_steps == 2
     assert any(m.oom for m in result.search.measured.values())
@@ -140,7 +143,7 @@ def test_priors_stop_early_when_nothing_left_can_win():
 def test_search_costs_far_less_than_the_grid_and_finds_its_winner():
     speeds = {"fp32": 100, "tf32": 40, "bf16-mixed": 20, "fp16-mixed": 19, "bf16-true": 15, "fp16-true": 14,
               "fp8-torchao": 12}
-    grid = tune(FakeRunner(speeds, unstable={"bf16-true", "fp16-true"}), use_priors=False, trials=500, remeasure=False)
+    grid = tune(FakeRunner(speeds, unstable={"bf16-true", "fp16-true"}), no_priors=True, trials=500, remeasure=False)
     runner = FakeRunner(speeds, unstable={"bf16-true", "fp16-true"})
     tuned = tune(runner, remeasure=False)
     grid_best = grid.search.measured[grid.winner].goodput
@@ -156,9 +159,9 @@ def test_resume_after_interruption_runs_nothing_twice(tmp_path):
               "fp8-torchao": 30}
     first = FakeRunner(speeds, interrupt_after=4)
     with pytest.raises(KeyboardInterrupt):
-        tune(first, storage=storage, study_name="resume", use_priors=False, remeasure=False, trials=10)
+        tune(first, storage=storage, study_name="resume", no_priors=True, remeasure=False, trials=10)
     second = FakeRunner(speeds)
-    result = tune(second, storage=storage, study_name="resume", resume=True, use_priors=False, remeasure=False, trials=10)
+    result = tune(second, storage=storage, study_name="resume", resume=True, no_priors=True, remeasure=False, trials=10)
     ran_before = {p for p in first.calls[1:]}  # the reference is always re-run: it is the yardstick
     assert result.search.resumed == len(ran_before)
     assert not ran_before & set(second.calls[1:])

@@ -27,7 +27,7 @@ def train(mp):
 
 def test_in_process_tune_measures_judges_and_writes(tmp_path):
     out = tmp_path / "fn.mpadvise.toml"
-    result = advisor.tune(train, modes=["bf16-mixed"], trials=2, steps=32, warmup=2, use_priors=False,
+    result = advisor.tune(train, modes=["bf16-mixed"], trials=2, steps=32, warmup=2, no_priors=True,
                           remeasure=False, out=out)
     assert result.reference.outcome == "ok" and len(result.reference.result.losses) == 34
     assert result.space.user_batch == 32

@@ -1,0 +1,257 @@
+"""The tune options, declared once.
+
+``mpadvise tune``'s flags, ``advisor.tune``'s keywords, a daemon job's ``options`` and the argv
+the daemon runs are all one frozen dataclass, :class:`TuneOptions`. Each field carries its help
+text and its rules (flags, the least value allowed, the most a queued job may ask) as metadata;
+the CLI builds its options and the daemon its request model from :func:`option_info`, so
+neither can name, default or describe an option differently.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, get_type_hints
+
+from probes import MpadviseError
+from probes._trial import parse_memory
+
+__all__ = ["OptionInfo", "TuneOptions", "option_info"]
+
+
+@dataclass(frozen=True)
+class OptionInfo:
+    """One tune option as the command line and the daemon present it.
+
+    Args:
+        name: the field name, also the daemon's JSON key and ``advisor.tune``'s keyword.
+        type: the field's type (resolved).
+        default: the value when the option is not given.
+        help: one sentence for ``--help`` and the OpenAPI document.
+        flags: the command-line names, the long one first.
+        minimum: the least value allowed (numbers); ``None`` for no bound.
+        above: the value must exceed ``minimum``, not only reach it.
+        job: whether a daemon job may set it (the daemon picks the device and the storage).
+        job_limit: the most a daemon job may ask: a number's largest value, a list's length.
+        check: validates and normalises a value (raises MpadviseError).
+    """
+
+    name: str
+    type: Any
+    default: Any
+    help: str
+    flags: tuple[str, ...]
+    minimum: float | None
+    above: bool
+    job: bool
+    job_limit: float | None
+    check: Callable[[OptionInfo, Any], Any]
+
+    @property
+    def flag(self) -> str:
+        return self.flags[0]
+
+    def refuse(self, value: Any, expected: str) -> MpadviseError:
+        """The error for a value this option does not take: the flag, the value, what is allowed."""
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)
+        return MpadviseError(f"{self.flag} {shown} is not allowed; expected {expected}")
+
+    def bound(self) -> str:
+        """``">= 1"`` or ``"> 0"``: the lower bound in words, empty when there is none."""
+        if self.minimum is None:
+            return ""
+        return f" {'>' if self.above else '>='} {self.minimum:g}"
+
+    def in_bounds(self, value: float) -> bool:
+        if self.minimum is None:
+            return not math.isnan(value)
+        # Written so that NaN fails both comparisons.
+        return value > self.minimum if self.above else value >= self.minimum
+
+
+def _whole_number(option: OptionInfo, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not option.in_bounds(value):
+        raise option.refuse(value, f"a whole number{option.bound()}")
+    return value
+
+
+def _seconds(option: OptionInfo, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not option.in_bounds(value):
+        raise option.refuse(value, f"seconds{option.bound()}")
+    return value
+
+
+def _switch(option: OptionInfo, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise option.refuse(value, "True or False")
+    return value
+
+
+def _mode_names(option: OptionInfo, value: Any) -> tuple[str, ...]:
+    # A bare string is a sequence too; taking it letter by letter would hide the mistake.
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise option.refuse(value, "a list of mode names, e.g. ['bf16-mixed', 'fp16-mixed']")
+    return tuple(value)
+
+
+def _memory_size(option: OptionInfo, value: Any) -> str | int | None:
+    if value == "":  # an empty --memory-limit means no limit, as leaving it out does
+        return None
+    if isinstance(value, str):
+        parse_memory(value)  # raises, naming the value and the accepted forms
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise option.refuse(value, "a size such as 4GiB, or a number of bytes > 0")
+    return value
+
+
+def _text(option: OptionInfo, value: Any) -> str:
+    if not isinstance(value, str):
+        raise option.refuse(value, "text")
+    return value
+
+
+def _path(option: OptionInfo, value: Any) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise option.refuse(value, "a file path")
+    return os.fspath(value)
+
+
+def _option(
+    default: Any,
+    help: str,
+    check: Callable[[OptionInfo, Any], Any],
+    *,
+    flags: tuple[str, ...] = (),
+    minimum: float | None = None,
+    above: bool = False,
+    job: bool = True,
+    job_limit: float | None = None,
+) -> Any:
+    """A dataclass field whose metadata says how the option is shown and checked."""
+    rules = {"help": help, "check": check, "flags": flags, "minimum": minimum, "above": above, "job": job,
+             "job_limit": job_limit}
+    return field(default=default, metadata={"option": rules})
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """Every option of a tune, with one set of names and defaults.
+
+    The field order is the order of ``mpadvise tune --help``. Invalid values raise
+    MpadviseError naming the flag, the value and what is allowed; ``modes`` becomes a tuple and
+    ``out`` a string, so the options are hashable and JSON-ready.
+    """
+
+    trials: int = _option(20, "Trial budget of the search (the reference not counted).", _whole_number,
+                          minimum=1, job_limit=10_000)
+    time_budget: float | None = _option(None, "Seconds after which no new trial starts.", _seconds,
+                                        minimum=0, above=True, job_limit=30 * 86400)
+    steps: int = _option(40, "Measured optimizer steps per trial (after the warm-up).", _whole_number,
+                         minimum=1, job_limit=1_000_000)
+    warmup: int = _option(5, "Warm-up steps per trial, not timed.", _whole_number, minimum=0, job_limit=100_000)
+    modes: tuple[str, ...] = _option((), "Restrict the search to these modes.", _mode_names,
+                                     flags=("--mode", "-m"), job_limit=16)
+    scale_batch: bool = _option(False, "Also try larger global batches (changes the optimisation).", _switch)
+    include_emulated: bool = _option(False, "Also search FP8 emulated on a CPU.", _switch)
+    memory_limit: str | int | None = _option(None, "e.g. 4GiB: candidates above it are infeasible.", _memory_size)
+    timeout: float = _option(600.0, "Seconds before a trial is killed.", _seconds, minimum=0, above=True,
+                             job_limit=7 * 86400)
+    seed: int = _option(0, "Seed shared by every trial and the sampler.", _whole_number, minimum=0,
+                        job_limit=2**31 - 1)
+    device: str | None = _option(None, "cpu or cuda:N; default: the first GPU, else the CPU.", _text, job=False)
+    storage: str | None = _option(None, "Optuna storage URL; default: an SQLite file in the cache directory.",
+                                  _text, job=False)
+    resume: bool = _option(False, "Continue the stored study instead of starting afresh.", _switch)
+    out: str | None = _option(None, "Config file to write; default: <script>.mpadvise.toml beside it.", _path)
+    no_cache: bool = _option(False, "Do not store the answer in the per-GPU cache.", _switch)
+    no_priors: bool = _option(False, "Measure candidates even when the matmul priors say they cannot win.", _switch)
+
+    def __post_init__(self) -> None:
+        for option in option_info():
+            value = getattr(self, option.name)
+            if value is None and option.default is None:
+                continue
+            checked = option.check(option, value)
+            if checked is not value:
+                object.__setattr__(self, option.name, checked)  # frozen: normalised once, here
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        """``memory_limit`` in bytes, ``None`` for no limit."""
+        if self.memory_limit is None:
+            return None
+        return self.memory_limit if isinstance(self.memory_limit, int) else parse_memory(self.memory_limit)
+
+    def with_(self, **changes: Any) -> TuneOptions:
+        """A copy with some options changed (validated again).
+
+        Raises:
+            MpadviseError: an unknown option name, or a value it does not take.
+        """
+        _check_names(changes)
+        return replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TuneOptions:
+        """Options from a plain dict (JSON, a stored job); missing keys keep their defaults.
+
+        Raises:
+            MpadviseError: an unknown key, or a value its option does not take.
+        """
+        _check_names(data)
+        return cls(**data)
+
+    def to_dict(self, *, job: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict of every option (with ``job``, only those a daemon job may set)."""
+        data = {}
+        for option in option_info():
+            if job and not option.job:
+                continue
+            value = getattr(self, option.name)
+            data[option.name] = list(value) if isinstance(value, tuple) else value
+        return data
+
+    def to_argv(self) -> list[str]:
+        """The ``mpadvise tune`` options that give these values; defaults are left out."""
+        argv: list[str] = []
+        for option in option_info():
+            value = getattr(self, option.name)
+            if value == option.default:
+                continue
+            if isinstance(value, bool):  # every switch is off by default: on is its flag alone
+                argv.append(option.flag)
+            elif isinstance(value, tuple):
+                for item in value:
+                    argv += [option.flag, item]
+            else:
+                argv += [option.flag, str(value)]
+        return argv
+
+
+@functools.cache
+def option_info() -> tuple[OptionInfo, ...]:
+    """Every tune option in declaration order, with its type, default, help and rules."""
+    hints = get_type_hints(TuneOptions)
+    return tuple(
+        OptionInfo(
+            name=f.name, type=hints[f.name], default=f.default,
+            help=rules["help"], flags=rules["flags"] or (f"--{f.name.replace('_', '-')}",),
+            minimum=rules["minimum"], above=rules["above"], job=rules["job"], job_limit=rules["job_limit"],
+            check=rules["check"],
+        )
+        for f in fields(TuneOptions)
+        for rules in (f.metadata["option"],)
+    )
+
+
+def _check_names(data: Mapping[str, Any]) -> None:
+    names = [option.name for option in option_info()]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise MpadviseError(
+            f"unknown tune option {', '.join(map(repr, unknown))}; expected some of {', '.join(names)}"
+        )
