@@ -17,9 +17,9 @@ unauthenticated job API bound to 0.0.0.0 became CVE-2023-48022. So:
 * a job's script must exist under an allowed root, and its arguments travel as a list to
   ``exec``, never through a shell; bodies are limited in size and every field is bounded.
 
-The queue lives in the cache database (:mod:`advisor.cache._store`), so jobs survive a restart: at
-start, a job that was running when the last daemon died has its leftover processes killed
-and is queued again once (:meth:`Store.requeue_interrupted`), then marked interrupted.
+The queue lives in the cache database (:mod:`advisor.cache._jobs`), so jobs survive a
+restart: at start, a job that was running when the last daemon died has its leftover processes
+killed and is queued again once (``Store.requeue_interrupted``), then marked interrupted.
 
 A job runs ``python -m advisor.cli tune SCRIPT --json --device SLOT [options] -- ARGS`` in its
 own process group, so its answer lands in the cache exactly as ``mpadvise tune`` stores it.
@@ -34,6 +34,6 @@ lock, address file), ``_requests`` and ``_responses`` (validated bodies), ``_job
 slots, the runner), ``_app`` (HTTP routes and guards), ``_server`` (binding and serving; with
 ``_app`` and the body models, the only modules that import FastAPI, pydantic or uvicorn) and
 ``_client`` (standard library only). This ``__init__`` imports nothing, so that the client does
-not load the web framework. Arrows: the daemon uses ``cache``, ``tune`` (environment names
-only) and ``probes``; only the CLI imports it.
+not load the web framework. Arrows: the daemon uses ``cache``, ``tune`` (the tune options and
+an environment name) and ``probes``; only the CLI imports it.
 """
