@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
+from advisor._paths import database_path
 from advisor.cache._records import TRIAL_FIELDS
 from policies import (
     HardwareMismatch,
@@ -210,7 +211,6 @@ def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> t
     """
     if script is None:
         return None
-    from advisor._paths import database_path
     from advisor.cache._store import open_store
 
     path = database_path()

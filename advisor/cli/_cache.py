@@ -23,9 +23,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+import probes
 from advisor._log import get_logger
+from advisor._paths import database_path
+from advisor.cache._recommend import entry_status, nothing_cached_yet
+from advisor.cache._records import read_export
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
-from probes import MpadviseError
+from policies import Policy, PolicyError
+from probes import HardwareProfile, MpadviseError, hardware_fingerprint
 
 if TYPE_CHECKING:
     from advisor.cache._store import Store
@@ -184,9 +189,6 @@ def show_report(profiles: list[HardwareProfile], *, include_other: bool = False)
         is False when no cache could be opened; ``other_hardware`` counts the entries of other
         fingerprints (listed only with ``include_other``).
     """
-    from advisor.cache._recommend import entry_status
-    from probes import hardware_fingerprint
-
     local = {hardware_fingerprint(profile): profile for profile in profiles}
     report: dict[str, Any] = {
         "database": str(_database_path()),
@@ -243,7 +245,6 @@ def cache_show_report(recommendation_id: int) -> dict[str, Any]:
     Raises:
         MpadviseError: there is no such entry, or no cache.
     """
-    from advisor.cache._recommend import nothing_cached_yet
     from advisor.cache._store import open_store
 
     if nothing_cached_yet(_database_path()):
@@ -299,8 +300,6 @@ def import_report(file: Path) -> dict[str, Any]:
     Raises:
         MpadviseError: the file or a record is refused; nothing was imported.
     """
-    from advisor.cache._records import read_export
-
     # The store first: an unusable cache is the error to report, whatever the file holds.
     with _writable_store() as store:
         records = read_export(file, check=_check_imported_record)
@@ -437,20 +436,15 @@ def _output() -> tuple[Console, Callable[[Any], None]]:
 
 def _machine_profiles() -> list[HardwareProfile]:
     """This machine's devices, training device first (tests replace this)."""
-    import probes
-
     return probes.detect()
 
 
 def _database_path() -> Path:
-    from advisor._paths import database_path
-
     return database_path()
 
 
 def _read_rows() -> list[dict[str, Any]] | None:
     """Every recommendation, newest first; ``None`` when no cache can be opened (one warning)."""
-    from advisor.cache._recommend import nothing_cached_yet
     from advisor.cache._store import open_store
 
     path = _database_path()
@@ -472,8 +466,6 @@ def _writable_store() -> Store:
 
 def _summary_row(row: dict[str, Any]) -> dict[str, Any]:
     """One recommendation as list/show print it (no trials)."""
-    from policies import Policy, PolicyError
-
     try:
         described = Policy.from_dict(row["policy"]).describe()
     except PolicyError:
@@ -501,9 +493,6 @@ def _summary_row(row: dict[str, Any]) -> dict[str, Any]:
 def _check_imported_record(record: dict[str, Any]) -> None:
     """Refuse a record (already checked against the cache's schema) that this mpadvise cannot
     apply, or whose hardware fingerprint is not the one its policy and its profile give."""
-    from policies import Policy
-    from probes import HardwareProfile, hardware_fingerprint
-
     tuned = Policy.from_dict(record["policy"], source="policy").tuned_on
     claimed = record["hardware_fp"]
     if tuned is not None and tuned.hardware_fingerprint and tuned.hardware_fingerprint != claimed:

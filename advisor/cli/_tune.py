@@ -14,7 +14,8 @@ from rich.console import Console
 
 import probes
 from advisor._log import get_logger
-from advisor._paths import config_path_for
+from advisor._paths import cache_dir, config_path_for
+from advisor.cache._recommend import record_tune
 from advisor.cli._report import render_tune, tune_progress
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._engine import TuneResult, tune_policy
@@ -28,8 +29,6 @@ EXIT_FOUND, EXIT_NONE_STABLE = 0, 3
 
 def default_storage() -> str | None:
     """The study database in the cache directory, or ``None`` (in memory) when unusable."""
-    from advisor._paths import cache_dir
-
     directory = cache_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -98,8 +97,6 @@ def _keep(result: TuneResult, options: TuneOptions, profile: HardwareProfile,
 
 
 def _remember(result: TuneResult, profile: Any, script: Path) -> int | None:
-    from advisor.cache._recommend import record_tune
-
     tuned_on = None if result.policy is None else result.policy.tuned_on
     if result.policy is None or tuned_on is None or not tuned_on.workload_fingerprint:
         return None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import probes
 from advisor.cache._store import Store
 from advisor.daemon._config import JOB_ENV, LOG_TAIL_CHARS, LOG_TAIL_LINES, RECENT_LINES, logger
 from advisor.daemon._files import _now
@@ -130,9 +131,7 @@ def nvml_busy(slot: Slot) -> list[int]:
     """PIDs computing on the slot's GPU (none for the CPU slot)."""
     if slot.index is None:
         return []
-    from probes import gpu_busy
-
-    return gpu_busy(slot.index, uuid=slot.uuid)
+    return probes.gpu_busy(slot.index, uuid=slot.uuid)
 
 
 def job_pids(job_id: str, proc: Path = Path("/proc")) -> list[int]:

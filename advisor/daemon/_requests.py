@@ -9,6 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from advisor.daemon._config import MAX_ARGS, MAX_TEXT
 from advisor.tune._options import option_info
 from probes import MpadviseError
+from probes._trial import parse_memory
 
 
 def _clean_text(value: str) -> str:
@@ -25,8 +26,6 @@ def _clean_text(value: str) -> str:
 
 
 def _memory_size(value: str) -> str:
-    from probes._trial import parse_memory
-
     try:
         parse_memory(value)
     except MpadviseError as exc:

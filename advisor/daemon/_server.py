@@ -16,6 +16,7 @@ from typing import Any
 
 import uvicorn
 
+from advisor._hardware import probe_report
 from advisor._version import __version__
 from advisor.cache._store import Store
 from advisor.daemon._app import AnswerCache, DaemonState, create_app
@@ -96,8 +97,6 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
         MpadviseError: a refused or failed bind (exit code 2 for a refused address), another
             daemon on this cache directory, an unusable token file or cache.
     """
-    from advisor._hardware import probe_report
-
     remote_warning = None if config.uds is not None else check_bind(config.host, allow_remote=config.allow_remote)
     for root in config.roots():
         if not root.is_dir():

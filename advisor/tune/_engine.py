@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import probes
 from advisor.tune._checks import check_modes
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import SearchOutcome, run_search
@@ -112,8 +113,6 @@ class TuneResult:
 
 def measure_dtype_ratios(profile: HardwareProfile) -> dict[str, float]:
     """Matmul TFLOP/s per dtype relative to fp32 on this device: the search's priors."""
-    import probes
-
     ratios = {}
     for row in probes.matmul_benchmark(profile):
         if row.skipped is None and row.ratio_vs_fp32:

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import probes
+from advisor._log import get_logger
+from advisor.tune._child import run_in_process
 from advisor.tune._options import TuneOptions
 from advisor.tune._stability import StabilityThresholds, TrialCurve, Verdict, judge
 from advisor.tune._timing import TimingSummary, compare, goodput, summarize
@@ -85,8 +87,6 @@ def wait_until_idle(
 
     Tuning beside someone's training run would disturb it and measure noise.
     """
-    import probes
-
     if profile is None or not profile.is_cuda:
         return
     while True:
@@ -126,8 +126,6 @@ class ScriptRunner:
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         if self.wait_idle_on is not None:
-            from advisor._log import get_logger
-
             warned: list[bool] = []
 
             def note(pids: list[int]) -> None:
@@ -155,8 +153,6 @@ class FunctionRunner:
         self.settings = settings
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
-        from advisor.tune._child import run_in_process
-
         profile = probes.profile_for(self.settings.device)
         with tempfile.TemporaryDirectory(prefix="mpadvise-trial-") as tmp:
             spec = self.settings.spec(policy, os.path.join(tmp, "result.json"), label)
