@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor import _paths
 from advisor._log import get_logger
+from advisor.runtime._retarget import retarget_optimizer
 from advisor.runtime._workload import model_signature, workload_fingerprint
 from policies import Policy, create_mode, safe_default
 from probes import MpadviseError
@@ -177,7 +178,7 @@ class AppliedPolicy:
         model = self._mode.convert_module(model)
         after = dict(model.named_parameters())
         if optimizer is not None:
-            _retarget_optimizer(optimizer, before, after, self.device)
+            retarget_optimizer(optimizer, before, after, self.device)
         for note in self._mode.notes:
             get_logger().info(note)
         self.model, self.optimizer = model, optimizer
@@ -316,27 +317,6 @@ class AppliedPolicy:
 
     def __repr__(self) -> str:
         return f"AppliedPolicy({self.policy.describe()!r}, device={str(self.device)!r}, source={self.source!r})"
-
-
-def _retarget_optimizer(
-    optimizer: torch.optim.Optimizer,
-    before: dict[str, torch.nn.Parameter],
-    after: dict[str, torch.nn.Parameter],
-    device: torch.device,
-) -> None:
-    """Point the optimizer at parameters that a conversion replaced, matched by name."""
-    replaced = {id(old): after[name] for name, old in before.items() if name in after and after[name] is not old}
-    if not replaced:
-        return
-    for group in optimizer.param_groups:
-        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-    for old_id, new in replaced.items():
-        for old in list(optimizer.state):
-            if id(old) == old_id:
-                state = optimizer.state.pop(old)
-                optimizer.state[new] = {
-                    k: (v.to(device) if hasattr(v, "to") else v) for k, v in state.items()
-                }
 
 
 def _script_path() -> str | None:

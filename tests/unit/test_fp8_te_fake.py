@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from advisor.runtime._applied import _retarget_optimizer
+from advisor.runtime._retarget import retarget_optimizer
 from policies import Fp8Options, Policy
 from probes import MpadviseError
 
@@ -127,7 +127,7 @@ def test_optimizer_trains_the_swapped_parameters(fake_te):
     before = dict(model.named_parameters())
     converted = make_mode().convert_module(model)
     after = dict(converted.named_parameters())
-    _retarget_optimizer(optimizer, before, after, torch.device("cpu"))
+    retarget_optimizer(optimizer, before, after, torch.device("cpu"))
     trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
     assert trained == {id(p) for p in converted.parameters()}
     old_up = converted.up.weight.detach().clone()
