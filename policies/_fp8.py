@@ -8,6 +8,7 @@ the library installed).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from probes._errors import MpadviseError
@@ -30,6 +31,74 @@ FP8_DIM_MULTIPLE = 16
 def fp8_shape_ok(in_features: int, out_features: int) -> bool:
     """Whether a Linear of this shape can run its matmuls in FP8."""
     return in_features % FP8_DIM_MULTIPLE == 0 and out_features % FP8_DIM_MULTIPLE == 0
+
+
+# eq=False: equality of the Parameter field would compare tensors element by element.
+@dataclass(frozen=True, eq=False)
+class TiedParameter:
+    """One Parameter that several modules hold (an output head tied to its embedding).
+
+    Attributes:
+        parameter: the Parameter before the conversion.
+        holders: ``(module path, attribute)`` of every place that holds it, ``""`` for the root.
+    """
+
+    parameter: torch.nn.Parameter
+    holders: tuple[tuple[str, str], ...]
+
+    def describe(self) -> str:
+        """The holders as a person reads them (``embed.weight = lm_head.weight``)."""
+        return " = ".join(f"{path}.{attr}" if path else attr for path, attr in self.holders)
+
+
+def tied_parameters(module: torch.nn.Module) -> list[TiedParameter]:
+    """The Parameters that ``module`` holds in more than one place, with every place."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    parameters: dict[int, torch.nn.Parameter] = {}
+    for path, submodule in module.named_modules(remove_duplicate=False):
+        for attr, parameter in submodule.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(parameter), []).append((path, attr))
+            parameters[id(parameter)] = parameter
+    return [TiedParameter(parameters[key], tuple(places)) for key, places in holders.items() if len(places) > 1]
+
+
+def retie(module: torch.nn.Module, ties: list[TiedParameter]) -> None:
+    """Make each tie one Parameter again after a conversion that gave its holders their own.
+
+    A swapped layer gets a new Parameter (a copy), so the tie breaks: the other holder no
+    longer sees the updates, and the optimizer, which matches parameters by name, loses the
+    new one. The Parameter kept is one that the conversion made, where there is one, since
+    the library's module may rely on what it attached to it; every holder then holds it.
+
+    Raises:
+        MpadviseError: the conversion changed the tied Parameter's shape, so one Parameter
+            cannot serve every holder.
+    """
+    import torch
+
+    for tie in ties:
+        held = []
+        for path, attr in tie.holders:
+            owner = _submodule_or_none(module, path)
+            if owner is not None and isinstance(getattr(owner, attr, None), torch.nn.Parameter):
+                held.append((owner, attr, getattr(owner, attr)))
+        kept = next((p for _, _, p in held if p is not tie.parameter), tie.parameter)
+        if kept.shape != tie.parameter.shape:
+            raise MpadviseError(
+                f"the conversion changed the shape of the tied parameter {tie.describe()} "
+                f"({tuple(tie.parameter.shape)} -> {tuple(kept.shape)}), so its holders cannot "
+                "share it; untie them before setup(), or use bf16-mixed"
+            )
+        for owner, attr, parameter in held:
+            if parameter is not kept:
+                setattr(owner, attr, kept)
+
+
+def _submodule_or_none(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None  # the conversion removed this holder
 
 
 class Fp8Mode(PrecisionMode):

@@ -1,17 +1,20 @@
 """fp8-te: NVIDIA Transformer Engine. Linear and LayerNorm layers are swapped for TE's modules
-where the shapes allow, and the forward runs under ``te.autocast(recipe=...)``.
+where the shapes allow, and the forward runs under ``te.autocast(recipe=...)`` inside bf16
+autocast, which runs what TE's modules do not (attention, activations, the loss).
 
 Transformer Engine is imported here only, and only when this mode is used. It needs CUDA.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from probes._errors import MpadviseError
 
 from ._device import TE_INSTALL
-from ._fp8 import Fp8Mode
+from ._fp8 import Fp8Mode, retie, tied_parameters
 
 
 def import_transformer_engine() -> tuple[Any, Any]:
@@ -75,20 +78,28 @@ class Fp8Te(Fp8Mode):
         return self.converted
 
     def convert_module(self, module):
-        module = self._swap(module, prefix="")
+        ties = tied_parameters(module)
+        module = self._swap(module, prefix="", done={})
+        retie(module, ties)
         self.note_conversion()
         return module
 
-    def _swap(self, module, prefix: str):
+    def _swap(self, module, prefix: str, done: dict[int, Any]):
+        # A module registered in two places is swapped once, so both places keep sharing it.
+        if id(module) in done:
+            return done[id(module)]
         replacement = self._replacement(module, prefix or "<root>")
-        if replacement is not None:
-            return replacement
-        for name, child in list(module.named_children()):
-            fqn = f"{prefix}.{name}" if prefix else name
-            new_child = self._swap(child, fqn)
-            if new_child is not child:
-                setattr(module, name, new_child)
-        return module
+        if replacement is None:
+            # Not named_children(), which skips the second place of a module registered twice.
+            for name, child in list(module._modules.items()):
+                if child is None:
+                    continue
+                fqn = f"{prefix}.{name}" if prefix else name
+                new_child = self._swap(child, fqn, done)
+                if new_child is not child:
+                    setattr(module, name, new_child)
+        done[id(module)] = replacement if replacement is not None else module
+        return done[id(module)]
 
     def _replacement(self, module, fqn: str):
         import torch
@@ -121,7 +132,20 @@ class Fp8Te(Fp8Mode):
         self.converted.append(fqn)
         return new
 
-    def forward_context(self):
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        return self._bf16_and_fp8_autocast()
+
+    @contextlib.contextmanager
+    def _bf16_and_fp8_autocast(self) -> Iterator[None]:
+        import torch
+
+        # TE's autocast makes only TE's own modules compute in FP8; everything else would run
+        # in fp32 and make this mode look slower than fp8-torchao, which has bf16 autocast.
+        # bf16 autocast outside, TE's inside: the nesting of TE's own tests and examples.
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16), self._te_autocast():
+            yield
+
+    def _te_autocast(self) -> contextlib.AbstractContextManager[Any]:
         te = self.te
         if hasattr(te, "autocast"):
             return te.autocast(enabled=True, recipe=self.recipe)

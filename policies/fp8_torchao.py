@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from probes._errors import MpadviseError
 
 from ._device import TORCHAO_INSTALL, ModeSupport
-from ._fp8 import Fp8Mode
+from ._fp8 import Fp8Mode, retie, tied_parameters
 
 if TYPE_CHECKING:
     from probes import HardwareProfile
@@ -71,7 +71,11 @@ class Fp8Torchao(Fp8Mode):
             self.converted.append(fqn)
             return True
 
+        ties = tied_parameters(module)
         module = float8.convert_to_float8_training(module, module_filter_fn=eligible, config=config)
+        # Float8Linear reuses the Linear's Parameter, except where a config wraps the weight
+        # in a new one (FSDP float8 all-gather): then the tie is made again here.
+        retie(module, ties)
         self.note_conversion()
         if self.device.type == "cpu":
             self.notes.append(f"{self.name}: emulated on CPU (FP8 numerics, no speedup)")

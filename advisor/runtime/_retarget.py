@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from probes import MpadviseError
+
 if TYPE_CHECKING:
     import torch
 
@@ -14,16 +16,47 @@ def retarget_optimizer(
     after: dict[str, torch.nn.Parameter],
     device: torch.device,
 ) -> None:
-    """Point the optimizer at parameters that a conversion replaced, matched by name."""
-    replaced = {id(old): after[name] for name, old in before.items() if name in after and after[name] is not old}
+    """Point the optimizer at parameters that a conversion replaced, matched by name.
+
+    The optimizer holds each new Parameter once, with the state of the one it replaced, also
+    where one Parameter had several names (an output head tied to its embedding).
+
+    Args:
+        optimizer: built on the model's parameters before the conversion.
+        before: the model's parameters by name before the conversion.
+        after: the same after it; a name missing from either is left alone.
+        device: where the optimizer state goes with its parameter.
+
+    Raises:
+        MpadviseError: a Parameter known by several names became several Parameters: the
+            conversion broke a tie, and no single replacement can be trained in its place.
+    """
+    targets: dict[int, torch.nn.Parameter] = {}
+    for name, old in before.items():
+        new = after.get(name)
+        if new is None:
+            continue
+        earlier = targets.setdefault(id(old), new)
+        if earlier is not new:
+            raise MpadviseError(
+                f"setup(): the conversion split the parameter {name!r}, which the model shares "
+                "between modules, into separate parameters; untie them before setup(), or use bf16-mixed"
+            )
+    replaced = {key: new for key, new in targets.items() if id(new) != key}
     if not replaced:
         return
+    # Once each: two replaced Parameters that became one (a tie) must not be stepped twice.
+    seen: set[int] = set()
     for group in optimizer.param_groups:
-        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-    for old_id, new in replaced.items():
-        for old in list(optimizer.state):
-            if id(old) == old_id:
-                state = optimizer.state.pop(old)
-                optimizer.state[new] = {
-                    k: (v.to(device) if hasattr(v, "to") else v) for k, v in state.items()
-                }
+        params = []
+        for p in group["params"]:
+            new = replaced.get(id(p), p)
+            if id(new) not in seen:
+                seen.add(id(new))
+                params.append(new)
+        group["params"] = params
+    for old in list(optimizer.state):
+        new = replaced.get(id(old))
+        if new is not None:
+            state = optimizer.state.pop(old)
+            optimizer.state[new] = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in state.items()}

@@ -162,3 +162,100 @@ def test_fp8_te_swaps_modules_and_trains_where_supported():
         pytest.skip(supported_modes(profile())["fp8-te"].reason)
     losses = _train("fp8-te")
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def _has_fp32_precision_api() -> bool:
+    return hasattr(torch.backends, "fp32_precision")
+
+
+def _max_relative_error(run) -> float:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(1024, 1024, device="cuda", generator=g)
+    b = torch.randn(1024, 1024, device="cuda", generator=g)
+    exact = a.double() @ b.double()
+    return ((run(a, b).double() - exact).abs().max() / exact.abs().max()).item()
+
+
+@pytest.mark.skipif(not _has_fp32_precision_api(), reason="this torch has only the legacy TF32 API")
+@pytest.mark.parametrize("mode", ["fp32", "tf32"])
+def test_modes_train_under_the_new_tf32_api_and_restore_it(mode):
+    if not supported_modes(profile())[mode].supported:
+        pytest.skip(supported_modes(profile())[mode].reason)
+    before = (torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+    try:
+        torch.backends.fp32_precision = "tf32"
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.backends.cudnn.conv.fp32_precision = "none"
+        losses = _train(mode, steps=5)
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # inherited again
+        torch.backends.fp32_precision = "ieee"
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+        assert torch.backends.cudnn.conv.fp32_precision == "ieee"
+    finally:
+        torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+
+
+@pytest.mark.skipif(not _has_fp32_precision_api(), reason="this torch has only the legacy TF32 API")
+def test_fp32_turns_tf32_off_for_real_matmuls_where_the_new_api_turned_it_on():
+    if not supported_modes(profile())["tf32"].supported:
+        pytest.skip("TF32 needs compute capability >= 8.0")
+    before = torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        tf32_error = _max_relative_error(torch.mm)
+        mp = AppliedPolicy(Policy(mode="fp32"), profile=profile(), source="test", device="cuda:0")
+        with mp:
+            fp32_error = _max_relative_error(torch.mm)
+        # TF32 keeps 10 mantissa bits, fp32 23: relative errors near 1e-4 and 1e-7 here.
+        assert fp32_error < 1e-5 < tf32_error
+        assert _max_relative_error(torch.mm) > 1e-5  # TF32 again after the block
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="transformer-engine is not installed")
+def test_fp8_te_runs_the_rest_of_the_forward_in_bf16():
+    if not supported_modes(profile())["fp8-te"].supported:
+        pytest.skip(supported_modes(profile())["fp8-te"].reason)
+    mp = AppliedPolicy(Policy(mode="fp8-te"), profile=profile(), source="test", device="cuda:0")
+    model = mp.setup(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16)))
+    x = mp.to_device(torch.randn(32, 64))
+    with mp.autocast():
+        assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+        scores = x @ x.T  # an op outside TE's modules, as attention's is
+        out = model(x)
+    assert scores.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="transformer-engine is not installed")
+def test_fp8_te_keeps_a_tied_head_tied():
+    if not supported_modes(profile())["fp8-te"].supported:
+        pytest.skip(supported_modes(profile())["fp8-te"].reason)
+
+    class TiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(256, 64)
+            self.lm_head = nn.Linear(64, 256, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+        def forward(self, tokens):
+            return self.lm_head(self.embed(tokens))
+
+    torch.manual_seed(0)
+    net = TiedLM()
+    mp = AppliedPolicy(Policy(mode="fp8-te"), profile=profile(), source="test", device="cuda:0")
+    model, opt = mp.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    assert type(model.lm_head).__module__.startswith("transformer_engine")
+    assert model.lm_head.weight is model.embed.weight
+    trained = [p for group in opt.param_groups for p in group["params"]]
+    assert sum(p is model.embed.weight for p in trained) == 1
+    tokens = torch.randint(0, 256, (4, 32), device="cuda")
+    old = model.embed.weight.detach().clone()
+    with mp.autocast():
+        loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
+    mp.step(loss, opt)
+    assert model.lm_head.weight is model.embed.weight
+    assert not torch.equal(model.embed.weight.detach(), old)

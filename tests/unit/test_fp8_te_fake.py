@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from advisor.runtime._retarget import retarget_optimizer
 from policies import Fp8Options, Policy
@@ -23,7 +24,7 @@ CUDA = torch.device("cuda")  # never used for tensors: the fake modules stay on 
 @pytest.fixture
 def fake_te(monkeypatch):
     """Install a fake transformer_engine with the pieces mpadvise uses; return a call log."""
-    log: dict[str, list] = {"autocast": [], "fp8_autocast": [], "linear": [], "layernorm": []}
+    log: dict[str, list] = {"autocast": [], "fp8_autocast": [], "linear": [], "layernorm": [], "events": []}
 
     class Format(enum.Enum):
         HYBRID = "hybrid"
@@ -58,12 +59,20 @@ def fake_te(monkeypatch):
     @contextlib.contextmanager
     def autocast(enabled=True, recipe=None):
         log["autocast"].append((enabled, recipe))
-        yield
+        log["events"].append("enter te.autocast")
+        try:
+            yield
+        finally:
+            log["events"].append("exit te.autocast")
 
     @contextlib.contextmanager
     def fp8_autocast(enabled=True, fp8_recipe=None):
         log["fp8_autocast"].append((enabled, fp8_recipe))
-        yield
+        log["events"].append("enter te.fp8_autocast")
+        try:
+            yield
+        finally:
+            log["events"].append("exit te.fp8_autocast")
 
     root = types.ModuleType("transformer_engine")
     pytorch = types.ModuleType("transformer_engine.pytorch")
@@ -172,6 +181,96 @@ def test_older_te_falls_back_to_fp8_autocast(fake_te, monkeypatch):
     with mode.forward_context():
         pass
     assert fake_te["fp8_autocast"] == [(True, mode.recipe)]
+
+
+@pytest.fixture
+def torch_autocast_log(fake_te, monkeypatch):
+    """Record torch.autocast calls in the fake TE's event log (CUDA autocast is off on a CPU build)."""
+    calls = []
+
+    @contextlib.contextmanager
+    def autocast(device_type, dtype=None, enabled=True, cache_enabled=None):
+        calls.append((device_type, dtype, enabled))
+        fake_te["events"].append("enter torch.autocast")
+        try:
+            yield
+        finally:
+            fake_te["events"].append("exit torch.autocast")
+
+    monkeypatch.setattr(torch, "autocast", autocast)
+    return calls
+
+
+@pytest.mark.parametrize("te_name", ["autocast", "fp8_autocast"])
+def test_forward_runs_te_autocast_inside_bf16_autocast(fake_te, torch_autocast_log, monkeypatch, te_name):
+    # Outside TE's modules (attention, activations, the loss) the forward runs in bf16, as
+    # under fp8-torchao, not in fp32.
+    if te_name == "fp8_autocast":
+        monkeypatch.delattr(fake_te["module"], "autocast")
+    with pytest.raises(RuntimeError, match="boom"), make_mode().forward_context():
+        raise RuntimeError("boom")
+    assert torch_autocast_log == [("cuda", torch.bfloat16, True)]
+    assert fake_te["events"] == [
+        "enter torch.autocast",
+        f"enter te.{te_name}",
+        f"exit te.{te_name}",
+        "exit torch.autocast",
+    ]
+
+
+class TiedLM(nn.Module):
+    """A language model whose output head shares the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.norm = nn.LayerNorm(32)
+        self.lm_head = nn.Linear(32, 64, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.lm_head(self.norm(self.embed(tokens)))
+
+
+def _adam_step(model, optimizer) -> None:
+    tokens = torch.arange(8).reshape(2, 4)
+    F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_swap_keeps_a_tied_head_tied_and_in_the_optimizer_once(fake_te):
+    torch.manual_seed(0)
+    model = TiedLM()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _adam_step(model, optimizer)  # state to carry over, as after a resume
+    tied_state = {k: v.clone() for k, v in optimizer.state[model.embed.weight].items()}
+    # What AppliedPolicy.setup does around the conversion.
+    before = dict(model.named_parameters())
+    converted = make_mode().convert_module(model)
+    retarget_optimizer(optimizer, before, dict(converted.named_parameters()), torch.device("cpu"))
+
+    assert isinstance(converted.lm_head, fake_te["module"].Linear)
+    tied = converted.lm_head.weight
+    assert tied is converted.embed.weight
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
+    assert sum(p is tied for p in trained) == 1
+    assert {id(p) for p in trained} == {id(p) for p in converted.parameters()}
+    for key, value in tied_state.items():
+        torch.testing.assert_close(optimizer.state[tied][key], value)
+    old = tied.detach().clone()
+    _adam_step(converted, optimizer)
+    assert converted.lm_head.weight is converted.embed.weight
+    assert not torch.equal(tied, old)
+
+
+def test_a_module_used_twice_is_swapped_once(fake_te):
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    converted = make_mode().convert_module(model)
+    assert isinstance(converted[0], fake_te["module"].Linear)
+    assert converted[0] is converted[2]
+    assert len(fake_te["linear"]) == 1
 
 
 def test_state_dict_checks_recipe_on_resume(fake_te):
