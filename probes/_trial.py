@@ -26,6 +26,7 @@ EXIT_NO_STEP = 97
 """Exit status of a child whose watchdog saw no ``step()`` in time."""
 EXIT_UNSUPPORTED = 98
 """Exit status of a child asked to run a mode its hardware lacks."""
+SIGKILL = int(getattr(signal, "SIGKILL", 9))  # Windows has no SIGKILL; the number is never seen there
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,10 @@ class TrialResult:
 
     Per-step lists hold one entry per optimizer step from the first step (warm-up included,
     so loss curves compare from step 0); ``step_times`` is indexed the same way, and the
-    timing statistics drop the first ``warmup_steps``.
+    timing statistics drop the first ``warmup_steps``. Every step is timed, less the
+    recorder's own work in it (reading the loss scale, sampling gradients). ``loss_scale`` is
+    the scale that step's backward ran with; ``underflow`` is sampled on some steps only
+    (``None`` on the others, and outside fp16).
     """
 
     outcome: str
@@ -202,6 +206,9 @@ def run_trial(
     child_env["MPADVISE_TRIAL_SPEC"] = str(spec_file)
     child_env["PYTHONUNBUFFERED"] = "1"
     child_env.pop("MPADVISE_POLICY", None)  # the spec decides; a leftover override must not
+    # The child starts in this process's memory cgroup: counting that cgroup's OOM kills before
+    # and after tells a kill by the kernel's OOM killer from any other SIGKILL.
+    oom_before = oom_kill_count()
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+b") as err, tempfile.TemporaryFile("w+b") as out:
         proc = subprocess.Popen(
@@ -227,6 +234,7 @@ def run_trial(
         err.seek(0)
         tail = _tail(err.read())
     wall = time.perf_counter() - start
+    oom_after = oom_kill_count() if oom_before is not None else None
     data = _read_json(result_path)
     spec_file.unlink(missing_ok=True)
     return classify(
@@ -237,6 +245,7 @@ def run_trial(
         spec=spec,
         timeout=timeout,
         wall_s=wall,
+        oom_kills=None if oom_after is None or oom_before is None else max(0, oom_after - oom_before),
     )
 
 
@@ -249,10 +258,17 @@ def classify(
     spec: TrialSpec,
     timeout: float,
     wall_s: float = 0.0,
+    oom_kills: int | None = None,
 ) -> TrialResult:
     """Decide the outcome of a finished child from its result file, exit code and stderr.
 
     A pure function of its inputs, so every outcome class is unit-testable without processes.
+
+    Args:
+        oom_kills: how many processes the kernel's OOM killer killed in the child's memory
+            cgroup while it ran (``oom_kill_count`` before and after), or ``None`` where that
+            is unknown. A child ended by SIGKILL while the count rose is out of memory; with
+            no count, SIGKILL is a crash.
     """
     base: dict[str, Any] = dict(data or {})
     stage = base.pop("stage", None)
@@ -267,9 +283,25 @@ def classify(
     if timed_out:
         where = "before load_policy()" if stage is None else f"after {len(base.get('losses', []))} steps"
         outcome, reason = "timeout", f"no result within {timeout:g} s ({where}); the trial was killed"
+    elif exit_code == -SIGKILL and oom_kills and stage != "done":
+        where = _stage_text(stage, base)
+        outcome, reason = "oom", (
+            f"out of memory: the kernel's OOM killer ended the script {where} (SIGKILL; its memory "
+            f"cgroup counted {oom_kills} OOM kill{'s' if oom_kills != 1 else ''} meanwhile); "
+            "use a smaller micro-batch or give the trial more memory"
+        )
     else:
         outcome, reason = _outcome(stage, base, exception, exit_code, _last_line(stderr_tail), spec)
     return TrialResult.from_dict({**base, "outcome": outcome, "reason": reason})
+
+
+def _stage_text(stage: str | None, base: dict[str, Any]) -> str:
+    """How far the child got, for a reason: the losses are only written once a trial finishes."""
+    if base.get("losses"):
+        return f"after {len(base['losses'])} steps"
+    if stage is None:
+        return "before load_policy()"
+    return "after its first step()" if stage == "stepping" else "after load_policy(), before any step()"
 
 
 def _outcome(
@@ -332,6 +364,88 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             return f"signal {-code}"
     return str(code)
+
+
+def oom_kill_count(pid: int | str = "self", *, proc: str | os.PathLike[str] = "/proc") -> int | None:
+    """How many processes the kernel's OOM killer has killed in ``pid``'s memory cgroup.
+
+    Read from cgroup v2's ``memory.events`` or, where memory is on a v1 hierarchy, from
+    ``memory.oom_control`` (both count kills by any OOM killer, the cgroup's own or the
+    system's). Compare two readings: the count only grows.
+
+    Returns:
+        The count, or ``None`` where it cannot be read (not Linux, no memory cgroup mounted,
+        no access, a kernel older than 4.13).
+    """
+    root = Path(proc)
+    try:
+        cgroups = (root / str(pid) / "cgroup").read_text()
+        mounts = (root / "self" / "mountinfo").read_text()
+    except OSError:
+        return None
+    for version, directory in memory_cgroup_dirs(cgroups, mounts):
+        name = "memory.events" if version == 2 else "memory.oom_control"
+        try:
+            text = (directory / name).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return None
+
+
+def memory_cgroup_dirs(cgroups: str, mountinfo: str) -> list[tuple[int, Path]]:
+    """The directories of a process's memory cgroup: ``(2, dir)`` on the unified hierarchy,
+    ``(1, dir)`` on a v1 memory hierarchy, in that order.
+
+    Args:
+        cgroups: the text of ``/proc/<pid>/cgroup`` (``hierarchy:controllers:path`` lines).
+        mountinfo: the text of ``/proc/self/mountinfo``, where the hierarchies are mounted.
+    """
+    paths: dict[int, str] = {}
+    for line in cgroups.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            paths[2] = parts[2]
+        elif "memory" in parts[1].split(","):
+            paths[1] = parts[2]
+    found = []
+    for version in (2, 1):
+        if version not in paths:
+            continue
+        for mount_root, mount_point in _cgroup_mounts(mountinfo, version):
+            # A mount may show a subtree only (a container's view): its root is that subtree.
+            relative = os.path.relpath(paths[version], mount_root)
+            if relative == ".." or relative.startswith("../"):
+                continue
+            found.append((version, Path(mount_point) / relative if relative != "." else Path(mount_point)))
+    return found
+
+
+def _cgroup_mounts(mountinfo: str, version: int) -> list[tuple[str, str]]:
+    """``(root, mount point)`` of each mount of the cgroup2 file system (``version`` 2), or of a
+    v1 cgroup hierarchy with the memory controller (``version`` 1)."""
+    mounts = []
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        fstype, options = tail[0], tail[2].split(",")
+        if (version == 2 and fstype == "cgroup2") or (version == 1 and fstype == "cgroup" and "memory" in options):
+            mounts.append((_unescape(fields[3]), _unescape(fields[4])))
+    return mounts
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: the kernel writes space, tab, newline and backslash as octal escapes."""
+    for code in ("040", "011", "012", "134"):
+        field = field.replace("\\" + code, chr(int(code, 8)))
+    return field
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

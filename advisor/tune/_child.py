@@ -3,7 +3,9 @@
 
 The recorder times optimizer steps (the device synchronised at the edges of the measured
 window; CUDA events in between), records loss, loss scale, skipped steps, fp16 gradient
-underflow and peak memory, then writes the result file and ends the process.
+underflow and peak memory, then writes the result file and ends the process. Its own work
+inside a step (reading the loss scale, sampling gradients) runs between two time marks, and
+that interval is cut out of the step's time: a trial times the user's step, not its measuring.
 """
 
 from __future__ import annotations
@@ -28,10 +30,22 @@ if TYPE_CHECKING:
 
 TRIAL_SPEC_ENV = "MPADVISE_TRIAL_SPEC"
 
-# fp16's smallest normal value. Gradients whose scaled magnitude falls below it are subnormal:
-# they have lost precision, and the next loss-scale backoff flushes them to zero.
-FP16_MIN_NORMAL = 2.0**-14
-UNDERFLOW_SAMPLE = 1024  # values sampled per gradient tensor: cheap, and enough for a fraction
+# fp16's smallest subnormal value. A gradient whose scaled magnitude |g| * loss_scale is below
+# it rounds to zero in an fp16 backward: the loss Micikevicius et al. (2018) measured (about 5%
+# of weight gradients below 2^-24 without scaling) and StabilityThresholds.max_underflow_fraction
+# bounds.
+FP16_MIN_SUBNORMAL = 2.0**-24
+# Gradient values sampled on a sampled step, spread over all gradients in proportion to their
+# size, so that each tensor weighs what its share of the values weighs. 2^16 values put the
+# sampling error of a fraction near 5% below 0.1 percentage points.
+UNDERFLOW_SAMPLE = 2**16
+# The underflow is sampled on every UNDERFLOW_EVERY-th optimizer step (from step 0): it moves
+# with the loss scale, which changes over tens of steps, and sampling costs device work. With
+# the default 45-step trial that is 12 samples, 7 of them after the 16 calibration steps.
+UNDERFLOW_EVERY = 4
+# How often the RSS is sampled where the high-water mark cannot be reset: often enough to see
+# an allocation that lives for a step, rarely enough to cost nothing measurable.
+RSS_SAMPLE_S = 0.005
 _CHILD_APPLIED: AppliedPolicy | None = None
 
 
@@ -121,8 +135,12 @@ def run_in_process(train_fn: Any, spec: TrialSpec, *, profile: HardwareProfile) 
         The result data (as a child would have written it) and the error text when
         ``train_fn`` raised, else ``None``.
     """
+    import gc
     import traceback
 
+    # An earlier trial's model and data may still be held by reference cycles (the frames of
+    # the exception that ended it): free them, or they count in this trial's memory.
+    gc.collect()
     writer = ResultWriter(spec.result_path)
     writer.write(stage="loaded")
     applied = _build(spec, writer, profile=profile, device=spec.device, in_process=True)
@@ -142,11 +160,17 @@ def run_in_process(train_fn: Any, spec: TrialSpec, *, profile: HardwareProfile) 
     else:
         if recorder._stepped_once:
             recorder.finish(complete=False)
+    finally:
+        recorder.close()
     return writer.data, error
 
 
 class TrialRecorder(StepObserver):
-    """Records every optimizer step of a trial and ends the process after the measured window."""
+    """Records every optimizer step of a trial and ends the process after the measured window.
+
+    Per step it keeps the loss, the loss scale that scaled the step's backward, whether the
+    scaler skipped it, and (fp16, every ``UNDERFLOW_EVERY``-th step) the underflow counts.
+    """
 
     def __init__(self, spec: TrialSpec, writer: ResultWriter, *, in_process: bool = False) -> None:
         self.spec = spec
@@ -156,15 +180,18 @@ class TrialRecorder(StepObserver):
         self.losses: list[Any] = []  # loss tensors, read once at the end (no sync per step)
         self.loss_scale: list[float | None] = []
         self.skipped: list[bool] = []
-        self.underflow: list[float | None] = []
+        self.underflow: list[Any] = []  # [flushed, nonzero] count tensors, read once at the end
         self.samples: list[int] = []
         self.marks: list[Any] = []  # one time mark (float or CUDA event) per step boundary
+        self.pauses: list[tuple[Any, Any] | None] = []  # per step: marks around the recorder's own work
+        self._in_step: dict[str, Any] = {}  # what after_backward measured, until after_step keeps it
         self._micro_losses: list[Any] = []
         self._micro_samples = 0
         self._stepped_once = False
         self._finished = False
         self._watchdog: threading.Timer | None = None
         self._cuda = False
+        self._rss: TrialPeakRss | None = None
 
     def attach(self, applied: AppliedPolicy) -> None:
         import torch
@@ -177,6 +204,10 @@ class TrialRecorder(StepObserver):
                 torch.cuda.set_per_process_memory_fraction(min(1.0, self.spec.memory_limit / total), applied.device)
             torch.cuda.reset_peak_memory_stats(applied.device)
         if self.in_process:
+            if not self._cuda:
+                # This process outlives the trial, so its lifetime peak RSS is not the trial's.
+                self._rss = TrialPeakRss()
+                self._rss.start()
             return  # no watchdog or exit hooks: the caller owns this process
         self._watchdog = threading.Timer(self.spec.no_step_timeout, self._no_step)
         self._watchdog.daemon = True
@@ -195,10 +226,17 @@ class TrialRecorder(StepObserver):
             self.marks.append(self._mark())
 
     def after_backward(self, applied: AppliedPolicy, optimizer: torch.optim.Optimizer) -> None:
-        if applied.mode.startswith("fp16"):
-            self.underflow.append(self._underflow_fraction(applied, optimizer))
-        else:
-            self.underflow.append(None)
+        # Everything here is the recorder's, not the user's: it runs between two marks that
+        # finish() cuts out of the step's time. Here rather than after the optimizer step,
+        # because a loss-scaling mode synchronises the device just after this point anyway
+        # (to read the overflow flag), so the scale's read and the sampling add no wait of
+        # their own to the rest of the step.
+        start = self._mark()
+        scale = applied.loss_scale()
+        counts = None
+        if applied.mode.startswith("fp16") and len(self.losses) % UNDERFLOW_EVERY == 0:
+            counts = underflow_counts(_gradients(optimizer), scale=scale or 1.0)
+        self._in_step = {"loss_scale": scale, "underflow": counts, "pause": (start, self._mark())}
 
     def after_step(self, applied: AppliedPolicy, *, loss: Any, stepped: bool, optimizer_step: bool) -> None:
         self._micro_losses.append(loss.detach())
@@ -209,7 +247,10 @@ class TrialRecorder(StepObserver):
         self.losses.append(micro[0] if len(micro) == 1 else sum(m.float() for m in micro) / len(micro))
         self.samples.append(self._micro_samples)
         self._micro_losses, self._micro_samples = [], 0
-        self.loss_scale.append(applied.loss_scale())
+        measured, self._in_step = self._in_step, {}
+        self.loss_scale.append(measured.get("loss_scale"))
+        self.underflow.append(measured.get("underflow"))
+        self.pauses.append(measured.get("pause"))
         self.skipped.append(not stepped)
         n = len(self.losses)
         if n == self.spec.warmup_steps:
@@ -235,34 +276,25 @@ class TrialRecorder(StepObserver):
 
             torch.cuda.synchronize()
 
+    def _elapsed(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1e3 if self._cuda else b - a
+
     def _step_times(self) -> list[float]:
-        if self._cuda:
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
-
-    def _underflow_fraction(self, applied: AppliedPolicy, optimizer: torch.optim.Optimizer) -> float | None:
-        import torch
-
-        scale = applied.loss_scale() or 1.0
-        small = total = 0
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    flat = p.grad.detach().reshape(-1)
-                    stride = max(1, flat.numel() // UNDERFLOW_SAMPLE)
-                    sample = flat[::stride].float().abs() * scale
-                    nonzero = sample[(sample > 0) & torch.isfinite(sample)]
-                    total += int(nonzero.numel())
-                    small += int((nonzero < FP16_MIN_NORMAL).sum())
-        return small / total if total else None
+        """Seconds per step, less the recorder's own work in it."""
+        times = []
+        for i, (a, b) in enumerate(zip(self.marks, self.marks[1:])):
+            pause = self.pauses[i] if i < len(self.pauses) else None
+            own = self._elapsed(*pause) if pause is not None else 0.0
+            times.append(max(0.0, self._elapsed(a, b) - own))
+        return times
 
     def _peak_memory(self) -> tuple[int | None, str]:
         if self._cuda:
             import torch
 
             return int(torch.cuda.max_memory_allocated(self.applied.device)), "cuda-peak-allocated"
+        if self._rss is not None:
+            return self._rss.stop(), "cpu-peak-rss"
         try:
             import resource
         except ImportError:  # not on Windows
@@ -297,7 +329,7 @@ class TrialRecorder(StepObserver):
             step_times=self._step_times(),
             loss_scale=self.loss_scale,
             skipped=self.skipped,
-            underflow=self.underflow,
+            underflow=[None if c is None else _fraction(c) for c in self.underflow],
             samples=self.samples,
             warmup_steps=self.spec.warmup_steps,
             peak_memory=peak,
@@ -312,6 +344,11 @@ class TrialRecorder(StepObserver):
                 raise TrialComplete
             _exit(0)
 
+    def close(self) -> None:
+        """Stop what runs beside the trial (the RSS sampler), however the trial ended."""
+        if self._rss is not None:
+            self._rss.stop()
+
     def _no_step(self) -> None:
         self.writer.write(stage="no-step")
         _exit(EXIT_NO_STEP)
@@ -320,6 +357,154 @@ class TrialRecorder(StepObserver):
         # The script ended by itself before the measured window was full: keep what it measured.
         if self._stepped_once and not self._finished and self.writer.data.get("stage") != "exception":
             self.finish(complete=False)
+
+
+def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    import torch
+
+    return [
+        p.grad
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None and p.grad.layout == torch.strided  # sparse gradients have no flat view
+    ]
+
+
+def underflow_counts(grads: list[torch.Tensor], *, scale: float, budget: int = UNDERFLOW_SAMPLE) -> torch.Tensor | None:
+    """Count sampled gradient values that an fp16 backward flushes to zero at this loss scale.
+
+    The sample is systematic over all gradients laid end to end (every ``stride``-th value), so
+    each tensor contributes in proportion to its size. Zeros are left out: a value that has
+    already flushed cannot be told from an exact zero. Non-finite values (a step the scaler
+    skips) are left out too.
+
+    Args:
+        grads: the unscaled gradients, on one device.
+        scale: the loss scale the backward ran with (1.0 without scaling).
+        budget: about how many values to sample (between ``budget`` and twice that).
+
+    Returns:
+        ``[flushed, nonzero]`` as a tensor on the gradients' device, so that sampling adds no
+        host synchronisation (read it when the trial ends), or ``None`` without gradients.
+    """
+    import torch
+
+    total = sum(g.numel() for g in grads)
+    if not total:
+        return None
+    stride = max(1, total // budget)
+    device = grads[0].device
+    pieces, offset = [], 0
+    with torch.no_grad():
+        for g in grads:
+            first = -offset % stride  # where the global every-stride-th sequence enters this tensor
+            if first < g.numel():
+                pieces.append(g.detach().reshape(-1)[first::stride].to(device=device, dtype=torch.float32))
+            offset += g.numel()
+        scaled = torch.cat(pieces).abs_().mul_(scale)  # cat copies: the gradients are not touched
+        nonzero = (scaled > 0) & torch.isfinite(scaled)
+        flushed = nonzero & (scaled < FP16_MIN_SUBNORMAL)
+        return torch.stack([flushed.sum(), nonzero.sum()])
+
+
+def _fraction(counts: torch.Tensor) -> float | None:
+    flushed, nonzero = (int(v) for v in counts.tolist())
+    return flushed / nonzero if nonzero else None
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's RSS high-water mark (VmHWM) to its current RSS; False where Linux
+    does not allow it (not Linux, a kernel before 4.0, no write access to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5 resets the peak RSS only; 1-4 would clear page-referenced bits
+    except OSError:
+        return False
+    return _status_bytes("VmHWM") is not None
+
+
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes, or ``None`` where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _current_rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _lifetime_peak_rss() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+
+
+class TrialPeakRss:
+    """The peak RSS of this process from ``start()`` to ``stop()``: one in-process trial's own.
+
+    Linux keeps the high-water mark (VmHWM) for the life of the process, and writing 5 to
+    ``/proc/self/clear_refs`` resets it to the current RSS: the mark read at the end is then
+    this trial's peak, exactly and at no cost while it runs. Where that is not allowed, the
+    peak comes from two cheaper facts: a lifetime peak (``ru_maxrss``) that rose during the
+    trial was set by it, and is exact; otherwise a thread samples the current RSS every
+    ``RSS_SAMPLE_S`` (a lower bound that can miss a spike shorter than that). Without either
+    (no /proc), the peak is unknown (``None``) unless the lifetime peak rose.
+    """
+
+    def __init__(self) -> None:
+        self._hwm = False
+        self._lifetime_at_start: int | None = None
+        self._sampled = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._peak: int | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        if reset_peak_rss():
+            self._hwm = True
+            return
+        self._lifetime_at_start = _lifetime_peak_rss()
+        self._sampled = _current_rss() or 0
+        if self._sampled:
+            self._thread = threading.Thread(target=self._sample, name="mpadvise-rss", daemon=True)
+            self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(RSS_SAMPLE_S):
+            self._sampled = max(self._sampled, _current_rss() or 0)
+
+    def stop(self) -> int | None:
+        """The trial's peak in bytes (the same value on every later call), or ``None`` if unknown."""
+        if self._stopped:
+            return self._peak
+        self._stopped = True
+        if self._hwm:
+            self._peak = _status_bytes("VmHWM")
+            return self._peak
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._sampled = max(self._sampled, _current_rss() or 0)
+        lifetime = _lifetime_peak_rss()
+        if lifetime is not None and self._lifetime_at_start is not None and lifetime > self._lifetime_at_start:
+            self._peak = lifetime
+        else:
+            self._peak = self._sampled or None
+        return self._peak
 
 
 def _install_excepthook(writer: ResultWriter) -> None:
