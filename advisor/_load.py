@@ -37,6 +37,8 @@ class Resolution:
     policy: Policy
     source: str
     mismatch: HardwareMismatch | None = None
+    from_cache: bool = False
+    """Whether ``policy`` is a cached answer, which applies only to the workload it was tuned on."""
 
     @property
     def fallback_reason(self) -> str | None:
@@ -57,39 +59,41 @@ def resolve_policy(
     Order: an explicit ``source``; ``MPADVISE_POLICY``; ``<script>.mpadvise.toml`` beside the
     script; ``cached`` (a callable ``(profile, script) -> (Policy, label) | None``); the
     hardware's safe default. A tuned policy from other hardware or versions falls back to the
-    safe default with a warning.
+    safe default with a warning. A cached answer is marked ``from_cache``: the workload is not
+    known yet, and ``AppliedPolicy.setup()`` applies it only to the workload it was tuned on.
     """
-    candidates: list[tuple[Policy, str]] = []
+    candidate: tuple[Policy, str] | None = None
+    from_cache = False
     if source is not None:
         if isinstance(source, Policy):
             return Resolution(_check_supported(source, profile, "the Policy passed to load_policy"), "the Policy passed to load_policy()")
         if isinstance(source, (str, os.PathLike)):
-            candidates.append((load_config(source), f"config file {source}"))
+            candidate = (load_config(source), f"config file {source}")
         else:
             raise MpadviseError(
                 f"load_policy(source): expected a config file path or an advisor.Policy, got {type(source).__name__}"
             )
     elif environ.get(POLICY_ENV):
         path = environ[POLICY_ENV]
-        candidates.append((load_config(path), f"{POLICY_ENV}={path}"))
+        candidate = (load_config(path), f"{POLICY_ENV}={path}")
     elif script is not None and _paths.config_path_for(script).is_file():
         path = _paths.config_path_for(script)
-        candidates.append((load_config(path), f"config file {path}"))
+        candidate = (load_config(path), f"config file {path}")
     elif cached is not None:
-        hit = cached(profile, script)
-        if hit is not None:
-            candidates.append(hit)
-    for policy, label in candidates:
-        mismatch = hardware_mismatch(policy, profile)
-        if mismatch is None:
-            return Resolution(_check_supported(policy, profile, label), label)
-        default = safe_default(profile)
-        get_logger().warning(
-            f"not applying the policy from {label}: {mismatch.reason()}; using the safe default "
-            f"{default.mode} for {profile.name}; run `mpadvise tune` again on this machine"
-        )
-        return Resolution(default, f"safe default for {profile.name}", mismatch=mismatch)
-    return Resolution(safe_default(profile), f"safe default for {profile.name}")
+        candidate = cached(profile, script)
+        from_cache = candidate is not None
+    if candidate is None:
+        return Resolution(safe_default(profile), f"safe default for {profile.name}")
+    policy, label = candidate
+    mismatch = hardware_mismatch(policy, profile)
+    if mismatch is None:
+        return Resolution(_check_supported(policy, profile, label), label, from_cache=from_cache)
+    default = safe_default(profile)
+    get_logger().warning(
+        f"not applying the policy from {label}: {mismatch.reason()}; using the safe default "
+        f"{default.mode} for {profile.name}; run `mpadvise tune` again on this machine"
+    )
+    return Resolution(default, f"safe default for {profile.name}", mismatch=mismatch)
 
 
 def _check_supported(policy: Policy, profile: HardwareProfile, label: str) -> Policy:
@@ -132,6 +136,8 @@ def load_policy(
         return applied
     profile = probes.profile_for(device)
     resolution = resolve_policy(source, profile=profile, script=_paths.current_script(), cached=lookup)
-    applied = AppliedPolicy(resolution.policy, profile=profile, source=resolution.source, device=device)
+    applied = AppliedPolicy(
+        resolution.policy, profile=profile, source=resolution.source, device=device, match_workload=resolution.from_cache
+    )
     get_logger().info(f"policy {resolution.policy.describe()} on {applied.device} (from {resolution.source})")
     return applied

@@ -129,6 +129,11 @@ class TunedOn:
         model_signature: fingerprint of the model's structure alone.
         script: the script that was tuned.
         trials: number of trials run.
+        cuda: CUDA runtime at tuning time (empty on a CPU).
+        global_batch: the script's global batch at tuning time (samples per optimizer step);
+            at run time a different script batch keeps the script's own global batch.
+        script_digest: digest of the script's content at tuning time, so that a run can say
+            "script edited" rather than only "workload changed".
     """
 
     hardware_fingerprint: str = ""
@@ -142,6 +147,12 @@ class TunedOn:
     model_signature: str | None = None
     script: str | None = None
     trials: int | None = None
+    cuda: str = ""
+    global_batch: int | None = None
+    script_digest: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("tuned_on", "global_batch", self.global_batch, integer=True, allow_none=True)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from probes import hardware_fingerprint
+from probes._fingerprint import major_minor
+
+from ._fp8 import Fp8Mode
+from ._registry import mode_class
 
 if TYPE_CHECKING:
     from probes import HardwareProfile
@@ -19,7 +23,7 @@ class Difference:
     """One fact that changed between the tune and this machine.
 
     Attributes:
-        what: ``"device"``, ``"torch"`` or an FP8 library name.
+        what: ``"device"``, ``"torch"``, ``"CUDA"`` or an FP8 library name.
         tuned: its value when the policy was tuned; ``None`` for absent.
         here: its value on this machine; ``None`` for absent.
     """
@@ -42,7 +46,7 @@ class HardwareMismatch:
 
     Attributes:
         differences: the named facts that changed; empty when only facts outside them
-            (driver, CUDA, memory, capability details) differ.
+            (compute capability, memory, SM count) differ.
         tuned_fingerprint: the hardware fingerprint the policy was tuned on.
     """
 
@@ -51,7 +55,7 @@ class HardwareMismatch:
 
     def detail(self) -> str:
         """``"torch 2.5.1 -> 2.6.0; torchao absent -> 0.10.0"``."""
-        return "; ".join(d.describe() for d in self.differences) or "driver, CUDA or hardware details differ"
+        return "; ".join(d.describe() for d in self.differences) or "compute capability, memory or other hardware details differ"
 
     def describe(self) -> str:
         """``"tuned on other hardware or versions (torch 2.5.1 -> 2.6.0)"``."""
@@ -71,21 +75,45 @@ class HardwareMismatch:
 def hardware_mismatch(policy: Policy, profile: HardwareProfile) -> HardwareMismatch | None:
     """What differs between where ``policy`` was tuned and ``profile``; ``None`` when it may apply.
 
+    The hardware fingerprint decides (device model, compute capability, torch and CUDA release
+    lines; see ``probes.hardware_fingerprint``), so a driver upgrade or a torch patch release
+    keeps a tuned policy. An FP8 policy also needs the FP8 library it was measured with, at the
+    same version: its recipes and kernels change between releases, and only FP8 uses them.
+
     A policy without a ``[tuned_on]`` record was written by hand and applies anywhere it is
     supported.
     """
     tuned = policy.tuned_on
     if tuned is None or not tuned.hardware_fingerprint:
         return None
-    if tuned.hardware_fingerprint == hardware_fingerprint(profile):
-        return None
+    library = _fp8_library_change(policy, profile)
+    if tuned.hardware_fingerprint in _fingerprints_here(profile):
+        return None if library is None else HardwareMismatch((library,), tuned.hardware_fingerprint)
     differences = []
     if tuned.device and tuned.device != profile.name:
         differences.append(Difference("device", tuned.device, profile.name))
-    if tuned.torch and tuned.torch != profile.torch_version:
-        differences.append(Difference("torch", tuned.torch, profile.torch_version))
-    now_libs = dict(profile.libraries)
-    for name, version in tuned.libraries:
-        if now_libs.get(name) != version:
-            differences.append(Difference(name, version, now_libs.get(name)))
+    for what, tuned_version, here_version in (
+        ("torch", tuned.torch, profile.torch_version),
+        ("CUDA", tuned.cuda, profile.cuda_runtime),
+    ):
+        # Only a new release line changes the fingerprint; a patch release is not named as a cause.
+        if tuned_version and major_minor(tuned_version) != major_minor(here_version):
+            differences.append(Difference(what, tuned_version, here_version))
+    if library is not None:
+        differences.append(library)
     return HardwareMismatch(tuple(differences), tuned.hardware_fingerprint)
+
+
+def _fingerprints_here(profile: HardwareProfile) -> tuple[str, ...]:
+    """This hardware's fingerprint, and its recipe-1 one: a policy recorded before recipe 2 on
+    this very machine (same driver and libraries too) still applies."""
+    return (hardware_fingerprint(profile), hardware_fingerprint(profile, version=1))
+
+
+def _fp8_library_change(policy: Policy, profile: HardwareProfile) -> Difference | None:
+    """For an FP8 policy, its FP8 library's version when tuned and here, if they differ."""
+    cls = mode_class(policy.mode)
+    if not issubclass(cls, Fp8Mode) or policy.tuned_on is None:
+        return None
+    tuned, here = dict(policy.tuned_on.libraries).get(cls.library), profile.library_version(cls.library)
+    return None if tuned == here else Difference(cls.library, tuned, here)

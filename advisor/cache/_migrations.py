@@ -7,11 +7,13 @@ migration, once released, is history: it is never edited, only followed by anoth
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from advisor.cache._base import transaction
 from advisor.cache._records import utc_now
+from probes import HardwareProfile, hardware_fingerprint
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -109,6 +111,81 @@ def m001_initial_schema(db: sqlite_utils.Database) -> None:
         defaults={"attempts": 0},
     )
     db.table("jobs").create_index(["state", "created_at"])
+
+
+@migration
+def m002_hardware_fingerprint_recipe_2(db: sqlite_utils.Database) -> None:
+    """Rekey hardware profiles and recommendations from fingerprint recipe 1 to recipe 2.
+
+    Recipe 2 (``probes.hardware_fingerprint``) no longer covers the driver, torch and CUDA
+    patch releases or the FP8 library versions, so entries from before a driver upgrade apply
+    again. Each new key is computed from the stored hardware profile; a profile that cannot be
+    read keeps its key. Entries that differed only in those facts now share a key: the newest
+    answer for each (hardware, workload) key is kept, as a new tune would have kept it.
+    """
+    renamed = _rekey_hardware(db)
+    if not renamed:
+        return
+    rows = list(db.query("SELECT id, hardware_fp, workload_fp, policy FROM recommendations ORDER BY created_at DESC, id DESC"))
+    taken: set[tuple[str, str]] = set()
+    losers, winners = [], []
+    for row in rows:
+        key = (renamed.get(row["hardware_fp"], row["hardware_fp"]), row["workload_fp"])
+        if key in taken:
+            losers.append(row["id"])
+        else:
+            taken.add(key)
+            if row["hardware_fp"] in renamed:
+                winners.append((row, key[0]))
+    for recommendation_id in losers:
+        db.execute("DELETE FROM trials WHERE recommendation_id = ?", [recommendation_id])
+        db.execute("DELETE FROM recommendations WHERE id = ?", [recommendation_id])
+    for row, fingerprint in winners:
+        db.execute(
+            "UPDATE recommendations SET hardware_fp = ?, policy = ? WHERE id = ?",
+            [fingerprint, _policy_rekeyed(row["policy"], row["hardware_fp"], fingerprint), row["id"]],
+        )
+
+
+def _rekey_hardware(db: sqlite_utils.Database) -> dict[str, str]:
+    """Key every hardware row by recipe 2, merging the rows that now share a key (the latest
+    profile, the first and last sightings of all); returns ``{old: new}`` for changed keys."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in db.query("SELECT * FROM hardware"):
+        try:
+            profile = HardwareProfile.from_dict(json.loads(row["profile"]))
+            fingerprint = hardware_fingerprint(profile, version=2)
+        except (TypeError, ValueError, KeyError):
+            fingerprint = row["fingerprint"]  # not a profile this code reads: the key stays
+        groups.setdefault(fingerprint, []).append(row)
+    renamed = {}
+    for fingerprint, rows in groups.items():
+        if [row["fingerprint"] for row in rows] == [fingerprint]:
+            continue
+        latest = max(rows, key=lambda row: row["last_seen"])
+        first_seen = min(row["first_seen"] for row in rows)
+        for row in rows:
+            db.execute("DELETE FROM hardware WHERE fingerprint = ?", [row["fingerprint"]])
+            if row["fingerprint"] != fingerprint:
+                renamed[row["fingerprint"]] = fingerprint
+        db.execute(
+            "INSERT INTO hardware (fingerprint, profile, first_seen, last_seen) VALUES (?, ?, ?, ?)",
+            [fingerprint, latest["profile"], first_seen, latest["last_seen"]],
+        )
+    return renamed
+
+
+def _policy_rekeyed(text: str, old: str, new: str) -> str:
+    """A stored policy whose ``[tuned_on]`` names the old key, naming the new one instead."""
+    try:
+        policy = json.loads(text)
+        tuned = policy.get("tuned_on")
+    except (ValueError, AttributeError):
+        return text  # damaged by hand: reading it reports that, not the migration
+    if isinstance(tuned, dict) and tuned.get("hardware_fingerprint") == old:
+        tuned["hardware_fingerprint"] = new
+        return json.dumps(policy, sort_keys=True, allow_nan=False)
+    return text
 
 
 SCHEMA_VERSION = len(_MIGRATIONS)

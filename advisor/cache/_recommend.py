@@ -7,10 +7,12 @@ this machine and this script:
   stored policy carries a complete ``[tuned_on]`` record (hardware fingerprint, versions, model
   signature...), so every later check can be made from the policy alone.
 * :func:`lookup` is what ``load_policy()`` consults in a plain run: the newest entry for this
-  hardware fingerprint and this script. The hardware fingerprint includes the GPU name, compute
-  capability, memory size, driver, CUDA, torch and FP8 library versions, so an entry tuned
-  under anything else simply misses. Whether the *model* still matches is checked later, in
-  ``AppliedPolicy.setup()``, where the model is known.
+  hardware fingerprint and this script, by its exact path. The hardware fingerprint covers the
+  device model, compute capability and the torch and CUDA release lines, so an entry tuned
+  under anything else simply misses; an FP8 answer also needs its FP8 library at the version
+  it was tuned with (``policies.hardware_mismatch``). Whether the *workload* (model,
+  optimizer, global batch, script content and arguments) still matches is checked later, in
+  ``AppliedPolicy.setup()`` and ``micro_batch_size()``, where it is known.
 * :func:`stale_entries` and :func:`entry_status` say, for ``mpadvise show``, which entries do
   not apply here and why.
 
@@ -106,9 +108,10 @@ def record_tune(
     """Store a tune's winner for this hardware and workload, with the trials behind it.
 
     The policy is stored with a complete ``[tuned_on]`` record: the hardware fingerprint,
-    device, torch and FP8 library versions come from ``profile``, the measurements from the
-    arguments; a ``model_signature`` and ``date`` already on ``policy.tuned_on`` are kept. An
-    earlier answer for the same (hardware, workload) key is replaced.
+    device, torch, CUDA and FP8 library versions come from ``profile``, the measurements from
+    the arguments; the workload facts already on ``policy.tuned_on`` (``model_signature``,
+    ``global_batch``, ``script_digest``) and its ``date`` are kept. An earlier answer for the
+    same (hardware, workload) key is replaced.
 
     Args:
         profile: the hardware the tune ran on.
@@ -153,6 +156,9 @@ def record_tune(
         model_signature=earlier.model_signature,
         script=script_path,
         trials=len(trials),
+        cuda=profile.cuda_runtime or "",
+        global_batch=earlier.global_batch,
+        script_digest=earlier.script_digest,
     )
     stored_policy = replace(policy, tuned_on=tuned)
     summary = {
@@ -193,10 +199,10 @@ def record_tune(
 def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> tuple[Policy, str] | None:
     """The cached policy for this hardware and script, for ``load_policy()``.
 
-    The newest entry with this hardware fingerprint whose script is this file wins; an entry
-    whose script only has the same base name (tuned elsewhere and imported, or moved) is used
-    when there is no exact match. ``AppliedPolicy.setup()`` then checks that the model is the
-    one that was tuned.
+    The newest entry with this hardware fingerprint whose script is this very file (by its
+    resolved path) wins. A script of the same name elsewhere is another workload, and misses:
+    its code, data and arguments may differ. ``AppliedPolicy`` then checks that the workload is
+    the one that was tuned.
 
     A cache that does not exist yet is not created and costs no warning; one that cannot be
     used (damaged beyond repair, locked, unreadable directory) costs one warning.
@@ -224,19 +230,15 @@ def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> t
     script_path = str(Path(script).resolve())
     try:
         with store:
-            # The store matches a given base name against stored paths and their base names,
-            # so this one query returns the exact-path entries and the same-name ones.
-            rows = store.find_recommendations(
-                hardware_fp=hardware_fingerprint(profile), script=os.path.basename(script_path)
-            )
+            # Given a full path, the store matches the stored path exactly.
+            rows = store.find_recommendations(hardware_fp=hardware_fingerprint(profile), script=script_path)
     except (MpadviseError, OSError, ValueError) as exc:
         # ValueError: a row whose JSON was damaged by hand. A cache must never stop training.
         get_logger().warning(f"cache lookup in {path} failed: {exc}; continuing without the cache")
         return None
     if not rows:
         return None
-    exact = [row for row in rows if row["script"] == script_path]
-    row = (exact or rows)[0]
+    row = rows[0]
     try:
         policy = policy_of(row)
     except PolicyError as exc:
@@ -346,6 +348,8 @@ def stale_entries(
 ) -> list[tuple[dict[str, Any], str]]:
     """Cache entries for ``script`` that were tuned on other hardware or versions, with why.
 
+    Other versions include an FP8 library that changed since an FP8 answer was tuned.
+
     Args:
         profile: the hardware this machine has.
         script: a script path or base name; ``None`` for every script.
@@ -370,9 +374,10 @@ def stale_entries(
             store.close()
     stale = []
     for row in rows:
-        if row["hardware_fp"] == fingerprint:
-            continue
         status = entry_status(row, profile)
+        if row["hardware_fp"] == fingerprint and (status is None or status.kind != "other_hardware"):
+            # This hardware's own entry; an FP8 answer whose library changed since is stale.
+            continue
         stale.append((row, status.describe() if status is not None else "tuned on other hardware"))
     return stale
 

@@ -178,7 +178,8 @@ class Recommendations(StoreBase):
 
         Args:
             hardware_fp: only this hardware.
-            script: only this script: matches the stored path, or its base name.
+            script: only this script: a path matches the stored path exactly; a bare file
+                name matches the stored paths with that base name.
             workload_fp: only this workload.
             with_trials: include each record's trials (otherwise ``trials`` is absent).
 
@@ -192,15 +193,20 @@ class Recommendations(StoreBase):
         if workload_fp is not None:
             clauses.append("r.workload_fp = ?")
             params.append(workload_fp)
-        if script is not None:
+        bare_name = script is not None and os.path.basename(script) == script
+        if script is not None and not bare_name:
+            # A path names one file: a script of the same name elsewhere is another workload.
+            clauses.append("r.script = ?")
+            params.append(script)
+        elif script is not None:
             # Filtered in SQL so a lookup does not decode every row of this hardware: the
-            # stored path equals ``script``, or (for a bare name) ends in "/<script>".
+            # stored path equals the name, or ends in "/<name>".
             escaped = script.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
             clauses.append("(r.script = ? OR r.script LIKE ? ESCAPE '\\')")
             params += [script, f"%/{escaped}"]
         with self._read() as db:
             rows = _select_recommendations(db, " AND ".join(clauses) or "1", params)
-            if script is not None:
+            if bare_name:
                 rows = [
                     row
                     for row in rows

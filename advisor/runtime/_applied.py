@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from advisor import _paths
 from advisor._log import get_logger
 from advisor.runtime._retarget import retarget_optimizer
-from advisor.runtime._workload import model_signature, workload_fingerprint
-from policies import Policy, create_mode, safe_default
+from advisor.runtime._workload import (
+    GLOBAL_BATCH,
+    Workload,
+    WorkloadMismatch,
+    model_signature,
+    workload_mismatch,
+)
+from policies import Difference, Policy, create_mode, safe_default
 from probes import MpadviseError
 
 if TYPE_CHECKING:
@@ -39,6 +46,12 @@ class AppliedPolicy:
     Made by ``advisor.load_policy()``. Also a context manager: entering sets the mode's
     process-wide switches (TF32 matmul precision), leaving restores them exactly.
 
+    A tuned policy is checked against the workload it was tuned on once the workload is known:
+    ``setup()`` knows the model, the optimizer and the script, ``micro_batch_size()`` the
+    global batch. A cached answer must match all of it; a config file the model's structure.
+    A miss switches to the hardware's safe default with one warning that names what changed;
+    the global batch stays what ``micro_batch_size()`` answered.
+
     Attributes:
         policy: the Policy in force.
         source: where the policy came from (``"MPADVISE_POLICY=/path"``, ``"safe default"``...).
@@ -54,7 +67,19 @@ class AppliedPolicy:
         source: str,
         device: str | torch.device | None = None,
         observer: StepObserver | None = None,
+        match_workload: bool = False,
     ) -> None:
+        """Apply ``policy`` on ``profile``'s device.
+
+        Args:
+            policy: the policy to apply.
+            profile: the hardware training runs on.
+            source: where the policy came from, for log lines.
+            device: overrides ``profile.device``.
+            observer: receives what ``step()`` does (the trial recorder).
+            match_workload: apply a tuned policy only to the whole workload it was tuned on
+                (a cached answer); otherwise only the model's structure is checked.
+        """
         import torch
 
         self.policy = policy
@@ -63,7 +88,14 @@ class AppliedPolicy:
         self.device = torch.device(device if device is not None else profile.device)
         self._mode = create_mode(policy, self.device)
         self._observer = observer
+        self._match_workload = match_workload
         self._user_batch: int | None = None
+        self._split: BatchSplit | None = None
+        self._workload: Workload | None = None
+        # Whether setup()'s conversion changed the model (dtypes or modules): after it, the
+        # mode can no longer be switched.
+        self._converted = False
+        self._mismatch_reported = False
         self._micro_step = 0
         self._switch_stack: list[contextlib.ExitStack] = []
         self.optimizer_steps = 0
@@ -72,7 +104,6 @@ class AppliedPolicy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.last_batch_size: int | None = None
         self.model_signature: str | None = None
-        self._workload_base: str | None = None
 
     # ---- what the policy says ---------------------------------------------------------------
 
@@ -95,52 +126,57 @@ class AppliedPolicy:
         Args:
             default: the script's own batch size, i.e. its global batch. With a policy that
                 splits it (micro-batch 64 of a global 256), ``step()`` accumulates 256 // 64
-                micro-batches per optimizer step so the optimisation stays the same.
+                micro-batches per optimizer step so the optimisation stays the same. A tuned
+                policy splits whatever batch the script asks for, so its global batch is kept;
+                a hand-written one with ``grad_accum_steps`` takes the accumulation it states.
 
         Returns:
-            The policy's micro-batch size, or ``default`` when the policy sets none.
+            The micro-batch size; ``default`` when the policy sets none.
         """
         if isinstance(default, bool) or not isinstance(default, int) or default <= 0:
             raise MpadviseError(f"micro_batch_size(default): {default!r} is not a batch size; expected a positive integer")
         self._user_batch = default
-        micro = self.policy.micro_batch_size or default
-        if self.policy.grad_accum_steps is None and self.policy.micro_batch_size is not None:
-            if micro > default:
-                get_logger().info(f"global batch changes from {default} to {micro} (policy micro-batch {micro})")
-            elif default % micro:
-                accum = default // micro
-                get_logger().warning(
-                    f"batch {default} is not a multiple of micro-batch {micro}: accumulating {accum} "
-                    f"micro-batches, so the global batch becomes {micro * accum}"
-                )
-        return micro
+        mismatch = self._batch_mismatch(default)
+        if mismatch is not None and not self._converted:
+            self._use_safe_default(mismatch.reason())
+            mismatch = None
+        self._split = batch_split(self.policy, default)
+        if mismatch is not None:
+            # A cached answer whose mode already converted the model in setup(): the model
+            # cannot be taken back, so the mode stays, on the script's own global batch.
+            self._mismatch_reported = True
+            get_logger().warning(
+                f"{mismatch.reason()}; keeping {self.policy.mode} from {self.source}, since setup() already "
+                f"converted the model for it, with the global batch {default} "
+                f"({self._split.describe()}); run `mpadvise tune` again"
+            )
+        elif self._split.note:
+            log = get_logger().warning if self._split.warning else get_logger().info
+            log(self._split.note)
+        return self._split.micro
 
     @property
     def grad_accum_steps(self) -> int:
         """Micro-batches per optimizer step (1 unless the policy splits the script's batch)."""
-        if self.policy.grad_accum_steps is not None:
-            return self.policy.grad_accum_steps
-        micro = self.policy.micro_batch_size
-        if micro is None or self._user_batch is None or micro >= self._user_batch:
-            return 1
-        return max(1, self._user_batch // micro)
+        if self._split is not None:
+            return self._split.accum
+        return self.policy.grad_accum_steps or 1
 
     @property
     def global_batch(self) -> int | None:
         """Samples per optimizer step, once ``micro_batch_size()`` has been called."""
-        if self._user_batch is None:
-            return None
-        return (self.policy.micro_batch_size or self._user_batch) * self.grad_accum_steps
+        return None if self._split is None else self._split.micro * self._split.accum
 
     @property
     def workload_fingerprint(self) -> str | None:
         """Model structure, optimizer, global batch and script: the cache key of this workload.
 
-        Known after ``setup()``; the global batch joins once ``micro_batch_size()`` was called.
+        Known after ``setup()``; the global batch (the script's own) joins once
+        ``micro_batch_size()`` was called.
         """
-        if self._workload_base is None:
+        if self._workload is None:
             return None
-        return hashlib.sha256(f"{self._workload_base}|global_batch={self.global_batch}".encode()).hexdigest()[:16]
+        return replace(self._workload, global_batch=self._user_batch).fingerprint()
 
     @property
     def user_batch(self) -> int | None:
@@ -151,6 +187,9 @@ class AppliedPolicy:
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """Move the model to the device and convert it for the mode.
+
+        A tuned policy that does not fit this workload (see the class) is replaced by the
+        hardware's safe default first, with one warning.
 
         Args:
             model: the model, on any device.
@@ -166,17 +205,21 @@ class AppliedPolicy:
         if not isinstance(model, torch.nn.Module):
             raise MpadviseError(f"setup(model, ...): expected a torch.nn.Module, got {type(model).__name__}")
         # Fingerprints describe the user's model, before any mode swaps its modules.
-        self.model_signature = model_signature(model)
-        self._workload_base = workload_fingerprint(model, optimizer, global_batch=None, script=_script_path())
-        tuned = self.policy.tuned_on
-        if tuned is not None and tuned.model_signature and tuned.model_signature != self.model_signature:
-            # The answer was measured on another model: its mode may be unstable or slow for
-            # this one. Switch before the conversion below, which is what the mode changes.
-            self._use_safe_default("model changed since tuning (structure differs from what was tuned)")
+        self._workload = Workload.of(model, optimizer, global_batch=None, script=_script_path(), args=_script_args())
+        self.model_signature = self._workload.model
+        mismatch = self._workload_mismatch()
+        if mismatch is not None:
+            # The answer was measured on another workload: its mode may be unstable or slow
+            # for this one. Switch before the conversion below, which is what the mode changes.
+            self._use_safe_default(mismatch.reason())
         before = dict(model.named_parameters())
+        dtypes = {name: parameter.dtype for name, parameter in before.items()}
         model = model.to(self.device)
         model = self._mode.convert_module(model)
         after = dict(model.named_parameters())
+        self._converted = self._converted or model_signature(model) != self.model_signature or any(
+            dtypes.get(name) != parameter.dtype for name, parameter in after.items()
+        )
         if optimizer is not None:
             retarget_optimizer(optimizer, before, after, self.device)
         for note in self._mode.notes:
@@ -184,13 +227,42 @@ class AppliedPolicy:
         self.model, self.optimizer = model, optimizer
         return model if optimizer is None else (model, optimizer)
 
+    def _workload_mismatch(self) -> WorkloadMismatch | None:
+        """What changed since the policy was tuned, as far as ``setup()`` can tell."""
+        tuned = self.policy.tuned_on
+        # The first model set up is the one trained; a later setup() (a teacher, an EMA copy)
+        # cannot switch the mode of the first.
+        if tuned is None or self._workload is None or self._mismatch_reported or self.model is not None:
+            return None
+        # Until micro_batch_size() says which global batch the script trains at, take the
+        # tuned one here: micro_batch_size() compares it.
+        batch = self._user_batch if self._user_batch is not None else tuned.global_batch
+        here = replace(self._workload, global_batch=batch)
+        return workload_mismatch(tuned, here, model_only=not self._match_workload)
+
+    def _batch_mismatch(self, batch: int) -> WorkloadMismatch | None:
+        """A cached answer tuned at another global batch than the script's ``batch``."""
+        tuned_batch = tuned_global_batch(self.policy)
+        if not self._match_workload or self._mismatch_reported or tuned_batch in (None, batch):
+            return None
+        return WorkloadMismatch((Difference(GLOBAL_BATCH, str(tuned_batch), str(batch)),))
+
     def _use_safe_default(self, why: str) -> None:
-        """Replace the policy by the hardware's safe default, warning once; before conversion only."""
+        """Replace the policy by the hardware's safe default, warning once.
+
+        Only while the model is unconverted (the safe default never converts it: it is never
+        FP8 and never a pure 16-bit mode). A micro-batch already handed out stays, with its
+        accumulation, so the global batch does not change.
+        """
         default = safe_default(self.profile)
+        kept = ""
+        if self._split is not None and self._split.accum > 1:
+            kept = f"; keeping {self._split.describe()}"
         get_logger().warning(
             f"{why}; run `mpadvise tune` again; using the safe default {default.mode} "
-            f"instead of {self.policy.describe()} from {self.source}"
+            f"instead of {self.policy.describe()} from {self.source}{kept}"
         )
+        self._mismatch_reported = True
         # Switches entered by `with load_policy() as mp:` belong to the old mode: restore them
         # (innermost first) and enter the new mode's in the same nesting.
         depth = len(self._switch_stack)
@@ -319,9 +391,133 @@ class AppliedPolicy:
         return f"AppliedPolicy({self.policy.describe()!r}, device={str(self.device)!r}, source={self.source!r})"
 
 
+@dataclass(frozen=True)
+class BatchSplit:
+    """How the script's batch is fed: micro-batches of ``micro``, ``accum`` per optimizer step.
+
+    Attributes:
+        micro: samples per forward pass (what the DataLoader should use).
+        accum: micro-batches per optimizer step.
+        note: a line for the log when the split changes or re-derives the global batch.
+        warning: whether ``note`` is a warning (the script's batch could not be kept as tuned)
+            rather than information.
+    """
+
+    micro: int
+    accum: int
+    note: str = ""
+    warning: bool = False
+
+    def describe(self) -> str:
+        """``"micro-batch 16 x 4 (global batch 64)"``."""
+        if self.accum == 1:
+            return f"micro-batch {self.micro}"
+        return f"micro-batch {self.micro} x {self.accum} (global batch {self.micro * self.accum})"
+
+
+def tuned_global_batch(policy: Policy) -> int | None:
+    """The global batch a tuned policy was measured at; ``None`` for a hand-written policy.
+
+    Args:
+        policy: any policy.
+
+    Returns:
+        ``tuned_on.global_batch``; for a policy tuned before ``[tuned_on]`` recorded it, the
+        micro-batch times the accumulation when the tune split the batch (accumulation 2 or
+        more); otherwise ``None``.
+    """
+    tuned = policy.tuned_on
+    if tuned is None:
+        return None
+    if tuned.global_batch is not None:
+        return tuned.global_batch
+    # Older tuned policies split the script's batch exactly (the search only tries divisors),
+    # so micro x accumulation was the global batch they were tuned at. Accumulation 1 with a
+    # micro-batch was a --scale-batch winner: its tuned batch is unknown.
+    accum, micro = policy.grad_accum_steps, policy.micro_batch_size
+    if tuned.hardware_fingerprint and micro is not None and accum is not None and accum > 1:
+        return micro * accum
+    return None
+
+
+def batch_split(policy: Policy, batch: int) -> BatchSplit:
+    """How ``policy`` feeds a script whose own batch (its global batch) is ``batch``.
+
+    A tuned policy keeps the script's global batch: its micro-batch splits ``batch``, and a
+    ``batch`` other than the tuned one is split anew, with a warning. A hand-written policy
+    does what it says: ``grad_accum_steps`` when given, else accumulation up to ``batch``.
+
+    Args:
+        policy: the policy in force.
+        batch: the batch the script asks for (``micro_batch_size``'s argument).
+
+    Returns:
+        The split, with the line to log about it, if any.
+    """
+    tuned_batch = tuned_global_batch(policy)
+    micro = policy.micro_batch_size
+    if tuned_batch is None:
+        return _stated_split(policy, batch)
+    if batch == tuned_batch:
+        if micro is None or micro == batch:
+            return BatchSplit(batch, 1)
+        if micro > batch:
+            # A --scale-batch winner: changing the global batch was opted into at tuning time.
+            return BatchSplit(micro, 1, f"global batch changes from {batch} to {micro} (policy micro-batch {micro}, tuned with --scale-batch)")
+        if batch % micro == 0:
+            return BatchSplit(micro, batch // micro)
+    # Split the script's batch exactly, at most as large as the micro-batch that was measured
+    # (so it still fits in memory).
+    size = _largest_divisor(batch, min(micro or batch, batch))
+    split = BatchSplit(size, batch // size)
+    if batch == tuned_batch:
+        note = f"micro-batch {micro} does not divide the batch {batch}: using {split.describe()}"
+        return replace(split, note=note)
+    note = (
+        f"batch {batch} differs from the global batch {tuned_batch} the policy was tuned at: keeping the "
+        f"global batch {batch} ({split.describe()}); run `mpadvise tune` again to tune for it"
+    )
+    return replace(split, note=note, warning=True)
+
+
+def _stated_split(policy: Policy, batch: int) -> BatchSplit:
+    """A hand-written policy's split: what it states, else accumulation up to ``batch``."""
+    micro = policy.micro_batch_size or batch
+    if policy.grad_accum_steps is not None:
+        split = BatchSplit(micro, policy.grad_accum_steps)
+        if micro * split.accum != batch:
+            stated = f"micro-batch {micro} x {split.accum}" if split.accum > 1 else f"micro-batch {micro}"
+            return replace(split, note=f"global batch changes from {batch} to {micro * split.accum} (policy {stated})")
+        return split
+    if policy.micro_batch_size is None or micro >= batch:
+        note = f"global batch changes from {batch} to {micro} (policy micro-batch {micro})" if micro > batch else ""
+        return BatchSplit(micro, 1, note)
+    accum = batch // micro
+    if batch % micro:
+        note = (
+            f"batch {batch} is not a multiple of micro-batch {micro}: accumulating {accum} "
+            f"micro-batches, so the global batch becomes {micro * accum}"
+        )
+        return BatchSplit(micro, accum, note, warning=True)
+    return BatchSplit(micro, accum)
+
+
+def _largest_divisor(number: int, limit: int) -> int:
+    """The largest divisor of ``number`` that is at most ``limit`` (at least 1)."""
+    for size in range(max(1, limit), 0, -1):
+        if number % size == 0:
+            return size
+    return 1
+
+
 def _script_path() -> str | None:
     script = _paths.current_script()
     return str(script) if script is not None else None
+
+
+def _script_args() -> tuple[str, ...]:
+    """The running script's command-line arguments (none in a REPL or notebook)."""
+    return tuple(sys.argv[1:]) if _paths.current_script() is not None else ()
 
 
 def _leading_dim(values: Any) -> int | None:

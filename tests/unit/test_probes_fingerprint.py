@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from probes import HardwareProfile, hardware_fingerprint
+from probes._fingerprint import FINGERPRINT_VERSION, major_minor
 
 GIB = 1024**3
 
@@ -46,9 +47,19 @@ def test_format_and_stability():
 
 
 def test_pinned_values_catch_recipe_changes():
-    # If these change, every cached result misses: bump FINGERPRINT_VERSION on purpose.
-    assert hardware_fingerprint(A100) == "e616086b263e1164"
-    assert hardware_fingerprint(CPU) == "c03235b73c15bbe3"
+    # If these change, every cached result misses: bump FINGERPRINT_VERSION on purpose, and add
+    # a cache migration that rekeys stored entries (advisor/cache/_migrations.py).
+    assert FINGERPRINT_VERSION == 2
+    assert hardware_fingerprint(A100) == "243e1c5ca25fa53d"
+    assert hardware_fingerprint(CPU) == "c75a31ae5ef623c1"
+    # Recipe 1 stays computable, to recognise policies recorded under it.
+    assert hardware_fingerprint(A100, version=1) == "e616086b263e1164"
+    assert hardware_fingerprint(CPU, version=1) == "c03235b73c15bbe3"
+
+
+def test_an_unknown_recipe_is_refused():
+    with pytest.raises(ValueError, match="recipe 3 is unknown"):
+        hardware_fingerprint(A100, version=3)
 
 
 @pytest.mark.parametrize(
@@ -58,17 +69,44 @@ def test_pinned_values_catch_recipe_changes():
         {"compute_capability": (8, 6)},
         {"memory_total": A100.memory_total + 2 * GIB},
         {"sm_count": 98},
-        {"driver_version": "560.35.03"},
         {"cuda_runtime": "12.6"},
+        {"cuda_runtime": None},
         {"torch_version": "2.6.0+cu126"},
-        {"libraries": (("torchao", "0.11.0"), ("transformer_engine", "2.1.0"))},
-        {"libraries": (("torchao", "0.10.0"), ("transformer_engine", None))},
+        {"torch_version": "2.6.0a0+git1234"},
         {"kind": "cpu"},
     ],
-    ids=lambda change: next(iter(change)),
+    ids=lambda change: f"{next(iter(change))}={next(iter(change.values()))}",
 )
 def test_changes_with_each_fact_that_changes_the_answer(change):
     assert hardware_fingerprint(replace(A100, **change)) != hardware_fingerprint(A100)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"driver_version": "560.35.03"},
+        {"driver_version": None},
+        {"torch_version": "2.5.2+cu124"},
+        {"torch_version": "2.5.1"},  # the CUDA build tag: cuda_runtime says which CUDA
+        {"cuda_runtime": "12.4.1"},
+        # FP8 libraries matter to FP8 answers only: policies.hardware_mismatch checks them.
+        {"libraries": (("torchao", "0.11.0"), ("transformer_engine", "2.1.0"))},
+        {"libraries": (("torchao", "0.10.0"), ("transformer_engine", None))},
+    ],
+    ids=lambda change: f"{next(iter(change))}={next(iter(change.values()))}",
+)
+def test_routine_upgrades_keep_the_fingerprint(change):
+    assert hardware_fingerprint(replace(A100, **change)) == hardware_fingerprint(A100)
+    # Recipe 1 threw every cached answer away on any of these.
+    assert hardware_fingerprint(replace(A100, **change), version=1) != hardware_fingerprint(A100, version=1)
+
+
+@pytest.mark.parametrize(
+    ("version", "line"),
+    [("2.5.1+cu124", "2.5"), ("2.6.0a0+git1234", "2.6"), ("12.4", "12.4"), ("12", "12"), (None, None)],
+)
+def test_major_minor(version, line):
+    assert major_minor(version) == line
 
 
 @pytest.mark.parametrize(

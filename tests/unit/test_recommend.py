@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 import statistics
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -59,12 +60,23 @@ def home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 @pytest.fixture
 def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A training script that load_policy() believes it runs in."""
+    """A training script that load_policy() believes it runs in, without arguments."""
     path = tmp_path / "project" / "train.py"
     path.parent.mkdir()
     path.write_text("print('training')\n")
     monkeypatch.setattr(_paths, "current_script", lambda: path)
+    monkeypatch.setattr(sys, "argv", [str(path)])
     return path
+
+
+def _tuned_workload(model: nn.Module, batch: int | None = 64) -> str:
+    """The workload fingerprint a tune of this script records for ``model`` (AdamW, lr 1e-3)."""
+    mp = advisor.load_policy(Policy(mode="fp32"), device="cpu")
+    mp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    if batch is not None:
+        mp.micro_batch_size(batch)
+    assert mp.workload_fingerprint is not None
+    return mp.workload_fingerprint
 
 
 def _record(
@@ -144,9 +156,13 @@ MISSES = {
     "gpu model": lambda p: replace(p, name="NVIDIA A100-PCIE-80GB"),
     "compute capability": lambda p: replace(p, compute_capability=(8, 6)),
     "memory sku": lambda p: replace(p, memory_total=40 * GIB),
-    "driver": lambda p: replace(p, driver_version="535.104.05"),
     "cuda runtime": lambda p: replace(p, cuda_runtime="12.1"),
     "torch": lambda p: replace(p, torch_version="2.6.0+cu124"),
+}
+# Routine upgrades that do not change a non-FP8 answer (FP8 answers: test_cache_workload.py).
+HITS = {
+    "driver": lambda p: replace(p, driver_version="535.104.05"),
+    "torch patch release": lambda p: replace(p, torch_version="2.5.2+cu124"),
     "torchao": lambda p: _changed(p, "torchao", "0.11.0"),
     "transformer_engine": lambda p: _changed(p, "transformer_engine", "2.2.0"),
     "transformer_engine removed": lambda p: _changed(p, "transformer_engine", None),
@@ -159,6 +175,14 @@ def test_the_key_misses_when_the_hardware_or_a_version_changes(script: Path, cha
     _record(tuned_on, script)
     assert lookup(tuned_on, script) is not None  # the control: same machine hits
     assert lookup(MISSES[change](tuned_on), script) is None
+
+
+@pytest.mark.parametrize("change", sorted(HITS))
+def test_the_key_survives_a_routine_upgrade(script: Path, change: str) -> None:
+    tuned_on = gpu_profile("A100")
+    _record(tuned_on, script)
+    hit = lookup(HITS[change](tuned_on), script)
+    assert hit is not None and hit[0].mode == "bf16-mixed"
 
 
 def test_the_key_misses_for_another_script(script: Path, tmp_path: Path) -> None:
@@ -188,9 +212,9 @@ def test_an_exact_path_wins_over_a_newer_entry_with_the_same_name(tmp_path: Path
     mine_hit, theirs_hit, moved_hit = (lookup(profile, p) for p in (mine, theirs, moved))
     assert mine_hit is not None and mine_hit[0].mode == "bf16-mixed"
     assert theirs_hit is not None and theirs_hit[0].mode == "fp8-te"
-    # A script with no entry of its own takes the newest one of the same name (an imported
-    # answer, or a moved project); setup() then checks that the model is the tuned one.
-    assert moved_hit is not None and moved_hit[0].mode == "fp8-te"
+    # A script with no entry of its own misses: the same name in another folder is another
+    # workload (its code, data and arguments may differ).
+    assert moved_hit is None
 
 
 def test_a_lookup_creates_no_cache_and_warns_nothing(script: Path, home: Path, warnings: list[str]) -> None:
@@ -285,14 +309,17 @@ def test_an_entry_from_another_torch_is_not_applied(script: Path) -> None:
 
 def test_same_model_keeps_the_tuned_policy(script: Path, warnings: list[str]) -> None:
     model = Net()
-    _record(_cpu(), script, mode=_tuned_mode(), signature=model_signature(model))
+    _record(_cpu(), script, mode=_tuned_mode(), signature=model_signature(model), workload=_tuned_workload(Net(), None))
     mp = advisor.load_policy(device="cpu")
     mp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert mp.mode == _tuned_mode() and warnings == []
 
 
 def test_changed_model_warns_once_and_uses_the_safe_default(script: Path, warnings: list[str]) -> None:
-    _record(_cpu(), script, mode="bf16-true", signature=model_signature(Net(hidden=32)))
+    _record(
+        _cpu(), script, mode="bf16-true", signature=model_signature(Net(hidden=32)),
+        workload=_tuned_workload(Net(hidden=32), None),
+    )
     mp = advisor.load_policy(device="cpu")
     assert mp.mode == "bf16-true"
     model = Net(hidden=64)

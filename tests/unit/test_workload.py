@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from advisor.runtime._workload import model_signature, workload_fingerprint
+from advisor.runtime._workload import Workload, model_signature, script_digest, workload_fingerprint
 
 
 class Net(nn.Module):
@@ -172,5 +172,38 @@ def test_identical_in_every_process() -> None:
     # to the canonical text must bump the format tag and this value together.
     model, optimizer = _reference_workload()
     key = workload_fingerprint(model, optimizer, global_batch=128, script=None)
-    assert key == "19f118e258f041fe"
+    assert key == "482384efdc19e9ea"
     assert model_signature(model) == "694736ec1102518b"
+
+
+def test_script_arguments_count(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('epoch 1')\n")
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+    def key(*args: str) -> str:
+        return workload_fingerprint(model, optimizer, global_batch=64, script=script, args=args)
+
+    assert key() == workload_fingerprint(model, optimizer, global_batch=64, script=script)
+    assert key("--lr", "1e-3") != key()
+    assert key("--lr", "1e-3") != key("--lr", "1e-4")
+    # Arguments are a list, not a string: ("a b",) and ("a", "b") are different command lines.
+    assert key("a b") != key("a", "b")
+
+
+def test_the_workload_facts_are_what_the_fingerprint_covers(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('epoch 1')\n")
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    facts = Workload.of(model, optimizer, global_batch=64, script=script, args=("--epochs", "1"))
+    assert facts.fingerprint() == workload_fingerprint(
+        model, optimizer, global_batch=64, script=script, args=("--epochs", "1")
+    )
+    assert (facts.model, facts.optimizer, facts.global_batch, facts.script) == (
+        model_signature(model), "AdamW", 64, "train.py"
+    )
+    assert facts.script_digest == script_digest(script) and len(facts.script_digest or "") == 16
+    assert facts.describe_optimizer().startswith("AdamW(lr=0.001, eps=1e-08, betas=(0.9,0.999), weight_decay=0.0")
+    assert script_digest(tmp_path / "missing.py") is None
