@@ -22,6 +22,14 @@ SLOW_DTYPE_RATIO = 0.5
 # How far a candidate of an unmeasured mode may beat what its matmul ratio alone predicts
 # (memory-bound work halves its bytes in 16-bit dtypes; kernels differ).
 PRIOR_SLACK = 1.25
+# The instabilities that a micro-batch split of the same settings cannot cure. Accumulation keeps
+# the global batch, so the optimizer applies the same update to the same low-precision weights:
+# an update lost to their rounding (stalled) stays lost. Each micro-batch's loss is divided by the
+# accumulation count, so its gradients are smaller and underflow only grows. Not listed, because a
+# split can cure them: fp16 overflow in the backward pass (diverged, skips, scale_collapse), since
+# each backward sums fewer samples into its fp16 gradients; and anything in a model with
+# BatchNorm, which normalises over the micro-batch, so a split changes the forward pass itself.
+SPLIT_KEEPS: frozenset[str] = frozenset({"stalled", "underflow"})
 
 
 @dataclass(frozen=True, order=True)
@@ -190,6 +198,7 @@ class Measured:
     oom: bool = False
     outcome: str = ""  # ok / unstable / oom / crash / ... for reports
     reason: str = ""
+    verdict_kind: str = ""  # the stability verdict's kind (diverged, stalled, ...); "" when not judged
 
 
 def upper_bound(
@@ -202,24 +211,28 @@ def upper_bound(
 ) -> float:
     """The most goodput this untried candidate could plausibly reach (0 when it cannot run).
 
-    Priors, in order: a micro-batch split of settings that were unstable stays unstable; a
-    micro-batch at or above one that ran out of memory in this mode cannot
-    fit; a variant of a mode already measured at a micro-batch at least as large (another loss
-    scale, a smaller micro-batch accumulated back) is no faster than that run; an
-    unmeasured mode is bounded by its matmul speed ratio to fp32 on this device, and a dtype
-    under half fp32's rate cannot beat fp32 (at best it ties, and ties go to fp32).
+    Priors, in order: a micro-batch split of settings that were unstable in a way no split
+    cures (``SPLIT_KEEPS``: a stall, gradient underflow) stays unstable; a micro-batch at or
+    above one that ran out of memory in this mode cannot fit; a variant of a mode measured
+    stable at a micro-batch at least as large (another loss scale, a smaller micro-batch
+    accumulated back) is no faster than that run; an unmeasured mode, or one with no stable
+    run yet, is bounded by its matmul speed ratio to fp32 on this device, and a dtype under
+    half fp32's rate cannot beat fp32 (at best it ties, and ties go to fp32).
     """
     size = candidate.micro_batch or user_batch or 0
     same_mode = [m for m in measured.values() if m.candidate.mode == candidate.mode]
     for m in same_mode:
-        # Accumulating smaller micro-batches keeps the optimisation the same, so it does not
-        # cure a precision instability; another loss scale might, and is still explored.
-        if m.feasible and not m.stable and _same_settings(m.candidate, candidate):
+        # Another loss scale might cure any instability, and is still explored.
+        if (m.feasible and not m.stable and m.verdict_kind in SPLIT_KEEPS
+                and _same_settings(m.candidate, candidate)):
             return 0.0
     for m in same_mode:
         if m.oom and size >= (m.candidate.micro_batch or user_batch or 0):
             return 0.0
-    runs = [m.goodput for m in same_mode if m.feasible and (m.candidate.micro_batch or user_batch or 0) >= size]
+    # Only stable runs bound a variant: an unstable run's goodput is lowered by the steps it
+    # skipped, which another loss scale may not skip, so it says nothing of the variant's speed.
+    runs = [m.goodput for m in same_mode
+            if m.stable and m.feasible and (m.candidate.micro_batch or user_batch or 0) >= size]
     if runs:
         # Another loss scale, or a smaller micro-batch accumulated back, does not make a step
         # faster than a measured run of the same mode at a batch at least as large.

@@ -1,4 +1,4 @@
-"""Step-time statistics: robust summaries, noise-aware comparisons and goodput.
+"""Step-time statistics: robust summaries, noise-aware comparisons, gaps and goodput.
 
 Pure functions over recorded step times in seconds: no torch, no clocks. The shells time the
 steps (synchronising the device at the edges); these functions decide what the times say.
@@ -16,6 +16,10 @@ from typing import Any
 
 DEFAULT_WARMUP = 3
 DEFAULT_MIN_MARGIN = 0.02
+DEFAULT_CONFIDENCE = 0.95
+# The fraction of paired runs trimmed from each end before the gap's mean (Yuen's trimmed mean):
+# 20% leaves up to four pairs untouched and drops one run a neighbour's burst slowed from five.
+GAP_TRIM = 0.2
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,163 @@ def compare(
     else:
         verdict = "tie"
     return Comparison(ratio=ratio, verdict=verdict, noise=noise)
+
+
+@dataclass(frozen=True)
+class Gap:
+    """How much faster ``a`` runs than ``b`` over paired runs, with a confidence interval.
+
+    Attributes:
+        ratio: the estimated speedup of ``a`` over ``b`` (above 1 when ``a`` is faster).
+        low: the lower end of its confidence interval (0.0 when there are too few pairs).
+        high: the upper end (``math.inf`` when there are too few pairs).
+        pairs: how many paired runs it rests on.
+        confidence: the interval's confidence level.
+        min_margin: the smallest relative lead that counts.
+        verdict: said of ``a``: ``"faster"`` or ``"slower"`` when the whole interval lies beyond
+            ``min_margin`` on one side; ``"tie"`` when it lies within ``min_margin`` either way
+            (resolved: the lead is too small to matter); ``"unresolved"`` when it straddles
+            the margin, so that more runs are needed to tell.
+    """
+
+    ratio: float
+    low: float
+    high: float
+    pairs: int
+    confidence: float
+    min_margin: float
+    verdict: str
+
+    @property
+    def resolved(self) -> bool:
+        """Whether more runs could not change the verdict's kind (faster, slower or a tie)."""
+        return self.verdict != "unresolved"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; an unbounded end of the interval is ``None``."""
+        data = asdict(self)
+        for end in ("low", "high"):
+            if not (math.isfinite(data[end]) and data[end] > 0):
+                data[end] = None
+        return data
+
+
+def paired_gap(
+    a: Sequence[float],
+    b: Sequence[float],
+    *,
+    confidence: float = DEFAULT_CONFIDENCE,
+    min_margin: float = DEFAULT_MIN_MARGIN,
+) -> Gap:
+    """The gap between two configurations from paired runs, with its confidence interval.
+
+    Each pair is one run of each, back to back, so a slow spell of the machine hits both
+    alike; its log ratio is one observation of the gap. The estimate is the 20%-trimmed mean of
+    those log ratios, with Yuen's interval (Student's t on the winsorized variance), so that
+    one run a neighbour's burst slowed does not hide a real gap. With up to four pairs
+    nothing is trimmed and this is the paired t interval. Runs, unlike steps, are independent,
+    so the interval narrows as runs are added (``compare`` cannot narrow, see there).
+
+    Args:
+        a: goodput (samples per second, higher is faster) of ``a`` in each paired run.
+        b: goodput of ``b`` in the same runs, in the same order.
+        confidence: the interval's confidence level, between 0 and 1.
+        min_margin: the smallest relative lead that counts (0.02 = 2%), as in ``compare``.
+
+    Returns:
+        The gap, its interval and its verdict; with fewer than two pairs the interval is
+        unbounded and the verdict ``"unresolved"``.
+
+    Raises:
+        ValueError: ``a`` and ``b`` differ in length, a goodput is not a positive finite
+            number, ``confidence`` is not between 0 and 1, or ``min_margin`` is negative.
+    """
+    _check_gap_args(a, b, confidence, min_margin)
+    logs = sorted(math.log(x / y) for x, y in zip(a, b))
+    n = len(logs)
+    if n < 2:
+        ratio = math.exp(logs[0]) if logs else 1.0
+        return Gap(ratio, 0.0, math.inf, n, confidence, min_margin, "unresolved")
+    cut = int(GAP_TRIM * n)
+    kept = logs[cut:n - cut]
+    centre = math.fsum(kept) / len(kept)
+    winsorized = [logs[cut]] * cut + kept + [logs[n - cut - 1]] * cut
+    w_mean = math.fsum(winsorized) / n
+    w_var = math.fsum((x - w_mean) ** 2 for x in winsorized) / (n - 1)
+    h = len(kept)
+    half = t_quantile(0.5 + confidence / 2.0, h - 1) * math.sqrt((n - 1) * w_var / (h * (h - 1)))
+    low, high = centre - half, centre + half
+    edge = math.log1p(min_margin)
+    if low > edge:
+        verdict = "faster"
+    elif high < -edge:
+        verdict = "slower"
+    elif low >= -edge and high <= edge:
+        verdict = "tie"
+    else:
+        verdict = "unresolved"
+    return Gap(math.exp(centre), math.exp(low), math.exp(high), n, confidence, min_margin, verdict)
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p``-quantile of Student's t distribution with ``df`` degrees of freedom.
+
+    Exact for whole ``df``: bisection on the closed form of the distribution function
+    (Abramowitz and Stegun 26.7.3 and 26.7.4), so no statistics library is needed.
+
+    Raises:
+        ValueError: ``p`` is not strictly between 0 and 1, or ``df`` is not a whole number >= 1.
+    """
+    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
+        raise ValueError(f"t_quantile: df must be a whole number >= 1, got {df!r}")
+    if not (isinstance(p, numbers.Real) and 0.0 < p < 1.0):
+        raise ValueError(f"t_quantile: p must be between 0 and 1 (exclusive), got {p!r}")
+    if p == 0.5:
+        return 0.0
+    coverage = abs(2.0 * p - 1.0)  # P(|T| < t) at the quantile
+    lo, hi = 0.0, math.pi / 2.0  # theta = atan(t / sqrt(df)), over which coverage rises
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        if _t_coverage(mid, df) < coverage:
+            lo = mid
+        else:
+            hi = mid
+    t = math.sqrt(df) * math.tan((lo + hi) / 2.0)
+    return t if p > 0.5 else -t
+
+
+def _t_coverage(theta: float, df: int) -> float:
+    """P(|T| < sqrt(df) tan(theta)) for Student's t with ``df`` degrees of freedom."""
+    sin, cos2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2 == 1:
+        series, term = 0.0, math.cos(theta)
+        for k in range(1, (df - 1) // 2 + 1):
+            series += term
+            term *= cos2 * (2 * k) / (2 * k + 1)
+        return 2.0 / math.pi * (theta + sin * series)
+    series, term = 0.0, 1.0
+    for k in range(1, df // 2 + 1):
+        series += term
+        term *= cos2 * (2 * k - 1) / (2 * k)
+    return sin * series
+
+
+def _check_gap_args(a: Sequence[float], b: Sequence[float], confidence: float, min_margin: float) -> None:
+    """Raise a ValueError naming the first argument of ``paired_gap`` that is not allowed."""
+    if len(a) != len(b):
+        raise ValueError(
+            f"paired_gap: a has {len(a)} runs but b has {len(b)}; give one goodput of each per pair"
+        )
+    for name, values in (("a", a), ("b", b)):
+        for i, v in enumerate(values):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v > 0):
+                raise ValueError(f"paired_gap: {name}[{i}] must be a goodput > 0, got {v!r}")
+    if isinstance(confidence, bool) or not (isinstance(confidence, numbers.Real) and 0.0 < confidence < 1.0):
+        raise ValueError(f"paired_gap: confidence must be between 0 and 1 (0.95 = 95%), got {confidence!r}")
+    if isinstance(min_margin, bool) or not (
+        isinstance(min_margin, numbers.Real) and math.isfinite(min_margin) and min_margin >= 0
+    ):
+        raise ValueError(f"paired_gap: min_margin must be a number >= 0, got {min_margin!r}")
 
 
 def goodput(

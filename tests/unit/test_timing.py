@@ -7,7 +7,15 @@ import random
 
 import pytest
 
-from advisor.tune._timing import Comparison, TimingSummary, compare, goodput, summarize
+from advisor.tune._timing import (
+    Comparison,
+    TimingSummary,
+    compare,
+    goodput,
+    paired_gap,
+    summarize,
+    t_quantile,
+)
 
 
 def noisy(median: float, spread: float, n: int = 60, seed: int = 0) -> list[float]:
@@ -177,3 +185,93 @@ def test_goodput_validation(kwargs: dict[str, object], match: str) -> None:
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         goodput(**args)  # type: ignore[arg-type]
+
+
+# --- paired gaps ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("p", "df", "expected"),
+    [(0.975, 1, 12.7062), (0.975, 2, 4.3027), (0.975, 5, 2.5706), (0.975, 30, 2.0423), (0.95, 3, 2.3534),
+     (0.025, 4, -2.7764), (0.5, 7, 0.0)],
+)
+def test_t_quantile_matches_the_tables(p: float, df: int, expected: float) -> None:
+    assert t_quantile(p, df) == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize(("p", "df", "match"), [(1.0, 3, "p must be"), (0.0, 3, "p must be"), (0.9, 0, "df must be")])
+def test_t_quantile_rejects_what_it_cannot_answer(p: float, df: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        t_quantile(p, df)
+
+
+def paired_runs(gap: float, sigma: float, n: int, seed: int = 0) -> tuple[list[float], list[float]]:
+    """Goodputs of ``a`` (``gap`` times faster) and ``b`` in ``n`` paired runs, each run off by
+    a lognormal factor of spread ``sigma``."""
+    rng = random.Random(seed)
+    a = [100.0 * gap * math.exp(rng.gauss(0.0, sigma)) for _ in range(n)]
+    b = [100.0 * math.exp(rng.gauss(0.0, sigma)) for _ in range(n)]
+    return a, b
+
+
+def test_quiet_pairs_resolve_a_real_gap_quickly() -> None:
+    gap = paired_gap(*paired_runs(1.19, 0.01, 3))
+    assert gap.verdict == "faster" and gap.resolved
+    assert gap.low < 1.19 < gap.high and gap.ratio == pytest.approx(1.19, rel=0.02)
+    assert gap.pairs == 3 and gap.confidence == 0.95
+
+
+def test_noisy_pairs_leave_a_gap_unresolved_until_more_runs_come() -> None:
+    a, b = paired_runs(1.19, 0.15, 10, seed=3)
+    assert paired_gap(a[:2], b[:2]).verdict == "unresolved"
+    assert paired_gap(a, b).verdict == "faster"
+
+
+def test_a_gap_within_the_margin_is_a_resolved_tie() -> None:
+    gap = paired_gap([101.0, 101.0, 101.0], [100.0, 100.0, 100.0])
+    assert gap.verdict == "tie" and gap.resolved
+    assert gap.ratio == pytest.approx(1.01) and gap.low == pytest.approx(1.01)
+    assert paired_gap([101.0] * 3, [100.0] * 3, min_margin=0.005).verdict == "faster"
+
+
+def test_slower_is_said_of_a() -> None:
+    a, b = paired_runs(1.19, 0.01, 3)
+    assert paired_gap(b, a).verdict == "slower"
+    assert paired_gap(b, a).ratio == pytest.approx(1.0 / paired_gap(a, b).ratio)
+
+
+def test_one_run_slowed_by_a_neighbour_does_not_hide_the_gap() -> None:
+    # Five clean pairs 19% apart, and one in which b's run was slowed threefold: the trimmed
+    # mean drops it, where a plain t interval would be swamped by it.
+    a, b = paired_runs(1.19, 0.03, 6, seed=1)
+    b[2] /= 3.0
+    gap = paired_gap(a, b)
+    assert gap.verdict == "faster" and gap.ratio == pytest.approx(1.19, rel=0.05)
+    logs = [math.log(x / y) for x, y in zip(a, b)]
+    mean = sum(logs) / len(logs)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in logs) / (len(logs) - 1))
+    assert mean - t_quantile(0.975, 5) * sd / math.sqrt(len(logs)) < 0  # the plain interval would not resolve
+
+
+def test_fewer_than_two_pairs_give_no_interval() -> None:
+    one = paired_gap([120.0], [100.0])
+    assert one.verdict == "unresolved" and one.low == 0.0 and one.high == math.inf
+    assert one.to_dict()["low"] is None and one.to_dict()["high"] is None
+    assert paired_gap([], []).pairs == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"a": [1.0, 2.0], "b": [1.0]}, "a has 2 runs but b has 1"),
+        ({"a": [1.0, 0.0], "b": [1.0, 1.0]}, r"a\[1\] must be a goodput > 0"),
+        ({"a": [1.0, 1.0], "b": [1.0, math.nan]}, r"b\[1\] must be a goodput > 0"),
+        ({"confidence": 1.0}, "confidence must be between 0 and 1"),
+        ({"min_margin": -0.01}, "min_margin must be a number >= 0"),
+    ],
+)
+def test_paired_gap_validation(kwargs: dict[str, object], match: str) -> None:
+    args: dict[str, object] = {"a": [1.0, 1.1], "b": [1.0, 1.0]}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        paired_gap(**args)  # type: ignore[arg-type]
