@@ -1,4 +1,5 @@
-"""``mpadvise trial``: the fp32 reference against named candidates, shown side by side."""
+"""``mpadvise trial``: the fp32 reference against named candidates, shown side by side, with
+fp32's own run-to-run spread (a replicate under another seed) that the verdicts allow for."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from pathlib import Path
 from rich.console import Console
 
 import probes
-from advisor.cli._report import evaluation_table, plot_trials, print_reasons, trial_progress
+from advisor.cli._report import (
+    evaluation_table,
+    plot_trials,
+    print_reasons,
+    spread_line,
+    trial_progress,
+)
 from advisor.tune._checks import check_modes, check_script, default_trial_modes
 from advisor.tune._trials import ScriptRunner, TrialSettings, run_comparison
 from policies import Policy
@@ -47,8 +54,9 @@ def run_trial_command(
     runner = ScriptRunner(path, script_args, settings)
     candidates = [(Policy(mode=m), m) for m in modes]
     progress_console = Console(stderr=True) if json_output else console
-    with trial_progress(progress_console, len(candidates) + 1, enabled=sys.stderr.isatty() or not json_output) as (start, done):
-        reference, evaluations = run_comparison(runner, candidates, on_start=start, on_done=done)
+    # The reference, its replicate under another seed, then each candidate.
+    with trial_progress(progress_console, len(candidates) + 2, enabled=sys.stderr.isatty() or not json_output) as (start, done):
+        reference, evaluations, replicate = run_comparison(runner, candidates, on_start=start, on_done=done)
     if plot is not None:
         plot_trials(str(plot), reference, evaluations)
     if json_output:
@@ -58,6 +66,7 @@ def run_trial_command(
             "hardware": {"name": profile.name, "fingerprint": hardware_fingerprint(profile), "device": settings.device or profile.device},
             "settings": {"warmup_steps": warmup, "measure_steps": steps, "seed": seed, "memory_limit": settings.memory_limit},
             "reference": reference.to_dict(),
+            "replicate": None if replicate is None else replicate.to_dict(),
             "candidates": [ev.to_dict() for ev in evaluations],
             "plot": str(plot) if plot else None,
         }
@@ -65,6 +74,8 @@ def run_trial_command(
     else:
         title = f"{path.name} on {profile.name}: {warmup} warm-up + {steps} measured steps per trial, seed {seed}"
         console.print(evaluation_table(reference, evaluations, title=title))
+        console.print(spread_line(reference.to_dict(), None if replicate is None else replicate.to_dict(losses=False)),
+                      highlight=False)
         print_reasons(console, evaluations)
         if plot is not None:
             console.print(f"plot written to {plot}")

@@ -3,7 +3,8 @@
 Pure functions over recorded trial data: no torch, no files, no clocks. A trial records one
 ``TrialCurve`` per precision mode, all with the same seed and data order, so the candidate
 and the fp32 reference can be compared step by step. ``judge`` turns the pair into a
-``Verdict`` whose reason says, with numbers, what went wrong and what to do.
+``Verdict`` whose reason says, with numbers, what went wrong and what to do. Given fp32 run again
+with another seed (the replicate), the limits widen to the workload's own spread (``_spread``).
 
 The defaults of ``StabilityThresholds`` and the evidence for them are in docs/stability.md.
 """
@@ -16,6 +17,9 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
+from advisor.tune import _spread
+from advisor.tune._spread import levels as _levels
+from advisor.tune._spread import smooth as smooth  # re-exported: part of this module's surface
 from policies import PrecisionMode, mode_class, safety_order
 from policies import safety_rank as safety_rank  # re-exported: the search ranks ties with it
 from probes import MpadviseError
@@ -56,10 +60,9 @@ class TrialCurve:
         loss_scale: per step, the GradScaler's scale, ``None`` where no scaler ran. Empty when
             not recorded at all.
         underflow: per step, the fraction of sampled nonzero gradient values whose scaled
-            magnitude ``|g| * loss_scale`` is below fp16's smallest normal value (2**-14):
-            they are subnormal in the fp16 backward, have lost precision, and the next
-            backoff flushes them to zero (below 2**-24). ``None`` where not measured (modes
-            other than fp16). Empty when not recorded at all.
+            magnitude ``|g| * loss_scale`` is below fp16's smallest subnormal value (2**-24):
+            an fp16 backward flushes them to zero. ``None`` where not measured (modes other
+            than fp16). Empty when not recorded at all.
         lr: the learning rate of the trial, when known (only reported, never judged).
     """
 
@@ -186,8 +189,8 @@ class StabilityThresholds:
             1.8% and the TF32-vs-AMP gap 0.2% (NVIDIA DeepLearningExamples); a short trial is
             noisier, so the band is 10%.
         max_final_gap: most the candidate's smoothed final loss may exceed fp32's, relative to
-            fp32's final loss (or to how far fp32's loss fell, whichever is larger). 5% is
-            nearly three times the seed spread of 1.8%.
+            fp32's final loss (so a loss floor above a loss heading towards zero is caught). 5%
+            is nearly three times the seed spread of 1.8%.
         climb_margin: divergence limit for a finite curve; the candidate's smoothed loss ending
             more than this fraction above where it started, while fp32's did not, is a
             divergence. 5% is well outside seed noise.
@@ -195,6 +198,10 @@ class StabilityThresholds:
             start, the ratio of two decreases that are both within noise means nothing, so
             progress is not judged; only the final gap is. 2% is just above the 1.8% seed
             spread.
+        spread_multiplier: with a replicate (fp32 again, another seed), how many times fp32's
+            own run-to-run spread a candidate's progress shortfall and final gap may reach; the
+            two limits above stay floors. One replicate is one draw of the spread, so 2 rather
+            than 1; 0 ignores the replicate.
     """
 
     min_steps: int = 32
@@ -208,6 +215,7 @@ class StabilityThresholds:
     max_final_gap: float = 0.05
     climb_margin: float = 0.05
     min_reference_drop: float = 0.02
+    spread_multiplier: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("min_steps", "min_smoothing_steps"):
@@ -221,7 +229,8 @@ class StabilityThresholds:
                 "StabilityThresholds.smoothing_fraction must be > 0 (a fraction of the steps), "
                 "got 0.0"
             )
-        for name in ("min_loss_scale", "min_progress_ratio", "max_final_gap", "climb_margin"):
+        for name in ("min_loss_scale", "min_progress_ratio", "max_final_gap", "climb_margin",
+                     "spread_multiplier"):
             _check_number(name, getattr(self, name), low=0.0, high=None)
 
     def to_dict(self) -> dict[str, Any]:
@@ -250,8 +259,10 @@ class Verdict:
             ``smoothing_window``, ``candidate_start``, ``candidate_end``,
             ``reference_start``, ``reference_end``, ``reference_drop`` (fraction of its
             start), ``candidate_rise`` (fraction of its start), ``reference_flat``
-            (True when fp32's loss did not fall, so progress was not judged),
-            ``progress_ratio``, ``final_gap``.
+            (True when fp32's loss did not fall, or fell within its own spread, so progress was
+            not judged), ``progress_ratio``, ``final_gap``; with a replicate also the spread
+            and the limits it set: ``replicate_end``, ``progress_spread``, ``final_spread``,
+            ``progress_limit``, ``final_gap_limit``.
     """
 
     stable: bool
@@ -297,28 +308,12 @@ class Verdict:
         )
 
 
-def smooth(losses: Sequence[float], window: int) -> tuple[float, ...]:
-    """Trailing moving median of a loss curve, leaving out non-finite values.
-
-    Args:
-        losses: one loss per step.
-        window: how many steps each median covers (the step itself and the ones before it).
-
-    Returns:
-        One value per step: the median of the finite losses among the last ``window`` steps,
-        NaN where there are none.
-    """
-    _check_int("window", window, minimum=1, owner="smooth")
-    out = []
-    for i in range(len(losses)):
-        out.append(_median_finite(losses[max(0, i + 1 - window) : i + 1]))
-    return tuple(out)
-
-
 def judge(
     candidate: TrialCurve,
     reference: TrialCurve,
     thresholds: StabilityThresholds | None = None,
+    *,
+    replicate: TrialCurve | None = None,
 ) -> Verdict:
     """Decide whether a candidate's trial curve is as stable as the fp32 reference's.
 
@@ -329,18 +324,22 @@ def judge(
     tail (diverged), loss-scale collapse, persistent skips, gradient underflow, a climbing loss
     (diverged), too little progress (stalled) and too large a final gap (stalled).
     Non-finite losses on steps the GradScaler skipped are the scaler doing its job: they count
-    as skips, not divergence.
+    as skips, not divergence. With a replicate, the progress and final-gap limits widen to
+    ``spread_multiplier`` times fp32's own run-to-run spread, never below the fixed ones.
 
     Args:
         candidate: the curve of the precision mode under test.
         reference: the fp32 curve of the same trial.
         thresholds: the limits; the defaults when ``None``.
+        replicate: fp32 again with another seed, at least as long as the compared steps;
+            ``None`` (or one too short, or not finite at the end) leaves the fixed limits.
 
     Returns:
         The verdict, with a reason in words and the numbers behind it.
     """
     comparison = _Comparison(
-        candidate, reference, StabilityThresholds() if thresholds is None else thresholds
+        candidate, reference, StabilityThresholds() if thresholds is None else thresholds,
+        replicate,
     )
     for check in STABILITY_CHECKS:
         verdict = check(comparison)
@@ -385,6 +384,7 @@ class _Comparison:
     candidate: TrialCurve
     reference: TrialCurve
     t: StabilityThresholds
+    replicate: TrialCurve | None = None
     metrics: dict[str, float | int | bool] = field(default_factory=dict)
 
     @cached_property
@@ -445,19 +445,29 @@ class _Comparison:
         return _Levels(c_start, c_end, r_start, r_end, r_drop, ref_drop_rel, cand_rise_rel)
 
     @cached_property
+    def limits(self) -> _spread.Limits:
+        """The progress and final-gap limits: the fixed ones, widened to the replicate's spread."""
+        t, replicate = self.t, self.replicate if self.t.spread_multiplier > 0 else None
+        spread = None if replicate is None else _spread.measure_spread(
+            self.reference.losses[: self.n], replicate.losses, self.window)
+        limits = _spread.Limits(t.min_progress_ratio, t.max_final_gap, t.spread_multiplier,
+                                self.levels.r_drop, spread)
+        self.metrics.update(limits.metrics())
+        return limits
+
+    @cached_property
     def reference_flat(self) -> bool:
-        """fp32's loss did not fall (or rose): there is no decrease to compare against."""
+        """fp32's loss did not fall, or fell within its own spread: no decrease to compare."""
         lv = self.levels
         flat = lv.r_drop <= 0 or lv.ref_drop_rel < self.t.min_reference_drop
+        flat = flat or self.limits.fell_within_spread
         self.metrics["reference_flat"] = flat
         return flat
 
     @cached_property
     def final_gap(self) -> float:
-        # Relative to fp32's final loss, or to how far it fell when that is larger, so a loss
-        # that converges towards zero does not turn a tiny absolute gap into a huge ratio.
         lv = self.levels
-        gap = (lv.c_end - lv.r_end) / max(abs(lv.r_end), lv.r_drop, _TINY)
+        gap = _spread.final_gap(lv.c_end, lv.r_end, lv.r_drop)
         self.metrics["final_gap"] = gap
         return gap
 
@@ -469,6 +479,8 @@ class _Comparison:
         """The clause saying that progress was not judged, or nothing."""
         if not self.reference_flat:
             return ""
+        if self.limits.fell_within_spread:
+            return self.limits.flat_note(self.ref_curve())
         return (
             f"{self.ref_name}'s loss did not fall ({_fmt(self.levels.r_start)} -> "
             f"{_fmt(self.levels.r_end)}), so progress cannot be compared and only the final "
@@ -572,7 +584,7 @@ def _persistent_skips(c: _Comparison) -> Verdict | None:
 
 
 def _gradient_underflow(c: _Comparison) -> Verdict | None:
-    """On average more than ``max_underflow_fraction`` of scaled gradients below fp16's normals."""
+    """On average more than ``max_underflow_fraction`` of scaled gradients below fp16's smallest subnormal."""
     s, t, metrics = c.scaler, c.t, c.metrics
     if not (s.underflow and metrics["mean_underflow"] > t.max_underflow_fraction):
         return None
@@ -582,8 +594,8 @@ def _gradient_underflow(c: _Comparison) -> Verdict | None:
         "underflow",
         f"{c.name} loses gradients to underflow: on average {_pct(metrics['mean_underflow'])} "
         f"of sampled gradient values (up to {_pct(metrics['max_underflow'])} on one step) "
-        f"fall below fp16's normal range (2^-14) once scaled, where they lose precision and "
-        f"the next backoff flushes them to zero, limit "
+        f"fall below fp16's smallest subnormal (2^-24) once scaled, where an fp16 backward "
+        f"flushes them to zero, limit "
         f"{_pct(t.max_underflow_fraction)}{scale_note}; {c.advice('underflow')}",
         metrics,
     )
@@ -605,13 +617,14 @@ def _climb(c: _Comparison) -> Verdict | None:
 
 
 def _progress(c: _Comparison) -> Verdict | None:
-    """The smoothed loss fell less than ``min_progress_ratio`` as far as fp32's: a stall."""
+    """The smoothed loss fell less than ``min_progress_ratio`` (or less than the spread
+    allows) as far as fp32's: a stall."""
     if c.reference_flat:
         return None
-    lv, t = c.levels, c.t
+    lv = c.levels
     progress = (lv.c_start - lv.c_end) / lv.r_drop
     c.metrics["progress_ratio"] = progress
-    if progress >= t.min_progress_ratio:
+    if progress >= c.limits.progress:
         return None
     if progress <= 0:
         how = f"its smoothed loss did not fall ({_fmt(lv.c_start)} -> {_fmt(lv.c_end)})"
@@ -624,39 +637,40 @@ def _progress(c: _Comparison) -> Verdict | None:
         False,
         "stalled",
         f"{c.name} stalled: {how} against {c.ref_curve()} over {c.n} steps "
-        f"(limit {_pct(t.min_progress_ratio)}); {c.advice('stalled')}",
+        f"({c.limits.describe('progress')}); {c.advice('stalled')}",
         c.metrics,
     )
 
 
 def _final_gap(c: _Comparison) -> Verdict | None:
-    """The smoothed final loss more than ``max_final_gap`` above fp32's: the candidate lags."""
-    gap, t = c.final_gap, c.t
-    if gap <= t.max_final_gap:
+    """The smoothed final loss more than ``max_final_gap`` (or than the spread allows) above
+    fp32's: the candidate lags, or stops at a loss floor."""
+    gap = c.final_gap
+    if gap <= c.limits.final_gap:
         return None
     return Verdict(
         False,
         "stalled",
         f"{c.name} fell behind {c.ref_name}: {c.flat_note()}its smoothed final loss is "
-        f"{_fmt(c.levels.c_end)} against {_fmt(c.levels.r_end)} after {c.n} steps ({_pct(gap)} "
-        f"higher, limit {_pct(t.max_final_gap)}); {c.advice('stalled')}",
+        f"{_fmt(c.levels.c_end)} against {_fmt(c.levels.r_end)} after {c.n} steps "
+        f"({_higher(gap)}, {c.limits.describe('final')}); {c.advice('stalled')}",
         c.metrics,
     )
 
 
 def _stable(c: _Comparison) -> Verdict:
     """Every check passed: the ``ok`` verdict, with the numbers that show it."""
-    gap, t, s = c.final_gap, c.t, c.scaler
+    gap, s = c.final_gap, c.scaler
     final = (
         f"final loss {_pct(abs(gap))} {'higher' if gap > 0 else 'lower'} than {c.ref_name}'s "
-        f"(limit {_pct(t.max_final_gap)} higher)"
+        f"({c.limits.describe('final', ' higher')})"
     )
     if c.reference_flat:
         pace = f"{c.flat_note()}{final}"
     else:
         pace = (
             f"its loss fell {_pct(c.metrics['progress_ratio'])} as far as {c.ref_name}'s "
-            f"(limit {_pct(t.min_progress_ratio)}), {final}"
+            f"({c.limits.describe('progress')}), {final}"
         )
     scaler_note = (
         f", {s.skips} skipped step{'s' if s.skips != 1 else ''} after the first {s.calibration}"
@@ -722,26 +736,19 @@ def _nonfinite_tail(losses: Sequence[float], window: int) -> int | None:
     return start if len(losses) - start >= window else None
 
 
-def _levels(losses: Sequence[float], window: int) -> tuple[float, float]:
-    """Smoothed start and end levels: medians of the finite losses of the first/last windows."""
-    finite = [v for v in losses if math.isfinite(v)]
-    return _median_finite(finite[:window]), _median_finite(finite[-window:])
-
-
-def _median_finite(values: Sequence[float]) -> float:
-    finite = sorted(v for v in values if math.isfinite(v))
-    if not finite:
-        return math.nan
-    mid = len(finite) // 2
-    return finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2.0
-
-
 def _describe(value: float) -> str:
     return "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
 def _fmt(value: float) -> str:
     return f"{value:.4g}"
+
+
+def _higher(gap: float) -> str:
+    """``"8.0% higher"``; a loss floor, ``"14,205 times as high"``, reads better as a factor."""
+    if gap < 1:
+        return f"{_pct(gap)} higher"
+    return f"{1 + gap:,.0f} times as high" if gap >= 9 else f"{1 + gap:.1f} times as high"
 
 
 def _pct(fraction: float) -> str:

@@ -3,19 +3,22 @@
 A *runner* turns a Policy into a TrialResult. ``ScriptRunner`` runs the user's script in a
 subprocess (``mpadvise trial``/``tune``); ``FunctionRunner`` runs a function in this process
 (``advisor.tune(train_fn)``, notebooks, fast tests). ``evaluate`` judges a result against the
-reference: stability verdict, timing summary, goodput and speedup.
+reference: stability verdict, timing summary, goodput and speedup. ``run_replicate`` runs fp32
+a second time with another seed: how far the two fp32 runs end apart is the workload's own
+run-to-run spread, which widens the stability limits (``advisor.tune._spread``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import probes
 from advisor._log import get_logger
@@ -32,6 +35,22 @@ class Runner(Protocol):
     """Runs one candidate and returns what it measured. The search takes one as an argument."""
 
     def __call__(self, policy: Policy, label: str) -> TrialResult: ...
+
+
+@runtime_checkable
+class Reseedable(Protocol):
+    """A runner that can run the same workload under another seed (a replicate of fp32).
+
+    A runner without this (a test's fake) gets no replicate: the fixed limits apply.
+    """
+
+    seed: int
+
+    def __call__(self, policy: Policy, label: str) -> TrialResult: ...
+
+    def reseeded(self, seed: int) -> Runner:
+        """The same runner, seeding every trial with ``seed`` instead."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -70,6 +89,11 @@ class TrialSettings:
             device=self.device,
             label=label,
         )
+
+
+def replicate_seed(seed: int) -> int:
+    """The seed of the fp32 replicate of a trial seeded with ``seed``: the next one."""
+    return seed + 1 if seed + 1 < 2**32 else seed - 1  # numpy's seeds stop below 2**32
 
 
 WAIT_IDLE_ENV = "MPADVISE_WAIT_IDLE_GPU"
@@ -124,6 +148,15 @@ class ScriptRunner:
         self._dir = tempfile.TemporaryDirectory(prefix="mpadvise-trial-")
         self._count = 0
 
+    @property
+    def seed(self) -> int:
+        return self.settings.seed
+
+    def reseeded(self, seed: int) -> ScriptRunner:
+        """The same script and arguments, every trial seeded with ``seed``."""
+        return ScriptRunner(self.script, self.args, dataclasses.replace(self.settings, seed=seed),
+                            python=self.python, wait_idle_on=self.wait_idle_on)
+
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         if self.wait_idle_on is not None:
             warned: list[bool] = []
@@ -151,6 +184,15 @@ class FunctionRunner:
     def __init__(self, train_fn: Callable[[Any], Any], settings: TrialSettings) -> None:
         self.train_fn = train_fn
         self.settings = settings
+
+    @property
+    def seed(self) -> int:
+        return self.settings.seed
+
+    def reseeded(self, seed: int) -> FunctionRunner:
+        """The same function, every trial seeded with ``seed`` (a function that seeds itself
+        keeps its own seed, and its replicate then measures no spread)."""
+        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, seed=seed))
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         profile = probes.profile_for(self.settings.device)
@@ -260,8 +302,12 @@ def evaluate(
     reference: TrialResult | None,
     *,
     thresholds: StabilityThresholds | None = None,
+    replicate: TrialCurve | None = None,
 ) -> Evaluation:
-    """Judge one result against the reference; a reference judged against itself is ``ok``."""
+    """Judge one result against the reference; a reference judged against itself is ``ok``.
+
+    ``replicate`` (fp32 under another seed) widens the stability limits to its spread.
+    """
     thresholds = thresholds or StabilityThresholds()
     if result.outcome != "ok" or not result.step_times:
         if result.outcome == "ok":  # ran, but the script ended before one full step was timed
@@ -272,7 +318,8 @@ def evaluate(
     verdict = None
     speedup = speed_verdict = gap = None
     if reference is not None and reference.outcome == "ok" and reference.step_times:
-        verdict = judge(curve_of(result, policy.mode), curve_of(reference, "fp32"), thresholds)
+        verdict = judge(curve_of(result, policy.mode), curve_of(reference, "fp32"), thresholds,
+                        replicate=replicate)
         gap = verdict.metrics.get("final_gap")
         comparison = compare(timing, summarize(reference.step_times, _warmup(reference)))
         speed_verdict = comparison.verdict
@@ -313,6 +360,116 @@ def check_reference(result: TrialResult) -> None:
         raise ReferenceTrialError("the fp32 reference ended before one step could be timed; let the script run longer")
 
 
+@dataclass(frozen=True)
+class Replicate:
+    """fp32 run again with another seed (initialisation and data order).
+
+    How far it ends from the reference is this workload's own run-to-run spread, against which
+    each candidate's gap is judged. A tune stores it with its study, so ``--resume`` reuses it.
+
+    Attributes:
+        seed: the seed it ran with.
+        losses: its loss per optimizer step; empty when it gave no usable curve.
+        wall_s: how long its trial took, in seconds.
+        note: why it gave no usable curve; empty when it did.
+        reused: whether it was read back from a stored study rather than run now.
+        result: the trial's result when it ran in this process (never stored).
+    """
+
+    seed: int
+    losses: tuple[float, ...] = ()
+    wall_s: float = 0.0
+    note: str = ""
+    reused: bool = False
+    result: TrialResult | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"fp32 (replicate, seed {self.seed})"
+
+    @property
+    def curve(self) -> TrialCurve | None:
+        """The curve that calibrates the verdicts, or ``None`` when there is no usable one."""
+        return TrialCurve(mode="fp32", losses=self.losses) if self.losses and not self.note else None
+
+    def to_dict(self, *, losses: bool = True) -> dict[str, Any]:
+        """A JSON-ready dict (the losses left out with ``losses=False``); ``from_dict`` reads it."""
+        data: dict[str, Any] = {"seed": self.seed, "steps": len(self.losses), "wall_s": self.wall_s,
+                                "note": self.note, "reused": self.reused}
+        if losses:
+            data["losses"] = [json_float(v) for v in self.losses]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Replicate | None:
+        """Inverse of ``to_dict``; ``None`` for data that does not hold a usable replicate."""
+        try:
+            losses = tuple(float(v) for v in data["losses"])
+            seed, wall = int(data["seed"]), float(data.get("wall_s") or 0.0)
+        except (KeyError, TypeError, ValueError):
+            return None
+        if data.get("note") or not losses or not all(math.isfinite(v) for v in losses):
+            return None
+        return cls(seed, losses, wall)
+
+    @classmethod
+    def from_result(cls, result: TrialResult, seed: int, reference: TrialResult) -> Replicate:
+        """The replicate a trial gave; one that failed carries a note saying why, and is logged."""
+        label = f"the fp32 replicate (seed {seed})"
+        bad = next((i for i, v in enumerate(result.losses) if not math.isfinite(v)), None)
+        note = ""
+        if result.outcome != "ok":
+            note = f"{label} failed ({result.outcome}): {result.reason}"
+        elif bad is not None:
+            note = (f"{label} reached a {result.losses[bad]} loss at step {bad + 1}: fp32 itself is "
+                    "unstable under some seeds; a lower learning rate would make the verdicts firmer")
+        elif len(result.losses) < len(reference.losses):
+            note = f"{label} recorded {len(result.losses)} steps, fewer than the reference's {len(reference.losses)}"
+        if note:
+            get_logger().warning(f"{note}; the stability verdicts use the fixed limits")
+        return cls(seed, () if note else tuple(result.losses), result.wall_s or 0.0, note, result=result)
+
+
+def run_replicate(
+    runner: Runner,
+    reference: TrialResult,
+    *,
+    stored: Mapping[str, Any] | None = None,
+    on_start: Callable[[str], None] | None = None,
+) -> Replicate | None:
+    """fp32 again under the replicate seed, or the stored replicate of the same reference.
+
+    Args:
+        runner: the runner of the reference; one that cannot change its seed (not
+            ``Reseedable``) gets no replicate.
+        reference: the fp32 reference's result.
+        stored: a replicate kept with a study (``Replicate.to_dict``), reused when it has the
+            replicate seed and the reference's number of steps.
+        on_start: called with the replicate's label before it runs.
+
+    Returns:
+        The replicate (possibly one with a note saying why it is unusable), or ``None``.
+    """
+    if not isinstance(runner, Reseedable):
+        return None
+    seed = replicate_seed(runner.seed)
+    kept = Replicate.from_dict(stored) if stored else None
+    if kept is not None and kept.seed == seed and len(kept.losses) == len(reference.losses):
+        return dataclasses.replace(kept, reused=True)
+    label = Replicate(seed).label
+    if on_start:
+        on_start(label)
+    return Replicate.from_result(runner.reseeded(seed)(Policy(mode="fp32"), label), seed, reference)
+
+
+class Comparison(NamedTuple):
+    """What ``run_comparison`` measured: the reference, each candidate, and the replicate."""
+
+    reference: Evaluation
+    evaluations: list[Evaluation]
+    replicate: Replicate | None
+
+
 def run_comparison(
     runner: Runner,
     candidates: list[tuple[Policy, str]],
@@ -320,26 +477,33 @@ def run_comparison(
     thresholds: StabilityThresholds | None = None,
     on_start: Callable[[int, str], None] | None = None,
     on_done: Callable[[int, Evaluation], None] | None = None,
-) -> tuple[Evaluation, list[Evaluation]]:
-    """Run the fp32 reference, then each candidate, and judge each against the reference.
+) -> Comparison:
+    """Run the fp32 reference, its replicate under another seed, then each candidate, and
+    judge each against the reference, with limits widened to the replicate's spread.
 
     Raises:
         MpadviseError: the reference failed or is not finite (no verdict is possible).
     """
-    reference_policy = Policy(mode="fp32")
+    fp32 = Policy(mode="fp32")
     if on_start:
         on_start(0, "fp32 (reference)")
-    ref_result = runner(reference_policy, "fp32")
+    ref_result = runner(fp32, "fp32")
     check_reference(ref_result)
-    reference = evaluate("fp32", reference_policy, ref_result, ref_result, thresholds=thresholds)
     if on_done:
-        on_done(0, reference)
+        on_done(0, evaluate("fp32", fp32, ref_result, ref_result, thresholds=thresholds))
+    replicate = run_replicate(runner, ref_result, on_start=None if on_start is None else lambda label: on_start(1, label))
+    if replicate is not None and replicate.result is not None and on_done:
+        on_done(1, evaluate(replicate.label, fp32, replicate.result, None, thresholds=thresholds))
+    curve = None if replicate is None else replicate.curve
+    reference = evaluate("fp32", fp32, ref_result, ref_result, thresholds=thresholds, replicate=curve)
     evaluations = []
-    for i, (policy, label) in enumerate(candidates, start=1):
+    first = 1 if replicate is None else 2
+    for i, (policy, label) in enumerate(candidates, start=first):
         if on_start:
             on_start(i, label)
-        evaluation = evaluate(label, policy, runner(policy, label), ref_result, thresholds=thresholds)
+        evaluation = evaluate(label, policy, runner(policy, label), ref_result, thresholds=thresholds,
+                              replicate=curve)
         evaluations.append(evaluation)
         if on_done:
             on_done(i, evaluation)
-    return reference, evaluations
+    return Comparison(reference, evaluations, replicate)

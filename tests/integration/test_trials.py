@@ -1,5 +1,6 @@
 """Trials of real scripts in subprocesses: every outcome class, and the stability verdicts on a
-real stall (pure bf16) and a real NaN (pure fp16)."""
+real stall (pure bf16), a real NaN (pure fp16), a real loss floor (every bf16 mode, where fp32
+drives the loss towards zero) and a small, noisy fall that stays within fp32's own spread."""
 
 from __future__ import annotations
 
@@ -90,9 +91,11 @@ def test_real_stall_and_real_nan_at_small_learning_rate(isolated_home):
     """AdamW at lr 1e-5: pure bf16 stalls and pure fp16 gives NaN; the mixed modes track fp32."""
     runner = ScriptRunner(SCRIPTS / "regression_small_lr.py", [], TrialSettings(warmup_steps=5, measure_steps=295))
     modes = ["bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true"]
-    reference, evaluations = run_comparison(runner, [(Policy(mode=m), m) for m in modes])
+    reference, evaluations, replicate = run_comparison(runner, [(Policy(mode=m), m) for m in modes])
     by_mode = {ev.label: ev for ev in evaluations}
     assert reference.result.losses[-1] < 0.6 * reference.result.losses[0]
+    assert replicate is not None and replicate.curve is not None  # the spread widened the limits
+    assert "progress_limit" in reference.verdict.metrics
     assert by_mode["bf16-mixed"].verdict.kind == "ok"
     assert by_mode["fp16-mixed"].verdict.kind == "ok"
     stall = by_mode["bf16-true"].verdict
@@ -100,6 +103,39 @@ def test_real_stall_and_real_nan_at_small_learning_rate(isolated_home):
     assert stall.metrics["progress_ratio"] < 0.5
     nan = by_mode["fp16-true"].verdict
     assert nan.kind == "diverged" and "NaN" in nan.reason
+
+
+def test_real_loss_floor_in_every_bf16_mode(isolated_home):
+    """fp32 drives a noiseless regression's loss down eight orders of magnitude; bf16 rounds each
+    prediction to 8 significant bits, so bf16-mixed and pure bf16 stop thousands of times above."""
+    runner = ScriptRunner(SCRIPTS / "regression_to_zero.py", [], TrialSettings(warmup_steps=5, measure_steps=200))
+    modes = ["bf16-mixed", "bf16-true"]
+    reference, evaluations, replicate = run_comparison(runner, [(Policy(mode=m), m) for m in modes])
+    ref = reference.verdict.metrics
+    assert ref["reference_end"] < 1e-6 * ref["reference_start"]  # fp32 heads towards zero
+    assert replicate is not None and replicate.seed == 1
+    assert ref["replicate_end"] < 1e-6 * ref["reference_start"]  # ... under another seed too
+    for ev in evaluations:
+        verdict = ev.verdict
+        assert verdict.kind == "stalled", verdict.reason
+        assert verdict.metrics["progress_ratio"] > 0.9  # the fall alone hides the floor
+        assert verdict.metrics["final_gap"] > 100 * verdict.metrics["final_gap_limit"]
+        assert "times as high" in verdict.reason
+
+
+def test_small_noisy_fall_within_the_spread_stays_stable(isolated_home):
+    """Labels that are 40% noise: fp32's loss falls a few percent, and another seed ends further
+    from it than that. The mixed modes track fp32 within that spread and must stay stable."""
+    runner = ScriptRunner(SCRIPTS / "noisy_small_drop.py", [], TrialSettings(warmup_steps=5, measure_steps=200))
+    modes = ["bf16-mixed", "fp16-mixed"]
+    reference, evaluations, replicate = run_comparison(runner, [(Policy(mode=m), m) for m in modes])
+    ref = reference.verdict.metrics
+    assert replicate is not None and replicate.curve is not None
+    assert ref["reference_drop"] < 0.1  # a small fall
+    assert ref["progress_spread"] > 0.1  # fp32's own spread is beyond the fixed 10% band
+    for ev in evaluations:
+        assert ev.verdict.kind == "ok", ev.verdict.reason
+        assert abs(ev.verdict.metrics["final_gap"]) < ref["final_gap_limit"]
 
 
 # ---- the CLI: bad input gets one clear line and a documented exit code ------------------------
@@ -138,7 +174,81 @@ def test_cli_trial_table_json_and_plot(tmp_path, isolated_home, cli):
     assert proc.returncode in (0, 3), proc.stderr
     payload = json.loads(proc.stdout)
     assert payload["reference"]["mode"] == "fp32"
+    assert payload["replicate"]["seed"] == 1 and len(payload["replicate"]["losses"]) == 34
     (cand,) = payload["candidates"]
     assert cand["mode"] == "bf16-mixed" and cand["steps"] == 34
     assert cand["outcome"] in ("ok", "unstable") and cand["speedup_vs_fp32"] > 0
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- the kernel's OOM killer ---------------------------------------------------------------------
+
+OOM_CGROUP_LIMIT = 1 * 2**30
+
+
+@pytest.fixture
+def memory_cgroup():
+    """A child of this process's memory cgroup, limited to 1 GiB; skips where none can be made."""
+    import os
+    import time
+
+    from probes._trial import memory_cgroup_dirs
+
+    try:
+        dirs = memory_cgroup_dirs(Path("/proc/self/cgroup").read_text(), Path("/proc/self/mountinfo").read_text())
+    except OSError as exc:
+        pytest.skip(f"no /proc/self/cgroup to find a memory cgroup in ({exc})")
+    for version, parent in dirs:
+        limit_file = "memory.max" if version == 2 else "memory.limit_in_bytes"
+        if not (parent / "cgroup.procs").exists():
+            continue
+        path = parent / f"mpadvise-oom-test-{os.getpid()}"
+        try:
+            path.mkdir()
+        except OSError:
+            continue
+        try:
+            (path / limit_file).write_text(str(OOM_CGROUP_LIMIT))
+            if int((path / limit_file).read_text().split()[0]) != OOM_CGROUP_LIMIT:
+                raise OSError(f"{limit_file} did not take the limit")
+            if version == 2 and (path / "memory.swap.max").exists():
+                (path / "memory.swap.max").write_text("0")  # killed, not swapped out
+        except (OSError, ValueError):
+            path.rmdir()
+            continue
+        yield path
+        for _ in range(50):  # the killed child leaves the cgroup a moment after it is reaped
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+        return
+    pytest.skip("cannot create a memory cgroup with a limit here (no write access, or no memory controller)")
+
+
+def test_oom_killer_is_oom(tmp_path, isolated_home, memory_cgroup):
+    """A trial killed by the kernel's OOM killer (its cgroup over memory.max) is ``oom``."""
+    import subprocess
+    import sys
+
+    # run_trial itself runs in the small cgroup, so the child starts there and the counter it
+    # reads is that cgroup's; the child (over 1 GiB) is the one the kernel picks.
+    runner = (
+        "import json, sys\n"
+        "from probes._trial import TrialSpec, run_trial\n"
+        "spec = TrialSpec(policy=json.loads(sys.argv[1]), result_path=sys.argv[2], warmup_steps=0, measure_steps=100)\n"
+        "r = run_trial(sys.argv[3], [], spec, timeout=240)\n"
+        "print(json.dumps({'outcome': r.outcome, 'reason': r.reason, 'exit_code': r.exit_code}))\n"
+    )
+    policy = json.dumps(Policy(mode="fp32").to_dict())
+    proc = subprocess.run(
+        ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(memory_cgroup / "cgroup.procs"),
+         sys.executable, "-c", runner, policy, str(tmp_path / "result.json"), str(SCRIPTS / "oom_killed.py")],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["exit_code"] == -9, result
+    assert result["outcome"] == "oom", result
+    assert "OOM killer" in result["reason"]

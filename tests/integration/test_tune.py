@@ -27,6 +27,10 @@ def test_cli_tune_writes_config_caches_and_reports(tiny_script, isolated_home, c
     result = json.loads(proc.stdout)
     assert result["trials_run"] == 2
     assert result["user_batch"] == 32
+    # fp32 ran once more under another seed; its spread is in the reference's verdict.
+    assert result["replicate"]["seed"] == 1 and result["replicate"]["steps"] == 34
+    assert not result["replicate"]["reused"] and not result["replicate"]["note"]
+    assert "final_gap_limit" in result["reference"]["verdict"]["metrics"]
     labels = {c["label"] for c in result["candidates"]}
     assert "fp32" in labels and any(label.startswith("bf16-mixed") for label in labels)
     assert all(c["outcome"] in ("ok", "unstable", "too-short", "oom") for c in result["candidates"])
@@ -62,6 +66,12 @@ def test_cli_tune_resume_continues_the_study(tiny_script, isolated_home, cli):
     assert second.returncode == 0, second.stderr
     data = json.loads(second.stdout)
     assert data["trials_resumed"] >= 1 and data["trials_run"] == 1
+    # The replicate is kept with the study: the resumed tune judges against the same spread
+    # without running fp32 under the other seed again.
+    before, after = json.loads(first.stdout)["replicate"], data["replicate"]
+    assert after["reused"] and not before["reused"]
+    metrics = json.loads(first.stdout)["reference"]["verdict"]["metrics"]
+    assert data["reference"]["verdict"]["metrics"]["replicate_end"] == metrics["replicate_end"]
 
 
 @pytest.mark.parametrize(

@@ -250,7 +250,7 @@ def test_heavy_underflow(reference: TrialCurve) -> None:
     assert verdict.metrics["mean_underflow"] == pytest.approx(sum(measured) / len(measured))
     assert verdict.metrics["max_underflow"] == pytest.approx(max(measured))
     assert f"{verdict.metrics['mean_underflow']:.0%}" in verdict.reason
-    assert "2^-14" in verdict.reason
+    assert "2^-24" in verdict.reason  # the threshold the underflow evidence is for
     assert "lowest loss scale 4" in verdict.reason
 
 
@@ -415,12 +415,142 @@ def test_min_reference_drop_is_honoured() -> None:
         ("smoothing_fraction", 0.0),
         ("min_progress_ratio", -1.0),
         ("max_final_gap", math.inf),
+        ("spread_multiplier", -1.0),
         ("min_smoothing_steps", True),
     ],
 )
 def test_invalid_threshold_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"StabilityThresholds.{field}"):
         StabilityThresholds(**{field: value})
+
+
+# --- calibration to the workload: the fp32 replicate's spread --------------------------------
+
+
+def settle(start: float, end: float) -> list[float]:
+    """A loss level at ``start`` over the first window, then settling at ``end`` well before the
+    last: the smoothed levels are ``start`` and ``end`` themselves."""
+    return [start if i < 30 else end + (start - end) * math.exp(-(i - 30) / 20) for i in range(STEPS)]
+
+
+def line(start: float, end: float, noise: float = 0.0, seed: int = 0) -> list[float]:
+    """A loss falling steadily from ``start`` to ``end``: a small drop that keeps on going."""
+    rng = random.Random(seed)
+    return [(start + (end - start) * i / (STEPS - 1)) * (1.0 + rng.gauss(0.0, noise)) for i in range(STEPS)]
+
+
+def test_loss_floor_is_caught_without_a_replicate() -> None:
+    # fp32 drives the loss towards zero; the candidate stops at five times fp32's final loss.
+    # Judged against how far fp32 fell, the 0.4 gap looked like 4% and passed.
+    reference = curve("fp32", settle(10.0, 0.1))
+    candidate = curve("bf16-true", settle(10.0, 0.5))
+    verdict = judge(candidate, reference)
+    assert verdict.kind == "stalled", verdict.reason
+    assert verdict.metrics["progress_ratio"] > 0.9  # the fall alone looks fine
+    assert verdict.metrics["final_gap"] == pytest.approx(4.0, rel=1e-3)
+    assert "(5.0 times as high, limit 5.0%)" in verdict.reason
+
+
+def test_loss_floor_is_caught_against_the_spread() -> None:
+    reference = curve("fp32", settle(10.0, 0.1))
+    replicate = curve("fp32", settle(10.5, 0.12))  # another seed: 20% apart at the end
+    candidate = curve("bf16-mixed", settle(10.0, 0.5))
+    verdict = judge(candidate, reference, replicate=replicate)
+    assert verdict.kind == "stalled", verdict.reason
+    assert verdict.metrics["final_spread"] == pytest.approx(0.2, rel=1e-3)
+    # Twice the spread in log space: 1.2 ** 2 - 1.
+    assert verdict.metrics["final_gap_limit"] == pytest.approx(1.2**2 - 1, rel=1e-3)
+    assert "set by fp32 with another seed ending 20% apart (2x in log space)" in verdict.reason
+
+
+def test_small_drop_within_the_spread_is_stable() -> None:
+    # fp32 falls 2.00 -> 1.95 and the candidate ends 0.5% higher: 80% of fp32's progress, which
+    # the fixed 90% calls a stall. fp32 itself ends 1% apart under another seed.
+    reference = curve("fp32", line(2.0, 1.95))
+    candidate = curve("bf16-mixed", line(2.0, 1.95 * 1.005))
+    alone = judge(candidate, reference)
+    assert alone.kind == "stalled", alone.reason  # the fixed limits, without a replicate
+    assert alone.metrics["progress_ratio"] == pytest.approx(0.8, abs=0.02)
+    replicate = curve("fp32", line(2.02, 1.95 * 1.01))
+    verdict = judge(candidate, reference, replicate=replicate)
+    assert verdict.kind == "ok", verdict.reason
+    spread = verdict.metrics["progress_spread"]
+    assert spread == pytest.approx(0.43, abs=0.02)  # 0.0195 apart, of a 0.045 fall
+    assert verdict.metrics["progress_limit"] == pytest.approx(1 - 2 * spread)
+    assert "of its fall apart (2x)" in verdict.reason
+
+
+def test_fall_within_twice_the_spread_is_not_judged_for_progress() -> None:
+    reference = curve("fp32", line(2.0, 1.95, noise=0.005, seed=20))
+    replicate = curve("fp32", line(2.05, 1.90, noise=0.005, seed=21))  # 0.05 apart: the whole fall
+    candidate = curve("fp16-mixed", line(2.0, 1.99, noise=0.005, seed=22))
+    verdict = judge(candidate, reference, replicate=replicate)
+    assert verdict.kind == "ok", verdict.reason
+    assert verdict.metrics["reference_flat"] is True and "progress_ratio" not in verdict.metrics
+    assert "is a fall within 2x the" in verdict.reason
+    # A final loss far outside the spread still fails.
+    lagging = curve("fp16-mixed", line(2.0, 2.08))
+    assert judge(lagging, reference, replicate=replicate).kind == "stalled"
+
+
+def test_a_real_stall_stays_a_stall_against_the_spread(reference: TrialCurve) -> None:
+    replicate = curve("fp32", decay(1.20, 0.70, noise=0.02, seed=23))
+    candidate = curve("bf16-true", decay(1.25, 0.92, noise=0.02, seed=6))
+    verdict = judge(candidate, reference, replicate=replicate)
+    assert verdict.kind == "stalled", verdict.reason
+    assert verdict.metrics["progress_limit"] < 0.9
+    assert "set by fp32 with another seed" in verdict.reason
+
+
+def test_the_spread_never_tightens_the_fixed_limits(reference: TrialCurve) -> None:
+    # A replicate that ends where fp32 ends measures no spread: the floors decide, as without.
+    candidate = curve("fp8-te", [v * 1.08 for v in reference.losses])
+    alone = judge(candidate, reference)
+    calibrated = judge(candidate, reference, replicate=reference)
+    assert calibrated.kind == alone.kind == "stalled"
+    assert calibrated.reason == alone.reason
+    assert calibrated.metrics["final_gap_limit"] == 0.05 and calibrated.metrics["progress_limit"] == 0.9
+
+
+def test_unusable_replicate_leaves_the_fixed_limits(reference: TrialCurve) -> None:
+    candidate = curve("bf16-mixed", decay(1.25, 0.72, noise=0.02, seed=2))
+    short = curve("fp32", list(reference.losses[:100]))
+    nan_end = curve("fp32", list(reference.losses[:-40]) + [math.nan] * 40)
+    alone = judge(candidate, reference)
+    for replicate in (short, nan_end):
+        verdict = judge(candidate, reference, replicate=replicate)
+        assert verdict == alone and "final_gap_limit" not in verdict.metrics
+
+
+def test_spread_multiplier_is_honoured() -> None:
+    reference = curve("fp32", line(2.0, 1.95))
+    replicate = curve("fp32", line(2.02, 1.95 * 1.01))
+    candidate = curve("bf16-mixed", line(2.0, 1.95 * 1.005))
+    assert judge(candidate, reference, replicate=replicate).kind == "ok"
+    off = StabilityThresholds(spread_multiplier=0.0)
+    assert judge(candidate, reference, off, replicate=replicate) == judge(candidate, reference, off)
+    assert judge(candidate, reference, off, replicate=replicate).kind == "stalled"
+
+
+def test_negative_losses_fall_back_to_the_size_of_the_fall() -> None:
+    # A loss that ends below zero has no scale of its own: the gap is taken against the fall.
+    reference = curve("fp32", line(3.0, -0.5))
+    candidate = curve("bf16-mixed", line(3.0, -0.4))
+    verdict = judge(candidate, reference)
+    m = verdict.metrics
+    fall = m["reference_start"] - m["reference_end"]
+    assert m["reference_end"] < 0 and fall > abs(m["reference_end"])
+    assert m["final_gap"] == pytest.approx((m["candidate_end"] - m["reference_end"]) / fall)
+    assert verdict.kind == "ok", verdict.reason
+
+
+def test_calibrated_verdict_round_trips(reference: TrialCurve) -> None:
+    replicate = curve("fp32", decay(1.20, 0.70, noise=0.02, seed=23))
+    verdict = judge(curve("bf16-true", decay(1.25, 0.92)), reference, replicate=replicate)
+    assert {"replicate_end", "final_spread", "progress_spread", "final_gap_limit", "progress_limit"} <= set(
+        verdict.metrics
+    )
+    assert Verdict.from_dict(json.loads(json.dumps(verdict.to_dict(), allow_nan=False))) == verdict
 
 
 # --- data types ----------------------------------------------------------------------------
