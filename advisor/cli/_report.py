@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from advisor.tune._space import Measured
     from advisor.tune._trials import Evaluation
 
-VERDICT_STYLE = {"ok": "green", "unstable": "yellow"}
+VERDICT_STYLE = {"ok": "green", "unstable": "yellow", "pruned": "dim"}
 
 
 def fmt_bytes(value: int | None) -> str:
@@ -72,6 +72,43 @@ def print_reasons(console: Console, evaluations: list[Evaluation]) -> None:
             console.print(f"[dim]{tail}[/]", highlight=False, markup=False)
         for note in ev.result.notes:
             console.print(f"  note: {note}", highlight=False)
+
+
+def spread_line(reference: dict[str, Any], replicate: dict[str, Any] | None) -> str:
+    """fp32's run-to-run spread and the limits it set, in one line; empty without a replicate.
+
+    Args:
+        reference: the reference's evaluation as JSON (its verdict's metrics hold the spread).
+        replicate: the replicate as JSON (``Replicate.to_dict``), or ``None``.
+    """
+    if not replicate:
+        return ""
+    seed = replicate.get("seed")
+    if replicate.get("note"):
+        return f"run-to-run spread: not measured, {replicate['note']}; the fixed limits apply"
+    metrics = (reference.get("verdict") or {}).get("metrics") or {}
+    if "final_gap_limit" not in metrics:
+        return f"run-to-run spread: fp32 with seed {seed} ran, but its spread was not used; the fixed limits apply"
+    apart = f"{_as_float(metrics.get('final_spread')):.1%} apart"
+    if "progress_spread" in metrics:
+        apart += f", {_as_float(metrics['progress_spread']):.0%} of fp32's fall"
+    limits = f"final loss up to {_as_float(metrics['final_gap_limit']):.1%} above fp32's"
+    if metrics.get("reference_flat"):
+        limits += "; progress is not judged, since fp32's own fall is within that noise"
+    elif "progress_limit" in metrics:
+        limits += f", a fall at least {_as_float(metrics['progress_limit']):.0%} as far as fp32's"
+    reused = " (reused from the stored study)" if replicate.get("reused") else ""
+    return (f"run-to-run spread: fp32 with seed {seed} ended at {_as_float(metrics.get('replicate_end')):.4g} "
+            f"against {_as_float(metrics.get('reference_end')):.4g} ({apart}){reused}; "
+            f"the limits allow for it: {limits}")
+
+
+def _as_float(value: Any) -> float:
+    """A metric from JSON, where non-finite numbers are strings such as ``"inf"``."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
 
 
 @contextmanager
@@ -130,6 +167,9 @@ def render_tune(tune: dict[str, Any], console: Console) -> None:
         console: where to print.
     """
     console.print(_tune_table(tune))
+    spread = spread_line(tune.get("reference") or {}, tune.get("replicate"))
+    if spread:
+        console.print(spread, highlight=False)
     for row in tune.get("candidates") or []:
         if not (row.get("stable") and row.get("feasible")) and row.get("reason"):
             console.print(f"[{VERDICT_STYLE.get(row.get('outcome'), 'red')}]{row.get('label')}[/]: {row['reason']}",
@@ -156,6 +196,8 @@ def _tune_table(tune: dict[str, Any]) -> Table:
         table.add_row("→" if row.get("winner") else "", str(row.get("label")),
                       f"{goodput:,.0f}" if goodput else "-", f"{speedup:.2f}x" if goodput and speedup else "-",
                       fmt_bytes(row.get("peak_memory")), f"[{VERDICT_STYLE.get(outcome, 'red')}]{outcome}[/]")
+    for row in tune.get("pruned") or []:  # never run: no numbers to show
+        table.add_row("", str(row.get("label")), "-", "-", "-", f"[{VERDICT_STYLE['pruned']}]pruned[/]")
     return table
 
 
@@ -165,12 +207,33 @@ def _print_search(tune: dict[str, Any], console: Console) -> None:
     if ratios:
         console.print(f"matmul throughput vs fp32 on this device (the search's priors): {ratios}", highlight=False)
     console.print(f"search stopped: {tune.get('stop_reason')}", highlight=False)
+    pruned = tune.get("pruned") or []
+    if pruned:
+        console.print(f"pruned (not run): {len(pruned)} proposals the priors ruled out; --no-priors runs them",
+                      highlight=False)
     finalists = tune.get("finalists") or []
     if len(finalists) > 1:
         close = ", ".join(f"{f['label']} {f['goodput']:,.0f}/s" for f in finalists)
-        console.print(f"re-measured side by side: {close}", highlight=False)
+        rounds = tune.get("remeasure_rounds")
+        console.print(f"re-measured side by side{f' in {rounds} rounds' if rounds else ''}: {close}", highlight=False)
+    for dropped in tune.get("dropped_finalists") or []:
+        console.print(f"[red]dropped[/] {dropped.get('label')}: {dropped.get('reason')}", highlight=False)
+    if tune.get("gap"):
+        console.print(f"gap: {describe_gap(tune['gap'])}", highlight=False)
     if tune.get("tie_note"):
         console.print(f"tie: {tune['tie_note']}", highlight=False)
+
+
+def describe_gap(gap: dict[str, Any]) -> str:
+    """A re-measured gap in words: who leads whom, by how much, its interval and verdict."""
+    leader, other = (gap.get("between") or ["?", "?"])[:2]
+    ratio, low, high = gap.get("ratio"), gap.get("low"), gap.get("high")
+    lead = f"{leader} runs {ratio:.2f}x the goodput of {other}" if ratio else f"{leader} against {other}"
+    interval = (f"{gap.get('confidence', 0.95):.0%} interval {low:.2f}x to {high:.2f}x over {gap.get('pairs')} paired runs"
+                if low and high else f"no interval from {gap.get('pairs', 0)} paired runs")
+    verdict = {"faster": "resolved", "slower": "resolved", "tie": "a tie: within the margin that counts",
+               "unresolved": "unresolved: counted as a tie"}.get(str(gap.get("verdict")), str(gap.get("verdict")))
+    return f"{lead} ({interval}): {verdict}"
 
 
 def _print_winner(tune: dict[str, Any], console: Console) -> None:

@@ -31,12 +31,14 @@ class FakeRunner:
         self.unstable = set(unstable)
         self.memory_per_sample = memory_per_sample
         self.calls: list[Policy] = []
+        self.labels: list[str] = []
         self.interrupt_after = interrupt_after
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         if self.interrupt_after is not None and len(self.calls) >= self.interrupt_after:
             raise KeyboardInterrupt
         self.calls.append(policy)
+        self.labels.append(label)
         micro = policy.micro_batch_size or USER_BATCH
         accum = policy.grad_accum_steps or 1
         # A micro-batch split costs a little per micro-step (launches, optimizer unchanged).
