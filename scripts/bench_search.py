@@ -29,6 +29,9 @@ EXAMPLES = {
     "mlp": ("examples/mlp.py", ["--width", "128", "--epochs", "100"]),
     "cnn": ("examples/cnn.py", ["--channels", "8", "--epochs", "100", "--samples", "512"]),
     "tiny_lm": ("examples/tiny_lm.py", ["--width", "32", "--steps", "100000"]),
+    # Wide enough that the matmuls dominate: on a CPU with AMX-BF16, bf16 wins here.
+    "mlp_wide": ("examples/mlp.py", ["--width", "2048", "--batch-size", "256", "--epochs", "100"]),
+    "tiny_lm_wide": ("examples/tiny_lm.py", ["--width", "512", "--steps", "100000"]),
 }
 
 

@@ -81,7 +81,7 @@ def _search(path: Path, script_args: list[str], options: TuneOptions, profile: H
     wait_idle_on = profile if os.environ.get(WAIT_IDLE_ENV) else None
     runner = ScriptRunner(path, script_args, TrialSettings.for_tune(options), wait_idle_on=wait_idle_on)
     # The budget plus the reference; a search that stops early completes the bar.
-    with tune_progress(console, options.trials + 1) as (on_start, on_done):
+    with tune_progress(console, options.trials + 2) as (on_start, on_done):  # + the reference and its replicate
         return tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
                            on_start=on_start, on_done=on_done)
 
