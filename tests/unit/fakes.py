@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
+import torch
+from torch import nn
+
 from probes import HardwareProfile, cuda_profiles
 
 MIB = 1024**2
@@ -276,3 +279,14 @@ def gpu_profile(
     if len(profiles) != 1:
         raise RuntimeError(f"expected one profile for {key}, got {profiles!r}")
     return replace(profiles[0], libraries=libraries)
+
+
+class Net(nn.Module):
+    """A tiny MLP whose hidden width changes its structure (and so its model signature)."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)

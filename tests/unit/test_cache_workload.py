@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import gpu_profile
-from torch import nn
+from fakes import Net, gpu_profile
 
 import advisor
 import probes
@@ -35,22 +34,9 @@ from policies import Policy, TunedOn, hardware_mismatch, safe_default_mode
 SCRIPT_TEXT = "optimizer = AdamW(net.parameters(), lr={lr})\n"
 
 
-class Net(nn.Module):
-    def __init__(self, hidden: int = 32) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-
 @pytest.fixture(autouse=True)
-def home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    directory = tmp_path / "home"
-    monkeypatch.setenv("MPADVISE_HOME", str(directory))
-    monkeypatch.delenv("MPADVISE_POLICY", raising=False)
-    monkeypatch.setattr(_cache, "_warned_no_cache", set())
-    return directory
+def home(cache_home: Path) -> Path:
+    return cache_home
 
 
 def _run_as(monkeypatch: pytest.MonkeyPatch, script: Path, *args: str) -> None:

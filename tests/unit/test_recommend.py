@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import gpu_profile
+from fakes import Net, gpu_profile
 from torch import nn
 
 import advisor
@@ -39,23 +39,9 @@ GIB = 1024**3
 WORKLOAD = "0123456789abcdef"
 
 
-class Net(nn.Module):
-    def __init__(self, hidden: int = 32) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-
 @pytest.fixture(autouse=True)
-def home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """A private cache directory, and a fresh "warned once" memory for the store."""
-    directory = tmp_path / "home"
-    monkeypatch.setenv("MPADVISE_HOME", str(directory))
-    monkeypatch.delenv("MPADVISE_POLICY", raising=False)
-    monkeypatch.setattr(_cache, "_warned_no_cache", set())
-    return directory
+def home(cache_home: Path) -> Path:
+    return cache_home
 
 
 @pytest.fixture
