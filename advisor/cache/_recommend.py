@@ -133,41 +133,18 @@ def record_tune(
         MpadviseError: a field has the wrong type or shape (the message names it), or a trial
             has a key the store does not accept.
     """
-    for index, trial in enumerate(trials):
-        unknown = sorted(set(trial) - set(TRIAL_FIELDS))
-        if unknown:
-            raise MpadviseError(
-                f"record_tune: trials[{index}] has key {unknown[0]!r}; allowed keys are "
-                f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')"
-            )
+    _check_trial_keys(trials)
     script_path = str(Path(script).resolve())
     fingerprint = hardware_fingerprint(profile)
-    earlier = policy.tuned_on or TunedOn()
-    date = earlier.date or datetime.date.today().isoformat()
-    tuned = TunedOn(
-        hardware_fingerprint=fingerprint,
-        device=profile.name,
-        torch=profile.torch_version or "",
-        libraries=tuple(sorted(profile.libraries)),
-        date=date,
-        speedup_vs_fp32=speedup_vs_fp32,
-        goodput=goodput,
-        workload_fingerprint=workload_fingerprint,
-        model_signature=earlier.model_signature,
-        script=script_path,
-        trials=len(trials),
-        cuda=profile.cuda_runtime or "",
-        global_batch=earlier.global_batch,
-        script_digest=earlier.script_digest,
-    )
+    tuned = _tuned_on(profile, policy, script_path, workload_fingerprint, len(trials), speedup_vs_fp32, goodput)
     stored_policy = replace(policy, tuned_on=tuned)
     summary = {
         "speedup_vs_fp32": speedup_vs_fp32,
         "goodput": goodput,
         "trial_count": len(trials),
         "device": profile.name,
-        "date": date,
-        "model_signature": earlier.model_signature,
+        "date": tuned.date,
+        "model_signature": tuned.model_signature,
     }
     owned = store is None
     if store is None:
@@ -194,6 +171,47 @@ def record_tune(
     finally:
         if owned:
             store.close()
+
+
+def _check_trial_keys(trials: list[dict[str, Any]]) -> None:
+    """Refuse a trial dict with a key the store does not keep, naming the key and the allowed ones."""
+    for index, trial in enumerate(trials):
+        unknown = sorted(set(trial) - set(TRIAL_FIELDS))
+        if unknown:
+            raise MpadviseError(
+                f"record_tune: trials[{index}] has key {unknown[0]!r}; allowed keys are "
+                f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')"
+            )
+
+
+def _tuned_on(
+    profile: HardwareProfile,
+    policy: Policy,
+    script_path: str,
+    workload_fingerprint: str,
+    trial_count: int,
+    speedup_vs_fp32: float | None,
+    goodput: float | None,
+) -> TunedOn:
+    """The complete ``[tuned_on]`` record: hardware and versions from ``profile``, the workload
+    facts and date already on ``policy.tuned_on`` kept."""
+    earlier = policy.tuned_on or TunedOn()
+    return TunedOn(
+        hardware_fingerprint=hardware_fingerprint(profile),
+        device=profile.name,
+        torch=profile.torch_version or "",
+        libraries=tuple(sorted(profile.libraries)),
+        date=earlier.date or datetime.date.today().isoformat(),
+        speedup_vs_fp32=speedup_vs_fp32,
+        goodput=goodput,
+        workload_fingerprint=workload_fingerprint,
+        model_signature=earlier.model_signature,
+        script=script_path,
+        trials=trial_count,
+        cuda=profile.cuda_runtime or "",
+        global_batch=earlier.global_batch,
+        script_digest=earlier.script_digest,
+    )
 
 
 def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> tuple[Policy, str] | None:
