@@ -103,7 +103,7 @@ class PrecisionMode:
     @classmethod
     def cuda_support(cls, profile: HardwareProfile, cap: ArchCapability) -> ModeSupport:
         """``support`` on a CUDA device whose capability table entry is ``cap``."""
-        raise NotImplementedError(
+        raise NotImplementedError(  # abstract: each mode says where it runs
             f"{cls.__qualname__} does not say where it runs; define support(profile), or "
             "cuda_support(profile, cap) and cpu_support(profile)"
         )
@@ -111,7 +111,7 @@ class PrecisionMode:
     @classmethod
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
         """``support`` on a CPU."""
-        raise NotImplementedError(
+        raise NotImplementedError(  # abstract: each mode says where it runs
             f"{cls.__qualname__} does not say where it runs; define support(profile), or "
             "cuda_support(profile, cap) and cpu_support(profile)"
         )

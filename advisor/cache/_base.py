@@ -97,7 +97,7 @@ class StoreBase:
 
     def _recover(self, reason: str) -> None:
         """Replace a database found damaged mid-command with a fresh one (the Store does)."""
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: Store implements it
 
     def _as_error(self, exc: BaseException, kind: str) -> MpadviseError:
         """The one line a user reads for an SQLite error of ``kind`` (see :func:`error_kind`)."""
