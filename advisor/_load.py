@@ -97,7 +97,8 @@ def resolve_policy(
 
 
 def _check_supported(policy: Policy, profile: HardwareProfile, label: str) -> Policy:
-    support = supported_modes(profile)
+    # Judged for the policy itself, so that an FP8 recipe this device lacks is refused here.
+    support = supported_modes(profile, policy)
     info = support[policy.mode]
     if not info.supported:
         available = ", ".join(m for m, s in support.items() if s.supported)

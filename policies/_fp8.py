@@ -2,8 +2,9 @@
 
 Transformer Engine (``fp8-te``) and torchao (``fp8-torchao``) differ in how they swap layers
 and scale, and share the rest: the layer filter, the record of converted and kept layers and
-the notes about them, the recipe check on resume, and the support rule (FP8 tensor cores and
-the library installed).
+the notes about them, the recipe check on resume, and the support rule: FP8 tensor cores, a
+torch build with kernels for the GPU, a new enough CUDA, the library installed, and for a
+policy's recipe what that recipe needs (``probes``' FP8 recipe rules).
 """
 
 from __future__ import annotations
@@ -11,10 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from probes._capability import (
+    FP8_RECIPE_RULES,
+    Fp8RecipeRule,
+    fp8_recipe_rule,
+    fp8_recipe_unmet,
+    release,
+    torch_build_covers,
+)
 from probes._errors import MpadviseError
 
 from ._base import PrecisionMode
-from ._device import ModeSupport, cc_text
+from ._device import ModeSupport, arch, cc_text
 
 if TYPE_CHECKING:
     import torch
@@ -24,13 +33,14 @@ if TYPE_CHECKING:
     from ._config import Policy
 
 # FP8 GEMMs need both matrix dimensions divisible by 16 (cuBLASLt's FP8 layout rule, which
-# torchao's Float8Linear inherits); other linears stay in high precision.
+# torchao's Float8Linear inherits); MXFP8 needs 32, its scaling block. Other linears stay in
+# high precision. Each recipe's multiple is its rule's dim_multiple (probes' FP8 recipe rules).
 FP8_DIM_MULTIPLE = 16
 
 
-def fp8_shape_ok(in_features: int, out_features: int) -> bool:
-    """Whether a Linear of this shape can run its matmuls in FP8."""
-    return in_features % FP8_DIM_MULTIPLE == 0 and out_features % FP8_DIM_MULTIPLE == 0
+def fp8_shape_ok(in_features: int, out_features: int, multiple: int = FP8_DIM_MULTIPLE) -> bool:
+    """Whether a Linear of this shape can run its matmuls in FP8 (features multiples of ``multiple``)."""
+    return in_features % multiple == 0 and out_features % multiple == 0
 
 
 # eq=False: equality of the Parameter field would compare tensors element by element.
@@ -106,11 +116,13 @@ class Fp8Mode(PrecisionMode):
 
     Subclasses set ``fp8_recipes`` and ``default_recipe``, the library that provides FP8
     (``library`` as ``probes`` records its version, ``library_display`` for people,
-    ``install`` the command that installs it) and ``nothing_converted``, the note when no
-    layer could run in FP8.
+    ``install`` the command that installs it), ``nothing_converted``, the note when no
+    layer could run in FP8, and optionally ``recipe_titles``, what a recipe is called in the
+    support reason.
 
     Attributes:
         recipe_name: the ``[fp8]`` recipe of the policy, or the mode's default.
+        rule: what that recipe needs (feature and token multiples among it).
         converted: the layers that run in FP8 (qualified names).
         kept_high_precision: the layers left in high precision, with their shapes.
     """
@@ -121,13 +133,30 @@ class Fp8Mode(PrecisionMode):
     library_display: ClassVar[str]
     install: ClassVar[str]
     nothing_converted: ClassVar[str] = "no layer could run in FP8; this trains like fp32"
+    recipe_titles: ClassVar[dict[str, str]] = {}
 
     def __init__(self, policy: Policy, device: torch.device) -> None:
         super().__init__(policy, device)
-        options = policy.fp8
-        self.recipe_name = options.recipe if options is not None and options.recipe else self.default_recipe
+        self.recipe_name = self.policy_recipe(policy)
+        self.rule = self.recipe_rule(self.recipe_name)
         self.converted: list[str] = []
         self.kept_high_precision: list[str] = []
+
+    @classmethod
+    def policy_recipe(cls, policy: Policy) -> str:
+        """The recipe ``policy`` runs: its ``[fp8]`` recipe, or the mode's default."""
+        options = policy.fp8
+        return options.recipe if options is not None and options.recipe else cls.default_recipe
+
+    @classmethod
+    def recipe_rule(cls, recipe: str) -> Fp8RecipeRule:
+        """What ``recipe`` needs; plain FP8's needs for a recipe the rule table does not list."""
+        return fp8_recipe_rule(cls.library, recipe) if cls._has_rule(recipe) else Fp8RecipeRule(cls.library, recipe)
+
+    @classmethod
+    def _has_rule(cls, recipe: str) -> bool:
+        # A mode registered from outside may offer recipes that probes has no rule for.
+        return any(rule.library == cls.library and rule.recipe == recipe for rule in FP8_RECIPE_RULES)
 
     @classmethod
     def advice(cls, kind: str) -> str:
@@ -136,21 +165,68 @@ class Fp8Mode(PrecisionMode):
             "bf16-mixed, or keep the sensitive layers (first, last, small ones) out of FP8"
         )
 
+    # ---- where it runs ---------------------------------------------------------------------------
+
+    @classmethod
+    def support(cls, profile: HardwareProfile, policy: Policy | None = None) -> ModeSupport:
+        """Whether this mode runs on ``profile``'s device, and why; with ``policy``, its recipe.
+
+        Args:
+            profile: a CUDA or CPU profile.
+            policy: a policy of this mode: the answer is then for its ``[fp8]`` recipe (the
+                default recipe without one). ``None`` answers for the mode as a whole.
+
+        Raises:
+            MpadviseError: a CUDA profile without a compute capability.
+        """
+        whole = super().support(profile)
+        if policy is None or not whole.supported or not profile.is_cuda:
+            # On a CPU torchao emulates every recipe alike.
+            return whole
+        return cls.recipe_support(profile, cls.policy_recipe(policy))
+
+    @classmethod
+    def recipe_support(cls, profile: HardwareProfile, recipe: str) -> ModeSupport:
+        """Whether ``recipe`` runs on a CUDA device where the mode as a whole runs, and why not."""
+        cap = arch(profile)
+        version = profile.library_version(cls.library)
+        unmet = cls._recipe_unmet(profile, cap, recipe)
+        if unmet is None:
+            return ModeSupport(
+                cls.name, True, f"{cls.name}: recipe {recipe!r} runs on {cap.label} with {cls.library_display} {version}"
+            )
+        here = [r for r in cls.fp8_recipes if cls._recipe_unmet(profile, cap, r) is None]
+        return ModeSupport(
+            cls.name,
+            False,
+            f"{cls.name}: recipe {recipe!r} on {profile.name} {unmet}; set [fp8] recipe to one "
+            f"that runs here: {', '.join(here) or 'none'}",
+        )
+
     @classmethod
     def cuda_support(cls, profile: HardwareProfile, cap: ArchCapability) -> ModeSupport:
-        if not cap.fp8:
-            return ModeSupport(
-                cls.name, False, f"{cls.name}: compute capability {cc_text(cap)} < 8.9 ({profile.name})"
-            )
+        problem = cls._device_problem(profile, cap)
+        if problem is not None:
+            return ModeSupport(cls.name, False, f"{cls.name}: {problem}")
         version = profile.library_version(cls.library)
         if version is None:
             return cls._not_installed()
-        blocks = "; MXFP8 block scaling available" if cap.mxfp8 else ""
-        return ModeSupport(
-            cls.name,
-            True,
-            f"{cls.name}: FP8 tensor cores ({cap.label}) with {cls.library_display} {version}{blocks}",
+        here, missing = [], []
+        for recipe in cls.fp8_recipes:
+            unmet = cls._recipe_unmet(profile, cap, recipe)
+            title = f" ({cls.recipe_titles[recipe]})" if recipe in cls.recipe_titles else ""
+            if unmet is None:
+                here.append(f"{recipe}{title}")
+            else:
+                missing.append(f"{recipe} {unmet}")
+        reason = (
+            f"{cls.name}: FP8 tensor cores ({cap.label}) with {cls.library_display} {version}; "
+            f"recipes here: {', '.join(here) or 'none'}"
         )
+        if missing:
+            reason += f"; not here: {'; '.join(missing)}"
+        runs = cls._recipe_unmet(profile, cap, cls.default_recipe) is None
+        return ModeSupport(cls.name, runs, reason)
 
     @classmethod
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
@@ -160,9 +236,47 @@ class Fp8Mode(PrecisionMode):
     def _not_installed(cls) -> ModeSupport:
         return ModeSupport(cls.name, False, f"{cls.name}: {cls.library_display} is not installed ({cls.install})")
 
+    @classmethod
+    def _device_problem(cls, profile: HardwareProfile, cap: ArchCapability) -> str | None:
+        """Why no FP8 recipe of any library runs on this device with this torch build, or ``None``."""
+        if not cap.fp8:
+            return f"compute capability {cc_text(cap)} < 8.9 ({profile.name})"
+        if torch_build_covers(cap.compute_capability, profile.cuda_arch_list) is False:
+            major, minor = cap.compute_capability
+            hint = " (pytorch.org's wheels for CUDA 12.9 and newer list sm_100 and sm_120)" if major >= 10 else ""
+            return (
+                f"torch {profile.torch_version} was built for {' '.join(profile.cuda_arch_list)}, with no "
+                f"kernels for compute capability {cc_text(cap)} ({profile.name}); install a torch "
+                f"build whose torch.cuda.get_arch_list() lists sm_{major}{minor}{hint}"
+            )
+        cuda = release(profile.cuda_runtime)
+        if cap.fp8_min_cuda is not None and cuda is not None and cuda < cap.fp8_min_cuda:
+            floor = "{}.{}".format(*cap.fp8_min_cuda)
+            return (
+                f"FP8 on {cap.label} needs CUDA {floor} or newer, and torch {profile.torch_version} "
+                f"was built with CUDA {profile.cuda_runtime} ({profile.name}); install a torch "
+                f"build for CUDA {floor} or newer"
+            )
+        return None
+
+    @classmethod
+    def _recipe_unmet(cls, profile: HardwareProfile, cap: ArchCapability, recipe: str) -> str | None:
+        if not cls._has_rule(recipe):
+            return None  # a recipe without a rule needs what FP8 as a whole needs
+        return fp8_recipe_unmet(
+            cls.library,
+            recipe,
+            compute_capability=cap.compute_capability,
+            cuda_runtime=profile.cuda_runtime,
+            library_version=profile.library_version(cls.library),
+            library_display=cls.library_display,
+        )
+
+    # ---- conversion ------------------------------------------------------------------------------
+
     def fp8_eligible(self, fqn: str, in_features: int, out_features: int) -> bool:
         """Whether a Linear of this shape may run in FP8; records it in ``kept_high_precision`` if not."""
-        if fp8_shape_ok(in_features, out_features):
+        if fp8_shape_ok(in_features, out_features, self.rule.dim_multiple):
             return True
         self.kept_high_precision.append(f"{fqn} ({in_features}->{out_features})")
         return False
@@ -172,7 +286,7 @@ class Fp8Mode(PrecisionMode):
         if self.kept_high_precision:
             self.notes.append(
                 f"{self.name}: kept in high precision (dimensions not divisible by "
-                f"{FP8_DIM_MULTIPLE}): {', '.join(self.kept_high_precision)}"
+                f"{self.rule.dim_multiple}): {', '.join(self.kept_high_precision)}"
             )
         if not self.converted:
             self.notes.append(f"{self.name}: {self.nothing_converted}")

@@ -11,7 +11,8 @@ from probes import HardwareProfile
 
 from ._config import Policy
 from ._device import FLAG_NAMES, ModeSupport, arch, cpu_bf16_speed
-from ._registry import mode_classes
+from ._fp8 import Fp8Mode
+from ._registry import mode_class, mode_classes
 
 __all__ = [
     "ModeSupport",
@@ -22,7 +23,7 @@ __all__ = [
 ]
 
 
-def supported_modes(profile: HardwareProfile) -> dict[str, ModeSupport]:
+def supported_modes(profile: HardwareProfile, policy: Policy | None = None) -> dict[str, ModeSupport]:
     """Support and reason for every registered mode, in ``MODES`` order.
 
     Each mode class answers for itself (``PrecisionMode.support``).
@@ -30,6 +31,9 @@ def supported_modes(profile: HardwareProfile) -> dict[str, ModeSupport]:
     Args:
         profile: a CUDA or CPU profile. FP8 library versions come from
             ``profile.libraries``, so the answer is reproducible from a stored profile.
+        policy: a policy about to run. Its mode's entry then answers for this policy: for an
+            FP8 mode, for its ``[fp8]`` recipe (``Fp8Mode.support(profile, policy)``), since a
+            device may run one recipe and not another. The other entries are unchanged.
 
     Returns:
         ``{mode: ModeSupport}`` for every mode.
@@ -39,7 +43,12 @@ def supported_modes(profile: HardwareProfile) -> dict[str, ModeSupport]:
     """
     if profile.is_cuda:
         arch(profile)  # one clear error for a profile without a compute capability
-    return {cls.name: cls.support(profile) for cls in mode_classes()}
+    support = {cls.name: cls.support(profile) for cls in mode_classes()}
+    if policy is not None:
+        cls = mode_class(policy.mode)
+        if issubclass(cls, Fp8Mode):
+            support[policy.mode] = cls.support(profile, policy)
+    return support
 
 
 def safe_default_mode(profile: HardwareProfile) -> tuple[str, str]:

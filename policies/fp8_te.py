@@ -2,15 +2,21 @@
 where the shapes allow, and the forward runs under ``te.autocast(recipe=...)`` inside bf16
 autocast, which runs what TE's modules do not (attention, activations, the loss).
 
+TE's FP8 Linear refuses an input whose token count (the product of every dimension but the
+last) is not a multiple of 8, or of 32 under MXFP8, and offers no padding for it. Each swapped
+Linear therefore checks its input first and names the layer, the shape and the fix.
+
 Transformer Engine is imported here only, and only when this mode is used. It needs CUDA.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
+from probes._capability import fp8_recipe_since
 from probes._errors import MpadviseError
 
 from ._device import TE_INSTALL
@@ -30,27 +36,87 @@ def import_transformer_engine() -> tuple[Any, Any]:
     return te, recipe
 
 
+# The TE recipe class of each recipe name (transformer_engine.common.recipe).
+RECIPE_CLASSES = {
+    "delayed": "DelayedScaling",
+    "current": "Float8CurrentScaling",
+    "mxfp8": "MXFP8BlockScaling",
+    "block": "Float8BlockScaling",
+}
+
+
 def build_recipe(recipe_mod: Any, options: Any) -> Any:
-    """The TE recipe object for the Policy's ``[fp8]`` options (``delayed`` by default)."""
+    """The TE recipe object for the Policy's ``[fp8]`` options (``delayed`` by default).
+
+    Raises:
+        MpadviseError: the name is not a TE recipe, or the installed TE is too old to have it.
+    """
     name = options.recipe if options and options.recipe else Fp8Te.default_recipe
-    fmt_name = options.fp8_format if options else "hybrid"
-    fmt = getattr(recipe_mod.Format, fmt_name.upper())
+    if name not in RECIPE_CLASSES:
+        raise MpadviseError(
+            f"fp8.recipe: {name!r} is not a Transformer Engine recipe; expected "
+            f"{', '.join(Fp8Te.fp8_recipes)}"
+        )
+    recipe_cls = getattr(recipe_mod, RECIPE_CLASSES[name], None)
+    if recipe_cls is None:
+        floor = fp8_recipe_since(Fp8Te.library, name)
+        needs = f"transformer-engine {floor[0]}.{floor[1]} or newer" if floor else "a newer transformer-engine"
+        raise MpadviseError(
+            f"fp8.recipe: {name!r} needs {needs}, and the installed one has no "
+            f"{RECIPE_CLASSES[name]}; upgrade it ({TE_INSTALL}) or set recipe = \"delayed\""
+        )
+    fmt = getattr(recipe_mod.Format, (options.fp8_format if options else "hybrid").upper())
     if name == "delayed":
-        return recipe_mod.DelayedScaling(
+        return recipe_cls(
             fp8_format=fmt,
             amax_history_len=options.amax_history_len if options else 1024,
             margin=options.margin if options else 0,
         )
     if name == "current":
-        return recipe_mod.Float8CurrentScaling(fp8_format=fmt)
-    if name == "mxfp8":
-        return recipe_mod.MXFP8BlockScaling()
-    if name == "block":
-        return recipe_mod.Float8BlockScaling()
-    raise MpadviseError(
-        f"fp8.recipe: {name!r} is not a Transformer Engine recipe; expected "
-        f"{', '.join(Fp8Te.fp8_recipes)}"
-    )
+        return recipe_cls(fp8_format=fmt)
+    return recipe_cls()
+
+
+class Fp8Window:
+    """Whether the mode's forward context is open: only then does TE run the swapped Linears in FP8."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+class TokenCheck:
+    """A forward pre-hook on a swapped Linear: refuses, with the fix, a token count FP8 cannot run.
+
+    TE raises on such an input deep inside its Linear (``assert_dim_for_fp8_exec``), and has
+    no option to pad it; padding the batch would change the loss. Outside the forward context
+    TE's Linear runs in high precision and takes any shape, so the check is off there.
+
+    Args:
+        fqn: the layer's qualified name, for the message.
+        recipe: the recipe's name, for the message.
+        multiple: the token multiple the recipe needs.
+        window: the mode's ``Fp8Window``.
+    """
+
+    def __init__(self, fqn: str, recipe: str, multiple: int, window: Fp8Window) -> None:
+        self.fqn = fqn
+        self.recipe = recipe
+        self.multiple = multiple
+        self.window = window
+
+    def __call__(self, module: Any, args: tuple[Any, ...]) -> None:
+        if not self.window.depth or not args or not hasattr(args[0], "shape"):
+            return
+        shape = tuple(args[0].shape)
+        tokens = math.prod(shape[:-1])
+        if tokens % self.multiple:
+            raise MpadviseError(
+                f"fp8-te: layer {self.fqn} got an input of shape {shape}, {tokens} tokens (the "
+                f"product of every dimension but the last), and Transformer Engine runs the "
+                f"{self.recipe} recipe only on a multiple of {self.multiple} tokens. A last batch "
+                f"smaller than the others does this: pass drop_last=True to the DataLoader, or "
+                f"make batch size x sequence length a multiple of {self.multiple}"
+            )
 
 
 class Fp8Te(Fp8Mode):
@@ -64,6 +130,7 @@ class Fp8Te(Fp8Mode):
     library_display = "transformer-engine"
     install = TE_INSTALL
     nothing_converted = "no Linear/LayerNorm could be swapped; this trains like fp32"
+    recipe_titles = {"mxfp8": "MXFP8 block scaling"}
 
     def __init__(self, policy, device) -> None:
         super().__init__(policy, device)
@@ -71,6 +138,7 @@ class Fp8Te(Fp8Mode):
             raise MpadviseError(f"fp8-te needs a CUDA device; this policy runs on {device.type}")
         self.te, recipe_mod = import_transformer_engine()
         self.recipe = build_recipe(recipe_mod, policy.fp8)
+        self.window = Fp8Window()
 
     @property
     def swapped(self) -> list[str]:
@@ -129,6 +197,8 @@ class Fp8Te(Fp8Mode):
             new.weight.copy_(module.weight)
             if getattr(module, "bias", None) is not None:
                 new.bias.copy_(module.bias)
+        if type(module) is torch.nn.Linear:
+            new.register_forward_pre_hook(TokenCheck(fqn, self.recipe_name, self.rule.token_multiple, self.window))
         self.converted.append(fqn)
         return new
 
@@ -143,7 +213,11 @@ class Fp8Te(Fp8Mode):
         # in fp32 and make this mode look slower than fp8-torchao, which has bf16 autocast.
         # bf16 autocast outside, TE's inside: the nesting of TE's own tests and examples.
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16), self._te_autocast():
-            yield
+            self.window.depth += 1
+            try:
+                yield
+            finally:
+                self.window.depth -= 1
 
     def _te_autocast(self) -> contextlib.AbstractContextManager[Any]:
         te = self.te

@@ -3,11 +3,16 @@
 On CUDA (compute capability >= 8.9) the swapped linears run FP8 matmuls and the rest of the
 forward runs under bf16 autocast. On a CPU torchao emulates the FP8 casts: the numerics are
 FP8's, the speed is not. torchao is imported here only, and only when this mode is used.
+
+The weight gradient's FP8 matmul sums over the tokens, and ``torch._scaled_mm`` wants that
+inner dimension a multiple of 16: a ragged last batch would fail there. The config sets
+``pad_inner_dim`` so that torchao pads it with zeros instead (see ``convert_module``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from probes._errors import MpadviseError
@@ -62,6 +67,12 @@ class Fp8Torchao(Fp8Mode):
 
         float8 = import_torchao_float8()
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe_name)
+        if self.rule.token_multiple > 1:
+            # Zero rows add nothing to a matmul's sums, so the padding is exact. Its price: with
+            # pad_inner_dim, torchao copies both FP8 operands of every FP8 matmul (F.pad copies
+            # even when nothing is added), one byte per element: traffic that grows with the
+            # operands' sizes, where the matmul's work grows with their product.
+            config = dataclasses.replace(config, pad_inner_dim=True)
 
         def eligible(mod: torch.nn.Module, fqn: str) -> bool:
             if not isinstance(mod, torch.nn.Linear):

@@ -28,7 +28,16 @@ BENCH_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
 # Big enough to saturate a data-centre GPU's tensor cores; on a CPU without native bf16 a
 # 1024 matmul takes seconds per call, so 512 keeps the whole CPU run near two seconds.
 _DEFAULT_SIZE = {"cuda": 8192, "cpu": 512}
-_CUDA_WARMUP_CALLS = 3  # cuBLAS picks its algorithm and the clocks ramp on the first calls
+# CUDA warm-up: cuBLAS picks its algorithm on the first call, and an idle GPU's clocks take
+# up to a few tenths of a second of load to reach their boost frequency. Three calls of an
+# fp8 matmul are a few milliseconds, so the warm-up goes by time: at least _CUDA_WARMUP_MIN_S
+# of work, then until two successive timings agree within _CUDA_WARMUP_SETTLED, and never
+# beyond _CUDA_WARMUP_MAX_S (a GPU that is being throttled may never settle).
+_CUDA_WARMUP_MIN_S = 0.2
+_CUDA_WARMUP_MAX_S = 2.0
+_CUDA_WARMUP_SETTLED = 0.03
+# Each warm-up timing covers about this much work, so that launch jitter does not decide it.
+_CUDA_WARMUP_BATCH_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -98,8 +107,9 @@ def matmul_benchmark(
     """Measure square-matmul TFLOP/s per dtype on the profile's device.
 
     Every global switch touched (the fp32 matmul precision, i.e. TF32, for CUDA and
-    oneDNN; the current CUDA device) is restored on exit, also after an error. Inputs come
-    from a private generator, so the global RNG state is untouched.
+    oneDNN; the current CUDA device) is restored on exit, also after an error, and on CUDA
+    the memory the operands took is handed back to the device. Inputs come from a private
+    generator, so the global RNG state is untouched.
 
     Args:
         profile: the device to measure (``profile.device``).
@@ -134,6 +144,10 @@ def matmul_benchmark(
     with contextlib.ExitStack() as stack:
         if profile.is_cuda:
             stack.enter_context(torch.cuda.device(profile.index or 0))
+            # Last out, also after an error: the caching allocator would keep the operands'
+            # memory (gigabytes at size 8192) reserved in this process, and a tune runs its
+            # trials on the same GPU after the benchmark.
+            stack.callback(torch.cuda.empty_cache)
         stack.enter_context(torch.no_grad())
         for dtype in chosen:
             reason = _skip_reason(torch, profile, dtype)
@@ -287,8 +301,11 @@ def _operands(torch: Any, profile: HardwareProfile, dtype: str, size: int) -> Ca
         # _scaled_mm wants the second operand column-major: a row-major (N, K) transposed.
         b = randn().to(torch.float8_e4m3fn).t()
         scale = torch.ones((), device=device, dtype=torch.float32)
+        # Fast accumulation, as FP8 training runs its forward GEMM (torchao's default recipe);
+        # without it cuBLAS promotes the partial sums along the way and the row would measure
+        # a slower kernel than the one training uses.
         return lambda: torch._scaled_mm(
-            a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16
+            a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16, use_fast_accum=True
         )
     torch_dtype = {
         "fp32": torch.float32,
@@ -317,8 +334,7 @@ def _measure(
             matmul = _operands(torch, profile, dtype, size)
             timer = _cuda_timer(torch) if profile.is_cuda else _cpu_timer
             if profile.is_cuda:
-                timer(matmul, _CUDA_WARMUP_CALLS)
-                one_call = timer(matmul, 1)
+                one_call = _cuda_warm_up(timer, matmul)
             else:
                 # On a CPU the warm-up call doubles as the calibration: a dtype without
                 # native support takes a fifth of a second per call, and each saved call
@@ -336,6 +352,24 @@ def _measure(
     median = statistics.median(samples)
     spread = (max(samples) - min(samples)) / median if median > 0 else 0.0
     return median, spread
+
+
+def _cuda_warm_up(timer: Callable[[Callable[[], Any], int], float], matmul: Callable[[], Any]) -> float:
+    """Run the matmul until the GPU's clocks have ramped up; returns the last seconds per call.
+
+    At least ``_CUDA_WARMUP_MIN_S`` of work, then until two successive per-call timings agree
+    within ``_CUDA_WARMUP_SETTLED``, at most ``_CUDA_WARMUP_MAX_S``.
+    """
+    spent, calls, previous = 0.0, 1, None
+    while True:
+        elapsed = timer(matmul, calls)
+        spent += elapsed
+        per_call = elapsed / calls
+        settled = previous is not None and abs(per_call - previous) <= _CUDA_WARMUP_SETTLED * previous
+        if spent >= _CUDA_WARMUP_MAX_S or (spent >= _CUDA_WARMUP_MIN_S and settled):
+            return per_call
+        previous = per_call
+        calls = max(1, math.ceil(_CUDA_WARMUP_BATCH_S / max(per_call, 1e-9)))
 
 
 def _cpu_timer(matmul: Callable[[], Any], calls: int) -> float:

@@ -9,6 +9,10 @@ Two tables, both pure functions of plain data:
   for known SKUs, matched by the device name. Used to report measured matmul throughput as a
   fraction of the roofline; never used to decide what is supported.
 
+Beside them, what software needs of the device: ``FP8_RECIPE_RULES`` (what each FP8 library's
+recipe needs: compute capability, CUDA, library version, shapes) and ``torch_build_covers``
+(whether a torch build has kernels for a compute capability).
+
 Every figure is quoted from the NVIDIA document named in the comment above its row; where the
 document gives only the sparse figure, the dense one is half of it (NVIDIA's sparse figures
 are exactly 2x the dense ones). docs/capabilities.md lists the same sources and the figures
@@ -26,7 +30,21 @@ from probes._errors import MpadviseError
 if TYPE_CHECKING:
     from probes._profile import HardwareProfile
 
-__all__ = ["ArchCapability", "SkuPeak", "SKU_PEAKS", "capability_for", "match_sku", "peak_tflops"]
+__all__ = [
+    "FP8_RECIPE_RULES",
+    "ArchCapability",
+    "Fp8RecipeRule",
+    "SkuPeak",
+    "SKU_PEAKS",
+    "capability_for",
+    "fp8_recipe_rule",
+    "fp8_recipe_since",
+    "fp8_recipe_unmet",
+    "match_sku",
+    "peak_tflops",
+    "release",
+    "torch_build_covers",
+]
 
 
 @dataclass(frozen=True)
@@ -41,8 +59,13 @@ class ArchCapability:
         tf32: TF32 tensor cores, used for fp32 matmuls when allowed (Ampere and later).
         bf16: bf16 tensor cores (Ampere and later); earlier GPUs only emulate bf16.
         fp8: FP8 (E4M3/E5M2) tensor cores with per-tensor scaling (Ada, Hopper, Blackwell).
-        mxfp8: MXFP8, FP8 with hardware block scales of 32 elements (Blackwell).
+        mxfp8: MXFP8, FP8 with hardware block scales of 32 elements (Blackwell). What the
+            hardware has; whether a library's MXFP8 recipe runs is in ``FP8_RECIPE_RULES``
+            (Transformer Engine refuses 12.x).
         nvfp4: NVFP4, 4-bit floats with hardware block scales (Blackwell).
+        fp8_min_cuda: the oldest CUDA (``(major, minor)``) whose cuBLASLt runs FP8 matmuls on
+            this architecture, where torch builds for older CUDA exist; ``None`` where no
+            floor applies.
     """
 
     arch: str
@@ -53,6 +76,7 @@ class ArchCapability:
     fp8: bool
     mxfp8: bool = False
     nvfp4: bool = False
+    fp8_min_cuda: tuple[int, int] | None = None
 
     @property
     def label(self) -> str:
@@ -89,8 +113,11 @@ def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
         return ArchCapability(arch, cc, fp16_tensor_cores=True, tf32=False, bf16=False, fp8=False)
     if major == 8:
         if (major, minor) >= (8, 9):
-            # 8.9 Ada: fourth-generation tensor cores with FP8.
-            return ArchCapability("Ada", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True)
+            # 8.9 Ada: fourth-generation tensor cores with FP8. cuBLASLt runs FP8 matmuls on Ada
+            # from CUDA 12.1 (Transformer Engine's check_fp8_support refuses older CUDA there).
+            return ArchCapability(
+                "Ada", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, fp8_min_cuda=(12, 1)
+            )
         # 8.0 A100, 8.6 GA10x (A10, RTX 30xx), 8.7 Orin: bf16 and TF32 tensor cores.
         return ArchCapability("Ampere", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=False)
     if major == 9:
@@ -115,6 +142,238 @@ def _validated(compute_capability: object) -> tuple[int, int]:
             f"got {compute_capability!r}"
         )
     return (compute_capability[0], compute_capability[1])
+
+
+_RELEASE = re.compile(r"(\d+)\.(\d+)")
+
+
+def release(version: str | None) -> tuple[int, int] | None:
+    """``"2.3.0+cu12"`` -> ``(2, 3)``: the release line of a version; ``None`` when it has none."""
+    match = _RELEASE.match(version.strip()) if isinstance(version, str) else None
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def _dotted(pair: tuple[int, int]) -> str:
+    return f"{pair[0]}.{pair[1]}"
+
+
+# --- what a torch build runs on ----------------------------------------------------------------
+
+# Code built for an integrated GPU (Jetson TX1 5.3, TX2 6.2, Xavier 7.2, Orin 8.7) runs only
+# there, and those GPUs run no code built for another capability; code for 10.1 (Thor, which
+# CUDA 13 renumbered 11.0) runs on both numbers. Read from torch.cuda's DEVICE_REQUIREMENT table.
+_RUNS_ONLY_ON = {53: {53}, 62: {62}, 72: {72}, 87: {87}, 101: {101, 110}}
+_TAKES_ONLY_ITS_OWN = {53, 62, 72, 87, 101}
+
+
+def _arch_number(entry: str) -> int | None:
+    """``"sm_90a"`` -> 90, ``"compute_120f"`` -> 120; ``None`` for an entry of another form."""
+    _, _, number = str(entry).partition("_")
+    digits = number.rstrip("abcdefghijklmnopqrstuvwxyz")
+    return int(digits) if digits.isdigit() else None
+
+
+def torch_build_covers(compute_capability: tuple[int, int], arch_list: tuple[str, ...]) -> bool | None:
+    """Whether a torch build compiled for ``arch_list`` has kernels for this compute capability.
+
+    Code built for ``sm_XY`` runs on X.Y and on later minors of major X (the rule of torch's
+    own start-up check, ``torch.cuda._check_capability``), so a cu126 build, which stops at
+    ``sm_90``, has nothing for a Blackwell GPU (10.0, 12.0).
+
+    Args:
+        compute_capability: the device's ``(major, minor)``.
+        arch_list: ``torch.cuda.get_arch_list()`` of the build (``("sm_80", "sm_90")``).
+
+    Returns:
+        ``None`` when the list is empty (not recorded, or a build without CUDA), else whether
+        some entry runs on the device.
+    """
+    if not arch_list:
+        return None
+    major, minor = _validated(compute_capability)
+    device = 10 * major + minor
+    for entry in arch_list:
+        code = _arch_number(entry)
+        if code is None:
+            continue
+        if code in _RUNS_ONLY_ON:
+            runs = device in _RUNS_ONLY_ON[code]
+        elif device in _TAKES_ONLY_ITS_OWN:
+            runs = False
+        else:
+            runs = code // 10 == major and minor >= code % 10
+        if runs:
+            return True
+    return False
+
+
+# --- what each FP8 recipe needs --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fp8RecipeRule:
+    """What one FP8 recipe of one library needs, for a range of that library's versions.
+
+    Attributes:
+        library: the library as profiles record it (``"transformer_engine"``, ``"torchao"``).
+        recipe: the recipe's name in a policy's ``[fp8]`` table.
+        min_cc: the oldest compute capability the recipe runs on.
+        below_cc: the first compute capability it no longer runs on; ``None`` for none.
+        min_cuda: the oldest CUDA runtime (the one torch was built with) it needs; ``None``
+            for no floor beyond the architecture's (``ArchCapability.fp8_min_cuda``).
+        min_library: the first library version this rule holds for (for the first rule of a
+            recipe, the first version that has the recipe); ``None`` for every version.
+        below_library: the first library version of the recipe's next rule; ``None`` for the
+            newest rule.
+        dim_multiple: a Linear runs in FP8 only when its in and out features are multiples of it.
+        token_multiple: the tokens of a Linear's input (the product of every dimension but the
+            last) must be a multiple of it; 1 where any count runs.
+    """
+
+    library: str
+    recipe: str
+    min_cc: tuple[int, int] = (8, 9)
+    below_cc: tuple[int, int] | None = None
+    min_cuda: tuple[int, int] | None = None
+    min_library: tuple[int, int] | None = None
+    below_library: tuple[int, int] | None = None
+    dim_multiple: int = 16
+    token_multiple: int = 1
+
+    def covers_version(self, version: tuple[int, int]) -> bool:
+        """Whether this rule holds for library release ``version``."""
+        return (self.min_library is None or version >= self.min_library) and (
+            self.below_library is None or version < self.below_library
+        )
+
+    def runs_on(self, compute_capability: tuple[int, int]) -> bool:
+        """Whether the recipe runs on a device of this compute capability under this rule."""
+        cc = tuple(compute_capability)
+        return cc >= self.min_cc and (self.below_cc is None or cc < self.below_cc)
+
+    def cc_range(self) -> str:
+        """``"10.x or 11.x"``, ``"9.0 or newer"``: the compute capabilities it runs on."""
+        if self.below_cc is None:
+            return f"{_dotted(self.min_cc)} or newer"
+        if self.min_cc[1] == 0 and self.below_cc[1] == 0:
+            return " or ".join(f"{major}.x" for major in range(self.min_cc[0], self.below_cc[0]))
+        return f"{_dotted(self.min_cc)} up to, not including, {_dotted(self.below_cc)}"
+
+
+# Read from each library's source; docs/capabilities.md cites the lines.
+FP8_RECIPE_RULES: tuple[Fp8RecipeRule, ...] = (
+    # Transformer Engine: check_recipe_support (pytorch/quantization.py; pytorch/fp8.py before
+    # 2.9) decides the device, and every FP8 Linear asserts assert_dim_for_fp8_exec (pytorch/
+    # utils.py): tokens a multiple of 8, the last dimension of 16. Float8CurrentScaling came in
+    # 2.2, Float8BlockScaling in 2.3, MXFP8BlockScaling in 2.0 (common/recipe/__init__.py).
+    Fp8RecipeRule("transformer_engine", "delayed", token_multiple=8),
+    Fp8RecipeRule("transformer_engine", "current", min_library=(2, 2), token_multiple=8),
+    # MXFP8 scales blocks of 32 along both dimensions (MXFP8_BLOCK_SCALING_SIZE; the quantizer's
+    # is_quantizable wants both the last dimension and the tokens in whole blocks), and
+    # check_mxfp8_support wants 10.0 or newer and refuses 12.0 and newer (an RTX 5090).
+    Fp8RecipeRule(
+        "transformer_engine", "mxfp8", min_cc=(10, 0), below_cc=(12, 0), min_library=(2, 0),
+        dim_multiple=32, token_multiple=32,
+    ),
+    # check_fp8_block_scaling_support: CUDA 12.9 always; Hopper alone until 2.8, 9.0 and newer from 2.9.
+    Fp8RecipeRule(
+        "transformer_engine", "block", min_cc=(9, 0), below_cc=(10, 0), min_cuda=(12, 9),
+        min_library=(2, 3), below_library=(2, 9), token_multiple=8,
+    ),
+    Fp8RecipeRule("transformer_engine", "block", min_cc=(9, 0), min_cuda=(12, 9), min_library=(2, 9), token_multiple=8),
+    # torchao: torch._scaled_mm wants the inner dimension a multiple of 16 (float8/config.py,
+    # pad_inner_dim). The weight gradient's inner dimension is the token count, except where
+    # rowwise_with_gw_hp computes that matmul in high precision. torchao has no MXFP8 recipe
+    # in float8 training (Float8LinearRecipeName).
+    Fp8RecipeRule("torchao", "tensorwise", token_multiple=16),
+    Fp8RecipeRule("torchao", "rowwise", token_multiple=16),
+    Fp8RecipeRule("torchao", "rowwise_with_gw_hp"),
+)
+
+
+def _recipe_rules(library: str, recipe: str) -> list[Fp8RecipeRule]:
+    rules = [rule for rule in FP8_RECIPE_RULES if rule.library == library and rule.recipe == recipe]
+    if not rules:
+        known = ", ".join(sorted({f"{r.library} {r.recipe}" for r in FP8_RECIPE_RULES}))
+        raise MpadviseError(f"no FP8 recipe rule for {library} recipe {recipe!r}; known: {known}")
+    return rules
+
+
+def fp8_recipe_rule(library: str, recipe: str, library_version: str | None = None) -> Fp8RecipeRule:
+    """The rule for a library's recipe at an installed version.
+
+    Args:
+        library: as profiles record it (``"transformer_engine"``).
+        recipe: the recipe's name (``"mxfp8"``).
+        library_version: the installed version; ``None`` or an unreadable one gives the
+            newest rule, as does a version older than the recipe.
+
+    Raises:
+        MpadviseError: no rule for this library and recipe.
+    """
+    rules = _recipe_rules(library, recipe)
+    version = release(library_version)
+    if version is not None:
+        for rule in rules:
+            if rule.covers_version(version):
+                return rule
+    return rules[-1]
+
+
+def fp8_recipe_since(library: str, recipe: str) -> tuple[int, int] | None:
+    """The first version of ``library`` that has ``recipe``; ``None`` when every version has it.
+
+    Raises:
+        MpadviseError: no rule for this library and recipe.
+    """
+    return _recipe_rules(library, recipe)[0].min_library
+
+
+def fp8_recipe_unmet(
+    library: str,
+    recipe: str,
+    *,
+    compute_capability: tuple[int, int],
+    cuda_runtime: str | None,
+    library_version: str | None,
+    library_display: str | None = None,
+) -> str | None:
+    """What an FP8 recipe needs that this device, CUDA and library version lack, or ``None``.
+
+    Args:
+        library: as profiles record it (``"transformer_engine"``).
+        recipe: the recipe's name (``"block"``).
+        compute_capability: the device's ``(major, minor)``.
+        cuda_runtime: the CUDA torch was built with (``"12.4"``); ``None`` skips that check.
+        library_version: the installed version; ``None`` or an unreadable one skips the
+            version check and applies the newest rule.
+        library_display: the library's name for people (``"transformer-engine"``).
+
+    Returns:
+        One clause for people, e.g. ``"needs CUDA 12.9 or newer (torch was built with CUDA
+        12.4)"``; ``None`` when the recipe runs here.
+    """
+    name = library_display or library
+    rules = _recipe_rules(library, recipe)
+    version = release(library_version)
+    first = fp8_recipe_since(library, recipe)
+    if version is not None and first is not None and version < first:
+        return f"needs {name} {_dotted(first)} or newer (this is {library_version})"
+    rule = fp8_recipe_rule(library, recipe, library_version)
+    cc = _validated(compute_capability)
+    if not rule.runs_on(cc):
+        clause = f"needs compute capability {rule.cc_range()}"
+        if rule.below_library is not None:
+            clause += f" with {name} {library_version}"
+        clause += f" (this is {_dotted(cc)})"
+        later = [r for r in rules if r.min_library is not None and r.min_library > (version or (0, 0)) and r.runs_on(cc)]
+        if later:
+            clause += f"; {name} {_dotted(later[0].min_library)} or newer runs it here"
+        return clause
+    cuda = release(cuda_runtime)
+    if rule.min_cuda is not None and cuda is not None and cuda < rule.min_cuda:
+        return f"needs CUDA {_dotted(rule.min_cuda)} or newer (torch was built with CUDA {cuda_runtime})"
+    return None
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,18 @@ that cannot be read are ``None``; devices that cannot be read at all are left ou
 torch.cuda and NVML number devices differently: torch honours ``CUDA_VISIBLE_DEVICES`` and
 ``CUDA_DEVICE_ORDER``, NVML always lists every GPU in PCI order. Devices are therefore paired
 by UUID, and by index only when both sides see the same number of devices and nothing
-remaps them.
+remaps them. Under MIG, CUDA shows MIG instances, whose UUIDs NVML lists under their parent GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
-from typing import Any
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from probes._libraries import fp8_library_versions
 from probes._profile import HardwareProfile
@@ -25,6 +28,13 @@ __all__ = ["cuda_profiles", "gpu_busy"]
 # pynvml's NVML_CLOCK_SM; used when a binding does not export the constant.
 _NVML_CLOCK_SM = 1
 _NVML_DEVICE_MIG_ENABLE = 1
+# Where this process's own tree is read (Linux).
+_PROC = Path("/proc")
+# The inode of the initial PID namespace (PROC_PID_INIT_INO in Linux's include/linux/proc_ns.h):
+# the NVIDIA driver reports the PIDs of GPU processes as that namespace numbers them.
+_INIT_PID_NAMESPACE = 0xEFFFFFFC
+# A GPU's device file (/dev/nvidia0...), not the control or UVM ones every CUDA process opens.
+_GPU_DEVICE_FILE = re.compile(r"/dev/nvidia\d+")
 
 
 def cuda_profiles(
@@ -63,6 +73,7 @@ def cuda_profiles(
     if not devices:
         return []
     libraries = fp8_library_versions()
+    arch_list = _arch_list(torch_cuda)
     profiles = []
     with _nvml_session(nvml) as session:
         driver_version = session.driver_version() if session else None
@@ -88,23 +99,28 @@ def cuda_profiles(
                     torch_version=torch_version,
                     libraries=libraries,
                     uuid=facts.get("uuid") or _torch_uuid(props),
+                    cuda_arch_list=arch_list,
                 )
             )
     return profiles
 
 
-def gpu_busy(index: int, nvml: Any = None, *, uuid: str | None = None) -> list[int]:
+def gpu_busy(
+    index: int, nvml: Any = None, *, uuid: str | None = None, own: OwnProcesses | None = None
+) -> list[int]:
     """PIDs of other processes running compute work on a GPU; ``[]`` when none or unknown.
 
     Args:
         index: NVML device index (PCI order; differs from torch's index when
             ``CUDA_VISIBLE_DEVICES`` is set, so prefer ``uuid``).
         nvml: a module with pynvml's functions; ``None`` imports ``pynvml``.
-        uuid: the GPU's UUID (``HardwareProfile.uuid``); when given it selects the device
-            and ``index`` is ignored.
+        uuid: the GPU's or MIG instance's UUID (``HardwareProfile.uuid``); when given it
+            selects the device and ``index`` is ignored.
+        own: this process's own tree; ``None`` reads it from ``/proc``.
 
     Returns:
-        Sorted PIDs, without this process's own.
+        Sorted PIDs as NVML reports them, without this process's own tree
+        (see :func:`other_gpu_processes`).
     """
     with _nvml_session(nvml) as session:
         if session is None:
@@ -116,9 +132,135 @@ def gpu_busy(index: int, nvml: Any = None, *, uuid: str | None = None) -> list[i
         if handle is None:
             return []
         processes = session.call("nvmlDeviceGetComputeRunningProcesses", handle) or []
-        own = os.getpid()
         pids = {int(p.pid) for p in processes if getattr(p, "pid", None) is not None}
-        return sorted(pid for pid in pids if pid != own)
+    if not pids:
+        return []
+    return other_gpu_processes(pids, own if own is not None else own_processes())
+
+
+@dataclass(frozen=True)
+class OwnProcesses:
+    """This process's own tree: GPU work that is never another job's to wait for.
+
+    Attributes:
+        pid: this process, as its PID namespace numbers it.
+        tree: this process, its ancestors (they wait for it, so waiting on them never ends)
+            and its descendants (its trials).
+        gpu_users: how many of them hold a GPU device file open: at most that many entries
+            of NVML's list can be theirs.
+        host_namespace: whether these PIDs are numbered as NVML numbers them (this process
+            is in the initial PID namespace); assumed where that cannot be read.
+    """
+
+    pid: int
+    tree: frozenset[int]
+    gpu_users: int = 0
+    host_namespace: bool = True
+
+
+def other_gpu_processes(listed: Iterable[int], own: OwnProcesses) -> list[int]:
+    """The PIDs on NVML's list that belong to someone else: what a wait for an idle GPU waits on.
+
+    In the initial PID namespace NVML's PIDs compare with ours: the list less our tree. In
+    another one (a container's), NVML still reports host PIDs, and ours are on the list under
+    numbers we cannot see. Our tree accounts for at most ``own.gpu_users`` entries, so a list
+    no longer than that is ours; a longer one means someone else computes there too, though
+    not which entry, and it is returned whole (less any PID of our tree it happens to hold).
+    """
+    listed = set(listed)
+    others = sorted(listed - own.tree)
+    if own.host_namespace or len(listed) > own.gpu_users:
+        return others
+    return []
+
+
+def own_processes(proc: Path | None = None) -> OwnProcesses:
+    """This process's own tree as ``/proc`` shows it; this process alone where there is none."""
+    proc = proc or _PROC
+    pid = _self_pid(proc)
+    parents = _parent_pids(proc)
+    tree = {pid} | _ancestors(pid, parents) | _descendants(pid, parents)
+    return OwnProcesses(
+        pid=pid,
+        tree=frozenset(tree),
+        gpu_users=sum(_holds_gpu(proc, member) for member in tree),
+        host_namespace=_in_host_namespace(proc),
+    )
+
+
+def _self_pid(proc: Path) -> int:
+    try:
+        return int(os.readlink(proc / "self"))
+    except (OSError, ValueError):
+        return os.getpid()
+
+
+def _parent_pids(proc: Path) -> dict[int, int]:
+    """PID -> parent PID of every process ``/proc`` shows (empty without ``/proc``)."""
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return {}
+    parents = {}
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            stat = (proc / name / "stat").read_text()
+        except OSError:  # it ended meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so read after the last ")".
+        fields = stat[stat.rfind(")") + 1 :].split()
+        if len(fields) > 1 and fields[1].isdigit():
+            parents[int(name)] = int(fields[1])
+    return parents
+
+
+def _ancestors(pid: int, parents: dict[int, int]) -> set[int]:
+    found: set[int] = set()
+    current = parents.get(pid)
+    while current and current not in found:
+        found.add(current)
+        current = parents.get(current)
+    return found
+
+
+def _descendants(pid: int, parents: dict[int, int]) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    found: set[int] = set()
+    pending = [pid]
+    while pending:
+        for child in children.get(pending.pop(), ()):
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return found
+
+
+def _holds_gpu(proc: Path, pid: int) -> bool:
+    fds = proc / str(pid) / "fd"
+    try:
+        names = os.listdir(fds)
+    except OSError:  # another user's process, or it ended
+        return False
+    for name in names:
+        try:
+            if _GPU_DEVICE_FILE.fullmatch(os.readlink(fds / name)):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _in_host_namespace(proc: Path) -> bool:
+    try:
+        link = os.readlink(proc / "self" / "ns" / "pid")
+    except OSError:  # not Linux, or no /proc: nothing says the PIDs differ
+        return True
+    match = re.fullmatch(r"pid:\[(\d+)\]", link)
+    return match is None or int(match.group(1)) == _INIT_PID_NAMESPACE
 
 
 def _torch_devices(torch_cuda: Any) -> list[tuple[int, Any]]:
@@ -137,6 +279,15 @@ def _torch_devices(torch_cuda: Any) -> list[tuple[int, Any]]:
         except Exception:
             continue
     return devices
+
+
+def _arch_list(torch_cuda: Any) -> tuple[str, ...]:
+    """What the torch build has kernels for (``("sm_80", "sm_90")``); ``()`` when it cannot say."""
+    try:
+        return tuple(str(arch) for arch in torch_cuda.get_arch_list())
+    except Exception:
+        # A stand-in without get_arch_list, or a build that cannot report it: not recorded.
+        return ()
 
 
 def _normalise_uuid(value: object) -> str | None:
@@ -167,6 +318,13 @@ def _as_text(value: object) -> str | None:
     if isinstance(value, bytes):
         return value.decode("ascii", errors="replace")
     return str(value)
+
+
+class _MigInstance(NamedTuple):
+    """A MIG instance's NVML handle, with its parent GPU's."""
+
+    handle: Any
+    parent: Any
 
 
 class _NvmlSession:
@@ -200,23 +358,50 @@ class _NvmlSession:
                 handles.append((handle, uuid))
         return handles
 
+    def mig_enabled(self, handle: Any) -> bool | None:
+        """Whether MIG mode is on for a GPU now; ``None`` where NVML cannot say."""
+        mig = self.call("nvmlDeviceGetMigMode", handle)  # [current, pending]
+        if isinstance(mig, (tuple, list)) and mig:
+            return int(mig[0]) == getattr(self.nvml, "NVML_DEVICE_MIG_ENABLE", _NVML_DEVICE_MIG_ENABLE)
+        return None
+
+    def mig_instances(self, gpus: list[tuple[Any, str | None]]) -> list[tuple[_MigInstance, str | None]]:
+        """The MIG instances of every GPU with MIG mode on, each with its normalised UUID."""
+        instances = []
+        for parent, _ in gpus:
+            if not self.mig_enabled(parent):
+                continue
+            for slot in range(int(self.call("nvmlDeviceGetMaxMigDeviceCount", parent) or 0)):
+                handle = self.call("nvmlDeviceGetMigDeviceHandleByIndex", parent, slot)
+                if handle is not None:  # an empty slot raises NotFound
+                    uuid = _normalise_uuid(self.call("nvmlDeviceGetUUID", handle))
+                    instances.append((_MigInstance(handle, parent), uuid))
+        return instances
+
     def handle_by_uuid(self, uuid: str) -> Any:
+        """The handle of the GPU or MIG instance with this UUID, or ``None``."""
         wanted = _normalise_uuid(uuid)
-        for handle, handle_uuid in self.all_handles():
+        gpus = self.all_handles()
+        for handle, handle_uuid in gpus:
             if handle_uuid is not None and handle_uuid == wanted:
                 return handle
+        for instance, instance_uuid in self.mig_instances(gpus):
+            if instance_uuid is not None and instance_uuid == wanted:
+                return instance.handle
         return None
 
     def match_handles(self, devices: list[tuple[int, Any]]) -> dict[int, Any]:
         """torch device index -> NVML handle, by UUID, else by index when that is safe."""
         handles = self.all_handles()
-        by_uuid = {uuid: handle for handle, uuid in handles if uuid is not None}
+        by_uuid: dict[str, Any] = {uuid: handle for handle, uuid in handles if uuid is not None}
         torch_uuids = {
             index: _normalise_uuid(getattr(props, "uuid", None)) for index, props in devices
         }
         if any(torch_uuids.values()):
-            # A UUID that NVML does not list is a MIG instance (its "MIG-" UUID is not the
-            # parent GPU's): leave it unpaired rather than guess.
+            # Under MIG, torch's UUID is the instance's ("MIG-..."), which NVML lists under its
+            # parent GPU. A UUID NVML lists nowhere stays unpaired rather than guessed.
+            if any(u is not None and u not in by_uuid for u in torch_uuids.values()):
+                by_uuid.update((u, i) for i, u in self.mig_instances(handles) if u is not None)
             return {i: by_uuid[u] for i, u in torch_uuids.items() if u is not None and u in by_uuid}
         # torch without device UUIDs: pair by position when nothing can have reordered them.
         remapped = "CUDA_VISIBLE_DEVICES" in os.environ
@@ -225,15 +410,15 @@ class _NvmlSession:
         return {}
 
     def device_facts(self, handle: Any) -> dict[str, Any]:
+        if isinstance(handle, _MigInstance):
+            return self._instance_facts(handle)
         facts: dict[str, Any] = {}
         memory = self.call("nvmlDeviceGetMemoryInfo", handle)
         if memory is not None and getattr(memory, "free", None) is not None:
             facts["memory_free"] = int(memory.free)
-        mig = self.call("nvmlDeviceGetMigMode", handle)
-        if isinstance(mig, (tuple, list)) and mig:
-            facts["mig_enabled"] = int(mig[0]) == getattr(
-                self.nvml, "NVML_DEVICE_MIG_ENABLE", _NVML_DEVICE_MIG_ENABLE
-            )
+        mig = self.mig_enabled(handle)
+        if mig is not None:
+            facts["mig_enabled"] = mig
         clock_sm = getattr(self.nvml, "NVML_CLOCK_SM", _NVML_CLOCK_SM)
         current = self.call("nvmlDeviceGetClockInfo", handle, clock_sm)
         maximum = self.call("nvmlDeviceGetMaxClockInfo", handle, clock_sm)
@@ -243,6 +428,14 @@ class _NvmlSession:
         if uuid:
             facts["uuid"] = uuid
         return facts
+
+    def _instance_facts(self, instance: _MigInstance) -> dict[str, Any]:
+        """A MIG instance's facts: its own memory and UUID; the GPU-wide ones (clocks) from its
+        parent, which NVML answers only there."""
+        parent = self.device_facts(instance.parent)
+        for whole_gpu in ("memory_free", "uuid"):  # the whole GPU's, not this instance's
+            parent.pop(whole_gpu, None)
+        return {**parent, **self.device_facts(instance.handle), "mig_enabled": True}
 
 
 @contextlib.contextmanager

@@ -33,6 +33,9 @@ class HardwareProfile:
             their versions, ``None`` where not installed.
         uuid: NVML UUID of the GPU, when known; not part of the fingerprint (two cards of the
             same SKU give the same answer).
+        cuda_arch_list: what the torch build has kernels for (``torch.cuda.get_arch_list()``,
+            ``("sm_80", "sm_90")``), CUDA only; ``()`` where not recorded. Not part of the
+            fingerprint: the torch and CUDA versions already in it name the build.
     """
 
     kind: str
@@ -51,6 +54,7 @@ class HardwareProfile:
     torch_version: str | None = None
     libraries: tuple[tuple[str, str | None], ...] = field(default=())
     uuid: str | None = None
+    cuda_arch_list: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("cuda", "cpu"):
@@ -75,6 +79,7 @@ class HardwareProfile:
         """A JSON-ready dict (tuples become lists)."""
         data = asdict(self)
         data["cpu_flags"] = list(self.cpu_flags)
+        data["cuda_arch_list"] = list(self.cuda_arch_list)
         data["libraries"] = {k: v for k, v in self.libraries}
         if self.compute_capability is not None:
             data["compute_capability"] = list(self.compute_capability)
@@ -92,6 +97,7 @@ class HardwareProfile:
         if kwargs.get("clocks_mhz") is not None:
             kwargs["clocks_mhz"] = tuple(kwargs["clocks_mhz"])
         kwargs["cpu_flags"] = tuple(kwargs.get("cpu_flags") or ())
+        kwargs["cuda_arch_list"] = tuple(kwargs.get("cuda_arch_list") or ())
         libs = kwargs.get("libraries") or {}
         if isinstance(libs, dict):
             libs = libs.items()

@@ -265,7 +265,7 @@ def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> t
             "`mpadvise cache clear` removes it, `mpadvise tune` writes a new one"
         )
         return None
-    support = supported_modes(profile).get(policy.mode)
+    support = supported_modes(profile, policy).get(policy.mode)
     if support is None or not support.supported:
         # Same hardware, but this mpadvise no longer runs the mode here (its support table
         # changed): skipping the entry beats failing the run on it.
@@ -352,7 +352,7 @@ def entry_status(row: dict[str, Any], profile: HardwareProfile) -> EntryStatus |
         # A policy stored without a [tuned_on] fingerprint: the row's key still says where it
         # was measured.
         return EntryStatus("other_fingerprint", detail=row["hardware_fp"])
-    support = supported_modes(profile).get(policy.mode)
+    support = supported_modes(profile, policy).get(policy.mode)
     if support is not None and not support.supported:
         return EntryStatus("unsupported", detail=f"mode {policy.mode} cannot run here ({support.reason})")
     return None

@@ -28,7 +28,7 @@ def explain_policy(target: Path | None, *, device: str | None) -> dict[str, Any]
     if target is not None and target.suffix == ".toml":
         policy = load_config(target)
         mismatch = hardware_mismatch(policy, profile)
-        support = supported_modes(profile)[policy.mode]
+        support = supported_modes(profile, policy)[policy.mode]
         if mismatch is None and not support.supported:
             raise MpadviseError(f"mode {policy.mode!r} from {target} cannot run on {profile.name}: {support.reason}")
         applied = policy if mismatch is None else safe_default(profile)

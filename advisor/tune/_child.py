@@ -17,6 +17,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,9 @@ UNDERFLOW_EVERY = 4
 # How often the RSS is sampled where the high-water mark cannot be reset: often enough to see
 # an allocation that lives for a step, rarely enough to cost nothing measurable.
 RSS_SAMPLE_S = 0.005
+# How often the no-step watchdog looks at the clock and at torch.compile: a compilation is seen
+# within this long of its start, and the thread stops at the first step, before any timing.
+NO_STEP_POLL_S = 0.25
 _CHILD_APPLIED: AppliedPolicy | None = None
 
 
@@ -117,7 +121,8 @@ def _build(
     except PolicyError as exc:
         writer.write(stage="unsupported", reason=str(exc))
         return None
-    support = supported_modes(profile)[policy.mode]
+    # The policy's own support: an FP8 recipe the device cannot run stops here, before a trial.
+    support = supported_modes(profile, policy)[policy.mode]
     if not support.supported:
         writer.write(stage="unsupported", reason=f"{policy.mode} cannot run on {profile.name}: {support.reason}")
         return None
@@ -189,8 +194,9 @@ class TrialRecorder(StepObserver):
         self._micro_samples = 0
         self._stepped_once = False
         self._finished = False
-        self._watchdog: threading.Timer | None = None
+        self._watchdog: NoStepWatchdog | None = None
         self._cuda = False
+        self._previous_device: int | None = None  # in process: the current device to give back
         self._rss: TrialPeakRss | None = None
 
     def attach(self, applied: AppliedPolicy) -> None:
@@ -199,6 +205,7 @@ class TrialRecorder(StepObserver):
         self.applied = applied
         self._cuda = applied.device.type == "cuda"
         if self._cuda:
+            self._use_device(applied.device)
             if self.spec.memory_limit:
                 total = torch.cuda.get_device_properties(applied.device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, self.spec.memory_limit / total), applied.device)
@@ -209,10 +216,26 @@ class TrialRecorder(StepObserver):
                 self._rss = TrialPeakRss()
                 self._rss.start()
             return  # no watchdog or exit hooks: the caller owns this process
-        self._watchdog = threading.Timer(self.spec.no_step_timeout, self._no_step)
-        self._watchdog.daemon = True
+        self._watchdog = NoStepWatchdog(self.spec.no_step_timeout, self._no_step)
         self._watchdog.start()
         atexit.register(self._at_exit)
+
+    def _use_device(self, device: torch.device) -> None:
+        """Make the trial's device the current one while the trial runs.
+
+        CUDA events, ``synchronize()`` and whatever names ``"cuda"`` without an index (a
+        script's ``.cuda()``, torch.compile's and CUDA graphs' own allocations and streams)
+        use the current device, which is device 0 until something sets it. A child process
+        belongs to its trial and keeps the setting; an in-process trial gives it back in
+        ``close()``.
+        """
+        import torch
+
+        if device.index is None:  # plain "cuda" already means the current device
+            return
+        if self.in_process:
+            self._previous_device = torch.cuda.current_device()
+        torch.cuda.set_device(device)
 
     # ---- StepObserver -----------------------------------------------------------------------
 
@@ -239,7 +262,10 @@ class TrialRecorder(StepObserver):
         self._in_step = {"loss_scale": scale, "underflow": counts, "pause": (start, self._mark())}
 
     def after_step(self, applied: AppliedPolicy, *, loss: Any, stepped: bool, optimizer_step: bool) -> None:
-        self._micro_losses.append(loss.detach())
+        # A copy, not a view: under torch.compile(mode="reduce-overhead") the loss lives in a
+        # CUDA graph's output memory, which the next replay overwrites (or frees, so that
+        # reading it raises). The copy is one scalar kernel, queued without a host sync.
+        self._micro_losses.append(loss.detach().clone())
         self._micro_samples += applied.last_batch_size or 0
         if not optimizer_step:
             return
@@ -265,8 +291,10 @@ class TrialRecorder(StepObserver):
         if self._cuda:
             import torch
 
+            # On the trial device's stream, whatever the current device is by now: an event
+            # on another device's stream would time that device's (absent) work.
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.applied.device))
             return event
         return time.perf_counter()
 
@@ -274,7 +302,7 @@ class TrialRecorder(StepObserver):
         if self._cuda:
             import torch
 
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.applied.device)
 
     def _elapsed(self, a: Any, b: Any) -> float:
         return a.elapsed_time(b) / 1e3 if self._cuda else b - a
@@ -345,9 +373,15 @@ class TrialRecorder(StepObserver):
             _exit(0)
 
     def close(self) -> None:
-        """Stop what runs beside the trial (the RSS sampler), however the trial ended."""
+        """Stop what runs beside the trial (the RSS sampler) and give back the current device,
+        however the trial ended."""
         if self._rss is not None:
             self._rss.stop()
+        if self._previous_device is not None:
+            import torch
+
+            torch.cuda.set_device(self._previous_device)
+            self._previous_device = None
 
     def _no_step(self) -> None:
         self.writer.write(stage="no-step")
@@ -357,6 +391,94 @@ class TrialRecorder(StepObserver):
         # The script ended by itself before the measured window was full: keep what it measured.
         if self._stepped_once and not self._finished and self.writer.data.get("stage") != "exception":
             self.finish(complete=False)
+
+
+class CompileActivity:
+    """Whether torch.compile is compiling in this process now, found without importing it.
+
+    Dynamo runs start and end callbacks around each compilation (tracing a frame, a backward
+    compiled lazily, a CUDA graph recorded), counting nested ones as one. ``torch.compile``
+    imports Dynamo before it compiles anything, so the first look after that registers the
+    callbacks here, and registers them again after ``torch._dynamo.reset()`` cleared them. A
+    compilation already running when they were registered is seen through Dynamo's count of
+    pending compilations, where this torch has it.
+    """
+
+    def __init__(self) -> None:
+        self._compiling = False
+
+    def _started(self, *_: Any) -> None:  # newer torch passes a CallbackArgs, older torch nothing
+        self._compiling = True
+
+    def _ended(self, *_: Any) -> None:
+        self._compiling = False
+
+    def compiling(self) -> bool:
+        """True while a compilation runs; False too where torch.compile was never imported."""
+        handler = getattr(sys.modules.get("torch._dynamo"), "callback_handler", None)
+        if handler is None:  # no torch.compile in this process (or its import has not got there)
+            return False
+        try:
+            if self._started not in handler.start_callbacks:
+                handler.register_start_callback(self._started)
+                handler.register_end_callback(self._ended)
+        except (AttributeError, TypeError):  # a torch whose callbacks look otherwise
+            return False
+        pending = getattr(handler, "_CompilationCallbackHandler__pending_callbacks_counter", 0)
+        return self._compiling or (isinstance(pending, int) and pending > 0)
+
+
+class NoStepWatchdog:
+    """Calls ``on_expire`` once when ``timeout`` seconds pass without a step, not counting the
+    time torch.compile spends compiling.
+
+    torch.compile compiles inside the first forward, before the first ``step()``; on a large
+    model, or with ``mode="max-autotune"``, that alone can take minutes, and a deadline counted
+    from ``load_policy()`` would end a healthy trial as "no-step". So the deadline moves while
+    a compilation runs: it is never earlier than ``timeout`` after the latest moment the
+    watchdog saw one running, and the script has the whole timeout to reach its first step
+    after its last compilation. A compilation that never ends is still bounded by the trial's
+    overall timeout, which the parent process enforces.
+    """
+
+    def __init__(
+        self,
+        timeout: float,
+        on_expire: Callable[[], None],
+        *,
+        activity: CompileActivity | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        poll_s: float | None = None,
+    ) -> None:
+        self.timeout = timeout
+        self._on_expire = on_expire
+        self._activity = activity or CompileActivity()
+        self._clock = clock
+        self._poll_s = poll_s if poll_s is not None else min(NO_STEP_POLL_S, timeout / 4)
+        self._deadline = clock() + timeout
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="mpadvise-no-step", daemon=True).start()
+
+    def cancel(self) -> None:
+        """Stop watching (the script stepped)."""
+        self._stop.set()
+
+    def expired(self) -> bool:
+        """One look: whether the time is up, moving the deadline if a compilation runs."""
+        now = self._clock()
+        if self._activity.compiling():
+            self._deadline = max(self._deadline, now + self.timeout)
+            return False
+        return now >= self._deadline
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            if self.expired():
+                if not self._stop.is_set():
+                    self._on_expire()
+                return
 
 
 def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -100,26 +100,46 @@ WAIT_IDLE_ENV = "MPADVISE_WAIT_IDLE_GPU"
 """Set (by the daemon) to make every trial wait until no other process computes on its GPU."""
 
 
+WAIT_IDLE_MAX_S = 3600.0
+"""How long a trial waits for its GPU before the tune gives up: an hour outlasts a colleague's
+short job, and a day-long training run is better met with a clear error than a silent hang."""
+
+
 def wait_until_idle(
     profile: HardwareProfile | None,
     *,
     poll_s: float = 5.0,
+    max_wait_s: float = WAIT_IDLE_MAX_S,
     on_wait: Callable[[list[int]], None] | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Block until NVML shows no other compute process on the profile's GPU (no-op on a CPU).
 
-    Tuning beside someone's training run would disturb it and measure noise.
+    Tuning beside someone's training run would disturb it and measure noise. This process's
+    own tree (itself, the processes it waits for, its trials) never counts as another's,
+    in a container too (``probes.gpu_busy``).
+
+    Raises:
+        MpadviseError: the GPU was still busy after ``max_wait_s`` seconds.
     """
     if profile is None or not profile.is_cuda:
         return
+    start = clock()
     while True:
         pids = probes.gpu_busy(profile.index or 0, uuid=profile.uuid)
         if not pids:
             return
+        waited = clock() - start
+        if waited >= max_wait_s:
+            raise MpadviseError(
+                f"{profile.name} ({profile.device}) is still busy after waiting {max_wait_s:g} s: "
+                f"processes {', '.join(map(str, pids))} (PIDs as NVML reports them) compute on it; "
+                f"run the tune again once they end, or unset {WAIT_IDLE_ENV} to tune beside them"
+            )
         if on_wait is not None:
             on_wait(pids)
-        sleep(poll_s)
+        sleep(min(poll_s, max_wait_s - waited))
 
 
 class ScriptRunner:

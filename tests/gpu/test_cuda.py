@@ -1,10 +1,13 @@
 """On a real GPU: probing, every supported mode training, loops matching hand-written ones,
-switches restored, trials timing with CUDA events, and the per-process memory cap."""
+switches restored, trials timing with CUDA events on their own device (cuda:1 too), trials
+under torch.compile with CUDA graphs, the per-process memory cap, and NVML's view of this
+process and of MIG instances."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -126,7 +129,7 @@ def _trial(tmp_path, mode: str, extra: list[str]) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "advisor.cli", "trial", str(script), "-m", mode, "--steps", "32", "--warmup", "3",
          "--json", *extra, "--", "60"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**__import__("os").environ, "MPADVISE_HOME": str(tmp_path)},
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "MPADVISE_HOME": str(tmp_path)},
     )
     assert proc.returncode in (0, 3), proc.stderr
     return json.loads(proc.stdout)
@@ -259,3 +262,134 @@ def test_fp8_te_keeps_a_tied_head_tied():
     mp.step(loss, opt)
     assert model.lm_head.weight is model.embed.weight
     assert not torch.equal(model.embed.weight.detach(), old)
+
+
+# --- trials on another device, and under torch.compile with CUDA graphs --------------------------
+
+DEVICE_SCRIPT = """
+import json, sys, time
+import torch
+import advisor
+
+mp = advisor.load_policy()
+net = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)])
+model, optimizer = mp.setup(net, torch.optim.SGD(net.parameters(), lr=1e-4))
+x = mp.to_device(torch.randn(2048, 2048))
+mp.micro_batch_size(2048)
+facts = {"current": [], "plain_cuda": [], "host_s": []}
+while True:
+    facts["current"].append(torch.cuda.current_device())
+    facts["plain_cuda"].append(torch.empty(1, device="cuda").device.index)
+    with open(sys.argv[1], "w") as f:
+        json.dump(facts, f)
+    torch.cuda.synchronize(mp.device)
+    start = time.perf_counter()
+    with mp.autocast():
+        loss = model(x).float().pow(2).mean()
+    mp.step(loss, optimizer)
+    torch.cuda.synchronize(mp.device)
+    facts["host_s"].append(time.perf_counter() - start)
+"""
+
+
+def test_a_trial_on_cuda_1_runs_and_times_on_device_1(tmp_path, second_gpu):
+    from probes._trial import TrialSpec, run_trial
+
+    script = tmp_path / "on_device.py"
+    script.write_text(DEVICE_SCRIPT)
+    facts_path = tmp_path / "facts.json"
+    spec = TrialSpec(policy=Policy(mode="fp32").to_dict(), result_path=str(tmp_path / "r.json"),
+                     warmup_steps=3, measure_steps=10, device=second_gpu)
+    result = run_trial(script, [str(facts_path)], spec, timeout=300)
+    assert result.outcome == "ok", (result.reason, result.stderr_tail)
+    facts = json.loads(facts_path.read_text())
+    assert result.device == "cuda:1"
+    assert set(facts["current"]) == {1}, "the trial's device is the current device in the child"
+    assert set(facts["plain_cuda"]) == {1}, 'a plain "cuda" in the script lands on the trial device'
+    # The events time device 1's work: close to the host's synchronised clock around the same
+    # steps (recorded on idle device 0 they would read almost nothing).
+    measured = sorted(result.step_times[spec.warmup_steps:])[len(result.step_times[spec.warmup_steps:]) // 2]
+    host = sorted(facts["host_s"][spec.warmup_steps:])[len(facts["host_s"][spec.warmup_steps:]) // 2]
+    assert 0.5 * host < measured < 2.0 * host, (measured, host)
+    assert result.peak_memory and result.peak_memory > 6 * 2048 * 2048 * 4  # the weights, on device 1
+
+
+COMPILED_SCRIPT = """
+import json, sys
+import torch
+import torch.nn.functional as F
+import advisor
+
+mp = advisor.load_policy()
+net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+model, optimizer = mp.setup(net, torch.optim.SGD(net.parameters(), lr=1e-2))
+
+
+def loss_of(x, y):  # the loss is a CUDA graph output: each replay writes it into the same memory
+    return F.mse_loss(model(x), y)
+
+
+compiled = torch.compile(loss_of, mode="reduce-overhead")
+g = torch.Generator().manual_seed(0)
+data = [(torch.randn(128, 64, generator=g), torch.randn(128, 1, generator=g)) for _ in range(8)]
+mp.micro_batch_size(128)
+seen = []
+step = 0
+while True:
+    x, y = mp.to_device(*data[step % len(data)])
+    with mp.autocast():
+        loss = compiled(x, y)
+    seen.append(loss.item())
+    with open(sys.argv[1], "w") as f:
+        json.dump(seen, f)
+    mp.step(loss, optimizer)
+    step += 1
+"""
+
+
+def test_torch_compile_with_cuda_graphs_records_every_steps_own_loss(tmp_path):
+    from probes._trial import TrialSpec, run_trial
+
+    script = tmp_path / "compiled.py"
+    script.write_text(COMPILED_SCRIPT)
+    seen_path = tmp_path / "seen.json"
+    # A no-step timeout shorter than a cold Inductor compilation: compile time must not count.
+    spec = TrialSpec(policy=Policy(mode="fp32").to_dict(), result_path=str(tmp_path / "r.json"),
+                     warmup_steps=3, measure_steps=12, no_step_timeout=3.0)
+    result = run_trial(script, [str(seen_path)], spec, timeout=600)
+    assert result.outcome == "ok", (result.reason, result.stderr_tail)
+    seen = json.loads(seen_path.read_text())
+    losses = list(result.losses)
+    assert len(losses) == 15
+    assert len(set(losses)) == len(losses), "one distinct loss per step, not the last replay's"
+    assert losses == pytest.approx(seen[: len(losses)], rel=1e-6)
+
+
+def test_matmul_benchmark_gives_its_gpu_memory_back():
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved(0)
+    probes.matmul_benchmark(profile(), dtypes=("fp32", "bf16"), size=4096, min_seconds=0.05)
+    assert torch.cuda.memory_reserved(0) <= before  # 4096 x 4096 operands are 64 MiB each
+
+
+def test_gpu_busy_never_waits_on_this_process():
+    from probes import _nvml
+
+    torch.zeros(1, device="cuda:0")  # a CUDA context: NVML lists this process from now on
+    p = profile()
+    with _nvml._nvml_session(None) as session:
+        assert session is not None, "NVML should load on a real GPU"
+        handle = session.handle_by_uuid(p.uuid) if p.uuid else session.call("nvmlDeviceGetHandleByIndex", 0)
+        listed = session.call("nvmlDeviceGetComputeRunningProcesses", handle) or []
+    busy = probes.gpu_busy(p.index or 0, uuid=p.uuid)
+    assert os.getpid() not in busy
+    if len(listed) <= 1:  # NVML lists this process alone (under its host PID in a container)
+        assert busy == []
+
+
+def test_a_mig_instance_is_described_by_nvml():
+    p = profile()
+    if not (p.uuid or "").upper().startswith("MIG-"):
+        pytest.skip(f"device 0 is not a MIG instance (UUID {p.uuid})")
+    assert p.mig_enabled is True
+    assert p.memory_free is not None and p.memory_free <= p.memory_total

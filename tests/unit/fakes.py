@@ -290,3 +290,169 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
+
+
+# --- torch.cuda's devices, streams and events, for a trial's timing ------------------------
+
+
+@dataclass(frozen=True)
+class FakeStream:
+    """Shape of ``torch.cuda.Stream``: the device it belongs to."""
+
+    device: torch.device
+
+
+class FakeCudaEvent:
+    """Shape of ``torch.cuda.Event``: ``record`` stamps when the stream's device will have
+    finished the work queued so far; ``elapsed_time`` refuses events of two devices, as
+    ``cudaEventElapsedTime`` does."""
+
+    def __init__(self, cuda: FakeCudaTimeline, enable_timing: bool = False, **_: object) -> None:
+        self.cuda = cuda
+        self.enable_timing = enable_timing
+        self.device: torch.device | None = None
+        self.at: float | None = None
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        stream = stream or self.cuda.current_stream()
+        self.device = stream.device
+        self.at = self.cuda.busy_until[stream.device.index]
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: FakeCudaEvent) -> float:
+        if self.at is None or end.at is None:
+            raise RuntimeError("CUDA error: device not ready")
+        if self.device != end.device:
+            raise RuntimeError("CUDA error: invalid resource handle")  # events of two devices
+        return (end.at - self.at) * 1e3  # milliseconds
+
+
+class FakeCudaTimeline:
+    """The parts of ``torch.cuda`` a trial uses, over devices whose queued work is simulated.
+
+    Each device has a clock of the GPU time its queued work takes (``run(device, seconds)``
+    queues work there); an event records that clock on its stream's device. A call without a
+    device means the current one, as in torch, which starts at 0.
+
+    Args:
+        count: how many devices CUDA shows.
+    """
+
+    def __init__(self, count: int = 2) -> None:
+        self.count = count
+        self.current = 0
+        self.busy_until = [0.0] * count
+        self.synchronized: list[int] = []  # the device of each synchronize() call
+        self.set_devices: list[int] = []
+
+    def index(self, device: object = None) -> int:
+        if device is None:
+            return self.current
+        if isinstance(device, int):
+            return device
+        device = torch.device(device)
+        return self.current if device.index is None else device.index
+
+    def run(self, device: int, seconds: float) -> None:
+        """Queue ``seconds`` of work on ``device``."""
+        self.busy_until[device] += seconds
+
+    def set_device(self, device: object) -> None:
+        self.current = self.index(device)
+        self.set_devices.append(self.current)
+
+    def current_device(self) -> int:
+        return self.current
+
+    def current_stream(self, device: object = None) -> FakeStream:
+        return FakeStream(torch.device("cuda", self.index(device)))
+
+    def synchronize(self, device: object = None) -> None:
+        self.synchronized.append(self.index(device))
+
+    def event(self, enable_timing: bool = False, **kwargs: object) -> FakeCudaEvent:
+        return FakeCudaEvent(self, enable_timing, **kwargs)
+
+    def install(self, monkeypatch: object) -> FakeCudaTimeline:
+        """Stand in for ``torch.cuda``'s functions for the rest of the test."""
+        for name, value in {
+            "is_available": lambda: True,
+            "device_count": lambda: self.count,
+            "set_device": self.set_device,
+            "current_device": self.current_device,
+            "current_stream": self.current_stream,
+            "synchronize": self.synchronize,
+            "Event": self.event,
+            "reset_peak_memory_stats": lambda device=None: None,
+            "max_memory_allocated": lambda device=None: 64 * MIB,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+        return self
+
+
+# --- NVML with MIG instances -----------------------------------------------------------------
+
+
+class NVMLError_NotFound(NVMLError):  # noqa: N801
+    def __init__(self) -> None:
+        super().__init__(6, "Not Found")
+
+
+@dataclass(frozen=True)
+class _MigHandle:
+    parent: int
+    slot: int
+
+
+@dataclass
+class FakeMigNvml(FakeNvml):
+    """``FakeNvml`` whose GPUs may be split into MIG instances.
+
+    Args:
+        mig: NVML parent index -> the instances in its slots (``None`` for an empty slot),
+            each a ``FakeGpu`` with the instance's "MIG-..." UUID, memory and processes.
+            NVML answers the instance's memory, UUID and processes on its handle; clocks and
+            the MIG mode only on the parent's.
+    """
+
+    mig: dict[int, tuple[FakeGpu | None, ...]] = field(default_factory=dict)
+
+    def _gpu(self, handle: _Handle | _MigHandle) -> FakeGpu:
+        if isinstance(handle, _MigHandle):
+            instance = self.mig[handle.parent][handle.slot]
+            assert instance is not None
+            return instance
+        return self.gpus[handle.index]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: _Handle) -> int:  # noqa: N802
+        self._enter("nvmlDeviceGetMaxMigDeviceCount")
+        if isinstance(handle, _MigHandle) or not self._gpu(handle).mig_mode:
+            raise NVMLError_NotSupported()
+        return 7  # an A100 or H100 splits into at most seven
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: _Handle, index: int) -> _MigHandle:  # noqa: N802
+        self._enter("nvmlDeviceGetMigDeviceHandleByIndex")
+        slots = self.mig.get(handle.index, ())
+        if not self._gpu(handle).mig_mode or index >= len(slots) or slots[index] is None:
+            raise NVMLError_NotFound()
+        return _MigHandle(handle.index, index)
+
+    def nvmlDeviceGetMigMode(self, handle: _Handle | _MigHandle) -> list[int]:  # noqa: N802
+        if isinstance(handle, _MigHandle):
+            self._enter("nvmlDeviceGetMigMode")
+            raise NVMLError_InvalidArgument()
+        return super().nvmlDeviceGetMigMode(handle)
+
+    def nvmlDeviceGetClockInfo(self, handle: _Handle | _MigHandle, clock_type: int) -> int:  # noqa: N802
+        if isinstance(handle, _MigHandle):
+            self._enter("nvmlDeviceGetClockInfo")
+            raise NVMLError_NotSupported()
+        return super().nvmlDeviceGetClockInfo(handle, clock_type)
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: _Handle | _MigHandle, clock_type: int) -> int:  # noqa: N802
+        if isinstance(handle, _MigHandle):
+            self._enter("nvmlDeviceGetMaxClockInfo")
+            raise NVMLError_NotSupported()
+        return super().nvmlDeviceGetMaxClockInfo(handle, clock_type)

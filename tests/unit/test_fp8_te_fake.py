@@ -292,3 +292,59 @@ def test_fp8_te_refuses_a_cpu_device(fake_te):
 
     with pytest.raises(MpadviseError, match="needs a CUDA device"):
         Fp8Te(Policy(mode="fp8-te"), torch.device("cpu"))
+
+
+# --- recipe shapes and token counts ----------------------------------------------------------
+
+
+class Wide(nn.Module):
+    """Features that are multiples of 16 but not all of 32: MXFP8 keeps the 48-wide layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.mid = nn.Linear(64, 48)
+        self.down = nn.Linear(48, 32)
+
+    def forward(self, x):
+        return self.down(self.mid(self.up(x)))
+
+
+def test_mxfp8_keeps_layers_whose_features_are_not_multiples_of_32(fake_te):
+    te_linear = fake_te["module"].Linear
+    delayed = make_mode().convert_module(Wide())
+    assert all(isinstance(layer, te_linear) for layer in (delayed.up, delayed.mid, delayed.down))
+    mode = make_mode(Fp8Options(recipe="mxfp8"))
+    mxfp8 = mode.convert_module(Wide())
+    assert isinstance(mxfp8.up, te_linear)
+    assert type(mxfp8.mid) is nn.Linear and type(mxfp8.down) is nn.Linear
+    assert any("not divisible by 32): mid (64->48), down (48->32)" in note for note in mode.notes)
+
+
+@pytest.mark.parametrize(("recipe", "multiple"), [(None, 8), ("current", 8), ("block", 8), ("mxfp8", 32)])
+def test_a_ragged_token_count_is_refused_with_the_shape_and_the_fix(fake_te, torch_autocast_log, recipe, multiple):
+    mode = make_mode(Fp8Options(recipe=recipe) if recipe else None)
+    model = mode.convert_module(Block())
+    with mode.forward_context():
+        model(torch.randn(2, multiple, 32))  # whole multiples run
+        with pytest.raises(MpadviseError) as caught:
+            model(torch.randn(3, 5, 32))
+    message = str(caught.value)
+    assert "layer norm" not in message and "layer up got an input of shape (3, 5, 32), 15 tokens" in message
+    assert f"only on a multiple of {multiple} tokens" in message
+    assert "drop_last=True" in message
+
+
+def test_the_token_check_is_off_outside_the_fp8_context(fake_te, torch_autocast_log):
+    mode = make_mode()
+    model = mode.convert_module(Block())
+    assert model(torch.randn(5, 32)).shape == (5, 3)  # TE runs high precision there, any shape
+    with pytest.raises(RuntimeError, match="boom"), mode.forward_context():
+        raise RuntimeError("boom")
+    assert model(torch.randn(5, 32)).shape == (5, 3)  # and the window closed after an error
+
+
+def test_a_recipe_this_te_lacks_names_the_version_it_needs(fake_te, monkeypatch):
+    monkeypatch.delattr(fake_te["recipe"], "Float8BlockScaling")
+    with pytest.raises(MpadviseError, match=r"'block' needs transformer-engine 2\.3 or newer.*upgrade it"):
+        make_mode(Fp8Options(recipe="block"))

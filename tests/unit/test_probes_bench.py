@@ -159,3 +159,114 @@ def test_default_dtypes_follow_the_hardware():
     assert default_bench_dtypes(gpu_profile("V100")) == ("fp32", "fp16", "bf16")
     assert default_bench_dtypes(gpu_profile("A100")) == ("fp32", "tf32", "fp16", "bf16")
     assert default_bench_dtypes(gpu_profile("H100")) == ("fp32", "tf32", "fp16", "bf16", "fp8")
+
+
+class _RampingGpu:
+    """A GPU timer whose matmul takes 2 ms until its clocks have ramped (after 0.15 s of
+    work), then 1 ms: what an idle GPU does in its first tenth of a second of load."""
+
+    SLOW, FAST, RAMP_S = 2e-3, 1e-3, 0.15
+
+    def __init__(self) -> None:
+        self.busy = 0.0
+
+    def __call__(self, matmul, calls: int) -> float:
+        elapsed = 0.0
+        for _ in range(calls):
+            per_call = self.SLOW if self.busy < self.RAMP_S else self.FAST
+            self.busy += per_call
+            elapsed += per_call
+        return elapsed
+
+
+def test_cuda_warm_up_lasts_until_the_clocks_have_ramped(monkeypatch):
+    gpu = _RampingGpu()
+    monkeypatch.setattr(bench, "_cuda_timer", lambda torch: gpu)
+    monkeypatch.setattr(bench, "_operands", lambda *args: lambda: None)
+    seconds, spread = bench._measure(torch, gpu_profile("H100"), "bf16", 8192, 0.2, 5)
+    assert seconds == pytest.approx(_RampingGpu.FAST)  # not a median of slow calls
+    assert spread == pytest.approx(0.0)
+    assert gpu.busy < 0.6  # the warm-up ends soon after the ramp; then 0.2 s of repeats
+
+
+def test_cuda_warm_up_stops_once_timings_settle():
+    calls: list[int] = []
+
+    def steady(matmul, n: int) -> float:
+        calls.append(n)
+        return n * 1e-3
+
+    per_call = bench._cuda_warm_up(steady, lambda: None)
+    assert per_call == pytest.approx(1e-3)
+    assert 0.2 <= sum(calls) * 1e-3 < 0.3  # at least the minimum, and not much beyond once settled
+
+
+def test_cuda_warm_up_gives_up_waiting_for_timings_that_never_settle():
+    spent: list[float] = []
+
+    def throttled(matmul, n: int) -> float:  # alternately 1 ms and 2 ms per call
+        spent.append(n * (1e-3 if len(spent) % 2 else 2e-3))
+        return spent[-1]
+
+    bench._cuda_warm_up(throttled, lambda: None)
+    assert bench._CUDA_WARMUP_MAX_S <= sum(spent) < bench._CUDA_WARMUP_MAX_S + 0.2
+
+
+def test_fp8_row_uses_fast_accumulation(monkeypatch):
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8 dtypes")
+    seen: list[dict] = []
+
+    def scaled_mm(a, b, **kwargs):
+        seen.append(kwargs)
+        return a.float() @ b.float()
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    on_cpu = HardwareProfile(kind="cpu", name="test CPU")  # the operands' device only
+    bench._operands(torch, on_cpu, "fp8", 16)()
+    (kwargs,) = seen
+    assert kwargs["use_fast_accum"] is True
+    assert kwargs["out_dtype"] == torch.bfloat16
+
+
+class _FakeCudaForBench:
+    def __init__(self, monkeypatch) -> None:
+        self.events: list[str] = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device", lambda index: _Recorded(self.events, f"device {index}"))
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: self.events.append("empty_cache"))
+
+
+class _Recorded:
+    def __init__(self, events: list[str], name: str) -> None:
+        self.events, self.name = events, name
+
+    def __enter__(self) -> None:
+        self.events.append(f"enter {self.name}")
+
+    def __exit__(self, *exc) -> None:
+        self.events.append(f"exit {self.name}")
+
+
+def test_benchmark_gives_its_cached_gpu_memory_back(monkeypatch):
+    cuda = _FakeCudaForBench(monkeypatch)
+
+    def measure(torch, profile, dtype, *args):
+        cuda.events.append(f"measure {dtype}")
+        return 1e-3, 0.0
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    matmul_benchmark(gpu_profile("H100"), dtypes=("fp32", "bf16"), **FAST)
+    assert cuda.events == ["enter device 0", "measure fp32", "measure bf16", "empty_cache", "exit device 0"]
+
+
+def test_benchmark_gives_its_gpu_memory_back_after_an_error(monkeypatch):
+    cuda = _FakeCudaForBench(monkeypatch)
+
+    def measure(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    with pytest.raises(KeyboardInterrupt):
+        matmul_benchmark(gpu_profile("H100"), dtypes=("fp32",), **FAST)
+    assert cuda.events == ["enter device 0", "empty_cache", "exit device 0"]

@@ -6,7 +6,16 @@ import pytest
 from fakes import GPUS, gpu_profile
 
 from probes import HardwareProfile, MpadviseError, capability_for, peak_tflops
-from probes._capability import SKU_PEAKS, match_sku
+from probes._capability import (
+    FP8_RECIPE_RULES,
+    SKU_PEAKS,
+    fp8_recipe_rule,
+    fp8_recipe_since,
+    fp8_recipe_unmet,
+    match_sku,
+    release,
+    torch_build_covers,
+)
 
 # cc -> (arch, fp16 tensor cores, tf32, bf16, fp8, mxfp8, nvfp4)
 ARCHES = {
@@ -146,3 +155,94 @@ def test_sku_table_is_consistent(peak):
     # bf16 and fp16 tensor-core rates are equal on every card that has both.
     if "bf16" in tflops:
         assert tflops["bf16"] == tflops["fp16"]
+
+
+# --- what software needs of the device ----------------------------------------------------------
+
+
+def test_fp8_on_ada_has_a_cuda_floor_and_other_architectures_none():
+    assert capability_for((8, 9)).fp8_min_cuda == (12, 1)
+    for cc in ((8, 0), (9, 0), (10, 0), (12, 0)):
+        assert capability_for(cc).fp8_min_cuda is None
+
+
+CU126 = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
+CU129 = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
+
+
+@pytest.mark.parametrize(
+    ("cc", "arch_list", "covers"),
+    [
+        ((9, 0), CU126, True),
+        ((8, 9), CU126, True),  # sm_86 code runs on 8.9
+        ((10, 0), CU126, False),
+        ((12, 0), CU126, False),
+        ((10, 0), CU129, True),
+        ((10, 3), CU129, True),
+        ((12, 1), CU129, True),
+        ((8, 7), CU129, False),  # Orin runs only code built for 8.7
+        ((8, 7), ("sm_87",), True),
+        ((11, 0), ("sm_101",), True),  # Thor, numbered 10.1 before CUDA 13
+        ((9, 0), ("sm_90a", "compute_90"), True),
+        ((8, 0), ("sm_90",), False),  # no code for an older minor
+        ((9, 0), (), None),  # not recorded: no answer
+    ],
+)
+def test_torch_build_covers(cc, arch_list, covers):
+    assert torch_build_covers(cc, arch_list) is covers
+
+
+@pytest.mark.parametrize(
+    ("recipe", "version", "dims", "tokens"),
+    [("delayed", "2.1.0", 16, 8), ("mxfp8", "2.5.0", 32, 32), ("block", "2.3.0", 16, 8)],
+)
+def test_te_recipe_rules_carry_their_shapes(recipe, version, dims, tokens):
+    rule = fp8_recipe_rule("transformer_engine", recipe, version)
+    assert (rule.dim_multiple, rule.token_multiple) == (dims, tokens)
+
+
+def test_torchao_recipes_and_the_weight_gradient_token_rule():
+    assert {r.recipe for r in FP8_RECIPE_RULES if r.library == "torchao"} == {
+        "tensorwise", "rowwise", "rowwise_with_gw_hp"
+    }
+    assert fp8_recipe_rule("torchao", "tensorwise").token_multiple == 16
+    assert fp8_recipe_rule("torchao", "rowwise_with_gw_hp").token_multiple == 1
+
+
+def test_block_scaling_rule_follows_the_te_version():
+    old = fp8_recipe_rule("transformer_engine", "block", "2.8.1")
+    new = fp8_recipe_rule("transformer_engine", "block", "2.9.0.dev0+abc")
+    assert (old.runs_on((10, 0)), new.runs_on((10, 0))) == (False, True)
+    assert fp8_recipe_since("transformer_engine", "block") == (2, 3)
+    assert fp8_recipe_since("transformer_engine", "delayed") is None
+
+
+@pytest.mark.parametrize(
+    ("recipe", "cc", "cuda", "version", "unmet"),
+    [
+        ("mxfp8", (10, 0), "12.8", "2.5.0", None),
+        ("mxfp8", (11, 0), "13.0", "2.9.0", None),
+        ("mxfp8", (12, 0), "12.8", "2.9.0", "needs compute capability 10.x or 11.x (this is 12.0)"),
+        ("mxfp8", (9, 0), "12.8", "2.9.0", "needs compute capability 10.x or 11.x (this is 9.0)"),
+        ("block", (9, 0), "12.8", "2.3.0", "needs CUDA 12.9 or newer (torch was built with CUDA 12.8)"),
+        ("block", (9, 0), "12.9", "2.2.1", "needs transformer_engine 2.3 or newer (this is 2.2.1)"),
+        ("current", (8, 9), "12.4", "2.2.0", None),
+        ("current", (8, 9), "12.4", "2.1.0", "needs transformer_engine 2.2 or newer (this is 2.1.0)"),
+        ("current", (8, 9), None, None, None),  # unknown versions are not held against it
+    ],
+)
+def test_fp8_recipe_unmet(recipe, cc, cuda, version, unmet):
+    got = fp8_recipe_unmet(
+        "transformer_engine", recipe, compute_capability=cc, cuda_runtime=cuda, library_version=version
+    )
+    assert got == unmet
+
+
+def test_an_unknown_recipe_rule_is_an_error_that_lists_the_known():
+    with pytest.raises(MpadviseError, match="no FP8 recipe rule for torchao recipe 'mxfp8'; known:"):
+        fp8_recipe_rule("torchao", "mxfp8")
+
+
+@pytest.mark.parametrize(("text", "pair"), [("2.3.0+cu12", (2, 3)), ("12.9", (12, 9)), ("dev", None), (None, None)])
+def test_release(text, pair):
+    assert release(text) == pair

@@ -201,3 +201,106 @@ def test_only_the_nvml_module_mentions_pynvml_imports():
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
         )
         assert imports_pynvml == (path.name == "_nvml.py"), path.name
+
+
+# --- MIG ---------------------------------------------------------------------------------------
+
+MIB = 1024**2
+
+
+def _mig_machine():
+    """An H100 split into MIG instances in slots 0 and 2; torch sees the instances."""
+    from fakes import FakeMigNvml
+
+    parent = replace(GPUS["H100"], mig_mode=1, sm_clock=1755)
+    small = replace(parent, uuid="MIG-5c0e7c1a-4d2b-5f3e-8a9b-0c1d2e3f4a5b", memory_total=9984 * MIB,
+                    memory_free=9000 * MIB, processes=(4242,))
+    large = replace(parent, uuid="MIG-a1b2c3d4-0000-5f3e-8a9b-0c1d2e3f4a5b", memory_total=40192 * MIB,
+                    memory_free=39000 * MIB)
+    return parent, small, large, FakeMigNvml([parent], mig={0: (small, None, large)})
+
+
+def test_mig_instances_pair_with_their_nvml_instances(monkeypatch):
+    parent, small, large, nvml = _mig_machine()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{large.uuid},{small.uuid}")
+    first, second = _profiles(FakeTorchCuda([large, small]), nvml)
+    assert first.mig_enabled is True and second.mig_enabled is True
+    assert first.uuid == large.uuid and second.uuid == small.uuid
+    assert first.memory_total == large.memory_total  # CUDA's view of the slice
+    assert first.memory_free == large.free and second.memory_free == small.free  # the slice's, not the GPU's
+    assert first.clocks_mhz == second.clocks_mhz == (1755, parent.sm_clock_max)  # GPU-wide, from the parent
+    assert nvml.inits == nvml.shutdowns == 1
+
+
+def test_a_mig_uuid_without_its_prefix_pairs_too(monkeypatch):
+    _, small, _, nvml = _mig_machine()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    bare = replace(small, uuid=small.uuid.removeprefix("MIG-"))
+    (profile,) = _profiles(FakeTorchCuda([bare]), nvml)
+    assert profile.mig_enabled is True and profile.memory_free == small.free
+    assert profile.uuid == small.uuid  # NVML's spelling
+
+
+def test_gpu_busy_on_a_mig_instance_lists_that_instance_only():
+    _, small, large, nvml = _mig_machine()
+    nobody = probes._nvml.OwnProcesses(pid=1, tree=frozenset({1}), gpu_users=0, host_namespace=True)
+    assert gpu_busy(0, nvml, uuid=small.uuid, own=nobody) == [4242]
+    assert gpu_busy(0, nvml, uuid=large.uuid, own=nobody) == []
+
+
+# --- our own processes, in a container or not ----------------------------------------------------
+
+HOST_NAMESPACE = 0xEFFFFFFC  # Linux's PROC_PID_INIT_INO
+CONTAINER_NAMESPACE = 4026532448
+
+
+def _fake_proc(tmp_path, *, me: int, namespace: int, processes: dict[int, tuple[int, bool]]):
+    """A /proc with ``pid -> (parent pid, holds an NVIDIA GPU device open)``."""
+    proc = tmp_path / "proc"
+    for pid, (ppid, gpu) in processes.items():
+        (proc / str(pid) / "fd").mkdir(parents=True)
+        (proc / str(pid) / "stat").write_text(f"{pid} (python3 (x) y) S {ppid} {pid} {pid} 0 -1 4194560 0\n")
+        os.symlink("/dev/null", proc / str(pid) / "fd" / "0")
+        if gpu:
+            os.symlink("/dev/nvidiactl", proc / str(pid) / "fd" / "4")
+            os.symlink("/dev/nvidia0", proc / str(pid) / "fd" / "5")
+    (proc / str(me) / "ns").mkdir()
+    os.symlink(f"pid:[{namespace}]", proc / str(me) / "ns" / "pid")
+    os.symlink(str(me), proc / "self")
+    return proc
+
+
+def test_own_processes_are_this_process_its_ancestors_and_descendants(tmp_path):
+    # 1 init; 10 a shell; 20 us; 21 and 22 our trial children (21 on the GPU); 30 someone else.
+    proc = _fake_proc(tmp_path, me=20, namespace=HOST_NAMESPACE, processes={
+        1: (0, False), 10: (1, False), 20: (10, True), 21: (20, True), 22: (20, False), 30: (1, True)})
+    own = probes._nvml.own_processes(proc)
+    assert own.pid == 20 and own.tree == frozenset({1, 10, 20, 21, 22})
+    assert own.gpu_users == 2 and own.host_namespace
+
+
+def test_gpu_busy_leaves_out_our_own_tree(tmp_path):
+    proc = _fake_proc(tmp_path, me=20, namespace=HOST_NAMESPACE, processes={
+        1: (0, False), 10: (1, True), 20: (10, True), 21: (20, True), 30: (1, True)})
+    own = probes._nvml.own_processes(proc)
+    nvml = FakeNvml([replace(GPUS["H100"], processes=(10, 20, 21))])
+    assert gpu_busy(0, nvml, own=own) == []  # a parent waits for us: waiting on it never ends
+    nvml = FakeNvml([replace(GPUS["H100"], processes=(20, 21, 30))])
+    assert gpu_busy(0, nvml, own=own) == [30]
+
+
+def test_in_a_container_our_own_host_pids_are_not_someone_else(tmp_path):
+    # NVML reports host PIDs (here 91020 and 91021 are us and our trial child); our PID
+    # namespace is another, so no PID matches, and only the count can tell.
+    proc = _fake_proc(tmp_path, me=20, namespace=CONTAINER_NAMESPACE, processes={
+        1: (0, False), 20: (1, True), 21: (20, True)})
+    own = probes._nvml.own_processes(proc)
+    assert not own.host_namespace and own.gpu_users == 2
+    assert gpu_busy(0, FakeNvml([replace(GPUS["H100"], processes=(91020, 91021))]), own=own) == []
+    busy = FakeNvml([replace(GPUS["H100"], processes=(91020, 91021, 55555))])
+    assert gpu_busy(0, busy, own=own) == [55555, 91020, 91021]  # someone else too: which, NVML cannot say
+
+
+def test_without_proc_only_this_process_is_ours(tmp_path):
+    own = probes._nvml.own_processes(tmp_path / "no-proc")
+    assert own.pid == os.getpid() and own.tree == frozenset({os.getpid()}) and own.host_namespace
