@@ -316,7 +316,10 @@ def _outcome(
     if stage == "unsupported":
         return "unsupported", base.get("reason") or "mode not supported on this hardware"
     if stage == "no-step":
-        return "no-step", f"the script never called step() within {spec.no_step_timeout:g} s of load_policy()"
+        return "no-step", (
+            f"the script never called step() within {spec.no_step_timeout:g} s of load_policy() "
+            "(time spent compiling with torch.compile not counted)"
+        )
     if stage == "exception" or (stage not in (None, "done") and exit_code not in (0, None)):
         return _failure(exception, exit_code, last_line)
     if stage is None:
