@@ -20,8 +20,12 @@ How it stays correct when many processes share one file:
   ``<name>.corrupt-<timestamp>`` (with its ``-wal``/``-shm``) with a warning naming both
   paths, and a fresh database takes its place. Damage found later, mid-command, is handled
   the same way and the operation is retried once on the fresh file.
-* A cache directory that cannot be created or written is not an error for callers that can
-  run without a cache: :func:`open_store` then returns ``None`` after one warning.
+* The directory is private to its user (0700) and the database files are 0600: the job queue
+  in them is run by the daemon. A directory or file that someone else owns or may write is
+  refused (:mod:`advisor._secure`).
+* A cache directory that cannot be created or written, or that is refused as not private,
+  is not an error for callers that can run without a cache: :func:`open_store` then returns
+  ``None`` after one warning.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pathlib import Path
 import sqlite_utils
 
 from advisor._paths import database_path
+from advisor._secure import ensure_private_dir, ensure_private_file, open_private_new
 from advisor.cache._base import BUSY_TIMEOUT_S, error_kind
 from advisor.cache._jobs import JobQueue
 from advisor.cache._migrations import UnknownSchemaError, ensure_schema
@@ -123,14 +128,8 @@ class Store(Recommendations, JobQueue):
         self._lock = threading.RLock()
         self._db: sqlite_utils.Database | None = None
         self._identity: tuple[int, int] | None = None
-        directory = self.path.parent
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise MpadviseError(
-                f"cache directory {directory} cannot be created ({exc.strerror or exc}); "
-                "set MPADVISE_HOME to a writable directory"
-            ) from exc
+        # The database holds the daemon's job queue: whoever can write it runs code as us.
+        ensure_private_dir(self.path.parent)
         self._open()
 
     @classmethod
@@ -176,6 +175,7 @@ class Store(Recommendations, JobQueue):
         started = time.monotonic()
         deadline = started + BUSY_TIMEOUT_S
         while True:
+            self._check_files()
             identity = _file_identity(self.path)
             conn: sqlite3.Connection | None = None
             try:
@@ -224,6 +224,24 @@ class Store(Recommendations, JobQueue):
                     time.sleep(random.uniform(0.01, 0.05))
                     continue
                 raise self._as_error(exc, kind) from exc
+
+    def _check_files(self) -> None:
+        """Refuse a database (or -wal/-shm) that others own or may write; create it 0600.
+
+        SQLite gives the -wal and -shm files the database file's mode, so creating the
+        database private keeps the whole set private.
+        """
+        for suffix in ("", "-wal", "-shm"):
+            ensure_private_file(self.path.with_name(self.path.name + suffix))
+        try:
+            os.close(open_private_new(self.path, os.O_RDWR))
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise MpadviseError(
+                f"cache database {self.path} cannot be created ({exc.strerror or exc}); "
+                "set MPADVISE_HOME to a writable directory of your own"
+            ) from exc
 
     def _move_aside(
         self,

@@ -9,6 +9,7 @@ and uvicorn are imported only by ``run`` and ``start``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from advisor._secure import ensure_private_dir, ensure_private_file
 from advisor.cli._common import JsonOption, console, err_console, handle_errors, print_json
 from probes import MpadviseError
 
@@ -146,7 +148,7 @@ def start_daemon(
     paths = DaemonPaths.here()
     directory = paths.directory.absolute()
     paths = DaemonPaths(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    ensure_private_dir(directory)
     if daemon_running(paths):
         where = _address(paths).get("url", "?")
         raise MpadviseError(f"a daemon is already running for {directory} at {where}; "
@@ -162,7 +164,10 @@ def start_daemon(
     # The daemon runs from / (it must not keep a directory busy), so a relative cache
     # directory has to be made absolute for it.
     env["MPADVISE_HOME"] = str(directory)
-    with open(paths.log, "ab") as log:
+    ensure_private_file(paths.log)  # refuses a planted symlink or another user's file
+    rotate_log(paths.log)
+    fd = os.open(paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "ab") as log:
         log.write(f"--- mpadvise daemon start {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
         log.flush()
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd="/",
@@ -188,6 +193,35 @@ def start_daemon(
             raise MpadviseError(f"the daemon did not answer within {wait:g} s; see {paths.log}")
         time.sleep(0.1)
     return {**address, "warning": warning}
+
+
+def rotate_log(path: Path, *, max_bytes: int | None = None, keep: int | None = None) -> None:
+    """Move ``path`` to ``path.1`` (and ``.1`` to ``.2``...) once it is ``max_bytes`` or more.
+
+    The daemon's output goes to this file for as long as it runs; rotating at each start
+    bounds what a long series of daemons leaves behind.
+
+    Args:
+        path: the log file.
+        max_bytes: rotate at this size; default :data:`MAX_DAEMON_LOG_BYTES`.
+        keep: old logs kept; default :data:`DAEMON_LOGS_KEPT`.
+    """
+    from advisor.daemon._config import DAEMON_LOGS_KEPT, MAX_DAEMON_LOG_BYTES
+
+    max_bytes = MAX_DAEMON_LOG_BYTES if max_bytes is None else max_bytes
+    keep = DAEMON_LOGS_KEPT if keep is None else keep
+    try:
+        if path.stat().st_size < max_bytes:
+            return
+    except OSError:
+        return
+    for number in range(keep, 0, -1):
+        older = path.with_name(f"{path.name}.{number}")
+        newer = path if number == 1 else path.with_name(f"{path.name}.{number - 1}")
+        with contextlib.suppress(OSError):
+            if number == keep:
+                older.unlink(missing_ok=True)
+            os.replace(newer, older)
 
 
 def stop_daemon(*, wait: float) -> dict[str, Any]:
@@ -241,7 +275,7 @@ def status_report(*, limit: int = 20) -> dict[str, Any]:
     """
     from advisor.daemon._client import DaemonClient
 
-    client = DaemonClient.local()
+    client = DaemonClient.local(need_token=True)  # reading jobs needs the token
     return {"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)}
 
 

@@ -15,6 +15,11 @@ from rich.console import Console
 import probes
 from advisor._log import get_logger
 from advisor._paths import cache_dir, config_path_for
+from advisor._secure import (
+    ensure_private_dir,
+    ensure_private_file,
+    open_private_new,
+)
 from advisor.cache._recommend import record_tune
 from advisor.cli._report import render_tune, tune_progress
 from advisor.tune._checks import check_modes, check_script
@@ -22,7 +27,7 @@ from advisor.tune._engine import TuneResult, tune_policy
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import check_storage
 from advisor.tune._trials import WAIT_IDLE_ENV, ScriptRunner, TrialSettings
-from probes import HardwareProfile, UsageError, hardware_fingerprint
+from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
 EXIT_FOUND, EXIT_NONE_STABLE = 0, 3
 
@@ -30,15 +35,20 @@ EXIT_FOUND, EXIT_NONE_STABLE = 0, 3
 def default_storage() -> str | None:
     """The study database in the cache directory, or ``None`` (in memory) when unusable."""
     directory = cache_dir()
+    study = directory / "studies.db"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / ".write-test"
-        probe.write_text("")
+        ensure_private_dir(directory)
+        ensure_private_file(study)
+        probe = directory / f".write-test-{os.getpid()}"
+        os.close(open_private_new(probe))
         probe.unlink()
+    except MpadviseError as exc:
+        get_logger().warning(f"{exc}; the study is kept in memory, so --resume will not work")
+        return None
     except OSError as exc:
         get_logger().warning(f"cache directory {directory} is not writable ({exc.strerror or exc}); the study is kept in memory, so --resume will not work")
         return None
-    return f"sqlite:///{directory / 'studies.db'}"
+    return f"sqlite:///{study}"
 
 
 def study_name_for(script: Path, args: list[str], fingerprint: str) -> str:

@@ -7,11 +7,14 @@ TCP URL or a Unix socket) and reads the token from ``daemon.token`` beside it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import http.client
+import ipaddress
 import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,18 +82,34 @@ def read_token(path: Path) -> str:
         The token text.
 
     Raises:
-        MpadviseError: the file is missing, empty, or not private to its owner.
+        MpadviseError: the file is missing, empty, a symlink, owned by someone else, or not
+            private to its owner.
     """
     try:
-        mode = path.stat().st_mode & 0o777
-        text = path.read_text().strip()
+        # O_NOFOLLOW and fstat: the checks below are of the file read, not of a link's target.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            status = os.fstat(fd)
+            with os.fdopen(os.dup(fd), "r") as handle:
+                text = handle.read().strip()
+        finally:
+            os.close(fd)
+        mode = status.st_mode & 0o777
     except FileNotFoundError:
         raise MpadviseError(
             f"no daemon token at {path}; `mpadvise daemon start` creates it (with the same "
             "MPADVISE_HOME)"
         ) from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise MpadviseError(f"daemon token {path} is a symbolic link; remove it (`rm {path}`) and "
+                                "restart the daemon to get a new token") from None
         raise MpadviseError(f"cannot read the daemon token {path} ({exc.strerror or exc})") from None
+    if status.st_uid != os.geteuid():
+        raise MpadviseError(
+            f"daemon token {path} belongs to uid {status.st_uid}, not to uid {os.geteuid()} who runs "
+            f"mpadvise; remove it (`rm {path}`), or set MPADVISE_HOME to a directory of your own"
+        )
     if mode & 0o077:
         raise MpadviseError(
             f"daemon token {path} has mode {mode:04o}; expected 0600 (private to its owner); "
@@ -114,7 +133,7 @@ def daemon_running(paths: DaemonPaths) -> bool:
     if not paths.lock.exists():
         return False
     try:
-        fd = os.open(paths.lock, os.O_RDWR)
+        fd = os.open(paths.lock, os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
         return False
     try:
@@ -176,7 +195,10 @@ class DaemonClient:
                 f"no mpadvise daemon is running for {paths.directory}; start one with "
                 "`mpadvise daemon start` (with the same MPADVISE_HOME)"
             )
-        token = read_token(paths.token) if need_token else None
+        token = None
+        if need_token:
+            _check_token_destination(address, paths)
+            token = read_token(paths.token)
         if address.get("uds"):
             client = cls(uds=address["uds"], token=token, timeout=timeout)
         else:
@@ -205,7 +227,7 @@ class DaemonClient:
         if body is not None:
             payload = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
-        if auth and self.token:
+        if self.token:  # every request but GET /health needs it
             headers["Authorization"] = f"Bearer {self.token}"
         if self.uds is not None:
             conn: http.client.HTTPConnection = _UnixConnection(self.uds, self.timeout)
@@ -294,6 +316,42 @@ class DaemonClient:
                     on_line(line)
                 seen = count
         return job
+
+
+def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> None:
+    """Refuse to send the token where ``daemon.json`` says unless it is surely our daemon.
+
+    ``daemon.json`` is only as trustworthy as the directory it lies in, so the token goes only
+    to a loopback address or to a Unix socket this user owns (the daemon creates it 0600);
+    a client built with an explicit URL does not come through here.
+
+    Raises:
+        MpadviseError: the address is neither.
+    """
+    if address.get("uds"):
+        try:
+            status = os.lstat(address["uds"])
+        except OSError:
+            status = None
+        if status is not None and stat.S_ISSOCK(status.st_mode) and status.st_uid == os.geteuid():
+            return
+        where = f"the Unix socket {address['uds']}, which is not a socket of uid {os.geteuid()}"
+    else:
+        host = urlsplit(str(address.get("url"))).hostname or ""
+        if host == "localhost" or _is_loopback_ip(host):
+            return
+        where = f"{address.get('url')}, which is not a loopback address"
+    raise MpadviseError(
+        f"{paths.address} names {where}; not sending the daemon token there. Remove {paths.address} "
+        f"if no daemon of yours runs, and check who can write to {paths.directory}"
+    )
+
+
+def _is_loopback_ip(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _read_address(path: Path) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ import os
 import secrets
 from pathlib import Path
 
+from advisor._secure import PRIVATE_FILE_MODE, open_private_new
 from advisor.daemon._client import read_token
 from probes import MpadviseError
 
@@ -27,7 +28,7 @@ def ensure_token(path: Path) -> str:
         MpadviseError: the file is readable by others or empty.
     """
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = open_private_new(path)
     except FileExistsError:
         return read_token(path)
     with os.fdopen(fd, "w") as handle:
@@ -36,7 +37,12 @@ def ensure_token(path: Path) -> str:
 
 
 def _acquire_lock(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise MpadviseError(f"daemon lock {path} belongs to uid {st.st_uid}, not to us; remove it, or set "
+                            "MPADVISE_HOME to a directory of your own")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -48,9 +54,17 @@ def _acquire_lock(path: Path) -> int:
     return fd
 
 
-def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
+def _write_private(path: Path, text: str) -> None:
+    """Replace ``path`` atomically with ``text``, mode 0600, through a new temporary file.
+
+    The temporary file is created exclusively and never through a symlink, so nothing planted
+    under its name can redirect the write; one left by a crashed process of the same pid is
+    removed first (unlink removes a link, not its target).
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = open_private_new(tmp)
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
     os.replace(tmp, path)

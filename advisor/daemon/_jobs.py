@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -18,8 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import probes
+from advisor._secure import ensure_private_dir, open_private_new
 from advisor.cache._store import Store
-from advisor.daemon._config import JOB_ENV, LOG_TAIL_CHARS, LOG_TAIL_LINES, RECENT_LINES, logger
+from advisor.daemon._config import (
+    JOB_ENV,
+    LOG_TAIL_CHARS,
+    LOG_TAIL_LINES,
+    MAX_JOB_LOGS,
+    RECENT_LINES,
+    logger,
+    under_roots,
+)
 from advisor.daemon._files import _now
 from advisor.tune._options import TuneOptions
 from advisor.tune._trials import WAIT_IDLE_ENV
@@ -46,8 +56,26 @@ def tune_argv(
     Returns:
         The argv list for ``subprocess.Popen`` (no shell is involved).
     """
-    return [python, "-m", "advisor.cli", "tune", script, "--json", "--device", slot,
+    return [*_module_entry(python, "advisor.cli"), "tune", script, "--json", "--device", slot,
             *options.with_(device=None).to_argv(), "--", *args]
+
+
+# Python 3.10 has no -P: this runs the module as -m does, with the working directory (which
+# -c puts first on sys.path) taken off again.
+_SAFE_RUN_MODULE = ("import runpy, sys; del sys.path[0]; "
+                    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+
+
+def _module_entry(python: str, module: str) -> list[str]:
+    """The argv that runs ``module`` without the working directory on ``sys.path``.
+
+    A job runs in the project's directory; with that directory first on ``sys.path`` (as
+    ``-m`` puts it), a project's own ``advisor`` or ``probes`` package would shadow
+    mpadvise's. ``-P`` (3.11+) leaves it out; the 3.10 form does the same by hand.
+    """
+    if sys.version_info >= (3, 11):  # the runner's interpreter is the daemon's own
+        return [python, "-P", "-m", module]
+    return [python, "-c", _SAFE_RUN_MODULE, module]
 
 
 def job_options(job: Mapping[str, Any]) -> tuple[TuneOptions, str]:
@@ -205,6 +233,10 @@ class JobRunner:
         poll_s: how often a running job is checked for cancellation and progress.
         gpu_poll_s: how often a waiting job asks NVML again.
         idle_poll_s: how often an idle worker looks at the queue without being woken.
+        roots: the allowed roots (resolved); each job's paths are checked against them again
+            when it is claimed, since whoever can write the queue could have put it there.
+            ``None`` (runners built by hand in tests) skips that check; the daemon always
+            passes its roots.
     """
 
     store: Store
@@ -215,6 +247,7 @@ class JobRunner:
     poll_s: float = 0.25
     gpu_poll_s: float = 2.0
     idle_poll_s: float = 2.0
+    roots: Sequence[Path] | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _wake: dict[str, threading.Event] = field(default_factory=dict)
     _cancel: set[str] = field(default_factory=set)
@@ -224,8 +257,9 @@ class JobRunner:
 
     def start(self) -> None:
         """Start one worker thread per slot."""
-        # Job logs can quote a script's arguments and output: this user's eyes only.
-        self.jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Job logs can quote a script's arguments and output: this user's eyes only, and a
+        # jobs/ that someone else owns or may write is refused.
+        ensure_private_dir(self.jobs_dir)
         for slot in self.slots:
             self._wake[slot.name] = threading.Event()
             self._state[slot.name] = _SlotState()
@@ -275,6 +309,10 @@ class JobRunner:
                 logger.warning("cannot read the job queue: %s", exc)
                 self._stop.wait(self.idle_poll_s)
                 continue
+            except Exception:  # a worker must outlive anything the queue holds
+                logger.exception("cannot read the job queue")
+                self._stop.wait(self.idle_poll_s)
+                continue
             if job is None:
                 wake = self._wake[slot.name]
                 wake.wait(self.idle_poll_s)
@@ -282,6 +320,7 @@ class JobRunner:
                 continue
             state.job, state.phase = job["id"], "starting"
             try:
+                prune_job_logs(self.jobs_dir)
                 self._run(job, slot, state)
             except Exception as exc:  # a worker must outlive any one job
                 logger.exception("job %s failed inside the daemon", job["id"])
@@ -316,6 +355,11 @@ class JobRunner:
 
     def _run(self, job: dict[str, Any], slot: Slot, state: _SlotState) -> None:
         job_id = job["id"]
+        refusal = None if self.roots is None else outside_roots(job, self.roots)
+        if refusal is not None:
+            logger.warning("job %s refused: %s", job_id, refusal)
+            self.store.finish_job(job_id, state="failed", result={"exit_code": None, "error": f"refused: {refusal}"})
+            return
         if not self._wait_for_idle_gpu(job, slot, state):
             return
         options, cwd = job_options(job)
@@ -329,8 +373,9 @@ class JobRunner:
         out_path = self.jobs_dir / f"{job_id}.out"
         tail = LogTail()
         state.phase = "running"
-        logger.info("job %s started on %s: %s", job_id, slot.name, " ".join(argv[3:]))
-        with open(log_path, "ab") as log, open(out_path, "wb") as out:
+        # The arguments can hold secrets (keys, tokens): the log names the job, not its command.
+        logger.info("job %s started on %s: %s", job_id, slot.name, job["script"])
+        with _open_job_file(log_path, append=True) as log, _open_job_file(out_path, append=False) as out:
             process = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE, cwd=cwd, env=env,
                 start_new_session=True,  # its own group: a cancel kills it without touching us
@@ -409,6 +454,71 @@ class JobRunner:
                 record = self.store.update_job(job_id, log_tail=tail.text(), progress={
                     **progress, "lines": tail.count, "recent": recent, "updated_at": _now(),
                 })
+
+
+def prune_job_logs(jobs_dir: Path, *, keep: int = MAX_JOB_LOGS) -> None:
+    """Delete all but the newest ``keep`` job logs, so that they cannot fill the disk."""
+    try:
+        logs = sorted((entry for entry in os.scandir(jobs_dir) if entry.name.endswith(".log") and entry.is_file()),
+                      key=lambda entry: entry.stat().st_mtime, reverse=True)
+    except OSError:
+        return
+    for entry in logs[keep:]:
+        with contextlib.suppress(OSError):
+            os.unlink(entry.path)
+
+
+def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
+    """Why a queued job may not run under ``roots``, or ``None`` when it may.
+
+    The same rule as at submission: the script (a file), the working directory and the
+    ``--out`` file's directory must lie under an allowed root once symlinks are resolved.
+
+    Args:
+        job: the job as the queue stores it.
+        roots: the allowed roots, resolved.
+
+    Returns:
+        ``None``, or one line naming the path and the rule.
+    """
+    options = job.get("options") or {}
+    checks = [("script", job.get("script"), "file"), ("cwd", options.get("cwd"), "dir"),
+              ("options.out", options.get("out"), "new")]
+    shown = ", ".join(map(str, roots))
+    for what, raw, want in checks:
+        if raw is None and what != "script":
+            continue
+        if not isinstance(raw, str) or not os.path.isabs(raw) or "\0" in raw:
+            return f"{what} {raw!r} is not an absolute path"
+        path = Path(os.path.realpath(raw))
+        if not under_roots(path, roots):
+            return f"{what} {raw!r} is outside the allowed roots ({shown})"
+        if (want == "file" and not path.is_file()) or (want == "dir" and not path.is_dir()) or (
+                want == "new" and not path.parent.is_dir()):
+            return f"{what} {raw!r} does not exist or is not a {'directory' if want == 'dir' else 'file'}"
+    return None
+
+
+def _open_job_file(path: Path, *, append: bool) -> Any:
+    """Open a job's log (appended to across attempts) or output file, never through a symlink.
+
+    The output file is always new (a stale one is removed first); the log is created new or,
+    when an earlier attempt left one, reopened only if it is a plain file of ours with one link.
+    """
+    if not append:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # unlink never follows a symlink: it removes the link itself
+        return os.fdopen(open_private_new(path), "wb")
+    try:
+        return os.fdopen(open_private_new(path, os.O_WRONLY | os.O_APPEND), "ab")
+    except FileExistsError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 or st.st_mode & 0o077:
+        os.close(fd)
+        raise MpadviseError(f"job log {path} is not a private file of ours; remove it so that the job can run")
+    return os.fdopen(fd, "ab")
 
 
 def _pump(stream: Any, tail: LogTail, log: Any) -> None:

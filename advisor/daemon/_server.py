@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from advisor._hardware import probe_report
+from advisor._secure import ensure_private_dir, ensure_private_file
 from advisor._version import __version__
 from advisor.cache._store import Store
 from advisor.daemon._app import AnswerCache, DaemonState, create_app
@@ -34,7 +35,12 @@ def _bind(config: DaemonConfig) -> tuple[socket.socket, dict[str, Any]]:
         if path.exists() or path.is_symlink():
             if not path.is_socket():
                 raise MpadviseError(f"--uds {path} exists and is not a socket; choose another path")
-            path.unlink()  # a stale socket from a daemon that died (the lock says none runs)
+            try:
+                path.unlink()  # a stale socket from a daemon that died (the lock says none runs)
+            except OSError as exc:
+                raise MpadviseError(f"--uds {path} is a stale socket this user cannot remove "
+                                    f"({exc.strerror or exc}); remove it as its owner, or choose another path",
+                                    exit_code=2) from None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # created 0600 from the start: no window where others may connect
         try:
@@ -47,7 +53,13 @@ def _bind(config: DaemonConfig) -> tuple[socket.socket, dict[str, Any]]:
         os.chmod(path, 0o600)
         sock.listen(128)
         return sock, {"uds": str(path), "url": f"http+unix://{path}"}
-    infos = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)
+    # getaddrinfo takes an IPv6 literal without the brackets a URL puts around it.
+    bare = config.host.strip().removeprefix("[").removesuffix("]")
+    try:
+        infos = socket.getaddrinfo(bare, config.port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise MpadviseError(f"--host {config.host} cannot be resolved ({getattr(exc, 'strerror', None) or exc}); "
+                            "give an address such as 127.0.0.1 or ::1", exit_code=2) from None
     family, kind, proto, _, address = infos[0]
     # proto must say TCP: asyncio turns Nagle off only on sockets that do, and with Nagle on,
     # a keep-alive client waits out a 40 ms delayed ACK between a response's two writes.
@@ -65,6 +77,21 @@ def _bind(config: DaemonConfig) -> tuple[socket.socket, dict[str, Any]]:
     return sock, {"host": host, "port": port, "url": f"http://{shown}:{port}"}
 
 
+def _check_private(paths: DaemonPaths) -> None:
+    """Refuse a cache directory, or daemon files in it, that someone else owns or may write.
+
+    Whoever can write the job queue, the job logs' directory or the token can run code as the
+    user of the daemon (or read its jobs' secrets), so all of them must be this user's alone.
+    The database files are checked when the store opens them.
+    """
+    ensure_private_dir(paths.directory)
+    # Also tightens a daemon.log that `daemon start` opened under the umask to 0600. The token
+    # is not tightened but refused by read_token: one that others could read may have leaked.
+    for path in (paths.log, paths.pid, paths.address, paths.lock):
+        ensure_private_file(path)
+    ensure_private_dir(paths.jobs)
+
+
 def _setup_logging() -> None:
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -77,8 +104,8 @@ def _setup_logging() -> None:
 @contextlib.contextmanager
 def _daemon_files(paths: DaemonPaths, address: dict[str, Any]) -> Iterator[None]:
     pid = os.getpid()
-    _write_private(paths.pid, f"{pid}\n", 0o644)
-    _write_private(paths.address, json.dumps(address, indent=2) + "\n", 0o644)
+    _write_private(paths.pid, f"{pid}\n")
+    _write_private(paths.address, json.dumps(address, indent=2) + "\n")
     try:
         yield
     finally:
@@ -95,7 +122,8 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
 
     Raises:
         MpadviseError: a refused or failed bind (exit code 2 for a refused address), another
-            daemon on this cache directory, an unusable token file or cache.
+            daemon on this cache directory, an unusable token file or cache, or a cache
+            directory (or a file in it) that someone else owns or may write.
     """
     remote_warning = None if config.uds is not None else check_bind(config.host, allow_remote=config.allow_remote)
     for root in config.roots():
@@ -103,7 +131,7 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
             raise MpadviseError(f"--allowed-root {root} is not a directory; give an existing directory", exit_code=2)
     _setup_logging()
     paths = DaemonPaths.here()
-    paths.directory.mkdir(parents=True, exist_ok=True)
+    _check_private(paths)
     lock = _acquire_lock(paths.lock)
     stores: list[Store] = []
     try:
@@ -118,7 +146,8 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
         report = {**probe_report(), "detected_at": _now()}
         slots = slots_for([HardwareProfile.from_dict(d["profile"]) for d in report["devices"]])
         modes = frozenset(name for device in report["devices"] for name in device["modes"])
-        runner = JobRunner(store=store, slots=slots, jobs_dir=paths.jobs, busy=busy or nvml_busy)
+        runner = JobRunner(store=store, slots=slots, jobs_dir=paths.jobs, busy=busy or nvml_busy,
+                           roots=config.roots())
         sock, address = _bind(config)
         address.update(pid=os.getpid(), started_at=_now(), version=__version__, log=str(paths.log),
                        token_file=str(paths.token), slots=[s.name for s in slots],
@@ -129,7 +158,7 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
         app = create_app(state)
         server = _Server(uvicorn.Config(
             app, log_config=None, log_level="warning", access_log=False, lifespan="on",
-            proxy_headers=False,  # request.client must be the real peer: reads are open by address
+            proxy_headers=False,  # request.client must be the real peer: the Host check depends on it
             server_header=False, timeout_keep_alive=5,
         ))
         with _daemon_files(paths, address):

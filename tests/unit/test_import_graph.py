@@ -30,7 +30,7 @@ ADVISOR_LAYERS = {
     "cli": {"cli", "cache", "daemon", "tune", "runtime", "_load", "_hardware"},
     "__init__": {"_load", "runtime", "tune"},
 }
-ADVISOR_LEAVES = {"_log", "_paths", "_version"}
+ADVISOR_LEAVES = {"_log", "_paths", "_secure", "_version"}
 
 
 def module_names() -> dict[str, Path]:

@@ -1,0 +1,150 @@
+"""Private files and directories: checks of owner and mode, and creation with 0700/0600.
+
+The cache directory holds the job queue (which the daemon runs), the daemon's token and job
+logs that can quote a script's secrets, so every path in it must belong to the user running
+mpadvise and be writable by nobody else. The checks are pure functions of ``os.stat``
+results; the shells around them create, tighten or refuse.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from probes._errors import MpadviseError
+
+__all__ = [
+    "ensure_private_dir",
+    "ensure_private_file",
+    "needs_tightening",
+    "open_private_new",
+    "unsafe_reason",
+]
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def unsafe_reason(st: os.stat_result, *, uid: int, is_dir: bool) -> str | None:
+    """Why a path with this status must not be trusted, or ``None`` when it may be.
+
+    Args:
+        st: the path's status (``os.stat`` for a directory, ``os.lstat`` for a file).
+        uid: the user who must own it.
+        is_dir: a directory is expected (else a regular file).
+
+    Returns:
+        ``None``, or a short reason ("owned by uid 65534", "writable by others", ...).
+    """
+    if is_dir and not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if not is_dir and stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if not is_dir and not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != uid:
+        return f"owned by uid {st.st_uid}, not by uid {uid} who runs mpadvise"
+    if st.st_mode & stat.S_IWOTH:
+        return "writable by others"
+    if st.st_mode & stat.S_IWGRP:
+        return "writable by its group"
+    return None
+
+
+def needs_tightening(st: os.stat_result) -> bool:
+    """Whether a path that is safe to trust still lets others read (or enter) it."""
+    return bool(stat.S_IMODE(st.st_mode) & 0o077)
+
+
+def _refusal(path: Path, reason: str, *, is_dir: bool) -> MpadviseError:
+    kind = "directory" if is_dir else "file"
+    if is_dir:
+        fix = f"`chmod 700 {path}` if it is yours, or set MPADVISE_HOME to a directory of your own"
+    elif reason.startswith(("a symbolic", "not a")):
+        fix = "move it away, or set MPADVISE_HOME to a directory of your own"
+    else:
+        fix = (f"`chmod 600 {path}` if it is yours, `rm {path}` if it is not, or set MPADVISE_HOME "
+               "to a directory of your own")
+    return MpadviseError(f"refusing the mpadvise {kind} {path}: it is {reason}; {fix}")
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create ``path`` with mode 0700, or check that an existing one is private to this user.
+
+    A directory of this user's that others can only read or enter (0755, as older versions
+    created the cache under the umask) is tightened to 0700 rather than refused: nobody else
+    could have written into it. One owned by someone else, or writable by group or others, is
+    refused, since others may already have planted files in it.
+
+    Args:
+        path: the directory.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        MpadviseError: it cannot be created, or it is not safe (one line naming the fix).
+    """
+    try:
+        # Only the last component gets 0700; parents such as ~/.cache keep the umask's mode.
+        path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MpadviseError(
+            f"cache directory {path} cannot be created ({exc.strerror or exc}); "
+            "set MPADVISE_HOME to a writable directory"
+        ) from exc
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise MpadviseError(
+            f"cache directory {path} cannot be read ({exc.strerror or exc}); "
+            "set MPADVISE_HOME to a writable directory"
+        ) from exc
+    reason = unsafe_reason(st, uid=os.geteuid(), is_dir=True)
+    if reason is not None:
+        raise _refusal(path, reason, is_dir=True)
+    if needs_tightening(st):
+        os.chmod(path, PRIVATE_DIR_MODE)
+    return path
+
+
+def ensure_private_file(path: Path) -> bool:
+    """Check an existing file (without following a symlink), tightening it to 0600.
+
+    Args:
+        path: the file; a missing one is fine.
+
+    Returns:
+        Whether the file exists.
+
+    Raises:
+        MpadviseError: it is a symlink, not a regular file, owned by someone else, or
+            writable by group or others.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    reason = unsafe_reason(st, uid=os.geteuid(), is_dir=False)
+    if reason is not None:
+        raise _refusal(path, reason, is_dir=False)
+    if needs_tightening(st):
+        os.chmod(path, PRIVATE_FILE_MODE)
+    return True
+
+
+def open_private_new(path: Path, flags: int = os.O_WRONLY) -> int:
+    """Create a new file with mode 0600, never following a symlink nor reusing a file.
+
+    Args:
+        path: the file, which must not exist.
+        flags: access flags to add (``os.O_WRONLY`` by default).
+
+    Returns:
+        The open file descriptor.
+
+    Raises:
+        OSError: it exists (``FileExistsError``), or a symlink stands there.
+    """
+    return os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
