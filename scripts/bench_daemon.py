@@ -74,8 +74,11 @@ def start_daemon(home: Path) -> tuple[subprocess.Popen[bytes], str, int]:
     raise SystemExit("the daemon did not start within 60 s")
 
 
-def load(host: str, port: int, paths: list[str], requests: int, clients: int, max_seconds: float) -> dict[str, Any]:
-    """Send ``requests`` GETs from ``clients`` threads; bounded by ``max_seconds``."""
+def load(
+    host: str, port: int, paths: list[str], requests: int, clients: int, max_seconds: float, *, token: str | None = None
+) -> dict[str, Any]:
+    """Send ``requests`` GETs from ``clients`` threads, with the daemon's token; bounded by ``max_seconds``."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     latencies: list[float] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -93,7 +96,7 @@ def load(host: str, port: int, paths: list[str], requests: int, clients: int, ma
                     break
                 started = time.perf_counter()
                 try:
-                    conn.request("GET", paths[number % len(paths)])
+                    conn.request("GET", paths[number % len(paths)], headers=headers)
                     response = conn.getresponse()
                     body = response.read()
                 except (OSError, http.client.HTTPException) as exc:
@@ -144,8 +147,9 @@ def main() -> int:
     paths = seed(home, args.entries)
     proc, host, port = start_daemon(home)
     try:
-        load(host, port, paths, args.warmup, args.clients, args.max_seconds)
-        result = load(host, port, paths, args.requests, args.clients, args.max_seconds)
+        token = (home / "daemon.token").read_text().strip()  # every read but /health needs it
+        load(host, port, paths, args.warmup, args.clients, args.max_seconds, token=token)
+        result = load(host, port, paths, args.requests, args.clients, args.max_seconds, token=token)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

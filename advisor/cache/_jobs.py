@@ -7,6 +7,7 @@ below. A job is a plain dict of the table's columns, with its JSON fields decode
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -88,21 +89,35 @@ class JobQueue(StoreBase):
             The job, now ``running`` on ``slot``, or ``None`` when nothing is queued.
         """
         with self._write() as db:
-            rows = list(
-                db.query(
-                    "SELECT id FROM jobs WHERE state = 'queued' "
-                    "AND (requested_gpu IS NULL OR requested_gpu = ?) "
-                    "ORDER BY created_at, rowid LIMIT 1",
-                    [slot],
+            while True:
+                rows = list(
+                    db.query(
+                        "SELECT * FROM jobs WHERE state = 'queued' "
+                        "AND (requested_gpu IS NULL OR requested_gpu = ?) "
+                        "ORDER BY created_at, rowid LIMIT 1",
+                        [slot],
+                    )
                 )
-            )
-            if not rows:
-                return None
+                if not rows:
+                    return None
+                reason = _undecodable(rows[0])
+                if reason is None:
+                    break
+                # A row that cannot be read cannot run: fail it, and take the next one.
+                db.execute(
+                    "UPDATE jobs SET state = 'failed', finished_at = ?, result = ? WHERE id = ?",
+                    [utc_now(), json_text("result", {"exit_code": None, "error": reason}), rows[0]["id"]],
+                )
             db.execute(
                 "UPDATE jobs SET state = 'running', started_at = ?, gpu = ? WHERE id = ?",
                 [utc_now(), slot, rows[0]["id"]],
             )
             return _get_job(db, rows[0]["id"])
+
+    @guarded
+    def count_queued_jobs(self) -> int:
+        """How many jobs wait for a slot."""
+        return int(self.db.execute("SELECT count(*) FROM jobs WHERE state = 'queued'").fetchone()[0])
 
     @guarded
     def update_job(
@@ -184,7 +199,7 @@ class JobQueue(StoreBase):
             rows = self.db.query(
                 f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created_at, rowid", wanted
             )
-        return [decode_json(row, _JOB_JSON) for row in rows]
+        return [_decode_job(row) for row in rows]
 
     @guarded
     def cancel_job(self, job_id: str) -> Record | None:
@@ -249,4 +264,29 @@ class JobQueue(StoreBase):
 
 def _get_job(db: sqlite_utils.Database, job_id: str) -> Record | None:
     rows = list(db.query("SELECT * FROM jobs WHERE id = ?", [job_id]))
-    return decode_json(rows[0], _JOB_JSON) if rows else None
+    return _decode_job(rows[0]) if rows else None
+
+
+def _undecodable(row: dict[str, Any]) -> str | None:
+    """Why a ``jobs`` row cannot be read as a job (a JSON column that is not JSON), or ``None``."""
+    for column in _JOB_JSON:
+        text = row.get(column)
+        if text is None:
+            continue
+        try:
+            json.loads(text)
+        except (TypeError, ValueError) as exc:
+            return f"the stored job cannot be read: its {column} column is not JSON ({exc})"
+    return None
+
+
+def _decode_job(row: dict[str, Any]) -> Record:
+    """A ``jobs`` row as a job; one that cannot be decoded is shown failed, with the reason
+    (so that listing jobs never fails on one damaged row)."""
+    reason = _undecodable(row)
+    if reason is None:
+        return decode_json(row, _JOB_JSON)
+    job = {**row, **{column: None for column in _JOB_JSON}}
+    job["state"] = "failed"
+    job["result"] = {"exit_code": None, "error": reason}
+    return job

@@ -10,10 +10,10 @@ unauthenticated job API bound to 0.0.0.0 became CVE-2023-48022. So:
 
 * it binds 127.0.0.1 (or a Unix socket created with mode 0600); any other address needs
   ``allow_remote`` and is announced with a warning;
-* every request that starts, cancels or changes work needs the bearer token kept in a 0600
-  file in the cache directory; reads are open to loopback clients only;
-* on loopback the ``Host`` header must name the loopback, so a web page cannot reach the
-  service through DNS rebinding;
+* every request but ``GET /health`` needs the bearer token kept in a 0600 file in the cache
+  directory (0700): job arguments, paths and logs are secrets of the user who runs it;
+* a loopback client's ``Host`` header must name the loopback, also with ``allow_remote``, so a
+  web page cannot reach the service through DNS rebinding;
 * a job's script must exist under an allowed root, and its arguments travel as a list to
   ``exec``, never through a shell; bodies are limited in size and every field is bounded.
 

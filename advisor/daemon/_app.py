@@ -25,7 +25,7 @@ from advisor._version import __version__
 from advisor.cache._jobs import FINISHED_JOB_STATES, JOB_STATES
 from advisor.cache._records import HARDWARE_FP_PATTERN, WORKLOAD_FP_PATTERN
 from advisor.cache._store import Store
-from advisor.daemon._config import MAX_TEXT, DaemonConfig, under_roots
+from advisor.daemon._config import MAX_QUEUED_JOBS, MAX_TEXT, DaemonConfig, under_roots
 from advisor.daemon._files import _now
 from advisor.daemon._jobs import JobRunner, Slot
 from advisor.daemon._requests import JobRequest, JobState
@@ -115,6 +115,7 @@ class AnswerCache:
 def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {400: "Bad Host header, or a body that is not JSON", 401: "Token missing", 403: "Token wrong, or path outside the allowed roots",
             404: "No such job", 409: "The job has already finished", 413: "Body too large",
+            429: "Too many jobs queued (the daemon's cap); try again later",
             422: "Invalid request: each item says where (loc) and what (msg)",
             503: "The cache database is busy or unusable"}
     if 422 in codes:
@@ -124,16 +125,17 @@ def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 class _Guard:
-    """ASGI middleware: Host check on loopback, and the body size limit (413).
+    """ASGI middleware: Host check for loopback clients, and the body size limit (413).
 
     Plain ASGI rather than a Starlette ``BaseHTTPMiddleware``: it adds nothing measurable to a
     GET, and it refuses an oversized body before the application reads it.
     """
 
-    def __init__(self, app: Any, *, max_body: int, check_host: bool) -> None:
+    def __init__(self, app: Any, *, max_body: int, check_host: bool, local_only: bool = True) -> None:
         self.app = app
         self.max_body = max_body
         self.check_host = check_host
+        self.local_only = local_only
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] != "http":
@@ -146,7 +148,7 @@ class _Guard:
                 length = value
             elif name == b"host":
                 host = value
-        if self.check_host and not _loopback_host_header(host):
+        if self.check_host and self._from_loopback(scope) and not _loopback_host_header(host):
             await _send_error(send, 400, "the Host header must name the loopback (127.0.0.1, localhost or [::1]); "
                                          "this daemon serves local clients only")
             return
@@ -179,6 +181,14 @@ class _Guard:
                 break
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         await self.app(scope, _replay([body], receive), send)
+
+    def _from_loopback(self, scope: dict[str, Any]) -> bool:
+        """Whether the Host check applies: every client when serving loopback only, else a
+        loopback one (a remote client names this machine however it reaches it)."""
+        if self.local_only:
+            return True
+        client = scope.get("client")
+        return not client or not client[0] or _client_is_loopback(str(client[0]))
 
 
 def _replay(messages: list[dict[str, Any]], receive: Callable[..., Any]) -> Callable[..., Any]:
@@ -228,16 +238,19 @@ async def _require_token(
 
 
 async def _require_read(request: Request) -> None:
-    """Reads are open to this machine only; a remote client (possible with --allow-remote) must
-    show the token for them too."""
-    client = request.client
-    if client is None or not client.host or _client_is_loopback(client.host):
-        return
+    """The bearer token, for every read but ``GET /health`` (401 missing, 403 wrong).
+
+    Reads show a job's arguments, working directory and log, which can hold secrets: other
+    users of this machine (and, with --allow-remote, of others) must not see them.
+    """
     token: str = request.app.state.daemon.token
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode("utf-8", "replace"), token.encode()):
-        raise HTTPException(401, "reads from other machines need `Authorization: Bearer <token>`",
-                            headers={"WWW-Authenticate": "Bearer"})
+    if scheme.lower() != "bearer" or not given:
+        raise HTTPException(401, "this request needs `Authorization: Bearer <token>`; the token is in "
+                                 "daemon.token in the cache directory", headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode()):
+        raise HTTPException(403, "wrong token; read it again from daemon.token in the cache directory "
+                                 "(it changes when the file is deleted)")
 
 
 def create_app(state: DaemonState) -> FastAPI:
@@ -254,9 +267,8 @@ def create_app(state: DaemonState) -> FastAPI:
         version=__version__,
         summary="Cached precision recommendations and queued tune jobs for this machine.",
         description=(
-            "Reads are open to loopback clients. `POST /jobs` and `DELETE /jobs/{id}` need "
-            "`Authorization: Bearer <token>`, the token being the contents of `daemon.token` "
-            "in the cache directory (mode 0600)."
+            "Every request but `GET /health` needs `Authorization: Bearer <token>`, the token "
+            "being the contents of `daemon.token` in the cache directory (mode 0600)."
         ),
         docs_url=None,
         redoc_url=None,
@@ -267,7 +279,10 @@ def create_app(state: DaemonState) -> FastAPI:
     _add_error_handlers(app)
     for path, endpoint, options in _ROUTES:
         app.add_api_route(path, endpoint, **options)
-    return _Guard(app, max_body=state.config.max_body_bytes, check_host=state.local_only)  # type: ignore[return-value]
+    # The Host check stops DNS rebinding (a web page reaching the loopback under its own name);
+    # it holds for loopback clients even when remote ones are allowed.
+    return _Guard(app, max_body=state.config.max_body_bytes,  # type: ignore[return-value]
+                  check_host=state.config.uds is None, local_only=state.local_only)
 
 
 @contextlib.asynccontextmanager
@@ -349,7 +364,7 @@ async def health(request: Request) -> Response:
     state = _state(request.app)
     counts = {name: 0 for name in JOB_STATES}
     for job in state.read_store.list_jobs(states=("queued", "running", "cancelling")):
-        counts[job["state"]] += 1
+        counts[job["state"]] = counts.get(job["state"], 0) + 1  # a damaged row reads as failed
     return _json({
         "status": "ok", "version": __version__, "pid": os.getpid(), "started_at": state.started_at,
         "uptime_s": round(time.time() - state.started, 3), "slots": state.runner.slot_info(),
@@ -358,7 +373,7 @@ async def health(request: Request) -> Response:
 
 
 @_route("/hardware", "GET", response_model=HardwareReport, tags=["service"], dependencies=[Depends(_require_read)],
-             responses=_error_responses(400, 401))
+             responses=_error_responses(400, 401, 403))
 async def hardware(request: Request) -> Response:
     """This machine's devices (as `mpadvise probe --json` reports them) and the job slots."""
     state = _state(request.app)
@@ -366,7 +381,7 @@ async def hardware(request: Request) -> Response:
 
 
 @_route("/recommendations", "GET", response_model=RecommendationList, tags=["cache"],
-             responses=_error_responses(400, 401, 422, 503))
+             responses=_error_responses(400, 401, 403, 422, 503))
 async def recommendations(
     request: Request,
     workload: Annotated[str | None, Query(pattern=_WORKLOAD_QUERY, description="Workload fingerprint.")] = None,
@@ -394,18 +409,23 @@ async def recommendations(
 
 
 @_route("/jobs", "POST", response_model=Job, status_code=201, tags=["jobs"], dependencies=[Depends(_require_token)],
-              responses=_error_responses(400, 401, 403, 413, 422, 503))
+              responses=_error_responses(400, 401, 403, 413, 422, 429, 503))
 def create_job(request: Request, job: JobRequest) -> Response:
     """Queue a tune job; it runs when a slot (and its GPU) is free."""
     state = _state(request.app)
     script, options = _checked_job(job, state)
+    queued = state.store.count_queued_jobs()
+    if queued >= MAX_QUEUED_JOBS:
+        raise HTTPException(429, f"{queued} jobs are queued, the most this daemon keeps waiting is "
+                                 f"{MAX_QUEUED_JOBS}; submit again once some have run, or cancel some",
+                            headers={"Retry-After": "60"})
     job_id = state.store.enqueue_job(script=str(script), args=job.args, options=options, gpu=job.gpu)
     state.runner.wake()
     return _json(state.store.get_job(job_id), 201, headers={"Location": f"/jobs/{job_id}"})
 
 
 @_route("/jobs", "GET", response_model=JobList, tags=["jobs"], dependencies=[Depends(_require_read)],
-             responses=_error_responses(400, 401, 422, 503))
+             responses=_error_responses(400, 401, 403, 422, 503))
 async def list_jobs(
     request: Request,
     state_filter: Annotated[list[JobState] | None, Query(alias="state", description="Only jobs in these states.")] = None,
@@ -417,7 +437,7 @@ async def list_jobs(
 
 
 @_route("/jobs/{job_id}", "GET", response_model=Job, tags=["jobs"], dependencies=[Depends(_require_read)],
-             responses=_error_responses(400, 401, 404, 422, 503))
+             responses=_error_responses(400, 401, 403, 404, 422, 503))
 async def get_job(request: Request, job_id: Annotated[str, PathParam(max_length=64)]) -> Response:
     """One job: state, progress, result (the tune's JSON) and the tail of its log."""
     job = _state(request.app).read_store.get_job(job_id)

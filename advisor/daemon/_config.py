@@ -24,6 +24,14 @@ MAX_TEXT = 4096
 LOG_TAIL_LINES = 40
 LOG_TAIL_CHARS = 8000
 RECENT_LINES = 20
+# Jobs waiting at once: past this, POST /jobs answers 429 (a client cannot grow the queue,
+# and the database, without bound).
+MAX_QUEUED_JOBS = 1000
+# Full job logs kept in the jobs directory (the newest); older ones are deleted.
+MAX_JOB_LOGS = 200
+# daemon.log is rotated at start past this size, keeping this many old ones (.1 the newest).
+MAX_DAEMON_LOG_BYTES = 10 * 1024 * 1024
+DAEMON_LOGS_KEPT = 3
 # The environment variable that marks every process of a job (the tune and its trials, which
 # run in sessions of their own): how leftovers are found after a crash or a cancel.
 JOB_ENV = "MPADVISE_DAEMON_JOB"

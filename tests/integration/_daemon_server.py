@@ -143,6 +143,8 @@ class Daemon:
         return response.status, decoded, reply_headers
 
     def get(self, path: str, **kwargs: Any) -> tuple[int, Any]:
+        """GET with the token (every read but /health needs it); ``token=None`` sends none."""
+        kwargs.setdefault("token", self.token or None)
         status, data, _ = self.request("GET", path, **kwargs)
         return status, data
 
