@@ -328,45 +328,42 @@ else
 fi
 record tests "$RC" "$SECS" "$( ((RC == 0)) && echo ok || echo FAIL)" "$(timed_out)pytest: $(tail -n 1 "$OUT/tests.txt")"
 
-# --- a trial of every supported mode --------------------------------------------------------
-mode_args=()
-for mode in "${TRIAL_MODES[@]}"; do mode_args+=(-m "$mode"); done
-if ((${#mode_args[@]})); then
-    run_step trial 150 "$OUT/trial.json" "$PY" -m advisor.cli trial examples/mlp.py "${mode_args[@]}" \
-        "${STEPS[@]}" --timeout "$TRIAL_TIMEOUT" --device "$DEVICE" --json -- "${MLP[@]}"
-    judged=1
+# --- trials: `mpadvise trial` of some modes on examples/mlp.py, each judged --------------------
+# trial_step NAME WHAT MLP_ARGS_VAR MODE...: a trial of MODEs with the MLP arguments held in the
+# array named MLP_ARGS_VAR; records NAME ok when every mode ran to a verdict.
+trial_step() {
+    local name=$1 what=$2
+    local -n mlp_args=$3
+    shift 3
+    local modes=("$@") args=() judged=1
+    for mode in "${modes[@]}"; do args+=(-m "$mode"); done
+    run_step "$name" 150 "$OUT/$name.json" "$PY" -m advisor.cli trial examples/mlp.py "${args[@]}" \
+        "${STEPS[@]}" --timeout "$TRIAL_TIMEOUT" --device "$DEVICE" --json -- "${mlp_args[@]}"
     : > "$WORK/judge.txt"
-    [ -s "$OUT/trial.json" ] && judged=0 && check judge "$OUT/trial.json" "${TRIAL_MODES[@]}" > "$WORK/judge.txt" 2>> "$LOG" || judged=$?
+    [ -s "$OUT/$name.json" ] && judged=0 && check judge "$OUT/$name.json" "${modes[@]}" > "$WORK/judge.txt" 2>> "$LOG" || judged=$?
     # Exit 3 says a candidate was judged unstable: a verdict, which the rows below show.
     if ((RC == 0 || RC == 3)) && ((judged == 0)); then
-        record trial "$RC" "$SECS" ok "fp32 and ${#TRIAL_MODES[@]} modes on examples/mlp.py ${MLP[*]} ran to a verdict"
+        record "$name" "$RC" "$SECS" ok "$what on examples/mlp.py ${mlp_args[*]} ran to a verdict"
     else
-        record trial "$RC" "$SECS" FAIL "$(timed_out)a mode did not run to a verdict: $(tail -n 1 "$WORK/trial.err")"
+        record "$name" "$RC" "$SECS" FAIL "$(timed_out)$what did not run to a verdict: $(tail -n 1 "$WORK/$name.err")"
     fi
     while IFS= read -r line; do ROWS+=("$line"); done < "$WORK/judge.txt"
+}
+
+# Every supported mode.
+if ((${#TRIAL_MODES[@]})); then
+    trial_step trial "fp32 and ${#TRIAL_MODES[@]} modes" MLP "${TRIAL_MODES[@]}"
 else
     : > "$OUT/trial.json"
     record trial - 0 FAIL "no modes to trial: the probe failed"
 fi
 
-# --- FP8: torchao on a wide MLP; Transformer Engine only where it is installed --------------
+# FP8: torchao on a wide MLP; Transformer Engine only where it is installed.
 fp8_modes=()
 if [ "$FP8_TORCHAO" = run ]; then fp8_modes+=(fp8-torchao); fi
 if [ "$FP8_TE" = run ]; then fp8_modes+=(fp8-te); fi
 if ((${#fp8_modes[@]})); then
-    fp8_args=()
-    for mode in "${fp8_modes[@]}"; do fp8_args+=(-m "$mode"); done
-    run_step fp8 150 "$OUT/fp8.json" "$PY" -m advisor.cli trial examples/mlp.py "${fp8_args[@]}" \
-        "${STEPS[@]}" --timeout "$TRIAL_TIMEOUT" --device "$DEVICE" --json -- "${FP8_MLP[@]}"
-    judged=1
-    : > "$WORK/judge.txt"
-    [ -s "$OUT/fp8.json" ] && judged=0 && check judge "$OUT/fp8.json" "${fp8_modes[@]}" > "$WORK/judge.txt" 2>> "$LOG" || judged=$?
-    if ((RC == 0 || RC == 3)) && ((judged == 0)); then
-        record fp8 "$RC" "$SECS" ok "${fp8_modes[*]} on examples/mlp.py ${FP8_MLP[*]} ran to a verdict"
-    else
-        record fp8 "$RC" "$SECS" FAIL "$(timed_out)${fp8_modes[*]} did not run to a verdict: $(tail -n 1 "$WORK/fp8.err")"
-    fi
-    while IFS= read -r line; do ROWS+=("$line"); done < "$WORK/judge.txt"
+    trial_step fp8 "${fp8_modes[*]}" FP8_MLP "${fp8_modes[@]}"
 else
     : > "$OUT/fp8.json"
 fi
