@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,9 @@ class TrialSpec:
             gives up (a script that never calls ``step()`` is detected, not waited out).
         device: ``"cpu"``/``"cuda:N"`` override, or ``None`` for the default device.
         label: name of the trial for people (``"fp16-mixed static 1024 mb32"``).
+        framework: the framework whose own settings and hooks apply the candidate and record
+            the steps (``"lightning"``, ``"transformers"``...), or ``None`` for a script that
+            calls ``load_policy()``.
     """
 
     policy: dict[str, Any]
@@ -56,6 +60,7 @@ class TrialSpec:
     no_step_timeout: float = 120.0
     device: str | None = None
     label: str = ""
+    framework: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -188,8 +193,12 @@ def run_trial(
     python: str = sys.executable,
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
+    launch: Sequence[str] = (),
 ) -> TrialResult:
     """Run ``python script args`` with ``spec`` injected; classify the outcome.
+
+    ``launch`` goes between the interpreter and the script: a module that runs the script
+    (``-m advisor.frameworks._boot lightning``, ``-m torch.distributed.run ...``).
 
     Subprocesses isolate out-of-memory, CUDA errors, segfaults and hangs. The child writes its
     measurements to ``spec.result_path``; stderr goes to a file whose tail is kept.
@@ -212,7 +221,7 @@ def run_trial(
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+b") as err, tempfile.TemporaryFile("w+b") as out:
         proc = subprocess.Popen(
-            [python, str(script), *args],
+            [python, *launch, str(script), *args],
             stdout=out,
             stderr=err,
             stdin=subprocess.DEVNULL,

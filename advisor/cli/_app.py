@@ -86,10 +86,13 @@ def policy(
 @app.command(context_settings={"help_option_names": ["-h", "--help"]})
 @handle_errors
 def trial(
-    script: Annotated[Path, typer.Argument(help="The training script (it calls advisor.load_policy()).")],
+    script: Annotated[Path, typer.Argument(help="The training script (it calls advisor.load_policy(), or trains with a framework).")],
     script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
     mode: Annotated[
         list[str] | None, typer.Option("--mode", "-m", help="Candidate mode; repeat for several. Default: every supported mode.")
+    ] = None,
+    framework: Annotated[
+        str | None, typer.Option(help="lightning, fabric, transformers or accelerate; default: read from the script's imports.")
     ] = None,
     steps: Annotated[int, typer.Option(help="Measured optimizer steps per trial (after the warm-up).")] = 40,
     warmup: Annotated[int, typer.Option(help="Warm-up steps per trial, not timed.")] = 5,
@@ -107,7 +110,8 @@ def trial(
 
     code = run_trial_command(
         script, script_args or [], modes=mode or [], steps=steps, warmup=warmup, memory_limit=memory_limit,
-        timeout=timeout, seed=seed, device=device, plot=plot, json_output=json_output, console=console,
+        timeout=timeout, seed=seed, device=device, framework=framework, plot=plot, json_output=json_output,
+        console=console,
     )
     raise typer.Exit(code)
 

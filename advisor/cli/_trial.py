@@ -17,6 +17,7 @@ from advisor.cli._report import (
     spread_line,
     trial_progress,
 )
+from advisor.frameworks import check_plan_modes, plan_for
 from advisor.tune._checks import check_modes, check_script, default_trial_modes
 from advisor.tune._trials import ScriptRunner, TrialSettings, run_comparison
 from policies import Policy
@@ -37,6 +38,7 @@ def run_trial_command(
     timeout: float,
     seed: int,
     device: str | None,
+    framework: str | None = None,
     plot: Path | None,
     json_output: bool,
     console: Console,
@@ -44,14 +46,19 @@ def run_trial_command(
     """Run the comparison and print it. Returns 0 when every candidate is stable, else 3."""
 
     path = check_script(script)
+    plan = plan_for(path, framework)
     profile = probes.profile_for(device)
-    modes = check_modes(modes, profile) if modes else default_trial_modes(profile)
+    if modes:
+        modes = check_plan_modes(plan, check_modes(modes, profile))
+    else:  # every mode the hardware supports that the script's framework can apply
+        modes = [m for m in default_trial_modes(profile) if plan.limits is None or plan.limits.modes is None
+                 or m in plan.limits.modes]
     modes = [m for m in modes if m != "fp32"]
     settings = TrialSettings(
         warmup_steps=warmup, measure_steps=steps, seed=seed, timeout=timeout, device=device,
-        memory_limit=parse_memory(memory_limit) if memory_limit else None,
+        memory_limit=parse_memory(memory_limit) if memory_limit else None, framework=plan.framework,
     )
-    runner = ScriptRunner(path, script_args, settings)
+    runner = ScriptRunner(path, script_args, settings, launch=plan.launch)
     candidates = [(Policy(mode=m), m) for m in modes]
     progress_console = Console(stderr=True) if json_output else console
     # The reference, its replicate under another seed, then each candidate.
@@ -63,6 +70,7 @@ def run_trial_command(
         payload = {
             "script": str(path),
             "args": script_args,
+            "framework": plan.framework,
             "hardware": {"name": profile.name, "fingerprint": hardware_fingerprint(profile), "device": settings.device or profile.device},
             "settings": {"warmup_steps": warmup, "measure_steps": steps, "seed": seed, "memory_limit": settings.memory_limit},
             "reference": reference.to_dict(),

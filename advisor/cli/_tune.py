@@ -22,6 +22,7 @@ from advisor._secure import (
 )
 from advisor.cache._recommend import record_tune
 from advisor.cli._report import render_tune, tune_progress
+from advisor.frameworks import ScriptPlan, check_plan_modes, plan_for
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._engine import TuneResult, tune_policy
 from advisor.tune._options import TuneOptions
@@ -60,15 +61,21 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
                      console: Console) -> int:
     """Run the tune here and report it. Returns 0 when a stable policy was found, 3 when none was."""
     path = check_script(script)
+    plan = plan_for(path, options.framework)
+    check_plan_modes(plan, list(options.modes))
+    options = options.with_(framework=plan.framework)
     profile = probes.profile_for(options.device)
     options = _resolved(options, profile)
     fingerprint = hardware_fingerprint(profile)
     study_name = study_name_for(path, script_args, fingerprint)
     progress_console = Console(stderr=True) if json_output else console
-    result = _search(path, script_args, options, profile, study_name, progress_console)
+    if plan.framework is not None:
+        how = "read from its imports" if plan.detected else "--framework"
+        get_logger().info(f"{path.name} trains with {plan.label} ({how}): the search covers what it can apply")
+    result = _search(path, script_args, options, profile, study_name, progress_console, plan)
     written, cache_id = _keep(result, options, profile, path)
     payload = result.to_dict()
-    payload.update(script=str(path), args=script_args, config_file=str(written) if written else None,
+    payload.update(script=str(path), args=script_args, framework=plan.framework, config_file=str(written) if written else None,
                    cache_id=cache_id, storage=options.storage, study_name=study_name,
                    hardware={"name": profile.name, "fingerprint": fingerprint})
     _report(json.dumps(payload, indent=2, default=str), json_output=json_output, console=console)
@@ -85,15 +92,16 @@ def _resolved(options: TuneOptions, profile: HardwareProfile) -> TuneOptions:
 
 
 def _search(path: Path, script_args: list[str], options: TuneOptions, profile: HardwareProfile,
-            study_name: str, console: Console) -> TuneResult:
+            study_name: str, console: Console, plan: ScriptPlan) -> TuneResult:
     """The tune itself, one subprocess per trial, under a progress bar."""
     # Under the daemon, every trial first waits until no other process computes on the GPU.
     wait_idle_on = profile if os.environ.get(WAIT_IDLE_ENV) else None
-    runner = ScriptRunner(path, script_args, TrialSettings.for_tune(options), wait_idle_on=wait_idle_on)
+    runner = ScriptRunner(path, script_args, TrialSettings.for_tune(options), wait_idle_on=wait_idle_on,
+                          launch=plan.launch)
     # The budget plus the reference; a search that stops early completes the bar.
     with tune_progress(console, options.trials + 2) as (on_start, on_done):  # + the reference and its replicate
         return tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
-                           on_start=on_start, on_done=on_done)
+                           on_start=on_start, on_done=on_done, limits=plan.limits)
 
 
 def _keep(result: TuneResult, options: TuneOptions, profile: HardwareProfile,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import probes
+from advisor._entry import module_argv
 from advisor._secure import ensure_private_dir, open_private_new
 from advisor.cache._store import Store
 from advisor.daemon._config import (
@@ -60,22 +61,10 @@ def tune_argv(
             *options.with_(device=None).to_argv(), "--", *args]
 
 
-# Python 3.10 has no -P: this runs the module as -m does, with the working directory (which
-# -c puts first on sys.path) taken off again.
-_SAFE_RUN_MODULE = ("import runpy, sys; del sys.path[0]; "
-                    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
-
-
 def _module_entry(python: str, module: str) -> list[str]:
-    """The argv that runs ``module`` without the working directory on ``sys.path``.
-
-    A job runs in the project's directory; with that directory first on ``sys.path`` (as
-    ``-m`` puts it), a project's own ``advisor`` or ``probes`` package would shadow
-    mpadvise's. ``-P`` (3.11+) leaves it out; the 3.10 form does the same by hand.
-    """
-    if sys.version_info >= (3, 11):  # the runner's interpreter is the daemon's own
-        return [python, "-P", "-m", module]
-    return [python, "-c", _SAFE_RUN_MODULE, module]
+    """The argv that runs ``module`` without the working directory on ``sys.path``
+    (``advisor._entry.module_argv``); the runner's interpreter is the daemon's own."""
+    return [python, *module_argv(module)]
 
 
 def job_options(job: Mapping[str, Any]) -> tuple[TuneOptions, str]:

@@ -16,7 +16,14 @@ from advisor.runtime._workload import script_digest
 from advisor.tune._checks import check_modes
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import SearchOutcome, run_search, stored_replicate
-from advisor.tune._space import Candidate, Measured, SearchSpace, preference_key, space_for
+from advisor.tune._space import (
+    Candidate,
+    Measured,
+    SearchSpace,
+    SpaceLimits,
+    preference_key,
+    space_for,
+)
 from advisor.tune._stability import StabilityThresholds, TrialCurve, safety_rank
 from advisor.tune._timing import DEFAULT_MIN_MARGIN, Gap, compare, noise_band, paired_gap, summarize
 from advisor.tune._trials import (
@@ -194,6 +201,7 @@ def tune_policy(
     on_start: Callable[[str], None] | None = None,
     on_done: Callable[[str, Evaluation | None, Measured], None] | None = None,
     clock: Callable[[], float] | None = None,
+    limits: SpaceLimits | None = None,
 ) -> TuneResult:
     """Find the fastest stable policy for the workload that ``runner`` runs.
 
@@ -215,6 +223,8 @@ def tune_policy(
         workload: extra facts recorded in the winner's ``[tuned_on]`` (script name).
         on_start, on_done: progress callbacks.
         clock: monotonic seconds (tests pass a fake).
+        limits: what the script's way of training can apply (a framework's limits); the
+            search never proposes anything outside them.
 
     Raises:
         MpadviseError: the fp32 reference failed, so nothing can be judged.
@@ -225,7 +235,7 @@ def tune_policy(
     trials = _Trials(runner, thresholds or StabilityThresholds(), options.memory_limit_bytes, on_start, on_done)
     reference = trials.run_reference()
     user_batch = trials.user_batch
-    space = _space(profile, options, user_batch)
+    space = _space(profile, options, user_batch, limits)
     if dtype_ratio is not None:
         ratios = dtype_ratio
     else:  # the priors need the matmul ratios; without priors the benchmark is not worth its seconds
@@ -396,12 +406,13 @@ class _Trials:
                         reason=f"stable in the search, then {ev.outcome} on re-measurement {round_ + 1}: {ev.reason}")
 
 
-def _space(profile: HardwareProfile, options: TuneOptions, user_batch: int | None) -> SearchSpace:
-    """The candidates this hardware supports, narrowed to the options' modes."""
+def _space(profile: HardwareProfile, options: TuneOptions, user_batch: int | None,
+           limits: SpaceLimits | None = None) -> SearchSpace:
+    """The candidates this hardware supports, narrowed to the options' modes and the limits."""
     support = supported_modes(profile)
     modes = check_modes(list(options.modes), profile) if options.modes else None  # unknown or unsupported: one clear error
     return space_for(support, user_batch, include_emulated=options.include_emulated,
-                     scale_batch=options.scale_batch, modes=modes)
+                     scale_batch=options.scale_batch, modes=modes, limits=limits)
 
 
 def _first_candidates(space: SearchSpace, profile: HardwareProfile, ref_cand: Candidate) -> list[Candidate]:

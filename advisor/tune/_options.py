@@ -19,7 +19,7 @@ from typing import Any, get_type_hints
 from probes import MpadviseError
 from probes._trial import parse_memory
 
-__all__ = ["OptionInfo", "TuneOptions", "option_info"]
+__all__ = ["FRAMEWORK_CHOICES", "OptionInfo", "TuneOptions", "option_info"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,16 @@ def _path(option: OptionInfo, value: Any) -> str:
     return os.fspath(value)
 
 
+FRAMEWORK_CHOICES: tuple[str, ...] = ("lightning", "fabric", "transformers", "accelerate")
+"""The frameworks whose unmodified scripts a tune can run (``advisor.frameworks``)."""
+
+
+def _framework(option: OptionInfo, value: Any) -> str:
+    if value not in FRAMEWORK_CHOICES:
+        raise option.refuse(value, f"one of {', '.join(FRAMEWORK_CHOICES)}")
+    return value
+
+
 def _option(
     default: Any,
     help: str,
@@ -163,6 +173,12 @@ class TuneOptions:
     seed: int = _option(0, "Seed shared by every trial and the sampler.", _whole_number, minimum=0,
                         job_limit=2**31 - 1)
     device: str | None = _option(None, "cpu or cuda:N; default: the first GPU, else the CPU.", _text, job=False)
+    framework: str | None = _option(
+        None, "lightning, fabric, transformers or accelerate: how the script trains; default: read from its imports.",
+        _framework)
+    # Not for daemon jobs: the daemon gives each job one GPU slot.
+    nproc_per_node: int = _option(1, "Processes per trial, launched through torchrun (one per GPU).", _whole_number,
+                                  minimum=1, job=False)
     storage: str | None = _option(None, "Optuna storage URL; default: an SQLite file in the cache directory.",
                                   _text, job=False)
     resume: bool = _option(False, "Continue the stored study instead of starting afresh.", _switch)

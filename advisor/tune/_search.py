@@ -53,9 +53,14 @@ def _suggest(trial: Any, space: SearchSpace) -> Candidate:
     micro = trial.suggest_categorical("micro_batch", list(space.micro_batches)) if space.micro_batches else None
     if not scales_loss(mode):
         return space.normalise(Candidate(mode, micro))
-    kind = trial.suggest_categorical("loss_scale", ["dynamic", "static"])
-    init = trial.suggest_categorical("init_scale", list(FP16_INIT_SCALES))
-    growth = trial.suggest_categorical("growth_interval", list(FP16_GROWTH_INTERVALS)) if kind == "dynamic" else None
+    limits = space.limits
+    kind = trial.suggest_categorical("loss_scale", [k for k in ("dynamic", "static") if k in limits.loss_scale_kinds])
+    # Where the loss scale's settings cannot be applied (the HF Trainer), GradScaler's defaults
+    # are the only choice, so the sampler is not offered settings that would never run.
+    init = trial.suggest_categorical("init_scale", list(FP16_INIT_SCALES) if limits.loss_scale_settings else [65536.0])
+    growth = None
+    if kind == "dynamic":
+        growth = trial.suggest_categorical("growth_interval", list(FP16_GROWTH_INTERVALS) if limits.loss_scale_settings else [2000])
     return space.normalise(Candidate(mode, micro, kind, init, growth))
 
 

@@ -91,6 +91,44 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class SpaceLimits:
+    """What the script's way of training can apply, which bounds the search space.
+
+    A script written against the loop API can apply everything (the default). A framework
+    script can apply only what its framework expresses (``advisor.frameworks.traits``).
+
+    Attributes:
+        modes: the modes that can be applied; ``None`` for every mode.
+        micro_batch: whether a micro-batch split (with accumulation) can be applied.
+        loss_scale_kinds: the loss scaling kinds that can be applied.
+        loss_scale_settings: whether initial scales and growth intervals other than
+            GradScaler's defaults can be applied.
+        why: what imposes the limits, for people (``"the Hugging Face Trainer"``).
+    """
+
+    modes: tuple[str, ...] | None = None
+    micro_batch: bool = True
+    loss_scale_kinds: tuple[str, ...] = ("static", "dynamic")
+    loss_scale_settings: bool = True
+    why: str = ""
+
+    def allows(self, candidate: Candidate) -> bool:
+        """Whether a candidate can be applied under these limits."""
+        if self.modes is not None and candidate.mode not in self.modes:
+            return False
+        if candidate.micro_batch is not None and not self.micro_batch:
+            return False
+        if scales_loss(candidate.mode):
+            if (candidate.loss_scale or "dynamic") not in self.loss_scale_kinds:
+                return False
+            if not self.loss_scale_settings and (
+                (candidate.init_scale or 65536.0) != 65536.0 or (candidate.growth_interval or 2000) != 2000
+            ):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
 class SearchSpace:
     """Which candidates a tune may try on this hardware for this script.
 
@@ -100,12 +138,14 @@ class SearchSpace:
         user_batch: the script's global batch (from the reference trial).
         scale_batch: whether micro-batches above the user's batch (a larger global batch,
             which changes the optimisation) are allowed.
+        limits: what the script's way of training can apply (a framework's limits).
     """
 
     modes: tuple[str, ...]
     micro_batches: tuple[int, ...]
     user_batch: int | None
     scale_batch: bool = False
+    limits: SpaceLimits = SpaceLimits()
 
     def normalise(self, candidate: Candidate) -> Candidate:
         """Drop settings that do not apply, so equal policies compare equal."""
@@ -132,7 +172,7 @@ class SearchSpace:
                     out.append(self.normalise(Candidate(mode, micro, "static", scale)))
                     for growth in FP16_GROWTH_INTERVALS:
                         out.append(self.normalise(Candidate(mode, micro, "dynamic", scale, growth)))
-        return list(dict.fromkeys(out))
+        return [c for c in dict.fromkeys(out) if self.limits.allows(c)]
 
 
 def scales_loss(mode: str) -> bool:
@@ -161,6 +201,7 @@ def space_for(
     include_emulated: bool = False,
     scale_batch: bool = False,
     modes: Iterable[str] | None = None,
+    limits: SpaceLimits | None = None,
 ) -> SearchSpace:
     """The space on this hardware: supported modes only; FP8 emulation only when asked for.
 
@@ -170,7 +211,10 @@ def space_for(
         include_emulated: also search FP8 emulated on a CPU (correct numerics, no speed).
         scale_batch: allow larger global batches.
         modes: restrict to these modes (each must be supported).
+        limits: what the script's way of training can apply; modes outside it are left out,
+            and without micro-batch splits the only micro-batch is the script's own.
     """
+    limits = limits or SpaceLimits()
     wanted = list(modes) if modes else list(support)
     dtypes = mode_dtypes()
     chosen = []
@@ -181,10 +225,13 @@ def space_for(
         # FP8 emulated (on a CPU) has FP8's numerics but none of its speed.
         if dtypes.get(mode) == "fp8" and info.emulated and not include_emulated:  # type: ignore[attr-defined]
             continue
+        if limits.modes is not None and mode not in limits.modes:
+            continue
         chosen.append(mode)
     if "fp32" not in chosen:
         chosen.insert(0, "fp32")
-    return SearchSpace(tuple(chosen), micro_batch_choices(user_batch, scale_batch=scale_batch), user_batch, scale_batch)
+    micro = micro_batch_choices(user_batch, scale_batch=scale_batch) if limits.micro_batch else ((user_batch,) if user_batch else ())
+    return SearchSpace(tuple(chosen), micro, user_batch, scale_batch, limits)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -64,6 +64,7 @@ class TrialSettings:
     timeout: float = 600.0
     no_step_timeout: float = 120.0
     device: str | None = None
+    framework: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "measure_steps"):
@@ -75,7 +76,8 @@ class TrialSettings:
     def for_tune(cls, options: TuneOptions) -> TrialSettings:
         """The measuring window and limits that a tune's options ask of every trial."""
         return cls(warmup_steps=options.warmup, measure_steps=options.steps, seed=options.seed,
-                   memory_limit=options.memory_limit_bytes, timeout=options.timeout, device=options.device)
+                   memory_limit=options.memory_limit_bytes, timeout=options.timeout, device=options.device,
+                   framework=options.framework)
 
     def spec(self, policy: Policy, result_path: str, label: str) -> TrialSpec:
         return TrialSpec(
@@ -88,6 +90,7 @@ class TrialSettings:
             no_step_timeout=self.no_step_timeout,
             device=self.device,
             label=label,
+            framework=self.framework,
         )
 
 
@@ -146,7 +149,8 @@ class ScriptRunner:
     """Run ``python script args`` once per candidate, each in its own subprocess.
 
     With ``wait_idle_on`` (a CUDA profile), each trial first waits until that GPU has no other
-    compute process.
+    compute process. ``launch`` goes between the interpreter and the script (see
+    ``probes._trial.run_trial``): how a framework script or a multi-process trial starts.
     """
 
     def __init__(
@@ -157,6 +161,7 @@ class ScriptRunner:
         *,
         python: str | None = None,
         wait_idle_on: HardwareProfile | None = None,
+        launch: Sequence[str] = (),
     ) -> None:
         import sys
 
@@ -165,6 +170,7 @@ class ScriptRunner:
         self.settings = settings
         self.python = python or sys.executable
         self.wait_idle_on = wait_idle_on
+        self.launch = tuple(launch)
         self._dir = tempfile.TemporaryDirectory(prefix="mpadvise-trial-")
         self._count = 0
 
@@ -175,7 +181,7 @@ class ScriptRunner:
     def reseeded(self, seed: int) -> ScriptRunner:
         """The same script and arguments, every trial seeded with ``seed``."""
         return ScriptRunner(self.script, self.args, dataclasses.replace(self.settings, seed=seed),
-                            python=self.python, wait_idle_on=self.wait_idle_on)
+                            python=self.python, wait_idle_on=self.wait_idle_on, launch=self.launch)
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         if self.wait_idle_on is not None:
@@ -190,7 +196,8 @@ class ScriptRunner:
         self._count += 1
         path = os.path.join(self._dir.name, f"trial-{self._count}.json")
         spec = self.settings.spec(policy, path, label)
-        return run_trial(self.script, self.args, spec, timeout=self.settings.timeout, python=self.python)
+        return run_trial(self.script, self.args, spec, timeout=self.settings.timeout, python=self.python,
+                         launch=self.launch)
 
 
 class FunctionRunner:

@@ -27,10 +27,11 @@ ADVISOR_LAYERS = {
     "_load": {"runtime", "tune", "cache"},
     "_hardware": set(),
     "daemon": {"daemon", "cache", "tune", "_hardware"},
-    "cli": {"cli", "cache", "daemon", "tune", "runtime", "_load", "_hardware"},
+    "frameworks": {"frameworks", "tune", "runtime"},
+    "cli": {"cli", "cache", "daemon", "tune", "runtime", "_load", "_hardware", "frameworks"},
     "__init__": {"_load", "runtime", "tune"},
 }
-ADVISOR_LEAVES = {"_log", "_paths", "_secure", "_version"}
+ADVISOR_LEAVES = {"_entry", "_log", "_paths", "_secure", "_version"}
 
 
 def module_names() -> dict[str, Path]:

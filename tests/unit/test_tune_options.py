@@ -17,12 +17,12 @@ from probes import MpadviseError
 
 # The daemon's documented job options (docs/daemon.md); stored jobs carry exactly these keys.
 JOB_OPTIONS = ["trials", "time_budget", "steps", "warmup", "modes", "scale_batch", "include_emulated",
-               "memory_limit", "timeout", "seed", "resume", "out", "no_cache", "no_priors"]
+               "memory_limit", "timeout", "seed", "framework", "resume", "out", "no_cache", "no_priors"]
 
 
 def test_one_set_of_names_and_defaults():
     names = [option.name for option in option_info()]
-    assert [n for n in names if n not in ("device", "storage")] == JOB_OPTIONS
+    assert [n for n in names if n not in ("device", "storage", "nproc_per_node")] == JOB_OPTIONS
     assert [option.name for option in option_info() if option.job] == JOB_OPTIONS
     defaults = TuneOptions()
     assert (defaults.trials, defaults.steps, defaults.warmup, defaults.timeout, defaults.seed) == (20, 40, 5, 600.0, 0)
@@ -50,6 +50,8 @@ def test_one_set_of_names_and_defaults():
         ({"memory_limit": 0}, "--memory-limit 0 is not allowed; expected a size such as 4GiB"),
         ({"out": 5}, "--out 5 is not allowed; expected a file path"),
         ({"device": 0}, "--device 0 is not allowed; expected text"),
+        ({"framework": "keras"}, "--framework 'keras' is not allowed; expected one of lightning, fabric, transformers, accelerate"),
+        ({"nproc_per_node": 0}, "--nproc-per-node 0 is not allowed; expected a whole number >= 1"),
     ],
 )
 def test_a_bad_value_names_the_option_the_value_and_what_is_allowed(changes, needle):
@@ -76,7 +78,8 @@ def test_dict_round_trip_and_a_stored_job_row_loads():
     row = {"trials": 2, "time_budget": None, "steps": 32, "warmup": 2, "modes": ["fp32"], "scale_batch": False,
            "include_emulated": False, "memory_limit": None, "timeout": 600.0, "seed": 0, "resume": False,
            "out": "/w/train.mpadvise.toml", "no_cache": False, "no_priors": False}
-    assert TuneOptions.from_dict(row).to_dict(job=True) == row
+    # A row stored before an option existed loads, that option at its default.
+    assert TuneOptions.from_dict(row).to_dict(job=True) == {**row, "framework": None}
     with pytest.raises(MpadviseError, match="unknown tune option 'use_priors'; expected some of trials"):
         TuneOptions.from_dict({"use_priors": False})
 

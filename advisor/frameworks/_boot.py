@@ -1,0 +1,105 @@
+"""``python -m advisor.frameworks._boot FRAMEWORK SCRIPT [ARGS...]``: run an unmodified
+framework script with a policy applied through the framework's own settings.
+
+Under ``mpadvise tune``/``trial`` the policy is the injected trial candidate and the steps are
+recorded through the framework's hooks (``FrameworkRecorder``); under ``mpadvise run`` it is
+the config file the parent resolved (``RUN_POLICY_ENV``), applied without recording. Either way
+the adapter patches the framework before the script runs (so the candidate wins over whatever
+precision the script sets), then the script runs as ``python SCRIPT ARGS`` would run it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+from typing import Any
+
+import probes
+from advisor._log import get_logger
+from advisor.frameworks._detect import FRAMEWORKS
+from advisor.frameworks._recorder import FrameworkRecorder, recorder_for
+from advisor.frameworks._traits import refusal
+from advisor.tune._child import _exit, _install_excepthook, seed_everything, spec_from_env
+from policies import Policy, PolicyError, load_config, supported_modes
+from probes import MpadviseError
+from probes._trial import EXIT_UNSUPPORTED
+
+MODULE = "advisor.frameworks._boot"
+RUN_POLICY_ENV = "MPADVISE_RUN_POLICY"
+"""Set by ``mpadvise run``: the config file to apply."""
+RUN_SOURCE_ENV = "MPADVISE_RUN_SOURCE"
+"""Set by ``mpadvise run``: where that policy came from, for the one line it logs."""
+
+# Lightning's Trainer and Fabric share one adapter module.
+_ADAPTERS = {"lightning": "_lightning", "fabric": "_lightning", "transformers": "_transformers",
+             "accelerate": "_accelerate"}
+
+
+def launch_argv(framework: str) -> list[str]:
+    """What goes between the interpreter and the script to run it under this module."""
+    from advisor._entry import module_argv
+
+    return [*module_argv(MODULE), framework]
+
+
+def adapter(framework: str) -> Any:
+    """The module that applies a policy in ``framework`` (``install(policy, ...)``)."""
+    return importlib.import_module(f"advisor.frameworks.{_ADAPTERS[framework]}")
+
+
+def _trial_policy(recorder: FrameworkRecorder, framework: str) -> Policy:
+    spec = recorder.spec
+    try:
+        policy = Policy.from_dict(spec.policy, source="trial spec")
+    except PolicyError as exc:
+        recorder.writer.write(stage="unsupported", reason=str(exc))
+        _exit(EXIT_UNSUPPORTED)
+        raise  # unreachable: _exit ends the process
+    profile = probes.profile_for(spec.device)
+    support = supported_modes(profile, policy)[policy.mode]
+    reason = refusal(policy, framework)
+    if not support.supported or reason is not None:
+        why = reason or f"{policy.mode} cannot run on {profile.name}: {support.reason}"
+        recorder.writer.write(stage="unsupported", reason=why)
+        _exit(EXIT_UNSUPPORTED)
+    return policy
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2 or argv[0] not in FRAMEWORKS:
+        sys.stderr.write(f"usage: python -m {MODULE} {{{','.join(FRAMEWORKS)}}} SCRIPT [ARGS...]\n")
+        raise SystemExit(2)
+    framework, script, args = argv[0], argv[1], argv[2:]
+    spec = spec_from_env()
+    recorder = None
+    if spec is not None:
+        recorder = recorder_for(spec)
+        _install_excepthook(recorder.writer)
+        policy = _trial_policy(recorder, framework)
+        seed_everything(spec.seed)
+        recorder.start()
+        get_logger().info(f"trial {spec.label or policy.describe()} through {framework}")
+    else:
+        path = os.environ.get(RUN_POLICY_ENV)
+        if not path:
+            sys.stderr.write(f"error: {MODULE} needs a trial spec or {RUN_POLICY_ENV}; run it through mpadvise run\n")
+            raise SystemExit(2)
+        try:
+            policy = load_config(path)
+        except MpadviseError as exc:
+            sys.stderr.write(f"error: {exc}\n")
+            raise SystemExit(1) from None
+        get_logger().info(f"policy {policy.describe()} through {framework} (from {os.environ.get(RUN_SOURCE_ENV) or path})")
+    adapter(framework).install(policy, framework=framework, recorder=recorder,
+                               device=None if spec is None else spec.device)
+    # As `python SCRIPT ARGS`: the script is __main__, its directory first on sys.path.
+    script = os.path.abspath(script)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,200 @@
+"""The trial recorder for a framework script: fed by the framework's own hooks, it writes the
+same result file as the loop API's recorder (``advisor.tune._child``), so the parent judges a
+Lightning, Hugging Face or Accelerate trial exactly as it judges any other.
+
+The framework's hooks call ``begin()`` before the first batch, ``step()`` once per optimizer
+step (with the step's mean loss over its micro-batches, the loss scale its backward ran with,
+and whether the scaler skipped it) and ``workload()`` once the model and optimizer exist.
+After the warm-up and measured steps the result is written and the process ends, as a loop
+API trial does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from typing import Any
+
+from advisor.runtime._workload import Workload
+from advisor.tune._child import NoStepWatchdog, ResultWriter, _exit
+from probes._trial import EXIT_NO_STEP, TrialSpec, json_float
+
+
+class FrameworkRecorder:
+    """Records every optimizer step of a framework script's trial.
+
+    Args:
+        spec: the injected trial spec (window, seed, limits).
+        writer: the result file.
+        device: the device the framework trains on (``"cpu"``, ``"cuda:0"``); its type decides
+            how steps are timed (CUDA events, else the host clock).
+    """
+
+    def __init__(self, spec: TrialSpec, writer: ResultWriter, *, device: Any = "cpu") -> None:
+        self.spec = spec
+        self.writer = writer
+        self.device = str(device)
+        self._cuda = self.device.startswith("cuda")
+        self.losses: list[Any] = []
+        self.loss_scale: list[float | None] = []
+        self.skipped: list[bool] = []
+        self.samples: list[int] = []
+        self.marks: list[Any] = []
+        self.notes: list[str] = []
+        self.batch: dict[str, Any] = {}
+        self.workload_fingerprint: str | None = None
+        self.model_signature: str | None = None
+        self._begun = False
+        self._finished = False
+        self._watchdog: NoStepWatchdog | None = None
+
+    def start(self) -> None:
+        """Watch for a script that never reaches a step, and keep a short run's steps at exit."""
+        self._watchdog = NoStepWatchdog(self.spec.no_step_timeout, self._no_step)
+        self._watchdog.start()
+        atexit.register(self._at_exit)
+
+    def set_device(self, device: Any) -> None:
+        """The device the framework chose (known once its trainer exists)."""
+        self.device = str(device)
+        self._cuda = self.device.startswith("cuda")
+
+    def note(self, text: str) -> None:
+        """A sentence for the trial's report (how the framework applied the candidate)."""
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def begin(self, *, user_batch: int | None, micro_batch: int | None, grad_accum_steps: int | None) -> None:
+        """The first batch starts: the clock's first mark (later calls do nothing)."""
+        if self._begun:
+            return
+        self._begun = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        accum = grad_accum_steps or 1
+        self.batch = {
+            "user_batch": user_batch,
+            "micro_batch": micro_batch,
+            "grad_accum_steps": accum,
+            "global_batch": None if micro_batch is None else micro_batch * accum,
+            "device": self.device,
+        }
+        self.writer.write(stage="stepping", **self.batch)
+        self._sync()
+        self.marks.append(self._mark())
+
+    @property
+    def begun(self) -> bool:
+        return self._begun
+
+    def workload(self, model: Any, optimizer: Any | None, *, global_batch: int | None) -> None:
+        """Fingerprint the workload (the script's model, optimizer and global batch), once."""
+        if self.workload_fingerprint is not None:
+            return
+        script = sys.argv[0] if sys.argv and sys.argv[0] else None
+        work = Workload.of(model, optimizer, global_batch=global_batch, script=script, args=sys.argv[1:])
+        self.workload_fingerprint = work.fingerprint()
+        self.model_signature = work.model
+
+    def step(self, *, loss: Any, loss_scale: float | None = None, skipped: bool = False,
+             samples: int | None = None) -> None:
+        """One optimizer step ended.
+
+        Args:
+            loss: the step's loss (a tensor is read once, at the end), averaged over its
+                micro-batches and not divided by the accumulation count.
+            loss_scale: the scale its backward ran with (fp16 with a GradScaler), else ``None``.
+            skipped: whether the scaler skipped the optimizer step (overflowing gradients).
+            samples: samples the step consumed (over all its micro-batches).
+        """
+        if self._finished or not self._begun:
+            return
+        self.losses.append(loss.detach().clone() if hasattr(loss, "detach") else loss)
+        self.loss_scale.append(loss_scale)
+        self.skipped.append(bool(skipped))
+        self.samples.append(int(samples or self.batch.get("global_batch") or 0))
+        n = len(self.losses)
+        if n == self.spec.warmup_steps:
+            self._sync()  # edge of the measured window
+        self.marks.append(self._mark())
+        if n >= self.spec.warmup_steps + self.spec.measure_steps:
+            self.finish(complete=True)
+
+    def _mark(self) -> Any:
+        if self._cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(torch.device(self.device)))
+            return event
+        import time
+
+        return time.perf_counter()
+
+    def _sync(self) -> None:
+        if self._cuda:
+            import torch
+
+            torch.cuda.synchronize(torch.device(self.device))
+
+    def _step_times(self) -> list[float]:
+        if self._cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+    def _peak_memory(self) -> tuple[int | None, str]:
+        if self._cuda:
+            import torch
+
+            return int(torch.cuda.max_memory_allocated(torch.device(self.device))), "cuda-peak-allocated"
+        try:
+            import resource
+        except ImportError:  # not on Windows
+            return None, ""
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024), "cpu-peak-rss"  # Linux: KiB
+
+    def finish(self, *, complete: bool) -> None:
+        """Write the result; with ``complete`` also end the process (the trial has its data)."""
+        if self._finished:
+            return
+        self._finished = True
+        self._sync()
+        peak, kind = self._peak_memory()
+        losses = [float(v) for v in self.losses]
+        self.writer.write(
+            stage="done",
+            complete=complete,
+            losses=[json_float(v) for v in losses],
+            step_times=self._step_times()[: len(losses)],
+            loss_scale=self.loss_scale,
+            skipped=self.skipped,
+            underflow=[None] * len(losses),
+            samples=self.samples,
+            warmup_steps=self.spec.warmup_steps,
+            peak_memory=peak,
+            memory_kind=kind,
+            notes=self.notes,
+            workload_fingerprint=self.workload_fingerprint,
+            model_signature=self.model_signature,
+            **self.batch,
+        )
+        if complete:
+            _exit(0)
+
+    def _no_step(self) -> None:
+        self.writer.write(stage="no-step")
+        _exit(EXIT_NO_STEP)
+
+    def _at_exit(self) -> None:
+        # The script ended by itself before the window was full: keep what it measured.
+        if self._begun and not self._finished and self.writer.data.get("stage") != "exception":
+            self.finish(complete=False)
+
+
+def recorder_for(spec: TrialSpec) -> FrameworkRecorder:
+    """The recorder of the trial this process runs, its result file started."""
+    writer = ResultWriter(spec.result_path)
+    writer.write(stage="loaded", pid=os.getpid())
+    return FrameworkRecorder(spec, writer, device=spec.device or "cpu")

@@ -1,0 +1,172 @@
+"""What each framework can express of a Policy, and the framework's own names for it (pure).
+
+One table serves three users: the search space of a framework script (only what the
+framework can apply is searched), the trial child and ``mpadvise run`` (which apply a policy
+through the framework), and ``mpadvise export`` (which writes the framework's settings). So a
+policy that wins a tune is always one its framework can run, and the export of it is what the
+trial applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from policies import Policy
+from probes import MpadviseError, UsageError
+
+from ._detect import FRAMEWORKS
+
+# Lightning's and Fabric's precision strings for the modes they have.
+LIGHTNING_PRECISION: Mapping[str, str] = {
+    "fp32": "32-true",
+    "tf32": "32-true",  # plus the TF32 matmul switch, which Lightning leaves to torch
+    "fp16-mixed": "16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "fp16-true": "16-true",
+    "bf16-true": "bf16-true",
+    "fp8-te": "transformer-engine",  # applied as the plugin with fp32 weights, not the bf16 string
+}
+# Accelerate's mixed_precision values.
+ACCELERATE_PRECISION: Mapping[str, str] = {
+    "fp32": "no",
+    "tf32": "no",
+    "fp16-mixed": "fp16",
+    "bf16-mixed": "bf16",
+    "fp8-te": "fp8",
+    "fp8-torchao": "fp8",
+}
+# TrainingArguments' precision fields.
+TRANSFORMERS_PRECISION: Mapping[str, Mapping[str, bool]] = {
+    "fp32": {"fp16": False, "bf16": False, "tf32": False},
+    "tf32": {"fp16": False, "bf16": False, "tf32": True},
+    "fp16-mixed": {"fp16": True, "bf16": False, "tf32": False},
+    "bf16-mixed": {"fp16": False, "bf16": True, "tf32": False},
+}
+
+
+@dataclass(frozen=True)
+class FrameworkTraits:
+    """What a framework can apply without a changed line in the script.
+
+    Attributes:
+        name: the framework.
+        modes: the modes it can apply.
+        sets_micro_batch: whether it owns the micro-batch size (so a split with accumulation
+            can be applied); otherwise the script's DataLoader decides it.
+        loss_scale_kinds: the loss scaling kinds it can apply for fp16-mixed.
+        loss_scale_settings: whether the initial scale and growth interval can be set.
+        fp8_recipes: per FP8 mode, the recipes it can build.
+        limits: one sentence per thing it cannot express, for people.
+    """
+
+    name: str
+    modes: tuple[str, ...]
+    sets_micro_batch: bool
+    loss_scale_kinds: tuple[str, ...]
+    loss_scale_settings: bool
+    fp8_recipes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    limits: tuple[str, ...] = ()
+
+
+_DEFAULT_LOSS_SCALE = {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+
+TRAITS: Mapping[str, FrameworkTraits] = {
+    "lightning": FrameworkTraits(
+        "lightning", ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-true", "bf16-true", "fp8-te"),
+        sets_micro_batch=False, loss_scale_kinds=("dynamic", "static"), loss_scale_settings=True,
+        fp8_recipes={"fp8-te": ("delayed",)},
+        limits=(
+            "the micro-batch is the script's DataLoader batch_size, so no split is searched",
+            "fp8-torchao has no Lightning precision plugin",
+            "fp8-te runs Transformer Engine's delayed recipe only (the plugin builds DelayedScaling)",
+        ),
+    ),
+    "fabric": FrameworkTraits(
+        "fabric", ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-true", "bf16-true", "fp8-te"),
+        sets_micro_batch=False, loss_scale_kinds=("dynamic", "static"), loss_scale_settings=True,
+        fp8_recipes={"fp8-te": ("delayed",)},
+        limits=(
+            "the micro-batch and any accumulation are the script's own, so no split is searched",
+            "fp8-torchao has no Fabric precision plugin",
+            "fp8-te runs Transformer Engine's delayed recipe only (the plugin builds DelayedScaling)",
+        ),
+    ),
+    "transformers": FrameworkTraits(
+        "transformers", ("fp32", "tf32", "fp16-mixed", "bf16-mixed"),
+        sets_micro_batch=True, loss_scale_kinds=("dynamic",), loss_scale_settings=False,
+        limits=(
+            "TrainingArguments cannot set GradScaler's parameters: fp16 runs with the default dynamic scale",
+            "no pure fp16/bf16 training (that is the model's dtype, set where the script loads it)",
+            "no FP8 through TrainingArguments",
+        ),
+    ),
+    "accelerate": FrameworkTraits(
+        "accelerate", ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp8-te", "fp8-torchao"),
+        sets_micro_batch=False, loss_scale_kinds=("dynamic",), loss_scale_settings=True,
+        fp8_recipes={"fp8-te": ("delayed", "mxfp8"), "fp8-torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp")},
+        limits=(
+            "the micro-batch is the script's DataLoader batch_size, so no split is searched",
+            "no static loss scale: GradScalerKwargs builds a dynamic GradScaler",
+            "no pure fp16/bf16 training (that is the model's dtype, set by the script)",
+            "fp8-te: Accelerate builds the delayed and mxfp8 recipes only, not current or block",
+        ),
+    ),
+}
+
+
+def check_framework(name: str) -> str:
+    """``name`` if it is a framework mpadvise serves.
+
+    Raises:
+        UsageError: naming the value and the frameworks allowed.
+    """
+    if name not in FRAMEWORKS:
+        raise UsageError(f"unknown framework {name!r}; expected one of {', '.join(FRAMEWORKS)}")
+    return name
+
+
+def traits(framework: str) -> FrameworkTraits:
+    """The traits of one framework (``check_framework`` first for user input)."""
+    return TRAITS[check_framework(framework)]
+
+
+def refusal(policy: Policy, framework: str) -> str | None:
+    """Why ``framework`` cannot apply ``policy`` as it stands, or ``None`` when it can.
+
+    The reason names the part of the policy and what the framework lacks, for one line.
+    """
+    t = traits(framework)
+    if policy.mode not in t.modes:
+        return f"{framework} cannot apply mode {policy.mode} (it can apply {', '.join(t.modes)})"
+    split = policy.micro_batch_size is not None or (policy.grad_accum_steps or 1) > 1
+    if split and not t.sets_micro_batch:
+        return (f"{framework} cannot change the micro-batch: the script's DataLoader sets it "
+                f"(the policy asks for micro-batch {policy.micro_batch_size} x {policy.grad_accum_steps or 1})")
+    ls = policy.loss_scale
+    if policy.uses_loss_scaling and ls is not None:
+        if ls.kind not in t.loss_scale_kinds:
+            return f"{framework} cannot apply a {ls.kind} loss scale (only {', '.join(t.loss_scale_kinds)})"
+        if not t.loss_scale_settings:
+            changed = [k for k, v in _DEFAULT_LOSS_SCALE.items() if getattr(ls, k) != v]
+            if changed:
+                return (f"{framework} cannot set GradScaler's {', '.join(changed)}: it always uses "
+                        "GradScaler's defaults (initial scale 65536, growth interval 2000)")
+    recipes = t.fp8_recipes.get(policy.mode)
+    if recipes is not None:
+        recipe = (policy.fp8.recipe if policy.fp8 is not None else None) or recipes[0]
+        if recipe not in recipes:
+            return f"{framework} cannot build the {policy.mode} recipe {recipe!r} (only {', '.join(recipes)})"
+    return None
+
+
+def check_expressible(policy: Policy, framework: str, *, source: str = "the policy") -> Policy:
+    """``policy`` if ``framework`` can apply it.
+
+    Raises:
+        MpadviseError: one line saying what of ``source`` the framework cannot apply.
+    """
+    reason = refusal(policy, framework)
+    if reason is not None:
+        raise MpadviseError(f"{source}: {reason}")
+    return policy
