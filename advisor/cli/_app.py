@@ -116,6 +116,23 @@ def trial(
     raise typer.Exit(code)
 
 
+@app.command(context_settings={"help_option_names": ["-h", "--help"]})
+@handle_errors
+def run(
+    script: Annotated[Path, typer.Argument(help="The training script: a Lightning, HF Trainer or Accelerate script, or one that calls load_policy().")],
+    script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
+    config: Annotated[Path | None, typer.Option(help="Config file to apply; default: resolved as load_policy() does.")] = None,
+    framework: Annotated[
+        str | None, typer.Option(help="lightning, fabric, transformers or accelerate; default: read from the script's imports.")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda:N whose policy applies; default: the first GPU, else the CPU.")] = None,
+) -> None:
+    """Run a script, unchanged, with its tuned policy applied (the script's exit code is this command's)."""
+    from advisor.cli._run import run_command
+
+    raise typer.Exit(run_command(script, script_args or [], config=config, framework=framework, device=device))
+
+
 # How each tune option reads on the command line where its field's type would not do.
 _TUNE_OPTION_TYPES: dict[str, Any] = {"modes": list[str] | None, "memory_limit": str | None, "out": Path | None}
 

@@ -1,0 +1,103 @@
+"""``mpadvise run train.py -- ARGS``: run a script with its tuned policy applied, unchanged.
+
+A framework script (Lightning, the HF Trainer, Accelerate) runs under the framework adapter,
+which applies the policy through the framework's own settings, as its trials did. A script
+written against the loop API applies its policy itself (``load_policy()``), so it runs as
+``python train.py ARGS`` with the chosen config file named in ``MPADVISE_POLICY``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import probes
+from advisor._entry import module_argv
+from advisor._load import POLICY_ENV, Resolution, resolve_policy
+from advisor._log import get_logger
+from advisor.cache._recommend import lookup
+from advisor.frameworks import check_expressible, plan_for, refusal
+from advisor.frameworks._boot import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
+from advisor.runtime._workload import script_digest
+from advisor.tune._checks import check_script
+from policies import Policy, safe_default
+from probes import HardwareProfile, MpadviseError
+
+
+def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile) -> Resolution:
+    """The policy ``mpadvise run`` applies: ``--config``, ``MPADVISE_POLICY``, the config beside
+    the script, the cache, the safe default (the order ``load_policy()`` follows).
+
+    The workload check that ``setup()`` makes for a cached answer cannot run before a
+    framework builds the model, so here a cached answer applies only while the script is the
+    one that was tuned (same content); otherwise the safe default applies, with a warning.
+    """
+    resolution = resolve_policy(config, profile=profile, script=script, environ=os.environ, cached=lookup)
+    tuned = resolution.policy.tuned_on
+    if resolution.from_cache and tuned is not None and tuned.script_digest not in (None, script_digest(script)):
+        default = safe_default(profile)
+        get_logger().warning(
+            f"not applying the policy from {resolution.source}: {script.name} was edited since it was tuned; "
+            f"using the safe default {default.mode} for {profile.name}; run `mpadvise tune` again"
+        )
+        return Resolution(default, f"safe default for {profile.name}")
+    return resolution
+
+
+def run_command(script: Path, script_args: list[str], *, config: Path | None, framework: str | None,
+                device: str | None) -> int:
+    """Run the script with its policy applied; returns the script's exit code."""
+    path = check_script(script)
+    if config is not None and not config.is_file():
+        raise MpadviseError(f"config file {config} does not exist")
+    plan = plan_for(path, framework)
+    env = dict(os.environ)
+    if plan.framework is None:
+        # The script calls load_policy() itself: it resolves the same way, makes the workload
+        # check at setup(), and logs its own line.
+        if config is not None:
+            env[POLICY_ENV] = str(config.resolve())
+        if device is not None:
+            get_logger().warning("--device applies to framework scripts; a load_policy() script picks its own device")
+        return _run([sys.executable, str(path), *script_args], env)
+    profile = probes.profile_for(device)
+    resolution = resolve_for_run(path, config, profile)
+    policy = resolution.policy
+    if resolution.source.startswith("safe default") and refusal(policy, plan.framework) is not None:
+        # The hardware's safe default is a mode this framework lacks (pure bf16): fp32 is safe anywhere.
+        policy = Policy(mode="fp32")
+    check_expressible(policy, plan.framework, source=resolution.source)
+    # The child logs the one line naming the policy and its source, once it has applied it.
+    with _policy_file(policy, config) as file:
+        env[RUN_POLICY_ENV] = file
+        env[RUN_SOURCE_ENV] = resolution.source
+        return _run([sys.executable, *module_argv(MODULE), plan.framework, str(path), *script_args], env)
+
+
+class _policy_file:
+    """The config file to hand to the child: ``config`` itself, or a private temporary copy."""
+
+    def __init__(self, policy: Policy, config: Path | None) -> None:
+        self.policy, self.config = policy, config
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def __enter__(self) -> str:
+        if self.config is not None:
+            return str(self.config.resolve())
+        self._tmp = tempfile.TemporaryDirectory(prefix="mpadvise-run-")
+        return str(self.policy.save(Path(self._tmp.name) / "policy.mpadvise.toml"))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def _run(argv: list[str], env: dict[str, str]) -> int:
+    proc = subprocess.Popen(argv, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # the child got the same Ctrl-C; let it finish its own way
+        return proc.wait()
