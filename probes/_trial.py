@@ -325,10 +325,10 @@ def _outcome(
     if stage == "unsupported":
         return "unsupported", base.get("reason") or "mode not supported on this hardware"
     if stage == "no-step":
-        return "no-step", (
-            f"the script never called step() within {spec.no_step_timeout:g} s of load_policy() "
-            "(time spent compiling with torch.compile not counted)"
-        )
+        what = (f"the script never called step() within {spec.no_step_timeout:g} s of load_policy()"
+                if spec.framework is None else
+                f"the script's {spec.framework} training ran no optimizer step within {spec.no_step_timeout:g} s of its start")
+        return "no-step", f"{what} (time spent compiling with torch.compile not counted)"
     if stage == "exception" or (stage not in (None, "done") and exit_code not in (0, None)):
         return _failure(exception, exit_code, last_line)
     if stage is None:
@@ -339,6 +339,8 @@ def _outcome(
             )
         return "no-policy", "the script exited without calling advisor.load_policy()"
     if stage in ("loaded", "setup") or (stage == "stepping" and not base.get("losses")):
+        if spec.framework is not None:
+            return "no-step", f"the script ended before its {spec.framework} training ran an optimizer step"
         return "no-step", "the script ended without calling step(); call mp.step(loss, optimizer) in the training loop"
     if stage == "stepping":
         return (

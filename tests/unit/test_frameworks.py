@@ -1,0 +1,145 @@
+"""Framework scripts: detection from imports, what each framework can express, and the search
+space limits that follow (pure: no framework is imported)."""
+
+from __future__ import annotations
+
+import pytest
+
+from advisor.frameworks import (
+    FRAMEWORKS,
+    LOOP_API,
+    detect_framework,
+    plan_for,
+    refusal,
+    space_limits,
+    traits,
+)
+from advisor.tune._options import TuneOptions
+from advisor.tune._space import Candidate, SpaceLimits, space_for
+from policies import Fp8Options, LossScale, Policy, mode_names
+from probes import MpadviseError, UsageError
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("import lightning as L\ntrainer = L.Trainer(max_steps=3)\n", "lightning"),
+        ("import lightning.pytorch as pl\npl.Trainer()\n", "lightning"),
+        ("from lightning.pytorch import Trainer\n", "lightning"),
+        ("from pytorch_lightning import Trainer, LightningModule\n", "lightning"),
+        ("from lightning import pytorch as pl\npl.Trainer()\n", "lightning"),
+        ("import lightning as L\nfabric = L.Fabric(accelerator='cpu')\n", "fabric"),
+        ("from lightning.fabric import Fabric\n", "fabric"),
+        ("from lightning_fabric import Fabric\n", "fabric"),
+        ("from transformers import Trainer, TrainingArguments\n", "transformers"),
+        ("from transformers import Seq2SeqTrainer\n", "transformers"),
+        ("from accelerate import Accelerator\n", "accelerate"),
+        # An HF model trained by a Lightning Trainer is a Lightning script.
+        ("from transformers import BertConfig\nfrom lightning.pytorch import Trainer\n", "lightning"),
+        # Accelerate under an HF Trainer script (the Trainer runs the loop).
+        ("from accelerate import Accelerator\nfrom transformers import Trainer\n", "transformers"),
+        # The loop API wins: the script applies its policy itself.
+        ("import advisor\nfrom lightning.pytorch import Trainer\n", LOOP_API),
+        ("from advisor import load_policy\n", LOOP_API),
+        # Only models from transformers, trained by hand: no framework trainer.
+        ("from transformers import BertConfig, BertModel\nimport torch\n", None),
+        ("import torch\n", None),
+        ("def broken(:\n", None),
+    ],
+)
+def test_the_framework_is_read_from_the_imports(source, expected):
+    assert detect_framework(source) == expected
+
+
+def test_every_framework_has_traits_and_fp32():
+    for name in FRAMEWORKS:
+        t = traits(name)
+        assert t.name == name and "fp32" in t.modes
+        assert all(m in mode_names() for m in t.modes)
+        assert t.limits, f"{name} must say what it cannot express"
+
+
+@pytest.mark.parametrize(
+    ("policy", "framework", "needle"),
+    [
+        (Policy(mode="fp16-mixed", loss_scale=LossScale(kind="static", init_scale=1024.0)), "transformers",
+         "cannot apply a static loss scale"),
+        (Policy(mode="fp16-mixed", loss_scale=LossScale(init_scale=256.0)), "transformers",
+         "cannot set GradScaler's init_scale"),
+        (Policy(mode="bf16-true"), "transformers", "cannot apply mode bf16-true"),
+        (Policy(mode="bf16-mixed", micro_batch_size=16, grad_accum_steps=4), "lightning",
+         "cannot change the micro-batch"),
+        (Policy(mode="fp8-te", fp8=Fp8Options(recipe="current")), "accelerate", "cannot build the fp8-te recipe 'current'"),
+        (Policy(mode="fp8-torchao"), "lightning", "cannot apply mode fp8-torchao"),
+        (Policy(mode="fp16-mixed", loss_scale=LossScale(kind="static")), "accelerate", "static loss scale"),
+    ],
+)
+def test_what_a_framework_cannot_express_is_refused_with_the_reason(policy, framework, needle):
+    reason = refusal(policy, framework)
+    assert reason is not None and needle in reason
+
+
+@pytest.mark.parametrize(
+    ("policy", "framework"),
+    [
+        (Policy(mode="fp16-mixed"), "transformers"),
+        (Policy(mode="bf16-mixed", micro_batch_size=16, grad_accum_steps=4), "transformers"),
+        (Policy(mode="fp16-mixed", loss_scale=LossScale(kind="static", init_scale=1024.0)), "lightning"),
+        (Policy(mode="fp16-mixed", loss_scale=LossScale(init_scale=256.0, growth_interval=500)), "accelerate"),
+        (Policy(mode="fp8-te", fp8=Fp8Options(recipe="mxfp8")), "accelerate"),
+        (Policy(mode="fp8-te"), "lightning"),
+        (Policy(mode="bf16-true"), "fabric"),
+    ],
+)
+def test_what_a_framework_can_express_is_not_refused(policy, framework):
+    assert refusal(policy, framework) is None
+
+
+def test_an_unknown_framework_is_a_usage_error():
+    with pytest.raises(UsageError, match="unknown framework 'keras'; expected one of lightning"):
+        traits("keras")
+
+
+def test_the_plan_launches_framework_scripts_through_the_adapter(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("from transformers import Trainer\n")
+    plan = plan_for(script)
+    assert plan.framework == "transformers" and plan.detected
+    assert plan.launch[-2:] == ("advisor.frameworks._boot", "transformers")
+    forced = plan_for(script, "accelerate")
+    assert forced.framework == "accelerate" and not forced.detected
+    script.write_text("import advisor\n")
+    assert plan_for(script).framework is None and plan_for(script).launch == ()
+    with pytest.raises(MpadviseError, match="cannot read script"):
+        plan_for(tmp_path / "missing.py")
+
+
+def test_a_framework_space_holds_only_what_it_can_apply():
+    support = {m: type("S", (), {"supported": True, "emulated": False})() for m in mode_names()}
+    hf = space_for(support, 64, limits=space_limits("transformers"))
+    assert set(hf.modes) == {"fp32", "tf32", "fp16-mixed", "bf16-mixed"}
+    assert hf.micro_batches == (64, 32, 16)
+    fp16 = [c for c in hf.grid() if c.mode == "fp16-mixed"]
+    # GradScaler's defaults only: one dynamic candidate per micro-batch, no static scale.
+    assert {(c.loss_scale, c.init_scale, c.growth_interval) for c in fp16} == {("dynamic", 65536.0, 2000)}
+    lightning = space_for(support, 64, limits=space_limits("lightning"))
+    assert lightning.micro_batches == (64,) and "fp8-torchao" not in lightning.modes
+    assert {c.micro_batch for c in lightning.grid()} == {None}
+    assert any(c.loss_scale == "static" for c in lightning.grid())
+    # The loop API keeps everything.
+    assert space_for(support, 64).limits == SpaceLimits()
+
+
+def test_limits_refuse_candidates_outside_them():
+    limits = space_limits("transformers")
+    assert limits.allows(Candidate("fp16-mixed", None, "dynamic", 65536.0, 2000))
+    assert not limits.allows(Candidate("fp16-mixed", None, "dynamic", 256.0, 2000))
+    assert not limits.allows(Candidate("fp16-mixed", None, "static", 65536.0))
+    assert not limits.allows(Candidate("bf16-true"))
+    assert not space_limits("accelerate").allows(Candidate("bf16-mixed", 16))
+
+
+def test_the_framework_option_is_checked_and_travels_with_a_job():
+    assert TuneOptions(framework="lightning").to_argv() == ["--framework", "lightning"]
+    assert TuneOptions(nproc_per_node=2).to_argv() == ["--nproc-per-node", "2"]
+    assert "framework" in TuneOptions().to_dict(job=True) and "nproc_per_node" not in TuneOptions().to_dict(job=True)
