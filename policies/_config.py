@@ -11,6 +11,7 @@ from typing import Any
 from probes._errors import MpadviseError
 
 from ._registry import fp8_recipes, mode_class, mode_classes, mode_names
+from ._true import TrueHalfMode
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -22,6 +23,8 @@ SCHEMA = 1
 
 LOSS_SCALE_KINDS = ("none", "static", "dynamic")
 FP8_FORMATS = ("hybrid", "e4m3")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+"""The dtypes in which FSDP2 may reduce gradients across ranks (``Policy.reduce_dtype``)."""
 
 
 class PolicyError(MpadviseError, ValueError):
@@ -37,6 +40,27 @@ def _names(names: list[str]) -> str:
     if len(names) < 2:
         return names[0] if names else "no mode"
     return f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def reduce_dtype_choices(mode: str) -> tuple[str, ...]:
+    """The dtypes a mode's gradients may be reduced in across ranks under FSDP2.
+
+    fp32 for every mode; a 16-bit mode (``dtype_family`` bf16 or fp16) may also reduce in its
+    own dtype, which halves the bytes of the reduce-scatter. Reducing fp32 or FP8 training in
+    a 16-bit dtype would add a rounding the mode itself never makes, so it is not offered.
+    """
+    family = mode_class(mode).dtype_family
+    return ("fp32", family) if family in ("bf16", "fp16") else ("fp32",)
+
+
+def default_reduce_dtype(mode: str) -> str:
+    """The dtype FSDP2 reduces a mode's gradients in when the policy does not say.
+
+    fp32, as DDP does for a mode that keeps fp32 weights; a "-true" mode's own 16-bit dtype,
+    since its gradients are in that dtype and FSDP2 reduces in the parameter dtype by default.
+    """
+    cls = mode_class(mode)
+    return cls.dtype_family if issubclass(cls, TrueHalfMode) else "fp32"
 
 
 def _check_choice(owner: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -172,6 +196,10 @@ class Policy:
         grad_clip_norm: clip the unscaled gradients to this norm; ``None`` for no clipping.
         fp8: FP8 options; only allowed for the modes that take them (``fp8-te``,
             ``fp8-torchao``).
+        reduce_dtype: the dtype FSDP2 reduces gradients in across ranks (``"fp32"``, or a
+            16-bit mode's own dtype; see ``reduce_dtype_choices``); ``None`` takes the mode's
+            default (``default_reduce_dtype``). Read by
+            ``AppliedPolicy.fsdp_mixed_precision()`` only: a single process or DDP ignores it.
         tuned_on: the measurement record, for tuned policies.
     """
 
@@ -181,6 +209,7 @@ class Policy:
     grad_accum_steps: int | None = None
     grad_clip_norm: float | None = None
     fp8: Fp8Options | None = None
+    reduce_dtype: str | None = None
     tuned_on: TunedOn | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -210,6 +239,14 @@ class Policy:
         _check_positive("Policy", "micro_batch_size", self.micro_batch_size, integer=True, allow_none=True)
         _check_positive("Policy", "grad_accum_steps", self.grad_accum_steps, integer=True, allow_none=True)
         _check_positive("Policy", "grad_clip_norm", self.grad_clip_norm, allow_none=True)
+        if self.reduce_dtype is not None:
+            _check_choice("Policy", "reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+            allowed = reduce_dtype_choices(self.mode)
+            if self.reduce_dtype not in allowed:
+                raise PolicyError(
+                    f"Policy.reduce_dtype: {self.reduce_dtype!r} does not apply to {self.mode!r}; expected "
+                    f"{' or '.join(allowed)} (a mode's gradients are reduced in fp32 or in its own 16-bit dtype)"
+                )
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -228,6 +265,8 @@ class Policy:
             parts.append(f"({ls.kind} loss scale {ls.init_scale:g})")
         if self.fp8 is not None and self.fp8.recipe:
             parts.append(f"(recipe {self.fp8.recipe})")
+        if self.reduce_dtype is not None:
+            parts.append(f"(reduce in {self.reduce_dtype})")
         if self.micro_batch_size is not None:
             accum = f" x {self.grad_accum_steps}" if self.grad_accum_steps else ""
             parts.append(f"micro-batch {self.micro_batch_size}{accum}")
@@ -238,7 +277,7 @@ class Policy:
     def to_dict(self) -> dict[str, Any]:
         """A JSON/TOML-ready dict with ``schema`` and ``mode`` first; ``None`` fields omitted."""
         out: dict[str, Any] = {"schema": SCHEMA, "mode": self.mode}
-        for name in ("micro_batch_size", "grad_accum_steps", "grad_clip_norm"):
+        for name in ("micro_batch_size", "grad_accum_steps", "grad_clip_norm", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,8 @@ class TrialSpec:
         framework: the framework whose own settings and hooks apply the candidate and record
             the steps (``"lightning"``, ``"transformers"``...), or ``None`` for a script that
             calls ``load_policy()``.
+        nproc_per_node: processes of the trial (torchrun's workers); with more than one, each
+            rank writes its own result file (``rank_result_path``) and the parent merges them.
     """
 
     policy: dict[str, Any]
@@ -61,6 +63,7 @@ class TrialSpec:
     device: str | None = None
     label: str = ""
     framework: str | None = None
+    nproc_per_node: int = 1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -82,6 +85,10 @@ class TrialResult:
     recorder's own work in it (reading the loss scale, sampling gradients). ``loss_scale`` is
     the scale that step's backward ran with; ``underflow`` is sampled on some steps only
     (``None`` on the others, and outside fp16).
+
+    A trial of several processes (``ranks`` > 1) holds its ranks' results merged by
+    ``merge_rank_results``. ``fsdp`` says that the script asked for FSDP2's mixed precision
+    (``mp.fsdp_mixed_precision()``), which makes the gradient reduction dtype searchable.
     """
 
     outcome: str
@@ -108,6 +115,8 @@ class TrialResult:
     device: str = ""
     notes: tuple[str, ...] = ()
     wall_s: float = 0.0
+    fsdp: bool = False
+    ranks: int = 1
 
     @property
     def ran(self) -> bool:
@@ -209,6 +218,9 @@ def run_trial(
     """
     result_path = Path(spec.result_path)
     result_path.unlink(missing_ok=True)
+    rank_paths = [Path(rank_result_path(result_path, r)) for r in range(spec.nproc_per_node)] if spec.nproc_per_node > 1 else []
+    for path in rank_paths:
+        path.unlink(missing_ok=True)
     spec_file = result_path.with_suffix(".spec.json")
     spec_file.write_text(spec.to_json())
     child_env = dict(os.environ if env is None else env)
@@ -234,17 +246,17 @@ def run_trial(
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _kill_group(proc)
+            _kill_tree(proc)
             code = proc.wait()
         except BaseException:
-            _kill_group(proc)
+            _kill_tree(proc)
             proc.wait()
             raise
         err.seek(0)
         tail = _tail(err.read())
     wall = time.perf_counter() - start
     oom_after = oom_kill_count() if oom_before is not None else None
-    data = _read_json(result_path)
+    data = merge_rank_results([_read_json(path) for path in rank_paths]) if rank_paths else _read_json(result_path)
     spec_file.unlink(missing_ok=True)
     return classify(
         data,
@@ -292,8 +304,10 @@ def classify(
     if timed_out:
         where = "before load_policy()" if stage is None else f"after {len(base.get('losses', []))} steps"
         outcome, reason = "timeout", f"no result within {timeout:g} s ({where}); the trial was killed"
-    elif exit_code == -SIGKILL and oom_kills and stage != "done":
-        where = _stage_text(stage, base)
+    elif (exit_code == -SIGKILL or exception.get("killed")) and oom_kills and stage != "done":
+        # A rank of a multi-process trial that stopped without an error of its own, while the
+        # OOM killer was at work, was its victim (torchrun itself exits 1, not by SIGKILL).
+        where = f"on rank {exception['rank']}" if exception.get("killed") else _stage_text(stage, base)
         outcome, reason = "oom", (
             f"out of memory: the kernel's OOM killer ended the script {where} (SIGKILL; its memory "
             f"cgroup counted {oom_kills} OOM kill{'s' if oom_kills != 1 else ''} meanwhile); "
@@ -358,17 +372,19 @@ def _failure(exception: dict[str, Any], exit_code: int | None, last_line: str) -
     """``(outcome, reason)`` of a child that raised: out of memory, our own error, or a crash."""
     kind = exception.get("type", "")
     message = exception.get("message", "") or last_line
+    rank = exception.get("rank")
+    on_rank = "" if rank is None else f" on rank {rank}"  # a multi-process trial names the rank
     if (
         "OutOfMemoryError" in kind
         or kind == "MemoryError"
         or "out of memory" in message.lower()
         or "can't allocate memory" in message.lower()  # torch's CPU allocator
     ):
-        return "oom", f"out of memory: {message}".strip()
+        return "oom", f"out of memory{on_rank}: {message}".strip()
     if kind == "MpadviseError":
         return "crash", message
     what = f"{kind}: {message}" if kind else (message or "no error message")
-    return "crash", f"the script crashed (exit {_exit_text(exit_code)}): {what}"
+    return "crash", f"the script crashed{on_rank} (exit {_exit_text(exit_code)}): {what}"
 
 
 def _exit_text(code: int | None) -> str:
@@ -462,18 +478,218 @@ def _unescape(field: str) -> str:
     return field
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def rank_result_path(result_path: str | os.PathLike[str], rank: int) -> str:
+    """Where rank ``rank`` of a multi-process trial writes its result: ``<result>.rank<R>``."""
+    return f"{os.fspath(result_path)}.rank{rank}"
+
+
+def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """One trial result from the result files of its ranks, in the form one process writes.
+
+    A pure function of the files' contents (index = rank; ``None`` for a rank that wrote none).
+    A rank that failed makes the trial fail: the earliest exception (ranks that lost a peer
+    fail after it, with a communication error of their own), else a rank the hardware cannot
+    run the mode on, one that never stepped, one that wrote nothing, or one that stopped while
+    others finished; the exception names the rank. When every rank finished:
+
+    * step times: per step, the slowest rank's (a synchronous step waits for it);
+    * losses: per step, the mean over ranks weighted by their samples, which is the loss of
+      the global batch and less noisy than one rank's share; a NaN or infinite loss on any
+      rank makes the step's loss that value;
+    * skipped steps: must agree (every rank's optimizer steps or none does); otherwise the
+      trial fails, naming the first step and ranks that disagree;
+    * samples: summed over ranks (goodput counts the whole node); peak memory: the largest;
+      underflow: the mean of the ranks' samples; notes: every rank's, once;
+    * everything else (the batch facts, the loss scale, fingerprints, device): rank 0's.
+
+    Returns:
+        The merged result, with ``ranks`` set; ``None`` when no rank wrote anything.
+    """
+    present = {rank: dict(data) for rank, data in enumerate(ranks) if data}
+    if not present:
+        return None
+    failed = _failed_rank(ranks, present)
+    if failed is not None:
+        return {**failed, "ranks": len(ranks)}
+    if any(data.get("stage") != "done" for data in present.values()):
+        return {**present[min(present)], "ranks": len(ranks)}  # none finished: the first rank's stage
+    return _merge_finished(ranks, present)
+
+
+def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """The result of the rank that made a multi-process trial fail, or ``None`` if none did."""
+    raised = [(data.get("exception") or {}, rank) for rank, data in present.items() if data.get("stage") == "exception"]
+    if raised:
+        exception, rank = min(raised, key=lambda item: (_number(item[0].get("at")), item[1]))
+        return {**present[rank], "exception": {**exception, "rank": rank}}
+    for stage in ("unsupported", "no-step"):
+        for data in present.values():
+            if data.get("stage") == stage:
+                return data
+    missing = [rank for rank, data in enumerate(ranks) if not data]
+    finished = [rank for rank, data in present.items() if data.get("stage") == "done"]
+    stopped = [rank for rank in present if rank not in finished]
+    if missing:
+        rank = missing[0]
+        message = f"rank {rank} wrote no result: it ended, or was ended, before calling advisor.load_policy()"
+    elif finished and stopped:
+        rank = stopped[0]
+        message = (f"rank {rank} stopped {_stage_text(present[rank].get('stage'), present[rank])} without an error "
+                   f"of its own, while rank {finished[0]} finished (killed by a signal, or ended by torchrun)")
+    else:
+        return None
+    base = present[min(present)]
+    return {**base, "stage": "exception", "exception": {"type": "", "message": message, "rank": rank, "killed": True}}
+
+
+def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The merged result of ranks that all finished (see ``merge_rank_results``)."""
+    order = sorted(present)
+    first = present[order[0]]
+    steps = min(len(present[r].get("losses") or []) for r in order)
+
+    def column(name: str, rank: int) -> list[Any]:
+        values = list(present[rank].get(name) or [])
+        return values[:steps] + [None] * (steps - len(values))
+
+    skipped = {r: [bool(v) for v in column("skipped", r)] for r in order}
+    for step in range(steps):
+        decisions = {r: skipped[r][step] for r in order}
+        if len(set(decisions.values())) > 1:
+            took = [r for r, s in decisions.items() if not s]
+            skip = [r for r, s in decisions.items() if s]
+            message = (f"the ranks disagree on skipped steps: step {step} was skipped on rank "
+                       f"{', '.join(map(str, skip))} but taken on rank {', '.join(map(str, took))}, so their "
+                       "weights no longer match; the loss scaler must decide on every rank's gradients alike")
+            return {**first, "stage": "exception", "ranks": len(ranks),
+                    "exception": {"type": "MpadviseError", "message": message, "rank": skip[0]}}
+    losses, samples, times, underflow = [], [], [], []
+    for step in range(steps):
+        values = [float(column("losses", r)[step]) for r in order]
+        counts = [column("samples", r)[step] for r in order]
+        bad = [v for v in values if not math.isfinite(v)]
+        if bad:
+            losses.append(next((v for v in bad if math.isnan(v)), bad[0]))
+        elif all(isinstance(c, int) and c > 0 for c in counts):
+            losses.append(sum(v * c for v, c in zip(values, counts)) / sum(counts))
+        else:
+            losses.append(sum(values) / len(values))
+        samples.append(sum(c for c in counts if isinstance(c, int)))
+        step_times = [t for t in (column("step_times", r)[step] for r in order) if t is not None]
+        times.append(max(step_times) if step_times else None)
+        fractions = [u for u in (column("underflow", r)[step] for r in order) if u is not None]
+        underflow.append(sum(fractions) / len(fractions) if fractions else None)
+    peaks = [present[r].get("peak_memory") for r in order if present[r].get("peak_memory") is not None]
+    notes = list(dict.fromkeys(n for r in order for n in present[r].get("notes") or []))
+    complete = all(present[r].get("complete", True) for r in order) and all(
+        len(present[r].get("losses") or []) == steps for r in order)
+    return {
+        **first,
+        "losses": [json_float(v) for v in losses],
+        "step_times": [t for t in times if t is not None],
+        "samples": samples,
+        "skipped": skipped[order[0]],
+        "loss_scale": column("loss_scale", order[0]),
+        "underflow": underflow,
+        "peak_memory": max(peaks) if peaks else None,
+        "notes": notes,
+        "complete": complete,
+        "fsdp": any(present[r].get("fsdp") for r in order),
+        "ranks": len(ranks),
+    }
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.inf
+
+
+def descendants(parents: Mapping[int, int], root: int) -> list[int]:
+    """Every process below ``root``, children before their own children.
+
+    Args:
+        parents: each process's parent (pid -> ppid).
+        root: the process whose tree is wanted.
+    """
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        for child in sorted(children.get(todo.pop(0), [])):
+            if child not in found and child != root:
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def _parent_pids(proc: str | os.PathLike[str] = "/proc") -> dict[int, int]:
+    """pid -> ppid of every process, from ``/proc``; empty where there is none (not Linux)."""
+    parents = {}
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
+        entries = [e for e in os.listdir(proc) if e.isdigit()]
+    except OSError:
+        return {}
+    for entry in entries:
+        try:
+            with open(os.path.join(proc, entry, "stat")) as f:
+                stat = f.read()
+            # The command name is in parentheses and may hold spaces or parentheses itself.
+            parents[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return parents
+
+
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the trial's process group and every process below it, in whatever group.
+
+    torchrun starts each worker in a session of its own, so killing the trial's group alone
+    would leave the workers running once torchrun is gone. The tree is read first and stopped,
+    then read again (a process forked meanwhile is caught), then killed, group by group.
+    """
+    groups: set[int] = set()
+    pids: set[int] = {proc.pid}
+    # SIGSTOP first: a stopped process forks nothing more while the tree is read again.
+    for sig in (int(getattr(signal, "SIGSTOP", SIGKILL)), SIGKILL):
+        pids |= set(descendants(_parent_pids(), proc.pid))
+        for pid in pids:
+            try:
+                groups.add(os.getpgid(pid))
+            except (ProcessLookupError, PermissionError):
+                pass
+        groups.add(proc.pid)  # the trial's own session, whose leader it is
+        for group in groups:
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+    proc.kill()
+
+
+# torchrun ends a failed run with a report of its own: its traceback, then each worker's exit.
+_LAUNCHER_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 
 
 def _tail(raw: bytes, max_chars: int = 4000, max_lines: int = 30) -> str:
-    text = raw.decode("utf-8", errors="replace")
+    text = _without_launcher_report(raw.decode("utf-8", errors="replace"))
     # torchao prints loader warnings for kernels this machine cannot use; they are not the error.
     lines = [ln for ln in text.splitlines() if ln.strip()]
     return "\n".join(lines[-max_lines:])[-max_chars:]
+
+
+def _without_launcher_report(text: str) -> str:
+    """stderr without torchrun's closing report, which would fill the tail and push the
+    failing rank's own traceback out; the trial's reason names the rank already."""
+    at = text.rfind(_LAUNCHER_FAILURE)
+    if at < 0:
+        return text
+    start = text.rfind("Traceback (most recent call last):", 0, at)
+    return text[: start if start >= 0 else at]
 
 
 def _last_line(tail: str) -> str:

@@ -11,6 +11,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from probes import MpadviseError
 
@@ -26,7 +27,9 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JS
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     """Print one red line on stderr and return the Exit to raise."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # Escaped: a message quotes what it was given and install hints ("mpadvise[postgres]"),
+    # whose brackets are text, not markup.
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 

@@ -23,10 +23,11 @@ from advisor._secure import (
 from advisor.cache._recommend import record_tune
 from advisor.cli._report import render_tune, tune_progress
 from advisor.frameworks import ScriptPlan, check_plan_modes, plan_for
+from advisor.runtime._workload import script_digest
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._engine import TuneResult, tune_policy
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import check_storage
+from advisor.tune._search import check_storage, check_study, shown_url
 from advisor.tune._trials import WAIT_IDLE_ENV, ScriptRunner, TrialSettings
 from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
@@ -52,22 +53,40 @@ def default_storage() -> str | None:
     return f"sqlite:///{study}"
 
 
-def study_name_for(script: Path, args: list[str], fingerprint: str) -> str:
-    digest = hashlib.sha256(json.dumps([str(script), args]).encode()).hexdigest()[:8]
-    return f"{script.stem}-{fingerprint}-{digest}"
+def study_name_for(script: Path, args: list[str], fingerprint: str, *, processes: int = 1) -> str:
+    """The study a tune of ``script ARGS`` on this hardware joins (see :func:`study_name_from`)."""
+    return study_name_from(script.name, script_digest(script), args, fingerprint, processes=processes)
+
+
+def study_name_from(script_name: str, content_digest: str | None, args: list[str], fingerprint: str, *,
+                    processes: int = 1) -> str:
+    """The study's name: the script's stem, the hardware fingerprint, and a digest of the
+    script's file name, its content, its arguments and (above one) its processes per trial.
+
+    Every worker that tunes the same script with the same arguments on the same hardware joins
+    one study, wherever its checkout lies; a changed script, other arguments, other hardware or
+    another number of processes (a step of N ranks is another measurement) make another study,
+    so measurements that would not compare never share one.
+    """
+    facts: list[object] = [script_name, content_digest, args, fingerprint]
+    if processes > 1:  # one process keeps the name it always had
+        facts.append({"nproc_per_node": processes})
+    digest = hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:12]
+    return f"{Path(script_name).stem}-{fingerprint}-{digest}"
 
 
 def run_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
                      console: Console) -> int:
     """Run the tune here and report it. Returns 0 when a stable policy was found, 3 when none was."""
     path = check_script(script)
-    plan = plan_for(path, options.framework)
+    profile = probes.profile_for(options.device)
+    plan = plan_for(path, options.framework, device=profile.device)
     check_plan_modes(plan, list(options.modes))
     options = options.with_(framework=plan.framework)
-    profile = probes.profile_for(options.device)
     options = _resolved(options, profile)
     fingerprint = hardware_fingerprint(profile)
-    study_name = study_name_for(path, script_args, fingerprint)
+    study_name = study_name_for(path, script_args, fingerprint, processes=options.nproc_per_node)
+    check_study(options.storage, study_name, hardware=fingerprint, resume=options.resume)
     progress_console = Console(stderr=True) if json_output else console
     if plan.framework is not None:
         how = "read from its imports" if plan.detected else "--framework"
@@ -76,7 +95,7 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
     written, cache_id = _keep(result, options, profile, path)
     payload = result.to_dict()
     payload.update(script=str(path), args=script_args, framework=plan.framework, config_file=str(written) if written else None,
-                   cache_id=cache_id, storage=options.storage, study_name=study_name,
+                   cache_id=cache_id, storage=shown_url(options.storage), study_name=study_name,
                    hardware={"name": profile.name, "fingerprint": fingerprint})
     _report(json.dumps(payload, indent=2, default=str), json_output=json_output, console=console)
     return EXIT_FOUND if result.policy is not None else EXIT_NONE_STABLE
@@ -153,6 +172,9 @@ def submit_tune_command(script: Path, script_args: list[str], options: TuneOptio
 
     if options.storage is not None:
         raise UsageError("--storage cannot be used with --submit: the daemon keeps its studies in its cache directory")
+    if options.nproc_per_node > 1:
+        raise UsageError(f"--nproc-per-node {options.nproc_per_node} cannot be used with --submit: the daemon gives "
+                         "each job one GPU; run the tune here instead")
     body = tune_job_body(script, script_args, options)
     client = DaemonClient.local(need_token=True)
     err = Console(stderr=True) if json_output else console

@@ -6,7 +6,7 @@ Arrows: runtime uses ``policies`` and ``probes`` only; ``tune`` and the loader b
 
 from __future__ import annotations
 
-from advisor.runtime._applied import AppliedPolicy, StepObserver
+from advisor.runtime._applied import AppliedPolicy, FsdpPrecision, StepObserver, fsdp_precision
 from advisor.runtime._workload import model_signature, workload_fingerprint
 
-__all__ = ["AppliedPolicy", "StepObserver", "model_signature", "workload_fingerprint"]
+__all__ = ["AppliedPolicy", "FsdpPrecision", "StepObserver", "fsdp_precision", "model_signature", "workload_fingerprint"]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,8 @@ from advisor.runtime._workload import (
     model_signature,
     workload_mismatch,
 )
-from policies import Difference, Policy, create_mode, safe_default
+from policies import Difference, Policy, create_mode, mode_class, safe_default
+from policies._config import default_reduce_dtype
 from probes import MpadviseError
 
 if TYPE_CHECKING:
@@ -85,7 +87,8 @@ class AppliedPolicy:
         self.policy = policy
         self.profile = profile
         self.source = source
-        self.device = torch.device(device if device is not None else profile.device)
+        # Under torchrun each process trains on its own GPU (LOCAL_RANK), unless one was named.
+        self.device = torch.device(rank_device(device, profile.device, os.environ))
         self._mode = create_mode(policy, self.device)
         self._observer = observer
         self._match_workload = match_workload
@@ -104,6 +107,8 @@ class AppliedPolicy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.last_batch_size: int | None = None
         self.model_signature: str | None = None
+        self.fsdp = False
+        """Whether the script asked for FSDP2's mixed precision (``fsdp_mixed_precision()``)."""
 
     # ---- what the policy says ---------------------------------------------------------------
 
@@ -204,6 +209,11 @@ class AppliedPolicy:
 
         if not isinstance(model, torch.nn.Module):
             raise MpadviseError(f"setup(model, ...): expected a torch.nn.Module, got {type(model).__name__}")
+        wrapper = _distributed_wrapper(model)
+        if wrapper is not None:
+            # The mode converts the bare model (dtypes, FP8 layers); a wrapper built before that
+            # would keep buckets or shards of the old parameters.
+            raise MpadviseError(wrapper)
         # Fingerprints describe the user's model, before any mode swaps its modules.
         self._workload = Workload.of(model, optimizer, global_batch=None, script=_script_path(), args=_script_args())
         self.model_signature = self._workload.model
@@ -273,6 +283,42 @@ class AppliedPolicy:
         self._mode = create_mode(default, self.device)
         for _ in range(depth):
             self.__enter__()
+
+    def fsdp_mixed_precision(self) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` for this policy: pass it to every ``fully_shard``.
+
+        Call ``setup(model)`` first (it converts the bare model for the mode), then shard, then
+        build the optimizer on the sharded parameters. The forward still runs in
+        ``autocast()``: for the mixed modes FSDP2 casts the parameters to the same 16-bit dtype
+        that autocast computes in, and autocast keeps the ops it lists as fp32 (softmax, the
+        losses) in fp32, as in a single process. The mapping is ``fsdp_precision``. For
+        fp16-mixed the loss scaler becomes torch's ``ShardedGradScaler`` with the same state,
+        so that every rank skips the same steps (each rank sees only its shard's gradients).
+
+        Returns:
+            A ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+        """
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        precision = fsdp_precision(self.policy)
+        self.fsdp = True
+        # FSDP2 now holds the mode's dtypes: the mode can no longer be switched.
+        self._converted = self._converted or precision.param_dtype is not None
+        scaler = getattr(self._mode, "scaler", None)
+        if isinstance(scaler, torch.amp.GradScaler):
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            if not isinstance(scaler, ShardedGradScaler):
+                sharded = ShardedGradScaler(self.device.type)
+                sharded.load_state_dict(scaler.state_dict())
+                self._mode.scaler = sharded
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        return MixedPrecisionPolicy(
+            param_dtype=None if precision.param_dtype is None else dtypes[precision.param_dtype],
+            reduce_dtype=None if precision.reduce_dtype is None else dtypes[precision.reduce_dtype],
+            output_dtype=None if precision.output_dtype is None else dtypes[precision.output_dtype],
+        )
 
     def to_device(self, *tensors: Any) -> Any:
         """Move tensors (or lists/tuples/dicts of them) to the device and cast them for the mode.
@@ -389,6 +435,85 @@ class AppliedPolicy:
 
     def __repr__(self) -> str:
         return f"AppliedPolicy({self.policy.describe()!r}, device={str(self.device)!r}, source={self.source!r})"
+
+
+@dataclass(frozen=True)
+class FsdpPrecision:
+    """The dtypes of FSDP2's ``MixedPrecisionPolicy`` for a policy, by name.
+
+    Attributes:
+        param_dtype: the dtype FSDP2 casts the unsharded parameters to, in which the forward
+            and backward compute; ``None`` keeps the parameters' own dtype.
+        reduce_dtype: the dtype gradients are reduce-scattered in; ``None`` for the
+            parameters' own dtype.
+        output_dtype: the dtype of the sharded modules' outputs; ``None`` leaves them as
+            computed.
+    """
+
+    param_dtype: str | None
+    reduce_dtype: str | None
+    output_dtype: str | None = None
+
+
+def fsdp_precision(policy: Policy) -> FsdpPrecision:
+    """What FSDP2 should do for ``policy``: a pure mapping from its mode and ``reduce_dtype``.
+
+    * fp32, tf32 and the FP8 modes keep fp32 parameters (FP8 casts happen inside the swapped
+      layers; tf32 is a matmul switch); gradients are reduced in fp32: FSDP2's defaults.
+    * bf16-mixed, fp16-mixed: parameters are cast to the 16-bit dtype for compute, the fp32
+      shards stay the master weights the optimizer steps; gradients are reduced in fp32
+      unless the policy says the 16-bit dtype.
+    * bf16-true, fp16-true: ``setup()`` already cast the model, so the parameters and their
+      shards are 16-bit; gradients are reduced in that dtype unless the policy says fp32.
+
+    Outputs are left as computed (``output_dtype`` ``None``): the loss runs in
+    ``autocast()``, which computes it in fp32 as in a single process, and an fp32
+    ``output_dtype`` on every sharded block would cast each block's output up and the next
+    block's input down again.
+    """
+    family = mode_class(policy.mode).dtype_family
+    reduce = policy.reduce_dtype or default_reduce_dtype(policy.mode)
+    if family in ("bf16", "fp16"):
+        return FsdpPrecision(param_dtype=family, reduce_dtype=reduce)
+    return FsdpPrecision(param_dtype=None, reduce_dtype=None if reduce == "fp32" else reduce)
+
+
+def rank_device(device: str | torch.device | None, profile_device: str, env: Mapping[str, str]) -> str | torch.device:
+    """The device this process trains on.
+
+    Args:
+        device: the device asked for, or ``None``.
+        profile_device: the hardware profile's device (``"cuda:0"``, ``"cpu"``).
+        env: the process environment; torchrun sets ``LOCAL_RANK`` in each process it starts.
+
+    Returns:
+        ``device`` when one was named with an index (or is not CUDA); under torchrun on a GPU,
+        ``cuda:LOCAL_RANK``, so that each process of a node takes its own GPU; else the
+        profile's device.
+    """
+    if device is not None and str(device) != "cuda":
+        return device
+    chosen = device if device is not None else profile_device
+    local_rank = env.get("LOCAL_RANK", "")
+    if str(chosen).startswith("cuda") and local_rank.isdigit():
+        return f"cuda:{int(local_rank)}"
+    return chosen
+
+
+def _distributed_wrapper(model: Any) -> str | None:
+    """Why ``setup()`` cannot take ``model``: it is already wrapped for data parallelism;
+    ``None`` for a bare model."""
+    import torch
+
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return ("setup(model): the model is already wrapped in DistributedDataParallel; call "
+                "mp.setup(model, optimizer) on the bare model first, then wrap the model it returns")
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded yet
+    if fsdp is not None and isinstance(model, getattr(fsdp, "FSDPModule", ())):
+        return ("setup(model): the model is already sharded with fully_shard; call mp.setup(model) on the "
+                "bare model first, then fully_shard it with mp_policy=mp.fsdp_mixed_precision(), then build "
+                "the optimizer on the sharded parameters")
+    return None
 
 
 @dataclass(frozen=True)

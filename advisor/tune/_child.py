@@ -11,6 +11,7 @@ that interval is cut out of the step's time: a trial times the user's step, not 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import random
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from advisor.runtime._applied import AppliedPolicy, StepObserver
 from policies import Policy, PolicyError, supported_modes
 from probes import HardwareProfile
-from probes._trial import EXIT_NO_STEP, EXIT_UNSUPPORTED, TrialSpec, json_float
+from probes._trial import EXIT_NO_STEP, EXIT_UNSUPPORTED, TrialSpec, json_float, rank_result_path
 
 if TYPE_CHECKING:
     import torch
@@ -59,11 +60,19 @@ class TrialComplete(BaseException):
 
 
 def spec_from_env() -> TrialSpec | None:
-    """The trial spec injected into this process, or ``None`` in a plain run."""
+    """The trial spec injected into this process, or ``None`` in a plain run.
+
+    In a trial of several processes, each rank (torchrun's ``RANK``) gets the spec with its
+    own result file, which the parent merges with the others.
+    """
     path = os.environ.get(TRIAL_SPEC_ENV)
     if not path:
         return None
-    return TrialSpec.from_json(Path(path).read_text())
+    spec = TrialSpec.from_json(Path(path).read_text())
+    if spec.nproc_per_node > 1:
+        rank = os.environ.get("RANK", "0")
+        spec = dataclasses.replace(spec, result_path=rank_result_path(spec.result_path, int(rank) if rank.isdigit() else 0))
+    return spec
 
 
 class ResultWriter:
@@ -160,7 +169,7 @@ def run_in_process(train_fn: Any, spec: TrialSpec, *, profile: HardwareProfile) 
         pass
     except Exception as exc:  # the trial's outcome, not ours: classify it
         message = str(exc).splitlines()[0] if str(exc) else ""
-        writer.write(stage="exception", exception={"type": type(exc).__name__, "message": message})
+        writer.write(stage="exception", exception={"type": type(exc).__name__, "message": message, "at": time.time()})
         error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     else:
         if recorder._stepped_once:
@@ -365,6 +374,7 @@ class TrialRecorder(StepObserver):
             notes=applied.notes,
             workload_fingerprint=applied.workload_fingerprint,
             model_signature=applied.model_signature,
+            fsdp=applied.fsdp,
             **self._batch_facts(applied),
         )
         if complete:
@@ -482,14 +492,13 @@ class NoStepWatchdog:
 
 
 def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's gradients; under FSDP2 this rank's shards of them (a DTensor's local
+    part: sampling the whole tensor would gather it from every rank)."""
     import torch
 
-    return [
-        p.grad
-        for group in optimizer.param_groups
-        for p in group["params"]
-        if p.grad is not None and p.grad.layout == torch.strided  # sparse gradients have no flat view
-    ]
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    return [g for g in local if g.layout == torch.strided]  # sparse gradients have no flat view
 
 
 def underflow_counts(grads: list[torch.Tensor], *, scale: float, budget: int = UNDERFLOW_SAMPLE) -> torch.Tensor | None:
@@ -634,7 +643,9 @@ def _install_excepthook(writer: ResultWriter) -> None:
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         if not issubclass(exc_type, KeyboardInterrupt):
-            writer.write(stage="exception", exception={"type": exc_type.__name__, "message": str(exc).splitlines()[0] if str(exc) else ""})
+            # The time tells the rank that failed first from those that lost it as a peer.
+            writer.write(stage="exception", exception={"type": exc_type.__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
+                                                       "at": time.time()})
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook

@@ -159,7 +159,7 @@ class TuneResult:
             "scale_batch_note": self.scale_batch_note,
             "user_batch": self.space.user_batch,
             "space": {"modes": list(self.space.modes), "micro_batches": list(self.space.micro_batches),
-                      "grid_size": len(self.space.grid())},
+                      "fsdp": self.space.fsdp, "grid_size": len(self.space.grid())},
             "trials_run": self.search.runs,
             "trials_resumed": self.search.resumed,
             "stop_reason": self.search.stop_reason,
@@ -235,7 +235,9 @@ def tune_policy(
     trials = _Trials(runner, thresholds or StabilityThresholds(), options.memory_limit_bytes, on_start, on_done)
     reference = trials.run_reference()
     user_batch = trials.user_batch
-    space = _space(profile, options, user_batch, limits)
+    # A script that shards with FSDP2 said so in its reference trial: the gradient reduction
+    # dtype joins the space.
+    space = _space(profile, options, user_batch, limits, fsdp=reference.result.fsdp)
     if dtype_ratio is not None:
         ratios = dtype_ratio
     else:  # the priors need the matmul ratios; without priors the benchmark is not worth its seconds
@@ -249,6 +251,7 @@ def tune_policy(
         space, trials.run, options, first=_first_candidates(space, profile, ref_cand),
         reference_goodput=reference.goodput or 0.0, dtype_ratio=ratios, study_name=study_name,
         known={ref_cand: ref_measured}, clock=clock, replicate=trials.replicate_record,
+        hardware=hardware_fingerprint(profile),
     )
     finalists, dropped, rounds = _settle_finalists(trials, search.measured, user_batch, remeasure=remeasure)
     winner, tie_note = _pick_winner(finalists, user_batch)
@@ -407,12 +410,13 @@ class _Trials:
 
 
 def _space(profile: HardwareProfile, options: TuneOptions, user_batch: int | None,
-           limits: SpaceLimits | None = None) -> SearchSpace:
-    """The candidates this hardware supports, narrowed to the options' modes and the limits."""
+           limits: SpaceLimits | None = None, *, fsdp: bool = False) -> SearchSpace:
+    """The candidates this hardware supports, narrowed to the options' modes and the limits;
+    with ``fsdp`` (the script shards with FSDP2), the gradient reduction dtype too."""
     support = supported_modes(profile)
     modes = check_modes(list(options.modes), profile) if options.modes else None  # unknown or unsupported: one clear error
     return space_for(support, user_batch, include_emulated=options.include_emulated,
-                     scale_batch=options.scale_batch, modes=modes, limits=limits)
+                     scale_batch=options.scale_batch, modes=modes, limits=limits, fsdp=fsdp)
 
 
 def _first_candidates(space: SearchSpace, profile: HardwareProfile, ref_cand: Candidate) -> list[Candidate]:

@@ -19,7 +19,7 @@ from typing import Any, get_type_hints
 from probes import MpadviseError
 from probes._trial import parse_memory
 
-__all__ = ["FRAMEWORK_CHOICES", "OptionInfo", "TuneOptions", "option_info"]
+__all__ = ["FRAMEWORK_CHOICES", "OptionInfo", "TuneOptions", "check_rank_device", "option_info"]
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,7 @@ class TuneOptions:
             checked = option.check(option, value)
             if checked is not value:
                 object.__setattr__(self, option.name, checked)  # frozen: normalised once, here
+        check_rank_device(self.nproc_per_node, self.device)
 
     @property
     def memory_limit_bytes(self) -> int | None:
@@ -246,6 +247,20 @@ class TuneOptions:
             else:
                 argv += [option.flag, str(value)]
         return argv
+
+
+def check_rank_device(nproc_per_node: int, device: str | None) -> None:
+    """Refuse one numbered GPU for the processes of a multi-process trial.
+
+    Raises:
+        MpadviseError: ``device`` names a GPU (``cuda:N``) while ``nproc_per_node`` > 1: each
+            process takes its own GPU (``cuda:LOCAL_RANK``).
+    """
+    if nproc_per_node > 1 and device is not None and device.startswith("cuda:"):
+        raise MpadviseError(
+            f"--device {device} cannot be used with --nproc-per-node {nproc_per_node}: each process "
+            "trains on its own GPU (cuda:LOCAL_RANK); use --device cuda, or leave it out"
+        )
 
 
 @functools.cache

@@ -4,16 +4,32 @@ The only module that imports optuna. The trial runner is passed in (``evaluate``
 search logic runs in milliseconds against a fake in the unit tests. Unstable and out-of-memory
 candidates are reported as constraint violations (``Trial.set_constraint``), which TPE learns
 from, not as failures, which it ignores.
+
+One study may be shared by many workers (``--storage postgresql://...`` on several machines of
+the same hardware). Each worker claims a trial's candidate in the study before running it,
+reads the others' results and claims before every proposal, and runs nothing that another has
+run or is running. A worker's trial sends heartbeats; a trial whose worker goes silent is
+failed after a grace period, and Optuna's retry callback queues it again for a live worker.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import os
+import random
+import re
+import socket
+import threading
 import time
-from collections.abc import Callable
+import warnings
+import zlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from advisor._log import get_logger
 from advisor.tune._options import TuneOptions
 from advisor.tune._space import (
     FP16_GROWTH_INTERVALS,
@@ -30,8 +46,24 @@ from probes import MpadviseError
 
 STUDY_ATTR_SPACE = "mpadvise:space"
 STUDY_ATTR_REPLICATE = "mpadvise:replicate"  # fp32 under another seed: the verdicts' spread
+STUDY_ATTR_HARDWARE = "mpadvise:hardware"  # the hardware fingerprint every trial of the study ran on
 TRIAL_ATTR_RESULT = "mpadvise:result"
+# The candidate a trial runs, the trial's number and the worker running it; written before the
+# worker looks for rivals, so that of two workers that propose one candidate at once, at least
+# one sees the other. A retried copy inherits it with the old number, which no longer counts.
+TRIAL_ATTR_CLAIM = "mpadvise:claim"
+TRIAL_ATTR_CLOSED = "mpadvise:closed"  # why a trial ended without a result (FAIL), in words
 MAX_DUPLICATE_PROPOSALS = 3
+
+HEARTBEAT_ENV = "MPADVISE_HEARTBEAT_S"
+GRACE_ENV = "MPADVISE_GRACE_S"
+MAX_RETRY_ENV = "MPADVISE_MAX_RETRY"
+POSTGRES_INSTALL = 'pip install "mpadvise[postgres]"'
+# A server that drops packets would otherwise keep the first connection waiting for minutes.
+CONNECT_TIMEOUT_S = 10
+# How often a worker with nothing left but candidates others are running looks again (seconds;
+# never longer than the heartbeat interval, so a silent worker's trial is taken up promptly).
+WAIT_POLL_S = 5.0
 
 
 @dataclass
@@ -43,7 +75,7 @@ class SearchOutcome:
     # Proposals the priors ruled out, never run (here or in the resumed study), with the reason.
     pruned: dict[Candidate, str] = field(default_factory=dict)
     runs: int = 0  # trials actually run in this invocation (resumed ones are not counted)
-    resumed: int = 0
+    resumed: int = 0  # results taken from the study: an earlier run's, or another worker's
     stop_reason: str = ""
     wall_s: float = 0.0
 
@@ -51,8 +83,11 @@ class SearchOutcome:
 def _suggest(trial: Any, space: SearchSpace) -> Candidate:
     mode = trial.suggest_categorical("mode", list(space.modes))
     micro = trial.suggest_categorical("micro_batch", list(space.micro_batches)) if space.micro_batches else None
+    # Under FSDP2, a 16-bit mode's gradients may be reduced in fp32 or in its own dtype.
+    reduce_options = space.reduce_options(mode)
+    reduce = space.reduce_dtype(mode, trial.suggest_categorical("reduce_dtype", reduce_options)) if reduce_options else None
     if not scales_loss(mode):
-        return space.normalise(Candidate(mode, micro))
+        return space.normalise(Candidate(mode, micro, reduce_dtype=reduce))
     limits = space.limits
     kind = trial.suggest_categorical("loss_scale", [k for k in ("dynamic", "static") if k in limits.loss_scale_kinds])
     # Where the loss scale's settings cannot be applied (the HF Trainer), GradScaler's defaults
@@ -61,23 +96,219 @@ def _suggest(trial: Any, space: SearchSpace) -> Candidate:
     growth = None
     if kind == "dynamic":
         growth = trial.suggest_categorical("growth_interval", list(FP16_GROWTH_INTERVALS) if limits.loss_scale_settings else [2000])
-    return space.normalise(Candidate(mode, micro, kind, init, growth))
+    return space.normalise(Candidate(mode, micro, kind, init, growth, reduce))
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """How a worker shows that its trial is alive, and what becomes of one that goes silent.
+
+    Attributes:
+        interval_s: seconds between heartbeats of a running trial.
+        grace_s: seconds without a heartbeat after which any worker fails the trial as stale;
+            Optuna's retry callback then queues a copy for a live worker.
+        max_retry: how many copies of a stale trial are queued; after that its candidate is
+            given up as a crash.
+    """
+
+    interval_s: int = 30
+    grace_s: int = 120
+    max_retry: int = 2
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> Heartbeat:
+        """The settings from ``MPADVISE_HEARTBEAT_S``, ``MPADVISE_GRACE_S`` (default: four
+        intervals) and ``MPADVISE_MAX_RETRY``; the defaults where they are unset or empty.
+
+        Raises:
+            MpadviseError: a value that is not a whole number in range, naming the variable.
+        """
+        interval = _whole_env(environ, HEARTBEAT_ENV, cls.interval_s, minimum=1, unit="seconds")
+        grace = _whole_env(environ, GRACE_ENV, 4 * interval, minimum=1, unit="seconds")
+        if grace <= interval:
+            raise MpadviseError(
+                f"{GRACE_ENV}={grace} is not allowed with {HEARTBEAT_ENV}={interval}; expected more seconds than "
+                f"one heartbeat interval, so that a live trial is never taken for a dead one (e.g. {4 * interval})"
+            )
+        return cls(interval, grace, _whole_env(environ, MAX_RETRY_ENV, cls.max_retry, minimum=0, unit="retries"))
+
+
+def _whole_env(environ: Mapping[str, str], name: str, default: int, *, minimum: int, unit: str) -> int:
+    text = environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise MpadviseError(f"{name}={text!r} is not allowed; expected whole {unit} >= {minimum}, or unset for {default}")
+    return value
+
+
+def storage_url(url: str) -> str:
+    """The URL Optuna opens for ``url``: a PostgreSQL URL that names no driver gets psycopg, the
+    driver of the ``postgres`` extra (SQLAlchemy's own default is psycopg2)."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme in ("postgresql", "postgres"):
+        return f"postgresql+psycopg://{rest}"
+    return url
+
+
+def shared_storage(url: str | None) -> bool:
+    """Whether studies in this storage are shared by many workers: a database server (any URL
+    but an SQLite file) rather than one machine's file or memory. A shared study is joined as
+    it stands, never started afresh, since other workers may be in it."""
+    return url is not None and not url.startswith("sqlite")
+
+
+def shown_url(url: str | None) -> str | None:
+    """``url`` with its password masked, fit for messages and reports."""
+    return None if url is None else re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", url)
+
+
+def storage_error(url: str, exc: BaseException) -> str:
+    """The one line that says why the study storage ``url`` cannot be opened, and what to do."""
+    shown = shown_url(url)
+    missing = _missing_module(exc)
+    if missing is not None:
+        fix = (f"{POSTGRES_INSTALL} (postgresql:// URLs use its psycopg)" if _is_postgres(url)
+               else "install the driver its URL names")
+        return f"cannot open the Optuna study storage {shown!r}: its database driver {missing} is not installed; {fix}"
+    return (f"cannot open the Optuna study storage {shown!r}: {_first_line(exc)}; expected a database this machine "
+            "can reach, such as postgresql://user@host:5432/studies or sqlite:///path/studies.db")
+
+
+def _is_postgres(url: str) -> bool:
+    return url.partition("://")[0].split("+")[0] in ("postgresql", "postgres")
+
+
+def _missing_module(exc: BaseException | None) -> str | None:
+    """The module whose import failed somewhere in ``exc``'s chain (the innermost), or ``None``."""
+    missing = None
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ImportError):
+            missing = exc.name or _first_line(exc)
+        exc = exc.__cause__ or exc.__context__
+    return missing
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+_OPENED: dict[str, tuple[Any, Heartbeat]] = {}
+_OPENED_LOCK = threading.Lock()
+
+
+def _open(url: str) -> tuple[Any, Heartbeat]:
+    """The Optuna RDB storage for ``url`` (with heartbeats and retries of stale trials) and its
+    heartbeat settings; opened once per process and URL.
+
+    Raises:
+        MpadviseError: a bad URL, a missing driver, an unreachable or refusing server, a bad
+            heartbeat setting; one line.
+    """
+    with _OPENED_LOCK:
+        if url not in _OPENED:
+            heartbeat = Heartbeat.from_environ(os.environ)
+            _OPENED[url] = (_open_rdb(url, heartbeat), heartbeat)
+        return _OPENED[url]
+
+
+def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
+    import optuna
+    import sqlalchemy.exc
+
+    engine_kwargs: dict[str, Any] = {}
+    if not url.startswith("sqlite"):
+        engine_kwargs["pool_pre_ping"] = True  # a server restarted since the last trial drops old connections
+    if _is_postgres(url) and "connect_timeout" not in url:
+        engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
+    for attempt in range(3):
+        try:
+            with _quiet():
+                return optuna.storages.RDBStorage(
+                    storage_url(url), engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat.interval_s,
+                    grace_period=heartbeat.grace_s,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                        max_retry=heartbeat.max_retry),
+                )
+        except Exception as exc:
+            # Workers that open a fresh database at the same moment race to create its tables
+            # (PostgreSQL's CREATE TABLE IF NOT EXISTS is not safe against that); the loser
+            # finds them made when it looks again.
+            if attempt < 2 and isinstance(exc, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError)):
+                time.sleep(0.2 + random.random() / 2)
+                continue
+            raise MpadviseError(storage_error(url, exc)) from None
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence Optuna's warnings that heartbeats and their retries are experimental."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        # Optuna expects heartbeats with Study.optimize; this search beats for its own trials.
+        warnings.filterwarnings("ignore", message="Heartbeat of storage")
+        yield
 
 
 def check_storage(storage: str | None) -> None:
     """Open the Optuna storage once, so a bad URL fails before any trial runs.
 
     Raises:
-        MpadviseError: naming the URL and the reason.
+        MpadviseError: naming the URL (its password masked) and the reason, in one line.
     """
-    if storage is None:
+    if storage is not None:
+        _open(storage)
+
+
+def check_study(storage: str | None, study_name: str, *, hardware: str, resume: bool) -> None:
+    """Refuse, before any trial runs, to continue a stored study measured on other hardware.
+
+    Only a study this tune would continue is read: a shared one, or any with ``resume``.
+
+    Raises:
+        MpadviseError: the study holds another hardware fingerprint, or the storage fails.
+    """
+    if storage is None or not (resume or shared_storage(storage)):
         return
     import optuna
 
+    backend, _ = _open(storage)
     try:
-        optuna.storages.get_storage(storage)
-    except Exception as exc:  # bad dialect, unreachable server, unwritable file
-        raise MpadviseError(f"cannot open the Optuna study storage {storage!r}: {_first_line(exc)}") from None
+        with _quiet():
+            study = optuna.load_study(study_name=study_name, storage=backend)
+    except KeyError:  # no such study yet: this tune makes it
+        return
+    except Exception as exc:
+        raise MpadviseError(storage_error(storage, exc)) from None
+    _check_hardware(study, study_name, hardware, record=False)
+
+
+def _check_hardware(study: Any, study_name: str, hardware: str | None, *, record: bool) -> None:
+    """Refuse a study whose trials ran on other hardware; with ``record``, name this hardware
+    in a study that names none."""
+    if hardware is None:
+        return
+    stored = study.user_attrs.get(STUDY_ATTR_HARDWARE)
+    if stored is None:
+        if record:
+            study.set_user_attr(STUDY_ATTR_HARDWARE, hardware)
+        return
+    if stored != hardware:
+        raise MpadviseError(
+            f"study {study_name!r} holds trials measured on hardware {stored}, and this machine is {hardware}: "
+            "measurements from different hardware never mix; give this machine its own study (the study name "
+            "mpadvise tune chooses names the hardware)"
+        )
 
 
 def stored_replicate(storage: str | None, study_name: str) -> dict[str, Any] | None:
@@ -92,37 +323,76 @@ def stored_replicate(storage: str | None, study_name: str) -> dict[str, Any] | N
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    backend, _ = _open(storage)
     try:
-        study = optuna.load_study(study_name=study_name, storage=storage)
+        with _quiet():
+            study = optuna.load_study(study_name=study_name, storage=backend)
     except KeyError:  # no such study yet: nothing to resume
         return None
-    except Exception as exc:  # a bad URL, an unreachable server, a locked file
-        raise MpadviseError(f"cannot open the Optuna study storage {storage!r}: {_first_line(exc)}") from None
+    except Exception as exc:  # an unreachable server, a locked file
+        raise MpadviseError(storage_error(storage, exc)) from None
     stored = study.user_attrs.get(STUDY_ATTR_REPLICATE)
     return stored if isinstance(stored, dict) else None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+def worker_name() -> str:
+    """This process as a worker of a study: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _load_study(storage: str | None, study_name: str, *, resume: bool, seed: int) -> Any:
+def _open_study(storage: str | None, study_name: str, *, resume: bool, seed: int, worker: str) -> tuple[Any, bool]:
+    """The study, and whether this call made it.
+
+    A shared study is joined as it stands (other workers may be in it); elsewhere a tune without
+    ``resume`` starts afresh.
+    """
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=4)
+    shared = shared_storage(storage)
+    # The workers of one study draw different proposals: with one seed, they would all propose
+    # the same candidates in the same order and spend their asks skipping each other's.
+    sampler_seed = zlib.crc32(f"{seed}:{worker}".encode()) if shared else seed
+    sampler = optuna.samplers.TPESampler(seed=sampler_seed, n_startup_trials=4)
+    backend = None if storage is None else _open(storage)[0]
     try:
-        if not resume and storage is not None:
-            try:
-                optuna.delete_study(study_name=study_name, storage=storage)
-            except KeyError:  # no such study yet
-                pass
-        return optuna.create_study(
-            study_name=study_name, storage=storage, direction="maximize", sampler=sampler, load_if_exists=resume
-        )
-    except Exception as exc:  # a bad URL, an unreachable server, a locked file
-        raise MpadviseError(f"cannot open the Optuna study storage {storage!r}: {_first_line(exc)}") from None
+        with _quiet():
+            if not resume and not shared:
+                if backend is not None:
+                    with contextlib.suppress(KeyError):  # no such study yet
+                        optuna.delete_study(study_name=study_name, storage=backend)
+                return optuna.create_study(study_name=study_name, storage=backend, direction="maximize",
+                                           sampler=sampler), True
+            try:  # the study name is unique in the storage: one worker makes it, the others join it
+                return optuna.create_study(study_name=study_name, storage=backend, direction="maximize",
+                                           sampler=sampler), True
+            except optuna.exceptions.DuplicatedStudyError:
+                return optuna.load_study(study_name=study_name, storage=backend, sampler=sampler), False
+    except Exception as exc:  # an unreachable server, a locked file
+        raise MpadviseError(storage_error(storage or ":memory:", exc)) from None
+
+
+@dataclass
+class _Worker:
+    """This process as one worker of the study.
+
+    Attributes:
+        name: ``host:pid``, recorded in each trial it claims.
+        backend: the RDB storage, whose heartbeats show its trials alive; ``None`` in memory.
+        heartbeat: the heartbeat settings; ``None`` in memory.
+        reference: candidates it measured outside the study (its fp32 reference), until told.
+        sleep: waits that many seconds (tests pass a fake).
+    """
+
+    name: str
+    backend: Any
+    heartbeat: Heartbeat | None
+    reference: dict[Candidate, Measured]
+    sleep: Callable[[float], None]
+
+    @property
+    def poll_s(self) -> float:
+        return WAIT_POLL_S if self.heartbeat is None else min(WAIT_POLL_S, float(self.heartbeat.interval_s))
 
 
 def run_search(
@@ -138,6 +408,8 @@ def run_search(
     on_trial: Callable[[Candidate, Measured], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     replicate: dict[str, Any] | None = None,
+    hardware: str | None = None,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> SearchOutcome:
     """Search ``space`` for the fastest stable candidate.
 
@@ -146,10 +418,12 @@ def run_search(
         evaluate: runs one candidate (a subprocess trial, or a fake in tests).
         options: the tune's options; the search reads ``trials`` (trials run here),
             ``time_budget`` (no trial starts after it), ``storage`` (Optuna storage URL,
-            ``None`` for in memory), ``resume`` (continue a stored study without running its
-            trials again), ``seed`` (of the sampler) and ``no_priors`` (measure candidates even
-            when no untried one can beat the best).
-        first: candidates enqueued before the sampler takes over (fp32, the safe default).
+            ``None`` for in memory; a database server's study is shared with other workers),
+            ``resume`` (continue a stored study without running its trials again), ``seed``
+            (of the sampler) and ``no_priors`` (measure candidates even when no untried one can
+            beat the best).
+        first: candidates enqueued before the sampler takes over (fp32, the safe default);
+            in a shared study, only by the worker that made it.
         reference_goodput: fp32's goodput, for the priors.
         dtype_ratio: matmul TFLOP/s ratio to fp32 per dtype on this device (the priors).
         study_name: the study's name in that storage.
@@ -158,33 +432,59 @@ def run_search(
         clock: monotonic seconds (tests pass a fake).
         replicate: the fp32 replicate (``Replicate.to_dict``), kept with the study so that a
             resumed tune judges against the same spread without running it again.
+        hardware: the fingerprint of the hardware the trials run on, recorded in the study;
+            a study that holds another is refused. ``None`` records and checks nothing.
+        sleep: waits while the only candidates left are those other workers are running.
 
     Returns:
-        Every measured candidate and why the search stopped.
+        Every measured candidate (this worker's and, from the study, the others'), and why the
+        search stopped.
+
+    Raises:
+        MpadviseError: the storage cannot be opened or is lost, or the study was made for other
+            hardware or another space.
     """
+    import sqlalchemy.exc
+
     start = clock()
     outcome = SearchOutcome()
     outcome.measured.update(known or {})
-    study = _load_study(options.storage, study_name, resume=options.resume, seed=options.seed)
-    _claim_space(study, space, study_name)
-    if replicate is not None:
-        study.set_user_attr(STUDY_ATTR_REPLICATE, replicate)
-    _restore(study, outcome)
-    grid = space.grid()
-    _enqueue_first(study, space, first)
-    priors = _Priors(space, reference_goodput, dtype_ratio, enabled=not options.no_priors)
-    _search_loop(study, space, grid, evaluate, options, priors, outcome, lambda: clock() - start, on_trial)
+    name = worker_name()
+    backend, heartbeat = _open(options.storage) if options.storage is not None else (None, None)
+    worker = _Worker(name, backend, heartbeat, dict(known or {}), sleep)
+    study, made = _open_study(options.storage, study_name, resume=options.resume, seed=options.seed, worker=name)
+    try:
+        if made:  # at once, so that workers joining in a moment find the first candidates queued
+            _enqueue_first(study, space, first)
+        _check_hardware(study, study_name, hardware, record=True)
+        _claim_space(study, space, study_name, shared=shared_storage(options.storage))
+        if replicate is not None:
+            study.set_user_attr(STUDY_ATTR_REPLICATE, replicate)
+        if not made and not shared_storage(options.storage):  # a resumed study of this machine
+            _enqueue_first(study, space, first)
+        priors = _Priors(space, reference_goodput, dtype_ratio, enabled=not options.no_priors)
+        _search_loop(study, space, evaluate, options, priors, outcome, lambda: clock() - start, on_trial, worker)
+    except sqlalchemy.exc.SQLAlchemyError as exc:  # the server went away mid-search
+        raise MpadviseError(
+            f"lost the Optuna study storage {shown_url(options.storage)!r}: {_first_line(exc)}; the trials it holds "
+            "are kept: run the same command again to continue"
+        ) from None
     outcome.pruned = {c: why for c, why in outcome.pruned.items() if c not in outcome.measured}
     outcome.wall_s = clock() - start
     return outcome
 
 
-def _search_loop(study: Any, space: SearchSpace, grid: list[Candidate], evaluate: Callable[[Candidate], Measured],
-                 options: TuneOptions, priors: _Priors, outcome: SearchOutcome, elapsed: Callable[[], float],
-                 on_trial: Callable[[Candidate, Measured], None] | None) -> None:
-    """Ask the sampler, run what is promising and new, tell it the rest, until a budget is spent."""
+def _search_loop(study: Any, space: SearchSpace, evaluate: Callable[[Candidate], Measured], options: TuneOptions,
+                 priors: _Priors, outcome: SearchOutcome, elapsed: Callable[[], float],
+                 on_trial: Callable[[Candidate, Measured], None] | None, worker: _Worker) -> None:
+    """Ask the sampler, run what is promising, new and claimed by no other worker, tell it the
+    rest, until a budget is spent or nothing is left to run."""
+    grid = space.grid()
     duplicates = 0
+    announced: set[int] = set()
     while True:
+        _fail_stale(study)
+        claimed = _take_in(study, outcome, worker)
         untried = [c for c in grid if c not in outcome.measured]
         outcome.stop_reason = _budget_spent(outcome, options, elapsed, untried, len(grid))
         if outcome.stop_reason:
@@ -196,20 +496,112 @@ def _search_loop(study: Any, space: SearchSpace, grid: list[Candidate], evaluate
                 "matmul ratios, memory fit and measured variants)"
             )
             break
-        trial = study.ask()
-        candidate = _suggest(trial, space)
-        if candidate in outcome.measured or candidate not in promising:
-            _tell_without_running(study, trial, candidate, outcome, priors)
-            duplicates += 1
-            if duplicates >= MAX_DUPLICATE_PROPOSALS:
-                # The sampler keeps proposing what is known: pick the most promising untried one.
-                study.enqueue_trial(_params(space, priors.most_promising(promising, outcome.measured)))
-                duplicates = 0
+        if all(c in claimed for c in promising):
+            # What is left runs on other workers: wait for their results, or for a silent
+            # worker's trial to come back to the queue.
+            announced = _wait(claimed, promising, announced, worker)
             continue
-        duplicates = 0
-        _run_trial(study, trial, candidate, evaluate, outcome)
-        if on_trial:
-            on_trial(candidate, outcome.measured[candidate])
+        trial = _ask(study)
+        with _beating(worker.backend, trial):
+            done, candidate = _propose(study, trial, space, grid, evaluate, priors, outcome, worker)
+        if done == "ran":
+            duplicates = 0
+            if on_trial:
+                on_trial(candidate, outcome.measured[candidate])
+            continue
+        duplicates += 1
+        # The sampler keeps proposing what is known, or proposed what another worker runs (its
+        # first proposals are random draws): queue the most promising free candidate instead.
+        if duplicates >= MAX_DUPLICATE_PROPOSALS or done == "taken":
+            claimed = _take_in(study, outcome, worker)
+            free = [c for c in priors.promising([c for c in grid if c not in outcome.measured], outcome.measured)
+                    if c not in claimed]
+            if free:
+                study.enqueue_trial(_params(space, priors.most_promising(free, outcome.measured)))
+            duplicates = 0
+
+
+def _propose(study: Any, trial: Any, space: SearchSpace, grid: list[Candidate],
+             evaluate: Callable[[Candidate], Measured], priors: _Priors, outcome: SearchOutcome,
+             worker: _Worker) -> tuple[str, Candidate]:
+    """Claim the trial's candidate, then run it, or tell or close the trial without running it
+    when it is measured, pruned, or another worker runs it.
+
+    Returns:
+        ``"ran"``, ``"told"`` (measured or pruned already) or ``"taken"`` (another worker
+        runs it), and the candidate.
+    """
+    candidate = _suggest(trial, space)
+    # The claim is written before the look at the others: of two workers that propose one
+    # candidate at once, the later look sees the earlier claim, so both never run it.
+    trial.set_user_attr(TRIAL_ATTR_CLAIM, {**_candidate_to(candidate), "trial": trial.number, "worker": worker.name})
+    claimed = _take_in(study, outcome, worker, exclude=trial.number)
+    promising = priors.promising([c for c in grid if c not in outcome.measured], outcome.measured)
+    if candidate in outcome.measured or candidate not in promising:
+        _tell_without_running(study, trial, candidate, outcome, priors, worker)
+        return "told", candidate
+    if candidate in claimed:
+        _close(study, trial, f"not run: trial {claimed[candidate]} of another worker runs {candidate.label}")
+        return "taken", candidate
+    _run_trial(study, trial, candidate, evaluate, outcome, worker)
+    return "ran", candidate
+
+
+def _ask(study: Any) -> Any:
+    with _quiet():
+        return study.ask()
+
+
+@contextlib.contextmanager
+def _beating(backend: Any, trial: Any) -> Iterator[None]:
+    """Send the trial's heartbeats while the block runs; nothing for a storage without them.
+
+    Optuna beats for the trials that ``Study.optimize`` runs; a search by ask and tell beats for
+    its own, from a thread, so that a trial's subprocess may take as long as it needs.
+    """
+    interval = None if backend is None else backend.get_heartbeat_interval()
+    if interval is None:
+        yield
+        return
+    trial_id = trial._trial_id  # Optuna keys heartbeats by the storage's trial id, not the number
+    backend.record_heartbeat(trial_id)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(interval):
+            try:
+                backend.record_heartbeat(trial_id)
+            except Exception as exc:  # a hiccup of the server: the next beat may get through
+                get_logger().debug(f"heartbeat of trial {trial.number} not recorded: {_first_line(exc)}")
+
+    thread = threading.Thread(target=beat, name=f"mpadvise-heartbeat-{trial.number}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _fail_stale(study: Any) -> None:
+    """Fail the trials whose workers stopped sending heartbeats; Optuna's retry callback queues
+    a copy of each (up to the retry limit), which the next ``ask`` of a live worker takes."""
+    import optuna
+
+    with _quiet():
+        optuna.storages.fail_stale_trials(study)
+
+
+def _wait(claimed: dict[Candidate, int], promising: list[Candidate], announced: set[int], worker: _Worker) -> set[int]:
+    """Wait a while for the trials other workers run; say so once for each new set of them."""
+    waiting = {c: claimed[c] for c in promising if c in claimed}
+    numbers = set(waiting.values())
+    if not numbers <= announced:
+        listed = ", ".join(f"{n} ({c.label})" for c, n in sorted(waiting.items(), key=lambda item: item[1]))
+        after = f"; a trial whose worker goes silent runs again after {worker.heartbeat.grace_s} s" if worker.heartbeat else ""
+        get_logger().info(f"waiting for the trials other workers are running: {listed}{after}")
+    worker.sleep(worker.poll_s)
+    return announced | numbers
 
 
 @dataclass(frozen=True)
@@ -249,37 +641,87 @@ class _Priors:
                                              [-x for x in preference_key(c, self.space.user_batch)]))
 
 
-def _claim_space(study: Any, space: SearchSpace, study_name: str) -> None:
+def _claim_space(study: Any, space: SearchSpace, study_name: str, *, shared: bool) -> None:
     """Record the space in the study, refusing a stored study made for another one."""
-    space_json = json.dumps({"modes": space.modes, "micro_batches": space.micro_batches, "user_batch": space.user_batch})
+    # Everything that decides which candidates exist: a framework's limits and FSDP2's reduction
+    # dimension too, so a script that changed framework or started sharding gets no stale space.
+    limits = space.limits
+    space_json = json.dumps({"modes": space.modes, "micro_batches": space.micro_batches, "user_batch": space.user_batch,
+                             "fsdp": space.fsdp, "loss_scale_kinds": limits.loss_scale_kinds,
+                             "loss_scale_settings": limits.loss_scale_settings})
     stored_space = study.user_attrs.get(STUDY_ATTR_SPACE)
     if stored_space is not None and stored_space != space_json:
-        raise MpadviseError(
-            f"study {study_name!r} was made for another search space ({stored_space}); "
-            "run without --resume to start a fresh study"
-        )
+        fix = ("tune on every worker with the same --mode, --scale-batch and --include-emulated, or delete the study "
+               f"(optuna delete-study --study-name {study_name} --storage URL)" if shared
+               else "run without --resume to start a fresh study")
+        raise MpadviseError(f"study {study_name!r} was made for another search space ({stored_space}); {fix}")
     study.set_user_attr(STUDY_ATTR_SPACE, space_json)
 
 
-def _restore(study: Any, outcome: SearchOutcome) -> None:
-    """Take in what the study's completed trials measured (a resumed study); a proposal the
-    priors pruned stays pruned, so that another run (``--no-priors``) may still measure it."""
+def _take_in(study: Any, outcome: SearchOutcome, worker: _Worker, *, exclude: int | None = None) -> dict[Candidate, int]:
+    """Take in what the study's finished trials measured (an earlier run's, another worker's),
+    and return the candidates other trials are running now, with those trials' numbers.
+
+    The first result of a candidate counts (this worker's own reference before any other). A
+    proposal the priors pruned stays pruned, so that another run (``--no-priors``) may still
+    measure it. A candidate whose trials lost their workers more often than they are retried
+    is given up as a crash.
+
+    Args:
+        exclude: the number of this worker's own trial, which is no rival to itself.
+    """
     import optuna
 
-    for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        data = frozen.user_attrs.get(TRIAL_ATTR_RESULT)
-        if not data:
+    state = optuna.trial.TrialState
+    claimed: dict[Candidate, int] = {}
+    silent: dict[Candidate, list[int]] = {}
+    for frozen in study.get_trials(deepcopy=False):
+        if frozen.state == state.COMPLETE:
+            _take_result(frozen.user_attrs.get(TRIAL_ATTR_RESULT), outcome)
             continue
-        m = _measured_from(data)
-        # A measured result always has an outcome; an empty one is a pruned proposal stored
-        # before pruned proposals were marked as such.
-        if data.get("pruned") or not m.outcome:
-            outcome.pruned.setdefault(m.candidate, m.reason or "not run: the priors ruled it out")
+        claim = _claim_of(frozen)
+        if claim is None or frozen.number == exclude:
             continue
-        if m.candidate not in outcome.measured:
-            outcome.resumed += 1
-        outcome.measured[m.candidate] = m
-        outcome.order.append(m.candidate)
+        if frozen.state == state.RUNNING:
+            claimed.setdefault(claim, frozen.number)
+        elif frozen.state == state.FAIL and TRIAL_ATTR_CLOSED not in frozen.user_attrs:
+            silent.setdefault(claim, []).append(frozen.number)  # failed as stale: its worker went silent
+    if worker.heartbeat is not None:
+        for cand, numbers in silent.items():
+            if len(numbers) > worker.heartbeat.max_retry and cand not in outcome.measured and cand not in claimed:
+                outcome.measured[cand] = Measured(
+                    cand, 0.0, feasible=False, stable=False, outcome="crash",
+                    reason=(f"not run again: its trials {', '.join(map(str, numbers))} lost their workers (no heartbeat "
+                            f"for {worker.heartbeat.grace_s} s), more often than the {worker.heartbeat.max_retry} "
+                            f"retries ({MAX_RETRY_ENV})"))
+                outcome.order.append(cand)
+    return claimed
+
+
+def _take_result(data: Any, outcome: SearchOutcome) -> None:
+    """Take in one finished trial's stored result, unless the candidate is measured already."""
+    if not isinstance(data, dict):
+        return
+    m = _measured_from(data)
+    # A measured result always has an outcome; an empty one is a pruned proposal stored
+    # before pruned proposals were marked as such.
+    if data.get("pruned") or not m.outcome:
+        outcome.pruned.setdefault(m.candidate, m.reason or "not run: the priors ruled it out")
+        return
+    if m.candidate in outcome.measured:
+        return
+    outcome.resumed += 1
+    outcome.measured[m.candidate] = m
+    outcome.order.append(m.candidate)
+
+
+def _claim_of(frozen: Any) -> Candidate | None:
+    """The candidate a trial claimed; ``None`` for none, or for a retried copy's inherited
+    claim, which names the number of the trial it copies."""
+    claim = frozen.user_attrs.get(TRIAL_ATTR_CLAIM)
+    if not isinstance(claim, dict) or claim.get("trial") != frozen.number:
+        return None
+    return _candidate_from(claim)
 
 
 def _enqueue_first(study: Any, space: SearchSpace, first: list[Candidate]) -> None:
@@ -315,35 +757,69 @@ def _budget_spent(
 
 
 def _tell_without_running(study: Any, trial: Any, candidate: Candidate, outcome: SearchOutcome,
-                          priors: _Priors) -> None:
+                          priors: _Priors, worker: _Worker) -> None:
     """Tell the sampler what is known (or bounded) of a proposal, without running it.
 
     A pruned proposal is told as infeasible, which steers the sampler away from it, and is
-    stored marked as pruned: it was never measured.
+    stored marked as pruned: it was never measured. The first telling of this worker's own
+    reference is stored as such; every other known result as a copy.
     """
     known = outcome.measured.get(candidate)
     if known is not None:
-        _tell(study, trial, known, known.goodput)
+        source = "reference" if worker.reference.pop(candidate, None) is not None else "known"
+        _tell(study, trial, known, known.goodput, source=source, worker=worker.name)
         return
     reason = outcome.pruned[candidate] = priors.why_pruned(candidate, outcome.measured)
     _tell(study, trial, Measured(candidate, 0.0, feasible=False, stable=False, outcome="pruned", reason=reason),
-          0.0, pruned=True)
+          0.0, source="pruned", worker=worker.name)
 
 
 def _run_trial(study: Any, trial: Any, candidate: Candidate, evaluate: Callable[[Candidate], Measured],
-               outcome: SearchOutcome) -> None:
-    measured = evaluate(candidate)
+               outcome: SearchOutcome, worker: _Worker) -> None:
+    import optuna
+
+    try:
+        measured = evaluate(candidate)
+    except BaseException:
+        # Interrupted (Ctrl-C), or the runner failed: close the trial so that no worker waits
+        # for it; the candidate stays untried, for --resume or another worker.
+        with contextlib.suppress(Exception):
+            _close(study, trial, f"not finished: {worker.name} stopped while running it")
+        raise
     outcome.runs += 1
     outcome.measured[candidate] = measured
     outcome.order.append(candidate)
-    _tell(study, trial, measured, measured.goodput)
+    try:
+        _tell(study, trial, measured, measured.goodput, source="run", worker=worker.name)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        grace = worker.heartbeat.grace_s if worker.heartbeat else 0
+        get_logger().warning(
+            f"trial {trial.number} ({candidate.label}) was failed by another worker while it ran here (no heartbeat "
+            f"reached the study for {grace} s): its result counts in this tune only, and the study runs it again")
 
 
-def _tell(study: Any, trial: Any, measured: Measured, value: float, *, pruned: bool = False) -> None:
+def _close(study: Any, trial: Any, why: str) -> None:
+    """End a trial without a result (FAIL, which the sampler ignores), saying why."""
+    import optuna
+
+    trial.set_user_attr(TRIAL_ATTR_CLOSED, why)
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def _tell(study: Any, trial: Any, measured: Measured, value: float, *, source: str, worker: str) -> None:
+    """Store a result with the trial and finish it.
+
+    Args:
+        source: ``run`` (measured by this trial), ``reference`` (this worker's fp32 reference,
+            measured outside the study), ``known`` (a copy of a result already measured) or
+            ``pruned`` (ruled out by the priors, never measured).
+        worker: the worker that tells it.
+    """
     # Constraints (> 0 violates): instability and not fitting are what TPE must learn to avoid.
     trial.set_constraint("unstable", 0.0 if measured.stable else 1.0)
     trial.set_constraint("infeasible", 0.0 if measured.feasible else 1.0)
-    trial.set_user_attr(TRIAL_ATTR_RESULT, {**_measured_to(measured), "pruned": pruned})
+    trial.set_user_attr(TRIAL_ATTR_RESULT, {**_measured_to(measured), "pruned": source == "pruned", "source": source,
+                                            "worker": worker})
     study.tell(trial, value)
 
 
@@ -352,18 +828,25 @@ def best_goodput(measured: dict[Candidate, Measured]) -> float:
     return max(stable, default=0.0)
 
 
+def _candidate_to(c: Candidate) -> dict[str, Any]:
+    return dataclasses.asdict(c)
+
+
+def _candidate_from(data: Mapping[str, Any]) -> Candidate:
+    """A candidate from its stored fields; a field a study stored before it existed keeps its default."""
+    return Candidate(**{f.name: data.get(f.name, f.default) for f in dataclasses.fields(Candidate)})
+
+
 def _measured_to(m: Measured) -> dict[str, Any]:
-    c = m.candidate
     return {
-        "mode": c.mode, "micro_batch": c.micro_batch, "loss_scale": c.loss_scale, "init_scale": c.init_scale,
-        "growth_interval": c.growth_interval, "goodput": m.goodput, "feasible": m.feasible, "stable": m.stable,
+        **_candidate_to(m.candidate), "goodput": m.goodput, "feasible": m.feasible, "stable": m.stable,
         "oom": m.oom, "outcome": m.outcome, "reason": m.reason[:2000], "verdict_kind": m.verdict_kind,
     }
 
 
-def _measured_from(data: dict[str, Any]) -> Measured:
-    cand = Candidate(data["mode"], data.get("micro_batch"), data.get("loss_scale"), data.get("init_scale"), data.get("growth_interval"))
+def _measured_from(data: Mapping[str, Any]) -> Measured:
     return Measured(
-        cand, float(data["goodput"]), bool(data["feasible"]), bool(data["stable"]), bool(data.get("oom", False)),
-        str(data.get("outcome", "")), str(data.get("reason", "")), str(data.get("verdict_kind", "")),
+        _candidate_from(data), float(data["goodput"]), bool(data["feasible"]), bool(data["stable"]),
+        bool(data.get("oom", False)), str(data.get("outcome", "")), str(data.get("reason", "")),
+        str(data.get("verdict_kind", "")),
     )

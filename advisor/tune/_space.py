@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from advisor.tune._stability import safety_rank
 from policies import LossScale, Policy, mode_classes, mode_dtypes
+from policies._config import default_reduce_dtype, reduce_dtype_choices
 
 # The loss scales tried for a mode that scales its loss (PrecisionMode.loss_scaling).
 FP16_INIT_SCALES: tuple[float, ...] = (2.0**8, 2.0**12, 2.0**16)
@@ -30,6 +31,10 @@ PRIOR_SLACK = 1.25
 # each backward sums fewer samples into its fp16 gradients; and anything in a model with
 # BatchNorm, which normalises over the micro-batch, so a split changes the forward pass itself.
 SPLIT_KEEPS: frozenset[str] = frozenset({"stalled", "underflow"})
+# The Optuna values of the gradient reduction dimension (FSDP2 scripts): fp32, or the mode's own
+# 16-bit dtype. One list for every mode, since a categorical parameter keeps its choices for
+# the whole study, and bf16 and fp16 modes share the dimension.
+REDUCE_CHOICES: tuple[str, ...] = ("fp32", "16-bit")
 
 
 @dataclass(frozen=True, order=True)
@@ -42,6 +47,9 @@ class Candidate:
         loss_scale: ``"dynamic"`` or ``"static"`` (modes that scale the loss: fp16-mixed).
         init_scale: initial (dynamic) or fixed (static) loss scale (same modes).
         growth_interval: clean steps between scale growths (dynamic loss scaling only).
+        reduce_dtype: the dtype FSDP2 reduces gradients in (``"fp32"``, or the mode's 16-bit
+            dtype); ``None`` where the script does not shard with FSDP2, or the mode offers no
+            choice.
     """
 
     mode: str
@@ -49,6 +57,7 @@ class Candidate:
     loss_scale: str | None = None
     init_scale: float | None = None
     growth_interval: int | None = None
+    reduce_dtype: str | None = None
 
     def policy(self, user_batch: int | None) -> Policy:
         """The Policy a trial runs: accumulation keeps the global batch when the micro-batch
@@ -64,7 +73,8 @@ class Candidate:
         if self.micro_batch is not None and self.micro_batch != user_batch:
             micro = self.micro_batch
             accum = max(1, user_batch // self.micro_batch) if user_batch and self.micro_batch < user_batch else 1
-        return Policy(mode=self.mode, loss_scale=loss_scale, micro_batch_size=micro, grad_accum_steps=accum)
+        return Policy(mode=self.mode, loss_scale=loss_scale, micro_batch_size=micro, grad_accum_steps=accum,
+                      reduce_dtype=self.reduce_dtype)
 
     @property
     def label(self) -> str:
@@ -73,6 +83,8 @@ class Candidate:
             parts.append(f"{self.loss_scale} 2^{int(math.log2(self.init_scale or 65536))}")
             if self.loss_scale == "dynamic" and self.growth_interval:
                 parts.append(f"g{self.growth_interval}")
+        if self.reduce_dtype is not None:
+            parts.append(f"reduce-{self.reduce_dtype}")
         if self.micro_batch is not None:
             parts.append(f"mb{self.micro_batch}")
         return " ".join(parts)
@@ -87,6 +99,8 @@ class Candidate:
             out["init_scale"] = self.init_scale or 65536.0
             if (self.loss_scale or "dynamic") == "dynamic":
                 out["growth_interval"] = self.growth_interval or 2000
+        if self.reduce_dtype is not None:
+            out["reduce_dtype"] = REDUCE_CHOICES[0] if self.reduce_dtype == "fp32" else REDUCE_CHOICES[1]
         return out
 
 
@@ -139,6 +153,9 @@ class SearchSpace:
         scale_batch: whether micro-batches above the user's batch (a larger global batch,
             which changes the optimisation) are allowed.
         limits: what the script's way of training can apply (a framework's limits).
+        fsdp: whether the script shards with FSDP2 (its reference trial called
+            ``mp.fsdp_mixed_precision()``): the dtype of the gradient reduction is then a
+            dimension of the 16-bit modes.
     """
 
     modes: tuple[str, ...]
@@ -146,32 +163,48 @@ class SearchSpace:
     user_batch: int | None
     scale_batch: bool = False
     limits: SpaceLimits = SpaceLimits()
+    fsdp: bool = False
+
+    def reduce_options(self, mode: str) -> list[str]:
+        """The Optuna values of the reduction dtype for ``mode`` (``REDUCE_CHOICES``); empty
+        where it is no dimension (no FSDP2, or a mode that reduces in fp32 only)."""
+        return list(REDUCE_CHOICES) if self.fsdp and len(reduce_dtype_choices(mode)) > 1 else []
+
+    def reduce_dtype(self, mode: str, value: str) -> str:
+        """The reduction dtype an Optuna value (``REDUCE_CHOICES``) means for ``mode``."""
+        return "fp32" if value == REDUCE_CHOICES[0] else reduce_dtype_choices(mode)[-1]
 
     def normalise(self, candidate: Candidate) -> Candidate:
-        """Drop settings that do not apply, so equal policies compare equal."""
+        """Drop settings that do not apply, so equal policies compare equal; under FSDP2 the
+        reduction dtype is always named (the mode's default when the candidate leaves it out)."""
         micro = candidate.micro_batch
         if micro == self.user_batch:
             micro = None  # the script's own batch
+        reduce = None
+        if self.reduce_options(candidate.mode):
+            reduce = candidate.reduce_dtype or default_reduce_dtype(candidate.mode)
         if not scales_loss(candidate.mode):
-            return Candidate(candidate.mode, micro)
+            return Candidate(candidate.mode, micro, reduce_dtype=reduce)
         kind = candidate.loss_scale or "dynamic"
         return Candidate(
             candidate.mode, micro, kind, candidate.init_scale or 65536.0,
-            (candidate.growth_interval or 2000) if kind == "dynamic" else None,
+            (candidate.growth_interval or 2000) if kind == "dynamic" else None, reduce,
         )
 
     def grid(self) -> list[Candidate]:
         """Every candidate: what an exhaustive search would run."""
         out = []
         for mode in self.modes:
+            reduces = [self.reduce_dtype(mode, v) for v in self.reduce_options(mode)] or [None]
             for micro in self.micro_batches:
-                if not scales_loss(mode):
-                    out.append(self.normalise(Candidate(mode, micro)))
-                    continue
-                for scale in FP16_INIT_SCALES:
-                    out.append(self.normalise(Candidate(mode, micro, "static", scale)))
-                    for growth in FP16_GROWTH_INTERVALS:
-                        out.append(self.normalise(Candidate(mode, micro, "dynamic", scale, growth)))
+                for reduce in reduces:
+                    if not scales_loss(mode):
+                        out.append(self.normalise(Candidate(mode, micro, reduce_dtype=reduce)))
+                        continue
+                    for scale in FP16_INIT_SCALES:
+                        out.append(self.normalise(Candidate(mode, micro, "static", scale, reduce_dtype=reduce)))
+                        for growth in FP16_GROWTH_INTERVALS:
+                            out.append(self.normalise(Candidate(mode, micro, "dynamic", scale, growth, reduce)))
         return [c for c in dict.fromkeys(out) if self.limits.allows(c)]
 
 
@@ -202,6 +235,7 @@ def space_for(
     scale_batch: bool = False,
     modes: Iterable[str] | None = None,
     limits: SpaceLimits | None = None,
+    fsdp: bool = False,
 ) -> SearchSpace:
     """The space on this hardware: supported modes only; FP8 emulation only when asked for.
 
@@ -213,6 +247,7 @@ def space_for(
         modes: restrict to these modes (each must be supported).
         limits: what the script's way of training can apply; modes outside it are left out,
             and without micro-batch splits the only micro-batch is the script's own.
+        fsdp: the script shards with FSDP2: search the dtype of the gradient reduction too.
     """
     limits = limits or SpaceLimits()
     wanted = list(modes) if modes else list(support)
@@ -231,7 +266,7 @@ def space_for(
     if "fp32" not in chosen:
         chosen.insert(0, "fp32")
     micro = micro_batch_choices(user_batch, scale_batch=scale_batch) if limits.micro_batch else ((user_batch,) if user_batch else ())
-    return SearchSpace(tuple(chosen), micro, user_batch, scale_batch, limits)
+    return SearchSpace(tuple(chosen), micro, user_batch, scale_batch, limits, fsdp)
 
 
 @dataclass(frozen=True)
@@ -278,8 +313,10 @@ def upper_bound(
             return 0.0
     # Only stable runs bound a variant: an unstable run's goodput is lowered by the steps it
     # skipped, which another loss scale may not skip, so it says nothing of the variant's speed.
+    # A run that reduced its gradients in more bytes than the candidate does bounds nothing either.
     runs = [m.goodput for m in same_mode
-            if m.stable and m.feasible and (m.candidate.micro_batch or user_batch or 0) >= size]
+            if m.stable and m.feasible and (m.candidate.micro_batch or user_batch or 0) >= size
+            and (candidate.reduce_dtype in (None, "fp32") or m.candidate.reduce_dtype == candidate.reduce_dtype)]
     if runs:
         # Another loss scale, or a smaller micro-batch accumulated back, does not make a step
         # faster than a measured run of the same mode at a batch at least as large.
@@ -293,14 +330,16 @@ def upper_bound(
 
 
 def _same_settings(a: Candidate, b: Candidate) -> bool:
-    """Same mode and loss scaling, whatever the micro-batch."""
-    return (a.mode, a.loss_scale, a.init_scale, a.growth_interval) == (b.mode, b.loss_scale, b.init_scale, b.growth_interval)
+    """Same mode, loss scaling and reduction dtype, whatever the micro-batch."""
+    return ((a.mode, a.loss_scale, a.init_scale, a.growth_interval, a.reduce_dtype)
+            == (b.mode, b.loss_scale, b.init_scale, b.growth_interval, b.reduce_dtype))
 
 
-def preference_key(candidate: Candidate, user_batch: int | None) -> tuple[int, int, int]:
+def preference_key(candidate: Candidate, user_batch: int | None) -> tuple[int, int, int, int]:
     """Sort key among ties: safer mode first, then fewer accumulation steps, then dynamic
-    loss scaling (it adapts) over static."""
+    loss scaling (it adapts) over static, then gradients reduced in fp32 over 16 bits."""
     accum = 1
     if candidate.micro_batch and user_batch and candidate.micro_batch < user_batch:
         accum = user_batch // candidate.micro_batch
-    return (safety_rank(candidate.mode), accum, 0 if candidate.loss_scale in (None, "dynamic") else 1)
+    return (safety_rank(candidate.mode), accum, 0 if candidate.loss_scale in (None, "dynamic") else 1,
+            0 if candidate.reduce_dtype in (None, "fp32") else 1)

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import probes
+from advisor._entry import module_argv
 from advisor._log import get_logger
 from advisor.tune._child import run_in_process
-from advisor.tune._options import TuneOptions
+from advisor.tune._options import TuneOptions, check_rank_device
 from advisor.tune._stability import StabilityThresholds, TrialCurve, Verdict, judge
 from advisor.tune._timing import TimingSummary, compare, goodput, summarize
 from policies import Policy
@@ -65,19 +66,22 @@ class TrialSettings:
     no_step_timeout: float = 120.0
     device: str | None = None
     framework: str | None = None
+    nproc_per_node: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("warmup_steps", "measure_steps"):
+        for name in ("warmup_steps", "measure_steps", "nproc_per_node"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "measure_steps" else 0):
-                raise MpadviseError(f"{name.replace('_', '-')}: {value!r} is not allowed; expected a whole number >= {1 if name == 'measure_steps' else 0}")
+            least = 0 if name == "warmup_steps" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise MpadviseError(f"{name.replace('_', '-')}: {value!r} is not allowed; expected a whole number >= {least}")
+        check_rank_device(self.nproc_per_node, self.device)
 
     @classmethod
     def for_tune(cls, options: TuneOptions) -> TrialSettings:
         """The measuring window and limits that a tune's options ask of every trial."""
         return cls(warmup_steps=options.warmup, measure_steps=options.steps, seed=options.seed,
                    memory_limit=options.memory_limit_bytes, timeout=options.timeout, device=options.device,
-                   framework=options.framework)
+                   framework=options.framework, nproc_per_node=options.nproc_per_node)
 
     def spec(self, policy: Policy, result_path: str, label: str) -> TrialSpec:
         return TrialSpec(
@@ -91,7 +95,27 @@ class TrialSettings:
             device=self.device,
             label=label,
             framework=self.framework,
+            nproc_per_node=self.nproc_per_node,
         )
+
+    def launch(self, python: str, launch: Sequence[str] = ()) -> tuple[str, ...]:
+        """What goes between the interpreter (``python``) and the script for a trial under
+        these settings.
+
+        One process: ``launch`` itself (a framework script's ``-P -m advisor.frameworks._boot
+        FRAMEWORK``, or nothing). Several: torchrun on this node (``--standalone``, so each
+        trial's rendezvous takes a free port, and no restarts: a failure is the trial's
+        outcome), which starts ``python LAUNCH SCRIPT ARGS`` as each of its processes: every
+        rank runs the command line a one-process trial runs.
+        """
+        if self.nproc_per_node == 1:
+            return tuple(launch)
+        return (*module_argv(TORCHRUN_MODULE), "--nproc-per-node", str(self.nproc_per_node), "--standalone",
+                "--max-restarts", "0", "--no-python", python, *launch)
+
+
+TORCHRUN_MODULE = "torch.distributed.run"
+"""torchrun, run as a module of the trial's own interpreter."""
 
 
 def replicate_seed(seed: int) -> int:
@@ -197,7 +221,7 @@ class ScriptRunner:
         path = os.path.join(self._dir.name, f"trial-{self._count}.json")
         spec = self.settings.spec(policy, path, label)
         return run_trial(self.script, self.args, spec, timeout=self.settings.timeout, python=self.python,
-                         launch=self.launch)
+                         launch=self.settings.launch(self.python, self.launch))
 
 
 class FunctionRunner:
@@ -209,6 +233,11 @@ class FunctionRunner:
     """
 
     def __init__(self, train_fn: Callable[[Any], Any], settings: TrialSettings) -> None:
+        if settings.nproc_per_node > 1:
+            raise MpadviseError(
+                f"nproc_per_node={settings.nproc_per_node}: a function is tuned in this one process; tune a "
+                f"script instead: mpadvise tune --nproc-per-node {settings.nproc_per_node} train.py"
+            )
         self.train_fn = train_fn
         self.settings = settings
 
@@ -295,6 +324,8 @@ class Evaluation:
             "global_batch": r.global_batch,
             "user_batch": r.user_batch,
             "notes": list(r.notes),
+            "ranks": r.ranks,
+            "fsdp": r.fsdp,
             "exit_code": r.exit_code,
             "stderr_tail": r.stderr_tail if self.result.outcome != "ok" else "",
             "wall_s": r.wall_s,
