@@ -62,9 +62,8 @@ class Fp8Torchao(Fp8Mode):
 
         return torch.float8_e4m3fn
 
-    def convert_module(self, module):
-        import torch
-
+    def linear_config(self) -> Any:
+        """torchao's ``Float8LinearConfig`` for the policy's recipe."""
         float8 = import_torchao_float8()
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe_name)
         if self.rule.token_multiple > 1:
@@ -73,17 +72,24 @@ class Fp8Torchao(Fp8Mode):
             # even when nothing is added), one byte per element: traffic that grows with the
             # operands' sizes, where the matmul's work grows with their product.
             config = dataclasses.replace(config, pad_inner_dim=True)
+        return config
 
-        def eligible(mod: torch.nn.Module, fqn: str) -> bool:
-            if not isinstance(mod, torch.nn.Linear):
-                return False
-            if not self.fp8_eligible(fqn, mod.in_features, mod.out_features):
-                return False
-            self.converted.append(fqn)
-            return True
+    def module_filter(self, module: Any, fqn: str) -> bool:
+        """torchao's ``module_filter_fn``: whether to swap this module; records the Linears it swaps."""
+        import torch
 
+        if not isinstance(module, torch.nn.Linear):
+            return False
+        if not self.fp8_eligible(fqn, module.in_features, module.out_features):
+            return False
+        self.converted.append(fqn)
+        return True
+
+    def convert_module(self, module):
+        float8 = import_torchao_float8()
         ties = tied_parameters(module)
-        module = float8.convert_to_float8_training(module, module_filter_fn=eligible, config=config)
+        module = float8.convert_to_float8_training(module, module_filter_fn=self.module_filter,
+                                                   config=self.linear_config())
         # Float8Linear reuses the Linear's Parameter, except where a config wraps the weight
         # in a new one (FSDP float8 all-gather): then the tie is made again here.
         retie(module, ties)

@@ -102,6 +102,9 @@ def trial(
     timeout: Annotated[float, typer.Option(help="Seconds before a trial is killed.")] = 600.0,
     seed: Annotated[int, typer.Option(help="Seed shared by every trial.")] = 0,
     device: Annotated[str | None, typer.Option(help="cpu or cuda:N; default: the first GPU, else the CPU.")] = None,
+    nproc_per_node: Annotated[
+        int, typer.Option("--nproc-per-node", help="Processes per trial, launched through torchrun (one per GPU).")
+    ] = 1,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write loss curves and step times to this PNG.")] = None,
     json_output: JsonOption = False,
 ) -> None:
@@ -110,8 +113,8 @@ def trial(
 
     code = run_trial_command(
         script, script_args or [], modes=mode or [], steps=steps, warmup=warmup, memory_limit=memory_limit,
-        timeout=timeout, seed=seed, device=device, framework=framework, plot=plot, json_output=json_output,
-        console=console,
+        timeout=timeout, seed=seed, device=device, framework=framework, nproc_per_node=nproc_per_node, plot=plot,
+        json_output=json_output, console=console,
     )
     raise typer.Exit(code)
 
@@ -131,6 +134,24 @@ def run(
     from advisor.cli._run import run_command
 
     raise typer.Exit(run_command(script, script_args or [], config=config, framework=framework, device=device))
+
+
+@app.command()
+@handle_errors
+def export(
+    config: Annotated[
+        Path | None, typer.Argument(help="A config file (.toml, as mpadvise tune writes), or a training script (.py) whose policy resolves as mpadvise policy does.")
+    ] = None,
+    to: Annotated[
+        str | None, typer.Option("--to", help="lightning, fabric, transformers, accelerate, deepspeed or torchtitan.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write the export to this file instead of printing it.")] = None,
+    json_output: JsonOption = False,
+) -> None:
+    """Print a policy as a framework's own settings: faithful, or refused with the reason."""
+    from advisor.cli._export import export_command
+
+    export_command(config, target=to, out=out, json_output=json_output)
 
 
 # How each tune option reads on the command line where its field's type would not do.

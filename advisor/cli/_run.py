@@ -20,7 +20,7 @@ from advisor._load import POLICY_ENV, Resolution, resolve_policy
 from advisor._log import get_logger
 from advisor.cache._recommend import lookup
 from advisor.frameworks import check_expressible, plan_for, refusal
-from advisor.frameworks._boot import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
+from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
 from advisor.runtime._workload import script_digest
 from advisor.tune._checks import check_script
 from policies import Policy, safe_default
@@ -66,10 +66,10 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
     profile = probes.profile_for(device)
     resolution = resolve_for_run(path, config, profile)
     policy = resolution.policy
-    if resolution.source.startswith("safe default") and refusal(policy, plan.framework) is not None:
+    if resolution.source.startswith("safe default") and refusal(policy, plan.framework, device=profile.device) is not None:
         # The hardware's safe default is a mode this framework lacks (pure bf16): fp32 is safe anywhere.
         policy = Policy(mode="fp32")
-    check_expressible(policy, plan.framework, source=resolution.source)
+    check_expressible(policy, plan.framework, source=resolution.source, device=profile.device)
     # The child logs the one line naming the policy and its source, once it has applied it.
     with _policy_file(policy, config) as file:
         env[RUN_POLICY_ENV] = file

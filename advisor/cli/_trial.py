@@ -19,6 +19,7 @@ from advisor.cli._report import (
 )
 from advisor.frameworks import check_plan_modes, plan_for
 from advisor.tune._checks import check_modes, check_script, default_trial_modes
+from advisor.tune._options import check_rank_device
 from advisor.tune._trials import ScriptRunner, TrialSettings, run_comparison
 from policies import Policy
 from probes import hardware_fingerprint
@@ -39,6 +40,7 @@ def run_trial_command(
     seed: int,
     device: str | None,
     framework: str | None = None,
+    nproc_per_node: int = 1,
     plot: Path | None,
     json_output: bool,
     console: Console,
@@ -46,8 +48,9 @@ def run_trial_command(
     """Run the comparison and print it. Returns 0 when every candidate is stable, else 3."""
 
     path = check_script(script)
-    plan = plan_for(path, framework)
+    check_rank_device(nproc_per_node, device)  # before the device is looked up
     profile = probes.profile_for(device)
+    plan = plan_for(path, framework, device=profile.device)
     if modes:
         modes = check_plan_modes(plan, check_modes(modes, profile))
     else:  # every mode the hardware supports that the script's framework can apply
@@ -57,6 +60,7 @@ def run_trial_command(
     settings = TrialSettings(
         warmup_steps=warmup, measure_steps=steps, seed=seed, timeout=timeout, device=device,
         memory_limit=parse_memory(memory_limit) if memory_limit else None, framework=plan.framework,
+        nproc_per_node=nproc_per_node,
     )
     runner = ScriptRunner(path, script_args, settings, launch=plan.launch)
     candidates = [(Policy(mode=m), m) for m in modes]
@@ -72,7 +76,8 @@ def run_trial_command(
             "args": script_args,
             "framework": plan.framework,
             "hardware": {"name": profile.name, "fingerprint": hardware_fingerprint(profile), "device": settings.device or profile.device},
-            "settings": {"warmup_steps": warmup, "measure_steps": steps, "seed": seed, "memory_limit": settings.memory_limit},
+            "settings": {"warmup_steps": warmup, "measure_steps": steps, "seed": seed, "memory_limit": settings.memory_limit,
+                         "nproc_per_node": nproc_per_node},
             "reference": reference.to_dict(),
             "replicate": None if replicate is None else replicate.to_dict(),
             "candidates": [ev.to_dict() for ev in evaluations],

@@ -14,6 +14,7 @@ trial spec.
 from __future__ import annotations
 
 from ._detect import FRAMEWORKS, LOOP_API, detect_framework
+from ._export import EXPORT_TARGETS, Export, export_policy
 from ._plan import ScriptPlan, check_plan_modes, plan_for, space_limits
 from ._traits import (
     ACCELERATE_PRECISION,
@@ -28,16 +29,19 @@ from ._traits import (
 
 __all__ = [
     "ACCELERATE_PRECISION",
+    "EXPORT_TARGETS",
     "FRAMEWORKS",
     "LIGHTNING_PRECISION",
     "LOOP_API",
     "TRANSFORMERS_PRECISION",
+    "Export",
     "FrameworkTraits",
     "ScriptPlan",
     "check_plan_modes",
     "check_expressible",
     "check_framework",
     "detect_framework",
+    "export_policy",
     "plan_for",
     "refusal",
     "space_limits",

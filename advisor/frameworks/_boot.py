@@ -19,6 +19,7 @@ from typing import Any
 import probes
 from advisor._log import get_logger
 from advisor.frameworks._detect import FRAMEWORKS
+from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
 from advisor.frameworks._recorder import FrameworkRecorder, recorder_for
 from advisor.frameworks._traits import refusal
 from advisor.tune._child import _exit, _install_excepthook, seed_everything, spec_from_env
@@ -26,22 +27,9 @@ from policies import Policy, PolicyError, load_config, supported_modes
 from probes import MpadviseError
 from probes._trial import EXIT_UNSUPPORTED
 
-MODULE = "advisor.frameworks._boot"
-RUN_POLICY_ENV = "MPADVISE_RUN_POLICY"
-"""Set by ``mpadvise run``: the config file to apply."""
-RUN_SOURCE_ENV = "MPADVISE_RUN_SOURCE"
-"""Set by ``mpadvise run``: where that policy came from, for the one line it logs."""
-
 # Lightning's Trainer and Fabric share one adapter module.
 _ADAPTERS = {"lightning": "_lightning", "fabric": "_lightning", "transformers": "_transformers",
              "accelerate": "_accelerate"}
-
-
-def launch_argv(framework: str) -> list[str]:
-    """What goes between the interpreter and the script to run it under this module."""
-    from advisor._entry import module_argv
-
-    return [*module_argv(MODULE), framework]
 
 
 def adapter(framework: str) -> Any:
@@ -59,6 +47,8 @@ def _trial_policy(recorder: FrameworkRecorder, framework: str) -> Policy:
         raise  # unreachable: _exit ends the process
     profile = probes.profile_for(spec.device)
     support = supported_modes(profile, policy)[policy.mode]
+    # The device is left to the adapter, which checks what the framework really built there
+    # (the HF Trainer's fp16 on a CPU ends unsupported once its Accelerator shows fp32).
     reason = refusal(policy, framework)
     if not support.supported or reason is not None:
         why = reason or f"{policy.mode} cannot run on {profile.name}: {support.reason}"

@@ -5,11 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from advisor.frameworks._boot import launch_argv
+from advisor._entry import module_argv
 from advisor.frameworks._detect import LOOP_API, detect_framework
 from advisor.frameworks._traits import check_framework, traits
 from advisor.tune._space import SpaceLimits
 from probes import MpadviseError
+
+MODULE = "advisor.frameworks._boot"
+"""The child's entry point: ``python -m advisor.frameworks._boot FRAMEWORK SCRIPT ARGS``. Named,
+not imported, so that running it as ``__main__`` does not find it imported already."""
+RUN_POLICY_ENV = "MPADVISE_RUN_POLICY"
+"""Set by ``mpadvise run``: the config file to apply."""
+RUN_SOURCE_ENV = "MPADVISE_RUN_SOURCE"
+"""Set by ``mpadvise run``: where that policy came from, for the one line it logs."""
 
 _NAMES = {"lightning": "Lightning's Trainer", "fabric": "Lightning Fabric",
           "transformers": "the Hugging Face Trainer", "accelerate": "Accelerate"}
@@ -37,16 +45,26 @@ class ScriptPlan:
         return "the loop API" if self.framework is None else _NAMES[self.framework]
 
 
-def space_limits(framework: str) -> SpaceLimits:
-    """The search space limits of a framework: only what it can apply."""
+def launch_argv(framework: str) -> list[str]:
+    """What goes between the interpreter and the script to run it under the framework adapter."""
+    return [*module_argv(MODULE), framework]
+
+
+def space_limits(framework: str, *, device: str | None = None) -> SpaceLimits:
+    """The search space limits of a framework on ``device``: only what it can apply there."""
     t = traits(framework)
-    return SpaceLimits(modes=t.modes, micro_batch=t.sets_micro_batch, loss_scale_kinds=t.loss_scale_kinds,
+    modes = t.modes
+    if device is not None and not device.startswith("cuda"):
+        modes = tuple(m for m in modes if m not in t.needs_cuda)
+    return SpaceLimits(modes=modes, micro_batch=t.sets_micro_batch, loss_scale_kinds=t.loss_scale_kinds,
                        loss_scale_settings=t.loss_scale_settings, why=_NAMES[framework])
 
 
-def plan_for(script: Path, framework: str | None = None) -> ScriptPlan:
+def plan_for(script: Path, framework: str | None = None, *, device: str | None = None) -> ScriptPlan:
     """How to run ``script``: ``framework`` when given (``--framework``), else what its
     imports say; a script that imports advisor, or no known framework, runs as it is.
+    ``device`` (``"cpu"``, ``"cuda:0"``) leaves out of the space what the framework cannot
+    apply there.
 
     Raises:
         UsageError: an unknown framework name.
@@ -62,19 +80,20 @@ def plan_for(script: Path, framework: str | None = None) -> ScriptPlan:
         framework, detected = found, True
     else:
         framework, detected = check_framework(framework), False
-    return ScriptPlan(framework, detected, tuple(launch_argv(framework)), space_limits(framework))
+    return ScriptPlan(framework, detected, tuple(launch_argv(framework)), space_limits(framework, device=device))
 
 
 def check_plan_modes(plan: ScriptPlan, modes: list[str]) -> list[str]:
-    """The requested modes, each one the plan's framework can apply.
+    """The requested modes, each one the plan's framework can apply (on the plan's device).
 
     Raises:
         MpadviseError: a mode the framework cannot apply, with those it can.
     """
-    if plan.framework is None:
+    if plan.framework is None or plan.limits is None or plan.limits.modes is None:
         return modes
-    allowed = traits(plan.framework).modes
+    allowed = plan.limits.modes
     for mode in modes:
         if mode not in allowed:
-            raise MpadviseError(f"{plan.label} cannot apply mode {mode}; it can apply {', '.join(allowed)}")
+            where = " here" if mode in traits(plan.framework).modes else ""
+            raise MpadviseError(f"{plan.label} cannot apply mode {mode}{where}; it can apply {', '.join(allowed)}")
     return modes

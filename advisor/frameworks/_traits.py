@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from policies import Policy
+from policies import Policy, mode_class
 from probes import MpadviseError, UsageError
 
 from ._detect import FRAMEWORKS
@@ -57,6 +57,9 @@ class FrameworkTraits:
         loss_scale_kinds: the loss scaling kinds it can apply for fp16-mixed.
         loss_scale_settings: whether the initial scale and growth interval can be set.
         fp8_recipes: per FP8 mode, the recipes it can build.
+        sets_grad_clip: whether it can apply the policy's gradient clipping (otherwise the
+            script clips, if at all).
+        needs_cuda: modes it applies on CUDA only (on a CPU it would silently run another).
         limits: one sentence per thing it cannot express, for people.
     """
 
@@ -66,6 +69,8 @@ class FrameworkTraits:
     loss_scale_kinds: tuple[str, ...]
     loss_scale_settings: bool
     fp8_recipes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    sets_grad_clip: bool = True
+    needs_cuda: tuple[str, ...] = ()
     limits: tuple[str, ...] = ()
 
 
@@ -74,7 +79,7 @@ _DEFAULT_LOSS_SCALE = {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_fac
 TRAITS: Mapping[str, FrameworkTraits] = {
     "lightning": FrameworkTraits(
         "lightning", ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-true", "bf16-true", "fp8-te"),
-        sets_micro_batch=False, loss_scale_kinds=("dynamic", "static"), loss_scale_settings=True,
+        sets_micro_batch=False, loss_scale_kinds=("dynamic", "static", "none"), loss_scale_settings=True,
         fp8_recipes={"fp8-te": ("delayed",)},
         limits=(
             "the micro-batch is the script's DataLoader batch_size, so no split is searched",
@@ -84,10 +89,11 @@ TRAITS: Mapping[str, FrameworkTraits] = {
     ),
     "fabric": FrameworkTraits(
         "fabric", ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-true", "bf16-true", "fp8-te"),
-        sets_micro_batch=False, loss_scale_kinds=("dynamic", "static"), loss_scale_settings=True,
-        fp8_recipes={"fp8-te": ("delayed",)},
+        sets_micro_batch=False, loss_scale_kinds=("dynamic", "static", "none"), loss_scale_settings=True,
+        fp8_recipes={"fp8-te": ("delayed",)}, sets_grad_clip=False,
         limits=(
             "the micro-batch and any accumulation are the script's own, so no split is searched",
+            "gradient clipping is the script's own (fabric.clip_gradients): a policy's grad_clip_norm is not applied",
             "fp8-torchao has no Fabric precision plugin",
             "fp8-te runs Transformer Engine's delayed recipe only (the plugin builds DelayedScaling)",
         ),
@@ -95,21 +101,31 @@ TRAITS: Mapping[str, FrameworkTraits] = {
     "transformers": FrameworkTraits(
         "transformers", ("fp32", "tf32", "fp16-mixed", "bf16-mixed"),
         sets_micro_batch=True, loss_scale_kinds=("dynamic",), loss_scale_settings=False,
+        needs_cuda=("fp16-mixed",),
         limits=(
             "TrainingArguments cannot set GradScaler's parameters: fp16 runs with the default dynamic scale",
             "no pure fp16/bf16 training (that is the model's dtype, set where the script loads it)",
             "no FP8 through TrainingArguments",
+            # accelerate/accelerator.py (1.15), Accelerator.__init__: fp16 autocast and the
+            # GradScaler are built only when `self.device.type != "cpu"`.
+            "fp16-mixed needs a GPU: on a CPU fp16=True trains in fp32 (Accelerate builds neither fp16 autocast "
+            "nor a GradScaler there), so a trial of it ends unsupported",
         ),
     ),
     "accelerate": FrameworkTraits(
         "accelerate", ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp8-te", "fp8-torchao"),
-        sets_micro_batch=False, loss_scale_kinds=("dynamic",), loss_scale_settings=True,
+        sets_micro_batch=False, loss_scale_kinds=("dynamic", "none"), loss_scale_settings=True,
         fp8_recipes={"fp8-te": ("delayed", "mxfp8"), "fp8-torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp")},
+        sets_grad_clip=False,
         limits=(
             "the micro-batch is the script's DataLoader batch_size, so no split is searched",
             "no static loss scale: GradScalerKwargs builds a dynamic GradScaler",
             "no pure fp16/bf16 training (that is the model's dtype, set by the script)",
             "fp8-te: Accelerate builds the delayed and mxfp8 recipes only, not current or block",
+            # accelerate/utils/transformer_engine.py, convert_model (1.15): it swaps each Linear
+            # whose weight dims are multiples of 16, and LayerNorms, with no filter to pass.
+            "fp8-te: Accelerate swaps Linear layers by its own rule (weight dimensions multiples of 16, "
+            "LayerNorms too), not mpadvise's FP8 layer filter",
         ),
     ),
 }
@@ -131,21 +147,35 @@ def traits(framework: str) -> FrameworkTraits:
     return TRAITS[check_framework(framework)]
 
 
-def refusal(policy: Policy, framework: str) -> str | None:
+def refusal(policy: Policy, framework: str, *, device: str | None = None) -> str | None:
     """Why ``framework`` cannot apply ``policy`` as it stands, or ``None`` when it can.
 
-    The reason names the part of the policy and what the framework lacks, for one line.
+    Args:
+        policy: the policy to apply.
+        framework: one of ``FRAMEWORKS``.
+        device: ``"cpu"`` or ``"cuda..."`` where it would run, for the modes a framework
+            applies on CUDA only; ``None`` leaves the device out of the judgement.
+
+    Returns:
+        One line naming the part of the policy and what the framework lacks.
     """
     t = traits(framework)
     if policy.mode not in t.modes:
         return f"{framework} cannot apply mode {policy.mode} (it can apply {', '.join(t.modes)})"
+    if device is not None and not device.startswith("cuda") and policy.mode in t.needs_cuda:
+        return f"{framework} applies {policy.mode} on CUDA only: on {device} it would silently train in fp32"
     split = policy.micro_batch_size is not None or (policy.grad_accum_steps or 1) > 1
     if split and not t.sets_micro_batch:
         return (f"{framework} cannot change the micro-batch: the script's DataLoader sets it "
                 f"(the policy asks for micro-batch {policy.micro_batch_size} x {policy.grad_accum_steps or 1})")
+    if policy.grad_clip_norm is not None and not t.sets_grad_clip:
+        return f"{framework} leaves gradient clipping to the script: it cannot apply grad_clip_norm {policy.grad_clip_norm:g}"
     ls = policy.loss_scale
-    if policy.uses_loss_scaling and ls is not None:
+    if ls is not None and mode_class(policy.mode).loss_scaling:
+        # "none" included: a framework whose fp16 always builds a GradScaler cannot run without one.
         if ls.kind not in t.loss_scale_kinds:
+            if ls.kind == "none":
+                return f"{framework} always scales an fp16 loss with a GradScaler, and the policy has no loss scaling"
             return f"{framework} cannot apply a {ls.kind} loss scale (only {', '.join(t.loss_scale_kinds)})"
         if not t.loss_scale_settings:
             changed = [k for k, v in _DEFAULT_LOSS_SCALE.items() if getattr(ls, k) != v]
@@ -160,13 +190,14 @@ def refusal(policy: Policy, framework: str) -> str | None:
     return None
 
 
-def check_expressible(policy: Policy, framework: str, *, source: str = "the policy") -> Policy:
-    """``policy`` if ``framework`` can apply it.
+def check_expressible(policy: Policy, framework: str, *, source: str = "the policy",
+                      device: str | None = None) -> Policy:
+    """``policy`` if ``framework`` can apply it (on ``device``, when given).
 
     Raises:
         MpadviseError: one line saying what of ``source`` the framework cannot apply.
     """
-    reason = refusal(policy, framework)
+    reason = refusal(policy, framework, device=device)
     if reason is not None:
         raise MpadviseError(f"{source}: {reason}")
     return policy

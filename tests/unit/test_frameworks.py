@@ -143,3 +143,35 @@ def test_the_framework_option_is_checked_and_travels_with_a_job():
     assert TuneOptions(framework="lightning").to_argv() == ["--framework", "lightning"]
     assert TuneOptions(nproc_per_node=2).to_argv() == ["--nproc-per-node", "2"]
     assert "framework" in TuneOptions().to_dict(job=True) and "nproc_per_node" not in TuneOptions().to_dict(job=True)
+
+
+def test_what_a_framework_applies_on_cuda_only_is_refused_and_left_out_on_a_cpu():
+    fp16 = Policy(mode="fp16-mixed")
+    assert refusal(fp16, "transformers") is None  # the device left out of the judgement
+    assert refusal(fp16, "transformers", device="cuda:0") is None
+    assert "on cpu it would silently train in fp32" in refusal(fp16, "transformers", device="cpu")
+    assert "fp16-mixed" not in space_limits("transformers", device="cpu").modes
+    assert "fp16-mixed" in space_limits("transformers", device="cuda:0").modes
+    # Accelerate's adapter turns CPU fp16 autocast on itself: nothing is left out there.
+    assert "fp16-mixed" in space_limits("accelerate", device="cpu").modes
+
+
+def test_clipping_and_no_loss_scaling_are_refused_where_the_framework_cannot_apply_them():
+    clipped = Policy(mode="bf16-mixed", grad_clip_norm=1.0)
+    assert refusal(clipped, "lightning") is None and refusal(clipped, "transformers") is None
+    assert "leaves gradient clipping to the script" in refusal(clipped, "fabric")
+    assert "leaves gradient clipping to the script" in refusal(clipped, "accelerate")
+    unscaled = Policy(mode="fp16-mixed", loss_scale=LossScale(kind="none"))
+    assert refusal(unscaled, "lightning") is None and refusal(unscaled, "accelerate") is None
+    assert "the policy has no loss scaling" in refusal(unscaled, "transformers")
+
+
+def test_a_mode_the_framework_lacks_here_is_named_as_such(tmp_path):
+    from advisor.frameworks import check_plan_modes
+
+    script = tmp_path / "train.py"
+    script.write_text("from transformers import Trainer\n")
+    with pytest.raises(MpadviseError, match="cannot apply mode fp16-mixed here; it can apply fp32, tf32, bf16-mixed"):
+        check_plan_modes(plan_for(script, device="cpu"), ["fp16-mixed"])
+    with pytest.raises(MpadviseError, match="cannot apply mode bf16-true; it can apply"):
+        check_plan_modes(plan_for(script, device="cpu"), ["bf16-true"])

@@ -1,0 +1,113 @@
+"""``mpadvise export [CONFIG] --to TARGET``: a tuned policy as a framework's own settings.
+
+CONFIG is a config file (``.toml``, as ``mpadvise tune`` writes it), exported as it stands,
+whatever machine this is; or a training script (``.py``), whose policy resolves as
+``mpadvise policy SCRIPT`` resolves it here. The export itself is ``frameworks.export_policy``
+(pure); this module reads the policy, prints or writes the result, and puts the warnings and
+notes on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+
+from advisor.cli._common import err_console, print_json
+from advisor.frameworks import Export, export_policy
+from advisor.frameworks._export import check_target
+from policies import Policy, load_config
+from probes import MpadviseError, UsageError
+
+
+def export_command(config: Path | None, *, target: str | None, out: Path | None, json_output: bool) -> None:
+    """Export the policy of ``config`` to ``target``; print it, or write it to ``out``.
+
+    Raises:
+        UsageError: no CONFIG, an unknown target, a CONFIG that is neither .toml nor .py.
+        MpadviseError: a missing or invalid config file, or an export the target refuses
+            (``ExportRefused``: one line saying what of the policy the target cannot express).
+    """
+    target = check_target(target)
+    policy, source, device = resolve_for_export(config)
+    export = export_policy(policy, target, device=device, source=source)
+    if json_output:
+        document = export_document(export, policy, source=source, device=device)
+        if out is None:
+            print_json(document)
+        else:
+            _write(out, json.dumps(document, indent=2, default=str) + "\n")
+        return
+    if out is None:
+        sys.stdout.write(export.text)
+        sys.stdout.flush()
+    else:
+        _write(out, export.text)
+    for warning in export.warnings:
+        err_console.print(f"[yellow]warning[/] [bold]{escape(warning.id)}[/]: {escape(warning.message)}",
+                          highlight=False, soft_wrap=True)
+    for note in export.notes:
+        err_console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
+    if out is not None:
+        err_console.print(f"wrote {escape(str(out))} ({target}, {export.format})", highlight=False)
+
+
+def export_document(export: Export, policy: Policy, *, source: str, device: str) -> dict[str, Any]:
+    """What ``--json`` prints: the policy, where it came from, and the export."""
+    return {"policy": policy.to_dict(), "source": source, "device": device, **export.to_dict()}
+
+
+def resolve_for_export(config: Path | None) -> tuple[Policy, str, str]:
+    """The policy to export, where it came from, and the device it trains on (``cuda``/``cpu``).
+
+    Raises:
+        UsageError: no CONFIG, or one that is neither a config file nor a script.
+        MpadviseError: a missing file, or a config file that does not load.
+    """
+    if config is None:
+        raise UsageError(
+            "mpadvise export needs a config file (.toml) or a training script (.py): "
+            "mpadvise export train.mpadvise.toml --to lightning"
+        )
+    if config.suffix not in (".toml", ".py"):
+        raise UsageError(
+            f"{config}: expected a config file (.toml, as mpadvise tune writes) or a training script (.py)"
+        )
+    if not config.exists():
+        raise MpadviseError(f"{config} does not exist")
+    if config.suffix == ".toml":
+        # A config file is exported as it stands: it may well be for another machine.
+        policy = load_config(config)
+        return policy, f"config file {config}", _device_of(policy, local_cuda=None)
+    import probes
+    from advisor.cli._policy import explain_policy
+
+    info = explain_policy(config, device=None)
+    policy = Policy.from_dict(info["policy"], source=info["source"])
+    return policy, info["source"], _device_of(policy, local_cuda=probes.profile_for(None).is_cuda)
+
+
+def _device_of(policy: Policy, *, local_cuda: bool | None) -> str:
+    """Where the policy trains: where it was tuned; else this machine for a script's policy
+    (a safe default is this machine's), and CUDA for a hand-written config file."""
+    tuned = policy.tuned_on
+    if tuned is not None and tuned.hardware_fingerprint:
+        return "cuda" if tuned.cuda else "cpu"
+    if local_cuda is not None:
+        return "cuda" if local_cuda else "cpu"
+    return "cuda"
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole, or not at all."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise MpadviseError(f"cannot write {path}: {exc.strerror or exc}") from None

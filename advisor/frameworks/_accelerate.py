@@ -1,0 +1,566 @@
+"""Accelerate: apply a Policy through ``Accelerator``'s own settings, and record a trial's steps
+through its own methods.
+
+``install()`` runs in the script's process before the script. It wraps ``Accelerator.__init__``
+in place, so that whatever the script passes, the Accelerator it builds runs the policy:
+
+* ``mixed_precision`` is the policy's (``ACCELERATE_PRECISION``). The constructor argument
+  wins over ``ACCELERATE_MIXED_PRECISION`` and ``accelerate launch``'s config, and the built
+  Accelerator is checked to hold it.
+* The kwargs handlers carry the rest: ``GradScalerKwargs`` for fp16-mixed's dynamic loss scale;
+  ``TERecipeKwargs`` for fp8-te (delayed or MXFP8); ``AORecipeKwargs`` for fp8-torchao, with
+  the config and layer filter of mpadvise's own fp8-torchao mode. A handler of the same kind
+  that the script passed is replaced, and FP8 recipe handlers go where the mode is not FP8
+  (Accelerate refuses them without ``mixed_precision="fp8"``).
+* fp16 on a CPU: Accelerate turns neither autocast nor a GradScaler on there
+  (``Accelerator.__init__`` builds them only for ``device.type != "cpu"``), so the script
+  would train in fp32 while calling it fp16. The adapter turns on CPU autocast (fp16) with
+  ``GradScaler("cpu")``, as the loop API's fp16-mixed does.
+* fp32 and tf32 set the TF32 switches as the loop API's modes do, and again once the
+  Accelerator exists (``AcceleratorState`` turns TF32 on for ``mixed_precision="no"`` under
+  a dynamo backend on CUDA).
+
+Gradient accumulation stays as the script sets it (``gradient_accumulation_steps``, or
+``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, which overrides it): the micro-batch is the
+script's DataLoader, so no split is applied (see the traits).
+
+Steps are recorded per optimizer step: ``Accelerator.backward`` gives each micro-batch's loss
+(before Accelerate divides it by the accumulation count), a forward pre-hook on each prepared
+model gives its batch size, and ``AcceleratedOptimizer.step`` ends a step when
+``sync_gradients`` says the micro-batch closes one; the GradScaler's scale is read before the
+step, and ``step_was_skipped`` says whether it skipped. The script's ``set_seed(n)`` runs as
+``set_seed(n + trial seed)``.
+
+Accelerate is imported inside ``install()`` only: this module runs in the trial child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from advisor._log import get_logger
+from advisor.frameworks._traits import ACCELERATE_PRECISION
+from policies import Fp8Options, Fp8Torchao, LossScale, Policy, create_mode
+from probes import MpadviseError
+
+if TYPE_CHECKING:
+    from advisor.frameworks._recorder import FrameworkRecorder
+
+_PATCHED = "__mpadvise_patched__"
+# Process-wide switches the policy sets for the life of the process (the trial is the process).
+_HELD_SWITCHES = contextlib.ExitStack()
+# Transformer Engine's DelayedScaling computes its scale from the largest amax of the history
+# ("max"); TERecipeKwargs defaults to "most_recent". The loop API's fp8-te builds TE's default.
+_TE_AMAX_COMPUTE_ALGO = "max"
+
+
+# ---- what to apply (pure) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AccelerateSettings:
+    """What an ``Accelerator`` is given to run one Policy.
+
+    Attributes:
+        mixed_precision: Accelerate's ``mixed_precision`` (``"no"``, ``"fp16"``, ``"bf16"``,
+            ``"fp8"``).
+        grad_scaler: ``GradScalerKwargs`` fields (fp16-mixed), else ``None``.
+        te_recipe: ``TERecipeKwargs`` fields (fp8-te), else ``None``.
+        torchao_recipe: the torchao recipe name for ``AORecipeKwargs`` (fp8-torchao), else ``None``.
+        tf32: whether fp32 matmuls may use TF32 (fp32: False, tf32: True), or ``None`` for the
+            modes that leave the switches as they are.
+    """
+
+    mixed_precision: str
+    grad_scaler: dict[str, Any] | None = None
+    te_recipe: dict[str, Any] | None = None
+    torchao_recipe: str | None = None
+    tf32: bool | None = None
+
+    def describe(self) -> str:
+        """What the Accelerator gets, for a note: ``mixed_precision='fp16' with GradScalerKwargs(...)``."""
+        text = f"mixed_precision={self.mixed_precision!r}"
+        if self.grad_scaler is not None:
+            fields = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.grad_scaler.items())
+            text += f" with GradScalerKwargs({fields})"
+        if self.te_recipe is not None:
+            fields = ", ".join(f"{k}={v!r}" for k, v in self.te_recipe.items())
+            text += f" with TERecipeKwargs({fields})"
+        if self.torchao_recipe is not None:
+            text += f" with AORecipeKwargs (torchao {self.torchao_recipe!r}, mpadvise's FP8 layer filter)"
+        return text
+
+
+def accelerate_settings(policy: Policy) -> AccelerateSettings:
+    """What the Accelerator must be given to run ``policy``.
+
+    Raises:
+        MpadviseError: a mode or setting Accelerate cannot apply (the traits refuse it earlier).
+    """
+    precision = ACCELERATE_PRECISION.get(policy.mode)
+    if precision is None:
+        raise MpadviseError(
+            f"Accelerate cannot apply mode {policy.mode}; it can apply {', '.join(ACCELERATE_PRECISION)}"
+        )
+    if policy.mode == "fp16-mixed":
+        return AccelerateSettings(precision, grad_scaler=grad_scaler_kwargs(policy.loss_scale or LossScale()))
+    if policy.mode == "fp8-te":
+        return AccelerateSettings(precision, te_recipe=te_recipe_kwargs(policy.fp8 or Fp8Options()))
+    if policy.mode == "fp8-torchao":
+        return AccelerateSettings(precision, torchao_recipe=Fp8Torchao.policy_recipe(policy))
+    return AccelerateSettings(precision, tf32={"fp32": False, "tf32": True}.get(policy.mode))
+
+
+def grad_scaler_kwargs(loss_scale: LossScale) -> dict[str, Any]:
+    """``GradScalerKwargs`` fields for a policy's ``[loss_scale]``.
+
+    Raises:
+        MpadviseError: a static scale: Accelerate's GradScaler is always dynamic.
+    """
+    if loss_scale.kind == "static":
+        raise MpadviseError(
+            "Accelerate cannot apply a static loss scale (GradScalerKwargs builds a dynamic GradScaler); "
+            "use kind = \"dynamic\""
+        )
+    if loss_scale.kind == "none":
+        return {"enabled": False}
+    return {
+        "init_scale": float(loss_scale.init_scale),
+        "growth_factor": float(loss_scale.growth_factor),
+        "backoff_factor": float(loss_scale.backoff_factor),
+        "growth_interval": int(loss_scale.growth_interval),
+    }
+
+
+def te_recipe_kwargs(fp8: Fp8Options) -> dict[str, Any]:
+    """``TERecipeKwargs`` fields for an fp8-te policy's ``[fp8]`` options.
+
+    The recipe is the one the loop API's fp8-te builds: ``delayed`` is ``DelayedScaling`` with
+    the policy's format, amax history and margin (and TE's own ``"max"`` amax algorithm);
+    ``mxfp8`` is ``MXFP8BlockScaling()`` with TE's defaults, which Accelerate builds when
+    ``use_mxfp8_block_scaling`` is set and no amax setting is given (it refuses those there).
+
+    Raises:
+        MpadviseError: a recipe Accelerate cannot build (``current``, ``block``).
+    """
+    recipe = fp8.recipe or "delayed"
+    if recipe == "delayed":
+        return {
+            "fp8_format": fp8.fp8_format.upper(),
+            "amax_history_len": fp8.amax_history_len,
+            "amax_compute_algo": _TE_AMAX_COMPUTE_ALGO,
+            "margin": fp8.margin,
+        }
+    if recipe == "mxfp8":
+        return {"use_mxfp8_block_scaling": True}
+    raise MpadviseError(
+        f"Accelerate's TERecipeKwargs builds Transformer Engine's delayed and mxfp8 recipes only, not "
+        f"{recipe!r}; set [fp8] recipe to \"delayed\" or \"mxfp8\", or train through the loop API"
+    )
+
+
+def shifted_seed(seed: Any, shift: int) -> Any:
+    """The script's seed moved by the trial's seed (0, or a seed that is not an int, leaves it)."""
+    if not shift or isinstance(seed, bool) or not isinstance(seed, int):
+        return seed
+    return seed + shift
+
+
+# ---- install ----------------------------------------------------------------------------------
+
+
+def install(policy: Policy, *, framework: str, recorder: FrameworkRecorder | None, device: str | None) -> None:
+    """Make every Accelerator the script builds apply ``policy``; with a recorder, record the
+    trial's optimizer steps.
+
+    Args:
+        policy: the policy to apply.
+        framework: ``"accelerate"``.
+        recorder: the trial recorder, or ``None`` under ``mpadvise run``.
+        device: the trial's device (``"cpu"``, ``"cuda:1"``), or ``None`` for the script's own.
+    """
+    if framework != "accelerate":
+        raise MpadviseError(f"the Accelerate adapter serves accelerate, not {framework!r}")
+    import accelerate
+    import accelerate.utils
+    import accelerate.utils.random
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    application = _Application(policy, accelerate_settings(policy), recorder, device)
+    application.hold_switches()
+    _wrap(accelerate.Accelerator, "__init__", application.wrap_init)
+    if recorder is None:
+        return
+    steps = _Steps(recorder)
+    application.steps = steps
+    _wrap(accelerate.Accelerator, "prepare", steps.wrap_prepare)
+    _wrap(accelerate.Accelerator, "prepare_model", steps.wrap_prepare_model)
+    _wrap(accelerate.Accelerator, "prepare_optimizer", steps.wrap_prepare_optimizer)
+    _wrap(accelerate.Accelerator, "backward", steps.wrap_backward)
+    _wrap(AcceleratedOptimizer, "step", steps.wrap_step)
+    shift = recorder.spec.seed
+    if shift:
+        # `from accelerate.utils import set_seed` and `from accelerate.utils.random import
+        # set_seed` both find the wrapped one: the script imports after this runs.
+        for module in (accelerate.utils, accelerate.utils.random):
+            _wrap(module, "set_seed", functools.partial(_shift_set_seed, shift=shift, recorder=recorder))
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``owner.name`` in place by ``make(original)``, once."""
+    original = getattr(owner, name)
+    if getattr(original, _PATCHED, False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    setattr(wrapped, _PATCHED, True)
+    setattr(owner, name, wrapped)
+
+
+def _shift_set_seed(original: Callable[..., Any], *, shift: int, recorder: FrameworkRecorder) -> Callable[..., Any]:
+    def set_seed(seed: Any, *args: Any, **kwargs: Any) -> Any:
+        moved = shifted_seed(seed, shift)
+        if moved != seed:
+            recorder.note(f"the script's set_seed({seed}) ran as set_seed({moved}) (trial seed {shift})")
+        return original(moved, *args, **kwargs)
+
+    return set_seed
+
+
+class _Application:
+    """What ``install()`` decided, applied to each Accelerator the script builds."""
+
+    def __init__(self, policy: Policy, settings: AccelerateSettings, recorder: FrameworkRecorder | None,
+                 device: str | None) -> None:
+        self.policy = policy
+        self.settings = settings
+        self.recorder = recorder
+        self.device = device
+        self.steps: _Steps | None = None
+        self.fp8_mode: Any = None  # fp8-torchao: the loop API's mode, whose filter and notes are used
+
+    def note(self, text: str) -> None:
+        if self.recorder is not None:
+            self.recorder.note(text)
+        else:
+            get_logger().debug(text)
+
+    def hold_switches(self, *, again: bool = False) -> None:
+        """fp32 and tf32: set the TF32 switches for the rest of the process, as the loop API's modes do.
+
+        Args:
+            again: set them once more after an Accelerator was built (``AcceleratorState`` turns
+                TF32 on for ``mixed_precision="no"`` under a dynamo backend on CUDA). Switches
+                that already hold the values are left as they are.
+        """
+        if self.settings.tf32 is None:
+            return
+        import torch
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        _HELD_SWITCHES.enter_context(create_mode(self.policy, torch.device(device)).process_switches())
+        if not again:
+            state = "on" if self.settings.tf32 else "off"
+            self.note(f"TF32 {state} for matmuls{' and cuDNN' if device.startswith('cuda') else ''}, "
+                      f"as {self.policy.mode} sets it")
+
+    # ---- the constructor ------------------------------------------------------------------------
+
+    def wrap_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def __init__(accelerator: Any, *args: Any, **kwargs: Any) -> None:
+            bound = signature.bind(accelerator, *args, **kwargs)
+            asked = bound.arguments.get("mixed_precision")
+            bound.arguments["mixed_precision"] = self.settings.mixed_precision
+            bound.arguments["kwargs_handlers"] = self._handlers(bound.arguments.get("kwargs_handlers"))
+            if self.device is not None:
+                self._device_arguments(bound.arguments)
+            original(*bound.args, **bound.kwargs)
+            self._built(accelerator, asked)
+
+        return __init__
+
+    def _device_arguments(self, arguments: dict[str, Any]) -> None:
+        """The trial's device: ``cpu=True`` for the CPU; a CUDA index becomes the current device,
+        which a single-process Accelerator trains on (``PartialState`` picks ``"cuda"``)."""
+        import torch
+
+        device = torch.device(self.device)
+        if device.type == "cpu":
+            arguments["cpu"] = True
+        elif device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
+
+    def _handlers(self, given: Sequence[Any] | None) -> list[Any]:
+        """The script's kwargs handlers with the policy's in place of those of the same kind."""
+        from accelerate.utils import (
+            AORecipeKwargs,
+            AutocastKwargs,
+            FP8RecipeKwargs,
+            GradScalerKwargs,
+            MSAMPRecipeKwargs,
+            TERecipeKwargs,
+        )
+
+        ours: list[Any] = []
+        settings = self.settings
+        if settings.grad_scaler is not None:
+            ours.append(GradScalerKwargs(**settings.grad_scaler))
+        if settings.te_recipe is not None:
+            ours.append(TERecipeKwargs(**settings.te_recipe))
+        if settings.torchao_recipe is not None:
+            ours.append(self._torchao_handler(AORecipeKwargs))
+        # Every FP8 recipe kind goes: another backend's recipe would pick the backend
+        # (Accelerator.fp8_backend reads FP8RecipeKwargs first), and outside fp8 Accelerate
+        # refuses any of them.
+        replaced_kinds = {type(h) for h in ours} | {FP8RecipeKwargs, AORecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs}
+        kept, replaced = [], []
+        for handler in given or ():
+            if type(handler) in replaced_kinds:
+                replaced.append(type(handler).__name__)
+            elif isinstance(handler, AutocastKwargs) and not handler.enabled and settings.mixed_precision != "no":
+                # Autocast off would leave the forward in fp32 under a mixed precision.
+                kept.append(AutocastKwargs(enabled=True, cache_enabled=handler.cache_enabled))
+                replaced.append("AutocastKwargs(enabled=False)")
+            else:
+                kept.append(handler)
+        if replaced:
+            self.note(f"Accelerator: the script's {', '.join(replaced)} replaced by the policy's")
+        return kept + ours
+
+    def _torchao_handler(self, handler_cls: type) -> Any:
+        """``AORecipeKwargs`` with the loop API's fp8-torchao config and layer filter.
+
+        Accelerate's own default config (``AORecipeKwargs.__post_init__`` in
+        accelerate/utils/dataclasses.py) turns on FSDP's float8 all-gather, which wraps each
+        swapped weight in a new Parameter: an optimizer built before ``prepare()`` then keeps
+        the old ones, and the FP8 layers stop training (seen with accelerate 1.15 and torchao
+        0.18 on an unsharded model: the loss barely moved). The loop API's config reuses the
+        Linear's Parameter.
+        """
+        import torch
+
+        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.fp8_mode = create_mode(self.policy, device)
+        return handler_cls(config=self.fp8_mode.linear_config(), module_filter_func=self.fp8_mode.module_filter)
+
+    def _built(self, accelerator: Any, asked: Any) -> None:
+        """Check that the Accelerator runs the policy, and fill in what Accelerate leaves out."""
+        want = self.settings.mixed_precision
+        if accelerator.mixed_precision != want:
+            raise MpadviseError(
+                f"Accelerate runs mixed_precision={accelerator.mixed_precision!r} where the policy "
+                f"{self.policy.describe()} needs {want!r} (an AcceleratorState built earlier in this "
+                "process, or a DeepSpeed config, decides it); build the Accelerator before anything else "
+                "of Accelerate"
+            )
+        if want == "fp16" and accelerator.device.type == "cpu" and accelerator.scaler is None:
+            self._cpu_fp16(accelerator)
+        self.hold_switches(again=True)
+        was = f" (the script asked for {str(asked)!r})" if asked is not None else ""
+        self.note(f"Accelerator: {self.settings.describe()}{was}")
+        if self.recorder is not None:
+            self.recorder.set_device(accelerator.device)
+        if self.steps is not None:
+            self.steps.accelerators.append(accelerator)
+            self.steps.fp8_mode = self.fp8_mode
+
+    def _cpu_fp16(self, accelerator: Any) -> None:
+        import torch
+
+        # Accelerator.__init__ builds autocast (native_amp) and the GradScaler for fp16 only off
+        # the CPU; both exist on a CPU in torch (GradScaler("cpu") since 2.3). With native_amp
+        # on, prepare() wraps the forward in fp16 autocast, backward() scales the loss and the
+        # AcceleratedOptimizer steps through the scaler, as on a GPU.
+        kwargs = self.settings.grad_scaler or {}
+        accelerator.scaler = torch.amp.GradScaler("cpu", **kwargs)
+        accelerator.native_amp = True
+        self.note("Accelerator: fp16 on a CPU runs CPU autocast with GradScaler('cpu') "
+                  "(Accelerate itself would train in fp32 there)")
+
+
+# ---- recording ----------------------------------------------------------------------------------
+
+
+# eq=False: equality would compare the Parameters element by element.
+@dataclass(frozen=True, eq=False)
+class _ModelAsBuilt:
+    """A model's modules and parameters as the script built it, before Accelerate's FP8
+    conversion swaps its Linears: what the workload fingerprint describes, as the loop API's
+    ``setup()`` fingerprints the model before its mode converts it."""
+
+    modules: tuple[tuple[str, Any], ...]
+    parameters: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def of(cls, model: Any) -> _ModelAsBuilt:
+        return cls(tuple(model.named_modules()), tuple(model.named_parameters()))
+
+    def named_modules(self) -> tuple[tuple[str, Any], ...]:
+        return self.modules
+
+    def named_parameters(self) -> tuple[tuple[str, Any], ...]:
+        return self.parameters
+
+
+class _Steps:
+    """Feeds the recorder from one Accelerator's methods, one record per optimizer step.
+
+    The micro-batches of a step are the ``backward()`` calls since the last optimizer step;
+    the recorded loss is the mean of the losses the script passed to ``backward()`` (Accelerate
+    divides them by ``gradient_accumulation_steps`` only inside, so they arrive undivided unless
+    the script divides them itself). Only the first optimizer prepared is followed (a GAN's
+    second one steps in the same loop).
+    """
+
+    def __init__(self, recorder: FrameworkRecorder) -> None:
+        self.recorder = recorder
+        self.accelerators: list[Any] = []
+        self.fp8_mode: Any = None
+        self.model: Any = None  # the first model prepared, as built
+        self.optimizer: Any = None  # the first AcceleratedOptimizer prepared
+        self._as_built: dict[int, _ModelAsBuilt] = {}
+        self._hooked: set[int] = set()
+        self._forward_batch: int | None = None
+        self._losses: list[Any] = []
+        self._samples = 0
+        self._first_step = True
+        self._fp8_noted = False
+
+    # ---- wrapped methods ---------------------------------------------------------------------
+
+    def wrap_prepare(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
+            import torch
+
+            for arg in args:
+                if isinstance(arg, torch.nn.Module) and id(arg) not in self._as_built:
+                    self._as_built[id(arg)] = _ModelAsBuilt.of(arg)
+            result = original(accelerator, *args, **kwargs)
+            self._note_fp8()
+            return result
+
+        return prepare
+
+    def wrap_prepare_model(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def prepare_model(accelerator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+            built = self._as_built.get(id(model)) or _ModelAsBuilt.of(model)
+            prepared = original(accelerator, model, *args, **kwargs)
+            self._watch(prepared, built)
+            return prepared
+
+        return prepare_model
+
+    def wrap_prepare_optimizer(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def prepare_optimizer(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
+            prepared = original(accelerator, *args, **kwargs)
+            if self.optimizer is None:
+                self.optimizer = prepared
+            return prepared
+
+        return prepare_optimizer
+
+    def wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def backward(accelerator: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.recorder.begun:
+                self._begin(accelerator)
+            if hasattr(loss, "detach"):
+                self._losses.append(loss.detach().float().clone())
+            self._samples += self._forward_batch or 0
+            return original(accelerator, loss, *args, **kwargs)
+
+        return backward
+
+    def wrap_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if optimizer is not self.optimizer or not optimizer.gradient_state.sync_gradients:
+                return original(optimizer, *args, **kwargs)  # not followed, or an accumulation micro-batch
+            scaler = optimizer.scaler
+            scaled = scaler is not None and scaler.is_enabled()
+            scale = float(scaler.get_scale()) if scaled else None  # the scale this step's backward used
+            result = original(optimizer, *args, **kwargs)
+            self._step_ended(optimizer, scale, bool(scaled and optimizer.step_was_skipped))
+            return result
+
+        return step
+
+    # ---- what they feed ----------------------------------------------------------------------
+
+    def _watch(self, model: Any, built: _ModelAsBuilt) -> None:
+        """Read the batch size of every training forward of a prepared model."""
+        if id(model) in self._hooked or not hasattr(model, "register_forward_pre_hook"):
+            return
+        self._hooked.add(id(model))
+        if self.model is None:
+            self.model = built
+        import torch
+        from accelerate.utils.operations import ignorant_find_batch_size
+
+        def pre_hook(module: Any, args: Any, kwargs: Any) -> None:
+            if torch.is_grad_enabled() and module.training:
+                size = ignorant_find_batch_size(args) or ignorant_find_batch_size(kwargs)
+                if size is not None:
+                    self._forward_batch = int(size)
+                if not self.recorder.begun and self.accelerators:
+                    self._begin(self.accelerators[0])
+
+        model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+    def _begin(self, accelerator: Any) -> None:
+        """The first micro-batch starts: its size and Accelerate's accumulation count."""
+        size = self._forward_batch
+        accum = int(accelerator.gradient_accumulation_steps or 1)
+        self.recorder.begin(user_batch=None if size is None else size * accum, micro_batch=size, grad_accum_steps=accum)
+
+    def _note_fp8(self) -> None:
+        """Once Accelerate has swapped the FP8 layers: which ran in FP8 and which did not."""
+        mode = self.fp8_mode
+        if mode is None or self._fp8_noted or not (mode.converted or mode.kept_high_precision):
+            return
+        self._fp8_noted = True
+        mode.note_conversion()
+        notes = list(mode.notes)
+        if mode.converted:
+            notes.append(f"{mode.name}: Accelerate swapped {len(mode.converted)} Linear layers for torchao's Float8Linear")
+        if mode.device.type == "cpu":
+            notes.append(f"{mode.name}: emulated on CPU (FP8 numerics, no speedup), under Accelerate's bf16 autocast")
+        for note in notes:
+            self.recorder.note(note)
+
+    def _step_ended(self, optimizer: Any, scale: float | None, skipped: bool) -> None:
+        if not self.recorder.begun or not self._losses:
+            return  # a step before any backward() (nothing of the script's loss to record)
+        micro_batches = len(self._losses)
+        if self._first_step:
+            self._first_step = False
+            self._first_step_facts(optimizer, micro_batches)
+        losses = self._losses
+        loss = losses[0] if micro_batches == 1 else sum(losses) / micro_batches
+        self.recorder.step(loss=loss, loss_scale=scale, skipped=skipped, samples=self._samples or None)
+        self._losses, self._samples = [], 0
+
+    def _first_step_facts(self, optimizer: Any, micro_batches: int) -> None:
+        """The accumulation the script really runs, known at its first optimizer step, and the workload."""
+        batch = self.recorder.batch
+        accum = batch.get("grad_accum_steps") or 1
+        if micro_batches != accum:
+            # The script accumulates by itself (backward() several times per optimizer step
+            # with Accelerate's accumulation at 1); if it divides the loss, so do the records.
+            self.recorder.note(
+                f"the script runs {micro_batches} backward() per optimizer step where Accelerate's "
+                f"gradient_accumulation_steps is {accum}: it accumulates by itself"
+            )
+            accum = micro_batches
+        micro = batch.get("micro_batch")
+        global_batch = None if micro is None else micro * accum
+        batch.update(grad_accum_steps=accum, global_batch=global_batch, user_batch=global_batch)
+        if self.model is None:
+            self.recorder.note("the script's model was not passed to accelerator.prepare(), so Accelerate's "
+                               "autocast and FP8 conversion never applied to it")
+        else:
+            self.recorder.workload(self.model, optimizer.optimizer, global_batch=global_batch)

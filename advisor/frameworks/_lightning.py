@@ -1,0 +1,711 @@
+"""Lightning's Trainer and Fabric: apply a Policy through their precision settings, and record a
+trial's steps through their own hooks.
+
+``install()`` runs in the script's process before the script. It patches ``Trainer.__init__``
+and ``Fabric.__init__`` in place (every flavour installed: ``lightning`` and the standalone
+``pytorch_lightning``/``lightning_fabric``), so that whatever precision the script passes, the
+policy's is the one Lightning builds:
+
+* the precision string of ``LIGHTNING_PRECISION`` where it is exact (``32-true``,
+  ``bf16-mixed``, ``16-true``, ``bf16-true``);
+* fp16-mixed as ``MixedPrecision("16-mixed", device, scaler=...)`` carrying the policy's
+  GradScaler, because the string builds a default scaler, and on a CPU turns fp16 into bf16;
+* fp8-te as ``TransformerEnginePrecision`` with fp32 weights and the policy's delayed recipe
+  (the ``"transformer-engine"`` string means bf16 weights);
+* fp32 and tf32 set the TF32 switches as the loop API does (Lightning leaves cuDNN's TF32 on).
+
+Steps are recorded per optimizer step: the Trainer through a callback (a step happened when
+``trainer.global_step`` moved during the batch), Fabric through its ``on_after_optimizer_step``
+callback, with the losses taken from ``fabric.backward``. The loss scale and whether the
+GradScaler skipped the step come from the scaler itself (``PolicyGradScaler``).
+
+Lightning is imported inside ``install()`` only: this module runs in the trial child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import numbers
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from advisor._log import get_logger
+from advisor.frameworks._traits import LIGHTNING_PRECISION
+from policies import Fp8Options, LossScale, Policy, create_mode
+from probes import MpadviseError
+
+if TYPE_CHECKING:
+    from advisor.frameworks._recorder import FrameworkRecorder
+
+# The flavours of Lightning: the unified package and the standalone ones, each with its own
+# classes (a Trainer of one takes plugins and callbacks of the same one only).
+TRAINER_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+FABRIC_PACKAGES = ("lightning.fabric", "lightning_fabric")
+_SEED_MODULES = ("lightning.fabric.utilities.seed", "lightning_fabric.utilities.seed")
+_LIGHTNING_ROOTS = ("lightning", "pytorch_lightning", "lightning_fabric")
+# Lightning's seed bounds (numpy's uint32).
+_SEED_RANGE = 2**32
+# Strategies that build their own precision plugin from the string (FSDPPrecision,
+# DeepSpeedPrecision) and drop a scaler passed to them.
+_SHARDED = ("fsdp", "deepspeed")
+_PATCHED = "__mpadvise_patched__"
+
+# Process-wide switches the policy sets for the life of the process (the trial is the process).
+_HELD_SWITCHES = contextlib.ExitStack()
+
+
+# ---- what to apply (pure) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LightningPrecision:
+    """How the Trainer and Fabric apply one Policy.
+
+    Attributes:
+        precision: Lightning's precision string for the mode (``LIGHTNING_PRECISION``).
+        plugin: ``"amp"`` for ``MixedPrecision`` carrying the policy's GradScaler,
+            ``"transformer-engine"`` for ``TransformerEnginePrecision`` with fp32 weights, or
+            ``None`` where the precision string is exact.
+        loss_scale: the GradScaler's settings (``"amp"`` only).
+        tf32: whether fp32 matmuls may use TF32 (fp32: False, tf32: True), or ``None`` for the
+            modes that leave the switches as they are.
+    """
+
+    precision: str
+    plugin: str | None = None
+    loss_scale: LossScale | None = None
+    tf32: bool | None = None
+
+    def describe(self) -> str:
+        """What the Trainer or Fabric gets, for a note: ``precision='bf16-mixed'``."""
+        if self.plugin == "amp":
+            ls = self.loss_scale or LossScale()
+            return (f"MixedPrecision('16-mixed') with a {ls.kind} GradScaler (scale {ls.init_scale:g}"
+                    + (f", growth interval {ls.growth_interval}" if ls.kind == "dynamic" else "") + ")")
+        if self.plugin == "transformer-engine":
+            return "TransformerEnginePrecision with fp32 weights and the delayed FP8 recipe"
+        return f"precision={self.precision!r}"
+
+
+def lightning_precision(policy: Policy) -> LightningPrecision:
+    """What the Trainer and Fabric must be given to run ``policy``.
+
+    Raises:
+        MpadviseError: a mode Lightning has no precision for (the traits refuse it earlier).
+    """
+    precision = LIGHTNING_PRECISION.get(policy.mode)
+    if precision is None:
+        raise MpadviseError(
+            f"Lightning cannot apply mode {policy.mode}; it can apply {', '.join(LIGHTNING_PRECISION)}"
+        )
+    if policy.mode == "fp16-mixed":
+        return LightningPrecision(precision, plugin="amp", loss_scale=policy.loss_scale or LossScale())
+    if policy.mode == "fp8-te":
+        return LightningPrecision(precision, plugin="transformer-engine")
+    tf32 = {"fp32": False, "tf32": True}.get(policy.mode)
+    return LightningPrecision(precision, tf32=tf32)
+
+
+def transformer_engine_args(policy: Policy) -> dict[str, Any]:
+    """The keyword arguments of Lightning's ``TransformerEnginePrecision`` for an fp8-te policy.
+
+    Dtypes are named (``"float32"``), so that this stays free of torch. The weights stay fp32
+    (Lightning's ``"transformer-engine"`` string would make them bf16), and what TE does not run
+    in FP8 runs under bf16 autocast, as the loop API's fp8-te does. The recipe is a mapping
+    that Lightning turns into ``DelayedScaling`` (its ``fp8_format`` a ``Format`` member name).
+
+    Raises:
+        MpadviseError: a recipe other than ``delayed``, which the plugin cannot build.
+    """
+    fp8 = policy.fp8 or Fp8Options()
+    recipe = fp8.recipe or "delayed"
+    if recipe != "delayed":
+        raise MpadviseError(
+            f"Lightning's TransformerEnginePrecision builds Transformer Engine's delayed recipe only, "
+            f"not {recipe!r}; set [fp8] recipe = \"delayed\" or train through the loop API"
+        )
+    return {
+        "weights_dtype": "float32",
+        "fallback_compute_dtype": "bfloat16",
+        "recipe": {"fp8_format": fp8.fp8_format.upper(), "amax_history_len": fp8.amax_history_len,
+                   "margin": fp8.margin},
+    }
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The leading dimension of the first tensor in a batch (a tensor, a sequence, a mapping),
+    or ``None`` where the batch holds no tensor with a dimension."""
+    shape = getattr(batch, "shape", None)
+    if shape is not None:
+        return int(shape[0]) if len(shape) else None
+    if isinstance(batch, Mapping):
+        items: Iterable[Any] = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return None
+    for item in items:
+        size = batch_size_of(item)
+        if size is not None:
+            return size
+    return None
+
+
+def shifted_seed(seed: int, shift: int) -> int:
+    """The script's seed moved by the trial's seed (0 leaves it), within Lightning's bounds."""
+    if not shift or not 0 <= seed < _SEED_RANGE:
+        return seed  # out of bounds: Lightning's own error says so
+    return (seed + shift) % _SEED_RANGE
+
+
+def is_sharded(strategy: Any) -> bool:
+    """Whether a strategy (a name or an instance) builds its own precision plugin (FSDP, DeepSpeed)."""
+    name = strategy if isinstance(strategy, str) else type(strategy).__name__
+    return any(kind in name.lower() for kind in _SHARDED)
+
+
+# ---- the GradScaler ----------------------------------------------------------------------------
+
+
+@functools.cache
+def _scaler_class() -> type:
+    import torch
+
+    class PolicyGradScaler(torch.amp.GradScaler):
+        """The GradScaler a policy's ``[loss_scale]`` builds; it remembers each step's scale and skip.
+
+        A static scale stays fixed (``update()`` sets it back), while a step whose gradients
+        overflow is still skipped, as ``policies``' fp16-mixed does it. ``step()`` records the
+        scale the step's backward ran with and whether the step was skipped; ``take()`` hands
+        them over.
+        """
+
+        def __init__(self, device: str, loss_scale: LossScale) -> None:
+            # kind "none": fp16 autocast without loss scaling, as the loop API's fp16-mixed runs it.
+            super().__init__(device, init_scale=loss_scale.init_scale, growth_factor=loss_scale.growth_factor,
+                             backoff_factor=loss_scale.backoff_factor, growth_interval=loss_scale.growth_interval,
+                             enabled=loss_scale.kind != "none")
+            self.static_scale = float(loss_scale.init_scale) if loss_scale.kind == "static" else None
+            self._last_scale: float | None = None
+            self._skipped = False
+
+        def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.is_enabled():  # no scaling: nothing is scaled or skipped
+                self._last_scale = None
+                return super().step(optimizer, *args, **kwargs)
+            scale = float(self.get_scale())  # before update(): the scale this step's backward used
+            result = super().step(optimizer, *args, **kwargs)
+            found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            self._last_scale = scale
+            self._skipped = self._skipped or any(v.item() for v in found.values())
+            return result
+
+        def update(self, new_scale: Any = None) -> None:
+            if new_scale is None and self.static_scale is not None:
+                new_scale = self.static_scale
+            super().update(new_scale)
+
+        def take(self) -> tuple[float | None, bool]:
+            """The scale of the latest step and whether any step since the last ``take()`` was skipped."""
+            taken = (self._last_scale, self._skipped)
+            self._skipped = False
+            return taken
+
+    # Found again by name (module.__getattr__ below), so that a spawned process can unpickle it.
+    PolicyGradScaler.__module__, PolicyGradScaler.__qualname__ = __name__, "PolicyGradScaler"
+    return PolicyGradScaler
+
+
+def __getattr__(name: str) -> Any:
+    # The scaler class is built on first use (torch is imported lazily), and named here so
+    # that pickle finds it.
+    if name == "PolicyGradScaler":
+        return _scaler_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def policy_scaler(device: str, loss_scale: LossScale) -> Any:
+    """A ``PolicyGradScaler`` for ``device`` (``"cpu"``, ``"cuda"``) with the policy's settings."""
+    return _scaler_class()(device, loss_scale)
+
+
+def take_step_scale(scaler: Any) -> tuple[float | None, bool]:
+    """The loss scale and skip of the step that just ended, from a ``PolicyGradScaler``."""
+    if scaler is not None and isinstance(scaler, _scaler_class()):
+        return scaler.take()
+    return None, False
+
+
+# ---- install ------------------------------------------------------------------------------------
+
+
+def install(policy: Policy, *, framework: str, recorder: FrameworkRecorder | None, device: str | None) -> None:
+    """Make every Trainer (``framework="lightning"``) or Fabric (``"fabric"``) the script builds
+    apply ``policy``; with a recorder, record the trial's optimizer steps.
+
+    Args:
+        policy: the policy to apply.
+        framework: ``"lightning"`` or ``"fabric"``.
+        recorder: the trial recorder, or ``None`` under ``mpadvise run``.
+        device: the trial's device (``"cpu"``, ``"cuda:1"``), or ``None`` for the script's own.
+    """
+    plan = lightning_precision(policy)
+    application = _Application(policy, plan, recorder, device)
+    application.hold_switches()
+    shift = recorder.spec.seed if recorder is not None else 0
+    _shift_seeds(shift, recorder)
+    if framework == "lightning":
+        for package in _installed(TRAINER_PACKAGES):
+            _patch_init(importlib.import_module(package).Trainer, package, application.trainer_kwargs)
+    elif framework == "fabric":
+        if os.environ.pop("LT_PRECISION", None) is not None and recorder is not None:
+            recorder.note("LT_PRECISION left out: the candidate's precision applies")
+        for package in _installed(FABRIC_PACKAGES):
+            fabric_cls = importlib.import_module(package).Fabric
+            _patch_init(fabric_cls, package, application.fabric_kwargs, application.fabric_built)
+            if recorder is not None:
+                application.fabric_steps.patch(fabric_cls)
+    else:
+        raise MpadviseError(f"the Lightning adapter serves lightning and fabric, not {framework!r}")
+
+
+def _installed(packages: Iterable[str]) -> list[str]:
+    found = []
+    for package in packages:
+        try:
+            if importlib.util.find_spec(package) is not None:
+                found.append(package)
+        except ModuleNotFoundError:  # lightning.pytorch when lightning itself is absent
+            continue
+    return found
+
+
+def _patch_init(cls: type, package: str, adjust: Callable[[str, dict[str, Any]], dict[str, Any]],
+                built: Callable[[Any], None] | None = None) -> None:
+    """Wrap ``cls.__init__`` in place: ``adjust`` rewrites the keyword arguments (given the
+    Lightning flavour ``package`` whose plugins and callbacks they may hold), ``built``, if
+    given, sees the object made. A subclass's ``super().__init__`` goes through it too."""
+    original = cls.__init__
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **adjust(package, kwargs))
+        if built is not None:
+            built(self)
+
+    setattr(__init__, _PATCHED, True)
+    cls.__init__ = __init__
+
+
+def _shift_seeds(shift: int, recorder: FrameworkRecorder | None) -> None:
+    """Move the script's own ``seed_everything(n)`` by the trial's seed, wherever Lightning exports it."""
+    if not shift:
+        return
+    env = os.environ.get("PL_GLOBAL_SEED")
+    if env is not None and env.lstrip("-").isdigit():  # seed_everything() with no seed reads it
+        os.environ["PL_GLOBAL_SEED"] = str(shifted_seed(int(env), shift))
+    for name in _installed(_SEED_MODULES):
+        module = importlib.import_module(name)
+        original = module.seed_everything
+        if getattr(original, _PATCHED, False):
+            continue
+
+        @functools.wraps(original)
+        def seed_everything(seed: Any = None, *args: Any, _original: Any = original, **kwargs: Any) -> int:
+            if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):  # numpy's too
+                seed = int(seed)
+                moved = shifted_seed(seed, shift)
+                if recorder is not None and moved != seed:
+                    recorder.note(f"the script's seed_everything({seed}) ran as seed {moved} (trial seed {shift})")
+                seed = moved
+            elif seed is None and os.environ.get("PL_GLOBAL_SEED") is None:
+                seed = shifted_seed(0, shift)  # Lightning's default seed, moved
+            return _original(seed, *args, **kwargs)
+
+        setattr(seed_everything, _PATCHED, True)
+        # Every module that re-exports it (lightning.seed_everything, Fabric's staticmethod's
+        # global, lightning.pytorch.seed_everything) holds the original object: replace each.
+        for loaded_name, loaded in list(sys.modules.items()):
+            if loaded is None or loaded_name.split(".")[0] not in _LIGHTNING_ROOTS:
+                continue
+            if getattr(loaded, "seed_everything", None) is original:
+                loaded.seed_everything = seed_everything
+
+
+class _Application:
+    """What ``install()`` decided, applied to each Trainer or Fabric the script builds."""
+
+    def __init__(self, policy: Policy, plan: LightningPrecision, recorder: FrameworkRecorder | None,
+                 device: str | None) -> None:
+        self.policy = policy
+        self.plan = plan
+        self.recorder = recorder
+        self.device = device
+        self.trainer_steps = _TrainerSteps(recorder) if recorder is not None else None
+        self.fabric_steps = _FabricSteps(recorder) if recorder is not None else None
+
+    def note(self, text: str) -> None:
+        if self.recorder is not None:
+            self.recorder.note(text)
+
+    def hold_switches(self) -> None:
+        """fp32 and tf32: set the TF32 switches for the rest of the process, as the loop API's modes do."""
+        if self.plan.tf32 is None:
+            return
+        import torch
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        _HELD_SWITCHES.enter_context(create_mode(self.policy, torch.device(device)).process_switches())
+        state = "on" if self.plan.tf32 else "off"
+        self.note(f"TF32 {state} for matmuls{' and cuDNN' if device.startswith('cuda') else ''}, as {self.policy.mode} sets it")
+
+    # ---- precision, for both ----------------------------------------------------------------
+
+    def _device_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """The trial's device, where one was asked for (``--device``)."""
+        if self.device is None:
+            return
+        import torch
+
+        device = torch.device(self.device)
+        kwargs["accelerator"] = device.type
+        if device.index is not None:
+            kwargs["devices"] = [device.index]
+        elif device.type == "cpu" and not isinstance(kwargs.get("devices", "auto"), int):
+            kwargs["devices"] = "auto"  # a list of GPU indices means nothing on the CPU
+
+    def _precision_kwargs(self, package: str, kwargs: dict[str, Any], *, who: str, held_attr: str) -> None:
+        """Replace whatever precision the script passes with the policy's."""
+        plugins_module = importlib.import_module(f"{package}.plugins.precision")
+        base = plugins_module.Precision
+        asked = kwargs.pop("precision", None)
+        plugins = kwargs.get("plugins")
+        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        theirs = [type(p).__name__ for p in plugins if isinstance(p, base)]
+        plugins = [p for p in plugins if not isinstance(p, base)]
+        strategy = kwargs.get("strategy", "auto")
+        held = None if isinstance(strategy, str) else getattr(strategy, f"_{held_attr}", None)
+        if held is not None:
+            # A strategy instance built with its own precision plugin: Lightning would take it
+            # over the precision flag.
+            setattr(strategy, held_attr, None)
+            theirs.append(type(held).__name__)
+        plan = self.plan
+        if plan.plugin is None or (plan.plugin == "amp" and is_sharded(strategy)):
+            if plan.plugin == "amp" and plan.loss_scale != LossScale():
+                name = strategy if isinstance(strategy, str) else type(strategy).__name__
+                raise MpadviseError(
+                    f"{who} with strategy {name} builds its own loss scaler and cannot apply "
+                    f"{self.policy.describe()}; use fp16-mixed with GradScaler's default dynamic scale "
+                    "(initial scale 65536, growth interval 2000), or another mode"
+                )
+            kwargs["precision"] = plan.precision
+            applied = f"precision={plan.precision!r}"
+        else:
+            kwargs["precision"] = None  # explicit, so that PL_TRAINER_PRECISION cannot add one
+            if plan.plugin == "amp":
+                device = _amp_device(kwargs.get("accelerator", "auto"))
+                plugin = plugins_module.MixedPrecision(
+                    "16-mixed", device, scaler=policy_scaler(device, plan.loss_scale or LossScale()))
+            else:
+                import torch
+
+                te_args = transformer_engine_args(self.policy)
+                plugin = plugins_module.TransformerEnginePrecision(
+                    weights_dtype=getattr(torch, te_args["weights_dtype"]),
+                    fallback_compute_dtype=getattr(torch, te_args["fallback_compute_dtype"]),
+                    recipe=te_args["recipe"],
+                )
+            plugins.append(plugin)
+            applied = plan.describe()
+        kwargs["plugins"] = plugins or None
+        was = asked if asked is not None else (", ".join(theirs) if theirs else None)
+        self.note(f"{who}: {applied}" + (f" (the script asked for {was!r})" if was is not None else ""))
+
+    # ---- the Trainer ----------------------------------------------------------------------
+
+    def trainer_kwargs(self, package: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        kwargs = dict(kwargs)
+        self._device_kwargs(kwargs)
+        self._precision_kwargs(package, kwargs, who="Lightning Trainer", held_attr="precision_plugin")
+        policy = self.policy
+        if policy.grad_accum_steps is not None:
+            kwargs["accumulate_grad_batches"] = policy.grad_accum_steps
+        if policy.grad_clip_norm is not None:
+            kwargs["gradient_clip_val"] = policy.grad_clip_norm
+            kwargs["gradient_clip_algorithm"] = "norm"
+        if self.trainer_steps is not None:
+            self._trial_trainer_kwargs(package, kwargs, self.trainer_steps)
+        return kwargs
+
+    def _trial_trainer_kwargs(self, package: str, kwargs: dict[str, Any], steps: _TrainerSteps) -> None:
+        """The recording callback, and the Trainer's extras off where the script's callbacks allow."""
+        callbacks_module = importlib.import_module(f"{package}.callbacks")
+        callbacks = kwargs.get("callbacks")
+        callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+
+        def has(*names: str) -> bool:
+            kinds = tuple(getattr(callbacks_module, n) for n in names if hasattr(callbacks_module, n))
+            return any(isinstance(c, kinds) for c in callbacks)
+
+        # Off in trials: they cost time per step and change no numerics. Each stays as the
+        # script set it where one of its callbacks needs it (Lightning refuses the mix).
+        off = {"enable_progress_bar": has("ProgressBar"), "enable_model_summary": has("ModelSummary"),
+               "enable_checkpointing": has("Checkpoint"),
+               "logger": has("LearningRateMonitor", "DeviceStatsMonitor")}
+        turned = [name for name, needed in off.items() if not needed]
+        for name in turned:
+            kwargs[name] = False
+        if turned:
+            self.note(f"Lightning Trainer: {', '.join(turned)} off in the trial (no effect on the numerics)")
+        callbacks.append(steps.callback(callbacks_module.Callback))
+        kwargs["callbacks"] = callbacks
+
+    # ---- Fabric -------------------------------------------------------------------------------
+
+    def fabric_kwargs(self, package: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        kwargs = dict(kwargs)
+        self._device_kwargs(kwargs)
+        self._precision_kwargs(package, kwargs, who="Lightning Fabric", held_attr="precision")
+        if self.policy.grad_accum_steps not in (None, 1) or self.policy.grad_clip_norm is not None:
+            get_logger().warning(
+                "Fabric leaves accumulation and clipping to the script (fabric.backward, "
+                "fabric.clip_gradients): the policy's grad_accum_steps and grad_clip_norm are not applied"
+            )
+        if self.fabric_steps is not None:
+            callbacks = kwargs.get("callbacks")
+            callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+            kwargs["callbacks"] = [*callbacks, self.fabric_steps]
+        return kwargs
+
+    def fabric_built(self, fabric: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.set_device(fabric.device)
+
+
+def _amp_device(accelerator: Any) -> str:
+    """The autocast device of ``MixedPrecision`` for a Trainer's or Fabric's ``accelerator``."""
+    import torch
+
+    if isinstance(accelerator, str):
+        name = accelerator.lower()
+    else:  # an Accelerator instance: CPUAccelerator, CUDAAccelerator, MPSAccelerator
+        name = type(accelerator).__name__.removesuffix("Accelerator").lower()
+    mps = getattr(torch.backends, "mps", None)
+    mps_available = mps is not None and mps.is_available()
+    if name == "auto":
+        name = "mps" if mps_available else "cuda" if torch.cuda.is_available() else "cpu"
+    elif name == "gpu":
+        name = "mps" if mps_available else "cuda"
+    if name not in ("cpu", "cuda", "mps"):
+        raise MpadviseError(
+            f"fp16-mixed through Lightning runs on cpu, cuda or mps; the script's accelerator is {accelerator!r}"
+        )
+    return name
+
+
+# ---- recording ------------------------------------------------------------------------------------
+
+
+class _StepLosses:
+    """The micro-batch losses and samples of the optimizer step in progress."""
+
+    def __init__(self) -> None:
+        self.losses: list[Any] = []
+        self.samples = 0
+        self.micro_batches = 0
+
+    def add(self, loss: Any, samples: int | None) -> None:
+        if loss is not None:
+            self.losses.append(loss.detach().float().clone() if hasattr(loss, "detach") else float(loss))
+        self.samples += samples or 0
+        self.micro_batches += 1
+
+    def mean(self) -> Any:
+        losses = self.losses
+        if not losses:
+            return float("nan")  # a step with no loss to read is not a finite one
+        return losses[0] if len(losses) == 1 else sum(losses) / len(losses)
+
+    def reset(self) -> None:
+        self.losses, self.samples, self.micro_batches = [], 0, 0
+
+
+class _TrainerSteps:
+    """Feeds the recorder from a Lightning Trainer's callback hooks, one record per optimizer step.
+
+    An optimizer step ended in a batch when ``trainer.global_step`` moved during it (on
+    accumulation batches it does not). The batch's loss is ``outputs["loss"]``, which automatic
+    optimization has divided by ``accumulate_grad_batches``; under manual optimization, where
+    the training step may return nothing, it is the loss given to ``manual_backward``.
+    """
+
+    def __init__(self, recorder: FrameworkRecorder) -> None:
+        self.recorder = recorder
+        self.step = _StepLosses()
+        self._global_step_at_start = 0
+        self._backward_loss: Any = None
+        self._batch_size: int | None = None
+        self._scale_before: float | None = None
+
+    def callback(self, base: type) -> Any:
+        """A Callback of the Trainer's own flavour (``base``) that calls this object's hooks."""
+        steps = self
+
+        class StepRecorder(base):  # type: ignore[misc, valid-type]
+            """Records each optimizer step of the trial (mpadvise)."""
+
+            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+                steps.recorder.set_device(pl_module.device)
+
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                steps.batch_start(trainer, pl_module, batch)
+
+            def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+                steps.before_backward(trainer, pl_module, loss)
+
+            def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+                steps.before_optimizer_step(trainer)
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+                steps.batch_end(trainer, pl_module, outputs)
+
+        return StepRecorder()
+
+    def batch_start(self, trainer: Any, module: Any, batch: Any) -> None:
+        size = batch_size_of(batch)
+        if not self.recorder.begun:
+            accum = int(trainer.accumulate_grad_batches or 1)
+            self.recorder.begin(user_batch=size, micro_batch=size, grad_accum_steps=accum)
+            optimizers = trainer.optimizers
+            self.recorder.workload(module, optimizers[0] if optimizers else None,
+                                   global_batch=None if size is None else size * accum)
+        self._global_step_at_start = trainer.global_step
+        self._backward_loss = None
+        self._batch_size = size
+
+    def before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
+        if module.automatic_optimization:
+            return  # outputs["loss"] holds it, unscaled
+        # manual_backward's loss arrives here already multiplied by the loss scale.
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        self._backward_loss = loss.detach().float() / scale
+
+    def before_optimizer_step(self, trainer: Any) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        # A scaler the policy did not build (a sharded strategy's own): the scale before the
+        # step, to tell a skip by the scale shrinking after it.
+        if scaler is not None and not isinstance(scaler, _scaler_class()) and self._scale_before is None:
+            self._scale_before = float(scaler.get_scale())
+
+    def batch_end(self, trainer: Any, module: Any, outputs: Any) -> None:
+        if not self.recorder.begun:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs if hasattr(outputs, "detach") else None
+        if loss is not None and module.automatic_optimization:
+            loss = loss * trainer.accumulate_grad_batches  # automatic optimization divided it
+        elif loss is None:
+            loss = self._backward_loss
+        self.step.add(loss, self._batch_size)
+        if trainer.global_step == self._global_step_at_start:
+            return  # an accumulation batch: no optimizer step yet
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scale, skipped = take_step_scale(scaler)
+        if self._scale_before is not None:
+            after = float(scaler.get_scale())
+            scale, skipped = self._scale_before, after < self._scale_before
+            self._scale_before = None
+        self.recorder.step(loss=self.step.mean(), loss_scale=scale, skipped=skipped, samples=self.step.samples)
+        self.step.reset()
+
+
+class _FabricSteps:
+    """Feeds the recorder from Fabric: a Fabric callback (``on_after_optimizer_step``), with the
+    micro-batch losses taken from ``fabric.backward`` and the batch size from a forward
+    pre-hook on the model the script sets up.
+
+    Accumulation is the script's own: the backward passes between two optimizer steps are the
+    step's micro-batches, and the recorded loss is their mean as the script passed them to
+    ``fabric.backward`` (divided by the accumulation count if the script divides it).
+    """
+
+    def __init__(self, recorder: FrameworkRecorder) -> None:
+        self.recorder = recorder
+        self.step = _StepLosses()
+        self.model: Any = None
+        self._forward_batch: int | None = None
+        self._hooked: set[int] = set()
+        self._first_step = True
+
+    def patch(self, fabric_cls: type) -> None:
+        """Wrap ``backward`` and the setup methods of one Fabric class in place."""
+        for name in ("backward", "setup", "setup_module"):
+            original = getattr(fabric_cls, name)
+            if getattr(original, _PATCHED, False):
+                continue
+            wrapped = self._backward(original) if name == "backward" else self._setup(original)
+            setattr(wrapped, _PATCHED, True)
+            setattr(fabric_cls, name, wrapped)
+
+    def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def backward(fabric: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.recorder.begun:
+                size = self._forward_batch
+                # The accumulation count is known at the first optimizer step (step_ended).
+                self.recorder.begin(user_batch=size, micro_batch=size, grad_accum_steps=None)
+            self.step.add(tensor, self._forward_batch)
+            return original(fabric, tensor, *args, **kwargs)
+
+        return backward
+
+    def _setup(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def setup(fabric: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
+            self.watch(module)
+            return original(fabric, module, *args, **kwargs)
+
+        return setup
+
+    def watch(self, module: Any) -> None:
+        """Read the batch size of every training forward of ``module``."""
+        if id(module) in self._hooked or not hasattr(module, "register_forward_pre_hook"):
+            return
+        self._hooked.add(id(module))
+        if self.model is None:
+            self.model = module
+
+        def pre_hook(mod: Any, args: Any, kwargs: Any) -> None:
+            import torch
+
+            if torch.is_grad_enabled():
+                size = batch_size_of((args, kwargs))
+                if size is not None:
+                    self._forward_batch = size
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
+        """Fabric's callback hook, after ``optimizer.step()`` of a set-up optimizer."""
+        if not self.recorder.begun or not self.step.micro_batches:
+            return
+        if self._first_step:
+            self._first_step = False
+            accum = self.step.micro_batches
+            micro = self.recorder.batch.get("micro_batch")
+            global_batch = None if micro is None else micro * accum
+            # The batch facts written at begin() lacked the accumulation count.
+            self.recorder.batch.update(grad_accum_steps=accum, global_batch=global_batch)
+            self.recorder.workload(self.model, optimizer, global_batch=global_batch)
+        scale, skipped = take_step_scale(getattr(strategy.precision, "scaler", None))
+        self.recorder.step(loss=self.step.mean(), loss_scale=scale, skipped=skipped, samples=self.step.samples)
+        self.step.reset()

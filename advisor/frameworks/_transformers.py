@@ -1,0 +1,469 @@
+"""The Hugging Face Trainer adapter: a policy applied through ``TrainingArguments``, steps
+recorded through the Trainer's own hooks.
+
+``TrainingArguments.__post_init__`` derives ``mixed_precision`` from ``fp16``/``bf16`` (and
+``ACCELERATE_MIXED_PRECISION``) once, and the Trainer hands that to its Accelerator. So the
+candidate's fields are set at the start of ``__post_init__``, before that derivation, whatever
+the script passed; setting ``args.bf16`` afterwards (as HF's own ``hyperparameter_search``
+does) would leave the Accelerator in the old precision. The Trainer's Accelerator and the
+first forward are then checked: a trial that would not really run in the candidate's precision
+ends as unsupported, with the reason, instead of measuring something else under its name.
+
+Per optimizer step the recorder gets the sum of what ``training_step`` returned for the step's
+micro-batches (the Trainer divides each by the accumulation count, or normalises it over the
+step's tokens, so the sum is the step's mean loss), unfiltered: HF's ``logging_nan_inf_filter``
+only replaces NaN in its running log, never in ``training_step``'s value. The GradScaler's scale
+is read after each step: the scale a step's backward ran with is the one the previous step left,
+and a scale that backed off marks a skipped step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from advisor._log import get_logger
+from advisor.frameworks._traits import ACCELERATE_PRECISION, TRANSFORMERS_PRECISION
+from advisor.runtime._applied import BatchSplit, batch_split
+from advisor.tune._child import _exit
+from policies import Policy, create_mode
+from probes._trial import EXIT_UNSUPPORTED
+
+if TYPE_CHECKING:
+    from advisor.frameworks._recorder import FrameworkRecorder
+
+# What a trial turns off: work that only slows a short trial window (reporting to trackers,
+# checkpoints, pushes to the Hub, progress bars) and changes no numerics. NaN losses are
+# kept in the script's own logs too, so what it prints agrees with what the trial records.
+TRIAL_ARGUMENTS: Mapping[str, Any] = {
+    "logging_nan_inf_filter": False,
+    "report_to": "none",
+    "save_strategy": "no",
+    "push_to_hub": False,
+    "load_best_model_at_end": False,
+    "disable_tqdm": True,
+}
+# The TrainingArguments fields that argument_changes reads from the script's arguments.
+SCRIPT_FIELDS = ("fp16", "bf16", "tf32", "per_device_train_batch_size", "gradient_accumulation_steps",
+                 "max_grad_norm", "data_seed", "lr_scheduler_type", "use_cpu")
+# Evaluation inside the window would be timed as training; these schedulers need it, though.
+_SCHEDULERS_NEEDING_EVAL = ("reduce_lr_on_plateau", "greedy")
+
+# The process-wide switches of the mode (fp32 turns TF32 off, tf32 on), held until the process ends.
+_PROCESS_SWITCHES = contextlib.ExitStack()
+
+# The autocast dtype a forward runs under in each mode the Trainer can apply (None: no autocast).
+AUTOCAST_DTYPE: Mapping[str, str | None] = {
+    "fp32": None,
+    "tf32": None,
+    "fp16-mixed": "float16",
+    "bf16-mixed": "bfloat16",
+}
+
+
+@dataclass(frozen=True)
+class ArgumentChanges:
+    """What the adapter sets in one ``TrainingArguments``, computed from the script's values.
+
+    Attributes:
+        values: field name -> the value to set, before ``__post_init__`` derives anything.
+        split: the micro-batch split applied, or ``None`` when the script's batch stays.
+        user_batch: the script's own samples per optimizer step per device
+            (``per_device_train_batch_size x gradient_accumulation_steps`` as it wrote them).
+        notes: sentences for the trial's report.
+    """
+
+    values: Mapping[str, Any]
+    split: BatchSplit | None
+    user_batch: int | None
+    notes: tuple[str, ...]
+
+
+def argument_changes(policy: Policy, script: Mapping[str, Any], *, trial: bool, seed_shift: int = 0,
+                     use_cpu: bool = False) -> ArgumentChanges:
+    """The ``TrainingArguments`` fields that apply ``policy`` over what the script set (pure).
+
+    Args:
+        policy: the policy to apply (a mode the Trainer can apply: see ``TRANSFORMERS_PRECISION``).
+        script: the script's values of the fields in ``SCRIPT_FIELDS``.
+        trial: whether this run is a trial (then what only slows it is turned off).
+        seed_shift: added to an explicit ``data_seed`` (the trial seed).
+        use_cpu: whether training runs on the CPU, where the Trainer refuses ``bf16=True``
+            unless ``use_cpu`` is set.
+
+    Returns:
+        The fields to set and what they mean.
+    """
+    precision = dict(TRANSFORMERS_PRECISION[policy.mode])
+    values: dict[str, Any] = dict(precision)
+    asked = {k: script.get(k) for k in precision if script.get(k) != precision[k]}
+    # tf32=None (the default) leaves TF32 alone; the mode's False is stated, not an override.
+    asked = {k: v for k, v in asked.items() if not (k == "tf32" and v is None)}
+    said = ", ".join(f"{k}={v}" for k, v in precision.items())
+    note = f"TrainingArguments({said}) for {policy.mode}"
+    if asked:
+        note += " where the script's arguments had " + ", ".join(f"{k}={v}" for k, v in asked.items())
+    notes = [note]
+    if use_cpu and not script.get("use_cpu"):
+        values["use_cpu"] = True
+        notes.append("use_cpu=True: training runs on the CPU, where the Trainer takes bf16=True only with it")
+    per_device = _positive(script.get("per_device_train_batch_size"))
+    accum = _positive(script.get("gradient_accumulation_steps")) or 1
+    user_batch = None if per_device is None else per_device * accum
+    split = None
+    if user_batch is not None and (policy.micro_batch_size is not None or policy.grad_accum_steps is not None):
+        split = batch_split(policy, user_batch)
+        values["per_device_train_batch_size"] = split.micro
+        values["gradient_accumulation_steps"] = split.accum
+        notes.append(
+            f"per_device_train_batch_size={split.micro}, gradient_accumulation_steps={split.accum} over the "
+            f"script's {per_device} x {accum}: " + (split.note or f"global batch {split.micro * split.accum} kept")
+        )
+    if policy.grad_clip_norm is not None:
+        values["max_grad_norm"] = float(policy.grad_clip_norm)
+        notes.append(f"max_grad_norm={policy.grad_clip_norm:g} over the script's {script.get('max_grad_norm')}")
+    if seed_shift and script.get("data_seed") is not None:
+        values["data_seed"] = int(script["data_seed"]) + seed_shift
+    if trial:
+        values.update(TRIAL_ARGUMENTS)
+        off = ["logging_nan_inf_filter=False (NaN losses reach the script's logs)", "report_to=none",
+               "save_strategy=no", "no Hub push", "no progress bar"]
+        if str(_value(script.get("lr_scheduler_type"))) not in _SCHEDULERS_NEEDING_EVAL:
+            values["eval_strategy"] = "no"
+            values["do_eval"] = False
+            off.append("no evaluation")
+        notes.append("trial settings: " + ", ".join(off))
+    return ArgumentChanges(values, split, user_batch, tuple(notes))
+
+
+def expected_autocast(mode: str) -> str | None:
+    """The autocast dtype name a forward runs under in ``mode`` through the Trainer, or ``None``."""
+    return AUTOCAST_DTYPE[mode]
+
+
+def autocast_mismatch(mode: str, *, enabled: bool, dtype: str, device_type: str) -> str | None:
+    """Why the observed autocast of a forward is not ``mode``'s, or ``None`` when it is (pure)."""
+    want = expected_autocast(mode)
+    if want is None and enabled:
+        return (f"the forward ran under {device_type} autocast to {dtype}, not in fp32 as {mode} asks: "
+                "the script or its Trainer subclass autocasts by itself")
+    if want is not None and not enabled:
+        return f"the forward ran without autocast, not under {device_type} autocast to {want} as {mode} asks"
+    if want is not None and dtype != want:
+        return f"the forward ran under {device_type} autocast to {dtype}, not {want} as {mode} asks"
+    return None
+
+
+def accelerator_mismatch(mode: str, *, mixed_precision: str, native_amp: bool, has_scaler: bool,
+                         device_type: str) -> str | None:
+    """Why the Trainer's Accelerator does not run ``mode``, or ``None`` when it does (pure).
+
+    Accelerate builds fp16 autocast and a GradScaler only off the CPU: on a CPU,
+    ``TrainingArguments(fp16=True)`` trains in fp32 (accelerate/accelerator.py, where
+    ``mixed_precision == "fp16" and self.device.type != "cpu"`` guards both).
+    """
+    want = ACCELERATE_PRECISION[mode]
+    if mixed_precision != want:
+        return (f"the Hugging Face Trainer's Accelerator runs mixed_precision={mixed_precision!r}, not {want!r} "
+                f"as {mode} asks (a Trainer subclass or the launch configuration sets its own)")
+    if want == "fp16" and not (native_amp and has_scaler):
+        return (f"the Hugging Face Trainer cannot run fp16-mixed on {device_type}: Accelerate builds fp16 "
+                "autocast and a GradScaler only on GPUs, so TrainingArguments(fp16=True) trains in fp32 here")
+    if want == "bf16" and not native_amp:
+        return f"the Hugging Face Trainer's Accelerator does not autocast to bf16 on {device_type}"
+    return None
+
+
+def scaler_skipped(before: float | None, after: float | None) -> bool:
+    """Whether a dynamic GradScaler skipped the step: its update backs the scale off (x0.5) exactly
+    when the step's gradients overflowed (pure).
+
+    Accelerate's ``step_was_skipped`` cannot be trusted for this: it watches whether the
+    optimizer's ``step`` was called, and GradScaler always calls a fused optimizer's ``step``
+    (``adamw_torch_fused``, the Trainer's default optimizer), which then skips by itself.
+    """
+    return before is not None and after is not None and after < before
+
+
+def install(policy: Policy, *, framework: str, recorder: FrameworkRecorder | None, device: str | None) -> None:
+    """Apply ``policy`` to every ``TrainingArguments`` and ``Trainer`` the script builds.
+
+    Args:
+        policy: the policy (a mode the Trainer can apply).
+        framework: ``"transformers"``.
+        recorder: the trial recorder, or ``None`` under ``mpadvise run``.
+        device: the trial's device (``"cpu"``, ``"cuda:N"``), or ``None`` for the default.
+    """
+    import torch
+    import transformers
+    import transformers.trainer
+    import transformers.trainer_utils
+    import transformers.training_args
+
+    use_cpu = device == "cpu" or (device is None and not _accelerator_available(torch))
+    target = torch.device("cpu" if use_cpu else (device or "cuda"))
+    _PROCESS_SWITCHES.enter_context(create_mode(policy, target).process_switches())
+    # What TrainingArguments falls back to when fp16 and bf16 are both off, and what an
+    # Accelerator the script builds by itself reads.
+    os.environ["ACCELERATE_MIXED_PRECISION"] = ACCELERATE_PRECISION[policy.mode]
+    hooks = TrainerHooks(policy, recorder, use_cpu=use_cpu, device=device, callback_base=transformers.TrainerCallback)
+    _patch_arguments(transformers.training_args.TrainingArguments, hooks)
+    _patch_trainer(transformers.trainer.Trainer, hooks)
+    if recorder is not None and recorder.spec.seed:
+        _shift_seeds([transformers, transformers.trainer, transformers.trainer_utils], recorder.spec.seed, hooks)
+
+
+class TrainerHooks:
+    """What the patched ``TrainingArguments`` and ``Trainer`` call, and the step records."""
+
+    def __init__(self, policy: Policy, recorder: FrameworkRecorder | None, *, use_cpu: bool, device: str | None,
+                 callback_base: type) -> None:
+        self.policy = policy
+        self.recorder = recorder
+        self.use_cpu = use_cpu
+        self.device = device
+        self.callback_base = callback_base
+        self.mixed_precision = ACCELERATE_PRECISION[policy.mode]
+        self.user_batch: int | None = None
+        self._micro_losses: list[Any] = []
+        self._micro_samples = 0
+        self._loss_scale: float | None = None  # what the GradScaler's scale is now, once read
+        self._autocast: tuple[bool, str, str] | None = None  # (enabled, dtype, device type) in the first forward
+        self._hook_handles: list[Any] = []
+        self._checked_forward = False
+
+    # ---- TrainingArguments ---------------------------------------------------------------------
+
+    def before_arguments(self, args: Any) -> None:
+        """Set the policy's fields, before ``__post_init__`` derives ``mixed_precision``."""
+        changes = argument_changes(
+            self.policy, {name: getattr(args, name, None) for name in SCRIPT_FIELDS}, trial=self.recorder is not None,
+            seed_shift=self.recorder.spec.seed if self.recorder is not None else 0, use_cpu=self.use_cpu,
+        )
+        for name, value in changes.values.items():
+            setattr(args, name, value)
+        self.user_batch = changes.user_batch
+        for text in changes.notes:
+            self.note(text)
+        if changes.split is not None and changes.split.warning:
+            get_logger().warning(changes.split.note)
+
+    def after_arguments(self, args: Any) -> None:
+        """A trial trains on one device: no DataParallel over every visible GPU, and ``cuda:N`` as asked."""
+        if self.recorder is None or args.distributed_state is None:
+            return
+        if args.distributed_state.distributed_type != "NO":
+            return
+        import torch
+
+        if self.device is not None and self.device.startswith("cuda:"):
+            wanted = torch.device(self.device)
+            if args.device != wanted:
+                torch.cuda.set_device(wanted)
+                args.__dict__["_setup_devices"] = wanted  # the cached property HF reads as args.device
+        if getattr(args, "_n_gpu", 1) > 1:
+            args._n_gpu = 1
+
+    # ---- Trainer ----------------------------------------------------------------------------------
+
+    def before_trainer(self, args: Any) -> None:
+        """Set the precision again where the script changed it on the arguments after building them."""
+        if args is None or getattr(args, "mixed_precision", self.mixed_precision) == self.mixed_precision:
+            return
+        for name, value in TRANSFORMERS_PRECISION[self.policy.mode].items():
+            if name != "tf32":
+                setattr(args, name, value)
+        args.mixed_precision = self.mixed_precision
+        self.note(f"the script changed TrainingArguments' precision after building them: set back to {self.policy.mode}")
+
+    def after_trainer(self, trainer: Any) -> None:
+        """Check the Accelerator, then hook the trainer's steps."""
+        accelerator = trainer.accelerator
+        device_type = trainer.args.device.type
+        if not getattr(trainer, "is_deepspeed_enabled", False):
+            reason = accelerator_mismatch(
+                self.policy.mode, mixed_precision=str(accelerator.mixed_precision),
+                native_amp=bool(getattr(accelerator, "native_amp", False)),
+                has_scaler=getattr(accelerator, "scaler", None) is not None, device_type=device_type,
+            )
+            if reason is not None:
+                self._refuse(reason)
+        self.note(f"the Trainer's Accelerator runs mixed_precision={accelerator.mixed_precision} on {trainer.args.device}")
+        if self.recorder is not None:
+            self.recorder.set_device(trainer.args.device)
+        trainer.add_callback(self._callback(trainer))
+        step = trainer.training_step  # the most derived one: a subclass's override included
+        trainer.training_step = lambda *a, **kw: self.training_step(trainer, step, *a, **kw)
+
+    def training_step(self, trainer: Any, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One micro-batch: its loss (already divided for accumulation) joins the step's sum."""
+        if self.recorder is not None and not self.recorder.begun:
+            self.recorder.begin(user_batch=self.user_batch, micro_batch=trainer.args.per_device_train_batch_size,
+                                grad_accum_steps=trainer.args.gradient_accumulation_steps)
+        if self._loss_scale is None:
+            self._loss_scale = _scale(trainer)
+        loss = step(*args, **kwargs)
+        inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+        self._micro_losses.append(loss.detach().float().clone())
+        self._micro_samples += _leading_dim(inputs) or 0
+        if not self._checked_forward:
+            self._checked_forward = True
+            self._check_forward()
+        return loss
+
+    def train_begin(self, trainer: Any, model: Any, optimizer: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.workload(trainer.model, getattr(optimizer, "optimizer", optimizer), global_batch=self.user_batch)
+        if not trainer.args.torch_compile and not self._checked_forward:
+            self._watch_forward(trainer.model, trainer.args.device.type)
+
+    def step_end(self, trainer: Any) -> None:
+        """The optimizer stepped: the step's loss, the scale its backward ran with, and whether it was skipped."""
+        micro, samples = self._micro_losses, self._micro_samples
+        self._micro_losses, self._micro_samples = [], 0
+        # The GradScaler changes its scale only in the optimizer step's update(), so the scale
+        # before this step is the one the previous step left (or the first read).
+        before, after = self._loss_scale, _scale(trainer)
+        self._loss_scale = after
+        if self.recorder is None or not micro:
+            return
+        loss = micro[0] if len(micro) == 1 else sum(micro[1:], micro[0])
+        skipped = scaler_skipped(before, after) or bool(trainer.accelerator.optimizer_step_was_skipped)
+        self.recorder.step(loss=loss, loss_scale=before, skipped=skipped, samples=samples or None)
+
+    # ---- checks -----------------------------------------------------------------------------------
+
+    def _watch_forward(self, model: Any, device_type: str) -> None:
+        """Note the autocast state inside the first forward (a submodule runs inside Accelerate's
+        autocast wrapper of the model's forward; the model's own hooks run outside it)."""
+        import torch
+
+        def seen(module: Any, inputs: Any) -> None:
+            if self._autocast is None:
+                enabled = torch.is_autocast_enabled(device_type)
+                self._autocast = (enabled, str(torch.get_autocast_dtype(device_type)).removeprefix("torch."), device_type)
+            for handle in self._hook_handles:
+                handle.remove()
+            self._hook_handles.clear()
+
+        for name, module in model.named_modules():
+            if name:
+                self._hook_handles.append(module.register_forward_pre_hook(seen))
+
+    def _check_forward(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        if self._autocast is None:
+            return  # a model without submodules, or a compiled one: the Accelerator check stands alone
+        enabled, dtype, device_type = self._autocast
+        reason = autocast_mismatch(self.policy.mode, enabled=enabled, dtype=dtype, device_type=device_type)
+        if reason is not None:
+            self._refuse(reason)
+        self.note(f"the first forward ran under {device_type} autocast to {dtype}" if enabled
+                   else "the first forward ran without autocast")
+
+    def _refuse(self, reason: str) -> None:
+        """End the run: a trial as unsupported (it cannot run the candidate), a run with one error line."""
+        if self.recorder is not None:
+            self.recorder.writer.write(stage="unsupported", reason=reason)
+            _exit(EXIT_UNSUPPORTED)
+        sys.stderr.write(f"error: {reason}\n")
+        raise SystemExit(1)
+
+    def note(self, text: str) -> None:
+        """A sentence for the trial's report (nothing under ``mpadvise run``)."""
+        if self.recorder is not None:
+            self.recorder.note(text)
+
+    def _callback(self, trainer: Any) -> Any:
+        hooks = self
+
+        class MpadviseSteps(self.callback_base):  # type: ignore[misc, valid-type]
+            """Feeds the trial recorder from the Trainer's events."""
+
+            def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                hooks.train_begin(trainer, kwargs.get("model"), kwargs.get("optimizer"))
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                hooks.step_end(trainer)
+
+        return MpadviseSteps()
+
+
+def _patch_arguments(cls: type, hooks: TrainerHooks) -> None:
+    """``cls.__post_init__`` sets the policy's fields first; subclasses inherit it or call it."""
+    original = cls.__post_init__
+
+    def __post_init__(self: Any) -> None:
+        hooks.before_arguments(self)
+        original(self)
+        hooks.after_arguments(self)
+
+    cls.__post_init__ = __post_init__
+
+
+def _patch_trainer(cls: type, hooks: TrainerHooks) -> None:
+    """``cls.__init__`` re-checks the arguments' precision, then hooks the built trainer."""
+    original = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        hooks.before_trainer(kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None))
+        original(self, *args, **kwargs)
+        hooks.after_trainer(self)
+
+    cls.__init__ = __init__
+
+
+def _shift_seeds(modules: list[Any], shift: int, hooks: TrainerHooks) -> None:
+    """``set_seed(s)`` and ``enable_full_determinism(s)`` seed ``s + shift``, wherever the script
+    or the Trainer (which seeds ``args.seed``, 42 by default) takes them from."""
+    for name in ("set_seed", "enable_full_determinism"):
+        original = getattr(modules[-1], name)
+
+        def shifted(seed: int, *args: Any, _original: Callable[..., Any] = original, _name: str = name,
+                    **kwargs: Any) -> Any:
+            hooks.note(f"seeds shifted by the trial seed {shift} ({_name}({seed}) seeds {seed + shift})")
+            return _original(seed + shift, *args, **kwargs)
+
+        for module in modules:
+            setattr(module, name, shifted)
+
+
+def _scale(trainer: Any) -> float | None:
+    """The current scale of the trainer's GradScaler, or ``None`` without one."""
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    return None if scaler is None else float(scaler.get_scale())
+
+
+def _accelerator_available(torch: Any) -> bool:
+    """Whether torch sees an accelerator the Trainer would pick over the CPU."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    return bool(torch.cuda.is_available())
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _value(value: Any) -> Any:
+    """An enum's value (``SchedulerType.LINEAR`` -> ``"linear"``), anything else as it is."""
+    return getattr(value, "value", value)
+
+
+def _leading_dim(values: Any) -> int | None:
+    """The batch size of a micro-batch: the first dimension of its first tensor."""
+    if hasattr(values, "shape") and hasattr(values, "dim"):
+        return int(values.shape[0]) if values.dim() > 0 else None
+    items = values.values() if isinstance(values, Mapping) else values if isinstance(values, (list, tuple)) else ()
+    for value in items:
+        found = _leading_dim(value)
+        if found is not None:
+            return found
+    return None
