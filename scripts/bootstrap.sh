@@ -15,5 +15,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     # pyproject.toml keeps a range; only the install step pins.
     "$VENV/bin/python" -m pip install -q "torch==${MPADVISE_TORCH:-2.13.0}"
     "$VENV/bin/python" -m pip install -q -e ".[dev]"
+    # DeepSpeed, so that `mpadvise export --to deepspeed` is checked by DeepSpeed's own config
+    # parser. Its sdist imports torch to build, so it builds against the torch above (no build
+    # isolation, no ops compiled), and --no-deps keeps pip from touching torch; the three
+    # modules it imports on a CPU come next. Where it does not install, that test skips.
+    DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps "deepspeed==0.19.8" \
+        hjson einops msgpack || echo "bootstrap: deepspeed did not install; its config test will skip"
     touch "$stamp"
 fi
