@@ -49,6 +49,7 @@ def matmul_switches(*, tf32: bool, cuda: bool) -> Iterator[None]:
         yield
         return
     switches = _MATMUL_SWITCHES + (_CUDNN_SWITCHES if cuda else ())
+    read = {switch: _get(torch, switch) for switch in switches}
     own = {switch: _own_precision(torch, switch) for switch in switches}
     legacy = _legacy_state(torch, cuda=cuda, own=own)
     try:
@@ -61,6 +62,13 @@ def matmul_switches(*, tf32: bool, cuda: bool) -> Iterator[None]:
             torch.backends.cudnn.allow_tf32 = cudnn_tf32
         # After the legacy setters, which overwrite these switches.
         _put_back(torch, own)
+        # A fresh process reads cuDNN's convolutions and RNNs as "tf32" while their own switches
+        # are unset, a default no setter restores: "none" written back would read "none", and
+        # torch would then refuse to report cudnn.allow_tf32 at all. Where the value put back
+        # does not read as before, the value read before is set.
+        for switch, value in read.items():
+            if _get(torch, switch) != value:
+                _set(torch, switch, value)
 
 
 def has_fp32_precision_api(torch: Any) -> bool:
