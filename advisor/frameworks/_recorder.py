@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from advisor.runtime._workload import Workload
-from advisor.tune._child import NoStepWatchdog, ResultWriter, _exit
+from advisor.tune._child import DeviceClock, NoStepWatchdog, ResultWriter, _exit
 from probes._trial import EXIT_NO_STEP, TrialSpec, json_float
 
 
@@ -121,39 +121,24 @@ class FrameworkRecorder:
         if n >= self.spec.warmup_steps + self.spec.measure_steps:
             self.finish(complete=True)
 
+    def _clock(self) -> DeviceClock:
+        if not self._cuda:
+            return DeviceClock(None)
+        import torch
+
+        return DeviceClock(torch.device(self.device))
+
     def _mark(self) -> Any:
-        if self._cuda:
-            import torch
-
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(torch.device(self.device)))
-            return event
-        import time
-
-        return time.perf_counter()
+        return self._clock().mark()
 
     def _sync(self) -> None:
-        if self._cuda:
-            import torch
-
-            torch.cuda.synchronize(torch.device(self.device))
+        self._clock().sync()
 
     def _step_times(self) -> list[float]:
-        if self._cuda:
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return [DeviceClock.elapsed(a, b) for a, b in zip(self.marks, self.marks[1:])]
 
     def _peak_memory(self) -> tuple[int | None, str]:
-        if self._cuda:
-            import torch
-
-            return int(torch.cuda.max_memory_allocated(torch.device(self.device))), "cuda-peak-allocated"
-        try:
-            import resource
-        except ImportError:  # not on Windows
-            return None, ""
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(rss if sys.platform == "darwin" else rss * 1024), "cpu-peak-rss"  # Linux: KiB
+        return self._clock().peak_memory()
 
     def finish(self, *, complete: bool) -> None:
         """Write the result; with ``complete`` also end the process (the trial has its data)."""

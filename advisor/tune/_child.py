@@ -297,24 +297,13 @@ class TrialRecorder(StepObserver):
     # ---- measuring ----------------------------------------------------------------------------
 
     def _mark(self) -> Any:
-        if self._cuda:
-            import torch
-
-            # On the trial device's stream, whatever the current device is by now: an event
-            # on another device's stream would time that device's (absent) work.
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.applied.device))
-            return event
-        return time.perf_counter()
+        return DeviceClock(self.applied.device if self._cuda else None).mark()
 
     def _sync(self) -> None:
-        if self._cuda:
-            import torch
-
-            torch.cuda.synchronize(self.applied.device)
+        DeviceClock(self.applied.device if self._cuda else None).sync()
 
     def _elapsed(self, a: Any, b: Any) -> float:
-        return a.elapsed_time(b) / 1e3 if self._cuda else b - a
+        return DeviceClock.elapsed(a, b)
 
     def _step_times(self) -> list[float]:
         """Seconds per step, less the recorder's own work in it."""
@@ -326,19 +315,9 @@ class TrialRecorder(StepObserver):
         return times
 
     def _peak_memory(self) -> tuple[int | None, str]:
-        if self._cuda:
-            import torch
-
-            return int(torch.cuda.max_memory_allocated(self.applied.device)), "cuda-peak-allocated"
-        if self._rss is not None:
+        if self._rss is not None and not self._cuda:
             return self._rss.stop(), "cpu-peak-rss"
-        try:
-            import resource
-        except ImportError:  # not on Windows
-            return None, ""
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        # Linux reports KiB, macOS bytes.
-        return int(rss if sys.platform == "darwin" else rss * 1024), "cpu-peak-rss"
+        return DeviceClock(self.applied.device if self._cuda else None).peak_memory()
 
     def _batch_facts(self, applied: AppliedPolicy) -> dict[str, Any]:
         return {
@@ -401,6 +380,48 @@ class TrialRecorder(StepObserver):
         # The script ended by itself before the measured window was full: keep what it measured.
         if self._stepped_once and not self._finished and self.writer.data.get("stage") != "exception":
             self.finish(complete=False)
+
+
+class DeviceClock:
+    """Time marks and peak memory on one device: CUDA events on its stream, else the host clock.
+
+    Args:
+        device: the CUDA device a trial runs on, or ``None`` for the CPU.
+    """
+
+    def __init__(self, device: Any | None) -> None:
+        self.device = device
+
+    def mark(self) -> Any:
+        if self.device is None:
+            return time.perf_counter()
+        import torch
+
+        # On the trial device's stream, whatever the current device is by now: an event on
+        # another device's stream would time that device's (absent) work.
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def sync(self) -> None:
+        if self.device is not None:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    @staticmethod
+    def elapsed(a: Any, b: Any) -> float:
+        """Seconds between two marks of one clock."""
+        return a.elapsed_time(b) / 1e3 if hasattr(a, "elapsed_time") else b - a
+
+    def peak_memory(self) -> tuple[int | None, str]:
+        """The CUDA peak allocated, or this process's lifetime peak RSS on a CPU; and its kind."""
+        if self.device is not None:
+            import torch
+
+            return int(torch.cuda.max_memory_allocated(self.device)), "cuda-peak-allocated"
+        rss = _lifetime_peak_rss()
+        return (None, "") if rss is None else (rss, "cpu-peak-rss")
 
 
 class CompileActivity:
