@@ -1,0 +1,44 @@
+"""``mpadvise run``: a cached answer applies to a framework script only while the script is the
+one that was tuned (the model, which ``setup()`` would check, does not exist yet)."""
+
+from __future__ import annotations
+
+import pytest
+
+import probes
+from advisor.cli import _run
+from advisor.runtime._workload import script_digest
+from policies import Policy, TunedOn
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("from transformers import Trainer\n")
+    return path
+
+
+def _cached(policy: Policy):
+    return lambda profile, script: (policy, "cache entry #1 (tuned 2026-12-01)")
+
+
+def test_a_cached_answer_applies_while_the_script_is_unchanged(script, monkeypatch):
+    profile = probes.profile_for("cpu")
+    tuned = Policy(mode="bf16-mixed", tuned_on=TunedOn(hardware_fingerprint=probes.hardware_fingerprint(profile),
+                                                       torch=profile.torch_version, script_digest=script_digest(script)))
+    monkeypatch.setattr(_run, "lookup", _cached(tuned))
+    monkeypatch.delenv("MPADVISE_POLICY", raising=False)
+    resolution = _run.resolve_for_run(script, None, profile)
+    assert resolution.policy.mode == "bf16-mixed" and resolution.source.startswith("cache entry #1")
+
+
+def test_an_edited_script_gets_the_safe_default_with_a_warning(script, monkeypatch, capfd):
+    profile = probes.profile_for("cpu")
+    tuned = Policy(mode="fp16-mixed", tuned_on=TunedOn(hardware_fingerprint=probes.hardware_fingerprint(profile),
+                                                       torch=profile.torch_version, script_digest=script_digest(script)))
+    script.write_text("from transformers import Trainer  # edited\n")
+    monkeypatch.setattr(_run, "lookup", _cached(tuned))
+    monkeypatch.delenv("MPADVISE_POLICY", raising=False)
+    resolution = _run.resolve_for_run(script, None, profile)
+    assert resolution.source.startswith("safe default")
+    assert "train.py was edited since it was tuned" in capfd.readouterr().err
