@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -18,6 +19,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from advisor.tune._search import shared_storage
 from policies import Policy
 from probes import MpadviseError
 
@@ -252,8 +254,16 @@ def _print_winner(tune: dict[str, Any], console: Console) -> None:
     if tune.get("cache_id") is not None:
         console.print(f"cached for this GPU/CPU as entry #{tune['cache_id']} (mpadvise show)", highlight=False)
     if tune.get("storage"):
-        console.print(f"study {tune.get('study_name')!r} in {tune['storage']} (continue with --resume)", highlight=False)
-    console.print("add to the script: [bold]mp = advisor.load_policy()[/] (it reads the config file beside it)")
+        # A database server's study is joined as it stands by every worker that runs this tune.
+        how = "every worker running this tune joins it" if shared_storage(tune["storage"]) else "continue with --resume"
+        console.print(f"study {tune.get('study_name')!r} in {tune['storage']} ({how})", highlight=False)
+    if tune.get("framework"):
+        # A framework script applies its policy with no changed line: through mpadvise run.
+        script = Path(tune.get("script") or "train.py").name
+        console.print(f"train with it: [bold]mpadvise run {escape(script)}[/] (or mpadvise export --to {tune['framework']})",
+                      highlight=False)
+    else:
+        console.print("add to the script: [bold]mp = advisor.load_policy()[/] (it reads the config file beside it)")
 
 
 def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation]) -> None:
