@@ -11,17 +11,16 @@ API trial does.
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 from typing import Any
 
 from advisor.runtime._workload import Workload
-from advisor.tune._child import DeviceClock, NoStepWatchdog, ResultWriter, _exit
-from probes._trial import EXIT_NO_STEP, TrialSpec, json_float
+from advisor.tune._child import DeviceClock, NoStepWatchdog, ResultWriter, StepWindow, _exit
+from probes._trial import TrialSpec, json_float
 
 
-class FrameworkRecorder:
+class FrameworkRecorder(StepWindow):
     """Records every optimizer step of a framework script's trial.
 
     Args:
@@ -35,7 +34,7 @@ class FrameworkRecorder:
         self.spec = spec
         self.writer = writer
         self.device = str(device)
-        self._cuda = self.device.startswith("cuda")
+        self.clock = _clock_for(self.device)
         self.losses: list[Any] = []
         self.loss_scale: list[float | None] = []
         self.skipped: list[bool] = []
@@ -51,14 +50,12 @@ class FrameworkRecorder:
 
     def start(self) -> None:
         """Watch for a script that never reaches a step, and keep a short run's steps at exit."""
-        self._watchdog = NoStepWatchdog(self.spec.no_step_timeout, self._no_step)
-        self._watchdog.start()
-        atexit.register(self._at_exit)
+        self._watch_for_no_step()
 
     def set_device(self, device: Any) -> None:
         """The device the framework chose (known once its trainer exists)."""
         self.device = str(device)
-        self._cuda = self.device.startswith("cuda")
+        self.clock = _clock_for(self.device)
 
     def note(self, text: str) -> None:
         """A sentence for the trial's report (how the framework applied the candidate)."""
@@ -81,8 +78,8 @@ class FrameworkRecorder:
             "device": self.device,
         }
         self.writer.write(stage="stepping", **self.batch)
-        self._sync()
-        self.marks.append(self._mark())
+        self.clock.sync()
+        self.marks.append(self.clock.mark())
 
     @property
     def begun(self) -> bool:
@@ -114,39 +111,21 @@ class FrameworkRecorder:
         self.loss_scale.append(loss_scale)
         self.skipped.append(bool(skipped))
         self.samples.append(int(samples or self.batch.get("global_batch") or 0))
-        n = len(self.losses)
-        if n == self.spec.warmup_steps:
-            self._sync()  # edge of the measured window
-        self.marks.append(self._mark())
-        if n >= self.spec.warmup_steps + self.spec.measure_steps:
-            self.finish(complete=True)
+        self._end_of_step(len(self.losses))
 
-    def _clock(self) -> DeviceClock:
-        if not self._cuda:
-            return DeviceClock(None)
-        import torch
-
-        return DeviceClock(torch.device(self.device))
-
-    def _mark(self) -> Any:
-        return self._clock().mark()
-
-    def _sync(self) -> None:
-        self._clock().sync()
+    def _stepping(self) -> bool:
+        return self._begun
 
     def _step_times(self) -> list[float]:
         return [DeviceClock.elapsed(a, b) for a, b in zip(self.marks, self.marks[1:])]
-
-    def _peak_memory(self) -> tuple[int | None, str]:
-        return self._clock().peak_memory()
 
     def finish(self, *, complete: bool) -> None:
         """Write the result; with ``complete`` also end the process (the trial has its data)."""
         if self._finished:
             return
         self._finished = True
-        self._sync()
-        peak, kind = self._peak_memory()
+        self.clock.sync()
+        peak, kind = self.clock.peak_memory()
         losses = [float(v) for v in self.losses]
         self.writer.write(
             stage="done",
@@ -168,14 +147,13 @@ class FrameworkRecorder:
         if complete:
             _exit(0)
 
-    def _no_step(self) -> None:
-        self.writer.write(stage="no-step")
-        _exit(EXIT_NO_STEP)
+def _clock_for(device: str) -> DeviceClock:
+    """The clock of a framework's device: CUDA events on a CUDA device, else the host clock."""
+    if not device.startswith("cuda"):
+        return DeviceClock(None)
+    import torch
 
-    def _at_exit(self) -> None:
-        # The script ended by itself before the window was full: keep what it measured.
-        if self._begun and not self._finished and self.writer.data.get("stage") != "exception":
-            self.finish(complete=False)
+    return DeviceClock(torch.device(device))
 
 
 def recorder_for(spec: TrialSpec) -> FrameworkRecorder:

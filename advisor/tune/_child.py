@@ -179,7 +179,53 @@ def run_in_process(train_fn: Any, spec: TrialSpec, *, profile: HardwareProfile) 
     return writer.data, error
 
 
-class TrialRecorder(StepObserver):
+class StepWindow:
+    """What both trial recorders (the loop API's and a framework's) share: the measured window
+    of optimizer steps, timed on one DeviceClock, and the three ways a trial child ends (the
+    window is full; no step came in time; the script ended before the window was full).
+
+    A subclass sets ``spec``, ``writer``, ``marks``, ``clock`` and ``_finished``, says whether
+    the first step has begun (``_stepping``), and writes its result in ``finish()``.
+    """
+
+    spec: TrialSpec
+    writer: ResultWriter
+    marks: list[Any]
+    clock: DeviceClock
+    _finished: bool
+    _watchdog: NoStepWatchdog | None
+
+    def _stepping(self) -> bool:
+        raise NotImplementedError
+
+    def finish(self, *, complete: bool) -> None:
+        raise NotImplementedError
+
+    def _watch_for_no_step(self) -> None:
+        """In a child process: end it if no step comes in time, and keep a short run at exit."""
+        self._watchdog = NoStepWatchdog(self.spec.no_step_timeout, self._no_step)
+        self._watchdog.start()
+        atexit.register(self._at_exit)
+
+    def _end_of_step(self, steps: int) -> None:
+        """Mark the end of optimizer step number ``steps``; a full window ends the trial."""
+        if steps == self.spec.warmup_steps:
+            self.clock.sync()  # edge of the measured window
+        self.marks.append(self.clock.mark())
+        if steps >= self.spec.warmup_steps + self.spec.measure_steps:
+            self.finish(complete=True)
+
+    def _no_step(self) -> None:
+        self.writer.write(stage="no-step")
+        _exit(EXIT_NO_STEP)
+
+    def _at_exit(self) -> None:
+        # The script ended by itself before the measured window was full: keep what it measured.
+        if self._stepping() and not self._finished and self.writer.data.get("stage") != "exception":
+            self.finish(complete=False)
+
+
+class TrialRecorder(StepObserver, StepWindow):
     """Records every optimizer step of a trial and ends the process after the measured window.
 
     Per step it keeps the loss, the loss scale that scaled the step's backward, whether the
@@ -205,6 +251,7 @@ class TrialRecorder(StepObserver):
         self._finished = False
         self._watchdog: NoStepWatchdog | None = None
         self._cuda = False
+        self.clock = DeviceClock(None)
         self._previous_device: int | None = None  # in process: the current device to give back
         self._rss: TrialPeakRss | None = None
 
@@ -213,6 +260,7 @@ class TrialRecorder(StepObserver):
 
         self.applied = applied
         self._cuda = applied.device.type == "cuda"
+        self.clock = DeviceClock(applied.device if self._cuda else None)
         if self._cuda:
             self._use_device(applied.device)
             if self.spec.memory_limit:
@@ -225,9 +273,7 @@ class TrialRecorder(StepObserver):
                 self._rss = TrialPeakRss()
                 self._rss.start()
             return  # no watchdog or exit hooks: the caller owns this process
-        self._watchdog = NoStepWatchdog(self.spec.no_step_timeout, self._no_step)
-        self._watchdog.start()
-        atexit.register(self._at_exit)
+        self._watch_for_no_step()
 
     def _use_device(self, device: torch.device) -> None:
         """Make the trial's device the current one while the trial runs.
@@ -254,8 +300,8 @@ class TrialRecorder(StepObserver):
             if self._watchdog is not None:
                 self._watchdog.cancel()
             self.writer.write(stage="stepping", **self._batch_facts(applied))
-            self._sync()
-            self.marks.append(self._mark())
+            self.clock.sync()
+            self.marks.append(self.clock.mark())
 
     def after_backward(self, applied: AppliedPolicy, optimizer: torch.optim.Optimizer) -> None:
         # Everything here is the recorder's, not the user's: it runs between two marks that
@@ -263,12 +309,12 @@ class TrialRecorder(StepObserver):
         # because a loss-scaling mode synchronises the device just after this point anyway
         # (to read the overflow flag), so the scale's read and the sampling add no wait of
         # their own to the rest of the step.
-        start = self._mark()
+        start = self.clock.mark()
         scale = applied.loss_scale()
         counts = None
         if applied.mode.startswith("fp16") and len(self.losses) % UNDERFLOW_EVERY == 0:
             counts = underflow_counts(_gradients(optimizer), scale=scale or 1.0)
-        self._in_step = {"loss_scale": scale, "underflow": counts, "pause": (start, self._mark())}
+        self._in_step = {"loss_scale": scale, "underflow": counts, "pause": (start, self.clock.mark())}
 
     def after_step(self, applied: AppliedPolicy, *, loss: Any, stepped: bool, optimizer_step: bool) -> None:
         # A copy, not a view: under torch.compile(mode="reduce-overhead") the loss lives in a
@@ -287,37 +333,26 @@ class TrialRecorder(StepObserver):
         self.underflow.append(measured.get("underflow"))
         self.pauses.append(measured.get("pause"))
         self.skipped.append(not stepped)
-        n = len(self.losses)
-        if n == self.spec.warmup_steps:
-            self._sync()  # edge of the measured window
-        self.marks.append(self._mark())
-        if n >= self.spec.warmup_steps + self.spec.measure_steps:
-            self.finish(complete=True)
+        self._end_of_step(len(self.losses))
 
     # ---- measuring ----------------------------------------------------------------------------
 
-    def _mark(self) -> Any:
-        return DeviceClock(self.applied.device if self._cuda else None).mark()
-
-    def _sync(self) -> None:
-        DeviceClock(self.applied.device if self._cuda else None).sync()
-
-    def _elapsed(self, a: Any, b: Any) -> float:
-        return DeviceClock.elapsed(a, b)
+    def _stepping(self) -> bool:
+        return self._stepped_once
 
     def _step_times(self) -> list[float]:
         """Seconds per step, less the recorder's own work in it."""
         times = []
         for i, (a, b) in enumerate(zip(self.marks, self.marks[1:])):
             pause = self.pauses[i] if i < len(self.pauses) else None
-            own = self._elapsed(*pause) if pause is not None else 0.0
-            times.append(max(0.0, self._elapsed(a, b) - own))
+            own = DeviceClock.elapsed(*pause) if pause is not None else 0.0
+            times.append(max(0.0, DeviceClock.elapsed(a, b) - own))
         return times
 
     def _peak_memory(self) -> tuple[int | None, str]:
         if self._rss is not None and not self._cuda:
             return self._rss.stop(), "cpu-peak-rss"
-        return DeviceClock(self.applied.device if self._cuda else None).peak_memory()
+        return self.clock.peak_memory()
 
     def _batch_facts(self, applied: AppliedPolicy) -> dict[str, Any]:
         return {
@@ -333,7 +368,7 @@ class TrialRecorder(StepObserver):
         if self._finished:
             return
         self._finished = True
-        self._sync()
+        self.clock.sync()
         applied = self.applied
         assert applied is not None
         peak, kind = self._peak_memory()
@@ -371,16 +406,6 @@ class TrialRecorder(StepObserver):
 
             torch.cuda.set_device(self._previous_device)
             self._previous_device = None
-
-    def _no_step(self) -> None:
-        self.writer.write(stage="no-step")
-        _exit(EXIT_NO_STEP)
-
-    def _at_exit(self) -> None:
-        # The script ended by itself before the measured window was full: keep what it measured.
-        if self._stepped_once and not self._finished and self.writer.data.get("stage") != "exception":
-            self.finish(complete=False)
-
 
 class DeviceClock:
     """Time marks and peak memory on one device: CUDA events on its stream, else the host clock.
