@@ -1,4 +1,5 @@
-"""Fake ``torch.cuda`` and fake ``pynvml`` for probing GPUs on a machine without one.
+"""Fake ``torch.cuda`` and fake ``pynvml`` for probing GPUs on a machine without one, and the
+pieces of Transformer Engine's recipe module that fakes of ``transformer_engine`` share.
 
 The fakes copy the real interfaces' shapes: ``get_device_properties`` returns an object with
 ``name``, ``major``, ``minor``, ``multi_processor_count``, ``total_memory`` and ``uuid``
@@ -10,6 +11,7 @@ init/shutdown so tests can check they balance. GPU facts are the values the real
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
@@ -456,3 +458,20 @@ class FakeMigNvml(FakeNvml):
             self._enter("nvmlDeviceGetMaxClockInfo")
             raise NVMLError_NotSupported()
         return super().nvmlDeviceGetMaxClockInfo(handle, clock_type)
+
+
+# Named as Transformer Engine names them: code under test reads them by name from the fake module.
+class Format(enum.Enum):
+    """``transformer_engine.common.recipe.Format``, the values mpadvise uses."""
+
+    HYBRID = "hybrid"
+    E4M3 = "e4m3"
+
+
+@dataclass
+class DelayedScaling:
+    """``transformer_engine.common.recipe.DelayedScaling``, the fields mpadvise sets."""
+
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    margin: int = 0

@@ -4,7 +4,6 @@ its real tests are in tests/gpu/)."""
 from __future__ import annotations
 
 import contextlib
-import enum
 import sys
 import types
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fakes import DelayedScaling, Format
 
 from advisor.runtime._retarget import retarget_optimizer
 from policies import Fp8Options, Policy
@@ -25,16 +25,6 @@ CUDA = torch.device("cuda")  # never used for tensors: the fake modules stay on 
 def fake_te(monkeypatch):
     """Install a fake transformer_engine with the pieces mpadvise uses; return a call log."""
     log: dict[str, list] = {"autocast": [], "fp8_autocast": [], "linear": [], "layernorm": [], "events": []}
-
-    class Format(enum.Enum):
-        HYBRID = "hybrid"
-        E4M3 = "e4m3"
-
-    @dataclass
-    class DelayedScaling:
-        fp8_format: Format = Format.HYBRID
-        amax_history_len: int = 1024
-        margin: int = 0
 
     @dataclass
     class Float8CurrentScaling:

@@ -5,14 +5,13 @@ tests/integration/test_framework_lightning.py."""
 
 from __future__ import annotations
 
-import enum
 import pickle
 import sys
 import types
-from dataclasses import dataclass
 
 import pytest
 import torch
+from fakes import DelayedScaling, Format
 
 from advisor.frameworks import LIGHTNING_PRECISION, traits
 from advisor.frameworks._lightning import (
@@ -191,16 +190,6 @@ def fake_te_recipe(monkeypatch):
     """A fake ``transformer_engine.common.recipe`` (the piece Lightning's plugin imports to build
     its recipe); Lightning is told the distribution is installed. Returns the fake module."""
     recipe = types.ModuleType("transformer_engine.common.recipe")
-
-    class Format(enum.Enum):
-        HYBRID = "hybrid"
-        E4M3 = "e4m3"
-
-    @dataclass
-    class DelayedScaling:
-        fp8_format: Format = Format.HYBRID
-        amax_history_len: int = 1024
-        margin: int = 0
 
     recipe.Format, recipe.DelayedScaling = Format, DelayedScaling
     for name in ("transformer_engine", "transformer_engine.common"):
