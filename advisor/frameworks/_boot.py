@@ -22,8 +22,14 @@ from advisor.frameworks._detect import FRAMEWORKS
 from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
 from advisor.frameworks._recorder import FrameworkRecorder, recorder_for
 from advisor.frameworks._traits import refusal
-from advisor.tune._child import _exit, _install_excepthook, seed_everything, spec_from_env
-from policies import Policy, PolicyError, load_config, supported_modes
+from advisor.tune._child import (
+    _exit,
+    _install_excepthook,
+    seed_everything,
+    spec_from_env,
+    trial_candidate,
+)
+from policies import Policy, load_config
 from probes import MpadviseError
 from probes._trial import EXIT_UNSUPPORTED
 
@@ -38,21 +44,12 @@ def adapter(framework: str) -> Any:
 
 
 def _trial_policy(recorder: FrameworkRecorder, framework: str) -> Policy:
-    spec = recorder.spec
-    try:
-        policy = Policy.from_dict(spec.policy, source="trial spec")
-    except PolicyError as exc:
-        recorder.writer.write(stage="unsupported", reason=str(exc))
-        _exit(EXIT_UNSUPPORTED)
-        raise  # unreachable: _exit ends the process
-    profile = probes.profile_for(spec.device)
-    support = supported_modes(profile, policy)[policy.mode]
+    """The candidate, or the end of this process as ``unsupported`` when it cannot run here."""
     # The device is left to the adapter, which checks what the framework really built there
     # (the HF Trainer's fp16 on a CPU ends unsupported once its Accelerator shows fp32).
-    reason = refusal(policy, framework)
-    if not support.supported or reason is not None:
-        why = reason or f"{policy.mode} cannot run on {profile.name}: {support.reason}"
-        recorder.writer.write(stage="unsupported", reason=why)
+    policy = trial_candidate(recorder.spec, recorder.writer, profile=probes.profile_for(recorder.spec.device),
+                             refusal=lambda p: refusal(p, framework))
+    if policy is None:
         _exit(EXIT_UNSUPPORTED)
     return policy
 

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from advisor.runtime._applied import AppliedPolicy, StepObserver
 from policies import Policy, PolicyError, supported_modes
@@ -122,18 +122,42 @@ def applied_for_trial(spec: TrialSpec, *, profile: HardwareProfile, device: str 
     return applied
 
 
-def _build(
-    spec: TrialSpec, writer: ResultWriter, *, profile: HardwareProfile, device: str | None, in_process: bool
-) -> AppliedPolicy | None:
+def trial_candidate(
+    spec: TrialSpec,
+    writer: ResultWriter,
+    *,
+    profile: HardwareProfile,
+    refusal: Callable[[Policy], str | None] | None = None,
+) -> Policy | None:
+    """The injected candidate, or ``None`` (with the reason written as ``unsupported``) when it
+    cannot run here.
+
+    Args:
+        refusal: why the script's way of training cannot apply a policy (a framework's
+            limits), judged before the hardware's support; ``None`` when it can apply any.
+    """
     try:
         policy = Policy.from_dict(spec.policy, source="trial spec")
     except PolicyError as exc:
         writer.write(stage="unsupported", reason=str(exc))
         return None
-    # The policy's own support: an FP8 recipe the device cannot run stops here, before a trial.
-    support = supported_modes(profile, policy)[policy.mode]
-    if not support.supported:
-        writer.write(stage="unsupported", reason=f"{policy.mode} cannot run on {profile.name}: {support.reason}")
+    reason = refusal(policy) if refusal is not None else None
+    if reason is None:
+        # The policy's own support: an FP8 recipe the device cannot run stops here, before a trial.
+        support = supported_modes(profile, policy)[policy.mode]
+        if not support.supported:
+            reason = f"{policy.mode} cannot run on {profile.name}: {support.reason}"
+    if reason is not None:
+        writer.write(stage="unsupported", reason=reason)
+        return None
+    return policy
+
+
+def _build(
+    spec: TrialSpec, writer: ResultWriter, *, profile: HardwareProfile, device: str | None, in_process: bool
+) -> AppliedPolicy | None:
+    policy = trial_candidate(spec, writer, profile=profile)
+    if policy is None:
         return None
     seed_everything(spec.seed)
     recorder = TrialRecorder(spec, writer, in_process=in_process)
@@ -697,7 +721,7 @@ def _install_excepthook(writer: ResultWriter) -> None:
     sys.excepthook = hook
 
 
-def _exit(code: int) -> None:
+def _exit(code: int) -> NoReturn:
     """End the trial child now: the result is written, the script's remaining work is not needed."""
     sys.stdout.flush()
     sys.stderr.flush()
