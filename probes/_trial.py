@@ -51,6 +51,9 @@ class TrialSpec:
             calls ``load_policy()``.
         nproc_per_node: processes of the trial (torchrun's workers); with more than one, each
             rank writes its own result file (``rank_result_path``) and the parent merges them.
+        perturb: ``None`` for a candidate; for the fp32 replicate, the format whose rounding
+            perturbs the initial parameters once before the first step (``"bf16"``): the
+            replicate then differs from the reference only numerically, as a candidate does.
     """
 
     policy: dict[str, Any]
@@ -64,6 +67,7 @@ class TrialSpec:
     label: str = ""
     framework: str | None = None
     nproc_per_node: int = 1
+    perturb: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

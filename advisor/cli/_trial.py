@@ -1,5 +1,6 @@
 """``mpadvise trial``: the fp32 reference against named candidates, shown side by side, with
-fp32's own run-to-run spread (a replicate under another seed) that the verdicts allow for."""
+how far fp32 drifts after one rounding (its replicate, initial parameters perturbed once), which
+the verdicts allow for."""
 
 from __future__ import annotations
 
@@ -65,9 +66,11 @@ def run_trial_command(
     runner = ScriptRunner(path, script_args, settings, launch=plan.launch)
     candidates = [(Policy(mode=m), m) for m in modes]
     progress_console = Console(stderr=True) if json_output else console
-    # The reference, its replicate under another seed, then each candidate.
+    # The reference, its perturbed replicate, then each candidate.
     with trial_progress(progress_console, len(candidates) + 2, enabled=sys.stderr.isatty() or not json_output) as (start, done):
-        reference, evaluations, replicate = run_comparison(runner, candidates, on_start=start, on_done=done)
+        comparison = run_comparison(runner, candidates, on_start=start, on_done=done)
+    reference, evaluations, replicate = comparison.reference, comparison.evaluations, comparison.replicate
+    steps = comparison.measure_steps or steps
     if plot is not None:
         plot_trials(str(plot), reference, evaluations)
     if json_output:
@@ -78,6 +81,7 @@ def run_trial_command(
             "hardware": {"name": profile.name, "fingerprint": hardware_fingerprint(profile), "device": settings.device or profile.device},
             "settings": {"warmup_steps": warmup, "measure_steps": steps, "seed": seed, "memory_limit": settings.memory_limit,
                          "nproc_per_node": nproc_per_node},
+            "window_note": comparison.window_note,
             "reference": reference.to_dict(),
             "replicate": None if replicate is None else replicate.to_dict(),
             "candidates": [ev.to_dict() for ev in evaluations],
@@ -87,6 +91,8 @@ def run_trial_command(
     else:
         title = f"{path.name} on {profile.name}: {warmup} warm-up + {steps} measured steps per trial, seed {seed}"
         console.print(evaluation_table(reference, evaluations, title=title))
+        if comparison.window_note:
+            console.print(f"window: {comparison.window_note}", highlight=False)
         console.print(spread_line(reference.to_dict(), None if replicate is None else replicate.to_dict(losses=False)),
                       highlight=False)
         print_reasons(console, evaluations)

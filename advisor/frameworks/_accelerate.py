@@ -503,6 +503,7 @@ class _Steps:
 
         def pre_hook(module: Any, args: Any, kwargs: Any) -> None:
             if torch.is_grad_enabled() and module.training:
+                self.recorder.perturb(module)
                 size = ignorant_find_batch_size(args) or ignorant_find_batch_size(kwargs)
                 if size is not None:
                     self._forward_batch = int(size)

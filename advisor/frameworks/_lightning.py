@@ -583,6 +583,7 @@ class _TrainerSteps:
     def batch_start(self, trainer: Any, module: Any, batch: Any) -> None:
         size = batch_size_of(batch)
         if not self.recorder.begun:
+            self.recorder.perturb(module)
             accum = int(trainer.accumulate_grad_batches or 1)
             self.recorder.begin(user_batch=size, micro_batch=size, grad_accum_steps=accum)
             optimizers = trainer.optimizers
@@ -688,6 +689,7 @@ class _FabricSteps:
             import torch
 
             if torch.is_grad_enabled():
+                self.recorder.perturb(mod)
                 size = batch_size_of((args, kwargs))
                 if size is not None:
                     self._forward_batch = size

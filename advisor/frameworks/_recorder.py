@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from advisor.runtime._workload import Workload
-from advisor.tune._child import DeviceClock, NoStepWatchdog, ResultWriter, StepWindow, _exit
+from advisor.tune._child import DeviceClock, NoStepWatchdog, ResultWriter, StepWindow, _exit, perturb_parameters
 from probes._trial import TrialSpec, json_float
 
 
@@ -45,6 +45,7 @@ class FrameworkRecorder(StepWindow):
         self.workload_fingerprint: str | None = None
         self.model_signature: str | None = None
         self._begun = False
+        self._perturbed = False
         self._finished = False
         self._watchdog: NoStepWatchdog | None = None
 
@@ -80,6 +81,16 @@ class FrameworkRecorder(StepWindow):
         self.writer.write(stage="stepping", **self.batch)
         self.clock.sync()
         self.marks.append(self.clock.mark())
+
+    def perturb(self, model: Any) -> None:
+        """The fp32 replicate's one perturbation of the initial parameters (``spec.perturb``),
+        applied where the adapter applies the policy, before the first training forward; once,
+        and only in a replicate's trial."""
+        if not self.spec.perturb or self._perturbed or model is None or not hasattr(model, "parameters"):
+            return
+        self._perturbed = True
+        perturb_parameters(model, perturb=self.spec.perturb, seed=self.spec.seed)
+        self.note(f"fp32 replicate: initial parameters perturbed once by a {self.spec.perturb} rounding")
 
     @property
     def begun(self) -> bool:

@@ -317,6 +317,7 @@ class TrainerHooks:
 
     def train_begin(self, trainer: Any, model: Any, optimizer: Any) -> None:
         if self.recorder is not None:
+            self.recorder.perturb(trainer.model)
             self.recorder.workload(trainer.model, getattr(optimizer, "optimizer", optimizer), global_batch=self.user_batch)
         if not trainer.args.torch_compile and not self._checked_forward:
             self._watch_forward(trainer.model, trainer.args.device.type)

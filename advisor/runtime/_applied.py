@@ -30,7 +30,10 @@ if TYPE_CHECKING:
 
 
 class StepObserver:
-    """Receives what ``AppliedPolicy.step`` did; the trial recorder implements it."""
+    """Receives what ``AppliedPolicy.setup`` and ``step`` did; the trial recorder implements it."""
+
+    def after_setup(self, applied: AppliedPolicy, model: torch.nn.Module) -> None:
+        """Called once ``setup()`` has moved and converted ``model``, before any step."""
 
     def before_step(self, applied: AppliedPolicy) -> None:
         """Called at the start of every ``step()``, before backward."""
@@ -234,7 +237,10 @@ class AppliedPolicy:
             retarget_optimizer(optimizer, before, after, self.device)
         for note in self._mode.notes:
             get_logger().info(note)
+        first = self.model is None
         self.model, self.optimizer = model, optimizer
+        if first and self._observer is not None:
+            self._observer.after_setup(self, model)
         return model if optimizer is None else (model, optimizer)
 
     def _workload_mismatch(self) -> WorkloadMismatch | None:

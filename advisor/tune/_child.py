@@ -51,6 +51,13 @@ RSS_SAMPLE_S = 0.005
 # How often the no-step watchdog looks at the clock and at torch.compile: a compilation is seen
 # within this long of its start, and the thread stops at the first step, before any timing.
 NO_STEP_POLL_S = 0.25
+# The relative size of the one perturbation the fp32 replicate's initial parameters get, by
+# the format it stands for: a bf16 rounding errs by at most half a unit in the last of its 8
+# significant bits, 2^-8 of the value. A candidate in that format starts from the same weights
+# and sees the same batches as fp32, and differs from it by roundings of about that size; the
+# replicate differs by one, once, so how far it drifts is how much this workload amplifies
+# a perturbation of precision's size (docs/stability.md, "Calibration to the workload").
+PERTURBATIONS: dict[str, float] = {"bf16": 2.0**-8}
 _CHILD_APPLIED: AppliedPolicy | None = None
 
 
@@ -101,6 +108,35 @@ def seed_everything(seed: int) -> None:
         pass
     else:
         np.random.seed(seed)
+
+
+def perturb_parameters(model: Any, *, perturb: str, seed: int) -> int:
+    """Multiply every floating-point parameter once by ``1 + u * e``, ``u`` uniform in [-1, 1].
+
+    ``e`` is the relative rounding error of the format ``perturb`` names (``PERTURBATIONS``).
+    The draws come from a private generator seeded with ``seed``, so torch's global random
+    state, which the script's data order and dropout masks come from, is left untouched, and
+    every rank of a multi-process trial perturbs its replica alike.
+
+    Returns:
+        How many parameter values were perturbed.
+    """
+    import torch
+
+    size = PERTURBATIONS.get(perturb)
+    if size is None:
+        raise ValueError(f"perturb: {perturb!r} is not a known perturbation; expected one of {sorted(PERTURBATIONS)}")
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    count = 0
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if not parameter.is_floating_point() or parameter.numel() == 0:
+                continue
+            u = torch.rand(parameter.shape, generator=generator, dtype=torch.float64) * 2.0 - 1.0
+            factor = (1.0 + size * u).to(device=parameter.device, dtype=torch.float32)
+            parameter.mul_(factor.to(parameter.dtype) if parameter.dtype != torch.float32 else factor)
+            count += parameter.numel()
+    return count
 
 
 def applied_for_trial(spec: TrialSpec, *, profile: HardwareProfile, device: str | None) -> AppliedPolicy:
@@ -272,6 +308,7 @@ class TrialRecorder(StepObserver, StepWindow):
         self._micro_losses: list[Any] = []
         self._micro_samples = 0
         self._stepped_once = False
+        self._perturbed = False
         self._finished = False
         self._watchdog: NoStepWatchdog | None = None
         self._cuda = False
@@ -317,6 +354,13 @@ class TrialRecorder(StepObserver, StepWindow):
         torch.cuda.set_device(device)
 
     # ---- StepObserver -----------------------------------------------------------------------
+
+    def after_setup(self, applied: AppliedPolicy, model: Any) -> None:
+        # The replicate's one perturbation: after the mode converted the model (fp32 leaves it
+        # as it is), before any step has used it.
+        if self.spec.perturb and not self._perturbed:
+            self._perturbed = True
+            perturb_parameters(model, perturb=self.spec.perturb, seed=self.spec.seed)
 
     def before_step(self, applied: AppliedPolicy) -> None:
         if not self._stepped_once:

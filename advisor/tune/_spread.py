@@ -1,10 +1,12 @@
 """Loss levels, and the limits that the fp32 reference's own run-to-run spread sets on a gap.
 
 Pure functions over loss curves: no torch, no files, no clocks. The fp32 reference runs a second
-time with another seed (another initialisation and data order). How far the two fp32 runs end
-apart is this workload's own noise, and a candidate's gap from fp32 (its progress and its final
-loss level) is judged against a multiple of it, never against less than the fixed thresholds.
-The rule and its measured figures are in docs/stability.md, "Calibration to the workload".
+time with the same seed and data, its initial parameters perturbed once by about one bf16
+rounding: it differs from fp32 only numerically, as a candidate does. How far it drifts is how
+much this workload amplifies a perturbation of precision's size, and a candidate's gap from fp32
+(its progress and its final loss level) is judged against a multiple of it, never against less
+than the fixed thresholds. The rule and its measured figures are in docs/stability.md,
+"Calibration to the workload".
 """
 
 from __future__ import annotations
@@ -45,6 +47,40 @@ def median_finite(values: Sequence[float]) -> float:
     return finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2.0
 
 
+GEOMETRIC_FALL = 2.0
+"""A smoothed loss that fell by this factor or more over the last quarter of a trial is still
+falling geometrically: where it will level off (fp32 heading towards zero, a 16-bit mode stopping
+at a floor) the window has not shown yet."""
+
+
+SEEN_FALL = 2.0**-24
+"""A loss that has fallen to this fraction of its start has shown every 16-bit format's floor:
+a prediction rounded to fp16's 11 significant bits errs by 2^-12 of itself, a squared error by
+about 2^-24, so a floor lies above this. Falling further changes no verdict."""
+
+
+def still_falling(losses: Sequence[float], window: int) -> float | None:
+    """The factor by which a positive loss fell over the last quarter of the steps, when that is
+    at least ``GEOMETRIC_FALL`` and the loss is still above ``SEEN_FALL`` of its start; ``None``
+    otherwise (levelling off, rising, not positive, or already far enough down).
+
+    Levels are medians of ``window`` steps, the end level over the last window and the earlier
+    one over the window that ended a quarter of the steps before.
+    """
+    finite = [v for v in losses if math.isfinite(v)]
+    quarter = len(finite) // 4
+    if quarter < 1 or len(finite) < 2 * window:
+        return None
+    end = median_finite(finite[-window:])
+    if end <= median_finite(finite[:window]) * SEEN_FALL:
+        return None
+    before = median_finite(finite[max(0, len(finite) - quarter - window) : len(finite) - quarter])
+    if not (end > 0 and before > 0):
+        return None
+    factor = before / end
+    return factor if factor >= GEOMETRIC_FALL else None
+
+
 def final_gap(candidate_end: float, reference_end: float, reference_drop: float) -> float:
     """How far a smoothed final loss ends above fp32's, as a fraction.
 
@@ -60,14 +96,18 @@ def final_gap(candidate_end: float, reference_end: float, reference_drop: float)
 
 @dataclass(frozen=True)
 class Spread:
-    """How far the fp32 replicate (another seed) ended from the fp32 reference.
+    """How far the perturbed fp32 replicate drifted from the fp32 reference.
 
     Attributes:
+        reference_start: fp32's smoothed start level.
         reference_end: fp32's smoothed final loss.
+        replicate_start: the replicate's smoothed start level.
         replicate_end: the replicate's smoothed final loss.
     """
 
+    reference_start: float
     reference_end: float
+    replicate_start: float
     replicate_end: float
 
     @property
@@ -75,26 +115,20 @@ class Spread:
         """The distance between the two final losses, in loss units."""
         return abs(self.replicate_end - self.reference_end)
 
-    def final_spread(self, reference_drop: float) -> float:
-        """The replicate's final gap from fp32, measured as a candidate's is, as a fraction.
+    @property
+    def fall_gap(self) -> float:
+        """The distance between the two falls, each from its own start, in loss units."""
+        return abs((self.replicate_start - self.replicate_end) - (self.reference_start - self.reference_end))
 
-        For positive losses this is symmetric in log space: a replicate ending at a third of
-        fp32's final loss counts as much as one ending at three times it.
-        """
-        low, high = sorted((self.reference_end, self.replicate_end))
-        if low > 0:
-            return high / low - 1.0
+    def final_spread(self, reference_drop: float) -> float:
+        """The replicate's final gap from fp32, measured as a candidate's is, as a fraction
+        (either direction: a replicate ending below fp32 is as far from it)."""
         return abs(final_gap(self.replicate_end, self.reference_end, reference_drop))
 
     def progress_spread(self, reference_drop: float) -> float:
-        """The distance between the two final losses as a fraction of how far fp32's loss fell.
-
-        A candidate starts where fp32 starts (same seed, same weights, same data), so its
-        progress differs from fp32's only by where it ends; the noise in where a run ends is
-        what the replicate measures. The replicate's own start is left out: another seed starts
-        from other weights, which a candidate never does.
-        """
-        return self.end_gap / reference_drop if reference_drop > 0 else math.inf
+        """How far the replicate's fall, from its own start, differs from fp32's, as a fraction
+        of fp32's fall: the shortfall in progress that one rounding causes on this workload."""
+        return self.fall_gap / reference_drop if reference_drop > 0 else math.inf
 
 
 def measure_spread(
@@ -115,11 +149,11 @@ def measure_spread(
     replicate = replicate[: len(reference)]
     if len(replicate) < len(reference) or not all(math.isfinite(v) for v in replicate):
         return None
-    _, reference_end = levels(reference, window)
-    _, replicate_end = levels(replicate, window)
+    reference_start, reference_end = levels(reference, window)
+    replicate_start, replicate_end = levels(replicate, window)
     if not math.isfinite(reference_end):
         return None
-    return Spread(reference_end, replicate_end)
+    return Spread(reference_start, reference_end, replicate_start, replicate_end)
 
 
 @dataclass(frozen=True)
@@ -132,6 +166,8 @@ class Limits:
         multiplier: how many times fp32's spread a candidate's gap may reach.
         reference_drop: how far fp32's smoothed loss fell, in loss units.
         spread: the measured spread; ``None`` leaves the floors alone.
+        final_gap_cap: the most the spread may widen the final-gap limit to: a candidate ending
+            further above fp32 than this is never stable, however sensitive the workload.
     """
 
     min_progress_ratio: float
@@ -139,13 +175,15 @@ class Limits:
     multiplier: float
     reference_drop: float
     spread: Spread | None = None
+    final_gap_cap: float = 1.0
 
     @property
     def fell_within_spread(self) -> bool:
-        """fp32's loss fell, but no further than the multiple of its spread a gap may reach."""
+        """fp32's loss fell, but no further than the multiple of the replicate's difference in
+        fall a gap may reach: whether a candidate kept pace cannot be told."""
         if self.spread is None:
             return False
-        return 0 < self.reference_drop <= self.multiplier * self.spread.end_gap
+        return 0 < self.reference_drop <= self.multiplier * self.spread.fall_gap
 
     @property
     def progress(self) -> float:
@@ -157,22 +195,18 @@ class Limits:
 
     @property
     def final_gap(self) -> float:
-        """The largest final gap a candidate may have.
-
-        For positive losses the multiple is taken in log space (``(1 + spread) ** multiplier -
-        1``), since a loss heading towards zero varies from run to run by factors, not amounts.
-        """
+        """The largest final gap a candidate may have: ``multiplier`` times the replicate's,
+        never below the fixed floor, never above ``final_gap_cap`` (unless the floor is)."""
         if self.spread is None:
             return self.max_final_gap
-        measured = self.spread.final_spread(self.reference_drop)
-        if self._log_space:
-            return max(self.max_final_gap, (1.0 + measured) ** self.multiplier - 1.0)
-        return max(self.max_final_gap, self.multiplier * measured)
+        widened = min(self.multiplier * self.spread.final_spread(self.reference_drop), self.final_gap_cap)
+        return max(self.max_final_gap, widened)
 
     @property
-    def _log_space(self) -> bool:
-        spread = self.spread
-        return spread is not None and spread.reference_end > 0 and spread.replicate_end > 0
+    def capped(self) -> bool:
+        """Whether the replicate's spread asked for more than ``final_gap_cap``."""
+        return (self.spread is not None
+                and self.multiplier * self.spread.final_spread(self.reference_drop) > self.final_gap_cap)
 
     def metrics(self) -> dict[str, float]:
         """The spread as measured and the limits it set, for a verdict; empty without one.
@@ -192,7 +226,7 @@ class Limits:
         return out
 
     def describe(self, which: str, suffix: str = "") -> str:
-        """``"limit 76%, set by fp32 with another seed ending 12% of its fall apart (2x)"``.
+        """``"limit 76%, set by fp32 perturbed by one rounding falling 12% short of it (2x)"``.
 
         Args:
             which: ``"progress"`` or ``"final"``.
@@ -205,14 +239,15 @@ class Limits:
         text = f"limit {_pct(limit)}{suffix}"
         if self.spread is None or limit == floor:
             return text
+        times = f"{self.multiplier:g}x"
         if which == "progress":
-            measured, unit = self.spread.progress_spread(self.reference_drop), " of its fall"
-            times = f"{self.multiplier:g}x"
-        else:
-            measured, unit = self.spread.final_spread(self.reference_drop), ""
-            times = f"{self.multiplier:g}x" + (" in log space" if self._log_space else "")
-        spread = f"{_pct(measured)}{unit} apart ({times})"
-        return f"{text}, set by fp32 with another seed ending {spread}"
+            measured = self.spread.progress_spread(self.reference_drop)
+            return f"{text}, set by fp32 perturbed by one rounding, whose fall differed by {_pct(measured)} ({times})"
+        measured = self.spread.final_spread(self.reference_drop)
+        if self.capped:
+            return (f"{text}, the most allowed: fp32 perturbed by one rounding ended {_pct(measured)} apart, "
+                    "so this workload's final loss is very sensitive")
+        return f"{text}, set by fp32 perturbed by one rounding ending {_pct(measured)} apart ({times})"
 
     def flat_note(self, reference_curve: str) -> str:
         """The clause saying that fp32's fall is within its spread (``reference_curve`` names
@@ -221,8 +256,8 @@ class Limits:
             return ""
         return (
             f"{reference_curve} is a fall within {self.multiplier:g}x the "
-            f"{self.spread.end_gap:.4g} by which fp32 with another seed ended apart, so progress "
-            "cannot be compared and only the final loss is judged; "
+            f"{self.spread.fall_gap:.4g} by which fp32 perturbed by one rounding fell differently, so "
+            "progress cannot be compared and only the final loss is judged; "
         )
 
 

@@ -4,7 +4,8 @@ Pure functions over recorded trial data: no torch, no files, no clocks. A trial 
 ``TrialCurve`` per precision mode, all with the same seed and data order, so the candidate
 and the fp32 reference can be compared step by step. ``judge`` turns the pair into a
 ``Verdict`` whose reason says, with numbers, what went wrong and what to do. Given fp32 run again
-with another seed (the replicate), the limits widen to the workload's own spread (``_spread``).
+with its initial parameters perturbed by one rounding (the replicate), the limits widen to how
+far that perturbation carried it on this workload (``_spread``).
 
 The defaults of ``StabilityThresholds`` and the evidence for them are in docs/stability.md.
 """
@@ -198,10 +199,15 @@ class StabilityThresholds:
             start, the ratio of two decreases that are both within noise means nothing, so
             progress is not judged; only the final gap is. 2% is just above the 1.8% seed
             spread.
-        spread_multiplier: with a replicate (fp32 again, another seed), how many times fp32's
-            own run-to-run spread a candidate's progress shortfall and final gap may reach; the
-            two limits above stay floors. One replicate is one draw of the spread, so 2 rather
-            than 1; 0 ignores the replicate.
+        spread_multiplier: with a replicate (fp32 again, its initial parameters perturbed by
+            one bf16 rounding), how many times the replicate's drift a candidate's progress
+            shortfall and final gap may reach; the two limits above stay floors. A candidate
+            rounds at every step where the replicate rounded once, and one replicate is one
+            draw, so 2 rather than 1; 0 ignores the replicate.
+        max_spread_final_gap: the most a replicate's drift may widen the final-gap limit to
+            (1.0: twice fp32's final loss). A candidate ending further above fp32 than that is
+            never stable: where one rounding moves fp32's final loss that far, the final level
+            cannot vouch for a candidate, and a loss floor must not hide in it.
     """
 
     min_steps: int = 32
@@ -216,6 +222,7 @@ class StabilityThresholds:
     climb_margin: float = 0.05
     min_reference_drop: float = 0.02
     spread_multiplier: float = 2.0
+    max_spread_final_gap: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("min_steps", "min_smoothing_steps"):
@@ -230,8 +237,12 @@ class StabilityThresholds:
                 "got 0.0"
             )
         for name in ("min_loss_scale", "min_progress_ratio", "max_final_gap", "climb_margin",
-                     "spread_multiplier"):
+                     "spread_multiplier", "max_spread_final_gap"):
             _check_number(name, getattr(self, name), low=0.0, high=None)
+
+    def smoothing_window(self, steps: int) -> int:
+        """The smoothing window, in steps, for ``steps`` compared steps."""
+        return min(max(self.min_smoothing_steps, round(steps * self.smoothing_fraction)), max(1, steps // 2))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every threshold."""
@@ -325,14 +336,15 @@ def judge(
     (diverged), too little progress (stalled) and too large a final gap (stalled).
     Non-finite losses on steps the GradScaler skipped are the scaler doing its job: they count
     as skips, not divergence. With a replicate, the progress and final-gap limits widen to
-    ``spread_multiplier`` times fp32's own run-to-run spread, never below the fixed ones.
+    ``spread_multiplier`` times how far one rounding carried fp32, never below the fixed ones.
 
     Args:
         candidate: the curve of the precision mode under test.
         reference: the fp32 curve of the same trial.
         thresholds: the limits; the defaults when ``None``.
-        replicate: fp32 again with another seed, at least as long as the compared steps;
-            ``None`` (or one too short, or not finite at the end) leaves the fixed limits.
+        replicate: fp32 again with its initial parameters perturbed by one rounding, at least
+            as long as the compared steps; ``None`` (or one too short, or not finite) leaves the
+            fixed limits.
 
     Returns:
         The verdict, with a reason in words and the numbers behind it.
@@ -406,8 +418,8 @@ class _Comparison:
     @cached_property
     def window(self) -> int:
         """The smoothing window, in steps."""
-        t, n = self.t, self.n
-        window = min(max(t.min_smoothing_steps, round(n * t.smoothing_fraction)), max(1, n // 2))
+        n = self.n
+        window = self.t.smoothing_window(n)
         self.metrics.update(steps=n, smoothing_window=window)
         return window
 
@@ -451,7 +463,7 @@ class _Comparison:
         spread = None if replicate is None else _spread.measure_spread(
             self.reference.losses[: self.n], replicate.losses, self.window)
         limits = _spread.Limits(t.min_progress_ratio, t.max_final_gap, t.spread_multiplier,
-                                self.levels.r_drop, spread)
+                                self.levels.r_drop, spread, t.max_spread_final_gap)
         self.metrics.update(limits.metrics())
         return limits
 
@@ -677,7 +689,29 @@ def _stable(c: _Comparison) -> Verdict:
         if c.candidate.skipped
         else ""
     )
-    return Verdict(True, "ok", f"{c.name} is stable over {c.n} steps: {pace}{scaler_note}", c.metrics)
+    return Verdict(True, "ok", f"{c.name} is stable over {c.n} steps: {pace}{scaler_note}{_bending_note(c)}",
+                   c.metrics)
+
+
+def _bending_note(c: _Comparison) -> str:
+    """A stable candidate whose gap above fp32 more than doubled over the second half of the
+    window, to over a quarter of its limit, is bending away: the window is short to tell
+    whether it levels off. The clause that says so, or nothing."""
+    gap, half = c.final_gap, c.n // 2
+    if gap <= 0.25 * c.limits.final_gap or half < 2 * c.window:
+        return ""
+    c_mid = _spread.median_finite(c.candidate.losses[half - c.window : half])
+    r_mid = _spread.median_finite(c.reference.losses[half - c.window : half])
+    if not (math.isfinite(c_mid) and math.isfinite(r_mid)):
+        return ""
+    mid_gap = _spread.final_gap(c_mid, r_mid, c.levels.r_start - r_mid)
+    if gap <= 2 * max(mid_gap, 0.0):
+        return ""
+    c.metrics["bending_away"] = True
+    c.metrics["mid_gap"] = mid_gap
+    return (f"; the window is short for this workload: its loss is moving away from {c.ref_name}'s "
+            f"({_pct(mid_gap)} above it at step {half}, {_pct(gap)} at step {c.n}); a longer trial "
+            f"(--steps {2 * c.n}) shows whether it levels off")
 
 
 STABILITY_CHECKS: tuple[Callable[[_Comparison], Verdict | None], ...] = (

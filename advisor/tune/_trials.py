@@ -4,8 +4,9 @@ A *runner* turns a Policy into a TrialResult. ``ScriptRunner`` runs the user's s
 subprocess (``mpadvise trial``/``tune``); ``FunctionRunner`` runs a function in this process
 (``advisor.tune(train_fn)``, notebooks, fast tests). ``evaluate`` judges a result against the
 reference: stability verdict, timing summary, goodput and speedup. ``run_replicate`` runs fp32
-a second time with another seed: how far the two fp32 runs end apart is the workload's own
-run-to-run spread, which widens the stability limits (``advisor.tune._spread``).
+a second time, with the same seed and data but its initial parameters perturbed once by about
+one bf16 rounding: how far it drifts from fp32 is how much this workload amplifies a
+perturbation of precision's size, which widens the stability limits (``advisor.tune._spread``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from advisor._entry import module_argv
 from advisor._log import get_logger
 from advisor.tune._child import run_in_process
 from advisor.tune._options import TuneOptions, check_rank_device
+from advisor.tune._spread import still_falling
 from advisor.tune._stability import StabilityThresholds, TrialCurve, Verdict, judge
 from advisor.tune._timing import TimingSummary, compare, goodput, summarize
 from policies import Policy
@@ -39,8 +41,9 @@ class Runner(Protocol):
 
 
 @runtime_checkable
-class Reseedable(Protocol):
-    """A runner that can run the same workload under another seed (a replicate of fp32).
+class Perturbable(Protocol):
+    """A runner that can run the same workload with its initial parameters perturbed once (the
+    replicate of fp32): same seed, same data order, only the numbers differ.
 
     A runner without this (a test's fake) gets no replicate: the fixed limits apply.
     """
@@ -49,8 +52,8 @@ class Reseedable(Protocol):
 
     def __call__(self, policy: Policy, label: str) -> TrialResult: ...
 
-    def reseeded(self, seed: int) -> Runner:
-        """The same runner, seeding every trial with ``seed`` instead."""
+    def perturbed(self, perturb: str) -> Runner:
+        """The same runner, every trial's initial parameters perturbed by a ``perturb`` rounding."""
         ...
 
 
@@ -67,6 +70,7 @@ class TrialSettings:
     device: str | None = None
     framework: str | None = None
     nproc_per_node: int = 1
+    perturb: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "measure_steps", "nproc_per_node"):
@@ -96,6 +100,7 @@ class TrialSettings:
             label=label,
             framework=self.framework,
             nproc_per_node=self.nproc_per_node,
+            perturb=self.perturb,
         )
 
     def launch(self, python: str, launch: Sequence[str] = ()) -> tuple[str, ...]:
@@ -118,9 +123,28 @@ TORCHRUN_MODULE = "torch.distributed.run"
 """torchrun, run as a module of the trial's own interpreter."""
 
 
-def replicate_seed(seed: int) -> int:
-    """The seed of the fp32 replicate of a trial seeded with ``seed``: the next one."""
-    return seed + 1 if seed + 1 < 2**32 else seed - 1  # numpy's seeds stop below 2**32
+@runtime_checkable
+class Extendable(Protocol):
+    """A runner whose measured window can grow (``run_reference`` extends a short one)."""
+
+    measure_steps: int
+
+    def __call__(self, policy: Policy, label: str) -> TrialResult: ...
+
+    def with_measure_steps(self, steps: int) -> Runner:
+        """The same runner, every trial measuring ``steps`` optimizer steps."""
+        ...
+
+
+MAX_WINDOW_GROWTH = 8
+"""How many times the measured window asked for may grow while fp32's loss is still falling
+geometrically at its end: 40 steps become at most 320. A loss that halves every few steps has
+long reached fp32's own floor, or a 16-bit mode's, by then."""
+
+
+REPLICATE_PERTURBATION = "bf16"
+"""The format whose rounding perturbs the replicate's initial parameters: bf16's, the coarsest
+of the 16-bit formats a candidate computes in (2^-8 of a value at most)."""
 
 
 WAIT_IDLE_ENV = "MPADVISE_WAIT_IDLE_GPU"
@@ -202,9 +226,20 @@ class ScriptRunner:
     def seed(self) -> int:
         return self.settings.seed
 
-    def reseeded(self, seed: int) -> ScriptRunner:
-        """The same script and arguments, every trial seeded with ``seed``."""
-        return ScriptRunner(self.script, self.args, dataclasses.replace(self.settings, seed=seed),
+    def perturbed(self, perturb: str) -> ScriptRunner:
+        """The same script and arguments, every trial's initial parameters perturbed once."""
+        return self._with(perturb=perturb)
+
+    @property
+    def measure_steps(self) -> int:
+        return self.settings.measure_steps
+
+    def with_measure_steps(self, steps: int) -> ScriptRunner:
+        """The same script and arguments, every trial measuring ``steps`` optimizer steps."""
+        return self._with(measure_steps=steps)
+
+    def _with(self, **settings: Any) -> ScriptRunner:
+        return ScriptRunner(self.script, self.args, dataclasses.replace(self.settings, **settings),
                             python=self.python, wait_idle_on=self.wait_idle_on, launch=self.launch)
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
@@ -245,10 +280,17 @@ class FunctionRunner:
     def seed(self) -> int:
         return self.settings.seed
 
-    def reseeded(self, seed: int) -> FunctionRunner:
-        """The same function, every trial seeded with ``seed`` (a function that seeds itself
-        keeps its own seed, and its replicate then measures no spread)."""
-        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, seed=seed))
+    def perturbed(self, perturb: str) -> FunctionRunner:
+        """The same function, every trial's initial parameters perturbed once at ``setup()``."""
+        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, perturb=perturb))
+
+    @property
+    def measure_steps(self) -> int:
+        return self.settings.measure_steps
+
+    def with_measure_steps(self, steps: int) -> FunctionRunner:
+        """The same function, every trial measuring ``steps`` optimizer steps."""
+        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, measure_steps=steps))
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         profile = probes.profile_for(self.settings.device)
@@ -364,7 +406,7 @@ def evaluate(
 ) -> Evaluation:
     """Judge one result against the reference; a reference judged against itself is ``ok``.
 
-    ``replicate`` (fp32 under another seed) widens the stability limits to its spread.
+    ``replicate`` (fp32 with perturbed initial parameters) widens the stability limits to its spread.
     """
     thresholds = thresholds or StabilityThresholds()
     if result.outcome != "ok" or not result.step_times:
@@ -420,17 +462,24 @@ def check_reference(result: TrialResult) -> None:
 
 @dataclass(frozen=True)
 class Replicate:
-    """fp32 run again with another seed (initialisation and data order).
+    """fp32 run again with the same seed and data, its initial parameters perturbed once.
 
-    How far it ends from the reference is this workload's own run-to-run spread, against which
-    each candidate's gap is judged. A tune stores it with its study, so ``--resume`` reuses it.
+    A candidate starts from fp32's own weights and sees fp32's own batches; it differs only
+    numerically. So does the replicate: each parameter is multiplied once by ``1 + u * 2^-8``
+    (one bf16 rounding) before the first step. How far it then drifts from fp32 is how much
+    this workload amplifies a perturbation of precision's size, the noise a candidate's gap is
+    judged against. A tune stores it with its study, so ``--resume`` reuses it.
 
     Attributes:
-        seed: the seed it ran with.
+        seed: the seed it ran with (the reference's).
         losses: its loss per optimizer step; empty when it gave no usable curve.
         wall_s: how long its trial took, in seconds.
         note: why it gave no usable curve; empty when it did.
         reused: whether it was read back from a stored study rather than run now.
+        perturb: the format whose rounding perturbed its initial parameters.
+        identical: whether its losses are fp32's, bit for bit: the perturbation never reached
+            the trained weights (the script set them after ``setup()``), so it measured no
+            spread and the fixed limits stand alone.
         result: the trial's result when it ran in this process (never stored).
     """
 
@@ -439,11 +488,13 @@ class Replicate:
     wall_s: float = 0.0
     note: str = ""
     reused: bool = False
+    perturb: str = REPLICATE_PERTURBATION
+    identical: bool = False
     result: TrialResult | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
-        return f"fp32 (replicate, seed {self.seed})"
+        return f"fp32 (replicate, {self.perturb}-perturbed)"
 
     @property
     def curve(self) -> TrialCurve | None:
@@ -452,40 +503,53 @@ class Replicate:
 
     def to_dict(self, *, losses: bool = True) -> dict[str, Any]:
         """A JSON-ready dict (the losses left out with ``losses=False``); ``from_dict`` reads it."""
-        data: dict[str, Any] = {"seed": self.seed, "steps": len(self.losses), "wall_s": self.wall_s,
-                                "note": self.note, "reused": self.reused}
+        data: dict[str, Any] = {"seed": self.seed, "perturb": self.perturb, "steps": len(self.losses),
+                                "wall_s": self.wall_s, "note": self.note, "reused": self.reused,
+                                "identical": self.identical}
         if losses:
             data["losses"] = [json_float(v) for v in self.losses]
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Replicate | None:
-        """Inverse of ``to_dict``; ``None`` for data that does not hold a usable replicate."""
+        """Inverse of ``to_dict``; ``None`` for data that does not hold a usable replicate (a
+        replicate stored without ``perturb`` ran under another seed, which measured the wrong
+        noise, and is not reused)."""
         try:
             losses = tuple(float(v) for v in data["losses"])
             seed, wall = int(data["seed"]), float(data.get("wall_s") or 0.0)
+            perturb = str(data["perturb"])
         except (KeyError, TypeError, ValueError):
             return None
         if data.get("note") or not losses or not all(math.isfinite(v) for v in losses):
             return None
-        return cls(seed, losses, wall)
+        return cls(seed, losses, wall, perturb=perturb, identical=bool(data.get("identical")))
 
     @classmethod
-    def from_result(cls, result: TrialResult, seed: int, reference: TrialResult) -> Replicate:
+    def from_result(cls, result: TrialResult, seed: int, reference: TrialResult,
+                    perturb: str = REPLICATE_PERTURBATION) -> Replicate:
         """The replicate a trial gave; one that failed carries a note saying why, and is logged."""
-        label = f"the fp32 replicate (seed {seed})"
+        label = f"the fp32 replicate ({perturb}-perturbed)"
         bad = next((i for i, v in enumerate(result.losses) if not math.isfinite(v)), None)
         note = ""
         if result.outcome != "ok":
             note = f"{label} failed ({result.outcome}): {result.reason}"
         elif bad is not None:
-            note = (f"{label} reached a {result.losses[bad]} loss at step {bad + 1}: fp32 itself is "
-                    "unstable under some seeds; a lower learning rate would make the verdicts firmer")
+            note = (f"{label} reached a {result.losses[bad]} loss at step {bad + 1}: fp32 itself diverges "
+                    "after a perturbation the size of one rounding; a lower learning rate would make the "
+                    "verdicts firmer")
         elif len(result.losses) < len(reference.losses):
             note = f"{label} recorded {len(result.losses)} steps, fewer than the reference's {len(reference.losses)}"
         if note:
             get_logger().warning(f"{note}; the stability verdicts use the fixed limits")
-        return cls(seed, () if note else tuple(result.losses), result.wall_s or 0.0, note, result=result)
+        identical = not note and tuple(result.losses[: len(reference.losses)]) == tuple(reference.losses)
+        if identical:
+            get_logger().warning(
+                f"{label} trained bit for bit as fp32: its perturbation never reached the trained weights (does the "
+                "script set them after setup(), from a checkpoint or its own initialisation?); the stability verdicts "
+                "use the fixed limits")
+        return cls(seed, () if note else tuple(result.losses), result.wall_s or 0.0, note, perturb=perturb,
+                   identical=identical, result=result)
 
 
 def run_replicate(
@@ -495,29 +559,93 @@ def run_replicate(
     stored: Mapping[str, Any] | None = None,
     on_start: Callable[[str], None] | None = None,
 ) -> Replicate | None:
-    """fp32 again under the replicate seed, or the stored replicate of the same reference.
+    """fp32 again with its initial parameters perturbed, or the stored replicate of the same
+    reference.
 
     Args:
-        runner: the runner of the reference; one that cannot change its seed (not
-            ``Reseedable``) gets no replicate.
+        runner: the runner of the reference; one that cannot perturb (not ``Perturbable``)
+            gets no replicate.
         reference: the fp32 reference's result.
         stored: a replicate kept with a study (``Replicate.to_dict``), reused when it has the
-            replicate seed and the reference's number of steps.
+            same seed, the same perturbation and the reference's number of steps.
         on_start: called with the replicate's label before it runs.
 
     Returns:
         The replicate (possibly one with a note saying why it is unusable), or ``None``.
     """
-    if not isinstance(runner, Reseedable):
+    if not isinstance(runner, Perturbable):
         return None
-    seed = replicate_seed(runner.seed)
+    seed, perturb = runner.seed, REPLICATE_PERTURBATION
     kept = Replicate.from_dict(stored) if stored else None
-    if kept is not None and kept.seed == seed and len(kept.losses) == len(reference.losses):
+    if (kept is not None and kept.seed == seed and kept.perturb == perturb
+            and len(kept.losses) == len(reference.losses)):
         return dataclasses.replace(kept, reused=True)
-    label = Replicate(seed).label
+    label = Replicate(seed, perturb=perturb).label
     if on_start:
         on_start(label)
-    return Replicate.from_result(runner.reseeded(seed)(Policy(mode="fp32"), label), seed, reference)
+    return Replicate.from_result(runner.perturbed(perturb)(Policy(mode="fp32"), label), seed, reference, perturb)
+
+
+class Reference(NamedTuple):
+    """What ``run_reference`` measured: the fp32 result, the runner (its window extended
+    when fp32 was still falling) that every later trial must use, and what was done."""
+
+    result: TrialResult
+    runner: Runner
+    window_note: str
+
+
+def run_reference(
+    runner: Runner,
+    *,
+    thresholds: StabilityThresholds | None = None,
+    on_start: Callable[[str], None] | None = None,
+    deadline: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Reference:
+    """Run fp32, the yardstick; while its loss is still falling geometrically at the end of the
+    window, run it again with twice the window, so the comparison sees where the curves level
+    off (a 16-bit mode's loss floor shows only once fp32 has fallen below it).
+
+    The window grows to at most ``MAX_WINDOW_GROWTH`` times what was asked, and only while the
+    next, longer reference is expected to end before ``deadline`` (its last run's wall time,
+    doubled). When it cannot grow, ``window_note`` says the window is short for this workload.
+
+    Raises:
+        MpadviseError: the reference failed or is not finite (no verdict is possible).
+    """
+    if on_start:
+        on_start("fp32 (reference)")
+    result = runner(Policy(mode="fp32"), "fp32")
+    check_reference(result)
+    if not isinstance(runner, Extendable):
+        return Reference(result, runner, "")
+    asked, note = runner.measure_steps, ""
+    thresholds = thresholds or StabilityThresholds()
+    while True:
+        factor = still_falling(result.losses, thresholds.smoothing_window(len(result.losses)))
+        if factor is None:
+            return Reference(result, runner, note)
+        steps = len(result.losses)
+        longer = runner.measure_steps * 2
+        too_long = longer > asked * MAX_WINDOW_GROWTH
+        late = deadline is not None and clock() + 2.0 * (result.wall_s or 0.0) > deadline
+        if too_long or late:
+            why = (f"the window already grew to {MAX_WINDOW_GROWTH}x the {asked} steps asked" if too_long
+                   else "the time budget leaves no room for a longer one")
+            return Reference(result, runner, (
+                f"the window is short for this workload: fp32's loss was still falling geometrically at its end "
+                f"({factor:.1f}x over the last quarter of {steps} steps) and {why}; where the curves level off is "
+                f"not seen, so a loss floor may pass; run with more --steps"))
+        runner = runner.with_measure_steps(longer)
+        note = (f"fp32's loss was still falling geometrically ({factor:.1f}x over the last quarter of {steps} "
+                f"steps): every trial measures {longer} steps instead of {asked}, so the curves are compared "
+                "where they level off")
+        get_logger().info(note)
+        if on_start:
+            on_start(f"fp32 (reference, {longer} steps)")
+        result = runner(Policy(mode="fp32"), "fp32")
+        check_reference(result)
 
 
 class Comparison(NamedTuple):
@@ -526,6 +654,8 @@ class Comparison(NamedTuple):
     reference: Evaluation
     evaluations: list[Evaluation]
     replicate: Replicate | None
+    window_note: str = ""
+    measure_steps: int | None = None
 
 
 def run_comparison(
@@ -536,17 +666,15 @@ def run_comparison(
     on_start: Callable[[int, str], None] | None = None,
     on_done: Callable[[int, Evaluation], None] | None = None,
 ) -> Comparison:
-    """Run the fp32 reference, its replicate under another seed, then each candidate, and
+    """Run the fp32 reference, its perturbed replicate, then each candidate, and
     judge each against the reference, with limits widened to the replicate's spread.
 
     Raises:
         MpadviseError: the reference failed or is not finite (no verdict is possible).
     """
     fp32 = Policy(mode="fp32")
-    if on_start:
-        on_start(0, "fp32 (reference)")
-    ref_result = runner(fp32, "fp32")
-    check_reference(ref_result)
+    ref_result, runner, window_note = run_reference(
+        runner, thresholds=thresholds, on_start=None if on_start is None else lambda label: on_start(0, label))
     if on_done:
         on_done(0, evaluate("fp32", fp32, ref_result, ref_result, thresholds=thresholds))
     replicate = run_replicate(runner, ref_result, on_start=None if on_start is None else lambda label: on_start(1, label))
@@ -564,4 +692,5 @@ def run_comparison(
         evaluations.append(evaluation)
         if on_done:
             on_done(i, evaluation)
-    return Comparison(reference, evaluations, replicate)
+    steps = runner.measure_steps if isinstance(runner, Extendable) else None
+    return Comparison(reference, evaluations, replicate, window_note, steps)

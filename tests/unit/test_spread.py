@@ -1,5 +1,6 @@
-"""fp32's run-to-run spread: the limits it sets, the replicate trial, and its storage with a
-tune's study, against fake runners (no processes)."""
+"""How far one rounding carries fp32 (the perturbed replicate): the limits it sets, the replicate
+trial, the window that grows while fp32 still falls, and the replicate's storage with a tune's
+study, against fake runners (no processes)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from advisor.tune._engine import tune_policy
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import STUDY_ATTR_REPLICATE, stored_replicate
 from advisor.tune._spread import Limits, Spread, final_gap, measure_spread
-from advisor.tune._trials import Replicate, replicate_seed, run_comparison, run_replicate
+from advisor.tune._trials import Replicate, run_comparison, run_reference, run_replicate
 from policies import Policy
 from probes import HardwareProfile
 from probes._trial import TrialResult
@@ -36,35 +37,58 @@ def test_final_gap_is_relative_to_fp32s_final_loss() -> None:
     assert final_gap(0.1, 0.0, 2.0) == pytest.approx(0.05)
 
 
-def test_final_spread_is_symmetric_in_log_space() -> None:
-    assert Spread(0.3, 0.1).final_spread(1.0) == pytest.approx(2.0)
-    assert Spread(0.1, 0.3).final_spread(1.0) == pytest.approx(2.0)
-    assert Spread(-1.0, -1.1).final_spread(2.0) == pytest.approx(0.05)  # non-positive: of the fall
+def test_final_spread_is_the_replicates_gap_in_either_direction() -> None:
+    assert Spread(2.0, 0.1, 2.0, 0.3).final_spread(1.9) == pytest.approx(2.0)
+    assert Spread(2.0, 0.3, 2.0, 0.1).final_spread(1.7) == pytest.approx(2 / 3)
+    assert Spread(0.0, -1.0, 0.0, -1.1).final_spread(2.0) == pytest.approx(0.05)  # non-positive: of the fall
 
 
-def test_progress_spread_is_the_end_gap_over_fp32s_fall() -> None:
-    assert Spread(1.95, 1.97).progress_spread(0.05) == pytest.approx(0.4)
-    assert Spread(1.95, 1.97).progress_spread(0.0) == math.inf
+def test_progress_spread_compares_each_runs_fall_from_its_own_start() -> None:
+    # The replicate started 0.01 higher and ended 0.02 higher: its fall differs by 0.01.
+    assert Spread(2.0, 1.95, 2.01, 1.97).progress_spread(0.05) == pytest.approx(0.2)
+    assert Spread(2.0, 1.95, 2.01, 1.97).progress_spread(0.0) == math.inf
 
 
 def test_limits_widen_to_the_spread_and_never_tighten() -> None:
     floors = Limits(0.9, 0.05, 2.0, reference_drop=0.5)
     assert (floors.progress, floors.final_gap, floors.metrics()) == (0.9, 0.05, {})
-    wide = Limits(0.9, 0.05, 2.0, reference_drop=0.5, spread=Spread(1.0, 1.1))
+    wide = Limits(0.9, 0.05, 2.0, reference_drop=0.5, spread=Spread(1.5, 1.0, 1.5, 1.1))
     assert wide.progress == pytest.approx(1 - 2 * 0.1 / 0.5)
-    assert wide.final_gap == pytest.approx(1.1**2 - 1)
-    narrow = Limits(0.9, 0.05, 2.0, reference_drop=0.5, spread=Spread(1.0, 1.001))
+    assert wide.final_gap == pytest.approx(2 * 0.1)  # a multiple of the spread, not of (1 + it)
+    narrow = Limits(0.9, 0.05, 2.0, reference_drop=0.5, spread=Spread(1.5, 1.0, 1.5, 1.001))
     assert (narrow.progress, narrow.final_gap) == (0.9, 0.05)
     assert narrow.describe("final") == "limit 5.0%"
-    assert wide.describe("progress") == "limit 60%, set by fp32 with another seed ending 20% of its fall apart (2x)"
+    assert wide.describe("progress") == (
+        "limit 60%, set by fp32 perturbed by one rounding, whose fall differed by 20% (2x)")
+
+
+def test_a_replicate_far_apart_never_lets_a_floor_pass() -> None:
+    # fp32 perturbed once ends 3.5x apart; a candidate at a 5x floor is not stable for it.
+    limits = Limits(0.9, 0.05, 2.0, reference_drop=0.9, spread=Spread(1.0, 0.1, 1.0, 0.35))
+    assert limits.final_gap == 1.0 and limits.capped
+    assert final_gap(0.5, 0.1, 0.9) > limits.final_gap
+    assert "the most allowed" in limits.describe("final")
+    assert Limits(0.9, 0.05, 2.0, 0.9, Spread(1.0, 0.1, 1.0, 0.35), final_gap_cap=9.0).final_gap == pytest.approx(5.0)
 
 
 def test_a_fall_inside_the_spread_and_a_rise_are_told_apart() -> None:
-    assert Limits(0.9, 0.05, 2.0, reference_drop=0.05, spread=Spread(1.95, 1.98)).fell_within_spread
-    assert not Limits(0.9, 0.05, 2.0, reference_drop=0.07, spread=Spread(1.95, 1.98)).fell_within_spread
-    rising = Limits(0.9, 0.05, 2.0, reference_drop=-0.1, spread=Spread(1.95, 1.98))
+    # fp32 fell 0.05; the replicate fell 0.03 less: twice that covers fp32's whole fall.
+    assert Limits(0.9, 0.05, 2.0, reference_drop=0.05, spread=Spread(2.0, 1.95, 2.0, 1.98)).fell_within_spread
+    assert not Limits(0.9, 0.05, 2.0, reference_drop=0.07, spread=Spread(2.02, 1.95, 2.02, 1.98)).fell_within_spread
+    rising = Limits(0.9, 0.05, 2.0, reference_drop=-0.1, spread=Spread(1.85, 1.95, 1.85, 1.98))
     assert not rising.fell_within_spread
     assert "progress_spread" not in rising.metrics()  # nothing to compare progress against
+
+
+def test_still_falling_sees_a_geometric_fall_and_not_a_levelling_one() -> None:
+    from advisor.tune._spread import still_falling
+
+    geometric = [0.5 * 0.9**i for i in range(45)]
+    assert still_falling(geometric, 5) == pytest.approx(0.9**-11, rel=0.01)
+    assert still_falling([1 / (i + 1) ** 0.5 for i in range(45)], 5) is None  # levelling off
+    assert still_falling([1.0 - 0.01 * i for i in range(45)], 5) is None  # linear, judged by progress
+    assert still_falling([0.5 * 0.5**i for i in range(45)], 5) is None  # already below 2^-24 of its start
+    assert still_falling([0.0] * 45, 5) is None and still_falling([1.0] * 6, 5) is None
 
 
 def test_measure_spread_needs_a_finite_replicate_as_long_as_the_comparison() -> None:
@@ -88,50 +112,51 @@ def _result(policy: Policy, label: str, losses: list[float], *, outcome: str = "
     )
 
 
-class SeededRunner:
-    """A fake runner whose fp32 curve depends on the seed, as a real script's does: each seed
-    ends its small fall ``end_spread`` further apart. ``lag`` is each mode's final-loss excess."""
+class PerturbableRunner:
+    """A fake runner whose fp32 curve moves when its initial parameters are perturbed, as a real
+    script's does: the perturbed run ends its small fall ``end_spread`` further along. ``lag`` is
+    each mode's final-loss excess; ``steps`` the measured window."""
 
     def __init__(self, seed: int = 0, *, lag: dict[str, float] | None = None, end_spread: float = 0.02,
-                 calls: list[tuple[str, int]] | None = None, fail: str = "") -> None:
+                 calls: list[tuple[str, str | None]] | None = None, fail: str = "", perturb: str | None = None,
+                 measure_steps: int = STEPS) -> None:
         self.seed = seed
         self.lag = lag or {}
         self.end_spread = end_spread
         self.calls = [] if calls is None else calls
         self.fail = fail
+        self.perturb = perturb
+        self.measure_steps = measure_steps
 
-    def reseeded(self, seed: int) -> SeededRunner:
-        return SeededRunner(seed, lag=self.lag, end_spread=self.end_spread, calls=self.calls, fail=self.fail)
+    def perturbed(self, perturb: str) -> PerturbableRunner:
+        return PerturbableRunner(self.seed, lag=self.lag, end_spread=self.end_spread, calls=self.calls,
+                                 fail=self.fail, perturb=perturb, measure_steps=self.measure_steps)
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
-        self.calls.append((policy.mode, self.seed))
-        end = 1.95 * (1 + self.end_spread * self.seed) * (1 + self.lag.get(policy.mode, 0.0))
+        self.calls.append((policy.mode, self.perturb))
+        moved = 1 + (self.end_spread if self.perturb else 0.0)
+        end = 1.95 * moved * (1 + self.lag.get(policy.mode, 0.0))
         losses = [2.0 + (end - 2.0) * i / (STEPS - 1) for i in range(STEPS)]
-        if self.fail and self.seed != 0:
+        if self.fail and self.perturb:
             return _result(policy, label, losses[:5], outcome=self.fail)
         return _result(policy, label, losses)
 
 
-def test_replicate_seed_is_the_next_one() -> None:
-    assert replicate_seed(0) == 1 and replicate_seed(41) == 42
-    assert replicate_seed(2**32 - 1) == 2**32 - 2  # numpy's seeds stop below 2**32
-
-
-def test_a_runner_that_cannot_reseed_gets_no_replicate() -> None:
+def test_a_runner_that_cannot_perturb_gets_no_replicate() -> None:
     def plain(policy: Policy, label: str) -> TrialResult:
         return _result(policy, label, [1.0] * STEPS)
 
     assert run_replicate(plain, plain(Policy(mode="fp32"), "fp32")) is None
 
 
-def test_run_replicate_runs_fp32_under_the_next_seed() -> None:
-    runner = SeededRunner(seed=7)
+def test_run_replicate_runs_fp32_with_the_same_seed_and_perturbed_weights() -> None:
+    runner = PerturbableRunner(seed=7)
     reference = runner(Policy(mode="fp32"), "fp32")
     started: list[str] = []
     replicate = run_replicate(runner, reference, on_start=started.append)
-    assert replicate is not None and replicate.seed == 8 and not replicate.reused
-    assert runner.calls == [("fp32", 7), ("fp32", 8)]
-    assert started == ["fp32 (replicate, seed 8)"] and replicate.curve is not None
+    assert replicate is not None and replicate.seed == 7 and replicate.perturb == "bf16" and not replicate.reused
+    assert runner.calls == [("fp32", None), ("fp32", "bf16")]
+    assert started == ["fp32 (replicate, bf16-perturbed)"] and replicate.curve is not None
     assert replicate.wall_s == 2.0
 
 
@@ -146,57 +171,129 @@ def test_a_failed_replicate_says_why_and_calibrates_nothing(outcome: str) -> Non
     logger, keep = get_logger(), Keep(logging.WARNING)
     logger.addHandler(keep)
     try:
-        runner = SeededRunner(fail=outcome)
+        runner = PerturbableRunner(fail=outcome)
         replicate = run_replicate(runner, runner(Policy(mode="fp32"), "fp32"))
     finally:
         logger.removeHandler(keep)
     assert replicate is not None and replicate.curve is None
-    assert f"the fp32 replicate (seed 1) failed ({outcome})" in replicate.note
+    assert f"the fp32 replicate (bf16-perturbed) failed ({outcome})" in replicate.note
     assert any("the stability verdicts use the fixed limits" in w for w in warnings)
 
 
 def test_a_replicate_that_goes_nan_calibrates_nothing() -> None:
     reference = _result(Policy(mode="fp32"), "fp32", [1.0] * STEPS)
     replicate = Replicate.from_result(_result(Policy(mode="fp32"), "r", [1.0] * 9 + [math.nan] * 51), 1, reference)
-    assert replicate.curve is None and "step 10" in replicate.note and "unstable under some seeds" in replicate.note
+    assert replicate.curve is None and "step 10" in replicate.note and "fp32 itself diverges" in replicate.note
+
+
+def test_a_replicate_identical_to_fp32_says_its_perturbation_did_not_reach_the_model() -> None:
+    losses = [1.0 - 0.01 * i for i in range(STEPS)]
+    reference = _result(Policy(mode="fp32"), "fp32", losses)
+    replicate = Replicate.from_result(_result(Policy(mode="fp32"), "r", losses), 0, reference)
+    assert replicate.curve is not None and replicate.identical  # spread zero: the fixed limits stand
+    assert "bit for bit" in spread_line_of(replicate)
+    assert not Replicate.from_result(_result(Policy(mode="fp32"), "r", losses[:-1] + [0.0]), 0, reference).identical
+
+
+def spread_line_of(replicate: Replicate) -> str:
+    from advisor.cli._report import spread_line
+
+    reference = _result(Policy(mode="fp32"), "fp32", list(replicate.losses))
+    from advisor.tune._trials import evaluate
+
+    ev = evaluate("fp32", Policy(mode="fp32"), reference, reference, replicate=replicate.curve)
+    return spread_line(ev.to_dict(), replicate.to_dict(losses=False))
 
 
 def test_a_stored_replicate_of_the_same_reference_is_reused_without_running() -> None:
-    runner = SeededRunner()
+    runner = PerturbableRunner()
     reference = runner(Policy(mode="fp32"), "fp32")
     first = run_replicate(runner, reference)
     stored = json.loads(json.dumps(first.to_dict(), allow_nan=False))
     again = run_replicate(runner, reference, stored=stored)
-    assert again.reused and again.losses == first.losses and again.seed == 1
-    assert runner.calls == [("fp32", 0), ("fp32", 1)]  # not run a second time
+    assert again.reused and again.losses == first.losses and again.seed == 0
+    assert runner.calls == [("fp32", None), ("fp32", "bf16")]  # not run a second time
     # Another seed, or another trial length, is another replicate: run it.
-    assert not run_replicate(SeededRunner(seed=3), reference, stored=stored).reused
+    assert not run_replicate(PerturbableRunner(seed=3), reference, stored=stored).reused
     shorter = dict(stored, losses=stored["losses"][:-1])
     assert not run_replicate(runner, reference, stored=shorter).reused
-    assert Replicate.from_dict({"seed": 1, "losses": [1.0, "nan"]}) is None
+    # One stored by an earlier version ran under another seed: the wrong noise, never reused.
+    seeded = {k: v for k, v in stored.items() if k != "perturb"}
+    assert Replicate.from_dict(seeded) is None
+    assert Replicate.from_dict({"seed": 1, "perturb": "bf16", "losses": [1.0, "nan"]}) is None
     assert Replicate.from_dict({"seed": 1}) is None
 
 
 def test_comparison_judges_against_the_spread() -> None:
-    # fp32 falls 2.0 -> 1.95; bf16-mixed ends 0.5% higher, inside fp32's own seed spread of 2%.
-    runner = SeededRunner(lag={"bf16-mixed": 0.005, "bf16-true": 0.06})
+    # fp32 falls 2.0 -> 1.95; bf16-mixed ends 0.5% higher, inside what one rounding moves fp32 (2%).
+    runner = PerturbableRunner(lag={"bf16-mixed": 0.005, "bf16-true": 0.06})
     labels: list[str] = []
-    reference, evaluations, replicate = run_comparison(
+    reference, evaluations, replicate, *_ = run_comparison(
         runner, [(Policy(mode="bf16-mixed"), "bf16-mixed"), (Policy(mode="bf16-true"), "bf16-true")],
         on_start=lambda i, label: labels.append(f"{i} {label}"),
     )
-    assert labels == ["0 fp32 (reference)", "1 fp32 (replicate, seed 1)", "2 bf16-mixed", "3 bf16-true"]
-    assert replicate is not None and replicate.seed == 1
+    assert labels == ["0 fp32 (reference)", "1 fp32 (replicate, bf16-perturbed)", "2 bf16-mixed", "3 bf16-true"]
+    assert replicate is not None and replicate.seed == 0
     mixed, pure = evaluations
     assert mixed.stable, mixed.reason
     assert not pure.stable and pure.verdict.kind == "stalled"  # 6% higher is outside twice it
     assert reference.verdict.metrics["final_spread"] == pytest.approx(0.02, rel=0.05)
 
 
+class FallingRunner(PerturbableRunner):
+    """fp32 halves every 4 steps for ``fall_steps`` steps, then levels off; bf16-mixed stops at a
+    floor of 1e-3. Over a short window the two are indistinguishable."""
+
+    def __init__(self, *args, fall_steps: int = 100, halving: int = 4, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fall_steps, self.halving = fall_steps, halving
+
+    def perturbed(self, perturb: str) -> FallingRunner:
+        return FallingRunner(calls=self.calls, perturb=perturb, measure_steps=self.measure_steps,
+                             fall_steps=self.fall_steps, halving=self.halving)
+
+    def with_measure_steps(self, steps: int) -> FallingRunner:
+        return FallingRunner(calls=self.calls, perturb=self.perturb, measure_steps=steps, fall_steps=self.fall_steps,
+                             halving=self.halving)
+
+    def __call__(self, policy: Policy, label: str) -> TrialResult:
+        self.calls.append((policy.mode, self.perturb))
+        n = self.measure_steps + 3
+        halving = self.halving or n / 8  # 0: eight halvings over whatever window, never levelling off
+        losses = [0.5 * 0.5 ** (min(i, self.fall_steps) / halving) for i in range(n)]
+        if policy.mode == "bf16-mixed":
+            losses = [v + 1e-3 for v in losses]
+        if self.perturb:
+            losses = [v * 1.01 for v in losses]
+        return _result(policy, label, losses)
+
+
+def test_a_short_window_grows_while_fp32_still_falls_geometrically() -> None:
+    runner = FallingRunner(measure_steps=20)
+    comparison = run_comparison(runner, [(Policy(mode="bf16-mixed"), "bf16-mixed")])
+    assert comparison.measure_steps == 160 and "instead of 20" in comparison.window_note
+    (mixed,) = comparison.evaluations
+    assert not mixed.stable and mixed.verdict.kind == "stalled", mixed.reason  # the floor, seen
+    assert len(mixed.result.losses) == 163
+
+
+def test_a_window_that_cannot_grow_says_it_is_short() -> None:
+    # Eight halvings over any window: still falling 4x over its last quarter, however long.
+    runner = FallingRunner(measure_steps=20, fall_steps=10_000, halving=0)
+    comparison = run_comparison(runner, [])
+    assert comparison.measure_steps == 160
+    assert comparison.window_note.startswith("the window is short for this workload")
+    assert "grew to 8x the 20 steps asked" in comparison.window_note
+    # A time budget that leaves no room for a longer reference keeps the window, and says so.
+    reference = run_reference(FallingRunner(measure_steps=20), deadline=1.0, clock=lambda: 0.0)
+    assert reference.runner.measure_steps == 20 and "the time budget leaves no room" in reference.window_note
+    assert run_comparison(FallingRunner(measure_steps=20, fall_steps=8), []).window_note == ""  # levelled off
+
+
 # --- the tune: one replicate, kept with the study ---------------------------------------------
 
 
-def _tune(runner: SeededRunner, storage: str, *, resume: bool = False):
+def _tune(runner: PerturbableRunner, storage: str, *, resume: bool = False):
     options = TuneOptions(trials=3, no_priors=True, storage=storage, resume=resume, modes=("bf16-mixed",))
     return tune_policy(runner, CPU, options, study_name="spread", dtype_ratio={"fp32": 1.0, "bf16": 2.0},
                        remeasure=False)
@@ -204,20 +301,20 @@ def _tune(runner: SeededRunner, storage: str, *, resume: bool = False):
 
 def test_tune_runs_one_replicate_and_resume_reuses_it(tmp_path) -> None:
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    first = SeededRunner(lag={"bf16-mixed": 0.005})
+    first = PerturbableRunner(lag={"bf16-mixed": 0.005})
     result = _tune(first, storage)
-    assert first.calls.count(("fp32", 1)) == 1  # the replicate: once, under seed 1
-    assert all(seed == 0 for mode, seed in first.calls if (mode, seed) != ("fp32", 1))
+    assert first.calls.count(("fp32", "bf16")) == 1  # the replicate: once
+    assert all(perturb is None for mode, perturb in first.calls if (mode, perturb) != ("fp32", "bf16"))
     assert result.replicate is not None and not result.replicate.reused
     stored = stored_replicate(storage, "spread")
-    assert stored is not None and stored["seed"] == 1 and len(stored["losses"]) == STEPS
+    assert stored is not None and stored["perturb"] == "bf16" and len(stored["losses"]) == STEPS
     bf16 = [m for c, m in result.search.measured.items() if c.mode == "bf16-mixed"]
     assert bf16 and all(m.stable for m in bf16), [m.reason for m in bf16]
-    assert result.to_dict()["replicate"]["seed"] == 1 and "losses" not in result.to_dict()["replicate"]
+    assert result.to_dict()["replicate"]["perturb"] == "bf16" and "losses" not in result.to_dict()["replicate"]
 
-    second = SeededRunner(lag={"bf16-mixed": 0.005})
+    second = PerturbableRunner(lag={"bf16-mixed": 0.005})
     resumed = _tune(second, storage, resume=True)
-    assert ("fp32", 1) not in second.calls  # reused from the study
+    assert ("fp32", "bf16") not in second.calls  # reused from the study
     assert resumed.replicate is not None and resumed.replicate.reused
     assert resumed.reference.verdict.metrics["final_spread"] == pytest.approx(0.02, rel=0.05)
 
@@ -226,10 +323,10 @@ def test_a_fresh_tune_replaces_the_stored_replicate(tmp_path) -> None:
     import optuna
 
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    _tune(SeededRunner(), storage)
-    again = SeededRunner(end_spread=0.04)
+    _tune(PerturbableRunner(), storage)
+    again = PerturbableRunner(end_spread=0.04)
     _tune(again, storage)  # no --resume: the study starts afresh, and so does the replicate
-    assert ("fp32", 1) in again.calls
+    assert ("fp32", "bf16") in again.calls
     stored = optuna.load_study(study_name="spread", storage=storage).user_attrs[STUDY_ATTR_REPLICATE]
     assert stored["losses"][-1] == pytest.approx(1.95 * 1.04)
 
@@ -240,7 +337,7 @@ def test_stored_replicate_of_a_missing_or_in_memory_study_is_none(tmp_path) -> N
 
 
 def test_replicate_result_is_not_part_of_its_identity() -> None:
-    runner = SeededRunner()
+    runner = PerturbableRunner()
     replicate = run_replicate(runner, runner(Policy(mode="fp32"), "fp32"))
     assert dataclasses.replace(replicate, result=None) == replicate
 
@@ -248,13 +345,13 @@ def test_replicate_result_is_not_part_of_its_identity() -> None:
 def test_spread_line_says_what_the_replicate_measured_and_allowed() -> None:
     from advisor.cli._report import spread_line
 
-    runner = SeededRunner()
-    reference, _, replicate = run_comparison(runner, [])
+    runner = PerturbableRunner()
+    reference, _, replicate, *_ = run_comparison(runner, [])
     line = spread_line(reference.to_dict(), replicate.to_dict(losses=False))
-    assert line.startswith("run-to-run spread: fp32 with seed 1 ended at")
+    assert line.startswith("run-to-run spread: fp32 perturbed by one bf16 rounding ended at")
     assert "1.9% apart" in line and "final loss up to 5.0% above fp32's" in line
     assert "progress is not judged" in line  # 0.04 apart against a 0.05 fall: inside twice the noise
-    failed = Replicate(1, note="the fp32 replicate (seed 1) failed (crash): it broke")
+    failed = Replicate(0, note="the fp32 replicate (bf16-perturbed) failed (crash): it broke")
     failed_line = spread_line(reference.to_dict(), failed.to_dict())
     assert "not measured" in failed_line and "the fixed limits apply" in failed_line
     assert spread_line(reference.to_dict(), None) == ""
