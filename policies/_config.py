@@ -147,7 +147,8 @@ class TunedOn:
         torch: torch version at tuning time.
         libraries: FP8 library versions at tuning time (``(name, version or None)`` pairs).
         date: ISO date of the tune.
-        speedup_vs_fp32: measured goodput ratio of this policy over fp32.
+        speedup_vs_fp32: measured goodput ratio of this policy over fp32: the tune's one
+            figure (the paired re-measurement against fp32 when there was one).
         goodput: measured samples per second.
         workload_fingerprint: fingerprint of model, optimizer, global batch and script.
         model_signature: fingerprint of the model's structure alone.
@@ -158,6 +159,10 @@ class TunedOn:
             at run time a different script batch keeps the script's own global batch.
         script_digest: digest of the script's content at tuning time, so that a run can say
             "script edited" rather than only "workload changed".
+        speedup_low: the lower end of the speed-up's confidence interval, when it has one.
+        speedup_high: the upper end.
+        speedup_basis: what the speed-up rests on, in words ("paired re-measurement, 4 pairs",
+            "single runs, not re-measured").
     """
 
     hardware_fingerprint: str = ""
@@ -174,9 +179,16 @@ class TunedOn:
     cuda: str = ""
     global_batch: int | None = None
     script_digest: str | None = None
+    speedup_low: float | None = None
+    speedup_high: float | None = None
+    speedup_basis: str | None = None
 
     def __post_init__(self) -> None:
         _check_positive("tuned_on", "global_batch", self.global_batch, integer=True, allow_none=True)
+        for name in ("speedup_low", "speedup_high"):
+            _check_positive("tuned_on", name, getattr(self, name), allow_none=True)
+        if self.speedup_basis is not None and not isinstance(self.speedup_basis, str):
+            raise PolicyError(f"tuned_on.speedup_basis: {self.speedup_basis!r} is not allowed; expected a string")
 
 
 @dataclass(frozen=True)

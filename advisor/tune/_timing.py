@@ -188,6 +188,18 @@ class Gap:
         """Whether more runs could not change the verdict's kind (faster, slower or a tie)."""
         return self.verdict != "unresolved"
 
+    @property
+    def a_lead_ruled_out(self) -> bool:
+        """Whether ``a`` cannot be more than ``min_margin`` faster than ``b``: the interval's
+        upper end lies within the margin (its lower end may still be anywhere)."""
+        return self.pairs >= 2 and self.high <= 1.0 + self.min_margin
+
+    @property
+    def b_lead_ruled_out(self) -> bool:
+        """Whether ``b`` cannot be more than ``min_margin`` faster than ``a``: the interval's
+        lower end lies within the margin."""
+        return self.pairs >= 2 and self.low >= 1.0 / (1.0 + self.min_margin)
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; an unbounded end of the interval is ``None``."""
         data = asdict(self)
