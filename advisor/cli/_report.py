@@ -77,7 +77,8 @@ def print_reasons(console: Console, evaluations: list[Evaluation]) -> None:
 
 
 def spread_line(reference: dict[str, Any], replicate: dict[str, Any] | None) -> str:
-    """fp32's run-to-run spread and the limits it set, in one line; empty without a replicate.
+    """How far one rounding carried fp32 (its perturbed replicate), and the limits that set, in
+    one line; empty without a replicate.
 
     Args:
         reference: the reference's evaluation as JSON (its verdict's metrics hold the spread).
@@ -85,22 +86,25 @@ def spread_line(reference: dict[str, Any], replicate: dict[str, Any] | None) -> 
     """
     if not replicate:
         return ""
-    seed = replicate.get("seed")
     if replicate.get("note"):
         return f"run-to-run spread: not measured, {replicate['note']}; the fixed limits apply"
+    who = f"fp32 perturbed by one {replicate.get('perturb') or 'bf16'} rounding"
+    if replicate.get("identical"):
+        return (f"run-to-run spread: {who} trained bit for bit as fp32 (the perturbation never reached the "
+                "trained weights); the fixed limits apply")
     metrics = (reference.get("verdict") or {}).get("metrics") or {}
     if "final_gap_limit" not in metrics:
-        return f"run-to-run spread: fp32 with seed {seed} ran, but its spread was not used; the fixed limits apply"
+        return f"run-to-run spread: {who} ran, but its spread was not used; the fixed limits apply"
     apart = f"{_as_float(metrics.get('final_spread')):.1%} apart"
     if "progress_spread" in metrics:
-        apart += f", {_as_float(metrics['progress_spread']):.0%} of fp32's fall"
+        apart += f", its fall {_as_float(metrics['progress_spread']):.0%} off fp32's"
     limits = f"final loss up to {_as_float(metrics['final_gap_limit']):.1%} above fp32's"
     if metrics.get("reference_flat"):
         limits += "; progress is not judged, since fp32's own fall is within that noise"
     elif "progress_limit" in metrics:
         limits += f", a fall at least {_as_float(metrics['progress_limit']):.0%} as far as fp32's"
     reused = " (reused from the stored study)" if replicate.get("reused") else ""
-    return (f"run-to-run spread: fp32 with seed {seed} ended at {_as_float(metrics.get('replicate_end')):.4g} "
+    return (f"run-to-run spread: {who} ended at {_as_float(metrics.get('replicate_end')):.4g} "
             f"against {_as_float(metrics.get('reference_end')):.4g} ({apart}){reused}; "
             f"the limits allow for it: {limits}")
 
@@ -140,16 +144,23 @@ def trial_progress(console: Console, total: int, *, enabled: bool = True) -> Ite
 
 @contextmanager
 def tune_progress(console: Console, total: int) -> Iterator[Any]:
-    """A progress bar over a tune's trials; yields ``(on_start, on_done)`` for the tuner."""
+    """A progress bar over a tune's trials and then its rounds of re-measurement; yields
+    ``(on_start, on_done, on_round)`` for the tuner.
+
+    Args:
+        console: where the bar and each trial's line go.
+        total: the trials the search may run (its budget, the reference and its replicate).
+    """
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:
         task = bar.add_task("starting", total=total)
         started = 0
+        phase = ""
 
         def on_start(label: str) -> None:
             nonlocal started
             started += 1
-            bar.update(task, description=f"trial {started}: {label}")
+            bar.update(task, description=f"{phase or f'trial {started}'}: {label}")
 
         def on_done(label: str, ev: Evaluation | None, m: Measured) -> None:
             bar.advance(task)
@@ -157,7 +168,15 @@ def tune_progress(console: Console, total: int) -> Iterator[Any]:
             speed = f", {ev.speedup:.2f}x fp32" if ev is not None and ev.speedup else ""
             bar.console.print(f"  {label}: [{style}]{m.outcome}[/]{speed}", highlight=False)
 
-        yield on_start, on_done
+        def on_round(number: int, most: int, runs: int) -> None:
+            # The search is over (what it left of its budget will not run): the bar now counts
+            # this round's runs.
+            nonlocal phase
+            phase = f"re-measure round {number} of at most {most}"
+            bar.update(task, total=bar.tasks[task].completed + runs, description=phase)
+
+        yield on_start, on_done, on_round
+        bar.update(task, total=bar.tasks[task].completed)  # a search that stopped early completes the bar
 
 
 def render_tune(tune: dict[str, Any], console: Console) -> None:
@@ -189,14 +208,21 @@ def _tune_table(tune: dict[str, Any]) -> Table:
              f"the fp32 reference and {tune.get('trials_run', 0)} trials"
              + (f", {resumed} resumed" if resumed else "")
              + f" of {(tune.get('space') or {}).get('grid_size', '?')} candidates")
-    table = Table(title=title, title_justify="left")
-    for col, justify in (("", "left"), ("candidate", "left"), ("samples/s", "right"), ("vs fp32", "right"),
+    # Each candidate's ratio to fp32 is its search run's; the winner's is the tune's one
+    # speed-up figure (its paired re-measurement against fp32), marked and explained below.
+    speedup = tune.get("speedup") or {}
+    marked = bool(speedup) and speedup.get("basis") != "search run"
+    caption = f"† the winner's speed-up: {describe_speedup(speedup)}" if marked else None
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    for col, justify in (("", "left"), ("candidate", "left"), ("samples/s", "right"), ("vs fp32, search run", "right"),
                          ("peak memory", "right"), ("verdict", "left")):
         table.add_column(col, justify=justify, no_wrap=True)
     for row in tune.get("candidates") or []:
-        goodput, speedup, outcome = row.get("goodput"), row.get("speedup_vs_fp32"), row.get("outcome") or "ok"
-        table.add_row("→" if row.get("winner") else "", str(row.get("label")),
-                      f"{goodput:,.0f}" if goodput else "-", f"{speedup:.2f}x" if goodput and speedup else "-",
+        goodput, outcome = row.get("goodput"), row.get("outcome") or "ok"
+        won = bool(row.get("winner"))
+        ratio = tune.get("speedup_vs_fp32") if won and marked else row.get("search_speedup_vs_fp32", row.get("speedup_vs_fp32"))
+        cell = f"{ratio:.2f}x" + ("†" if won and marked else "") if goodput and ratio else "-"
+        table.add_row("→" if won else "", str(row.get("label")), f"{goodput:,.0f}" if goodput else "-", cell,
                       fmt_bytes(row.get("peak_memory")), f"[{VERDICT_STYLE.get(outcome, 'red')}]{outcome}[/]")
     for row in tune.get("pruned") or []:  # never run: no numbers to show
         table.add_row("", str(row.get("label")), "-", "-", "-", f"[{VERDICT_STYLE['pruned']}]pruned[/]")
@@ -214,16 +240,42 @@ def _print_search(tune: dict[str, Any], console: Console) -> None:
         console.print(f"pruned (not run): {len(pruned)} proposals the priors ruled out; --no-priors runs them",
                       highlight=False)
     finalists = tune.get("finalists") or []
+    rounds = tune.get("remeasure_rounds")
     if len(finalists) > 1:
         close = ", ".join(f"{f['label']} {f['goodput']:,.0f}/s" for f in finalists)
-        rounds = tune.get("remeasure_rounds")
         console.print(f"re-measured side by side{f' in {rounds} rounds' if rounds else ''}: {close}", highlight=False)
+    stop = remeasure_stop_line(tune)
+    if stop:
+        console.print(stop, highlight=False)
     for dropped in tune.get("dropped_finalists") or []:
         console.print(f"[red]dropped[/] {dropped.get('label')}: {dropped.get('reason')}", highlight=False)
     if tune.get("gap"):
         console.print(f"gap: {describe_gap(tune['gap'])}", highlight=False)
     if tune.get("tie_note"):
         console.print(f"tie: {tune['tie_note']}", highlight=False)
+
+
+def remeasure_stop_line(tune: dict[str, Any]) -> str:
+    """Why re-measurement ended, in one line, when that is news (a limit cut it short)."""
+    stop, rounds, most = tune.get("remeasure_stop"), tune.get("remeasure_rounds") or 0, tune.get("remeasure_max_rounds")
+    if stop == "time budget":
+        budget = tune.get("time_budget")
+        spent = f" ({budget:g} s)" if isinstance(budget, (int, float)) else ""
+        return (f"re-measurement cut short by the time budget{spent} after {rounds} round{'' if rounds == 1 else 's'}: "
+                "a gap it left unresolved counts as a tie")
+    if stop == "round limit":
+        return f"re-measurement stopped at its limit of {most} rounds: a gap still unresolved counts as a tie"
+    return ""
+
+
+def describe_speedup(speedup: dict[str, Any]) -> str:
+    """The winner's speed-up over fp32 in words: ratio, interval and what it rests on."""
+    ratio, low, high = speedup.get("ratio"), speedup.get("low"), speedup.get("high")
+    if not ratio:
+        return "not measured"
+    interval = (f", {speedup.get('confidence', 0.95):.0%} interval {low:.2f}x to {high:.2f}x"
+                if low and high and speedup.get("pairs") else "")
+    return f"{ratio:.2f}x fp32 goodput ({speedup.get('basis') or 'basis not recorded'}{interval})"
 
 
 def describe_gap(gap: dict[str, Any]) -> str:
@@ -244,8 +296,8 @@ def _print_winner(tune: dict[str, Any], console: Console) -> None:
         described = Policy.from_dict(tune["winner"]).describe()
     except MpadviseError:  # written by another version: its label still says what won
         described = str(tune.get("winner_label"))
-    speed = tune.get("speedup_vs_fp32")
-    console.print(f"[bold green]winner[/]: {described}" + (f", {speed:.2f}x fp32 goodput" if speed else ""),
+    speedup = tune.get("speedup") or ({"ratio": tune["speedup_vs_fp32"]} if tune.get("speedup_vs_fp32") else None)
+    console.print(f"[bold green]winner[/]: {described}" + (f", {describe_speedup(speedup)}" if speedup else ""),
                   highlight=False)
     if tune.get("scale_batch_note"):
         console.print(f"[yellow]note[/]: {tune['scale_batch_note']}", highlight=False)
@@ -262,6 +314,8 @@ def _print_winner(tune: dict[str, Any], console: Console) -> None:
         script = Path(tune.get("script") or "train.py").name
         console.print(f"train with it: [bold]mpadvise run {escape(script)}[/] (or mpadvise export --to {tune['framework']})",
                       highlight=False)
+    elif tune.get("calls_load_policy"):
+        console.print("the script calls advisor.load_policy(): it applies the config file beside it", highlight=False)
     else:
         console.print("add to the script: [bold]mp = advisor.load_policy()[/] (it reads the config file beside it)")
 

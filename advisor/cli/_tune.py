@@ -3,6 +3,7 @@ the same tune with the local daemon (``--submit``) and report it the same way.""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -94,11 +95,28 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
     result = _search(path, script_args, options, profile, study_name, progress_console, plan)
     written, cache_id = _keep(result, options, profile, path)
     payload = result.to_dict()
-    payload.update(script=str(path), args=script_args, framework=plan.framework, config_file=str(written) if written else None,
+    payload.update(script=str(path), args=script_args, framework=plan.framework, calls_load_policy=calls_load_policy(path),
+                   config_file=str(written) if written else None,
                    cache_id=cache_id, storage=shown_url(options.storage), study_name=study_name,
                    hardware={"name": profile.name, "fingerprint": fingerprint})
     _report(json.dumps(payload, indent=2, default=str), json_output=json_output, console=console)
     return EXIT_FOUND if result.policy is not None else EXIT_NONE_STABLE
+
+
+def calls_load_policy(script: Path) -> bool:
+    """Whether the script's source calls ``load_policy`` (``advisor.load_policy()``, or the name
+    imported), so that the report does not ask for a line it already has."""
+    try:
+        tree = ast.parse(script.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            if name == "load_policy":
+                return True
+    return False
 
 
 def _resolved(options: TuneOptions, profile: HardwareProfile) -> TuneOptions:
@@ -117,10 +135,10 @@ def _search(path: Path, script_args: list[str], options: TuneOptions, profile: H
     wait_idle_on = profile if os.environ.get(WAIT_IDLE_ENV) else None
     runner = ScriptRunner(path, script_args, TrialSettings.for_tune(options), wait_idle_on=wait_idle_on,
                           launch=plan.launch)
-    # The budget plus the reference; a search that stops early completes the bar.
-    with tune_progress(console, options.trials + 2) as (on_start, on_done):  # + the reference and its replicate
+    # The budget plus the reference and its replicate; then each round of re-measurement.
+    with tune_progress(console, options.trials + 2) as (on_start, on_done, on_round):
         return tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
-                           on_start=on_start, on_done=on_done, limits=plan.limits)
+                           on_start=on_start, on_done=on_done, on_round=on_round, limits=plan.limits)
 
 
 def _keep(result: TuneResult, options: TuneOptions, profile: HardwareProfile,
@@ -137,16 +155,20 @@ def _remember(result: TuneResult, profile: Any, script: Path) -> int | None:
     tuned_on = None if result.policy is None else result.policy.tuned_on
     if result.policy is None or tuned_on is None or not tuned_on.workload_fingerprint:
         return None
+    speedup = result.speedup.to_dict() if result.speedup else {}
     rows = []
     for number, (cand, m) in enumerate(result.ranking()):
+        metrics: dict[str, Any] = {"feasible": m.feasible, "label": cand.label}
+        if cand == result.winner:  # the tune's one speed-up figure, with its interval and basis
+            metrics.update({f"speedup_{k}": v for k, v in speedup.items()})
         rows.append({
             "number": number, "mode": cand.mode, "params": cand.params(), "outcome": m.outcome or "ok",
             "verdict": "stable" if m.stable else "not stable", "reason": m.reason, "goodput": m.goodput,
-            "metrics": {"feasible": m.feasible, "label": cand.label},
+            "metrics": metrics,
         })
     return record_tune(
         profile=profile, policy=result.policy, script=str(script), workload_fingerprint=tuned_on.workload_fingerprint,
-        trials=rows, speedup_vs_fp32=result.winner_speedup, goodput=tuned_on.goodput,
+        trials=rows, speedup_vs_fp32=tuned_on.speedup_vs_fp32, goodput=tuned_on.goodput,
     )
 
 

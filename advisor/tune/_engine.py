@@ -1,5 +1,6 @@
 """The tuner: the fp32 reference, the search, the interleaved re-measurement of close
-candidates until their gaps are resolved, and the winner with its evidence."""
+candidates (and of the winner against fp32) until their gaps are settled, and the winner with
+its evidence and its one speed-up figure."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import probes
 from advisor.runtime._workload import script_digest
 from advisor.tune._checks import check_modes
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import SearchOutcome, run_search, stored_replicate
+from advisor.tune._search import SearchOutcome, check_study_workload, run_search, stored_replicate
 from advisor.tune._space import (
     Candidate,
     Measured,
@@ -25,7 +26,15 @@ from advisor.tune._space import (
     space_for,
 )
 from advisor.tune._stability import StabilityThresholds, TrialCurve, safety_rank
-from advisor.tune._timing import DEFAULT_MIN_MARGIN, Gap, compare, noise_band, paired_gap, summarize
+from advisor.tune._timing import (
+    DEFAULT_CONFIDENCE,
+    DEFAULT_MIN_MARGIN,
+    Gap,
+    compare,
+    noise_band,
+    paired_gap,
+    summarize,
+)
 from advisor.tune._trials import (
     Evaluation,
     Replicate,
@@ -39,11 +48,21 @@ from policies import Policy, TunedOn, safe_default_mode, supported_modes
 from probes import HardwareProfile, hardware_fingerprint
 from probes._trial import TrialResult
 
-# Rounds of interleaved re-measurement before a gap still unresolved is called a tie. Two pairs
-# give the first interval. With runs as scattered as on the shared 2-core build machine (7%
-# between runs), a 19% gap is resolved within 10 rounds in 98 of 100 simulated tunes (94 within
-# 8); a true tie on a noisy machine costs all 10, on a quiet GPU two or three.
-REMEASURE_MAX_ROUNDS = 10
+# Rounds of interleaved re-measurement, in all, before a gap still unresolved is called a tie
+# (and the safer finalist wins it). Two pairs give the first interval; a finalist stops being
+# re-measured as soon as its interval shows a clear lead, or shows that the riskier of the two
+# cannot be more than the margin faster. The bound trades resolution for time: in simulated
+# tunes, four rounds resolve a 19% gap in 99 of 100 when runs scatter by 3% (a quiet GPU), but
+# in 64 of 100 at the 7% of the shared 2-core build machine (ten rounds: 98); the rest are
+# ties, won by the safer mode. Without it, a tie within 1% ran ten rounds of every finalist,
+# past 15 minutes; now it costs four.
+REMEASURE_MAX_ROUNDS = 4
+
+# Why re-measurement ended (``TuneResult.remeasure_stop``).
+STOP_SETTLED = "settled"
+STOP_ROUND_LIMIT = "round limit"
+STOP_TIME_BUDGET = "time budget"
+STOP_OFF = "off"
 
 
 @dataclass
@@ -80,6 +99,41 @@ class Finalist:
                 "rounds": self.rounds, "gap_vs_leader": None if self.gap is None else self.gap.to_dict()}
 
 
+@dataclass(frozen=True)
+class Speedup:
+    """The winner's goodput over fp32's: the one speed-up figure a tune reports, writes and caches.
+
+    Attributes:
+        ratio: the speed-up, rounded to 4 decimals (above 1 when the winner is faster).
+        low: the lower end of its confidence interval; ``None`` where there is none (single
+            runs, a single pair).
+        high: the upper end; ``None`` likewise.
+        pairs: the paired runs of the winner and fp32 it rests on (0 for single runs, and for
+            fp32 itself).
+        confidence: the interval's confidence level.
+        basis: what it rests on, in words: ``"paired re-measurement, 4 pairs"``, ``"single runs,
+            not re-measured"``, ``"the fp32 reference itself"``.
+    """
+
+    ratio: float
+    low: float | None = None
+    high: float | None = None
+    pairs: int = 0
+    confidence: float = DEFAULT_CONFIDENCE
+    basis: str = ""
+
+    @classmethod
+    def of_gap(cls, gap: Gap) -> Speedup:
+        """The paired gap of the winner over fp32, as the speed-up."""
+        bounded = gap.pairs >= 2 and math.isfinite(gap.high) and gap.low > 0
+        return cls(round(gap.ratio, 4), round(gap.low, 4) if bounded else None, round(gap.high, 4) if bounded else None,
+                   gap.pairs, gap.confidence, f"paired re-measurement, {gap.pairs} pair{'' if gap.pairs == 1 else 's'}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "low": self.low, "high": self.high, "pairs": self.pairs,
+                "confidence": self.confidence, "basis": self.basis}
+
+
 @dataclass
 class TuneResult:
     """Everything a tune measured and decided."""
@@ -97,18 +151,16 @@ class TuneResult:
     wall_s: float = 0.0
     dropped: list[Measured] = field(default_factory=list)  # finalists whose re-measurement failed
     remeasure_rounds: int = 0
-    replicate: Replicate | None = None  # fp32 under another seed: the spread the verdicts allow
+    replicate: Replicate | None = None  # fp32 with perturbed initial weights: the spread the verdicts allow
+    speedup: Speedup | None = None  # the winner's, against fp32
+    remeasure_stop: str = STOP_OFF  # why re-measurement ended: STOP_SETTLED, STOP_ROUND_LIMIT, ...
+    time_budget: float | None = None
+    reference_rounds: list[float | None] = field(default_factory=list)  # fp32's goodput in each round
 
     @property
     def winner_speedup(self) -> float | None:
-        if self.winner is None:
-            return None
-        ref = self.reference.goodput or 0.0
-        for f in self.finalists:
-            if f.candidate == self.winner and ref:
-                return f.goodput / ref
-        m = self.search.measured.get(self.winner)
-        return m.goodput / ref if m and ref else None
+        """The winner's speed-up over fp32 (``speedup.ratio``); ``None`` without a winner."""
+        return None if self.speedup is None else self.speedup.ratio
 
     def decisive_gap(self) -> dict[str, Any] | None:
         """The re-measured gap the choice rests on: the leader's over the winner when a safer
@@ -138,6 +190,8 @@ class TuneResult:
         ref_good = self.reference.goodput or 0.0
         for cand, m in self.ranking():
             ev = self.evaluations.get(cand)
+            search_speedup = m.goodput / ref_good if ref_good else None
+            won = cand == self.winner
             rows.append({
                 "label": cand.label,
                 "mode": cand.mode,
@@ -146,15 +200,20 @@ class TuneResult:
                 "stable": m.stable,
                 "feasible": m.feasible,
                 "goodput": m.goodput,
-                "speedup_vs_fp32": m.goodput / ref_good if ref_good else None,
+                # The search ran each candidate once: its ratio to fp32 is a single run's. The
+                # winner's speed-up is the tune's one figure (re-measured against fp32).
+                "search_speedup_vs_fp32": search_speedup,
+                "speedup_vs_fp32": self.winner_speedup if won else search_speedup,
+                "speedup_basis": (self.speedup.basis if won and self.speedup else "search run"),
                 "peak_memory": ev.result.peak_memory if ev else None,
                 "reason": m.reason,
-                "winner": cand == self.winner,
+                "winner": won,
             })
         return {
             "winner": None if self.policy is None else self.policy.to_dict(),
             "winner_label": None if self.winner is None else self.winner.label,
             "speedup_vs_fp32": self.winner_speedup,
+            "speedup": None if self.speedup is None else self.speedup.to_dict(),
             "tie_note": self.tie_note,
             "scale_batch_note": self.scale_batch_note,
             "user_batch": self.space.user_batch,
@@ -166,6 +225,10 @@ class TuneResult:
             "matmul_ratio_vs_fp32": self.dtype_ratio,
             "finalists": [f.to_dict() for f in self.finalists],
             "remeasure_rounds": self.remeasure_rounds,
+            "remeasure_max_rounds": REMEASURE_MAX_ROUNDS,
+            "remeasure_stop": self.remeasure_stop,
+            "reference_rounds": self.reference_rounds,
+            "time_budget": self.time_budget,
             "gap": self.decisive_gap(),
             "dropped_finalists": [{"label": m.candidate.label, "outcome": m.outcome, "reason": m.reason}
                                   for m in self.dropped],
@@ -202,29 +265,34 @@ def tune_policy(
     on_done: Callable[[str, Evaluation | None, Measured], None] | None = None,
     clock: Callable[[], float] | None = None,
     limits: SpaceLimits | None = None,
+    on_round: Callable[[int, int, int], None] | None = None,
 ) -> TuneResult:
     """Find the fastest stable policy for the workload that ``runner`` runs.
 
     Args:
         runner: runs one candidate Policy (subprocess script trials, or a function in-process);
-            one that can change its seed (``Reseedable``) also runs fp32's replicate, whose
-            run-to-run spread widens the stability limits.
+            one that can perturb fp32's initial weights (``Perturbable``) also runs fp32's
+            replicate, whose drift widens the stability limits.
         profile: the hardware the trials run on; decides the search space.
         options: the tune's options (defaults when ``None``). The tuner reads ``trials``
-            (the reference and re-measurements not counted), ``time_budget``, ``scale_batch``,
+            (the reference and re-measurements not counted), ``time_budget`` (no trial of the
+            search and no round of re-measurement starts after it), ``scale_batch``,
             ``include_emulated``, ``modes``, ``memory_limit`` (candidates over it are
-            infeasible), ``storage`` and ``resume`` (where the Optuna study lives), ``seed``
-            (of the sampler) and ``no_priors``; the runner has the measuring window already.
+            infeasible), ``storage`` and ``resume`` (where the Optuna study lives; a study of
+            another workload is not resumed), ``seed`` (of the sampler) and ``no_priors``; the
+            runner has the measuring window already.
         study_name: the study's name in that storage.
         thresholds: stability thresholds.
         dtype_ratio: matmul ratios per dtype; measured on the device when ``None``.
-        remeasure: re-measure close candidates interleaved, until their gaps are resolved,
-            before declaring a winner.
+        remeasure: re-measure close candidates interleaved, until their gaps are settled, and
+            the winner against fp32 for its speed-up, before declaring a winner.
         workload: extra facts recorded in the winner's ``[tuned_on]`` (script name).
         on_start, on_done: progress callbacks.
         clock: monotonic seconds (tests pass a fake).
         limits: what the script's way of training can apply (a framework's limits); the
             search never proposes anything outside them.
+        on_round: called before each round of re-measurement with its number (from 1), the
+            most rounds there can be, and how many runs it holds.
 
     Raises:
         MpadviseError: the fp32 reference failed, so nothing can be judged.
@@ -244,24 +312,44 @@ def tune_policy(
         ratios = {} if options.no_priors else measure_dtype_ratios(profile)
     ref_cand = space.normalise(Candidate("fp32", user_batch))
     ref_measured = trials.record(ref_cand, Policy(mode="fp32"), trials.reference)
-    # fp32 under another seed, kept with a stored study (which --resume reuses): its spread
-    # calibrates every verdict from here on.
+    # A stored study's verdicts hold for the workload its reference ran: one whose model,
+    # optimizer or batch changed since (an environment variable, a config file) starts afresh.
+    workload_facts = _workload_facts(trials.reference)
+    resume = check_study_workload(options.storage, study_name, workload_facts, resume=options.resume)
+    if resume != options.resume:
+        options = options.with_(resume=resume)
+    # fp32's replicate, kept with a stored study (which --resume reuses): its drift calibrates
+    # every verdict from here on.
     reference = trials.run_replicate(stored_replicate(options.storage, study_name) if options.resume else None)
+    search_start = clock()
     search = run_search(
         space, trials.run, options, first=_first_candidates(space, profile, ref_cand),
         reference_goodput=reference.goodput or 0.0, dtype_ratio=ratios, study_name=study_name,
         known={ref_cand: ref_measured}, clock=clock, replicate=trials.replicate_record,
-        hardware=hardware_fingerprint(profile),
+        hardware=hardware_fingerprint(profile), workload=workload_facts,
     )
-    finalists, dropped, rounds = _settle_finalists(trials, search.measured, user_batch, remeasure=remeasure)
-    winner, tie_note = _pick_winner(finalists, user_batch)
-    policy = None
+
+    def out_of_time() -> bool:  # the search's budget bounds re-measurement too
+        return options.time_budget is not None and clock() - search_start >= options.time_budget
+
+    settled = _settle_finalists(trials, search.measured, user_batch, ref_cand, remeasure=remeasure,
+                                out_of_time=out_of_time, on_round=on_round)
+    winner, tie_note = _pick_winner(settled.finalists, user_batch, stop=settled.stop)
+    policy = speedup = None
     if winner is not None:
-        best = next(f for f in finalists if f.candidate == winner)
-        policy = _tuned_policy(winner, best, trials, reference, profile, workload, search.runs + search.resumed)
-    return TuneResult(reference, space, search, trials.evaluations, finalists, winner, policy, tie_note,
+        best = next(f for f in settled.finalists if f.candidate == winner)
+        speedup = _speedup(best, settled.companion, ref_cand, reference.goodput or 0.0, stop=settled.stop)
+        policy = _tuned_policy(winner, best, speedup, trials, profile, workload, search.runs + search.resumed)
+    return TuneResult(reference, space, search, trials.evaluations, settled.finalists, winner, policy, tie_note,
                       _scale_batch_note(winner, user_batch), ratios, clock() - start,
-                      dropped=dropped, remeasure_rounds=rounds, replicate=trials.replicate)
+                      dropped=settled.dropped, remeasure_rounds=settled.rounds, replicate=trials.replicate,
+                      speedup=speedup, remeasure_stop=settled.stop, time_budget=options.time_budget,
+                      reference_rounds=list(settled.companion.rounds) if settled.companion else [])
+
+
+def _workload_facts(result: TrialResult) -> dict[str, str | None]:
+    """What identifies the workload a reference trial ran, for the study to keep."""
+    return {"workload_fingerprint": result.workload_fingerprint, "model_signature": result.model_signature}
 
 
 @dataclass
@@ -347,44 +435,63 @@ class _Trials:
             )
         return result
 
-    def remeasure(self, finalists: list[Finalist], first_round: int = 0) -> tuple[list[Finalist], list[Measured], int]:
-        """Re-run close finalists in interleaved rounds until each gap to the leader is resolved.
+    def remeasure(
+        self, finalists: list[Finalist], companion: Finalist, first_round: int = 0, *,
+        out_of_time: Callable[[], bool] = lambda: False, on_round: Callable[[int, int, int], None] | None = None,
+    ) -> tuple[list[Finalist], list[Measured], int, str]:
+        """Re-run finalists in interleaved rounds until each gap to the leader is settled, and
+        the likely winner's against fp32.
 
-        Each round runs the leader and every finalist whose gap to it the rounds so far cannot
-        resolve, back to back and in alternating order, so a slow spell of the machine hits
-        them alike. After ``REMEASURE_MAX_ROUNDS`` a gap still unresolved is a tie. A finalist
-        whose re-measurement is not stable (unstable, crashed, out of memory) is dropped: one
-        good run does not make a policy safe to recommend.
+        Each round runs the leader and every finalist whose gap to it is not settled yet, and
+        with them fp32 (``companion``) and the finalist that would win were it the last round,
+        back to back and in alternating order, so that a slow spell of the machine hits them
+        alike. A gap is settled once its interval shows a clear lead, a lead too small to
+        count, or that the riskier of the two cannot be more than the margin faster (the
+        safer then wins). No round starts after ``REMEASURE_MAX_ROUNDS`` in all (a gap still
+        unresolved is a tie), nor once ``out_of_time``. A finalist whose re-measurement is not
+        stable (unstable, crashed, out of memory) is dropped: one good run does not make a
+        policy safe to recommend.
 
         Args:
             finalists: the candidates to settle; their ``rounds`` may hold earlier rounds.
+            companion: fp32 at the script's batch (a finalist itself, or not), run in every
+                round alongside, for the winner's speed-up.
             first_round: the number of the first round to run (rounds already held are kept).
+            out_of_time: whether the time budget is spent.
+            on_round: progress: the round's number (from 1), the most rounds, its runs.
 
         Returns:
             The finalists left (each with its gap to the leader), the failed re-measurements
-            of those dropped, and the number of the next round.
+            of those dropped, the number of the next round, and why it stopped
+            (``STOP_SETTLED``, ``STOP_ROUND_LIMIT`` or ``STOP_TIME_BUDGET``).
         """
         active = list(finalists)
         lost: list[Measured] = []
         round_ = first_round
-        for _ in range(REMEASURE_MAX_ROUNDS):
-            if len(active) < 2:
+        while True:
+            running = _round_runners(active, companion, self.user_batch)
+            if not running:
+                stop = STOP_SETTLED
                 break
-            leader = _lead(active)
-            unsettled = [f for f in active if f.gap is not None and not f.gap.resolved]
-            if not unsettled:
+            if round_ >= REMEASURE_MAX_ROUNDS:
+                stop = STOP_ROUND_LIMIT
                 break
-            running = [leader, *unsettled]
-            for f in active:
+            if out_of_time():
+                stop = STOP_TIME_BUDGET
+                break
+            if on_round:
+                on_round(round_ + 1, REMEASURE_MAX_ROUNDS, len(running))
+            for f in [*active, companion]:
                 f.rounds.extend([None] * (round_ + 1 - len(f.rounds)))
             for f in running if round_ % 2 == 0 else reversed(running):
                 failure = self._remeasure_one(f, round_)
-                if failure is not None:
-                    active.remove(f)
+                if failure is not None and any(f is a for a in active):
+                    # fp32 alongside only (not a finalist) keeps its place: its round stays empty.
+                    active = [a for a in active if a is not f]
                     lost.append(failure)
             round_ += 1
         _lead(active)
-        return active, lost, round_
+        return active, lost, round_, stop
 
     def _remeasure_one(self, finalist: Finalist, round_: int) -> Measured | None:
         """Run a finalist once more for round ``round_``; returns what dropped it, or ``None``."""
@@ -429,9 +536,10 @@ def _first_candidates(space: SearchSpace, profile: HardwareProfile, ref_cand: Ca
     ]
 
 
-def _tuned_policy(winner: Candidate, best: Finalist, trials: _Trials, reference: Evaluation,
-                  profile: HardwareProfile, workload: dict[str, Any] | None, trial_count: int) -> Policy:
-    """The winner's policy with its ``[tuned_on]`` record: hardware, versions, evidence."""
+def _tuned_policy(winner: Candidate, best: Finalist, speedup: Speedup, trials: _Trials, profile: HardwareProfile,
+                  workload: dict[str, Any] | None, trial_count: int) -> Policy:
+    """The winner's policy with its ``[tuned_on]`` record: hardware, versions, evidence (the
+    speed-up is the tune's one figure, with its interval and basis)."""
     ev = trials.evaluations.get(winner)
     measured = ev.result if ev else trials.reference
     script = (workload or {}).get("script")
@@ -441,7 +549,10 @@ def _tuned_policy(winner: Candidate, best: Finalist, trials: _Trials, reference:
         torch=profile.torch_version or "",
         libraries=profile.libraries,
         date=dt.date.today().isoformat(),
-        speedup_vs_fp32=round(best.goodput / reference.goodput, 4) if reference.goodput else None,
+        speedup_vs_fp32=speedup.ratio,
+        speedup_low=speedup.low,
+        speedup_high=speedup.high,
+        speedup_basis=speedup.basis,
         goodput=round(best.goodput, 3),
         workload_fingerprint=measured.workload_fingerprint,
         model_signature=measured.model_signature,
@@ -454,6 +565,21 @@ def _tuned_policy(winner: Candidate, best: Finalist, trials: _Trials, reference:
     ))
 
 
+def _speedup(best: Finalist, companion: Finalist | None, ref_cand: Candidate, reference_goodput: float, *,
+             stop: str) -> Speedup | None:
+    """The winner's speed-up over fp32: exactly 1 for fp32 itself; else the paired gap over the
+    rounds both ran; else (nothing re-measured) its search run over fp32's reference run."""
+    if best.candidate == ref_cand:
+        return Speedup(1.0, 1.0, 1.0, 0, basis="the fp32 reference itself")
+    gap = _paired(best, companion) if companion is not None else None
+    if gap is not None and gap.pairs:
+        return Speedup.of_gap(gap)
+    if not reference_goodput:
+        return None
+    why = " (the time budget was spent first)" if stop == STOP_TIME_BUDGET else ""
+    return Speedup(round(best.goodputs[0] / reference_goodput, 4), basis=f"single runs, not re-measured{why}")
+
+
 def _scale_batch_note(winner: Candidate | None, user_batch: int | None) -> str:
     """A warning when the winner changes the global batch (``scale_batch``), else empty."""
     if winner is None or not winner.micro_batch or not user_batch or winner.micro_batch <= user_batch:
@@ -462,33 +588,54 @@ def _scale_batch_note(winner: Candidate | None, user_batch: int | None) -> str:
             "the optimisation (learning-rate and convergence may need retuning)")
 
 
+@dataclass
+class _Settled:
+    """The field once re-measurement has ended."""
+
+    finalists: list[Finalist]
+    dropped: list[Measured]
+    rounds: int
+    stop: str
+    companion: Finalist | None  # fp32 at the script's batch, as re-measured alongside
+
+
 def _settle_finalists(
-    trials: _Trials, measured: dict[Candidate, Measured], user_batch: int | None, *, remeasure: bool
-) -> tuple[list[Finalist], list[Measured], int]:
-    """The finalists once re-measurement has settled their gaps, best first.
+    trials: _Trials, measured: dict[Candidate, Measured], user_batch: int | None, ref_cand: Candidate, *,
+    remeasure: bool, out_of_time: Callable[[], bool] = lambda: False,
+    on_round: Callable[[int, int, int], None] | None = None,
+) -> _Settled:
+    """The finalists once re-measurement has settled their gaps (and the winner's against
+    fp32), best first.
 
     A finalist that fails its re-measurement is marked so in ``measured`` and dropped. Its
     going can bring others within the noise band of the new best, so the field is drawn
     again (keeping every round run so far) until a re-measurement drops none.
-
-    Returns:
-        The finalists, the failed re-measurements of those dropped, and the rounds run.
     """
     history: dict[Candidate, Finalist] = {}
+    ref = measured.get(ref_cand)
+    ref_ev = trials.evaluations.get(ref_cand)
+    companion = None
+    if ref is not None:  # one object for fp32, whether it runs as a finalist or alongside
+        companion = history[ref_cand] = Finalist(ref_cand, [ref.goodput], _per_sample_times(ref_ev.result) if ref_ev else [])
     dropped: list[Measured] = []
     rounds = 0
+    stop = STOP_OFF
     while True:
         finalists = _finalists(measured, trials.evaluations, user_batch, history)
-        if not remeasure or len(finalists) < 2:
+        if not remeasure or not finalists or companion is None:
             for f in finalists:
-                f.gap = None  # a lone finalist has no rival; a gap from an earlier field is stale
-            return finalists, dropped, rounds
-        finalists, lost, rounds = trials.remeasure(finalists, rounds)
+                f.gap = None  # nothing re-measured: the search's runs decide
+            return _Settled(finalists, dropped, rounds, stop, companion)
+        finalists, lost, rounds, stop = trials.remeasure(finalists, companion, rounds, out_of_time=out_of_time,
+                                                         on_round=on_round)
         for m in lost:
             measured[m.candidate] = m
         dropped += lost
         if not lost:
-            return sorted(finalists, key=lambda f: -f.remeasured_goodput), dropped, rounds
+            if len(finalists) < 2:
+                for f in finalists:
+                    f.gap = None
+            return _Settled(sorted(finalists, key=lambda f: -f.remeasured_goodput), dropped, rounds, stop, companion)
 
 
 def _finalists(
@@ -558,17 +705,60 @@ def _per_sample_times(result: TrialResult) -> list[float]:
     return [t / samples for t in result.step_times[warm:]]
 
 
-def _pick_winner(finalists: list[Finalist], user_batch: int | None) -> tuple[Candidate | None, str]:
+def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int | None) -> list[Finalist]:
+    """Who runs in the next round of re-measurement; nobody once everything is settled.
+
+    The leader and every finalist whose gap to it is not settled; with them (or alone, while
+    its speed-up is unresolved) the finalist that would win now, and fp32 beside it, so that
+    the winner's speed-up rests on rounds both ran. Nobody runs for fp32's own speed-up.
+    """
+    leader = _lead(active)
+    if leader is None:
+        return []
+    rivals = [f for f in active if f.gap is not None and not _settled(leader, f, user_batch)]
+    running = [leader, *rivals] if rivals else []
+    pick, _ = _pick_finalist(active, user_batch)
+    if pick is not None and pick.candidate != companion.candidate and (running or not _paired(pick, companion).resolved):
+        running += [f for f in (pick, companion) if all(f is not r for r in running)]
+    return running
+
+
+def _settled(leader: Finalist, other: Finalist, user_batch: int | None) -> bool:
+    """Whether more rounds could not change who wins between the leader and ``other``.
+
+    Either the gap is resolved (a clear lead, or a lead too small to count), or its interval
+    shows that the riskier of the two cannot be more than the margin faster than the safer,
+    which then wins (as a tie would go).
+    """
+    gap = other.gap
+    if gap is None or gap.resolved:
+        return True
+    lead_key, other_key = preference_key(leader.candidate, user_batch), preference_key(other.candidate, user_batch)
+    if lead_key > other_key:  # the leader is the riskier
+        return gap.a_lead_ruled_out
+    if lead_key < other_key:
+        return gap.b_lead_ruled_out
+    return False
+
+
+def _pick_winner(finalists: list[Finalist], user_batch: int | None, *, stop: str = STOP_OFF) -> tuple[Candidate | None, str]:
     """The fastest finalist, unless a safer one is within the measured noise (ties go to safety).
 
     Re-measured finalists are judged by their gap to the leader: a finalist whose gap is a tie
-    (within the margin that counts) or unresolved after the last round competes with it.
-    Otherwise (no re-measurement) by the step times of the search's runs.
+    (within the margin that counts) or unresolved when re-measurement stopped competes with
+    it. Otherwise (no re-measurement) by the step times of the search's runs.
     """
+    winner, note = _pick_finalist(finalists, user_batch, stop=stop)
+    return (None if winner is None else winner.candidate), note
+
+
+def _pick_finalist(finalists: list[Finalist], user_batch: int | None, *,
+                   stop: str = STOP_OFF) -> tuple[Finalist | None, str]:
+    """``_pick_winner``'s finalist and note."""
     if not finalists:
         return None, ""
     if any(f.gap is not None for f in finalists):
-        return _pick_by_gap(finalists, user_batch)
+        return _pick_by_gap(finalists, user_batch, stop)
     fastest = max(finalists, key=lambda f: f.goodput)
     tied = [fastest]
     for f in finalists:
@@ -582,20 +772,26 @@ def _pick_winner(finalists: list[Finalist], user_batch: int | None) -> tuple[Can
     if winner is not fastest:
         note = (f"{fastest.candidate.label} measured {fastest.goodput / winner.goodput:.2f}x of "
                 f"{winner.candidate.label}, within the noise: the safer {winner.candidate.label} wins the tie")
-    return winner.candidate, note
+    return winner, note
 
 
-def _pick_by_gap(finalists: list[Finalist], user_batch: int | None) -> tuple[Candidate, str]:
+def _pick_by_gap(finalists: list[Finalist], user_batch: int | None, stop: str) -> tuple[Finalist, str]:
     """The safest of the leader and the finalists whose gap to it is not resolved in its favour."""
     leader = next(f for f in finalists if f.gap is None)
     tied = [leader] + [f for f in finalists if f.gap is not None and f.gap.verdict in ("tie", "unresolved")]
     winner = min(tied, key=lambda f: preference_key(f.candidate, user_batch))
     if winner is leader or winner.gap is None:
-        return winner.candidate, ""
+        return winner, ""
     gap = winner.gap
-    why = (f"a lead under the {gap.min_margin:.0%} that counts" if gap.verdict == "tie"
-           else f"not resolved after {gap.pairs} paired runs")
+    if gap.verdict == "tie":
+        why = f"a lead under the {gap.min_margin:.0%} that counts"
+    elif gap.a_lead_ruled_out:
+        why = f"no more than the {gap.min_margin:.0%} that counts"
+    elif stop == STOP_TIME_BUDGET:
+        why = f"not resolved after {gap.pairs} paired runs, when the time budget cut re-measurement short"
+    else:
+        why = f"not resolved after {gap.pairs} paired runs"
     interval = (f"{gap.confidence:.0%} interval {gap.low:.2f}x to {gap.high:.2f}x" if math.isfinite(gap.high)
                 else "no interval yet")
-    return winner.candidate, (f"{leader.candidate.label} measured {gap.ratio:.2f}x of {winner.candidate.label} "
-                              f"({interval}), {why}: the safer {winner.candidate.label} wins the tie")
+    return winner, (f"{leader.candidate.label} measured {gap.ratio:.2f}x of {winner.candidate.label} "
+                    f"({interval}), {why}: the safer {winner.candidate.label} wins the tie")

@@ -47,6 +47,10 @@ from probes import MpadviseError
 STUDY_ATTR_SPACE = "mpadvise:space"
 STUDY_ATTR_REPLICATE = "mpadvise:replicate"  # fp32 under another seed: the verdicts' spread
 STUDY_ATTR_HARDWARE = "mpadvise:hardware"  # the hardware fingerprint every trial of the study ran on
+# The workload fingerprint and model signature of the fp32 reference its verdicts were judged
+# against: a study name covers the script and its arguments, not what the script reads besides
+# (an environment variable, a config file), which can change the model under the same name.
+STUDY_ATTR_WORKLOAD = "mpadvise:workload"
 TRIAL_ATTR_RESULT = "mpadvise:result"
 # The candidate a trial runs, the trial's number and the worker running it; written before the
 # worker looks for rivals, so that of two workers that propose one candidate at once, at least
@@ -311,6 +315,97 @@ def _check_hardware(study: Any, study_name: str, hardware: str | None, *, record
         )
 
 
+def check_study_workload(storage: str | None, study_name: str, workload: Mapping[str, Any], *, resume: bool) -> bool:
+    """Whether a stored study may be continued for this workload; read before anything is reused.
+
+    A study keeps the workload fingerprint and model signature of the fp32 reference its
+    verdicts were judged against. When this tune's fresh reference has others (the script read
+    another environment variable, config file or data), those verdicts and the replicate belong
+    to another workload. A study of this machine (``--resume``) is then not continued: one
+    warning line says what changed, and a fresh study starts. A shared study, which other
+    workers may be in, is refused instead. A resumed study that keeps no workload (stored by
+    an earlier mpadvise) cannot be checked, and starts afresh too.
+
+    Args:
+        storage: the Optuna storage URL; ``None`` (in memory) keeps nothing.
+        study_name: the study's name in it.
+        workload: ``{"workload_fingerprint": ..., "model_signature": ...}`` of this tune's reference.
+        resume: whether the tune was asked to continue a stored study.
+
+    Returns:
+        ``resume``, or ``False`` when the stored study must not be continued.
+
+    Raises:
+        MpadviseError: a shared study of another workload, or the storage cannot be opened.
+    """
+    shared = shared_storage(storage)
+    if storage is None or not (resume or shared):
+        return resume
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    backend, _ = _open(storage)
+    try:
+        with _quiet():
+            study = optuna.load_study(study_name=study_name, storage=backend)
+    except KeyError:  # no such study yet: nothing to continue
+        return resume
+    except Exception as exc:  # an unreachable server, a locked file
+        raise MpadviseError(storage_error(storage, exc)) from None
+    stored = study.user_attrs.get(STUDY_ATTR_WORKLOAD)
+    changed = _workload_change(stored, workload)
+    if shared:
+        if changed:
+            raise MpadviseError(_shared_workload_error(study_name, changed))
+        return resume
+    if changed is None and stored is None:
+        if not study.get_trials(deepcopy=False):
+            return resume
+        changed = "it keeps no workload fingerprint (stored by an earlier mpadvise), so its verdicts cannot be checked"
+    if changed is None:
+        return resume
+    get_logger().warning(f"--resume: study {study_name!r} was measured on another workload ({changed}): its trials "
+                         "and replicate are not reused; a fresh study starts")
+    return False
+
+
+def _workload_change(stored: Any, workload: Mapping[str, Any]) -> str | None:
+    """What differs between a study's stored workload and this one, in words; ``None`` when
+    nothing does, or when the study keeps none."""
+    if not isinstance(stored, dict):
+        return None
+    before, now = stored.get("model_signature"), workload.get("model_signature")
+    if before != now:
+        return f"the model changed: signature {_short(before)} then, {_short(now)} now"
+    before, now = stored.get("workload_fingerprint"), workload.get("workload_fingerprint")
+    if before != now:
+        return (f"the optimizer, global batch or script changed: workload fingerprint {_short(before)} then, "
+                f"{_short(now)} now")
+    return None
+
+
+def _short(fingerprint: Any) -> str:
+    return str(fingerprint)[:12] if fingerprint else "none"
+
+
+def _shared_workload_error(study_name: str, changed: str) -> str:
+    return (f"study {study_name!r} holds trials of another workload ({changed}); every worker of a shared study must "
+            "run the same workload (the same environment, config files and data): fix this worker, or delete the study "
+            f"(optuna delete-study --study-name {study_name} --storage URL)")
+
+
+def _claim_workload(study: Any, study_name: str, workload: Mapping[str, Any] | None, *, shared: bool) -> None:
+    """Record the workload in the study, refusing a stored study of another one."""
+    if workload is None:
+        return
+    changed = _workload_change(study.user_attrs.get(STUDY_ATTR_WORKLOAD), workload)
+    if changed:
+        raise MpadviseError(_shared_workload_error(study_name, changed) if shared else
+                            f"study {study_name!r} holds trials of another workload ({changed}); run without --resume "
+                            "to start a fresh study")
+    study.set_user_attr(STUDY_ATTR_WORKLOAD, dict(workload))
+
+
 def stored_replicate(storage: str | None, study_name: str) -> dict[str, Any] | None:
     """The fp32 replicate kept with a stored study, for ``--resume`` to reuse; ``None`` when
     the study is in memory, does not exist yet, or keeps none.
@@ -410,6 +505,7 @@ def run_search(
     replicate: dict[str, Any] | None = None,
     hardware: str | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    workload: Mapping[str, Any] | None = None,
 ) -> SearchOutcome:
     """Search ``space`` for the fastest stable candidate.
 
@@ -435,6 +531,9 @@ def run_search(
         hardware: the fingerprint of the hardware the trials run on, recorded in the study;
             a study that holds another is refused. ``None`` records and checks nothing.
         sleep: waits while the only candidates left are those other workers are running.
+        workload: the workload fingerprint and model signature of this tune's reference,
+            recorded in the study; a stored study of another workload is refused (see
+            :func:`check_study_workload`, which the tuner asks first). ``None`` records nothing.
 
     Returns:
         Every measured candidate (this worker's and, from the study, the others'), and why the
@@ -442,7 +541,7 @@ def run_search(
 
     Raises:
         MpadviseError: the storage cannot be opened or is lost, or the study was made for other
-            hardware or another space.
+            hardware, another workload or another space.
     """
     import sqlalchemy.exc
 
@@ -458,6 +557,7 @@ def run_search(
             _enqueue_first(study, space, first)
         _check_hardware(study, study_name, hardware, record=True)
         _claim_space(study, space, study_name, shared=shared_storage(options.storage))
+        _claim_workload(study, study_name, workload, shared=shared_storage(options.storage))
         if replicate is not None:
             study.set_user_attr(STUDY_ATTR_REPLICATE, replicate)
         if not made and not shared_storage(options.storage):  # a resumed study of this machine

@@ -409,6 +409,9 @@ def evaluate(
     ``replicate`` (fp32 with perturbed initial parameters) widens the stability limits to its spread.
     """
     thresholds = thresholds or StabilityThresholds()
+    summed = None if reference is None else summed_loss_split(result, reference)
+    if summed is not None:
+        result = result.with_outcome("unsupported", summed)
     if result.outcome != "ok" or not result.step_times:
         if result.outcome == "ok":  # ran, but the script ended before one full step was timed
             result = result.with_outcome("no-step", "the script ended before a step could be timed")
@@ -428,6 +431,30 @@ def evaluate(
         # without sample counts, fall back to the step-time ratio.
         speedup = good / ref_good if good is not None and ref_good else comparison.ratio
     return Evaluation(label, policy, result, verdict, timing, good, speedup, speed_verdict, gap)
+
+
+def summed_loss_split(result: TrialResult, reference: TrialResult) -> str | None:
+    """Why a split candidate cannot keep the script's optimisation when its loss is summed over
+    the batch, or ``None``.
+
+    ``step()`` divides each micro-batch's loss by the accumulation count, which keeps a mean-
+    reduced loss's gradient. A loss summed over the batch is already smaller per micro-batch,
+    and divided again its gradient shrinks by that count: the split trains at another learning
+    rate. Both trials start from the same weights on the same data, so the first step shows it:
+    a summed loss's micro-batches average to fp32's first loss divided by the count.
+    """
+    accum = result.grad_accum_steps or 1
+    if accum < 2 or (reference.grad_accum_steps or 1) != 1 or not result.losses or not reference.losses:
+        return None
+    first, ref_first = result.losses[0], reference.losses[0]
+    if not (math.isfinite(first) and math.isfinite(ref_first) and first > 0 and ref_first > 0):
+        return None
+    ratio = ref_first / first
+    if abs(ratio / accum - 1.0) > 0.2:
+        return None
+    return (f"the script's loss is summed over the batch, not averaged: split into {accum} micro-batches its first "
+            f"loss is {first:.4g} against fp32's {ref_first:.4g} on the whole batch ({ratio:.1f}x), so accumulating "
+            f"would shrink the gradient {accum}x; use reduction='mean' to let a tune split the batch")
 
 
 def _warmup(result: TrialResult) -> int:

@@ -355,3 +355,19 @@ def test_spread_line_says_what_the_replicate_measured_and_allowed() -> None:
     failed_line = spread_line(reference.to_dict(), failed.to_dict())
     assert "not measured" in failed_line and "the fixed limits apply" in failed_line
     assert spread_line(reference.to_dict(), None) == ""
+
+
+# --- a split of a summed loss -------------------------------------------------------------------
+
+
+def test_a_split_of_a_loss_summed_over_the_batch_is_not_judged_against_fp32() -> None:
+    from advisor.tune._trials import evaluate
+
+    losses = [64.0 - 0.1 * i for i in range(STEPS)]
+    reference = _result(Policy(mode="fp32"), "fp32", losses)
+    split = dataclasses.replace(_result(Policy(mode="fp32", micro_batch_size=16), "fp32 mb16",
+                                        [v / 4 for v in losses]), grad_accum_steps=4, micro_batch=16)
+    ev = evaluate("fp32 mb16", Policy(mode="fp32", micro_batch_size=16), split, reference)
+    assert ev.outcome == "unsupported" and "summed over the batch" in ev.reason and not ev.stable
+    averaged = dataclasses.replace(split, losses=tuple(losses))  # a mean-reduced loss: the same first loss
+    assert evaluate("fp32 mb16", Policy(mode="fp32", micro_batch_size=16), averaged, reference).stable
