@@ -38,7 +38,10 @@ class Resolution:
     source: str
     mismatch: HardwareMismatch | None = None
     from_cache: bool = False
-    """Whether ``policy`` is a cached answer, which applies only to the workload it was tuned on."""
+    """Whether ``policy`` is a cached answer."""
+    match_workload: bool = False
+    """Whether ``policy`` is a tune's answer (a cached one, or the config file a tune wrote beside
+    the script), which applies only to the whole workload it was tuned on."""
 
     @property
     def fallback_reason(self) -> str | None:
@@ -59,11 +62,20 @@ def resolve_policy(
     Order: an explicit ``source``; ``MPADVISE_POLICY``; ``<script>.mpadvise.toml`` beside the
     script; ``cached`` (a callable ``(profile, script) -> (Policy, label) | None``); the
     hardware's safe default. A tuned policy from other hardware or versions falls back to the
-    safe default with a warning. A cached answer is marked ``from_cache``: the workload is not
-    known yet, and ``AppliedPolicy.setup()`` applies it only to the workload it was tuned on.
+    safe default with a warning.
+
+    The workload is not known yet, so a tune's answer is marked ``match_workload`` and
+    ``AppliedPolicy.setup()`` applies it only to the whole workload it was tuned on (model,
+    optimizer and its settings, global batch, script content and arguments): a cached answer,
+    and the config file beside the script when it carries a workload fingerprint, which
+    ``mpadvise tune`` always writes there. A config file beside the script without one was
+    written by a person and is applied as written. A config file the user names (``source`` or
+    ``MPADVISE_POLICY``) is checked against the model's structure only: naming it is the
+    user's decision to apply it to this run, such as a policy tuned on a short run of the same
+    model applied to the long run with other arguments.
     """
     candidate: tuple[Policy, str] | None = None
-    from_cache = False
+    from_cache = match_workload = False
     if source is not None:
         if isinstance(source, Policy):
             return Resolution(_check_supported(source, profile, "the Policy passed to load_policy"), "the Policy passed to load_policy()")
@@ -79,21 +91,29 @@ def resolve_policy(
     elif script is not None and _paths.config_path_for(script).is_file():
         path = _paths.config_path_for(script)
         candidate = (load_config(path), f"config file {path}")
+        match_workload = written_by_a_tune(candidate[0])
     elif cached is not None:
         candidate = cached(profile, script)
-        from_cache = candidate is not None
+        from_cache = match_workload = candidate is not None
     if candidate is None:
         return Resolution(safe_default(profile), f"safe default for {profile.name}")
     policy, label = candidate
     mismatch = hardware_mismatch(policy, profile)
     if mismatch is None:
-        return Resolution(_check_supported(policy, profile, label), label, from_cache=from_cache)
+        return Resolution(
+            _check_supported(policy, profile, label), label, from_cache=from_cache, match_workload=match_workload
+        )
     default = safe_default(profile)
     get_logger().warning(
         f"not applying the policy from {label}: {mismatch.reason()}; using the safe default "
         f"{default.mode} for {profile.name}; run `mpadvise tune` again on this machine"
     )
     return Resolution(default, f"safe default for {profile.name}", mismatch=mismatch)
+
+
+def written_by_a_tune(policy: Policy) -> bool:
+    """Whether ``policy`` is a tune's answer: its ``[tuned_on]`` names the workload it was measured on."""
+    return policy.tuned_on is not None and bool(policy.tuned_on.workload_fingerprint)
 
 
 def _check_supported(policy: Policy, profile: HardwareProfile, label: str) -> Policy:
@@ -138,7 +158,7 @@ def load_policy(
     profile = probes.profile_for(device)
     resolution = resolve_policy(source, profile=profile, script=_paths.current_script(), cached=lookup)
     applied = AppliedPolicy(
-        resolution.policy, profile=profile, source=resolution.source, device=device, match_workload=resolution.from_cache
+        resolution.policy, profile=profile, source=resolution.source, device=device, match_workload=resolution.match_workload
     )
     get_logger().info(f"policy {resolution.policy.describe()} on {applied.device} (from {resolution.source})")
     return applied

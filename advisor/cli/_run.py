@@ -31,13 +31,14 @@ def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile)
     """The policy ``mpadvise run`` applies: ``--config``, ``MPADVISE_POLICY``, the config beside
     the script, the cache, the safe default (the order ``load_policy()`` follows).
 
-    The workload check that ``setup()`` makes for a cached answer cannot run before a
-    framework builds the model, so here a cached answer applies only while the script is the
-    one that was tuned (same content); otherwise the safe default applies, with a warning.
+    The workload check that ``setup()`` makes for a tune's answer (cached, or the config file a
+    tune wrote beside the script) cannot run before a framework builds the model, so here such
+    an answer applies only while the script is the one that was tuned (same content);
+    otherwise the safe default applies, with a warning.
     """
     resolution = resolve_policy(config, profile=profile, script=script, environ=os.environ, cached=lookup)
     tuned = resolution.policy.tuned_on
-    if resolution.from_cache and tuned is not None and tuned.script_digest not in (None, script_digest(script)):
+    if resolution.match_workload and tuned is not None and tuned.script_digest not in (None, script_digest(script)):
         default = safe_default(profile)
         get_logger().warning(
             f"not applying the policy from {resolution.source}: {script.name} was edited since it was tuned; "

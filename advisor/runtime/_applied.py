@@ -53,8 +53,9 @@ class AppliedPolicy:
 
     A tuned policy is checked against the workload it was tuned on once the workload is known:
     ``setup()`` knows the model, the optimizer and the script, ``micro_batch_size()`` the
-    global batch. A cached answer must match all of it; a config file the model's structure.
-    A miss switches to the hardware's safe default with one warning that names what changed;
+    global batch. A tune's answer (a cached one, or the config file a tune wrote beside the
+    script) must match all of it; a config file the user named, or one written by hand, the
+    model's structure. A miss switches to the hardware's safe default with one warning that names what changed;
     the global batch stays what ``micro_batch_size()`` answered.
 
     Attributes:
@@ -83,7 +84,8 @@ class AppliedPolicy:
             device: overrides ``profile.device``.
             observer: receives what ``step()`` does (the trial recorder).
             match_workload: apply a tuned policy only to the whole workload it was tuned on
-                (a cached answer); otherwise only the model's structure is checked.
+                (a tune's answer: cached, or the config file beside the script); otherwise
+                only the model's structure is checked.
         """
         import torch
 

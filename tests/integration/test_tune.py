@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from policies import load_config
+from advisor.cli._report import render_tune
+from policies import Policy, load_config
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -27,8 +31,8 @@ def test_cli_tune_writes_config_caches_and_reports(tiny_script, isolated_home, c
     result = json.loads(proc.stdout)
     assert result["trials_run"] == 2
     assert result["user_batch"] == 32
-    # fp32 ran once more under another seed; its spread is in the reference's verdict.
-    assert result["replicate"]["seed"] == 1 and result["replicate"]["steps"] == 34
+    # fp32 ran once more, same seed, its initial weights perturbed; its drift is in the reference's verdict.
+    assert result["replicate"]["seed"] == 0 and result["replicate"]["steps"] == 34
     assert not result["replicate"]["reused"] and not result["replicate"]["note"]
     assert "final_gap_limit" in result["reference"]["verdict"]["metrics"]
     labels = {c["label"] for c in result["candidates"]}
@@ -49,13 +53,36 @@ def test_cli_tune_writes_config_caches_and_reports(tiny_script, isolated_home, c
     entries = json.loads(show.stdout)
     assert "train.py" in json.dumps(entries)
 
-    # The script now runs the tuned policy with plain python: the config beside it is found.
+    # One speed-up figure for the winner: printed (--json and the report rendered from it),
+    # written (the config file) and cached are the same number, with the same interval.
+    figure = result["speedup_vs_fp32"]
+    assert figure is not None and figure == result["speedup"]["ratio"] == winner[0]["speedup_vs_fp32"]
+    assert winner[0]["speedup_basis"] == result["speedup"]["basis"]
+    tuned = policy.tuned_on
+    assert (tuned.speedup_vs_fp32, tuned.speedup_low, tuned.speedup_high, tuned.speedup_basis) == (
+        figure, result["speedup"]["low"], result["speedup"]["high"], result["speedup"]["basis"])
+    cached = [e for e in _dicts(entries) if e.get("id") == result["cache_id"] and "speedup_vs_fp32" in e]
+    assert cached and all(e["speedup_vs_fp32"] == figure for e in cached)
+    assert all(Policy.from_dict(e["policy"]).tuned_on.speedup_vs_fp32 == figure for e in cached)
+    console = Console(record=True, width=300, file=io.StringIO())
+    render_tune(result, console)
+    text = console.export_text()
+    assert f", {figure:.2f}x fp32 goodput ({result['speedup']['basis']}" in text
+    # The script calls load_policy() already: it is not told to add it.
+    assert result["calls_load_policy"] and "add to the script" not in text
+
+    # The script now runs the tuned policy with plain python: the config beside it is found,
+    # and applies to the workload it was tuned on (the same arguments) only.
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, str(tiny_script), "5"], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, str(tiny_script), "60"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert f"from config file {config}" in run.stderr
+    assert f"from config file {config}" in run.stderr and "changed since tuning" not in run.stderr
+    other = subprocess.run([sys.executable, str(tiny_script), "5"], capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr
+    misses = [line for line in other.stderr.splitlines() if "changed since tuning" in line]
+    assert len(misses) == 1 and "arguments: 5)" in misses[0] and f"from config file {config}" in misses[0]
 
 
 def test_cli_tune_resume_continues_the_study(tiny_script, isolated_home, cli):
@@ -72,6 +99,42 @@ def test_cli_tune_resume_continues_the_study(tiny_script, isolated_home, cli):
     assert after["reused"] and not before["reused"]
     metrics = json.loads(first.stdout)["reference"]["verdict"]["metrics"]
     assert data["reference"]["verdict"]["metrics"]["replicate_end"] == metrics["replicate_end"]
+
+
+def _dicts(value):
+    """Every dict inside a JSON value, itself included."""
+    if isinstance(value, dict):
+        yield value
+        for item in value.values():
+            yield from _dicts(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _dicts(item)
+
+
+def test_cli_tune_resume_starts_afresh_when_the_workload_changed_outside_the_script(tmp_path, isolated_home, cli):
+    # Same script, same arguments (so the same study), but an environment variable changes the
+    # model: --resume must not take the old verdicts and stamp the new model's fingerprint on them.
+    script = tmp_path / "train.py"
+    source = (SCRIPTS / "tiny_ok.py").read_text()
+    layers = "nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)"
+    assert layers in source
+    script.write_text("import os\n" + source.replace(
+        layers, "nn.Linear(32, int(os.environ['TINY_WIDTH'])), nn.ReLU(), nn.Linear(int(os.environ['TINY_WIDTH']), 4)"))
+    common = ["--trials", "1", "--steps", "32", "--warmup", "2", "--no-priors", "-m", "bf16-mixed", "--no-cache",
+              "--json", "--", "50"]
+    env = dict(os.environ)
+    first = cli("tune", str(script), *common, env={**env, "TINY_WIDTH": "64"})
+    assert first.returncode == 0, first.stderr
+    second = cli("tune", str(script), "--resume", *common, env={**env, "TINY_WIDTH": "48"})
+    assert second.returncode == 0, second.stderr
+    before, after = json.loads(first.stdout), json.loads(second.stdout)
+    assert after["trials_resumed"] == 0 and after["trials_run"] == 1
+    assert not after["replicate"]["reused"]
+    warned = [ln for ln in second.stderr.splitlines() if "--resume: " in ln]
+    assert len(warned) == 1 and "the model changed" in warned[0] and "a fresh study starts" in warned[0], second.stderr
+    signature = load_config(script.with_name("train.mpadvise.toml")).tuned_on.model_signature
+    assert signature == after["winner"]["tuned_on"]["model_signature"] != before["winner"]["tuned_on"]["model_signature"]
 
 
 @pytest.mark.parametrize(

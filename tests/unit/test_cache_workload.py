@@ -211,16 +211,18 @@ def test_another_global_batch_after_a_conversion_keeps_the_mode_and_the_batch(
     assert "global batch 64 -> 128" in warnings[0] and "keeping bf16-true" in warnings[0]
 
 
-def test_a_config_file_checks_the_model_only(script: Path, warnings: list[str]) -> None:
-    # A file beside the script is the user's explicit choice: editing the script keeps it.
+def test_the_config_file_a_tune_wrote_checks_the_whole_workload(script: Path, warnings: list[str]) -> None:
+    # `mpadvise tune` writes the cached policy beside the script too; it is read first, and
+    # carries the workload fingerprint: an edited learning rate misses there as in the cache.
     _tune(script, _tuned_mode())
     with _cache.Store() as store:
         (row,) = store.find_recommendations()
-    Policy.from_dict(row["policy"]).save(_paths.config_path_for(script))
+    config = Policy.from_dict(row["policy"]).save(_paths.config_path_for(script))
     script.write_text(SCRIPT_TEXT.format(lr="1e-3"))
     mp = advisor.load_policy(device="cpu")
     _train(mp, lr=1e-3, batch=64)
-    assert mp.mode == _tuned_mode() and warnings == []
+    assert mp.mode == _safe_default()
+    assert len(warnings) == 1 and "now AdamW(lr=0.001, " in warnings[0] and f"from config file {config}" in warnings[0]
 
 
 # -- the hardware -------------------------------------------------------------------------------

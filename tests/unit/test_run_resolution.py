@@ -62,3 +62,20 @@ def test_an_edited_script_gets_the_safe_default_with_a_warning(script, monkeypat
         logger.removeHandler(lines)
     assert resolution.source.startswith("safe default")
     assert any("train.py was edited since it was tuned" in line for line in lines.lines)
+
+
+def test_the_config_file_a_tune_wrote_is_checked_like_the_cache(script, monkeypatch):
+    # `mpadvise tune` writes its answer beside the script as well, where run finds it first.
+    profile = probes.profile_for("cpu")
+    tuned = Policy(mode="bf16-mixed", tuned_on=TunedOn(hardware_fingerprint=probes.hardware_fingerprint(profile),
+                                                       torch=profile.torch_version, workload_fingerprint="0123456789abcdef",
+                                                       script_digest=script_digest(script)))
+    tuned.save(script.with_name("train.mpadvise.toml"))
+    monkeypatch.setattr(_run, "lookup", lambda profile, script: None)
+    monkeypatch.delenv("MPADVISE_POLICY", raising=False)
+    assert _run.resolve_for_run(script, None, profile).policy.mode == "bf16-mixed"
+    script.write_text("from transformers import Trainer  # edited\n")
+    assert _run.resolve_for_run(script, None, profile).source.startswith("safe default")
+    # A file written by hand (no workload fingerprint) is applied as written.
+    Policy(mode="bf16-mixed").save(script.with_name("train.mpadvise.toml"))
+    assert _run.resolve_for_run(script, None, profile).policy.mode == "bf16-mixed"
