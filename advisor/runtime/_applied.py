@@ -110,7 +110,9 @@ class AppliedPolicy:
         self.skipped_steps = 0
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.last_batch_size: int | None = None
+        # Leading dimensions of what reached to_device() since the last step(): the batch the
+        # current micro-step uses, for goodput (micro_step_samples).
+        self._seen_batches: list[int] = []
         self.model_signature: str | None = None
         self.fsdp = False
         """Whether the script asked for FSDP2's mixed precision (``fsdp_mixed_precision()``)."""
@@ -337,8 +339,15 @@ class AppliedPolicy:
         moved = tuple(self._move(t) for t in tensors)
         size = _leading_dim(tensors)
         if size is not None:
-            self.last_batch_size = size  # samples per micro-batch, for throughput
+            self._seen_batches.append(size)
         return moved[0] if len(moved) == 1 else moved
+
+    @property
+    def micro_step_samples(self) -> int | None:
+        """Samples the current micro-step trains on, for goodput (see ``step_samples``)."""
+        if self._split is None:
+            return step_samples(self._seen_batches, asked=None, micro=None)
+        return step_samples(self._seen_batches, asked=self._user_batch, micro=self._split.micro)
 
     def _move(self, value: Any) -> Any:
         import torch
@@ -368,6 +377,12 @@ class AppliedPolicy:
             True when an optimizer step was really taken; False on accumulation micro-steps and
             when the loss scaler skipped the step because gradients overflowed.
         """
+        try:
+            return self._step(loss, optimizer)
+        finally:
+            self._seen_batches.clear()  # the next micro-step's batch is what reaches to_device next
+
+    def _step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> bool:
         import torch
 
         observer = self._observer
@@ -651,6 +666,29 @@ def _script_path() -> str | None:
 def _script_args() -> tuple[str, ...]:
     """The running script's command-line arguments (none in a REPL or notebook)."""
     return tuple(sys.argv[1:]) if _paths.current_script() is not None else ()
+
+
+def step_samples(seen: list[int], *, asked: int | None, micro: int | None) -> int | None:
+    """How many samples one micro-step trained on, from the batches that reached ``to_device``.
+
+    A script may move its whole dataset to the device once and index batches there, or move
+    each batch; only the second shows the step's batch to ``to_device``. So a leading dimension
+    counts when it is at most the batch the script asked for (``micro_batch_size``'s argument,
+    or the micro-batch handed out when that is larger): a larger one is a dataset, not a
+    batch. Without one, the step used the micro-batch the policy handed out.
+
+    Args:
+        seen: leading dimensions of the tensors given to ``to_device`` since the last step.
+        asked: the batch the script asked for, or ``None`` before ``micro_batch_size()``.
+        micro: the micro-batch handed out, or ``None`` before ``micro_batch_size()``.
+
+    Returns:
+        The largest batch seen that fits, else ``micro``; ``None`` when neither is known
+        (``micro_batch_size()`` never called, nothing moved since the last step).
+    """
+    limit = None if asked is None else max(asked, micro or 0)
+    batches = [size for size in seen if limit is None or size <= limit]
+    return max(batches) if batches else micro
 
 
 def _leading_dim(values: Any) -> int | None:

@@ -389,7 +389,7 @@ class TrialRecorder(StepObserver, StepWindow):
         # CUDA graph's output memory, which the next replay overwrites (or frees, so that
         # reading it raises). The copy is one scalar kernel, queued without a host sync.
         self._micro_losses.append(loss.detach().clone())
-        self._micro_samples += applied.last_batch_size or 0
+        self._micro_samples += applied.micro_step_samples or 0
         if not optimizer_step:
             return
         micro = self._micro_losses
