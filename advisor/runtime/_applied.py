@@ -98,6 +98,7 @@ class AppliedPolicy:
         self._observer = observer
         self._match_workload = match_workload
         self._user_batch: int | None = None
+        self._other_batches: set[int] = set()  # later micro_batch_size() arguments (evaluation)
         self._split: BatchSplit | None = None
         self._workload: Workload | None = None
         # Whether setup()'s conversion changed the model (dtypes or modules): after it, the
@@ -135,6 +136,11 @@ class AppliedPolicy:
     def micro_batch_size(self, default: int) -> int:
         """The batch size a DataLoader should use.
 
+        The first call sets the training batch, the one ``step()`` trains on and the policy
+        splits. A later call with another batch (an evaluation loader) gets its ``default``
+        back unchanged: evaluation takes no optimizer step, so it has nothing to accumulate,
+        and a tuned answer is judged on the training batch alone.
+
         Args:
             default: the script's own batch size, i.e. its global batch. With a policy that
                 splits it (micro-batch 64 of a global 256), ``step()`` accumulates 256 // 64
@@ -143,10 +149,13 @@ class AppliedPolicy:
                 a hand-written one with ``grad_accum_steps`` takes the accumulation it states.
 
         Returns:
-            The micro-batch size; ``default`` when the policy sets none.
+            The micro-batch size; ``default`` when the policy sets none, and on a later call
+            with another batch.
         """
         if isinstance(default, bool) or not isinstance(default, int) or default <= 0:
             raise MpadviseError(f"micro_batch_size(default): {default!r} is not a batch size; expected a positive integer")
+        if self._split is not None and self._user_batch is not None:
+            return self._later_batch(default, self._split)
         self._user_batch = default
         mismatch = self._batch_mismatch(default)
         if mismatch is not None and not self._converted:
@@ -166,6 +175,20 @@ class AppliedPolicy:
             log = get_logger().warning if self._split.warning else get_logger().info
             log(self._split.note)
         return self._split.micro
+
+    def _later_batch(self, default: int, split: BatchSplit) -> int:
+        """``micro_batch_size(default)`` after the first call: the training batch's micro-batch
+        again, or ``default`` unchanged for another loader (with one line, once per batch)."""
+        if default == self._user_batch:
+            return split.micro
+        if default not in self._other_batches:
+            self._other_batches.add(default)
+            get_logger().info(
+                f"micro_batch_size({default}) after micro_batch_size({self._user_batch}): the first call set the "
+                f"training batch ({split.describe()}); {default} is returned unchanged, as for an "
+                "evaluation loader"
+            )
+        return default
 
     @property
     def grad_accum_steps(self) -> int:
