@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import probes
 from advisor import _paths
 from advisor._log import get_logger
-from advisor.cache._recommend import lookup
+from advisor.cache._recommend import TunedAnswer, cached_answers
 from advisor.runtime._applied import AppliedPolicy
 from advisor.tune._child import applied_for_trial, spec_from_env
 from policies import (
@@ -42,6 +43,9 @@ class Resolution:
     match_workload: bool = False
     """Whether ``policy`` is a tune's answer (a cached one, or the config file a tune wrote beside
     the script), which applies only to the whole workload it was tuned on."""
+    alternatives: tuple[TunedAnswer, ...] = ()
+    """The other tunes' answers for this script and hardware, in order: ``setup()`` applies the
+    first one tuned on this run's workload when ``policy`` was tuned on another."""
 
     @property
     def fallback_reason(self) -> str | None:
@@ -55,14 +59,20 @@ def resolve_policy(
     profile: HardwareProfile,
     script: Path | None,
     environ: dict[str, str] | os._Environ[str] = os.environ,
-    cached: Any = None,
+    cached: Callable[[HardwareProfile, Path | None], tuple[Policy, str] | Sequence[TunedAnswer] | None] | None = None,
 ) -> Resolution:
     """Decide which policy applies, in the documented order.
 
     Order: an explicit ``source``; ``MPADVISE_POLICY``; ``<script>.mpadvise.toml`` beside the
-    script; ``cached`` (a callable ``(profile, script) -> (Policy, label) | None``); the
-    hardware's safe default. A tuned policy from other hardware or versions falls back to the
-    safe default with a warning.
+    script; ``cached`` (a callable ``(profile, script)`` returning the cached answers newest
+    first, as ``cached_answers`` does, or one ``(Policy, label)``, or ``None``); the hardware's
+    safe default. A tuned policy from other hardware or versions falls back to the safe default
+    with a warning.
+
+    A script may have been tuned on several workloads (other arguments, another learning
+    rate): the cache keeps one answer for each, the config file beside the script the latest
+    tune's. All of them are kept, in order (the config file first), so that ``setup()`` can
+    apply the one tuned on this run's workload.
 
     The workload is not known yet, so a tune's answer is marked ``match_workload`` and
     ``AppliedPolicy.setup()`` applies it only to the whole workload it was tuned on (model,
@@ -75,7 +85,6 @@ def resolve_policy(
     model applied to the long run with other arguments.
     """
     candidate: tuple[Policy, str] | None = None
-    from_cache = match_workload = False
     if source is not None:
         if isinstance(source, Policy):
             return Resolution(_check_supported(source, profile, "the Policy passed to load_policy"), "the Policy passed to load_policy()")
@@ -90,19 +99,61 @@ def resolve_policy(
         candidate = (load_config(path), f"{POLICY_ENV}={path}")
     elif script is not None and _paths.config_path_for(script).is_file():
         path = _paths.config_path_for(script)
-        candidate = (load_config(path), f"config file {path}")
-        match_workload = written_by_a_tune(candidate[0])
-    elif cached is not None:
-        candidate = cached(profile, script)
-        from_cache = match_workload = candidate is not None
+        config = TunedAnswer(load_config(path), f"config file {path}")
+        if not written_by_a_tune(config.policy):
+            candidate = (config.policy, config.label)
+        else:
+            # The cache holds this tune's answer too, and those of the script's other workloads.
+            others = [a for a in _answers(cached, profile, script) if _workload_of(a.policy) != _workload_of(config.policy)]
+            return _tuned_resolution([config, *others], profile, config=config)
+    else:
+        answers = _answers(cached, profile, script)
+        if answers:
+            return _tuned_resolution(answers, profile, config=None)
     if candidate is None:
         return Resolution(safe_default(profile), f"safe default for {profile.name}")
     policy, label = candidate
     mismatch = hardware_mismatch(policy, profile)
     if mismatch is None:
-        return Resolution(
-            _check_supported(policy, profile, label), label, from_cache=from_cache, match_workload=match_workload
+        return Resolution(_check_supported(policy, profile, label), label)
+    return _other_hardware(label, mismatch, profile)
+
+
+def _answers(
+    cached: Callable[[HardwareProfile, Path | None], tuple[Policy, str] | Sequence[TunedAnswer] | None] | None,
+    profile: HardwareProfile,
+    script: Path | None,
+) -> list[TunedAnswer]:
+    """What ``cached`` found, as answers."""
+    found = None if cached is None else cached(profile, script)
+    if found is None:
+        return []
+    if isinstance(found, tuple) and len(found) == 2 and isinstance(found[0], Policy):
+        return [TunedAnswer(found[0], found[1])]
+    return list(found)  # type: ignore[arg-type]
+
+
+def _tuned_resolution(answers: list[TunedAnswer], profile: HardwareProfile, *, config: TunedAnswer | None) -> Resolution:
+    """The first of the tunes' answers that may apply on this hardware, the others kept for
+    ``setup()``; ``config`` is the config file's among them, if any."""
+    first = answers[0]
+    mismatch = hardware_mismatch(first.policy, profile)
+    here = [answer for answer in answers if hardware_mismatch(answer.policy, profile) is None]
+    if mismatch is not None:
+        if not here:
+            return _other_hardware(first.label, mismatch, profile)
+        get_logger().warning(
+            f"not applying the policy from {first.label}: {mismatch.reason()}; run `mpadvise tune` again on this machine"
         )
+    chosen, *rest = here
+    return Resolution(
+        _check_supported(chosen.policy, profile, chosen.label), chosen.label,
+        from_cache=chosen is not config, match_workload=True, alternatives=tuple(rest),
+    )
+
+
+def _other_hardware(label: str, mismatch: HardwareMismatch, profile: HardwareProfile) -> Resolution:
+    """The safe default in place of a policy tuned on other hardware or versions, with a warning."""
     default = safe_default(profile)
     get_logger().warning(
         f"not applying the policy from {label}: {mismatch.reason()}; using the safe default "
@@ -113,7 +164,11 @@ def resolve_policy(
 
 def written_by_a_tune(policy: Policy) -> bool:
     """Whether ``policy`` is a tune's answer: its ``[tuned_on]`` names the workload it was measured on."""
-    return policy.tuned_on is not None and bool(policy.tuned_on.workload_fingerprint)
+    return bool(_workload_of(policy))
+
+
+def _workload_of(policy: Policy) -> str | None:
+    return None if policy.tuned_on is None else policy.tuned_on.workload_fingerprint
 
 
 def _check_supported(policy: Policy, profile: HardwareProfile, label: str) -> Policy:
@@ -156,9 +211,11 @@ def load_policy(
         get_logger().info(f"trial {spec.label or applied.policy.describe()} on {applied.device}")
         return applied
     profile = probes.profile_for(device)
-    resolution = resolve_policy(source, profile=profile, script=_paths.current_script(), cached=lookup)
+    resolution = resolve_policy(source, profile=profile, script=_paths.current_script(), cached=cached_answers)
     applied = AppliedPolicy(
-        resolution.policy, profile=profile, source=resolution.source, device=device, match_workload=resolution.match_workload
+        resolution.policy, profile=profile, source=resolution.source, device=device,
+        match_workload=resolution.match_workload,
+        alternatives=[(answer.policy, answer.label) for answer in resolution.alternatives],
     )
     get_logger().info(f"policy {resolution.policy.describe()} on {applied.device} (from {resolution.source})")
     return applied

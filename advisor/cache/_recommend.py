@@ -6,12 +6,14 @@ this machine and this script:
 * :func:`record_tune` stores the hardware profile and the winning policy with its trials. The
   stored policy carries a complete ``[tuned_on]`` record (hardware fingerprint, versions, model
   signature...), so every later check can be made from the policy alone.
-* :func:`lookup` is what ``load_policy()`` consults in a plain run: the newest entry for this
-  hardware fingerprint and this script, by its exact path. The hardware fingerprint covers the
-  device model, compute capability and the torch and CUDA release lines, so an entry tuned
-  under anything else simply misses; an FP8 answer also needs its FP8 library at the version
-  it was tuned with (``policies.hardware_mismatch``). Whether the *workload* (model,
-  optimizer, global batch, script content and arguments) still matches is checked later, in
+* :func:`cached_answers` is what ``load_policy()`` consults in a plain run: every entry for
+  this hardware fingerprint and this script, by its exact path, newest first (:func:`lookup`
+  gives the newest alone). The hardware fingerprint covers the device model, compute
+  capability and the torch and CUDA release lines, so an entry tuned under anything else
+  simply misses; an FP8 answer also needs its FP8 library at the version it was tuned with
+  (``policies.hardware_mismatch``). One script has one entry per workload it was tuned on
+  (other arguments, another learning rate...); which of them matches this run's *workload*
+  (model, optimizer, global batch, script content and arguments) is decided later, in
   ``AppliedPolicy.setup()`` and ``micro_batch_size()``, where it is known.
 * :func:`stale_entries` and :func:`entry_status` say, for ``mpadvise show``, which entries do
   not apply here and why.
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EntryStatus",
+    "TunedAnswer",
+    "cached_answers",
     "entry_label",
     "entry_status",
     "lookup",
@@ -214,37 +218,52 @@ def _tuned_on(
     )
 
 
-def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> tuple[Policy, str] | None:
-    """The cached policy for this hardware and script, for ``load_policy()``.
+@dataclass(frozen=True)
+class TunedAnswer:
+    """A tune's answer for this script: the policy and where it came from.
 
-    The newest entry with this hardware fingerprint whose script is this very file (by its
-    resolved path) wins. A script of the same name elsewhere is another workload, and misses:
-    its code, data and arguments may differ. ``AppliedPolicy`` then checks that the workload is
-    the one that was tuned.
+    Attributes:
+        policy: the tuned policy, with its ``[tuned_on]`` record.
+        label: where it came from, for log lines (``"cache entry #7 (tuned 2025-03-01)"``,
+            ``"config file /path/train.mpadvise.toml"``).
+    """
 
-    A cache that does not exist yet is not created and costs no warning; one that cannot be
-    used (damaged beyond repair, locked, unreadable directory) costs one warning.
+    policy: Policy
+    label: str
+
+
+def cached_answers(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> list[TunedAnswer]:
+    """Every cached answer for this hardware and script, newest first, for ``load_policy()``.
+
+    The entries with this hardware fingerprint whose script is this very file (by its resolved
+    path). A script of the same name elsewhere is another workload, and misses: its code, data
+    and arguments may differ. One script may have several entries, one per workload it was
+    tuned on; ``AppliedPolicy`` applies the one whose workload is this run's.
+
+    An entry that cannot be read, or whose mode no longer runs here, is skipped with one
+    warning. A cache that does not exist yet is not created and costs no warning; one that
+    cannot be used (damaged beyond repair, locked, unreadable directory) costs one warning.
 
     Args:
         profile: the hardware this run trains on.
         script: the running script's path, or ``None`` (notebook, REPL: nothing to match).
 
     Returns:
-        ``(policy, "cache entry #ID (tuned DATE)")``, or ``None`` on a miss or any cache
+        The answers, labelled ``"cache entry #ID (tuned DATE)"``; empty on a miss or any cache
         trouble.
     """
     if script is None:
-        return None
+        return []
     from advisor.cache._store import open_store
 
     path = database_path()
     if nothing_cached_yet(path):
         # Opening would create the directory and the database file for a lookup that cannot
         # hit; a plain training run should leave no files behind.
-        return None
+        return []
     store = open_store(path)
     if store is None:
-        return None
+        return []
     script_path = str(Path(script).resolve())
     try:
         with store:
@@ -253,10 +272,17 @@ def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> t
     except (MpadviseError, OSError, ValueError) as exc:
         # ValueError: a row whose JSON was damaged by hand. A cache must never stop training.
         get_logger().warning(f"cache lookup in {path} failed: {exc}; continuing without the cache")
-        return None
-    if not rows:
-        return None
-    row = rows[0]
+        return []
+    answers = []
+    for row in rows:
+        answer = _answer(row, profile, path)
+        if answer is not None:
+            answers.append(answer)
+    return answers
+
+
+def _answer(row: dict[str, Any], profile: HardwareProfile, path: Path) -> TunedAnswer | None:
+    """The answer a cache row holds, or ``None`` (with a warning) when it cannot apply here."""
     try:
         policy = policy_of(row)
     except PolicyError as exc:
@@ -275,7 +301,22 @@ def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> t
             f"({why}); run `mpadvise tune` again"
         )
         return None
-    return policy, entry_label(row)
+    return TunedAnswer(policy, entry_label(row))
+
+
+def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> tuple[Policy, str] | None:
+    """The newest cached policy for this hardware and script (see :func:`cached_answers`).
+
+    Args:
+        profile: the hardware this run trains on.
+        script: the running script's path, or ``None`` (notebook, REPL: nothing to match).
+
+    Returns:
+        ``(policy, "cache entry #ID (tuned DATE)")``, or ``None`` on a miss or any cache
+        trouble.
+    """
+    answers = cached_answers(profile, script)
+    return (answers[0].policy, answers[0].label) if answers else None
 
 
 def policy_of(row: dict[str, Any]) -> Policy:

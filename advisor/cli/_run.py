@@ -18,7 +18,7 @@ import probes
 from advisor._entry import module_argv
 from advisor._load import POLICY_ENV, Resolution, resolve_policy
 from advisor._log import get_logger
-from advisor.cache._recommend import lookup
+from advisor.cache._recommend import cached_answers
 from advisor.frameworks import check_expressible, plan_for, refusal
 from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
 from advisor.runtime._workload import script_digest
@@ -33,19 +33,29 @@ def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile)
 
     The workload check that ``setup()`` makes for a tune's answer (cached, or the config file a
     tune wrote beside the script) cannot run before a framework builds the model, so here such
-    an answer applies only while the script is the one that was tuned (same content);
-    otherwise the safe default applies, with a warning.
+    an answer applies only while the script is the one that was tuned (same content). Of the
+    tunes' answers for this script, the first tuned on its present content applies; without
+    one, the safe default applies, with a warning.
     """
-    resolution = resolve_policy(config, profile=profile, script=script, environ=os.environ, cached=lookup)
-    tuned = resolution.policy.tuned_on
-    if resolution.match_workload and tuned is not None and tuned.script_digest not in (None, script_digest(script)):
-        default = safe_default(profile)
-        get_logger().warning(
-            f"not applying the policy from {resolution.source}: {script.name} was edited since it was tuned; "
-            f"using the safe default {default.mode} for {profile.name}; run `mpadvise tune` again"
-        )
-        return Resolution(default, f"safe default for {profile.name}")
-    return resolution
+    resolution = resolve_policy(config, profile=profile, script=script, environ=os.environ, cached=cached_answers)
+    if not resolution.match_workload:
+        return resolution
+    digest = script_digest(script)
+    answers = [(resolution.policy, resolution.source), *((a.policy, a.label) for a in resolution.alternatives)]
+    for policy, source in answers:
+        tuned = policy.tuned_on
+        if tuned is None or tuned.script_digest in (None, digest):
+            if policy is resolution.policy:
+                return resolution
+            get_logger().info(f"using {policy.describe()} from {source}, tuned on this content of {script.name}")
+            # Only the first answer can be a config file's: the others are the cache's.
+            return Resolution(policy, source, from_cache=True, match_workload=True)
+    default = safe_default(profile)
+    get_logger().warning(
+        f"not applying the policy from {resolution.source}: {script.name} was edited since it was tuned; "
+        f"using the safe default {default.mode} for {profile.name}; run `mpadvise tune` again"
+    )
+    return Resolution(default, f"safe default for {profile.name}")
 
 
 def run_command(script: Path, script_args: list[str], *, config: Path | None, framework: str | None,

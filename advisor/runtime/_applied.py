@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -55,8 +55,10 @@ class AppliedPolicy:
     ``setup()`` knows the model, the optimizer and the script, ``micro_batch_size()`` the
     global batch. A tune's answer (a cached one, or the config file a tune wrote beside the
     script) must match all of it; a config file the user named, or one written by hand, the
-    model's structure. A miss switches to the hardware's safe default with one warning that names what changed;
-    the global batch stays what ``micro_batch_size()`` answered.
+    model's structure. When the script was tuned on several workloads, the first answer tuned
+    on this one applies (one info line). A miss switches to the hardware's safe default with
+    one warning that names what changed; the global batch stays what ``micro_batch_size()``
+    answered.
 
     Attributes:
         policy: the Policy in force.
@@ -74,6 +76,7 @@ class AppliedPolicy:
         device: str | torch.device | None = None,
         observer: StepObserver | None = None,
         match_workload: bool = False,
+        alternatives: Sequence[tuple[Policy, str]] = (),
     ) -> None:
         """Apply ``policy`` on ``profile``'s device.
 
@@ -86,6 +89,10 @@ class AppliedPolicy:
             match_workload: apply a tuned policy only to the whole workload it was tuned on
                 (a tune's answer: cached, or the config file beside the script); otherwise
                 only the model's structure is checked.
+            alternatives: with ``match_workload``, the other tunes' answers for this script
+                (``(policy, source)``, in order): when ``policy`` was tuned on another
+                workload, the first tuned on this one applies instead. ``setup()`` chooses by
+                the whole workload; a ``micro_batch_size()`` before it by the global batch.
         """
         import torch
 
@@ -97,6 +104,7 @@ class AppliedPolicy:
         self._mode = create_mode(policy, self.device)
         self._observer = observer
         self._match_workload = match_workload
+        self._alternatives = list(alternatives) if match_workload else []
         self._user_batch: int | None = None
         self._other_batches: set[int] = set()  # later micro_batch_size() arguments (evaluation)
         self._split: BatchSplit | None = None
@@ -157,7 +165,11 @@ class AppliedPolicy:
         if self._split is not None and self._user_batch is not None:
             return self._later_batch(default, self._split)
         self._user_batch = default
-        mismatch = self._batch_mismatch(default)
+        mismatch = self._batch_mismatch(self.policy, default)
+        if mismatch is not None and self.model is None:
+            # Before setup(): another tune's answer at this batch may fit; setup() checks the rest.
+            if self._apply_other_answer(mismatch, lambda policy: self._batch_mismatch(policy, default)):
+                mismatch = None
         if mismatch is not None and not self._converted:
             self._use_safe_default(mismatch.reason())
             mismatch = None
@@ -247,8 +259,8 @@ class AppliedPolicy:
         # Fingerprints describe the user's model, before any mode swaps its modules.
         self._workload = Workload.of(model, optimizer, global_batch=None, script=_script_path(), args=_script_args())
         self.model_signature = self._workload.model
-        mismatch = self._workload_mismatch()
-        if mismatch is not None:
+        mismatch = self._workload_mismatch(self.policy)
+        if mismatch is not None and not self._apply_other_answer(mismatch, self._workload_mismatch):
             # The answer was measured on another workload: its mode may be unstable or slow
             # for this one. Switch before the conversion below, which is what the mode changes.
             self._use_safe_default(mismatch.reason())
@@ -270,9 +282,9 @@ class AppliedPolicy:
             self._observer.after_setup(self, model)
         return model if optimizer is None else (model, optimizer)
 
-    def _workload_mismatch(self) -> WorkloadMismatch | None:
-        """What changed since the policy was tuned, as far as ``setup()`` can tell."""
-        tuned = self.policy.tuned_on
+    def _workload_mismatch(self, policy: Policy) -> WorkloadMismatch | None:
+        """What changed since ``policy`` was tuned, as far as ``setup()`` can tell."""
+        tuned = policy.tuned_on
         # The first model set up is the one trained; a later setup() (a teacher, an EMA copy)
         # cannot switch the mode of the first.
         if tuned is None or self._workload is None or self._mismatch_reported or self.model is not None:
@@ -283,12 +295,29 @@ class AppliedPolicy:
         here = replace(self._workload, global_batch=batch)
         return workload_mismatch(tuned, here, model_only=not self._match_workload)
 
-    def _batch_mismatch(self, batch: int) -> WorkloadMismatch | None:
-        """A cached answer tuned at another global batch than the script's ``batch``."""
-        tuned_batch = tuned_global_batch(self.policy)
+    def _batch_mismatch(self, policy: Policy, batch: int) -> WorkloadMismatch | None:
+        """A tune's answer tuned at another global batch than the script's ``batch``."""
+        tuned_batch = tuned_global_batch(policy)
         if not self._match_workload or self._mismatch_reported or tuned_batch in (None, batch):
             return None
         return WorkloadMismatch((Difference(GLOBAL_BATCH, str(tuned_batch), str(batch)),))
+
+    def _apply_other_answer(
+        self, mismatch: WorkloadMismatch, mismatch_of: Callable[[Policy], WorkloadMismatch | None]
+    ) -> bool:
+        """Apply the first other answer that ``mismatch_of`` finds no mismatch for, with one
+        info line; False when none fits. Those before it are dropped: they do not fit either."""
+        for index, (policy, source) in enumerate(self._alternatives):
+            if mismatch_of(policy) is None:
+                del self._alternatives[: index + 1]
+                get_logger().info(
+                    f"using {policy.describe()} from {source}, tuned on this workload, rather than "
+                    f"{self.policy.describe()} from {self.source}, tuned on another ({mismatch.detail()})"
+                )
+                self._switch_to(policy, source)
+                return True
+        self._alternatives.clear()
+        return False
 
     def _use_safe_default(self, why: str) -> None:
         """Replace the policy by the hardware's safe default, warning once.
@@ -306,14 +335,18 @@ class AppliedPolicy:
             f"instead of {self.policy.describe()} from {self.source}{kept}"
         )
         self._mismatch_reported = True
+        self._switch_to(default, f"safe default for {self.profile.name} ({why})")
+
+    def _switch_to(self, policy: Policy, source: str) -> None:
+        """Apply ``policy`` in place of the current one (the model not converted yet)."""
         # Switches entered by `with load_policy() as mp:` belong to the old mode: restore them
         # (innermost first) and enter the new mode's in the same nesting.
         depth = len(self._switch_stack)
         while self._switch_stack:
             self._switch_stack.pop().close()
-        self.policy = default
-        self.source = f"safe default for {self.profile.name} ({why})"
-        self._mode = create_mode(default, self.device)
+        self.policy = policy
+        self.source = source
+        self._mode = create_mode(policy, self.device)
         for _ in range(depth):
             self.__enter__()
 

@@ -9,6 +9,7 @@ import pytest
 
 import probes
 from advisor._log import get_logger
+from advisor.cache._recommend import TunedAnswer
 from advisor.cli import _run
 from advisor.runtime._workload import script_digest
 from policies import Policy, TunedOn
@@ -29,7 +30,7 @@ def test_a_cached_answer_applies_while_the_script_is_unchanged(script, monkeypat
     profile = probes.profile_for("cpu")
     tuned = Policy(mode="bf16-mixed", tuned_on=TunedOn(hardware_fingerprint=probes.hardware_fingerprint(profile),
                                                        torch=profile.torch_version, script_digest=script_digest(script)))
-    monkeypatch.setattr(_run, "lookup", _cached(tuned))
+    monkeypatch.setattr(_run, "cached_answers", _cached(tuned))
     monkeypatch.delenv("MPADVISE_POLICY", raising=False)
     resolution = _run.resolve_for_run(script, None, profile)
     assert resolution.policy.mode == "bf16-mixed" and resolution.source.startswith("cache entry #1")
@@ -51,7 +52,7 @@ def test_an_edited_script_gets_the_safe_default_with_a_warning(script, monkeypat
     tuned = Policy(mode="fp16-mixed", tuned_on=TunedOn(hardware_fingerprint=probes.hardware_fingerprint(profile),
                                                        torch=profile.torch_version, script_digest=script_digest(script)))
     script.write_text("from transformers import Trainer  # edited\n")
-    monkeypatch.setattr(_run, "lookup", _cached(tuned))
+    monkeypatch.setattr(_run, "cached_answers", _cached(tuned))
     monkeypatch.delenv("MPADVISE_POLICY", raising=False)
     lines = _Lines()
     logger = get_logger()
@@ -71,7 +72,7 @@ def test_the_config_file_a_tune_wrote_is_checked_like_the_cache(script, monkeypa
                                                        torch=profile.torch_version, workload_fingerprint="0123456789abcdef",
                                                        script_digest=script_digest(script)))
     tuned.save(script.with_name("train.mpadvise.toml"))
-    monkeypatch.setattr(_run, "lookup", lambda profile, script: None)
+    monkeypatch.setattr(_run, "cached_answers", lambda profile, script: None)
     monkeypatch.delenv("MPADVISE_POLICY", raising=False)
     assert _run.resolve_for_run(script, None, profile).policy.mode == "bf16-mixed"
     script.write_text("from transformers import Trainer  # edited\n")
@@ -79,3 +80,22 @@ def test_the_config_file_a_tune_wrote_is_checked_like_the_cache(script, monkeypa
     # A file written by hand (no workload fingerprint) is applied as written.
     Policy(mode="bf16-mixed").save(script.with_name("train.mpadvise.toml"))
     assert _run.resolve_for_run(script, None, profile).policy.mode == "bf16-mixed"
+
+
+def test_an_older_entry_tuned_on_this_content_applies(script, monkeypatch):
+    # Tuned, edited and tuned again, then reverted: the first tune's entry is the one for it.
+    profile = probes.profile_for("cpu")
+    fingerprint = probes.hardware_fingerprint(profile)
+    first = Policy(mode="bf16-mixed", tuned_on=TunedOn(hardware_fingerprint=fingerprint, torch=profile.torch_version,
+                                                       workload_fingerprint="0123456789abcdef",
+                                                       script_digest=script_digest(script)))
+    second = Policy(mode="fp16-mixed", tuned_on=TunedOn(hardware_fingerprint=fingerprint, torch=profile.torch_version,
+                                                        workload_fingerprint="fedcba9876543210",
+                                                        script_digest="ffffffffffffffff"))
+    answers = [TunedAnswer(second, "cache entry #2 (tuned 2026-12-02)"), TunedAnswer(first, "cache entry #1 (tuned 2026-12-01)")]
+    monkeypatch.setattr(_run, "cached_answers", lambda profile, script: answers)
+    monkeypatch.delenv("MPADVISE_POLICY", raising=False)
+    resolution = _run.resolve_for_run(script, None, profile)
+    assert resolution.policy.mode == "bf16-mixed" and resolution.source.startswith("cache entry #1")
+    script.write_text("from transformers import Trainer  # edited again\n")
+    assert _run.resolve_for_run(script, None, profile).source.startswith("safe default")
