@@ -694,9 +694,11 @@ def _stable(c: _Comparison) -> Verdict:
 
 
 def _bending_note(c: _Comparison) -> str:
-    """A stable candidate whose gap above fp32 more than doubled over the second half of the
-    window, to over a quarter of its limit, is bending away: the window is short to tell
-    whether it levels off. The clause that says so, or nothing."""
+    """A stable candidate whose gap above fp32 grew by half again or more over the second half
+    of the window, to over a quarter of its limit, is bending away (a gap that grows with every
+    step, as a stall's does, doubles from the middle to the end; an offset or a levelling one
+    does not): the window is short to tell whether it levels off. The clause that says so, or
+    nothing."""
     gap, half = c.final_gap, c.n // 2
     if gap <= 0.25 * c.limits.final_gap or half < 2 * c.window:
         return ""
@@ -705,7 +707,7 @@ def _bending_note(c: _Comparison) -> str:
     if not (math.isfinite(c_mid) and math.isfinite(r_mid)):
         return ""
     mid_gap = _spread.final_gap(c_mid, r_mid, c.levels.r_start - r_mid)
-    if gap <= 2 * max(mid_gap, 0.0):
+    if gap <= 1.5 * max(mid_gap, 0.0):
         return ""
     c.metrics["bending_away"] = True
     c.metrics["mid_gap"] = mid_gap

@@ -675,6 +675,85 @@ def run_reference(
         check_reference(result)
 
 
+class Yardsticks:
+    """fp32 and its replicate at every window length a comparison has used, and the judging of a
+    candidate that extends the window while the candidate bends away from fp32.
+
+    A stable candidate whose gap above fp32 more than doubled over the window's second half
+    (``bending_away`` in its verdict) may be a stall or a floor that the window ended too soon to
+    show. It runs again with twice the window, beside fp32 and the replicate at that window (run
+    once per length, shared by every candidate), until it levels off, fails, or the window
+    reaches ``MAX_WINDOW_GROWTH`` times what was asked or the time budget; then its verdict keeps
+    the note that the window is short.
+    """
+
+    def __init__(self, runner: Runner, reference: TrialResult, replicate: Replicate | None, *,
+                 thresholds: StabilityThresholds | None = None, asked: int | None = None,
+                 deadline: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_start: Callable[[str], None] | None = None,
+                 on_extra: Callable[[str, Evaluation], None] | None = None) -> None:
+        self.runner = runner
+        self.thresholds = thresholds or StabilityThresholds()
+        self.asked = asked if asked is not None else getattr(runner, "measure_steps", None)
+        self.deadline, self.clock, self.on_start, self.on_extra = deadline, clock, on_start, on_extra
+        self.steps = getattr(runner, "measure_steps", None)
+        self._at: dict[int | None, tuple[TrialResult, TrialCurve | None]] = {
+            self.steps: (reference, None if replicate is None else replicate.curve)}
+        self.extended: list[str] = []
+
+    def evaluate(self, label: str, policy: Policy, result: TrialResult) -> Evaluation:
+        """Judge ``result`` against fp32 at its window, extending the window while it bends away."""
+        reference, curve = self._at[self.steps]
+        ev = evaluate(label, policy, result, reference, thresholds=self.thresholds, replicate=curve)
+        steps = self.steps
+        while self._bending(ev) and self._can_grow(steps, ev.result):
+            steps = steps * 2  # type: ignore[operator]  # _can_grow checked it is an int
+            at = self._yardstick(steps)
+            if at is None:
+                break
+            reference, curve = at
+            longer = f"{label} ({steps} steps)"
+            self.extended.append(label)
+            if self.on_start:
+                self.on_start(longer)
+            ran = self.runner.with_measure_steps(steps)(policy, longer)  # type: ignore[attr-defined]
+            ev = evaluate(label, policy, ran, reference, thresholds=self.thresholds, replicate=curve)
+        return ev
+
+    @staticmethod
+    def _bending(ev: Evaluation) -> bool:
+        return ev.stable and ev.verdict is not None and bool(ev.verdict.metrics.get("bending_away"))
+
+    def _can_grow(self, steps: int | None, last: TrialResult) -> bool:
+        if steps is None or self.asked is None or not isinstance(self.runner, Extendable):
+            return False
+        if steps * 2 > self.asked * MAX_WINDOW_GROWTH:
+            return False
+        # fp32, its replicate (unless run already) and the candidate, each twice as long as the last.
+        cost = 3 * 2.0 * (last.wall_s or 0.0)
+        return self.deadline is None or self.clock() + cost <= self.deadline
+
+    def _yardstick(self, steps: int) -> tuple[TrialResult, TrialCurve | None] | None:
+        """fp32 and its replicate measuring ``steps`` steps, run on first use; ``None`` when
+        fp32 fails there (the shorter verdict then stands)."""
+        if steps not in self._at:
+            runner = self.runner.with_measure_steps(steps)  # type: ignore[attr-defined]
+            label = f"fp32 (reference, {steps} steps)"
+            if self.on_start:
+                self.on_start(label)
+            reference = runner(Policy(mode="fp32"), label)
+            try:
+                check_reference(reference)
+            except ReferenceTrialError as exc:
+                get_logger().warning(f"{label} failed, so the window stays shorter: {exc}")
+                return None
+            replicate = run_replicate(runner, reference, on_start=self.on_start)
+            if self.on_extra and replicate is not None and replicate.result is not None:
+                self.on_extra(replicate.label, evaluate(replicate.label, Policy(mode="fp32"), replicate.result, None))
+            self._at[steps] = (reference, None if replicate is None else replicate.curve)
+        return self._at[steps]
+
+
 class Comparison(NamedTuple):
     """What ``run_comparison`` measured: the reference, each candidate, and the replicate."""
 
@@ -700,6 +779,7 @@ def run_comparison(
         MpadviseError: the reference failed or is not finite (no verdict is possible).
     """
     fp32 = Policy(mode="fp32")
+    asked = runner.measure_steps if isinstance(runner, Extendable) else None
     ref_result, runner, window_note = run_reference(
         runner, thresholds=thresholds, on_start=None if on_start is None else lambda label: on_start(0, label))
     if on_done:
@@ -707,15 +787,18 @@ def run_comparison(
     replicate = run_replicate(runner, ref_result, on_start=None if on_start is None else lambda label: on_start(1, label))
     if replicate is not None and replicate.result is not None and on_done:
         on_done(1, evaluate(replicate.label, fp32, replicate.result, None, thresholds=thresholds))
-    curve = None if replicate is None else replicate.curve
-    reference = evaluate("fp32", fp32, ref_result, ref_result, thresholds=thresholds, replicate=curve)
+    reference = evaluate("fp32", fp32, ref_result, ref_result, thresholds=thresholds,
+                         replicate=None if replicate is None else replicate.curve)
     evaluations = []
     first = 1 if replicate is None else 2
+    index = first
+    yardsticks = Yardsticks(runner, ref_result, replicate, thresholds=thresholds, asked=asked,
+                            on_start=None if on_start is None else lambda label: on_start(index, label))
     for i, (policy, label) in enumerate(candidates, start=first):
+        index = i
         if on_start:
             on_start(i, label)
-        evaluation = evaluate(label, policy, runner(policy, label), ref_result, thresholds=thresholds,
-                              replicate=curve)
+        evaluation = yardsticks.evaluate(label, policy, runner(policy, label))
         evaluations.append(evaluation)
         if on_done:
             on_done(i, evaluation)

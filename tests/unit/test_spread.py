@@ -371,3 +371,46 @@ def test_a_split_of_a_loss_summed_over_the_batch_is_not_judged_against_fp32() ->
     assert ev.outcome == "unsupported" and "summed over the batch" in ev.reason and not ev.stable
     averaged = dataclasses.replace(split, losses=tuple(losses))  # a mean-reduced loss: the same first loss
     assert evaluate("fp32 mb16", Policy(mode="fp32", micro_batch_size=16), averaged, reference).stable
+
+
+class LaggingRunner(PerturbableRunner):
+    """fp32 falls 2.0 -> 1.0 at 1/200 a step; bf16-true loses a little of each step's progress, so
+    its gap grows with every step: 1.4% after 63 steps, within the fixed 5%, and 13% after 243."""
+
+    def perturbed(self, perturb: str) -> LaggingRunner:
+        return LaggingRunner(calls=self.calls, perturb=perturb, measure_steps=self.measure_steps)
+
+    def with_measure_steps(self, steps: int) -> LaggingRunner:
+        return LaggingRunner(calls=self.calls, perturb=self.perturb, measure_steps=steps)
+
+    def __call__(self, policy: Policy, label: str) -> TrialResult:
+        self.calls.append((f"{policy.mode} {self.measure_steps}", self.perturb))
+        losses = [2.0 - i / 200 for i in range(self.measure_steps + 3)]
+        if policy.mode == "bf16-true":
+            losses = [v + 0.0004 * i for i, v in enumerate(losses)]
+        if self.perturb:
+            losses = [v * 1.001 for v in losses]
+        return _result(policy, label, losses)
+
+
+def test_a_candidate_bending_away_is_judged_on_a_longer_window() -> None:
+    runner = LaggingRunner(measure_steps=60)
+    comparison = run_comparison(runner, [(Policy(mode="bf16-mixed"), "bf16-mixed"), (Policy(mode="bf16-true"), "bf16-true")])
+    mixed, pure = comparison.evaluations
+    assert mixed.stable and len(mixed.result.losses) == 63  # not bending: judged where it ran
+    assert not pure.stable and pure.verdict.kind == "stalled", pure.reason
+    assert len(pure.result.losses) == 243
+    # fp32 and its replicate ran once per window, shared by whoever needed it.
+    assert runner.calls.count(("fp32 120", None)) == 1 and runner.calls.count(("fp32 240", "bf16")) == 1
+    assert ("bf16-mixed 120", None) not in runner.calls
+
+
+def test_a_bending_candidate_that_cannot_be_extended_keeps_the_note() -> None:
+    from advisor.tune._trials import Yardsticks
+
+    runner = LaggingRunner(measure_steps=60)
+    reference = runner(Policy(mode="fp32"), "fp32")
+    sticks = Yardsticks(runner, reference, run_replicate(runner, reference), asked=60, deadline=0.0,
+                        clock=lambda: 1.0)
+    ev = sticks.evaluate("bf16-true", Policy(mode="bf16-true"), runner(Policy(mode="bf16-true"), "bf16-true"))
+    assert ev.stable and "the window is short for this workload" in ev.reason and ev.verdict.metrics["bending_away"]
