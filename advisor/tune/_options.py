@@ -158,8 +158,8 @@ class TuneOptions:
 
     trials: int = _option(20, "Trial budget of the search (the reference not counted).", _whole_number,
                           minimum=1, job_limit=10_000)
-    time_budget: float | None = _option(None, "Seconds after which no new trial starts.", _seconds,
-                                        minimum=0, above=True, job_limit=30 * 86400)
+    time_budget: float | None = _option(None, "Seconds after which no new trial, of the search or of re-measurement, "
+                                        "starts.", _seconds, minimum=0, above=True, job_limit=30 * 86400)
     steps: int = _option(40, "Measured optimizer steps per trial (after the warm-up).", _whole_number,
                          minimum=1, job_limit=1_000_000)
     warmup: int = _option(5, "Warm-up steps per trial, not timed.", _whole_number, minimum=0, job_limit=100_000)
@@ -181,7 +181,9 @@ class TuneOptions:
                                   minimum=1, job=False)
     storage: str | None = _option(None, "Optuna storage URL; default: an SQLite file in the cache directory.",
                                   _text, job=False)
-    resume: bool = _option(False, "Continue the stored study instead of starting afresh.", _switch)
+    resume: bool = _option(
+        False, "Continue the stored study instead of starting afresh; a study whose workload changed since (the model, "
+        "optimizer or batch the script built) is not continued: a warning, then a fresh study.", _switch)
     out: str | None = _option(None, "Config file to write; default: <script>.mpadvise.toml beside it.", _path)
     no_cache: bool = _option(False, "Do not store the answer in the per-GPU cache.", _switch)
     no_priors: bool = _option(False, "Measure candidates even when the matmul priors say they cannot win.", _switch)
