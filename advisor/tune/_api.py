@@ -35,11 +35,13 @@ def tune(
         train_fn: the training function.
         options: the tune's options, as ``mpadvise tune`` takes them (:class:`TuneOptions`).
         thresholds: stability thresholds.
-        remeasure: re-measure close candidates before declaring a winner.
+        remeasure: re-measure close candidates before declaring a winner, and the winner
+            against fp32 for its speed-up (``TuneResult.speedup``, with its interval); without
+            it the speed-up rests on single runs.
         study_name: the Optuna study's name in ``storage``.
         **option_values: :class:`TuneOptions` fields by name, over ``options``: ``trials``,
-            ``time_budget``, ``steps``, ``warmup``, ``modes``, ``scale_batch``,
-            ``include_emulated``, ``memory_limit`` (``"4GiB"`` or bytes), ``timeout``, ``seed``,
+            ``time_budget`` (no trial or round of re-measurement starts after it), ``steps``,
+            ``warmup``, ``modes``, ``scale_batch``, ``include_emulated``, ``memory_limit`` (``"4GiB"`` or bytes), ``timeout``, ``seed``,
             ``device`` (default: the first GPU, else the CPU), ``storage`` (default: the study
             is kept in memory), ``resume``, ``out`` (also write the winner to this config
             file), ``no_priors``. Nothing is cached in process, so ``no_cache`` changes nothing.
