@@ -41,10 +41,10 @@ def tune(
         study_name: the Optuna study's name in ``storage``.
         **option_values: :class:`TuneOptions` fields by name, over ``options``: ``trials``,
             ``time_budget`` (no trial or round of re-measurement starts after it), ``steps``,
-            ``warmup``, ``modes``, ``scale_batch``, ``include_emulated``, ``memory_limit`` (``"4GiB"`` or bytes), ``timeout``, ``seed``,
-            ``device`` (default: the first GPU, else the CPU), ``storage`` (default: the study
-            is kept in memory), ``resume``, ``out`` (also write the winner to this config
-            file), ``no_priors``. Nothing is cached in process, so ``no_cache`` changes nothing.
+            ``warmup``, ``modes``, ``scale_batch``, ``include_emulated``, ``memory_limit``
+            (``"4GiB"`` or bytes), ``timeout``, ``seed``, ``device`` (default: the first GPU,
+            else the CPU), ``storage`` (default: the study is kept in memory), ``resume``,
+            ``out`` (also write the winner to this config file), ``no_priors``. Nothing is cached in process, so ``no_cache`` changes nothing.
 
     Returns:
         A TuneResult: ``.policy`` is the winner (``None`` when nothing was stable).
