@@ -37,6 +37,10 @@ TRIAL_SPEC_ENV = "MPADVISE_TRIAL_SPEC"
 # of weight gradients below 2^-24 without scaling) and StabilityThresholds.max_underflow_fraction
 # bounds.
 FP16_MIN_SUBNORMAL = 2.0**-24
+# fp16's smallest normal value. Below it fp16 holds fewer significant bits, down to none at
+# FP16_MIN_SUBNORMAL: a gradient whose values mostly lie there sits at the edge of what fp16
+# can hold, and its zeros are values that fell off it (underflow_counts).
+FP16_MIN_NORMAL = 2.0**-14
 # Gradient values sampled on a sampled step, spread over all gradients in proportion to their
 # size, so that each tensor weighs what its share of the values weighs. 2^16 values put the
 # sampling error of a fraction near 5% below 0.1 percentage points.
@@ -441,6 +445,8 @@ class TrialRecorder(StepObserver, StepWindow):
         assert applied is not None
         peak, kind = self._peak_memory()
         losses = [float(v) for v in self.losses]
+        counts = [[int(v) for v in c.tolist()] for c in self.underflow if c is not None]
+        note = underflow_note(counts)
         self.writer.write(
             stage="done",
             complete=complete,
@@ -453,7 +459,7 @@ class TrialRecorder(StepObserver, StepWindow):
             warmup_steps=self.spec.warmup_steps,
             peak_memory=peak,
             memory_kind=kind,
-            notes=applied.notes,
+            notes=applied.notes if note is None else [*applied.notes, note],
             workload_fingerprint=applied.workload_fingerprint,
             model_signature=applied.model_signature,
             fsdp=applied.fsdp,
@@ -616,12 +622,34 @@ def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def underflow_counts(grads: list[torch.Tensor], *, scale: float, budget: int = UNDERFLOW_SAMPLE) -> torch.Tensor | None:
-    """Count sampled gradient values that an fp16 backward flushes to zero at this loss scale.
+    """Count sampled gradient values that an fp16 backward lost, or would lose, to underflow.
 
     The sample is systematic over all gradients laid end to end (every ``stride``-th value), so
-    each tensor contributes in proportion to its size. Zeros are left out: a value that has
-    already flushed cannot be told from an exact zero. Non-finite values (a step the scaler
-    skips) are left out too.
+    each tensor contributes in proportion to its size. Non-finite values (a step the scaler
+    skips) are left out. Two kinds of value are lost:
+
+    * would flush: nonzero, but below fp16's smallest subnormal 2^-24 once multiplied by the
+      loss scale. Only a gradient held in more precision than fp16 shows these (a layer that
+      runs in fp32 under autocast); it would lose them in fp16.
+    * already flushed: zeros. A gradient that came through an fp16 operation (every autocast
+      matmul, every layer of fp16-true) holds the values that flushed as exact zeros, so with
+      99.9% of such a gradient flushed, the nonzero values alone showed 0% lost. But exact
+      zeros are also what fp32 computes for a dead ReLU unit, an embedding row not in the
+      batch or an input feature that is zero, which no loss scale changes. The two are told
+      apart per gradient tensor: a flush takes the values below 2^-24, so where a tensor's
+      nonzero values mostly lie in fp16's subnormal range (below 2^-14, where it keeps fewer
+      significant bits), the tensor sits at fp16's edge and its zeros count as flushed; where
+      they mostly lie in fp16's normal range, its zeros are structural and are left out, as
+      exact zeros that fp32 would produce too. A tensor with no nonzero value sampled counts as
+      flushed only when no tensor shows values in the normal range (the whole gradient
+      flushed); beside healthy tensors it is more likely a sparse one (an embedding table).
+
+    The verdict uses both: their sum over the values counted (the nonzero ones and the zeros
+    counted as flushed), since both are gradient that an fp16 backward at this scale does not
+    deliver. The median rule undercounts a partial flush of a tensor whose values spread over
+    many binades (a few percent at most while its median stays above 2^-14) and overcounts a
+    tensor at fp16's edge that also has structural zeros; both err by less than the underflow
+    limit's 5% in the cases that matter.
 
     Args:
         grads: the unscaled gradients, on one device.
@@ -629,8 +657,9 @@ def underflow_counts(grads: list[torch.Tensor], *, scale: float, budget: int = U
         budget: about how many values to sample (between ``budget`` and twice that).
 
     Returns:
-        ``[flushed, nonzero]`` as a tensor on the gradients' device, so that sampling adds no
-        host synchronisation (read it when the trial ends), or ``None`` without gradients.
+        ``[already flushed, would flush, counted]`` as a tensor on the gradients' device, so
+        that sampling adds no host synchronisation (read it when the trial ends), or ``None``
+        without gradients.
     """
     import torch
 
@@ -639,22 +668,50 @@ def underflow_counts(grads: list[torch.Tensor], *, scale: float, budget: int = U
         return None
     stride = max(1, total // budget)
     device = grads[0].device
-    pieces, offset = [], 0
+    pieces, sizes, offset = [], [], 0
     with torch.no_grad():
         for g in grads:
             first = -offset % stride  # where the global every-stride-th sequence enters this tensor
             if first < g.numel():
                 pieces.append(g.detach().reshape(-1)[first::stride].to(device=device, dtype=torch.float32))
+                sizes.append(pieces[-1].numel())
             offset += g.numel()
         scaled = torch.cat(pieces).abs_().mul_(scale)  # cat copies: the gradients are not touched
+        tensor_of = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+
+        def per_tensor(values: torch.Tensor) -> torch.Tensor:
+            return torch.bincount(tensor_of[values], minlength=len(sizes))
+
         nonzero = (scaled > 0) & torch.isfinite(scaled)
-        flushed = nonzero & (scaled < FP16_MIN_SUBNORMAL)
-        return torch.stack([flushed.sum(), nonzero.sum()])
+        would_flush = nonzero & (scaled < FP16_MIN_SUBNORMAL)
+        zeros, values, low = per_tensor(scaled == 0), per_tensor(nonzero), per_tensor(nonzero & (scaled < FP16_MIN_NORMAL))
+        at_edge = (values > 0) & (2 * low > values)  # most of its values are subnormal in fp16
+        healthy = (values > 0) & ~at_edge
+        empty = values == 0
+        flushed = (zeros * at_edge).sum() + (zeros * empty).sum() * (healthy.sum() == 0)
+        return torch.stack([flushed, would_flush.sum(), nonzero.sum() + flushed])
+
+
+def underflow_note(counts: list[list[int]]) -> str | None:
+    """One line with both kinds of underflow over a trial's sampled steps, or ``None`` when no
+    sampled value was lost.
+
+    Args:
+        counts: ``underflow_counts``'s ``[already flushed, would flush, counted]`` per sampled step.
+    """
+    flushed, would_flush, counted = (sum(c[i] for c in counts) for i in range(3))
+    if not counted or not flushed + would_flush:
+        return None
+    return (
+        f"fp16 gradient underflow over {len(counts)} sampled steps: {flushed / counted:.1%} of the sampled "
+        f"gradient values had already flushed to zero, {would_flush / counted:.1%} would flush at the loss scale in use"
+    )
 
 
 def _fraction(counts: torch.Tensor) -> float | None:
-    flushed, nonzero = (int(v) for v in counts.tolist())
-    return flushed / nonzero if nonzero else None
+    """The share of counted values lost to underflow (already flushed or would flush)."""
+    flushed, would_flush, counted = (int(v) for v in counts.tolist())
+    return (flushed + would_flush) / counted if counted else None
 
 
 def reset_peak_rss() -> bool:
