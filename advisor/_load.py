@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
 
 POLICY_ENV = "MPADVISE_POLICY"
 """Environment variable naming a config file to use."""
+
+# The AppliedPolicy made for each tuned policy that load_policy() resolved in this process, so
+# that a second call shares the first one's workload check (see load_policy).
+_CHECKED_POLICIES: dict[tuple[object, ...], AppliedPolicy] = {}
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,13 @@ def load_policy(
     Returns:
         An ``AppliedPolicy``: ``setup``, ``autocast``, ``step``, ``to_device``,
         ``micro_batch_size``, ``state_dict``/``load_state_dict``; also a context manager.
+
+    A tuned policy is checked against the workload once ``setup()`` sees it, and the check may
+    replace it. So a later call that resolves the same tuned policy (in a helper module, for
+    evaluation) returns the same object, as a trial does: a second object would never see
+    ``setup()`` and would apply what the check turned down, with a loss scaler of its own. An
+    ``advisor.Policy`` passed in, and a policy without ``[tuned_on]``, give a new object on
+    every call.
     """
 
     spec = spec_from_env()
@@ -211,11 +223,24 @@ def load_policy(
         get_logger().info(f"trial {spec.label or applied.policy.describe()} on {applied.device}")
         return applied
     profile = probes.profile_for(device)
-    resolution = resolve_policy(source, profile=profile, script=_paths.current_script(), cached=cached_answers)
+    script = _paths.current_script()
+    resolution = resolve_policy(source, profile=profile, script=script, cached=cached_answers)
+    alternatives = [(answer.policy, answer.label) for answer in resolution.alternatives]
+    shared = None
+    if not isinstance(source, Policy) and resolution.policy.tuned_on is not None:
+        shared = (resolution.source, resolution.policy, tuple(alternatives), device, script, tuple(sys.argv))
+        earlier = _CHECKED_POLICIES.get(shared)
+        if earlier is not None:
+            get_logger().info(
+                f"policy {earlier.policy.describe()} on {earlier.device} (from {earlier.source}; the object an "
+                "earlier load_policy() returned, which the workload check applies to)"
+            )
+            return earlier
     applied = AppliedPolicy(
         resolution.policy, profile=profile, source=resolution.source, device=device,
-        match_workload=resolution.match_workload,
-        alternatives=[(answer.policy, answer.label) for answer in resolution.alternatives],
+        match_workload=resolution.match_workload, alternatives=alternatives,
     )
+    if shared is not None:
+        _CHECKED_POLICIES[shared] = applied
     get_logger().info(f"policy {resolution.policy.describe()} on {applied.device} (from {resolution.source})")
     return applied

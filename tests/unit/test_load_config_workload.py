@@ -129,7 +129,11 @@ def test_a_config_file_named_by_the_user_is_checked_against_the_model_only(
         mp = advisor.load_policy(config, device="cpu")
     _train(mp, lr=1e-3)
     assert mp.mode == _tuned_mode() and warnings == []
-    other = advisor.load_policy(config, device="cpu")
+
+
+def test_a_config_file_named_by_the_user_still_checks_the_model(script: Path, warnings: list[str]) -> None:
+    config = _tuned_policy(script, _tuned_mode()).save(script.with_name("chosen.toml"))
+    mp = advisor.load_policy(config, device="cpu")
     wider = Net(hidden=64)
-    other.setup(wider, torch.optim.AdamW(wider.parameters(), lr=1e-3))
-    assert other.mode == _safe_default()  # the model's structure is still checked
+    mp.setup(wider, torch.optim.AdamW(wider.parameters(), lr=1e-5))
+    assert mp.mode == _safe_default() and len(warnings) == 1 and "model changed since tuning" in warnings[0]
