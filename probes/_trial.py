@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -294,6 +295,14 @@ def classify(
             cgroup while it ran (``oom_kill_count`` before and after), or ``None`` where that
             is unknown. A child ended by SIGKILL while the count rose is out of memory; with
             no count, SIGKILL is a crash.
+
+    A DataLoader worker that the OOM killer chose (often the largest process: each worker
+    holds a copy of the dataset and its batches) dies by SIGKILL while the script lives on,
+    and torch raises "DataLoader worker (pid N) is killed by signal: Killed." in the script,
+    which then fails as a crash would. Such a trial is out of memory too, unless the cgroup's
+    count was read and did not rise. Unlike the script itself (which a launcher or a failed
+    peer's torchrun may kill), nothing in a trial sends SIGKILL to a worker but the OOM
+    killer, so an unknown count still reads as out of memory.
     """
     base: dict[str, Any] = dict(data or {})
     stage = base.pop("stage", None)
@@ -317,9 +326,38 @@ def classify(
             f"cgroup counted {oom_kills} OOM kill{'s' if oom_kills != 1 else ''} meanwhile); "
             "use a smaller micro-batch or give the trial more memory"
         )
+    elif stage != "done" and oom_kills != 0 and (worker := _killed_worker(stderr_tail, exception)) is not None:
+        outcome, reason = "oom", _worker_oom_reason(worker, _stage_text(stage, base), oom_kills)
     else:
         outcome, reason = _outcome(stage, base, exception, exit_code, _last_line(stderr_tail), spec)
     return TrialResult.from_dict({**base, "outcome": outcome, "reason": reason})
+
+
+# What torch's DataLoader raises in the script when a worker process died by a signal: the
+# signal's strsignal() text ("Killed" is SIGKILL, the OOM killer's signal).
+_WORKER_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: Killed\b")
+
+
+def _killed_worker(stderr_tail: str, exception: dict[str, Any]) -> str | None:
+    """The pid of a DataLoader worker that died by SIGKILL, from the script's stderr or its
+    recorded exception; ``None`` when none did."""
+    for text in (stderr_tail, str(exception.get("message", ""))):
+        found = _WORKER_KILLED.search(text)
+        if found is not None:
+            return found.group(1)
+    return None
+
+
+def _worker_oom_reason(pid: str, where: str, oom_kills: int | None) -> str:
+    counted = (
+        "" if oom_kills is None
+        else f"; its memory cgroup counted {oom_kills} OOM kill{'s' if oom_kills != 1 else ''} meanwhile"
+    )
+    return (
+        f"out of memory: DataLoader worker (pid {pid}) was killed by SIGKILL {where}, as the kernel's OOM "
+        f"killer ends a process{counted}; use fewer DataLoader workers or a smaller micro-batch, or give "
+        "the trial more memory"
+    )
 
 
 def _stage_text(stage: str | None, base: dict[str, Any]) -> str:

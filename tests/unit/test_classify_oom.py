@@ -124,3 +124,46 @@ def test_no_counter_is_none(tmp_path: Path, cgroup: str, mounts: list[str]) -> N
 def test_no_proc_is_none(tmp_path: Path) -> None:
     assert oom_kill_count(proc=tmp_path / "missing") is None
     assert oom_kill_count(12345678, proc=tmp_path) is None
+
+
+# ---- a DataLoader worker killed by the OOM killer ----------------------------------------------
+
+# The end of a trial's stderr when the kernel killed a DataLoader worker with SIGKILL (torch
+# 2.13; the script itself fails with the RuntimeError that follows).
+WORKER_KILLED_TAIL = """\
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/signal_handling.py", line 73, in handler
+    _error_if_any_worker_fails()
+RuntimeError: DataLoader worker (pid 18603) is killed by signal: Killed.
+The above exception was the direct cause of the following exception:
+Traceback (most recent call last):
+  File "/tmp/train.py", line 25, in <module>
+    for x, y in loader:
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 1304, in _try_get_data
+    raise RuntimeError(
+RuntimeError: DataLoader worker (pid(s) 18603) exited unexpectedly"""
+WORKER_EXCEPTION = {"stage": "exception", "exception": {
+    "type": "RuntimeError", "message": "DataLoader worker (pid(s) 18603) exited unexpectedly", "at": 0.0}}
+
+
+def worker_outcome(data, tail, *, oom_kills):
+    return classify(data, exit_code=1, timed_out=False, stderr_tail=tail, spec=SPEC, timeout=60.0, oom_kills=oom_kills)
+
+
+@pytest.mark.parametrize("oom_kills", [1, None])
+def test_a_dataloader_worker_killed_by_sigkill_is_oom(oom_kills) -> None:
+    result = worker_outcome(WORKER_EXCEPTION, WORKER_KILLED_TAIL, oom_kills=oom_kills)
+    assert result.outcome == "oom"
+    assert "DataLoader worker (pid 18603) was killed by SIGKILL" in result.reason
+    assert "fewer DataLoader workers" in result.reason and result.stderr_tail == WORKER_KILLED_TAIL
+
+
+def test_a_worker_killed_while_no_oom_kill_was_counted_is_a_crash() -> None:
+    # The cgroup's count was read and did not rise: someone else sent the signal.
+    result = worker_outcome(WORKER_EXCEPTION, WORKER_KILLED_TAIL, oom_kills=0)
+    assert result.outcome == "crash" and "exited unexpectedly" in result.reason
+
+
+def test_a_worker_that_died_otherwise_is_a_crash() -> None:
+    # A bus error (out of shared memory) or a segfault in a worker is not the OOM killer.
+    tail = WORKER_KILLED_TAIL.replace("Killed.", "Bus error. It is possible that dataloader's workers are out of shared memory.")
+    assert worker_outcome(WORKER_EXCEPTION, tail, oom_kills=None).outcome == "crash"
