@@ -13,7 +13,7 @@ import probes
 from advisor import _paths
 from advisor._log import get_logger
 from advisor.cache._recommend import TunedAnswer, cached_answers
-from advisor.runtime._applied import AppliedPolicy
+from advisor.runtime._applied import AppliedPolicy, fallback_words, safe_fallback
 from advisor.tune._child import applied_for_trial, spec_from_env
 from policies import (
     HardwareMismatch,
@@ -51,6 +51,9 @@ class Resolution:
     alternatives: tuple[TunedAnswer, ...] = ()
     """The other tunes' answers for this script and hardware, in order: ``setup()`` applies the
     first one tuned on this run's workload when ``policy`` was tuned on another."""
+    by_default: bool = False
+    """Whether mpadvise chose ``policy`` for want of one that applies (the safe default, or the
+    fallback from a tuned policy that does not fit), rather than a person or a tune."""
 
     @property
     def fallback_reason(self) -> str | None:
@@ -71,8 +74,8 @@ def resolve_policy(
     Order: an explicit ``source``; ``MPADVISE_POLICY``; ``<script>.mpadvise.toml`` beside the
     script; ``cached`` (a callable ``(profile, script)`` returning the cached answers newest
     first, as ``cached_answers`` does, or one ``(Policy, label)``, or ``None``); the hardware's
-    safe default. A tuned policy from other hardware or versions falls back to the safe default
-    with a warning.
+    safe default. A tuned policy from other hardware or versions falls back to the safe default,
+    or to the tuned mode where that is safer (``safe_fallback``), with a warning.
 
     A script may have been tuned on several workloads (other arguments, another learning
     rate): the cache keeps one answer for each, the config file beside the script the latest
@@ -116,12 +119,12 @@ def resolve_policy(
         if answers:
             return _tuned_resolution(answers, profile, config=None)
     if candidate is None:
-        return Resolution(safe_default(profile), f"safe default for {profile.name}")
+        return Resolution(safe_default(profile), f"safe default for {profile.name}", by_default=True)
     policy, label = candidate
     mismatch = hardware_mismatch(policy, profile)
     if mismatch is None:
         return Resolution(_check_supported(policy, profile, label), label)
-    return _other_hardware(label, mismatch, profile)
+    return _other_hardware(policy, label, mismatch, profile)
 
 
 def _answers(
@@ -146,7 +149,7 @@ def _tuned_resolution(answers: list[TunedAnswer], profile: HardwareProfile, *, c
     here = [answer for answer in answers if hardware_mismatch(answer.policy, profile) is None]
     if mismatch is not None:
         if not here:
-            return _other_hardware(first.label, mismatch, profile)
+            return _other_hardware(first.policy, first.label, mismatch, profile)
         get_logger().warning(
             f"not applying the policy from {first.label}: {mismatch.reason()}; run `mpadvise tune` again on this machine"
         )
@@ -157,14 +160,15 @@ def _tuned_resolution(answers: list[TunedAnswer], profile: HardwareProfile, *, c
     )
 
 
-def _other_hardware(label: str, mismatch: HardwareMismatch, profile: HardwareProfile) -> Resolution:
-    """The safe default in place of a policy tuned on other hardware or versions, with a warning."""
-    default = safe_default(profile)
+def _other_hardware(policy: Policy, label: str, mismatch: HardwareMismatch, profile: HardwareProfile) -> Resolution:
+    """``safe_fallback`` in place of a policy tuned on other hardware or versions, with a warning."""
+    fallback = safe_fallback(policy, profile)
+    using, source = fallback_words(fallback, profile)
     get_logger().warning(
-        f"not applying the policy from {label}: {mismatch.reason()}; using the safe default "
-        f"{default.mode} for {profile.name}; run `mpadvise tune` again on this machine"
+        f"not applying the policy from {label}: {mismatch.reason()}; {using} for {profile.name}; "
+        "run `mpadvise tune` again on this machine"
     )
-    return Resolution(default, f"safe default for {profile.name}", mismatch=mismatch)
+    return Resolution(fallback, source, mismatch=mismatch, by_default=True)
 
 
 def written_by_a_tune(policy: Policy) -> bool:

@@ -21,9 +21,10 @@ from advisor._log import get_logger
 from advisor.cache._recommend import cached_answers
 from advisor.frameworks import check_expressible, plan_for, refusal
 from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
+from advisor.runtime._applied import fallback_words, safe_fallback
 from advisor.runtime._workload import script_digest
 from advisor.tune._checks import check_script
-from policies import Policy, safe_default
+from policies import Policy
 from probes import HardwareProfile, MpadviseError
 
 
@@ -35,7 +36,8 @@ def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile)
     tune wrote beside the script) cannot run before a framework builds the model, so here such
     an answer applies only while the script is the one that was tuned (same content). Of the
     tunes' answers for this script, the first tuned on its present content applies; without
-    one, the safe default applies, with a warning.
+    one, ``safe_fallback`` applies (the safe default, or the tuned mode where that is safer), with
+    a warning.
     """
     resolution = resolve_policy(config, profile=profile, script=script, environ=os.environ, cached=cached_answers)
     if not resolution.match_workload:
@@ -50,12 +52,13 @@ def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile)
             get_logger().info(f"using {policy.describe()} from {source}, tuned on this content of {script.name}")
             # Only the first answer can be a config file's: the others are the cache's.
             return Resolution(policy, source, from_cache=True, match_workload=True)
-    default = safe_default(profile)
+    fallback = safe_fallback(resolution.policy, profile)
+    using, source = fallback_words(fallback, profile)
     get_logger().warning(
         f"not applying the policy from {resolution.source}: {script.name} was edited since it was tuned; "
-        f"using the safe default {default.mode} for {profile.name}; run `mpadvise tune` again"
+        f"{using} for {profile.name}; run `mpadvise tune` again"
     )
-    return Resolution(default, f"safe default for {profile.name}")
+    return Resolution(fallback, source, by_default=True)
 
 
 def run_command(script: Path, script_args: list[str], *, config: Path | None, framework: str | None,
@@ -77,8 +80,8 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
     profile = probes.profile_for(device)
     resolution = resolve_for_run(path, config, profile)
     policy = resolution.policy
-    if resolution.source.startswith("safe default") and refusal(policy, plan.framework, device=profile.device) is not None:
-        # The hardware's safe default is a mode this framework lacks (pure bf16): fp32 is safe anywhere.
+    if resolution.by_default and refusal(policy, plan.framework, device=profile.device) is not None:
+        # mpadvise's own choice is a mode this framework lacks (pure bf16): fp32 is safe anywhere.
         policy = Policy(mode="fp32")
     check_expressible(policy, plan.framework, source=resolution.source, device=profile.device)
     # The child logs the one line naming the policy and its source, once it has applied it.

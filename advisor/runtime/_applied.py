@@ -19,7 +19,15 @@ from advisor.runtime._workload import (
     model_signature,
     workload_mismatch,
 )
-from policies import Difference, Policy, create_mode, mode_class, safe_default
+from policies import (
+    Difference,
+    Policy,
+    create_mode,
+    mode_class,
+    safe_default,
+    safety_rank,
+    supported_modes,
+)
 from policies._config import default_reduce_dtype
 from probes import MpadviseError
 
@@ -56,9 +64,9 @@ class AppliedPolicy:
     global batch. A tune's answer (a cached one, or the config file a tune wrote beside the
     script) must match all of it; a config file the user named, or one written by hand, the
     model's structure. When the script was tuned on several workloads, the first answer tuned
-    on this one applies (one info line). A miss switches to the hardware's safe default with
-    one warning that names what changed; the global batch stays what ``micro_batch_size()``
-    answered.
+    on this one applies (one info line). A miss switches to ``safe_fallback`` (the hardware's
+    safe default, or the tuned mode where that is safer) with one warning that names what
+    changed; the global batch stays what ``micro_batch_size()`` answered.
 
     Attributes:
         policy: the Policy in force.
@@ -320,22 +328,23 @@ class AppliedPolicy:
         return False
 
     def _use_safe_default(self, why: str) -> None:
-        """Replace the policy by the hardware's safe default, warning once.
+        """Replace the policy by ``safe_fallback`` (the safe default, or the tuned mode where it
+        is safer), warning once.
 
-        Only while the model is unconverted (the safe default never converts it: it is never
-        FP8 and never a pure 16-bit mode). A micro-batch already handed out stays, with its
+        Only while the model is unconverted (the fallback never converts it: it is never FP8
+        and never a pure 16-bit mode). A micro-batch already handed out stays, with its
         accumulation, so the global batch does not change.
         """
-        default = safe_default(self.profile)
+        fallback = safe_fallback(self.policy, self.profile)
+        using, source = fallback_words(fallback, self.profile)
         kept = ""
         if self._split is not None and self._split.accum > 1:
             kept = f"; keeping {self._split.describe()}"
         get_logger().warning(
-            f"{why}; run `mpadvise tune` again; using the safe default {default.mode} "
-            f"instead of {self.policy.describe()} from {self.source}{kept}"
+            f"{why}; run `mpadvise tune` again; {using} instead of {self.policy.describe()} from {self.source}{kept}"
         )
         self._mismatch_reported = True
-        self._switch_to(default, f"safe default for {self.profile.name} ({why})")
+        self._switch_to(fallback, f"{source} ({why})")
 
     def _switch_to(self, policy: Policy, source: str) -> None:
         """Apply ``policy`` in place of the current one (the model not converted yet)."""
@@ -555,6 +564,46 @@ def fsdp_precision(policy: Policy) -> FsdpPrecision:
     if family in ("bf16", "fp16"):
         return FsdpPrecision(param_dtype=family, reduce_dtype=reduce)
     return FsdpPrecision(param_dtype=None, reduce_dtype=None if reduce == "fp32" else reduce)
+
+
+def safe_fallback(tuned: Policy, profile: HardwareProfile) -> Policy:
+    """What applies in place of a tuned policy that does not fit this run: the safer of the
+    hardware's safe default and the tuned mode, by ``policies.safety_rank``.
+
+    A tune leaves the safe default only for a faster mode that stays stable, or for a safer
+    one when the default failed: a workload tuned to fp32 or tf32 is one whose 16-bit modes hit
+    a loss floor or stalled. Falling back from it to bf16-mixed (on bf16 hardware) because the
+    script changed, even by a comment, would apply exactly the mode it was tuned away from. So
+    a tuned mode safer than the default is kept, where it runs here. Only the mode: the
+    micro-batch, loss scale and ``[tuned_on]`` were measured on the workload that no longer
+    fits. Modes safer than a safe default are full precision or mixed ones, which leave the
+    model as it is, so the switch is possible until ``setup()`` converted it.
+
+    Args:
+        tuned: the tuned policy that does not apply.
+        profile: the hardware this run trains on.
+
+    Returns:
+        ``Policy(mode=tuned.mode)`` when that mode is safer than the safe default and runs
+        here; otherwise the safe default.
+    """
+    default = safe_default(profile)
+    support = supported_modes(profile).get(tuned.mode)
+    if safety_rank(tuned.mode) < safety_rank(default.mode) and support is not None and support.supported:
+        return Policy(mode=tuned.mode)
+    return default
+
+
+def fallback_words(fallback: Policy, profile: HardwareProfile) -> tuple[str, str]:
+    """How a warning names ``safe_fallback``'s answer (``"using the safe default bf16-mixed"``),
+    and the source it is logged with (``"safe default for NVIDIA A100"``)."""
+    default = safe_default(profile)
+    if fallback.mode == default.mode:
+        return f"using the safe default {default.mode}", f"safe default for {profile.name}"
+    return (
+        f"using {fallback.mode}, the tuned mode, safer than the safe default {default.mode}",
+        f"{fallback.mode}, the tuned mode, safer than the safe default for {profile.name}",
+    )
 
 
 def rank_device(device: str | torch.device | None, profile_device: str, env: Mapping[str, str]) -> str | torch.device:
