@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,6 +54,8 @@ class Resolution:
     by_default: bool = False
     """Whether mpadvise chose ``policy`` for want of one that applies (the safe default, or the
     fallback from a tuned policy that does not fit), rather than a person or a tune."""
+    args: tuple[str, ...] | None = None
+    """The script's arguments the tune of ``policy`` ran with, where recorded (``TunedAnswer``)."""
 
     @property
     def fallback_reason(self) -> str | None:
@@ -111,8 +113,13 @@ def resolve_policy(
         if not written_by_a_tune(config.policy):
             candidate = (config.policy, config.label)
         else:
-            # The cache holds this tune's answer too, and those of the script's other workloads.
-            others = [a for a in _answers(cached, profile, script) if _workload_of(a.policy) != _workload_of(config.policy)]
+            # The cache holds this tune's answer too (with the arguments it ran with), and those
+            # of the script's other workloads.
+            found = _answers(cached, profile, script)
+            same = [a for a in found if _workload_of(a.policy) == _workload_of(config.policy)]
+            if same:
+                config = replace(config, args=same[0].args)
+            others = [a for a in found if _workload_of(a.policy) != _workload_of(config.policy)]
             return _tuned_resolution([config, *others], profile, config=config)
     else:
         answers = _answers(cached, profile, script)
@@ -156,7 +163,7 @@ def _tuned_resolution(answers: list[TunedAnswer], profile: HardwareProfile, *, c
     chosen, *rest = here
     return Resolution(
         _check_supported(chosen.policy, profile, chosen.label), chosen.label,
-        from_cache=chosen is not config, match_workload=True, alternatives=tuple(rest),
+        from_cache=chosen is not config, match_workload=True, alternatives=tuple(rest), args=chosen.args,
     )
 
 

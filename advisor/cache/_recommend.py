@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,7 @@ __all__ = [
     "nothing_cached_yet",
     "policy_of",
     "record_tune",
+    "recorded_args",
     "stale_entries",
     "stored_profile",
     "versions_of",
@@ -108,6 +110,7 @@ def record_tune(
     speedup_vs_fp32: float | None,
     goodput: float | None,
     store: Store | None = None,
+    args: Sequence[str] | None = None,
 ) -> int | None:
     """Store a tune's winner for this hardware and workload, with the trials behind it.
 
@@ -128,6 +131,9 @@ def record_tune(
         speedup_vs_fp32: the winner's goodput over the fp32 reference, if measured.
         goodput: the winner's samples per second, if measured (stored as 0.0 when unknown).
         store: an open store; default: the user's cache (``MPADVISE_HOME`` or XDG).
+        args: the script's command-line arguments the tune ran it with, kept in the summary
+            so that ``mpadvise run`` can tell a framework script run with others before the
+            framework builds the model (see :class:`TunedAnswer`); ``None`` when unknown.
 
     Returns:
         The new recommendation's id, or ``None`` when there is no usable cache (after one
@@ -150,6 +156,8 @@ def record_tune(
         "date": tuned.date,
         "model_signature": tuned.model_signature,
     }
+    if args is not None:
+        summary["args"] = [str(arg) for arg in args]
     owned = store is None
     if store is None:
         from advisor.cache._store import open_store
@@ -220,16 +228,22 @@ def _tuned_on(
 
 @dataclass(frozen=True)
 class TunedAnswer:
-    """A tune's answer for this script: the policy and where it came from.
+    """A tune's answer for this script: the policy, where it came from, and the script's
+    arguments it was tuned with.
 
     Attributes:
         policy: the tuned policy, with its ``[tuned_on]`` record.
         label: where it came from, for log lines (``"cache entry #7 (tuned 2025-03-01)"``,
             ``"config file /path/train.mpadvise.toml"``).
+        args: the script's command-line arguments at tuning time, where the tune recorded
+            them (``record_tune(args=...)``); ``None`` when unknown. The workload fingerprint
+            covers them too, but checking it needs the model and optimizer, which
+            ``mpadvise run`` does not have before a framework builds them.
     """
 
     policy: Policy
     label: str
+    args: tuple[str, ...] | None = None
 
 
 def cached_answers(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> list[TunedAnswer]:
@@ -301,7 +315,22 @@ def _answer(row: dict[str, Any], profile: HardwareProfile, path: Path) -> TunedA
             f"({why}); run `mpadvise tune` again"
         )
         return None
-    return TunedAnswer(policy, entry_label(row))
+    return TunedAnswer(policy, entry_label(row), recorded_args(row))
+
+
+def recorded_args(row: dict[str, Any]) -> tuple[str, ...] | None:
+    """The script's arguments a cache row was tuned with, when the tune recorded them.
+
+    Args:
+        row: a recommendation record from the store.
+
+    Returns:
+        The arguments, or ``None`` for a row that does not say (an older tune).
+    """
+    args = (row.get("summary") or {}).get("args")
+    if isinstance(args, list) and all(isinstance(arg, str) for arg in args):
+        return tuple(args)
+    return None
 
 
 def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> tuple[Policy, str] | None:

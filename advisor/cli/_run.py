@@ -9,16 +9,18 @@ written against the loop API applies its policy itself (``load_policy()``), so i
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import probes
 from advisor._entry import module_argv
 from advisor._load import POLICY_ENV, Resolution, resolve_policy
 from advisor._log import get_logger
-from advisor.cache._recommend import cached_answers
+from advisor.cache._recommend import TunedAnswer, cached_answers
 from advisor.frameworks import check_expressible, plan_for, refusal
 from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
 from advisor.runtime._applied import fallback_words, safe_fallback
@@ -28,37 +30,50 @@ from policies import Policy
 from probes import HardwareProfile, MpadviseError
 
 
-def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile) -> Resolution:
+def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile, args: Sequence[str] = ()) -> Resolution:
     """The policy ``mpadvise run`` applies: ``--config``, ``MPADVISE_POLICY``, the config beside
     the script, the cache, the safe default (the order ``load_policy()`` follows).
 
     The workload check that ``setup()`` makes for a tune's answer (cached, or the config file a
     tune wrote beside the script) cannot run before a framework builds the model, so here such
-    an answer applies only while the script is the one that was tuned (same content). Of the
-    tunes' answers for this script, the first tuned on its present content applies; without
-    one, ``safe_fallback`` applies (the safe default, or the tuned mode where that is safer), with
-    a warning.
+    an answer applies only to the script it was tuned on: the same content, and the same
+    arguments ``args`` where the tune recorded them (``record_tune(args=...)``; an answer that
+    does not say is judged on the content alone). Of the tunes' answers for this script, the
+    first tuned on both applies; without one, ``safe_fallback`` applies (the safe default, or the
+    tuned mode where that is safer), with a warning that says what differs.
     """
     resolution = resolve_policy(config, profile=profile, script=script, environ=os.environ, cached=cached_answers)
     if not resolution.match_workload:
         return resolution
-    digest = script_digest(script)
-    answers = [(resolution.policy, resolution.source), *((a.policy, a.label) for a in resolution.alternatives)]
-    for policy, source in answers:
-        tuned = policy.tuned_on
-        if tuned is None or tuned.script_digest in (None, digest):
-            if policy is resolution.policy:
+    digest, here = script_digest(script), tuple(args)
+    answers = [TunedAnswer(resolution.policy, resolution.source, resolution.args), *resolution.alternatives]
+    for answer in answers:
+        if not _differences(answer, digest, here, script):
+            if answer.policy is resolution.policy:
                 return resolution
-            get_logger().info(f"using {policy.describe()} from {source}, tuned on this content of {script.name}")
+            get_logger().info(f"using {answer.policy.describe()} from {answer.label}, tuned on this script and these arguments")
             # Only the first answer can be a config file's: the others are the cache's.
-            return Resolution(policy, source, from_cache=True, match_workload=True)
+            return Resolution(answer.policy, answer.label, from_cache=True, match_workload=True, args=answer.args)
     fallback = safe_fallback(resolution.policy, profile)
     using, source = fallback_words(fallback, profile)
     get_logger().warning(
-        f"not applying the policy from {resolution.source}: {script.name} was edited since it was tuned; "
+        f"not applying the policy from {resolution.source}: {'; '.join(_differences(answers[0], digest, here, script))}; "
         f"{using} for {profile.name}; run `mpadvise tune` again"
     )
     return Resolution(fallback, source, by_default=True)
+
+
+def _differences(answer: TunedAnswer, digest: str | None, args: tuple[str, ...], script: Path) -> list[str]:
+    """What tells this run of ``script`` from the one ``answer`` was tuned on, for people."""
+    tuned = answer.policy.tuned_on
+    differences = []
+    if tuned is not None and tuned.script_digest not in (None, digest):
+        differences.append(f"{script.name} was edited since it was tuned")
+    if answer.args is not None and answer.args != args:
+        differences.append(
+            f"it was tuned with the arguments {shlex.join(answer.args) or '(none)'}, this run has {shlex.join(args) or '(none)'}"
+        )
+    return differences
 
 
 def run_command(script: Path, script_args: list[str], *, config: Path | None, framework: str | None,
@@ -78,7 +93,7 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
             get_logger().warning("--device applies to framework scripts; a load_policy() script picks its own device")
         return _run([sys.executable, str(path), *script_args], env)
     profile = probes.profile_for(device)
-    resolution = resolve_for_run(path, config, profile)
+    resolution = resolve_for_run(path, config, profile, script_args)
     policy = resolution.policy
     if resolution.by_default and refusal(policy, plan.framework, device=profile.device) is not None:
         # mpadvise's own choice is a mode this framework lacks (pure bf16): fp32 is safe anywhere.

@@ -9,7 +9,8 @@ import pytest
 
 import probes
 from advisor._log import get_logger
-from advisor.cache._recommend import TunedAnswer
+from advisor.cache._recommend import TunedAnswer, record_tune
+from advisor.cache._store import Store
 from advisor.cli import _run
 from advisor.runtime._workload import script_digest
 from policies import Policy, TunedOn
@@ -99,3 +100,44 @@ def test_an_older_entry_tuned_on_this_content_applies(script, monkeypatch):
     assert resolution.policy.mode == "bf16-mixed" and resolution.source.startswith("cache entry #1")
     script.write_text("from transformers import Trainer  # edited again\n")
     assert _run.resolve_for_run(script, None, profile).source.startswith("safe default")
+
+
+def _record_with(script, profile, mode, args, workload):
+    policy = Policy(mode=mode, tuned_on=TunedOn(model_signature="0123456789abcdef", global_batch=512,
+                                                script_digest=script_digest(script), workload_fingerprint=workload))
+    assert record_tune(profile=profile, policy=policy, script=script, workload_fingerprint=workload, trials=[],
+                       speedup_vs_fp32=1.5, goodput=1.0, args=args) is not None
+
+
+def test_a_cached_answer_applies_to_the_arguments_it_was_tuned_with(script, cache_home, monkeypatch):
+    profile = probes.profile_for("cpu")
+    _record_with(script, profile, "bf16-mixed", ["--width", "1024"], "1111111111111111")
+    same = _run.resolve_for_run(script, None, profile, ["--width", "1024"])
+    assert same.policy.mode == "bf16-mixed" and same.source.startswith("cache entry #1")
+    lines = _Lines()
+    get_logger().addHandler(lines)
+    try:
+        other = _run.resolve_for_run(script, None, profile, ["--width", "64"])
+    finally:
+        get_logger().removeHandler(lines)
+    assert other.source.startswith("safe default")
+    assert any("tuned with the arguments --width 1024, this run has --width 64" in line for line in lines.lines)
+
+
+def test_the_config_file_a_tune_wrote_is_checked_against_its_arguments(script, cache_home):
+    # The file carries no arguments; the cache entry of the same tune (same workload) does.
+    profile = probes.profile_for("cpu")
+    _record_with(script, profile, "bf16-mixed", ["--width", "1024"], "1111111111111111")
+    with Store() as store:
+        (row,) = store.find_recommendations()
+    Policy.from_dict(row["policy"]).save(script.with_name("train.mpadvise.toml"))
+    assert _run.resolve_for_run(script, None, profile, ["--width", "1024"]).source.startswith("config file")
+    assert _run.resolve_for_run(script, None, profile, ["--width", "64"]).source.startswith("safe default")
+
+
+def test_the_entry_tuned_with_these_arguments_applies(script, cache_home):
+    profile = probes.profile_for("cpu")
+    _record_with(script, profile, "bf16-mixed", ["--width", "1024"], "1111111111111111")
+    _record_with(script, profile, "fp16-mixed", ["--width", "64"], "2222222222222222")
+    assert _run.resolve_for_run(script, None, profile, ["--width", "1024"]).policy.mode == "bf16-mixed"
+    assert _run.resolve_for_run(script, None, profile, ["--width", "64"]).policy.mode == "fp16-mixed"
