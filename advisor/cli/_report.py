@@ -188,6 +188,11 @@ def render_tune(tune: dict[str, Any], console: Console) -> None:
         console: where to print.
     """
     console.print(_tune_table(tune))
+    if tune.get("window_note"):
+        console.print(f"window: {tune['window_note']}", highlight=False)
+    if tune.get("extended_window"):
+        console.print(f"judged again on a longer window, their gap to fp32 growing: {', '.join(tune['extended_window'])}",
+                      highlight=False)
     spread = spread_line(tune.get("reference") or {}, tune.get("replicate"))
     if spread:
         console.print(spread, highlight=False)

@@ -39,8 +39,9 @@ from advisor.tune._trials import (
     Evaluation,
     Replicate,
     Runner,
-    check_reference,
+    Yardsticks,
     evaluate,
+    run_reference,
     run_replicate,
     samples_per_step,
 )
@@ -156,6 +157,9 @@ class TuneResult:
     remeasure_stop: str = STOP_OFF  # why re-measurement ended: STOP_SETTLED, STOP_ROUND_LIMIT, ...
     time_budget: float | None = None
     reference_rounds: list[float | None] = field(default_factory=list)  # fp32's goodput in each round
+    window_note: str = ""  # whether the measured window grew (fp32 still falling), or is short
+    measure_steps: int | None = None  # the measured window every trial used in the end
+    extended: list[str] = field(default_factory=list)  # candidates judged again on a longer window
 
     @property
     def winner_speedup(self) -> float | None:
@@ -238,6 +242,9 @@ class TuneResult:
             "replicate": None if self.replicate is None else self.replicate.to_dict(losses=False),
             "candidates": rows,
             "wall_s": self.wall_s,
+            "window_note": self.window_note,
+            "measure_steps": self.measure_steps,
+            "extended_window": list(self.extended),
         }
 
 
@@ -301,7 +308,8 @@ def tune_policy(
     clock = clock or time.monotonic
     start = clock()
     trials = _Trials(runner, thresholds or StabilityThresholds(), options.memory_limit_bytes, on_start, on_done)
-    reference = trials.run_reference()
+    reference = trials.run_reference(
+        deadline=None if options.time_budget is None else start + options.time_budget, clock=clock)
     user_batch = trials.user_batch
     # A script that shards with FSDP2 said so in its reference trial: the gradient reduction
     # dtype joins the space.
@@ -344,7 +352,9 @@ def tune_policy(
                       _scale_batch_note(winner, user_batch), ratios, clock() - start,
                       dropped=settled.dropped, remeasure_rounds=settled.rounds, replicate=trials.replicate,
                       speedup=speedup, remeasure_stop=settled.stop, time_budget=options.time_budget,
-                      reference_rounds=list(settled.companion.rounds) if settled.companion else [])
+                      reference_rounds=list(settled.companion.rounds) if settled.companion else [],
+                      window_note=trials.window_note, measure_steps=getattr(trials.runner, "measure_steps", None),
+                      extended=list(trials.yardsticks.extended) if trials.yardsticks else [])
 
 
 def _workload_facts(result: TrialResult) -> dict[str, str | None]:
@@ -364,6 +374,11 @@ class _Trials:
     evaluations: dict[Candidate, Evaluation] = field(default_factory=dict)
     reference: TrialResult | None = None
     replicate: Replicate | None = None
+    window_note: str = ""  # how run_reference settled the measured window
+    yardsticks: Yardsticks | None = None  # fp32 and its replicate per window, once the replicate ran
+    _asked: int | None = None
+    _deadline: float | None = None
+    _clock: Callable[[], float] = time.monotonic
 
     @property
     def user_batch(self) -> int | None:
@@ -379,16 +394,17 @@ class _Trials:
         """The usable replicate as the study keeps it, or ``None``."""
         return None if self.replicate_curve is None else self.replicate.to_dict()
 
-    def run_reference(self) -> Evaluation:
-        """Run fp32, the baseline every candidate is judged against.
+    def run_reference(self, *, deadline: float | None = None, clock: Callable[[], float] = time.monotonic) -> Evaluation:
+        """Run fp32, the baseline every candidate is judged against (``run_reference``).
 
         Raises:
             MpadviseError: the reference failed or is not finite.
         """
-        if self.on_start:
-            self.on_start("fp32 (reference)")
-        result = self.runner(Policy(mode="fp32"), "fp32")
-        check_reference(result)
+        # While fp32's loss still falls geometrically at the window's end, the window grows and
+        # every later trial (replicate, candidates, re-measurements) measures the longer one.
+        self._asked, self._deadline, self._clock = getattr(self.runner, "measure_steps", None), deadline, clock
+        result, self.runner, self.window_note = run_reference(
+            self.runner, thresholds=self.thresholds, on_start=self.on_start, deadline=deadline, clock=clock)
         self.reference = result
         return evaluate("fp32", Policy(mode="fp32"), result, result, thresholds=self.thresholds)
 
@@ -399,6 +415,10 @@ class _Trials:
         if reference is None:
             raise RuntimeError("run_replicate needs the reference: call run_reference first")
         self.replicate = run_replicate(self.runner, reference, stored=stored, on_start=self.on_start)
+        # From here on a candidate bending away from fp32 is judged on a longer window.
+        self.yardsticks = Yardsticks(self.runner, reference, self.replicate, thresholds=self.thresholds,
+                                     asked=self._asked, deadline=self._deadline, clock=self._clock,
+                                     on_start=self.on_start)
         ran = None if self.replicate is None else self.replicate.result
         if ran is not None and self.on_done:
             ev = evaluate(self.replicate.label, fp32, ran, None, thresholds=self.thresholds)
@@ -416,8 +436,11 @@ class _Trials:
 
     def record(self, cand: Candidate, policy: Policy, result: TrialResult) -> Measured:
         """Judge a result (the memory limit too), keep its evaluation, and report it."""
-        ev = evaluate(cand.label, policy, self._limit_memory(result), self.reference, thresholds=self.thresholds,
-                      replicate=self.replicate_curve)
+        if self.yardsticks is not None:
+            ev = self.yardsticks.evaluate(cand.label, policy, self._limit_memory(result))
+        else:  # the reference itself, recorded before its replicate ran
+            ev = evaluate(cand.label, policy, self._limit_memory(result), self.reference, thresholds=self.thresholds,
+                          replicate=self.replicate_curve)
         m = Measured(cand, ev.goodput or 0.0, feasible=ev.result.outcome == "ok", stable=ev.stable,
                      oom=ev.result.outcome == "oom", outcome=ev.outcome, reason=ev.reason,
                      verdict_kind=ev.verdict.kind if ev.verdict else "")
