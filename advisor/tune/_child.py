@@ -668,19 +668,21 @@ def underflow_counts(grads: list[torch.Tensor], *, scale: float, budget: int = U
         return None
     stride = max(1, total // budget)
     device = grads[0].device
-    pieces, sizes, offset = [], [], 0
+    pieces, owners, offset = [], [], 0
     with torch.no_grad():
         for g in grads:
             first = -offset % stride  # where the global every-stride-th sequence enters this tensor
             if first < g.numel():
                 pieces.append(g.detach().reshape(-1)[first::stride].to(device=device, dtype=torch.float32))
-                sizes.append(pieces[-1].numel())
+                owners.append(torch.full((pieces[-1].numel(),), len(owners), device=device))
             offset += g.numel()
         scaled = torch.cat(pieces).abs_().mul_(scale)  # cat copies: the gradients are not touched
-        tensor_of = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+        tensor_of = torch.cat(owners)
 
         def per_tensor(values: torch.Tensor) -> torch.Tensor:
-            return torch.bincount(tensor_of[values], minlength=len(sizes))
+            # index_add_ rather than bincount, which reads the largest index back to the host.
+            counts = torch.zeros(len(owners), dtype=torch.long, device=device)
+            return counts.index_add_(0, tensor_of, values.long())
 
         nonzero = (scaled > 0) & torch.isfinite(scaled)
         would_flush = nonzero & (scaled < FP16_MIN_SUBNORMAL)
