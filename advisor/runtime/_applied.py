@@ -179,7 +179,7 @@ class AppliedPolicy:
             if self._apply_other_answer(mismatch, lambda policy: self._batch_mismatch(policy, default)):
                 mismatch = None
         if mismatch is not None and not self._converted:
-            self._use_safe_default(mismatch.reason())
+            self._fall_back(mismatch.reason())
             mismatch = None
         self._split = batch_split(self.policy, default)
         if mismatch is not None:
@@ -243,8 +243,8 @@ class AppliedPolicy:
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """Move the model to the device and convert it for the mode.
 
-        A tuned policy that does not fit this workload (see the class) is replaced by the
-        hardware's safe default first, with one warning.
+        A tuned policy that does not fit this workload (see the class) is replaced first: by
+        another tune's answer for this workload, else by ``safe_fallback``, with one warning.
 
         Args:
             model: the model, on any device.
@@ -271,7 +271,7 @@ class AppliedPolicy:
         if mismatch is not None and not self._apply_other_answer(mismatch, self._workload_mismatch):
             # The answer was measured on another workload: its mode may be unstable or slow
             # for this one. Switch before the conversion below, which is what the mode changes.
-            self._use_safe_default(mismatch.reason())
+            self._fall_back(mismatch.reason())
         before = dict(model.named_parameters())
         dtypes = {name: parameter.dtype for name, parameter in before.items()}
         model = model.to(self.device)
@@ -327,7 +327,7 @@ class AppliedPolicy:
         self._alternatives.clear()
         return False
 
-    def _use_safe_default(self, why: str) -> None:
+    def _fall_back(self, why: str) -> None:
         """Replace the policy by ``safe_fallback`` (the safe default, or the tuned mode where it
         is safer), warning once.
 
