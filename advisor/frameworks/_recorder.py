@@ -16,7 +16,14 @@ import sys
 from typing import Any
 
 from advisor.runtime._workload import Workload
-from advisor.tune._child import DeviceClock, NoStepWatchdog, ResultWriter, StepWindow, _exit, perturb_parameters
+from advisor.tune._child import (
+    DeviceClock,
+    NoStepWatchdog,
+    ResultWriter,
+    StepWindow,
+    _exit,
+    perturb_parameters,
+)
 from probes._trial import TrialSpec, json_float
 
 
