@@ -223,6 +223,10 @@ def _tuned_on(
         cuda=profile.cuda_runtime or "",
         global_batch=earlier.global_batch,
         script_digest=earlier.script_digest,
+        # The speed-up's interval and basis, as the tune measured them (they go with its figure).
+        speedup_low=earlier.speedup_low,
+        speedup_high=earlier.speedup_high,
+        speedup_basis=earlier.speedup_basis,
     )
 
 

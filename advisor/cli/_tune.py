@@ -93,7 +93,7 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
         how = "read from its imports" if plan.detected else "--framework"
         get_logger().info(f"{path.name} trains with {plan.label} ({how}): the search covers what it can apply")
     result = _search(path, script_args, options, profile, study_name, progress_console, plan)
-    written, cache_id = _keep(result, options, profile, path)
+    written, cache_id = _keep(result, options, profile, path, script_args)
     payload = result.to_dict()
     payload.update(script=str(path), args=script_args, framework=plan.framework, calls_load_policy=calls_load_policy(path),
                    config_file=str(written) if written else None,
@@ -142,16 +142,16 @@ def _search(path: Path, script_args: list[str], options: TuneOptions, profile: H
 
 
 def _keep(result: TuneResult, options: TuneOptions, profile: HardwareProfile,
-          path: Path) -> tuple[Path | None, int | None]:
+          path: Path, script_args: list[str]) -> tuple[Path | None, int | None]:
     """Write the winner's config file and cache it; returns the file and the cache entry."""
     if result.policy is None:
         return None, None
     written = result.policy.save(Path(options.out) if options.out is not None else config_path_for(path))
-    cache_id = None if options.no_cache else _remember(result, profile, path)
+    cache_id = None if options.no_cache else _remember(result, profile, path, script_args)
     return written, cache_id
 
 
-def _remember(result: TuneResult, profile: Any, script: Path) -> int | None:
+def _remember(result: TuneResult, profile: Any, script: Path, script_args: list[str]) -> int | None:
     tuned_on = None if result.policy is None else result.policy.tuned_on
     if result.policy is None or tuned_on is None or not tuned_on.workload_fingerprint:
         return None
@@ -168,7 +168,7 @@ def _remember(result: TuneResult, profile: Any, script: Path) -> int | None:
         })
     return record_tune(
         profile=profile, policy=result.policy, script=str(script), workload_fingerprint=tuned_on.workload_fingerprint,
-        trials=rows, speedup_vs_fp32=tuned_on.speedup_vs_fp32, goodput=tuned_on.goodput,
+        trials=rows, speedup_vs_fp32=tuned_on.speedup_vs_fp32, goodput=tuned_on.goodput, args=script_args,
     )
 
 

@@ -44,7 +44,7 @@ def test_every_figure_of_the_winners_speed_up_is_the_same_number(tmp_path, cache
     script = tmp_path / "train.py"
     script.write_text("print('train')\n")
     options = TuneOptions(modes=MODES)
-    written, cache_id = cli_tune._keep(result, options, GPU, script)
+    written, cache_id = cli_tune._keep(result, options, GPU, script, [])
     payload = result.to_dict()
     payload.update(script=str(script), args=[], framework=None, config_file=str(written), cache_id=cache_id,
                    storage=None, study_name="s", hardware={"name": GPU.name})
@@ -77,7 +77,9 @@ def test_every_figure_of_the_winners_speed_up_is_the_same_number(tmp_path, cache
     with store:
         (row,) = store.find_recommendations(with_trials=True)
     assert row["id"] == cache_id and row["speedup_vs_fp32"] == figure
-    assert Policy.from_dict(row["policy"]).tuned_on.speedup_vs_fp32 == figure
+    cached = Policy.from_dict(row["policy"]).tuned_on
+    assert cached.speedup_vs_fp32 == figure
+    assert (cached.speedup_low, cached.speedup_high, cached.speedup_basis) == interval
     metrics = next(t["metrics"] for t in row["trials"] if t["metrics"]["label"] == result.winner.label)
     assert metrics["speedup_ratio"] == figure
     assert (metrics["speedup_low"], metrics["speedup_high"], metrics["speedup_basis"]) == interval
