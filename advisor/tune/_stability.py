@@ -60,8 +60,9 @@ class TrialCurve:
             gradients overflowed. Empty when no scaler was used (no step skipped).
         loss_scale: per step, the GradScaler's scale, ``None`` where no scaler ran. Empty when
             not recorded at all.
-        underflow: per step, the fraction of sampled nonzero gradient values whose scaled
-            magnitude ``|g| * loss_scale`` is below fp16's smallest subnormal value (2**-24):
+        underflow: per step, the fraction of sampled gradient values lost to fp16 underflow:
+            already flushed to zero by an fp16 backward, or nonzero with a scaled magnitude
+            ``|g| * loss_scale`` below fp16's smallest subnormal value (2**-24), which it would flush:
             an fp16 backward flushes them to zero. ``None`` where not measured (modes other
             than fp16). Empty when not recorded at all.
         lr: the learning rate of the trial, when known (only reported, never judged).
@@ -596,7 +597,8 @@ def _persistent_skips(c: _Comparison) -> Verdict | None:
 
 
 def _gradient_underflow(c: _Comparison) -> Verdict | None:
-    """On average more than ``max_underflow_fraction`` of scaled gradients below fp16's smallest subnormal."""
+    """On average more than ``max_underflow_fraction`` of sampled gradient values lost to fp16
+    underflow (flushed to zero already, or below fp16's smallest subnormal once scaled)."""
     s, t, metrics = c.scaler, c.t, c.metrics
     if not (s.underflow and metrics["mean_underflow"] > t.max_underflow_fraction):
         return None
@@ -606,8 +608,8 @@ def _gradient_underflow(c: _Comparison) -> Verdict | None:
         "underflow",
         f"{c.name} loses gradients to underflow: on average {_pct(metrics['mean_underflow'])} "
         f"of sampled gradient values (up to {_pct(metrics['max_underflow'])} on one step) "
-        f"fall below fp16's smallest subnormal (2^-24) once scaled, where an fp16 backward "
-        f"flushes them to zero, limit "
+        f"were flushed to zero or fall below fp16's smallest subnormal (2^-24) once scaled, "
+        f"where an fp16 backward flushes them, limit "
         f"{_pct(t.max_underflow_fraction)}{scale_note}; {c.advice('underflow')}",
         metrics,
     )
