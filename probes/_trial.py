@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from probes._errors import MpadviseError
+from probes._proctree import descendants as descendants  # re-exported: the tree walk lived here
+from probes._proctree import end_trial, launcher_argv
 
 OUTCOMES = ("ok", "oom", "unstable", "crash", "timeout", "unsupported", "no-step", "no-policy")
 """``unstable`` is decided later, against the fp32 reference; the rest are decided here."""
@@ -237,8 +239,10 @@ def run_trial(
     oom_before = oom_kill_count()
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+b") as err, tempfile.TemporaryFile("w+b") as out:
+        # Under the launcher (Linux), every process the script starts stays below the trial,
+        # even in a session of its own or once its parent has died, and none outlives the trial.
         proc = subprocess.Popen(
-            [python, *launch, str(script), *args],
+            [*launcher_argv(python), python, *launch, str(script), *args],
             stdout=out,
             stderr=err,
             stdin=subprocess.DEVNULL,
@@ -251,10 +255,10 @@ def run_trial(
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _kill_tree(proc)
+            end_trial(proc)
             code = proc.wait()
         except BaseException:
-            _kill_tree(proc)
+            end_trial(proc)
             proc.wait()
             raise
         err.seek(0)
@@ -643,74 +647,6 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
 
 def _number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.inf
-
-
-def descendants(parents: Mapping[int, int], root: int) -> list[int]:
-    """Every process below ``root``, children before their own children.
-
-    Args:
-        parents: each process's parent (pid -> ppid).
-        root: the process whose tree is wanted.
-    """
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parents.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = [], [root]
-    while todo:
-        for child in sorted(children.get(todo.pop(0), [])):
-            if child not in found and child != root:
-                found.append(child)
-                todo.append(child)
-    return found
-
-
-def _parent_pids(proc: str | os.PathLike[str] = "/proc") -> dict[int, int]:
-    """pid -> ppid of every process, from ``/proc``; empty where there is none (not Linux)."""
-    parents = {}
-    try:
-        entries = [e for e in os.listdir(proc) if e.isdigit()]
-    except OSError:
-        return {}
-    for entry in entries:
-        try:
-            with open(os.path.join(proc, entry, "stat")) as f:
-                stat = f.read()
-            # The command name is in parentheses and may hold spaces or parentheses itself.
-            parents[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    return parents
-
-
-def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """Kill the trial's process group and every process below it, in whatever group.
-
-    torchrun starts each worker in a session of its own, so killing the trial's group alone
-    would leave the workers running once torchrun is gone. The tree is read first and stopped,
-    then read again (a process forked meanwhile is caught), then killed, group by group.
-    """
-    groups: set[int] = set()
-    pids: set[int] = {proc.pid}
-    # SIGSTOP first: a stopped process forks nothing more while the tree is read again.
-    for sig in (int(getattr(signal, "SIGSTOP", SIGKILL)), SIGKILL):
-        pids |= set(descendants(_parent_pids(), proc.pid))
-        for pid in pids:
-            try:
-                groups.add(os.getpgid(pid))
-            except (ProcessLookupError, PermissionError):
-                pass
-        groups.add(proc.pid)  # the trial's own session, whose leader it is
-        for group in groups:
-            try:
-                os.killpg(group, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-    proc.kill()
 
 
 # torchrun ends a failed run with a report of its own: its traceback, then each worker's exit.

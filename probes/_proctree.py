@@ -1,0 +1,238 @@
+"""A trial's process tree: every process a trial starts stays findable, and ending it ends all.
+
+A script may start processes of its own, in sessions of their own (torchrun starts each worker
+with ``start_new_session=True``), so the trial's process group does not hold them all; and a
+process whose parent dies first is reparented to init, out of reach of a walk down from the
+trial (torchrun's workers, when its agent dies before them). On Linux a trial therefore runs
+under this file as its launcher (``launcher_argv``): the launcher makes itself a child
+subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``), so every orphan of the trial is reparented to
+the launcher instead of init, and the tree below the launcher is the whole trial for as long
+as the launcher lives. When its command ends, by itself or killed, the launcher kills what is
+left below it and then exits as its command did. On a timeout, the parent kills the tree below
+the launcher (``kill_tree``) and only then the launcher (``end_trial``).
+
+The launcher runs as a plain file (``python -I -S _proctree.py COMMAND...``), without the
+package or site-packages, so this module imports the standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import NoReturn
+
+PR_SET_CHILD_SUBREAPER = 36
+"""``prctl`` option (linux/prctl.h): orphans below this process are reparented to it."""
+SIGKILL = int(getattr(signal, "SIGKILL", 9))  # Windows has no SIGKILL; no tree is walked there
+SIGSTOP = int(getattr(signal, "SIGSTOP", 19))
+KILL_TIMEOUT = 30.0
+"""Seconds a kill waits for the processes to die (a CUDA process can take seconds to exit)."""
+
+ProcessTable = Mapping[int, tuple[int, str]]
+"""pid -> (parent pid, state letter as in ``/proc/PID/stat``: R, S, D, T, Z...)."""
+
+
+def launcher_argv(python: str) -> list[str]:
+    """What goes before a trial's command line so that it runs under the launcher.
+
+    Empty where there is no child subreaper (not Linux): there the trial runs as it is, and a
+    timeout kills its process group and whatever a walk of ``/proc`` finds below it.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    # -I -S: no site-packages and no script directory on sys.path, nothing from the environment.
+    return [python, "-I", "-S", str(Path(__file__).resolve())]
+
+
+def descendants(parents: Mapping[int, int], root: int) -> list[int]:
+    """Every process below ``root``, children before their own children.
+
+    Args:
+        parents: each process's parent (pid -> ppid).
+        root: the process whose tree is wanted.
+    """
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        for child in sorted(children.get(todo.pop(0), [])):
+            if child not in found and child != root:
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def live_descendants(table: ProcessTable, root: int) -> list[int]:
+    """The processes below ``root`` that still run: a zombie has ended (and has no children)."""
+    parents = {pid: ppid for pid, (ppid, _) in table.items()}
+    return [pid for pid in descendants(parents, root) if table[pid][1] not in ("Z", "X", "x")]
+
+
+def process_table(proc: str | os.PathLike[str] = "/proc") -> dict[int, tuple[int, str]]:
+    """Every process's parent and state, from ``/proc``; empty where there is none (not Linux)."""
+    table = {}
+    try:
+        entries = [e for e in os.listdir(proc) if e.isdigit()]
+    except OSError:
+        return {}
+    for entry in entries:
+        try:
+            with open(os.path.join(proc, entry, "stat")) as f:
+                stat = f.read()
+            # The command name is in parentheses and may hold spaces or parentheses itself.
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            table[int(entry)] = (int(ppid), state)
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+    return table
+
+
+def _send(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_tree(
+    root: int,
+    *,
+    timeout: float = KILL_TIMEOUT,
+    table: Callable[[], ProcessTable] = process_table,
+    send: Callable[[int, int], None] = _send,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> list[int]:
+    """SIGKILL every process below ``root`` (not ``root`` itself) and wait until none runs.
+
+    The tree is frozen first: each process found is stopped (SIGSTOP), and the tree is read
+    again until a read finds no process that was not stopped already. A stopped process
+    neither forks nor exits, so no child appears, and none is orphaned, between the reads.
+    Then every process below ``root`` is killed, and the tree read and killed again until no
+    process below it runs: a kill is not instant (a process with many threads or much memory
+    takes a while to exit, longer on a loaded machine), and a process that forked before its
+    stop took effect is caught by the next read. Below a child subreaper (the launcher),
+    a process orphaned meanwhile is still below ``root``.
+
+    Args:
+        root: the process whose descendants are killed.
+        timeout: seconds to wait for them all to end.
+        table, send, sleep, clock: the process table, ``os.kill``, ``time.sleep`` and
+            ``time.monotonic``; a test passes fakes.
+
+    Returns:
+        The processes still running below ``root`` when ``timeout`` ran out; empty when all
+        ended.
+    """
+    deadline = clock() + timeout
+    stopped: set[int] = set()
+    while clock() < deadline:
+        running = [pid for pid in live_descendants(table(), root) if pid not in stopped]
+        if not running:
+            break
+        for pid in running:
+            send(pid, SIGSTOP)
+        stopped.update(running)
+    while True:
+        live = live_descendants(table(), root)
+        if not live:
+            return []
+        for pid in live:
+            send(pid, SIGKILL)
+        if clock() >= deadline:
+            return live
+        sleep(0.01)
+
+
+def end_trial(proc: subprocess.Popen[bytes], *, timeout: float = KILL_TIMEOUT) -> list[int]:
+    """Kill a trial started in a session of its own (``start_new_session=True``): every
+    process below it, then its process group and itself.
+
+    Returns:
+        The processes that still ran below it after ``timeout`` (see ``kill_tree``).
+    """
+    left = kill_tree(proc.pid, timeout=timeout)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, SIGKILL)  # the session's leader's pid is its process group's
+    proc.kill()
+    return left
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (Linux); whether that worked."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _reap_ended() -> None:
+    """Reap every child that has ended, without waiting for the others."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _exit_as(code: int) -> NoReturn:
+    """End this process as a child whose ``Popen.returncode`` was ``code`` ended."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code >= 0:
+        os._exit(code)
+    sig = -code
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the command dumped its own core, if any
+        signal.signal(sig, signal.SIG_DFL)
+    except (ImportError, OSError, ValueError):
+        pass  # SIGKILL has no handler to reset
+    os.kill(os.getpid(), sig)
+    os._exit(128 + sig)  # a signal whose default action is not to terminate
+
+
+def launch(command: list[str]) -> NoReturn:
+    """Run ``command`` as a child subreaper's only child; exit as it exited, once no process
+    below this one runs."""
+    become_subreaper()
+
+    def end_on_signal(signum: int, frame: object) -> NoReturn:
+        kill_tree(os.getpid())
+        _exit_as(-signum)
+
+    for name in ("SIGTERM", "SIGHUP"):  # SIGKILL cannot be caught: the parent calls kill_tree
+        signal.signal(getattr(signal, name), end_on_signal)
+    try:
+        child = subprocess.Popen(command)
+    except OSError as exc:
+        print(f"mpadvise: cannot start {command[0]}: {exc}", file=sys.stderr)
+        _exit_as(127)
+    while True:
+        # Orphans reparented here are reaped as they end, until the command itself ends.
+        pid, status = os.wait()
+        if pid == child.pid:
+            break
+    kill_tree(os.getpid())
+    _reap_ended()
+    _exit_as(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        print(f"usage: python {sys.argv[0]} COMMAND [ARGS...]", file=sys.stderr)
+        sys.exit(2)
+    launch(sys.argv[1:])
