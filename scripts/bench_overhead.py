@@ -1,25 +1,35 @@
-"""Overhead of mpadvise's training loop against a hand-written torch.autocast + GradScaler loop.
+"""Overhead of mpadvise's training loop against a hand-written torch.autocast + GradScaler loop,
+and how a trial's measured step time compares with the same loop timed by hand.
 
 Same model, same data, same mode; the two loops are interleaved in one run (alternating which
 goes first each round) so machine noise hits both alike. Prints the median step time of each
 and their ratio per mode, and writes the table as JSON.
 
+The second table (``--trial-modes``) runs a trial of a training function (the recorder inside
+``step()``, in this process) and the same function through a plain policy, timed by hand,
+interleaved the same way: the trial's step time, which excludes the recorder's own work,
+should be the step a user times. ``control`` there times two plain runs timed by hand.
+
     .venv/bin/python scripts/bench_overhead.py [--rounds 15] [--steps 20] [--json out.json]
+    .venv/bin/python scripts/bench_overhead.py --modes --trial-rounds 21   # the trial table only
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from advisor import AppliedPolicy, Policy
+from advisor.tune._trials import FunctionRunner, TrialSettings
 from probes import cpu_profile
 
 HAND_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,
@@ -115,9 +125,87 @@ def measure(mode: str, *, width: int, batch: int, rounds: int, steps: int, warmu
     }
 
 
+# The trial comparison's model: many small layers, so that per-tensor work of the recorder (the
+# underflow sampling) would cost the most, as in tests/integration/test_timing_fair.py.
+TRIAL_DEPTH, TRIAL_WIDTH, TRIAL_BATCH = 16, 32, 32
+
+
+def trial_train(mp, marks: list[float] | None = None, steps: int | None = None) -> None:
+    """An MLP of many small layers; with ``marks``, each optimizer step's end is timed by hand."""
+    torch.manual_seed(0)
+    x = torch.randn(TRIAL_BATCH * 8, TRIAL_WIDTH)
+    y = (x @ torch.randn(TRIAL_WIDTH, 4)).argmax(1)
+    layers: list[nn.Module] = []
+    for _ in range(TRIAL_DEPTH):
+        layers += [nn.Linear(TRIAL_WIDTH, TRIAL_WIDTH), nn.LayerNorm(TRIAL_WIDTH), nn.ReLU()]
+    net = nn.Sequential(*layers, nn.Linear(TRIAL_WIDTH, 4))
+    model, optimizer = mp.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    batch = mp.micro_batch_size(TRIAL_BATCH)
+    done = 0
+    if marks is not None:
+        marks.append(time.perf_counter())
+    while True:
+        for i in range(0, len(x), batch):
+            xb, yb = mp.to_device(x[i : i + batch], y[i : i + batch])
+            with mp.autocast():
+                loss = F.cross_entropy(model(xb).float(), yb)
+            mp.step(loss, optimizer)
+            done += 1
+            if marks is not None:
+                marks.append(time.perf_counter())
+            if steps is not None and done >= steps:
+                return
+
+
+def hand_timed(mode: str, *, warmup: int, steps: int) -> float:
+    """Median step time of ``trial_train`` through a plain policy, timed by hand."""
+    marks: list[float] = []
+    mp = AppliedPolicy(Policy(mode=mode), profile=cpu_profile(), source="bench", device="cpu")
+    trial_train(mp, marks, steps=warmup + steps)
+    return statistics.median(b - a for a, b in list(zip(marks, marks[1:]))[warmup:])
+
+
+def trial_timed(mode: str, *, warmup: int, steps: int) -> float:
+    """Median of the step times a trial of ``trial_train`` measured."""
+    settings = TrialSettings(warmup_steps=warmup, measure_steps=steps, device="cpu")
+    result = FunctionRunner(trial_train, settings)(Policy(mode=mode), mode)
+    if result.outcome != "ok":
+        raise SystemExit(f"the {mode} trial failed ({result.outcome}): {result.reason}")
+    return statistics.median(result.step_times[warmup:])
+
+
+def measure_trial(mode: str, *, rounds: int, steps: int, warmup: int) -> dict:
+    """Trial against hand-timed step time for ``mode``, ``rounds`` interleaved pairs of runs."""
+    sides: dict[str, Callable[[], float]] = {
+        "hand": lambda: hand_timed("fp32" if mode == "control" else mode, warmup=warmup, steps=steps),
+        "trial": (lambda: hand_timed("fp32", warmup=warmup, steps=steps)) if mode == "control"
+        else (lambda: trial_timed(mode, warmup=warmup, steps=steps)),
+    }
+    for side in sides.values():
+        side()  # one run each first: the allocator and the autocast caches warm up
+    samples: dict[str, list[float]] = {"hand": [], "trial": []}
+    for r in range(rounds):
+        for name in (["hand", "trial"] if r % 2 == 0 else ["trial", "hand"]):
+            samples[name].append(sides[name]())
+    hand, trial = statistics.median(samples["hand"]), statistics.median(samples["trial"])
+    per_round = [t / h for t, h in zip(samples["trial"], samples["hand"])]
+    q = statistics.quantiles(per_round, n=4)
+    return {
+        "mode": mode,
+        "hand_ms": hand * 1e3,
+        "trial_ms": trial * 1e3,
+        "ratio": trial / hand,
+        "ratio_median_of_rounds": statistics.median(per_round),
+        "ratio_iqr": [q[0], q[2]],
+        "rounds": rounds,
+        "steps_per_run": steps,
+        "warmup_steps": warmup,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["control", *HAND_DTYPES],
+    parser.add_argument("--modes", nargs="*", default=["control", *HAND_DTYPES],
                         help="modes to compare; 'control' times two identical hand-written fp32 loops")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=128)
@@ -126,22 +214,39 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads; 1 keeps a shared 2-core machine's noise out of the ratio")
+    parser.add_argument("--trial-modes", nargs="*", default=["control", "fp16-mixed", "bf16-mixed"],
+                        help="modes whose trial step time is compared with the same loop timed by hand "
+                             "('control': two runs timed by hand); none to skip")
+    parser.add_argument("--trial-rounds", type=int, default=15, help="interleaved pairs of runs per trial mode")
+    parser.add_argument("--trial-steps", type=int, default=30, help="measured steps per run, after 3 warm-up steps")
     parser.add_argument("--json", dest="json_path", help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    logging.getLogger("mpadvise").setLevel(logging.WARNING)  # not one line per load_policy()
 
     rows = [measure(m, width=args.width, batch=args.batch, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
             for m in args.modes]
     machine = f"{platform.processor() or platform.machine()}, {cpu_profile().name}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     print(f"machine: {machine}")
-    print(f"MLP 256-{args.width}-{args.width}-10, batch {args.batch}, {args.rounds} interleaved rounds x {args.steps} steps")
-    print(f"{'mode':<12} {'hand ms':>9} {'mpadvise ms':>12} {'ratio':>7} {'per-round IQR':>16}")
+    if rows:
+        print(f"MLP 256-{args.width}-{args.width}-10, batch {args.batch}, {args.rounds} interleaved rounds x {args.steps} steps")
+        print(f"{'mode':<12} {'hand ms':>9} {'mpadvise ms':>12} {'ratio':>7} {'per-round IQR':>16}")
     for r in rows:
         print(f"{r['mode']:<12} {r['hand_ms']:>9.3f} {r['mpadvise_ms']:>12.3f} {r['ratio']:>7.3f} "
               f"{r['ratio_iqr'][0]:>7.3f}-{r['ratio_iqr'][1]:.3f}")
+    trial_rows = [measure_trial(m, rounds=args.trial_rounds, steps=args.trial_steps, warmup=3) for m in args.trial_modes]
+    if trial_rows:
+        if rows:
+            print()
+        print(f"trial vs hand-timed: MLP of {TRIAL_DEPTH} x (Linear {TRIAL_WIDTH}, LayerNorm, ReLU), batch {TRIAL_BATCH}, "
+              f"{args.trial_rounds} interleaved pairs of runs x {args.trial_steps} steps")
+        print(f"{'mode':<12} {'hand ms':>9} {'trial ms':>9} {'ratio':>7} {'per-pair IQR':>16}")
+        for r in trial_rows:
+            print(f"{r['mode']:<12} {r['hand_ms']:>9.3f} {r['trial_ms']:>9.3f} {r['ratio']:>7.3f} "
+                  f"{r['ratio_iqr'][0]:>7.3f}-{r['ratio_iqr'][1]:.3f}")
     if args.json_path:
         with open(args.json_path, "w") as fh:
-            json.dump({"machine": machine, "args": vars(args), "rows": rows}, fh, indent=2)
+            json.dump({"machine": machine, "args": vars(args), "rows": rows, "trial_rows": trial_rows}, fh, indent=2)
 
 
 if __name__ == "__main__":
