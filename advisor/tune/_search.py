@@ -341,17 +341,9 @@ def check_study_workload(storage: str | None, study_name: str, workload: Mapping
     shared = shared_storage(storage)
     if storage is None or not (resume or shared):
         return resume
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    backend, _ = _open(storage)
-    try:
-        with _quiet():
-            study = optuna.load_study(study_name=study_name, storage=backend)
-    except KeyError:  # no such study yet: nothing to continue
+    study = _stored_study(storage, study_name)
+    if study is None:  # no such study yet: nothing to continue
         return resume
-    except Exception as exc:  # an unreachable server, a locked file
-        raise MpadviseError(storage_error(storage, exc)) from None
     stored = study.user_attrs.get(STUDY_ATTR_WORKLOAD)
     changed = _workload_change(stored, workload)
     if shared:
@@ -413,21 +405,28 @@ def stored_replicate(storage: str | None, study_name: str) -> dict[str, Any] | N
     Raises:
         MpadviseError: the storage cannot be opened, naming the URL and the reason.
     """
-    if storage is None:
-        return None
+    study = None if storage is None else _stored_study(storage, study_name)
+    stored = None if study is None else study.user_attrs.get(STUDY_ATTR_REPLICATE)
+    return stored if isinstance(stored, dict) else None
+
+
+def _stored_study(storage: str, study_name: str) -> Any:
+    """The stored ``optuna.Study`` of that name, or ``None`` when there is none yet.
+
+    Raises:
+        MpadviseError: the storage cannot be opened, naming the URL and the reason.
+    """
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     backend, _ = _open(storage)
     try:
         with _quiet():
-            study = optuna.load_study(study_name=study_name, storage=backend)
-    except KeyError:  # no such study yet: nothing to resume
+            return optuna.load_study(study_name=study_name, storage=backend)
+    except KeyError:  # no such study yet
         return None
     except Exception as exc:  # an unreachable server, a locked file
         raise MpadviseError(storage_error(storage, exc)) from None
-    stored = study.user_attrs.get(STUDY_ATTR_REPLICATE)
-    return stored if isinstance(stored, dict) else None
 
 
 def worker_name() -> str:
