@@ -36,3 +36,61 @@ def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
         [sys.executable, "-m", "advisor.cli", *args],
         capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or ROOT,
     )
+
+
+@pytest.fixture(scope="session")
+def amx_bf16() -> bool:
+    """Whether this CPU has AMX-BF16, the one place a tune's bf16 speed-up is a fixed fact.
+
+    With AMX (Sapphire Rapids on) a wide bf16 matmul runs about 3x fp32's, so bf16-mixed wins
+    a tune on a wide MLP. Without it (AVX2 only, as on the AMD EPYC build machine) PyTorch
+    widens bf16 to fp32 around every matmul and a bf16-mixed step measures ~0.06x fp32's, so
+    fp32 wins. A test that asserts bf16 wins on speed asserts it only where this is true.
+    """
+    from probes import profile_for
+
+    return profile_for("cpu").has_flag("amx_bf16")
+
+
+@pytest.fixture
+def tuned_winner():
+    """Check a tune's JSON report chose as its own measurements say: ``tuned_winner(result)``
+    returns the winning candidate's row."""
+    return check_tuned_winner
+
+
+def check_tuned_winner(result: dict) -> dict:
+    """The winner's row of a tune's ``--json`` report, once checked against the tune's own numbers.
+
+    What holds on any CPU under any load: exactly one stable, feasible winner, the same one the
+    report names; the fastest stable candidate of the search made the final; and the winner
+    is the finalists' leader (the re-measured one when gaps were re-measured, else the fastest
+    of the search), or a safer finalist within the noise whose tie the tie note explains.
+
+    Returns:
+        The winner's row of ``result["candidates"]``.
+    """
+    rows = result["candidates"]
+    table = [(c["label"], c["outcome"], c["goodput"], c["reason"]) for c in rows]
+    winners = [c for c in rows if c["winner"]]
+    assert len(winners) == 1, table
+    winner = winners[0]
+    assert winner["stable"] and winner["feasible"] and winner["outcome"] == "ok", table
+    assert winner["label"] == result["winner_label"] and winner["mode"] == result["winner"]["mode"], table
+
+    finalists = {f["label"]: f for f in result["finalists"]}
+    assert winner["label"] in finalists, (winner["label"], list(finalists))
+    fastest = max((c for c in rows if c["stable"] and c["feasible"]), key=lambda c: c["goodput"])
+    assert fastest["label"] in finalists, (fastest["label"], list(finalists), table)
+
+    gaps = {label: f["gap_vs_leader"] for label, f in finalists.items() if f["gap_vs_leader"] is not None}
+    if gaps:
+        (leader,) = [label for label in finalists if label not in gaps]
+    else:
+        leader = max(finalists.values(), key=lambda f: f["goodput"])["label"]
+    if winner["label"] != leader:
+        # A safer finalist won a tie with the leader: re-measured, its gap is a tie or unresolved.
+        assert f"the safer {winner['label']} wins the tie" in result["tie_note"], (leader, result["tie_note"])
+        if gaps:
+            assert gaps[winner["label"]]["verdict"] in ("tie", "unresolved"), gaps
+    return winner

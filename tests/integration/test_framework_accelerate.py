@@ -1,6 +1,7 @@
 """An unmodified Accelerate script under ``mpadvise trial``, ``tune`` and ``run``: the candidate
 wins over the script's own ``mixed_precision="no"``, fp16's skipped steps and FP8's swapped
-layers are seen, bf16-mixed wins the tune on this CPU, and ``run`` applies the winner.
+layers are seen, a tune picks by its measurements (bf16-mixed on a CPU with AMX-BF16, fp32 on
+one without), and ``run`` applies the winner or a bf16-mixed config file.
 
 The script (``scripts/accelerate_wide_mlp.py``) writes what its first step ran in to
 ``--report DIR/<mixed precision>.json`` and prints the same line.
@@ -25,7 +26,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
 
 # One thread per trial process: on a shared 2-core machine, OpenMP's spinning worker threads
-# make step times swing tenfold whenever another process runs, which hides the bf16 speedup.
+# make step times swing tenfold whenever another process runs, which hides any real speed-up.
 _ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
@@ -73,10 +74,11 @@ def test_framework_flag_makes_a_script_without_imports_an_accelerate_trial(small
     assert data["framework"] == "accelerate"
     assert data["reference"]["outcome"] == "ok"
     assert set(candidates) == {"bf16-mixed", "fp16-mixed", "fp8-torchao"}
-    # The script's own set_seed(42) moved with the trial seed: fp32's replicate (seed 1) trained
-    # from other weights on another data order.
-    assert data["replicate"]["seed"] == 1
-    assert data["replicate"]["losses"][0] != data["reference"]["losses"][0]
+    # fp32's replicate runs fp32's seed with its initial weights perturbed once, where the
+    # adapter first sees the model (after the script's own set_seed(42)): its first loss differs.
+    replicate = data["replicate"]
+    assert (replicate["seed"], replicate["perturb"]) == (data["settings"]["seed"], "bf16")
+    assert not replicate["identical"] and replicate["losses"][0] != data["reference"]["losses"][0]
 
 
 def test_bf16_mixed_overrides_the_scripts_mixed_precision_no(small_trial):
@@ -94,7 +96,9 @@ def test_bf16_mixed_overrides_the_scripts_mixed_precision_no(small_trial):
 def test_fp16_runs_with_a_grad_scaler_on_the_cpu_and_its_skipped_steps_are_recorded(small_trial):
     _, candidates, reports = small_trial
     fp16 = candidates["fp16-mixed"]
-    assert fp16["outcome"] == "ok", fp16["stderr_tail"]
+    # It ran to the end; with a third of its steps skipped it may trail fp32 enough to be judged
+    # a stall, which is the verdict's business, not this test's.
+    assert fp16["outcome"] in ("ok", "unstable") and fp16["steps"] == 32, fp16["stderr_tail"]
     # Accelerate alone would train in fp32 on a CPU; the trial ran fp16 autocast with a scaler.
     assert any("GradScaler('cpu')" in note for note in fp16["notes"])
     assert reports["fp16"]["hidden_dtype"] == "torch.float16"
@@ -117,26 +121,45 @@ def test_fp8_torchao_runs_emulated_through_accelerates_ao_recipe(small_trial):
     assert abs(fp8["losses"][-1] - reference[-1]) < 0.05 * abs(reference[-1])
 
 
-def test_tune_picks_bf16_mixed_and_run_applies_it(tmp_path):
+# What the script's first step reports under each mode the tune below can pick.
+_REPORTED = {
+    "fp32": {"mixed_precision": "no", "hidden_dtype": "torch.float32", "loss_scale": None},
+    "bf16-mixed": {"mixed_precision": "bf16", "hidden_dtype": "torch.bfloat16", "loss_scale": None},
+}
+
+
+def test_tune_picks_by_measurement_and_run_applies_the_winner(tmp_path, amx_bf16, tuned_winner):
     script = tmp_path / "train.py"
     shutil.copy(SCRIPTS / "accelerate_wide_mlp.py", script)
     env = _env(tmp_path / "home", **_ONE_THREAD)
+    workload = ["--width", "1024", "--batch", "512"]
     proc = mpadvise("tune", str(script), "--trials", "2", "--steps", "30", "--warmup", "3", "--no-priors",
-                    "-m", "bf16-mixed", "--timeout", "120", "--json",
-                    "--", "--width", "1024", "--batch", "512", env=env)
+                    "-m", "bf16-mixed", "--timeout", "120", "--json", "--", *workload, env=env)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    winner = [c for c in result["candidates"] if c["winner"]]
-    assert len(winner) == 1 and winner[0]["mode"] == "bf16-mixed", [
-        (c["label"], c["goodput"], c["reason"]) for c in result["candidates"]]
-    assert winner[0]["speedup_vs_fp32"] > 1.2
+    winner = tuned_winner(result)
+    if amx_bf16:  # bf16 matmuls ~3x fp32's: a wide MLP trains faster in bf16-mixed
+        assert winner["mode"] == "bf16-mixed" and winner["speedup_vs_fp32"] > 1.2, result["candidates"]
+    assert winner["mode"] in _REPORTED, winner
     config = script.with_name("train.mpadvise.toml")
-    assert load_config(config).mode == "bf16-mixed"
+    policy = load_config(config)
+    assert policy.mode == winner["mode"]
 
-    run = mpadvise("run", str(script), "--", "--steps", "2", "--width", "64", env=env, timeout=120)
+    # The tuned answer applies to the arguments it was tuned with (other ones get the safe
+    # default): the run is the tuned workload itself, its 200 steps.
+    run = mpadvise("run", str(script), "--", *workload, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout.strip().splitlines()[0]) == {
-        "mixed_precision": "bf16", "hidden_dtype": "torch.bfloat16", "loss_scale": None}
+    assert json.loads(run.stdout.strip().splitlines()[0]) == _REPORTED[winner["mode"]]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("mpadvise: policy")]
+    assert lines == [f"mpadvise: policy {policy.describe()} through accelerate (from config file {config})"]
+
+
+def test_run_applies_a_bf16_mixed_config_over_the_scripts_mixed_precision_no(tmp_path):
+    config = Policy(mode="bf16-mixed").save(tmp_path / "bf16.mpadvise.toml")
+    run = mpadvise("run", str(SCRIPTS / "accelerate_wide_mlp.py"), "--config", str(config),
+                   "--", "--steps", "1", "--width", "64", env=_env(tmp_path / "home"), timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[0]) == _REPORTED["bf16-mixed"]
     lines = [line for line in run.stderr.splitlines() if line.startswith("mpadvise: policy")]
     assert lines == [f"mpadvise: policy bf16-mixed through accelerate (from config file {config})"]
 
