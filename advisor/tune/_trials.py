@@ -690,12 +690,11 @@ class Yardsticks:
     def __init__(self, runner: Runner, reference: TrialResult, replicate: Replicate | None, *,
                  thresholds: StabilityThresholds | None = None, asked: int | None = None,
                  deadline: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 on_start: Callable[[str], None] | None = None,
-                 on_extra: Callable[[str, Evaluation], None] | None = None) -> None:
+                 on_start: Callable[[str], None] | None = None) -> None:
         self.runner = runner
         self.thresholds = thresholds or StabilityThresholds()
         self.asked = asked if asked is not None else getattr(runner, "measure_steps", None)
-        self.deadline, self.clock, self.on_start, self.on_extra = deadline, clock, on_start, on_extra
+        self.deadline, self.clock, self.on_start = deadline, clock, on_start
         self.steps = getattr(runner, "measure_steps", None)
         self._at: dict[int | None, tuple[TrialResult, TrialCurve | None]] = {
             self.steps: (reference, None if replicate is None else replicate.curve)}
@@ -748,8 +747,6 @@ class Yardsticks:
                 get_logger().warning(f"{label} failed, so the window stays shorter: {exc}")
                 return None
             replicate = run_replicate(runner, reference, on_start=self.on_start)
-            if self.on_extra and replicate is not None and replicate.result is not None:
-                self.on_extra(replicate.label, evaluate(replicate.label, Policy(mode="fp32"), replicate.result, None))
             self._at[steps] = (reference, None if replicate is None else replicate.curve)
         return self._at[steps]
 
