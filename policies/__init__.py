@@ -13,7 +13,7 @@ with ``register_mode`` too.
 from __future__ import annotations
 
 from ._autocast import AutocastMode
-from ._base import PrecisionMode
+from ._base import ModeFacts, PrecisionMode
 from ._config import (
     SCHEMA,
     Fp8Options,
@@ -30,6 +30,7 @@ from ._registry import (
     mode_class,
     mode_classes,
     mode_dtypes,
+    mode_facts,
     mode_names,
     register_mode,
     safety_order,
@@ -63,6 +64,7 @@ __all__ = [
     "Fp8Options",
     "HardwareMismatch",
     "LossScale",
+    "ModeFacts",
     "ModeSupport",
     "Policy",
     "PolicyError",
@@ -76,6 +78,7 @@ __all__ = [
     "mode_class",
     "mode_classes",
     "mode_dtypes",
+    "mode_facts",
     "mode_names",
     "register_mode",
     "safe_default",

@@ -10,6 +10,7 @@ fp32 behaviour; a mode overrides only what differs.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._device import arch
@@ -21,6 +22,42 @@ if TYPE_CHECKING:
 
     from ._config import Policy
     from ._device import ModeSupport
+
+
+@dataclass(frozen=True)
+class ModeFacts:
+    """What a mode does to training, in the terms a framework's settings use.
+
+    Framework adapters and exporters translate these facts into their own settings; none of
+    them asks for a mode by name, so a new mode whose facts a framework can express is applied
+    and exported with no change there.
+
+    Attributes:
+        autocast: the dtype family (``"bf16"``, ``"fp16"``) the forward runs under autocast
+            in, or ``None`` for no autocast.
+        weights: the dtype family of the parameters and optimizer state (``"fp32"``, or
+            ``"bf16"``/``"fp16"`` for pure half training).
+        tf32: ``True`` turns TF32 matmuls on, ``False`` turns them off (exact fp32), ``None``
+            leaves the process's setting alone.
+        loss_scaling: whether the backward is scaled (a GradScaler), so ``[loss_scale]`` applies.
+        fp8_library: the library whose layers run matmuls in FP8 (``"transformer_engine"``,
+            ``"torchao"``), or ``None``.
+        fp8_default_recipe: the recipe run when the policy names none (FP8 modes only).
+    """
+
+    autocast: str | None = None
+    weights: str = "fp32"
+    tf32: bool | None = None
+    loss_scaling: bool = False
+    fp8_library: str | None = None
+    fp8_default_recipe: str | None = None
+
+    def fp8_recipe(self, policy: Policy) -> str | None:
+        """The FP8 recipe ``policy`` runs: its ``[fp8]`` recipe, else this mode's default."""
+        if self.fp8_library is None:
+            return None
+        options = policy.fp8
+        return options.recipe if options is not None and options.recipe else self.fp8_default_recipe
 
 
 class PrecisionMode:
@@ -69,6 +106,15 @@ class PrecisionMode:
         """Things a user should know about the conversion (layers kept in high precision...)."""
 
     # ---- what the mode is ---------------------------------------------------------------------
+
+    @classmethod
+    def facts(cls) -> ModeFacts:
+        """What this mode does, for the frameworks that apply and export it.
+
+        The base says: fp32 weights, no autocast, TF32 left alone, no loss scaling. The
+        families and modes override what differs.
+        """
+        return ModeFacts(loss_scaling=cls.loss_scaling)
 
     @classmethod
     def label(cls) -> str:

@@ -22,7 +22,7 @@ from probes._capability import (
 )
 from probes._errors import MpadviseError
 
-from ._base import PrecisionMode
+from ._base import ModeFacts, PrecisionMode
 from ._device import ModeSupport, arch, cc_text
 
 if TYPE_CHECKING:
@@ -134,6 +134,10 @@ class Fp8Mode(PrecisionMode):
     install: ClassVar[str]
     nothing_converted: ClassVar[str] = "no layer could run in FP8; this trains like fp32"
     recipe_titles: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def facts(cls) -> ModeFacts:
+        return ModeFacts(fp8_library=cls.library, fp8_default_recipe=cls.default_recipe)
 
     def __init__(self, policy: Policy, device: torch.device) -> None:
         super().__init__(policy, device)

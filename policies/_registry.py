@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from probes._errors import MpadviseError
 
-from ._base import PrecisionMode
+from ._base import ModeFacts, PrecisionMode
 from .bf16_mixed import Bf16Mixed
 from .bf16_true import Bf16True
 from .fp8_te import Fp8Te
@@ -184,6 +184,15 @@ def safety_rank(mode: str) -> int:
 def mode_dtypes() -> dict[str, str]:
     """``{mode: dtype family of its matmuls}`` for every registered mode (the search's priors)."""
     return {cls.name: cls.dtype_family for cls in _REGISTRY.values()}
+
+
+def mode_facts(mode: str) -> ModeFacts:
+    """What ``mode`` does, for framework adapters and exporters (``PrecisionMode.facts``).
+
+    Raises:
+        MpadviseError: an unknown mode, naming those registered.
+    """
+    return mode_class(mode).facts()
 
 
 def fp8_recipes() -> tuple[str, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._base import ModeFacts
 from ._half import HalfPrecisionMode
 
 
@@ -11,6 +12,10 @@ class TrueHalfMode(HalfPrecisionMode):
     No autocast and no master weights: updates smaller than half the dtype's spacing at the
     weight's magnitude are lost (the stall the stability check looks for).
     """
+
+    @classmethod
+    def facts(cls) -> ModeFacts:
+        return ModeFacts(weights=cls.dtype_family, loss_scaling=cls.loss_scaling)
 
     @classmethod
     def label(cls) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from ._base import PrecisionMode
+from ._base import ModeFacts, PrecisionMode
 from ._device import ModeSupport
 from ._switches import matmul_switches
 
@@ -19,6 +19,10 @@ class Fp32(PrecisionMode):
     name = "fp32"
     dtype_family = "fp32"
     safety_rank = 0
+
+    @classmethod
+    def facts(cls) -> ModeFacts:
+        return ModeFacts(tf32=False)
 
     @classmethod
     def support(cls, profile: HardwareProfile) -> ModeSupport:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from ._base import PrecisionMode
+from ._base import ModeFacts, PrecisionMode
 from ._device import ModeSupport, cc_text, gpu_text
 from ._switches import matmul_switches
 
@@ -19,6 +19,10 @@ class Tf32(PrecisionMode):
     name = "tf32"
     dtype_family = "tf32"
     safety_rank = 10
+
+    @classmethod
+    def facts(cls) -> ModeFacts:
+        return ModeFacts(tf32=True)
 
     @classmethod
     def advice(cls, kind: str) -> str:

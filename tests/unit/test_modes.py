@@ -119,6 +119,37 @@ def test_labels_and_knobs_of_the_builtin_modes() -> None:
     }
 
 
+def test_the_facts_frameworks_translate() -> None:
+    """What each built-in mode does, as adapters and exporters read it (never by name)."""
+    from policies import ModeFacts, mode_facts
+
+    assert mode_facts("fp32") == ModeFacts(tf32=False)
+    assert mode_facts("tf32") == ModeFacts(tf32=True)
+    assert mode_facts("fp16-mixed") == ModeFacts(autocast="fp16", loss_scaling=True)
+    assert mode_facts("bf16-mixed") == ModeFacts(autocast="bf16")
+    assert mode_facts("fp16-true") == ModeFacts(weights="fp16")
+    assert mode_facts("bf16-true") == ModeFacts(weights="bf16")
+    assert mode_facts("fp8-te") == ModeFacts(fp8_library="transformer_engine", fp8_default_recipe="delayed")
+    assert mode_facts("fp8-torchao") == ModeFacts(fp8_library="torchao", fp8_default_recipe="tensorwise")
+    te = mode_facts("fp8-te")
+    assert te.fp8_recipe(Policy(mode="fp8-te")) == "delayed"
+    assert te.fp8_recipe(Policy(mode="fp8-te", fp8=Fp8Options(recipe="mxfp8"))) == "mxfp8"
+    assert mode_facts("bf16-mixed").fp8_recipe(Policy(mode="bf16-mixed")) is None
+
+
+def test_a_mode_of_a_family_inherits_its_facts() -> None:
+    from policies import AutocastMode, TrueHalfMode
+
+    class Fp16Again(AutocastMode):
+        name, dtype_family, safety_rank = "fp16-again", "fp16", 31
+
+    class Bf16Pure(TrueHalfMode):
+        name, dtype_family, safety_rank = "bf16-pure", "bf16", 61
+
+    assert Fp16Again.facts().autocast == "fp16" and Fp16Again.facts().weights == "fp32"
+    assert Bf16Pure.facts().weights == "bf16" and Bf16Pure.facts().autocast is None
+
+
 def test_each_fp8_mode_checks_its_own_recipes() -> None:
     Policy(mode="fp8-te", fp8=Fp8Options(recipe="mxfp8"))
     with pytest.raises(PolicyError, match=r"fp8 \(fp8-te\)\.recipe: 'rowwise' is not allowed; expected one of delayed"):
