@@ -14,7 +14,7 @@ from advisor import _paths
 from advisor._log import get_logger
 from advisor.cache._recommend import TunedAnswer, cached_answers
 from advisor.runtime._applied import AppliedPolicy, fallback_words, safe_fallback
-from advisor.tune._child import applied_for_trial, spec_from_env
+from advisor.trial import applied_for_trial, spec_from_env
 from policies import (
     HardwareMismatch,
     Policy,

@@ -19,12 +19,12 @@ from advisor.cli._report import (
     trial_progress,
 )
 from advisor.frameworks import check_plan_modes, plan_for
+from advisor.trial import parse_memory
 from advisor.tune._checks import check_modes, check_script, default_trial_modes
 from advisor.tune._options import check_rank_device
 from advisor.tune._trials import ScriptRunner, TrialSettings, run_comparison
 from policies import Policy
 from probes import hardware_fingerprint
-from probes._trial import parse_memory
 
 EXIT_OK, EXIT_UNSTABLE = 0, 3
 

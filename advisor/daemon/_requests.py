@@ -7,9 +7,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model
 
 from advisor.daemon._config import MAX_ARGS, MAX_TEXT
+from advisor.trial import parse_memory
 from advisor.tune._options import option_info
 from probes import MpadviseError
-from probes._trial import parse_memory
 
 
 def _clean_text(value: str) -> str:

@@ -49,7 +49,7 @@ from policies import Fp8Options, Fp8Torchao, LossScale, Policy, create_mode
 from probes import MpadviseError
 
 if TYPE_CHECKING:
-    from advisor.frameworks._recorder import FrameworkRecorder
+    from advisor.trial import FrameworkRecorder
 
 _PATCHED = "__mpadvise_patched__"
 # Process-wide switches the policy sets for the life of the process (the trial is the process).

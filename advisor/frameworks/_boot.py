@@ -20,18 +20,19 @@ import probes
 from advisor._log import get_logger
 from advisor.frameworks._detect import FRAMEWORKS
 from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
-from advisor.frameworks._recorder import FrameworkRecorder, recorder_for
 from advisor.frameworks._traits import refusal
-from advisor.tune._child import (
-    _exit,
-    _install_excepthook,
+from advisor.trial import (
+    EXIT_UNSUPPORTED,
+    FrameworkRecorder,
+    end_trial_process,
+    install_excepthook,
+    recorder_for,
     seed_everything,
     spec_from_env,
     trial_candidate,
 )
 from policies import Policy, load_config
 from probes import MpadviseError
-from probes._trial import EXIT_UNSUPPORTED
 
 # Lightning's Trainer and Fabric share one adapter module.
 _ADAPTERS = {"lightning": "_lightning", "fabric": "_lightning", "transformers": "_transformers",
@@ -50,7 +51,7 @@ def _trial_policy(recorder: FrameworkRecorder, framework: str) -> Policy:
     policy = trial_candidate(recorder.spec, recorder.writer, profile=probes.profile_for(recorder.spec.device),
                              refusal=lambda p: refusal(p, framework))
     if policy is None:
-        _exit(EXIT_UNSUPPORTED)
+        end_trial_process(EXIT_UNSUPPORTED)
     return policy
 
 
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> None:
     recorder = None
     if spec is not None:
         recorder = recorder_for(spec)
-        _install_excepthook(recorder.writer)
+        install_excepthook(recorder.writer)
         policy = _trial_policy(recorder, framework)
         seed_everything(spec.seed)
         recorder.start()

@@ -18,9 +18,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable
 
-from advisor.tune._options import FRAMEWORK_CHOICES
-
-FRAMEWORKS: tuple[str, ...] = FRAMEWORK_CHOICES
+FRAMEWORKS: tuple[str, ...] = ("lightning", "fabric", "transformers", "accelerate")
 """The frameworks whose unmodified scripts mpadvise can tune and run."""
 
 LOOP_API = "advisor"

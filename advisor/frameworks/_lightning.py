@@ -41,7 +41,7 @@ from policies import Fp8Options, LossScale, Policy, create_mode
 from probes import MpadviseError
 
 if TYPE_CHECKING:
-    from advisor.frameworks._recorder import FrameworkRecorder
+    from advisor.trial import FrameworkRecorder
 
 # The flavours of Lightning: the unified package and the standalone ones, each with its own
 # classes (a Trainer of one takes plugins and callbacks of the same one only).

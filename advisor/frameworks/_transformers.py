@@ -29,12 +29,11 @@ from typing import TYPE_CHECKING, Any
 from advisor._log import get_logger
 from advisor.frameworks._traits import ACCELERATE_PRECISION, TRANSFORMERS_PRECISION
 from advisor.runtime._applied import BatchSplit, batch_split
-from advisor.tune._child import _exit
+from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
 from policies import Policy, create_mode
-from probes._trial import EXIT_UNSUPPORTED
 
 if TYPE_CHECKING:
-    from advisor.frameworks._recorder import FrameworkRecorder
+    from advisor.trial import FrameworkRecorder
 
 # What a trial turns off: work that only slows a short trial window (reporting to trackers,
 # checkpoints, pushes to the Hub, progress bars) and changes no numerics. NaN losses are
@@ -372,7 +371,7 @@ class TrainerHooks:
         """End the run: a trial as unsupported (it cannot run the candidate), a run with one error line."""
         if self.recorder is not None:
             self.recorder.writer.write(stage="unsupported", reason=reason)
-            _exit(EXIT_UNSUPPORTED)
+            end_trial_process(EXIT_UNSUPPORTED)
         sys.stderr.write(f"error: {reason}\n")
         raise SystemExit(1)
 

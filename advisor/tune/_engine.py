@@ -14,6 +14,7 @@ from typing import Any
 
 import probes
 from advisor.runtime._workload import script_digest
+from advisor.trial import TrialResult
 from advisor.tune._checks import check_modes
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import SearchOutcome, check_study_workload, run_search, stored_replicate
@@ -47,7 +48,6 @@ from advisor.tune._trials import (
 )
 from policies import Policy, TunedOn, safe_default_mode, supported_modes
 from probes import HardwareProfile, hardware_fingerprint
-from probes._trial import TrialResult
 
 # Rounds of interleaved re-measurement, in all, before a gap still unresolved is called a tie
 # (and the safer finalist wins it). Two pairs give the first interval; a finalist stops being

@@ -12,14 +12,15 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, get_type_hints
 
+from advisor.trial import parse_memory
 from probes import MpadviseError
-from probes._trial import parse_memory
 
-__all__ = ["FRAMEWORK_CHOICES", "OptionInfo", "TuneOptions", "check_rank_device", "option_info"]
+__all__ = ["OptionInfo", "TuneOptions", "check_rank_device", "option_info"]
 
 
 @dataclass(frozen=True)
@@ -120,13 +121,14 @@ def _path(option: OptionInfo, value: Any) -> str:
     return os.fspath(value)
 
 
-FRAMEWORK_CHOICES: tuple[str, ...] = ("lightning", "fabric", "transformers", "accelerate")
-"""The frameworks whose unmodified scripts a tune can run (``advisor.frameworks``)."""
+_FRAMEWORK_NAME = re.compile(r"[a-z][a-z0-9_-]{0,39}")
 
 
 def _framework(option: OptionInfo, value: Any) -> str:
-    if value not in FRAMEWORK_CHOICES:
-        raise option.refuse(value, f"one of {', '.join(FRAMEWORK_CHOICES)}")
+    # Which frameworks exist is the frameworks registry's to say (advisor.frameworks, a layer
+    # above this one); it names them when the script's plan is made, before any trial.
+    if not isinstance(value, str) or not _FRAMEWORK_NAME.fullmatch(value):
+        raise option.refuse(value, "a framework name such as lightning")
     return value
 
 
@@ -174,7 +176,7 @@ class TuneOptions:
                         job_limit=2**31 - 1)
     device: str | None = _option(None, "cpu or cuda:N; default: the first GPU, else the CPU.", _text, job=False)
     framework: str | None = _option(
-        None, "lightning, fabric, transformers or accelerate: how the script trains; default: read from its imports.",
+        None, "How the script trains (lightning, fabric, ...); default: read from its imports.",
         _framework)
     # Not for daemon jobs: the daemon gives each job one GPU slot.
     nproc_per_node: int = _option(1, "Processes per trial, launched through torchrun (one per GPU).", _whole_number,

@@ -24,14 +24,13 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import probes
 from advisor._entry import module_argv
 from advisor._log import get_logger
-from advisor.tune._child import run_in_process
+from advisor.trial import TrialResult, TrialSpec, classify, json_float, run_in_process, run_trial
 from advisor.tune._options import TuneOptions, check_rank_device
 from advisor.tune._spread import still_falling
 from advisor.tune._stability import StabilityThresholds, TrialCurve, Verdict, judge
 from advisor.tune._timing import TimingSummary, compare, goodput, summarize
 from policies import Policy
 from probes import HardwareProfile, MpadviseError
-from probes._trial import TrialResult, TrialSpec, classify, json_float, run_trial
 
 
 class Runner(Protocol):
@@ -198,7 +197,7 @@ class ScriptRunner:
 
     With ``wait_idle_on`` (a CUDA profile), each trial first waits until that GPU has no other
     compute process. ``launch`` goes between the interpreter and the script (see
-    ``probes._trial.run_trial``): how a framework script or a multi-process trial starts.
+    ``advisor.trial._protocol.run_trial``): how a framework script or a multi-process trial starts.
     """
 
     def __init__(

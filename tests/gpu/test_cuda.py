@@ -152,7 +152,7 @@ def test_memory_limit_is_a_real_cap_on_cuda(tmp_path):
         "mp.step(loss, opt)\n"
         "x = torch.empty(8 * 2**30, dtype=torch.uint8, device='cuda')\n"
     )
-    from probes._trial import TrialSpec, run_trial
+    from advisor.trial import TrialSpec, run_trial
 
     spec = TrialSpec(policy=Policy(mode="fp32").to_dict(), result_path=str(tmp_path / "r.json"), memory_limit=2**30)
     result = run_trial(script, [], spec, timeout=300)
@@ -293,7 +293,7 @@ while True:
 
 
 def test_a_trial_on_cuda_1_runs_and_times_on_device_1(tmp_path, second_gpu):
-    from probes._trial import TrialSpec, run_trial
+    from advisor.trial import TrialSpec, run_trial
 
     script = tmp_path / "on_device.py"
     script.write_text(DEVICE_SCRIPT)
@@ -348,7 +348,7 @@ while True:
 
 
 def test_torch_compile_with_cuda_graphs_records_every_steps_own_loss(tmp_path):
-    from probes._trial import TrialSpec, run_trial
+    from advisor.trial import TrialSpec, run_trial
 
     script = tmp_path / "compiled.py"
     script.write_text(COMPILED_SCRIPT)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from advisor.frameworks._plan import launch_argv
+from advisor.trial import TrialSpec, run_trial
 from policies import Policy
-from probes._trial import TrialSpec, run_trial
 
 ROOT = Path(__file__).resolve().parents[2]
 

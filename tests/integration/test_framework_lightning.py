@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from advisor.frameworks import plan_for
+from advisor.trial import TrialResult, TrialSpec, run_trial
 from policies import LossScale, Policy
-from probes._trial import TrialResult, TrialSpec, run_trial
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

@@ -16,8 +16,8 @@ import pytest
 
 from advisor.frameworks import detect_framework
 from advisor.frameworks._plan import launch_argv
+from advisor.trial import TrialResult, TrialSpec, run_trial
 from policies import Policy, load_config
-from probes._trial import TrialResult, TrialSpec, run_trial
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 SCRIPT = SCRIPTS / "hf_wide_mlp.py"

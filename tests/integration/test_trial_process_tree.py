@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from probes._proctree import launcher_argv
-from probes._trial import TrialSpec, run_trial
+from advisor.trial import TrialSpec, run_trial
+from advisor.trial._proctree import launcher_argv
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a child subreaper is Linux's")
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from advisor.tune import _child
+from advisor.trial import EXIT_NO_STEP, TrialSpec
+from advisor.trial import _child
 from policies import Policy
 from probes import HardwareProfile
-from probes._trial import EXIT_NO_STEP, TrialSpec
 
 CPU = HardwareProfile(kind="cpu", name="test CPU", cores=2)
 
@@ -70,7 +70,7 @@ def test_losses_are_copies_under_gradient_accumulation_too(tmp_path):
 def exits(monkeypatch) -> list[int]:
     """What the trial child would have exited with, instead of ending the test process."""
     codes: list[int] = []
-    monkeypatch.setattr(_child, "_exit", codes.append)
+    monkeypatch.setattr(_child, "end_trial_process", codes.append)
     monkeypatch.setattr(_child.atexit, "register", lambda fn: None)
     return codes
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 from fakes import FakeCudaTimeline, gpu_profile
 
-from advisor.tune import _child
+from advisor.trial import TrialSpec
+from advisor.trial import _child
 from policies import Policy
-from probes._trial import TrialSpec
 
 STEP_S = 0.010  # the GPU time one training step takes on the trial's device
 

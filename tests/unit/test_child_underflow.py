@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from advisor.tune import _child
+from advisor.trial import _child
 from advisor.tune._trials import FunctionRunner, TrialSettings
 from policies import Policy
 

@@ -18,11 +18,11 @@ from typer.testing import CliRunner
 from advisor import __version__
 from advisor.cli._app import app
 from advisor.cli._report import render_tune
+from advisor.trial import TrialResult
 from advisor.tune._engine import tune_policy
 from advisor.tune._options import TuneOptions, option_info
 from policies import Policy, TunedOn
 from probes import HardwareProfile
-from probes._trial import TrialResult
 
 runner = CliRunner()
 

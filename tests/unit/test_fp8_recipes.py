@@ -9,10 +9,9 @@ import pytest
 from fakes import gpu_profile
 
 from advisor._load import resolve_policy
-from advisor.tune._child import run_in_process
+from advisor.trial import TrialSpec, run_in_process
 from policies import Fp8Options, Policy, supported_modes
 from probes import HardwareProfile, MpadviseError
-from probes._trial import TrialSpec
 
 TE_21 = (("torchao", "0.18.0"), ("transformer_engine", "2.1.0"))
 TE_23 = (("torchao", "0.18.0"), ("transformer_engine", "2.3.0"))

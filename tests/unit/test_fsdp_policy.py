@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from advisor import AppliedPolicy, MpadviseError, Policy
 from advisor.runtime import FsdpPrecision, fsdp_precision
 from advisor.runtime._applied import rank_device
+from advisor.trial import TrialResult
 from advisor.tune._engine import tune_policy
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import _suggest
 from advisor.tune._space import REDUCE_CHOICES, Candidate, space_for
 from policies import MODES, PolicyError, supported_modes
 from probes import HardwareProfile
-from probes._trial import TrialResult
 
 CPU = HardwareProfile(kind="cpu", name="test CPU", cores=2, torch_version=torch.__version__, cpu_flags=("amx_bf16",))
 

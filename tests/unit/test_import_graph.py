@@ -23,12 +23,13 @@ ALLOWED = {"probes": {"probes"}, "policies": {"policies", "probes"}, "advisor": 
 ADVISOR_LAYERS = {
     "runtime": {"runtime"},
     "cache": {"cache"},
-    "tune": {"tune", "runtime"},
-    "_load": {"runtime", "tune", "cache"},
+    "tune": {"tune", "trial", "runtime"},
+    "_load": {"runtime", "trial", "tune", "cache"},
     "_hardware": set(),
-    "daemon": {"daemon", "cache", "tune", "_hardware"},
-    "frameworks": {"frameworks", "tune", "runtime"},
-    "cli": {"cli", "cache", "daemon", "tune", "runtime", "_load", "_hardware", "frameworks"},
+    "daemon": {"daemon", "cache", "tune", "trial", "_hardware"},
+    "frameworks": {"frameworks", "tune", "trial", "runtime"},
+    "trial": {"trial", "runtime"},
+    "cli": {"cli", "cache", "daemon", "tune", "trial", "runtime", "_load", "_hardware", "frameworks"},
     "__init__": {"_load", "runtime", "tune"},
 }
 ADVISOR_LEAVES = {"_entry", "_log", "_paths", "_secure", "_version"}

@@ -4,7 +4,7 @@ waits until each process has ended, and what it never touches."""
 
 from __future__ import annotations
 
-from probes._proctree import SIGKILL, SIGSTOP, kill_tree, live_descendants, process_table
+from advisor.trial._proctree import SIGKILL, SIGSTOP, kill_tree, live_descendants, process_table
 
 ROOT = 10  # the launcher, a child subreaper
 

@@ -7,12 +7,8 @@ import math
 
 import pytest
 
-from advisor.tune._child import spec_from_env
-from advisor.tune._options import TuneOptions
-from advisor.tune._trials import TORCHRUN_MODULE, TrialSettings
-from policies import Policy
-from probes import MpadviseError
-from probes._trial import (
+from advisor.trial import spec_from_env
+from advisor.trial._protocol import (
     TrialSpec,
     _tail,
     classify,
@@ -20,6 +16,10 @@ from probes._trial import (
     merge_rank_results,
     rank_result_path,
 )
+from advisor.tune._options import TuneOptions
+from advisor.tune._trials import TORCHRUN_MODULE, TrialSettings
+from policies import Policy
+from probes import MpadviseError
 
 SPEC = TrialSpec(policy={"mode": "bf16-mixed"}, result_path="/tmp/trial.json", warmup_steps=1, measure_steps=3,
                  nproc_per_node=2)

@@ -6,12 +6,12 @@ import math
 
 import pytest
 
+from advisor.trial import TrialResult
 from advisor.tune._engine import tune_policy
 from advisor.tune._options import TuneOptions, option_info
 from advisor.tune._space import Candidate, Measured, space_for, upper_bound
 from policies import Policy, supported_modes
 from probes import HardwareProfile
-from probes._trial import TrialResult
 
 GPU = HardwareProfile(kind="cuda", name="NVIDIA A100-SXM4-80GB", index=0, compute_capability=(8, 0),
                       memory_total=80 * 2**30, torch_version="2.13.0", libraries=(("torchao", "0.18.0"),))

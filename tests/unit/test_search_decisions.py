@@ -12,10 +12,10 @@ from rich.console import Console
 from test_search import FakeRunner, tune
 
 from advisor.cli._report import render_tune
+from advisor.trial import TrialResult
 from advisor.tune._engine import Finalist, _lead
 from advisor.tune._space import Candidate
 from policies import Policy
-from probes._trial import TrialResult
 
 
 class FlakyRunner(FakeRunner):

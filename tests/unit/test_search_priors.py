@@ -10,9 +10,9 @@ from rich.console import Console
 from test_search import RATIOS, FakeRunner, tune
 
 from advisor.cli._report import render_tune
+from advisor.trial import TrialResult
 from advisor.tune._space import Candidate, Measured, upper_bound
 from policies import Policy
-from probes._trial import TrialResult
 
 BOUND_KW = {"user_batch": 64, "reference_goodput": 100.0, "dtype_ratio": RATIOS}
 RATIO_BOUND = 100 * 12 * 1.25  # an unmeasured 16-bit mode: its matmul ratio, with slack

@@ -13,11 +13,11 @@ from rich.console import Console
 from test_search import FakeRunner, tune
 
 from advisor.cli._report import render_tune, tune_progress
+from advisor.trial import TrialResult
 from advisor.tune._engine import REMEASURE_MAX_ROUNDS
 from advisor.tune._space import Candidate
 from policies import Policy
 from probes import HardwareProfile
-from probes._trial import TrialResult
 
 MODES = ["fp32", "bf16-mixed", "bf16-true"]
 ROUND = re.compile(r"\(re-measure (\d+)\)")

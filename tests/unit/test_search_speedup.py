@@ -21,6 +21,7 @@ from advisor._log import get_logger
 from advisor.cache._store import open_store
 from advisor.cli import _tune as cli_tune
 from advisor.cli._report import render_tune
+from advisor.trial import TrialResult
 from advisor.tune import _search
 from advisor.tune._engine import Finalist, _paired
 from advisor.tune._options import TuneOptions
@@ -29,7 +30,6 @@ from advisor.tune._space import Candidate
 from advisor.tune._timing import paired_gap
 from policies import Policy, load_config
 from probes import MpadviseError
-from probes._trial import TrialResult
 
 
 def _tune_noisy(seed: int = 3):

@@ -12,6 +12,7 @@ import math
 import pytest
 
 from advisor._log import get_logger
+from advisor.trial import TrialResult
 from advisor.tune._engine import tune_policy
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import STUDY_ATTR_REPLICATE, stored_replicate
@@ -19,7 +20,6 @@ from advisor.tune._spread import Limits, Spread, final_gap, measure_spread
 from advisor.tune._trials import Replicate, run_comparison, run_reference, run_replicate
 from policies import Policy
 from probes import HardwareProfile
-from probes._trial import TrialResult
 
 STEPS = 60
 CPU = HardwareProfile(kind="cpu", name="cpu", cores=2, cpu_flags=("amx_bf16", "avx512_bf16"),

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from advisor.runtime._applied import AppliedPolicy, StepObserver
 from policies import Policy, PolicyError, supported_modes
 from probes import HardwareProfile
-from probes._trial import EXIT_NO_STEP, EXIT_UNSUPPORTED, TrialSpec, json_float, rank_result_path
+
+from ._protocol import EXIT_NO_STEP, EXIT_UNSUPPORTED, TrialSpec, json_float, rank_result_path
 
 if TYPE_CHECKING:
     import torch
@@ -154,10 +155,10 @@ def applied_for_trial(spec: TrialSpec, *, profile: HardwareProfile, device: str 
         return _CHILD_APPLIED
     writer = ResultWriter(spec.result_path)
     writer.write(stage="loaded", pid=os.getpid())
-    _install_excepthook(writer)
+    install_excepthook(writer)
     applied = _build(spec, writer, profile=profile, device=device, in_process=False)
     if applied is None:
-        _exit(EXIT_UNSUPPORTED)
+        end_trial_process(EXIT_UNSUPPORTED)
     _CHILD_APPLIED = applied
     return applied
 
@@ -281,7 +282,7 @@ class StepWindow:
 
     def _no_step(self) -> None:
         self.writer.write(stage="no-step")
-        _exit(EXIT_NO_STEP)
+        end_trial_process(EXIT_NO_STEP)
 
     def _at_exit(self) -> None:
         # The script ended by itself before the measured window was full: keep what it measured.
@@ -468,7 +469,7 @@ class TrialRecorder(StepObserver, StepWindow):
         if complete:
             if self.in_process:
                 raise TrialComplete
-            _exit(0)
+            end_trial_process(0)
 
     def close(self) -> None:
         """Stop what runs beside the trial (the RSS sampler) and give back the current device,
@@ -811,7 +812,7 @@ class TrialPeakRss:
         return self._peak
 
 
-def _install_excepthook(writer: ResultWriter) -> None:
+def install_excepthook(writer: ResultWriter) -> None:
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
@@ -824,7 +825,7 @@ def _install_excepthook(writer: ResultWriter) -> None:
     sys.excepthook = hook
 
 
-def _exit(code: int) -> NoReturn:
+def end_trial_process(code: int) -> NoReturn:
     """End the trial child now: the result is written, the script's remaining work is not needed."""
     sys.stdout.flush()
     sys.stderr.flush()

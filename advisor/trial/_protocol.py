@@ -1,6 +1,6 @@
-"""Trial runs: run a training script in a subprocess under one candidate policy and classify
-what happened. The child side (recording inside ``step()``) lives in ``advisor``; this module
-only speaks the plain-JSON spec and result files, so it needs neither torch nor the policies.
+"""The trial protocol, parent side: start a training script in a subprocess under one candidate
+policy, read its result file and classify what happened. It speaks only the plain-JSON spec and
+result files, so it needs neither torch nor the policies; the child side is ``_child``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from probes._errors import MpadviseError
-from probes._proctree import descendants as descendants  # re-exported: the tree walk lived here
-from probes._proctree import end_trial, launcher_argv
+
+from ._proctree import descendants as descendants  # re-exported: the tree walk lived here
+from ._proctree import end_trial, launcher_argv
 
 OUTCOMES = ("ok", "oom", "unstable", "crash", "timeout", "unsupported", "no-step", "no-policy")
 """``unstable`` is decided later, against the fp32 reference; the rest are decided here."""

@@ -1,5 +1,5 @@
 """The trial recorder for a framework script: fed by the framework's own hooks, it writes the
-same result file as the loop API's recorder (``advisor.tune._child``), so the parent judges a
+same result file as the loop API's recorder (``advisor.trial._child``), so the parent judges a
 Lightning, Hugging Face or Accelerate trial exactly as it judges any other.
 
 The framework's hooks call ``begin()`` before the first batch, ``step()`` once per optimizer
@@ -16,15 +16,16 @@ import sys
 from typing import Any
 
 from advisor.runtime._workload import Workload
-from advisor.tune._child import (
+
+from ._child import (
     DeviceClock,
     NoStepWatchdog,
     ResultWriter,
     StepWindow,
-    _exit,
+    end_trial_process,
     perturb_parameters,
 )
-from probes._trial import TrialSpec, json_float
+from ._protocol import TrialSpec, json_float
 
 
 class FrameworkRecorder(StepWindow):
@@ -163,7 +164,7 @@ class FrameworkRecorder(StepWindow):
             **self.batch,
         )
         if complete:
-            _exit(0)
+            end_trial_process(0)
 
 def _clock_for(device: str) -> DeviceClock:
     """The clock of a framework's device: CUDA events on a CUDA device, else the host clock."""
