@@ -73,6 +73,47 @@ class FrameworkTraits:
     needs_cuda: tuple[str, ...] = ()
     limits: tuple[str, ...] = ()
 
+    def refusal(self, policy: Policy, *, device: str | None = None) -> str | None:
+        """Why this framework cannot apply ``policy`` as it stands, or ``None`` when it can.
+
+        Args:
+            policy: the policy to apply.
+            device: ``"cpu"`` or ``"cuda..."`` where it would run, for the modes a framework
+                applies on CUDA only; ``None`` leaves the device out of the judgement.
+
+        Returns:
+            One line naming the part of the policy and what the framework lacks.
+        """
+        t, framework = self, self.name
+        if policy.mode not in t.modes:
+            return f"{framework} cannot apply mode {policy.mode} (it can apply {', '.join(t.modes)})"
+        if device is not None and not device.startswith("cuda") and policy.mode in t.needs_cuda:
+            return f"{framework} applies {policy.mode} on CUDA only: on {device} it would silently train in fp32"
+        split = policy.micro_batch_size is not None or (policy.grad_accum_steps or 1) > 1
+        if split and not t.sets_micro_batch:
+            return (f"{framework} cannot change the micro-batch: the script's DataLoader sets it "
+                    f"(the policy asks for micro-batch {policy.micro_batch_size} x {policy.grad_accum_steps or 1})")
+        if policy.grad_clip_norm is not None and not t.sets_grad_clip:
+            return f"{framework} leaves gradient clipping to the script: it cannot apply grad_clip_norm {policy.grad_clip_norm:g}"
+        ls = policy.loss_scale
+        if ls is not None and mode_class(policy.mode).loss_scaling:
+            # "none" included: a framework whose fp16 always builds a GradScaler cannot run without one.
+            if ls.kind not in t.loss_scale_kinds:
+                if ls.kind == "none":
+                    return f"{framework} always scales an fp16 loss with a GradScaler, and the policy has no loss scaling"
+                return f"{framework} cannot apply a {ls.kind} loss scale (only {', '.join(t.loss_scale_kinds)})"
+            if not t.loss_scale_settings:
+                changed = [k for k, v in _DEFAULT_LOSS_SCALE.items() if getattr(ls, k) != v]
+                if changed:
+                    return (f"{framework} cannot set GradScaler's {', '.join(changed)}: it always uses "
+                            "GradScaler's defaults (initial scale 65536, growth interval 2000)")
+        recipes = t.fp8_recipes.get(policy.mode)
+        if recipes is not None:
+            recipe = (policy.fp8.recipe if policy.fp8 is not None else None) or recipes[0]
+            if recipe not in recipes:
+                return f"{framework} cannot build the {policy.mode} recipe {recipe!r} (only {', '.join(recipes)})"
+        return None
+
 
 _DEFAULT_LOSS_SCALE = {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
@@ -148,46 +189,8 @@ def traits(framework: str) -> FrameworkTraits:
 
 
 def refusal(policy: Policy, framework: str, *, device: str | None = None) -> str | None:
-    """Why ``framework`` cannot apply ``policy`` as it stands, or ``None`` when it can.
-
-    Args:
-        policy: the policy to apply.
-        framework: one of ``FRAMEWORKS``.
-        device: ``"cpu"`` or ``"cuda..."`` where it would run, for the modes a framework
-            applies on CUDA only; ``None`` leaves the device out of the judgement.
-
-    Returns:
-        One line naming the part of the policy and what the framework lacks.
-    """
-    t = traits(framework)
-    if policy.mode not in t.modes:
-        return f"{framework} cannot apply mode {policy.mode} (it can apply {', '.join(t.modes)})"
-    if device is not None and not device.startswith("cuda") and policy.mode in t.needs_cuda:
-        return f"{framework} applies {policy.mode} on CUDA only: on {device} it would silently train in fp32"
-    split = policy.micro_batch_size is not None or (policy.grad_accum_steps or 1) > 1
-    if split and not t.sets_micro_batch:
-        return (f"{framework} cannot change the micro-batch: the script's DataLoader sets it "
-                f"(the policy asks for micro-batch {policy.micro_batch_size} x {policy.grad_accum_steps or 1})")
-    if policy.grad_clip_norm is not None and not t.sets_grad_clip:
-        return f"{framework} leaves gradient clipping to the script: it cannot apply grad_clip_norm {policy.grad_clip_norm:g}"
-    ls = policy.loss_scale
-    if ls is not None and mode_class(policy.mode).loss_scaling:
-        # "none" included: a framework whose fp16 always builds a GradScaler cannot run without one.
-        if ls.kind not in t.loss_scale_kinds:
-            if ls.kind == "none":
-                return f"{framework} always scales an fp16 loss with a GradScaler, and the policy has no loss scaling"
-            return f"{framework} cannot apply a {ls.kind} loss scale (only {', '.join(t.loss_scale_kinds)})"
-        if not t.loss_scale_settings:
-            changed = [k for k, v in _DEFAULT_LOSS_SCALE.items() if getattr(ls, k) != v]
-            if changed:
-                return (f"{framework} cannot set GradScaler's {', '.join(changed)}: it always uses "
-                        "GradScaler's defaults (initial scale 65536, growth interval 2000)")
-    recipes = t.fp8_recipes.get(policy.mode)
-    if recipes is not None:
-        recipe = (policy.fp8.recipe if policy.fp8 is not None else None) or recipes[0]
-        if recipe not in recipes:
-            return f"{framework} cannot build the {policy.mode} recipe {recipe!r} (only {', '.join(recipes)})"
-    return None
+    """Why ``framework`` cannot apply ``policy`` as it stands, or ``None`` (``FrameworkTraits.refusal``)."""
+    return traits(framework).refusal(policy, device=device)
 
 
 def check_expressible(policy: Policy, framework: str, *, source: str = "the policy",
