@@ -30,7 +30,8 @@ from advisor._log import get_logger
 from advisor.frameworks._traits import ACCELERATE_PRECISION, TRANSFORMERS_PRECISION
 from advisor.runtime._applied import BatchSplit, batch_split
 from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
-from policies import Policy, create_mode
+from policies import Policy, create_mode, mode_facts
+from probes import MpadviseError
 
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
@@ -62,6 +63,27 @@ AUTOCAST_DTYPE: Mapping[str, str | None] = {
     "fp16-mixed": "float16",
     "bf16-mixed": "bfloat16",
 }
+
+
+def transformers_precision(policy: Policy) -> dict[str, bool]:
+    """The ``TrainingArguments`` precision fields (``fp16``, ``bf16``, ``tf32``) for ``policy``,
+    from its mode's facts (pure).
+
+    The Trainer autocasts to bf16 or fp16 over fp32 weights, and switches TF32 on or off;
+    pure half weights (the model's dtype, set where the script loads it) and FP8 are not
+    fields of ``TrainingArguments``. A mode that leaves TF32 alone gets ``tf32=False``, the
+    field's meaning of "not asked".
+
+    Raises:
+        MpadviseError: the Hugging Face Trainer cannot express the policy's mode.
+    """
+    facts = mode_facts(policy.mode)
+    if facts.weights != "fp32" or facts.fp8_library is not None or facts.autocast not in (None, "bf16", "fp16"):
+        raise MpadviseError(
+            f"the Hugging Face Trainer cannot apply mode {policy.mode}: TrainingArguments express "
+            "fp16 or bf16 autocast over fp32 weights and the TF32 switch, not pure half weights or FP8"
+        )
+    return {"fp16": facts.autocast == "fp16", "bf16": facts.autocast == "bf16", "tf32": facts.tf32 is True}
 
 
 @dataclass(frozen=True)
