@@ -20,11 +20,11 @@ import math
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from advisor.frameworks._accelerate import accelerate_settings
 from advisor.frameworks._lightning import lightning_precision, transformer_engine_args
-from advisor.frameworks._traits import TRANSFORMERS_PRECISION, refusal
+from advisor.frameworks._traits import TRANSFORMERS_PRECISION, FrameworkTraits, traits
 from advisor.runtime._applied import batch_split, tuned_global_batch
 from policies import Fp8Te, Fp8Torchao, LossScale, Policy
 from policies._config import default_reduce_dtype
@@ -132,10 +132,41 @@ def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: 
         ExportRefused: the target cannot express the policy; one line saying what and why.
     """
     check_target(target)
-    if device not in DEVICES:
-        raise UsageError(f"unknown device {device!r} for an export; expected one of {', '.join(DEVICES)}")
-    job = _Job(policy, target, device, source)
-    return _WRITERS[target](job)
+    exporter = EXPORTERS[target]()
+    framework = traits(target) if target in _TUNED_FRAMEWORKS else None
+    return exporter.export(policy, traits=framework, device=device, source=source)
+
+
+class Exporter:
+    """Writes a Policy in one target's own settings: faithful, or refused with the reason.
+
+    A subclass names its target (``mpadvise export --to TARGET``) and overrides ``write``.
+    """
+
+    target: ClassVar[str]
+    title: ClassVar[str]
+
+    def export(self, policy: Policy, *, traits: FrameworkTraits | None, device: str,
+               source: str | None) -> Export:
+        """``policy`` as this target's settings.
+
+        Args:
+            policy: the policy to export.
+            traits: the framework's traits, which judge what it can apply; ``None`` for the
+                export-only targets (DeepSpeed, torchtitan), which judge for themselves.
+            device: ``"cuda"`` or ``"cpu"``, where the export will train.
+            source: where the policy came from (a config path), for the header.
+
+        Raises:
+            UsageError: an unknown device.
+            ExportRefused: the target cannot express the policy; one line saying what and why.
+        """
+        if device not in DEVICES:
+            raise UsageError(f"unknown device {device!r} for an export; expected one of {', '.join(DEVICES)}")
+        return self.write(_Job(policy, self.target, device, source, traits))
+
+    def write(self, job: _Job) -> Export:
+        raise NotImplementedError
 
 
 # ---- shared -----------------------------------------------------------------------------------
@@ -149,6 +180,7 @@ class _Job:
     target: str
     device: str
     source: str | None
+    traits: FrameworkTraits | None = None
     warnings: list[ExportWarning] = field(default_factory=list)
 
     def refuse(self, reason: str) -> ExportRefused:
@@ -164,7 +196,9 @@ class _Job:
 
     def check_framework(self, policy: Policy | None = None) -> None:
         """The traits' refusal for the four frameworks mpadvise tunes through."""
-        reason = refusal(policy or self.policy, self.target, device=self.device)
+        if self.traits is None:
+            return
+        reason = self.traits.refusal(policy or self.policy, device=self.device)
         if reason is not None:
             raise self.refuse(reason)
 
@@ -771,11 +805,56 @@ def _torchtitan(job: _Job) -> Export:
     return job.done(_code([*job.header(), *about], imports, switches, converter, function), "python", data)
 
 
-_WRITERS = {
-    "lightning": _lightning,
-    "fabric": _lightning,
-    "transformers": _transformers,
-    "accelerate": _accelerate,
-    "deepspeed": _deepspeed,
-    "torchtitan": _torchtitan,
-}
+class LightningExporter(Exporter):
+    target = "lightning"
+    title = "the Lightning Trainer"
+
+    def write(self, job: _Job) -> Export:
+        return _lightning(job)
+
+
+class FabricExporter(Exporter):
+    target = "fabric"
+    title = "Lightning Fabric"
+
+    def write(self, job: _Job) -> Export:
+        return _lightning(job)
+
+
+class TransformersExporter(Exporter):
+    target = "transformers"
+    title = "the Hugging Face Trainer"
+
+    def write(self, job: _Job) -> Export:
+        return _transformers(job)
+
+
+class AccelerateExporter(Exporter):
+    target = "accelerate"
+    title = "Accelerate"
+
+    def write(self, job: _Job) -> Export:
+        return _accelerate(job)
+
+
+class DeepSpeedExporter(Exporter):
+    target = "deepspeed"
+    title = "DeepSpeed"
+
+    def write(self, job: _Job) -> Export:
+        return _deepspeed(job)
+
+
+class TorchtitanExporter(Exporter):
+    target = "torchtitan"
+    title = "torchtitan"
+
+    def write(self, job: _Job) -> Export:
+        return _torchtitan(job)
+
+
+EXPORTERS: Mapping[str, type[Exporter]] = {cls.target: cls for cls in (
+    LightningExporter, FabricExporter, TransformersExporter, AccelerateExporter, DeepSpeedExporter,
+    TorchtitanExporter)}
+# The frameworks mpadvise tunes through, whose traits judge an export.
+_TUNED_FRAMEWORKS = ("lightning", "fabric", "transformers", "accelerate")
