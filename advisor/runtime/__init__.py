@@ -1,12 +1,43 @@
 """The runtime a training script meets: ``AppliedPolicy`` (setup, autocast, step, checkpoints)
 and the workload fingerprints it takes of the model and optimizer.
 
-Arrows: runtime uses ``policies`` and ``probes`` only; ``tune`` and the loader build on it.
+Public surface: ``AppliedPolicy`` and its step hook ``StepObserver``; the safe fallback when a
+tuned policy does not apply (``safe_fallback``, ``fallback_words``); how a global batch splits
+into micro-batches (``BatchSplit``, ``batch_split``, ``tuned_global_batch``); FSDP2's mixed
+precision (``FsdpPrecision``, ``fsdp_precision``); and the workload's fingerprints
+(``Workload``, ``model_signature``, ``workload_fingerprint``, ``script_digest``).
+
+Arrows: runtime uses ``policies`` and ``probes`` only; ``trial``, ``tune`` and the loader build
+on it.
 """
 
 from __future__ import annotations
 
-from advisor.runtime._applied import AppliedPolicy, FsdpPrecision, StepObserver, fsdp_precision
-from advisor.runtime._workload import model_signature, workload_fingerprint
+from advisor.runtime._applied import (
+    AppliedPolicy,
+    BatchSplit,
+    FsdpPrecision,
+    StepObserver,
+    batch_split,
+    fallback_words,
+    fsdp_precision,
+    safe_fallback,
+    tuned_global_batch,
+)
+from advisor.runtime._workload import Workload, model_signature, script_digest, workload_fingerprint
 
-__all__ = ["AppliedPolicy", "FsdpPrecision", "StepObserver", "fsdp_precision", "model_signature", "workload_fingerprint"]
+__all__ = [
+    "AppliedPolicy",
+    "BatchSplit",
+    "FsdpPrecision",
+    "StepObserver",
+    "Workload",
+    "batch_split",
+    "fallback_words",
+    "fsdp_precision",
+    "model_signature",
+    "safe_fallback",
+    "script_digest",
+    "tuned_global_batch",
+    "workload_fingerprint",
+]

@@ -3,11 +3,15 @@
 The protocol between the two processes lives here and nowhere else:
 
 * the parent side (``_protocol``): ``TrialSpec`` (what to run), ``run_trial`` (the launcher,
-  with its process-tree handling in ``_proctree``), the result file, ``TrialResult`` and
-  ``classify`` (the pure outcome decision), and the merge of several ranks' results;
-* the child side (``_child``): what ``load_policy()`` does when a candidate is injected, and
-  the recorder that ``step()`` feeds; ``_recorder`` is the same recorder fed by a framework's
-  hooks (Lightning, the HF Trainer, Accelerate).
+  with its process-tree handling in ``_proctree``), the result file (its fields declared once
+  in ``RESULT_FIELDS``, its stages in ``Stage``), ``TrialResult`` and ``classify`` (the pure
+  outcome decision, which rejects a result with an undeclared field), and the merge of several
+  ranks' results; the child's environment (``TRIAL_SPEC_ENV``, ``POLICY_ENV``) is named there
+  too, once for the launcher that sets it and the child that reads it;
+* the child side (``_child``): what ``load_policy()`` does when a candidate is injected, the
+  ``ResultWriter`` and the recorder that ``step()`` feeds; ``_recorder`` is the same recorder
+  fed by a framework's hooks (Lightning, the HF Trainer, Accelerate). Both recorders build the
+  result file's measurements in one place (``StepWindow.result_payload``).
 
 Arrows: this package uses ``runtime`` (the applied policy and its step hook, workload
 fingerprints); ``tune`` (which judges trials) and ``frameworks`` (which apply a policy inside
@@ -18,9 +22,12 @@ from __future__ import annotations
 
 from ._child import (
     UNDERFLOW_EVERY,
+    ResultWriter,
+    StepWindow,
     applied_for_trial,
     end_trial_process,
     install_excepthook,
+    perturb_parameters,
     run_in_process,
     seed_everything,
     spec_from_env,
@@ -29,11 +36,19 @@ from ._child import (
 from ._protocol import (
     EXIT_NO_STEP,
     EXIT_UNSUPPORTED,
+    OUTCOMES,
+    POLICY_ENV,
+    RESULT_FIELDS,
+    TRIAL_SPEC_ENV,
+    ResultField,
+    Stage,
     TrialResult,
     TrialSpec,
     classify,
     json_float,
+    merge_rank_results,
     parse_memory,
+    rank_result_path,
     run_trial,
 )
 from ._recorder import FrameworkRecorder, recorder_for
@@ -41,8 +56,16 @@ from ._recorder import FrameworkRecorder, recorder_for
 __all__ = [
     "EXIT_NO_STEP",
     "EXIT_UNSUPPORTED",
+    "OUTCOMES",
+    "POLICY_ENV",
+    "RESULT_FIELDS",
+    "TRIAL_SPEC_ENV",
     "UNDERFLOW_EVERY",
     "FrameworkRecorder",
+    "ResultField",
+    "ResultWriter",
+    "Stage",
+    "StepWindow",
     "TrialResult",
     "TrialSpec",
     "applied_for_trial",
@@ -50,7 +73,10 @@ __all__ = [
     "end_trial_process",
     "install_excepthook",
     "json_float",
+    "merge_rank_results",
     "parse_memory",
+    "perturb_parameters",
+    "rank_result_path",
     "recorder_for",
     "run_in_process",
     "run_trial",

@@ -22,16 +22,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from advisor.runtime._applied import AppliedPolicy, StepObserver
+from advisor.runtime import AppliedPolicy, StepObserver
 from policies import Policy, PolicyError, supported_modes
 from probes import HardwareProfile
 
-from ._protocol import EXIT_NO_STEP, EXIT_UNSUPPORTED, TrialSpec, json_float, rank_result_path
+from ._protocol import (
+    EXIT_NO_STEP,
+    EXIT_UNSUPPORTED,
+    RANK_ENV,
+    TRIAL_SPEC_ENV,
+    Stage,
+    TrialSpec,
+    json_float,
+    rank_result_path,
+    unknown_result_fields,
+)
 
 if TYPE_CHECKING:
     import torch
-
-TRIAL_SPEC_ENV = "MPADVISE_TRIAL_SPEC"
 
 # fp16's smallest subnormal value. A gradient whose scaled magnitude |g| * loss_scale is below
 # it rounds to zero in an fp16 backward: the loss Micikevicius et al. (2018) measured (about 5%
@@ -82,7 +90,7 @@ def spec_from_env() -> TrialSpec | None:
         return None
     spec = TrialSpec.from_json(Path(path).read_text())
     if spec.nproc_per_node > 1:
-        rank = os.environ.get("RANK", "0")
+        rank = os.environ.get(RANK_ENV, "0")
         spec = dataclasses.replace(spec, result_path=rank_result_path(spec.result_path, int(rank) if rank.isdigit() else 0))
     return spec
 
@@ -95,6 +103,15 @@ class ResultWriter:
         self.data: dict[str, Any] = {}
 
     def write(self, **fields: Any) -> None:
+        """Add ``fields`` to the result and write it whole.
+
+        Raises:
+            ValueError: a field that ``RESULT_FIELDS`` does not declare, which the parent
+                would reject.
+        """
+        unknown = unknown_result_fields(fields)
+        if unknown:
+            raise ValueError(f"the trial result has no fields {unknown}; declare them in RESULT_FIELDS")
         self.data.update(fields)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(self.data, default=str))
@@ -154,7 +171,7 @@ def applied_for_trial(spec: TrialSpec, *, profile: HardwareProfile, device: str 
     if _CHILD_APPLIED is not None:  # a script that calls load_policy() twice gets one recorder
         return _CHILD_APPLIED
     writer = ResultWriter(spec.result_path)
-    writer.write(stage="loaded", pid=os.getpid())
+    writer.write(stage=Stage.LOADED, pid=os.getpid())
     install_excepthook(writer)
     applied = _build(spec, writer, profile=profile, device=device, in_process=False)
     if applied is None:
@@ -180,7 +197,7 @@ def trial_candidate(
     try:
         policy = Policy.from_dict(spec.policy, source="trial spec")
     except PolicyError as exc:
-        writer.write(stage="unsupported", reason=str(exc))
+        writer.write(stage=Stage.UNSUPPORTED, reason=str(exc))
         return None
     reason = refusal(policy) if refusal is not None else None
     if reason is None:
@@ -189,7 +206,7 @@ def trial_candidate(
         if not support.supported:
             reason = f"{policy.mode} cannot run on {profile.name}: {support.reason}"
     if reason is not None:
-        writer.write(stage="unsupported", reason=reason)
+        writer.write(stage=Stage.UNSUPPORTED, reason=reason)
         return None
     return policy
 
@@ -221,7 +238,7 @@ def run_in_process(train_fn: Any, spec: TrialSpec, *, profile: HardwareProfile) 
     # the exception that ended it): free them, or they count in this trial's memory.
     gc.collect()
     writer = ResultWriter(spec.result_path)
-    writer.write(stage="loaded")
+    writer.write(stage=Stage.LOADED)
     applied = _build(spec, writer, profile=profile, device=spec.device, in_process=True)
     if applied is None:
         return writer.data, None
@@ -234,7 +251,7 @@ def run_in_process(train_fn: Any, spec: TrialSpec, *, profile: HardwareProfile) 
         pass
     except Exception as exc:  # the trial's outcome, not ours: classify it
         message = str(exc).splitlines()[0] if str(exc) else ""
-        writer.write(stage="exception", exception={"type": type(exc).__name__, "message": message, "at": time.time()})
+        writer.write(stage=Stage.EXCEPTION, exception={"type": type(exc).__name__, "message": message, "at": time.time()})
         error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     else:
         if recorder._stepped_once:
@@ -249,22 +266,81 @@ class StepWindow:
     of optimizer steps, timed on one DeviceClock, and the three ways a trial child ends (the
     window is full; no step came in time; the script ended before the window was full).
 
-    A subclass sets ``spec``, ``writer``, ``marks``, ``clock`` and ``_finished``, says whether
-    the first step has begun (``_stepping``), and writes its result in ``finish()``.
+    A subclass sets ``spec``, ``writer``, ``marks``, ``clock``, ``_finished`` and what it
+    recorded (per step: ``losses``, ``loss_scale``, ``skipped``, ``samples``; of the workload:
+    ``notes``, ``workload_fingerprint``, ``model_signature``, ``fsdp``, ``batch``), and says
+    whether the first step has begun (``_stepping``) and how long each step took
+    (``_step_times``). ``result_payload`` turns that state into the result file's measurements.
     """
 
     spec: TrialSpec
     writer: ResultWriter
     marks: list[Any]
     clock: DeviceClock
+    losses: list[Any]
+    loss_scale: list[float | None]
+    skipped: list[bool]
+    samples: list[int]
+    in_process = False
     _finished: bool
     _watchdog: NoStepWatchdog | None
 
     def _stepping(self) -> bool:
         raise NotImplementedError
 
-    def finish(self, *, complete: bool) -> None:
+    def _step_times(self) -> list[float]:
         raise NotImplementedError
+
+    def _peak_memory(self) -> tuple[int | None, str]:
+        """The trial's peak memory and its kind (``cuda-peak-allocated``, ``cpu-peak-rss``)."""
+        return self.clock.peak_memory()
+
+    def _underflow(self) -> tuple[list[float | None], str | None]:
+        """Per step, the fp16 gradient underflow fraction (``None`` where not sampled), and a
+        note on it for the report (``None`` without one)."""
+        return [None] * len(self.losses), None
+
+    def result_payload(self, *, complete: bool) -> dict[str, Any]:
+        """The result file's measurements (stage ``done``), from what this recorder recorded.
+
+        Args:
+            complete: whether the measured window was full.
+        """
+        peak, kind = self._peak_memory()
+        losses = [float(v) for v in self.losses]
+        underflow, note = self._underflow()
+        notes = list(self.notes)
+        return {
+            "stage": Stage.DONE,
+            "complete": complete,
+            "losses": [json_float(v) for v in losses],
+            "step_times": self._step_times()[: len(losses)],
+            "loss_scale": self.loss_scale,
+            "skipped": self.skipped,
+            "underflow": underflow,
+            "samples": self.samples,
+            "warmup_steps": self.spec.warmup_steps,
+            "peak_memory": peak,
+            "memory_kind": kind,
+            "notes": notes if note is None else [*notes, note],
+            "workload_fingerprint": self.workload_fingerprint,
+            "model_signature": self.model_signature,
+            "fsdp": self.fsdp,
+            **self.batch,
+        }
+
+    def finish(self, *, complete: bool) -> None:
+        """Write the result; with ``complete`` also end the trial (it has its data): the process,
+        or in process the training function (``TrialComplete``)."""
+        if self._finished:
+            return
+        self._finished = True
+        self.clock.sync()
+        self.writer.write(**self.result_payload(complete=complete))
+        if complete:
+            if self.in_process:
+                raise TrialComplete
+            end_trial_process(0)
 
     def _watch_for_no_step(self) -> None:
         """In a child process: end it if no step comes in time, and keep a short run at exit."""
@@ -281,12 +357,12 @@ class StepWindow:
             self.finish(complete=True)
 
     def _no_step(self) -> None:
-        self.writer.write(stage="no-step")
+        self.writer.write(stage=Stage.NO_STEP)
         end_trial_process(EXIT_NO_STEP)
 
     def _at_exit(self) -> None:
         # The script ended by itself before the measured window was full: keep what it measured.
-        if self._stepping() and not self._finished and self.writer.data.get("stage") != "exception":
+        if self._stepping() and not self._finished and self.writer.data.get("stage") != Stage.EXCEPTION:
             self.finish(complete=False)
 
 
@@ -372,7 +448,7 @@ class TrialRecorder(StepObserver, StepWindow):
             self._stepped_once = True
             if self._watchdog is not None:
                 self._watchdog.cancel()
-            self.writer.write(stage="stepping", **self._batch_facts(applied))
+            self.writer.write(stage=Stage.STEPPING, **self._batch_facts(applied))
             self.clock.sync()
             self.marks.append(self.clock.mark())
 
@@ -427,6 +503,37 @@ class TrialRecorder(StepObserver, StepWindow):
             return self._rss.stop(), "cpu-peak-rss"
         return self.clock.peak_memory()
 
+    def _underflow(self) -> tuple[list[float | None], str | None]:
+        counts = [[int(v) for v in c.tolist()] for c in self.underflow if c is not None]
+        return [None if c is None else _fraction(c) for c in self.underflow], underflow_note(counts)
+
+    def _applied(self) -> AppliedPolicy:
+        if self.applied is None:
+            raise RuntimeError("the trial recorder was never attached to an AppliedPolicy")
+        return self.applied
+
+    # ---- what the result says of the workload, read from the applied policy ----------------
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self._applied().notes)
+
+    @property
+    def workload_fingerprint(self) -> str | None:
+        return self._applied().workload_fingerprint
+
+    @property
+    def model_signature(self) -> str | None:
+        return self._applied().model_signature
+
+    @property
+    def fsdp(self) -> bool:
+        return self._applied().fsdp
+
+    @property
+    def batch(self) -> dict[str, Any]:
+        return self._batch_facts(self._applied())
+
     def _batch_facts(self, applied: AppliedPolicy) -> dict[str, Any]:
         return {
             "user_batch": applied.user_batch,
@@ -435,41 +542,6 @@ class TrialRecorder(StepObserver, StepWindow):
             "global_batch": applied.global_batch,
             "device": str(applied.device),
         }
-
-    def finish(self, *, complete: bool) -> None:
-        """Write the result; with ``complete`` also end the process (the trial has its data)."""
-        if self._finished:
-            return
-        self._finished = True
-        self.clock.sync()
-        applied = self.applied
-        assert applied is not None
-        peak, kind = self._peak_memory()
-        losses = [float(v) for v in self.losses]
-        counts = [[int(v) for v in c.tolist()] for c in self.underflow if c is not None]
-        note = underflow_note(counts)
-        self.writer.write(
-            stage="done",
-            complete=complete,
-            losses=[json_float(v) for v in losses],
-            step_times=self._step_times(),
-            loss_scale=self.loss_scale,
-            skipped=self.skipped,
-            underflow=[None if c is None else _fraction(c) for c in self.underflow],
-            samples=self.samples,
-            warmup_steps=self.spec.warmup_steps,
-            peak_memory=peak,
-            memory_kind=kind,
-            notes=applied.notes if note is None else [*applied.notes, note],
-            workload_fingerprint=applied.workload_fingerprint,
-            model_signature=applied.model_signature,
-            fsdp=applied.fsdp,
-            **self._batch_facts(applied),
-        )
-        if complete:
-            if self.in_process:
-                raise TrialComplete
-            end_trial_process(0)
 
     def close(self) -> None:
         """Stop what runs beside the trial (the RSS sampler) and give back the current device,
@@ -818,7 +890,7 @@ def install_excepthook(writer: ResultWriter) -> None:
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         if not issubclass(exc_type, KeyboardInterrupt):
             # The time tells the rank that failed first from those that lost it as a peer.
-            writer.write(stage="exception", exception={"type": exc_type.__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
+            writer.write(stage=Stage.EXCEPTION, exception={"type": exc_type.__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
                                                        "at": time.time()})
         previous(exc_type, exc, tb)
 

@@ -15,7 +15,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,88 @@ EXIT_NO_STEP = 97
 EXIT_UNSUPPORTED = 98
 """Exit status of a child asked to run a mode its hardware lacks."""
 SIGKILL = int(getattr(signal, "SIGKILL", 9))  # Windows has no SIGKILL; the number is never seen there
+
+# The child's environment, as the launcher (run_trial) leaves it and the child reads it.
+TRIAL_SPEC_ENV = "MPADVISE_TRIAL_SPEC"
+"""The path of the trial spec file: set by ``run_trial``, read by the child's ``spec_from_env``."""
+POLICY_ENV = "MPADVISE_POLICY"
+"""A config file that ``load_policy()`` applies; ``run_trial`` removes it from the child's
+environment, since the spec decides the candidate and a leftover override must not."""
+RANK_ENV = "RANK"
+"""torchrun's global rank of a worker: which result file a rank of a multi-process trial writes."""
+
+
+class Stage(str, Enum):
+    """How far a trial child got: the ``stage`` of its result file, which the child rewrites as
+    it goes and the parent classifies. A ``str``, so the file holds the plain value."""
+
+    LOADED = "loaded"
+    """``load_policy()`` (or a framework's boot) ran; no step began yet."""
+    STEPPING = "stepping"
+    """The first optimizer step began; the batch facts are written."""
+    DONE = "done"
+    """The measurements are written (``complete`` says whether the window was full)."""
+    EXCEPTION = "exception"
+    """The script raised; ``exception`` holds its type, message and time."""
+    UNSUPPORTED = "unsupported"
+    """The candidate cannot run here; ``reason`` says why."""
+    NO_STEP = "no-step"
+    """No step came within the no-step timeout; the child ended itself."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class ResultField:
+    """One field of a trial's result file.
+
+    Attributes:
+        name: its key in the file.
+        meaning: what it holds, for people.
+        kept: the TrialResult field of the same name carries it; otherwise ``classify`` reads
+            it to decide the outcome and drops it.
+    """
+
+    name: str
+    meaning: str
+    kept: bool = True
+
+
+RESULT_FIELDS: tuple[ResultField, ...] = (
+    ResultField("stage", "how far the child got (a Stage)", kept=False),
+    ResultField("pid", "the child's process id", kept=False),
+    ResultField("reason", "why the candidate cannot run here (stage unsupported)", kept=False),
+    ResultField("exception", "what the script raised: type, message, time, rank", kept=False),
+    ResultField("complete", "whether the measured window was full", kept=False),
+    ResultField("losses", "per step: the loss (NaN and infinities as strings)"),
+    ResultField("step_times", "per step: seconds, less the recorder's own work"),
+    ResultField("loss_scale", "per step: the scale its backward ran with, or null"),
+    ResultField("skipped", "per step: whether the scaler skipped it"),
+    ResultField("underflow", "per sampled step: the fp16 gradient underflow fraction, else null"),
+    ResultField("samples", "per step: samples it consumed"),
+    ResultField("warmup_steps", "steps not timed"),
+    ResultField("peak_memory", "bytes, or null where unknown"),
+    ResultField("memory_kind", "what peak_memory measures (cuda-peak-allocated, cpu-peak-rss)"),
+    ResultField("notes", "sentences for the trial's report"),
+    ResultField("workload_fingerprint", "the workload's fingerprint (model, optimizer, batch, script)"),
+    ResultField("model_signature", "the model's structure"),
+    ResultField("fsdp", "whether the script asked for FSDP2's mixed precision"),
+    ResultField("user_batch", "the batch the script asked for"),
+    ResultField("micro_batch", "the batch one forward saw"),
+    ResultField("grad_accum_steps", "micro-batches per optimizer step"),
+    ResultField("global_batch", "samples per optimizer step"),
+    ResultField("device", "the device the trial ran on"),
+    ResultField("ranks", "how many processes' results were merged into this one"),
+)
+"""The one declaration of the result file: the child writes only these fields
+(``ResultWriter``) and the parent rejects a file that holds any other (``classify``)."""
+RESULT_FIELD_NAMES = frozenset(f.name for f in RESULT_FIELDS)
+
+
+def unknown_result_fields(data: Mapping[str, Any]) -> list[str]:
+    """The keys of a result that ``RESULT_FIELDS`` does not declare, sorted."""
+    return sorted(str(key) for key in data if key not in RESULT_FIELD_NAMES)
 
 
 @dataclass(frozen=True)
@@ -78,9 +161,19 @@ class TrialSpec:
 
     @classmethod
     def from_json(cls, text: str) -> TrialSpec:
+        """Read a spec that ``to_json`` wrote.
+
+        Raises:
+            MpadviseError: the spec holds a field that this version does not know.
+        """
         data = json.loads(text)
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise MpadviseError(
+                f"the trial spec holds unknown fields {unknown}; the process that wrote it runs another "
+                "version of mpadvise: run the trial with the same installation"
+            )
+        return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -132,9 +225,7 @@ class TrialResult:
         return self.outcome in ("ok", "unstable")
 
     def with_outcome(self, outcome: str, reason: str) -> TrialResult:
-        data = self.to_dict()
-        data.update(outcome=outcome, reason=reason)
-        return TrialResult.from_dict(data)
+        return replace(self, outcome=outcome, reason=reason)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -143,8 +234,15 @@ class TrialResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialResult:
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in known}
+        """Read what ``to_dict`` wrote.
+
+        Raises:
+            ValueError: ``data`` holds a key that is not a field, naming it.
+        """
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"TrialResult has no fields {unknown}")
+        kwargs = dict(data)
         for name in (
             "losses",
             "step_times",
@@ -232,9 +330,9 @@ def run_trial(
     spec_file = result_path.with_suffix(".spec.json")
     spec_file.write_text(spec.to_json())
     child_env = dict(os.environ if env is None else env)
-    child_env["MPADVISE_TRIAL_SPEC"] = str(spec_file)
+    child_env[TRIAL_SPEC_ENV] = str(spec_file)
     child_env["PYTHONUNBUFFERED"] = "1"
-    child_env.pop("MPADVISE_POLICY", None)  # the spec decides; a leftover override must not
+    child_env.pop(POLICY_ENV, None)  # the spec decides; a leftover override must not
     # The child starts in this process's memory cgroup: counting that cgroup's OOM kills before
     # and after tells a kill by the kernel's OOM killer from any other SIGKILL.
     oom_before = oom_kill_count()
@@ -309,9 +407,20 @@ def classify(
     peer's torchrun may kill), nothing in a trial sends SIGKILL to a worker but the OOM
     killer, so an unknown count still reads as out of memory.
     """
-    base: dict[str, Any] = dict(data or {})
-    stage = base.pop("stage", None)
-    exception = base.pop("exception", None) or {}
+    unknown = unknown_result_fields(data or {})
+    if unknown:
+        return TrialResult(
+            outcome="crash",
+            reason=(f"the trial's result file holds unknown fields {unknown} (expected only those of "
+                    "advisor.trial.RESULT_FIELDS); the script ran under another version of mpadvise: "
+                    "run it with the same installation as the tune"),
+            label=spec.label, policy=spec.policy, exit_code=exit_code, stderr_tail=stderr_tail, wall_s=wall_s,
+        )
+    result_file: dict[str, Any] = dict(data or {})
+    stage = result_file.get("stage")
+    exception = result_file.get("exception") or {}
+    # What the TrialResult carries of the file; the rest (stage, exception...) only decides.
+    base = {f.name: result_file[f.name] for f in RESULT_FIELDS if f.kept and f.name in result_file}
     base.update(
         exit_code=exit_code,
         stderr_tail=stderr_tail,
@@ -320,21 +429,21 @@ def classify(
         wall_s=wall_s,
     )
     if timed_out:
-        where = "before load_policy()" if stage is None else f"after {len(base.get('losses', []))} steps"
+        where = "before load_policy()" if stage is None else f"after {len(result_file.get('losses', []))} steps"
         outcome, reason = "timeout", f"no result within {timeout:g} s ({where}); the trial was killed"
-    elif (exit_code == -SIGKILL or exception.get("killed")) and oom_kills and stage != "done":
+    elif (exit_code == -SIGKILL or exception.get("killed")) and oom_kills and stage != Stage.DONE:
         # A rank of a multi-process trial that stopped without an error of its own, while the
         # OOM killer was at work, was its victim (torchrun itself exits 1, not by SIGKILL).
-        where = f"on rank {exception['rank']}" if exception.get("killed") else _stage_text(stage, base)
+        where = f"on rank {exception['rank']}" if exception.get("killed") else _stage_text(stage, result_file)
         outcome, reason = "oom", (
             f"out of memory: the kernel's OOM killer ended the script {where} (SIGKILL; its memory "
             f"cgroup counted {oom_kills} OOM kill{'s' if oom_kills != 1 else ''} meanwhile); "
             "use a smaller micro-batch or give the trial more memory"
         )
-    elif stage != "done" and oom_kills != 0 and (worker := _killed_worker(stderr_tail, exception)) is not None:
-        outcome, reason = "oom", _worker_oom_reason(worker, _stage_text(stage, base), oom_kills)
+    elif stage != Stage.DONE and oom_kills != 0 and (worker := _killed_worker(stderr_tail, exception)) is not None:
+        outcome, reason = "oom", _worker_oom_reason(worker, _stage_text(stage, result_file), oom_kills)
     else:
-        outcome, reason = _outcome(stage, base, exception, exit_code, _last_line(stderr_tail), spec)
+        outcome, reason = _outcome(stage, result_file, exception, exit_code, _last_line(stderr_tail), spec)
     return TrialResult.from_dict({**base, "outcome": outcome, "reason": reason})
 
 
@@ -365,32 +474,32 @@ def _worker_oom_reason(pid: str, where: str, oom_kills: int | None) -> str:
     )
 
 
-def _stage_text(stage: str | None, base: dict[str, Any]) -> str:
+def _stage_text(stage: str | None, result_file: Mapping[str, Any]) -> str:
     """How far the child got, for a reason: the losses are only written once a trial finishes."""
-    if base.get("losses"):
-        return f"after {len(base['losses'])} steps"
+    if result_file.get("losses"):
+        return f"after {len(result_file['losses'])} steps"
     if stage is None:
         return "before load_policy()"
-    return "after its first step()" if stage == "stepping" else "after load_policy(), before any step()"
+    return "after its first step()" if stage == Stage.STEPPING else "after load_policy(), before any step()"
 
 
 def _outcome(
     stage: str | None,
-    base: dict[str, Any],
+    result_file: Mapping[str, Any],
     exception: dict[str, Any],
     exit_code: int | None,
     last_line: str,
     spec: TrialSpec,
 ) -> tuple[str, str]:
     """``(outcome, reason)`` of a child that ended by itself, from the last stage it reached."""
-    if stage == "unsupported":
-        return "unsupported", base.get("reason") or "mode not supported on this hardware"
-    if stage == "no-step":
+    if stage == Stage.UNSUPPORTED:
+        return "unsupported", result_file.get("reason") or "mode not supported on this hardware"
+    if stage == Stage.NO_STEP:
         what = (f"the script never called step() within {spec.no_step_timeout:g} s of load_policy()"
                 if spec.framework is None else
                 f"the script's {spec.framework} training ran no optimizer step within {spec.no_step_timeout:g} s of its start")
         return "no-step", f"{what} (time spent compiling with torch.compile not counted)"
-    if stage == "exception" or (stage not in (None, "done") and exit_code not in (0, None)):
+    if stage == Stage.EXCEPTION or (stage not in (None, Stage.DONE) and exit_code not in (0, None)):
         return _failure(exception, exit_code, last_line)
     if stage is None:
         if exit_code not in (0, None):
@@ -399,17 +508,17 @@ def _outcome(
                 f"the script failed before load_policy() (exit {_exit_text(exit_code)}): {last_line or 'no error message'}",
             )
         return "no-policy", "the script exited without calling advisor.load_policy()"
-    if stage in ("loaded", "setup") or (stage == "stepping" and not base.get("losses")):
+    if stage == Stage.LOADED or (stage == Stage.STEPPING and not result_file.get("losses")):
         if spec.framework is not None:
             return "no-step", f"the script ended before its {spec.framework} training ran an optimizer step"
         return "no-step", "the script ended without calling step(); call mp.step(loss, optimizer) in the training loop"
-    if stage == "stepping":
+    if stage == Stage.STEPPING:
         return (
             "crash",
-            f"the script stopped after {len(base['losses'])} steps without finishing the trial (exit {_exit_text(exit_code)})",
+            f"the script stopped after {len(result_file['losses'])} steps without finishing the trial (exit {_exit_text(exit_code)})",
         )
-    # stage == "done"
-    peak = base.get("peak_memory")
+    # stage == Stage.DONE
+    peak = result_file.get("peak_memory")
     if spec.memory_limit is not None and peak is not None and peak > spec.memory_limit:
         return "oom", f"peak memory {peak / 2**20:.0f} MiB exceeds the limit {spec.memory_limit / 2**20:.0f} MiB"
     return "ok", ""
@@ -558,23 +667,23 @@ def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None]) -> dict[str, A
     failed = _failed_rank(ranks, present)
     if failed is not None:
         return {**failed, "ranks": len(ranks)}
-    if any(data.get("stage") != "done" for data in present.values()):
+    if any(data.get("stage") != Stage.DONE for data in present.values()):
         return {**present[min(present)], "ranks": len(ranks)}  # none finished: the first rank's stage
     return _merge_finished(ranks, present)
 
 
 def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
     """The result of the rank that made a multi-process trial fail, or ``None`` if none did."""
-    raised = [(data.get("exception") or {}, rank) for rank, data in present.items() if data.get("stage") == "exception"]
+    raised = [(data.get("exception") or {}, rank) for rank, data in present.items() if data.get("stage") == Stage.EXCEPTION]
     if raised:
         exception, rank = min(raised, key=lambda item: (_number(item[0].get("at")), item[1]))
         return {**present[rank], "exception": {**exception, "rank": rank}}
-    for stage in ("unsupported", "no-step"):
+    for stage in (Stage.UNSUPPORTED, Stage.NO_STEP):
         for data in present.values():
             if data.get("stage") == stage:
                 return data
     missing = [rank for rank, data in enumerate(ranks) if not data]
-    finished = [rank for rank, data in present.items() if data.get("stage") == "done"]
+    finished = [rank for rank, data in present.items() if data.get("stage") == Stage.DONE]
     stopped = [rank for rank in present if rank not in finished]
     if missing:
         rank = missing[0]
@@ -586,7 +695,7 @@ def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, d
     else:
         return None
     base = present[min(present)]
-    return {**base, "stage": "exception", "exception": {"type": "", "message": message, "rank": rank, "killed": True}}
+    return {**base, "stage": Stage.EXCEPTION, "exception": {"type": "", "message": message, "rank": rank, "killed": True}}
 
 
 def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -608,7 +717,7 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
             message = (f"the ranks disagree on skipped steps: step {step} was skipped on rank "
                        f"{', '.join(map(str, skip))} but taken on rank {', '.join(map(str, took))}, so their "
                        "weights no longer match; the loss scaler must decide on every rank's gradients alike")
-            return {**first, "stage": "exception", "ranks": len(ranks),
+            return {**first, "stage": Stage.EXCEPTION, "ranks": len(ranks),
                     "exception": {"type": "MpadviseError", "message": message, "rank": skip[0]}}
     losses, samples, times, underflow = [], [], [], []
     for step in range(steps):

@@ -15,17 +15,16 @@ import os
 import sys
 from typing import Any
 
-from advisor.runtime._workload import Workload
+from advisor.runtime import Workload
 
 from ._child import (
     DeviceClock,
     NoStepWatchdog,
     ResultWriter,
     StepWindow,
-    end_trial_process,
     perturb_parameters,
 )
-from ._protocol import TrialSpec, json_float
+from ._protocol import Stage, TrialSpec
 
 
 class FrameworkRecorder(StepWindow):
@@ -52,6 +51,7 @@ class FrameworkRecorder(StepWindow):
         self.batch: dict[str, Any] = {}
         self.workload_fingerprint: str | None = None
         self.model_signature: str | None = None
+        self.fsdp = False  # asked for through mp.fsdp_mixed_precision(), which a framework script never calls
         self._begun = False
         self._perturbed = False
         self._finished = False
@@ -86,7 +86,7 @@ class FrameworkRecorder(StepWindow):
             "global_batch": None if micro_batch is None else micro_batch * accum,
             "device": self.device,
         }
-        self.writer.write(stage="stepping", **self.batch)
+        self.writer.write(stage=Stage.STEPPING, **self.batch)
         self.clock.sync()
         self.marks.append(self.clock.mark())
 
@@ -138,34 +138,6 @@ class FrameworkRecorder(StepWindow):
     def _step_times(self) -> list[float]:
         return [DeviceClock.elapsed(a, b) for a, b in zip(self.marks, self.marks[1:])]
 
-    def finish(self, *, complete: bool) -> None:
-        """Write the result; with ``complete`` also end the process (the trial has its data)."""
-        if self._finished:
-            return
-        self._finished = True
-        self.clock.sync()
-        peak, kind = self.clock.peak_memory()
-        losses = [float(v) for v in self.losses]
-        self.writer.write(
-            stage="done",
-            complete=complete,
-            losses=[json_float(v) for v in losses],
-            step_times=self._step_times()[: len(losses)],
-            loss_scale=self.loss_scale,
-            skipped=self.skipped,
-            underflow=[None] * len(losses),
-            samples=self.samples,
-            warmup_steps=self.spec.warmup_steps,
-            peak_memory=peak,
-            memory_kind=kind,
-            notes=self.notes,
-            workload_fingerprint=self.workload_fingerprint,
-            model_signature=self.model_signature,
-            **self.batch,
-        )
-        if complete:
-            end_trial_process(0)
-
 def _clock_for(device: str) -> DeviceClock:
     """The clock of a framework's device: CUDA events on a CUDA device, else the host clock."""
     if not device.startswith("cuda"):
@@ -178,5 +150,5 @@ def _clock_for(device: str) -> DeviceClock:
 def recorder_for(spec: TrialSpec) -> FrameworkRecorder:
     """The recorder of the trial this process runs, its result file started."""
     writer = ResultWriter(spec.result_path)
-    writer.write(stage="loaded", pid=os.getpid())
+    writer.write(stage=Stage.LOADED, pid=os.getpid())
     return FrameworkRecorder(spec, writer, device=spec.device or "cpu")
