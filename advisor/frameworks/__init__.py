@@ -1,49 +1,90 @@
 """Framework scripts: Lightning (Trainer, Fabric), the Hugging Face Trainer and Accelerate.
 
-Public surface: ``FRAMEWORKS``, ``detect_framework`` (which framework a script trains with,
-read from its imports), ``traits``/``refusal`` (what each framework can express of a Policy,
-which bounds the search space of its scripts), and the child-side entry point
-``advisor.frameworks._boot``, which applies a policy through the framework's own settings
-and records steps through its own hooks.
+Each framework is one self-describing adapter class (``FrameworkAdapter``: its name, its label,
+the imports that detect it, its detection precedence, what it can express of a Policy, and
+``install``), registered with ``register_framework`` together with its exporter. Every list of
+frameworks is derived from that registry: ``FRAMEWORKS``, detection, the ``--framework``
+check, the traits that bound a framework script's search space, the trial child's dispatch,
+and the export targets (``EXPORT_TARGETS``, with the export-only ones added by
+``register_export_target``). Adapters translate a mode's facts, never its name, so a mode
+registered later is applied and exported by every framework that can express it.
 
-Arrows: this package uses ``tune`` (the trial recorder's parts) and ``runtime`` (workload
-fingerprints); ``tune`` knows nothing of frameworks beyond a launch prefix and a name in the
-trial spec.
+Public surface: ``FRAMEWORKS``, ``detect_framework``/``detect_script_framework``,
+``traits``/``refusal``/``check_expressible``, ``plan_for``/``space_limits``,
+``export_policy``/``check_target``/``EXPORT_TARGETS``, the registry functions, and the
+child-side entry point ``advisor.frameworks._boot``.
+
+Arrows: this package uses ``tune`` (the search-space limits), ``trial`` (the recorder the
+framework hooks feed) and ``runtime`` (workload fingerprints); none of them knows of frameworks
+beyond a launch prefix and a name in the trial spec.
 """
 
 from __future__ import annotations
 
-from ._detect import FRAMEWORKS, LOOP_API, detect_framework
-from ._export import EXPORT_TARGETS, Export, export_policy
+from ._adapter import FrameworkAdapter
+from ._detect import LOOP_API, detect_framework, detect_script_framework
+from ._export import Export, Exporter
 from ._plan import ScriptPlan, check_plan_modes, plan_for, space_limits
+from ._registry import (
+    check_expressible,
+    check_framework,
+    check_target,
+    export_policy,
+    export_targets,
+    framework_class,
+    framework_classes,
+    framework_names,
+    refusal,
+    register_export_target,
+    register_framework,
+    traits,
+    unregister_framework,
+)
 from ._traits import (
     ACCELERATE_PRECISION,
     LIGHTNING_PRECISION,
     TRANSFORMERS_PRECISION,
     FrameworkTraits,
-    check_expressible,
-    check_framework,
-    refusal,
-    traits,
 )
 
 __all__ = [
     "ACCELERATE_PRECISION",
-    "EXPORT_TARGETS",
-    "FRAMEWORKS",
+    "EXPORT_TARGETS",  # noqa: F822 - provided by __getattr__ below, from the registry
+    "FRAMEWORKS",  # noqa: F822 - provided by __getattr__ below, from the registry
     "LIGHTNING_PRECISION",
     "LOOP_API",
     "TRANSFORMERS_PRECISION",
     "Export",
+    "Exporter",
+    "FrameworkAdapter",
     "FrameworkTraits",
     "ScriptPlan",
-    "check_plan_modes",
     "check_expressible",
     "check_framework",
+    "check_plan_modes",
+    "check_target",
     "detect_framework",
+    "detect_script_framework",
     "export_policy",
+    "export_targets",
+    "framework_class",
+    "framework_classes",
+    "framework_names",
     "plan_for",
     "refusal",
+    "register_export_target",
+    "register_framework",
     "space_limits",
     "traits",
+    "unregister_framework",
 ]
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # Derived from the registry on every lookup rather than copied once, so a framework or
+    # export target registered later is never missing from them.
+    if name == "FRAMEWORKS":
+        return framework_names()
+    if name == "EXPORT_TARGETS":
+        return export_targets()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

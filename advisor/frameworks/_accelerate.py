@@ -1,22 +1,24 @@
 """Accelerate: apply a Policy through ``Accelerator``'s own settings, and record a trial's steps
 through its own methods.
 
-``install()`` runs in the script's process before the script. It wraps ``Accelerator.__init__``
+``install_accelerator()`` runs in the script's process before the script. It wraps ``Accelerator.__init__``
 in place, so that whatever the script passes, the Accelerator it builds runs the policy:
 
-* ``mixed_precision`` is the policy's (``ACCELERATE_PRECISION``). The constructor argument
+* ``mixed_precision`` is the policy's, read from its mode's facts (``"bf16"``/``"fp16"`` for
+  autocast, ``"fp8"`` for an FP8 library, else ``"no"``). The constructor argument
   wins over ``ACCELERATE_MIXED_PRECISION`` and ``accelerate launch``'s config, and the built
   Accelerator is checked to hold it.
-* The kwargs handlers carry the rest: ``GradScalerKwargs`` for fp16-mixed's dynamic loss scale;
-  ``TERecipeKwargs`` for fp8-te (delayed or MXFP8); ``AORecipeKwargs`` for fp8-torchao, with
-  the config and layer filter of mpadvise's own fp8-torchao mode. A handler of the same kind
+* The kwargs handlers carry the rest: ``GradScalerKwargs`` for fp16 autocast's dynamic loss
+  scale; ``TERecipeKwargs`` for Transformer Engine FP8 (delayed or MXFP8); ``AORecipeKwargs``
+  for torchao FP8, with the config and layer filter of mpadvise's own fp8-torchao mode. A handler of the same kind
   that the script passed is replaced, and FP8 recipe handlers go where the mode is not FP8
   (Accelerate refuses them without ``mixed_precision="fp8"``).
 * fp16 on a CPU: Accelerate turns neither autocast nor a GradScaler on there
   (``Accelerator.__init__`` builds them only for ``device.type != "cpu"``), so the script
   would train in fp32 while calling it fp16. The adapter turns on CPU autocast (fp16) with
   ``GradScaler("cpu")``, as the loop API's fp16-mixed does.
-* fp32 and tf32 set the TF32 switches as the loop API's modes do, and again once the
+* a mode that turns TF32 on or off (fp32, tf32) sets the switches as the loop API's modes do,
+  and again once the
   Accelerator exists (``AcceleratorState`` turns TF32 on for ``mixed_precision="no"`` under
   a dynamo backend on CUDA).
 
@@ -31,7 +33,8 @@ model gives its batch size, and ``AcceleratedOptimizer.step`` ends a step when
 step, and ``step_was_skipped`` says whether it skipped. The script's ``set_seed(n)`` runs as
 ``set_seed(n + trial seed)``.
 
-Accelerate is imported inside ``install()`` only: this module runs in the trial child.
+``AccelerateAdapter`` is the adapter class the registry holds. Accelerate is imported inside
+``install_accelerator()`` only: this module runs in the trial child.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._traits import ACCELERATE_PRECISION
-from policies import Fp8Options, Fp8Torchao, LossScale, Policy, create_mode
+from advisor.frameworks._adapter import FrameworkAdapter
+from policies import Fp8Options, LossScale, Policy, create_mode, mode_facts
 from probes import MpadviseError
 
 if TYPE_CHECKING:
@@ -72,8 +75,8 @@ class AccelerateSettings:
         grad_scaler: ``GradScalerKwargs`` fields (fp16-mixed), else ``None``.
         te_recipe: ``TERecipeKwargs`` fields (fp8-te), else ``None``.
         torchao_recipe: the torchao recipe name for ``AORecipeKwargs`` (fp8-torchao), else ``None``.
-        tf32: whether fp32 matmuls may use TF32 (fp32: False, tf32: True), or ``None`` for the
-            modes that leave the switches as they are.
+        tf32: whether fp32 matmuls may use TF32 (the mode's ``ModeFacts.tf32``: fp32 False,
+            tf32 True), or ``None`` for the modes that leave the switches as they are.
     """
 
     mixed_precision: str
@@ -97,23 +100,24 @@ class AccelerateSettings:
 
 
 def accelerate_settings(policy: Policy) -> AccelerateSettings:
-    """What the Accelerator must be given to run ``policy``.
+    """What the Accelerator must be given to run ``policy``, from its mode's facts.
 
     Raises:
         MpadviseError: a mode or setting Accelerate cannot apply (the traits refuse it earlier).
     """
-    precision = ACCELERATE_PRECISION.get(policy.mode)
-    if precision is None:
+    facts = mode_facts(policy.mode)
+    if not AccelerateAdapter.expresses(facts):
         raise MpadviseError(
-            f"Accelerate cannot apply mode {policy.mode}; it can apply {', '.join(ACCELERATE_PRECISION)}"
+            f"Accelerate cannot apply mode {policy.mode}; it can apply {', '.join(AccelerateAdapter.modes())}"
         )
-    if policy.mode == "fp16-mixed":
-        return AccelerateSettings(precision, grad_scaler=grad_scaler_kwargs(policy.loss_scale or LossScale()))
-    if policy.mode == "fp8-te":
-        return AccelerateSettings(precision, te_recipe=te_recipe_kwargs(policy.fp8 or Fp8Options()))
-    if policy.mode == "fp8-torchao":
-        return AccelerateSettings(precision, torchao_recipe=Fp8Torchao.policy_recipe(policy))
-    return AccelerateSettings(precision, tf32={"fp32": False, "tf32": True}.get(policy.mode))
+    if facts.fp8_library == "transformer_engine":
+        return AccelerateSettings("fp8", te_recipe=te_recipe_kwargs(policy.fp8 or Fp8Options()), tf32=facts.tf32)
+    if facts.fp8_library == "torchao":
+        return AccelerateSettings("fp8", torchao_recipe=facts.fp8_recipe(policy), tf32=facts.tf32)
+    if facts.autocast == "fp16":
+        loss_scale = (policy.loss_scale or LossScale()) if facts.loss_scaling else LossScale(kind="none")
+        return AccelerateSettings("fp16", grad_scaler=grad_scaler_kwargs(loss_scale), tf32=facts.tf32)
+    return AccelerateSettings(facts.autocast or "no", tf32=facts.tf32)
 
 
 def grad_scaler_kwargs(loss_scale: LossScale) -> dict[str, Any]:
@@ -174,18 +178,43 @@ def shifted_seed(seed: Any, shift: int) -> Any:
 # ---- install ----------------------------------------------------------------------------------
 
 
-def install(policy: Policy, *, framework: str, recorder: FrameworkRecorder | None, device: str | None) -> None:
+class AccelerateAdapter(FrameworkAdapter):
+    """Accelerate: ``Accelerator(mixed_precision=..., kwargs_handlers=[...])``; the loop is the script's."""
+
+    name = "accelerate"
+    label = "Accelerate"
+    detected_by = {"accelerate": ("Accelerator",)}
+    precedence = 40
+    autocasts = ("bf16", "fp16")
+    fp8 = {"transformer_engine": ("delayed", "mxfp8"), "torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp")}
+    loss_scale_kinds = ("dynamic", "none")
+    loss_scale_settings = True
+    sets_grad_clip = False
+    limits = (
+        "the micro-batch is the script's DataLoader batch_size, so no split is searched",
+        "no static loss scale: GradScalerKwargs builds a dynamic GradScaler",
+        "no pure fp16/bf16 training (that is the model's dtype, set by the script)",
+        "fp8-te: Accelerate builds the delayed and mxfp8 recipes only, not current or block",
+        # accelerate/utils/transformer_engine.py, convert_model (1.15): it swaps each Linear
+        # whose weight dims are multiples of 16, and LayerNorms, with no filter to pass.
+        "fp8-te: Accelerate swaps Linear layers by its own rule (weight dimensions multiples of 16, "
+        "LayerNorms too), not mpadvise's FP8 layer filter",
+    )
+
+    @classmethod
+    def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
+        install_accelerator(policy, recorder=recorder, device=device)
+
+
+def install_accelerator(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
     """Make every Accelerator the script builds apply ``policy``; with a recorder, record the
     trial's optimizer steps.
 
     Args:
         policy: the policy to apply.
-        framework: ``"accelerate"``.
         recorder: the trial recorder, or ``None`` under ``mpadvise run``.
         device: the trial's device (``"cpu"``, ``"cuda:1"``), or ``None`` for the script's own.
     """
-    if framework != "accelerate":
-        raise MpadviseError(f"the Accelerate adapter serves accelerate, not {framework!r}")
     import accelerate
     import accelerate.utils
     import accelerate.utils.random

@@ -4,23 +4,21 @@ framework script with a policy applied through the framework's own settings.
 Under ``mpadvise tune``/``trial`` the policy is the injected trial candidate and the steps are
 recorded through the framework's hooks (``FrameworkRecorder``); under ``mpadvise run`` it is
 the config file the parent resolved (``RUN_POLICY_ENV``), applied without recording. Either way
-the adapter patches the framework before the script runs (so the candidate wins over whatever
-precision the script sets), then the script runs as ``python SCRIPT ARGS`` would run it.
+the framework's registered adapter class (its ``install``) patches the framework before the
+script runs (so the candidate wins over whatever precision the script sets), then the script
+runs as ``python SCRIPT ARGS`` would run it.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import runpy
 import sys
-from typing import Any
 
 import probes
 from advisor._log import get_logger
-from advisor.frameworks._detect import FRAMEWORKS
 from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
-from advisor.frameworks._traits import refusal
+from advisor.frameworks._registry import framework_class, framework_names, refusal
 from advisor.trial import (
     EXIT_UNSUPPORTED,
     FrameworkRecorder,
@@ -33,15 +31,6 @@ from advisor.trial import (
 )
 from policies import Policy, load_config
 from probes import MpadviseError
-
-# Lightning's Trainer and Fabric share one adapter module.
-_ADAPTERS = {"lightning": "_lightning", "fabric": "_lightning", "transformers": "_transformers",
-             "accelerate": "_accelerate"}
-
-
-def adapter(framework: str) -> Any:
-    """The module that applies a policy in ``framework`` (``install(policy, ...)``)."""
-    return importlib.import_module(f"advisor.frameworks.{_ADAPTERS[framework]}")
 
 
 def _trial_policy(recorder: FrameworkRecorder, framework: str) -> Policy:
@@ -56,8 +45,9 @@ def _trial_policy(recorder: FrameworkRecorder, framework: str) -> Policy:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] not in FRAMEWORKS:
-        sys.stderr.write(f"usage: python -m {MODULE} {{{','.join(FRAMEWORKS)}}} SCRIPT [ARGS...]\n")
+    names = framework_names()
+    if len(argv) < 2 or argv[0] not in names:
+        sys.stderr.write(f"usage: python -m {MODULE} {{{','.join(names)}}} SCRIPT [ARGS...]\n")
         raise SystemExit(2)
     framework, script, args = argv[0], argv[1], argv[2:]
     spec = spec_from_env()
@@ -80,8 +70,7 @@ def main(argv: list[str]) -> None:
             sys.stderr.write(f"error: {exc}\n")
             raise SystemExit(1) from None
         get_logger().info(f"policy {policy.describe()} through {framework} (from {os.environ.get(RUN_SOURCE_ENV) or path})")
-    adapter(framework).install(policy, framework=framework, recorder=recorder,
-                               device=None if spec is None else spec.device)
+    framework_class(framework).install(policy, recorder=recorder, device=None if spec is None else spec.device)
     # As `python SCRIPT ARGS`: the script is __main__, its directory first on sys.path.
     script = os.path.abspath(script)
     sys.argv = [script, *args]

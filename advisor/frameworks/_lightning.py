@@ -6,13 +6,18 @@ and ``Fabric.__init__`` in place (every flavour installed: ``lightning`` and the
 ``pytorch_lightning``/``lightning_fabric``), so that whatever precision the script passes, the
 policy's is the one Lightning builds:
 
-* the precision string of ``LIGHTNING_PRECISION`` where it is exact (``32-true``,
-  ``bf16-mixed``, ``16-true``, ``bf16-true``);
-* fp16-mixed as ``MixedPrecision("16-mixed", device, scaler=...)`` carrying the policy's
+* the precision string where it is exact: ``32-true`` for fp32 weights without autocast,
+  ``bf16-mixed`` for bf16 autocast, ``bf16-true``/``16-true`` for pure half weights;
+* fp16 autocast as ``MixedPrecision("16-mixed", device, scaler=...)`` carrying the policy's
   GradScaler, because the string builds a default scaler, and on a CPU turns fp16 into bf16;
-* fp8-te as ``TransformerEnginePrecision`` with fp32 weights and the policy's delayed recipe
-  (the ``"transformer-engine"`` string means bf16 weights);
-* fp32 and tf32 set the TF32 switches as the loop API does (Lightning leaves cuDNN's TF32 on).
+* Transformer Engine FP8 as ``TransformerEnginePrecision`` with fp32 weights and the policy's
+  delayed recipe (the ``"transformer-engine"`` string means bf16 weights);
+* a mode that turns TF32 on or off sets the switches as the loop API does (Lightning leaves
+  cuDNN's TF32 on).
+
+What is applied is read from the mode's facts (``policies.ModeFacts``), never its name, so a
+mode registered later with facts Lightning can express is applied here too. ``LightningTrainer``
+and ``LightningFabric`` are the two adapter classes the registry holds.
 
 Steps are recorded per optimizer step: the Trainer through a callback (a step happened when
 ``trainer.global_step`` moved during the batch), Fabric through its ``on_after_optimizer_step``
@@ -36,8 +41,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._traits import LIGHTNING_PRECISION
-from policies import Fp8Options, LossScale, Policy, create_mode
+from advisor.frameworks._adapter import FrameworkAdapter
+from policies import Fp8Options, LossScale, Policy, create_mode, mode_facts
 from probes import MpadviseError
 
 if TYPE_CHECKING:
@@ -58,6 +63,8 @@ _PATCHED = "__mpadvise_patched__"
 
 # Process-wide switches the policy sets for the life of the process (the trial is the process).
 _HELD_SWITCHES = contextlib.ExitStack()
+# Lightning's precision strings for pure half weights.
+_TRUE_PRECISION: Mapping[str, str] = {"bf16": "bf16-true", "fp16": "16-true"}
 
 
 # ---- what to apply (pure) ---------------------------------------------------------------------
@@ -68,13 +75,13 @@ class LightningPrecision:
     """How the Trainer and Fabric apply one Policy.
 
     Attributes:
-        precision: Lightning's precision string for the mode (``LIGHTNING_PRECISION``).
+        precision: Lightning's precision string for the mode's facts (``"bf16-mixed"``).
         plugin: ``"amp"`` for ``MixedPrecision`` carrying the policy's GradScaler,
             ``"transformer-engine"`` for ``TransformerEnginePrecision`` with fp32 weights, or
             ``None`` where the precision string is exact.
         loss_scale: the GradScaler's settings (``"amp"`` only).
-        tf32: whether fp32 matmuls may use TF32 (fp32: False, tf32: True), or ``None`` for the
-            modes that leave the switches as they are.
+        tf32: whether fp32 matmuls may use TF32 (the mode's ``ModeFacts.tf32``: fp32 False,
+            tf32 True), or ``None`` for the modes that leave the switches as they are.
     """
 
     precision: str
@@ -94,22 +101,26 @@ class LightningPrecision:
 
 
 def lightning_precision(policy: Policy) -> LightningPrecision:
-    """What the Trainer and Fabric must be given to run ``policy``.
+    """What the Trainer and Fabric must be given to run ``policy``, from its mode's facts.
 
     Raises:
         MpadviseError: a mode Lightning has no precision for (the traits refuse it earlier).
     """
-    precision = LIGHTNING_PRECISION.get(policy.mode)
-    if precision is None:
+    facts = mode_facts(policy.mode)
+    if not LightningTrainer.expresses(facts):
         raise MpadviseError(
-            f"Lightning cannot apply mode {policy.mode}; it can apply {', '.join(LIGHTNING_PRECISION)}"
+            f"Lightning cannot apply mode {policy.mode}; it can apply {', '.join(LightningTrainer.modes())}"
         )
-    if policy.mode == "fp16-mixed":
-        return LightningPrecision(precision, plugin="amp", loss_scale=policy.loss_scale or LossScale())
-    if policy.mode == "fp8-te":
-        return LightningPrecision(precision, plugin="transformer-engine")
-    tf32 = {"fp32": False, "tf32": True}.get(policy.mode)
-    return LightningPrecision(precision, tf32=tf32)
+    if facts.fp8_library is not None:  # Transformer Engine: the plugin, with fp32 weights
+        return LightningPrecision("transformer-engine", plugin="transformer-engine", tf32=facts.tf32)
+    if facts.weights != "fp32":
+        return LightningPrecision(_TRUE_PRECISION[facts.weights], tf32=facts.tf32)
+    if facts.autocast == "fp16":
+        loss_scale = (policy.loss_scale or LossScale()) if facts.loss_scaling else LossScale(kind="none")
+        return LightningPrecision("16-mixed", plugin="amp", loss_scale=loss_scale, tf32=facts.tf32)
+    if facts.autocast == "bf16":
+        return LightningPrecision("bf16-mixed", tf32=facts.tf32)
+    return LightningPrecision("32-true", tf32=facts.tf32)
 
 
 def transformer_engine_args(policy: Policy) -> dict[str, Any]:
@@ -168,6 +179,72 @@ def is_sharded(strategy: Any) -> bool:
     """Whether a strategy (a name or an instance) builds its own precision plugin (FSDP, DeepSpeed)."""
     name = strategy if isinstance(strategy, str) else type(strategy).__name__
     return any(kind in name.lower() for kind in _SHARDED)
+
+
+# ---- the adapters -------------------------------------------------------------------------------
+
+
+class _LightningPrecisionPlugins(FrameworkAdapter):
+    """What the Trainer and Fabric share: Lightning's precision plugins."""
+
+    autocasts = ("bf16", "fp16")
+    half_weights = ("bf16", "fp16")
+    fp8 = {"transformer_engine": ("delayed",)}
+    loss_scale_kinds = ("dynamic", "static", "none")
+    loss_scale_settings = True
+
+
+class LightningTrainer(_LightningPrecisionPlugins):
+    """Lightning's Trainer: its precision flag or plugin, accumulation and clipping arguments."""
+
+    name = "lightning"
+    label = "Lightning's Trainer"
+    detected_by = {
+        "lightning": ("Trainer",),
+        "lightning.pytorch": ("Trainer",),
+        "lightning.pytorch.trainer": ("Trainer",),
+        "lightning.pytorch.trainer.trainer": ("Trainer",),
+        "pytorch_lightning": ("Trainer",),
+        "pytorch_lightning.trainer": ("Trainer",),
+        "pytorch_lightning.trainer.trainer": ("Trainer",),
+        # LightningCLI builds and runs a Trainer.
+        "lightning.pytorch.cli": ("LightningCLI",),
+        "pytorch_lightning.cli": ("LightningCLI",),
+    }
+    precedence = 10
+    limits = (
+        "the micro-batch is the script's DataLoader batch_size, so no split is searched",
+        "fp8-torchao has no Lightning precision plugin",
+        "fp8-te runs Transformer Engine's delayed recipe only (the plugin builds DelayedScaling)",
+    )
+
+    @classmethod
+    def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
+        install_trainer(policy, recorder=recorder, device=device)
+
+
+class LightningFabric(_LightningPrecisionPlugins):
+    """Lightning Fabric: the same precision plugins as the Trainer; the loop is the script's."""
+
+    name = "fabric"
+    label = "Lightning Fabric"
+    detected_by = {
+        "lightning": ("Fabric",),
+        "lightning.fabric": ("Fabric",),
+        "lightning_fabric": ("Fabric",),
+    }
+    precedence = 30
+    sets_grad_clip = False
+    limits = (
+        "the micro-batch and any accumulation are the script's own, so no split is searched",
+        "gradient clipping is the script's own (fabric.clip_gradients): a policy's grad_clip_norm is not applied",
+        "fp8-torchao has no Fabric precision plugin",
+        "fp8-te runs Transformer Engine's delayed recipe only (the plugin builds DelayedScaling)",
+    )
+
+    @classmethod
+    def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
+        install_fabric(policy, recorder=recorder, device=device)
 
 
 # ---- the GradScaler ----------------------------------------------------------------------------
@@ -245,34 +322,39 @@ def take_step_scale(scaler: Any) -> tuple[float | None, bool]:
 # ---- install ------------------------------------------------------------------------------------
 
 
-def install(policy: Policy, *, framework: str, recorder: FrameworkRecorder | None, device: str | None) -> None:
-    """Make every Trainer (``framework="lightning"``) or Fabric (``"fabric"``) the script builds
-    apply ``policy``; with a recorder, record the trial's optimizer steps.
+def install_trainer(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
+    """Make every Trainer the script builds apply ``policy``; with a recorder, record the trial's
+    optimizer steps.
 
     Args:
         policy: the policy to apply.
-        framework: ``"lightning"`` or ``"fabric"``.
         recorder: the trial recorder, or ``None`` under ``mpadvise run``.
         device: the trial's device (``"cpu"``, ``"cuda:1"``), or ``None`` for the script's own.
     """
-    plan = lightning_precision(policy)
-    application = _Application(policy, plan, recorder, device)
+    application = _prepare(policy, recorder, device)
+    for package in _installed(TRAINER_PACKAGES):
+        _patch_init(importlib.import_module(package).Trainer, package, application.trainer_kwargs)
+
+
+def install_fabric(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
+    """Make every Fabric the script builds apply ``policy``; with a recorder, record the trial's
+    optimizer steps (arguments as ``install_trainer``)."""
+    application = _prepare(policy, recorder, device)
+    if os.environ.pop("LT_PRECISION", None) is not None and recorder is not None:
+        recorder.note("LT_PRECISION left out: the candidate's precision applies")
+    for package in _installed(FABRIC_PACKAGES):
+        fabric_cls = importlib.import_module(package).Fabric
+        _patch_init(fabric_cls, package, application.fabric_kwargs, application.fabric_built)
+        if recorder is not None:
+            application.fabric_steps.patch(fabric_cls)
+
+
+def _prepare(policy: Policy, recorder: FrameworkRecorder | None, device: str | None) -> _Application:
+    """What both entries do first: the plan, the process switches and the seeds."""
+    application = _Application(policy, lightning_precision(policy), recorder, device)
     application.hold_switches()
-    shift = recorder.spec.seed if recorder is not None else 0
-    _shift_seeds(shift, recorder)
-    if framework == "lightning":
-        for package in _installed(TRAINER_PACKAGES):
-            _patch_init(importlib.import_module(package).Trainer, package, application.trainer_kwargs)
-    elif framework == "fabric":
-        if os.environ.pop("LT_PRECISION", None) is not None and recorder is not None:
-            recorder.note("LT_PRECISION left out: the candidate's precision applies")
-        for package in _installed(FABRIC_PACKAGES):
-            fabric_cls = importlib.import_module(package).Fabric
-            _patch_init(fabric_cls, package, application.fabric_kwargs, application.fabric_built)
-            if recorder is not None:
-                application.fabric_steps.patch(fabric_cls)
-    else:
-        raise MpadviseError(f"the Lightning adapter serves lightning and fabric, not {framework!r}")
+    _shift_seeds(recorder.spec.seed if recorder is not None else 0, recorder)
+    return application
 
 
 def _installed(packages: Iterable[str]) -> list[str]:

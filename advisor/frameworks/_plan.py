@@ -1,4 +1,5 @@
-"""How a script is run for trials: through the loop API, or through its framework's adapter."""
+"""How a script is run for trials: through the loop API, or through its framework's adapter,
+and the search-space limits of that framework (read from its adapter class's traits)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from advisor._entry import module_argv
-from advisor.frameworks._detect import LOOP_API, detect_framework
-from advisor.frameworks._traits import check_framework, traits
+from advisor.frameworks._detect import LOOP_API, detect_script_framework
+from advisor.frameworks._registry import check_framework, framework_class
 from advisor.tune._space import SpaceLimits
 from probes import MpadviseError
 
@@ -18,9 +19,6 @@ RUN_POLICY_ENV = "MPADVISE_RUN_POLICY"
 """Set by ``mpadvise run``: the config file to apply."""
 RUN_SOURCE_ENV = "MPADVISE_RUN_SOURCE"
 """Set by ``mpadvise run``: where that policy came from, for the one line it logs."""
-
-_NAMES = {"lightning": "Lightning's Trainer", "fabric": "Lightning Fabric",
-          "transformers": "the Hugging Face Trainer", "accelerate": "Accelerate"}
 
 
 @dataclass(frozen=True)
@@ -42,7 +40,7 @@ class ScriptPlan:
     @property
     def label(self) -> str:
         """``"Lightning's Trainer"``; ``"the loop API"`` for a script that calls load_policy()."""
-        return "the loop API" if self.framework is None else _NAMES[self.framework]
+        return "the loop API" if self.framework is None else framework_class(self.framework).label
 
 
 def launch_argv(framework: str) -> list[str]:
@@ -52,29 +50,28 @@ def launch_argv(framework: str) -> list[str]:
 
 def space_limits(framework: str, *, device: str | None = None) -> SpaceLimits:
     """The search space limits of a framework on ``device``: only what it can apply there."""
-    t = traits(framework)
+    cls = framework_class(framework)
+    t = cls.traits()
     modes = t.modes
     if device is not None and not device.startswith("cuda"):
         modes = tuple(m for m in modes if m not in t.needs_cuda)
     return SpaceLimits(modes=modes, micro_batch=t.sets_micro_batch, loss_scale_kinds=t.loss_scale_kinds,
-                       loss_scale_settings=t.loss_scale_settings, why=_NAMES[framework])
+                       loss_scale_settings=t.loss_scale_settings, why=cls.label)
 
 
 def plan_for(script: Path, framework: str | None = None, *, device: str | None = None) -> ScriptPlan:
     """How to run ``script``: ``framework`` when given (``--framework``), else what its
-    imports say; a script that imports advisor, or no known framework, runs as it is.
+    imports say (its own, and those of the helper modules beside it that it imports); a
+    script that imports advisor, or no known framework, runs as it is.
     ``device`` (``"cpu"``, ``"cuda:0"``) leaves out of the space what the framework cannot
     apply there.
 
     Raises:
         UsageError: an unknown framework name.
+        MpadviseError: the script cannot be read.
     """
     if framework is None:
-        try:
-            source = script.read_bytes()
-        except OSError as exc:
-            raise MpadviseError(f"cannot read script {script}: {exc.strerror or exc}") from None
-        found = detect_framework(source)
+        found = detect_script_framework(script)
         if found is None or found == LOOP_API:
             return ScriptPlan(None)
         framework, detected = found, True
@@ -94,6 +91,6 @@ def check_plan_modes(plan: ScriptPlan, modes: list[str]) -> list[str]:
     allowed = plan.limits.modes
     for mode in modes:
         if mode not in allowed:
-            where = " here" if mode in traits(plan.framework).modes else ""
+            where = " here" if mode in framework_class(plan.framework).modes() else ""
             raise MpadviseError(f"{plan.label} cannot apply mode {mode}{where}; it can apply {', '.join(allowed)}")
     return modes

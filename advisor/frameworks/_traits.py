@@ -1,10 +1,11 @@
-"""What each framework can express of a Policy, and the framework's own names for it (pure).
+"""What a framework can apply of a Policy, as a value that judges a policy by itself (pure).
 
-One table serves three users: the search space of a framework script (only what the
-framework can apply is searched), the trial child and ``mpadvise run`` (which apply a policy
-through the framework), and ``mpadvise export`` (which writes the framework's settings). So a
-policy that wins a tune is always one its framework can run, and the export of it is what the
-trial applied.
+One value serves three users: the search space of a framework script (only what the framework
+can apply is searched), the trial child and ``mpadvise run`` (which refuse a policy the
+framework cannot apply), and ``mpadvise export`` (whose exporters receive the traits). Each
+adapter class builds its traits from its declarations and the registered modes
+(``FrameworkAdapter.traits``), so a policy that wins a tune is always one its framework can
+run, and the export of it is what the trial applied.
 """
 
 from __future__ import annotations
@@ -13,36 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies import Policy, mode_class
-from probes import MpadviseError, UsageError
-
-from ._detect import FRAMEWORKS
-
-# Lightning's and Fabric's precision strings for the modes they have.
-LIGHTNING_PRECISION: Mapping[str, str] = {
-    "fp32": "32-true",
-    "tf32": "32-true",  # plus the TF32 matmul switch, which Lightning leaves to torch
-    "fp16-mixed": "16-mixed",
-    "bf16-mixed": "bf16-mixed",
-    "fp16-true": "16-true",
-    "bf16-true": "bf16-true",
-    "fp8-te": "transformer-engine",  # applied as the plugin with fp32 weights, not the bf16 string
-}
-# Accelerate's mixed_precision values.
-ACCELERATE_PRECISION: Mapping[str, str] = {
-    "fp32": "no",
-    "tf32": "no",
-    "fp16-mixed": "fp16",
-    "bf16-mixed": "bf16",
-    "fp8-te": "fp8",
-    "fp8-torchao": "fp8",
-}
-# TrainingArguments' precision fields.
-TRANSFORMERS_PRECISION: Mapping[str, Mapping[str, bool]] = {
-    "fp32": {"fp16": False, "bf16": False, "tf32": False},
-    "tf32": {"fp16": False, "bf16": False, "tf32": True},
-    "fp16-mixed": {"fp16": True, "bf16": False, "tf32": False},
-    "bf16-mixed": {"fp16": False, "bf16": True, "tf32": False},
-}
+from probes import UsageError
 
 
 @dataclass(frozen=True)
@@ -117,6 +89,39 @@ class FrameworkTraits:
 
 _DEFAULT_LOSS_SCALE = {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
+# ---- transitional ---------------------------------------------------------------------------------
+# The export module still reads these tables and `traits`; the registry (`_registry`) derives
+# the same from the adapter classes and the modes' facts. They go once the export reads neither.
+
+# Lightning's and Fabric's precision strings for the modes they have.
+LIGHTNING_PRECISION: Mapping[str, str] = {
+    "fp32": "32-true",
+    "tf32": "32-true",  # plus the TF32 matmul switch, which Lightning leaves to torch
+    "fp16-mixed": "16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "fp16-true": "16-true",
+    "bf16-true": "bf16-true",
+    "fp8-te": "transformer-engine",  # applied as the plugin with fp32 weights, not the bf16 string
+}
+# Accelerate's mixed_precision values.
+ACCELERATE_PRECISION: Mapping[str, str] = {
+    "fp32": "no",
+    "tf32": "no",
+    "fp16-mixed": "fp16",
+    "bf16-mixed": "bf16",
+    "fp8-te": "fp8",
+    "fp8-torchao": "fp8",
+}
+# TrainingArguments' precision fields.
+TRANSFORMERS_PRECISION: Mapping[str, Mapping[str, bool]] = {
+    "fp32": {"fp16": False, "bf16": False, "tf32": False},
+    "tf32": {"fp16": False, "bf16": False, "tf32": True},
+    "fp16-mixed": {"fp16": True, "bf16": False, "tf32": False},
+    "bf16-mixed": {"fp16": False, "bf16": True, "tf32": False},
+}
+
+
+
 TRAITS: Mapping[str, FrameworkTraits] = {
     "lightning": FrameworkTraits(
         "lightning", ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-true", "bf16-true", "fp8-te"),
@@ -172,35 +177,8 @@ TRAITS: Mapping[str, FrameworkTraits] = {
 }
 
 
-def check_framework(name: str) -> str:
-    """``name`` if it is a framework mpadvise serves.
-
-    Raises:
-        UsageError: naming the value and the frameworks allowed.
-    """
-    if name not in FRAMEWORKS:
-        raise UsageError(f"unknown framework {name!r}; expected one of {', '.join(FRAMEWORKS)}")
-    return name
-
-
 def traits(framework: str) -> FrameworkTraits:
-    """The traits of one framework (``check_framework`` first for user input)."""
-    return TRAITS[check_framework(framework)]
-
-
-def refusal(policy: Policy, framework: str, *, device: str | None = None) -> str | None:
-    """Why ``framework`` cannot apply ``policy`` as it stands, or ``None`` (``FrameworkTraits.refusal``)."""
-    return traits(framework).refusal(policy, device=device)
-
-
-def check_expressible(policy: Policy, framework: str, *, source: str = "the policy",
-                      device: str | None = None) -> Policy:
-    """``policy`` if ``framework`` can apply it (on ``device``, when given).
-
-    Raises:
-        MpadviseError: one line saying what of ``source`` the framework cannot apply.
-    """
-    reason = refusal(policy, framework, device=device)
-    if reason is not None:
-        raise MpadviseError(f"{source}: {reason}")
-    return policy
+    """The traits of one built-in framework (transitional; ``_registry.traits`` derives them)."""
+    if framework not in TRAITS:
+        raise UsageError(f"unknown framework {framework!r}; expected one of {', '.join(TRAITS)}")
+    return TRAITS[framework]

@@ -15,6 +15,10 @@ step's tokens, so the sum is the step's mean loss), unfiltered: HF's ``logging_n
 only replaces NaN in its running log, never in ``training_step``'s value. The GradScaler's scale
 is read after each step: the scale a step's backward ran with is the one the previous step left,
 and a scale that backed off marks a skipped step.
+
+What the Trainer is given is read from the mode's facts (``policies.ModeFacts``: the autocast
+dtype and the TF32 switch), never its name. ``HuggingFaceTrainer`` is the adapter class the
+registry holds.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._traits import ACCELERATE_PRECISION, TRANSFORMERS_PRECISION
+from advisor.frameworks._adapter import FrameworkAdapter
 from advisor.runtime._applied import BatchSplit, batch_split
 from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
 from policies import Policy, create_mode, mode_facts
@@ -56,13 +60,35 @@ _SCHEDULERS_NEEDING_EVAL = ("reduce_lr_on_plateau", "greedy")
 # The process-wide switches of the mode (fp32 turns TF32 off, tf32 on), held until the process ends.
 _PROCESS_SWITCHES = contextlib.ExitStack()
 
-# The autocast dtype a forward runs under in each mode the Trainer can apply (None: no autocast).
-AUTOCAST_DTYPE: Mapping[str, str | None] = {
-    "fp32": None,
-    "tf32": None,
-    "fp16-mixed": "float16",
-    "bf16-mixed": "bfloat16",
-}
+# torch's names of the autocast dtype families.
+_AUTOCAST_DTYPES: Mapping[str, str] = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+class HuggingFaceTrainer(FrameworkAdapter):
+    """The Hugging Face Trainer: ``TrainingArguments``' precision, batch and clipping fields."""
+
+    name = "transformers"
+    label = "the Hugging Face Trainer"
+    detected_by = {"transformers": ("Trainer", "Seq2SeqTrainer")}
+    precedence = 20
+    autocasts = ("bf16", "fp16")
+    # accelerate/accelerator.py (1.15), Accelerator.__init__: fp16 autocast and the GradScaler
+    # are built only when `self.device.type != "cpu"`.
+    cuda_only_autocasts = ("fp16",)
+    sets_micro_batch = True
+    loss_scale_kinds = ("dynamic",)
+    loss_scale_settings = False
+    limits = (
+        "TrainingArguments cannot set GradScaler's parameters: fp16 runs with the default dynamic scale",
+        "no pure fp16/bf16 training (that is the model's dtype, set where the script loads it)",
+        "no FP8 through TrainingArguments",
+        "fp16-mixed needs a GPU: on a CPU fp16=True trains in fp32 (Accelerate builds neither fp16 autocast "
+        "nor a GradScaler there), so a trial of it ends unsupported",
+    )
+
+    @classmethod
+    def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
+        install(policy, recorder=recorder, device=device)
 
 
 def transformers_precision(policy: Policy) -> dict[str, bool]:
@@ -78,7 +104,7 @@ def transformers_precision(policy: Policy) -> dict[str, bool]:
         MpadviseError: the Hugging Face Trainer cannot express the policy's mode.
     """
     facts = mode_facts(policy.mode)
-    if facts.weights != "fp32" or facts.fp8_library is not None or facts.autocast not in (None, "bf16", "fp16"):
+    if not HuggingFaceTrainer.expresses(facts):
         raise MpadviseError(
             f"the Hugging Face Trainer cannot apply mode {policy.mode}: TrainingArguments express "
             "fp16 or bf16 autocast over fp32 weights and the TF32 switch, not pure half weights or FP8"
@@ -109,7 +135,7 @@ def argument_changes(policy: Policy, script: Mapping[str, Any], *, trial: bool, 
     """The ``TrainingArguments`` fields that apply ``policy`` over what the script set (pure).
 
     Args:
-        policy: the policy to apply (a mode the Trainer can apply: see ``TRANSFORMERS_PRECISION``).
+        policy: the policy to apply (a mode the Trainer can apply: see ``transformers_precision``).
         script: the script's values of the fields in ``SCRIPT_FIELDS``.
         trial: whether this run is a trial (then what only slows it is turned off).
         seed_shift: added to an explicit ``data_seed`` (the trial seed).
@@ -119,7 +145,7 @@ def argument_changes(policy: Policy, script: Mapping[str, Any], *, trial: bool, 
     Returns:
         The fields to set and what they mean.
     """
-    precision = dict(TRANSFORMERS_PRECISION[policy.mode])
+    precision = transformers_precision(policy)
     values: dict[str, Any] = dict(precision)
     asked = {k: script.get(k) for k in precision if script.get(k) != precision[k]}
     # tf32=None (the default) leaves TF32 alone; the mode's False is stated, not an override.
@@ -163,7 +189,13 @@ def argument_changes(policy: Policy, script: Mapping[str, Any], *, trial: bool, 
 
 def expected_autocast(mode: str) -> str | None:
     """The autocast dtype name a forward runs under in ``mode`` through the Trainer, or ``None``."""
-    return AUTOCAST_DTYPE[mode]
+    autocast = mode_facts(mode).autocast
+    return None if autocast is None else _AUTOCAST_DTYPES[autocast]
+
+
+def accelerator_precision(mode: str) -> str:
+    """The ``mixed_precision`` the Trainer's Accelerator runs ``mode`` in (``"no"``, ``"bf16"``, ``"fp16"``)."""
+    return mode_facts(mode).autocast or "no"
 
 
 def autocast_mismatch(mode: str, *, enabled: bool, dtype: str, device_type: str) -> str | None:
@@ -187,12 +219,12 @@ def accelerator_mismatch(mode: str, *, mixed_precision: str, native_amp: bool, h
     ``TrainingArguments(fp16=True)`` trains in fp32 (accelerate/accelerator.py, where
     ``mixed_precision == "fp16" and self.device.type != "cpu"`` guards both).
     """
-    want = ACCELERATE_PRECISION[mode]
+    want = accelerator_precision(mode)
     if mixed_precision != want:
         return (f"the Hugging Face Trainer's Accelerator runs mixed_precision={mixed_precision!r}, not {want!r} "
                 f"as {mode} asks (a Trainer subclass or the launch configuration sets its own)")
     if want == "fp16" and not (native_amp and has_scaler):
-        return (f"the Hugging Face Trainer cannot run fp16-mixed on {device_type}: Accelerate builds fp16 "
+        return (f"the Hugging Face Trainer cannot run {mode} on {device_type}: Accelerate builds fp16 "
                 "autocast and a GradScaler only on GPUs, so TrainingArguments(fp16=True) trains in fp32 here")
     if want == "bf16" and not native_amp:
         return f"the Hugging Face Trainer's Accelerator does not autocast to bf16 on {device_type}"
@@ -210,12 +242,11 @@ def scaler_skipped(before: float | None, after: float | None) -> bool:
     return before is not None and after is not None and after < before
 
 
-def install(policy: Policy, *, framework: str, recorder: FrameworkRecorder | None, device: str | None) -> None:
+def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
     """Apply ``policy`` to every ``TrainingArguments`` and ``Trainer`` the script builds.
 
     Args:
         policy: the policy (a mode the Trainer can apply).
-        framework: ``"transformers"``.
         recorder: the trial recorder, or ``None`` under ``mpadvise run``.
         device: the trial's device (``"cpu"``, ``"cuda:N"``), or ``None`` for the default.
     """
@@ -230,7 +261,7 @@ def install(policy: Policy, *, framework: str, recorder: FrameworkRecorder | Non
     _PROCESS_SWITCHES.enter_context(create_mode(policy, target).process_switches())
     # What TrainingArguments falls back to when fp16 and bf16 are both off, and what an
     # Accelerator the script builds by itself reads.
-    os.environ["ACCELERATE_MIXED_PRECISION"] = ACCELERATE_PRECISION[policy.mode]
+    os.environ["ACCELERATE_MIXED_PRECISION"] = accelerator_precision(policy.mode)
     hooks = TrainerHooks(policy, recorder, use_cpu=use_cpu, device=device, callback_base=transformers.TrainerCallback)
     _patch_arguments(transformers.training_args.TrainingArguments, hooks)
     _patch_trainer(transformers.trainer.Trainer, hooks)
@@ -248,7 +279,7 @@ class TrainerHooks:
         self.use_cpu = use_cpu
         self.device = device
         self.callback_base = callback_base
-        self.mixed_precision = ACCELERATE_PRECISION[policy.mode]
+        self.mixed_precision = accelerator_precision(policy.mode)
         self.user_batch: int | None = None
         self._micro_losses: list[Any] = []
         self._micro_samples = 0
@@ -295,7 +326,7 @@ class TrainerHooks:
         """Set the precision again where the script changed it on the arguments after building them."""
         if args is None or getattr(args, "mixed_precision", self.mixed_precision) == self.mixed_precision:
             return
-        for name, value in TRANSFORMERS_PRECISION[self.policy.mode].items():
+        for name, value in transformers_precision(self.policy).items():
             if name != "tf32":
                 setattr(args, name, value)
         args.mixed_precision = self.mixed_precision

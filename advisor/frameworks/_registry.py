@@ -1,0 +1,263 @@
+"""Which frameworks exist and which export targets: one ordered registry of adapter classes,
+and everything derived from it.
+
+Every list of frameworks reads this registry: ``FRAMEWORKS``, detection (each class's
+``detected_by`` and ``precedence``), the ``--framework`` check, the traits that bound a
+framework script's search space, the trial child's dispatch to ``install``, and
+``mpadvise export --to`` (a framework's exporter, plus the export-only targets). Adding a
+framework means writing its adapter class (see ``FrameworkAdapter``) and one
+``register_framework`` line, here in ``BUILTIN_FRAMEWORKS`` or from outside.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TypeVar
+
+from policies import Policy
+from probes import MpadviseError, UsageError
+
+from ._accelerate import AccelerateAdapter
+from ._adapter import FrameworkAdapter
+from ._export import (
+    AccelerateExporter,
+    DeepSpeedExporter,
+    Export,
+    Exporter,
+    FabricExporter,
+    LightningExporter,
+    TorchtitanExporter,
+    TransformersExporter,
+)
+from ._lightning import LightningFabric, LightningTrainer
+from ._transformers import HuggingFaceTrainer
+
+if TYPE_CHECKING:
+    from ._traits import FrameworkTraits
+
+AdapterT = TypeVar("AdapterT", bound=type[FrameworkAdapter])
+
+# The registered adapter classes by name, in registration order (the order of FRAMEWORKS).
+_FRAMEWORKS: dict[str, type[FrameworkAdapter]] = {}
+# Export targets by name: each framework's exporter, and the export-only targets.
+_EXPORTERS: dict[str, type[Exporter]] = {}
+
+
+def register_framework(cls: AdapterT, *, exporter: type[Exporter] | None = None) -> AdapterT:
+    """Add a framework adapter class to the registry, after the frameworks already there.
+
+    Args:
+        cls: a ``FrameworkAdapter`` subclass that sets ``name``, ``label``, ``detected_by`` and
+            ``precedence`` and defines ``install``.
+        exporter: the ``Exporter`` subclass that writes a policy in this framework's settings
+            (its ``target`` is the framework's name); ``None`` for a framework with no export.
+
+    Returns:
+        ``cls``.
+
+    Raises:
+        TypeError: ``cls`` is not a FrameworkAdapter subclass, or ``exporter`` no Exporter.
+        ValueError: a description is missing or clashes with a registered framework.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, FrameworkAdapter)):
+        raise TypeError(f"register_framework: {cls!r} is not a FrameworkAdapter subclass; derive the "
+                        "framework's class from advisor.frameworks.FrameworkAdapter")
+    owner = f"register_framework({cls.__qualname__})"
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name or name != name.lower():
+        raise ValueError(f"{owner}: name {name!r} is not allowed; set a lowercase name, e.g. 'composer'")
+    if _FRAMEWORKS.get(name) is cls:
+        return cls
+    if name in _FRAMEWORKS or name in _EXPORTERS:
+        raise ValueError(f"{owner}: framework {name!r} is already registered; give the class a name of its own")
+    _check_description(owner, cls)
+    if exporter is not None:
+        _check_exporter(owner, exporter, name)
+        _EXPORTERS[name] = exporter
+    _FRAMEWORKS[name] = cls
+    return cls
+
+
+def _check_description(owner: str, cls: type[FrameworkAdapter]) -> None:
+    label = getattr(cls, "label", None)
+    if not isinstance(label, str) or not label:
+        raise ValueError(f"{owner}: label {label!r} is not allowed; name the framework for people, "
+                         "e.g. 'the Composer Trainer'")
+    detected_by = getattr(cls, "detected_by", None)
+    if not isinstance(detected_by, dict) or not all(
+        isinstance(m, str) and isinstance(n, tuple) and all(isinstance(x, str) for x in n) for m, n in detected_by.items()
+    ):
+        raise ValueError(f"{owner}: detected_by {detected_by!r} is not allowed; map each module to the names "
+                         "that mean the framework, e.g. {'composer': ('Trainer',)}")
+    precedence = getattr(cls, "precedence", None)
+    if isinstance(precedence, bool) or not isinstance(precedence, int):
+        raise ValueError(f"{owner}: precedence {precedence!r} is not allowed; set an integer, lower wins "
+                         f"(in use: {', '.join(f'{c.name} {c.precedence}' for c in _by_precedence())})")
+    if cls.install.__func__ is FrameworkAdapter.install.__func__:  # type: ignore[attr-defined]
+        raise ValueError(f"{owner}: the class does not say how it applies a policy; define install()")
+
+
+def _check_exporter(owner: str, exporter: type[Exporter], target: str) -> None:
+    if not (isinstance(exporter, type) and issubclass(exporter, Exporter)):
+        raise TypeError(f"{owner}: exporter {exporter!r} is not an Exporter subclass")
+    if getattr(exporter, "target", None) != target:
+        raise ValueError(f"{owner}: exporter {exporter.__qualname__} writes for "
+                         f"{getattr(exporter, 'target', None)!r}, not {target!r}; set its target to {target!r}")
+
+
+def register_export_target(exporter: type[Exporter]) -> type[Exporter]:
+    """Add an export-only target (``mpadvise export --to`` only; no scripts are tuned through it).
+
+    Raises:
+        TypeError: not an Exporter subclass.
+        ValueError: its target is missing or already taken.
+    """
+    owner = f"register_export_target({getattr(exporter, '__qualname__', exporter)!r})"
+    if not (isinstance(exporter, type) and issubclass(exporter, Exporter)):
+        raise TypeError(f"{owner}: not an Exporter subclass")
+    target = getattr(exporter, "target", None)
+    if not isinstance(target, str) or not target:
+        raise ValueError(f"{owner}: target {target!r} is not allowed; set the name of --to")
+    if _EXPORTERS.get(target) is exporter:
+        return exporter
+    if target in _EXPORTERS or target in _FRAMEWORKS:
+        raise ValueError(f"{owner}: export target {target!r} is already registered")
+    _EXPORTERS[target] = exporter
+    return exporter
+
+
+def unregister_framework(name: str) -> None:
+    """Remove a registered framework and its exporter, or an export-only target (one registered
+    for a test, say).
+
+    Raises:
+        MpadviseError: nothing of that name is registered.
+    """
+    if name not in _FRAMEWORKS and name not in _EXPORTERS:
+        raise MpadviseError(f"unknown framework {name!r}; expected one of {', '.join(_FRAMEWORKS)}")
+    _FRAMEWORKS.pop(name, None)
+    _EXPORTERS.pop(name, None)
+
+
+def framework_classes() -> tuple[type[FrameworkAdapter], ...]:
+    """Every registered adapter class, in registration order."""
+    return tuple(_FRAMEWORKS.values())
+
+
+def framework_names() -> tuple[str, ...]:
+    """Every registered framework's name, in registration order (the value of ``FRAMEWORKS``)."""
+    return tuple(_FRAMEWORKS)
+
+
+def _by_precedence() -> list[type[FrameworkAdapter]]:
+    return sorted(_FRAMEWORKS.values(), key=lambda cls: cls.precedence)
+
+
+def detection_order() -> tuple[type[FrameworkAdapter], ...]:
+    """The registered adapter classes by detection precedence (the loop's owner first)."""
+    return tuple(_by_precedence())
+
+
+def check_framework(name: str) -> str:
+    """``name`` if it is a framework mpadvise serves.
+
+    Raises:
+        UsageError: naming the value and the frameworks allowed.
+    """
+    if name not in _FRAMEWORKS:
+        raise UsageError(f"unknown framework {name!r}; expected one of {', '.join(_FRAMEWORKS)}")
+    return name
+
+
+def framework_class(name: str) -> type[FrameworkAdapter]:
+    """The adapter class of ``name`` (``check_framework`` says what is wrong with a bad name).
+
+    Raises:
+        UsageError: an unknown framework.
+    """
+    return _FRAMEWORKS[check_framework(name)]
+
+
+def traits(framework: str) -> FrameworkTraits:
+    """What ``framework`` can express of a Policy, from the registered modes as they are now.
+
+    Raises:
+        UsageError: an unknown framework.
+    """
+    return framework_class(framework).traits()
+
+
+def refusal(policy: Policy, framework: str, *, device: str | None = None) -> str | None:
+    """Why ``framework`` cannot apply ``policy`` as it stands, or ``None`` (``FrameworkTraits.refusal``)."""
+    return traits(framework).refusal(policy, device=device)
+
+
+def check_expressible(policy: Policy, framework: str, *, source: str = "the policy",
+                      device: str | None = None) -> Policy:
+    """``policy`` if ``framework`` can apply it (on ``device``, when given).
+
+    Raises:
+        MpadviseError: one line saying what of ``source`` the framework cannot apply.
+    """
+    reason = refusal(policy, framework, device=device)
+    if reason is not None:
+        raise MpadviseError(f"{source}: {reason}")
+    return policy
+
+
+# ---- export ---------------------------------------------------------------------------------------
+
+
+def export_targets() -> tuple[str, ...]:
+    """What ``mpadvise export --to`` writes for: the frameworks with an exporter, in registration
+    order, then the export-only targets (the value of ``EXPORT_TARGETS``)."""
+    frameworks = [name for name in _FRAMEWORKS if name in _EXPORTERS]
+    return (*frameworks, *(name for name in _EXPORTERS if name not in _FRAMEWORKS))
+
+
+def check_target(name: str | None) -> str:
+    """``name`` if it is an export target.
+
+    Raises:
+        UsageError: a missing or unknown target, naming the targets.
+    """
+    if name is None:
+        raise UsageError(f"missing --to TARGET; expected one of {', '.join(export_targets())}")
+    if name not in export_targets():
+        raise UsageError(f"unknown export target {name!r}; expected one of {', '.join(export_targets())}")
+    return name
+
+
+def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: str | None = None) -> Export:
+    """``policy`` as ``target``'s own settings, judged by the framework's traits (none for the
+    export-only targets, which judge for themselves).
+
+    Args:
+        policy: the policy to export.
+        target: one of ``export_targets()``.
+        device: ``"cuda"`` or ``"cpu"``, where the export will train.
+        source: where the policy came from, for the header line.
+
+    Raises:
+        UsageError: an unknown target or device.
+        ExportRefused: the target cannot express the policy; one line saying what and why.
+    """
+    check_target(target)
+    framework = _FRAMEWORKS.get(target)
+    return _EXPORTERS[target]().export(policy, traits=None if framework is None else framework.traits(),
+                                       device=device, source=source)
+
+
+# ---- the built-in frameworks --------------------------------------------------------------------
+
+BUILTIN_FRAMEWORKS: tuple[tuple[type[FrameworkAdapter], type[Exporter]], ...] = (
+    (LightningTrainer, LightningExporter),
+    (LightningFabric, FabricExporter),
+    (HuggingFaceTrainer, TransformersExporter),
+    (AccelerateAdapter, AccelerateExporter),
+)
+BUILTIN_EXPORT_TARGETS: tuple[type[Exporter], ...] = (DeepSpeedExporter, TorchtitanExporter)
+
+for _cls, _exporter in BUILTIN_FRAMEWORKS:
+    register_framework(_cls, exporter=_exporter)
+for _exporter in BUILTIN_EXPORT_TARGETS:
+    register_export_target(_exporter)
