@@ -9,14 +9,30 @@ from advisor.frameworks import (
     FRAMEWORKS,
     LOOP_API,
     detect_framework,
+    detect_script_framework,
     plan_for,
     refusal,
     space_limits,
     traits,
 )
+from advisor.frameworks._accelerate import accelerate_settings
+from advisor.frameworks._lightning import lightning_precision
+from advisor.frameworks._transformers import (
+    accelerator_precision,
+    expected_autocast,
+    transformers_precision,
+)
 from advisor.tune._options import TuneOptions
 from advisor.tune._space import Candidate, SpaceLimits, space_for
-from policies import Fp8Options, LossScale, Policy, mode_names
+from policies import (
+    AutocastMode,
+    Fp8Options,
+    LossScale,
+    Policy,
+    mode_names,
+    register_mode,
+    unregister_mode,
+)
 from probes import MpadviseError, UsageError
 
 
@@ -45,6 +61,17 @@ from probes import MpadviseError, UsageError
         ("from transformers import BertConfig, BertModel\nimport torch\n", None),
         ("import torch\n", None),
         ("def broken(:\n", None),
+        # Layouts that name the Trainer's own module, or run one through LightningCLI.
+        ("from lightning.pytorch.trainer import Trainer\n", "lightning"),
+        ("from lightning.pytorch.trainer.trainer import Trainer\n", "lightning"),
+        ("from pytorch_lightning.trainer import Trainer\n", "lightning"),
+        ("import lightning.pytorch.trainer as tr\ntr.Trainer()\n", "lightning"),
+        ("import lightning.pytorch\nlightning.pytorch.Trainer()\n", "lightning"),
+        ("from lightning.pytorch.cli import LightningCLI\nLightningCLI(Model)\n", "lightning"),
+        ("from pytorch_lightning.cli import LightningCLI\n", "lightning"),
+        ("import lightning.pytorch.cli as cli\ncli.LightningCLI(Model)\n", "lightning"),
+        # LightningCLI runs a Trainer, which outranks a Fabric imported beside it.
+        ("from lightning.fabric import Fabric\nfrom lightning.pytorch.cli import LightningCLI\n", "lightning"),
     ],
 )
 def test_the_framework_is_read_from_the_imports(source, expected):
@@ -175,3 +202,90 @@ def test_a_mode_the_framework_lacks_here_is_named_as_such(tmp_path):
         check_plan_modes(plan_for(script, device="cpu"), ["fp16-mixed"])
     with pytest.raises(MpadviseError, match="cannot apply mode bf16-true; it can apply"):
         check_plan_modes(plan_for(script, device="cpu"), ["bf16-true"])
+
+
+@pytest.mark.parametrize(
+    ("helper", "script", "expected"),
+    [
+        # A Fabric built in a helper module beside the script.
+        ("from lightning.fabric import Fabric\ndef make():\n    return Fabric()\n",
+         "from setup_fabric import make\nfabric = make()\n", "fabric"),
+        ("import lightning as L\ndef make():\n    return L.Trainer()\n", "import setup_fabric\n", "lightning"),
+        ("from accelerate import Accelerator\n", "from setup_fabric import *\n", "accelerate"),
+        # The helper's framework joins the script's, and precedence decides.
+        ("from transformers import Trainer\n", "from accelerate import Accelerator\nimport setup_fabric\n",
+         "transformers"),
+        # A helper that uses the loop API makes the script a loop-API script.
+        ("from advisor import load_policy\n", "from lightning.fabric import Fabric\nimport setup_fabric\n", LOOP_API),
+        # A module of that name the script never imports is not read.
+        ("from lightning.fabric import Fabric\n", "import torch\n", None),
+    ],
+)
+def test_a_framework_built_in_a_helper_module_beside_the_script_is_found(tmp_path, helper, script, expected):
+    (tmp_path / "setup_fabric.py").write_text(helper)
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    assert detect_script_framework(path) == expected
+    assert plan_for(path).framework == (None if expected in (None, LOOP_API) else expected)
+
+
+def test_helper_packages_beside_the_script_are_read_one_level_deep(tmp_path):
+    package = tmp_path / "trainers"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "build.py").write_text("from lightning_fabric import Fabric\nimport deeper\n")
+    (tmp_path / "deeper.py").write_text("from transformers import Trainer\n")
+    script = tmp_path / "train.py"
+    script.write_text("from trainers.build import make\n")
+    assert detect_framework(script.read_text()) is None  # the script's source alone names none
+    # trainers/build.py is read; deeper.py, imported only by the helper, is not.
+    assert detect_script_framework(script) == "fabric"
+    script.write_text("from trainers import build\n")
+    assert detect_script_framework(script) == "fabric"
+    with pytest.raises(MpadviseError, match="cannot read script"):
+        detect_script_framework(tmp_path / "missing.py")
+
+
+class Bf16Demo(AutocastMode):
+    """A throwaway mode with bf16-mixed's facts and a name no adapter knows."""
+
+    name = "bf16-demo"
+    dtype_family = "bf16"
+    safety_rank = 21
+
+    @classmethod
+    def support(cls, profile):
+        raise AssertionError("not asked in these tests")
+
+
+@pytest.fixture
+def bf16_demo():
+    register_mode(Bf16Demo)
+    yield Bf16Demo
+    unregister_mode("bf16-demo")
+
+
+def test_a_mode_registered_later_is_applied_by_every_framework_that_can_express_its_facts(bf16_demo):
+    for name in ("lightning", "fabric", "transformers", "accelerate"):
+        assert "bf16-demo" in traits(name).modes, name
+        assert "bf16-demo" in space_limits(name).modes, name
+    policy = Policy(mode="bf16-demo")
+    assert refusal(policy, "transformers") is None and refusal(policy, "lightning") is None
+    assert lightning_precision(policy).precision == "bf16-mixed" and lightning_precision(policy).plugin is None
+    assert accelerate_settings(policy).mixed_precision == "bf16"
+    assert transformers_precision(policy) == {"fp16": False, "bf16": True, "tf32": False}
+    assert expected_autocast("bf16-demo") == "bfloat16" and accelerator_precision("bf16-demo") == "bf16"
+
+
+def test_the_translations_follow_the_facts_of_each_builtin_mode():
+    lightning = {m: lightning_precision(Policy(mode=m)).precision for m in traits("lightning").modes}
+    assert lightning == {"fp32": "32-true", "tf32": "32-true", "fp16-mixed": "16-mixed", "bf16-mixed": "bf16-mixed",
+                         "fp16-true": "16-true", "bf16-true": "bf16-true", "fp8-te": "transformer-engine"}
+    assert lightning_precision(Policy(mode="tf32")).tf32 is True and lightning_precision(Policy(mode="fp32")).tf32 is False
+    accelerate = {m: accelerate_settings(Policy(mode=m)).mixed_precision for m in traits("accelerate").modes}
+    assert accelerate == {"fp32": "no", "tf32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "fp8-te": "fp8",
+                          "fp8-torchao": "fp8"}
+    assert transformers_precision(Policy(mode="tf32")) == {"fp16": False, "bf16": False, "tf32": True}
+    for mode in ("bf16-true", "fp8-te"):
+        with pytest.raises(MpadviseError, match=f"Hugging Face Trainer cannot apply mode {mode}"):
+            transformers_precision(Policy(mode=mode))
