@@ -1,4 +1,4 @@
-"""Jobs: the argv a tune job runs, the slots (one per GPU, or one CPU slot), and the runner
+"""Jobs: the request and argv a tune job runs, the slots (one per GPU, or one CPU slot), and the runner
 threads that start, follow, cancel and recover them."""
 
 from __future__ import annotations
@@ -32,33 +32,47 @@ from advisor.daemon._config import (
     under_roots,
 )
 from advisor.daemon._files import _now
-from advisor.tune._options import TuneOptions
+from advisor.frameworks import check_plan_modes, plan_for
+from advisor.tune import ScriptLaunch, TuneOptions, TuneRequest
 from advisor.tune._trials import WAIT_IDLE_ENV
 from probes import HardwareProfile, MpadviseError
 
+JOB_MODULE = "advisor.tune.job"
+"""The entry point a job runs: ``python -m advisor.tune.job REQUEST.json RESULT.json``."""
 
-def tune_argv(
-    script: str,
-    args: Sequence[str],
-    options: TuneOptions,
-    slot: str,
-    *,
-    python: str = sys.executable,
-) -> list[str]:
-    """The command line that runs one job: ``mpadvise tune`` with ``--json`` on ``slot``.
+
+def tune_argv(request: str | os.PathLike[str], result: str | os.PathLike[str], *, python: str = sys.executable) -> list[str]:
+    """The command line that runs one job: the tune job entry point on its request file.
 
     Args:
-        script: the training script (absolute).
-        args: the script's own arguments; after ``--``, so none is read as an option.
-        options: the job's tune options; those left at their defaults are left out.
-        slot: ``"cpu"`` or ``"cuda:N"``, passed as ``--device`` (whatever ``options`` says).
+        request: the job's request file (``TuneRequest.to_dict()`` as JSON).
+        result: where the entry point writes the tune's result (``ScriptTune.to_dict()``).
         python: the interpreter.
 
     Returns:
-        The argv list for ``subprocess.Popen`` (no shell is involved).
+        The argv list for ``subprocess.Popen`` (no shell is involved; the script's arguments
+        travel in the request file, never on this command line).
     """
-    return [*_module_entry(python, "advisor.cli"), "tune", script, "--json", "--device", slot,
-            *options.with_(device=None).to_argv(), "--", *args]
+    return [*_module_entry(python, JOB_MODULE), os.fspath(request), os.fspath(result)]
+
+
+def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
+    """The tune a stored job asks for on ``slot``, and the directory it runs in.
+
+    The script's plan (its framework, read from its imports unless the job names one, and
+    what that framework can apply on the slot's device) is made here, as ``mpadvise tune``
+    makes it.
+
+    Raises:
+        MpadviseError: the stored options hold an unknown key or a value out of bounds; the
+            script cannot be read; an unknown framework (exit 2), or a mode it cannot apply.
+    """
+    options, cwd = job_options(job)
+    options = options.with_(device=slot)  # the slot, whatever the job said
+    script = Path(job["script"])
+    plan = plan_for(script, options.framework, device=slot)
+    check_plan_modes(plan, list(options.modes))
+    return TuneRequest(script, tuple(job.get("args") or ()), options, ScriptLaunch.of(plan)), cwd
 
 
 def _module_entry(python: str, module: str) -> list[str]:
@@ -218,7 +232,7 @@ class JobRunner:
         slots: where jobs run.
         jobs_dir: where each job's full log goes.
         busy: PIDs computing on a slot's GPU (NVML; tests pass a fake).
-        python: the interpreter that runs ``advisor.cli tune``.
+        python: the interpreter that runs the job entry point (``advisor.tune.job``).
         poll_s: how often a running job is checked for cancellation and progress.
         gpu_poll_s: how often a waiting job asks NVML again.
         idle_poll_s: how often an idle worker looks at the queue without being woken.
@@ -351,46 +365,51 @@ class JobRunner:
             return
         if not self._wait_for_idle_gpu(job, slot, state):
             return
-        options, cwd = job_options(job)
-        argv = tune_argv(job["script"], job.get("args") or [], options, slot.name, python=self.python)
-        env = dict(os.environ)
-        env[JOB_ENV] = job_id
-        env[WAIT_IDLE_ENV] = "1"  # and before every trial, not only before the tune starts
-        env["COLUMNS"] = "160"  # the tune's lines are read back one by one: no wrapping
-        env.pop("MPADVISE_POLICY", None)
-        log_path = self.jobs_dir / f"{job_id}.log"
-        out_path = self.jobs_dir / f"{job_id}.out"
+        try:
+            request, cwd = job_request(job, slot.name)
+        except MpadviseError as exc:  # what `mpadvise tune` would refuse before any trial
+            logger.info("job %s failed: %s", job_id, exc)
+            self.store.finish_job(job_id, state="failed", result={"exit_code": exc.exit_code, "error": str(exc)})
+            return
+        files = _JobFiles(self.jobs_dir, job_id)
+        files.write_request(request)
         tail = LogTail()
         state.phase = "running"
         # The arguments can hold secrets (keys, tokens): the log names the job, not its command.
         logger.info("job %s started on %s: %s", job_id, slot.name, job["script"])
-        with _open_job_file(log_path, append=True) as log, _open_job_file(out_path, append=False) as out:
+        with _open_job_log(files.log) as log:
             process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE, cwd=cwd, env=env,
+                tune_argv(files.request, files.result, python=self.python), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=_job_env(job_id),
                 start_new_session=True,  # its own group: a cancel kills it without touching us
             )
-            pump = threading.Thread(target=_pump, args=(process.stderr, tail, log), daemon=True)
+            pump = threading.Thread(target=_pump, args=(process.stdout, tail, log), daemon=True)
             pump.start()
             outcome, progress = self._follow(job_id, slot, process, tail)
             pump.join(timeout=5)
-        if outcome == "stopped":
-            logger.info("job %s interrupted by the daemon stopping; it runs again at the next start", job_id)
-            return
-        if outcome == "cancelled":
-            self.store.finish_job(job_id, state="cancelled", log_tail=tail.text())
-            logger.info("job %s cancelled", job_id)
-            return
-        code = process.returncode
-        result = _result_of(code, out_path, tail)
-        final = "succeeded" if result.get("tune") is not None else "failed"
-        # The last lines first, so a follower that sees the job finished has seen them all.
-        self.store.update_job(job_id, progress={**progress, "phase": "finished", "exit_code": code,
-                                                "lines": tail.count, "recent": tail.lines()[-RECENT_LINES:],
-                                                "updated_at": _now()})
-        self.store.finish_job(job_id, state=final, result=result, log_tail=tail.text())
-        with contextlib.suppress(OSError):
-            out_path.unlink()
-        logger.info("job %s %s (exit code %s)", job_id, final, code)
+        self._finish(job_id, process.returncode, outcome, progress, tail, files)
+
+    def _finish(self, job_id: str, code: int | None, outcome: str, progress: dict[str, Any], tail: LogTail,
+                files: _JobFiles) -> None:
+        """Record how a job's process ended: its result file's tune, or why there is none."""
+        try:
+            if outcome == "stopped":
+                logger.info("job %s interrupted by the daemon stopping; it runs again at the next start", job_id)
+                return
+            if outcome == "cancelled":
+                self.store.finish_job(job_id, state="cancelled", log_tail=tail.text())
+                logger.info("job %s cancelled", job_id)
+                return
+            result = _result_of(code, files.result, tail)
+            final = "succeeded" if result.get("tune") is not None else "failed"
+            # The last lines first, so a follower that sees the job finished has seen them all.
+            self.store.update_job(job_id, progress={**progress, "phase": "finished", "exit_code": code,
+                                                    "lines": tail.count, "recent": tail.lines()[-RECENT_LINES:],
+                                                    "updated_at": _now()})
+            self.store.finish_job(job_id, state=final, result=result, log_tail=tail.text())
+            logger.info("job %s %s (exit code %s)", job_id, final, code)
+        finally:
+            files.remove()
 
     def _follow(self, job_id: str, slot: Slot, process: subprocess.Popen[bytes],
                 tail: LogTail) -> tuple[str, dict[str, Any]]:
@@ -488,16 +507,10 @@ def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
     return None
 
 
-def _open_job_file(path: Path, *, append: bool) -> Any:
-    """Open a job's log (appended to across attempts) or output file, never through a symlink.
-
-    The output file is always new (a stale one is removed first); the log is created new or,
+def _open_job_log(path: Path) -> Any:
+    """Open a job's log (appended to across attempts), never through a symlink: created new or,
     when an earlier attempt left one, reopened only if it is a plain file of ours with one link.
     """
-    if not append:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # unlink never follows a symlink: it removes the link itself
-        return os.fdopen(open_private_new(path), "wb")
     try:
         return os.fdopen(open_private_new(path, os.O_WRONLY | os.O_APPEND), "ab")
     except FileExistsError:
@@ -518,16 +531,58 @@ def _pump(stream: Any, tail: LogTail, log: Any) -> None:
     stream.close()
 
 
-def _result_of(code: int | None, out_path: Path, tail: LogTail) -> dict[str, Any]:
-    """The job result: the tune's JSON when it answered (exit 0 or 3), else why it failed."""
+def _result_of(code: int | None, result_path: Path, tail: LogTail) -> dict[str, Any]:
+    """The job result: the tune's result file when it answered (exit 0 or 3), else why it failed."""
     data = None
     with contextlib.suppress(OSError, ValueError):
-        text = out_path.read_text(encoding="utf-8", errors="replace")
+        text = result_path.read_text(encoding="utf-8", errors="replace")
         data = json.loads(text) if text.strip() else None
     if code in (0, 3) and isinstance(data, dict):
         return {"exit_code": code, "tune": data}
-    error = tail.error_line() or f"mpadvise tune exited with code {code} and no output"
+    error = tail.error_line() or f"the tune exited with code {code} and wrote no result"
     return {"exit_code": code, "error": error}
+
+
+def _job_env(job_id: str) -> dict[str, str]:
+    """The environment of a job's process: the daemon's, marked with the job (so that every
+    process of it can be found), waiting for an idle GPU before each trial."""
+    env = dict(os.environ)
+    env[JOB_ENV] = job_id
+    env[WAIT_IDLE_ENV] = "1"  # and before every trial, not only before the tune starts
+    env.pop("MPADVISE_POLICY", None)
+    return env
+
+
+@dataclass(frozen=True)
+class _JobFiles:
+    """A job's files in the jobs directory: its log (kept), its request and result (removed
+    once the job has ended)."""
+
+    directory: Path
+    job_id: str
+
+    @property
+    def log(self) -> Path:
+        return self.directory / f"{self.job_id}.log"
+
+    @property
+    def request(self) -> Path:
+        return self.directory / f"{self.job_id}.request.json"
+
+    @property
+    def result(self) -> Path:
+        return self.directory / f"{self.job_id}.result.json"
+
+    def write_request(self, request: TuneRequest) -> None:
+        """Write the request file (new and private; a stale one, or a stale result, removed first)."""
+        self.remove()
+        with os.fdopen(open_private_new(self.request), "w", encoding="utf-8") as out:
+            json.dump(request.to_dict(), out)
+
+    def remove(self) -> None:
+        for path in (self.request, self.result):
+            with contextlib.suppress(OSError):
+                path.unlink()  # unlink never follows a symlink: it removes the link itself
 
 
 def recover_jobs(store: Store, *, max_retries: int = 1) -> list[dict[str, Any]]:

@@ -1,17 +1,46 @@
 """Trials and the search: run candidates (subprocess or in process), judge their stability
 against the fp32 reference, time them fairly, and search for the fastest stable policy.
 
-Modules: ``_trials`` (runners and evaluations), ``_child`` (inside a trial process),
-``_stability`` (verdicts), ``_timing`` (noise-aware comparisons), ``_space`` (candidates and
-priors), ``_search`` (Optuna), ``_engine`` (the tune), ``_api`` (``advisor.tune``), ``_checks``
-(script and mode checks before a run), ``_options`` (the tune options, declared once for the
-CLI, the API and the daemon). Arrows: tune uses ``runtime``, ``policies`` and
-``probes``; nothing in it imports the cache, the daemon or the CLI.
+Modules: ``_trials`` (runners and evaluations), ``_stability`` (verdicts), ``_timing``
+(noise-aware comparisons), ``_space`` (candidates and priors), ``_search`` (Optuna), ``_engine``
+(the tune), ``_service`` (one tune of a script end to end: study, storage, config file, cache
+entry), ``_api`` (``advisor.tune``), ``_checks`` (script and mode checks before a run),
+``_options`` (the tune options, declared once for the CLI, the API and the daemon), and ``job``
+(``python -m advisor.tune.job REQUEST.json RESULT.json``, the daemon's entry point). Arrows: tune
+uses ``trial``, ``runtime`` and ``cache`` (to record its answer), ``policies`` and ``probes``;
+nothing in it imports the frameworks, the daemon or the CLI.
 """
 
 from __future__ import annotations
 
 from advisor.tune._api import tune
 from advisor.tune._options import TuneOptions
+from advisor.tune._service import (
+    EXIT_FOUND,
+    EXIT_NONE_STABLE,
+    ScriptLaunch,
+    ScriptTune,
+    TuneProgress,
+    TuneRequest,
+    calls_load_policy,
+    default_storage,
+    study_name_for,
+    study_name_from,
+    tune_script,
+)
 
-__all__ = ["TuneOptions", "tune"]
+__all__ = [
+    "EXIT_FOUND",
+    "EXIT_NONE_STABLE",
+    "ScriptLaunch",
+    "ScriptTune",
+    "TuneOptions",
+    "TuneProgress",
+    "TuneRequest",
+    "calls_load_policy",
+    "default_storage",
+    "study_name_for",
+    "study_name_from",
+    "tune",
+    "tune_script",
+]

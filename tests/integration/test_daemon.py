@@ -25,8 +25,8 @@ from advisor.cache._store import Store
 from advisor.daemon._client import DaemonClient, read_token
 from advisor.daemon._config import check_bind, is_loopback, under_roots
 from advisor.daemon._files import ensure_token
-from advisor.daemon._jobs import JobRunner, LogTail, Slot, job_pids, tune_argv
-from advisor.tune._options import TuneOptions
+from advisor.daemon._jobs import JobRunner, LogTail, Slot, job_pids, job_request, tune_argv
+from advisor.tune import TuneRequest
 from probes import MpadviseError
 
 TINY_TUNE = {"trials": 1, "steps": 32, "warmup": 2, "modes": ["fp32"]}
@@ -59,21 +59,24 @@ def test_under_roots_is_by_path_component():
     assert not under_roots(Path("/etc/passwd"), roots)
 
 
-def test_tune_argv_keeps_script_args_after_the_separator():
-    argv = tune_argv("/w/train.py", ["--lr", "0.1", "; rm -rf /"],
-                     TuneOptions.from_dict({"trials": 3, "time_budget": None, "modes": ["fp32", "bf16-mixed"],
-                                            "no_cache": True, "scale_batch": False, "memory_limit": "4GiB"}),
-                     "cuda:1", python="py")
-    # The interpreter's own flags (-P, or the 3.10 entry) come before the module's arguments.
-    tune = argv.index("tune")
-    assert argv[0] == "py" and argv[tune - 1] == "advisor.cli"
-    assert argv[tune:tune + 5] == ["tune", "/w/train.py", "--json", "--device", "cuda:1"]
-    separator = argv.index("--")
-    assert argv[separator + 1:] == ["--lr", "0.1", "; rm -rf /"]
-    options = argv[:separator]
-    assert options[options.index("--trials") + 1] == "3"
-    assert options.count("--mode") == 2 and "--no-cache" in options and "--memory-limit" in options
-    assert "--time-budget" not in options and "--scale-batch" not in options
+def test_tune_argv_runs_the_job_entry_point_on_its_request_file():
+    argv = tune_argv("/jobs/7.request.json", "/jobs/7.result.json", python="py")
+    # The interpreter's own flags (-P, or the 3.10 entry) come before the module's arguments;
+    # the script's arguments travel in the request file, never on this command line.
+    assert argv[0] == "py" and argv[-3:] == ["advisor.tune.job", "/jobs/7.request.json", "/jobs/7.result.json"]
+
+
+def test_a_job_request_carries_the_slot_the_options_and_the_arguments(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import advisor\n")
+    job = {"script": str(script), "args": ["--lr", "0.1", "; rm -rf /"],
+           "options": {"trials": 3, "modes": ["fp32", "bf16-mixed"], "no_cache": True, "memory_limit": "4GiB"}}
+    request, cwd = job_request(job, "cuda:1")
+    assert cwd == str(tmp_path)
+    assert request.args == ("--lr", "0.1", "; rm -rf /") and request.options.device == "cuda:1"
+    assert request.options.trials == 3 and request.options.modes == ("fp32", "bf16-mixed")
+    assert request.launch.framework is None
+    assert TuneRequest.from_dict(json.loads(json.dumps(request.to_dict()))) == request
 
 
 def test_log_tail_keeps_the_last_lines_and_finds_the_error():
@@ -97,15 +100,20 @@ def test_token_is_created_private_and_refused_when_readable(tmp_path):
         read_token(path)
 
 
-def _fake_python(tmp_path: Path, *, exit_code: int = 3, sleep: float = 0.0) -> Path:
-    """An 'interpreter' that stands in for `python -m advisor.cli tune`: it reports its argv."""
+def _fake_python(tmp_path: Path, *, exit_code: int = 3, sleep: float = 0.0, junk: bool = False,
+                 result: bool = True) -> Path:
+    """An 'interpreter' that stands in for `python -m advisor.tune.job REQUEST RESULT`: one
+    progress line, then a result file that quotes its request (``junk``: text on stdout too)."""
     fake = tmp_path / "fake-python"
     fake.write_text(
-        "#!/bin/sh\n"
-        'echo "  fp32: ok, 1.00x fp32" >&2\n'
-        f"sleep {sleep}\n"
-        'printf \'{"winner": null, "argv": "%s"}\' "$*"\n'
-        f"exit {exit_code}\n"
+        f"#!{sys.executable}\n"
+        "import json, sys, time\n"
+        "request, result = sys.argv[-2:]\n"
+        "print('  fp32: ok, 1.00x fp32', file=sys.stderr, flush=True)\n"
+        + ("print('{not json at all', flush=True)\n" if junk else "")
+        + f"time.sleep({sleep})\n"
+        + ("json.dump({'winner': None, 'request': json.load(open(request))}, open(result, 'w'))\n" if result else "")
+        + f"sys.exit({exit_code})\n"
     )
     fake.chmod(0o755)
     return fake
@@ -146,7 +154,8 @@ def test_runner_waits_until_the_gpu_is_idle(tmp_path):
             runner.stop()
     assert job["state"] == "succeeded", job
     assert job["result"]["exit_code"] == 3  # "no stable policy" is an answer, not a failure
-    assert "--device cuda:0" in job["result"]["tune"]["argv"] and job["result"]["tune"]["argv"].endswith("-- x")
+    request = job["result"]["tune"]["request"]
+    assert request["options"]["device"] == "cuda:0" and request["args"] == ["x"]
     assert job["progress"]["recent"] == ["  fp32: ok, 1.00x fp32"] and job["progress"]["lines"] == 1
     assert len(calls) >= 2
 
@@ -191,6 +200,35 @@ def test_runner_notes_other_processes_that_start_on_its_gpu(tmp_path):
         finally:
             runner.stop()
     assert job["progress"]["foreign_gpu_pids"] == [31337]
+
+
+def _run_one_job(tmp_path: Path, fake: Path) -> dict:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with Store(tmp_path / "mpadvise.db") as store:
+        runner = JobRunner(store=store, slots=[Slot("cpu")], jobs_dir=tmp_path / "jobs", python=str(fake),
+                           poll_s=0.05, idle_poll_s=0.05)
+        job_id = store.enqueue_job(script=str(script), args=["x"])
+        runner.start()
+        try:
+            return _wait(lambda: (j := store.get_job(job_id))["state"] in ("succeeded", "failed") and j)
+        finally:
+            runner.stop()
+
+
+def test_a_job_result_comes_from_its_result_file_not_stdout(tmp_path):
+    job = _run_one_job(tmp_path, _fake_python(tmp_path, exit_code=0, junk=True))
+    assert job["state"] == "succeeded", job
+    assert job["result"]["exit_code"] == 0 and job["result"]["tune"]["winner"] is None
+    assert job["result"]["tune"]["request"]["args"] == ["x"]
+    # What the process printed is in its log, as its stderr is; the request and result files are gone.
+    assert "{not json at all" in job["log_tail"]
+    assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == [f"{job['id']}.log"]
+
+
+def test_a_job_that_writes_no_result_fails_with_its_last_line(tmp_path):
+    job = _run_one_job(tmp_path, _fake_python(tmp_path, exit_code=0, result=False))
+    assert job["state"] == "failed" and job["result"] == {"exit_code": 0, "error": "  fp32: ok, 1.00x fp32"}
 
 
 # --------------------------------------------------------------------------------------

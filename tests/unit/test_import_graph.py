@@ -23,10 +23,10 @@ ALLOWED = {"probes": {"probes"}, "policies": {"policies", "probes"}, "advisor": 
 ADVISOR_LAYERS = {
     "runtime": {"runtime"},
     "cache": {"cache"},
-    "tune": {"tune", "trial", "runtime"},
+    "tune": {"tune", "trial", "runtime", "cache"},
     "_load": {"runtime", "trial", "tune", "cache"},
     "_hardware": set(),
-    "daemon": {"daemon", "cache", "tune", "trial", "_hardware"},
+    "daemon": {"daemon", "cache", "tune", "trial", "_hardware", "frameworks"},
     "frameworks": {"frameworks", "tune", "trial", "runtime"},
     "trial": {"trial", "runtime"},
     "cli": {"cli", "cache", "daemon", "tune", "trial", "runtime", "_load", "_hardware", "frameworks"},

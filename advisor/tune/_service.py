@@ -1,0 +1,345 @@
+"""One tune of a training script, end to end: the service behind ``mpadvise tune`` and the
+daemon's jobs (through :mod:`advisor.tune.job`).
+
+:func:`tune_script` names the study, opens its storage (the SQLite file in the cache directory,
+or ``--storage``), resumes it where asked, runs the trials and the re-measurement, writes the
+config file and records the answer in the cache; it returns a :class:`ScriptTune`, whose
+``to_dict()`` is what ``mpadvise tune --json`` prints and what a daemon job stores. Callers
+only build the :class:`TuneRequest` and show the result.
+
+How the script's trials start (the loop API, or a framework's adapter, and what that framework
+can apply) is the frameworks package's decision, a layer above this one: the caller makes it
+(``advisor.frameworks.plan_for``) and passes it in as a :class:`ScriptLaunch`.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import probes
+from advisor._log import get_logger
+from advisor._paths import cache_dir, config_path_for
+from advisor._secure import ensure_private_dir, ensure_private_file, open_private_new
+from advisor.cache._recommend import record_tune
+from advisor.runtime._workload import script_digest
+from advisor.tune._checks import check_modes, check_script
+from advisor.tune._engine import TuneResult, tune_policy
+from advisor.tune._options import TuneOptions
+from advisor.tune._search import check_storage, check_study, shown_url
+from advisor.tune._space import SpaceLimits
+from advisor.tune._trials import WAIT_IDLE_ENV, ScriptRunner, TrialSettings
+from probes import HardwareProfile, MpadviseError, hardware_fingerprint
+
+__all__ = [
+    "EXIT_FOUND",
+    "EXIT_NONE_STABLE",
+    "ScriptLaunch",
+    "ScriptTune",
+    "TuneProgress",
+    "TuneRequest",
+    "cache_rows",
+    "calls_load_policy",
+    "default_storage",
+    "remember",
+    "study_name_for",
+    "study_name_from",
+    "tune_script",
+]
+
+EXIT_FOUND, EXIT_NONE_STABLE = 0, 3
+"""A tune's exit codes: a stable policy was found; none was."""
+
+ProgressCallbacks = tuple[Callable[..., None], Callable[..., None], Callable[..., None]]
+TuneProgress = Callable[[int], AbstractContextManager[ProgressCallbacks]]
+"""``progress(total)``: a context manager around the trials that yields ``(on_start, on_done,
+on_round)`` for the tuner (see :func:`advisor.tune._engine.tune_policy`); ``total`` counts the
+trial budget, the reference and its replicate."""
+
+
+class _Plan(Protocol):  # advisor.frameworks.ScriptPlan, as this layer reads it
+    framework: str | None
+    detected: bool
+    launch: tuple[str, ...]
+    limits: SpaceLimits | None
+
+    @property
+    def label(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ScriptLaunch:
+    """How the trials of one script start, as data (``advisor.frameworks.ScriptPlan``'s facts).
+
+    Attributes:
+        framework: the framework that trains, or ``None`` for the loop API (``load_policy()``).
+        detected: whether the framework was read from the script's imports (not forced).
+        launch: what goes between the interpreter and the script.
+        limits: what the framework can apply, which bounds the search space.
+        label: how people name the way it trains (``"Lightning's Trainer"``).
+    """
+
+    framework: str | None = None
+    detected: bool = False
+    launch: tuple[str, ...] = ()
+    limits: SpaceLimits | None = None
+    label: str = "the loop API"
+
+    @classmethod
+    def of(cls, plan: _Plan) -> ScriptLaunch:
+        """The facts of a ``ScriptPlan``."""
+        return cls(plan.framework, plan.detected, tuple(plan.launch), plan.limits, plan.label)
+
+    def to_dict(self) -> dict[str, Any]:
+        limits = None if self.limits is None else {
+            "modes": None if self.limits.modes is None else list(self.limits.modes),
+            "micro_batch": self.limits.micro_batch, "loss_scale_kinds": list(self.limits.loss_scale_kinds),
+            "loss_scale_settings": self.limits.loss_scale_settings, "why": self.limits.why}
+        return {"framework": self.framework, "detected": self.detected, "launch": list(self.launch),
+                "limits": limits, "label": self.label}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ScriptLaunch:
+        limits = data.get("limits")
+        if limits is not None:
+            modes = limits.get("modes")
+            limits = SpaceLimits(modes=None if modes is None else tuple(modes), micro_batch=limits["micro_batch"],
+                                 loss_scale_kinds=tuple(limits["loss_scale_kinds"]),
+                                 loss_scale_settings=limits["loss_scale_settings"], why=limits.get("why", ""))
+        return cls(data.get("framework"), bool(data.get("detected")), tuple(data.get("launch") or ()), limits,
+                   data.get("label") or cls.label)
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    """One tune of a script: what ``mpadvise tune`` and a daemon job ask of :func:`tune_script`.
+
+    Attributes:
+        script: the training script.
+        args: the script's own arguments.
+        options: the tune's options (``device`` included: the daemon sets its slot there).
+        launch: how the script's trials start (the caller's ``plan_for``).
+    """
+
+    script: Path
+    args: tuple[str, ...] = ()
+    options: TuneOptions = field(default_factory=TuneOptions)
+    launch: ScriptLaunch = field(default_factory=ScriptLaunch)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, for the job entry point's request file."""
+        return {"script": str(self.script), "args": list(self.args), "options": self.options.to_dict(),
+                "launch": self.launch.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TuneRequest:
+        """The request a request file holds.
+
+        Raises:
+            MpadviseError: a missing or unknown key, or an option value out of bounds.
+        """
+        unknown = sorted(set(data) - {"script", "args", "options", "launch"})
+        if unknown or "script" not in data:
+            raise MpadviseError(f"tune request: expected the keys script, args, options and launch, got {sorted(data)}")
+        return cls(Path(data["script"]), tuple(str(a) for a in data.get("args") or ()),
+                   TuneOptions.from_dict(data.get("options") or {}), ScriptLaunch.from_dict(data.get("launch") or {}))
+
+
+@dataclass
+class ScriptTune:
+    """A finished tune of a script: what the tuner decided, and where its answer went.
+
+    Attributes:
+        result: the tuner's :class:`TuneResult`.
+        request: the request, its options as the tune ran them (modes checked, storage chosen).
+        profile: the hardware the trials ran on.
+        study_name: the Optuna study it used.
+        config_file: the config file written for the winner; ``None`` without one.
+        cache_id: the winner's cache entry; ``None`` when not cached.
+        calls_load_policy: whether the script calls ``load_policy()`` already.
+    """
+
+    result: TuneResult
+    request: TuneRequest
+    profile: HardwareProfile
+    study_name: str
+    config_file: Path | None = None
+    cache_id: int | None = None
+    calls_load_policy: bool = False
+
+    @property
+    def exit_code(self) -> int:
+        """0 when a stable policy was found, 3 when none was."""
+        return EXIT_FOUND if self.result.policy is not None else EXIT_NONE_STABLE
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``mpadvise tune --json`` prints and a daemon job stores: the tuner's result, the
+        script, its files, the study and the hardware."""
+        request = self.request
+        payload = self.result.to_dict()
+        payload.update(
+            script=str(request.script), args=list(request.args), framework=request.launch.framework,
+            calls_load_policy=self.calls_load_policy,
+            config_file=str(self.config_file) if self.config_file else None, cache_id=self.cache_id,
+            storage=shown_url(request.options.storage), study_name=self.study_name,
+            hardware={"name": self.profile.name, "fingerprint": hardware_fingerprint(self.profile)},
+        )
+        return payload
+
+
+def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
+                profile: HardwareProfile | None = None) -> ScriptTune:
+    """Tune a script end to end: check it, open the study, run the trials, write the config
+    file and cache the answer.
+
+    Args:
+        request: the script, its arguments, the options and how its trials start.
+        progress: shows the trials as they run (``None``: nothing shown).
+        profile: the hardware to tune on; default: ``probes.profile_for(options.device)``.
+
+    Returns:
+        The tune and where its answer went; ``exit_code`` says whether one was found.
+
+    Raises:
+        MpadviseError: a bad script, mode or storage; a study of other hardware; the fp32
+            reference failed.
+    """
+    path = check_script(request.script)
+    profile = profile or probes.profile_for(request.options.device)
+    options = _resolved(request.options.with_(framework=request.launch.framework), profile)
+    request = TuneRequest(path, tuple(request.args), options, request.launch)
+    fingerprint = hardware_fingerprint(profile)
+    study_name = study_name_for(path, list(request.args), fingerprint, processes=options.nproc_per_node)
+    check_study(options.storage, study_name, hardware=fingerprint, resume=options.resume)
+    launch = request.launch
+    if launch.framework is not None:
+        how = "read from its imports" if launch.detected else "--framework"
+        get_logger().info(f"{path.name} trains with {launch.label} ({how}): the search covers what it can apply")
+    # Under the daemon, every trial first waits until no other process computes on the GPU.
+    wait_idle_on = profile if os.environ.get(WAIT_IDLE_ENV) else None
+    runner = ScriptRunner(path, list(request.args), TrialSettings.for_tune(options), wait_idle_on=wait_idle_on,
+                          launch=launch.launch)
+    # The budget plus the reference and its replicate; then each round of re-measurement.
+    with (progress or _silent)(options.trials + 2) as (on_start, on_done, on_round):
+        result = tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
+                             on_start=on_start, on_done=on_done, on_round=on_round, limits=launch.limits)
+    done = ScriptTune(result, request, profile, study_name, calls_load_policy=calls_load_policy(path))
+    if result.policy is not None:
+        out = Path(options.out) if options.out is not None else config_path_for(path)
+        done.config_file = result.policy.save(out, framework=launch.framework)
+        if not options.no_cache:
+            done.cache_id = remember(result, profile, path, request.args)
+    return done
+
+
+@contextmanager
+def _silent(total: int) -> Iterator[ProgressCallbacks]:
+    yield (lambda *a: None, lambda *a: None, lambda *a: None)
+
+
+def _resolved(options: TuneOptions, profile: HardwareProfile) -> TuneOptions:
+    """The options with their modes checked on this hardware and the study storage chosen
+    (and opened once, so a bad URL fails before any trial runs)."""
+    modes = check_modes(list(options.modes), profile) if options.modes else []
+    storage = options.storage if options.storage is not None else default_storage()
+    check_storage(storage)
+    return options.with_(modes=modes, storage=storage)
+
+
+def default_storage() -> str | None:
+    """The study database in the cache directory, or ``None`` (in memory) when unusable."""
+    directory = cache_dir()
+    study = directory / "studies.db"
+    try:
+        ensure_private_dir(directory)
+        ensure_private_file(study)
+        probe = directory / f".write-test-{os.getpid()}"
+        os.close(open_private_new(probe))
+        probe.unlink()
+    except MpadviseError as exc:
+        get_logger().warning(f"{exc}; the study is kept in memory, so --resume will not work")
+        return None
+    except OSError as exc:
+        get_logger().warning(f"cache directory {directory} is not writable ({exc.strerror or exc}); the study is kept "
+                             "in memory, so --resume will not work")
+        return None
+    return f"sqlite:///{study}"
+
+
+def study_name_for(script: Path, args: list[str], fingerprint: str, *, processes: int = 1) -> str:
+    """The study a tune of ``script ARGS`` on this hardware joins (see :func:`study_name_from`)."""
+    return study_name_from(script.name, script_digest(script), args, fingerprint, processes=processes)
+
+
+def study_name_from(script_name: str, content_digest: str | None, args: list[str], fingerprint: str, *,
+                    processes: int = 1) -> str:
+    """The study's name: the script's stem, the hardware fingerprint, and a digest of the
+    script's file name, its content, its arguments and (above one) its processes per trial.
+
+    Every worker that tunes the same script with the same arguments on the same hardware joins
+    one study, wherever its checkout lies; a changed script, other arguments, other hardware or
+    another number of processes (a step of N ranks is another measurement) make another study,
+    so measurements that would not compare never share one.
+    """
+    facts: list[object] = [script_name, content_digest, args, fingerprint]
+    if processes > 1:  # one process keeps the name it always had
+        facts.append({"nproc_per_node": processes})
+    digest = hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:12]
+    return f"{Path(script_name).stem}-{fingerprint}-{digest}"
+
+
+def calls_load_policy(script: Path) -> bool:
+    """Whether the script's source calls ``load_policy`` (``advisor.load_policy()``, or the name
+    imported), so that the report does not ask for a line it already has."""
+    try:
+        tree = ast.parse(script.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            if name == "load_policy":
+                return True
+    return False
+
+
+def remember(result: TuneResult, profile: HardwareProfile, script: str | os.PathLike[str],
+             args: Sequence[str] | None) -> int | None:
+    """Record a tune's winner in the cache, with its trials; returns the entry's id.
+
+    ``None`` without a winner, without a workload fingerprint to key it by, or without a
+    usable cache (after one warning).
+    """
+    tuned_on = None if result.policy is None else result.policy.tuned_on
+    if result.policy is None or tuned_on is None or not tuned_on.workload_fingerprint:
+        return None
+    return record_tune(
+        profile=profile, policy=result.policy, script=script, workload_fingerprint=tuned_on.workload_fingerprint,
+        trials=cache_rows(result), speedup_vs_fp32=tuned_on.speedup_vs_fp32, goodput=tuned_on.goodput,
+        args=None if args is None else list(args),
+    )
+
+
+def cache_rows(result: TuneResult) -> list[dict[str, Any]]:
+    """The trial rows the cache keeps for a tune: every measured candidate, ranked; the
+    winner's carries the tune's one speed-up figure, with its interval and basis."""
+    speedup = result.speedup.to_dict() if result.speedup else {}
+    rows = []
+    for number, (cand, m) in enumerate(result.ranking()):
+        metrics: dict[str, Any] = {"feasible": m.feasible, "label": cand.label}
+        if cand == result.winner:
+            metrics.update({f"speedup_{k}": v for k, v in speedup.items()})
+        rows.append({
+            "number": number, "mode": cand.mode, "params": cand.params(), "outcome": m.outcome or "ok",
+            "verdict": "stable" if m.stable else "not stable", "reason": m.reason, "goodput": m.goodput,
+            "metrics": metrics,
+        })
+    return rows

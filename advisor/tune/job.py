@@ -1,0 +1,99 @@
+"""``python -m advisor.tune.job REQUEST.json RESULT.json``: one tune of a script, in a process
+of its own (how the daemon runs a queued job).
+
+``REQUEST.json`` holds a :class:`~advisor.tune.TuneRequest` (``TuneRequest.to_dict()``: the
+script, its arguments, the tune options and how its trials start). The tune runs through
+:func:`~advisor.tune.tune_script`, exactly as ``mpadvise tune`` runs it: the same study, config
+file and cache entry. Its result (``ScriptTune.to_dict()``, what ``mpadvise tune --json``
+prints) is written to ``RESULT.json``, whole or not at all, only when the tune answered.
+
+Progress goes to stderr, one line per trial (``  bf16-mixed: ok, 1.83x fp32``), and an error
+as one ``error: ...`` line. Nothing is read from stdout, which the script's own prints may use.
+
+Exit codes: 0 a stable policy was found, 3 none was, 1 an error (2 a usage error), 130
+interrupted; the result file exists only after 0 or 3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from advisor._secure import open_private_new
+from advisor.tune._service import ProgressCallbacks, TuneRequest, tune_script
+from probes import MpadviseError, UsageError
+
+USAGE = "usage: python -m advisor.tune.job REQUEST.json RESULT.json"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the tune a request file asks for and write its result file; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if len(args) != 2:
+            raise UsageError(USAGE)
+        request_path, result_path = (Path(a) for a in args)
+        done = tune_script(read_request(request_path), progress=progress_lines)
+        write_result(result_path, done.to_dict())
+    except MpadviseError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("error: interrupted\n")
+        return 130
+    return done.exit_code
+
+
+def read_request(path: Path) -> TuneRequest:
+    """The request in a request file.
+
+    Raises:
+        MpadviseError: the file cannot be read, is not JSON, or is not a tune request.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise MpadviseError(f"cannot read the tune request {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise MpadviseError(f"tune request {path}: expected a JSON object")
+    return TuneRequest.from_dict(data)
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """Write the result file whole (a new private file, renamed into place), or not at all."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with os.fdopen(open_private_new(tmp), "w", encoding="utf-8") as out:
+            json.dump(result, out, indent=2, default=str)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise MpadviseError(f"cannot write the tune result {path}: {exc.strerror or exc}") from None
+
+
+@contextmanager
+def progress_lines(total: int) -> Iterator[ProgressCallbacks]:
+    """Progress as plain lines on stderr: one per finished trial, one per round of re-measurement."""
+
+    def on_done(label: str, ev: Any, m: Any) -> None:
+        speed = f", {ev.speedup:.2f}x fp32" if ev is not None and ev.speedup else ""
+        _line(f"  {label}: {m.outcome}{speed}")
+
+    def on_round(number: int, most: int, runs: int) -> None:
+        _line(f"re-measure round {number} of at most {most}: {runs} runs")
+
+    yield (lambda label: None, on_done, on_round)
+
+
+def _line(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
