@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import probes
 from advisor.tune._engine import TuneResult, tune_policy
 from advisor.tune._options import TuneOptions
+from advisor.tune._service import remember
 from advisor.tune._stability import StabilityThresholds
 from advisor.tune._trials import FunctionRunner, TrialSettings
 
@@ -44,7 +46,13 @@ def tune(
             ``warmup``, ``modes``, ``scale_batch``, ``include_emulated``, ``memory_limit``
             (``"4GiB"`` or bytes), ``timeout``, ``seed``, ``device`` (default: the first GPU,
             else the CPU), ``storage`` (default: the study is kept in memory), ``resume``,
-            ``out`` (also write the winner to this config file), ``no_priors``. Nothing is cached in process, so ``no_cache`` changes nothing.
+            ``out`` (also write the winner to this config file), ``no_cache`` (do not record the
+            winner in the per-GPU cache), ``no_priors``.
+
+    The winner is cached as ``mpadvise tune`` caches a script's (the same record), under the
+    file that defines ``train_fn``: a script that tunes its own function and then calls
+    ``advisor.load_policy()`` finds it there. A function without a source file (a notebook
+    cell) is not cached.
 
     Returns:
         A TuneResult: ``.policy`` is the winner (``None`` when nothing was stable).
@@ -61,4 +69,16 @@ def tune(
     )
     if options.out is not None and result.policy is not None:
         result.policy.save(Path(options.out))
+    source = _source_file(train_fn)
+    if not options.no_cache and source is not None:
+        remember(result, profile, source, None)
     return result
+
+
+def _source_file(train_fn: Callable[[Any], Any]) -> Path | None:
+    """The file that defines ``train_fn``; ``None`` for one defined nowhere on disk."""
+    try:
+        name = inspect.getsourcefile(train_fn)
+    except TypeError:  # a builtin, or a callable object without code
+        return None
+    return Path(name) if name is not None and Path(name).is_file() else None

@@ -7,6 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import advisor
+from advisor.cache._recommend import cached_answers
+from advisor.cache._store import open_store
 from policies import load_config
 
 
@@ -25,7 +27,7 @@ def train(mp):
             mp.step(loss, opt)
 
 
-def test_in_process_tune_measures_judges_and_writes(tmp_path):
+def test_in_process_tune_measures_judges_and_writes(tmp_path, cache_home):
     out = tmp_path / "fn.mpadvise.toml"
     result = advisor.tune(train, modes=["bf16-mixed"], trials=2, steps=32, warmup=2, no_priors=True,
                           remeasure=False, out=out)
@@ -36,3 +38,33 @@ def test_in_process_tune_measures_judges_and_writes(tmp_path):
     assert modes <= {"fp32", "bf16-mixed"} and "bf16-mixed" in modes
     assert result.policy is not None and result.policy.tuned_on.trials >= 2
     assert load_config(out) == result.policy
+
+
+def test_in_process_tune_caches_its_winner_as_mpadvise_tune_does(tmp_path, cache_home):
+    result = advisor.tune(train, modes=["bf16-mixed"], trials=1, steps=32, warmup=2, no_priors=True, remeasure=False)
+    assert result.policy is not None
+    # Under the file that defines the function, so that its script's load_policy() finds it.
+    here = result.policy.tuned_on.hardware_fingerprint
+    profile = _profile_with(here)
+    answers = cached_answers(profile, __file__)
+    assert [a.policy.mode for a in answers] == [result.policy.mode]
+    assert answers[0].policy.tuned_on.workload_fingerprint == result.policy.tuned_on.workload_fingerprint
+    with open_store() as store:
+        rows = store.find_recommendations(hardware_fp=here, with_trials=True)
+    assert len(rows) == 1 and rows[0]["speedup_vs_fp32"] == result.policy.tuned_on.speedup_vs_fp32
+    assert {t["mode"] for t in rows[0]["trials"]} == {c.mode for c in result.search.measured}
+
+
+def test_no_cache_leaves_the_cache_alone(cache_home):
+    result = advisor.tune(train, modes=["bf16-mixed"], trials=1, steps=32, warmup=2, no_priors=True, remeasure=False,
+                          no_cache=True)
+    assert result.policy is not None
+    assert not (cache_home / "mpadvise.db").exists()
+
+
+def _profile_with(fingerprint):
+    import probes
+
+    profile = probes.profile_for(None)
+    assert probes.hardware_fingerprint(profile) == fingerprint
+    return profile
