@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from probes._errors import MpadviseError
+from probes import MpadviseError
 
 from ._registry import fp8_recipes, mode_class, mode_classes, mode_names
 from ._true import TrueHalfMode
@@ -346,16 +346,25 @@ class Policy:
         except TypeError as exc:
             raise PolicyError(f"{source}: {exc}") from None
 
-    def to_toml(self) -> str:
-        """The config file text: readable by a person, ``mode`` at the top level."""
+    def to_toml(self, *, framework: str | None = None) -> str:
+        """The config file text: readable by a person, ``mode`` at the top level.
+
+        Args:
+            framework: the framework a script trains with that never imports advisor
+                (``"lightning"``); its header then says to run the script with ``mpadvise run``,
+                which applies the policy through the framework, instead of calling
+                ``advisor.load_policy()``.
+        """
         import tomli_w
 
-        header = (
-            "# mpadvise precision policy. Apply it in a training script with:\n"
-            "#     mp = advisor.load_policy()\n"
-            "# Fields: https://github.com/mpadvise/mpadvise#the-config-file\n"
-        )
-        return header + tomli_w.dumps(self.to_dict())
+        if framework is None:
+            how = "# mpadvise precision policy. Apply it in a training script with:\n#     mp = advisor.load_policy()\n"
+        else:
+            if not framework.replace("-", "").replace("_", "").isalnum():  # it goes into a comment line
+                raise ValueError(f"framework {framework!r}: expected a name such as lightning")
+            how = (f"# mpadvise precision policy for a {framework} script, which needs no changed line. Apply it by "
+                   "running the script with:\n#     mpadvise run SCRIPT -- ARGS\n")
+        return how + "# Fields: https://github.com/mpadvise/mpadvise#the-config-file\n" + tomli_w.dumps(self.to_dict())
 
     @classmethod
     def from_toml(cls, text: str, *, source: str = "<string>") -> Policy:
@@ -366,12 +375,13 @@ class Policy:
             raise PolicyError(f"{source}: invalid TOML: {exc}") from None
         return cls.from_dict(data, source=source)
 
-    def save(self, path: str | Path) -> Path:
-        """Write the config file atomically (a partial file is never left behind)."""
+    def save(self, path: str | Path, *, framework: str | None = None) -> Path:
+        """Write the config file atomically (a partial file is never left behind); ``framework``
+        as :meth:`to_toml` takes it."""
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
         try:
-            tmp.write_text(self.to_toml(), encoding="utf-8")
+            tmp.write_text(self.to_toml(framework=framework), encoding="utf-8")
             tmp.replace(path)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
