@@ -19,7 +19,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from advisor.tune._search import shared_storage
+from advisor.tune import shared_storage
 from policies import Policy
 from probes import MpadviseError
 

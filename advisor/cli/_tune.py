@@ -18,11 +18,11 @@ from advisor.tune import (
     TuneOptions,
     TuneRequest,
     calls_load_policy,
+    check_script,
     study_name_for,
     study_name_from,
     tune_script,
 )
-from advisor.tune._checks import check_script
 from probes import UsageError
 
 # The study's name and the script facts are the tune service's (advisor.tune); their names stay

@@ -21,7 +21,7 @@ from typing import Any
 import probes
 from advisor._entry import module_argv
 from advisor._secure import ensure_private_dir, open_private_new
-from advisor.cache._store import Store
+from advisor.cache import Store
 from advisor.daemon._config import (
     JOB_ENV,
     LOG_TAIL_CHARS,
@@ -33,8 +33,7 @@ from advisor.daemon._config import (
 )
 from advisor.daemon._files import _now
 from advisor.frameworks import check_plan_modes, plan_for
-from advisor.tune import ScriptLaunch, TuneOptions, TuneRequest
-from advisor.tune._trials import WAIT_IDLE_ENV
+from advisor.tune import WAIT_IDLE_ENV, ScriptLaunch, TuneOptions, TuneRequest
 from probes import HardwareProfile, MpadviseError
 
 JOB_MODULE = "advisor.tune.job"

@@ -8,7 +8,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from advisor.daemon._config import MAX_ARGS, MAX_TEXT
 from advisor.trial import parse_memory
-from advisor.tune._options import option_info
+from advisor.tune import option_info
 from probes import MpadviseError
 
 

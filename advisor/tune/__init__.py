@@ -14,7 +14,17 @@ nothing in it imports the frameworks, the daemon or the CLI.
 from __future__ import annotations
 
 from advisor.tune._api import tune
-from advisor.tune._options import TuneOptions
+from advisor.tune._checks import check_modes, check_script, default_trial_modes
+from advisor.tune._engine import TuneResult
+from advisor.tune._options import (
+    DEFAULT_MEASURE_STEPS,
+    DEFAULT_WARMUP_STEPS,
+    OptionInfo,
+    TuneOptions,
+    check_rank_device,
+    option_info,
+)
+from advisor.tune._search import shared_storage, shown_url
 from advisor.tune._service import (
     EXIT_FOUND,
     EXIT_NONE_STABLE,
@@ -28,17 +38,40 @@ from advisor.tune._service import (
     study_name_from,
     tune_script,
 )
+from advisor.tune._trials import (
+    WAIT_IDLE_ENV,
+    Comparison,
+    ScriptRunner,
+    TrialSettings,
+    run_comparison,
+)
 
 __all__ = [
+    "DEFAULT_MEASURE_STEPS",
+    "DEFAULT_WARMUP_STEPS",
     "EXIT_FOUND",
     "EXIT_NONE_STABLE",
+    "WAIT_IDLE_ENV",
+    "Comparison",
+    "OptionInfo",
     "ScriptLaunch",
+    "ScriptRunner",
     "ScriptTune",
+    "TrialSettings",
     "TuneOptions",
     "TuneProgress",
     "TuneRequest",
+    "TuneResult",
     "calls_load_policy",
+    "check_modes",
+    "check_rank_device",
+    "check_script",
     "default_storage",
+    "default_trial_modes",
+    "option_info",
+    "run_comparison",
+    "shared_storage",
+    "shown_url",
     "study_name_for",
     "study_name_from",
     "tune",

@@ -28,14 +28,14 @@ import probes
 from advisor._log import get_logger
 from advisor._paths import cache_dir, config_path_for
 from advisor._secure import ensure_private_dir, ensure_private_file, open_private_new
-from advisor.cache._recommend import record_tune
-from advisor.runtime._workload import script_digest
+from advisor.cache import record_tune
+from advisor.runtime import script_digest
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._engine import TuneResult, tune_policy
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import check_storage, check_study, shown_url
 from advisor.tune._space import SpaceLimits
-from advisor.tune._trials import WAIT_IDLE_ENV, ScriptRunner, TrialSettings
+from advisor.tune._trials import WAIT_IDLE_ENV, Runner, ScriptRunner, TrialSettings
 from probes import HardwareProfile, MpadviseError, hardware_fingerprint
 
 __all__ = [
@@ -195,7 +195,7 @@ class ScriptTune:
 
 
 def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
-                profile: HardwareProfile | None = None) -> ScriptTune:
+                profile: HardwareProfile | None = None, runner: Runner | None = None) -> ScriptTune:
     """Tune a script end to end: check it, open the study, run the trials, write the config
     file and cache the answer.
 
@@ -203,6 +203,8 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
         request: the script, its arguments, the options and how its trials start.
         progress: shows the trials as they run (``None``: nothing shown).
         profile: the hardware to tune on; default: ``probes.profile_for(options.device)``.
+        runner: runs each trial; default: the script in a subprocess per trial
+            (``ScriptRunner``). Tests pass a fake.
 
     Returns:
         The tune and where its answer went; ``exit_code`` says whether one was found.
@@ -222,10 +224,11 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
     if launch.framework is not None:
         how = "read from its imports" if launch.detected else "--framework"
         get_logger().info(f"{path.name} trains with {launch.label} ({how}): the search covers what it can apply")
-    # Under the daemon, every trial first waits until no other process computes on the GPU.
-    wait_idle_on = profile if os.environ.get(WAIT_IDLE_ENV) else None
-    runner = ScriptRunner(path, list(request.args), TrialSettings.for_tune(options), wait_idle_on=wait_idle_on,
-                          launch=launch.launch)
+    if runner is None:
+        # Under the daemon, every trial first waits until no other process computes on the GPU.
+        wait_idle_on = profile if os.environ.get(WAIT_IDLE_ENV) else None
+        runner = ScriptRunner(path, list(request.args), TrialSettings.for_tune(options), wait_idle_on=wait_idle_on,
+                              launch=launch.launch)
     # The budget plus the reference and its replicate; then each round of re-measurement.
     with (progress or _silent)(options.trials + 2) as (on_start, on_done, on_round):
         result = tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
