@@ -18,7 +18,7 @@ import typer
 from advisor._version import __version__
 from advisor.cli import _cache, _daemon
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
-from advisor.tune._options import TuneOptions, option_info
+from advisor.tune import OptionInfo, TuneOptions, option_info
 
 app = typer.Typer(
     name="mpadvise",
@@ -43,6 +43,65 @@ def root(
     ] = False,
 ) -> None:
     """Hardware-aware precision advisor for PyTorch training."""
+
+
+# How each tune option reads on the command line where its field's type would not do.
+_TUNE_OPTION_TYPES: dict[str, Any] = {"modes": list[str] | None, "memory_limit": str | None, "out": Path | None}
+
+
+def _option_help(option: OptionInfo) -> str:
+    """An option's help as the command line shows it: the frameworks it names are those
+    registered when the command line is built."""
+    if option.name == "framework":
+        from advisor.frameworks import FRAMEWORKS
+
+        return f"How the script trains: {', '.join(FRAMEWORKS)}; default: read from its imports."
+    return option.help
+
+
+_FRAMEWORK_OPTION = next(option for option in option_info() if option.name == "framework")
+
+
+def with_tune_options(
+    taken: Callable[[OptionInfo], bool] = lambda option: True,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Expand a command's ``options: TuneOptions`` parameter into one option per field that
+    ``taken`` accepts (every field for ``tune``; ``trial`` takes its measuring window's).
+
+    Each option's flags, help and default come from :class:`TuneOptions`, so the command line
+    cannot drift from the API and the daemon; the values reach the command as one TuneOptions,
+    validated (the fields a command does not take keep their defaults).
+    """
+    chosen = [option for option in option_info() if taken(option)]
+
+    def expand(command: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(command, eval_str=True)
+        parameters = []
+        for parameter in signature.parameters.values():
+            if parameter.name != "options":
+                parameters.append(parameter)
+                continue
+            parameters += [
+                inspect.Parameter(
+                    option.name, parameter.kind,
+                    default=None if isinstance(option.default, tuple) else option.default,  # typer: a list defaults to None
+                    annotation=Annotated[_TUNE_OPTION_TYPES.get(option.name, option.type),
+                                         typer.Option(*option.flags, help=_option_help(option))],
+                )
+                for option in chosen
+            ]
+
+        @functools.wraps(command)
+        def wrapper(**values: Any) -> Any:
+            given = {option.name: values.pop(option.name) for option in chosen}
+            options = TuneOptions(**{name: value for name, value in given.items() if value is not None})
+            return command(options=options, **values)
+
+        wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+        return wrapper
+
+    return expand
 
 
 @app.command()
@@ -85,37 +144,19 @@ def policy(
 
 @app.command(context_settings={"help_option_names": ["-h", "--help"]})
 @handle_errors
+@with_tune_options(lambda option: option.trial)
 def trial(
     script: Annotated[Path, typer.Argument(help="The training script (it calls advisor.load_policy(), or trains with a framework).")],
     script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
-    mode: Annotated[
-        list[str] | None, typer.Option("--mode", "-m", help="Candidate mode; repeat for several. Default: every supported mode.")
-    ] = None,
-    framework: Annotated[
-        str | None, typer.Option(help="lightning, fabric, transformers or accelerate; default: read from the script's imports.")
-    ] = None,
-    steps: Annotated[int, typer.Option(help="Measured optimizer steps per trial (after the warm-up).")] = 40,
-    warmup: Annotated[int, typer.Option(help="Warm-up steps per trial, not timed.")] = 5,
-    memory_limit: Annotated[
-        str | None, typer.Option("--memory-limit", help="e.g. 4GiB: a real cap on CUDA, a verdict on peak RSS on CPU.")
-    ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds before a trial is killed.")] = 600.0,
-    seed: Annotated[int, typer.Option(help="Seed shared by every trial.")] = 0,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda:N; default: the first GPU, else the CPU.")] = None,
-    nproc_per_node: Annotated[
-        int, typer.Option("--nproc-per-node", help="Processes per trial, launched through torchrun (one per GPU).")
-    ] = 1,
+    *,
+    options: TuneOptions,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write loss curves and step times to this PNG.")] = None,
     json_output: JsonOption = False,
 ) -> None:
     """Run the fp32 reference and the named candidates; compare speed, memory and stability."""
     from advisor.cli._trial import run_trial_command
 
-    code = run_trial_command(
-        script, script_args or [], modes=mode or [], steps=steps, warmup=warmup, memory_limit=memory_limit,
-        timeout=timeout, seed=seed, device=device, framework=framework, nproc_per_node=nproc_per_node, plot=plot,
-        json_output=json_output, console=console,
-    )
+    code = run_trial_command(script, script_args or [], options, plot=plot, json_output=json_output, console=console)
     raise typer.Exit(code)
 
 
@@ -125,9 +166,7 @@ def run(
     script: Annotated[Path, typer.Argument(help="The training script: a Lightning, HF Trainer or Accelerate script, or one that calls load_policy().")],
     script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
     config: Annotated[Path | None, typer.Option(help="Config file to apply; default: resolved as load_policy() does.")] = None,
-    framework: Annotated[
-        str | None, typer.Option(help="lightning, fabric, transformers or accelerate; default: read from the script's imports.")
-    ] = None,
+    framework: Annotated[str | None, typer.Option(help=_option_help(_FRAMEWORK_OPTION))] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda:N whose policy applies; default: the first GPU, else the CPU.")] = None,
 ) -> None:
     """Run a script, unchanged, with its tuned policy applied (the script's exit code is this command's)."""
@@ -154,49 +193,13 @@ def export(
     export_command(config, target=to, out=out, json_output=json_output)
 
 
-# How each tune option reads on the command line where its field's type would not do.
-_TUNE_OPTION_TYPES: dict[str, Any] = {"modes": list[str] | None, "memory_limit": str | None, "out": Path | None}
-
-
-def with_tune_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Expand a command's ``options: TuneOptions`` parameter into one option per field.
-
-    Each option's flags, help and default come from :class:`TuneOptions`, so the command line
-    cannot drift from the API and the daemon; the values reach the command as one TuneOptions,
-    validated.
-    """
-    signature = inspect.signature(command, eval_str=True)
-    parameters = []
-    for parameter in signature.parameters.values():
-        if parameter.name != "options":
-            parameters.append(parameter)
-            continue
-        parameters += [
-            inspect.Parameter(
-                option.name, parameter.kind,
-                default=None if isinstance(option.default, tuple) else option.default,  # typer: a list defaults to None
-                annotation=Annotated[_TUNE_OPTION_TYPES.get(option.name, option.type),
-                                     typer.Option(*option.flags, help=option.help)],
-            )
-            for option in option_info()
-        ]
-
-    @functools.wraps(command)
-    def wrapper(**values: Any) -> Any:
-        given = {option.name: values.pop(option.name) for option in option_info()}
-        options = TuneOptions(**{name: value for name, value in given.items() if value is not None})
-        return command(options=options, **values)
-
-    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
-    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
-    return wrapper
-
-
 @app.command()
 @handle_errors
-@with_tune_options
+@with_tune_options()
 def tune(
-    script: Annotated[Path, typer.Argument(help="The training script (it calls advisor.load_policy()).")],
+    script: Annotated[Path, typer.Argument(
+        help="The training script: one that calls advisor.load_policy(), or one that trains with a framework and "
+        "never imports advisor (then apply the answer with: mpadvise run SCRIPT -- ARGS).")],
     script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
     *,
     options: TuneOptions,

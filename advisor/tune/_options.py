@@ -20,7 +20,12 @@ from typing import Any, get_type_hints
 from advisor.trial import parse_memory
 from probes import MpadviseError
 
-__all__ = ["OptionInfo", "TuneOptions", "check_rank_device", "option_info"]
+__all__ = ["DEFAULT_MEASURE_STEPS", "DEFAULT_WARMUP_STEPS", "OptionInfo", "TuneOptions", "check_rank_device",
+           "option_info"]
+
+# The measuring window of a trial, unless a tune or a comparison asks for another.
+DEFAULT_WARMUP_STEPS = 5
+DEFAULT_MEASURE_STEPS = 40
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class OptionInfo:
         above: the value must exceed ``minimum``, not only reach it.
         job: whether a daemon job may set it (the daemon picks the device and the storage).
         job_limit: the most a daemon job may ask: a number's largest value, a list's length.
+        trial: whether ``mpadvise trial`` takes it too (the options of its measuring window).
         check: validates and normalises a value (raises MpadviseError).
     """
 
@@ -49,6 +55,7 @@ class OptionInfo:
     above: bool
     job: bool
     job_limit: float | None
+    trial: bool
     check: Callable[[OptionInfo, Any], Any]
 
     @property
@@ -142,10 +149,11 @@ def _option(
     above: bool = False,
     job: bool = True,
     job_limit: float | None = None,
+    trial: bool = False,
 ) -> Any:
     """A dataclass field whose metadata says how the option is shown and checked."""
     rules = {"help": help, "check": check, "flags": flags, "minimum": minimum, "above": above, "job": job,
-             "job_limit": job_limit}
+             "job_limit": job_limit, "trial": trial}
     return field(default=default, metadata={"option": rules})
 
 
@@ -162,25 +170,29 @@ class TuneOptions:
                           minimum=1, job_limit=10_000)
     time_budget: float | None = _option(None, "Seconds after which no new trial, of the search or of re-measurement, "
                                         "starts.", _seconds, minimum=0, above=True, job_limit=30 * 86400)
-    steps: int = _option(40, "Measured optimizer steps per trial (after the warm-up).", _whole_number,
-                         minimum=1, job_limit=1_000_000)
-    warmup: int = _option(5, "Warm-up steps per trial, not timed.", _whole_number, minimum=0, job_limit=100_000)
-    modes: tuple[str, ...] = _option((), "Restrict the search to these modes.", _mode_names,
-                                     flags=("--mode", "-m"), job_limit=16)
+    steps: int = _option(DEFAULT_MEASURE_STEPS, "Measured optimizer steps per trial (after the warm-up).", _whole_number,
+                         minimum=1, job_limit=1_000_000, trial=True)
+    warmup: int = _option(DEFAULT_WARMUP_STEPS, "Warm-up steps per trial, not timed.", _whole_number, minimum=0,
+                          job_limit=100_000, trial=True)
+    modes: tuple[str, ...] = _option((), "Candidate modes; repeat for several. Default: every mode this hardware "
+                                     "supports.", _mode_names, flags=("--mode", "-m"), job_limit=16, trial=True)
     scale_batch: bool = _option(False, "Also try larger global batches (changes the optimisation).", _switch)
     include_emulated: bool = _option(False, "Also search FP8 emulated on a CPU.", _switch)
-    memory_limit: str | int | None = _option(None, "e.g. 4GiB: candidates above it are infeasible.", _memory_size)
+    memory_limit: str | int | None = _option(
+        None, "e.g. 4GiB: a real cap on CUDA, a verdict on peak RSS on CPU; a candidate above it is infeasible.",
+        _memory_size, trial=True)
     timeout: float = _option(600.0, "Seconds before a trial is killed.", _seconds, minimum=0, above=True,
-                             job_limit=7 * 86400)
+                             job_limit=7 * 86400, trial=True)
     seed: int = _option(0, "Seed shared by every trial and the sampler.", _whole_number, minimum=0,
-                        job_limit=2**31 - 1)
-    device: str | None = _option(None, "cpu or cuda:N; default: the first GPU, else the CPU.", _text, job=False)
+                        job_limit=2**31 - 1, trial=True)
+    device: str | None = _option(None, "cpu or cuda:N; default: the first GPU, else the CPU.", _text, job=False,
+                                 trial=True)
     framework: str | None = _option(
         None, "How the script trains (lightning, fabric, ...); default: read from its imports.",
-        _framework)
+        _framework, trial=True)
     # Not for daemon jobs: the daemon gives each job one GPU slot.
     nproc_per_node: int = _option(1, "Processes per trial, launched through torchrun (one per GPU).", _whole_number,
-                                  minimum=1, job=False)
+                                  minimum=1, job=False, trial=True)
     storage: str | None = _option(None, "Optuna storage URL; default: an SQLite file in the cache directory.",
                                   _text, job=False)
     resume: bool = _option(
@@ -276,7 +288,7 @@ def option_info() -> tuple[OptionInfo, ...]:
             name=f.name, type=hints[f.name], default=f.default,
             help=rules["help"], flags=rules["flags"] or (f"--{f.name.replace('_', '-')}",),
             minimum=rules["minimum"], above=rules["above"], job=rules["job"], job_limit=rules["job_limit"],
-            check=rules["check"],
+            trial=rules["trial"], check=rules["check"],
         )
         for f in fields(TuneOptions)
         for rules in (f.metadata["option"],)

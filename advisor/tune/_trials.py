@@ -25,7 +25,12 @@ import probes
 from advisor._entry import module_argv
 from advisor._log import get_logger
 from advisor.trial import TrialResult, TrialSpec, classify, json_float, run_in_process, run_trial
-from advisor.tune._options import TuneOptions, check_rank_device
+from advisor.tune._options import (
+    DEFAULT_MEASURE_STEPS,
+    DEFAULT_WARMUP_STEPS,
+    TuneOptions,
+    check_rank_device,
+)
 from advisor.tune._spread import still_falling
 from advisor.tune._stability import StabilityThresholds, TrialCurve, Verdict, judge
 from advisor.tune._timing import TimingSummary, compare, goodput, summarize
@@ -60,8 +65,8 @@ class Perturbable(Protocol):
 class TrialSettings:
     """The measuring window and limits shared by every trial of one comparison or tune."""
 
-    warmup_steps: int = 5
-    measure_steps: int = 40
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    measure_steps: int = DEFAULT_MEASURE_STEPS
     seed: int = 0
     memory_limit: int | None = None
     timeout: float = 600.0

@@ -128,8 +128,44 @@ def test_tune_declares_one_option_per_field_with_its_flag_default_and_help():
                                                 "submit", "json_output"]
     for option in option_info():
         param = params[option.name]
-        assert param.opts[0] == option.flag and param.help == option.help
+        assert param.opts[0] == option.flag and (param.help == option.help or option.name == "framework")
         assert param.default == (None if option.default == () else option.default)
+
+
+def test_framework_help_lists_the_registered_frameworks():
+    from advisor.frameworks import FRAMEWORKS
+
+    commands = typer.main.get_command(app).commands
+    for name in ("tune", "trial", "run"):
+        framework = next(p for p in commands[name].params if p.name == "framework")
+        assert all(f in framework.help for f in FRAMEWORKS), (name, framework.help)
+
+
+def test_trial_takes_its_options_from_the_same_declarations():
+    command = typer.main.get_command(app).commands["trial"]
+    taken = [o for o in option_info() if o.trial]
+    assert [p.name for p in command.params] == ["script", "script_args", *(o.name for o in taken), "plot", "json_output"]
+    params = {p.name: p for p in command.params}
+    for option in taken:
+        param = params[option.name]
+        assert param.opts[0] == option.flag and param.default == (None if option.default == () else option.default)
+    assert {o.name for o in taken} == {"steps", "warmup", "modes", "memory_limit", "timeout", "seed", "device",
+                                       "framework", "nproc_per_node"}
+
+
+def test_trial_hands_the_command_one_tune_options(monkeypatch):
+    seen = {}
+
+    def fake_run(script, script_args, options, *, plot, json_output, console):
+        seen.update(options=options, args=script_args, plot=plot)
+        return 0
+
+    monkeypatch.setattr("advisor.cli._trial.run_trial_command", fake_run)
+    result = runner.invoke(app, ["trial", "train.py", "-m", "bf16-mixed", "--steps", "12", "--warmup", "3",
+                                 "--memory-limit", "2GiB", "--", "--lr", "0.1"])
+    assert result.exit_code == 0, result.output
+    assert seen["options"] == TuneOptions(modes=["bf16-mixed"], steps=12, warmup=3, memory_limit="2GiB")
+    assert seen["args"] == ["--lr", "0.1"] and seen["plot"] is None
 
 
 def test_tune_hands_the_command_one_tune_options(tmp_path, monkeypatch):
