@@ -21,6 +21,7 @@ beyond a launch prefix and a name in the trial spec.
 
 from __future__ import annotations
 
+from . import _registry
 from ._adapter import FrameworkAdapter
 from ._detect import LOOP_API, detect_framework, detect_script_framework
 from ._export import Export, Exporter
@@ -83,8 +84,6 @@ __all__ = [
 def __getattr__(name: str) -> tuple[str, ...]:
     # Derived from the registry on every lookup rather than copied once, so a framework or
     # export target registered later is never missing from them.
-    if name == "FRAMEWORKS":
-        return framework_names()
-    if name == "EXPORT_TARGETS":
-        return export_targets()
+    if name in ("FRAMEWORKS", "EXPORT_TARGETS"):
+        return getattr(_registry, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

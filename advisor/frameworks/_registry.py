@@ -261,3 +261,13 @@ for _cls, _exporter in BUILTIN_FRAMEWORKS:
     register_framework(_cls, exporter=_exporter)
 for _exporter in BUILTIN_EXPORT_TARGETS:
     register_export_target(_exporter)
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # FRAMEWORKS and EXPORT_TARGETS are read from the registry on every lookup, never copied,
+    # so a framework or target registered later is never missing from them.
+    if name == "FRAMEWORKS":
+        return framework_names()
+    if name == "EXPORT_TARGETS":
+        return export_targets()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
