@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-from probes._errors import MpadviseError
+from probes import MpadviseError
 
 __all__ = [
     "ensure_private_dir",

@@ -4,7 +4,9 @@ Public surface: ``Policy`` (with ``LossScale``, ``Fp8Options``, ``TunedOn``), ``
 ``MODES``, the mode interface ``PrecisionMode`` with its families (``AutocastMode``,
 ``TrueHalfMode``, ``Fp8Mode``), the registry (``register_mode``, ``mode_class``,
 ``create_mode``, ``safety_order``, ...), and the hardware support decisions
-``supported_modes`` / ``safe_default_mode``.
+``supported_modes`` / ``safe_default_mode``, and FSDP2's gradient reduction dtypes per mode
+(``reduce_dtype_choices``, ``default_reduce_dtype``). Other packages import from here, never
+from a ``policies._module``.
 
 ``MODES`` is read from the registry each time it is looked up, so it lists a mode registered
 with ``register_mode`` too.
@@ -21,7 +23,9 @@ from ._config import (
     Policy,
     PolicyError,
     TunedOn,
+    default_reduce_dtype,
     load_config,
+    reduce_dtype_choices,
 )
 from ._fp8 import Fp8Mode
 from ._provenance import Difference, HardwareMismatch, hardware_mismatch
@@ -73,6 +77,7 @@ __all__ = [
     "TunedOn",
     "capability_summary",
     "create_mode",
+    "default_reduce_dtype",
     "hardware_mismatch",
     "load_config",
     "mode_class",
@@ -80,6 +85,7 @@ __all__ = [
     "mode_dtypes",
     "mode_facts",
     "mode_names",
+    "reduce_dtype_choices",
     "register_mode",
     "safe_default",
     "safe_default_mode",

@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from probes._capability import (
+from probes import (
     FP8_RECIPE_RULES,
     Fp8RecipeRule,
+    MpadviseError,
     fp8_recipe_rule,
     fp8_recipe_unmet,
     release,
     torch_build_covers,
 )
-from probes._errors import MpadviseError
 
 from ._base import ModeFacts, PrecisionMode
 from ._device import ModeSupport, arch, cc_text

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from probes import hardware_fingerprint
-from probes._fingerprint import major_minor
+from probes import hardware_fingerprint, major_minor
 
 from ._fp8 import Fp8Mode
 from ._registry import mode_class

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, TypeVar
 
-from probes._errors import MpadviseError
+from probes import MpadviseError
 
 from ._base import ModeFacts, PrecisionMode
 from .bf16_mixed import Bf16Mixed

@@ -16,8 +16,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from probes._capability import fp8_recipe_since
-from probes._errors import MpadviseError
+from probes import MpadviseError, fp8_recipe_since
 
 from ._device import TE_INSTALL
 from ._fp8 import Fp8Mode, retie, tied_parameters

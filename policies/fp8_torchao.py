@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from probes._errors import MpadviseError
+from probes import MpadviseError
 
 from ._device import TORCHAO_INSTALL, ModeSupport
 from ._fp8 import Fp8Mode, retie, tied_parameters

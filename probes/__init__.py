@@ -1,38 +1,58 @@
 """What this machine can do: hardware profiles, capability tables, fingerprints, matmul roofline.
 
-The public surface of the probes package. Importing it does not import torch (the CLI's
-``--help`` must stay fast); functions that need torch import it when called.
+The public surface of the probes package: other packages import from here, never from a
+``probes._module``. Importing it does not import torch (the CLI's ``--help`` must stay fast);
+functions that need torch import it when called.
 """
 
 from __future__ import annotations
 
 from probes._bench import BenchRow, matmul_benchmark
-from probes._capability import ArchCapability, capability_for, peak_tflops
+from probes._capability import (
+    FP8_RECIPE_RULES,
+    ArchCapability,
+    Fp8RecipeRule,
+    capability_for,
+    fp8_recipe_rule,
+    fp8_recipe_since,
+    fp8_recipe_unmet,
+    peak_tflops,
+    release,
+    torch_build_covers,
+)
 from probes._cpu import cpu_profile, parse_cpuinfo
 from probes._errors import MpadviseError, UsageError
-from probes._fingerprint import hardware_fingerprint
+from probes._fingerprint import hardware_fingerprint, major_minor
 from probes._libraries import fp8_library_versions
 from probes._nvml import cuda_profiles, gpu_busy
 from probes._profile import HardwareProfile
 
 __all__ = [
+    "FP8_RECIPE_RULES",
     "ArchCapability",
     "BenchRow",
+    "Fp8RecipeRule",
     "HardwareProfile",
     "MpadviseError",
+    "UsageError",
     "capability_for",
     "cpu_profile",
     "cuda_profiles",
     "detect",
     "fp8_library_versions",
+    "fp8_recipe_rule",
+    "fp8_recipe_since",
+    "fp8_recipe_unmet",
     "gpu_busy",
     "hardware_fingerprint",
+    "major_minor",
     "matmul_benchmark",
     "parse_cpuinfo",
     "peak_tflops",
     "primary_profile",
     "profile_for",
-    "UsageError",
+    "release",
+    "torch_build_covers",
 ]
 
 

@@ -8,7 +8,58 @@
   ``_base`` (transactions, errors); ``_migrations`` holds the schema's history.
 * ``_recommend``: what a stored answer means for this machine and script.
 
-This ``__init__`` imports nothing, so that ``load_policy()`` pays for sqlite-utils only when it
-really reads the cache. Arrows: cache uses ``policies`` and ``probes``; ``runtime``, ``tune``,
-the daemon and the CLI may use it, never the reverse.
+Public surface (other packages import these from ``advisor.cache``, never from its modules):
+the ``Store`` and ``open_store``; the record schema (``RECORD_FIELDS``, ``RecordField``, the
+fingerprint patterns, ``read_export``); the job states; and what an answer means here
+(``record_tune``, ``lookup``, ``cached_answers``, ``TunedAnswer``, ``entry_status``,
+``stale_entries``, ``nothing_cached_yet``).
+
+The exports are lazy (a module ``__getattr__``, PEP 562): importing the package imports none
+of its modules, so that ``load_policy()`` pays for sqlite-utils only when it really reads the
+cache. Arrows: cache uses ``policies`` and ``probes``; ``runtime``, ``tune``, the daemon and
+the CLI may use it, never the reverse.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Each exported name, and the module that defines it (imported on first use).
+_EXPORTS = {
+    "EXPORT_FORMAT": "_records",
+    "EXPORT_FORMAT_VERSION": "_records",
+    "HARDWARE_FP_PATTERN": "_records",
+    "RECORD_FIELDS": "_records",
+    "TRIAL_FIELDS": "_records",
+    "WORKLOAD_FP_PATTERN": "_records",
+    "Record": "_records",
+    "RecordField": "_records",
+    "read_export": "_records",
+    "FINISHED_JOB_STATES": "_jobs",
+    "JOB_STATES": "_jobs",
+    "Store": "_store",
+    "open_store": "_store",
+    "TunedAnswer": "_recommend",
+    "cached_answers": "_recommend",
+    "entry_status": "_recommend",
+    "lookup": "_recommend",
+    "nothing_cached_yet": "_recommend",
+    "record_tune": "_recommend",
+    "stale_entries": "_recommend",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from probes._errors import MpadviseError
+from probes import MpadviseError
 
 if TYPE_CHECKING:
     import sqlite_utils

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor.cache._base import StoreBase, guarded
 from advisor.cache._records import Record, decode_json, json_text, utc_now
-from probes._errors import MpadviseError
+from probes import MpadviseError
 
 if TYPE_CHECKING:
     import sqlite_utils

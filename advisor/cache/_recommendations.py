@@ -35,7 +35,7 @@ from advisor.cache._records import (
     utc_now,
     validated_record,
 )
-from probes._errors import MpadviseError
+from probes import MpadviseError
 
 if TYPE_CHECKING:
     import sqlite_utils

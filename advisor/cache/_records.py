@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_origin
 
-from probes._errors import MpadviseError
+from probes import MpadviseError
 
 Record = dict[str, Any]
 

@@ -47,7 +47,7 @@ from advisor.cache._base import BUSY_TIMEOUT_S, error_kind
 from advisor.cache._jobs import JobQueue
 from advisor.cache._migrations import UnknownSchemaError, ensure_schema
 from advisor.cache._recommendations import Recommendations
-from probes._errors import MpadviseError
+from probes import MpadviseError
 
 logger = logging.getLogger("mpadvise")
 

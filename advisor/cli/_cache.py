@@ -26,14 +26,13 @@ from rich.table import Table
 import probes
 from advisor._log import get_logger
 from advisor._paths import database_path
-from advisor.cache._recommend import entry_status, nothing_cached_yet
-from advisor.cache._records import read_export
+from advisor.cache import entry_status, nothing_cached_yet, read_export
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
 from policies import Policy, PolicyError
 from probes import HardwareProfile, MpadviseError, hardware_fingerprint
 
 if TYPE_CHECKING:
-    from advisor.cache._store import Store
+    from advisor.cache import Store
     from probes import HardwareProfile
 
 __all__ = [
@@ -245,7 +244,7 @@ def cache_show_report(recommendation_id: int) -> dict[str, Any]:
     Raises:
         MpadviseError: there is no such entry, or no cache.
     """
-    from advisor.cache._store import open_store
+    from advisor.cache import open_store
 
     if nothing_cached_yet(_database_path()):
         raise MpadviseError(
@@ -445,7 +444,7 @@ def _database_path() -> Path:
 
 def _read_rows() -> list[dict[str, Any]] | None:
     """Every recommendation, newest first; ``None`` when no cache can be opened (one warning)."""
-    from advisor.cache._store import open_store
+    from advisor.cache import open_store
 
     path = _database_path()
     if nothing_cached_yet(path):
@@ -459,7 +458,7 @@ def _read_rows() -> list[dict[str, Any]] | None:
 
 def _writable_store() -> Store:
     """The cache, for commands that need it: raises one clear line when it cannot be opened."""
-    from advisor.cache._store import Store
+    from advisor.cache import Store
 
     return Store(_database_path())
 

@@ -56,8 +56,7 @@ def run(
     allowed_root: RootOption = None,
 ) -> None:
     """Serve in the foreground until Ctrl-C or SIGTERM (logs on stderr)."""
-    from advisor.daemon._config import DaemonConfig
-    from advisor.daemon._server import serve
+    from advisor.daemon import DaemonConfig, serve
 
     serve(DaemonConfig(host=host, port=port, uds=uds.absolute() if uds else None, allow_remote=allow_remote,
                        allowed_roots=tuple(p.absolute() for p in allowed_root or ())))
@@ -140,8 +139,7 @@ def start_daemon(
         MpadviseError: a refused address (exit 2), a daemon already running, or one that
             exited or did not answer in time (the message quotes its log).
     """
-    from advisor.daemon._client import DaemonClient, DaemonPaths, daemon_running
-    from advisor.daemon._config import check_bind
+    from advisor.daemon import DaemonClient, DaemonPaths, check_bind, daemon_running
 
     # Refuse here, in the user's terminal, rather than in a log file they may not read.
     warning = None if uds is not None else check_bind(host, allow_remote=allow_remote)
@@ -206,7 +204,7 @@ def rotate_log(path: Path, *, max_bytes: int | None = None, keep: int | None = N
         max_bytes: rotate at this size; default :data:`MAX_DAEMON_LOG_BYTES`.
         keep: old logs kept; default :data:`DAEMON_LOGS_KEPT`.
     """
-    from advisor.daemon._config import DAEMON_LOGS_KEPT, MAX_DAEMON_LOG_BYTES
+    from advisor.daemon import DAEMON_LOGS_KEPT, MAX_DAEMON_LOG_BYTES
 
     max_bytes = MAX_DAEMON_LOG_BYTES if max_bytes is None else max_bytes
     keep = DAEMON_LOGS_KEPT if keep is None else keep
@@ -236,7 +234,7 @@ def stop_daemon(*, wait: float) -> dict[str, Any]:
     Raises:
         MpadviseError: no pid file for a running daemon, or it did not exit in time.
     """
-    from advisor.daemon._client import DaemonPaths, daemon_running
+    from advisor.daemon import DaemonPaths, daemon_running
 
     paths = DaemonPaths.here()
     if not daemon_running(paths):
@@ -273,7 +271,7 @@ def status_report(*, limit: int = 20) -> dict[str, Any]:
     Raises:
         MpadviseError: no daemon runs, or it does not answer.
     """
-    from advisor.daemon._client import DaemonClient
+    from advisor.daemon import DaemonClient
 
     client = DaemonClient.local(need_token=True)  # reading jobs needs the token
     return {"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)}

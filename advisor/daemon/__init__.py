@@ -33,7 +33,48 @@ Modules: ``_config`` (settings, constants, pure address and path decisions), ``_
 lock, address file), ``_requests`` and ``_responses`` (validated bodies), ``_jobs`` (argv,
 slots, the runner), ``_app`` (HTTP routes and guards), ``_server`` (binding and serving; with
 ``_app`` and the body models, the only modules that import FastAPI, pydantic or uvicorn) and
-``_client`` (standard library only). This ``__init__`` imports nothing, so that the client does
-not load the web framework. Arrows: the daemon uses ``cache``, ``tune`` (the tune options and
-an environment name) and ``probes``; only the CLI imports it.
+``_client`` (standard library only).
+
+Public surface (other packages import these from ``advisor.daemon``, never from its modules):
+the client (``DaemonClient``, ``DaemonPaths``, ``daemon_running``, ``read_token``,
+``tune_job_body``, ``finished_tune``), the settings (``DaemonConfig``, ``check_bind`` and the
+log limits) and ``serve``. The exports are lazy (a module ``__getattr__``, PEP 562): importing
+the package imports none of its modules, so that the client does not load the web framework.
+Arrows: the daemon uses ``cache``, ``tune`` (the tune options and an environment name) and
+``probes``; only the CLI imports it.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Each exported name, and the module that defines it (imported on first use).
+_EXPORTS = {
+    "DaemonClient": "_client",
+    "DaemonPaths": "_client",
+    "daemon_running": "_client",
+    "finished_tune": "_client",
+    "read_token": "_client",
+    "tune_job_body": "_client",
+    "DAEMON_LOGS_KEPT": "_config",
+    "MAX_DAEMON_LOG_BYTES": "_config",
+    "DaemonConfig": "_config",
+    "check_bind": "_config",
+    "serve": "_server",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

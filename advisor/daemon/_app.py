@@ -22,11 +22,15 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from advisor._version import __version__
-from advisor.cache._jobs import FINISHED_JOB_STATES, JOB_STATES
-from advisor.cache._records import HARDWARE_FP_PATTERN, WORKLOAD_FP_PATTERN
-from advisor.cache._store import Store
+from advisor.cache import (
+    FINISHED_JOB_STATES,
+    HARDWARE_FP_PATTERN,
+    JOB_STATES,
+    WORKLOAD_FP_PATTERN,
+    Store,
+)
 from advisor.daemon._config import MAX_QUEUED_JOBS, MAX_TEXT, DaemonConfig, under_roots
-from advisor.daemon._files import _now
+from advisor.daemon._files import utc_now_seconds
 from advisor.daemon._jobs import JobRunner, Slot
 from advisor.daemon._requests import JobRequest, JobState
 from advisor.daemon._responses import (
@@ -55,7 +59,7 @@ class DaemonState:
     mode_names: frozenset[str]
     answers: AnswerCache
     started: float = field(default_factory=time.time)
-    started_at: str = field(default_factory=_now)
+    started_at: str = field(default_factory=utc_now_seconds)
     local_only: bool = True
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from advisor._paths import cache_dir
-from advisor.tune._options import TuneOptions
+from advisor.tune import TuneOptions
 from probes import MpadviseError
 
 __all__ = ["DaemonClient", "DaemonPaths", "daemon_running", "finished_tune", "read_token", "tune_job_body"]

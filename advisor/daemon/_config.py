@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from advisor.daemon._files import _user_name
+from advisor.daemon._files import user_name
 from probes import MpadviseError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -116,7 +116,7 @@ def check_bind(host: str, *, allow_remote: bool) -> str | None:
     return (
         f"serving on {host}, reachable from other machines: every request except GET /health "
         "needs the token, and anyone holding it can run scripts under the allowed roots as "
-        f"{_user_name()}; prefer 127.0.0.1 with an SSH tunnel"
+        f"{user_name()}; prefer 127.0.0.1 with an SSH tunnel"
     )
 
 

@@ -36,7 +36,13 @@ def ensure_token(path: Path) -> str:
     return read_token(path)
 
 
-def _acquire_lock(path: Path) -> int:
+def acquire_lock(path: Path) -> int:
+    """Hold the daemon's lock file (created 0600, ours, never through a symlink), so that one
+    daemon runs per cache directory; the descriptor stays open while the daemon runs.
+
+    Raises:
+        MpadviseError: another user owns the lock, or another daemon holds it.
+    """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
@@ -54,7 +60,7 @@ def _acquire_lock(path: Path) -> int:
     return fd
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Replace ``path`` atomically with ``text``, mode 0600, through a new temporary file.
 
     The temporary file is created exclusively and never through a symlink, so nothing planted
@@ -70,7 +76,8 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _remove_if_ours(path: Path, pid: int) -> None:
+def remove_if_ours(path: Path, pid: int) -> None:
+    """Remove a pid or address file that names ``pid``; leave one another daemon wrote."""
     with contextlib.suppress(OSError, ValueError):
         text = path.read_text()
         owner = json.loads(text).get("pid") if text.lstrip().startswith("{") else int(text.strip())
@@ -78,7 +85,8 @@ def _remove_if_ours(path: Path, pid: int) -> None:
             path.unlink()
 
 
-def _user_name() -> str:
+def user_name() -> str:
+    """This user's login name, for messages."""
     try:
         import pwd
 
@@ -87,5 +95,11 @@ def _user_name() -> str:
         return "this user"
 
 
-def _now() -> str:
+def utc_now_seconds() -> str:
+    """The current time, UTC, ISO 8601 to the second: the daemon's timestamps."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# Old names, kept while callers outside this package's own modules still use them.
+_now = utc_now_seconds
+_write_private = write_private

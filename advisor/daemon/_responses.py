@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, create_model
 
-from advisor.cache._records import RECORD_FIELDS
+from advisor.cache import RECORD_FIELDS
 from advisor.daemon._requests import JobState
 
 

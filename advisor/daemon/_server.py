@@ -19,11 +19,17 @@ import uvicorn
 from advisor._hardware import probe_report
 from advisor._secure import ensure_private_dir, ensure_private_file
 from advisor._version import __version__
-from advisor.cache._store import Store
+from advisor.cache import Store
 from advisor.daemon._app import AnswerCache, DaemonState, create_app
 from advisor.daemon._client import DaemonPaths
 from advisor.daemon._config import DaemonConfig, check_bind, logger
-from advisor.daemon._files import _acquire_lock, _now, _remove_if_ours, _write_private, ensure_token
+from advisor.daemon._files import (
+    acquire_lock,
+    ensure_token,
+    remove_if_ours,
+    utc_now_seconds,
+    write_private,
+)
 from advisor.daemon._jobs import JobRunner, Slot, nvml_busy, recover_jobs, slots_for
 from probes import HardwareProfile, MpadviseError
 
@@ -104,13 +110,13 @@ def _setup_logging() -> None:
 @contextlib.contextmanager
 def _daemon_files(paths: DaemonPaths, address: dict[str, Any]) -> Iterator[None]:
     pid = os.getpid()
-    _write_private(paths.pid, f"{pid}\n")
-    _write_private(paths.address, json.dumps(address, indent=2) + "\n")
+    write_private(paths.pid, f"{pid}\n")
+    write_private(paths.address, json.dumps(address, indent=2) + "\n")
     try:
         yield
     finally:
-        _remove_if_ours(paths.address, pid)
-        _remove_if_ours(paths.pid, pid)
+        remove_if_ours(paths.address, pid)
+        remove_if_ours(paths.pid, pid)
 
 
 def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = None) -> None:
@@ -132,7 +138,7 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
     _setup_logging()
     paths = DaemonPaths.here()
     _check_private(paths)
-    lock = _acquire_lock(paths.lock)
+    lock = acquire_lock(paths.lock)
     stores: list[Store] = []
     try:
         token = ensure_token(paths.token)
@@ -143,13 +149,13 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
         for job in recover_jobs(store):
             logger.info("job %s was running when the last daemon stopped: now %s (attempt %s)",
                         job["id"], job["state"], job["attempts"])
-        report = {**probe_report(), "detected_at": _now()}
+        report = {**probe_report(), "detected_at": utc_now_seconds()}
         slots = slots_for([HardwareProfile.from_dict(d["profile"]) for d in report["devices"]])
         modes = frozenset(name for device in report["devices"] for name in device["modes"])
         runner = JobRunner(store=store, slots=slots, jobs_dir=paths.jobs, busy=busy or nvml_busy,
                            roots=config.roots())
         sock, address = _bind(config)
-        address.update(pid=os.getpid(), started_at=_now(), version=__version__, log=str(paths.log),
+        address.update(pid=os.getpid(), started_at=utc_now_seconds(), version=__version__, log=str(paths.log),
                        token_file=str(paths.token), slots=[s.name for s in slots],
                        roots=[str(r) for r in config.roots()])
         state = DaemonState(config=config, token=token, store=store, read_store=read_store, report=report,

@@ -23,12 +23,12 @@ from policies import (
     Difference,
     Policy,
     create_mode,
+    default_reduce_dtype,
     mode_class,
     safe_default,
     safety_rank,
     supported_modes,
 )
-from policies._config import default_reduce_dtype
 from probes import MpadviseError
 
 if TYPE_CHECKING:

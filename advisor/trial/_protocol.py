@@ -20,7 +20,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from probes._errors import MpadviseError
+from probes import MpadviseError
 
 from ._proctree import descendants as descendants  # re-exported: the tree walk lived here
 from ._proctree import end_trial, launcher_argv
