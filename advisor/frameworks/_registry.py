@@ -11,6 +11,7 @@ framework means writing its adapter class (see ``FrameworkAdapter``) and one
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, TypeVar
 
 from policies import Policy
@@ -83,7 +84,7 @@ def _check_description(owner: str, cls: type[FrameworkAdapter]) -> None:
         raise ValueError(f"{owner}: label {label!r} is not allowed; name the framework for people, "
                          "e.g. 'the Composer Trainer'")
     detected_by = getattr(cls, "detected_by", None)
-    if not isinstance(detected_by, dict) or not all(
+    if not isinstance(detected_by, Mapping) or not all(
         isinstance(m, str) and isinstance(n, tuple) and all(isinstance(x, str) for x in n) for m, n in detected_by.items()
     ):
         raise ValueError(f"{owner}: detected_by {detected_by!r} is not allowed; map each module to the names "
