@@ -6,14 +6,15 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import probes
 from advisor import _paths
 from advisor._log import get_logger
-from advisor.cache._recommend import TunedAnswer, cached_answers
-from advisor.runtime._applied import AppliedPolicy, fallback_words, safe_fallback
+from advisor.cache import TunedAnswer, cached_answers
+from advisor.runtime import AppliedPolicy, fallback_words, safe_fallback
 from advisor.trial import applied_for_trial, spec_from_env
 from policies import (
     HardwareMismatch,
@@ -36,26 +37,53 @@ POLICY_ENV = "MPADVISE_POLICY"
 _CHECKED_POLICIES: dict[tuple[object, ...], AppliedPolicy] = {}
 
 
+class PolicySource(Enum):
+    """Where a resolved policy comes from, in ``load_policy()``'s order: what callers decide on
+    (the text for people is ``Resolution.source``)."""
+
+    TRIAL = "trial"
+    """The candidate ``mpadvise tune`` or ``mpadvise trial`` injected into a trial."""
+    EXPLICIT = "explicit"
+    """A config file or an ``advisor.Policy`` the caller named (``load_policy(source)``, ``--config``)."""
+    ENV = "env"
+    """The config file ``MPADVISE_POLICY`` names."""
+    BESIDE_SCRIPT = "beside-script"
+    """``<script>.mpadvise.toml`` beside the script."""
+    CACHE = "cache"
+    """The cache entry for this hardware and script."""
+    SAFE_DEFAULT = "safe-default"
+    """Chosen by mpadvise for want of one that applies: the hardware's safe default, or the
+    fallback from a tuned policy that does not fit here (``safe_fallback``)."""
+
+
 @dataclass(frozen=True)
 class Resolution:
-    """Which policy applies, and why (the one line ``load_policy`` logs)."""
+    """Which policy applies, where it comes from (``kind``), and why in words (``source``, the
+    text of the one line ``load_policy`` logs)."""
 
     policy: Policy
     source: str
+    kind: PolicySource
     mismatch: HardwareMismatch | None = None
-    from_cache: bool = False
-    """Whether ``policy`` is a cached answer."""
     match_workload: bool = False
     """Whether ``policy`` is a tune's answer (a cached one, or the config file a tune wrote beside
     the script), which applies only to the whole workload it was tuned on."""
     alternatives: tuple[TunedAnswer, ...] = ()
     """The other tunes' answers for this script and hardware, in order: ``setup()`` applies the
     first one tuned on this run's workload when ``policy`` was tuned on another."""
-    by_default: bool = False
-    """Whether mpadvise chose ``policy`` for want of one that applies (the safe default, or the
-    fallback from a tuned policy that does not fit), rather than a person or a tune."""
     args: tuple[str, ...] | None = None
     """The script's arguments the tune of ``policy`` ran with, where recorded (``TunedAnswer``)."""
+
+    @property
+    def from_cache(self) -> bool:
+        """Whether ``policy`` is a cached answer."""
+        return self.kind is PolicySource.CACHE
+
+    @property
+    def by_default(self) -> bool:
+        """Whether mpadvise chose ``policy`` for want of one that applies (the safe default, or the
+        fallback from a tuned policy that does not fit), rather than a person or a tune."""
+        return self.kind is PolicySource.SAFE_DEFAULT
 
     @property
     def fallback_reason(self) -> str | None:
@@ -94,24 +122,25 @@ def resolve_policy(
     user's decision to apply it to this run, such as a policy tuned on a short run of the same
     model applied to the long run with other arguments.
     """
-    candidate: tuple[Policy, str] | None = None
+    candidate: tuple[Policy, str, PolicySource] | None = None
     if source is not None:
         if isinstance(source, Policy):
-            return Resolution(_check_supported(source, profile, "the Policy passed to load_policy"), "the Policy passed to load_policy()")
+            return Resolution(_check_supported(source, profile, "the Policy passed to load_policy"),
+                              "the Policy passed to load_policy()", PolicySource.EXPLICIT)
         if isinstance(source, (str, os.PathLike)):
-            candidate = (load_config(source), f"config file {source}")
+            candidate = (load_config(source), f"config file {source}", PolicySource.EXPLICIT)
         else:
             raise MpadviseError(
                 f"load_policy(source): expected a config file path or an advisor.Policy, got {type(source).__name__}"
             )
     elif environ.get(POLICY_ENV):
         path = environ[POLICY_ENV]
-        candidate = (load_config(path), f"{POLICY_ENV}={path}")
+        candidate = (load_config(path), f"{POLICY_ENV}={path}", PolicySource.ENV)
     elif script is not None and _paths.config_path_for(script).is_file():
         path = _paths.config_path_for(script)
         config = TunedAnswer(load_config(path), f"config file {path}")
         if not written_by_a_tune(config.policy):
-            candidate = (config.policy, config.label)
+            candidate = (config.policy, config.label, PolicySource.BESIDE_SCRIPT)
         else:
             # The cache holds this tune's answer too (with the arguments it ran with), and those
             # of the script's other workloads.
@@ -126,11 +155,11 @@ def resolve_policy(
         if answers:
             return _tuned_resolution(answers, profile, config=None)
     if candidate is None:
-        return Resolution(safe_default(profile), f"safe default for {profile.name}", by_default=True)
-    policy, label = candidate
+        return Resolution(safe_default(profile), f"safe default for {profile.name}", PolicySource.SAFE_DEFAULT)
+    policy, label, kind = candidate
     mismatch = hardware_mismatch(policy, profile)
     if mismatch is None:
-        return Resolution(_check_supported(policy, profile, label), label)
+        return Resolution(_check_supported(policy, profile, label), label, kind)
     return _other_hardware(policy, label, mismatch, profile)
 
 
@@ -163,7 +192,8 @@ def _tuned_resolution(answers: list[TunedAnswer], profile: HardwareProfile, *, c
     chosen, *rest = here
     return Resolution(
         _check_supported(chosen.policy, profile, chosen.label), chosen.label,
-        from_cache=chosen is not config, match_workload=True, alternatives=tuple(rest), args=chosen.args,
+        PolicySource.BESIDE_SCRIPT if chosen is config else PolicySource.CACHE, match_workload=True,
+        alternatives=tuple(rest), args=chosen.args,
     )
 
 
@@ -175,7 +205,7 @@ def _other_hardware(policy: Policy, label: str, mismatch: HardwareMismatch, prof
         f"not applying the policy from {label}: {mismatch.reason()}; {using} for {profile.name}; "
         "run `mpadvise tune` again on this machine"
     )
-    return Resolution(fallback, source, mismatch=mismatch, by_default=True)
+    return Resolution(fallback, source, PolicySource.SAFE_DEFAULT, mismatch=mismatch)
 
 
 def written_by_a_tune(policy: Policy) -> bool:

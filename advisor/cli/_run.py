@@ -18,14 +18,13 @@ from pathlib import Path
 
 import probes
 from advisor._entry import module_argv
-from advisor._load import POLICY_ENV, Resolution, resolve_policy
+from advisor._load import POLICY_ENV, PolicySource, Resolution, resolve_policy
 from advisor._log import get_logger
-from advisor.cache._recommend import TunedAnswer, cached_answers
+from advisor.cache import TunedAnswer, cached_answers
 from advisor.frameworks import check_expressible, plan_for, refusal
 from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
-from advisor.runtime._applied import fallback_words, safe_fallback
-from advisor.runtime._workload import script_digest
-from advisor.tune._checks import check_script
+from advisor.runtime import fallback_words, safe_fallback, script_digest
+from advisor.tune import check_script
 from policies import Policy
 from probes import HardwareProfile, MpadviseError
 
@@ -53,14 +52,14 @@ def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile,
                 return resolution
             get_logger().info(f"using {answer.policy.describe()} from {answer.label}, tuned on this script and these arguments")
             # Only the first answer can be a config file's: the others are the cache's.
-            return Resolution(answer.policy, answer.label, from_cache=True, match_workload=True, args=answer.args)
+            return Resolution(answer.policy, answer.label, PolicySource.CACHE, match_workload=True, args=answer.args)
     fallback = safe_fallback(resolution.policy, profile)
     using, source = fallback_words(fallback, profile)
     get_logger().warning(
         f"not applying the policy from {resolution.source}: {'; '.join(_differences(answers[0], digest, here, script))}; "
         f"{using} for {profile.name}; run `mpadvise tune` again"
     )
-    return Resolution(fallback, source, by_default=True)
+    return Resolution(fallback, source, PolicySource.SAFE_DEFAULT)
 
 
 def _differences(answer: TunedAnswer, digest: str | None, args: tuple[str, ...], script: Path) -> list[str]:
@@ -95,7 +94,7 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
     profile = probes.profile_for(device)
     resolution = resolve_for_run(path, config, profile, script_args)
     policy = resolution.policy
-    if resolution.by_default and refusal(policy, plan.framework, device=profile.device) is not None:
+    if resolution.kind is PolicySource.SAFE_DEFAULT and refusal(policy, plan.framework, device=profile.device) is not None:
         # mpadvise's own choice is a mode this framework lacks (pure bf16): fp32 is safe anywhere.
         policy = Policy(mode="fp32")
     check_expressible(policy, plan.framework, source=resolution.source, device=profile.device)

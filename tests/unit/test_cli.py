@@ -72,7 +72,7 @@ def test_policy_for_a_script_with_a_config_beside_it(tmp_path):
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)
     assert info["policy"]["mode"] == "fp32" and info["policy"]["micro_batch_size"] == 8
-    assert "train.mpadvise.toml" in info["source"]
+    assert "train.mpadvise.toml" in info["source"] and info["kind"] == "beside-script"
 
 
 def test_policy_without_anything_is_the_safe_default(tmp_path):
@@ -80,7 +80,8 @@ def test_policy_without_anything_is_the_safe_default(tmp_path):
     script.write_text("")
     result = runner.invoke(app, ["policy", str(script), "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["source"].startswith("safe default")
+    info = json.loads(result.output)
+    assert info["source"].startswith("safe default") and info["kind"] == "safe-default"
 
 
 def test_policy_tuned_elsewhere_is_not_applied(tmp_path):

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 import probes
+from advisor._load import PolicySource, resolve_policy
 from advisor._log import get_logger
 from advisor.cache._recommend import TunedAnswer, record_tune
 from advisor.cache._store import Store
@@ -35,6 +36,7 @@ def test_a_cached_answer_applies_while_the_script_is_unchanged(script, monkeypat
     monkeypatch.delenv("MPADVISE_POLICY", raising=False)
     resolution = _run.resolve_for_run(script, None, profile)
     assert resolution.policy.mode == "bf16-mixed" and resolution.source.startswith("cache entry #1")
+    assert resolution.kind is PolicySource.CACHE
 
 
 class _Lines(logging.Handler):
@@ -62,7 +64,7 @@ def test_an_edited_script_gets_the_safe_default_with_a_warning(script, monkeypat
         resolution = _run.resolve_for_run(script, None, profile)
     finally:
         logger.removeHandler(lines)
-    assert resolution.source.startswith("safe default")
+    assert resolution.source.startswith("safe default") and resolution.kind is PolicySource.SAFE_DEFAULT
     assert any("train.py was edited since it was tuned" in line for line in lines.lines)
 
 
@@ -141,3 +143,25 @@ def test_the_entry_tuned_with_these_arguments_applies(script, cache_home):
     _record_with(script, profile, "fp16-mixed", ["--width", "64"], "2222222222222222")
     assert _run.resolve_for_run(script, None, profile, ["--width", "1024"]).policy.mode == "bf16-mixed"
     assert _run.resolve_for_run(script, None, profile, ["--width", "64"]).policy.mode == "fp16-mixed"
+
+
+def test_each_source_resolves_to_its_kind(script, tmp_path, monkeypatch):
+    """One resolution, whichever caller asks: the kind says where the policy came from."""
+    profile = probes.profile_for("cpu")
+    monkeypatch.delenv("MPADVISE_POLICY", raising=False)
+    named = tmp_path / "named.toml"
+    Policy(mode="fp32").save(named)
+
+    def kind(source=None, environ=None, cached=None):
+        return resolve_policy(source, profile=profile, script=script, environ=environ or {}, cached=cached).kind
+
+    assert kind(Policy(mode="fp32")) is PolicySource.EXPLICIT
+    assert kind(named) is PolicySource.EXPLICIT
+    assert kind(environ={"MPADVISE_POLICY": str(named)}) is PolicySource.ENV
+    assert kind() is PolicySource.SAFE_DEFAULT
+    assert kind(cached=_cached(Policy(mode="fp32"))) is PolicySource.CACHE
+    Policy(mode="fp32").save(script.with_name("train.mpadvise.toml"))
+    assert kind(cached=_cached(Policy(mode="bf16-mixed"))) is PolicySource.BESIDE_SCRIPT
+    elsewhere = Policy(mode="fp32", tuned_on=TunedOn(hardware_fingerprint="0" * 16, device="NVIDIA H100", torch="2.4.0"))
+    elsewhere.save(named)
+    assert kind(named) is PolicySource.SAFE_DEFAULT  # tuned on other hardware: not applied
