@@ -89,7 +89,7 @@ def test_policy_tuned_elsewhere_is_not_applied(tmp_path):
     Policy(mode="fp32", tuned_on=TunedOn(hardware_fingerprint="0" * 16, device="NVIDIA H100", torch="2.4.0")).save(path)
     result = runner.invoke(app, ["policy", str(path), "--json"])
     assert result.exit_code == 0, result.output
-    info = json.loads(result.output)
+    info = json.loads(result.stdout)  # the warning that it is not applied goes to stderr
     assert "device NVIDIA H100" in info["not_applied_because"] and "torch 2.4.0" in info["not_applied_because"]
 
 
