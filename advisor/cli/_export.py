@@ -46,6 +46,8 @@ def export_command(config: Path | None, *, target: str | None, out: Path | None,
         sys.stdout.write(export.text)
         sys.stdout.flush()
     else:
+        # The file's extension names the format: Accelerate's config file for .yaml, code for .py.
+        export = export.for_file(out)
         _write(out, export.text)
     for warning in export.warnings:
         err_console.print(f"[yellow]warning[/] [bold]{escape(warning.id)}[/]: {escape(warning.message)}",
@@ -53,7 +55,7 @@ def export_command(config: Path | None, *, target: str | None, out: Path | None,
     for note in export.notes:
         err_console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
     if out is not None:
-        err_console.print(f"wrote {escape(str(out))} ({target}, {export.format})", highlight=False)
+        err_console.print(f"wrote {escape(str(out))} ({target}, {export.format})", highlight=False, soft_wrap=True)
 
 
 def export_document(export: Export, policy: Policy, *, source: str, device: str) -> dict[str, Any]:

@@ -3,11 +3,12 @@ reason; the named warnings; ``--json``; bad input through the CLI (typer's runne
 
 from __future__ import annotations
 
+import ast
 import json
-import math
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from advisor.cli._app import app
@@ -120,8 +121,9 @@ def test_every_target_every_mode_is_faithful_or_refused(target: str, name: str) 
     if export.format == "json":
         assert json.loads(export.text) == export.data["config"]
     else:
-        compile(export.text, f"<{target} export>", "exec")  # the code is Python that parses
-        assert export.text.startswith(f"# mpadvise policy {policy.describe()}")
+        # Python that parses, whose first statement, a string, names the policy
+        docstring = ast.get_docstring(ast.parse(export.text))
+        assert docstring is not None and docstring.startswith(f"mpadvise policy {policy.describe()}")
     assert [w.id for w in export.warnings] == EXPECTED_WARNINGS.get((target, name), [])
     for warning in export.warnings:
         assert warning.message and "\n" not in warning.message
@@ -137,42 +139,42 @@ def test_lightning_precision_strings_come_from_the_traits(target: str) -> None:
                             ("fp32", "32-true"), ("tf32", "32-true")]:
         export = export_policy(POLICIES[name], target)
         assert export.data["precision"] == precision and export.data["plugin"] is None
-        assert f'{cls.lower()} = {cls}(\n    precision="{precision}",' in export.text
+        assert f"{cls.lower()} = {cls}(\n    precision='{precision}'," in export.text
 
 
 def test_lightning_static_scale_is_a_gradscaler_whose_update_keeps_it() -> None:
     export = export_policy(POLICIES["fp16-static"], "lightning")
     assert "class StaticGradScaler(torch.amp.GradScaler):" in export.text
-    assert 'scaler = StaticGradScaler("cuda", 4096.0)' in export.text
-    assert 'plugins=[MixedPrecision("16-mixed", "cuda", scaler=scaler)]' in export.text
+    assert "scaler = StaticGradScaler('cuda', 4096.0)" in export.text
+    assert "plugins=[MixedPrecision('16-mixed', 'cuda', scaler=scaler)]" in export.text
     assert export.data["plugin"]["scaler"]["kind"] == "static"
     assert export.data["plugin"]["scaler"]["init_scale"] == 4096.0
 
 
 def test_lightning_dynamic_scale_carries_every_gradscaler_setting() -> None:
     export = export_policy(POLICIES["fp16-dynamic-tuned"], "lightning", device="cpu")
-    for line in ['"cpu",', "init_scale=1024.0,", "growth_factor=2.0,", "backoff_factor=0.5,", "growth_interval=500,"]:
+    for line in ["'cpu',", "init_scale=1024.0,", "growth_factor=2.0,", "backoff_factor=0.5,", "growth_interval=500,"]:
         assert f"    {line}" in export.text
-    assert 'MixedPrecision("16-mixed", "cpu", scaler=scaler)' in export.text
+    assert "MixedPrecision('16-mixed', 'cpu', scaler=scaler)" in export.text
     assert "StaticGradScaler" not in export.text
 
 
 def test_lightning_without_loss_scaling_disables_the_scaler() -> None:
     export = export_policy(POLICIES["fp16-none"], "fabric")
-    assert 'scaler = torch.amp.GradScaler("cuda", enabled=False)' in export.text
+    assert "scaler = torch.amp.GradScaler('cuda', enabled=False)" in export.text
     assert export.data["plugin"]["scaler"]["kind"] == "none"
 
 
 @pytest.mark.parametrize(("name", "legacy", "new", "allow"), [("fp32", "highest", "ieee", False), ("tf32", "high", "tf32", True)])
 def test_lightning_sets_both_tf32_apis(name: str, legacy: str, new: str, allow: bool) -> None:
     text = export_policy(POLICIES[name], "lightning").text
-    assert f'torch.set_float32_matmul_precision("{legacy}")' in text
+    assert f"torch.set_float32_matmul_precision('{legacy}')" in text
     assert f"torch.backends.cudnn.allow_tf32 = {allow}" in text  # Lightning leaves cuDNN's TF32 on
     for switch in ("cuda.matmul", "mkldnn.matmul", "cudnn.conv", "cudnn.rnn"):
-        assert f'torch.backends.{switch}.fp32_precision = "{new}"' in text
+        assert f"torch.backends.{switch}.fp32_precision = '{new}'" in text
     assert text.index("set_float32_matmul_precision") < text.index("cuda.matmul.fp32_precision")
     cpu = export_policy(POLICIES[name], "lightning", device="cpu").text
-    assert "cudnn" not in cpu and f'torch.backends.mkldnn.matmul.fp32_precision = "{new}"' in cpu
+    assert "cudnn" not in cpu and f"torch.backends.mkldnn.matmul.fp32_precision = '{new}'" in cpu
 
 
 def test_lightning_fp8_te_plugin_keeps_fp32_weights_and_the_delayed_recipe() -> None:
@@ -180,7 +182,7 @@ def test_lightning_fp8_te_plugin_keeps_fp32_weights_and_the_delayed_recipe() -> 
     export = export_policy(policy, "lightning")
     assert "weights_dtype=torch.float32," in export.text
     assert "fallback_compute_dtype=torch.bfloat16," in export.text
-    assert 'recipe={"fp8_format": "E4M3", "amax_history_len": 16, "margin": 1},' in export.text
+    assert "recipe={'fp8_format': 'E4M3', 'amax_history_len': 16, 'margin': 1}," in export.text
     with pytest.raises(ExportRefused, match="Transformer Engine runs on CUDA only"):
         export_policy(policy, "lightning", device="cpu")
 
@@ -189,7 +191,7 @@ def test_lightning_trainer_accumulates_and_clips_fabric_says_how() -> None:
     policy = Policy(mode="bf16-mixed", micro_batch_size=16, grad_accum_steps=4, grad_clip_norm=0.5)
     trainer = export_policy(policy, "lightning")
     assert "    accumulate_grad_batches=4," in trainer.text
-    assert "    gradient_clip_val=0.5," in trainer.text and '    gradient_clip_algorithm="norm",' in trainer.text
+    assert "    gradient_clip_val=0.5," in trainer.text and "    gradient_clip_algorithm='norm'," in trainer.text
     assert "The DataLoader's batch_size must be 16" in trainer.text
     assert trainer.data["dataloader_batch_size"] == 16
     assert trainer.data["trainer"] == {"accumulate_grad_batches": 4, "gradient_clip_val": 0.5,
@@ -217,6 +219,18 @@ def test_transformers_clipping_is_set_only_by_a_policy_that_clips() -> None:
     # Without clipping in the policy the trials kept the script's max_grad_norm: so does the export.
     fields = export_policy(Policy(mode="bf16-mixed"), "transformers").data["training_arguments"]
     assert "max_grad_norm" not in fields and "per_device_train_batch_size" not in fields
+
+
+def test_transformers_keeps_the_scripts_batch_and_names_the_device() -> None:
+    """Kept accumulation is left out (merged with the script's own it was a duplicate keyword,
+    and 1 halved an 8 x 2 global batch); a CPU export says use_cpu, as TrainingArguments needs."""
+    kept = export_policy(Policy(mode="bf16-mixed"), "transformers", device="cpu")
+    fields = kept.data["training_arguments"]
+    assert "gradient_accumulation_steps" not in fields and "per_device_train_batch_size" not in fields
+    assert fields["use_cpu"] is True
+    assert any("gradient_accumulation_steps stay as the script sets them" in note for note in kept.notes)
+    assert "use_cpu" not in export_policy(Policy(mode="bf16-mixed"), "transformers", device="cuda").data[
+        "training_arguments"]
 
 
 def test_transformers_refuses_fp16_on_a_cpu() -> None:
@@ -254,7 +268,7 @@ def test_accelerate_torchao_handler_matches_mpadvise_filter_and_config(name: str
     assert export.data["kwargs_handlers"] == [{
         "class": "AORecipeKwargs", "recipe": recipe, "pad_inner_dim": pad,
         "module_filter": "torch.nn.Linear with in and out features multiples of 16"}]
-    assert f'Float8LinearConfig.from_recipe_name("{recipe}")' in export.text
+    assert f"Float8LinearConfig.from_recipe_name('{recipe}')" in export.text
     assert ("pad_inner_dim=True" in export.text) == pad
     with pytest.raises(ExportRefused, match="bf16 autocast"):
         export_policy(POLICIES[name], "accelerate", device="cpu")
@@ -274,9 +288,10 @@ def test_accelerate_batch_clip_and_config_file() -> None:
     export = export_policy(policy, "accelerate")
     assert export.data["accelerator"] == {"mixed_precision": "bf16", "gradient_accumulation_steps": 2}
     assert "The DataLoader's batch_size must be 32" in export.text and "accelerator.accumulate(model)" in export.text
-    assert "accelerator.clip_grad_norm_(model.parameters(), 1)" in export.text
+    assert "accelerator.clip_grad_norm_(model.parameters(), 1.0)" in export.text
     yaml_text = export.data["config_file_yaml"]
-    assert "mixed_precision: 'bf16'" in yaml_text and "distributed_type: 'NO'" in yaml_text
+    assert yaml.safe_load(yaml_text) == export.data["config_file"]
+    assert "mixed_precision: bf16" in yaml_text and "distributed_type: 'NO'" in yaml_text
     for line in yaml_text.splitlines():
         assert f"#   {line}" in export.text  # the file, shown in the code as a comment
 
@@ -290,7 +305,6 @@ def test_deepspeed_mixed_modes_are_autocast_over_fp32_weights() -> None:
     assert config == {
         "train_micro_batch_size_per_gpu": 8,
         "gradient_accumulation_steps": 4,
-        "gradient_clipping": 0.0,  # DeepSpeed's templates clip at 1.0: none is stated
         "fp16": {"enabled": False},
         "bf16": {"enabled": False},
         "torch_autocast": {"enabled": True, "dtype": "float16", "lower_precision_safe_modules": []},
@@ -301,6 +315,18 @@ def test_deepspeed_mixed_modes_are_autocast_over_fp32_weights() -> None:
     assert bf16.data["config"]["gradient_clipping"] == 1.5
     assert any("train_micro_batch_size_per_gpu" in note for note in bf16.notes)
     assert any("0.17.2" in note for note in bf16.notes)
+
+
+def test_deepspeed_keeps_the_scripts_batch_and_clipping() -> None:
+    """A policy that keeps the script's 8 x 2 writes no accumulation (DeepSpeed would take 1), and
+    one that does not clip never turns clipping off: the notes say what to add."""
+    export = export_policy(Policy(mode="bf16-mixed"), "deepspeed")
+    config = export.data["config"]
+    assert "gradient_accumulation_steps" not in config and "train_micro_batch_size_per_gpu" not in config
+    assert "gradient_clipping" not in config
+    notes = " ".join(export.notes)
+    for field in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+        assert f"add {field}" in notes
 
 
 def test_deepspeed_fp32_has_no_precision_section_and_names_the_tf32_gap() -> None:
@@ -321,22 +347,25 @@ def test_deepspeed_refuses_fp16_on_a_cpu() -> None:
 def test_torchtitan_config_fields() -> None:
     mixed = export_policy(Policy(mode="bf16-mixed", micro_batch_size=2, grad_accum_steps=8), "torchtitan")
     assert mixed.data["training"] == {"dtype": "float32", "mixed_precision_param": "bfloat16",
-                                      "mixed_precision_reduce": "float32", "max_norm": math.inf}
+                                      "mixed_precision_reduce": "float32"}
     assert "def apply_mpadvise_policy(config, data_parallel_degree=1):" in mixed.text
-    assert "micro_tokens = 2 * config.training.max_context_length" in mixed.text
-    assert "num_tokens_per_train_step = micro_tokens * 8 * data_parallel_degree" in mixed.text
+    assert "    config.training.local_batch_size = 2" in mixed.text
+    assert "config.training.local_batch_size * 8 * data_parallel_degree" in mixed.text
+    assert any("max_norm stays" in note for note in mixed.notes)
     true = export_policy(Policy(mode="bf16-true", grad_clip_norm=1.0), "torchtitan")
     assert true.data["training"]["dtype"] == "bfloat16" and true.data["training"]["max_norm"] == 1.0
-    assert "def apply_mpadvise_policy(config):" in true.text
+    assert "def apply_mpadvise_policy(config):" in true.text and "batch_size" not in true.text
+    assert any("local_batch_size and global_batch_size stay" in note for note in true.notes)
     fp32 = export_policy(POLICIES["fp32"], "torchtitan")
     assert fp32.data["training"]["mixed_precision_param"] == "float32"
-    assert 'torch.set_float32_matmul_precision("highest")' in fp32.text
+    assert "torch.set_float32_matmul_precision('highest')" in fp32.text
+    assert "inf" not in fp32.text  # clipping is never turned off
 
 
 def test_torchtitan_float8_converter_takes_every_eligible_linear() -> None:
     export = export_policy(POLICIES["ao-rowwise-gw-hp"], "torchtitan")
     assert export.data["float8"] == {"recipe_name": "rowwise_with_gw_hp", "filter_fqns": []}
-    assert 'Float8LinearConverter.Config(recipe_name="rowwise_with_gw_hp", filter_fqns=[])' in export.text
+    assert "    recipe_name='rowwise_with_gw_hp',\n    filter_fqns=[],\n)" in export.text
 
 
 # ---- the batch split and the reduce dtype ---------------------------------------------------
@@ -418,7 +447,7 @@ def test_cli_json_shape(tmp_path: Path) -> None:
 
 def test_cli_out_writes_the_file(tmp_path: Path) -> None:
     config = _config(tmp_path, TUNED_FP16.replace('kind = "static"', 'kind = "dynamic"'))
-    out = tmp_path / "ds.json"
+    out = tmp_path / "accelerate_setup.py"
     result = runner.invoke(app, ["export", str(config), "--to", "accelerate", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert result.stdout == "" and f"wrote {out}" in result.stderr
@@ -429,12 +458,37 @@ def test_cli_out_writes_the_file(tmp_path: Path) -> None:
     assert not as_json.exists()
 
 
+def test_cli_out_writes_the_format_its_extension_names(tmp_path: Path) -> None:
+    """``--out x.yaml`` writes accelerate's config file, which its own loader reads."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = _config(tmp_path, 'mode = "bf16-mixed"\nmicro_batch_size = 16\ngrad_accum_steps = 4\n')
+    out = tmp_path / "accelerate.yaml"
+    result = runner.invoke(app, ["export", str(config), "--to", "accelerate", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert load_config_from_file(str(out)).mixed_precision == "bf16"
+    assert "note: set the DataLoader's batch_size to 16" in result.stderr
+    assert "gradient_accumulation_steps=4" in result.stderr
+    # A format the target does not write, and a config file that cannot carry the policy: one line each.
+    for argv, code, needle in [
+        (["--to", "accelerate", "--out", str(tmp_path / "a.txt")], 2, "written as python (.py); yaml (.yaml, .yml)"),
+        (["--to", "deepspeed", "--out", str(tmp_path / "ds.py")], 2, "written as json (.json)"),
+    ]:
+        result = runner.invoke(app, ["export", str(config), *argv])
+        assert result.exit_code == code, result.output
+        assert len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr, result.stderr
+    tuned = _config(tmp_path, 'mode = "fp16-mixed"\n[loss_scale]\ninit_scale = 1024.0\n', "fp16.toml")
+    result = runner.invoke(app, ["export", str(tuned), "--to", "accelerate", "--out", str(tmp_path / "f.yml")])
+    assert result.exit_code == 1 and "cannot carry the GradScaler's settings" in result.stderr
+    assert "--out FILE.py" in result.stderr and not (tmp_path / "f.yml").exists()
+
+
 def test_cli_device_follows_where_the_policy_was_tuned(tmp_path: Path) -> None:
     cpu = _config(tmp_path, 'mode = "fp16-mixed"\n\n[tuned_on]\nhardware_fingerprint = "cpu-abc"\ncuda = ""\n')
     result = runner.invoke(app, ["export", str(cpu), "--to", "lightning", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["device"] == "cpu"
-    assert 'MixedPrecision("16-mixed", "cpu"' in json.loads(result.stdout)["text"]
+    assert "MixedPrecision('16-mixed', 'cpu'" in json.loads(result.stdout)["text"]
 
 
 @pytest.mark.parametrize(("args", "code", "needle"), [
@@ -478,3 +532,29 @@ def test_cli_exports_a_scripts_policy_as_mpadvise_policy_resolves_it(tmp_path: P
     document = json.loads(result.stdout)
     assert document["source"].startswith("safe default")
     assert document["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---- generated files are data: a config path cannot inject code --------------------------------
+
+INJECTED = "x\nimport os; os.system('echo pwned') # \"'\"\"\" ]} \r\n"
+
+
+def _python_strings_only(text: str, payload: str) -> None:
+    """``text`` parses, and ``payload`` appears in it only inside string literals."""
+    import io
+    import tokenize
+
+    tree = ast.parse(text)
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Import) and any(a.name == "os" for a in n.names)]
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type != tokenize.STRING:
+            assert "pwned" not in token.string and "os.system" not in token.string, token
+
+
+@pytest.mark.parametrize(("target", "name"), [(t, n) for t, n in MATRIX if EXPECTED[t][n] == OK])
+def test_a_source_with_quotes_and_newlines_stays_inside_a_string(target: str, name: str) -> None:
+    export = export_policy(POLICIES[name], target, source=f"config file {INJECTED}.toml")
+    if export.format == "json":
+        assert json.loads(export.text) == export.data["config"]
+    else:
+        _python_strings_only(export.text, INJECTED)
