@@ -18,8 +18,7 @@ from typing import Any
 from rich.markup import escape
 
 from advisor.cli._common import err_console, print_json
-from advisor.frameworks import Export, export_policy
-from advisor.frameworks._export import check_target
+from advisor.frameworks import Export, check_target, export_policy
 from policies import Policy, load_config
 from probes import MpadviseError, UsageError
 

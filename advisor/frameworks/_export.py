@@ -43,14 +43,12 @@ from advisor.frameworks._lightning import (
     lightning_precision,
     transformer_engine_args,
 )
-from advisor.frameworks._traits import TRANSFORMERS_PRECISION, FrameworkTraits, traits
+from advisor.frameworks._traits import FrameworkTraits
+from advisor.frameworks._transformers import transformers_precision
 from advisor.runtime._applied import batch_split, tuned_global_batch
 from policies import Fp8Te, Fp8Torchao, LossScale, ModeFacts, Policy, mode_facts
 from policies._config import default_reduce_dtype
 from probes import MpadviseError, UsageError
-
-EXPORT_TARGETS: tuple[str, ...] = ("lightning", "fabric", "transformers", "accelerate", "deepspeed", "torchtitan")
-"""What ``mpadvise export --to`` writes for."""
 
 DEVICES = ("cuda", "cpu")
 
@@ -89,7 +87,7 @@ class Export:
     """A policy written in one target's own terms.
 
     Attributes:
-        target: one of ``EXPORT_TARGETS``.
+        target: the ``--to`` name of the target.
         text: what to paste or save: Python source, DeepSpeed's JSON, or a YAML config file.
         format: the language of ``text`` (``"python"``, ``"json"`` or ``"yaml"``).
         data: the same settings as plain data, for ``--json``.
@@ -137,42 +135,6 @@ class Export:
                           for fmt in formats)
         raise UsageError(f"--out {path}: the {self.target} export is written as {named}; "
                          "give the file one of those extensions")
-
-
-def check_target(name: str | None) -> str:
-    """``name`` if it is an export target.
-
-    Raises:
-        UsageError: a missing or unknown target, naming the targets.
-    """
-    if name is None:
-        raise UsageError(f"missing --to TARGET; expected one of {', '.join(EXPORT_TARGETS)}")
-    if name not in EXPORT_TARGETS:
-        raise UsageError(f"unknown export target {name!r}; expected one of {', '.join(EXPORT_TARGETS)}")
-    return name
-
-
-def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: str | None = None) -> Export:
-    """``policy`` as ``target``'s own settings.
-
-    Args:
-        policy: the policy to export.
-        target: one of ``EXPORT_TARGETS``.
-        device: ``"cuda"`` or ``"cpu"``, where the export will train (a GradScaler, an
-            autocast and the cuDNN switches depend on it).
-        source: where the policy came from, for the header line.
-
-    Returns:
-        The export: text, data, warnings and notes.
-
-    Raises:
-        UsageError: an unknown target or device.
-        ExportRefused: the target cannot express the policy; one line saying what and why.
-    """
-    check_target(target)
-    exporter = EXPORTERS[target]()
-    framework = traits(target) if target in _TUNED_FRAMEWORKS else None
-    return exporter.export(policy, traits=framework, device=device, source=source)
 
 
 # ---- shared -----------------------------------------------------------------------------------
@@ -571,7 +533,7 @@ class TransformersExporter(Exporter):
             raise job.refuse("TrainingArguments(tf32=True) needs an Ampere or newer GPU; on a CPU it raises")
         split = job.split()
         job.reduce_dtype_warning()
-        fields: dict[str, Any] = dict(TRANSFORMERS_PRECISION[policy.mode])
+        fields: dict[str, Any] = dict(transformers_precision(policy))
         if not job.cuda:
             # TrainingArguments refuses bf16 without a GPU unless told to train on the CPU.
             fields["use_cpu"] = True
@@ -1010,12 +972,3 @@ class TorchtitanExporter(Exporter):
 
 # torchtitan's Float8LinearConverter.Config recipe_name (components/quantization/float8.py, 0.3).
 _TORCHTITAN_FLOAT8_RECIPES = ("rowwise", "rowwise_with_gw_hp")
-
-
-EXPORTERS: Mapping[str, type[Exporter]] = {cls.target: cls for cls in (
-    LightningExporter, FabricExporter, TransformersExporter, AccelerateExporter, DeepSpeedExporter,
-    TorchtitanExporter)}
-"""The exporter of each target, by its ``--to`` name."""
-
-# The frameworks mpadvise tunes through, whose traits judge an export.
-_TUNED_FRAMEWORKS = ("lightning", "fabric", "transformers", "accelerate")
