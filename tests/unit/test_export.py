@@ -233,6 +233,18 @@ def test_transformers_keeps_the_scripts_batch_and_names_the_device() -> None:
         "training_arguments"]
 
 
+def test_transformers_refuses_tf32_on_a_cpu() -> None:
+    with pytest.raises(ExportRefused, match=r"TrainingArguments\(tf32=True\) needs an Ampere or newer GPU"):
+        export_policy(POLICIES["tf32"], "transformers", device="cpu")
+
+
+def test_lightning_writes_no_accumulation_for_a_kept_batch() -> None:
+    export = export_policy(Policy(mode="bf16-mixed"), "lightning")
+    assert export.data["trainer"] == {} and "accumulate_grad_batches" not in export.text
+    split = export_policy(Policy(mode="bf16-mixed", micro_batch_size=16, grad_accum_steps=1), "lightning")
+    assert split.data["trainer"] == {"accumulate_grad_batches": 1}
+
+
 def test_transformers_refuses_fp16_on_a_cpu() -> None:
     with pytest.raises(ExportRefused, match="on cpu it would silently train in fp32"):
         export_policy(POLICIES["fp16-dynamic"], "transformers", device="cpu")
