@@ -21,10 +21,17 @@ beyond a launch prefix and a name in the trial spec.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from policies import Policy
+
 from . import _registry
+from ._accelerate import AccelerateAdapter, accelerate_settings
 from ._adapter import FrameworkAdapter
 from ._detect import LOOP_API, detect_framework, detect_script_framework
 from ._export import Export, Exporter
+from ._lightning import LightningTrainer, lightning_precision
 from ._plan import ScriptPlan, check_plan_modes, plan_for, space_limits
 from ._registry import (
     check_expressible,
@@ -41,20 +48,16 @@ from ._registry import (
     traits,
     unregister_framework,
 )
-from ._traits import (
-    ACCELERATE_PRECISION,
-    LIGHTNING_PRECISION,
-    TRANSFORMERS_PRECISION,
-    FrameworkTraits,
-)
+from ._traits import FrameworkTraits
+from ._transformers import HuggingFaceTrainer, transformers_precision
 
 __all__ = [
-    "ACCELERATE_PRECISION",
+    "ACCELERATE_PRECISION",  # noqa: F822 - provided by __getattr__ below, from the modes' facts
     "EXPORT_TARGETS",  # noqa: F822 - provided by __getattr__ below, from the registry
     "FRAMEWORKS",  # noqa: F822 - provided by __getattr__ below, from the registry
-    "LIGHTNING_PRECISION",
+    "LIGHTNING_PRECISION",  # noqa: F822 - provided by __getattr__ below, from the modes' facts
     "LOOP_API",
-    "TRANSFORMERS_PRECISION",
+    "TRANSFORMERS_PRECISION",  # noqa: F822 - provided by __getattr__ below, from the modes' facts
     "Export",
     "Exporter",
     "FrameworkAdapter",
@@ -81,9 +84,24 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> tuple[str, ...]:
-    # Derived from the registry on every lookup rather than copied once, so a framework or
-    # export target registered later is never missing from them.
+def _precision_views() -> dict[str, Callable[[], dict[str, Any]]]:
+    """Each framework's own precision setting per mode it can apply: a view of the adapters'
+    translations of the modes' facts (``lightning_precision``, ``accelerate_settings``,
+    ``transformers_precision``), for readers that want the whole table."""
+    return {
+        "LIGHTNING_PRECISION": lambda: {m: lightning_precision(Policy(mode=m)).precision for m in LightningTrainer.modes()},
+        "ACCELERATE_PRECISION": lambda: {m: accelerate_settings(Policy(mode=m)).mixed_precision
+                                         for m in AccelerateAdapter.modes()},
+        "TRANSFORMERS_PRECISION": lambda: {m: transformers_precision(Policy(mode=m)) for m in HuggingFaceTrainer.modes()},
+    }
+
+
+def __getattr__(name: str) -> Any:
+    # Derived on every lookup rather than copied once, so a framework, export target or mode
+    # registered later is never missing from them.
     if name in ("FRAMEWORKS", "EXPORT_TARGETS"):
         return getattr(_registry, name)
+    views = _precision_views()
+    if name in views:
+        return views[name]()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

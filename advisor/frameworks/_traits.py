@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies import Policy, mode_class
-from probes import UsageError
 
 
 @dataclass(frozen=True)
@@ -88,97 +87,3 @@ class FrameworkTraits:
 
 
 _DEFAULT_LOSS_SCALE = {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
-
-# ---- transitional ---------------------------------------------------------------------------------
-# The export module still reads these tables and `traits`; the registry (`_registry`) derives
-# the same from the adapter classes and the modes' facts. They go once the export reads neither.
-
-# Lightning's and Fabric's precision strings for the modes they have.
-LIGHTNING_PRECISION: Mapping[str, str] = {
-    "fp32": "32-true",
-    "tf32": "32-true",  # plus the TF32 matmul switch, which Lightning leaves to torch
-    "fp16-mixed": "16-mixed",
-    "bf16-mixed": "bf16-mixed",
-    "fp16-true": "16-true",
-    "bf16-true": "bf16-true",
-    "fp8-te": "transformer-engine",  # applied as the plugin with fp32 weights, not the bf16 string
-}
-# Accelerate's mixed_precision values.
-ACCELERATE_PRECISION: Mapping[str, str] = {
-    "fp32": "no",
-    "tf32": "no",
-    "fp16-mixed": "fp16",
-    "bf16-mixed": "bf16",
-    "fp8-te": "fp8",
-    "fp8-torchao": "fp8",
-}
-# TrainingArguments' precision fields.
-TRANSFORMERS_PRECISION: Mapping[str, Mapping[str, bool]] = {
-    "fp32": {"fp16": False, "bf16": False, "tf32": False},
-    "tf32": {"fp16": False, "bf16": False, "tf32": True},
-    "fp16-mixed": {"fp16": True, "bf16": False, "tf32": False},
-    "bf16-mixed": {"fp16": False, "bf16": True, "tf32": False},
-}
-
-
-
-TRAITS: Mapping[str, FrameworkTraits] = {
-    "lightning": FrameworkTraits(
-        "lightning", ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-true", "bf16-true", "fp8-te"),
-        sets_micro_batch=False, loss_scale_kinds=("dynamic", "static", "none"), loss_scale_settings=True,
-        fp8_recipes={"fp8-te": ("delayed",)},
-        limits=(
-            "the micro-batch is the script's DataLoader batch_size, so no split is searched",
-            "fp8-torchao has no Lightning precision plugin",
-            "fp8-te runs Transformer Engine's delayed recipe only (the plugin builds DelayedScaling)",
-        ),
-    ),
-    "fabric": FrameworkTraits(
-        "fabric", ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp16-true", "bf16-true", "fp8-te"),
-        sets_micro_batch=False, loss_scale_kinds=("dynamic", "static", "none"), loss_scale_settings=True,
-        fp8_recipes={"fp8-te": ("delayed",)}, sets_grad_clip=False,
-        limits=(
-            "the micro-batch and any accumulation are the script's own, so no split is searched",
-            "gradient clipping is the script's own (fabric.clip_gradients): a policy's grad_clip_norm is not applied",
-            "fp8-torchao has no Fabric precision plugin",
-            "fp8-te runs Transformer Engine's delayed recipe only (the plugin builds DelayedScaling)",
-        ),
-    ),
-    "transformers": FrameworkTraits(
-        "transformers", ("fp32", "tf32", "fp16-mixed", "bf16-mixed"),
-        sets_micro_batch=True, loss_scale_kinds=("dynamic",), loss_scale_settings=False,
-        needs_cuda=("fp16-mixed",),
-        limits=(
-            "TrainingArguments cannot set GradScaler's parameters: fp16 runs with the default dynamic scale",
-            "no pure fp16/bf16 training (that is the model's dtype, set where the script loads it)",
-            "no FP8 through TrainingArguments",
-            # accelerate/accelerator.py (1.15), Accelerator.__init__: fp16 autocast and the
-            # GradScaler are built only when `self.device.type != "cpu"`.
-            "fp16-mixed needs a GPU: on a CPU fp16=True trains in fp32 (Accelerate builds neither fp16 autocast "
-            "nor a GradScaler there), so a trial of it ends unsupported",
-        ),
-    ),
-    "accelerate": FrameworkTraits(
-        "accelerate", ("fp32", "tf32", "fp16-mixed", "bf16-mixed", "fp8-te", "fp8-torchao"),
-        sets_micro_batch=False, loss_scale_kinds=("dynamic", "none"), loss_scale_settings=True,
-        fp8_recipes={"fp8-te": ("delayed", "mxfp8"), "fp8-torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp")},
-        sets_grad_clip=False,
-        limits=(
-            "the micro-batch is the script's DataLoader batch_size, so no split is searched",
-            "no static loss scale: GradScalerKwargs builds a dynamic GradScaler",
-            "no pure fp16/bf16 training (that is the model's dtype, set by the script)",
-            "fp8-te: Accelerate builds the delayed and mxfp8 recipes only, not current or block",
-            # accelerate/utils/transformer_engine.py, convert_model (1.15): it swaps each Linear
-            # whose weight dims are multiples of 16, and LayerNorms, with no filter to pass.
-            "fp8-te: Accelerate swaps Linear layers by its own rule (weight dimensions multiples of 16, "
-            "LayerNorms too), not mpadvise's FP8 layer filter",
-        ),
-    ),
-}
-
-
-def traits(framework: str) -> FrameworkTraits:
-    """The traits of one built-in framework (transitional; ``_registry.traits`` derives them)."""
-    if framework not in TRAITS:
-        raise UsageError(f"unknown framework {framework!r}; expected one of {', '.join(TRAITS)}")
-    return TRAITS[framework]
