@@ -21,5 +21,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     # modules it imports on a CPU come next. Where it does not install, that test skips.
     DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps "deepspeed==0.19.8" \
         hjson einops msgpack || echo "bootstrap: deepspeed did not install; its config test will skip"
+    # torchtitan, so that `mpadvise export --to torchtitan` is loaded by its own ConfigManager.
+    # Its full dependency list (datasets, wandb, tensorboard, ...) adds minutes and 400 MB for a
+    # config check; the config module needs only tyro and spmd_types. Where it does not install,
+    # that test skips.
+    "$VENV/bin/python" -m pip install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" \
+        && "$VENV/bin/python" -m pip install -q "tyro==1.0.17" \
+        || echo "bootstrap: torchtitan did not install; its config test will skip"
     touch "$stamp"
 fi
