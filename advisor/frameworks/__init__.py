@@ -21,10 +21,7 @@ beyond a launch prefix and a name in the trial spec.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
-
-from policies import Policy
 
 from . import _registry
 from ._accelerate import AccelerateAdapter, accelerate_settings
@@ -52,17 +49,18 @@ from ._traits import FrameworkTraits
 from ._transformers import HuggingFaceTrainer, transformers_precision
 
 __all__ = [
-    "ACCELERATE_PRECISION",  # noqa: F822 - provided by __getattr__ below, from the modes' facts
-    "EXPORT_TARGETS",  # noqa: F822 - provided by __getattr__ below, from the registry
-    "FRAMEWORKS",  # noqa: F822 - provided by __getattr__ below, from the registry
-    "LIGHTNING_PRECISION",  # noqa: F822 - provided by __getattr__ below, from the modes' facts
     "LOOP_API",
-    "TRANSFORMERS_PRECISION",  # noqa: F822 - provided by __getattr__ below, from the modes' facts
+    "AccelerateAdapter",
+    "EXPORT_TARGETS",  # noqa: F822 - provided by __getattr__ below, from the registry
     "Export",
     "Exporter",
+    "FRAMEWORKS",  # noqa: F822 - provided by __getattr__ below, from the registry
     "FrameworkAdapter",
     "FrameworkTraits",
+    "HuggingFaceTrainer",
+    "LightningTrainer",
     "ScriptPlan",
+    "accelerate_settings",
     "check_expressible",
     "check_framework",
     "check_plan_modes",
@@ -74,26 +72,16 @@ __all__ = [
     "framework_class",
     "framework_classes",
     "framework_names",
+    "lightning_precision",
     "plan_for",
     "refusal",
     "register_export_target",
     "register_framework",
     "space_limits",
     "traits",
+    "transformers_precision",
     "unregister_framework",
 ]
-
-
-def _precision_views() -> dict[str, Callable[[], dict[str, Any]]]:
-    """Each framework's own precision setting per mode it can apply: a view of the adapters'
-    translations of the modes' facts (``lightning_precision``, ``accelerate_settings``,
-    ``transformers_precision``), for readers that want the whole table."""
-    return {
-        "LIGHTNING_PRECISION": lambda: {m: lightning_precision(Policy(mode=m)).precision for m in LightningTrainer.modes()},
-        "ACCELERATE_PRECISION": lambda: {m: accelerate_settings(Policy(mode=m)).mixed_precision
-                                         for m in AccelerateAdapter.modes()},
-        "TRANSFORMERS_PRECISION": lambda: {m: transformers_precision(Policy(mode=m)) for m in HuggingFaceTrainer.modes()},
-    }
 
 
 def __getattr__(name: str) -> Any:
@@ -101,7 +89,4 @@ def __getattr__(name: str) -> Any:
     # registered later is never missing from them.
     if name in ("FRAMEWORKS", "EXPORT_TARGETS"):
         return getattr(_registry, name)
-    views = _precision_views()
-    if name in views:
-        return views[name]()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

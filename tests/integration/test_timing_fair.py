@@ -24,8 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from advisor import AppliedPolicy
-from advisor.trial import UNDERFLOW_EVERY
-from advisor.trial import _child
+from advisor.trial import UNDERFLOW_EVERY, _child
 from advisor.tune._trials import FunctionRunner, TrialSettings
 from policies import Policy
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from advisor.trial import EXIT_NO_STEP, TrialSpec
-from advisor.trial import _child
+from advisor.trial import EXIT_NO_STEP, TrialSpec, _child
 from policies import Policy
 from probes import HardwareProfile
 

@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 from fakes import FakeCudaTimeline, gpu_profile
 
-from advisor.trial import TrialSpec
-from advisor.trial import _child
+from advisor.trial import TrialSpec, _child
 from policies import Policy
 
 STEP_S = 0.010  # the GPU time one training step takes on the trial's device

@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from advisor.cli._app import app
-from advisor.frameworks import EXPORT_TARGETS, TRANSFORMERS_PRECISION, Export, export_policy
+from advisor.frameworks import EXPORT_TARGETS, Export, export_policy
 from advisor.frameworks._export import ExportRefused
 from policies import Fp8Options, LossScale, Policy, TunedOn
 
@@ -209,7 +209,11 @@ def test_lightning_trainer_accumulates_and_clips_fabric_says_how() -> None:
 def test_transformers_fields_are_the_traits_and_the_batch(name: str) -> None:
     policy = POLICIES[name].with_(micro_batch_size=8, grad_accum_steps=3)
     fields = export_policy(policy, "transformers").data["training_arguments"]
-    assert fields == {**TRANSFORMERS_PRECISION[policy.mode], "per_device_train_batch_size": 8,
+    precision = {"fp32": {"fp16": False, "bf16": False, "tf32": False},
+                 "tf32": {"fp16": False, "bf16": False, "tf32": True},
+                 "fp16-mixed": {"fp16": True, "bf16": False, "tf32": False},
+                 "bf16-mixed": {"fp16": False, "bf16": True, "tf32": False}}[policy.mode]
+    assert fields == {**precision, "per_device_train_batch_size": 8,
                       "gradient_accumulation_steps": 3}
 
 
