@@ -45,9 +45,16 @@ from advisor.frameworks._lightning import (
 )
 from advisor.frameworks._traits import FrameworkTraits
 from advisor.frameworks._transformers import transformers_precision
-from advisor.runtime._applied import batch_split, tuned_global_batch
-from policies import Fp8Te, Fp8Torchao, LossScale, ModeFacts, Policy, mode_facts
-from policies._config import default_reduce_dtype
+from advisor.runtime import batch_split, tuned_global_batch
+from policies import (
+    Fp8Te,
+    Fp8Torchao,
+    LossScale,
+    ModeFacts,
+    Policy,
+    default_reduce_dtype,
+    mode_facts,
+)
 from probes import MpadviseError, UsageError
 
 DEVICES = ("cuda", "cpu")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._adapter import FrameworkAdapter
-from advisor.runtime._applied import BatchSplit, batch_split
+from advisor.runtime import BatchSplit, batch_split
 from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
 from policies import Policy, create_mode, mode_facts
 from probes import MpadviseError
