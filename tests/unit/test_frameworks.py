@@ -289,3 +289,14 @@ def test_the_translations_follow_the_facts_of_each_builtin_mode():
     for mode in ("bf16-true", "fp8-te"):
         with pytest.raises(MpadviseError, match=f"Hugging Face Trainer cannot apply mode {mode}"):
             transformers_precision(Policy(mode=mode))
+
+
+def test_a_mode_registered_later_is_exported_to_every_target_as_its_facts_say(bf16_demo):
+    """No exporter names a mode: one with bf16-mixed's facts exports exactly as bf16-mixed does."""
+    from advisor.frameworks import EXPORT_TARGETS, export_policy
+
+    for target in EXPORT_TARGETS:
+        demo = export_policy(Policy(mode="bf16-demo"), target, device="cuda")
+        mixed = export_policy(Policy(mode="bf16-mixed"), target, device="cuda")
+        assert demo.text.replace("bf16-demo", "bf16-mixed") == mixed.text, target
+        assert [w.id for w in demo.warnings] == [w.id for w in mixed.warnings], target
