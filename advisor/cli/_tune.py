@@ -19,15 +19,17 @@ from advisor.tune import (
     TuneRequest,
     calls_load_policy,
     check_script,
+    keep_answer,
     study_name_for,
     study_name_from,
     tune_script,
 )
 from probes import UsageError
 
-# The study's name and the script facts are the tune service's (advisor.tune); their names stay
-# importable from here, where they were defined before.
+# The study's name, the script facts and keeping the answer are the tune service's (advisor.tune);
+# their names stay importable from here, where they were defined before.
 __all__ = ["calls_load_policy", "run_tune_command", "study_name_for", "study_name_from", "submit_tune_command"]
+_keep = keep_answer
 
 
 def run_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,

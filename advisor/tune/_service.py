@@ -48,6 +48,7 @@ __all__ = [
     "cache_rows",
     "calls_load_policy",
     "default_storage",
+    "keep_answer",
     "remember",
     "study_name_for",
     "study_name_from",
@@ -233,13 +234,20 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
     with (progress or _silent)(options.trials + 2) as (on_start, on_done, on_round):
         result = tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
                              on_start=on_start, on_done=on_done, on_round=on_round, limits=launch.limits)
-    done = ScriptTune(result, request, profile, study_name, calls_load_policy=calls_load_policy(path))
-    if result.policy is not None:
-        out = Path(options.out) if options.out is not None else config_path_for(path)
-        done.config_file = result.policy.save(out, framework=launch.framework)
-        if not options.no_cache:
-            done.cache_id = remember(result, profile, path, request.args)
-    return done
+    config_file, cache_id = keep_answer(result, options, profile, path, request.args, framework=launch.framework)
+    return ScriptTune(result, request, profile, study_name, config_file, cache_id, calls_load_policy(path))
+
+
+def keep_answer(result: TuneResult, options: TuneOptions, profile: HardwareProfile, script: Path,
+                args: Sequence[str], *, framework: str | None = None) -> tuple[Path | None, int | None]:
+    """Write the winner's config file (``options.out``, else beside the script) and cache it
+    (unless ``options.no_cache``); returns the file and the cache entry, ``None`` for each
+    without a winner. ``framework``: the script trains with it and never imports advisor."""
+    if result.policy is None:
+        return None, None
+    out = Path(options.out) if options.out is not None else config_path_for(script)
+    written = result.policy.save(out, framework=framework)
+    return written, None if options.no_cache else remember(result, profile, script, args)
 
 
 @contextmanager
