@@ -17,12 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import probes
-from advisor._entry import module_argv
 from advisor._load import POLICY_ENV, PolicySource, Resolution, resolve_policy
 from advisor._log import get_logger
 from advisor.cache import TunedAnswer, cached_answers
-from advisor.frameworks import check_expressible, plan_for, refusal
-from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
+from advisor.frameworks import RUN_POLICY_ENV, RUN_SOURCE_ENV, check_expressible, plan_for, refusal
 from advisor.runtime import fallback_words, safe_fallback, script_digest
 from advisor.tune import check_script
 from policies import Policy
@@ -102,7 +100,7 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
     with _policy_file(policy, config) as file:
         env[RUN_POLICY_ENV] = file
         env[RUN_SOURCE_ENV] = resolution.source
-        return _run([sys.executable, *module_argv(MODULE), plan.framework, str(path), *script_args], env)
+        return _run([sys.executable, *plan.launch, str(path), *script_args], env)
 
 
 class _policy_file:

@@ -17,19 +17,12 @@ from advisor.tune import (
     ScriptLaunch,
     TuneOptions,
     TuneRequest,
-    calls_load_policy,
     check_script,
-    keep_answer,
-    study_name_for,
-    study_name_from,
     tune_script,
 )
 from probes import UsageError
 
-# The study's name, the script facts and keeping the answer are the tune service's (advisor.tune);
-# their names stay importable from here, where they were defined before.
-__all__ = ["calls_load_policy", "run_tune_command", "study_name_for", "study_name_from", "submit_tune_command"]
-_keep = keep_answer
+__all__ = ["run_tune_command", "submit_tune_command"]
 
 
 def run_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
@@ -64,7 +57,7 @@ def submit_tune_command(script: Path, script_args: list[str], options: TuneOptio
     Raises:
         MpadviseError: no daemon, the job was refused (exit 2), failed, was cancelled or interrupted.
     """
-    from advisor.daemon._client import DaemonClient, finished_tune, tune_job_body
+    from advisor.daemon import DaemonClient, finished_tune, tune_job_body
 
     if options.storage is not None:
         raise UsageError("--storage cannot be used with --submit: the daemon keeps its studies in its cache directory")

@@ -21,9 +21,12 @@ The queue lives in the cache database (:mod:`advisor.cache._jobs`), so jobs surv
 restart: at start, a job that was running when the last daemon died has its leftover processes
 killed and is queued again once (``Store.requeue_interrupted``), then marked interrupted.
 
-A job runs ``python -m advisor.cli tune SCRIPT --json --device SLOT [options] -- ARGS`` in its
-own process group, so its answer lands in the cache exactly as ``mpadvise tune`` stores it.
-Its stderr becomes the job's progress and log tail, its stdout JSON the job's result.
+A job runs the tune service's entry point, ``python -m advisor.tune.job REQUEST.json
+RESULT.json``, in its own process group: the request holds the script, its arguments, the
+options with the slot as the device, and the plan the daemon made for the script. The service is
+the one ``mpadvise tune`` runs, so the answer lands in the cache exactly as the CLI stores it.
+The job's output becomes its progress and log tail; its result is the result file, never the
+output.
 
 The pure decisions (may this address be bound, is this path under a root, which argv runs a
 job, what is a log's tail) are plain functions; the HTTP layer, the worker threads and the

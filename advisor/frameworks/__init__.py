@@ -29,7 +29,14 @@ from ._adapter import FrameworkAdapter
 from ._detect import LOOP_API, detect_framework, detect_script_framework
 from ._export import Export, Exporter
 from ._lightning import LightningTrainer, lightning_precision
-from ._plan import ScriptPlan, check_plan_modes, plan_for, space_limits
+from ._plan import (
+    RUN_POLICY_ENV,
+    RUN_SOURCE_ENV,
+    ScriptPlan,
+    check_plan_modes,
+    plan_for,
+    space_limits,
+)
 from ._registry import (
     check_expressible,
     check_framework,
@@ -50,6 +57,8 @@ from ._transformers import HuggingFaceTrainer, transformers_precision
 
 __all__ = [
     "LOOP_API",
+    "RUN_POLICY_ENV",
+    "RUN_SOURCE_ENV",
     "AccelerateAdapter",
     "EXPORT_TARGETS",  # noqa: F822 - provided by __getattr__ below, from the registry
     "Export",

@@ -9,7 +9,7 @@ from pathlib import Path
 from advisor._entry import module_argv
 from advisor.frameworks._detect import LOOP_API, detect_script_framework
 from advisor.frameworks._registry import check_framework, framework_class
-from advisor.tune._space import SpaceLimits
+from advisor.tune import SpaceLimits
 from probes import MpadviseError
 
 MODULE = "advisor.frameworks._boot"

@@ -34,6 +34,8 @@ from ._child import (
     trial_candidate,
 )
 from ._protocol import (
+    DEFAULT_MEASURE_STEPS,
+    DEFAULT_WARMUP_STEPS,
     EXIT_NO_STEP,
     EXIT_UNSUPPORTED,
     OUTCOMES,
@@ -54,6 +56,8 @@ from ._protocol import (
 from ._recorder import FrameworkRecorder, recorder_for
 
 __all__ = [
+    "DEFAULT_MEASURE_STEPS",
+    "DEFAULT_WARMUP_STEPS",
     "EXIT_NO_STEP",
     "EXIT_UNSUPPORTED",
     "OUTCOMES",

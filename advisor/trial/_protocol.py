@@ -65,6 +65,12 @@ class Stage(str, Enum):
         return self.value
 
 
+# The measuring window of a trial, unless a tune or a comparison asks for another: the one
+# declaration that the tune options, the trial settings and the spec's defaults all read.
+DEFAULT_WARMUP_STEPS = 5
+DEFAULT_MEASURE_STEPS = 40
+
+
 @dataclass(frozen=True)
 class ResultField:
     """One field of a trial's result file.
@@ -146,8 +152,8 @@ class TrialSpec:
     policy: dict[str, Any]
     result_path: str
     seed: int = 0
-    warmup_steps: int = 5
-    measure_steps: int = 40
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    measure_steps: int = DEFAULT_MEASURE_STEPS
     memory_limit: int | None = None
     no_step_timeout: float = 120.0
     device: str | None = None

@@ -39,6 +39,7 @@ from advisor.tune._service import (
     study_name_from,
     tune_script,
 )
+from advisor.tune._space import SpaceLimits
 from advisor.tune._trials import (
     WAIT_IDLE_ENV,
     Comparison,
@@ -48,6 +49,7 @@ from advisor.tune._trials import (
 )
 
 __all__ = [
+    "SpaceLimits",
     "DEFAULT_MEASURE_STEPS",
     "DEFAULT_WARMUP_STEPS",
     "EXIT_FOUND",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import probes
-from advisor.runtime._workload import script_digest
+from advisor.runtime import script_digest
 from advisor.trial import TrialResult
 from advisor.tune._checks import check_modes
 from advisor.tune._options import TuneOptions

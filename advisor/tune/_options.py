@@ -17,15 +17,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, get_type_hints
 
-from advisor.trial import parse_memory
+from advisor.trial import DEFAULT_MEASURE_STEPS, DEFAULT_WARMUP_STEPS, parse_memory
 from probes import MpadviseError
 
 __all__ = ["DEFAULT_MEASURE_STEPS", "DEFAULT_WARMUP_STEPS", "OptionInfo", "TuneOptions", "check_rank_device",
            "option_info"]
 
-# The measuring window of a trial, unless a tune or a comparison asks for another.
-DEFAULT_WARMUP_STEPS = 5
-DEFAULT_MEASURE_STEPS = 40
 
 
 @dataclass(frozen=True)

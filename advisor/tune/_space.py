@@ -11,8 +11,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from advisor.tune._stability import safety_rank
-from policies import LossScale, Policy, mode_classes, mode_dtypes
-from policies._config import default_reduce_dtype, reduce_dtype_choices
+from policies import (
+    LossScale,
+    Policy,
+    default_reduce_dtype,
+    mode_classes,
+    mode_dtypes,
+    reduce_dtype_choices,
+)
 
 # The loss scales tried for a mode that scales its loss (PrecisionMode.loss_scaling).
 FP16_INIT_SCALES: tuple[float, ...] = (2.0**8, 2.0**12, 2.0**16)

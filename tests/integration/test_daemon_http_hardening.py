@@ -24,7 +24,6 @@ from advisor.cache._store import Store
 from advisor.cli._daemon import rotate_log
 from advisor.daemon._config import MAX_QUEUED_JOBS, DaemonConfig
 from advisor.daemon._jobs import prune_job_logs, tune_argv
-from advisor.tune._options import TuneOptions
 from probes import MpadviseError
 
 TINY_TUNE = {"trials": 1, "steps": 32, "warmup": 2, "modes": ["fp32"]}
@@ -86,11 +85,12 @@ def test_allow_remote_keeps_the_host_check_for_loopback_clients(tmp_path):
 
 
 def test_tune_argv_keeps_the_working_directory_off_sys_path():
-    argv = tune_argv("/w/train.py", [], TuneOptions(), "cpu", python="py")
+    argv = tune_argv("/w/r.json", "/w/o.json", python="py")
+    assert argv[-2:] == ["/w/r.json", "/w/o.json"]  # the script and its arguments travel in the request
     if sys.version_info >= (3, 11):
-        assert argv[:4] == ["py", "-P", "-m", "advisor.cli"]
+        assert argv[:4] == ["py", "-P", "-m", "advisor.tune.job"]
     else:
-        assert argv[0] == "py" and argv[1] == "-c" and "del sys.path[0]" in argv[2] and argv[3] == "advisor.cli"
+        assert argv[0] == "py" and argv[1] == "-c" and "del sys.path[0]" in argv[2] and argv[3] == "advisor.tune.job"
 
 
 @pytest.mark.slow

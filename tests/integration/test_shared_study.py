@@ -359,7 +359,7 @@ def test_a_missing_database_and_a_study_of_other_hardware_are_refused(tmp_path, 
     assert 'database "no_such_database" does not exist' in _tune_fails(tmp_path / "missing", missing)
 
     # The study this tune would join holds trials of other hardware (made by hand under its name).
-    from advisor.cli._tune import study_name_for
+    from advisor.tune import study_name_for
     from probes import hardware_fingerprint, profile_for
 
     script = tmp_path / "train.py"

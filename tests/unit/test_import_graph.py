@@ -234,16 +234,6 @@ def test_every_module_imports() -> None:
 # policies._switches; and it may import a private name (`from X import _name`) only from a
 # module of its own package.
 
-# Imports that still reach into another package's private module, by importing file; each
-# becomes `from <package> import <name>` (once the package's __init__ exports the name). Remove
-# an entry once its file is changed; a violation not listed here fails.
-NOT_YET_THROUGH_THE_SURFACE: dict[str, set[str]] = {
-    "advisor/cli/_run.py": {"advisor.frameworks._plan"},
-    "advisor/cli/_tune.py": {"advisor.daemon._client"},
-    "advisor/frameworks/_plan.py": {"advisor.tune._space"},
-    "advisor/tune/_engine.py": {"advisor.runtime._workload"},
-    "advisor/tune/_space.py": {"policies._config"},
-}
 
 
 def private_module(dotted: str) -> tuple[str, str] | None:
@@ -306,10 +296,8 @@ def test_the_surface_rule_finds_private_imports(tmp_path: Path) -> None:
 
 
 def test_packages_meet_through_their_surface() -> None:
-    found = all_surface_violations()
-    pending = NOT_YET_THROUGH_THE_SURFACE
-    new = {f: sorted(t - pending.get(f, set())) for f, t in found.items() if t - pending.get(f, set())}
-    assert new == {}, "import these names from the package's __init__ (export them there if they are missing)"
+    found = {f: sorted(t) for f, t in all_surface_violations().items() if t}
+    assert found == {}, "import these names from the package's __init__ (export them there if they are missing)"
 
 
 def test_no_private_name_is_imported_from_another_package() -> None:

@@ -19,10 +19,9 @@ from test_search_remeasure import MODES, ScriptedRunner
 
 from advisor._log import get_logger
 from advisor.cache._store import open_store
-from advisor.cli import _tune as cli_tune
 from advisor.cli._report import render_tune
 from advisor.trial import TrialResult
-from advisor.tune import _search
+from advisor.tune import _search, calls_load_policy, keep_answer
 from advisor.tune._engine import Finalist, _paired
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import STUDY_ATTR_WORKLOAD, check_study_workload
@@ -44,7 +43,7 @@ def test_every_figure_of_the_winners_speed_up_is_the_same_number(tmp_path, cache
     script = tmp_path / "train.py"
     script.write_text("print('train')\n")
     options = TuneOptions(modes=MODES)
-    written, cache_id = cli_tune._keep(result, options, GPU, script, [])
+    written, cache_id = keep_answer(result, options, GPU, script, [])
     payload = result.to_dict()
     payload.update(script=str(script), args=[], framework=None, config_file=str(written), cache_id=cache_id,
                    storage=None, study_name="s", hardware={"name": GPU.name})
@@ -215,7 +214,7 @@ def test_a_shared_study_of_another_workload_is_refused(tmp_path, monkeypatch):
 def test_a_call_to_load_policy_is_read_from_the_source(tmp_path, source, calls):
     script = tmp_path / "train.py"
     script.write_text(source)
-    assert cli_tune.calls_load_policy(script) is calls
+    assert calls_load_policy(script) is calls
 
 
 def test_a_script_that_calls_load_policy_is_not_told_to_add_it():

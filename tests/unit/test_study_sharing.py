@@ -6,7 +6,7 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from advisor.cli._tune import study_name_for, study_name_from
+from advisor.tune import study_name_for, study_name_from
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import (
     GRACE_ENV,
