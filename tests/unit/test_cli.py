@@ -248,3 +248,29 @@ def test_one_renderer_shows_a_tune_from_its_json():
 
     nothing = _rendered({**tune, "winner": None, "winner_label": None})
     assert "no stable policy fits" in nothing and "wrote" not in nothing
+
+
+# Commands that hand the terminal to something else: the user's script, the daemon in the foreground.
+NO_JSON = {("run",), ("daemon", "run")}
+
+
+def _leaf_commands(command, path=()):
+    children = getattr(command, "commands", None)
+    if not children:
+        yield path, command
+        return
+    for name, child in children.items():
+        yield from _leaf_commands(child, (*path, name))
+
+
+def test_every_command_is_registered_with_help_and_json():
+    """A new command is found here once its module adds it to the root app: it needs a help text
+    and --json (the recipe in docs/architecture.md)."""
+    from typer.main import get_command
+
+    leaves = dict(_leaf_commands(get_command(app)))
+    assert {("probe",), ("tune",), ("trial",), ("export",), ("cache", "list"), ("daemon", "start")} <= set(leaves)
+    for path, command in leaves.items():
+        assert (command.help or "").strip(), path
+        options = {opt for param in command.params for opt in getattr(param, "opts", [])}
+        assert ("--json" in options) is (path not in NO_JSON), path
