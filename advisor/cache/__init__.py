@@ -22,8 +22,7 @@ the CLI may use it, never the reverse.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from advisor._lazy import lazy_surface
 
 # Each exported name, and the module that defines it (imported on first use).
 _EXPORTS = {
@@ -52,14 +51,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups find it without this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_surface(__name__, _EXPORTS, globals())

@@ -35,7 +35,7 @@ ADVISOR_LAYERS = {
     "cli": {"cli", "cache", "daemon", "tune", "trial", "runtime", "_load", "_hardware", "frameworks"},
     "__init__": {"_load", "runtime", "tune"},
 }
-ADVISOR_LEAVES = {"_entry", "_log", "_paths", "_secure", "_version"}
+ADVISOR_LEAVES = {"_entry", "_lazy", "_log", "_paths", "_secure", "_version"}
 
 
 def module_names() -> dict[str, Path]:

@@ -1,0 +1,36 @@
+"""Lazy package surfaces: a package exports names whose modules load on first use (PEP 562).
+
+``advisor.cache`` and ``advisor.daemon`` export this way, so that ``load_policy()`` pays for
+sqlite-utils only when it reads the cache, and the daemon's client never loads the web framework.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def lazy_surface(package: str, exports: Mapping[str, str], namespace: dict[str, Any]) -> tuple[
+        Callable[[str], Any], Callable[[], list[str]]]:
+    """The module-level ``__getattr__`` and ``__dir__`` of a package with lazy exports.
+
+    Args:
+        package: the package's ``__name__``.
+        exports: exported name -> the private module of the package that defines it.
+        namespace: the package's ``globals()``; a name, once loaded, is stored there, so later
+            lookups do not come back here.
+    """
+
+    def __getattr__(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*namespace, *exports})
+
+    return __getattr__, __dir__
