@@ -1,13 +1,21 @@
 """``mpadvise trial``: the fp32 reference against named candidates, shown side by side, with
 how far fp32 drifts after one rounding (its replicate, initial parameters perturbed once), which
-the verdicts allow for."""
+the verdicts allow for.
+
+Where ``MPADVISE_TRIAL_STREAM`` names a file, each trial's evaluation is appended to it as one
+JSON line the moment the trial finishes, and the whole comparison (what ``--json`` prints) as a
+last line: a wrapper that stops the command part-way, or runs it under a time limit, keeps
+every verdict reached so far. ``--json``'s own output is unchanged.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -31,9 +39,66 @@ from advisor.tune import (
     run_comparison,
 )
 from policies import Policy
-from probes import HardwareProfile, hardware_fingerprint
+from probes import HardwareProfile, MpadviseError, hardware_fingerprint
+
+if TYPE_CHECKING:
+    from advisor.tune._trials import Evaluation
 
 EXIT_OK, EXIT_UNSTABLE = 0, 3
+STREAM_ENV = "MPADVISE_TRIAL_STREAM"
+
+
+class TrialStream:
+    """Appends one JSON line per finished trial to a file, then the comparison.
+
+    Each line is a JSON object with ``event``: ``"trial"`` lines carry ``index`` (the order the
+    trials ran in), ``role`` (``reference``, ``replicate`` or ``candidate``) and the evaluation's
+    fields (``Evaluation.to_dict``); the ``"comparison"`` line carries what ``--json`` prints.
+    The file is opened, appended to and closed for every line, so a line once written survives
+    the process being killed. Without a path nothing is written.
+
+    Args:
+        path: the file to append to (created if missing; earlier lines are kept).
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> TrialStream:
+        """The stream ``MPADVISE_TRIAL_STREAM`` names, or one that writes nothing."""
+        value = environ.get(STREAM_ENV, "").strip()
+        return cls(Path(value) if value else None)
+
+    def check_writable(self) -> None:
+        """Create the file (keeping what it holds) before any trial runs.
+
+        Raises:
+            MpadviseError: the file cannot be written.
+        """
+        if self.path is None:
+            return
+        try:
+            self.path.open("a", encoding="utf-8").close()
+        except OSError as exc:
+            raise MpadviseError(f"{STREAM_ENV}={self.path}: cannot write there ({exc.strerror or exc}); "
+                                "name a file in a writable directory, or unset it") from None
+
+    def trial(self, index: int, evaluation: Evaluation) -> None:
+        """One finished trial; its role is read from its index and mode (the reference runs
+        first, fp32's replicate next, and no candidate is fp32)."""
+        role = "reference" if index == 0 else "replicate" if evaluation.policy.mode == "fp32" else "candidate"
+        self._append({"event": "trial", "index": index, "role": role, **evaluation.to_dict()})
+
+    def comparison(self, payload: dict[str, Any]) -> None:
+        self._append({"event": "comparison", **payload})
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        line = json.dumps(record, default=str) + "\n"
+        with self.path.open("a", encoding="utf-8") as stream:
+            stream.write(line)
 
 
 def run_trial_command(
@@ -44,8 +109,12 @@ def run_trial_command(
     plot: Path | None,
     json_output: bool,
     console: Console,
+    stream: TrialStream | None = None,
 ) -> int:
     """Run the comparison and print it. Returns 0 when every candidate is stable, else 3.
+
+    Each finished trial also goes to ``stream`` (default: the file ``MPADVISE_TRIAL_STREAM``
+    names, if any) as it finishes, and the comparison after the last.
 
     Of ``options`` (checked already, a multi-process trial's device too), the comparison reads
     its candidates (``modes``; default: every mode the hardware supports that the script's
@@ -66,16 +135,27 @@ def run_trial_command(
     candidates = [(Policy(mode=m), m) for m in modes]
     progress_console = Console(stderr=True) if json_output else console
     # The reference, its perturbed replicate, then each candidate.
+    stream = TrialStream.from_environ() if stream is None else stream
+    stream.check_writable()
     with trial_progress(progress_console, len(candidates) + 2, enabled=sys.stderr.isatty() or not json_output) as (start, done):
-        comparison = run_comparison(runner, candidates, on_start=start, on_done=done)
+        comparison = run_comparison(runner, candidates, on_start=start, on_done=_both(done, stream.trial))
     if plot is not None:
         plot_trials(str(plot), comparison.reference, comparison.evaluations)
+    payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot)
+    stream.comparison(payload)
     if json_output:
-        payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot)
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
     else:
         _render(comparison, path, profile, settings, plot, console)
     return EXIT_OK if all(ev.stable for ev in comparison.evaluations) else EXIT_UNSTABLE
+
+
+def _both(*callbacks: Callable[[int, Evaluation], None]) -> Callable[[int, Evaluation], None]:
+    def on_done(index: int, evaluation: Evaluation) -> None:
+        for callback in callbacks:
+            callback(index, evaluation)
+
+    return on_done
 
 
 def _payload(comparison: Comparison, path: Path, script_args: list[str], framework: str | None,
