@@ -1,4 +1,5 @@
-"""What this machine can do: hardware profiles, capability tables, fingerprints, matmul roofline.
+"""What this machine can do: hardware profiles, capability tables, fingerprints, matmul roofline,
+and the process-wide TF32 switches set for a block and restored exactly (``matmul_switches``).
 
 The public surface of the probes package: other packages import from here, never from a
 ``probes._module``. Importing it does not import torch (the CLI's ``--help`` must stay fast);
@@ -26,6 +27,7 @@ from probes._fingerprint import hardware_fingerprint, major_minor
 from probes._libraries import fp8_library_versions
 from probes._nvml import cuda_profiles, gpu_busy
 from probes._profile import HardwareProfile
+from probes._switches import matmul_switches
 
 __all__ = [
     "FP8_RECIPE_RULES",
@@ -47,6 +49,7 @@ __all__ = [
     "hardware_fingerprint",
     "major_minor",
     "matmul_benchmark",
+    "matmul_switches",
     "parse_cpuinfo",
     "peak_tflops",
     "primary_profile",

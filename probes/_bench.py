@@ -11,12 +11,13 @@ import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from probes._capability import peak_tflops
 from probes._errors import MpadviseError
+from probes._switches import matmul_switches
 
 if TYPE_CHECKING:
     from probes._profile import HardwareProfile
@@ -107,7 +108,8 @@ def matmul_benchmark(
     """Measure square-matmul TFLOP/s per dtype on the profile's device.
 
     Every global switch touched (the fp32 matmul precision, i.e. TF32, for CUDA and
-    oneDNN; the current CUDA device) is restored on exit, also after an error, and on CUDA
+    oneDNN, through both of torch's APIs; the current CUDA device) is restored on exit
+    exactly, an inherited ``fp32_precision`` inheriting again, also after an error, and on CUDA
     the memory the operands took is handed back to the device. Inputs come from a private
     generator, so the global RNG state is untouched.
 
@@ -240,53 +242,6 @@ def _skip_reason(torch: Any, profile: HardwareProfile, dtype: str) -> str | None
     return None
 
 
-@contextlib.contextmanager
-def _fp32_matmul_precision(torch: Any, precision: str) -> Iterator[None]:
-    """Run fp32 matmuls at ``"highest"`` (IEEE) or ``"high"`` (TF32) for this block.
-
-    Goes through ``torch.set_float32_matmul_precision``, which sets the legacy switch and
-    the per-backend ``fp32_precision`` switches (torch >= 2.9) together. Setting only one of
-    them is not an option: cuBLAS matmuls raise ("mix of the legacy and new APIs") when the
-    two disagree. On exit the legacy value and each backend's own value are put back
-    exactly, also after an error.
-    """
-    saved = _precision_state(torch)
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        _restore_precision_state(torch, saved)
-
-
-# The per-backend switches that set_float32_matmul_precision writes (torch >= 2.9).
-_PRECISION_BACKENDS = ("cuda", "mkldnn")
-
-
-def _precision_state(torch: Any) -> tuple[str | None, dict[str, str]]:
-    try:
-        legacy: str | None = torch.get_float32_matmul_precision()
-    except RuntimeError:
-        # The user mixed the legacy and the new API; torch refuses to report the legacy
-        # value. It is recovered below from the backend value it disagrees with.
-        legacy = None
-    backends = {}
-    for name in _PRECISION_BACKENDS:
-        matmul = getattr(getattr(torch.backends, name), "matmul", None)
-        if matmul is not None and hasattr(matmul, "fp32_precision"):
-            backends[name] = matmul.fp32_precision
-    return legacy, backends
-
-
-def _restore_precision_state(torch: Any, saved: tuple[str | None, dict[str, str]]) -> None:
-    legacy, backends = saved
-    if legacy is None:
-        # Mixed state: the legacy value disagrees with CUDA's, so it is its opposite.
-        legacy = "highest" if backends.get("cuda") == "tf32" else "high"
-    torch.set_float32_matmul_precision(legacy)
-    for name, value in backends.items():
-        getattr(torch.backends, name).matmul.fp32_precision = value
-
-
 def _operands(torch: Any, profile: HardwareProfile, dtype: str, size: int) -> Callable[[], Any]:
     """A zero-argument callable that runs one ``size`` x ``size`` matmul in ``dtype``."""
     device = profile.device
@@ -326,11 +281,12 @@ def _measure(
     repeats: int,
 ) -> tuple[float, float] | str:
     """``(median seconds per matmul, relative spread)``, or a skip reason on OOM/errors."""
-    # TF32 only for the tf32 row; the fp32 row must be IEEE even if the caller enabled TF32
-    # (or, on a CPU, bf16 via "medium"), or it would measure the wrong thing.
-    precision = "high" if dtype == "tf32" else "highest"
     try:
-        with _fp32_matmul_precision(torch, precision):
+        # TF32 only for the tf32 row; the fp32 row must be IEEE even if the caller enabled TF32
+        # (or, on a CPU, bf16 via "medium"), or it would measure the wrong thing. Only matmuls
+        # run here, so cuDNN's switches stay as they are (cuda=False) on every device. Each
+        # switch comes back as it was, an inherited one inheriting again.
+        with matmul_switches(tf32=dtype == "tf32", cuda=False):
             matmul = _operands(torch, profile, dtype, size)
             timer = _cuda_timer(torch) if profile.is_cuda else _cpu_timer
             if profile.is_cuda:

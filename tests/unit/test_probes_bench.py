@@ -9,8 +9,8 @@ import torch
 from fakes import gpu_profile
 
 import probes._bench as bench
-from probes import BenchRow, HardwareProfile, MpadviseError, matmul_benchmark
-from probes._bench import _fp32_matmul_precision, default_bench_dtypes
+from probes import BenchRow, HardwareProfile, MpadviseError, matmul_benchmark, matmul_switches
+from probes._bench import default_bench_dtypes
 
 CPU = HardwareProfile(kind="cpu", name="test CPU", cores=2)
 FAST = {"size": 64, "min_seconds": 0.01, "repeats": 3}
@@ -137,7 +137,7 @@ def test_precision_switches_restored_exactly(default_precision, state, precision
         pytest.skip("this torch has only the legacy API")
     STARTING_STATES[state]()
     before = _switches()
-    with pytest.raises(RuntimeError, match="boom"), _fp32_matmul_precision(torch, precision):
+    with pytest.raises(RuntimeError, match="boom"), matmul_switches(tf32=precision == "high", cuda=False):
         # Inside, the legacy and new switches agree, so cuBLAS will not refuse to run.
         assert torch.backends.cuda.matmul.allow_tf32 == (precision == "high")
         assert torch.get_float32_matmul_precision() == precision
@@ -270,3 +270,95 @@ def test_benchmark_gives_its_gpu_memory_back_after_an_error(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         matmul_benchmark(gpu_profile("H100"), dtypes=("fp32",), **FAST)
     assert cuda.events == ["enter device 0", "empty_cache", "exit device 0"]
+
+
+# ---- the fp32_precision switches (torch >= 2.9): own values, "none" included ----------------
+# Every (backend, operator) switch; ("generic", "all") is the root. A switch set to "none"
+# inherits from (backend, "all"), which inherits from the generic one, and torch's getters
+# report the value in effect, so a switch that inherits and one set to the same value read
+# alike until a parent changes.
+NEW_API = hasattr(torch.backends, "fp32_precision")
+SWITCHES = [
+    ("generic", "all"),
+    ("cuda", "all"),
+    ("cuda", "matmul"),
+    ("cuda", "conv"),
+    ("cuda", "rnn"),
+    ("mkldnn", "all"),
+    ("mkldnn", "matmul"),
+    ("mkldnn", "conv"),
+    ("mkldnn", "rnn"),
+]
+# What a user may have set before calling the benchmark: each an ordered list of writes.
+USER_SETTINGS = {
+    "fresh process": [],
+    "generic tf32": [(("generic", "all"), "tf32")],
+    "generic ieee": [(("generic", "all"), "ieee")],
+    "cuda all tf32": [(("cuda", "all"), "tf32")],
+    "mkldnn all tf32": [(("mkldnn", "all"), "tf32")],
+    "mkldnn matmul bf16": [(("mkldnn", "matmul"), "bf16")],
+    "generic tf32, cuda matmul ieee": [(("generic", "all"), "tf32"), (("cuda", "matmul"), "ieee")],
+    "legacy high": "high",
+    "legacy medium": "medium",
+}
+# What the user sets after the benchmark; each must reach the switches it reached before.
+LATER_CHANGES = [
+    (("generic", "all"), "ieee"),
+    (("generic", "all"), "tf32"),
+    (("mkldnn", "all"), "ieee"),
+    (("cuda", "all"), "ieee"),
+]
+
+
+def _fresh_switches() -> None:
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = True
+    if NEW_API:
+        for switch in SWITCHES:
+            if switch not in (("cuda", "conv"), ("cuda", "rnn")):  # a fresh process reads these "tf32"
+                torch._C._set_fp32_precision_setter(*switch, "none")
+
+
+@pytest.fixture
+def fresh_switches():
+    """Start and leave the test with the switches as a fresh process has them."""
+    _fresh_switches()
+    yield
+    _fresh_switches()
+
+
+def _apply(setting) -> None:
+    if isinstance(setting, str):
+        torch.set_float32_matmul_precision(setting)
+        return
+    for switch, value in setting:
+        torch._C._set_fp32_precision_setter(*switch, value)
+
+
+def _every_switch() -> dict[tuple[str, str], str]:
+    return {switch: torch._C._get_fp32_precision_getter(*switch) for switch in SWITCHES}
+
+
+def _after_later_changes(setting, run_between) -> list[dict[tuple[str, str], str]]:
+    """The switches after the user's setting, ``run_between``, and then each later change."""
+    _fresh_switches()
+    _apply(setting)
+    run_between()
+    seen = [_every_switch()]
+    for switch, value in LATER_CHANGES:
+        torch._C._set_fp32_precision_setter(*switch, value)
+        seen.append(_every_switch())
+    return seen
+
+
+@pytest.mark.skipif(not NEW_API, reason="this torch has only the legacy TF32 API")
+@pytest.mark.parametrize("setting", sorted(USER_SETTINGS))
+def test_benchmark_leaves_every_fp32_precision_switch_inheriting_as_before(fresh_switches, setting):
+    """After the benchmark, every switch reads as before, and one that inherited ("none")
+    still inherits: a generic or per-backend ``fp32_precision`` set afterwards reaches
+    oneDNN's and cuBLAS's matmuls exactly as it would have without the benchmark."""
+    setting = USER_SETTINGS[setting]
+    untouched = _after_later_changes(setting, lambda: None)
+    benchmarked = _after_later_changes(setting, lambda: matmul_benchmark(CPU, dtypes=("fp32", "bf16"), **FAST))
+    assert benchmarked[0] == untouched[0], "the switches read as before"
+    assert benchmarked[1:] == untouched[1:], "a later change reaches the same switches"

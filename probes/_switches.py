@@ -1,0 +1,196 @@
+"""Process-wide matmul switches, set for a block and restored exactly afterwards.
+
+The matmul benchmark needs them (its fp32 row runs IEEE fp32, its tf32 row TF32, whatever the
+caller set), and so do the fp32 and tf32 precision modes; probes is the layer both may use.
+
+torch >= 2.9 keeps the TF32 switches twice. The legacy API (``set_float32_matmul_precision``,
+``allow_tf32``) holds one matmul precision and one cuDNN flag. The ``fp32_precision`` API
+holds a value per backend and operator (``torch.backends.cuda.matmul.fp32_precision``),
+where ``"none"`` inherits from ``(backend, "all")``, which inherits from the generic
+``torch.backends.fp32_precision``. Its getters report the value in effect, so saving a switch
+by reading it and writing that back turns an inherited ``"none"`` into an explicit value that
+a later generic setting no longer reaches. The legacy setters write the new switches too, but
+not the other way round, and the legacy getters refuse to answer ("mix of the legacy and new
+APIs") once a new switch holds what the legacy value cannot express. So the legacy getters
+are read only while the switches they check are neutral, and both APIs are set to agree
+inside the block: PyTorch's kernels read the new switches, some of its own Python (the
+inductor autotuning cache) still reads the legacy ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["has_fp32_precision_api", "matmul_switches"]
+
+# The new-API switches that the legacy setters write: set_float32_matmul_precision writes
+# the matmul ones, cudnn.allow_tf32 the cuDNN ones. They are all that this module changes.
+_MATMUL_SWITCHES = (("cuda", "matmul"), ("mkldnn", "matmul"))
+_CUDNN_SWITCHES = (("cuda", "conv"), ("cuda", "rnn"))
+
+_Switch = tuple[str, str]
+
+
+@contextlib.contextmanager
+def matmul_switches(*, tf32: bool, cuda: bool) -> Iterator[None]:
+    """Turn TF32 on or off for matmuls (and cuDNN convolutions and RNNs on CUDA) inside the block.
+
+    Restores every switch it set exactly, through the API that holds it, also when the block
+    raises: a switch that inherited (``"none"``) inherits again. When the switches already
+    hold the wanted values (inside ``with mp:``, or on every step of a loop) nothing is set
+    or restored: this runs twice per training step.
+
+    Args:
+        tf32: True to let fp32 matmuls run on TF32 tensor cores, False for IEEE fp32.
+        cuda: whether cuDNN's switches are set too (training on CUDA); a block that runs
+            only matmuls leaves them alone with ``False``, on any device.
+    """
+    import torch
+
+    if not has_fp32_precision_api(torch):
+        with _legacy_switches(torch, tf32=tf32, cuda=cuda):
+            yield
+        return
+    if _already_set(torch, tf32=tf32, cuda=cuda):
+        yield
+        return
+    switches = _MATMUL_SWITCHES + (_CUDNN_SWITCHES if cuda else ())
+    read = {switch: _get(torch, switch) for switch in switches}
+    own = {switch: _own_precision(torch, switch) for switch in switches}
+    legacy = _legacy_state(torch, cuda=cuda, own=own)
+    try:
+        _set_both_apis(torch, tf32=tf32, cuda=cuda)
+        yield
+    finally:
+        precision, cudnn_tf32 = legacy
+        torch.set_float32_matmul_precision(precision)
+        if cudnn_tf32 is not None:
+            torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        # After the legacy setters, which overwrite these switches.
+        _put_back(torch, own)
+        # A fresh process reads cuDNN's convolutions and RNNs as "tf32" while their own switches
+        # are unset, a default no setter restores: "none" written back would read "none", and
+        # torch would then refuse to report cudnn.allow_tf32 at all. Where the value put back
+        # does not read as before, the value read before is set.
+        for switch, value in read.items():
+            if _get(torch, switch) != value:
+                _set(torch, switch, value)
+
+
+def has_fp32_precision_api(torch: Any) -> bool:
+    """Whether this torch has the per-backend ``fp32_precision`` switches (torch >= 2.9)."""
+    return hasattr(torch.backends, "fp32_precision")
+
+
+@contextlib.contextmanager
+def _legacy_switches(torch: Any, *, tf32: bool, cuda: bool) -> Iterator[None]:
+    """``matmul_switches`` on a torch with only the legacy API."""
+    precision = "high" if tf32 else "highest"
+    saved_precision = torch.get_float32_matmul_precision()
+    cudnn = torch.backends.cudnn
+    if saved_precision == precision and (not cuda or cudnn.allow_tf32 == tf32):
+        yield
+        return
+    saved_cudnn = cudnn.allow_tf32
+    try:
+        # matmul.allow_tf32 is a view of the matmul precision ("highest" or not): setting
+        # the precision sets it, and writing it back would turn "medium" into "high".
+        torch.set_float32_matmul_precision(precision)
+        if cuda:
+            cudnn.allow_tf32 = tf32
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved_precision)
+        cudnn.allow_tf32 = saved_cudnn
+
+
+def _get(torch: Any, switch: _Switch) -> str:
+    # What torch.backends.<backend>.<op>.fp32_precision reads: the value in effect, inherited
+    # where the switch itself is "none". The attributes do not reach every switch (the
+    # setter of torch.backends.mkldnn.fp32_precision writes the generic one).
+    return torch._C._get_fp32_precision_getter(*switch)
+
+
+def _set(torch: Any, switch: _Switch, value: str) -> None:
+    torch._C._set_fp32_precision_setter(*switch, value)
+
+
+def _own_precision(torch: Any, switch: _Switch) -> str:
+    """The value set on ``switch`` itself, ``"none"`` where it inherits.
+
+    torch reports the inherited value, so the parent is changed for a moment: a switch that
+    follows it inherits. The parent is put back as it was.
+    """
+    backend, op = switch
+    value = _get(torch, switch)
+    if backend == "generic" or value == "none":
+        return value
+    parent = ("generic", "all") if op == "all" else (backend, "all")
+    parent_own = _own_precision(torch, parent)
+    probe = "tf32" if value == "ieee" else "ieee"
+    _set(torch, parent, probe)
+    try:
+        inherits = _get(torch, switch) == probe
+    finally:
+        _set(torch, parent, parent_own)
+    return "none" if inherits else value
+
+
+def _put_back(torch: Any, own: dict[_Switch, str]) -> None:
+    for switch, value in own.items():
+        _set(torch, switch, value)
+
+
+def _legacy_state(torch: Any, *, cuda: bool, own: dict[_Switch, str]) -> tuple[str, bool | None]:
+    """The legacy matmul precision and (on CUDA) cuDNN flag, read exactly; ``own`` is put back after.
+
+    The matmul getter refuses only while a matmul switch holds TF32 or bf16; with both at
+    "ieee" it always answers. The cuDNN getter answers only when convolutions, RNNs and its
+    flag agree; with both switches at "tf32" it answers exactly when the flag is on.
+    """
+    try:
+        for switch in _MATMUL_SWITCHES:
+            _set(torch, switch, "ieee")
+        precision = torch.get_float32_matmul_precision()
+        cudnn_tf32 = None
+        if cuda:
+            for switch in _CUDNN_SWITCHES:
+                _set(torch, switch, "tf32")
+            try:
+                cudnn_tf32 = bool(torch.backends.cudnn.allow_tf32)
+            except RuntimeError:
+                cudnn_tf32 = False
+        return precision, cudnn_tf32
+    finally:
+        _put_back(torch, own)
+
+
+def _set_both_apis(torch: Any, *, tf32: bool, cuda: bool) -> None:
+    """Set the legacy switches and the new ones they write, in agreement."""
+    value = "tf32" if tf32 else "ieee"
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    for switch in _MATMUL_SWITCHES:
+        _set(torch, switch, value)
+    if cuda:
+        torch.backends.cudnn.allow_tf32 = tf32
+        # cudnn.allow_tf32 = False writes "none", which inherits TF32 where the user turned it
+        # on for all of CUDA or everywhere: "TF32 off" has to be stated.
+        for switch in _CUDNN_SWITCHES:
+            _set(torch, switch, value)
+
+
+def _already_set(torch: Any, *, tf32: bool, cuda: bool) -> bool:
+    """Whether both APIs already hold what ``_set_both_apis`` would set."""
+    # "none" in effect means no switch asks for reduced precision: IEEE fp32.
+    wanted = {"tf32"} if tf32 else {"ieee", "none"}
+    switches = _MATMUL_SWITCHES + (_CUDNN_SWITCHES if cuda else ())
+    if any(_get(torch, switch) not in wanted for switch in switches):
+        return False
+    try:
+        if torch.get_float32_matmul_precision() != ("high" if tf32 else "highest"):
+            return False
+        return not cuda or torch.backends.cudnn.allow_tf32 == tf32
+    except RuntimeError:
+        return False
