@@ -1,6 +1,12 @@
-"""fp8-te: NVIDIA Transformer Engine. Linear and LayerNorm layers are swapped for TE's modules
-where the shapes allow, and the forward runs under ``te.autocast(recipe=...)`` inside bf16
-autocast, which runs what TE's modules do not (attention, activations, the loss).
+"""fp8-te: NVIDIA Transformer Engine. Linear layers are swapped for TE's ``Linear`` where the
+shapes allow, and the forward runs under ``te.autocast(recipe=...)`` inside bf16 autocast,
+which runs what TE's modules do not (attention, norms, activations, the loss).
+
+LayerNorms stay torch's. TE brings a norm into FP8 only by fusing it with the matmul after it
+(``LayerNormLinear``, ``LayerNormMLP``, ``te.ops.Sequential``); its standalone ``LayerNorm``
+returns a high-precision output, always has a bias (a trainable one added to
+``nn.LayerNorm(bias=False)``), and computes in the autocast dtype where torch's ``layer_norm``
+runs in fp32 under autocast. Swapping one would change the model and its numerics for no FP8.
 
 TE's FP8 Linear refuses an input whose token count (the product of every dimension but the
 last) is not a multiple of 8, or of 32 under MXFP8, and offers no padding for it. Each swapped
@@ -119,7 +125,7 @@ class TokenCheck:
 
 
 class Fp8Te(Fp8Mode):
-    """Swap ``nn.Linear``/``nn.LayerNorm`` for Transformer Engine modules; FP8 under te.autocast."""
+    """Swap ``nn.Linear`` for Transformer Engine's ``Linear``; FP8 under te.autocast."""
 
     name = "fp8-te"
     safety_rank = 50
@@ -128,7 +134,7 @@ class Fp8Te(Fp8Mode):
     library = "transformer_engine"
     library_display = "transformer-engine"
     install = TE_INSTALL
-    nothing_converted = "no Linear/LayerNorm could be swapped; this trains like fp32"
+    nothing_converted = "no Linear could be swapped; this trains like fp32"
     recipe_titles = {"mxfp8": "MXFP8 block scaling"}
 
     def __init__(self, policy, device) -> None:
@@ -171,33 +177,23 @@ class Fp8Te(Fp8Mode):
     def _replacement(self, module, fqn: str):
         import torch
 
-        te = self.te
-        if type(module) is torch.nn.Linear:
-            if not self.fp8_eligible(fqn, module.in_features, module.out_features):
-                return None
-            new = te.Linear(
-                module.in_features,
-                module.out_features,
-                bias=module.bias is not None,
-                params_dtype=module.weight.dtype,
-                device=self.device,
-            )
-        elif type(module) is torch.nn.LayerNorm and module.elementwise_affine and len(module.normalized_shape) == 1:
-            new = te.LayerNorm(
-                module.normalized_shape[0],
-                eps=module.eps,
-                params_dtype=module.weight.dtype,
-                device=self.device,
-            )
-        else:
+        if type(module) is not torch.nn.Linear:
             return None
+        if not self.fp8_eligible(fqn, module.in_features, module.out_features):
+            return None
+        new = self.te.Linear(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            params_dtype=module.weight.dtype,
+            device=self.device,
+        )
         # Copy the trained values so the swap is invisible to the optimisation.
         with torch.no_grad():
             new.weight.copy_(module.weight)
-            if getattr(module, "bias", None) is not None:
+            if module.bias is not None:
                 new.bias.copy_(module.bias)
-        if type(module) is torch.nn.Linear:
-            new.register_forward_pre_hook(TokenCheck(fqn, self.recipe_name, self.rule.token_multiple, self.window))
+        new.register_forward_pre_hook(TokenCheck(fqn, self.recipe_name, self.rule.token_multiple, self.window))
         self.converted.append(fqn)
         return new
 

@@ -102,7 +102,7 @@ def make_mode(fp8: Fp8Options | None = None):
     return Fp8Te(Policy(mode="fp8-te", fp8=fp8), CUDA)
 
 
-def test_swaps_linear_and_layernorm_where_shapes_allow(fake_te):
+def test_swaps_linear_where_shapes_allow(fake_te):
     torch.manual_seed(0)
     model = Block()
     reference = Block()
@@ -110,14 +110,28 @@ def test_swaps_linear_and_layernorm_where_shapes_allow(fake_te):
     mode = make_mode()
     converted = mode.convert_module(model)
     te = fake_te["module"]
-    assert isinstance(converted.norm, te.LayerNorm)
     assert isinstance(converted.up, te.Linear) and isinstance(converted.down, te.Linear)
     assert type(converted.head) is nn.Linear
-    assert mode.swapped == ["norm", "up", "down"]
+    assert mode.swapped == ["up", "down"]
     assert any("head (32->3)" in note for note in mode.notes)
     assert fake_te["linear"] == [(32, 64, True, "cuda"), (64, 32, False, "cuda")]
     x = torch.randn(4, 32)
     torch.testing.assert_close(converted(x), reference(x))  # weights were copied
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorms_stay_torch_layernorms(fake_te, bias):
+    # A TE LayerNorm alone brings no FP8: its output is high precision unless TE fuses it into
+    # the next op (LayerNormLinear, LayerNormMLP, te.ops.Sequential). It always has a bias, and
+    # computes in the autocast dtype, where torch's layer_norm runs in fp32 under autocast.
+    model = nn.Sequential(nn.LayerNorm(32, bias=bias), nn.Linear(32, 32))
+    names = [name for name, _ in model.named_parameters()]
+    mode = make_mode()
+    converted = mode.convert_module(model)
+    assert type(converted[0]) is nn.LayerNorm
+    assert [name for name, _ in converted.named_parameters()] == names
+    assert fake_te["layernorm"] == []
+    assert mode.swapped == ["1"]
 
 
 def test_optimizer_trains_the_swapped_parameters(fake_te):
