@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -54,16 +55,29 @@ def render_probe(report: dict[str, Any], console: Console) -> None:
         console.print(modes)
 
         if "bench" in device:
-            bench = Table(title="matmul micro-benchmark", title_justify="left")
-            for col in ("dtype", "size", "TFLOP/s", "vs fp32", "of peak"):
-                bench.add_column(col, justify="right" if col != "dtype" else "left")
-            for row in device["bench"]:
-                frac = row.get("fraction_of_peak")
-                bench.add_row(
-                    row["dtype"],
-                    str(row["size"]),
-                    f"{row['tflops']:.3f}",
-                    f"{row['ratio_vs_fp32']:.2f}x" if row.get("ratio_vs_fp32") else "-",
-                    f"{frac:.0%}" if frac else "-",
-                )
-            console.print(bench)
+            console.print(_bench_table(device["bench"]))
+
+
+def _bench_table(rows: list[dict[str, Any]]) -> Table:
+    """The matmul benchmark's rows; a dtype that was not measured shows why, not a figure."""
+    table = Table(title="matmul micro-benchmark", title_justify="left")
+    for col in ("dtype", "size", "TFLOP/s", "vs fp32", "of peak"):
+        table.add_column(col, justify="right" if col != "dtype" else "left")
+    # A dtype is skipped for fp8 without torch._scaled_mm, an OOM at the default size, or a
+    # kernel this build lacks; its row has no figures, only the reason.
+    if any(row.get("tflops") is None for row in rows):
+        table.add_column("note")
+    for row in rows:
+        if row.get("tflops") is None:
+            reason = escape(row.get("skipped") or "not measured")
+            table.add_row(row["dtype"], str(row["size"]), "-", "-", "-", f"[yellow]skipped[/]: {reason}")
+            continue
+        ratio, frac = row.get("ratio_vs_fp32"), row.get("fraction_of_peak")
+        table.add_row(
+            row["dtype"],
+            str(row["size"]),
+            f"{row['tflops']:.3f}",
+            f"{ratio:.2f}x" if ratio else "-",
+            f"{frac:.0%}" if frac else "-",
+        )
+    return table
