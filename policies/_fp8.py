@@ -43,6 +43,27 @@ def fp8_shape_ok(in_features: int, out_features: int, multiple: int = FP8_DIM_MU
     return in_features % multiple == 0 and out_features % multiple == 0
 
 
+# nn.MultiheadAttention hands out_proj.weight and .bias to F.multi_head_attention_forward (or
+# the fused kernel) and never calls out_proj.forward: a swapped layer there would count as
+# FP8 and run none, so neither library's swap is made there.
+MHA_OUT_PROJ = "nn.MultiheadAttention passes its weight to its attention kernel and never calls its forward"
+
+
+def forward_bypassed_linears(module: torch.nn.Module) -> dict[int, str]:
+    """The Linears in ``module`` whose owner uses their weight and never calls their forward.
+
+    Returns:
+        ``id(linear)`` -> why its forward never runs.
+    """
+    import torch
+
+    return {
+        id(owner.out_proj): MHA_OUT_PROJ
+        for owner in module.modules()
+        if isinstance(owner, torch.nn.MultiheadAttention) and isinstance(owner.out_proj, torch.nn.Linear)
+    }
+
+
 # eq=False: equality of the Parameter field would compare tensors element by element.
 @dataclass(frozen=True, eq=False)
 class TiedParameter:
@@ -124,7 +145,8 @@ class Fp8Mode(PrecisionMode):
         recipe_name: the ``[fp8]`` recipe of the policy, or the mode's default.
         rule: what that recipe needs (feature and token multiples among it).
         converted: the layers that run in FP8 (qualified names).
-        kept_high_precision: the layers left in high precision, with their shapes.
+        kept_high_precision: the layers left in high precision, with their shapes, by why
+            (``{"dimensions not divisible by 16": ["head (32->3)"]}``).
     """
 
     dtype_family = "fp8"
@@ -144,7 +166,8 @@ class Fp8Mode(PrecisionMode):
         self.recipe_name = self.policy_recipe(policy)
         self.rule = self.recipe_rule(self.recipe_name)
         self.converted: list[str] = []
-        self.kept_high_precision: list[str] = []
+        self.kept_high_precision: dict[str, list[str]] = {}
+        self._bypassed: dict[int, str] = {}
 
     @classmethod
     def policy_recipe(cls, policy: Policy) -> str:
@@ -278,20 +301,41 @@ class Fp8Mode(PrecisionMode):
 
     # ---- conversion ------------------------------------------------------------------------------
 
+    def find_bypassed(self, module: torch.nn.Module) -> None:
+        """Before a conversion: find the Linears in ``module`` whose forward never runs."""
+        self._bypassed = forward_bypassed_linears(module)
+
+    def forward_bypassed(self, fqn: str, linear: torch.nn.Linear) -> bool:
+        """Whether ``linear``'s owner never calls its forward; records it in ``kept_high_precision`` if so.
+
+        Knows the Linears ``find_bypassed`` found, and without it (Accelerate's conversion calls
+        the layer filter alone) MultiheadAttention's out_proj by its class, which only it uses.
+        """
+        import torch
+
+        why = self._bypassed.get(id(linear))
+        mha_class = getattr(torch.nn.modules.linear, "NonDynamicallyQuantizableLinear", None)
+        if why is None and mha_class is not None and type(linear) is mha_class:
+            why = MHA_OUT_PROJ
+        if why is None:
+            return False
+        self._keep(why, fqn, linear.in_features, linear.out_features)
+        return True
+
     def fp8_eligible(self, fqn: str, in_features: int, out_features: int) -> bool:
         """Whether a Linear of this shape may run in FP8; records it in ``kept_high_precision`` if not."""
         if fp8_shape_ok(in_features, out_features, self.rule.dim_multiple):
             return True
-        self.kept_high_precision.append(f"{fqn} ({in_features}->{out_features})")
+        self._keep(f"dimensions not divisible by {self.rule.dim_multiple}", fqn, in_features, out_features)
         return False
 
+    def _keep(self, why: str, fqn: str, in_features: int, out_features: int) -> None:
+        self.kept_high_precision.setdefault(why, []).append(f"{fqn} ({in_features}->{out_features})")
+
     def note_conversion(self) -> None:
-        """Tell the user which layers stayed in high precision, or that none run in FP8."""
-        if self.kept_high_precision:
-            self.notes.append(
-                f"{self.name}: kept in high precision (dimensions not divisible by "
-                f"{self.rule.dim_multiple}): {', '.join(self.kept_high_precision)}"
-            )
+        """Tell the user which layers stayed in high precision and why, or that none run in FP8."""
+        for why, layers in self.kept_high_precision.items():
+            self.notes.append(f"{self.name}: kept in high precision ({why}): {', '.join(layers)}")
         if not self.converted:
             self.notes.append(f"{self.name}: {self.nothing_converted}")
 

@@ -152,6 +152,7 @@ class Fp8Te(Fp8Mode):
 
     def convert_module(self, module):
         ties = tied_parameters(module)
+        self.find_bypassed(module)
         module = self._swap(module, prefix="", done={})
         retie(module, ties)
         self.note_conversion()
@@ -177,9 +178,10 @@ class Fp8Te(Fp8Mode):
     def _replacement(self, module, fqn: str):
         import torch
 
-        if type(module) is not torch.nn.Linear:
+        if not isinstance(module, torch.nn.Linear) or self.forward_bypassed(fqn, module):
             return None
-        if not self.fp8_eligible(fqn, module.in_features, module.out_features):
+        # Exactly nn.Linear: a subclass may do more in its forward than TE's Linear does.
+        if type(module) is not torch.nn.Linear or not self.fp8_eligible(fqn, module.in_features, module.out_features):
             return None
         new = self.te.Linear(
             module.in_features,

@@ -78,7 +78,7 @@ class Fp8Torchao(Fp8Mode):
         """torchao's ``module_filter_fn``: whether to swap this module; records the Linears it swaps."""
         import torch
 
-        if not isinstance(module, torch.nn.Linear):
+        if not isinstance(module, torch.nn.Linear) or self.forward_bypassed(fqn, module):
             return False
         if not self.fp8_eligible(fqn, module.in_features, module.out_features):
             return False
@@ -88,6 +88,7 @@ class Fp8Torchao(Fp8Mode):
     def convert_module(self, module):
         float8 = import_torchao_float8()
         ties = tied_parameters(module)
+        self.find_bypassed(module)
         module = float8.convert_to_float8_training(module, module_filter_fn=self.module_filter,
                                                    config=self.linear_config())
         # Float8Linear reuses the Linear's Parameter, except where a config wraps the weight

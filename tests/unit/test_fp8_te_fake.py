@@ -352,3 +352,62 @@ def test_a_recipe_this_te_lacks_names_the_version_it_needs(fake_te, monkeypatch)
     monkeypatch.delattr(fake_te["recipe"], "Float8BlockScaling")
     with pytest.raises(MpadviseError, match=r"'block' needs transformer-engine 2\.3 or newer.*upgrade it"):
         make_mode(Fp8Options(recipe="block"))
+
+
+# --- Linears whose forward never runs --------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention, whose out_proj is a Linear it never calls, then a Linear that runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.proj(self.attn(x, x, x, need_weights=False)[0])
+
+
+def _torchao_mode():
+    pytest.importorskip("torchao.float8", reason="fp8-torchao needs torchao")
+    from policies.fp8_torchao import Fp8Torchao
+
+    return Fp8Torchao(Policy(mode="fp8-torchao"), torch.device("cpu"))
+
+
+def test_both_fp8_modes_keep_the_attention_out_proj_and_say_why(fake_te):
+    # MultiheadAttention passes out_proj.weight to F.multi_head_attention_forward and never
+    # calls out_proj.forward: a Float8Linear there would count as FP8 and run none.
+    kept_note = "attn.out_proj (32->32)"
+    te_mode, torchao_mode = make_mode(), _torchao_mode()
+    te_model = te_mode.convert_module(Attention())
+    torchao_model = torchao_mode.convert_module(Attention())
+    assert type(te_model.attn.out_proj) is type(torchao_model.attn.out_proj) is type(Attention().attn.out_proj)
+    assert isinstance(te_model.proj, fake_te["module"].Linear)
+    assert type(torchao_model.proj).__name__ == "Float8Linear"
+    assert te_mode.converted == torchao_mode.converted == ["proj"]
+    for mode in (te_mode, torchao_mode):
+        (note,) = [note for note in mode.notes if kept_note in note]
+        assert "MultiheadAttention" in note and "never calls its forward" in note
+    assert torchao_model(torch.randn(2, 8, 32)).shape == (2, 8, 32)
+
+
+def test_a_plain_linear_put_in_as_out_proj_is_kept_too(fake_te):
+    for mode in (make_mode(), _torchao_mode()):
+        model = Attention()
+        model.attn.out_proj = nn.Linear(32, 32)  # MHA still never calls it
+        converted = mode.convert_module(model)
+        assert type(converted.attn.out_proj) is nn.Linear
+        assert mode.converted == ["proj"]
+        assert any("attn.out_proj (32->32)" in note for note in mode.notes)
+
+
+def test_the_torchao_filter_alone_keeps_the_attention_out_proj():
+    # Accelerate converts with the mode's module_filter_fn and no convert_module call.
+    mode = _torchao_mode()
+    model = Attention()
+    assert not mode.module_filter(model.attn.out_proj, "attn.out_proj")
+    assert mode.module_filter(model.proj, "proj")
+    mode.note_conversion()
+    assert any("MultiheadAttention" in note and "attn.out_proj (32->32)" in note for note in mode.notes)
