@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -396,9 +397,66 @@ def test_gpu_busy_never_waits_on_this_process():
         assert busy == []
 
 
-def test_a_mig_instance_is_described_by_nvml():
+def _bare_uuid(uuid: object) -> str:
+    """A UUID without NVML's ``GPU-``/``MIG-`` prefix, lower case: torch prints it bare."""
+    text = str(uuid).strip().lower()
+    return text.split("-", 1)[1] if text.startswith(("gpu-", "mig-")) else text
+
+
+def _nvidia_smi_migs() -> dict[str, set[str]] | None:
+    """What ``nvidia-smi -L`` lists: each GPU's bare UUID -> its MIG instances' bare UUIDs
+    (empty for a GPU in MIG mode off); ``None`` where nvidia-smi does not run."""
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    gpus: dict[str, set[str]] = {}
+    # "GPU 0: NVIDIA H200 (UUID: GPU-...)", and under a GPU in MIG mode one line per instance,
+    # "  MIG 1g.18gb     Device  0: (UUID: MIG-...)".
+    for kind, uuid in re.findall(r"UUID:\s*(GPU|MIG)-([^\s)]+)", listing):
+        if kind == "GPU":
+            gpus[uuid.lower()] = set()
+        elif gpus:
+            gpus[list(gpus)[-1]].add(uuid.lower())
+    return gpus
+
+
+def _cuda0_is_mig() -> tuple[bool | None, str]:
+    """Whether torch's cuda:0 is a MIG instance, told without the code under test: from
+    ``CUDA_VISIBLE_DEVICES`` naming a MIG UUID, or from ``nvidia-smi -L`` and the UUID
+    torch itself gives cuda:0. ``(None, why)`` where neither can tell."""
+    first_visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if first_visible.upper().startswith("MIG-"):
+        return True, f"CUDA_VISIBLE_DEVICES names {first_visible}"
+    gpus = _nvidia_smi_migs()
+    if gpus is None:
+        return None, "nvidia-smi -L did not run"
+    torch_uuid = _bare_uuid(torch.cuda.get_device_properties(0).uuid)
+    if any(torch_uuid in instances for instances in gpus.values()):
+        return True, f"nvidia-smi -L lists torch's cuda:0 ({torch_uuid}) as a MIG instance"
+    if torch_uuid in gpus:
+        # A GPU in MIG mode runs CUDA only in its instances, so a UUID of such a GPU is the
+        # parent's, reported for an instance.
+        if gpus[torch_uuid]:
+            return True, f"torch's cuda:0 ({torch_uuid}) is a GPU that nvidia-smi -L shows in MIG mode"
+        return False, f"nvidia-smi -L lists torch's cuda:0 ({torch_uuid}) as a whole GPU, MIG off"
+    # A driver before R470 names MIG instances MIG-GPU-<uuid>/<gi>/<ci>, which torch does not print.
+    return None, f"nvidia-smi -L does not list torch's cuda:0 UUID {torch_uuid}"
+
+
+def test_mig_is_reported_as_the_driver_sees_it():
+    # Whether cuda:0 is a MIG instance is decided here, not from the profile under test: a
+    # profile that lost its MIG UUID would otherwise skip the test instead of failing it.
+    mig, why = _cuda0_is_mig()
+    if mig is None:
+        pytest.skip(f"cannot tell whether cuda:0 is a MIG instance: {why}")
     p = profile()
-    if not (p.uuid or "").upper().startswith("MIG-"):
-        pytest.skip(f"device 0 is not a MIG instance (UUID {p.uuid})")
-    assert p.mig_enabled is True
-    assert p.memory_free is not None and p.memory_free <= p.memory_total
+    if mig:
+        assert (p.uuid or "").upper().startswith("MIG-"), (p.uuid, why)
+        assert p.mig_enabled is True, why
+        # The instance's own memory, not its parent GPU's.
+        assert p.memory_free is not None and p.memory_free <= p.memory_total, why
+    else:
+        assert _bare_uuid(p.uuid) == _bare_uuid(torch.cuda.get_device_properties(0).uuid), (p.uuid, why)
+        assert (p.uuid or "").upper().startswith("GPU-"), (p.uuid, why)
+        assert p.mig_enabled is not True, why  # False, or None on a card without MIG
