@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from probes import matmul_switches
+
 from ._base import ModeFacts, PrecisionMode
 from ._device import ModeSupport
-from ._switches import matmul_switches
 
 if TYPE_CHECKING:
     from probes import HardwareProfile

@@ -26,7 +26,7 @@ import torch
 from advisor.frameworks import export_policy
 from advisor.frameworks._export import Export
 from policies import Fp8Options, LossScale, Policy, create_mode
-from policies._switches import matmul_switches
+from probes import matmul_switches
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

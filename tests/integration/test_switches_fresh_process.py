@@ -15,7 +15,7 @@ import torch
 
 CHECK = """
 import torch
-from policies._switches import matmul_switches
+from probes import matmul_switches
 
 get = torch._C._get_fp32_precision_getter
 switches = [("generic", "all"), ("cuda", "all"), ("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn"),

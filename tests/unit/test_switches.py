@@ -215,7 +215,7 @@ def test_legacy_precision_restored_exactly(precision, mode):
 
 @pytest.mark.parametrize("precision", ["highest", "high", "medium"])
 def test_legacy_api_alone_restored_exactly(monkeypatch, precision):
-    from policies import _switches
+    from probes import _switches
 
     monkeypatch.setattr(_switches, "has_fp32_precision_api", lambda torch: False)
     torch.set_float32_matmul_precision(precision)
