@@ -231,7 +231,7 @@ def test_every_module_imports() -> None:
 # A package's surface is its `__init__`: a module of package P may import a private module
 # (`Q._m`, any dotted part that starts with one underscore) only when P is Q or lies inside Q,
 # so advisor.tune may import advisor._log, but not advisor.cache._store, probes._bench or
-# probes._switches; and it may import a private name (`from X import _name`) only from a
+# policies._switches; and it may import a private name (`from X import _name`) only from a
 # module of its own package.
 
 
@@ -287,10 +287,10 @@ def test_the_surface_rule_finds_private_imports(tmp_path: Path) -> None:
         "from advisor.cache import Store\n"  # a surface
         "from advisor.cache._store import open_store\n"
         "def f():\n    import probes._bench\n    from advisor.trial._child import _exit\n"
-        "importlib.import_module('probes._switches')\n"
+        "importlib.import_module('policies._config')\n"
     )
     assert sorted(surface_violations("advisor.tune.m", module, module_names())) == [
-        "advisor.cache._store", "advisor.trial._child", "advisor.trial._child:_exit", "probes._switches", "probes._bench",
+        "advisor.cache._store", "advisor.trial._child", "advisor.trial._child:_exit", "policies._config", "probes._bench",
     ]
     assert "advisor._log" in surface_violations("policies.m", module, module_names())
 
