@@ -231,7 +231,7 @@ def test_every_module_imports() -> None:
 # A package's surface is its `__init__`: a module of package P may import a private module
 # (`Q._m`, any dotted part that starts with one underscore) only when P is Q or lies inside Q,
 # so advisor.tune may import advisor._log, but not advisor.cache._store, probes._bench or
-# policies._switches; and it may import a private name (`from X import _name`) only from a
+# policies._config; and it may import a private name (`from X import _name`) only from a
 # module of its own package.
 
 
