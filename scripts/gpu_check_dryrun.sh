@@ -7,7 +7,13 @@
 # module, probe --json, a trial of every mode and a short tune of examples/mlp.py on the CPU,
 # fp8-torchao (emulated), and pytest collection of tests/gpu.
 #
-#   bash scripts/gpu_check_dryrun.sh      needs network the first time (PyPI), then none
+#   bash scripts/gpu_check_dryrun.sh              needs network the first time (PyPI), then none
+#   bash scripts/gpu_check_dryrun.sh --only lm    arguments go to gpu_check.sh (--only, --skip)
+#
+# A CPU is slower than the GPU, and a loaded one much slower (importing torch alone has taken
+# 112 s on a busy 2-core machine): the check scales every step's limit, each trial's timeout
+# and its budget by how long importing torch takes here (MPADVISE_GPU_CHECK_SCALE=auto; set a
+# whole number to fix it).
 #
 # The virtualenv is kept in $MPADVISE_PROOF_VENV (default: $TMPDIR/mpadvise-gpu-proof) and
 # rebuilt when the machine's package list in scripts/gpu_wheels.txt changes. Results go to
@@ -90,4 +96,4 @@ echo "== scripts/gpu_check.sh --dry-run with $("$VENV/bin/python" -V) from $VENV
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
 PATH=$VENV/bin:$PATH PYTHON=$VENV/bin/python3 MPADVISE_GPU_SITE=$site/site OUT=$OUT \
-    bash scripts/gpu_check.sh --dry-run
+    MPADVISE_GPU_CHECK_SCALE=${MPADVISE_GPU_CHECK_SCALE:-auto} bash scripts/gpu_check.sh --dry-run "$@"
