@@ -12,6 +12,14 @@ TE's FP8 Linear refuses an input whose token count (the product of every dimensi
 last) is not a multiple of 8, or of 32 under MXFP8, and offers no padding for it. Each swapped
 Linear therefore checks its input first and names the layer, the shape and the fix.
 
+Under torch.compile, Transformer Engine (2.15 and newer, ``check_recipe_support``) refuses the
+delayed recipe when its autocast is entered inside the compiled region, as when a script
+compiles a training step that calls ``mp.autocast()``. There the default recipe gives way to
+``current``. A policy that names ``delayed`` gets an error that says which recipe to set, at
+its first backward: raised while Dynamo traces, it would become a graph break that Dynamo
+resolves by running the step uncompiled, or an error of Dynamo's own. A compiled model whose
+``mp.autocast()`` is entered outside it keeps the delayed recipe.
+
 Transformer Engine is imported here only, and only when this mode is used. It needs CUDA.
 """
 
@@ -70,7 +78,7 @@ def build_recipe(recipe_mod: Any, options: Any) -> Any:
             f"fp8.recipe: {name!r} needs {needs}, and the installed one has no "
             f"{RECIPE_CLASSES[name]}; upgrade it ({TE_INSTALL}) or set recipe = \"delayed\""
         )
-    fmt = getattr(recipe_mod.Format, (options.fp8_format if options else "hybrid").upper())
+    fmt = recipe_format(recipe_mod, options)
     if name == "delayed":
         return recipe_cls(
             fp8_format=fmt,
@@ -80,6 +88,19 @@ def build_recipe(recipe_mod: Any, options: Any) -> Any:
     if name == "current":
         return recipe_cls(fp8_format=fmt)
     return recipe_cls()
+
+
+def recipe_format(recipe_mod: Any, options: Any) -> Any:
+    """TE's ``Format`` member for the Policy's ``fp8_format`` (``HYBRID`` by default)."""
+    return getattr(recipe_mod.Format, (options.fp8_format if options else "hybrid").upper())
+
+
+def compile_recipe(recipe_mod: Any, options: Any) -> Any | None:
+    """The recipe that stands in for the delayed recipe under torch.compile: current scaling, in
+    the Policy's format; ``None`` for a TE without it (older than 2.2, which had no
+    torch.compile refusal either)."""
+    current = getattr(recipe_mod, RECIPE_CLASSES["current"], None)
+    return None if current is None else current(fp8_format=recipe_format(recipe_mod, options))
 
 
 class Fp8Window:
@@ -143,6 +164,10 @@ class Fp8Te(Fp8Mode):
             raise MpadviseError(f"fp8-te needs a CUDA device; this policy runs on {device.type}")
         self.te, recipe_mod = import_transformer_engine()
         self.recipe = build_recipe(recipe_mod, policy.fp8)
+        # Built here: TE refuses to build a recipe inside a compiled region.
+        self.compile_recipe = compile_recipe(recipe_mod, policy.fp8) if self.recipe_name == "delayed" else None
+        self.recipe_named = policy.fp8 is not None and policy.fp8.recipe is not None
+        self.compile_refusal: str | None = None
         self.window = Fp8Window()
 
     @property
@@ -218,10 +243,43 @@ class Fp8Te(Fp8Mode):
 
     def _te_autocast(self) -> contextlib.AbstractContextManager[Any]:
         te = self.te
+        recipe = self._autocast_recipe()
         if hasattr(te, "autocast"):
-            return te.autocast(enabled=True, recipe=self.recipe)
-        # Transformer Engine before 2.x spells it fp8_autocast(fp8_recipe=...).
-        return te.fp8_autocast(enabled=True, fp8_recipe=self.recipe)
+            return te.autocast(enabled=True, recipe=recipe)
+        # Transformer Engine before 2.9 spells it fp8_autocast(fp8_recipe=...); 2.9 added
+        # autocast(recipe=...) and keeps fp8_autocast as a deprecated alias.
+        return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+
+    def _autocast_recipe(self) -> Any:
+        """The recipe for this forward: the policy's, except the delayed one inside torch.compile."""
+        import torch
+
+        if self.compile_recipe is None or not torch.compiler.is_compiling():
+            # Not delayed, outside compiled code, or a TE without current scaling (older than 2.2,
+            # which had no such refusal either).
+            return self.recipe
+        if self.recipe_named:
+            # Raised by backward(), outside the compiled code (see the module's docstring).
+            self.compile_refusal = (
+                "fp8-te: [fp8] recipe = \"delayed\" cannot run under torch.compile: mp.autocast() "
+                "is inside the compiled code, where Transformer Engine refuses DelayedScaling; set "
+                "recipe = \"current\" (per-tensor scales computed every step), leave the recipe "
+                "out (then current runs under torch.compile), or enter mp.autocast() outside the "
+                "compiled function"
+            )
+            return self.compile_recipe
+        note = (
+            f"{self.name}: mp.autocast() runs inside torch.compile, where Transformer Engine refuses "
+            "the delayed recipe; the current recipe (per-tensor scales computed every step) runs instead"
+        )
+        if note not in self.notes:
+            self.notes.append(note)
+        return self.compile_recipe
+
+    def backward(self, loss) -> None:
+        if self.compile_refusal is not None:
+            raise MpadviseError(self.compile_refusal)
+        super().backward(loss)
 
     def recipe_record(self) -> str:
         # Checkpoints record the TE recipe's class name (``DelayedScaling``), as they always have.

@@ -46,13 +46,25 @@ def fake_te(monkeypatch):
             super().__init__(hidden_size, eps=eps, dtype=params_dtype)
             log["layernorm"].append((hidden_size, eps))
 
-    @contextlib.contextmanager
-    def autocast(enabled=True, recipe=None):
-        log["autocast"].append((enabled, recipe))
-        log["events"].append("enter te.autocast")
-        try:
-            yield
-        finally:
+    class autocast:  # noqa: N801 - TE's name
+        """A class with __enter__, as TE's is (pytorch/quantization.py from 2.9)."""
+
+        __slots__ = ("enabled", "recipe")
+
+        def __init__(self, enabled=True, recipe=None):
+            self.enabled, self.recipe = enabled, recipe
+
+        def __enter__(self):
+            # check_recipe_support (TE 2.15 and newer) refuses DelayedScaling in compiled code.
+            if self.enabled and torch.compiler.is_compiling() and isinstance(self.recipe, DelayedScaling):
+                raise RuntimeError(
+                    "DelayedScaling is not supported under torch.compile. Please use other recipes instead."
+                )
+            log["autocast"].append((self.enabled, self.recipe))
+            log["events"].append("enter te.autocast")
+            return self
+
+        def __exit__(self, *exc_info):
             log["events"].append("exit te.autocast")
 
     @contextlib.contextmanager
@@ -411,3 +423,66 @@ def test_the_torchao_filter_alone_keeps_the_attention_out_proj():
     assert mode.module_filter(model.proj, "proj")
     mode.note_conversion()
     assert any("MultiheadAttention" in note and "attn.out_proj (32->32)" in note for note in mode.notes)
+
+
+# --- torch.compile ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def compiling(monkeypatch):
+    """Run as if torch.compile were tracing the forward context (what TE checks)."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+
+def test_under_torch_compile_the_default_recipe_becomes_current(fake_te, torch_autocast_log, compiling):
+    # TE refuses DelayedScaling inside a compiled region; the user did not ask for it.
+    mode = make_mode(Fp8Options(fp8_format="e4m3"))
+    with mode.forward_context():
+        pass
+    ((enabled, recipe),) = fake_te["autocast"]
+    assert type(recipe).__name__ == "Float8CurrentScaling" and recipe.fp8_format is Format.E4M3
+    assert any("torch.compile" in note and "current" in note for note in mode.notes)
+    with mode.forward_context():
+        pass
+    assert sum("torch.compile" in note for note in mode.notes) == 1
+
+
+def test_the_default_recipe_stays_delayed_outside_torch_compile(fake_te, torch_autocast_log):
+    # A compiled model with mp.autocast() entered outside it: TE enters its autocast eagerly.
+    mode = make_mode()
+    with mode.forward_context():
+        pass
+    assert type(fake_te["autocast"][0][1]) is DelayedScaling
+    assert mode.state_dict() == {"fp8_recipe": "DelayedScaling"}
+
+
+def test_delayed_named_under_torch_compile_says_which_recipe_to_use(fake_te, torch_autocast_log, compiling):
+    mode = make_mode(Fp8Options(recipe="delayed"))
+    with mode.forward_context():
+        loss = torch.ones((), requires_grad=True) * 2
+    with pytest.raises(MpadviseError) as caught:
+        mode.backward(loss)
+    message = str(caught.value)
+    assert "torch.compile" in message and 'recipe = "current"' in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [None, "delayed"])
+def test_a_compiled_training_step_that_enters_the_forward_context_runs(fake_te, torch_autocast_log, recipe):
+    # Real Dynamo over the fake TE: before, TE's refusal inside the traced with-block crashed
+    # the compiled step (an AssertionError from Dynamo, not even TE's message).
+    mode = make_mode(Fp8Options(recipe=recipe) if recipe else None)
+    model = nn.Linear(32, 32)
+
+    @torch.compile(backend="eager")
+    def forward(x):
+        with mode.forward_context():
+            return model(x)
+
+    loss = forward(torch.randn(8, 32)).sum()
+    if recipe is None:
+        assert any("the current recipe" in note for note in mode.notes)
+        mode.backward(loss)
+    else:
+        with pytest.raises(MpadviseError, match='torch.compile.*set recipe = "current"'):
+            mode.backward(loss)
