@@ -1,12 +1,41 @@
-"""fp16-true: model, optimizer state and inputs all in fp16 (pure fp16, no loss scaling)."""
+"""fp16-true: model, optimizer state and inputs all in fp16 (pure fp16, no loss scaling).
+
+Two ways it goes non-finite, with different fixes. Values beyond fp16's range (65504)
+overflow without a loss scaler. And the optimizer's state is fp16 too, so Adam's update
+``m / (sqrt(v) + eps)`` runs there: ``eps`` below 2**-25 (Adam's default 1e-8 among them)
+rounds to 0, and wherever ``(1 - beta2) * grad**2`` underflows (any gradient below about 5e-3
+with AdamW's defaults) the update divides by 0: inf, or 0/0 = NaN on a zero gradient, after
+the first step, at a loss nowhere near fp16's range. ``eps >= 1e-4`` keeps the divisor above
+the gradients whose square underflows, and pure fp16 then trains.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ._true import TrueHalfMode
+
+if TYPE_CHECKING:
+    import torch
+
+# Round to nearest: fp16's smallest subnormal is 2**-24, and anything up to half of it (2**-25,
+# a tie that rounds to the even 0) becomes 0.
+FP16_ROUNDS_TO_ZERO = 2.0**-25
+
+_OVERFLOW_ADVICE = "fp16 overflows without loss scaling; use fp16-mixed (GradScaler) or bf16-mixed"
+_EPS_ADVICE = (
+    "set the optimizer's eps >= 1e-4, or use bf16-true (whose range holds 1e-8) or fp16-mixed "
+    "(fp32 optimizer state)"
+)
+
+
+def eps_zero_in_fp16(eps: Any) -> bool:
+    """Whether an optimizer's ``eps`` rounds to 0 in fp16 (False for one that is not a number)."""
+    return isinstance(eps, (int, float)) and not isinstance(eps, bool) and abs(eps) <= FP16_ROUNDS_TO_ZERO
 
 
 class Fp16True(TrueHalfMode):
-    """Pure fp16: overflows without loss scaling, and loses small updates."""
+    """Pure fp16: overflows without loss scaling, loses small updates, and zeroes a small eps."""
 
     name = "fp16-true"
     dtype_family = "fp16"
@@ -16,8 +45,46 @@ class Fp16True(TrueHalfMode):
         "themselves"
     )
 
+    def __init__(self, policy, device: torch.device) -> None:
+        super().__init__(policy, device)
+        self._eps_checked = False
+
     @classmethod
-    def advice(cls, kind: str) -> str:
-        if kind == "diverged":
-            return "fp16 overflows without loss scaling; use fp16-mixed (GradScaler) or bf16-mixed"
-        return "use fp16-mixed (GradScaler, fp32 master weights) or bf16-mixed"
+    def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
+        """The base's advice, and for a divergence the cause that fits the optimizer's eps.
+
+        Args:
+            optimizer_eps: the smallest ``eps`` of the optimizer's parameter groups; ``None``
+                when unknown, and then both causes are named.
+        """
+        if kind != "diverged":
+            return "use fp16-mixed (GradScaler, fp32 master weights) or bf16-mixed"
+        if optimizer_eps is None:
+            return (
+                f"{_OVERFLOW_ADVICE}; or, if the optimizer's eps is at or below 3e-8 (Adam's "
+                f"default 1e-8), it is 0 in fp16, where Adam divides by it: {_EPS_ADVICE}"
+            )
+        if eps_zero_in_fp16(optimizer_eps):
+            return f"the optimizer's eps={optimizer_eps:g} is 0 in fp16, where Adam divides by it; {_EPS_ADVICE}"
+        return _OVERFLOW_ADVICE
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if not self._eps_checked:
+            self._eps_checked = True
+            self._note_zero_eps(optimizer)
+        return super().optimizer_step(optimizer)
+
+    def _note_zero_eps(self, optimizer: Any) -> None:
+        """Note an eps that is 0 in fp16, where the optimizer computes in fp16."""
+        for group in getattr(optimizer, "param_groups", ()):
+            eps = group.get("eps")
+            # A fused Adam computes in fp32 inside its kernel, where 1e-8 is not 0.
+            if group.get("fused") or not eps_zero_in_fp16(eps):
+                continue
+            self.notes.append(
+                f"{self.name}: the optimizer's eps={eps:g} is 0 in fp16, where its state lives: "
+                "Adam's update m / (sqrt(v) + eps) divides by 0 wherever (1 - beta2) * grad**2 "
+                "underflows (inf, or 0/0 = NaN on a zero gradient); set eps >= 1e-4, or use "
+                "bf16-true or fp16-mixed"
+            )
+            return
