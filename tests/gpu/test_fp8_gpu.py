@@ -162,3 +162,58 @@ def test_fp8_te_refuses_a_ragged_batch_with_the_fix():
     assert all(torch.isfinite(torch.tensor(_train(mp, model, optimizer, [64, 64]))))
     with pytest.raises(MpadviseError, match=r"shape \(50, 64\), 50 tokens.*drop_last=True"):
         _train(mp, model, optimizer, [50])
+
+
+class _Attention(nn.Module):
+    """MultiheadAttention (whose out_proj is never called), a bias-free LayerNorm, a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.norm = nn.LayerNorm(64, bias=False)
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.proj(self.norm(self.attn(x, x, x, need_weights=False)[0]))
+
+
+@pytest.mark.parametrize("mode", ["fp8-torchao", "fp8-te"])
+def test_both_fp8_modes_keep_the_attention_out_proj_and_the_layernorm(mode):
+    _require(mode)
+    mp = AppliedPolicy(_policy(mode), profile=profile(), source="test", device="cuda:0")
+    net = _Attention()
+    names = [name for name, _ in net.named_parameters()]
+    model, optimizer = mp.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    assert type(model.attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert type(model.norm) is nn.LayerNorm  # no bias added by a swap
+    assert type(model.proj) is not nn.Linear
+    assert any("attn.out_proj (64->64)" in note and "MultiheadAttention" in note for note in mp.notes)
+    assert [name for name, _ in model.named_parameters()] == names
+    x = mp.to_device(torch.randn(4, 16, 64))
+    with mp.autocast():
+        loss = model(x).float().pow(2).mean()
+    assert mp.step(loss, optimizer) and torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("recipe", [None, "delayed", "current"])
+def test_fp8_te_in_a_compiled_step_runs_or_names_the_recipe(recipe):
+    # TE 2.15 and newer refuses DelayedScaling when its autocast is entered in compiled code,
+    # which crashed the step. Where Dynamo traces mp.autocast(), the default recipe gives way
+    # to current (with a note) and a named delayed one is refused with the fix; where Dynamo
+    # runs the frame eagerly instead (a graph break it cannot resume from), TE runs as asked.
+    _require("fp8-te", recipe)
+    mp = AppliedPolicy(_policy("fp8-te", recipe), profile=profile(), source="test", device="cuda:0")
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    model, optimizer = mp.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+
+    @torch.compile(backend="eager")
+    def forward(x):
+        with mp.autocast():
+            return model(x).float().pow(2).mean()
+
+    loss = forward(mp.to_device(torch.randn(64, 64)))
+    assert torch.isfinite(loss)
+    try:
+        assert mp.step(loss, optimizer)
+    except MpadviseError as exc:
+        assert recipe == "delayed" and 'set recipe = "current"' in str(exc) and "torch.compile" in str(exc)
