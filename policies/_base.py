@@ -122,12 +122,14 @@ class PrecisionMode:
         return cls.name
 
     @classmethod
-    def advice(cls, kind: str) -> str:
+    def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
         """What to try instead after this mode failed a stability check.
 
         Args:
             kind: a verdict kind (``"diverged"``, ``"stalled"``, ``"skips"``, ...), or
                 ``"climbed"`` for a finite loss that rose (a divergence that is not an overflow).
+            optimizer_eps: the smallest ``eps`` of the trial's optimizer, ``None`` when
+                unknown; a mode whose arithmetic can lose it says so (pure fp16).
 
         Returns:
             One clause in the user's terms, e.g. ``"use bf16-mixed, which keeps fp32 master

@@ -186,7 +186,7 @@ class Fp8Mode(PrecisionMode):
         return any(rule.library == cls.library and rule.recipe == recipe for rule in FP8_RECIPE_RULES)
 
     @classmethod
-    def advice(cls, kind: str) -> str:
+    def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
         return (
             "FP8 matmuls (e4m3 keeps 3 mantissa bits) are too coarse for this model; use "
             "bf16-mixed, or keep the sensitive layers (first, last, small ones) out of FP8"

@@ -15,7 +15,7 @@ class Bf16Mixed(AutocastMode):
     cuda_caveat = "no loss scaling"
 
     @classmethod
-    def advice(cls, kind: str) -> str:
+    def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
         return (
             "bf16-mixed keeps fp32 weights, so an operation computed in bf16 is to blame; use "
             "tf32 or fp32, or keep that operation in fp32"

@@ -14,7 +14,7 @@ class Bf16True(TrueHalfMode):
     cuda_caveat = "pure bf16 weights can stall when the learning rate is small"
 
     @classmethod
-    def advice(cls, kind: str) -> str:
+    def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
         if kind == "stalled":
             return (
                 "updates smaller than bf16's precision (8 significant bits, about 0.4% of a "

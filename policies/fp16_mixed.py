@@ -39,7 +39,7 @@ class Fp16Mixed(AutocastMode):
     cpu_detail = "CPU autocast with GradScaler"
 
     @classmethod
-    def advice(cls, kind: str) -> str:
+    def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
         return _ADVICE.get(kind, "use bf16-mixed where the hardware has bf16")
 
     def __init__(self, policy, device) -> None:

@@ -26,7 +26,7 @@ class Tf32(PrecisionMode):
         return ModeFacts(tf32=True)
 
     @classmethod
-    def advice(cls, kind: str) -> str:
+    def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
         return "use fp32"
 
     @classmethod

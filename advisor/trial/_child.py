@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from advisor.runtime import AppliedPolicy, StepObserver
-from policies import Policy, PolicyError, supported_modes
+from policies import Policy, PolicyError, mode_facts, supported_modes
 from probes import HardwareProfile
 
 from ._protocol import (
@@ -282,6 +282,7 @@ class StepWindow:
     skipped: list[bool]
     samples: list[int]
     in_process = False
+    optimizer_eps: float | None = None
     _finished: bool
     _watchdog: NoStepWatchdog | None
 
@@ -326,6 +327,7 @@ class StepWindow:
             "workload_fingerprint": self.workload_fingerprint,
             "model_signature": self.model_signature,
             "fsdp": self.fsdp,
+            "optimizer_eps": self.optimizer_eps,
             **self.batch,
         }
 
@@ -459,9 +461,12 @@ class TrialRecorder(StepObserver, StepWindow):
         # (to read the overflow flag), so the scale's read and the sampling add no wait of
         # their own to the rest of the step.
         start = self.clock.mark()
+        if not self.losses:
+            self.optimizer_eps = optimizer_eps(optimizer)
         scale = applied.loss_scale()
         counts = None
-        if applied.mode.startswith("fp16") and len(self.losses) % UNDERFLOW_EVERY == 0:
+        facts = mode_facts(applied.mode)
+        if "fp16" in (facts.autocast, facts.weights) and len(self.losses) % UNDERFLOW_EVERY == 0:
             counts = underflow_counts(_gradients(optimizer), scale=scale or 1.0)
         self._in_step = {"loss_scale": scale, "underflow": counts, "pause": (start, self.clock.mark())}
 
@@ -682,6 +687,18 @@ class NoStepWatchdog:
                 if not self._stop.is_set():
                     self._on_expire()
                 return
+
+
+def optimizer_eps(optimizer: Any) -> float | None:
+    """The smallest ``eps`` among the optimizer's param groups that compute in their own dtype
+    (a ``fused`` group computes in fp32), or ``None`` where no group has a numeric one.
+
+    A verdict reads it: an eps that rounds to zero in fp16 makes pure fp16's Adam divide by zero.
+    """
+    values = [group["eps"] for group in getattr(optimizer, "param_groups", ())
+              if isinstance(group.get("eps"), (int, float)) and not isinstance(group.get("eps"), bool)
+              and not group.get("fused")]
+    return float(min(values)) if values else None
 
 
 def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -106,6 +106,7 @@ RESULT_FIELDS: tuple[ResultField, ...] = (
     ResultField("workload_fingerprint", "the workload's fingerprint (model, optimizer, batch, script)"),
     ResultField("model_signature", "the model's structure"),
     ResultField("fsdp", "whether the script asked for FSDP2's mixed precision"),
+    ResultField("optimizer_eps", "the smallest eps of the optimizer's unfused param groups, or null"),
     ResultField("user_batch", "the batch the script asked for"),
     ResultField("micro_batch", "the batch one forward saw"),
     ResultField("grad_accum_steps", "micro-batches per optimizer step"),
@@ -223,6 +224,7 @@ class TrialResult:
     notes: tuple[str, ...] = ()
     wall_s: float = 0.0
     fsdp: bool = False
+    optimizer_eps: float | None = None
     ranks: int = 1
 
     @property

@@ -22,6 +22,7 @@ from ._child import (
     NoStepWatchdog,
     ResultWriter,
     StepWindow,
+    optimizer_eps,
     perturb_parameters,
 )
 from ._protocol import Stage, TrialSpec
@@ -112,6 +113,7 @@ class FrameworkRecorder(StepWindow):
         work = Workload.of(model, optimizer, global_batch=global_batch, script=script, args=sys.argv[1:])
         self.workload_fingerprint = work.fingerprint()
         self.model_signature = work.model
+        self.optimizer_eps = optimizer_eps(optimizer)
 
     def step(self, *, loss: Any, loss_scale: float | None = None, skipped: bool = False,
              samples: int | None = None) -> None:

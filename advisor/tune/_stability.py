@@ -66,6 +66,8 @@ class TrialCurve:
             an fp16 backward flushes them to zero. ``None`` where not measured (modes other
             than fp16). Empty when not recorded at all.
         lr: the learning rate of the trial, when known (only reported, never judged).
+        optimizer_eps: the smallest eps of the trial's optimizer, when known: the advice after
+            a failure may depend on it (pure fp16 rounds eps=1e-8 to zero).
     """
 
     mode: str
@@ -74,6 +76,7 @@ class TrialCurve:
     loss_scale: tuple[float | None, ...] = ()
     underflow: tuple[float | None, ...] = ()
     lr: float | None = None
+    optimizer_eps: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or not self.mode:
@@ -414,7 +417,7 @@ class _Comparison:
         return min(len(self.candidate), len(self.reference))
 
     def advice(self, kind: str) -> str:
-        return _advice(self.candidate.mode, kind)
+        return _advice(self.candidate.mode, kind, optimizer_eps=self.candidate.optimizer_eps)
 
     @cached_property
     def window(self) -> int:
@@ -743,13 +746,14 @@ def _mode_class(mode: str) -> type[PrecisionMode] | None:
         return None
 
 
-def _advice(mode: str, kind: str) -> str:
+def _advice(mode: str, kind: str, *, optimizer_eps: float | None = None) -> str:
     """What to try instead after a failure ``kind`` of ``mode``: the mode class's advice.
 
     ``kind`` is a verdict kind, or ``"climbed"`` for a finite loss that rose (a divergence
-    that is not an overflow). A mode that is not registered gets the generic advice.
+    that is not an overflow); ``optimizer_eps`` the trial's, when known. A mode that is not
+    registered gets the generic advice.
     """
-    return (_mode_class(mode) or PrecisionMode).advice(kind)
+    return (_mode_class(mode) or PrecisionMode).advice(kind, optimizer_eps=optimizer_eps)
 
 
 def _label(mode: str) -> str:

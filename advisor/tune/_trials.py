@@ -387,6 +387,7 @@ def curve_of(result: TrialResult, mode: str) -> TrialCurve:
         skipped=result.skipped,
         loss_scale=result.loss_scale if any(v is not None for v in result.loss_scale) else (),
         underflow=result.underflow if any(v is not None for v in result.underflow) else (),
+        optimizer_eps=result.optimizer_eps,
     )
 
 

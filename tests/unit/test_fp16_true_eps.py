@@ -55,14 +55,36 @@ def test_fp16_true_with_eps_1e_4_trains_without_the_note():
     assert not any("eps" in n for n in notes)
 
 
-def test_the_divergence_verdict_names_eps_as_well_as_overflow():
-    # The verdict does not know the optimizer's eps: it names both causes and both fixes.
+def test_the_divergence_verdict_names_eps_as_well_as_overflow_when_eps_is_unknown():
+    # A trial that did not record the optimizer's eps: both causes and both fixes.
     reference, _ = _train("fp32", 1e-8)
     losses, _ = _train("fp16-true", 1e-8)
     verdict = judge(TrialCurve("fp16-true", losses), TrialCurve("fp32", reference))
     assert verdict.kind == "diverged"
     assert "eps" in verdict.reason and "1e-4" in verdict.reason
     assert "fp16-mixed" in verdict.reason
+
+
+def test_the_divergence_verdict_blames_the_eps_the_trial_recorded():
+    reference, _ = _train("fp32", 1e-8)
+    losses, _ = _train("fp16-true", 1e-8)
+    verdict = judge(TrialCurve("fp16-true", losses, optimizer_eps=1e-8), TrialCurve("fp32", reference))
+    assert verdict.kind == "diverged"
+    assert "eps=1e-08 is 0 in fp16" in verdict.reason and "overflows" not in verdict.reason
+
+
+def test_a_trial_records_its_optimizers_eps_and_the_curve_carries_it():
+    """The loop API's recorder writes the smallest unfused eps into the result; curve_of reads it."""
+    from advisor.trial import optimizer_eps
+    from advisor.trial._protocol import TrialResult
+    from advisor.tune._trials import curve_of
+
+    net = nn.Linear(4, 4)
+    groups = [{"params": [net.weight], "eps": 1e-6}, {"params": [net.bias], "eps": 1e-8}]
+    assert optimizer_eps(torch.optim.AdamW(groups)) == 1e-8
+    assert optimizer_eps(torch.optim.SGD(net.parameters(), lr=0.1)) is None
+    result = TrialResult.from_dict({"outcome": "ok", "losses": [1.0, float("nan")], "optimizer_eps": 1e-8})
+    assert curve_of(result, "fp16-true").optimizer_eps == 1e-8
 
 
 @pytest.mark.parametrize(

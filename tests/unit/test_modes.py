@@ -260,7 +260,7 @@ def test_the_search_space_holds_a_registered_mode(demo_mode) -> None:
 
 def test_stability_reasons_use_a_registered_mode_s_label_and_advice(demo_mode, monkeypatch) -> None:
     monkeypatch.setattr(Int8Demo, "label", classmethod(lambda cls: "int8-demo (integer matmuls)"))
-    monkeypatch.setattr(Int8Demo, "advice", classmethod(lambda cls, kind: f"advice for {kind}"))
+    monkeypatch.setattr(Int8Demo, "advice", classmethod(lambda cls, kind, **facts: f"advice for {kind}"))
     losses = [1.0 / (1 + i / 10) for i in range(100)]
     verdict = judge(TrialCurve("int8-demo", tuple([*losses[:50], float("nan"), *losses[51:]])), TrialCurve("fp32", tuple(losses)))
     assert verdict.kind == "diverged"
