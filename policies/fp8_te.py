@@ -30,7 +30,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from probes import MpadviseError, fp8_recipe_since
+from probes import MpadviseError, UnsupportedHere, fp8_recipe_since
 
 from ._device import TE_INSTALL
 from ._fp8 import Fp8Mode, retie, tied_parameters
@@ -278,7 +278,7 @@ class Fp8Te(Fp8Mode):
 
     def backward(self, loss) -> None:
         if self.compile_refusal is not None:
-            raise MpadviseError(self.compile_refusal)
+            raise UnsupportedHere(self.compile_refusal)
         super().backward(loss)
 
     def recipe_record(self) -> str:

@@ -22,7 +22,7 @@ from probes._capability import (
     torch_build_covers,
 )
 from probes._cpu import cpu_profile, parse_cpuinfo
-from probes._errors import MpadviseError, UsageError
+from probes._errors import MpadviseError, UnsupportedHere, UsageError
 from probes._fingerprint import hardware_fingerprint, major_minor
 from probes._libraries import fp8_library_versions
 from probes._nvml import cuda_profiles, gpu_busy
@@ -36,6 +36,7 @@ __all__ = [
     "Fp8RecipeRule",
     "HardwareProfile",
     "MpadviseError",
+    "UnsupportedHere",
     "UsageError",
     "capability_for",
     "cpu_profile",

@@ -23,3 +23,9 @@ class UsageError(MpadviseError):
     """Bad command-line input (exit code 2)."""
 
     exit_code = 2
+
+
+class UnsupportedHere(MpadviseError):
+    """A policy that cannot run here, found only once training began (Transformer Engine's
+    delayed recipe inside a ``torch.compile``'d step): a trial ends ``unsupported`` with this
+    message, as it does for a mode the hardware lacks, not as a crash."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from advisor.runtime import AppliedPolicy, StepObserver
 from policies import Policy, PolicyError, mode_facts, supported_modes
-from probes import HardwareProfile
+from probes import HardwareProfile, UnsupportedHere
 
 from ._protocol import (
     EXIT_NO_STEP,
@@ -249,6 +249,8 @@ def run_in_process(train_fn: Any, spec: TrialSpec, *, profile: HardwareProfile) 
         train_fn(applied)
     except TrialComplete:
         pass
+    except UnsupportedHere as exc:
+        writer.write(stage=Stage.UNSUPPORTED, reason=str(exc))
     except Exception as exc:  # the trial's outcome, not ours: classify it
         message = str(exc).splitlines()[0] if str(exc) else ""
         writer.write(stage=Stage.EXCEPTION, exception={"type": type(exc).__name__, "message": message, "at": time.time()})
@@ -364,7 +366,8 @@ class StepWindow:
 
     def _at_exit(self) -> None:
         # The script ended by itself before the measured window was full: keep what it measured.
-        if self._stepping() and not self._finished and self.writer.data.get("stage") != Stage.EXCEPTION:
+        if self._stepping() and not self._finished and self.writer.data.get("stage") not in (
+                Stage.EXCEPTION, Stage.UNSUPPORTED):
             self.finish(complete=False)
 
 
@@ -905,7 +908,9 @@ def install_excepthook(writer: ResultWriter) -> None:
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        if not issubclass(exc_type, KeyboardInterrupt):
+        if issubclass(exc_type, UnsupportedHere):
+            writer.write(stage=Stage.UNSUPPORTED, reason=str(exc))
+        elif not issubclass(exc_type, KeyboardInterrupt):
             # The time tells the rank that failed first from those that lost it as a peer.
             writer.write(stage=Stage.EXCEPTION, exception={"type": exc_type.__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
                                                        "at": time.time()})

@@ -128,3 +128,35 @@ def test_both_recorders_write_the_declared_payload(tmp_path, make) -> None:
     assert payload["global_batch"] == 8 and payload["device"] == "cpu"
     assert set(payload) == {f.name for f in RESULT_FIELDS} - {"pid", "reason", "exception", "ranks"}
     assert judge(json.loads(json.dumps(payload))).outcome == "ok"
+
+
+def test_a_policy_refused_once_training_began_ends_unsupported_not_crashed(tmp_path) -> None:
+    """A mode that finds mid-run that it cannot run here (TE's delayed recipe inside a compiled
+    step) raises UnsupportedHere: the trial is unsupported, with the mode's own reason."""
+    import subprocess
+    import sys
+
+    from advisor.trial import run_in_process
+    from policies import Policy
+    from probes import HardwareProfile, UnsupportedHere
+
+    def train(mp):
+        raise UnsupportedHere("fp8-te's delayed recipe cannot run inside torch.compile; set recipe = \"current\"")
+
+    spec = TrialSpec(policy=Policy(mode="fp32").to_dict(), result_path=str(tmp_path / "r.json"), device="cpu")
+    data, error = run_in_process(train, spec, profile=HardwareProfile(kind="cpu", name="cpu", cores=2))
+    assert error is None
+    assert judge(data).outcome == "unsupported" and "torch.compile" in judge(data).reason
+
+    # In a child process the excepthook writes the same stage.
+    result = tmp_path / "child.json"
+    code = (
+        "import sys\n"
+        "from advisor.trial import ResultWriter, install_excepthook\n"
+        "from probes import UnsupportedHere\n"
+        f"install_excepthook(ResultWriter({str(result)!r}))\n"
+        "raise UnsupportedHere('not here')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], capture_output=True, check=False)
+    written = json.loads(result.read_text())
+    assert written["stage"] == "unsupported" and written["reason"] == "not here"
