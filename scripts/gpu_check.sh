@@ -11,20 +11,21 @@
 #   bash scripts/gpu_check.sh --dry-run            every step on a CPU: pytest collection instead of
 #                                                  the GPU tests, small models (scripts/gpu_check_dryrun.sh)
 #
-# Steps, in the order they run: requirements imports probe trial lm tune bench tests.
+# Steps, in the order they run (the most telling first, for a first call that cannot finish):
+# requirements imports probe lm tests trial tune bench.
 #   wheels        (setup) installs .whl/ into $MPADVISE_GPU_SITE; `--skip wheels` uses what is there
 #   requirements  every requirement of the installed wheels is met here
 #   imports       every module of probes, policies and advisor, and the libraries the modes load
 #   probe         mpadvise probe --json: the modes the later steps try (it also runs, for them,
 #                 when it is not selected)
-#   trial         every supported mode on examples/mlp.py: each runs to a verdict
 #   lm            fp32, every supported mode and FP8 on examples/gpt_lm.py (GPU-bound): per mode
 #                 the step time, the speed-up over fp32 and over bf16-mixed, and the achieved
 #                 TFLOP/s as a fraction of the datasheet peak that probe --json reports
+#   tests         pytest tests/gpu
+#   trial         every supported mode on examples/mlp.py: each runs to a verdict
 #   tune          a short tune of the LM, its time budget within the step; then the cache
 #                 lookup (mpadvise show) finds the winner on this machine
 #   bench         mpadvise probe --json --bench: matmul TFLOP/s per dtype (replaces probe.json)
-#   tests         pytest tests/gpu
 #
 # Writes these 8 files to $OUT (default ./gpu-check), nothing else:
 #   summary.txt  the source commit, each step's exit code, seconds and result, the verdicts and
@@ -54,7 +55,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS=(requirements imports probe trial lm tune bench tests)
+ALL_STEPS=(requirements imports probe lm tests trial tune bench)
 usage() {
     echo "usage: scripts/gpu_check.sh [--dry-run] [--only STEP,...] [--skip STEP,...]; steps: wheels ${ALL_STEPS[*]}" >&2
     exit 2
@@ -133,10 +134,12 @@ CURRENT="" STEP_PID="" FINISH="" STOPPED=""
 
 if ((DRY_RUN)); then
     DEVICE=cpu KIND=cpu TRIAL_TIMEOUT=120
+    TUNE_PRIORS=(--no-priors)  # a CPU's matmul ratios rule out every candidate untried
     MLP=(--width 128 --samples 4096 --batch-size 64)
     LM=(--width 64 --layers 2 --heads 4 --context 32 --vocab 256 --batch-size 8 --lr 3e-3)
 else
     DEVICE=cuda:0 KIND=cuda TRIAL_TIMEOUT=90
+    TUNE_PRIORS=()
     MLP=(--width 1024 --batch-size 256)
     # 210 million matmul weights and 8192 tokens a step, 11 TFLOP: the matmuls dominate even in FP8.
     LM=(--width 2048 --layers 4 --heads 16 --context 1024 --vocab 4096 --batch-size 8)
@@ -358,7 +361,12 @@ def modes(probe_json: str, kind: str) -> int:
     runs = {m: s["supported"] and (kind == "cpu" or not s["emulated"]) for m, s in support.items()}
     trial = [m for m in support if runs[m] and not m.startswith("fp8") and m != "fp32"]
     print(" ".join(trial))
-    tune = [device["safe_default"]["mode"]] + [m for m in ("tf32",) if m in trial]
+    # On a CPU without bf16 hardware the safe default is fp32: tune bf16-mixed there, the GPU's
+    # usual default, so that the dry run's tune runs trials too.
+    default = device["safe_default"]["mode"]
+    if kind == "cpu" and default == "fp32" and "bf16-mixed" in trial:
+        default = "bf16-mixed"
+    tune = [default] + [m for m in ("tf32",) if m in trial]
     print(" ".join(dict.fromkeys(m for m in tune if m != "fp32")))
     capability = tuple(device["profile"].get("compute_capability") or ())
     for mode in ("fp8-torchao", "fp8-te"):
@@ -439,8 +447,8 @@ def lm(stream: str, probe_json: str, kind: str, *lm_args: str) -> int:
         return 1
     shape = dict(width=sizes.width, layers=sizes.layers, context=sizes.context, vocab=sizes.vocab)
     weights = matmul_weights(width=sizes.width, layers=sizes.layers, vocab=sizes.vocab)
-    print(f"    {train_flops(**shape, batch=sizes.batch_size) / 1e12:.2f} TFLOP a step: {weights / 1e6:.0f}M matmul "
-          f"weights, {sizes.batch_size} x {sizes.context} tokens, {sizes.layers} layers of width {sizes.width}")
+    print(f"    {_si(train_flops(**shape, batch=sizes.batch_size))}FLOP a step: {weights:,} matmul weights, "
+          f"{sizes.batch_size} x {sizes.context} tokens, {sizes.layers} layers of width {sizes.width}")
     median = {c["mode"]: c["step_time"]["median"] for c in timed}
     for c in timed:
         seconds = c["step_time"]["median"]
@@ -448,11 +456,19 @@ def lm(stream: str, probe_json: str, kind: str, *lm_args: str) -> int:
         tflops = flops / seconds / 1e12
         family = mode_class(c["mode"]).dtype_family
         peak = peaks.get(family)
-        fraction = f"{tflops / peak:4.0%} of {family} peak {peak:g}" if peak else f"no datasheet {family} peak here"
+        fraction = f"{tflops / peak:6.1%} of the {family} peak, {peak:g}" if peak else f"no datasheet {family} peak here"
         over = {mode: f"{median[mode] / seconds:5.2f}x" if mode in median else "    -" for mode in ("fp32", "bf16-mixed")}
         print(f"    {c['mode']:<14} {seconds * 1e3:9.2f} ms {over['fp32']} fp32 {over['bf16-mixed']} bf16-mixed "
-              f"{tflops:8.2f} TFLOP/s  {fraction}")
+              f"{_si(tflops * 1e12):>9}FLOP/s  {fraction}")
     return 0
+
+
+def _si(value: float) -> str:
+    """``value`` with an SI prefix and a trailing space: 1.44e12 -> '1.44 T'."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}"
+    return f"{value:.3g} "
 
 
 def tune(tune_json: str) -> int:
@@ -639,18 +655,6 @@ judge_step() {
     while IFS= read -r line; do ROWS+=("$line"); done < "$WORK/judge.txt"
 }
 
-finish_trial() { judge_step trial "fp32 and ${#TRIAL_MODES[@]} modes on examples/mlp.py ${MLP[*]}" "${TRIAL_MODES[@]}"; }
-if selected trial; then
-    if ((!PROBED)); then
-        record trial - 0 FAIL "no modes to trial: the probe did not run or failed"
-    elif reachable trial "$(limit 180)"; then
-        begin trial finish_trial
-        trial_step trial "$(limit 180)" examples/mlp.py MLP "${TRIAL_MODES[@]}"
-        finish_trial
-        end
-    fi
-fi
-
 LM_MODES=()
 finish_lm() {
     judge_step lm "fp32 and ${#LM_MODES[@]} modes on examples/gpt_lm.py ${LM[*]}" "${LM_MODES[@]}"
@@ -678,6 +682,31 @@ if selected lm; then
         begin lm finish_lm
         trial_step lm "$(limit 240)" examples/gpt_lm.py LM "${LM_MODES[@]}"
         finish_lm
+        end
+    fi
+fi
+
+# --- the GPU tests ----------------------------------------------------------------------------
+finish_tests() { record tests "$RC" "$SECS" "$(verdict "$RC")" "$(timed_out)pytest: $(tail -n 1 "$OUT/tests.txt")"; }
+if selected tests && reachable tests "$(limit 240)"; then
+    begin tests finish_tests
+    if ((DRY_RUN)); then
+        run_step tests "$(limit 240)" "$OUT/tests.txt" "$PY" -m pytest -q -p no:cacheprovider --timeout 150 --collect-only tests/gpu
+    else
+        run_step tests "$(limit 240)" "$OUT/tests.txt" "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 150 tests/gpu
+    fi
+    finish_tests
+    end
+fi
+
+finish_trial() { judge_step trial "fp32 and ${#TRIAL_MODES[@]} modes on examples/mlp.py ${MLP[*]}" "${TRIAL_MODES[@]}"; }
+if selected trial; then
+    if ((!PROBED)); then
+        record trial - 0 FAIL "no modes to trial: the probe did not run or failed"
+    elif reachable trial "$(limit 180)"; then
+        begin trial finish_trial
+        trial_step trial "$(limit 180)" examples/mlp.py MLP "${TRIAL_MODES[@]}"
+        finish_trial
         end
     fi
 fi
@@ -714,7 +743,7 @@ if selected tune; then
         begin tune finish_tune
         : > "$OUT/tune.json"
         run_step tune "$tune_limit" "$OUT/tune.json" "$PY" -m advisor.cli tune examples/gpt_lm.py "${tune_args[@]}" \
-            --trials 4 "${STEPS[@]}" --timeout "$TRIAL_TIMEOUT" --time-budget "$time_budget" --device "$DEVICE" \
+            --trials 4 "${STEPS[@]}" --timeout "$TRIAL_TIMEOUT" --time-budget "$time_budget" --device "$DEVICE" "${TUNE_PRIORS[@]}" \
             --out "$WORK/gpt_lm.mpadvise.toml" --json -- "${LM[@]}"
         finish_tune
         end
@@ -735,19 +764,6 @@ if selected bench && reachable bench "$(limit 120)"; then
     begin bench finish_bench
     run_step bench "$(limit 120)" "$WORK/bench.json" "$PY" -m advisor.cli probe --json --bench
     finish_bench
-    end
-fi
-
-# --- the GPU tests ----------------------------------------------------------------------------
-finish_tests() { record tests "$RC" "$SECS" "$(verdict "$RC")" "$(timed_out)pytest: $(tail -n 1 "$OUT/tests.txt")"; }
-if selected tests && reachable tests "$(limit 240)"; then
-    begin tests finish_tests
-    if ((DRY_RUN)); then
-        run_step tests "$(limit 240)" "$OUT/tests.txt" "$PY" -m pytest -q -p no:cacheprovider --timeout 150 --collect-only tests/gpu
-    else
-        run_step tests "$(limit 240)" "$OUT/tests.txt" "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 150 tests/gpu
-    fi
-    finish_tests
     end
 fi
 

@@ -149,3 +149,44 @@ def test_only_tune_runs_the_tune_alone(tmp_path):
     assert proc.returncode == 130 and _rows(final) == ["cpu", "probe", "tune"]
     assert "STOPPED by SIGINT" in final
     assert {p.name for p in out.iterdir()} <= FILES
+
+
+def _helpers(tmp_path: Path) -> Path:
+    """The check's own Python (the heredoc in gpu_check.sh), as a file."""
+    text = CHECK.read_text()
+    start = text.index("cat > \"$WORK/check.py\" <<'PY'\n") + len("cat > \"$WORK/check.py\" <<'PY'\n")
+    path = tmp_path / "check.py"
+    path.write_text(text[start:text.index("\nPY\n", start)] + "\n")
+    return path
+
+
+def _trial_line(index: int, role: str, mode: str, median: float) -> str:
+    return json.dumps({"event": "trial", "index": index, "role": role, "label": mode, "mode": mode, "outcome": "ok",
+                       "exit_code": 0, "global_batch": 8, "step_time": {"median": median}})
+
+
+@pytest.mark.slow
+def test_the_lm_report_gives_speed_ups_and_the_fraction_of_the_datasheet_peak(tmp_path):
+    # Made-up step times on a made-up probe of an H200: the arithmetic of the report, not a result.
+    stream = tmp_path / "lm.json"
+    stream.write_text("\n".join([_trial_line(0, "reference", "fp32", 0.4), _trial_line(1, "replicate", "fp32", 0.4),
+                                 _trial_line(2, "candidate", "bf16-mixed", 0.04),
+                                 _trial_line(3, "candidate", "fp8-torchao", 0.032)]) + "\n{\"event\": \"tr")
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"devices": [{"profile": {"kind": "cuda"},
+                                              "peak_tflops": {"fp32": 66.9, "bf16": 989.4, "fp8": 1978.9}}]}))
+    sizes = ["--width", "2048", "--layers", "4", "--heads", "16", "--context", "1024", "--vocab", "4096", "--batch-size", "8"]
+    proc = subprocess.run([sys.executable, str(_helpers(tmp_path)), "lm", str(stream), str(probe), "cuda", *sizes],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt_lm import train_flops
+
+    flops = train_flops(width=2048, layers=4, context=1024, vocab=4096, batch=8)
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    assert list(rows) == ["fp32", "bf16-mixed", "fp8-torchao"]  # the replicate is no mode of its own
+    assert "10.00x fp32" in rows["bf16-mixed"] and " 1.00x bf16-mixed" in rows["bf16-mixed"]
+    assert "12.50x fp32" in rows["fp8-torchao"] and " 1.25x bf16-mixed" in rows["fp8-torchao"]
+    assert f"{flops / 0.04 / 1e12 / 989.4:6.1%} of the bf16 peak, 989.4" in rows["bf16-mixed"]
+    assert f"{flops / 0.032 / 1e12 / 1978.9:6.1%} of the fp8 peak" in rows["fp8-torchao"]
+    assert f"{flops / 0.4 / 1e12:.3g} TFLOP/s" in rows["fp32"]
