@@ -176,8 +176,8 @@ write_summary() {
             local rest=${NOT_REACHED[*]}
             echo "not reached: $rest; finish with: scripts/gpu_check.sh$( ((DRY_RUN)) && echo ' --dry-run') --only ${rest// /,}"
         fi
-    } > "$SUMMARY.tmp"
-    mv "$SUMMARY.tmp" "$SUMMARY"
+    } > "$WORK/summary.txt"
+    mv "$WORK/summary.txt" "$SUMMARY"  # whole, or not at all; and nothing else in $OUT
 }
 
 # begin NAME FINISH: NAME starts; FINISH is the function that records it from what its files
