@@ -499,7 +499,7 @@ def bench(probe_json: str, kind: str) -> int:
             print(f"    {row['dtype']:<6} skipped: {row.get('skipped')}")
             continue
         peak = f", {row['fraction_of_peak']:.0%} of peak {row['peak_tflops']:g}" if row.get("fraction_of_peak") else ""
-        print(f"    {row['dtype']:<6} {row['tflops']:9.2f} TFLOP/s at {row['size']}{peak}")
+        print(f"    {row['dtype']:<6} {_si(row['tflops'] * 1e12):>9}FLOP/s at {row['size']}{peak}")
     return 0 if any(row.get("tflops") for row in rows) else 1
 
 
@@ -716,9 +716,9 @@ finish_tune() {
     if [ -z "$STOPPED" ] && ((RC == 0)) && check tune "$OUT/tune.json" > "$WORK/tune-line.txt" 2>> "$LOG"; then
         if timeout "$(limit 60)" "$PY" -m advisor.cli show --json > "$WORK/show.json" 2>> "$LOG" &&
             check cached "$WORK/show.json" >> "$WORK/tune-line.txt" 2>> "$LOG"; then
-            record tune 0 "$SECS" ok "$(paste -sd ';' "$WORK/tune-line.txt")"
+            record tune 0 "$SECS" ok "$(sed ':a;N;s/\n/; /;ba' "$WORK/tune-line.txt")"
         else
-            record tune 0 "$SECS" FAIL "$(paste -sd ';' "$WORK/tune-line.txt")"
+            record tune 0 "$SECS" FAIL "$(sed ':a;N;s/\n/; /;ba' "$WORK/tune-line.txt")"
         fi
     else
         record tune "$RC" "$SECS" FAIL "$(timed_out)$(tail -n 1 "$WORK/tune.err" | cut -c1-300)"
