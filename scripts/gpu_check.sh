@@ -533,14 +533,21 @@ else
     command -v nvidia-smi > /dev/null || no_gpu "nvidia-smi is not on PATH"
     timeout 60 nvidia-smi > "$WORK/nvidia-smi.txt" 2>&1 || no_gpu "nvidia-smi failed: $(tail -n 1 "$WORK/nvidia-smi.txt")"
     cat "$WORK/nvidia-smi.txt" >> "$ENV"
-    if ! gpu=$(timeout 120 "$PY" -c '
+    probe_limit=${MPADVISE_GPU_PROBE_TIMEOUT:-120}
+    probe_rc=0
+    gpu=$(timeout "$probe_limit" "$PY" -c '
 import torch
 assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
 p = torch.cuda.get_device_properties(0)
 print(f"{p.name}, compute capability {p.major}.{p.minor}, {p.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, CUDA {torch.version.cuda}")
-' 2> "$WORK/gpu.err"); then
+' 2> "$WORK/gpu.err") || probe_rc=$?
+    if ((probe_rc == 124 || probe_rc == 137)); then
         cat "$WORK/gpu.err" >> "$LOG"
-        no_gpu "torch sees no CUDA device ($(tail -n 1 "$WORK/gpu.err" | cut -c1-200))"
+        no_gpu "the torch probe (import torch, CUDA initialisation) timed out after $probe_limit s"
+    elif ((probe_rc != 0)); then
+        cat "$WORK/gpu.err" >> "$LOG"
+        why=$(tail -n 1 "$WORK/gpu.err" | cut -c1-200)
+        no_gpu "torch sees no CUDA device (${why:-the probe exited $probe_rc with no message})"
     fi
     echo "gpu: $gpu" >> "$ENV"
     record gpu 0 "$(($(date +%s) - START))" ok "$gpu"

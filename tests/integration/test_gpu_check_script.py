@@ -25,8 +25,8 @@ FILES = {"summary.txt", "env.txt", "log.txt", "tests.txt", "probe.json", "trial.
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("MPADVISE_TRIAL_STREAM", None)
-    env.update(PYTHON=sys.executable, OUT=str(tmp_path / "out"), MPADVISE_GPU_SITE=str(tmp_path / "site"),
-               MPADVISE_GPU_CHECK_SCALE="4", MPADVISE_SOURCE="0123abc", TMPDIR=str(tmp_path), **extra)
+    env.update({"PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "MPADVISE_GPU_SITE": str(tmp_path / "site"),
+                "MPADVISE_GPU_CHECK_SCALE": "4", "MPADVISE_SOURCE": "0123abc", "TMPDIR": str(tmp_path), **extra})
     return env
 
 
@@ -190,3 +190,22 @@ def test_the_lm_report_gives_speed_ups_and_the_fraction_of_the_datasheet_peak(tm
     assert f"{flops / 0.04 / 1e12 / 989.4:6.1%} of the bf16 peak, 989.4" in rows["bf16-mixed"]
     assert f"{flops / 0.032 / 1e12 / 1978.9:6.1%} of the fp8 peak" in rows["fp8-torchao"]
     assert f"{flops / 0.4 / 1e12:.3g} TFLOP/s" in rows["fp32"]
+
+
+def test_a_torch_probe_that_hangs_is_reported_as_timed_out(tmp_path):
+    """Where nvidia-smi answers but importing torch or initialising CUDA hangs, the check stops
+    with that reason, not an empty "torch sees no CUDA device ()"."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: fake'\n")
+    python = bin_dir / "python"
+    # The probe's code is the only one that asks torch about CUDA: that one hangs.
+    python.write_text(f'#!/bin/sh\ncase "$*" in *torch.cuda*) sleep 30;; esac\nexec {sys.executable} "$@"\n')
+    for tool in (smi, python):
+        tool.chmod(0o755)
+    proc = _check(tmp_path, "--only", "imports", timeout=120, PYTHON=str(python),
+                  PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", MPADVISE_GPU_PROBE_TIMEOUT="2")
+    assert proc.returncode == 1
+    assert "the torch probe (import torch, CUDA initialisation) timed out after 2 s" in proc.stderr
+    assert "()" not in proc.stderr
