@@ -151,12 +151,16 @@ def trial(
     *,
     options: TuneOptions,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write loss curves and step times to this PNG.")] = None,
+    stream: Annotated[Path | None, typer.Option(
+        "--stream", help="Append one JSON line per finished trial to this file, then the comparison "
+        "(default: the file MPADVISE_TRIAL_STREAM names, if any), so a run cut short keeps every verdict.")] = None,
     json_output: JsonOption = False,
 ) -> None:
     """Run the fp32 reference and the named candidates; compare speed, memory and stability."""
-    from advisor.cli._trial import run_trial_command
+    from advisor.cli._trial import TrialStream, run_trial_command
 
-    code = run_trial_command(script, script_args or [], options, plot=plot, json_output=json_output, console=console)
+    code = run_trial_command(script, script_args or [], options, plot=plot, json_output=json_output, console=console,
+                             stream=None if stream is None else TrialStream(stream))
     raise typer.Exit(code)
 
 

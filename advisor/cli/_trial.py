@@ -2,9 +2,9 @@
 how far fp32 drifts after one rounding (its replicate, initial parameters perturbed once), which
 the verdicts allow for.
 
-Where ``MPADVISE_TRIAL_STREAM`` names a file, each trial's evaluation is appended to it as one
-JSON line the moment the trial finishes, and the whole comparison (what ``--json`` prints) as a
-last line: a wrapper that stops the command part-way, or runs it under a time limit, keeps
+With ``--stream FILE`` (or ``MPADVISE_TRIAL_STREAM`` naming a file), each trial's evaluation is
+appended to it as one JSON line the moment the trial finishes, and the whole comparison (what
+``--json`` prints) as a last line: a wrapper that stops the command part-way, or runs it under a time limit, keeps
 every verdict reached so far. ``--json``'s own output is unchanged.
 """
 
