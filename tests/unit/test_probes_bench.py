@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from fakes import gpu_profile
+from test_switches import NEW_API, SWITCHES
 
 import probes._bench as bench
 from probes import BenchRow, HardwareProfile, MpadviseError, matmul_benchmark, matmul_switches
@@ -276,19 +277,7 @@ def test_benchmark_gives_its_gpu_memory_back_after_an_error(monkeypatch):
 # Every (backend, operator) switch; ("generic", "all") is the root. A switch set to "none"
 # inherits from (backend, "all"), which inherits from the generic one, and torch's getters
 # report the value in effect, so a switch that inherits and one set to the same value read
-# alike until a parent changes.
-NEW_API = hasattr(torch.backends, "fp32_precision")
-SWITCHES = [
-    ("generic", "all"),
-    ("cuda", "all"),
-    ("cuda", "matmul"),
-    ("cuda", "conv"),
-    ("cuda", "rnn"),
-    ("mkldnn", "all"),
-    ("mkldnn", "matmul"),
-    ("mkldnn", "conv"),
-    ("mkldnn", "rnn"),
-]
+# alike until a parent changes. The switches are test_switches' list.
 # What a user may have set before calling the benchmark: each an ordered list of writes.
 USER_SETTINGS = {
     "fresh process": [],
