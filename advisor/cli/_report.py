@@ -24,8 +24,7 @@ from policies import Policy
 from probes import MpadviseError
 
 if TYPE_CHECKING:
-    from advisor.tune._space import Measured
-    from advisor.tune._trials import Evaluation
+    from advisor.tune import Evaluation, Measured
 
 VERDICT_STYLE = {"ok": "green", "unstable": "yellow", "pruned": "dim"}
 

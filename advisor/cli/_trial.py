@@ -42,7 +42,7 @@ from policies import Policy
 from probes import HardwareProfile, MpadviseError, hardware_fingerprint
 
 if TYPE_CHECKING:
-    from advisor.tune._trials import Evaluation
+    from advisor.tune import Evaluation
 
 EXIT_OK, EXIT_UNSTABLE = 0, 3
 STREAM_ENV = "MPADVISE_TRIAL_STREAM"

@@ -39,16 +39,19 @@ from advisor.tune._service import (
     study_name_from,
     tune_script,
 )
-from advisor.tune._space import SpaceLimits
+from advisor.tune._space import Measured, SpaceLimits
 from advisor.tune._trials import (
     WAIT_IDLE_ENV,
     Comparison,
+    Evaluation,
     ScriptRunner,
     TrialSettings,
     run_comparison,
 )
 
 __all__ = [
+    "Evaluation",
+    "Measured",
     "SpaceLimits",
     "DEFAULT_MEASURE_STEPS",
     "DEFAULT_WARMUP_STEPS",
