@@ -99,7 +99,3 @@ def utc_now_seconds() -> str:
     """The current time, UTC, ISO 8601 to the second: the daemon's timestamps."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
-
-# Old names, kept while callers outside this package's own modules still use them.
-_now = utc_now_seconds
-_write_private = write_private

@@ -31,7 +31,7 @@ from advisor.daemon._config import (
     logger,
     under_roots,
 )
-from advisor.daemon._files import _now
+from advisor.daemon._files import utc_now_seconds
 from advisor.frameworks import check_plan_modes, plan_for
 from advisor.tune import WAIT_IDLE_ENV, ScriptLaunch, TuneOptions, TuneRequest
 from probes import HardwareProfile, MpadviseError
@@ -345,7 +345,7 @@ class JobRunner:
                 return True
             state.phase = "waiting"
             record = self.store.update_job(job["id"], progress={
-                "phase": "waiting", "slot": slot.name, "waiting_for_pids": pids, "updated_at": _now(),
+                "phase": "waiting", "slot": slot.name, "waiting_for_pids": pids, "updated_at": utc_now_seconds(),
                 "message": f"waiting for {slot.name} to be idle: PIDs {', '.join(map(str, pids))} compute on it",
             })
             if self._asked_to_cancel(job["id"], record):
@@ -404,7 +404,7 @@ class JobRunner:
             # The last lines first, so a follower that sees the job finished has seen them all.
             self.store.update_job(job_id, progress={**progress, "phase": "finished", "exit_code": code,
                                                     "lines": tail.count, "recent": tail.lines()[-RECENT_LINES:],
-                                                    "updated_at": _now()})
+                                                    "updated_at": utc_now_seconds()})
             self.store.finish_job(job_id, state=final, result=result, log_tail=tail.text())
             logger.info("job %s %s (exit code %s)", job_id, final, code)
         finally:
@@ -423,7 +423,7 @@ class JobRunner:
         last_count = -1
         dirty = False
         last_gpu_check = time.monotonic()
-        record: dict[str, Any] | None = self.store.update_job(job_id, progress={**progress, "updated_at": _now()})
+        record: dict[str, Any] | None = self.store.update_job(job_id, progress={**progress, "updated_at": utc_now_seconds()})
         while True:
             try:
                 process.wait(timeout=self.poll_s)
@@ -459,7 +459,7 @@ class JobRunner:
                 last_update = now
                 recent = tail.lines()[-RECENT_LINES:]
                 record = self.store.update_job(job_id, log_tail=tail.text(), progress={
-                    **progress, "lines": tail.count, "recent": recent, "updated_at": _now(),
+                    **progress, "lines": tail.count, "recent": recent, "updated_at": utc_now_seconds(),
                 })
 
 

@@ -27,7 +27,7 @@ from _daemon_server import ROOT, Daemon, copy_scripts, daemon_env
 
 from advisor.cache._store import Store
 from advisor.daemon._client import DaemonClient, read_token
-from advisor.daemon._files import _write_private, ensure_token
+from advisor.daemon._files import ensure_token, write_private
 from probes import MpadviseError
 
 TINY_TUNE = {"trials": 1, "steps": 32, "warmup": 2, "modes": ["fp32"]}
@@ -203,7 +203,7 @@ def test_write_private_does_not_follow_a_planted_temporary_file(tmp_path):
     victim.write_text("precious\n")
     target = tmp_path / "daemon.json"
     (tmp_path / f".daemon.json.{os.getpid()}.tmp").symlink_to(victim)
-    _write_private(target, '{"pid": 1}\n')
+    write_private(target, '{"pid": 1}\n')
     assert victim.read_text() == "precious\n"
     assert target.read_text() == '{"pid": 1}\n'
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
