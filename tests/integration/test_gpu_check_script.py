@@ -71,6 +71,13 @@ def test_a_step_the_budget_cannot_hold_is_not_reached_and_the_summary_says_how_t
     assert "not reached: imports tests; finish with: scripts/gpu_check.sh --dry-run --only imports,tests" in summary
 
 
+def _interruptible() -> None:
+    """In the check's process, before bash starts: SIGINT back to its default. A test run started
+    in the background (`cmd &` in a script, as CI runners may) inherits SIGINT ignored, and a
+    shell cannot trap a signal ignored on entry, so the check would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _stop_when(proc: subprocess.Popen, ready, what: str, limit: float = 600) -> None:
     deadline = time.monotonic() + limit
     while not ready():
@@ -133,7 +140,7 @@ def test_only_tune_runs_the_tune_alone(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen(["bash", str(CHECK), "--dry-run", "--skip", "wheels", "--only", "tune"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(tmp_path), cwd=ROOT)
+                            env=_env(tmp_path), cwd=ROOT, preexec_fn=_interruptible)
     try:
         summary = out / "summary.txt"
         _stop_when(proc, lambda: summary.exists() and "RUNNING: tune" in summary.read_text(), "the tune")
