@@ -92,7 +92,7 @@ def _check_description(owner: str, cls: type[FrameworkAdapter]) -> None:
     precedence = getattr(cls, "precedence", None)
     if isinstance(precedence, bool) or not isinstance(precedence, int):
         raise ValueError(f"{owner}: precedence {precedence!r} is not allowed; set an integer, lower wins "
-                         f"(in use: {', '.join(f'{c.name} {c.precedence}' for c in _by_precedence())})")
+                         f"(in use: {', '.join(f'{c.name} {c.precedence}' for c in detection_order())})")
     if cls.install.__func__ is FrameworkAdapter.install.__func__:  # type: ignore[attr-defined]
         raise ValueError(f"{owner}: the class does not say how it applies a policy; define install()")
 
@@ -149,13 +149,9 @@ def framework_names() -> tuple[str, ...]:
     return tuple(_FRAMEWORKS)
 
 
-def _by_precedence() -> list[type[FrameworkAdapter]]:
-    return sorted(_FRAMEWORKS.values(), key=lambda cls: cls.precedence)
-
-
 def detection_order() -> tuple[type[FrameworkAdapter], ...]:
     """The registered adapter classes by detection precedence (the loop's owner first)."""
-    return tuple(_by_precedence())
+    return tuple(sorted(_FRAMEWORKS.values(), key=lambda cls: cls.precedence))
 
 
 def check_framework(name: str) -> str:
