@@ -93,6 +93,26 @@ def timed_steps(loop, batches, steps: int) -> list[float]:
     return times
 
 
+def interleaved_ratio(sides: dict[str, Callable[[], float]], rounds: int) -> dict:
+    """Time two sides in ``rounds`` interleaved pairs (their order alternating), and summarise
+    the second against the first ("hand"): each side's median in ms, the ratio of the medians,
+    the median and interquartile range of the per-round ratios."""
+    (base, other), samples = sides, {name: [] for name in sides}
+    for r in range(rounds):
+        for name in ([base, other] if r % 2 == 0 else [other, base]):
+            samples[name].append(sides[name]())
+    mid = {name: statistics.median(values) for name, values in samples.items()}
+    per_round = [o / b for o, b in zip(samples[other], samples[base])]
+    q = statistics.quantiles(per_round, n=4)
+    return {
+        f"{base}_ms": mid[base] * 1e3,
+        f"{other}_ms": mid[other] * 1e3,
+        "ratio": mid[other] / mid[base],
+        "ratio_median_of_rounds": statistics.median(per_round),
+        "ratio_iqr": [q[0], q[2]],
+    }
+
+
 def measure(mode: str, *, width: int, batch: int, rounds: int, steps: int, warmup: int) -> dict:
     torch.manual_seed(1)
     batches = [(torch.randn(batch, 256), torch.randint(0, 10, (batch,))) for _ in range(8)]
@@ -104,22 +124,14 @@ def measure(mode: str, *, width: int, batch: int, rounds: int, steps: int, warmu
         loops = {"hand": HandLoop(mode, width), "mpadvise": MpadviseLoop(mode, width)}
     for loop in loops.values():
         timed_steps(loop, batches, warmup)
-    samples: dict[str, list[float]] = {"hand": [], "mpadvise": []}
-    for r in range(rounds):
-        order = ["hand", "mpadvise"] if r % 2 == 0 else ["mpadvise", "hand"]
-        for name in order:
-            # The median of each short block is one sample: robust to a stray slow step.
-            samples[name].append(statistics.median(timed_steps(loops[name], batches, steps)))
-    hand, mine = statistics.median(samples["hand"]), statistics.median(samples["mpadvise"])
-    per_round = [m / h for m, h in zip(samples["mpadvise"], samples["hand"])]
-    q = statistics.quantiles(per_round, n=4)
+
+    def block(name: str) -> float:
+        # The median of each short block is one sample: robust to a stray slow step.
+        return statistics.median(timed_steps(loops[name], batches, steps))
+
     return {
         "mode": mode,
-        "hand_ms": hand * 1e3,
-        "mpadvise_ms": mine * 1e3,
-        "ratio": mine / hand,
-        "ratio_median_of_rounds": statistics.median(per_round),
-        "ratio_iqr": [q[0], q[2]],
+        **interleaved_ratio({"hand": lambda: block("hand"), "mpadvise": lambda: block("mpadvise")}, rounds),
         "rounds": rounds,
         "steps_per_round": steps,
     }
@@ -183,20 +195,9 @@ def measure_trial(mode: str, *, rounds: int, steps: int, warmup: int) -> dict:
     }
     for side in sides.values():
         side()  # one run each first: the allocator and the autocast caches warm up
-    samples: dict[str, list[float]] = {"hand": [], "trial": []}
-    for r in range(rounds):
-        for name in (["hand", "trial"] if r % 2 == 0 else ["trial", "hand"]):
-            samples[name].append(sides[name]())
-    hand, trial = statistics.median(samples["hand"]), statistics.median(samples["trial"])
-    per_round = [t / h for t, h in zip(samples["trial"], samples["hand"])]
-    q = statistics.quantiles(per_round, n=4)
     return {
         "mode": mode,
-        "hand_ms": hand * 1e3,
-        "trial_ms": trial * 1e3,
-        "ratio": trial / hand,
-        "ratio_median_of_rounds": statistics.median(per_round),
-        "ratio_iqr": [q[0], q[2]],
+        **interleaved_ratio(sides, rounds),
         "rounds": rounds,
         "steps_per_run": steps,
         "warmup_steps": warmup,
