@@ -392,7 +392,8 @@ class Exporter:
         return self.write(_Job(policy, self.target, self.title, device, source, traits))
 
     def write(self, job: _Job) -> Export:
-        raise NotImplementedError
+        """The target's settings for ``job`` (each exporter defines it)."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not say what it writes; define write(job)")
 
 
 # ---- Lightning: the Trainer and Fabric --------------------------------------------------------

@@ -289,10 +289,10 @@ class StepWindow:
     _watchdog: NoStepWatchdog | None
 
     def _stepping(self) -> bool:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__qualname__} does not say whether it has begun; define _stepping()")
 
     def _step_times(self) -> list[float]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__qualname__} does not say how long its steps took; define _step_times()")
 
     def _peak_memory(self) -> tuple[int | None, str]:
         """The trial's peak memory and its kind (``cuda-peak-allocated``, ``cpu-peak-rss``)."""
