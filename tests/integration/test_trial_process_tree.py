@@ -9,9 +9,9 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from test_distributed_trials import alive  # whether a process runs, zombies not counted
 
 from advisor.trial import TrialSpec, run_trial
 from advisor.trial._proctree import launcher_argv
@@ -40,15 +40,6 @@ p = subprocess.Popen(['sleep', '300'], start_new_session=True)
 open(sys.argv[1], 'w').write(str(p.pid))
 """,
 }
-
-
-def alive(pid: int) -> bool:
-    """Whether a process runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 @pytest.mark.parametrize("how", list(SCRIPTS))
