@@ -55,6 +55,7 @@ from ._protocol import (
     run_trial,
 )
 from ._recorder import FrameworkRecorder, recorder_for
+from ._timeline import PHASES, TIMELINE_MARKS, breakdown, startup_seconds
 
 __all__ = [
     "DEFAULT_MEASURE_STEPS",
@@ -62,8 +63,10 @@ __all__ = [
     "EXIT_NO_STEP",
     "EXIT_UNSUPPORTED",
     "OUTCOMES",
+    "PHASES",
     "POLICY_ENV",
     "RESULT_FIELDS",
+    "TIMELINE_MARKS",
     "TRIAL_SPEC_ENV",
     "UNDERFLOW_EVERY",
     "FrameworkRecorder",
@@ -74,6 +77,7 @@ __all__ = [
     "TrialResult",
     "TrialSpec",
     "applied_for_trial",
+    "breakdown",
     "classify",
     "end_trial_process",
     "install_excepthook",
@@ -88,5 +92,6 @@ __all__ = [
     "run_trial",
     "seed_everything",
     "spec_from_env",
+    "startup_seconds",
     "trial_candidate",
 ]

@@ -37,6 +37,7 @@ from ._protocol import (
     rank_result_path,
     unknown_result_fields,
 )
+from ._timeline import marks
 
 if TYPE_CHECKING:
     import torch
@@ -112,7 +113,7 @@ class ResultWriter:
         unknown = unknown_result_fields(fields)
         if unknown:
             raise ValueError(f"the trial result has no fields {unknown}; declare them in RESULT_FIELDS")
-        self.data.update(fields)
+        self.data.update(fields, timeline=marks())
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(self.data, default=str))
         tmp.replace(self.path)

@@ -24,6 +24,7 @@ from probes import MpadviseError
 
 from ._proctree import descendants as descendants  # re-exported: the tree walk lived here
 from ._proctree import end_trial, launcher_argv
+from ._timeline import breakdown, merge_timelines
 
 OUTCOMES = ("ok", "oom", "unstable", "crash", "timeout", "unsupported", "no-step", "no-policy")
 """``unstable`` is decided later, against the fp32 reference; the rest are decided here."""
@@ -113,6 +114,7 @@ RESULT_FIELDS: tuple[ResultField, ...] = (
     ResultField("global_batch", "samples per optimizer step"),
     ResultField("device", "the device the trial ran on"),
     ResultField("ranks", "how many processes' results were merged into this one"),
+    ResultField("timeline", "when each part of the trial happened: TIMELINE_MARKS -> epoch seconds"),
 )
 """The one declaration of the result file: the child writes only these fields
 (``ResultWriter``) and the parent rejects a file that holds any other (``classify``)."""
@@ -226,6 +228,12 @@ class TrialResult:
     fsdp: bool = False
     optimizer_eps: float | None = None
     ranks: int = 1
+    timeline: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def phases(self) -> dict[str, float | None]:
+        """Seconds in each phase of the trial's life (``advisor.trial.PHASES``)."""
+        return breakdown(self.timeline)
 
     @property
     def ran(self) -> bool:
@@ -396,12 +404,15 @@ def classify(
     timeout: float,
     wall_s: float = 0.0,
     oom_kills: int | None = None,
+    timeline: Mapping[str, float] | None = None,
 ) -> TrialResult:
     """Decide the outcome of a finished child from its result file, exit code and stderr.
 
     A pure function of its inputs, so every outcome class is unit-testable without processes.
 
     Args:
+        timeline: the parent's own marks of the trial (``launched``, ``exited``), added to the
+            child's.
         oom_kills: how many processes the kernel's OOM killer killed in the child's memory
             cgroup while it ran (``oom_kill_count`` before and after), or ``None`` where that
             is unknown. A child ended by SIGKILL while the count rose is out of memory; with
@@ -423,6 +434,7 @@ def classify(
                     "advisor.trial.RESULT_FIELDS); the script ran under another version of mpadvise: "
                     "run it with the same installation as the tune"),
             label=spec.label, policy=spec.policy, exit_code=exit_code, stderr_tail=stderr_tail, wall_s=wall_s,
+            timeline=dict(timeline or {}),
         )
     result_file: dict[str, Any] = dict(data or {})
     stage = result_file.get("stage")
@@ -435,6 +447,7 @@ def classify(
         policy=spec.policy,
         label=spec.label,
         wall_s=wall_s,
+        timeline={**(result_file.get("timeline") or {}), **(timeline or {})},
     )
     if timed_out:
         where = "before load_policy()" if stage is None else f"after {len(result_file.get('losses', []))} steps"
@@ -760,6 +773,7 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
         "complete": complete,
         "fsdp": any(present[r].get("fsdp") for r in order),
         "ranks": len(ranks),
+        "timeline": merge_timelines([present[r].get("timeline") or {} for r in order]),
     }
 
 

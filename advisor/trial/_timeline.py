@@ -1,0 +1,88 @@
+"""A trial's timeline: when each part of its life began and ended, for the per-trial breakdown.
+
+Every mark is wall-clock seconds since the epoch (``time.time()``), so that marks taken in the
+parent (``launched``, ``exited``) and in the child (the rest) read on one clock. The child keeps
+its marks in this module (standard library only, so the launcher's runner can mark the moment
+torch is imported before anything else of the project is loaded); its result file carries them
+as ``timeline``, and the parent adds its own two.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+
+TIMELINE_MARKS: tuple[str, ...] = (
+    "launched",  # parent: just before the trial's process was started (or forked)
+    "torch_imported",  # child: ``import torch`` done
+    "policy_applied",  # child: the candidate is applied (``load_policy()``, or a framework's install)
+    "first_step",  # child: the first optimizer step ended
+    "warmup_done",  # child: the last warm-up step ended (the measured window begins)
+    "measured_done",  # child: the measured window ended
+    "exited",  # parent: the trial's process was seen to end
+)
+"""The marks of a trial's timeline, in the order they happen."""
+
+PHASES: tuple[tuple[str, str, str], ...] = (
+    ("startup", "launched", "torch_imported"),
+    ("script_setup", "torch_imported", "policy_applied"),
+    ("to_first_step", "policy_applied", "first_step"),
+    ("warmup", "first_step", "warmup_done"),
+    ("measured", "warmup_done", "measured_done"),
+    ("exit", "measured_done", "exited"),
+)
+"""Each phase of the breakdown: its name and the marks that begin and end it."""
+
+_marks: dict[str, float] = {}
+
+
+def mark(name: str, at: float | None = None) -> None:
+    """Record that ``name`` happened now (or ``at``); the first record of a mark stands.
+
+    Raises:
+        ValueError: ``name`` is not one of ``TIMELINE_MARKS``.
+    """
+    if name not in TIMELINE_MARKS:
+        raise ValueError(f"timeline mark {name!r} is not one of {list(TIMELINE_MARKS)}")
+    _marks.setdefault(name, time.time() if at is None else float(at))
+
+
+def marks() -> dict[str, float]:
+    """This process's marks so far."""
+    return dict(_marks)
+
+
+def clear() -> None:
+    """Forget this process's marks (a process forked to run a new trial starts afresh)."""
+    _marks.clear()
+
+
+def breakdown(timeline: Mapping[str, float]) -> dict[str, float | None]:
+    """Seconds spent in each phase of ``PHASES``; ``None`` for a phase missing either mark (a
+    trial that ended early) or whose marks are out of order."""
+    out: dict[str, float | None] = {}
+    for phase, begin, end in PHASES:
+        a, b = timeline.get(begin), timeline.get(end)
+        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isfinite(a) and math.isfinite(b)
+        out[phase] = round(b - a, 6) if ok and b >= a else None
+    return out
+
+
+def startup_seconds(timeline: Mapping[str, float]) -> float | None:
+    """Seconds from the launch to the end of the first optimizer step: what a trial pays before
+    it measures anything (imports, the script's own set-up, the first step's compilation)."""
+    a, b = timeline.get("launched"), timeline.get("first_step")
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or b < a:
+        return None
+    return b - a
+
+
+def merge_timelines(timelines: list[Mapping[str, float]]) -> dict[str, float]:
+    """One timeline from several ranks': each mark at the latest rank, which the others wait for."""
+    merged: dict[str, float] = {}
+    for timeline in timelines:
+        for name, at in timeline.items():
+            if name in TIMELINE_MARKS and isinstance(at, (int, float)):
+                merged[name] = max(merged.get(name, at), at)
+    return merged
