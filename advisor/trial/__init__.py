@@ -56,6 +56,7 @@ from ._protocol import (
 )
 from ._recorder import FrameworkRecorder, recorder_for
 from ._timeline import PHASES, TIMELINE_MARKS, breakdown, startup_seconds
+from ._warm import WARM_ENV, WarmLauncher, framework_preload
 
 __all__ = [
     "DEFAULT_MEASURE_STEPS",
@@ -69,6 +70,7 @@ __all__ = [
     "TIMELINE_MARKS",
     "TRIAL_SPEC_ENV",
     "UNDERFLOW_EVERY",
+    "WARM_ENV",
     "FrameworkRecorder",
     "ResultField",
     "ResultWriter",
@@ -76,10 +78,12 @@ __all__ = [
     "StepWindow",
     "TrialResult",
     "TrialSpec",
+    "WarmLauncher",
     "applied_for_trial",
     "breakdown",
     "classify",
     "end_trial_process",
+    "framework_preload",
     "install_excepthook",
     "json_float",
     "merge_rank_results",

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 PR_SET_CHILD_SUBREAPER = 36
 """``prctl`` option (linux/prctl.h): orphans below this process are reparented to it."""
@@ -36,6 +36,18 @@ KILL_TIMEOUT = 30.0
 
 ProcessTable = Mapping[int, tuple[int, str]]
 """pid -> (parent pid, state letter as in ``/proc/PID/stat``: R, S, D, T, Z...)."""
+
+
+class TrialProcess(Protocol):
+    """What ``end_trial`` and the trial's wait need of its process: a ``subprocess.Popen``, or
+    the handle of a launcher forked by the warm server (``advisor.trial._warm.WarmTrial``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 def launcher_argv(python: str) -> list[str]:
@@ -151,7 +163,7 @@ def kill_tree(
         sleep(0.01)
 
 
-def end_trial(proc: subprocess.Popen[bytes], *, timeout: float = KILL_TIMEOUT) -> list[int]:
+def end_trial(proc: TrialProcess, *, timeout: float = KILL_TIMEOUT) -> list[int]:
     """Kill a trial started in a session of its own (``start_new_session=True``): every
     process below it, then its process group and itself.
 
@@ -205,9 +217,15 @@ def _exit_as(code: int) -> NoReturn:
     os._exit(128 + sig)  # a signal whose default action is not to terminate
 
 
-def launch(command: list[str]) -> NoReturn:
-    """Run ``command`` as a child subreaper's only child; exit as it exited, once no process
-    below this one runs."""
+def supervise(start: Callable[[], int]) -> NoReturn:
+    """Be a trial's launcher: become a child subreaper, start the trial's command (``start``
+    returns its pid), reap orphans until it ends, kill what is left below, and exit as it did.
+
+    ``start`` runs once this process is the subreaper and handles SIGTERM and SIGHUP, so
+    nothing it starts can escape; it either spawns a command (``launch``) or forks (the warm
+    launcher, ``advisor.trial._warm``). It may raise ``OSError``: the launcher then exits 127,
+    as a shell does for a command it cannot start.
+    """
     become_subreaper()
 
     def end_on_signal(signum: int, frame: object) -> NoReturn:
@@ -217,18 +235,31 @@ def launch(command: list[str]) -> NoReturn:
     for name in ("SIGTERM", "SIGHUP"):  # SIGKILL cannot be caught: the parent calls kill_tree
         signal.signal(getattr(signal, name), end_on_signal)
     try:
-        child = subprocess.Popen(command)
+        child = start()
     except OSError as exc:
-        print(f"mpadvise: cannot start {command[0]}: {exc}", file=sys.stderr)
+        print(f"mpadvise: {exc}", file=sys.stderr)
         _exit_as(127)
     while True:
         # Orphans reparented here are reaped as they end, until the command itself ends.
         pid, status = os.wait()
-        if pid == child.pid:
+        if pid == child:
             break
     kill_tree(os.getpid())
     _reap_ended()
     _exit_as(os.waitstatus_to_exitcode(status))
+
+
+def launch(command: list[str]) -> NoReturn:
+    """Run ``command`` as a child subreaper's only child; exit as it exited, once no process
+    below this one runs."""
+
+    def start() -> int:
+        try:
+            return subprocess.Popen(command).pid
+        except OSError as exc:
+            raise OSError(f"cannot start {command[0]}: {exc}") from exc
+
+    supervise(start)
 
 
 if __name__ == "__main__":

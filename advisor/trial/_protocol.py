@@ -22,9 +22,10 @@ from typing import Any
 
 from probes import MpadviseError
 
+from ._proctree import TrialProcess, end_trial, launcher_argv
 from ._proctree import descendants as descendants  # re-exported: the tree walk lived here
-from ._proctree import end_trial, launcher_argv
 from ._timeline import breakdown, merge_timelines
+from ._warm import WarmLauncher, cold_command
 
 OUTCOMES = ("ok", "oom", "unstable", "crash", "timeout", "unsupported", "no-step", "no-policy")
 """``unstable`` is decided later, against the fp32 reference; the rest are decided here."""
@@ -325,11 +326,17 @@ def run_trial(
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
     launch: Sequence[str] = (),
+    warm: WarmLauncher | None = None,
 ) -> TrialResult:
     """Run ``python script args`` with ``spec`` injected; classify the outcome.
 
     ``launch`` goes between the interpreter and the script: a module that runs the script
     (``-m advisor.frameworks._boot lightning``, ``-m torch.distributed.run ...``).
+
+    With ``warm``, the trial is forked from its warm server, torch already imported, where that
+    is as good as a fresh interpreter (``advisor.trial._warm``); otherwise, and wherever the
+    server says no, it starts cold, in a fresh interpreter. Either way the timeline carries the
+    parent's ``launched`` and ``exited`` marks.
 
     Subprocesses isolate out-of-memory, CUDA errors, segfaults and hangs. The child writes its
     measurements to ``spec.result_path``; stderr goes to a file whose tail is kept.
@@ -352,19 +359,26 @@ def run_trial(
     # The child starts in this process's memory cgroup: counting that cgroup's OOM kills before
     # and after tells a kill by the kernel's OOM killer from any other SIGKILL.
     oom_before = oom_kill_count()
-    start = time.perf_counter()
+    command = [*launch, str(script), *args]
     with tempfile.TemporaryFile("w+b") as err, tempfile.TemporaryFile("w+b") as out:
-        # Under the launcher (Linux), every process the script starts stays below the trial,
-        # even in a session of its own or once its parent has died, and none outlives the trial.
-        proc = subprocess.Popen(
-            [*launcher_argv(python), python, *launch, str(script), *args],
-            stdout=out,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            env=child_env,
-            cwd=cwd,
-            start_new_session=True,  # so a timeout can kill the script's own children too
-        )
+        launched, start = time.time(), time.perf_counter()
+        proc: TrialProcess | None = None
+        if warm is not None:
+            proc = warm.start_trial(command, env=child_env, cwd=cwd, stdout=out, stderr=err, python=python,
+                                    nproc_per_node=spec.nproc_per_node)
+        if proc is None:
+            launched, start = time.time(), time.perf_counter()
+            # Under the launcher (Linux), every process the script starts stays below the trial,
+            # even in a session of its own or once its parent has died, and none outlives the trial.
+            proc = subprocess.Popen(
+                [*launcher_argv(python), *cold_command(python, command, nproc_per_node=spec.nproc_per_node)],
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=child_env,
+                cwd=cwd,
+                start_new_session=True,  # so a timeout can kill the script's own children too
+            )
         timed_out = False
         try:
             code = proc.wait(timeout=timeout)
@@ -376,9 +390,9 @@ def run_trial(
             end_trial(proc)
             proc.wait()
             raise
+        exited, wall = time.time(), time.perf_counter() - start
         err.seek(0)
         tail = _tail(err.read())
-    wall = time.perf_counter() - start
     oom_after = oom_kill_count() if oom_before is not None else None
     data = merge_rank_results([_read_json(path) for path in rank_paths]) if rank_paths else _read_json(result_path)
     spec_file.unlink(missing_ok=True)
@@ -391,6 +405,7 @@ def run_trial(
         timeout=timeout,
         wall_s=wall,
         oom_kills=None if oom_after is None or oom_before is None else max(0, oom_after - oom_before),
+        timeline={"launched": launched, "exited": exited},
     )
 
 

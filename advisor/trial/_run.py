@@ -1,0 +1,43 @@
+"""``python -P -m advisor.trial._run [LAUNCH...] SCRIPT [ARGS...]``: run a cold trial's command
+as ``python [LAUNCH...] SCRIPT [ARGS...]`` would, the moment torch's import is done marked on
+the trial's timeline; ``... _run --warm-server FD [PRELOAD...]`` is the warm server instead.
+
+Only an entry point: what it runs lives in ``_warm`` (``run_as_python``, ``serve``), where the
+warm server's forked children run the same code. No module imports this one, so that
+``python -m`` runs it without a second copy of it in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
+
+from ._warm import (
+    RUN_MODULE,
+    SERVER_FLAG,
+    exit_forked,
+    mark_torch_import,
+    parse_command,
+    run_as_python,
+    serve,
+)
+
+
+def main(argv: list[str]) -> NoReturn:
+    """Run ``python ARGV...`` in this fresh interpreter, or be the warm server."""
+    if argv[:1] == [SERVER_FLAG] and len(argv) >= 2:
+        serve(int(argv[1]), argv[2:])
+        raise SystemExit(0)
+    command = parse_command(argv)
+    if command is None:
+        print(f"usage: python -P -m {RUN_MODULE} [-P] (-m MODULE | SCRIPT) [ARGS...]", file=sys.stderr)
+        raise SystemExit(2)
+    mark_torch_import()
+    code = run_as_python(command)
+    if code >= 0:
+        raise SystemExit(code)  # the interpreter's own way out: threads joined, atexit, flush
+    exit_forked(code)  # a signal's status (KeyboardInterrupt): the same way out, then the signal
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
