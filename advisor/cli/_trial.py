@@ -137,8 +137,13 @@ def run_trial_command(
     # The reference, its perturbed replicate, then each candidate.
     stream = TrialStream.from_environ() if stream is None else stream
     stream.check_writable()
-    with trial_progress(progress_console, len(candidates) + 2, enabled=sys.stderr.isatty() or not json_output) as (start, done):
-        comparison = run_comparison(runner, candidates, on_start=start, on_done=_both(done, stream.trial))
+    try:
+        with trial_progress(progress_console, len(candidates) + 2, enabled=sys.stderr.isatty() or not json_output) as (start, done):
+            comparison = run_comparison(runner, candidates, on_start=start, on_done=_both(done, stream.trial))
+    finally:
+        close = getattr(runner, "close", None)  # ends the runner's warm server; a stand-in may hold none
+        if close is not None:
+            close()
     if plot is not None:
         plot_trials(str(plot), comparison.reference, comparison.evaluations)
     payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot)

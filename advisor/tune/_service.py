@@ -225,15 +225,20 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
     if launch.framework is not None:
         how = "read from its imports" if launch.detected else "--framework"
         get_logger().info(f"{path.name} trains with {launch.label} ({how}): the search covers what it can apply")
+    own: ScriptRunner | None = None  # a runner built here holds a warm server, ended below
     if runner is None:
         # Under the daemon, every trial first waits until no other process computes on the GPU.
         wait_idle_on = profile if os.environ.get(WAIT_IDLE_ENV) else None
-        runner = ScriptRunner(path, list(request.args), TrialSettings.for_tune(options), wait_idle_on=wait_idle_on,
-                              launch=launch.launch)
-    # The budget plus the reference and its replicate; then each round of re-measurement.
-    with (progress or _silent)(options.trials + 2) as (on_start, on_done, on_round):
-        result = tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
-                             on_start=on_start, on_done=on_done, on_round=on_round, limits=launch.limits)
+        runner = own = ScriptRunner(path, list(request.args), TrialSettings.for_tune(options), wait_idle_on=wait_idle_on,
+                                    launch=launch.launch)
+    try:
+        # The budget plus the reference and its replicate; then each round of re-measurement.
+        with (progress or _silent)(options.trials + 2) as (on_start, on_done, on_round):
+            result = tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
+                                 on_start=on_start, on_done=on_done, on_round=on_round, limits=launch.limits)
+    finally:
+        if own is not None:
+            own.close()
     config_file, cache_id = keep_answer(result, options, profile, path, request.args, framework=launch.framework)
     return ScriptTune(result, request, profile, study_name, config_file, cache_id, calls_load_policy(path))
 

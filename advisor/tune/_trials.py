@@ -24,7 +24,16 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import probes
 from advisor._entry import module_argv
 from advisor._log import get_logger
-from advisor.trial import TrialResult, TrialSpec, classify, json_float, run_in_process, run_trial
+from advisor.trial import (
+    TrialResult,
+    TrialSpec,
+    WarmLauncher,
+    classify,
+    framework_preload,
+    json_float,
+    run_in_process,
+    run_trial,
+)
 from advisor.tune._options import (
     DEFAULT_MEASURE_STEPS,
     DEFAULT_WARMUP_STEPS,
@@ -198,11 +207,17 @@ def wait_until_idle(
 
 
 class ScriptRunner:
-    """Run ``python script args`` once per candidate, each in its own subprocess.
+    """Run ``python script args`` once per candidate, each in its own process.
 
     With ``wait_idle_on`` (a CUDA profile), each trial first waits until that GPU has no other
     compute process. ``launch`` goes between the interpreter and the script (see
-    ``advisor.trial._protocol.run_trial``): how a framework script or a multi-process trial starts.
+    ``advisor.trial.run_trial``): how a framework script or a multi-process trial starts.
+
+    Trials are forked from a warm server (``advisor.trial.WarmLauncher``) that imports torch,
+    the project and a framework script's framework once, on the first trial; the runners derived
+    from this one (``perturbed``, ``with_measure_steps``) share it. ``close()`` (or leaving a
+    ``with`` block) ends it; a trial that cannot be forked starts cold, as does every trial
+    under ``MPADVISE_WARM_TRIALS=0``.
     """
 
     def __init__(
@@ -214,6 +229,7 @@ class ScriptRunner:
         python: str | None = None,
         wait_idle_on: HardwareProfile | None = None,
         launch: Sequence[str] = (),
+        warm: WarmLauncher | None = None,
     ) -> None:
         import sys
 
@@ -223,8 +239,20 @@ class ScriptRunner:
         self.python = python or sys.executable
         self.wait_idle_on = wait_idle_on
         self.launch = tuple(launch)
+        # Started on the first trial that can be forked; shared with the runners derived from this.
+        self.warm = warm if warm is not None else WarmLauncher(self.python, preload=framework_preload(self.launch))
         self._dir = tempfile.TemporaryDirectory(prefix="mpadvise-trial-")
         self._count = 0
+
+    def close(self) -> None:
+        """End the warm server, if one runs (shared: the derived runners' too)."""
+        self.warm.close()
+
+    def __enter__(self) -> ScriptRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def seed(self) -> int:
@@ -244,7 +272,7 @@ class ScriptRunner:
 
     def _with(self, **settings: Any) -> ScriptRunner:
         return ScriptRunner(self.script, self.args, dataclasses.replace(self.settings, **settings),
-                            python=self.python, wait_idle_on=self.wait_idle_on, launch=self.launch)
+                            python=self.python, wait_idle_on=self.wait_idle_on, launch=self.launch, warm=self.warm)
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         if self.wait_idle_on is not None:
@@ -260,7 +288,7 @@ class ScriptRunner:
         path = os.path.join(self._dir.name, f"trial-{self._count}.json")
         spec = self.settings.spec(policy, path, label)
         return run_trial(self.script, self.args, spec, timeout=self.settings.timeout, python=self.python,
-                         launch=self.settings.launch(self.python, self.launch))
+                         launch=self.settings.launch(self.python, self.launch), warm=self.warm)
 
 
 class FunctionRunner:
