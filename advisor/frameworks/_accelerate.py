@@ -395,6 +395,7 @@ class _Application:
         self.note(f"Accelerator: {self.settings.describe()}{was}")
         if self.recorder is not None:
             self.recorder.set_device(accelerator.device)
+            self.recorder.policy_applied()  # the Accelerator runs the candidate's settings
         if self.steps is not None:
             self.steps.accelerators.append(accelerator)
             self.steps.fp8_mode = self.fp8_mode
@@ -527,6 +528,7 @@ class _Steps:
         self._hooked.add(id(model))
         if self.model is None:
             self.model = built
+            self.recorder.watch_model(model)
         import torch
         from accelerate.utils.operations import ignorant_find_batch_size
 

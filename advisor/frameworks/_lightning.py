@@ -333,7 +333,8 @@ def install_trainer(policy: Policy, *, recorder: FrameworkRecorder | None, devic
     """
     application = _prepare(policy, recorder, device)
     for package in _installed(TRAINER_PACKAGES):
-        _patch_init(importlib.import_module(package).Trainer, package, application.trainer_kwargs)
+        _patch_init(importlib.import_module(package).Trainer, package, application.trainer_kwargs,
+                    application.trainer_built)
 
 
 def install_fabric(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
@@ -551,6 +552,11 @@ class _Application:
         callbacks.append(steps.callback(callbacks_module.Callback))
         kwargs["callbacks"] = callbacks
 
+    def trainer_built(self, trainer: Any) -> None:
+        """A Trainer exists with the policy's precision plugin: the candidate is applied."""
+        if self.recorder is not None:
+            self.recorder.policy_applied()
+
     # ---- Fabric -------------------------------------------------------------------------------
 
     def fabric_kwargs(self, package: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -569,8 +575,10 @@ class _Application:
         return kwargs
 
     def fabric_built(self, fabric: Any) -> None:
+        """A Fabric exists with the policy's precision plugin: the candidate is applied."""
         if self.recorder is not None:
             self.recorder.set_device(fabric.device)
+            self.recorder.policy_applied()
 
 
 def _amp_device(accelerator: Any) -> str:
@@ -666,6 +674,7 @@ class _TrainerSteps:
         size = batch_size_of(batch)
         if not self.recorder.begun:
             self.recorder.perturb(module)
+            self.recorder.watch_model(module)
             accum = int(trainer.accumulate_grad_batches or 1)
             self.recorder.begin(user_batch=size, micro_batch=size, grad_accum_steps=accum)
             optimizers = trainer.optimizers
@@ -766,6 +775,7 @@ class _FabricSteps:
         self._hooked.add(id(module))
         if self.model is None:
             self.model = module
+            self.recorder.watch_model(module)
 
         def pre_hook(mod: Any, args: Any, kwargs: Any) -> None:
             import torch

@@ -347,6 +347,7 @@ class TrainerHooks:
         self.note(f"the Trainer's Accelerator runs mixed_precision={accelerator.mixed_precision} on {trainer.args.device}")
         if self.recorder is not None:
             self.recorder.set_device(trainer.args.device)
+            self.recorder.policy_applied()  # the Trainer and its Accelerator run the candidate
         trainer.add_callback(self._callback(trainer))
         step = trainer.training_step  # the most derived one: a subclass's override included
         trainer.training_step = lambda *a, **kw: self.training_step(trainer, step, *a, **kw)
@@ -370,6 +371,7 @@ class TrainerHooks:
     def train_begin(self, trainer: Any, model: Any, optimizer: Any) -> None:
         if self.recorder is not None:
             self.recorder.perturb(trainer.model)
+            self.recorder.watch_model(trainer.model)
             self.recorder.workload(trainer.model, getattr(optimizer, "optimizer", optimizer), global_batch=self.user_batch)
         if not trainer.args.torch_compile and not self._checked_forward:
             self._watch_forward(trainer.model, trainer.args.device.type)

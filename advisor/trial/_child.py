@@ -37,7 +37,8 @@ from ._protocol import (
     rank_result_path,
     unknown_result_fields,
 )
-from ._timeline import marks
+from ._timeline import clear as clear_marks
+from ._timeline import mark, marks
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +73,13 @@ NO_STEP_POLL_S = 0.25
 # replicate differs by one, once, so how far it drifts is how much this workload amplifies
 # a perturbation of precision's size (docs/stability.md, "Calibration to the workload").
 PERTURBATIONS: dict[str, float] = {"bf16": 2.0**-8}
+# The optimizer step whose FLOPs are counted (``spec.count_flops``): the second, so that the
+# first step's compilation, autotuning and allocator growth are not inside the count. It must
+# be a warm-up step: counting slows the step it counts, and no measured step may carry that.
+FLOPS_STEP = 2
+FLOPS_ESTIMATE = "6 x parameters x tokens"
+"""The ``flops_basis`` of the estimate for a model fed token ids: 2 FLOPs per multiply-add,
+the backward twice the forward, per trainable parameter and token."""
 _CHILD_APPLIED: AppliedPolicy | None = None
 
 
@@ -238,6 +246,7 @@ def run_in_process(train_fn: Any, spec: TrialSpec, *, profile: HardwareProfile) 
     # An earlier trial's model and data may still be held by reference cycles (the frames of
     # the exception that ended it): free them, or they count in this trial's memory.
     gc.collect()
+    clear_marks()  # this process ran earlier trials: their marks are not this one's
     writer = ResultWriter(spec.result_path)
     writer.write(stage=Stage.LOADED)
     applied = _build(spec, writer, profile=profile, device=spec.device, in_process=True)
@@ -269,11 +278,16 @@ class StepWindow:
     of optimizer steps, timed on one DeviceClock, and the three ways a trial child ends (the
     window is full; no step came in time; the script ended before the window was full).
 
-    A subclass sets ``spec``, ``writer``, ``marks``, ``clock``, ``_finished`` and what it
-    recorded (per step: ``losses``, ``loss_scale``, ``skipped``, ``samples``; of the workload:
-    ``notes``, ``workload_fingerprint``, ``model_signature``, ``fsdp``, ``batch``), and says
-    whether the first step has begun (``_stepping``) and how long each step took
-    (``_step_times``). ``result_payload`` turns that state into the result file's measurements.
+    A subclass sets ``spec``, ``writer``, ``marks``, ``clock``, ``_finished``, ``_watchdog``,
+    ``_flops`` (``StepFlops.for_spec``) and what it recorded (per step: ``losses``,
+    ``loss_scale``, ``skipped``, ``samples``; of the workload: ``notes``,
+    ``workload_fingerprint``, ``model_signature``, ``fsdp``, ``batch``), and says whether the
+    first step has begun (``_stepping``) and how long each step took (``_step_times``).
+    ``result_payload`` turns that state into the result file's measurements.
+
+    Both mark the trial's timeline alike (``advisor.trial._timeline``): ``policy_applied`` when
+    the candidate is applied (which starts the first-step watchdog), then ``first_step``,
+    ``warmup_done`` and ``measured_done`` at the ends of those optimizer steps.
     """
 
     spec: TrialSpec
@@ -288,6 +302,7 @@ class StepWindow:
     optimizer_eps: float | None = None
     _finished: bool
     _watchdog: NoStepWatchdog | None
+    _flops: StepFlops | None
 
     def _stepping(self) -> bool:
         raise NotImplementedError(f"{type(self).__qualname__} does not say whether it has begun; define _stepping()")
@@ -314,6 +329,10 @@ class StepWindow:
         losses = [float(v) for v in self.losses]
         underflow, note = self._underflow()
         notes = list(self.notes)
+        flops_per_step, flops_basis = (None, None) if self._flops is None else self._flops.result()
+        flops_note = StepFlops.note_for(self.spec, self._flops)
+        if flops_note is not None:
+            notes.append(flops_note)
         return {
             "stage": Stage.DONE,
             "complete": complete,
@@ -331,6 +350,8 @@ class StepWindow:
             "model_signature": self.model_signature,
             "fsdp": self.fsdp,
             "optimizer_eps": self.optimizer_eps,
+            "flops_per_step": flops_per_step,
+            "flops_basis": flops_basis,
             **self.batch,
         }
 
@@ -340,6 +361,8 @@ class StepWindow:
         if self._finished:
             return
         self._finished = True
+        if self._flops is not None:
+            self._flops.stop(discard=True)  # a run that ended inside the counted step counted part of it
         self.clock.sync()
         self.writer.write(**self.result_payload(complete=complete))
         if complete:
@@ -347,18 +370,58 @@ class StepWindow:
                 raise TrialComplete
             end_trial_process(0)
 
-    def _watch_for_no_step(self) -> None:
-        """In a child process: end it if no step comes in time, and keep a short run at exit."""
-        self._watchdog = NoStepWatchdog(self.spec.no_step_timeout, self._no_step)
-        self._watchdog.start()
+    def _keep_short_run(self) -> None:
+        """In a child process: a script that ends before the window is full keeps its steps."""
         atexit.register(self._at_exit)
 
-    def _end_of_step(self, steps: int) -> None:
-        """Mark the end of optimizer step number ``steps``; a full window ends the trial."""
-        if steps == self.spec.warmup_steps:
-            self.clock.sync()  # edge of the measured window
+    def _policy_applied(self, *, watch: bool) -> None:
+        """The candidate is applied: mark it, and with ``watch`` (a child process) give the script
+        ``spec.first_step_timeout`` from now to reach its first optimizer step.
+
+        The watchdog counts from here, not from the process's start: imports, the script's data
+        preparation and a framework's own set-up before that are no part of the candidate's cost.
+        """
+        mark("policy_applied")
+        if watch and self._watchdog is None and not self._stepping():
+            self._watchdog = NoStepWatchdog(self.spec.first_step_timeout, self._no_step)
+            self._watchdog.start()
+
+    def watch_model(self, model: Any) -> None:
+        """The model the script trains: its first forward's input says whether it is fed token
+        ids, for the FLOP estimate where counting fails (only with ``spec.count_flops``)."""
+        if self._flops is not None:
+            self._flops.watch(model)
+
+    def _open_window(self) -> None:
+        """The first optimizer step begins: the clock's first mark (without a warm-up, also the
+        edge of the measured window)."""
+        self.clock.sync()
         self.marks.append(self.clock.mark())
-        if steps >= self.spec.warmup_steps + self.spec.measure_steps:
+        if self.spec.warmup_steps == 0:
+            mark("warmup_done")
+
+    def _end_of_step(self, steps: int) -> None:
+        """Mark the end of optimizer step number ``steps``; a full window ends the trial.
+
+        The FLOP counter (``spec.count_flops``) is entered just after the mark that ends the step
+        before the counted one and left just before the counted step's own mark, so that its
+        cost falls inside that warm-up step and in no other.
+        """
+        flops, warmup = self._flops, self.spec.warmup_steps
+        if flops is not None and steps == flops.step:
+            flops.stop()
+        if steps == warmup or (steps == 1 and warmup > 1):
+            self.clock.sync()  # edge of the measured window; the first step's end, for its mark
+        self.marks.append(self.clock.mark())
+        if steps == 1:
+            mark("first_step")
+        if steps == warmup:
+            mark("warmup_done")
+        if flops is not None and steps == flops.step - 1:
+            flops.start()
+        if steps >= warmup + self.spec.measure_steps:
+            self.clock.sync()
+            mark("measured_done")
             self.finish(complete=True)
 
     def _no_step(self) -> None:
@@ -402,6 +465,7 @@ class TrialRecorder(StepObserver, StepWindow):
         self.clock = DeviceClock(None)
         self._previous_device: int | None = None  # in process: the current device to give back
         self._rss: TrialPeakRss | None = None
+        self._flops = StepFlops.for_spec(spec)
 
     def attach(self, applied: AppliedPolicy) -> None:
         import torch
@@ -420,8 +484,10 @@ class TrialRecorder(StepObserver, StepWindow):
                 # This process outlives the trial, so its lifetime peak RSS is not the trial's.
                 self._rss = TrialPeakRss()
                 self._rss.start()
-            return  # no watchdog or exit hooks: the caller owns this process
-        self._watch_for_no_step()
+            self._policy_applied(watch=False)  # no watchdog or exit hooks: the caller owns this process
+            return
+        self._keep_short_run()
+        self._policy_applied(watch=True)
 
     def _use_device(self, device: torch.device) -> None:
         """Make the trial's device the current one while the trial runs.
@@ -448,6 +514,7 @@ class TrialRecorder(StepObserver, StepWindow):
         if self.spec.perturb and not self._perturbed:
             self._perturbed = True
             perturb_parameters(model, perturb=self.spec.perturb, seed=self.spec.seed)
+        self.watch_model(model)
 
     def before_step(self, applied: AppliedPolicy) -> None:
         if not self._stepped_once:
@@ -455,8 +522,7 @@ class TrialRecorder(StepObserver, StepWindow):
             if self._watchdog is not None:
                 self._watchdog.cancel()
             self.writer.write(stage=Stage.STEPPING, **self._batch_facts(applied))
-            self.clock.sync()
-            self.marks.append(self.clock.mark())
+            self._open_window()
 
     def after_backward(self, applied: AppliedPolicy, optimizer: torch.optim.Optimizer) -> None:
         # Everything here is the recorder's, not the user's: it runs between two marks that
@@ -553,8 +619,10 @@ class TrialRecorder(StepObserver, StepWindow):
         }
 
     def close(self) -> None:
-        """Stop what runs beside the trial (the RSS sampler) and give back the current device,
-        however the trial ended."""
+        """Stop what runs beside the trial (the RSS sampler, a FLOP count in progress) and give
+        back the current device, however the trial ended."""
+        if self._flops is not None:
+            self._flops.stop(discard=True)  # the training function raised inside the counted step
         if self._rss is not None:
             self._rss.stop()
         if self._previous_device is not None:
@@ -562,6 +630,156 @@ class TrialRecorder(StepObserver, StepWindow):
 
             torch.cuda.set_device(self._previous_device)
             self._previous_device = None
+
+class StepFlops:
+    """Counts the FLOPs of one whole optimizer step of a trial: forward, backward and optimizer,
+    over all of the step's micro-batches.
+
+    torch's ``FlopCounterMode`` is entered at the end of the step before (``start``) and left at
+    the end of the counted step (``stop``), so it sees everything the process computes in
+    between, whatever framework runs the loop. It counts matmuls, convolutions and attention
+    from their shapes, the work that dominates training; element-wise work is not counted.
+
+    Where counting fails (it raised, or counted nothing: work the counter does not know) and the
+    model's first training forward took an integer tensor (token ids), the step's work is
+    estimated as 6 x trainable parameters x tokens (2 FLOPs per multiply-add, the backward twice
+    the forward), the tokens being those the counted step's forwards took.
+
+    Args:
+        step: the optimizer step to count (from 1); the one before it must end first.
+    """
+
+    def __init__(self, step: int = FLOPS_STEP) -> None:
+        self.step = step
+        self.flops: int | None = None
+        self.error: str | None = None
+        self.tokens = 0
+        self.integer_input: bool | None = None
+        self.parameters = 0
+        self._model: Any = None
+        self._counter: Any = None
+        self._counting = False
+        self._done = False
+
+    @classmethod
+    def for_spec(cls, spec: TrialSpec) -> StepFlops | None:
+        """The counter a trial asks for (``spec.count_flops``), or ``None``: not asked, or a
+        warm-up too short to hold the counted step."""
+        if not spec.count_flops or spec.warmup_steps < FLOPS_STEP:
+            return None
+        return cls()
+
+    @staticmethod
+    def note_for(spec: TrialSpec, flops: StepFlops | None) -> str | None:
+        """A sentence for the trial's report where FLOPs were asked for and not counted."""
+        if not spec.count_flops:
+            return None
+        if flops is None:
+            return (f"FLOPs per step not counted: the warm-up has {spec.warmup_steps} steps, and the counted step "
+                    f"(step {FLOPS_STEP}) must be one of them; run with --warmup {FLOPS_STEP} or more")
+        if not flops._done or (flops.flops and flops.error is None):
+            return None
+        why = flops.error or "torch's FLOP counter counted nothing in the step"
+        if flops.result()[1] == FLOPS_ESTIMATE:
+            return f"FLOPs per step estimated as {FLOPS_ESTIMATE} ({flops.tokens} tokens): counting failed: {why}"
+        return f"FLOPs per step not known: counting failed ({why}), and the model is not fed token ids"
+
+    def watch(self, model: Any) -> None:
+        """Read the training forwards of ``model`` (the first one given): whether the first took
+        token ids, and how many tokens the counted step's forwards took."""
+        if self._model is not None or not hasattr(model, "register_forward_pre_hook"):
+            return
+        self._model = model
+
+        def pre_hook(module: Any, args: Any, kwargs: Any) -> None:
+            import torch
+
+            if not torch.is_grad_enabled():
+                return  # an evaluation forward, not the training step's
+            first = _first_tensor(args, kwargs)
+            if first is None:
+                return
+            integer = not (first.is_floating_point() or first.is_complex()) and first.dtype != torch.bool
+            if self.integer_input is None:
+                self.integer_input = integer
+            if self._counting and integer:
+                self.tokens += first.numel()
+
+        model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+    def start(self) -> None:
+        """Enter the counter: the counted step begins."""
+        if self._counting or self._done:
+            return
+        self._counting = True  # tokens are read even where the counter cannot be entered
+        try:
+            counter = _guarded_flop_counter()
+            counter.__enter__()
+        except Exception as exc:  # counting is a measurement of the trial, never its failure
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
+        self._counter = counter
+
+    def stop(self, *, discard: bool = False) -> None:
+        """Leave the counter: the counted step ended (with ``discard``, the trial ended inside
+        it, and what was counted is not a whole step)."""
+        if not self._counting:
+            return
+        self._counting, self._done = False, not discard
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            try:
+                counter.__exit__(None, None, None)
+                self.flops = int(counter.get_total_flops())
+            except Exception as exc:
+                self.error = self.error or f"{type(exc).__name__}: {exc}"
+            self.error = self.error or counter.failure
+        if self._model is not None:
+            self.parameters = sum(p.numel() for p in self._model.parameters() if p.requires_grad)
+
+    def result(self) -> tuple[float | None, str | None]:
+        """``(flops_per_step, flops_basis)``: counted, estimated, or ``(None, None)``."""
+        if not self._done:
+            return None, None
+        if self.flops and self.error is None:
+            return float(self.flops), "counted"
+        if self.integer_input and self.tokens and self.parameters:
+            return 6.0 * self.parameters * self.tokens, FLOPS_ESTIMATE
+        return None, None
+
+
+def _first_tensor(args: Any, kwargs: Any) -> Any:
+    """A forward's first input tensor: the first positional one, else ``input_ids`` (how a Hugging
+    Face model is called), else the first keyword one; ``None`` without one."""
+    import torch
+
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(kwargs.get("input_ids"), torch.Tensor):
+        return kwargs["input_ids"]
+    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+
+
+def _guarded_flop_counter() -> Any:
+    """torch's FlopCounterMode (quiet) whose counting of one operation cannot fail the script's
+    step: an error is kept as ``failure`` (the count is then incomplete) and the operation's
+    result passes on."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class GuardedFlopCounter(FlopCounterMode):
+        failure: str | None = None
+
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            try:
+                return super()._count_flops(func_packet, out, args, kwargs)
+            except Exception as exc:
+                if self.failure is None:
+                    self.failure = f"counting {func_packet} raised {type(exc).__name__}: {exc}"
+                return out
+
+    return GuardedFlopCounter(display=False)
+
 
 class DeviceClock:
     """Time marks and peak memory on one device: CUDA events on its stream, else the host clock.

@@ -27,8 +27,10 @@ from ._proctree import descendants as descendants  # re-exported: the tree walk 
 from ._timeline import breakdown, merge_timelines
 from ._warm import WarmLauncher, cold_command
 
-OUTCOMES = ("ok", "oom", "unstable", "crash", "timeout", "unsupported", "no-step", "no-policy")
-"""``unstable`` is decided later, against the fp32 reference; the rest are decided here."""
+OUTCOMES = ("ok", "oom", "unstable", "crash", "timeout", "unsupported", "no-step", "no-policy", "lost")
+"""``unstable`` is decided later, against the fp32 reference; the rest are decided here. ``lost``
+is a trial that timed out or was killed by a signal before its candidate was applied: no
+verdict on the candidate, which a tune runs again."""
 
 EXIT_NO_STEP = 97
 """Exit status of a child whose watchdog saw no ``step()`` in time."""
@@ -61,7 +63,8 @@ class Stage(str, Enum):
     UNSUPPORTED = "unsupported"
     """The candidate cannot run here; ``reason`` says why."""
     NO_STEP = "no-step"
-    """No step came within the no-step timeout; the child ended itself."""
+    """No step came within the first-step timeout of the candidate's application; the child
+    ended itself."""
 
     def __str__(self) -> str:
         return self.value
@@ -116,6 +119,8 @@ RESULT_FIELDS: tuple[ResultField, ...] = (
     ResultField("device", "the device the trial ran on"),
     ResultField("ranks", "how many processes' results were merged into this one"),
     ResultField("timeline", "when each part of the trial happened: TIMELINE_MARKS -> epoch seconds"),
+    ResultField("flops_per_step", "FLOPs of one optimizer step (all micro-batches, all ranks), or null"),
+    ResultField("flops_basis", "how flops_per_step was found: counted, or 6 x parameters x tokens; else null"),
 )
 """The one declaration of the result file: the child writes only these fields
 (``ResultWriter``) and the parent rejects a file that holds any other (``classify``)."""
@@ -139,8 +144,10 @@ class TrialSpec:
         warmup_steps: optimizer steps not timed (allocator growth, autotuning, compilation).
         measure_steps: optimizer steps timed after the warm-up.
         memory_limit: bytes; on CUDA a real per-process cap, on CPU a verdict on peak RSS.
-        no_step_timeout: seconds after ``load_policy()`` without a ``step()`` before the child
-            gives up (a script that never calls ``step()`` is detected, not waited out).
+        first_step_timeout: seconds from the candidate's application (``load_policy()``, or the
+            framework's Trainer, Fabric or Accelerator built with it) to the first optimizer step
+            before the child gives up (a script that never calls ``step()`` is detected, not
+            waited out); time spent compiling with torch.compile is not counted.
         device: ``"cpu"``/``"cuda:N"`` override, or ``None`` for the default device.
         label: name of the trial for people (``"fp16-mixed static 1024 mb32"``).
         framework: the framework whose own settings and hooks apply the candidate and record
@@ -151,6 +158,8 @@ class TrialSpec:
         perturb: ``None`` for a candidate; for the fp32 replicate, the format whose rounding
             perturbs the initial parameters once before the first step (``"bf16"``): the
             replicate then differs from the reference only numerically, as a candidate does.
+        count_flops: count the FLOPs of one whole optimizer step (the second, a warm-up step)
+            with torch's FlopCounterMode, for ``flops_per_step``.
     """
 
     policy: dict[str, Any]
@@ -159,12 +168,13 @@ class TrialSpec:
     warmup_steps: int = DEFAULT_WARMUP_STEPS
     measure_steps: int = DEFAULT_MEASURE_STEPS
     memory_limit: int | None = None
-    no_step_timeout: float = 120.0
+    first_step_timeout: float = 120.0
     device: str | None = None
     label: str = ""
     framework: str | None = None
     nproc_per_node: int = 1
     perturb: str | None = None
+    count_flops: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -200,6 +210,11 @@ class TrialResult:
     A trial of several processes (``ranks`` > 1) holds its ranks' results merged by
     ``merge_rank_results``. ``fsdp`` says that the script asked for FSDP2's mixed precision
     (``mp.fsdp_mixed_precision()``), which makes the gradient reduction dtype searchable.
+
+    ``flops_per_step`` is the work of one optimizer step (``None`` unless the spec asked to
+    count it), and ``flops_basis`` says how it was found: ``"counted"`` (torch's FlopCounterMode
+    over one whole warm-up step) or ``"6 x parameters x tokens"`` (the estimate for a model fed
+    token ids, where counting failed).
     """
 
     outcome: str
@@ -230,11 +245,19 @@ class TrialResult:
     optimizer_eps: float | None = None
     ranks: int = 1
     timeline: dict[str, float] = field(default_factory=dict)
+    flops_per_step: float | None = None
+    flops_basis: str | None = None
 
     @property
     def phases(self) -> dict[str, float | None]:
         """Seconds in each phase of the trial's life (``advisor.trial.PHASES``)."""
         return breakdown(self.timeline)
+
+    @property
+    def applied(self) -> bool:
+        """Whether the candidate was applied (its timeline has ``policy_applied``); a trial that
+        measured steps was, whatever its timeline holds (a result from before timelines)."""
+        return "policy_applied" in self.timeline or bool(self.losses)
 
     @property
     def ran(self) -> bool:
@@ -425,6 +448,11 @@ def classify(
 
     A pure function of its inputs, so every outcome class is unit-testable without processes.
 
+    A child that timed out, or died by a signal, before its candidate was applied (no
+    ``policy_applied`` in its timeline) is ``lost``: nothing it did says anything of the
+    candidate (a slow or failing machine, the script's own start-up), so a tune runs it again.
+    A script that exited by itself without calling ``load_policy()`` stays ``no-policy``.
+
     Args:
         timeline: the parent's own marks of the trial (``launched``, ``exited``), added to the
             child's.
@@ -464,7 +492,10 @@ def classify(
         wall_s=wall_s,
         timeline={**(result_file.get("timeline") or {}), **(timeline or {})},
     )
-    if timed_out:
+    if (timed_out or _by_signal(exit_code)) and _lost_before_application(stage, result_file, exception, base["timeline"]):
+        outcome, reason = "lost", _lost_reason(
+            stage, base["timeline"], spec, timed_out=timed_out, timeout=timeout, exit_code=exit_code, oom_kills=oom_kills)
+    elif timed_out:
         where = "before load_policy()" if stage is None else f"after {len(result_file.get('losses', []))} steps"
         outcome, reason = "timeout", f"no result within {timeout:g} s ({where}); the trial was killed"
     elif (exit_code == -SIGKILL or exception.get("killed")) and oom_kills and stage != Stage.DONE:
@@ -481,6 +512,51 @@ def classify(
     else:
         outcome, reason = _outcome(stage, result_file, exception, exit_code, _last_line(stderr_tail), spec)
     return TrialResult.from_dict({**base, "outcome": outcome, "reason": reason})
+
+
+def _by_signal(exit_code: int | None) -> bool:
+    """Whether the child ended by a signal (``subprocess`` reports it as a negative status)."""
+    return exit_code is not None and exit_code < 0
+
+
+def _lost_before_application(stage: str | None, result_file: Mapping[str, Any], exception: Mapping[str, Any],
+                             timeline: Mapping[str, float]) -> bool:
+    """Whether a child that timed out or died by a signal had not applied the candidate yet.
+
+    The timeline's ``policy_applied`` says it was; so does any stage that only an applied
+    candidate reaches (a step, the first-step watchdog), for a result from before timelines.
+    A candidate refused as unsupported, or a script's own exception, is an outcome in itself.
+    """
+    if "policy_applied" in timeline or result_file.get("losses"):
+        return False
+    if stage in (Stage.STEPPING, Stage.DONE, Stage.NO_STEP, Stage.UNSUPPORTED):
+        return False
+    return not (stage == Stage.EXCEPTION and not exception.get("killed"))
+
+
+# What a person reads for the last mark a lost trial reached.
+_MARK_WORDS = {"launched": "launched", "torch_imported": "torch imported"}
+
+
+def _lost_reason(stage: str | None, timeline: Mapping[str, float], spec: TrialSpec, *, timed_out: bool,
+                 timeout: float, exit_code: int | None, oom_kills: int | None) -> str:
+    """Why a trial is ``lost``: how it ended, and where it had got to."""
+    how = f"no result within {timeout:g} s" if timed_out else f"killed by {_exit_text(exit_code)}"
+    if stage is None:
+        where = "before load_policy()" if spec.framework is None else "before the trial's boot started"
+    elif spec.framework is None:
+        where = "inside load_policy(), before the candidate was built"
+    else:
+        where = f"before the script built its {spec.framework} trainer with the candidate"
+    marks = [(at, name) for name, at in timeline.items() if name in _MARK_WORDS and isinstance(at, (int, float))]
+    launched = timeline.get("launched")
+    if marks and isinstance(launched, (int, float)):
+        at, name = max(marks)
+        where += f"; last mark: {_MARK_WORDS[name]}, {at - launched:.1f} s after launch"
+    oom = (f"; the kernel's OOM killer ended {oom_kills} process{'es' if oom_kills != 1 else ''} meanwhile"
+           if oom_kills and not timed_out else "")
+    return (f"lost before the candidate was applied ({how}, {where}{oom}): a failure of the machine or the "
+            "script's start-up, not of the candidate")
 
 
 # What torch's DataLoader raises in the script when a worker process died by a signal: the
@@ -531,9 +607,11 @@ def _outcome(
     if stage == Stage.UNSUPPORTED:
         return "unsupported", result_file.get("reason") or "mode not supported on this hardware"
     if stage == Stage.NO_STEP:
-        what = (f"the script never called step() within {spec.no_step_timeout:g} s of load_policy()"
+        what = (f"the script never called step() within {spec.first_step_timeout:g} s of the policy's application "
+                "(load_policy())"
                 if spec.framework is None else
-                f"the script's {spec.framework} training ran no optimizer step within {spec.no_step_timeout:g} s of its start")
+                f"the script's {spec.framework} training ran no optimizer step within {spec.first_step_timeout:g} s "
+                "of the policy's application (its trainer built with the candidate)")
         return "no-step", f"{what} (time spent compiling with torch.compile not counted)"
     if stage == Stage.EXCEPTION or (stage not in (None, Stage.DONE) and exit_code not in (0, None)):
         return _failure(exception, exit_code, last_line)
@@ -789,7 +867,17 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
         "fsdp": any(present[r].get("fsdp") for r in order),
         "ranks": len(ranks),
         "timeline": merge_timelines([present[r].get("timeline") or {} for r in order]),
+        **_merged_flops([present[r] for r in order]),
     }
+
+
+def _merged_flops(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The node's FLOPs per step: the sum of every rank's (each counts its own share of the
+    batch), as samples are summed; unknown unless every rank has a number."""
+    counts = [data.get("flops_per_step") for data in ranks]
+    if not counts or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in counts):
+        return {"flops_per_step": None, "flops_basis": None} if any("flops_per_step" in d for d in ranks) else {}
+    return {"flops_per_step": float(sum(counts)), "flops_basis": ranks[0].get("flops_basis")}
 
 
 def _number(value: Any) -> float:

@@ -2,9 +2,12 @@
 same result file as the loop API's recorder (``advisor.trial._child``), so the parent judges a
 Lightning, Hugging Face or Accelerate trial exactly as it judges any other.
 
-The framework's hooks call ``begin()`` before the first batch, ``step()`` once per optimizer
-step (with the step's mean loss over its micro-batches, the loss scale its backward ran with,
-and whether the scaler skipped it) and ``workload()`` once the model and optimizer exist.
+The framework's adapter calls ``policy_applied()`` once the framework's object that trains
+(a Trainer, Fabric or Accelerator) is built with the candidate's settings, which starts the
+first-step watchdog; its hooks call ``begin()`` before the first batch, ``step()`` once per
+optimizer step (with the step's mean loss over its micro-batches, the loss scale its backward
+ran with, and whether the scaler skipped it) and ``workload()`` once the model and optimizer
+exist.
 After the warm-up and measured steps the result is written and the process ends, as a loop
 API trial does.
 """
@@ -21,11 +24,13 @@ from ._child import (
     DeviceClock,
     NoStepWatchdog,
     ResultWriter,
+    StepFlops,
     StepWindow,
     optimizer_eps,
     perturb_parameters,
 )
 from ._protocol import Stage, TrialSpec
+from ._timeline import mark, marks
 
 
 class FrameworkRecorder(StepWindow):
@@ -57,10 +62,18 @@ class FrameworkRecorder(StepWindow):
         self._perturbed = False
         self._finished = False
         self._watchdog: NoStepWatchdog | None = None
+        self._flops = StepFlops.for_spec(spec)
 
     def start(self) -> None:
-        """Watch for a script that never reaches a step, and keep a short run's steps at exit."""
-        self._watch_for_no_step()
+        """Keep a short run's steps at exit. The first-step watchdog waits for ``policy_applied``:
+        until the framework's object is built, nothing of the candidate has run."""
+        self._keep_short_run()
+
+    def policy_applied(self) -> None:
+        """The framework's Trainer, Fabric or Accelerator is built with the candidate's settings:
+        mark it, and give the script ``spec.first_step_timeout`` from now to its first optimizer
+        step (later calls, from further objects the script builds, do nothing)."""
+        self._policy_applied(watch=True)
 
     def set_device(self, device: Any) -> None:
         """The device the framework chose (known once its trainer exists)."""
@@ -77,6 +90,8 @@ class FrameworkRecorder(StepWindow):
         if self._begun:
             return
         self._begun = True
+        if "policy_applied" not in marks():
+            mark("policy_applied")  # an object the adapter did not see built: it runs the candidate now
         if self._watchdog is not None:
             self._watchdog.cancel()
         accum = grad_accum_steps or 1
@@ -88,8 +103,7 @@ class FrameworkRecorder(StepWindow):
             "device": self.device,
         }
         self.writer.write(stage=Stage.STEPPING, **self.batch)
-        self.clock.sync()
-        self.marks.append(self.clock.mark())
+        self._open_window()
 
     def perturb(self, model: Any) -> None:
         """The fp32 replicate's one perturbation of the initial parameters (``spec.perturb``),

@@ -180,6 +180,10 @@ class TuneOptions:
         _memory_size, trial=True)
     timeout: float = _option(600.0, "Seconds before a trial is killed.", _seconds, minimum=0, above=True,
                              job_limit=7 * 86400, trial=True)
+    first_step_timeout: float = _option(
+        120.0, "Seconds a trial may take from the candidate's application (load_policy(), or the framework's "
+        "trainer built) to its first optimizer step, time spent compiling not counted.", _seconds, minimum=0,
+        above=True, job_limit=7 * 86400, trial=True)
     seed: int = _option(0, "Seed shared by every trial and the sampler.", _whole_number, minimum=0,
                         job_limit=2**31 - 1, trial=True)
     device: str | None = _option(None, "cpu or cuda:N; default: the first GPU, else the CPU.", _text, job=False,

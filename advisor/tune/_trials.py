@@ -79,11 +79,12 @@ class TrialSettings:
     seed: int = 0
     memory_limit: int | None = None
     timeout: float = 600.0
-    no_step_timeout: float = 120.0
+    first_step_timeout: float = 120.0
     device: str | None = None
     framework: str | None = None
     nproc_per_node: int = 1
     perturb: str | None = None
+    count_flops: bool = False
 
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "measure_steps", "nproc_per_node"):
@@ -97,7 +98,8 @@ class TrialSettings:
     def for_tune(cls, options: TuneOptions) -> TrialSettings:
         """The measuring window and limits that a tune's options ask of every trial."""
         return cls(warmup_steps=options.warmup, measure_steps=options.steps, seed=options.seed,
-                   memory_limit=options.memory_limit_bytes, timeout=options.timeout, device=options.device,
+                   memory_limit=options.memory_limit_bytes, timeout=options.timeout,
+                   first_step_timeout=options.first_step_timeout, device=options.device,
                    framework=options.framework, nproc_per_node=options.nproc_per_node)
 
     def spec(self, policy: Policy, result_path: str, label: str) -> TrialSpec:
@@ -108,12 +110,13 @@ class TrialSettings:
             warmup_steps=self.warmup_steps,
             measure_steps=self.measure_steps,
             memory_limit=self.memory_limit,
-            no_step_timeout=self.no_step_timeout,
+            first_step_timeout=self.first_step_timeout,
             device=self.device,
             label=label,
             framework=self.framework,
             nproc_per_node=self.nproc_per_node,
             perturb=self.perturb,
+            count_flops=self.count_flops,
         )
 
     def launch(self, python: str, launch: Sequence[str] = ()) -> tuple[str, ...]:

@@ -365,7 +365,7 @@ def test_torch_compile_with_cuda_graphs_records_every_steps_own_loss(tmp_path):
     # there), so the 3 s cover only what the watchdog is meant to time: the script's own work
     # outside compilations up to its first step, a fraction of a second for this model.
     spec = TrialSpec(policy=Policy(mode="fp32").to_dict(), result_path=str(tmp_path / "r.json"),
-                     warmup_steps=3, measure_steps=12, no_step_timeout=3.0)
+                     warmup_steps=3, measure_steps=12, first_step_timeout=3.0)
     result = run_trial(script, [str(seen_path)], spec, timeout=600)
     assert result.outcome == "ok", (result.reason, result.stderr_tail)
     seen = json.loads(seen_path.read_text())

@@ -51,7 +51,7 @@ def test_fp16_mixed_records_scale_and_underflow(tmp_path, isolated_home):
         ("syntax_error.py", [], {}, "no-policy", "SyntaxError"),
         ("fails_before_policy.py", [], {}, "no-policy", "cannot open the data set"),
         ("never_loads_policy.py", [], {}, "no-policy", "without calling advisor.load_policy()"),
-        ("no_step_loop.py", [], {"no_step_timeout": 3.0}, "no-step", "never called step() within 3 s"),
+        ("no_step_loop.py", [], {"first_step_timeout": 3.0}, "no-step", "never called step() within 3 s of the policy's application"),
         ("ends_without_step.py", [], {}, "no-step", "ended without calling step()"),
         ("crashes_midway.py", [], {}, "crash", "KeyError"),
         ("crashes_midway.py", ["segv"], {}, "crash", "SIGSEGV"),

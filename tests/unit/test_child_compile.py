@@ -74,8 +74,8 @@ def exits(monkeypatch) -> list[int]:
     return codes
 
 
-def _child_recorder(tmp_path, no_step_timeout: float) -> _child.TrialRecorder:
-    spec = _spec(tmp_path, no_step_timeout=no_step_timeout)
+def _child_recorder(tmp_path, first_step_timeout: float) -> _child.TrialRecorder:
+    spec = _spec(tmp_path, first_step_timeout=first_step_timeout)
     applied = _child._build(spec, _child.ResultWriter(spec.result_path), profile=CPU, device="cpu", in_process=False)
     return applied._observer
 
@@ -93,7 +93,7 @@ def test_compiling_the_first_forward_is_not_counted_as_no_step(tmp_path, exits):
         time.sleep(compile_s)  # a large model, or max-autotune: minutes on a real one
         return gm.forward
 
-    recorder = _child_recorder(tmp_path, no_step_timeout=timeout)
+    recorder = _child_recorder(tmp_path, first_step_timeout=timeout)
     try:
         import torch._dynamo  # what torch.compile imports before it compiles anything
 
@@ -111,7 +111,7 @@ def test_compiling_the_first_forward_is_not_counted_as_no_step(tmp_path, exits):
 
 
 def test_a_script_that_never_steps_is_still_stopped(tmp_path, exits):
-    recorder = _child_recorder(tmp_path, no_step_timeout=0.3)
+    recorder = _child_recorder(tmp_path, first_step_timeout=0.3)
     try:
         _wait_for(exits, 5.0)
         assert exits == [EXIT_NO_STEP]
@@ -120,7 +120,7 @@ def test_a_script_that_never_steps_is_still_stopped(tmp_path, exits):
 
 
 def test_the_first_step_stops_the_watchdog(tmp_path, exits):
-    recorder = _child_recorder(tmp_path, no_step_timeout=0.3)
+    recorder = _child_recorder(tmp_path, first_step_timeout=0.3)
     try:
         recorder.before_step(recorder.applied)
         time.sleep(0.8)

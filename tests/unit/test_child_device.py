@@ -93,7 +93,7 @@ def test_a_trial_child_makes_its_device_current_for_the_whole_script(tmp_path, c
     # A child process is the trial's: code that says "cuda" without an index (torch.compile,
     # CUDA graphs, a script's own .cuda()) must land on the trial's device.
     monkeypatch.setattr(_child.atexit, "register", lambda fn: None)
-    spec = dataclasses.replace(_spec(tmp_path, "cuda:1"), no_step_timeout=60.0)
+    spec = dataclasses.replace(_spec(tmp_path, "cuda:1"), first_step_timeout=60.0)
     writer = _child.ResultWriter(spec.result_path)
     applied = _child._build(spec, writer, profile=gpu_profile("H100"), device="cuda:1", in_process=False)
     recorder = applied._observer

@@ -27,8 +27,11 @@ def test_sigkill_with_an_oom_kill_counted_is_oom() -> None:
     assert "after 3 steps" in result.reason
 
 
-def test_oom_kill_before_load_policy_is_oom_too() -> None:
-    assert outcome(None, oom_kills=2).outcome == "oom"
+def test_oom_kill_before_load_policy_is_lost_not_a_verdict_on_the_candidate() -> None:
+    # Nothing of the candidate ran yet: the memory was the script's start-up's.
+    result = outcome(None, oom_kills=2)
+    assert result.outcome == "lost"
+    assert "OOM killer" in result.reason and "SIGKILL" in result.reason
 
 
 @pytest.mark.parametrize("oom_kills", [None, 0])

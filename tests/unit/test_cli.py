@@ -150,8 +150,8 @@ def test_trial_takes_its_options_from_the_same_declarations():
     for option in taken:
         param = params[option.name]
         assert param.opts[0] == option.flag and param.default == (None if option.default == () else option.default)
-    assert {o.name for o in taken} == {"steps", "warmup", "modes", "memory_limit", "timeout", "seed", "device",
-                                       "framework", "nproc_per_node"}
+    assert {o.name for o in taken} == {"steps", "warmup", "modes", "memory_limit", "timeout", "first_step_timeout",
+                                       "seed", "device", "framework", "nproc_per_node"}
 
 
 def test_trial_hands_the_command_one_tune_options(monkeypatch):

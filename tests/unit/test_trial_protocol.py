@@ -16,6 +16,7 @@ from advisor.trial import (
     Stage,
     TrialResult,
     TrialSpec,
+    _timeline,
     classify,
 )
 from advisor.trial._child import TrialRecorder
@@ -76,6 +77,7 @@ def test_a_trial_result_refuses_an_unknown_field() -> None:
 
 
 def test_the_writer_refuses_an_undeclared_field(tmp_path) -> None:
+    _timeline.clear()  # marks an earlier test's recorder took in this process are not this file's
     writer = ResultWriter(str(tmp_path / "result.json"))
     writer.write(stage=Stage.LOADED, pid=1)
     with pytest.raises(ValueError, match="losss"):

@@ -17,7 +17,7 @@ from probes import MpadviseError
 
 # The daemon's documented job options (docs/daemon.md); stored jobs carry exactly these keys.
 JOB_OPTIONS = ["trials", "time_budget", "steps", "warmup", "modes", "scale_batch", "include_emulated",
-               "memory_limit", "timeout", "seed", "framework", "resume", "out", "no_cache", "no_priors"]
+               "memory_limit", "timeout", "first_step_timeout", "seed", "framework", "resume", "out", "no_cache", "no_priors"]
 
 
 def test_one_set_of_names_and_defaults():
@@ -79,7 +79,7 @@ def test_dict_round_trip_and_a_stored_job_row_loads():
            "include_emulated": False, "memory_limit": None, "timeout": 600.0, "seed": 0, "resume": False,
            "out": "/w/train.mpadvise.toml", "no_cache": False, "no_priors": False}
     # A row stored before an option existed loads, that option at its default.
-    assert TuneOptions.from_dict(row).to_dict(job=True) == {**row, "framework": None}
+    assert TuneOptions.from_dict(row).to_dict(job=True) == {**row, "framework": None, "first_step_timeout": 120.0}
     with pytest.raises(MpadviseError, match="unknown tune option 'use_priors'; expected some of trials"):
         TuneOptions.from_dict({"use_priors": False})
 
