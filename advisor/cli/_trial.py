@@ -10,14 +10,17 @@ every verdict reached so far. ``--json``'s own output is unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import statistics
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.table import Table
 
 import probes
 from advisor.cli._report import (
@@ -28,6 +31,7 @@ from advisor.cli._report import (
     trial_progress,
 )
 from advisor.frameworks import check_plan_modes, plan_for
+from advisor.trial import TrialResult
 from advisor.tune import (
     Comparison,
     ScriptRunner,
@@ -88,7 +92,8 @@ class TrialStream:
         """One finished trial; its role is read from its index and mode (the reference runs
         first, fp32's replicate next, and no candidate is fp32)."""
         role = "reference" if index == 0 else "replicate" if evaluation.policy.mode == "fp32" else "candidate"
-        self._append({"event": "trial", "index": index, "role": role, **evaluation.to_dict()})
+        self._append({"event": "trial", "index": index, "role": role, **evaluation.to_dict(),
+                      **trial_breakdown(evaluation.result)})
 
     def comparison(self, payload: dict[str, Any]) -> None:
         self._append({"event": "comparison", **payload})
@@ -130,7 +135,9 @@ def run_trial_command(
         modes = [m for m in default_trial_modes(profile) if plan.limits is None or plan.limits.modes is None
                  or m in plan.limits.modes]
     modes = [m for m in modes if m != "fp32"]
-    settings = TrialSettings.for_tune(options.with_(framework=plan.framework))
+    # Every trial counts one warm-up step's FLOPs (so all run alike): the reference's count is the
+    # work each trial's step does, and its TFLOP/s is that over the trial's median step.
+    settings = dataclasses.replace(TrialSettings.for_tune(options.with_(framework=plan.framework)), count_flops=True)
     runner = ScriptRunner(path, script_args, settings, launch=plan.launch)
     candidates = [(Policy(mode=m), m) for m in modes]
     progress_console = Console(stderr=True) if json_output else console
@@ -167,6 +174,10 @@ def _payload(comparison: Comparison, path: Path, script_args: list[str], framewo
              profile: HardwareProfile, settings: TrialSettings, plot: Path | None) -> dict[str, Any]:
     """What ``--json`` prints: the script, the hardware, the window, and each trial's evaluation."""
     replicate = comparison.replicate
+    reference_flops = comparison.reference.result.flops_per_step
+    replicate_dict = None if replicate is None else replicate.to_dict()
+    if replicate_dict is not None and replicate.result is not None:
+        replicate_dict.update(trial_breakdown(replicate.result, reference_flops))
     return {
         "script": str(path),
         "args": script_args,
@@ -177,9 +188,9 @@ def _payload(comparison: Comparison, path: Path, script_args: list[str], framewo
                      "seed": settings.seed, "memory_limit": settings.memory_limit,
                      "nproc_per_node": settings.nproc_per_node},
         "window_note": comparison.window_note,
-        "reference": comparison.reference.to_dict(),
-        "replicate": None if replicate is None else replicate.to_dict(),
-        "candidates": [ev.to_dict() for ev in comparison.evaluations],
+        "reference": {**comparison.reference.to_dict(), **trial_breakdown(comparison.reference.result, reference_flops)},
+        "replicate": replicate_dict,
+        "candidates": [{**ev.to_dict(), **trial_breakdown(ev.result, reference_flops)} for ev in comparison.evaluations],
         "plot": str(plot) if plot else None,
     }
 
@@ -197,5 +208,87 @@ def _render(comparison: Comparison, path: Path, profile: HardwareProfile, settin
     console.print(spread_line(reference.to_dict(), None if replicate is None else replicate.to_dict(losses=False)),
                   highlight=False)
     print_reasons(console, evaluations)
+    rows = [("fp32", reference.result)]
+    if replicate is not None and replicate.result is not None:
+        rows.append(("fp32 replicate", replicate.result))
+    rows += [(ev.label, ev.result) for ev in evaluations]
+    console.print(breakdown_table(rows, reference.result.flops_per_step))
+    console.print(breakdown_legend(reference.result), highlight=False)
     if plot is not None:
         console.print(f"plot written to {plot}")
+
+
+# The columns of the per-trial breakdown: a phase of advisor.trial.PHASES and its heading.
+_PHASE_COLUMNS = (("startup", "start-up"), ("script_setup", "set-up"), ("to_first_step", "1st step"),
+                  ("warmup", "warm-up"), ("measured", "measured"), ("exit", "exit"))
+
+
+def median_measured_step(result: TrialResult) -> float | None:
+    """The median of a trial's measured (post-warm-up) step times, in seconds; ``None`` without any."""
+    measured = [t for t in result.step_times[result.warmup_steps:] if t > 0]
+    return statistics.median(measured) if measured else None
+
+
+def achieved_tflops(result: TrialResult, flops_per_step: float | None) -> float | None:
+    """TFLOP/s of a trial: ``flops_per_step`` (the reference's, the same work in every trial)
+    over the trial's median measured step; ``None`` where either is unknown."""
+    median = median_measured_step(result)
+    if not flops_per_step or median is None:
+        return None
+    return flops_per_step / median / 1e12
+
+
+def trial_breakdown(result: TrialResult, reference_flops: float | None = None) -> dict[str, Any]:
+    """What ``--json`` and ``--stream`` add to each trial: its timeline (epoch seconds), the
+    seconds of each phase, its FLOPs per step and how they were found, and, given the
+    reference's FLOPs, its achieved TFLOP/s."""
+    data: dict[str, Any] = {"timeline": dict(result.timeline), "phases": result.phases,
+                            "flops_per_step": result.flops_per_step, "flops_basis": result.flops_basis}
+    if reference_flops is not None:
+        data["achieved_tflops"] = achieved_tflops(result, reference_flops)
+    return data
+
+
+def breakdown_table(rows: list[tuple[str, TrialResult]], reference_flops: float | None) -> Table:
+    """Seconds per phase of each trial (within 80 columns), and its TFLOP/s where the
+    reference's FLOPs per step are known."""
+    # No box and one space either side of a cell: seven numeric columns and a label fit in 80.
+    table = Table(title="Where each trial's time went (seconds)", title_justify="left", box=None,
+                  pad_edge=False, padding=(0, 1), header_style="bold")
+    table.add_column("trial", max_width=16, overflow="ellipsis", no_wrap=True)
+    for _, heading in _PHASE_COLUMNS:
+        table.add_column(heading, justify="right", no_wrap=True)
+    if reference_flops:
+        table.add_column("TFLOP/s", justify="right", no_wrap=True)
+    for label, result in rows:
+        phases = result.phases
+        cells = [label, *(_seconds_text(phases.get(name)) for name, _ in _PHASE_COLUMNS)]
+        if reference_flops:
+            cells.append(_tflops_text(achieved_tflops(result, reference_flops)))
+        table.add_row(*cells)
+    return table
+
+
+def breakdown_legend(reference: TrialResult) -> str:
+    """What the breakdown's columns measure, in one paragraph under it."""
+    text = ("start-up: launch to torch imported; set-up: the script's own, to the candidate's application; "
+            "1st step: to the end of the first optimizer step; warm-up and measured: the trial's two windows; "
+            "exit: to the process's end.")
+    if reference.flops_per_step:
+        text += (f" TFLOP/s: fp32's {reference.flops_per_step:.3g} FLOPs per optimizer step "
+                 f"({reference.flops_basis}) over each trial's median measured step.")
+    return text
+
+
+def _seconds_text(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if value < 100 else f"{value:.0f}"
+
+
+def _tflops_text(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 0.01:
+        return f"{value:.1e}"  # a small model on a CPU: seven characters at most
+    return f"{value:.3g}" if value < 100 else f"{value:.0f}"
