@@ -746,10 +746,10 @@ def serve(fd: int, preload: Sequence[str]) -> None:
                 if s not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(s) is not None}
     refusal = None
     try:
+        # What a trial child imports: torch, and the project's layers under load_policy (this
+        # package and the top of advisor are imported already, by ``python -m`` of _run).
         import torch
 
-        import advisor  # noqa: F401 - what a trial child imports: load_policy and its layers
-        import advisor.trial  # noqa: F401
         import policies  # noqa: F401
         import probes  # noqa: F401
 
