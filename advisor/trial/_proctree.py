@@ -252,12 +252,16 @@ def supervise(start: Callable[[], int]) -> NoReturn:
 def launch(command: list[str]) -> NoReturn:
     """Run ``command`` as a child subreaper's only child; exit as it exited, once no process
     below this one runs."""
+    # Held until the end: a Popen that is dropped polls, and so reaps, a child that has ended,
+    # and its status would never reach the launcher's wait.
+    started: list[subprocess.Popen[bytes]] = []
 
     def start() -> int:
         try:
-            return subprocess.Popen(command).pid
+            started.append(subprocess.Popen(command))
         except OSError as exc:
             raise OSError(f"cannot start {command[0]}: {exc}") from exc
+        return started[0].pid
 
     supervise(start)
 
