@@ -192,6 +192,9 @@ def render_tune(tune: dict[str, Any], console: Console) -> None:
     if tune.get("extended_window"):
         console.print(f"judged again on a longer window, their gap to fp32 growing: {', '.join(tune['extended_window'])}",
                       highlight=False)
+    for event in tune.get("disturbed") or []:  # trials the machine disturbed or lost, run again
+        console.print(f"[yellow]{'lost' if event.get('kind') == 'lost' else 'disturbed'}[/] {event.get('text')}",
+                      highlight=False)
     spread = spread_line(tune.get("reference") or {}, tune.get("replicate"))
     if spread:
         console.print(spread, highlight=False)

@@ -27,6 +27,7 @@ from advisor.tune._space import (
     space_for,
 )
 from advisor.tune._stability import StabilityThresholds, TrialCurve, safety_rank
+from advisor.tune._steady import Disturbance, DisturbanceWatch, SteadyRunner
 from advisor.tune._timing import (
     DEFAULT_CONFIDENCE,
     DEFAULT_MIN_MARGIN,
@@ -77,6 +78,9 @@ class Finalist:
             was re-measured).
         rounds: its goodput in each round of re-measurement; ``None`` in a round it sat out.
         gap: once re-measured, the leader's gap over it; ``None`` for the leader.
+        in_band: whether the search measured it within noise of the best. The runner-up and
+            fp32 run beside the best even when they are not, as evidence; such a finalist
+            takes a tie only on paired runs (two pairs or more), never on the want of them.
     """
 
     candidate: Candidate
@@ -84,6 +88,7 @@ class Finalist:
     per_sample_times: list[float]
     rounds: list[float | None] = field(default_factory=list)
     gap: Gap | None = None
+    in_band: bool = True  # within the search's noise of the best; else it runs only as evidence
 
     @property
     def goodput(self) -> float:
@@ -160,6 +165,7 @@ class TuneResult:
     window_note: str = ""  # whether the measured window grew (fp32 still falling), or is short
     measure_steps: int | None = None  # the measured window every trial used in the end
     extended: list[str] = field(default_factory=list)  # candidates judged again on a longer window
+    disturbances: list[Disturbance] = field(default_factory=list)  # trials run again: disturbed or lost
 
     @property
     def winner_speedup(self) -> float | None:
@@ -245,6 +251,7 @@ class TuneResult:
             "window_note": self.window_note,
             "measure_steps": self.measure_steps,
             "extended_window": list(self.extended),
+            "disturbed": [d.to_dict() for d in self.disturbances],
         }
 
 
@@ -307,6 +314,9 @@ def tune_policy(
     options = options or TuneOptions()
     clock = clock or time.monotonic
     start = clock()
+    # Every trial, the reference's first, is run again when the machine disturbed or lost it.
+    watch = DisturbanceWatch(profile=profile)
+    runner = SteadyRunner(runner, watch)
     trials = _Trials(runner, thresholds or StabilityThresholds(), options.memory_limit_bytes, on_start, on_done)
     reference = trials.run_reference(
         deadline=None if options.time_budget is None else start + options.time_budget, clock=clock)
@@ -354,7 +364,8 @@ def tune_policy(
                       speedup=speedup, remeasure_stop=settled.stop, time_budget=options.time_budget,
                       reference_rounds=list(settled.companion.rounds) if settled.companion else [],
                       window_note=trials.window_note, measure_steps=getattr(trials.runner, "measure_steps", None),
-                      extended=list(trials.yardsticks.extended) if trials.yardsticks else [])
+                      extended=list(trials.yardsticks.extended) if trials.yardsticks else [],
+                      disturbances=list(watch.events))
 
 
 def _workload_facts(result: TrialResult) -> dict[str, str | None]:
@@ -645,6 +656,9 @@ def _settle_finalists(
     stop = STOP_OFF
     while True:
         finalists = _finalists(measured, trials.evaluations, user_batch, history)
+        if remeasure and companion is not None and finalists and all(f is not companion for f in finalists):
+            companion.in_band = False
+            finalists.append(companion)  # fp32 competes too: a winner must beat it side by side
         if not remeasure or not finalists or companion is None:
             for f in finalists:
                 f.gap = None  # nothing re-measured: the search's runs decide
@@ -665,7 +679,8 @@ def _finalists(
     measured: dict[Candidate, Measured], evaluations: dict[Candidate, Evaluation], user_batch: int | None,
     history: dict[Candidate, Finalist] | None = None,
 ) -> list[Finalist]:
-    """Every stable, feasible candidate within measured noise of the best, best first.
+    """The best stable, feasible candidate, the runner-up, and every other within measured
+    noise of the best, best first.
 
     Args:
         measured: what the search measured.
@@ -682,14 +697,18 @@ def _finalists(
     best = stable[0]
     best_ev = evaluations.get(best.candidate)
     out = []
-    for m in stable:
+    for rank, m in enumerate(stable):
         ev = evaluations.get(m.candidate)
         noise = DEFAULT_MIN_MARGIN
         if ev and best_ev and ev.timing and best_ev.timing:
             noise = noise_band(ev.timing, best_ev.timing)
-        if m is best or m.goodput * (1 + noise) >= best.goodput:
+        # The runner-up always runs beside the best: one run each is never the evidence a
+        # winner rests on, however wide the search's lead (a disturbed run can make it so).
+        in_band = m.goodput * (1 + noise) >= best.goodput
+        if rank < 2 or in_band:
             if m.candidate not in history:
                 history[m.candidate] = Finalist(m.candidate, [m.goodput], _per_sample_times(ev.result) if ev else [])
+            history[m.candidate].in_band = in_band
             out.append(history[m.candidate])
     return out
 
@@ -801,7 +820,8 @@ def _pick_finalist(finalists: list[Finalist], user_batch: int | None, *,
 def _pick_by_gap(finalists: list[Finalist], user_batch: int | None, stop: str) -> tuple[Finalist, str]:
     """The safest of the leader and the finalists whose gap to it is not resolved in its favour."""
     leader = next(f for f in finalists if f.gap is None)
-    tied = [leader] + [f for f in finalists if f.gap is not None and f.gap.verdict in ("tie", "unresolved")]
+    tied = [leader] + [f for f in finalists if f.gap is not None and (
+        f.gap.verdict == "tie" or (f.gap.verdict == "unresolved" and (f.in_band or f.gap.pairs >= 2)))]
     winner = min(tied, key=lambda f: preference_key(f.candidate, user_batch))
     if winner is leader or winner.gap is None:
         return winner, ""

@@ -20,6 +20,8 @@ DEFAULT_CONFIDENCE = 0.95
 # The fraction of paired runs trimmed from each end before the gap's mean (Yuen's trimmed mean):
 # 20% leaves up to four pairs untouched and drops one run a neighbour's burst slowed from five.
 GAP_TRIM = 0.2
+MIN_SPREAD_STEPS = 8
+"""Measured steps needed before ``step_spread`` reads a spread: fewer give no stable 10th percentile."""
 
 
 @dataclass(frozen=True)
@@ -384,6 +386,16 @@ def goodput(
     lost = sum(1 for s in list(skipped)[start:] if s)
     skip_fraction = lost / summary.n
     return samples_per_step * (1.0 - skip_fraction) / summary.median
+
+
+def step_spread(step_times: Sequence[float], warmup: int) -> float | None:
+    """The 90th percentile of the measured step times over their 10th; ``None`` with fewer than
+    ``MIN_SPREAD_STEPS`` measured steps, or a zero 10th percentile."""
+    measured = sorted(float(t) for t in list(step_times)[warmup:])
+    if len(measured) < MIN_SPREAD_STEPS:
+        return None
+    low, high = _quantile(measured, 0.1), _quantile(measured, 0.9)
+    return high / low if low > 0 else None
 
 
 def _measured(name: str, step_times: Sequence[float], warmup: int) -> list[float]:
