@@ -202,7 +202,9 @@ class SearchSpace:
         out = []
         for mode in self.modes:
             reduces = [self.reduce_dtype(mode, v) for v in self.reduce_options(mode)] or [None]
-            for micro in self.micro_batches:
+            # A script whose batch is unknown (no micro_batch_size() call) keeps its own batch:
+            # its modes are still candidates, at that batch.
+            for micro in self.micro_batches or (None,):
                 for reduce in reduces:
                     if not scales_loss(mode):
                         out.append(self.normalise(Candidate(mode, micro, reduce_dtype=reduce)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -181,3 +182,20 @@ def test_upper_bound_priors():
     assert upper_bound(Candidate("fp16-mixed"), measured, **kw) == pytest.approx(100 * 12 * 1.25)
     slow = {"fp32": 1.0, "bf16": 0.1}
     assert upper_bound(Candidate("bf16-true"), measured, user_batch=64, reference_goodput=100.0, dtype_ratio=slow) == 100.0
+
+
+def test_a_script_whose_batch_is_unknown_still_has_its_modes_searched():
+    # A script that never calls micro_batch_size() reports no batch: its modes are candidates at
+    # its own batch, not an empty grid that leaves fp32 the winner untried.
+    space = space_for(supported_modes(GPU), None)
+    assert {c.mode for c in space.grid()} >= {"bf16-mixed", "fp16-mixed", "bf16-true"}
+    assert all(c.micro_batch is None for c in space.grid())
+
+    class Unbatched(FakeRunner):
+        def __call__(self, policy, label):
+            result = super().__call__(policy, label)
+            return dataclasses.replace(result, user_batch=None)  # samples still counted (to_device)
+
+    result = tune(Unbatched({"fp32": 100, "tf32": 40, "bf16-mixed": 20, "fp16-mixed": 21, "bf16-true": 15,
+                             "fp16-true": 16, "fp8-torchao": 30}), remeasure=False)
+    assert result.winner.mode == "bf16-true"
