@@ -15,6 +15,7 @@ reference, its replicate, the search and every re-measurement are watched alike.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,9 +70,12 @@ class Disturbance:
             process computed on the GPU) or ``"lost"`` (it ended before the candidate was applied).
         detail: what was seen, in words.
         attempt: which run of the trial it was (1 for the first).
-        rerun: whether it was run again (``False`` once the reruns were spent: the run is kept).
+        rerun: whether it was run again; ``False`` when a run was kept instead (see ``kept``).
         spread: the trial's spread, where read.
         limit: the spread it was held to, where read.
+        kept: why a run was kept rather than run again: ``"repeats"`` (two runs spread alike, so
+            the spread is this workload's on this machine as it is now) or ``"spent"`` (the
+            reruns are spent); empty while it is run again.
     """
 
     label: str
@@ -81,14 +85,21 @@ class Disturbance:
     rerun: bool
     spread: float | None = None
     limit: float | None = None
+    kept: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "kind": self.kind, "detail": self.detail, "attempt": self.attempt,
-                "rerun": self.rerun, "spread": self.spread, "limit": self.limit, "text": self.describe()}
+                "rerun": self.rerun, "spread": self.spread, "limit": self.limit, "kept": self.kept,
+                "text": self.describe()}
 
     def describe(self) -> str:
         """One line for the report."""
-        then = "run again" if self.rerun else f"kept after {self.attempt} runs (the machine stayed busy)"
+        if self.rerun:
+            then = "run again"
+        elif self.kept == "repeats":
+            then = f"kept the least spread of {self.attempt} runs: they spread alike, so the machine is this busy now"
+        else:
+            then = f"kept the least spread of {self.attempt} runs (the machine stayed busy)"
         return f"{self.label}: {self.detail}; {then}"
 
 
@@ -184,9 +195,22 @@ class SteadyRunner:
             event = self.watch.check(result, label, attempt, others)
             if event is None:
                 return result
+            if event.rerun and _repeats(event, [e for _, e in runs]):
+                event = dataclasses.replace(event, rerun=False, kept="repeats")
+            elif not event.rerun:
+                event = dataclasses.replace(event, kept="spent")
             self.watch.events.append(event)
             if self.on_rerun is not None:
                 self.on_rerun(event)
             runs.append((result, event))
             if not event.rerun:
                 return self.watch.keep(runs)
+
+
+def _repeats(event: Disturbance, earlier: list[Disturbance]) -> bool:
+    """Whether ``event``'s spread matches an earlier run's of the same trial within
+    ``SPREAD_FACTOR``: the spread is then the machine's as it is now, not one burst's."""
+    if event.spread is None:
+        return False
+    return any(e.spread is not None and max(e.spread, event.spread) <= SPREAD_FACTOR * min(e.spread, event.spread)
+               for e in earlier)

@@ -125,17 +125,29 @@ def test_a_re_measurement_disturbed_is_run_again_within_its_round():
     assert result.winner == Candidate("bf16-true") and result.speedup.ratio == pytest.approx(100 / 55, rel=1e-3)
 
 
-def test_a_workload_that_always_spreads_is_kept_after_the_reruns_and_sets_the_usual():
-    # Every run of this workload spreads 4x (a data loader stall every few steps): after two
-    # reruns the reference is kept, its spread becomes the usual, and no later trial reruns.
+def test_a_workload_that_always_spreads_is_kept_once_the_spread_repeats_and_sets_the_usual():
+    # Every run of this workload spreads 4x (a data loader stall every few steps, or a machine
+    # loaded through and through): the rerun spreads alike, so it is kept, its spread becomes
+    # the usual, and no later trial reruns.
     def stalls(call, label):
         return [4.0 if i % 4 == 0 else 1.0 for i in range(40)]
     machine = Machine({"fp32": 100, "bf16-mixed": 60, "bf16-true": 55}, disturb=stalls)
     result = tune(machine, modes=MODES, remeasure=True)
+    assert machine.labels[:2] == ["fp32", "fp32 (run 2)"]
+    assert [(e.rerun, e.kept) for e in result.disturbances] == [(True, ""), (False, "repeats")]
+    assert "kept the least spread of 2 runs: they spread alike" in result.disturbances[-1].describe()
+    assert not any("(run" in label for label in machine.labels[2:])
+
+
+def test_bursts_that_differ_each_time_are_kept_once_the_reruns_are_spent():
+    bursts = {0: burst_from(10, 9.0), 1: burst_from(20, 3.5), 2: burst_from(30, 12.0)}
+    machine = Machine({"fp32": 100, "bf16-mixed": 60, "bf16-true": 55},
+                      disturb=lambda call, label: bursts.get(call))
+    result = tune(machine, modes=MODES, remeasure=True)
     assert machine.labels[:3] == ["fp32", "fp32 (run 2)", "fp32 (run 3)"]
-    assert [e.rerun for e in result.disturbances] == [True, True, False]
-    assert "kept after 3 runs" in result.disturbances[-1].describe()
-    assert not any("(run" in label for label in machine.labels[3:])
+    assert [(e.rerun, e.kept) for e in result.disturbances] == [(True, ""), (True, ""), (False, "spent")]
+    assert result.disturbances[-1].describe().endswith("kept the least spread of 3 runs (the machine stayed busy)")
+    assert step_spread(result.reference.result.step_times, 3) == pytest.approx(3.5)  # the least spread run
 
 
 def test_a_trial_lost_before_its_candidate_was_applied_is_run_again_not_judged():
