@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from advisor.tune._engine import measure_dtype_ratios, tune_policy
+from advisor.tune._engine import measure_matmul, tune_policy
 from advisor.tune._options import TuneOptions
 from advisor.tune._space import Candidate
 from advisor.tune._trials import ScriptRunner, TrialSettings, evaluate
@@ -57,7 +57,7 @@ def remeasure(runner, policies: dict[str, Policy], rounds: int) -> dict[str, flo
 def bench(name: str, *, steps: int, warmup: int, rounds: int) -> dict:
     script, args = EXAMPLES[name]
     profile = primary_profile()
-    ratios = measure_dtype_ratios(profile)  # same priors for both runs
+    ratios, _ = measure_matmul(profile)  # same priors for both runs
     runner = ScriptRunner(ROOT / script, args, TrialSettings(warmup_steps=warmup, measure_steps=steps))
 
     t0 = time.perf_counter()

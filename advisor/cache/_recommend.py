@@ -111,6 +111,7 @@ def record_tune(
     goodput: float | None,
     store: Store | None = None,
     args: Sequence[str] | None = None,
+    utilisation: dict[str, Any] | None = None,
 ) -> int | None:
     """Store a tune's winner for this hardware and workload, with the trials behind it.
 
@@ -134,6 +135,9 @@ def record_tune(
         args: the script's command-line arguments the tune ran it with, kept in the summary
             so that ``mpadvise run`` can tell a framework script run with others before the
             framework builds the model (see :class:`TunedAnswer`); ``None`` when unknown.
+        utilisation: the winner's achieved TFLOP/s and MFU (``tflops``, ``mfu``, ``dtype``,
+            ``peak_tflops``, ``flops_per_step``, ``flops_basis``), kept in the summary; ``None``
+            when the FLOPs were not counted.
 
     Returns:
         The new recommendation's id, or ``None`` when there is no usable cache (after one
@@ -158,6 +162,8 @@ def record_tune(
     }
     if args is not None:
         summary["args"] = [str(arg) for arg in args]
+    if utilisation is not None:
+        summary["utilisation"] = dict(utilisation)
     owned = store is None
     if store is None:
         from advisor.cache._store import open_store

@@ -195,6 +195,7 @@ def render_tune(tune: dict[str, Any], console: Console) -> None:
     for event in tune.get("disturbed") or []:  # trials the machine disturbed or lost, run again
         console.print(f"[yellow]{'lost' if event.get('kind') == 'lost' else 'disturbed'}[/] {event.get('text')}",
                       highlight=False)
+    console.print(utilisation_line(tune), highlight=False)
     spread = spread_line(tune.get("reference") or {}, tune.get("replicate"))
     if spread:
         console.print(spread, highlight=False)
@@ -203,6 +204,9 @@ def render_tune(tune: dict[str, Any], console: Console) -> None:
             console.print(f"[{VERDICT_STYLE.get(row.get('outcome'), 'red')}]{row.get('label')}[/]: {row['reason']}",
                           highlight=False)
     _print_search(tune, console)
+    cost = cost_line(tune.get("cost"))
+    if cost:
+        console.print(cost, highlight=False)
     if tune.get("winner") is None:
         console.print("[bold red]no stable policy fits[/]: every candidate was unstable, out of memory or failed")
         return
@@ -222,7 +226,7 @@ def _tune_table(tune: dict[str, Any]) -> Table:
     caption = f"† the winner's speed-up: {describe_speedup(speedup)}" if marked else None
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     for col, justify in (("", "left"), ("candidate", "left"), ("samples/s", "right"), ("vs fp32, search run", "right"),
-                         ("peak memory", "right"), ("verdict", "left")):
+                         ("TFLOP/s", "right"), ("MFU", "right"), ("peak memory", "right"), ("verdict", "left")):
         table.add_column(col, justify=justify, no_wrap=True)
     for row in tune.get("candidates") or []:
         goodput, outcome = row.get("goodput"), row.get("outcome") or "ok"
@@ -230,10 +234,46 @@ def _tune_table(tune: dict[str, Any]) -> Table:
         ratio = tune.get("speedup_vs_fp32") if won and marked else row.get("search_speedup_vs_fp32", row.get("speedup_vs_fp32"))
         cell = f"{ratio:.2f}x" + ("†" if won and marked else "") if goodput and ratio else "-"
         table.add_row("→" if won else "", str(row.get("label")), f"{goodput:,.0f}" if goodput else "-", cell,
+                      fmt_tflops(row.get("tflops")), fmt_mfu(row.get("mfu"), row.get("mfu_dtype")),
                       fmt_bytes(row.get("peak_memory")), f"[{VERDICT_STYLE.get(outcome, 'red')}]{outcome}[/]")
     for row in tune.get("pruned") or []:  # never run: no numbers to show
-        table.add_row("", str(row.get("label")), "-", "-", "-", f"[{VERDICT_STYLE['pruned']}]pruned[/]")
+        table.add_row("", str(row.get("label")), "-", "-", "-", "-", "-", f"[{VERDICT_STYLE['pruned']}]pruned[/]")
     return table
+
+
+def cost_line(cost: dict[str, Any] | None) -> str | None:
+    """What the tune cost: its trials, its wall time in trial-equivalents (one measured window
+    each), and the share of a trial that start-up took; ``None`` when unknown."""
+    if not cost:
+        return None
+    line = f"cost: {cost.get('trials')} trials in {cost.get('wall_s', 0):.0f} s"
+    if cost.get("trial_equivalents"):
+        line += f", {cost['trial_equivalents']:.0f} measured windows of {cost['window_s']:.2g} s"
+    if cost.get("startup_share") is not None:
+        line += f"; start-up took {cost['startup_share']:.0%} of a trial's wall time (median)"
+    return line
+
+
+def fmt_tflops(tflops: float | None) -> str:
+    """Achieved TFLOP/s to three significant figures, or ``-`` when unknown."""
+    return "-" if tflops is None else f"{tflops:.3g}"
+
+
+def fmt_mfu(mfu: float | None, dtype: str | None) -> str:
+    """The fraction of the probed peak, with the dtype it is of (``12% bf16``), or ``-``."""
+    return "-" if mfu is None else f"{mfu:.0%} {dtype}" if mfu >= 0.01 else f"{mfu:.1%} {dtype}"
+
+
+def utilisation_line(tune: dict[str, Any]) -> str:
+    """How the TFLOP/s and MFU columns were found: the reference's FLOP count and its basis, and
+    the probed matmul peaks they are measured against."""
+    flops = tune.get("flops_per_step")
+    if not flops:
+        return "TFLOP/s and MFU: not known (the reference's FLOPs could not be counted)"
+    peaks = ", ".join(f"{k} {v:.3g}" for k, v in (tune.get("peak_tflops") or {}).items())
+    basis = tune.get("flops_basis") or "counted"
+    return (f"FLOPs per step {flops:.3g} ({basis}, in the fp32 reference); MFU is of the probed matmul "
+            f"peak of the candidate's dtype" + (f" (TFLOP/s: {peaks})" if peaks else ": no peak probed"))
 
 
 def _print_search(tune: dict[str, Any], console: Console) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import probes
 from advisor.runtime import script_digest
-from advisor.trial import TrialResult
+from advisor.trial import TrialResult, startup_seconds
 from advisor.tune._checks import check_modes
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import SearchOutcome, check_study_workload, run_search, stored_replicate
@@ -39,6 +39,7 @@ from advisor.tune._timing import (
 )
 from advisor.tune._trials import (
     Evaluation,
+    FlopCountable,
     Replicate,
     Runner,
     Yardsticks,
@@ -47,6 +48,7 @@ from advisor.tune._trials import (
     run_replicate,
     samples_per_step,
 )
+from advisor.tune._utilisation import Utilisation, utilisation
 from policies import Policy, TunedOn, safe_default_mode, supported_modes
 from probes import HardwareProfile, hardware_fingerprint
 
@@ -140,6 +142,40 @@ class Speedup:
                 "confidence": self.confidence, "basis": self.basis}
 
 
+@dataclass(frozen=True)
+class TuneCost:
+    """What a tune cost, in trial-equivalents: its wall time over one measured window (the fp32
+    reference's measured steps), so that start-up, warm-up and every rerun show as overhead.
+
+    Attributes:
+        wall_s: the tune's wall time, in seconds.
+        trials: trials run in all (the reference, its replicate, the search, the reruns of
+            disturbed or lost trials and the rounds of re-measurement).
+        window_s: one measured window, in seconds; ``None`` when the reference had no timeline.
+        trial_equivalents: ``wall_s / window_s``; ``None`` without a window.
+        startup_share: the median over the trials of the share of each trial's wall time spent
+            before its first step ended (imports, set-up, the first step's compilation).
+    """
+
+    wall_s: float
+    trials: int
+    window_s: float | None
+    trial_equivalents: float | None
+    startup_share: float | None
+
+    @classmethod
+    def of(cls, ran: list[TrialResult], wall_s: float) -> TuneCost:
+        """The cost of a tune that ran ``ran`` (the reference first) in ``wall_s`` seconds."""
+        window = ran[0].phases.get("measured") if ran else None
+        shares = [s / r.wall_s for r in ran if r.wall_s > 0 and (s := startup_seconds(r.timeline)) is not None]
+        return cls(round(wall_s, 3), len(ran), window, round(wall_s / window, 1) if window else None,
+                   round(statistics.median(shares), 3) if shares else None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"wall_s": self.wall_s, "trials": self.trials, "window_s": self.window_s,
+                "trial_equivalents": self.trial_equivalents, "startup_share": self.startup_share}
+
+
 @dataclass
 class TuneResult:
     """Everything a tune measured and decided."""
@@ -166,6 +202,15 @@ class TuneResult:
     measure_steps: int | None = None  # the measured window every trial used in the end
     extended: list[str] = field(default_factory=list)  # candidates judged again on a longer window
     disturbances: list[Disturbance] = field(default_factory=list)  # trials run again: disturbed or lost
+    peak_tflops: dict[str, float] = field(default_factory=dict)  # probed matmul TFLOP/s per dtype
+    cost: TuneCost | None = None  # what the tune's trials cost, against one measured window
+
+    def utilisation(self, cand: Candidate) -> Utilisation | None:
+        """A measured candidate's achieved TFLOP/s and MFU, from the reference's FLOP count."""
+        ev = self.evaluations.get(cand)
+        if ev is None or ev.timing is None:
+            return None
+        return utilisation(self.reference.result.flops_per_step, ev.timing.median, cand.mode, self.peak_tflops)
 
     @property
     def winner_speedup(self) -> float | None:
@@ -216,6 +261,7 @@ class TuneResult:
                 "speedup_vs_fp32": self.winner_speedup if won else search_speedup,
                 "speedup_basis": (self.speedup.basis if won and self.speedup else "search run"),
                 "peak_memory": ev.result.peak_memory if ev else None,
+                **_utilisation_fields(self.utilisation(cand)),
                 "reason": m.reason,
                 "winner": won,
             })
@@ -252,17 +298,24 @@ class TuneResult:
             "measure_steps": self.measure_steps,
             "extended_window": list(self.extended),
             "disturbed": [d.to_dict() for d in self.disturbances],
+            "flops_per_step": self.reference.result.flops_per_step,
+            "flops_basis": self.reference.result.flops_basis,
+            "peak_tflops": dict(self.peak_tflops),
+            "cost": None if self.cost is None else self.cost.to_dict(),
         }
 
 
-def measure_dtype_ratios(profile: HardwareProfile) -> dict[str, float]:
-    """Matmul TFLOP/s per dtype relative to fp32 on this device: the search's priors."""
-    ratios = {}
+def measure_matmul(profile: HardwareProfile) -> tuple[dict[str, float], dict[str, float]]:
+    """Matmul throughput per dtype on this device: relative to fp32 (the search's priors), and
+    in TFLOP/s (the peaks each candidate's MFU is measured against)."""
+    ratios, peaks = {}, {}
     for row in probes.matmul_benchmark(profile):
         if row.skipped is None and row.ratio_vs_fp32:
             ratios[row.dtype] = float(row.ratio_vs_fp32)
+        if row.skipped is None and row.tflops:
+            peaks[row.dtype] = float(row.tflops)
     ratios["fp32"] = 1.0
-    return ratios
+    return ratios, peaks
 
 
 def tune_policy(
@@ -273,6 +326,7 @@ def tune_policy(
     study_name: str = "mpadvise",
     thresholds: StabilityThresholds | None = None,
     dtype_ratio: dict[str, float] | None = None,
+    peak_tflops: dict[str, float] | None = None,
     remeasure: bool = True,
     workload: dict[str, Any] | None = None,
     on_start: Callable[[str], None] | None = None,
@@ -298,6 +352,8 @@ def tune_policy(
         study_name: the study's name in that storage.
         thresholds: stability thresholds.
         dtype_ratio: matmul ratios per dtype; measured on the device when ``None``.
+        peak_tflops: matmul TFLOP/s per dtype, each candidate's MFU's denominator; measured
+            with the ratios when ``dtype_ratio`` is ``None`` (tests pass both).
         remeasure: re-measure close candidates interleaved, until their gaps are settled, and
             the winner against fp32 for its speed-up, before declaring a winner.
         workload: extra facts recorded in the winner's ``[tuned_on]`` (script name).
@@ -325,9 +381,13 @@ def tune_policy(
     # dtype joins the space.
     space = _space(profile, options, user_batch, limits, fsdp=reference.result.fsdp)
     if dtype_ratio is not None:
-        ratios = dtype_ratio
-    else:  # the priors need the matmul ratios; without priors the benchmark is not worth its seconds
-        ratios = {} if options.no_priors else measure_dtype_ratios(profile)
+        ratios, peaks = dtype_ratio, dict(peak_tflops or {})
+    elif options.no_priors and not trials.reference.flops_per_step:
+        ratios, peaks = {}, {}  # neither priors nor an MFU to compute: the benchmark is not worth its seconds
+    else:
+        ratios, peaks = measure_matmul(profile)
+        if options.no_priors:
+            ratios = {}
     ref_cand = space.normalise(Candidate("fp32", user_batch))
     ref_measured = trials.record(ref_cand, Policy(mode="fp32"), trials.reference)
     # A stored study's verdicts hold for the workload its reference ran: one whose model,
@@ -365,7 +425,13 @@ def tune_policy(
                       reference_rounds=list(settled.companion.rounds) if settled.companion else [],
                       window_note=trials.window_note, measure_steps=getattr(trials.runner, "measure_steps", None),
                       extended=list(trials.yardsticks.extended) if trials.yardsticks else [],
-                      disturbances=list(watch.events))
+                      disturbances=list(watch.events), peak_tflops=peaks, cost=TuneCost.of(watch.ran, clock() - start))
+
+
+def _utilisation_fields(found: Utilisation | None) -> dict[str, Any]:
+    """A candidate row's achieved TFLOP/s, MFU and the dtype its MFU is of (``None`` each when unknown)."""
+    return {"tflops": None if found is None else found.tflops, "mfu": None if found is None else found.mfu,
+            "mfu_dtype": None if found is None else found.dtype}
 
 
 def _workload_facts(result: TrialResult) -> dict[str, str | None]:
@@ -414,8 +480,12 @@ class _Trials:
         # While fp32's loss still falls geometrically at the window's end, the window grows and
         # every later trial (replicate, candidates, re-measurements) measures the longer one.
         self._asked, self._deadline, self._clock = getattr(self.runner, "measure_steps", None), deadline, clock
-        result, self.runner, self.window_note = run_reference(
-            self.runner, thresholds=self.thresholds, on_start=self.on_start, deadline=deadline, clock=clock)
+        # The reference alone counts a step's FLOPs: every candidate runs the same arithmetic.
+        counts = isinstance(self.runner, FlopCountable)
+        runner = self.runner.with_flop_count(True) if counts else self.runner
+        result, runner, self.window_note = run_reference(
+            runner, thresholds=self.thresholds, on_start=self.on_start, deadline=deadline, clock=clock)
+        self.runner = runner.with_flop_count(False) if counts else runner
         self.reference = result
         return evaluate("fp32", Policy(mode="fp32"), result, result, thresholds=self.thresholds)
 

@@ -340,8 +340,17 @@ def remember(result: TuneResult, profile: HardwareProfile, script: str | os.Path
     return record_tune(
         profile=profile, policy=result.policy, script=script, workload_fingerprint=tuned_on.workload_fingerprint,
         trials=cache_rows(result), speedup_vs_fp32=tuned_on.speedup_vs_fp32, goodput=tuned_on.goodput,
-        args=None if args is None else list(args),
+        args=None if args is None else list(args), utilisation=_winner_utilisation(result),
     )
+
+
+def _winner_utilisation(result: TuneResult) -> dict[str, Any] | None:
+    """The winner's achieved TFLOP/s and MFU, with the FLOP count they rest on, for the cache."""
+    found = None if result.winner is None else result.utilisation(result.winner)
+    if found is None:
+        return None
+    return {**found.to_dict(), "flops_per_step": result.reference.result.flops_per_step,
+            "flops_basis": result.reference.result.flops_basis}
 
 
 def cache_rows(result: TuneResult) -> list[dict[str, Any]]:
@@ -350,7 +359,10 @@ def cache_rows(result: TuneResult) -> list[dict[str, Any]]:
     speedup = result.speedup.to_dict() if result.speedup else {}
     rows = []
     for number, (cand, m) in enumerate(result.ranking()):
-        metrics: dict[str, Any] = {"feasible": m.feasible, "label": cand.label}
+        found = result.utilisation(cand)
+        metrics: dict[str, Any] = {"feasible": m.feasible, "label": cand.label,
+                                   "tflops": None if found is None else found.tflops,
+                                   "mfu": None if found is None else found.mfu}
         if cand == result.winner:
             metrics.update({f"speedup_{k}": v for k, v in speedup.items()})
         rows.append({

@@ -113,6 +113,7 @@ class DisturbanceWatch:
     spreads: list[float] = field(default_factory=list)
     events: list[Disturbance] = field(default_factory=list)
     busy: Callable[[HardwareProfile], list[int]] | None = None  # tests pass a fake NVML reading
+    ran: list[TrialResult] = field(default_factory=list)  # every trial run, reruns included
 
     @property
     def usual(self) -> float | None:
@@ -169,7 +170,7 @@ class SteadyRunner:
     ``perturbed`` still has none).
     """
 
-    _DERIVING = ("perturbed", "with_measure_steps")
+    _DERIVING = ("perturbed", "with_measure_steps", "with_flop_count")
 
     def __init__(self, runner: Any, watch: DisturbanceWatch, *,
                  on_rerun: Callable[[Disturbance], None] | None = None) -> None:
@@ -191,6 +192,7 @@ class SteadyRunner:
             attempt = len(runs) + 1
             others_before = self.watch.gpu_others()
             result = self.runner(policy, label if attempt == 1 else f"{label} (run {attempt})")
+            self.watch.ran.append(result)
             others = sorted(set(others_before) | set(self.watch.gpu_others()))
             event = self.watch.check(result, label, attempt, others)
             if event is None:

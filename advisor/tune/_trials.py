@@ -152,6 +152,18 @@ class Extendable(Protocol):
         ...
 
 
+@runtime_checkable
+class FlopCountable(Protocol):
+    """A runner whose trials can count one optimizer step's FLOPs (the tune asks it of the fp32
+    reference alone: every candidate runs the same arithmetic per step)."""
+
+    def __call__(self, policy: Policy, label: str) -> TrialResult: ...
+
+    def with_flop_count(self, on: bool = True) -> Runner:
+        """The same runner, its trials counting FLOPs (``on``) or not."""
+        ...
+
+
 MAX_WINDOW_GROWTH = 8
 """How many times the measured window asked for may grow while fp32's loss is still falling
 geometrically at its end: 40 steps become at most 320. A loss that halves every few steps has
@@ -273,6 +285,10 @@ class ScriptRunner:
         """The same script and arguments, every trial measuring ``steps`` optimizer steps."""
         return self._with(measure_steps=steps)
 
+    def with_flop_count(self, on: bool = True) -> ScriptRunner:
+        """The same script and arguments, every trial counting one step's FLOPs (or none)."""
+        return self._with(count_flops=on)
+
     def _with(self, **settings: Any) -> ScriptRunner:
         return ScriptRunner(self.script, self.args, dataclasses.replace(self.settings, **settings),
                             python=self.python, wait_idle_on=self.wait_idle_on, launch=self.launch, warm=self.warm)
@@ -326,6 +342,10 @@ class FunctionRunner:
     def with_measure_steps(self, steps: int) -> FunctionRunner:
         """The same function, every trial measuring ``steps`` optimizer steps."""
         return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, measure_steps=steps))
+
+    def with_flop_count(self, on: bool = True) -> FunctionRunner:
+        """The same function, every trial counting one step's FLOPs (or none)."""
+        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, count_flops=on))
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         profile = probes.profile_for(self.settings.device)
@@ -406,6 +426,7 @@ class Evaluation:
             "exit_code": r.exit_code,
             "stderr_tail": r.stderr_tail if self.result.outcome != "ok" else "",
             "wall_s": r.wall_s,
+            "phases": r.phases,
             "losses": [json_float(v) for v in r.losses],
             "step_times": list(r.step_times),
         }

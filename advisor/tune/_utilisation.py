@@ -1,0 +1,69 @@
+"""How far each candidate runs from what the hardware can do: achieved TFLOP/s and MFU.
+
+A speed-up over fp32 says nothing about the distance to the roofline. The fp32 reference counts
+its FLOPs per optimizer step once (``TrialResult.flops_per_step``: counted by torch's
+FlopCounterMode, or estimated as 6 x parameters x tokens, as ``flops_basis`` says); every
+candidate runs the same arithmetic per step, so its achieved TFLOP/s is that count over its
+median step time. Its MFU is that over the probed matmul peak of the dtype its matmuls run in
+(``probes.matmul_benchmark`` on this device: measured, not a datasheet figure).
+
+Pure functions of plain numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from policies import mode_facts
+
+
+def compute_dtype(mode: str) -> str:
+    """The dtype a mode's matmuls run in, as the matmul benchmark names it: ``fp8`` for an FP8
+    mode, the autocast dtype for a mixed mode, the weights' for a pure one, ``tf32`` where TF32
+    is on, else ``fp32``."""
+    facts = mode_facts(mode)
+    if facts.fp8_library is not None:
+        return "fp8"
+    if facts.autocast is not None:
+        return facts.autocast
+    if facts.weights != "fp32":
+        return facts.weights
+    return "tf32" if facts.tf32 else "fp32"
+
+
+@dataclass(frozen=True)
+class Utilisation:
+    """One candidate's achieved throughput against the hardware's.
+
+    Attributes:
+        tflops: achieved TFLOP/s (the reference's FLOPs per step over this candidate's median
+            step time).
+        dtype: the dtype its matmuls run in (``compute_dtype``).
+        peak_tflops: the probed matmul peak for that dtype on this device; ``None`` when not
+            probed.
+        mfu: ``tflops / peak_tflops``; ``None`` without a peak.
+    """
+
+    tflops: float
+    dtype: str
+    peak_tflops: float | None = None
+    mfu: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tflops": self.tflops, "dtype": self.dtype, "peak_tflops": self.peak_tflops, "mfu": self.mfu}
+
+
+def utilisation(flops_per_step: float | None, median_step_s: float | None, mode: str,
+                peaks: dict[str, float] | None) -> Utilisation | None:
+    """A candidate's achieved TFLOP/s and MFU; ``None`` without a FLOP count or a step time.
+
+    A dtype the benchmark did not measure (fp8 on a CPU, where it is emulation) has no peak,
+    and so no MFU: its TFLOP/s still shows.
+    """
+    if not flops_per_step or not median_step_s or flops_per_step <= 0 or median_step_s <= 0:
+        return None
+    tflops = flops_per_step / median_step_s / 1e12
+    dtype = compute_dtype(mode)
+    peak = (peaks or {}).get(dtype)
+    return Utilisation(round(tflops, 6), dtype, peak, round(tflops / peak, 6) if peak else None)

@@ -1,0 +1,107 @@
+"""Achieved TFLOP/s and MFU per candidate: the reference counts its FLOPs once, every candidate
+is held to the probed matmul peak of the dtype it computes in, in the table, the JSON and the
+cache rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+from rich.console import Console
+from test_search import FakeRunner, tune
+from test_search_remeasure import MODES
+
+from advisor.cli._report import render_tune
+from advisor.trial import TrialResult
+from advisor.tune._engine import TuneCost
+from advisor.tune._service import cache_rows
+from advisor.tune._utilisation import compute_dtype, utilisation
+
+PEAKS = {"fp32": 2.0, "tf32": 8.0, "bf16": 16.0, "fp16": 16.0, "fp8": 32.0}
+FLOPS = 3.0e12  # per optimizer step
+
+
+@pytest.mark.parametrize(("mode", "dtype"), [
+    ("fp32", "fp32"), ("tf32", "tf32"), ("bf16-mixed", "bf16"), ("fp16-mixed", "fp16"), ("bf16-true", "bf16"),
+    ("fp16-true", "fp16"), ("fp8-torchao", "fp8"), ("fp8-te", "fp8"),
+])
+def test_each_mode_is_held_to_the_peak_of_the_dtype_its_matmuls_run_in(mode, dtype):
+    assert compute_dtype(mode) == dtype
+
+
+def test_achieved_tflops_is_the_step_count_over_the_median_step_and_mfu_its_share_of_the_peak():
+    found = utilisation(FLOPS, 0.5, "bf16-mixed", PEAKS)
+    assert found.tflops == pytest.approx(6.0) and found.dtype == "bf16"
+    assert found.peak_tflops == 16.0 and found.mfu == pytest.approx(6.0 / 16.0)
+    # a dtype the benchmark did not measure (fp8 emulated on a CPU) has TFLOP/s but no MFU
+    cpu = utilisation(FLOPS, 0.5, "fp8-torchao", {"fp32": 0.1, "bf16": 0.002})
+    assert cpu.tflops == pytest.approx(6.0) and cpu.peak_tflops is None and cpu.mfu is None
+    assert utilisation(None, 0.5, "fp32", PEAKS) is None and utilisation(FLOPS, 0.0, "fp32", PEAKS) is None
+
+
+class CountingRunner(FakeRunner):
+    """A fake runner that counts FLOPs in the trials of a runner derived ``with_flop_count``."""
+
+    def __init__(self, step_ms, *, counting=False, log=None):
+        super().__init__(step_ms)
+        self.counting = counting
+        self.log = [] if log is None else log
+
+    def with_flop_count(self, on=True):
+        derived = CountingRunner(self.step_ms, counting=on, log=self.log)
+        derived.calls, derived.labels = self.calls, self.labels
+        return derived
+
+    def __call__(self, policy, label):
+        result = super().__call__(policy, label)
+        self.log.append((label, self.counting))
+        if not self.counting:
+            return result
+        return dataclasses.replace(result, flops_per_step=FLOPS, flops_basis="counted")
+
+
+def test_the_reference_alone_counts_and_every_candidate_shows_its_tflops_and_mfu():
+    runner = CountingRunner({"fp32": 1000, "bf16-mixed": 400, "bf16-true": 300})
+    result = tune(runner, modes=MODES, remeasure=True, dtype_ratio={"fp32": 1.0, "bf16": 4.0},
+                  peak_tflops=PEAKS)
+    assert [label for label, counted in runner.log if counted] == ["fp32"]
+    data = result.to_dict()
+    assert data["flops_per_step"] == FLOPS and data["flops_basis"] == "counted" and data["peak_tflops"] == PEAKS
+    rows = {row["label"]: row for row in data["candidates"]}
+    assert rows["fp32"]["tflops"] == pytest.approx(3.0) and rows["fp32"]["mfu"] == pytest.approx(1.5)
+    assert rows["bf16-true"]["tflops"] == pytest.approx(10.0) and rows["bf16-true"]["mfu_dtype"] == "bf16"
+    assert rows["bf16-true"]["mfu"] == pytest.approx(10.0 / 16.0)
+    console = Console(record=True, width=200, file=io.StringIO())
+    render_tune(data, console)
+    text = console.export_text()
+    assert "TFLOP/s" in text and "MFU" in text and "62% bf16" in text
+    assert "FLOPs per step 3e+12 (counted, in the fp32 reference)" in text
+    cached = {row["metrics"]["label"]: row["metrics"] for row in cache_rows(result)}
+    assert cached["bf16-true"]["tflops"] == pytest.approx(10.0) and cached["bf16-true"]["mfu"] == pytest.approx(0.625)
+
+
+def test_without_a_count_the_columns_say_unknown_rather_than_zero():
+    result = tune(FakeRunner({"fp32": 1000, "bf16-mixed": 400, "bf16-true": 300}), modes=MODES, remeasure=False,
+                  dtype_ratio={"fp32": 1.0, "bf16": 4.0}, peak_tflops=PEAKS)
+    data = result.to_dict()
+    assert all(row["tflops"] is None and row["mfu"] is None for row in data["candidates"])
+    console = Console(record=True, width=200, file=io.StringIO())
+    render_tune(data, console)
+    assert "TFLOP/s and MFU: not known" in console.export_text()
+
+
+def test_the_tune_reports_its_cost_in_measured_windows_and_its_share_of_start_up():
+    def trial(launched, first_step, warmup_done, measured_done, wall):
+        timeline = {"launched": launched, "first_step": first_step, "warmup_done": warmup_done,
+                    "measured_done": measured_done, "exited": launched + wall}
+        return TrialResult(outcome="ok", timeline=timeline, wall_s=wall)
+
+    ran = [trial(0.0, 1.5, 1.6, 2.1, 2.2), trial(10.0, 10.5, 10.6, 11.1, 1.2), trial(20.0, 20.4, 20.5, 21.0, 1.1)]
+    cost = TuneCost.of(ran, 50.0)
+    assert cost.trials == 3 and cost.window_s == pytest.approx(0.5) and cost.trial_equivalents == 100.0
+    assert cost.startup_share == pytest.approx(round(0.5 / 1.2, 3))
+    console = Console(record=True, width=200, file=io.StringIO())
+    render_tune({"cost": cost.to_dict(), "candidates": [], "winner": None}, console)
+    assert "cost: 3 trials in 50 s, 100 measured windows of 0.5 s; start-up took 42% of a trial's wall time (median)" in \
+        console.export_text()
