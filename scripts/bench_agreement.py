@@ -1,0 +1,173 @@
+"""Do `mpadvise trial`, `mpadvise tune` and a start-up-free measurement agree on one mode's speed?
+
+For one script and one mode against fp32, three measurements of the same ratio (fp32's step
+time over the mode's; above 1 when the mode is faster):
+
+* **start-up free**: the script run plainly, a short and a long run of each mode, interleaved;
+  the difference of their wall times over the difference of their steps is a step's time with
+  imports, set-up and exit removed. Median over the repeats.
+* **trial**: `mpadvise trial SCRIPT -m MODE --json`, run ``--trials`` times: the candidate's
+  goodput over the fp32 reference's (single runs). Median.
+* **tune**: `mpadvise tune SCRIPT -m fp32 -m MODE --no-priors --json --no-cache`, run ``--tunes``
+  times: the winner and the paired figure of MODE against fp32 (the winner's speed-up when MODE
+  wins; one over fp32's paired gap over MODE when fp32 wins).
+
+Each tune and trial is also checked against the start-up-free ratio (within 10% is the bar).
+Prints a table and writes JSON (``--json``). Presets name the bundled examples:
+
+    .venv/bin/python scripts/bench_agreement.py mlp --mode bf16-mixed
+    .venv/bin/python scripts/bench_agreement.py accelerate --mode bf16-mixed --width 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Preset:
+    """How to run one bundled example: its script, its arguments, how a plain run applies a
+    mode, and how many optimizer steps a plain run of ``n`` units takes."""
+
+    script: str
+    args: tuple[str, ...]
+    mode_args: dict[str, tuple[str, ...]]
+    length_flag: str  # the flag that sets a plain run's length
+    steps_per_unit: int  # optimizer steps per unit of that flag
+
+
+def presets(width: int) -> dict[str, Preset]:
+    return {
+        # 8192 samples at batch 128: 64 optimizer steps per epoch
+        "mlp": Preset("examples/mlp.py", ("--width", str(width)),
+                      {"fp32": (), "bf16-mixed": ("--mode", "bf16-mixed"), "bf16-true": ("--mode", "bf16-true")},
+                      "--epochs", 64),
+        "accelerate": Preset("examples/accelerate_mlp.py", ("--width", str(width)),
+                             {"fp32": ("--mixed-precision", "no"), "bf16-mixed": ("--mixed-precision", "bf16")},
+                             "--steps", 1),
+    }
+
+
+def cli(*args: str, timeout: float) -> dict:
+    """``mpadvise ARGS --json``, decoded."""
+    proc = subprocess.run([sys.executable, "-m", "advisor.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"mpadvise {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout)
+
+
+def plain_wall(preset: Preset, mode: str, units: int, home: str) -> float:
+    """Seconds a plain run of ``units`` takes, under ``mode``, with no config or cache to find."""
+    env = {**os.environ, "MPADVISE_HOME": home}
+    env.pop("MPADVISE_POLICY", None)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, preset.script, *preset.args, *preset.mode_args[mode], preset.length_flag,
+                    str(units)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=3600)
+    return time.perf_counter() - start
+
+
+def startup_free(preset: Preset, mode: str, repeats: int, short: int, long: int) -> list[float]:
+    """fp32's step time over ``mode``'s, start-up removed, one ratio per repeat (interleaved)."""
+    steps = (long - short) * preset.steps_per_unit
+    ratios = []
+    with tempfile.TemporaryDirectory() as home:
+        for r in range(repeats):
+            per_step = {}
+            for m in (("fp32", mode) if r % 2 == 0 else (mode, "fp32")):
+                walls = [plain_wall(preset, m, n, home) for n in ((short, long) if r % 2 == 0 else (long, short))]
+                per_step[m] = abs(walls[1] - walls[0]) / steps
+            ratios.append(per_step["fp32"] / per_step[mode])
+    return ratios
+
+
+def trial_ratio(preset: Preset, mode: str) -> float:
+    data = cli("trial", preset.script, "-m", mode, "--json", "--", *preset.args, timeout=3600)
+    return float(data["candidates"][0]["speedup_vs_fp32"])
+
+
+def tune_ratio(preset: Preset, mode: str) -> dict:
+    """The tune's winner, and MODE's paired ratio to fp32 with its interval when paired."""
+    with tempfile.TemporaryDirectory() as home:
+        os.environ["MPADVISE_HOME"] = home
+        try:
+            data = cli("tune", preset.script, "-m", "fp32", "-m", mode, "--no-priors", "--json", "--no-cache",
+                       "--", *preset.args, timeout=3600)
+        finally:
+            os.environ.pop("MPADVISE_HOME", None)
+    winner = data.get("winner_label")
+    ratio = low = high = None
+    basis = ""
+    if winner == mode and data.get("speedup"):
+        ratio, low, high, basis = (data["speedup"].get(k) for k in ("ratio", "low", "high", "basis"))
+    else:  # fp32 won: MODE's paired gap, inverted (the gap is the leader's lead over it)
+        found = next((f for f in data.get("finalists") or [] if f["label"] == mode and f.get("gap_vs_leader")), None)
+        if found:
+            gap = found["gap_vs_leader"]
+            ratio = 1 / gap["ratio"]
+            low = 1 / gap["high"] if gap.get("high") else None
+            high = 1 / gap["low"] if gap.get("low") else None
+            basis = f"fp32's paired lead, {gap['pairs']} pairs"
+    return {"winner": winner, "ratio": ratio, "low": low, "high": high, "basis": basis,
+            "disturbed": len(data.get("disturbed") or []), "wall_s": data.get("wall_s"),
+            "cost": data.get("cost")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("example", choices=sorted(presets(0)))
+    parser.add_argument("--mode", default="bf16-mixed")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3, help="start-up-free repeats")
+    parser.add_argument("--short", type=int, default=1, help="units of the short plain run")
+    parser.add_argument("--long", type=int, default=3, help="units of the long plain run")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--tunes", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+    preset = presets(args.width)[args.example]
+    if args.mode not in preset.mode_args:
+        raise SystemExit(f"--mode {args.mode}: {args.example} applies only {', '.join(preset.mode_args)}")
+
+    truth = startup_free(preset, args.mode, args.repeats, args.short, args.long)
+    trials = [trial_ratio(preset, args.mode) for _ in range(args.trials)]
+    tunes = [tune_ratio(preset, args.mode) for _ in range(args.tunes)]
+    true_ratio = statistics.median(truth)
+
+    def off(ratio: float | None) -> str:
+        return "-" if ratio is None else f"{ratio / true_ratio - 1:+.0%}"
+
+    print(f"{preset.script} --width {args.width}, {args.mode} against fp32 on {platform.processor() or platform.machine()}"
+          f" ({os.cpu_count()} cores): fp32 step time over {args.mode}'s")
+    print(f"{'measurement':<34}{'ratio':>8}{'vs start-up free':>18}  note")
+    print(f"{'start-up free (median)':<34}{true_ratio:>8.3f}{'':>18}  {', '.join(f'{r:.3f}' for r in truth)}")
+    print(f"{'mpadvise trial (median)':<34}{statistics.median(trials):>8.3f}{off(statistics.median(trials)):>18}"
+          f"  {', '.join(f'{r:.3f}' for r in trials)}")
+    for i, t in enumerate(tunes, 1):
+        ratio = "-" if t["ratio"] is None else f"{t['ratio']:.3f}"
+        interval = "" if t["low"] is None else f" [{t['low']:.3f}, {t['high']:.3f}]"
+        name = f"mpadvise tune #{i} (winner {t['winner']})"
+        print(f"{name:<34}{ratio:>8}{off(t['ratio']):>18}  {t['basis']}{interval}, {t['disturbed']} disturbed")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "script": preset.script, "args": list(preset.args), "mode": args.mode,
+            "machine": {"processor": platform.processor(), "cores": os.cpu_count(), "python": platform.python_version()},
+            "startup_free": truth, "trial": trials, "tunes": tunes,
+        }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
