@@ -460,3 +460,18 @@ def test_mig_is_reported_as_the_driver_sees_it():
         assert _bare_uuid(p.uuid) == _bare_uuid(torch.cuda.get_device_properties(0).uuid), (p.uuid, why)
         assert (p.uuid or "").upper().startswith("GPU-"), (p.uuid, why)
         assert p.mig_enabled is not True, why  # False, or None on a card without MIG
+
+
+def test_a_tune_on_the_gpu_counts_flops_and_reports_tflops_and_mfu_below_the_probed_peak():
+    # examples/mlp.py on the GPU: the reference's FLOPs are counted, and every candidate's MFU
+    # is a share of the matmul peak the probe measured here, so it lies between 0 and 1.
+    proc = subprocess.run([sys.executable, "-m", "advisor.cli", "tune", "examples/mlp.py", "--trials", "4",
+                           "--json", "--no-cache", "--", "--width", "1024"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["flops_per_step"] and data["flops_basis"] == "counted" and data["peak_tflops"]
+    measured = [row for row in data["candidates"] if row["tflops"] is not None]
+    assert measured and all(row["tflops"] > 0 for row in measured)
+    assert all(0 < row["mfu"] < 1 for row in measured if row["mfu"] is not None)
+    assert data["cost"]["trials"] >= 2 and data["cost"]["window_s"] > 0
