@@ -114,15 +114,21 @@ def tune_ratio(preset: Preset, mode: str) -> dict:
         ratio, low, high, basis = (data["speedup"].get(k) for k in ("ratio", "low", "high", "basis"))
     else:  # fp32 won: MODE's paired gap, inverted (the gap is the leader's lead over it)
         found = next((f for f in data.get("finalists") or [] if f["label"] == mode and f.get("gap_vs_leader")), None)
+        row = next((r for r in data.get("candidates") or [] if r["label"] == mode), None)
         if found:
             gap = found["gap_vs_leader"]
             ratio = 1 / gap["ratio"]
             low = 1 / gap["high"] if gap.get("high") else None
             high = 1 / gap["low"] if gap.get("low") else None
             basis = f"fp32's paired lead, {gap['pairs']} pairs"
+        elif row is not None and row.get("search_speedup_vs_fp32"):  # not a finalist: its one search run
+            ratio, basis = row["search_speedup_vs_fp32"], "search run against the reference (not a finalist)"
+    rows = {r["label"]: r for r in data.get("candidates") or []}
     return {"winner": winner, "ratio": ratio, "low": low, "high": high, "basis": basis,
             "disturbed": len(data.get("disturbed") or []), "wall_s": data.get("wall_s"),
-            "cost": data.get("cost")}
+            "cost": data.get("cost"), "flops_per_step": data.get("flops_per_step"),
+            "utilisation": {label: {"tflops": rows[label].get("tflops"), "mfu": rows[label].get("mfu"),
+                                    "mfu_dtype": rows[label].get("mfu_dtype")} for label in ("fp32", mode) if label in rows}}
 
 
 def main() -> None:
@@ -160,6 +166,10 @@ def main() -> None:
         interval = "" if t["low"] is None else f" [{t['low']:.3f}, {t['high']:.3f}]"
         name = f"mpadvise tune #{i} (winner {t['winner']})"
         print(f"{name:<34}{ratio:>8}{off(t['ratio']):>18}  {t['basis']}{interval}, {t['disturbed']} disturbed")
+    for label, found in (tunes[-1]["utilisation"] if tunes else {}).items():
+        mfu = "-" if found["mfu"] is None else f"{found['mfu']:.1%} of {found['mfu_dtype']}'s probed peak"
+        tflops = "-" if found["tflops"] is None else f"{found['tflops']:.3g}"
+        print(f"last tune, {label}: {tflops} TFLOP/s, MFU {mfu}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

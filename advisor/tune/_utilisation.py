@@ -5,7 +5,8 @@ its FLOPs per optimizer step once (``TrialResult.flops_per_step``: counted by to
 FlopCounterMode, or estimated as 6 x parameters x tokens, as ``flops_basis`` says); every
 candidate runs the same arithmetic per step, so its achieved TFLOP/s is that count over its
 median step time. Its MFU is that over the probed matmul peak of the dtype its matmuls run in
-(``probes.matmul_benchmark`` on this device: measured, not a datasheet figure).
+(``probes.matmul_benchmark`` on this device: measured, not a datasheet figure), or fp32's where
+that dtype has no fast path here (it measured slower than fp32).
 
 Pure functions of plain numbers.
 """
@@ -59,11 +60,17 @@ def utilisation(flops_per_step: float | None, median_step_s: float | None, mode:
     """A candidate's achieved TFLOP/s and MFU; ``None`` without a FLOP count or a step time.
 
     A dtype the benchmark did not measure (fp8 on a CPU, where it is emulation) has no peak,
-    and so no MFU: its TFLOP/s still shows.
+    and so no MFU: its TFLOP/s still shows. A dtype the benchmark measured slower than fp32 has
+    no fast path here, and is held to fp32's rate (``dtype`` then says ``fp32``).
     """
     if not flops_per_step or not median_step_s or flops_per_step <= 0 or median_step_s <= 0:
         return None
     tflops = flops_per_step / median_step_s / 1e12
     dtype = compute_dtype(mode)
-    peak = (peaks or {}).get(dtype)
+    peaks = peaks or {}
+    peak = peaks.get(dtype)
+    if peak is not None and peaks.get("fp32") and peak < peaks["fp32"]:
+        # No fast path for this dtype here (bf16 on a CPU without AVX512-BF16 or AMX): the
+        # hardware's best rate for the work is fp32's, and the slow path is no peak to be near.
+        dtype, peak = "fp32", peaks["fp32"]
     return Utilisation(round(tflops, 6), dtype, peak, round(tflops / peak, 6) if peak else None)

@@ -37,6 +37,10 @@ def test_achieved_tflops_is_the_step_count_over_the_median_step_and_mfu_its_shar
     # a dtype the benchmark did not measure (fp8 emulated on a CPU) has TFLOP/s but no MFU
     cpu = utilisation(FLOPS, 0.5, "fp8-torchao", {"fp32": 0.1, "bf16": 0.002})
     assert cpu.tflops == pytest.approx(6.0) and cpu.peak_tflops is None and cpu.mfu is None
+    # bf16 with no fast path (AVX2 only: the probe measured it at 1% of fp32): held to fp32's rate,
+    # where the slow path's own rate would call a slow run more than 100% efficient
+    avx2 = utilisation(FLOPS, 0.5, "bf16-mixed", {"fp32": 100.0, "bf16": 1.0})
+    assert avx2.dtype == "fp32" and avx2.peak_tflops == 100.0 and avx2.mfu == pytest.approx(0.06)
     assert utilisation(None, 0.5, "fp32", PEAKS) is None and utilisation(FLOPS, 0.0, "fp32", PEAKS) is None
 
 
