@@ -225,16 +225,17 @@ def _tune_table(tune: dict[str, Any]) -> Table:
     marked = bool(speedup) and speedup.get("basis") != "search run"
     caption = f"† the winner's speed-up: {describe_speedup(speedup)}" if marked else None
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    # Headers may fold onto two lines (the numbers never do), so the table fits 80 columns.
     for col, justify in (("", "left"), ("candidate", "left"), ("samples/s", "right"), ("vs fp32, search run", "right"),
                          ("TFLOP/s", "right"), ("MFU", "right"), ("peak memory", "right"), ("verdict", "left")):
-        table.add_column(col, justify=justify, no_wrap=True)
+        table.add_column(col, justify=justify, no_wrap=col in ("", "candidate", "verdict"), overflow="fold")
     for row in tune.get("candidates") or []:
         goodput, outcome = row.get("goodput"), row.get("outcome") or "ok"
         won = bool(row.get("winner"))
         ratio = tune.get("speedup_vs_fp32") if won and marked else row.get("search_speedup_vs_fp32", row.get("speedup_vs_fp32"))
         cell = f"{ratio:.2f}x" + ("†" if won and marked else "") if goodput and ratio else "-"
         table.add_row("→" if won else "", str(row.get("label")), f"{goodput:,.0f}" if goodput else "-", cell,
-                      fmt_tflops(row.get("tflops")), fmt_mfu(row.get("mfu"), row.get("mfu_dtype")),
+                      fmt_tflops(row.get("tflops")), fmt_mfu(row.get("mfu")),
                       fmt_bytes(row.get("peak_memory")), f"[{VERDICT_STYLE.get(outcome, 'red')}]{outcome}[/]")
     for row in tune.get("pruned") or []:  # never run: no numbers to show
         table.add_row("", str(row.get("label")), "-", "-", "-", "-", "-", f"[{VERDICT_STYLE['pruned']}]pruned[/]")
@@ -259,9 +260,9 @@ def fmt_tflops(tflops: float | None) -> str:
     return "-" if tflops is None else f"{tflops:.3g}"
 
 
-def fmt_mfu(mfu: float | None, dtype: str | None) -> str:
-    """The fraction of the probed peak, with the dtype it is of (``12% bf16``), or ``-``."""
-    return "-" if mfu is None else f"{mfu:.0%} {dtype}" if mfu >= 0.01 else f"{mfu:.1%} {dtype}"
+def fmt_mfu(mfu: float | None) -> str:
+    """The fraction of the probed peak (``12%``, ``0.4%``), or ``-``."""
+    return "-" if mfu is None else f"{mfu:.0%}" if mfu >= 0.01 else f"{mfu:.1%}"
 
 
 def utilisation_line(tune: dict[str, Any]) -> str:
@@ -272,8 +273,10 @@ def utilisation_line(tune: dict[str, Any]) -> str:
         return "TFLOP/s and MFU: not known (the reference's FLOPs could not be counted)"
     peaks = ", ".join(f"{k} {v:.3g}" for k, v in (tune.get("peak_tflops") or {}).items())
     basis = tune.get("flops_basis") or "counted"
+    held = ", ".join(f"{row['label']} {row['mfu_dtype']}" for row in tune.get("candidates") or [] if row.get("mfu_dtype"))
     return (f"FLOPs per step {flops:.3g} ({basis}, in the fp32 reference); MFU is of the probed matmul "
-            f"peak of the candidate's dtype" + (f" (TFLOP/s: {peaks})" if peaks else ": no peak probed"))
+            f"peak of each candidate's dtype" + (f" ({held})" if held else "")
+            + (f"; probed TFLOP/s: {peaks}" if peaks else ": no peak probed"))
 
 
 def _print_search(tune: dict[str, Any], console: Console) -> None:

@@ -79,7 +79,11 @@ def test_the_reference_alone_counts_and_every_candidate_shows_its_tflops_and_mfu
     console = Console(record=True, width=200, file=io.StringIO())
     render_tune(data, console)
     text = console.export_text()
-    assert "TFLOP/s" in text and "MFU" in text and "62% bf16" in text
+    assert "TFLOP/s" in text and "MFU" in text and " 62% " in text and "bf16-true bf16" in text
+    narrow = Console(record=True, width=80, file=io.StringIO())
+    render_tune(data, narrow)
+    table = narrow.export_text().split("FLOPs per step")[0]
+    assert "…" not in table and " 62% " in table  # at 80 columns headers fold, numbers stay whole
     assert "FLOPs per step 3e+12 (counted, in the fp32 reference)" in text
     cached = {row["metrics"]["label"]: row["metrics"] for row in cache_rows(result)}
     assert cached["bf16-true"]["tflops"] == pytest.approx(10.0) and cached["bf16-true"]["mfu"] == pytest.approx(0.625)
