@@ -41,15 +41,6 @@ def fresh_marks():
     _timeline.clear()
 
 
-@pytest.fixture
-def exits(monkeypatch) -> list[int]:
-    """What the trial child would have exited with, instead of ending the test process."""
-    codes: list[int] = []
-    monkeypatch.setattr(_child, "end_trial_process", codes.append)
-    monkeypatch.setattr(_child.atexit, "register", lambda fn: None)
-    return codes
-
-
 def _spec(tmp_path, **fields) -> TrialSpec:
     spec = TrialSpec(policy=Policy(mode="fp32").to_dict(), result_path=str(tmp_path / "result.json"),
                      warmup_steps=2, measure_steps=3, device="cpu")
