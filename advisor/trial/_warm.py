@@ -522,7 +522,11 @@ class WarmLauncher:
         """Start the server unless it runs; why it cannot serve, or ``None``."""
         if self._proc is not None:
             return None
-        server_env = {k: v for k, v in env.items() if not is_per_trial(k)}
+        # The server starts in the first trial's whole environment. A fork's /proc/PID/environ is
+        # the server's, whatever the fork sets in os.environ, and the daemon finds (and ends) a
+        # job's processes by the mark its environment carries there (MPADVISE_DAEMON_JOB).
+        # Per-trial values are set in each fork; the server reads none of them.
+        server_env = dict(env)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log = tempfile.TemporaryFile()
         try:
