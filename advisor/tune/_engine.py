@@ -164,9 +164,10 @@ class TuneCost:
     startup_share: float | None
 
     @classmethod
-    def of(cls, ran: list[TrialResult], wall_s: float) -> TuneCost:
-        """The cost of a tune that ran ``ran`` (the reference first) in ``wall_s`` seconds."""
-        window = ran[0].phases.get("measured") if ran else None
+    def of(cls, ran: list[TrialResult], wall_s: float, reference: TrialResult | None) -> TuneCost:
+        """The cost of a tune that ran ``ran`` in ``wall_s`` seconds, in windows of the kept
+        ``reference`` (not a disturbed first run of it)."""
+        window = None if reference is None else reference.phases.get("measured")
         shares = [s / r.wall_s for r in ran if r.wall_s > 0 and (s := startup_seconds(r.timeline)) is not None]
         return cls(round(wall_s, 3), len(ran), window, round(wall_s / window, 1) if window else None,
                    round(statistics.median(shares), 3) if shares else None)
@@ -425,7 +426,7 @@ def tune_policy(
                       reference_rounds=list(settled.companion.rounds) if settled.companion else [],
                       window_note=trials.window_note, measure_steps=getattr(trials.runner, "measure_steps", None),
                       extended=list(trials.yardsticks.extended) if trials.yardsticks else [],
-                      disturbances=list(watch.events), peak_tflops=peaks, cost=TuneCost.of(watch.ran, clock() - start))
+                      disturbances=list(watch.events), peak_tflops=peaks, cost=TuneCost.of(watch.ran, clock() - start, trials.reference))
 
 
 def _utilisation_fields(found: Utilisation | None) -> dict[str, Any]:

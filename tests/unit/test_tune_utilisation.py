@@ -106,7 +106,8 @@ def test_the_tune_reports_its_cost_in_measured_windows_and_its_share_of_start_up
         return TrialResult(outcome="ok", timeline=timeline, wall_s=wall)
 
     ran = [trial(0.0, 1.5, 1.6, 2.1, 2.2), trial(10.0, 10.5, 10.6, 11.1, 1.2), trial(20.0, 20.4, 20.5, 21.0, 1.1)]
-    cost = TuneCost.of(ran, 50.0)
+    cost = TuneCost.of(ran, 50.0, ran[0])
+    assert TuneCost.of(ran, 50.0, trial(0.0, 1.5, 1.6, 3.6, 4.0)).window_s == pytest.approx(2.0)  # the kept reference's
     assert cost.trials == 3 and cost.window_s == pytest.approx(0.5) and cost.trial_equivalents == 100.0
     assert cost.startup_share == pytest.approx(round(0.5 / 1.2, 3))
     console = Console(record=True, width=200, file=io.StringIO())
