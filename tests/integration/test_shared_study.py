@@ -25,6 +25,7 @@ import optuna
 import pytest
 from _postgres import postgres_server, postgres_url  # noqa: F401  (fixtures)
 
+from advisor.trial import WARM_ENV
 from advisor.tune._search import (
     GRACE_ENV,
     HEARTBEAT_ENV,
@@ -110,8 +111,9 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _start(tmp_path: Path, name: str, url: str, *, trials: int) -> Worker:
-    """A worker in its own directory (another checkout of the same script) and session."""
+def _start(tmp_path: Path, name: str, url: str, *, trials: int, **env: str) -> Worker:
+    """A worker in its own directory (another checkout of the same script) and session;
+    ``env`` is added to its environment."""
     base = tmp_path / name
     base.mkdir()
     script = base / "train.py"
@@ -121,7 +123,7 @@ def _start(tmp_path: Path, name: str, url: str, *, trials: int) -> Worker:
         proc = subprocess.Popen(
             [sys.executable, "-m", "advisor.cli", "tune", str(script), "--storage", url, "--trials", str(trials),
              *TUNE, *SCRIPT_ARGS],
-            stdout=stdout, stderr=stderr, env=_env(base / "home"), cwd=ROOT, start_new_session=True,
+            stdout=stdout, stderr=stderr, env=_env(base / "home", **env), cwd=ROOT, start_new_session=True,
         )
     return Worker(name, proc, base / "home", script, out, err)
 
@@ -258,7 +260,7 @@ def _running_trial_of(url: str, worker: Worker, *, timeout: float) -> int:
     """The number of a trial ``worker`` has been running for over a second (a real trial, not
     a proposal told at once)."""
     name = f"{socket.gethostname()}:{worker.proc.pid}"
-    deadline, seen = time.monotonic() + timeout, None
+    deadline, seen, since = time.monotonic() + timeout, None, 0.0
     while time.monotonic() < deadline:
         assert worker.proc.poll() is None, f"{worker.name} ended before running a trial: {worker.err.read_text()[-2000:]}"
         try:
@@ -267,16 +269,20 @@ def _running_trial_of(url: str, worker: Worker, *, timeout: float) -> int:
             trials = []
         mine = [t.number for t in trials if (t.user_attrs.get(TRIAL_ATTR_CLAIM) or {}).get("worker") == name]
         if seen is not None and seen in mine:
-            return seen
-        seen = mine[0] if mine else None
-        time.sleep(1.0)
+            if time.monotonic() - since >= 1.0:
+                return seen
+        else:
+            seen, since = (mine[0] if mine else None), time.monotonic()
+        time.sleep(0.2)
     raise AssertionError(f"{worker.name} ran no trial within {timeout} s")
 
 
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_a_killed_workers_trial_is_retried_by_the_other(tmp_path, postgres_url):  # noqa: F811
-    doomed = _start(tmp_path, "node-a", postgres_url, trials=SPACE_SIZE)
+    # Its trials start cold, so that each runs for seconds (a warm trial of this workload is
+    # over in half a second, too soon to be caught running on a loaded machine).
+    doomed = _start(tmp_path, "node-a", postgres_url, trials=SPACE_SIZE, **{WARM_ENV: "0"})
     # Enough budget for every candidate, the retried one included, whenever the retry comes.
     survivor = _start(tmp_path, "node-b", postgres_url, trials=SPACE_SIZE)
     with _reaped([doomed, survivor]):
