@@ -18,6 +18,7 @@ from advisor.tune import (
     TuneOptions,
     TuneRequest,
     check_script,
+    resolve_storage,
     tune_script,
 )
 from probes import UsageError
@@ -28,6 +29,8 @@ __all__ = ["run_tune_command", "submit_tune_command"]
 def run_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
                      console: Console) -> int:
     """Run the tune here and report it. Returns 0 when a stable policy was found, 3 when none was."""
+    # The URL may come from the environment instead, to keep its password out of ps.
+    options = options.with_(storage=resolve_storage(options.storage, os.environ))
     path = check_script(script)
     profile = probes.profile_for(options.device)
     plan = plan_for(path, options.framework, device=profile.device)

@@ -24,7 +24,7 @@ from advisor.tune._options import (
     check_rank_device,
     option_info,
 )
-from advisor.tune._search import shared_storage, shown_url
+from advisor.tune._search import resolve_storage, shared_storage, shown_url
 from advisor.tune._service import (
     EXIT_FOUND,
     EXIT_NONE_STABLE,
@@ -76,6 +76,7 @@ __all__ = [
     "default_trial_modes",
     "keep_answer",
     "option_info",
+    "resolve_storage",
     "run_comparison",
     "shared_storage",
     "shown_url",

@@ -42,7 +42,7 @@ from advisor.tune._space import (
     scales_loss,
     upper_bound,
 )
-from probes import MpadviseError
+from probes import MpadviseError, UsageError
 
 STUDY_ATTR_SPACE = "mpadvise:space"
 STUDY_ATTR_REPLICATE = "mpadvise:replicate"  # fp32 under another seed: the verdicts' spread
@@ -62,6 +62,9 @@ MAX_DUPLICATE_PROPOSALS = 3
 HEARTBEAT_ENV = "MPADVISE_HEARTBEAT_S"
 GRACE_ENV = "MPADVISE_GRACE_S"
 MAX_RETRY_ENV = "MPADVISE_MAX_RETRY"
+# Where the storage URL may come from besides --storage, so that its password stays out of ps.
+STORAGE_ENV = "MPADVISE_STORAGE"
+STORAGE_FILE_ENV = "MPADVISE_STORAGE_FILE"
 POSTGRES_INSTALL = 'pip install "mpadvise[postgres]"'
 # A server that drops packets would otherwise keep the first connection waiting for minutes.
 CONNECT_TIMEOUT_S = 10
@@ -167,8 +170,82 @@ def shared_storage(url: str | None) -> bool:
 
 
 def shown_url(url: str | None) -> str | None:
-    """``url`` with its password masked, fit for messages and reports."""
-    return None if url is None else re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", url)
+    """``url`` with its password masked and any ``password`` query parameter dropped, fit for
+    messages, reports, JSON and cache records.
+
+    A password may hold ``/`` (generated secrets often do) or even an unescaped ``@``: for a
+    database server, everything between the user's ``:`` and the last ``@`` before the host is
+    the password. An SQLite file's URL carries none, and is shown as given.
+    """
+    if url is None:
+        return None
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.startswith("sqlite"):
+        return url
+    authority, at, after = rest.partition("?")[0].rpartition("@")
+    if at:
+        user, colon, _ = authority.partition(":")
+        rest = f"{user}{':***' if colon else ''}@{after}{rest[len(authority) + 1 + len(after):]}"
+    masked = f"{scheme}://{rest}"
+    import sqlalchemy.engine
+    import sqlalchemy.exc
+
+    try:
+        parsed = sqlalchemy.engine.make_url(masked)
+    except (sqlalchemy.exc.ArgumentError, ValueError):  # not a URL SQLAlchemy reads: mask by hand
+        return re.sub(r"([?&])[^&=]*password[^&=]*=[^&]*&?", r"\1", masked, flags=re.IGNORECASE).rstrip("?&")
+    query = {k: v for k, v in parsed.query.items() if "password" not in k.lower()}
+    return parsed.set(query=query).render_as_string(hide_password=True)
+
+
+def resolve_storage(given: str | None, environ: Mapping[str, str]) -> str | None:
+    """The storage URL a tune uses: ``--storage`` when given; else ``MPADVISE_STORAGE``; else the
+    first line of the file ``MPADVISE_STORAGE_FILE`` names; else ``None`` (the default storage).
+
+    The variables keep a password out of ``ps`` and shell history. The file must be this
+    user's and private (no access for group or others), as an SSH key must.
+
+    Raises:
+        UsageError: both variables set, or a file that cannot be read, is not private or is
+            empty; one line naming the variable.
+    """
+    if given is not None:
+        return given
+    url = environ.get(STORAGE_ENV, "").strip()
+    path = environ.get(STORAGE_FILE_ENV, "").strip()
+    if url and path:
+        raise UsageError(f"both {STORAGE_ENV} and {STORAGE_FILE_ENV} are set; expected one: unset the other, or "
+                            "give --storage")
+    if url:
+        return url
+    if not path:
+        return None
+    return _storage_from_file(path)
+
+
+def _storage_from_file(path: str) -> str:
+    import stat
+
+    where = f"{STORAGE_FILE_ENV}={path}"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise UsageError(f"cannot read {where}: {exc.strerror or exc}; expected a file of yours (mode 600) holding "
+                            "the storage URL on its first line") from None
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as handle:
+        st = os.fstat(handle.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"cannot read {where}: not a regular file; expected a file holding the storage URL")
+        if st.st_uid != os.getuid():
+            raise UsageError(f"refusing {where}: it is owned by uid {st.st_uid}, not you; it holds a password, so "
+                                "it must be yours")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise UsageError(f"refusing {where}: others may read it (mode {stat.S_IMODE(st.st_mode):o}); it holds a "
+                                f"password: chmod 600 {path}")
+        lines = [ln.strip() for ln in handle.read(65536).splitlines() if ln.strip()]
+    if not lines:
+        raise UsageError(f"{where} is empty; expected the storage URL on its first line")
+    return lines[0]
 
 
 def storage_error(url: str, exc: BaseException) -> str:

@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -275,7 +275,11 @@ def default_storage() -> str | None:
     study = directory / "studies.db"
     try:
         ensure_private_dir(directory)
-        ensure_private_file(study)
+        if not ensure_private_file(study):
+            # Made here, private, before SQLite would make it under the umask (0644): the study's
+            # trials name this machine's workers and the script's arguments.
+            with suppress(FileExistsError):  # another tune made it a moment ago
+                os.close(open_private_new(study))
         probe = directory / f".write-test-{os.getpid()}"
         os.close(open_private_new(probe))
         probe.unlink()
