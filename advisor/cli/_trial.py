@@ -23,9 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 import probes
+from advisor.cli._plot import plot_trials
 from advisor.cli._report import (
     evaluation_table,
-    plot_trials,
     print_reasons,
     spread_line,
     trial_progress,
@@ -152,7 +152,8 @@ def run_trial_command(
         if close is not None:
             close()
     if plot is not None:
-        plot_trials(str(plot), comparison.reference, comparison.evaluations)
+        replicate = None if comparison.replicate is None else comparison.replicate.curve
+        plot_trials(str(plot), comparison.reference, comparison.evaluations, replicate=replicate)
     payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot)
     stream.comparison(payload)
     if json_output:

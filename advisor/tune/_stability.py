@@ -353,15 +353,105 @@ def judge(
     Returns:
         The verdict, with a reason in words and the numbers behind it.
     """
-    comparison = _Comparison(
-        candidate, reference, StabilityThresholds() if thresholds is None else thresholds,
-        replicate,
-    )
+    comparison = _compare(candidate, reference, thresholds, replicate)
     for check in STABILITY_CHECKS:
         verdict = check(comparison)
         if verdict is not None:
             return verdict
     return _stable(comparison)
+
+
+def _compare(
+    candidate: TrialCurve,
+    reference: TrialCurve,
+    thresholds: StabilityThresholds | None,
+    replicate: TrialCurve | None,
+) -> _Comparison:
+    """The comparison ``judge`` decides on and ``basis`` shows: one construction for both."""
+    return _Comparison(
+        candidate, reference, StabilityThresholds() if thresholds is None else thresholds, replicate,
+    )
+
+
+@dataclass(frozen=True)
+class Basis:
+    """What ``judge`` measures on the way to a verdict, for showing it (``mpadvise trial --plot``).
+
+    Read from the very comparison ``judge`` decides on, so a picture drawn from it shows the
+    verdict's own levels and limits. Levels are medians over ``window`` steps (the smoothing of
+    docs/stability.md); ``smoothed`` gives a whole curve smoothed the same way.
+
+    Attributes:
+        steps: the compared steps (the common length of the two curves).
+        window: the smoothing window, in steps.
+        candidate_start, candidate_end: the candidate's smoothed start and end levels.
+        reference_start, reference_end: fp32's.
+        progress_limit: the least fraction of fp32's fall the candidate had to make (the stall
+            limit), widened by the replicate's spread where that applies.
+        final_gap_limit: the most the candidate's final level may exceed fp32's, as ``judge``
+            measures a gap (relative to fp32's final loss).
+        climb_margin: how far above its own start the candidate's level may end (divergence).
+        reference_flat: progress was not judged (fp32's loss did not fall beyond its noise).
+        first_nonfinite_step: the first step (1-based) with a NaN or inf loss that the optimizer
+            applied, as the divergence check finds it; ``None`` when there is none.
+    """
+
+    steps: int
+    window: int
+    candidate_start: float
+    candidate_end: float
+    reference_start: float
+    reference_end: float
+    progress_limit: float
+    final_gap_limit: float
+    climb_margin: float
+    reference_flat: bool
+    first_nonfinite_step: int | None
+
+    def smoothed(self, losses: Sequence[float]) -> tuple[float, ...]:
+        """``losses`` over the compared steps, smoothed with the verdict's window (``smooth``)."""
+        return smooth(losses[: self.steps], self.window)
+
+    @property
+    def progress_level(self) -> float:
+        """The smoothed end level the candidate had to reach to keep pace (the stall limit)."""
+        return self.candidate_start - self.progress_limit * (self.reference_start - self.reference_end)
+
+    @property
+    def final_level(self) -> float:
+        """The highest smoothed final level within the final-gap limit (above it, a loss floor or
+        a lag). ``_spread.final_gap`` is linear in the candidate's level: its slope sets it."""
+        r_end, r_drop = self.reference_end, self.reference_start - self.reference_end
+        per_unit = _spread.final_gap(r_end + 1.0, r_end, r_drop)
+        return r_end + self.final_gap_limit / per_unit
+
+    @property
+    def climb_level(self) -> float:
+        """The smoothed end level above which a finite curve counts as diverging."""
+        return self.candidate_start + self.climb_margin * max(abs(self.candidate_start), _TINY)
+
+
+def basis(
+    candidate: TrialCurve,
+    reference: TrialCurve,
+    thresholds: StabilityThresholds | None = None,
+    *,
+    replicate: TrialCurve | None = None,
+) -> Basis:
+    """The levels and limits ``judge`` applies to these curves (same arguments), without a verdict.
+
+    Returns:
+        The ``Basis``; levels are NaN where a curve has no finite loss in a window.
+    """
+    c = _compare(candidate, reference, thresholds, replicate)
+    lv, limits = c.levels, c.limits
+    bad = _first_nonfinite(candidate.losses, candidate.was_skipped)
+    return Basis(
+        steps=c.n, window=c.window, candidate_start=lv.c_start, candidate_end=lv.c_end,
+        reference_start=lv.r_start, reference_end=lv.r_end, progress_limit=limits.progress,
+        final_gap_limit=limits.final_gap, climb_margin=c.t.climb_margin,
+        reference_flat=c.reference_flat, first_nonfinite_step=None if bad is None else bad + 1,
+    )
 
 
 @dataclass(frozen=True)
