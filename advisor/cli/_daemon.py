@@ -43,6 +43,13 @@ RootOption = Annotated[
     typer.Option("--allowed-root", help="Jobs' scripts must be under this directory; repeat for several. Default: your home."),
 ]
 
+RetentionOption = Annotated[
+    float,
+    typer.Option("--job-retention-days", min=0, envvar="MPADVISE_JOB_RETENTION_DAYS",
+                 help="Delete finished jobs (rows and logs) this many days after they finished; "
+                      "queued and running ones are kept."),
+]
+
 
 # --------------------------------------------------------------------------------------
 # Commands: declare and delegate
@@ -54,12 +61,14 @@ def run(
     uds: UdsOption = None,
     allow_remote: RemoteOption = False,
     allowed_root: RootOption = None,
+    job_retention_days: RetentionOption = 30.0,
 ) -> None:
     """Serve in the foreground until Ctrl-C or SIGTERM (logs on stderr)."""
     from advisor.daemon import DaemonConfig, serve
 
     serve(DaemonConfig(host=host, port=port, uds=uds.absolute() if uds else None, allow_remote=allow_remote,
-                       allowed_roots=tuple(p.absolute() for p in allowed_root or ())))
+                       allowed_roots=tuple(p.absolute() for p in allowed_root or ()),
+                       job_retention_days=job_retention_days))
 
 
 def start(
@@ -68,12 +77,13 @@ def start(
     uds: UdsOption = None,
     allow_remote: RemoteOption = False,
     allowed_root: RootOption = None,
+    job_retention_days: RetentionOption = 30.0,
     wait: Annotated[float, typer.Option("--wait", min=1, help="Seconds to wait for the daemon to answer.")] = 60.0,
     json_output: JsonOption = False,
 ) -> None:
     """Start the daemon in the background (pid and log files in the cache directory)."""
     info = start_daemon(host=host, port=port, uds=uds, allow_remote=allow_remote, allowed_roots=allowed_root or [],
-                        wait=wait)
+                        wait=wait, job_retention_days=job_retention_days)
     if info.get("warning"):
         err_console.print(f"[bold yellow]warning:[/] {info['warning']}", highlight=False, soft_wrap=True)
     if json_output:
@@ -124,11 +134,13 @@ def start_daemon(
     allow_remote: bool,
     allowed_roots: list[Path],
     wait: float,
+    job_retention_days: float | None = None,
 ) -> dict[str, Any]:
     """Run ``mpadvise daemon run`` detached and wait until ``/health`` answers.
 
     Args:
-        host, port, uds, allow_remote, allowed_roots: as for ``daemon run``.
+        host, port, uds, allow_remote, allowed_roots, job_retention_days: as for ``daemon run``
+            (``None``: its default, or ``MPADVISE_JOB_RETENTION_DAYS`` in the environment).
         wait: seconds to wait for the first answer.
 
     Returns:
@@ -158,6 +170,8 @@ def start_daemon(
         argv.append("--allow-remote")
     for root in allowed_roots:
         argv += ["--allowed-root", str(root.absolute())]
+    if job_retention_days is not None:
+        argv += ["--job-retention-days", repr(float(job_retention_days))]
     env = dict(os.environ)
     # The daemon runs from / (it must not keep a directory busy), so a relative cache
     # directory has to be made absolute for it.
@@ -180,7 +194,7 @@ def start_daemon(
             )
         address = _address(paths)
         if address.get("pid") == process.pid:
-            client = DaemonClient(uds=address["uds"]) if address.get("uds") else DaemonClient(url=address["url"])
+            client = DaemonClient.for_address(address)  # a wildcard bind is reached through the loopback
             try:
                 client.health()
                 break

@@ -504,10 +504,14 @@ def _allowed_methods(app: Any, scope: dict[str, Any]) -> list[str]:
 
 
 def _client_is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address, an IPv4 one seen through a dual-stack socket
+    (``::ffff:127.0.0.1``, what ``--host ::`` reports for an IPv4 client) included."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host.split("%")[0])
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def _invalid(loc: list[str], message: str) -> HTTPException:

@@ -199,12 +199,21 @@ class DaemonClient:
         if need_token:
             _check_token_destination(address, paths)
             token = read_token(paths.token)
-        if address.get("uds"):
-            client = cls(uds=address["uds"], token=token, timeout=timeout)
-        else:
-            client = cls(url=address["url"], token=token, timeout=timeout)
+        client = cls.for_address(address, token=token, timeout=timeout)
         client.roots = [Path(root) for root in address.get("roots") or []]
         return client
+
+    @classmethod
+    def for_address(cls, address: dict[str, Any], *, token: str | None = None, timeout: float = 10.0) -> DaemonClient:
+        """A client of the daemon that wrote ``address`` (its ``daemon.json``), from this machine.
+
+        A daemon bound to every interface (``0.0.0.0``, ``::``) is reached through the loopback
+        of that family: a wildcard is no address to connect to, and the daemon refuses a
+        loopback client whose ``Host`` names anything but the loopback.
+        """
+        if address.get("uds"):
+            return cls(uds=address["uds"], token=token, timeout=timeout)
+        return cls(url=local_url(str(address["url"])), token=token, timeout=timeout)
 
     @property
     def where(self) -> str:
@@ -337,7 +346,7 @@ def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> Non
             return
         where = f"the Unix socket {address['uds']}, which is not a socket of uid {os.geteuid()}"
     else:
-        host = urlsplit(str(address.get("url"))).hostname or ""
+        host = urlsplit(local_url(str(address.get("url")))).hostname or ""
         if host == "localhost" or _is_loopback_ip(host):
             return
         where = f"{address.get('url')}, which is not a loopback address"
@@ -345,6 +354,26 @@ def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> Non
         f"{paths.address} names {where}; not sending the daemon token there. Remove {paths.address} "
         f"if no daemon of yours runs, and check who can write to {paths.directory}"
     )
+
+
+def local_url(url: str) -> str:
+    """``url`` with a wildcard host (``0.0.0.0``, ``::``) replaced by that family's loopback.
+
+    Args:
+        url: ``http://host:port`` as ``daemon.json`` names it.
+
+    Returns:
+        The URL to connect to from this machine (other URLs unchanged).
+    """
+    parts = urlsplit(url)
+    try:
+        wildcard = parts.hostname is not None and ipaddress.ip_address(parts.hostname).is_unspecified
+    except ValueError:
+        wildcard = False
+    if not wildcard:
+        return url
+    loopback = "[::1]" if ":" in (parts.hostname or "") else "127.0.0.1"
+    return parts._replace(netloc=f"{loopback}:{parts.port}" if parts.port else loopback).geturl()
 
 
 def _is_loopback_ip(host: str) -> bool:

@@ -18,6 +18,16 @@ DEFAULT_PORT = 8757
 # A job request is a path, a few dozen options and an argument list: 64 KiB is generous, and
 # a bound means a client cannot make the daemon buffer (or store) an arbitrary amount.
 MAX_BODY_BYTES = 64 * 1024
+# A request's line and headers together: a client cannot make the daemon buffer more (431).
+MAX_HEADER_BYTES = 64 * 1024
+# A connection must deliver a whole request (line, headers, body) this many seconds after it
+# opens or after the previous answer, else it is closed: an idle or dribbling client cannot
+# hold a connection, and the descriptor behind it, for longer.
+REQUEST_TIMEOUT_S = 10.0
+# Connections open at once, at most; and descriptors kept out of their reach for the database,
+# the job logs and the jobs' pipes (see connection_limit).
+MAX_CONNECTIONS = 256
+RESERVED_DESCRIPTORS = 256
 MAX_ARGS = 256
 MAX_TEXT = 4096
 # What the job record keeps of a tune's stderr: enough to see why it failed.
@@ -29,6 +39,11 @@ RECENT_LINES = 20
 MAX_QUEUED_JOBS = 1000
 # Full job logs kept in the jobs directory (the newest); older ones are deleted.
 MAX_JOB_LOGS = 200
+# Finished jobs (their rows, logs and files) are deleted this many days after they finished,
+# at start and then every PRUNE_EVERY_S; queued and running jobs never are.
+DEFAULT_JOB_RETENTION_DAYS = 30.0
+JOB_RETENTION_ENV = "MPADVISE_JOB_RETENTION_DAYS"
+PRUNE_EVERY_S = 3600.0
 # daemon.log is rotated at start past this size, keeping this many old ones (.1 the newest).
 MAX_DAEMON_LOG_BYTES = 10 * 1024 * 1024
 DAEMON_LOGS_KEPT = 3
@@ -51,6 +66,7 @@ class DaemonConfig:
         allowed_roots: directories a job's script (and working directory and config file)
             must be under; empty means the home directory of the user running the daemon.
         max_body_bytes: larger request bodies are refused with 413.
+        job_retention_days: finished jobs older than this are deleted, with their files.
     """
 
     host: str = DEFAULT_HOST
@@ -59,6 +75,7 @@ class DaemonConfig:
     allow_remote: bool = False
     allowed_roots: tuple[Path, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
+    job_retention_days: float = DEFAULT_JOB_RETENTION_DAYS
 
     def roots(self) -> tuple[Path, ...]:
         """The allowed roots, resolved (symlinks followed), defaulting to the home directory."""
@@ -118,6 +135,24 @@ def check_bind(host: str, *, allow_remote: bool) -> str | None:
         "needs the token, and anyone holding it can run scripts under the allowed roots as "
         f"{user_name()}; prefer 127.0.0.1 with an SSH tunnel"
     )
+
+
+def connection_limit(soft_descriptors: int) -> int:
+    """How many connections the daemon keeps open at once, given its descriptor limit.
+
+    At most :data:`MAX_CONNECTIONS`, and at most half of what remains once
+    :data:`RESERVED_DESCRIPTORS` are set aside, so that connections alone can never use the
+    descriptors that the database, the logs and the jobs need (1,024 gives 256).
+
+    Args:
+        soft_descriptors: ``RLIMIT_NOFILE``'s soft limit (``RLIM_INFINITY`` counts as large).
+
+    Returns:
+        The limit, at least 1.
+    """
+    if soft_descriptors < 0:  # RLIM_INFINITY
+        return MAX_CONNECTIONS
+    return max(1, min(MAX_CONNECTIONS, (soft_descriptors - RESERVED_DESCRIPTORS) // 2, soft_descriptors // 4))
 
 
 def under_roots(path: Path, roots: Sequence[Path]) -> bool:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -22,7 +23,14 @@ from advisor._version import __version__
 from advisor.cache import Store
 from advisor.daemon._app import AnswerCache, DaemonState, create_app
 from advisor.daemon._client import DaemonPaths
-from advisor.daemon._config import DaemonConfig, check_bind, logger
+from advisor.daemon._config import (
+    MAX_HEADER_BYTES,
+    REQUEST_TIMEOUT_S,
+    DaemonConfig,
+    check_bind,
+    connection_limit,
+    logger,
+)
 from advisor.daemon._files import (
     acquire_lock,
     ensure_token,
@@ -31,6 +39,7 @@ from advisor.daemon._files import (
     write_private,
 )
 from advisor.daemon._jobs import JobRunner, Slot, nvml_busy, recover_jobs, slots_for
+from advisor.daemon._protocol import ConnectionLimits, limited_protocol
 from probes import HardwareProfile, MpadviseError
 
 
@@ -153,7 +162,7 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
         slots = slots_for([HardwareProfile.from_dict(d["profile"]) for d in report["devices"]])
         modes = frozenset(name for device in report["devices"] for name in device["modes"])
         runner = JobRunner(store=store, slots=slots, jobs_dir=paths.jobs, busy=busy or nvml_busy,
-                           roots=config.roots())
+                           roots=config.roots(), retention_s=config.job_retention_days * 86400)
         sock, address = _bind(config)
         address.update(pid=os.getpid(), started_at=utc_now_seconds(), version=__version__, log=str(paths.log),
                        token_file=str(paths.token), slots=[s.name for s in slots],
@@ -162,16 +171,20 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
                             slots=slots, runner=runner, mode_names=modes, answers=AnswerCache(read_store),
                             local_only=config.uds is None and remote_warning is None)
         app = create_app(state)
+        limits = ConnectionLimits(
+            max_connections=connection_limit(resource.getrlimit(resource.RLIMIT_NOFILE)[0]),
+            max_header_bytes=MAX_HEADER_BYTES, request_timeout_s=REQUEST_TIMEOUT_S,
+        )
         server = _Server(uvicorn.Config(
-            app, log_config=None, log_level="warning", access_log=False, lifespan="on",
+            app, http=limited_protocol(limits), log_config=None, log_level="warning", access_log=False, lifespan="on",
             proxy_headers=False,  # request.client must be the real peer: the Host check depends on it
             server_header=False, timeout_keep_alive=5,
         ))
         with _daemon_files(paths, address):
             if remote_warning:
                 logger.warning(remote_warning)
-            logger.info("listening on %s; jobs run on %s; token in %s", address["url"],
-                        ", ".join(s.name for s in slots), paths.token)
+            logger.info("listening on %s; jobs run on %s; token in %s; at most %d connections", address["url"],
+                        ", ".join(s.name for s in slots), paths.token, limits.max_connections)
             try:
                 server.run(sockets=[sock])
             finally:

@@ -53,10 +53,15 @@ class Daemon:
         home: the cache directory (``MPADVISE_HOME``).
         root: the allowed root for jobs' scripts.
         extra: more ``daemon run`` options.
+        nofile: the daemon's soft limit of open descriptors (default: this process's).
+        env: more environment variables for the daemon.
     """
 
-    def __init__(self, home: Path, root: Path, *extra: str) -> None:
+    def __init__(self, home: Path, root: Path, *extra: str, nofile: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.home = home
+        self.nofile = nofile
+        self.env = env or {}
         self.root = root
         self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
@@ -71,8 +76,8 @@ class Daemon:
         argv = [sys.executable, "-m", "advisor.cli", "daemon", "run", "--port", "0",
                 "--allowed-root", str(self.root), *self.extra]
         with open(self.output, "ab") as out:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=daemon_env(self.home), stdout=out, stderr=out,
-                                         stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env={**daemon_env(self.home), **self.env}, stdout=out,
+                                         stderr=out, stdin=subprocess.DEVNULL, preexec_fn=self._limits)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -91,6 +96,13 @@ class Daemon:
             time.sleep(0.1)
         self.kill()
         raise RuntimeError(f"daemon did not answer within {timeout} s: {self.log()[-3000:]}")
+
+    def _limits(self) -> None:
+        if self.nofile is not None:
+            import resource
+
+            _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(self.nofile, hard), hard))
 
     def log(self) -> str:
         try:

@@ -1,0 +1,164 @@
+"""The HTTP connection with the daemon's limits: how many connections, how large a request's
+head, how long a client may take to send its request.
+
+uvicorn bounds none of these for its httptools parser: a connection that sends nothing stays
+open until the client closes it, a header is buffered however long it grows, and every
+connection holds a descriptor. Without bounds, any local user could use up the daemon's
+descriptors with idle connections (the owner's requests then fail, and so do the jobs' pipes
+and logs) or its memory with one endless header. So this protocol, a subclass of uvicorn's,
+adds three limits at the connection layer, below the application:
+
+* at most ``max_connections`` open at once (:func:`advisor.daemon._config.connection_limit`):
+  past it, a new connection closes the connection that has waited longest without a request
+  in progress (an idle one), or, when every one is busy with a request, is itself refused
+  with 503;
+* a request's line and headers over ``max_header_bytes`` are refused with 431;
+* a connection has ``request_timeout_s`` from its opening (or from the previous answer) to
+  deliver a whole request, headers and body: an idle connection is closed, a dribbled header
+  gets 408.
+
+A refusal is written, then the connection is half-closed and what the client still sends is
+read and dropped for a moment (a "lingering close"), so that the client reads the answer
+instead of a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+# How long a refused connection drains the client's bytes before it closes.
+_LINGER_S = 2.0
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The bounds on each connection and on their number.
+
+    Args:
+        max_connections: connections open at once.
+        max_header_bytes: a request's line and headers, in bytes.
+        request_timeout_s: seconds to deliver a whole request.
+    """
+
+    max_connections: int
+    max_header_bytes: int
+    request_timeout_s: float
+
+
+def limited_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol class with ``limits`` (pass it as ``uvicorn.Config(http=...)``)."""
+    return type("LimitedHttpProtocol", (_LimitedProtocol,), {"limits": limits})
+
+
+class _LimitedProtocol(HttpToolsProtocol):
+    """One connection; ``limits`` is set by :func:`limited_protocol`."""
+
+    limits: ConnectionLimits
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._waiting_since = 0.0  # when it began waiting for its current request
+        self._in_head = True  # reading a request's line and headers
+        self._head_bytes = 0
+        self._deadline: asyncio.TimerHandle | None = None
+        self._refused = False  # answered with a refusal: input is dropped until it closes
+
+    # -- connections ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+        if len(self.connections) <= self.limits.max_connections:
+            return
+        idle = [c for c in self.connections
+                if c is not self and isinstance(c, _LimitedProtocol) and c._idle()]
+        if idle:
+            min(idle, key=lambda c: c._waiting_since)._close()
+        else:
+            self._refuse(503, f"the daemon has {self.limits.max_connections} connections open, each busy with a "
+                              "request; try again shortly")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _idle(self) -> bool:
+        """Open, and neither handling a request nor receiving one's body."""
+        busy = self.cycle is not None and not self.cycle.response_complete
+        return self._in_head and not busy and not self.transport.is_closing()
+
+    def _close(self) -> None:
+        self._disarm()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    # -- the request's head and the deadline ----------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # draining before the close
+        counted = self._in_head
+        if counted:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        # Checked after the parser has had the data, so that a head and a body arriving
+        # together count only as far as the head: the parser has said where it ended.
+        if self._in_head and counted and self._head_bytes > self.limits.max_header_bytes:
+            self._refuse(431, f"the request's line and headers are over {self.limits.max_header_bytes} bytes")
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()  # the whole request is in: the application's time is not the client's
+        self._in_head = True
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and not self._refused:
+            self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._waiting_since = self.loop.time()
+        self._deadline = self.loop.call_later(self.limits.request_timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing() or self._refused:
+            return
+        if self._head_bytes:
+            self._refuse(408, f"the request did not arrive within {self.limits.request_timeout_s:g} s")
+        else:
+            self._close()  # nothing sent (or a body left unfinished): nothing to answer
+
+    def _refuse(self, status: int, detail: str) -> None:
+        """Answer ``status`` and close (lingering); a connection mid-answer is just closed."""
+        self._disarm()
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()
+            return
+        self._refused = True
+        body = json.dumps({"detail": detail}).encode()
+        head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n" % (status, _REASONS[status], len(body)))
+        self.transport.write(head + body)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_LINGER_S, self._close)
