@@ -262,6 +262,26 @@ class JobQueue(StoreBase):
             return [job for job in (_get_job(db, job_id) for job_id in ids) if job is not None]
 
 
+    @guarded
+    def prune_finished_jobs(self, *, finished_before: str) -> list[str]:
+        """Delete finished jobs that finished before ``finished_before``; never a queued,
+        running or cancelling one.
+
+        Args:
+            finished_before: a timestamp in the store's form (:func:`utc_now`'s).
+
+        Returns:
+            The ids deleted (the daemon removes their files).
+        """
+        marks = ", ".join("?" for _ in FINISHED_JOB_STATES)
+        where = f"state IN ({marks}) AND finished_at IS NOT NULL AND finished_at < ?"
+        params = [*FINISHED_JOB_STATES, finished_before]
+        with self._write() as db:
+            ids = [row["id"] for row in db.query(f"SELECT id FROM jobs WHERE {where}", params)]
+            db.execute(f"DELETE FROM jobs WHERE {where}", params)
+            return ids
+
+
 def _get_job(db: sqlite_utils.Database, job_id: str) -> Record | None:
     rows = list(db.query("SELECT * FROM jobs WHERE id = ?", [job_id]))
     return _decode_job(rows[0]) if rows else None

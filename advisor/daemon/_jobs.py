@@ -4,8 +4,10 @@ threads that start, follow, cancel and recover them."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -27,6 +29,7 @@ from advisor.daemon._config import (
     LOG_TAIL_CHARS,
     LOG_TAIL_LINES,
     MAX_JOB_LOGS,
+    PRUNE_EVERY_S,
     RECENT_LINES,
     logger,
     under_roots,
@@ -35,6 +38,9 @@ from advisor.daemon._files import utc_now_seconds
 from advisor.frameworks import check_plan_modes, plan_for
 from advisor.tune import WAIT_IDLE_ENV, ScriptLaunch, TuneOptions, TuneRequest
 from probes import HardwareProfile, MpadviseError
+
+JOB_TMP = "tmp"
+"""The jobs directory's subdirectory that holds each running job's temporary directory."""
 
 JOB_MODULE = "advisor.tune.job"
 """The entry point a job runs: ``python -m advisor.tune.job REQUEST.json RESULT.json``."""
@@ -235,6 +241,9 @@ class JobRunner:
         poll_s: how often a running job is checked for cancellation and progress.
         gpu_poll_s: how often a waiting job asks NVML again.
         idle_poll_s: how often an idle worker looks at the queue without being woken.
+        retention_s: finished jobs older than this are deleted with their files
+            (:func:`prune_jobs`), at start and every ``prune_every_s``; ``None`` keeps them.
+        prune_every_s: seconds between prunings.
         roots: the allowed roots (resolved); each job's paths are checked against them again
             when it is claimed, since whoever can write the queue could have put it there.
             ``None`` (runners built by hand in tests) skips that check; the daemon always
@@ -250,6 +259,8 @@ class JobRunner:
     gpu_poll_s: float = 2.0
     idle_poll_s: float = 2.0
     roots: Sequence[Path] | None = None
+    retention_s: float | None = None
+    prune_every_s: float = PRUNE_EVERY_S
     _stop: threading.Event = field(default_factory=threading.Event)
     _wake: dict[str, threading.Event] = field(default_factory=dict)
     _cancel: set[str] = field(default_factory=set)
@@ -262,12 +273,32 @@ class JobRunner:
         # Job logs can quote a script's arguments and output: this user's eyes only, and a
         # jobs/ that someone else owns or may write is refused.
         ensure_private_dir(self.jobs_dir)
+        # No job runs yet: every temporary directory left is an orphan of a daemon that died.
+        remove_job_tmp_dirs(self.jobs_dir)
         for slot in self.slots:
             self._wake[slot.name] = threading.Event()
             self._state[slot.name] = _SlotState()
             thread = threading.Thread(target=self._work, args=(slot,), name=f"mpadvise-job-{slot.name}", daemon=True)
             thread.start()
             self._threads.append(thread)
+        if self.retention_s is not None:
+            thread = threading.Thread(target=self._prune, args=(self.retention_s,), name="mpadvise-job-prune",
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _prune(self, retention_s: float) -> None:
+        """Delete old finished jobs now, then every ``prune_every_s`` until stopped."""
+        while True:
+            try:
+                pruned = prune_jobs(self.store, self.jobs_dir, retention_s=retention_s)
+                if pruned:
+                    logger.info("deleted %d finished jobs older than %g days, with their logs", len(pruned),
+                                retention_s / 86400)
+            except Exception:  # housekeeping must never stop the daemon
+                logger.exception("cannot prune old jobs")
+            if self._stop.wait(self.prune_every_s):
+                return
 
     def wake(self) -> None:
         """Tell idle workers that a job was queued."""
@@ -376,17 +407,23 @@ class JobRunner:
         state.phase = "running"
         # The arguments can hold secrets (keys, tokens): the log names the job, not its command.
         logger.info("job %s started on %s: %s", job_id, slot.name, job["script"])
-        with _open_job_log(files.log) as log:
-            process = subprocess.Popen(
-                tune_argv(files.request, files.result, python=self.python), stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=_job_env(job_id),
-                start_new_session=True,  # its own group: a cancel kills it without touching us
-            )
-            pump = threading.Thread(target=_pump, args=(process.stdout, tail, log), daemon=True)
-            pump.start()
-            outcome, progress = self._follow(job_id, slot, process, tail)
-            pump.join(timeout=5)
-        self._finish(job_id, process.returncode, outcome, progress, tail, files)
+        try:
+            tmp = files.make_tmp()
+            with _open_job_log(files.log) as log:
+                process = subprocess.Popen(
+                    tune_argv(files.request, files.result, python=self.python), stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=_job_env(job_id, tmp),
+                    start_new_session=True,  # its own group: a cancel kills it without touching us
+                )
+                pump = threading.Thread(target=_pump, args=(process.stdout, tail, log), daemon=True)
+                pump.start()
+                outcome, progress = self._follow(job_id, slot, process, tail)
+                pump.join(timeout=5)
+            self._finish(job_id, process.returncode, outcome, progress, tail, files)
+        finally:
+            # However the job ended (done, failed, cancelled, the daemon stopping), what its
+            # trials left under TMPDIR goes; its processes are gone by now (_follow waited).
+            files.remove_tmp()
 
     def _finish(self, job_id: str, code: int | None, outcome: str, progress: dict[str, Any], tail: LogTail,
                 files: _JobFiles) -> None:
@@ -475,6 +512,40 @@ def prune_job_logs(jobs_dir: Path, *, keep: int = MAX_JOB_LOGS) -> None:
             os.unlink(entry.path)
 
 
+def prune_jobs(store: Store, jobs_dir: Path, *, retention_s: float,
+               now: datetime.datetime | None = None) -> list[str]:
+    """Delete the jobs that finished more than ``retention_s`` ago, with their files.
+
+    Queued, running and cancelling jobs are never touched. A job log in ``jobs_dir`` that is
+    older than the retention and whose job is gone (``mpadvise cache clear``, an older
+    daemon) goes too.
+
+    Args:
+        store: the cache store.
+        jobs_dir: the jobs directory.
+        retention_s: how long a finished job is kept.
+        now: the current time (UTC); default the clock.
+
+    Returns:
+        The ids of the jobs deleted.
+    """
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    cutoff = now - datetime.timedelta(seconds=retention_s)
+    ids = store.prune_finished_jobs(finished_before=cutoff.isoformat(timespec="microseconds"))
+    for job_id in ids:
+        _JobFiles(jobs_dir, job_id).remove_all()
+    try:
+        entries = [entry for entry in os.scandir(jobs_dir) if entry.name.endswith(".log") and entry.is_file()]
+    except OSError:
+        entries = []
+    for entry in entries:
+        job_id = entry.name[: -len(".log")]
+        with contextlib.suppress(OSError, MpadviseError):
+            if entry.stat().st_mtime < cutoff.timestamp() and store.get_job(job_id) is None:
+                _JobFiles(jobs_dir, job_id).remove_all()
+    return ids
+
+
 def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
     """Why a queued job may not run under ``roots``, or ``None`` when it may.
 
@@ -542,11 +613,46 @@ def _result_of(code: int | None, result_path: Path, tail: LogTail) -> dict[str, 
     return {"exit_code": code, "error": error}
 
 
-def _job_env(job_id: str) -> dict[str, str]:
+def remove_job_tmp_dirs(jobs_dir: Path, keep: Sequence[str] = ()) -> None:
+    """Remove the jobs' temporary directories (``jobs/tmp/ID``), but those of ``keep``.
+
+    Args:
+        jobs_dir: the jobs directory.
+        keep: ids of jobs still running.
+    """
+    root = jobs_dir / JOB_TMP
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name not in keep:
+            _remove_tree(Path(entry.path))
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove ``path`` and what is in it, never following a symlink (a link is removed itself)."""
+    if path.is_symlink() or not path.is_dir():
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return
+    # rmtree does not follow the links inside either (it works through descriptors on Linux).
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _job_env(job_id: str, tmp: Path | None = None) -> dict[str, str]:
     """The environment of a job's process: the daemon's, marked with the job (so that every
-    process of it can be found), waiting for an idle GPU before each trial."""
+    process of it can be found), waiting for an idle GPU before each trial, with its own
+    private temporary directory as ``TMPDIR``.
+
+    The daemon's environment is inherited on purpose: a secret set there (a study's
+    ``MPADVISE_STORAGE`` URL, an API key) reaches the job without appearing in its arguments,
+    which every user of the machine can read in ``ps``.
+    """
     env = dict(os.environ)
     env[JOB_ENV] = job_id
+    if tmp is not None:
+        env["TMPDIR"] = env["TMP"] = env["TEMP"] = str(tmp)
     env[WAIT_IDLE_ENV] = "1"  # and before every trial, not only before the tune starts
     env.pop("MPADVISE_POLICY", None)
     return env
@@ -577,6 +683,28 @@ class _JobFiles:
         self.remove()
         with os.fdopen(open_private_new(self.request), "w", encoding="utf-8") as out:
             json.dump(request.to_dict(), out)
+
+    @property
+    def tmp(self) -> Path:
+        """The job's temporary directory (its ``TMPDIR``), removed when the job ends."""
+        return self.directory / JOB_TMP / self.job_id
+
+    def make_tmp(self) -> Path:
+        """Create the temporary directory afresh, mode 0700 (one left by an earlier attempt removed)."""
+        ensure_private_dir(self.tmp.parent)
+        _remove_tree(self.tmp)
+        os.mkdir(self.tmp, 0o700)
+        return self.tmp
+
+    def remove_tmp(self) -> None:
+        _remove_tree(self.tmp)
+
+    def remove_all(self) -> None:
+        """Remove every file of the job: log, request, result and temporary directory."""
+        self.remove()
+        self.remove_tmp()
+        with contextlib.suppress(OSError):
+            self.log.unlink()
 
     def remove(self) -> None:
         for path in (self.request, self.result):

@@ -1,0 +1,47 @@
+"""What a job leaves behind: its temporary directory is private and goes when the job ends,
+however it ends; the job inherits the daemon's environment (how a secret stays out of ``ps``).
+"""
+
+from __future__ import annotations
+
+import stat
+import time
+
+import pytest
+from _daemon_server import Daemon, copy_scripts
+
+from advisor.daemon._jobs import job_pids
+
+pytestmark = pytest.mark.slow
+
+TINY_TUNE = {"trials": 1, "steps": 32, "warmup": 2, "modes": ["fp32"]}
+
+
+def _trial_dirs(*roots):
+    return [path for root in roots if root.exists() for path in root.rglob("mpadvise-trial-*")]
+
+
+def test_a_cancelled_job_leaves_no_trial_directory(tmp_path):
+    home, root, tmp = tmp_path / "home", tmp_path / "root", tmp_path / "tmp"
+    tmp.mkdir()
+    copy_scripts(root, "hangs.py")
+    daemon = Daemon(home, root, env={"TMPDIR": str(tmp)}).start()
+    try:
+        job = daemon.submit(str(root / "hangs.py"), timeout=600, **TINY_TUNE)
+        daemon.wait_job(job["id"], ("running",), timeout=120, until=lambda _: len(job_pids(job["id"])) >= 2)
+        # The trial's temporary directory is in the job's own, 0700, in the daemon's directory.
+        private = home / "jobs" / "tmp" / job["id"]
+        deadline = time.monotonic() + 60
+        while not _trial_dirs(private) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _trial_dirs(private), list(private.rglob("*")) if private.exists() else "no private directory"
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+        assert not _trial_dirs(tmp)
+        status, answer, _ = daemon.request("DELETE", f"/jobs/{job['id']}", token=daemon.token)
+        assert status == 202, answer
+        assert daemon.wait_job(job["id"], timeout=60)["state"] == "cancelled"
+        assert not private.exists()
+        assert not _trial_dirs(tmp, home)
+    finally:
+        daemon.stop()
+    assert not _trial_dirs(tmp, home)
