@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from advisor.tune._stability import Basis, StabilityThresholds, TrialCurve, basis, smooth
@@ -40,13 +40,14 @@ def plot_trials(
     *,
     replicate: TrialCurve | None = None,
     thresholds: StabilityThresholds | None = None,
+    advice: Mapping[str, str] | None = None,
 ) -> None:
     """Write ``trial_figure`` to ``path`` as a PNG.
 
     Raises:
         MpadviseError: matplotlib is missing, or the file cannot be written.
     """
-    fig = trial_figure(reference, evaluations, replicate=replicate, thresholds=thresholds)
+    fig = trial_figure(reference, evaluations, replicate=replicate, thresholds=thresholds, advice=advice)
     try:
         fig.savefig(path, dpi=110)
     except OSError as exc:
@@ -59,6 +60,7 @@ def trial_figure(
     *,
     replicate: TrialCurve | None = None,
     thresholds: StabilityThresholds | None = None,
+    advice: Mapping[str, str] | None = None,
 ) -> Figure:
     """The figure of a trial: one panel per candidate against fp32, and the step times.
 
@@ -73,13 +75,15 @@ def trial_figure(
         replicate: fp32's perturbed replicate, as the verdicts were given it (its spread widens
             the limits), or ``None``.
         thresholds: the limits the verdicts applied; the defaults when ``None``.
+        advice: words to add after a candidate's reason, by label (what to change after a
+            timeout, say).
 
     Raises:
         MpadviseError: matplotlib is missing.
     """
     figure_class = _figure_class()
     panels = evaluations or [reference]
-    reasons = [_wrapped(ev) for ev in panels]
+    reasons = [_wrapped(ev, (advice or {}).get(ev.label)) for ev in panels]
     heights = [_PANEL + _TICKS + len(lines) * _LINE + _GAP for lines in reasons]
     top = 0.6
     total = top + sum(heights) + _TIMES + 1.0
@@ -114,9 +118,9 @@ def _figure_class() -> Any:
     return Figure
 
 
-def _wrapped(ev: Evaluation) -> list[str]:
-    """The verdict's reason under a panel, wrapped: ``label (outcome): reason``."""
-    text = f"{ev.label} ({ev.outcome}): {ev.reason or 'the fp32 reference'}"
+def _wrapped(ev: Evaluation, advice: str | None) -> list[str]:
+    """The verdict's reason under a panel, wrapped: ``label (outcome): reason``, then ``advice``."""
+    text = f"{ev.label} ({ev.outcome}): {ev.reason or 'the fp32 reference'}" + (f". {advice}" if advice else "")
     return textwrap.wrap(text, _WRAP) or [text]
 
 

@@ -42,6 +42,7 @@ from advisor.tune import (
     default_trial_modes,
     run_comparison,
 )
+from advisor.tune._stability import StabilityThresholds
 from policies import Policy
 from probes import HardwareProfile, MpadviseError, hardware_fingerprint
 
@@ -153,7 +154,8 @@ def run_trial_command(
             close()
     if plot is not None:
         replicate = None if comparison.replicate is None else comparison.replicate.curve
-        plot_trials(str(plot), comparison.reference, comparison.evaluations, replicate=replicate)
+        plot_trials(str(plot), comparison.reference, comparison.evaluations, replicate=replicate,
+                    advice=_timeout_advice(comparison, settings))
     payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot)
     stream.comparison(payload)
     if json_output:
@@ -175,6 +177,7 @@ def _payload(comparison: Comparison, path: Path, script_args: list[str], framewo
              profile: HardwareProfile, settings: TrialSettings, plot: Path | None) -> dict[str, Any]:
     """What ``--json`` prints: the script, the hardware, the window, and each trial's evaluation."""
     replicate = comparison.replicate
+    advice = _timeout_advice(comparison, settings)
     reference_flops = comparison.reference.result.flops_per_step
     replicate_dict = None if replicate is None else replicate.to_dict()
     if replicate_dict is not None and replicate.result is not None:
@@ -191,7 +194,9 @@ def _payload(comparison: Comparison, path: Path, script_args: list[str], framewo
         "window_note": comparison.window_note,
         "reference": {**comparison.reference.to_dict(), **trial_breakdown(comparison.reference.result, reference_flops)},
         "replicate": replicate_dict,
-        "candidates": [{**ev.to_dict(), **trial_breakdown(ev.result, reference_flops)} for ev in comparison.evaluations],
+        "candidates": [{**ev.to_dict(), **trial_breakdown(ev.result, reference_flops),
+                        **({"advice": advice[ev.label]} if ev.label in advice else {})}
+                       for ev in comparison.evaluations],
         "plot": str(plot) if plot else None,
     }
 
@@ -209,6 +214,8 @@ def _render(comparison: Comparison, path: Path, profile: HardwareProfile, settin
     console.print(spread_line(reference.to_dict(), None if replicate is None else replicate.to_dict(losses=False)),
                   highlight=False)
     print_reasons(console, evaluations)
+    for label, advice in _timeout_advice(comparison, settings).items():
+        console.print(f"[red]{label}[/]: {advice}", highlight=False)
     rows = [("fp32", reference.result)]
     if replicate is not None and replicate.result is not None:
         rows.append(("fp32 replicate", replicate.result))
@@ -217,6 +224,23 @@ def _render(comparison: Comparison, path: Path, profile: HardwareProfile, settin
     console.print(breakdown_legend(reference.result), highlight=False)
     if plot is not None:
         console.print(f"plot written to {plot}")
+
+
+def _timeout_advice(comparison: Comparison, settings: TrialSettings) -> dict[str, str]:
+    """For each candidate killed by the trial's time limit: that it timed out (no stability
+    verdict was reached) and what to change, by label."""
+    steps = comparison.measure_steps or settings.measure_steps
+    fewer = max(StabilityThresholds().min_steps, steps // 2)
+    advice = {}
+    for ev in comparison.evaluations:
+        if ev.result.outcome != "timeout":
+            continue
+        text = (f"{ev.label} timed out, which is not a stability verdict: the trial was killed after "
+                f"{settings.timeout:g} s; give it more time with --timeout {2 * settings.timeout:g}")
+        if fewer < steps:
+            text += f", or measure fewer steps with --steps {fewer} (now {steps})"
+        advice[ev.label] = text
+    return advice
 
 
 # The columns of the per-trial breakdown: a phase of advisor.trial.PHASES and its heading.

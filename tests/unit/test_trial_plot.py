@@ -167,3 +167,38 @@ def test_an_unwritable_path_is_one_clear_line(tmp_path):
     reference, evaluations = _nan()
     with pytest.raises(MpadviseError, match="cannot write plot"):
         plot_trials(str(tmp_path / "missing" / "trial.png"), reference, evaluations)
+
+
+class _TimeoutRunner:
+    """Stands in for ScriptRunner (the subprocess boundary): fp32 trains, bf16-mixed times out."""
+
+    def __init__(self, path, script_args, settings, *, launch=None) -> None:
+        self.settings = settings
+
+    def __call__(self, policy, label):
+        if policy.mode == "fp32":
+            return _result("fp32", [1.0 - 0.01 * i for i in range(40)])
+        return TrialResult(outcome="timeout", label=label, policy=policy.to_dict(),
+                           reason=f"no result within {self.settings.timeout:g} s (after 12 steps); the trial was killed")
+
+
+def test_a_timeout_is_called_a_timeout_with_what_to_change(tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from advisor.tune import TuneOptions
+    from probes import HardwareProfile
+
+    monkeypatch.setattr(trial_cli, "ScriptRunner", _TimeoutRunner)
+    monkeypatch.setattr(trial_cli.probes, "profile_for", lambda device=None: HardwareProfile(kind="cpu", name="test cpu"))
+    script = tmp_path / "train.py"
+    script.write_text("import advisor\n")
+    out = io.StringIO()
+    options = TuneOptions(modes=["bf16-mixed"], device="cpu", timeout=15.0, steps=40)
+    code = trial_cli.run_trial_command(script, [], options, plot=None, json_output=False,
+                                       console=Console(file=out, width=200), stream=trial_cli.TrialStream(None))
+    text = " ".join(out.getvalue().split())
+    assert "bf16-mixed timed out" in text and "not a stability verdict" in text
+    assert "--timeout 30" in text and "--steps 32" in text
+    assert code == trial_cli.EXIT_UNSTABLE  # still not a stable candidate: nothing to recommend
