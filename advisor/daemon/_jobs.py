@@ -36,7 +36,7 @@ from advisor.daemon._config import (
 )
 from advisor.daemon._files import utc_now_seconds
 from advisor.frameworks import check_plan_modes, plan_for
-from advisor.tune import WAIT_IDLE_ENV, ScriptLaunch, TuneOptions, TuneRequest
+from advisor.tune import WAIT_IDLE_ENV, ScriptLaunch, TuneOptions, TuneRequest, resolve_storage
 from probes import HardwareProfile, MpadviseError
 
 JOB_TMP = "tmp"
@@ -70,10 +70,15 @@ def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
 
     Raises:
         MpadviseError: the stored options hold an unknown key or a value out of bounds; the
-            script cannot be read; an unknown framework (exit 2), or a mode it cannot apply.
+            script cannot be read; an unknown framework (exit 2), or a mode it cannot apply;
+            ``MPADVISE_STORAGE`` and ``MPADVISE_STORAGE_FILE`` both set, or an unusable file.
     """
     options, cwd = job_options(job)
     options = options.with_(device=slot)  # the slot, whatever the job said
+    # A study's URL (with its password) comes from the daemon's own environment, as
+    # `mpadvise tune` takes it from the user's: it travels in the private request file, never
+    # in a job's arguments, which every user of the machine can read in `ps`.
+    options = options.with_(storage=resolve_storage(None, os.environ))
     script = Path(job["script"])
     plan = plan_for(script, options.framework, device=slot)
     check_plan_modes(plan, list(options.modes))

@@ -10,7 +10,7 @@ import time
 import pytest
 from _daemon_server import Daemon, copy_scripts
 
-from advisor.daemon._jobs import job_pids
+from advisor.daemon._jobs import job_pids, job_request, tune_argv
 
 pytestmark = pytest.mark.slow
 
@@ -45,3 +45,17 @@ def test_a_cancelled_job_leaves_no_trial_directory(tmp_path):
     finally:
         daemon.stop()
     assert not _trial_dirs(tmp, home)
+
+
+def test_a_study_url_in_the_daemons_environment_reaches_the_job_but_not_its_arguments(tmp_path, monkeypatch):
+    copy_scripts(tmp_path, "tiny_ok.py")
+    url = "postgresql://tuner:s3cret-pw@db.example/studies"
+    monkeypatch.setenv("MPADVISE_STORAGE", url)
+    monkeypatch.delenv("MPADVISE_STORAGE_FILE", raising=False)
+    job = {"id": "0123456789abcdef", "script": str(tmp_path / "tiny_ok.py"), "args": ["50"], "options": {}}
+    request, _ = job_request(job, "cpu")
+    assert request.options.storage == url
+    argv = tune_argv(tmp_path / "r.json", tmp_path / "o.json")
+    assert not any("s3cret" in part for part in argv)
+    monkeypatch.delenv("MPADVISE_STORAGE")
+    assert job_request(job, "cpu")[0].options.storage is None
