@@ -15,7 +15,10 @@ unauthenticated job API bound to 0.0.0.0 became CVE-2023-48022. So:
 * a loopback client's ``Host`` header must name the loopback, also with ``allow_remote``, so a
   web page cannot reach the service through DNS rebinding;
 * a job's script must exist under an allowed root, and its arguments travel as a list to
-  ``exec``, never through a shell; bodies are limited in size and every field is bounded.
+  ``exec``, never through a shell; bodies are limited in size and every field is bounded;
+* no local user can use up the daemon: connections are bounded in number (below the
+  descriptor limit, leaving descriptors for jobs), a request's head in size, and a client in
+  the time it takes to send its request (``_protocol``).
 
 The queue lives in the cache database (:mod:`advisor.cache._jobs`), so jobs survive a
 restart: at start, a job that was running when the last daemon died has its leftover processes
@@ -34,8 +37,9 @@ processes are shells around them.
 
 Modules: ``_config`` (settings, constants, pure address and path decisions), ``_files`` (token,
 lock, address file), ``_requests`` and ``_responses`` (validated bodies), ``_jobs`` (argv,
-slots, the runner), ``_app`` (HTTP routes and guards), ``_server`` (binding and serving; with
-``_app`` and the body models, the only modules that import FastAPI, pydantic or uvicorn) and
+slots, the runner), ``_app`` (HTTP routes and guards), ``_protocol`` (the connection limits), ``_server`` (binding
+and serving; with ``_app``, ``_protocol`` and the body models, the only modules that import
+FastAPI, pydantic or uvicorn) and
 ``_client`` (standard library only).
 
 Public surface (other packages import these from ``advisor.daemon``, never from its modules):
