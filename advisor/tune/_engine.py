@@ -61,6 +61,8 @@ from probes import HardwareProfile, hardware_fingerprint
 # ties, won by the safer mode. Without it, a tie within 1% ran ten rounds of every finalist,
 # past 15 minutes; now it costs four.
 REMEASURE_MAX_ROUNDS = 4
+# The fewest paired rounds of the winner beside fp32, run here, that its speed-up rests on.
+LOCAL_PAIRS = 2
 
 # Why re-measurement ended (``TuneResult.remeasure_stop``).
 STOP_SETTLED = "settled"
@@ -658,7 +660,8 @@ def _tuned_policy(winner: Candidate, best: Finalist, speedup: Speedup, trials: _
         speedup_low=speedup.low,
         speedup_high=speedup.high,
         speedup_basis=speedup.basis,
-        goodput=round(best.goodput, 3),
+        # Its rounds here, when it has any: its search figure may be another worker's.
+        goodput=round(best.remeasured_goodput if winner not in trials.evaluations else best.goodput, 3),
         workload_fingerprint=measured.workload_fingerprint,
         model_signature=measured.model_signature,
         script=script,
@@ -736,14 +739,53 @@ def _settle_finalists(
             return _Settled(finalists, dropped, rounds, stop, companion)
         finalists, lost, rounds, stop = trials.remeasure(finalists, companion, rounds, out_of_time=out_of_time,
                                                          on_round=on_round)
-        for m in lost:
-            measured[m.candidate] = m
-        dropped += lost
         if not lost:
             if len(finalists) < 2:
                 for f in finalists:
                     f.gap = None
+            lost, rounds = _pair_winner_locally(trials, finalists, companion, rounds, user_batch, stop, on_round)
+        for m in lost:
+            measured[m.candidate] = m
+        dropped += lost
+        if not lost:
             return _Settled(sorted(finalists, key=lambda f: -f.remeasured_goodput), dropped, rounds, stop, companion)
+
+
+def _pair_winner_locally(
+    trials: _Trials, finalists: list[Finalist], companion: Finalist, rounds: int, user_batch: int | None, stop: str,
+    on_round: Callable[[int, int, int], None] | None,
+) -> tuple[list[Measured], int]:
+    """Run a would-be winner this worker never ran beside fp32 here, until they hold
+    ``LOCAL_PAIRS`` paired rounds.
+
+    Its figure is another worker's (read from a shared study) or an earlier run's, while fp32's
+    is this machine's: their ratio is no speed-up of this machine. A lone finalist, or a field
+    the time budget cut short before any round, would otherwise be cached on that ratio. These
+    few rounds run even past the time budget (never past ``REMEASURE_MAX_ROUNDS``): nothing
+    measured elsewhere is cached without them. A winner this worker ran keeps the rules of
+    re-measurement (within the budget; single runs when it is spent).
+
+    Returns:
+        The failed re-measurement of a winner that is not stable here (empty when none), and
+        the number of the next round.
+    """
+    for _ in range(len(finalists)):  # the pick may move once its rounds are in: at most once per finalist
+        pick, _ = _pick_finalist(finalists, user_batch, stop=stop)
+        if (pick is None or pick.candidate == companion.candidate or pick.candidate in trials.evaluations
+                or _paired(pick, companion).pairs >= LOCAL_PAIRS):
+            break  # none, fp32 itself, a figure of this worker's own, or paired here already
+        before = rounds
+        _, lost, rounds, _ = trials.remeasure(
+            [pick], companion, rounds, on_round=on_round,
+            out_of_time=lambda pick=pick: _paired(pick, companion).pairs >= LOCAL_PAIRS)
+        if lost:
+            finalists.remove(pick)
+            return lost, rounds
+        if len(finalists) >= 2:
+            _lead(finalists)
+        if rounds == before:  # the round limit is reached: no more rounds can run
+            break
+    return [], rounds
 
 
 def _finalists(
