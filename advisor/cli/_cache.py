@@ -356,10 +356,12 @@ def render_show(report: dict[str, Any], console: Console) -> None:
             )
         console.print(table)
     if other:
-        table = _table("Other hardware or versions (not applied here)", ("id", "device", "script", "mode", "tuned", "why not"))
+        devices = _device_keys(other)
+        table = _table("Other hardware or versions (not applied here)", ("id", "device", "script", "mode", "tuned", "why not"),
+                       legend=_device_legend(devices))
         for row in other:
             table.add_row(
-                str(row["id"]), row["device"] or row["hardware_fp"], row["script_name"] or "-",
+                str(row["id"]), devices[_device_of(row)], row["script_name"] or "-",
                 row["mode"], row["tuned"], row["status"].removeprefix("other hardware: "),
             )
         console.print(table)
@@ -381,13 +383,30 @@ def render_list(report: dict[str, Any], console: Console) -> None:
     if not rows:
         console.print(f"The cache {report['database']} holds no recommendations.", highlight=False)
         return
-    table = _table(report["database"], ("id", "device", "script", "workload", "mode", "speedup", "tuned"))
+    devices = _device_keys(rows)
+    table = _table(report["database"], ("id", "device", "script", "workload", "mode", "speedup", "tuned"),
+                   legend=_device_legend(devices))
     for row in rows:
         table.add_row(
-            str(row["id"]), row["device"] or row["hardware_fp"], row["script_name"] or "-",
+            str(row["id"]), devices[_device_of(row)], row["script_name"] or "-",
             _short(row["workload_fp"]), row["mode"], _speedup(row["speedup_vs_fp32"]), row["tuned"],
         )
     console.print(table)
+
+
+def _device_of(row: dict[str, Any]) -> str:
+    return row["device"] or row["hardware_fp"]
+
+
+def _device_keys(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """A short key per device (``d1``, ``d2``...) so a device column stays narrow; the legend
+    under the table names each device in full. One device needs no key: its name is the title's."""
+    names = list(dict.fromkeys(_device_of(row) for row in rows))
+    return {name: f"d{i}" for i, name in enumerate(names, 1)}
+
+
+def _device_legend(devices: dict[str, str]) -> str:
+    return "; ".join(f"{key}: {name}" for name, key in devices.items())
 
 
 def render_record(record: dict[str, Any], console: Console) -> None:
@@ -517,17 +536,18 @@ def _check_imported_record(record: dict[str, Any]) -> None:
         )
 
 
-def _table(title: str, columns: tuple[str, ...]) -> Table:
-    """A table whose short columns never wrap and whose prose columns fold rather than cut."""
-    table = Table(title=title, title_justify="left")
+def _table(title: str, columns: tuple[str, ...], *, legend: str | None = None) -> Table:
+    """A table whose short columns never wrap and whose prose columns wrap at their spaces
+    (folding only a word longer than the column); ``legend`` goes under it."""
+    table = Table(title=title, title_justify="left", caption=legend, caption_justify="left")
     for column in columns:
-        if column in ("id", "workload", "speedup", "tuned"):
+        if column in ("id", "workload", "speedup", "tuned", "device"):
             table.add_column(column, no_wrap=True)
         elif column in ("status", "why not"):
             table.add_column(column, overflow="fold", ratio=2)
         elif column == "mode":
-            # Wide enough that the common mode names ("bf16-mixed") never break mid-word.
-            table.add_column(column, overflow="fold", ratio=1, min_width=10)
+            # Wide enough that the mode names ("fp8-torchao") never break mid-word.
+            table.add_column(column, overflow="fold", ratio=1, min_width=11)
         else:
             table.add_column(column, overflow="fold", ratio=1)
     return table

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
@@ -38,28 +40,49 @@ def fmt_bytes(value: int | None) -> str:
 
 
 def evaluation_table(reference: Evaluation, evaluations: list[Evaluation], *, title: str) -> Table:
-    """Mode, samples/s, speedup vs fp32, peak memory, final-loss gap, skips, verdict, reason."""
-    table = Table(title=title, title_justify="left", show_lines=False)
-    for name, justify in (
-        ("candidate", "left"), ("samples/s", "right"), ("vs fp32", "right"), ("peak memory", "right"),
-        ("final-loss gap", "right"), ("skipped", "right"), ("verdict", "left"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=True, min_width=10 if name == "candidate" else None)
+    """Mode, samples/s, speed-up vs fp32 with its spread, peak memory, final-loss gap, skips and
+    verdict; the reasons go under the table (:func:`print_reasons`), and a legend line says what
+    each short header means, so the table fits 80 columns."""
+    skips = any(any(ev.result.skipped) for ev in [reference, *evaluations])
+    legend = ("goodput: samples/s, skipped steps lost; ×fp32: speed-up over the fp32 reference, ± half its step times' "
+              "interquartile range, ≈ a tie within that noise; memory: peak; Δloss: final loss against fp32's"
+              + ("; skips: steps the GradScaler skipped" if skips else ""))
+    table = compact_table(title, legend)
+    table.add_column("candidate", overflow="fold", min_width=11, ratio=1)
+    for name in ("goodput", "×fp32", "memory", "Δloss", *(("skips",) if skips else ())):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("verdict", no_wrap=True)
     for ev in [reference, *evaluations]:
         outcome = ev.outcome
         style = VERDICT_STYLE.get(outcome, "red")
-        speed = "-" if ev.speedup is None else f"{ev.speedup:.2f}x" + (" (tie)" if ev.speed_verdict == "tie" and ev is not reference else "")
-        gap = "-" if ev.final_loss_gap is None else f"{ev.final_loss_gap:+.1%}"
-        table.add_row(
-            ev.label,
-            "-" if ev.goodput is None else f"{ev.goodput:,.0f}",
-            speed if ev is not reference else "1.00x",
-            fmt_bytes(ev.result.peak_memory),
-            gap if ev is not reference else "-",
-            str(sum(1 for s in ev.result.skipped if s)) if ev.result.skipped else "-",
-            f"[{style}]{outcome}[/]",
-        )
+        if ev is reference:
+            speed = "1.00x"
+        elif ev.speedup is None:
+            speed = "-"
+        else:
+            speed = f"{ev.speedup:.2f}x" + ("≈" if ev.speed_verdict == "tie" else "")
+        spread = _spread_text(None if ev.timing is None else ev.timing.rel_iqr / 2)
+        gap = "-" if ev.final_loss_gap is None or ev is reference else f"{ev.final_loss_gap:+.1%}"
+        row = [escape(ev.label), "-" if ev.goodput is None else f"{ev.goodput:,.0f}",
+               speed + (f" {spread}" if spread and speed != "-" else ""), fmt_bytes(ev.result.peak_memory), gap]
+        if skips:
+            row.append(str(sum(1 for s in ev.result.skipped if s)) if ev.result.skipped else "-")
+        table.add_row(*row, f"[{style}]{outcome}[/]")
     return table
+
+
+def compact_table(title: str | None, legend: str | None = None) -> Table:
+    """A table in the CLI's compact style: no outer frame, a rule under the headers, and
+    ``legend`` (what each short header means) as its caption, wrapped to the terminal."""
+    return Table(title=title, title_justify="left", caption=legend, caption_justify="left", box=box.MINIMAL_HEAVY_HEAD,
+                 show_edge=False, pad_edge=False)
+
+
+def _spread_text(half_spread: float | None) -> str:
+    """``±12%``: half a spread, relative to the median; empty when unknown."""
+    if half_spread is None or not math.isfinite(half_spread) or half_spread < 0:
+        return ""
+    return f"±{half_spread:.0%}" if half_spread >= 0.005 else "±0%"
 
 
 def print_reasons(console: Console, evaluations: list[Evaluation]) -> None:
@@ -187,6 +210,9 @@ def render_tune(tune: dict[str, Any], console: Console) -> None:
         console: where to print.
     """
     console.print(_tune_table(tune))
+    noisy = noisy_line(tune)
+    if noisy:
+        console.print(f"[yellow]{escape(noisy)}[/]", highlight=False)
     if tune.get("window_note"):
         console.print(f"window: {tune['window_note']}", highlight=False)
     if tune.get("extended_window"):
@@ -213,6 +239,11 @@ def render_tune(tune: dict[str, Any], console: Console) -> None:
     _print_winner(tune, console)
 
 
+# Above this half-spread a speed-up is called rough: step times this scattered hide a gap of the
+# size that separates modes (the design's 2-core build machine sees about ±10% between quartiles).
+NOISY_SPREAD = 0.25
+
+
 def _tune_table(tune: dict[str, Any]) -> Table:
     resumed = tune.get("trials_resumed") or 0
     title = (f"{Path(tune.get('script') or '?').name} on {(tune.get('hardware') or {}).get('name', '?')}: "
@@ -223,23 +254,74 @@ def _tune_table(tune: dict[str, Any]) -> Table:
     # speed-up figure (its paired re-measurement against fp32), marked and explained below.
     speedup = tune.get("speedup") or {}
     marked = bool(speedup) and speedup.get("basis") != "search run"
-    caption = f"† the winner's speed-up: {describe_speedup(speedup)}" if marked else None
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
-    # Headers may fold onto two lines (the numbers never do), so the table fits 80 columns.
-    for col, justify in (("", "left"), ("candidate", "left"), ("samples/s", "right"), ("vs fp32, search run", "right"),
-                         ("TFLOP/s", "right"), ("MFU", "right"), ("peak memory", "right"), ("verdict", "left")):
-        table.add_column(col, justify=justify, no_wrap=col in ("", "candidate", "verdict"), overflow="fold")
+    legend = ("×fp32: goodput vs fp32, search run, ± the spread of its timings; goodput: samples/s, skipped "
+              "steps lost; "
+              "TF/s: achieved TFLOP/s; MFU: of the probed peak; memory: peak")
+    if marked:
+        legend += f"\n† the winner's speed-up: {describe_speedup(speedup)}"
+    # Short headers, explained by the legend; numbers and verdicts never wrap, labels wrap at
+    # their spaces, so the table fits 80 columns with every figure whole.
+    table = compact_table(title, legend)
+    table.add_column("", no_wrap=True)
+    table.add_column("candidate", overflow="fold", min_width=11, ratio=1)
+    for col in ("goodput", "×fp32", "TF/s", "MFU", "memory"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("verdict", no_wrap=True)
     for row in tune.get("candidates") or []:
         goodput, outcome = row.get("goodput"), row.get("outcome") or "ok"
         won = bool(row.get("winner"))
         ratio = tune.get("speedup_vs_fp32") if won and marked else row.get("search_speedup_vs_fp32", row.get("speedup_vs_fp32"))
         cell = f"{ratio:.2f}x" + ("†" if won and marked else "") if goodput and ratio else "-"
-        table.add_row("→" if won else "", str(row.get("label")), f"{goodput:,.0f}" if goodput else "-", cell,
-                      fmt_tflops(row.get("tflops")), fmt_mfu(row.get("mfu")),
+        spread = _spread_text(candidate_spread(tune, row)) if cell != "-" else ""
+        table.add_row("→" if won else "", escape(str(row.get("label"))), f"{goodput:,.0f}" if goodput else "-",
+                      cell + (f" {spread}" if spread else ""), fmt_tflops(row.get("tflops")), fmt_mfu(row.get("mfu")),
                       fmt_bytes(row.get("peak_memory")), f"[{VERDICT_STYLE.get(outcome, 'red')}]{outcome}[/]")
     for row in tune.get("pruned") or []:  # never run: no numbers to show
-        table.add_row("", str(row.get("label")), "-", "-", "-", "-", "-", f"[{VERDICT_STYLE['pruned']}]pruned[/]")
+        table.add_row("", escape(str(row.get("label"))), "-", "-", "-", "-", "-", f"[{VERDICT_STYLE['pruned']}]pruned[/]")
     return table
+
+
+def candidate_spread(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
+    """How far a candidate's speed-up could move with its timing noise, as a fraction (half a
+    spread): the winner's paired interval, else its re-measured goodputs, else its own step
+    times (p10 to p90, or the interquartile range); ``None`` where the tune's JSON has none.
+
+    Args:
+        tune: the tune's JSON.
+        row: one of its ``candidates``.
+    """
+    speedup = tune.get("speedup") or {}
+    ratio, low, high = speedup.get("ratio"), speedup.get("low"), speedup.get("high")
+    if row.get("winner") and ratio and low and high and speedup.get("pairs"):
+        return (high - low) / 2 / ratio
+    for finalist in tune.get("finalists") or []:
+        goodputs = [g for g in finalist.get("goodputs") or [] if isinstance(g, (int, float)) and g > 0]
+        if finalist.get("label") == row.get("label") and len(goodputs) > 1:
+            return (max(goodputs) - min(goodputs)) / 2 / sorted(goodputs)[len(goodputs) // 2]
+    p10, p90 = row.get("step_time_p10"), row.get("step_time_p90")
+    if isinstance(p10, (int, float)) and isinstance(p90, (int, float)) and p10 > 0:
+        return (p90 / p10 - 1) / 2
+    if isinstance(row.get("step_spread"), (int, float)):  # p90 over p10 of its step times
+        return (row["step_spread"] - 1) / 2
+    timing = row.get("step_time") or ((tune.get("reference") or {}).get("step_time") if row.get("mode") == "fp32"
+                                       and not row.get("micro_batch") else None)
+    if isinstance(timing, dict) and isinstance(timing.get("rel_iqr"), (int, float)):
+        return timing["rel_iqr"] / 2
+    return None
+
+
+def noisy_line(tune: dict[str, Any]) -> str:
+    """A warning naming the candidates whose speed-up rests on timings spread wider than
+    ±NOISY_SPREAD; empty when none is."""
+    noisy = []
+    for row in tune.get("candidates") or []:
+        spread = candidate_spread(tune, row)
+        if row.get("goodput") and spread is not None and spread > NOISY_SPREAD:
+            noisy.append(f"{row.get('label')} {_spread_text(spread)}")
+    if not noisy:
+        return ""
+    return (f"noisy timings: {', '.join(noisy)}; their speed-ups are rough (another job or a busy GPU ran beside "
+            "them): tune again on a quieter machine, or with more --steps")
 
 
 def cost_line(cost: dict[str, Any] | None) -> str | None:
