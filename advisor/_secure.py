@@ -4,6 +4,11 @@ The cache directory holds the job queue (which the daemon runs), the daemon's to
 logs that can quote a script's secrets, so every path in it must belong to the user running
 mpadvise and be writable by nobody else. The checks are pure functions of ``os.stat``
 results; the shells around them create, tighten or refuse.
+
+Files mpadvise writes for people (config files, exports, reports) go through
+``write_file_atomic``, and config files it applies are read through ``read_trusted_text``; both
+live in ``probes`` (the package every other one may import, ``policies`` included) and are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -12,14 +17,16 @@ import os
 import stat
 from pathlib import Path
 
-from probes import MpadviseError
+from probes import MpadviseError, read_trusted_text, write_file_atomic
 
 __all__ = [
     "ensure_private_dir",
     "ensure_private_file",
     "needs_tightening",
     "open_private_new",
+    "read_trusted_text",
     "unsafe_reason",
+    "write_file_atomic",
 ]
 
 PRIVATE_DIR_MODE = 0o700

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from probes import MpadviseError
+from probes import MpadviseError, read_trusted_text, write_file_atomic
 
 from ._registry import fp8_recipes, mode_class, mode_classes, mode_names
 from ._true import TrueHalfMode
@@ -375,34 +376,69 @@ class Policy:
             raise PolicyError(f"{source}: invalid TOML: {exc}") from None
         return cls.from_dict(data, source=source)
 
-    def save(self, path: str | Path, *, framework: str | None = None) -> Path:
-        """Write the config file atomically (a partial file is never left behind); ``framework``
-        as :meth:`to_toml` takes it."""
+    def save(self, path: str | Path, *, framework: str | None = None, force: bool = False) -> Path:
+        """Write the config file atomically; ``framework`` as :meth:`to_toml` takes it.
+
+        The file is written under a random name beside ``path`` (created exclusively, never
+        through a symlink) and renamed onto it, so a partial file is never left behind and a
+        name another user planted is never written through; a symlink at ``path`` itself is
+        replaced, not followed. An existing ``path`` is replaced only when it is a config file
+        mpadvise can read (a previous tune's, or one written by hand), or with ``force``; a
+        training script or any other file is refused.
+
+        Raises:
+            MpadviseError: ``path`` holds something other than a config file, or cannot be written.
+        """
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
+        if not force:
+            _check_replaceable(path)
         try:
-            tmp.write_text(self.to_toml(framework=framework), encoding="utf-8")
-            tmp.replace(path)
+            write_file_atomic(path, self.to_toml(framework=framework))
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise MpadviseError(f"cannot write config file {path}: {exc.strerror or exc}") from None
         return path
+
+
+def _check_replaceable(path: Path) -> None:
+    """Refuse to replace an existing file that is not an mpadvise config file."""
+    if not os.path.lexists(path) or os.path.islink(path):
+        return  # a symlink is replaced by the new file; what it points to stays as it was
+    if path.is_dir():
+        raise MpadviseError(f"cannot write config file {path}: it is a directory")
+    if not path.is_file():
+        raise MpadviseError(f"refusing to replace {path} with a config file: it is not a regular file")
+    try:
+        Policy.from_toml(path.read_text(encoding="utf-8"), source=str(path))
+        return
+    except (OSError, UnicodeDecodeError, MpadviseError):
+        pass
+    raise MpadviseError(
+        f"refusing to replace {path} with a config file: it exists and is not an mpadvise config file; "
+        "name a new .toml file (the default is <script>.mpadvise.toml beside the script)"
+    )
 
 
 def load_config(path: str | Path) -> Policy:
     """Read and validate a config file.
 
+    The file must be a regular file (not a symlink) owned by the user running mpadvise or by
+    root, and writable by nobody else: a config file applies a precision and a loss scale to
+    the user's training, so one that another user wrote, or could have, is refused. The check
+    is made on the open file (``fstat``), so its directory may be shared, such as ``/tmp``.
+
     Raises:
-        PolicyError: the file is missing, unreadable, not TOML, or holds a bad value; the
-            message names the file and the problem on one line.
+        PolicyError: the file is missing, refused as above, unreadable, not TOML, or holds a
+            bad value; the message names the file and the problem on one line.
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PolicyError(f"config file {path} does not exist") from None
+        text = read_trusted_text(path, what="config file")
     except IsADirectoryError:
         raise PolicyError(f"config file {path} is a directory, expected a .toml file") from None
+    except PolicyError:
+        raise
+    except MpadviseError as exc:
+        raise PolicyError(str(exc)) from None
     except (OSError, UnicodeDecodeError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise PolicyError(f"cannot read config file {path}: {reason}") from None

@@ -23,6 +23,7 @@ from probes._capability import (
 )
 from probes._cpu import cpu_profile, parse_cpuinfo
 from probes._errors import MpadviseError, UnsupportedHere, UsageError
+from probes._files import read_trusted_text, write_file_atomic
 from probes._fingerprint import hardware_fingerprint, major_minor
 from probes._libraries import fp8_library_versions
 from probes._nvml import cuda_profiles, gpu_busy
@@ -55,8 +56,10 @@ __all__ = [
     "peak_tflops",
     "primary_profile",
     "profile_for",
+    "read_trusted_text",
     "release",
     "torch_build_covers",
+    "write_file_atomic",
 ]
 
 

@@ -1,0 +1,171 @@
+"""Files mpadvise writes for people, and config files it reads: written whole or not at all,
+never through a name someone else planted; read only when nobody else could have written them.
+
+Every package writes such files (``policies`` its config files, ``advisor`` exports and reports),
+and ``probes`` is the package all of them may import, so the one implementation lives here;
+``advisor._secure`` re-exports it beside the cache directory's checks.
+
+Writing: a random name beside the target, created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a
+symlink or file planted at any name is never opened), written, flushed and fsynced, then
+``os.replace``-d onto the target and the directory fsynced. A target that is itself a symlink is
+replaced by the new file: the link goes, whatever it pointed to stays untouched.
+
+Reading: opened with ``O_NOFOLLOW`` (a symlink is refused, not followed) and judged by ``fstat``
+on the open descriptor, so the file judged is the file read: it must be a regular file owned by
+the user running mpadvise (or root) and writable by nobody else. Its directory does not matter:
+a file of the user's in ``/tmp`` is as good as one in ``$HOME``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from probes._errors import MpadviseError
+
+__all__ = ["read_trusted_text", "untrusted_reason", "write_file_atomic"]
+
+FILE_MODE = 0o644
+"""Mode of a file :func:`write_file_atomic` creates, before the umask: never group- or
+world-writable, whatever the umask, so that :func:`read_trusted_text` accepts it back."""
+
+_TEMP_TRIES = 16
+
+
+def write_file_atomic(path: str | os.PathLike[str], text: str, *, mode: int = FILE_MODE) -> Path:
+    """Write ``text`` to ``path`` whole or not at all, never through a planted name.
+
+    Args:
+        path: the file to create or replace; a symlink there is replaced, not followed.
+        text: its content (UTF-8).
+        mode: permission bits of the new file, before the umask.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        OSError: the directory is not writable, the disk is full, ...; no temporary file is
+            left behind and the target is unchanged.
+    """
+    path = Path(path)
+    directory = path.parent
+    tmp, fd = _create_temporary(directory, path.name, mode)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(directory)
+    return path
+
+
+def _create_temporary(directory: Path, name: str, mode: int) -> tuple[Path, int]:
+    """A new file of a random name in ``directory``, open for writing."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for attempt in range(_TEMP_TRIES):
+        tmp = directory / f".{name}.{secrets.token_hex(8)}.tmp"
+        try:
+            return tmp, os.open(tmp, flags, mode)
+        except FileExistsError:
+            if attempt == _TEMP_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable; a file system that cannot fsync a directory is let be."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def untrusted_reason(st: os.stat_result, *, uid: int) -> str | None:
+    """Why a config file with this status must not be applied, or ``None`` when it may be.
+
+    Args:
+        st: the status of the open file (``os.fstat``).
+        uid: the user running mpadvise; files of root's are trusted too.
+
+    Returns:
+        ``None``, or the reason ("owned by uid 65534 (nobody), ...", "writable by its group").
+    """
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory, expected a .toml file"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    perms = f"mode {stat.S_IMODE(st.st_mode):04o}"
+    if st.st_uid not in (uid, 0):
+        return f"owned by {_user(st.st_uid)}, not by {_user(uid)} who runs mpadvise ({perms})"
+    if st.st_mode & stat.S_IWOTH:
+        return f"writable by others ({perms}, owner {_user(st.st_uid)})"
+    if st.st_mode & stat.S_IWGRP:
+        return f"writable by its group ({perms}, owner {_user(st.st_uid)})"
+    return None
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def read_trusted_text(path: str | os.PathLike[str], *, what: str = "config file") -> str:
+    """The text of a file that only the user running mpadvise (or root) can have written.
+
+    Args:
+        path: the file; a symlink is refused, not followed.
+        what: what the file is, for the messages ("config file").
+
+    Returns:
+        Its content.
+
+    Raises:
+        MpadviseError: it is missing, a symlink, not a regular file, owned by another user, or
+            writable by group or others; one line naming the file, its owner and mode, and the fix.
+        IsADirectoryError: it is a directory.
+        OSError, UnicodeDecodeError: it cannot be read.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise MpadviseError(f"{what} {path} does not exist") from None
+    except OSError:
+        if os.path.islink(path):
+            raise MpadviseError(
+                f"refusing {what} {path}: it is a symbolic link, which mpadvise does not follow "
+                "(another user may have planted it); name the file it points to instead"
+            ) from None
+        raise
+    with os.fdopen(fd, "rb") as handle:
+        st = os.fstat(handle.fileno())
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        reason = untrusted_reason(st, uid=os.geteuid())
+        if reason is not None:
+            if not stat.S_ISREG(st.st_mode):
+                raise MpadviseError(f"refusing {what} {path}: it is {reason}; name a {what} instead")
+            if st.st_uid not in (os.geteuid(), 0):
+                fix = f"`rm {path}` if it is not yours, or `chown {os.geteuid()} {path}` after reading it"
+            else:
+                fix = f"`chmod go-w {path}` if its content is yours"
+            raise MpadviseError(f"refusing {what} {path}: it is {reason}; another user could have written it; {fix}")
+        return handle.read().decode("utf-8")
