@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -139,6 +140,15 @@ def _as_float(value: Any) -> float:
         return float("nan")
 
 
+def progress_console(console: Console) -> Console:
+    """Where progress goes: stderr, always, so that stdout holds only the result (a table or
+    JSON) and ``mpadvise tune train.py > result.txt`` captures no bar; a console that already
+    writes elsewhere (a file, a test's recording) is kept."""
+    if console.file is sys.stdout:
+        return Console(stderr=True)
+    return console
+
+
 @contextmanager
 def trial_progress(console: Console, total: int, *, enabled: bool = True) -> Iterator[Any]:
     """A progress bar over trials; yields ``(on_start, on_done)`` callbacks for the runners."""
@@ -147,7 +157,7 @@ def trial_progress(console: Console, total: int, *, enabled: bool = True) -> Ite
         return
     progress = Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=console, transient=False,
+        TimeElapsedColumn(), console=progress_console(console), transient=False,
     )
     with progress:
         task = progress.add_task("trials", total=total)
@@ -174,7 +184,7 @@ def tune_progress(console: Console, total: int) -> Iterator[Any]:
         total: the trials the search may run (its budget, the reference and its replicate).
     """
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as bar:
+    with Progress(*columns, console=progress_console(console)) as bar:
         task = bar.add_task("starting", total=total)
         started = 0
         phase = ""

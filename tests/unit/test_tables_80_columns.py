@@ -204,3 +204,18 @@ def test_a_noisy_speed_up_shows_its_spread_and_a_warning():
     assert "noisy timings: bf16-mixed ±90%" in " ".join(text.split())
     quiet = _text(render_tune, _tune_json())
     assert "noisy timings" not in quiet and "1.00x ±0%" in quiet  # fp32's own quartiles
+
+
+def test_progress_goes_to_stderr_and_leaves_stdout_to_the_result(capsys):
+    from advisor.cli._report import trial_progress, tune_progress
+
+    ref, evaluations = _evaluations()
+    with tune_progress(Console(), 2) as (on_start, on_done, _):
+        on_start("bf16-mixed")
+        on_done("bf16-mixed", evaluations[0], evaluations[0])
+    with trial_progress(Console(), 2) as (on_start, on_done):
+        on_start(0, "fp32")
+        on_done(0, ref)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "bf16-mixed: ok" in captured.err and "fp32: ok" in captured.err
