@@ -54,19 +54,23 @@ from ._protocol import (
     rank_result_path,
     run_trial,
 )
+from ._ranks import EXITS_ENV, STORE_ENV, ranks_argv
 from ._recorder import FrameworkRecorder, recorder_for
 from ._timeline import PHASES, TIMELINE_MARKS, breakdown, startup_seconds
-from ._warm import WARM_ENV, WarmLauncher, framework_preload
+from ._warm import RUN_MODULE, WARM_ENV, WarmLauncher, framework_preload
 
 __all__ = [
     "DEFAULT_MEASURE_STEPS",
     "DEFAULT_WARMUP_STEPS",
+    "EXITS_ENV",
     "EXIT_NO_STEP",
     "EXIT_UNSUPPORTED",
     "OUTCOMES",
     "PHASES",
     "POLICY_ENV",
     "RESULT_FIELDS",
+    "RUN_MODULE",
+    "STORE_ENV",
     "TIMELINE_MARKS",
     "TRIAL_SPEC_ENV",
     "UNDERFLOW_EVERY",
@@ -91,6 +95,7 @@ __all__ = [
     "optimizer_eps",
     "perturb_parameters",
     "rank_result_path",
+    "ranks_argv",
     "recorder_for",
     "run_in_process",
     "run_trial",

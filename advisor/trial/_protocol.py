@@ -24,6 +24,7 @@ from probes import MpadviseError
 
 from ._proctree import TrialProcess, end_trial, launcher_argv
 from ._proctree import descendants as descendants  # re-exported: the tree walk lived here
+from ._ranks import EXITS_ENV
 from ._timeline import breakdown, merge_timelines
 from ._warm import WarmLauncher, cold_command
 
@@ -118,6 +119,7 @@ RESULT_FIELDS: tuple[ResultField, ...] = (
     ResultField("global_batch", "samples per optimizer step"),
     ResultField("device", "the device the trial ran on"),
     ResultField("ranks", "how many processes' results were merged into this one"),
+    ResultField("rank_progress", "a multi-process trial's merge: how far each rank got, for a reason", kept=False),
     ResultField("timeline", "when each part of the trial happened: TIMELINE_MARKS -> epoch seconds"),
     ResultField("flops_per_step", "FLOPs of one optimizer step (all micro-batches, all ranks), or null"),
     ResultField("flops_basis", "how flops_per_step was found: counted, or 6 x parameters x tokens; else null"),
@@ -354,7 +356,7 @@ def run_trial(
     """Run ``python script args`` with ``spec`` injected; classify the outcome.
 
     ``launch`` goes between the interpreter and the script: a module that runs the script
-    (``-m advisor.frameworks._boot lightning``, ``-m torch.distributed.run ...``).
+    (``-m advisor.frameworks._boot lightning``, the rank launcher's ``advisor.trial._ranks``).
 
     With ``warm``, the trial is forked from its warm server, torch already imported, where that
     is as good as a fresh interpreter (``advisor.trial._warm``); otherwise, and wherever the
@@ -379,6 +381,10 @@ def run_trial(
     child_env[TRIAL_SPEC_ENV] = str(spec_file)
     child_env["PYTHONUNBUFFERED"] = "1"
     child_env.pop(POLICY_ENV, None)  # the spec decides; a leftover override must not
+    exits_path = Path(f"{result_path}.exits.json")
+    exits_path.unlink(missing_ok=True)
+    if rank_paths:
+        child_env[EXITS_ENV] = str(exits_path)  # where the rank launcher records how each rank ended
     # The child starts in this process's memory cgroup: counting that cgroup's OOM kills before
     # and after tells a kill by the kernel's OOM killer from any other SIGKILL.
     oom_before = oom_kill_count()
@@ -417,7 +423,11 @@ def run_trial(
         err.seek(0)
         tail = _tail(err.read())
     oom_after = oom_kill_count() if oom_before is not None else None
-    data = merge_rank_results([_read_json(path) for path in rank_paths]) if rank_paths else _read_json(result_path)
+    if rank_paths:
+        data = merge_rank_results([_read_json(path) for path in rank_paths], exits=_read_json(exits_path))
+        exits_path.unlink(missing_ok=True)
+    else:
+        data = _read_json(result_path)
     spec_file.unlink(missing_ok=True)
     return classify(
         data,
@@ -497,10 +507,13 @@ def classify(
             stage, base["timeline"], spec, timed_out=timed_out, timeout=timeout, exit_code=exit_code, oom_kills=oom_kills)
     elif timed_out:
         where = "before load_policy()" if stage is None else f"after {len(result_file.get('losses', []))} steps"
+        if result_file.get("rank_progress"):
+            where = "; ".join(result_file["rank_progress"])  # a multi-process trial: every rank's
         outcome, reason = "timeout", f"no result within {timeout:g} s ({where}); the trial was killed"
-    elif (exit_code == -SIGKILL or exception.get("killed")) and oom_kills and stage != Stage.DONE:
+    elif ((exit_code == -SIGKILL or (exception.get("killed") and exception.get("signal") in (None, "SIGKILL")))
+          and oom_kills and stage != Stage.DONE):
         # A rank of a multi-process trial that stopped without an error of its own, while the
-        # OOM killer was at work, was its victim (torchrun itself exits 1, not by SIGKILL).
+        # OOM killer was at work, was its victim, unless the rank launcher saw another signal.
         where = f"on rank {exception['rank']}" if exception.get("killed") else _stage_text(stage, result_file)
         outcome, reason = "oom", (
             f"out of memory: the kernel's OOM killer ended the script {where} (SIGKILL; its memory "
@@ -753,19 +766,32 @@ def rank_result_path(result_path: str | os.PathLike[str], rank: int) -> str:
     return f"{os.fspath(result_path)}.rank{rank}"
 
 
-def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None],
+                       exits: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """One trial result from the result files of its ranks, in the form one process writes.
 
-    A pure function of the files' contents (index = rank; ``None`` for a rank that wrote none).
-    A rank that failed makes the trial fail: the earliest exception (ranks that lost a peer
-    fail after it, with a communication error of their own), else a rank the hardware cannot
-    run the mode on, one that never stepped, one that wrote nothing, or one that stopped while
-    others finished; the exception names the rank. When every rank finished:
+    A pure function of the files' contents (index = rank; ``None`` for a rank that wrote none)
+    and of the rank launcher's record of how each rank ended (``exits``: ``advisor.trial._ranks``
+    writes it; ``None`` where there is none, a trial killed on a timeout). A rank that failed
+    makes the trial fail, and the exception names the rank:
+
+    * with the record, the rank that ended first with a failure of its own (not one the
+      launcher stopped after it): its own exception if it raised one; else its exit status or
+      signal, as a rank that stopped without an error of its own (``killed``, with the
+      ``signal``): a rank ended by ``os._exit`` or a signal (the OOM killer's SIGKILL) is blamed,
+      not the healthy peer that lost its connection to it afterwards;
+    * else the earliest exception (ranks that lost a peer fail after it, with a communication
+      error of their own), a rank the hardware cannot run the mode on, one that never stepped,
+      one that wrote nothing, or one that stopped while others finished.
+
+    When no rank failed but not all finished (a timeout), the result is that of a rank that had
+    not applied the candidate yet, if one had not (the trial is then ``lost``), else rank 0's;
+    ``rank_progress`` says how far each rank got. When every rank finished:
 
     * step times: per step, the slowest rank's (a synchronous step waits for it);
     * losses: per step, the mean over ranks weighted by their samples, which is the loss of
       the global batch and less noisy than one rank's share; a NaN or infinite loss on any
-      rank makes the step's loss that value;
+      rank makes the step's loss that value (a note names the rank where the first came);
     * skipped steps: must agree (every rank's optimizer steps or none does); otherwise the
       trial fails, naming the first step and ranks that disagree;
     * samples: summed over ranks (goodput counts the whole node); peak memory: the largest;
@@ -778,16 +804,54 @@ def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None]) -> dict[str, A
     present = {rank: dict(data) for rank, data in enumerate(ranks) if data}
     if not present:
         return None
-    failed = _failed_rank(ranks, present)
+    failed = _failed_rank(ranks, present, exits)
     if failed is not None:
         return {**failed, "ranks": len(ranks)}
     if any(data.get("stage") != Stage.DONE for data in present.values()):
-        return {**present[min(present)], "ranks": len(ranks)}  # none finished: the first rank's stage
+        progress = [f"rank {rank} {_stage_text((data or {}).get('stage'), data or {})}" for rank, data in enumerate(ranks)]
+        waiting = [rank for rank, data in enumerate(ranks) if not _applied(data)]
+        chosen = dict(ranks[waiting[0]] or {}) if waiting else present[min(present)]
+        return {**chosen, "ranks": len(ranks), "rank_progress": progress}
     return _merge_finished(ranks, present)
 
 
-def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+def _applied(data: Mapping[str, Any] | None) -> bool:
+    """Whether a rank's result shows its candidate applied."""
+    return bool(data) and ("policy_applied" in (data.get("timeline") or {}) or bool(data.get("losses")))
+
+
+def _first_failure(exits: Mapping[str, Any] | None) -> tuple[int, Mapping[str, Any]] | None:
+    """The rank that ended first with a failure of its own, from the launcher's record."""
+    if not isinstance(exits, Mapping):
+        return None
+    for ended in exits.get("ended") or []:
+        if isinstance(ended, Mapping) and ended.get("status") not in (0, None) and not ended.get("stopped"):
+            return int(ended["rank"]), ended
+    return None
+
+
+def _ended_text(ended: Mapping[str, Any]) -> str:
+    if ended.get("signal"):
+        return f"was killed by {ended['signal']}"
+    return f"exited with status {ended.get('status')}"
+
+
+def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]],
+                 exits: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """The result of the rank that made a multi-process trial fail, or ``None`` if none did."""
+    first = _first_failure(exits)
+    if first is not None:
+        rank, ended = first
+        data = present.get(rank, {})
+        stage, exception = data.get("stage"), data.get("exception") or {}
+        if stage == Stage.EXCEPTION and not exception.get("killed"):
+            return {**data, "exception": {**exception, "rank": rank}}
+        if stage in (Stage.UNSUPPORTED, Stage.NO_STEP):
+            return data
+        message = (f"rank {rank} {_ended_text(ended)} {_stage_text(stage, data)} without an error of its own; "
+                   "its peers were stopped after it")
+        return {**data, "stage": Stage.EXCEPTION,
+                "exception": {"type": "", "message": message, "rank": rank, "killed": True, "signal": ended.get("signal")}}
     raised = [(data.get("exception") or {}, rank) for rank, data in present.items() if data.get("stage") == Stage.EXCEPTION]
     if raised:
         exception, rank = min(raised, key=lambda item: (_number(item[0].get("at")), item[1]))
@@ -805,7 +869,7 @@ def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, d
     elif finished and stopped:
         rank = stopped[0]
         message = (f"rank {rank} stopped {_stage_text(present[rank].get('stage'), present[rank])} without an error "
-                   f"of its own, while rank {finished[0]} finished (killed by a signal, or ended by torchrun)")
+                   f"of its own, while rank {finished[0]} finished (killed by a signal, or ended by its launcher)")
     else:
         return None
     base = present[min(present)]

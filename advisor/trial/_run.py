@@ -1,6 +1,7 @@
 """``python -P -m advisor.trial._run [LAUNCH...] SCRIPT [ARGS...]``: run a cold trial's command
 as ``python [LAUNCH...] SCRIPT [ARGS...]`` would, the moment torch's import is done marked on
-the trial's timeline; ``... _run --warm-server FD [PRELOAD...]`` is the warm server instead.
+the trial's timeline (in a rank of a multi-process trial, ``_ranks``' file store in use);
+``... _run --warm-server FD [PRELOAD...]`` is the warm server instead.
 
 Only an entry point: what it runs lives in ``_warm`` (``run_as_python``, ``serve``), where the
 warm server's forked children run the same code. No module imports this one, so that
@@ -12,6 +13,7 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
+from ._ranks import set_parent_death_signal, use_file_store
 from ._warm import (
     RUN_MODULE,
     SERVER_FLAG,
@@ -32,6 +34,10 @@ def main(argv: list[str]) -> NoReturn:
     if command is None:
         print(f"usage: python -P -m {RUN_MODULE} [-P] (-m MODULE | SCRIPT) [ARGS...]", file=sys.stderr)
         raise SystemExit(2)
+    # Nothing of a trial outlives its launcher (a tune killed by SIGKILL takes its trials along).
+    set_parent_death_signal()
+    # A rank of a multi-process trial meets its peers through the trial's private file store.
+    use_file_store()
     mark_torch_import()
     code = run_as_python(command)
     if code >= 0:

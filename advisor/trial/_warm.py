@@ -11,7 +11,7 @@ kills that tree as it kills a cold one (``end_trial`` on the launcher's pid).
 
 A trial starts cold instead (``cold_reason``, ``environment_difference``, ``server_refusal``)
 where a fork is not as good as a fresh interpreter: no fork (not Linux); several processes
-(torchrun starts its own); a command this module cannot run as the interpreter would; an
+(the rank launcher, ``_ranks``, starts its own); a command this module cannot run as the interpreter would; an
 environment that differs from the server's in a variable torch or a library may have read at
 import (only ``PER_TRIAL_PREFIXES``/``PER_TRIAL_NAMES`` may differ); a server with a second
 thread or CUDA initialised; a server that died or did not start; or ``MPADVISE_WARM_TRIALS=0``.
@@ -111,7 +111,7 @@ def parse_command(argv: Sequence[str]) -> PythonCommand | None:
 def cold_command(python: str, command: Sequence[str], *, nproc_per_node: int = 1) -> list[str]:
     """The command line of a cold trial: ``python -P -m advisor.trial._run COMMAND...``, which
     marks torch's import on the trial's timeline, where that runs ``COMMAND`` as the
-    interpreter would; otherwise (torchrun's agent, an option it does not read) ``python
+    interpreter would; otherwise (the rank launcher, an option it does not read) ``python
     COMMAND...`` itself."""
     if nproc_per_node == 1 and parse_command(command) is not None:
         return [python, "-P", "-m", RUN_MODULE, *command]
@@ -266,7 +266,7 @@ def cold_reason(
     Args:
         command: what follows the interpreter on the trial's command line.
         environ: the environment the parent runs in, and the trial's (either may hold the switch).
-        nproc_per_node: processes of the trial; torchrun starts its own.
+        nproc_per_node: processes of the trial; the rank launcher (``_ranks``) starts its own.
         platform, can_fork: ``sys.platform`` and whether ``os.fork`` exists; a test passes others.
     """
     if warm_switched_off(environ):
@@ -274,7 +274,8 @@ def cold_reason(
     if not platform.startswith("linux") or not can_fork:
         return f"warm trials need Linux's fork and child subreaper; this is {platform}"
     if nproc_per_node > 1:
-        return f"a trial of {nproc_per_node} processes starts through torchrun, which starts each one itself"
+        return (f"a trial of {nproc_per_node} processes starts its ranks from its own launcher (in torchrun's "
+                "place), which starts each one itself")
     if parse_command(command) is None:
         return f"the command {list(command)[:4]} is not one a forked interpreter runs as python would"
     return None

@@ -25,12 +25,14 @@ import probes
 from advisor._entry import module_argv
 from advisor._log import get_logger
 from advisor.trial import (
+    RUN_MODULE,
     TrialResult,
     TrialSpec,
     WarmLauncher,
     classify,
     framework_preload,
     json_float,
+    ranks_argv,
     run_in_process,
     run_trial,
 )
@@ -124,19 +126,14 @@ class TrialSettings:
         these settings.
 
         One process: ``launch`` itself (a framework script's ``-P -m advisor.frameworks._boot
-        FRAMEWORK``, or nothing). Several: torchrun on this node (``--standalone``, so each
-        trial's rendezvous takes a free port, and no restarts: a failure is the trial's
-        outcome), which starts ``python LAUNCH SCRIPT ARGS`` as each of its processes: every
-        rank runs the command line a one-process trial runs.
+        FRAMEWORK``, or nothing). Several: the trial's own rank launcher (``advisor.trial._ranks``:
+        no elastic agent, no TCP store, no restarts: a failure is the trial's outcome), which
+        starts ``python -P -m advisor.trial._run LAUNCH SCRIPT ARGS`` as each rank: every rank
+        runs the command line a one-process trial runs.
         """
         if self.nproc_per_node == 1:
             return tuple(launch)
-        return (*module_argv(TORCHRUN_MODULE), "--nproc-per-node", str(self.nproc_per_node), "--standalone",
-                "--max-restarts", "0", "--no-python", python, *launch)
-
-
-TORCHRUN_MODULE = "torch.distributed.run"
-"""torchrun, run as a module of the trial's own interpreter."""
+        return (*ranks_argv(self.nproc_per_node), python, *module_argv(RUN_MODULE), *launch)
 
 
 @runtime_checkable

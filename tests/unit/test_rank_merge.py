@@ -1,5 +1,5 @@
 """A multi-process trial, parent side: merging its ranks' results (pure), the launch through
-torchrun, each rank's own result file, and the process tree a timeout kills."""
+the rank launcher, each rank's own result file, and the process tree a timeout kills."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from advisor.trial._protocol import (
     rank_result_path,
 )
 from advisor.tune._options import TuneOptions
-from advisor.tune._trials import TORCHRUN_MODULE, TrialSettings
+from advisor.tune._trials import TrialSettings
 from policies import Policy
 from probes import MpadviseError
 
@@ -167,16 +167,16 @@ def test_one_process_keeps_the_plain_launch():
     assert spec.nproc_per_node == 1 and spec.result_path == "/tmp/r.json"
 
 
-def test_several_processes_launch_through_torchrun_with_the_same_command_per_rank():
+def test_several_processes_launch_through_the_rank_launcher_with_the_same_command_per_rank():
     settings = TrialSettings(nproc_per_node=2)
     boot = ("-P", "-m", "advisor.frameworks._boot", "lightning")
     argv = settings.launch("/venv/bin/python", boot)
-    assert TORCHRUN_MODULE in argv
-    assert argv[argv.index("--nproc-per-node") + 1] == "2"
-    assert "--standalone" in argv  # a free rendezvous port per trial
-    assert argv[argv.index("--max-restarts") + 1] == "0"
-    # torchrun starts `python LAUNCH SCRIPT ARGS` on each rank: a one-process trial's command line.
-    assert argv[argv.index("--no-python") + 1:] == ("/venv/bin/python", *boot)
+    assert "torch.distributed.run" not in argv  # no elastic agent, no TCP store
+    assert argv[:2] == ("-I", "-S") and argv[2].endswith("_ranks.py")
+    assert argv[argv.index("--nproc") + 1] == "2"
+    # Each rank runs `python -P -m advisor.trial._run LAUNCH SCRIPT ARGS`: a cold one-process
+    # trial's command line, which points torch's env:// rendezvous at the trial's file store.
+    assert argv[argv.index("--") + 1:] == ("/venv/bin/python", "-P", "-m", "advisor.trial._run", *boot)
     assert settings.spec(Policy(mode="fp32"), "/tmp/r.json", "fp32").nproc_per_node == 2
 
 

@@ -1,0 +1,298 @@
+"""The ranks of a multi-process trial on this node, started without torchrun's elastic agent.
+
+``python -I -S _ranks.py --nproc N --exits FILE -- COMMAND...`` starts ``COMMAND`` N times, each
+a rank with the variables a script, Lightning, Accelerate or the HF Trainer reads to take the
+multi-process path (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``, ``ROLE_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, and
+``TORCHELASTIC_RUN_ID``, which ``torch.distributed.is_torchelastic_launched()`` and so
+Lightning's ``TorchElasticEnvironment.detect()`` read).
+
+Why not torchrun: its c10d TCPStore listens on every interface with no authentication, and its
+agent unpickles the rendezvous state it reads back from that store, so another local user who
+finds the port runs code as the tuning user. Here the ranks meet through a ``FileStore`` in a
+directory of the trial that only its user can enter (``mkdtemp``, mode 0700), named in
+``STORE_ENV``; every rank, before its script runs (``advisor.trial._run``), points torch's
+``env://`` rendezvous at that file (``use_file_store``), so ``init_process_group()`` with no
+``init_method`` or ``store``, or with ``env://``, opens no TCP store. gloo and NCCL keep their
+own sockets on loopback (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` = ``lo`` unless the user
+set them); those carry tensor bytes into buffers of known size, never code.
+
+No restarts: when a rank fails, the others are stopped (SIGTERM, SIGKILL after ``GRACE_S``),
+and the launcher exits as the first failed rank did. How each rank ended (its status, when,
+whether the launcher stopped it) is written to the ``--exits`` file (``RankExit``), from which
+the parent blames the rank that failed first (``advisor.trial._protocol``).
+
+Every rank dies with the launcher (``PR_SET_PDEATHSIG``), and the launcher with its own
+parent. Run as a plain file (standard library only), as ``_proctree.py`` is; the rank side
+(``use_file_store``) is imported from ``_run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+STORE_ENV = "MPADVISE_RANK_STORE"
+"""The FileStore path that every rank's ``env://`` rendezvous uses (set by the launcher)."""
+EXITS_ENV = "MPADVISE_RANK_EXITS"
+"""Where the launcher writes how each rank ended (set by ``run_trial``)."""
+GRACE_S = 10.0
+"""Seconds the other ranks get to end after SIGTERM, once one failed, before SIGKILL."""
+PR_SET_PDEATHSIG = 1
+"""``prctl`` option (linux/prctl.h): the signal this process gets when its parent thread dies."""
+LOOPBACK = "127.0.0.1"
+
+
+def ranks_argv(nproc: int) -> list[str]:
+    """What goes after the interpreter to run ``nproc`` ranks of the command that follows it."""
+    # -I -S: no site-packages and no script directory on sys.path, nothing from the environment.
+    return ["-I", "-S", str(Path(__file__).resolve()), "--nproc", str(nproc), "--"]
+
+
+def set_parent_death_signal(sig: int = int(getattr(signal, "SIGKILL", 9)), *, parent: int | None = None) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux); whether that
+    worked. With ``parent`` (the pid this process was started by), a parent that died before
+    the call is caught too: the process is reparented already, and ``sig`` is sent at once."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        done = libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+    if done and parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+    return done
+
+
+def rank_environment(base: Mapping[str, str], *, rank: int, nproc: int, port: int, store: str) -> dict[str, str]:
+    """The environment of rank ``rank`` of ``nproc`` on this one node, as torchrun sets it."""
+    env = dict(base)
+    env.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
+        WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc),
+        MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="mpadvise",
+        TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+    )
+    env[STORE_ENV] = store
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # it would send env:// to an agent's TCP store
+    return env
+
+
+def _free_port() -> int:
+    """A loopback port free now: ``MASTER_PORT`` for code that reads it without rendezvousing
+    through it (Lightning and Accelerate check it is set); no store listens on it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def _signal_name(status: int) -> str | None:
+    if status >= 0:
+        return None
+    try:
+        return signal.Signals(-status).name
+    except ValueError:
+        return f"signal {-status}"
+
+
+def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None, grace_s: float = GRACE_S) -> int:
+    """Start ``command`` as ranks 0..nproc-1, wait for them all, stop the rest when one fails;
+    the first failed rank's status (``Popen.returncode`` form), else 0."""
+    store_dir = tempfile.mkdtemp(prefix="mpadvise-ranks-")  # 0700: only this user reaches the store
+    store = os.path.join(store_dir, "store")
+    port = _free_port()
+    me = os.getpid()
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    ended: list[dict[str, Any]] = []
+    stopping: dict[str, Any] = {"since": None}
+
+    def stop_others(signum: int) -> None:
+        for proc in procs.values():
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(proc.pid, signum)
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop_others(signal.SIGKILL)
+        _finish(exits, nproc, procs, ended, store_dir)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(me, signum)
+
+    for name in ("SIGTERM", "SIGHUP", "SIGINT"):
+        signal.signal(getattr(signal, name), on_signal)
+    try:
+        for rank in range(nproc):
+            procs[rank] = subprocess.Popen(
+                list(command), env=rank_environment(os.environ, rank=rank, nproc=nproc, port=port, store=store),
+                preexec_fn=_dies_with(me))
+    except OSError as exc:
+        stop_others(signal.SIGKILL)
+        print(f"mpadvise: cannot start {command[0]}: {exc}", file=sys.stderr)
+        _finish(exits, nproc, procs, ended, store_dir)
+        return 127
+    first_failure: int | None = None
+    while any(p.returncode is None for p in procs.values()):
+        if stopping["since"] is None:
+            # Wake the moment a rank ends (without reaping it), so that the order of the record
+            # is the order in which ranks ended: the first is the one a failure is blamed on.
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+        for rank, proc in procs.items():
+            if proc.returncode is None and proc.poll() is not None:
+                stopped = stopping["since"] is not None
+                ended.append({"rank": rank, "pid": proc.pid, "status": proc.returncode,
+                              "signal": _signal_name(proc.returncode), "at": time.time(),
+                              "stopped": stopped})
+                if proc.returncode != 0 and first_failure is None and not stopped:
+                    first_failure = proc.returncode
+                    stopping["since"] = time.monotonic()
+                    stop_others(signal.SIGTERM)
+        if stopping["since"] is not None and time.monotonic() - stopping["since"] > grace_s:
+            stop_others(signal.SIGKILL)
+        if stopping["since"] is not None:
+            time.sleep(0.02)
+    _finish(exits, nproc, procs, ended, store_dir)
+    return first_failure or 0
+
+
+def _dies_with(parent: int) -> Callable[[], None]:
+    def preexec() -> None:
+        set_parent_death_signal(parent=parent)
+    return preexec
+
+
+def _finish(exits: str | None, nproc: int, procs: Mapping[int, subprocess.Popen[bytes]],
+            ended: list[dict[str, Any]], store_dir: str) -> None:
+    """Write the exit record (atomically) and remove the store's directory."""
+    if exits:
+        record = {"nproc": nproc, "pids": {str(r): p.pid for r, p in procs.items()}, "ended": ended}
+        tmp = f"{exits}.tmp"
+        with contextlib.suppress(OSError):
+            Path(tmp).write_text(json.dumps(record))
+            os.replace(tmp, exits)
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(store_dir):
+            os.unlink(os.path.join(store_dir, entry))
+        os.rmdir(store_dir)
+
+
+# --- the rank's side ----------------------------------------------------------------------------
+
+
+def _file_store_handler(path: str) -> Callable[..., Any]:
+    """torch's ``env://`` rendezvous, through the FileStore at ``path`` instead of a TCPStore:
+    rank and world size from the URL's query (``init_process_group(rank=, world_size=)``) or
+    ``RANK``/``WORLD_SIZE``, as torch's own ``env://`` handler reads them."""
+    from urllib.parse import parse_qs, urlparse
+
+    def handler(url: str, **kwargs: Any) -> Any:
+        from torch.distributed import FileStore
+
+        query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
+        rank = int(query.get("rank", os.environ["RANK"]))
+        world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
+        yield FileStore(path, world_size), rank, world_size
+        raise RuntimeError("Unable to perform re-rendezvous through the trial's file store")
+
+    return handler
+
+
+def _install_handler(rendezvous: Any, path: str) -> None:
+    rendezvous._rendezvous_handlers["env"] = _file_store_handler(path)
+
+
+class _AfterImport:
+    """A meta path finder that finds nothing itself: once ``name`` is imported (by the finders
+    after it), ``then(module)`` runs; then it leaves ``sys.meta_path``."""
+
+    def __init__(self, name: str, then: Callable[[Any], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = None if find is None else find(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader.exec_module = _then(spec.loader.exec_module, self.then)  # this loader only
+                return spec
+        return None
+
+
+def _then(exec_module: Callable[[Any], None], then: Callable[[Any], None]) -> Callable[[Any], None]:
+    def run(module: Any) -> None:
+        exec_module(module)
+        then(module)
+    return run
+
+
+def use_file_store(environ: Mapping[str, str] = os.environ) -> bool:
+    """In a rank started by this launcher: make torch's ``env://`` rendezvous (the default of
+    ``init_process_group``) meet through the trial's FileStore, now if torch's rendezvous module
+    is imported, else as soon as it is (this imports nothing of torch). Whether this is such a
+    rank.
+
+    The one change to torch is its handler for the ``env`` scheme
+    (``torch.distributed.rendezvous._rendezvous_handlers["env"]``): an ``init_method`` of
+    ``file://``/``tcp://`` or an explicit ``store`` is the script's own choice, left as it is.
+    """
+    path = environ.get(STORE_ENV)
+    if not path:
+        return False
+    module = sys.modules.get("torch.distributed.rendezvous")
+    if module is not None:
+        _install_handler(module, path)
+    else:
+        sys.meta_path.insert(0, _AfterImport("torch.distributed.rendezvous", lambda m: _install_handler(m, path)))
+    return True
+
+
+def _exit_as(code: int) -> NoReturn:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code >= 0:
+        os._exit(code)
+    with contextlib.suppress(OSError, ValueError):
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+    os._exit(128 - code)
+
+
+def main(argv: list[str]) -> NoReturn:
+    usage = f"usage: python {sys.argv[0]} --nproc N [--exits FILE] -- COMMAND [ARGS...]"
+    nproc, exits, rest = None, os.environ.get(EXITS_ENV) or None, list(argv)
+    while rest and rest[0] != "--":
+        if rest[0] == "--nproc" and len(rest) > 1 and rest[1].isdigit() and int(rest[1]) > 0:
+            nproc, rest = int(rest[1]), rest[2:]
+        elif rest[0] == "--exits" and len(rest) > 1:
+            exits, rest = rest[1], rest[2:]
+        else:
+            break
+    if nproc is None or rest[:1] != ["--"] or len(rest) < 2:
+        print(usage, file=sys.stderr)
+        _exit_as(2)
+    set_parent_death_signal()  # the trial's launcher (``_proctree``) gone: so are the ranks
+    _exit_as(run_ranks(nproc, rest[1:], exits=exits))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
