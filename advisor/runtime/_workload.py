@@ -6,9 +6,12 @@ changes, and must not change for things that do not:
 
 * Covered: the model's structure (every module's type name and qualified name, in order;
   every parameter's name, shape and ``requires_grad``), as its :func:`model_signature`; the
-  optimizer class and its precision-relevant hyperparameters per parameter group; the global
-  batch (the script's own batch: how a policy splits it is the answer, not the workload); the
-  script's file name, a digest of its content, and its command-line arguments.
+  optimizer class and its precision-relevant hyperparameters per parameter group; the number
+  of processes training together (the world size: under torchrun each process trains on its
+  own share of the batch, so two processes measure another step than one or eight); the global
+  batch (the script's own batch per process times the world size: how a policy splits it is
+  the answer, not the workload); the script's file name, a digest of its content, and its
+  command-line arguments.
 * Not covered: parameter values (training changes them), dtypes and devices (applying the
   precision policy itself converts them, and the key must be computed the same way before and
   after), buffers (their shapes follow from the module type and parameters), optimizer
@@ -18,6 +21,8 @@ changes, and must not change for things that do not:
 * Module types are recorded by class ``__qualname__`` without the Python module path, so a
   model class defined in a script gives the same key whether the script runs as ``__main__``
   or is imported.
+* One process keys without a world size line, exactly as before the world size was recorded,
+  so a cache entry written then reads as one process.
 * Editing the script (even a comment) or running it with other arguments makes the cache
   miss, which is the safe direction: a silent hit on changed code could apply a policy that
   was never measured for it.
@@ -28,9 +33,11 @@ model and optimizer is needed; torch is not imported here.
 
 :func:`workload_mismatch` says what changed since a policy was tuned, as data that is
 formatted only where a person reads it. A tune records the model signature, the global batch
-and the script's digest beside the fingerprint; the optimizer's settings and the arguments are
-inside the fingerprint only, so whether they changed is decided by recomputing the
-fingerprint with every recorded fact put back to its tuned value.
+(per process) and the script's digest beside the fingerprint; the optimizer's settings and the
+arguments are inside the fingerprint only, so whether they changed is decided by recomputing
+the fingerprint with every recorded fact put back to its tuned value. The world size, where
+``[tuned_on]`` does not record it, is recovered the same way: it is the one that, with every
+recorded fact put back, gives the tuned fingerprint.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ import hashlib
 import json
 import os
 import shlex
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +60,10 @@ if TYPE_CHECKING:
 _FORMAT = "mpadvise-workload-v2"
 
 FINGERPRINT_LENGTH = 16
+
+# The largest world size tried when recovering the one a tune ran at from its fingerprint
+# (hashing this many short texts takes milliseconds, and only when a fingerprint differs).
+_MAX_RECOVERED_WORLD_SIZE = 4096
 
 # Hyperparameters that change the arithmetic an optimizer does, and hence how it behaves under
 # reduced precision (eps underflows in fp16, small lr * update vanishes in bf16...). An allow
@@ -74,6 +86,7 @@ OPTIMIZER_HYPERPARAMETERS: tuple[str, ...] = (
 # The facts a Difference may name, and how a log line says that a digest-only fact changed.
 MODEL = "model structure"
 GLOBAL_BATCH = "global batch"
+WORLD_SIZE = "world size"
 SCRIPT = "script"
 SCRIPT_CONTENT = "script content"
 _DIGEST_FACTS = {MODEL: "model structure differs", SCRIPT_CONTENT: "script edited"}
@@ -88,12 +101,13 @@ class Workload:
         optimizer: the optimizer's class name, or ``None`` when there is none.
         groups: per parameter group, ``(name, canonical value)`` pairs: the parameter count,
             then the precision-relevant hyperparameters the group has.
-        global_batch: samples per optimizer step as the script asks for them, or ``None``
-            when unknown.
+        global_batch: samples per optimizer step over all processes (the script's batch per
+            process times ``world_size``), or ``None`` when unknown.
         script: the script's file name, or ``None`` for in-process use (notebooks).
         script_digest: :func:`script_digest` of its content, or ``None`` when it is not a
             readable file.
         args: its command-line arguments.
+        world_size: how many processes train together (1 for a single process).
     """
 
     model: str
@@ -103,6 +117,11 @@ class Workload:
     script: str | None
     script_digest: str | None
     args: tuple[str, ...] = ()
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"Workload.world_size: {self.world_size!r} is not a process count; expected an integer >= 1")
 
     @classmethod
     def of(
@@ -113,9 +132,10 @@ class Workload:
         global_batch: int | None,
         script: str | os.PathLike[str] | None,
         args: Sequence[str] = (),
+        world_size: int | None = None,
     ) -> Workload:
         """Read the facts from a model, an optimizer and the script (arguments as for
-        :func:`workload_fingerprint`)."""
+        :func:`workload_fingerprint`; ``world_size`` ``None`` reads :func:`current_world_size`)."""
         path = None if script is None else os.fspath(script)
         return cls(
             model=model_signature(model),
@@ -125,6 +145,7 @@ class Workload:
             script=None if path is None else os.path.basename(path),
             script_digest=None if path is None else script_digest(path),
             args=tuple(str(arg) for arg in args),
+            world_size=current_world_size() if world_size is None else world_size,
         )
 
     def fingerprint(self) -> str:
@@ -132,6 +153,9 @@ class Workload:
         lines = [_FORMAT, f"model {self.model}", f"optimizer {self.optimizer}"]
         for index, group in enumerate(self.groups):
             lines.append(f"group {index} " + " ".join(f"{key}={value}" for key, value in group))
+        if self.world_size != 1:
+            # Absent for one process, so that keys from before it was recorded still hit.
+            lines.append(f"world_size {self.world_size}")
         lines.append(f"global_batch {_canonical(self.global_batch)}")
         lines.append(f"script {self.script} {self.script_digest or 'missing'}")
         lines.append(f"args {json.dumps(list(self.args))}")
@@ -154,24 +178,28 @@ class WorkloadMismatch:
 
     Attributes:
         differences: the recorded facts that changed (``what`` is :data:`MODEL`,
-            :data:`GLOBAL_BATCH`, :data:`SCRIPT` or :data:`SCRIPT_CONTENT`).
+            :data:`WORLD_SIZE`, :data:`GLOBAL_BATCH`, :data:`SCRIPT` or
+            :data:`SCRIPT_CONTENT`).
         unrecorded: when facts that the tune did not record (the optimizer's settings, the
             arguments...) differ too, their names; empty when they match.
         optimizer_now: this run's optimizer, for people (see ``Workload.describe_optimizer``).
         args_now: this run's arguments.
+        world_size_now: this run's world size.
     """
 
     differences: tuple[Difference, ...]
     unrecorded: tuple[str, ...] = ()
     optimizer_now: str = ""
     args_now: tuple[str, ...] = ()
+    world_size_now: int = 1
 
     def detail(self) -> str:
         """``"script edited; optimizer settings or script arguments differ (now AdamW(lr=0.001))"``."""
         parts = [_DIGEST_FACTS.get(d.what) or d.describe() for d in self.differences]
         if self.unrecorded:
             args = shlex.join(self.args_now) if self.args_now else "none"
-            parts.append(f"{_alternatives(self.unrecorded)} differ (now {self.optimizer_now}; arguments: {args})")
+            processes = f"; {self.world_size_now} processes" if WORLD_SIZE in self.unrecorded else ""
+            parts.append(f"{_alternatives(self.unrecorded)} differ (now {self.optimizer_now}{processes}; arguments: {args})")
         return "; ".join(parts)
 
     def reason(self) -> str:
@@ -186,6 +214,7 @@ class WorkloadMismatch:
             "unrecorded": list(self.unrecorded),
             "optimizer_now": self.optimizer_now,
             "args_now": list(self.args_now),
+            "world_size_now": self.world_size_now,
         }
 
 
@@ -209,22 +238,45 @@ def workload_fingerprint(
     global_batch: int | None,
     script: str | os.PathLike[str] | None,
     args: Sequence[str] = (),
+    world_size: int | None = None,
 ) -> str:
-    """The cache key of a training workload: model structure, optimizer, global batch, script.
+    """The cache key of a training workload: model structure, optimizer, processes, global batch,
+    script.
 
     Args:
         model: a ``torch.nn.Module``.
         optimizer: a ``torch.optim.Optimizer`` (anything with ``param_groups``), or ``None``
             when there is none yet.
-        global_batch: samples per optimizer step as the script asks for them, or ``None``
-            when unknown.
+        global_batch: samples per optimizer step over all processes, or ``None`` when unknown.
         script: path of the training script, or ``None`` for in-process use (notebooks).
         args: the script's command-line arguments.
+        world_size: how many processes train together; ``None`` reads
+            :func:`current_world_size`.
 
     Returns:
         16 lowercase hex characters.
     """
-    return Workload.of(model, optimizer, global_batch=global_batch, script=script, args=args).fingerprint()
+    return Workload.of(
+        model, optimizer, global_batch=global_batch, script=script, args=args, world_size=world_size
+    ).fingerprint()
+
+
+def current_world_size(env: Mapping[str, str] | None = None) -> int:
+    """How many processes train together: the initialised process group's size, else
+    ``WORLD_SIZE`` (torchrun sets it in every process it starts), else 1.
+
+    Args:
+        env: the process environment; ``None`` for ``os.environ``.
+
+    Returns:
+        An integer >= 1; a ``WORLD_SIZE`` that is not a positive integer counts as one process.
+    """
+    # Not imported here: a script that never imported torch.distributed has no group.
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return int(distributed.get_world_size())
+    text = (os.environ if env is None else env).get("WORLD_SIZE", "").strip()
+    return int(text) if text.isdigit() and int(text) >= 1 else 1
 
 
 def script_digest(path: str | os.PathLike[str]) -> str | None:
@@ -249,8 +301,9 @@ def workload_mismatch(tuned: TunedOn, here: Workload, *, model_only: bool = Fals
 
     Args:
         tuned: the policy's ``[tuned_on]`` record.
-        here: this run's workload, with the global batch it trains at (or the tuned one, when
-            the script has not said yet and the caller checks it later).
+        here: this run's workload, with the global batch it trains at (or the tuned one per
+            process times this run's world size, when the script has not said yet and the
+            caller checks it later).
         model_only: compare the model's structure alone (a config file the user keeps
             beside the script), not the whole workload (a cached answer).
 
@@ -267,6 +320,7 @@ def workload_mismatch(tuned: TunedOn, here: Workload, *, model_only: bool = Fals
         return None
     recorded, unrecorded = _as_recorded(tuned, here)
     for what, tuned_value, here_value in (
+        (WORLD_SIZE, recorded.world_size, here.world_size),
         (GLOBAL_BATCH, recorded.global_batch, here.global_batch),
         (SCRIPT, recorded.script, here.script),
         (SCRIPT_CONTENT, recorded.script_digest, here.script_digest),
@@ -275,26 +329,47 @@ def workload_mismatch(tuned: TunedOn, here: Workload, *, model_only: bool = Fals
             differences.append(Difference(what, _text(tuned_value), _text(here_value)))
     if recorded.fingerprint() == tuned.workload_fingerprint:
         unrecorded = ()  # the recorded differences explain the whole change
-    return WorkloadMismatch(tuple(differences), unrecorded, here.describe_optimizer(), here.args)
+    return WorkloadMismatch(tuple(differences), unrecorded, here.describe_optimizer(), here.args, here.world_size)
 
 
 def _as_recorded(tuned: TunedOn, here: Workload) -> tuple[Workload, tuple[str, ...]]:
     """``here`` with every fact the tune recorded put back to its tuned value, and the names of
-    the facts it did not record."""
+    the facts it did not record.
+
+    ``[tuned_on]``'s global batch is the script's batch per process, as the tune saw it; the
+    workload's is that times the world size. A world size the tune did not record is the one
+    that reproduces the tuned fingerprint, when one does.
+    """
     unrecorded = ["optimizer settings"]
     model = tuned.model_signature or here.model
     if not tuned.model_signature:
         unrecorded.append(MODEL)
-    batch = tuned.global_batch if tuned.global_batch is not None else here.global_batch
-    if tuned.global_batch is None:
-        unrecorded.append(GLOBAL_BATCH)
     script = os.path.basename(tuned.script) if tuned.script else here.script
     digest = tuned.script_digest or here.script_digest
     if not tuned.script_digest:
         unrecorded.append(SCRIPT_CONTENT)
     unrecorded.append("script arguments")
-    recorded = replace(here, model=model, global_batch=batch, script=script, script_digest=digest)
-    return recorded, tuple(unrecorded)
+    recorded = replace(here, model=model, script=script, script_digest=digest)
+    per_process = tuned.global_batch
+
+    def at(world_size: int) -> Workload:
+        if per_process is None:
+            return replace(recorded, world_size=world_size)
+        return replace(recorded, world_size=world_size, global_batch=per_process * world_size)
+
+    world_size = getattr(tuned, "world_size", None)  # a [tuned_on] that records it
+    if world_size is None:
+        sizes = range(1, _MAX_RECOVERED_WORLD_SIZE + 1)
+        world_size = next((size for size in sizes if at(size).fingerprint() == tuned.workload_fingerprint), None)
+    if world_size is None:
+        # Unknown, since other facts changed too. Most tunes and every entry from before the
+        # world size was recorded ran one process: only a run of several names it.
+        if here.world_size != 1:
+            unrecorded.insert(1, WORLD_SIZE)
+        world_size = here.world_size
+    if per_process is None:
+        unrecorded.insert(1, GLOBAL_BATCH)
+    return at(world_size), tuple(unrecorded)
 
 
 def _alternatives(names: Sequence[str]) -> str:
