@@ -16,6 +16,7 @@ from advisor.runtime._workload import (
     GLOBAL_BATCH,
     Workload,
     WorkloadMismatch,
+    current_world_size,
     model_signature,
     workload_mismatch,
 )
@@ -133,6 +134,7 @@ class AppliedPolicy:
         self.model_signature: str | None = None
         self.fsdp = False
         """Whether the script asked for FSDP2's mixed precision (``fsdp_mixed_precision()``)."""
+        self._fsdp_checked = False
 
     # ---- what the policy says ---------------------------------------------------------------
 
@@ -218,20 +220,32 @@ class AppliedPolicy:
         return self.policy.grad_accum_steps or 1
 
     @property
+    def world_size(self) -> int:
+        """How many processes train together: as ``setup()`` found it, else as now
+        (``advisor.runtime._workload.current_world_size``)."""
+        return self._workload.world_size if self._workload is not None else current_world_size()
+
+    @property
     def global_batch(self) -> int | None:
-        """Samples per optimizer step, once ``micro_batch_size()`` has been called."""
-        return None if self._split is None else self._split.micro * self._split.accum
+        """Samples per optimizer step over all processes (micro-batch x accumulation x world
+        size), once ``micro_batch_size()`` has been called."""
+        return None if self._split is None else self._split.micro * self._split.accum * self.world_size
 
     @property
     def workload_fingerprint(self) -> str | None:
-        """Model structure, optimizer, global batch and script: the cache key of this workload.
+        """Model structure, optimizer, world size, global batch and script: the cache key of
+        this workload.
 
-        Known after ``setup()``; the global batch (the script's own) joins once
-        ``micro_batch_size()`` was called.
+        Known after ``setup()``; the global batch (the script's own, times the world size)
+        joins once ``micro_batch_size()`` was called.
         """
         if self._workload is None:
             return None
-        return replace(self._workload, global_batch=self._user_batch).fingerprint()
+        return replace(self._workload, global_batch=self._global(self._user_batch)).fingerprint()
+
+    def _global(self, per_process: int | None) -> int | None:
+        """The global batch of a script batch ``per_process`` on every process of this run."""
+        return None if per_process is None else per_process * self.world_size
 
     @property
     def user_batch(self) -> int | None:
@@ -300,7 +314,7 @@ class AppliedPolicy:
         # Until micro_batch_size() says which global batch the script trains at, take the
         # tuned one here: micro_batch_size() compares it.
         batch = self._user_batch if self._user_batch is not None else tuned.global_batch
-        here = replace(self._workload, global_batch=batch)
+        here = replace(self._workload, global_batch=self._global(batch))
         return workload_mismatch(tuned, here, model_only=not self._match_workload)
 
     def _batch_mismatch(self, policy: Policy, batch: int) -> WorkloadMismatch | None:
@@ -388,12 +402,7 @@ class AppliedPolicy:
                 sharded = ShardedGradScaler(self.device.type)
                 sharded.load_state_dict(scaler.state_dict())
                 self._mode.scaler = sharded
-        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        return MixedPrecisionPolicy(
-            param_dtype=None if precision.param_dtype is None else dtypes[precision.param_dtype],
-            reduce_dtype=None if precision.reduce_dtype is None else dtypes[precision.reduce_dtype],
-            output_dtype=None if precision.output_dtype is None else dtypes[precision.output_dtype],
-        )
+        return MixedPrecisionPolicy(*_torch_dtypes(precision))
 
     def to_device(self, *tensors: Any) -> Any:
         """Move tensors (or lists/tuples/dicts of them) to the device and cast them for the mode.
@@ -450,6 +459,13 @@ class AppliedPolicy:
     def _step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> bool:
         import torch
 
+        if not self._fsdp_checked:
+            # By the first step every fully_shard has run; once is enough.
+            self._fsdp_checked = True
+            if self.model is not None:
+                refusal = fsdp_policy_refusal(self.model, self.policy)
+                if refusal is not None:
+                    raise MpadviseError(refusal)
         observer = self._observer
         if observer is not None:
             observer.before_step(self)
@@ -566,6 +582,67 @@ def fsdp_precision(policy: Policy) -> FsdpPrecision:
     return FsdpPrecision(param_dtype=None, reduce_dtype=None if reduce == "fp32" else reduce)
 
 
+def _torch_dtypes(precision: FsdpPrecision) -> tuple[Any, Any, Any]:
+    """``(param_dtype, reduce_dtype, output_dtype)`` of ``precision`` as torch dtypes (or ``None``)."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    names = (precision.param_dtype, precision.reduce_dtype, precision.output_dtype)
+    return tuple(None if name is None else dtypes[name] for name in names)  # type: ignore[return-value]
+
+
+def fsdp_policy_refusal(model: Any, policy: Policy) -> str | None:
+    """Why training cannot go on: a module of ``model`` was sharded with FSDP2 under a
+    ``MixedPrecisionPolicy`` other than ``policy``'s; ``None`` when every one matches, or
+    nothing is sharded.
+
+    FSDP2 casts the parameters to its own ``param_dtype`` and reduces in its own
+    ``reduce_dtype`` whatever the policy says, so a script's own policy would silently
+    override every candidate (an "fp32" reference computing in bf16). The dtypes are compared;
+    ``cast_forward_inputs`` changes no precision.
+
+    Args:
+        model: the model ``setup()`` returned, sharded since (or not).
+        policy: the policy in force.
+
+    Returns:
+        One line naming the module, both policies and the fix.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    fsdp_module = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    if fsdp_module is None:
+        return None
+    wanted = _torch_dtypes(fsdp_precision(policy))
+    for name, module in model.named_modules():
+        if not isinstance(module, fsdp_module):
+            continue
+        # FSDP2 keeps the policy fully_shard was given on the module's state (torch 2.6 and
+        # later: FSDPState._mp_policy; each FSDPParamGroup holds the same as mp_policy).
+        state = module._get_fsdp_state()
+        given = getattr(state, "_mp_policy", None)
+        if given is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            given = getattr(group, "mp_policy", None)
+        if given is None:
+            continue
+        own = (given.param_dtype, given.reduce_dtype, given.output_dtype)
+        if own != wanted:
+            return (
+                f"fully_shard({name or 'model'}) was given mp_policy={_describe_mp(own)}, but the {policy.mode} "
+                f"policy needs {_describe_mp(wanted)}, so FSDP2 would train in the script's dtypes instead; "
+                "pass mp_policy=mp.fsdp_mixed_precision() to every fully_shard"
+            )
+    return None
+
+
+def _describe_mp(dtypes: tuple[Any, Any, Any]) -> str:
+    """``"MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)"``: the dtypes set, by short name."""
+    names = ("param_dtype", "reduce_dtype", "output_dtype")
+    short = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+    parts = [f"{n}={short.get(str(d), str(d))}" for n, d in zip(names, dtypes) if d is not None]
+    return f"MixedPrecisionPolicy({', '.join(parts)})"
+
+
 def safe_fallback(tuned: Policy, profile: HardwareProfile) -> Policy:
     """What applies in place of a tuned policy that does not fit this run: the safer of the
     hardware's safe default and the tuned mode, by ``policies.safety_rank``.
@@ -637,10 +714,14 @@ def _distributed_wrapper(model: Any) -> str | None:
         return ("setup(model): the model is already wrapped in DistributedDataParallel; call "
                 "mp.setup(model, optimizer) on the bare model first, then wrap the model it returns")
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded yet
+    fix = ("call mp.setup(model) on the bare model first, then fully_shard it with "
+           "mp_policy=mp.fsdp_mixed_precision(), then build the optimizer on the sharded parameters")
     if fsdp is not None and isinstance(model, getattr(fsdp, "FSDPModule", ())):
-        return ("setup(model): the model is already sharded with fully_shard; call mp.setup(model) on the "
-                "bare model first, then fully_shard it with mp_policy=mp.fsdp_mixed_precision(), then build "
-                "the optimizer on the sharded parameters")
+        return f"setup(model): the model is already sharded with fully_shard; {fix}"
+    if fsdp is not None:
+        for name, module in model.named_modules():
+            if name and isinstance(module, getattr(fsdp, "FSDPModule", ())):
+                return f"setup(model): its module {name!r} is already sharded with fully_shard; {fix}"
     return None
 
 

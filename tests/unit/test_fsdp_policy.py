@@ -174,6 +174,97 @@ def test_setup_refuses_a_model_wrapped_before_it(group_of_one):
         applied("bf16-true").setup(sharded)
 
 
+def test_setup_refuses_a_model_with_a_block_sharded_before_it(group_of_one):
+    from torch.distributed.fsdp import fully_shard
+
+    model = Blocks()
+    fully_shard(model.blocks[1])
+    with pytest.raises(MpadviseError, match="its module 'blocks.1' is already sharded with fully_shard; call mp.setup"):
+        applied("bf16-mixed").setup(model)
+
+
+# ---- a MixedPrecisionPolicy of the script's own ----------------------------------------------
+
+
+def train_one_step(mp: AppliedPolicy, shard) -> None:
+    """setup, shard as ``shard(model)`` says, one step: where a script's own policy is found."""
+    model = mp.setup(Blocks())
+    shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = mp.to_device(torch.randn(8, 32), torch.randint(0, 4, (8,)))
+    with mp.autocast():
+        loss = F.cross_entropy(model(x).float(), y)
+    mp.step(loss, optimizer)
+
+
+@pytest.mark.parametrize(("mode", "own", "said"), [
+    # The "fp32" reference computing in bf16: the defect this check exists for.
+    ("fp32", {"param_dtype": torch.bfloat16}, "mp_policy=MixedPrecisionPolicy(param_dtype=bf16), but the fp32 "
+                                               "policy needs MixedPrecisionPolicy()"),
+    ("bf16-mixed", {}, "mp_policy=MixedPrecisionPolicy(), but the bf16-mixed policy needs "
+                       "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)"),
+    ("bf16-mixed", {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16}, "reduce_dtype=bf16), but"),
+    ("bf16-true", {"param_dtype": torch.float16}, "param_dtype=fp16"),
+])
+def test_a_scripts_own_fsdp_policy_is_refused_at_the_first_step(group_of_one, mode, own, said):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def shard(model):
+        for block in model.blocks:
+            fully_shard(block, mp_policy=MixedPrecisionPolicy(**own))
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(**own))
+
+    mp = applied(mode)
+    with pytest.raises(MpadviseError) as raised:
+        train_one_step(mp, shard)
+    message = str(raised.value)
+    assert "\n" not in message and said in message
+    assert message.startswith("fully_shard(model) was given mp_policy=")  # the first found, the root
+    assert message.endswith("pass mp_policy=mp.fsdp_mixed_precision() to every fully_shard")
+    assert mp.optimizer_steps == 0
+
+
+def test_the_one_block_with_its_own_policy_is_named(group_of_one):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def shard(model):
+        fully_shard(model.blocks[0], mp_policy=mp.fsdp_mixed_precision())
+        fully_shard(model.blocks[1], mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+        fully_shard(model, mp_policy=mp.fsdp_mixed_precision())
+
+    mp = applied("fp32")
+    with pytest.raises(MpadviseError, match=r"^fully_shard\(blocks.1\) was given mp_policy=MixedPrecisionPolicy\(reduce_dtype=bf16\)"):
+        train_one_step(mp, shard)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-mixed", "bf16-true", "fp16-mixed"])
+def test_the_policys_own_fsdp_policy_trains(group_of_one, mode):
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(model):
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp.fsdp_mixed_precision())
+        fully_shard(model, mp_policy=mp.fsdp_mixed_precision())
+
+    mp = applied(mode)
+    train_one_step(mp, shard)
+    assert mp.optimizer_steps == 1
+
+
+def test_fp32_sharded_without_a_policy_is_fsdp2s_default_and_trains(group_of_one):
+    from torch.distributed.fsdp import fully_shard
+
+    mp = applied("fp32")
+    train_one_step(mp, fully_shard)
+    assert mp.optimizer_steps == 1
+
+
+def test_no_fsdp_changes_nothing():
+    mp = applied("bf16-mixed")
+    train_one_step(mp, lambda model: None)
+    assert mp.optimizer_steps == 1
+
+
 def test_setup_then_ddp_keeps_the_bare_models_signature(group_of_one):
     from torch.nn.parallel import DistributedDataParallel
 
