@@ -30,6 +30,8 @@ from ._config import (
 from ._fp8 import Fp8Mode
 from ._provenance import Difference, HardwareMismatch, hardware_mismatch
 from ._registry import (
+    MODE_ALIASES,
+    canonical_mode,
     create_mode,
     mode_class,
     mode_classes,
@@ -59,6 +61,7 @@ TORCHAO_RECIPES: tuple[str, ...] = Fp8Torchao.fp8_recipes
 
 __all__ = [
     "MODES",  # noqa: F822 - provided by __getattr__ below, from the registry
+    "MODE_ALIASES",
     "SCHEMA",
     "TE_RECIPES",
     "TORCHAO_RECIPES",
@@ -75,6 +78,7 @@ __all__ = [
     "PrecisionMode",
     "TrueHalfMode",
     "TunedOn",
+    "canonical_mode",
     "capability_summary",
     "create_mode",
     "default_reduce_dtype",

@@ -9,9 +9,10 @@ library: they import those inside the methods that need them.
 
 from __future__ import annotations
 
+import difflib
 from typing import TYPE_CHECKING, TypeVar
 
-from probes import MpadviseError
+from probes import MpadviseError, UsageError
 
 from ._base import ModeFacts, PrecisionMode
 from .bf16_mixed import Bf16Mixed
@@ -143,6 +144,49 @@ def mode_class(mode: str) -> type[PrecisionMode]:
         return _REGISTRY[mode]
     except (KeyError, TypeError):
         raise MpadviseError(f"unknown mode {mode!r}; expected one of {', '.join(_REGISTRY)}") from None
+
+
+# Other tools' names for our modes, as a user types them: Lightning's ``precision=`` strings
+# (``16`` and ``bf16`` are its older spellings of the mixed modes) and Transformer Engine's plugin
+# name. Each maps to the one mode that does the same arithmetic.
+MODE_ALIASES: dict[str, str] = {
+    "16-mixed": "fp16-mixed",
+    "16": "fp16-mixed",
+    "fp16": "fp16-mixed",
+    "bf16": "bf16-mixed",
+    "16-true": "fp16-true",
+    "32-true": "fp32",
+    "32": "fp32",
+    "transformer-engine": "fp8-te",
+}
+
+
+def canonical_mode(name: str) -> str:
+    """The registered mode a user means by ``name``: the name itself, in any case, or one of
+    ``MODE_ALIASES`` (Lightning's ``16-mixed``, ``bf16-true``, ``32``...).
+
+    Args:
+        name: what the user typed.
+
+    Returns:
+        A registered mode name.
+
+    Raises:
+        UsageError: (exit 2) no mode goes by that name; the message suggests the closest names.
+    """
+    text = str(name).strip()
+    lowered = text.lower()
+    by_lower = {registered.lower(): registered for registered in _REGISTRY}
+    if lowered in by_lower:
+        return by_lower[lowered]
+    target = MODE_ALIASES.get(lowered)
+    if target is not None and target in _REGISTRY:
+        return target
+    known = [*_REGISTRY, *(alias for alias, mode in MODE_ALIASES.items() if mode in _REGISTRY)]
+    close = difflib.get_close_matches(lowered, known, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    raise UsageError(f"unknown mode {text!r}; {hint}expected one of {', '.join(_REGISTRY)} "
+                     "(or Lightning's 16-mixed, bf16-mixed, bf16-true, 32-true, 32, 16, bf16)")
 
 
 def create_mode(policy: Policy, device: torch.device) -> PrecisionMode:

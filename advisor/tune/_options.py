@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, get_type_hints
 
 from advisor.trial import DEFAULT_MEASURE_STEPS, DEFAULT_WARMUP_STEPS, parse_memory
+from policies import canonical_mode, mode_names
 from probes import MpadviseError
 
 __all__ = ["DEFAULT_MEASURE_STEPS", "DEFAULT_WARMUP_STEPS", "OptionInfo", "TuneOptions", "check_rank_device",
@@ -99,7 +100,9 @@ def _mode_names(option: OptionInfo, value: Any) -> tuple[str, ...]:
     # A bare string is a sequence too; taking it letter by letter would hide the mistake.
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise option.refuse(value, "a list of mode names, e.g. ['bf16-mixed', 'fp16-mixed']")
-    return tuple(value)
+    # Any case, and Lightning's names (16-mixed, bf16-true, 32...), mean our modes; an unknown
+    # name is a usage error that suggests the closest.
+    return tuple(canonical_mode(v) for v in value)
 
 
 def _memory_size(option: OptionInfo, value: Any) -> str | int | None:
@@ -171,7 +174,8 @@ class TuneOptions:
                          minimum=1, job_limit=1_000_000, trial=True)
     warmup: int = _option(DEFAULT_WARMUP_STEPS, "Warm-up steps per trial, not timed.", _whole_number, minimum=0,
                           job_limit=100_000, trial=True)
-    modes: tuple[str, ...] = _option((), "Candidate modes; repeat for several. Default: every mode this hardware "
+    modes: tuple[str, ...] = _option((), f"Candidate modes ({', '.join(mode_names())}; Lightning's 16-mixed, "
+                                     "bf16-true, 32-true... too); repeat for several. Default: every mode this hardware "
                                      "supports.", _mode_names, flags=("--mode", "-m"), job_limit=16, trial=True)
     scale_batch: bool = _option(False, "Also try larger global batches (changes the optimisation).", _switch)
     include_emulated: bool = _option(False, "Also search FP8 emulated on a CPU.", _switch)
