@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from advisor._version import __version__
-from advisor.cli import _cache, _daemon
+from advisor.cli import _cache, _daemon, _study
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
 from advisor.tune import OptionInfo, TuneOptions, option_info
 
@@ -189,12 +189,14 @@ def export(
         str | None, typer.Option("--to", help="lightning, fabric, transformers, accelerate, deepspeed or torchtitan.")
     ] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Write the export to this file instead of printing it.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file (never the script, nor a .py file "
+                                        "mpadvise export did not write).")] = False,
     json_output: JsonOption = False,
 ) -> None:
     """Print a policy as a framework's own settings: faithful, or refused with the reason."""
     from advisor.cli._export import export_command
 
-    export_command(config, target=to, out=out, json_output=json_output)
+    export_command(config, target=to, out=out, json_output=json_output, force=force)
 
 
 @app.command()
@@ -222,6 +224,7 @@ def tune(
 app.command("show")(_cache.show)
 app.add_typer(_cache.app, name="cache")
 app.add_typer(_daemon.app, name="daemon")
+app.add_typer(_study.app, name="study")
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from advisor.tune._options import (
     check_rank_device,
     option_info,
 )
-from advisor.tune._search import resolve_storage, shared_storage, shown_url
+from advisor.tune._search import resolve_storage, shared_storage, shown_url, study_status
 from advisor.tune._service import (
     EXIT_FOUND,
     EXIT_NONE_STABLE,
@@ -79,6 +79,7 @@ __all__ = [
     "resolve_storage",
     "run_comparison",
     "shared_storage",
+    "study_status",
     "shown_url",
     "study_name_for",
     "study_name_from",

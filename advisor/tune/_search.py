@@ -62,6 +62,10 @@ MAX_DUPLICATE_PROPOSALS = 3
 HEARTBEAT_ENV = "MPADVISE_HEARTBEAT_S"
 GRACE_ENV = "MPADVISE_GRACE_S"
 MAX_RETRY_ENV = "MPADVISE_MAX_RETRY"
+# How long a running search keeps retrying a study storage that went away (a server restarted,
+# a network cut), before it ends in one line; its finished measurements are kept meanwhile.
+STORAGE_RETRY_ENV = "MPADVISE_STORAGE_RETRY_S"
+STORAGE_RETRY_S = 120
 # Where the storage URL may come from besides --storage, so that its password stays out of ps.
 STORAGE_ENV = "MPADVISE_STORAGE"
 STORAGE_FILE_ENV = "MPADVISE_STORAGE_FILE"
@@ -560,10 +564,93 @@ class _Worker:
     heartbeat: Heartbeat | None
     reference: dict[Candidate, Measured]
     sleep: Callable[[float], None]
+    storage: str | None = None
+    retry_s: int = STORAGE_RETRY_S
+    # Results this worker measured that are not in the study yet (an outage), by trial number.
+    untold: dict[int, Measured] = field(default_factory=dict)
 
     @property
     def poll_s(self) -> float:
         return WAIT_POLL_S if self.heartbeat is None else min(WAIT_POLL_S, float(self.heartbeat.interval_s))
+
+    def call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, retried with backoff while the study storage is unreachable, for up to
+        ``retry_s`` seconds (wall-clock time, whatever clock the search runs on).
+
+        Args:
+            what: the call in words, for the lines that say it waits (``"storing trial 4's
+                result"``).
+
+        Raises:
+            StorageLost: the storage stayed unreachable for ``retry_s`` seconds.
+        """
+        deadline = None
+        delay = 0.5
+        while True:
+            try:
+                result = fn()
+            except Exception as exc:
+                if not _unreachable(exc):
+                    raise
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.retry_s
+                    get_logger().warning(
+                        f"the Optuna study storage {shown_url(self.storage)!r} is unreachable ({_first_line(exc)}); "
+                        f"{what}: retrying for up to {self.retry_s} s ({STORAGE_RETRY_ENV})")
+                if now >= deadline:
+                    raise StorageLost(what, exc) from None
+                self.sleep(max(0.05, min(delay, deadline - now)))
+                delay = min(2 * delay, 10.0)
+                continue
+            if deadline is not None:
+                get_logger().info(f"the Optuna study storage is back: {what} went through")
+            return result
+
+
+class StorageLost(Exception):
+    """The study storage stayed unreachable through the retries of one call."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        super().__init__(f"{what}: {_first_line(cause)}")
+        self.what = what
+        self.cause = cause
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the storage cannot be reached now (a server down or restarting, a
+    dropped connection), which a later try may get through; not a refusal of the request."""
+    import optuna
+    import sqlalchemy.exc
+
+    gone = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlalchemy.exc.DisconnectionError,
+            sqlalchemy.exc.TimeoutError)
+    seen: set[int] = set()
+    inner: BaseException | None = exc
+    while inner is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        if isinstance(inner, gone):
+            return True
+        if isinstance(inner, sqlalchemy.exc.DBAPIError) and inner.connection_invalidated:
+            return True
+        inner = inner.__cause__ or inner.__context__
+    return False if not isinstance(exc, optuna.exceptions.StorageInternalError) else _unreachable_cause(exc)
+
+
+def _unreachable_cause(exc: BaseException) -> bool:
+    """An Optuna storage error whose cause is lost with its message: the server's words say."""
+    text = str(exc).lower()
+    return any(word in text for word in ("connection", "server closed", "terminating", "could not connect"))
+
+
+def storage_retry_s(environ: Mapping[str, str]) -> int:
+    """Seconds a running search retries an unreachable storage: ``MPADVISE_STORAGE_RETRY_S``
+    (whole seconds, 0 for none), else 120.
+
+    Raises:
+        MpadviseError: a value that is not a whole number >= 0, naming the variable.
+    """
+    return _whole_env(environ, STORAGE_RETRY_ENV, STORAGE_RETRY_S, minimum=0, unit="seconds")
 
 
 def run_search(
@@ -619,6 +706,7 @@ def run_search(
         MpadviseError: the storage cannot be opened or is lost, or the study was made for other
             hardware, another workload or another space.
     """
+    import optuna
     import sqlalchemy.exc
 
     start = clock()
@@ -626,7 +714,7 @@ def run_search(
     outcome.measured.update(known or {})
     name = worker_name()
     backend, heartbeat = _open(options.storage) if options.storage is not None else (None, None)
-    worker = _Worker(name, backend, heartbeat, dict(known or {}), sleep)
+    worker = _Worker(name, backend, heartbeat, dict(known or {}), sleep, options.storage, storage_retry_s(os.environ))
     study, made = _open_study(options.storage, study_name, resume=options.resume, seed=options.seed, worker=name)
     try:
         if made:  # at once, so that workers joining in a moment find the first candidates queued
@@ -640,14 +728,33 @@ def run_search(
             _enqueue_first(study, space, first)
         priors = _Priors(space, reference_goodput, dtype_ratio, enabled=not options.no_priors)
         _search_loop(study, space, evaluate, options, priors, outcome, lambda: clock() - start, on_trial, worker)
-    except sqlalchemy.exc.SQLAlchemyError as exc:  # the server went away mid-search
-        raise MpadviseError(
-            f"lost the Optuna study storage {shown_url(options.storage)!r}: {_first_line(exc)}; the trials it holds "
-            "are kept: run the same command again to continue"
-        ) from None
+    except StorageLost as exc:  # the server stayed away through the retries
+        raise MpadviseError(_lost_message(options.storage, str(exc), worker, outcome, retried=worker.retry_s)) from None
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:  # lost outside a retry
+        raise MpadviseError(_lost_message(options.storage, _first_line(exc), worker, outcome, retried=None)) from None
     outcome.pruned = {c: why for c, why in outcome.pruned.items() if c not in outcome.measured}
     outcome.wall_s = clock() - start
     return outcome
+
+
+def _lost_message(storage: str | None, why: str, worker: _Worker, outcome: SearchOutcome, *,
+                  retried: int | None) -> str:
+    """The one line a search ends with when its storage is lost: the server, why, and what was kept."""
+    after = f" (retried for {retried} s, {STORAGE_RETRY_ENV})" if retried is not None else ""
+    if worker.untold:
+        told = "; ".join(f"trial {n} {m.candidate.label}: {_result_words(m)}" for n, m in sorted(worker.untold.items()))
+        kept = (f"this worker's results not stored in the study, kept in this tune's ranking and listed here: {told}; "
+                f"the {outcome.runs - len(worker.untold)} stored before stay in the study")
+    else:
+        kept = f"every result this worker measured ({outcome.runs}) is stored in the study"
+    return (f"lost the Optuna study storage {shown_url(storage)!r}{after}: {why}; {kept}; run the same command again "
+            "once the server is back to continue")
+
+
+def _result_words(m: Measured) -> str:
+    if m.feasible and m.stable:
+        return f"{m.goodput:,.1f} samples/s, stable"
+    return m.outcome or "not stable"
 
 
 def _search_loop(study: Any, space: SearchSpace, evaluate: Callable[[Candidate], Measured], options: TuneOptions,
@@ -659,8 +766,8 @@ def _search_loop(study: Any, space: SearchSpace, evaluate: Callable[[Candidate],
     duplicates = 0
     announced: set[int] = set()
     while True:
-        _fail_stale(study)
-        claimed = _take_in(study, outcome, worker)
+        worker.call("failing the trials of silent workers", lambda: _fail_stale(study))
+        claimed = worker.call("reading the study", lambda: _take_in(study, outcome, worker))
         untried = [c for c in grid if c not in outcome.measured]
         outcome.stop_reason = _budget_spent(outcome, options, elapsed, untried, len(grid))
         if outcome.stop_reason:
@@ -677,8 +784,8 @@ def _search_loop(study: Any, space: SearchSpace, evaluate: Callable[[Candidate],
             # worker's trial to come back to the queue.
             announced = _wait(claimed, promising, announced, worker)
             continue
-        trial = _ask(study)
-        with _beating(worker.backend, trial):
+        trial = worker.call("asking the study for a trial", lambda: _ask(study))
+        with _beating(worker, trial):
             done, candidate = _propose(study, trial, space, grid, evaluate, priors, outcome, worker)
         if done == "ran":
             duplicates = 0
@@ -689,11 +796,12 @@ def _search_loop(study: Any, space: SearchSpace, evaluate: Callable[[Candidate],
         # The sampler keeps proposing what is known, or proposed what another worker runs (its
         # first proposals are random draws): queue the most promising free candidate instead.
         if duplicates >= MAX_DUPLICATE_PROPOSALS or done == "taken":
-            claimed = _take_in(study, outcome, worker)
+            claimed = worker.call("reading the study", lambda: _take_in(study, outcome, worker))
             free = [c for c in priors.promising([c for c in grid if c not in outcome.measured], outcome.measured)
                     if c not in claimed]
             if free:
-                study.enqueue_trial(_params(space, priors.most_promising(free, outcome.measured)))
+                params = _params(space, priors.most_promising(free, outcome.measured))
+                worker.call("queueing a trial", lambda params=params: study.enqueue_trial(params))
             duplicates = 0
 
 
@@ -710,14 +818,17 @@ def _propose(study: Any, trial: Any, space: SearchSpace, grid: list[Candidate],
     candidate = _suggest(trial, space)
     # The claim is written before the look at the others: of two workers that propose one
     # candidate at once, the later look sees the earlier claim, so both never run it.
-    trial.set_user_attr(TRIAL_ATTR_CLAIM, {**_candidate_to(candidate), "trial": trial.number, "worker": worker.name})
-    claimed = _take_in(study, outcome, worker, exclude=trial.number)
+    claim = {**_candidate_to(candidate), "trial": trial.number, "worker": worker.name}
+    worker.call(f"claiming trial {trial.number}", lambda: trial.set_user_attr(TRIAL_ATTR_CLAIM, claim))
+    claimed = worker.call("reading the study", lambda: _take_in(study, outcome, worker, exclude=trial.number))
     promising = priors.promising([c for c in grid if c not in outcome.measured], outcome.measured)
     if candidate in outcome.measured or candidate not in promising:
-        _tell_without_running(study, trial, candidate, outcome, priors, worker)
+        worker.call(f"telling trial {trial.number}",
+                    lambda: _tell_without_running(study, trial, candidate, outcome, priors, worker))
         return "told", candidate
     if candidate in claimed:
-        _close(study, trial, f"not run: trial {claimed[candidate]} of another worker runs {candidate.label}")
+        why = f"not run: trial {claimed[candidate]} of another worker runs {candidate.label}"
+        worker.call(f"closing trial {trial.number}", lambda: _close(study, trial, why))
         return "taken", candidate
     _run_trial(study, trial, candidate, evaluate, outcome, worker)
     return "ran", candidate
@@ -729,18 +840,19 @@ def _ask(study: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _beating(backend: Any, trial: Any) -> Iterator[None]:
+def _beating(worker: _Worker, trial: Any) -> Iterator[None]:
     """Send the trial's heartbeats while the block runs; nothing for a storage without them.
 
     Optuna beats for the trials that ``Study.optimize`` runs; a search by ask and tell beats for
     its own, from a thread, so that a trial's subprocess may take as long as it needs.
     """
+    backend = worker.backend
     interval = None if backend is None else backend.get_heartbeat_interval()
     if interval is None:
         yield
         return
     trial_id = trial._trial_id  # Optuna keys heartbeats by the storage's trial id, not the number
-    backend.record_heartbeat(trial_id)
+    worker.call(f"recording trial {trial.number}'s heartbeat", lambda: backend.record_heartbeat(trial_id))
     stop = threading.Event()
 
     def beat() -> None:
@@ -942,8 +1054,9 @@ def _tell_without_running(study: Any, trial: Any, candidate: Candidate, outcome:
     """
     known = outcome.measured.get(candidate)
     if known is not None:
-        source = "reference" if worker.reference.pop(candidate, None) is not None else "known"
+        source = "reference" if candidate in worker.reference else "known"
         _tell(study, trial, known, known.goodput, source=source, worker=worker.name)
+        worker.reference.pop(candidate, None)
         return
     reason = outcome.pruned[candidate] = priors.why_pruned(candidate, outcome.measured)
     _tell(study, trial, Measured(candidate, 0.0, feasible=False, stable=False, outcome="pruned", reason=reason),
@@ -965,13 +1078,34 @@ def _run_trial(study: Any, trial: Any, candidate: Candidate, evaluate: Callable[
     outcome.runs += 1
     outcome.measured[candidate] = measured
     outcome.order.append(candidate)
+    # Kept here until the study has it: a storage that is away now may be back before it is needed.
+    worker.untold[trial.number] = measured
     try:
-        _tell(study, trial, measured, measured.goodput, source="run", worker=worker.name)
+        worker.call(f"storing trial {trial.number}'s result ({candidate.label})",
+                    lambda: _tell(study, trial, measured, measured.goodput, source="run", worker=worker.name))
     except optuna.exceptions.UpdateFinishedTrialError:
+        # Failed as stale by another worker while this one ran it (or while the storage was away):
+        # the result lands as a trial of its own, so that the queued copy is told, not run again.
         grace = worker.heartbeat.grace_s if worker.heartbeat else 0
+        worker.call(f"storing trial {trial.number}'s result ({candidate.label})",
+                    lambda: _add_result(study, trial, measured, worker.name))
         get_logger().warning(
             f"trial {trial.number} ({candidate.label}) was failed by another worker while it ran here (no heartbeat "
-            f"reached the study for {grace} s): its result counts in this tune only, and the study runs it again")
+            f"reached the study for {grace} s): its result is stored as a new trial")
+    worker.untold.pop(trial.number, None)
+
+
+def _add_result(study: Any, trial: Any, measured: Measured, worker: str) -> None:
+    """Store a result as a new finished trial, for a trial the study failed meanwhile."""
+    import optuna
+
+    frozen = optuna.trial.create_trial(
+        state=optuna.trial.TrialState.COMPLETE, value=measured.goodput, params=trial.params,
+        distributions=trial.distributions,
+        user_attrs={TRIAL_ATTR_RESULT: {**_measured_to(measured), "pruned": False, "source": "run", "worker": worker}})
+    frozen.set_constraint("unstable", 0.0 if measured.stable else 1.0)
+    frozen.set_constraint("infeasible", 0.0 if measured.feasible else 1.0)
+    study.add_trial(frozen)
 
 
 def _close(study: Any, trial: Any, why: str) -> None:
@@ -1026,3 +1160,92 @@ def _measured_from(data: Mapping[str, Any]) -> Measured:
         bool(data.get("oom", False)), str(data.get("outcome", "")), str(data.get("reason", "")),
         str(data.get("verdict_kind", "")),
     )
+
+
+def study_status(storage: str, study_name: str | None = None) -> list[dict[str, Any]]:
+    """What a study storage holds, read without writing anything (no tables made, no trial
+    failed as stale): per study, its hardware, its trials by state, the workers seen in it and
+    the best stable candidate so far.
+
+    Args:
+        storage: the Optuna storage URL (a database server, or an SQLite file that must exist).
+        study_name: only this study; ``None`` for every study in the storage.
+
+    Returns:
+        One dict per study, by name: ``study``, ``hardware``, ``trials`` (``complete``,
+        ``running``, ``waiting``, ``failed``, ``pruned``: counts), ``workers`` (``host:pid``,
+        sorted), ``best`` (``label``, ``goodput``, ``worker``, ``trial``; ``None`` before any
+        stable result).
+
+    Raises:
+        MpadviseError: the storage cannot be read, or holds no study of that name; one line
+            naming the URL (its password hidden).
+    """
+    import optuna
+    import sqlalchemy
+
+    shown = shown_url(storage)
+    if storage.startswith("sqlite"):
+        path = storage.partition(":///")[2].partition("?")[0]
+        if not path or path == ":memory:" or not os.path.isfile(path):
+            raise MpadviseError(f"no study storage at {shown!r}: the file {path or '(none)'} does not exist; expected "
+                                "the SQLite file a tune wrote (by default studies.db in the cache directory)")
+    engine_kwargs: dict[str, Any] = {}
+    if _is_postgres(storage) and "connect_timeout" not in storage:
+        engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
+    try:
+        engine = sqlalchemy.create_engine(storage_url(storage), **engine_kwargs)
+        try:
+            tables = set(sqlalchemy.inspect(engine).get_table_names())
+        finally:
+            engine.dispose()
+        if "studies" not in tables:
+            studies = []
+            backend = None
+        else:
+            with _quiet():
+                backend = optuna.storages.RDBStorage(storage_url(storage), engine_kwargs=engine_kwargs,
+                                                     skip_compatibility_check=True, skip_table_creation=True)
+            studies = backend.get_all_studies()
+        if study_name is not None:
+            studies = [s for s in studies if s.study_name == study_name]
+            if not studies:
+                raise MpadviseError(f"no study {study_name!r} in {shown!r}; mpadvise study status --storage URL lists "
+                                    "the studies it holds")
+        out = [_study_summary(s, backend.get_all_trials(s._study_id, deepcopy=False)) for s in studies]
+    except MpadviseError:
+        raise
+    except Exception as exc:  # an unreachable server, a refused login, a driver missing
+        raise MpadviseError(storage_error(storage, exc)) from None
+    return sorted(out, key=lambda summary: summary["study"])
+
+
+def _study_summary(study: Any, trials: list[Any]) -> dict[str, Any]:
+    """One study's status from its frozen trials (see :func:`study_status`)."""
+    import optuna
+
+    state = optuna.trial.TrialState
+    counts = {"complete": 0, "running": 0, "waiting": 0, "failed": 0, "pruned": 0}
+    names = {state.COMPLETE: "complete", state.RUNNING: "running", state.WAITING: "waiting", state.FAIL: "failed",
+             state.PRUNED: "pruned"}
+    workers: set[str] = set()
+    best: dict[str, Any] | None = None
+    for frozen in trials:
+        counts[names[frozen.state]] += 1
+        claim = frozen.user_attrs.get(TRIAL_ATTR_CLAIM)
+        if isinstance(claim, dict) and claim.get("worker"):
+            workers.add(str(claim["worker"]))
+        data = frozen.user_attrs.get(TRIAL_ATTR_RESULT)
+        if frozen.state != state.COMPLETE or not isinstance(data, dict) or data.get("pruned"):
+            continue
+        if data.get("worker"):
+            workers.add(str(data["worker"]))
+        try:
+            m = _measured_from(data)
+        except (KeyError, TypeError, ValueError):  # a result stored by another version: not ranked
+            continue
+        if m.stable and m.feasible and m.goodput > 0 and (best is None or m.goodput > best["goodput"]):
+            best = {"label": m.candidate.label, "goodput": round(m.goodput, 3), "worker": data.get("worker"),
+                    "trial": frozen.number}
+    return {"study": study.study_name, "hardware": study.user_attrs.get(STUDY_ATTR_HARDWARE), "trials": counts,
+            "workers": sorted(workers), "best": best}

@@ -1,0 +1,61 @@
+"""``mpadvise study status``: what a study storage holds, for the people running its workers.
+
+Read-only: it never makes tables, fails stale trials or writes an attribute, so it is safe
+beside running workers. The storage comes as a tune's does: ``--storage``, else
+``MPADVISE_STORAGE`` or ``MPADVISE_STORAGE_FILE``, else the cache directory's ``studies.db``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from advisor.cli._common import JsonOption, console, handle_errors, print_json
+
+__all__ = ["app", "status"]
+
+app = typer.Typer(help="Optuna studies of tunes: what a shared study holds, read without writing.",
+                  no_args_is_help=True)
+
+
+@app.command()
+@handle_errors
+def status(
+    storage: Annotated[str | None, typer.Option(
+        "--storage", help="Optuna storage URL; default: MPADVISE_STORAGE, MPADVISE_STORAGE_FILE, else the SQLite file "
+        "in the cache directory.")] = None,
+    study: Annotated[str | None, typer.Option("--study", help="Only this study; default: every study.")] = None,
+    json_output: JsonOption = False,
+) -> None:
+    """List the studies in a storage: hardware, trials by state, workers seen, the best so far."""
+    from advisor._paths import cache_dir
+    from advisor.tune import resolve_storage, shown_url, study_status
+
+    url = resolve_storage(storage, os.environ) or f"sqlite:///{cache_dir() / 'studies.db'}"
+    studies = study_status(url, study)
+    if json_output:
+        print_json({"storage": shown_url(url), "studies": studies})
+        return
+    render_status(shown_url(url) or "", studies)
+
+
+def render_status(shown: str, studies: list[dict[str, Any]]) -> None:
+    """The studies as a table, one row each."""
+    if not studies:
+        console.print(f"no studies in {shown}", highlight=False)
+        return
+    table = Table(title=f"studies in {shown}", title_justify="left")
+    for column in ("study", "hardware", "complete", "running", "waiting", "failed", "workers", "best so far"):
+        table.add_column(column, justify="right" if column in ("complete", "running", "waiting", "failed") else "left")
+    for summary in studies:
+        counts = summary["trials"]
+        best = summary["best"]
+        table.add_row(
+            summary["study"], summary["hardware"] or "-", *(str(counts[k]) for k in ("complete", "running", "waiting",
+                                                                                   "failed")),
+            "\n".join(summary["workers"]) or "-",
+            f"{best['label']}: {best['goodput']:,.1f} samples/s" if best else "-")
+    console.print(table)

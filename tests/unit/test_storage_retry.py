@@ -1,0 +1,106 @@
+"""A running search rides out a study storage that goes away: its calls are retried with
+backoff for a bounded time, and a storage that stays away ends the search in one line that
+names the server (password hidden) and what was kept.
+
+The errors are real: a connection to a loopback port nobody listens on.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import sqlalchemy
+
+from advisor.tune._search import (
+    STORAGE_RETRY_ENV,
+    STORAGE_RETRY_S,
+    SearchOutcome,
+    StorageLost,
+    _lost_message,
+    _unreachable,
+    _Worker,
+    storage_retry_s,
+)
+from advisor.tune._space import Candidate, Measured
+from probes import MpadviseError
+
+SECRET_URL = "postgresql://tuner:s3/cr+t=@127.0.0.1:{port}/studies"
+
+
+def _refused_error() -> Exception:
+    """What SQLAlchemy raises when the server is down: a real refused connection."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    pytest.importorskip("psycopg", reason='the postgres extra (pip install "mpadvise[postgres]") is not installed')
+    engine = sqlalchemy.create_engine(f"postgresql+psycopg://tuner@127.0.0.1:{port}/studies",
+                                      connect_args={"connect_timeout": 10})
+    try:
+        engine.connect()
+    except Exception as exc:
+        return exc
+    finally:
+        engine.dispose()
+    raise AssertionError(f"connected to port {port}")
+
+
+def _worker(sleeps: list[float], retry_s: int = 5) -> _Worker:
+    return _Worker("here:1", None, None, {}, sleeps.append, SECRET_URL.format(port=5432), retry_s)
+
+
+def test_an_unreachable_storage_is_told_from_a_refused_request():
+    assert _unreachable(_refused_error())
+    assert not _unreachable(ValueError("a bug"))
+    assert not _unreachable(sqlalchemy.exc.IntegrityError("INSERT", {}, Exception("duplicate key")))
+
+
+def test_a_call_is_retried_until_the_storage_is_back(caplog):
+    error = _refused_error()
+    failures = iter([error, error, error])
+    sleeps: list[float] = []
+
+    def store() -> str:
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return "stored"
+
+    assert _worker(sleeps, retry_s=600).call("storing trial 3's result", store) == "stored"
+    assert sleeps == [0.5, 1.0, 2.0]  # backoff between tries
+
+
+def test_a_storage_that_stays_away_ends_in_one_line_naming_the_server_and_what_was_kept():
+    error = _refused_error()
+    sleeps: list[float] = []
+    worker = _worker(sleeps, retry_s=0)
+
+    def down() -> None:
+        raise error
+
+    with pytest.raises(StorageLost):
+        worker.call("storing trial 3's result (bf16-mixed)", down)
+    worker.untold[3] = Measured(Candidate("bf16-mixed"), 712.25, True, True, outcome="ok")
+    outcome = SearchOutcome(runs=2)
+    message = _lost_message(worker.storage, "storing trial 3's result (bf16-mixed): down", worker, outcome, retried=0)
+    assert "s3" not in message and "postgresql://tuner:***@127.0.0.1:5432/studies" in message
+    assert "\n" not in message
+    assert "trial 3 bf16-mixed: 712.2 samples/s, stable" in message and "the 1 stored before stay" in message
+
+
+def test_a_bug_is_not_retried():
+    sleeps: list[float] = []
+
+    def bug() -> None:
+        raise KeyError("no such attr")
+
+    with pytest.raises(KeyError):
+        _worker(sleeps).call("reading the study", bug)
+    assert sleeps == []
+
+
+def test_the_retry_window_is_a_whole_number_of_seconds():
+    assert storage_retry_s({}) == STORAGE_RETRY_S == 120
+    assert storage_retry_s({STORAGE_RETRY_ENV: "0"}) == 0
+    with pytest.raises(MpadviseError, match=STORAGE_RETRY_ENV):
+        storage_retry_s({STORAGE_RETRY_ENV: "soon"})
