@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -29,7 +30,7 @@ from advisor._paths import database_path
 from advisor.cache import entry_status, nothing_cached_yet, read_export
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
 from policies import Policy, PolicyError
-from probes import HardwareProfile, MpadviseError, hardware_fingerprint
+from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
 if TYPE_CHECKING:
     from advisor.cache import Store
@@ -131,17 +132,32 @@ def cache_clear(
         str | None,
         typer.Option("--older-than", metavar="DURATION", help="Only entries older than this: 30d, 12h, 90m, 2w."),
     ] = None,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Delete without asking (needed where stdin is not a terminal).")
+    ] = False,
     json_output: JsonOption = False,
 ) -> None:
-    """Delete cached recommendations and their trials (hardware profiles are kept)."""
+    """Delete cached recommendations and their trials (hardware profiles are kept); asks first."""
     console, print_json = _output()
     age = parse_duration(older_than) if older_than is not None else None
-    report = clear_report(age)
+    scope = f" older than {older_than}" if older_than is not None else ""
+    report = clear_report(age, confirm=None if yes else lambda database: _ask(f"Delete the cached recommendations{scope} "
+                                                                               f"in {database}?"))
     if json_output:
         print_json(report)
     else:
-        scope = f" older than {older_than}" if older_than is not None else ""
         console.print(f"deleted {_plural(report['deleted'], 'recommendation')}{scope} from {report['database']}", highlight=False)
+
+
+def _ask(question: str) -> bool:
+    """Ask a yes/no question on the terminal (default no).
+
+    Raises:
+        UsageError: stdin is not a terminal, so nobody can answer: ``--yes`` says it instead.
+    """
+    if not sys.stdin.isatty():
+        raise UsageError(f"{question[:-1].lower()}: stdin is not a terminal to confirm on; pass --yes to delete")
+    return typer.confirm(question, default=False)
 
 
 # --------------------------------------------------------------------------------------
@@ -312,13 +328,24 @@ def import_report(file: Path) -> dict[str, Any]:
         }
 
 
-def clear_report(older_than: datetime.timedelta | None) -> dict[str, Any]:
+def clear_report(older_than: datetime.timedelta | None, *,
+                 confirm: Callable[[Path], bool] | None = None) -> dict[str, Any]:
     """Delete recommendations, all or those older than ``older_than``.
+
+    Args:
+        older_than: only entries older than this; ``None`` for all.
+        confirm: asked with the database's path once the cache is open, before anything is
+            deleted; ``None`` deletes without asking.
 
     Returns:
         ``{"deleted", "older_than_seconds", "database"}``.
+
+    Raises:
+        MpadviseError: the cache cannot be opened, or ``confirm`` said no (nothing deleted).
     """
     with _writable_store() as store:
+        if confirm is not None and not confirm(store.path):
+            raise MpadviseError(f"nothing deleted from {store.path}")
         deleted = store.clear(older_than)
         return {
             "deleted": deleted,

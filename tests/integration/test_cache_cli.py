@@ -171,7 +171,7 @@ def test_export_clear_import_round_trip(app: typer.Typer, entries: dict[str, int
     assert "exported 3 recommendations" in result.stdout
     assert json.loads(run(app, "cache", "export", str(tmp_path / "one.json"), "--id", str(entries["here"]), "--json").stdout)["exported"] == 1
 
-    cleared = json.loads(run(app, "cache", "clear", "--json").stdout)
+    cleared = json.loads(run(app, "cache", "clear", "--yes", "--json").stdout)
     assert cleared["deleted"] == 3 and _rows() == 0
 
     result = run(app, "cache", "import", str(shared))
@@ -224,7 +224,7 @@ def test_import_refuses_a_foreign_or_corrupt_record_whole(
     path, document = _exported(app, tmp_path)
     tamper(document["records"][1])
     path.write_text(json.dumps(document))
-    assert run(app, "cache", "clear").exit_code == 0
+    assert run(app, "cache", "clear", "--yes").exit_code == 0
     result = run(app, "cache", "import", str(path))
     assert result.exit_code == 1
     line = _error_line(result)
@@ -233,13 +233,13 @@ def test_import_refuses_a_foreign_or_corrupt_record_whole(
 
 
 def test_clear_older_than_keeps_recent_entries(app: typer.Typer, entries: dict[str, int]) -> None:
-    result = run(app, "cache", "clear", "--older-than", "30d")
+    result = run(app, "cache", "clear", "--yes", "--older-than", "30d")
     assert result.exit_code == 0, result.output
     assert "deleted 0 recommendations older than 30d" in result.stdout
     assert _rows() == 3
     with sqlite3.connect(database_path()) as conn:
         conn.execute("UPDATE recommendations SET created_at = '2020-01-01T00:00:00.000000+00:00' WHERE id = ?", [entries["h100"]])
-    data = json.loads(run(app, "cache", "clear", "--older-than", "12h", "--json").stdout)
+    data = json.loads(run(app, "cache", "clear", "--yes", "--older-than", "12h", "--json").stdout)
     assert (data["deleted"], data["older_than_seconds"]) == (1, 43200.0)
     assert _rows() == 2
 
