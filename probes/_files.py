@@ -119,12 +119,18 @@ def untrusted_reason(st: os.stat_result, *, uid: int) -> str | None:
 
 
 def _user(uid: int) -> str:
+    name = _name(uid)
+    return f"uid {uid}" if name == str(uid) else f"{name} (uid {uid})"
+
+
+def _name(uid: int) -> str:
+    """The user's login name, or the number where there is none."""
     try:
         import pwd
 
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+        return pwd.getpwuid(uid).pw_name
     except (ImportError, KeyError):
-        return f"uid {uid}"
+        return str(uid)
 
 
 def read_trusted_text(path: str | os.PathLike[str], *, what: str = "config file") -> str:
@@ -164,7 +170,7 @@ def read_trusted_text(path: str | os.PathLike[str], *, what: str = "config file"
             if not stat.S_ISREG(st.st_mode):
                 raise MpadviseError(f"refusing {what} {path}: it is {reason}; name a {what} instead")
             if st.st_uid not in (os.geteuid(), 0):
-                fix = f"`rm {path}` if it is not yours, or `chown {os.geteuid()} {path}` after reading it"
+                fix = f"`rm {path}` if it is not yours, or `chown {_name(os.geteuid())} {path}` after reading it"
             else:
                 fix = f"`chmod go-w {path}` if its content is yours"
             raise MpadviseError(f"refusing {what} {path}: it is {reason}; another user could have written it; {fix}")

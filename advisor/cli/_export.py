@@ -17,21 +17,32 @@ from typing import Any
 
 from rich.markup import escape
 
+from advisor._secure import write_file_atomic
 from advisor.cli._common import err_console, print_json
 from advisor.frameworks import Export, check_target, export_policy
 from policies import Policy, load_config
 from probes import MpadviseError, UsageError
 
 
-def export_command(config: Path | None, *, target: str | None, out: Path | None, json_output: bool) -> None:
+def export_command(config: Path | None, *, target: str | None, out: Path | None, json_output: bool,
+                   force: bool = False) -> None:
     """Export the policy of ``config`` to ``target``; print it, or write it to ``out``.
 
+    ``out`` is written whole (a random name beside it, renamed onto it), never through a name
+    another user planted. An existing ``out`` is replaced only with ``force``, and never when it
+    is ``config`` itself or a ``.py`` file other than an earlier export (see ``out_refusal``).
+
     Raises:
-        UsageError: no CONFIG, an unknown target, a CONFIG that is neither .toml nor .py.
+        UsageError: no CONFIG, an unknown target, a CONFIG that is neither .toml nor .py, an
+            ``out`` that exists (without ``force``) or must not be replaced.
         MpadviseError: a missing or invalid config file, or an export the target refuses
             (``ExportRefused``: one line saying what of the policy the target cannot express).
     """
     target = check_target(target)
+    if out is not None:
+        refusal = out_refusal(out, config=config, force=force)
+        if refusal is not None:
+            raise UsageError(refusal)
     policy, source, device = resolve_for_export(config)
     export = export_policy(policy, target, device=device, source=source)
     if json_output:
@@ -103,12 +114,53 @@ def _device_of(policy: Policy, *, local_cuda: bool | None) -> str:
     return "cuda"
 
 
-def _write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole, or not at all."""
-    tmp = path.with_name(f".{path.name}.tmp")
+EXPORT_MARKS = ("'mpadvise policy ", '"mpadvise policy ')
+"""How a ``.py`` export begins (its docstring), so that an earlier export can be told from a
+script: ``export --out`` replaces a ``.py`` file only when it is one."""
+
+
+def out_refusal(out: Path, *, config: Path | None, force: bool) -> str | None:
+    """Why ``export --out`` must not write ``out``, or ``None`` when it may.
+
+    The rule: a new file is always written. An existing one is replaced only with ``--force``,
+    and never, even with ``--force``, when it is the config file or training script being
+    exported (the same file, through any path or link), a directory, or a ``.py`` file that
+    does not begin as an export of ``mpadvise export`` does (a training script, most likely).
+    A symlink at ``out`` is replaced by the export, not followed: what it points to is never
+    written, so only ``--force`` is asked for (unless it points to the script being exported).
+    """
+    if not os.path.lexists(out):
+        return None
+    if config is not None and config.exists() and out.exists() and os.path.samefile(out, config):
+        return (f"refusing to write the export over {out}: it is the {'script' if config.suffix == '.py' else 'config file'} "
+                "being exported; name another file with --out")
+    if os.path.islink(out):
+        pass  # the export replaces the link; the file it points to is never written
+    elif out.is_dir():
+        return f"refusing to write the export over {out}: it is a directory; name a file with --out"
+    elif not out.is_file():
+        return f"refusing to write the export over {out}: it is not a regular file; name a file with --out"
+    elif out.suffix.lower() == ".py" and not _earlier_export(out):
+        return (f"refusing to write the export over {out}: it is a Python file that mpadvise export did not write "
+                "(a training script?), even with --force; name another file with --out")
+    if not force:
+        return f"refusing to overwrite {out}: it exists; add --force to replace it"
+    return None
+
+
+def _earlier_export(path: Path) -> bool:
+    """Whether ``path`` begins as a ``.py`` export of ``mpadvise export`` does."""
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        with open(path, encoding="utf-8") as handle:
+            first = handle.readline(200)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return first.startswith(EXPORT_MARKS)
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole, or not at all (``write_file_atomic``)."""
+    try:
+        write_file_atomic(path, text)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise MpadviseError(f"cannot write {path}: {exc.strerror or exc}") from None

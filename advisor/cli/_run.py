@@ -19,11 +19,12 @@ from pathlib import Path
 import probes
 from advisor._load import POLICY_ENV, PolicySource, Resolution, resolve_policy
 from advisor._log import get_logger
+from advisor._paths import config_path_for
 from advisor.cache import TunedAnswer, cached_answers
 from advisor.frameworks import RUN_POLICY_ENV, RUN_SOURCE_ENV, check_expressible, plan_for, refusal
 from advisor.runtime import fallback_words, safe_fallback, script_digest
 from advisor.tune import check_script
-from policies import Policy
+from policies import Policy, load_config
 from probes import HardwareProfile, MpadviseError
 
 
@@ -83,7 +84,9 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
     env = dict(os.environ)
     if plan.framework is None:
         # The script calls load_policy() itself: it resolves the same way, makes the workload
-        # check at setup(), and logs its own line.
+        # check at setup(), and logs its own line. A config file it would refuse (another
+        # user's, or one others can write) is refused here first, in one line.
+        _check_config_file(config, path)
         if config is not None:
             env[POLICY_ENV] = str(config.resolve())
         if device is not None:
@@ -101,6 +104,16 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
         env[RUN_POLICY_ENV] = file
         env[RUN_SOURCE_ENV] = resolution.source
         return _run([sys.executable, *plan.launch, str(path), *script_args], env)
+
+
+def _check_config_file(config: Path | None, script: Path) -> None:
+    """Load the config file a ``load_policy()`` script would read (``--config``,
+    ``MPADVISE_POLICY``, or the one beside the script), so that a bad or untrusted one is
+    refused before the script starts. Raises ``PolicyError``."""
+    named = str(config) if config is not None else os.environ.get(POLICY_ENV)
+    path = Path(named) if named else config_path_for(script)
+    if named or os.path.lexists(path):
+        load_config(path)
 
 
 class _policy_file:
