@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._adapter import FrameworkAdapter
+from advisor.runtime import current_world_size
 from policies import Fp8Options, LossScale, Policy, create_mode, mode_facts
 from probes import MpadviseError
 
@@ -595,4 +596,6 @@ class _Steps:
             self.recorder.note("the script's model was not passed to accelerator.prepare(), so Accelerate's "
                                "autocast and FP8 conversion never applied to it")
         else:
-            self.recorder.workload(self.model, optimizer.optimizer, global_batch=global_batch)
+            # The workload's global batch counts every process; the step's samples stay this one's.
+            every_process = None if global_batch is None else global_batch * current_world_size()
+            self.recorder.workload(self.model, optimizer.optimizer, global_batch=every_process)

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._adapter import FrameworkAdapter
+from advisor.runtime import current_world_size
 from policies import Fp8Options, LossScale, Policy, create_mode, mode_facts
 from probes import MpadviseError
 
@@ -678,8 +679,9 @@ class _TrainerSteps:
             accum = int(trainer.accumulate_grad_batches or 1)
             self.recorder.begin(user_batch=size, micro_batch=size, grad_accum_steps=accum)
             optimizers = trainer.optimizers
+            # The workload's global batch counts every process (Lightning's world size).
             self.recorder.workload(module, optimizers[0] if optimizers else None,
-                                   global_batch=None if size is None else size * accum)
+                                   global_batch=None if size is None else size * accum * current_world_size())
         self._global_step_at_start = trainer.global_step
         self._backward_loss = None
         self._batch_size = size
@@ -799,7 +801,8 @@ class _FabricSteps:
             global_batch = None if micro is None else micro * accum
             # The batch facts written at begin() lacked the accumulation count.
             self.recorder.batch.update(grad_accum_steps=accum, global_batch=global_batch)
-            self.recorder.workload(self.model, optimizer, global_batch=global_batch)
+            every_process = None if global_batch is None else global_batch * current_world_size()
+            self.recorder.workload(self.model, optimizer, global_batch=every_process)
         scale, skipped = take_step_scale(getattr(strategy.precision, "scaler", None))
         self.recorder.step(loss=self.step.mean(), loss_scale=scale, skipped=skipped, samples=self.step.samples)
         self.step.reset()

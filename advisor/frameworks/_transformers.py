@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._adapter import FrameworkAdapter
-from advisor.runtime import BatchSplit, batch_split
+from advisor.runtime import BatchSplit, batch_split, current_world_size
 from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
 from policies import Policy, create_mode, mode_facts
 from probes import MpadviseError
@@ -372,7 +372,9 @@ class TrainerHooks:
         if self.recorder is not None:
             self.recorder.perturb(trainer.model)
             self.recorder.watch_model(trainer.model)
-            self.recorder.workload(trainer.model, getattr(optimizer, "optimizer", optimizer), global_batch=self.user_batch)
+            # user_batch is per device; the workload's global batch counts every process.
+            every_process = None if self.user_batch is None else self.user_batch * current_world_size()
+            self.recorder.workload(trainer.model, getattr(optimizer, "optimizer", optimizer), global_batch=every_process)
         if not trainer.args.torch_compile and not self._checked_forward:
             self._watch_forward(trainer.model, trainer.args.device.type)
 

@@ -5,7 +5,8 @@ Public surface: ``AppliedPolicy`` and its step hook ``StepObserver``; the safe f
 tuned policy does not apply (``safe_fallback``, ``fallback_words``); how a global batch splits
 into micro-batches (``BatchSplit``, ``batch_split``, ``tuned_global_batch``); FSDP2's mixed
 precision (``FsdpPrecision``, ``fsdp_precision``); and the workload's fingerprints
-(``Workload``, ``model_signature``, ``workload_fingerprint``, ``script_digest``).
+(``Workload``, ``model_signature``, ``workload_fingerprint``, ``script_digest``), with the
+number of processes training together (``current_world_size``).
 
 Arrows: runtime uses ``policies`` and ``probes`` only; ``trial``, ``tune`` and the loader build
 on it.
@@ -24,7 +25,13 @@ from advisor.runtime._applied import (
     safe_fallback,
     tuned_global_batch,
 )
-from advisor.runtime._workload import Workload, model_signature, script_digest, workload_fingerprint
+from advisor.runtime._workload import (
+    Workload,
+    current_world_size,
+    model_signature,
+    script_digest,
+    workload_fingerprint,
+)
 
 __all__ = [
     "AppliedPolicy",
@@ -33,6 +40,7 @@ __all__ = [
     "StepObserver",
     "Workload",
     "batch_split",
+    "current_world_size",
     "fallback_words",
     "fsdp_precision",
     "model_signature",
