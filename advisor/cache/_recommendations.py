@@ -9,11 +9,9 @@ in one transaction.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +33,7 @@ from advisor.cache._records import (
     utc_now,
     validated_record,
 )
-from probes import MpadviseError
+from probes import MpadviseError, write_file_atomic
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -284,13 +282,9 @@ class Recommendations(StoreBase):
             rows = [_with_trials(db, row) for row in rows]
         document = export_document(rows)
         target = Path(path)
-        temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
         try:
-            temporary.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
-            os.replace(temporary, target)
+            write_file_atomic(target, json.dumps(document, indent=2, sort_keys=True) + "\n")
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
             raise MpadviseError(f"cannot write {target}: {exc.strerror or exc}") from exc
         return len(rows)
 
