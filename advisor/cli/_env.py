@@ -1,0 +1,221 @@
+"""``mpadvise env``: what a bug report needs about this machine, in one block to paste.
+
+Versions (mpadvise, Python, torch and its CUDA build, the optional libraries), the OS, the CPU
+and the flags that decide low-precision speed on it, every GPU the probes see, the capability
+line, the cache path and the ``MPADVISE_*`` environment, with secrets masked. Nothing here
+needs a GPU or NVML: a machine without them reports none.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections.abc import Mapping
+from importlib import metadata
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+from rich.console import Console
+
+from advisor.cli._common import JsonOption, console, handle_errors, print_json
+
+__all__ = ["OPTIONAL_PACKAGES", "env", "env_report", "mask_secret", "render_env"]
+
+# The distributions whose versions change what mpadvise can do, each with the names it ships
+# under (Transformer Engine's wheels have been published under several).
+OPTIONAL_PACKAGES: dict[str, tuple[str, ...]] = {
+    "transformer-engine": ("transformer-engine", "transformer_engine", "transformer-engine-torch"),
+    "torchao": ("torchao",),
+    "lightning": ("lightning", "pytorch-lightning"),
+    "transformers": ("transformers",),
+    "accelerate": ("accelerate",),
+    "optuna": ("optuna",),
+}
+
+# The CPU flags that make bf16 and fp16 native (see probes' PRECISION_FLAGS), by the name a
+# reader knows them by.
+_CPU_FLAG_NAMES = {"amx_bf16": "AMX-BF16", "amx_fp16": "AMX-FP16", "amx_tile": "AMX-TILE",
+                   "avx512_bf16": "AVX512-BF16", "avx512_fp16": "AVX512-FP16", "avx512f": "AVX512F", "avx2": "AVX2"}
+
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL", "AUTH")
+_SECRET_QUERY = ("password", "passwd", "token", "secret", "key", "auth", "sslpassword")
+MASK = "****"
+
+
+@handle_errors
+def env(json_output: JsonOption = False) -> None:
+    """Versions, hardware and settings to paste into a bug report (secrets masked)."""
+    report = env_report()
+    if json_output:
+        print_json(report)
+    else:
+        render_env(report, console)
+
+
+def mask_secret(name: str, value: str) -> str:
+    """``value`` of environment variable ``name`` as it may appear in a public bug report.
+
+    A variable whose name says it holds a secret (``..._TOKEN``, ``..._PASSWORD``) is masked
+    whole; a URL keeps its scheme, host and path, with its password and any secret-looking
+    query parameter masked (``postgresql://tuner:****@db:5432/studies``).
+
+    Args:
+        name: the variable's name.
+        value: its value.
+
+    Returns:
+        The value, masked where it holds a secret.
+    """
+    if any(word in name.upper() for word in _SECRET_WORDS):
+        return MASK if value else value
+    if "://" not in value:
+        return value
+    try:
+        parts = urlsplit(value)
+        password = parts.password
+    except ValueError:  # a malformed URL may still hold a secret: keep only its scheme
+        return value.split("://", 1)[0] + "://" + MASK
+    # Edit the text in place: rebuilding it from its parts would rewrite what needs no mask
+    # (urlunsplit turns sqlite:////abs/path into sqlite://abs/path).
+    shown = value
+    if password is not None:
+        credentials, _, host = parts.netloc.rpartition("@")
+        shown = shown.replace(parts.netloc, f"{credentials.split(':', 1)[0]}:{MASK}@{host}", 1)
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if any(k.lower() in _SECRET_QUERY for k, _ in pairs):
+        masked = urlencode([(k, MASK if k.lower() in _SECRET_QUERY else v) for k, v in pairs], safe="*")
+        shown = shown.replace("?" + parts.query, "?" + masked, 1)
+    return shown
+
+
+def env_report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Everything ``mpadvise env`` prints, as plain data (``--json`` prints it as is).
+
+    Args:
+        environ: the environment to read ``MPADVISE_*`` from; default ``os.environ``.
+
+    Returns:
+        ``{"mpadvise", "python", "torch", "packages", "os", "cpu", "gpus", "capability",
+        "cache", "environment"}``; a package that is not installed is ``None``.
+    """
+    import probes
+    from advisor._paths import database_path
+    from advisor._version import __version__
+    from policies import capability_summary
+
+    environ = os.environ if environ is None else environ
+    cpu = probes.cpu_profile()
+    gpus = _gpus()
+    try:
+        primary = probes.primary_profile()
+        capability = capability_summary(primary)
+    except Exception as exc:  # noqa: BLE001 - a report for a bug report must not itself fail
+        capability = f"unknown ({type(exc).__name__}: {exc})"
+    return {
+        "mpadvise": __version__,
+        "python": f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
+        "torch": _torch(),
+        "packages": {name: _version(dists) for name, dists in OPTIONAL_PACKAGES.items()},
+        "os": platform.platform(),
+        "cpu": {"model": cpu.name, "cores": cpu.cores, "flags": list(cpu.cpu_flags),
+                "native_bf16": any(f in cpu.cpu_flags for f in ("amx_bf16", "avx512_bf16"))},
+        "gpus": gpus,
+        "capability": capability,
+        "cache": str(database_path()),
+        "environment": {name: mask_secret(name, value) for name, value in sorted(environ.items())
+                        if name.startswith("MPADVISE_")},
+    }
+
+
+def render_env(report: dict[str, Any], console: Console) -> None:
+    """Print the report as a Markdown list to paste into a bug report, one fact per line,
+    never wrapped (a wrapped line pasted into an issue reads as two facts)."""
+    torch = report["torch"]
+    if torch is None:
+        torch_line = "not installed"
+    else:
+        torch_line = f"{torch['version']} ({torch['build']})"
+    cpu = report["cpu"]
+    flags = ", ".join(_CPU_FLAG_NAMES.get(flag, flag) for flag in cpu["flags"]) or "none that matter"
+    lines = [
+        "Copy and paste the text below into a bug report.",
+        "",
+        f"- mpadvise: {report['mpadvise']}",
+        f"- Python: {report['python']}",
+        f"- torch: {torch_line}",
+        *(f"- {name}: {version or 'not installed'}" for name, version in report["packages"].items()),
+        f"- OS: {report['os']}",
+        f"- CPU: {cpu['model']} ({cpu['cores'] or '?'} usable cores); flags: {flags}",
+    ]
+    if report["gpus"]:
+        for gpu in report["gpus"]:
+            lines.append(f"- GPU {gpu['index']}: {gpu['name']}, compute capability {gpu['compute_capability'] or '?'}, "
+                         f"{gpu['memory']}, driver {gpu['driver'] or '?'}, CUDA {gpu['cuda_runtime'] or '?'}"
+                         + (", MIG on" if gpu.get("mig") else ""))
+    else:
+        lines.append("- GPUs: none visible")
+    lines += [
+        f"- capability: {report['capability']}",
+        f"- cache: {report['cache']}",
+    ]
+    environment = report["environment"]
+    if environment:
+        lines.append("- environment: " + ", ".join(f"{name}={value}" for name, value in environment.items()))
+    else:
+        lines.append("- environment: no MPADVISE_* variables set")
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _version(distributions: tuple[str, ...]) -> str | None:
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _torch() -> dict[str, Any] | None:
+    """torch's version and how it was built; ``None`` when torch is missing."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    cuda = torch.version.cuda
+    hip = getattr(torch.version, "hip", None)
+    if cuda:
+        try:
+            cudnn = torch.backends.cudnn.version()
+        except Exception:  # noqa: BLE001 - a broken cuDNN is itself worth reporting, not a crash
+            cudnn = None
+        build = f"CUDA {cuda}" + (f", cuDNN {cudnn}" if cudnn else "")
+    elif hip:
+        build = f"ROCm {hip}"
+    else:
+        build = "CPU build"
+    try:
+        usable = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        usable = False
+    build += ", CUDA usable" if usable else (", CUDA not usable here" if cuda else "")
+    return {"version": torch.__version__, "cuda": cuda, "hip": hip, "cuda_available": usable, "build": build}
+
+
+def _gpus() -> list[dict[str, Any]]:
+    """Every GPU the probes see; none where there is no driver, NVML or CUDA."""
+    import probes
+
+    try:
+        profiles = probes.cuda_profiles()
+    except Exception:  # noqa: BLE001 - the probes already degrade; this is the last guard
+        return []
+    gpus = []
+    for p in profiles:
+        memory = "-" if p.memory_total is None else f"{p.memory_total / 2**30:.1f} GiB"
+        gpus.append({"index": p.index, "name": p.name,
+                     "compute_capability": ".".join(map(str, p.compute_capability or ())) or None,
+                     "memory": memory, "driver": p.driver_version, "cuda_runtime": p.cuda_runtime,
+                     "mig": p.mig_enabled})
+    return gpus
