@@ -597,6 +597,7 @@ app = typer.Typer(
     name="cache",
     help="The per-GPU recommendation cache: list, show, export, import, clear.",
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},  # its commands inherit -h
 )
 app.command("list")(handle_errors(cache_list))
 app.command("show")(handle_errors(cache_show))

@@ -103,3 +103,13 @@ def test_a_machine_without_nvml_reports_no_gpus_and_does_not_crash(monkeypatch):
     console = Console(record=True, width=80, file=io.StringIO())
     render_env(report, console)
     assert "- GPUs: none visible" in console.export_text()
+
+
+@pytest.mark.parametrize("command", [["cache", "-h"], ["cache", "list", "-h"], ["cache", "show", "-h"],
+                                     ["cache", "export", "-h"], ["cache", "import", "-h"], ["cache", "clear", "-h"]])
+def test_the_cache_commands_take_dash_h(command):
+    from advisor.cli import app
+
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
