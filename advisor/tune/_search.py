@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import random
 import re
@@ -308,6 +309,8 @@ def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
     import optuna
     import sqlalchemy.exc
 
+    # Optuna's RDB storage logs through a logger of its module's name.
+    logging.getLogger(optuna.storages.RDBStorage.__module__).addFilter(_OUTAGE_NOISE)
     engine_kwargs: dict[str, Any] = {}
     if not url.startswith("sqlite"):
         engine_kwargs["pool_pre_ping"] = True  # a server restarted since the last trial drops old connections
@@ -331,6 +334,17 @@ def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
                 continue
             raise MpadviseError(storage_error(url, exc)) from None
     raise AssertionError("unreachable")  # the loop returns or raises
+
+
+class _OutageNoise(logging.Filter):
+    """Drops Optuna's multi-line log of a lost connection (the SQL and its parameters): the
+    search says in one line that the storage is unreachable, and retries."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Caught an error from sqlalchemy")
+
+
+_OUTAGE_NOISE = _OutageNoise()
 
 
 @contextlib.contextmanager
@@ -596,7 +610,7 @@ class _Worker:
                 if deadline is None:
                     deadline = now + self.retry_s
                     get_logger().warning(
-                        f"the Optuna study storage {shown_url(self.storage)!r} is unreachable ({_first_line(exc)}); "
+                        f"the Optuna study storage {shown_url(self.storage)!r} is unreachable ({_root_line(exc)}); "
                         f"{what}: retrying for up to {self.retry_s} s ({STORAGE_RETRY_ENV})")
                 if now >= deadline:
                     raise StorageLost(what, exc) from None
@@ -612,9 +626,23 @@ class StorageLost(Exception):
     """The study storage stayed unreachable through the retries of one call."""
 
     def __init__(self, what: str, cause: BaseException) -> None:
-        super().__init__(f"{what}: {_first_line(cause)}")
+        super().__init__(f"{what}: {_root_line(cause)}")
         self.what = what
         self.cause = cause
+
+
+def _root_line(exc: BaseException) -> str:
+    """The first line of the innermost error in ``exc``'s chain: the server's or the driver's
+    own words, not Optuna's wrapper ("An exception is raised during the commit")."""
+    seen: set[int] = set()
+    inner: BaseException = exc
+    while id(inner) not in seen:
+        seen.add(id(inner))
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None:
+            break
+        inner = nxt
+    return _first_line(inner)
 
 
 def _unreachable(exc: BaseException) -> bool:

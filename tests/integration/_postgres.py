@@ -56,6 +56,15 @@ class PostgresServer:
         _run(self, "createdb", "-h", str(self.socket_dir), "-p", str(self.port), "-U", SERVER_USER, name)
         return self.url(name)
 
+    def halt(self) -> None:
+        """Stop the server as an outage would (``immediate``: open connections drop at once),
+        keeping its data directory, so that :meth:`restart` brings the same databases back."""
+        _run(self, "pg_ctl", "-D", str(self.base / "data"), "-m", "immediate", "-w", "stop")
+
+    def restart(self) -> None:
+        """Start a halted server again on the same data directory and port."""
+        _pg_start(self)
+
 
 def find_bin_dir() -> Path | None:
     """Where ``initdb`` and ``pg_ctl`` live: the environment's choice, version 15, the newest
@@ -130,18 +139,23 @@ def start_server() -> PostgresServer:
     try:
         _run(server, "initdb", "-D", str(base / "data"), "-U", SERVER_USER, "--auth=trust", "--no-sync",
              "--encoding=UTF8", "--locale=C")
-        options = " ".join([
-            f"-p {server.port}", f"-k {base}", "-c listen_addresses=127.0.0.1",
-            # Throwaway data: no fsync, so that the study's many small commits cost nothing.
-            "-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off",
-        ])
-        _run(server, "pg_ctl", "-D", str(base / "data"), "-l", str(base / "server.log"), "-w",
-             "-t", str(START_TIMEOUT_S), "-o", options, "start")
+        _pg_start(server)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         log = _log_tail(base)
         shutil.rmtree(base, ignore_errors=True)
         raise RuntimeError(f"{exc}{'; server log: ' + log if log else ''}") from None
     return server
+
+
+def _pg_start(server: PostgresServer) -> None:
+    """``pg_ctl start`` on the server's data directory, waiting until it accepts connections."""
+    options = " ".join([
+        f"-p {server.port}", f"-k {server.base}", "-c listen_addresses=127.0.0.1",
+        # Throwaway data: no fsync, so that the study's many small commits cost nothing.
+        "-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off",
+    ])
+    _run(server, "pg_ctl", "-D", str(server.base / "data"), "-l", str(server.base / "server.log"), "-w",
+         "-t", str(START_TIMEOUT_S), "-o", options, "start")
 
 
 def stop_server(server: PostgresServer) -> None:
