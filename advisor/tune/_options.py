@@ -128,6 +128,14 @@ def _path(option: OptionInfo, value: Any) -> str:
     return os.fspath(value)
 
 
+def _config_path(option: OptionInfo, value: Any) -> str:
+    # Refused before any trial runs; Policy.save refuses any other existing non-config file.
+    path = _path(option, value)
+    if path.lower().endswith(".py"):
+        raise option.refuse(path, "a config file path (.toml), not a Python file the tune would replace")
+    return path
+
+
 _FRAMEWORK_NAME = re.compile(r"[a-z][a-z0-9_-]{0,39}")
 
 
@@ -203,7 +211,7 @@ class TuneOptions:
     resume: bool = _option(
         False, "Continue the stored study instead of starting afresh; a study whose workload changed since (the model, "
         "optimizer or batch the script built) is not continued: a warning, then a fresh study.", _switch)
-    out: str | None = _option(None, "Config file to write; default: <script>.mpadvise.toml beside it.", _path)
+    out: str | None = _option(None, "Config file to write; default: <script>.mpadvise.toml beside it.", _config_path)
     no_cache: bool = _option(False, "Do not store the answer in the per-GPU cache.", _switch)
     no_priors: bool = _option(False, "Measure candidates even when the matmul priors say they cannot win.", _switch)
 

@@ -154,3 +154,13 @@ def test_run_refuses_a_group_writable_config(script, isolated_home, cli):
     assert proc.returncode == 1
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1 and "writable by its group (mode 0664" in lines[0] and f"chmod go-w {config}" in lines[0]
+
+
+def test_tune_out_refuses_a_script_before_any_trial(script, isolated_home, cli):
+    original = script.read_text()
+    proc = cli("tune", str(script), "--out", str(script), "--steps", "32", "--", "40")
+    assert proc.returncode == 1
+    assert _error_lines(proc.stderr) == [
+        f"error: --out {str(script)!r} is not allowed; expected a config file path (.toml), "
+        "not a Python file the tune would replace"]
+    assert script.read_text() == original
