@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from probes import write_file_atomic
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -172,7 +174,7 @@ def main() -> None:
         print(f"last tune, {label}: {tflops} TFLOP/s, MFU {mfu}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
+        write_file_atomic(args.json, json.dumps({
             "script": preset.script, "args": list(preset.args), "mode": args.mode,
             "machine": {"processor": platform.processor(), "cores": os.cpu_count(), "python": platform.python_version()},
             "startup_free": truth, "trial": trials, "tunes": tunes,

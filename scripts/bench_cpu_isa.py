@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 CAPS = ("default", "AVX512_CORE_BF16", "AVX512_CORE")
 
@@ -96,7 +95,7 @@ def main() -> None:
         rows.append({"cap": cap, "matmul_speedup_bf16": matmul, "step_speedup_bf16_mixed": step, "runs": runs[cap]})
         print(f"{cap:<18} {matmul:>16.2f}x {step:>24.2f}x")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"machine": profile.to_dict(), "rounds": args.rounds, "rows": rows},
+        probes.write_file_atomic(args.json_path, json.dumps({"machine": profile.to_dict(), "rounds": args.rounds, "rows": rows},
                                                    indent=2))
 
 

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from probes import write_file_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RPS = 1000.0
 TARGET_P99_MS = 20.0
@@ -173,7 +175,7 @@ def main() -> int:
     if result["first_errors"]:
         print("first errors:", *result["first_errors"], sep="\n  ")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_file_atomic(args.json, json.dumps(result, indent=2) + "\n")
     return 1 if result["errors"] else 0
 
 

@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from probes import write_file_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -208,7 +210,7 @@ def main() -> None:
               f"same winner {t['same_winner']} (cold {t['winners_cold']}, warm {t['winners_warm']})")
     report["machine"]["load_average_after"] = os.getloadavg()
     options.out.parent.mkdir(parents=True, exist_ok=True)
-    options.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_file_atomic(options.out, json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {options.out}")
 
 

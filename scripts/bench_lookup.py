@@ -43,6 +43,7 @@ import torch  # noqa: E402  (imported first on purpose: the target is "with torc
 import advisor  # noqa: E402
 import probes  # noqa: E402
 from policies import Policy, safe_default_mode  # noqa: E402
+from probes import write_file_atomic  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 
@@ -155,8 +156,7 @@ def main() -> None:
     print(f"first call in this process: hand {first_hand * 1e3:.1f} ms, cache {first_cache * 1e3:.1f} ms "
           "(the cache's includes importing its modules once)")
     if args.json_path:
-        with open(args.json_path, "w") as handle:
-            json.dump(result, handle, indent=2)
+        write_file_atomic(args.json_path, json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

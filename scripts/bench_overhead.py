@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from advisor import AppliedPolicy, Policy
 from advisor.tune._trials import FunctionRunner, TrialSettings
-from probes import cpu_profile
+from probes import cpu_profile, write_file_atomic
 
 HAND_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,
                "bf16-true": torch.bfloat16, "fp16-true": torch.float16}
@@ -246,8 +246,8 @@ def main() -> None:
             print(f"{r['mode']:<12} {r['hand_ms']:>9.3f} {r['trial_ms']:>9.3f} {r['ratio']:>7.3f} "
                   f"{r['ratio_iqr'][0]:>7.3f}-{r['ratio_iqr'][1]:.3f}")
     if args.json_path:
-        with open(args.json_path, "w") as fh:
-            json.dump({"machine": machine, "args": vars(args), "rows": rows, "trial_rows": trial_rows}, fh, indent=2)
+        write_file_atomic(args.json_path, json.dumps(
+            {"machine": machine, "args": vars(args), "rows": rows, "trial_rows": trial_rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from advisor.tune._options import TuneOptions
 from advisor.tune._space import Candidate
 from advisor.tune._trials import ScriptRunner, TrialSettings, evaluate
 from policies import Policy, supported_modes
-from probes import primary_profile
+from probes import primary_profile, write_file_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = {
@@ -136,7 +136,7 @@ def main() -> None:
         print(f"{r['example']:<9} {str(r['no_priors_winner']):<26} regret {r['no_priors_regret']:.1%}, "
               f"{r['no_priors_trials']}/{r['grid_trials']} trials, {r['no_priors_wall_s'] / r['grid_wall_s']:.0%} of the wall time")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"machine": profile.to_dict(), "rows": rows}, indent=2, default=str))
+        write_file_atomic(args.json_path, json.dumps({"machine": profile.to_dict(), "rows": rows}, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from probes import write_file_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [
     "examples/mlp.py",
@@ -100,7 +102,7 @@ def main() -> int:
               f"{_pct(r['final_gap_limit'])} / {_pct(r['progress_limit']) if r['progress_limit'] is not None else 'not judged'} | "
               f"{cands} |", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        write_file_atomic(args.json, json.dumps(rows, indent=2))
     return 0
 
 

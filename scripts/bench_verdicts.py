@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "verdicts
 
 import zoo  # noqa: E402
 
+from probes import write_file_atomic  # noqa: E402
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -73,7 +75,7 @@ def main() -> int:
     print(f"{len(cases)} cases, {len(scored)} verdicts in {elapsed:.0f} s")
 
     if args.json_out:
-        args.json_out.write_text(json.dumps({
+        write_file_atomic(args.json_out, json.dumps({
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "cheap": args.cheap,
             "elapsed_s": round(elapsed, 1),

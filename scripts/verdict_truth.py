@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "verdicts
 
 import zoo  # noqa: E402
 
+from probes import write_file_atomic  # noqa: E402
+
 MARKER = "Truth (scripts/verdict_truth.py"
 
 
@@ -78,14 +80,14 @@ def write_docstring(path: Path, block: str) -> None:
     if MARKER in body:
         body = body[: body.index(MARKER)]
     body = body.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text[:start] + body + text[end:])
+    write_file_atomic(path, text[:start] + body + text[end:])
 
 
 def write_truth(existing: dict) -> None:
     text = json.dumps(existing, indent=1)
     # Flat lists (the curve profiles) on one line each, so the file reads case by case.
     text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
-    zoo.TRUTH.write_text(text + "\n")
+    write_file_atomic(zoo.TRUTH, text + "\n")
 
 
 def check(case: zoo.Case, records: dict[str, dict]) -> list[str]:
