@@ -121,6 +121,11 @@ def resolve_policy(
     ``MPADVISE_POLICY``) is checked against the model's structure only: naming it is the
     user's decision to apply it to this run, such as a policy tuned on a short run of the same
     model applied to the long run with other arguments.
+
+    Every config file, named or found beside the script, is read by ``load_config``, which
+    refuses (``PolicyError``, one line) a symlink, and a file owned by another user than the
+    one running this (root excepted) or writable by its group or others: naming a path is the
+    user's decision to apply that file, not a word on who wrote its content.
     """
     candidate: tuple[Policy, str, PolicySource] | None = None
     if source is not None:
