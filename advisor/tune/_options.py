@@ -206,8 +206,9 @@ class TuneOptions:
     # Not for daemon jobs: the daemon gives each job one GPU slot.
     nproc_per_node: int = _option(1, "Processes per trial, launched through torchrun (one per GPU).", _whole_number,
                                   minimum=1, job=False, trial=True)
-    storage: str | None = _option(None, "Optuna storage URL; default: an SQLite file in the cache directory.",
-                                  _text, job=False)
+    storage: str | None = _option(None, "Optuna storage URL; default: MPADVISE_STORAGE, else the first line of the "
+                                  "private file MPADVISE_STORAGE_FILE names (either keeps a password out of ps), else "
+                                  "an SQLite file in the cache directory.", _text, job=False)
     resume: bool = _option(
         False, "Continue the stored study instead of starting afresh; a study whose workload changed since (the model, "
         "optimizer or batch the script built) is not continued: a warning, then a fresh study.", _switch)

@@ -10,6 +10,9 @@ the same hardware). Each worker claims a trial's candidate in the study before r
 reads the others' results and claims before every proposal, and runs nothing that another has
 run or is running. A worker's trial sends heartbeats; a trial whose worker goes silent is
 failed after a grace period, and Optuna's retry callback queues it again for a live worker.
+A storage that goes away mid-search (a server restarted) is waited for: each call is retried
+with backoff for ``MPADVISE_STORAGE_RETRY_S`` seconds, a finished result kept meanwhile; a
+storage that stays away ends the search in one line that names it and what was not stored.
 """
 
 from __future__ import annotations
