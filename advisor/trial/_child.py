@@ -382,6 +382,10 @@ class StepWindow:
         preparation and a framework's own set-up before that are no part of the candidate's cost.
         """
         mark("policy_applied")
+        if watch:
+            # Written at once: a child ended before its first step (a timeout, a signal, a peer
+            # rank's failure) was past the candidate's application, which decides ``lost``.
+            self.writer.write()
         if watch and self._watchdog is None and not self._stepping():
             self._watchdog = NoStepWatchdog(self.spec.first_step_timeout, self._no_step)
             self._watchdog.start()

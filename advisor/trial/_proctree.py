@@ -29,6 +29,8 @@ from typing import NoReturn, Protocol
 
 PR_SET_CHILD_SUBREAPER = 36
 """``prctl`` option (linux/prctl.h): orphans below this process are reparented to it."""
+PR_SET_PDEATHSIG = 1
+"""``prctl`` option (linux/prctl.h): the signal this process gets when its parent thread dies."""
 SIGKILL = int(getattr(signal, "SIGKILL", 9))  # Windows has no SIGKILL; no tree is walked there
 SIGSTOP = int(getattr(signal, "SIGSTOP", 19))
 KILL_TIMEOUT = 30.0
@@ -188,6 +190,27 @@ def become_subreaper() -> bool:
         return False
 
 
+def end_with_parent(sig: int, *, parent: int | None = None) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux); whether that
+    worked. With ``parent`` (the pid that started this process), a parent that died before
+    the call is caught too: this process is reparented already, and gets ``sig`` at once.
+
+    The signal comes when the parent *thread* that started this process ends: a trial's
+    launcher is started by the thread that then waits for it, so that thread outlives it.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+    return True
+
+
 def _reap_ended() -> None:
     """Reap every child that has ended, without waiting for the others."""
     while True:
@@ -217,9 +240,10 @@ def _exit_as(code: int) -> NoReturn:
     os._exit(128 + sig)  # a signal whose default action is not to terminate
 
 
-def supervise(start: Callable[[], int]) -> NoReturn:
+def supervise(start: Callable[[], int], *, parent: int | None = None) -> NoReturn:
     """Be a trial's launcher: become a child subreaper, start the trial's command (``start``
     returns its pid), reap orphans until it ends, kill what is left below, and exit as it did.
+    When ``parent`` (the process that started this one) dies, the trial's tree is killed too.
 
     ``start`` runs once this process is the subreaper and handles SIGTERM and SIGHUP, so
     nothing it starts can escape; it either spawns a command (``launch``) or forks (the warm
@@ -234,6 +258,9 @@ def supervise(start: Callable[[], int]) -> NoReturn:
 
     for name in ("SIGTERM", "SIGHUP"):  # SIGKILL cannot be caught: the parent calls kill_tree
         signal.signal(getattr(signal, name), end_on_signal)
+    # The process that started the trial killed (a tune ended by SIGKILL): the trial ends too,
+    # its whole tree, rather than running on to the end of its window.
+    end_with_parent(int(signal.SIGTERM), parent=parent)
     try:
         child = start()
     except OSError as exc:
@@ -249,7 +276,7 @@ def supervise(start: Callable[[], int]) -> NoReturn:
     _exit_as(os.waitstatus_to_exitcode(status))
 
 
-def launch(command: list[str]) -> NoReturn:
+def launch(command: list[str], *, parent: int | None = None) -> NoReturn:
     """Run ``command`` as a child subreaper's only child; exit as it exited, once no process
     below this one runs."""
     # Held until the end: a Popen that is dropped polls, and so reaps, a child that has ended,
@@ -263,11 +290,12 @@ def launch(command: list[str]) -> NoReturn:
             raise OSError(f"cannot start {command[0]}: {exc}") from exc
         return started[0].pid
 
-    supervise(start)
+    supervise(start, parent=parent)
 
 
 if __name__ == "__main__":
+    started_by = os.getppid()  # first thing: the parent that may die while this one starts
     if len(sys.argv) < 2:
         print(f"usage: python {sys.argv[0]} COMMAND [ARGS...]", file=sys.stderr)
         sys.exit(2)
-    launch(sys.argv[1:])
+    launch(sys.argv[1:], parent=started_by)

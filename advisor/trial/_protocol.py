@@ -120,6 +120,7 @@ RESULT_FIELDS: tuple[ResultField, ...] = (
     ResultField("device", "the device the trial ran on"),
     ResultField("ranks", "how many processes' results were merged into this one"),
     ResultField("rank_progress", "a multi-process trial's merge: how far each rank got, for a reason", kept=False),
+    ResultField("rank_waiting", "a multi-process trial's merge: a rank that had not applied the candidate", kept=False),
     ResultField("timeline", "when each part of the trial happened: TIMELINE_MARKS -> epoch seconds"),
     ResultField("flops_per_step", "FLOPs of one optimizer step (all micro-batches, all ranks), or null"),
     ResultField("flops_basis", "how flops_per_step was found: counted, or 6 x parameters x tokens; else null"),
@@ -504,7 +505,8 @@ def classify(
     )
     if (timed_out or _by_signal(exit_code)) and _lost_before_application(stage, result_file, exception, base["timeline"]):
         outcome, reason = "lost", _lost_reason(
-            stage, base["timeline"], spec, timed_out=timed_out, timeout=timeout, exit_code=exit_code, oom_kills=oom_kills)
+            None if exception.get("no_result") else stage, base["timeline"], spec, timed_out=timed_out, timeout=timeout, exit_code=exit_code, oom_kills=oom_kills,
+            rank=exception.get("rank", result_file.get("rank_waiting")))
     elif timed_out:
         where = "before load_policy()" if stage is None else f"after {len(result_file.get('losses', []))} steps"
         if result_file.get("rank_progress"):
@@ -552,9 +554,11 @@ _MARK_WORDS = {"launched": "launched", "torch_imported": "torch imported"}
 
 
 def _lost_reason(stage: str | None, timeline: Mapping[str, float], spec: TrialSpec, *, timed_out: bool,
-                 timeout: float, exit_code: int | None, oom_kills: int | None) -> str:
-    """Why a trial is ``lost``: how it ended, and where it had got to."""
+                 timeout: float, exit_code: int | None, oom_kills: int | None, rank: int | None = None) -> str:
+    """Why a trial is ``lost``: how it ended, and where it (its rank ``rank``) had got to."""
     how = f"no result within {timeout:g} s" if timed_out else f"killed by {_exit_text(exit_code)}"
+    if rank is not None:
+        how += f", rank {rank}"
     if stage is None:
         where = "before load_policy()" if spec.framework is None else "before the trial's boot started"
     elif spec.framework is None:
@@ -810,7 +814,7 @@ def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None],
     if any(data.get("stage") != Stage.DONE for data in present.values()):
         progress = [f"rank {rank} {_stage_text((data or {}).get('stage'), data or {})}" for rank, data in enumerate(ranks)]
         waiting = [rank for rank, data in enumerate(ranks) if not _applied(data)]
-        chosen = dict(ranks[waiting[0]] or {}) if waiting else present[min(present)]
+        chosen = {**(ranks[waiting[0]] or {}), "rank_waiting": waiting[0]} if waiting else present[min(present)]
         return {**chosen, "ranks": len(ranks), "rank_progress": progress}
     return _merge_finished(ranks, present)
 
@@ -851,7 +855,8 @@ def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, d
         message = (f"rank {rank} {_ended_text(ended)} {_stage_text(stage, data)} without an error of its own; "
                    "its peers were stopped after it")
         return {**data, "stage": Stage.EXCEPTION,
-                "exception": {"type": "", "message": message, "rank": rank, "killed": True, "signal": ended.get("signal")}}
+                "exception": {"type": "", "message": message, "rank": rank, "killed": True, "signal": ended.get("signal"),
+                              "no_result": not data}}
     raised = [(data.get("exception") or {}, rank) for rank, data in present.items() if data.get("stage") == Stage.EXCEPTION]
     if raised:
         exception, rank = min(raised, key=lambda item: (_number(item[0].get("at")), item[1]))
@@ -866,6 +871,9 @@ def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, d
     if missing:
         rank = missing[0]
         message = f"rank {rank} wrote no result: it ended, or was ended, before calling advisor.load_policy()"
+        # The rank's own (empty) result: it had not applied the candidate, which decides ``lost``.
+        return {"stage": Stage.EXCEPTION,
+                "exception": {"type": "", "message": message, "rank": rank, "killed": True, "no_result": True}}
     elif finished and stopped:
         rank = stopped[0]
         message = (f"rank {rank} stopped {_stage_text(present[rank].get('stage'), present[rank])} without an error "
@@ -915,6 +923,10 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
         underflow.append(sum(fractions) / len(fractions) if fractions else None)
     peaks = [present[r].get("peak_memory") for r in order if present[r].get("peak_memory") is not None]
     notes = list(dict.fromkeys(n for r in order for n in present[r].get("notes") or []))
+    first_bad = _first_non_finite(present, order, steps)
+    if first_bad is not None:
+        step, culprits = first_bad
+        notes.append(f"the first non-finite loss came at step {step} on rank {', '.join(map(str, culprits))}")
     complete = all(present[r].get("complete", True) for r in order) and all(
         len(present[r].get("losses") or []) == steps for r in order)
     return {
@@ -933,6 +945,17 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
         "timeline": merge_timelines([present[r].get("timeline") or {} for r in order]),
         **_merged_flops([present[r] for r in order]),
     }
+
+
+def _first_non_finite(present: Mapping[int, Mapping[str, Any]], order: Sequence[int],
+                      steps: int) -> tuple[int, list[int]] | None:
+    """The first step at which some rank's loss was NaN or infinite, and those ranks (in DDP
+    the others follow one step later, once the all-reduce has spread it)."""
+    for step in range(steps):
+        bad = [r for r in order if not math.isfinite(float((present[r].get("losses") or [])[step]))]
+        if bad:
+            return step, bad
+    return None
 
 
 def _merged_flops(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

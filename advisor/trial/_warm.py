@@ -50,7 +50,7 @@ from typing import IO, Any, NoReturn
 
 from advisor._log import get_logger
 
-from ._proctree import _exit_as, kill_tree, supervise
+from ._proctree import _exit_as, end_with_parent, kill_tree, supervise
 from ._timeline import clear, mark
 
 WARM_ENV = "MPADVISE_WARM_TRIALS"
@@ -696,6 +696,7 @@ def _reseed() -> None:
 
 def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
     """In the launcher: fork the process that runs the script; its pid."""
+    launcher = os.getpid()
     pid = os.fork()
     if pid != 0:
         return pid
@@ -704,6 +705,7 @@ def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
         for signum, handler in handlers.items():  # the launcher's SIGTERM and SIGHUP are its own
             with contextlib.suppress(OSError, ValueError, TypeError):
                 signal.signal(signum, handler)
+        end_with_parent(int(signal.SIGKILL), parent=launcher)  # nothing of a trial outlives its launcher
         _reseed()
         clear()  # the marks of this trial only
         mark("torch_imported")  # torch was imported before the fork
@@ -715,6 +717,7 @@ def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
 
 def _launcher(sock: socket.socket, request: Mapping[str, Any], fds: list[int], handlers: Mapping[int, Any]) -> NoReturn:
     """The forked child of the server: become the trial's launcher, as ``_proctree.py`` is."""
+    server = os.getppid()
     try:
         os.setsid()  # a session of its own, so a timeout can kill its process group
         sock.close()  # the parent's death must reach the server alone, through its end
@@ -738,7 +741,7 @@ def _launcher(sock: socket.socket, request: Mapping[str, Any], fds: list[int], h
     except BaseException:  # noqa: BLE001 - reported on the trial's stderr, as a failed start
         traceback.print_exc()
         _exit_as(127)
-    supervise(lambda: _run_script(command, handlers))
+    supervise(lambda: _run_script(command, handlers), parent=server)
 
 
 def serve(fd: int, preload: Sequence[str]) -> None:

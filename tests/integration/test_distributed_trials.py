@@ -1,4 +1,4 @@
-"""Trials of two processes through torchrun on this CPU (gloo): a DDP script tuned through the
+"""Trials of two processes through the rank launcher (``advisor.trial._ranks``) on this CPU (gloo): a DDP script tuned through the
 CLI, an FSDP2 script whose tune searches the gradient reduction dtype, a rank that crashes and
 a rank that hangs. Each trial starts three interpreters, so the windows are short."""
 
@@ -73,14 +73,14 @@ def test_a_hanging_rank_times_out_and_no_process_of_the_trial_survives(tmp_path,
     assert "no result within 60 s" in result.reason
     workers = [int(p.read_text()) for p in pids.iterdir()]
     assert len(workers) == 2  # both ranks ran, and hung (one asleep, one waiting for it)
-    # torchrun starts each worker in a session of its own: killing the trial's process group
-    # alone would have left both running.
+    # Every rank is below the trial's launcher (a child subreaper), which the timeout kills with
+    # its whole tree.
     assert [pid for pid in workers if alive(pid)] == []
     assert processes_running(script) == []
 
 
 def test_a_ddp_script_is_tuned(tmp_path, isolated_home):
-    """Through the tuner with real torchrun trials; re-measurement is off, since a close race on
+    """Through the tuner with real two-rank trials; re-measurement is off, since a close race on
     a loaded 2-core machine can take twenty more trials to settle."""
     settings = TrialSettings(warmup_steps=2, measure_steps=32, nproc_per_node=2, timeout=180)
     runner = ScriptRunner(EXAMPLES / "ddp_mlp.py", ["--steps", "1000", "--batch-size", "32", "--width", "256"], settings)
@@ -98,7 +98,7 @@ def test_a_ddp_script_is_tuned(tmp_path, isolated_home):
 
 
 def test_an_fsdp2_script_searches_the_gradient_reduction_dtype(tmp_path, isolated_home):
-    """Through the tuner with real torchrun trials; re-measurement is off, since two reduction
+    """Through the tuner with real two-rank trials; re-measurement is off, since two reduction
     dtypes of a small model on one CPU tie, and settling a tie costs up to twenty trials."""
     settings = TrialSettings(warmup_steps=2, measure_steps=32, nproc_per_node=2, timeout=180)
     runner = ScriptRunner(EXAMPLES / "fsdp2_mlp.py", ["--steps", "1000", "--batch-size", "32", "--width", "256"], settings)

@@ -128,7 +128,7 @@ def test_both_recorders_write_the_declared_payload(tmp_path, make) -> None:
     assert payload["losses"] == [1.0, "nan"] and payload["underflow"] == [None, None]
     assert payload["step_times"] == pytest.approx([0.1, 0.1])
     assert payload["global_batch"] == 8 and payload["device"] == "cpu"
-    assert set(payload) == {f.name for f in RESULT_FIELDS} - {"pid", "reason", "exception", "ranks", "rank_progress", "timeline"}  # timeline: the writer adds it to every write
+    assert set(payload) == {f.name for f in RESULT_FIELDS} - {"pid", "reason", "exception", "ranks", "rank_progress", "rank_waiting", "timeline"}  # timeline: the writer adds it to every write
     assert judge(json.loads(json.dumps(payload))).outcome == "ok"
 
 

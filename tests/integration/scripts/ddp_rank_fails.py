@@ -2,12 +2,16 @@
 
     python ddp_rank_fails.py RANK STEP raise   # rank RANK raises at step STEP
     python ddp_rank_fails.py RANK STEP hang    # rank RANK stops answering at step STEP
+    python ddp_rank_fails.py RANK STEP nan     # rank RANK's loss is NaN at step STEP
+    python ddp_rank_fails.py RANK STEP sigkill # rank RANK kills itself (SIGKILL) at step STEP
+    python ddp_rank_fails.py RANK STEP exit3   # rank RANK ends by os._exit(3) at step STEP
     python ddp_rank_fails.py                   # no rank fails
 
 Every rank writes its pid to $DDP_PID_DIR/<rank> (when set), so a test can look for them after.
 """
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,8 +36,15 @@ for step in range(50):
     if rank == failing_rank and step == failing_step:
         if how == "raise":
             raise ValueError(f"bad batch at step {step}")
-        time.sleep(3600)
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "exit3":
+            os._exit(3)
+        if how == "hang":
+            time.sleep(3600)
     with mp.autocast():
         loss = model(mp.to_device(torch.randn(16, 8))).float().pow(2).mean()
+    if rank == failing_rank and step == failing_step and how == "nan":
+        loss = loss * float("nan")
     mp.step(loss, opt)
 dist.destroy_process_group()

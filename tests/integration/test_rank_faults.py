@@ -1,0 +1,43 @@
+"""A fault on one rank of a real two-rank trial (gloo, on this CPU) is blamed on that rank, not
+on the healthy peer that lost its connection to it: a Python exception, a NaN loss, a hang, a
+SIGKILL of itself and ``os._exit(3)``, on rank 1, and a SIGKILL on rank 0."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from advisor.tune._trials import ScriptRunner, TrialSettings
+from policies import Policy
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+pytestmark = pytest.mark.slow
+
+# (faulty rank, fault, outcome, what the reason says of the faulty rank)
+FAULTS = [
+    (1, "raise", "crash", "the script crashed on rank 1 (exit 1): ValueError: bad batch at step 3"),
+    (1, "nan", "ok", "the first non-finite loss came at step 3 on rank 1"),
+    (1, "hang", "timeout", "rank 1 after its first step()"),
+    (1, "sigkill", "crash", "rank 1 was killed by SIGKILL after its first step() without an error of its own"),
+    (1, "exit3", "crash", "rank 1 exited with status 3 after its first step() without an error of its own"),
+    (0, "sigkill", "crash", "rank 0 was killed by SIGKILL after its first step() without an error of its own"),
+]
+
+
+@pytest.mark.parametrize(("rank", "fault", "outcome", "says"), FAULTS, ids=[f"{f}-rank{r}" for r, f, _, _ in FAULTS])
+def test_a_fault_on_one_rank_is_blamed_on_that_rank(rank, fault, outcome, says, isolated_home):
+    timeout = 120 if fault == "hang" else 300
+    runner = ScriptRunner(SCRIPTS / "ddp_rank_fails.py", [str(rank), "3", fault],
+                          TrialSettings(warmup_steps=1, measure_steps=8, nproc_per_node=2, timeout=timeout))
+    result = runner(Policy(mode="fp32"), "fp32")
+    assert result.outcome == outcome, result.reason + result.stderr_tail
+    healthy = f"rank {1 - rank}"
+    if fault == "nan":  # the trial ran; the NaN is judged against the reference later
+        assert math.isnan(result.losses[3]) and says in result.notes
+        return
+    assert says in result.reason, result.reason
+    if fault != "hang":  # a timeout lists every rank's progress; any other reason names the faulty one only
+        assert healthy not in result.reason and "Connection" not in result.reason, result.reason
