@@ -63,7 +63,7 @@ FINGERPRINT_LENGTH = 16
 
 # The largest world size tried when recovering the one a tune ran at from its fingerprint
 # (hashing this many short texts takes milliseconds, and only when a fingerprint differs).
-_MAX_RECOVERED_WORLD_SIZE = 4096
+_MAX_RECOVERED_WORLD_SIZE = 1024
 
 # Hyperparameters that change the arithmetic an optimizer does, and hence how it behaves under
 # reduced precision (eps underflows in fp16, small lr * update vanishes in bf16...). An allow
@@ -150,16 +150,23 @@ class Workload:
 
     def fingerprint(self) -> str:
         """16 lowercase hex characters: the cache key of this workload."""
+        return _digest(self._head() + self._tail(self.world_size, self.global_batch))
+
+    def _head(self) -> list[str]:
+        """The canonical text's lines before the world size: model and optimizer."""
         lines = [_FORMAT, f"model {self.model}", f"optimizer {self.optimizer}"]
         for index, group in enumerate(self.groups):
             lines.append(f"group {index} " + " ".join(f"{key}={value}" for key, value in group))
-        if self.world_size != 1:
-            # Absent for one process, so that keys from before it was recorded still hit.
-            lines.append(f"world_size {self.world_size}")
-        lines.append(f"global_batch {_canonical(self.global_batch)}")
+        return lines
+
+    def _tail(self, world_size: int, global_batch: int | None) -> list[str]:
+        """The canonical text's lines from the world size on, at ``world_size`` and ``global_batch``."""
+        # Absent for one process, so that keys from before the world size was recorded still hit.
+        lines = [] if world_size == 1 else [f"world_size {world_size}"]
+        lines.append(f"global_batch {_canonical(global_batch)}")
         lines.append(f"script {self.script} {self.script_digest or 'missing'}")
         lines.append(f"args {json.dumps(list(self.args))}")
-        return _digest(lines)
+        return lines
 
     def describe_optimizer(self) -> str:
         """``"AdamW(lr=0.001, eps=1e-08, betas=(0.9,0.999), weight_decay=0.01)"``, for people."""
@@ -359,8 +366,7 @@ def _as_recorded(tuned: TunedOn, here: Workload) -> tuple[Workload, tuple[str, .
 
     world_size = getattr(tuned, "world_size", None)  # a [tuned_on] that records it
     if world_size is None:
-        sizes = range(1, _MAX_RECOVERED_WORLD_SIZE + 1)
-        world_size = next((size for size in sizes if at(size).fingerprint() == tuned.workload_fingerprint), None)
+        world_size = _recovered_world_size(recorded, per_process, tuned.workload_fingerprint)
     if world_size is None:
         # Unknown, since other facts changed too. Most tunes and every entry from before the
         # world size was recorded ran one process: only a run of several names it.
@@ -370,6 +376,28 @@ def _as_recorded(tuned: TunedOn, here: Workload) -> tuple[Workload, tuple[str, .
     if per_process is None:
         unrecorded.insert(1, GLOBAL_BATCH)
     return at(world_size), tuple(unrecorded)
+
+
+def _recovered_world_size(recorded: Workload, per_process: int | None, fingerprint: str | None) -> int | None:
+    """The world size at which ``recorded`` (its global batch ``per_process`` times the world
+    size, when known) has ``fingerprint``; ``None`` when none up to the largest tried does.
+
+    The text before the world size is hashed once and its hash state copied for each world size
+    tried, so that trying thousands takes milliseconds.
+    """
+    if not fingerprint:
+        return None
+    head = hashlib.sha256(("\n".join(recorded._head()) + "\n").encode("utf-8"))
+    # The lines after the global batch do not depend on the world size.
+    rest = "\n" + "\n".join(recorded._tail(1, None)[1:])
+    for size in range(1, _MAX_RECOVERED_WORLD_SIZE + 1):
+        batch = recorded.global_batch if per_process is None else per_process * size
+        world = "" if size == 1 else f"world_size {size}\n"
+        digest = head.copy()
+        digest.update(f"{world}global_batch {_canonical(batch)}{rest}".encode())
+        if digest.hexdigest()[:FINGERPRINT_LENGTH] == fingerprint:
+            return size
+    return None
 
 
 def _alternatives(names: Sequence[str]) -> str:
