@@ -752,6 +752,10 @@ class BatchSplit:
 def tuned_global_batch(policy: Policy) -> int | None:
     """The global batch a tuned policy was measured at; ``None`` for a hand-written policy.
 
+    Per process: the script's own batch (``micro_batch_size``'s argument), which is what a run
+    splits. With several processes the workload's global batch is that times the world size,
+    and the world size is in the workload fingerprint, which ``setup()`` compares.
+
     Args:
         policy: any policy.
 
