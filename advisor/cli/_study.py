@@ -47,9 +47,15 @@ def render_status(shown: str, studies: list[dict[str, Any]]) -> None:
     if not studies:
         console.print(f"no studies in {shown}", highlight=False)
         return
-    table = Table(title=f"studies in {shown}", title_justify="left")
-    for column in ("study", "hardware", "complete", "running", "waiting", "failed", "workers", "best so far"):
-        table.add_column(column, justify="right" if column in ("complete", "running", "waiting", "failed") else "left")
+    # Short count headers, named in full under the table, and prose columns that wrap at their
+    # spaces: the table fits 80 columns with every count and name whole.
+    table = Table(title=f"studies in {shown}", title_justify="left",
+                  caption="trials done, running, waiting and failed", caption_justify="left")
+    for column in ("study", "hardware", "done", "run", "wait", "fail", "workers", "best so far"):
+        if column in ("done", "run", "wait", "fail"):
+            table.add_column(column, justify="right", no_wrap=True)
+        else:
+            table.add_column(column, overflow="fold", ratio=1, min_width=8)
     for summary in studies:
         counts = summary["trials"]
         best = summary["best"]

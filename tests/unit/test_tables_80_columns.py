@@ -219,3 +219,43 @@ def test_progress_goes_to_stderr_and_leaves_stdout_to_the_result(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "bf16-mixed: ok" in captured.err and "fp32: ok" in captured.err
+
+
+# -- the other commands' tables ----------------------------------------------------------------------------
+
+
+def test_the_study_status_table_fits_80_columns(monkeypatch):
+    from advisor.cli import _study
+
+    console = Console(record=True, width=80, file=io.StringIO())
+    monkeypatch.setattr(_study, "console", console)
+    studies = [{"study": "train_language_model-3f2a9c1d", "hardware": LONG_DEVICE,
+                "trials": {"complete": 120, "running": 3, "waiting": 0, "failed": 12},
+                "workers": ["node-a.cluster.example.org", "node-b.cluster.example.org"],
+                "best": {"label": LONG_LABELS[1], "goodput": 123456.7}}]
+    _study.render_status("postgresql://tuner:****@db.example.org:5432/studies", studies)
+    _assert_fits(console.export_text(), must_appear=("done", "run", "wait", "fail", "120", "12",
+                                                     "123,456.7"))
+
+
+def test_the_daemon_status_tables_fit_80_columns():
+    from advisor.cli._daemon import render_status
+
+    report = {"where": "127.0.0.1:8765", "health": {
+        "version": "0.1.0", "pid": 4242, "uptime_s": 90061, "jobs": {"queued": 2, "running": 1},
+        "slots": [{"name": "cuda:0", "job": "0123456789abcdef", "phase": "waiting for the GPU to be idle"}]},
+        "jobs": [{"id": "0123456789abcdef", "state": "running", "script": "/w/train_language_model.py",
+                  "gpu": "cuda:0", "created_at": "2026-11-30T12:00:00.000000+00:00",
+                  "result": {"tune": {"winner_label": LONG_LABELS[1], "speedup_vs_fp32": 50.13}}}]}
+    text = _text(render_status, report)
+    _assert_fits(text, must_appear=("slot", "doing", "state", "created", "running", "cuda:0", "0123456789ab"))
+
+
+@pytest.mark.xfail(strict=True, reason="breakdown_table (advisor/cli/_trial.py) cuts a label to 16 columns; "
+                   "its trial column should fold (overflow='fold', no max_width) rather than end in an ellipsis")
+def test_the_trial_breakdown_fits_80_columns():
+    from advisor.cli._trial import breakdown_table
+
+    rows = [(label, _trial(Policy(mode="fp32"), label)) for label in ("fp32", "fp32 replicate", *LONG_LABELS)]
+    text = _text(lambda c: c.print(breakdown_table(rows, 3e5)))
+    _assert_fits(text, must_appear=("trial", "TFLOP/s", *LONG_LABELS))
