@@ -15,8 +15,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from advisor.tune._stability import Basis, StabilityThresholds, TrialCurve, basis, smooth
-from advisor.tune._trials import curve_of
+from advisor.tune import Basis, StabilityThresholds, TrialCurve, basis, curve_of, smooth
 from probes import MpadviseError
 
 if TYPE_CHECKING:

@@ -35,6 +35,7 @@ from advisor.trial import TrialResult
 from advisor.tune import (
     Comparison,
     ScriptRunner,
+    StabilityThresholds,
     TrialSettings,
     TuneOptions,
     check_modes,
@@ -42,7 +43,6 @@ from advisor.tune import (
     default_trial_modes,
     run_comparison,
 )
-from advisor.tune._stability import StabilityThresholds
 from policies import Policy
 from probes import HardwareProfile, MpadviseError, hardware_fingerprint
 

@@ -40,19 +40,24 @@ from advisor.tune._service import (
     tune_script,
 )
 from advisor.tune._space import Measured, SpaceLimits
+from advisor.tune._stability import Basis, StabilityThresholds, TrialCurve, basis, smooth
 from advisor.tune._trials import (
     WAIT_IDLE_ENV,
     Comparison,
     Evaluation,
     ScriptRunner,
     TrialSettings,
+    curve_of,
     run_comparison,
 )
 
 __all__ = [
+    "Basis",
     "Evaluation",
     "Measured",
     "SpaceLimits",
+    "StabilityThresholds",
+    "TrialCurve",
     "DEFAULT_MEASURE_STEPS",
     "DEFAULT_WARMUP_STEPS",
     "EXIT_FOUND",
@@ -68,10 +73,12 @@ __all__ = [
     "TuneProgress",
     "TuneRequest",
     "TuneResult",
+    "basis",
     "calls_load_policy",
     "check_modes",
     "check_rank_device",
     "check_script",
+    "curve_of",
     "default_storage",
     "default_trial_modes",
     "keep_answer",
@@ -81,6 +88,7 @@ __all__ = [
     "shared_storage",
     "study_status",
     "shown_url",
+    "smooth",
     "study_name_for",
     "study_name_from",
     "tune",
