@@ -16,6 +16,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 FINISHED = ("succeeded", "failed", "cancelled", "interrupted")
+JOB_DEADLINE_FLOOR_S = 300.0
 
 
 def daemon_env(home: Path) -> dict[str, str]:
@@ -170,7 +171,12 @@ class Daemon:
 
     def wait_job(self, job_id: str, states: tuple[str, ...] = FINISHED, timeout: float = 120.0,
                  until: Any = None) -> dict[str, Any]:
-        """Poll GET /jobs/{id} until its state is in ``states`` (and ``until(job)`` holds)."""
+        """Poll GET /jobs/{id} until its state is in ``states`` (and ``until(job)`` holds).
+
+        ``timeout`` is a deadline, never a speed check: it is at least ``JOB_DEADLINE_FLOOR_S``,
+        since on a loaded machine a job that fails in ten seconds when idle takes over a minute
+        (its tune starts Python, torch and a trial like any other)."""
+        timeout = max(timeout, JOB_DEADLINE_FLOOR_S)
         deadline = time.monotonic() + timeout
         job: dict[str, Any] = {}
         while time.monotonic() < deadline:
