@@ -35,6 +35,7 @@ from advisor.tune._search import (
     TRIAL_ATTR_RESULT,
     storage_url,
 )
+from advisor.tune._timing import paired_gap
 
 ROOT = Path(__file__).resolve().parents[2]
 # The workload every worker tunes: a tiny classifier whose speed is set by a pause per
@@ -107,7 +108,9 @@ class Worker:
 
 def _env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "MPADVISE_POLICY"}
-    env.update(MPADVISE_HOME=str(home), COLUMNS="200", **{HEARTBEAT_ENV: "1", GRACE_ENV: "3"}, **extra)
+    env.update({HEARTBEAT_ENV: "1", GRACE_ENV: "3"})
+    env.update(MPADVISE_HOME=str(home), COLUMNS="200")
+    env.update(extra)  # a test's own settings win, the heartbeat's included
     return env
 
 
@@ -178,6 +181,29 @@ def _check_winner_kept(worker: Worker, report: dict) -> None:
     assert report["winner"]["mode"] in json.dumps(worker.cached())
 
 
+def _found(data: object, key: str) -> list:
+    """Every value of ``key`` anywhere in ``data`` (nested dicts and lists)."""
+    if isinstance(data, dict):
+        return [v for k, v in data.items() if k == key] + [x for v in data.values() for x in _found(v, key)]
+    if isinstance(data, list):
+        return [x for v in data for x in _found(v, key)]
+    return []
+
+
+def _check_own_speedup(worker: Worker, report: dict) -> None:
+    """The speed-up the worker reported and cached rests on its own rounds of the winner beside
+    its own fp32, never on a figure another worker measured."""
+    if report["winner"]["mode"] == "fp32":
+        return
+    speedup = report["speedup"]
+    assert speedup["pairs"] >= 2 and speedup["basis"].startswith("paired re-measurement"), speedup
+    winner = next(f for f in report["finalists"] if f["label"] == report["winner_label"])
+    pairs = [(w, r) for w, r in zip(winner["rounds"], report["reference_rounds"]) if w is not None and r is not None]
+    assert len(pairs) == speedup["pairs"]
+    assert paired_gap([w for w, _ in pairs], [r for _, r in pairs]).ratio == pytest.approx(speedup["ratio"], rel=1e-3)
+    assert speedup["ratio"] in _found(worker.cached(), "speedup_vs_fp32")
+
+
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_two_workers_share_one_study_and_run_each_candidate_once(tmp_path, postgres_url):  # noqa: F811
@@ -213,6 +239,7 @@ def test_two_workers_share_one_study_and_run_each_candidate_once(tmp_path, postg
         assert len({c["label"] for c in report["candidates"]}) == SPACE_SIZE
         assert report["trials_run"] + report["trials_resumed"] == SPACE_SIZE - 1
         _check_winner_kept(worker, report)
+        _check_own_speedup(worker, report)
 
 
 def _descendants(pid: int) -> list[int]:
