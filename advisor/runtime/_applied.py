@@ -618,7 +618,8 @@ def fsdp_policy_refusal(model: Any, policy: Policy) -> str | None:
             continue
         # FSDP2 keeps the policy fully_shard was given on the module's state (torch 2.6 and
         # later: FSDPState._mp_policy; each FSDPParamGroup holds the same as mp_policy).
-        state = module._get_fsdp_state()
+        state_of = getattr(module, "_get_fsdp_state", None)
+        state = state_of() if callable(state_of) else None
         given = getattr(state, "_mp_policy", None)
         if given is None:
             group = getattr(state, "_fsdp_param_group", None)
