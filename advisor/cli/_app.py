@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from advisor._version import __version__
-from advisor.cli import _cache, _daemon, _study
+from advisor.cli import _cache, _daemon, _env, _study
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
 from advisor.tune import OptionInfo, TuneOptions, option_info
 
@@ -25,8 +25,9 @@ app = typer.Typer(
     help="Hardware-aware precision advisor for PyTorch training: measures, picks and applies "
     "the fastest stable precision policy.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # every command and group inherits -h
 )
 
 
@@ -222,6 +223,7 @@ def tune(
 
 
 app.command("show")(_cache.show)
+app.command("env")(_env.env)
 app.add_typer(_cache.app, name="cache")
 app.add_typer(_daemon.app, name="daemon")
 app.add_typer(_study.app, name="study")

@@ -280,7 +280,7 @@ def breakdown_table(rows: list[tuple[str, TrialResult]], reference_flops: float 
     # No box and one space either side of a cell: seven numeric columns and a label fit in 80.
     table = Table(title="Where each trial's time went (seconds)", title_justify="left", box=None,
                   pad_edge=False, padding=(0, 1), header_style="bold")
-    table.add_column("trial", max_width=16, overflow="ellipsis", no_wrap=True)
+    table.add_column("trial", overflow="fold", min_width=11, ratio=1)
     for _, heading in _PHASE_COLUMNS:
         table.add_column(heading, justify="right", no_wrap=True)
     if reference_flops:

@@ -251,8 +251,6 @@ def test_the_daemon_status_tables_fit_80_columns():
     _assert_fits(text, must_appear=("slot", "doing", "state", "created", "running", "cuda:0", "0123456789ab"))
 
 
-@pytest.mark.xfail(strict=True, reason="breakdown_table (advisor/cli/_trial.py) cuts a label to 16 columns; "
-                   "its trial column should fold (overflow='fold', no max_width) rather than end in an ellipsis")
 def test_the_trial_breakdown_fits_80_columns():
     from advisor.cli._trial import breakdown_table
 
