@@ -14,11 +14,12 @@ import sys
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, urlencode
 
 from rich.console import Console
 
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
+from advisor.tune import shown_url
 
 __all__ = ["OPTIONAL_PACKAGES", "env", "env_report", "mask_secret", "render_env"]
 
@@ -71,21 +72,14 @@ def mask_secret(name: str, value: str) -> str:
         return MASK if value else value
     if "://" not in value:
         return value
-    try:
-        parts = urlsplit(value)
-        password = parts.password
-    except ValueError:  # a malformed URL may still hold a secret: keep only its scheme
-        return value.split("://", 1)[0] + "://" + MASK
-    # Edit the text in place: rebuilding it from its parts would rewrite what needs no mask
-    # (urlunsplit turns sqlite:////abs/path into sqlite://abs/path).
-    shown = value
-    if password is not None:
-        credentials, _, host = parts.netloc.rpartition("@")
-        shown = shown.replace(parts.netloc, f"{credentials.split(':', 1)[0]}:{MASK}@{host}", 1)
-    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    # The password as every report masks it (one holding "/" or "@" included), then any other
+    # secret-looking query parameter.
+    shown = shown_url(value) or value
+    query = shown.partition("?")[2]
+    pairs = parse_qsl(query, keep_blank_values=True)
     if any(k.lower() in _SECRET_QUERY for k, _ in pairs):
         masked = urlencode([(k, MASK if k.lower() in _SECRET_QUERY else v) for k, v in pairs], safe="*")
-        shown = shown.replace("?" + parts.query, "?" + masked, 1)
+        shown = shown.replace("?" + query, "?" + masked, 1)
     return shown
 
 
