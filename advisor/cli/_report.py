@@ -460,39 +460,3 @@ def _print_winner(tune: dict[str, Any], console: Console) -> None:
         console.print("the script calls advisor.load_policy(): it applies the config file beside it", highlight=False)
     else:
         console.print("add to the script: [bold]mp = advisor.load_policy()[/] (it reads the config file beside it)")
-
-
-def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation]) -> None:
-    """Loss curves over the fp32 reference, and median step time with its IQR as bars."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise MpadviseError('--plot needs matplotlib; install it with: pip install "mpadvise[plot]"') from None
-    fig, (curves, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
-    curves.plot(reference.result.losses, color="black", linestyle="--", linewidth=2, label="fp32 (reference)")
-    for ev in evaluations:
-        if ev.result.losses:
-            curves.plot(ev.result.losses, label=f"{ev.label} ({ev.outcome})")
-    curves.set_xlabel("optimizer step")
-    curves.set_ylabel("loss")
-    curves.set_title("loss curves, same seed and data order")
-    curves.legend(fontsize=8)
-    timed = [ev for ev in [reference, *evaluations] if ev.timing is not None]
-    medians = [ev.timing.median * 1e3 for ev in timed]
-    lower = [(ev.timing.median - ev.timing.q1) * 1e3 for ev in timed]
-    upper = [(ev.timing.q3 - ev.timing.median) * 1e3 for ev in timed]
-    colors = ["gray" if ev is reference else ("tab:green" if ev.stable else "tab:red") for ev in timed]
-    bars.bar([ev.label for ev in timed], medians, yerr=[lower, upper], color=colors, capsize=4)
-    bars.set_ylabel("median step time (ms), IQR whiskers")
-    bars.set_title("step time (green: stable, red: not)")
-    bars.tick_params(axis="x", rotation=30, labelsize=8)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as exc:
-        raise MpadviseError(f"cannot write plot {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
