@@ -22,7 +22,7 @@ from typing import Any
 
 from probes import MpadviseError
 
-from ._proctree import TrialProcess, end_trial, launcher_argv
+from ._proctree import TrialProcess, end_trial, launcher_argv, live_descendants, process_table
 from ._proctree import descendants as descendants  # re-exported: the tree walk lived here
 from ._ranks import EXITS_ENV
 from ._timeline import breakdown, merge_timelines
@@ -47,6 +47,13 @@ POLICY_ENV = "MPADVISE_POLICY"
 environment, since the spec decides the candidate and a leftover override must not."""
 RANK_ENV = "RANK"
 """torchrun's global rank of a worker: which result file a rank of a multi-process trial writes."""
+STACK_SIGNAL = "SIGUSR2"
+"""The signal on which a trial process dumps its threads' stacks (``faulthandler``) to
+``stack_dump_path`` of its result file; the parent sends it on a timeout, before the kill."""
+STACK_PID_PREFIX = "pid "
+"""The first line of a stack dump file: ``pid <N>``, the process to signal; the dump follows."""
+STACK_WAIT_S = 2.0
+"""Seconds a timed-out trial's parent waits for the stack dumps it asked for, before the kill."""
 
 
 class Stage(str, Enum):
@@ -376,6 +383,9 @@ def run_trial(
     rank_paths = [Path(rank_result_path(result_path, r)) for r in range(spec.nproc_per_node)] if spec.nproc_per_node > 1 else []
     for path in rank_paths:
         path.unlink(missing_ok=True)
+    stack_paths = [Path(stack_dump_path(path)) for path in rank_paths or [result_path]]
+    for path in stack_paths:
+        path.unlink(missing_ok=True)
     spec_file = result_path.with_suffix(".spec.json")
     spec_file.write_text(spec.to_json())
     child_env = dict(os.environ if env is None else env)
@@ -409,11 +419,12 @@ def run_trial(
                 cwd=cwd,
                 start_new_session=True,  # so a timeout can kill the script's own children too
             )
-        timed_out = False
+        timed_out, stacks = False, None
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
+            stacks = request_stack_dumps(stack_paths, proc.pid)  # where each process hung, before the kill
             end_trial(proc)
             code = proc.wait()
         except BaseException:
@@ -430,10 +441,13 @@ def run_trial(
     else:
         data = _read_json(result_path)
     spec_file.unlink(missing_ok=True)
+    for path in stack_paths:
+        path.unlink(missing_ok=True)
     return classify(
         data,
         exit_code=code,
         timed_out=timed_out,
+        stacks=stacks,
         stderr_tail=tail,
         spec=spec,
         timeout=timeout,
@@ -454,6 +468,7 @@ def classify(
     wall_s: float = 0.0,
     oom_kills: int | None = None,
     timeline: Mapping[str, float] | None = None,
+    stacks: Sequence[str | None] | None = None,
 ) -> TrialResult:
     """Decide the outcome of a finished child from its result file, exit code and stderr.
 
@@ -467,6 +482,9 @@ def classify(
     Args:
         timeline: the parent's own marks of the trial (``launched``, ``exited``), added to the
             child's.
+        stacks: on a timeout, each process's (rank's) stack dump taken before the kill
+            (``request_stack_dumps``), ``None`` where none came: the reason names the process
+            that hung (``stack_blame``).
         oom_kills: how many processes the kernel's OOM killer killed in the child's memory
             cgroup while it ran (``oom_kill_count`` before and after), or ``None`` where that
             is unknown. A child ended by SIGKILL while the count rose is out of memory; with
@@ -508,10 +526,13 @@ def classify(
             None if exception.get("no_result") else stage, base["timeline"], spec, timed_out=timed_out, timeout=timeout, exit_code=exit_code, oom_kills=oom_kills,
             rank=exception.get("rank", result_file.get("rank_waiting")))
     elif timed_out:
-        where = "before load_policy()" if stage is None else f"after {len(result_file.get('losses', []))} steps"
+        where = _stage_text(stage, result_file)
         if result_file.get("rank_progress"):
             where = "; ".join(result_file["rank_progress"])  # a multi-process trial: every rank's
-        outcome, reason = "timeout", f"no result within {timeout:g} s ({where}); the trial was killed"
+        blame = stack_blame(stacks or [])
+        if blame is None and stacks is not None and stage is not None:
+            blame = "no process dumped its stack, so where it hung is unknown"
+        outcome, reason = "timeout", f"no result within {timeout:g} s ({where}){': ' + blame if blame else ''}; the trial was killed"
     elif ((exit_code == -SIGKILL or (exception.get("killed") and exception.get("signal") in (None, "SIGKILL")))
           and oom_kills and stage != Stage.DONE):
         # A rank of a multi-process trial that stopped without an error of its own, while the
@@ -768,6 +789,145 @@ def _unescape(field: str) -> str:
 def rank_result_path(result_path: str | os.PathLike[str], rank: int) -> str:
     """Where rank ``rank`` of a multi-process trial writes its result: ``<result>.rank<R>``."""
     return f"{os.fspath(result_path)}.rank{rank}"
+
+
+def stack_dump_path(result_path: str | os.PathLike[str]) -> str:
+    """Where the trial process writing ``result_path`` dumps its stacks: ``<result>.stack``."""
+    return f"{os.fspath(result_path)}.stack"
+
+
+@dataclass(frozen=True)
+class StackFrame:
+    """One frame of a ``faulthandler`` dump: the file, line and function it was at."""
+
+    file: str
+    line: int
+    function: str
+
+    @property
+    def in_torch(self) -> bool:
+        """Whether the frame is torch's own code (a collective, the autograd engine...)."""
+        return "/torch/" in self.file.replace(os.sep, "/")
+
+    def __str__(self) -> str:
+        return f"{os.path.basename(self.file)} line {self.line} ({self.function})"
+
+
+_DUMP_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<function>.*)$')
+_DUMP_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ \(most recent call first\):$")
+
+
+def main_frame(dump: str) -> StackFrame | None:
+    """The innermost frame of the main thread in a ``faulthandler`` dump of every thread.
+
+    faulthandler lists threads newest first (``Thread 0x... (most recent call first):``, the
+    one that took the signal marked ``Current thread``), so the main thread, the first started,
+    is the last listed; a dump of one thread is that thread. ``None`` when the dump holds no
+    thread, or the main thread had no Python frame (``<no Python frame>``).
+    """
+    blocks: list[list[str]] = []
+    for line in dump.splitlines():
+        if _DUMP_THREAD.match(line.strip()):
+            blocks.append([])
+        elif blocks:
+            blocks[-1].append(line)
+    if not blocks:
+        return None
+    for line in blocks[-1]:
+        found = _DUMP_FRAME.match(line)
+        if found is not None:
+            return StackFrame(found["file"], int(found["line"]), found["function"])
+    return None
+
+
+def stack_blame(dumps: Sequence[str | None]) -> str | None:
+    """Which process of a timed-out trial hung, from each one's stack dump (index = rank;
+    ``None`` where none arrived); ``None`` when no dump holds a frame.
+
+    A process whose main thread was in torch's own code waited (in a collective, for a peer,
+    or in the autograd engine); one elsewhere (the script, another library) hung there. With
+    several ranks, those that hung are named first, then those that waited for them.
+    """
+    frames = [None if dump is None else main_frame(dump) for dump in dumps]
+    if not any(frames):
+        return None
+    if len(frames) == 1:
+        frame = frames[0]
+        if frame is not None and frame.in_torch:
+            return f"the script was waiting in torch (a collective or the autograd engine) at {frame}"
+        return f"the script hung in {frame}"
+    hung = [(rank, frame) for rank, frame in enumerate(frames) if frame is not None and not frame.in_torch]
+    waited = [rank for rank, frame in enumerate(frames) if frame is not None and frame.in_torch]
+    silent = [rank for rank, frame in enumerate(frames) if frame is None]
+    parts = []
+    if hung:
+        text = "; ".join(f"rank {rank} hung in {frame}" for rank, frame in hung)
+        if waited:
+            them = "it" if len(hung) == 1 else "them"
+            text += f" while {_ranks_text(waited)} waited for {them} in torch"
+        parts.append(text)
+    else:
+        parts.append(f"{'every rank' if not silent else _ranks_text(waited)} waited in torch (a collective or the "
+                     "autograd engine), none in the script")
+    if silent:
+        parts.append(f"{_ranks_text(silent)} dumped no stack")
+    return "; ".join(parts)
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def request_stack_dumps(paths: Sequence[Path], root: int, *, wait_s: float = STACK_WAIT_S) -> list[str | None]:
+    """Ask each trial process below ``root`` that registered a stack dump (``paths``: one per
+    process, each starting ``pid <N>``) to write it (``STACK_SIGNAL``), and read the dumps.
+
+    Only a pid that runs below ``root`` is signalled (a process that ended may have left its
+    pid to another). Waits up to ``wait_s`` until every dump asked for is written (not empty,
+    and no longer growing).
+
+    Returns:
+        Each path's dump (index as ``paths``), ``None`` where none came.
+    """
+    sig = getattr(signal, STACK_SIGNAL, None)
+    below = set(live_descendants(process_table(), root)) if sig is not None else set()
+    headers: dict[int, int] = {}
+    for index, path in enumerate(paths):
+        try:
+            first = path.read_text().partition("\n")[0]
+        except (OSError, UnicodeDecodeError):
+            continue
+        pid = first[len(STACK_PID_PREFIX):]
+        if first.startswith(STACK_PID_PREFIX) and pid.isdigit() and int(pid) in below:
+            try:
+                os.kill(int(pid), sig)  # type: ignore[arg-type]
+            except (ProcessLookupError, PermissionError):
+                continue
+            headers[index] = len(first) + 1
+    deadline, sizes = time.monotonic() + wait_s, {}
+    while headers:
+        now = {index: _size(paths[index]) for index in headers}
+        if all(size > headers[index] for index, size in now.items()) and now == sizes:
+            break  # every dump is written and none grew since the last look
+        if time.monotonic() >= deadline:
+            break
+        sizes = now
+        time.sleep(0.05)
+    dumps: list[str | None] = [None] * len(paths)
+    for index, skip in headers.items():
+        try:
+            text = paths[index].read_text(errors="replace")[skip:]
+        except OSError:
+            continue
+        dumps[index] = text if text.strip() else None
+    return dumps
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None],

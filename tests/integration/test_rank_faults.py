@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow
 FAULTS = [
     (1, "raise", "crash", "the script crashed on rank 1 (exit 1): ValueError: bad batch at step 3"),
     (1, "nan", "ok", "the first non-finite loss came at step 3 on rank 1"),
-    (1, "hang", "timeout", "rank 1 after its first step()"),
+    # Both ranks made the same steps (DDP syncs every step): their stacks, dumped before the
+    # kill, tell the rank asleep in the script from its peer blocked in the all-reduce.
+    (1, "hang", "timeout", "rank 1 hung in ddp_rank_fails.py line 44 (<module>) while rank 0 waited for it in torch"),
     (1, "sigkill", "crash", "rank 1 was killed by SIGKILL after its first step() without an error of its own"),
     (1, "exit3", "crash", "rank 1 exited with status 3 after its first step() without an error of its own"),
     (0, "sigkill", "crash", "rank 0 was killed by SIGKILL after its first step() without an error of its own"),
@@ -39,5 +41,7 @@ def test_a_fault_on_one_rank_is_blamed_on_that_rank(rank, fault, outcome, says, 
         assert math.isnan(result.losses[3]) and says in result.notes
         return
     assert says in result.reason, result.reason
-    if fault != "hang":  # a timeout lists every rank's progress; any other reason names the faulty one only
+    if fault == "hang":  # a timeout lists every rank's progress, and names the rank that hung only
+        assert f"{healthy} hung" not in result.reason, result.reason
+    else:  # any other reason names the faulty rank only
         assert healthy not in result.reason and "Connection" not in result.reason, result.reason
