@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from probes import MpadviseError, read_trusted_text, write_file_atomic
+from probes import MpadviseError, check_writable, read_trusted_text, write_file_atomic
 
 from ._registry import fp8_recipes, mode_class, mode_classes, mode_names
 from ._true import TrueHalfMode
@@ -397,6 +397,19 @@ class Policy:
         except OSError as exc:
             raise MpadviseError(f"cannot write config file {path}: {exc.strerror or exc}") from None
         return path
+
+
+def check_config_target(path: str | Path) -> Path:
+    """Refuse now, in one line, a config file path that :meth:`Policy.save` would refuse or
+    fail on at the end of a tune: an existing file that is not a config file, a directory, a
+    directory that does not exist or cannot be written.
+
+    Raises:
+        MpadviseError: the reason, naming the path.
+    """
+    path = Path(path)
+    _check_replaceable(path)
+    return check_writable(path, "config file")
 
 
 def _check_replaceable(path: Path) -> None:

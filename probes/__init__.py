@@ -23,7 +23,7 @@ from probes._capability import (
 )
 from probes._cpu import cpu_profile, parse_cpuinfo
 from probes._errors import MpadviseError, UnsupportedHere, UsageError
-from probes._files import read_trusted_text, write_file_atomic
+from probes._files import check_writable, read_trusted_text, write_file_atomic
 from probes._fingerprint import hardware_fingerprint, major_minor
 from probes._libraries import fp8_library_versions
 from probes._nvml import cuda_profiles, gpu_busy
@@ -56,6 +56,7 @@ __all__ = [
     "peak_tflops",
     "primary_profile",
     "profile_for",
+    "check_writable",
     "read_trusted_text",
     "release",
     "torch_build_covers",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from probes._errors import MpadviseError
 
-__all__ = ["read_trusted_text", "untrusted_reason", "write_file_atomic"]
+__all__ = ["check_writable", "read_trusted_text", "untrusted_reason", "write_file_atomic"]
 
 FILE_MODE = 0o644
 """Mode of a file :func:`write_file_atomic` creates, before the umask: never group- or
@@ -65,6 +65,42 @@ def write_file_atomic(path: str | os.PathLike[str], text: str, *, mode: int = FI
             os.unlink(tmp)
         raise
     _fsync_directory(directory)
+    return path
+
+
+def check_writable(path: str | os.PathLike[str], what: str) -> Path:
+    """Refuse now, in one line, a file that could not be written later: before a tune or a
+    trial runs for minutes, not after.
+
+    The directory is tried as :func:`write_file_atomic` uses it: a temporary file is created
+    there (exclusively, never through a link) and removed again, so a read-only file system,
+    a full quota or a directory of another user is caught as well as a missing one.
+
+    Args:
+        path: the file to be written.
+        what: what it is, for the message (``"config file"``, ``"plot"``).
+
+    Returns:
+        ``path``.
+
+    Raises:
+        MpadviseError: the path is a directory, its directory does not exist, or nothing can
+            be created there.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise MpadviseError(f"cannot write {what} {path}: it is a directory")
+    directory = path.parent
+    if not directory.is_dir():
+        why = "is not a directory" if directory.exists() else "does not exist"
+        raise MpadviseError(f"cannot write {what} {path}: its directory {directory} {why}")
+    try:
+        tmp, fd = _create_temporary(directory, path.name, FILE_MODE)
+    except OSError as exc:
+        raise MpadviseError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
     return path
 
 

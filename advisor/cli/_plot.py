@@ -11,12 +11,13 @@ shows each trial's median step time. matplotlib is imported only when a plot is 
 from __future__ import annotations
 
 import math
+import os
 import textwrap
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from advisor.tune import Basis, StabilityThresholds, TrialCurve, basis, curve_of, smooth
-from probes import MpadviseError
+from probes import MpadviseError, check_writable
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -51,6 +52,17 @@ def plot_trials(
         fig.savefig(path, dpi=110)
     except OSError as exc:
         raise MpadviseError(f"cannot write plot {path}: {exc.strerror or exc}") from None
+
+
+def check_plot_target(path: str | os.PathLike[str]) -> None:
+    """Refuse now, in one line, a plot that could not be drawn or written once the trials have
+    run: matplotlib missing, or a path that cannot be written.
+
+    Raises:
+        MpadviseError: the reason.
+    """
+    _figure_class()
+    check_writable(path, "plot")
 
 
 def trial_figure(

@@ -23,7 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 import probes
-from advisor.cli._plot import plot_trials
+from advisor._log import get_logger
+from advisor.cli._plot import check_plot_target, plot_trials
 from advisor.cli._report import (
     evaluation_table,
     print_reasons,
@@ -38,13 +39,14 @@ from advisor.tune import (
     StabilityThresholds,
     TrialSettings,
     TuneOptions,
+    check_judgeable_window,
     check_modes,
     check_script,
     default_trial_modes,
     run_comparison,
 )
 from policies import Policy
-from probes import HardwareProfile, MpadviseError, hardware_fingerprint
+from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
 if TYPE_CHECKING:
     from advisor.tune import Evaluation
@@ -128,6 +130,13 @@ def run_trial_command(
     ``memory_limit``, ``timeout``, ``seed``, ``device``, ``framework``, ``nproc_per_node``).
     """
     path = check_script(script)
+    if plot is not None:  # drawn after every trial: a path it cannot take is refused before the first
+        check_plot_target(plot)
+    try:  # a trial may be short, for its speeds alone; say so before it runs, not after
+        check_judgeable_window(options)
+    except UsageError as exc:
+        get_logger().warning(f"{exc}; until then every candidate is too-short: its speed is measured, its "
+                             "stability is not judged")
     profile = probes.profile_for(options.device)
     plan = plan_for(path, options.framework, device=profile.device)
     if options.modes:

@@ -35,8 +35,10 @@ from advisor.tune._engine import TuneResult, tune_policy
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import check_storage, check_study, shown_url
 from advisor.tune._space import SpaceLimits
+from advisor.tune._stability import StabilityThresholds
 from advisor.tune._trials import WAIT_IDLE_ENV, Runner, ScriptRunner, TrialSettings
-from probes import HardwareProfile, MpadviseError, hardware_fingerprint
+from policies import check_config_target
+from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
 __all__ = [
     "EXIT_FOUND",
@@ -218,6 +220,10 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
     profile = profile or probes.profile_for(request.options.device)
     options = _resolved(request.options.with_(framework=request.launch.framework), profile)
     request = TuneRequest(path, tuple(request.args), options, request.launch)
+    # The config file is written at the end: a path it cannot take is refused before any trial,
+    # as is a window too short for any verdict (every candidate, fp32 too, would be too-short).
+    check_config_target(_config_out(options, path))
+    check_judgeable_window(options)
     fingerprint = hardware_fingerprint(profile)
     study_name = study_name_for(path, list(request.args), fingerprint, processes=options.nproc_per_node)
     check_study(options.storage, study_name, hardware=fingerprint, resume=options.resume)
@@ -250,9 +256,33 @@ def keep_answer(result: TuneResult, options: TuneOptions, profile: HardwareProfi
     without a winner. ``framework``: the script trains with it and never imports advisor."""
     if result.policy is None:
         return None, None
-    out = Path(options.out) if options.out is not None else config_path_for(script)
-    written = result.policy.save(out, framework=framework)
+    written = result.policy.save(_config_out(options, script), framework=framework)
     return written, None if options.no_cache else remember(result, profile, script, args)
+
+
+def check_judgeable_window(options: TuneOptions, thresholds: StabilityThresholds | None = None) -> None:
+    """Refuse a trial window shorter than a verdict needs, before any trial runs.
+
+    A verdict compares every step of a trial, the warm-up's included, and needs at least
+    ``min_steps`` of them (twice the 16-step window in which a GradScaler finds its scale):
+    with fewer, every candidate, fp32 too, ends ``too-short`` and the tune has no answer.
+
+    Raises:
+        UsageError: ``--steps`` plus ``--warmup`` below the minimum; the line names the
+            smallest ``--steps`` that works with this warm-up.
+    """
+    need = (thresholds or StabilityThresholds()).min_steps
+    if options.steps + options.warmup < need:
+        raise UsageError(
+            f"--steps {options.steps} with --warmup {options.warmup} gives {options.steps + options.warmup} steps per "
+            f"trial, and a verdict compares at least {need} (twice the 16 steps a loss scaler needs to settle); "
+            f"use --steps {need - options.warmup} or more"
+        )
+
+
+def _config_out(options: TuneOptions, script: Path) -> Path:
+    """Where a tune writes its config file: ``--out``, else beside the script."""
+    return Path(options.out) if options.out is not None else config_path_for(script)
 
 
 @contextmanager

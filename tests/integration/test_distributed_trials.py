@@ -48,7 +48,7 @@ def processes_running(path: Path) -> list[int]:
 
 
 def test_a_crash_on_one_rank_stops_the_tune_naming_that_rank(tmp_path, isolated_home, cli):
-    proc = cli("tune", str(SCRIPTS / "ddp_rank_fails.py"), "--nproc-per-node", "2", "--steps", "8", "--warmup", "1",
+    proc = cli("tune", str(SCRIPTS / "ddp_rank_fails.py"), "--nproc-per-node", "2", "--steps", "31", "--warmup", "1",
                "--no-priors", "--no-cache", "--", "1", "3", "raise")
     assert proc.returncode == 1, proc.stderr
     # One line: rank 0 failed too (its peer closed the connection), later; rank 1's error is the cause.

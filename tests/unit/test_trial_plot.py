@@ -12,6 +12,7 @@ import pytest
 
 import advisor.cli._plot as plot_module
 import advisor.cli._trial as trial_cli
+from advisor._log import get_logger
 from advisor.cli._plot import plot_trials, trial_figure
 from advisor.trial import TrialResult
 from advisor.tune._stability import basis, smooth
@@ -202,3 +203,47 @@ def test_a_timeout_is_called_a_timeout_with_what_to_change(tmp_path, monkeypatch
     assert "bf16-mixed timed out" in text and "not a stability verdict" in text
     assert "--timeout 30" in text and "--steps 32" in text
     assert code == trial_cli.EXIT_UNSTABLE  # still not a stable candidate: nothing to recommend
+
+
+@pytest.mark.parametrize(("where", "says"), [("missing/dir/trial.png", "does not exist"), (".", "it is a directory")])
+def test_a_plot_path_that_cannot_be_written_is_refused_before_any_trial(tmp_path, monkeypatch, where, says):
+    from typer.testing import CliRunner
+
+    from advisor.cli._app import app
+
+    script = tmp_path / "train.py"
+    script.write_text("import advisor\nmp = advisor.load_policy()\n")
+
+    def no_trial(*args, **kwargs):
+        raise AssertionError("a trial ran although the plot path should have been refused first")
+
+    monkeypatch.setattr(trial_cli, "ScriptRunner", no_trial)
+    result = CliRunner().invoke(app, ["trial", str(script), "-m", "bf16-mixed", "--plot", str(tmp_path / where)])
+    assert result.exit_code == 1, result.output
+    assert f"cannot write plot {tmp_path / where}" in result.output and says in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_trial_too_short_for_a_verdict_is_told_so_before_it_runs(tmp_path, monkeypatch, caplog):
+    from typer.testing import CliRunner
+
+    from advisor.cli._app import app
+
+    script = tmp_path / "train.py"
+    script.write_text("import advisor\nmp = advisor.load_policy()\n")
+    ran = []
+
+    def no_trial(*args, **kwargs):
+        ran.append(True)
+        raise MpadviseError("stop here")
+
+    monkeypatch.setattr(trial_cli, "ScriptRunner", no_trial)
+    logger = get_logger()  # it writes to stderr and does not propagate: listen to it directly
+    logger.addHandler(caplog.handler)
+    try:
+        CliRunner().invoke(app, ["trial", str(script), "-m", "bf16-mixed", "--steps", "10", "--warmup", "2"])
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert ran, "the trial itself is not refused: its speeds are worth measuring"
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "gives 12 steps per trial" in said and "--steps 30 or more" in said and "too-short" in said

@@ -14,9 +14,10 @@ from advisor.cache._recommend import cached_answers
 from advisor.cli._app import app
 from advisor.tune import ScriptLaunch, TuneOptions, TuneRequest, study_name_for, tune_script
 from advisor.tune import job as tune_job
+from advisor.tune._service import check_judgeable_window
 from advisor.tune._space import SpaceLimits
 from policies import load_config
-from probes import hardware_fingerprint
+from probes import MpadviseError, UsageError, hardware_fingerprint
 
 SPEEDS = {"fp32": 10.0, "tf32": 6.0, "bf16-mixed": 4.0, "fp16-mixed": 4.2, "bf16-true": 3.0}
 OPTIONS = TuneOptions(trials=3, modes=["bf16-mixed"], no_priors=True)
@@ -116,3 +117,42 @@ def test_the_job_entry_point_says_what_went_wrong_in_one_line(tmp_path, capsys):
 def test_tune_help_tells_framework_scripts_to_use_mpadvise_run():
     result = CliRunner().invoke(app, ["tune", "--help"], env={"COLUMNS": "300"}, terminal_width=300)
     assert "mpadvise run SCRIPT -- ARGS" in " ".join(result.output.split())
+
+
+class _Untouched:
+    """A runner the tune must never call: a refusal comes before the first trial."""
+
+    def __call__(self, policy, label):
+        raise AssertionError(f"a trial ran ({label}) although the tune should have been refused first")
+
+
+@pytest.mark.parametrize(("out", "says"), [
+    ("missing/dir/train.mpadvise.toml", "does not exist"),
+    (".", "it is a directory"),
+])
+def test_a_config_path_the_tune_cannot_write_is_refused_before_any_trial(script, tmp_path, out, says):
+    target = tmp_path / out
+    request = TuneRequest(script, (), OPTIONS.with_(out=str(target)))
+    with pytest.raises(MpadviseError, match=f"cannot write config file .*{says}"):
+        tune_script(request, profile=GPU, runner=_Untouched())
+
+
+def test_an_existing_file_that_is_not_a_config_is_refused_before_any_trial(script, tmp_path):
+    notes = tmp_path / "notes.toml"
+    notes.write_text("title = 'my notes'\n")
+    request = TuneRequest(script, (), OPTIONS.with_(out=str(notes)))
+    with pytest.raises(MpadviseError, match="not an mpadvise config file"):
+        tune_script(request, profile=GPU, runner=_Untouched())
+    assert notes.read_text() == "title = 'my notes'\n"
+
+
+@pytest.mark.parametrize(("steps", "warmup", "smallest"), [(10, 2, 30), (1, 0, 32), (29, 2, 30)])
+def test_a_window_too_short_for_a_verdict_is_refused_before_any_trial(script, steps, warmup, smallest):
+    request = TuneRequest(script, (), OPTIONS.with_(steps=steps, warmup=warmup))
+    with pytest.raises(UsageError, match=f"gives {steps + warmup} steps per trial.*at least 32.*--steps {smallest} or more"):
+        tune_script(request, profile=GPU, runner=_Untouched())
+
+
+def test_the_shortest_judgeable_window_is_accepted():
+    check_judgeable_window(OPTIONS.with_(steps=30, warmup=2))
+    check_judgeable_window(OPTIONS.with_(steps=32, warmup=0))
