@@ -25,7 +25,7 @@ from advisor.cache._store import Store
 from advisor.daemon._client import DaemonClient, read_token
 from advisor.daemon._config import check_bind, is_loopback, under_roots
 from advisor.daemon._files import ensure_token
-from advisor.daemon._jobs import JobRunner, LogTail, Slot, job_pids, job_request, tune_argv
+from advisor.daemon._jobs import JOB_TMP, JobRunner, LogTail, Slot, job_pids, job_request, tune_argv
 from advisor.tune import TuneRequest
 from probes import MpadviseError
 
@@ -221,9 +221,11 @@ def test_a_job_result_comes_from_its_result_file_not_stdout(tmp_path):
     assert job["state"] == "succeeded", job
     assert job["result"]["exit_code"] == 0 and job["result"]["tune"]["winner"] is None
     assert job["result"]["tune"]["request"]["args"] == ["x"]
-    # What the process printed is in its log, as its stderr is; the request and result files are gone.
+    # What the process printed is in its log, as its stderr is; the request and result files are
+    # gone, and so is the job's private temporary directory (only their common parent is left).
     assert "{not json at all" in job["log_tail"]
-    assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == [f"{job['id']}.log"]
+    assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == sorted([f"{job['id']}.log", JOB_TMP])
+    assert list((tmp_path / "jobs" / JOB_TMP).iterdir()) == []
 
 
 def test_a_job_that_writes_no_result_fails_with_its_last_line(tmp_path):
