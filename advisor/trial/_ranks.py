@@ -214,9 +214,11 @@ def _install_handler(rendezvous: Any, path: str) -> None:
     rendezvous._rendezvous_handlers["env"] = _file_store_handler(path)
 
 
-class _AfterImport:
+class AfterImport:
     """A meta path finder that finds nothing itself: once ``name`` is imported (by the finders
-    after it), ``then(module)`` runs; then it leaves ``sys.meta_path``."""
+    after it), ``then(module)`` runs; then it leaves ``sys.meta_path``. A rank points torch's
+    rendezvous at its file store with it; a trial marks torch's import on its timeline
+    (``advisor.trial._warm.mark_torch_import``)."""
 
     def __init__(self, name: str, then: Callable[[Any], None]) -> None:
         self.name, self.then = name, then
@@ -259,7 +261,7 @@ def use_file_store(environ: Mapping[str, str] = os.environ) -> bool:
     if module is not None:
         _install_handler(module, path)
     else:
-        sys.meta_path.insert(0, _AfterImport("torch.distributed.rendezvous", lambda m: _install_handler(m, path)))
+        sys.meta_path.insert(0, AfterImport("torch.distributed.rendezvous", lambda m: _install_handler(m, path)))
     return True
 
 

@@ -51,6 +51,7 @@ from typing import IO, Any, NoReturn
 from advisor._log import get_logger
 
 from ._proctree import _exit_as, end_with_parent, kill_tree, supervise
+from ._ranks import AfterImport
 from ._timeline import clear, mark
 
 WARM_ENV = "MPADVISE_WARM_TRIALS"
@@ -182,42 +183,6 @@ def exit_forked(code: int) -> NoReturn:
         _exit_as(code)
 
 
-class _MarkingLoader:
-    """torch's own loader, which marks ``torch_imported`` once torch's ``__init__`` has run."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        mark("torch_imported")
-        module.__loader__ = module.__spec__.loader = self._loader  # torch keeps its own loader
-
-
-class _TorchImportFinder:
-    """A meta path finder that finds nothing itself: it hands torch's spec, found by the
-    finders after it, the marking loader, once, and leaves ``sys.meta_path``."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "torch":
-            return None
-        sys.meta_path.remove(self)
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = None if find is None else find(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _MarkingLoader(spec.loader)
-                return spec
-        return None
-
-
 def mark_torch_import() -> None:
     """Mark ``torch_imported`` on this trial's timeline: now if torch is imported already (a
     forked trial), else when the script's own ``import torch`` is done.
@@ -229,7 +194,7 @@ def mark_torch_import() -> None:
     if "torch" in sys.modules:
         mark("torch_imported")
     else:
-        sys.meta_path.insert(0, _TorchImportFinder())
+        sys.meta_path.insert(0, AfterImport("torch", lambda module: mark("torch_imported")))
 
 
 # --- when a trial starts cold --------------------------------------------------------------------
