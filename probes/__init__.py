@@ -25,7 +25,7 @@ from probes._cpu import cpu_profile, parse_cpuinfo
 from probes._errors import MpadviseError, UnsupportedHere, UsageError
 from probes._files import check_writable, read_trusted_text, write_file_atomic
 from probes._fingerprint import hardware_fingerprint, major_minor
-from probes._libraries import fp8_library_versions
+from probes._libraries import first_installed, fp8_library_versions
 from probes._nvml import cuda_profiles, gpu_busy
 from probes._profile import HardwareProfile
 from probes._switches import matmul_switches
@@ -43,6 +43,7 @@ __all__ = [
     "cpu_profile",
     "cuda_profiles",
     "detect",
+    "first_installed",
     "fp8_library_versions",
     "fp8_recipe_rule",
     "fp8_recipe_since",

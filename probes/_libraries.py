@@ -29,11 +29,12 @@ def fp8_library_versions() -> tuple[tuple[str, str | None], ...]:
     """
     versions = []
     for library, distributions in FP8_LIBRARIES:
-        versions.append((library, _first_installed(distributions)))
+        versions.append((library, first_installed(distributions)))
     return tuple(sorted(versions))
 
 
-def _first_installed(distributions: tuple[str, ...]) -> str | None:
+def first_installed(distributions: tuple[str, ...]) -> str | None:
+    """The version of the first of ``distributions`` that is installed, or ``None``."""
     for distribution in distributions:
         try:
             return metadata.version(distribution)

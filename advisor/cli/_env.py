@@ -12,7 +12,6 @@ import os
 import platform
 import sys
 from collections.abc import Mapping
-from importlib import metadata
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
@@ -110,7 +109,7 @@ def env_report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         "mpadvise": __version__,
         "python": f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
         "torch": _torch(),
-        "packages": {name: _version(dists) for name, dists in OPTIONAL_PACKAGES.items()},
+        "packages": {name: probes.first_installed(dists) for name, dists in OPTIONAL_PACKAGES.items()},
         "os": platform.platform(),
         "cpu": {"model": cpu.name, "cores": cpu.cores, "flags": list(cpu.cpu_flags),
                 "native_bf16": any(f in cpu.cpu_flags for f in ("amx_bf16", "avx512_bf16"))},
@@ -160,15 +159,6 @@ def render_env(report: dict[str, Any], console: Console) -> None:
         lines.append("- environment: no MPADVISE_* variables set")
     for line in lines:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-
-
-def _version(distributions: tuple[str, ...]) -> str | None:
-    for name in distributions:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def _torch() -> dict[str, Any] | None:
