@@ -36,12 +36,12 @@ world-writable, whatever the umask, so that :func:`read_trusted_text` accepts it
 _TEMP_TRIES = 16
 
 
-def write_file_atomic(path: str | os.PathLike[str], text: str, *, mode: int = FILE_MODE) -> Path:
+def write_file_atomic(path: str | os.PathLike[str], text: str | bytes, *, mode: int = FILE_MODE) -> Path:
     """Write ``text`` to ``path`` whole or not at all, never through a planted name.
 
     Args:
         path: the file to create or replace; a symlink there is replaced, not followed.
-        text: its content (UTF-8).
+        text: its content: text (written as UTF-8), or bytes as they are (an image).
         mode: permission bits of the new file, before the umask.
 
     Returns:
@@ -55,7 +55,7 @@ def write_file_atomic(path: str | os.PathLike[str], text: str, *, mode: int = FI
     directory = path.parent
     tmp, fd = _create_temporary(directory, path.name, mode)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        with (os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")) as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())

@@ -10,14 +10,16 @@ shows each trial's median step time. matplotlib is imported only when a plot is 
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import textwrap
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from advisor.tune import Basis, StabilityThresholds, TrialCurve, basis, curve_of, smooth
-from probes import MpadviseError, check_writable
+from probes import MpadviseError, check_writable, write_file_atomic
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -42,16 +44,29 @@ def plot_trials(
     thresholds: StabilityThresholds | None = None,
     advice: Mapping[str, str] | None = None,
 ) -> None:
-    """Write ``trial_figure`` to ``path`` as a PNG.
+    """Write ``trial_figure`` to ``path``, in the format its extension names (PNG without one).
+
+    The image is drawn in memory and written as every file mpadvise writes is
+    (``write_file_atomic``): whole, and never through a link planted at its name.
 
     Raises:
-        MpadviseError: matplotlib is missing, or the file cannot be written.
+        MpadviseError: matplotlib is missing, it cannot draw that format, or the file cannot be
+            written.
     """
     fig = trial_figure(reference, evaluations, replicate=replicate, thresholds=thresholds, advice=advice)
+    image = io.BytesIO()
     try:
-        fig.savefig(path, dpi=110)
+        fig.savefig(image, format=Path(path).suffix[1:].lower() or "png", dpi=110)
+    except ValueError as exc:  # a format matplotlib does not know
+        raise MpadviseError(f"cannot write plot {path}: {_first_line(exc)}") from None
+    try:
+        write_file_atomic(path, image.getvalue())
     except OSError as exc:
         raise MpadviseError(f"cannot write plot {path}: {exc.strerror or exc}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def check_plot_target(path: str | os.PathLike[str]) -> None:

@@ -157,6 +157,26 @@ def test_the_trial_command_draws_with_this_module_and_writes_a_png(tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_plot_never_writes_through_a_link_planted_at_its_name(tmp_path):
+    reference, evaluations = _nan()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    path = tmp_path / "trial.png"
+    path.symlink_to(victim)
+    plot_trials(str(path), reference, evaluations)
+    assert victim.read_text() == "keep me\n"
+    assert not path.is_symlink() and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_plot_takes_the_format_its_extension_names(tmp_path):
+    reference, evaluations = _nan()
+    plot_trials(str(tmp_path / "trial.svg"), reference, evaluations)
+    assert b"<svg" in (tmp_path / "trial.svg").read_bytes()[:400]
+    with pytest.raises(MpadviseError, match="cannot write plot .*trial.nope"):
+        plot_trials(str(tmp_path / "trial.nope"), reference, evaluations)
+    assert not (tmp_path / "trial.nope").exists()
+
+
 def test_without_matplotlib_one_clear_line(monkeypatch):
     reference, evaluations = _nan()
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
