@@ -310,11 +310,15 @@ def test_a_killed_workers_trial_is_retried_by_the_other(tmp_path, postgres_url):
     # Its trials start cold, so that each runs for seconds (a warm trial of this workload is
     # over in half a second, too soon to be caught running on a loaded machine).
     doomed = _start(tmp_path, "node-a", postgres_url, trials=SPACE_SIZE, **{WARM_ENV: "0"})
-    # Enough budget for every candidate, the retried one included, whenever the retry comes.
-    survivor = _start(tmp_path, "node-b", postgres_url, trials=SPACE_SIZE)
-    with _reaped([doomed, survivor]):
+    with _reaped([doomed]):
         number = _running_trial_of(postgres_url, doomed, timeout=WORKER_TIMEOUT_S)
         _kill_machine(doomed)
+    # The survivor joins a study that holds a dead node's running trial: once the grace period
+    # is over it fails that trial as stale and runs the retry. (Started beside the doomed one,
+    # it once measured every candidate before the doomed one, slower with cold trials, ran any:
+    # there was nothing to kill mid-trial.) Its budget covers every candidate, the retry too.
+    survivor = _start(tmp_path, "node-b", postgres_url, trials=SPACE_SIZE)
+    with _reaped([survivor]):
         code, report, stderr = survivor.finish()
     assert code == 0, stderr[-3000:]
 
