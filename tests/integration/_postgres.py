@@ -57,9 +57,14 @@ class PostgresServer:
         return self.url(name)
 
     def halt(self) -> None:
-        """Stop the server as an outage would (``immediate``: open connections drop at once),
-        keeping its data directory, so that :meth:`restart` brings the same databases back."""
-        _run(self, "pg_ctl", "-D", str(self.base / "data"), "-m", "immediate", "-w", "stop")
+        """Stop the server as an outage would (``fast``: open connections drop at once),
+        keeping its data directory, so that :meth:`restart` brings the same databases back.
+
+        Not ``immediate``: this server runs with ``fsync`` and ``synchronous_commit`` off, so a
+        crash would lose transactions it had already reported committed (a trial a worker had
+        just asked for was gone after the restart), which a real server's durability never
+        allows. ``fast`` writes them out before it stops."""
+        _run(self, "pg_ctl", "-D", str(self.base / "data"), "-m", "fast", "-w", "stop")
 
     def restart(self) -> None:
         """Start a halted server again on the same data directory and port."""

@@ -2,7 +2,7 @@
 they measured meanwhile, and either store every result once it is back or end in one line.
 
 Real ``mpadvise tune`` workers against a real server (``_postgres``), halted (``pg_ctl stop -m
-immediate``, as a crash or a restart would) once a worker has a trial running, so that the
+fast``, as a restart would) once a worker has a trial running, so that the
 outage falls inside the search, and restarted on the same data directory.
 """
 
