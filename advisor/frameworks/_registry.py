@@ -11,7 +11,8 @@ framework means writing its adapter class (see ``FrameworkAdapter``) and one
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
 from policies import Policy
@@ -155,14 +156,29 @@ def detection_order() -> tuple[type[FrameworkAdapter], ...]:
 
 
 def check_framework(name: str) -> str:
-    """``name`` if it is a framework mpadvise serves.
+    """The framework mpadvise serves that ``name`` names, in any case (``Lightning``).
 
     Raises:
-        UsageError: naming the value and the frameworks allowed.
+        UsageError: naming the value, the closest frameworks and all of them.
     """
-    if name not in _FRAMEWORKS:
-        raise UsageError(f"unknown framework {name!r}; expected one of {', '.join(_FRAMEWORKS)}")
-    return name
+    return choose(name, _FRAMEWORKS, what="framework")
+
+
+def choose(name: str, choices: Iterable[str], *, what: str) -> str:
+    """The one of ``choices`` a user means by ``name``: itself, in any case.
+
+    Raises:
+        UsageError: (exit 2) none goes by that name; one line naming the closest choices
+            ("did you mean lightning?") and all of them.
+    """
+    names = tuple(choices)
+    text = str(name).strip()
+    by_lower = {choice.lower(): choice for choice in names}
+    if text.lower() in by_lower:
+        return by_lower[text.lower()]
+    close = [by_lower[c] for c in difflib.get_close_matches(text.lower(), list(by_lower), n=3, cutoff=0.6)]
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    raise UsageError(f"unknown {what} {text!r}; {hint}expected one of {', '.join(names)}")
 
 
 def framework_class(name: str) -> type[FrameworkAdapter]:
@@ -212,16 +228,14 @@ def export_targets() -> tuple[str, ...]:
 
 
 def check_target(name: str | None) -> str:
-    """``name`` if it is an export target.
+    """The export target ``name`` names, in any case.
 
     Raises:
-        UsageError: a missing or unknown target, naming the targets.
+        UsageError: a missing or unknown target, naming the closest targets and all of them.
     """
     if name is None:
         raise UsageError(f"missing --to TARGET; expected one of {', '.join(export_targets())}")
-    if name not in export_targets():
-        raise UsageError(f"unknown export target {name!r}; expected one of {', '.join(export_targets())}")
-    return name
+    return choose(name, export_targets(), what="export target")
 
 
 def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: str | None = None) -> Export:
@@ -238,7 +252,7 @@ def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: 
         UsageError: an unknown target or device.
         ExportRefused: the target cannot express the policy; one line saying what and why.
     """
-    check_target(target)
+    target = check_target(target)
     framework = _FRAMEWORKS.get(target)
     return _EXPORTERS[target]().export(policy, traits=None if framework is None else framework.traits(),
                                        device=device, source=source)
