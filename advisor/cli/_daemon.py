@@ -321,8 +321,10 @@ def _job_line(job: dict[str, Any]) -> str:
     tune = result.get("tune")
     if tune is not None:
         if tune.get("winner_label"):
-            speed = tune.get("speedup_vs_fp32")
-            return f"winner {tune['winner_label']}" + (f", {speed:.2f}x fp32" if speed else "")
+            # The tune's one figure, with what it rests on (``speedup.basis``), as the tune printed it.
+            speed, basis = tune.get("speedup_vs_fp32"), (tune.get("speedup") or {}).get("basis")
+            return f"winner {tune['winner_label']}" + (f", {speed:.2f}x fp32 goodput" if speed else "") + (
+                f" ({basis})" if speed and basis else "")
         return "no stable policy fits"
     if result.get("error"):
         return str(result["error"])

@@ -174,6 +174,15 @@ def trial_progress(console: Console, total: int, *, enabled: bool = True) -> Ite
         yield on_start, on_done
 
 
+def run_ratio_text(ev: Evaluation | None) -> str:
+    """What a tune's progress line says of one run's speed: its goodput over the fp32
+    reference run's, named as one run's ratio (the tune's speed-up is decided later, from paired
+    runs); empty without one."""
+    if ev is None or not ev.speedup:
+        return ""
+    return f", this run {ev.speedup:.2f}x the fp32 reference run"
+
+
 @contextmanager
 def tune_progress(console: Console, total: int) -> Iterator[Any]:
     """A progress bar over a tune's trials and then its rounds of re-measurement; yields
@@ -197,8 +206,7 @@ def tune_progress(console: Console, total: int) -> Iterator[Any]:
         def on_done(label: str, ev: Evaluation | None, m: Measured) -> None:
             bar.advance(task)
             style = VERDICT_STYLE.get(m.outcome, "red")
-            speed = f", {ev.speedup:.2f}x fp32" if ev is not None and ev.speedup else ""
-            bar.console.print(f"  {label}: [{style}]{m.outcome}[/]{speed}", highlight=False)
+            bar.console.print(f"  {label}: [{style}]{m.outcome}[/]{run_ratio_text(ev)}", highlight=False)
 
         def on_round(number: int, most: int, runs: int) -> None:
             # The search is over (what it left of its budget will not run): the bar now counts
@@ -255,20 +263,31 @@ NOISY_SPREAD = 0.25
 
 
 def _tune_table(tune: dict[str, Any]) -> Table:
+    """The candidates in two parts, so that no ratio is read as another kind: above the rule,
+    the winner and whoever ran beside fp32 in this run's re-measurement, by that figure (the
+    winner's is the tune's one speed-up, marked †); below it, the search's single runs."""
     resumed = tune.get("trials_resumed") or 0
     title = (f"{Path(tune.get('script') or '?').name} on {(tune.get('hardware') or {}).get('name', '?')}: "
              f"the fp32 reference and {tune.get('trials_run', 0)} trials"
              + (f", {resumed} resumed" if resumed else "")
              + f" of {(tune.get('space') or {}).get('grid_size', '?')} candidates")
-    # Each candidate's ratio to fp32 is its search run's; the winner's is the tune's one
-    # speed-up figure (its paired re-measurement against fp32), marked and explained below.
-    speedup = tune.get("speedup") or {}
-    marked = bool(speedup) and speedup.get("basis") != "search run"
-    legend = ("×fp32: goodput vs fp32, search run, ± the spread of its timings; goodput: samples/s, skipped "
-              "steps lost; "
+    rows = list(tune.get("candidates") or [])
+    paired = [row for row in rows if _shows_paired(tune, row)]
+    if paired and not any(row.get("winner") for row in paired):
+        paired = []  # nothing to set apart: the winner's figure is a single run's too
+    if paired:  # fp32 heads its own scale
+        paired += [row for row in rows if row.get("mode") == "fp32" and not row.get("micro_batch")
+                   and row not in paired and _is_reference_row(tune, row)]
+    single = [row for row in rows if row not in paired]
+    legend = ("×fp32: goodput over fp32's" + (", above the rule re-measured side by side in this run, ± half its "
+                                              "interval; below it, " if paired else " in ")
+              + "one search run, ± the spread of its step times; goodput: samples/s, skipped steps lost; "
               "TF/s: achieved TFLOP/s; MFU: of the probed peak; memory: peak")
-    if marked:
-        legend += f"\n† the winner's speed-up: {describe_speedup(speedup)}"
+    if any(row.get("resumed") for row in single):
+        legend += "; *: an earlier run's or another worker's figure (resumed), never compared with this run's fp32"
+    speedup = tune.get("speedup") or {}
+    if tune.get("speedup_vs_fp32"):
+        legend += f"\n† the winner's speed-up: {describe_speedup(speedup)}, the tune's one figure"
     # Short headers, explained by the legend; numbers and verdicts never wrap, labels wrap at
     # their spaces, so the table fits 80 columns with every figure whole.
     table = compact_table(title, legend)
@@ -277,37 +296,81 @@ def _tune_table(tune: dict[str, Any]) -> Table:
     for col in ("goodput", "×fp32", "TF/s", "MFU", "memory"):
         table.add_column(col, justify="right", no_wrap=True)
     table.add_column("verdict", no_wrap=True)
-    for row in tune.get("candidates") or []:
-        goodput, outcome = row.get("goodput"), row.get("outcome") or "ok"
-        won = bool(row.get("winner"))
-        ratio = tune.get("speedup_vs_fp32") if won and marked else row.get("search_speedup_vs_fp32", row.get("speedup_vs_fp32"))
-        cell = f"{ratio:.2f}x" + ("†" if won and marked else "") if goodput and ratio else "-"
-        spread = _spread_text(candidate_spread(tune, row)) if cell != "-" else ""
-        table.add_row("→" if won else "", escape(str(row.get("label"))), f"{goodput:,.0f}" if goodput else "-",
-                      cell + (f" {spread}" if spread else ""), fmt_tflops(row.get("tflops")), fmt_mfu(row.get("mfu")),
-                      fmt_bytes(row.get("peak_memory")), f"[{VERDICT_STYLE.get(outcome, 'red')}]{outcome}[/]")
+    for row in sorted(paired, key=lambda r: -(row_speedup(tune, r) or 0.0)):
+        _add_row(table, tune, row, goodput=_remeasured_goodput(tune, row))
+    if paired and single:
+        table.add_section()
+    for row in single:
+        _add_row(table, tune, row, goodput=row.get("goodput"))
     for row in tune.get("pruned") or []:  # never run: no numbers to show
         table.add_row("", escape(str(row.get("label"))), "-", "-", "-", "-", "-", f"[{VERDICT_STYLE['pruned']}]pruned[/]")
     return table
 
 
+def _add_row(table: Table, tune: dict[str, Any], row: dict[str, Any], *, goodput: float | None) -> None:
+    outcome, won = row.get("outcome") or "ok", bool(row.get("winner"))
+    ratio = row_speedup(tune, row)
+    cell = f"{ratio:.2f}x" + ("†" if won else "") if goodput and ratio else "-"
+    spread = _spread_text(candidate_spread(tune, row)) if cell != "-" else ""
+    shown_goodput = f"{goodput:,.0f}" + ("*" if row.get("resumed") and not _shows_paired(tune, row) else "") if goodput else "-"
+    table.add_row("→" if won else "", escape(str(row.get("label"))), shown_goodput,
+                  cell + (f" {spread}" if spread else ""), fmt_tflops(row.get("tflops")), fmt_mfu(row.get("mfu")),
+                  fmt_bytes(row.get("peak_memory")), f"[{VERDICT_STYLE.get(outcome, 'red')}]{outcome}[/]")
+
+
+def _shows_paired(tune: dict[str, Any], row: dict[str, Any]) -> bool:
+    """Whether a row's ×fp32 is a paired figure of this run (the winner's, when it is paired)."""
+    if row.get("winner"):
+        return bool((tune.get("speedup") or {}).get("pairs"))
+    return bool((row.get("paired_speedup") or {}).get("ratio"))
+
+
+def _is_reference_row(tune: dict[str, Any], row: dict[str, Any]) -> bool:
+    return row.get("label") == (tune.get("reference") or {}).get("label", "fp32") and bool(tune.get("reference_rounds"))
+
+
+def row_speedup(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
+    """The ×fp32 figure a tune table row shows: the winner's one figure; a re-measured
+    finalist's paired figure of this run; 1 for fp32 beside them; else the search run's ratio
+    (``None`` for a resumed result, never compared with this run's fp32)."""
+    if row.get("winner"):
+        return tune.get("speedup_vs_fp32")
+    if _shows_paired(tune, row):
+        return row["paired_speedup"]["ratio"]
+    return row.get("search_speedup_vs_fp32", row.get("speedup_vs_fp32"))
+
+
+def _remeasured_goodput(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
+    """A row's median goodput over its rounds of re-measurement (fp32's alongside for fp32); its
+    search run's when it has none."""
+    if _is_reference_row(tune, row) and not row.get("winner"):
+        rounds = tune.get("reference_rounds") or []
+    else:
+        rounds = next((f.get("rounds") or [] for f in tune.get("finalists") or [] if f.get("label") == row.get("label")), [])
+    return _median_round({"rounds": rounds, "goodput": row.get("goodput")}) or row.get("goodput")
+
+
 def candidate_spread(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
-    """How far a candidate's speed-up could move with its timing noise, as a fraction (half a
-    spread): the winner's paired interval, else its re-measured goodputs, else its own step
-    times (p10 to p90, or the interquartile range); ``None`` where the tune's JSON has none.
+    """How far the ×fp32 figure a row shows could move with its timing noise, as a fraction
+    (half a spread): a paired figure's interval (its rounds' range without one); a search
+    run's step times (p10 to p90, or the interquartile range); ``None`` where the tune's JSON
+    has none.
 
     Args:
         tune: the tune's JSON.
         row: one of its ``candidates``.
     """
-    speedup = tune.get("speedup") or {}
-    ratio, low, high = speedup.get("ratio"), speedup.get("low"), speedup.get("high")
-    if row.get("winner") and ratio and low and high and speedup.get("pairs"):
-        return (high - low) / 2 / ratio
-    for finalist in tune.get("finalists") or []:
-        goodputs = [g for g in finalist.get("goodputs") or [] if isinstance(g, (int, float)) and g > 0]
-        if finalist.get("label") == row.get("label") and len(goodputs) > 1:
-            return (max(goodputs) - min(goodputs)) / 2 / sorted(goodputs)[len(goodputs) // 2]
+    beside = _is_reference_row(tune, row) and any(_shows_paired(tune, r) for r in tune.get("candidates") or [])
+    if _shows_paired(tune, row) or beside:
+        figure = (tune.get("speedup") or {}) if row.get("winner") else (row.get("paired_speedup") or {})
+        ratio, low, high = figure.get("ratio"), figure.get("low"), figure.get("high")
+        if ratio and low and high:
+            return (high - low) / 2 / ratio
+        rounds = (tune.get("reference_rounds") if _is_reference_row(tune, row) and not row.get("winner") else
+                  next((f.get("rounds") for f in tune.get("finalists") or [] if f.get("label") == row.get("label")), None))
+        runs = sorted(g for g in rounds or [] if isinstance(g, (int, float)) and g > 0)
+        if len(runs) > 1:
+            return (runs[-1] - runs[0]) / 2 / runs[len(runs) // 2]
     p10, p90 = row.get("step_time_p10"), row.get("step_time_p90")
     if isinstance(p10, (int, float)) and isinstance(p90, (int, float)) and p10 > 0:
         return (p90 / p10 - 1) / 2
@@ -384,7 +447,7 @@ def _print_search(tune: dict[str, Any], console: Console) -> None:
     finalists = tune.get("finalists") or []
     rounds = tune.get("remeasure_rounds")
     if len(finalists) > 1:
-        close = ", ".join(f"{f['label']} {f['goodput']:,.0f}/s" for f in finalists)
+        close = ", ".join(f"{f['label']} {_median_round(f):,.0f}/s" for f in finalists)
         console.print(f"re-measured side by side{f' in {rounds} rounds' if rounds else ''}: {close}", highlight=False)
     stop = remeasure_stop_line(tune)
     if stop:
@@ -392,9 +455,23 @@ def _print_search(tune: dict[str, Any], console: Console) -> None:
     for dropped in tune.get("dropped_finalists") or []:
         console.print(f"[red]dropped[/] {dropped.get('label')}: {dropped.get('reason')}", highlight=False)
     if tune.get("gap"):
-        console.print(f"gap: {describe_gap(tune['gap'])}", highlight=False)
+        between = tune["gap"].get("between") or []
+        # Against fp32, the decisive gap is the speed-up itself; between finalists it is no speed-up.
+        rival = "" if between[1:2] == [(tune.get("reference") or {}).get("label", "fp32")] else \
+            " (between finalists: not a speed-up over fp32)"
+        console.print(f"gap: {describe_gap(tune['gap'])}{rival}", highlight=False)
     if tune.get("tie_note"):
         console.print(f"tie: {tune['tie_note']}", highlight=False)
+
+
+def _median_round(finalist: dict[str, Any]) -> float:
+    """A finalist's median goodput over its rounds (its search run's when it ran none), as the
+    table shows it."""
+    runs = sorted(g for g in finalist.get("rounds") or [] if isinstance(g, (int, float)) and g > 0)
+    if not runs:
+        return float(finalist.get("goodput") or 0.0)
+    mid = len(runs) // 2
+    return runs[mid] if len(runs) % 2 else (runs[mid - 1] + runs[mid]) / 2
 
 
 def remeasure_stop_line(tune: dict[str, Any]) -> str:

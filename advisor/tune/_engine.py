@@ -35,6 +35,7 @@ from advisor.tune._timing import (
     compare,
     noise_band,
     paired_gap,
+    step_time_range,
     summarize,
 )
 from advisor.tune._trials import (
@@ -243,13 +244,35 @@ class TuneResult:
             key=lambda item: (not (item[1].stable and item[1].feasible), -item[1].goodput),
         )
 
+    def paired_speedup(self, cand: Candidate) -> Speedup | None:
+        """A finalist's speed-up over fp32 from the rounds it ran beside fp32 in this run (the
+        same computation as the winner's figure); ``None`` for fp32 itself, and for a candidate
+        never re-measured beside it."""
+        finalist = next((f for f in self.finalists if f.candidate == cand), None)
+        if finalist is None or cand.mode == "fp32" and finalist.rounds == self.reference_rounds:
+            return None
+        pairs = [(x, y) for x, y in zip(finalist.rounds, self.reference_rounds) if x is not None and y is not None]
+        if not pairs:
+            return None
+        return Speedup.of_gap(paired_gap([x for x, _ in pairs], [y for _, y in pairs]))
+
+    def resumed(self, cand: Candidate) -> bool:
+        """Whether a measured candidate's search figure is not this run's: taken from the stored
+        study (an earlier run's, or another worker's)."""
+        return cand in self.search.measured and cand not in self.evaluations
+
     def to_dict(self) -> dict[str, Any]:
         rows = []
         ref_good = self.reference.goodput or 0.0
         for cand, m in self.ranking():
             ev = self.evaluations.get(cand)
-            search_speedup = m.goodput / ref_good if ref_good else None
+            resumed = self.resumed(cand)
+            # A stored figure over this run's fp32 is no ratio of anything: another run, another
+            # machine state. Its row shows no search ratio; a paired figure it may have is this run's.
+            search_speedup = m.goodput / ref_good if ref_good and not resumed else None
             won = cand == self.winner
+            paired = self.paired_speedup(cand)
+            spread = None if ev is None else step_time_range(ev.result.step_times, _warmup_of(ev.result))
             rows.append({
                 "label": cand.label,
                 "mode": cand.mode,
@@ -262,7 +285,14 @@ class TuneResult:
                 # winner's speed-up is the tune's one figure (re-measured against fp32).
                 "search_speedup_vs_fp32": search_speedup,
                 "speedup_vs_fp32": self.winner_speedup if won else search_speedup,
-                "speedup_basis": (self.speedup.basis if won and self.speedup else "search run"),
+                "speedup_basis": (self.speedup.basis if won and self.speedup else
+                                  "resumed: measured in an earlier run or by another worker" if resumed else "search run"),
+                # Its rounds beside fp32 in this run, when it was re-measured (the winner's is its figure).
+                "paired_speedup": None if paired is None else paired.to_dict(),
+                "resumed": resumed,
+                # The spread of its search run's measured step times (seconds), for the ± it carries.
+                "step_time_p10": None if spread is None else spread[0],
+                "step_time_p90": None if spread is None else spread[1],
                 "peak_memory": ev.result.peak_memory if ev else None,
                 **_utilisation_fields(self.utilisation(cand)),
                 "reason": m.reason,
@@ -854,9 +884,14 @@ def _paired(a: Finalist, b: Finalist) -> Gap:
     return paired_gap([x for x, _ in pairs], [y for _, y in pairs])
 
 
+def _warmup_of(result: TrialResult) -> int:
+    """The warm-up steps to drop, leaving at least one timed step for a short run."""
+    return min(result.warmup_steps, max(0, len(result.step_times) - 1))
+
+
 def _per_sample_times(result: TrialResult) -> list[float]:
     samples = samples_per_step(result) or 1
-    warm = min(result.warmup_steps, max(0, len(result.step_times) - 1))
+    warm = _warmup_of(result)
     return [t / samples for t in result.step_times[warm:]]
 
 

@@ -398,6 +398,17 @@ def step_spread(step_times: Sequence[float], warmup: int) -> float | None:
     return high / low if low > 0 else None
 
 
+def step_time_range(step_times: Sequence[float], warmup: int) -> tuple[float, float] | None:
+    """The 10th and 90th percentiles of the measured step times, in seconds: the spread a
+    search row's speed-up carries (wider, never narrower, than the truth with few steps, where
+    they near the fastest and the slowest step); ``None`` with fewer than two measured steps or
+    a non-finite one."""
+    measured = sorted(float(t) for t in list(step_times)[warmup:])
+    if len(measured) < 2 or not all(math.isfinite(t) and t >= 0 for t in measured):
+        return None
+    return _quantile(measured, 0.1), _quantile(measured, 0.9)
+
+
 def _measured(name: str, step_times: Sequence[float], warmup: int) -> list[float]:
     """The step times after the warm-up, validated."""
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:

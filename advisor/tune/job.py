@@ -7,8 +7,9 @@ script, its arguments, the tune options and how its trials start). The tune runs
 file and cache entry. Its result (``ScriptTune.to_dict()``, what ``mpadvise tune --json``
 prints) is written to ``RESULT.json``, whole or not at all, only when the tune answered.
 
-Progress goes to stderr, one line per trial (``  bf16-mixed: ok, 1.83x fp32``), and an error
-as one ``error: ...`` line. Nothing is read from stdout, which the script's own prints may use.
+Progress goes to stderr, one line per trial (``  bf16-mixed: ok, this run 1.83x the fp32
+reference run``: one run's ratio, not the tune's speed-up), and an error as one ``error: ...``
+line. Nothing is read from stdout, which the script's own prints may use.
 
 Exit codes: 0 a stable policy was found, 3 none was, 1 an error (2 a usage error), 130
 interrupted; the result file exists only after 0 or 3.
@@ -81,7 +82,8 @@ def progress_lines(total: int) -> Iterator[ProgressCallbacks]:
     """Progress as plain lines on stderr: one per finished trial, one per round of re-measurement."""
 
     def on_done(label: str, ev: Any, m: Any) -> None:
-        speed = f", {ev.speedup:.2f}x fp32" if ev is not None and ev.speedup else ""
+        # One run's ratio, named so: the tune's speed-up is its paired figure, decided at the end.
+        speed = f", this run {ev.speedup:.2f}x the fp32 reference run" if ev is not None and ev.speedup else ""
         _line(f"  {label}: {m.outcome}{speed}")
 
     def on_round(number: int, most: int, runs: int) -> None:
