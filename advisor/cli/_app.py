@@ -17,7 +17,7 @@ import typer
 
 from advisor._version import __version__
 from advisor.cli import _cache, _daemon, _env, _study
-from advisor.cli._common import JsonOption, console, handle_errors, print_json
+from advisor.cli._common import JsonOption, QuietOption, console, handle_errors, print_json
 from advisor.tune import OptionInfo, TuneOptions, option_info
 
 app = typer.Typer(
@@ -156,12 +156,13 @@ def trial(
         "--stream", help="Append one JSON line per finished trial to this file, then the comparison "
         "(default: the file MPADVISE_TRIAL_STREAM names, if any), so a run cut short keeps every verdict.")] = None,
     json_output: JsonOption = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Run the fp32 reference and the named candidates; compare speed, memory and stability."""
     from advisor.cli._trial import TrialStream, run_trial_command
 
     code = run_trial_command(script, script_args or [], options, plot=plot, json_output=json_output, console=console,
-                             stream=None if stream is None else TrialStream(stream))
+                             stream=None if stream is None else TrialStream(stream), quiet=quiet)
     raise typer.Exit(code)
 
 
@@ -214,12 +215,13 @@ def tune(
         bool, typer.Option("--submit", help="Queue the tune with the local daemon (mpadvise daemon start) and follow it.")
     ] = False,
     json_output: JsonOption = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Search precision mode, loss scaling and micro-batch size for the fastest stable policy."""
     from advisor.cli._tune import run_tune_command, submit_tune_command
 
     command = submit_tune_command if submit else run_tune_command
-    raise typer.Exit(command(script, script_args or [], options, json_output=json_output, console=console))
+    raise typer.Exit(command(script, script_args or [], options, json_output=json_output, console=console, quiet=quiet))
 
 
 app.command("show")(_cache.show)

@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from probes import MpadviseError
 
-__all__ = ["JsonOption", "console", "err_console", "fail", "handle_errors", "print_json"]
+__all__ = ["JsonOption", "QuietOption", "console", "err_console", "fail", "handle_errors", "print_json"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -23,6 +23,9 @@ console = Console()
 err_console = Console(stderr=True)
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON for scripts.")]
+QuietOption = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="No progress bar and no per-trial lines: only the result (with --json, only the JSON); "
+    "warnings and errors still go to stderr.")]
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:

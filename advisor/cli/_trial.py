@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import statistics
 import sys
@@ -118,8 +119,12 @@ def run_trial_command(
     json_output: bool,
     console: Console,
     stream: TrialStream | None = None,
+    quiet: bool = False,
 ) -> int:
     """Run the comparison and print it. Returns 0 when every candidate is stable, else 3.
+
+    With ``quiet``, no progress and no info lines: only the comparison (warnings and errors
+    still show on stderr).
 
     Each finished trial also goes to ``stream`` (default: the file ``MPADVISE_TRIAL_STREAM``
     names, if any) as it finishes, and the comparison after the last.
@@ -129,6 +134,8 @@ def run_trial_command(
     framework can apply) and the measuring window of every trial (``steps``, ``warmup``,
     ``memory_limit``, ``timeout``, ``seed``, ``device``, ``framework``, ``nproc_per_node``).
     """
+    if quiet:
+        get_logger().setLevel(logging.WARNING)
     path = check_script(script)
     if plot is not None:  # drawn after every trial: a path it cannot take is refused before the first
         check_plot_target(plot)
@@ -155,7 +162,7 @@ def run_trial_command(
     stream = TrialStream.from_environ() if stream is None else stream
     stream.check_writable()
     try:
-        with trial_progress(progress_console, len(candidates) + 2, enabled=sys.stderr.isatty() or not json_output) as (start, done):
+        with trial_progress(progress_console, len(candidates) + 2, enabled=not quiet and (sys.stderr.isatty() or not json_output)) as (start, done):
             comparison = run_comparison(runner, candidates, on_start=start, on_done=_both(done, stream.trial))
     finally:
         close = getattr(runner, "close", None)  # ends the runner's warm server; a stand-in may hold none

@@ -4,13 +4,19 @@ the same tune with the local daemon (``--submit``) and report it the same way.""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 
+import typer
 from rich.console import Console
 
 import probes
+from advisor._log import get_logger
+from advisor.cli._common import err_console, fail
 from advisor.cli._report import render_tune, tune_progress
 from advisor.frameworks import check_plan_modes, plan_for
 from advisor.tune import (
@@ -18,28 +24,120 @@ from advisor.tune import (
     TuneOptions,
     TuneRequest,
     check_script,
+    default_storage,
+    finished_trials,
+    kept_study,
     resolve_storage,
+    shared_storage,
+    shown_url,
+    study_name_for,
     tune_script,
 )
-from probes import UsageError
+from probes import MpadviseError, UsageError, hardware_fingerprint
 
-__all__ = ["run_tune_command", "submit_tune_command"]
+__all__ = ["resume_command", "run_tune_command", "submit_tune_command"]
 
 
 def run_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
-                     console: Console) -> int:
-    """Run the tune here and report it. Returns 0 when a stable policy was found, 3 when none was."""
+                     console: Console, quiet: bool = False) -> int:
+    """Run the tune here and report it. Returns 0 when a stable policy was found, 3 when none was.
+
+    With ``quiet``, no progress and no info lines: only the result (warnings and errors still
+    show on stderr). A study that holds finished trials is not deleted unasked: on a terminal
+    the user is asked, elsewhere the tune refuses (exit 2) naming ``--resume`` and ``--fresh``.
+    Ctrl-C ends it with exit 130 and the command that continues it.
+    """
+    given = options
     # The URL may come from the environment instead, to keep its password out of ps.
     options = options.with_(storage=resolve_storage(options.storage, os.environ))
     path = check_script(script)
     profile = probes.profile_for(options.device)
     plan = plan_for(path, options.framework, device=profile.device)
     check_plan_modes(plan, list(options.modes))
+    if options.storage is None:  # chosen here, as the tune would, so the study can be named before it runs
+        options = options.with_(storage=default_storage())
+    study_name = study_name_for(path, list(script_args), hardware_fingerprint(profile),
+                                processes=options.nproc_per_node)
+    flags = (*(["--json"] if json_output else []), *(["--quiet"] if quiet else []))
+    resume = resume_command(script, script_args, given, flags)
+    options = _confirm_fresh_start(options, study_name, resume)
     request = TuneRequest(path, tuple(script_args), options, ScriptLaunch.of(plan))
+    if quiet:
+        get_logger().setLevel(logging.WARNING)
     progress_console = Console(stderr=True) if json_output else console
-    done = tune_script(request, profile=profile, progress=lambda total: tune_progress(progress_console, total))
+    try:
+        done = tune_script(request, profile=profile,
+                           progress=None if quiet else lambda total: tune_progress(progress_console, total))
+    except KeyboardInterrupt:
+        raise _interrupted(options.storage, study_name, resume) from None
     _report(json.dumps(done.to_dict(), indent=2, default=str), json_output=json_output, console=console)
     return done.exit_code
+
+
+def resume_command(script: Path, script_args: list[str], options: TuneOptions, flags: tuple[str, ...] = ()) -> str:
+    """The command line that continues this tune: its own, as given (``flags``: the command's
+    own, such as ``--json``), with ``--resume``.
+
+    A storage URL given on the command line is shown with its password masked; one taken from
+    the environment is left out, as it was (the environment supplies it again).
+    """
+    options = options.with_(resume=True, fresh=False)
+    argv = options.to_argv()
+    if options.storage is not None:
+        at = argv.index(options.storage)
+        argv[at] = shown_url(options.storage) or options.storage
+    tail = ["--", *script_args] if script_args else []
+    return shlex.join([*_program(), "tune", str(script), *argv, *flags, *tail])
+
+
+def _program() -> list[str]:
+    """How this command was started, as a user would type it again: ``mpadvise`` where that
+    name on PATH is this program, else the interpreter and module, else the path run."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "mpadvise"
+    if Path(argv0).name == "__main__.py":  # python -m advisor.cli
+        return [sys.executable, "-m", "advisor.cli"]
+    found = shutil.which("mpadvise")
+    if found and Path(argv0).name == "mpadvise" and os.path.realpath(found) == os.path.realpath(shutil.which(argv0)
+                                                                                                 or argv0):
+        return ["mpadvise"]
+    return [argv0]
+
+
+def _confirm_fresh_start(options: TuneOptions, study_name: str, resume: str) -> TuneOptions:
+    """Ask, on a terminal, before a tune deletes a stored study's finished trials.
+
+    Returns:
+        The options, with ``fresh`` set when the user said yes; unchanged where nothing is at
+        stake or nobody can answer (the tune then refuses before any trial; see
+        :func:`advisor.tune.kept_study`).
+
+    Raises:
+        MpadviseError: the user said no; the study is kept and nothing ran.
+    """
+    if options.resume or options.fresh or shared_storage(options.storage):
+        return options
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        return options
+    held = kept_study(options.storage, study_name)
+    if held is None or not held.finished:
+        return options
+    question = f"{held.describe()}; start afresh and delete them? (--resume continues them)"
+    if not typer.confirm(question, default=False, err=True):
+        raise MpadviseError(f"nothing run; study {study_name!r} is kept; continue it with: {resume}")
+    return options.with_(fresh=True)
+
+
+def _interrupted(storage: str | None, study_name: str, resume: str) -> typer.Exit:
+    """Say what Ctrl-C kept and how to continue, and return the Exit (130) to raise."""
+    if storage is None:
+        return fail(f"interrupted; study {study_name!r} was kept in memory, so nothing can be resumed: run the "
+                    "tune again to start over", 130)
+    finished = finished_trials(storage, study_name)
+    plural = "" if finished == 1 else "s"
+    exit_ = fail(f"interrupted; {finished} finished trial{plural} kept in study {study_name!r} in "
+                 f"{shown_url(storage)!r}", 130)
+    err_console.print(f"continue with: {resume}", highlight=False, markup=False, soft_wrap=True)
+    return exit_
 
 
 def _report(tune_json: str, *, json_output: bool, console: Console) -> None:
@@ -51,8 +149,9 @@ def _report(tune_json: str, *, json_output: bool, console: Console) -> None:
 
 
 def submit_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
-                        console: Console, poll_s: float = 1.0) -> int:
-    """Queue the tune with the local daemon, follow its lines, and report it as a local tune.
+                        console: Console, poll_s: float = 1.0, quiet: bool = False) -> int:
+    """Queue the tune with the local daemon, follow its lines, and report it as a local tune
+    (with ``quiet``, only the report: the job's lines are not shown).
 
     Returns:
         The tune's exit code: 0 when a stable policy was found, 3 when none was.
@@ -69,7 +168,7 @@ def submit_tune_command(script: Path, script_args: list[str], options: TuneOptio
                          "each job one GPU; run the tune here instead")
     body = tune_job_body(script, script_args, options)
     client = DaemonClient.local(need_token=True)
-    err = Console(stderr=True) if json_output else console
+    err = Console(stderr=True, quiet=quiet) if json_output or quiet else console
     # Run where a local tune would, in this directory, when the daemon allows it there;
     # otherwise the daemon runs the job in the script's directory.
     cwd = Path(os.path.realpath(os.getcwd()))

@@ -24,7 +24,15 @@ from advisor.tune._options import (
     check_rank_device,
     option_info,
 )
-from advisor.tune._search import resolve_storage, shared_storage, shown_url, study_status
+from advisor.tune._search import (
+    KeptStudy,
+    finished_trials,
+    kept_study,
+    resolve_storage,
+    shared_storage,
+    shown_url,
+    study_status,
+)
 from advisor.tune._service import (
     EXIT_FOUND,
     EXIT_NONE_STABLE,
@@ -55,6 +63,7 @@ from advisor.tune._trials import (
 __all__ = [
     "Basis",
     "Evaluation",
+    "KeptStudy",
     "Measured",
     "SpaceLimits",
     "StabilityThresholds",
@@ -82,6 +91,8 @@ __all__ = [
     "check_script",
     "curve_of",
     "default_storage",
+    "finished_trials",
+    "kept_study",
     "default_trial_modes",
     "keep_answer",
     "option_info",

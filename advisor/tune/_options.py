@@ -19,7 +19,7 @@ from typing import Any, get_type_hints
 
 from advisor.trial import DEFAULT_MEASURE_STEPS, DEFAULT_WARMUP_STEPS, parse_memory
 from policies import canonical_mode, mode_names
-from probes import MpadviseError
+from probes import MpadviseError, UsageError
 
 __all__ = ["DEFAULT_MEASURE_STEPS", "DEFAULT_WARMUP_STEPS", "OptionInfo", "TuneOptions", "check_rank_device",
            "option_info"]
@@ -212,6 +212,9 @@ class TuneOptions:
     resume: bool = _option(
         False, "Continue the stored study instead of starting afresh; a study whose workload changed since (the model, "
         "optimizer or batch the script built) is not continued: a warning, then a fresh study.", _switch)
+    fresh: bool = _option(
+        False, "Delete the stored study's finished trials and start afresh; without it (or --resume), a tune whose "
+        "study holds finished trials asks first on a terminal, and elsewhere refuses and keeps them.", _switch)
     out: str | None = _option(None, "Config file to write; default: <script>.mpadvise.toml beside it.", _config_path)
     no_cache: bool = _option(False, "Do not store the answer in the per-GPU cache.", _switch)
     no_priors: bool = _option(False, "Measure candidates even when the matmul priors say they cannot win.", _switch)
@@ -225,6 +228,9 @@ class TuneOptions:
             if checked is not value:
                 object.__setattr__(self, option.name, checked)  # frozen: normalised once, here
         check_rank_device(self.nproc_per_node, self.device)
+        if self.resume and self.fresh:
+            raise UsageError("--resume and --fresh cannot be used together: --resume continues the stored study, "
+                             "--fresh deletes it; choose one")
 
     @property
     def memory_limit_bytes(self) -> int | None:

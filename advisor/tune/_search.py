@@ -372,15 +372,26 @@ def check_storage(storage: str | None) -> None:
         _open(storage)
 
 
-def check_study(storage: str | None, study_name: str, *, hardware: str, resume: bool) -> None:
-    """Refuse, before any trial runs, to continue a stored study measured on other hardware.
+def check_study(storage: str | None, study_name: str, *, hardware: str, resume: bool, fresh: bool = False) -> None:
+    """Refuse, before any trial runs, to continue a stored study measured on other hardware, or
+    to delete one that holds finished trials unless ``fresh`` says so.
 
-    Only a study this tune would continue is read: a shared one, or any with ``resume``.
+    Only a study this tune would continue is read for its hardware: a shared one, or any with
+    ``resume``. A study of this machine that a tune without ``resume`` would start afresh is
+    read for its finished trials: they are never deleted unasked.
 
     Raises:
+        UsageError: the study holds finished trials, and neither ``resume`` nor ``fresh`` was
+            given; the line names both.
         MpadviseError: the study holds another hardware fingerprint, or the storage fails.
     """
-    if storage is None or not (resume or shared_storage(storage)):
+    if storage is None:
+        return
+    if not (resume or shared_storage(storage)):
+        held = None if fresh else kept_study(storage, study_name)
+        if held is not None and held.finished:
+            raise UsageError(f"{held.describe()}; it is kept: pass --resume to continue it, or --fresh to delete it "
+                             "and start afresh")
         return
     import optuna
 
@@ -393,6 +404,67 @@ def check_study(storage: str | None, study_name: str, *, hardware: str, resume: 
     except Exception as exc:
         raise MpadviseError(storage_error(storage, exc)) from None
     _check_hardware(study, study_name, hardware, record=False)
+
+
+@dataclass(frozen=True)
+class KeptStudy:
+    """What a stored study holds that a fresh start would delete.
+
+    Attributes:
+        name: the study's name.
+        storage: its storage URL, password masked (:func:`shown_url`).
+        finished: its finished (complete) trials.
+        last: when the latest of them finished (ISO date and time, to the minute), if known.
+    """
+
+    name: str
+    storage: str
+    finished: int
+    last: str | None
+
+    def describe(self) -> str:
+        """``study 'x' in 'sqlite:///...' holds 4 finished trials from 2026-12-02 05:31``."""
+        when = f" from {self.last}" if self.last else ""
+        plural = "" if self.finished == 1 else "s"
+        return f"study {self.name!r} in {self.storage!r} holds {self.finished} finished trial{plural}{when}"
+
+
+def kept_study(storage: str | None, study_name: str) -> KeptStudy | None:
+    """The stored study of that name and its finished trials, read without writing anything;
+    ``None`` in memory, or where there is no such study (an SQLite file not made yet included).
+
+    Raises:
+        MpadviseError: the storage cannot be read, naming the URL (its password masked).
+    """
+    if storage is None or not _storage_exists(storage):
+        return None
+    try:
+        studies = study_status(storage, study_name)
+    except MpadviseError as exc:
+        if f"no study {study_name!r}" in str(exc):
+            return None
+        raise
+    finished = studies[0]["trials"]["complete"]
+    return KeptStudy(study_name, shown_url(storage) or storage, finished, studies[0].get("last_finished"))
+
+
+def finished_trials(storage: str | None, study_name: str) -> int:
+    """How many finished trials the stored study holds (0 in memory, or without the study); a
+    storage that cannot be read counts none."""
+    try:
+        held = kept_study(storage, study_name)
+    except MpadviseError:
+        return 0
+    return 0 if held is None else held.finished
+
+
+def _storage_exists(storage: str) -> bool:
+    """Whether the storage may hold studies already: any database server, or an SQLite file
+    that exists (reading it must not make it)."""
+    if not storage.startswith("sqlite"):
+        return True
+    path = storage.partition(":///")[2].partition("?")[0]
+    return bool(path) and path != ":memory:" and os.path.isfile(path)
 
 
 def _check_hardware(study: Any, study_name: str, hardware: str | None, *, record: bool) -> None:
@@ -1278,5 +1350,8 @@ def _study_summary(study: Any, trials: list[Any]) -> dict[str, Any]:
         if m.stable and m.feasible and m.goodput > 0 and (best is None or m.goodput > best["goodput"]):
             best = {"label": m.candidate.label, "goodput": round(m.goodput, 3), "worker": data.get("worker"),
                     "trial": frozen.number}
+    ends = [frozen.datetime_complete for frozen in trials
+            if frozen.state == state.COMPLETE and frozen.datetime_complete is not None]
     return {"study": study.study_name, "hardware": study.user_attrs.get(STUDY_ATTR_HARDWARE), "trials": counts,
-            "workers": sorted(workers), "best": best}
+            "workers": sorted(workers), "best": best,
+            "last_finished": max(ends).strftime("%Y-%m-%d %H:%M") if ends else None}

@@ -226,7 +226,7 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
     check_judgeable_window(options)
     fingerprint = hardware_fingerprint(profile)
     study_name = study_name_for(path, list(request.args), fingerprint, processes=options.nproc_per_node)
-    check_study(options.storage, study_name, hardware=fingerprint, resume=options.resume)
+    check_study(options.storage, study_name, hardware=fingerprint, resume=options.resume, fresh=options.fresh)
     launch = request.launch
     if launch.framework is not None:
         how = "read from its imports" if launch.detected else "--framework"

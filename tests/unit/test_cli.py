@@ -126,7 +126,7 @@ def test_tune_declares_one_option_per_field_with_its_flag_default_and_help():
     command = typer.main.get_command(app).commands["tune"]
     params = {p.name: p for p in command.params}
     assert [p.name for p in command.params] == ["script", "script_args", *(o.name for o in option_info()),
-                                                "submit", "json_output"]
+                                                "submit", "json_output", "quiet"]
     for option in option_info():
         param = params[option.name]
         assert param.opts[0] == option.flag and (param.help == option.help or option.name == "framework")

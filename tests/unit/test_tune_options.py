@@ -17,7 +17,7 @@ from probes import MpadviseError
 
 # The daemon's documented job options (docs/daemon.md); stored jobs carry exactly these keys.
 JOB_OPTIONS = ["trials", "time_budget", "steps", "warmup", "modes", "scale_batch", "include_emulated",
-               "memory_limit", "timeout", "first_step_timeout", "seed", "framework", "resume", "out", "no_cache", "no_priors"]
+               "memory_limit", "timeout", "first_step_timeout", "seed", "framework", "resume", "fresh", "out", "no_cache", "no_priors"]
 
 
 def test_one_set_of_names_and_defaults():
