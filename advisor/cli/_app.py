@@ -174,11 +174,15 @@ def run(
     config: Annotated[Path | None, typer.Option(help="Config file to apply; default: resolved as load_policy() does.")] = None,
     framework: Annotated[str | None, typer.Option(help=_option_help(_FRAMEWORK_OPTION))] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda:N whose policy applies; default: the first GPU, else the CPU.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="After the script's own output, print one line of JSON on "
+                                              "stdout: the policy applied and its source, the framework, the script's "
+                                              "exit code and wall time (mpadvise run --json x.py | tail -1 | jq).")] = False,
 ) -> None:
     """Run a script, unchanged, with its tuned policy applied (the script's exit code is this command's)."""
     from advisor.cli._run import run_command
 
-    raise typer.Exit(run_command(script, script_args or [], config=config, framework=framework, device=device))
+    raise typer.Exit(run_command(script, script_args or [], config=config, framework=framework, device=device,
+                                 json_output=json_output))
 
 
 @app.command()

@@ -4,17 +4,26 @@ A framework script (Lightning, the HF Trainer, Accelerate) runs under the framew
 which applies the policy through the framework's own settings, as its trials did. A script
 written against the loop API applies its policy itself (``load_policy()``), so it runs as
 ``python train.py ARGS`` with the chosen config file named in ``MPADVISE_POLICY``.
+
+A framework script for which nothing was tuned (no ``--config``, no ``MPADVISE_POLICY``, no
+config file beside it, nothing cached) runs with its own settings, as ``python train.py ARGS``
+would: mpadvise applies only what was measured, never its guess over the script's explicit
+precision. With ``--json``, one JSON object on one line follows the script's own output on
+stdout (``mpadvise run --json train.py | tail -1 | jq``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import probes
 from advisor._load import POLICY_ENV, PolicySource, Resolution, resolve_policy
@@ -24,8 +33,8 @@ from advisor.cache import TunedAnswer, cached_answers
 from advisor.frameworks import RUN_POLICY_ENV, RUN_SOURCE_ENV, check_expressible, plan_for, refusal
 from advisor.runtime import fallback_words, safe_fallback, script_digest
 from advisor.tune import check_script
-from policies import Policy, load_config
-from probes import HardwareProfile, MpadviseError
+from policies import Policy, load_config, safe_default
+from probes import HardwareProfile, MpadviseError, UsageError
 
 
 def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile, args: Sequence[str] = ()) -> Resolution:
@@ -40,7 +49,20 @@ def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile,
     first tuned on both applies; without one, ``safe_fallback`` applies (the safe default, or the
     tuned mode where that is safer), with a warning that says what differs.
     """
+    resolution = tuned_for_run(script, config, profile, args)
+    if resolution is None:
+        return Resolution(safe_default(profile), f"safe default for {profile.name}", PolicySource.SAFE_DEFAULT)
+    return resolution
+
+
+def tuned_for_run(script: Path, config: Path | None, profile: HardwareProfile,
+                  args: Sequence[str] = ()) -> Resolution | None:
+    """``resolve_for_run``'s answer, or ``None`` when nothing was tuned for ``script``: no
+    ``--config``, no ``MPADVISE_POLICY``, no config file beside it and nothing cached (a tuned
+    policy that does not fit this run still resolves, to its fallback, with a warning)."""
     resolution = resolve_policy(config, profile=profile, script=script, environ=os.environ, cached=cached_answers)
+    if resolution.kind is PolicySource.SAFE_DEFAULT and resolution.mismatch is None:
+        return None  # resolve_policy found nothing at all: its hardware default is a guess
     if not resolution.match_workload:
         return resolution
     digest, here = script_digest(script), tuple(args)
@@ -75,11 +97,19 @@ def _differences(answer: TunedAnswer, digest: str | None, args: tuple[str, ...],
 
 
 def run_command(script: Path, script_args: list[str], *, config: Path | None, framework: str | None,
-                device: str | None) -> int:
-    """Run the script with its policy applied; returns the script's exit code."""
+                device: str | None, json_output: bool = False) -> int:
+    """Run the script with its policy applied; returns the script's exit code.
+
+    With ``json_output``, one line of JSON follows the script's own output on stdout: what
+    ``run_summary`` says.
+
+    Raises:
+        UsageError: a ``--config`` that is missing or does not load (bad TOML, an unknown mode,
+            a field of the wrong type, a file refused as untrusted), an unknown framework.
+        MpadviseError: a missing script, or a policy the framework cannot apply.
+    """
     path = check_script(script)
-    if config is not None and not config.is_file():
-        raise MpadviseError(f"config file {config} does not exist")
+    _check_named_config(config)
     plan = plan_for(path, framework)
     env = dict(os.environ)
     if plan.framework is None:
@@ -91,9 +121,22 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
             env[POLICY_ENV] = str(config.resolve())
         if device is not None:
             get_logger().warning("--device applies to framework scripts; a load_policy() script picks its own device")
-        return _run([sys.executable, str(path), *script_args], env)
+        summary = None
+        if json_output:
+            # The script resolves its policy itself, and names it in its own line; a config file
+            # named here is the one it applies.
+            named = config or os.environ.get(POLICY_ENV) or None
+            summary = _summary(script=path, framework=None, policy=None if named is None else load_config(named),
+                               source="load_policy() in the script" if named is None else f"config file {named}",
+                               kind=None if named is None else PolicySource.EXPLICIT if config else PolicySource.ENV)
+        return _run([sys.executable, str(path), *script_args], env, summary=summary)
     profile = probes.profile_for(device)
-    resolution = resolve_for_run(path, config, profile, script_args)
+    resolution = tuned_for_run(path, config, profile, script_args)
+    if resolution is None:
+        get_logger().warning(f"no tuned policy for {script}; running it with its own settings: mpadvise tune {script} first")
+        return _run([sys.executable, str(path), *script_args], env, summary=_summary(
+            script=path, framework=plan.framework, policy=None, source="none: the script's own settings",
+            kind=None) if json_output else None)
     policy = resolution.policy
     if resolution.kind is PolicySource.SAFE_DEFAULT and refusal(policy, plan.framework, device=profile.device) is not None:
         # mpadvise's own choice is a mode this framework lacks (pure bf16): fp32 is safe anywhere.
@@ -103,7 +146,38 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
     with _policy_file(policy, config) as file:
         env[RUN_POLICY_ENV] = file
         env[RUN_SOURCE_ENV] = resolution.source
-        return _run([sys.executable, *plan.launch, str(path), *script_args], env)
+        return _run([sys.executable, *plan.launch, str(path), *script_args], env, summary=_summary(
+            script=path, framework=plan.framework, policy=policy, source=resolution.source,
+            kind=resolution.kind) if json_output else None)
+
+
+def _check_named_config(config: Path | None) -> None:
+    """Refuse a ``--config`` that cannot be applied, in one line, as the bad option value it is.
+
+    Raises:
+        UsageError: (exit 2) it does not exist, or ``load_config`` refuses it (not TOML, an
+            unknown mode, a field of the wrong type, a symlink or a file others may write).
+    """
+    if config is None:
+        return
+    if not config.is_file():
+        raise UsageError(f"--config: config file {config} does not exist")
+    try:
+        load_config(config)
+    except MpadviseError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _summary(*, script: Path, framework: str | None, policy: Policy | None, source: str,
+             kind: PolicySource | None) -> dict[str, Any]:
+    """What ``run --json`` says besides the exit code and the wall time (``run_summary``)."""
+    return {
+        "script": str(script),
+        "framework": framework,
+        "policy": None if policy is None else policy.to_dict(),
+        "source": source,
+        "source_kind": None if kind is None else kind.value,
+    }
 
 
 def _check_config_file(config: Path | None, script: Path) -> None:
@@ -134,9 +208,18 @@ class _policy_file:
             self._tmp.cleanup()
 
 
-def _run(argv: list[str], env: dict[str, str]) -> int:
+def _run(argv: list[str], env: dict[str, str], *, summary: dict[str, Any] | None = None) -> int:
+    """Run the script, its output passing through; with ``summary``, print it after the script's
+    output as one line of JSON on stdout, with ``exit_code`` and ``wall_s`` added."""
+    started = time.monotonic()
+    sys.stdout.flush()
     proc = subprocess.Popen(argv, env=env)
     try:
-        return proc.wait()
+        code = proc.wait()
     except KeyboardInterrupt:  # the child got the same Ctrl-C; let it finish its own way
-        return proc.wait()
+        code = proc.wait()
+    if summary is not None:
+        wall = round(time.monotonic() - started, 3)
+        sys.stdout.write(json.dumps({**summary, "exit_code": code, "wall_s": wall}, default=str) + "\n")
+        sys.stdout.flush()
+    return code

@@ -140,8 +140,9 @@ def test_run_refuses_a_planted_config_beside_the_script(script, isolated_home, c
     assert len(lines) == 1 and lines[0].startswith(f"error: refusing config file {planted}: it is owned by nobody")
     assert "mode 0644" in lines[0] and f"rm {planted}" in lines[0]
     # Named explicitly, it is refused the same way: naming a path does not vouch for its content.
+    # (a --config it cannot apply is a bad option value: exit 2)
     proc = cli("run", str(script), "--config", str(planted), "--", "3", timeout=120)
-    assert proc.returncode == 1 and "owned by nobody" in _error_lines(proc.stderr)[0]
+    assert proc.returncode == 2 and "owned by nobody" in _error_lines(proc.stderr)[0]
     env = {**os.environ, "MPADVISE_POLICY": str(planted)}
     proc = cli("run", str(script), "--", "3", timeout=120, env=env)
     assert proc.returncode == 1 and "owned by nobody" in _error_lines(proc.stderr)[0]

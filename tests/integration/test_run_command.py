@@ -45,7 +45,7 @@ def test_bad_input_gets_one_line(tmp_path, isolated_home, cli):
     script = tmp_path / "train.py"
     script.write_text("from transformers import Trainer\n")
     no_config = cli("run", str(script), "--config", str(tmp_path / "none.toml"))
-    assert no_config.returncode == 1 and len(no_config.stderr.strip().splitlines()) == 1
+    assert no_config.returncode == 2 and len(no_config.stderr.strip().splitlines()) == 1
     assert "config file" in no_config.stderr and "does not exist" in no_config.stderr
     bad = cli("run", str(script), "--framework", "keras")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [

@@ -253,8 +253,8 @@ def test_one_renderer_shows_a_tune_from_its_json():
     assert "no stable policy fits" in nothing and "wrote" not in nothing
 
 
-# Commands that hand the terminal to something else: the user's script, the daemon in the foreground.
-NO_JSON = {("run",), ("daemon", "run")}
+# Commands that hand the terminal to something else: the daemon in the foreground.
+NO_JSON = {("daemon", "run")}
 
 
 def _leaf_commands(command, path=()):
