@@ -143,7 +143,9 @@ def resolve_policy(
         candidate = (load_config(path), f"{POLICY_ENV}={path}", PolicySource.ENV)
     elif script is not None and _paths.config_path_for(script).is_file():
         path = _paths.config_path_for(script)
-        config = TunedAnswer(load_config(path), f"config file {path}")
+        policy = load_config(path)
+        # A tune records the arguments it ran with in the file; older files do not say.
+        config = TunedAnswer(policy, f"config file {path}", None if policy.tuned_on is None else policy.tuned_on.args)
         if not written_by_a_tune(config.policy):
             candidate = (config.policy, config.label, PolicySource.BESIDE_SCRIPT)
         else:
@@ -151,7 +153,7 @@ def resolve_policy(
             # of the script's other workloads.
             found = _answers(cached, profile, script)
             same = [a for a in found if _workload_of(a.policy) == _workload_of(config.policy)]
-            if same:
+            if same and config.args is None:
                 config = replace(config, args=same[0].args)
             others = [a for a in found if _workload_of(a.policy) != _workload_of(config.policy)]
             return _tuned_resolution([config, *others], profile, config=config)

@@ -164,6 +164,9 @@ class TunedOn:
         speedup_high: the upper end.
         speedup_basis: what the speed-up rests on, in words ("paired re-measurement, 4 pairs",
             "single runs, not re-measured").
+        args: the script's command-line arguments the tune ran it with (``()`` for none), so
+            that a tune with other arguments does not replace this answer unasked and a run
+            with others can say so; ``None`` in a config written before they were recorded.
     """
 
     hardware_fingerprint: str = ""
@@ -183,9 +186,17 @@ class TunedOn:
     speedup_low: float | None = None
     speedup_high: float | None = None
     speedup_basis: str | None = None
+    args: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_positive("tuned_on", "global_batch", self.global_batch, integer=True, allow_none=True)
+        if self.args is not None:
+            # TOML and JSON give a list; the value stays a hashable tuple of strings.
+            if isinstance(self.args, str) or not isinstance(self.args, (list, tuple)) or not all(
+                isinstance(arg, str) for arg in self.args
+            ):
+                raise PolicyError(f"tuned_on.args: {self.args!r} is not allowed; expected a list of strings")
+            object.__setattr__(self, "args", tuple(self.args))
         for name in ("speedup_low", "speedup_high"):
             _check_positive("tuned_on", name, getattr(self, name), allow_none=True)
         if self.speedup_basis is not None and not isinstance(self.speedup_basis, str):
@@ -365,7 +376,7 @@ class Policy:
                 raise ValueError(f"framework {framework!r}: expected a name such as lightning")
             how = (f"# mpadvise precision policy for a {framework} script, which needs no changed line. Apply it by "
                    "running the script with:\n#     mpadvise run SCRIPT -- ARGS\n")
-        return how + "# Fields: https://github.com/mpadvise/mpadvise#the-config-file\n" + tomli_w.dumps(self.to_dict())
+        return how + "# Fields: see README.md, section 'The config file'\n" + tomli_w.dumps(self.to_dict())
 
     @classmethod
     def from_toml(cls, text: str, *, source: str = "<string>") -> Policy:

@@ -151,6 +151,8 @@ def record_tune(
     script_path = str(Path(script).resolve())
     fingerprint = hardware_fingerprint(profile)
     tuned = _tuned_on(profile, policy, script_path, workload_fingerprint, len(trials), speedup_vs_fp32, goodput)
+    if args is not None:
+        tuned = replace(tuned, args=tuple(str(arg) for arg in args))
     stored_policy = replace(policy, tuned_on=tuned)
     summary = {
         "speedup_vs_fp32": speedup_vs_fp32,
@@ -233,6 +235,7 @@ def _tuned_on(
         speedup_low=earlier.speedup_low,
         speedup_high=earlier.speedup_high,
         speedup_basis=earlier.speedup_basis,
+        args=earlier.args,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -181,7 +182,7 @@ class AppliedPolicy:
             if self._apply_other_answer(mismatch, lambda policy: self._batch_mismatch(policy, default)):
                 mismatch = None
         if mismatch is not None and not self._converted:
-            self._fall_back(mismatch.reason())
+            self._fall_back(mismatch.reason(), _args_now(mismatch))
             mismatch = None
         self._split = batch_split(self.policy, default)
         if mismatch is not None:
@@ -285,7 +286,7 @@ class AppliedPolicy:
         if mismatch is not None and not self._apply_other_answer(mismatch, self._workload_mismatch):
             # The answer was measured on another workload: its mode may be unstable or slow
             # for this one. Switch before the conversion below, which is what the mode changes.
-            self._fall_back(mismatch.reason())
+            self._fall_back(mismatch.reason(), _args_now(mismatch))
         before = dict(model.named_parameters())
         dtypes = {name: parameter.dtype for name, parameter in before.items()}
         model = model.to(self.device)
@@ -315,14 +316,26 @@ class AppliedPolicy:
         # tuned one here: micro_batch_size() compares it.
         batch = self._user_batch if self._user_batch is not None else tuned.global_batch
         here = replace(self._workload, global_batch=self._global(batch))
-        return workload_mismatch(tuned, here, model_only=not self._match_workload)
+        mismatch = workload_mismatch(tuned, here, model_only=not self._match_workload)
+        if mismatch is None or not self._match_workload or tuned.args is None or tuned.args == here.args:
+            return mismatch
+        # The tune recorded its arguments: name both lists, and judge the rest of the workload
+        # as if the arguments were the tuned ones, so what else changed is named too.
+        rest = workload_mismatch(tuned, replace(here, args=tuned.args))
+        return _with_args(rest, tuned.args, here.args, optimizer_now=here.describe_optimizer(),
+                          world_size_now=here.world_size)
 
     def _batch_mismatch(self, policy: Policy, batch: int) -> WorkloadMismatch | None:
         """A tune's answer tuned at another global batch than the script's ``batch``."""
         tuned_batch = tuned_global_batch(policy)
         if not self._match_workload or self._mismatch_reported or tuned_batch in (None, batch):
             return None
-        return WorkloadMismatch((Difference(GLOBAL_BATCH, str(tuned_batch), str(batch)),))
+        mismatch = WorkloadMismatch((Difference(GLOBAL_BATCH, str(tuned_batch), str(batch)),))
+        # Before setup() the rest of the workload is unknown; the arguments are, where recorded.
+        tuned_args, args = None if policy.tuned_on is None else policy.tuned_on.args, _script_args()
+        if tuned_args is None or tuned_args == args:
+            return mismatch
+        return _with_args(mismatch, tuned_args, args)
 
     def _apply_other_answer(
         self, mismatch: WorkloadMismatch, mismatch_of: Callable[[Policy], WorkloadMismatch | None]
@@ -341,22 +354,29 @@ class AppliedPolicy:
         self._alternatives.clear()
         return False
 
-    def _fall_back(self, why: str) -> None:
+    def _fall_back(self, why: str, why_args: tuple[str, ...] | None = None) -> None:
         """Replace the policy by ``safe_fallback`` (the safe default, or the tuned mode where it
         is safer), warning once.
 
         Only while the model is unconverted (the fallback never converts it: it is never FP8
         and never a pure 16-bit mode). A micro-batch already handed out stays, with its
-        accumulation, so the global batch does not change.
+        accumulation, so the global batch does not change. ``why_args``: this run's arguments,
+        when the tune was run with others, so the line names the tune that fits them.
         """
         fallback = safe_fallback(self.policy, self.profile)
         using, source = fallback_words(fallback, self.profile)
         kept = ""
         if self._split is not None and self._split.accum > 1:
             kept = f"; keeping {self._split.describe()}"
-        get_logger().warning(
-            f"{why}; run `mpadvise tune` again; {using} instead of {self.policy.describe()} from {self.source}{kept}"
-        )
+        if fallback.describe() == self.policy.describe():
+            # The fallback is the tuned policy's own mode with nothing else tuned: the mode
+            # stays, and the line says so rather than "fp32 instead of fp32".
+            default = safe_default(self.profile).mode
+            why_safe = "the safe default here" if fallback.mode == default else f"safer than the safe default {default}"
+            instead = f"keeping {fallback.mode} from {self.source}: {why_safe}"
+        else:
+            instead = f"{using} instead of {self.policy.describe()} from {self.source}"
+        get_logger().warning(f"{why}; {_retune_hint(why_args)}; {instead}{kept}")
         self._mismatch_reported = True
         self._switch_to(fallback, f"{source} ({why})")
 
@@ -857,6 +877,44 @@ def _script_path() -> str | None:
 def _script_args() -> tuple[str, ...]:
     """The running script's command-line arguments (none in a REPL or notebook)."""
     return tuple(sys.argv[1:]) if _paths.current_script() is not None else ()
+
+
+SCRIPT_ARGS = "script arguments"
+"""The fact a :class:`Difference` names when a tune recorded other arguments than this run's."""
+
+
+def _shown_args(args: Sequence[str]) -> str:
+    """``"--epochs 1"``, or ``"(none)"``."""
+    return shlex.join(args) if args else "(none)"
+
+
+def _with_args(mismatch: WorkloadMismatch | None, tuned: Sequence[str], here: Sequence[str], *,
+               optimizer_now: str = "", world_size_now: int = 1) -> WorkloadMismatch:
+    """``mismatch`` (``None``: nothing else changed) with the arguments' difference added."""
+    args = Difference(SCRIPT_ARGS, _shown_args(tuned), _shown_args(here))
+    if mismatch is None:
+        return WorkloadMismatch((args,), (), optimizer_now, tuple(here), world_size_now)
+    # "script arguments" is no longer a fact the tune did not record.
+    unrecorded = tuple(name for name in mismatch.unrecorded if name != SCRIPT_ARGS)
+    return replace(mismatch, differences=(*mismatch.differences, args), unrecorded=unrecorded, args_now=tuple(here))
+
+
+def _args_now(mismatch: WorkloadMismatch) -> tuple[str, ...] | None:
+    """This run's arguments, when ``mismatch`` names them as changed since tuning."""
+    for difference in mismatch.differences:
+        if difference.what == SCRIPT_ARGS:
+            return _script_args()
+    return None
+
+
+def _retune_hint(args: tuple[str, ...] | None) -> str:
+    """What to run: the tune of this script with this run's ``args``, when they are what
+    changed; otherwise ``mpadvise tune`` again."""
+    if args is None:
+        return "run `mpadvise tune` again"
+    script = sys.argv[0] if sys.argv and sys.argv[0] else "SCRIPT"
+    tail = f" -- {shlex.join(args)}" if args else ""
+    return f"`mpadvise tune {shlex.quote(script)}{tail}` tunes for these arguments"
 
 
 def step_samples(seen: list[int], *, asked: int | None, micro: int | None) -> int | None:

@@ -18,9 +18,10 @@ import ast
 import hashlib
 import json
 import os
+import shlex
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,7 +38,7 @@ from advisor.tune._search import check_storage, check_study, shown_url
 from advisor.tune._space import SpaceLimits
 from advisor.tune._stability import StabilityThresholds
 from advisor.tune._trials import WAIT_IDLE_ENV, Runner, ScriptRunner, TrialSettings
-from policies import check_config_target
+from policies import Policy, check_config_target
 from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "TuneRequest",
     "cache_rows",
     "calls_load_policy",
+    "check_config_args",
     "default_storage",
     "keep_answer",
     "remember",
@@ -223,6 +225,7 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
     # The config file is written at the end: a path it cannot take is refused before any trial,
     # as is a window too short for any verdict (every candidate, fp32 too, would be too-short).
     check_config_target(_config_out(options, path))
+    check_config_args(_config_out(options, path), path, request.args)
     check_judgeable_window(options)
     fingerprint = hardware_fingerprint(profile)
     study_name = study_name_for(path, list(request.args), fingerprint, processes=options.nproc_per_node)
@@ -256,8 +259,46 @@ def keep_answer(result: TuneResult, options: TuneOptions, profile: HardwareProfi
     without a winner. ``framework``: the script trains with it and never imports advisor."""
     if result.policy is None:
         return None, None
-    written = result.policy.save(_config_out(options, script), framework=framework)
+    policy = result.policy
+    if policy.tuned_on is not None:
+        # The arguments go into the file, so that a tune with others refuses to replace it
+        # (check_config_args) and a run with others can say which it was tuned for.
+        policy = policy.with_(tuned_on=replace(policy.tuned_on, args=tuple(str(arg) for arg in args)))
+    written = policy.save(_config_out(options, script), framework=framework)
     return written, None if options.no_cache else remember(result, profile, script, args)
+
+
+def check_config_args(path: Path, script: Path, args: Sequence[str]) -> None:
+    """Refuse, before any trial, a tune that would replace a config file tuned with other
+    arguments of the script.
+
+    The config file beside a script holds one answer; a tune of ``train.py -- 300`` must not
+    silently replace the one tuned for ``train.py``. A file that does not record its arguments
+    (written by hand, or before they were recorded) is replaced as before, as is one tuned
+    with the same arguments.
+
+    Raises:
+        UsageError: the file at ``path`` was tuned with other arguments; the line names both
+            argument lists and the ways out (``--out FILE``, or deleting the file).
+    """
+    try:
+        existing = Policy.from_toml(path.read_text(encoding="utf-8"), source=str(path))
+    except (OSError, UnicodeDecodeError, MpadviseError):
+        return  # no file, or not one to compare (check_config_target judged whether it may be replaced)
+    tuned = existing.tuned_on
+    here = tuple(str(arg) for arg in args)
+    if tuned is None or tuned.args is None or tuned.args == here:
+        return
+    raise UsageError(
+        f"{path} holds the answer tuned for {_command(script, tuned.args)}, and this tune is for "
+        f"{_command(script, here)}; replacing it would lose that answer: pass --out FILE to write this "
+        f"one elsewhere (then MPADVISE_POLICY=FILE applies it), or delete {path.name} to replace it"
+    )
+
+
+def _command(script: Path, args: Sequence[str]) -> str:
+    """``"`train.py 300`"``, ``"`train.py` (no arguments)"``."""
+    return f"`{shlex.join([script.name, *args])}`" + ("" if args else " (no arguments)")
 
 
 def check_judgeable_window(options: TuneOptions, thresholds: StabilityThresholds | None = None) -> None:

@@ -59,7 +59,9 @@ def test_a_comment_edit_falls_back_to_the_safer_mode(
     assert mp.mode == fallback and mp.policy.tuned_on is None
     assert len(warnings) == 1 and "script edited" in warnings[0]
     if fallback == tuned:
-        assert f"using {tuned}, the tuned mode, safer than the safe default bf16-mixed" in warnings[0]
+        # The mode stays: the line says so, not "tf32 instead of tf32".
+        assert f"keeping {tuned} from cache entry #1: safer than the safe default bf16-mixed" in warnings[0]
+        assert f"{tuned} instead of {tuned}" not in warnings[0]
     else:
         assert "using the safe default bf16-mixed" in warnings[0]
 
