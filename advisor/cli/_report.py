@@ -440,6 +440,11 @@ def _print_search(tune: dict[str, Any], console: Console) -> None:
     if ratios:
         console.print(f"matmul throughput vs fp32 on this device (the search's priors): {ratios}", highlight=False)
     console.print(f"search stopped: {tune.get('stop_reason')}", highlight=False)
+    resumed = tune.get("trials_resumed") or 0
+    if resumed:
+        console.print(f"resumed: {resumed} result{'' if resumed == 1 else 's'} from the stored study (an earlier run's or "
+                      "another worker's), never compared with this run's fp32: the finalists among them ran again, "
+                      "and the winner's figure is measured side by side in this run", highlight=False)
     pruned = tune.get("pruned") or []
     if pruned:
         console.print(f"pruned (not run): {len(pruned)} proposals the priors ruled out; --no-priors runs them",

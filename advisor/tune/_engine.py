@@ -760,6 +760,11 @@ def _settle_finalists(
     stop = STOP_OFF
     while True:
         finalists = _finalists(measured, trials.evaluations, user_batch, history)
+        if any(f.candidate not in trials.evaluations for f in finalists):
+            # A figure from the stored study (an earlier run's, another worker's) is never ranked
+            # against this run's: the finalists run side by side here, even where the search's
+            # single runs would otherwise decide.
+            remeasure = True
         if remeasure and companion is not None and finalists and all(f is not companion for f in finalists):
             companion.in_band = False
             finalists.append(companion)  # fp32 competes too: a winner must beat it side by side
