@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from advisor._paths import cache_dir
 from advisor.tune import shared_storage
 from policies import Policy
 from probes import MpadviseError
@@ -531,14 +534,49 @@ def _print_winner(tune: dict[str, Any], console: Console) -> None:
         console.print(f"cached for this GPU/CPU as entry #{tune['cache_id']} (mpadvise show)", highlight=False)
     if tune.get("storage"):
         # A database server's study is joined as it stands by every worker that runs this tune.
-        how = "every worker running this tune joins it" if shared_storage(tune["storage"]) else "continue with --resume"
+        how = ("every worker running this tune joins it" if shared_storage(tune["storage"])
+               else f"continue with: {escape(resume_command(tune))}")
         console.print(f"study {tune.get('study_name')!r} in {tune['storage']} ({how})", highlight=False)
     if tune.get("framework"):
         # A framework script applies its policy with no changed line: through mpadvise run.
-        script = Path(tune.get("script") or "train.py").name
-        console.print(f"train with it: [bold]mpadvise run {escape(script)}[/] (or mpadvise export --to {tune['framework']})",
-                      highlight=False)
+        export = shlex.join(["mpadvise", "export", *([pasteable_path(tune["config_file"])] if tune.get("config_file")
+                                                      else []), "--to", str(tune["framework"])])
+        console.print(f"train with it: [bold]{escape(run_command(tune))}[/] (or {escape(export)})", highlight=False)
     elif tune.get("calls_load_policy"):
         console.print("the script calls advisor.load_policy(): it applies the config file beside it", highlight=False)
     else:
         console.print("add to the script: [bold]mp = advisor.load_policy()[/] (it reads the config file beside it)")
+
+
+def pasteable_path(path: str | os.PathLike[str]) -> str:
+    """A path as a command line pasted here should name it: relative to the working directory
+    when it lies under it (``examples/train.py``), else as given."""
+    given = Path(path)
+    if given.is_absolute():
+        try:
+            return str(given.relative_to(Path.cwd()))
+        except ValueError:
+            return str(given)
+    return str(given)
+
+
+def _script_and_args(tune: dict[str, Any]) -> list[str]:
+    """The script (as :func:`pasteable_path` names it) and, after ``--``, its arguments."""
+    args = [str(a) for a in tune.get("args") or []]
+    return [pasteable_path(tune.get("script") or "train.py"), *(["--", *args] if args else [])]
+
+
+def run_command(tune: dict[str, Any]) -> str:
+    """``mpadvise run SCRIPT -- ARGS`` for the tuned script, shell-quoted, to paste where the
+    report is read."""
+    return shlex.join(["mpadvise", "run", *_script_and_args(tune)])
+
+
+def resume_command(tune: dict[str, Any]) -> str:
+    """``mpadvise tune SCRIPT --resume -- ARGS`` for the tune's study, shell-quoted; with
+    ``--storage`` when the study is neither in the default file nor in ``MPADVISE_STORAGE``."""
+    storage = tune.get("storage")
+    default = f"sqlite:///{cache_dir() / 'studies.db'}"
+    where = ["--storage", str(storage)] if storage and storage not in (default, os.environ.get("MPADVISE_STORAGE")) else []
+    script, *rest = _script_and_args(tune)
+    return shlex.join(["mpadvise", "tune", script, "--resume", *where, *rest])

@@ -240,13 +240,14 @@ def test_one_renderer_shows_a_tune_from_its_json():
     assert f"search stopped: {tune['stop_reason']}" in text
     assert f"winner: {Policy.from_dict(tune['winner']).describe()}, " in text
     assert "wrote /w/train.mpadvise.toml" in text and "entry #4" in text
-    assert "study 'train-s' in sqlite:////c/studies.db (continue with --resume)" in text
+    assert ("study 'train-s' in sqlite:////c/studies.db (continue with: mpadvise tune /w/train.py --resume --storage "
+            "sqlite:////c/studies.db)") in text
     assert "add to the script: mp = advisor.load_policy()" in text
 
     # A study on a database server is joined, not resumed; a framework script is run, not edited.
     shared = _rendered({**tune, "storage": "postgresql://tuner:***@db/mpadvise", "framework": "lightning"})
     assert "study 'train-s' in postgresql://tuner:***@db/mpadvise (every worker running this tune joins it)" in shared
-    assert "train with it: mpadvise run train.py (or mpadvise export --to lightning)" in shared
+    assert "train with it: mpadvise run /w/train.py (or mpadvise export /w/train.mpadvise.toml --to lightning)" in shared
     assert "load_policy" not in shared
 
     nothing = _rendered({**tune, "winner": None, "winner_label": None})
