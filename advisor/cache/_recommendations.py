@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,24 @@ from probes import MpadviseError, write_file_atomic
 
 if TYPE_CHECKING:
     import sqlite_utils
+
+
+@dataclass(frozen=True)
+class ImportedIds:
+    """What an import wrote: for each record written, ``(exported id, id here)``; the exported
+    id is ``None`` for a file from before ids were exported."""
+
+    ids: tuple[tuple[int | None, int], ...] = ()
+
+    @property
+    def written(self) -> int:
+        """How many records were written."""
+        return len(self.ids)
+
+    @property
+    def renumbered(self) -> tuple[tuple[int, int], ...]:
+        """``(exported id, new id)`` for each record whose id was taken here."""
+        return tuple((old, new) for old, new in self.ids if old is not None and old != new)
 
 
 class Recommendations(StoreBase):
@@ -318,26 +337,32 @@ class Recommendations(StoreBase):
             if validate_hardware is not None:
                 validate_hardware(record["hardware_fp"], record["hardware"])
 
-        return self.import_validated(read_export(Path(path), check=check))
+        return self.import_validated(read_export(Path(path), check=check)).written
 
     @guarded
-    def import_validated(self, records: Sequence[Record]) -> int:
+    def import_validated(self, records: Sequence[Record]) -> ImportedIds:
         """Write records that :func:`~advisor.cache._records.read_export` returned, in one
         transaction.
 
         A record replaces the cached one for its key unless the cached one is newer (so
         re-importing an old file never undoes a fresh local tune); its hardware profile is
-        stored with it.
+        stored with it. It keeps its exported id where no other entry of this cache has it, so
+        that ``#3`` means the same entry on both machines; where one has, it gets a new id.
 
         Args:
             records: validated records, as ``read_export`` returns them.
 
         Returns:
-            How many records were written.
+            The ids the written records have here, with those they were exported with.
         """
-        written = 0
+        ids: list[tuple[int | None, int]] = []
         with self._write() as db:
-            for record in records:
+            # Those whose id another entry holds go last, so that a new id given to one of them
+            # never takes the free id of a record later in the file.
+            later = sorted((record for record in records if _id_held_by_another(db, record)),
+                           key=lambda record: record["id"])
+            first = [record for record in records if not any(record is other for other in later)]
+            for record in (*first, *later):
                 if record["hardware"] is not None:
                     _upsert_hardware(
                         db,
@@ -354,9 +379,8 @@ class Recommendations(StoreBase):
                 )
                 if existing and existing[0]["created_at"] > record["created_at"]:
                     continue
-                _replace_recommendation(db, record)
-                written += 1
-        return written
+                ids.append((record.get("id"), _replace_recommendation(db, record)))
+        return ImportedIds(tuple(sorted(ids, key=lambda pair: (pair[0] is None, pair[0] or 0, pair[1]))))
 
 
 def _select_recommendations(
@@ -400,13 +424,27 @@ def _delete_recommendations(db: sqlite_utils.Database, where: str, params: Seque
     return len(ids)
 
 
+def _id_held_by_another(db: sqlite_utils.Database, record: Record) -> bool:
+    """Whether an entry of another key holds the id ``record`` was exported with."""
+    wanted = record.get("id")
+    if wanted is None:
+        return False
+    held = list(db.query("SELECT hardware_fp, workload_fp FROM recommendations WHERE id = ?", [wanted]))
+    return bool(held) and (held[0]["hardware_fp"], held[0]["workload_fp"]) != (
+        record["hardware_fp"], record["workload_fp"])
+
+
 def _replace_recommendation(db: sqlite_utils.Database, record: Record) -> int:
     """Delete the key's old row and trials and insert the new ones (caller holds the lock)."""
     _delete_recommendations(
         db, "hardware_fp = ? AND workload_fp = ?", [record["hardware_fp"], record["workload_fp"]]
     )
     table = db.table("recommendations")
-    table.insert(recommendation_row(record))
+    row = recommendation_row(record)
+    wanted = record.get("id")  # an imported record's id, kept where it is free here
+    if wanted is not None and not list(db.query("SELECT 1 FROM recommendations WHERE id = ?", [wanted])):
+        row["id"] = wanted
+    table.insert(row)
     recommendation_id = int(table.last_rowid)  # type: ignore[arg-type]
     rows = trial_rows(recommendation_id, record["trials"])
     if rows:

@@ -107,6 +107,16 @@ def _json_object_or_null(name: str, value: Any) -> dict[str, Any] | None:
     return _json_object(name, value, optional=True)
 
 
+def _id_or_null(name: str, value: Any) -> int | None:
+    """An exported entry's id: a positive integer, or absent (an export from before ids were
+    exported)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MpadviseError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 def _policy(name: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise MpadviseError(f"{name} must be a JSON object, got {type(value).__name__}")
@@ -215,7 +225,9 @@ class RecordField:
 
 
 RECORD_FIELDS: tuple[RecordField, ...] = (
-    RecordField("id", int, origin="store", not_null=True, stored="id"),
+    # Exported, so that an import can keep an entry's id where it is free (the store assigns
+    # a new one where it is not, and says so).
+    RecordField("id", int, origin="export", check=_id_or_null, not_null=True, stored="id"),
     RecordField("hardware_fp", str, check=check_hardware_fp, required=True, not_null=True),
     RecordField("workload_fp", str, check=_workload_fp, required=True, not_null=True),
     RecordField("script", str, check=_string_or_null),

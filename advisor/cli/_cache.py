@@ -125,6 +125,9 @@ def cache_import(
     if report["kept_newer"]:
         line += f" ({report['kept_newer']} kept: the cached answer for the same key is newer)"
     console.print(line, highlight=False)
+    if report["renumbered"]:
+        moved = ", ".join(f"#{pair['exported']} -> #{pair['id']}" for pair in report["renumbered"])
+        console.print(f"new ids, as those ids were taken in this cache: {moved}", highlight=False)
 
 
 def cache_clear(
@@ -309,8 +312,13 @@ def import_report(file: Path) -> dict[str, Any]:
     Args:
         file: a file written by ``mpadvise cache export``.
 
+    An entry keeps its exported id where this cache has no other entry with it; where one has,
+    it gets a new id, and ``renumbered`` maps the one to the other.
+
     Returns:
-        ``{"file", "records", "imported", "kept_newer", "database"}``.
+        ``{"file", "records", "imported", "kept_newer", "database", "ids", "renumbered"}``:
+        ``ids`` and ``renumbered`` list ``{"exported", "id"}`` for every written entry and for
+        those given a new id (``exported`` is null for a file from before ids were exported).
 
     Raises:
         MpadviseError: the file or a record is refused; nothing was imported.
@@ -322,9 +330,11 @@ def import_report(file: Path) -> dict[str, Any]:
         return {
             "file": str(file),
             "records": len(records),
-            "imported": imported,
-            "kept_newer": len(records) - imported,
+            "imported": imported.written,
+            "kept_newer": len(records) - imported.written,
             "database": str(store.path),
+            "ids": [{"exported": old, "id": new} for old, new in imported.ids],
+            "renumbered": [{"exported": old, "id": new} for old, new in imported.renumbered],
         }
 
 
