@@ -99,17 +99,19 @@ def profile_for(device: str | None) -> HardwareProfile:
     ``"cuda"`` or ``"cuda:N"``.
 
     Raises:
-        MpadviseError: a CUDA index that is not present, or a device name of another form.
+        UsageError: (exit 2) a CUDA device that is not present, or a device name of another form.
     """
     if device is None:
         return primary_profile()
     if device == "cpu":
         return cpu_profile()
-    if device.startswith("cuda"):
-        index = int(device.split(":", 1)[1]) if ":" in device else 0
-        profiles = cuda_profiles()
-        for profile in profiles:
-            if profile.index == index:
-                return profile
-        raise MpadviseError(f"device {device!r} is not available; CUDA devices here: {len(profiles)}")
-    raise MpadviseError(f"device {device!r} is not allowed; expected 'cpu', 'cuda' or 'cuda:N'")
+    index_text = device[len("cuda:"):] if device.startswith("cuda:") else "0" if device == "cuda" else None
+    if index_text is None or not index_text.isdigit():
+        raise UsageError(f"device {device!r} is not allowed; expected 'cpu', 'cuda' or 'cuda:N'")
+    profiles = cuda_profiles()
+    for profile in profiles:
+        if profile.index == int(index_text):
+            return profile
+    here = ", ".join(f"cuda:{profile.index}" for profile in profiles)
+    raise UsageError(f"device {device!r} is not available: "
+                     + (f"the CUDA devices here are {here}" if profiles else "no CUDA device here; use --device cpu"))

@@ -33,14 +33,17 @@ def export_command(config: Path | None, *, target: str | None, out: Path | None,
     is ``config`` itself or a ``.py`` file other than an earlier export (see ``out_refusal``).
 
     Raises:
-        UsageError: no CONFIG, an unknown target, a CONFIG that is neither .toml nor .py, an
-            ``out`` that exists (without ``force``) or must not be replaced.
-        MpadviseError: a missing or invalid config file, or an export the target refuses
+        UsageError: no CONFIG, a missing one, an unknown target, a CONFIG that is neither .toml
+            nor .py, an ``out`` that exists (without ``force``), must not be replaced, or lies in
+            a directory that does not exist.
+        MpadviseError: an export the target refuses
             (``ExportRefused``: one line saying what of the policy the target cannot express).
     """
     target = check_target(target)
     if out is not None:
         refusal = out_refusal(out, config=config, force=force)
+        if refusal is None and not out.absolute().parent.is_dir():
+            refusal = f"--out {out}: its directory {out.absolute().parent} does not exist"
         if refusal is not None:
             raise UsageError(refusal)
     policy, source, device = resolve_for_export(config)
@@ -62,10 +65,36 @@ def export_command(config: Path | None, *, target: str | None, out: Path | None,
     for warning in export.warnings:
         err_console.print(f"[yellow]warning[/] [bold]{escape(warning.id)}[/]: {escape(warning.message)}",
                           highlight=False, soft_wrap=True)
-    for note in export.notes:
+    notes = list(export.notes)
+    if device == "cuda":
+        elsewhere = _cuda_elsewhere(policy, target)
+        if elsewhere is not None:
+            notes.append(elsewhere)
+    for note in notes:
         err_console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
     if out is not None:
         err_console.print(f"wrote {escape(str(out))} ({target}, {export.format})", highlight=False, soft_wrap=True)
+
+
+def _cuda_elsewhere(policy: Policy, target: str) -> str | None:
+    """What a CUDA export means on this machine when it has no CUDA device, or ``None`` when it
+    has one: the settings are for a GPU, and here the framework would train on the CPU, or
+    could not apply the policy at all."""
+    import probes
+    from advisor.frameworks import FRAMEWORKS, framework_class, refusal
+
+    if probes.primary_profile().is_cuda:
+        return None
+    tuned = policy.tuned_on is not None and bool(policy.tuned_on.hardware_fingerprint)
+    why = "the GPU it was tuned on" if tuned else "a config file without [tuned_on] is taken to be for a GPU"
+    text = f"these settings are for CUDA ({why}); this machine has no CUDA device"
+    if target not in FRAMEWORKS:
+        return text
+    label = framework_class(target).label
+    reason = refusal(policy, target, device="cpu")
+    if reason is not None:
+        return f"{text}: here on the CPU {label} cannot apply it ({reason})"
+    return f"{text}: here {label} would apply it on the CPU, where it was never measured"
 
 
 def export_document(export: Export, policy: Policy, *, source: str, device: str) -> dict[str, Any]:
@@ -77,8 +106,8 @@ def resolve_for_export(config: Path | None) -> tuple[Policy, str, str]:
     """The policy to export, where it came from, and the device it trains on (``cuda``/``cpu``).
 
     Raises:
-        UsageError: no CONFIG, or one that is neither a config file nor a script.
-        MpadviseError: a missing file, or a config file that does not load.
+        UsageError: no CONFIG, one that does not exist or does not load, or one that is neither
+            a config file nor a script.
     """
     if config is None:
         raise UsageError(
@@ -90,10 +119,14 @@ def resolve_for_export(config: Path | None) -> tuple[Policy, str, str]:
             f"{config}: expected a config file (.toml, as mpadvise tune writes) or a training script (.py)"
         )
     if not config.exists():
-        raise MpadviseError(f"{config} does not exist")
+        raise UsageError(f"{config} does not exist")
     if config.suffix == ".toml":
-        # A config file is exported as it stands: it may well be for another machine.
-        policy = load_config(config)
+        # A config file is exported as it stands: it may well be for another machine. One that
+        # does not load is a bad argument, as a bad --config is to mpadvise run.
+        try:
+            policy = load_config(config)
+        except MpadviseError as exc:
+            raise UsageError(str(exc)) from None
         return policy, f"config file {config}", _device_of(policy, local_cuda=None)
     import probes
     from advisor.cli._policy import explain_policy

@@ -511,9 +511,10 @@ def test_cli_device_follows_where_the_policy_was_tuned(tmp_path: Path) -> None:
     (["export", "{config}", "--to", "keras"], 2, "unknown export target 'keras'; expected one of lightning, fabric"),
     (["export", "{config}"], 2, "missing --to TARGET"),
     (["export", "--to", "lightning"], 2, "needs a config file (.toml) or a training script (.py)"),
-    (["export", "{tmp}/missing.toml", "--to", "lightning"], 1, "missing.toml does not exist"),
+    (["export", "{tmp}/missing.toml", "--to", "lightning"], 2, "missing.toml does not exist"),
     (["export", "{tmp}/settings.yaml", "--to", "lightning"], 2, "expected a config file (.toml"),
-    (["export", "{bad}", "--to", "lightning"], 1, "invalid TOML"),
+    (["export", "{bad}", "--to", "lightning"], 2, "invalid TOML"),
+    (["export", "{config}", "--to", "lightning", "--out", "{tmp}/nodir/x.py"], 2, "nodir does not exist"),
     (["export", "{config}", "--to", "torchtitan"], 1, "torchtitan has no fp16 training"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path: Path, args: list[str], code: int, needle: str) -> None:
