@@ -224,7 +224,9 @@ def tune_progress(console: Console, total: int) -> Iterator[Any]:
 
 def render_tune(tune: dict[str, Any], console: Console) -> None:
     """A tune's summary from its JSON (what ``mpadvise tune --json`` prints, locally or from a
-    daemon job): the candidates ranked by goodput, why the others lost, the winner and its files.
+    daemon job): the candidates (those re-measured beside fp32 by their paired figure, then the
+    search's single runs), why the others lost, the winner with its one speed-up figure, and
+    next steps to paste.
 
     Args:
         tune: the tune's JSON, decoded.
