@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -384,21 +385,24 @@ def render_show(report: dict[str, Any], console: Console) -> None:
             highlight=False,
         )
     else:
-        table = _table(f"This machine ({devices})", ("id", "script", "workload", "mode", "speedup", "tuned", "status"))
+        table = _table(f"This machine ({devices})",
+                       ("id", SCRIPT_HEADER, "workload", "mode", SPEEDUP_HEADER, "tuned", "status"),
+                       legend=_legend(here))
         for row in here:
             status = "[green]valid[/]" if row["valid"] else f"[yellow]{row['status']}[/]"
             table.add_row(
-                str(row["id"]), row["script_name"] or "-", _short(row["workload_fp"]), row["mode"],
-                _speedup(row["speedup_vs_fp32"]), row["tuned"], status,
+                str(row["id"]), _script_cell(row), _short(row["workload_fp"]),
+                row["mode"], _speedup(row["speedup_vs_fp32"]), row["tuned"], status,
             )
         console.print(table)
     if other:
         devices = _device_keys(other)
-        table = _table("Other hardware or versions (not applied here)", ("id", "device", "script", "mode", "tuned", "why not"),
-                       legend=_device_legend(devices))
+        table = _table("Other hardware or versions (not applied here)",
+                       ("id", "device", SCRIPT_HEADER, "mode", "tuned", "why not"),
+                       legend=_device_legend(devices) + _args_legend(other))
         for row in other:
             table.add_row(
-                str(row["id"]), devices[_device_of(row)], row["script_name"] or "-",
+                str(row["id"]), devices[_device_of(row)], _script_cell(row),
                 row["mode"], row["tuned"], row["status"].removeprefix("other hardware: "),
             )
         console.print(table)
@@ -421,12 +425,11 @@ def render_list(report: dict[str, Any], console: Console) -> None:
         console.print(f"The cache {report['database']} holds no recommendations.", highlight=False)
         return
     devices = _device_keys(rows)
-    table = _table(report["database"], ("id", "device", "script", "workload", "mode", "speedup", "tuned"),
-                   legend=_device_legend(devices))
+    table = _table(report["database"], ("id", "device", SCRIPT_HEADER, "workload", "mode", SPEEDUP_HEADER, "tuned"),
+                   legend=_device_legend(devices) + "\n" + _legend(rows))
     for row in rows:
         table.add_row(
-            str(row["id"]), devices[_device_of(row)], row["script_name"] or "-",
-            _short(row["workload_fp"]), row["mode"], _speedup(row["speedup_vs_fp32"]), row["tuned"],
+            str(row["id"]), devices[_device_of(row)], _script_cell(row), _short(row["workload_fp"]), row["mode"], _speedup(row["speedup_vs_fp32"]), row["tuned"],
         )
     console.print(table)
 
@@ -454,10 +457,11 @@ def render_record(record: dict[str, Any], console: Console) -> None:
     facts.add_column(overflow="fold")
     facts.add_row("policy", summary["mode"])
     facts.add_row("script", record["script"] or "-")
+    facts.add_row("arguments", _args(summary["args"]) if summary["args"] is not None else "- (not recorded)")
     facts.add_row("device", summary["device"] or "-")
     facts.add_row("hardware fingerprint", record["hardware_fp"])
     facts.add_row("workload fingerprint", record["workload_fp"])
-    facts.add_row("speedup vs fp32", _speedup(record["speedup_vs_fp32"]))
+    facts.add_row(SPEEDUP_HEADER, _speedup_with_interval(record))
     facts.add_row("goodput", f"{record['goodput']:.1f} samples/s" if record["goodput"] else "-")
     facts.add_row("tuned", str(record["created_at"]))
     versions = ", ".join(f"{name} {version or 'absent'}" for name, version in (record["versions"] or {}).items())
@@ -535,6 +539,7 @@ def _summary_row(row: dict[str, Any]) -> dict[str, Any]:
         "workload_fp": row["workload_fp"],
         "script": script,
         "script_name": Path(script).name if script else None,
+        "args": _recorded_args(row),
         "mode": described,
         "policy": row["policy"],
         "speedup_vs_fp32": row["speedup_vs_fp32"],
@@ -578,7 +583,7 @@ def _table(title: str, columns: tuple[str, ...], *, legend: str | None = None) -
     (folding only a word longer than the column); ``legend`` goes under it."""
     table = Table(title=title, title_justify="left", caption=legend, caption_justify="left")
     for column in columns:
-        if column in ("id", "workload", "speedup", "tuned", "device"):
+        if column in ("id", "workload", SPEEDUP_HEADER, "tuned", "device"):
             table.add_column(column, no_wrap=True)
         elif column in ("status", "why not"):
             table.add_column(column, overflow="fold", ratio=2)
@@ -597,6 +602,70 @@ def _short(fingerprint: str) -> str:
 
 def _speedup(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
+
+
+SPEEDUP_HEADER = "×fp32"
+"""The header of a cache entry's figure: the tune's one speed-up, its winner's over fp32."""
+
+SPEEDUP_LEGEND = (f"{SPEEDUP_HEADER}: the winner's speed-up over fp32 (paired re-measurement where there was one; "
+                  "its interval: mpadvise cache show ID)")
+
+SCRIPT_HEADER = "script args"
+"""The column that tells two tunes of one script apart: the script and the arguments it was tuned with."""
+
+
+def _legend(rows: list[dict[str, Any]]) -> str:
+    """What the figure column says, and what an args cell of ``-`` means when one shows."""
+    return SPEEDUP_LEGEND + _args_legend(rows)
+
+
+def _args_legend(rows: list[dict[str, Any]]) -> str:
+    if any(row["args"] is None and row["script_name"] for row in rows):
+        return "; ?: arguments not recorded (an older tune)"
+    return ""
+
+
+def _script_cell(row: dict[str, Any]) -> str:
+    """``"train.py --epochs 1"``: the script and the arguments it was tuned with; ``?`` for
+    arguments an older tune did not record."""
+    name = row["script_name"]
+    if not name:
+        return "-"
+    args = row["args"]
+    return f"{name} ?" if args is None else shlex.join([name, *args])
+
+
+def _speedup_with_interval(record: dict[str, Any]) -> str:
+    """``"1.52x, the winner's speed-up over fp32 (interval 1.40x-1.65x; paired re-measurement,
+    4 pairs)"``: the figure with what the tune's ``[tuned_on]`` says of its interval and basis."""
+    if record["speedup_vs_fp32"] is None:
+        return "- (not measured)"
+    figure = f"{_speedup(record['speedup_vs_fp32'])}, the winner's speed-up over fp32"
+    tuned = (record.get("policy") or {}).get("tuned_on") or {}
+    low, high, basis = tuned.get("speedup_low"), tuned.get("speedup_high"), tuned.get("speedup_basis")
+    extra = []
+    if isinstance(low, (int, float)) and isinstance(high, (int, float)):
+        extra.append(f"interval {_speedup(low)}-{_speedup(high)}")
+    if isinstance(basis, str) and basis:
+        extra.append(basis)
+    return f"{figure} ({'; '.join(extra)})" if extra else figure
+
+
+def _recorded_args(row: dict[str, Any]) -> list[str] | None:
+    """The script's arguments an entry was tuned with (its summary, else its ``[tuned_on]``);
+    ``None`` when the tune did not record them."""
+    for args in ((row.get("summary") or {}).get("args"),
+                 ((row.get("policy") or {}).get("tuned_on") or {}).get("args")):
+        if isinstance(args, list) and all(isinstance(arg, str) for arg in args):
+            return list(args)
+    return None
+
+
+def _args(args: list[str] | None) -> str:
+    """An args cell: ``"--epochs 1"``, ``"(none)"``, or ``"-"`` when not recorded."""
+    if args is None:
+        return "-"
+    return shlex.join(args) if args else "(none)"
 
 
 def _plural(count: int, singular: str, plural: str | None = None) -> str:

@@ -135,14 +135,16 @@ def _summary(i: int, label: str) -> dict:
             "script": "/a/long/path/to/train_language_model_with_a_long_name.py",
             "script_name": "train_language_model_with_a_long_name.py", "mode": label, "policy": {},
             "speedup_vs_fp32": 50.1312, "goodput": 1e5, "created_at": "2026-11-30T12:00:00",
-            "tuned": "2026-11-30", "versions": {}}
+            "tuned": "2026-11-30", "versions": {}, "args": [["--epochs", "300", "--data", "./d"], [], None][i % 3]}
 
 
 def test_cache_list_fits_80_columns_and_keeps_the_device_on_few_lines():
     report = {"database": "/home/someone/.cache/mpadvise/cache.db", "cache": True,
               "recommendations": [_summary(i, label) for i, label in enumerate(LONG_LABELS)]}
     text = _text(render_list, report)
-    _assert_fits(text, must_appear=("2026-11-30", "50.13x", "abababab", "1000", *LONG_LABELS))
+    _assert_fits(text, must_appear=("2026-11-30", "50.13x", "abababab", "1000", *LONG_LABELS, "args", "×fp32",
+                                    "--epochs", "./d"))
+    assert "the winner's speed-up over fp32" in " ".join(text.split())
 
 
 def test_mpadvise_show_fits_80_columns():
@@ -155,18 +157,39 @@ def test_mpadvise_show_fits_80_columns():
     report = {"database": "/c/cache.db", "cache": True, "hardware": [{"fingerprint": "f" * 16, "device": LONG_DEVICE}],
               "recommendations": rows, "other_hardware": 1}
     text = _text(render_show, report)
-    _assert_fits(text, must_appear=("valid", "2026-11-30", "50.13x", *LONG_LABELS))
+    _assert_fits(text, must_appear=("valid", "2026-11-30", "50.13x", *LONG_LABELS, "args", "×fp32", "--epochs",
+                                    "./d"))
+    assert "the winner's speed-up over fp32" in " ".join(text.split())
+
+
+def test_show_tells_two_tunes_of_one_script_apart_by_their_arguments():
+    rows = []
+    for i, args in enumerate(([], ["300"])):
+        row = _summary(i, "fp32")
+        row.update(script_name="tiny.py", args=args, workload_fp=("ab" if i else "cd") * 8, this_machine=True,
+                   valid=True, status="valid")
+        rows.append(row)
+    report = {"database": "/c/cache.db", "cache": True, "hardware": [{"fingerprint": "f" * 16, "device": "CPU"}],
+              "recommendations": rows, "other_hardware": 0}
+    lines = [line for line in _text(render_show, report).splitlines() if "tiny.py" in line]
+    assert len(lines) == 2 and len(set(lines)) == 2
+    assert "tiny.py 300" in lines[1] and "300" not in lines[0]
 
 
 def test_cache_show_fits_80_columns():
     record = {"id": 7, "hardware_fp": "f" * 64, "workload_fp": "a" * 64, "script": "/a/train.py", "policy": {},
-              "mode": "fp16-mixed", "hardware": {"name": LONG_DEVICE}, "summary": {}, "speedup_vs_fp32": 1.5,
+              "mode": "fp16-mixed", "hardware": {"name": LONG_DEVICE}, "summary": {"args": ["--epochs", "3"]},
+              "speedup_vs_fp32": 1.5,
               "goodput": 1234.5, "created_at": "2026-11-30T12:00:00", "versions": {"torch": "2.13.0"},
               "trials": [{"number": i, "mode": label, "outcome": outcome, "verdict": outcome,
                           "goodput": 123456.7, "reason": "a long reason " * 6}
                          for i, (label, outcome) in enumerate(zip(LONG_LABELS * 4, OUTCOMES, strict=False))]}
+    record["policy"] = {"mode": "fp16-mixed", "tuned_on": {"speedup_low": 1.41, "speedup_high": 1.62,
+                                                           "speedup_basis": "paired re-measurement, 4 pairs"}}
     text = _text(render_record, record)
-    _assert_fits(text, must_appear=("goodput", "verdict", "123456.7", *OUTCOMES[:10]))
+    _assert_fits(text, must_appear=("goodput", "verdict", "123456.7", *OUTCOMES[:10], "--epochs 3"))
+    for words in ("1.50x,", "the winner's speed-up over fp32", "(interval 1.41x-1.62x;", "paired re-measurement, 4 pairs)"):
+        assert all(word in text.split() for word in words.split()), (words, text)
 
 
 # -- the probe tables -------------------------------------------------------------------------------------
