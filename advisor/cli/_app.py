@@ -218,12 +218,23 @@ def tune(
     submit: Annotated[
         bool, typer.Option("--submit", help="Queue the tune with the local daemon (mpadvise daemon start) and follow it.")
     ] = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Show the search space (modes, and why each other one is left out; micro-batch sizes; loss "
+        "scaling) and the plan (framework, launch command, candidates, budget, config file, study), then stop: no "
+        "trial runs, nothing is written.")] = False,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
     """Search precision mode, loss scaling and micro-batch size for the fastest stable policy."""
     from advisor.cli._tune import run_tune_command, submit_tune_command
+    from probes import UsageError
 
+    if dry_run and submit:
+        raise UsageError("--dry-run cannot be used with --submit: it shows a tune here without running it; leave out "
+                         "--submit")
+    if dry_run:
+        raise typer.Exit(run_tune_command(script, script_args or [], options, json_output=json_output, console=console,
+                                          dry_run=True))
     command = submit_tune_command if submit else run_tune_command
     raise typer.Exit(command(script, script_args or [], options, json_output=json_output, console=console, quiet=quiet))
 

@@ -3,6 +3,7 @@ the same tune with the local daemon (``--submit``) and report it the same way.""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from advisor.tune import (
     shared_storage,
     shown_url,
     study_name_for,
+    tune_plan,
     tune_script,
 )
 from probes import MpadviseError, UsageError, hardware_fingerprint
@@ -39,13 +41,14 @@ __all__ = ["resume_command", "run_tune_command", "submit_tune_command"]
 
 
 def run_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
-                     console: Console, quiet: bool = False) -> int:
+                     console: Console, quiet: bool = False, dry_run: bool = False) -> int:
     """Run the tune here and report it. Returns 0 when a stable policy was found, 3 when none was.
 
     With ``quiet``, no progress and no info lines: only the result (warnings and errors still
     show on stderr). A study that holds finished trials is not deleted unasked: on a terminal
     the user is asked, elsewhere the tune refuses (exit 2) naming ``--resume`` and ``--fresh``.
-    Ctrl-C ends it with exit 130 and the command that continues it.
+    Ctrl-C ends it with exit 130 and the command that continues it. With ``dry_run``, only the
+    search space and the plan are shown (0): nothing runs and nothing is written.
     """
     given = options
     # The URL may come from the environment instead, to keep its password out of ps.
@@ -54,6 +57,13 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
     profile = probes.profile_for(options.device)
     plan = plan_for(path, options.framework, device=profile.device)
     check_plan_modes(plan, list(options.modes))
+    if dry_run:
+        planned = tune_plan(TuneRequest(path, tuple(script_args), options, ScriptLaunch.of(plan)), profile)
+        if json_output:
+            sys.stdout.write(json.dumps(planned, indent=2, default=str) + "\n")
+        else:
+            _render_plan(planned, console)
+        return 0
     if options.storage is None:  # chosen here, as the tune would, so the study can be named before it runs
         options = options.with_(storage=default_storage())
     study_name = study_name_for(path, list(script_args), hardware_fingerprint(profile),
@@ -72,6 +82,37 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
         raise _interrupted(options.storage, study_name, resume) from None
     _report(json.dumps(done.to_dict(), indent=2, default=str), json_output=json_output, console=console)
     return done.exit_code
+
+
+def _render_plan(planned: dict, console: Console) -> None:
+    """``tune --dry-run``'s plan for a person: the search space, then what would run and where."""
+    space, plan = planned["space"], planned["plan"]
+    line = functools.partial(console.print, highlight=False, markup=False, soft_wrap=True)
+    line(f"dry run: nothing runs, nothing is written ({planned['hardware']['name']})")
+    line("search space")
+    line(f"  modes: {', '.join(space['modes'])}")
+    for mode, why in space["excluded"].items():
+        line(f"  not {mode}: {why}")
+    line(f"  micro-batch: {space['micro_batch']}")
+    scale = space["loss_scale"]
+    if scale["modes"]:
+        line(f"  loss scaling ({', '.join(scale['modes'])}): {' or '.join(scale['kinds'])}; initial scale "
+             f"{', '.join(f'{s:g}' for s in scale['init_scales'])}; growth interval "
+             f"{', '.join(map(str, scale['growth_intervals']))} (dynamic)")
+    else:
+        line("  loss scaling: none (no mode searched scales its loss)")
+    line(f"  candidates: at most {space['candidates']}")
+    line("plan")
+    how = "read from its imports" if plan["framework_detected"] else "--framework" if plan["framework"] else "default"
+    line(f"  trains with: {plan['trains_with']} ({how})")
+    per = f", {plan['processes_per_trial']} processes per trial (torchrun)" if plan["processes_per_trial"] > 1 else ""
+    line(f"  launch: {shlex.join(plan['launch'])}{per}")
+    budget = "none" if plan["time_budget_s"] is None else f"{plan['time_budget_s']:g} s"
+    line(f"  trials: {plan['trials']} (and the fp32 reference twice), {plan['steps']} measured steps after "
+         f"{plan['warmup']} warm-up; time budget: {budget}; each trial killed after {plan['trial_timeout_s']:g} s")
+    line(f"  config file: {plan['config_file']}")
+    line(f"  cache: {'the answer is cached for this GPU' if plan['cache'] else 'not cached (--no-cache)'}")
+    line(f"  study: {plan['study_name']} in {plan['storage']}: {plan['study_action']}")
 
 
 def resume_command(script: Path, script_args: list[str], options: TuneOptions, flags: tuple[str, ...] = ()) -> str:

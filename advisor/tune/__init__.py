@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from advisor.tune._api import tune
 from advisor.tune._checks import check_modes, check_script, default_trial_modes
+from advisor.tune._dryrun import tune_plan
 from advisor.tune._engine import TuneResult
 from advisor.tune._options import (
     DEFAULT_MEASURE_STEPS,
@@ -105,5 +106,6 @@ __all__ = [
     "study_name_for",
     "study_name_from",
     "tune",
+    "tune_plan",
     "tune_script",
 ]

@@ -126,7 +126,7 @@ def test_tune_declares_one_option_per_field_with_its_flag_default_and_help():
     command = typer.main.get_command(app).commands["tune"]
     params = {p.name: p for p in command.params}
     assert [p.name for p in command.params] == ["script", "script_args", *(o.name for o in option_info()),
-                                                "submit", "json_output", "quiet"]
+                                                "submit", "dry_run", "json_output", "quiet"]
     for option in option_info():
         param = params[option.name]
         assert param.opts[0] == option.flag and (param.help == option.help or option.name == "framework")
@@ -145,7 +145,8 @@ def test_framework_help_lists_the_registered_frameworks():
 def test_trial_takes_its_options_from_the_same_declarations():
     command = typer.main.get_command(app).commands["trial"]
     taken = [o for o in option_info() if o.trial]
-    assert [p.name for p in command.params] == ["script", "script_args", *(o.name for o in taken), "plot", "stream", "json_output"]
+    assert [p.name for p in command.params] == ["script", "script_args", *(o.name for o in taken), "plot", "stream", "json_output",
+                                                "quiet"]
     params = {p.name: p for p in command.params}
     for option in taken:
         param = params[option.name]
@@ -157,8 +158,8 @@ def test_trial_takes_its_options_from_the_same_declarations():
 def test_trial_hands_the_command_one_tune_options(monkeypatch):
     seen = {}
 
-    def fake_run(script, script_args, options, *, plot, json_output, console, stream):
-        seen.update(options=options, args=script_args, plot=plot, stream=stream)
+    def fake_run(script, script_args, options, *, plot, json_output, console, stream, quiet):
+        seen.update(options=options, args=script_args, plot=plot, stream=stream, quiet=quiet)
         return 0
 
     monkeypatch.setattr("advisor.cli._trial.run_trial_command", fake_run)
@@ -167,16 +168,17 @@ def test_trial_hands_the_command_one_tune_options(monkeypatch):
     assert result.exit_code == 0, result.output
     assert seen["options"] == TuneOptions(modes=["bf16-mixed"], steps=12, warmup=3, memory_limit="2GiB")
     assert seen["args"] == ["--lr", "0.1"] and seen["plot"] is None and seen["stream"] is None
-    result = runner.invoke(app, ["trial", "train.py", "--stream", "trials.jsonl"])
+    assert not seen["quiet"]
+    result = runner.invoke(app, ["trial", "train.py", "--stream", "trials.jsonl", "-q"])
     assert result.exit_code == 0, result.output
-    assert seen["stream"].path == Path("trials.jsonl")
+    assert seen["stream"].path == Path("trials.jsonl") and seen["quiet"]
 
 
 def test_tune_hands_the_command_one_tune_options(tmp_path, monkeypatch):
     seen = {}
 
-    def fake_run(script, script_args, options, *, json_output, console):
-        seen.update(script=script, args=script_args, options=options, json=json_output)
+    def fake_run(script, script_args, options, *, json_output, console, quiet):
+        seen.update(script=script, args=script_args, options=options, json=json_output, quiet=quiet)
         return 3
 
     monkeypatch.setattr("advisor.cli._tune.run_tune_command", fake_run)
@@ -184,7 +186,10 @@ def test_tune_hands_the_command_one_tune_options(tmp_path, monkeypatch):
                          out=str(tmp_path / "x.toml"), no_cache=True, no_priors=True, seed=4, device="cpu")
     result = runner.invoke(app, ["tune", "train.py", *wanted.to_argv(), "--json", "--", "--lr", "0.1"])
     assert result.exit_code == 3, result.output
-    assert seen == {"script": Path("train.py"), "args": ["--lr", "0.1"], "options": wanted, "json": True}
+    assert seen == {"script": Path("train.py"), "args": ["--lr", "0.1"], "options": wanted, "json": True,
+                    "quiet": False}
+    result = runner.invoke(app, ["tune", "train.py", "--quiet", "--fresh"])
+    assert result.exit_code == 3 and seen["quiet"] and seen["options"] == TuneOptions(fresh=True), result.output
 
 
 def test_tune_bad_option_is_one_line_before_anything_runs():

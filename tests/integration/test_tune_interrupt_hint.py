@@ -1,0 +1,67 @@
+"""Ctrl-C during a tune ends it with exit 130 and says how to continue: the study that keeps
+its finished trials, and the command line (its own, with --resume) that continues it, which
+works when pasted in the same directory. A real subprocess tune sent SIGINT mid-trial."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from advisor.tune import study_status
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+pytestmark = pytest.mark.slow
+
+
+def _complete(home: Path) -> int:
+    db = home / "studies.db"
+    if not db.exists():
+        return 0
+    studies = study_status(f"sqlite:///{db}")
+    return studies[0]["trials"]["complete"] if studies else 0
+
+
+def test_ctrl_c_names_the_study_and_the_command_that_resumes_it(tmp_path, isolated_home):
+    script = tmp_path / "train.py"
+    script.write_text((SCRIPTS / "tiny_ok.py").read_text())
+    env = {**os.environ, "MPADVISE_HOME": str(isolated_home), "COLUMNS": "200"}
+    args = ["tune", "train.py", "--trials", "6", "--steps", "32", "--warmup", "2", "--no-priors", "-m", "bf16-mixed",
+            "-m", "fp16-mixed", "--no-cache", "--json", "--", "40"]
+    # Its own session, as a shell's job: Ctrl-C reaches the whole group, the trial's process too.
+    process = subprocess.Popen([sys.executable, "-m", "advisor.cli", *args], cwd=tmp_path, env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    deadline = time.monotonic() + 480
+    while _complete(isolated_home) < 1 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert process.poll() is None, "the tune ended before a trial could be interrupted"
+    assert _complete(isolated_home) >= 1
+    os.killpg(process.pid, signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and stdout == ""
+    errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: interrupted; "), stderr
+    kept = _complete(isolated_home)
+    assert f"{kept} finished trial" in errors[0] and "studies.db" in errors[0] and "train-" in errors[0]
+    [hint] = [ln for ln in stderr.splitlines() if ln.startswith("continue with: ")]
+    command = shlex.split(hint.removeprefix("continue with: "))
+    assert command[:3] == [sys.executable, "-m", "advisor.cli"]
+    # Its own options, in their declared order, with --resume; its --json; the script's arguments.
+    assert command[3:] == ["tune", "train.py", "--trials", "6", "--steps", "32", "--warmup", "2", "--mode",
+                           "bf16-mixed", "--mode", "fp16-mixed", "--resume", "--no-cache", "--no-priors", "--json",
+                           "--", "40"], hint
+
+    resumed = subprocess.run(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["trials_resumed"] > 0
