@@ -644,7 +644,7 @@ def _speedup_with_interval(record: dict[str, Any]) -> str:
     tuned = (record.get("policy") or {}).get("tuned_on") or {}
     low, high, basis = tuned.get("speedup_low"), tuned.get("speedup_high"), tuned.get("speedup_basis")
     extra = []
-    if isinstance(low, (int, float)) and isinstance(high, (int, float)):
+    if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low != high:  # fp32's own is 1-1
         extra.append(f"interval {_speedup(low)}-{_speedup(high)}")
     if isinstance(basis, str) and basis:
         extra.append(basis)
