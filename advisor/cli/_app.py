@@ -14,13 +14,39 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 from advisor._version import __version__
 from advisor.cli import _cache, _daemon, _env, _study
-from advisor.cli._common import JsonOption, QuietOption, console, handle_errors, print_json
+from advisor.cli._common import JsonOption, QuietOption, console, fail, handle_errors, print_json
 from advisor.tune import OptionInfo, TuneOptions, option_info
 
+
+class _OneLineUsageErrors(TyperGroup):
+    """The root command: a value typer itself refuses (a number that is not one, a value out of
+    its range, an unknown option, a missing argument) is one red line on stderr, exit 2, in the
+    style of the commands' own bad values, instead of typer's usage text in a box."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            # Not standalone: typer returns the exit code and lets a usage error through.
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except typer.Abort:
+            raise SystemExit(fail("aborted").exit_code) from None
+        except typer.TyperException as exc:
+            message = getattr(exc, "format_message", None)
+            if type(exc).__name__ == "NoArgsIsHelpError" or message is None:  # typer printed the help
+                raise SystemExit(getattr(exc, "exit_code", 2)) from None
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see {ctx.command_path} -h)" if ctx is not None else ""
+            raise SystemExit(fail(" ".join(message().split()) + hint, getattr(exc, "exit_code", 2)).exit_code) from None
+        raise SystemExit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineUsageErrors,
     name="mpadvise",
     help="Hardware-aware precision advisor for PyTorch training: measures, picks and applies "
     "the fastest stable precision policy.",

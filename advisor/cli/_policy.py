@@ -9,7 +9,8 @@ from typing import Any
 import probes
 from advisor._load import resolve_policy
 from advisor.cache import lookup
-from probes import MpadviseError, hardware_fingerprint
+from policies import load_config
+from probes import MpadviseError, UsageError, hardware_fingerprint
 
 
 def explain_policy(target: Path | None, *, device: str | None) -> dict[str, Any]:
@@ -18,12 +19,17 @@ def explain_policy(target: Path | None, *, device: str | None) -> dict[str, Any]
     the config file beside it, the cache and the safe default.
 
     Raises:
-        MpadviseError: a missing or invalid config file, or a mode this hardware lacks.
+        UsageError: (exit 2) a missing target, a config file that does not load, a bad device.
+        MpadviseError: a mode this hardware lacks.
     """
     profile = probes.profile_for(device)
     if target is not None and not target.exists():
-        raise MpadviseError(f"{target} does not exist")
+        raise UsageError(f"{target} does not exist")
     if target is not None and target.suffix == ".toml":
+        try:
+            load_config(target)  # a file that does not load is a bad argument, as to export and run
+        except MpadviseError as exc:
+            raise UsageError(str(exc)) from None
         resolution = resolve_policy(target, profile=profile, script=None, environ=os.environ)
     else:
         script = target.resolve() if target is not None else None
