@@ -33,7 +33,7 @@ def test_a_disturbed_reference_gives_the_undisturbed_winner_and_speed_up(script,
     undisturbed = json.loads(quiet.stdout)
 
     env = {**os.environ, "DISTURB_MARKER": str(tmp_path / "disturbed"), "MPADVISE_HOME": str(isolated_home)}
-    busy = cli("tune", str(script), *TUNE, timeout=900, env=env)
+    busy = cli("tune", str(script), *TUNE, "--fresh", timeout=900, env=env)  # the first tune's study is deleted on purpose
     assert busy.returncode == 0, busy.stderr
     disturbed = json.loads(busy.stdout)
     assert (tmp_path / "disturbed").exists()  # the neighbour did start during the reference
