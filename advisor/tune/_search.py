@@ -413,7 +413,8 @@ class KeptStudy:
     Attributes:
         name: the study's name.
         storage: its storage URL, password masked (:func:`shown_url`).
-        finished: its finished (complete) trials.
+        finished: its finished trials that measured a candidate (the copy of an fp32 reference,
+            measured outside the study, and proposals the priors ruled out not counted).
         last: when the latest of them finished (ISO date and time, to the minute), if known.
     """
 
@@ -444,8 +445,7 @@ def kept_study(storage: str | None, study_name: str) -> KeptStudy | None:
         if f"no study {study_name!r}" in str(exc):
             return None
         raise
-    finished = studies[0]["trials"]["complete"]
-    return KeptStudy(study_name, shown_url(storage) or storage, finished, studies[0].get("last_finished"))
+    return KeptStudy(study_name, shown_url(storage) or storage, studies[0]["measured"], studies[0]["last_finished"])
 
 
 def finished_trials(storage: str | None, study_name: str) -> int:
@@ -1350,8 +1350,13 @@ def _study_summary(study: Any, trials: list[Any]) -> dict[str, Any]:
         if m.stable and m.feasible and m.goodput > 0 and (best is None or m.goodput > best["goodput"]):
             best = {"label": m.candidate.label, "goodput": round(m.goodput, 3), "worker": data.get("worker"),
                     "trial": frozen.number}
-    ends = [frozen.datetime_complete for frozen in trials
-            if frozen.state == state.COMPLETE and frozen.datetime_complete is not None]
+    # The trials a fresh start would lose: results measured by a trial (not a copy of a worker's
+    # fp32 reference, measured outside the study, nor a proposal the priors ruled out).
+    measured = [frozen for frozen in trials if frozen.state == state.COMPLETE
+                and isinstance(frozen.user_attrs.get(TRIAL_ATTR_RESULT), dict)
+                and not frozen.user_attrs[TRIAL_ATTR_RESULT].get("pruned")
+                and frozen.user_attrs[TRIAL_ATTR_RESULT].get("source", "run") == "run"]
+    ends = [frozen.datetime_complete for frozen in measured if frozen.datetime_complete is not None]
     return {"study": study.study_name, "hardware": study.user_attrs.get(STUDY_ATTR_HARDWARE), "trials": counts,
-            "workers": sorted(workers), "best": best,
+            "workers": sorted(workers), "best": best, "measured": len(measured),
             "last_finished": max(ends).strftime("%Y-%m-%d %H:%M") if ends else None}

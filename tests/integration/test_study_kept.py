@@ -48,8 +48,9 @@ def _runs(tmp_path: Path) -> int:
 
 
 def _complete(home: Path) -> int:
+    """The stored study's trials that measured a candidate (what a fresh start would lose)."""
     [study] = study_status(f"sqlite:///{home / 'studies.db'}")
-    return study["trials"]["complete"]
+    return study["measured"]
 
 
 def test_a_rerun_without_a_terminal_keeps_the_study_and_fresh_deletes_it(counted_script, isolated_home, tmp_path):
