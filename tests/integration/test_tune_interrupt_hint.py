@@ -66,3 +66,29 @@ def test_ctrl_c_names_the_study_and_the_command_that_resumes_it(tmp_path, isolat
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(resumed.stdout)["trials_resumed"] > 0, resumed.stderr
+
+
+def test_ctrl_c_of_a_study_in_memory_says_nothing_can_be_resumed(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text((SCRIPTS / "tiny_ok.py").read_text())
+    home = tmp_path / "not-a-directory"
+    home.write_text("")  # the cache directory cannot be made: the study is kept in memory
+    env = {**os.environ, "MPADVISE_HOME": str(home), "COLUMNS": "200"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "advisor.cli", "tune", "train.py", "--trials", "6", "--steps", "32", "--warmup", "2",
+         "--no-priors", "-m", "bf16-mixed", "--no-cache", "--json", "--", "40"],
+        cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    seen = []
+    for line in process.stderr:  # the first trial's line: the search is under way
+        seen.append(line)
+        if line.startswith("  fp32"):
+            break
+    assert process.poll() is None, "".join(seen)
+    os.killpg(process.pid, signal.SIGINT)
+    stdout, rest = process.communicate(timeout=120)
+    stderr = "".join(seen) + rest
+    assert process.returncode == 130, stderr
+    errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "kept in memory, so nothing can be resumed" in errors[0], stderr
+    assert "continue with:" not in stderr and "Traceback" not in stderr
