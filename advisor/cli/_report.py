@@ -576,7 +576,12 @@ def run_command(tune: dict[str, Any]) -> str:
 
 def resume_command(tune: dict[str, Any]) -> str:
     """``mpadvise tune SCRIPT --resume -- ARGS`` for the tune's study, shell-quoted; with
-    ``--storage`` when the study is neither in the default file nor in ``MPADVISE_STORAGE``."""
+    ``--storage`` when the study is neither in the default file nor in ``MPADVISE_STORAGE``.
+    A tune run from the command line carries its own (``resume_command``: every option as typed,
+    ``--nproc-per-node`` included, which names the study); this rebuild serves a tune's JSON
+    without it, such as a daemon job's."""
+    if tune.get("resume_command"):
+        return str(tune["resume_command"])
     storage = tune.get("storage")
     default = f"sqlite:///{cache_dir() / 'studies.db'}"
     where = ["--storage", str(storage)] if storage and storage not in (default, os.environ.get("MPADVISE_STORAGE")) else []

@@ -80,7 +80,9 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
                            progress=None if quiet else lambda total: tune_progress(progress_console, total))
     except KeyboardInterrupt:
         raise _interrupted(options.storage, study_name, resume) from None
-    _report(json.dumps(done.to_dict(), indent=2, default=str), json_output=json_output, console=console)
+    # The report's continue line is this command as typed: its JSON alone does not hold the options.
+    _report(json.dumps({**done.to_dict(), "resume_command": resume}, indent=2, default=str), json_output=json_output,
+            console=console)
     return done.exit_code
 
 
@@ -105,7 +107,7 @@ def _render_plan(planned: dict, console: Console) -> None:
     line("plan")
     how = "read from its imports" if plan["framework_detected"] else "--framework" if plan["framework"] else "default"
     line(f"  trains with: {plan['trains_with']} ({how})")
-    per = f", {plan['processes_per_trial']} processes per trial (torchrun)" if plan["processes_per_trial"] > 1 else ""
+    per = f", {plan['processes_per_trial']} processes per trial (one per rank)" if plan["processes_per_trial"] > 1 else ""
     line(f"  launch: {shlex.join(plan['launch'])}{per}")
     budget = "none" if plan["time_budget_s"] is None else f"{plan['time_budget_s']:g} s"
     line(f"  trials: {plan['trials']} (and the fp32 reference twice), {plan['steps']} measured steps after "

@@ -82,7 +82,7 @@ def test_cli_tune_writes_config_caches_and_reports(tiny_script, isolated_home, c
     other = subprocess.run([sys.executable, str(tiny_script), "5"], capture_output=True, text=True, timeout=120)
     assert other.returncode == 0, other.stderr
     misses = [line for line in other.stderr.splitlines() if "changed since tuning" in line]
-    assert len(misses) == 1 and "arguments: 5)" in misses[0] and f"from config file {config}" in misses[0]
+    assert len(misses) == 1 and "script arguments 60 -> 5" in misses[0] and f"from config file {config}" in misses[0]
 
 
 def test_cli_tune_resume_continues_the_study(tiny_script, isolated_home, cli):

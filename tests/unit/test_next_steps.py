@@ -78,6 +78,21 @@ def test_the_resume_line_continues_the_same_study(in_project, cache_home):
     assert params["resume"] and params["storage"] == storage
 
 
+def test_a_multi_process_tune_is_continued_with_its_own_command_line(in_project, cache_home):
+    """The command line's tune hands the report the command as typed: --nproc-per-node names
+    the study, and the JSON alone does not hold it."""
+    from advisor.cli._tune import resume_command
+    from advisor.tune import TuneOptions
+
+    typed = resume_command(in_project.relative_to(in_project.parents[1]), ARGS, TuneOptions(nproc_per_node=2))
+    lines = _report(_tune(in_project, storage="sqlite:///x.db", study_name="s", resume_command=typed))
+    command = _pasted(lines, "study ", "continue with: ")[len("continue with: "):].rstrip(")")
+    assert command == typed
+    argv = shlex.split(command)  # the program as it was started (mpadvise, python -m advisor.cli...)
+    params = _parsed(shlex.join(["mpadvise", *argv[argv.index("tune"):]]), "tune")
+    assert params["resume"] and params["nproc_per_node"] == 2 and params["script_args"] == ARGS
+
+
 def test_a_script_outside_the_working_directory_keeps_its_full_path(tmp_path, monkeypatch):
     script = tmp_path / "elsewhere" / "train.py"
     script.parent.mkdir()
