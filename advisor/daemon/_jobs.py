@@ -66,7 +66,8 @@ def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
 
     The script's plan (its framework, read from its imports unless the job names one, and
     what that framework can apply on the slot's device) is made here, as ``mpadvise tune``
-    makes it.
+    makes it. A job on its second attempt or later resumes its study (unless it asked for
+    ``fresh``).
 
     Raises:
         MpadviseError: the stored options hold an unknown key or a value out of bounds; the
@@ -79,6 +80,10 @@ def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
     # `mpadvise tune` takes it from the user's: it travels in the private request file, never
     # in a job's arguments, which every user of the machine can read in `ps`.
     options = options.with_(storage=resolve_storage(None, os.environ))
+    if job.get("attempts") and not options.fresh:
+        # A job run again (its daemon stopped mid-tune) continues its own study: the finished
+        # trials there are this job's, and a tune without --resume refuses to delete them.
+        options = options.with_(resume=True)
     script = Path(job["script"])
     plan = plan_for(script, options.framework, device=slot)
     check_plan_modes(plan, list(options.modes))

@@ -59,3 +59,16 @@ def test_a_study_url_in_the_daemons_environment_reaches_the_job_but_not_its_argu
     assert not any("s3cret" in part for part in argv)
     monkeypatch.delenv("MPADVISE_STORAGE")
     assert job_request(job, "cpu")[0].options.storage is None
+
+
+@pytest.mark.parametrize(("attempts", "options", "resumes"), [
+    (0, {}, False),  # a first run: the study-kept check applies as for `mpadvise tune`
+    (1, {}, True),  # run again after its daemon stopped: its study's trials are its own
+    (2, {"fresh": True}, False),  # asked to start afresh every time
+])
+def test_a_job_run_again_continues_its_own_study(tmp_path, attempts, options, resumes):
+    copy_scripts(tmp_path, "tiny_ok.py")
+    job = {"id": "0123456789abcdef", "script": str(tmp_path / "tiny_ok.py"), "args": [], "options": options,
+           "attempts": attempts}
+    request, _ = job_request(job, "cpu")
+    assert request.options.resume is resumes
