@@ -80,9 +80,10 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
                            progress=None if quiet else lambda total: tune_progress(progress_console, total))
     except KeyboardInterrupt:
         raise _interrupted(options.storage, study_name, resume) from None
-    # The report's continue line is this command as typed: its JSON alone does not hold the options.
-    _report(json.dumps({**done.to_dict(), "resume_command": resume}, indent=2, default=str), json_output=json_output,
-            console=console)
+    if json_output:
+        _report(json.dumps(done.to_dict(), indent=2, default=str), json_output=True, console=console)
+    else:  # the continue line is this command as typed: the tune's JSON does not hold its options
+        render_tune({**json.loads(json.dumps(done.to_dict(), default=str)), "resume_command": resume}, console)
     return done.exit_code
 
 

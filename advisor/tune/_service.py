@@ -387,18 +387,30 @@ def study_name_from(script_name: str, content_digest: str | None, args: list[str
 
 
 def calls_load_policy(script: Path) -> bool:
-    """Whether the script's source calls ``load_policy`` (``advisor.load_policy()``, or the name
-    imported), so that the report does not ask for a line it already has."""
+    """Whether the script's source calls advisor's ``load_policy``, so that the report does not
+    ask for a line it already has: ``advisor.load_policy()`` under any name the package is
+    imported as, or the function under any name it is imported as (``from advisor import
+    load_policy as lp``). A function of the script's own that happens to be named
+    ``load_policy`` does not count."""
     try:
         tree = ast.parse(script.read_bytes())
     except (OSError, SyntaxError, ValueError):
         return False
+    packages, functions = set(), set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-            if name == "load_policy":
-                return True
+        if isinstance(node, ast.Import):
+            packages.update(alias.asname or alias.name for alias in node.names if alias.name == "advisor")
+        elif isinstance(node, ast.ImportFrom) and node.module == "advisor":
+            functions.update(alias.asname or alias.name for alias in node.names if alias.name == "load_policy")
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in functions:
+            return True
+        if (isinstance(func, ast.Attribute) and func.attr == "load_policy" and isinstance(func.value, ast.Name)
+                and func.value.id in packages):
+            return True
     return False
 
 

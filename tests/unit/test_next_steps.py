@@ -108,6 +108,8 @@ def test_a_script_outside_the_working_directory_keeps_its_full_path(tmp_path, mo
     "from advisor import load_policy\nmp = load_policy()\n",
     "import advisor as a\nmp = a.load_policy()\n",
     "import advisor\nwith advisor.load_policy() as mp:\n    pass\n",
+    "from advisor import load_policy as lp\nmp = lp()\n",
+    "def main():\n    from advisor import load_policy\n    return load_policy()\n",
 ])
 def test_a_script_that_calls_load_policy_is_not_told_to_add_it(tmp_path, source):
     script = tmp_path / "train.py"
@@ -116,6 +118,17 @@ def test_a_script_that_calls_load_policy_is_not_told_to_add_it(tmp_path, source)
     lines = _report(_tune(script, calls_load_policy=calls_load_policy(script)))
     assert not any("add to the script" in ln for ln in lines)
     assert any("the script calls advisor.load_policy()" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("source", [
+    "# advisor.load_policy() is not called here\nprint('train')\n",
+    "def load_policy():\n    return None\nload_policy()\n",  # its own function of that name
+    "import other\nother.load_policy()\n",
+])
+def test_a_script_that_never_calls_advisors_load_policy_is_not_taken_for_one(tmp_path, source):
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    assert not calls_load_policy(script)
 
 
 def test_a_script_without_load_policy_is_told_to_add_it(tmp_path):
