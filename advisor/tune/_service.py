@@ -449,7 +449,9 @@ def cache_rows(result: TuneResult) -> list[dict[str, Any]]:
         found = result.utilisation(cand)
         metrics: dict[str, Any] = {"feasible": m.feasible, "label": cand.label,
                                    "tflops": None if found is None else found.tflops,
-                                   "mfu": None if found is None else found.mfu}
+                                   "mfu": None if found is None else found.mfu,
+                                   # A row's goodput is one run's; the entry's own is the winner's re-measured one.
+                                   "goodput_basis": "resumed" if result.resumed(cand) else "search run"}
         if cand == result.winner:
             metrics.update({f"speedup_{k}": v for k, v in speedup.items()})
         rows.append({

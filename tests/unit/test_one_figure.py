@@ -111,6 +111,8 @@ def test_every_view_shows_the_winners_one_figure(tuned):
     assert cached["speedup_vs_fp32"] == figure
     metrics = next(t["metrics"] for t in cached["trials"] if t["metrics"]["label"] == data["winner_label"])
     assert metrics["speedup_ratio"] == figure and metrics["speedup_basis"] == data["speedup"]["basis"]
+    # Its goodput is the search's single run, and says so: the entry's own is the re-measured one.
+    assert metrics["goodput_basis"] == "search run"
 
 
 def test_a_gap_between_finalists_says_it_is_no_speed_up():
