@@ -13,14 +13,15 @@ def check_script(script: str | os.PathLike[str]) -> Path:
     """The script's resolved path, after checking that it exists and compiles.
 
     Raises:
+        UsageError: (exit 2) the path named is not there, or is not a file.
         MpadviseError: one line naming the script and what is wrong (with the line number of a
             syntax error).
     """
     path = Path(script)
     if not path.exists():
-        raise MpadviseError(f"script {path} does not exist")
+        raise UsageError(f"script {path} does not exist")
     if not path.is_file():
-        raise MpadviseError(f"script {path} is not a file")
+        raise UsageError(f"script {path} is not a file")
     try:
         source = path.read_bytes()
     except OSError as exc:

@@ -41,7 +41,8 @@ class OptionInfo:
         job: whether a daemon job may set it (the daemon picks the device and the storage).
         job_limit: the most a daemon job may ask: a number's largest value, a list's length.
         trial: whether ``mpadvise trial`` takes it too (the options of its measuring window).
-        check: validates and normalises a value (raises MpadviseError).
+        check: validates and normalises a value (raises UsageError: a bad option value is a
+            usage error, exit 2).
     """
 
     name: str
@@ -60,10 +61,11 @@ class OptionInfo:
     def flag(self) -> str:
         return self.flags[0]
 
-    def refuse(self, value: Any, expected: str) -> MpadviseError:
-        """The error for a value this option does not take: the flag, the value, what is allowed."""
+    def refuse(self, value: Any, expected: str) -> UsageError:
+        """The error for a value this option does not take (a usage error, exit 2): the flag,
+        the value, what is allowed."""
         shown = f"{value:g}" if isinstance(value, float) else repr(value)
-        return MpadviseError(f"{self.flag} {shown} is not allowed; expected {expected}")
+        return UsageError(f"{self.flag} {shown} is not allowed; expected {expected}")
 
     def bound(self) -> str:
         """``">= 1"`` or ``"> 0"``: the lower bound in words, empty when there is none."""
@@ -109,7 +111,10 @@ def _memory_size(option: OptionInfo, value: Any) -> str | int | None:
     if value == "":  # an empty --memory-limit means no limit, as leaving it out does
         return None
     if isinstance(value, str):
-        parse_memory(value)  # raises, naming the value and the accepted forms
+        try:
+            parse_memory(value)
+        except MpadviseError as exc:  # its message names the value and the accepted forms
+            raise UsageError(str(exc)) from None
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise option.refuse(value, "a size such as 4GiB, or a number of bytes > 0")
@@ -141,8 +146,10 @@ _FRAMEWORK_NAME = re.compile(r"[a-z][a-z0-9_-]{0,39}")
 
 def _framework(option: OptionInfo, value: Any) -> str:
     # Which frameworks exist is the frameworks registry's to say (advisor.frameworks, a layer
-    # above this one); it names them when the script's plan is made, before any trial.
-    if not isinstance(value, str) or not _FRAMEWORK_NAME.fullmatch(value):
+    # above this one); it names them when the script's plan is made, before any trial. It takes
+    # a name in any case (Lightning), so this check does too, and the name goes on as given:
+    # the registry's refusal quotes what the user wrote.
+    if not isinstance(value, str) or not _FRAMEWORK_NAME.fullmatch(value.lower()):
         raise option.refuse(value, "a framework name such as lightning")
     return value
 
@@ -170,7 +177,7 @@ class TuneOptions:
     """Every option of a tune, with one set of names and defaults.
 
     The field order is the order of ``mpadvise tune --help``. Invalid values raise
-    MpadviseError naming the flag, the value and what is allowed; ``modes`` becomes a tuple and
+    UsageError (exit 2) naming the flag, the value and what is allowed; ``modes`` becomes a tuple and
     ``out`` a string, so the options are hashable and JSON-ready.
     """
 
@@ -243,7 +250,7 @@ class TuneOptions:
         """A copy with some options changed (validated again).
 
         Raises:
-            MpadviseError: an unknown option name, or a value it does not take.
+            UsageError: an unknown option name, or a value it does not take.
         """
         _check_names(changes)
         return replace(self, **changes)
@@ -253,7 +260,7 @@ class TuneOptions:
         """Options from a plain dict (JSON, a stored job); missing keys keep their defaults.
 
         Raises:
-            MpadviseError: an unknown key, or a value its option does not take.
+            UsageError: an unknown key, or a value its option does not take.
         """
         _check_names(data)
         return cls(**data)
@@ -289,11 +296,11 @@ def check_rank_device(nproc_per_node: int, device: str | None) -> None:
     """Refuse one numbered GPU for the processes of a multi-process trial.
 
     Raises:
-        MpadviseError: ``device`` names a GPU (``cuda:N``) while ``nproc_per_node`` > 1: each
+        UsageError: ``device`` names a GPU (``cuda:N``) while ``nproc_per_node`` > 1: each
             process takes its own GPU (``cuda:LOCAL_RANK``).
     """
     if nproc_per_node > 1 and device is not None and device.startswith("cuda:"):
-        raise MpadviseError(
+        raise UsageError(
             f"--device {device} cannot be used with --nproc-per-node {nproc_per_node}: each process "
             "trains on its own GPU (cuda:LOCAL_RANK); use --device cuda, or leave it out"
         )
@@ -319,6 +326,6 @@ def _check_names(data: Mapping[str, Any]) -> None:
     names = [option.name for option in option_info()]
     unknown = sorted(set(data) - set(names))
     if unknown:
-        raise MpadviseError(
+        raise UsageError(
             f"unknown tune option {', '.join(map(repr, unknown))}; expected some of {', '.join(names)}"
         )

@@ -121,5 +121,5 @@ def test_an_fsdp2_script_searches_the_gradient_reduction_dtype(tmp_path, isolate
 
 def test_trial_refuses_one_gpu_for_several_processes(tmp_path, isolated_home, cli):
     proc = cli("trial", str(SCRIPTS / "ddp_rank_fails.py"), "--nproc-per-node", "2", "--device", "cuda:1")
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # two options that cannot go together: a usage error
     assert "--device cuda:1 cannot be used with --nproc-per-node 2" in proc.stderr

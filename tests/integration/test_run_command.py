@@ -41,7 +41,7 @@ def test_the_script_exit_code_is_the_command_exit_code(tmp_path, isolated_home, 
 
 def test_bad_input_gets_one_line(tmp_path, isolated_home, cli):
     missing = cli("run", str(tmp_path / "missing.py"))
-    assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [f"error: script {tmp_path / 'missing.py'} does not exist"]
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [f"error: script {tmp_path / 'missing.py'} does not exist"]
     script = tmp_path / "train.py"
     script.write_text("from transformers import Trainer\n")
     no_config = cli("run", str(script), "--config", str(tmp_path / "none.toml"))

@@ -151,11 +151,11 @@ def _one_line_error(proc) -> str:
 @pytest.mark.parametrize(
     ("args", "code", "needle"),
     [
-        (["trial", "no/such/train.py"], 1, "script no/such/train.py does not exist"),
+        (["trial", "no/such/train.py"], 2, "script no/such/train.py does not exist"),
         (["trial", str(SCRIPTS / "syntax_error.py")], 1, "has a syntax error at line 3"),
         (["trial", str(SCRIPTS / "tiny_ok.py"), "--mode", "fp64"], 2, "unknown mode 'fp64'"),
         (["trial", str(SCRIPTS / "tiny_ok.py"), "--mode", "tf32"], 1, "available here: fp32"),
-        (["trial", str(SCRIPTS / "tiny_ok.py"), "--memory-limit", "lots"], 1, "is not a size"),
+        (["trial", str(SCRIPTS / "tiny_ok.py"), "--memory-limit", "lots"], 2, "is not a size"),
         (["trial", str(SCRIPTS / "crashes_midway.py"), "--mode", "bf16-mixed"], 1, "the fp32 reference trial failed (crash)"),
         (["trial", str(SCRIPTS / "ends_without_step.py"), "--mode", "bf16-mixed"], 1, "ended without calling step()"),
         (["trial", str(SCRIPTS / "diverges_fp32.py"), "--mode", "bf16-mixed"], 1, "no verdict is possible: the fp32 reference itself is not finite"),

@@ -84,12 +84,12 @@ def test_dry_run_names_a_stored_study_it_would_not_delete(workdir, tmp_path):
 @pytest.mark.parametrize(
     ("args", "code", "needle"),
     [
-        (["--trials", "0"], 1, "--trials 0 is not allowed"),
+        (["--trials", "0"], 2, "--trials 0 is not allowed"),
         (["-m", "bf17"], 2, "unknown mode"),
         (["-m", "tf32"], 1, "cannot run on"),
         (["--steps", "3", "--warmup", "0"], 2, "use --steps"),
-        (["--storage", "nosuchdb://x"], 1, "cannot open the Optuna study storage"),
-        (["--out", "other.py"], 1, "not a Python file"),
+        (["--storage", "nosuchdb://x"], 2, "cannot open the Optuna study storage"),
+        (["--out", "other.py"], 2, "not a Python file"),
         (["--submit"], 2, "--dry-run cannot be used with --submit"),
     ],
 )

@@ -97,7 +97,7 @@ def test_policy_tuned_elsewhere_is_not_applied(tmp_path):
     ("content", "needle", "code"),
     [
         ("mode = [", "invalid TOML", 2),  # a file that does not load is a bad argument
-        ('mode = "fp33"\n', "Policy.mode: 'fp33' is not allowed", 2),
+        ('mode = "fp33"\n', "mode: 'fp33' is not allowed", 2),
         ('mode = "fp8-te"\n', "cannot run on", 1),  # a good file this hardware cannot apply
     ],
 )
@@ -194,7 +194,7 @@ def test_tune_hands_the_command_one_tune_options(tmp_path, monkeypatch):
 
 def test_tune_bad_option_is_one_line_before_anything_runs():
     result = runner.invoke(app, ["tune", "missing.py", "--steps", "0"])
-    assert result.exit_code == 1 and "--steps 0 is not allowed; expected a whole number >= 1" in result.output
+    assert result.exit_code == 2 and "--steps 0 is not allowed; expected a whole number >= 1" in result.output
     assert "Traceback" not in result.output
 
 

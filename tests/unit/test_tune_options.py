@@ -11,9 +11,10 @@ from pydantic import ValidationError
 
 import advisor
 from advisor.daemon._requests import JobRequest, TuneOptionsModel
+from advisor.frameworks import plan_for
 from advisor.tune._options import TuneOptions, option_info
 from advisor.tune._trials import TrialSettings
-from probes import MpadviseError
+from probes import MpadviseError, UsageError
 
 # The daemon's documented job options (docs/daemon.md); stored jobs carry exactly these keys.
 JOB_OPTIONS = ["trials", "time_budget", "steps", "warmup", "modes", "scale_batch", "include_emulated",
@@ -55,11 +56,30 @@ def test_one_set_of_names_and_defaults():
     ],
 )
 def test_a_bad_value_names_the_option_the_value_and_what_is_allowed(changes, needle):
-    with pytest.raises(MpadviseError) as info:
+    # A usage error: the CLI says it in one line and exits 2, whichever command took the option.
+    with pytest.raises(UsageError) as info:
         TuneOptions(**changes)
     assert needle in str(info.value)
-    with pytest.raises(MpadviseError):
+    with pytest.raises(UsageError):
         TuneOptions().with_(**changes)
+
+
+def test_a_framework_name_is_taken_in_any_case_as_the_registry_takes_it(tmp_path):
+    # The frameworks registry names what exists and accepts any case; the option passes the
+    # name on as written, so a refusal quotes it and a known name resolves.
+    assert TuneOptions(framework="Lightning").framework == "Lightning"
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    assert plan_for(script, TuneOptions(framework="Lightning").framework).framework == "lightning"
+    with pytest.raises(UsageError, match="unknown framework 'Keras'; expected one of lightning"):
+        plan_for(script, TuneOptions(framework="Keras").framework)
+
+
+def test_options_that_cannot_go_together_and_unknown_names_are_usage_errors():
+    with pytest.raises(UsageError, match="cannot be used with --nproc-per-node 2"):
+        TuneOptions(nproc_per_node=2, device="cuda:0")
+    with pytest.raises(UsageError, match="unknown tune option 'use_priors'"):
+        TuneOptions.from_dict({"use_priors": True})
 
 
 def test_values_are_normalised_once():

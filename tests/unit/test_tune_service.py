@@ -17,7 +17,7 @@ from advisor.tune import job as tune_job
 from advisor.tune._service import check_judgeable_window
 from advisor.tune._space import SpaceLimits
 from policies import load_config
-from probes import MpadviseError, UsageError, hardware_fingerprint
+from probes import UsageError, hardware_fingerprint
 
 SPEEDS = {"fp32": 10.0, "tf32": 6.0, "bf16-mixed": 4.0, "fp16-mixed": 4.2, "bf16-true": 3.0}
 OPTIONS = TuneOptions(trials=3, modes=["bf16-mixed"], no_priors=True)
@@ -108,7 +108,7 @@ def test_the_job_entry_point_writes_the_result_file(script, tmp_path, monkeypatc
 def test_the_job_entry_point_says_what_went_wrong_in_one_line(tmp_path, capsys):
     request, result = tmp_path / "job.request.json", tmp_path / "job.result.json"
     request.write_text(json.dumps({"script": str(tmp_path / "missing.py")}))
-    assert tune_job.main([str(request), str(result)]) == 1
+    assert tune_job.main([str(request), str(result)]) == 2  # a script that is not there: a usage error
     assert capsys.readouterr().err.splitlines() == [f"error: script {tmp_path / 'missing.py'} does not exist"]
     assert not result.exists()
     assert tune_job.main([]) == 2
@@ -133,7 +133,7 @@ class _Untouched:
 def test_a_config_path_the_tune_cannot_write_is_refused_before_any_trial(script, tmp_path, out, says):
     target = tmp_path / out
     request = TuneRequest(script, (), OPTIONS.with_(out=str(target)))
-    with pytest.raises(MpadviseError, match=f"cannot write config file .*{says}"):
+    with pytest.raises(UsageError, match=f"cannot write config file .*{says}"):  # refused before anything runs: exit 2
         tune_script(request, profile=GPU, runner=_Untouched())
 
 
@@ -141,7 +141,7 @@ def test_an_existing_file_that_is_not_a_config_is_refused_before_any_trial(scrip
     notes = tmp_path / "notes.toml"
     notes.write_text("title = 'my notes'\n")
     request = TuneRequest(script, (), OPTIONS.with_(out=str(notes)))
-    with pytest.raises(MpadviseError, match="not an mpadvise config file"):
+    with pytest.raises(UsageError, match="not an mpadvise config file"):
         tune_script(request, profile=GPU, runner=_Untouched())
     assert notes.read_text() == "title = 'my notes'\n"
 
