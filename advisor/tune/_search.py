@@ -268,6 +268,30 @@ def storage_error(url: str, exc: BaseException) -> str:
             "can reach, such as postgresql://user@host:5432/studies or sqlite:///path/studies.db")
 
 
+def storage_failure(url: str, exc: BaseException) -> MpadviseError:
+    """The error for a study storage that cannot be opened: a usage error (exit 2) where the URL
+    itself is one SQLAlchemy cannot read (an unknown scheme or driver name, not a URL at all),
+    since the value given is wrong; otherwise (an unreachable server, a refused login, a driver
+    not installed) an error of this run (exit 1). Its message is :func:`storage_error`'s."""
+    if _missing_module(exc) is None and not _readable_url(url):
+        return UsageError(storage_error(url, exc))
+    return MpadviseError(storage_error(url, exc))
+
+
+def _readable_url(url: str) -> bool:
+    """Whether SQLAlchemy reads ``url`` as a URL of a database it knows (a driver it names but
+    that is not installed counts as known: the URL is right, this machine lacks the driver)."""
+    import sqlalchemy.engine
+
+    try:
+        sqlalchemy.engine.make_url(storage_url(url)).get_dialect()
+    except ImportError:
+        return True
+    except Exception:  # not a URL, a port that is not a number, an unknown database or driver
+        return False
+    return True
+
+
 def _is_postgres(url: str) -> bool:
     return url.partition("://")[0].split("+")[0] in ("postgresql", "postgres")
 
@@ -298,8 +322,9 @@ def _open(url: str) -> tuple[Any, Heartbeat]:
     heartbeat settings; opened once per process and URL.
 
     Raises:
-        MpadviseError: a bad URL, a missing driver, an unreachable or refusing server, a bad
-            heartbeat setting; one line.
+        UsageError: (exit 2) a URL that is not one, or names an unknown database or driver.
+        MpadviseError: a missing driver, an unreachable or refusing server, a bad heartbeat
+            setting; one line.
     """
     with _OPENED_LOCK:
         if url not in _OPENED:
@@ -335,7 +360,7 @@ def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
             if attempt < 2 and isinstance(exc, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError)):
                 time.sleep(0.2 + random.random() / 2)
                 continue
-            raise MpadviseError(storage_error(url, exc)) from None
+            raise storage_failure(url, exc) from None
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
@@ -366,6 +391,7 @@ def check_storage(storage: str | None) -> None:
     """Open the Optuna storage once, so a bad URL fails before any trial runs.
 
     Raises:
+        UsageError: (exit 2) a URL that is not one, or names an unknown database or driver.
         MpadviseError: naming the URL (its password masked) and the reason, in one line.
     """
     if storage is not None:
@@ -1281,6 +1307,7 @@ def study_status(storage: str, study_name: str | None = None) -> list[dict[str, 
         stable result).
 
     Raises:
+        UsageError: (exit 2) an SQLite file that is not there, or a URL that is not one.
         MpadviseError: the storage cannot be read, or holds no study of that name; one line
             naming the URL (its password hidden).
     """
@@ -1291,7 +1318,7 @@ def study_status(storage: str, study_name: str | None = None) -> list[dict[str, 
     if storage.startswith("sqlite"):
         path = storage.partition(":///")[2].partition("?")[0]
         if not path or path == ":memory:" or not os.path.isfile(path):
-            raise MpadviseError(f"no study storage at {shown!r}: the file {path or '(none)'} does not exist; expected "
+            raise UsageError(f"no study storage at {shown!r}: the file {path or '(none)'} does not exist; expected "
                                 "the SQLite file a tune wrote (by default studies.db in the cache directory)")
     engine_kwargs: dict[str, Any] = {}
     if _is_postgres(storage) and "connect_timeout" not in storage:
@@ -1318,8 +1345,8 @@ def study_status(storage: str, study_name: str | None = None) -> list[dict[str, 
         out = [_study_summary(s, backend.get_all_trials(s._study_id, deepcopy=False)) for s in studies]
     except MpadviseError:
         raise
-    except Exception as exc:  # an unreachable server, a refused login, a driver missing
-        raise MpadviseError(storage_error(storage, exc)) from None
+    except Exception as exc:  # an unreachable server, a refused login, a driver missing, a bad URL
+        raise storage_failure(storage, exc) from None
     return sorted(out, key=lambda summary: summary["study"])
 
 

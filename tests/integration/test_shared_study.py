@@ -343,15 +343,16 @@ def _closed_port() -> int:
         return sock.getsockname()[1]  # closed again on leaving: nothing listens there
 
 
-def _tune_fails(tmp_path: Path, url: str, **env: str) -> str:
-    """Run a tune against ``url`` that must fail before any trial; returns its one error line."""
+def _tune_fails(tmp_path: Path, url: str, code: int = 1, **env: str) -> str:
+    """Run a tune against ``url`` that must fail before any trial, with exit ``code`` (2: the URL
+    itself is wrong; 1: the database it names cannot be used); returns its one error line."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     home = tmp_path / "home"
     proc = subprocess.run([sys.executable, "-m", "advisor.cli", "tune", str(script), "--storage", url, *TUNE,
                            *SCRIPT_ARGS], capture_output=True, text=True, env=_env(home, **env), cwd=ROOT, timeout=300)
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == code, proc.stderr
     assert "Traceback" not in proc.stderr and "fp32" not in proc.stderr, proc.stderr  # no trial started
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
@@ -361,17 +362,18 @@ def _tune_fails(tmp_path: Path, url: str, **env: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("url", "needles"),
+    ("url", "code", "needles"),
     [
-        ("nosuchdb://host/studies", ["'nosuchdb://host/studies'", "nosuchdb", "expected a database"]),
-        ("postgresql://tuner@host:port/studies", ["'postgresql://tuner@host:port/studies'", "invalid literal"]),
-        ("postgresql:/studies", ["Could not parse", "expected a database"]),
-        ("postgresql://tuner:s3cret@127.0.0.1:{port}/studies", ["Connection refused", "tuner:***@"]),
+        ("nosuchdb://host/studies", 2, ["'nosuchdb://host/studies'", "nosuchdb", "expected a database"]),
+        ("postgresql://tuner@host:port/studies", 2, ["'postgresql://tuner@host:port/studies'", "invalid literal"]),
+        ("postgresql:/studies", 2, ["Could not parse", "expected a database"]),
+        ("postgresql://tuner:s3cret@127.0.0.1:{port}/studies", 1, ["Connection refused", "tuner:***@"]),
     ],
     ids=["unknown-scheme", "bad-port", "malformed", "unreachable"],
 )
-def test_a_bad_or_unreachable_storage_is_one_line_before_any_trial(tmp_path, url, needles):
-    line = _tune_fails(tmp_path, url.format(port=_closed_port()))
+def test_a_bad_or_unreachable_storage_is_one_line_before_any_trial(tmp_path, url, code, needles):
+    # A URL that is not one is a usage error (exit 2); a server that does not answer is not.
+    line = _tune_fails(tmp_path, url.format(port=_closed_port()), code)
     assert "cannot open the Optuna study storage" in line
     for needle in needles:
         assert needle in line

@@ -87,7 +87,7 @@ def test_status_of_an_sqlite_storage_lists_its_studies_and_writes_nothing(tmp_pa
     missing = _status("--storage", url, "--study", "three")
     assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "no study 'three'" in missing.stderr
     absent = _status("--storage", f"sqlite:///{tmp_path / 'none.db'}")
-    assert absent.returncode == 1 and "does not exist" in absent.stderr and "Traceback" not in absent.stderr
+    assert absent.returncode == 2 and "does not exist" in absent.stderr and "Traceback" not in absent.stderr
     assert not (tmp_path / "none.db").exists()
 
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from advisor.cli._app import app
 from advisor.tune import default_storage, resolve_storage, shown_url
 from advisor.tune._search import STORAGE_ENV, STORAGE_FILE_ENV, check_storage, storage_error
-from probes import UsageError
+from probes import MpadviseError, UsageError
 
 SECRET = "s3/cr+t="  # generated secrets hold "/", "+" and "="
 
@@ -41,6 +41,22 @@ def test_an_unreachable_server_is_named_without_its_password():
     url = f"postgresql://tuner:{SECRET}@127.0.0.1:{port}/studies?password=other"
     message = storage_error(url, ConnectionRefusedError("refused"))
     assert "s3" not in message and "other" not in message and "tuner:***@127.0.0.1" in message
+
+
+@pytest.mark.parametrize("url", ["nosuchdb://host/studies", "postgresql+nodriver://u@db/s",
+                                 "postgresql://tuner@db:port/studies", "postgresql:/studies", "not a url"])
+def test_a_url_that_is_not_one_is_a_usage_error(url):
+    with pytest.raises(UsageError, match="cannot open the Optuna study storage"):
+        check_storage(url)
+
+
+def test_a_server_that_refuses_is_an_error_of_the_run_not_of_usage():
+    with socket.socket() as sock:  # a port nobody listens on: the connection is refused at once
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(MpadviseError, match="cannot open the Optuna study storage") as refused:
+        check_storage(f"postgresql://tuner@127.0.0.1:{port}/studies")
+    assert not isinstance(refused.value, UsageError)
 
 
 def test_the_command_line_wins_over_the_environment(tmp_path):
