@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from probes import MpadviseError, check_writable, read_trusted_text, write_file_atomic
+from probes import MpadviseError, UsageError, check_writable, read_trusted_text, write_file_atomic
 
 from ._registry import fp8_recipes, mode_class, mode_classes, mode_names
 from ._true import TrueHalfMode
@@ -64,18 +64,23 @@ def default_reduce_dtype(mode: str) -> str:
     return cls.dtype_family if issubclass(cls, TrueHalfMode) else "fp32"
 
 
-def _check_choice(owner: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
+# Messages name a field by its key in the config file, as the user wrote it (``mode``,
+# ``loss_scale.kind``), never by the class that holds it.
+
+
+def _check_choice(key: str, value: Any, allowed: tuple[str, ...], *, of: str = "") -> None:
     if value not in allowed:
-        raise PolicyError(f"{owner}.{name}: {value!r} is not allowed; expected one of {_choices(allowed)}")
+        whose = f" ({of})" if of else ""
+        raise PolicyError(f"{key}: {value!r} is not allowed; expected one of {_choices(allowed)}{whose}")
 
 
-def _check_positive(owner: str, name: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> None:
+def _check_positive(key: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     kind = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value <= 0:
         what = "a positive integer" if integer else "a positive number"
-        raise PolicyError(f"{owner}.{name}: {value!r} is not allowed; expected {what}")
+        raise PolicyError(f"{key}: {value!r} is not allowed; expected {what}")
 
 
 @dataclass(frozen=True)
@@ -99,16 +104,16 @@ class LossScale:
     growth_interval: int = 2000
 
     def __post_init__(self) -> None:
-        _check_choice("loss_scale", "kind", self.kind, LOSS_SCALE_KINDS)
-        _check_positive("loss_scale", "init_scale", self.init_scale)
-        _check_positive("loss_scale", "growth_factor", self.growth_factor)
+        _check_choice("loss_scale.kind", self.kind, LOSS_SCALE_KINDS)
+        _check_positive("loss_scale.init_scale", self.init_scale)
+        _check_positive("loss_scale.growth_factor", self.growth_factor)
         if self.growth_factor <= 1.0:
             raise PolicyError(f"loss_scale.growth_factor: {self.growth_factor!r} is not allowed; expected a number > 1")
         if not isinstance(self.backoff_factor, (int, float)) or not 0.0 < self.backoff_factor < 1.0:
             raise PolicyError(
                 f"loss_scale.backoff_factor: {self.backoff_factor!r} is not allowed; expected a number in (0, 1)"
             )
-        _check_positive("loss_scale", "growth_interval", self.growth_interval, integer=True)
+        _check_positive("loss_scale.growth_interval", self.growth_interval, integer=True)
 
 
 @dataclass(frozen=True)
@@ -131,9 +136,9 @@ class Fp8Options:
 
     def __post_init__(self) -> None:
         if self.recipe is not None:
-            _check_choice("fp8", "recipe", self.recipe, fp8_recipes())
-        _check_choice("fp8", "fp8_format", self.fp8_format, FP8_FORMATS)
-        _check_positive("fp8", "amax_history_len", self.amax_history_len, integer=True)
+            _check_choice("fp8.recipe", self.recipe, fp8_recipes())
+        _check_choice("fp8.fp8_format", self.fp8_format, FP8_FORMATS)
+        _check_positive("fp8.amax_history_len", self.amax_history_len, integer=True)
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise PolicyError(f"fp8.margin: {self.margin!r} is not allowed; expected an integer >= 0")
 
@@ -189,7 +194,7 @@ class TunedOn:
     args: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        _check_positive("tuned_on", "global_batch", self.global_batch, integer=True, allow_none=True)
+        _check_positive("tuned_on.global_batch", self.global_batch, integer=True, allow_none=True)
         if self.args is not None:
             # TOML and JSON give a list; the value stays a hashable tuple of strings.
             if isinstance(self.args, str) or not isinstance(self.args, (list, tuple)) or not all(
@@ -198,7 +203,7 @@ class TunedOn:
                 raise PolicyError(f"tuned_on.args: {self.args!r} is not allowed; expected a list of strings")
             object.__setattr__(self, "args", tuple(self.args))
         for name in ("speedup_low", "speedup_high"):
-            _check_positive("tuned_on", name, getattr(self, name), allow_none=True)
+            _check_positive(f"tuned_on.{name}", getattr(self, name), allow_none=True)
         if self.speedup_basis is not None and not isinstance(self.speedup_basis, str):
             raise PolicyError(f"tuned_on.speedup_basis: {self.speedup_basis!r} is not allowed; expected a string")
 
@@ -237,38 +242,38 @@ class Policy:
     tuned_on: TunedOn | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        _check_choice("Policy", "mode", self.mode, mode_names())
+        _check_choice("mode", self.mode, mode_names())
         mode = mode_class(self.mode)
         if mode.loss_scaling and self.loss_scale is None:
             object.__setattr__(self, "loss_scale", LossScale())
         if self.loss_scale is not None:
             if not isinstance(self.loss_scale, LossScale):
-                raise PolicyError(f"Policy.loss_scale: expected a LossScale, got {type(self.loss_scale).__name__}")
+                raise PolicyError(f"loss_scale: expected a LossScale, got {type(self.loss_scale).__name__}")
             if not mode.loss_scaling and self.loss_scale.kind != "none":
                 scaled = _names([m.name for m in mode_classes() if m.loss_scaling])
                 raise PolicyError(
-                    f"Policy.loss_scale: loss scaling applies to {scaled} only, not {self.mode!r}; "
+                    f"loss_scale: loss scaling applies to {scaled} only, not {self.mode!r}; "
                     "remove [loss_scale] or set kind = \"none\""
                 )
         if self.fp8 is not None:
             if not isinstance(self.fp8, Fp8Options):
-                raise PolicyError(f"Policy.fp8: expected Fp8Options, got {type(self.fp8).__name__}")
+                raise PolicyError(f"fp8: expected Fp8Options, got {type(self.fp8).__name__}")
             if not mode.fp8_recipes:
                 fp8_modes = _names([m.name for m in mode_classes() if m.fp8_recipes])
                 raise PolicyError(
-                    f"Policy.fp8: FP8 options apply to {fp8_modes} only, not {self.mode!r}; remove [fp8]"
+                    f"fp8: FP8 options apply to {fp8_modes} only, not {self.mode!r}; remove [fp8]"
                 )
             if self.fp8.recipe is not None:
-                _check_choice(f"fp8 ({self.mode})", "recipe", self.fp8.recipe, mode.fp8_recipes)
-        _check_positive("Policy", "micro_batch_size", self.micro_batch_size, integer=True, allow_none=True)
-        _check_positive("Policy", "grad_accum_steps", self.grad_accum_steps, integer=True, allow_none=True)
-        _check_positive("Policy", "grad_clip_norm", self.grad_clip_norm, allow_none=True)
+                _check_choice("fp8.recipe", self.fp8.recipe, mode.fp8_recipes, of=f"the recipes of {self.mode}")
+        _check_positive("micro_batch_size", self.micro_batch_size, integer=True, allow_none=True)
+        _check_positive("grad_accum_steps", self.grad_accum_steps, integer=True, allow_none=True)
+        _check_positive("grad_clip_norm", self.grad_clip_norm, allow_none=True)
         if self.reduce_dtype is not None:
-            _check_choice("Policy", "reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+            _check_choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
             allowed = reduce_dtype_choices(self.mode)
             if self.reduce_dtype not in allowed:
                 raise PolicyError(
-                    f"Policy.reduce_dtype: {self.reduce_dtype!r} does not apply to {self.mode!r}; expected "
+                    f"reduce_dtype: {self.reduce_dtype!r} does not apply to {self.mode!r}; expected "
                     f"{' or '.join(allowed)} (a mode's gradients are reduced in fp32 or in its own 16-bit dtype)"
                 )
 
@@ -415,12 +420,19 @@ def check_config_target(path: str | Path) -> Path:
     fail on at the end of a tune: an existing file that is not a config file, a directory, a
     directory that does not exist or cannot be written.
 
+    Refused here, before anything runs, the path is a bad value for where to write (``--out``,
+    or the default beside the script that ``--out`` replaces): a usage error. The same refusal
+    from :meth:`Policy.save`, at the end of a tune, stays an error of that run.
+
     Raises:
-        MpadviseError: the reason, naming the path.
+        UsageError: (exit 2) the reason, naming the path.
     """
     path = Path(path)
-    _check_replaceable(path)
-    return check_writable(path, "config file")
+    try:
+        _check_replaceable(path)
+        return check_writable(path, "config file")
+    except MpadviseError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _check_replaceable(path: Path) -> None:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("policy", "reason"),
     [
         (Policy(mode="bf16-true").to_dict(), "transformers cannot apply mode bf16-true (it can apply fp32, tf32"),
-        ({"mode": "nonsense"}, "trial spec: Policy.mode: 'nonsense' is not allowed"),
+        ({"mode": "nonsense"}, "trial spec: mode: 'nonsense' is not allowed"),
     ],
 )
 def test_a_candidate_that_cannot_run_is_unsupported_before_the_script_runs(tmp_path, policy, reason):

@@ -302,8 +302,8 @@ def test_reduce_dtype_round_trips_and_is_described():
 
 
 @pytest.mark.parametrize(("mode", "reduce", "needle"), [
-    ("bf16-mixed", "int8", "Policy.reduce_dtype: 'int8' is not allowed; expected one of fp32, bf16, fp16"),
-    ("fp32", "bf16", "Policy.reduce_dtype: 'bf16' does not apply to 'fp32'; expected fp32"),
+    ("bf16-mixed", "int8", "reduce_dtype: 'int8' is not allowed; expected one of fp32, bf16, fp16"),
+    ("fp32", "bf16", "reduce_dtype: 'bf16' does not apply to 'fp32'; expected fp32"),
     ("bf16-mixed", "fp16", "expected fp32 or bf16"),
 ])
 def test_reduce_dtype_is_validated(mode, reduce, needle):

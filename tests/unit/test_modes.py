@@ -152,7 +152,7 @@ def test_a_mode_of_a_family_inherits_its_facts() -> None:
 
 def test_each_fp8_mode_checks_its_own_recipes() -> None:
     Policy(mode="fp8-te", fp8=Fp8Options(recipe="mxfp8"))
-    with pytest.raises(PolicyError, match=r"fp8 \(fp8-te\)\.recipe: 'rowwise' is not allowed; expected one of delayed"):
+    with pytest.raises(PolicyError, match=r"^fp8\.recipe: 'rowwise' is not allowed; expected one of delayed, .* \(the recipes of fp8-te\)$"):
         Policy(mode="fp8-te", fp8=Fp8Options(recipe="rowwise"))
 
 
@@ -203,7 +203,7 @@ def test_config_validation_accepts_a_registered_mode(demo_mode) -> None:
     with pytest.raises(PolicyError) as info:
         Policy(mode="int9-demo")
     assert str(info.value) == (
-        "Policy.mode: 'int9-demo' is not allowed; expected one of fp32, tf32, fp16-mixed, "
+        "mode: 'int9-demo' is not allowed; expected one of fp32, tf32, fp16-mixed, "
         "bf16-mixed, fp16-true, bf16-true, fp8-te, fp8-torchao, int8-demo"
     )
     with pytest.raises(PolicyError, match="FP8 options apply to fp8-te and fp8-torchao only, not 'int8-demo'"):
@@ -214,7 +214,7 @@ def test_an_unknown_mode_fails_with_the_same_message() -> None:
     with pytest.raises(PolicyError) as info:
         Policy.from_toml('mode = "int8-demo"\n', source="train.mpadvise.toml")
     assert str(info.value) == (
-        "train.mpadvise.toml: Policy.mode: 'int8-demo' is not allowed; expected one of fp32, "
+        "train.mpadvise.toml: mode: 'int8-demo' is not allowed; expected one of fp32, "
         "tf32, fp16-mixed, bf16-mixed, fp16-true, bf16-true, fp8-te, fp8-torchao"
     )
     with pytest.raises(UsageError, match="unknown mode 'int8-demo'; expected one of fp32, tf32"):
