@@ -296,7 +296,16 @@ def export_report(file: Path, *, ids: list[int] | None = None) -> dict[str, Any]
 
     Returns:
         ``{"file", "exported", "database"}``.
+
+    Raises:
+        UsageError: (exit 2) ``file`` cannot be written there (a missing directory, a
+            directory itself), found before the cache is read.
+        MpadviseError: the cache cannot be opened, or an id is not in it.
     """
+    try:
+        probes.check_writable(file, "export file")
+    except MpadviseError as exc:
+        raise UsageError(str(exc)) from None
     with _writable_store() as store:
         count = store.export_records(file, ids=ids or None)
         return {"file": str(file), "exported": count, "database": str(store.path)}
@@ -322,9 +331,15 @@ def import_report(file: Path) -> dict[str, Any]:
         those given a new id (``exported`` is null for a file from before ids were exported).
 
     Raises:
+        UsageError: (exit 2) ``file`` is not there, or is not a file.
         MpadviseError: the file or a record is refused; nothing was imported.
     """
-    # The store first: an unusable cache is the error to report, whatever the file holds.
+    # A file named that is not there is a bad value, refused first; otherwise the store comes
+    # first: an unusable cache is the error to report, whatever the file holds.
+    if not file.exists():
+        raise UsageError(f"{file} does not exist; expected a file written by `mpadvise cache export`")
+    if not file.is_file():
+        raise UsageError(f"{file} is not a file; expected a file written by `mpadvise cache export`")
     with _writable_store() as store:
         records = read_export(file, check=_check_imported_record)
         imported = store.import_validated(records)

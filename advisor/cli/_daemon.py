@@ -25,7 +25,7 @@ from rich.table import Table
 
 from advisor._secure import ensure_private_dir, ensure_private_file
 from advisor.cli._common import JsonOption, console, err_console, handle_errors, print_json
-from probes import MpadviseError
+from probes import MpadviseError, UsageError
 
 __all__ = ["app", "start_daemon", "status_report", "stop_daemon"]
 
@@ -66,6 +66,7 @@ def run(
     """Serve in the foreground until Ctrl-C or SIGTERM (logs on stderr)."""
     from advisor.daemon import DaemonConfig, serve
 
+    check_uds(uds)
     serve(DaemonConfig(host=host, port=port, uds=uds.absolute() if uds else None, allow_remote=allow_remote,
                        allowed_roots=tuple(p.absolute() for p in allowed_root or ()),
                        job_retention_days=job_retention_days))
@@ -126,6 +127,22 @@ def status(
 # The work
 
 
+def check_uds(uds: Path | None) -> None:
+    """Refuse now, in one line, a ``--uds`` socket path whose directory is not there: the
+    daemon could not listen on it.
+
+    Raises:
+        UsageError: (exit 2) its directory does not exist, or is not a directory.
+    """
+    if uds is None:
+        return
+    directory = uds.absolute().parent
+    if not directory.is_dir():
+        why = "is not a directory" if directory.exists() else "does not exist"
+        raise UsageError(f"--uds {uds}: its directory {directory} {why}; name a socket path in an existing "
+                         "directory")
+
+
 def start_daemon(
     *,
     host: str,
@@ -148,12 +165,14 @@ def start_daemon(
         plus ``warning`` for a remote bind.
 
     Raises:
+        UsageError: a refused ``--uds`` path (exit 2).
         MpadviseError: a refused address (exit 2), a daemon already running, or one that
             exited or did not answer in time (the message quotes its log).
     """
     from advisor.daemon import DaemonClient, DaemonPaths, check_bind, daemon_running
 
     # Refuse here, in the user's terminal, rather than in a log file they may not read.
+    check_uds(uds)
     warning = None if uds is not None else check_bind(host, allow_remote=allow_remote)
     paths = DaemonPaths.here()
     directory = paths.directory.absolute()

@@ -67,30 +67,36 @@ class TrialStream:
 
     Args:
         path: the file to append to (created if missing; earlier lines are kept).
+        given_by: what named it, for messages: ``"--stream"`` or ``MPADVISE_TRIAL_STREAM``.
     """
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, *, given_by: str = "--stream") -> None:
         self.path = path
+        self.given_by = given_by
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> TrialStream:
         """The stream ``MPADVISE_TRIAL_STREAM`` names, or one that writes nothing."""
         value = environ.get(STREAM_ENV, "").strip()
-        return cls(Path(value) if value else None)
+        return cls(Path(value) if value else None, given_by=STREAM_ENV)
 
     def check_writable(self) -> None:
         """Create the file (keeping what it holds) before any trial runs.
 
         Raises:
-            MpadviseError: the file cannot be written.
+            UsageError: (exit 2) ``--stream`` names a file that cannot be written.
+            MpadviseError: ``MPADVISE_TRIAL_STREAM`` does (the environment, not the command
+                line, is wrong).
         """
         if self.path is None:
             return
         try:
             self.path.open("a", encoding="utf-8").close()
         except OSError as exc:
-            raise MpadviseError(f"{STREAM_ENV}={self.path}: cannot write there ({exc.strerror or exc}); "
-                                "name a file in a writable directory, or unset it") from None
+            why = f"cannot write there ({exc.strerror or exc}); name a file in a writable directory"
+            if self.given_by == STREAM_ENV:
+                raise MpadviseError(f"{STREAM_ENV}={self.path}: {why}, or unset it") from None
+            raise UsageError(f"{self.given_by} {self.path}: {why}") from None
 
     def trial(self, index: int, evaluation: Evaluation) -> None:
         """One finished trial; its role is read from its index and mode (the reference runs
@@ -138,6 +144,10 @@ def run_trial_command(
         get_logger().setLevel(logging.WARNING)
     path = check_script(script)
     if plot is not None:  # drawn after every trial: a path it cannot take is refused before the first
+        try:
+            probes.check_writable(plot, "plot")
+        except MpadviseError as exc:  # a bad --plot value; matplotlib missing (below) is not one
+            raise UsageError(str(exc)) from None
         check_plot_target(plot)
     try:  # a trial may be short, for its speeds alone; say so before it runs, not after
         check_judgeable_window(options)

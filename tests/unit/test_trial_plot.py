@@ -239,7 +239,7 @@ def test_a_plot_path_that_cannot_be_written_is_refused_before_any_trial(tmp_path
 
     monkeypatch.setattr(trial_cli, "ScriptRunner", no_trial)
     result = CliRunner().invoke(app, ["trial", str(script), "-m", "bf16-mixed", "--plot", str(tmp_path / where)])
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output  # a bad --plot value: a usage error
     assert f"cannot write plot {tmp_path / where}" in result.output and says in result.output
     assert "Traceback" not in result.output
 

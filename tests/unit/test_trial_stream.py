@@ -14,7 +14,7 @@ import advisor.cli._trial as trial_cli
 from advisor.cli._trial import STREAM_ENV, TrialStream, run_trial_command
 from advisor.trial import TrialResult
 from advisor.tune import TuneOptions
-from probes import HardwareProfile, MpadviseError
+from probes import HardwareProfile, MpadviseError, UsageError
 
 CPU = HardwareProfile(kind="cpu", name="test cpu")
 
@@ -111,6 +111,19 @@ def test_without_the_variable_nothing_is_written(script, tmp_path, monkeypatch):
 
 
 def test_an_unwritable_stream_fails_before_any_trial_runs(script, tmp_path):
-    with pytest.raises(MpadviseError, match=f"{STREAM_ENV}=.*cannot write there"):
-        _run(script, tmp_path / "missing" / "trial.jsonl")
+    # Named by --stream: a bad option value (exit 2), and the message names the flag.
+    target = tmp_path / "missing" / "trial.jsonl"
+    with pytest.raises(UsageError) as refused:
+        _run(script, target)
+    assert str(refused.value).startswith(f"--stream {target}: cannot write there")
+    assert STREAM_ENV not in str(refused.value)
+    assert FakeRunner.ran == []
+
+
+def test_an_unwritable_stream_from_the_environment_names_the_variable(script, tmp_path, monkeypatch):
+    # Named by the environment, not the command line: an error of this run (exit 1).
+    monkeypatch.setenv(STREAM_ENV, str(tmp_path / "missing" / "trial.jsonl"))
+    with pytest.raises(MpadviseError, match=f"^{STREAM_ENV}=.*cannot write there.*or unset it$") as refused:
+        _run(script)
+    assert not isinstance(refused.value, UsageError)
     assert FakeRunner.ran == []
