@@ -160,7 +160,7 @@ def test_run_refuses_a_group_writable_config(script, isolated_home, cli):
 def test_tune_out_refuses_a_script_before_any_trial(script, isolated_home, cli):
     original = script.read_text()
     proc = cli("tune", str(script), "--out", str(script), "--steps", "32", "--", "40")
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a bad option value: a usage error
     assert _error_lines(proc.stderr) == [
         f"error: --out {str(script)!r} is not allowed; expected a config file path (.toml), "
         "not a Python file the tune would replace"]

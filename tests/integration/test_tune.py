@@ -140,11 +140,11 @@ def test_cli_tune_resume_starts_afresh_when_the_workload_changed_outside_the_scr
 @pytest.mark.parametrize(
     ("args", "code", "needle"),
     [
-        (["tune", "missing.py"], 1, "does not exist"),
-        (["tune", "{script}", "--trials", "0"], 1, "--trials 0 is not allowed"),
+        (["tune", "missing.py"], 2, "does not exist"),
+        (["tune", "{script}", "--trials", "0"], 2, "--trials 0 is not allowed"),
         (["tune", "{script}", "-m", "tf32"], 1, "cannot run on"),
         (["tune", "{script}", "-m", "bf17"], 2, "unknown mode"),
-        (["tune", "{script}", "--storage", "nosuchdb://x"], 1, "cannot open the Optuna study storage"),
+        (["tune", "{script}", "--storage", "nosuchdb://x"], 2, "cannot open the Optuna study storage"),
     ],
 )
 def test_cli_tune_bad_input(tiny_script, isolated_home, cli, args, code, needle):
