@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from _terminal import answer_on_terminal
 
 from advisor.cache._recommend import record_tune
 from policies import Policy, TunedOn
@@ -40,29 +39,8 @@ def _env(home: Path) -> dict[str, str]:
 def _on_terminal(home: Path, answer: str, *args: str) -> tuple[int, str]:
     """Run ``mpadvise cache clear ARGS`` with a pseudo-terminal as stdin, answer the prompt, and
     return the exit code and everything the command wrote to its terminal."""
-    leader, follower = pty.openpty()
-    process = subprocess.Popen([sys.executable, "-m", "advisor.cli", "cache", "clear", *args], cwd=ROOT,
-                               env=_env(home), stdin=follower, stdout=follower, stderr=follower)
-    os.close(follower)
-    seen = b""
-    deadline = time.monotonic() + 120
-    while b"[y/N]" not in seen and time.monotonic() < deadline:
-        try:
-            seen += os.read(leader, 4096)
-        except OSError:  # the command ended without asking
-            break
-    os.write(leader, answer.encode() + b"\n")
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        seen += chunk
-    code = process.wait(timeout=120)
-    os.close(leader)
-    return code, seen.decode(errors="replace")
+    return answer_on_terminal([sys.executable, "-m", "advisor.cli", "cache", "clear", *args], answer, cwd=ROOT,
+                              env=_env(home))
 
 
 def _count(home: Path) -> int:

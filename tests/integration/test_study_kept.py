@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from _terminal import answer_on_terminal
 
 from advisor.tune import study_status
 
@@ -98,29 +97,8 @@ def test_a_study_without_finished_trials_is_replaced_silently(counted_script, is
 def _on_terminal(script: Path, env: dict[str, str], answer: str) -> tuple[int, str]:
     """The tune with a pseudo-terminal as stdin and stderr: answer its question, return the exit
     code and what it wrote to the terminal."""
-    leader, follower = pty.openpty()
-    process = subprocess.Popen([sys.executable, "-m", "advisor.cli", "tune", str(script), *COMMON, "--", "40"],
-                               cwd=ROOT, env=env, stdin=follower, stdout=subprocess.DEVNULL, stderr=follower)
-    os.close(follower)
-    seen = b""
-    deadline = time.monotonic() + 300
-    while b"[y/N]" not in seen and time.monotonic() < deadline:
-        try:
-            seen += os.read(leader, 4096)
-        except OSError:
-            break
-    os.write(leader, answer.encode() + b"\n")
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        seen += chunk
-    code = process.wait(timeout=600)
-    os.close(leader)
-    return code, seen.decode(errors="replace")
+    return answer_on_terminal([sys.executable, "-m", "advisor.cli", "tune", str(script), *COMMON, "--", "40"], answer,
+                              cwd=ROOT, env=env, stdout_too=False, timeout=600)
 
 
 def test_on_a_terminal_the_tune_asks_before_deleting(counted_script, isolated_home, tmp_path):

@@ -3,11 +3,11 @@ workload, whichever entry for this script is the newest."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _as_script import run_as
 from fakes import Net
 
 import advisor
@@ -24,10 +24,6 @@ SCRIPT_TEXT = "optimizer = AdamW(net.parameters(), lr=float(sys.argv[1]))\n"
 def home(cache_home: Path) -> Path:
     return cache_home
 
-
-def _run_as(monkeypatch: pytest.MonkeyPatch, script: Path, *args: str) -> None:
-    monkeypatch.setattr(_paths, "current_script", lambda: script)
-    monkeypatch.setattr(sys, "argv", [str(script), *args])
 
 
 @pytest.fixture
@@ -56,7 +52,7 @@ def _train(mp: advisor.AppliedPolicy, lr: str, *, batch: int = 64, batch_first: 
 
 def _tuned(script: Path, monkeypatch: pytest.MonkeyPatch, mode: str, lr: str, *, batch: int = 64) -> Policy:
     """The policy a tune of ``python script lr`` records."""
-    _run_as(monkeypatch, script, lr)
+    run_as(monkeypatch, script, lr)
     trial = advisor.load_policy(Policy(mode="fp32"), device="cpu")
     _train(trial, lr, batch=batch)
     return Policy(mode=mode, tuned_on=TunedOn(
@@ -80,12 +76,12 @@ def test_an_older_entry_for_this_workload_applies(
 ) -> None:
     older = _record(script, monkeypatch, "bf16-mixed", "1e-5")
     _record(script, monkeypatch, "fp16-mixed", "1e-3")  # the newest entry: another workload
-    _run_as(monkeypatch, script, "1e-5")
+    run_as(monkeypatch, script, "1e-5")
     mp = advisor.load_policy(device="cpu")
     _train(mp, "1e-5")
     assert mp.mode == "bf16-mixed" and mp.source.startswith(f"cache entry #{older} ")
     assert warnings == []
-    _run_as(monkeypatch, script, "1e-3")
+    run_as(monkeypatch, script, "1e-3")
     mp = advisor.load_policy(device="cpu")
     _train(mp, "1e-3")
     assert mp.mode == "fp16-mixed" and warnings == []
@@ -96,7 +92,7 @@ def test_no_entry_for_this_workload_names_what_changed_since_the_newest(
 ) -> None:
     _record(script, monkeypatch, "bf16-mixed", "1e-5")
     _record(script, monkeypatch, "fp16-mixed", "1e-3")
-    _run_as(monkeypatch, script, "1e-2")
+    run_as(monkeypatch, script, "1e-2")
     mp = advisor.load_policy(device="cpu")
     _train(mp, "1e-2")
     assert mp.mode == _safe_default() and len(warnings) == 1
@@ -109,7 +105,7 @@ def test_the_batch_asked_before_setup_chooses_among_the_entries(
     # The script reads its batch from somewhere else than its arguments: only the batch differs.
     _record(script, monkeypatch, "bf16-mixed", "1e-5", batch=64)
     _record(script, monkeypatch, "fp16-mixed", "1e-5", batch=128)
-    _run_as(monkeypatch, script, "1e-5")
+    run_as(monkeypatch, script, "1e-5")
     mp = advisor.load_policy(device="cpu")
     _train(mp, "1e-5", batch=64, batch_first=True)
     assert mp.mode == "bf16-mixed" and warnings == []
@@ -121,7 +117,7 @@ def test_a_tuned_config_file_for_another_workload_gives_way_to_the_cache(
     # A tune writes beside the script too: the file holds the latest tune, the cache every one.
     older = _record(script, monkeypatch, "bf16-mixed", "1e-5")
     _tuned(script, monkeypatch, "fp16-mixed", "1e-3").save(_paths.config_path_for(script))
-    _run_as(monkeypatch, script, "1e-5")
+    run_as(monkeypatch, script, "1e-5")
     mp = advisor.load_policy(device="cpu")
     _train(mp, "1e-5")
     assert mp.mode == "bf16-mixed" and mp.source.startswith(f"cache entry #{older} ") and warnings == []

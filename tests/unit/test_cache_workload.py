@@ -13,12 +13,12 @@ script's digest in ``[tuned_on]``.
 from __future__ import annotations
 
 import sqlite3
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from _as_script import run_as
 from fakes import Net, gpu_profile
 
 import advisor
@@ -39,18 +39,13 @@ def home(cache_home: Path) -> Path:
     return cache_home
 
 
-def _run_as(monkeypatch: pytest.MonkeyPatch, script: Path, *args: str) -> None:
-    """Make load_policy() and setup() believe this process is ``python script args``."""
-    monkeypatch.setattr(_paths, "current_script", lambda: script)
-    monkeypatch.setattr(sys, "argv", [str(script), *args])
-
 
 @pytest.fixture
 def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "project" / "stall_small_lr.py"
     path.parent.mkdir()
     path.write_text(SCRIPT_TEXT.format(lr="1e-5"))
-    _run_as(monkeypatch, path)
+    run_as(monkeypatch, path)
     return path
 
 
@@ -132,9 +127,9 @@ def test_an_edit_that_changes_nothing_else_is_named_alone(script: Path, warnings
 
 
 def test_other_arguments_miss_and_are_named(script: Path, monkeypatch: pytest.MonkeyPatch, warnings: list[str]) -> None:
-    _run_as(monkeypatch, script, "--lr", "1e-5")
+    run_as(monkeypatch, script, "--lr", "1e-5")
     _tune(script, _tuned_mode())
-    _run_as(monkeypatch, script, "--lr", "1e-3")
+    run_as(monkeypatch, script, "--lr", "1e-3")
     mp = advisor.load_policy(device="cpu")
     _train(mp, lr=1e-3)
     assert mp.mode == _safe_default()
@@ -170,7 +165,7 @@ def test_a_script_of_the_same_name_in_another_folder_misses(
     copy = tmp_path / "elsewhere" / script.name
     copy.parent.mkdir()
     copy.write_text(script.read_text())
-    _run_as(monkeypatch, copy)
+    run_as(monkeypatch, copy)
     assert lookup(_cpu(), copy) is None
     mp = advisor.load_policy(device="cpu")
     _train(mp)

@@ -6,11 +6,11 @@ says it keeps that mode rather than "fp32 instead of fp32"."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _as_script import run_as
 from fakes import Net
 
 import advisor
@@ -28,17 +28,13 @@ def home(cache_home: Path) -> Path:
     return cache_home
 
 
-def _run_as(monkeypatch: pytest.MonkeyPatch, script: Path, *args: str) -> None:
-    monkeypatch.setattr(_paths, "current_script", lambda: script)
-    monkeypatch.setattr(sys, "argv", [str(script), *args])
-
 
 @pytest.fixture
 def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "project" / "train.py"
     path.parent.mkdir()
     path.write_text(SCRIPT_TEXT)
-    _run_as(monkeypatch, path)
+    run_as(monkeypatch, path)
     return path
 
 
@@ -97,7 +93,7 @@ def test_a_run_with_other_arguments_names_both_lists_and_the_tune(
     script: Path, monkeypatch: pytest.MonkeyPatch, warnings: list[str]
 ) -> None:
     _tuned_policy(script, "fp32", ()).save(_paths.config_path_for(script))
-    _run_as(monkeypatch, script, "50")
+    run_as(monkeypatch, script, "50")
     mp = advisor.load_policy(device="cpu")
     _train(mp)
     assert len(warnings) == 1, warnings
@@ -110,7 +106,7 @@ def test_a_run_with_other_arguments_names_both_lists_and_the_tune(
 def test_the_same_arguments_apply_without_a_warning(
     script: Path, monkeypatch: pytest.MonkeyPatch, warnings: list[str]
 ) -> None:
-    _run_as(monkeypatch, script, "--epochs", "2")
+    run_as(monkeypatch, script, "--epochs", "2")
     config = _tuned_policy(script, "fp32", ("--epochs", "2")).save(_paths.config_path_for(script))
     mp = advisor.load_policy(device="cpu")
     _train(mp)
@@ -122,7 +118,7 @@ def test_other_arguments_found_before_setup_are_named_too(
 ) -> None:
     # micro_batch_size() before setup(): only the batch and the arguments are known yet.
     _tuned_policy(script, "fp32", ()).save(_paths.config_path_for(script))
-    _run_as(monkeypatch, script, "--big")
+    run_as(monkeypatch, script, "--big")
     mp = advisor.load_policy(device="cpu")
     mp.micro_batch_size(128)
     assert len(warnings) == 1, warnings
@@ -135,7 +131,7 @@ def test_a_fallback_to_the_same_mode_says_it_keeps_it(
 ) -> None:
     default = safe_default_mode(probes.cpu_profile())[0]
     _tuned_policy(script, default, ()).save(_paths.config_path_for(script))
-    _run_as(monkeypatch, script, "50")
+    run_as(monkeypatch, script, "50")
     mp = advisor.load_policy(device="cpu")
     _train(mp)
     assert mp.mode == default and len(warnings) == 1

@@ -9,11 +9,11 @@ workload fingerprint) is applied as written, and a file named explicitly (a path
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _as_script import run_as
 from fakes import Net
 
 import advisor
@@ -30,17 +30,13 @@ def home(cache_home: Path) -> Path:
     return cache_home
 
 
-def _run_as(monkeypatch: pytest.MonkeyPatch, script: Path, *args: str) -> None:
-    monkeypatch.setattr(_paths, "current_script", lambda: script)
-    monkeypatch.setattr(sys, "argv", [str(script), *args])
-
 
 @pytest.fixture
 def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "project" / "train.py"
     path.parent.mkdir()
     path.write_text(SCRIPT_TEXT.format(lr="1e-5"))
-    _run_as(monkeypatch, path)
+    run_as(monkeypatch, path)
     return path
 
 
@@ -98,9 +94,9 @@ def test_a_changed_learning_rate_misses_the_tuned_config_file(script: Path, warn
 def test_other_arguments_miss_the_tuned_config_file(
     script: Path, monkeypatch: pytest.MonkeyPatch, warnings: list[str]
 ) -> None:
-    _run_as(monkeypatch, script, "--epochs", "1")
+    run_as(monkeypatch, script, "--epochs", "1")
     _tuned_policy(script, _tuned_mode()).save(_paths.config_path_for(script))
-    _run_as(monkeypatch, script, "--epochs", "2")
+    run_as(monkeypatch, script, "--epochs", "2")
     mp = advisor.load_policy(device="cpu")
     _train(mp)
     assert mp.mode == _safe_default()
