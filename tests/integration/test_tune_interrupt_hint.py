@@ -22,6 +22,13 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
 
 
+
+def _sigint_default() -> None:
+    """In the tune's process, before Python starts: SIGINT back to its default. A suite started
+    in the background (`cmd &` in a script, as CI runners may) hands its children SIGINT
+    ignored, and Python then installs no KeyboardInterrupt for it: Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 def _complete(home: Path) -> int:
     db = home / "studies.db"
     if not db.exists():
@@ -40,7 +47,7 @@ def test_ctrl_c_names_the_study_and_the_command_that_resumes_it(tmp_path, isolat
     # Its own session, as a shell's job: Ctrl-C reaches the whole group, the trial's process too.
     process = subprocess.Popen([sys.executable, "-m", "advisor.cli", *args], cwd=tmp_path, env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=_sigint_default)
     deadline = time.monotonic() + 480
     while _complete(isolated_home) < 1 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -78,7 +85,7 @@ def test_ctrl_c_of_a_study_in_memory_says_nothing_can_be_resumed(tmp_path):
         [sys.executable, "-m", "advisor.cli", "tune", "train.py", "--trials", "6", "--steps", "32", "--warmup", "2",
          "--no-priors", "-m", "bf16-mixed", "--no-cache", "--json", "--", "40"],
         cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        start_new_session=True, preexec_fn=_sigint_default)
     seen = []
     for line in process.stderr:  # the first trial's line: the search is under way
         seen.append(line)
