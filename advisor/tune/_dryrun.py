@@ -15,7 +15,14 @@ from typing import Any
 from advisor._paths import cache_dir, config_path_for
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import check_storage, check_study, kept_study, shared_storage, shown_url
+from advisor.tune._search import (
+    KeptStudy,
+    check_storage,
+    check_study,
+    kept_study,
+    shared_storage,
+    shown_url,
+)
 from advisor.tune._service import TuneRequest, check_judgeable_window, study_name_for
 from advisor.tune._space import (
     FP16_GROWTH_INTERVALS,
@@ -60,7 +67,8 @@ def tune_plan(request: TuneRequest, profile: HardwareProfile) -> dict[str, Any]:
         check_storage(storage)  # a server is only read; an SQLite file a tune would make is not made here
     fingerprint = hardware_fingerprint(profile)
     study_name = study_name_for(path, list(request.args), fingerprint, processes=options.nproc_per_node)
-    if kept_study(storage, study_name) is not None:  # a study it would continue must be of this hardware
+    held = kept_study(storage, study_name)
+    if held is not None:  # a study it would continue must be of this hardware
         check_study(storage, study_name, hardware=fingerprint, resume=options.resume, fresh=True)
     support = supported_modes(profile)
     limits = launch.limits
@@ -87,7 +95,7 @@ def tune_plan(request: TuneRequest, profile: HardwareProfile) -> dict[str, Any]:
             "time_budget_s": options.time_budget, "trial_timeout_s": options.timeout,
             "config_file": str(config_file), "cache": not options.no_cache,
             "study_name": study_name, "storage": shown_url(storage), "resume": options.resume,
-            "study_action": _study_action(storage, study_name, options),
+            "study_action": _study_action(storage, held, options),
         },
     }
 
@@ -136,9 +144,8 @@ def _loss_scale(modes: tuple[str, ...], limits: Any) -> dict[str, Any]:
             "growth_intervals": list(FP16_GROWTH_INTERVALS) if settings else [2000]}
 
 
-def _study_action(storage: str, study_name: str, options: TuneOptions) -> str:
-    """What the tune would do with its study, in words."""
-    held = kept_study(storage, study_name)
+def _study_action(storage: str, held: KeptStudy | None, options: TuneOptions) -> str:
+    """What the tune would do with its study (``held``: what is stored of it), in words."""
     finished = 0 if held is None else held.finished
     if shared_storage(storage):
         return f"join the shared study ({finished} finished trials so far)" if held else "make the shared study"

@@ -465,12 +465,9 @@ def kept_study(storage: str | None, study_name: str) -> KeptStudy | None:
     """
     if storage is None or not _storage_exists(storage):
         return None
-    try:
-        studies = study_status(storage, study_name)
-    except MpadviseError as exc:
-        if f"no study {study_name!r}" in str(exc):
-            return None
-        raise
+    studies = study_status(storage, study_name, missing_ok=True)
+    if not studies:
+        return None
     return KeptStudy(study_name, shown_url(storage) or storage, studies[0]["measured"], studies[0]["last_finished"])
 
 
@@ -487,10 +484,14 @@ def finished_trials(storage: str | None, study_name: str) -> int:
 def _storage_exists(storage: str) -> bool:
     """Whether the storage may hold studies already: any database server, or an SQLite file
     that exists (reading it must not make it)."""
-    if not storage.startswith("sqlite"):
-        return True
+    return not storage.startswith("sqlite") or _sqlite_file(storage) is not None
+
+
+def _sqlite_file(storage: str) -> str | None:
+    """The file an ``sqlite:///`` URL names, where it exists; ``None`` for no file, an
+    in-memory database or a file that is not there."""
     path = storage.partition(":///")[2].partition("?")[0]
-    return bool(path) and path != ":memory:" and os.path.isfile(path)
+    return path if path and path != ":memory:" and os.path.isfile(path) else None
 
 
 def _check_hardware(study: Any, study_name: str, hardware: str | None, *, record: bool) -> None:
@@ -1291,7 +1292,7 @@ def _measured_from(data: Mapping[str, Any]) -> Measured:
     )
 
 
-def study_status(storage: str, study_name: str | None = None) -> list[dict[str, Any]]:
+def study_status(storage: str, study_name: str | None = None, *, missing_ok: bool = False) -> list[dict[str, Any]]:
     """What a study storage holds, read without writing anything (no tables made, no trial
     failed as stale): per study, its hardware, its trials by state, the workers seen in it and
     the best stable candidate so far.
@@ -1299,6 +1300,7 @@ def study_status(storage: str, study_name: str | None = None) -> list[dict[str, 
     Args:
         storage: the Optuna storage URL (a database server, or an SQLite file that must exist).
         study_name: only this study; ``None`` for every study in the storage.
+        missing_ok: an empty list, rather than an error, where ``study_name`` is not there.
 
     Returns:
         One dict per study, by name: ``study``, ``hardware``, ``trials`` (``complete``,
@@ -1315,11 +1317,10 @@ def study_status(storage: str, study_name: str | None = None) -> list[dict[str, 
     import sqlalchemy
 
     shown = shown_url(storage)
-    if storage.startswith("sqlite"):
+    if storage.startswith("sqlite") and _sqlite_file(storage) is None:
         path = storage.partition(":///")[2].partition("?")[0]
-        if not path or path == ":memory:" or not os.path.isfile(path):
-            raise UsageError(f"no study storage at {shown!r}: the file {path or '(none)'} does not exist; expected "
-                                "the SQLite file a tune wrote (by default studies.db in the cache directory)")
+        raise UsageError(f"no study storage at {shown!r}: the file {path or '(none)'} does not exist; expected "
+                         "the SQLite file a tune wrote (by default studies.db in the cache directory)")
     engine_kwargs: dict[str, Any] = {}
     if _is_postgres(storage) and "connect_timeout" not in storage:
         engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
@@ -1339,7 +1340,7 @@ def study_status(storage: str, study_name: str | None = None) -> list[dict[str, 
             studies = backend.get_all_studies()
         if study_name is not None:
             studies = [s for s in studies if s.study_name == study_name]
-            if not studies:
+            if not studies and not missing_ok:
                 raise MpadviseError(f"no study {study_name!r} in {shown!r}; mpadvise study status --storage URL lists "
                                     "the studies it holds")
         out = [_study_summary(s, backend.get_all_trials(s._study_id, deepcopy=False)) for s in studies]
