@@ -24,8 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from advisor._paths import cache_dir
-from advisor.tune import shared_storage
+from advisor.tune import default_storage_url, shared_storage
 from policies import Policy
 from probes import MpadviseError
 
@@ -583,7 +582,7 @@ def resume_command(tune: dict[str, Any]) -> str:
     if tune.get("resume_command"):
         return str(tune["resume_command"])
     storage = tune.get("storage")
-    default = f"sqlite:///{cache_dir() / 'studies.db'}"
+    default = default_storage_url()
     where = ["--storage", str(storage)] if storage and storage not in (default, os.environ.get("MPADVISE_STORAGE")) else []
     script, *rest = _script_and_args(tune)
     return shlex.join(["mpadvise", "tune", script, "--resume", *where, *rest])

@@ -31,10 +31,9 @@ def status(
     json_output: JsonOption = False,
 ) -> None:
     """List the studies in a storage: hardware, trials by state, workers seen, the best so far."""
-    from advisor._paths import cache_dir
-    from advisor.tune import resolve_storage, shown_url, study_status
+    from advisor.tune import default_storage_url, resolve_storage, shown_url, study_status
 
-    url = resolve_storage(storage, os.environ) or f"sqlite:///{cache_dir() / 'studies.db'}"
+    url = resolve_storage(storage, os.environ) or default_storage_url()
     studies = study_status(url, study)
     if json_output:
         print_json({"storage": shown_url(url), "studies": studies})

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from advisor._paths import cache_dir, config_path_for
+from advisor._paths import config_path_for
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import (
@@ -23,7 +23,12 @@ from advisor.tune._search import (
     shared_storage,
     shown_url,
 )
-from advisor.tune._service import TuneRequest, check_judgeable_window, study_name_for
+from advisor.tune._service import (
+    TuneRequest,
+    check_judgeable_window,
+    default_storage_url,
+    study_name_for,
+)
 from advisor.tune._space import (
     FP16_GROWTH_INTERVALS,
     FP16_INIT_SCALES,
@@ -62,7 +67,7 @@ def tune_plan(request: TuneRequest, profile: HardwareProfile) -> dict[str, Any]:
     config_file = config_path_for(path) if options.out is None else Path(options.out)
     check_config_target(config_file)
     check_judgeable_window(options)
-    storage = options.storage if options.storage is not None else f"sqlite:///{cache_dir() / 'studies.db'}"
+    storage = options.storage if options.storage is not None else default_storage_url()
     if not storage.startswith("sqlite"):
         check_storage(storage)  # a server is only read; an SQLite file a tune would make is not made here
     fingerprint = hardware_fingerprint(profile)

@@ -340,8 +340,14 @@ def _resolved(options: TuneOptions, profile: HardwareProfile) -> TuneOptions:
     return options.with_(modes=modes, storage=storage)
 
 
+def default_storage_url() -> str:
+    """The URL of the study database in the cache directory, made or not (see :func:`default_storage`)."""
+    return f"sqlite:///{cache_dir() / 'studies.db'}"
+
+
 def default_storage() -> str | None:
-    """The study database in the cache directory, or ``None`` (in memory) when unusable."""
+    """The study database in the cache directory, made private where it is not there yet, or
+    ``None`` (in memory) when unusable."""
     directory = cache_dir()
     study = directory / "studies.db"
     try:
@@ -361,7 +367,7 @@ def default_storage() -> str | None:
         get_logger().warning(f"cache directory {directory} is not writable ({exc.strerror or exc}); the study is kept "
                              "in memory, so --resume will not work")
         return None
-    return f"sqlite:///{study}"
+    return default_storage_url()
 
 
 def study_name_for(script: Path, args: list[str], fingerprint: str, *, processes: int = 1) -> str:
