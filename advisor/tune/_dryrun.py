@@ -9,10 +9,8 @@ and no storage file, writes no config file and no cache entry.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
-from advisor._paths import config_path_for
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import (
@@ -25,6 +23,7 @@ from advisor.tune._search import (
 )
 from advisor.tune._service import (
     TuneRequest,
+    _config_out,
     check_judgeable_window,
     default_storage_url,
     study_name_for,
@@ -64,7 +63,7 @@ def tune_plan(request: TuneRequest, profile: HardwareProfile) -> dict[str, Any]:
     options = request.options
     launch = request.launch
     modes = check_modes(list(options.modes), profile) if options.modes else []
-    config_file = config_path_for(path) if options.out is None else Path(options.out)
+    config_file = _config_out(options, path)
     check_config_target(config_file)
     check_judgeable_window(options)
     storage = options.storage if options.storage is not None else default_storage_url()
