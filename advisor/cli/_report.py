@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from advisor.tune import default_storage_url, shared_storage
+from advisor.tune import default_storage_url, run_ratio_text, shared_storage
 from policies import Policy
 from probes import MpadviseError
 
@@ -174,15 +174,6 @@ def trial_progress(console: Console, total: int, *, enabled: bool = True) -> Ite
             progress.console.print(f"  {ev.label}: {mark}{speed}", highlight=False)
 
         yield on_start, on_done
-
-
-def run_ratio_text(ev: Evaluation | None) -> str:
-    """What a tune's progress line says of one run's speed: its goodput over the fp32
-    reference run's, named as one run's ratio (the tune's speed-up is decided later, from paired
-    runs); empty without one."""
-    if ev is None or not ev.speedup:
-        return ""
-    return f", this run {ev.speedup:.2f}x the fp32 reference run"
 
 
 @contextmanager

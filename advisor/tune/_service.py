@@ -37,7 +37,7 @@ from advisor.tune._options import TuneOptions
 from advisor.tune._search import check_storage, check_study, shown_url
 from advisor.tune._space import SpaceLimits
 from advisor.tune._stability import StabilityThresholds
-from advisor.tune._trials import WAIT_IDLE_ENV, Runner, ScriptRunner, TrialSettings
+from advisor.tune._trials import WAIT_IDLE_ENV, Evaluation, Runner, ScriptRunner, TrialSettings
 from policies import Policy, check_config_target
 from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
@@ -54,6 +54,7 @@ __all__ = [
     "default_storage",
     "keep_answer",
     "remember",
+    "run_ratio_text",
     "study_name_for",
     "study_name_from",
     "tune_script",
@@ -67,6 +68,15 @@ TuneProgress = Callable[[int], AbstractContextManager[ProgressCallbacks]]
 """``progress(total)``: a context manager around the trials that yields ``(on_start, on_done,
 on_round)`` for the tuner (see :func:`advisor.tune._engine.tune_policy`); ``total`` counts the
 trial budget, the reference and its replicate."""
+
+
+def run_ratio_text(ev: Evaluation | None) -> str:
+    """What a tune's progress line says of one run's speed: its goodput over the fp32
+    reference run's, named as one run's ratio (the tune's speed-up is decided later, from paired
+    runs); empty without one. The command line's and a daemon job's progress both say it."""
+    if ev is None or not ev.speedup:
+        return ""
+    return f", this run {ev.speedup:.2f}x the fp32 reference run"
 
 
 class _Plan(Protocol):  # advisor.frameworks.ScriptPlan, as this layer reads it

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from advisor._secure import open_private_new
-from advisor.tune._service import ProgressCallbacks, TuneRequest, tune_script
+from advisor.tune._service import ProgressCallbacks, TuneRequest, run_ratio_text, tune_script
 from probes import MpadviseError, UsageError
 
 USAGE = "usage: python -m advisor.tune.job REQUEST.json RESULT.json"
@@ -83,8 +83,7 @@ def progress_lines(total: int) -> Iterator[ProgressCallbacks]:
 
     def on_done(label: str, ev: Any, m: Any) -> None:
         # One run's ratio, named so: the tune's speed-up is its paired figure, decided at the end.
-        speed = f", this run {ev.speedup:.2f}x the fp32 reference run" if ev is not None and ev.speedup else ""
-        _line(f"  {label}: {m.outcome}{speed}")
+        _line(f"  {label}: {m.outcome}{run_ratio_text(ev)}")
 
     def on_round(number: int, most: int, runs: int) -> None:
         _line(f"re-measure round {number} of at most {most}: {runs} runs")
