@@ -55,7 +55,9 @@ class BenchRow:
         ratio_vs_fp32: ``tflops`` over the fp32 row's, when both were measured.
         peak_tflops: datasheet dense peak for this dtype on this SKU, when known.
         fraction_of_peak: ``tflops / peak_tflops``, when both are known.
-        repeats: timed repeats the median is over.
+        repeats: timed repeats the median is over; fewer (two at least) for a CPU dtype one
+            call of which outlasts a repeat's share of the time per dtype (no fast path for
+            it); 0 when skipped.
         skipped: why this dtype was not measured, else ``None``.
         spread: ``(slowest - fastest) / median`` over the repeats: the measurement noise,
             so that close dtypes are not ranked on noise.
@@ -119,7 +121,9 @@ def matmul_benchmark(
             A requested dtype the device cannot run comes back as a skipped row.
         size: side of the square matrices; ``None`` means 8192 on CUDA, 512 on CPU.
         min_seconds: measured time per dtype, split evenly over the repeats; each repeat
-            runs at least one matmul, so slow dtypes can take longer.
+            runs at least one matmul. On a CPU, a dtype one call of which outlasts a repeat's
+            share is timed by single calls, its calibration call among them, until they fill
+            ``min_seconds`` (two at least).
         repeats: timed repeats; the reported figure is their median.
 
     Returns:
@@ -142,7 +146,7 @@ def matmul_benchmark(
             f"in this process; check the driver and CUDA_VISIBLE_DEVICES"
         )
 
-    measured: dict[str, tuple[float, float] | str] = {}
+    measured: dict[str, tuple[float, float, int] | str] = {}
     with contextlib.ExitStack() as stack:
         if profile.is_cuda:
             stack.enter_context(torch.cuda.device(profile.index or 0))
@@ -158,7 +162,7 @@ def matmul_benchmark(
                 continue
             measured[dtype] = _measure(torch, profile, dtype, size, min_seconds, repeats)
 
-    return _rows(profile, chosen, measured, size, repeats)
+    return _rows(profile, chosen, measured, size)
 
 
 def _check_settings(size: Any, repeats: Any, min_seconds: Any) -> None:
@@ -174,9 +178,8 @@ def _check_settings(size: Any, repeats: Any, min_seconds: Any) -> None:
 def _rows(
     profile: HardwareProfile,
     chosen: tuple[str, ...],
-    measured: dict[str, tuple[float, float] | str],
+    measured: dict[str, tuple[float, float, int] | str],
     size: int,
-    repeats: int,
 ) -> list[BenchRow]:
     """One row per dtype: TFLOP/s, the ratio to fp32 and the fraction of the datasheet peak,
     or the reason it was skipped."""
@@ -186,11 +189,12 @@ def _rows(
     rows = []
     for dtype in chosen:
         result = measured[dtype]
-        common = {"dtype": dtype, "device": profile.device, "size": size, "peak_tflops": peaks.get(dtype), "repeats": repeats}
+        common = {"dtype": dtype, "device": profile.device, "size": size, "peak_tflops": peaks.get(dtype)}
         if isinstance(result, str):
-            rows.append(BenchRow(**common, tflops=None, seconds=None, ratio_vs_fp32=None, fraction_of_peak=None, skipped=result))
+            rows.append(BenchRow(**common, tflops=None, seconds=None, ratio_vs_fp32=None, fraction_of_peak=None,
+                                 repeats=0, skipped=result))
             continue
-        seconds, spread = result
+        seconds, spread, repeats = result
         tflops = _tflops(size, seconds)
         rows.append(
             BenchRow(
@@ -199,6 +203,7 @@ def _rows(
                 seconds=seconds,
                 ratio_vs_fp32=tflops / fp32_tflops if fp32_tflops else None,
                 fraction_of_peak=tflops / common["peak_tflops"] if common["peak_tflops"] else None,
+                repeats=repeats,
                 spread=spread,
             )
         )
@@ -279,8 +284,9 @@ def _measure(
     size: int,
     min_seconds: float,
     repeats: int,
-) -> tuple[float, float] | str:
-    """``(median seconds per matmul, relative spread)``, or a skip reason on OOM/errors."""
+) -> tuple[float, float, int] | str:
+    """``(median seconds per matmul, relative spread, timed repeats)``, or a skip reason on
+    OOM/errors."""
     try:
         # TF32 only for the tf32 row; the fp32 row must be IEEE even if the caller enabled TF32
         # (or, on a CPU, bf16 via "medium"), or it would measure the wrong thing. Only matmuls
@@ -297,8 +303,16 @@ def _measure(
                 # shortens the probe.
                 one_call = timer(matmul, 1)
             per_repeat = min_seconds / repeats
-            calls = max(1, math.ceil(per_repeat / max(one_call, 1e-9)))
-            samples = [timer(matmul, calls) / calls for _ in range(repeats)]
+            if not profile.is_cuda and one_call >= per_repeat:
+                # One call alone outlasts a repeat's share of the budget: a CPU without a fast
+                # path for this dtype (bf16 emulated by AVX2 at a hundredth of fp32's rate).
+                # Single calls, the calibration one among them, fill the budget, two at least;
+                # five repeats of one call each would spend seconds past it.
+                count = max(2, min(repeats, math.ceil(min_seconds / max(one_call, 1e-9))))
+                samples = [one_call] + [timer(matmul, 1) for _ in range(count - 1)]
+            else:
+                calls = max(1, math.ceil(per_repeat / max(one_call, 1e-9)))
+                samples = [timer(matmul, calls) / calls for _ in range(repeats)]
     except Exception as error:
         # An OOM on a small GPU or a kernel this build lacks skips one dtype, not the run.
         if type(error).__name__ == "OutOfMemoryError":
@@ -307,7 +321,7 @@ def _measure(
         return f"{dtype} matmul failed: {first_line[:200]}"
     median = statistics.median(samples)
     spread = (max(samples) - min(samples)) / median if median > 0 else 0.0
-    return median, spread
+    return median, spread, len(samples)
 
 
 def _cuda_warm_up(timer: Callable[[Callable[[], Any], int], float], matmul: Callable[[], Any]) -> float:

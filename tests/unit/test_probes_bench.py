@@ -23,13 +23,51 @@ def test_cpu_rows_for_default_dtypes():
     for row in rows:
         assert isinstance(row, BenchRow)
         assert row.skipped is None
-        assert row.device == "cpu" and row.size == 64 and row.repeats == 3
+        # Three repeats, or two where one call outlasted min_seconds (a loaded machine can
+        # stretch one); the rule itself is tested with a fake clock below.
+        assert row.device == "cpu" and row.size == 64 and row.repeats in (2, 3)
         assert row.tflops > 0 and row.seconds > 0
         assert row.tflops == pytest.approx(2 * 64**3 / row.seconds / 1e12)
         assert row.ratio_vs_fp32 > 0  # no claim on which is faster: that is what it measures
         assert row.spread >= 0
         assert row.peak_tflops is None and row.fraction_of_peak is None  # no CPU datasheet
     assert rows[0].ratio_vs_fp32 == 1.0
+
+
+def _fake_cpu_clock(monkeypatch, seconds_per_call):
+    """Every timed matmul takes ``seconds_per_call``; the call counts of each timing, in order."""
+    timings: list[int] = []
+
+    def timer(matmul, calls):
+        timings.append(calls)
+        return calls * seconds_per_call
+
+    monkeypatch.setattr(bench, "_cpu_timer", timer)
+    return timings
+
+
+@pytest.mark.parametrize(("per_call", "timed"), [(0.19, 2), (0.25, 2), (0.05, 4), (0.04, 5)])
+def test_a_cpu_dtype_one_call_of_which_outlasts_a_repeats_share_is_timed_by_single_calls(
+        monkeypatch, per_call, timed):
+    # bf16 without a fast path (AVX2): a fifth of a second per call at the default size. Single
+    # calls, the calibration one among them, fill the 0.2 s budget, two at least; five repeats of
+    # one call would spend a second.
+    timings = _fake_cpu_clock(monkeypatch, per_call)
+    (row,) = matmul_benchmark(CPU, dtypes=("bf16",), size=64, min_seconds=0.2, repeats=5)
+    assert timings == [1] * timed
+    assert row.repeats == timed and row.seconds == pytest.approx(per_call) and row.spread == pytest.approx(0)
+
+
+def test_a_fast_cpu_dtype_keeps_its_repeats_within_the_budget(monkeypatch):
+    timings = _fake_cpu_clock(monkeypatch, 0.001)
+    (row,) = matmul_benchmark(CPU, dtypes=("fp32",), size=64, min_seconds=0.2, repeats=5)
+    assert timings == [1] + [40] * 5  # calibration, then 0.04 s of calls per repeat
+    assert row.repeats == 5 and row.seconds == pytest.approx(0.001)
+
+
+def test_a_skipped_row_has_no_repeats():
+    (row,) = matmul_benchmark(CPU, dtypes=("fp8",), **FAST)
+    assert row.skipped and row.repeats == 0
 
 
 def test_rows_serialise_to_json():
@@ -184,9 +222,10 @@ def test_cuda_warm_up_lasts_until_the_clocks_have_ramped(monkeypatch):
     gpu = _RampingGpu()
     monkeypatch.setattr(bench, "_cuda_timer", lambda torch: gpu)
     monkeypatch.setattr(bench, "_operands", lambda *args: lambda: None)
-    seconds, spread = bench._measure(torch, gpu_profile("H100"), "bf16", 8192, 0.2, 5)
+    seconds, spread, repeats = bench._measure(torch, gpu_profile("H100"), "bf16", 8192, 0.2, 5)
     assert seconds == pytest.approx(_RampingGpu.FAST)  # not a median of slow calls
     assert spread == pytest.approx(0.0)
+    assert repeats == 5  # the slow-call rule is a CPU one: a GPU's first calls ramp its clocks
     assert gpu.busy < 0.6  # the warm-up ends soon after the ramp; then 0.2 s of repeats
 
 
@@ -254,7 +293,7 @@ def test_benchmark_gives_its_cached_gpu_memory_back(monkeypatch):
 
     def measure(torch, profile, dtype, *args):
         cuda.events.append(f"measure {dtype}")
-        return 1e-3, 0.0
+        return 1e-3, 0.0, 3
 
     monkeypatch.setattr(bench, "_measure", measure)
     matmul_benchmark(gpu_profile("H100"), dtypes=("fp32", "bf16"), **FAST)
