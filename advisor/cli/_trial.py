@@ -33,7 +33,7 @@ from advisor.cli._report import (
     trial_progress,
 )
 from advisor.frameworks import check_plan_modes, plan_for
-from advisor.trial import TrialResult
+from advisor.trial import TrialResult, WarmLauncher
 from advisor.tune import (
     Comparison,
     ScriptRunner,
@@ -44,6 +44,7 @@ from advisor.tune import (
     check_modes,
     check_script,
     default_trial_modes,
+    prestarted_launcher,
     run_comparison,
 )
 from policies import Policy
@@ -154,6 +155,19 @@ def run_trial_command(
     except UsageError as exc:
         get_logger().warning(f"{exc}; until then every candidate is too-short: its speed is measured, its "
                              "stability is not judged")
+    # The trials' warm server imports while this process imports torch and probes.
+    warm = prestarted_launcher(path, script_args, plan_for(path, options.framework).launch,
+                               nproc_per_node=options.nproc_per_node)
+    try:
+        return _compare_here(path, script_args, options, warm, plot=plot, json_output=json_output, console=console,
+                             stream=stream, quiet=quiet)
+    finally:
+        warm.close()
+
+
+def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm: WarmLauncher, *,
+                  plot: Path | None, json_output: bool, console: Console, stream: TrialStream | None,
+                  quiet: bool) -> int:
     profile = probes.profile_for(options.device)
     plan = plan_for(path, options.framework, device=profile.device)
     if options.modes:
@@ -165,7 +179,7 @@ def run_trial_command(
     # Every trial counts one warm-up step's FLOPs (so all run alike): the reference's count is the
     # work each trial's step does, and its TFLOP/s is that over the trial's median step.
     settings = dataclasses.replace(TrialSettings.for_tune(options.with_(framework=plan.framework)), count_flops=True)
-    runner = ScriptRunner(path, script_args, settings, launch=plan.launch)
+    runner = ScriptRunner(path, script_args, settings, launch=plan.launch, warm=warm)
     candidates = [(Policy(mode=m), m) for m in modes]
     progress_console = Console(stderr=True) if json_output else console
     # The reference, its perturbed replicate, then each candidate.

@@ -20,6 +20,7 @@ from advisor._log import get_logger
 from advisor.cli._common import err_console, fail
 from advisor.cli._report import render_tune, tune_progress
 from advisor.frameworks import check_plan_modes, plan_for
+from advisor.trial import WarmLauncher
 from advisor.tune import (
     ScriptLaunch,
     TuneOptions,
@@ -28,6 +29,7 @@ from advisor.tune import (
     default_storage,
     finished_trials,
     kept_study,
+    prestarted_launcher,
     resolve_storage,
     shared_storage,
     shown_url,
@@ -54,6 +56,22 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
     # The URL may come from the environment instead, to keep its password out of ps.
     options = options.with_(storage=resolve_storage(options.storage, os.environ))
     path = check_script(script)
+    warm = None
+    if not dry_run:
+        # The trials' warm server imports while this process imports torch and probes.
+        warm = prestarted_launcher(path, script_args, plan_for(path, options.framework).launch,
+                                   nproc_per_node=options.nproc_per_node)
+    try:
+        return _tune_here(path, script, script_args, given, options, warm, json_output=json_output,
+                          console=console, quiet=quiet, dry_run=dry_run)
+    finally:
+        if warm is not None:
+            warm.close()
+
+
+def _tune_here(path: Path, script: Path, script_args: list[str], given: TuneOptions, options: TuneOptions,
+               warm: WarmLauncher | None, *, json_output: bool, console: Console, quiet: bool,
+               dry_run: bool) -> int:
     profile = probes.profile_for(options.device)
     plan = plan_for(path, options.framework, device=profile.device)
     check_plan_modes(plan, list(options.modes))
@@ -76,7 +94,7 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
         get_logger().setLevel(logging.WARNING)
     progress_console = Console(stderr=True) if json_output else console
     try:
-        done = tune_script(request, profile=profile,
+        done = tune_script(request, profile=profile, warm=warm,
                            progress=None if quiet else lambda total: tune_progress(progress_console, total))
     except KeyboardInterrupt:
         raise _interrupted(options.storage, study_name, resume) from None

@@ -53,6 +53,7 @@ from ._protocol import (
     parse_memory,
     rank_result_path,
     run_trial,
+    trial_environment,
 )
 from ._ranks import EXITS_ENV, STORE_ENV, ranks_argv
 from ._recorder import FrameworkRecorder, recorder_for
@@ -103,4 +104,5 @@ __all__ = [
     "spec_from_env",
     "startup_seconds",
     "trial_candidate",
+    "trial_environment",
 ]

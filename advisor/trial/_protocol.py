@@ -349,6 +349,17 @@ def parse_memory(text: str) -> int:
     return int(value * units[unit])
 
 
+def trial_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a trial runs in, but for its per-trial variables: ``env`` (default: this
+    process's) with unbuffered output, and without a policy override (the spec decides; a
+    leftover ``MPADVISE_POLICY`` must not). A warm server started ahead of the first trial
+    (``WarmLauncher.prestart``) starts in it."""
+    child_env = dict(os.environ if env is None else env)
+    child_env["PYTHONUNBUFFERED"] = "1"
+    child_env.pop(POLICY_ENV, None)
+    return child_env
+
+
 def run_trial(
     script: str | os.PathLike[str],
     args: list[str],
@@ -388,10 +399,8 @@ def run_trial(
         path.unlink(missing_ok=True)
     spec_file = result_path.with_suffix(".spec.json")
     spec_file.write_text(spec.to_json())
-    child_env = dict(os.environ if env is None else env)
+    child_env = trial_environment(env)
     child_env[TRIAL_SPEC_ENV] = str(spec_file)
-    child_env["PYTHONUNBUFFERED"] = "1"
-    child_env.pop(POLICY_ENV, None)  # the spec decides; a leftover override must not
     exits_path = Path(f"{result_path}.exits.json")
     exits_path.unlink(missing_ok=True)
     if rank_paths:

@@ -390,7 +390,8 @@ def _close_server(proc: subprocess.Popen[bytes] | None, sock: socket.socket | No
 
 
 class WarmLauncher:
-    """Forks trials from one warm server, started on the first trial and kept until ``close``.
+    """Forks trials from one warm server, started on the first trial (or ahead of it, by
+    ``prestart``) and kept until ``close``.
 
     Args:
         python: the interpreter of the trials, and of the server.
@@ -411,12 +412,13 @@ class WarmLauncher:
         self._log: IO[bytes] | None = None
         self._broken: str | None = None  # why the server cannot serve; every trial then starts cold
         self._finalizer: weakref.finalize | None = None
+        self._ready = False  # the server said it is ready (a prestarted one may still be importing)
         self.forked = 0
         self.last_cold_reason: str | None = None
 
     @property
     def server_pid(self) -> int | None:
-        """The running server's pid; ``None`` before the first trial, after ``close``."""
+        """The running server's pid; ``None`` before it started, after ``close``."""
         return None if self._proc is None else self._proc.pid
 
     def start_trial(
@@ -448,6 +450,12 @@ class WarmLauncher:
             reason = self._broken or self._ensure_server(env)
         if reason is None and self._env is not None:
             reason = environment_reason(self._env, env)
+            if reason is not None and self.forked == 0:
+                # A server started ahead of the first trial (``prestart``) in an environment that
+                # has changed since: start it again in the trial's, as on a first trial.
+                get_logger().debug(f"warm server started again: {reason}")
+                self.close()
+                reason = self._ensure_server(env)
         trial = None
         if reason is None:
             trial, reason = self._fork(list(command), env, cwd, stdout, stderr)
@@ -484,10 +492,39 @@ class WarmLauncher:
             return None, reason
         return WarmTrial(self._channel, int(reply["pid"]), command, lambda: self._lost("the warm server died")), ""
 
+    def prestart(self, command: Sequence[str], *, env: Mapping[str, str], nproc_per_node: int = 1) -> bool:
+        """Start the server now, without waiting for its imports; whether one was started.
+
+        A parent with work of its own before its first trial (importing torch, probing the
+        hardware, the matmul benchmark) does it while the server imports, instead of before.
+        The first trial waits for the server to be ready, as it would have waited for the
+        server it started. Nothing starts where that trial would start cold anyway
+        (``cold_reason`` for ``command``), nor when a server runs already.
+
+        Args:
+            command: what the trials run after the interpreter (``[LAUNCH...] SCRIPT ARGS``).
+            env: the environment the trials will have, but for their per-trial variables
+                (``trial_environment``); a first trial whose environment differs in anything
+                else starts the server again in its own.
+            nproc_per_node: processes of each trial.
+        """
+        if self._proc is not None or self._broken is not None:
+            return False
+        if cold_reason(command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node) is not None:
+            return False
+        return self._spawn(env) is None
+
     def _ensure_server(self, env: Mapping[str, str]) -> str | None:
-        """Start the server unless it runs; why it cannot serve, or ``None``."""
-        if self._proc is not None:
-            return None
+        """Start the server unless it runs, and wait until it is ready; why it cannot serve, or
+        ``None``."""
+        if self._proc is None:
+            failed = self._spawn(env)
+            if failed is not None:
+                return failed
+        return None if self._ready else self._await_ready()
+
+    def _spawn(self, env: Mapping[str, str]) -> str | None:
+        """Start the server's process; why it could not start, or ``None``."""
         # The server starts in the first trial's whole environment. A fork's /proc/PID/environ is
         # the server's, whatever the fork sets in os.environ, and the daemon finds (and ends) a
         # job's processes by the mark its environment carries there (MPADVISE_DAEMON_JOB).
@@ -512,7 +549,13 @@ class WarmLauncher:
             child.close()
         self._channel = _Channel(parent)
         self._env = server_env
+        self._ready = False
         self._finalizer = weakref.finalize(self, _close_server, self._proc, parent)
+        return None
+
+    def _await_ready(self) -> str | None:
+        """Wait for the started server's word; why it cannot serve, or ``None``."""
+        assert self._channel is not None
         try:
             ready = self._channel.receive(START_TIMEOUT)
         except TimeoutError:
@@ -523,6 +566,7 @@ class WarmLauncher:
             self._broken = str(ready["refusal"])
             self.close()
             return self._broken
+        self._ready = True
         return None
 
     def _log_tail(self) -> str:
@@ -542,11 +586,16 @@ class WarmLauncher:
 
     def close(self) -> None:
         """End the server (it ends any trial it still runs); a later trial starts a new one,
-        unless the server was found unable to serve."""
+        unless the server was found unable to serve. A server still importing (``prestart``,
+        and a command that ended before its first trial) has forked nothing: it is killed, not
+        waited for."""
+        if self._proc is not None and not self._ready:
+            with contextlib.suppress(OSError):
+                self._proc.kill()
         if self._finalizer is not None:
             self._finalizer()
         self._finalizer = None
-        self._proc, self._channel, self._env = None, None, None
+        self._proc, self._channel, self._env, self._ready = None, None, None, False
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -60,6 +60,7 @@ from advisor.tune._trials import (
     ScriptRunner,
     TrialSettings,
     curve_of,
+    prestarted_launcher,
     run_comparison,
 )
 
@@ -100,6 +101,7 @@ __all__ = [
     "default_trial_modes",
     "keep_answer",
     "option_info",
+    "prestarted_launcher",
     "resolve_storage",
     "run_comparison",
     "shared_storage",

@@ -31,13 +31,21 @@ from advisor._paths import cache_dir, config_path_for
 from advisor._secure import ensure_private_dir, ensure_private_file, open_private_new
 from advisor.cache import record_tune
 from advisor.runtime import script_digest
+from advisor.trial import WarmLauncher
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._engine import TuneResult, tune_policy
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import check_storage, check_study, shown_url
 from advisor.tune._space import SpaceLimits
 from advisor.tune._stability import StabilityThresholds
-from advisor.tune._trials import WAIT_IDLE_ENV, Evaluation, Runner, ScriptRunner, TrialSettings
+from advisor.tune._trials import (
+    WAIT_IDLE_ENV,
+    Evaluation,
+    Runner,
+    ScriptRunner,
+    TrialSettings,
+    prestarted_launcher,
+)
 from policies import Policy, check_config_target
 from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
@@ -210,7 +218,8 @@ class ScriptTune:
 
 
 def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
-                profile: HardwareProfile | None = None, runner: Runner | None = None) -> ScriptTune:
+                profile: HardwareProfile | None = None, runner: Runner | None = None,
+                warm: WarmLauncher | None = None) -> ScriptTune:
     """Tune a script end to end: check it, open the study, run the trials, write the config
     file and cache the answer.
 
@@ -220,6 +229,9 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
         profile: the hardware to tune on; default: ``probes.profile_for(options.device)``.
         runner: runs each trial; default: the script in a subprocess per trial
             (``ScriptRunner``). Tests pass a fake.
+        warm: the warm launcher of that default runner (``prestarted_launcher``, which a
+            caller starts before its own probe); default: one whose server starts here, before
+            the probe. Ended when the tune ends, however it ends.
 
     Returns:
         The tune and where its answer went; ``exit_code`` says whether one was found.
@@ -229,6 +241,19 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
             reference failed.
     """
     path = check_script(request.script)
+    if runner is None and warm is None:
+        # The server imports while this process probes the hardware and benchmarks its matmuls.
+        warm = prestarted_launcher(path, request.args, request.launch.launch,
+                                   nproc_per_node=request.options.nproc_per_node)
+    try:
+        return _tune_script(request, path, progress, profile, runner, warm)
+    finally:
+        if warm is not None:
+            warm.close()
+
+
+def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None, profile: HardwareProfile | None,
+                 runner: Runner | None, warm: WarmLauncher | None) -> ScriptTune:
     profile = profile or probes.profile_for(request.options.device)
     options = _resolved(request.options.with_(framework=request.launch.framework), profile)
     request = TuneRequest(path, tuple(request.args), options, request.launch)
@@ -244,20 +269,15 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
     if launch.framework is not None:
         how = "read from its imports" if launch.detected else "--framework"
         get_logger().info(f"{path.name} trains with {launch.label} ({how}): the search covers what it can apply")
-    own: ScriptRunner | None = None  # a runner built here holds a warm server, ended below
     if runner is None:
         # Under the daemon, every trial first waits until no other process computes on the GPU.
         wait_idle_on = profile if os.environ.get(WAIT_IDLE_ENV) else None
-        runner = own = ScriptRunner(path, list(request.args), TrialSettings.for_tune(options), wait_idle_on=wait_idle_on,
-                                    launch=launch.launch)
-    try:
-        # The budget plus the reference and its replicate; then each round of re-measurement.
-        with (progress or _silent)(options.trials + 2) as (on_start, on_done, on_round):
-            result = tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
-                                 on_start=on_start, on_done=on_done, on_round=on_round, limits=launch.limits)
-    finally:
-        if own is not None:
-            own.close()
+        runner = ScriptRunner(path, list(request.args), TrialSettings.for_tune(options), wait_idle_on=wait_idle_on,
+                              launch=launch.launch, warm=warm)
+    # The budget plus the reference and its replicate; then each round of re-measurement.
+    with (progress or _silent)(options.trials + 2) as (on_start, on_done, on_round):
+        result = tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
+                             on_start=on_start, on_done=on_done, on_round=on_round, limits=launch.limits)
     config_file, cache_id = keep_answer(result, options, profile, path, request.args, framework=launch.framework)
     return ScriptTune(result, request, profile, study_name, config_file, cache_id, calls_load_policy(path))
 

@@ -35,6 +35,7 @@ from advisor.trial import (
     ranks_argv,
     run_in_process,
     run_trial,
+    trial_environment,
 )
 from advisor.tune._options import (
     DEFAULT_MEASURE_STEPS,
@@ -216,6 +217,22 @@ def wait_until_idle(
         if on_wait is not None:
             on_wait(pids)
         sleep(min(poll_s, max_wait_s - waited))
+
+
+def prestarted_launcher(script: str | os.PathLike[str], args: Sequence[str], launch: Sequence[str] = (), *,
+                        nproc_per_node: int = 1, python: str | None = None) -> WarmLauncher:
+    """A warm launcher for a script's trials, its server started now (``WarmLauncher.prestart``).
+
+    A command calls this before its own slow work (importing torch, the probe, the matmul
+    benchmark), which then runs while the server imports, and hands the launcher to its
+    ``ScriptRunner`` (``warm=``). Where the trials would start cold, nothing starts.
+    """
+    import sys
+
+    python = python or sys.executable
+    warm = WarmLauncher(python, preload=framework_preload(launch))
+    warm.prestart([*launch, os.fspath(script), *args], env=trial_environment(), nproc_per_node=nproc_per_node)
+    return warm
 
 
 class ScriptRunner:

@@ -193,7 +193,7 @@ def test_an_unwritable_path_is_one_clear_line(tmp_path):
 class _TimeoutRunner:
     """Stands in for ScriptRunner (the subprocess boundary): fp32 trains, bf16-mixed times out."""
 
-    def __init__(self, path, script_args, settings, *, launch=None) -> None:
+    def __init__(self, path, script_args, settings, *, launch=None, warm=None) -> None:
         self.settings = settings
 
     def __call__(self, policy, label):

@@ -36,7 +36,7 @@ class FakeRunner:
     stop_at: str | None = None
     ran: list[str] = []
 
-    def __init__(self, path, script_args, settings, *, launch=None) -> None:
+    def __init__(self, path, script_args, settings, *, launch=None, warm=None) -> None:
         pass
 
     def __call__(self, policy, label):
