@@ -1,0 +1,101 @@
+"""A tune with CPU-bound neighbours started during its fp32 reference, against the same tune undisturbed.
+
+Runs ``mpadvise tune SCRIPT --json`` twice on a copy of the script, each in a fresh home: once
+on its own, then with ``--burners`` CPU-bound processes started the moment the tune's first
+trial (the fp32 reference) is launched and kept until the tune ends. Prints each tune's winner,
+its speed-up with the 95% interval, and every disturbed run the tune saw and ran again; writes
+both tunes' JSON (``--out``).
+
+    .venv/bin/python scripts/bench_disturbed.py examples/mlp.py --tune-args="--trials 12 --steps 200"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from probes import write_file_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tune(script: Path, tune_args: list[str], burners: int, work: Path) -> dict:
+    """One tune of ``script`` (copied into ``work``); ``burners`` neighbours from its first trial on."""
+    home, tmp = work / "home", work / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    copy = work / script.name
+    shutil.copy(script, copy)
+    env = {**os.environ, "MPADVISE_HOME": str(home), "TMPDIR": str(tmp)}
+    env.pop("MPADVISE_POLICY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "advisor.cli", "tune", str(copy), *tune_args, "--json"],
+                            cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    neighbours: list[subprocess.Popen[bytes]] = []
+    started = None
+    try:
+        if burners:
+            # The tune's trial directory holds each trial's spec from its launch on.
+            while proc.poll() is None and not list(tmp.glob("mpadvise-trial-*/trial-1.spec.json")):
+                time.sleep(0.02)
+            if proc.poll() is None:
+                neighbours = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
+                started = time.monotonic()
+        out, err = proc.communicate(timeout=3600)
+    finally:
+        for neighbour in neighbours:
+            neighbour.kill()
+            neighbour.wait()
+    if proc.returncode != 0:
+        raise SystemExit(f"the tune failed ({proc.returncode}): {err.strip()[-500:]}")
+    data = json.loads(out)
+    data["neighbours_s"] = None if started is None else round(time.monotonic() - started, 1)
+    return data
+
+
+def describe(name: str, data: dict) -> str:
+    speedup = data.get("speedup") or {}
+    lines = [f"{name}: winner {data['winner_label']}, {speedup.get('ratio')}x fp32 "
+             f"[{speedup.get('low')}, {speedup.get('high')}] ({speedup.get('basis')})"]
+    if data.get("neighbours_s") is not None:
+        lines[0] += f"; neighbours ran for the last {data['neighbours_s']} s"
+    lines += [f"  {event['text']}" for event in data.get("disturbed") or []]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("script", type=Path)
+    parser.add_argument("--tune-args", default="", help="more tune options, e.g. --tune-args='--trials 12'")
+    parser.add_argument("--burners", type=int, default=2, help="CPU-bound neighbours in the disturbed tune")
+    parser.add_argument("--out", type=Path, help="write both tunes' JSON here")
+    args = parser.parse_args()
+    script = args.script.resolve()
+    if not script.is_file():
+        raise SystemExit(f"no such script: {args.script}")
+    tune_args = shlex.split(args.tune_args)
+    results = {}
+    for name, burners in (("undisturbed", 0), ("disturbed", args.burners)):
+        with tempfile.TemporaryDirectory(prefix="mpadvise-disturbed-") as work:
+            results[name] = tune(script, tune_args, burners, Path(work))
+        print(describe(name, results[name]), flush=True)
+    quiet, busy = results["undisturbed"], results["disturbed"]
+    low, high = quiet["speedup"]["low"], quiet["speedup"]["high"]
+    inside = low is not None and high is not None and low <= busy["speedup"]["ratio"] <= high
+    print(f"same winner: {quiet['winner_label'] == busy['winner_label']}; the disturbed speed-up inside the "
+          f"undisturbed interval: {inside}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(args.out, json.dumps({"script": str(args.script), "tune_args": tune_args,
+                                                "burners": args.burners, **results}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
