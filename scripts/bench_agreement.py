@@ -113,8 +113,9 @@ def tune_ratio(preset: Preset, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as home:
         os.environ["MPADVISE_HOME"] = home
         try:
+            # The config file goes to the throwaway home, not beside the script in the checkout.
             data = cli("tune", preset.script, "-m", "fp32", "-m", mode, "--no-priors", "--json", "--no-cache",
-                       "--", *preset.args, timeout=3600)
+                       "--out", os.path.join(home, "policy.mpadvise.toml"), "--", *preset.args, timeout=3600)
         finally:
             os.environ.pop("MPADVISE_HOME", None)
     winner = data.get("winner_label")
