@@ -5,6 +5,7 @@ a rank that hangs. Each trial starts three interpreters, so the windows are shor
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,19 +33,24 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def processes_running(path: Path) -> list[int]:
-    """Live processes whose command line names ``path``."""
+def processes_where(name: str, holds: Callable[[bytes], bool]) -> list[int]:
+    """Live processes whose ``/proc/PID/NAME`` (``cmdline``, ``environ``) ``holds``."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            content = (entry / name).read_bytes()
         except OSError:
             continue
-        if str(path) in cmdline and alive(int(entry.name)):
+        if holds(content) and alive(int(entry.name)):
             found.append(int(entry.name))
     return found
+
+
+def processes_running(path: Path) -> list[int]:
+    """Live processes whose command line names ``path``."""
+    return processes_where("cmdline", lambda cmdline: str(path) in cmdline.decode(errors="replace"))
 
 
 def test_a_crash_on_one_rank_stops_the_tune_naming_that_rank(tmp_path, isolated_home, cli):

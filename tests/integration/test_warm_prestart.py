@@ -14,7 +14,7 @@ from importlib import import_module
 from pathlib import Path
 
 import pytest
-from test_distributed_trials import alive
+from test_distributed_trials import alive, processes_where
 
 from advisor.trial import WARM_ENV, TrialSpec, WarmLauncher, run_trial, trial_environment
 from advisor.tune import ScriptLaunch, TuneOptions, TuneRequest, tune_script
@@ -42,6 +42,14 @@ def gated_preload(tmp_path):
     (tmp_path / "waits_for_go.py").write_text(
         f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n")
     return go
+
+
+def _ends(pid: int, within: float = 30.0) -> bool:
+    """Whether process ``pid`` ends within ``within`` seconds (a kill is not instant)."""
+    deadline = time.monotonic() + within
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not alive(pid)
 
 
 def test_prestart_returns_before_the_server_is_ready_and_the_first_trial_is_forked_from_it(
@@ -72,10 +80,7 @@ def test_a_server_prestarted_in_another_environment_starts_again_in_the_trials(t
         # Forked, not cold: from a server started again in the trial's environment.
         assert warm.forked == 1, warm.last_cold_reason
         assert warm.server_pid not in (None, first)
-        deadline = time.monotonic() + 30
-        while alive(first) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(first)
+        assert _ends(first)
 
 
 def test_nothing_prestarts_where_the_trials_would_start_cold(isolated_home, monkeypatch):
@@ -129,25 +134,12 @@ def test_a_tune_that_refuses_before_its_first_trial_ends_its_server(tmp_path, is
         tune_script(TuneRequest(TINY, (), options, ScriptLaunch()))
     (launcher, pid), = started
     assert pid is not None and launcher.server_pid is None
-    deadline = time.monotonic() + 30
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(pid)
+    assert _ends(pid)
 
 
 def _marked_processes(mark: str) -> list[int]:
     """Processes whose environment holds ``MARK=mark``: a tune's server starts in its environment."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if f"MPADVISE_TEST_MARK={mark}".encode() in environ.split(b"\0") and alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
+    return processes_where("environ", lambda environ: f"MPADVISE_TEST_MARK={mark}".encode() in environ.split(b"\0"))
 
 
 def test_the_command_leaves_no_server_when_it_refuses(tmp_path, isolated_home):
@@ -158,7 +150,4 @@ def test_the_command_leaves_no_server_when_it_refuses(tmp_path, isolated_home):
     done = subprocess.run([sys.executable, "-m", "advisor.cli", "tune", str(script), "--out", str(tmp_path / "missing" / "x.toml")],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert done.returncode == 2, done.stdout + done.stderr
-    deadline = time.monotonic() + 30
-    while _marked_processes(mark) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _marked_processes(mark) == []
+    assert all(_ends(pid) for pid in _marked_processes(mark))
