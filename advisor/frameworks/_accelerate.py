@@ -328,14 +328,8 @@ class _Application:
 
     def _handlers(self, given: Sequence[Any] | None) -> list[Any]:
         """The script's kwargs handlers with the policy's in place of those of the same kind."""
-        from accelerate.utils import (
-            AORecipeKwargs,
-            AutocastKwargs,
-            FP8RecipeKwargs,
-            GradScalerKwargs,
-            MSAMPRecipeKwargs,
-            TERecipeKwargs,
-        )
+        import accelerate.utils
+        from accelerate.utils import AORecipeKwargs, AutocastKwargs, GradScalerKwargs, TERecipeKwargs
 
         ours: list[Any] = []
         settings = self.settings
@@ -346,9 +340,15 @@ class _Application:
         if settings.torchao_recipe is not None:
             ours.append(self._torchao_handler(AORecipeKwargs))
         # Every FP8 recipe kind goes: another backend's recipe would pick the backend
-        # (Accelerator.fp8_backend reads FP8RecipeKwargs first), and outside fp8 Accelerate
-        # refuses any of them.
-        replaced_kinds = {type(h) for h in ours} | {FP8RecipeKwargs, AORecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs}
+        # (Accelerator.fp8_backend reads the generic FP8RecipeKwargs first where it exists), and
+        # outside fp8 Accelerate refuses any of them. Accelerate 1.16 dropped FP8RecipeKwargs and
+        # MSAMPRecipeKwargs; earlier versions have them.
+        recipe_kinds = {AORecipeKwargs, TERecipeKwargs} | {
+            kind
+            for name in ("FP8RecipeKwargs", "MSAMPRecipeKwargs")
+            if (kind := getattr(accelerate.utils, name, None)) is not None
+        }
+        replaced_kinds = {type(h) for h in ours} | recipe_kinds
         kept, replaced = [], []
         for handler in given or ():
             if type(handler) in replaced_kinds:
