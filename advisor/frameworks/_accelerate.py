@@ -329,7 +329,12 @@ class _Application:
     def _handlers(self, given: Sequence[Any] | None) -> list[Any]:
         """The script's kwargs handlers with the policy's in place of those of the same kind."""
         import accelerate.utils
-        from accelerate.utils import AORecipeKwargs, AutocastKwargs, GradScalerKwargs, TERecipeKwargs
+        from accelerate.utils import (
+            AORecipeKwargs,
+            AutocastKwargs,
+            GradScalerKwargs,
+            TERecipeKwargs,
+        )
 
         ours: list[Any] = []
         settings = self.settings
