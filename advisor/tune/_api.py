@@ -10,6 +10,7 @@ from typing import Any
 import probes
 from advisor.tune._engine import TuneResult, tune_policy
 from advisor.tune._options import TuneOptions
+from advisor.tune._search import check_study
 from advisor.tune._service import remember
 from advisor.tune._stability import StabilityThresholds
 from advisor.tune._trials import FunctionRunner, TrialSettings
@@ -45,7 +46,9 @@ def tune(
             ``time_budget`` (no trial or round of re-measurement starts after it), ``steps``,
             ``warmup``, ``modes``, ``scale_batch``, ``include_emulated``, ``memory_limit``
             (``"4GiB"`` or bytes), ``timeout``, ``seed``, ``device`` (default: the first GPU,
-            else the CPU), ``storage`` (default: the study is kept in memory), ``resume``,
+            else the CPU), ``storage`` (default: the study is kept in memory), ``resume``
+            (continue the stored study), ``fresh`` (delete its finished trials and start afresh;
+            with neither, a stored study that holds finished trials is refused),
             ``out`` (also write the winner to this config file), ``no_cache`` (do not record the
             winner in the per-GPU cache), ``no_priors``.
 
@@ -58,10 +61,15 @@ def tune(
         A TuneResult: ``.policy`` is the winner (``None`` when nothing was stable).
 
     Raises:
-        MpadviseError: an unknown option or a value it does not take; the fp32 reference failed.
+        MpadviseError: an unknown option or a value it does not take; a stored study with
+            finished trials and neither ``resume`` nor ``fresh`` (a UsageError); a study of
+            other hardware; the fp32 reference failed.
     """
     options = (options or TuneOptions()).with_(**option_values)
     profile = probes.profile_for(options.device)
+    # A stored study's finished trials are deleted only when asked (fresh=True), as on the CLI.
+    check_study(options.storage, study_name, hardware=probes.hardware_fingerprint(profile), resume=options.resume,
+                fresh=options.fresh, spelling=("resume=True", "fresh=True"))
     runner = FunctionRunner(train_fn, TrialSettings.for_tune(options))
     result = tune_policy(
         runner, profile, options, study_name=study_name, thresholds=thresholds, remeasure=remeasure,

@@ -398,13 +398,16 @@ def check_storage(storage: str | None) -> None:
         _open(storage)
 
 
-def check_study(storage: str | None, study_name: str, *, hardware: str, resume: bool, fresh: bool = False) -> None:
+def check_study(storage: str | None, study_name: str, *, hardware: str, resume: bool, fresh: bool = False,
+                spelling: tuple[str, str] = ("--resume", "--fresh")) -> None:
     """Refuse, before any trial runs, to continue a stored study measured on other hardware, or
     to delete one that holds finished trials unless ``fresh`` says so.
 
     Only a study this tune would continue is read for its hardware: a shared one, or any with
     ``resume``. A study of this machine that a tune without ``resume`` would start afresh is
     read for its finished trials: they are never deleted unasked.
+
+    ``spelling`` names the two options as the caller takes them (the CLI's flags by default).
 
     Raises:
         UsageError: the study holds finished trials, and neither ``resume`` nor ``fresh`` was
@@ -416,7 +419,8 @@ def check_study(storage: str | None, study_name: str, *, hardware: str, resume: 
     if not (resume or shared_storage(storage)):
         held = None if fresh else kept_study(storage, study_name)
         if held is not None and held.finished:
-            raise UsageError(f"{held.describe()}; it is kept: pass --resume to continue it, or --fresh to delete it "
+            keep, drop = spelling
+            raise UsageError(f"{held.describe()}; it is kept: pass {keep} to continue it, or {drop} to delete it "
                              "and start afresh")
         return
     import optuna

@@ -68,3 +68,25 @@ def _profile_with(fingerprint):
     profile = probes.profile_for(None)
     assert probes.hardware_fingerprint(profile) == fingerprint
     return profile
+
+
+def test_a_stored_study_with_finished_trials_is_kept_unless_asked(tmp_path, cache_home):
+    import pytest
+
+    from advisor.tune import kept_study
+    from probes import UsageError
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    quick = dict(modes=["bf16-mixed"], trials=1, steps=32, warmup=2, no_priors=True, remeasure=False, no_cache=True,
+                 storage=storage, study_name="fn")
+    advisor.tune(train, **quick)
+    held = kept_study(storage, "fn")
+    assert held is not None and held.finished >= 1
+    # Before, a second call without resume deleted the study's trials without a word.
+    with pytest.raises(UsageError, match=r"holds \d+ finished trial.*pass resume=True to continue it, or fresh=True"):
+        advisor.tune(train, **quick)
+    assert kept_study(storage, "fn") == held
+    resumed = advisor.tune(train, **quick, resume=True)
+    assert resumed.search.resumed >= 1
+    advisor.tune(train, **quick, fresh=True)
+    assert kept_study(storage, "fn").finished >= 1
