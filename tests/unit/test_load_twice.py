@@ -84,8 +84,8 @@ def test_a_second_call_made_before_setup_follows_the_check(script: Path, warning
     _setup(training, 1e-3)
     assert training.mode == evaluation.mode == _safe_default()
     x = evaluation.to_device(torch.randn(4, 16))
-    with evaluation.autocast():
-        assert Net()(x).dtype == torch.float32
+    with evaluation.autocast():  # the safe default's dtype, not the tuned fp16's or bf16's
+        assert Net()(x).dtype == {"fp32": torch.float32, "bf16-mixed": torch.bfloat16}[_safe_default()]
 
 
 def test_a_second_call_after_a_match_keeps_the_tuned_answer(script: Path, warnings: list[str]) -> None:
