@@ -142,6 +142,14 @@ def tune_ratio(preset: Preset, mode: str) -> dict:
                                     "mfu_dtype": rows[label].get("mfu_dtype")} for label in ("fp32", mode) if label in rows}}
 
 
+def machine() -> dict:
+    """The CPU by name, its precision ISA flags (AMX-BF16 or not), cores, Python, load average."""
+    from probes import profile_for
+
+    profile = profile_for("cpu")
+    return {"name": profile.name, "cpu_flags": list(profile.cpu_flags or ()), "cores": os.cpu_count(),
+            "python": platform.python_version(), "load_average": os.getloadavg()}
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("example", choices=sorted(presets(0)))
@@ -188,7 +196,7 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         write_file_atomic(args.json, json.dumps({
             "script": preset.script, "args": list(preset.args), "mode": args.mode,
-            "machine": {"processor": platform.processor(), "cores": os.cpu_count(), "python": platform.python_version()},
+            "machine": machine(),
             "startup_free": truth, "trial": trials, "tunes": tunes,
         }, indent=2))
 
