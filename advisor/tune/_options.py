@@ -218,7 +218,8 @@ class TuneOptions:
                                   "an SQLite file in the cache directory.", _text, job=False)
     resume: bool = _option(
         False, "Continue the stored study instead of starting afresh; a study whose workload changed since (the model, "
-        "optimizer or batch the script built) is not continued: a warning, then a fresh study.", _switch)
+        "optimizer or batch the script built) is not continued: it is refused, its trials kept, or, with no finished "
+        "trial, a warning and a fresh study.", _switch)
     fresh: bool = _option(
         False, "Delete the stored study's finished trials and start afresh; without it (or --resume), a tune whose "
         "study holds finished trials asks first on a terminal, and elsewhere refuses and keeps them.", _switch)

@@ -522,10 +522,12 @@ def check_study_workload(storage: str | None, study_name: str, workload: Mapping
     A study keeps the workload fingerprint and model signature of the fp32 reference its
     verdicts were judged against. When this tune's fresh reference has others (the script read
     another environment variable, config file or data), those verdicts and the replicate belong
-    to another workload. A study of this machine (``--resume``) is then not continued: one
-    warning line says what changed, and a fresh study starts. A shared study, which other
-    workers may be in, is refused instead. A resumed study that keeps no workload (stored by
-    an earlier mpadvise) cannot be checked, and starts afresh too.
+    to another workload. A study of this machine (``--resume``) is then not continued: where it
+    holds finished trials, the tune refuses in one line that says what changed and names
+    ``--fresh`` (they are never deleted unasked); where it holds none, one warning line says
+    what changed, and a fresh study starts. A shared study, which other workers may be in, is
+    refused either way. A resumed study that keeps no workload (stored by an earlier
+    mpadvise) cannot be checked, and is treated as changed.
 
     Args:
         storage: the Optuna storage URL; ``None`` (in memory) keeps nothing.
@@ -537,6 +539,7 @@ def check_study_workload(storage: str | None, study_name: str, workload: Mapping
         ``resume``, or ``False`` when the stored study must not be continued.
 
     Raises:
+        UsageError: a study of this machine of another workload that holds finished trials.
         MpadviseError: a shared study of another workload, or the storage cannot be opened.
     """
     shared = shared_storage(storage)
@@ -557,6 +560,10 @@ def check_study_workload(storage: str | None, study_name: str, workload: Mapping
         changed = "it keeps no workload fingerprint (stored by an earlier mpadvise), so its verdicts cannot be checked"
     if changed is None:
         return resume
+    held = kept_study(storage, study_name)
+    if held is not None and held.finished:
+        raise UsageError(f"--resume: {held.describe()} measured on another workload ({changed}); it is kept: pass "
+                         "--fresh to delete it and start afresh, or run the workload it was measured on")
     get_logger().warning(f"--resume: study {study_name!r} was measured on another workload ({changed}): its trials "
                          "and replicate are not reused; a fresh study starts")
     return False

@@ -12,6 +12,7 @@ import pytest
 from rich.console import Console
 
 from advisor.cli._report import render_tune
+from advisor.tune import study_status
 from policies import Policy, load_config
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -112,9 +113,10 @@ def _dicts(value):
             yield from _dicts(item)
 
 
-def test_cli_tune_resume_starts_afresh_when_the_workload_changed_outside_the_script(tmp_path, isolated_home, cli):
+def test_cli_tune_resume_keeps_the_study_when_the_workload_changed_outside_the_script(tmp_path, isolated_home, cli):
     # Same script, same arguments (so the same study), but an environment variable changes the
-    # model: --resume must not take the old verdicts and stamp the new model's fingerprint on them.
+    # model: --resume must not take the old verdicts and stamp the new model's fingerprint on
+    # them, nor delete them: it refuses, and --fresh starts afresh.
     script = tmp_path / "train.py"
     source = (SCRIPTS / "tiny_ok.py").read_text()
     layers = "nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)"
@@ -126,13 +128,23 @@ def test_cli_tune_resume_starts_afresh_when_the_workload_changed_outside_the_scr
     env = dict(os.environ)
     first = cli("tune", str(script), *common, env={**env, "TINY_WIDTH": "64"})
     assert first.returncode == 0, first.stderr
+    before = json.loads(first.stdout)
+    [study] = study_status(before["storage"], before["study_name"])
+
     second = cli("tune", str(script), "--resume", *common, env={**env, "TINY_WIDTH": "48"})
-    assert second.returncode == 0, second.stderr
-    before, after = json.loads(first.stdout), json.loads(second.stdout)
+    assert second.returncode == 2, second.stderr
+    assert "Traceback" not in second.stderr and second.stdout == ""
+    errors = [ln for ln in second.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, second.stderr
+    assert f"holds {study['measured']} finished trial" in errors[0] and "another workload (the model changed" in errors[0]
+    assert "it is kept: pass --fresh to delete it" in errors[0]
+    assert study_status(before["storage"], before["study_name"]) == [study]  # before: a warning, the trials gone
+
+    third = cli("tune", str(script), "--fresh", *common, env={**env, "TINY_WIDTH": "48"})
+    assert third.returncode == 0, third.stderr
+    after = json.loads(third.stdout)
     assert after["trials_resumed"] == 0 and after["trials_run"] == 1
     assert not after["replicate"]["reused"]
-    warned = [ln for ln in second.stderr.splitlines() if "--resume: " in ln]
-    assert len(warned) == 1 and "the model changed" in warned[0] and "a fresh study starts" in warned[0], second.stderr
     signature = load_config(script.with_name("train.mpadvise.toml")).tuned_on.model_signature
     assert signature == after["winner"]["tuned_on"]["model_signature"] != before["winner"]["tuned_on"]["model_signature"]
 

@@ -24,11 +24,11 @@ from advisor.trial import TrialResult
 from advisor.tune import _search, calls_load_policy, keep_answer
 from advisor.tune._engine import Finalist, _paired
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import STUDY_ATTR_WORKLOAD, check_study_workload
+from advisor.tune._search import STUDY_ATTR_WORKLOAD, check_study_workload, kept_study
 from advisor.tune._space import Candidate
 from advisor.tune._timing import paired_gap
 from policies import Policy, load_config
-from probes import MpadviseError
+from probes import MpadviseError, UsageError
 
 
 def _tune_noisy(seed: int = 3):
@@ -151,12 +151,32 @@ SPEEDS = {"fp32": 100, "tf32": 40, "bf16-mixed": 20, "fp16-mixed": 21, "bf16-tru
           "fp8-torchao": 30}
 
 
-def test_resume_does_not_reuse_the_verdicts_of_a_changed_workload(tmp_path):
-    # The script read another config file: same study name, another model. Before, --resume
-    # took the old verdicts with 0 new trials and stamped the new model's fingerprint on them.
+def test_resume_of_a_changed_workload_refuses_and_keeps_the_study(tmp_path):
+    # The script read another config file: same study name, another model. Long ago, --resume
+    # took the old verdicts with 0 new trials and stamped the new model's fingerprint on them;
+    # then it deleted them with a warning and started afresh. Now they are kept.
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     first = ModelRunner(SPEEDS, signature="12" * 8)
     tune(first, storage=storage, study_name="s", no_priors=True, remeasure=False, trials=6)
+    before = kept_study(storage, "s")
+    assert before is not None and before.finished >= 1
+    second = ModelRunner(SPEEDS, signature="34" * 8)
+    with pytest.raises(UsageError) as refused:
+        tune(second, storage=storage, study_name="s", resume=True, no_priors=True, remeasure=False, trials=6)
+    line = str(refused.value)
+    assert line.startswith(f"--resume: study 's' in {storage!r} holds {before.finished} finished trials"), line
+    assert f"the model changed: signature {'12' * 6} then, {'34' * 6} now" in line
+    assert "it is kept: pass --fresh to delete it" in line and "\n" not in line
+    assert len(second.calls) == 1  # only the reference, which tells the workload
+    assert kept_study(storage, "s") == before
+    stored = optuna.load_study(study_name="s", storage=storage).user_attrs[STUDY_ATTR_WORKLOAD]
+    assert stored["model_signature"] == "12" * 8
+
+
+def test_resume_of_a_changed_workload_without_finished_trials_starts_afresh(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
+    study.set_user_attr(STUDY_ATTR_WORKLOAD, {"workload_fingerprint": "ab" * 8, "model_signature": "12" * 8})
     lines = _Lines()
     get_logger().addHandler(lines)
     try:
@@ -165,7 +185,7 @@ def test_resume_does_not_reuse_the_verdicts_of_a_changed_workload(tmp_path):
     finally:
         get_logger().removeHandler(lines)
     assert result.search.resumed == 0 and result.search.runs == 6
-    assert len(second.calls) == 7  # the reference and six trials, all run again
+    assert len(second.calls) == 7  # the reference and six trials
     warned = [ln for ln in lines.lines if ln.startswith("--resume: ")]
     assert len(warned) == 1, lines.lines
     assert f"the model changed: signature {'12' * 6} then, {'34' * 6} now" in warned[0]
