@@ -150,6 +150,7 @@ def machine() -> dict:
     return {"name": profile.name, "cpu_flags": list(profile.cpu_flags or ()), "cores": os.cpu_count(),
             "python": platform.python_version(), "load_average": os.getloadavg()}
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("example", choices=sorted(presets(0)))

@@ -36,6 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_agreement import machine  # noqa: E402  (scripts/, this script's folder)
+
 from advisor.frameworks import plan_for  # noqa: E402
 from advisor.tune._options import TuneOptions  # noqa: E402
 from advisor.tune._timing import paired_gap  # noqa: E402
@@ -104,13 +106,6 @@ def figures(runs: list[dict], mode: str) -> dict:
     }
 
 
-def machine() -> dict:
-    """The CPU by name, its precision ISA flags (AMX-BF16 or not), cores, Python, load average."""
-    from probes import profile_for
-
-    profile = profile_for("cpu")
-    return {"name": profile.name, "cpu_flags": list(profile.cpu_flags or ()), "cores": os.cpu_count(),
-            "python": platform.python_version(), "load_average": os.getloadavg()}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
