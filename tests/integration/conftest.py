@@ -38,20 +38,6 @@ def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
     )
 
 
-@pytest.fixture(scope="session")
-def amx_bf16() -> bool:
-    """Whether this CPU has AMX-BF16, the one place a tune's bf16 speed-up is a fixed fact.
-
-    With AMX (Sapphire Rapids on) a wide bf16 matmul runs about 3x fp32's, so bf16-mixed wins
-    a tune on a wide MLP. Without it (AVX2 only, as on the AMD EPYC build machine) PyTorch
-    widens bf16 to fp32 around every matmul and a bf16-mixed step measures ~0.06x fp32's, so
-    fp32 wins. A test that asserts bf16 wins on speed asserts it only where this is true.
-    """
-    from probes import profile_for
-
-    return profile_for("cpu").has_flag("amx_bf16")
-
-
 @pytest.fixture
 def tuned_winner():
     """Check a tune's JSON report chose as its own measurements say: ``tuned_winner(result)``

@@ -128,7 +128,7 @@ _REPORTED = {
 }
 
 
-def test_tune_picks_by_measurement_and_run_applies_the_winner(tmp_path, amx_bf16, tuned_winner):
+def test_tune_picks_by_measurement_and_run_applies_the_winner(tmp_path, tuned_winner):
     script = tmp_path / "train.py"
     shutil.copy(SCRIPTS / "accelerate_wide_mlp.py", script)
     env = _env(tmp_path / "home", **_ONE_THREAD)
@@ -138,8 +138,8 @@ def test_tune_picks_by_measurement_and_run_applies_the_winner(tmp_path, amx_bf16
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     winner = tuned_winner(result)
-    if amx_bf16:  # bf16 matmuls ~3x fp32's: a wide MLP trains faster in bf16-mixed
-        assert winner["mode"] == "bf16-mixed" and winner["speedup_vs_fp32"] > 1.2, result["candidates"]
+    # Which mode wins is a speed figure, for scripts/bench_agreement.py: on a loaded machine a tie goes to
+    # the safer fp32. tuned_winner checks the winner against the tune's own figures, under any load.
     assert winner["mode"] in _REPORTED, winner
     config = script.with_name("train.mpadvise.toml")
     policy = load_config(config)

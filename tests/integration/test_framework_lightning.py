@@ -54,7 +54,7 @@ def framework_trial(tmp_path: Path, script: Path, framework: str, policy: Policy
 _PRECISION = {"fp32": "32-true", "bf16-mixed": "bf16-mixed"}
 
 
-def test_trainer_script_is_tuned_and_run_applies_the_winner(tmp_path, isolated_home, cli, amx_bf16, tuned_winner):
+def test_trainer_script_is_tuned_and_run_applies_the_winner(tmp_path, isolated_home, cli, tuned_winner):
     # Width 512 and batch 512: on an AMX CPU a bf16-mixed step takes ~5 ms under the Trainer,
     # an fp32 step ~13 ms (one thread: ~4 and ~10 ms), a gap re-measurement settles quickly.
     # Without AMX-BF16 bf16 is the slower by far, and fp32 wins.
@@ -67,8 +67,8 @@ def test_trainer_script_is_tuned_and_run_applies_the_winner(tmp_path, isolated_h
     result = json.loads(proc.stdout)
     assert result["framework"] == "lightning"
     winner = tuned_winner(result)
-    if amx_bf16:
-        assert winner["mode"] == "bf16-mixed" and result["speedup_vs_fp32"] > 1.0, winner_text(result)
+    # Which mode wins is a speed figure, for scripts/bench_agreement.py: on a loaded machine a tie goes to
+    # the safer fp32. tuned_winner checks the winner against the tune's own figures, under any load.
     assert winner["mode"] in _PRECISION, winner_text(result)
     assert f'mode = "{winner["mode"]}"' in out.read_text()
     # The search's priors (matmul speed per dtype here) choose what its one trial measures: on a
@@ -136,7 +136,7 @@ def test_trainer_manual_optimization_records_the_unscaled_loss(tmp_path, isolate
     assert all(1.0 < loss < 2.0 for loss in result.losses)  # cross-entropy over 4 classes, not x 65536
 
 
-def test_fabric_script_is_tuned(tmp_path, isolated_home, cli, amx_bf16, tuned_winner):
+def test_fabric_script_is_tuned(tmp_path, isolated_home, cli, tuned_winner):
     # Width 512 and batch 512: a bf16-mixed step ~5 ms on an AMX CPU, an fp32 step ~8 ms;
     # without AMX-BF16, bf16 is the slower by far.
     out = tmp_path / "fabric_mlp.mpadvise.toml"
@@ -147,8 +147,8 @@ def test_fabric_script_is_tuned(tmp_path, isolated_home, cli, amx_bf16, tuned_wi
     result = json.loads(proc.stdout)
     assert result["framework"] == "fabric" and result["user_batch"] == 512
     winner = tuned_winner(result)
-    if amx_bf16:
-        assert winner["mode"] == "bf16-mixed" and result["speedup_vs_fp32"] > 1.0, winner_text(result)
+    # Which mode wins is a speed figure, for scripts/bench_agreement.py: on a loaded machine a tie goes to
+    # the safer fp32. tuned_winner checks the winner against the tune's own figures, under any load.
     assert f'mode = "{winner["mode"]}"' in out.read_text()
 
 

@@ -57,7 +57,7 @@ def _hf_run(stdout: str) -> re.Match[str]:
     return ran
 
 
-def test_tune_picks_by_measurement_and_run_applies_the_winner(tmp_path, hf_env, cli, amx_bf16, tuned_winner):
+def test_tune_picks_by_measurement_and_run_applies_the_winner(tmp_path, hf_env, cli, tuned_winner):
     script = tmp_path / "train.py"
     shutil.copy(SCRIPT, script)
     # Wide layers on a large batch: on a CPU with AMX-BF16, bf16 matmuls are about 3x fp32's
@@ -71,9 +71,8 @@ def test_tune_picks_by_measurement_and_run_applies_the_winner(tmp_path, hf_env, 
     result = json.loads(proc.stdout)
     winner = tuned_winner(result)
     assert result["user_batch"] == 1024
-    if amx_bf16:
-        assert winner["mode"] == "bf16-mixed" and winner["speedup_vs_fp32"] > 1.2, [
-            (c["label"], c["outcome"], c["reason"], c["speedup_vs_fp32"]) for c in result["candidates"]]
+    # Which mode wins is a speed figure, for scripts/bench_agreement.py: on a loaded machine a tie goes to
+    # the safer fp32. tuned_winner checks the winner against the tune's own figures, under any load.
     assert winner["mode"] in _RAN, winner
     config = script.with_name("train.mpadvise.toml")
     policy = load_config(config)
