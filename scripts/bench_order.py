@@ -40,18 +40,10 @@ from bench_agreement import machine  # noqa: E402  (scripts/, this script's fold
 
 from advisor.frameworks import plan_for  # noqa: E402
 from advisor.tune._options import TuneOptions  # noqa: E402
-from advisor.tune._timing import paired_gap  # noqa: E402
+from advisor.tune._timing import paired_gap, step_spread  # noqa: E402
 from advisor.tune._trials import ScriptRunner, TrialSettings, evaluate, prestarted_launcher  # noqa: E402
 from policies import Policy  # noqa: E402
 from probes import write_file_atomic  # noqa: E402
-
-
-def _spread(step_times: list[float], warmup: int) -> float | None:
-    """p90 over p10 of the measured steps (the figure the disturbance check reads)."""
-    steps = sorted(step_times[warmup:])
-    if len(steps) < 5:
-        return None
-    return steps[int(0.9 * (len(steps) - 1))] / max(steps[int(0.1 * (len(steps) - 1))], 1e-12)
 
 
 def session(script: Path, args: list[str], mode: str, rounds: int, options: TuneOptions) -> list[dict]:
@@ -75,7 +67,7 @@ def session(script: Path, args: list[str], mode: str, rounds: int, options: Tune
             ev = evaluate(label, policy, result, None)
             runs.append({"index": i, "label": label, "mode": m, "goodput": ev.goodput,
                          "round": None if "@" not in label else int(label.split("@")[1]),
-                         "spread": _spread(list(result.step_times), result.warmup_steps), "wall_s": round(result.wall_s, 3),
+                         "spread": step_spread(result.step_times, result.warmup_steps), "wall_s": round(result.wall_s, 3),
                          "at_s": round(time.perf_counter() - start, 3)})
     finally:
         runner.close()
@@ -89,11 +81,14 @@ def figures(runs: list[dict], mode: str) -> dict:
     fp = [by[f"F@{k}"]["goodput"] for k in rounds]
     mm = [by[f"M@{k}"]["goodput"] for k in rounds]
     gap = paired_gap(mm, fp) if len(rounds) >= 2 else None
-    first = {m: [by[f"{'F' if m == 'fp32' else 'M'}@{k}"]["goodput"] for k in rounds if (k % 2 == 0) == (m == "fp32")]
-             for m in ("fp32", mode)}
-    second = {m: [by[f"{'F' if m == 'fp32' else 'M'}@{k}"]["goodput"] for k in rounds if (k % 2 == 0) != (m == "fp32")]
-              for m in ("fp32", mode)}
-    slot = {m: statistics.median(first[m]) / statistics.median(second[m]) for m in first if first[m] and second[m]}
+
+    def in_slot(m: str, first: bool) -> list[float]:
+        """``m``'s goodputs in the rounds where it ran first (fp32 leads the even rounds), or second."""
+        return [by[f"{'F' if m == 'fp32' else 'M'}@{k}"]["goodput"] for k in rounds
+                if ((k % 2 == 0) == (m == "fp32")) == first]
+
+    slot = {m: statistics.median(in_slot(m, True)) / statistics.median(in_slot(m, False))
+            for m in ("fp32", mode) if in_slot(m, True) and in_slot(m, False)}
     return {
         "trial": by["M0"]["goodput"] / by["F0"]["goodput"],
         "paired": None if gap is None else gap.ratio,
@@ -104,7 +99,6 @@ def figures(runs: list[dict], mode: str) -> dict:
         "first_mode_vs_rounds": by["M0"]["goodput"] / statistics.median(mm),
         "slot_first_over_second": slot,
     }
-
 
 
 def main() -> None:
