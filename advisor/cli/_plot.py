@@ -43,6 +43,7 @@ def plot_trials(
     replicate: TrialCurve | None = None,
     thresholds: StabilityThresholds | None = None,
     advice: Mapping[str, str] | None = None,
+    judged_against: Mapping[str, TrialCurve] | None = None,
 ) -> None:
     """Write ``trial_figure`` to ``path``, in the format its extension names (PNG without one).
 
@@ -53,7 +54,8 @@ def plot_trials(
         MpadviseError: matplotlib is missing, it cannot draw that format, or the file cannot be
             written.
     """
-    fig = trial_figure(reference, evaluations, replicate=replicate, thresholds=thresholds, advice=advice)
+    fig = trial_figure(reference, evaluations, replicate=replicate, thresholds=thresholds, advice=advice,
+                       judged_against=judged_against)
     image = io.BytesIO()
     try:
         fig.savefig(image, format=Path(path).suffix[1:].lower() or "png", dpi=110)
@@ -87,6 +89,7 @@ def trial_figure(
     replicate: TrialCurve | None = None,
     thresholds: StabilityThresholds | None = None,
     advice: Mapping[str, str] | None = None,
+    judged_against: Mapping[str, TrialCurve] | None = None,
 ) -> Figure:
     """The figure of a trial: one panel per candidate against fp32, and the step times.
 
@@ -103,6 +106,8 @@ def trial_figure(
         thresholds: the limits the verdicts applied; the defaults when ``None``.
         advice: words to add after a candidate's reason, by label (what to change after a
             timeout, say).
+        judged_against: by label, the replicate a candidate's verdict was given against when
+            it is not ``replicate`` (a narrow stall judged again against a second one).
 
     Raises:
         MpadviseError: matplotlib is missing.
@@ -121,7 +126,7 @@ def trial_figure(
     y = total - top
     for ev, lines, height in zip(panels, reasons, heights, strict=True):
         ax = fig.add_axes((_LEFT / _WIDTH, (y - _PANEL) / total, width, _PANEL / total))
-        _loss_panel(ax, ev, ref_curve, reference is ev, replicate, thresholds)
+        _loss_panel(ax, ev, ref_curve, reference is ev, (judged_against or {}).get(ev.label, replicate), thresholds)
         text_top = y - _PANEL - _TICKS
         color = _GOOD if ev.stable else _BAD
         fig.text(_LEFT / _WIDTH, text_top / total, "\n".join(lines), fontsize=8.5, va="top", ha="left",

@@ -195,7 +195,7 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     if plot is not None:
         replicate = None if comparison.replicate is None else comparison.replicate.curve
         plot_trials(str(plot), comparison.reference, comparison.evaluations, replicate=replicate,
-                    advice=_timeout_advice(comparison, settings))
+                    advice=_timeout_advice(comparison, settings), judged_against=comparison.judged_against())
     payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot)
     stream.comparison(payload)
     if json_output:
@@ -234,6 +234,7 @@ def _payload(comparison: Comparison, path: Path, script_args: list[str], framewo
         "window_note": comparison.window_note,
         "reference": {**comparison.reference.to_dict(), **trial_breakdown(comparison.reference.result, reference_flops)},
         "replicate": replicate_dict,
+        "second_replicate": None if comparison.second_replicate is None else comparison.second_replicate.to_dict(),
         "candidates": [{**ev.to_dict(), **trial_breakdown(ev.result, reference_flops),
                         **({"advice": advice[ev.label]} if ev.label in advice else {})}
                        for ev in comparison.evaluations],
@@ -253,6 +254,9 @@ def _render(comparison: Comparison, path: Path, profile: HardwareProfile, settin
         console.print(f"window: {comparison.window_note}", highlight=False)
     console.print(spread_line(reference.to_dict(), None if replicate is None else replicate.to_dict(losses=False)),
                   highlight=False)
+    if comparison.second_replicate is not None:
+        console.print(f"{comparison.second_replicate.label}: run because a candidate fell just short of the limits "
+                      "the first set (its reason says against which it was judged)", highlight=False)
     print_reasons(console, evaluations)
     for label, advice in _timeout_advice(comparison, settings).items():
         console.print(f"[red]{label}[/]: {advice}", highlight=False)

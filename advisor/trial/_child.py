@@ -170,13 +170,25 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed)
 
 
-def perturb_parameters(model: Any, *, perturb: str, seed: int) -> int:
+_DRAW_STRIDE = 1_000_003
+
+
+def perturbation_seed(seed: int, draw: int) -> int:
+    """The seed of a replicate's perturbation: the trial's own for the first draw (0), another
+    for each later draw, so that two replicates of one reference are perturbed independently."""
+    if isinstance(draw, bool) or not isinstance(draw, int) or draw < 0:
+        raise ValueError(f"perturb draw: {draw!r} is not allowed; expected a whole number >= 0")
+    return (seed + _DRAW_STRIDE * draw) % 2**63
+
+
+def perturb_parameters(model: Any, *, perturb: str, seed: int, draw: int = 0) -> int:
     """Multiply every floating-point parameter once by ``1 + u * e``, ``u`` uniform in [-1, 1].
 
     ``e`` is the relative rounding error of the format ``perturb`` names (``PERTURBATIONS``).
-    The draws come from a private generator seeded with ``seed``, so torch's global random
-    state, which the script's data order and dropout masks come from, is left untouched, and
-    every rank of a multi-process trial perturbs its replica alike.
+    The draws come from a private generator seeded with ``seed`` (and ``draw``, for a second
+    replicate perturbed otherwise: ``perturbation_seed``), so torch's global random state,
+    which the script's data order and dropout masks come from, is left untouched, and every
+    rank of a multi-process trial perturbs its replica alike.
 
     Returns:
         How many parameter values were perturbed.
@@ -186,7 +198,7 @@ def perturb_parameters(model: Any, *, perturb: str, seed: int) -> int:
     size = PERTURBATIONS.get(perturb)
     if size is None:
         raise ValueError(f"perturb: {perturb!r} is not a known perturbation; expected one of {sorted(PERTURBATIONS)}")
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    generator = torch.Generator(device="cpu").manual_seed(perturbation_seed(seed, draw))
     count = 0
     with torch.no_grad():
         for parameter in model.parameters():
@@ -546,7 +558,7 @@ class TrialRecorder(StepObserver, StepWindow):
         # as it is), before any step has used it.
         if self.spec.perturb and not self._perturbed:
             self._perturbed = True
-            perturb_parameters(model, perturb=self.spec.perturb, seed=self.spec.seed)
+            perturb_parameters(model, perturb=self.spec.perturb, seed=self.spec.seed, draw=self.spec.perturb_draw)
         self.watch_model(model)
 
     def before_step(self, applied: AppliedPolicy) -> None:

@@ -168,6 +168,8 @@ class TrialSpec:
         perturb: ``None`` for a candidate; for the fp32 replicate, the format whose rounding
             perturbs the initial parameters once before the first step (``"bf16"``): the
             replicate then differs from the reference only numerically, as a candidate does.
+        perturb_draw: which draw of that perturbation (0 for the first replicate, 1 for a
+            second one perturbed independently); ignored without ``perturb``.
         count_flops: count the FLOPs of one whole optimizer step (the second, a warm-up step)
             with torch's FlopCounterMode, for ``flops_per_step``.
     """
@@ -184,6 +186,7 @@ class TrialSpec:
     framework: str | None = None
     nproc_per_node: int = 1
     perturb: str | None = None
+    perturb_draw: int = 0
     count_flops: bool = False
 
     def to_json(self) -> str:

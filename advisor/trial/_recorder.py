@@ -112,7 +112,7 @@ class FrameworkRecorder(StepWindow):
         if not self.spec.perturb or self._perturbed or model is None or not hasattr(model, "parameters"):
             return
         self._perturbed = True
-        perturb_parameters(model, perturb=self.spec.perturb, seed=self.spec.seed)
+        perturb_parameters(model, perturb=self.spec.perturb, seed=self.spec.seed, draw=self.spec.perturb_draw)
         self.note(f"fp32 replicate: initial parameters perturbed once by a {self.spec.perturb} rounding")
 
     @property

@@ -638,6 +638,8 @@ class _Trials:
         policy = finalist.candidate.policy(self.user_batch)
         result = self._limit_memory(self.runner(policy, label))
         ev = evaluate(label, policy, result, self.reference, thresholds=self.thresholds, replicate=self.replicate_curve)
+        if self.yardsticks is not None:
+            ev = self.yardsticks.second_look(ev)
         kind = ev.verdict.kind if ev.verdict else ""
         if self.on_done:
             self.on_done(label, ev, Measured(finalist.candidate, ev.goodput or 0.0, ev.result.outcome == "ok",

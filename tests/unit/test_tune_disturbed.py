@@ -195,7 +195,7 @@ def test_a_steady_runner_keeps_the_protocols_of_the_runner_it_wraps():
         seed = 3
         measure_steps = 40
 
-        def perturbed(self, perturb):
+        def perturbed(self, perturb, draw=0):
             return Full()
 
         def with_measure_steps(self, steps):
