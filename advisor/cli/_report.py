@@ -232,7 +232,8 @@ def render_tune(tune: dict[str, Any], console: Console) -> None:
         console.print(f"judged again on a longer window, their gap to fp32 growing: {', '.join(tune['extended_window'])}",
                       highlight=False)
     for event in tune.get("disturbed") or []:  # trials the machine disturbed or lost, run again
-        console.print(f"[yellow]{'lost' if event.get('kind') == 'lost' else 'disturbed'}[/] {event.get('text')}",
+        kind = {"lost": "lost", "busy-cpu": "busy CPU"}.get(event.get("kind") or "", "disturbed")
+        console.print(f"[yellow]{kind}[/] {event.get('text')}",
                       highlight=False)
     console.print(utilisation_line(tune), highlight=False)
     spread = spread_line(tune.get("reference") or {}, tune.get("replicate"))

@@ -26,7 +26,7 @@ from ._proctree import TrialProcess, end_trial, launcher_argv, live_descendants,
 from ._proctree import descendants as descendants  # re-exported: the tree walk lived here
 from ._ranks import EXITS_ENV
 from ._timeline import breakdown, merge_timelines
-from ._warm import WarmLauncher, cold_command
+from ._warm import THREADS_ENV, WarmLauncher, cold_command
 
 OUTCOMES = ("ok", "oom", "unstable", "crash", "timeout", "unsupported", "no-step", "no-policy", "lost")
 """``unstable`` is decided later, against the fp32 reference; the rest are decided here. ``lost``
@@ -41,6 +41,7 @@ SIGKILL = int(getattr(signal, "SIGKILL", 9))  # Windows has no SIGKILL; the numb
 
 # The child's environment, as the launcher (run_trial) leaves it and the child reads it.
 TRIAL_SPEC_ENV = "MPADVISE_TRIAL_SPEC"
+
 """The path of the trial spec file: set by ``run_trial``, read by the child's ``spec_from_env``."""
 POLICY_ENV = "MPADVISE_POLICY"
 """A config file that ``load_policy()`` applies; ``run_trial`` removes it from the child's
@@ -170,6 +171,8 @@ class TrialSpec:
             replicate then differs from the reference only numerically, as a candidate does.
         perturb_draw: which draw of that perturbation (0 for the first replicate, 1 for a
             second one perturbed independently); ignored without ``perturb``.
+        threads: the threads torch's CPU ops may use (``torch.set_num_threads``), where other
+            processes keep some of the cores busy; ``None`` leaves torch's own choice.
         count_flops: count the FLOPs of one whole optimizer step (the second, a warm-up step)
             with torch's FlopCounterMode, for ``flops_per_step``.
     """
@@ -188,6 +191,7 @@ class TrialSpec:
     perturb: str | None = None
     perturb_draw: int = 0
     count_flops: bool = False
+    threads: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -228,6 +232,9 @@ class TrialResult:
     count it), and ``flops_basis`` says how it was found: ``"counted"`` (torch's FlopCounterMode
     over one whole warm-up step) or ``"6 x parameters x tokens"`` (the estimate for a model fed
     token ids, where counting failed).
+
+    ``threads`` is the thread count the trial asked torch for (``TrialSpec.threads``), ``None``
+    where it left torch's own choice.
     """
 
     outcome: str
@@ -260,6 +267,7 @@ class TrialResult:
     timeline: dict[str, float] = field(default_factory=dict)
     flops_per_step: float | None = None
     flops_basis: str | None = None
+    threads: int | None = None
 
     @property
     def phases(self) -> dict[str, float | None]:
@@ -404,6 +412,9 @@ def run_trial(
     spec_file.write_text(spec.to_json())
     child_env = trial_environment(env)
     child_env[TRIAL_SPEC_ENV] = str(spec_file)
+    child_env.pop(THREADS_ENV, None)
+    if spec.threads is not None and spec.nproc_per_node == 1:
+        child_env[THREADS_ENV] = str(spec.threads)
     exits_path = Path(f"{result_path}.exits.json")
     exits_path.unlink(missing_ok=True)
     if rank_paths:
@@ -532,6 +543,7 @@ def classify(
         label=spec.label,
         wall_s=wall_s,
         timeline={**(result_file.get("timeline") or {}), **(timeline or {})},
+        threads=spec.threads if spec.nproc_per_node == 1 else None,
     )
     if (timed_out or _by_signal(exit_code)) and _lost_before_application(stage, result_file, exception, base["timeline"]):
         outcome, reason = "lost", _lost_reason(

@@ -17,6 +17,7 @@ from ._ranks import set_parent_death_signal, use_file_store
 from ._warm import (
     RUN_MODULE,
     SERVER_FLAG,
+    apply_trial_threads,
     exit_forked,
     mark_torch_import,
     parse_command,
@@ -39,6 +40,7 @@ def main(argv: list[str]) -> NoReturn:
     # A rank of a multi-process trial meets its peers through the trial's private file store.
     use_file_store()
     mark_torch_import()
+    apply_trial_threads()
     code = run_as_python(command)
     if code >= 0:
         raise SystemExit(code)  # the interpreter's own way out: threads joined, atexit, flush

@@ -63,6 +63,10 @@ SERVER_FLAG = "--warm-server"
 PER_TRIAL_PREFIXES: tuple[str, ...] = ("MPADVISE_",)
 """Variables a trial's environment may set differently from the server's: the project's own,
 which it reads when a trial uses them, never at import."""
+THREADS_ENV = "MPADVISE_TRIAL_THREADS"
+"""How many threads the trial's torch ops may use (``TrialSpec.threads``), where other processes
+keep some of the cores busy; unset leaves torch's own choice."""
+
 PER_TRIAL_NAMES: frozenset[str] = frozenset({"PWD", "OLDPWD"})
 """More such variables: a shell's record of the working directory, which the request carries."""
 START_TIMEOUT = 600.0
@@ -181,6 +185,28 @@ def exit_forked(code: int) -> NoReturn:
             with contextlib.suppress(AttributeError, OSError, ValueError):
                 stream.flush()
         _exit_as(code)
+
+
+def apply_trial_threads() -> None:
+    """Give torch the thread count the trial was asked to use (``THREADS_ENV``), now if torch is
+    imported already (a forked trial), else as soon as the script imports it; nothing when unset.
+
+    On a CPU that other processes keep partly busy, an operation split over more threads than
+    there are free cores waits at every barrier for a thread the scheduler has put aside: on 2
+    cores beside one busy process, examples/mlp.py's step went from 3.8 ms to 280 ms.
+    """
+    value = os.environ.get(THREADS_ENV, "")
+    if not value.isdigit() or int(value) < 1:
+        return
+    threads = int(value)
+
+    def set_threads(torch: Any) -> None:
+        torch.set_num_threads(threads)
+
+    if "torch" in sys.modules:
+        set_threads(sys.modules["torch"])
+    else:
+        sys.meta_path.insert(0, AfterImport("torch", set_threads))
 
 
 def mark_torch_import() -> None:
@@ -723,6 +749,7 @@ def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
         _reseed()
         clear()  # the marks of this trial only
         mark("torch_imported")  # torch was imported before the fork
+        apply_trial_threads()
         code = run_as_python(command)
     except BaseException:  # noqa: BLE001 - a fault here is the trial's, reported as a script's would be
         traceback.print_exc()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import probes
+from advisor._log import get_logger
 from advisor.runtime import script_digest
 from advisor.trial import TrialResult, startup_seconds
 from advisor.tune._checks import check_modes
@@ -489,6 +490,8 @@ class _Trials:
     _asked: int | None = None
     _deadline: float | None = None
     _clock: Callable[[], float] = time.monotonic
+    _reference_goodput: float | None = None
+    _round_threads: list[int | None] = field(default_factory=list)  # the thread counts of a round's runs
 
     @property
     def user_batch(self) -> int | None:
@@ -520,7 +523,9 @@ class _Trials:
             runner, thresholds=self.thresholds, on_start=self.on_start, deadline=deadline, clock=clock)
         self.runner = runner.with_flop_count(False) if counts else runner
         self.reference = result
-        return evaluate("fp32", Policy(mode="fp32"), result, result, thresholds=self.thresholds)
+        ev = evaluate("fp32", Policy(mode="fp32"), result, result, thresholds=self.thresholds)
+        self._reference_goodput = ev.goodput
+        return ev
 
     def run_replicate(self, stored: dict[str, Any] | None) -> Evaluation:
         """Run fp32 under another seed (or reuse the ``stored`` replicate when it matches), whose
@@ -555,13 +560,23 @@ class _Trials:
         else:  # the reference itself, recorded before its replicate ran
             ev = evaluate(cand.label, policy, self._limit_memory(result), self.reference, thresholds=self.thresholds,
                           replicate=self.replicate_curve)
-        m = Measured(cand, ev.goodput or 0.0, feasible=ev.result.outcome == "ok", stable=ev.stable,
+        m = Measured(cand, self._comparable_goodput(ev) or 0.0, feasible=ev.result.outcome == "ok", stable=ev.stable,
                      oom=ev.result.outcome == "oom", outcome=ev.outcome, reason=ev.reason,
                      verdict_kind=ev.verdict.kind if ev.verdict else "")
         self.evaluations[cand] = ev
         if self.on_done:
             self.on_done(cand.label, ev, m)
         return m
+
+    def _comparable_goodput(self, ev: Evaluation) -> float | None:
+        """A search trial's goodput as it compares with the others': its own where it ran on the
+        reference's threads; else its speed-up over fp32 on as many threads, times the
+        reference's goodput (a busy CPU lowered the threads after the reference ran)."""
+        if self.reference is None or ev.result.threads == self.reference.threads:
+            return ev.goodput
+        if ev.speedup is None or self._reference_goodput is None:
+            return ev.goodput
+        return ev.speedup * self._reference_goodput
 
     def _limit_memory(self, result: TrialResult) -> TrialResult:
         """The result, turned out of memory when its peak exceeds the memory limit."""
@@ -620,12 +635,19 @@ class _Trials:
                 on_round(round_ + 1, REMEASURE_MAX_ROUNDS, len(running))
             for f in [*active, companion]:
                 f.rounds.extend([None] * (round_ + 1 - len(f.rounds)))
+            self._round_threads = []
             for f in running if round_ % 2 == 0 else reversed(running):
                 failure = self._remeasure_one(f, round_)
                 if failure is not None and any(f is a for a in active):
                     # fp32 alongside only (not a finalist) keeps its place: its round stays empty.
                     active = [a for a in active if a is not f]
                     lost.append(failure)
+            if len(set(self._round_threads)) > 1:
+                # A busy CPU lowered the threads within the round: its runs do not pair.
+                get_logger().info(f"re-measurement round {round_ + 1} ran on more than one thread count; "
+                                  "its runs are not paired")
+                for f in [*active, companion]:
+                    f.rounds[round_] = None
             round_ += 1
         _lead(active)
         return active, lost, round_, stop
@@ -637,6 +659,7 @@ class _Trials:
             self.on_start(label)
         policy = finalist.candidate.policy(self.user_batch)
         result = self._limit_memory(self.runner(policy, label))
+        self._round_threads.append(result.threads)
         ev = evaluate(label, policy, result, self.reference, thresholds=self.thresholds, replicate=self.replicate_curve)
         if self.yardsticks is not None:
             ev = self.yardsticks.second_look(ev)

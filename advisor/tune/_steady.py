@@ -9,6 +9,16 @@ device (NVML) disturbs it the same way. And a trial that ended before its candid
 applied (``lost``: the machine's failure, a slow import past the timeout) says nothing about the
 candidate. Each is run again, a bounded number of times, and the tune says so.
 
+One disturbance does not show in a trial's spread at all: a CPU whose cores other processes
+keep busy. Torch splits an operation over as many threads as there are cores, and every
+operation then waits at its barrier for the thread the scheduler put aside; every step is slow
+alike. On the 2-core build machine, beside one CPU-bound process, examples/mlp.py's step went
+from 3.8 ms to 280 ms with a spread of 1.09x, and fp32 and bf16-mixed measured the same. So
+before each trial on a CPU the watch reads how many of this process's cores other processes
+keep busy (``cpu_busy``, from /proc/stat), and from the first trial that finds one taken, that
+trial and every later one run on the cores left (``free_threads``): never more again, so that
+every comparison from there on is between trials on as many threads. The tune says so.
+
 ``judge_spread`` is the pure decision; ``SteadyRunner`` wraps any runner with it, so that the
 reference, its replicate, the search and every re-measurement are watched alike.
 """
@@ -16,7 +26,11 @@ reference, its replicate, the search and every re-measurement are watched alike.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import statistics
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +57,110 @@ trial): no steady training loop measured here spreads its 90th percentile step t
 MAX_RERUNS = 2
 """How many times a disturbed or lost trial is run again before its last run is kept as it is."""
 
+BUSY_SAMPLE_S = 0.1
+"""How long ``cpu_busy`` watches the cores before a trial: ten scheduler ticks of a 100 Hz clock,
+enough to see a core that another process keeps busy."""
+
+TAKEN_SHARE = 0.7
+"""A core counts as taken when other processes kept it busy this much of the time (in sum over
+the cores: 1.4 busy cores are 2 taken); less is a brief burst that a trial outlives."""
+
+
+def read_cpu_times(cpus: set[int] | None = None, path: str = "/proc/stat") -> tuple[int, int] | None:
+    """``(busy, total)`` clock ticks summed over ``cpus`` (every CPU when ``None``) since boot, from
+    /proc/stat; ``None`` where it cannot be read (not Linux)."""
+    busy = total = 0
+    try:
+        with open(path, encoding="ascii") as stat:
+            for line in stat:
+                name, *fields = line.split()
+                if not name.startswith("cpu") or name == "cpu" or not name[3:].isdigit():
+                    continue
+                if cpus is not None and int(name[3:]) not in cpus:
+                    continue
+                ticks = [int(v) for v in fields[:8]]
+                idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+                total += sum(ticks)
+                busy += sum(ticks) - idle
+    except (OSError, ValueError, IndexError):
+        return None
+    return (busy, total) if total else None
+
+
+def own_cpu_ticks(root: int | None = None, proc: str = "/proc") -> int:
+    """The clock ticks of CPU time (user and system, every thread) that process ``root`` (this
+    one) and all its descendants have used: a tune's own warm server importing torch is not
+    another process's load."""
+    root = os.getpid() if root is None else root
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/stat", encoding="ascii", errors="replace") as stat:
+                text = stat.read()
+            fields = text[text.rindex(")") + 2:].split()  # after the command, which may hold spaces
+            parent[int(entry)], ticks[int(entry)] = int(fields[1]), int(fields[11]) + int(fields[12])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not readable
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [child for child, ppid in parent.items() if ppid == pid and child not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(ticks.get(pid, 0) for pid in tree)
+
+
+def cpu_busy(sample_s: float = BUSY_SAMPLE_S, *, read: Callable[[], tuple[int, int] | None] | None = None,
+             own: Callable[[], int] = own_cpu_ticks, sleep: Callable[[float], None] = time.sleep) -> float | None:
+    """How many of this process's cores other processes kept busy over the next ``sample_s``, in
+    cores (1.0: one core's worth): the cores' busy time less this process tree's own (``own``);
+    ``None`` where that cannot be read."""
+    cpus = usable_cpus()
+    read = read or (lambda: read_cpu_times(cpus))
+    before, own_before = read(), own()
+    sleep(sample_s)
+    after, own_after = read(), own()
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    others = max(0, (after[0] - before[0]) - (own_after - own_before))
+    return others / (after[1] - before[1]) * len(cpus)
+
+
+def usable_cpus() -> set[int]:
+    """The CPUs this process may run on."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def default_threads() -> int:
+    """The threads torch uses for CPU ops by its own choice (its count when imported here, else
+    one per usable CPU)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return int(torch.get_num_threads())
+    return len(usable_cpus())
+
+
+def free_threads(busy: float | None, usable: int, default: int) -> int | None:
+    """The threads a trial may use without waiting for a core others keep busy: the usable cores
+    less the taken ones (``TAKEN_SHARE``), at least 1; ``None`` when that is not fewer than torch's
+    ``default`` (nothing to change) or ``busy`` is unknown."""
+    if busy is None:
+        return None
+    taken = math.floor(busy + 1.0 - TAKEN_SHARE)
+    free = max(1, usable - taken)
+    return free if free < default else None
+
+
 def judge_spread(spread: float | None, usual: float | None, *, factor: float = SPREAD_FACTOR,
                  floor: float = SPREAD_FLOOR, first_limit: float = FIRST_SPREAD_LIMIT) -> tuple[bool, float | None]:
     """Whether a trial whose steps spread by ``spread`` was disturbed, and the limit it was held to.
@@ -67,15 +185,19 @@ class Disturbance:
     Attributes:
         label: the trial's label.
         kind: ``"spread"`` (its steps spread far beyond the usual), ``"busy-gpu"`` (another
-            process computed on the GPU) or ``"lost"`` (it ended before the candidate was applied).
+            process computed on the GPU), ``"lost"`` (it ended before the candidate was applied)
+            or ``"busy-cpu"`` (other processes kept some of the CPU's cores busy: the trial, and
+            every later one, ran on fewer threads, never run again for it).
         detail: what was seen, in words.
         attempt: which run of the trial it was (1 for the first).
         rerun: whether it was run again; ``False`` when a run was kept instead (see ``kept``).
         spread: the trial's spread, where read.
         limit: the spread it was held to, where read.
         kept: why a run was kept rather than run again: ``"repeats"`` (two runs spread alike, so
-            the spread is this workload's on this machine as it is now) or ``"spent"`` (the
-            reruns are spent); empty while it is run again.
+            the spread is this workload's on this machine as it is now), ``"spent"`` (the
+            reruns are spent) or ``"threads"`` (a busy CPU: run on fewer threads instead); empty
+            while it is run again.
+        threads: for ``"busy-cpu"``, the threads the trial and every later one ran on.
     """
 
     label: str
@@ -86,14 +208,19 @@ class Disturbance:
     spread: float | None = None
     limit: float | None = None
     kept: str = ""
+    threads: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "kind": self.kind, "detail": self.detail, "attempt": self.attempt,
                 "rerun": self.rerun, "spread": self.spread, "limit": self.limit, "kept": self.kept,
-                "text": self.describe()}
+                "threads": self.threads, "text": self.describe()}
 
     def describe(self) -> str:
         """One line for the report."""
+        if self.kept == "threads":
+            plural = "s" if self.threads != 1 else ""
+            return (f"{self.label}: {self.detail}; it and every later trial ran on {self.threads} thread{plural}, "
+                    "compared only with fp32 on as many")
         if self.rerun:
             then = "run again"
         elif self.kept == "repeats":
@@ -114,6 +241,27 @@ class DisturbanceWatch:
     events: list[Disturbance] = field(default_factory=list)
     busy: Callable[[HardwareProfile], list[int]] | None = None  # tests pass a fake NVML reading
     ran: list[TrialResult] = field(default_factory=list)  # every trial run, reruns included
+    cpu_busy: Callable[[], float | None] | None = None  # a fake reading in tests; else ``cpu_busy``
+    threads: int | None = None  # once a busy CPU was seen: the threads every trial runs on
+
+    def threads_for(self, label: str) -> int | None:
+        """The threads the next trial runs on: ``None`` (torch's own choice) on a GPU and until a
+        trial first finds some of the CPU's cores taken; from then on the fewest free cores any
+        trial found, never more again (a ``"busy-cpu"`` event says when it fell)."""
+        if self.profile is None or self.profile.is_cuda:
+            return None
+        default = default_threads() if self.threads is None else self.threads
+        usable = len(usable_cpus())
+        busy = (self.cpu_busy or cpu_busy)()
+        free = free_threads(busy, usable, default)
+        if free is None:
+            return self.threads
+        taken = usable - free
+        self.events.append(Disturbance(
+            label, "busy-cpu", f"other processes kept {taken} of this process's {usable} cores busy "
+            f"({busy:.1f} cores' worth)", 1, False, kept="threads", threads=free))
+        self.threads = free
+        return free
 
     @property
     def usual(self) -> float | None:
@@ -170,7 +318,7 @@ class SteadyRunner:
     ``perturbed`` still has none).
     """
 
-    _DERIVING = ("perturbed", "with_measure_steps", "with_flop_count")
+    _DERIVING = ("perturbed", "with_measure_steps", "with_flop_count", "with_threads")
 
     def __init__(self, runner: Any, watch: DisturbanceWatch, *,
                  on_rerun: Callable[[Disturbance], None] | None = None) -> None:
@@ -191,7 +339,12 @@ class SteadyRunner:
         while True:
             attempt = len(runs) + 1
             others_before = self.watch.gpu_others()
-            result = self.runner(policy, label if attempt == 1 else f"{label} (run {attempt})")
+            runner = self.runner
+            if hasattr(runner, "with_threads") and getattr(runner, "threads", None) is None:
+                threads = self.watch.threads_for(label)
+                if threads is not None:
+                    runner = runner.with_threads(threads)
+            result = runner(policy, label if attempt == 1 else f"{label} (run {attempt})")
             self.watch.ran.append(result)
             others = sorted(set(others_before) | set(self.watch.gpu_others()))
             event = self.watch.check(result, label, attempt, others)

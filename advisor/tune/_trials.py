@@ -90,6 +90,7 @@ class TrialSettings:
     perturb: str | None = None
     perturb_draw: int = 0
     count_flops: bool = False
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "measure_steps", "nproc_per_node"):
@@ -123,6 +124,7 @@ class TrialSettings:
             perturb=self.perturb,
             perturb_draw=self.perturb_draw,
             count_flops=self.count_flops,
+            threads=self.threads,
         )
 
     def launch(self, python: str, launch: Sequence[str] = ()) -> tuple[str, ...]:
@@ -312,6 +314,15 @@ class ScriptRunner:
     def with_measure_steps(self, steps: int) -> ScriptRunner:
         """The same script and arguments, every trial measuring ``steps`` optimizer steps."""
         return self._with(measure_steps=steps)
+
+    @property
+    def threads(self) -> int | None:
+        return self.settings.threads
+
+    def with_threads(self, threads: int | None) -> ScriptRunner:
+        """The same script and arguments, torch's CPU ops on ``threads`` threads (``None``: its own
+        choice)."""
+        return self._with(threads=threads)
 
     def with_flop_count(self, on: bool = True) -> ScriptRunner:
         """The same script and arguments, every trial counting one step's FLOPs (or none)."""
@@ -509,13 +520,27 @@ def evaluate(
         verdict = judge(curve_of(result, policy.mode), curve_of(reference, "fp32"), thresholds,
                         replicate=replicate)
         gap = verdict.metrics.get("final_gap")
-        comparison = compare(timing, summarize(reference.step_times, _warmup(reference)))
-        speed_verdict = comparison.verdict
-        ref_good = _goodput(reference, thresholds)
-        # Goodput counts samples, so a candidate with another micro-batch compares fairly;
-        # without sample counts, fall back to the step-time ratio.
-        speedup = good / ref_good if good is not None and ref_good else comparison.ratio
+        speedup, speed_verdict = _speed(timing, good, reference, thresholds)
     return Evaluation(label, policy, result, verdict, timing, good, speedup, speed_verdict, gap)
+
+
+def _speed(timing: TimingSummary, good: float | None, fp32: TrialResult,
+           thresholds: StabilityThresholds) -> tuple[float | None, str]:
+    """A trial's speed-up over the fp32 trial ``fp32``, and the speed verdict (faster, slower, tie)."""
+    comparison = compare(timing, summarize(fp32.step_times, _warmup(fp32)))
+    ref_good = _goodput(fp32, thresholds)
+    # Goodput counts samples, so a candidate with another micro-batch compares fairly;
+    # without sample counts, fall back to the step-time ratio.
+    return (good / ref_good if good is not None and ref_good else comparison.ratio), comparison.verdict
+
+
+def timed_against(ev: Evaluation, fp32: TrialResult, thresholds: StabilityThresholds | None = None) -> Evaluation:
+    """``ev`` with its speed-up taken over another fp32 trial (one on as many threads as it ran
+    on); its verdict stays the one against the reference."""
+    if ev.timing is None or fp32.outcome != "ok" or not fp32.step_times:
+        return ev
+    speedup, speed_verdict = _speed(ev.timing, ev.goodput, fp32, thresholds or StabilityThresholds())
+    return dataclasses.replace(ev, speedup=speedup, speed_verdict=speed_verdict)
 
 
 def summed_loss_split(result: TrialResult, reference: TrialResult) -> str | None:
@@ -794,6 +819,7 @@ class Yardsticks:
         self._at: dict[int | None, tuple[TrialResult, TrialCurve | None]] = {
             self.steps: (reference, None if replicate is None else replicate.curve)}
         self._second: dict[int | None, Replicate | None] = {}
+        self._timing: dict[tuple[int | None, int | None], TrialResult | None] = {}
         self.extended: list[str] = []
 
     def evaluate(self, label: str, policy: Policy, result: TrialResult) -> Evaluation:
@@ -813,7 +839,34 @@ class Yardsticks:
                 self.on_start(longer)
             ran = self.runner.with_measure_steps(steps)(policy, longer)  # type: ignore[attr-defined]
             ev = evaluate(label, policy, ran, reference, thresholds=self.thresholds, replicate=curve)
-        return self.second_look(ev, steps)
+        return self.on_its_threads(self.second_look(ev, steps), steps)
+
+    def on_its_threads(self, ev: Evaluation, steps: int | None = None) -> Evaluation:
+        """``ev`` with its speed-up over fp32 run on as many threads as it ran on, where that is
+        not the reference's (a busy CPU lowered the tune's threads after the reference ran):
+        that fp32 runs once per window and thread count, shared by every candidate. The
+        stability verdict stays the one against the reference."""
+        steps = self.steps if steps is None else steps
+        reference = self._at.get(steps, (None, None))[0]
+        threads = ev.result.threads
+        if reference is None or threads == reference.threads or ev.timing is None:
+            return ev
+        key = (steps, threads)
+        if key not in self._timing:
+            runner = self.runner if steps == self.steps else self.runner.with_measure_steps(steps)  # type: ignore[attr-defined]
+            if hasattr(runner, "with_threads"):
+                runner = runner.with_threads(threads)
+            label = f"fp32 (reference, {threads} thread{'s' if threads != 1 else ''})"
+            if self.on_start:
+                self.on_start(label)
+            fp32 = runner(Policy(mode="fp32"), label)
+            self._timing[key] = fp32 if fp32.outcome == "ok" and fp32.step_times else None
+        fp32 = self._timing[key]
+        return ev if fp32 is None else timed_against(ev, fp32, self.thresholds)
+
+    def fp32_on(self, threads: int | None, steps: int | None = None) -> TrialResult | None:
+        """The fp32 trial on ``threads`` threads that ``on_its_threads`` ran, if any."""
+        return self._timing.get((self.steps if steps is None else steps, threads))
 
     def second_replicate(self, steps: int | None = None) -> Replicate | None:
         """The second replicate at ``steps`` (the comparison's window when ``None``), if a narrow

@@ -24,7 +24,7 @@ from probes import MpadviseError
 
 SPEC = TrialSpec(policy={"schema": 1, "mode": "fp32"}, result_path="unused.json", warmup_steps=1, measure_steps=2)
 # What the parent sets on a TrialResult itself, beside what the result file carries.
-PARENT_FIELDS = {"outcome", "reason", "label", "policy", "exit_code", "stderr_tail", "wall_s"}
+PARENT_FIELDS = {"outcome", "reason", "label", "policy", "exit_code", "stderr_tail", "wall_s", "threads"}
 
 
 def judge(data, *, exit_code=0):

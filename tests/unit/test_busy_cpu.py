@@ -1,0 +1,171 @@
+"""A CPU whose cores other processes keep busy: the trials run on the cores left.
+
+Torch splits each operation over one thread per core, and every operation then waits at its
+barrier for the thread the scheduler put aside: every step is slow alike, and the trial's spread
+does not show it. The watch reads /proc/stat before each trial; from the first trial that finds a
+core taken, every trial runs on the cores left, and its speed is compared with fp32 on as many
+threads. Fake readings and fake runners; one real /proc/stat and one real trial process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from advisor.trial import TrialResult
+from advisor.tune import _steady
+from advisor.tune._engine import tune_policy
+from advisor.tune._options import TuneOptions
+from advisor.tune._steady import (
+    DisturbanceWatch,
+    SteadyRunner,
+    cpu_busy,
+    free_threads,
+    own_cpu_ticks,
+    read_cpu_times,
+)
+from policies import Policy
+from probes import HardwareProfile
+
+CPU = HardwareProfile(kind="cpu", name="cpu", cores=2, cpu_flags=("avx2",), torch_version="2.13.0")
+GPU = HardwareProfile(kind="cuda", name="NVIDIA H200", compute_capability=(9, 0), index=0,
+                      torch_version="2.11.0", memory_total=141 * 2**30)
+STEPS = 40
+
+
+@pytest.mark.parametrize(("busy", "usable", "default", "threads"), [
+    (None, 2, 2, None),   # unknown: torch's own choice
+    (0.2, 2, 2, None),    # our own bookkeeping, a brief burst
+    (0.69, 2, 2, None),   # under 0.7 of a core: not taken
+    (0.7, 2, 2, 1),       # one core taken
+    (1.0, 2, 2, 1),
+    (2.0, 2, 2, 1),       # never fewer than one
+    (1.0, 16, 8, None),   # 15 free logical CPUs still hold torch's 8 threads
+    (10.0, 16, 8, 6),
+])
+def test_free_threads(busy, usable, default, threads) -> None:
+    assert free_threads(busy, usable, default) == threads
+
+
+def test_busy_cores_come_from_proc_stat(tmp_path) -> None:
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal
+    stat.write_text("cpu  30 0 10 160 0 0 0 0 0 0\ncpu0 20 0 5 75 0 0 0 0 0 0\ncpu1 10 0 5 85 0 0 0 0 0 0\nintr 1\n")
+    assert read_cpu_times(path=str(stat)) == (40, 200)
+    assert read_cpu_times({1}, path=str(stat)) == (15, 100)
+    assert read_cpu_times(path=str(tmp_path / "missing")) is None
+    readings = iter([(100, 1000), (280, 1200)])  # 180 of 200 ticks busy
+    own = iter([500, 540])  # 40 of them this process tree's own
+    busy = cpu_busy(read=lambda: next(readings), own=lambda: next(own), sleep=lambda s: None)
+    assert busy == pytest.approx(0.7 * len(_steady.usable_cpus()))
+
+
+def test_this_process_trees_own_work_is_not_anothers() -> None:
+    # A child of this process spinning through the sample: its CPU time is this tree's own, and
+    # comes off the cores' busy time (whatever else the machine runs meanwhile).
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass"])
+    owns: list[int] = []
+    try:
+        cpu_busy(0.5, own=lambda: owns.append(own_cpu_ticks()) or owns[-1])
+    finally:
+        child.kill()
+        child.wait()
+    assert owns[1] - owns[0] >= 5  # clock ticks of 10 ms: the child ran at least 50 ms of the 500
+
+
+def test_this_machine_can_be_read() -> None:
+    busy = cpu_busy(0.05)
+    assert busy is None or 0.0 <= busy <= len(_steady.usable_cpus()) + 0.5
+
+
+def _watch(readings: list[float], profile: HardwareProfile = CPU) -> DisturbanceWatch:
+    values = iter(readings)
+    return DisturbanceWatch(profile=profile, cpu_busy=lambda: next(values))
+
+
+def test_threads_fall_once_and_never_rise_again(monkeypatch) -> None:
+    monkeypatch.setattr(_steady, "usable_cpus", lambda: {0, 1})
+    monkeypatch.setattr(_steady, "default_threads", lambda: 2)
+    watch = _watch([0.0, 1.0, 0.0, 1.0])
+    assert watch.threads_for("fp32") is None
+    assert watch.threads_for("bf16-mixed") == 1
+    assert watch.threads_for("fp16-mixed") == 1  # the neighbour left: still 1, so comparisons hold
+    assert watch.threads_for("bf16-true") == 1
+    (event,) = watch.events
+    assert event.kind == "busy-cpu" and event.threads == 1 and not event.rerun
+    assert event.describe().startswith("bf16-mixed: other processes kept 1 of this process's 2 cores busy (1.0")
+    assert "every later trial ran on 1 thread" in event.describe()
+
+
+def test_a_gpu_trial_reads_no_cpu() -> None:
+    watch = DisturbanceWatch(profile=GPU, cpu_busy=lambda: pytest.fail("read"))
+    assert watch.threads_for("fp32") is None
+
+
+class Runner:
+    """fp32 and bf16-mixed over ``STEPS`` steps: bf16-mixed 1.25x faster on any thread count, and
+    each thread count as fast as its share of the machine (2 threads twice 1)."""
+
+    def __init__(self, *, threads: int | None = None, calls: list[tuple[str, int | None]] | None = None) -> None:
+        self.seed, self.measure_steps, self.threads = 0, STEPS, threads
+        self.calls = [] if calls is None else calls
+
+    def with_threads(self, threads: int | None) -> Runner:
+        return Runner(threads=threads, calls=self.calls)
+
+    def __call__(self, policy: Policy, label: str) -> TrialResult:
+        self.calls.append((label, self.threads))
+        step = (0.010 if policy.mode == "fp32" else 0.008) * (2 if self.threads == 1 else 1)
+        n = STEPS + 3
+        return TrialResult(
+            outcome="ok", label=label, policy=policy.to_dict(), losses=tuple(2.0 - i / 100 for i in range(n)),
+            step_times=(step,) * n, samples=(64,) * n, skipped=(False,) * n, warmup_steps=3, user_batch=64,
+            global_batch=64, workload_fingerprint="ab" * 8, model_signature="cd" * 8, wall_s=1.0,
+            threads=self.threads)
+
+
+def test_a_trial_runs_on_the_threads_the_watch_allows(monkeypatch) -> None:
+    monkeypatch.setattr(_steady, "usable_cpus", lambda: {0, 1})
+    monkeypatch.setattr(_steady, "default_threads", lambda: 2)
+    runner = Runner()
+    steady = SteadyRunner(runner, _watch([0.0, 1.0, 0.0]))
+    assert [steady(Policy(mode="fp32"), f"t{i}").threads for i in range(3)] == [None, 1, 1]
+    # Asked for a thread count, a runner keeps it: no reading.
+    pinned = SteadyRunner(runner, DisturbanceWatch(profile=CPU, cpu_busy=lambda: pytest.fail("read")))
+    assert pinned.with_threads(2)(Policy(mode="fp32"), "pinned").threads == 2
+
+
+def test_a_tune_compares_a_trial_with_fp32_on_as_many_threads(monkeypatch) -> None:
+    # A neighbour takes a core after the fp32 reference: bf16-mixed's trials run on 1 thread, twice
+    # as slow as on 2. Against the 2-thread reference it measured 0.625x and fp32 won.
+    monkeypatch.setattr(_steady, "usable_cpus", lambda: {0, 1})
+    monkeypatch.setattr(_steady, "default_threads", lambda: 2)
+    readings = iter([0.0] + [1.0] * 200)
+    monkeypatch.setattr(_steady, "cpu_busy", lambda: next(readings))
+    runner = Runner()
+    options = TuneOptions(trials=3, no_priors=True, modes=("bf16-mixed",))
+    result = tune_policy(runner, CPU, options, study_name="busy", dtype_ratio={"fp32": 1.0, "bf16": 2.0})
+    assert result.winner is not None and result.winner.mode == "bf16-mixed"
+    assert result.speedup.ratio == pytest.approx(1.25, rel=0.01)
+    labels = [label for label, _ in runner.calls]
+    assert labels.count("fp32 (reference, 1 thread)") == 1
+    assert [t for label, t in runner.calls if label == "fp32"] == [None]  # the reference: before the neighbour
+    bf16 = next(ev for ev in result.evaluations.values() if ev.policy.mode == "bf16-mixed")
+    assert bf16.result.threads == 1 and bf16.speedup == pytest.approx(1.25)
+    assert [d.kind for d in result.disturbances] == ["busy-cpu"]
+
+
+def test_the_trial_process_uses_the_threads_asked(tmp_path) -> None:
+    script = tmp_path / "threads.py"
+    script.write_text("import torch\nprint(torch.get_num_threads())\n")
+    env = {**os.environ, "MPADVISE_TRIAL_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-P", "-m", "advisor.trial._run", str(script)], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "1"
+    del env["MPADVISE_TRIAL_THREADS"]
+    out = subprocess.run([sys.executable, "-P", "-m", "advisor.trial._run", str(script)], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout.strip()) >= 1
