@@ -256,7 +256,7 @@ class DisturbanceWatch:
         free = free_threads(busy, usable, default)
         if free is None:
             return self.threads
-        taken = usable - free
+        taken = min(usable, usable - free if busy is None else math.floor(busy + 1.0 - TAKEN_SHARE))
         self.events.append(Disturbance(
             label, "busy-cpu", f"other processes kept {taken} of this process's {usable} cores busy "
             f"({busy:.1f} cores' worth)", 1, False, kept="threads", threads=free))

@@ -100,6 +100,14 @@ def test_threads_fall_once_and_never_rise_again(monkeypatch) -> None:
     assert "every later trial ran on 1 thread" in event.describe()
 
 
+def test_every_core_taken_leaves_one_thread_and_says_so(monkeypatch) -> None:
+    monkeypatch.setattr(_steady, "usable_cpus", lambda: {0, 1})
+    monkeypatch.setattr(_steady, "default_threads", lambda: 2)
+    watch = _watch([2.0])
+    assert watch.threads_for("fp32") == 1
+    assert "kept 2 of this process's 2 cores busy (2.0 cores' worth)" in watch.events[0].describe()
+
+
 def test_a_gpu_trial_reads_no_cpu() -> None:
     watch = DisturbanceWatch(profile=GPU, cpu_busy=lambda: pytest.fail("read"))
     assert watch.threads_for("fp32") is None
