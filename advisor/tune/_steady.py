@@ -150,14 +150,18 @@ def default_threads() -> int:
     return len(usable_cpus())
 
 
+def taken_cores(busy: float) -> int:
+    """How many cores ``busy`` cores' worth of other processes' time takes (``TAKEN_SHARE``)."""
+    return math.floor(busy + 1.0 - TAKEN_SHARE)
+
+
 def free_threads(busy: float | None, usable: int, default: int) -> int | None:
     """The threads a trial may use without waiting for a core others keep busy: the usable cores
-    less the taken ones (``TAKEN_SHARE``), at least 1; ``None`` when that is not fewer than torch's
+    less the taken ones (``taken_cores``), at least 1; ``None`` when that is not fewer than torch's
     ``default`` (nothing to change) or ``busy`` is unknown."""
     if busy is None:
         return None
-    taken = math.floor(busy + 1.0 - TAKEN_SHARE)
-    free = max(1, usable - taken)
+    free = max(1, usable - taken_cores(busy))
     return free if free < default else None
 
 
@@ -254,12 +258,11 @@ class DisturbanceWatch:
         usable = len(usable_cpus())
         busy = (self.cpu_busy or cpu_busy)()
         free = free_threads(busy, usable, default)
-        if free is None:
+        if free is None or busy is None:
             return self.threads
-        taken = min(usable, usable - free if busy is None else math.floor(busy + 1.0 - TAKEN_SHARE))
         self.events.append(Disturbance(
-            label, "busy-cpu", f"other processes kept {taken} of this process's {usable} cores busy "
-            f"({busy:.1f} cores' worth)", 1, False, kept="threads", threads=free))
+            label, "busy-cpu", f"other processes kept {min(usable, taken_cores(busy))} of this process's {usable} "
+            f"cores busy ({busy:.1f} cores' worth)", 1, False, kept="threads", threads=free))
         self.threads = free
         return free
 
@@ -340,7 +343,7 @@ class SteadyRunner:
             attempt = len(runs) + 1
             others_before = self.watch.gpu_others()
             runner = self.runner
-            if hasattr(runner, "with_threads") and getattr(runner, "threads", None) is None:
+            if _sets_threads(runner):
                 threads = self.watch.threads_for(label)
                 if threads is not None:
                     runner = runner.with_threads(threads)
@@ -360,6 +363,15 @@ class SteadyRunner:
             runs.append((result, event))
             if not event.rerun:
                 return self.watch.keep(runs)
+
+
+def _sets_threads(runner: Any) -> bool:
+    """Whether the watch picks ``runner``'s threads: a runner that can be given a thread count
+    (``with_threads``), has none yet, and runs one process per trial (each rank of a multi-process
+    trial keeps torch's own choice)."""
+    settings = getattr(runner, "settings", None)
+    return (hasattr(runner, "with_threads") and getattr(runner, "threads", None) is None
+            and getattr(settings, "nproc_per_node", 1) == 1)
 
 
 def _repeats(event: Disturbance, earlier: list[Disturbance]) -> bool:

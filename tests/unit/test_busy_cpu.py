@@ -146,6 +146,14 @@ def test_a_trial_runs_on_the_threads_the_watch_allows(monkeypatch) -> None:
     assert pinned.with_threads(2)(Policy(mode="fp32"), "pinned").threads == 2
 
 
+def test_a_multi_process_trial_keeps_torchs_threads() -> None:
+    class Ranks(Runner):
+        settings = type("Settings", (), {"nproc_per_node": 2})()
+
+    steady = SteadyRunner(Ranks(), DisturbanceWatch(profile=CPU, cpu_busy=lambda: pytest.fail("read")))
+    assert steady(Policy(mode="fp32"), "fp32").threads is None
+
+
 def test_a_tune_compares_a_trial_with_fp32_on_as_many_threads(monkeypatch) -> None:
     # A neighbour takes a core after the fp32 reference: bf16-mixed's trials run on 1 thread, twice
     # as slow as on 2. Against the 2-thread reference it measured 0.625x and fp32 won.
