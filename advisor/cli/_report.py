@@ -231,10 +231,7 @@ def render_tune(tune: dict[str, Any], console: Console) -> None:
     if tune.get("extended_window"):
         console.print(f"judged again on a longer window, their gap to fp32 growing: {', '.join(tune['extended_window'])}",
                       highlight=False)
-    for event in tune.get("disturbed") or []:  # trials the machine disturbed or lost, run again
-        kind = {"lost": "lost", "busy-cpu": "busy CPU"}.get(event.get("kind") or "", "disturbed")
-        console.print(f"[yellow]{kind}[/] {event.get('text')}",
-                      highlight=False)
+    print_disturbances(console, tune.get("disturbed") or [])
     console.print(utilisation_line(tune), highlight=False)
     spread = spread_line(tune.get("reference") or {}, tune.get("replicate"))
     if spread:
@@ -578,3 +575,11 @@ def resume_command(tune: dict[str, Any]) -> str:
     where = ["--storage", str(storage)] if storage and storage not in (default, os.environ.get("MPADVISE_STORAGE")) else []
     script, *rest = _script_and_args(tune)
     return shlex.join(["mpadvise", "tune", script, "--resume", *where, *rest])
+
+
+def print_disturbances(console: Console, events: list[dict[str, Any]]) -> None:
+    """One line per trial the machine disturbed or lost (run again), or ran on fewer threads
+    (a busy CPU): ``Disturbance.to_dict``'s."""
+    for event in events:
+        kind = {"lost": "lost", "busy-cpu": "busy CPU"}.get(event.get("kind") or "", "disturbed")
+        console.print(f"[yellow]{kind}[/] {event.get('text')}", highlight=False)

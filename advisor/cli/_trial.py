@@ -28,6 +28,7 @@ from advisor._log import get_logger
 from advisor.cli._plot import check_plot_target, plot_trials
 from advisor.cli._report import (
     evaluation_table,
+    print_disturbances,
     print_reasons,
     spread_line,
     trial_progress,
@@ -36,8 +37,10 @@ from advisor.frameworks import check_plan_modes, plan_for
 from advisor.trial import TrialResult, WarmLauncher
 from advisor.tune import (
     Comparison,
+    DisturbanceWatch,
     ScriptRunner,
     StabilityThresholds,
+    SteadyRunner,
     TrialSettings,
     TuneOptions,
     check_judgeable_window,
@@ -179,7 +182,10 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     # Every trial counts one warm-up step's FLOPs (so all run alike): the reference's count is the
     # work each trial's step does, and its TFLOP/s is that over the trial's median step.
     settings = dataclasses.replace(TrialSettings.for_tune(options.with_(framework=plan.framework)), count_flops=True)
-    runner = ScriptRunner(path, script_args, settings, launch=plan.launch, warm=warm)
+    # Like a tune's, every trial is run again when the machine disturbed or lost it, and runs on
+    # the cores left once other processes keep some busy.
+    watch = DisturbanceWatch(profile=profile)
+    runner = SteadyRunner(ScriptRunner(path, script_args, settings, launch=plan.launch, warm=warm), watch)
     candidates = [(Policy(mode=m), m) for m in modes]
     progress_console = Console(stderr=True) if json_output else console
     # The reference, its perturbed replicate, then each candidate.
@@ -197,11 +203,13 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
         plot_trials(str(plot), comparison.reference, comparison.evaluations, replicate=replicate,
                     advice=_timeout_advice(comparison, settings), judged_against=comparison.judged_against())
     payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot)
+    payload["disturbed"] = [event.to_dict() for event in watch.events]
     stream.comparison(payload)
     if json_output:
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
     else:
         _render(comparison, path, profile, settings, plot, console)
+        print_disturbances(console, payload["disturbed"])
     return EXIT_OK if all(ev.stable for ev in comparison.evaluations) else EXIT_UNSTABLE
 
 

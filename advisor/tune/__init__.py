@@ -53,6 +53,7 @@ from advisor.tune._service import (
 )
 from advisor.tune._space import Measured, SpaceLimits
 from advisor.tune._stability import Basis, StabilityThresholds, TrialCurve, basis, smooth
+from advisor.tune._steady import DisturbanceWatch, SteadyRunner
 from advisor.tune._trials import (
     WAIT_IDLE_ENV,
     Comparison,
@@ -66,6 +67,8 @@ from advisor.tune._trials import (
 
 __all__ = [
     "Basis",
+    "DisturbanceWatch",
+    "SteadyRunner",
     "Evaluation",
     "KeptStudy",
     "Measured",

@@ -461,6 +461,7 @@ class Evaluation:
             "user_batch": r.user_batch,
             "notes": list(r.notes),
             "ranks": r.ranks,
+            "threads": r.threads,
             "fsdp": r.fsdp,
             "exit_code": r.exit_code,
             "stderr_tail": r.stderr_tail if self.result.outcome != "ok" else "",
