@@ -41,7 +41,6 @@ SIGKILL = int(getattr(signal, "SIGKILL", 9))  # Windows has no SIGKILL; the numb
 
 # The child's environment, as the launcher (run_trial) leaves it and the child reads it.
 TRIAL_SPEC_ENV = "MPADVISE_TRIAL_SPEC"
-
 """The path of the trial spec file: set by ``run_trial``, read by the child's ``spec_from_env``."""
 POLICY_ENV = "MPADVISE_POLICY"
 """A config file that ``load_policy()`` applies; ``run_trial`` removes it from the child's

@@ -63,12 +63,11 @@ SERVER_FLAG = "--warm-server"
 PER_TRIAL_PREFIXES: tuple[str, ...] = ("MPADVISE_",)
 """Variables a trial's environment may set differently from the server's: the project's own,
 which it reads when a trial uses them, never at import."""
+PER_TRIAL_NAMES: frozenset[str] = frozenset({"PWD", "OLDPWD"})
+"""More such variables: a shell's record of the working directory, which the request carries."""
 THREADS_ENV = "MPADVISE_TRIAL_THREADS"
 """How many threads the trial's torch ops may use (``TrialSpec.threads``), where other processes
 keep some of the cores busy; unset leaves torch's own choice."""
-
-PER_TRIAL_NAMES: frozenset[str] = frozenset({"PWD", "OLDPWD"})
-"""More such variables: a shell's record of the working directory, which the request carries."""
 START_TIMEOUT = 600.0
 """Seconds the parent waits for the server's imports (a framework's under load take a minute)."""
 _PACKET = 1 << 20
