@@ -185,3 +185,23 @@ def test_the_trial_process_uses_the_threads_asked(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-P", "-m", "advisor.trial._run", str(script)], env=env,
                          capture_output=True, text=True, timeout=120, check=True)
     assert int(out.stdout.strip()) >= 1
+
+
+@pytest.mark.parametrize("fall", range(2, 14))
+def test_no_pair_mixes_thread_counts_wherever_the_threads_fall(monkeypatch, fall) -> None:
+    # The neighbour arrives before the fall-th trial, search or re-measurement. Each run's goodput
+    # over its partner's is 1.25 on one thread count and 2.5 or 0.625 across two; only the first
+    # may be paired.
+    monkeypatch.setattr(_steady, "usable_cpus", lambda: {0, 1})
+    monkeypatch.setattr(_steady, "default_threads", lambda: 2)
+    readings = iter([0.0] * (fall - 1) + [1.0] * 200)
+    monkeypatch.setattr(_steady, "cpu_busy", lambda: next(readings))
+    options = TuneOptions(trials=3, no_priors=True, modes=("bf16-mixed",))
+    result = tune_policy(Runner(), CPU, options, study_name="fall", dtype_ratio={"fp32": 1.0, "bf16": 2.0})
+    fp32 = result.reference_rounds
+    for finalist in result.finalists:
+        if finalist.candidate.mode == "fp32":
+            continue
+        pairs = [(x, y) for x, y in zip(finalist.rounds, fp32) if x is not None and y is not None]
+        assert pairs and all(x / y == pytest.approx(1.25) for x, y in pairs), (fall, finalist.rounds, fp32)
+    assert result.winner is not None and result.winner.mode == "bf16-mixed"
