@@ -254,6 +254,8 @@ class DisturbanceWatch:
         trial found, never more again (a ``"busy-cpu"`` event says when it fell)."""
         if self.profile is None or self.profile.is_cuda:
             return None
+        if self.threads == 1:  # as few as a trial can run on: nothing left to read
+            return 1
         default = default_threads() if self.threads is None else self.threads
         usable = len(usable_cpus())
         busy = (self.cpu_busy or cpu_busy)()

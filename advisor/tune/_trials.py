@@ -620,7 +620,7 @@ class Replicate:
             spread and the fixed limits stand alone.
         result: the trial's result when it ran in this process (never stored).
         draw: which draw of the perturbation: 0 for the replicate every comparison runs, 1 for
-            the second one a narrow stall asks for (``SecondLook``).
+            the second one a narrow stall asks for (``Yardsticks.second_look``).
     """
 
     seed: int
@@ -854,7 +854,7 @@ class Yardsticks:
             return ev
         key = (steps, threads)
         if key not in self._timing:
-            runner = self.runner if steps == self.steps else self.runner.with_measure_steps(steps)  # type: ignore[attr-defined]
+            runner = self._runner_at(steps)
             if hasattr(runner, "with_threads"):
                 runner = runner.with_threads(threads)
             label = f"fp32 (reference, {threads} thread{'s' if threads != 1 else ''})"
@@ -864,10 +864,6 @@ class Yardsticks:
             self._timing[key] = fp32 if fp32.outcome == "ok" and fp32.step_times else None
         fp32 = self._timing[key]
         return ev if fp32 is None else timed_against(ev, fp32, self.thresholds)
-
-    def fp32_on(self, threads: int | None, steps: int | None = None) -> TrialResult | None:
-        """The fp32 trial on ``threads`` threads that ``on_its_threads`` ran, if any."""
-        return self._timing.get((self.steps if steps is None else steps, threads))
 
     def second_replicate(self, steps: int | None = None) -> Replicate | None:
         """The second replicate at ``steps`` (the comparison's window when ``None``), if a narrow
@@ -892,13 +888,16 @@ class Yardsticks:
         if reference is None or curve is None or not _narrow_stall(ev, reference, curve, self.thresholds):
             return ev
         if steps not in self._second:
-            runner = self.runner if steps == self.steps else self.runner.with_measure_steps(steps)  # type: ignore[attr-defined]
-            self._second[steps] = run_replicate(runner, reference, on_start=self.on_start, draw=1)
+            self._second[steps] = run_replicate(self._runner_at(steps), reference, on_start=self.on_start, draw=1)
         second = self._second[steps]
         if second is None or second.curve is None:
             return ev
         again = evaluate(ev.label, ev.policy, ev.result, reference, thresholds=self.thresholds, replicate=second.curve)
         return _judged_twice(ev, again, second)
+
+    def _runner_at(self, steps: int | None) -> Runner:
+        """The comparison's runner, measuring ``steps`` steps."""
+        return self.runner if steps == self.steps else self.runner.with_measure_steps(steps)  # type: ignore[attr-defined]
 
     @staticmethod
     def _bending(ev: Evaluation) -> bool:
