@@ -1,13 +1,15 @@
 """What a CPU-bound neighbour does to a trial, with torch on all cores against on the cores left.
 
-Runs ``mpadvise trial SCRIPT -m MODE --json`` four ways, interleaved over ``--repeats`` rounds:
-no neighbour or ``--burners`` CPU-bound processes beside it, and torch on its own thread count or
-on ``--threads`` (``OMP_NUM_THREADS``, which the trial's processes read when torch starts). For
-each, prints the median over rounds of fp32's and the mode's median step, the step spread (the
-90th percentile over the 10th, after the warm-up: the figure the disturbance check reads), the
-speed-up and the trial's wall time; writes them with ``--json``.
+Runs fp32 and ``--mode`` on SCRIPT through the trial runner of ``mpadvise trial`` and ``tune``
+itself, without the watch that picks the threads (so the first arm below is what trials were
+before it), four ways, interleaved over ``--repeats`` rounds: no neighbour or ``--burners``
+CPU-bound processes beside both trials, and torch on its own thread count or on ``--threads``
+(``ScriptRunner.with_threads``, as the watch sets it). For each, prints the median over rounds of
+fp32's and the mode's median step, the step spread (the 90th percentile over the 10th, after the
+warm-up: the figure the disturbance check reads), the speed-up and the wall time of the two
+trials; writes them with ``--json``.
 
-    .venv/bin/python scripts/bench_busy_cpu.py examples/mlp.py --json docs/bench/busy-cpu-mlp.json
+    .venv/bin/python scripts/bench_busy_cpu.py examples/mlp.py --json docs/bench/busy-cpu-mlp-amx.json
 """
 
 from __future__ import annotations
@@ -18,43 +20,38 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from advisor.frameworks import plan_for
+from advisor.tune._options import TuneOptions
 from advisor.tune._timing import step_spread
+from advisor.tune._trials import ScriptRunner, TrialSettings, evaluate, prestarted_launcher
+from policies import Policy
 from probes import write_file_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def trial(script: str, mode: str, steps: int, threads: int | None, burners: int) -> dict:
-    """One ``mpadvise trial`` with ``burners`` neighbours for its whole length."""
-    with tempfile.TemporaryDirectory(prefix="mpadvise-busy-") as home:
-        env = {**os.environ, "MPADVISE_HOME": home}
-        env.pop("MPADVISE_POLICY", None)
-        env.pop("OMP_NUM_THREADS", None)
-        if threads is not None:
-            env["OMP_NUM_THREADS"] = str(threads)
-        neighbours = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
-        start = time.monotonic()
-        try:
-            proc = subprocess.run([sys.executable, "-m", "advisor.cli", "trial", script, "-m", mode, "--steps", str(steps),
-                                   "--json", "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        finally:
-            for neighbour in neighbours:
-                neighbour.kill()
-                neighbour.wait()
-        wall = time.monotonic() - start
-    if proc.returncode not in (0, 3):
-        raise SystemExit(f"the trial failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
-    data = json.loads(proc.stdout)
-    runs = {"fp32": data["reference"], mode: data["candidates"][0]}
-    out: dict = {"wall_s": round(wall, 2), "speedup": runs[mode]["speedup_vs_fp32"]}
-    warmup = data["settings"]["warmup_steps"]
-    for name, run in runs.items():
-        times = run["step_times"]
-        out[name] = {"median_ms": statistics.median(times[warmup:]) * 1e3, "spread": step_spread(times, warmup)}
+def trial(runner: ScriptRunner, mode: str, threads: int | None, burners: int) -> dict:
+    """fp32, then ``mode``, on ``threads`` threads, with ``burners`` neighbours for both."""
+    runner = runner.with_threads(threads)
+    neighbours = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
+    start = time.monotonic()
+    try:
+        fp32, other = (runner(Policy(mode=m), m) for m in ("fp32", mode))
+    finally:
+        for neighbour in neighbours:
+            neighbour.kill()
+            neighbour.wait()
+    wall = time.monotonic() - start
+    for result in (fp32, other):
+        if result.outcome != "ok":
+            raise SystemExit(f"{result.label} failed: {result.outcome}: {result.reason}")
+    ev = evaluate(mode, Policy(mode=mode), other, fp32)
+    out: dict = {"wall_s": round(wall, 2), "speedup": ev.speedup}
+    for name, result in (("fp32", fp32), (mode, other)):
+        warmup = result.warmup_steps
+        out[name] = {"median_ms": statistics.median(result.step_times[warmup:]) * 1e3,
+                     "spread": step_spread(result.step_times, warmup)}
     return out
 
 
@@ -72,10 +69,18 @@ def main() -> None:
             (f"{args.burners} neighbour(s), torch's threads", None, args.burners),
             (f"{args.burners} neighbour(s), {args.threads} thread(s)", args.threads, args.burners)]
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in arms}
-    for round_ in range(args.repeats):
-        for name, threads, burners in arms if round_ % 2 == 0 else reversed(arms):
-            runs[name].append(trial(args.script, args.mode, args.steps, threads, burners))
-            print(f"round {round_ + 1}: {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
+    script = Path(args.script)
+    plan = plan_for(script, None, device=None)
+    options = TuneOptions(steps=args.steps)
+    runner = ScriptRunner(script, [], TrialSettings.for_tune(options.with_(framework=plan.framework)),
+                          launch=plan.launch, warm=prestarted_launcher(script, [], plan.launch))
+    try:
+        for round_ in range(args.repeats):
+            for name, threads, burners in arms if round_ % 2 == 0 else reversed(arms):
+                runs[name].append(trial(runner, args.mode, threads, burners))
+                print(f"round {round_ + 1}: {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
+    finally:
+        runner.close()
     med = statistics.median
     rows = {}
     print(f"{'arm':34s} {'fp32 ms':>9s} {'spread':>7s} {args.mode + ' ms':>15s} {'spread':>7s} {'speed-up':>8s} {'wall s':>7s}")
