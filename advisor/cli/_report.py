@@ -481,6 +481,9 @@ def remeasure_stop_line(tune: dict[str, Any]) -> str:
         return (f"re-measurement cut short by the time budget{spent} after {rounds} round{'' if rounds == 1 else 's'}: "
                 "a gap it left unresolved counts as a tie")
     if stop == "round limit":
+        if most and rounds > most:
+            return (f"re-measurement stopped at its limit of {rounds} rounds, extended from {most} while a lead lay "
+                    "beyond the margin: a gap still unresolved counts as a tie")
         return f"re-measurement stopped at its limit of {most} rounds: a gap still unresolved counts as a tie"
     return ""
 

@@ -63,6 +63,12 @@ from probes import HardwareProfile, hardware_fingerprint
 # ties, won by the safer mode. Without it, a tie within 1% ran ten rounds of every finalist,
 # past 15 minutes; now it costs four.
 REMEASURE_MAX_ROUNDS = 4
+# The rounds a gap may take while it leans: unresolved, with its estimate beyond the margin on the
+# riskier finalist's side. Stopping at four would give the safer one the win that the estimate
+# says belongs to the other (on the 2-core Xeon, bf16-true's 11% lead over bf16-mixed in
+# examples/mlp.py often ended 4 rounds at [1.01, 1.27]); a gap whose estimate lies within the
+# margin, or on the safer side, stops at four, where more rounds could not change the winner.
+REMEASURE_LEANING_ROUNDS = 8
 # The fewest paired rounds of the winner beside fp32, run here, that its speed-up rests on.
 LOCAL_PAIRS = 2
 
@@ -316,6 +322,7 @@ class TuneResult:
             "finalists": [f.to_dict() for f in self.finalists],
             "remeasure_rounds": self.remeasure_rounds,
             "remeasure_max_rounds": REMEASURE_MAX_ROUNDS,
+            "remeasure_leaning_rounds": REMEASURE_LEANING_ROUNDS,
             "remeasure_stop": self.remeasure_stop,
             "reference_rounds": self.reference_rounds,
             "time_budget": self.time_budget,
@@ -600,7 +607,8 @@ class _Trials:
         alike. A gap is settled once its interval shows a clear lead, a lead too small to
         count, or that the riskier of the two cannot be more than the margin faster (the
         safer then wins). No round starts after ``REMEASURE_MAX_ROUNDS`` in all (a gap still
-        unresolved is a tie), nor once ``out_of_time``. A finalist whose re-measurement is not
+        unresolved is a tie) unless a gap leans (``_leaning``), then none after
+        ``REMEASURE_LEANING_ROUNDS``; nor once ``out_of_time``. A finalist whose re-measurement is not
         stable (unstable, crashed, out of memory) is dropped: one good run does not make a
         policy safe to recommend.
 
@@ -625,14 +633,16 @@ class _Trials:
             if not running:
                 stop = STOP_SETTLED
                 break
-            if round_ >= REMEASURE_MAX_ROUNDS:
+            if round_ >= REMEASURE_LEANING_ROUNDS or (
+                    round_ >= REMEASURE_MAX_ROUNDS and not _leaning(active, self.user_batch)):
                 stop = STOP_ROUND_LIMIT
                 break
             if out_of_time():
                 stop = STOP_TIME_BUDGET
                 break
             if on_round:
-                on_round(round_ + 1, REMEASURE_MAX_ROUNDS, len(running))
+                on_round(round_ + 1, REMEASURE_MAX_ROUNDS if round_ < REMEASURE_MAX_ROUNDS else REMEASURE_LEANING_ROUNDS,
+                         len(running))
             for f in [*active, companion]:
                 f.rounds.extend([None] * (round_ + 1 - len(f.rounds)))
             self._round_threads = []
@@ -821,7 +831,7 @@ def _pair_winner_locally(
     Its figure is another worker's (read from a shared study) or an earlier run's, while fp32's
     is this machine's: their ratio is no speed-up of this machine. A lone finalist, or a field
     the time budget cut short before any round, would otherwise be cached on that ratio. These
-    few rounds run even past the time budget (never past ``REMEASURE_MAX_ROUNDS``): nothing
+    few rounds run even past the time budget (never past the round limit): nothing
     measured elsewhere is cached without them. A winner this worker ran keeps the rules of
     re-measurement (within the budget; single runs when it is spent).
 
@@ -958,6 +968,24 @@ def _settled(leader: Finalist, other: Finalist, user_batch: int | None) -> bool:
         return gap.a_lead_ruled_out
     if lead_key < other_key:
         return gap.b_lead_ruled_out
+    return False
+
+
+def _leaning(finalists: list[Finalist], user_batch: int | None) -> bool:
+    """Whether a gap still unsettled has its estimate beyond the margin on the riskier
+    finalist's side: stopping now would give the safer one, as a tie, a win that more rounds
+    would likely hand to the other. Call after ``_lead`` (the leader has no gap)."""
+    leader = next((f for f in finalists if f.gap is None), None)
+    if leader is None:
+        return False
+    for other in finalists:
+        gap = other.gap
+        if gap is None or _settled(leader, other, user_batch):
+            continue
+        edge = 1.0 + gap.min_margin
+        lead_key, other_key = preference_key(leader.candidate, user_batch), preference_key(other.candidate, user_batch)
+        if (lead_key >= other_key and gap.ratio > edge) or (lead_key <= other_key and gap.ratio < 1.0 / edge):
+            return True
     return False
 
 

@@ -14,7 +14,7 @@ from test_search import FakeRunner, tune
 
 from advisor.cli._report import render_tune, tune_progress
 from advisor.trial import TrialResult
-from advisor.tune._engine import REMEASURE_MAX_ROUNDS
+from advisor.tune._engine import REMEASURE_LEANING_ROUNDS, REMEASURE_MAX_ROUNDS
 from advisor.tune._space import Candidate
 from policies import Policy
 from probes import HardwareProfile
@@ -188,3 +188,48 @@ def test_the_progress_bar_counts_the_rounds_of_re_measurement():
     finished = [ln for ln in console.export_text().splitlines() if "/" in ln][-1]
     done = len(runner.calls)  # every trial, the re-measurements too, counted once
     assert f"{done}/{done}" in finished
+
+
+def test_a_gap_leaning_beyond_the_margin_runs_more_rounds_until_it_resolves():
+    # bf16-true runs about 10% faster than bf16-mixed side by side, scattered by 5% either way:
+    # after four rounds the interval still reaches below the 2% that counts, but its estimate
+    # lies well beyond it. Stopping there would give the tie to the safer bf16-mixed; more
+    # rounds show the lead, and the faster mode wins.
+    scatter = [math.exp(x) for x in (0.15, 0.05) * 5]
+    runner = ScriptedRunner({"fp32": 100, "bf16-mixed": 20.2, "bf16-true": 20.0},
+                            {"bf16-true": [20.0 / s for s in scatter], "bf16-mixed": [20.0] * 10})
+    result = tune(runner, modes=MODES, remeasure=True)
+    assert REMEASURE_MAX_ROUNDS < result.remeasure_rounds <= REMEASURE_LEANING_ROUNDS
+    assert result.remeasure_stop == "settled"
+    assert result.winner == Candidate("bf16-true") and not result.tie_note
+    gap = next(f for f in result.finalists if f.candidate.mode == "bf16-mixed").gap
+    assert gap.verdict == "faster" and gap.pairs == result.remeasure_rounds
+
+
+def test_a_leaning_gap_that_never_resolves_stops_at_the_longer_limit_and_says_so():
+    # A 6% lead, scattered by 15% either way: no number of rounds tells it from a tie.
+    scatter = [math.exp(x) for x in (0.21, -0.09) * 5]
+    runner = ScriptedRunner({"fp32": 100, "bf16-mixed": 20.2, "bf16-true": 20.0},
+                            {"bf16-true": [20.0 / s for s in scatter], "bf16-mixed": [20.0] * 10})
+    result = tune(runner, modes=MODES, remeasure=True)
+    assert result.remeasure_rounds == REMEASURE_LEANING_ROUNDS and result.remeasure_stop == "round limit"
+    assert result.winner == Candidate("bf16-mixed")
+    assert f"not resolved after {REMEASURE_LEANING_ROUNDS} paired runs" in result.tie_note
+    data = result.to_dict()
+    assert data["remeasure_max_rounds"] == REMEASURE_MAX_ROUNDS
+    assert data["remeasure_leaning_rounds"] == REMEASURE_LEANING_ROUNDS
+    console = Console(record=True, width=300, file=io.StringIO())
+    render_tune(data, console)
+    assert (f"re-measurement stopped at its limit of {REMEASURE_LEANING_ROUNDS} rounds, extended from "
+            f"{REMEASURE_MAX_ROUNDS} while a lead lay beyond the margin" in console.export_text())
+
+
+def test_a_safer_mode_leading_an_unresolved_gap_runs_no_extra_round():
+    # The safer bf16-mixed leads by about 5% on the estimate, unresolved: more rounds could
+    # only confirm what the tie already gives it, so the fourth round is the last.
+    scatter = [math.exp(x) for x in (0.15, -0.05) * 5]
+    runner = ScriptedRunner({"fp32": 100, "bf16-mixed": 20.2, "bf16-true": 20.0},
+                            {"bf16-mixed": [20.0 / s for s in scatter], "bf16-true": [20.0] * 10})
+    result = tune(runner, modes=MODES, remeasure=True)
+    assert result.remeasure_rounds <= REMEASURE_MAX_ROUNDS
+    assert result.winner == Candidate("bf16-mixed")

@@ -26,7 +26,7 @@ OPTIONS = TuneOptions(trials=3, modes=["bf16-mixed"], no_priors=True)
 TUNE_JSON_KEYS = {
     "winner", "winner_label", "speedup_vs_fp32", "speedup", "tie_note", "scale_batch_note", "user_batch", "space",
     "trials_run", "trials_resumed", "stop_reason", "matmul_ratio_vs_fp32", "finalists", "remeasure_rounds",
-    "remeasure_max_rounds", "remeasure_stop", "reference_rounds", "time_budget", "gap", "dropped_finalists",
+    "remeasure_max_rounds", "remeasure_leaning_rounds", "remeasure_stop", "reference_rounds", "time_budget", "gap", "dropped_finalists",
     "pruned", "reference", "replicate", "candidates", "wall_s", "window_note", "measure_steps", "extended_window", "disturbed",
     "flops_per_step", "flops_basis", "peak_tflops", "cost",
     "script", "args", "framework", "calls_load_policy", "config_file", "cache_id", "storage", "study_name",
