@@ -2,11 +2,13 @@
 
 Runs ``mpadvise tune SCRIPT --json`` twice on a copy of the script, each in a fresh home: once
 on its own, then with ``--burners`` CPU-bound processes started the moment the tune's first
-trial (the fp32 reference) is launched and kept until the tune ends. Prints each tune's winner,
-its speed-up with the 95% interval, and every disturbed run the tune saw and ran again; writes
-both tunes' JSON (``--out``).
+trial (the fp32 reference) is launched and kept until the tune ends, or for ``--burst-s``
+seconds only (a burst that passes). Prints each tune's winner, its speed-up with the 95%
+interval, and every disturbed run the tune saw and ran again; writes both tunes' JSON (``--out``).
 
     .venv/bin/python scripts/bench_disturbed.py examples/mlp.py --tune-args="--trials 12 --steps 200"
+    .venv/bin/python scripts/bench_disturbed.py examples/mlp.py --burners 1 --burst-s 20 \
+        --tune-args="--trials 12 --steps 200"
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from probes import write_file_atomic
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tune(script: Path, tune_args: list[str], burners: int, work: Path) -> dict:
-    """One tune of ``script`` (copied into ``work``); ``burners`` neighbours from its first trial on."""
+def tune(script: Path, tune_args: list[str], burners: int, work: Path, burst_s: float | None = None) -> dict:
+    """One tune of ``script`` (copied into ``work``); ``burners`` neighbours from its first trial
+    on, until it ends or for ``burst_s`` seconds."""
     home, tmp = work / "home", work / "tmp"
     home.mkdir()
     tmp.mkdir()
@@ -48,16 +51,32 @@ def tune(script: Path, tune_args: list[str], burners: int, work: Path) -> dict:
             if proc.poll() is None:
                 neighbours = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
                 started = time.monotonic()
-        out, err = proc.communicate(timeout=3600)
+        if burst_s is not None and neighbours:
+            try:
+                out, err = proc.communicate(timeout=burst_s)
+            except subprocess.TimeoutExpired:
+                stop(neighbours)
+                out, err = proc.communicate(timeout=3600)
+        else:
+            out, err = proc.communicate(timeout=3600)
     finally:
-        for neighbour in neighbours:
-            neighbour.kill()
-            neighbour.wait()
+        stopped = stop(neighbours)
     if proc.returncode != 0:
         raise SystemExit(f"the tune failed ({proc.returncode}): {err.strip()[-500:]}")
     data = json.loads(out)
-    data["neighbours_s"] = None if started is None else round(time.monotonic() - started, 1)
+    data["neighbours_s"] = None if started is None else round((stopped or time.monotonic()) - started, 1)
     return data
+
+
+def stop(neighbours: list[subprocess.Popen[bytes]]) -> float | None:
+    """Kill the neighbours still running; when the first was killed (``None`` for none)."""
+    when = None
+    for neighbour in neighbours:
+        if neighbour.poll() is None:
+            neighbour.kill()
+            when = when or time.monotonic()
+        neighbour.wait()
+    return when
 
 
 def describe(name: str, data: dict) -> str:
@@ -65,7 +84,7 @@ def describe(name: str, data: dict) -> str:
     lines = [f"{name}: winner {data['winner_label']}, {speedup.get('ratio')}x fp32 "
              f"[{speedup.get('low')}, {speedup.get('high')}] ({speedup.get('basis')})"]
     if data.get("neighbours_s") is not None:
-        lines[0] += f"; neighbours ran for the last {data['neighbours_s']} s"
+        lines[0] += f"; neighbours ran for {data['neighbours_s']} s of it"
     lines += [f"  {event['text']}" for event in data.get("disturbed") or []]
     return "\n".join(lines)
 
@@ -75,6 +94,8 @@ def main() -> None:
     parser.add_argument("script", type=Path)
     parser.add_argument("--tune-args", default="", help="more tune options, e.g. --tune-args='--trials 12'")
     parser.add_argument("--burners", type=int, default=2, help="CPU-bound neighbours in the disturbed tune")
+    parser.add_argument("--burst-s", type=float, help="stop the neighbours after this many seconds (default: "
+                        "they run until the tune ends)")
     parser.add_argument("--out", type=Path, help="write both tunes' JSON here")
     args = parser.parse_args()
     script = args.script.resolve()
@@ -84,7 +105,7 @@ def main() -> None:
     results = {}
     for name, burners in (("undisturbed", 0), ("disturbed", args.burners)):
         with tempfile.TemporaryDirectory(prefix="mpadvise-disturbed-") as work:
-            results[name] = tune(script, tune_args, burners, Path(work))
+            results[name] = tune(script, tune_args, burners, Path(work), args.burst_s)
         print(describe(name, results[name]), flush=True)
     quiet, busy = results["undisturbed"], results["disturbed"]
     low, high = quiet["speedup"]["low"], quiet["speedup"]["high"]
@@ -94,7 +115,8 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_file_atomic(args.out, json.dumps({"script": str(args.script), "tune_args": tune_args,
-                                                "burners": args.burners, **results}, indent=2, default=str))
+                                                "burners": args.burners, "burst_s": args.burst_s, **results},
+                                               indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -482,8 +482,8 @@ def remeasure_stop_line(tune: dict[str, Any]) -> str:
                 "a gap it left unresolved counts as a tie")
     if stop == "round limit":
         if most and rounds > most:
-            return (f"re-measurement stopped at its limit of {rounds} rounds, extended from {most} while a lead lay "
-                    "beyond the margin: a gap still unresolved counts as a tie")
+            return (f"re-measurement stopped after {rounds} rounds, past its usual {most} while a lead lay beyond the "
+                    "margin or a change of threads left rounds unpaired: a gap still unresolved counts as a tie")
         return f"re-measurement stopped at its limit of {most} rounds: a gap still unresolved counts as a tie"
     return ""
 
@@ -581,8 +581,8 @@ def resume_command(tune: dict[str, Any]) -> str:
 
 
 def print_disturbances(console: Console, events: list[dict[str, Any]]) -> None:
-    """One line per trial the machine disturbed or lost (run again), or ran on fewer threads
-    (a busy CPU): ``Disturbance.to_dict``'s."""
+    """One line per trial the machine disturbed or lost (run again), or whose threads changed
+    with a busy CPU: ``Disturbance.to_dict``'s."""
     for event in events:
-        kind = {"lost": "lost", "busy-cpu": "busy CPU"}.get(event.get("kind") or "", "disturbed")
+        kind = {"lost": "lost", "busy-cpu": "busy CPU", "cpu-free": "CPU free"}.get(event.get("kind") or "", "disturbed")
         console.print(f"[yellow]{kind}[/] {event.get('text')}", highlight=False)

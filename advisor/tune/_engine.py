@@ -499,6 +499,9 @@ class _Trials:
     _clock: Callable[[], float] = time.monotonic
     _reference_goodput: float | None = None
     _round_threads: list[int | None] = field(default_factory=list)  # the thread counts of a round's runs
+    _rounds_on: dict[int, int | None] = field(default_factory=dict)  # each paired round run here: its threads
+    _remeasured: dict[int, Finalist] = field(default_factory=dict)  # every finalist re-measured, by id
+    _unpaired: set[int] = field(default_factory=set)  # rounds a change of threads left unpaired
 
     @property
     def user_batch(self) -> int | None:
@@ -578,7 +581,7 @@ class _Trials:
     def _comparable_goodput(self, ev: Evaluation) -> float | None:
         """A search trial's goodput as it compares with the others': its own where it ran on the
         reference's threads; else its speed-up over fp32 on as many threads, times the
-        reference's goodput (a busy CPU lowered the threads after the reference ran)."""
+        reference's goodput (a busy CPU changed the threads after the reference ran)."""
         if self.reference is None or ev.result.threads == self.reference.threads:
             return ev.goodput
         if ev.speedup is None or self._reference_goodput is None:
@@ -607,8 +610,9 @@ class _Trials:
         alike. A gap is settled once its interval shows a clear lead, a lead too small to
         count, or that the riskier of the two cannot be more than the margin faster (the
         safer then wins). No round starts after ``REMEASURE_MAX_ROUNDS`` in all (a gap still
-        unresolved is a tie) unless a gap leans (``_leaning``), then none after
-        ``REMEASURE_LEANING_ROUNDS``; nor once ``out_of_time``. A finalist whose re-measurement is not
+        unresolved is a tie), not counting rounds a change of threads left unpaired, unless a
+        gap leans (``_leaning``); none at all after ``REMEASURE_LEANING_ROUNDS``; nor once
+        ``out_of_time``. Rounds pair only on one thread count (``_pair_on_one_thread_count``). A finalist whose re-measurement is not
         stable (unstable, crashed, out of memory) is dropped: one good run does not make a
         policy safe to recommend.
 
@@ -633,8 +637,9 @@ class _Trials:
             if not running:
                 stop = STOP_SETTLED
                 break
+            paired = round_ - len(self._unpaired)  # a round a change of threads voided does not count
             if round_ >= REMEASURE_LEANING_ROUNDS or (
-                    round_ >= REMEASURE_MAX_ROUNDS and not _leaning(active, self.user_batch)):
+                    paired >= REMEASURE_MAX_ROUNDS and not _leaning(active, self.user_batch)):
                 stop = STOP_ROUND_LIMIT
                 break
             if out_of_time():
@@ -652,15 +657,33 @@ class _Trials:
                     # fp32 alongside only (not a finalist) keeps its place: its round stays empty.
                     active = [a for a in active if a is not f]
                     lost.append(failure)
-            if len(set(self._round_threads)) > 1:
-                # A busy CPU lowered the threads within the round: its runs do not pair.
-                get_logger().info(f"re-measurement round {round_ + 1} ran on more than one thread count; "
-                                  "its runs are not paired")
-                for f in [*active, companion]:
-                    f.rounds[round_] = None
+            self._remeasured.update({id(f): f for f in [*active, companion]})
+            self._pair_on_one_thread_count(round_)
             round_ += 1
         _lead(active)
         return active, lost, round_, stop
+
+    def _pair_on_one_thread_count(self, round_: int) -> None:
+        """Keep paired only rounds on one thread count, the latest: a busy CPU changed the
+        threads within round ``round_`` (none of its runs pair), or between it and earlier rounds
+        (those no longer pair: a gain on one thread count is not the gain on another)."""
+        counts = set(self._round_threads)
+        if not counts:
+            return
+        voided = [round_] if len(counts) > 1 else [r for r, t in self._rounds_on.items() if t not in counts]
+        if not voided:
+            self._rounds_on[round_] = counts.pop()
+            return
+        get_logger().info(f"re-measurement round{'s' if len(voided) > 1 else ''} {', '.join(str(r + 1) for r in voided)} "
+                          "ran on another thread count than the latest; not paired")
+        for r in voided:
+            self._rounds_on.pop(r, None)
+            self._unpaired.add(r)
+            for f in self._remeasured.values():
+                if r < len(f.rounds):
+                    f.rounds[r] = None
+        if len(counts) == 1:
+            self._rounds_on[round_] = counts.pop()
 
     def _remeasure_one(self, finalist: Finalist, round_: int) -> Measured | None:
         """Run a finalist once more for round ``round_``; returns what dropped it, or ``None``."""

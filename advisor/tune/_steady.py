@@ -15,9 +15,10 @@ operation then waits at its barrier for the thread the scheduler put aside; ever
 alike. On the 2-core build machine, beside one CPU-bound process, examples/mlp.py's step went
 from 3.8 ms to 280 ms with a spread of 1.09x, and fp32 and bf16-mixed measured the same. So
 before each trial on a CPU the watch reads how many of this process's cores other processes
-keep busy (``cpu_busy``, from /proc/stat), and from the first trial that finds one taken, that
-trial and every later one run on the cores left (``free_threads``): never more again, so that
-every comparison from there on is between trials on as many threads. The tune says so.
+keep busy (``cpu_busy``, from /proc/stat), and a trial that finds one taken runs on the cores
+left (``free_threads``); once a reading finds them free again, trials run on torch's own threads
+again. Each trial's speed is compared only with fp32 on as many threads, and re-measured rounds
+on different thread counts are never paired. The tune says when the count changed.
 
 ``judge_spread`` is the pure decision; ``SteadyRunner`` wraps any runner with it, so that the
 reference, its replicate, the search and every re-measurement are watched alike.
@@ -189,9 +190,10 @@ class Disturbance:
     Attributes:
         label: the trial's label.
         kind: ``"spread"`` (its steps spread far beyond the usual), ``"busy-gpu"`` (another
-            process computed on the GPU), ``"lost"`` (it ended before the candidate was applied)
-            or ``"busy-cpu"`` (other processes kept some of the CPU's cores busy: the trial, and
-            every later one, ran on fewer threads, never run again for it).
+            process computed on the GPU), ``"lost"`` (it ended before the candidate was applied),
+            ``"busy-cpu"`` (other processes kept some of the CPU's cores busy: the trial, and
+            later ones while they stay taken, ran on fewer threads, never run again for it) or
+            ``"cpu-free"`` (the cores were free again: from the trial on, torch's own threads).
         detail: what was seen, in words.
         attempt: which run of the trial it was (1 for the first).
         rerun: whether it was run again; ``False`` when a run was kept instead (see ``kept``).
@@ -201,7 +203,8 @@ class Disturbance:
             the spread is this workload's on this machine as it is now), ``"spent"`` (the
             reruns are spent) or ``"threads"`` (a busy CPU: run on fewer threads instead); empty
             while it is run again.
-        threads: for ``"busy-cpu"``, the threads the trial and every later one ran on.
+        threads: for ``"busy-cpu"`` and ``"cpu-free"``, the threads the trial and later ones
+            ran on.
     """
 
     label: str
@@ -221,10 +224,12 @@ class Disturbance:
 
     def describe(self) -> str:
         """One line for the report."""
+        if self.kind == "cpu-free":
+            return f"{self.label}: {self.detail}; from it on, trials ran on torch's {self.threads} threads again"
         if self.kept == "threads":
             plural = "s" if self.threads != 1 else ""
-            return (f"{self.label}: {self.detail}; it and every later trial ran on {self.threads} thread{plural}, "
-                    "compared only with fp32 on as many")
+            return (f"{self.label}: {self.detail}; from it on, trials ran on {self.threads} thread{plural} while the "
+                    "cores stayed taken, each compared only with fp32 on as many")
         if self.rerun:
             then = "run again"
         elif self.kept == "repeats":
@@ -246,25 +251,30 @@ class DisturbanceWatch:
     busy: Callable[[HardwareProfile], list[int]] | None = None  # tests pass a fake NVML reading
     ran: list[TrialResult] = field(default_factory=list)  # every trial run, reruns included
     cpu_busy: Callable[[], float | None] | None = None  # a fake reading in tests; else ``cpu_busy``
-    threads: int | None = None  # once a busy CPU was seen: the threads every trial runs on
+    threads: int | None = None  # while a busy CPU is seen: the threads every trial runs on
 
     def threads_for(self, label: str) -> int | None:
-        """The threads the next trial runs on: ``None`` (torch's own choice) on a GPU and until a
-        trial first finds some of the CPU's cores taken; from then on the fewest free cores any
-        trial found, never more again (a ``"busy-cpu"`` event says when it fell)."""
+        """The threads the next trial runs on: ``None`` (torch's own choice) on a GPU and while
+        the CPU's cores are free; the free cores while other processes keep some taken. A change
+        either way is an event (``"busy-cpu"``, ``"cpu-free"``)."""
         if self.profile is None or self.profile.is_cuda:
             return None
-        if self.threads == 1:  # as few as a trial can run on: nothing left to read
-            return 1
-        default = default_threads() if self.threads is None else self.threads
+        default = default_threads()
         usable = len(usable_cpus())
         busy = (self.cpu_busy or cpu_busy)()
-        free = free_threads(busy, usable, default)
-        if free is None or busy is None:
+        if busy is None:
             return self.threads
-        self.events.append(Disturbance(
-            label, "busy-cpu", f"other processes kept {min(usable, taken_cores(busy))} of this process's {usable} "
-            f"cores busy ({busy:.1f} cores' worth)", 1, False, kept="threads", threads=free))
+        free = free_threads(busy, usable, default)
+        if free == self.threads:
+            return free
+        if free is None:
+            self.events.append(Disturbance(
+                label, "cpu-free", f"the cores other processes kept busy were free again ({busy:.1f} cores' worth)",
+                1, False, kept="threads", threads=default))
+        else:
+            self.events.append(Disturbance(
+                label, "busy-cpu", f"other processes kept {min(usable, taken_cores(busy))} of this process's {usable} "
+                f"cores busy ({busy:.1f} cores' worth)", 1, False, kept="threads", threads=free))
         self.threads = free
         return free
 

@@ -45,6 +45,7 @@ from advisor.tune._options import (
 )
 from advisor.tune._spread import still_falling
 from advisor.tune._stability import StabilityThresholds, TrialCurve, Verdict, judge
+from advisor.tune._steady import default_threads
 from advisor.tune._timing import TimingSummary, compare, goodput, summarize
 from policies import Policy
 from probes import HardwareProfile, MpadviseError
@@ -844,7 +845,7 @@ class Yardsticks:
 
     def on_its_threads(self, ev: Evaluation, steps: int | None = None) -> Evaluation:
         """``ev`` with its speed-up over fp32 run on as many threads as it ran on, where that is
-        not the reference's (a busy CPU lowered the tune's threads after the reference ran):
+        not the reference's (a busy CPU changed the tune's threads after the reference ran):
         that fp32 runs once per window and thread count, shared by every candidate. The
         stability verdict stays the one against the reference."""
         steps = self.steps if steps is None else steps
@@ -857,7 +858,8 @@ class Yardsticks:
             runner = self._runner_at(steps)
             if hasattr(runner, "with_threads"):
                 runner = runner.with_threads(threads)
-            label = f"fp32 (reference, {threads} thread{'s' if threads != 1 else ''})"
+            count = default_threads() if threads is None else threads
+            label = f"fp32 (reference, {count} thread{'s' if count != 1 else ''})"
             if self.on_start:
                 self.on_start(label)
             fp32 = runner(Policy(mode="fp32"), label)

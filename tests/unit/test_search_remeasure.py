@@ -220,7 +220,7 @@ def test_a_leaning_gap_that_never_resolves_stops_at_the_longer_limit_and_says_so
     assert data["remeasure_leaning_rounds"] == REMEASURE_LEANING_ROUNDS
     console = Console(record=True, width=300, file=io.StringIO())
     render_tune(data, console)
-    assert (f"re-measurement stopped at its limit of {REMEASURE_LEANING_ROUNDS} rounds, extended from "
+    assert (f"re-measurement stopped after {REMEASURE_LEANING_ROUNDS} rounds, past its usual "
             f"{REMEASURE_MAX_ROUNDS} while a lead lay beyond the margin" in console.export_text())
 
 
