@@ -1,9 +1,9 @@
 """A tune with CPU-bound neighbours started during its fp32 reference, against the same tune undisturbed.
 
 Runs ``mpadvise tune SCRIPT --json`` twice on a copy of the script, each in a fresh home: once
-on its own, then with ``--burners`` CPU-bound processes started the moment the tune's first
-trial (the fp32 reference) is launched and kept until the tune ends, or for ``--burst-s``
-seconds only (a burst that passes). Prints each tune's winner, its speed-up with the 95%
+on its own, then with ``--burners`` CPU-bound processes (``0``: a control, undisturbed again)
+started the moment the tune's first trial (the fp32 reference) is launched and kept until the
+tune ends, or for ``--burst-s`` seconds only (a burst that passes). Prints each tune's winner, its speed-up with the 95%
 interval, and every disturbed run the tune saw and ran again; writes both tunes' JSON (``--out``).
 
     .venv/bin/python scripts/bench_disturbed.py examples/mlp.py --tune-args="--trials 12 --steps 200"
@@ -42,7 +42,7 @@ def tune(script: Path, tune_args: list[str], burners: int, work: Path, burst_s: 
     proc = subprocess.Popen([sys.executable, "-m", "advisor.cli", "tune", str(copy), *tune_args, "--json"],
                             cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     neighbours: list[subprocess.Popen[bytes]] = []
-    started = None
+    started = stopped = None
     try:
         if burners:
             # The tune's trial directory holds each trial's spec from its launch on.
@@ -55,12 +55,12 @@ def tune(script: Path, tune_args: list[str], burners: int, work: Path, burst_s: 
             try:
                 out, err = proc.communicate(timeout=burst_s)
             except subprocess.TimeoutExpired:
-                stop(neighbours)
+                stopped = stop(neighbours)
                 out, err = proc.communicate(timeout=3600)
         else:
             out, err = proc.communicate(timeout=3600)
     finally:
-        stopped = stop(neighbours)
+        stopped = stopped or stop(neighbours)
     if proc.returncode != 0:
         raise SystemExit(f"the tune failed ({proc.returncode}): {err.strip()[-500:]}")
     data = json.loads(out)
@@ -103,15 +103,21 @@ def main() -> None:
         raise SystemExit(f"no such script: {args.script}")
     tune_args = shlex.split(args.tune_args)
     results = {}
+    # With no neighbours the second tune is a control: how far two undisturbed tunes differ here.
     for name, burners in (("undisturbed", 0), ("disturbed", args.burners)):
         with tempfile.TemporaryDirectory(prefix="mpadvise-disturbed-") as work:
             results[name] = tune(script, tune_args, burners, Path(work), args.burst_s)
-        print(describe(name, results[name]), flush=True)
+        print(describe(name if burners or name == "undisturbed" else "undisturbed again (control)", results[name]),
+              flush=True)
     quiet, busy = results["undisturbed"], results["disturbed"]
     low, high = quiet["speedup"]["low"], quiet["speedup"]["high"]
     inside = low is not None and high is not None and low <= busy["speedup"]["ratio"] <= high
+    # Two honest 95% intervals of one ratio overlap far more often than either holds the
+    # other's point (about 83% of the time for equal widths, less when the second is wider).
+    b_low, b_high = busy["speedup"]["low"], busy["speedup"]["high"]
+    overlap = None not in (low, high, b_low, b_high) and b_low <= high and low <= b_high
     print(f"same winner: {quiet['winner_label'] == busy['winner_label']}; the disturbed speed-up inside the "
-          f"undisturbed interval: {inside}")
+          f"undisturbed interval: {inside}; the intervals overlap: {overlap}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_file_atomic(args.out, json.dumps({"script": str(args.script), "tune_args": tune_args,

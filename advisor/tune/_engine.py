@@ -612,9 +612,9 @@ class _Trials:
         safer then wins). No round starts after ``REMEASURE_MAX_ROUNDS`` in all (a gap still
         unresolved is a tie), not counting rounds a change of threads left unpaired, unless a
         gap leans (``_leaning``); none at all after ``REMEASURE_LEANING_ROUNDS``; nor once
-        ``out_of_time``. Rounds pair only on one thread count (``_pair_on_one_thread_count``). A finalist whose re-measurement is not
-        stable (unstable, crashed, out of memory) is dropped: one good run does not make a
-        policy safe to recommend.
+        ``out_of_time``. Rounds pair only on one thread count (``_pair_on_one_thread_count``).
+        A finalist whose re-measurement is not stable (unstable, crashed, out of memory) is
+        dropped: one good run does not make a policy safe to recommend.
 
         Args:
             finalists: the candidates to settle; their ``rounds`` may hold earlier rounds.
