@@ -152,10 +152,16 @@ def demo_tune(cold: bool, home: Path, extra: list[str]) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-m", "advisor.cli", *DEMO, *extra, "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True)
     wall = time.perf_counter() - start
-    winner = None
+    winner, why = None, {}
     with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError, AttributeError):
-        winner = (json.loads(proc.stdout).get("winner") or {}).get("mode")
-    return {"cold": cold, "wall_s": round(wall, 2), "exit_code": proc.returncode, "winner": winner,
+        data = json.loads(proc.stdout)
+        winner = (data.get("winner") or {}).get("mode")
+        # Why it won: its paired speed-up, the decisive gap, the rounds, and any tie it took.
+        why = {"speedup": data.get("speedup"), "gap": data.get("gap"), "tie_note": data.get("tie_note"),
+               "remeasure_rounds": data.get("remeasure_rounds"), "remeasure_stop": data.get("remeasure_stop"),
+               "finalists": [f.get("label") for f in data.get("finalists") or []],
+               "disturbed": [e.get("text") for e in data.get("disturbed") or []]}
+    return {"cold": cold, "wall_s": round(wall, 2), "exit_code": proc.returncode, "winner": winner, **why,
             "stderr_tail": proc.stderr[-400:] if proc.returncode not in (0, 3) else ""}
 
 
