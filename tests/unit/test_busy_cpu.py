@@ -132,7 +132,7 @@ class Runner:
         self.calls = [] if calls is None else calls
 
     def with_threads(self, threads: int | None) -> Runner:
-        return Runner(threads=threads, calls=self.calls)
+        return type(self)(threads=threads, calls=self.calls)
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         self.calls.append((label, self.threads))
@@ -189,9 +189,6 @@ class UnevenRunner(Runner):
     torch's 2 threads, 1.33x on 1)."""
 
     GAIN = {None: 1.14, 1: 1.33}
-
-    def with_threads(self, threads: int | None) -> UnevenRunner:
-        return UnevenRunner(threads=threads, calls=self.calls)
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         result = super().__call__(policy, label)
@@ -283,9 +280,6 @@ class TiedRunner(UnevenRunner):
     re-measurement: a tie that four paired rounds cannot resolve."""
 
     GAIN = {None: 1.0, 1: 1.0}
-
-    def with_threads(self, threads: int | None) -> TiedRunner:
-        return TiedRunner(threads=threads, calls=self.calls)
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         result = super().__call__(policy, label)
