@@ -3,8 +3,10 @@
 Runs ``mpadvise tune SCRIPT --json`` twice on a copy of the script, each in a fresh home: once
 on its own, then with ``--burners`` CPU-bound processes (``0``: a control, undisturbed again)
 started the moment the tune's first trial (the fp32 reference) is launched and kept until the
-tune ends, or for ``--burst-s`` seconds only (a burst that passes). Prints each tune's winner, its speed-up with the 95%
-interval, and every disturbed run the tune saw and ran again; writes both tunes' JSON (``--out``).
+tune ends, or for ``--burst-s`` seconds only (a burst that passes). Prints each tune's winner,
+its speed-up with the 95% interval, every disturbed run the tune saw and ran again, and whether
+the second speed-up lies inside the first interval and the two intervals overlap; writes both
+tunes' JSON (``--out``).
 
     .venv/bin/python scripts/bench_disturbed.py examples/mlp.py --tune-args="--trials 12 --steps 200"
     .venv/bin/python scripts/bench_disturbed.py examples/mlp.py --burners 1 --burst-s 20 \
