@@ -670,9 +670,13 @@ class _Trials:
         counts = set(self._round_threads)
         if not counts:
             return
-        voided = [round_] if len(counts) > 1 else [r for r, t in self._rounds_on.items() if t not in counts]
+        if len(counts) > 1:
+            voided = [round_]
+        else:
+            (count,) = counts
+            voided = [r for r, t in self._rounds_on.items() if t != count]
+            self._rounds_on[round_] = count
         if not voided:
-            self._rounds_on[round_] = counts.pop()
             return
         get_logger().info(f"re-measurement round{'s' if len(voided) > 1 else ''} {', '.join(str(r + 1) for r in voided)} "
                           "ran on another thread count than the latest; not paired")
@@ -682,8 +686,6 @@ class _Trials:
             for f in self._remeasured.values():
                 if r < len(f.rounds):
                     f.rounds[r] = None
-        if len(counts) == 1:
-            self._rounds_on[round_] = counts.pop()
 
     def _remeasure_one(self, finalist: Finalist, round_: int) -> Measured | None:
         """Run a finalist once more for round ``round_``; returns what dropped it, or ``None``."""

@@ -198,14 +198,19 @@ class UnevenRunner(Runner):
         return dataclasses.replace(result, step_times=(step,) * len(result.step_times))
 
 
-def _uneven_tune(monkeypatch, readings: list[float], name: str):
+def _tune_beside(monkeypatch, runner: Runner, reading, name: str):
+    """A tune of fp32 and bf16-mixed on a 2-core CPU whose busy cores ``reading()`` gives."""
     monkeypatch.setattr(_steady, "usable_cpus", lambda: {0, 1})
     monkeypatch.setattr(_steady, "default_threads", lambda: 2)
-    values = iter(readings)
-    monkeypatch.setattr(_steady, "cpu_busy", lambda: next(values))
-    runner = UnevenRunner()
+    monkeypatch.setattr(_steady, "cpu_busy", reading)
     options = TuneOptions(trials=3, no_priors=True, modes=("bf16-mixed",))
-    return runner, tune_policy(runner, CPU, options, study_name=name, dtype_ratio={"fp32": 1.0, "bf16": 2.0})
+    return tune_policy(runner, CPU, options, study_name=name, dtype_ratio={"fp32": 1.0, "bf16": 2.0})
+
+
+def _uneven_tune(monkeypatch, readings: list[float], name: str):
+    values = iter(readings)
+    runner = UnevenRunner()
+    return runner, _tune_beside(monkeypatch, runner, lambda: next(values), name)
 
 
 def test_a_burst_that_ends_leaves_the_speed_up_on_torchs_threads(monkeypatch) -> None:
@@ -293,12 +298,9 @@ class TiedRunner(UnevenRunner):
 def test_rounds_a_change_of_threads_left_unpaired_do_not_count_towards_the_limit(monkeypatch) -> None:
     # The neighbour arrives after two rounds of re-measurement: those no longer pair, and four
     # rounds on one thread follow before the tie is called. Counted, they left two.
-    monkeypatch.setattr(_steady, "usable_cpus", lambda: {0, 1})
-    monkeypatch.setattr(_steady, "default_threads", lambda: 2)
     runner = TiedRunner()
-    monkeypatch.setattr(_steady, "cpu_busy", lambda: float(sum("re-measure" in label for label, _ in runner.calls) >= 6))
-    options = TuneOptions(trials=3, no_priors=True, modes=("bf16-mixed",))
-    result = tune_policy(runner, CPU, options, study_name="late", dtype_ratio={"fp32": 1.0, "bf16": 2.0})
+    result = _tune_beside(monkeypatch, runner,
+                          lambda: float(sum("re-measure" in label for label, _ in runner.calls) >= 6), "late")
     assert result.remeasure_stop == "round limit" and result.remeasure_rounds == 6
     assert result.reference_rounds[:2] == [None, None]
     assert sum(r is not None for r in result.reference_rounds) == 4
