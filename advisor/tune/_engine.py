@@ -646,8 +646,10 @@ class _Trials:
                 stop = STOP_TIME_BUDGET
                 break
             if on_round:
-                on_round(round_ + 1, REMEASURE_MAX_ROUNDS if round_ < REMEASURE_MAX_ROUNDS else REMEASURE_LEANING_ROUNDS,
-                         len(running))
+                # The most rounds as far as is known now: the usual limit plus the rounds voided so
+                # far, or the hard bound once a leaning gap runs past that limit.
+                most = REMEASURE_LEANING_ROUNDS if paired >= REMEASURE_MAX_ROUNDS else round_ - paired + REMEASURE_MAX_ROUNDS
+                on_round(round_ + 1, min(most, REMEASURE_LEANING_ROUNDS), len(running))
             for f in [*active, companion]:
                 f.rounds.extend([None] * (round_ + 1 - len(f.rounds)))
             self._round_threads = []
