@@ -49,13 +49,14 @@ class BenchRow:
         dtype: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
         device: torch device string (``"cuda:0"``, ``"cpu"``).
         size: the square matrices' side.
-        tflops: median achieved TFLOP/s over the repeats (``2 * size**3`` per matmul);
-            ``None`` when skipped.
-        seconds: median seconds per matmul; ``None`` when skipped.
+        tflops: achieved TFLOP/s of the fastest repeat (``2 * size**3`` per matmul): a
+            neighbour's burst or a GPU's clocks only ever slow a matmul, so the fastest repeat
+            is the closest to what the hardware does; ``None`` when skipped.
+        seconds: seconds per matmul of the fastest repeat; ``None`` when skipped.
         ratio_vs_fp32: ``tflops`` over the fp32 row's, when both were measured.
         peak_tflops: datasheet dense peak for this dtype on this SKU, when known.
         fraction_of_peak: ``tflops / peak_tflops``, when both are known.
-        repeats: timed repeats the median is over; fewer (two at least) for a CPU dtype one
+        repeats: timed repeats the fastest is taken from; fewer (two at least) for a CPU dtype one
             call of which outlasts a repeat's share of the time per dtype (no fast path for
             it); 0 when skipped.
         skipped: why this dtype was not measured, else ``None``.
@@ -124,7 +125,7 @@ def matmul_benchmark(
             runs at least one matmul. On a CPU, a dtype one call of which outlasts a repeat's
             share is timed by single calls, its calibration call among them, until they fill
             ``min_seconds`` (two at least).
-        repeats: timed repeats; the reported figure is their median.
+        repeats: timed repeats; the reported figure is the fastest's.
 
     Returns:
         One ``BenchRow`` per dtype, in ``BENCH_DTYPES`` order.
@@ -285,8 +286,8 @@ def _measure(
     min_seconds: float,
     repeats: int,
 ) -> tuple[float, float, int] | str:
-    """``(median seconds per matmul, relative spread, timed repeats)``, or a skip reason on
-    OOM/errors."""
+    """``(seconds per matmul of the fastest repeat, relative spread, timed repeats)``, or a skip
+    reason on OOM/errors."""
     try:
         # TF32 only for the tf32 row; the fp32 row must be IEEE even if the caller enabled TF32
         # (or, on a CPU, bf16 via "medium"), or it would measure the wrong thing. Only matmuls
@@ -321,7 +322,7 @@ def _measure(
         return f"{dtype} matmul failed: {first_line[:200]}"
     median = statistics.median(samples)
     spread = (max(samples) - min(samples)) / median if median > 0 else 0.0
-    return median, spread, len(samples)
+    return min(samples), spread, len(samples)
 
 
 def _cuda_warm_up(timer: Callable[[Callable[[], Any], int], float], matmul: Callable[[], Any]) -> float:
