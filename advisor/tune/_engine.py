@@ -359,6 +359,15 @@ def measure_matmul(profile: HardwareProfile) -> tuple[dict[str, float], dict[str
     return ratios, peaks
 
 
+def _higher_peaks(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
+    """Each dtype's higher figure of two probes of the matmul peaks.
+
+    A peak is what the hardware can do, and a neighbour's burst only ever slows a matmul. One
+    probe lasts a fraction of a second, so one burst can halve every MFU of a tune; two probes
+    minutes apart, at the tune's start and end, rarely both meet one."""
+    return {dtype: max(first.get(dtype, 0.0), second.get(dtype, 0.0)) for dtype in {**first, **second}}
+
+
 def tune_policy(
     runner: Runner,
     profile: HardwareProfile,
@@ -394,7 +403,9 @@ def tune_policy(
         thresholds: stability thresholds.
         dtype_ratio: matmul ratios per dtype; measured on the device when ``None``.
         peak_tflops: matmul TFLOP/s per dtype, each candidate's MFU's denominator; measured
-            with the ratios when ``dtype_ratio`` is ``None`` (tests pass both).
+            with the ratios when ``dtype_ratio`` is ``None`` (tests pass both), and then, where
+            the reference counted its FLOPs, again at the end, each dtype keeping its higher
+            figure (``_higher_peaks``).
         remeasure: re-measure close candidates interleaved, until their gaps are settled, and
             the winner against fp32 for its speed-up, before declaring a winner.
         workload: extra facts recorded in the winner's ``[tuned_on]`` (script name).
@@ -421,12 +432,14 @@ def tune_policy(
     # A script that shards with FSDP2 said so in its reference trial: the gradient reduction
     # dtype joins the space.
     space = _space(profile, options, user_batch, limits, fsdp=reference.result.fsdp)
+    probed = False  # whether this tune measured the peaks itself (and so probes them again at its end)
     if dtype_ratio is not None:
         ratios, peaks = dtype_ratio, dict(peak_tflops or {})
     elif options.no_priors and not trials.reference.flops_per_step:
         ratios, peaks = {}, {}  # neither priors nor an MFU to compute: the benchmark is not worth its seconds
     else:
         ratios, peaks = measure_matmul(profile)
+        probed = True
         if options.no_priors:
             ratios = {}
     ref_cand = space.normalise(Candidate("fp32", user_batch))
@@ -454,6 +467,8 @@ def tune_policy(
     settled = _settle_finalists(trials, search.measured, user_batch, ref_cand, remeasure=remeasure,
                                 out_of_time=out_of_time, on_round=on_round)
     winner, tie_note = _pick_winner(settled.finalists, user_batch, stop=settled.stop)
+    if probed and trials.reference.flops_per_step:
+        peaks = _higher_peaks(peaks, measure_matmul(profile)[1])
     policy = speedup = None
     if winner is not None:
         best = next(f for f in settled.finalists if f.candidate == winner)

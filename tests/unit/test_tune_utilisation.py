@@ -12,11 +12,13 @@ from rich.console import Console
 from test_search import FakeRunner, tune
 from test_search_remeasure import MODES
 
+import probes
 from advisor.cli._report import render_tune
 from advisor.trial import TrialResult
 from advisor.tune._engine import TuneCost
 from advisor.tune._service import cache_rows
 from advisor.tune._utilisation import compute_dtype, utilisation
+from probes import BenchRow
 
 PEAKS = {"fp32": 2.0, "tf32": 8.0, "bf16": 16.0, "fp16": 16.0, "fp8": 32.0}
 FLOPS = 3.0e12  # per optimizer step
@@ -87,6 +89,33 @@ def test_the_reference_alone_counts_and_every_candidate_shows_its_tflops_and_mfu
     assert "FLOPs per step 3e+12 (counted, in the fp32 reference)" in text
     cached = {row["metrics"]["label"]: row["metrics"] for row in cache_rows(result)}
     assert cached["bf16-true"]["tflops"] == pytest.approx(10.0) and cached["bf16-true"]["mfu"] == pytest.approx(0.625)
+
+
+def _bench_rows(tflops: dict[str, float]) -> list[BenchRow]:
+    return [BenchRow(dtype=d, device="cuda:0", size=8192, tflops=t, seconds=1.0, ratio_vs_fp32=t / tflops["fp32"],
+                     peak_tflops=None, fraction_of_peak=None, repeats=5) for d, t in tflops.items()]
+
+
+def test_the_peaks_are_probed_at_both_ends_of_the_tune_and_each_dtype_keeps_its_higher(monkeypatch):
+    # A neighbour's burst slowed fp32's matmuls in the first probe and bf16's in the second: a
+    # peak is what the hardware can do, so each dtype keeps its better probe, and no MFU rests
+    # on one disturbed reading.
+    probes_run = iter([{"fp32": 1.0, "bf16": 16.0}, {"fp32": 2.0, "bf16": 4.0}])
+    monkeypatch.setattr(probes, "matmul_benchmark", lambda profile: _bench_rows(next(probes_run)))
+    runner = CountingRunner({"fp32": 1000, "bf16-mixed": 400, "bf16-true": 300})
+    result = tune(runner, modes=MODES, remeasure=True, dtype_ratio=None)
+    assert result.peak_tflops == {"fp32": 2.0, "bf16": 16.0}
+    assert result.dtype_ratio["bf16"] == 16.0  # the search's priors are the first probe's, as it started
+    rows = {row["label"]: row for row in result.to_dict()["candidates"]}
+    assert rows["fp32"]["mfu"] == pytest.approx(3.0 / 2.0) and rows["bf16-true"]["mfu"] == pytest.approx(10.0 / 16.0)
+
+
+def test_without_a_flop_count_the_peaks_are_probed_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(probes, "matmul_benchmark", lambda profile: calls.append(1) or _bench_rows({"fp32": 1.0}))
+    tune(FakeRunner({"fp32": 1000, "bf16-mixed": 400, "bf16-true": 300}), modes=MODES, remeasure=False,
+         dtype_ratio=None)
+    assert len(calls) == 1  # for the search's priors only: no MFU to compute
 
 
 def test_without_a_count_the_columns_say_unknown_rather_than_zero():
