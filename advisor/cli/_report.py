@@ -421,10 +421,14 @@ def utilisation_line(tune: dict[str, Any]) -> str:
         return "TFLOP/s and MFU: not known (the reference's FLOPs could not be counted)"
     peaks = ", ".join(f"{k} {v:.3g}" for k, v in (tune.get("peak_tflops") or {}).items())
     basis = tune.get("flops_basis") or "counted"
-    held = ", ".join(f"{row['label']} {row['mfu_dtype']}" for row in tune.get("candidates") or [] if row.get("mfu_dtype"))
+    rows = tune.get("candidates") or []
+    held = ", ".join(f"{row['label']} {row['mfu_dtype']}" for row in rows if row.get("mfu_dtype"))
+    above = ", ".join(row["label"] for row in rows if (row.get("mfu") or 0.0) > 1.0)
     return (f"FLOPs per step {flops:.3g} ({basis}, in the fp32 reference); MFU is of the probed matmul "
             f"peak of each candidate's dtype" + (f" ({held})" if held else "")
-            + (f"; probed TFLOP/s: {peaks}" if peaks else ": no peak probed"))
+            + (f"; probed TFLOP/s: {peaks}" if peaks else ": no peak probed")
+            + (f"; above 100% ({above}): this workload's matmuls ran faster than the probe's square ones, "
+               "so the probed peak is below what this hardware does here" if above else ""))
 
 
 def _print_search(tune: dict[str, Any], console: Console) -> None:

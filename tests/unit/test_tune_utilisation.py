@@ -87,6 +87,8 @@ def test_the_reference_alone_counts_and_every_candidate_shows_its_tflops_and_mfu
     table = narrow.export_text().split("FLOPs per step")[0]
     assert "…" not in table and " 62% " in table  # at 80 columns headers fold, numbers stay whole
     assert "FLOPs per step 3e+12 (counted, in the fp32 reference)" in text
+    # fp32 ran at 150% of its probed peak: the line says what that means rather than leave it
+    assert "above 100% (fp32): this workload's matmuls ran faster than the probe's square ones" in text
     cached = {row["metrics"]["label"]: row["metrics"] for row in cache_rows(result)}
     assert cached["bf16-true"]["tflops"] == pytest.approx(10.0) and cached["bf16-true"]["mfu"] == pytest.approx(0.625)
 
