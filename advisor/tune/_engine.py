@@ -71,6 +71,11 @@ REMEASURE_MAX_ROUNDS = 4
 REMEASURE_LEANING_ROUNDS = 8
 # The fewest paired rounds of the winner beside fp32, run here, that its speed-up rests on.
 LOCAL_PAIRS = 2
+# The most rounds in all when the winner still lacks its ``LOCAL_PAIRS``: rounds past the usual
+# bounds that run the winner and fp32 alone. Its figure may be another worker's, or the rounds it
+# ran may have been left unpaired by a change of threads (two workers of a shared study on one
+# 2-core machine each saw the other come and go, and a winner ended with one pair, no interval).
+PAIRING_ROUNDS = REMEASURE_LEANING_ROUNDS + 4
 
 # Why re-measurement ended (``TuneResult.remeasure_stop``).
 STOP_SETTLED = "settled"
@@ -615,6 +620,7 @@ class _Trials:
     def remeasure(
         self, finalists: list[Finalist], companion: Finalist, first_round: int = 0, *,
         out_of_time: Callable[[], bool] = lambda: False, on_round: Callable[[int, int, int], None] | None = None,
+        hard_limit: int | None = None,
     ) -> tuple[list[Finalist], list[Measured], int, str]:
         """Re-run finalists in interleaved rounds until each gap to the leader is settled, and
         the likely winner's against fp32.
@@ -638,6 +644,8 @@ class _Trials:
             first_round: the number of the first round to run (rounds already held are kept).
             out_of_time: whether the time budget is spent.
             on_round: progress: the round's number (from 1), the most rounds, its runs.
+            hard_limit: the one bound on the rounds in all, in place of the usual ones (for
+                rounds that pair the winner, ``PAIRING_ROUNDS``).
 
         Returns:
             The finalists left (each with its gap to the leader), the failed re-measurements
@@ -653,8 +661,12 @@ class _Trials:
                 stop = STOP_SETTLED
                 break
             paired = round_ - len(self._unpaired)  # a round a change of threads voided does not count
-            if round_ >= REMEASURE_LEANING_ROUNDS or (
-                    paired >= REMEASURE_MAX_ROUNDS and not _leaning(active, self.user_batch)):
+            if hard_limit is not None:
+                over = round_ >= hard_limit
+            else:
+                over = round_ >= REMEASURE_LEANING_ROUNDS or (
+                    paired >= REMEASURE_MAX_ROUNDS and not _leaning(active, self.user_batch))
+            if over:
                 stop = STOP_ROUND_LIMIT
                 break
             if out_of_time():
@@ -664,7 +676,7 @@ class _Trials:
                 # The most rounds as far as is known now: the usual limit plus the rounds voided so
                 # far, or the hard bound once a leaning gap runs past that limit.
                 most = REMEASURE_LEANING_ROUNDS if paired >= REMEASURE_MAX_ROUNDS else round_ - paired + REMEASURE_MAX_ROUNDS
-                on_round(round_ + 1, min(most, REMEASURE_LEANING_ROUNDS), len(running))
+                on_round(round_ + 1, hard_limit or min(most, REMEASURE_LEANING_ROUNDS), len(running))
             for f in [*active, companion]:
                 f.rounds.extend([None] * (round_ + 1 - len(f.rounds)))
             self._round_threads = []
@@ -711,6 +723,9 @@ class _Trials:
             self.on_start(label)
         policy = finalist.candidate.policy(self.user_batch)
         result = self._limit_memory(self.runner(policy, label))
+        watch = getattr(self.runner, "watch", None)
+        if isinstance(watch, DisturbanceWatch):
+            watch.only_fall = True  # a rise from here on would leave every round run so far unpaired
         self._round_threads.append(result.threads)
         ev = evaluate(label, policy, result, self.reference, thresholds=self.thresholds, replicate=self.replicate_curve)
         if self.yardsticks is not None:
@@ -855,7 +870,8 @@ def _settle_finalists(
             if len(finalists) < 2:
                 for f in finalists:
                     f.gap = None
-            lost, rounds = _pair_winner_locally(trials, finalists, companion, rounds, user_batch, stop, on_round)
+            lost, rounds = _pair_winner_locally(trials, finalists, companion, rounds, user_batch, stop, on_round,
+                                                out_of_time)
         for m in lost:
             measured[m.candidate] = m
         dropped += lost
@@ -865,17 +881,19 @@ def _settle_finalists(
 
 def _pair_winner_locally(
     trials: _Trials, finalists: list[Finalist], companion: Finalist, rounds: int, user_batch: int | None, stop: str,
-    on_round: Callable[[int, int, int], None] | None,
+    on_round: Callable[[int, int, int], None] | None, out_of_time: Callable[[], bool] = lambda: False,
 ) -> tuple[list[Measured], int]:
-    """Run a would-be winner this worker never ran beside fp32 here, until they hold
-    ``LOCAL_PAIRS`` paired rounds.
+    """Run a would-be winner that holds fewer than ``LOCAL_PAIRS`` paired rounds beside fp32
+    here, with fp32, until it holds them.
 
-    Its figure is another worker's (read from a shared study) or an earlier run's, while fp32's
-    is this machine's: their ratio is no speed-up of this machine. A lone finalist, or a field
-    the time budget cut short before any round, would otherwise be cached on that ratio. These
-    few rounds run even past the time budget (never past the round limit): nothing
-    measured elsewhere is cached without them. A winner this worker ran keeps the rules of
-    re-measurement (within the budget; single runs when it is spent).
+    Its figure may be another worker's (read from a shared study) or an earlier run's, while
+    fp32's is this machine's: their ratio is no speed-up of this machine. A lone finalist, or a
+    field the time budget cut short before any round, would otherwise be cached on that ratio.
+    Or this worker ran it, but a change of threads left its rounds unpaired: one pair has no
+    interval. These rounds run past the usual round limit, up to ``PAIRING_ROUNDS`` in all. A
+    figure measured elsewhere gets them even past the time budget: nothing measured elsewhere is
+    cached without them. A winner this worker ran keeps to the budget (single runs, or one pair,
+    when it is spent).
 
     Returns:
         The failed re-measurement of a winner that is not stable here (empty when none), and
@@ -883,13 +901,18 @@ def _pair_winner_locally(
     """
     for _ in range(len(finalists)):  # the pick may move once its rounds are in: at most once per finalist
         pick, _ = _pick_finalist(finalists, user_batch, stop=stop)
-        if (pick is None or pick.candidate == companion.candidate or pick.candidate in trials.evaluations
-                or _paired(pick, companion).pairs >= LOCAL_PAIRS):
-            break  # none, fp32 itself, a figure of this worker's own, or paired here already
+        if pick is None or pick.candidate == companion.candidate or _paired(pick, companion).pairs >= LOCAL_PAIRS:
+            break  # none, fp32 itself, or paired here already
+        own = pick.candidate in trials.evaluations
+        if own and (stop == STOP_TIME_BUDGET or out_of_time()):
+            break  # this worker's own figure, and the budget is spent
         before = rounds
-        _, lost, rounds, _ = trials.remeasure(
-            [pick], companion, rounds, on_round=on_round,
-            out_of_time=lambda pick=pick: _paired(pick, companion).pairs >= LOCAL_PAIRS)
+
+        def paired_or_spent(pick: Finalist = pick, own: bool = own) -> bool:
+            return _paired(pick, companion).pairs >= LOCAL_PAIRS or (own and out_of_time())
+
+        _, lost, rounds, _ = trials.remeasure([pick], companion, rounds, on_round=on_round,
+                                              out_of_time=paired_or_spent, hard_limit=PAIRING_ROUNDS)
         if lost:
             finalists.remove(pick)
             return lost, rounds

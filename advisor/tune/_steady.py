@@ -18,7 +18,11 @@ before each trial on a CPU the watch reads how many of this process's cores othe
 keep busy (``cpu_busy``, from /proc/stat), and a trial that finds one taken runs on the cores
 left (``free_threads``); once a reading finds them free again, trials run on torch's own threads
 again. Each trial's speed is compared only with fp32 on as many threads, and re-measured rounds
-on different thread counts are never paired. The tune says when the count changed.
+on different thread counts are never paired. Once re-measurement has run its first trial the count
+only falls (``only_fall``): a rise would leave every round before it unpaired, and a neighbour
+that comes and goes, such as another tune's trials, made it rise and fall until a winner was left
+one pair.
+The tune says when the count changed.
 
 ``judge_spread`` is the pure decision; ``SteadyRunner`` wraps any runner with it, so that the
 reference, its replicate, the search and every re-measurement are watched alike.
@@ -252,11 +256,13 @@ class DisturbanceWatch:
     ran: list[TrialResult] = field(default_factory=list)  # every trial run, reruns included
     cpu_busy: Callable[[], float | None] | None = None  # a fake reading in tests; else ``cpu_busy``
     threads: int | None = None  # while a busy CPU is seen: the threads every trial runs on
+    only_fall: bool = False  # set by the tune once re-measurement runs: the threads may fall, never rise
 
     def threads_for(self, label: str) -> int | None:
         """The threads the next trial runs on: ``None`` (torch's own choice) on a GPU and while
         the CPU's cores are free; the free cores while other processes keep some taken. A change
-        either way is an event (``"busy-cpu"``, ``"cpu-free"``)."""
+        either way is an event (``"busy-cpu"``, ``"cpu-free"``); with ``only_fall`` a reading
+        that finds more cores free keeps the threads as they are."""
         if self.profile is None or self.profile.is_cuda:
             return None
         default = default_threads()
@@ -265,8 +271,8 @@ class DisturbanceWatch:
         if busy is None:
             return self.threads
         free = free_threads(busy, usable, default)
-        if free == self.threads:
-            return free
+        if free == self.threads or (self.only_fall and self.threads is not None and (free is None or free > self.threads)):
+            return self.threads
         if free is None:
             self.events.append(Disturbance(
                 label, "cpu-free", f"the cores other processes kept busy were free again ({busy:.1f} cores' worth)",

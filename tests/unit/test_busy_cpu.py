@@ -20,7 +20,13 @@ import pytest
 
 from advisor.trial import TrialResult
 from advisor.tune import _steady
-from advisor.tune._engine import tune_policy
+from advisor.tune._engine import (
+    LOCAL_PAIRS,
+    PAIRING_ROUNDS,
+    REMEASURE_LEANING_ROUNDS,
+    REMEASURE_MAX_ROUNDS,
+    tune_policy,
+)
 from advisor.tune._options import TuneOptions
 from advisor.tune._steady import (
     DisturbanceWatch,
@@ -310,3 +316,55 @@ def test_rounds_a_change_of_threads_left_unpaired_do_not_count_towards_the_limit
     assert result.reference_rounds[:2] == [None, None]
     assert sum(r is not None for r in result.reference_rounds) == 4
     assert result.winner is not None and result.winner.mode == "fp32"
+
+
+def test_a_neighbour_that_comes_and_goes_leaves_the_winner_paired(monkeypatch) -> None:
+    # Another tune beside this one: its trials keep a core busy before every other run of
+    # re-measurement. Followed down and up again, the threads changed within every round, so no
+    # round paired: eight rounds, and the winner's speed-up rested on single runs. Once
+    # re-measurement runs, the threads only fall: every later round pairs on one thread.
+    runner = UnevenRunner()
+
+    def reading() -> float:
+        done = sum("re-measure" in label for label, _ in runner.calls)
+        return float(done % 2)
+
+    result = _tune_beside(monkeypatch, runner, reading, "comes-and-goes")
+    assert result.winner is not None and result.winner.mode == "bf16-mixed"
+    assert result.speedup.pairs >= LOCAL_PAIRS and result.speedup.low is not None
+    assert result.speedup.ratio == pytest.approx(1.33, rel=1e-3)
+    assert [e.kind for e in result.disturbances] == ["busy-cpu"]
+    assert result.remeasure_rounds <= REMEASURE_MAX_ROUNDS
+
+
+class LeaningRunner(Runner):
+    """fp32 twice as slow as bf16-mixed; bf16-true 8% faster than bf16-mixed, 12% more or less in
+    alternate rounds of re-measurement: a lead that leans its way and never resolves in eight."""
+
+    def __call__(self, policy: Policy, label: str) -> TrialResult:
+        result = super().__call__(policy, label)
+        if policy.mode == "fp32":
+            return result
+        found = re.search(r"\(re-measure (\d+)\)", label)
+        scatter = 1.0 if found is None else 1.12 if int(found.group(1)) % 2 else 1 / 1.12
+        gain = 2.0 * (1.08 * scatter if policy.mode == "bf16-true" else 1.0)
+        step = result.step_times[0] * (0.010 / 0.008) / gain
+        return dataclasses.replace(result, step_times=(step,) * len(result.step_times))
+
+
+def test_a_winner_left_one_pair_by_a_late_neighbour_is_paired_again(monkeypatch) -> None:
+    # The neighbour arrives with the eighth and last round: the seven before no longer pair, and
+    # the winner held one pair beside fp32, a speed-up with no interval. Rounds of the winner and
+    # fp32 alone follow, past the usual bound, until it holds two.
+    runner = LeaningRunner()
+    started: list[int] = []
+    monkeypatch.setattr(_steady, "usable_cpus", lambda: {0, 1})
+    monkeypatch.setattr(_steady, "default_threads", lambda: 2)
+    monkeypatch.setattr(_steady, "cpu_busy", lambda: float(bool(started) and started[-1] >= REMEASURE_LEANING_ROUNDS))
+    options = TuneOptions(trials=3, no_priors=True, modes=("bf16-mixed", "bf16-true"))
+    result = tune_policy(runner, CPU, options, study_name="late-leaning", dtype_ratio={"fp32": 1.0, "bf16": 2.0},
+                         on_round=lambda number, most, runs: started.append(number))
+    assert result.winner is not None and result.winner.mode != "fp32"
+    assert REMEASURE_LEANING_ROUNDS in started  # it leaned through all eight rounds
+    assert result.speedup.pairs >= LOCAL_PAIRS and result.speedup.low is not None, result.speedup
+    assert result.remeasure_rounds <= PAIRING_ROUNDS
