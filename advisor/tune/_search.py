@@ -646,7 +646,8 @@ def _open_study(storage: str | None, study_name: str, *, resume: bool, seed: int
     """The study, and whether this call made it.
 
     A shared study is joined as it stands (other workers may be in it); elsewhere a tune without
-    ``resume`` starts afresh.
+    ``resume`` starts afresh. The storage's own errors pass through: the caller retries one that
+    says the storage is unreachable for now (an outage since the tune opened it).
     """
     import optuna
 
@@ -657,21 +658,18 @@ def _open_study(storage: str | None, study_name: str, *, resume: bool, seed: int
     sampler_seed = zlib.crc32(f"{seed}:{worker}".encode()) if shared else seed
     sampler = optuna.samplers.TPESampler(seed=sampler_seed, n_startup_trials=4)
     backend = None if storage is None else _open(storage)[0]
-    try:
-        with _quiet():
-            if not resume and not shared:
-                if backend is not None:
-                    with contextlib.suppress(KeyError):  # no such study yet
-                        optuna.delete_study(study_name=study_name, storage=backend)
-                return optuna.create_study(study_name=study_name, storage=backend, direction="maximize",
-                                           sampler=sampler), True
-            try:  # the study name is unique in the storage: one worker makes it, the others join it
-                return optuna.create_study(study_name=study_name, storage=backend, direction="maximize",
-                                           sampler=sampler), True
-            except optuna.exceptions.DuplicatedStudyError:
-                return optuna.load_study(study_name=study_name, storage=backend, sampler=sampler), False
-    except Exception as exc:  # an unreachable server, a locked file
-        raise MpadviseError(storage_error(storage or ":memory:", exc)) from None
+    with _quiet():
+        if not resume and not shared:
+            if backend is not None:
+                with contextlib.suppress(KeyError):  # no such study yet
+                    optuna.delete_study(study_name=study_name, storage=backend)
+            return optuna.create_study(study_name=study_name, storage=backend, direction="maximize",
+                                       sampler=sampler), True
+        try:  # the study name is unique in the storage: one worker makes it, the others join it
+            return optuna.create_study(study_name=study_name, storage=backend, direction="maximize",
+                                       sampler=sampler), True
+        except optuna.exceptions.DuplicatedStudyError:
+            return optuna.load_study(study_name=study_name, storage=backend, sampler=sampler), False
 
 
 @dataclass
@@ -856,7 +854,15 @@ def run_search(
     name = worker_name()
     backend, heartbeat = _open(options.storage) if options.storage is not None else (None, None)
     worker = _Worker(name, backend, heartbeat, dict(known or {}), sleep, options.storage, storage_retry_s(os.environ))
-    study, made = _open_study(options.storage, study_name, resume=options.resume, seed=options.seed, worker=name)
+    try:  # the tune opened this storage before its reference ran: unreachable now is an outage
+        study, made = worker.call("opening the study", lambda: _open_study(
+            options.storage, study_name, resume=options.resume, seed=options.seed, worker=name))
+    except StorageLost as exc:
+        raise MpadviseError(_lost_message(options.storage, str(exc), worker, outcome, retried=worker.retry_s)) from None
+    except MpadviseError:
+        raise
+    except Exception as exc:  # a locked file, a refusal
+        raise MpadviseError(storage_error(options.storage or ":memory:", exc)) from None
     try:
         if made:  # at once, so that workers joining in a moment find the first candidates queued
             _enqueue_first(study, space, first)

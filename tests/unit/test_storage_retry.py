@@ -104,3 +104,36 @@ def test_the_retry_window_is_a_whole_number_of_seconds():
     assert storage_retry_s({STORAGE_RETRY_ENV: "0"}) == 0
     with pytest.raises(MpadviseError, match=STORAGE_RETRY_ENV):
         storage_retry_s({STORAGE_RETRY_ENV: "soon"})
+
+
+def test_an_outage_while_the_search_opens_its_study_is_ridden_out(tmp_path, monkeypatch, caplog):
+    # A worker whose reference and replicate ran while the server went away reached the search's
+    # first call, opening the study, during the outage: it ended at once ("cannot open the Optuna
+    # study storage ... An exception is raised during the commit"), never retrying, while the
+    # other worker rode the same outage out.
+    from advisor.tune import _search
+    from advisor.tune._options import TuneOptions
+    from advisor.tune._space import SearchSpace
+
+    error = _refused_error()
+    failures = iter([error, error])
+    real = _search._open_study
+
+    def opening(*args, **kwargs):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_search, "_open_study", opening)
+    fp32, bf16 = Candidate("fp32"), Candidate("bf16-mixed")
+    options = TuneOptions(storage=f"sqlite:///{tmp_path / 'studies.db'}", resume=True, no_priors=True, trials=3)
+    sleeps: list[float] = []
+    outcome = _search.run_search(
+        SearchSpace(("fp32", "bf16-mixed"), (64,), 64),
+        lambda cand: Measured(cand, 100.0 if cand.mode == "fp32" else 200.0, True, True, outcome="ok"),
+        options, first=[fp32, bf16], reference_goodput=100.0, dtype_ratio={}, study_name="s",
+        known={fp32: Measured(fp32, 100.0, True, True, outcome="ok")}, sleep=sleeps.append)
+    assert outcome.measured[bf16].goodput == 200.0
+    assert sleeps[:2] == [0.5, 1.0]  # two tries lost to the outage, with backoff
+    assert "opening the study: retrying" in caplog.text and "the Optuna study storage is back" in caplog.text
