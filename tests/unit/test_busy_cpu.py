@@ -286,6 +286,13 @@ def test_a_reference_on_fewer_threads_times_later_trials_against_fp32_on_torchs(
     assert bf16.result.threads is None and bf16.speedup == pytest.approx(1.14)
 
 
+def _alternating(label: str, factor: float) -> float:
+    """A run's scatter: ``factor`` in odd rounds of re-measurement, its inverse in even ones, 1
+    outside re-measurement."""
+    found = re.search(r"\(re-measure (\d+)\)", label)
+    return 1.0 if found is None else factor if int(found.group(1)) % 2 else 1 / factor
+
+
 class TiedRunner(UnevenRunner):
     """bf16-mixed as fast as fp32 on any thread count, 4% off either way in alternate rounds of
     re-measurement: a tie that four paired rounds cannot resolve."""
@@ -296,8 +303,7 @@ class TiedRunner(UnevenRunner):
         result = super().__call__(policy, label)
         if policy.mode == "fp32":
             return result
-        found = re.search(r"\(re-measure (\d+)\)", label)
-        scatter = 1.0 if found is None else 1.04 if int(found.group(1)) % 2 else 1 / 1.04
+        scatter = _alternating(label, 1.04)
         return dataclasses.replace(result, step_times=tuple(t * scatter for t in result.step_times))
 
 
@@ -345,9 +351,7 @@ class LeaningRunner(Runner):
         result = super().__call__(policy, label)
         if policy.mode == "fp32":
             return result
-        found = re.search(r"\(re-measure (\d+)\)", label)
-        scatter = 1.0 if found is None else 1.12 if int(found.group(1)) % 2 else 1 / 1.12
-        gain = 2.0 * (1.08 * scatter if policy.mode == "bf16-true" else 1.0)
+        gain = 2.0 * (1.08 * _alternating(label, 1.12) if policy.mode == "bf16-true" else 1.0)
         step = result.step_times[0] * (0.010 / 0.008) / gain
         return dataclasses.replace(result, step_times=(step,) * len(result.step_times))
 
