@@ -18,11 +18,10 @@ before each trial on a CPU the watch reads how many of this process's cores othe
 keep busy (``cpu_busy``, from /proc/stat), and a trial that finds one taken runs on the cores
 left (``free_threads``); once a reading finds them free again, trials run on torch's own threads
 again. Each trial's speed is compared only with fp32 on as many threads, and re-measured rounds
-on different thread counts are never paired. Once re-measurement has run its first trial the count
-only falls (``only_fall``): a rise would leave every round before it unpaired, and a neighbour
-that comes and goes, such as another tune's trials, made it rise and fall until a winner was left
-one pair.
-The tune says when the count changed.
+on different thread counts are never paired. Once re-measurement has run its first trial the
+count only falls (``only_fall``): a rise would leave every round before it unpaired, and a
+neighbour that comes and goes, such as another tune's trials, made it rise and fall until a winner
+was left one pair. The tune says when the count changed.
 
 ``judge_spread`` is the pure decision; ``SteadyRunner`` wraps any runner with it, so that the
 reference, its replicate, the search and every re-measurement are watched alike.
