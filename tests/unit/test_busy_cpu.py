@@ -204,12 +204,12 @@ class UnevenRunner(Runner):
         return dataclasses.replace(result, step_times=(step,) * len(result.step_times))
 
 
-def _tune_beside(monkeypatch, runner: Runner, reading, name: str, **kwargs):
-    """A tune of fp32 and bf16-mixed on a 2-core CPU whose busy cores ``reading()`` gives."""
+def _tune_beside(monkeypatch, runner: Runner, reading, name: str, modes: tuple[str, ...] = ("bf16-mixed",), **kwargs):
+    """A tune of fp32 and ``modes`` on a 2-core CPU whose busy cores ``reading()`` gives."""
     monkeypatch.setattr(_steady, "usable_cpus", lambda: {0, 1})
     monkeypatch.setattr(_steady, "default_threads", lambda: 2)
     monkeypatch.setattr(_steady, "cpu_busy", reading)
-    options = TuneOptions(trials=3, no_priors=True, modes=("bf16-mixed",))
+    options = TuneOptions(trials=3, no_priors=True, modes=modes)
     return tune_policy(runner, CPU, options, study_name=name, dtype_ratio={"fp32": 1.0, "bf16": 2.0}, **kwargs)
 
 
@@ -360,14 +360,10 @@ def test_a_winner_left_one_pair_by_a_late_neighbour_is_paired_again(monkeypatch)
     # The neighbour arrives with the eighth and last round: the seven before no longer pair, and
     # the winner held one pair beside fp32, a speed-up with no interval. Rounds of the winner and
     # fp32 alone follow, past the usual bound, until it holds two.
-    runner = LeaningRunner()
     started: list[int] = []
-    monkeypatch.setattr(_steady, "usable_cpus", lambda: {0, 1})
-    monkeypatch.setattr(_steady, "default_threads", lambda: 2)
-    monkeypatch.setattr(_steady, "cpu_busy", lambda: float(bool(started) and started[-1] >= REMEASURE_LEANING_ROUNDS))
-    options = TuneOptions(trials=3, no_priors=True, modes=("bf16-mixed", "bf16-true"))
-    result = tune_policy(runner, CPU, options, study_name="late-leaning", dtype_ratio={"fp32": 1.0, "bf16": 2.0},
-                         on_round=lambda number, most, runs: started.append(number))
+    result = _tune_beside(monkeypatch, LeaningRunner(),
+                          lambda: float(bool(started) and started[-1] >= REMEASURE_LEANING_ROUNDS), "late-leaning",
+                          modes=("bf16-mixed", "bf16-true"), on_round=lambda number, most, runs: started.append(number))
     assert result.winner is not None and result.winner.mode != "fp32"
     assert REMEASURE_LEANING_ROUNDS in started  # it leaned through all eight rounds
     assert result.speedup.pairs >= LOCAL_PAIRS and result.speedup.low is not None, result.speedup
