@@ -10,9 +10,10 @@ venv:
 demo: venv
 	$(PY) -m advisor.cli tune examples/mlp.py --trials 12
 
-# The whole test suite, as CI runs it.
+# The whole test suite, as CI runs it; the 25 slowest tests are listed at the end, so that a run
+# that grows shows where.
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 	.venv/bin/ruff check advisor probes policies tests examples scripts
 
 lint: venv
