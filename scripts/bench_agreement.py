@@ -70,10 +70,10 @@ def presets(width: int) -> dict[str, Preset]:
     }
 
 
-def cli(*args: str, timeout: float) -> dict:
-    """``mpadvise ARGS --json``, decoded."""
+def cli(*args: str, timeout: float, env: dict[str, str] | None = None) -> dict:
+    """``mpadvise ARGS --json``, decoded; in ``env`` when given, else this process's environment."""
     proc = subprocess.run([sys.executable, "-m", "advisor.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+                          timeout=timeout, cwd=ROOT, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"mpadvise {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
     return json.loads(proc.stdout)

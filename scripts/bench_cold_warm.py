@@ -14,17 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from advisor.trial import WARM_ENV
-from probes import write_file_atomic
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_agreement import cli, machine  # noqa: E402  (scripts/, this script's folder)
+
+from advisor.trial import WARM_ENV  # noqa: E402
+from probes import write_file_atomic  # noqa: E402
 
 
 def speedup(script: Path, mode: str, warm: bool, extra: list[str]) -> float:
@@ -32,12 +33,8 @@ def speedup(script: Path, mode: str, warm: bool, extra: list[str]) -> float:
     with tempfile.TemporaryDirectory() as home:
         env = {**os.environ, "MPADVISE_HOME": home, WARM_ENV: "1" if warm else "0"}
         env.pop("MPADVISE_POLICY", None)
-        proc = subprocess.run([sys.executable, "-m", "advisor.cli", "trial", str(script), "-m", mode, "--json", *extra],
-                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"mpadvise trial ({'warm' if warm else 'cold'}) failed ({proc.returncode}): "
-                         f"{proc.stderr.strip()[-500:]}")
-    return float(json.loads(proc.stdout)["candidates"][0]["speedup_vs_fp32"])
+        data = cli("trial", str(script), "-m", mode, "--json", *extra, timeout=1800, env=env)
+    return float(data["candidates"][0]["speedup_vs_fp32"])
 
 
 def main() -> None:
@@ -54,8 +51,7 @@ def main() -> None:
         raise SystemExit(f"no such script: {args.script}")
     extra = args.trial_args.split()
     report: dict = {"script": str(args.script), "mode": args.mode, "trial_args": extra,
-                    "machine": {"name": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                                "python": platform.python_version(), "load_average": os.getloadavg()},
+                    "machine": machine(),
                     "cold": [], "warm": []}
     for r in range(args.rounds):
         for warm in ((False, True) if r % 2 == 0 else (True, False)):
