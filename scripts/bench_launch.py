@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -160,9 +161,40 @@ def demo_tune(cold: bool, home: Path, extra: list[str]) -> dict[str, Any]:
         why = {"speedup": data.get("speedup"), "gap": data.get("gap"), "tie_note": data.get("tie_note"),
                "remeasure_rounds": data.get("remeasure_rounds"), "remeasure_stop": data.get("remeasure_stop"),
                "finalists": [f.get("label") for f in data.get("finalists") or []],
+               "rounds": {f.get("label"): f.get("rounds") for f in data.get("finalists") or []},
+               "pair_scatter": pair_scatter(data.get("finalists") or []),
                "disturbed": [e.get("text") for e in data.get("disturbed") or []]}
     return {"cold": cold, "wall_s": round(wall, 2), "exit_code": proc.returncode, "winner": winner, **why,
             "stderr_tail": proc.stderr[-400:] if proc.returncode not in (0, 3) else ""}
+
+
+def round_deviations(finalists: list[dict[str, Any]]) -> list[float]:
+    """Each re-measurement round's log ratio of a finalist to fp32 in the same round, less the
+    median of that finalist's: how far one round strays (0 when every round gives the same
+    ratio). Empty when fp32 or a rival has under two paired rounds."""
+    rounds = {f.get("label"): f.get("rounds") or [] for f in finalists}
+    fp32 = next((r for label, r in rounds.items() if label and label.startswith("fp32")), None)
+    deviations: list[float] = []
+    for own in rounds.values() if fp32 is not None else ():
+        if own is fp32:
+            continue
+        logs = [math.log(x / y) for x, y in zip(own, fp32) if x and y]
+        if len(logs) >= 2:
+            centre = statistics.median(logs)
+            deviations.extend(abs(v - centre) for v in logs)
+    return deviations
+
+
+def pair_scatter(finalists: list[dict[str, Any]]) -> float | None:
+    """The median of ``round_deviations``; ``None`` when there are none."""
+    deviations = round_deviations(finalists)
+    return round(statistics.median(deviations), 4) if deviations else None
+
+
+def pooled_scatter(runs: list[dict[str, Any]]) -> float | None:
+    """``pair_scatter`` over every round of the given tunes at once."""
+    deviations = [d for r in runs for d in round_deviations([{"label": k, "rounds": v} for k, v in r["rounds"].items()])]
+    return round(statistics.median(deviations), 4) if deviations else None
 
 
 def tunes(repeats: int, extra: list[str]) -> dict[str, Any]:
@@ -174,7 +206,7 @@ def tunes(repeats: int, extra: list[str]) -> dict[str, Any]:
                 run = demo_tune(cold, Path(tmp) / f"{r}-{'cold' if cold else 'warm'}", extra)
                 runs.append(run)
                 print(f"demo tune {'cold' if cold else 'warm'} {r}: {run['wall_s']:.1f} s, winner {run['winner']}, "
-                      f"exit {run['exit_code']}", flush=True)
+                      f"exit {run['exit_code']}, pair scatter {run.get('pair_scatter')}", flush=True)
     cold = [r["wall_s"] for r in runs if r["cold"]]
     warm = [r["wall_s"] for r in runs if not r["cold"]]
     c, w = statistics.median(cold), statistics.median(warm)
@@ -183,7 +215,9 @@ def tunes(repeats: int, extra: list[str]) -> dict[str, Any]:
             "ratio_cold_over_warm": round(c / w, 2),
             "winners_cold": [r["winner"] for r in runs if r["cold"]],
             "winners_warm": [r["winner"] for r in runs if not r["cold"]],
-            "same_winner": len({r["winner"] for r in runs}) == 1, "last_winner": winners}
+            "same_winner": len({r["winner"] for r in runs}) == 1, "last_winner": winners,
+            "pair_scatter_cold": pooled_scatter([r for r in runs if r["cold"] and r.get("rounds")]),
+            "pair_scatter_warm": pooled_scatter([r for r in runs if not r["cold"] and r.get("rounds")])}
 
 
 def machine() -> dict[str, Any]:
@@ -213,7 +247,8 @@ def main() -> None:
         report["demo_tune"] = tunes(options.tune_repeats, options.tune_extra.split())
         t = report["demo_tune"]
         print(f"demo tune: cold {t['cold_median_s']} s, warm {t['warm_median_s']} s, x{t['ratio_cold_over_warm']}, "
-              f"same winner {t['same_winner']} (cold {t['winners_cold']}, warm {t['winners_warm']})")
+              f"same winner {t['same_winner']} (cold {t['winners_cold']}, warm {t['winners_warm']}), "
+              f"round scatter cold {t['pair_scatter_cold']}, warm {t['pair_scatter_warm']}")
     report["machine"]["load_average_after"] = os.getloadavg()
     options.out.parent.mkdir(parents=True, exist_ok=True)
     write_file_atomic(options.out, json.dumps(report, indent=2, default=str) + "\n")
