@@ -1091,10 +1091,11 @@ def _pick_finalist(finalists: list[Finalist], user_batch: int | None, *,
 def _pick_by_gap(finalists: list[Finalist], user_batch: int | None, stop: str) -> tuple[Finalist, str]:
     """The safest of the leader and the finalists whose gap to it is not resolved in its favour.
 
-    A 16-bit finalist takes such a tie only when it is itself resolved faster than fp32 over the
-    rounds both ran (two or more; with fewer, nothing paired says either way): a tie with the
-    leader hands it the leader's place, not the leader's lead over fp32. (One tune of examples/mlp.py had bf16-true 1.14x of fp32, resolved, and 1.13x of
-    bf16-mixed, unresolved; bf16-mixed took the tie and was written at 0.99x of fp32.)
+    A finalist other than fp32 takes such a tie only when it is itself resolved faster than fp32
+    over the rounds both ran (two or more; with fewer, nothing paired says either way): a tie
+    with the leader hands it the leader's place, not the leader's lead over fp32. (One tune of
+    examples/mlp.py had bf16-true 1.14x of fp32, resolved, and 1.13x of bf16-mixed, unresolved;
+    bf16-mixed took the tie and was written at 0.99x of fp32.)
     """
     leader = next(f for f in finalists if f.gap is None)
     fp32 = min((f for f in finalists if f.candidate.mode == "fp32"), default=None,
