@@ -13,7 +13,13 @@ from test_search import FakeRunner, tune
 
 from advisor.cli._report import render_tune
 from advisor.trial import TrialResult
-from advisor.tune._engine import REMEASURE_LEANING_ROUNDS, REMEASURE_MAX_ROUNDS, Finalist, _lead, _pick_winner
+from advisor.tune._engine import (
+    REMEASURE_LEANING_ROUNDS,
+    REMEASURE_MAX_ROUNDS,
+    Finalist,
+    _lead,
+    _pick_winner,
+)
 from advisor.tune._space import Candidate
 from policies import Policy
 
