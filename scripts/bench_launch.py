@@ -161,18 +161,18 @@ def demo_tune(cold: bool, home: Path, extra: list[str]) -> dict[str, Any]:
         why = {"speedup": data.get("speedup"), "gap": data.get("gap"), "tie_note": data.get("tie_note"),
                "remeasure_rounds": data.get("remeasure_rounds"), "remeasure_stop": data.get("remeasure_stop"),
                "finalists": [f.get("label") for f in data.get("finalists") or []],
-               "rounds": {f.get("label"): f.get("rounds") for f in data.get("finalists") or []},
-               "pair_scatter": pair_scatter(data.get("finalists") or []),
+               "rounds": {f.get("label"): f.get("rounds") or [] for f in data.get("finalists") or []},
                "disturbed": [e.get("text") for e in data.get("disturbed") or []]}
-    return {"cold": cold, "wall_s": round(wall, 2), "exit_code": proc.returncode, "winner": winner, **why,
-            "stderr_tail": proc.stderr[-400:] if proc.returncode not in (0, 3) else ""}
+    run = {"cold": cold, "wall_s": round(wall, 2), "exit_code": proc.returncode, "winner": winner, **why,
+           "stderr_tail": proc.stderr[-400:] if proc.returncode not in (0, 3) else ""}
+    return {**run, "pair_scatter": pair_scatter([run])} if "rounds" in why else run
 
 
-def round_deviations(finalists: list[dict[str, Any]]) -> list[float]:
+def round_deviations(rounds: dict[str, list[float | None]]) -> list[float]:
     """Each re-measurement round's log ratio of a finalist to fp32 in the same round, less the
     median of that finalist's: how far one round strays (0 when every round gives the same
-    ratio). Empty when fp32 or a rival has under two paired rounds."""
-    rounds = {f.get("label"): f.get("rounds") or [] for f in finalists}
+    ratio). ``rounds`` holds each finalist's goodput per round, by label. Empty when there is no
+    fp32, or no rival with two paired rounds."""
     fp32 = next((r for label, r in rounds.items() if label and label.startswith("fp32")), None)
     deviations: list[float] = []
     for own in rounds.values() if fp32 is not None else ():
@@ -185,15 +185,10 @@ def round_deviations(finalists: list[dict[str, Any]]) -> list[float]:
     return deviations
 
 
-def pair_scatter(finalists: list[dict[str, Any]]) -> float | None:
-    """The median of ``round_deviations``; ``None`` when there are none."""
-    deviations = round_deviations(finalists)
-    return round(statistics.median(deviations), 4) if deviations else None
-
-
-def pooled_scatter(runs: list[dict[str, Any]]) -> float | None:
-    """``pair_scatter`` over every round of the given tunes at once."""
-    deviations = [d for r in runs for d in round_deviations([{"label": k, "rounds": v} for k, v in r["rounds"].items()])]
+def pair_scatter(runs: list[dict[str, Any]]) -> float | None:
+    """The median of ``round_deviations`` over every round of the given tunes (their
+    ``rounds``) at once; ``None`` when there are none."""
+    deviations = [d for r in runs for d in round_deviations(r.get("rounds") or {})]
     return round(statistics.median(deviations), 4) if deviations else None
 
 
@@ -216,8 +211,8 @@ def tunes(repeats: int, extra: list[str]) -> dict[str, Any]:
             "winners_cold": [r["winner"] for r in runs if r["cold"]],
             "winners_warm": [r["winner"] for r in runs if not r["cold"]],
             "same_winner": len({r["winner"] for r in runs}) == 1, "last_winner": winners,
-            "pair_scatter_cold": pooled_scatter([r for r in runs if r["cold"] and r.get("rounds")]),
-            "pair_scatter_warm": pooled_scatter([r for r in runs if not r["cold"] and r.get("rounds")])}
+            "pair_scatter_cold": pair_scatter([r for r in runs if r["cold"]]),
+            "pair_scatter_warm": pair_scatter([r for r in runs if not r["cold"]])}
 
 
 def machine() -> dict[str, Any]:

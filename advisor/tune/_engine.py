@@ -1100,21 +1100,22 @@ def _pick_by_gap(finalists: list[Finalist], user_batch: int | None, stop: str) -
     leader = next(f for f in finalists if f.gap is None)
     fp32 = min((f for f in finalists if f.candidate.mode == "fp32"), default=None,
                key=lambda f: preference_key(f.candidate, user_batch))
-    tied, passed_over = [leader], []
+    tied: list[Finalist] = [leader]
+    passed_over: list[tuple[Finalist, Gap]] = []  # each with its gap over fp32
     for f in finalists:
         if f.gap is None or not (f.gap.verdict == "tie" or (f.gap.verdict == "unresolved" and (f.in_band or f.gap.pairs >= 2))):
             continue
         over_fp32 = None if fp32 is None or f is fp32 else _paired(f, fp32)
         if over_fp32 is not None and over_fp32.pairs >= 2 and over_fp32.verdict != "faster":
-            passed_over.append(f)
+            passed_over.append((f, over_fp32))
         else:
             tied.append(f)
     winner = min(tied, key=lambda f: preference_key(f.candidate, user_batch))
-    safer = [f for f in passed_over
+    safer = [(f, g) for f, g in passed_over
              if preference_key(f.candidate, user_batch) < preference_key(winner.candidate, user_batch)]
     if winner is leader and safer and fp32 is not None:
-        other = min(safer, key=lambda f: preference_key(f.candidate, user_batch))
-        return winner, _passed_over_note(leader, other, _paired(other, fp32), fp32)
+        other, over_fp32 = min(safer, key=lambda item: preference_key(item[0].candidate, user_batch))
+        return winner, _passed_over_note(leader, other, over_fp32, fp32)
     if winner is leader or winner.gap is None:
         return winner, ""
     gap = winner.gap
@@ -1126,10 +1127,15 @@ def _pick_by_gap(finalists: list[Finalist], user_batch: int | None, stop: str) -
         why = f"not resolved after {gap.pairs} paired runs, when the time budget cut re-measurement short"
     else:
         why = f"not resolved after {gap.pairs} paired runs"
-    interval = (f"{gap.confidence:.0%} interval {gap.low:.2f}x to {gap.high:.2f}x" if math.isfinite(gap.high)
-                else "no interval yet")
     return winner, (f"{leader.candidate.label} measured {gap.ratio:.2f}x of {winner.candidate.label} "
-                    f"({interval}), {why}: the safer {winner.candidate.label} wins the tie")
+                    f"({_interval_text(gap)}), {why}: the safer {winner.candidate.label} wins the tie")
+
+
+def _interval_text(gap: Gap) -> str:
+    """A gap's interval as a tie note says it: "95% interval 0.88x to 1.12x", or "no interval yet"."""
+    if not math.isfinite(gap.high):
+        return "no interval yet"
+    return f"{gap.confidence:.0%} interval {gap.low:.2f}x to {gap.high:.2f}x"
 
 
 def _passed_over_note(leader: Finalist, other: Finalist, over_fp32: Gap, fp32: Finalist) -> str:
@@ -1137,8 +1143,7 @@ def _passed_over_note(leader: Finalist, other: Finalist, over_fp32: Gap, fp32: F
     resolved faster than fp32."""
     gap = other.gap
     assert gap is not None
-    interval = (f"{over_fp32.confidence:.0%} interval {over_fp32.low:.2f}x to {over_fp32.high:.2f}x"
-                if math.isfinite(over_fp32.high) else "no interval yet")
     return (f"{leader.candidate.label} measured {gap.ratio:.2f}x of the safer {other.candidate.label}, within the "
             f"noise, but {other.candidate.label} is not resolved faster than {fp32.candidate.label} "
-            f"({over_fp32.ratio:.2f}x, {interval}, {over_fp32.pairs} paired runs): {leader.candidate.label} keeps the lead")
+            f"({over_fp32.ratio:.2f}x, {_interval_text(over_fp32)}, {over_fp32.pairs} paired runs): "
+            f"{leader.candidate.label} keeps the lead")
