@@ -11,9 +11,12 @@ demo: venv
 	$(PY) -m advisor.cli tune examples/mlp.py --trials 12
 
 # The whole test suite, as CI runs it; the 25 slowest tests are listed at the end, so that a run
-# that grows shows where.
+# that grows shows where. TEST_JOBS test processes (pytest-xdist), each given whole test files, so
+# that a file's module fixtures (a daemon, a PostgreSQL server) start once; the suite is sized
+# for, and checked on, a 2-core machine with two other CPU-bound processes beside it.
+TEST_JOBS ?= 2
 test: venv
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=25 tests
 	.venv/bin/ruff check advisor probes policies tests examples scripts
 
 lint: venv

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 
 import pytest
+
+# The CLI's module-level rich consoles fix their width at import from COLUMNS when it is set
+# (a shell's COLUMNS=80, or pytest-xdist's workers, which set it), and a later COLUMNS that a
+# test passes to the CLI runner is then ignored. Tests choose their own widths.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 
 class _Collect(logging.Handler):
