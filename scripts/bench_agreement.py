@@ -13,17 +13,25 @@ time over the mode's; above 1 when the mode is faster):
   wins; one over fp32's paired gap over MODE when fp32 wins).
 
 Each tune and trial is also checked against the start-up-free ratio (within 10% is the bar).
-Prints a table and writes JSON (``--json``). Presets name the bundled examples:
+The three kinds run interleaved, round by round, one of each kind per round in an order that
+rotates (a start-up-free repeat, a trial, a tune; then a trial, a tune, a start-up-free
+repeat; ...), so a spell of the host that changes the ratio for minutes falls on all three
+alike rather than on whichever kind ran then. Prints a table and writes JSON (``--json``),
+with each measurement's start time. ``--pool FILE...`` reads recorded runs instead and
+compares every tune with the medians of all their start-up-free and trial figures together.
+Presets name the bundled examples:
 
     .venv/bin/python scripts/bench_agreement.py mlp --mode bf16-mixed
     .venv/bin/python scripts/bench_agreement.py accelerate --mode bf16-mixed --width 256
     .venv/bin/python scripts/bench_agreement.py accelerate-known     # a known bf16 speed-up, any CPU
+    .venv/bin/python scripts/bench_agreement.py --pool docs/bench/agreement-accelerate-amx*.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -89,18 +97,29 @@ def plain_wall(preset: Preset, mode: str, units: int, home: str) -> float:
     return time.perf_counter() - start
 
 
-def startup_free(preset: Preset, mode: str, repeats: int, short: int, long: int) -> list[float]:
-    """fp32's step time over ``mode``'s, start-up removed, one ratio per repeat (interleaved)."""
+def startup_free_once(preset: Preset, mode: str, r: int, short: int, long: int, home: str) -> float:
+    """fp32's step time over ``mode``'s, start-up removed: repeat ``r`` (the order of modes and
+    lengths alternates with ``r``)."""
     steps = (long - short) * preset.steps_per_unit
-    ratios = []
-    with tempfile.TemporaryDirectory() as home:
-        for r in range(repeats):
-            per_step = {}
-            for m in (("fp32", mode) if r % 2 == 0 else (mode, "fp32")):
-                walls = [plain_wall(preset, m, n, home) for n in ((short, long) if r % 2 == 0 else (long, short))]
-                per_step[m] = abs(walls[1] - walls[0]) / steps
-            ratios.append(per_step["fp32"] / per_step[mode])
-    return ratios
+    per_step = {}
+    for m in (("fp32", mode) if r % 2 == 0 else (mode, "fp32")):
+        walls = [plain_wall(preset, m, n, home) for n in ((short, long) if r % 2 == 0 else (long, short))]
+        per_step[m] = abs(walls[1] - walls[0]) / steps
+    return per_step["fp32"] / per_step[mode]
+
+
+KINDS = ("startup_free", "trial", "tune")
+
+
+def schedule(counts: dict[str, int]) -> list[tuple[str, int]]:
+    """The order the measurements run in: ``(kind, index)``, round by round, one of each kind
+    still owed per round, the kinds' order rotating by one each round."""
+    order = []
+    for r in range(max(counts.values(), default=0)):
+        for kind in KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]:
+            if r < counts.get(kind, 0):
+                order.append((kind, r))
+    return order
 
 
 def trial_ratio(preset: Preset, mode: str) -> float:
@@ -142,6 +161,67 @@ def tune_ratio(preset: Preset, mode: str) -> dict:
                                     "mfu_dtype": rows[label].get("mfu_dtype")} for label in ("fp32", mode) if label in rows}}
 
 
+def log_scatter(ratios: list[float]) -> float | None:
+    """The median absolute deviation of the log ratios from their median (0.05: about 5%)."""
+    logs = [math.log(r) for r in ratios if r and r > 0]
+    if not logs:
+        return None
+    centre = statistics.median(logs)
+    return statistics.median(abs(x - centre) for x in logs)
+
+
+def pooled(records: list[dict], bar: float = 0.10) -> dict:
+    """Recorded runs of this bench together: the medians of every start-up-free and every trial
+    figure, how scattered each kind is, and how many tunes picked the mode and lie within
+    ``bar`` of each pooled median."""
+    modes = {r["mode"] for r in records}
+    scripts = {(r["script"], tuple(r["args"])) for r in records}
+    if len(modes) != 1 or len(scripts) != 1:
+        named = sorted({f"{r['script']} {' '.join(r['args'])} {r['mode']}" for r in records})
+        raise ValueError(f"--pool: the files measure different things: {'; '.join(named)}")
+    truth = [x for r in records for x in r["startup_free"]]
+    trials = [x for r in records for x in r["trial"]]
+    tunes = [t for r in records for t in r["tunes"]]
+    ratios = [t["ratio"] for t in tunes if t.get("ratio")]
+    if not truth or not trials or not ratios:
+        raise ValueError("--pool: the files hold no start-up-free, trial or tune figure to compare")
+    mode = modes.pop()
+    m_truth, m_trial = statistics.median(truth), statistics.median(trials)
+    return {
+        "mode": mode, "runs": len(records),
+        "startup_free": {"n": len(truth), "median": m_truth, "scatter": log_scatter(truth)},
+        "trial": {"n": len(trials), "median": m_trial, "scatter": log_scatter(trials)},
+        "tune": {"n": len(tunes), "median": statistics.median(ratios), "scatter": log_scatter(ratios),
+                 "picked_mode": sum(t.get("winner") == mode for t in tunes),
+                 "within_startup_free": sum(abs(x / m_truth - 1) <= bar for x in ratios),
+                 "within_trial": sum(abs(x / m_trial - 1) <= bar for x in ratios)},
+        "bar": bar,
+    }
+
+
+def print_pool(paths: list[Path]) -> None:
+    records = []
+    for path in paths:
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--pool: cannot read {path}: {exc}") from None
+    try:
+        found = pooled(records)
+    except (KeyError, TypeError) as exc:
+        raise SystemExit(f"--pool: not a file this bench wrote ({exc})") from None
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    print(f"{found['runs']} runs, {found['mode']} against fp32; scatter is the median absolute deviation of log ratios")
+    print(f"{'measurement':<16}{'figures':>8}{'median':>8}{'scatter':>9}")
+    for kind in KINDS:
+        row = found[kind]
+        print(f"{kind:<16}{row['n']:>8}{row['median']:>8.3f}{row['scatter']:>9.3f}")
+    tune = found["tune"]
+    print(f"tunes that picked {found['mode']}: {tune['picked_mode']} of {tune['n']}; within {found['bar']:.0%} of the"
+          f" pooled start-up-free median: {tune['within_startup_free']}, of the pooled trial median: {tune['within_trial']}")
+
+
 def machine() -> dict:
     """The CPU by name, its precision ISA flags (AMX-BF16 or not), cores, Python, load average."""
     from probes import profile_for
@@ -153,26 +233,45 @@ def machine() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("example", choices=sorted(presets(0)))
+    parser.add_argument("example", nargs="?", choices=sorted(presets(0)))
     parser.add_argument("--mode", default="bf16-mixed")
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3, help="start-up-free repeats")
+    parser.add_argument("--repeats", type=int, default=5, help="start-up-free repeats")
     parser.add_argument("--short", type=int, help="units of the short plain run (default: the preset's)")
     parser.add_argument("--long", type=int, help="units of the long plain run (default: the preset's)")
-    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--tunes", type=int, default=5)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--pool", type=Path, nargs="+", metavar="FILE",
+                        help="compare recorded runs of this bench together instead of measuring")
     args = parser.parse_args()
+    if args.pool:
+        print_pool(args.pool)
+        return
+    if args.example is None:
+        parser.error("name an example to measure, or --pool FILE... to read recorded runs")
     preset = presets(args.width)[args.example]
     if args.mode not in preset.mode_args:
         raise SystemExit(f"--mode {args.mode}: {args.example} applies only {', '.join(preset.mode_args)}")
 
+    if min(args.repeats, args.trials) < 1 or args.tunes < 0:
+        raise SystemExit("--repeats and --trials must be at least 1, --tunes at least 0")
     short, long = args.short or preset.short, args.long or preset.long
     if long <= short:
         raise SystemExit(f"--long {long} must be above --short {short}: their difference is what is timed")
-    truth = startup_free(preset, args.mode, args.repeats, short, long)
-    trials = [trial_ratio(preset, args.mode) for _ in range(args.trials)]
-    tunes = [tune_ratio(preset, args.mode) for _ in range(args.tunes)]
+    results: dict[str, list] = {kind: [] for kind in KINDS}
+    started: list[dict] = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as home:
+        for kind, r in schedule({"startup_free": args.repeats, "trial": args.trials, "tune": args.tunes}):
+            started.append({"kind": kind, "index": r, "at_s": round(time.perf_counter() - t0, 1)})
+            if kind == "startup_free":
+                results[kind].append(startup_free_once(preset, args.mode, r, short, long, home))
+            elif kind == "trial":
+                results[kind].append(trial_ratio(preset, args.mode))
+            else:
+                results[kind].append(tune_ratio(preset, args.mode))
+    truth, trials, tunes = results["startup_free"], results["trial"], results["tune"]
     true_ratio = statistics.median(truth)
 
     def off(ratio: float | None) -> str:
@@ -193,13 +292,15 @@ def main() -> None:
         mfu = "-" if found["mfu"] is None else f"{found['mfu']:.1%} of {found['mfu_dtype']}'s probed peak"
         tflops = "-" if found["tflops"] is None else f"{found['tflops']:.3g}"
         print(f"last tune, {label}: {tflops} TFLOP/s, MFU {mfu}")
+    record = {"script": preset.script, "args": list(preset.args), "mode": args.mode, "machine": machine(),
+              "order": "interleaved", "started": started, "startup_free": truth, "trial": trials, "tunes": tunes}
+    if truth and trials and any(t["ratio"] for t in tunes):
+        found = pooled([record])
+        print("scatter (median absolute deviation of log ratios): "
+              + ", ".join(f"{kind} {found[kind]['scatter']:.3f}" for kind in KINDS))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomic(args.json, json.dumps({
-            "script": preset.script, "args": list(preset.args), "mode": args.mode,
-            "machine": machine(),
-            "startup_free": truth, "trial": trials, "tunes": tunes,
-        }, indent=2))
+        write_file_atomic(args.json, json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":
