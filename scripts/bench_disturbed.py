@@ -8,6 +8,12 @@ its speed-up with the 95% interval, every disturbed run the tune saw and ran aga
 the second speed-up lies inside the first interval and the two intervals overlap; writes both
 tunes' JSON (``--out``).
 
+With ``--rounds N`` it runs N such pairs, the order within a pair alternating (undisturbed
+first, then disturbed first, ...), and then asks of every disturbed tune whether its speed-up
+lies inside each undisturbed tune's interval, and of every undisturbed tune the same about the
+other undisturbed ones (the control): on a host whose own ratio moves from minute to minute,
+the disturbance is harmless when the first rate is not below the second.
+
     .venv/bin/python scripts/bench_disturbed.py examples/mlp.py --tune-args="--trials 12 --steps 200"
     .venv/bin/python scripts/bench_disturbed.py examples/mlp.py --burners 1 --burst-s 20 \
         --tune-args="--trials 12 --steps 200"
@@ -91,6 +97,41 @@ def describe(name: str, data: dict) -> str:
     return "\n".join(lines)
 
 
+def inside(point: dict, interval: dict) -> bool | None:
+    """Whether ``point``'s paired speed-up lies inside ``interval``'s 95% interval (``None`` when
+    either has no figure)."""
+    ratio = (point.get("speedup") or {}).get("ratio")
+    low, high = ((interval.get("speedup") or {}).get(k) for k in ("low", "high"))
+    if ratio is None or low is None or high is None:
+        return None
+    return low <= ratio <= high
+
+
+def cross_inside(points: list[dict], intervals: list[dict], *, same: bool = False) -> tuple[int, int]:
+    """How many (point, interval) pairs have the point inside, out of those with figures; with
+    ``same`` the two lists are one, and a tune is not compared with itself."""
+    hits = total = 0
+    for i, point in enumerate(points):
+        for j, interval in enumerate(intervals):
+            if same and i == j:
+                continue
+            found = inside(point, interval)
+            if found is not None:
+                hits, total = hits + found, total + 1
+    return hits, total
+
+
+def rounds_summary(rounds: list[dict]) -> dict:
+    """Every disturbed tune against every undisturbed interval, and the undisturbed ones against
+    each other (the control); the winners of each kind."""
+    quiet = [r["undisturbed"] for r in rounds]
+    busy = [r["disturbed"] for r in rounds]
+    return {"disturbed_inside_undisturbed": cross_inside(busy, quiet),
+            "undisturbed_inside_undisturbed": cross_inside(quiet, quiet, same=True),
+            "winners": {"undisturbed": [t.get("winner_label") for t in quiet],
+                        "disturbed": [t.get("winner_label") for t in busy]}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("script", type=Path)
@@ -98,33 +139,48 @@ def main() -> None:
     parser.add_argument("--burners", type=int, default=2, help="CPU-bound neighbours in the disturbed tune")
     parser.add_argument("--burst-s", type=float, help="stop the neighbours after this many seconds (default: "
                         "they run until the tune ends)")
+    parser.add_argument("--rounds", type=int, default=1, help="pairs of tunes, the order within a pair alternating")
     parser.add_argument("--out", type=Path, help="write both tunes' JSON here")
     args = parser.parse_args()
     script = args.script.resolve()
     if not script.is_file():
         raise SystemExit(f"no such script: {args.script}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     tune_args = shlex.split(args.tune_args)
-    results = {}
-    # With no neighbours the second tune is a control: how far two undisturbed tunes differ here.
-    for name, burners in (("undisturbed", 0), ("disturbed", args.burners)):
-        with tempfile.TemporaryDirectory(prefix="mpadvise-disturbed-") as work:
-            results[name] = tune(script, tune_args, burners, Path(work), args.burst_s)
-        print(describe(name if burners or name == "undisturbed" else "undisturbed again (control)", results[name]),
-              flush=True)
-    quiet, busy = results["undisturbed"], results["disturbed"]
-    low, high = quiet["speedup"]["low"], quiet["speedup"]["high"]
-    inside = low is not None and high is not None and low <= busy["speedup"]["ratio"] <= high
-    # Two honest 95% intervals of one ratio overlap far more often than either holds the
-    # other's point (about 83% of the time for equal widths, less when the second is wider).
-    b_low, b_high = busy["speedup"]["low"], busy["speedup"]["high"]
-    overlap = None not in (low, high, b_low, b_high) and b_low <= high and low <= b_high
-    print(f"same winner: {quiet['winner_label'] == busy['winner_label']}; the disturbed speed-up inside the "
-          f"undisturbed interval: {inside}; the intervals overlap: {overlap}")
+    rounds = []
+    for r in range(args.rounds):
+        results = {}
+        # With no neighbours the disturbed tune is a control: how far two undisturbed tunes differ here.
+        kinds = (("undisturbed", 0), ("disturbed", args.burners))
+        for name, burners in kinds if r % 2 == 0 else kinds[::-1]:
+            with tempfile.TemporaryDirectory(prefix="mpadvise-disturbed-") as work:
+                results[name] = tune(script, tune_args, burners, Path(work), args.burst_s)
+            label = name if burners or name == "undisturbed" else "undisturbed again (control)"
+            print(describe(label if args.rounds == 1 else f"round {r + 1}, {label}", results[name]), flush=True)
+        quiet, busy = results["undisturbed"], results["disturbed"]
+        # Two honest 95% intervals of one ratio overlap far more often than either holds the
+        # other's point (about 83% of the time for equal widths, less when the second is wider).
+        b_low, b_high = busy["speedup"]["low"], busy["speedup"]["high"]
+        low, high = quiet["speedup"]["low"], quiet["speedup"]["high"]
+        overlap = None not in (low, high, b_low, b_high) and b_low <= high and low <= b_high
+        print(f"same winner: {quiet['winner_label'] == busy['winner_label']}; the disturbed speed-up inside the "
+              f"undisturbed interval: {bool(inside(busy, quiet))}; the intervals overlap: {overlap}")
+        rounds.append(results)
+    record = {"script": str(args.script), "tune_args": tune_args, "burners": args.burners, "burst_s": args.burst_s}
+    if args.rounds == 1:
+        record.update(rounds[0])
+    else:
+        summary = rounds_summary(rounds)
+        hits, total = summary["disturbed_inside_undisturbed"]
+        c_hits, c_total = summary["undisturbed_inside_undisturbed"]
+        print(f"disturbed speed-ups inside an undisturbed interval: {hits} of {total}; undisturbed ones inside"
+              f" another undisturbed interval (control): {c_hits} of {c_total}")
+        print(f"winners: undisturbed {summary['winners']['undisturbed']}, disturbed {summary['winners']['disturbed']}")
+        record.update({"rounds": rounds, "summary": summary})
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomic(args.out, json.dumps({"script": str(args.script), "tune_args": tune_args,
-                                                "burners": args.burners, "burst_s": args.burst_s, **results},
-                                               indent=2, default=str))
+        write_file_atomic(args.out, json.dumps(record, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""Fixtures for the unit tests that read and write the recommendation cache."""
+"""Fixtures for the unit tests that read and write the recommendation cache, and a benchmark
+script loaded as a module."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,3 +30,23 @@ def exits(monkeypatch) -> list[int]:
     monkeypatch.setattr(_child, "end_trial_process", codes.append)
     monkeypatch.setattr(_child.atexit, "register", lambda fn: None)
     return codes
+
+
+@pytest.fixture
+def load_bench():
+    """Loads ``scripts/NAME.py`` as a module, for its pure functions (the benchmarks themselves
+    run for minutes); unloaded when the test ends."""
+    loaded: list[str] = []
+
+    def load(name: str):
+        path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its dataclasses look their module up there
+        loaded.append(name)
+        spec.loader.exec_module(module)
+        return module
+
+    yield load
+    for name in loaded:
+        sys.modules.pop(name, None)
