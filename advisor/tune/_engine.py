@@ -470,7 +470,7 @@ def tune_policy(
         return options.time_budget is not None and clock() - search_start >= options.time_budget
 
     settled = _settle_finalists(trials, search.measured, user_batch, ref_cand, remeasure=remeasure,
-                                out_of_time=out_of_time, on_round=on_round)
+                                out_of_time=out_of_time, on_round=on_round, within=options.speedup_within)
     winner, tie_note = _pick_winner(settled.finalists, user_batch, stop=settled.stop)
     if probed and trials.reference.flops_per_step:
         peaks = _higher_peaks(peaks, measure_matmul(profile)[1])
@@ -620,7 +620,7 @@ class _Trials:
     def remeasure(
         self, finalists: list[Finalist], companion: Finalist, first_round: int = 0, *,
         out_of_time: Callable[[], bool] = lambda: False, on_round: Callable[[int, int, int], None] | None = None,
-        hard_limit: int | None = None,
+        hard_limit: int | None = None, within: float | None = None,
     ) -> tuple[list[Finalist], list[Measured], int, str]:
         """Re-run finalists in interleaved rounds until each gap to the leader is settled, and
         the likely winner's against fp32.
@@ -646,6 +646,8 @@ class _Trials:
             on_round: progress: the round's number (from 1), the most rounds, its runs.
             hard_limit: the one bound on the rounds in all, in place of the usual ones (for
                 rounds that pair the winner, ``PAIRING_ROUNDS``).
+            within: the winner and fp32 run on, even once its lead is resolved, until its
+                speed-up's interval lies within this fraction of its figure either way.
 
         Returns:
             The finalists left (each with its gap to the leader), the failed re-measurements
@@ -656,7 +658,7 @@ class _Trials:
         lost: list[Measured] = []
         round_ = first_round
         while True:
-            running = _round_runners(active, companion, self.user_batch)
+            running = _round_runners(active, companion, self.user_batch, within)
             if not running:
                 stop = STOP_SETTLED
                 break
@@ -832,10 +834,10 @@ class _Settled:
 def _settle_finalists(
     trials: _Trials, measured: dict[Candidate, Measured], user_batch: int | None, ref_cand: Candidate, *,
     remeasure: bool, out_of_time: Callable[[], bool] = lambda: False,
-    on_round: Callable[[int, int, int], None] | None = None,
+    on_round: Callable[[int, int, int], None] | None = None, within: float | None = None,
 ) -> _Settled:
     """The finalists once re-measurement has settled their gaps (and the winner's against
-    fp32), best first.
+    fp32, to ``within`` of its figure when given), best first.
 
     A finalist that fails its re-measurement is marked so in ``measured`` and dropped. Its
     going can bring others within the noise band of the new best, so the field is drawn
@@ -871,7 +873,7 @@ def _settle_finalists(
                 for f in finalists:
                     f.gap = None
             lost, rounds = _pair_winner_locally(trials, finalists, companion, rounds, user_batch, stop, on_round,
-                                                out_of_time)
+                                                out_of_time, within)
         for m in lost:
             measured[m.candidate] = m
         dropped += lost
@@ -882,9 +884,11 @@ def _settle_finalists(
 def _pair_winner_locally(
     trials: _Trials, finalists: list[Finalist], companion: Finalist, rounds: int, user_batch: int | None, stop: str,
     on_round: Callable[[int, int, int], None] | None, out_of_time: Callable[[], bool] = lambda: False,
+    within: float | None = None,
 ) -> tuple[list[Measured], int]:
     """Run a would-be winner that holds fewer than ``LOCAL_PAIRS`` paired rounds beside fp32
-    here, with fp32, until it holds them.
+    here, or (``within``) a speed-up interval wider than ``within`` of its figure either way,
+    with fp32, until it holds them.
 
     Its figure may be another worker's (read from a shared study) or an earlier run's, while
     fp32's is this machine's: their ratio is no speed-up of this machine. A lone finalist, or a
@@ -893,7 +897,9 @@ def _pair_winner_locally(
     interval. These rounds run past the usual round limit, up to ``PAIRING_ROUNDS`` in all. A
     figure measured elsewhere gets them even past the time budget: nothing measured elsewhere is
     cached without them. A winner this worker ran keeps to the budget (single runs, or one pair,
-    when it is spent).
+    when it is spent). A winner stopped at two pairs, once its lead was resolved, can carry an
+    interval of 1.03x to 1.89x (the Accelerate MLP at width 4096 on the 2-core Xeon): ``within``
+    asks for a figure a user can quote.
 
     Returns:
         The failed re-measurement of a winner that is not stable here (empty when none), and
@@ -901,7 +907,7 @@ def _pair_winner_locally(
     """
     for _ in range(len(finalists)):  # the pick may move once its rounds are in: at most once per finalist
         pick, _ = _pick_finalist(finalists, user_batch, stop=stop)
-        if pick is None or pick.candidate == companion.candidate or _paired(pick, companion).pairs >= LOCAL_PAIRS:
+        if pick is None or pick.candidate == companion.candidate or _paired_enough(_paired(pick, companion), within):
             break  # none, fp32 itself, or paired here already
         own = pick.candidate in trials.evaluations
         if own and (stop == STOP_TIME_BUDGET or out_of_time()):
@@ -909,10 +915,10 @@ def _pair_winner_locally(
         before = rounds
 
         def paired_or_spent(pick: Finalist = pick, own: bool = own) -> bool:
-            return _paired(pick, companion).pairs >= LOCAL_PAIRS or (own and out_of_time())
+            return _paired_enough(_paired(pick, companion), within) or (own and out_of_time())
 
         _, lost, rounds, _ = trials.remeasure([pick], companion, rounds, on_round=on_round,
-                                              out_of_time=paired_or_spent, hard_limit=PAIRING_ROUNDS)
+                                              out_of_time=paired_or_spent, hard_limit=PAIRING_ROUNDS, within=within)
         if lost:
             finalists.remove(pick)
             return lost, rounds
@@ -921,6 +927,18 @@ def _pair_winner_locally(
         if rounds == before:  # the round limit is reached: no more rounds can run
             break
     return [], rounds
+
+
+def _paired_enough(gap: Gap, within: float | None) -> bool:
+    """Whether a winner's gap over fp32 rests on ``LOCAL_PAIRS`` pairs at least, and with
+    ``within``, on an interval inside that fraction of its figure either way."""
+    if gap.pairs < LOCAL_PAIRS:
+        return False
+    if within is None:
+        return True
+    bound = math.log1p(within)
+    return gap.low > 0 and math.isfinite(gap.high) and max(math.log(gap.high / gap.ratio),
+                                                             math.log(gap.ratio / gap.low)) <= bound
 
 
 def _finalists(
@@ -1000,12 +1018,14 @@ def _per_sample_times(result: TrialResult) -> list[float]:
     return [t / samples for t in result.step_times[warm:]]
 
 
-def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int | None) -> list[Finalist]:
+def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int | None,
+                   within: float | None = None) -> list[Finalist]:
     """Who runs in the next round of re-measurement; nobody once everything is settled.
 
     The leader and every finalist whose gap to it is not settled; with them (or alone, while
-    its speed-up is unresolved) the finalist that would win now, and fp32 beside it, so that
-    the winner's speed-up rests on rounds both ran. Nobody runs for fp32's own speed-up.
+    its speed-up is unresolved, or with ``within`` not yet that precise) the finalist that would
+    win now, and fp32 beside it, so that the winner's speed-up rests on rounds both ran. Nobody
+    runs for fp32's own speed-up.
     """
     leader = _lead(active)
     if leader is None:
@@ -1013,7 +1033,9 @@ def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int 
     rivals = [f for f in active if f.gap is not None and not _settled(leader, f, user_batch)]
     running = [leader, *rivals] if rivals else []
     pick, _ = _pick_finalist(active, user_batch)
-    if pick is not None and pick.candidate != companion.candidate and (running or not _paired(pick, companion).resolved):
+    if pick is not None and pick.candidate != companion.candidate and (
+            running or not _paired(pick, companion).resolved
+            or (within is not None and not _paired_enough(_paired(pick, companion), within))):
         running += [f for f in (pick, companion) if all(f is not r for r in running)]
     return running
 

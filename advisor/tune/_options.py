@@ -92,6 +92,12 @@ def _seconds(option: OptionInfo, value: Any) -> float:
     return value
 
 
+def _fraction(option: OptionInfo, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not option.in_bounds(value) or value >= 1:
+        raise option.refuse(value, f"a fraction{option.bound()} and < 1 (0.1 for 10%)")
+    return value
+
+
 def _switch(option: OptionInfo, value: Any) -> bool:
     if not isinstance(value, bool):
         raise option.refuse(value, "True or False")
@@ -226,6 +232,10 @@ class TuneOptions:
     out: str | None = _option(None, "Config file to write; default: <script>.mpadvise.toml beside it.", _config_path)
     no_cache: bool = _option(False, "Do not store the answer in the per-GPU cache.", _switch)
     no_priors: bool = _option(False, "Measure candidates even when the matmul priors say they cannot win.", _switch)
+    speedup_within: float | None = _option(
+        None, "Pair the winner with fp32 until its speed-up's 95% interval lies within this fraction of the figure "
+        "(0.1: 10% either way), up to 12 re-measurement rounds in all; default: the pairs the decision took, two at "
+        "least.", _fraction, minimum=0, above=True, job_limit=0.99)
 
     def __post_init__(self) -> None:
         for option in option_info():

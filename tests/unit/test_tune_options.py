@@ -18,7 +18,8 @@ from probes import MpadviseError, UsageError
 
 # The daemon's documented job options (docs/daemon.md); stored jobs carry exactly these keys.
 JOB_OPTIONS = ["trials", "time_budget", "steps", "warmup", "modes", "scale_batch", "include_emulated",
-               "memory_limit", "timeout", "first_step_timeout", "seed", "framework", "resume", "fresh", "out", "no_cache", "no_priors"]
+               "memory_limit", "timeout", "first_step_timeout", "seed", "framework", "resume", "fresh", "out", "no_cache", "no_priors",
+               "speedup_within"]
 
 
 def test_one_set_of_names_and_defaults():
@@ -100,7 +101,7 @@ def test_dict_round_trip_and_a_stored_job_row_loads():
            "out": "/w/train.mpadvise.toml", "no_cache": False, "no_priors": False}
     # A row stored before an option existed loads, that option at its default.
     assert TuneOptions.from_dict(row).to_dict(job=True) == {**row, "framework": None, "first_step_timeout": 120.0,
-                                                                     "fresh": False}
+                                                                     "fresh": False, "speedup_within": None}
     with pytest.raises(MpadviseError, match="unknown tune option 'use_priors'; expected some of trials"):
         TuneOptions.from_dict({"use_priors": False})
 
@@ -136,8 +137,10 @@ def test_what_the_wire_takes_the_dataclass_takes_and_the_lower_bounds_agree():
     for option in option_info():
         if not option.job or option.minimum is None:
             continue
-        lowest = option.minimum + (1 if option.above else 0)
-        top = int(option.job_limit)
+        # Whole numbers and seconds step by 1 above a bound they may not reach; a fraction by 0.01.
+        step = 1 if float(option.job_limit).is_integer() else 0.01
+        lowest = option.minimum + (step if option.above else 0)
+        top = option.job_limit
         for value in (lowest, top):
             dumped = JobRequest.model_validate({"script": "/x", "options": {option.name: value}}).options.model_dump()
             assert getattr(TuneOptions.from_dict(dumped), option.name) == value

@@ -1,0 +1,91 @@
+"""``--speedup-within``: the winner is paired with fp32 until its speed-up is that precise.
+
+A tune stops re-measuring once its decision is resolved; a winner whose lead over fp32 was
+resolved after two pairs can carry a wide interval (1.03x to 1.89x on the Accelerate MLP at
+width 4096 on the 2-core Xeon). A fake runner: milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from test_search import tune
+from test_search_remeasure import ScriptedRunner, remeasured
+from typer.testing import CliRunner
+
+from advisor.cli import app
+from advisor.tune._engine import LOCAL_PAIRS, PAIRING_ROUNDS
+from advisor.tune._options import TuneOptions, option_info
+from advisor.tune._space import Candidate
+from probes import UsageError
+
+MODES = ["fp32", "bf16-mixed"]
+
+
+def _half_width(speedup) -> float:
+    """The larger of the interval's two sides, as a fraction of the figure."""
+    return max(speedup.high / speedup.ratio, speedup.ratio / speedup.low) - 1
+
+
+def _runner(bf16_rounds_ms: list[float]) -> ScriptedRunner:
+    return ScriptedRunner({"fp32": 100, "bf16-mixed": 41}, {"fp32": [100] * 20, "bf16-mixed": bf16_rounds_ms})
+
+
+def test_without_it_a_resolved_lead_stops_at_two_pairs_with_a_wide_interval():
+    result = tune(_runner([40, 42] + [41] * 18), modes=MODES, remeasure=True)
+    assert result.winner == Candidate("bf16-mixed")
+    assert result.speedup.pairs == LOCAL_PAIRS == 2
+    assert _half_width(result.speedup) > 0.10
+
+
+def test_with_it_the_winner_and_fp32_run_on_until_the_interval_is_that_narrow():
+    runner = _runner([40, 42] + [41] * 18)
+    result = tune(runner, modes=MODES, remeasure=True, speedup_within=0.1)
+    assert result.winner == Candidate("bf16-mixed")
+    assert result.speedup.pairs == 3  # one round more: 2.5x, 2.38x, 2.44x
+    assert _half_width(result.speedup) <= 0.10
+    assert result.speedup.ratio == pytest.approx(math.exp((math.log(100 / 40) + math.log(100 / 42)
+                                                           + math.log(100 / 41)) / 3), rel=1e-3)
+    assert remeasured(runner)[-2:] in ([(3, "bf16-mixed"), (3, "fp32")], [(3, "fp32"), (3, "bf16-mixed")])
+    assert result.policy.tuned_on.speedup_vs_fp32 == pytest.approx(result.speedup.ratio, rel=1e-3)
+
+
+def test_a_speed_up_that_never_gets_that_precise_stops_at_the_round_bound_and_is_still_written():
+    runner = _runner([30, 50] * 10)
+    result = tune(runner, modes=MODES, remeasure=True, speedup_within=0.1)
+    assert result.winner == Candidate("bf16-mixed") and result.policy is not None
+    assert result.speedup.pairs == PAIRING_ROUNDS
+    assert _half_width(result.speedup) > 0.10
+    assert max(r for r, _ in remeasured(runner)) == PAIRING_ROUNDS
+
+
+def test_its_help_names_the_round_bound():
+    (option,) = [o for o in option_info() if o.name == "speedup_within"]
+    assert f"up to {PAIRING_ROUNDS} re-measurement rounds" in option.help
+    assert option.flag == "--speedup-within"
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1, 1.5, True, "10%"])
+def test_a_value_that_is_no_fraction_is_refused(value):
+    with pytest.raises(UsageError, match=r"--speedup-within .* is not allowed; expected a fraction"):
+        TuneOptions(speedup_within=value)
+
+
+def test_a_daemon_job_takes_it_below_one_only():
+    from pydantic import ValidationError
+
+    from advisor.daemon._requests import JobRequest
+
+    job = JobRequest.model_validate({"script": "/x", "options": {"speedup_within": 0.05}})
+    assert TuneOptions.from_dict(job.options.model_dump()).speedup_within == 0.05
+    with pytest.raises(ValidationError):
+        JobRequest.model_validate({"script": "/x", "options": {"speedup_within": 1.0}})
+
+
+def test_the_command_refuses_it_in_one_line(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    out = CliRunner().invoke(app, ["tune", str(script), "--speedup-within", "2"])
+    assert out.exit_code == 2
+    assert "--speedup-within" in out.output and "Traceback" not in out.output
