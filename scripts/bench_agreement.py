@@ -8,9 +8,10 @@ time over the mode's; above 1 when the mode is faster):
   imports, set-up and exit removed. Median over the repeats.
 * **trial**: `mpadvise trial SCRIPT -m MODE --json`, run ``--trials`` times: the candidate's
   goodput over the fp32 reference's (single runs). Median.
-* **tune**: `mpadvise tune SCRIPT -m fp32 -m MODE --no-priors --json --no-cache`, run ``--tunes``
-  times: the winner and the paired figure of MODE against fp32 (the winner's speed-up when MODE
-  wins; one over fp32's paired gap over MODE when fp32 wins).
+* **tune**: `mpadvise tune SCRIPT -m fp32 -m MODE --no-priors --json --no-cache` (and
+  ``--tune-extra``), run ``--tunes`` times: the winner and the paired figure of MODE against
+  fp32 (the winner's speed-up when MODE wins; one over fp32's paired gap over MODE when fp32
+  wins).
 
 Each tune and trial is also checked against the start-up-free ratio (within 10% is the bar).
 The three kinds run interleaved, round by round, one of each kind per round in an order that
@@ -34,6 +35,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -127,14 +129,15 @@ def trial_ratio(preset: Preset, mode: str) -> float:
     return float(data["candidates"][0]["speedup_vs_fp32"])
 
 
-def tune_ratio(preset: Preset, mode: str) -> dict:
-    """The tune's winner, and MODE's paired ratio to fp32 with its interval when paired."""
+def tune_ratio(preset: Preset, mode: str, extra: tuple[str, ...] = ()) -> dict:
+    """The tune's winner, and MODE's paired ratio to fp32 with its interval when paired;
+    ``extra``: more tune options."""
     with tempfile.TemporaryDirectory() as home:
         os.environ["MPADVISE_HOME"] = home
         try:
             # The config file goes to the throwaway home, not beside the script in the checkout.
             data = cli("tune", preset.script, "-m", "fp32", "-m", mode, "--no-priors", "--json", "--no-cache",
-                       "--out", os.path.join(home, "policy.mpadvise.toml"), "--", *preset.args, timeout=3600)
+                       "--out", os.path.join(home, "policy.mpadvise.toml"), *extra, "--", *preset.args, timeout=3600)
         finally:
             os.environ.pop("MPADVISE_HOME", None)
     winner = data.get("winner_label")
@@ -241,6 +244,7 @@ def main() -> None:
     parser.add_argument("--long", type=int, help="units of the long plain run (default: the preset's)")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--tunes", type=int, default=5)
+    parser.add_argument("--tune-extra", default="", help="more tune options, e.g. --tune-extra='--speedup-within 0.1'")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--pool", type=Path, nargs="+", metavar="FILE",
                         help="compare recorded runs of this bench together instead of measuring")
@@ -270,7 +274,7 @@ def main() -> None:
             elif kind == "trial":
                 results[kind].append(trial_ratio(preset, args.mode))
             else:
-                results[kind].append(tune_ratio(preset, args.mode))
+                results[kind].append(tune_ratio(preset, args.mode, tuple(shlex.split(args.tune_extra))))
     truth, trials, tunes = results["startup_free"], results["trial"], results["tune"]
     true_ratio = statistics.median(truth)
 
@@ -293,6 +297,7 @@ def main() -> None:
         tflops = "-" if found["tflops"] is None else f"{found['tflops']:.3g}"
         print(f"last tune, {label}: {tflops} TFLOP/s, MFU {mfu}")
     record = {"script": preset.script, "args": list(preset.args), "mode": args.mode, "machine": machine(),
+              "tune_extra": shlex.split(args.tune_extra),
               "order": "interleaved", "started": started, "startup_free": truth, "trial": trials, "tunes": tunes}
     if truth and trials and any(t["ratio"] for t in tunes):
         found = pooled([record])
