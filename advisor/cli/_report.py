@@ -454,6 +454,10 @@ def _print_search(tune: dict[str, Any], console: Console) -> None:
     stop = remeasure_stop_line(tune)
     if stop:
         console.print(stop, highlight=False)
+    if tune.get("speedup_within_met") is False:
+        pairs = (tune.get("speedup") or {}).get("pairs")
+        console.print(f"[yellow]the speed-up's interval is wider than {tune['speedup_within']:.0%} of its figure "
+                      f"either way after {pairs} pairs[/]: the round bound or the time budget came first", highlight=False)
     for dropped in tune.get("dropped_finalists") or []:
         console.print(f"[red]dropped[/] {dropped.get('label')}: {dropped.get('reason')}", highlight=False)
     if tune.get("gap"):

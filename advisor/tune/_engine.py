@@ -220,6 +220,10 @@ class TuneResult:
     disturbances: list[Disturbance] = field(default_factory=list)  # trials run again: disturbed or lost
     peak_tflops: dict[str, float] = field(default_factory=dict)  # probed matmul TFLOP/s per dtype
     cost: TuneCost | None = None  # what the tune's trials cost, against one measured window
+    speedup_within: float | None = None  # the precision asked of the speed-up (--speedup-within)
+    # Whether the winner's paired speed-up is that precise; None when nothing was asked, or the
+    # winner has no paired figure (fp32 itself).
+    speedup_within_met: bool | None = None
 
     def utilisation(self, cand: Candidate) -> Utilisation | None:
         """A measured candidate's achieved TFLOP/s and MFU, from the reference's FLOP count."""
@@ -348,6 +352,8 @@ class TuneResult:
             "flops_basis": self.reference.result.flops_basis,
             "peak_tflops": dict(self.peak_tflops),
             "cost": None if self.cost is None else self.cost.to_dict(),
+            "speedup_within": self.speedup_within,
+            "speedup_within_met": self.speedup_within_met,
         }
 
 
@@ -474,10 +480,12 @@ def tune_policy(
     winner, tie_note = _pick_winner(settled.finalists, user_batch, stop=settled.stop)
     if probed and trials.reference.flops_per_step:
         peaks = _higher_peaks(peaks, measure_matmul(profile)[1])
-    policy = speedup = None
+    policy = speedup = within_met = None
     if winner is not None:
         best = next(f for f in settled.finalists if f.candidate == winner)
         speedup = _speedup(best, settled.companion, ref_cand, reference.goodput or 0.0, stop=settled.stop)
+        if options.speedup_within is not None and speedup is not None and speedup.pairs:
+            within_met = _paired_enough(_paired(best, settled.companion), options.speedup_within)
         policy = _tuned_policy(winner, best, speedup, trials, profile, workload, search.runs + search.resumed)
     return TuneResult(reference, space, search, trials.evaluations, settled.finalists, winner, policy, tie_note,
                       _scale_batch_note(winner, user_batch), ratios, clock() - start,
@@ -486,7 +494,8 @@ def tune_policy(
                       reference_rounds=list(settled.companion.rounds) if settled.companion else [],
                       window_note=trials.window_note, measure_steps=getattr(trials.runner, "measure_steps", None),
                       extended=list(trials.yardsticks.extended) if trials.yardsticks else [],
-                      disturbances=list(watch.events), peak_tflops=peaks, cost=TuneCost.of(watch.ran, clock() - start, trials.reference))
+                      disturbances=list(watch.events), peak_tflops=peaks, cost=TuneCost.of(watch.ran, clock() - start, trials.reference),
+                      speedup_within=options.speedup_within, speedup_within_met=within_met)
 
 
 def _utilisation_fields(found: Utilisation | None) -> dict[str, Any]:

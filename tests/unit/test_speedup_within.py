@@ -7,14 +7,17 @@ width 4096 on the 2-core Xeon). A fake runner: milliseconds.
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
+from rich.console import Console
 from test_search import tune
 from test_search_remeasure import ScriptedRunner, remeasured
 from typer.testing import CliRunner
 
 from advisor.cli import app
+from advisor.cli._report import render_tune
 from advisor.tune._engine import LOCAL_PAIRS, PAIRING_ROUNDS
 from advisor.tune._options import TuneOptions, option_info
 from advisor.tune._space import Candidate
@@ -30,6 +33,12 @@ def _half_width(speedup) -> float:
 
 def _runner(bf16_rounds_ms: list[float]) -> ScriptedRunner:
     return ScriptedRunner({"fp32": 100, "bf16-mixed": 41}, {"fp32": [100] * 20, "bf16-mixed": bf16_rounds_ms})
+
+
+def _report(data: dict) -> str:
+    console = Console(record=True, width=300, file=io.StringIO())
+    render_tune(data, console)
+    return console.export_text()
 
 
 def test_without_it_a_resolved_lead_stops_at_two_pairs_with_a_wide_interval():
@@ -49,6 +58,9 @@ def test_with_it_the_winner_and_fp32_run_on_until_the_interval_is_that_narrow():
                                                            + math.log(100 / 41)) / 3), rel=1e-3)
     assert remeasured(runner)[-2:] in ([(3, "bf16-mixed"), (3, "fp32")], [(3, "fp32"), (3, "bf16-mixed")])
     assert result.policy.tuned_on.speedup_vs_fp32 == pytest.approx(result.speedup.ratio, rel=1e-3)
+    data = result.to_dict()
+    assert (data["speedup_within"], data["speedup_within_met"]) == (0.1, True)
+    assert "wider than" not in _report(data)
 
 
 def test_a_speed_up_that_never_gets_that_precise_stops_at_the_round_bound_and_is_still_written():
@@ -58,6 +70,16 @@ def test_a_speed_up_that_never_gets_that_precise_stops_at_the_round_bound_and_is
     assert result.speedup.pairs == PAIRING_ROUNDS
     assert _half_width(result.speedup) > 0.10
     assert max(r for r, _ in remeasured(runner)) == PAIRING_ROUNDS
+    data = result.to_dict()
+    assert (data["speedup_within"], data["speedup_within_met"]) == (0.1, False)
+    assert (f"the speed-up's interval is wider than 10% of its figure either way after {PAIRING_ROUNDS} pairs"
+            in _report(data))
+
+
+def test_nothing_asked_nothing_reported():
+    data = tune(_runner([40, 42] + [41] * 18), modes=MODES, remeasure=True).to_dict()
+    assert (data["speedup_within"], data["speedup_within_met"]) == (None, None)
+    assert "wider than" not in _report(data)
 
 
 def test_its_help_names_the_round_bound():
