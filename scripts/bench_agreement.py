@@ -263,6 +263,7 @@ def main() -> None:
     short, long = args.short or preset.short, args.long or preset.long
     if long <= short:
         raise SystemExit(f"--long {long} must be above --short {short}: their difference is what is timed")
+    extra = tuple(shlex.split(args.tune_extra))
     results: dict[str, list] = {kind: [] for kind in KINDS}
     started: list[dict] = []
     t0 = time.perf_counter()
@@ -274,7 +275,7 @@ def main() -> None:
             elif kind == "trial":
                 results[kind].append(trial_ratio(preset, args.mode))
             else:
-                results[kind].append(tune_ratio(preset, args.mode, tuple(shlex.split(args.tune_extra))))
+                results[kind].append(tune_ratio(preset, args.mode, extra))
     truth, trials, tunes = results["startup_free"], results["trial"], results["tune"]
     true_ratio = statistics.median(truth)
 
@@ -297,7 +298,7 @@ def main() -> None:
         tflops = "-" if found["tflops"] is None else f"{found['tflops']:.3g}"
         print(f"last tune, {label}: {tflops} TFLOP/s, MFU {mfu}")
     record = {"script": preset.script, "args": list(preset.args), "mode": args.mode, "machine": machine(),
-              "tune_extra": shlex.split(args.tune_extra),
+              "tune_extra": list(extra),
               "order": "interleaved", "started": started, "startup_free": truth, "trial": trials, "tunes": tunes}
     if truth and trials and any(t["ratio"] for t in tunes):
         found = pooled([record])

@@ -1042,10 +1042,10 @@ def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int 
     rivals = [f for f in active if f.gap is not None and not _settled(leader, f, user_batch)]
     running = [leader, *rivals] if rivals else []
     pick, _ = _pick_finalist(active, user_batch)
-    if pick is not None and pick.candidate != companion.candidate and (
-            running or not _paired(pick, companion).resolved
-            or (within is not None and not _paired_enough(_paired(pick, companion), within))):
-        running += [f for f in (pick, companion) if all(f is not r for r in running)]
+    if pick is not None and pick.candidate != companion.candidate:
+        gap = _paired(pick, companion)  # fewer than two pairs are unresolved, so enough pairs is checked too
+        if running or not gap.resolved or not _paired_enough(gap, within):
+            running += [f for f in (pick, companion) if all(f is not r for r in running)]
     return running
 
 
