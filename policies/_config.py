@@ -169,6 +169,9 @@ class TunedOn:
         speedup_high: the upper end.
         speedup_basis: what the speed-up rests on, in words ("paired re-measurement, 4 pairs",
             "single runs, not re-measured").
+        speedup_threads: the CPU threads the speed-up was measured on, where other processes
+            kept cores busy and its runs had fewer than torch's own; ``None``: torch's own (or a
+            GPU). A gain measured on fewer threads can differ from the gain on all cores.
         args: the script's command-line arguments the tune ran it with (``()`` for none), so
             that a tune with other arguments does not replace this answer unasked and a run
             with others can say so; ``None`` in a config written before they were recorded.
@@ -192,6 +195,7 @@ class TunedOn:
     speedup_high: float | None = None
     speedup_basis: str | None = None
     args: tuple[str, ...] | None = None
+    speedup_threads: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive("tuned_on.global_batch", self.global_batch, integer=True, allow_none=True)
@@ -202,6 +206,7 @@ class TunedOn:
             ):
                 raise PolicyError(f"tuned_on.args: {self.args!r} is not allowed; expected a list of strings")
             object.__setattr__(self, "args", tuple(self.args))
+        _check_positive("tuned_on.speedup_threads", self.speedup_threads, integer=True, allow_none=True)
         for name in ("speedup_low", "speedup_high"):
             _check_positive(f"tuned_on.{name}", getattr(self, name), allow_none=True)
         if self.speedup_basis is not None and not isinstance(self.speedup_basis, str):

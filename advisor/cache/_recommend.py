@@ -235,6 +235,7 @@ def _tuned_on(
         speedup_low=earlier.speedup_low,
         speedup_high=earlier.speedup_high,
         speedup_basis=earlier.speedup_basis,
+        speedup_threads=earlier.speedup_threads,
         args=earlier.args,
     )
 

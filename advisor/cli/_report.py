@@ -458,6 +458,9 @@ def _print_search(tune: dict[str, Any], console: Console) -> None:
         pairs = (tune.get("speedup") or {}).get("pairs")
         console.print(f"[yellow]the speed-up's interval is wider than {tune['speedup_within']:.0%} of its figure "
                       f"either way after {pairs} pairs[/]: the round bound or the time budget came first", highlight=False)
+    on_threads = on_threads_line(tune.get("speedup") or {})
+    if on_threads:
+        console.print(on_threads, highlight=False)
     for dropped in tune.get("dropped_finalists") or []:
         console.print(f"[red]dropped[/] {dropped.get('label')}: {dropped.get('reason')}", highlight=False)
     if tune.get("gap"):
@@ -494,6 +497,17 @@ def remeasure_stop_line(tune: dict[str, Any]) -> str:
                     "margin or a change of threads left rounds unpaired: a gap still unresolved counts as a tie")
         return f"re-measurement stopped at its limit of {most} rounds: a gap still unresolved counts as a tie"
     return ""
+
+
+def on_threads_line(speedup: dict[str, Any]) -> str:
+    """A warning when the speed-up was measured on fewer CPU threads than torch's own (other
+    processes kept cores busy), else empty."""
+    threads, own = speedup.get("threads"), speedup.get("torch_threads")
+    if not threads or not own:
+        return ""
+    return (f"[yellow]the speed-up was measured on {threads} of torch's {own} threads[/]: other processes kept cores "
+            "busy through it, and a gain on fewer threads can differ from the gain on all cores: the figure there "
+            "needs a tune while they are free")
 
 
 def describe_speedup(speedup: dict[str, Any]) -> str:

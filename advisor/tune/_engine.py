@@ -9,7 +9,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import probes
@@ -28,7 +28,7 @@ from advisor.tune._space import (
     space_for,
 )
 from advisor.tune._stability import StabilityThresholds, TrialCurve, safety_rank
-from advisor.tune._steady import Disturbance, DisturbanceWatch, SteadyRunner
+from advisor.tune._steady import Disturbance, DisturbanceWatch, SteadyRunner, default_threads
 from advisor.tune._timing import (
     DEFAULT_CONFIDENCE,
     DEFAULT_MIN_MARGIN,
@@ -135,7 +135,12 @@ class Speedup:
             fp32 itself).
         confidence: the interval's confidence level.
         basis: what it rests on, in words: ``"paired re-measurement, 4 pairs"``, ``"single runs,
-            not re-measured"``, ``"the fp32 reference itself"``.
+            not re-measured"``, ``"the fp32 reference itself"``; with ``threads``, the threads too.
+        threads: the CPU threads its runs had, where other processes kept cores busy and they
+            ran on fewer than torch's own (``torch_threads``); ``None``: torch's own (or a GPU).
+            A 16-bit gain on one thread is not the gain on all cores (on the 2-core Xeon,
+            bf16-mixed gained 1.33x on one thread and 1.14x on two).
+        torch_threads: torch's own thread count, beside ``threads``; ``None`` without it.
     """
 
     ratio: float
@@ -144,17 +149,31 @@ class Speedup:
     pairs: int = 0
     confidence: float = DEFAULT_CONFIDENCE
     basis: str = ""
+    threads: int | None = None
+    torch_threads: int | None = None
 
     @classmethod
-    def of_gap(cls, gap: Gap) -> Speedup:
-        """The paired gap of the winner over fp32, as the speed-up."""
+    def of_gap(cls, gap: Gap, *, threads: int | None = None, torch_threads: int | None = None) -> Speedup:
+        """The paired gap of the winner over fp32, as the speed-up (its runs on ``threads`` of
+        torch's ``torch_threads``, where fewer)."""
         bounded = gap.pairs >= 2 and math.isfinite(gap.high) and gap.low > 0
+        basis = f"paired re-measurement, {gap.pairs} pair{'' if gap.pairs == 1 else 's'}"
         return cls(round(gap.ratio, 4), round(gap.low, 4) if bounded else None, round(gap.high, 4) if bounded else None,
-                   gap.pairs, gap.confidence, f"paired re-measurement, {gap.pairs} pair{'' if gap.pairs == 1 else 's'}")
+                   gap.pairs, gap.confidence, basis).on_threads(threads, torch_threads)
+
+    def on_threads(self, threads: int | None, torch_threads: int | None) -> Speedup:
+        """This figure, measured on ``threads`` of torch's ``torch_threads`` (said in its basis);
+        unchanged when ``threads`` is ``None`` or not fewer."""
+        if threads is None or torch_threads is None or threads >= torch_threads:
+            return self
+        return replace(self, threads=threads, torch_threads=torch_threads,
+                       basis=f"{self.basis}, on {threads} of torch's {torch_threads} threads, other processes "
+                             "keeping cores busy")
 
     def to_dict(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "low": self.low, "high": self.high, "pairs": self.pairs,
-                "confidence": self.confidence, "basis": self.basis}
+                "confidence": self.confidence, "basis": self.basis, "threads": self.threads,
+                "torch_threads": self.torch_threads}
 
 
 @dataclass(frozen=True)
@@ -484,6 +503,8 @@ def tune_policy(
     if winner is not None:
         best = next(f for f in settled.finalists if f.candidate == winner)
         speedup = _speedup(best, settled.companion, ref_cand, reference.goodput or 0.0, stop=settled.stop)
+        if speedup is not None:
+            speedup = speedup.on_threads(trials.threads_of(best, settled.companion), default_threads())
         if options.speedup_within is not None and speedup is not None and speedup.pairs:
             within_met = _paired_enough(_paired(best, settled.companion), options.speedup_within)
         policy = _tuned_policy(winner, best, speedup, trials, profile, workload, search.runs + search.resumed)
@@ -606,6 +627,18 @@ class _Trials:
         if self.on_done:
             self.on_done(cand.label, ev, m)
         return m
+
+    def threads_of(self, best: Finalist, companion: Finalist | None) -> int | None:
+        """The threads ``best``'s speed-up over fp32 (``companion``) was measured on: those of
+        the rounds that pair them, or without any, of its search trial; ``None`` for torch's own
+        (rounds pair only on one thread count, ``_pair_on_one_thread_count``)."""
+        rounds = [] if companion is None else [
+            r for r, (a, b) in enumerate(zip(best.rounds, companion.rounds)) if a is not None and b is not None]
+        if rounds:
+            counts = {self._rounds_on.get(r) for r in rounds}
+            return counts.pop() if len(counts) == 1 else None
+        ev = self.evaluations.get(best.candidate)
+        return None if ev is None else ev.result.threads
 
     def _comparable_goodput(self, ev: Evaluation) -> float | None:
         """A search trial's goodput as it compares with the others': its own where it ran on the
@@ -793,6 +826,7 @@ def _tuned_policy(winner: Candidate, best: Finalist, speedup: Speedup, trials: _
         speedup_low=speedup.low,
         speedup_high=speedup.high,
         speedup_basis=speedup.basis,
+        speedup_threads=speedup.threads,
         # Its rounds here, when it has any: its search figure may be another worker's.
         goodput=round(best.remeasured_goodput if winner not in trials.evaluations else best.goodput, 3),
         workload_fingerprint=measured.workload_fingerprint,

@@ -11,13 +11,16 @@ readings and fake runners; one real /proc/stat and one real trial process.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+from rich.console import Console
 
+from advisor.cli._report import render_tune
 from advisor.trial import TrialResult
 from advisor.tune import _steady
 from advisor.tune._engine import (
@@ -36,7 +39,7 @@ from advisor.tune._steady import (
     own_cpu_ticks,
     read_cpu_times,
 )
-from policies import Policy
+from policies import Policy, PolicyError, TunedOn, load_config
 from probes import HardwareProfile
 
 CPU = HardwareProfile(kind="cpu", name="cpu", cores=2, cpu_flags=("avx2",), torch_version="2.13.0")
@@ -241,6 +244,48 @@ def test_no_speed_up_blends_rounds_on_two_thread_counts(monkeypatch, change, bus
     assert result.winner is not None and result.winner.mode == "bf16-mixed"
     ratio = result.speedup.ratio
     assert ratio == pytest.approx(1.14, rel=1e-3) or ratio == pytest.approx(1.33, rel=1e-3), (change, ratio)
+    # The figure names the threads it was measured on: 1.33x is one thread's gain.
+    assert result.speedup.threads == (1 if ratio == pytest.approx(1.33, rel=1e-3) else None), (change, ratio)
+
+
+def _report(data: dict) -> str:
+    console = Console(record=True, width=300, file=io.StringIO())
+    render_tune(data, console)
+    return console.export_text()
+
+
+def test_a_speed_up_measured_on_fewer_threads_says_so_wherever_it_goes(monkeypatch, tmp_path) -> None:
+    # A neighbour holds a core for the whole tune: every run has one thread, and the speed-up is
+    # one thread's gain (1.33x), not the 1.14x of torch's two. The config file, the cache's
+    # record and the report carried it as the machine's figure, with nothing to say so.
+    _, result = _uneven_tune(monkeypatch, [1.0] * 200, "held")
+    speedup = result.speedup
+    assert result.winner is not None and speedup.ratio == pytest.approx(1.33, rel=1e-3) and speedup.pairs >= 2
+    assert (speedup.threads, speedup.torch_threads) == (1, 2)
+    assert speedup.basis.endswith(", on 1 of torch's 2 threads, other processes keeping cores busy")
+    data = result.to_dict()
+    assert (data["speedup"]["threads"], data["speedup"]["torch_threads"]) == (1, 2)
+    tuned = result.policy.tuned_on
+    assert tuned.speedup_threads == 1 and tuned.speedup_basis == speedup.basis
+    path = result.policy.save(tmp_path / "held.mpadvise.toml")
+    assert "speedup_threads = 1" in path.read_text()
+    assert load_config(path).tuned_on.speedup_threads == 1
+    assert "the speed-up was measured on 1 of torch's 2 threads: other processes kept cores busy" in _report(data)
+
+
+def test_a_speed_up_on_torchs_threads_names_none(monkeypatch, tmp_path) -> None:
+    _, result = _uneven_tune(monkeypatch, [1.0] * 3 + [0.0] * 200, "burst-ends")
+    assert result.speedup.threads is None and result.speedup.torch_threads is None
+    assert "threads" not in result.speedup.basis
+    assert result.policy.tuned_on.speedup_threads is None
+    assert "speedup_threads" not in result.policy.save(tmp_path / "quiet.mpadvise.toml").read_text()
+    assert "measured on" not in _report(result.to_dict())
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "1"])
+def test_a_config_file_whose_thread_count_is_no_count_is_refused(value) -> None:
+    with pytest.raises(PolicyError, match="tuned_on.speedup_threads"):
+        TunedOn(speedup_threads=value)
 
 
 def test_the_trial_process_uses_the_threads_asked(tmp_path) -> None:
