@@ -407,7 +407,7 @@ def render_show(report: dict[str, Any], console: Console) -> None:
             status = "[green]valid[/]" if row["valid"] else f"[yellow]{row['status']}[/]"
             table.add_row(
                 str(row["id"]), _script_cell(row), _short(row["workload_fp"]),
-                row["mode"], _speedup(row["speedup_vs_fp32"]), row["tuned"], status,
+                row["mode"], _figure_cell(row), row["tuned"], status,
             )
         console.print(table)
     if other:
@@ -444,7 +444,7 @@ def render_list(report: dict[str, Any], console: Console) -> None:
                    legend=_device_legend(devices) + "\n" + _legend(rows))
     for row in rows:
         table.add_row(
-            str(row["id"]), devices[_device_of(row)], _script_cell(row), _short(row["workload_fp"]), row["mode"], _speedup(row["speedup_vs_fp32"]), row["tuned"],
+            str(row["id"]), devices[_device_of(row)], _script_cell(row), _short(row["workload_fp"]), row["mode"], _figure_cell(row), row["tuned"],
         )
     console.print(table)
 
@@ -629,9 +629,29 @@ SCRIPT_HEADER = "script args"
 """The column that tells two tunes of one script apart: the script and the arguments it was tuned with."""
 
 
+FEWER_THREADS_MARK = "*"
+"""After a figure measured on fewer CPU threads than torch's own (other processes kept cores busy)."""
+
+
 def _legend(rows: list[dict[str, Any]]) -> str:
     """What the figure column says, and what an args cell of ``-`` means when one shows."""
-    return SPEEDUP_LEGEND + _args_legend(rows)
+    fewer = ""
+    if any(_speedup_threads(row) for row in rows):
+        fewer = (f"; {FEWER_THREADS_MARK}: measured on fewer threads than torch's own, other processes keeping cores "
+                 "busy (the gain on all cores can differ)")
+    return SPEEDUP_LEGEND + fewer + _args_legend(rows)
+
+
+def _speedup_threads(row: dict[str, Any]) -> int | None:
+    """The threads an entry's figure was measured on, where fewer than torch's own; else ``None``."""
+    threads = ((row.get("policy") or {}).get("tuned_on") or {}).get("speedup_threads")
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) else None
+
+
+def _figure_cell(row: dict[str, Any]) -> str:
+    """An entry's speed-up, marked when it was measured on fewer threads than torch's own."""
+    figure = _speedup(row["speedup_vs_fp32"])
+    return figure + FEWER_THREADS_MARK if row["speedup_vs_fp32"] is not None and _speedup_threads(row) else figure
 
 
 def _args_legend(rows: list[dict[str, Any]]) -> str:
