@@ -153,13 +153,11 @@ class Speedup:
     torch_threads: int | None = None
 
     @classmethod
-    def of_gap(cls, gap: Gap, *, threads: int | None = None, torch_threads: int | None = None) -> Speedup:
-        """The paired gap of the winner over fp32, as the speed-up (its runs on ``threads`` of
-        torch's ``torch_threads``, where fewer)."""
+    def of_gap(cls, gap: Gap) -> Speedup:
+        """The paired gap of the winner over fp32, as the speed-up."""
         bounded = gap.pairs >= 2 and math.isfinite(gap.high) and gap.low > 0
-        basis = f"paired re-measurement, {gap.pairs} pair{'' if gap.pairs == 1 else 's'}"
         return cls(round(gap.ratio, 4), round(gap.low, 4) if bounded else None, round(gap.high, 4) if bounded else None,
-                   gap.pairs, gap.confidence, basis).on_threads(threads, torch_threads)
+                   gap.pairs, gap.confidence, f"paired re-measurement, {gap.pairs} pair{'' if gap.pairs == 1 else 's'}")
 
     def on_threads(self, threads: int | None, torch_threads: int | None) -> Speedup:
         """This figure, measured on ``threads`` of torch's ``torch_threads`` (said in its basis);
