@@ -16,9 +16,10 @@ from __future__ import annotations
 from advisor.tune._api import tune
 from advisor.tune._checks import check_modes, check_script, default_trial_modes
 from advisor.tune._dryrun import tune_plan
-from advisor.tune._engine import TuneResult
+from advisor.tune._engine import PAIRING_ROUNDS, PAIRS_PROJECTED, TuneResult
 from advisor.tune._options import (
     DEFAULT_MEASURE_STEPS,
+    DEFAULT_SPEEDUP_WITHIN,
     DEFAULT_WARMUP_STEPS,
     OptionInfo,
     TuneOptions,
@@ -76,7 +77,10 @@ __all__ = [
     "StabilityThresholds",
     "TrialCurve",
     "DEFAULT_MEASURE_STEPS",
+    "DEFAULT_SPEEDUP_WITHIN",
     "DEFAULT_WARMUP_STEPS",
+    "PAIRING_ROUNDS",
+    "PAIRS_PROJECTED",
     "EXIT_FOUND",
     "EXIT_NONE_STABLE",
     "WAIT_IDLE_ENV",

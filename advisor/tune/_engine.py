@@ -76,6 +76,14 @@ LOCAL_PAIRS = 2
 # ran may have been left unpaired by a change of threads (two workers of a shared study on one
 # 2-core machine each saw the other come and go, and a winner ended with one pair, no interval).
 PAIRING_ROUNDS = REMEASURE_LEANING_ROUNDS + 4
+# The pairs a winner holds before the precision asked of its speed-up (``--speedup-within``) is
+# given up as out of reach: when the scatter of its pairs says the interval could not get that
+# narrow within ``PAIRING_ROUNDS``. The scatter of two pairs, one degree of freedom, is too
+# rough to give up on; on a tiny model beside two CPU-bound processes the pairs scatter by
+# tens of percent and the rounds up to the bound would buy nothing.
+REACH_MIN_PAIRS = 3
+# How far ahead ``speedup_within_pairs_needed`` projects the pairs a precision would take.
+PAIRS_PROJECTED = 100
 
 # Why re-measurement ended (``TuneResult.remeasure_stop``).
 STOP_SETTLED = "settled"
@@ -241,6 +249,10 @@ class TuneResult:
     # Whether the winner's paired speed-up is that precise; None when nothing was asked, or the
     # winner has no paired figure (fp32 itself).
     speedup_within_met: bool | None = None
+    # When not met: whether the scatter of its pairs put it out of reach of the round bound, and
+    # the pairs that scatter would need (None beyond PAIRS_PROJECTED, or on too few pairs to tell).
+    speedup_within_out_of_reach: bool | None = None
+    speedup_within_pairs_needed: int | None = None
 
     def utilisation(self, cand: Candidate) -> Utilisation | None:
         """A measured candidate's achieved TFLOP/s and MFU, from the reference's FLOP count."""
@@ -371,6 +383,8 @@ class TuneResult:
             "cost": None if self.cost is None else self.cost.to_dict(),
             "speedup_within": self.speedup_within,
             "speedup_within_met": self.speedup_within_met,
+            "speedup_within_out_of_reach": self.speedup_within_out_of_reach,
+            "speedup_within_pairs_needed": self.speedup_within_pairs_needed,
         }
 
 
@@ -492,19 +506,24 @@ def tune_policy(
     def out_of_time() -> bool:  # the search's budget bounds re-measurement too
         return options.time_budget is not None and clock() - search_start >= options.time_budget
 
+    within = options.speedup_within or None  # 0 asks for no precision: the pairs the decision took
     settled = _settle_finalists(trials, search.measured, user_batch, ref_cand, remeasure=remeasure,
-                                out_of_time=out_of_time, on_round=on_round, within=options.speedup_within)
+                                out_of_time=out_of_time, on_round=on_round, within=within)
     winner, tie_note = _pick_winner(settled.finalists, user_batch, stop=settled.stop)
     if probed and trials.reference.flops_per_step:
         peaks = _higher_peaks(peaks, measure_matmul(profile)[1])
-    policy = speedup = within_met = None
+    policy = speedup = within_met = out_of_reach = needed = None
     if winner is not None:
         best = next(f for f in settled.finalists if f.candidate == winner)
         speedup = _speedup(best, settled.companion, ref_cand, reference.goodput or 0.0, stop=settled.stop)
         if speedup is not None:
             speedup = speedup.on_threads(trials.threads_of(best, settled.companion), default_threads())
-        if options.speedup_within is not None and speedup is not None and speedup.pairs:
-            within_met = _paired_enough(_paired(best, settled.companion), options.speedup_within)
+        if within is not None and speedup is not None and speedup.pairs:
+            gap = _paired(best, settled.companion)
+            within_met = _paired_enough(gap, within)
+            if not within_met:
+                out_of_reach = _out_of_reach(gap, within, len(settled.companion.rounds))
+                needed = gap.pairs_for(within, PAIRS_PROJECTED) if gap.pairs >= REACH_MIN_PAIRS else None
         policy = _tuned_policy(winner, best, speedup, trials, profile, workload, search.runs + search.resumed)
     return TuneResult(reference, space, search, trials.evaluations, settled.finalists, winner, policy, tie_note,
                       _scale_batch_note(winner, user_batch), ratios, clock() - start,
@@ -514,7 +533,8 @@ def tune_policy(
                       window_note=trials.window_note, measure_steps=getattr(trials.runner, "measure_steps", None),
                       extended=list(trials.yardsticks.extended) if trials.yardsticks else [],
                       disturbances=list(watch.events), peak_tflops=peaks, cost=TuneCost.of(watch.ran, clock() - start, trials.reference),
-                      speedup_within=options.speedup_within, speedup_within_met=within_met)
+                      speedup_within=within, speedup_within_met=within_met,
+                      speedup_within_out_of_reach=out_of_reach, speedup_within_pairs_needed=needed)
 
 
 def _utilisation_fields(found: Utilisation | None) -> dict[str, Any]:
@@ -948,15 +968,16 @@ def _pair_winner_locally(
     """
     for _ in range(len(finalists)):  # the pick may move once its rounds are in: at most once per finalist
         pick, _ = _pick_finalist(finalists, user_batch, stop=stop)
-        if pick is None or pick.candidate == companion.candidate or _paired_enough(_paired(pick, companion), within):
-            break  # none, fp32 itself, or paired here already
+        if pick is None or pick.candidate == companion.candidate or _pairing_done(_paired(pick, companion), within,
+                                                                                  len(companion.rounds)):
+            break  # none, fp32 itself, or paired here already (as precisely as asked, or as can be)
         own = pick.candidate in trials.evaluations
         if own and (stop == STOP_TIME_BUDGET or out_of_time()):
             break  # this worker's own figure, and the budget is spent
         before = rounds
 
         def paired_or_spent(pick: Finalist = pick, own: bool = own) -> bool:
-            return _paired_enough(_paired(pick, companion), within) or (own and out_of_time())
+            return _pairing_done(_paired(pick, companion), within, len(companion.rounds)) or (own and out_of_time())
 
         _, lost, rounds, _ = trials.remeasure([pick], companion, rounds, on_round=on_round,
                                               out_of_time=paired_or_spent, hard_limit=PAIRING_ROUNDS, within=within)
@@ -980,6 +1001,21 @@ def _paired_enough(gap: Gap, within: float | None) -> bool:
     bound = math.log1p(within)
     return gap.low > 0 and math.isfinite(gap.high) and max(math.log(gap.high / gap.ratio),
                                                              math.log(gap.ratio / gap.low)) <= bound
+
+
+def _out_of_reach(gap: Gap, within: float | None, rounds_held: int) -> bool:
+    """Whether the precision ``within`` asks of a winner's speed-up cannot be reached: on
+    ``REACH_MIN_PAIRS`` pairs or more, their scatter would need more pairs than the rounds left
+    up to ``PAIRING_ROUNDS`` (``rounds_held`` held so far) can add."""
+    if within is None or gap.pairs < max(LOCAL_PAIRS, REACH_MIN_PAIRS):
+        return False
+    return gap.pairs_for(within, gap.pairs + max(0, PAIRING_ROUNDS - rounds_held)) is None
+
+
+def _pairing_done(gap: Gap, within: float | None, rounds_held: int) -> bool:
+    """Whether a winner needs no more pairs beside fp32: it holds them, as precise as asked,
+    or that precision is out of reach."""
+    return _paired_enough(gap, within) or _out_of_reach(gap, within, rounds_held)
 
 
 def _finalists(
@@ -1076,7 +1112,7 @@ def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int 
     pick, _ = _pick_finalist(active, user_batch)
     if pick is not None and pick.candidate != companion.candidate:
         gap = _paired(pick, companion)  # fewer than two pairs are unresolved, so enough pairs is checked too
-        if running or not gap.resolved or not _paired_enough(gap, within):
+        if running or not gap.resolved or not _pairing_done(gap, within, len(companion.rounds)):
             running += [f for f in (pick, companion) if all(f is not r for r in running)]
     return running
 

@@ -202,6 +202,28 @@ class Gap:
         lower end lies within the margin."""
         return self.pairs >= 2 and self.low >= 1.0 / (1.0 + self.min_margin)
 
+    def pairs_for(self, within: float, most: int) -> int | None:
+        """The fewest pairs at which an interval of this scatter would lie within ``within``
+        of the figure either way (0.1: 10%), as ``paired_gap`` computes it; ``None`` when more
+        than ``most`` would be needed, or there are fewer than two pairs to tell the scatter.
+
+        The scatter is the winsorized variance this interval was drawn from; more pairs
+        narrow the interval by Student's t on fewer degrees of freedom lost and by their
+        number. An estimate from a few pairs is itself rough: a caller that gives up on it
+        should hold a few pairs first.
+        """
+        if self.pairs < 2 or not (self.low > 0 and math.isfinite(self.high)):
+            return None
+        half = math.log(self.high / self.ratio)
+        bound = math.log1p(within)
+        if half <= bound:
+            return self.pairs
+        unit = half / _half_width_factor(self.pairs, self.confidence)  # the winsorized standard deviation
+        for n in range(self.pairs + 1, most + 1):
+            if unit * _half_width_factor(n, self.confidence) <= bound:
+                return n
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; an unbounded end of the interval is ``None``."""
         data = asdict(self)
@@ -253,8 +275,7 @@ def paired_gap(
     winsorized = [logs[cut]] * cut + kept + [logs[n - cut - 1]] * cut
     w_mean = math.fsum(winsorized) / n
     w_var = math.fsum((x - w_mean) ** 2 for x in winsorized) / (n - 1)
-    h = len(kept)
-    half = t_quantile(0.5 + confidence / 2.0, h - 1) * math.sqrt((n - 1) * w_var / (h * (h - 1)))
+    half = _half_width_factor(n, confidence) * math.sqrt(w_var)
     low, high = centre - half, centre + half
     edge = math.log1p(min_margin)
     if low > edge:
@@ -266,6 +287,13 @@ def paired_gap(
     else:
         verdict = "unresolved"
     return Gap(math.exp(centre), math.exp(low), math.exp(high), n, confidence, min_margin, verdict)
+
+
+def _half_width_factor(n: int, confidence: float) -> float:
+    """Yuen's interval half-width over ``n`` pairs per unit of winsorized standard deviation
+    (``GAP_TRIM`` cut from each end; with up to four pairs, the paired t interval's)."""
+    h = n - 2 * int(GAP_TRIM * n)
+    return t_quantile(0.5 + confidence / 2.0, h - 1) * math.sqrt((n - 1) / (h * (h - 1)))
 
 
 def t_quantile(p: float, df: int) -> float:

@@ -2,7 +2,9 @@
 
 A tune stops re-measuring once its decision is resolved; a winner whose lead over fp32 was
 resolved after two pairs can carry a wide interval (1.03x to 1.89x on the Accelerate MLP at
-width 4096 on the 2-core Xeon). A fake runner: milliseconds.
+width 4096 on the 2-core Xeon), and that figure was cached. By default the tune asks for 10%,
+and gives it up once three pairs or more say the round bound cannot reach it. A fake runner:
+milliseconds.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typer.testing import CliRunner
 from advisor.cli import app
 from advisor.cli._report import render_tune
 from advisor.tune._engine import LOCAL_PAIRS, PAIRING_ROUNDS
-from advisor.tune._options import TuneOptions, option_info
+from advisor.tune._options import DEFAULT_SPEEDUP_WITHIN, TuneOptions, option_info
 from advisor.tune._space import Candidate
+from advisor.tune._timing import paired_gap
 from probes import UsageError
 
 MODES = ["fp32", "bf16-mixed"]
@@ -41,11 +44,30 @@ def _report(data: dict) -> str:
     return console.export_text()
 
 
-def test_without_it_a_resolved_lead_stops_at_two_pairs_with_a_wide_interval():
-    result = tune(_runner([40, 42] + [41] * 18), modes=MODES, remeasure=True)
+def test_at_zero_a_resolved_lead_stops_at_two_pairs_with_a_wide_interval():
+    result = tune(_runner([40, 42] + [41] * 18), modes=MODES, remeasure=True, speedup_within=0)
     assert result.winner == Candidate("bf16-mixed")
     assert result.speedup.pairs == LOCAL_PAIRS == 2
     assert _half_width(result.speedup) > 0.10
+    data = result.to_dict()
+    assert (data["speedup_within"], data["speedup_within_met"]) == (None, None)
+
+
+def test_by_default_the_winner_runs_on_until_its_interval_is_within_ten_percent():
+    assert DEFAULT_SPEEDUP_WITHIN == 0.1
+    result = tune(_runner([40, 42] + [41] * 18), modes=MODES, remeasure=True)
+    assert result.speedup.pairs == 3  # one pair past the resolved lead: 2.5x, 2.38x, 2.44x
+    assert _half_width(result.speedup) <= 0.10
+    data = result.to_dict()
+    assert (data["speedup_within"], data["speedup_within_met"]) == (0.1, True)
+
+
+def test_a_precision_within_reach_runs_as_many_pairs_as_it_takes():
+    runner = _runner([38, 44] * 10)  # 2.63x and 2.27x in turn: nine pairs get within 10%
+    result = tune(runner, modes=MODES, remeasure=True)
+    assert result.speedup.pairs == 9 < PAIRING_ROUNDS
+    assert _half_width(result.speedup) <= 0.10
+    assert result.to_dict()["speedup_within_met"] is True
 
 
 def test_with_it_the_winner_and_fp32_run_on_until_the_interval_is_that_narrow():
@@ -63,23 +85,60 @@ def test_with_it_the_winner_and_fp32_run_on_until_the_interval_is_that_narrow():
     assert "wider than" not in _report(data)
 
 
-def test_a_speed_up_that_never_gets_that_precise_stops_at_the_round_bound_and_is_still_written():
-    runner = _runner([30, 50] * 10)
-    result = tune(runner, modes=MODES, remeasure=True, speedup_within=0.1)
+def test_a_precision_out_of_reach_stops_on_three_pairs_and_the_figure_is_still_written():
+    runner = _runner([36, 45] * 10)  # 2.78x and 2.22x in turn: some twenty pairs would be needed
+    two = paired_gap([100 / 36, 100 / 45], [1.0, 1.0])
+    assert two.pairs_for(0.1, PAIRING_ROUNDS) is None  # two pairs say so already, but are not trusted to
+    result = tune(runner, modes=MODES, remeasure=True)
     assert result.winner == Candidate("bf16-mixed") and result.policy is not None
-    assert result.speedup.pairs == PAIRING_ROUNDS
+    assert result.speedup.pairs == 3
+    assert max(r for r, _ in remeasured(runner)) == 3
     assert _half_width(result.speedup) > 0.10
-    assert max(r for r, _ in remeasured(runner)) == PAIRING_ROUNDS
     data = result.to_dict()
-    assert (data["speedup_within"], data["speedup_within_met"]) == (0.1, False)
-    assert (f"the speed-up's interval is wider than 10% of its figure either way after {PAIRING_ROUNDS} pairs"
+    assert (data["speedup_within"], data["speedup_within_met"], data["speedup_within_out_of_reach"]) == (0.1, False, True)
+    assert PAIRING_ROUNDS < data["speedup_within_pairs_needed"] < 100
+    assert (f"the speed-up's interval is wider than 10% of its figure either way after 3 pairs: at their scatter it "
+            f"would take about {data['speedup_within_pairs_needed']} pairs, more than the {PAIRING_ROUNDS} rounds allow"
             in _report(data))
 
 
+def test_a_scatter_past_the_projection_says_so():
+    data = tune(_runner([30, 50] * 10), modes=MODES, remeasure=True).to_dict()  # 3.33x and 2x in turn
+    assert (data["speedup_within_out_of_reach"], data["speedup_within_pairs_needed"]) == (True, None)
+    assert "at their scatter it would take over 100 pairs" in _report(data)
+
+
+def test_a_round_bound_reached_first_says_so():
+    data = tune(_runner([36, 45] * 10), modes=MODES, remeasure=True).to_dict()
+    data.update(speedup_within_out_of_reach=False, speedup_within_pairs_needed=None)
+    assert ("after 3 pairs: the round bound or the time budget came first" in _report(data))
+
+
 def test_nothing_asked_nothing_reported():
-    data = tune(_runner([40, 42] + [41] * 18), modes=MODES, remeasure=True).to_dict()
-    assert (data["speedup_within"], data["speedup_within_met"]) == (None, None)
+    data = tune(_runner([30, 50] * 10), modes=MODES, remeasure=True, speedup_within=0).to_dict()
+    assert (data["speedup_within"], data["speedup_within_met"], data["speedup_within_out_of_reach"]) == (None,) * 3
     assert "wider than" not in _report(data)
+
+
+def _symmetric(centre: float, half_spread: float, n: int) -> list[float]:
+    """``n`` (3 or 4) log ratios about ``centre`` whose sample variance is ``half_spread`` squared."""
+    if n == 3:
+        return [centre - half_spread, centre, centre + half_spread]
+    a = half_spread * math.sqrt(3) / 2
+    return [centre - a, centre - a, centre + a, centre + a]
+
+
+def _gap_of(logs: list[float]):
+    return paired_gap([math.exp(x) for x in logs], [1.0] * len(logs))
+
+
+def test_the_projection_names_the_pairs_at_which_the_same_scatter_gets_that_precise():
+    three, four = _gap_of(_symmetric(0.3, 0.05, 3)), _gap_of(_symmetric(0.3, 0.05, 4))
+    assert math.log(three.high / three.ratio) > math.log1p(0.1) >= math.log(four.high / four.ratio)
+    assert three.pairs_for(0.1, PAIRING_ROUNDS) == 4
+    assert three.pairs_for(0.1, 3) is None  # not within the pairs allowed
+    assert four.pairs_for(0.1, PAIRING_ROUNDS) == 4  # already that precise
+    assert _gap_of([0.3]).pairs_for(0.1, PAIRING_ROUNDS) is None  # one pair: no scatter to tell
 
 
 def test_its_help_names_the_round_bound():
@@ -88,7 +147,7 @@ def test_its_help_names_the_round_bound():
     assert option.flag == "--speedup-within"
 
 
-@pytest.mark.parametrize("value", [0, -0.1, 1, 1.5, True, "10%"])
+@pytest.mark.parametrize("value", [-0.1, 1, 1.5, True, "10%", None])
 def test_a_value_that_is_no_fraction_is_refused(value):
     with pytest.raises(UsageError, match=r"--speedup-within .* is not allowed; expected a fraction"):
         TuneOptions(speedup_within=value)

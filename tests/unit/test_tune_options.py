@@ -101,7 +101,7 @@ def test_dict_round_trip_and_a_stored_job_row_loads():
            "out": "/w/train.mpadvise.toml", "no_cache": False, "no_priors": False}
     # A row stored before an option existed loads, that option at its default.
     assert TuneOptions.from_dict(row).to_dict(job=True) == {**row, "framework": None, "first_step_timeout": 120.0,
-                                                                     "fresh": False, "speedup_within": None}
+                                                                     "fresh": False, "speedup_within": 0.1}
     with pytest.raises(MpadviseError, match="unknown tune option 'use_priors'; expected some of trials"):
         TuneOptions.from_dict({"use_priors": False})
 
