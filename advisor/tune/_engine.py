@@ -1007,7 +1007,7 @@ def _out_of_reach(gap: Gap, within: float | None, rounds_held: int) -> bool:
     """Whether the precision ``within`` asks of a winner's speed-up cannot be reached: on
     ``REACH_MIN_PAIRS`` pairs or more, their scatter would need more pairs than the rounds left
     up to ``PAIRING_ROUNDS`` (``rounds_held`` held so far) can add."""
-    if within is None or gap.pairs < max(LOCAL_PAIRS, REACH_MIN_PAIRS):
+    if within is None or gap.pairs < REACH_MIN_PAIRS:
         return False
     return gap.pairs_for(within, gap.pairs + max(0, PAIRING_ROUNDS - rounds_held)) is None
 

@@ -207,10 +207,10 @@ class Gap:
         of the figure either way (0.1: 10%), as ``paired_gap`` computes it; ``None`` when more
         than ``most`` would be needed, or there are fewer than two pairs to tell the scatter.
 
-        The scatter is the winsorized variance this interval was drawn from; more pairs
-        narrow the interval by Student's t on fewer degrees of freedom lost and by their
-        number. An estimate from a few pairs is itself rough: a caller that gives up on it
-        should hold a few pairs first.
+        The scatter is the winsorized variance this interval was drawn from, taken as it is;
+        more pairs narrow the interval through Student's t on more degrees of freedom and
+        through their number. An estimate from a few pairs is itself rough: a caller that
+        gives up on it should hold a few pairs first.
         """
         if self.pairs < 2 or not (self.low > 0 and math.isfinite(self.high)):
             return None
