@@ -21,7 +21,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from bench_agreement import machine  # beside this script, in scripts/
 
 from probes import write_file_atomic
 
@@ -216,14 +217,6 @@ def tunes(repeats: int, extra: list[str]) -> dict[str, Any]:
             "same_winner": len({r["winner"] for r in runs}) == 1, "last_winner": winners,
             "pair_scatter_cold": pair_scatter([r for r in runs if r["cold"]]),
             "pair_scatter_warm": pair_scatter([r for r in runs if not r["cold"]])}
-
-
-def machine() -> dict[str, Any]:
-    from probes import profile_for
-
-    profile = profile_for("cpu")
-    return {"name": profile.name, "cores": os.cpu_count(), "python": platform.python_version(),
-            "load_average": os.getloadavg()}
 
 
 def main() -> None:
