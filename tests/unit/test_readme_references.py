@@ -20,11 +20,11 @@ PATH = re.compile(r"(?<![\w/.-])((?:docs|scripts|examples|tests|advisor|probes|p
 FLAG = re.compile(r"^\[?(--?[a-zA-Z][\w-]*)")
 
 
-def _spans() -> list[str]:
+def _spans(readme: str) -> list[str]:
     """Every command-like text: inline code spans, and shell lines of code blocks (``$ ...``,
     continuation lines joined)."""
-    spans = re.findall(r"`([^`\n]+)`", README)
-    lines = README.splitlines()
+    spans = re.findall(r"`([^`\n]+)`", readme)
+    lines = readme.splitlines()
     i = 0
     while i < len(lines):
         line = lines[i].strip()
@@ -38,11 +38,14 @@ def _spans() -> list[str]:
     return spans
 
 
+SPANS = _spans(README)  # once, for every command and script checked below
+
+
 def _invocations(word: str) -> list[list[str]]:
     """The tokens after each ``word`` that starts a command in a span, up to a lone ``--`` (the
     script's own arguments) or a shell pipe or redirection."""
     found = []
-    for span in _spans():
+    for span in SPANS:
         tokens = span.split()
         for at, token in enumerate(tokens):
             if token == word or token.endswith("/" + word):
