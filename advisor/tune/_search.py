@@ -863,22 +863,26 @@ def run_search(
         raise
     except Exception as exc:  # a locked file, a refusal
         raise MpadviseError(storage_error(options.storage or ":memory:", exc)) from None
+    shared = shared_storage(options.storage)
     try:
+        # Every call on the study goes through worker.call, so that an outage at any of them is
+        # ridden out; each is safe to repeat (a write that landed before its answer was lost).
         if made:  # at once, so that workers joining in a moment find the first candidates queued
-            _enqueue_first(study, space, first)
-        _check_hardware(study, study_name, hardware, record=True)
-        _claim_space(study, space, study_name, shared=shared_storage(options.storage))
-        _claim_workload(study, study_name, workload, shared=shared_storage(options.storage))
+            worker.call("queueing the first candidates", lambda: _enqueue_first(study, space, first))
+        worker.call("checking the study's hardware", lambda: _check_hardware(study, study_name, hardware, record=True))
+        worker.call("checking the study's search space", lambda: _claim_space(study, space, study_name, shared=shared))
+        worker.call("checking the study's workload",
+                    lambda: _claim_workload(study, study_name, workload, shared=shared))
         if replicate is not None:
-            study.set_user_attr(STUDY_ATTR_REPLICATE, replicate)
-        if not made and not shared_storage(options.storage):  # a resumed study of this machine
-            _enqueue_first(study, space, first)
+            worker.call("storing fp32's replicate", lambda: study.set_user_attr(STUDY_ATTR_REPLICATE, replicate))
+        if not made and not shared:  # a resumed study of this machine
+            worker.call("queueing the first candidates", lambda: _enqueue_first(study, space, first))
         priors = _Priors(space, reference_goodput, dtype_ratio, enabled=not options.no_priors)
         _search_loop(study, space, evaluate, options, priors, outcome, lambda: clock() - start, on_trial, worker)
     except StorageLost as exc:  # the server stayed away through the retries
         raise MpadviseError(_lost_message(options.storage, str(exc), worker, outcome, retried=worker.retry_s)) from None
-    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:  # lost outside a retry
-        raise MpadviseError(_lost_message(options.storage, _first_line(exc), worker, outcome, retried=None)) from None
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:  # refused, not unreachable
+        raise MpadviseError(_lost_message(options.storage, _root_line(exc), worker, outcome, retried=None)) from None
     outcome.pruned = {c: why for c, why in outcome.pruned.items() if c not in outcome.measured}
     outcome.wall_s = clock() - start
     return outcome
@@ -962,7 +966,8 @@ def _propose(study: Any, trial: Any, space: SearchSpace, grid: list[Candidate],
         ``"ran"``, ``"told"`` (measured or pruned already) or ``"taken"`` (another worker
         runs it), and the candidate.
     """
-    candidate = _suggest(trial, space)
+    # Optuna writes each suggested parameter to the study; a retry keeps the ones that landed.
+    candidate = worker.call(f"reading trial {trial.number}'s candidate", lambda: _suggest(trial, space))
     # The claim is written before the look at the others: of two workers that propose one
     # candidate at once, the later look sees the earlier claim, so both never run it.
     claim = {**_candidate_to(candidate), "trial": trial.number, "worker": worker.name}
@@ -1259,8 +1264,9 @@ def _close(study: Any, trial: Any, why: str) -> None:
     """End a trial without a result (FAIL, which the sampler ignores), saying why."""
     import optuna
 
-    trial.set_user_attr(TRIAL_ATTR_CLOSED, why)
-    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    with _finished_already(study, trial, optuna.trial.TrialState.FAIL):
+        trial.set_user_attr(TRIAL_ATTR_CLOSED, why)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
 
 
 def _tell(study: Any, trial: Any, measured: Measured, value: float, *, source: str, worker: str) -> None:
@@ -1272,12 +1278,32 @@ def _tell(study: Any, trial: Any, measured: Measured, value: float, *, source: s
             ``pruned`` (ruled out by the priors, never measured).
         worker: the worker that tells it.
     """
-    # Constraints (> 0 violates): instability and not fitting are what TPE must learn to avoid.
-    trial.set_constraint("unstable", 0.0 if measured.stable else 1.0)
-    trial.set_constraint("infeasible", 0.0 if measured.feasible else 1.0)
-    trial.set_user_attr(TRIAL_ATTR_RESULT, {**_measured_to(measured), "pruned": source == "pruned", "source": source,
-                                            "worker": worker})
-    study.tell(trial, value)
+    import optuna
+
+    with _finished_already(study, trial, optuna.trial.TrialState.COMPLETE), warnings.catch_warnings():
+        # A retried tell finds the constraints it set before the storage went away: the same values.
+        warnings.filterwarnings("ignore", message="The constraint value is ignored because")
+        # Constraints (> 0 violates): instability and not fitting are what TPE must learn to avoid.
+        trial.set_constraint("unstable", 0.0 if measured.stable else 1.0)
+        trial.set_constraint("infeasible", 0.0 if measured.feasible else 1.0)
+        trial.set_user_attr(TRIAL_ATTR_RESULT, {**_measured_to(measured), "pruned": source == "pruned",
+                                                "source": source, "worker": worker})
+        study.tell(trial, value)
+
+
+@contextlib.contextmanager
+def _finished_already(study: Any, trial: Any, state: Any) -> Iterator[None]:
+    """Let the finishing of a trial pass when the study holds it in ``state`` already: the retry
+    of a tell that landed before its answer was lost. Only this worker completes or closes its
+    own trials, so a trial in ``state`` is its own doing; one that another worker failed as
+    stale while it ran here still raises ``UpdateFinishedTrialError`` when it was to complete."""
+    import optuna
+
+    try:
+        yield
+    except optuna.exceptions.UpdateFinishedTrialError:
+        if study._storage.get_trial(trial._trial_id).state != state:  # Optuna keys trials by id
+            raise
 
 
 def best_goodput(measured: dict[Candidate, Measured]) -> float:

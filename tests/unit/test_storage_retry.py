@@ -137,3 +137,88 @@ def test_an_outage_while_the_search_opens_its_study_is_ridden_out(tmp_path, monk
     assert outcome.measured[bf16].goodput == 200.0
     assert sleeps[:2] == [0.5, 1.0]  # two tries lost to the outage, with backoff
     assert "opening the study: retrying" in caplog.text and "the Optuna study storage is back" in caplog.text
+
+
+class _OutageAt:
+    """An outage at one call a search makes on its Optuna storage: the real refused connection,
+    raised before the ``at``-th call reaches the study (``"before"``), or after the ``at``-th
+    write went through and only its answer was lost (``"after"``: a commit that landed as the
+    server went away). The storage is a real SQLite study; every public call of the RDB storage
+    counts, the ones it makes on itself too."""
+
+    WRITES = ("create_", "set_", "record_", "delete_", "fail_")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+        import optuna
+
+        self.error, self.at, self.when, self.calls, self.writes, self.where = error, -1, "before", 0, 0, ""
+        rdb = optuna.storages.RDBStorage
+        names = {n for n in dir(optuna.storages.BaseStorage) if not n.startswith("_")} | {"record_heartbeat"}
+        for name in sorted(names):
+            if callable(getattr(rdb, name, None)):
+                monkeypatch.setattr(rdb, name, self._counted(getattr(rdb, name), name))
+
+    def _counted(self, real, name: str):
+        write = name.startswith(self.WRITES)
+
+        def call(storage, *args, **kwargs):
+            if self.when == "before":
+                hit = self.calls == self.at
+            else:
+                hit = write and self.writes == self.at
+            self.calls += 1
+            self.writes += write
+            if not hit:
+                return real(storage, *args, **kwargs)
+            self.where = name
+            if self.when == "after":
+                real(storage, *args, **kwargs)
+            raise self.error
+        return call
+
+    def search(self, tmp_path, at: int, when: str) -> tuple[dict, list[Candidate]]:
+        """Run a three-candidate search (fp32 known) with the outage at call or write ``at``;
+        returns its measured goodputs and the candidates it ran."""
+        from advisor.tune import _search
+        from advisor.tune._options import TuneOptions
+        from advisor.tune._space import SearchSpace
+
+        self.at, self.when, self.calls, self.writes, self.where = at, when, 0, 0, ""
+        goodput = {"fp32": 100.0, "bf16-mixed": 200.0, "bf16-true": 150.0}
+        ran: list[Candidate] = []
+
+        def evaluate(cand: Candidate) -> Measured:
+            ran.append(cand)
+            return Measured(cand, goodput[cand.mode], True, True, outcome="ok")
+
+        fp32 = Candidate("fp32")
+        options = TuneOptions(storage=f"sqlite:///{tmp_path / f'{when}-{at}.db'}", resume=True, no_priors=True,
+                              trials=3)
+        outcome = _search.run_search(
+            SearchSpace(("fp32", "bf16-mixed", "bf16-true"), (64,), 64), evaluate, options,
+            first=[fp32, Candidate("bf16-mixed")], reference_goodput=100.0, dtype_ratio={}, study_name="s",
+            known={fp32: Measured(fp32, 100.0, True, True, outcome="ok")}, sleep=lambda s: None)
+        return {c.mode: m.goodput for c, m in outcome.measured.items()}, ran
+
+
+OUTAGE_PARTS = 2
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("part", range(OUTAGE_PARTS))
+def test_an_outage_at_any_call_of_the_search_is_ridden_out(tmp_path, monkeypatch, recwarn, when, part):
+    # An outage between a trial's ask and its parameters (Optuna writes each suggested one)
+    # ended a shared-study worker at once: "lost the Optuna study storage ...: An exception is
+    # raised during the commit", never retried. A tell whose commit landed before its answer was
+    # lost failed its retry ("Trial#0 has already finished").
+    outage = _OutageAt(monkeypatch, _refused_error())
+    expected = {"fp32": 100.0, "bf16-mixed": 200.0, "bf16-true": 150.0}
+    assert outage.search(tmp_path, -1, when)[0] == expected
+    count = outage.calls if when == "before" else outage.writes
+    assert count > (50 if when == "before" else 15)  # every call is counted (the storage's own among them)
+    for at in range(part, count, OUTAGE_PARTS):
+        measured, ran = outage.search(tmp_path, at, when)
+        assert outage.where, f"call {at} was never made"
+        assert measured == expected, f"outage {when} call {at} ({outage.where})"
+        assert sorted(c.mode for c in ran) == ["bf16-mixed", "bf16-true"], f"outage {when} call {at} ({outage.where})"
+    assert not [w for w in recwarn if "constraint" in str(w.message)]
