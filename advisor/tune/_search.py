@@ -540,22 +540,26 @@ def check_study_workload(storage: str | None, study_name: str, workload: Mapping
 
     Raises:
         UsageError: a study of this machine of another workload that holds finished trials.
-        MpadviseError: a shared study of another workload, or the storage cannot be opened.
+        MpadviseError: a shared study of another workload, or a storage that refuses or stays
+            unreachable through the retries (an outage is ridden out, as in the search).
     """
     shared = shared_storage(storage)
     if storage is None or not (resume or shared):
         return resume
-    study = _stored_study(storage, study_name)
-    if study is None:  # no such study yet: nothing to continue
-        return resume
-    stored = study.user_attrs.get(STUDY_ATTR_WORKLOAD)
+    with _riding_out(storage) as worker:
+        study = _stored_study(storage, study_name, worker)
+        if study is None:  # no such study yet: nothing to continue
+            return resume
+        stored = worker.call("reading the study's workload", lambda: study.user_attrs.get(STUDY_ATTR_WORKLOAD))
+        # A study without a workload fingerprint and without trials has no verdicts to doubt.
+        empty = stored is None and not worker.call("reading the study", lambda: study.get_trials(deepcopy=False))
     changed = _workload_change(stored, workload)
     if shared:
         if changed:
             raise MpadviseError(_shared_workload_error(study_name, changed))
         return resume
     if changed is None and stored is None:
-        if not study.get_trials(deepcopy=False):
+        if empty:
             return resume
         changed = "it keeps no workload fingerprint (stored by an earlier mpadvise), so its verdicts cannot be checked"
     if changed is None:
@@ -611,30 +615,62 @@ def stored_replicate(storage: str | None, study_name: str) -> dict[str, Any] | N
     the study is in memory, does not exist yet, or keeps none.
 
     Raises:
-        MpadviseError: the storage cannot be opened, naming the URL and the reason.
+        MpadviseError: the storage refuses or stays unreachable through the retries, naming the
+            URL and the reason.
     """
-    study = None if storage is None else _stored_study(storage, study_name)
-    stored = None if study is None else study.user_attrs.get(STUDY_ATTR_REPLICATE)
+    if storage is None:
+        return None
+    with _riding_out(storage) as worker:
+        study = _stored_study(storage, study_name, worker)
+        stored = None if study is None else worker.call(
+            "reading fp32's replicate", lambda: study.user_attrs.get(STUDY_ATTR_REPLICATE))
     return stored if isinstance(stored, dict) else None
 
 
-def _stored_study(storage: str, study_name: str) -> Any:
-    """The stored ``optuna.Study`` of that name, or ``None`` when there is none yet.
+def _stored_study(storage: str, study_name: str, worker: _Worker) -> Any:
+    """The stored ``optuna.Study`` of that name, or ``None`` when there is none yet; ``worker``
+    rides out an outage.
 
     Raises:
-        MpadviseError: the storage cannot be opened, naming the URL and the reason.
+        MpadviseError: the storage refuses, naming the URL and the reason.
+        StorageLost: it stayed unreachable through ``worker``'s retries.
     """
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     backend, _ = _open(storage)
-    try:
+
+    def load() -> Any:
         with _quiet():
             return optuna.load_study(study_name=study_name, storage=backend)
+
+    try:
+        return worker.call("opening the study", load)
     except KeyError:  # no such study yet
         return None
-    except Exception as exc:  # an unreachable server, a locked file
+    except StorageLost:
+        raise
+    except Exception as exc:  # a locked file, a refusal
         raise MpadviseError(storage_error(storage, exc)) from None
+
+
+@contextlib.contextmanager
+def _riding_out(storage: str) -> Iterator[_Worker]:
+    """A worker for the study reads a tune makes between its reference and its search: they ride
+    out an outage as the search's calls do, since the tune reached the storage before its
+    reference ran. One that stays away ends the tune in one line.
+
+    Raises:
+        MpadviseError: the storage stayed unreachable through the retries.
+    """
+    worker = _Worker(worker_name(), None, None, {}, time.sleep, storage, storage_retry_s(os.environ))
+    try:
+        yield worker
+    except StorageLost as exc:
+        raise MpadviseError(
+            f"lost the Optuna study storage {shown_url(storage)!r} (retried for {worker.retry_s} s, "
+            f"{STORAGE_RETRY_ENV}): {exc}; nothing of this tune is in the study yet; run the same command again "
+            "once the server is back") from None
 
 
 def worker_name() -> str:

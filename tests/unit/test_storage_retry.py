@@ -176,9 +176,9 @@ class _OutageAt:
             raise self.error
         return call
 
-    def search(self, tmp_path, at: int, when: str) -> tuple[dict, list[Candidate]]:
+    def search(self, tmp_path, at: int, when: str, **extra) -> tuple[dict, list[Candidate]]:
         """Run a three-candidate search (fp32 known) with the outage at call or write ``at``;
-        returns its measured goodputs and the candidates it ran."""
+        returns its measured goodputs and the candidates it ran. ``extra`` goes to the search."""
         from advisor.tune import _search
         from advisor.tune._options import TuneOptions
         from advisor.tune._space import SearchSpace
@@ -197,7 +197,7 @@ class _OutageAt:
         outcome = _search.run_search(
             SearchSpace(("fp32", "bf16-mixed", "bf16-true"), (64,), 64), evaluate, options,
             first=[fp32, Candidate("bf16-mixed")], reference_goodput=100.0, dtype_ratio={}, study_name="s",
-            known={fp32: Measured(fp32, 100.0, True, True, outcome="ok")}, sleep=lambda s: None)
+            known={fp32: Measured(fp32, 100.0, True, True, outcome="ok")}, sleep=lambda s: None, **extra)
         return {c.mode: m.goodput for c, m in outcome.measured.items()}, ran
 
 
@@ -222,3 +222,35 @@ def test_an_outage_at_any_call_of_the_search_is_ridden_out(tmp_path, monkeypatch
         assert measured == expected, f"outage {when} call {at} ({outage.where})"
         assert sorted(c.mode for c in ran) == ["bf16-mixed", "bf16-true"], f"outage {when} call {at} ({outage.where})"
     assert not [w for w in recwarn if "constraint" in str(w.message)]
+
+
+def test_an_outage_between_the_reference_and_the_search_is_ridden_out(tmp_path, monkeypatch):
+    # A worker whose fp32 reference ran through an outage read the study's workload and replicate
+    # at once, and ended ("cannot open the Optuna study storage"), while its search would have
+    # ridden the same outage out.
+    from advisor.tune._search import check_study_workload, stored_replicate
+
+    outage = _OutageAt(monkeypatch, _refused_error())
+    workload = {"workload_fingerprint": "abc", "model_signature": "def"}
+    replicate = {"goodput": 99.0}
+    outage.search(tmp_path, -1, "made", workload=workload, replicate=replicate)
+    storage = f"sqlite:///{tmp_path / 'made--1.db'}"
+
+    def read() -> tuple[bool, dict | None]:
+        return check_study_workload(storage, "s", workload, resume=True), stored_replicate(storage, "s")
+
+    # These only read: an outage before each call is all there is to ride out.
+    outage.at, outage.when, outage.calls, outage.writes = -1, "before", 0, 0
+    assert read() == (True, replicate)
+    count = outage.calls
+    assert count >= 4
+    for at in range(count):
+        outage.at, outage.calls, outage.writes, outage.where = at, 0, 0, ""
+        assert read() == (True, replicate), f"outage at call {at} ({outage.where})"
+        assert outage.where, f"call {at} was never made"
+    # One that stays away (no retry window here) ends the tune in one line naming the server.
+    monkeypatch.setenv(STORAGE_RETRY_ENV, "0")
+    outage.at, outage.calls = 0, 0
+    with pytest.raises(MpadviseError, match=r"^lost the Optuna study storage 'sqlite:///.*' \(retried for 0 s, "
+                       + STORAGE_RETRY_ENV + r"\): opening the study: connection failed.*nothing of this tune is in"):
+        check_study_workload(storage, "s", workload, resume=True)
