@@ -19,7 +19,7 @@ from typer.core import TyperGroup
 from advisor._version import __version__
 from advisor.cli import _cache, _daemon, _env, _study
 from advisor.cli._common import JsonOption, QuietOption, console, fail, handle_errors, print_json
-from advisor.tune import OptionInfo, TuneOptions, option_info
+from advisor.tune import PAIRS_MAX, OptionInfo, TuneOptions, option_info
 
 
 class _OneLineUsageErrors(TyperGroup):
@@ -181,6 +181,10 @@ def trial(
     stream: Annotated[Path | None, typer.Option(
         "--stream", help="Append one JSON line per finished trial to this file, then the comparison "
         "(default: the file MPADVISE_TRIAL_STREAM names, if any), so a run cut short keeps every verdict.")] = None,
+    pairs: Annotated[int, typer.Option(
+        "--pairs", min=0, max=PAIRS_MAX,
+        help="Run fp32 and each stable candidate again this many rounds, interleaved, for a paired "
+        "speed-up with its 95% interval (0: one run of each).")] = 0,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -188,7 +192,7 @@ def trial(
     from advisor.cli._trial import TrialStream, run_trial_command
 
     code = run_trial_command(script, script_args or [], options, plot=plot, json_output=json_output, console=console,
-                             stream=None if stream is None else TrialStream(stream), quiet=quiet)
+                             stream=None if stream is None else TrialStream(stream), quiet=quiet, pairs=pairs)
     raise typer.Exit(code)
 
 

@@ -38,6 +38,7 @@ from advisor.trial import TrialResult, WarmLauncher
 from advisor.tune import (
     Comparison,
     DisturbanceWatch,
+    PairedRuns,
     ScriptRunner,
     StabilityThresholds,
     SteadyRunner,
@@ -47,8 +48,10 @@ from advisor.tune import (
     check_modes,
     check_script,
     default_trial_modes,
+    pairs_runs,
     prestarted_launcher,
     run_comparison,
+    run_pairs,
 )
 from policies import Policy
 from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
@@ -130,8 +133,13 @@ def run_trial_command(
     console: Console,
     stream: TrialStream | None = None,
     quiet: bool = False,
+    pairs: int = 0,
 ) -> int:
     """Run the comparison and print it. Returns 0 when every candidate is stable, else 3.
+
+    With ``pairs``, fp32 and each stable candidate then run that many interleaved rounds, for
+    a paired speed-up with its interval (``run_pairs``); a candidate not stable in a round is
+    not stable.
 
     With ``quiet``, no progress and no info lines: only the comparison (warnings and errors
     still show on stderr).
@@ -163,14 +171,14 @@ def run_trial_command(
                                nproc_per_node=options.nproc_per_node)
     try:
         return _compare_here(path, script_args, options, warm, plot=plot, json_output=json_output, console=console,
-                             stream=stream, quiet=quiet)
+                             stream=stream, quiet=quiet, pairs=pairs)
     finally:
         warm.close()
 
 
 def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm: WarmLauncher, *,
                   plot: Path | None, json_output: bool, console: Console, stream: TrialStream | None,
-                  quiet: bool) -> int:
+                  quiet: bool, pairs: int = 0) -> int:
     profile = probes.profile_for(options.device)
     plan = plan_for(path, options.framework, device=profile.device)
     if options.modes:
@@ -191,9 +199,14 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     # The reference, its perturbed replicate, then each candidate.
     stream = TrialStream.from_environ() if stream is None else stream
     stream.check_writable()
+    bar = not quiet and (sys.stderr.isatty() or not json_output)
+    paired: list[PairedRuns] = []
     try:
-        with trial_progress(progress_console, len(candidates) + 2, enabled=not quiet and (sys.stderr.isatty() or not json_output)) as (start, done):
+        with trial_progress(progress_console, len(candidates) + 2, enabled=bar) as (start, done):
             comparison = run_comparison(runner, candidates, on_start=start, on_done=_both(done, stream.trial))
+        if pairs:
+            with trial_progress(progress_console, pairs_runs(comparison, pairs), enabled=bar) as (start, done):
+                paired = run_pairs(runner, comparison, pairs, on_start=start, on_done=done)
     finally:
         close = getattr(runner, "close", None)  # ends the runner's warm server; a stand-in may hold none
         if close is not None:
@@ -203,14 +216,38 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
         plot_trials(str(plot), comparison.reference, comparison.evaluations, replicate=replicate,
                     advice=_timeout_advice(comparison, settings), judged_against=comparison.judged_against())
     payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot)
+    payload["pairs"] = {"rounds": pairs, "candidates": [p.to_dict() for p in paired]} if pairs else None
     payload["disturbed"] = [event.to_dict() for event in watch.events]
     stream.comparison(payload)
     if json_output:
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
     else:
         _render(comparison, path, profile, settings, plot, console)
+        if pairs:
+            _render_pairs(paired, pairs, console)
         print_disturbances(console, payload["disturbed"])
-    return EXIT_OK if all(ev.stable for ev in comparison.evaluations) else EXIT_UNSTABLE
+    stable = all(ev.stable for ev in comparison.evaluations) and not any(p.dropped for p in paired)
+    return EXIT_OK if stable else EXIT_UNSTABLE
+
+
+def _render_pairs(paired: list[PairedRuns], rounds: int, console: Console) -> None:
+    """One line per paired candidate: its paired speed-up and interval, or why it left."""
+    if not paired:
+        console.print(f"--pairs {rounds}: no candidate was stable with a speed to pair", highlight=False)
+        return
+    console.print(f"Paired with fp32 over {rounds} interleaved round{'s' if rounds > 1 else ''}:", highlight=False)
+    for p in paired:
+        speedup = p.speedup()
+        if speedup is None:
+            text = "no round paired it with fp32 (fp32 failed, or they ran on different thread counts)"
+        elif speedup.low is None or speedup.high is None:
+            text = f"{speedup.ratio:.2f}x fp32 ({speedup.basis}; an interval needs two pairs)"
+        else:
+            text = (f"{speedup.ratio:.2f}x fp32, {speedup.confidence:.0%} interval {speedup.low:.2f}x-"
+                    f"{speedup.high:.2f}x ({speedup.basis})")
+        if p.dropped:
+            text += f"; [red]left the rounds[/]: {p.dropped}"
+        console.print(f"  {p.label}: {text}", highlight=False)
 
 
 def _both(*callbacks: Callable[[int, Evaluation], None]) -> Callable[[int, Evaluation], None]:

@@ -26,6 +26,7 @@ from advisor.tune._options import (
     check_rank_device,
     option_info,
 )
+from advisor.tune._pairs import PAIRS_MAX, PairedRuns, pairs_runs, run_pairs
 from advisor.tune._search import (
     KeptStudy,
     finished_trials,
@@ -80,6 +81,8 @@ __all__ = [
     "DEFAULT_SPEEDUP_WITHIN",
     "DEFAULT_WARMUP_STEPS",
     "PAIRING_ROUNDS",
+    "PAIRS_MAX",
+    "PairedRuns",
     "PAIRS_PROJECTED",
     "EXIT_FOUND",
     "EXIT_NONE_STABLE",
@@ -111,6 +114,8 @@ __all__ = [
     "prestarted_launcher",
     "resolve_storage",
     "run_comparison",
+    "run_pairs",
+    "pairs_runs",
     "shared_storage",
     "study_status",
     "shown_url",

@@ -194,6 +194,23 @@ def test_cli_trial_table_json_and_plot(tmp_path, isolated_home, cli):
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cli_trial_pairs_gives_a_paired_speedup(isolated_home, cli):
+    proc = cli("trial", str(SCRIPTS / "tiny_ok.py"), "--mode", "bf16-mixed", "--steps", "32", "--warmup", "2",
+               "--pairs", "2", "--json", "--", "60")
+    assert proc.returncode in (0, 3), proc.stderr
+    payload = json.loads(proc.stdout)
+    assert payload["pairs"]["rounds"] == 2
+    (cand,) = payload["candidates"]
+    if not cand["stable"]:  # nothing to pair: nothing more ran
+        assert payload["pairs"]["candidates"] == []
+        return
+    (paired,) = payload["pairs"]["candidates"]
+    assert paired["mode"] == "bf16-mixed" and len(paired["goodputs"]) == len(paired["fp32_goodputs"]) == 2
+    if paired["dropped"] is None and None not in paired["goodputs"] + paired["fp32_goodputs"]:
+        speedup = paired["speedup_vs_fp32"]
+        assert speedup["pairs"] == 2 and 0 < speedup["low"] <= speedup["ratio"] <= speedup["high"]
+
+
 # ---- the kernel's OOM killer ---------------------------------------------------------------------
 
 OOM_CGROUP_LIMIT = 1 * 2**30

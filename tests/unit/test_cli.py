@@ -145,8 +145,8 @@ def test_framework_help_lists_the_registered_frameworks():
 def test_trial_takes_its_options_from_the_same_declarations():
     command = typer.main.get_command(app).commands["trial"]
     taken = [o for o in option_info() if o.trial]
-    assert [p.name for p in command.params] == ["script", "script_args", *(o.name for o in taken), "plot", "stream", "json_output",
-                                                "quiet"]
+    assert [p.name for p in command.params] == ["script", "script_args", *(o.name for o in taken), "plot", "stream", "pairs",
+                                                "json_output", "quiet"]
     params = {p.name: p for p in command.params}
     for option in taken:
         param = params[option.name]
@@ -158,8 +158,8 @@ def test_trial_takes_its_options_from_the_same_declarations():
 def test_trial_hands_the_command_one_tune_options(monkeypatch):
     seen = {}
 
-    def fake_run(script, script_args, options, *, plot, json_output, console, stream, quiet):
-        seen.update(options=options, args=script_args, plot=plot, stream=stream, quiet=quiet)
+    def fake_run(script, script_args, options, *, plot, json_output, console, stream, quiet, pairs):
+        seen.update(options=options, args=script_args, plot=plot, stream=stream, quiet=quiet, pairs=pairs)
         return 0
 
     monkeypatch.setattr("advisor.cli._trial.run_trial_command", fake_run)
@@ -168,10 +168,10 @@ def test_trial_hands_the_command_one_tune_options(monkeypatch):
     assert result.exit_code == 0, result.output
     assert seen["options"] == TuneOptions(modes=["bf16-mixed"], steps=12, warmup=3, memory_limit="2GiB")
     assert seen["args"] == ["--lr", "0.1"] and seen["plot"] is None and seen["stream"] is None
-    assert not seen["quiet"]
-    result = runner.invoke(app, ["trial", "train.py", "--stream", "trials.jsonl", "-q"])
+    assert not seen["quiet"] and seen["pairs"] == 0
+    result = runner.invoke(app, ["trial", "train.py", "--stream", "trials.jsonl", "-q", "--pairs", "4"])
     assert result.exit_code == 0, result.output
-    assert seen["stream"].path == Path("trials.jsonl") and seen["quiet"]
+    assert seen["stream"].path == Path("trials.jsonl") and seen["quiet"] and seen["pairs"] == 4
 
 
 def test_tune_hands_the_command_one_tune_options(tmp_path, monkeypatch):

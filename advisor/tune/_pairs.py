@@ -1,0 +1,150 @@
+"""Interleaved pairs for ``mpadvise trial --pairs N``: fp32 and every candidate that came out
+stable run again, ``N`` rounds, back to back and in alternating order, so that each speed-up
+rests on paired runs with a confidence interval, as a tune's re-measurement does, and not on
+one run of each (on a shared 2-core machine, one run's ratio scattered from 1.28x to 1.65x
+where the start-up-free figure was 1.45x).
+
+A round pairs a candidate with fp32 only where both ran on one thread count (a busy CPU can
+leave a run fewer threads; a gain on one thread is not the gain on two), and the speed-up rests
+on the rounds paired on the latest such count, which it names when it is fewer than torch's
+own. A candidate that is not stable in a round leaves the rounds, with the reason: one stable
+run does not make it safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from advisor.tune._engine import Speedup
+from advisor.tune._stability import StabilityThresholds
+from advisor.tune._steady import default_threads
+from advisor.tune._timing import Gap, paired_gap
+from advisor.tune._trials import Comparison, Evaluation, Runner, evaluate
+from policies import Policy
+
+PAIRS_MAX = 50
+
+
+@dataclass
+class PairedRuns:
+    """One candidate's runs beside fp32's, round by round.
+
+    Attributes:
+        label: the candidate's label.
+        policy: its policy.
+        goodputs: its goodput in each round; ``None`` where it did not pair (not run, no
+            sample count, another thread count than fp32's, or fp32's run failed).
+        fp32_goodputs: fp32's goodput in the same rounds, ``None`` likewise.
+        threads: the CPU threads both runs of each paired round had (``None`` for torch's own,
+            or where the round did not pair).
+        dropped: why it left the rounds (its outcome and reason), empty while it stayed.
+    """
+
+    label: str
+    policy: Policy
+    goodputs: list[float | None] = field(default_factory=list)
+    fp32_goodputs: list[float | None] = field(default_factory=list)
+    threads: list[int | None] = field(default_factory=list)
+    dropped: str = ""
+
+    def _paired_rounds(self) -> list[int]:
+        """The rounds that paired, on the thread count of the latest one."""
+        rounds = [r for r, (c, f) in enumerate(zip(self.goodputs, self.fp32_goodputs)) if c is not None and f is not None]
+        return [r for r in rounds if self.threads[r] == self.threads[rounds[-1]]] if rounds else []
+
+    def gap(self) -> Gap:
+        """Its gap over fp32, over the rounds that paired on the latest thread count."""
+        rounds = self._paired_rounds()
+        return paired_gap([self.goodputs[r] or 0.0 for r in rounds], [self.fp32_goodputs[r] or 0.0 for r in rounds])
+
+    def speedup(self) -> Speedup | None:
+        """Its paired speed-up over fp32 with its interval, naming the threads where they were
+        fewer than torch's own; ``None`` without a single pair."""
+        rounds = self._paired_rounds()
+        if not rounds:
+            return None
+        return Speedup.of_gap(self.gap()).on_threads(self.threads[rounds[-1]], default_threads())
+
+    def to_dict(self) -> dict[str, Any]:
+        speedup = self.speedup()
+        return {"label": self.label, "mode": self.policy.mode, "goodputs": self.goodputs,
+                "fp32_goodputs": self.fp32_goodputs, "threads": self.threads, "dropped": self.dropped or None,
+                "speedup_vs_fp32": None if speedup is None else speedup.to_dict()}
+
+
+def run_pairs(
+    runner: Runner,
+    comparison: Comparison,
+    rounds: int,
+    *,
+    thresholds: StabilityThresholds | None = None,
+    first_index: int = 0,
+    on_start: Callable[[int, str], None] | None = None,
+    on_done: Callable[[int, Evaluation], None] | None = None,
+) -> list[PairedRuns]:
+    """Run fp32 and each candidate the comparison found stable, ``rounds`` times, interleaved.
+
+    Round ``r`` runs fp32 first and the candidates after it when ``r`` is even, and the
+    reverse when it is odd, so that a slow spell of the machine falls on both sides alike.
+    Each run is judged as the comparison judged it (against its reference, with the
+    replicate's limits). A round stops early once no candidate is left.
+
+    Args:
+        runner: runs one trial, as the comparison's did.
+        comparison: what ``run_comparison`` measured.
+        rounds: how many rounds (0 runs nothing).
+        first_index: the index of the first run, for the progress callbacks.
+
+    Returns:
+        One ``PairedRuns`` per candidate the comparison found stable with a goodput, in its order.
+    """
+    reference = comparison.reference.result
+    fp32 = Policy(mode="fp32")
+    replicate = None if comparison.replicate is None else comparison.replicate.curve
+    judged_against = comparison.judged_against()
+    runs = [PairedRuns(ev.label, ev.policy) for ev in comparison.evaluations if ev.stable and ev.goodput]
+    index = first_index
+    for round_ in range(rounds):
+        active = [p for p in runs if not p.dropped]
+        if not active:
+            break
+        order: list[PairedRuns | None] = [None, *active]  # None: fp32
+        if round_ % 2:
+            order.reverse()
+        threads: dict[str, int | None] = {}
+        got: dict[str, float | None] = {}
+        fp32_got: float | None = None
+        fp32_threads: int | None = None
+        for entry in order:
+            label = "fp32" if entry is None else entry.label
+            policy = fp32 if entry is None else entry.policy
+            shown = f"{label} (pair {round_ + 1})"
+            if on_start:
+                on_start(index, shown)
+            result = runner(policy, shown)
+            ev = evaluate(shown, policy, result, reference, thresholds=thresholds,
+                          replicate=judged_against.get(label, replicate))
+            if on_done:
+                on_done(index, ev)
+            index += 1
+            if entry is None:
+                fp32_got, fp32_threads = (ev.goodput if result.outcome == "ok" else None), result.threads
+                continue
+            if not ev.stable:
+                entry.dropped = f"{ev.outcome} in pair {round_ + 1}: {ev.reason}"
+            got[label], threads[label] = (ev.goodput if ev.stable else None), result.threads
+        for entry in active:
+            paired = fp32_got is not None and got.get(entry.label) is not None and threads[entry.label] == fp32_threads
+            entry.goodputs.append(got.get(entry.label) if paired else None)
+            entry.fp32_goodputs.append(fp32_got if paired else None)
+            entry.threads.append(fp32_threads if paired else None)
+    return runs
+
+
+def pairs_runs(comparison: Comparison, rounds: int) -> int:
+    """The most runs ``run_pairs`` makes for this comparison: fp32 and each stable candidate
+    with a goodput, every round (for a progress bar's total)."""
+    stable = sum(1 for ev in comparison.evaluations if ev.stable and ev.goodput)
+    return rounds * (1 + stable) if stable else 0
