@@ -7,7 +7,8 @@ time over the mode's; above 1 when the mode is faster):
   the difference of their wall times over the difference of their steps is a step's time with
   imports, set-up and exit removed. Median over the repeats.
 * **trial**: `mpadvise trial SCRIPT -m MODE --json`, run ``--trials`` times: the candidate's
-  goodput over the fp32 reference's (single runs). Median.
+  goodput over the fp32 reference's (single runs), or with ``--trial-pairs N`` its paired
+  speed-up over N interleaved rounds (`trial --pairs N`). Median.
 * **tune**: `mpadvise tune SCRIPT -m fp32 -m MODE --no-priors --json --no-cache` (and
   ``--tune-extra``), run ``--tunes`` times: the winner and the paired figure of MODE against
   fp32 (the winner's speed-up when MODE wins; one over fp32's paired gap over MODE when fp32
@@ -124,9 +125,15 @@ def schedule(counts: dict[str, int]) -> list[tuple[str, int]]:
     return order
 
 
-def trial_ratio(preset: Preset, mode: str) -> float:
-    data = cli("trial", preset.script, "-m", mode, "--json", "--", *preset.args, timeout=3600)
-    return float(data["candidates"][0]["speedup_vs_fp32"])
+def trial_ratio(preset: Preset, mode: str, pairs: int = 0) -> float:
+    """The trial's figure for MODE: one run of each, or its paired speed-up over ``pairs`` rounds."""
+    data = cli("trial", preset.script, "-m", mode, "--pairs", str(pairs), "--json", "--", *preset.args, timeout=3600)
+    if not pairs:
+        return float(data["candidates"][0]["speedup_vs_fp32"])
+    paired = data["pairs"]["candidates"]
+    if not paired or paired[0]["speedup_vs_fp32"] is None:
+        raise SystemExit(f"mpadvise trial --pairs {pairs}: {mode} was not paired with fp32 ({paired})")
+    return float(paired[0]["speedup_vs_fp32"]["ratio"])
 
 
 def tune_ratio(preset: Preset, mode: str, extra: tuple[str, ...] = ()) -> dict:
@@ -243,6 +250,8 @@ def main() -> None:
     parser.add_argument("--short", type=int, help="units of the short plain run (default: the preset's)")
     parser.add_argument("--long", type=int, help="units of the long plain run (default: the preset's)")
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--trial-pairs", type=int, default=0,
+                        help="each trial's figure: its paired speed-up over this many rounds (trial --pairs)")
     parser.add_argument("--tunes", type=int, default=5)
     parser.add_argument("--tune-extra", default="", help="more tune options, e.g. --tune-extra='--speedup-within 0.1'")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -258,8 +267,8 @@ def main() -> None:
     if args.mode not in preset.mode_args:
         raise SystemExit(f"--mode {args.mode}: {args.example} applies only {', '.join(preset.mode_args)}")
 
-    if min(args.repeats, args.trials) < 1 or args.tunes < 0:
-        raise SystemExit("--repeats and --trials must be at least 1, --tunes at least 0")
+    if min(args.repeats, args.trials) < 1 or args.tunes < 0 or args.trial_pairs < 0:
+        raise SystemExit("--repeats and --trials must be at least 1, --tunes and --trial-pairs at least 0")
     short, long = args.short or preset.short, args.long or preset.long
     if long <= short:
         raise SystemExit(f"--long {long} must be above --short {short}: their difference is what is timed")
@@ -273,7 +282,7 @@ def main() -> None:
             if kind == "startup_free":
                 results[kind].append(startup_free_once(preset, args.mode, r, short, long, home))
             elif kind == "trial":
-                results[kind].append(trial_ratio(preset, args.mode))
+                results[kind].append(trial_ratio(preset, args.mode, args.trial_pairs))
             else:
                 results[kind].append(tune_ratio(preset, args.mode, extra))
     truth, trials, tunes = results["startup_free"], results["trial"], results["tune"]
@@ -286,7 +295,8 @@ def main() -> None:
           f" ({os.cpu_count()} cores): fp32 step time over {args.mode}'s")
     print(f"{'measurement':<34}{'ratio':>8}{'vs start-up free':>18}  note")
     print(f"{'start-up free (median)':<34}{true_ratio:>8.3f}{'':>18}  {', '.join(f'{r:.3f}' for r in truth)}")
-    print(f"{'mpadvise trial (median)':<34}{statistics.median(trials):>8.3f}{off(statistics.median(trials)):>18}"
+    trial_name = "mpadvise trial (median)" if not args.trial_pairs else f"trial --pairs {args.trial_pairs} (median)"
+    print(f"{trial_name:<34}{statistics.median(trials):>8.3f}{off(statistics.median(trials)):>18}"
           f"  {', '.join(f'{r:.3f}' for r in trials)}")
     for i, t in enumerate(tunes, 1):
         ratio = "-" if t["ratio"] is None else f"{t['ratio']:.3f}"
@@ -298,7 +308,7 @@ def main() -> None:
         tflops = "-" if found["tflops"] is None else f"{found['tflops']:.3g}"
         print(f"last tune, {label}: {tflops} TFLOP/s, MFU {mfu}")
     record = {"script": preset.script, "args": list(preset.args), "mode": args.mode, "machine": machine(),
-              "tune_extra": list(extra),
+              "tune_extra": list(extra), "trial_pairs": args.trial_pairs,
               "order": "interleaved", "started": started, "startup_free": truth, "trial": trials, "tunes": tunes}
     if truth and trials and any(t["ratio"] for t in tunes):
         found = pooled([record])
