@@ -89,7 +89,7 @@ def run_pairs(
     Round ``r`` runs fp32 first and the candidates after it when ``r`` is even, and the
     reverse when it is odd, so that a slow spell of the machine falls on both sides alike.
     Each run is judged as the comparison judged it (against its reference, with the
-    replicate's limits). A round stops early once no candidate is left.
+    replicate's limits). No round starts once no candidate is left.
 
     Args:
         runner: runs one trial, as the comparison's did.
