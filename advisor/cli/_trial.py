@@ -67,7 +67,7 @@ class TrialStream:
     """Appends one JSON line per finished trial to a file, then the comparison.
 
     Each line is a JSON object with ``event``: ``"trial"`` lines carry ``index`` (the order the
-    trials ran in), ``role`` (``reference``, ``replicate`` or ``candidate``) and the evaluation's
+    trials ran in), ``role`` (``reference``, ``replicate``, ``candidate`` or ``pair``) and the evaluation's
     fields (``Evaluation.to_dict``); the ``"comparison"`` line carries what ``--json`` prints.
     The file is opened, appended to and closed for every line, so a line once written survives
     the process being killed. Without a path nothing is written.
@@ -105,10 +105,11 @@ class TrialStream:
                 raise MpadviseError(f"{STREAM_ENV}={self.path}: {why}, or unset it") from None
             raise UsageError(f"{self.given_by} {self.path}: {why}") from None
 
-    def trial(self, index: int, evaluation: Evaluation) -> None:
-        """One finished trial; its role is read from its index and mode (the reference runs
-        first, fp32's replicate next, and no candidate is fp32)."""
-        role = "reference" if index == 0 else "replicate" if evaluation.policy.mode == "fp32" else "candidate"
+    def trial(self, index: int, evaluation: Evaluation, role: str | None = None) -> None:
+        """One finished trial; its role, unless given (``"pair"``: a run of ``--pairs``), is read
+        from its index and mode (the reference runs first, fp32's replicate next, and no
+        candidate is fp32)."""
+        role = role or ("reference" if index == 0 else "replicate" if evaluation.policy.mode == "fp32" else "candidate")
         self._append({"event": "trial", "index": index, "role": role, **evaluation.to_dict(),
                       **trial_breakdown(evaluation.result)})
 
@@ -206,7 +207,9 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
             comparison = run_comparison(runner, candidates, on_start=start, on_done=_both(done, stream.trial))
         if pairs_runs(comparison, pairs):  # none without a stable candidate to pair
             with trial_progress(progress_console, pairs_runs(comparison, pairs), enabled=bar) as (start, done):
-                paired = run_pairs(runner, comparison, pairs, on_start=start, on_done=done)
+                first = len(candidates) + 2  # each run of the rounds streams as a trial of its own
+                paired = run_pairs(runner, comparison, pairs, on_start=start, on_done=_both(
+                    done, lambda i, ev: stream.trial(first + i, ev, role="pair")))
     finally:
         close = getattr(runner, "close", None)  # ends the runner's warm server; a stand-in may hold none
         if close is not None:

@@ -167,6 +167,19 @@ def test_the_command_reports_the_paired_figure_in_json_and_text(script, capsys):
     assert f"bf16-mixed: {speedup['ratio']:.2f}x fp32, 95% interval" in text
 
 
+def test_each_run_of_the_rounds_streams_as_it_finishes(script, tmp_path, capsys):
+    stream = tmp_path / "trial.jsonl"
+    out = io.StringIO()
+    options = TuneOptions(modes=["bf16-mixed"], device="cpu")
+    run_trial_command(script, [], options, plot=None, json_output=True, console=Console(file=out, width=200),
+                      stream=trial_cli.TrialStream(stream), pairs=2)
+    lines = [json.loads(line) for line in stream.read_text().splitlines()]
+    assert [(ln.get("index"), ln.get("role"), ln.get("label")) for ln in lines[3:-1]] == [
+        (3, "pair", "fp32 (pair 1)"), (4, "pair", "bf16-mixed (pair 1)"),
+        (5, "pair", "bf16-mixed (pair 2)"), (6, "pair", "fp32 (pair 2)")]
+    assert lines[-1]["event"] == "comparison" and lines[-1]["pairs"]["rounds"] == 2
+
+
 def test_without_pairs_nothing_more_runs(script, capsys):
     code, _ = _run(script, pairs=0, json_output=True)
     assert code == 0 and json.loads(capsys.readouterr().out)["pairs"] is None
