@@ -667,10 +667,7 @@ def _riding_out(storage: str) -> Iterator[_Worker]:
     try:
         yield worker
     except StorageLost as exc:
-        raise MpadviseError(
-            f"lost the Optuna study storage {shown_url(storage)!r} (retried for {worker.retry_s} s, "
-            f"{STORAGE_RETRY_ENV}): {exc}; nothing of this tune is in the study yet; run the same command again "
-            "once the server is back") from None
+        raise MpadviseError(_lost_message(storage, str(exc), worker, None, retried=worker.retry_s)) from None
 
 
 def worker_name() -> str:
@@ -924,11 +921,14 @@ def run_search(
     return outcome
 
 
-def _lost_message(storage: str | None, why: str, worker: _Worker, outcome: SearchOutcome, *,
+def _lost_message(storage: str | None, why: str, worker: _Worker, outcome: SearchOutcome | None, *,
                   retried: int | None) -> str:
-    """The one line a search ends with when its storage is lost: the server, why, and what was kept."""
+    """The one line a tune ends with when its storage is lost: the server, why, and what was
+    kept (``outcome``: the search's; ``None`` before the search began)."""
     after = f" (retried for {retried} s, {STORAGE_RETRY_ENV})" if retried is not None else ""
-    if worker.untold:
+    if outcome is None:
+        kept = "nothing of this tune is in the study yet"
+    elif worker.untold:
         told = "; ".join(f"trial {n} {m.candidate.label}: {_result_words(m)}" for n, m in sorted(worker.untold.items()))
         kept = (f"this worker's results not stored in the study, kept in this tune's ranking and listed here: {told}; "
                 f"the {outcome.runs - len(worker.untold)} stored before stay in the study")
