@@ -205,8 +205,9 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     try:
         with trial_progress(progress_console, len(candidates) + 2, enabled=bar) as (start, done):
             comparison = run_comparison(runner, candidates, on_start=start, on_done=_both(done, stream.trial))
-        if pairs_runs(comparison, pairs):  # none without a stable candidate to pair
-            with trial_progress(progress_console, pairs_runs(comparison, pairs), enabled=bar) as (start, done):
+        runs = pairs_runs(comparison, pairs)
+        if runs:  # none without a stable candidate to pair
+            with trial_progress(progress_console, runs, enabled=bar) as (start, done):
                 first = len(candidates) + 2  # each run of the rounds streams as a trial of its own
                 paired = run_pairs(runner, comparison, pairs, on_start=start, on_done=_both(
                     done, lambda i, ev: stream.trial(first + i, ev, role="pair")))

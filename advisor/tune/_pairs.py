@@ -80,7 +80,6 @@ def run_pairs(
     rounds: int,
     *,
     thresholds: StabilityThresholds | None = None,
-    first_index: int = 0,
     on_start: Callable[[int, str], None] | None = None,
     on_done: Callable[[int, Evaluation], None] | None = None,
 ) -> list[PairedRuns]:
@@ -95,7 +94,7 @@ def run_pairs(
         runner: runs one trial, as the comparison's did.
         comparison: what ``run_comparison`` measured.
         rounds: how many rounds (0 runs nothing).
-        first_index: the index of the first run, for the progress callbacks.
+        on_start, on_done: progress, with each run's index from 0.
 
     Returns:
         One ``PairedRuns`` per candidate the comparison found stable with a goodput, in its order.
@@ -104,8 +103,8 @@ def run_pairs(
     fp32 = Policy(mode="fp32")
     replicate = None if comparison.replicate is None else comparison.replicate.curve
     judged_against = comparison.judged_against()
-    runs = [PairedRuns(ev.label, ev.policy) for ev in comparison.evaluations if ev.stable and ev.goodput]
-    index = first_index
+    runs = [PairedRuns(ev.label, ev.policy) for ev in _pairable(comparison)]
+    index = 0
     for round_ in range(rounds):
         active = [p for p in runs if not p.dropped]
         if not active:
@@ -143,8 +142,13 @@ def run_pairs(
     return runs
 
 
+def _pairable(comparison: Comparison) -> list[Evaluation]:
+    """The candidates the comparison found stable with a goodput: those the rounds pair."""
+    return [ev for ev in comparison.evaluations if ev.stable and ev.goodput]
+
+
 def pairs_runs(comparison: Comparison, rounds: int) -> int:
-    """The most runs ``run_pairs`` makes for this comparison: fp32 and each stable candidate
-    with a goodput, every round (for a progress bar's total)."""
-    stable = sum(1 for ev in comparison.evaluations if ev.stable and ev.goodput)
-    return rounds * (1 + stable) if stable else 0
+    """The most runs ``run_pairs`` makes for this comparison: fp32 and each pairable
+    candidate, every round (for a progress bar's total); 0 when none is pairable."""
+    pairable = len(_pairable(comparison))
+    return rounds * (1 + pairable) if pairable else 0
