@@ -51,7 +51,9 @@ def test_ctrl_c_names_the_study_and_the_command_that_resumes_it(tmp_path, isolat
     deadline = time.monotonic() + 480
     while _complete(isolated_home) < 1 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert process.poll() is None, "the tune ended before a trial could be interrupted"
+    if process.poll() is not None:  # say why it ended, for a run that could not be interrupted
+        raise AssertionError(f"the tune ended before a trial could be interrupted (exit {process.returncode}): "
+                             f"{process.stderr.read()[-3000:]}")
     assert _complete(isolated_home) >= 1
     os.killpg(process.pid, signal.SIGINT)
     stdout, stderr = process.communicate(timeout=120)
