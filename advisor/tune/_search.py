@@ -76,6 +76,8 @@ STORAGE_FILE_ENV = "MPADVISE_STORAGE_FILE"
 POSTGRES_INSTALL = 'pip install "mpadvise[postgres]"'
 # A server that drops packets would otherwise keep the first connection waiting for minutes.
 CONNECT_TIMEOUT_S = 10
+# Tries at opening a storage that other processes are making at the same moment.
+OPEN_ATTEMPTS = 5
 # How often a worker with nothing left but candidates others are running looks again (seconds;
 # never longer than the heartbeat interval, so a silent worker's trial is taken up promptly).
 WAIT_POLL_S = 5.0
@@ -335,7 +337,6 @@ def _open(url: str) -> tuple[Any, Heartbeat]:
 
 def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
     import optuna
-    import sqlalchemy.exc
 
     # Optuna's RDB storage logs through a logger of its module's name.
     logging.getLogger(optuna.storages.RDBStorage.__module__).addFilter(_OUTAGE_NOISE)
@@ -344,7 +345,7 @@ def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
         engine_kwargs["pool_pre_ping"] = True  # a server restarted since the last trial drops old connections
     if _is_postgres(url) and "connect_timeout" not in url:
         engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
-    for attempt in range(3):
+    for attempt in range(OPEN_ATTEMPTS):
         try:
             with _quiet():
                 return optuna.storages.RDBStorage(
@@ -354,14 +355,33 @@ def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
                         max_retry=heartbeat.max_retry),
                 )
         except Exception as exc:
-            # Workers that open a fresh database at the same moment race to create its tables
-            # (PostgreSQL's CREATE TABLE IF NOT EXISTS is not safe against that); the loser
-            # finds them made when it looks again.
-            if attempt < 2 and isinstance(exc, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError)):
-                time.sleep(0.2 + random.random() / 2)
+            # Workers that open a fresh database at the same moment race to create its tables and
+            # to stamp its schema version; the loser finds them made when it looks again.
+            if attempt < OPEN_ATTEMPTS - 1 and _creation_race(exc):
+                time.sleep((0.2 + random.random() / 2) * (attempt + 1))
                 continue
             raise storage_failure(url, exc) from None
     raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _creation_race(exc: BaseException) -> bool:
+    """Whether ``exc`` is what another process making the same storage at the same moment
+    causes: a table or a version row it made between this one's look and its own write
+    (PostgreSQL's CREATE TABLE IF NOT EXISTS is not safe against that, nor is SQLite's check
+    before CREATE TABLE: "table studies already exists"), or SQLite's lock held while it does."""
+    import sqlalchemy.exc
+
+    seen: set[int] = set()
+    inner: BaseException | None = exc
+    while inner is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        if isinstance(inner, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError)):
+            return True
+        if isinstance(inner, sqlalchemy.exc.OperationalError) and any(
+                words in str(inner) for words in ("already exists", "database is locked")):
+            return True
+        inner = inner.__cause__ or inner.__context__
+    return False
 
 
 class _OutageNoise(logging.Filter):
@@ -1407,10 +1427,11 @@ def study_status(storage: str, study_name: str | None = None, *, missing_ok: boo
         engine = sqlalchemy.create_engine(storage_url(storage), **engine_kwargs)
         try:
             tables = set(sqlalchemy.inspect(engine).get_table_names())
+            made = _storage_made(engine, tables)
         finally:
             engine.dispose()
-        if "studies" not in tables:
-            studies = []
+        if not made:
+            studies = []  # none yet: a tune is making the storage now, or none ever did
             backend = None
         else:
             with _quiet():
@@ -1428,6 +1449,19 @@ def study_status(storage: str, study_name: str | None = None, *, missing_ok: boo
     except Exception as exc:  # an unreachable server, a refused login, a driver missing, a bad URL
         raise storage_failure(storage, exc) from None
     return sorted(out, key=lambda summary: summary["study"])
+
+
+def _storage_made(engine: Any, tables: set[str]) -> bool:
+    """Whether an Optuna storage is fully made: its tables, and its schema version stamped.
+    Optuna's storage, opened before that, writes the stamp itself, racing the tune that is
+    making it ("UNIQUE constraint failed: alembic_version.version_num" for one of the two)."""
+    import sqlalchemy
+
+    if not {"studies", "version_info", "alembic_version"} <= tables:
+        return False
+    with engine.connect() as connection:
+        return all(connection.execute(sqlalchemy.text(f"SELECT COUNT(*) FROM {table}")).scalar()
+                   for table in ("version_info", "alembic_version"))
 
 
 def _study_summary(study: Any, trials: list[Any]) -> dict[str, Any]:

@@ -7,9 +7,11 @@ trial another worker holds running, as a shared study looks mid-tune.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -26,8 +28,10 @@ from advisor.tune._search import (
     _candidate_to,
     run_search,
     storage_url,
+    study_status,
 )
 from advisor.tune._space import Candidate, Measured, SearchSpace
+from probes import MpadviseError
 
 ROOT = Path(__file__).resolve().parents[2]
 FP32, BF16, PURE = Candidate("fp32"), Candidate("bf16-mixed"), Candidate("bf16-true")
@@ -116,3 +120,21 @@ def test_status_of_an_empty_database_and_an_unreachable_server(postgres_server):
     assert down.returncode == 1 and "Traceback" not in down.stderr and "s3cr" not in down.stderr
     lines = [ln for ln in down.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "cannot open the Optuna study storage 'postgresql://postgres:***@127.0.0.1:1/" in lines[0]
+
+
+def test_status_of_a_storage_a_tune_is_still_making_writes_nothing(tmp_path):
+    # A tune makes its storage in steps: the tables, a version row, then the schema stamp. Optuna's
+    # storage opened in between stamps it itself, racing the tune: one of the two failed with
+    # "UNIQUE constraint failed: alembic_version.version_num", or "table alembic_version already
+    # exists". Status reads such a storage as holding no study yet, and leaves the stamp to the tune.
+    db = tmp_path / "studies.db"
+    url = f"sqlite:///{db}"
+    _make_study(url, "one")
+    with contextlib.closing(sqlite3.connect(db)) as connection, connection:
+        connection.execute("DELETE FROM alembic_version")
+    before = _digest(db)
+    assert study_status(url) == []
+    with pytest.raises(MpadviseError, match="no study 'one'"):
+        study_status(url, "one")
+    assert study_status(url, "one", missing_ok=True) == []
+    assert _digest(db) == before  # nothing stamped, nothing written
