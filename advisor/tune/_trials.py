@@ -12,6 +12,7 @@ perturbation of precision's size, which widens the stability limits (``advisor.t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import tempfile
@@ -287,8 +288,8 @@ class ScriptRunner:
         self.launch = tuple(launch)
         # Started on the first trial that can be forked; shared with the runners derived from this.
         self.warm = warm if warm is not None else WarmLauncher(self.python, preload=framework_preload(self.launch))
-        self._dir = tempfile.TemporaryDirectory(prefix="mpadvise-trial-")
-        self._count = 0
+        # Trials are numbered across this runner and those derived from it.
+        self._numbers = itertools.count(1)
 
     def close(self) -> None:
         """End the warm server, if one runs (shared: the derived runners' too)."""
@@ -330,8 +331,10 @@ class ScriptRunner:
         return self._with(count_flops=on)
 
     def _with(self, **settings: Any) -> ScriptRunner:
-        return ScriptRunner(self.script, self.args, dataclasses.replace(self.settings, **settings),
-                            python=self.python, wait_idle_on=self.wait_idle_on, launch=self.launch, warm=self.warm)
+        derived = ScriptRunner(self.script, self.args, dataclasses.replace(self.settings, **settings),
+                               python=self.python, wait_idle_on=self.wait_idle_on, launch=self.launch, warm=self.warm)
+        derived._numbers = self._numbers
+        return derived
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         if self.wait_idle_on is not None:
@@ -343,11 +346,14 @@ class ScriptRunner:
                     get_logger().info(f"waiting for {self.wait_idle_on.name} to be idle (other processes: {pids})")
 
             wait_until_idle(self.wait_idle_on, on_wait=note)
-        self._count += 1
-        path = os.path.join(self._dir.name, f"trial-{self._count}.json")
-        spec = self.settings.spec(policy, path, label)
-        return run_trial(self.script, self.args, spec, timeout=self.settings.timeout, python=self.python,
-                         launch=self.settings.launch(self.python, self.launch), warm=self.warm)
+        number = next(self._numbers)
+        # A directory per trial, removed as the trial ends. One kept for a runner's life was removed
+        # by the garbage collector, whenever a derived runner was dropped: a Ctrl-C arriving then
+        # was swallowed ("Exception ignored in: <finalize object>"), and the tune went on.
+        with tempfile.TemporaryDirectory(prefix="mpadvise-trial-") as directory:
+            spec = self.settings.spec(policy, os.path.join(directory, f"trial-{number}.json"), label)
+            return run_trial(self.script, self.args, spec, timeout=self.settings.timeout, python=self.python,
+                             launch=self.settings.launch(self.python, self.launch), warm=self.warm)
 
 
 class FunctionRunner:

@@ -9,8 +9,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -221,3 +224,38 @@ def test_a_framework_script_runs_warm(tmp_path, isolated_home):
         assert result.outcome == "ok", result.reason + result.stderr_tail
     assert first.losses[:7] == second.losses[:7]
     assert runner.warm.server_pid is None  # closed with the runner
+
+
+def test_no_trial_directory_outlives_its_trial(tmp_path, isolated_home, warm, monkeypatch):
+    # A runner once held one directory for its life, and so did each runner derived from it (on
+    # fewer threads, more steps): the garbage collector removed it whenever such a runner was
+    # dropped, and a Ctrl-C arriving then was swallowed ("Exception ignored in: <finalize
+    # object>") while the tune went on. Each trial now has its own, removed as it ends.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def trial_dirs() -> list[Path]:
+        return sorted(tmp_path.glob("mpadvise-trial-*"))
+
+    runner = ScriptRunner(SCRIPTS / "tiny_ok.py", ["40"], TrialSettings(warmup_steps=2, measure_steps=8), warm=warm)
+    derived = runner.with_threads(1).with_measure_steps(16)
+    assert trial_dirs() == []
+    seen: list[list[Path]] = []
+    watcher = threading.Thread(target=lambda: seen.append(_first_dirs(trial_dirs)), daemon=True)
+    watcher.start()
+    result = derived(Policy(mode="fp32"), "fp32")
+    watcher.join(timeout=60)
+    assert result.outcome == "ok", result.reason + result.stderr_tail
+    assert seen and len(seen[0]) == 1 and seen[0][0].name.startswith("mpadvise-trial-")  # one, while it ran
+    assert trial_dirs() == []
+    assert runner(Policy(mode="fp32"), "fp32").outcome == "ok" and trial_dirs() == []
+
+
+def _first_dirs(look: Callable[[], list[Path]], within_s: float = 60.0) -> list[Path]:
+    """What ``look`` finds first, polled until it finds something or ``within_s`` pass."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        found = look()
+        if found:
+            return found
+        time.sleep(0.005)
+    return []
