@@ -38,7 +38,8 @@ def test_a_disturbed_reference_gives_the_undisturbed_winner_and_speed_up(script,
     disturbed = json.loads(busy.stdout)
     assert (tmp_path / "disturbed").exists()  # the neighbour did start during the reference
 
-    assert undisturbed["winner_label"] == disturbed["winner_label"] == "bf16-mixed"
+    assert undisturbed["winner_label"] == disturbed["winner_label"] == "bf16-mixed", (_decision(undisturbed),
+                                                                                      _decision(disturbed))
     speedup, interval = disturbed["speedup"], undisturbed["speedup"]
     assert speedup["basis"].startswith("paired re-measurement") and interval["pairs"] >= 2
     # Both paired intervals must overlap: on a machine that other jobs load (CI's, the suite's
@@ -51,3 +52,11 @@ def test_a_disturbed_reference_gives_the_undisturbed_winner_and_speed_up(script,
     # where other processes kept a core busy before a trial (CI's own neighbours), that is named too
     for event in disturbed["disturbed"]:
         assert event["kind"] in ("spread", "busy-cpu", "cpu-free") and event["text"].startswith(event["label"])
+
+
+def _decision(tune: dict) -> dict:
+    """What decided a tune, for a failure message: its winner, speed-up, tie note, how
+    re-measurement stopped, each finalist's rounds, and every disturbance it saw."""
+    return {"winner": tune["winner_label"], "speedup": tune["speedup"], "tie_note": tune.get("tie_note"),
+            "stop": tune.get("remeasure_stop"), "rounds": {f["label"]: f.get("rounds") for f in tune.get("finalists", [])},
+            "disturbed": [event["text"] for event in tune.get("disturbed", [])]}
