@@ -340,6 +340,12 @@ def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
 
     # Optuna's RDB storage logs through a logger of its module's name.
     logging.getLogger(optuna.storages.RDBStorage.__module__).addFilter(_OUTAGE_NOISE)
+    # SQLAlchemy logs what fails while it cleans up after an error the search is handed anyway
+    # ("Error closing cursor" once a Ctrl-C stopped a write), with a traceback: with no handler
+    # of the program's own, Python would print it on the terminal. Handlers the program set on
+    # the root logger still receive it.
+    if not any(isinstance(h, logging.NullHandler) for h in logging.getLogger("sqlalchemy").handlers):
+        logging.getLogger("sqlalchemy").addHandler(logging.NullHandler())
     engine_kwargs: dict[str, Any] = {}
     if not url.startswith("sqlite"):
         engine_kwargs["pool_pre_ping"] = True  # a server restarted since the last trial drops old connections

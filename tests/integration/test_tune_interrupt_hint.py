@@ -101,3 +101,24 @@ def test_ctrl_c_of_a_study_in_memory_says_nothing_can_be_resumed(tmp_path):
     errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "kept in memory, so nothing can be resumed" in errors[0], stderr
     assert "continue with:" not in stderr and "Traceback" not in stderr
+
+
+def test_what_sqlalchemy_logs_while_cleaning_up_stays_off_the_terminal(tmp_path):
+    # A Ctrl-C that stopped a write once left "Error closing cursor" and a traceback on the
+    # terminal, beside the one-line "interrupted": SQLAlchemy logs a failed clean-up itself, and
+    # with no handler of the program's own Python prints it. The search's storage keeps it off.
+    code = (
+        "import logging, sys\n"
+        "from advisor.tune._search import check_storage\n"
+        "check_storage(sys.argv[1])\n"
+        "try:\n"
+        "    raise KeyboardInterrupt\n"
+        "except KeyboardInterrupt:\n"
+        "    logging.getLogger('sqlalchemy.pool.impl.QueuePool').error('Error closing cursor', exc_info=True)\n"
+        "logging.getLogger('other.library').error('a record of another library still shows')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, f"sqlite:///{tmp_path / 'studies.db'}"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Error closing cursor" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "a record of another library still shows" in done.stderr
