@@ -13,10 +13,10 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from test_daemon import _wait  # polls until a condition holds
 from test_distributed_trials import alive  # whether a process runs, zombies not counted
 
 from advisor.frameworks import plan_for
@@ -240,7 +240,7 @@ def test_no_trial_directory_outlives_its_trial(tmp_path, isolated_home, warm, mo
     derived = runner.with_threads(1).with_measure_steps(16)
     assert trial_dirs() == []
     seen: list[list[Path]] = []
-    watcher = threading.Thread(target=lambda: seen.append(_first_dirs(trial_dirs)), daemon=True)
+    watcher = threading.Thread(target=lambda: seen.append(_wait(trial_dirs, timeout=60)), daemon=True)
     watcher.start()
     result = derived(Policy(mode="fp32"), "fp32")
     watcher.join(timeout=60)
@@ -248,14 +248,3 @@ def test_no_trial_directory_outlives_its_trial(tmp_path, isolated_home, warm, mo
     assert seen and len(seen[0]) == 1 and seen[0][0].name.startswith("mpadvise-trial-")  # one, while it ran
     assert trial_dirs() == []
     assert runner(Policy(mode="fp32"), "fp32").outcome == "ok" and trial_dirs() == []
-
-
-def _first_dirs(look: Callable[[], list[Path]], within_s: float = 60.0) -> list[Path]:
-    """What ``look`` finds first, polled until it finds something or ``within_s`` pass."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        found = look()
-        if found:
-            return found
-        time.sleep(0.005)
-    return []
