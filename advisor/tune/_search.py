@@ -298,15 +298,22 @@ def _is_postgres(url: str) -> bool:
     return url.partition("://")[0].split("+")[0] in ("postgresql", "postgres")
 
 
-def _missing_module(exc: BaseException | None) -> str | None:
-    """The module whose import failed somewhere in ``exc``'s chain (the innermost), or ``None``."""
-    missing = None
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc``, then each error it was raised from or while handling, outermost first, each once
+    (a chain can loop back on itself)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, ImportError):
-            missing = exc.name or _first_line(exc)
+        yield exc
         exc = exc.__cause__ or exc.__context__
+
+
+def _missing_module(exc: BaseException | None) -> str | None:
+    """The module whose import failed somewhere in ``exc``'s chain (the innermost), or ``None``."""
+    missing = None
+    for inner in _chain(exc):
+        if isinstance(inner, ImportError):
+            missing = inner.name or _first_line(inner)
     return missing
 
 
@@ -377,17 +384,10 @@ def _creation_race(exc: BaseException) -> bool:
     before CREATE TABLE: "table studies already exists"), or SQLite's lock held while it does."""
     import sqlalchemy.exc
 
-    seen: set[int] = set()
-    inner: BaseException | None = exc
-    while inner is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        if isinstance(inner, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError)):
-            return True
-        if isinstance(inner, sqlalchemy.exc.OperationalError) and any(
-                words in str(inner) for words in ("already exists", "database is locked")):
-            return True
-        inner = inner.__cause__ or inner.__context__
-    return False
+    return any(isinstance(inner, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError))
+               or (isinstance(inner, sqlalchemy.exc.OperationalError)
+                   and any(words in str(inner) for words in ("already exists", "database is locked")))
+               for inner in _chain(exc))
 
 
 class _OutageNoise(logging.Filter):
@@ -804,15 +804,8 @@ class StorageLost(Exception):
 def _root_line(exc: BaseException) -> str:
     """The first line of the innermost error in ``exc``'s chain: the server's or the driver's
     own words, not Optuna's wrapper ("An exception is raised during the commit")."""
-    seen: set[int] = set()
-    inner: BaseException = exc
-    while id(inner) not in seen:
-        seen.add(id(inner))
-        nxt = inner.__cause__ or inner.__context__
-        if nxt is None:
-            break
-        inner = nxt
-    return _first_line(inner)
+    *_, innermost = _chain(exc)
+    return _first_line(innermost)
 
 
 def _unreachable(exc: BaseException) -> bool:
@@ -823,15 +816,9 @@ def _unreachable(exc: BaseException) -> bool:
 
     gone = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlalchemy.exc.DisconnectionError,
             sqlalchemy.exc.TimeoutError)
-    seen: set[int] = set()
-    inner: BaseException | None = exc
-    while inner is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        if isinstance(inner, gone):
-            return True
-        if isinstance(inner, sqlalchemy.exc.DBAPIError) and inner.connection_invalidated:
-            return True
-        inner = inner.__cause__ or inner.__context__
+    if any(isinstance(inner, gone) or (isinstance(inner, sqlalchemy.exc.DBAPIError) and inner.connection_invalidated)
+           for inner in _chain(exc)):
+        return True
     return False if not isinstance(exc, optuna.exceptions.StorageInternalError) else _unreachable_cause(exc)
 
 
