@@ -3,7 +3,9 @@
 Runs ``mpadvise tune SCRIPT --json`` twice on a copy of the script, each in a fresh home: once
 on its own, then with ``--burners`` CPU-bound processes (``0``: a control, undisturbed again)
 started the moment the tune's first trial (the fp32 reference) is launched and kept until the
-tune ends, or for ``--burst-s`` seconds only (a burst that passes). Prints each tune's winner,
+tune ends, or for ``--burst-s`` seconds only (a burst that passes). ``--duty D`` makes each
+neighbour busy for only the first D of every second (0.15: a process that wakes briefly, the
+kind a tune should outlive, not make way for). Prints each tune's winner,
 its speed-up with the 95% interval, every disturbed run the tune saw and ran again, and whether
 the second speed-up lies inside the first interval and the two intervals overlap; writes both
 tunes' JSON (``--out``).
@@ -37,9 +39,18 @@ from probes import write_file_atomic
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tune(script: Path, tune_args: list[str], burners: int, work: Path, burst_s: float | None = None) -> dict:
-    """One tune of ``script`` (copied into ``work``); ``burners`` neighbours from its first trial
-    on, until it ends or for ``burst_s`` seconds."""
+def neighbour_code(duty: float) -> str:
+    """A neighbour's program: CPU-bound, or busy for the first ``duty`` of every second."""
+    if duty >= 1.0:
+        return "while True: pass"
+    return ("import time\nwhile True:\n    start = time.monotonic()\n"
+            f"    while time.monotonic() - start < {duty!r}: pass\n    time.sleep({1.0 - duty!r})")
+
+
+def tune(script: Path, tune_args: list[str], burners: int, work: Path, burst_s: float | None = None,
+         duty: float = 1.0) -> dict:
+    """One tune of ``script`` (copied into ``work``); ``burners`` neighbours (busy ``duty`` of
+    every second) from its first trial on, until it ends or for ``burst_s`` seconds."""
     home, tmp = work / "home", work / "tmp"
     home.mkdir()
     tmp.mkdir()
@@ -57,7 +68,7 @@ def tune(script: Path, tune_args: list[str], burners: int, work: Path, burst_s: 
             while proc.poll() is None and not list(tmp.glob("mpadvise-trial-*/trial-1.spec.json")):
                 time.sleep(0.02)
             if proc.poll() is None:
-                neighbours = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
+                neighbours = [subprocess.Popen([sys.executable, "-c", neighbour_code(duty)]) for _ in range(burners)]
                 started = time.monotonic()
         if burst_s is not None and neighbours:
             try:
@@ -123,13 +134,21 @@ def cross_inside(points: list[dict], intervals: list[dict], *, same: bool = Fals
 
 def rounds_summary(rounds: list[dict]) -> dict:
     """Every disturbed tune against every undisturbed interval, and the undisturbed ones against
-    each other (the control); the winners of each kind."""
+    each other (the control); the winners of each kind; how many of each kind measured their
+    speed-up on fewer threads than torch's own."""
     quiet = [r["undisturbed"] for r in rounds]
     busy = [r["disturbed"] for r in rounds]
     return {"disturbed_inside_undisturbed": cross_inside(busy, quiet),
             "undisturbed_inside_undisturbed": cross_inside(quiet, quiet, same=True),
             "winners": {"undisturbed": [t.get("winner_label") for t in quiet],
-                        "disturbed": [t.get("winner_label") for t in busy]}}
+                        "disturbed": [t.get("winner_label") for t in busy]},
+            "on_fewer_threads": {"undisturbed": sum(fewer_threads(t) for t in quiet),
+                                 "disturbed": sum(fewer_threads(t) for t in busy)}}
+
+
+def fewer_threads(data: dict) -> bool:
+    """Whether a tune's speed-up was measured on fewer threads than torch's own."""
+    return (data.get("speedup") or {}).get("threads") is not None
 
 
 def main() -> None:
@@ -139,6 +158,8 @@ def main() -> None:
     parser.add_argument("--burners", type=int, default=2, help="CPU-bound neighbours in the disturbed tune")
     parser.add_argument("--burst-s", type=float, help="stop the neighbours after this many seconds (default: "
                         "they run until the tune ends)")
+    parser.add_argument("--duty", type=float, default=1.0,
+                        help="the share of every second each neighbour is busy (default 1: CPU-bound)")
     parser.add_argument("--rounds", type=int, default=1, help="pairs of tunes, the order within a pair alternating")
     parser.add_argument("--out", type=Path, help="write both tunes' JSON here")
     args = parser.parse_args()
@@ -147,6 +168,8 @@ def main() -> None:
         raise SystemExit(f"no such script: {args.script}")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
+    if not 0.0 < args.duty <= 1.0:
+        raise SystemExit(f"--duty must be above 0 and at most 1, got {args.duty}")
     tune_args = shlex.split(args.tune_args)
     rounds = []
     for r in range(args.rounds):
@@ -155,7 +178,7 @@ def main() -> None:
         kinds = (("undisturbed", 0), ("disturbed", args.burners))
         for name, burners in kinds if r % 2 == 0 else kinds[::-1]:
             with tempfile.TemporaryDirectory(prefix="mpadvise-disturbed-") as work:
-                results[name] = tune(script, tune_args, burners, Path(work), args.burst_s)
+                results[name] = tune(script, tune_args, burners, Path(work), args.burst_s, args.duty)
             label = name if burners or name == "undisturbed" else "undisturbed again (control)"
             print(describe(label if args.rounds == 1 else f"round {r + 1}, {label}", results[name]), flush=True)
         quiet, busy = results["undisturbed"], results["disturbed"]
@@ -167,7 +190,8 @@ def main() -> None:
         print(f"same winner: {quiet['winner_label'] == busy['winner_label']}; the disturbed speed-up inside the "
               f"undisturbed interval: {bool(inside(busy, quiet))}; the intervals overlap: {overlap}")
         rounds.append(results)
-    record = {"script": str(args.script), "tune_args": tune_args, "burners": args.burners, "burst_s": args.burst_s}
+    record = {"script": str(args.script), "tune_args": tune_args, "burners": args.burners, "burst_s": args.burst_s,
+              "duty": args.duty}
     if args.rounds == 1:
         record.update(rounds[0])
     else:
@@ -177,6 +201,9 @@ def main() -> None:
         print(f"disturbed speed-ups inside an undisturbed interval: {hits} of {total}; undisturbed ones inside"
               f" another undisturbed interval (control): {c_hits} of {c_total}")
         print(f"winners: undisturbed {summary['winners']['undisturbed']}, disturbed {summary['winners']['disturbed']}")
+        fewer = summary["on_fewer_threads"]
+        print(f"speed-ups measured on fewer threads than torch's: undisturbed {fewer['undisturbed']} of {args.rounds}, "
+              f"disturbed {fewer['disturbed']} of {args.rounds}")
         record.update({"rounds": rounds, "summary": summary})
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,3 +34,20 @@ def test_rounds_compare_every_disturbed_tune_with_every_undisturbed_one_and_the_
     assert summary["undisturbed_inside_undisturbed"] == (3, 6)
     assert summary["winners"] == {"undisturbed": ["bf16-true", "bf16-mixed", "bf16-true"],
                                   "disturbed": ["bf16-true", "bf16-true", "bf16-true"]}
+
+
+def test_rounds_count_the_speed_ups_measured_on_fewer_threads(bench):
+    one_thread = {**_tune("bf16-true", 1.4, 1.3, 1.5), "speedup": {"ratio": 1.4, "low": 1.3, "high": 1.5, "threads": 1}}
+    rounds = [
+        {"undisturbed": _tune("bf16-true", 1.2, 1.1, 1.3), "disturbed": one_thread},
+        {"undisturbed": _tune("bf16-true", 1.2, 1.1, 1.3), "disturbed": _tune("bf16-true", 1.25, 1.1, 1.4)},
+        {"undisturbed": _tune("fp32", 1.0, None, None), "disturbed": {"winner_label": "fp32", "speedup": None}},
+    ]
+    assert bench.rounds_summary(rounds)["on_fewer_threads"] == {"undisturbed": 0, "disturbed": 1}
+
+
+def test_a_neighbour_busy_part_of_each_second_sleeps_the_rest(bench):
+    assert bench.neighbour_code(1.0) == "while True: pass"
+    code = bench.neighbour_code(0.15)
+    compile(code, "neighbour", "exec")
+    assert "< 0.15" in code and "time.sleep(0.85)" in code
