@@ -70,7 +70,7 @@ CONFIRM_SAMPLE_S = 0.3
 """How long ``cpu_busy`` looks again when its first look finds a core taken; the smaller of the two
 looks counts. A neighbour that stays keeps the core busy through both; a burst a trial outlives
 (a command started beside it, the kernel writing files back) does not. Beside a process busy for
-0.15 s of every second, one 0.1 s look held the rest of two in three tunes of examples/mlp.py on
+0.15 s of every second, one 0.1 s look had held the rest of 8 of 9 tunes of examples/mlp.py on
 one thread, and their speed-up was one thread's."""
 
 TAKEN_SHARE = 0.7
