@@ -96,10 +96,7 @@ class BurstyMachine:
     def busy(self, **kwargs) -> float | None:
         first = (self.others(self.now + _steady.BUSY_SAMPLE_S) - self.others(self.now)) / _steady.BUSY_SAMPLE_S
         self.caught += _steady.taken_cores(first)  # a first look that falls in a burst
-        return _REAL_CPU_BUSY(read=self.read, own=lambda: 0, sleep=self.sleep, **kwargs)
-
-
-_REAL_CPU_BUSY = cpu_busy
+        return cpu_busy(read=self.read, own=lambda: 0, sleep=self.sleep, **kwargs)
 
 
 @pytest.mark.parametrize(("start", "expected"), [
@@ -119,7 +116,7 @@ def test_a_neighbour_that_stays_takes_its_core_in_both_looks(monkeypatch) -> Non
     monkeypatch.setattr(_steady, "usable_cpus", lambda: {0, 1})
     machine = BurstyMachine(period=1.0, burst=1.0)  # busy all the time
     slept: list[float] = []
-    busy = _REAL_CPU_BUSY(read=machine.read, own=lambda: 0, sleep=lambda s: slept.append(s) or machine.sleep(s))
+    busy = cpu_busy(read=machine.read, own=lambda: 0, sleep=lambda s: slept.append(s) or machine.sleep(s))
     assert busy == pytest.approx(1.0) and _steady.taken_cores(busy) == 1
     assert slept == [_steady.BUSY_SAMPLE_S, _steady.CONFIRM_SAMPLE_S]
 
@@ -272,10 +269,15 @@ def _uneven_tune(monkeypatch, readings: list[float], name: str):
 
 
 class TimedRunner(UnevenRunner):
-    """An ``UnevenRunner`` whose every trial moves ``machine``'s clock on by ``trial_s``."""
+    """An ``UnevenRunner`` whose every trial, on any thread count, moves ``machine``'s clock on by
+    ``trial_s``."""
 
-    machine = BurstyMachine()
-    trial_s = 0.53
+    def __init__(self, machine: BurstyMachine, trial_s: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.machine, self.trial_s = machine, trial_s
+
+    def with_threads(self, threads: int | None) -> TimedRunner:
+        return TimedRunner(self.machine, self.trial_s, threads=threads, calls=self.calls)
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         self.machine.sleep(self.trial_s)
@@ -289,8 +291,7 @@ def test_a_neighbours_brief_bursts_leave_the_tune_on_torchs_threads(monkeypatch,
     # threads then stayed at one for the rest of the tune, whose speed-up was one thread's (1.33x
     # here, against 1.14x on torch's threads). Two of three real tunes of examples/mlp.py ended so.
     machine = BurstyMachine()
-    runner = TimedRunner()
-    runner.machine, runner.trial_s = machine, trial_s
+    runner = TimedRunner(machine, trial_s)
     result = _tune_beside(monkeypatch, runner, machine.busy, f"bursts-{trial_s}")
     assert machine.caught >= 1  # a look before a trial fell in a burst
     assert [e.kind for e in result.disturbances] == []
