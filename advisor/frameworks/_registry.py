@@ -6,7 +6,8 @@ Every list of frameworks reads this registry: ``FRAMEWORKS``, detection (each cl
 framework script's search space, the trial child's dispatch to ``install``, and
 ``mpadvise export --to`` (a framework's exporter, plus the export-only targets). Adding a
 framework means writing its adapter class (see ``FrameworkAdapter``) and one
-``register_framework`` line, here in ``BUILTIN_FRAMEWORKS`` or from outside.
+``register_framework`` line, here in ``BUILTIN_FRAMEWORKS`` or from outside; adding an export
+target means one ``_export_<target>.py`` module with its ``Exporter`` and one line here.
 """
 
 from __future__ import annotations
@@ -20,16 +21,12 @@ from probes import MpadviseError, UsageError
 
 from ._accelerate import AccelerateAdapter
 from ._adapter import FrameworkAdapter
-from ._export import (
-    AccelerateExporter,
-    DeepSpeedExporter,
-    Export,
-    Exporter,
-    FabricExporter,
-    LightningExporter,
-    TorchtitanExporter,
-    TransformersExporter,
-)
+from ._export import Export, Exporter
+from ._export_accelerate import AccelerateExporter
+from ._export_deepspeed import DeepSpeedExporter
+from ._export_lightning import FabricExporter, LightningExporter
+from ._export_torchtitan import TorchtitanExporter
+from ._export_transformers import TransformersExporter
 from ._lightning import LightningFabric, LightningTrainer
 from ._transformers import HuggingFaceTrainer
 

@@ -1,0 +1,160 @@
+"""Export to the Lightning Trainer and Fabric: a precision string or plugin code, accumulation
+and clipping, from the Lightning adapter's own plan (``lightning_precision``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from advisor.frameworks._export import (
+    Export,
+    Exporter,
+    _call,
+    _Code,
+    _comment,
+    _dataloader_line,
+    _Job,
+    _py,
+    _scaler_settings,
+    _Split,
+    _tf32_lines,
+)
+from advisor.frameworks._lightning import (
+    LightningPrecision,
+    lightning_precision,
+    transformer_engine_args,
+)
+from policies import LossScale
+
+_STATIC_SCALER = [
+    "class StaticGradScaler(torch.amp.GradScaler):",
+    '    """A GradScaler whose scale stays fixed; a step whose gradients overflow is still skipped."""',
+    "",
+    "    def __init__(self, device: str, scale: float) -> None:",
+    "        super().__init__(device, init_scale=scale)",
+    "        self.static_scale = scale",
+    "",
+    "    def update(self, new_scale=None) -> None:",
+    "        super().update(self.static_scale if new_scale is None else new_scale)",
+]
+
+
+def _scaler_code(ls: LossScale, device: str) -> list[str]:
+    """``scaler = ...``: a GradScaler carrying ``ls``, dynamic, static (``StaticGradScaler``) or off."""
+    if ls.kind == "static":
+        return [f"scaler = StaticGradScaler({_py(device)}, {_py(float(ls.init_scale))})"]
+    if ls.kind == "none":
+        return [f"scaler = torch.amp.GradScaler({_py(device)}, enabled=False)  # no loss scaling"]
+    settings = {k: v for k, v in _scaler_settings(ls).items() if k != "kind"}
+    return _call("scaler = torch.amp.GradScaler", settings, args=(device,))
+
+
+class LightningExporter(Exporter):
+    """The Lightning Trainer's arguments: a precision string or plugin, accumulation, clipping."""
+
+    target = "lightning"
+    title = "the Lightning Trainer"
+    package = "lightning.pytorch"
+    cls = "Trainer"
+
+    def write(self, job: _Job) -> Export:
+        policy = job.policy
+        # The Trainer and Fabric do not own the batch: a split is the DataLoader's batch_size
+        # (said in a comment) with accumulation, so the traits judge the rest of the policy.
+        # The batch split and clipping are the script's here: the export says how to set them in it.
+        job.check_framework(policy.with_(micro_batch_size=None, grad_accum_steps=None, grad_clip_norm=None))
+        split = job.split()
+        job.reduce_dtype_warning()
+        plan = lightning_precision(policy)
+        imports = [f"from {self.package} import {self.cls}"]
+        kwargs: dict[str, Any] = {}
+        data: dict[str, Any] = {"precision": None, "plugin": None}
+        setup = self._precision(job, plan, imports, kwargs, data)
+        switches = [] if plan.tf32 is None else _tf32_lines(plan.tf32, cuda=job.cuda, mode=policy.mode)
+        if setup or switches:
+            imports.insert(0, "import torch")
+        data["tf32"] = plan.tf32
+        data["dataloader_batch_size"] = split.micro if split is not None else None
+        comments = _dataloader_line(split, f"the {self.cls}") + self._loop(job, split, kwargs, data)
+        build = [*comments, f"# Pass these arguments to your {self.cls}(...).",
+                 *_call(f"{self.cls.lower()} = {self.cls}", kwargs)]
+        return job.python(imports, *setup, switches, build, data=data)
+
+    def _precision(self, job: _Job, plan: LightningPrecision, imports: list[str], kwargs: dict[str, Any],
+                   data: dict[str, Any]) -> list[list[str]]:
+        """The precision argument (in ``kwargs``) and the blocks that build its plugin."""
+        package = self.package
+        if plan.plugin == "amp":
+            # What the Lightning adapter applies to fp16-mixed: MixedPrecision carrying the
+            # policy's GradScaler (the "16-mixed" string builds a default one, and on a CPU
+            # Lightning turns it into bf16-mixed).
+            ls = plan.loss_scale or LossScale()
+            imports.append(f"from {package}.plugins import MixedPrecision")
+            kwargs["plugins"] = _Code(f"[MixedPrecision({_py('16-mixed')}, {_py(job.device)}, scaler=scaler)]")
+            data["plugin"] = {"class": "MixedPrecision", "precision": "16-mixed", "device": job.device,
+                              "scaler": _scaler_settings(ls)}
+            return [list(_STATIC_SCALER) if ls.kind == "static" else [], _scaler_code(ls, job.device)]
+        if plan.plugin == "transformer-engine":
+            if not job.cuda:
+                raise job.refuse("Transformer Engine runs on CUDA only")
+            te = transformer_engine_args(job.policy)
+            imports.append(f"from {package}.plugins import TransformerEnginePrecision")
+            plugin = _call("plugin = TransformerEnginePrecision", {
+                "weights_dtype": _Code(f"torch.{te['weights_dtype']}"),
+                "fallback_compute_dtype": _Code(f"torch.{te['fallback_compute_dtype']}"),
+                "recipe": te["recipe"],
+            })
+            kwargs["plugins"] = _Code("[plugin]")
+            data["plugin"] = {"class": "TransformerEnginePrecision", **te}
+            # Lightning's layer swap (_convert_layers) takes in_features % 8 and out_features % 16;
+            # mpadvise's takes both % 16, and Transformer Engine's FP8 GEMM wants the input's last
+            # dimension % 16: such a layer fails at its first forward rather than training otherwise.
+            job.warn(
+                "lightning-te-layer-swap",
+                "Lightning swaps every Linear whose in_features is a multiple of 8 and out_features of 16, "
+                "where mpadvise keeps a Linear with in_features not a multiple of 16 in bf16; Transformer "
+                "Engine refuses such a layer at its first forward, so a model with one fails rather than "
+                "training differently",
+            )
+            return [plugin]
+        kwargs["precision"] = plan.precision
+        data["precision"] = plan.precision
+        return []
+
+    def _loop(self, job: _Job, split: _Split | None, kwargs: dict[str, Any], data: dict[str, Any]) -> list[str]:
+        """Accumulation and clipping: the Trainer's arguments (Fabric's override says how)."""
+        clip = job.policy.grad_clip_norm
+        if split is not None:
+            kwargs["accumulate_grad_batches"] = split.accum
+        if clip is not None:
+            kwargs["gradient_clip_val"] = float(clip)
+            kwargs["gradient_clip_algorithm"] = "norm"
+        data["trainer"] = {k: v for k, v in kwargs.items() if k not in ("precision", "plugins")}
+        return []
+
+
+class FabricExporter(LightningExporter):
+    """Lightning Fabric's arguments; accumulation and clipping are the loop's, said in comments."""
+
+    target = "fabric"
+    title = "Lightning Fabric"
+    package = "lightning.fabric"
+    cls = "Fabric"
+
+    def _loop(self, job: _Job, split: _Split | None, kwargs: dict[str, Any], data: dict[str, Any]) -> list[str]:
+        clip = job.policy.grad_clip_norm
+        accum = split.accum if split is not None else None
+        data["accumulate"] = accum
+        data["clip_grad_norm"] = clip
+        comments: list[str] = []
+        if accum is not None and accum > 1:
+            comments += _comment(
+                f"Fabric leaves accumulation to the loop: step the optimizer every {accum} batches, with "
+                f"fabric.backward(loss / {accum}) and fabric.no_backward_sync(model, enabled=not stepping)."
+            )
+        if clip is not None:
+            comments += _comment(
+                f"Clip as the policy does: fabric.clip_gradients(model, optimizer, "
+                f"max_norm={float(clip)!r}) before optimizer.step()."
+            )
+        return comments

@@ -1,0 +1,54 @@
+"""Export to the Hugging Face Trainer: ``TrainingArguments`` fields, from the adapter's own
+precision fields (``transformers_precision``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from advisor.frameworks._export import Export, Exporter, _Job, _py
+from advisor.frameworks._transformers import transformers_precision
+
+
+class TransformersExporter(Exporter):
+    """``TrainingArguments`` fields: precision, the device, and what the policy sets of batch and clipping."""
+
+    target = "transformers"
+    title = "the Hugging Face Trainer"
+
+    def write(self, job: _Job) -> Export:
+        policy, facts = job.policy, job.facts
+        job.check_framework()
+        ls = policy.loss_scale
+        if facts.loss_scaling and ls is not None and ls.kind == "none":
+            # The traits pass a policy without loss scaling, yet fp16=True always builds a GradScaler.
+            raise job.refuse(
+                "the HF Trainer scales every fp16 loss with a dynamic GradScaler, and the policy has no loss scaling"
+            )
+        if facts.autocast == "fp16" and not job.cuda:
+            raise job.refuse(
+                "on a CPU the HF Trainer's Accelerate turns neither fp16 autocast nor a GradScaler on, so fp16=True "
+                "would train in fp32"
+            )
+        if facts.tf32 and not job.cuda:
+            raise job.refuse("TrainingArguments(tf32=True) needs an Ampere or newer GPU; on a CPU it raises")
+        split = job.split()
+        job.reduce_dtype_warning()
+        fields: dict[str, Any] = dict(transformers_precision(policy))
+        if not job.cuda:
+            # TrainingArguments refuses bf16 without a GPU unless told to train on the CPU.
+            fields["use_cpu"] = True
+        if split is not None:
+            if split.micro is not None:
+                fields["per_device_train_batch_size"] = split.micro
+            fields["gradient_accumulation_steps"] = split.accum
+        else:
+            job.notes.append("the policy keeps the script's batch: per_device_train_batch_size and "
+                             "gradient_accumulation_steps stay as the script sets them")
+        # Only a policy that clips sets max_grad_norm: the trials kept the script's own value
+        # (TrainingArguments' default clips at 1.0), so leaving it out exports what was measured.
+        if policy.grad_clip_norm is not None:
+            fields["max_grad_norm"] = float(policy.grad_clip_norm)
+        body = ["# Pass these fields to TrainingArguments: TrainingArguments(output_dir=..., **training_arguments).",
+                f"training_arguments = {_py(fields)}"]
+        return job.python(body, data={"training_arguments": fields})
