@@ -19,10 +19,9 @@ What is applied is read from the mode's facts (``policies.ModeFacts``), never it
 mode registered later with facts Lightning can express is applied here too. ``LightningTrainer``
 and ``LightningFabric`` are the two adapter classes the registry holds.
 
-Steps are recorded per optimizer step: the Trainer through a callback (a step happened when
-``trainer.global_step`` moved during the batch), Fabric through its ``on_after_optimizer_step``
-callback, with the losses taken from ``fabric.backward``. The loss scale and whether the
-GradScaler skipped the step come from the scaler itself (``PolicyGradScaler``).
+Steps are recorded per optimizer step (``_lightning_record``): the Trainer through a callback,
+Fabric through its ``on_after_optimizer_step`` callback, with the loss scale and skips from the
+policy's own GradScaler (``PolicyGradScaler``).
 
 Lightning is imported inside ``install()`` only: this module runs in the trial child.
 """
@@ -42,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._adapter import FrameworkAdapter
-from advisor.runtime import current_world_size
+from advisor.frameworks._lightning_record import PATCHED, FabricSteps, TrainerSteps, policy_scaler
 from policies import Fp8Options, LossScale, Policy, create_mode, mode_facts
 from probes import MpadviseError
 
@@ -60,7 +59,6 @@ _SEED_RANGE = 2**32
 # Strategies that build their own precision plugin from the string (FSDPPrecision,
 # DeepSpeedPrecision) and drop a scaler passed to them.
 _SHARDED = ("fsdp", "deepspeed")
-_PATCHED = "__mpadvise_patched__"
 
 # Process-wide switches the policy sets for the life of the process (the trial is the process).
 _HELD_SWITCHES = contextlib.ExitStack()
@@ -150,25 +148,6 @@ def transformer_engine_args(policy: Policy) -> dict[str, Any]:
     }
 
 
-def batch_size_of(batch: Any) -> int | None:
-    """The leading dimension of the first tensor in a batch (a tensor, a sequence, a mapping),
-    or ``None`` where the batch holds no tensor with a dimension."""
-    shape = getattr(batch, "shape", None)
-    if shape is not None:
-        return int(shape[0]) if len(shape) else None
-    if isinstance(batch, Mapping):
-        items: Iterable[Any] = batch.values()
-    elif isinstance(batch, (list, tuple)):
-        items = batch
-    else:
-        return None
-    for item in items:
-        size = batch_size_of(item)
-        if size is not None:
-            return size
-    return None
-
-
 def shifted_seed(seed: int, shift: int) -> int:
     """The script's seed moved by the trial's seed (0 leaves it), within Lightning's bounds."""
     if not shift or not 0 <= seed < _SEED_RANGE:
@@ -248,78 +227,6 @@ class LightningFabric(_LightningPrecisionPlugins):
         install_fabric(policy, recorder=recorder, device=device)
 
 
-# ---- the GradScaler ----------------------------------------------------------------------------
-
-
-@functools.cache
-def _scaler_class() -> type:
-    import torch
-
-    class PolicyGradScaler(torch.amp.GradScaler):
-        """The GradScaler a policy's ``[loss_scale]`` builds; it remembers each step's scale and skip.
-
-        A static scale stays fixed (``update()`` sets it back), while a step whose gradients
-        overflow is still skipped, as ``policies``' fp16-mixed does it. ``step()`` records the
-        scale the step's backward ran with and whether the step was skipped; ``take()`` hands
-        them over.
-        """
-
-        def __init__(self, device: str, loss_scale: LossScale) -> None:
-            # kind "none": fp16 autocast without loss scaling, as the loop API's fp16-mixed runs it.
-            super().__init__(device, init_scale=loss_scale.init_scale, growth_factor=loss_scale.growth_factor,
-                             backoff_factor=loss_scale.backoff_factor, growth_interval=loss_scale.growth_interval,
-                             enabled=loss_scale.kind != "none")
-            self.static_scale = float(loss_scale.init_scale) if loss_scale.kind == "static" else None
-            self._last_scale: float | None = None
-            self._skipped = False
-
-        def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self.is_enabled():  # no scaling: nothing is scaled or skipped
-                self._last_scale = None
-                return super().step(optimizer, *args, **kwargs)
-            scale = float(self.get_scale())  # before update(): the scale this step's backward used
-            result = super().step(optimizer, *args, **kwargs)
-            found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            self._last_scale = scale
-            self._skipped = self._skipped or any(v.item() for v in found.values())
-            return result
-
-        def update(self, new_scale: Any = None) -> None:
-            if new_scale is None and self.static_scale is not None:
-                new_scale = self.static_scale
-            super().update(new_scale)
-
-        def take(self) -> tuple[float | None, bool]:
-            """The scale of the latest step and whether any step since the last ``take()`` was skipped."""
-            taken = (self._last_scale, self._skipped)
-            self._skipped = False
-            return taken
-
-    # Found again by name (module.__getattr__ below), so that a spawned process can unpickle it.
-    PolicyGradScaler.__module__, PolicyGradScaler.__qualname__ = __name__, "PolicyGradScaler"
-    return PolicyGradScaler
-
-
-def __getattr__(name: str) -> Any:
-    # The scaler class is built on first use (torch is imported lazily), and named here so
-    # that pickle finds it.
-    if name == "PolicyGradScaler":
-        return _scaler_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def policy_scaler(device: str, loss_scale: LossScale) -> Any:
-    """A ``PolicyGradScaler`` for ``device`` (``"cpu"``, ``"cuda"``) with the policy's settings."""
-    return _scaler_class()(device, loss_scale)
-
-
-def take_step_scale(scaler: Any) -> tuple[float | None, bool]:
-    """The loss scale and skip of the step that just ended, from a ``PolicyGradScaler``."""
-    if scaler is not None and isinstance(scaler, _scaler_class()):
-        return scaler.take()
-    return None, False
-
-
 # ---- install ------------------------------------------------------------------------------------
 
 
@@ -376,7 +283,7 @@ def _patch_init(cls: type, package: str, adjust: Callable[[str, dict[str, Any]],
     Lightning flavour ``package`` whose plugins and callbacks they may hold), ``built``, if
     given, sees the object made. A subclass's ``super().__init__`` goes through it too."""
     original = cls.__init__
-    if getattr(original, _PATCHED, False):
+    if getattr(original, PATCHED, False):
         return
 
     @functools.wraps(original)
@@ -385,7 +292,7 @@ def _patch_init(cls: type, package: str, adjust: Callable[[str, dict[str, Any]],
         if built is not None:
             built(self)
 
-    setattr(__init__, _PATCHED, True)
+    setattr(__init__, PATCHED, True)
     cls.__init__ = __init__
 
 
@@ -399,7 +306,7 @@ def _shift_seeds(shift: int, recorder: FrameworkRecorder | None) -> None:
     for name in _installed(_SEED_MODULES):
         module = importlib.import_module(name)
         original = module.seed_everything
-        if getattr(original, _PATCHED, False):
+        if getattr(original, PATCHED, False):
             continue
 
         @functools.wraps(original)
@@ -414,7 +321,7 @@ def _shift_seeds(shift: int, recorder: FrameworkRecorder | None) -> None:
                 seed = shifted_seed(0, shift)  # Lightning's default seed, moved
             return _original(seed, *args, **kwargs)
 
-        setattr(seed_everything, _PATCHED, True)
+        setattr(seed_everything, PATCHED, True)
         # Every module that re-exports it (lightning.seed_everything, Fabric's staticmethod's
         # global, lightning.pytorch.seed_everything) holds the original object: replace each.
         for loaded_name, loaded in list(sys.modules.items()):
@@ -433,8 +340,8 @@ class _Application:
         self.plan = plan
         self.recorder = recorder
         self.device = device
-        self.trainer_steps = _TrainerSteps(recorder) if recorder is not None else None
-        self.fabric_steps = _FabricSteps(recorder) if recorder is not None else None
+        self.trainer_steps = TrainerSteps(recorder) if recorder is not None else None
+        self.fabric_steps = FabricSteps(recorder) if recorder is not None else None
 
     def note(self, text: str) -> None:
         if self.recorder is not None:
@@ -527,31 +434,8 @@ class _Application:
             kwargs["gradient_clip_val"] = policy.grad_clip_norm
             kwargs["gradient_clip_algorithm"] = "norm"
         if self.trainer_steps is not None:
-            self._trial_trainer_kwargs(package, kwargs, self.trainer_steps)
+            self.trainer_steps.trainer_kwargs(package, kwargs)
         return kwargs
-
-    def _trial_trainer_kwargs(self, package: str, kwargs: dict[str, Any], steps: _TrainerSteps) -> None:
-        """The recording callback, and the Trainer's extras off where the script's callbacks allow."""
-        callbacks_module = importlib.import_module(f"{package}.callbacks")
-        callbacks = kwargs.get("callbacks")
-        callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-
-        def has(*names: str) -> bool:
-            kinds = tuple(getattr(callbacks_module, n) for n in names if hasattr(callbacks_module, n))
-            return any(isinstance(c, kinds) for c in callbacks)
-
-        # Off in trials: they cost time per step and change no numerics. Each stays as the
-        # script set it where one of its callbacks needs it (Lightning refuses the mix).
-        off = {"enable_progress_bar": has("ProgressBar"), "enable_model_summary": has("ModelSummary"),
-               "enable_checkpointing": has("Checkpoint"),
-               "logger": has("LearningRateMonitor", "DeviceStatsMonitor")}
-        turned = [name for name, needed in off.items() if not needed]
-        for name in turned:
-            kwargs[name] = False
-        if turned:
-            self.note(f"Lightning Trainer: {', '.join(turned)} off in the trial (no effect on the numerics)")
-        callbacks.append(steps.callback(callbacks_module.Callback))
-        kwargs["callbacks"] = callbacks
 
     def trainer_built(self, trainer: Any) -> None:
         """A Trainer exists with the policy's precision plugin: the candidate is applied."""
@@ -603,206 +487,3 @@ def _amp_device(accelerator: Any) -> str:
     return name
 
 
-# ---- recording ------------------------------------------------------------------------------------
-
-
-class _StepLosses:
-    """The micro-batch losses and samples of the optimizer step in progress."""
-
-    def __init__(self) -> None:
-        self.losses: list[Any] = []
-        self.samples = 0
-        self.micro_batches = 0
-
-    def add(self, loss: Any, samples: int | None) -> None:
-        if loss is not None:
-            self.losses.append(loss.detach().float().clone() if hasattr(loss, "detach") else float(loss))
-        self.samples += samples or 0
-        self.micro_batches += 1
-
-    def mean(self) -> Any:
-        losses = self.losses
-        if not losses:
-            return float("nan")  # a step with no loss to read is not a finite one
-        return losses[0] if len(losses) == 1 else sum(losses) / len(losses)
-
-    def reset(self) -> None:
-        self.losses, self.samples, self.micro_batches = [], 0, 0
-
-
-class _TrainerSteps:
-    """Feeds the recorder from a Lightning Trainer's callback hooks, one record per optimizer step.
-
-    An optimizer step ended in a batch when ``trainer.global_step`` moved during it (on
-    accumulation batches it does not). The batch's loss is ``outputs["loss"]``, which automatic
-    optimization has divided by ``accumulate_grad_batches``; under manual optimization, where
-    the training step may return nothing, it is the loss given to ``manual_backward``.
-    """
-
-    def __init__(self, recorder: FrameworkRecorder) -> None:
-        self.recorder = recorder
-        self.step = _StepLosses()
-        self._global_step_at_start = 0
-        self._backward_loss: Any = None
-        self._batch_size: int | None = None
-        self._scale_before: float | None = None
-
-    def callback(self, base: type) -> Any:
-        """A Callback of the Trainer's own flavour (``base``) that calls this object's hooks."""
-        steps = self
-
-        class StepRecorder(base):  # type: ignore[misc, valid-type]
-            """Records each optimizer step of the trial (mpadvise)."""
-
-            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-                steps.recorder.set_device(pl_module.device)
-
-            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-                steps.batch_start(trainer, pl_module, batch)
-
-            def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-                steps.before_backward(trainer, pl_module, loss)
-
-            def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-                steps.before_optimizer_step(trainer)
-
-            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-                steps.batch_end(trainer, pl_module, outputs)
-
-        return StepRecorder()
-
-    def batch_start(self, trainer: Any, module: Any, batch: Any) -> None:
-        size = batch_size_of(batch)
-        if not self.recorder.begun:
-            self.recorder.perturb(module)
-            self.recorder.watch_model(module)
-            accum = int(trainer.accumulate_grad_batches or 1)
-            self.recorder.begin(user_batch=size, micro_batch=size, grad_accum_steps=accum)
-            optimizers = trainer.optimizers
-            # The workload's global batch counts every process (Lightning's world size).
-            self.recorder.workload(module, optimizers[0] if optimizers else None,
-                                   global_batch=None if size is None else size * accum * current_world_size())
-        self._global_step_at_start = trainer.global_step
-        self._backward_loss = None
-        self._batch_size = size
-
-    def before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
-        if module.automatic_optimization:
-            return  # outputs["loss"] holds it, unscaled
-        # manual_backward's loss arrives here already multiplied by the loss scale.
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        self._backward_loss = loss.detach().float() / scale
-
-    def before_optimizer_step(self, trainer: Any) -> None:
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        # A scaler the policy did not build (a sharded strategy's own): the scale before the
-        # step, to tell a skip by the scale shrinking after it.
-        if scaler is not None and not isinstance(scaler, _scaler_class()) and self._scale_before is None:
-            self._scale_before = float(scaler.get_scale())
-
-    def batch_end(self, trainer: Any, module: Any, outputs: Any) -> None:
-        if not self.recorder.begun:
-            return
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs if hasattr(outputs, "detach") else None
-        if loss is not None and module.automatic_optimization:
-            loss = loss * trainer.accumulate_grad_batches  # automatic optimization divided it
-        elif loss is None:
-            loss = self._backward_loss
-        self.step.add(loss, self._batch_size)
-        if trainer.global_step == self._global_step_at_start:
-            return  # an accumulation batch: no optimizer step yet
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        scale, skipped = take_step_scale(scaler)
-        if self._scale_before is not None:
-            after = float(scaler.get_scale())
-            scale, skipped = self._scale_before, after < self._scale_before
-            self._scale_before = None
-        self.recorder.step(loss=self.step.mean(), loss_scale=scale, skipped=skipped, samples=self.step.samples)
-        self.step.reset()
-
-
-class _FabricSteps:
-    """Feeds the recorder from Fabric: a Fabric callback (``on_after_optimizer_step``), with the
-    micro-batch losses taken from ``fabric.backward`` and the batch size from a forward
-    pre-hook on the model the script sets up.
-
-    Accumulation is the script's own: the backward passes between two optimizer steps are the
-    step's micro-batches, and the recorded loss is their mean as the script passed them to
-    ``fabric.backward`` (divided by the accumulation count if the script divides it).
-    """
-
-    def __init__(self, recorder: FrameworkRecorder) -> None:
-        self.recorder = recorder
-        self.step = _StepLosses()
-        self.model: Any = None
-        self._forward_batch: int | None = None
-        self._hooked: set[int] = set()
-        self._first_step = True
-
-    def patch(self, fabric_cls: type) -> None:
-        """Wrap ``backward`` and the setup methods of one Fabric class in place."""
-        for name in ("backward", "setup", "setup_module"):
-            original = getattr(fabric_cls, name)
-            if getattr(original, _PATCHED, False):
-                continue
-            wrapped = self._backward(original) if name == "backward" else self._setup(original)
-            setattr(wrapped, _PATCHED, True)
-            setattr(fabric_cls, name, wrapped)
-
-    def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def backward(fabric: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self.recorder.begun:
-                size = self._forward_batch
-                # The accumulation count is known at the first optimizer step (step_ended).
-                self.recorder.begin(user_batch=size, micro_batch=size, grad_accum_steps=None)
-            self.step.add(tensor, self._forward_batch)
-            return original(fabric, tensor, *args, **kwargs)
-
-        return backward
-
-    def _setup(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def setup(fabric: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
-            self.watch(module)
-            return original(fabric, module, *args, **kwargs)
-
-        return setup
-
-    def watch(self, module: Any) -> None:
-        """Read the batch size of every training forward of ``module``."""
-        if id(module) in self._hooked or not hasattr(module, "register_forward_pre_hook"):
-            return
-        self._hooked.add(id(module))
-        if self.model is None:
-            self.model = module
-            self.recorder.watch_model(module)
-
-        def pre_hook(mod: Any, args: Any, kwargs: Any) -> None:
-            import torch
-
-            if torch.is_grad_enabled():
-                self.recorder.perturb(mod)
-                size = batch_size_of((args, kwargs))
-                if size is not None:
-                    self._forward_batch = size
-
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-
-    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
-        """Fabric's callback hook, after ``optimizer.step()`` of a set-up optimizer."""
-        if not self.recorder.begun or not self.step.micro_batches:
-            return
-        if self._first_step:
-            self._first_step = False
-            accum = self.step.micro_batches
-            micro = self.recorder.batch.get("micro_batch")
-            global_batch = None if micro is None else micro * accum
-            # The batch facts written at begin() lacked the accumulation count.
-            self.recorder.batch.update(grad_accum_steps=accum, global_batch=global_batch)
-            every_process = None if global_batch is None else global_batch * current_world_size()
-            self.recorder.workload(self.model, optimizer, global_batch=every_process)
-        scale, skipped = take_step_scale(getattr(strategy.precision, "scaler", None))
-        self.recorder.step(loss=self.step.mean(), loss_scale=scale, skipped=skipped, samples=self.step.samples)
-        self.step.reset()

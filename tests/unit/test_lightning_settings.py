@@ -16,14 +16,12 @@ from fakes import DelayedScaling, Format
 from advisor.frameworks import traits
 from advisor.frameworks._lightning import (
     _Application,
-    batch_size_of,
     is_sharded,
     lightning_precision,
-    policy_scaler,
     shifted_seed,
-    take_step_scale,
     transformer_engine_args,
 )
+from advisor.frameworks._lightning_record import batch_size_of, policy_scaler, take_step_scale
 from policies import Fp8Options, LossScale, Policy
 from probes import MpadviseError
 

@@ -1,0 +1,346 @@
+"""Lightning trials, recorded: the GradScaler a policy builds (it remembers each step's scale and
+skip), and the feeds from the Trainer's callback hooks and Fabric's, one record per optimizer step.
+
+Steps are recorded per optimizer step: the Trainer through a callback (a step happened when
+``trainer.global_step`` moved during the batch), Fabric through its ``on_after_optimizer_step``
+callback, with the losses taken from ``fabric.backward``. The loss scale and whether the
+GradScaler skipped the step come from the scaler itself (``PolicyGradScaler``).
+
+Lightning and torch are imported inside the hooks only: this module runs in the trial child.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from advisor.runtime import current_world_size
+from policies import LossScale
+
+if TYPE_CHECKING:
+    from advisor.trial import FrameworkRecorder
+
+# Marks a function the adapter has wrapped, so that a second install wraps it no more.
+PATCHED = "__mpadvise_patched__"
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The leading dimension of the first tensor in a batch (a tensor, a sequence, a mapping),
+    or ``None`` where the batch holds no tensor with a dimension."""
+    shape = getattr(batch, "shape", None)
+    if shape is not None:
+        return int(shape[0]) if len(shape) else None
+    if isinstance(batch, Mapping):
+        items: Iterable[Any] = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return None
+    for item in items:
+        size = batch_size_of(item)
+        if size is not None:
+            return size
+    return None
+
+
+
+# ---- the GradScaler ----------------------------------------------------------------------------
+
+
+@functools.cache
+def _scaler_class() -> type:
+    import torch
+
+    class PolicyGradScaler(torch.amp.GradScaler):
+        """The GradScaler a policy's ``[loss_scale]`` builds; it remembers each step's scale and skip.
+
+        A static scale stays fixed (``update()`` sets it back), while a step whose gradients
+        overflow is still skipped, as ``policies``' fp16-mixed does it. ``step()`` records the
+        scale the step's backward ran with and whether the step was skipped; ``take()`` hands
+        them over.
+        """
+
+        def __init__(self, device: str, loss_scale: LossScale) -> None:
+            # kind "none": fp16 autocast without loss scaling, as the loop API's fp16-mixed runs it.
+            super().__init__(device, init_scale=loss_scale.init_scale, growth_factor=loss_scale.growth_factor,
+                             backoff_factor=loss_scale.backoff_factor, growth_interval=loss_scale.growth_interval,
+                             enabled=loss_scale.kind != "none")
+            self.static_scale = float(loss_scale.init_scale) if loss_scale.kind == "static" else None
+            self._last_scale: float | None = None
+            self._skipped = False
+
+        def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.is_enabled():  # no scaling: nothing is scaled or skipped
+                self._last_scale = None
+                return super().step(optimizer, *args, **kwargs)
+            scale = float(self.get_scale())  # before update(): the scale this step's backward used
+            result = super().step(optimizer, *args, **kwargs)
+            found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            self._last_scale = scale
+            self._skipped = self._skipped or any(v.item() for v in found.values())
+            return result
+
+        def update(self, new_scale: Any = None) -> None:
+            if new_scale is None and self.static_scale is not None:
+                new_scale = self.static_scale
+            super().update(new_scale)
+
+        def take(self) -> tuple[float | None, bool]:
+            """The scale of the latest step and whether any step since the last ``take()`` was skipped."""
+            taken = (self._last_scale, self._skipped)
+            self._skipped = False
+            return taken
+
+    # Found again by name (module.__getattr__ below), so that a spawned process can unpickle it.
+    PolicyGradScaler.__module__, PolicyGradScaler.__qualname__ = __name__, "PolicyGradScaler"
+    return PolicyGradScaler
+
+
+def __getattr__(name: str) -> Any:
+    # The scaler class is built on first use (torch is imported lazily), and named here so
+    # that pickle finds it.
+    if name == "PolicyGradScaler":
+        return _scaler_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def policy_scaler(device: str, loss_scale: LossScale) -> Any:
+    """A ``PolicyGradScaler`` for ``device`` (``"cpu"``, ``"cuda"``) with the policy's settings."""
+    return _scaler_class()(device, loss_scale)
+
+
+def take_step_scale(scaler: Any) -> tuple[float | None, bool]:
+    """The loss scale and skip of the step that just ended, from a ``PolicyGradScaler``."""
+    if scaler is not None and isinstance(scaler, _scaler_class()):
+        return scaler.take()
+    return None, False
+
+
+# ---- recording ------------------------------------------------------------------------------------
+
+
+class _StepLosses:
+    """The micro-batch losses and samples of the optimizer step in progress."""
+
+    def __init__(self) -> None:
+        self.losses: list[Any] = []
+        self.samples = 0
+        self.micro_batches = 0
+
+    def add(self, loss: Any, samples: int | None) -> None:
+        if loss is not None:
+            self.losses.append(loss.detach().float().clone() if hasattr(loss, "detach") else float(loss))
+        self.samples += samples or 0
+        self.micro_batches += 1
+
+    def mean(self) -> Any:
+        losses = self.losses
+        if not losses:
+            return float("nan")  # a step with no loss to read is not a finite one
+        return losses[0] if len(losses) == 1 else sum(losses) / len(losses)
+
+    def reset(self) -> None:
+        self.losses, self.samples, self.micro_batches = [], 0, 0
+
+
+class TrainerSteps:
+    """Feeds the recorder from a Lightning Trainer's callback hooks, one record per optimizer step.
+
+    An optimizer step ended in a batch when ``trainer.global_step`` moved during it (on
+    accumulation batches it does not). The batch's loss is ``outputs["loss"]``, which automatic
+    optimization has divided by ``accumulate_grad_batches``; under manual optimization, where
+    the training step may return nothing, it is the loss given to ``manual_backward``.
+    """
+
+    def __init__(self, recorder: FrameworkRecorder) -> None:
+        self.recorder = recorder
+        self.step = _StepLosses()
+        self._global_step_at_start = 0
+        self._backward_loss: Any = None
+        self._batch_size: int | None = None
+        self._scale_before: float | None = None
+
+    def trainer_kwargs(self, package: str, kwargs: dict[str, Any]) -> None:
+        """The recording callback, and the Trainer's extras off where the script's callbacks allow."""
+        callbacks_module = importlib.import_module(f"{package}.callbacks")
+        callbacks = kwargs.get("callbacks")
+        callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+
+        def has(*names: str) -> bool:
+            kinds = tuple(getattr(callbacks_module, n) for n in names if hasattr(callbacks_module, n))
+            return any(isinstance(c, kinds) for c in callbacks)
+
+        # Off in trials: they cost time per step and change no numerics. Each stays as the
+        # script set it where one of its callbacks needs it (Lightning refuses the mix).
+        off = {"enable_progress_bar": has("ProgressBar"), "enable_model_summary": has("ModelSummary"),
+               "enable_checkpointing": has("Checkpoint"),
+               "logger": has("LearningRateMonitor", "DeviceStatsMonitor")}
+        turned = [name for name, needed in off.items() if not needed]
+        for name in turned:
+            kwargs[name] = False
+        if turned:
+            self.recorder.note(f"Lightning Trainer: {', '.join(turned)} off in the trial (no effect on the numerics)")
+        callbacks.append(self.callback(callbacks_module.Callback))
+        kwargs["callbacks"] = callbacks
+
+    def callback(self, base: type) -> Any:
+        """A Callback of the Trainer's own flavour (``base``) that calls this object's hooks."""
+        steps = self
+
+        class StepRecorder(base):  # type: ignore[misc, valid-type]
+            """Records each optimizer step of the trial (mpadvise)."""
+
+            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+                steps.recorder.set_device(pl_module.device)
+
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                steps.batch_start(trainer, pl_module, batch)
+
+            def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+                steps.before_backward(trainer, pl_module, loss)
+
+            def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+                steps.before_optimizer_step(trainer)
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+                steps.batch_end(trainer, pl_module, outputs)
+
+        return StepRecorder()
+
+    def batch_start(self, trainer: Any, module: Any, batch: Any) -> None:
+        size = batch_size_of(batch)
+        if not self.recorder.begun:
+            self.recorder.perturb(module)
+            self.recorder.watch_model(module)
+            accum = int(trainer.accumulate_grad_batches or 1)
+            self.recorder.begin(user_batch=size, micro_batch=size, grad_accum_steps=accum)
+            optimizers = trainer.optimizers
+            # The workload's global batch counts every process (Lightning's world size).
+            self.recorder.workload(module, optimizers[0] if optimizers else None,
+                                   global_batch=None if size is None else size * accum * current_world_size())
+        self._global_step_at_start = trainer.global_step
+        self._backward_loss = None
+        self._batch_size = size
+
+    def before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
+        if module.automatic_optimization:
+            return  # outputs["loss"] holds it, unscaled
+        # manual_backward's loss arrives here already multiplied by the loss scale.
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        self._backward_loss = loss.detach().float() / scale
+
+    def before_optimizer_step(self, trainer: Any) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        # A scaler the policy did not build (a sharded strategy's own): the scale before the
+        # step, to tell a skip by the scale shrinking after it.
+        if scaler is not None and not isinstance(scaler, _scaler_class()) and self._scale_before is None:
+            self._scale_before = float(scaler.get_scale())
+
+    def batch_end(self, trainer: Any, module: Any, outputs: Any) -> None:
+        if not self.recorder.begun:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs if hasattr(outputs, "detach") else None
+        if loss is not None and module.automatic_optimization:
+            loss = loss * trainer.accumulate_grad_batches  # automatic optimization divided it
+        elif loss is None:
+            loss = self._backward_loss
+        self.step.add(loss, self._batch_size)
+        if trainer.global_step == self._global_step_at_start:
+            return  # an accumulation batch: no optimizer step yet
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scale, skipped = take_step_scale(scaler)
+        if self._scale_before is not None:
+            after = float(scaler.get_scale())
+            scale, skipped = self._scale_before, after < self._scale_before
+            self._scale_before = None
+        self.recorder.step(loss=self.step.mean(), loss_scale=scale, skipped=skipped, samples=self.step.samples)
+        self.step.reset()
+
+
+class FabricSteps:
+    """Feeds the recorder from Fabric: a Fabric callback (``on_after_optimizer_step``), with the
+    micro-batch losses taken from ``fabric.backward`` and the batch size from a forward
+    pre-hook on the model the script sets up.
+
+    Accumulation is the script's own: the backward passes between two optimizer steps are the
+    step's micro-batches, and the recorded loss is their mean as the script passed them to
+    ``fabric.backward`` (divided by the accumulation count if the script divides it).
+    """
+
+    def __init__(self, recorder: FrameworkRecorder) -> None:
+        self.recorder = recorder
+        self.step = _StepLosses()
+        self.model: Any = None
+        self._forward_batch: int | None = None
+        self._hooked: set[int] = set()
+        self._first_step = True
+
+    def patch(self, fabric_cls: type) -> None:
+        """Wrap ``backward`` and the setup methods of one Fabric class in place."""
+        for name in ("backward", "setup", "setup_module"):
+            original = getattr(fabric_cls, name)
+            if getattr(original, PATCHED, False):
+                continue
+            wrapped = self._backward(original) if name == "backward" else self._setup(original)
+            setattr(wrapped, PATCHED, True)
+            setattr(fabric_cls, name, wrapped)
+
+    def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def backward(fabric: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.recorder.begun:
+                size = self._forward_batch
+                # The accumulation count is known at the first optimizer step (step_ended).
+                self.recorder.begin(user_batch=size, micro_batch=size, grad_accum_steps=None)
+            self.step.add(tensor, self._forward_batch)
+            return original(fabric, tensor, *args, **kwargs)
+
+        return backward
+
+    def _setup(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def setup(fabric: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
+            self.watch(module)
+            return original(fabric, module, *args, **kwargs)
+
+        return setup
+
+    def watch(self, module: Any) -> None:
+        """Read the batch size of every training forward of ``module``."""
+        if id(module) in self._hooked or not hasattr(module, "register_forward_pre_hook"):
+            return
+        self._hooked.add(id(module))
+        if self.model is None:
+            self.model = module
+            self.recorder.watch_model(module)
+
+        def pre_hook(mod: Any, args: Any, kwargs: Any) -> None:
+            import torch
+
+            if torch.is_grad_enabled():
+                self.recorder.perturb(mod)
+                size = batch_size_of((args, kwargs))
+                if size is not None:
+                    self._forward_batch = size
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
+        """Fabric's callback hook, after ``optimizer.step()`` of a set-up optimizer."""
+        if not self.recorder.begun or not self.step.micro_batches:
+            return
+        if self._first_step:
+            self._first_step = False
+            accum = self.step.micro_batches
+            micro = self.recorder.batch.get("micro_batch")
+            global_batch = None if micro is None else micro * accum
+            # The batch facts written at begin() lacked the accumulation count.
+            self.recorder.batch.update(grad_accum_steps=accum, global_batch=global_batch)
+            every_process = None if global_batch is None else global_batch * current_world_size()
+            self.recorder.workload(self.model, optimizer, global_batch=every_process)
+        scale, skipped = take_step_scale(getattr(strategy.precision, "scaler", None))
+        self.recorder.step(loss=self.step.mean(), loss_scale=scale, skipped=skipped, samples=self.step.samples)
+        self.step.reset()
