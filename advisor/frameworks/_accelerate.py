@@ -26,7 +26,7 @@ Gradient accumulation stays as the script sets it (``gradient_accumulation_steps
 ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, which overrides it): the micro-batch is the
 script's DataLoader, so no split is applied (see the traits).
 
-Steps are recorded per optimizer step: ``Accelerator.backward`` gives each micro-batch's loss
+Steps are recorded per optimizer step (``_accelerate_record``): ``Accelerator.backward`` gives each micro-batch's loss
 (before Accelerate divides it by the accumulation count), a forward pre-hook on each prepared
 model gives its batch size, and ``AcceleratedOptimizer.step`` ends a step when
 ``sync_gradients`` says the micro-batch closes one; the GradScaler's scale is read before the
@@ -47,15 +47,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
+from advisor.frameworks._accelerate_record import PATCHED, Steps
 from advisor.frameworks._adapter import FrameworkAdapter
-from advisor.runtime import current_world_size
 from policies import Fp8Options, LossScale, Policy, create_mode, mode_facts
 from probes import MpadviseError
 
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
 
-_PATCHED = "__mpadvise_patched__"
 # Process-wide switches the policy sets for the life of the process (the trial is the process).
 _HELD_SWITCHES = contextlib.ExitStack()
 # Transformer Engine's DelayedScaling computes its scale from the largest amax of the history
@@ -226,7 +225,7 @@ def install_accelerator(policy: Policy, *, recorder: FrameworkRecorder | None, d
     _wrap(accelerate.Accelerator, "__init__", application.wrap_init)
     if recorder is None:
         return
-    steps = _Steps(recorder)
+    steps = Steps(recorder)
     application.steps = steps
     _wrap(accelerate.Accelerator, "prepare", steps.wrap_prepare)
     _wrap(accelerate.Accelerator, "prepare_model", steps.wrap_prepare_model)
@@ -244,10 +243,10 @@ def install_accelerator(policy: Policy, *, recorder: FrameworkRecorder | None, d
 def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     """Replace ``owner.name`` in place by ``make(original)``, once."""
     original = getattr(owner, name)
-    if getattr(original, _PATCHED, False):
+    if getattr(original, PATCHED, False):
         return
     wrapped = functools.wraps(original)(make(original))
-    setattr(wrapped, _PATCHED, True)
+    setattr(wrapped, PATCHED, True)
     setattr(owner, name, wrapped)
 
 
@@ -270,7 +269,7 @@ class _Application:
         self.settings = settings
         self.recorder = recorder
         self.device = device
-        self.steps: _Steps | None = None
+        self.steps: Steps | None = None
         self.fp8_mode: Any = None  # fp8-torchao: the loop API's mode, whose filter and notes are used
 
     def note(self, text: str) -> None:
@@ -395,7 +394,9 @@ class _Application:
                 "of Accelerate"
             )
         if want == "fp16" and accelerator.device.type == "cpu" and accelerator.scaler is None:
-            self._cpu_fp16(accelerator)
+            _cpu_fp16(accelerator, self.settings.grad_scaler)
+            self.note("Accelerator: fp16 on a CPU runs CPU autocast with GradScaler('cpu') "
+                      "(Accelerate itself would train in fp32 there)")
         self.hold_switches(again=True)
         was = f" (the script asked for {str(asked)!r})" if asked is not None else ""
         self.note(f"Accelerator: {self.settings.describe()}{was}")
@@ -406,201 +407,14 @@ class _Application:
             self.steps.accelerators.append(accelerator)
             self.steps.fp8_mode = self.fp8_mode
 
-    def _cpu_fp16(self, accelerator: Any) -> None:
-        import torch
 
-        # Accelerator.__init__ builds autocast (native_amp) and the GradScaler for fp16 only off
-        # the CPU; both exist on a CPU in torch (GradScaler("cpu") since 2.3). With native_amp
-        # on, prepare() wraps the forward in fp16 autocast, backward() scales the loss and the
-        # AcceleratedOptimizer steps through the scaler, as on a GPU.
-        kwargs = self.settings.grad_scaler or {}
-        accelerator.scaler = torch.amp.GradScaler("cpu", **kwargs)
-        accelerator.native_amp = True
-        self.note("Accelerator: fp16 on a CPU runs CPU autocast with GradScaler('cpu') "
-                  "(Accelerate itself would train in fp32 there)")
+def _cpu_fp16(accelerator: Any, grad_scaler: dict[str, Any] | None) -> None:
+    """fp16 on a CPU: turn on the autocast and GradScaler that Accelerate builds only off the CPU."""
+    import torch
 
-
-# ---- recording ----------------------------------------------------------------------------------
-
-
-# eq=False: equality would compare the Parameters element by element.
-@dataclass(frozen=True, eq=False)
-class _ModelAsBuilt:
-    """A model's modules and parameters as the script built it, before Accelerate's FP8
-    conversion swaps its Linears: what the workload fingerprint describes, as the loop API's
-    ``setup()`` fingerprints the model before its mode converts it."""
-
-    modules: tuple[tuple[str, Any], ...]
-    parameters: tuple[tuple[str, Any], ...]
-
-    @classmethod
-    def of(cls, model: Any) -> _ModelAsBuilt:
-        return cls(tuple(model.named_modules()), tuple(model.named_parameters()))
-
-    def named_modules(self) -> tuple[tuple[str, Any], ...]:
-        return self.modules
-
-    def named_parameters(self) -> tuple[tuple[str, Any], ...]:
-        return self.parameters
-
-
-class _Steps:
-    """Feeds the recorder from one Accelerator's methods, one record per optimizer step.
-
-    The micro-batches of a step are the ``backward()`` calls since the last optimizer step;
-    the recorded loss is the mean of the losses the script passed to ``backward()`` (Accelerate
-    divides them by ``gradient_accumulation_steps`` only inside, so they arrive undivided unless
-    the script divides them itself). Only the first optimizer prepared is followed (a GAN's
-    second one steps in the same loop).
-    """
-
-    def __init__(self, recorder: FrameworkRecorder) -> None:
-        self.recorder = recorder
-        self.accelerators: list[Any] = []
-        self.fp8_mode: Any = None
-        self.model: Any = None  # the first model prepared, as built
-        self.optimizer: Any = None  # the first AcceleratedOptimizer prepared
-        self._as_built: dict[int, _ModelAsBuilt] = {}
-        self._hooked: set[int] = set()
-        self._forward_batch: int | None = None
-        self._losses: list[Any] = []
-        self._samples = 0
-        self._first_step = True
-        self._fp8_noted = False
-
-    # ---- wrapped methods ---------------------------------------------------------------------
-
-    def wrap_prepare(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
-            import torch
-
-            for arg in args:
-                if isinstance(arg, torch.nn.Module) and id(arg) not in self._as_built:
-                    self._as_built[id(arg)] = _ModelAsBuilt.of(arg)
-            result = original(accelerator, *args, **kwargs)
-            self._note_fp8()
-            return result
-
-        return prepare
-
-    def wrap_prepare_model(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def prepare_model(accelerator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-            built = self._as_built.get(id(model)) or _ModelAsBuilt.of(model)
-            prepared = original(accelerator, model, *args, **kwargs)
-            self._watch(prepared, built)
-            return prepared
-
-        return prepare_model
-
-    def wrap_prepare_optimizer(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def prepare_optimizer(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
-            prepared = original(accelerator, *args, **kwargs)
-            if self.optimizer is None:
-                self.optimizer = prepared
-            return prepared
-
-        return prepare_optimizer
-
-    def wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def backward(accelerator: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self.recorder.begun:
-                self._begin(accelerator)
-            if hasattr(loss, "detach"):
-                self._losses.append(loss.detach().float().clone())
-            self._samples += self._forward_batch or 0
-            return original(accelerator, loss, *args, **kwargs)
-
-        return backward
-
-    def wrap_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            if optimizer is not self.optimizer or not optimizer.gradient_state.sync_gradients:
-                return original(optimizer, *args, **kwargs)  # not followed, or an accumulation micro-batch
-            scaler = optimizer.scaler
-            scaled = scaler is not None and scaler.is_enabled()
-            scale = float(scaler.get_scale()) if scaled else None  # the scale this step's backward used
-            result = original(optimizer, *args, **kwargs)
-            self._step_ended(optimizer, scale, bool(scaled and optimizer.step_was_skipped))
-            return result
-
-        return step
-
-    # ---- what they feed ----------------------------------------------------------------------
-
-    def _watch(self, model: Any, built: _ModelAsBuilt) -> None:
-        """Read the batch size of every training forward of a prepared model."""
-        if id(model) in self._hooked or not hasattr(model, "register_forward_pre_hook"):
-            return
-        self._hooked.add(id(model))
-        if self.model is None:
-            self.model = built
-            self.recorder.watch_model(model)
-        import torch
-        from accelerate.utils.operations import ignorant_find_batch_size
-
-        def pre_hook(module: Any, args: Any, kwargs: Any) -> None:
-            if torch.is_grad_enabled() and module.training:
-                self.recorder.perturb(module)
-                size = ignorant_find_batch_size(args) or ignorant_find_batch_size(kwargs)
-                if size is not None:
-                    self._forward_batch = int(size)
-                if not self.recorder.begun and self.accelerators:
-                    self._begin(self.accelerators[0])
-
-        model.register_forward_pre_hook(pre_hook, with_kwargs=True)
-
-    def _begin(self, accelerator: Any) -> None:
-        """The first micro-batch starts: its size and Accelerate's accumulation count."""
-        size = self._forward_batch
-        accum = int(accelerator.gradient_accumulation_steps or 1)
-        self.recorder.begin(user_batch=None if size is None else size * accum, micro_batch=size, grad_accum_steps=accum)
-
-    def _note_fp8(self) -> None:
-        """Once Accelerate has swapped the FP8 layers: which ran in FP8 and which did not."""
-        mode = self.fp8_mode
-        if mode is None or self._fp8_noted or not (mode.converted or mode.kept_high_precision):
-            return
-        self._fp8_noted = True
-        mode.note_conversion()
-        notes = list(mode.notes)
-        if mode.converted:
-            notes.append(f"{mode.name}: Accelerate swapped {len(mode.converted)} Linear layers for torchao's Float8Linear")
-        if mode.device.type == "cpu":
-            notes.append(f"{mode.name}: emulated on CPU (FP8 numerics, no speedup), under Accelerate's bf16 autocast")
-        for note in notes:
-            self.recorder.note(note)
-
-    def _step_ended(self, optimizer: Any, scale: float | None, skipped: bool) -> None:
-        if not self.recorder.begun or not self._losses:
-            return  # a step before any backward() (nothing of the script's loss to record)
-        micro_batches = len(self._losses)
-        if self._first_step:
-            self._first_step = False
-            self._first_step_facts(optimizer, micro_batches)
-        losses = self._losses
-        loss = losses[0] if micro_batches == 1 else sum(losses) / micro_batches
-        self.recorder.step(loss=loss, loss_scale=scale, skipped=skipped, samples=self._samples or None)
-        self._losses, self._samples = [], 0
-
-    def _first_step_facts(self, optimizer: Any, micro_batches: int) -> None:
-        """The accumulation the script really runs, known at its first optimizer step, and the workload."""
-        batch = self.recorder.batch
-        accum = batch.get("grad_accum_steps") or 1
-        if micro_batches != accum:
-            # The script accumulates by itself (backward() several times per optimizer step
-            # with Accelerate's accumulation at 1); if it divides the loss, so do the records.
-            self.recorder.note(
-                f"the script runs {micro_batches} backward() per optimizer step where Accelerate's "
-                f"gradient_accumulation_steps is {accum}: it accumulates by itself"
-            )
-            accum = micro_batches
-        micro = batch.get("micro_batch")
-        global_batch = None if micro is None else micro * accum
-        batch.update(grad_accum_steps=accum, global_batch=global_batch, user_batch=global_batch)
-        if self.model is None:
-            self.recorder.note("the script's model was not passed to accelerator.prepare(), so Accelerate's "
-                               "autocast and FP8 conversion never applied to it")
-        else:
-            # The workload's global batch counts every process; the step's samples stay this one's.
-            every_process = None if global_batch is None else global_batch * current_world_size()
-            self.recorder.workload(self.model, optimizer.optimizer, global_batch=every_process)
+    # Accelerator.__init__ builds autocast (native_amp) and the GradScaler for fp16 only off
+    # the CPU; both exist on a CPU in torch (GradScaler("cpu") since 2.3). With native_amp
+    # on, prepare() wraps the forward in fp16 autocast, backward() scales the loss and the
+    # AcceleratedOptimizer steps through the scaler, as on a GPU.
+    accelerator.scaler = torch.amp.GradScaler("cpu", **(grad_scaler or {}))
+    accelerator.native_amp = True

@@ -10,12 +10,12 @@ import pytest
 from advisor.frameworks import traits
 from advisor.frameworks._accelerate import (
     _Application,
-    _ModelAsBuilt,
     accelerate_settings,
     grad_scaler_kwargs,
     shifted_seed,
     te_recipe_kwargs,
 )
+from advisor.frameworks._accelerate_record import _ModelAsBuilt
 from policies import Fp8Options, LossScale, Policy, create_mode
 from probes import MpadviseError
 
