@@ -284,9 +284,7 @@ class TrainerHooks:
         self._micro_losses: list[Any] = []
         self._micro_samples = 0
         self._loss_scale: float | None = None  # what the GradScaler's scale is now, once read
-        self._autocast: tuple[bool, str, str] | None = None  # (enabled, dtype, device type) in the first forward
-        self._hook_handles: list[Any] = []
-        self._checked_forward = False
+        self._first_forward = _FirstForward()
 
     # ---- TrainingArguments ---------------------------------------------------------------------
 
@@ -348,7 +346,7 @@ class TrainerHooks:
         if self.recorder is not None:
             self.recorder.set_device(trainer.args.device)
             self.recorder.policy_applied()  # the Trainer and its Accelerator run the candidate
-        trainer.add_callback(self._callback(trainer))
+        trainer.add_callback(_step_callback(self.callback_base, self, trainer))
         step = trainer.training_step  # the most derived one: a subclass's override included
         trainer.training_step = lambda *a, **kw: self.training_step(trainer, step, *a, **kw)
 
@@ -363,8 +361,7 @@ class TrainerHooks:
         inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
         self._micro_losses.append(loss.detach().float().clone())
         self._micro_samples += _leading_dim(inputs) or 0
-        if not self._checked_forward:
-            self._checked_forward = True
+        if not self._first_forward.checked:
             self._check_forward()
         return loss
 
@@ -375,8 +372,8 @@ class TrainerHooks:
             # user_batch is per device; the workload's global batch counts every process.
             every_process = None if self.user_batch is None else self.user_batch * current_world_size()
             self.recorder.workload(trainer.model, getattr(optimizer, "optimizer", optimizer), global_batch=every_process)
-        if not trainer.args.torch_compile and not self._checked_forward:
-            self._watch_forward(trainer.model, trainer.args.device.type)
+        if not trainer.args.torch_compile and not self._first_forward.checked:
+            self._first_forward.watch(trainer.model, trainer.args.device.type)
 
     def step_end(self, trainer: Any) -> None:
         """The optimizer stepped: the step's loss, the scale its backward ran with, and whether it was skipped."""
@@ -394,30 +391,11 @@ class TrainerHooks:
 
     # ---- checks -----------------------------------------------------------------------------------
 
-    def _watch_forward(self, model: Any, device_type: str) -> None:
-        """Note the autocast state inside the first forward (a submodule runs inside Accelerate's
-        autocast wrapper of the model's forward; the model's own hooks run outside it)."""
-        import torch
-
-        def seen(module: Any, inputs: Any) -> None:
-            if self._autocast is None:
-                enabled = torch.is_autocast_enabled(device_type)
-                self._autocast = (enabled, str(torch.get_autocast_dtype(device_type)).removeprefix("torch."), device_type)
-            for handle in self._hook_handles:
-                handle.remove()
-            self._hook_handles.clear()
-
-        for name, module in model.named_modules():
-            if name:
-                self._hook_handles.append(module.register_forward_pre_hook(seen))
-
     def _check_forward(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
-        if self._autocast is None:
+        seen = self._first_forward.take()
+        if seen is None:
             return  # a model without submodules, or a compiled one: the Accelerator check stands alone
-        enabled, dtype, device_type = self._autocast
+        enabled, dtype, device_type = seen
         reason = autocast_mismatch(self.policy.mode, enabled=enabled, dtype=dtype, device_type=device_type)
         if reason is not None:
             self._refuse(reason)
@@ -437,19 +415,55 @@ class TrainerHooks:
         if self.recorder is not None:
             self.recorder.note(text)
 
-    def _callback(self, trainer: Any) -> Any:
-        hooks = self
 
-        class MpadviseSteps(self.callback_base):  # type: ignore[misc, valid-type]
-            """Feeds the trial recorder from the Trainer's events."""
+def _step_callback(base: type, hooks: TrainerHooks, trainer: Any) -> Any:
+    """A ``TrainerCallback`` (of ``base``) that feeds ``hooks`` from the Trainer's events."""
 
-            def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-                hooks.train_begin(trainer, kwargs.get("model"), kwargs.get("optimizer"))
+    class MpadviseSteps(base):  # type: ignore[misc, valid-type]
+        """Feeds the trial recorder from the Trainer's events."""
 
-            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-                hooks.step_end(trainer)
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            hooks.train_begin(trainer, kwargs.get("model"), kwargs.get("optimizer"))
 
-        return MpadviseSteps()
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            hooks.step_end(trainer)
+
+    return MpadviseSteps()
+
+
+class _FirstForward:
+    """The autocast state inside the first training forward: ``(enabled, dtype, device type)``."""
+
+    def __init__(self) -> None:
+        self.seen: tuple[bool, str, str] | None = None
+        self.checked = False
+        self._handles: list[Any] = []
+
+    def watch(self, model: Any, device_type: str) -> None:
+        """Note the autocast state inside the first forward (a submodule runs inside Accelerate's
+        autocast wrapper of the model's forward; the model's own hooks run outside it)."""
+        import torch
+
+        def seen(module: Any, inputs: Any) -> None:
+            if self.seen is None:
+                enabled = torch.is_autocast_enabled(device_type)
+                self.seen = (enabled, str(torch.get_autocast_dtype(device_type)).removeprefix("torch."), device_type)
+            self._unhook()
+
+        for name, module in model.named_modules():
+            if name:
+                self._handles.append(module.register_forward_pre_hook(seen))
+
+    def take(self) -> tuple[bool, str, str] | None:
+        """What the first forward ran under (``None``: nothing was watched); checked from now on."""
+        self.checked = True
+        self._unhook()
+        return self.seen
+
+    def _unhook(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
 
 def _patch_arguments(cls: type, hooks: TrainerHooks) -> None:
