@@ -36,8 +36,9 @@ job, what is a log's tail) are plain functions; the HTTP layer, the worker threa
 processes are shells around them.
 
 Modules: ``_config`` (settings, constants, pure address and path decisions), ``_files`` (token,
-lock, address file), ``_requests`` and ``_responses`` (validated bodies), ``_jobs`` (argv,
-slots, the runner), ``_app`` (HTTP routes and guards), ``_protocol`` (the connection limits), ``_server`` (binding
+lock, address file), ``_requests`` and ``_responses`` (validated bodies), ``_job_request``
+(what a job runs: request, argv, environment), ``_job_files`` (its log, files and processes),
+``_jobs`` (slots, the runner), ``_app`` (HTTP routes and guards), ``_protocol`` (the connection limits), ``_server`` (binding
 and serving; with ``_app``, ``_protocol`` and the body models, the only modules that import
 FastAPI, pydantic or uvicorn) and
 ``_client`` (standard library only).

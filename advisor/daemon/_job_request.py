@@ -1,0 +1,128 @@
+"""What a tune job runs: its request (options, plan, study), its command line and environment,
+and whether its paths may run under the daemon's roots (pure but for reading the script)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from advisor._entry import module_argv
+from advisor.daemon._config import JOB_ENV, under_roots
+from advisor.frameworks import check_plan_modes, plan_for
+from advisor.tune import WAIT_IDLE_ENV, ScriptLaunch, TuneOptions, TuneRequest, resolve_storage
+
+JOB_MODULE = "advisor.tune.job"
+"""The entry point a job runs: ``python -m advisor.tune.job REQUEST.json RESULT.json``."""
+
+
+def tune_argv(request: str | os.PathLike[str], result: str | os.PathLike[str], *, python: str = sys.executable) -> list[str]:
+    """The command line that runs one job: the tune job entry point on its request file.
+
+    Args:
+        request: the job's request file (``TuneRequest.to_dict()`` as JSON).
+        result: where the entry point writes the tune's result (``ScriptTune.to_dict()``).
+        python: the interpreter.
+
+    Returns:
+        The argv list for ``subprocess.Popen`` (no shell is involved; the script's arguments
+        travel in the request file, never on this command line).
+    """
+    return [*_module_entry(python, JOB_MODULE), os.fspath(request), os.fspath(result)]
+
+
+def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
+    """The tune a stored job asks for on ``slot``, and the directory it runs in.
+
+    The script's plan (its framework, read from its imports unless the job names one, and
+    what that framework can apply on the slot's device) is made here, as ``mpadvise tune``
+    makes it. A job on its second attempt or later resumes its study (unless it asked for
+    ``fresh``).
+
+    Raises:
+        MpadviseError: the stored options hold an unknown key or a value out of bounds; the
+            script cannot be read; an unknown framework (exit 2), or a mode it cannot apply;
+            ``MPADVISE_STORAGE`` and ``MPADVISE_STORAGE_FILE`` both set, or an unusable file.
+    """
+    options, cwd = job_options(job)
+    options = options.with_(device=slot)  # the slot, whatever the job said
+    # A study's URL (with its password) comes from the daemon's own environment, as
+    # `mpadvise tune` takes it from the user's: it travels in the private request file, never
+    # in a job's arguments, which every user of the machine can read in `ps`.
+    options = options.with_(storage=resolve_storage(None, os.environ))
+    if job.get("attempts") and not options.fresh:
+        # A job run again (its daemon stopped mid-tune) continues its own study: the finished
+        # trials there are this job's, and a tune without --resume refuses to delete them.
+        options = options.with_(resume=True)
+    script = Path(job["script"])
+    plan = plan_for(script, options.framework, device=slot)
+    check_plan_modes(plan, list(options.modes))
+    return TuneRequest(script, tuple(job.get("args") or ()), options, ScriptLaunch.of(plan)), cwd
+
+
+def _module_entry(python: str, module: str) -> list[str]:
+    """The argv that runs ``module`` without the working directory on ``sys.path``
+    (``advisor._entry.module_argv``); the runner's interpreter is the daemon's own."""
+    return [python, *module_argv(module)]
+
+
+def job_options(job: Mapping[str, Any]) -> tuple[TuneOptions, str]:
+    """A stored job's tune options and the directory it runs in (its own, else the script's).
+
+    Raises:
+        MpadviseError: the stored options hold an unknown key or a value out of bounds.
+    """
+    stored = dict(job.get("options") or {})
+    cwd = stored.pop("cwd", None) or os.path.dirname(job["script"])  # kept beside the options
+    return TuneOptions.from_dict(stored), cwd
+
+
+def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
+    """Why a queued job may not run under ``roots``, or ``None`` when it may.
+
+    The same rule as at submission: the script (a file), the working directory and the
+    ``--out`` file's directory must lie under an allowed root once symlinks are resolved.
+
+    Args:
+        job: the job as the queue stores it.
+        roots: the allowed roots, resolved.
+
+    Returns:
+        ``None``, or one line naming the path and the rule.
+    """
+    options = job.get("options") or {}
+    checks = [("script", job.get("script"), "file"), ("cwd", options.get("cwd"), "dir"),
+              ("options.out", options.get("out"), "new")]
+    shown = ", ".join(map(str, roots))
+    for what, raw, want in checks:
+        if raw is None and what != "script":
+            continue
+        if not isinstance(raw, str) or not os.path.isabs(raw) or "\0" in raw:
+            return f"{what} {raw!r} is not an absolute path"
+        path = Path(os.path.realpath(raw))
+        if not under_roots(path, roots):
+            return f"{what} {raw!r} is outside the allowed roots ({shown})"
+        if (want == "file" and not path.is_file()) or (want == "dir" and not path.is_dir()) or (
+                want == "new" and not path.parent.is_dir()):
+            return f"{what} {raw!r} does not exist or is not a {'directory' if want == 'dir' else 'file'}"
+    return None
+
+
+def job_env(job_id: str, tmp: Path | None = None) -> dict[str, str]:
+    """The environment of a job's process: the daemon's, marked with the job (so that every
+    process of it can be found), waiting for an idle GPU before each trial, with its own
+    private temporary directory as ``TMPDIR``.
+
+    The daemon's environment is inherited on purpose: a secret set there (a study's
+    ``MPADVISE_STORAGE`` URL, an API key) reaches the job without appearing in its arguments,
+    which every user of the machine can read in ``ps``.
+    """
+    env = dict(os.environ)
+    env[JOB_ENV] = job_id
+    if tmp is not None:
+        env["TMPDIR"] = env["TMP"] = env["TEMP"] = str(tmp)
+    env[WAIT_IDLE_ENV] = "1"  # and before every trial, not only before the tune starts
+    env.pop("MPADVISE_POLICY", None)
+    return env
