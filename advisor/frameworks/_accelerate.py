@@ -39,7 +39,6 @@ step, and ``step_was_skipped`` says whether it skipped. The script's ``set_seed(
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -47,16 +46,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._accelerate_record import PATCHED, Steps
+from advisor.frameworks._accelerate_record import Steps
 from advisor.frameworks._adapter import FrameworkAdapter
+from advisor.frameworks._patch import hold_switches, wrap_once
 from policies import Fp8Options, LossScale, Policy, create_mode, mode_facts
 from probes import MpadviseError
 
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
 
-# Process-wide switches the policy sets for the life of the process (the trial is the process).
-_HELD_SWITCHES = contextlib.ExitStack()
 # Transformer Engine's DelayedScaling computes its scale from the largest amax of the history
 # ("max"); TERecipeKwargs defaults to "most_recent". The loop API's fp8-te builds TE's default.
 _TE_AMAX_COMPUTE_ALGO = "max"
@@ -222,32 +220,22 @@ def install_accelerator(policy: Policy, *, recorder: FrameworkRecorder | None, d
 
     application = _Application(policy, accelerate_settings(policy), recorder, device)
     application.hold_switches()
-    _wrap(accelerate.Accelerator, "__init__", application.wrap_init)
+    wrap_once(accelerate.Accelerator, "__init__", application.wrap_init)
     if recorder is None:
         return
     steps = Steps(recorder)
     application.steps = steps
-    _wrap(accelerate.Accelerator, "prepare", steps.wrap_prepare)
-    _wrap(accelerate.Accelerator, "prepare_model", steps.wrap_prepare_model)
-    _wrap(accelerate.Accelerator, "prepare_optimizer", steps.wrap_prepare_optimizer)
-    _wrap(accelerate.Accelerator, "backward", steps.wrap_backward)
-    _wrap(AcceleratedOptimizer, "step", steps.wrap_step)
+    wrap_once(accelerate.Accelerator, "prepare", steps.wrap_prepare)
+    wrap_once(accelerate.Accelerator, "prepare_model", steps.wrap_prepare_model)
+    wrap_once(accelerate.Accelerator, "prepare_optimizer", steps.wrap_prepare_optimizer)
+    wrap_once(accelerate.Accelerator, "backward", steps.wrap_backward)
+    wrap_once(AcceleratedOptimizer, "step", steps.wrap_step)
     shift = recorder.spec.seed
     if shift:
         # `from accelerate.utils import set_seed` and `from accelerate.utils.random import
         # set_seed` both find the wrapped one: the script imports after this runs.
         for module in (accelerate.utils, accelerate.utils.random):
-            _wrap(module, "set_seed", functools.partial(_shift_set_seed, shift=shift, recorder=recorder))
-
-
-def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace ``owner.name`` in place by ``make(original)``, once."""
-    original = getattr(owner, name)
-    if getattr(original, PATCHED, False):
-        return
-    wrapped = functools.wraps(original)(make(original))
-    setattr(wrapped, PATCHED, True)
-    setattr(owner, name, wrapped)
+            wrap_once(module, "set_seed", functools.partial(_shift_set_seed, shift=shift, recorder=recorder))
 
 
 def _shift_set_seed(original: Callable[..., Any], *, shift: int, recorder: FrameworkRecorder) -> Callable[..., Any]:
@@ -291,7 +279,7 @@ class _Application:
         import torch
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        _HELD_SWITCHES.enter_context(create_mode(self.policy, torch.device(device)).process_switches())
+        hold_switches(self.policy, device)
         if not again:
             state = "on" if self.settings.tf32 else "off"
             self.note(f"TF32 {state} for matmuls{' and cuDNN' if device.startswith('cuda') else ''}, "

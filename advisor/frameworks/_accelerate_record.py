@@ -18,10 +18,6 @@ from advisor.runtime import current_world_size
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
 
-# Marks a method the adapter has wrapped, so that a second install wraps it no more.
-PATCHED = "__mpadvise_patched__"
-
-
 # eq=False: equality would compare the Parameters element by element.
 @dataclass(frozen=True, eq=False)
 class _ModelAsBuilt:

@@ -28,7 +28,6 @@ Lightning is imported inside ``install()`` only: this module runs in the trial c
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
@@ -41,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._adapter import FrameworkAdapter
-from advisor.frameworks._lightning_record import PATCHED, FabricSteps, TrainerSteps, policy_scaler
-from policies import Fp8Options, LossScale, Policy, create_mode, mode_facts
+from advisor.frameworks._lightning_record import FabricSteps, TrainerSteps, policy_scaler
+from advisor.frameworks._patch import PATCHED, hold_switches, wrap_once
+from policies import Fp8Options, LossScale, Policy, mode_facts
 from probes import MpadviseError
 
 if TYPE_CHECKING:
@@ -60,8 +60,6 @@ _SEED_RANGE = 2**32
 # DeepSpeedPrecision) and drop a scaler passed to them.
 _SHARDED = ("fsdp", "deepspeed")
 
-# Process-wide switches the policy sets for the life of the process (the trial is the process).
-_HELD_SWITCHES = contextlib.ExitStack()
 # Lightning's precision strings for pure half weights.
 _TRUE_PRECISION: Mapping[str, str] = {"bf16": "bf16-true", "fp16": "16-true"}
 
@@ -282,18 +280,16 @@ def _patch_init(cls: type, package: str, adjust: Callable[[str, dict[str, Any]],
     """Wrap ``cls.__init__`` in place: ``adjust`` rewrites the keyword arguments (given the
     Lightning flavour ``package`` whose plugins and callbacks they may hold), ``built``, if
     given, sees the object made. A subclass's ``super().__init__`` goes through it too."""
-    original = cls.__init__
-    if getattr(original, PATCHED, False):
-        return
 
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **adjust(package, kwargs))
-        if built is not None:
-            built(self)
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **adjust(package, kwargs))
+            if built is not None:
+                built(self)
 
-    setattr(__init__, PATCHED, True)
-    cls.__init__ = __init__
+        return __init__
+
+    wrap_once(cls, "__init__", make)
 
 
 def _shift_seeds(shift: int, recorder: FrameworkRecorder | None) -> None:
@@ -354,7 +350,7 @@ class _Application:
         import torch
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        _HELD_SWITCHES.enter_context(create_mode(self.policy, torch.device(device)).process_switches())
+        hold_switches(self.policy, device)
         state = "on" if self.plan.tf32 else "off"
         self.note(f"TF32 {state} for matmuls{' and cuDNN' if device.startswith('cuda') else ''}, as {self.policy.mode} sets it")
 

@@ -16,15 +16,12 @@ import importlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from advisor.frameworks._patch import wrap_once
 from advisor.runtime import current_world_size
 from policies import LossScale
 
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
-
-# Marks a function the adapter has wrapped, so that a second install wraps it no more.
-PATCHED = "__mpadvise_patched__"
-
 
 def batch_size_of(batch: Any) -> int | None:
     """The leading dimension of the first tensor in a batch (a tensor, a sequence, a mapping),
@@ -280,13 +277,9 @@ class FabricSteps:
 
     def patch(self, fabric_cls: type) -> None:
         """Wrap ``backward`` and the setup methods of one Fabric class in place."""
-        for name in ("backward", "setup", "setup_module"):
-            original = getattr(fabric_cls, name)
-            if getattr(original, PATCHED, False):
-                continue
-            wrapped = self._backward(original) if name == "backward" else self._setup(original)
-            setattr(wrapped, PATCHED, True)
-            setattr(fabric_cls, name, wrapped)
+        wrap_once(fabric_cls, "backward", self._backward)
+        wrap_once(fabric_cls, "setup", self._setup)
+        wrap_once(fabric_cls, "setup_module", self._setup)
 
     def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)

@@ -23,7 +23,6 @@ registry holds.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -32,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._adapter import FrameworkAdapter
+from advisor.frameworks._patch import hold_switches
 from advisor.runtime import BatchSplit, batch_split, current_world_size
 from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
-from policies import Policy, create_mode, mode_facts
+from policies import Policy, mode_facts
 from probes import MpadviseError
 
 if TYPE_CHECKING:
@@ -56,9 +56,6 @@ SCRIPT_FIELDS = ("fp16", "bf16", "tf32", "per_device_train_batch_size", "gradien
                  "max_grad_norm", "data_seed", "lr_scheduler_type", "use_cpu")
 # Evaluation inside the window would be timed as training; these schedulers need it, though.
 _SCHEDULERS_NEEDING_EVAL = ("reduce_lr_on_plateau", "greedy")
-
-# The process-wide switches of the mode (fp32 turns TF32 off, tf32 on), held until the process ends.
-_PROCESS_SWITCHES = contextlib.ExitStack()
 
 # torch's names of the autocast dtype families.
 _AUTOCAST_DTYPES: Mapping[str, str] = {"bf16": "bfloat16", "fp16": "float16"}
@@ -258,7 +255,7 @@ def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str |
 
     use_cpu = device == "cpu" or (device is None and not _accelerator_available(torch))
     target = torch.device("cpu" if use_cpu else (device or "cuda"))
-    _PROCESS_SWITCHES.enter_context(create_mode(policy, target).process_switches())
+    hold_switches(policy, target)
     # What TrainingArguments falls back to when fp16 and bf16 are both off, and what an
     # Accelerator the script builds by itself reads.
     os.environ["ACCELERATE_MIXED_PRECISION"] = accelerator_precision(policy.mode)
