@@ -26,7 +26,6 @@ from advisor.frameworks._export import (
     _tf32_lines,
 )
 from policies import Fp8Te, Fp8Torchao, LossScale
-from probes import MpadviseError
 
 
 class AccelerateExporter(Exporter):
@@ -49,10 +48,7 @@ class AccelerateExporter(Exporter):
             )
         if facts.fp8_library == "transformer_engine" and not job.cuda:
             raise job.refuse("Transformer Engine runs on CUDA only")
-        try:
-            settings = accelerate_settings(policy)
-        except MpadviseError as exc:
-            raise job.refuse(str(exc)) from None
+        settings = accelerate_settings(policy)  # what the traits passed, Accelerate can build
         config_file = self._config_file(job, settings)
         yaml_text = _yaml(config_file)
         code = _AccelerateCode(job, settings, split)

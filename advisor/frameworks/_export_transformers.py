@@ -18,18 +18,9 @@ class TransformersExporter(Exporter):
 
     def write(self, job: _Job) -> Export:
         policy, facts = job.policy, job.facts
+        # The traits refuse fp16 without loss scaling (fp16=True always builds a GradScaler) and
+        # fp16 autocast on a CPU (Accelerate turns neither autocast nor a GradScaler on there).
         job.check_framework()
-        ls = policy.loss_scale
-        if facts.loss_scaling and ls is not None and ls.kind == "none":
-            # The traits pass a policy without loss scaling, yet fp16=True always builds a GradScaler.
-            raise job.refuse(
-                "the HF Trainer scales every fp16 loss with a dynamic GradScaler, and the policy has no loss scaling"
-            )
-        if facts.autocast == "fp16" and not job.cuda:
-            raise job.refuse(
-                "on a CPU the HF Trainer's Accelerate turns neither fp16 autocast nor a GradScaler on, so fp16=True "
-                "would train in fp32"
-            )
         if facts.tf32 and not job.cuda:
             raise job.refuse("TrainingArguments(tf32=True) needs an Ampere or newer GPU; on a CPU it raises")
         split = job.split()
