@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._adapter import FrameworkAdapter
-from advisor.frameworks._lightning_record import FabricSteps, TrainerSteps, policy_scaler
+from advisor.frameworks._lightning_record import FabricSteps, TrainerSteps, as_list, policy_scaler
 from advisor.frameworks._patch import PATCHED, hold_switches, wrap_once
 from policies import Fp8Options, LossScale, Policy, mode_facts
 from probes import MpadviseError
@@ -374,8 +374,7 @@ class _Application:
         plugins_module = importlib.import_module(f"{package}.plugins.precision")
         base = plugins_module.Precision
         asked = kwargs.pop("precision", None)
-        plugins = kwargs.get("plugins")
-        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        plugins = as_list(kwargs.get("plugins"))
         theirs = [type(p).__name__ for p in plugins if isinstance(p, base)]
         plugins = [p for p in plugins if not isinstance(p, base)]
         strategy = kwargs.get("strategy", "auto")
@@ -450,9 +449,7 @@ class _Application:
                 "fabric.clip_gradients): the policy's grad_accum_steps and grad_clip_norm are not applied"
             )
         if self.fabric_steps is not None:
-            callbacks = kwargs.get("callbacks")
-            callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-            kwargs["callbacks"] = [*callbacks, self.fabric_steps]
+            kwargs["callbacks"] = [*as_list(kwargs.get("callbacks")), self.fabric_steps]
         return kwargs
 
     def fabric_built(self, fabric: Any) -> None:

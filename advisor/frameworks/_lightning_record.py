@@ -23,6 +23,11 @@ from policies import LossScale
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
 
+def as_list(value: Any) -> list[Any]:
+    """A Trainer's or Fabric's ``plugins``/``callbacks`` argument as a list: none, one, or several."""
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def batch_size_of(batch: Any) -> int | None:
     """The leading dimension of the first tensor in a batch (a tensor, a sequence, a mapping),
     or ``None`` where the batch holds no tensor with a dimension."""
@@ -162,8 +167,7 @@ class TrainerSteps:
     def trainer_kwargs(self, package: str, kwargs: dict[str, Any]) -> None:
         """The recording callback, and the Trainer's extras off where the script's callbacks allow."""
         callbacks_module = importlib.import_module(f"{package}.callbacks")
-        callbacks = kwargs.get("callbacks")
-        callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        callbacks = as_list(kwargs.get("callbacks"))
 
         def has(*names: str) -> bool:
             kinds = tuple(getattr(callbacks_module, n) for n in names if hasattr(callbacks_module, n))
