@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
@@ -29,8 +29,9 @@ from advisor.cache import (
     WORKLOAD_FP_PATTERN,
     Store,
 )
-from advisor.daemon._config import MAX_QUEUED_JOBS, MAX_TEXT, DaemonConfig, under_roots
+from advisor.daemon._config import MAX_QUEUED_JOBS, MAX_TEXT, DaemonConfig
 from advisor.daemon._files import utc_now_seconds
+from advisor.daemon._job_request import PathKind, path_refusal
 from advisor.daemon._jobs import JobRunner, Slot
 from advisor.daemon._requests import JobRequest, JobState
 from advisor.daemon._responses import (
@@ -520,25 +521,10 @@ def _invalid(loc: list[str], message: str) -> HTTPException:
     return HTTPException(422, [{"loc": loc, "msg": message, "type": "value_error"}])
 
 
-def _checked_path(raw: str, roots: Sequence[Path], what: str, *, want: Literal["file", "dir", "new"]) -> Path:
+def _checked_path(raw: str, roots: Sequence[Path], what: str, *, want: PathKind) -> Path:
     """Resolve a path from a request and check it against the allowed roots (403/422)."""
-    if not os.path.isabs(raw):
-        raise _invalid(["body", *what.split(".")], f"{what} {raw!r} is not absolute; send the full path (the daemon's working "
-                                 "directory is not yours)")
-    try:
-        path = Path(os.path.realpath(raw))
-    except (OSError, ValueError) as exc:
-        raise _invalid(["body", *what.split(".")], f"{what} {raw!r} cannot be resolved ({exc})") from None
-    if not under_roots(path, roots):
-        raise HTTPException(403, f"{what} {raw!r} is outside the allowed roots ({', '.join(map(str, roots))}); "
-                                 "move it under one, or start the daemon with --allowed-root")
-    try:
-        if want == "file" and not path.is_file():
-            raise _invalid(["body", *what.split(".")], f"{what} {raw!r} does not exist or is not a file")
-        if want == "dir" and not path.is_dir():
-            raise _invalid(["body", *what.split(".")], f"{what} {raw!r} does not exist or is not a directory")
-        if want == "new" and not path.parent.is_dir():
-            raise _invalid(["body", *what.split(".")], f"{what} {raw!r}: its directory does not exist")
-    except OSError as exc:
-        raise _invalid(["body", *what.split(".")], f"{what} {raw!r} cannot be read ({exc.strerror or exc})") from None
-    return path
+    problem = path_refusal(what, raw, roots, want)
+    if problem is None:
+        return Path(os.path.realpath(raw))
+    status, message = problem
+    raise HTTPException(403, message) if status == 403 else _invalid(["body", *what.split(".")], message)

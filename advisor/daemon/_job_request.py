@@ -7,12 +7,15 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from advisor._entry import module_argv
 from advisor.daemon._config import JOB_ENV, under_roots
 from advisor.frameworks import check_plan_modes, plan_for
 from advisor.tune import WAIT_IDLE_ENV, ScriptLaunch, TuneOptions, TuneRequest, resolve_storage
+
+PathKind = Literal["file", "dir", "new"]
+"""What a job's path must be: an existing file, an existing directory, or a new file."""
 
 JOB_MODULE = "advisor.tune.job"
 """The entry point a job runs: ``python -m advisor.tune.job REQUEST.json RESULT.json``."""
@@ -79,34 +82,56 @@ def job_options(job: Mapping[str, Any]) -> tuple[TuneOptions, str]:
     return TuneOptions.from_dict(stored), cwd
 
 
-def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
-    """Why a queued job may not run under ``roots``, or ``None`` when it may.
+def path_refusal(what: str, raw: Any, roots: Sequence[Path], want: PathKind) -> tuple[int, str] | None:
+    """Why a job's path may not be used under ``roots``: an HTTP status and one line; or ``None``.
 
-    The same rule as at submission: the script (a file), the working directory and the
-    ``--out`` file's directory must lie under an allowed root once symlinks are resolved.
+    The one rule, at submission and again when a job is claimed: an absolute path whose real
+    path (symlinks resolved) lies under an allowed root (else 403), and is a file (``"file"``),
+    a directory (``"dir"``), or a new file in an existing directory (``"new"``) (else 422).
 
     Args:
-        job: the job as the queue stores it.
+        what: the field, for the message (``"options.out"``).
+        raw: the path as the request or the queue holds it.
         roots: the allowed roots, resolved.
+        want: what the path must be.
+    """
+    if not isinstance(raw, str) or not os.path.isabs(raw):
+        return 422, f"{what} {raw!r} is not absolute; send the full path (the daemon's working directory is not yours)"
+    try:
+        path = Path(os.path.realpath(raw))
+    except (OSError, ValueError) as exc:
+        return 422, f"{what} {raw!r} cannot be resolved ({exc})"
+    if not under_roots(path, roots):
+        return 403, (f"{what} {raw!r} is outside the allowed roots ({', '.join(map(str, roots))}); "
+                     "move it under one, or start the daemon with --allowed-root")
+    try:
+        if want == "file" and not path.is_file():
+            return 422, f"{what} {raw!r} does not exist or is not a file"
+        if want == "dir" and not path.is_dir():
+            return 422, f"{what} {raw!r} does not exist or is not a directory"
+        if want == "new" and not path.parent.is_dir():
+            return 422, f"{what} {raw!r}: its directory does not exist"
+    except OSError as exc:
+        return 422, f"{what} {raw!r} cannot be read ({exc.strerror or exc})"
+    return None
 
-    Returns:
-        ``None``, or one line naming the path and the rule.
+
+def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
+    """Why a queued job may not run under ``roots`` (``path_refusal``'s line), or ``None`` when it may.
+
+    Args:
+        job: the job as the queue stores it: its script, and its ``cwd`` and ``--out`` if any.
+        roots: the allowed roots, resolved.
     """
     options = job.get("options") or {}
-    checks = [("script", job.get("script"), "file"), ("cwd", options.get("cwd"), "dir"),
-              ("options.out", options.get("out"), "new")]
-    shown = ", ".join(map(str, roots))
+    checks: list[tuple[str, Any, PathKind]] = [("script", job.get("script"), "file"), ("cwd", options.get("cwd"), "dir"),
+                                               ("options.out", options.get("out"), "new")]
     for what, raw, want in checks:
         if raw is None and what != "script":
             continue
-        if not isinstance(raw, str) or not os.path.isabs(raw) or "\0" in raw:
-            return f"{what} {raw!r} is not an absolute path"
-        path = Path(os.path.realpath(raw))
-        if not under_roots(path, roots):
-            return f"{what} {raw!r} is outside the allowed roots ({shown})"
-        if (want == "file" and not path.is_file()) or (want == "dir" and not path.is_dir()) or (
-                want == "new" and not path.parent.is_dir()):
-            return f"{what} {raw!r} does not exist or is not a {'directory' if want == 'dir' else 'file'}"
+        problem = path_refusal(what, raw, roots, want)
+        if problem is not None:
+            return problem[1]
     return None
 
 
