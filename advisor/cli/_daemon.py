@@ -1,7 +1,7 @@
 """``mpadvise daemon run|start|stop|status``: the local service, from the command line.
 
 Each command declares its options and delegates: ``run`` serves in the foreground
-(:func:`advisor.daemon._server.serve`); ``start`` runs that same command detached, in a session of its
+(:func:`advisor.daemon.serve`); ``start`` runs that same command detached, in a session of its
 own with its output in ``daemon.log``, and returns once ``/health`` answers; ``stop`` sends
 SIGTERM to the pid in ``daemon.pid`` and waits; ``status`` asks the running daemon. FastAPI
 and uvicorn are imported only by ``run`` and ``start``.
