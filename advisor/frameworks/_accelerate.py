@@ -18,19 +18,14 @@ in place, so that whatever the script passes, the Accelerator it builds runs the
   would train in fp32 while calling it fp16. The adapter turns on CPU autocast (fp16) with
   ``GradScaler("cpu")``, as the loop API's fp16-mixed does.
 * a mode that turns TF32 on or off (fp32, tf32) sets the switches as the loop API's modes do,
-  and again once the
-  Accelerator exists (``AcceleratorState`` turns TF32 on for ``mixed_precision="no"`` under
+  and again once the Accelerator exists (``AcceleratorState`` turns TF32 on for ``mixed_precision="no"`` under
   a dynamo backend on CUDA).
 
 Gradient accumulation stays as the script sets it (``gradient_accumulation_steps``, or
 ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, which overrides it): the micro-batch is the
 script's DataLoader, so no split is applied (see the traits).
 
-Steps are recorded per optimizer step (``_accelerate_record``): ``Accelerator.backward`` gives each micro-batch's loss
-(before Accelerate divides it by the accumulation count), a forward pre-hook on each prepared
-model gives its batch size, and ``AcceleratedOptimizer.step`` ends a step when
-``sync_gradients`` says the micro-batch closes one; the GradScaler's scale is read before the
-step, and ``step_was_skipped`` says whether it skipped. The script's ``set_seed(n)`` runs as
+A trial's steps are recorded by ``_accelerate_record``. The script's ``set_seed(n)`` runs as
 ``set_seed(n + trial seed)``.
 
 ``AccelerateAdapter`` is the adapter class the registry holds. Accelerate is imported inside

@@ -19,9 +19,7 @@ What is applied is read from the mode's facts (``policies.ModeFacts``), never it
 mode registered later with facts Lightning can express is applied here too. ``LightningTrainer``
 and ``LightningFabric`` are the two adapter classes the registry holds.
 
-Steps are recorded per optimizer step (``_lightning_record``): the Trainer through a callback,
-Fabric through its ``on_after_optimizer_step`` callback, with the loss scale and skips from the
-policy's own GradScaler (``PolicyGradScaler``).
+A trial's steps are recorded by ``_lightning_record``.
 
 Lightning is imported inside ``install()`` only: this module runs in the trial child.
 """
