@@ -212,7 +212,8 @@ class JobRunner:
                 with self._cancel_lock:
                     self._cancel.discard(job["id"])
 
-    def _asked_to_cancel(self, job_id: str, record: dict[str, Any] | None) -> bool:
+    def asked_to_cancel(self, job_id: str, record: dict[str, Any] | None) -> bool:
+        """Whether the job is to stop: cancelled here, or its row gone or marked cancelling."""
         return self._cancelled(job_id) or record is None or record.get("state") == "cancelling"
 
 
@@ -233,7 +234,7 @@ class _JobRun:
                 "phase": "waiting", "slot": slot.name, "waiting_for_pids": pids, "updated_at": utc_now_seconds(),
                 "message": f"waiting for {slot.name} to be idle: PIDs {', '.join(map(str, pids))} compute on it",
             })
-            if self.runner._asked_to_cancel(job["id"], record):
+            if self.runner.asked_to_cancel(job["id"], record):
                 self.runner.store.finish_job(job["id"], state="cancelled")
                 logger.info("job %s cancelled while waiting for %s", job["id"], slot.name)
                 return False
@@ -241,6 +242,7 @@ class _JobRun:
                 return False
 
     def run(self, job: dict[str, Any], slot: Slot, state: _SlotState) -> None:
+        """Check the job's paths again, wait for the GPU, then run the tune and record how it ended."""
         job_id = job["id"]
         refusal = None if self.runner.roots is None else outside_roots(job, self.runner.roots)
         if refusal is not None:
@@ -325,7 +327,7 @@ class _JobRun:
                 kill_job(job_id, process)
                 process.wait()
                 return "stopped", progress
-            if self.runner._asked_to_cancel(job_id, record):
+            if self.runner.asked_to_cancel(job_id, record):
                 kill_job(job_id, process)
                 process.wait()
                 return "cancelled", progress
