@@ -1,7 +1,7 @@
 # The two commands of the README's quick start. Each creates .venv on first use.
 PY := .venv/bin/python
 
-.PHONY: demo test lint venv
+.PHONY: demo test test-all lint venv
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -16,8 +16,14 @@ demo: venv
 # for, and checked on, a 2-core machine with two other CPU-bound processes beside it.
 TEST_JOBS ?= 2
 test: venv
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=25 -m "not slow" tests
 	.venv/bin/ruff check advisor probes policies tests examples scripts
 
 lint: venv
+	.venv/bin/ruff check advisor probes policies tests examples scripts
+
+# Everything, the slow set too (tests/slow.txt: whole tunes through the framework suites, two-rank
+# faults, storage outages), for a change to trials, the search or the frameworks.
+test-all: venv
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=25 tests
 	.venv/bin/ruff check advisor probes policies tests examples scripts
