@@ -206,28 +206,6 @@ class Gap:
         lower end lies within the margin."""
         return self.pairs >= 2 and self.low >= 1.0 / (1.0 + self.min_margin)
 
-    def pairs_for(self, within: float, most: int) -> int | None:
-        """The fewest pairs at which an interval of this scatter would lie within ``within``
-        of the figure either way (0.1: 10%), as ``paired_gap`` computes it; ``None`` when more
-        than ``most`` would be needed, or there are fewer than two pairs to tell the scatter.
-
-        The scatter is the winsorized variance this interval was drawn from, taken as it is;
-        more pairs narrow the interval through Student's t on more degrees of freedom and
-        through their number. An estimate from a few pairs is itself rough: a caller that
-        gives up on it should hold a few pairs first.
-        """
-        if self.pairs < 2 or not (self.low > 0 and math.isfinite(self.high)):
-            return None
-        half = math.log(self.high / self.ratio)
-        bound = math.log1p(within)
-        if half <= bound:
-            return self.pairs
-        unit = half / _half_width_factor(self.pairs, self.confidence)  # the winsorized standard deviation
-        for n in range(self.pairs + 1, most + 1):
-            if unit * _half_width_factor(n, self.confidence) <= bound:
-                return n
-        return None
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; an unbounded end of the interval is ``None``."""
         data = asdict(self)
