@@ -222,8 +222,8 @@ def _finalists(
     measured: dict[Candidate, Measured], evaluations: dict[Candidate, Evaluation], user_batch: int | None,
     history: dict[Candidate, Finalist] | None = None,
 ) -> list[Finalist]:
-    """The best stable, feasible candidate, the runner-up, and every other within measured
-    noise of the best, best first.
+    """The best stable, feasible candidate and every other within measured noise of it, best
+    first.
 
     Args:
         measured: what the search measured.
@@ -245,10 +245,10 @@ def _finalists(
         noise = DEFAULT_MIN_MARGIN
         if ev and best_ev and ev.timing and best_ev.timing:
             noise = noise_band(ev.timing, best_ev.timing)
-        # The runner-up always runs beside the best: one run each is never the evidence a
-        # winner rests on, however wide the search's lead (a disturbed run can make it so).
+        # Only a candidate within the noise of the best can still win: one outside it is not
+        # re-measured (a run a neighbour disturbed is run again before it counts, ``_steady``).
         in_band = m.goodput * (1 + noise) >= best.goodput
-        if rank < 2 or in_band:
+        if rank == 0 or in_band:
             if m.candidate not in history:
                 history[m.candidate] = Finalist(m.candidate, [m.goodput], _per_sample_times(ev.result) if ev else [])
             history[m.candidate].in_band = in_band
