@@ -62,12 +62,18 @@ class Speedup:
     def of_gap(cls, gap: Gap) -> Speedup:
         """The paired gap of the winner over fp32, as the speed-up."""
         bounded = gap.pairs >= 2 and math.isfinite(gap.high) and gap.low > 0
-        return cls(round(gap.ratio, 4), round(gap.low, 4) if bounded else None, round(gap.high, 4) if bounded else None,
+        return cls(round(gap.ratio, 4), _bound(gap.low) if bounded else None, _bound(gap.high) if bounded else None,
                    gap.pairs, gap.confidence, f"paired re-measurement, {gap.pairs} pair{'' if gap.pairs == 1 else 's'}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "low": self.low, "high": self.high, "pairs": self.pairs,
                 "confidence": self.confidence, "basis": self.basis}
+
+
+def _bound(end: float) -> float:
+    """An interval's end to four decimals, or to four significant digits below 0.001x: two pairs
+    that scatter widely can put the low end under 0.0001x, which four decimals make zero."""
+    return round(end, 4) if end >= 1e-3 else float(f"{end:.4g}")
 
 
 @dataclass(frozen=True)

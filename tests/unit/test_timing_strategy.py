@@ -4,10 +4,12 @@ trials and fake NVML readings, no real clock."""
 
 from __future__ import annotations
 
+import pytest
 from test_search import GPU, FakeRunner, tune
 from test_search_remeasure import MODES, ScriptedRunner, remeasured
 
 from advisor.tune import CpuTiming, GpuTiming, timing_for
+from advisor.tune._answer import Speedup
 from advisor.tune._space import Candidate
 from advisor.tune._steady import (
     GPU_ROUNDS,
@@ -15,6 +17,7 @@ from advisor.tune._steady import (
     REMEASURE_MAX_ROUNDS,
     DisturbanceWatch,
 )
+from advisor.tune._timing import paired_gap
 from policies import Policy
 from probes import HardwareProfile
 
@@ -63,3 +66,10 @@ def test_the_gpu_strategy_runs_again_a_trial_another_process_shared_the_gpu_with
     assert result.outcome == "ok" and runner.labels == ["fp32", "fp32 (run 2)"]
     [event] = timing.watch.events
     assert event.kind == "busy-gpu" and "4242" in event.detail and event.rerun
+
+
+def test_a_widely_scattered_interval_keeps_a_low_end_above_zero():
+    # Two pairs on a loaded machine, one each way: the interval is huge, but it is one.
+    speedup = Speedup.of_gap(paired_gap([100.0, 1.0], [1.0, 100.0]))
+    assert speedup.pairs == 2 and 0 < speedup.low <= speedup.ratio <= speedup.high
+    assert Speedup.of_gap(paired_gap([120.0, 121.0], [100.0, 100.0])).low == pytest.approx(1.1, abs=0.2)
