@@ -158,12 +158,11 @@ def demo_tune(cold: bool, home: Path, extra: list[str]) -> dict[str, Any]:
     with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError, AttributeError):
         data = json.loads(proc.stdout)
         winner = (data.get("winner") or {}).get("mode")
-        # Why it won: its paired speed-up and whether its interval met the precision asked, the
-        # decisive gap, the rounds, and any tie it took.
+        # Why it won: its paired speed-up, the decisive gap, the rounds and any tie it took; and
+        # what the tune cost, in trial-equivalents.
         why = {"speedup": data.get("speedup"), "gap": data.get("gap"), "tie_note": data.get("tie_note"),
                "remeasure_rounds": data.get("remeasure_rounds"), "remeasure_stop": data.get("remeasure_stop"),
-               "speedup_within_met": data.get("speedup_within_met"),
-               "speedup_within_out_of_reach": data.get("speedup_within_out_of_reach"),
+               "cost": data.get("cost"),
                "finalists": [f.get("label") for f in data.get("finalists") or []],
                "rounds": {f.get("label"): f.get("rounds") or [] for f in data.get("finalists") or []},
                "disturbed": [e.get("text") for e in data.get("disturbed") or []]}

@@ -25,8 +25,6 @@ from rich.progress import (
 from rich.table import Table
 
 from advisor.tune import (
-    PAIRING_ROUNDS,
-    PAIRS_PROJECTED,
     default_storage_url,
     run_ratio_text,
     shared_storage,
@@ -216,21 +214,6 @@ def tune_progress(console: Console, total: int) -> Iterator[Any]:
 
         yield on_start, on_done, on_round
         bar.update(task, total=bar.tasks[task].completed)  # a search that stopped early completes the bar
-
-
-def within_line(tune: dict[str, Any]) -> str:
-    """Why the winner's speed-up is less precise than ``--speedup-within`` asked; empty when it
-    is as precise, or nothing was asked."""
-    if tune.get("speedup_within_met") is not False:
-        return ""
-    pairs = (tune.get("speedup") or {}).get("pairs")
-    line = (f"[yellow]the speed-up's interval is wider than {tune['speedup_within']:.0%} of its figure "
-            f"either way after {pairs} pairs[/]: ")
-    if not tune.get("speedup_within_out_of_reach"):
-        return line + "the round bound or the time budget came first"
-    needed = tune.get("speedup_within_pairs_needed")
-    return line + (f"at their scatter it would take {f'about {needed}' if needed else f'over {PAIRS_PROJECTED}'} "
-                   f"pairs, more than the {PAIRING_ROUNDS} rounds allow")
 
 
 def render_tune(tune: dict[str, Any], console: Console) -> None:
@@ -475,9 +458,6 @@ def _print_search(tune: dict[str, Any], console: Console) -> None:
     stop = remeasure_stop_line(tune)
     if stop:
         console.print(stop, highlight=False)
-    within = within_line(tune)
-    if within:
-        console.print(within, highlight=False)
     on_threads = on_threads_line(tune.get("speedup") or {})
     if on_threads:
         console.print(on_threads, highlight=False)

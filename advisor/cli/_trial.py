@@ -191,8 +191,7 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     # Every trial counts one warm-up step's FLOPs (so all run alike): the reference's count is the
     # work each trial's step does, and its TFLOP/s is that over the trial's median step.
     settings = dataclasses.replace(TrialSettings.for_tune(options.with_(framework=plan.framework)), count_flops=True)
-    # Like a tune's, every trial is run again when the machine disturbed or lost it, and runs on
-    # the cores left once other processes keep some busy.
+    # Like a tune's, every trial is run again when the machine disturbed or lost it.
     watch = DisturbanceWatch(profile=profile)
     runner = SteadyRunner(ScriptRunner(path, script_args, settings, launch=plan.launch, warm=warm), watch)
     candidates = [(Policy(mode=m), m) for m in modes]

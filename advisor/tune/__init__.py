@@ -1,9 +1,13 @@
 """Trials and the search: run candidates (subprocess or in process), judge their stability
 against the fp32 reference, time them fairly, and search for the fastest stable policy.
 
-Modules: ``_trials`` (runners and evaluations), ``_stability`` (verdicts), ``_timing``
-(noise-aware comparisons), ``_space`` (candidates and priors), ``_search`` (Optuna), ``_engine``
-(the tune), ``_service`` (one tune of a script end to end: study, storage, config file, cache
+The tune is five stages, one module each, composed by ``_engine``: ``_plan`` (space, priors,
+bounds), ``_run`` (trials through one runner interface, warm or cold), ``_judge`` (verdicts
+against fp32, with ``_reference`` for the fp32 yardsticks and ``_stability`` for the rules),
+``_confirm`` (a bounded paired re-measure of close finalists) and ``_answer`` (the winner, its
+speed-up and the data the report, config and cache need). ``_trials`` is the tune's trial book.
+Timing noise sits behind one ``Timing`` strategy in ``_steady`` (with the statistics in
+``_timing``). Around them: ``_space`` (candidates and priors), ``_search`` (Optuna), ``_service`` (one tune of a script end to end: study, storage, config file, cache
 entry), ``_api`` (``advisor.tune``), ``_checks`` (script and mode checks before a run),
 ``_options`` (the tune options, declared once for the CLI, the API and the daemon), and ``job``
 (``python -m advisor.tune.job REQUEST.json RESULT.json``, the daemon's entry point). Arrows: tune
@@ -16,10 +20,9 @@ from __future__ import annotations
 from advisor.tune._api import tune
 from advisor.tune._checks import check_modes, check_script, default_trial_modes
 from advisor.tune._dryrun import tune_plan
-from advisor.tune._engine import PAIRING_ROUNDS, PAIRS_PROJECTED, TuneResult
+from advisor.tune._engine import TuneResult
 from advisor.tune._options import (
     DEFAULT_MEASURE_STEPS,
-    DEFAULT_SPEEDUP_WITHIN,
     DEFAULT_WARMUP_STEPS,
     OptionInfo,
     TuneOptions,
@@ -55,7 +58,14 @@ from advisor.tune._service import (
 )
 from advisor.tune._space import Measured, SpaceLimits
 from advisor.tune._stability import Basis, StabilityThresholds, TrialCurve, basis, smooth
-from advisor.tune._steady import DisturbanceWatch, SteadyRunner
+from advisor.tune._steady import (
+    CpuTiming,
+    DisturbanceWatch,
+    GpuTiming,
+    SteadyRunner,
+    Timing,
+    timing_for,
+)
 from advisor.tune._trials import (
     WAIT_IDLE_ENV,
     Comparison,
@@ -71,6 +81,10 @@ __all__ = [
     "Basis",
     "DisturbanceWatch",
     "SteadyRunner",
+    "Timing",
+    "CpuTiming",
+    "GpuTiming",
+    "timing_for",
     "Evaluation",
     "KeptStudy",
     "Measured",
@@ -78,12 +92,9 @@ __all__ = [
     "StabilityThresholds",
     "TrialCurve",
     "DEFAULT_MEASURE_STEPS",
-    "DEFAULT_SPEEDUP_WITHIN",
     "DEFAULT_WARMUP_STEPS",
-    "PAIRING_ROUNDS",
     "PAIRS_MAX",
     "PairedRuns",
-    "PAIRS_PROJECTED",
     "EXIT_FOUND",
     "EXIT_NONE_STABLE",
     "WAIT_IDLE_ENV",

@@ -21,12 +21,11 @@ from advisor.trial import DEFAULT_MEASURE_STEPS, DEFAULT_WARMUP_STEPS, parse_mem
 from policies import canonical_mode, mode_names
 from probes import MpadviseError, UsageError
 
-# The precision asked of a winner's speed-up by default: its 95% interval within 10% of the figure
-# either way. The decision alone can stop at two pairs with an interval of 1.03x to 1.89x (the
-# Accelerate MLP at width 4096 on the 2-core Xeon), and such a figure is what gets cached.
-DEFAULT_SPEEDUP_WITHIN = 0.1
+# Options a stored daemon job may still carry from an earlier version, read and ignored:
+# ``speedup_within`` asked for re-measurement rounds past the usual bound ("precision rounds").
+RETIRED_OPTIONS = frozenset({"speedup_within"})
 
-__all__ = ["DEFAULT_MEASURE_STEPS", "DEFAULT_SPEEDUP_WITHIN", "DEFAULT_WARMUP_STEPS", "OptionInfo", "TuneOptions", "check_rank_device",
+__all__ = ["DEFAULT_MEASURE_STEPS", "DEFAULT_WARMUP_STEPS", "OptionInfo", "TuneOptions", "check_rank_device",
            "option_info"]
 
 
@@ -94,12 +93,6 @@ def _whole_number(option: OptionInfo, value: Any) -> int:
 def _seconds(option: OptionInfo, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not option.in_bounds(value):
         raise option.refuse(value, f"seconds{option.bound()}")
-    return value
-
-
-def _fraction(option: OptionInfo, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not option.in_bounds(value) or value >= 1:
-        raise option.refuse(value, f"a fraction{option.bound()} and < 1 (0.1 for 10%)")
     return value
 
 
@@ -237,11 +230,6 @@ class TuneOptions:
     out: str | None = _option(None, "Config file to write; default: <script>.mpadvise.toml beside it.", _config_path)
     no_cache: bool = _option(False, "Do not store the answer in the per-GPU cache.", _switch)
     no_priors: bool = _option(False, "Measure candidates even when the matmul priors say they cannot win.", _switch)
-    speedup_within: float = _option(
-        DEFAULT_SPEEDUP_WITHIN, "Pair the winner with fp32 until its speed-up's 95% interval lies within this fraction "
-        "of the figure (0.1: 10% either way), up to 12 re-measurement rounds in all, and stop sooner once, on three "
-        "pairs or more, their scatter says it cannot get there; 0: the pairs the decision took, two at least.",
-        _fraction, minimum=0, job_limit=0.99)
 
     def __post_init__(self) -> None:
         for option in option_info():
@@ -276,9 +264,13 @@ class TuneOptions:
     def from_dict(cls, data: Mapping[str, Any]) -> TuneOptions:
         """Options from a plain dict (JSON, a stored job); missing keys keep their defaults.
 
+        A retired option (``RETIRED_OPTIONS``) that a job stored before its retirement carries
+        is dropped.
+
         Raises:
             UsageError: an unknown key, or a value its option does not take.
         """
+        data = {k: v for k, v in data.items() if k not in RETIRED_OPTIONS}
         _check_names(data)
         return cls(**data)
 

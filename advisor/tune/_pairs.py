@@ -4,10 +4,7 @@ rests on paired runs with a confidence interval, as a tune's re-measurement does
 one run of each (on a shared 2-core machine, one run's ratio scattered from 1.28x to 1.65x
 where the start-up-free figure was 1.45x).
 
-A round pairs a candidate with fp32 only where both ran on one thread count (a busy CPU can
-leave a run fewer threads; a gain on one thread is not the gain on two), and the speed-up rests
-on the rounds paired on the latest such count, which it names when it is fewer than torch's
-own. A candidate that is not stable in a round leaves the rounds, with the reason: one stable
+A candidate that is not stable in a round leaves the rounds, with the reason: one stable
 run does not make it safe.
 """
 
@@ -17,11 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from advisor.tune._engine import Speedup
+from advisor.tune._answer import Speedup
+from advisor.tune._judge import Evaluation, evaluate
+from advisor.tune._reference import Comparison
+from advisor.tune._run import Runner
 from advisor.tune._stability import StabilityThresholds
-from advisor.tune._steady import default_threads
 from advisor.tune._timing import Gap, paired_gap
-from advisor.tune._trials import Comparison, Evaluation, Runner, evaluate
 from policies import Policy
 
 PAIRS_MAX = 50
@@ -35,10 +33,8 @@ class PairedRuns:
         label: the candidate's label.
         policy: its policy.
         goodputs: its goodput in each round; ``None`` where it did not pair (not run, no
-            sample count, another thread count than fp32's, or fp32's run failed).
+            sample count, or fp32's run failed).
         fp32_goodputs: fp32's goodput in the same rounds, ``None`` likewise.
-        threads: the CPU threads both runs of each paired round had (``None`` for torch's own,
-            or where the round did not pair).
         dropped: why it left the rounds (its outcome and reason), empty while it stayed.
     """
 
@@ -46,31 +42,25 @@ class PairedRuns:
     policy: Policy
     goodputs: list[float | None] = field(default_factory=list)
     fp32_goodputs: list[float | None] = field(default_factory=list)
-    threads: list[int | None] = field(default_factory=list)
     dropped: str = ""
 
     def _paired_rounds(self) -> list[int]:
-        """The rounds that paired, on the thread count of the latest one."""
-        rounds = [r for r, (c, f) in enumerate(zip(self.goodputs, self.fp32_goodputs)) if c is not None and f is not None]
-        return [r for r in rounds if self.threads[r] == self.threads[rounds[-1]]] if rounds else []
+        """The rounds that paired."""
+        return [r for r, (c, f) in enumerate(zip(self.goodputs, self.fp32_goodputs)) if c is not None and f is not None]
 
     def gap(self) -> Gap:
-        """Its gap over fp32, over the rounds that paired on the latest thread count."""
+        """Its gap over fp32, over the rounds that paired."""
         rounds = self._paired_rounds()
         return paired_gap([self.goodputs[r] or 0.0 for r in rounds], [self.fp32_goodputs[r] or 0.0 for r in rounds])
 
     def speedup(self) -> Speedup | None:
-        """Its paired speed-up over fp32 with its interval, naming the threads where they were
-        fewer than torch's own; ``None`` without a single pair."""
-        rounds = self._paired_rounds()
-        if not rounds:
-            return None
-        return Speedup.of_gap(self.gap()).on_threads(self.threads[rounds[-1]], default_threads())
+        """Its paired speed-up over fp32 with its interval; ``None`` without a single pair."""
+        return Speedup.of_gap(self.gap()) if self._paired_rounds() else None
 
     def to_dict(self) -> dict[str, Any]:
         speedup = self.speedup()
         return {"label": self.label, "mode": self.policy.mode, "goodputs": self.goodputs,
-                "fp32_goodputs": self.fp32_goodputs, "threads": self.threads, "dropped": self.dropped or None,
+                "fp32_goodputs": self.fp32_goodputs, "dropped": self.dropped or None,
                 "speedup_vs_fp32": None if speedup is None else speedup.to_dict()}
 
 
@@ -112,10 +102,8 @@ def run_pairs(
         order: list[PairedRuns | None] = [None, *active]  # None: fp32
         if round_ % 2:
             order.reverse()
-        threads: dict[str, int | None] = {}
         got: dict[str, float | None] = {}
         fp32_got: float | None = None
-        fp32_threads: int | None = None
         for entry in order:
             label = "fp32" if entry is None else entry.label
             policy = fp32 if entry is None else entry.policy
@@ -129,16 +117,15 @@ def run_pairs(
                 on_done(index, ev)
             index += 1
             if entry is None:
-                fp32_got, fp32_threads = (ev.goodput if result.outcome == "ok" else None), result.threads
+                fp32_got = ev.goodput if result.outcome == "ok" else None
                 continue
             if not ev.stable:
                 entry.dropped = f"{ev.outcome} in pair {round_ + 1}: {ev.reason}"
-            got[label], threads[label] = (ev.goodput if ev.stable else None), result.threads
+            got[label] = ev.goodput if ev.stable else None
         for entry in active:
-            paired = fp32_got is not None and got.get(entry.label) is not None and threads[entry.label] == fp32_threads
+            paired = fp32_got is not None and got.get(entry.label) is not None
             entry.goodputs.append(got.get(entry.label) if paired else None)
             entry.fp32_goodputs.append(fp32_got if paired else None)
-            entry.threads.append(fp32_threads if paired else None)
     return runs
 
 

@@ -1,48 +1,35 @@
-"""Trials the machine disturbed, or lost, are run again before anything is decided on them.
+"""Timing noise, behind one seam: the ``Timing`` strategy a tune measures through.
 
-A tune runs where users run it: on shared nodes, beside other jobs. A neighbour's burst during
-one trial slows some of its steps, and that trial's goodput is then wrong by as much as the
-burst: one disturbed fp32 reference once made every candidate look 17x faster. Such a trial
-shows itself in its own step times, whose spread (the 90th percentile over the 10th) goes far
-beyond what the same workload shows undisturbed. On a GPU another process computing on the
-device (NVML) disturbs it the same way. And a trial that ended before its candidate was even
-applied (``lost``: the machine's failure, a slow import past the timeout) says nothing about the
-candidate. Each is run again, a bounded number of times, and the tune says so.
+A strategy measures a trial's window, compares two candidates over paired runs, and says whether
+another round of re-measurement may run. ``GpuTiming``: the trial times its steps with CUDA
+events, and close finalists get a small fixed number of paired rounds (a GPU step varies by a
+few percent). ``CpuTiming``, for a shared CPU host, keeps what changed an answer in the recorded
+benches: paired, interleaved re-measurement of close finalists, with up to twice the rounds
+while a gap leans towards the riskier finalist, and re-running a trial whose own steps were
+disturbed (spread far beyond the tune's usual) or lost.
 
-One disturbance does not show in a trial's spread at all: a CPU whose cores other processes
-keep busy. Torch splits an operation over as many threads as there are cores, and every
-operation then waits at its barrier for the thread the scheduler put aside; every step is slow
-alike. On the 2-core build machine, beside one CPU-bound process, examples/mlp.py's step went
-from 3.8 ms to 280 ms with a spread of 1.09x, and fp32 and bf16-mixed measured the same. So
-before each trial on a CPU the watch reads how many of this process's cores other processes
-keep busy (``cpu_busy``, from /proc/stat; a look that finds one taken looks again, longer, so
-that a burst a trial outlives moves nothing), and a trial that finds one taken runs on the cores
-left (``free_threads``); once a reading finds them free again, trials run on torch's own threads
-again. Each trial's speed is compared only with fp32 on as many threads, and re-measured rounds
-on different thread counts are never paired. Once re-measurement has run its first trial the
-count only falls (``only_fall``): a rise would leave every round before it unpaired, and a
-neighbour that comes and goes, such as another tune's trials, made it rise and fall until a winner
-was left one pair. The tune says when the count changed.
-
-``judge_spread`` is the pure decision; ``SteadyRunner`` wraps any runner with it, so that the
-reference, its replicate, the search and every re-measurement are watched alike.
+A neighbour's burst during one trial slows some of its steps, and that trial's goodput is then
+wrong by as much as the burst: one disturbed fp32 reference once made every candidate look 17x
+faster. Such a trial shows itself in its own step times, whose spread (the 90th percentile over
+the 10th) goes far beyond what the same workload shows undisturbed. On a GPU another process
+computing on the device (NVML) disturbs it the same way. And a trial that ended before its
+candidate was even applied (``lost``: the machine's failure, a slow import past the timeout)
+says nothing about the candidate. Each is run again, a bounded number of times, and the tune
+says so. ``judge_spread`` is the pure decision; ``SteadyRunner`` wraps any runner with it, so
+that the reference, its replicate, the search and every re-measurement are watched alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 import statistics
-import sys
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import probes
 from advisor.trial import TrialResult
-from advisor.tune._timing import step_spread
+from advisor.tune._timing import DEFAULT_MIN_MARGIN, Gap, paired_gap, step_spread
 from policies import Policy
 from probes import HardwareProfile
 
@@ -62,129 +49,28 @@ trial): no steady training loop measured here spreads its 90th percentile step t
 MAX_RERUNS = 2
 """How many times a disturbed or lost trial is run again before its last run is kept as it is."""
 
-BUSY_SAMPLE_S = 0.1
-"""How long ``cpu_busy`` watches the cores before a trial: ten scheduler ticks of a 100 Hz clock,
-enough to see a core that another process keeps busy."""
+REMEASURE_MAX_ROUNDS = 4
+"""Rounds of interleaved re-measurement on a CPU, in all, before a gap still unresolved is called
+a tie (and the safer finalist wins it). In simulated tunes, four rounds resolve a 19% gap in 99 of
+100 when runs scatter by 3% (a quiet GPU), but in 64 of 100 at the 7% of the shared 2-core build
+machine; the rest are ties, won by the safer mode. Without the bound, a tie within 1% ran ten
+rounds of every finalist, past 15 minutes."""
 
-CONFIRM_SAMPLE_S = 0.3
-"""How long ``cpu_busy`` looks again when its first look finds a core taken; the smaller of the two
-looks counts. A neighbour that stays keeps the core busy through both; a burst a trial outlives
-(a command started beside it, the kernel writing files back) does not. Beside a process busy for
-0.15 s of every second, one 0.1 s look had held the rest of 8 of 9 tunes of examples/mlp.py on
-one thread, and their speed-up was one thread's."""
+REMEASURE_LEANING_ROUNDS = 8
+"""The rounds a gap may take on a CPU while it leans: unresolved, with its estimate beyond the
+margin on the riskier finalist's side. Stopping at four would give the safer one the win that the
+estimate says belongs to the other (on the 2-core Xeon, bf16-true's 11% lead over bf16-mixed in
+examples/mlp.py often ended 4 rounds at [1.01, 1.27])."""
 
-TAKEN_SHARE = 0.7
-"""A core counts as taken when other processes kept it busy this much of the time (in sum over
-the cores: 1.4 busy cores are 2 taken); less is a brief burst that a trial outlives."""
-
-
-def read_cpu_times(cpus: set[int] | None = None, path: str = "/proc/stat") -> tuple[int, int] | None:
-    """``(busy, total)`` clock ticks summed over ``cpus`` (every CPU when ``None``) since boot, from
-    /proc/stat; ``None`` where it cannot be read (not Linux)."""
-    busy = total = 0
-    try:
-        with open(path, encoding="ascii") as stat:
-            for line in stat:
-                name, *fields = line.split()
-                if not name.startswith("cpu") or name == "cpu" or not name[3:].isdigit():
-                    continue
-                if cpus is not None and int(name[3:]) not in cpus:
-                    continue
-                ticks = [int(v) for v in fields[:8]]
-                idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
-                total += sum(ticks)
-                busy += sum(ticks) - idle
-    except (OSError, ValueError, IndexError):
-        return None
-    return (busy, total) if total else None
+GPU_ROUNDS = 3
+"""Paired rounds on a GPU: CUDA-event step times vary by a few percent, and three pairs resolve
+a 5% gap there; a closer one is a tie, won by the safer mode."""
 
 
-def own_cpu_ticks(root: int | None = None, proc: str = "/proc") -> int:
-    """The clock ticks of CPU time (user and system, every thread) that process ``root`` (this
-    one) and all its descendants have used: a tune's own warm server importing torch is not
-    another process's load."""
-    root = os.getpid() if root is None else root
-    parent: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    try:
-        entries = os.listdir(proc)
-    except OSError:
-        return 0
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"{proc}/{entry}/stat", encoding="ascii", errors="replace") as stat:
-                text = stat.read()
-            fields = text[text.rindex(")") + 2:].split()  # after the command, which may hold spaces
-            parent[int(entry)], ticks[int(entry)] = int(fields[1]), int(fields[11]) + int(fields[12])
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile, or not readable
-    tree, frontier = {root}, [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [child for child, ppid in parent.items() if ppid == pid and child not in tree]
-        tree.update(children)
-        frontier.extend(children)
-    return sum(ticks.get(pid, 0) for pid in tree)
+class Runs(Protocol):
+    """Runs one candidate (``advisor.tune._run.Runner``)."""
 
-
-def cpu_busy(sample_s: float = BUSY_SAMPLE_S, *, confirm_s: float = CONFIRM_SAMPLE_S,
-             read: Callable[[], tuple[int, int] | None] | None = None, own: Callable[[], int] = own_cpu_ticks,
-             sleep: Callable[[float], None] = time.sleep) -> float | None:
-    """How many of this process's cores other processes kept busy over the next ``sample_s``, in
-    cores (1.0: one core's worth): the cores' busy time less this process tree's own (``own``);
-    ``None`` where that cannot be read. A look that finds a core taken is followed by one over
-    ``confirm_s`` (0 for none), and the smaller counts (``CONFIRM_SAMPLE_S``)."""
-    cpus = usable_cpus()
-    read = read or (lambda: read_cpu_times(cpus))
-
-    def look(seconds: float) -> float | None:
-        before, own_before = read(), own()
-        sleep(seconds)
-        after, own_after = read(), own()
-        if before is None or after is None or after[1] <= before[1]:
-            return None
-        others = max(0, (after[0] - before[0]) - (own_after - own_before))
-        return others / (after[1] - before[1]) * len(cpus)
-
-    busy = look(sample_s)
-    if busy is None or confirm_s <= 0 or taken_cores(busy) == 0:
-        return busy
-    again = look(confirm_s)
-    return busy if again is None else min(busy, again)
-
-
-def usable_cpus() -> set[int]:
-    """The CPUs this process may run on."""
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))
-
-
-def default_threads() -> int:
-    """The threads torch uses for CPU ops by its own choice (its count when imported here, else
-    one per usable CPU)."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return int(torch.get_num_threads())
-    return len(usable_cpus())
-
-
-def taken_cores(busy: float) -> int:
-    """How many cores ``busy`` cores' worth of other processes' time takes (``TAKEN_SHARE``)."""
-    return math.floor(busy + 1.0 - TAKEN_SHARE)
-
-
-def free_threads(busy: float | None, usable: int, default: int) -> int | None:
-    """The threads a trial may use without waiting for a core others keep busy: the usable cores
-    less the taken ones (``taken_cores``), at least 1; ``None`` when that is not fewer than torch's
-    ``default`` (nothing to change) or ``busy`` is unknown."""
-    if busy is None:
-        return None
-    free = max(1, usable - taken_cores(busy))
-    return free if free < default else None
+    def __call__(self, policy: Policy, label: str) -> TrialResult: ...
 
 
 def judge_spread(spread: float | None, usual: float | None, *, factor: float = SPREAD_FACTOR,
@@ -211,21 +97,15 @@ class Disturbance:
     Attributes:
         label: the trial's label.
         kind: ``"spread"`` (its steps spread far beyond the usual), ``"busy-gpu"`` (another
-            process computed on the GPU), ``"lost"`` (it ended before the candidate was applied),
-            ``"busy-cpu"`` (other processes kept some of the CPU's cores busy: the trial, and
-            later ones while they stay taken, ran on fewer threads, never run again for it) or
-            ``"cpu-free"`` (the cores were free again: from the trial on, torch's own threads).
+            process computed on the GPU) or ``"lost"`` (it ended before the candidate was applied).
         detail: what was seen, in words.
         attempt: which run of the trial it was (1 for the first).
         rerun: whether it was run again; ``False`` when a run was kept instead (see ``kept``).
         spread: the trial's spread, where read.
         limit: the spread it was held to, where read.
         kept: why a run was kept rather than run again: ``"repeats"`` (two runs spread alike, so
-            the spread is this workload's on this machine as it is now), ``"spent"`` (the
-            reruns are spent) or ``"threads"`` (a busy CPU: run on fewer threads instead); empty
-            while it is run again.
-        threads: for ``"busy-cpu"`` and ``"cpu-free"``, the threads the trial and later ones
-            ran on.
+            the spread is this workload's on this machine as it is now) or ``"spent"`` (the
+            reruns are spent); empty while it is run again.
     """
 
     label: str
@@ -236,21 +116,14 @@ class Disturbance:
     spread: float | None = None
     limit: float | None = None
     kept: str = ""
-    threads: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "kind": self.kind, "detail": self.detail, "attempt": self.attempt,
                 "rerun": self.rerun, "spread": self.spread, "limit": self.limit, "kept": self.kept,
-                "threads": self.threads, "text": self.describe()}
+                "text": self.describe()}
 
     def describe(self) -> str:
         """One line for the report."""
-        if self.kind == "cpu-free":
-            return f"{self.label}: {self.detail}; from it on, trials ran on torch's {self.threads} threads again"
-        if self.kept == "threads":
-            plural = "s" if self.threads != 1 else ""
-            return (f"{self.label}: {self.detail}; from it on, trials ran on {self.threads} thread{plural} while the "
-                    "cores stayed taken, each compared only with fp32 on as many")
         if self.rerun:
             then = "run again"
         elif self.kept == "repeats":
@@ -271,36 +144,6 @@ class DisturbanceWatch:
     events: list[Disturbance] = field(default_factory=list)
     busy: Callable[[HardwareProfile], list[int]] | None = None  # tests pass a fake NVML reading
     ran: list[TrialResult] = field(default_factory=list)  # every trial run, reruns included
-    cpu_busy: Callable[[], float | None] | None = None  # a fake reading in tests; else ``cpu_busy``
-    threads: int | None = None  # while a busy CPU is seen: the threads every trial runs on
-    only_fall: bool = False  # set by the tune once re-measurement runs: the threads may fall, never rise
-
-    def threads_for(self, label: str) -> int | None:
-        """The threads the next trial runs on: ``None`` (torch's own choice) on a GPU and while
-        the CPU's cores are free; the free cores while other processes keep some taken. A change
-        either way is an event (``"busy-cpu"``, ``"cpu-free"``); with ``only_fall`` a reading
-        that finds more cores free keeps the threads as they are."""
-        if self.profile is None or self.profile.is_cuda:
-            return None
-        default = default_threads()
-        usable = len(usable_cpus())
-        busy = (self.cpu_busy or cpu_busy)()
-        if busy is None:
-            return self.threads
-        free = free_threads(busy, usable, default)
-        if free == self.threads or (self.only_fall and self.threads is not None and (free is None or free > self.threads)):
-            return self.threads
-        if free is None:
-            self.events.append(Disturbance(
-                label, "cpu-free", f"the cores other processes kept busy were free again ({busy:.1f} cores' worth)",
-                1, False, kept="threads", threads=default))
-        else:
-            self.events.append(Disturbance(
-                label, "busy-cpu", f"other processes kept {min(usable, taken_cores(busy))} of this process's {usable} "
-                f"cores busy ({busy:.1f} cores' worth)", 1, False, kept="threads", threads=free))
-        self.threads = free
-        return free
-
     @property
     def usual(self) -> float | None:
         """The median spread of the steady trials so far; ``None`` before the first."""
@@ -356,7 +199,7 @@ class SteadyRunner:
     ``perturbed`` still has none).
     """
 
-    _DERIVING = ("perturbed", "with_measure_steps", "with_flop_count", "with_threads")
+    _DERIVING = ("perturbed", "with_measure_steps", "with_flop_count")
 
     def __init__(self, runner: Any, watch: DisturbanceWatch, *,
                  on_rerun: Callable[[Disturbance], None] | None = None) -> None:
@@ -378,10 +221,6 @@ class SteadyRunner:
             attempt = len(runs) + 1
             others_before = self.watch.gpu_others()
             runner = self.runner
-            if _sets_threads(runner):
-                threads = self.watch.threads_for(label)
-                if threads is not None:
-                    runner = runner.with_threads(threads)
             result = runner(policy, label if attempt == 1 else f"{label} (run {attempt})")
             self.watch.ran.append(result)
             others = sorted(set(others_before) | set(self.watch.gpu_others()))
@@ -400,15 +239,6 @@ class SteadyRunner:
                 return self.watch.keep(runs)
 
 
-def _sets_threads(runner: Any) -> bool:
-    """Whether the watch picks ``runner``'s threads: a runner that can be given a thread count
-    (``with_threads``), has none yet, and runs one process per trial (each rank of a multi-process
-    trial keeps torch's own choice)."""
-    settings = getattr(runner, "settings", None)
-    return (hasattr(runner, "with_threads") and getattr(runner, "threads", None) is None
-            and getattr(settings, "nproc_per_node", 1) == 1)
-
-
 def _repeats(event: Disturbance, earlier: list[Disturbance]) -> bool:
     """Whether ``event``'s spread matches an earlier run's of the same trial within
     ``SPREAD_FACTOR``: the spread is then the machine's as it is now, not one burst's."""
@@ -416,3 +246,67 @@ def _repeats(event: Disturbance, earlier: list[Disturbance]) -> bool:
         return False
     return any(e.spread is not None and max(e.spread, event.spread) <= SPREAD_FACTOR * min(e.spread, event.spread)
                for e in earlier)
+
+
+class Timing(Protocol):
+    """How a tune measures: one window of a trial, two candidates over paired runs, and whether
+    another round of re-measurement may run."""
+
+    watch: DisturbanceWatch
+
+    def measure(self, runner: Runs, policy: Policy, label: str) -> TrialResult:
+        """One trial's window (run again while the machine disturbed or lost it)."""
+        ...
+
+    def compare(self, a: Sequence[float], b: Sequence[float]) -> Gap:
+        """The gap of ``a`` over ``b`` from goodputs of paired runs."""
+        ...
+
+    def remeasure(self, rounds: int, *, leaning: bool) -> bool:
+        """Whether another round may run after ``rounds``, ``leaning`` when a gap leans towards
+        the riskier finalist (``advisor.tune._confirm``)."""
+        ...
+
+    def most_rounds(self, rounds: int, *, leaning: bool) -> int:
+        """The most rounds there can be, as far as is known after ``rounds`` (progress)."""
+        ...
+
+
+@dataclass
+class CpuTiming:
+    """Timing on a shared CPU host: disturbed and lost trials run again, close finalists paired
+    for up to ``max_rounds`` rounds (``leaning_rounds`` while a gap leans)."""
+
+    watch: DisturbanceWatch = field(default_factory=DisturbanceWatch)
+    max_rounds: int = REMEASURE_MAX_ROUNDS
+    leaning_rounds: int = REMEASURE_LEANING_ROUNDS
+    min_margin: float = DEFAULT_MIN_MARGIN
+
+    def measure(self, runner: Runs, policy: Policy, label: str) -> TrialResult:
+        return SteadyRunner(runner, self.watch)(policy, label)
+
+    def compare(self, a: Sequence[float], b: Sequence[float]) -> Gap:
+        return paired_gap(a, b, min_margin=self.min_margin)
+
+    def remeasure(self, rounds: int, *, leaning: bool) -> bool:
+        return rounds < (self.leaning_rounds if leaning else self.max_rounds)
+
+    def most_rounds(self, rounds: int, *, leaning: bool) -> int:
+        return self.leaning_rounds if rounds >= self.max_rounds else self.max_rounds
+
+
+@dataclass
+class GpuTiming(CpuTiming):
+    """Timing on a GPU: the trial times its steps with CUDA events, and close finalists get a
+    small fixed number of paired rounds (``GPU_ROUNDS``), leaning or not."""
+
+    max_rounds: int = GPU_ROUNDS
+    leaning_rounds: int = GPU_ROUNDS
+
+
+def timing_for(profile: HardwareProfile | None) -> Timing:
+    """The timing strategy for the device a tune runs on: ``GpuTiming`` on CUDA, else ``CpuTiming``."""
+    watch = DisturbanceWatch(profile=profile)
+    if profile is not None and profile.is_cuda:
+        return GpuTiming(watch)
+    return CpuTiming(watch)

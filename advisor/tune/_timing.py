@@ -3,7 +3,8 @@
 Pure functions over recorded step times in seconds: no torch, no clocks. The shells time the
 steps (synchronising the device at the edges); these functions decide what the times say.
 Medians and quartiles rather than means and standard deviations, because step times on a
-shared machine have heavy tails (a neighbour's burst, a page fault, a GC pause).
+shared machine have heavy tails (a neighbour's burst, a page fault, a GC pause). The
+distributions and the trimmed statistics come from ``scipy.stats``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+import numpy as np
+from scipy import stats
 
 DEFAULT_WARMUP = 3
 DEFAULT_MIN_MARGIN = 0.02
@@ -202,28 +206,6 @@ class Gap:
         lower end lies within the margin."""
         return self.pairs >= 2 and self.low >= 1.0 / (1.0 + self.min_margin)
 
-    def pairs_for(self, within: float, most: int) -> int | None:
-        """The fewest pairs at which an interval of this scatter would lie within ``within``
-        of the figure either way (0.1: 10%), as ``paired_gap`` computes it; ``None`` when more
-        than ``most`` would be needed, or there are fewer than two pairs to tell the scatter.
-
-        The scatter is the winsorized variance this interval was drawn from, taken as it is;
-        more pairs narrow the interval through Student's t on more degrees of freedom and
-        through their number. An estimate from a few pairs is itself rough: a caller that
-        gives up on it should hold a few pairs first.
-        """
-        if self.pairs < 2 or not (self.low > 0 and math.isfinite(self.high)):
-            return None
-        half = math.log(self.high / self.ratio)
-        bound = math.log1p(within)
-        if half <= bound:
-            return self.pairs
-        unit = half / _half_width_factor(self.pairs, self.confidence)  # the winsorized standard deviation
-        for n in range(self.pairs + 1, most + 1):
-            if unit * _half_width_factor(n, self.confidence) <= bound:
-                return n
-        return None
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; an unbounded end of the interval is ``None``."""
         data = asdict(self)
@@ -264,18 +246,14 @@ def paired_gap(
             number, ``confidence`` is not between 0 and 1, or ``min_margin`` is negative.
     """
     _check_gap_args(a, b, confidence, min_margin)
-    logs = sorted(math.log(x / y) for x, y in zip(a, b))
+    logs = np.log(np.asarray(a, dtype=float) / np.asarray(b, dtype=float))
     n = len(logs)
     if n < 2:
-        ratio = math.exp(logs[0]) if logs else 1.0
+        ratio = math.exp(logs[0]) if n else 1.0
         return Gap(ratio, 0.0, math.inf, n, confidence, min_margin, "unresolved")
-    cut = int(GAP_TRIM * n)
-    kept = logs[cut:n - cut]
-    centre = math.fsum(kept) / len(kept)
-    winsorized = [logs[cut]] * cut + kept + [logs[n - cut - 1]] * cut
-    w_mean = math.fsum(winsorized) / n
-    w_var = math.fsum((x - w_mean) ** 2 for x in winsorized) / (n - 1)
-    half = _half_width_factor(n, confidence) * math.sqrt(w_var)
+    centre = float(stats.trim_mean(logs, GAP_TRIM))
+    winsorized = np.asarray(stats.mstats.winsorize(logs, limits=(GAP_TRIM, GAP_TRIM)))
+    half = _half_width_factor(n, confidence) * float(np.std(winsorized, ddof=1))
     low, high = centre - half, centre + half
     edge = math.log1p(min_margin)
     if low > edge:
@@ -293,50 +271,7 @@ def _half_width_factor(n: int, confidence: float) -> float:
     """Yuen's interval half-width over ``n`` pairs per unit of winsorized standard deviation
     (``GAP_TRIM`` cut from each end; with up to four pairs, the paired t interval's)."""
     h = n - 2 * int(GAP_TRIM * n)
-    return t_quantile(0.5 + confidence / 2.0, h - 1) * math.sqrt((n - 1) / (h * (h - 1)))
-
-
-def t_quantile(p: float, df: int) -> float:
-    """The ``p``-quantile of Student's t distribution with ``df`` degrees of freedom.
-
-    Exact for whole ``df``: bisection on the closed form of the distribution function
-    (Abramowitz and Stegun 26.7.3 and 26.7.4), so no statistics library is needed.
-
-    Raises:
-        ValueError: ``p`` is not strictly between 0 and 1, or ``df`` is not a whole number >= 1.
-    """
-    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
-        raise ValueError(f"t_quantile: df must be a whole number >= 1, got {df!r}")
-    if not (isinstance(p, numbers.Real) and 0.0 < p < 1.0):
-        raise ValueError(f"t_quantile: p must be between 0 and 1 (exclusive), got {p!r}")
-    if p == 0.5:
-        return 0.0
-    coverage = abs(2.0 * p - 1.0)  # P(|T| < t) at the quantile
-    lo, hi = 0.0, math.pi / 2.0  # theta = atan(t / sqrt(df)), over which coverage rises
-    for _ in range(200):
-        mid = (lo + hi) / 2.0
-        if _t_coverage(mid, df) < coverage:
-            lo = mid
-        else:
-            hi = mid
-    t = math.sqrt(df) * math.tan((lo + hi) / 2.0)
-    return t if p > 0.5 else -t
-
-
-def _t_coverage(theta: float, df: int) -> float:
-    """P(|T| < sqrt(df) tan(theta)) for Student's t with ``df`` degrees of freedom."""
-    sin, cos2 = math.sin(theta), math.cos(theta) ** 2
-    if df % 2 == 1:
-        series, term = 0.0, math.cos(theta)
-        for k in range(1, (df - 1) // 2 + 1):
-            series += term
-            term *= cos2 * (2 * k) / (2 * k + 1)
-        return 2.0 / math.pi * (theta + sin * series)
-    series, term = 0.0, 1.0
-    for k in range(1, df // 2 + 1):
-        series += term
-        term *= cos2 * (2 * k - 1) / (2 * k)
-    return sin * series
+    return float(stats.t.ppf(0.5 + confidence / 2.0, h - 1)) * math.sqrt((n - 1) / (h * (h - 1)))
 
 
 def _check_gap_args(a: Sequence[float], b: Sequence[float], confidence: float, min_margin: float) -> None:

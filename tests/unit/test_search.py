@@ -11,6 +11,7 @@ from advisor.trial import TrialResult
 from advisor.tune._engine import tune_policy
 from advisor.tune._options import TuneOptions, option_info
 from advisor.tune._space import Candidate, Measured, space_for, upper_bound
+from advisor.tune._steady import CpuTiming, DisturbanceWatch
 from policies import Policy, supported_modes
 from probes import HardwareProfile
 
@@ -57,8 +58,11 @@ class FakeRunner:
 
 
 def tune(runner, profile=GPU, **kwargs):
+    """A tune of fake trials; their scatter is a shared CPU host's, so the CPU timing measures it
+    (the GPU's fixed rounds have their own tests)."""
     kwargs.setdefault("dtype_ratio", RATIOS)
     kwargs.setdefault("trials", 30)
+    kwargs.setdefault("timing", CpuTiming(DisturbanceWatch(profile=profile)))
     names = {option.name for option in option_info()}
     options = TuneOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     return tune_policy(runner, profile, options, **kwargs)

@@ -141,16 +141,15 @@ def test_a_budget_spent_by_the_search_leaves_single_runs():
     assert result.speedup.basis == "single runs, not re-measured (the time budget was spent first)"
 
 
-def test_a_clear_winner_is_re_measured_against_fp32_and_the_runner_up():
-    # The search's lead is 2x, far outside the noise; still one run each is no evidence: the
-    # winner runs side by side with the runner-up and with fp32 before it is written.
+def test_a_clear_winner_is_re_measured_against_fp32_only():
+    # The search's lead over bf16-mixed is 2x, far outside the noise: bf16-mixed cannot win and
+    # is not re-measured. The winner still runs side by side with fp32 for its speed-up.
     runner = ScriptedRunner({"fp32": 100, "bf16-mixed": 40, "bf16-true": 20},
                             {"fp32": [100, 110, 100, 100], "bf16-true": [20, 21, 20, 20]})
     result = tune(runner, modes=MODES, remeasure=True)
-    assert [f.candidate.mode for f in result.finalists] == ["bf16-true", "bf16-mixed", "fp32"]
-    assert {m for _, m in remeasured(runner)} == {"bf16-true", "bf16-mixed", "fp32"}
+    assert [f.candidate.mode for f in result.finalists] == ["bf16-true", "fp32"]
+    assert {m for _, m in remeasured(runner)} == {"bf16-true", "fp32"}
     assert result.winner == Candidate("bf16-true")
-    assert next(f for f in result.finalists if f.candidate.mode == "bf16-mixed").gap.verdict == "faster"
     assert result.speedup.pairs >= 2 and result.speedup.low <= result.speedup.ratio <= result.speedup.high
     assert result.policy.tuned_on.speedup_vs_fp32 == result.speedup.ratio
 

@@ -22,7 +22,7 @@ from advisor.cache._store import open_store
 from advisor.cli._report import render_tune
 from advisor.trial import TrialResult
 from advisor.tune import _search, calls_load_policy, keep_answer
-from advisor.tune._engine import Finalist, _paired
+from advisor.tune._confirm import Finalist, paired
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import STUDY_ATTR_WORKLOAD, check_study_workload, kept_study
 from advisor.tune._space import Candidate
@@ -54,7 +54,7 @@ def test_every_figure_of_the_winners_speed_up_is_the_same_number(tmp_path, cache
     pairs = [(w, r) for w, r in zip(best.rounds, result.reference_rounds) if w is not None and r is not None]
     gap = paired_gap([w for w, _ in pairs], [r for _, r in pairs])
     figure = round(gap.ratio, 4)
-    assert len(pairs) >= 2 and figure == round(_paired(best, _fp32(result)).ratio, 4)
+    assert len(pairs) >= 2 and figure == round(paired(best, _fp32(result)).ratio, 4)
     interval = (round(gap.low, 4), round(gap.high, 4), f"paired re-measurement, {len(pairs)} pairs")
 
     # --json

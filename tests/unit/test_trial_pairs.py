@@ -16,7 +16,7 @@ import advisor.cli._trial as trial_cli
 from advisor.cli import app
 from advisor.cli._trial import run_trial_command
 from advisor.trial import TrialResult
-from advisor.tune import TuneOptions, _pairs, pairs_runs, run_comparison, run_pairs
+from advisor.tune import TuneOptions, pairs_runs, run_comparison, run_pairs
 from policies import Policy
 from probes import HardwareProfile
 
@@ -91,26 +91,6 @@ def test_a_candidate_unstable_in_a_round_leaves_the_rounds_with_the_reason():
     assert paired.goodputs[1] is None and len(paired.goodputs) == 2
     assert runner.runs["bf16-mixed"] == 3  # the comparison's run, then two rounds: none after
     assert paired.speedup().pairs == 1 and paired.speedup().low is None
-
-
-def test_a_round_on_fewer_threads_does_not_pair():
-    runner = Runner(threads_at={"bf16-mixed": 2})  # its run in round 2 had one thread, fp32's did not
-    comparison = _compared(runner)
-    (paired,) = run_pairs(runner, comparison, 3)
-    assert paired.goodputs[1] is None and paired.fp32_goodputs[1] is None
-    assert paired.speedup().pairs == 2
-
-
-def test_only_the_latest_thread_count_pairs_and_the_figure_names_it(monkeypatch):
-    monkeypatch.setattr(_pairs, "default_threads", lambda: 2)  # torch's own: two threads
-    # Both had one thread in round 3 (fp32's runs: the reference, its replicate, then one a round).
-    runner = Runner(threads_at={"fp32": 4, "bf16-mixed": 3})
-    comparison = _compared(runner)
-    (paired,) = run_pairs(runner, comparison, 3)
-    assert paired.threads == [None, None, 1]
-    speedup = paired.speedup()
-    assert speedup.pairs == 1
-    assert speedup.threads == 1 and speedup.torch_threads == 2 and "on 1 of torch's 2 threads" in speedup.basis
 
 
 def test_no_stable_candidate_runs_no_round():

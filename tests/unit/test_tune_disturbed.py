@@ -97,8 +97,9 @@ def test_a_reference_slowed_through_and_through_cannot_make_a_slower_mode_win():
     result = tune(machine, modes=MODES, remeasure=True, no_priors=True)
     assert result.winner == Candidate("fp32")
     assert result.speedup.ratio == 1.0
-    bf16 = next(f for f in result.finalists if f.candidate.mode == "bf16-true")
-    assert bf16.gap.pairs >= 2 and bf16.gap.verdict == "faster"  # fp32's lead, paired
+    # The search's best (every candidate looked many times fp32's) ran beside fp32: fp32's lead, paired.
+    rivals = [f for f in result.finalists if f.gap is not None]
+    assert rivals and all(f.gap.pairs >= 2 and f.gap.verdict == "faster" for f in rivals)
 
 
 def test_the_written_speed_up_is_the_paired_one_not_the_disturbed_search_run():

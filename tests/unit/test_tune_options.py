@@ -18,8 +18,7 @@ from probes import MpadviseError, UsageError
 
 # The daemon's documented job options (docs/daemon.md); stored jobs carry exactly these keys.
 JOB_OPTIONS = ["trials", "time_budget", "steps", "warmup", "modes", "scale_batch", "include_emulated",
-               "memory_limit", "timeout", "first_step_timeout", "seed", "framework", "resume", "fresh", "out", "no_cache", "no_priors",
-               "speedup_within"]
+               "memory_limit", "timeout", "first_step_timeout", "seed", "framework", "resume", "fresh", "out", "no_cache", "no_priors"]
 
 
 def test_one_set_of_names_and_defaults():
@@ -101,7 +100,9 @@ def test_dict_round_trip_and_a_stored_job_row_loads():
            "out": "/w/train.mpadvise.toml", "no_cache": False, "no_priors": False}
     # A row stored before an option existed loads, that option at its default.
     assert TuneOptions.from_dict(row).to_dict(job=True) == {**row, "framework": None, "first_step_timeout": 120.0,
-                                                                     "fresh": False, "speedup_within": 0.1}
+                                                                     "fresh": False}
+    # A row stored while --speedup-within existed loads too: the retired option is dropped.
+    assert TuneOptions.from_dict({**row, "speedup_within": 0.1}) == TuneOptions.from_dict(row)
     with pytest.raises(MpadviseError, match="unknown tune option 'use_priors'; expected some of trials"):
         TuneOptions.from_dict({"use_priors": False})
 

@@ -1,0 +1,365 @@
+"""The answer stage: the winner, its one speed-up figure with its interval, and everything the
+report, the config file and the cache need.
+
+``answer`` is the stage's entry: it picks the winner among the confirmed finalists (ties go to
+the safer policy), computes its speed-up over fp32 (the paired re-measurement where there is
+one), and builds its policy with the ``[tuned_on]`` record. ``TuneResult`` carries it all;
+``tune_rows`` and ``TuneResult.to_dict`` are the data the report and the JSON show.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from advisor.runtime import script_digest
+from advisor.trial import TrialResult
+from advisor.tune._confirm import (
+    STOP_OFF,
+    STOP_TIME_BUDGET,
+    Confirmed,
+    Finalist,
+    paired,
+    pick_winner,
+)
+from advisor.tune._judge import Evaluation
+from advisor.tune._search import SearchOutcome
+from advisor.tune._space import Candidate, Measured, SearchSpace, preference_key
+from advisor.tune._steady import REMEASURE_LEANING_ROUNDS, REMEASURE_MAX_ROUNDS, Disturbance
+from advisor.tune._timing import DEFAULT_CONFIDENCE, Gap, step_time_range
+from advisor.tune._trials import Replicate, Trials
+from advisor.tune._utilisation import Utilisation, utilisation
+from policies import Policy, TunedOn
+from probes import HardwareProfile, hardware_fingerprint
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """The winner's goodput over fp32's: the one speed-up figure a tune reports, writes and caches.
+
+    Attributes:
+        ratio: the speed-up, rounded to 4 decimals (above 1 when the winner is faster).
+        low: the lower end of its confidence interval; ``None`` where there is none (single
+            runs, a single pair).
+        high: the upper end; ``None`` likewise.
+        pairs: the paired runs of the winner and fp32 it rests on (0 for single runs, and for
+            fp32 itself).
+        confidence: the interval's confidence level.
+        basis: what it rests on, in words: ``"paired re-measurement, 4 pairs"``, ``"single runs,
+            not re-measured"``, ``"the fp32 reference itself"``.
+    """
+
+    ratio: float
+    low: float | None = None
+    high: float | None = None
+    pairs: int = 0
+    confidence: float = DEFAULT_CONFIDENCE
+    basis: str = ""
+
+    @classmethod
+    def of_gap(cls, gap: Gap) -> Speedup:
+        """The paired gap of the winner over fp32, as the speed-up."""
+        bounded = gap.pairs >= 2 and math.isfinite(gap.high) and gap.low > 0
+        return cls(round(gap.ratio, 4), _bound(gap.low) if bounded else None, _bound(gap.high) if bounded else None,
+                   gap.pairs, gap.confidence, f"paired re-measurement, {gap.pairs} pair{'' if gap.pairs == 1 else 's'}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "low": self.low, "high": self.high, "pairs": self.pairs,
+                "confidence": self.confidence, "basis": self.basis}
+
+
+def _bound(end: float) -> float:
+    """An interval's end to four decimals, or to four significant digits below 0.001x: two pairs
+    that scatter widely can put the low end under 0.0001x, which four decimals make zero."""
+    return round(end, 4) if end >= 1e-3 else float(f"{end:.4g}")
+
+
+@dataclass(frozen=True)
+class TuneCost:
+    """What a tune cost, in trial-equivalents: its wall time over one measured window (the fp32
+    reference's measured steps), so that start-up, warm-up and every rerun show as overhead.
+
+    Attributes:
+        wall_s: the tune's wall time, in seconds.
+        trials: trials run in all (the reference, its replicate, the search, the reruns of
+            disturbed or lost trials and the rounds of re-measurement).
+        window_s: one measured window, in seconds; ``None`` when the reference had no timeline.
+        trial_equivalents: ``wall_s / window_s``; ``None`` without a window.
+    """
+
+    wall_s: float
+    trials: int
+    window_s: float | None
+    trial_equivalents: float | None
+
+    @classmethod
+    def of(cls, ran: list[TrialResult], wall_s: float, reference: TrialResult | None) -> TuneCost:
+        """The cost of a tune that ran ``ran`` in ``wall_s`` seconds, in windows of the kept
+        ``reference`` (not a disturbed first run of it)."""
+        window = None if reference is None else reference.phases.get("measured")
+        return cls(round(wall_s, 3), len(ran), window, round(wall_s / window, 1) if window else None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"wall_s": self.wall_s, "trials": self.trials, "window_s": self.window_s,
+                "trial_equivalents": self.trial_equivalents}
+
+
+
+
+@dataclass
+class TuneResult:
+    """Everything a tune measured and decided."""
+
+    reference: Evaluation
+    space: SearchSpace
+    search: SearchOutcome
+    evaluations: dict[Candidate, Evaluation]
+    finalists: list[Finalist]
+    winner: Candidate | None
+    policy: Policy | None
+    tie_note: str = ""
+    scale_batch_note: str = ""
+    dtype_ratio: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0
+    dropped: list[Measured] = field(default_factory=list)  # finalists whose re-measurement failed
+    remeasure_rounds: int = 0
+    replicate: Replicate | None = None  # fp32 with perturbed initial weights: the spread the verdicts allow
+    speedup: Speedup | None = None  # the winner's, against fp32
+    remeasure_stop: str = STOP_OFF  # why re-measurement ended: STOP_SETTLED, STOP_ROUND_LIMIT, ...
+    time_budget: float | None = None
+    reference_rounds: list[float | None] = field(default_factory=list)  # fp32's goodput in each round
+    window_note: str = ""  # whether the measured window grew (fp32 still falling), or is short
+    measure_steps: int | None = None  # the measured window every trial used in the end
+    extended: list[str] = field(default_factory=list)  # candidates judged again on a longer window
+    disturbances: list[Disturbance] = field(default_factory=list)  # trials run again: disturbed or lost
+    peak_tflops: dict[str, float] = field(default_factory=dict)  # probed matmul TFLOP/s per dtype
+    cost: TuneCost | None = None  # what the tune's trials cost, against one measured window
+    round_bounds: tuple[int, int] = (REMEASURE_MAX_ROUNDS, REMEASURE_LEANING_ROUNDS)  # the timing's round bounds
+
+    def utilisation(self, cand: Candidate) -> Utilisation | None:
+        """A measured candidate's achieved TFLOP/s and MFU, from the reference's FLOP count."""
+        ev = self.evaluations.get(cand)
+        if ev is None or ev.timing is None:
+            return None
+        return utilisation(self.reference.result.flops_per_step, ev.timing.median, cand.mode, self.peak_tflops)
+
+    @property
+    def winner_speedup(self) -> float | None:
+        """The winner's speed-up over fp32 (``speedup.ratio``); ``None`` without a winner."""
+        return None if self.speedup is None else self.speedup.ratio
+
+    def decisive_gap(self) -> dict[str, Any] | None:
+        """The re-measured gap the choice rests on: the leader's over the winner when a safer
+        finalist won a tie; else over the closest of the safer finalists it beat (the closest
+        rival when none is safer); ``None`` when nothing was re-measured."""
+        rivals = [f for f in self.finalists if f.gap is not None]
+        leader = next((f for f in self.finalists if f.gap is None), None)
+        if not rivals or leader is None:
+            return None
+        other = next((f for f in rivals if f.candidate == self.winner), None)
+        if other is None:
+            safer = [f for f in rivals if preference_key(f.candidate, self.space.user_batch)
+                     < preference_key(leader.candidate, self.space.user_batch)]
+            other = min(safer or rivals, key=lambda f: f.gap.ratio if f.gap else math.inf)
+        gap = other.gap.to_dict() if other.gap else {}
+        return {"between": [leader.candidate.label, other.candidate.label], **gap}
+
+    def ranking(self) -> list[tuple[Candidate, Measured]]:
+        """Measured candidates, stable and feasible first, by goodput."""
+        return sorted(self.search.measured.items(),
+                      key=lambda item: (not (item[1].stable and item[1].feasible), -item[1].goodput))
+
+    def paired_speedup(self, cand: Candidate) -> Speedup | None:
+        """A finalist's speed-up over fp32 from the rounds it ran beside fp32 in this run (the
+        same computation as the winner's figure); ``None`` for fp32 itself, and for a candidate
+        never re-measured beside it."""
+        finalist = next((f for f in self.finalists if f.candidate == cand), None)
+        if finalist is None or cand.mode == "fp32" and finalist.rounds == self.reference_rounds:
+            return None
+        companion = Finalist(cand, [], [], rounds=list(self.reference_rounds))
+        gap = paired(finalist, companion)
+        return Speedup.of_gap(gap) if gap.pairs else None
+
+    def resumed(self, cand: Candidate) -> bool:
+        """Whether a measured candidate's search figure is not this run's: taken from the stored
+        study (an earlier run's, or another worker's)."""
+        return cand in self.search.measured and cand not in self.evaluations
+
+    def to_dict(self) -> dict[str, Any]:
+        search, space = self.search, self.space
+        return {
+            "winner": None if self.policy is None else self.policy.to_dict(),
+            "winner_label": None if self.winner is None else self.winner.label,
+            "speedup_vs_fp32": self.winner_speedup,
+            "speedup": None if self.speedup is None else self.speedup.to_dict(),
+            "tie_note": self.tie_note,
+            "scale_batch_note": self.scale_batch_note,
+            "user_batch": space.user_batch,
+            "space": {"modes": list(space.modes), "micro_batches": list(space.micro_batches),
+                      "fsdp": space.fsdp, "grid_size": len(space.grid())},
+            "trials_run": search.runs, "trials_resumed": search.resumed, "stop_reason": search.stop_reason,
+            "matmul_ratio_vs_fp32": self.dtype_ratio,
+            "finalists": [f.to_dict() for f in self.finalists],
+            "remeasure_rounds": self.remeasure_rounds,
+            "remeasure_max_rounds": self.round_bounds[0],
+            "remeasure_leaning_rounds": self.round_bounds[1],
+            "remeasure_stop": self.remeasure_stop,
+            "reference_rounds": self.reference_rounds,
+            "time_budget": self.time_budget,
+            "gap": self.decisive_gap(),
+            "dropped_finalists": [{"label": m.candidate.label, "outcome": m.outcome, "reason": m.reason}
+                                  for m in self.dropped],
+            "pruned": [{"label": cand.label, "mode": cand.mode, "policy": cand.policy(space.user_batch).to_dict(),
+                        "outcome": "pruned", "reason": reason} for cand, reason in search.pruned.items()],
+            "reference": self.reference.to_dict(),
+            "replicate": None if self.replicate is None else self.replicate.to_dict(losses=False),
+            "candidates": tune_rows(self),
+            "wall_s": self.wall_s,
+            "window_note": self.window_note,
+            "measure_steps": self.measure_steps,
+            "extended_window": list(self.extended),
+            "disturbed": [d.to_dict() for d in self.disturbances],
+            "flops_per_step": self.reference.result.flops_per_step,
+            "flops_basis": self.reference.result.flops_basis,
+            "peak_tflops": dict(self.peak_tflops),
+            "cost": None if self.cost is None else self.cost.to_dict(),
+        }
+
+
+def tune_rows(result: TuneResult) -> list[dict[str, Any]]:
+    """One row per measured candidate, in ranking order: what the results table shows."""
+    rows = []
+    ref_good = result.reference.goodput or 0.0
+    for cand, m in result.ranking():
+        ev = result.evaluations.get(cand)
+        resumed = result.resumed(cand)
+        # A stored figure over this run's fp32 is no ratio of anything: another run, another
+        # machine state. Its row shows no search ratio; a paired figure it may have is this run's.
+        search_speedup = m.goodput / ref_good if ref_good and not resumed else None
+        won = cand == result.winner
+        paired_figure = result.paired_speedup(cand)
+        spread = None if ev is None else step_time_range(ev.result.step_times, _warmup_of(ev.result))
+        found = result.utilisation(cand)
+        rows.append({
+            "label": cand.label,
+            "mode": cand.mode,
+            "policy": cand.policy(result.space.user_batch).to_dict(),
+            "outcome": m.outcome or ("ok" if m.stable else "unstable"),
+            "stable": m.stable,
+            "feasible": m.feasible,
+            "goodput": m.goodput,
+            # The search ran each candidate once: its ratio to fp32 is a single run's. The
+            # winner's speed-up is the tune's one figure (re-measured against fp32).
+            "search_speedup_vs_fp32": search_speedup,
+            "speedup_vs_fp32": result.winner_speedup if won else search_speedup,
+            "speedup_basis": (result.speedup.basis if won and result.speedup else
+                              "resumed: measured in an earlier run or by another worker" if resumed else "search run"),
+            # Its rounds beside fp32 in this run, when it was re-measured (the winner's is its figure).
+            "paired_speedup": None if paired_figure is None else paired_figure.to_dict(),
+            "resumed": resumed,
+            # The spread of its search run's measured step times (seconds), for the ± it carries.
+            "step_time_p10": None if spread is None else spread[0],
+            "step_time_p90": None if spread is None else spread[1],
+            "peak_memory": ev.result.peak_memory if ev else None,
+            "tflops": None if found is None else found.tflops, "mfu": None if found is None else found.mfu,
+            "mfu_dtype": None if found is None else found.dtype,
+            "reason": m.reason,
+            "winner": won,
+        })
+    return rows
+
+
+def _warmup_of(result: TrialResult) -> int:
+    """The warm-up steps to drop, leaving at least one timed step for a short run."""
+    return min(result.warmup_steps, max(0, len(result.step_times) - 1))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What ``answer`` decided: the winner, its policy, its speed-up and the tie note."""
+
+    winner: Candidate | None
+    policy: Policy | None
+    speedup: Speedup | None
+    tie_note: str
+    scale_batch_note: str
+
+
+def answer(confirmed: Confirmed, trials: Trials, ref_cand: Candidate, reference_goodput: float,
+           profile: HardwareProfile, workload: dict[str, Any] | None, trial_count: int) -> Answer:
+    """The winner among the confirmed finalists, its speed-up over fp32 and its tuned policy.
+
+    Args:
+        confirmed: the finalists as re-measurement left them.
+        trials: the tune's trial book (the evaluations and the script's batch).
+        ref_cand: fp32 at the script's batch.
+        reference_goodput: fp32's goodput, judged with its replicate.
+        profile: the hardware the tune ran on.
+        workload: extra facts for ``[tuned_on]`` (the script).
+        trial_count: the search's trials, this run's and those resumed.
+    """
+    winner, tie_note = pick_winner(confirmed.finalists, trials.user_batch, stop=confirmed.stop)
+    policy = speedup = None
+    if winner is not None:
+        best = next(f for f in confirmed.finalists if f.candidate == winner)
+        speedup = _speedup(best, confirmed.companion, ref_cand, reference_goodput, stop=confirmed.stop)
+        if speedup is not None:
+            policy = _tuned_policy(winner, best, speedup, trials, profile, workload, trial_count)
+    return Answer(winner, policy, speedup, tie_note, _scale_batch_note(winner, trials.user_batch))
+
+
+def _tuned_policy(winner: Candidate, best: Finalist, speedup: Speedup, trials: Trials, profile: HardwareProfile,
+                  workload: dict[str, Any] | None, trial_count: int) -> Policy:
+    """The winner's policy with its ``[tuned_on]`` record: hardware, versions, evidence (the
+    speed-up is the tune's one figure, with its interval and basis)."""
+    ev = trials.evaluations.get(winner)
+    measured = ev.result if ev else trials.reference
+    script = (workload or {}).get("script")
+    return winner.policy(trials.user_batch).with_(tuned_on=TunedOn(
+        hardware_fingerprint=hardware_fingerprint(profile),
+        device=profile.name,
+        torch=profile.torch_version or "",
+        libraries=profile.libraries,
+        date=dt.date.today().isoformat(),
+        speedup_vs_fp32=speedup.ratio,
+        speedup_low=speedup.low,
+        speedup_high=speedup.high,
+        speedup_basis=speedup.basis,
+        # Its rounds here, when it has any: its search figure may be another worker's.
+        goodput=round(best.remeasured_goodput if winner not in trials.evaluations else best.goodput, 3),
+        workload_fingerprint=measured.workload_fingerprint,
+        model_signature=measured.model_signature,
+        script=script,
+        trials=trial_count,
+        cuda=profile.cuda_runtime or "",
+        # The script's own batch: a run splits whatever batch it asks for, keeping it global.
+        global_batch=trials.user_batch,
+        script_digest=script_digest(script) if script else None,
+    ))
+
+
+def _speedup(best: Finalist, companion: Finalist | None, ref_cand: Candidate, reference_goodput: float, *,
+             stop: str) -> Speedup | None:
+    """The winner's speed-up over fp32: exactly 1 for fp32 itself; else the paired gap over the
+    rounds both ran; else (nothing re-measured) its search run over fp32's reference run."""
+    if best.candidate == ref_cand:
+        return Speedup(1.0, 1.0, 1.0, 0, basis="the fp32 reference itself")
+    gap = paired(best, companion) if companion is not None else None
+    if gap is not None and gap.pairs:
+        return Speedup.of_gap(gap)
+    if not reference_goodput:
+        return None
+    why = " (the time budget was spent first)" if stop == STOP_TIME_BUDGET else ""
+    return Speedup(round(best.goodputs[0] / reference_goodput, 4), basis=f"single runs, not re-measured{why}")
+
+
+def _scale_batch_note(winner: Candidate | None, user_batch: int | None) -> str:
+    """A warning when the winner changes the global batch (``scale_batch``), else empty."""
+    if winner is None or not winner.micro_batch or not user_batch or winner.micro_batch <= user_batch:
+        return ""
+    return (f"the winner uses a global batch of {winner.micro_batch} instead of {user_batch}: this changes "
+            "the optimisation (learning-rate and convergence may need retuning)")
+
+

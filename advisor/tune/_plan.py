@@ -1,0 +1,108 @@
+"""The plan stage: the search space, its priors and its bounds, before a candidate runs.
+
+``plan`` is the stage's entry. Once the fp32 reference has run (its batch and whether the
+script shards with FSDP2 shape the space), it draws the candidates this hardware supports,
+narrowed to the options' modes and the script's limits; the matmul priors per dtype (the
+search's order of promise, and each candidate's MFU's peak); and the first candidates, the
+reference and the hardware's safe default before every other mode's defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import probes
+from advisor.trial import TrialResult
+from advisor.tune._checks import check_modes
+from advisor.tune._options import TuneOptions
+from advisor.tune._space import Candidate, SearchSpace, SpaceLimits, space_for
+from advisor.tune._stability import safety_rank
+from policies import safe_default_mode, supported_modes
+from probes import HardwareProfile
+
+
+@dataclass
+class Plan:
+    """What the tune will search, and in which order it looks first.
+
+    Attributes:
+        space: the candidates.
+        ref_cand: fp32 at the script's batch (the reference, as a candidate).
+        first: the candidates enqueued before the sampler explores.
+        ratios: matmul throughput per dtype relative to fp32 (the priors); empty without priors.
+        peaks: matmul TFLOP/s per dtype (each candidate's MFU's denominator).
+        probed: whether this plan measured the peaks itself (and so probes them again at the
+            tune's end, ``final_peaks``).
+    """
+
+    space: SearchSpace
+    ref_cand: Candidate
+    first: list[Candidate]
+    ratios: dict[str, float] = field(default_factory=dict)
+    peaks: dict[str, float] = field(default_factory=dict)
+    probed: bool = False
+
+    def final_peaks(self, profile: HardwareProfile, reference: TrialResult) -> dict[str, float]:
+        """The peaks, each dtype's higher figure of two probes when this plan probed them and the
+        reference counted its FLOPs (``higher_peaks``)."""
+        if not (self.probed and reference.flops_per_step):
+            return self.peaks
+        return higher_peaks(self.peaks, measure_matmul(profile)[1])
+
+
+def plan(profile: HardwareProfile, options: TuneOptions, reference: TrialResult, *,
+         limits: SpaceLimits | None = None, dtype_ratio: dict[str, float] | None = None,
+         peak_tflops: dict[str, float] | None = None) -> Plan:
+    """The tune's plan once its fp32 ``reference`` has run.
+
+    Args:
+        profile: the hardware the trials run on; decides the space.
+        options: the tune's options (modes, ``include_emulated``, ``scale_batch``, ``no_priors``).
+        reference: the fp32 reference's result (its batch; whether it shards with FSDP2).
+        limits: what the script's way of training can apply (a framework's limits).
+        dtype_ratio: matmul ratios per dtype; measured on the device when ``None``.
+        peak_tflops: matmul TFLOP/s per dtype, given with ``dtype_ratio`` (tests pass both).
+    """
+    user_batch = reference.user_batch
+    support = supported_modes(profile)
+    modes = check_modes(list(options.modes), profile) if options.modes else None  # unknown or unsupported: one clear error
+    space = space_for(support, user_batch, include_emulated=options.include_emulated,
+                      scale_batch=options.scale_batch, modes=modes, limits=limits, fsdp=reference.fsdp)
+    probed = False
+    if dtype_ratio is not None:
+        ratios, peaks = dtype_ratio, dict(peak_tflops or {})
+    elif options.no_priors and not reference.flops_per_step:
+        ratios, peaks = {}, {}  # neither priors nor an MFU to compute: the benchmark is not worth its seconds
+    else:
+        ratios, peaks = measure_matmul(profile)
+        probed = True
+        if options.no_priors:
+            ratios = {}
+    ref_cand = space.normalise(Candidate("fp32", user_batch))
+    default_mode, _ = safe_default_mode(profile)
+    # Every mode gets one honest look, safest first, before TPE explores variants.
+    first = [ref_cand] + [space.normalise(Candidate(m, space.user_batch))
+                          for m in sorted(space.modes, key=lambda m: (m != default_mode, safety_rank(m)))]
+    return Plan(space, ref_cand, first, ratios, peaks, probed)
+
+
+def measure_matmul(profile: HardwareProfile) -> tuple[dict[str, float], dict[str, float]]:
+    """Matmul throughput per dtype on this device: relative to fp32 (the search's priors), and
+    in TFLOP/s (the peaks each candidate's MFU is measured against)."""
+    ratios, peaks = {}, {}
+    for row in probes.matmul_benchmark(profile):
+        if row.skipped is None and row.ratio_vs_fp32:
+            ratios[row.dtype] = float(row.ratio_vs_fp32)
+        if row.skipped is None and row.tflops:
+            peaks[row.dtype] = float(row.tflops)
+    ratios["fp32"] = 1.0
+    return ratios, peaks
+
+
+def higher_peaks(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
+    """Each dtype's higher figure of two probes of the matmul peaks.
+
+    A peak is what the hardware can do, and a neighbour's burst only ever slows a matmul. One
+    probe lasts a fraction of a second, so one burst can halve every MFU of a tune; two probes
+    minutes apart, at the tune's start and end, rarely both meet one."""
+    return {dtype: max(first.get(dtype, 0.0), second.get(dtype, 0.0)) for dtype in {**first, **second}}
