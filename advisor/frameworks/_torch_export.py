@@ -107,7 +107,7 @@ def policy_diff(source: str, path: str) -> tuple[str, list[str]]:
             new.append("import advisor\n")
     if last_import == 0:
         new.insert(0, "import advisor\n")
-    diff = "".join(difflib.unified_diff(lines, new, fromfile=f"a/{path}", tofile=f"b/{path}"))
+    diff = "".join(difflib.unified_diff(lines, new, fromfile=path, tofile=path))
     notes = ["mp.step() zeroes the gradients and clips at the policy's grad_clip_norm: clipping between the "
              "backward and the step moves into the config file",
              "in pure bf16/fp16 modes, pass the inputs through x, y = mp.to_device(x, y)"]
