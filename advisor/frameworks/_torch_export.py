@@ -16,8 +16,7 @@ import difflib
 from pathlib import Path
 from typing import ClassVar
 
-from advisor.frameworks._export import Export, Exporter, ExportRefused
-from policies import Policy
+from advisor.frameworks._export import Export, Exporter, ExportRefused, _Job
 
 _OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "LBFGS",
                "configure_optimizers")
@@ -43,6 +42,18 @@ def _name(node: ast.AST) -> str:
 
 def policy_diff(source: str, path: str) -> tuple[str, list[str]]:
     """The unified diff that makes ``source`` apply its policy through ``load_policy()``, and notes.
+
+    Raises:
+        ExportRefused: as ``patched_source``.
+    """
+    new, notes = patched_source(source, path)
+    diff = "".join(difflib.unified_diff(source.splitlines(keepends=True), new.splitlines(keepends=True),
+                                        fromfile=path, tofile=path))
+    return diff, notes
+
+
+def patched_source(source: str, path: str) -> tuple[str, list[str]]:
+    """``source`` applying its policy through ``load_policy()`` (it parses), and notes.
 
     Raises:
         ExportRefused: the script does not parse, or builds no optimizer the diff can hand to
@@ -100,39 +111,71 @@ def policy_diff(source: str, path: str) -> tuple[str, list[str]]:
                     replace[i] = [f"{indent(i)}with mp.autocast():\n"]
     last_import = max((n.end_lineno or n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))),
                       default=0)
-    new: list[str] = []
+    new = _apply(lines, replace, last_import)
+    if not _parses(new):
+        # A removed call was all of its block (``if amp: scaler.update()``): a pass keeps the block.
+        kept = {i: v or [f"{indent(i)}pass  # {lines[i].strip()}\n"] for i, v in replace.items()}
+        new = _apply(lines, kept, last_import)
+    notes = [
+        "mp.step() accumulates over the policy's grad_accum_steps: where the script accumulates by itself, set "
+        "grad_accum_steps in the config file to its count","mp.step() zeroes the gradients and clips at the policy's grad_clip_norm: clipping between the "
+             "backward and the step moves into the config file",
+             "in pure bf16/fp16 modes, pass the inputs through x, y = mp.to_device(x, y)"]
+    return new, notes
+
+
+def _apply(lines: list[str], replace: dict[int, list[str]], last_import: int) -> str:
+    new = [] if last_import else ["import advisor\n"]
     for i, line in enumerate(lines):
         new.extend(replace.get(i, [line]))
         if i == last_import - 1:
             new.append("import advisor\n")
-    if last_import == 0:
-        new.insert(0, "import advisor\n")
-    diff = "".join(difflib.unified_diff(lines, new, fromfile=path, tofile=path))
-    notes = ["mp.step() zeroes the gradients and clips at the policy's grad_clip_norm: clipping between the "
-             "backward and the step moves into the config file",
-             "in pure bf16/fp16 modes, pass the inputs through x, y = mp.to_device(x, y)"]
-    return diff, notes
+    return "".join(new)
+
+
+def _parses(source: str) -> bool:
+    try:
+        ast.parse(source)
+    except SyntaxError:
+        return False
+    return True
+
+
+# Without a script to diff against: the lines a typical loop adds, around its own.
+SNIPPET = [
+    "import advisor",
+    "",
+    "mp = advisor.load_policy()  # the tuned config beside the script, the cache, or a safe default",
+    "model, optimizer = mp.setup(model, optimizer)  # after building both, in place of the script's own",
+    "for x, y in loader:",
+    "    x, y = mp.to_device(x, y)",
+    "    with mp.autocast():  # in place of the script's torch.autocast",
+    "        loss = loss_fn(model(x), y)",
+    "    mp.step(loss, optimizer)  # in place of backward, scaler and optimizer calls, and zero_grad",
+]
 
 
 class TorchExporter(Exporter):
-    """A plain PyTorch script: a unified diff that applies the policy through ``load_policy()``."""
+    """A plain PyTorch script: a unified diff that applies the policy through ``load_policy()``;
+    without the script, the lines a typical loop adds."""
 
     target = "torch"
-    title = "the plain PyTorch loop"
+    title = "a plain PyTorch loop"
     reads_script: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.script: Path | None = None
 
-    def export(self, policy: Policy, *, traits: object, device: str, source: str | None) -> Export:  # type: ignore[override]
-        reason = None if traits is None else traits.refusal(policy, device=device)  # type: ignore[attr-defined]
-        if reason is not None:
-            raise ExportRefused(reason)
+    def write(self, job: _Job) -> Export:
+        job.check_framework()
+        data = {"mode": job.policy.mode, "script": None if self.script is None else str(self.script)}
         if self.script is None:
-            raise ExportRefused("--to torch writes a diff against the script: name the script "
-                                "(mpadvise export train.py --to torch) or its train.mpadvise.toml beside it")
-        diff, notes = policy_diff(self.script.read_text(encoding="utf-8"), str(self.script))
-        notes.insert(0, f"the policy ({policy.describe()}) comes from "
-                        f"{source or 'the config file'}; load_policy() finds it there or in the cache")
-        return Export(self.target, diff, "diff", {"mode": policy.mode, "script": str(self.script)},
-                      notes=tuple(notes))
+            job.notes.append("name the training script (mpadvise export train.py --to torch) for a diff against it")
+            return job.python(SNIPPET, data=data)
+        try:
+            diff, notes = policy_diff(self.script.read_text(encoding="utf-8"), str(self.script))
+        except OSError as exc:
+            raise job.refuse(f"cannot read {self.script}: {exc.strerror or exc}") from None
+        except ExportRefused as exc:
+            raise job.refuse(str(exc)) from None
+        return Export(self.target, diff, "diff", data, tuple(job.warnings), (*job.notes, *notes))

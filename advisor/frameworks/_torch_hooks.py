@@ -119,11 +119,13 @@ class ForwardPrecision:
                 module.to(dtype=self.half)  # buffers too; the parameters may be cast already
             args = _cast_floats(args, self.half)
         script_autocast = torch.is_autocast_enabled(device_type)
+        context: Any = None
         if self.facts.autocast is not None:
             context = self.mode_for(device_type).forward_context()
-        else:
+        elif script_autocast:  # a mode without autocast overrules the script's; none is on otherwise
             context = torch.autocast(device_type=device_type, enabled=False)
-        context.__enter__()
+        if context is not None:
+            context.__enter__()
         stack = getattr(self._local, "contexts", None)
         if stack is None:
             stack = self._local.contexts = []
@@ -139,8 +141,9 @@ class ForwardPrecision:
         if depth:
             return None
         stack = getattr(self._local, "contexts", None)
-        if stack:
-            stack.pop().__exit__(None, None, None)
+        context = stack.pop() if stack else None
+        if context is not None:
+            context.__exit__(None, None, None)
         if self.half is not None and result is not None:
             return _cast_floats(result, torch.float32, only=self.half)
         return None
