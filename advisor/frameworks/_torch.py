@@ -45,6 +45,8 @@ from advisor.frameworks._adapter import FrameworkAdapter
 from advisor.frameworks._torch_hooks import (
     ForwardPrecision,
     Steps,
+    before_clip,
+    before_step,
     candidate_scaler_class,
     seen_line,
 )
@@ -203,6 +205,7 @@ def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str |
     import torch.amp.grad_scaler
     import torch.cpu.amp
     import torch.cuda.amp
+    import torch.nn.parallel
     import torch.nn.utils
     from torch.nn.modules.module import (
         register_module_forward_hook,
@@ -228,9 +231,10 @@ def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str |
             sys.modules[name].GradScaler = scaler_class
     register_module_forward_pre_hook(precision.pre)
     register_module_forward_hook(precision.post, always_call=True)
-    register_optimizer_step_pre_hook(steps.optimizer_pre)
+    register_optimizer_step_pre_hook(functools.partial(before_step, steps))
     register_optimizer_step_post_hook(steps.optimizer_post)
     _wrap_optimizer_init(torch.optim.Optimizer, steps, precision)
+    _wrap_ddp_init(torch.nn.parallel.DistributedDataParallel, precision)
     _wrap_backward(torch.Tensor, steps)
     _wrap_clipping(torch.nn.utils, steps)
     _announce(policy, recorder)
@@ -283,6 +287,18 @@ def _wrap_optimizer_init(cls: type, steps: Steps, precision: ForwardPrecision) -
     cls.__init__ = __init__
 
 
+def _wrap_ddp_init(cls: type, precision: ForwardPrecision) -> None:
+    """Pure modes: DDP's gradient buckets follow the parameters' dtype, so cast before it builds them."""
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        precision.cast_module(module)
+        original(ddp, module, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
 def _wrap_backward(cls: type, steps: Steps) -> None:
     original = cls.backward
 
@@ -304,7 +320,7 @@ def _wrap_clipping(utils: Any, steps: Steps) -> None:
         original = getattr(clip_grad, name)
 
         def clip(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            steps.unscale_for_clip()
+            before_clip(steps)
             return _original(*args, **kwargs)
 
         functools.update_wrapper(clip, original)

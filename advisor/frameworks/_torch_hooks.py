@@ -102,6 +102,13 @@ class ForwardPrecision:
             if p.is_floating_point() and p.dtype != self.half:
                 p.data = p.data.to(self.half)
 
+    def cast_module(self, module: Any) -> None:
+        """Pure modes: the module's floating parameters and buffers in half, once (before DDP's
+        buckets are built over them, or at its first forward)."""
+        if self.half is not None and module not in self._cast:
+            self._cast.add(module)
+            module.to(dtype=self.half)  # Module.to keeps each Parameter, so an optimizer still holds it
+
     def pre(self, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         import torch
 
@@ -114,9 +121,7 @@ class ForwardPrecision:
             return None
         device_type = _device_type(module, args)
         if self.half is not None:
-            if module not in self._cast:
-                self._cast.add(module)
-                module.to(dtype=self.half)  # buffers too; the parameters may be cast already
+            self.cast_module(module)
             args = _cast_floats(args, self.half)
         script_autocast = torch.is_autocast_enabled(device_type)
         context: Any = None
@@ -201,11 +206,12 @@ class Steps:
         self.scaling: Any = None  # the injected GradScaler (fp16-mixed where the script built none)
         self.scaling_wanted = False
         self.counting_scalers = True
-        self._lead: Any = None
+        self.lead: Any = None
         self._losses: list[Any] = []
         self._samples = 0
         self._scaled: tuple[Any, Any] | None = None
-        self._scaler_step: tuple[float | None, bool] | None = None
+        self.pending_step: tuple[float | None, bool] | None = None
+        self._in_scaler = False
         self._model: Any = None
         self._signature: list[int] | None = None
         self._notes: set[str] = set()
@@ -282,33 +288,18 @@ class Steps:
 
     make_scaler: Callable[[], Any] = staticmethod(lambda: None)
 
-    # ---- optimizers and scalers --------------------------------------------------------------
-
-    def optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        scaler = self.scaling
-        if scaler is None or scaler._scale is None:
-            return
-        state = scaler._per_optimizer_states[id(optimizer)]
-        if state["stage"].name == "READY":
-            scaler.unscale_(optimizer)
-        if sum(v.item() for v in state["found_inf_per_device"].values()):
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None  # a parameter without a gradient is not updated: the step is skipped
-            self._scaler_step = (scaler.get_scale(), True)
-        elif optimizer is self._lead or self._lead is None:
-            self._scaler_step = (scaler.get_scale(), False)
+    # ---- optimizers and scalers (the injected scaling: before_step, before_clip) -------------
 
     def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.seen.optimizer_steps += 1
-        if self._lead is None:
-            self._lead = optimizer
-        if self._scaler_step is not None and self.scaling is not None:
-            scale, skipped = self._scaler_step
+        if self.lead is None:
+            self.lead = optimizer
+        if self.pending_step is not None and self.scaling is not None:
+            scale, skipped = self.pending_step
             self.scaling.update()
-            self._scaler_step = None
+            self.pending_step = None
             self._end(scale, skipped)
-        elif optimizer is self._lead and not getattr(self, "_in_scaler", False):
+        elif optimizer is self.lead and not self._in_scaler:
             self._end(None, False)
 
     def scaler_step(self, optimizer: Any, scale: float | None, skipped: bool) -> contextlib.AbstractContextManager[Any]:
@@ -322,21 +313,12 @@ class Steps:
                 yield
             finally:
                 steps._in_scaler = False
-            if steps._lead is None:
-                steps._lead = optimizer
-            if optimizer is steps._lead:
+            if steps.lead is None:
+                steps.lead = optimizer
+            if optimizer is steps.lead:
                 steps._end(scale, skipped)
 
         return around()
-
-    def unscale_for_clip(self) -> None:
-        """Injected scaling: gradients are unscaled before the script clips them."""
-        scaler = self.scaling
-        if scaler is None or scaler._scale is None:
-            return
-        for optimizer in list(self.optimizers):
-            if scaler._per_optimizer_states[id(optimizer)]["stage"].name == "READY":
-                scaler.unscale_(optimizer)
 
     def _end(self, scale: float | None, skipped: bool) -> None:
         losses, samples = self._losses, self._samples
@@ -344,11 +326,38 @@ class Steps:
         if self.recorder is None or not self.recorder.begun or not losses:
             return
         if self.recorder.workload_fingerprint is None and self._model is not None:
-            lead = self._lead if self._lead is not None else None
-            self.recorder.workload(self._model, lead, global_batch=samples or None)
+            self.recorder.workload(self._model, self.lead, global_batch=samples or None)
         loss = losses[0] if len(losses) == 1 else sum(losses[1:], losses[0])
         self.recorder.step(loss=loss, loss_scale=None if scale is None or not math.isfinite(scale) else scale,
                            skipped=skipped, samples=samples or None)
+
+
+def before_step(steps: Steps, optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Injected scaling (a global optimizer step pre-hook): unscale the optimizer's gradients and,
+    where they overflowed, drop them, so that the step updates nothing (as GradScaler skips it)."""
+    scaler = steps.scaling
+    if scaler is None or scaler._scale is None:
+        return
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"].name == "READY":
+        scaler.unscale_(optimizer)
+    if sum(v.item() for v in state["found_inf_per_device"].values()):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None  # a parameter without a gradient is not updated: the step is skipped
+        steps.pending_step = (scaler.get_scale(), True)
+    elif optimizer is steps.lead or steps.lead is None:
+        steps.pending_step = (scaler.get_scale(), False)
+
+
+def before_clip(steps: Steps) -> None:
+    """Injected scaling: the gradients are unscaled before the script clips them."""
+    scaler = steps.scaling
+    if scaler is None or scaler._scale is None:
+        return
+    for optimizer in list(steps.optimizers):
+        if scaler._per_optimizer_states[id(optimizer)]["stage"].name == "READY":
+            scaler.unscale_(optimizer)
 
 
 def _signature(module: Any) -> list[int]:

@@ -216,3 +216,19 @@ def test_tune_run_and_export_on_an_unmodified_script(tmp_path, isolated_home, cl
     Policy(mode="bf16-mixed").save(tmp_path / "plain_manual.mpadvise.toml")
     refused = cli("export", str(manual), "--to", "torch", env=env)
     assert refused.returncode == 1 and "builds no torch.optim optimizer" in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_plain_ddp_script_trials_under_torchrun(tmp_path, isolated_home, cli):
+    """gloo DDP with no_sync-style accumulation (require_backward_grad_sync), two ranks: the
+    candidate runs on both, pure bf16 cast before DDP builds its buckets."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = cli("trial", "--nproc-per-node", "2", str(SCRIPTS / "plain_ddp.py"), "-m", "bf16-mixed", "-m", "bf16-true",
+               "--json", env=env, timeout=900)
+    assert proc.returncode in (0, 3), proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    rows = {row["mode"]: row for row in report["candidates"]}
+    assert {"bf16-mixed", "bf16-true"} <= set(rows), list(rows)
+    assert report["reference"]["outcome"] == "ok", report["reference"]
+    for mode in ("bf16-mixed", "bf16-true"):
+        assert rows[mode]["outcome"] in ("ok", "unstable"), rows[mode]
