@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from advisor._secure import write_file_atomic
 from advisor.cli._common import err_console, print_json
-from advisor.frameworks import Export, check_target, export_policy
+from advisor.frameworks import Export, check_target, export_policy, script_for
 from policies import Policy, load_config
 from probes import MpadviseError, UsageError
 
@@ -47,7 +47,7 @@ def export_command(config: Path | None, *, target: str | None, out: Path | None,
         if refusal is not None:
             raise UsageError(refusal)
     policy, source, device = resolve_for_export(config)
-    export = export_policy(policy, target, device=device, source=source)
+    export = export_policy(policy, target, device=device, source=source, script=script_for(config))
     if json_output:
         document = export_document(export, policy, source=source, device=device)
         if out is None:

@@ -1,7 +1,10 @@
 """``mpadvise run train.py -- ARGS``: run a script with its tuned policy applied, unchanged.
 
 A framework script (Lightning, the HF Trainer, Accelerate) runs under the framework adapter,
-which applies the policy through the framework's own settings, as its trials did. A script
+which applies the policy through the framework's own settings, as its trials did; a plain
+PyTorch loop (no framework, no advisor import) runs under the plain-torch adapter, which applies
+it at torch's own seams (forward, backward, optimizer step, GradScaler) and names the script's
+own precision flag and the value that says the policy. A script
 written against the loop API applies its policy itself (``load_policy()``), so it runs as
 ``python train.py ARGS`` with the chosen config file named in ``MPADVISE_POLICY``.
 

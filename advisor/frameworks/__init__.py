@@ -1,4 +1,6 @@
-"""Framework scripts: Lightning (Trainer, Fabric), the Hugging Face Trainer and Accelerate.
+"""Framework scripts: Lightning (Trainer, Fabric), the Hugging Face Trainer, Accelerate, and the
+plain PyTorch loop (``PlainTorch``: a script that imports none of them and never calls
+``load_policy()``, hooked at torch's own seams).
 
 Each framework is one self-describing adapter class (``FrameworkAdapter``: its name, its label,
 the imports that detect it, its detection precedence, what it can express of a Policy, and
@@ -52,6 +54,8 @@ from ._registry import (
     traits,
     unregister_framework,
 )
+from ._torch import PlainTorch, PrecisionFlag, flag_advice, precision_flag
+from ._torch_export import TorchExporter, policy_diff, script_for
 from ._traits import FrameworkTraits
 from ._transformers import HuggingFaceTrainer, transformers_precision
 
@@ -67,7 +71,10 @@ __all__ = [
     "FrameworkAdapter",
     "FrameworkTraits",
     "HuggingFaceTrainer",
+    "TorchExporter",
     "LightningTrainer",
+    "PlainTorch",
+    "PrecisionFlag",
     "ScriptPlan",
     "accelerate_settings",
     "check_expressible",
@@ -78,14 +85,18 @@ __all__ = [
     "detect_script_framework",
     "export_policy",
     "export_targets",
+    "flag_advice",
     "framework_class",
     "framework_classes",
     "framework_names",
     "lightning_precision",
     "plan_for",
+    "policy_diff",
+    "precision_flag",
     "refusal",
     "register_export_target",
     "register_framework",
+    "script_for",
     "space_limits",
     "traits",
     "transformers_precision",

@@ -56,7 +56,9 @@ def detect_framework(source: str | bytes) -> str | None:
 def detect_script_framework(script: Path) -> str | None:
     """As ``detect_framework`` for the script at ``script``, also reading the modules of its own
     directory that it imports (one level deep: a helper module's own imports of further helpers
-    are not followed). Nothing is run.
+    are not followed). Nothing is run. A script that parses, names no framework and never
+    imports advisor gets the fallback adapter (``"torch"``, the plain PyTorch loop); one that
+    does not parse gets ``None`` (it runs as it is, and fails as it would).
 
     Raises:
         MpadviseError: the script cannot be read.
@@ -76,7 +78,8 @@ def detect_script_framework(script: Path) -> str | None:
             continue
         if helper is not None:
             found.append(helper)
-    return _decide(found)
+    # A script that names no framework and never imports advisor trains with plain torch.
+    return _decide(found) or fallback_framework()
 
 
 def _decide(imports: Iterable[_Imports]) -> str | None:
@@ -85,6 +88,11 @@ def _decide(imports: Iterable[_Imports]) -> str | None:
         return LOOP_API
     found = set().union(*(i.found for i in seen))
     return next((cls.name for cls in detection_order() if cls.name in found), None)
+
+
+def fallback_framework() -> str | None:
+    """The registered adapter that runs a script naming no framework (plain torch), or ``None``."""
+    return next((cls.name for cls in detection_order() if getattr(cls, "fallback", False)), None)
 
 
 def _meanings() -> dict[str, dict[str, str]]:

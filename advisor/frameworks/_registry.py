@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from policies import Policy
@@ -28,6 +29,8 @@ from ._export_lightning import FabricExporter, LightningExporter
 from ._export_torchtitan import TorchtitanExporter
 from ._export_transformers import TransformersExporter
 from ._lightning import LightningFabric, LightningTrainer
+from ._torch import PlainTorch
+from ._torch_export import TorchExporter
 from ._transformers import HuggingFaceTrainer
 
 if TYPE_CHECKING:
@@ -235,7 +238,8 @@ def check_target(name: str | None) -> str:
     return choose(name, export_targets(), what="export target")
 
 
-def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: str | None = None) -> Export:
+def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: str | None = None,
+                  script: Path | None = None) -> Export:
     """``policy`` as ``target``'s own settings, judged by the framework's traits (none for the
     export-only targets, which judge for themselves).
 
@@ -244,6 +248,8 @@ def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: 
         target: one of ``export_targets()``.
         device: ``"cuda"`` or ``"cpu"``, where the export will train.
         source: where the policy came from, for the header line.
+        script: the training script, for a target that writes against it (``reads_script``:
+            the plain torch loop's diff).
 
     Raises:
         UsageError: an unknown target or device.
@@ -251,8 +257,10 @@ def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: 
     """
     target = check_target(target)
     framework = _FRAMEWORKS.get(target)
-    return _EXPORTERS[target]().export(policy, traits=None if framework is None else framework.traits(),
-                                       device=device, source=source)
+    exporter = _EXPORTERS[target]()
+    if getattr(exporter, "reads_script", False):
+        exporter.script = script  # type: ignore[attr-defined]
+    return exporter.export(policy, traits=None if framework is None else framework.traits(), device=device, source=source)
 
 
 # ---- the built-in frameworks --------------------------------------------------------------------
@@ -262,6 +270,7 @@ BUILTIN_FRAMEWORKS: tuple[tuple[type[FrameworkAdapter], type[Exporter]], ...] = 
     (LightningFabric, FabricExporter),
     (HuggingFaceTrainer, TransformersExporter),
     (AccelerateAdapter, AccelerateExporter),
+    (PlainTorch, TorchExporter),
 )
 BUILTIN_EXPORT_TARGETS: tuple[type[Exporter], ...] = (DeepSpeedExporter, TorchtitanExporter)
 

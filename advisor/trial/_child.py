@@ -469,8 +469,15 @@ class StepWindow:
             mark("measured_done")
             self.finish(complete=True)
 
+    # What a framework adapter says of a script that reached no step (the plain torch adapter:
+    # what it did reach), written as the result's reason and printed; None for the default reason.
+    no_step_reason: Callable[[], str] | None = None
+
     def _no_step(self) -> None:
-        self.writer.write(stage=Stage.NO_STEP)
+        reason = self.no_step_reason() if self.no_step_reason is not None else None
+        if reason:
+            sys.stderr.write(f"mpadvise: {reason}\n")
+        self.writer.write(stage=Stage.NO_STEP, **({"reason": reason} if reason else {}))
         end_trial_process(EXIT_NO_STEP)
 
     def _at_exit(self) -> None:

@@ -667,6 +667,8 @@ def _outcome(
     """``(outcome, reason)`` of a child that ended by itself, from the last stage it reached."""
     if stage == Stage.UNSUPPORTED:
         return "unsupported", result_file.get("reason") or "mode not supported on this hardware"
+    if stage == Stage.NO_STEP and result_file.get("reason"):
+        return "no-step", str(result_file["reason"])  # the adapter's own line: what the script reached
     if stage == Stage.NO_STEP:
         what = (f"the script never called step() within {spec.first_step_timeout:g} s of the policy's application "
                 "(load_policy())"

@@ -49,7 +49,7 @@ def test_bad_input_gets_one_line(tmp_path, isolated_home, cli):
     assert "config file" in no_config.stderr and "does not exist" in no_config.stderr
     bad = cli("run", str(script), "--framework", "keras")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: unknown framework 'keras'; expected one of lightning, fabric, transformers, accelerate"]
+        "error: unknown framework 'keras'; expected one of lightning, fabric, transformers, accelerate, torch"]
     pure = Policy(mode="bf16-true").save(tmp_path / "pure.toml")
     refused = cli("run", str(script), "--config", str(pure))
     assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1

@@ -102,7 +102,7 @@ def test_precedence_decides_between_two_frameworks(composer):
 def test_every_derived_list_agrees_with_the_registry():
     classes = framework_classes()
     names = tuple(cls.name for cls in classes)
-    assert frameworks.FRAMEWORKS == names == ("lightning", "fabric", "transformers", "accelerate")
+    assert frameworks.FRAMEWORKS == names == ("lightning", "fabric", "transformers", "accelerate", "torch")
     assert frameworks.EXPORT_TARGETS == (*names, "deepspeed", "torchtitan")
     registered_modes = [cls.name for cls in mode_classes()]
     for cls in classes:

@@ -217,8 +217,8 @@ def test_a_mode_the_framework_lacks_here_is_named_as_such(tmp_path):
          "transformers"),
         # A helper that uses the loop API makes the script a loop-API script.
         ("from advisor import load_policy\n", "from lightning.fabric import Fabric\nimport setup_fabric\n", LOOP_API),
-        # A module of that name the script never imports is not read.
-        ("from lightning.fabric import Fabric\n", "import torch\n", None),
+        # A module of that name the script never imports is not read: a plain torch script.
+        ("from lightning.fabric import Fabric\n", "import torch\n", "torch"),
     ],
 )
 def test_a_framework_built_in_a_helper_module_beside_the_script_is_found(tmp_path, helper, script, expected):

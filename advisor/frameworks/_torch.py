@@ -1,0 +1,345 @@
+"""The plain-PyTorch adapter: a hand-written training loop that imports no framework and never
+calls ``load_policy()``, run with the candidate applied at torch's own seams.
+
+Before the script runs, ``install`` puts the hooks of ``_torch_hooks`` in place:
+
+* the candidate's autocast around the model's outermost forward (a global forward pre-hook and
+  an always-called forward hook), or autocast off for a mode without one, so it wins over the
+  script's own ``torch.autocast``/``torch.amp.autocast`` inside the forward; in the pure modes
+  the model's floating parameters are cast when an optimizer is built over them (wrapping
+  ``torch.optim.Optimizer.__init__``, which every optimizer's ``__init__`` calls), its buffers
+  and floating inputs at the forward (integer tokens stay), its floating outputs back to fp32;
+* ``torch.Tensor.backward`` on a scalar is a loss: recorded unscaled (through
+  ``scaler.scale(loss)`` too), NaN and inf as they are;
+* every ``GradScaler`` the script builds (``torch.amp``, ``torch.cuda.amp``, ``torch.cpu.amp``,
+  enabled or not) is the candidate's scaler; fp16-mixed in a script that builds none gets its
+  scaling injected around the backward, the gradient clipping and the optimizer step; in a
+  script with no optimizer it is refused as not expressible, with the reason;
+* the global optimizer step hooks end each step; a script with no optimizer ends one at the
+  first training forward after a backward and an update by hand;
+* the mode's process switches (TF32 on or off) for the life of the process.
+
+A trial's window is the recorder's (``FrameworkRecorder``): the script is ended once it is
+measured, and start-up (evaluation, checkpoints before the first backward) is not in it. A
+script that reaches no backward within ``first_step_timeout`` ends with one line saying what it
+reached; SIGTERM and Ctrl-C print the same kind of line. The script's own precision flag
+(``--dtype``, ``--amp``, ...) is named in the trial's notes with the value that says the
+candidate (``precision_flag``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import os
+import re
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from advisor._log import get_logger
+from advisor.frameworks._adapter import FrameworkAdapter
+from advisor.frameworks._torch_hooks import (
+    ForwardPrecision,
+    Steps,
+    before_clip,
+    before_step,
+    candidate_scaler_class,
+    seen_line,
+)
+from advisor.trial import EXIT_UNSUPPORTED, Stage, end_trial_process
+from policies import Policy, create_mode, mode_facts
+
+if TYPE_CHECKING:
+    from advisor.trial import FrameworkRecorder
+
+# Process-wide switches of the mode, held until the process ends (the trial is the process).
+_HELD_SWITCHES = contextlib.ExitStack()
+# The flags scripts commonly take their precision from, as argparse or a --key=value
+# configurator spells them.
+PRECISION_FLAGS = ("dtype", "amp", "fp16", "bf16", "precision", "mixed_precision")
+_FLAG_VALUES: Mapping[str, Mapping[str, str]] = {
+    # flag -> the candidate's facts ("fp32", "bf16-mixed", "fp16-mixed"...) -> what to pass
+    "dtype": {"fp32": "--dtype=float32", "bf16": "--dtype=bfloat16", "fp16": "--dtype=float16"},
+    "precision": {"fp32": "--precision=fp32", "bf16": "--precision=bf16", "fp16": "--precision=fp16"},
+    "mixed_precision": {"fp32": "--mixed_precision=no", "bf16": "--mixed_precision=bf16",
+                        "fp16": "--mixed_precision=fp16"},
+    "amp": {"fp32": "no --amp", "bf16": "--amp", "fp16": "--amp"},
+    "fp16": {"fp32": "no --fp16", "bf16": "no --fp16 (and --bf16 if it has one)", "fp16": "--fp16"},
+    "bf16": {"fp32": "no --bf16", "bf16": "--bf16", "fp16": "no --bf16 (and --fp16 if it has one)"},
+}
+
+
+class PlainTorch(FrameworkAdapter):
+    """A plain PyTorch loop: torch's own forward, backward, optimizer and GradScaler seams."""
+
+    name = "torch"
+    label = "the plain PyTorch loop"
+    # No name means it: the registry chooses it for a script that imports no framework and no
+    # advisor (``fallback``). The module is what a warm trial server imports first.
+    detected_by = {"torch": ()}
+    fallback = True
+    precedence = 90
+    autocasts = ("bf16", "fp16")
+    half_weights = ("bf16", "fp16")
+    loss_scale_kinds = ("dynamic", "static", "none")
+    loss_scale_settings = True
+    sets_grad_clip = False
+    limits = (
+        "the script's DataLoader sets the micro-batch: no split with accumulation",
+        "gradient clipping stays the script's",
+        "no FP8: its layers would have to be swapped before the script's optimizer holds them",
+        "fp16-mixed needs a torch.optim optimizer: a script that updates its parameters by hand cannot "
+        "skip an overflowing step",
+    )
+
+    @classmethod
+    def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
+        install(policy, recorder=recorder, device=device)
+
+
+@dataclass(frozen=True)
+class PrecisionFlag:
+    """The script's own precision flag: its name and the value it was given (``None``: its default)."""
+
+    name: str
+    given: str | None
+
+
+def precision_flag(argv: Sequence[str], source: str) -> PrecisionFlag | None:
+    """The precision flag a script takes, from its arguments and then its source (pure).
+
+    Args:
+        argv: the script's arguments (``--dtype=float16``, ``--amp``, ``--precision bf16``).
+        source: the script's source: an ``add_argument("--dtype", ...)`` or a top-level
+            ``dtype = ...`` that a ``--key=value`` configurator overrides.
+    """
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        key = name.lstrip("-").replace("-", "_")
+        if not name.startswith("--") or key not in PRECISION_FLAGS:
+            continue
+        if eq:
+            return PrecisionFlag(key, value)
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        takes_value = key in ("dtype", "precision", "mixed_precision")
+        return PrecisionFlag(key, following if takes_value and following and not following.startswith("-") else "on")
+    for key in PRECISION_FLAGS:
+        spelled = "[-_]".join(key.split("_"))
+        if re.search(rf"""add_argument\(\s*['"]--{spelled}['"]""", source) or re.search(
+                rf"^{key}\s*=", source, flags=re.MULTILINE):
+            return PrecisionFlag(key, None)
+    return None
+
+
+def flag_advice(flag: PrecisionFlag, mode: str) -> str:
+    """What the script's flag should say for ``mode``, in one sentence (pure)."""
+    facts = mode_facts(mode)
+    family = facts.autocast or facts.weights
+    value = _FLAG_VALUES[flag.name].get(family, "")
+    given = f"given {flag.given}" if flag.given is not None else "left at its default"
+    pure = " (the flag's value is a mixed mode; pure half weights have no flag value)" if facts.weights != "fp32" else ""
+    return (f"the script's own precision flag --{flag.name} ({given}) was overruled; "
+            f"for {mode} pass {value}{pure}")
+
+
+class _Run:
+    """What ``install`` holds for the life of the script: the hooks and how the run ends."""
+
+    def __init__(self, policy: Policy, recorder: FrameworkRecorder | None) -> None:
+        self.policy = policy
+        self.recorder = recorder
+        self.steps = Steps(recorder, refuse=self.refuse, label=policy.mode)
+        self.precision = ForwardPrecision(policy, self.steps)
+        self.timeout = None if recorder is None else recorder.spec.first_step_timeout
+        self.stopped = False
+
+    def refuse(self, reason: str) -> None:
+        """End the run: a trial as unsupported, a run with one error line."""
+        if self.recorder is not None:
+            self.recorder.writer.write(stage=Stage.UNSUPPORTED, reason=reason)
+            end_trial_process(EXIT_UNSUPPORTED)
+        sys.stderr.write(f"error: {reason}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    def no_backward(self) -> str:
+        """The recorder's first-step watchdog expired: what the script reached."""
+        return seen_line(self.steps.seen, what=f"the script reached no backward within {self.timeout:g} s")
+
+    def at_exit(self) -> None:
+        """The script ended by itself before any backward: say so instead of a silent no-step."""
+        if self.recorder is None or self.steps.seen.backwards or self.stopped:
+            return
+        if self.recorder.writer.data.get("stage") not in (Stage.LOADED, None):
+            return
+        line = seen_line(self.steps.seen, what="the script ended before any backward") + (
+            "; a script that trains through advisor.load_policy() must import advisor")
+        sys.stderr.write(f"mpadvise: {line}\n")
+        self.recorder.writer.write(stage=Stage.NO_STEP, reason=line)
+
+    def signalled(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        sys.stderr.write(f"mpadvise: {seen_line(self.steps.seen, what=f'the script was stopped by {name}')}\n")
+        sys.stderr.flush()
+        self.stopped = True
+        if self.recorder is not None:
+            end_trial_process(128 + signum)  # the parent, which sent it or got it too, decides
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the script's own handling of Ctrl-C runs
+        raise SystemExit(128 + signum)
+
+
+def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
+    """Put the candidate's hooks in place at torch's seams, before the script runs.
+
+    Args:
+        policy: the policy (one the traits accept).
+        recorder: the trial recorder, or ``None`` under ``mpadvise run``.
+        device: the trial's device, or ``None`` (the script chooses its own).
+    """
+    import torch
+    import torch.amp.grad_scaler
+    import torch.cpu.amp
+    import torch.cuda.amp
+    import torch.nn.parallel
+    import torch.nn.utils
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    run = _Run(policy, recorder)
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    _HELD_SWITCHES.enter_context(create_mode(policy, target).process_switches())
+    steps, precision = run.steps, run.precision
+    steps.scaling_wanted = mode_facts(policy.mode).loss_scaling and (
+        policy.loss_scale is None or policy.loss_scale.kind != "none")
+    scaler_class = candidate_scaler_class(torch.amp.GradScaler, policy=policy, steps=steps)
+    steps.make_scaler = lambda: scaler_class(count=False)
+    for owner in (torch.amp, torch.amp.grad_scaler, torch.cuda.amp, torch.cpu.amp):
+        owner.GradScaler = scaler_class
+    for name in ("torch.cuda.amp.grad_scaler", "torch.cpu.amp.grad_scaler"):
+        if name in sys.modules:
+            sys.modules[name].GradScaler = scaler_class
+    register_module_forward_pre_hook(precision.pre)
+    register_module_forward_hook(precision.post, always_call=True)
+    register_optimizer_step_pre_hook(functools.partial(before_step, steps))
+    register_optimizer_step_post_hook(steps.optimizer_post)
+    _wrap_optimizer_init(torch.optim.Optimizer, steps, precision)
+    _wrap_ddp_init(torch.nn.parallel.DistributedDataParallel, precision)
+    _wrap_backward(torch.Tensor, steps)
+    _wrap_clipping(torch.nn.utils, steps)
+    _announce(policy, recorder)
+    if recorder is not None:
+        recorder.no_step_reason = run.no_backward
+        recorder.policy_applied()  # the hooks are the candidate: from here the script has its bound
+        if recorder.spec.seed:
+            _shift_manual_seed(torch, recorder)
+        atexit.register(run.at_exit)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(ValueError):  # not the main thread
+            signal.signal(signum, run.signalled)
+
+
+def _announce(policy: Policy, recorder: FrameworkRecorder | None) -> None:
+    """Name the script's own precision flag and what it should say for this policy."""
+    # Under the boot, argv is [boot, framework, script, args...] until the script runs.
+    argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == PlainTorch.name else sys.argv
+    script, args = (argv[0], list(argv[1:])) if argv else ("", [])
+    try:
+        with open(script, encoding="utf-8") as file:
+            source = file.read()
+    except OSError:
+        source = ""
+    flag = precision_flag(args, source)
+    if flag is None:
+        return
+    advice = flag_advice(flag, policy.mode)
+    if recorder is not None:
+        recorder.note(advice)
+    else:
+        get_logger().info(advice)
+
+
+def _wrap_optimizer_init(cls: type, steps: Steps, precision: ForwardPrecision) -> None:
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(optimizer: Any, params: Any, defaults: Any, *args: Any, **kwargs: Any) -> None:
+        if hasattr(params, "dim"):
+            params = [params]
+        params = [dict(g, params=list(g["params"]) if not hasattr(g["params"], "dim") else [g["params"]])
+                  if isinstance(g, dict) else g for g in params]
+        tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+        precision.cast_parameters(tensors)
+        original(optimizer, params, defaults, *args, **kwargs)
+        steps.optimizers.add(optimizer)
+        steps.seen.optimizers += 1
+
+    cls.__init__ = __init__
+
+
+def _wrap_ddp_init(cls: type, precision: ForwardPrecision) -> None:
+    """Pure modes: DDP's gradient buckets follow the parameters' dtype, so cast before it builds them."""
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        precision.cast_module(module)
+        original(ddp, module, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+def _wrap_backward(cls: type, steps: Steps) -> None:
+    original = cls.backward
+
+    @functools.wraps(original)
+    def backward(tensor: Any, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if gradient is not None or tensor.numel() != 1 or not tensor.requires_grad:
+            return original(tensor, gradient, *args, **kwargs)
+        result = original(steps.backward(tensor), gradient, *args, **kwargs)
+        steps.after_backward()
+        return result
+
+    cls.backward = backward
+
+
+def _wrap_clipping(utils: Any, steps: Steps) -> None:
+    import torch.nn.utils.clip_grad as clip_grad
+
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        original = getattr(clip_grad, name)
+
+        def clip(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            before_clip(steps)
+            return _original(*args, **kwargs)
+
+        functools.update_wrapper(clip, original)
+        setattr(utils, name, clip)
+        setattr(clip_grad, name, clip)
+
+
+def _shift_manual_seed(torch: Any, recorder: FrameworkRecorder) -> None:
+    """The script's ``torch.manual_seed(n)`` seeds ``n + trial seed``."""
+    original, shift = torch.manual_seed, recorder.spec.seed
+
+    @functools.wraps(original)
+    def manual_seed(seed: Any) -> Any:
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            recorder.note(f"the script's torch.manual_seed({seed}) ran as torch.manual_seed({seed + shift}) "
+                          f"(trial seed {shift})")
+            seed += shift
+        return original(seed)
+
+    torch.manual_seed = manual_seed
+    torch.random.manual_seed = manual_seed
+

@@ -1,0 +1,423 @@
+"""The plain-PyTorch adapter's hooks at torch's own seams: the model's forward, ``Tensor.backward``,
+the optimizer's construction and step, ``GradScaler`` and gradient clipping.
+
+Every seam is checked in torch's source (2.13): ``torch.nn.modules.module`` runs the global
+forward pre-hooks (``register_module_forward_pre_hook``: ``hook(module, args)``, a returned
+tuple replaces ``args``) and the global forward hooks (``register_module_forward_hook(...,
+always_call=True)``: ``hook(module, args, result)``, also after a forward that raised) for
+every module's ``__call__``; ``torch.optim.optimizer`` runs the global step hooks
+(``register_optimizer_step_pre_hook``/``post_hook``: ``hook(optimizer, args, kwargs)``) around
+every ``Optimizer.step``, and every optimizer's ``__init__`` calls ``Optimizer.__init__(params,
+defaults)``; ``torch.amp.GradScaler`` skips ``optimizer.step()`` when ``unscale_`` found
+infs (so no step hook runs for a skipped step) and ``torch.cuda.amp.GradScaler`` is its
+subclass.
+
+``ForwardPrecision`` applies the candidate around the outermost forward: its autocast (or
+autocast off, which overrules the script's own) and, in the pure modes, the cast of the model,
+of floating inputs (integer tokens stay) and of floating outputs back to fp32 (as Lightning
+Fabric's half precision does, so a loss computed outside the model meets fp32 targets).
+``Steps`` finds the step boundaries and feeds the trial recorder. ``candidate_scaler_class``
+builds the ``GradScaler`` every script's scaler becomes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from policies import Policy, create_mode, mode_facts
+
+if TYPE_CHECKING:
+
+    from advisor.trial import FrameworkRecorder
+
+_HALF = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass
+class Sightings:
+    """What the script did so far at torch's seams, for the line that says so."""
+
+    models: list[str] = field(default_factory=list)
+    forwards: int = 0
+    backwards: int = 0
+    optimizer_steps: int = 0
+    optimizers: int = 0
+    scalers: int = 0
+
+    def model(self, name: str) -> None:
+        if name not in self.models and len(self.models) < 3:
+            self.models.append(name)
+
+
+def seen_line(seen: Sightings, *, what: str) -> str:
+    """One line: ``what`` happened, and which of forward, backward and optimizer step the script
+    reached (pure)."""
+    forward = (f"{seen.forwards} forward{'s' if seen.forwards != 1 else ''} of {', '.join(seen.models)}"
+               if seen.forwards else "no forward of a module")
+    backward = f"{seen.backwards} backward{'s' if seen.backwards != 1 else ''}" if seen.backwards else "no backward"
+    step = (f"{seen.optimizer_steps} optimizer step{'s' if seen.optimizer_steps != 1 else ''}" if seen.optimizer_steps
+            else "no optimizer step" + ("" if seen.optimizers else " (no torch.optim optimizer built)"))
+    return f"{what}: it ran {forward}, {backward}, {step}"
+
+
+class ForwardPrecision:
+    """The candidate's precision around the outermost module forward (one per process)."""
+
+    def __init__(self, policy: Policy, steps: Steps) -> None:
+        import torch
+
+        self.policy = policy
+        self.facts = mode_facts(policy.mode)
+        self.steps = steps
+        self.half = None if self.facts.weights == "fp32" else getattr(torch, _HALF[self.facts.weights])
+        self._local = threading.local()
+        self._modes: dict[str, Any] = {}
+        self._cast: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._checked = False
+
+    def mode_for(self, device_type: str) -> Any:
+        """The candidate's mode object on ``device_type`` (its autocast context)."""
+        import torch
+
+        if device_type not in self._modes:
+            # The mode's own GradScaler (fp16-mixed builds one) is none of the script's.
+            self.steps.counting_scalers = False
+            try:
+                self._modes[device_type] = create_mode(self.policy, torch.device(device_type))
+            finally:
+                self.steps.counting_scalers = True
+        return self._modes[device_type]
+
+    def cast_parameters(self, params: list[Any]) -> None:
+        """Pure modes: the floating parameters in half, in place, before an optimizer holds them."""
+        if self.half is None:
+            return
+        for p in params:
+            if p.is_floating_point() and p.dtype != self.half:
+                p.data = p.data.to(self.half)
+
+    def cast_module(self, module: Any) -> None:
+        """Pure modes: the module's floating parameters and buffers in half, once (before DDP's
+        buckets are built over them, or at its first forward)."""
+        if self.half is not None and module not in self._cast:
+            self._cast.add(module)
+            module.to(dtype=self.half)  # Module.to keeps each Parameter, so an optimizer still holds it
+
+    def pre(self, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        import torch
+
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        if depth:
+            if depth == 1 and not self._checked and torch.is_grad_enabled():
+                self._checked = True
+                self.steps.inner_forward(_device_type(module, args))
+            return None
+        device_type = _device_type(module, args)
+        if self.half is not None:
+            self.cast_module(module)
+            args = _cast_floats(args, self.half)
+        script_autocast = torch.is_autocast_enabled(device_type)
+        context: Any = None
+        if self.facts.autocast is not None:
+            context = self.mode_for(device_type).forward_context()
+        elif script_autocast:  # a mode without autocast overrules the script's; none is on otherwise
+            context = torch.autocast(device_type=device_type, enabled=False)
+        if context is not None:
+            context.__enter__()
+        stack = getattr(self._local, "contexts", None)
+        if stack is None:
+            stack = self._local.contexts = []
+        stack.append(context)
+        self.steps.forward(module, args, device_type=device_type, script_autocast=script_autocast)
+        return args if self.half is not None else None
+
+    def post(self, module: Any, args: tuple[Any, ...], result: Any) -> Any:
+        import torch
+
+        depth = getattr(self._local, "depth", 1) - 1
+        self._local.depth = depth
+        if depth:
+            return None
+        stack = getattr(self._local, "contexts", None)
+        context = stack.pop() if stack else None
+        if context is not None:
+            context.__exit__(None, None, None)
+        if self.half is not None and result is not None:
+            return _cast_floats(result, torch.float32, only=self.half)
+        return None
+
+
+def _device_type(module: Any, args: Any) -> str:
+    for p in module.parameters():
+        return p.device.type
+    tensor = _first_tensor(args)
+    return "cpu" if tensor is None else tensor.device.type
+
+
+def _first_tensor(values: Any) -> Any:
+    if hasattr(values, "dim") and hasattr(values, "device"):
+        return values
+    items = values.values() if isinstance(values, dict) else values if isinstance(values, (list, tuple)) else ()
+    for value in items:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def _cast_floats(values: Any, dtype: Any, *, only: Any = None) -> Any:
+    """``values`` with each floating tensor in ``dtype`` (only those in ``only``, when given)."""
+    if hasattr(values, "is_floating_point") and hasattr(values, "to"):
+        if values.is_floating_point() and values.dtype != dtype and (only is None or values.dtype == only):
+            return values.to(dtype)
+        return values
+    if isinstance(values, tuple) and not hasattr(values, "_fields"):
+        return tuple(_cast_floats(v, dtype, only=only) for v in values)
+    if isinstance(values, list):
+        return [_cast_floats(v, dtype, only=only) for v in values]
+    if isinstance(values, dict):
+        return {k: _cast_floats(v, dtype, only=only) for k, v in values.items()}
+    return values
+
+
+class Steps:
+    """Step boundaries and the loss of each step, fed to the trial recorder (``None`` in a run).
+
+    A step ends at the lead optimizer's step (the first one that steps), at a ``GradScaler``'s
+    ``step`` that skipped it, or, in a script that built no optimizer, at the first training
+    forward after a backward once the parameters or their gradients changed (an update by
+    hand, then zeroed gradients); backwards between two boundaries are one step's micro-batches,
+    and the step's loss is their sum (the script divides each by its accumulation count).
+    """
+
+    def __init__(self, recorder: FrameworkRecorder | None, *, refuse: Callable[[str], None], label: str) -> None:
+        self.recorder = recorder
+        self.refuse = refuse
+        self.label = label
+        self.seen = Sightings()
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.scaling: Any = None  # the injected GradScaler (fp16-mixed where the script built none)
+        self.scaling_wanted = False
+        self.counting_scalers = True
+        self.lead: Any = None
+        self._losses: list[Any] = []
+        self._samples = 0
+        self._scaled: tuple[Any, Any] | None = None
+        self.pending_step: tuple[float | None, bool] | None = None
+        self._in_scaler = False
+        self._model: Any = None
+        self._signature: list[int] | None = None
+        self._notes: set[str] = set()
+
+    def note(self, text: str) -> None:
+        if self.recorder is not None:
+            self.recorder.note(text)
+
+    def forward(self, module: Any, args: Any, *, device_type: str, script_autocast: bool) -> None:
+        import torch
+
+        self.seen.forwards += 1
+        self.seen.model(type(module).__name__)
+        if script_autocast and "autocast" not in self._notes:
+            self._notes.add("autocast")
+            self.note(f"the script's own {device_type} autocast gives way to {self.label}'s inside the model's forward")
+        if not torch.is_grad_enabled():
+            return  # evaluation: start-up, not a training step
+        if self._model is None and any(True for _ in module.parameters()):
+            self._model = module
+            if self.recorder is not None:
+                self.recorder.perturb(module)
+                self.recorder.watch_model(module)
+        if self._signature is not None and module is self._model and not self.optimizers:
+            if _signature(module) != self._signature:
+                self._signature = None
+                self._end(None, False)  # updated by hand since the last backward
+        tensor = _first_tensor(args)
+        if tensor is not None and tensor.dim() > 0:
+            self._samples += int(tensor.shape[0])
+
+    def inner_forward(self, device_type: str) -> None:
+        import torch
+
+        on = torch.is_autocast_enabled(device_type)
+        dtype = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+        self.note(f"the first training forward ran under {device_type} autocast to {dtype}" if on
+                  else "the first training forward ran without autocast")
+
+    def scaled(self, scaled: Any, loss: Any) -> None:
+        """A GradScaler scaled ``loss``: its backward records the unscaled value."""
+        self._scaled = (scaled, loss)
+
+    def backward(self, tensor: Any) -> Any:
+        """The tensor a backward runs from is a loss: the one to record, and the one to run
+        backward from (scaled where scaling is injected)."""
+        loss = tensor
+        if self._scaled is not None and self._scaled[0] is tensor:
+            loss = self._scaled[1]
+        self._scaled = None
+        self.seen.backwards += 1
+        if self.seen.backwards == 1:
+            self._first_backward()
+        self._losses.append(loss.detach().float().clone())
+        if self.scaling is not None and loss is tensor:
+            return self.scaling.scale(tensor)
+        return tensor
+
+    def after_backward(self) -> None:
+        if not self.optimizers and self._model is not None:
+            self._signature = _signature(self._model)
+
+    def _first_backward(self) -> None:
+        if self.scaling_wanted and not self.seen.scalers:
+            if not self.seen.optimizers:
+                self.refuse("fp16-mixed is not expressible for this script: it updates its parameters by hand, with "
+                            "no torch.optim optimizer, so no GradScaler can unscale its gradients and skip an "
+                            "overflowing step (the other modes apply)")
+            self.scaling = self.make_scaler()
+            self.note("the script builds no GradScaler: fp16-mixed's loss scaling is injected around its backward "
+                      "and optimizer step")
+        if self.recorder is not None and not self.recorder.begun:
+            self.recorder.begin(user_batch=None, micro_batch=self._samples or None, grad_accum_steps=None)
+
+    make_scaler: Callable[[], Any] = staticmethod(lambda: None)
+
+    # ---- optimizers and scalers (the injected scaling: before_step, before_clip) -------------
+
+    def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.seen.optimizer_steps += 1
+        if self.lead is None:
+            self.lead = optimizer
+        if self.pending_step is not None and self.scaling is not None:
+            scale, skipped = self.pending_step
+            self.scaling.update()
+            self.pending_step = None
+            self._end(scale, skipped)
+        elif optimizer is self.lead and not self._in_scaler:
+            self._end(None, False)
+
+    def scaler_step(self, optimizer: Any, scale: float | None, skipped: bool) -> contextlib.AbstractContextManager[Any]:
+        """Around a script's ``scaler.step(optimizer)``: the step ends there, skipped or not."""
+        steps = self
+
+        @contextlib.contextmanager
+        def around() -> Any:
+            steps._in_scaler = True
+            try:
+                yield
+            finally:
+                steps._in_scaler = False
+            if steps.lead is None:
+                steps.lead = optimizer
+            if optimizer is steps.lead:
+                steps._end(scale, skipped)
+
+        return around()
+
+    def _end(self, scale: float | None, skipped: bool) -> None:
+        losses, samples = self._losses, self._samples
+        self._losses, self._samples = [], 0
+        if self.recorder is None or not self.recorder.begun or not losses:
+            return
+        if self.recorder.workload_fingerprint is None and self._model is not None:
+            self.recorder.workload(self._model, self.lead, global_batch=samples or None)
+        loss = losses[0] if len(losses) == 1 else sum(losses[1:], losses[0])
+        self.recorder.step(loss=loss, loss_scale=None if scale is None or not math.isfinite(scale) else scale,
+                           skipped=skipped, samples=samples or None)
+
+
+def before_step(steps: Steps, optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Injected scaling (a global optimizer step pre-hook): unscale the optimizer's gradients and,
+    where they overflowed, drop them, so that the step updates nothing (as GradScaler skips it)."""
+    scaler = steps.scaling
+    if scaler is None or scaler._scale is None:
+        return
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"].name == "READY":
+        scaler.unscale_(optimizer)
+    if sum(v.item() for v in state["found_inf_per_device"].values()):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None  # a parameter without a gradient is not updated: the step is skipped
+        steps.pending_step = (scaler.get_scale(), True)
+    elif optimizer is steps.lead or steps.lead is None:
+        steps.pending_step = (scaler.get_scale(), False)
+
+
+def before_clip(steps: Steps) -> None:
+    """Injected scaling: the gradients are unscaled before the script clips them."""
+    scaler = steps.scaling
+    if scaler is None or scaler._scale is None:
+        return
+    for optimizer in list(steps.optimizers):
+        if scaler._per_optimizer_states[id(optimizer)]["stage"].name == "READY":
+            scaler.unscale_(optimizer)
+
+
+def _signature(module: Any) -> list[int]:
+    """The versions of a model's parameters and of their gradients: an update by hand or zeroed
+    gradients change it, a backward that accumulates into the same gradients does not."""
+    out: list[int] = []
+    for p in module.parameters():
+        grad = p.grad
+        out.extend((p._version, -1 if grad is None else id(grad)))
+    return out
+
+
+def candidate_scaler_class(base: type, *, policy: Policy, steps: Steps) -> type:
+    """A ``GradScaler`` subclass that holds the candidate's loss scaling, whatever the script asks.
+
+    It is enabled only for a mode with loss scaling and a policy that scales (``[loss_scale]``'s
+    kind, initial scale, factors and interval), lives on the device of the first loss it scales,
+    holds a static scale fixed, and ends the trial's step at ``step()``.
+    """
+    facts = mode_facts(policy.mode)
+    ls = policy.loss_scale
+    enabled = facts.loss_scaling and (ls is None or ls.kind != "none")
+    settings: dict[str, Any] = {} if ls is None else {
+        "init_scale": ls.init_scale, "growth_factor": ls.growth_factor, "backoff_factor": ls.backoff_factor,
+        "growth_interval": ls.growth_interval}
+    static = float(ls.init_scale) if enabled and ls is not None and ls.kind == "static" else None
+
+    class CandidateGradScaler(base):  # type: ignore[misc, valid-type]
+        """The candidate's GradScaler, built where the script builds its own."""
+
+        def __init__(self, *args: Any, count: bool = True, **kwargs: Any) -> None:
+            import torch
+
+            if count and steps.counting_scalers:
+                steps.seen.scalers += 1
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            super().__init__(device, enabled=enabled, **settings)
+
+        def scale(self, outputs: Any) -> Any:
+            if self._enabled and self._scale is None and hasattr(outputs, "device"):
+                self._device = outputs.device.type
+            scaled = super().scale(outputs)
+            if hasattr(outputs, "device"):
+                steps.scaled(scaled, outputs)
+            return scaled
+
+        def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self._enabled:
+                with steps.scaler_step(optimizer, None, False):
+                    return super().step(optimizer, *args, **kwargs)
+            state = self._per_optimizer_states[id(optimizer)]
+            if state["stage"].name == "READY" and self._scale is not None:
+                self.unscale_(optimizer)
+            found = sum(v.item() for v in state.get("found_inf_per_device", {}).values())
+            scale = None if self._scale is None else self.get_scale()
+            with steps.scaler_step(optimizer, scale, found > 0):
+                return super().step(optimizer, *args, **kwargs)
+
+        def update(self, new_scale: Any = None) -> None:
+            super().update(static if new_scale is None and static is not None else new_scale)
+
+    CandidateGradScaler.__qualname__ = CandidateGradScaler.__name__ = "GradScaler"
+    return CandidateGradScaler
