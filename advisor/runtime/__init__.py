@@ -14,17 +14,10 @@ on it.
 
 from __future__ import annotations
 
-from advisor.runtime._applied import (
-    AppliedPolicy,
-    BatchSplit,
-    FsdpPrecision,
-    StepObserver,
-    batch_split,
-    fallback_words,
-    fsdp_precision,
-    safe_fallback,
-    tuned_global_batch,
-)
+from advisor.runtime._applied import AppliedPolicy, StepObserver
+from advisor.runtime._fallback import fallback_words, safe_fallback
+from advisor.runtime._fsdp import FsdpPrecision, fsdp_precision
+from advisor.runtime._split import BatchSplit, batch_split, tuned_global_batch
 from advisor.runtime._workload import (
     Workload,
     current_world_size,
