@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-import shlex
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from advisor import _paths
 from advisor._log import get_logger
 from advisor.runtime._device import _distributed_wrapper, rank_device
-from advisor.runtime._fallback import fallback_words, safe_fallback
+from advisor.runtime._fallback import fallback_words, guard_fallback, safe_fallback
 from advisor.runtime._fsdp import _torch_dtypes, fsdp_policy_refusal, fsdp_precision
-from advisor.runtime._retarget import retarget_optimizer
+from advisor.runtime._guard import Guard, GuardEvent
+from advisor.runtime._retarget import retarget_optimizer, upcast_in_place
+from advisor.runtime._script import _args_now, _retune_hint, _script_args, _script_path, _with_args
 from advisor.runtime._split import (
     BatchSplit,
     _leading_dim,
@@ -31,7 +31,7 @@ from advisor.runtime._workload import (
     model_signature,
     workload_mismatch,
 )
-from policies import Difference, Policy, create_mode, safe_default
+from policies import Difference, Policy, create_mode, mode_facts, safe_default
 from probes import MpadviseError
 
 if TYPE_CHECKING:
@@ -88,6 +88,8 @@ class AppliedPolicy:
         observer: StepObserver | None = None,
         match_workload: bool = False,
         alternatives: Sequence[tuple[Policy, str]] = (),
+        guard: Guard | None = None,
+        on_guard_event: Callable[[GuardEvent], None] | None = None,
     ) -> None:
         """Apply ``policy`` on ``profile``'s device.
 
@@ -104,6 +106,8 @@ class AppliedPolicy:
                 (``(policy, source)``, in order): when ``policy`` was tuned on another
                 workload, the first tuned on this one applies instead. ``setup()`` chooses by
                 the whole workload; a ``micro_batch_size()`` before it by the global batch.
+            guard: watches the optimizer steps (``Guard``); none: off.
+            on_guard_event: receives each event the guard records (the loader caches it).
         """
         import torch
 
@@ -137,8 +141,10 @@ class AppliedPolicy:
         self.fsdp = False
         """Whether the script asked for FSDP2's mixed precision (``fsdp_mixed_precision()``)."""
         self._fsdp_checked = False
-
-    # ---- what the policy says ---------------------------------------------------------------
+        self.guard = guard if guard is not None else Guard("off")
+        self.on_guard_event = on_guard_event
+        # False where a framework owns the precision: the guard then asks for a restart.
+        self.in_place = True
 
     @property
     def mode(self) -> str:
@@ -506,14 +512,42 @@ class AppliedPolicy:
             if self.policy.grad_clip_norm is not None:
                 params = [p for group in optimizer.param_groups for p in group["params"]]
                 torch.nn.utils.clip_grad_norm_(params, self.policy.grad_clip_norm)
-            stepped = self._mode.optimizer_step(optimizer)
+            value = float(loss.detach()) if self.guard.active else 0.0  # the loss value's one sync
+            # A non-finite loss under fallback is never applied: a scaler skips it itself.
+            withheld = self.guard.setting == "fallback" and not math.isfinite(value) and self.loss_scale() is None
+            stepped = False if withheld else self._mode.optimizer_step(optimizer)
             optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         if not stepped:
             self.skipped_steps += 1
         if observer is not None:
             observer.after_step(self, loss=loss, stepped=stepped, optimizer_step=True)
+        tripped = self.guard.observe(self.optimizer_steps, loss=value, applied=stepped or withheld,
+                                     loss_scale=self.loss_scale())
+        if tripped is not None:
+            self._guard_tripped(*tripped)
         return stepped
+
+    def _guard_tripped(self, signal: str, onset: int, detail: str) -> None:
+        """Act on a tripped guard: warn once, or move in place to ``guard_fallback``'s policy."""
+        target = guard_fallback(self.policy, self.profile)
+        old = self.policy.mode
+        action = "warned"
+        if self.guard.setting == "fallback" and target is not None:
+            # FP8 layers and framework-owned precision cannot be taken back in place.
+            in_place = self.in_place and mode_facts(old).fp8_library is None
+            action = "fell back" if in_place else "restart needed"
+        event = GuardEvent(signal, onset, self.optimizer_steps, old, None if target is None else target.mode,
+                           action, detail)
+        if action == "fell back" and target is not None:
+            if self.model is not None and mode_facts(old).weights != "fp32":
+                upcast_in_place(self.model, self.optimizer)
+            self._switch_to(target, f"{target.mode}, the guard's fallback from {old} ({signal})")
+            self.guard.rearm()
+        self.guard.record(event)
+        get_logger().warning(event.line())
+        if self.on_guard_event is not None:
+            self.on_guard_event(event)
 
     # ---- checkpoints ------------------------------------------------------------------------
 
@@ -530,12 +564,15 @@ class AppliedPolicy:
             "optimizer_steps": self.optimizer_steps,
             "skipped_steps": self.skipped_steps,
             "mode_state": self._mode.state_dict(),
+            "guard": self.guard.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned, so a resumed run continues exactly."""
         if not isinstance(state, dict) or "mode" not in state:
             raise MpadviseError("load_state_dict: expected the dict returned by state_dict()")
+        if "guard" in state:
+            self.guard.load_state_dict(state["guard"])
         if state["mode"] != self.policy.mode:
             get_logger().warning(
                 f"checkpoint precision state is from mode {state['mode']!r}, this run uses "
@@ -546,8 +583,6 @@ class AppliedPolicy:
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._mode.load_state_dict(state.get("mode_state", {}))
-
-    # ---- process-wide switches --------------------------------------------------------------
 
     def __enter__(self) -> AppliedPolicy:
         stack = contextlib.ExitStack()
@@ -560,52 +595,3 @@ class AppliedPolicy:
 
     def __repr__(self) -> str:
         return f"AppliedPolicy({self.policy.describe()!r}, device={str(self.device)!r}, source={self.source!r})"
-
-
-
-def _script_path() -> str | None:
-    script = _paths.current_script()
-    return str(script) if script is not None else None
-
-
-def _script_args() -> tuple[str, ...]:
-    """The running script's command-line arguments (none in a REPL or notebook)."""
-    return tuple(sys.argv[1:]) if _paths.current_script() is not None else ()
-
-
-SCRIPT_ARGS = "script arguments"
-"""The fact a :class:`Difference` names when a tune recorded other arguments than this run's."""
-
-
-def _shown_args(args: Sequence[str]) -> str:
-    """``"--epochs 1"``, or ``"(none)"``."""
-    return shlex.join(args) if args else "(none)"
-
-
-def _with_args(mismatch: WorkloadMismatch | None, tuned: Sequence[str], here: Sequence[str], *,
-               optimizer_now: str = "", world_size_now: int = 1) -> WorkloadMismatch:
-    """``mismatch`` (``None``: nothing else changed) with the arguments' difference added."""
-    args = Difference(SCRIPT_ARGS, _shown_args(tuned), _shown_args(here))
-    if mismatch is None:
-        return WorkloadMismatch((args,), (), optimizer_now, tuple(here), world_size_now)
-    # "script arguments" is no longer a fact the tune did not record.
-    unrecorded = tuple(name for name in mismatch.unrecorded if name != SCRIPT_ARGS)
-    return replace(mismatch, differences=(*mismatch.differences, args), unrecorded=unrecorded, args_now=tuple(here))
-
-
-def _args_now(mismatch: WorkloadMismatch) -> tuple[str, ...] | None:
-    """This run's arguments, when ``mismatch`` names them as changed since tuning."""
-    for difference in mismatch.differences:
-        if difference.what == SCRIPT_ARGS:
-            return _script_args()
-    return None
-
-
-def _retune_hint(args: tuple[str, ...] | None) -> str:
-    """What to run: the tune of this script with this run's ``args``, when they are what
-    changed; otherwise ``mpadvise tune`` again."""
-    if args is None:
-        return "run `mpadvise tune` again"
-    script = sys.argv[0] if sys.argv and sys.argv[0] else "SCRIPT"
-    tail = f" -- {shlex.join(args)}" if args else ""
-    return f"`mpadvise tune {shlex.quote(script)}{tail}` tunes for these arguments"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from policies import Policy, safe_default, safety_rank, supported_modes
+from policies import Policy, mode_classes, mode_facts, safe_default, safety_rank, supported_modes
 
 if TYPE_CHECKING:
     from probes import HardwareProfile
@@ -48,3 +48,46 @@ def fallback_words(fallback: Policy, profile: HardwareProfile) -> tuple[str, str
         f"using {fallback.mode}, the tuned mode, safer than the safe default {default.mode}",
         f"{fallback.mode}, the tuned mode, safer than the safe default for {profile.name}",
     )
+
+
+def guard_fallback(policy: Policy, profile: HardwareProfile) -> Policy | None:
+    """The next safer policy the guard moves a run to, by the modes' facts.
+
+    FP8 goes to bf16-mixed; pure 16-bit to the same dtype mixed (fp32 master weights);
+    fp16-mixed to bf16-mixed; bf16-mixed (and anything else with a 16-bit autocast) to full
+    precision. A step that the hardware lacks is passed over, down to the safest mode.
+
+    Args:
+        policy: the policy in force.
+        profile: the hardware this run trains on.
+
+    Returns:
+        The safer policy (its mode only: a loss scale or micro-batch measured for the old mode
+        does not carry over, except that the split of the batch stays), or ``None`` where the
+        policy is full precision already.
+    """
+    facts = mode_facts(policy.mode)
+    supported = {name for name, support in supported_modes(profile).items() if support.supported}
+    classes = [cls for cls in mode_classes() if cls.name in supported]
+    safest = min(classes, key=lambda cls: cls.safety_rank)
+
+    def mixed(family: str) -> str | None:
+        for cls in classes:
+            f = cls.facts()
+            if f.autocast == family and f.weights == "fp32" and f.fp8_library is None:
+                return cls.name
+        return None
+
+    if facts.fp8_library is not None:
+        target = mixed("bf16") or safest.name
+    elif facts.weights != "fp32":
+        target = mixed(facts.weights) or safest.name
+    elif facts.autocast == "fp16":
+        target = mixed("bf16") or safest.name
+    elif facts.autocast is not None:
+        target = safest.name
+    else:
+        return None
+    if target == policy.mode:
+        return None
+    return Policy(mode=target, micro_batch_size=policy.micro_batch_size, grad_accum_steps=policy.grad_accum_steps)
