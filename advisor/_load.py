@@ -13,9 +13,18 @@ from typing import TYPE_CHECKING
 import probes
 from advisor import _paths
 from advisor._log import get_logger
-from advisor.cache import TunedAnswer, cached_answers
-from advisor.runtime import AppliedPolicy, fallback_words, safe_fallback
+from advisor.cache import TunedAnswer, cached_answers, guard_events_for, record_guard_event
+from advisor.runtime import (
+    AppliedPolicy,
+    Guard,
+    GuardEvent,
+    GuardLimits,
+    fallback_words,
+    guard_setting,
+    safe_fallback,
+)
 from advisor.trial import applied_for_trial, spec_from_env
+from advisor.tune import StabilityThresholds
 from policies import (
     HardwareMismatch,
     Policy,
@@ -241,6 +250,7 @@ def load_policy(
     source: Policy | str | os.PathLike[str] | None = None,
     *,
     device: str | None = None,
+    guard: str | None = None,
 ) -> AppliedPolicy:
     """The precision policy for this script on this hardware, ready to apply.
 
@@ -250,6 +260,10 @@ def load_policy(
             hardware's safe default); a config file path; or an ``advisor.Policy``.
         device: ``"cpu"`` or ``"cuda:N"`` to override the device; default: the first CUDA
             device if there is one, else the CPU.
+        guard: ``"warn"``, ``"fallback"`` or ``"off"``: what the guard does when a long run
+            turns unstable (non-finite losses, persistent GradScaler skips, a collapsing loss
+            scale); default ``MPADVISE_GUARD``, else ``"off"``. Its events are cached, and
+            the next ``load_policy()`` without ``source`` applies the policy fallen back to.
 
     Returns:
         An ``AppliedPolicy``: ``setup``, ``autocast``, ``step``, ``to_device``,
@@ -270,9 +284,12 @@ def load_policy(
         applied = applied_for_trial(spec, profile=profile, device=spec.device or device)
         get_logger().info(f"trial {spec.label or applied.policy.describe()} on {applied.device}")
         return applied
+    setting = guard_setting(guard)
     profile = probes.profile_for(device)
     script = _paths.current_script()
     resolution = resolve_policy(source, profile=profile, script=script, cached=cached_answers)
+    if source is None and resolution.kind is not PolicySource.ENV:
+        resolution = after_guard_events(resolution, guard_events_for(profile, script))
     alternatives = [(answer.policy, answer.label) for answer in resolution.alternatives]
     shared = None
     if not isinstance(source, Policy) and resolution.policy.tuned_on is not None:
@@ -287,8 +304,50 @@ def load_policy(
     applied = AppliedPolicy(
         resolution.policy, profile=profile, source=resolution.source, device=device,
         match_workload=resolution.match_workload, alternatives=alternatives,
+        guard=Guard(setting, GuardLimits.from_thresholds(StabilityThresholds())),
     )
+    applied.on_guard_event = _cache_event(applied, profile, script)
     if shared is not None:
         _CHECKED_POLICIES[shared] = applied
     get_logger().info(f"policy {resolution.policy.describe()} on {applied.device} (from {resolution.source})")
     return applied
+
+
+def after_guard_events(resolution: Resolution, events: Sequence[dict[str, object]]) -> Resolution:
+    """The resolution once the guard's cached events are heeded: where a long run under the
+    resolved mode fell back (or was told to), the mode fallen back to, saying why.
+
+    Followed as a chain (fp16-mixed fell back to bf16-mixed, which later fell back to fp32).
+
+    Args:
+        resolution: what ``resolve_policy`` chose.
+        events: the guard's events for this hardware and script, newest first (cache rows).
+
+    Returns:
+        ``resolution``, or one with the safer policy as an explicit choice naming the event.
+    """
+    policy, reasons = resolution.policy, []
+    for _ in range(len(events)):
+        event = next((e for e in events if e.get("policy") == policy.mode and e.get("fallback")), None)
+        if event is None:
+            break
+        reasons.append(f"the guard saw {event['signal']} under {policy.mode} at optimizer step {event['step']} "
+                       f"on {str(event['created_at'])[:10]}")
+        policy = Policy(mode=str(event["fallback"]))
+    if not reasons:
+        return resolution
+    get_logger().warning(
+        f"applying {policy.mode} rather than {resolution.policy.describe()} from {resolution.source}: "
+        f"{'; then '.join(reasons)}; `mpadvise tune` again judges the modes afresh"
+    )
+    return Resolution(policy, f"{policy.mode}, the guard's fallback ({reasons[-1]})", PolicySource.SAFE_DEFAULT)
+
+
+def _cache_event(applied: AppliedPolicy, profile: HardwareProfile, script: Path | None) -> Callable[[GuardEvent], None]:
+    """What records ``applied``'s guard events in the cache entry of this hardware and workload."""
+
+    def record(event: GuardEvent) -> None:
+        record_guard_event(event.to_dict(), profile=profile, workload_fp=applied.workload_fingerprint, script=script)
+
+    return record
+

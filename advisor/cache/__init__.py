@@ -12,7 +12,8 @@ Public surface (other packages import these from ``advisor.cache``, never from i
 the ``Store`` and ``open_store``; the record schema (``RECORD_FIELDS``, ``RecordField``, the
 fingerprint patterns, ``read_export``); the job states; and what an answer means here
 (``record_tune``, ``lookup``, ``cached_answers``, ``TunedAnswer``, ``entry_status``,
-``stale_entries``, ``nothing_cached_yet``).
+``stale_entries``, ``nothing_cached_yet``); the runtime guard's events (``record_guard_event``,
+``guard_events_for``, ``EVENT_FIELDS``), kept by ``_events``.
 
 The exports are lazy (a module ``__getattr__``, PEP 562): importing the package imports none
 of its modules, so that ``load_policy()`` pays for sqlite-utils only when it really reads the
@@ -35,6 +36,9 @@ _EXPORTS = {
     "Record": "_records",
     "RecordField": "_records",
     "read_export": "_records",
+    "EVENT_FIELDS": "_events",
+    "guard_events_for": "_events",
+    "record_guard_event": "_events",
     "FINISHED_JOB_STATES": "_jobs",
     "JOB_STATES": "_jobs",
     "Store": "_store",

@@ -147,6 +147,31 @@ def m002_hardware_fingerprint_recipe_2(db: sqlite_utils.Database) -> None:
         )
 
 
+@migration
+def m003_guard_events(db: sqlite_utils.Database) -> None:
+    """What the runtime guard saw in a long run: the signal, its onset step, the policy and
+    the one fallen back to, per hardware, workload and script."""
+    db.table("guard_events").create(
+        {
+            "id": int,
+            "hardware_fp": str,
+            "workload_fp": str,
+            "script": str,
+            "signal": str,
+            "step": int,
+            "tripped_at": int,
+            "policy": str,
+            "fallback": str,
+            "action": str,
+            "detail": str,
+            "created_at": str,
+        },
+        pk="id",
+        not_null=["hardware_fp", "signal", "step", "policy", "action", "created_at"],
+    )
+    db.table("guard_events").create_index(["hardware_fp", "script"])
+
+
 def _rekey_hardware(db: sqlite_utils.Database) -> dict[str, str]:
     """Key every hardware row by recipe 2, merging the rows that now share a key (the latest
     profile, the first and last sightings of all); returns ``{old: new}`` for changed keys."""

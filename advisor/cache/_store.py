@@ -44,6 +44,7 @@ import sqlite_utils
 from advisor._paths import database_path
 from advisor._secure import ensure_private_dir, ensure_private_file, open_private_new
 from advisor.cache._base import BUSY_TIMEOUT_S, error_kind
+from advisor.cache._events import GuardEvents
 from advisor.cache._jobs import JobQueue
 from advisor.cache._migrations import UnknownSchemaError, ensure_schema
 from advisor.cache._recommendations import Recommendations
@@ -106,7 +107,7 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
     return (status.st_dev, status.st_ino)
 
 
-class Store(Recommendations, JobQueue):
+class Store(Recommendations, JobQueue, GuardEvents):
     """The mpadvise cache database: one SQLite connection, shared safely by threads.
 
     Its queries come from its parts: recommendations, trials, hardware profiles, export and

@@ -207,12 +207,14 @@ def run(
     json_output: Annotated[bool, typer.Option("--json", help="After the script's own output, print one line of JSON on "
                                               "stdout: the policy applied and its source, the framework, the script's "
                                               "exit code and wall time (mpadvise run --json x.py | tail -1 | jq).")] = False,
+    guard: Annotated[str | None, typer.Option(help="warn or fallback (or off): what the guard does when the run turns "
+                                              "unstable late; default MPADVISE_GUARD, else warn.")] = None,
 ) -> None:
     """Run a script, unchanged, with its tuned policy applied (the script's exit code is this command's)."""
     from advisor.cli._run import run_command
 
     raise typer.Exit(run_command(script, script_args or [], config=config, framework=framework, device=device,
-                                 json_output=json_output))
+                                 json_output=json_output, guard=guard))
 
 
 @app.command()

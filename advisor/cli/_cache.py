@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import re
-import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,14 +22,32 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 import probes
 from advisor._log import get_logger
 from advisor._paths import database_path
 from advisor.cache import entry_status, nothing_cached_yet, read_export
+from advisor.cli._cache_cells import (
+    SCRIPT_HEADER,
+    SPEEDUP_HEADER,
+    _args_legend,
+    _device_keys,
+    _device_legend,
+    _device_of,
+    _figure_cell,
+    _legend,
+    _plural,
+    _script_cell,
+    _short,
+    _summary_row,
+    _table,
+    guard_event_rows,
+    render_guard_events,
+    render_list,
+    render_record,
+)
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
-from policies import Policy, PolicyError
+from policies import Policy
 from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
 if TYPE_CHECKING:
@@ -204,7 +221,7 @@ def show_report(profiles: list[HardwareProfile], *, include_other: bool = False)
         include_other: also list entries whose hardware fingerprint is not this machine's.
 
     Returns:
-        ``{"database", "cache", "hardware", "recommendations", "other_hardware"}``: ``cache``
+        ``{"database", "cache", "hardware", "recommendations", "other_hardware", "guard_events"}``: ``cache``
         is False when no cache could be opened; ``other_hardware`` counts the entries of other
         fingerprints (listed only with ``include_other``).
     """
@@ -215,11 +232,14 @@ def show_report(profiles: list[HardwareProfile], *, include_other: bool = False)
         "hardware": [{"fingerprint": fp, "device": p.name} for fp, p in local.items()],
         "recommendations": [],
         "other_hardware": 0,
+        "guard_events": [],
     }
     rows = _read_rows()
     if rows is None:
         return report
     report["cache"] = True
+    # What the runtime guard saw in long runs here: the next load_policy() heeds it.
+    report["guard_events"] = guard_event_rows([e for e in _read_rows(events=True) or [] if e["hardware_fp"] in local])
     for row in rows:
         here = local.get(row["hardware_fp"])
         if here is None:
@@ -421,6 +441,7 @@ def render_show(report: dict[str, Any], console: Console) -> None:
                 row["mode"], row["tuned"], row["status"].removeprefix("other hardware: "),
             )
         console.print(table)
+    render_guard_events(report.get("guard_events", []), console)
     hidden = report["other_hardware"] - len(other)
     if hidden:
         console.print(
@@ -428,78 +449,6 @@ def render_show(report: dict[str, Any], console: Console) -> None:
             "`mpadvise show --all` lists them.",
             highlight=False,
         )
-
-
-def render_list(report: dict[str, Any], console: Console) -> None:
-    """Print every cached recommendation as a table."""
-    rows = report["recommendations"]
-    if not report["cache"]:
-        console.print(f"No cache: {report['database']} cannot be used (see the warning above).", highlight=False)
-        return
-    if not rows:
-        console.print(f"The cache {report['database']} holds no recommendations.", highlight=False)
-        return
-    devices = _device_keys(rows)
-    table = _table(report["database"], ("id", "device", SCRIPT_HEADER, "workload", "mode", SPEEDUP_HEADER, "tuned"),
-                   legend=_device_legend(devices) + "\n" + _legend(rows))
-    for row in rows:
-        table.add_row(
-            str(row["id"]), devices[_device_of(row)], _script_cell(row), _short(row["workload_fp"]), row["mode"], _figure_cell(row), row["tuned"],
-        )
-    console.print(table)
-
-
-def _device_of(row: dict[str, Any]) -> str:
-    return row["device"] or row["hardware_fp"]
-
-
-def _device_keys(rows: list[dict[str, Any]]) -> dict[str, str]:
-    """A short key per device (``d1``, ``d2``...) so a device column stays narrow; the legend
-    under the table names each device in full. One device needs no key: its name is the title's."""
-    names = list(dict.fromkeys(_device_of(row) for row in rows))
-    return {name: f"d{i}" for i, name in enumerate(names, 1)}
-
-
-def _device_legend(devices: dict[str, str]) -> str:
-    return "; ".join(f"{key}: {name}" for name, key in devices.items())
-
-
-def render_record(record: dict[str, Any], console: Console) -> None:
-    """Print one recommendation: facts, then its trials."""
-    summary = _summary_row(record)
-    facts = Table(title=f"cache entry #{record['id']}", show_header=False, title_justify="left", title_style="bold")
-    facts.add_column(style="cyan")
-    facts.add_column(overflow="fold")
-    facts.add_row("policy", summary["mode"])
-    facts.add_row("script", record["script"] or "-")
-    facts.add_row("arguments", _args(summary["args"]) if summary["args"] is not None else "- (not recorded)")
-    facts.add_row("device", summary["device"] or "-")
-    facts.add_row("hardware fingerprint", record["hardware_fp"])
-    facts.add_row("workload fingerprint", record["workload_fp"])
-    facts.add_row(SPEEDUP_HEADER, _speedup_with_interval(record))
-    facts.add_row("goodput", f"{record['goodput']:.1f} samples/s" if record["goodput"] else "-")
-    facts.add_row("tuned", str(record["created_at"]))
-    versions = ", ".join(f"{name} {version or 'absent'}" for name, version in (record["versions"] or {}).items())
-    facts.add_row("versions", versions or "-")
-    console.print(facts)
-    trials = record.get("trials") or []
-    if not trials:
-        return
-    table = Table(title="trials", title_justify="left")
-    for column in ("#", "mode", "outcome", "verdict", "goodput", "reason"):
-        table.add_column(column, overflow="fold")
-    for trial in trials:
-        goodput = trial.get("goodput")
-        table.add_row(
-            str(trial.get("number")), trial.get("mode") or "-", trial.get("outcome") or "-",
-            trial.get("verdict") or "-", "-" if goodput is None else f"{goodput:.1f}",
-            trial.get("reason") or "",
-        )
-    console.print(table)
-
-
-# --------------------------------------------------------------------------------------
-# Helpers
 
 
 def _output() -> tuple[Console, Callable[[Any], None]]:
@@ -517,8 +466,9 @@ def _database_path() -> Path:
     return database_path()
 
 
-def _read_rows() -> list[dict[str, Any]] | None:
-    """Every recommendation, newest first; ``None`` when no cache can be opened (one warning)."""
+def _read_rows(*, events: bool = False) -> list[dict[str, Any]] | None:
+    """Every recommendation (or, with ``events``, every guard event), newest first; ``None``
+    when no cache can be opened (one warning)."""
     from advisor.cache import open_store
 
     path = _database_path()
@@ -528,7 +478,7 @@ def _read_rows() -> list[dict[str, Any]] | None:
     if store is None:
         return None
     with store:
-        return store.list_recommendations()
+        return store.list_guard_events() if events else store.list_recommendations()
 
 
 def _writable_store() -> Store:
@@ -536,33 +486,6 @@ def _writable_store() -> Store:
     from advisor.cache import Store
 
     return Store(_database_path())
-
-
-def _summary_row(row: dict[str, Any]) -> dict[str, Any]:
-    """One recommendation as list/show print it (no trials)."""
-    try:
-        described = Policy.from_dict(row["policy"]).describe()
-    except PolicyError:
-        described = f"{row['mode']} (unreadable policy)"
-    hardware = row.get("hardware") or {}
-    summary = row.get("summary") or {}
-    script = row.get("script")
-    return {
-        "id": row["id"],
-        "hardware_fp": row["hardware_fp"],
-        "device": hardware.get("name") or summary.get("device"),
-        "workload_fp": row["workload_fp"],
-        "script": script,
-        "script_name": Path(script).name if script else None,
-        "args": _recorded_args(row),
-        "mode": described,
-        "policy": row["policy"],
-        "speedup_vs_fp32": row["speedup_vs_fp32"],
-        "goodput": row["goodput"],
-        "created_at": row["created_at"],
-        "tuned": str(row["created_at"])[:10],
-        "versions": row.get("versions") or {},
-    }
 
 
 def _check_imported_record(record: dict[str, Any]) -> None:
@@ -591,120 +514,6 @@ def _check_imported_record(record: dict[str, Any]) -> None:
             f"({computed!r}): the record was edited, or written by an mpadvise with another "
             "fingerprint recipe; export it again from the machine that tuned it"
         )
-
-
-def _table(title: str, columns: tuple[str, ...], *, legend: str | None = None) -> Table:
-    """A table whose short columns never wrap and whose prose columns wrap at their spaces
-    (folding only a word longer than the column); ``legend`` goes under it."""
-    table = Table(title=title, title_justify="left", caption=legend, caption_justify="left")
-    for column in columns:
-        if column in ("id", "workload", SPEEDUP_HEADER, "tuned", "device"):
-            table.add_column(column, no_wrap=True)
-        elif column in ("status", "why not"):
-            table.add_column(column, overflow="fold", ratio=2)
-        elif column == "mode":
-            # Wide enough that the mode names ("fp8-torchao") never break mid-word.
-            table.add_column(column, overflow="fold", ratio=1, min_width=11)
-        else:
-            table.add_column(column, overflow="fold", ratio=1)
-    return table
-
-
-def _short(fingerprint: str) -> str:
-    # Tables show a prefix, as git shows short hashes; --json and `cache show` the whole key.
-    return fingerprint[:8]
-
-
-def _speedup(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-SPEEDUP_HEADER = "×fp32"
-"""The header of a cache entry's figure: the tune's one speed-up, its winner's over fp32."""
-
-SPEEDUP_LEGEND = (f"{SPEEDUP_HEADER}: the winner's speed-up over fp32 (paired re-measurement where there was one; "
-                  "its interval: mpadvise cache show ID)")
-
-SCRIPT_HEADER = "script args"
-"""The column that tells two tunes of one script apart: the script and the arguments it was tuned with."""
-
-
-FEWER_THREADS_MARK = "*"
-"""After a figure measured on fewer CPU threads than torch's own (other processes kept cores busy)."""
-
-
-def _legend(rows: list[dict[str, Any]]) -> str:
-    """What the figure column says, and what an args cell of ``-`` means when one shows."""
-    fewer = ""
-    if any(_speedup_threads(row) for row in rows):
-        fewer = (f"; {FEWER_THREADS_MARK}: measured on fewer threads than torch's own, other processes keeping cores "
-                 "busy (the gain on all cores can differ)")
-    return SPEEDUP_LEGEND + fewer + _args_legend(rows)
-
-
-def _speedup_threads(row: dict[str, Any]) -> int | None:
-    """The threads an entry's figure was measured on, where fewer than torch's own; else ``None``."""
-    threads = ((row.get("policy") or {}).get("tuned_on") or {}).get("speedup_threads")
-    return threads if isinstance(threads, int) and not isinstance(threads, bool) else None
-
-
-def _figure_cell(row: dict[str, Any]) -> str:
-    """An entry's speed-up, marked when it was measured on fewer threads than torch's own."""
-    figure = _speedup(row["speedup_vs_fp32"])
-    return figure + FEWER_THREADS_MARK if row["speedup_vs_fp32"] is not None and _speedup_threads(row) else figure
-
-
-def _args_legend(rows: list[dict[str, Any]]) -> str:
-    if any(row["args"] is None and row["script_name"] for row in rows):
-        return "; ?: arguments not recorded (an older tune)"
-    return ""
-
-
-def _script_cell(row: dict[str, Any]) -> str:
-    """``"train.py --epochs 1"``: the script and the arguments it was tuned with; ``?`` for
-    arguments an older tune did not record."""
-    name = row["script_name"]
-    if not name:
-        return "-"
-    args = row["args"]
-    return f"{name} ?" if args is None else shlex.join([name, *args])
-
-
-def _speedup_with_interval(record: dict[str, Any]) -> str:
-    """``"1.52x, the winner's speed-up over fp32 (interval 1.40x-1.65x; paired re-measurement,
-    4 pairs)"``: the figure with what the tune's ``[tuned_on]`` says of its interval and basis."""
-    if record["speedup_vs_fp32"] is None:
-        return "- (not measured)"
-    figure = f"{_speedup(record['speedup_vs_fp32'])}, the winner's speed-up over fp32"
-    tuned = (record.get("policy") or {}).get("tuned_on") or {}
-    low, high, basis = tuned.get("speedup_low"), tuned.get("speedup_high"), tuned.get("speedup_basis")
-    extra = []
-    if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low != high:  # fp32's own is 1-1
-        extra.append(f"interval {_speedup(low)}-{_speedup(high)}")
-    if isinstance(basis, str) and basis:
-        extra.append(basis)
-    return f"{figure} ({'; '.join(extra)})" if extra else figure
-
-
-def _recorded_args(row: dict[str, Any]) -> list[str] | None:
-    """The script's arguments an entry was tuned with (its summary, else its ``[tuned_on]``);
-    ``None`` when the tune did not record them."""
-    for args in ((row.get("summary") or {}).get("args"),
-                 ((row.get("policy") or {}).get("tuned_on") or {}).get("args")):
-        if isinstance(args, list) and all(isinstance(arg, str) for arg in args):
-            return list(args)
-    return None
-
-
-def _args(args: list[str] | None) -> str:
-    """An args cell: ``"--epochs 1"``, ``"(none)"``, or ``"-"`` when not recorded."""
-    if args is None:
-        return "-"
-    return shlex.join(args) if args else "(none)"
-
-
-def _plural(count: int, singular: str, plural: str | None = None) -> str:
-    return f"{count} {singular if count == 1 else (plural or singular + 's')}"
 
 
 app = typer.Typer(

@@ -34,7 +34,7 @@ from advisor._log import get_logger
 from advisor._paths import config_path_for
 from advisor.cache import TunedAnswer, cached_answers
 from advisor.frameworks import RUN_POLICY_ENV, RUN_SOURCE_ENV, check_expressible, plan_for, refusal
-from advisor.runtime import fallback_words, safe_fallback, script_digest
+from advisor.runtime import GUARD_ENV, fallback_words, guard_setting, safe_fallback, script_digest
 from advisor.tune import check_script
 from policies import Policy, load_config, safe_default
 from probes import HardwareProfile, MpadviseError, UsageError
@@ -100,7 +100,7 @@ def _differences(answer: TunedAnswer, digest: str | None, args: tuple[str, ...],
 
 
 def run_command(script: Path, script_args: list[str], *, config: Path | None, framework: str | None,
-                device: str | None, json_output: bool = False) -> int:
+                device: str | None, json_output: bool = False, guard: str | None = None) -> int:
     """Run the script with its policy applied; returns the script's exit code.
 
     With ``json_output``, one line of JSON follows the script's own output on stdout: what
@@ -115,6 +115,7 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
     _check_named_config(config)
     plan = plan_for(path, framework)
     env = dict(os.environ)
+    env[GUARD_ENV] = _guard_for_run(guard)
     if plan.framework is None:
         # The script calls load_policy() itself: it resolves the same way, makes the workload
         # check at setup(), and logs its own line. A config file it would refuse (another
@@ -226,3 +227,17 @@ def _run(argv: list[str], env: dict[str, str], *, summary: dict[str, Any] | None
         sys.stdout.write(json.dumps({**summary, "exit_code": code, "wall_s": wall}, default=str) + "\n")
         sys.stdout.flush()
     return code
+
+
+def _guard_for_run(guard: str | None) -> str:
+    """The guard setting the script runs with: ``--guard``, else ``MPADVISE_GUARD``, else
+    ``warn`` (a run under mpadvise is watched unless told otherwise).
+
+    Raises:
+        UsageError: a value that is not a guard setting.
+    """
+    try:
+        return guard_setting(guard if guard is not None else os.environ.get(GUARD_ENV) or "warn")
+    except MpadviseError as exc:
+        raise UsageError(f"--guard: {exc}") from None
+

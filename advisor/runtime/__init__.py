@@ -6,7 +6,8 @@ tuned policy does not apply (``safe_fallback``, ``fallback_words``); how a globa
 into micro-batches (``BatchSplit``, ``batch_split``, ``tuned_global_batch``); FSDP2's mixed
 precision (``FsdpPrecision``, ``fsdp_precision``); and the workload's fingerprints
 (``Workload``, ``model_signature``, ``workload_fingerprint``, ``script_digest``), with the
-number of processes training together (``current_world_size``).
+number of processes training together (``current_world_size``); the guard that watches a long run's steps (``Guard``,
+``GuardEvent``, ``GuardLimits``, ``guard_setting``, ``guard_fallback``, ``GUARD_ENV``).
 
 Arrows: runtime uses ``policies`` and ``probes`` only; ``trial``, ``tune`` and the loader build
 on it.
@@ -14,17 +15,18 @@ on it.
 
 from __future__ import annotations
 
-from advisor.runtime._applied import (
-    AppliedPolicy,
-    BatchSplit,
-    FsdpPrecision,
-    StepObserver,
-    batch_split,
-    fallback_words,
-    fsdp_precision,
-    safe_fallback,
-    tuned_global_batch,
+from advisor.runtime._applied import AppliedPolicy, StepObserver
+from advisor.runtime._fallback import fallback_words, guard_fallback, safe_fallback
+from advisor.runtime._fsdp import FsdpPrecision, fsdp_precision
+from advisor.runtime._guard import (
+    GUARD_ENV,
+    GUARD_SETTINGS,
+    Guard,
+    GuardEvent,
+    GuardLimits,
+    guard_setting,
 )
+from advisor.runtime._split import BatchSplit, batch_split, tuned_global_batch
 from advisor.runtime._workload import (
     Workload,
     current_world_size,
@@ -34,6 +36,13 @@ from advisor.runtime._workload import (
 )
 
 __all__ = [
+    "GUARD_ENV",
+    "GUARD_SETTINGS",
+    "Guard",
+    "GuardEvent",
+    "GuardLimits",
+    "guard_fallback",
+    "guard_setting",
     "AppliedPolicy",
     "BatchSplit",
     "FsdpPrecision",

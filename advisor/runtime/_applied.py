@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-import shlex
-import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from advisor import _paths
 from advisor._log import get_logger
-from advisor.runtime._retarget import retarget_optimizer
+from advisor.runtime._device import _distributed_wrapper, rank_device
+from advisor.runtime._fallback import fallback_words, guard_fallback, safe_fallback
+from advisor.runtime._fsdp import _torch_dtypes, fsdp_policy_refusal, fsdp_precision
+from advisor.runtime._guard import Guard, GuardEvent
+from advisor.runtime._retarget import retarget_optimizer, upcast_in_place
+from advisor.runtime._script import _args_now, _retune_hint, _script_args, _script_path, _with_args
+from advisor.runtime._split import (
+    BatchSplit,
+    _leading_dim,
+    batch_split,
+    step_samples,
+    tuned_global_batch,
+)
 from advisor.runtime._workload import (
     GLOBAL_BATCH,
     Workload,
@@ -21,16 +31,7 @@ from advisor.runtime._workload import (
     model_signature,
     workload_mismatch,
 )
-from policies import (
-    Difference,
-    Policy,
-    create_mode,
-    default_reduce_dtype,
-    mode_class,
-    safe_default,
-    safety_rank,
-    supported_modes,
-)
+from policies import Difference, Policy, create_mode, mode_facts, safe_default
 from probes import MpadviseError
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ class AppliedPolicy:
         observer: StepObserver | None = None,
         match_workload: bool = False,
         alternatives: Sequence[tuple[Policy, str]] = (),
+        guard: Guard | None = None,
+        on_guard_event: Callable[[GuardEvent], None] | None = None,
     ) -> None:
         """Apply ``policy`` on ``profile``'s device.
 
@@ -103,6 +106,8 @@ class AppliedPolicy:
                 (``(policy, source)``, in order): when ``policy`` was tuned on another
                 workload, the first tuned on this one applies instead. ``setup()`` chooses by
                 the whole workload; a ``micro_batch_size()`` before it by the global batch.
+            guard: watches the optimizer steps (``Guard``); none: off.
+            on_guard_event: receives each event the guard records (the loader caches it).
         """
         import torch
 
@@ -136,8 +141,10 @@ class AppliedPolicy:
         self.fsdp = False
         """Whether the script asked for FSDP2's mixed precision (``fsdp_mixed_precision()``)."""
         self._fsdp_checked = False
-
-    # ---- what the policy says ---------------------------------------------------------------
+        self.guard = guard if guard is not None else Guard("off")
+        self.on_guard_event = on_guard_event
+        # False where a framework owns the precision: the guard then asks for a restart.
+        self.in_place = True
 
     @property
     def mode(self) -> str:
@@ -505,14 +512,42 @@ class AppliedPolicy:
             if self.policy.grad_clip_norm is not None:
                 params = [p for group in optimizer.param_groups for p in group["params"]]
                 torch.nn.utils.clip_grad_norm_(params, self.policy.grad_clip_norm)
-            stepped = self._mode.optimizer_step(optimizer)
+            value = float(loss.detach()) if self.guard.active else 0.0  # the loss value's one sync
+            # A non-finite loss under fallback is never applied: a scaler skips it itself.
+            withheld = self.guard.setting == "fallback" and not math.isfinite(value) and self.loss_scale() is None
+            stepped = False if withheld else self._mode.optimizer_step(optimizer)
             optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         if not stepped:
             self.skipped_steps += 1
         if observer is not None:
             observer.after_step(self, loss=loss, stepped=stepped, optimizer_step=True)
+        tripped = self.guard.observe(self.optimizer_steps, loss=value, applied=stepped or withheld,
+                                     loss_scale=self.loss_scale())
+        if tripped is not None:
+            self._guard_tripped(*tripped)
         return stepped
+
+    def _guard_tripped(self, signal: str, onset: int, detail: str) -> None:
+        """Act on a tripped guard: warn once, or move in place to ``guard_fallback``'s policy."""
+        target = guard_fallback(self.policy, self.profile)
+        old = self.policy.mode
+        action = "warned"
+        if self.guard.setting == "fallback" and target is not None:
+            # FP8 layers and framework-owned precision cannot be taken back in place.
+            in_place = self.in_place and mode_facts(old).fp8_library is None
+            action = "fell back" if in_place else "restart needed"
+        event = GuardEvent(signal, onset, self.optimizer_steps, old, None if target is None else target.mode,
+                           action, detail)
+        if action == "fell back" and target is not None:
+            if self.model is not None and mode_facts(old).weights != "fp32":
+                upcast_in_place(self.model, self.optimizer)
+            self._switch_to(target, f"{target.mode}, the guard's fallback from {old} ({signal})")
+            self.guard.rearm()
+        self.guard.record(event)
+        get_logger().warning(event.line())
+        if self.on_guard_event is not None:
+            self.on_guard_event(event)
 
     # ---- checkpoints ------------------------------------------------------------------------
 
@@ -529,12 +564,15 @@ class AppliedPolicy:
             "optimizer_steps": self.optimizer_steps,
             "skipped_steps": self.skipped_steps,
             "mode_state": self._mode.state_dict(),
+            "guard": self.guard.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned, so a resumed run continues exactly."""
         if not isinstance(state, dict) or "mode" not in state:
             raise MpadviseError("load_state_dict: expected the dict returned by state_dict()")
+        if "guard" in state:
+            self.guard.load_state_dict(state["guard"])
         if state["mode"] != self.policy.mode:
             get_logger().warning(
                 f"checkpoint precision state is from mode {state['mode']!r}, this run uses "
@@ -545,8 +583,6 @@ class AppliedPolicy:
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._mode.load_state_dict(state.get("mode_state", {}))
-
-    # ---- process-wide switches --------------------------------------------------------------
 
     def __enter__(self) -> AppliedPolicy:
         stack = contextlib.ExitStack()
@@ -559,395 +595,3 @@ class AppliedPolicy:
 
     def __repr__(self) -> str:
         return f"AppliedPolicy({self.policy.describe()!r}, device={str(self.device)!r}, source={self.source!r})"
-
-
-@dataclass(frozen=True)
-class FsdpPrecision:
-    """The dtypes of FSDP2's ``MixedPrecisionPolicy`` for a policy, by name.
-
-    Attributes:
-        param_dtype: the dtype FSDP2 casts the unsharded parameters to, in which the forward
-            and backward compute; ``None`` keeps the parameters' own dtype.
-        reduce_dtype: the dtype gradients are reduce-scattered in; ``None`` for the
-            parameters' own dtype.
-        output_dtype: the dtype of the sharded modules' outputs; ``None`` leaves them as
-            computed.
-    """
-
-    param_dtype: str | None
-    reduce_dtype: str | None
-    output_dtype: str | None = None
-
-
-def fsdp_precision(policy: Policy) -> FsdpPrecision:
-    """What FSDP2 should do for ``policy``: a pure mapping from its mode and ``reduce_dtype``.
-
-    * fp32, tf32 and the FP8 modes keep fp32 parameters (FP8 casts happen inside the swapped
-      layers; tf32 is a matmul switch); gradients are reduced in fp32: FSDP2's defaults.
-    * bf16-mixed, fp16-mixed: parameters are cast to the 16-bit dtype for compute, the fp32
-      shards stay the master weights the optimizer steps; gradients are reduced in fp32
-      unless the policy says the 16-bit dtype.
-    * bf16-true, fp16-true: ``setup()`` already cast the model, so the parameters and their
-      shards are 16-bit; gradients are reduced in that dtype unless the policy says fp32.
-
-    Outputs are left as computed (``output_dtype`` ``None``): the loss runs in
-    ``autocast()``, which computes it in fp32 as in a single process, and an fp32
-    ``output_dtype`` on every sharded block would cast each block's output up and the next
-    block's input down again.
-    """
-    family = mode_class(policy.mode).dtype_family
-    reduce = policy.reduce_dtype or default_reduce_dtype(policy.mode)
-    if family in ("bf16", "fp16"):
-        return FsdpPrecision(param_dtype=family, reduce_dtype=reduce)
-    return FsdpPrecision(param_dtype=None, reduce_dtype=None if reduce == "fp32" else reduce)
-
-
-def _torch_dtypes(precision: FsdpPrecision) -> tuple[Any, Any, Any]:
-    """``(param_dtype, reduce_dtype, output_dtype)`` of ``precision`` as torch dtypes (or ``None``)."""
-    import torch
-
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    names = (precision.param_dtype, precision.reduce_dtype, precision.output_dtype)
-    return tuple(None if name is None else dtypes[name] for name in names)  # type: ignore[return-value]
-
-
-def fsdp_policy_refusal(model: Any, policy: Policy) -> str | None:
-    """Why training cannot go on: a module of ``model`` was sharded with FSDP2 under a
-    ``MixedPrecisionPolicy`` other than ``policy``'s; ``None`` when every one matches, or
-    nothing is sharded.
-
-    FSDP2 casts the parameters to its own ``param_dtype`` and reduces in its own
-    ``reduce_dtype`` whatever the policy says, so a script's own policy would silently
-    override every candidate (an "fp32" reference computing in bf16). The dtypes are compared;
-    ``cast_forward_inputs`` changes no precision.
-
-    Args:
-        model: the model ``setup()`` returned, sharded since (or not).
-        policy: the policy in force.
-
-    Returns:
-        One line naming the module, both policies and the fix.
-    """
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
-    fsdp_module = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
-    if fsdp_module is None:
-        return None
-    wanted = _torch_dtypes(fsdp_precision(policy))
-    for name, module in model.named_modules():
-        if not isinstance(module, fsdp_module):
-            continue
-        # FSDP2 keeps the policy fully_shard was given on the module's state (torch 2.6 and
-        # later: FSDPState._mp_policy; each FSDPParamGroup holds the same as mp_policy).
-        state_of = getattr(module, "_get_fsdp_state", None)
-        state = state_of() if callable(state_of) else None
-        given = getattr(state, "_mp_policy", None)
-        if given is None:
-            group = getattr(state, "_fsdp_param_group", None)
-            given = getattr(group, "mp_policy", None)
-        if given is None:
-            continue
-        own = (given.param_dtype, given.reduce_dtype, given.output_dtype)
-        if own != wanted:
-            return (
-                f"fully_shard({name or 'model'}) was given mp_policy={_describe_mp(own)}, but the {policy.mode} "
-                f"policy needs {_describe_mp(wanted)}, so FSDP2 would train in the script's dtypes instead; "
-                "pass mp_policy=mp.fsdp_mixed_precision() to every fully_shard"
-            )
-    return None
-
-
-def _describe_mp(dtypes: tuple[Any, Any, Any]) -> str:
-    """``"MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)"``: the dtypes set, by short name."""
-    names = ("param_dtype", "reduce_dtype", "output_dtype")
-    short = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
-    parts = [f"{n}={short.get(str(d), str(d))}" for n, d in zip(names, dtypes) if d is not None]
-    return f"MixedPrecisionPolicy({', '.join(parts)})"
-
-
-def safe_fallback(tuned: Policy, profile: HardwareProfile) -> Policy:
-    """What applies in place of a tuned policy that does not fit this run: the safer of the
-    hardware's safe default and the tuned mode, by ``policies.safety_rank``.
-
-    A tune leaves the safe default only for a faster mode that stays stable, or for a safer
-    one when the default failed: a workload tuned to fp32 or tf32 is one whose 16-bit modes hit
-    a loss floor or stalled. Falling back from it to bf16-mixed (on bf16 hardware) because the
-    script changed, even by a comment, would apply exactly the mode it was tuned away from. So
-    a tuned mode safer than the default is kept, where it runs here. Only the mode: the
-    micro-batch, loss scale and ``[tuned_on]`` were measured on the workload that no longer
-    fits. Modes safer than a safe default are full precision or mixed ones, which leave the
-    model as it is, so the switch is possible until ``setup()`` converted it.
-
-    Args:
-        tuned: the tuned policy that does not apply.
-        profile: the hardware this run trains on.
-
-    Returns:
-        ``Policy(mode=tuned.mode)`` when that mode is safer than the safe default and runs
-        here; otherwise the safe default.
-    """
-    default = safe_default(profile)
-    support = supported_modes(profile).get(tuned.mode)
-    if safety_rank(tuned.mode) < safety_rank(default.mode) and support is not None and support.supported:
-        return Policy(mode=tuned.mode)
-    return default
-
-
-def fallback_words(fallback: Policy, profile: HardwareProfile) -> tuple[str, str]:
-    """How a warning names ``safe_fallback``'s answer (``"using the safe default bf16-mixed"``),
-    and the source it is logged with (``"safe default for NVIDIA A100"``)."""
-    default = safe_default(profile)
-    if fallback.mode == default.mode:
-        return f"using the safe default {default.mode}", f"safe default for {profile.name}"
-    return (
-        f"using {fallback.mode}, the tuned mode, safer than the safe default {default.mode}",
-        f"{fallback.mode}, the tuned mode, safer than the safe default for {profile.name}",
-    )
-
-
-def rank_device(device: str | torch.device | None, profile_device: str, env: Mapping[str, str]) -> str | torch.device:
-    """The device this process trains on.
-
-    Args:
-        device: the device asked for, or ``None``.
-        profile_device: the hardware profile's device (``"cuda:0"``, ``"cpu"``).
-        env: the process environment; torchrun sets ``LOCAL_RANK`` in each process it starts.
-
-    Returns:
-        ``device`` when one was named with an index (or is not CUDA); under torchrun on a GPU,
-        ``cuda:LOCAL_RANK``, so that each process of a node takes its own GPU; else the
-        profile's device.
-    """
-    if device is not None and str(device) != "cuda":
-        return device
-    chosen = device if device is not None else profile_device
-    local_rank = env.get("LOCAL_RANK", "")
-    if str(chosen).startswith("cuda") and local_rank.isdigit():
-        return f"cuda:{int(local_rank)}"
-    return chosen
-
-
-def _distributed_wrapper(model: Any) -> str | None:
-    """Why ``setup()`` cannot take ``model``: it is already wrapped for data parallelism;
-    ``None`` for a bare model."""
-    import torch
-
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return ("setup(model): the model is already wrapped in DistributedDataParallel; call "
-                "mp.setup(model, optimizer) on the bare model first, then wrap the model it returns")
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded yet
-    fix = ("call mp.setup(model) on the bare model first, then fully_shard it with "
-           "mp_policy=mp.fsdp_mixed_precision(), then build the optimizer on the sharded parameters")
-    if fsdp is not None and isinstance(model, getattr(fsdp, "FSDPModule", ())):
-        return f"setup(model): the model is already sharded with fully_shard; {fix}"
-    if fsdp is not None:
-        for name, module in model.named_modules():
-            if name and isinstance(module, getattr(fsdp, "FSDPModule", ())):
-                return f"setup(model): its module {name!r} is already sharded with fully_shard; {fix}"
-    return None
-
-
-@dataclass(frozen=True)
-class BatchSplit:
-    """How the script's batch is fed: micro-batches of ``micro``, ``accum`` per optimizer step.
-
-    Attributes:
-        micro: samples per forward pass (what the DataLoader should use).
-        accum: micro-batches per optimizer step.
-        note: a line for the log when the split changes or re-derives the global batch.
-        warning: whether ``note`` is a warning (the script's batch could not be kept as tuned)
-            rather than information.
-    """
-
-    micro: int
-    accum: int
-    note: str = ""
-    warning: bool = False
-
-    def describe(self) -> str:
-        """``"micro-batch 16 x 4 (global batch 64)"``."""
-        if self.accum == 1:
-            return f"micro-batch {self.micro}"
-        return f"micro-batch {self.micro} x {self.accum} (global batch {self.micro * self.accum})"
-
-
-def tuned_global_batch(policy: Policy) -> int | None:
-    """The global batch a tuned policy was measured at; ``None`` for a hand-written policy.
-
-    Per process: the script's own batch (``micro_batch_size``'s argument), which is what a run
-    splits. With several processes the workload's global batch is that times the world size,
-    and the world size is in the workload fingerprint, which ``setup()`` compares.
-
-    Args:
-        policy: any policy.
-
-    Returns:
-        ``tuned_on.global_batch``; for a policy tuned before ``[tuned_on]`` recorded it, the
-        micro-batch times the accumulation when the tune split the batch (accumulation 2 or
-        more); otherwise ``None``.
-    """
-    tuned = policy.tuned_on
-    if tuned is None:
-        return None
-    if tuned.global_batch is not None:
-        return tuned.global_batch
-    # Older tuned policies split the script's batch exactly (the search only tries divisors),
-    # so micro x accumulation was the global batch they were tuned at. Accumulation 1 with a
-    # micro-batch was a --scale-batch winner: its tuned batch is unknown.
-    accum, micro = policy.grad_accum_steps, policy.micro_batch_size
-    if tuned.hardware_fingerprint and micro is not None and accum is not None and accum > 1:
-        return micro * accum
-    return None
-
-
-def batch_split(policy: Policy, batch: int) -> BatchSplit:
-    """How ``policy`` feeds a script whose own batch (its global batch) is ``batch``.
-
-    A tuned policy keeps the script's global batch: its micro-batch splits ``batch``, and a
-    ``batch`` other than the tuned one is split anew, with a warning. A hand-written policy
-    does what it says: ``grad_accum_steps`` when given, else accumulation up to ``batch``.
-
-    Args:
-        policy: the policy in force.
-        batch: the batch the script asks for (``micro_batch_size``'s argument).
-
-    Returns:
-        The split, with the line to log about it, if any.
-    """
-    tuned_batch = tuned_global_batch(policy)
-    micro = policy.micro_batch_size
-    if tuned_batch is None:
-        return _stated_split(policy, batch)
-    if batch == tuned_batch:
-        if micro is None or micro == batch:
-            return BatchSplit(batch, 1)
-        if micro > batch:
-            # A --scale-batch winner: changing the global batch was opted into at tuning time.
-            return BatchSplit(micro, 1, f"global batch changes from {batch} to {micro} (policy micro-batch {micro}, tuned with --scale-batch)")
-        if batch % micro == 0:
-            return BatchSplit(micro, batch // micro)
-    # Split the script's batch exactly, at most as large as the micro-batch that was measured
-    # (so it still fits in memory).
-    size = _largest_divisor(batch, min(micro or batch, batch))
-    split = BatchSplit(size, batch // size)
-    if batch == tuned_batch:
-        note = f"micro-batch {micro} does not divide the batch {batch}: using {split.describe()}"
-        return replace(split, note=note)
-    note = (
-        f"batch {batch} differs from the global batch {tuned_batch} the policy was tuned at: keeping the "
-        f"global batch {batch} ({split.describe()}); run `mpadvise tune` again to tune for it"
-    )
-    return replace(split, note=note, warning=True)
-
-
-def _stated_split(policy: Policy, batch: int) -> BatchSplit:
-    """A hand-written policy's split: what it states, else accumulation up to ``batch``."""
-    micro = policy.micro_batch_size or batch
-    if policy.grad_accum_steps is not None:
-        split = BatchSplit(micro, policy.grad_accum_steps)
-        if micro * split.accum != batch:
-            stated = f"micro-batch {micro} x {split.accum}" if split.accum > 1 else f"micro-batch {micro}"
-            return replace(split, note=f"global batch changes from {batch} to {micro * split.accum} (policy {stated})")
-        return split
-    if policy.micro_batch_size is None or micro >= batch:
-        note = f"global batch changes from {batch} to {micro} (policy micro-batch {micro})" if micro > batch else ""
-        return BatchSplit(micro, 1, note)
-    accum = batch // micro
-    if batch % micro:
-        note = (
-            f"batch {batch} is not a multiple of micro-batch {micro}: accumulating {accum} "
-            f"micro-batches, so the global batch becomes {micro * accum}"
-        )
-        return BatchSplit(micro, accum, note, warning=True)
-    return BatchSplit(micro, accum)
-
-
-def _largest_divisor(number: int, limit: int) -> int:
-    """The largest divisor of ``number`` that is at most ``limit`` (at least 1)."""
-    for size in range(max(1, limit), 0, -1):
-        if number % size == 0:
-            return size
-    return 1
-
-
-def _script_path() -> str | None:
-    script = _paths.current_script()
-    return str(script) if script is not None else None
-
-
-def _script_args() -> tuple[str, ...]:
-    """The running script's command-line arguments (none in a REPL or notebook)."""
-    return tuple(sys.argv[1:]) if _paths.current_script() is not None else ()
-
-
-SCRIPT_ARGS = "script arguments"
-"""The fact a :class:`Difference` names when a tune recorded other arguments than this run's."""
-
-
-def _shown_args(args: Sequence[str]) -> str:
-    """``"--epochs 1"``, or ``"(none)"``."""
-    return shlex.join(args) if args else "(none)"
-
-
-def _with_args(mismatch: WorkloadMismatch | None, tuned: Sequence[str], here: Sequence[str], *,
-               optimizer_now: str = "", world_size_now: int = 1) -> WorkloadMismatch:
-    """``mismatch`` (``None``: nothing else changed) with the arguments' difference added."""
-    args = Difference(SCRIPT_ARGS, _shown_args(tuned), _shown_args(here))
-    if mismatch is None:
-        return WorkloadMismatch((args,), (), optimizer_now, tuple(here), world_size_now)
-    # "script arguments" is no longer a fact the tune did not record.
-    unrecorded = tuple(name for name in mismatch.unrecorded if name != SCRIPT_ARGS)
-    return replace(mismatch, differences=(*mismatch.differences, args), unrecorded=unrecorded, args_now=tuple(here))
-
-
-def _args_now(mismatch: WorkloadMismatch) -> tuple[str, ...] | None:
-    """This run's arguments, when ``mismatch`` names them as changed since tuning."""
-    for difference in mismatch.differences:
-        if difference.what == SCRIPT_ARGS:
-            return _script_args()
-    return None
-
-
-def _retune_hint(args: tuple[str, ...] | None) -> str:
-    """What to run: the tune of this script with this run's ``args``, when they are what
-    changed; otherwise ``mpadvise tune`` again."""
-    if args is None:
-        return "run `mpadvise tune` again"
-    script = sys.argv[0] if sys.argv and sys.argv[0] else "SCRIPT"
-    tail = f" -- {shlex.join(args)}" if args else ""
-    return f"`mpadvise tune {shlex.quote(script)}{tail}` tunes for these arguments"
-
-
-def step_samples(seen: list[int], *, asked: int | None, micro: int | None) -> int | None:
-    """How many samples one micro-step trained on, from the batches that reached ``to_device``.
-
-    A script may move its whole dataset to the device once and index batches there, or move
-    each batch; only the second shows the step's batch to ``to_device``. So a leading dimension
-    counts when it is at most the batch the script asked for (``micro_batch_size``'s argument,
-    or the micro-batch handed out when that is larger): a larger one is a dataset, not a
-    batch. Without one, the step used the micro-batch the policy handed out.
-
-    Args:
-        seen: leading dimensions of the tensors given to ``to_device`` since the last step.
-        asked: the batch the script asked for, or ``None`` before ``micro_batch_size()``.
-        micro: the micro-batch handed out, or ``None`` before ``micro_batch_size()``.
-
-    Returns:
-        The largest batch seen that fits, else ``micro``; ``None`` when neither is known
-        (``micro_batch_size()`` never called, nothing moved since the last step).
-    """
-    limit = None if asked is None else max(asked, micro or 0)
-    batches = [size for size in seen if limit is None or size <= limit]
-    return max(batches) if batches else micro
-
-
-def _leading_dim(values: Any) -> int | None:
-    """The batch dimension of the first tensor (depth first) with at least one dimension."""
-    for value in values.values() if isinstance(values, dict) else values:
-        if hasattr(value, "dim") and hasattr(value, "shape"):
-            if value.dim() > 0:
-                return int(value.shape[0])
-        elif isinstance(value, (list, tuple, dict)):
-            found = _leading_dim(value)
-            if found is not None:
-                return found
-    return None

@@ -60,3 +60,28 @@ def retarget_optimizer(
         if new is not None:
             state = optimizer.state.pop(old)
             optimizer.state[new] = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in state.items()}
+
+
+def upcast_in_place(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Make every floating-point parameter, its gradient and its optimizer state fp32, in place.
+
+    The Parameter objects stay the same (their ``data`` is replaced), so the optimizer keeps
+    training them; a pure 16-bit run becomes one with fp32 master weights.
+
+    Returns:
+        How many parameters were upcast.
+    """
+    import torch
+
+    count = 0
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and parameter.dtype != torch.float32:
+            parameter.data = parameter.data.float()
+            parameter.grad = None
+            count += 1
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                    state[key] = value.float()
+    return count

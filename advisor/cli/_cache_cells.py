@@ -1,0 +1,246 @@
+"""The cells and tables that ``mpadvise show`` and ``mpadvise cache`` print, and the guard's
+events as ``show`` lists them."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from policies import Policy, PolicyError
+
+
+def _table(title: str, columns: tuple[str, ...], *, legend: str | None = None) -> Table:
+    """A table whose short columns never wrap and whose prose columns wrap at their spaces
+    (folding only a word longer than the column); ``legend`` goes under it."""
+    table = Table(title=title, title_justify="left", caption=legend, caption_justify="left")
+    for column in columns:
+        if column in ("id", "workload", SPEEDUP_HEADER, "tuned", "device"):
+            table.add_column(column, no_wrap=True)
+        elif column in ("status", "why not"):
+            table.add_column(column, overflow="fold", ratio=2)
+        elif column == "mode":
+            # Wide enough that the mode names ("fp8-torchao") never break mid-word.
+            table.add_column(column, overflow="fold", ratio=1, min_width=11)
+        else:
+            table.add_column(column, overflow="fold", ratio=1)
+    return table
+
+
+def _short(fingerprint: str) -> str:
+    # Tables show a prefix, as git shows short hashes; --json and `cache show` the whole key.
+    return fingerprint[:8]
+
+
+def _speedup(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+SPEEDUP_HEADER = "×fp32"
+"""The header of a cache entry's figure: the tune's one speed-up, its winner's over fp32."""
+
+SPEEDUP_LEGEND = (f"{SPEEDUP_HEADER}: the winner's speed-up over fp32 (paired re-measurement where there was one; "
+                  "its interval: mpadvise cache show ID)")
+
+SCRIPT_HEADER = "script args"
+"""The column that tells two tunes of one script apart: the script and the arguments it was tuned with."""
+
+
+FEWER_THREADS_MARK = "*"
+"""After a figure measured on fewer CPU threads than torch's own (other processes kept cores busy)."""
+
+
+def _legend(rows: list[dict[str, Any]]) -> str:
+    """What the figure column says, and what an args cell of ``-`` means when one shows."""
+    fewer = ""
+    if any(_speedup_threads(row) for row in rows):
+        fewer = (f"; {FEWER_THREADS_MARK}: measured on fewer threads than torch's own, other processes keeping cores "
+                 "busy (the gain on all cores can differ)")
+    return SPEEDUP_LEGEND + fewer + _args_legend(rows)
+
+
+def _speedup_threads(row: dict[str, Any]) -> int | None:
+    """The threads an entry's figure was measured on, where fewer than torch's own; else ``None``."""
+    threads = ((row.get("policy") or {}).get("tuned_on") or {}).get("speedup_threads")
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) else None
+
+
+def _figure_cell(row: dict[str, Any]) -> str:
+    """An entry's speed-up, marked when it was measured on fewer threads than torch's own."""
+    figure = _speedup(row["speedup_vs_fp32"])
+    return figure + FEWER_THREADS_MARK if row["speedup_vs_fp32"] is not None and _speedup_threads(row) else figure
+
+
+def _args_legend(rows: list[dict[str, Any]]) -> str:
+    if any(row["args"] is None and row["script_name"] for row in rows):
+        return "; ?: arguments not recorded (an older tune)"
+    return ""
+
+
+def _script_cell(row: dict[str, Any]) -> str:
+    """``"train.py --epochs 1"``: the script and the arguments it was tuned with; ``?`` for
+    arguments an older tune did not record."""
+    name = row["script_name"]
+    if not name:
+        return "-"
+    args = row["args"]
+    return f"{name} ?" if args is None else shlex.join([name, *args])
+
+
+def _speedup_with_interval(record: dict[str, Any]) -> str:
+    """``"1.52x, the winner's speed-up over fp32 (interval 1.40x-1.65x; paired re-measurement,
+    4 pairs)"``: the figure with what the tune's ``[tuned_on]`` says of its interval and basis."""
+    if record["speedup_vs_fp32"] is None:
+        return "- (not measured)"
+    figure = f"{_speedup(record['speedup_vs_fp32'])}, the winner's speed-up over fp32"
+    tuned = (record.get("policy") or {}).get("tuned_on") or {}
+    low, high, basis = tuned.get("speedup_low"), tuned.get("speedup_high"), tuned.get("speedup_basis")
+    extra = []
+    if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low != high:  # fp32's own is 1-1
+        extra.append(f"interval {_speedup(low)}-{_speedup(high)}")
+    if isinstance(basis, str) and basis:
+        extra.append(basis)
+    return f"{figure} ({'; '.join(extra)})" if extra else figure
+
+
+def _recorded_args(row: dict[str, Any]) -> list[str] | None:
+    """The script's arguments an entry was tuned with (its summary, else its ``[tuned_on]``);
+    ``None`` when the tune did not record them."""
+    for args in ((row.get("summary") or {}).get("args"),
+                 ((row.get("policy") or {}).get("tuned_on") or {}).get("args")):
+        if isinstance(args, list) and all(isinstance(arg, str) for arg in args):
+            return list(args)
+    return None
+
+
+def _args(args: list[str] | None) -> str:
+    """An args cell: ``"--epochs 1"``, ``"(none)"``, or ``"-"`` when not recorded."""
+    if args is None:
+        return "-"
+    return shlex.join(args) if args else "(none)"
+
+
+def _plural(count: int, singular: str, plural: str | None = None) -> str:
+    return f"{count} {singular if count == 1 else (plural or singular + 's')}"
+
+
+def guard_event_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The guard's cached events as ``show --json`` gives them (newest first)."""
+    keep = ("id", "script", "workload_fp", "signal", "step", "tripped_at", "policy", "fallback", "action", "detail",
+            "created_at")
+    return [{key: event.get(key) for key in keep} for event in events]
+
+
+def render_guard_events(events: list[dict[str, Any]], console: Console) -> None:
+    """The guard's events on this machine: what a long run saw, and what the next run applies."""
+    if not events:
+        return
+    table = _table("Guard events on this machine (the next load_policy() applies the fallback)",
+                   ("id", "script", "signal", "step", "policy", "fallback", "action", "when"))
+    for event in events:
+        table.add_row(str(event["id"]), escape(str(event["script"] or "-")), event["signal"], str(event["step"]),
+                      event["policy"], str(event["fallback"] or "-"), event["action"], str(event["created_at"])[:10])
+    console.print(table)
+
+
+def render_list(report: dict[str, Any], console: Console) -> None:
+    """Print every cached recommendation as a table."""
+    rows = report["recommendations"]
+    if not report["cache"]:
+        console.print(f"No cache: {report['database']} cannot be used (see the warning above).", highlight=False)
+        return
+    if not rows:
+        console.print(f"The cache {report['database']} holds no recommendations.", highlight=False)
+        return
+    devices = _device_keys(rows)
+    table = _table(report["database"], ("id", "device", SCRIPT_HEADER, "workload", "mode", SPEEDUP_HEADER, "tuned"),
+                   legend=_device_legend(devices) + "\n" + _legend(rows))
+    for row in rows:
+        table.add_row(
+            str(row["id"]), devices[_device_of(row)], _script_cell(row), _short(row["workload_fp"]), row["mode"], _figure_cell(row), row["tuned"],
+        )
+    console.print(table)
+
+
+def _device_of(row: dict[str, Any]) -> str:
+    return row["device"] or row["hardware_fp"]
+
+
+def _device_keys(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """A short key per device (``d1``, ``d2``...) so a device column stays narrow; the legend
+    under the table names each device in full. One device needs no key: its name is the title's."""
+    names = list(dict.fromkeys(_device_of(row) for row in rows))
+    return {name: f"d{i}" for i, name in enumerate(names, 1)}
+
+
+def _device_legend(devices: dict[str, str]) -> str:
+    return "; ".join(f"{key}: {name}" for name, key in devices.items())
+
+
+def render_record(record: dict[str, Any], console: Console) -> None:
+    """Print one recommendation: facts, then its trials."""
+    summary = _summary_row(record)
+    facts = Table(title=f"cache entry #{record['id']}", show_header=False, title_justify="left", title_style="bold")
+    facts.add_column(style="cyan")
+    facts.add_column(overflow="fold")
+    facts.add_row("policy", summary["mode"])
+    facts.add_row("script", record["script"] or "-")
+    facts.add_row("arguments", _args(summary["args"]) if summary["args"] is not None else "- (not recorded)")
+    facts.add_row("device", summary["device"] or "-")
+    facts.add_row("hardware fingerprint", record["hardware_fp"])
+    facts.add_row("workload fingerprint", record["workload_fp"])
+    facts.add_row(SPEEDUP_HEADER, _speedup_with_interval(record))
+    facts.add_row("goodput", f"{record['goodput']:.1f} samples/s" if record["goodput"] else "-")
+    facts.add_row("tuned", str(record["created_at"]))
+    versions = ", ".join(f"{name} {version or 'absent'}" for name, version in (record["versions"] or {}).items())
+    facts.add_row("versions", versions or "-")
+    console.print(facts)
+    trials = record.get("trials") or []
+    if not trials:
+        return
+    table = Table(title="trials", title_justify="left")
+    for column in ("#", "mode", "outcome", "verdict", "goodput", "reason"):
+        table.add_column(column, overflow="fold")
+    for trial in trials:
+        goodput = trial.get("goodput")
+        table.add_row(
+            str(trial.get("number")), trial.get("mode") or "-", trial.get("outcome") or "-",
+            trial.get("verdict") or "-", "-" if goodput is None else f"{goodput:.1f}",
+            trial.get("reason") or "",
+        )
+    console.print(table)
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+
+
+def _summary_row(row: dict[str, Any]) -> dict[str, Any]:
+    """One recommendation as list/show print it (no trials)."""
+    try:
+        described = Policy.from_dict(row["policy"]).describe()
+    except PolicyError:
+        described = f"{row['mode']} (unreadable policy)"
+    hardware = row.get("hardware") or {}
+    summary = row.get("summary") or {}
+    script = row.get("script")
+    return {
+        "id": row["id"],
+        "hardware_fp": row["hardware_fp"],
+        "device": hardware.get("name") or summary.get("device"),
+        "workload_fp": row["workload_fp"],
+        "script": script,
+        "script_name": Path(script).name if script else None,
+        "args": _recorded_args(row),
+        "mode": described,
+        "policy": row["policy"],
+        "speedup_vs_fp32": row["speedup_vs_fp32"],
+        "goodput": row["goodput"],
+        "created_at": row["created_at"],
+        "tuned": str(row["created_at"])[:10],
+        "versions": row.get("versions") or {},
+    }

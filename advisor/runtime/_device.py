@@ -1,0 +1,52 @@
+"""Where this process trains, and whether the model it was given can still be converted."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def rank_device(device: str | torch.device | None, profile_device: str, env: Mapping[str, str]) -> str | torch.device:
+    """The device this process trains on.
+
+    Args:
+        device: the device asked for, or ``None``.
+        profile_device: the hardware profile's device (``"cuda:0"``, ``"cpu"``).
+        env: the process environment; torchrun sets ``LOCAL_RANK`` in each process it starts.
+
+    Returns:
+        ``device`` when one was named with an index (or is not CUDA); under torchrun on a GPU,
+        ``cuda:LOCAL_RANK``, so that each process of a node takes its own GPU; else the
+        profile's device.
+    """
+    if device is not None and str(device) != "cuda":
+        return device
+    chosen = device if device is not None else profile_device
+    local_rank = env.get("LOCAL_RANK", "")
+    if str(chosen).startswith("cuda") and local_rank.isdigit():
+        return f"cuda:{int(local_rank)}"
+    return chosen
+
+
+def _distributed_wrapper(model: Any) -> str | None:
+    """Why ``setup()`` cannot take ``model``: it is already wrapped for data parallelism;
+    ``None`` for a bare model."""
+    import torch
+
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return ("setup(model): the model is already wrapped in DistributedDataParallel; call "
+                "mp.setup(model, optimizer) on the bare model first, then wrap the model it returns")
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded yet
+    fix = ("call mp.setup(model) on the bare model first, then fully_shard it with "
+           "mp_policy=mp.fsdp_mixed_precision(), then build the optimizer on the sharded parameters")
+    if fsdp is not None and isinstance(model, getattr(fsdp, "FSDPModule", ())):
+        return f"setup(model): the model is already sharded with fully_shard; {fix}"
+    if fsdp is not None:
+        for name, module in model.named_modules():
+            if name and isinstance(module, getattr(fsdp, "FSDPModule", ())):
+                return f"setup(model): its module {name!r} is already sharded with fully_shard; {fix}"
+    return None

@@ -1,0 +1,112 @@
+"""FSDP2's mixed precision for a policy: the dtypes it needs, and a refusal when a script's own differs."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from policies import Policy, default_reduce_dtype, mode_class
+
+
+@dataclass(frozen=True)
+class FsdpPrecision:
+    """The dtypes of FSDP2's ``MixedPrecisionPolicy`` for a policy, by name.
+
+    Attributes:
+        param_dtype: the dtype FSDP2 casts the unsharded parameters to, in which the forward
+            and backward compute; ``None`` keeps the parameters' own dtype.
+        reduce_dtype: the dtype gradients are reduce-scattered in; ``None`` for the
+            parameters' own dtype.
+        output_dtype: the dtype of the sharded modules' outputs; ``None`` leaves them as
+            computed.
+    """
+
+    param_dtype: str | None
+    reduce_dtype: str | None
+    output_dtype: str | None = None
+
+
+def fsdp_precision(policy: Policy) -> FsdpPrecision:
+    """What FSDP2 should do for ``policy``: a pure mapping from its mode and ``reduce_dtype``.
+
+    * fp32, tf32 and the FP8 modes keep fp32 parameters (FP8 casts happen inside the swapped
+      layers; tf32 is a matmul switch); gradients are reduced in fp32: FSDP2's defaults.
+    * bf16-mixed, fp16-mixed: parameters are cast to the 16-bit dtype for compute, the fp32
+      shards stay the master weights the optimizer steps; gradients are reduced in fp32
+      unless the policy says the 16-bit dtype.
+    * bf16-true, fp16-true: ``setup()`` already cast the model, so the parameters and their
+      shards are 16-bit; gradients are reduced in that dtype unless the policy says fp32.
+
+    Outputs are left as computed (``output_dtype`` ``None``): the loss runs in
+    ``autocast()``, which computes it in fp32 as in a single process, and an fp32
+    ``output_dtype`` on every sharded block would cast each block's output up and the next
+    block's input down again.
+    """
+    family = mode_class(policy.mode).dtype_family
+    reduce = policy.reduce_dtype or default_reduce_dtype(policy.mode)
+    if family in ("bf16", "fp16"):
+        return FsdpPrecision(param_dtype=family, reduce_dtype=reduce)
+    return FsdpPrecision(param_dtype=None, reduce_dtype=None if reduce == "fp32" else reduce)
+
+
+def _torch_dtypes(precision: FsdpPrecision) -> tuple[Any, Any, Any]:
+    """``(param_dtype, reduce_dtype, output_dtype)`` of ``precision`` as torch dtypes (or ``None``)."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    names = (precision.param_dtype, precision.reduce_dtype, precision.output_dtype)
+    return tuple(None if name is None else dtypes[name] for name in names)  # type: ignore[return-value]
+
+
+def fsdp_policy_refusal(model: Any, policy: Policy) -> str | None:
+    """Why training cannot go on: a module of ``model`` was sharded with FSDP2 under a
+    ``MixedPrecisionPolicy`` other than ``policy``'s; ``None`` when every one matches, or
+    nothing is sharded.
+
+    FSDP2 casts the parameters to its own ``param_dtype`` and reduces in its own
+    ``reduce_dtype`` whatever the policy says, so a script's own policy would silently
+    override every candidate (an "fp32" reference computing in bf16). The dtypes are compared;
+    ``cast_forward_inputs`` changes no precision.
+
+    Args:
+        model: the model ``setup()`` returned, sharded since (or not).
+        policy: the policy in force.
+
+    Returns:
+        One line naming the module, both policies and the fix.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    fsdp_module = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    if fsdp_module is None:
+        return None
+    wanted = _torch_dtypes(fsdp_precision(policy))
+    for name, module in model.named_modules():
+        if not isinstance(module, fsdp_module):
+            continue
+        # FSDP2 keeps the policy fully_shard was given on the module's state (torch 2.6 and
+        # later: FSDPState._mp_policy; each FSDPParamGroup holds the same as mp_policy).
+        state_of = getattr(module, "_get_fsdp_state", None)
+        state = state_of() if callable(state_of) else None
+        given = getattr(state, "_mp_policy", None)
+        if given is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            given = getattr(group, "mp_policy", None)
+        if given is None:
+            continue
+        own = (given.param_dtype, given.reduce_dtype, given.output_dtype)
+        if own != wanted:
+            return (
+                f"fully_shard({name or 'model'}) was given mp_policy={_describe_mp(own)}, but the {policy.mode} "
+                f"policy needs {_describe_mp(wanted)}, so FSDP2 would train in the script's dtypes instead; "
+                "pass mp_policy=mp.fsdp_mixed_precision() to every fully_shard"
+            )
+    return None
+
+
+def _describe_mp(dtypes: tuple[Any, Any, Any]) -> str:
+    """``"MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)"``: the dtypes set, by short name."""
+    names = ("param_dtype", "reduce_dtype", "output_dtype")
+    short = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+    parts = [f"{n}={short.get(str(d), str(d))}" for n, d in zip(names, dtypes) if d is not None]
+    return f"MixedPrecisionPolicy({', '.join(parts)})"

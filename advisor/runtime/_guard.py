@@ -1,0 +1,253 @@
+"""The guard: watches a long run's optimizer steps for what a short trial cannot see.
+
+A tune judges a policy over a few hundred steps; a run lasts days, and much of what goes wrong
+in reduced precision shows up late (activations outgrowing fp16's range as the weights grow, a
+loss scale that keeps halving). The guard watches, on every optimizer step, three signals:
+
+* a non-finite loss on a step the optimizer applied, or on several steps in a row;
+* the GradScaler's skip rate over a window of steps;
+* the loss scale falling below its floor (a healthy GradScaler never goes below 1).
+
+Its limits are the stability verdicts' own (``GuardLimits.from_thresholds`` takes the tune's
+``StabilityThresholds``), so a run that a trial would have judged stable never trips them.
+
+What it does on a trip is the caller's: ``warn`` logs one line, once; ``fallback`` moves the
+run to ``guard_fallback``'s safer policy. The decision is a pure function of the values it is
+fed, so it is tested without devices or clocks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from probes import MpadviseError
+
+GUARD_ENV = "MPADVISE_GUARD"
+"""Environment variable that turns the guard on: ``warn``, ``fallback`` or ``off``."""
+
+GUARD_SETTINGS = ("off", "warn", "fallback")
+"""What the guard may be told to do, from nothing to the most."""
+
+NON_FINITE = "non-finite loss"
+SKIP_RATE = "skip rate"
+SCALE_COLLAPSE = "loss-scale collapse"
+
+
+def guard_setting(given: str | None, environ: Mapping[str, str] = os.environ) -> str:
+    """The guard setting in force: ``given``, else ``MPADVISE_GUARD``, else ``"off"``.
+
+    Raises:
+        MpadviseError: a value that is not one of ``GUARD_SETTINGS``, naming where it came from.
+    """
+    where, value = ("guard=", given) if given is not None else (f"{GUARD_ENV}=", environ.get(GUARD_ENV, ""))
+    value = (value or "off").strip().lower()
+    if value not in GUARD_SETTINGS:
+        raise MpadviseError(f"{where}{value!r} is not a guard setting; expected one of {', '.join(GUARD_SETTINGS)}")
+    return value
+
+
+@dataclass(frozen=True)
+class GuardLimits:
+    """When a signal trips.
+
+    Attributes:
+        window: optimizer steps over which the skip rate is counted.
+        calibration_steps: the first steps, whose skips are the scaler finding its scale.
+        max_skip_fraction: the most skips a window may hold, as a fraction (at least two are
+            always allowed: a healthy dynamic scaler skips once per growth interval).
+        min_loss_scale: a loss scale below this is a collapse.
+        non_finite_run: this many non-finite losses in a row trip the guard even where the
+            scaler skipped each of those steps (one such step is the scaler doing its job).
+    """
+
+    window: int = 50
+    calibration_steps: int = 16
+    max_skip_fraction: float = 0.05
+    min_loss_scale: float = 1.0
+    non_finite_run: int = 3
+
+    @classmethod
+    def from_thresholds(cls, thresholds: Any) -> GuardLimits:
+        """The limits the stability verdicts use (a tune's ``StabilityThresholds``)."""
+        return cls(
+            calibration_steps=int(thresholds.calibration_steps),
+            max_skip_fraction=float(thresholds.max_skip_fraction),
+            min_loss_scale=float(thresholds.min_loss_scale),
+        )
+
+    @property
+    def max_skips(self) -> int:
+        """Skips a window may hold before it trips."""
+        return max(2, math.floor(self.max_skip_fraction * self.window))
+
+
+@dataclass(frozen=True)
+class GuardEvent:
+    """What the guard saw: the signal, the optimizer step where it began, and what followed.
+
+    Attributes:
+        signal: ``NON_FINITE``, ``SKIP_RATE`` or ``SCALE_COLLAPSE``.
+        step: the optimizer step (counted from 1) where the signal began.
+        tripped_at: the optimizer step at which the guard tripped.
+        policy: the mode in force when it began.
+        fallback: the safer mode the run moved to (``fallback``), or would move to (``warn``);
+            ``None`` where nothing safer runs here.
+        action: ``"warned"``, ``"fell back"``, or ``"restart needed"`` (a framework that
+            cannot change precision in place).
+        detail: the figures behind the signal, for people.
+    """
+
+    signal: str
+    step: int
+    tripped_at: int
+    policy: str
+    fallback: str | None
+    action: str
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the cache and checkpoints."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GuardEvent:
+        """The inverse of ``to_dict``; unknown keys are refused, naming them."""
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise MpadviseError(f"guard event: unknown fields {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+    def line(self) -> str:
+        """The one line a person reads."""
+        where = f"began at optimizer step {self.step}" + (
+            f", tripped at {self.tripped_at}" if self.tripped_at != self.step else "")
+        head = f"guard: {self.signal} under {self.policy} ({where}; {self.detail})"
+        if self.action == "fell back":
+            return f"{head}; the step was not applied and training goes on under {self.fallback}"
+        safer = self.fallback or "a safer mode"
+        if self.action == "restart needed":
+            return (f"{head}; this framework cannot change precision in place: restart the run with "
+                    f"--mode {safer} (the next load_policy() applies it)")
+        return (f"{head}; rerun with --guard fallback (or MPADVISE_GUARD=fallback) to move to {safer} "
+                f"in place, or tune for {safer}")
+
+
+class Guard:
+    """The guard's state over a run: fed each optimizer step, it says when a signal trips.
+
+    Args:
+        setting: ``"warn"`` or ``"fallback"`` (``"off"`` makes a guard that never trips).
+        limits: when the signals trip.
+    """
+
+    def __init__(self, setting: str, limits: GuardLimits | None = None) -> None:
+        if setting not in GUARD_SETTINGS:
+            raise MpadviseError(f"guard {setting!r}: expected one of {', '.join(GUARD_SETTINGS)}")
+        self.setting = setting
+        self.limits = limits or GuardLimits()
+        self.events: list[GuardEvent] = []
+        self._skips: deque[int] = deque()  # optimizer steps the scaler skipped, within the window
+        self._non_finite_since: int | None = None
+        self._collapse_since: int | None = None
+        self._tripped = False
+
+    @property
+    def active(self) -> bool:
+        """Whether it watches at all."""
+        return self.setting != "off"
+
+    @property
+    def tripped(self) -> bool:
+        """Whether a signal tripped since the last ``rearm`` (a warning is said once)."""
+        return self._tripped
+
+    def observe(self, step: int, *, loss: float, applied: bool, loss_scale: float | None) -> tuple[str, int, str] | None:
+        """Take one optimizer step's facts; the signal that trips now, if any.
+
+        Args:
+            step: the optimizer step, counted from 1.
+            loss: the step's loss value (the last micro-batch's).
+            applied: whether the optimizer step was applied (not skipped by the scaler).
+            loss_scale: the scale after the step, or ``None`` without a scaler.
+
+        Returns:
+            ``(signal, onset step, detail)`` the first time a signal trips; ``None`` otherwise,
+            and always once tripped until ``rearm``.
+        """
+        if not self.active or self._tripped:
+            return None
+        found = self._non_finite(step, loss, applied) or self._skip_rate(step, applied) or self._collapse(step, loss_scale)
+        if found is not None:
+            self._tripped = True
+        return found
+
+    def _non_finite(self, step: int, loss: float, applied: bool) -> tuple[str, int, str] | None:
+        if math.isfinite(loss):
+            self._non_finite_since = None
+            return None
+        if self._non_finite_since is None:
+            self._non_finite_since = step
+        run = step - self._non_finite_since + 1
+        if applied:
+            return NON_FINITE, self._non_finite_since, f"loss {loss} on a step the optimizer applied"
+        if run >= self.limits.non_finite_run:
+            return NON_FINITE, self._non_finite_since, f"{run} non-finite losses in a row"
+        return None
+
+    def _skip_rate(self, step: int, applied: bool) -> tuple[str, int, str] | None:
+        if applied or step <= self.limits.calibration_steps:
+            return None
+        self._skips.append(step)
+        while self._skips and self._skips[0] <= step - self.limits.window:
+            self._skips.popleft()
+        if len(self._skips) > self.limits.max_skips:
+            return (SKIP_RATE, self._skips[0],
+                    f"{len(self._skips)} of the last {self.limits.window} optimizer steps skipped by the GradScaler")
+        return None
+
+    def _collapse(self, step: int, loss_scale: float | None) -> tuple[str, int, str] | None:
+        if loss_scale is None or loss_scale >= self.limits.min_loss_scale * 2:
+            self._collapse_since = None
+            return None
+        # Onset: the first step of the fall that ends below the floor (the scale within a
+        # halving of it), which is where the overflow began to win.
+        if self._collapse_since is None:
+            self._collapse_since = step
+        if loss_scale < self.limits.min_loss_scale:
+            return (SCALE_COLLAPSE, self._collapse_since,
+                    f"loss scale {loss_scale:g}, below the floor {self.limits.min_loss_scale:g}")
+        return None
+
+    def record(self, event: GuardEvent) -> None:
+        """Keep ``event`` (it goes into ``state_dict``)."""
+        self.events.append(event)
+
+    def rearm(self) -> None:
+        """Watch afresh, under a new policy after a fallback."""
+        self._skips.clear()
+        self._non_finite_since = self._collapse_since = None
+        self._tripped = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window and the events, for a checkpoint."""
+        return {
+            "setting": self.setting,
+            "skips": list(self._skips),
+            "non_finite_since": self._non_finite_since,
+            "collapse_since": self._collapse_since,
+            "tripped": self._tripped,
+            "events": [event.to_dict() for event in self.events],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned; the setting stays this run's."""
+        self._skips = deque(int(step) for step in state.get("skips", ()))
+        self._non_finite_since = state.get("non_finite_since")
+        self._collapse_since = state.get("collapse_since")
+        self._tripped = bool(state.get("tripped", False))
+        self.events = [GuardEvent.from_dict(event) for event in state.get("events", ())]
