@@ -13,7 +13,7 @@ the ``Store`` and ``open_store``; the record schema (``RECORD_FIELDS``, ``Record
 fingerprint patterns, ``read_export``); the job states; and what an answer means here
 (``record_tune``, ``lookup``, ``cached_answers``, ``TunedAnswer``, ``entry_status``,
 ``stale_entries``, ``nothing_cached_yet``); the runtime guard's events (``record_guard_event``,
-``guard_events_for``, ``EVENT_FIELDS``), kept by ``_events``.
+``guard_events_for``, kept by ``_events``; ``EVENT_FIELDS`` by ``_event_rows``).
 
 The exports are lazy (a module ``__getattr__``, PEP 562): importing the package imports none
 of its modules, so that ``load_policy()`` pays for sqlite-utils only when it really reads the
@@ -36,7 +36,7 @@ _EXPORTS = {
     "Record": "_records",
     "RecordField": "_records",
     "read_export": "_records",
-    "EVENT_FIELDS": "_events",
+    "EVENT_FIELDS": "_event_rows",
     "guard_events_for": "_events",
     "record_guard_event": "_events",
     "FINISHED_JOB_STATES": "_jobs",
@@ -47,7 +47,7 @@ _EXPORTS = {
     "cached_answers": "_recommend",
     "entry_status": "_recommend",
     "lookup": "_recommend",
-    "nothing_cached_yet": "_recommend",
+    "nothing_cached_yet": "_base",
     "record_tune": "_recommend",
     "stale_entries": "_recommend",
 }

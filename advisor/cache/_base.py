@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -154,3 +155,25 @@ def guarded(method: _F) -> _F:
                 raise self._as_error(exc, error_kind(exc)) from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+def nothing_cached_yet(path: Path) -> bool:
+    """Whether the cache file at ``path`` does not exist yet but could be created there.
+
+    Such a cache holds nothing, so readers can skip it without creating it. A location where
+    it could not be created (below a regular file, in a read-only directory) is not "nothing
+    cached yet": readers open it anyway, so that the store warns about it once.
+
+    Args:
+        path: the database file.
+
+    Returns:
+        True when ``path`` does not exist and its nearest existing ancestor is a writable
+        directory.
+    """
+    if path.exists():
+        return False
+    for ancestor in path.parents:
+        if ancestor.exists():
+            return ancestor.is_dir() and os.access(ancestor, os.W_OK | os.X_OK)
+    return False

@@ -15,46 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor._paths import database_path
-from advisor.cache._base import StoreBase, guarded
-from advisor.cache._records import utc_now
+from advisor.cache._base import nothing_cached_yet
+from advisor.cache._store import open_store
 from probes import MpadviseError, hardware_fingerprint
 
 if TYPE_CHECKING:
     from probes import HardwareProfile
-
-EVENT_FIELDS = ("signal", "step", "tripped_at", "policy", "fallback", "action", "detail")
-"""The fields of one event, as the runtime's ``GuardEvent.to_dict()`` gives them."""
-
-
-class GuardEvents(StoreBase):
-    """The Store's guard events."""
-
-    @guarded
-    def put_guard_event(self, event: Mapping[str, Any], *, hardware_fp: str, workload_fp: str | None,
-                        script: str | None) -> int:
-        """Store one event; returns its id.
-
-        Raises:
-            MpadviseError: ``event`` lacks a field of ``EVENT_FIELDS`` or has others.
-        """
-        if set(event) != set(EVENT_FIELDS):
-            raise MpadviseError(f"guard event: expected the fields {', '.join(EVENT_FIELDS)}, got {', '.join(sorted(event))}")
-        row = {**{name: event[name] for name in EVENT_FIELDS}, "hardware_fp": hardware_fp,
-               "workload_fp": workload_fp, "script": script, "created_at": utc_now()}
-        with self._write() as db:
-            return int(db.table("guard_events").insert(row).last_pk)
-
-    @guarded
-    def list_guard_events(self, *, hardware_fp: str | None = None, script: str | None = None) -> list[dict[str, Any]]:
-        """The stored events, newest first; only this hardware's and script's where given."""
-        where, params = [], []
-        for column, value in (("hardware_fp", hardware_fp), ("script", script)):
-            if value is not None:
-                where.append(f"{column} = ?")
-                params.append(value)
-        clause = f" WHERE {' AND '.join(where)}" if where else ""
-        return list(self.db.query(f"SELECT * FROM guard_events{clause} ORDER BY created_at DESC, id DESC", params))
-
 
 def record_guard_event(event: Mapping[str, Any], *, profile: HardwareProfile, workload_fp: str | None,
                        script: str | os.PathLike[str] | None) -> bool:
@@ -65,8 +31,6 @@ def record_guard_event(event: Mapping[str, Any], *, profile: HardwareProfile, wo
     Returns:
         Whether it was stored.
     """
-    from advisor.cache._store import open_store
-
     path = database_path()
     store = open_store(path)
     if store is None:
@@ -83,9 +47,6 @@ def record_guard_event(event: Mapping[str, Any], *, profile: HardwareProfile, wo
 
 def guard_events_for(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
     """This hardware's and script's guard events, newest first; empty on any cache trouble."""
-    from advisor.cache._recommend import nothing_cached_yet
-    from advisor.cache._store import open_store
-
     path = database_path()
     if script is None or nothing_cached_yet(path):
         return []

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor._paths import database_path
+from advisor.cache._base import nothing_cached_yet
 from advisor.cache._records import TRIAL_FIELDS
 from policies import (
     HardwareMismatch,
@@ -482,25 +483,3 @@ def stale_entries(
             continue
         stale.append((row, status.describe() if status is not None else "tuned on other hardware"))
     return stale
-
-
-def nothing_cached_yet(path: Path) -> bool:
-    """Whether the cache file at ``path`` does not exist yet but could be created there.
-
-    Such a cache holds nothing, so readers can skip it without creating it. A location where
-    it could not be created (below a regular file, in a read-only directory) is not "nothing
-    cached yet": readers open it anyway, so that the store warns about it once.
-
-    Args:
-        path: the database file.
-
-    Returns:
-        True when ``path`` does not exist and its nearest existing ancestor is a writable
-        directory.
-    """
-    if path.exists():
-        return False
-    for ancestor in path.parents:
-        if ancestor.exists():
-            return ancestor.is_dir() and os.access(ancestor, os.W_OK | os.X_OK)
-    return False

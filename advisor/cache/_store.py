@@ -44,7 +44,7 @@ import sqlite_utils
 from advisor._paths import database_path
 from advisor._secure import ensure_private_dir, ensure_private_file, open_private_new
 from advisor.cache._base import BUSY_TIMEOUT_S, error_kind
-from advisor.cache._events import GuardEvents
+from advisor.cache._event_rows import GuardEvents
 from advisor.cache._jobs import JobQueue
 from advisor.cache._migrations import UnknownSchemaError, ensure_schema
 from advisor.cache._recommendations import Recommendations

@@ -522,10 +522,11 @@ class AppliedPolicy:
             self.skipped_steps += 1
         if observer is not None:
             observer.after_step(self, loss=loss, stepped=stepped, optimizer_step=True)
-        tripped = self.guard.observe(self.optimizer_steps, loss=value, applied=stepped or withheld,
-                                     loss_scale=self.loss_scale())
-        if tripped is not None:
-            self._guard_tripped(*tripped)
+        if self.guard.active:
+            tripped = self.guard.observe(self.optimizer_steps, loss=value, applied=stepped or withheld,
+                                         loss_scale=self.loss_scale())
+            if tripped is not None:
+                self._guard_tripped(*tripped)
         return stepped
 
     def _guard_tripped(self, signal: str, onset: int, detail: str) -> None:

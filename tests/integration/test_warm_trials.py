@@ -228,7 +228,7 @@ def test_a_framework_script_runs_warm(tmp_path, isolated_home):
 
 def test_no_trial_directory_outlives_its_trial(tmp_path, isolated_home, warm, monkeypatch):
     # A runner once held one directory for its life, and so did each runner derived from it (on
-    # fewer threads, more steps): the garbage collector removed it whenever such a runner was
+    # more steps): the garbage collector removed it whenever such a runner was
     # dropped, and a Ctrl-C arriving then was swallowed ("Exception ignored in: <finalize
     # object>") while the tune went on. Each trial now has its own, removed as it ends.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -237,7 +237,7 @@ def test_no_trial_directory_outlives_its_trial(tmp_path, isolated_home, warm, mo
         return sorted(tmp_path.glob("mpadvise-trial-*"))
 
     runner = ScriptRunner(SCRIPTS / "tiny_ok.py", ["40"], TrialSettings(warmup_steps=2, measure_steps=8), warm=warm)
-    derived = runner.with_threads(1).with_measure_steps(16)
+    derived = runner.with_measure_steps(16)
     assert trial_dirs() == []
     seen: list[list[Path]] = []
     watcher = threading.Thread(target=lambda: seen.append(_wait(trial_dirs, timeout=60)), daemon=True)
