@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import probes
-from advisor._load import POLICY_ENV, PolicySource, Resolution, resolve_policy
+from advisor._load import POLICY_ENV, PolicySource, Resolution, after_guard_events, resolve_policy
 from advisor._log import get_logger
 from advisor._paths import config_path_for
-from advisor.cache import TunedAnswer, cached_answers
+from advisor.cache import TunedAnswer, cached_answers, guard_events_for
 from advisor.frameworks import RUN_POLICY_ENV, RUN_SOURCE_ENV, check_expressible, plan_for, refusal
 from advisor.runtime import GUARD_ENV, fallback_words, guard_setting, safe_fallback, script_digest
 from advisor.tune import check_script
@@ -141,6 +141,9 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
         return _run([sys.executable, str(path), *script_args], env, summary=_summary(
             script=path, framework=plan.framework, policy=None, source="none: the script's own settings",
             kind=None) if json_output else None)
+    if config is None and resolution.kind is not PolicySource.ENV:
+        # A long run under this policy that the guard saw go wrong: the mode it fell back to.
+        resolution = after_guard_events(resolution, guard_events_for(profile, path))
     policy = resolution.policy
     if resolution.kind is PolicySource.SAFE_DEFAULT and refusal(policy, plan.framework, device=profile.device) is not None:
         # mpadvise's own choice is a mode this framework lacks (pure bf16): fp32 is safe anywhere.

@@ -238,6 +238,12 @@ def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str |
     _wrap_backward(torch.Tensor, steps)
     _wrap_clipping(torch.nn.utils, steps)
     _announce(policy, recorder)
+    if recorder is None:
+        from advisor.frameworks._torch_guard import run_guard
+
+        guard = run_guard(policy)
+        if guard is not None:
+            steps.watch = guard.step
     if recorder is not None:
         recorder.no_step_reason = run.no_backward
         recorder.policy_applied()  # the hooks are the candidate: from here the script has its bound

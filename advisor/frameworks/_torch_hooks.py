@@ -287,6 +287,8 @@ class Steps:
             self.recorder.begin(user_batch=None, micro_batch=self._samples or None, grad_accum_steps=None)
 
     make_scaler: Callable[[], Any] = staticmethod(lambda: None)
+    # Under `mpadvise run` with the guard on: each optimizer step's losses, scale and skip.
+    watch: Callable[[list[Any], float | None, bool], None] | None = None
 
     # ---- optimizers and scalers (the injected scaling: before_step, before_clip) -------------
 
@@ -323,6 +325,8 @@ class Steps:
     def _end(self, scale: float | None, skipped: bool) -> None:
         losses, samples = self._losses, self._samples
         self._losses, self._samples = [], 0
+        if self.watch is not None and losses:
+            self.watch(losses, scale, skipped)
         if self.recorder is None or not self.recorder.begun or not losses:
             return
         if self.recorder.workload_fingerprint is None and self._model is not None:

@@ -131,8 +131,8 @@ class GuardEvent:
             return f"{head}; the step was not applied and training goes on under {self.fallback}"
         safer = self.fallback or "a safer mode"
         if self.action == "restart needed":
-            return (f"{head}; this framework cannot change precision in place: restart the run with "
-                    f"--mode {safer} (the next load_policy() applies it)")
+            return (f"{head}; this script's precision cannot change in place: restart the run, and the next "
+                    f"`mpadvise run` or load_policy() applies {safer}")
         return (f"{head}; rerun with --guard fallback (or MPADVISE_GUARD=fallback) to move to {safer} "
                 f"in place, or tune for {safer}")
 

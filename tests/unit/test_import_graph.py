@@ -30,7 +30,7 @@ ADVISOR_LAYERS = {
     "_load": {"runtime", "trial", "tune", "cache"},
     "_hardware": set(),
     "daemon": {"daemon", "cache", "tune", "trial", "_hardware", "frameworks"},
-    "frameworks": {"frameworks", "tune", "trial", "runtime"},
+    "frameworks": {"frameworks", "tune", "trial", "runtime", "cache"},
     "trial": {"trial", "runtime"},
     "cli": {"cli", "cache", "daemon", "tune", "trial", "runtime", "_load", "_hardware", "frameworks"},
     "__init__": {"_load", "runtime", "tune"},
