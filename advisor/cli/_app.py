@@ -44,6 +44,20 @@ class _OneLineUsageErrors(TyperGroup):
             raise SystemExit(fail(" ".join(message().split()) + hint, getattr(exc, "exit_code", 2)).exit_code) from None
         raise SystemExit(code if isinstance(code, int) else 0)
 
+    # typer turns a Ctrl-C while it parses, prints help or dispatches into a silent exit 130; a
+    # command's own Ctrl-C is its one line already (handle_errors). These say it in that line.
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise fail("interrupted", 130) from None
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise fail("interrupted", 130) from None
+
 
 app = typer.Typer(
     cls=_OneLineUsageErrors,
@@ -276,9 +290,3 @@ app.command("env")(_env.env)
 app.add_typer(_cache.app, name="cache")
 app.add_typer(_daemon.app, name="daemon")
 app.add_typer(_study.app, name="study")
-
-
-def main() -> None:
-    """Console-script entry point."""
-    app()
-
