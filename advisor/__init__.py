@@ -12,16 +12,40 @@ What a training script needs::
         with mp.autocast():
             loss = loss_fn(model(x), y)
         mp.step(loss, optimizer)
+
+Every name here loads on first use (PEP 562), so ``import advisor`` costs next to nothing: the
+command line (``advisor.cli``, a subpackage) starts with its Ctrl-C handling in place before the
+tune, the runtime and the policies are imported.
 """
 
 from __future__ import annotations
 
-from advisor._load import load_policy
+import sys as _sys
+from types import ModuleType as _ModuleType
+from typing import TYPE_CHECKING
+
+from advisor._lazy import lazy_surface
 from advisor._version import __version__
-from advisor.runtime import AppliedPolicy
-from advisor.tune import tune
-from policies import MODES, Fp8Options, LossScale, Policy, PolicyError
-from probes import MpadviseError
+
+if TYPE_CHECKING:  # what static tools see; at run time each name loads on first use
+    from advisor._load import load_policy
+    from advisor.runtime import AppliedPolicy
+    from advisor.tune import tune
+    from policies import MODES, Fp8Options, LossScale, Policy, PolicyError
+    from probes import MpadviseError
+
+# Each exported name, and the module that defines it (imported on first use).
+_EXPORTS = {
+    "load_policy": "_load",
+    "AppliedPolicy": "advisor.runtime",
+    "tune": "advisor.tune",
+    "MODES": "policies",
+    "Fp8Options": "policies",
+    "LossScale": "policies",
+    "Policy": "policies",
+    "PolicyError": "policies",
+    "MpadviseError": "probes",
+}
 
 __all__ = [
     "MODES",
@@ -35,3 +59,19 @@ __all__ = [
     "load_policy",
     "tune",
 ]
+
+
+class _Surface(_ModuleType):
+    """``advisor`` itself: ``advisor.tune`` stays the function ``tune`` when the subpackage of the
+    same name is imported. Importing ``advisor.tune`` (the API, the CLI, ``import
+    advisor.tune._engine``) sets the package's attribute to the subpackage; the public API is
+    ``advisor.tune(script, ...)``, so the attribute keeps the subpackage's function instead."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "tune" and isinstance(value, _ModuleType) and value.__name__ == f"{self.__name__}.tune":
+            value = getattr(value, "tune", value)
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Surface
+__getattr__, __dir__ = lazy_surface(__name__, _EXPORTS, globals())

@@ -17,7 +17,9 @@ def lazy_surface(package: str, exports: Mapping[str, str], namespace: dict[str, 
 
     Args:
         package: the package's ``__name__``.
-        exports: exported name -> the private module of the package that defines it.
+        exports: exported name -> the private module of the package that defines it
+            (``"_store"``), or, for a name re-exported from elsewhere, the full name of the module
+            that exports it (``"policies"``, ``"advisor.runtime"``).
         namespace: the package's ``globals()``; a name, once loaded, is stored there, so later
             lookups do not come back here.
     """
@@ -26,7 +28,7 @@ def lazy_surface(package: str, exports: Mapping[str, str], namespace: dict[str, 
         module = exports.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        value = getattr(importlib.import_module(f"{package}.{module}" if module.startswith("_") else module), name)
         namespace[name] = value
         return value
 

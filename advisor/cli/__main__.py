@@ -1,5 +1,5 @@
 """``python -m advisor.cli``: the same as the ``mpadvise`` command."""
 
-from advisor.cli._app import main
+from advisor.cli import main
 
 main()

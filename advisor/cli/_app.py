@@ -44,6 +44,20 @@ class _OneLineUsageErrors(TyperGroup):
             raise SystemExit(fail(" ".join(message().split()) + hint, getattr(exc, "exit_code", 2)).exit_code) from None
         raise SystemExit(code if isinstance(code, int) else 0)
 
+    # typer turns a Ctrl-C while it parses, prints help or dispatches into a silent exit 130; a
+    # command's own Ctrl-C is its one line already (handle_errors). These say it in that line.
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise fail("interrupted", 130) from None
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise fail("interrupted", 130) from None
+
 
 app = typer.Typer(
     cls=_OneLineUsageErrors,
@@ -131,113 +145,7 @@ def with_tune_options(
     return expand
 
 
-@app.command()
-@handle_errors
-def probe(
-    json_output: JsonOption = False,
-    bench: Annotated[bool, typer.Option("--bench", help="Also measure matmul TFLOP/s per dtype on each device.")] = False,
-) -> None:
-    """Show what this machine can do: devices, supported precision modes, the safe default."""
-    from advisor._hardware import probe_report
-    from advisor.cli._probe import render_probe
-
-    report = probe_report(bench=bench)
-    if json_output:
-        print_json(report)
-    else:
-        render_probe(report, console)
-
-
-@app.command()
-@handle_errors
-def policy(
-    target: Annotated[
-        Path | None, typer.Argument(help="A training script, or a .toml config file to check.")
-    ] = None,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda:N; default: the first GPU, else the CPU.")] = None,
-    json_output: JsonOption = False,
-) -> None:
-    """Which policy load_policy() would apply for a script (or a config file) here, and why."""
-    from advisor.cli._policy import explain_policy
-
-    info = explain_policy(target, device=device)
-    if json_output:
-        print_json(info)
-        return
-    console.print(f"[bold]{info['describe']}[/] from {info['source']}", highlight=False)
-    if info["not_applied_because"]:
-        console.print(f"[yellow]not applying the tuned policy[/]: {info['not_applied_because']}", highlight=False)
-
-
-@app.command(context_settings={"help_option_names": ["-h", "--help"]})
-@handle_errors
-@with_tune_options(lambda option: option.trial)
-def trial(
-    script: Annotated[Path, typer.Argument(help="The training script (it calls advisor.load_policy(), or trains with a framework).")],
-    script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
-    *,
-    options: TuneOptions,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write loss curves and step times to this PNG.")] = None,
-    stream: Annotated[Path | None, typer.Option(
-        "--stream", help="Append one JSON line per finished trial to this file, then the comparison "
-        "(default: the file MPADVISE_TRIAL_STREAM names, if any), so a run cut short keeps every verdict.")] = None,
-    pairs: Annotated[int, typer.Option(
-        "--pairs", min=0, max=PAIRS_MAX,
-        help="Run fp32 and each stable candidate again this many rounds, interleaved, for a paired "
-        "speed-up with its 95% interval (0: one run of each).")] = 0,
-    json_output: JsonOption = False,
-    quiet: QuietOption = False,
-) -> None:
-    """Run the fp32 reference and the named candidates; compare speed, memory and stability."""
-    from advisor.cli._trial import TrialStream, run_trial_command
-
-    code = run_trial_command(script, script_args or [], options, plot=plot, json_output=json_output, console=console,
-                             stream=None if stream is None else TrialStream(stream), quiet=quiet, pairs=pairs)
-    raise typer.Exit(code)
-
-
-@app.command(context_settings={"help_option_names": ["-h", "--help"]})
-@handle_errors
-def run(
-    script: Annotated[Path, typer.Argument(help="The training script: a Lightning, HF Trainer or Accelerate script, or one that calls load_policy().")],
-    script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
-    config: Annotated[Path | None, typer.Option(help="Config file to apply; default: resolved as load_policy() does.")] = None,
-    framework: Annotated[str | None, typer.Option(help=_option_help(_FRAMEWORK_OPTION))] = None,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda:N whose policy applies; default: the first GPU, else the CPU.")] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="After the script's own output, print one line of JSON on "
-                                              "stdout: the policy applied and its source, the framework, the script's "
-                                              "exit code and wall time (mpadvise run --json x.py | tail -1 | jq).")] = False,
-    guard: Annotated[str | None, typer.Option(help="warn or fallback (or off): what the guard does when the run turns "
-                                              "unstable late; default MPADVISE_GUARD, else warn.")] = None,
-) -> None:
-    """Run a script, unchanged, with its tuned policy applied (the script's exit code is this command's)."""
-    from advisor.cli._run import run_command
-
-    raise typer.Exit(run_command(script, script_args or [], config=config, framework=framework, device=device,
-                                 json_output=json_output, guard=guard))
-
-
-@app.command()
-@handle_errors
-def export(
-    config: Annotated[
-        Path | None, typer.Argument(help="A config file (.toml, as mpadvise tune writes), or a training script (.py) whose policy resolves as mpadvise policy does.")
-    ] = None,
-    to: Annotated[
-        str | None, typer.Option("--to", help="lightning, fabric, transformers, accelerate, deepspeed or torchtitan.")
-    ] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Write the export to this file instead of printing it.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file (never the script, nor a .py file "
-                                        "mpadvise export did not write).")] = False,
-    json_output: JsonOption = False,
-) -> None:
-    """Print a policy as a framework's own settings: faithful, or refused with the reason."""
-    from advisor.cli._export import export_command
-
-    export_command(config, target=to, out=out, json_output=json_output, force=force)
-
-
-@app.command()
+@app.command(rich_help_panel="Tune")
 @handle_errors
 @with_tune_options()
 def tune(
@@ -271,14 +179,117 @@ def tune(
     raise typer.Exit(command(script, script_args or [], options, json_output=json_output, console=console, quiet=quiet))
 
 
-app.command("show")(_cache.show)
-app.command("env")(_env.env)
-app.add_typer(_cache.app, name="cache")
-app.add_typer(_daemon.app, name="daemon")
-app.add_typer(_study.app, name="study")
+@app.command(rich_help_panel="Tune", context_settings={"help_option_names": ["-h", "--help"]})
+@handle_errors
+@with_tune_options(lambda option: option.trial)
+def trial(
+    script: Annotated[Path, typer.Argument(help="The training script (it calls advisor.load_policy(), or trains with a framework).")],
+    script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
+    *,
+    options: TuneOptions,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write loss curves and step times to this PNG.")] = None,
+    stream: Annotated[Path | None, typer.Option(
+        "--stream", help="Append one JSON line per finished trial to this file, then the comparison "
+        "(default: the file MPADVISE_TRIAL_STREAM names, if any), so a run cut short keeps every verdict.")] = None,
+    pairs: Annotated[int, typer.Option(
+        "--pairs", min=0, max=PAIRS_MAX,
+        help="Run fp32 and each stable candidate again this many rounds, interleaved, for a paired "
+        "speed-up with its 95% interval (0: one run of each).")] = 0,
+    json_output: JsonOption = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Run the fp32 reference and the named candidates; compare speed, memory and stability."""
+    from advisor.cli._trial import TrialStream, run_trial_command
+
+    code = run_trial_command(script, script_args or [], options, plot=plot, json_output=json_output, console=console,
+                             stream=None if stream is None else TrialStream(stream), quiet=quiet, pairs=pairs)
+    raise typer.Exit(code)
 
 
-def main() -> None:
-    """Console-script entry point."""
-    app()
+@app.command(rich_help_panel="Apply", context_settings={"help_option_names": ["-h", "--help"]})
+@handle_errors
+def run(
+    script: Annotated[Path, typer.Argument(help="The training script: a Lightning, HF Trainer or Accelerate script, or one that calls load_policy().")],
+    script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
+    config: Annotated[Path | None, typer.Option(help="Config file to apply; default: resolved as load_policy() does.")] = None,
+    framework: Annotated[str | None, typer.Option(help=_option_help(_FRAMEWORK_OPTION))] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda:N whose policy applies; default: the first GPU, else the CPU.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="After the script's own output, print one line of JSON on "
+                                              "stdout: the policy applied and its source, the framework, the script's "
+                                              "exit code and wall time (mpadvise run --json x.py | tail -1 | jq).")] = False,
+    guard: Annotated[str | None, typer.Option(help="warn or fallback (or off): what the guard does when the run turns "
+                                              "unstable late; default MPADVISE_GUARD, else warn.")] = None,
+) -> None:
+    """Run a script, unchanged, with its tuned policy applied (the script's exit code is this command's)."""
+    from advisor.cli._run import run_command
 
+    raise typer.Exit(run_command(script, script_args or [], config=config, framework=framework, device=device,
+                                 json_output=json_output, guard=guard))
+
+
+@app.command(rich_help_panel="Apply")
+@handle_errors
+def policy(
+    target: Annotated[
+        Path | None, typer.Argument(help="A training script, or a .toml config file to check.")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda:N; default: the first GPU, else the CPU.")] = None,
+    json_output: JsonOption = False,
+) -> None:
+    """Which policy load_policy() would apply for a script (or a config file) here, and why."""
+    from advisor.cli._policy import explain_policy
+
+    info = explain_policy(target, device=device)
+    if json_output:
+        print_json(info)
+        return
+    console.print(f"[bold]{info['describe']}[/] from {info['source']}", highlight=False)
+    if info["not_applied_because"]:
+        console.print(f"[yellow]not applying the tuned policy[/]: {info['not_applied_because']}", highlight=False)
+
+
+@app.command(rich_help_panel="Apply")
+@handle_errors
+def export(
+    config: Annotated[
+        Path | None, typer.Argument(help="A config file (.toml, as mpadvise tune writes), or a training script (.py) whose policy resolves as mpadvise policy does.")
+    ] = None,
+    to: Annotated[
+        str | None, typer.Option("--to", help="lightning, fabric, transformers, accelerate, deepspeed or torchtitan.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write the export to this file instead of printing it.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file (never the script, nor a .py file "
+                                        "mpadvise export did not write).")] = False,
+    json_output: JsonOption = False,
+) -> None:
+    """Print a policy as a framework's own settings: faithful, or refused with the reason."""
+    from advisor.cli._export import export_command
+
+    export_command(config, target=to, out=out, json_output=json_output, force=force)
+
+
+# The help groups the commands by what they are for: Tune, Apply, Machine, then the groups (Cache, Service).
+app.command("show", rich_help_panel="Apply")(_cache.show)
+app.add_typer(_cache.app, name="cache", rich_help_panel="Cache")
+app.add_typer(_study.app, name="study", rich_help_panel="Cache")
+app.add_typer(_daemon.app, name="daemon", rich_help_panel="Service")
+
+
+@app.command(rich_help_panel="Machine")
+@handle_errors
+def probe(
+    json_output: JsonOption = False,
+    bench: Annotated[bool, typer.Option("--bench", help="Also measure matmul TFLOP/s per dtype on each device.")] = False,
+) -> None:
+    """Show what this machine can do: devices, supported precision modes, the safe default."""
+    from advisor._hardware import probe_report
+    from advisor.cli._probe import render_probe
+
+    report = probe_report(bench=bench)
+    if json_output:
+        print_json(report)
+    else:
+        render_probe(report, console)
+
+
+app.command("env", rich_help_panel="Machine")(_env.env)

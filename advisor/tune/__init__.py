@@ -3,7 +3,8 @@ against the fp32 reference, time them fairly, and search for the fastest stable 
 
 The tune is five stages, one module each, composed by ``_engine``: ``_plan`` (space, priors,
 bounds), ``_run`` (trials through one runner interface, warm or cold), ``_judge`` (verdicts
-against fp32, with ``_reference`` for the fp32 yardsticks and ``_stability`` for the rules),
+against fp32, with ``_reference`` for the fp32 yardsticks and ``_stability`` for the verdict:
+its data in ``_curves``, its measurements in ``_comparison``, its checks in ``_verdict_rules``),
 ``_confirm`` (a bounded paired re-measure of close finalists) and ``_answer`` (the winner, its
 speed-up and the data the report, config and cache need). ``_trials`` is the tune's trial book.
 Timing noise sits behind one ``Timing`` strategy in ``_steady`` (with the statistics in

