@@ -164,6 +164,9 @@ def tune(
         "trial runs, nothing is written.")] = False,
     json_output: JsonOption = False,
     quiet: QuietOption = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", help="The whole report: the search's priors and stop, the run-to-run spread, FLOPs and MFU, the "
+        "re-measured gap, the cost, the machine's notes and the study; by default, the answer at a glance.")] = False,
 ) -> None:
     """Search precision mode, loss scaling and micro-batch size for the fastest stable policy."""
     from advisor.cli._tune import run_tune_command, submit_tune_command
@@ -176,7 +179,8 @@ def tune(
         raise typer.Exit(run_tune_command(script, script_args or [], options, json_output=json_output, console=console,
                                           dry_run=True))
     command = submit_tune_command if submit else run_tune_command
-    raise typer.Exit(command(script, script_args or [], options, json_output=json_output, console=console, quiet=quiet))
+    raise typer.Exit(command(script, script_args or [], options, json_output=json_output, console=console, quiet=quiet,
+                             verbose=verbose))
 
 
 @app.command(rich_help_panel="Tune", context_settings={"help_option_names": ["-h", "--help"]})

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import shlex
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,27 +27,27 @@ from advisor.tune import (
     check_script,
     default_storage,
     finished_trials,
-    kept_study,
     prestarted_launcher,
     resolve_storage,
-    shared_storage,
     shown_url,
     study_name_for,
     tune_plan,
     tune_script,
 )
-from probes import MpadviseError, UsageError, hardware_fingerprint
+from probes import UsageError, hardware_fingerprint
 
 __all__ = ["resume_command", "run_tune_command", "submit_tune_command"]
 
 
 def run_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
-                     console: Console, quiet: bool = False, dry_run: bool = False) -> int:
+                     console: Console, quiet: bool = False, dry_run: bool = False, verbose: bool = False) -> int:
     """Run the tune here and report it. Returns 0 when a stable policy was found, 3 when none was.
 
     With ``quiet``, no progress and no info lines: only the result (warnings and errors still
-    show on stderr). A study that holds finished trials is not deleted unasked: on a terminal
-    the user is asked, elsewhere the tune refuses (exit 2) naming ``--resume`` and ``--fresh``.
+    show on stderr). With ``verbose``, the report holds every figure (the priors, the search's
+    stop, the spread, utilisation, the gap, the cost, the machine's notes, the study); by default
+    it is the answer at a glance. A study that finished already answers again without a trial;
+    one interrupted is continued (the tune service decides; ``--fresh`` deletes it).
     Ctrl-C ends it with exit 130 and the command that continues it. With ``dry_run``, only the
     search space and the plan are shown (0): nothing runs and nothing is written.
     """
@@ -63,7 +62,7 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
                                    nproc_per_node=options.nproc_per_node)
     try:
         return _tune_here(path, script, script_args, given, options, warm, json_output=json_output,
-                          console=console, quiet=quiet, dry_run=dry_run)
+                          console=console, quiet=quiet, dry_run=dry_run, verbose=verbose)
     finally:
         if warm is not None:
             warm.close()
@@ -71,7 +70,7 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
 
 def _tune_here(path: Path, script: Path, script_args: list[str], given: TuneOptions, options: TuneOptions,
                warm: WarmLauncher | None, *, json_output: bool, console: Console, quiet: bool,
-               dry_run: bool) -> int:
+               dry_run: bool, verbose: bool) -> int:
     profile = probes.profile_for(options.device)
     plan = plan_for(path, options.framework, device=profile.device)
     check_plan_modes(plan, list(options.modes))
@@ -88,7 +87,6 @@ def _tune_here(path: Path, script: Path, script_args: list[str], given: TuneOpti
                                 processes=options.nproc_per_node)
     flags = (*(["--json"] if json_output else []), *(["--quiet"] if quiet else []))
     resume = resume_command(script, script_args, given, flags)
-    options = _confirm_fresh_start(options, study_name, resume)
     request = TuneRequest(path, tuple(script_args), options, ScriptLaunch.of(plan))
     if quiet:
         get_logger().setLevel(logging.WARNING)
@@ -101,7 +99,8 @@ def _tune_here(path: Path, script: Path, script_args: list[str], given: TuneOpti
     if json_output:
         _report(json.dumps(done.to_dict(), indent=2, default=str), json_output=True, console=console)
     else:  # the continue line is this command as typed: the tune's JSON does not hold its options
-        render_tune({**json.loads(json.dumps(done.to_dict(), default=str)), "resume_command": resume}, console)
+        shown = {**json.loads(json.dumps(done.to_dict(), default=str)), "resume_command": resume}
+        render_tune(shown, console, verbose=verbose, already_tuned=done.already_tuned)
     return done.exit_code
 
 
@@ -153,40 +152,10 @@ def resume_command(script: Path, script_args: list[str], options: TuneOptions, f
 
 
 def _program() -> list[str]:
-    """How this command was started, as a user would type it again: ``mpadvise`` where that
-    name on PATH is this program, else the interpreter and module, else the path run."""
-    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "mpadvise"
-    if Path(argv0).name == "__main__.py":  # python -m advisor.cli
-        return [sys.executable, "-m", "advisor.cli"]
-    found = shutil.which("mpadvise")
-    if found and Path(argv0).name == "mpadvise" and os.path.realpath(found) == os.path.realpath(shutil.which(argv0)
-                                                                                                 or argv0):
-        return ["mpadvise"]
-    return [argv0]
-
-
-def _confirm_fresh_start(options: TuneOptions, study_name: str, resume: str) -> TuneOptions:
-    """Ask, on a terminal, before a tune deletes a stored study's finished trials.
-
-    Returns:
-        The options, with ``fresh`` set when the user said yes; unchanged where nothing is at
-        stake or nobody can answer (the tune then refuses before any trial; see
-        :func:`advisor.tune.kept_study`).
-
-    Raises:
-        MpadviseError: the user said no; the study is kept and nothing ran.
-    """
-    if options.resume or options.fresh or shared_storage(options.storage):
-        return options
-    if not (sys.stdin.isatty() and sys.stderr.isatty()):
-        return options
-    held = kept_study(options.storage, study_name)
-    if held is None or not held.finished:
-        return options
-    question = f"{held.describe()}; start afresh and delete them? (--resume continues them)"
-    if not typer.confirm(question, default=False, err=True):
-        raise MpadviseError(f"nothing run; study {study_name!r} is kept; continue it with: {resume}")
-    return options.with_(fresh=True)
+    """How a printed command names this program: ``mpadvise``, the name the package installs,
+    however this process was started (``python -m advisor.cli``, a virtual environment's path):
+    a command to paste never carries an interpreter's path."""
+    return ["mpadvise"]
 
 
 def _interrupted(storage: str | None, study_name: str, resume: str) -> typer.Exit:
@@ -202,16 +171,16 @@ def _interrupted(storage: str | None, study_name: str, resume: str) -> typer.Exi
     return exit_
 
 
-def _report(tune_json: str, *, json_output: bool, console: Console) -> None:
+def _report(tune_json: str, *, json_output: bool, console: Console, verbose: bool = False) -> None:
     """Print a tune's JSON as is (``--json``), or its summary rendered from that same JSON."""
     if json_output:
         sys.stdout.write(tune_json + "\n")
     else:
-        render_tune(json.loads(tune_json), console)
+        render_tune(json.loads(tune_json), console, verbose=verbose)
 
 
 def submit_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
-                        console: Console, poll_s: float = 1.0, quiet: bool = False) -> int:
+                        console: Console, poll_s: float = 1.0, quiet: bool = False, verbose: bool = False) -> int:
     """Queue the tune with the local daemon, follow its lines, and report it as a local tune
     (with ``quiet``, only the report: the job's lines are not shown).
 
@@ -248,5 +217,5 @@ def submit_tune_command(script: Path, script_args: list[str], options: TuneOptio
         err.print(f"cancelled job {job['id']}", highlight=False)
         raise
     tune, code = finished_tune(job)
-    _report(json.dumps(tune, indent=2, default=str), json_output=json_output, console=console)
+    _report(json.dumps(tune, indent=2, default=str), json_output=json_output, console=console, verbose=verbose)
     return code

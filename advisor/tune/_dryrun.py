@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from advisor.tune._checks import check_modes, check_script
+from advisor.tune._kept import StoredAnswer, answer_key, stored_answer
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import (
     KeptStudy,
@@ -99,7 +100,8 @@ def tune_plan(request: TuneRequest, profile: HardwareProfile) -> dict[str, Any]:
             "time_budget_s": options.time_budget, "trial_timeout_s": options.timeout,
             "config_file": str(config_file), "cache": not options.no_cache,
             "study_name": study_name, "storage": shown_url(storage), "resume": options.resume,
-            "study_action": _study_action(storage, held, options),
+            "study_action": _study_action(storage, held, options, _answered(storage, held, study_name, options,
+                                                                            modes, launch, profile)),
         },
     }
 
@@ -148,7 +150,17 @@ def _loss_scale(modes: tuple[str, ...], limits: Any) -> dict[str, Any]:
             "growth_intervals": list(FP16_GROWTH_INTERVALS) if settings else [2000]}
 
 
-def _study_action(storage: str, held: KeptStudy | None, options: TuneOptions) -> str:
+def _answered(storage: str, held: KeptStudy | None, study_name: str, options: TuneOptions, modes: list[str],
+              launch: Any, profile: HardwareProfile) -> StoredAnswer | None:
+    """The answer a finished tune of this study kept that the tune would print again, as the
+    tune service decides it (the same key); ``None`` where it would run."""
+    if held is None or options.fresh or options.resume:
+        return None
+    resolved = options.with_(framework=launch.framework, modes=modes, storage=storage)
+    return stored_answer(storage, study_name, answer_key(resolved, profile))
+
+
+def _study_action(storage: str, held: KeptStudy | None, options: TuneOptions, answered: StoredAnswer | None) -> str:
     """What the tune would do with its study (``held``: what is stored of it), in words."""
     finished = 0 if held is None else held.finished
     if shared_storage(storage):
@@ -157,7 +169,9 @@ def _study_action(storage: str, held: KeptStudy | None, options: TuneOptions) ->
         return f"continue the stored study ({finished} finished trials)" if held else "make the study (none to resume)"
     if finished and options.fresh:
         return f"delete the stored study's {finished} finished trials (--fresh) and start afresh"
+    if answered is not None:
+        return f"print the answer it kept, tuned {answered.at}, and run no trial (--fresh tunes again)"
     if finished:
-        return (f"ask before deleting the stored study's {finished} finished trials (on a terminal; elsewhere refuse, "
-                "exit 2): pass --resume to continue them, --fresh to delete them")
+        return (f"continue the stored study's {finished} finished trials (a tune interrupted, or tuned with other "
+                "options): --fresh deletes them and starts afresh")
     return "make the study afresh"

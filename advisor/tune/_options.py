@@ -221,12 +221,12 @@ class TuneOptions:
                                   "private file MPADVISE_STORAGE_FILE names (either keeps a password out of ps), else "
                                   "an SQLite file in the cache directory.", _text, job=False)
     resume: bool = _option(
-        False, "Continue the stored study instead of starting afresh; a study whose workload changed since (the model, "
-        "optimizer or batch the script built) is not continued: it is refused, its trials kept, or, with no finished "
-        "trial, a warning and a fresh study.", _switch)
+        False, "Continue the stored study, even one whose answer is kept (a tune interrupted is continued without "
+        "it); a study whose workload changed since (the model, optimizer or batch the script built) is not continued: "
+        "it is refused, its trials kept, or, with no finished trial, a warning and a fresh study.", _switch)
     fresh: bool = _option(
-        False, "Delete the stored study's finished trials and start afresh; without it (or --resume), a tune whose "
-        "study holds finished trials asks first on a terminal, and elsewhere refuses and keeps them.", _switch)
+        False, "Delete the stored study's finished trials and start afresh; without it, a tune that finished prints "
+        "its kept answer again and runs no trial, and one interrupted is continued.", _switch)
     out: str | None = _option(None, "Config file to write; default: <script>.mpadvise.toml beside it.", _config_path)
     no_cache: bool = _option(False, "Do not store the answer in the per-GPU cache.", _switch)
     no_priors: bool = _option(False, "Measure candidates even when the matmul priors say they cannot win.", _switch)

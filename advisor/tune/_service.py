@@ -34,8 +34,9 @@ from advisor.runtime import script_digest
 from advisor.trial import WarmLauncher
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._engine import TuneResult, tune_policy
+from advisor.tune._kept import StoredAnswer, answer_key, store_answer, stored_answer
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import check_storage, check_study, shown_url
+from advisor.tune._search import check_storage, check_study, kept_study, shared_storage, shown_url
 from advisor.tune._space import SpaceLimits
 from advisor.tune._stability import StabilityThresholds
 from advisor.tune._trials import (
@@ -180,31 +181,45 @@ class ScriptTune:
     """A finished tune of a script: what the tuner decided, and where its answer went.
 
     Attributes:
-        result: the tuner's :class:`TuneResult`.
+        result: the tuner's :class:`TuneResult`; ``None`` for an answer read back from its study.
         request: the request, its options as the tune ran them (modes checked, storage chosen).
         profile: the hardware the trials ran on.
         study_name: the Optuna study it used.
         config_file: the config file written for the winner; ``None`` without one.
         cache_id: the winner's cache entry; ``None`` when not cached.
         calls_load_policy: whether the script calls ``load_policy()`` already.
+        stored: the answer its study kept from a tune that finished before (no trial ran this
+            time); ``None`` for a tune that measured.
     """
 
-    result: TuneResult
+    result: TuneResult | None
     request: TuneRequest
     profile: HardwareProfile
     study_name: str
     config_file: Path | None = None
     cache_id: int | None = None
     calls_load_policy: bool = False
+    stored: StoredAnswer | None = None
+
+    @property
+    def already_tuned(self) -> str | None:
+        """When the answer read back was tuned (``2026-12-07 09:40``); ``None`` for a tune that measured."""
+        return None if self.stored is None else self.stored.at
 
     @property
     def exit_code(self) -> int:
         """0 when a stable policy was found, 3 when none was."""
+        if self.result is None:
+            return EXIT_FOUND if self.to_dict().get("winner") is not None else EXIT_NONE_STABLE
         return EXIT_FOUND if self.result.policy is not None else EXIT_NONE_STABLE
 
     def to_dict(self) -> dict[str, Any]:
         """What ``mpadvise tune --json`` prints and a daemon job stores: the tuner's result, the
-        script, its files, the study and the hardware."""
+        script, its files, the study and the hardware; for an answer read back, the JSON its
+        tune printed, unchanged."""
+        if self.stored is not None:
+            return json.loads(json.dumps(self.stored.payload))
+        assert self.result is not None
         request = self.request
         payload = self.result.to_dict()
         payload.update(
@@ -264,6 +279,13 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
     check_judgeable_window(options)
     fingerprint = hardware_fingerprint(profile)
     study_name = study_name_for(path, list(request.args), fingerprint, processes=options.nproc_per_node)
+    key = answer_key(options, profile)
+    if not (options.fresh or options.resume):
+        kept = stored_answer(options.storage, study_name, key)
+        if kept is not None:
+            return _answer_again(kept, request, profile, study_name, path)
+        options = _continue_kept(options, study_name)
+        request = TuneRequest(path, tuple(request.args), options, request.launch)
     check_study(options.storage, study_name, hardware=fingerprint, resume=options.resume, fresh=options.fresh)
     launch = request.launch
     if launch.framework is not None:
@@ -279,7 +301,43 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
         result = tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
                              on_start=on_start, on_done=on_done, on_round=on_round, limits=launch.limits)
     config_file, cache_id = keep_answer(result, options, profile, path, request.args, framework=launch.framework)
-    return ScriptTune(result, request, profile, study_name, config_file, cache_id, calls_load_policy(path))
+    done = ScriptTune(result, request, profile, study_name, config_file, cache_id, calls_load_policy(path))
+    config_text = None
+    if config_file is not None:
+        with suppress(OSError, UnicodeDecodeError):
+            config_text = config_file.read_text(encoding="utf-8")
+    store_answer(options.storage, study_name, key, json.loads(json.dumps(done.to_dict(), default=str)), config_text)
+    return done
+
+
+def _continue_kept(options: TuneOptions, study_name: str) -> TuneOptions:
+    """The options for a study of this machine that holds finished trials and no answer that
+    still holds (a tune interrupted, or one with other options since): continued, saying so in
+    one line; its trials are never deleted unasked (``--fresh`` does)."""
+    if options.storage is None or shared_storage(options.storage):
+        return options
+    held = kept_study(options.storage, study_name)
+    if held is None or not held.finished:
+        return options
+    plural = "" if held.finished == 1 else "s"
+    when = f" from {held.last}" if held.last else ""
+    get_logger().info(f"resuming study {study_name!r}: {held.finished} finished trial{plural}{when} kept "
+                         "(mpadvise tune --fresh starts afresh)")
+    return options.with_(resume=True)
+
+
+def _answer_again(kept: StoredAnswer, request: TuneRequest, profile: HardwareProfile, study_name: str,
+                  path: Path) -> ScriptTune:
+    """The answer a finished tune of this study gave, with no trial run: its config file is
+    written again where it has gone since."""
+    payload = kept.payload
+    written = payload.get("config_file")
+    if written and kept.config_text is not None and not Path(written).exists():
+        with suppress(OSError):
+            Path(written).write_text(kept.config_text, encoding="utf-8")
+    config_file = Path(written) if written else None
+    return ScriptTune(None, request, profile, study_name, config_file, payload.get("cache_id"),
+                      bool(payload.get("calls_load_policy", calls_load_policy(path))), stored=kept)
 
 
 def keep_answer(result: TuneResult, options: TuneOptions, profile: HardwareProfile, script: Path,

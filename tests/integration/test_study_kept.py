@@ -1,6 +1,7 @@
-"""A rerun of a tune never deletes its stored study's finished trials unasked: without a
-terminal it refuses before any trial (exit 2) and names --resume and --fresh; on a terminal it
-asks; --fresh deletes on purpose. Real subprocess tunes, a real SQLite study."""
+"""A rerun of a tune never deletes its stored study's finished trials unasked: a tune that
+finished answers again from its study, running no trial (the same JSON, or the report ending
+``already tuned``); one with other options continues the study, saying so; --fresh deletes on
+purpose. Real subprocess tunes, a real SQLite study."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from _terminal import answer_on_terminal
 
 from advisor.tune import study_status
 
@@ -36,8 +36,9 @@ def _env(home: Path, tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "MPADVISE_HOME": str(home), "COLUMNS": "200", "RUNS_FILE": str(tmp_path / "runs.txt")}
 
 
-def _tune(script: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "advisor.cli", "tune", str(script), *COMMON, *args, "--", "40"],
+def _tune(script: Path, env: dict[str, str], *args: str, json_output: bool = True) -> subprocess.CompletedProcess[str]:
+    common = COMMON if json_output else [a for a in COMMON if a != "--json"]
+    return subprocess.run([sys.executable, "-m", "advisor.cli", "tune", str(script), *common, *args, "--", "40"],
                           cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
 
 
@@ -52,7 +53,8 @@ def _complete(home: Path) -> int:
     return study["measured"]
 
 
-def test_a_rerun_without_a_terminal_keeps_the_study_and_fresh_deletes_it(counted_script, isolated_home, tmp_path):
+def test_a_finished_tune_run_again_answers_without_a_trial_and_fresh_tunes_again(counted_script, isolated_home,
+                                                                                   tmp_path):
     env = _env(isolated_home, tmp_path)
     first = _tune(counted_script, env)
     assert first.returncode == 0, first.stderr
@@ -61,22 +63,40 @@ def test_a_rerun_without_a_terminal_keeps_the_study_and_fresh_deletes_it(counted
     runs = _runs(tmp_path)
 
     again = _tune(counted_script, env)
-    assert again.returncode == 2, again.stderr
-    assert "Traceback" not in again.stderr and again.stdout == ""
-    errors = [ln for ln in again.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1, again.stderr
-    assert f"holds {kept} finished trial" in errors[0] and "--resume" in errors[0] and "--fresh" in errors[0]
-    name = json.loads(first.stdout)["study_name"]
-    assert repr(name) in errors[0] and "studies.db" in errors[0]
-    assert _runs(tmp_path) == runs, "refused before any trial, the fp32 reference included"
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == first.stdout, "the same JSON, read back rather than measured again"
+    assert _runs(tmp_path) == runs, "no trial ran, the fp32 reference included"
     assert _complete(isolated_home) == kept
+
+    text = _tune(counted_script, env, json_output=False)
+    assert text.returncode == 0, text.stderr
+    last = text.stdout.strip().splitlines()[-1]
+    assert last.startswith("already tuned ") and last.endswith(": mpadvise tune --fresh to tune again"), text.stdout
+    assert _runs(tmp_path) == runs
 
     fresh = _tune(counted_script, env, "--fresh")
     assert fresh.returncode == 0, fresh.stderr
     assert json.loads(fresh.stdout)["trials_resumed"] == 0
+    assert _runs(tmp_path) > runs
 
     both = _tune(counted_script, env, "--fresh", "--resume")
     assert both.returncode == 2 and "--resume and --fresh cannot be used together" in both.stderr, both.stderr
+
+
+def test_a_tune_with_other_options_continues_the_study_and_never_deletes_it(counted_script, isolated_home,
+                                                                            tmp_path):
+    env = _env(isolated_home, tmp_path)
+    first = _tune(counted_script, env)
+    assert first.returncode == 0, first.stderr
+    kept = _complete(isolated_home)
+    runs = _runs(tmp_path)
+
+    other = _tune(counted_script, env, "--trials", "2")  # not the options its answer was tuned with
+    assert other.returncode == 0, other.stderr
+    said = [ln for ln in other.stderr.splitlines() if "resuming study" in ln]
+    assert len(said) == 1 and f"{kept} finished trial" in said[0], other.stderr
+    assert _runs(tmp_path) > runs and _complete(isolated_home) >= kept
+    assert json.loads(other.stdout)["trials_resumed"] >= 1
 
 
 def test_a_study_without_finished_trials_is_replaced_silently(counted_script, isolated_home, tmp_path):
@@ -92,29 +112,3 @@ def test_a_study_without_finished_trials_is_replaced_silently(counted_script, is
     optuna.create_study(study_name=name, storage=storage)  # made, but nothing finished in it
     again = _tune(counted_script, env)
     assert again.returncode == 0, again.stderr
-
-
-def _on_terminal(script: Path, env: dict[str, str], answer: str) -> tuple[int, str]:
-    """The tune with a pseudo-terminal as stdin and stderr: answer its question, return the exit
-    code and what it wrote to the terminal."""
-    return answer_on_terminal([sys.executable, "-m", "advisor.cli", "tune", str(script), *COMMON, "--", "40"], answer,
-                              cwd=ROOT, env=env, stdout_too=False, timeout=600)
-
-
-def test_on_a_terminal_the_tune_asks_before_deleting(counted_script, isolated_home, tmp_path):
-    env = _env(isolated_home, tmp_path)
-    first = _tune(counted_script, env)
-    assert first.returncode == 0, first.stderr
-    kept = _complete(isolated_home)
-    runs = _runs(tmp_path)
-
-    code, text = _on_terminal(counted_script, env, "n")
-    assert "[y/N]" in text and f"holds {kept} finished trial" in text and "(--resume continues them)" in text, text
-    assert code == 1 and "nothing run" in text and "--resume" in text, text
-    assert _runs(tmp_path) == runs and _complete(isolated_home) == kept
-
-    code, text = _on_terminal(counted_script, env, "y")
-    assert code == 0, text
-    assert _runs(tmp_path) > runs
-
-

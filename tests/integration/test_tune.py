@@ -68,7 +68,10 @@ def test_cli_tune_writes_config_caches_and_reports(tiny_script, isolated_home, c
     console = Console(record=True, width=300, file=io.StringIO())
     render_tune(result, console)
     text = console.export_text()
-    assert f", {figure:.2f}x fp32 goodput ({result['speedup']['basis']}" in text
+    assert text.startswith("winner: ") and f", {figure:.2f}x fp32 goodput (" in text.splitlines()[0]
+    console = Console(record=True, width=300, file=io.StringIO())
+    render_tune(result, console, verbose=True)
+    assert f", {figure:.2f}x fp32 goodput ({result['speedup']['basis']}" in console.export_text()
     # The script calls load_policy() already: it is not told to add it.
     assert result["calls_load_policy"] and "add to the script" not in text
 

@@ -74,8 +74,9 @@ def test_dry_run_names_a_stored_study_it_would_not_delete(workdir, tmp_path):
     study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
     study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={"mpadvise:result": {"source": "run"}}))
     planned = json.loads(_dry(workdir, home, "--json", "--", "40").stdout)["plan"]
-    assert "ask before deleting the stored study's 1 finished trials" in planned["study_action"]
-    assert "--resume" in planned["study_action"] and "--fresh" in planned["study_action"]
+    # No answer kept with it (a tune interrupted): the tune would continue it, never delete it unasked.
+    assert "continue the stored study's 1 finished trials" in planned["study_action"]
+    assert "--fresh" in planned["study_action"]
     assert "continue the stored study (1 finished" in json.loads(
         _dry(workdir, home, "--json", "--resume", "--", "40").stdout)["plan"]["study_action"]
     assert len(optuna.load_study(study_name=name, storage=storage).trials) == 1

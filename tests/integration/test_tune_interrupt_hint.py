@@ -1,6 +1,7 @@
 """Ctrl-C during a tune ends it with exit 130 and says how to continue: the study that keeps
-its finished trials, and the command line (its own, with --resume) that continues it, which
-works when pasted in the same directory. A real subprocess tune sent SIGINT mid-trial."""
+its finished trials, and the command line (``mpadvise``, its own options, with --resume) that
+continues it; the same tune run again continues it by itself, saying so in one line. A real
+subprocess tune sent SIGINT mid-trial."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _complete(home: Path) -> int:
     return studies[0]["measured"] if studies else 0
 
 
-def test_ctrl_c_names_the_study_and_the_command_that_resumes_it(tmp_path, isolated_home):
+def test_ctrl_c_names_the_study_and_running_the_tune_again_resumes_it(tmp_path, isolated_home):
     script = tmp_path / "train.py"
     script.write_text((SCRIPTS / "tiny_ok.py").read_text())
     env = {**os.environ, "MPADVISE_HOME": str(isolated_home), "COLUMNS": "200"}
@@ -65,16 +66,20 @@ def test_ctrl_c_names_the_study_and_the_command_that_resumes_it(tmp_path, isolat
     assert f"{kept} finished trial" in errors[0] and "studies.db" in errors[0] and "train-" in errors[0]
     [hint] = [ln for ln in stderr.splitlines() if ln.startswith("continue with: ")]
     command = shlex.split(hint.removeprefix("continue with: "))
-    assert command[:3] == [sys.executable, "-m", "advisor.cli"]
+    assert command[0] == "mpadvise"  # a command to paste names the program, never an interpreter's path
     # Its own options, in their declared order, with --resume; its --json; the script's arguments.
-    assert command[3:] == ["tune", "train.py", "--trials", "6", "--steps", "32", "--warmup", "2", "--mode",
+    assert command[1:] == ["tune", "train.py", "--trials", "6", "--steps", "32", "--warmup", "2", "--mode",
                            "bf16-mixed", "--mode", "fp16-mixed", "--resume", "--no-cache", "--no-priors", "--json",
                            "--", "40"], hint
 
-    resumed = subprocess.run(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                             text=True, timeout=600)
+    # The same command again, without --resume, continues the interrupted study by itself.
+    resumed = subprocess.run([sys.executable, "-m", "advisor.cli", *args], cwd=tmp_path, env=env,
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
+    said = [ln for ln in resumed.stderr.splitlines() if "resuming study" in ln]
+    assert len(said) == 1 and f"{kept} finished trial" in said[0] and "--fresh" in said[0], resumed.stderr
     assert json.loads(resumed.stdout)["trials_resumed"] > 0, resumed.stderr
+    assert _complete(isolated_home) >= kept  # nothing deleted
 
 
 def test_ctrl_c_of_a_study_in_memory_says_nothing_can_be_resumed(tmp_path):

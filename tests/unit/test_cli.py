@@ -3,6 +3,7 @@ tune's options and its summary."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -23,6 +24,9 @@ from advisor.tune._engine import tune_policy
 from advisor.tune._options import TuneOptions, option_info
 from policies import Policy, TunedOn
 from probes import HardwareProfile
+
+# The whole report (mpadvise tune --verbose): it holds every figure these tests read.
+render_verbose = functools.partial(render_tune, verbose=True)
 
 runner = CliRunner()
 
@@ -126,7 +130,7 @@ def test_tune_declares_one_option_per_field_with_its_flag_default_and_help():
     command = typer.main.get_command(app).commands["tune"]
     params = {p.name: p for p in command.params}
     assert [p.name for p in command.params] == ["script", "script_args", *(o.name for o in option_info()),
-                                                "submit", "dry_run", "json_output", "quiet"]
+                                                "submit", "dry_run", "json_output", "quiet", "verbose"]
     for option in option_info():
         param = params[option.name]
         assert param.opts[0] == option.flag and (param.help == option.help or option.name == "framework")
@@ -177,8 +181,8 @@ def test_trial_hands_the_command_one_tune_options(monkeypatch):
 def test_tune_hands_the_command_one_tune_options(tmp_path, monkeypatch):
     seen = {}
 
-    def fake_run(script, script_args, options, *, json_output, console, quiet):
-        seen.update(script=script, args=script_args, options=options, json=json_output, quiet=quiet)
+    def fake_run(script, script_args, options, *, json_output, console, quiet, verbose):
+        seen.update(script=script, args=script_args, options=options, json=json_output, quiet=quiet, verbose=verbose)
         return 3
 
     monkeypatch.setattr("advisor.cli._tune.run_tune_command", fake_run)
@@ -187,9 +191,11 @@ def test_tune_hands_the_command_one_tune_options(tmp_path, monkeypatch):
     result = runner.invoke(app, ["tune", "train.py", *wanted.to_argv(), "--json", "--", "--lr", "0.1"])
     assert result.exit_code == 3, result.output
     assert seen == {"script": Path("train.py"), "args": ["--lr", "0.1"], "options": wanted, "json": True,
-                    "quiet": False}
+                    "quiet": False, "verbose": False}
     result = runner.invoke(app, ["tune", "train.py", "--quiet", "--fresh"])
     assert result.exit_code == 3 and seen["quiet"] and seen["options"] == TuneOptions(fresh=True), result.output
+    result = runner.invoke(app, ["tune", "train.py", "--verbose"])
+    assert result.exit_code == 3 and seen["verbose"] and not seen["quiet"], result.output
 
 
 def test_tune_bad_option_is_one_line_before_anything_runs():
@@ -229,7 +235,7 @@ def _tune_json() -> dict:
 
 def _rendered(tune: dict) -> str:
     console = Console(record=True, width=200, file=io.StringIO())
-    render_tune(tune, console)
+    render_verbose(tune, console)
     return console.export_text()
 
 

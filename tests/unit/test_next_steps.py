@@ -4,6 +4,7 @@ already has."""
 
 from __future__ import annotations
 
+import functools
 import io
 import shlex
 
@@ -15,12 +16,15 @@ from advisor.cli._app import app
 from advisor.cli._report import render_tune
 from advisor.tune import calls_load_policy
 
+# The whole report (mpadvise tune --verbose): it holds every figure these tests read.
+render_verbose = functools.partial(render_tune, verbose=True)
+
 ARGS = ["--epochs", "1", "--data", "./my data", "--name=it's"]
 
 
 def _report(tune: dict) -> list[str]:
     console = Console(record=True, width=400, file=io.StringIO())
-    render_tune(tune, console)
+    render_verbose(tune, console)
     return console.export_text().splitlines()
 
 

@@ -10,6 +10,7 @@ unlabelled ``x fp32`` number, shows a different number from the figure.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import re
@@ -26,6 +27,9 @@ from advisor.trial import TrialResult
 from advisor.tune import TuneOptions, TuneRequest, tune_script
 from advisor.tune import job as tune_job
 from policies import Policy
+
+# The whole report (mpadvise tune --verbose): it holds every figure these tests read.
+render_verbose = functools.partial(render_tune, verbose=True)
 
 SEARCH_MS = {"fp32": 10.0, "bf16-mixed": 4.0, "fp16-mixed": 4.2}  # the search's runs: bf16 2.5x fp32
 REMEASURE_MS = {"fp32": 10.0, "bf16-mixed": 8.0, "fp16-mixed": 8.4}  # side by side later: 1.25x
@@ -79,7 +83,7 @@ def test_every_view_shows_the_winners_one_figure(tuned):
 
     # The report: its only "x fp32" numbers are the figure; the winner's row shows it, marked.
     console = Console(record=True, width=200, file=io.StringIO())
-    render_tune(data, console)
+    render_verbose(data, console)
     report = console.export_text()
     assert set(FIGURE_X.findall(report)) == {f"{figure:.2f}"}, report
     row_line = next(line for line in report.splitlines() if line.lstrip().startswith("→"))
@@ -119,6 +123,6 @@ def test_a_gap_between_finalists_says_it_is_no_speed_up():
     tune = {"gap": {"between": ["bf16-true", "bf16-mixed"], "ratio": 1.16, "low": 1.1, "high": 1.2, "pairs": 4,
                     "verdict": "faster"}, "reference": {"label": "fp32"}, "candidates": [], "winner": None}
     console = Console(record=True, width=300, file=io.StringIO())
-    render_tune(tune, console)
+    render_verbose(tune, console)
     gap = next(line for line in console.export_text().splitlines() if line.startswith("gap: "))
     assert "bf16-true runs 1.16x the goodput of bf16-mixed" in gap and "not a speed-up over fp32" in gap

@@ -8,6 +8,7 @@ stay the paired one of this run, and the report must say that it is.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 
@@ -18,6 +19,9 @@ from test_search import GPU, FakeRunner, tune
 from advisor.cli._report import render_tune
 from advisor.tune import TuneOptions, TuneRequest, tune_script
 from advisor.tune._engine import LOCAL_PAIRS
+
+# The whole report (mpadvise tune --verbose): it holds every figure these tests read.
+render_verbose = functools.partial(render_tune, verbose=True)
 
 EARLIER = {"fp32": 2.0, "bf16-mixed": 2.1, "fp16-mixed": 2.2}  # the earlier run: everything 5x faster
 MODES = ["bf16-mixed", "fp16-mixed"]
@@ -34,7 +38,7 @@ def _resumed_tune(tmp_path, here: dict[str, float], **option_values):
     assert done.result.search.resumed >= 2  # the candidates' search figures are the earlier run's
     data = json.loads(json.dumps(done.to_dict(), default=str))
     console = Console(record=True, width=200, file=io.StringIO())
-    render_tune(data, console)
+    render_verbose(data, console)
     return done, data, console.export_text(), runner
 
 

@@ -4,6 +4,7 @@ in the tie rule, what a failed re-measurement does, and how re-measurement resol
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 
@@ -17,6 +18,9 @@ from advisor.tune._confirm import Finalist, lead, pick_winner
 from advisor.tune._space import Candidate
 from advisor.tune._steady import REMEASURE_LEANING_ROUNDS, REMEASURE_MAX_ROUNDS
 from policies import Policy
+
+# The whole report (mpadvise tune --verbose): it holds every figure these tests read.
+render_verbose = functools.partial(render_tune, verbose=True)
 
 
 class FlakyRunner(FakeRunner):
@@ -156,7 +160,7 @@ def test_the_table_shows_the_gap_with_its_interval_and_the_dropped_finalist():
                           "fp16-true": 30}, fail_on_remeasure={"bf16-true": "crash"})
     data = tune(runner, remeasure=True).to_dict()
     console = Console(record=True, width=300)
-    render_tune(data, console)
+    render_verbose(data, console)
     text = console.export_text()
     gap_line = next(ln for ln in text.splitlines() if ln.startswith("gap: "))
     assert ("fp16-mixed dynamic 2^16 g2000 runs 1.02x the goodput of bf16-mixed (95% interval 1.02x to 1.02x "

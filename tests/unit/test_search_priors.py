@@ -4,6 +4,7 @@ a measured failure rules out, and what a resumed study remembers of pruned ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 from rich.console import Console
@@ -13,6 +14,9 @@ from advisor.cli._report import render_tune
 from advisor.trial import TrialResult
 from advisor.tune._space import Candidate, Measured, upper_bound
 from policies import Policy
+
+# The whole report (mpadvise tune --verbose): it holds every figure these tests read.
+render_verbose = functools.partial(render_tune, verbose=True)
 
 BOUND_KW = {"user_batch": 64, "reference_goodput": 100.0, "dtype_ratio": RATIOS}
 RATIO_BOUND = 100 * 12 * 1.25  # an unmeasured 16-bit mode: its matmul ratio, with slack
@@ -114,7 +118,7 @@ def test_resumed_pruned_candidates_say_pruned(tmp_path):
     assert set(pruned) == {c.label for c in after.search.pruned}
     assert all(row["outcome"] == "pruned" and row["reason"].startswith("not run") for row in pruned.values())
     console = Console(record=True, width=200)
-    render_tune(data, console)
+    render_verbose(data, console)
     text = console.export_text()
     for label in pruned:
         line = next(ln for ln in text.splitlines() if f" {label} " in ln)

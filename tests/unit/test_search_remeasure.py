@@ -5,6 +5,7 @@ fp32 runs alongside for the winner's speed-up. A fake runner and a fake clock: m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import math
 import re
@@ -18,6 +19,9 @@ from advisor.tune._engine import REMEASURE_LEANING_ROUNDS, REMEASURE_MAX_ROUNDS
 from advisor.tune._space import Candidate
 from policies import Policy
 from probes import HardwareProfile
+
+# The whole report (mpadvise tune --verbose): it holds every figure these tests read.
+render_verbose = functools.partial(render_tune, verbose=True)
 
 MODES = ["fp32", "bf16-mixed", "bf16-true"]
 ROUND = re.compile(r"\(re-measure (\d+)\)")
@@ -81,7 +85,7 @@ def test_a_tie_the_rounds_cannot_resolve_ends_at_the_limit_and_goes_to_the_safer
     data = result.to_dict()
     assert data["remeasure_stop"] == "round limit" and data["remeasure_max_rounds"] == 4
     console = Console(record=True, width=300, file=io.StringIO())
-    render_tune(data, console)
+    render_verbose(data, console)
     assert "re-measurement stopped at its limit of 4 rounds" in console.export_text()
 
 
@@ -126,7 +130,7 @@ def test_the_time_budget_stops_re_measurement_and_the_result_says_so():
     assert result.speedup.pairs == 1 and result.speedup.low is None  # one pair: no interval
     data = result.to_dict()
     console = Console(record=True, width=300, file=io.StringIO())
-    render_tune(data, console)
+    render_verbose(data, console)
     text = console.export_text()
     assert "re-measurement cut short by the time budget (45 s) after 1 round" in text
     assert result.winner == Candidate("bf16-mixed") and "time budget" in result.tie_note
@@ -218,7 +222,7 @@ def test_a_leaning_gap_that_never_resolves_stops_at_the_longer_limit_and_says_so
     assert data["remeasure_max_rounds"] == REMEASURE_MAX_ROUNDS
     assert data["remeasure_leaning_rounds"] == REMEASURE_LEANING_ROUNDS
     console = Console(record=True, width=300, file=io.StringIO())
-    render_tune(data, console)
+    render_verbose(data, console)
     assert (f"re-measurement stopped after {REMEASURE_LEANING_ROUNDS} rounds, past its usual "
             f"{REMEASURE_MAX_ROUNDS} while a lead lay beyond the margin" in console.export_text())
 

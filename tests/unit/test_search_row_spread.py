@@ -4,6 +4,7 @@ as ± beside every ratio it prints."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 
@@ -15,6 +16,9 @@ from advisor.cli._report import candidate_spread, render_tune
 from advisor.trial import TrialResult
 from advisor.tune._timing import step_time_range
 from policies import Policy
+
+# The whole report (mpadvise tune --verbose): it holds every figure these tests read.
+render_verbose = functools.partial(render_tune, verbose=True)
 
 SPEEDS = {"fp32": 10.0, "bf16-mixed": 4.0, "fp16-mixed": 4.2, "bf16-true": 3.0}
 MODES = ("bf16-mixed", "fp16-mixed", "bf16-true")
@@ -44,7 +48,7 @@ def test_every_measured_row_has_its_step_time_spread_and_the_table_shows_it(reme
         assert 0 < row["step_time_p10"] < row["step_time_p90"]
         assert candidate_spread(data, row) is not None
     console = Console(record=True, width=200, file=io.StringIO())
-    render_tune(data, console)
+    render_verbose(data, console)
     table = console.export_text().split("×fp32: goodput")[0]
     for row in rows:
         line = next(ln for ln in table.splitlines() if f"│ {row['label']} " in ln)

@@ -6,6 +6,7 @@ and a script that already calls ``load_policy()`` is not told to add it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -29,6 +30,9 @@ from advisor.tune._space import Candidate
 from advisor.tune._timing import paired_gap
 from policies import Policy, load_config
 from probes import MpadviseError, UsageError
+
+# The whole report (mpadvise tune --verbose): it holds every figure these tests read.
+render_verbose = functools.partial(render_tune, verbose=True)
 
 
 def _tune_noisy(seed: int = 3):
@@ -86,7 +90,7 @@ def test_every_figure_of_the_winners_speed_up_is_the_same_number(tmp_path, cache
     # The rendered report: the winner line and the winner's row show it, and nothing else
     # shows another number as the winner's speed-up.
     console = Console(record=True, width=300, file=io.StringIO())
-    render_tune(data, console)
+    render_verbose(data, console)
     text = console.export_text()
     shown = f"{figure:.2f}x"
     winner_line = next(ln for ln in text.splitlines() if ln.startswith("winner: "))
@@ -116,7 +120,7 @@ def test_the_gap_line_and_the_winner_line_agree_when_the_decisive_gap_is_against
     assert round(data["gap"]["ratio"], 4) == data["speedup_vs_fp32"] == data["speedup"]["ratio"]
     assert (round(data["gap"]["low"], 4), round(data["gap"]["high"], 4)) == (data["speedup"]["low"], data["speedup"]["high"])
     console = Console(record=True, width=300, file=io.StringIO())
-    render_tune(data, console)
+    render_verbose(data, console)
     lines = console.export_text().splitlines()
     shown = f"{data['speedup_vs_fp32']:.2f}x"
     assert f"bf16-true runs {shown} the goodput of fp32" in next(ln for ln in lines if ln.startswith("gap: "))
@@ -243,6 +247,6 @@ def test_a_script_that_calls_load_policy_is_not_told_to_add_it():
     for calls, expected, absent in ((True, "the script calls advisor.load_policy()", "add to the script"),
                                     (False, "add to the script: mp = advisor.load_policy()", "the script calls")):
         console = Console(record=True, width=300, file=io.StringIO())
-        render_tune({**data, "calls_load_policy": calls}, console)
+        render_verbose({**data, "calls_load_policy": calls}, console)
         text = console.export_text()
         assert expected in text and absent not in text

@@ -4,6 +4,7 @@ labels and every outcome word."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -20,6 +21,9 @@ from advisor.tune._engine import tune_policy
 from advisor.tune._trials import evaluate
 from policies import Policy
 from probes import HardwareProfile
+
+# The whole report (mpadvise tune --verbose): it holds every figure these tests read.
+render_verbose = functools.partial(render_tune, verbose=True)
 
 LONG_DEVICE = "NVIDIA H100 80GB HBM3 MIG 7g.80gb (Hopper, PCIe Gen5, 700 W board)"
 OUTCOMES = ("ok", "unstable", "too-short", "oom", "crash", "timeout", "unsupported", "no-step", "no-policy", "lost",
@@ -84,13 +88,13 @@ def _tune_json() -> dict:
 
 def test_the_tune_table_fits_80_columns_with_every_outcome_and_long_labels():
     tune = _tune_json()
-    text = _text(render_tune, tune)
+    text = _text(render_verbose, tune)
     table = text.split("FLOPs per step")[0]
     _assert_fits(table, must_appear=(*OUTCOMES[:-1], "pruned", *LONG_LABELS, "123,457", "50.13x", "79.00 GiB"))
 
 
 def test_the_tune_table_shows_every_column_header_whole():
-    text = _text(render_tune, _tune_json())
+    text = _text(render_verbose, _tune_json())
     header = next(line for line in text.splitlines() if "│ candidate" in line)
     for word in ("goodput", "×fp32", "TF/s", "MFU", "memory", "verdict"):
         assert word in header, header
@@ -211,7 +215,7 @@ def test_the_probe_tables_fit_80_columns():
 
 @pytest.mark.parametrize("width", [80, 200])
 def test_no_table_line_is_wider_than_the_terminal(width):
-    text = _text(render_tune, _tune_json(), width=width)
+    text = _text(render_verbose, _tune_json(), width=width)
     assert all(len(line) <= width for line in text.splitlines())
 
 
@@ -221,11 +225,11 @@ def test_a_noisy_speed_up_shows_its_spread_and_a_warning():
     tune["speedup"] = {"ratio": 50.13, "low": 5.0, "high": 95.0, "pairs": 2, "confidence": 0.95,
                        "basis": "paired re-measurement"}
     tune["speedup_vs_fp32"] = 50.13
-    text = _text(render_tune, tune)
+    text = _text(render_verbose, tune)
     winner = next(line for line in text.splitlines() if line.startswith("→"))
     assert "50.13x† ±90%" in winner
     assert "noisy timings: bf16-mixed ±90%" in " ".join(text.split())
-    quiet = _text(render_tune, _tune_json())
+    quiet = _text(render_verbose, _tune_json())
     assert "noisy timings" not in quiet and "1.00x ±0%" in quiet  # fp32's own quartiles
 
 

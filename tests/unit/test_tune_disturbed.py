@@ -9,6 +9,7 @@ before its candidate was applied. Milliseconds each.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 
 import pytest
@@ -29,6 +30,9 @@ from advisor.tune._steady import (
 from advisor.tune._timing import step_spread
 from policies import Policy
 from probes import HardwareProfile
+
+# The whole report (mpadvise tune --verbose): it holds every figure these tests read.
+render_verbose = functools.partial(render_tune, verbose=True)
 
 
 def test_the_spread_is_the_90th_percentile_over_the_10th_of_the_measured_steps():
@@ -214,6 +218,6 @@ def test_the_report_names_each_trial_run_again_and_why():
                       disturb=lambda call, label: burst_from(15, 7.0) if call == 0 else None)
     result = tune(machine, modes=MODES, remeasure=True)
     console = Console(record=True, width=200, file=io.StringIO())
-    render_tune(result.to_dict(), console)
+    render_verbose(result.to_dict(), console)
     text = console.export_text()
     assert "disturbed fp32: steps spread 7.00x from the 10th to the 90th percentile (limit 3.00x, no usual yet); run again" in text
