@@ -21,7 +21,6 @@ TEXT = "\n".join(PAGES.values())
 
 # Options the documentation describes ahead of the code that is landing them; each must still be
 # missing, so that the entry is removed (and the option checked like any other) once it lands.
-PENDING = {("tune", "--verbose")}
 
 PATH = re.compile(r"(?<![\w/.-])((?:docs|scripts|examples|tests|advisor|probes|policies)/[\w./-]*\w\.(?:py|sh|json|md|toml|yaml|txt))")
 FLAG = re.compile(r"^\[?(--?[a-zA-Z][\w-]*)")
@@ -101,16 +100,10 @@ def test_every_option_an_mpadvise_command_is_given_in_the_documentation_exists()
         rest = tokens[at:]
         for flag in _flags(rest):
             checked += 1
-            if flag not in allowed and (command.name, flag) not in PENDING:
+            if flag not in allowed:
                 unknown.append(f"mpadvise {' '.join(tokens)}: {flag}")
     assert checked > 30
     assert unknown == []
-
-
-def test_pending_options_are_still_pending():
-    root = typer.main.get_command(app)
-    landed = [(name, flag) for name, flag in sorted(PENDING) if flag in _options(root.commands[name])]
-    assert landed == [], "these options exist now: remove them from PENDING"
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").iterdir() if p.suffix in (".py", ".sh")))
