@@ -1,9 +1,10 @@
-"""Where this process trains, and whether the model it was given can still be converted."""
+"""Where this process trains, whether the model it was given can still be converted, and
+moving a batch there."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -50,3 +51,17 @@ def _distributed_wrapper(model: Any) -> str | None:
             if name and isinstance(module, getattr(fsdp, "FSDPModule", ())):
                 return f"setup(model): its module {name!r} is already sharded with fully_shard; {fix}"
     return None
+
+
+def move_to(value: Any, device: torch.device, convert: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` (a tensor, or lists/tuples/dicts of them) on ``device``, each tensor passed
+    through ``convert`` (the mode's input cast); anything else unchanged."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return convert(value.to(device, non_blocking=True))
+    if isinstance(value, (list, tuple)):
+        return type(value)(move_to(v, device, convert) for v in value)
+    if isinstance(value, dict):
+        return {k: move_to(v, device, convert) for k, v in value.items()}
+    return value

@@ -14,7 +14,7 @@ from torch import nn
 
 import advisor
 import probes
-from advisor.runtime._applied import BatchSplit, batch_split, tuned_global_batch
+from advisor.runtime._split import BatchSplit, batch_split, tuned_global_batch
 from policies import Policy, TunedOn
 
 FINGERPRINT = "0123456789abcdef"

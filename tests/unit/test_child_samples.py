@@ -78,7 +78,7 @@ def test_each_step_counts_the_batch_it_was_given() -> None:
 
 
 def test_step_samples_decides_from_the_batches_seen() -> None:
-    from advisor.runtime._applied import step_samples
+    from advisor.runtime._split import step_samples
 
     assert step_samples([4096], asked=64, micro=16) == 16  # a dataset: the micro-batch handed out
     assert step_samples([4096, 16, 16], asked=64, micro=16) == 16

@@ -81,7 +81,7 @@ def test_mpadvise_run_falls_back_to_the_safer_mode(script: Path, monkeypatch: py
 
 
 def test_the_fallback_is_a_mode_that_runs_here() -> None:
-    from advisor.runtime._applied import safe_fallback
+    from advisor.runtime._fallback import safe_fallback
 
     cpu = replace(probes.cpu_profile(), cpu_flags=("amx_bf16",))  # safe default bf16-mixed, no TF32 on a CPU
     assert safe_fallback(Policy(mode="tf32"), cpu) == Policy(mode="bf16-mixed")

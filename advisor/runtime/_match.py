@@ -1,0 +1,207 @@
+"""Whether a tuned policy fits the workload it is applied to, and the training batch's split.
+
+``AppliedPolicy`` learns the workload in two steps: ``setup()`` knows the model, the optimizer
+and the script, ``micro_batch_size()`` the global batch. Each step checks the policy in force
+against what it learnt; a miss applies another tune's answer for this workload, else
+``safe_fallback`` (``advisor.runtime._switch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from advisor._log import get_logger
+from advisor.runtime._script import _args_now, _script_args, _script_path, _with_args
+from advisor.runtime._split import BatchSplit, batch_split, tuned_global_batch
+from advisor.runtime._switch import fall_back, switch_to
+from advisor.runtime._workload import (
+    GLOBAL_BATCH,
+    Workload,
+    WorkloadMismatch,
+    current_world_size,
+    workload_mismatch,
+)
+from policies import Difference, Policy
+
+if TYPE_CHECKING:
+    import torch
+
+    from advisor.runtime._applied import AppliedPolicy
+
+
+@dataclass
+class WorkloadCheck:
+    """What an ``AppliedPolicy`` knows of its workload, and where its check stands.
+
+    Attributes:
+        match_workload: a tuned policy applies only to the whole workload it was tuned on;
+            otherwise only the model's structure is checked.
+        alternatives: the other tunes' answers for this script (``(policy, source)``), in order.
+        user_batch: the batch the script asked for (the first ``micro_batch_size`` argument).
+        other_batches: later ``micro_batch_size`` arguments (evaluation loaders).
+        split: how ``user_batch`` splits into micro-batches.
+        workload: the workload ``setup()`` found.
+        mismatch_reported: a mismatch was warned about; the check is over.
+    """
+
+    match_workload: bool
+    alternatives: list[tuple[Policy, str]]
+    user_batch: int | None = None
+    other_batches: set[int] = field(default_factory=set)
+    split: BatchSplit | None = None
+    workload: Workload | None = None
+    mismatch_reported: bool = False
+
+
+def check_setup(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Fingerprint the user's ``model`` (before any mode swaps its modules) and replace a
+    tuned policy that does not fit it: by another tune's answer, else by the fallback."""
+    check = applied._check
+    check.workload = Workload.of(model, optimizer, global_batch=None, script=_script_path(), args=_script_args())
+    applied.model_signature = check.workload.model
+    mismatch = setup_mismatch(applied, applied.policy)
+    if mismatch is not None and not apply_other_answer(applied, mismatch, lambda policy: setup_mismatch(applied, policy)):
+        # The answer was measured on another workload: its mode may be unstable or slow for
+        # this one. Switch before setup() converts the model, which is what the mode changes.
+        fall_back(applied, mismatch.reason(), _args_now(mismatch))
+
+
+def first_micro_batch(applied: AppliedPolicy, default: int) -> int:
+    """``micro_batch_size(default)``'s first call: check the policy at this global batch,
+    then split ``default`` as the policy in force says.
+
+    Before ``setup()``, another tune's answer tuned at this batch may apply; ``setup()`` checks
+    the rest of the workload. A tuned policy splits whatever batch the script asks for, so its
+    global batch is kept; a hand-written one with ``grad_accum_steps`` takes the accumulation
+    it states.
+    """
+    check = applied._check
+    check.user_batch = default
+    mismatch = batch_mismatch(applied, applied.policy, default)
+    if mismatch is not None and applied.model is None:
+        # Before setup(): another tune's answer at this batch may fit; setup() checks the rest.
+        if apply_other_answer(applied, mismatch, lambda policy: batch_mismatch(applied, policy, default)):
+            mismatch = None
+    if mismatch is not None and not applied._converted:
+        fall_back(applied, mismatch.reason(), _args_now(mismatch))
+        mismatch = None
+    split = check.split = batch_split(applied.policy, default)
+    if mismatch is not None:
+        # A cached answer whose mode already converted the model in setup(): the model
+        # cannot be taken back, so the mode stays, on the script's own global batch.
+        check.mismatch_reported = True
+        get_logger().warning(
+            f"{mismatch.reason()}; keeping {applied.policy.mode} from {applied.source}, since setup() already "
+            f"converted the model for it, with the global batch {default} "
+            f"({split.describe()}); run `mpadvise tune` again"
+        )
+    elif split.note:
+        log = get_logger().warning if split.warning else get_logger().info
+        log(split.note)
+    return split.micro
+
+
+def later_micro_batch(check: WorkloadCheck, default: int, split: BatchSplit) -> int:
+    """``micro_batch_size(default)`` after the first call: the training batch's micro-batch
+    again, or ``default`` unchanged for another loader (with one line, once per batch)."""
+    if default == check.user_batch:
+        return split.micro
+    if default not in check.other_batches:
+        check.other_batches.add(default)
+        get_logger().info(
+            f"micro_batch_size({default}) after micro_batch_size({check.user_batch}): the first call set the "
+            f"training batch ({split.describe()}); {default} is returned unchanged, as for an "
+            "evaluation loader"
+        )
+    return default
+
+
+def setup_mismatch(applied: AppliedPolicy, policy: Policy) -> WorkloadMismatch | None:
+    """What changed since ``policy`` was tuned, as far as ``setup()`` can tell."""
+    tuned, check = policy.tuned_on, applied._check
+    # The first model set up is the one trained; a later setup() (a teacher, an EMA copy)
+    # cannot switch the mode of the first.
+    if tuned is None or check.workload is None or check.mismatch_reported or applied.model is not None:
+        return None
+    # Until micro_batch_size() says which global batch the script trains at, take the
+    # tuned one here: micro_batch_size() compares it.
+    batch = check.user_batch if check.user_batch is not None else tuned.global_batch
+    here = replace(check.workload, global_batch=_on_every_process(applied, batch))
+    mismatch = workload_mismatch(tuned, here, model_only=not check.match_workload)
+    if mismatch is None or not check.match_workload or tuned.args is None or tuned.args == here.args:
+        return mismatch
+    # The tune recorded its arguments: name both lists, and judge the rest of the workload
+    # as if the arguments were the tuned ones, so what else changed is named too.
+    rest = workload_mismatch(tuned, replace(here, args=tuned.args))
+    return _with_args(rest, tuned.args, here.args, optimizer_now=here.describe_optimizer(),
+                      world_size_now=here.world_size)
+
+
+def grad_accum_steps(applied: AppliedPolicy) -> int:
+    """Micro-batches per optimizer step (1 unless the policy splits the script's batch)."""
+    split = applied._check.split
+    return split.accum if split is not None else applied.policy.grad_accum_steps or 1
+
+
+def world_size(applied: AppliedPolicy) -> int:
+    """How many processes train together: as ``setup()`` found it, else as now
+    (``current_world_size``)."""
+    workload = applied._check.workload
+    return workload.world_size if workload is not None else current_world_size()
+
+
+def global_batch(applied: AppliedPolicy) -> int | None:
+    """Samples per optimizer step over all processes (micro-batch x accumulation x world
+    size), once ``micro_batch_size()`` has been called."""
+    split = applied._check.split
+    return None if split is None else split.micro * split.accum * applied.world_size
+
+
+def workload_fingerprint(applied: AppliedPolicy) -> str | None:
+    """Model structure, optimizer, world size, global batch and script: the cache key of this
+    workload. Known after ``setup()``; the global batch (the script's own, times the world
+    size) joins once ``micro_batch_size()`` was called."""
+    check = applied._check
+    if check.workload is None:
+        return None
+    return replace(check.workload, global_batch=_on_every_process(applied, check.user_batch)).fingerprint()
+
+
+def _on_every_process(applied: AppliedPolicy, per_process: int | None) -> int | None:
+    """The global batch of a script batch ``per_process`` on every process of this run."""
+    return None if per_process is None else per_process * applied.world_size
+
+
+def batch_mismatch(applied: AppliedPolicy, policy: Policy, batch: int) -> WorkloadMismatch | None:
+    """A tune's answer tuned at another global batch than the script's ``batch``."""
+    check = applied._check
+    tuned_batch = tuned_global_batch(policy)
+    if not check.match_workload or check.mismatch_reported or tuned_batch in (None, batch):
+        return None
+    mismatch = WorkloadMismatch((Difference(GLOBAL_BATCH, str(tuned_batch), str(batch)),))
+    # Before setup() the rest of the workload is unknown; the arguments are, where recorded.
+    tuned_args, args = None if policy.tuned_on is None else policy.tuned_on.args, _script_args()
+    if tuned_args is None or tuned_args == args:
+        return mismatch
+    return _with_args(mismatch, tuned_args, args)
+
+
+def apply_other_answer(
+    applied: AppliedPolicy, mismatch: WorkloadMismatch, mismatch_of: Callable[[Policy], WorkloadMismatch | None]
+) -> bool:
+    """Apply the first other answer that ``mismatch_of`` finds no mismatch for, with one
+    info line; False when none fits. Those before it are dropped: they do not fit either."""
+    alternatives = applied._check.alternatives
+    for index, (policy, source) in enumerate(alternatives):
+        if mismatch_of(policy) is None:
+            del alternatives[: index + 1]
+            get_logger().info(
+                f"using {policy.describe()} from {source}, tuned on this workload, rather than "
+                f"{applied.policy.describe()} from {applied.source}, tuned on another ({mismatch.detail()})"
+            )
+            switch_to(applied, policy, source)
+            return True
+    alternatives.clear()
+    return False

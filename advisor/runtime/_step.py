@@ -1,0 +1,103 @@
+"""``AppliedPolicy.step``: backward, gradient accumulation, unscale, clip, the optimizer step,
+and the guard's look at it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from advisor.runtime._fsdp import fsdp_policy_refusal
+from advisor.runtime._split import step_samples
+from advisor.runtime._switch import guard_tripped
+from probes import MpadviseError
+
+if TYPE_CHECKING:
+    import torch
+
+    from advisor.runtime._applied import AppliedPolicy
+
+
+@dataclass
+class MicroSteps:
+    """Where the current optimizer step stands.
+
+    Attributes:
+        done: micro-batches accumulated since the last optimizer step.
+        seen_batches: leading dimensions of what reached ``to_device()`` since the last
+            ``step()``: the batch the current micro-step uses, for goodput.
+        fsdp_checked: whether the first step checked the script's own FSDP2 mixed precision.
+    """
+
+    done: int = 0
+    seen_batches: list[int] = field(default_factory=list)
+    fsdp_checked: bool = False
+
+
+def micro_step_samples(applied: AppliedPolicy) -> int | None:
+    """Samples the current micro-step trains on, for goodput (see ``step_samples``)."""
+    split, seen = applied._check.split, applied._micro.seen_batches
+    if split is None:
+        return step_samples(seen, asked=None, micro=None)
+    return step_samples(seen, asked=applied._check.user_batch, micro=split.micro)
+
+
+def train_step(applied: AppliedPolicy, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> bool:
+    """``AppliedPolicy.step``'s work: backward, and every ``grad_accum_steps`` micro-batches an
+    optimizer step.
+
+    Scales the loss for the mode (GradScaler) and by ``1 / grad_accum_steps``, clips the
+    unscaled gradients if the policy says so, steps the optimizer, updates the scaler and
+    zeroes the gradients. The guard, where on, sees each optimizer step; only then is the
+    loss read back (one device sync) and the loss scale asked for.
+
+    Returns:
+        True when an optimizer step was really taken; False on accumulation micro-steps and
+        when the step was skipped (the loss scaler found overflowed gradients, or the guard
+        withheld a non-finite loss).
+    """
+    import torch
+
+    micro = applied._micro
+    if not micro.fsdp_checked:
+        # By the first step every fully_shard has run; once is enough.
+        micro.fsdp_checked = True
+        if applied.model is not None:
+            refusal = fsdp_policy_refusal(applied.model, applied.policy)
+            if refusal is not None:
+                raise MpadviseError(refusal)
+    observer, mode, policy, guard = applied._observer, applied._mode, applied.policy, applied.guard
+    if observer is not None:
+        observer.before_step(applied)
+    accum = applied.grad_accum_steps
+    with mode.process_switches():
+        mode.backward(loss / accum if accum > 1 else loss)
+        micro.done += 1
+        if micro.done < accum:
+            if observer is not None:
+                observer.after_step(applied, loss=loss, stepped=False, optimizer_step=False)
+            return False
+        micro.done = 0
+        if policy.grad_clip_norm is not None or observer is not None:
+            mode.unscale(optimizer)
+        if observer is not None:
+            observer.after_backward(applied, optimizer)
+        if policy.grad_clip_norm is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, policy.grad_clip_norm)
+        value = float(loss.detach()) if guard.active else 0.0  # the loss value's one sync
+        # A non-finite loss under fallback is never applied: a scaler skips it itself.
+        withheld = guard.setting == "fallback" and not math.isfinite(value) and mode.loss_scale() is None
+        stepped = False if withheld else mode.optimizer_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    applied.optimizer_steps += 1
+    if not stepped:
+        applied.skipped_steps += 1
+    if observer is not None:
+        observer.after_step(applied, loss=loss, stepped=stepped, optimizer_step=True)
+    if guard.active:
+        tripped = guard.observe(applied.optimizer_steps, loss=value, applied=stepped or withheld,
+                                loss_scale=applied.loss_scale())
+        if tripped is not None:
+            guard_tripped(applied, *tripped)
+    return stepped

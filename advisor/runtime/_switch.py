@@ -1,0 +1,83 @@
+"""Switching an ``AppliedPolicy`` to another policy in place: the fallback when a tuned policy
+does not fit the workload, and the guard's reaction when it trips."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from advisor._log import get_logger
+from advisor.runtime._fallback import fallback_words, guard_fallback, safe_fallback
+from advisor.runtime._guard import GuardEvent
+from advisor.runtime._retarget import upcast_in_place
+from advisor.runtime._script import _retune_hint
+from policies import Policy, create_mode, mode_facts, safe_default
+
+if TYPE_CHECKING:
+    from advisor.runtime._applied import AppliedPolicy
+
+
+def switch_to(applied: AppliedPolicy, policy: Policy, source: str) -> None:
+    """Apply ``policy`` in place of the current one (the model not converted for it yet)."""
+    # Switches entered by `with load_policy() as mp:` belong to the old mode: restore them
+    # (innermost first) and enter the new mode's in the same nesting.
+    stack = applied._switch_stack
+    depth = len(stack)
+    while stack:
+        stack.pop().close()
+    applied.policy = policy
+    applied.source = source
+    applied._mode = create_mode(policy, applied.device)
+    for _ in range(depth):
+        applied.__enter__()
+
+
+def fall_back(applied: AppliedPolicy, why: str, why_args: tuple[str, ...] | None = None) -> None:
+    """Replace the policy by ``safe_fallback`` (the safe default, or the tuned mode where it
+    is safer), warning once.
+
+    Only while the model is unconverted (the fallback never converts it: it is never FP8
+    and never a pure 16-bit mode). A micro-batch already handed out stays, with its
+    accumulation, so the global batch does not change. ``why_args``: this run's arguments,
+    when the tune was run with others, so the line names the tune that fits them.
+    """
+    policy, profile, check = applied.policy, applied.profile, applied._check
+    fallback = safe_fallback(policy, profile)
+    using, source = fallback_words(fallback, profile)
+    kept = ""
+    if check.split is not None and check.split.accum > 1:
+        kept = f"; keeping {check.split.describe()}"
+    if fallback.describe() == policy.describe():
+        # The fallback is the tuned policy's own mode with nothing else tuned: the mode
+        # stays, and the line says so rather than "fp32 instead of fp32".
+        default = safe_default(profile).mode
+        why_safe = "the safe default here" if fallback.mode == default else f"safer than the safe default {default}"
+        instead = f"keeping {fallback.mode} from {applied.source}: {why_safe}"
+    else:
+        instead = f"{using} instead of {policy.describe()} from {applied.source}"
+    get_logger().warning(f"{why}; {_retune_hint(why_args)}; {instead}{kept}")
+    check.mismatch_reported = True
+    switch_to(applied, fallback, f"{source} ({why})")
+
+
+def guard_tripped(applied: AppliedPolicy, signal: str, onset: int, detail: str) -> None:
+    """Act on a tripped guard: warn once, or move in place to ``guard_fallback``'s policy.
+
+    FP8 layers cannot be taken back in place: there the event asks for a restart, and the
+    next ``load_policy()`` starts in the fallback.
+    """
+    guard, old = applied.guard, applied.policy.mode
+    target = guard_fallback(applied.policy, applied.profile)
+    action = "warned"
+    if guard.setting == "fallback" and target is not None:
+        action = "fell back" if mode_facts(old).fp8_library is None else "restart needed"
+    event = GuardEvent(signal, onset, applied.optimizer_steps, old, None if target is None else target.mode,
+                       action, detail)
+    if action == "fell back" and target is not None:
+        if applied.model is not None and mode_facts(old).weights != "fp32":
+            upcast_in_place(applied.model, applied.optimizer)
+        switch_to(applied, target, f"{target.mode}, the guard's fallback from {old} ({signal})")
+        guard.rearm()
+    guard.record(event)
+    get_logger().warning(event.line())
+    if applied.on_guard_event is not None:
+        applied.on_guard_event(event)
