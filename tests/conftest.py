@@ -37,8 +37,9 @@ def warnings() -> Iterator[list[str]]:
 
 
 # ---- the slow set ------------------------------------------------------------------------------
-# `make test` (CI) runs everything but the tests listed in tests/slow.txt; `make test-all` runs them
-# too. Each line there names a test that times real trials on real CPUs for tens of seconds, or a
+# `make test` (CI) leaves out the slow set: the tests marked `@pytest.mark.slow` where they are
+# written, and those listed in tests/slow.txt (marked here); `make test-all` runs them too. Each
+# line of the list names a test that times real trials on real CPUs for tens of seconds, or a
 # framework suite's whole tune, and the fast test that keeps its behaviour covered. A listed test
 # that no longer exists fails the collection, so the list cannot rot.
 _SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow.txt")
