@@ -16,19 +16,17 @@ from __future__ import annotations
 
 from ._autocast import AutocastMode
 from ._base import ModeFacts, PrecisionMode
-from ._config import (
+from ._config import Policy, check_config_target, load_config
+from ._fp8 import Fp8Mode
+from ._policy_parts import (
     SCHEMA,
     Fp8Options,
     LossScale,
-    Policy,
     PolicyError,
     TunedOn,
-    check_config_target,
     default_reduce_dtype,
-    load_config,
     reduce_dtype_choices,
 )
-from ._fp8 import Fp8Mode
 from ._provenance import Difference, HardwareMismatch, hardware_mismatch
 from ._registry import (
     MODE_ALIASES,

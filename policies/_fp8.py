@@ -2,9 +2,9 @@
 
 Transformer Engine (``fp8-te``) and torchao (``fp8-torchao``) differ in how they swap layers
 and scale, and share the rest: the layer filter, the record of converted and kept layers and
-the notes about them, the recipe check on resume, and the support rule: FP8 tensor cores, a
-torch build with kernels for the GPU, a new enough CUDA, the library installed, and for a
-policy's recipe what that recipe needs (``probes``' FP8 recipe rules).
+the notes about them, the recipe check on resume, and the support rule
+(:mod:`policies._fp8_support`: FP8 tensor cores, a torch build with kernels for the GPU, a new
+enough CUDA, the library installed, and for a policy's recipe what that recipe needs).
 """
 
 from __future__ import annotations
@@ -12,23 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from probes import (
-    FP8_RECIPE_RULES,
-    Fp8RecipeRule,
-    MpadviseError,
-    fp8_recipe_rule,
-    fp8_recipe_unmet,
-    release,
-    torch_build_covers,
-)
+from probes import MpadviseError
 
-from ._base import ModeFacts, PrecisionMode
-from ._device import ModeSupport, arch, cc_text
+from ._fp8_support import Fp8Support
 
 if TYPE_CHECKING:
     import torch
-
-    from probes import ArchCapability, HardwareProfile
 
     from ._config import Policy
 
@@ -132,14 +121,12 @@ def _submodule_or_none(module: torch.nn.Module, path: str) -> torch.nn.Module | 
         return None  # the conversion removed this holder
 
 
-class Fp8Mode(PrecisionMode):
+class Fp8Mode(Fp8Support):
     """Shared by the FP8 modes: eligible layers run their matmuls in FP8, the rest stay as they are.
 
-    Subclasses set ``fp8_recipes`` and ``default_recipe``, the library that provides FP8
-    (``library`` as ``probes`` records its version, ``library_display`` for people,
-    ``install`` the command that installs it), ``nothing_converted``, the note when no
-    layer could run in FP8, and optionally ``recipe_titles``, what a recipe is called in the
-    support reason.
+    Where the mode runs is :class:`~policies._fp8_support.Fp8Support`'s (with the facts a
+    subclass declares: its recipes, default recipe and library). Subclasses also set
+    ``nothing_converted``, the note when no layer could run in FP8.
 
     Attributes:
         recipe_name: the ``[fp8]`` recipe of the policy, or the mode's default.
@@ -150,16 +137,7 @@ class Fp8Mode(PrecisionMode):
     """
 
     dtype_family = "fp8"
-    default_recipe: ClassVar[str]
-    library: ClassVar[str]
-    library_display: ClassVar[str]
-    install: ClassVar[str]
     nothing_converted: ClassVar[str] = "no layer could run in FP8; this trains like fp32"
-    recipe_titles: ClassVar[dict[str, str]] = {}
-
-    @classmethod
-    def facts(cls) -> ModeFacts:
-        return ModeFacts(fp8_library=cls.library, fp8_default_recipe=cls.default_recipe)
 
     def __init__(self, policy: Policy, device: torch.device) -> None:
         super().__init__(policy, device)
@@ -170,136 +148,11 @@ class Fp8Mode(PrecisionMode):
         self._bypassed: dict[int, str] = {}
 
     @classmethod
-    def policy_recipe(cls, policy: Policy) -> str:
-        """The recipe ``policy`` runs: its ``[fp8]`` recipe, or the mode's default."""
-        options = policy.fp8
-        return options.recipe if options is not None and options.recipe else cls.default_recipe
-
-    @classmethod
-    def recipe_rule(cls, recipe: str) -> Fp8RecipeRule:
-        """What ``recipe`` needs; plain FP8's needs for a recipe the rule table does not list."""
-        return fp8_recipe_rule(cls.library, recipe) if cls._has_rule(recipe) else Fp8RecipeRule(cls.library, recipe)
-
-    @classmethod
-    def _has_rule(cls, recipe: str) -> bool:
-        # A mode registered from outside may offer recipes that probes has no rule for.
-        return any(rule.library == cls.library and rule.recipe == recipe for rule in FP8_RECIPE_RULES)
-
-    @classmethod
     def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
         return (
             "FP8 matmuls (e4m3 keeps 3 mantissa bits) are too coarse for this model; use "
             "bf16-mixed, or keep the sensitive layers (first, last, small ones) out of FP8"
         )
-
-    # ---- where it runs ---------------------------------------------------------------------------
-
-    @classmethod
-    def support(cls, profile: HardwareProfile, policy: Policy | None = None) -> ModeSupport:
-        """Whether this mode runs on ``profile``'s device, and why; with ``policy``, its recipe.
-
-        Args:
-            profile: a CUDA or CPU profile.
-            policy: a policy of this mode: the answer is then for its ``[fp8]`` recipe (the
-                default recipe without one). ``None`` answers for the mode as a whole.
-
-        Raises:
-            MpadviseError: a CUDA profile without a compute capability.
-        """
-        whole = super().support(profile)
-        if policy is None or not whole.supported or not profile.is_cuda:
-            # On a CPU torchao emulates every recipe alike.
-            return whole
-        return cls.recipe_support(profile, cls.policy_recipe(policy))
-
-    @classmethod
-    def recipe_support(cls, profile: HardwareProfile, recipe: str) -> ModeSupport:
-        """Whether ``recipe`` runs on a CUDA device where the mode as a whole runs, and why not."""
-        cap = arch(profile)
-        version = profile.library_version(cls.library)
-        unmet = cls._recipe_unmet(profile, cap, recipe)
-        if unmet is None:
-            return ModeSupport(
-                cls.name, True, f"{cls.name}: recipe {recipe!r} runs on {cap.label} with {cls.library_display} {version}"
-            )
-        here = [r for r in cls.fp8_recipes if cls._recipe_unmet(profile, cap, r) is None]
-        return ModeSupport(
-            cls.name,
-            False,
-            f"{cls.name}: recipe {recipe!r} on {profile.name} {unmet}; set [fp8] recipe to one "
-            f"that runs here: {', '.join(here) or 'none'}",
-        )
-
-    @classmethod
-    def cuda_support(cls, profile: HardwareProfile, cap: ArchCapability) -> ModeSupport:
-        problem = cls._device_problem(profile, cap)
-        if problem is not None:
-            return ModeSupport(cls.name, False, f"{cls.name}: {problem}")
-        version = profile.library_version(cls.library)
-        if version is None:
-            return cls._not_installed()
-        here, missing = [], []
-        for recipe in cls.fp8_recipes:
-            unmet = cls._recipe_unmet(profile, cap, recipe)
-            title = f" ({cls.recipe_titles[recipe]})" if recipe in cls.recipe_titles else ""
-            if unmet is None:
-                here.append(f"{recipe}{title}")
-            else:
-                missing.append(f"{recipe} {unmet}")
-        reason = (
-            f"{cls.name}: FP8 tensor cores ({cap.label}) with {cls.library_display} {version}; "
-            f"recipes here: {', '.join(here) or 'none'}"
-        )
-        if missing:
-            reason += f"; not here: {'; '.join(missing)}"
-        runs = cls._recipe_unmet(profile, cap, cls.default_recipe) is None
-        return ModeSupport(cls.name, runs, reason)
-
-    @classmethod
-    def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
-        return ModeSupport(cls.name, False, f"{cls.name}: needs CUDA; this is a CPU")
-
-    @classmethod
-    def _not_installed(cls) -> ModeSupport:
-        return ModeSupport(cls.name, False, f"{cls.name}: {cls.library_display} is not installed ({cls.install})")
-
-    @classmethod
-    def _device_problem(cls, profile: HardwareProfile, cap: ArchCapability) -> str | None:
-        """Why no FP8 recipe of any library runs on this device with this torch build, or ``None``."""
-        if not cap.fp8:
-            return f"compute capability {cc_text(cap)} < 8.9 ({profile.name})"
-        if torch_build_covers(cap.compute_capability, profile.cuda_arch_list) is False:
-            major, minor = cap.compute_capability
-            hint = " (pytorch.org's wheels for CUDA 12.9 and newer list sm_100 and sm_120)" if major >= 10 else ""
-            return (
-                f"torch {profile.torch_version} was built for {' '.join(profile.cuda_arch_list)}, with no "
-                f"kernels for compute capability {cc_text(cap)} ({profile.name}); install a torch "
-                f"build whose torch.cuda.get_arch_list() lists sm_{major}{minor}{hint}"
-            )
-        cuda = release(profile.cuda_runtime)
-        if cap.fp8_min_cuda is not None and cuda is not None and cuda < cap.fp8_min_cuda:
-            floor = "{}.{}".format(*cap.fp8_min_cuda)
-            return (
-                f"FP8 on {cap.label} needs CUDA {floor} or newer, and torch {profile.torch_version} "
-                f"was built with CUDA {profile.cuda_runtime} ({profile.name}); install a torch "
-                f"build for CUDA {floor} or newer"
-            )
-        return None
-
-    @classmethod
-    def _recipe_unmet(cls, profile: HardwareProfile, cap: ArchCapability, recipe: str) -> str | None:
-        if not cls._has_rule(recipe):
-            return None  # a recipe without a rule needs what FP8 as a whole needs
-        return fp8_recipe_unmet(
-            cls.library,
-            recipe,
-            compute_capability=cap.compute_capability,
-            cuda_runtime=profile.cuda_runtime,
-            library_version=profile.library_version(cls.library),
-            library_display=cls.library_display,
-        )
-
-    # ---- conversion ------------------------------------------------------------------------------
 
     def find_bypassed(self, module: torch.nn.Module) -> None:
         """Before a conversion: find the Linears in ``module`` whose forward never runs."""

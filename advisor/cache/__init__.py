@@ -4,7 +4,8 @@
   rows and export form; pure.
 * ``_store``: the SQLite database (the one module that imports sqlite-utils): opening it,
   damage, and the ``Store``, whose queries come from ``_recommendations`` (answers, trials,
-  hardware profiles, export and import) and ``_jobs`` (the daemon's queue), on top of
+  hardware profiles; their SQL in ``_recommendation_rows``), ``_transfer`` (export and import)
+  and ``_jobs`` (the daemon's queue), on top of
   ``_base`` (transactions, errors); ``_migrations`` holds the schema's history.
 * ``_recommend``: what a stored answer means for this machine and script.
 

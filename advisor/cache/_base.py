@@ -78,6 +78,22 @@ def error_kind(exc: BaseException) -> str:
     return "other"
 
 
+def store_error(path: Path, exc: BaseException, kind: str) -> MpadviseError:
+    """The one line a user reads for an SQLite error of ``kind`` (see :func:`error_kind`) on
+    the cache database at ``path``."""
+    if kind == "busy":
+        return MpadviseError(
+            f"cache database {path} stayed locked by another process for more than "
+            f"{BUSY_TIMEOUT_S:.0f} s; try again when the other mpadvise command finishes"
+        )
+    if kind == "corrupt":
+        return MpadviseError(f"cache database {path} is damaged ({exc}); move it aside or delete it")
+    return MpadviseError(
+        f"cache database {path} cannot be used ({exc}); check that its directory is "
+        "writable, or set MPADVISE_HOME to another directory"
+    )
+
+
 class StoreBase:
     """One SQLite connection shared by threads: its lock, its transactions, its errors.
 
@@ -102,19 +118,7 @@ class StoreBase:
 
     def _as_error(self, exc: BaseException, kind: str) -> MpadviseError:
         """The one line a user reads for an SQLite error of ``kind`` (see :func:`error_kind`)."""
-        if kind == "busy":
-            return MpadviseError(
-                f"cache database {self.path} stayed locked by another process for more than "
-                f"{BUSY_TIMEOUT_S:.0f} s; try again when the other mpadvise command finishes"
-            )
-        if kind == "corrupt":
-            return MpadviseError(
-                f"cache database {self.path} is damaged ({exc}); move it aside or delete it"
-            )
-        return MpadviseError(
-            f"cache database {self.path} cannot be used ({exc}); check that its directory is "
-            "writable, or set MPADVISE_HOME to another directory"
-        )
+        return store_error(self.path, exc, kind)
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite_utils.Database]:

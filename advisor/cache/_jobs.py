@@ -1,8 +1,10 @@
 """The daemon's job queue, kept in the cache database so that queued jobs survive a restart.
 
-:class:`JobQueue` is the part of the Store that holds the ``jobs`` table: the daemon queues,
-claims, updates, finishes and cancels jobs through ``Store.enqueue_job`` and the methods
-below. A job is a plain dict of the table's columns, with its JSON fields decoded.
+:class:`JobQueue` is the part of the Store that holds the ``jobs`` table, in three parts by
+who asks: :class:`JobRequests` (a client queues, reads and cancels jobs), :class:`JobRuns` (a
+slot's runner claims, updates and finishes one) and :class:`JobHousekeeping` (the daemon
+requeues what a stop interrupted and prunes old jobs). A job is a plain dict of the table's
+columns, with its JSON fields decoded.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ FINISHED_JOB_STATES = ("succeeded", "failed", "cancelled", "interrupted")
 _JOB_JSON = ("args", "options", "progress", "result")
 
 
-class JobQueue(StoreBase):
-    """Tune jobs: queued, claimed by a slot, running, finished; oldest first."""
+class JobRequests(StoreBase):
+    """What a client asks of the queue: queue a job, look at jobs, cancel one."""
 
     @guarded
     def enqueue_job(
@@ -78,6 +80,57 @@ class JobQueue(StoreBase):
         return job_id
 
     @guarded
+    def get_job(self, job_id: str) -> Record | None:
+        """One job, with its JSON fields decoded, or ``None``."""
+        return _get_job(self.db, job_id)
+
+    @guarded
+    def list_jobs(self, *, states: Iterable[str] | None = None) -> list[Record]:
+        """Jobs in queue order (oldest first), optionally only those in ``states``."""
+        if states is None:
+            rows = self.db.query("SELECT * FROM jobs ORDER BY created_at, rowid")
+        else:
+            wanted = list(states)
+            marks = ", ".join("?" for _ in wanted)
+            rows = self.db.query(
+                f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created_at, rowid", wanted
+            )
+        return [_decode_job(row) for row in rows]
+
+    @guarded
+    def count_queued_jobs(self) -> int:
+        """How many jobs wait for a slot."""
+        return int(self.db.execute("SELECT count(*) FROM jobs WHERE state = 'queued'").fetchone()[0])
+
+    @guarded
+    def cancel_job(self, job_id: str) -> Record | None:
+        """Cancel a job: a queued one at once, a running one by asking its runner.
+
+        Args:
+            job_id: the job.
+
+        Returns:
+            The job afterwards: ``cancelled`` if it was queued, ``cancelling`` if it was
+            running (the runner stops it and calls :meth:`finish_job`), unchanged if it had
+            already finished; ``None`` if there is no such job.
+        """
+        with self._write() as db:
+            db.execute(
+                "UPDATE jobs SET state = 'cancelled', finished_at = ? "
+                "WHERE id = ? AND state = 'queued'",
+                [utc_now(), job_id],
+            )
+            db.execute(
+                "UPDATE jobs SET state = 'cancelling' WHERE id = ? AND state = 'running'",
+                [job_id],
+            )
+            return _get_job(db, job_id)
+
+
+class JobRuns(StoreBase):
+    """What a slot's runner does with a job: claim it, report its progress, finish it."""
+
+    @guarded
     def claim_next_job(self, slot: str) -> Record | None:
         """Atomically take the oldest queued job this slot may run, and mark it running.
 
@@ -113,11 +166,6 @@ class JobQueue(StoreBase):
                 [utc_now(), slot, rows[0]["id"]],
             )
             return _get_job(db, rows[0]["id"])
-
-    @guarded
-    def count_queued_jobs(self) -> int:
-        """How many jobs wait for a slot."""
-        return int(self.db.execute("SELECT count(*) FROM jobs WHERE state = 'queued'").fetchone()[0])
 
     @guarded
     def update_job(
@@ -183,47 +231,9 @@ class JobQueue(StoreBase):
             )
             return _get_job(db, job_id)
 
-    @guarded
-    def get_job(self, job_id: str) -> Record | None:
-        """One job, with its JSON fields decoded, or ``None``."""
-        return _get_job(self.db, job_id)
 
-    @guarded
-    def list_jobs(self, *, states: Iterable[str] | None = None) -> list[Record]:
-        """Jobs in queue order (oldest first), optionally only those in ``states``."""
-        if states is None:
-            rows = self.db.query("SELECT * FROM jobs ORDER BY created_at, rowid")
-        else:
-            wanted = list(states)
-            marks = ", ".join("?" for _ in wanted)
-            rows = self.db.query(
-                f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created_at, rowid", wanted
-            )
-        return [_decode_job(row) for row in rows]
-
-    @guarded
-    def cancel_job(self, job_id: str) -> Record | None:
-        """Cancel a job: a queued one at once, a running one by asking its runner.
-
-        Args:
-            job_id: the job.
-
-        Returns:
-            The job afterwards: ``cancelled`` if it was queued, ``cancelling`` if it was
-            running (the runner stops it and calls :meth:`finish_job`), unchanged if it had
-            already finished; ``None`` if there is no such job.
-        """
-        with self._write() as db:
-            db.execute(
-                "UPDATE jobs SET state = 'cancelled', finished_at = ? "
-                "WHERE id = ? AND state = 'queued'",
-                [utc_now(), job_id],
-            )
-            db.execute(
-                "UPDATE jobs SET state = 'cancelling' WHERE id = ? AND state = 'running'",
-                [job_id],
-            )
-            return _get_job(db, job_id)
+class JobHousekeeping(StoreBase):
+    """What the daemon does with jobs at start and over time: requeue the interrupted, prune the old."""
 
     @guarded
     def requeue_interrupted(self, *, max_retries: int = 1) -> list[Record]:
@@ -261,7 +271,6 @@ class JobQueue(StoreBase):
             )
             return [job for job in (_get_job(db, job_id) for job_id in ids) if job is not None]
 
-
     @guarded
     def prune_finished_jobs(self, *, finished_before: str) -> list[str]:
         """Delete finished jobs that finished before ``finished_before``; never a queued,
@@ -280,6 +289,10 @@ class JobQueue(StoreBase):
             ids = [row["id"] for row in db.query(f"SELECT id FROM jobs WHERE {where}", params)]
             db.execute(f"DELETE FROM jobs WHERE {where}", params)
             return ids
+
+
+class JobQueue(JobRequests, JobRuns, JobHousekeeping):
+    """Tune jobs: queued, claimed by a slot, running, finished; oldest first."""
 
 
 def _get_job(db: sqlite_utils.Database, job_id: str) -> Record | None:

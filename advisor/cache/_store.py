@@ -43,7 +43,7 @@ import sqlite_utils
 
 from advisor._paths import database_path
 from advisor._secure import ensure_private_dir, ensure_private_file, open_private_new
-from advisor.cache._base import BUSY_TIMEOUT_S, error_kind
+from advisor.cache._base import BUSY_TIMEOUT_S, error_kind, store_error
 from advisor.cache._event_rows import GuardEvents
 from advisor.cache._jobs import JobQueue
 from advisor.cache._migrations import UnknownSchemaError, ensure_schema
@@ -158,11 +158,11 @@ class Store(Recommendations, JobQueue, GuardEvents):
 
     def _open(self) -> None:
         try:
-            self._db = self._connect_checked()
+            self._db, self._identity = _connect_checked(self.path)
         except _Unusable as problem:
             self._move_aside(problem.reason, problem.identity, problem.conn)
             try:
-                self._db = self._connect_checked()
+                self._db, self._identity = _connect_checked(self.path)
             except _Unusable as again:
                 if again.conn is not None:
                     again.conn.close()
@@ -170,79 +170,6 @@ class Store(Recommendations, JobQueue, GuardEvents):
                     f"cache database {self.path} is unusable even after starting a fresh one "
                     f"({again.reason}); set MPADVISE_HOME to another directory"
                 ) from None
-
-    def _connect_checked(self) -> sqlite_utils.Database:
-        """Connect, configure and verify, retrying while other processes hold locks."""
-        started = time.monotonic()
-        deadline = started + BUSY_TIMEOUT_S
-        while True:
-            self._check_files()
-            identity = _file_identity(self.path)
-            conn: sqlite3.Connection | None = None
-            try:
-                # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE for
-                # writes), never opened behind our back by the sqlite3 module.
-                conn = sqlite3.connect(
-                    str(self.path),
-                    timeout=BUSY_TIMEOUT_S,
-                    isolation_level=None,
-                    check_same_thread=False,
-                )
-                db = sqlite_utils.Database(conn, execute_plugins=False)
-                conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-                db.enable_wal()
-                if db.journal_mode != "wal" and time.monotonic() < started + _WAL_PATIENCE_S:
-                    # SQLite answers a journal-mode switch it cannot lock for with the old
-                    # mode instead of an error. Retry for a moment; a file system without
-                    # shared memory never allows WAL, and the rollback journal is still
-                    # correct there, only less concurrent.
-                    conn.close()
-                    time.sleep(random.uniform(0.01, 0.05))
-                    continue
-                conn.execute("PRAGMA synchronous = NORMAL")
-                conn.execute("PRAGMA foreign_keys = ON")
-                problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
-                if problems != ["ok"]:
-                    raise _Unusable(f"it is damaged ({problems[0]})", identity, conn)
-                try:
-                    ensure_schema(db)
-                except UnknownSchemaError as exc:
-                    raise _Unusable(str(exc), identity, conn) from None
-                self._identity = identity or _file_identity(self.path)
-                return db
-            except _Unusable:
-                raise
-            except sqlite3.Error as exc:
-                kind = error_kind(exc)
-                if kind == "corrupt":
-                    raise _Unusable(f"it is not a valid database ({exc})", identity, conn) from None
-                if conn is not None:
-                    conn.close()
-                if kind == "busy" and time.monotonic() < deadline:
-                    # Not every lock wait goes through the busy handler (a journal-mode
-                    # switch on a fresh file, WAL recovery after a crash): back off briefly
-                    # and start over, within the same overall timeout.
-                    time.sleep(random.uniform(0.01, 0.05))
-                    continue
-                raise self._as_error(exc, kind) from exc
-
-    def _check_files(self) -> None:
-        """Refuse a database (or -wal/-shm) that others own or may write; create it 0600.
-
-        SQLite gives the -wal and -shm files the database file's mode, so creating the
-        database private keeps the whole set private.
-        """
-        for suffix in ("", "-wal", "-shm"):
-            ensure_private_file(self.path.with_name(self.path.name + suffix))
-        try:
-            os.close(open_private_new(self.path, os.O_RDWR))
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise MpadviseError(
-                f"cache database {self.path} cannot be created ({exc.strerror or exc}); "
-                "set MPADVISE_HOME to a writable directory of your own"
-            ) from exc
 
     def _move_aside(
         self,
@@ -257,7 +184,7 @@ class Store(Recommendations, JobQueue, GuardEvents):
         which by then no longer exists, so the moved copy keeps its WAL.
         """
         try:
-            self._rename_aside(reason, identity)
+            _rename_aside(self.path, reason, identity)
         finally:
             if conn is not None:
                 conn.close()
@@ -265,34 +192,118 @@ class Store(Recommendations, JobQueue, GuardEvents):
                 self._db.close()
                 self._db = None
 
-    def _rename_aside(self, reason: str, identity: tuple[int, int] | None) -> None:
-        current = _file_identity(self.path)
-        if identity is not None and current != identity:
-            # Another process found the same damage and has already replaced the file.
-            return
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
-        try:
-            if current is not None:
-                os.replace(self.path, target)
-            # Keep the set together under names SQLite pairs up, so the copy can be opened.
-            for suffix in ("-wal", "-shm"):
-                side = self.path.with_name(self.path.name + suffix)
-                if side.exists():
-                    os.replace(side, target.with_name(target.name + suffix))
-        except OSError as exc:
-            raise MpadviseError(
-                f"cache database {self.path} is unusable ({reason}) and cannot be moved "
-                f"aside ({exc.strerror or exc}); delete it or set MPADVISE_HOME"
-            ) from exc
-        logger.warning(
-            "cache database %s is unusable: %s; moved it aside to %s and started a fresh one",
-            self.path,
-            reason,
-            target,
-        )
-
     def _recover(self, reason: str) -> None:
         identity = self._identity
         self._move_aside(f"it is damaged ({reason})", identity)
         self._open()
+
+
+def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int] | None]:
+    """Connect to ``path``, configure and verify, retrying while other processes hold locks.
+
+    Returns:
+        The database and the identity (device, inode) of the file it opened.
+
+    Raises:
+        _Unusable: the file is damaged, not a database, or of a newer schema.
+        MpadviseError: it cannot be opened, or stays locked past the busy timeout.
+    """
+    started = time.monotonic()
+    deadline = started + BUSY_TIMEOUT_S
+    while True:
+        _check_files(path)
+        identity = _file_identity(path)
+        conn: sqlite3.Connection | None = None
+        try:
+            # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE for
+            # writes), never opened behind our back by the sqlite3 module.
+            conn = sqlite3.connect(
+                str(path),
+                timeout=BUSY_TIMEOUT_S,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+            db = sqlite_utils.Database(conn, execute_plugins=False)
+            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            db.enable_wal()
+            if db.journal_mode != "wal" and time.monotonic() < started + _WAL_PATIENCE_S:
+                # SQLite answers a journal-mode switch it cannot lock for with the old
+                # mode instead of an error. Retry for a moment; a file system without
+                # shared memory never allows WAL, and the rollback journal is still
+                # correct there, only less concurrent.
+                conn.close()
+                time.sleep(random.uniform(0.01, 0.05))
+                continue
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
+            if problems != ["ok"]:
+                raise _Unusable(f"it is damaged ({problems[0]})", identity, conn)
+            try:
+                ensure_schema(db)
+            except UnknownSchemaError as exc:
+                raise _Unusable(str(exc), identity, conn) from None
+            return db, identity or _file_identity(path)
+        except _Unusable:
+            raise
+        except sqlite3.Error as exc:
+            kind = error_kind(exc)
+            if kind == "corrupt":
+                raise _Unusable(f"it is not a valid database ({exc})", identity, conn) from None
+            if conn is not None:
+                conn.close()
+            if kind == "busy" and time.monotonic() < deadline:
+                # Not every lock wait goes through the busy handler (a journal-mode
+                # switch on a fresh file, WAL recovery after a crash): back off briefly
+                # and start over, within the same overall timeout.
+                time.sleep(random.uniform(0.01, 0.05))
+                continue
+            raise store_error(path, exc, kind) from exc
+
+
+def _check_files(path: Path) -> None:
+    """Refuse a database (or -wal/-shm) that others own or may write; create it 0600.
+
+    SQLite gives the -wal and -shm files the database file's mode, so creating the
+    database private keeps the whole set private.
+    """
+    for suffix in ("", "-wal", "-shm"):
+        ensure_private_file(path.with_name(path.name + suffix))
+    try:
+        os.close(open_private_new(path, os.O_RDWR))
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise MpadviseError(
+            f"cache database {path} cannot be created ({exc.strerror or exc}); "
+            "set MPADVISE_HOME to a writable directory of your own"
+        ) from exc
+
+
+def _rename_aside(path: Path, reason: str, identity: tuple[int, int] | None) -> None:
+    """Move the file at ``path`` (with its -wal and -shm) to ``<name>.corrupt-<timestamp>``."""
+    current = _file_identity(path)
+    if identity is not None and current != identity:
+        # Another process found the same damage and has already replaced the file.
+        return
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    try:
+        if current is not None:
+            os.replace(path, target)
+        # Keep the set together under names SQLite pairs up, so the copy can be opened.
+        for suffix in ("-wal", "-shm"):
+            side = path.with_name(path.name + suffix)
+            if side.exists():
+                os.replace(side, target.with_name(target.name + suffix))
+    except OSError as exc:
+        raise MpadviseError(
+            f"cache database {path} is unusable ({reason}) and cannot be moved "
+            f"aside ({exc.strerror or exc}); delete it or set MPADVISE_HOME"
+        ) from exc
+    logger.warning(
+        "cache database %s is unusable: %s; moved it aside to %s and started a fresh one",
+        path,
+        reason,
+        target,
+    )

@@ -189,12 +189,7 @@ class DaemonClient:
             MpadviseError: no daemon has written its address, or the token cannot be read.
         """
         paths = DaemonPaths.here()
-        address = _read_address(paths.address)
-        if address is None or not daemon_running(paths):
-            raise MpadviseError(
-                f"no mpadvise daemon is running for {paths.directory}; start one with "
-                "`mpadvise daemon start` (with the same MPADVISE_HOME)"
-            )
+        address = _running_address(paths)
         token = None
         if need_token:
             _check_token_destination(address, paths)
@@ -238,11 +233,7 @@ class DaemonClient:
             headers["Content-Type"] = "application/json"
         if self.token:  # every request but GET /health needs it
             headers["Authorization"] = f"Bearer {self.token}"
-        if self.uds is not None:
-            conn: http.client.HTTPConnection = _UnixConnection(self.uds, self.timeout)
-        else:
-            parts = urlsplit(self.url or "")
-            conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=self.timeout)
+        conn = _connection(self.url, self.uds, self.timeout)
         try:
             conn.request(method, path, body=payload, headers=headers)
             response = conn.getresponse()
@@ -254,25 +245,15 @@ class DaemonClient:
             ) from None
         finally:
             conn.close()
-        try:
-            data = json.loads(raw) if raw else None
-        except ValueError:
-            raise MpadviseError(
-                f"the daemon at {self.where} answered {method} {path} with HTTP {response.status} "
-                "and a body that is not JSON; is something else listening there?"
-            ) from None
-        return response.status, data
+        return response.status, _json_body(raw, f"the daemon at {self.where} answered {method} {path} with HTTP "
+                                                f"{response.status}")
 
     def call(self, method: str, path: str, body: Any = None, *, auth: bool = False) -> Any:
         """Like :meth:`request`, raising MpadviseError (naming the daemon's reason) unless 2xx."""
         status, data = self.request(method, path, body, auth=auth)
         if 200 <= status < 300:
             return data
-        detail = data.get("detail") if isinstance(data, dict) else data
-        if isinstance(detail, list):
-            detail = "; ".join(
-                f"{'.'.join(str(p) for p in d.get('loc', [])[1:]) or 'body'}: {d.get('msg')}" for d in detail
-            )
+        detail = _refusal_detail(data)
         # Refused requests (bad options, a path outside the roots) are usage errors.
         code = 2 if status in (400, 403, 413, 422) else 1
         raise MpadviseError(f"the daemon refused {method} {path} (HTTP {status}): {detail}", exit_code=code)
@@ -318,13 +299,64 @@ class DaemonClient:
             if progress.get("phase") == "waiting" and progress.get("message") != waiting_shown:
                 waiting_shown = progress.get("message")
                 on_waiting(str(waiting_shown))
-            count = int(progress.get("lines") or 0)
-            recent = progress.get("recent") or []
-            if count > seen:
-                for line in recent[-min(count - seen, len(recent)):]:
-                    on_line(line)
-                seen = count
+            for line in _unseen_lines(progress, seen):
+                on_line(line)
+            seen = max(seen, int(progress.get("lines") or 0))
         return job
+
+
+def _json_body(raw: bytes, answered: str) -> Any:
+    """A response body decoded from JSON (``None`` when empty); ``answered`` says which response.
+
+    Raises:
+        MpadviseError: the body is not JSON.
+    """
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        raise MpadviseError(f"{answered} and a body that is not JSON; is something else listening there?") from None
+
+
+def _unseen_lines(progress: dict[str, Any], seen: int) -> list[str]:
+    """The lines of a job's stderr that ``progress`` holds after the first ``seen`` (it keeps the
+    count of lines so far and the most recent ones)."""
+    count = int(progress.get("lines") or 0)
+    recent = progress.get("recent") or []
+    return recent[-min(count - seen, len(recent)):] if count > seen else []
+
+
+def _running_address(paths: DaemonPaths) -> dict[str, Any]:
+    """The ``daemon.json`` of the daemon running for this cache directory.
+
+    Raises:
+        MpadviseError: no daemon has written its address, or none holds the directory's lock.
+    """
+    address = _read_address(paths.address)
+    if address is None or not daemon_running(paths):
+        raise MpadviseError(
+            f"no mpadvise daemon is running for {paths.directory}; start one with "
+            "`mpadvise daemon start` (with the same MPADVISE_HOME)"
+        )
+    return address
+
+
+def _connection(url: str | None, uds: str | None, timeout: float) -> http.client.HTTPConnection:
+    """An unopened connection to the daemon at ``url``, or at the Unix socket ``uds``."""
+    if uds is not None:
+        return _UnixConnection(uds, timeout)
+    parts = urlsplit(url or "")
+    return http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout)
+
+
+def _refusal_detail(data: Any) -> Any:
+    """The daemon's reason in a refusal's body: its ``detail``, a validation error list joined
+    into one line (``options.trials: Input should be greater than 0``)."""
+    detail = data.get("detail") if isinstance(data, dict) else data
+    if isinstance(detail, list):
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in d.get('loc', [])[1:]) or 'body'}: {d.get('msg')}" for d in detail
+        )
+    return detail
 
 
 def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> None:

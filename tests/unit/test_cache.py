@@ -636,7 +636,7 @@ def test_damage_found_mid_command_moves_the_file_aside_and_retries(
     store: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _put(store)
-    original = _recommendations._select_recommendations
+    original = _recommendations.select_recommendations
     calls = []
 
     def damaged_once(*args: Any, **kwargs: Any) -> Any:
@@ -645,7 +645,7 @@ def test_damage_found_mid_command_moves_the_file_aside_and_retries(
             raise sqlite3.DatabaseError("database disk image is malformed")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_recommendations, "_select_recommendations", damaged_once)
+    monkeypatch.setattr(_recommendations, "select_recommendations", damaged_once)
     with caplog.at_level(logging.WARNING, logger="mpadvise"):
         # The retry runs on the fresh database, where the key is simply not cached.
         assert store.get_recommendation(HW, WL) is None

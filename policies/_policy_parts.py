@@ -1,0 +1,255 @@
+"""What a Policy is made of: its error, its schema number, its sub-tables and the checks of
+each field.
+
+``LossScale``, ``Fp8Options`` and ``TunedOn`` are the tables of a config file (``[loss_scale]``,
+``[fp8]``, ``[tuned_on]``); :func:`check_policy` checks a whole policy's fields against each
+other and its mode. The Policy itself is :mod:`policies._config`; its dict and TOML forms are
+:mod:`policies._policy_data`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from probes import MpadviseError
+
+from ._registry import fp8_recipes, mode_class, mode_classes
+from ._true import TrueHalfMode
+
+if TYPE_CHECKING:
+    from ._config import Policy
+
+SCHEMA = 1
+"""Config file schema written by this version. Older schemas are read and upgraded."""
+
+LOSS_SCALE_KINDS = ("none", "static", "dynamic")
+FP8_FORMATS = ("hybrid", "e4m3")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+"""The dtypes in which FSDP2 may reduce gradients across ranks (``Policy.reduce_dtype``)."""
+
+
+class PolicyError(MpadviseError, ValueError):
+    """A Policy field or a config file holds a value that is not allowed."""
+
+
+def choices_text(values: tuple[str, ...]) -> str:
+    return ", ".join(values)
+
+
+def names_text(names: list[str]) -> str:
+    """``"a"``, ``"a and b"``, ``"a, b and c"``."""
+    if len(names) < 2:
+        return names[0] if names else "no mode"
+    return f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def reduce_dtype_choices(mode: str) -> tuple[str, ...]:
+    """The dtypes a mode's gradients may be reduced in across ranks under FSDP2.
+
+    fp32 for every mode; a 16-bit mode (``dtype_family`` bf16 or fp16) may also reduce in its
+    own dtype, which halves the bytes of the reduce-scatter. Reducing fp32 or FP8 training in
+    a 16-bit dtype would add a rounding the mode itself never makes, so it is not offered.
+    """
+    family = mode_class(mode).dtype_family
+    return ("fp32", family) if family in ("bf16", "fp16") else ("fp32",)
+
+
+def default_reduce_dtype(mode: str) -> str:
+    """The dtype FSDP2 reduces a mode's gradients in when the policy does not say.
+
+    fp32, as DDP does for a mode that keeps fp32 weights; a "-true" mode's own 16-bit dtype,
+    since its gradients are in that dtype and FSDP2 reduces in the parameter dtype by default.
+    """
+    cls = mode_class(mode)
+    return cls.dtype_family if issubclass(cls, TrueHalfMode) else "fp32"
+
+
+# Messages name a field by its key in the config file, as the user wrote it (``mode``,
+# ``loss_scale.kind``), never by the class that holds it.
+
+
+def check_choice(key: str, value: Any, allowed: tuple[str, ...], *, of: str = "") -> None:
+    if value not in allowed:
+        whose = f" ({of})" if of else ""
+        raise PolicyError(f"{key}: {value!r} is not allowed; expected one of {choices_text(allowed)}{whose}")
+
+
+def check_positive(key: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value <= 0:
+        what = "a positive integer" if integer else "a positive number"
+        raise PolicyError(f"{key}: {value!r} is not allowed; expected {what}")
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Loss scaling for fp16-mixed: the GradScaler settings, or a static scale.
+
+    Attributes:
+        kind: ``"dynamic"`` (GradScaler), ``"static"`` (a fixed scale; overflowing steps are
+            still skipped) or ``"none"``.
+        init_scale: starting scale (dynamic) or the fixed scale (static). GradScaler's default
+            is 2**16.
+        growth_factor: multiply the scale by this after ``growth_interval`` clean steps.
+        backoff_factor: multiply the scale by this after an overflow.
+        growth_interval: clean steps between growths.
+    """
+
+    kind: str = "dynamic"
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        check_choice("loss_scale.kind", self.kind, LOSS_SCALE_KINDS)
+        check_positive("loss_scale.init_scale", self.init_scale)
+        check_positive("loss_scale.growth_factor", self.growth_factor)
+        if self.growth_factor <= 1.0:
+            raise PolicyError(f"loss_scale.growth_factor: {self.growth_factor!r} is not allowed; expected a number > 1")
+        if not isinstance(self.backoff_factor, (int, float)) or not 0.0 < self.backoff_factor < 1.0:
+            raise PolicyError(
+                f"loss_scale.backoff_factor: {self.backoff_factor!r} is not allowed; expected a number in (0, 1)"
+            )
+        check_positive("loss_scale.growth_interval", self.growth_interval, integer=True)
+
+
+@dataclass(frozen=True)
+class Fp8Options:
+    """FP8 recipe options, for ``fp8-torchao`` and ``fp8-te``.
+
+    Attributes:
+        recipe: one of the FP8 mode's ``fp8_recipes``. torchao: ``tensorwise`` (default),
+            ``rowwise``, ``rowwise_with_gw_hp``; Transformer Engine: ``delayed`` (default),
+            ``current``, ``mxfp8``, ``block``. ``None`` takes the backend's default.
+        fp8_format: ``hybrid`` (E4M3 forward, E5M2 gradients) or ``e4m3`` (Transformer Engine).
+        amax_history_len: amax history for Transformer Engine's delayed scaling.
+        margin: scaling margin (powers of two) for Transformer Engine's delayed scaling.
+    """
+
+    recipe: str | None = None
+    fp8_format: str = "hybrid"
+    amax_history_len: int = 1024
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if self.recipe is not None:
+            check_choice("fp8.recipe", self.recipe, fp8_recipes())
+        check_choice("fp8.fp8_format", self.fp8_format, FP8_FORMATS)
+        check_positive("fp8.amax_history_len", self.amax_history_len, integer=True)
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise PolicyError(f"fp8.margin: {self.margin!r} is not allowed; expected an integer >= 0")
+
+
+@dataclass(frozen=True)
+class TunedOn:
+    """Where and when a policy was measured: the evidence that travels with it.
+
+    Attributes:
+        hardware_fingerprint: ``probes.hardware_fingerprint`` of the device it was tuned on.
+        device: the device's name, for people.
+        torch: torch version at tuning time.
+        libraries: FP8 library versions at tuning time (``(name, version or None)`` pairs).
+        date: ISO date of the tune.
+        speedup_vs_fp32: measured goodput ratio of this policy over fp32: the tune's one
+            figure (the paired re-measurement against fp32 when there was one).
+        goodput: measured samples per second.
+        workload_fingerprint: fingerprint of model, optimizer, global batch and script.
+        model_signature: fingerprint of the model's structure alone.
+        script: the script that was tuned.
+        trials: number of trials run.
+        cuda: CUDA runtime at tuning time (empty on a CPU).
+        global_batch: the script's global batch at tuning time (samples per optimizer step);
+            at run time a different script batch keeps the script's own global batch.
+        script_digest: digest of the script's content at tuning time, so that a run can say
+            "script edited" rather than only "workload changed".
+        speedup_low: the lower end of the speed-up's confidence interval, when it has one.
+        speedup_high: the upper end.
+        speedup_basis: what the speed-up rests on, in words ("paired re-measurement, 4 pairs",
+            "single runs, not re-measured").
+        speedup_threads: the CPU threads the speed-up was measured on, where other processes
+            kept cores busy and its runs had fewer than torch's own; ``None``: torch's own (or a
+            GPU). A gain measured on fewer threads can differ from the gain on all cores.
+        args: the script's command-line arguments the tune ran it with (``()`` for none), so
+            that a tune with other arguments does not replace this answer unasked and a run
+            with others can say so; ``None`` in a config written before they were recorded.
+    """
+
+    hardware_fingerprint: str = ""
+    device: str = ""
+    torch: str = ""
+    libraries: tuple[tuple[str, str | None], ...] = ()
+    date: str = ""
+    speedup_vs_fp32: float | None = None
+    goodput: float | None = None
+    workload_fingerprint: str | None = None
+    model_signature: str | None = None
+    script: str | None = None
+    trials: int | None = None
+    cuda: str = ""
+    global_batch: int | None = None
+    script_digest: str | None = None
+    speedup_low: float | None = None
+    speedup_high: float | None = None
+    speedup_basis: str | None = None
+    args: tuple[str, ...] | None = None
+    speedup_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        check_positive("tuned_on.global_batch", self.global_batch, integer=True, allow_none=True)
+        if self.args is not None:
+            # TOML and JSON give a list; the value stays a hashable tuple of strings.
+            if isinstance(self.args, str) or not isinstance(self.args, (list, tuple)) or not all(
+                isinstance(arg, str) for arg in self.args
+            ):
+                raise PolicyError(f"tuned_on.args: {self.args!r} is not allowed; expected a list of strings")
+            object.__setattr__(self, "args", tuple(self.args))
+        check_positive("tuned_on.speedup_threads", self.speedup_threads, integer=True, allow_none=True)
+        for name in ("speedup_low", "speedup_high"):
+            check_positive(f"tuned_on.{name}", getattr(self, name), allow_none=True)
+        if self.speedup_basis is not None and not isinstance(self.speedup_basis, str):
+            raise PolicyError(f"tuned_on.speedup_basis: {self.speedup_basis!r} is not allowed; expected a string")
+
+
+def check_policy(policy: Policy) -> None:
+    """Check a policy's fields against each other and against its mode (already a known mode).
+
+    Raises:
+        PolicyError: naming the field as the config file does (``loss_scale``, ``fp8.recipe``),
+            the value and what is allowed.
+    """
+    mode = mode_class(policy.mode)
+    if policy.loss_scale is not None:
+        if not isinstance(policy.loss_scale, LossScale):
+            raise PolicyError(f"loss_scale: expected a LossScale, got {type(policy.loss_scale).__name__}")
+        if not mode.loss_scaling and policy.loss_scale.kind != "none":
+            scaled = names_text([m.name for m in mode_classes() if m.loss_scaling])
+            raise PolicyError(
+                f"loss_scale: loss scaling applies to {scaled} only, not {policy.mode!r}; "
+                "remove [loss_scale] or set kind = \"none\""
+            )
+    if policy.fp8 is not None:
+        if not isinstance(policy.fp8, Fp8Options):
+            raise PolicyError(f"fp8: expected Fp8Options, got {type(policy.fp8).__name__}")
+        if not mode.fp8_recipes:
+            fp8_modes = names_text([m.name for m in mode_classes() if m.fp8_recipes])
+            raise PolicyError(
+                f"fp8: FP8 options apply to {fp8_modes} only, not {policy.mode!r}; remove [fp8]"
+            )
+        if policy.fp8.recipe is not None:
+            check_choice("fp8.recipe", policy.fp8.recipe, mode.fp8_recipes, of=f"the recipes of {policy.mode}")
+    check_positive("micro_batch_size", policy.micro_batch_size, integer=True, allow_none=True)
+    check_positive("grad_accum_steps", policy.grad_accum_steps, integer=True, allow_none=True)
+    check_positive("grad_clip_norm", policy.grad_clip_norm, allow_none=True)
+    if policy.reduce_dtype is not None:
+        check_choice("reduce_dtype", policy.reduce_dtype, REDUCE_DTYPES)
+        allowed = reduce_dtype_choices(policy.mode)
+        if policy.reduce_dtype not in allowed:
+            raise PolicyError(
+                f"reduce_dtype: {policy.reduce_dtype!r} does not apply to {policy.mode!r}; expected "
+                f"{' or '.join(allowed)} (a mode's gradients are reduced in fp32 or in its own 16-bit dtype)"
+            )
