@@ -35,9 +35,9 @@ from advisor.trial import WarmLauncher
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._engine import TuneResult, tune_policy
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import check_storage, check_study, shown_url
 from advisor.tune._space import SpaceLimits
 from advisor.tune._stability import StabilityThresholds
+from advisor.tune._study_status import check_storage, check_study, shown_url
 from advisor.tune._trials import (
     WAIT_IDLE_ENV,
     Evaluation,
