@@ -8,8 +8,11 @@ its data in ``_curves``, its measurements in ``_comparison``, its checks in ``_v
 ``_confirm`` (a bounded paired re-measure of close finalists) and ``_answer`` (the winner, its
 speed-up and the data the report, config and cache need). ``_trials`` is the tune's trial book.
 Timing noise sits behind one ``Timing`` strategy in ``_steady`` (with the statistics in
-``_timing``). Around them: ``_space`` (candidates and priors), ``_search`` (Optuna), ``_service`` (one tune of a script end to end: study, storage, config file, cache
-entry), ``_api`` (``advisor.tune``), ``_checks`` (script and mode checks before a run),
+``_timing``). Around them: ``_space`` (candidates and priors), ``_search`` (the Optuna
+ask-and-tell loop), the study storage behind it (``_storage``: URLs, opening, errors;
+``_storage_retry``: outages ridden out; ``_study``: the study's records, claims, heartbeats,
+asks and tells; ``_study_status``: reads before a tune and ``study status``), ``_service`` (one
+tune of a script end to end: study, storage, config file, cache entry), ``_api`` (``advisor.tune``), ``_checks`` (script and mode checks before a run),
 ``_options`` (the tune options, declared once for the CLI, the API and the daemon), and ``job``
 (``python -m advisor.tune.job REQUEST.json RESULT.json``, the daemon's entry point). Arrows: tune
 uses ``trial``, ``runtime`` and ``cache`` (to record its answer), ``policies`` and ``probes``;
@@ -31,15 +34,6 @@ from advisor.tune._options import (
     option_info,
 )
 from advisor.tune._pairs import PAIRS_MAX, PairedRuns, pairs_runs, run_pairs
-from advisor.tune._search import (
-    KeptStudy,
-    finished_trials,
-    kept_study,
-    resolve_storage,
-    shared_storage,
-    shown_url,
-    study_status,
-)
 from advisor.tune._service import (
     EXIT_FOUND,
     EXIT_NONE_STABLE,
@@ -67,6 +61,8 @@ from advisor.tune._steady import (
     Timing,
     timing_for,
 )
+from advisor.tune._storage import resolve_storage, shared_storage, shown_url
+from advisor.tune._study_status import KeptStudy, finished_trials, kept_study, study_status
 from advisor.tune._trials import (
     WAIT_IDLE_ENV,
     Comparison,

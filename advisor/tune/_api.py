@@ -10,9 +10,9 @@ from typing import Any
 import probes
 from advisor.tune._engine import TuneResult, tune_policy
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import check_study
 from advisor.tune._service import remember
 from advisor.tune._stability import StabilityThresholds
+from advisor.tune._study_status import check_study
 from advisor.tune._trials import FunctionRunner, TrialSettings
 
 

@@ -14,14 +14,6 @@ from typing import Any
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._kept import StoredAnswer, answer_key, stored_answer
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import (
-    KeptStudy,
-    check_storage,
-    check_study,
-    kept_study,
-    shared_storage,
-    shown_url,
-)
 from advisor.tune._service import (
     TuneRequest,
     _config_out,
@@ -36,6 +28,8 @@ from advisor.tune._space import (
     scales_loss,
     space_for,
 )
+from advisor.tune._storage import shared_storage, shown_url
+from advisor.tune._study_status import KeptStudy, check_storage, check_study, kept_study
 from policies import check_config_target, mode_dtypes, supported_modes
 from probes import HardwareProfile, hardware_fingerprint
 

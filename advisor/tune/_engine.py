@@ -19,7 +19,7 @@ from advisor.tune._confirm import LOCAL_PAIRS, Finalist, confirm
 from advisor.tune._judge import Evaluation
 from advisor.tune._options import TuneOptions
 from advisor.tune._plan import measure_matmul, plan
-from advisor.tune._search import check_study_workload, run_search, stored_replicate
+from advisor.tune._search import run_search
 from advisor.tune._space import Measured, SpaceLimits
 from advisor.tune._stability import StabilityThresholds
 from advisor.tune._steady import (
@@ -29,6 +29,7 @@ from advisor.tune._steady import (
     Timing,
     timing_for,
 )
+from advisor.tune._study_status import check_study_workload, stored_replicate
 from advisor.tune._trials import Runner, Trials
 from policies import Policy
 from probes import HardwareProfile, hardware_fingerprint

@@ -16,7 +16,9 @@ from typing import Any
 
 from advisor._version import __version__
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import _riding_out, _stored_study, shared_storage
+from advisor.tune._storage import shared_storage, storage_exists
+from advisor.tune._storage_retry import riding_out
+from advisor.tune._study import stored_study
 from probes import HardwareProfile, MpadviseError
 
 __all__ = ["STUDY_ATTR_ANSWER", "StoredAnswer", "answer_key", "store_answer", "stored_answer"]
@@ -61,8 +63,8 @@ def store_answer(storage: str | None, study_name: str, key: dict[str, Any], payl
     if storage is None or shared_storage(storage):
         return
     try:
-        with _riding_out(storage) as worker:
-            study = _stored_study(storage, study_name, worker)
+        with riding_out(storage) as worker:
+            study = stored_study(storage, study_name, worker)
             if study is None:
                 return
             trials = worker.call("counting the study's trials", lambda: len(study.get_trials(deepcopy=False)))
@@ -78,12 +80,10 @@ def stored_answer(storage: str | None, study_name: str, key: dict[str, Any]) -> 
     since: an interrupted resume)."""
     if storage is None or shared_storage(storage):
         return None
-    from advisor.tune._search import _storage_exists
-
-    if not _storage_exists(storage):
+    if not storage_exists(storage):
         return None
-    with _riding_out(storage) as worker:
-        study = _stored_study(storage, study_name, worker)
+    with riding_out(storage) as worker:
+        study = stored_study(storage, study_name, worker)
         if study is None:
             return None
         kept = worker.call("reading the study's answer", lambda: study.user_attrs.get(STUDY_ATTR_ANSWER))

@@ -36,9 +36,10 @@ from advisor.tune._checks import check_modes, check_script
 from advisor.tune._engine import TuneResult, tune_policy
 from advisor.tune._kept import StoredAnswer, answer_key, store_answer, stored_answer
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import check_storage, check_study, kept_study, shared_storage, shown_url
 from advisor.tune._space import SpaceLimits
 from advisor.tune._stability import StabilityThresholds
+from advisor.tune._storage import shared_storage, shown_url
+from advisor.tune._study_status import check_storage, check_study, kept_study
 from advisor.tune._trials import (
     WAIT_IDLE_ENV,
     Evaluation,

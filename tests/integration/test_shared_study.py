@@ -26,14 +26,12 @@ import pytest
 from _postgres import postgres_server, postgres_url  # noqa: F401  (fixtures)
 
 from advisor.trial import WARM_ENV
-from advisor.tune._search import (
-    GRACE_ENV,
-    HEARTBEAT_ENV,
+from advisor.tune._storage import GRACE_ENV, HEARTBEAT_ENV, storage_url
+from advisor.tune._study import (
     STUDY_ATTR_HARDWARE,
     TRIAL_ATTR_CLAIM,
     TRIAL_ATTR_CLOSED,
     TRIAL_ATTR_RESULT,
-    storage_url,
 )
 from advisor.tune._timing import paired_gap
 

@@ -15,7 +15,7 @@ import multiprocessing
 
 import pytest
 
-from advisor.tune._search import check_storage, study_status
+from advisor.tune._study_status import check_storage, study_status
 
 OPENERS = 4
 ROUNDS = 12

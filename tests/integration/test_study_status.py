@@ -22,15 +22,11 @@ import pytest
 from _postgres import postgres_server, postgres_url  # noqa: F401  (fixtures)
 
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import (
-    STORAGE_ENV,
-    TRIAL_ATTR_CLAIM,
-    _candidate_to,
-    run_search,
-    storage_url,
-    study_status,
-)
+from advisor.tune._search import run_search
 from advisor.tune._space import Candidate, Measured, SearchSpace
+from advisor.tune._storage import STORAGE_ENV, storage_url
+from advisor.tune._study import TRIAL_ATTR_CLAIM, candidate_to
+from advisor.tune._study_status import study_status
 from probes import MpadviseError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +46,7 @@ def _make_study(url: str, name: str) -> None:
                known={FP32: run(FP32)}, hardware="ab" * 8, sleep=lambda s: None)
     study = optuna.load_study(study_name=name, storage=storage_url(url))
     trial = study.ask({"mode": optuna.distributions.CategoricalDistribution(list(SPACE.modes))})
-    trial.set_user_attr(TRIAL_ATTR_CLAIM, {**_candidate_to(PURE), "trial": trial.number, "worker": OTHER})
+    trial.set_user_attr(TRIAL_ATTR_CLAIM, {**candidate_to(PURE), "trial": trial.number, "worker": OTHER})
 
 
 def _status(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -114,7 +114,7 @@ def test_what_sqlalchemy_logs_while_cleaning_up_stays_off_the_terminal(tmp_path)
     # with no handler of the program's own Python prints it. The search's storage keeps it off.
     code = (
         "import logging, sys\n"
-        "from advisor.tune._search import check_storage\n"
+        "from advisor.tune._study_status import check_storage\n"
         "check_storage(sys.argv[1])\n"
         "try:\n"
         "    raise KeyboardInterrupt\n"

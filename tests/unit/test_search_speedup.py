@@ -22,11 +22,12 @@ from advisor._log import get_logger
 from advisor.cache._store import open_store
 from advisor.cli._report import render_tune
 from advisor.trial import TrialResult
-from advisor.tune import _search, calls_load_policy, keep_answer
+from advisor.tune import _study_status, calls_load_policy, keep_answer
 from advisor.tune._confirm import Finalist, paired
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import STUDY_ATTR_WORKLOAD, check_study_workload, kept_study
 from advisor.tune._space import Candidate
+from advisor.tune._study import STUDY_ATTR_WORKLOAD
+from advisor.tune._study_status import check_study_workload, kept_study
 from advisor.tune._timing import paired_gap
 from policies import Policy, load_config
 from probes import MpadviseError, UsageError
@@ -213,7 +214,7 @@ def test_a_shared_study_of_another_workload_is_refused(tmp_path, monkeypatch):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
     study.set_user_attr(STUDY_ATTR_WORKLOAD, {"workload_fingerprint": "ab" * 8, "model_signature": "12" * 8})
-    monkeypatch.setattr(_search, "shared_storage", lambda url: url is not None)  # as a database server's
+    monkeypatch.setattr(_study_status, "shared_storage", lambda url: url is not None)  # as a database server's
     with pytest.raises(MpadviseError, match="every worker of a shared study must run the same workload"):
         check_study_workload(storage, "s", {"workload_fingerprint": "ab" * 8, "model_signature": "34" * 8},
                              resume=False)

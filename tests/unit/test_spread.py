@@ -15,8 +15,9 @@ from advisor._log import get_logger
 from advisor.trial import TrialResult
 from advisor.tune._engine import tune_policy
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import STUDY_ATTR_REPLICATE, stored_replicate
 from advisor.tune._spread import Limits, Spread, final_gap, measure_spread
+from advisor.tune._study import STUDY_ATTR_REPLICATE
+from advisor.tune._study_status import stored_replicate
 from advisor.tune._trials import Replicate, run_comparison, run_reference, run_replicate
 from policies import Policy
 from probes import HardwareProfile

@@ -12,17 +12,16 @@ import socket
 import pytest
 import sqlalchemy
 
-from advisor.tune._search import (
+from advisor.tune._space import Candidate, Measured
+from advisor.tune._storage import unreachable
+from advisor.tune._storage_retry import (
     STORAGE_RETRY_ENV,
     STORAGE_RETRY_S,
-    SearchOutcome,
     StorageLost,
-    _lost_message,
-    _unreachable,
-    _Worker,
+    Worker,
+    lost_message,
     storage_retry_s,
 )
-from advisor.tune._space import Candidate, Measured
 from probes import MpadviseError
 
 SECRET_URL = "postgresql://tuner:s3/cr+t=@127.0.0.1:{port}/studies"
@@ -45,14 +44,14 @@ def _refused_error() -> Exception:
     raise AssertionError(f"connected to port {port}")
 
 
-def _worker(sleeps: list[float], retry_s: int = 5) -> _Worker:
-    return _Worker("here:1", None, None, {}, sleeps.append, SECRET_URL.format(port=5432), retry_s)
+def _worker(sleeps: list[float], retry_s: int = 5) -> Worker:
+    return Worker("here:1", None, None, sleeps.append, SECRET_URL.format(port=5432), retry_s)
 
 
 def test_an_unreachable_storage_is_told_from_a_refused_request():
-    assert _unreachable(_refused_error())
-    assert not _unreachable(ValueError("a bug"))
-    assert not _unreachable(sqlalchemy.exc.IntegrityError("INSERT", {}, Exception("duplicate key")))
+    assert unreachable(_refused_error())
+    assert not unreachable(ValueError("a bug"))
+    assert not unreachable(sqlalchemy.exc.IntegrityError("INSERT", {}, Exception("duplicate key")))
 
 
 def test_a_call_is_retried_until_the_storage_is_back(caplog):
@@ -81,8 +80,7 @@ def test_a_storage_that_stays_away_ends_in_one_line_naming_the_server_and_what_w
     with pytest.raises(StorageLost):
         worker.call("storing trial 3's result (bf16-mixed)", down)
     worker.untold[3] = Measured(Candidate("bf16-mixed"), 712.25, True, True, outcome="ok")
-    outcome = SearchOutcome(runs=2)
-    message = _lost_message(worker.storage, "storing trial 3's result (bf16-mixed): down", worker, outcome, retried=0)
+    message = lost_message(worker.storage, "storing trial 3's result (bf16-mixed): down", worker, 2, retried=0)
     assert "s3" not in message and "postgresql://tuner:***@127.0.0.1:5432/studies" in message
     assert "\n" not in message
     assert "trial 3 bf16-mixed: 712.2 samples/s, stable" in message and "the 1 stored before stay" in message
@@ -117,7 +115,7 @@ def test_an_outage_while_the_search_opens_its_study_is_ridden_out(tmp_path, monk
 
     error = _refused_error()
     failures = iter([error, error])
-    real = _search._open_study
+    real = _search.open_study
 
     def opening(*args, **kwargs):
         failure = next(failures, None)
@@ -125,7 +123,7 @@ def test_an_outage_while_the_search_opens_its_study_is_ridden_out(tmp_path, monk
             raise failure
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_search, "_open_study", opening)
+    monkeypatch.setattr(_search, "open_study", opening)
     fp32, bf16 = Candidate("fp32"), Candidate("bf16-mixed")
     options = TuneOptions(storage=f"sqlite:///{tmp_path / 'studies.db'}", resume=True, no_priors=True, trials=3)
     sleeps: list[float] = []
@@ -228,7 +226,7 @@ def test_an_outage_between_the_reference_and_the_search_is_ridden_out(tmp_path, 
     # A worker whose fp32 reference ran through an outage read the study's workload and replicate
     # at once, and ended ("cannot open the Optuna study storage"), while its search would have
     # ridden the same outage out.
-    from advisor.tune._search import check_study_workload, stored_replicate
+    from advisor.tune._study_status import check_study_workload, stored_replicate
 
     outage = _OutageAt(monkeypatch, _refused_error())
     workload = {"workload_fingerprint": "abc", "model_signature": "def"}

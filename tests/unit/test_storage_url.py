@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from advisor.cli._app import app
 from advisor.tune import default_storage, resolve_storage, shown_url
-from advisor.tune._search import STORAGE_ENV, STORAGE_FILE_ENV, check_storage, storage_error
+from advisor.tune._storage import STORAGE_ENV, STORAGE_FILE_ENV, storage_error
+from advisor.tune._study_status import check_storage
 from probes import MpadviseError, UsageError
 
 SECRET = "s3/cr+t="  # generated secrets hold "/", "+" and "="

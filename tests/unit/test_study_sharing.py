@@ -8,26 +8,28 @@ import pytest
 
 from advisor.tune import study_name_for, study_name_from
 from advisor.tune._options import TuneOptions
-from advisor.tune._search import (
+from advisor.tune._search import run_search
+from advisor.tune._space import Candidate, Measured, SearchSpace
+from advisor.tune._storage import (
     GRACE_ENV,
     HEARTBEAT_ENV,
     MAX_RETRY_ENV,
-    STUDY_ATTR_HARDWARE,
-    TRIAL_ATTR_CLAIM,
-    TRIAL_ATTR_CLOSED,
-    TRIAL_ATTR_RESULT,
     Heartbeat,
-    _candidate_to,
-    _measured_from,
-    _measured_to,
-    check_study,
-    run_search,
     shared_storage,
     shown_url,
     storage_error,
     storage_url,
 )
-from advisor.tune._space import Candidate, Measured, SearchSpace
+from advisor.tune._study import (
+    STUDY_ATTR_HARDWARE,
+    TRIAL_ATTR_CLAIM,
+    TRIAL_ATTR_CLOSED,
+    TRIAL_ATTR_RESULT,
+    candidate_to,
+    measured_from,
+    measured_to,
+)
+from advisor.tune._study_status import check_study
 from probes import MpadviseError
 
 FP32 = Candidate("fp32")
@@ -124,10 +126,10 @@ def test_bad_heartbeat_settings_are_one_clear_error(environ, needle):
 def test_a_stored_result_keeps_every_field_of_its_candidate():
     cand = Candidate("bf16-mixed", 16, reduce_dtype="bf16")
     m = Measured(cand, 123.0, True, True, outcome="ok", reason="fine")
-    assert _measured_from(_measured_to(m)) == m
+    assert measured_from(measured_to(m)) == m
     # A result stored before a field existed reads with that field's default.
-    old = {k: v for k, v in _measured_to(m).items() if k != "reduce_dtype"}
-    assert _measured_from(old).candidate == Candidate("bf16-mixed", 16)
+    old = {k: v for k, v in measured_to(m).items() if k != "reduce_dtype"}
+    assert measured_from(old).candidate == Candidate("bf16-mixed", 16)
 
 
 # --- the search in a study that another worker shares ------------------------------------------
@@ -155,7 +157,7 @@ def _search(url: str, runs, *, sleep=lambda s: None, hardware="ab" * 8, trials=5
 def _other_worker_claims(study: optuna.Study, candidate: Candidate) -> optuna.Trial:
     """A trial that another worker runs now: RUNNING, claiming ``candidate``."""
     trial = study.ask()
-    trial.set_user_attr(TRIAL_ATTR_CLAIM, {**_candidate_to(candidate), "trial": trial.number, "worker": OTHER})
+    trial.set_user_attr(TRIAL_ATTR_CLAIM, {**candidate_to(candidate), "trial": trial.number, "worker": OTHER})
     return trial
 
 
@@ -177,7 +179,7 @@ def test_a_candidate_another_worker_runs_is_awaited_and_taken_in_not_run(shared)
 
     def sleep(seconds: float) -> None:  # while this worker waits, the other one finishes
         waits.append(seconds)
-        theirs.set_user_attr(TRIAL_ATTR_RESULT, {**_measured_to(Measured(BF16, 210.0, True, True, outcome="ok")),
+        theirs.set_user_attr(TRIAL_ATTR_RESULT, {**measured_to(Measured(BF16, 210.0, True, True, outcome="ok")),
                                                  "source": "run", "worker": OTHER})
         study.tell(theirs, 210.0)
 
@@ -197,7 +199,7 @@ def test_a_retried_copy_inherits_no_claim(shared):
     url, study = shared
     copy = study.ask()
     # What Optuna's retry callback copies from a stale trial: its claim, under the old number.
-    copy.set_user_attr(TRIAL_ATTR_CLAIM, {**_candidate_to(BF16), "trial": copy.number - 1 if copy.number else 99,
+    copy.set_user_attr(TRIAL_ATTR_CLAIM, {**candidate_to(BF16), "trial": copy.number - 1 if copy.number else 99,
                                           "worker": OTHER})
     runs = Runs()
     outcome = _search(url, runs)

@@ -1,0 +1,374 @@
+"""The Optuna study storage: where its URL comes from, how it is shown, and opening it.
+
+Optuna (and SQLAlchemy, which it brings) is imported only by the storage modules: this one,
+``_study`` and ``_study_status``; the search and the retries never import it. Here: its RDB
+storage, opened once per process and URL with heartbeats and retries of stale trials, through
+the race of workers that make a fresh database at the same moment; URLs and the storage's errors
+read and told in one line (an outage from a refusal: ``unreachable``). A URL's password never
+reaches a message: ``shown_url``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import re
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from probes import MpadviseError, UsageError
+
+HEARTBEAT_ENV = "MPADVISE_HEARTBEAT_S"
+GRACE_ENV = "MPADVISE_GRACE_S"
+MAX_RETRY_ENV = "MPADVISE_MAX_RETRY"
+# Where the storage URL may come from besides --storage, so that its password stays out of ps.
+STORAGE_ENV = "MPADVISE_STORAGE"
+STORAGE_FILE_ENV = "MPADVISE_STORAGE_FILE"
+POSTGRES_INSTALL = 'pip install "mpadvise[postgres]"'
+# A server that drops packets would otherwise keep the first connection waiting for minutes.
+CONNECT_TIMEOUT_S = 10
+# Tries at opening a storage that other processes are making at the same moment.
+OPEN_ATTEMPTS = 5
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """How a worker shows that its trial is alive, and what becomes of one that goes silent.
+
+    Attributes:
+        interval_s: seconds between heartbeats of a running trial.
+        grace_s: seconds without a heartbeat after which any worker fails the trial as stale;
+            Optuna's retry callback then queues a copy for a live worker.
+        max_retry: how many copies of a stale trial are queued; after that its candidate is
+            given up as a crash.
+    """
+
+    interval_s: int = 30
+    grace_s: int = 120
+    max_retry: int = 2
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> Heartbeat:
+        """The settings from ``MPADVISE_HEARTBEAT_S``, ``MPADVISE_GRACE_S`` (default: four
+        intervals) and ``MPADVISE_MAX_RETRY``; the defaults where they are unset or empty.
+
+        Raises:
+            MpadviseError: a value that is not a whole number in range, naming the variable.
+        """
+        interval = whole_env(environ, HEARTBEAT_ENV, cls.interval_s, minimum=1, unit="seconds")
+        grace = whole_env(environ, GRACE_ENV, 4 * interval, minimum=1, unit="seconds")
+        if grace <= interval:
+            raise MpadviseError(
+                f"{GRACE_ENV}={grace} is not allowed with {HEARTBEAT_ENV}={interval}; expected more seconds than "
+                f"one heartbeat interval, so that a live trial is never taken for a dead one (e.g. {4 * interval})"
+            )
+        return cls(interval, grace, whole_env(environ, MAX_RETRY_ENV, cls.max_retry, minimum=0, unit="retries"))
+
+
+def whole_env(environ: Mapping[str, str], name: str, default: int, *, minimum: int, unit: str) -> int:
+    text = environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise MpadviseError(f"{name}={text!r} is not allowed; expected whole {unit} >= {minimum}, or unset for {default}")
+    return value
+
+
+def storage_url(url: str) -> str:
+    """The URL Optuna opens for ``url``: a PostgreSQL URL that names no driver gets psycopg, the
+    driver of the ``postgres`` extra (SQLAlchemy's own default is psycopg2)."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme in ("postgresql", "postgres"):
+        return f"postgresql+psycopg://{rest}"
+    return url
+
+
+def shared_storage(url: str | None) -> bool:
+    """Whether studies in this storage are shared by many workers: a database server (any URL
+    but an SQLite file) rather than one machine's file or memory. A shared study is joined as
+    it stands, never started afresh, since other workers may be in it."""
+    return url is not None and not url.startswith("sqlite")
+
+
+def shown_url(url: str | None) -> str | None:
+    """``url`` with its password masked and any ``password`` query parameter dropped, fit for
+    messages, reports, JSON and cache records.
+
+    A password may hold ``/`` (generated secrets often do) or even an unescaped ``@``: for a
+    database server, everything between the user's ``:`` and the last ``@`` before the host is
+    the password. An SQLite file's URL carries none, and is shown as given.
+    """
+    if url is None:
+        return None
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.startswith("sqlite"):
+        return url
+    authority, at, after = rest.partition("?")[0].rpartition("@")
+    if at:
+        user, colon, _ = authority.partition(":")
+        rest = f"{user}{':***' if colon else ''}@{after}{rest[len(authority) + 1 + len(after):]}"
+    masked = f"{scheme}://{rest}"
+    import sqlalchemy.engine
+    import sqlalchemy.exc
+
+    try:
+        parsed = sqlalchemy.engine.make_url(masked)
+    except (sqlalchemy.exc.ArgumentError, ValueError):  # not a URL SQLAlchemy reads: mask by hand
+        return re.sub(r"([?&])[^&=]*password[^&=]*=[^&]*&?", r"\1", masked, flags=re.IGNORECASE).rstrip("?&")
+    query = {k: v for k, v in parsed.query.items() if "password" not in k.lower()}
+    return parsed.set(query=query).render_as_string(hide_password=True)
+
+
+def resolve_storage(given: str | None, environ: Mapping[str, str]) -> str | None:
+    """The storage URL a tune uses: ``--storage`` when given; else ``MPADVISE_STORAGE``; else the
+    first line of the file ``MPADVISE_STORAGE_FILE`` names; else ``None`` (the default storage).
+
+    The variables keep a password out of ``ps`` and shell history. The file must be this
+    user's and private (no access for group or others), as an SSH key must.
+
+    Raises:
+        UsageError: both variables set, or a file that cannot be read, is not private or is
+            empty; one line naming the variable.
+    """
+    if given is not None:
+        return given
+    url = environ.get(STORAGE_ENV, "").strip()
+    path = environ.get(STORAGE_FILE_ENV, "").strip()
+    if url and path:
+        raise UsageError(f"both {STORAGE_ENV} and {STORAGE_FILE_ENV} are set; expected one: unset the other, or "
+                            "give --storage")
+    if url:
+        return url
+    if not path:
+        return None
+    return _storage_from_file(path)
+
+
+def _storage_from_file(path: str) -> str:
+    import stat
+
+    where = f"{STORAGE_FILE_ENV}={path}"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise UsageError(f"cannot read {where}: {exc.strerror or exc}; expected a file of yours (mode 600) holding "
+                            "the storage URL on its first line") from None
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as handle:
+        st = os.fstat(handle.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"cannot read {where}: not a regular file; expected a file holding the storage URL")
+        if st.st_uid != os.getuid():
+            raise UsageError(f"refusing {where}: it is owned by uid {st.st_uid}, not you; it holds a password, so "
+                                "it must be yours")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise UsageError(f"refusing {where}: others may read it (mode {stat.S_IMODE(st.st_mode):o}); it holds a "
+                                f"password: chmod 600 {path}")
+        lines = [ln.strip() for ln in handle.read(65536).splitlines() if ln.strip()]
+    if not lines:
+        raise UsageError(f"{where} is empty; expected the storage URL on its first line")
+    return lines[0]
+
+
+def storage_error(url: str, exc: BaseException) -> str:
+    """The one line that says why the study storage ``url`` cannot be opened, and what to do."""
+    shown = shown_url(url)
+    missing = _missing_module(exc)
+    if missing is not None:
+        fix = (f"{POSTGRES_INSTALL} (postgresql:// URLs use its psycopg)" if is_postgres(url)
+               else "install the driver its URL names")
+        return f"cannot open the Optuna study storage {shown!r}: its database driver {missing} is not installed; {fix}"
+    return (f"cannot open the Optuna study storage {shown!r}: {first_line(exc)}; expected a database this machine "
+            "can reach, such as postgresql://user@host:5432/studies or sqlite:///path/studies.db")
+
+
+def storage_failure(url: str, exc: BaseException) -> MpadviseError:
+    """The error for a study storage that cannot be opened: a usage error (exit 2) where the URL
+    itself is one SQLAlchemy cannot read (an unknown scheme or driver name, not a URL at all),
+    since the value given is wrong; otherwise (an unreachable server, a refused login, a driver
+    not installed) an error of this run (exit 1). Its message is :func:`storage_error`'s."""
+    if _missing_module(exc) is None and not _readable_url(url):
+        return UsageError(storage_error(url, exc))
+    return MpadviseError(storage_error(url, exc))
+
+
+def _readable_url(url: str) -> bool:
+    """Whether SQLAlchemy reads ``url`` as a URL of a database it knows (a driver it names but
+    that is not installed counts as known: the URL is right, this machine lacks the driver)."""
+    import sqlalchemy.engine
+
+    try:
+        sqlalchemy.engine.make_url(storage_url(url)).get_dialect()
+    except ImportError:
+        return True
+    except Exception:  # not a URL, a port that is not a number, an unknown database or driver
+        return False
+    return True
+
+
+def is_postgres(url: str) -> bool:
+    return url.partition("://")[0].split("+")[0] in ("postgresql", "postgres")
+
+
+def error_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc``, then each error it was raised from or while handling, outermost first, each once
+    (a chain can loop back on itself)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _missing_module(exc: BaseException | None) -> str | None:
+    """The module whose import failed somewhere in ``exc``'s chain (the innermost), or ``None``."""
+    missing = None
+    for inner in error_chain(exc):
+        if isinstance(inner, ImportError):
+            missing = inner.name or first_line(inner)
+    return missing
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def root_line(exc: BaseException) -> str:
+    """The first line of the innermost error in ``exc``'s chain: the server's or the driver's
+    own words, not Optuna's wrapper ("An exception is raised during the commit")."""
+    *_, innermost = error_chain(exc)
+    return first_line(innermost)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the storage cannot be reached now (a server down or restarting, a
+    dropped connection), which a later try may get through; not a refusal of the request."""
+    import optuna
+    import sqlalchemy.exc
+
+    gone = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlalchemy.exc.DisconnectionError,
+            sqlalchemy.exc.TimeoutError)
+    if any(isinstance(inner, gone) or (isinstance(inner, sqlalchemy.exc.DBAPIError) and inner.connection_invalidated)
+           for inner in error_chain(exc)):
+        return True
+    return False if not isinstance(exc, optuna.exceptions.StorageInternalError) else _unreachable_cause(exc)
+
+
+def _unreachable_cause(exc: BaseException) -> bool:
+    """An Optuna storage error whose cause is lost with its message: the server's words say."""
+    text = str(exc).lower()
+    return any(word in text for word in ("connection", "server closed", "terminating", "could not connect"))
+
+
+_OPENED: dict[str, tuple[Any, Heartbeat]] = {}
+_OPENED_LOCK = threading.Lock()
+
+
+def open_storage(url: str) -> tuple[Any, Heartbeat]:
+    """The Optuna RDB storage for ``url`` (with heartbeats and retries of stale trials) and its
+    heartbeat settings; opened once per process and URL.
+
+    Raises:
+        UsageError: (exit 2) a URL that is not one, or names an unknown database or driver.
+        MpadviseError: a missing driver, an unreachable or refusing server, a bad heartbeat
+            setting; one line.
+    """
+    with _OPENED_LOCK:
+        if url not in _OPENED:
+            heartbeat = Heartbeat.from_environ(os.environ)
+            _OPENED[url] = (_open_rdb(url, heartbeat), heartbeat)
+        return _OPENED[url]
+
+
+def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
+    import optuna
+
+    # Optuna's RDB storage logs through a logger of its module's name.
+    logging.getLogger(optuna.storages.RDBStorage.__module__).addFilter(_OUTAGE_NOISE)
+    # SQLAlchemy logs what fails while it cleans up after an error the search is handed anyway
+    # ("Error closing cursor" once a Ctrl-C stopped a write), with a traceback: with no handler
+    # of the program's own, Python would print it on the terminal. Handlers the program set on
+    # the root logger still receive it.
+    if not any(isinstance(h, logging.NullHandler) for h in logging.getLogger("sqlalchemy").handlers):
+        logging.getLogger("sqlalchemy").addHandler(logging.NullHandler())
+    engine_kwargs: dict[str, Any] = {}
+    if not url.startswith("sqlite"):
+        engine_kwargs["pool_pre_ping"] = True  # a server restarted since the last trial drops old connections
+    if is_postgres(url) and "connect_timeout" not in url:
+        engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
+    for attempt in range(OPEN_ATTEMPTS):
+        try:
+            with quiet():
+                return optuna.storages.RDBStorage(
+                    storage_url(url), engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat.interval_s,
+                    grace_period=heartbeat.grace_s,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                        max_retry=heartbeat.max_retry),
+                )
+        except Exception as exc:
+            # Workers that open a fresh database at the same moment race to create its tables and
+            # to stamp its schema version; the loser finds them made when it looks again.
+            if attempt < OPEN_ATTEMPTS - 1 and _creation_race(exc):
+                time.sleep((0.2 + random.random() / 2) * (attempt + 1))
+                continue
+            raise storage_failure(url, exc) from None
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _creation_race(exc: BaseException) -> bool:
+    """Whether ``exc`` is what another process making the same storage at the same moment
+    causes: a table or a version row it made between this one's look and its own write
+    (PostgreSQL's CREATE TABLE IF NOT EXISTS is not safe against that, nor is SQLite's check
+    before CREATE TABLE: "table studies already exists"), or SQLite's lock held while it does."""
+    import sqlalchemy.exc
+
+    return any(isinstance(inner, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError))
+               or (isinstance(inner, sqlalchemy.exc.OperationalError)
+                   and any(words in str(inner) for words in ("already exists", "database is locked")))
+               for inner in error_chain(exc))
+
+
+class _OutageNoise(logging.Filter):
+    """Drops Optuna's multi-line log of a lost connection (the SQL and its parameters): the
+    search says in one line that the storage is unreachable, and retries."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Caught an error from sqlalchemy")
+
+
+_OUTAGE_NOISE = _OutageNoise()
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence Optuna's warnings that heartbeats and their retries are experimental."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        # Optuna expects heartbeats with Study.optimize; this search beats for its own trials.
+        warnings.filterwarnings("ignore", message="Heartbeat of storage")
+        yield
+
+
+def storage_exists(storage: str) -> bool:
+    """Whether the storage may hold studies already: any database server, or an SQLite file
+    that exists (reading it must not make it)."""
+    return not storage.startswith("sqlite") or sqlite_file(storage) is not None
+
+
+def sqlite_file(storage: str) -> str | None:
+    """The file an ``sqlite:///`` URL names, where it exists; ``None`` for no file, an
+    in-memory database or a file that is not there."""
+    path = storage.partition(":///")[2].partition("?")[0]
+    return path if path and path != ":memory:" and os.path.isfile(path) else None

@@ -1,0 +1,397 @@
+"""A study in the Optuna storage: opening it, its records, and its trials asked and told.
+
+One of the storage modules that import optuna (with ``_storage`` and ``_study_status``); the
+search (``_search``) calls this small interface and never optuna itself: ``open_study``, the
+records it checks (hardware, space, workload, replicate), ``ask``, ``claim``, ``read_trials``,
+``tell``/``store_result``/``close``, ``beating`` (a trial's heartbeats, started and stopped
+around it) and ``fail_stale``. Each call goes through the worker's retries (``_storage_retry``).
+
+One study may be shared by many workers (``--storage postgresql://...`` on several machines of
+the same hardware). Each worker claims a trial's candidate in the study before running it, and
+reads the others' results and claims before every proposal. A worker's trial sends heartbeats;
+a trial whose worker goes silent is failed after a grace period, and Optuna's retry callback
+queues it again for a live worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+import warnings
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from advisor._log import get_logger
+from advisor.tune._space import Candidate, Measured, SearchSpace
+from advisor.tune._storage import first_line, open_storage, quiet, shared_storage, storage_error
+from advisor.tune._storage_retry import StorageLost, Worker
+from probes import MpadviseError
+
+STUDY_ATTR_SPACE = "mpadvise:space"
+STUDY_ATTR_REPLICATE = "mpadvise:replicate"  # fp32 under another seed: the verdicts' spread
+STUDY_ATTR_HARDWARE = "mpadvise:hardware"  # the hardware fingerprint every trial of the study ran on
+# The workload fingerprint and model signature of the fp32 reference its verdicts were judged
+# against: a study name covers the script and its arguments, not what the script reads besides
+# (an environment variable, a config file), which can change the model under the same name.
+STUDY_ATTR_WORKLOAD = "mpadvise:workload"
+TRIAL_ATTR_RESULT = "mpadvise:result"
+# The candidate a trial runs, the trial's number and the worker running it; written before the
+# worker looks for rivals, so that of two workers that propose one candidate at once, at least
+# one sees the other. A retried copy inherits it with the old number, which no longer counts.
+TRIAL_ATTR_CLAIM = "mpadvise:claim"
+TRIAL_ATTR_CLOSED = "mpadvise:closed"  # why a trial ended without a result (FAIL), in words
+
+
+def open_study(storage: str | None, study_name: str, *, resume: bool, seed: int, worker: str) -> tuple[Any, bool]:
+    """The study, and whether this call made it.
+
+    A shared study is joined as it stands (other workers may be in it); elsewhere a tune without
+    ``resume`` starts afresh. The storage's own errors pass through: the caller retries one that
+    says the storage is unreachable for now (an outage since the tune opened it).
+    """
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    shared = shared_storage(storage)
+    # The workers of one study draw different proposals: with one seed, they would all propose
+    # the same candidates in the same order and spend their asks skipping each other's.
+    sampler_seed = zlib.crc32(f"{seed}:{worker}".encode()) if shared else seed
+    sampler = optuna.samplers.TPESampler(seed=sampler_seed, n_startup_trials=4)
+    backend = None if storage is None else open_storage(storage)[0]
+    with quiet():
+        if not resume and not shared:
+            if backend is not None:
+                with contextlib.suppress(KeyError):  # no such study yet
+                    optuna.delete_study(study_name=study_name, storage=backend)
+            return optuna.create_study(study_name=study_name, storage=backend, direction="maximize",
+                                       sampler=sampler), True
+        try:  # the study name is unique in the storage: one worker makes it, the others join it
+            return optuna.create_study(study_name=study_name, storage=backend, direction="maximize",
+                                       sampler=sampler), True
+        except optuna.exceptions.DuplicatedStudyError:
+            return optuna.load_study(study_name=study_name, storage=backend, sampler=sampler), False
+
+
+def stored_study(storage: str, study_name: str, worker: Worker) -> Any:
+    """The stored ``optuna.Study`` of that name, or ``None`` when there is none yet; ``worker``
+    rides out an outage.
+
+    Raises:
+        MpadviseError: the storage refuses, naming the URL and the reason.
+        StorageLost: it stayed unreachable through ``worker``'s retries.
+    """
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    backend, _ = open_storage(storage)
+
+    def load() -> Any:
+        with quiet():
+            return optuna.load_study(study_name=study_name, storage=backend)
+
+    try:
+        return worker.call("opening the study", load)
+    except KeyError:  # no such study yet
+        return None
+    except StorageLost:
+        raise
+    except Exception as exc:  # a locked file, a refusal
+        raise MpadviseError(storage_error(storage, exc)) from None
+
+
+def check_hardware(study: Any, study_name: str, hardware: str | None, *, record: bool) -> None:
+    """Refuse a study whose trials ran on other hardware; with ``record``, name this hardware
+    in a study that names none."""
+    if hardware is None:
+        return
+    stored = study.user_attrs.get(STUDY_ATTR_HARDWARE)
+    if stored is None:
+        if record:
+            study.set_user_attr(STUDY_ATTR_HARDWARE, hardware)
+        return
+    if stored != hardware:
+        raise MpadviseError(
+            f"study {study_name!r} holds trials measured on hardware {stored}, and this machine is {hardware}: "
+            "measurements from different hardware never mix; give this machine its own study (the study name "
+            "mpadvise tune chooses names the hardware)"
+        )
+
+
+def workload_change(stored: Any, workload: Mapping[str, Any]) -> str | None:
+    """What differs between a study's stored workload and this one, in words; ``None`` when
+    nothing does, or when the study keeps none."""
+    if not isinstance(stored, dict):
+        return None
+    before, now = stored.get("model_signature"), workload.get("model_signature")
+    if before != now:
+        return f"the model changed: signature {_short(before)} then, {_short(now)} now"
+    before, now = stored.get("workload_fingerprint"), workload.get("workload_fingerprint")
+    if before != now:
+        return (f"the optimizer, global batch or script changed: workload fingerprint {_short(before)} then, "
+                f"{_short(now)} now")
+    return None
+
+
+def _short(fingerprint: Any) -> str:
+    return str(fingerprint)[:12] if fingerprint else "none"
+
+
+def shared_workload_error(study_name: str, changed: str) -> str:
+    return (f"study {study_name!r} holds trials of another workload ({changed}); every worker of a shared study must "
+            "run the same workload (the same environment, config files and data): fix this worker, or delete the study "
+            f"(optuna delete-study --study-name {study_name} --storage URL)")
+
+
+def claim_workload(study: Any, study_name: str, workload: Mapping[str, Any] | None, *, shared: bool) -> None:
+    """Record the workload in the study, refusing a stored study of another one."""
+    if workload is None:
+        return
+    changed = workload_change(study.user_attrs.get(STUDY_ATTR_WORKLOAD), workload)
+    if changed:
+        raise MpadviseError(shared_workload_error(study_name, changed) if shared else
+                            f"study {study_name!r} holds trials of another workload ({changed}); run without --resume "
+                            "to start a fresh study")
+    study.set_user_attr(STUDY_ATTR_WORKLOAD, dict(workload))
+
+
+def claim_space(study: Any, space: SearchSpace, study_name: str, *, shared: bool) -> None:
+    """Record the space in the study, refusing a stored study made for another one."""
+    # Everything that decides which candidates exist: a framework's limits and FSDP2's reduction
+    # dimension too, so a script that changed framework or started sharding gets no stale space.
+    limits = space.limits
+    space_json = json.dumps({"modes": space.modes, "micro_batches": space.micro_batches, "user_batch": space.user_batch,
+                             "fsdp": space.fsdp, "loss_scale_kinds": limits.loss_scale_kinds,
+                             "loss_scale_settings": limits.loss_scale_settings})
+    stored_space = study.user_attrs.get(STUDY_ATTR_SPACE)
+    if stored_space is not None and stored_space != space_json:
+        fix = ("tune on every worker with the same --mode, --scale-batch and --include-emulated, or delete the study "
+               f"(optuna delete-study --study-name {study_name} --storage URL)" if shared
+               else "run without --resume to start a fresh study")
+        raise MpadviseError(f"study {study_name!r} was made for another search space ({stored_space}); {fix}")
+    study.set_user_attr(STUDY_ATTR_SPACE, space_json)
+
+
+def ask(study: Any) -> Any:
+    with quiet():
+        return study.ask()
+
+
+@contextlib.contextmanager
+def beating(worker: Worker, trial: Any) -> Iterator[None]:
+    """Send the trial's heartbeats while the block runs; nothing for a storage without them.
+
+    Optuna beats for the trials that ``Study.optimize`` runs; a search by ask and tell beats for
+    its own, from a thread, so that a trial's subprocess may take as long as it needs.
+    """
+    backend = worker.backend
+    interval = None if backend is None else backend.get_heartbeat_interval()
+    if interval is None:
+        yield
+        return
+    trial_id = trial._trial_id  # Optuna keys heartbeats by the storage's trial id, not the number
+    worker.call(f"recording trial {trial.number}'s heartbeat", lambda: backend.record_heartbeat(trial_id))
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(interval):
+            try:
+                backend.record_heartbeat(trial_id)
+            except Exception as exc:  # a hiccup of the server: the next beat may get through
+                get_logger().debug(f"heartbeat of trial {trial.number} not recorded: {first_line(exc)}")
+
+    thread = threading.Thread(target=beat, name=f"mpadvise-heartbeat-{trial.number}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def fail_stale(study: Any) -> None:
+    """Fail the trials whose workers stopped sending heartbeats; Optuna's retry callback queues
+    a copy of each (up to the retry limit), which the next ``ask`` of a live worker takes."""
+    import optuna
+
+    with quiet():
+        optuna.storages.fail_stale_trials(study)
+
+
+@dataclass(frozen=True)
+class StudyTrials:
+    """What a study's trials say at one reading.
+
+    Attributes:
+        measured: the stored results of finished trials, in trial order.
+        pruned: the proposals the priors ruled out, stored as such (never measured).
+        running: the candidates other trials are running now, with those trials' numbers.
+        silent: the candidates whose trials were failed as stale (their workers went silent),
+            with those trials' numbers.
+    """
+
+    measured: list[Measured]
+    pruned: list[Measured]
+    running: dict[Candidate, int]
+    silent: dict[Candidate, list[int]]
+
+
+def read_trials(study: Any, *, exclude: int | None = None) -> StudyTrials:
+    """Read the study's trials: finished results, running claims and trials failed as stale.
+
+    Args:
+        exclude: the number of this worker's own trial, which is no rival to itself.
+    """
+    import optuna
+
+    state = optuna.trial.TrialState
+    measured: list[Measured] = []
+    pruned: list[Measured] = []
+    running: dict[Candidate, int] = {}
+    silent: dict[Candidate, list[int]] = {}
+    for frozen in study.get_trials(deepcopy=False):
+        if frozen.state == state.COMPLETE:
+            data = frozen.user_attrs.get(TRIAL_ATTR_RESULT)
+            if isinstance(data, dict):
+                m = measured_from(data)
+                # A measured result always has an outcome; an empty one is a pruned proposal
+                # stored before pruned proposals were marked as such.
+                (pruned if data.get("pruned") or not m.outcome else measured).append(m)
+            continue
+        claim = _claim_of(frozen)
+        if claim is None or frozen.number == exclude:
+            continue
+        if frozen.state == state.RUNNING:
+            running.setdefault(claim, frozen.number)
+        elif frozen.state == state.FAIL and TRIAL_ATTR_CLOSED not in frozen.user_attrs:
+            silent.setdefault(claim, []).append(frozen.number)  # failed as stale: its worker went silent
+    return StudyTrials(measured, pruned, running, silent)
+
+
+def claim(trial: Any, candidate: Candidate, worker: str) -> None:
+    """Write in the trial that ``worker`` runs ``candidate`` under it (its number included, so
+    that a retried copy's inherited claim is told apart)."""
+    trial.set_user_attr(TRIAL_ATTR_CLAIM, {**candidate_to(candidate), "trial": trial.number, "worker": worker})
+
+
+def _claim_of(frozen: Any) -> Candidate | None:
+    """The candidate a trial claimed; ``None`` for none, or for a retried copy's inherited
+    claim, which names the number of the trial it copies."""
+    claim = frozen.user_attrs.get(TRIAL_ATTR_CLAIM)
+    if not isinstance(claim, dict) or claim.get("trial") != frozen.number:
+        return None
+    return candidate_from(claim)
+
+
+def add_result(study: Any, trial: Any, measured: Measured, worker: str) -> None:
+    """Store a result as a new finished trial, for a trial the study failed meanwhile."""
+    import optuna
+
+    frozen = optuna.trial.create_trial(
+        state=optuna.trial.TrialState.COMPLETE, value=measured.goodput, params=trial.params,
+        distributions=trial.distributions,
+        user_attrs={TRIAL_ATTR_RESULT: {**measured_to(measured), "pruned": False, "source": "run", "worker": worker}})
+    frozen.set_constraint("unstable", 0.0 if measured.stable else 1.0)
+    frozen.set_constraint("infeasible", 0.0 if measured.feasible else 1.0)
+    study.add_trial(frozen)
+
+
+def store_result(study: Any, trial: Any, measured: Measured, worker: Worker, what: str) -> bool:
+    """Tell the study what ``trial`` measured, riding out an outage; ``True`` where the study had
+    failed the trial as stale meanwhile (another worker heard no heartbeat), so that the result
+    was stored as a trial of its own and the queued copy is told, not run again."""
+    import optuna
+
+    try:
+        worker.call(what, lambda: tell(study, trial, measured, measured.goodput, source="run", worker=worker.name))
+    except optuna.exceptions.UpdateFinishedTrialError:
+        worker.call(what, lambda: add_result(study, trial, measured, worker.name))
+        return True
+    return False
+
+
+def keep_replicate(study: Any, replicate: dict[str, Any]) -> None:
+    """Keep fp32's replicate with the study, for a resumed tune to judge against."""
+    study.set_user_attr(STUDY_ATTR_REPLICATE, replicate)
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is the storage's refusal of a request (not an outage, which the worker's
+    retries ride out)."""
+    import optuna
+    import sqlalchemy.exc
+
+    return isinstance(exc, (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError))
+
+
+def close(study: Any, trial: Any, why: str) -> None:
+    """End a trial without a result (FAIL, which the sampler ignores), saying why."""
+    import optuna
+
+    with _finished_already(study, trial, optuna.trial.TrialState.FAIL):
+        trial.set_user_attr(TRIAL_ATTR_CLOSED, why)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def tell(study: Any, trial: Any, measured: Measured, value: float, *, source: str, worker: str) -> None:
+    """Store a result with the trial and finish it.
+
+    Args:
+        source: ``run`` (measured by this trial), ``reference`` (this worker's fp32 reference,
+            measured outside the study), ``known`` (a copy of a result already measured) or
+            ``pruned`` (ruled out by the priors, never measured).
+        worker: the worker that tells it.
+    """
+    import optuna
+
+    with _finished_already(study, trial, optuna.trial.TrialState.COMPLETE), warnings.catch_warnings():
+        # A retried tell finds the constraints it set before the storage went away: the same values.
+        warnings.filterwarnings("ignore", message="The constraint value is ignored because")
+        # Constraints (> 0 violates): instability and not fitting are what TPE must learn to avoid.
+        trial.set_constraint("unstable", 0.0 if measured.stable else 1.0)
+        trial.set_constraint("infeasible", 0.0 if measured.feasible else 1.0)
+        trial.set_user_attr(TRIAL_ATTR_RESULT, {**measured_to(measured), "pruned": source == "pruned",
+                                                "source": source, "worker": worker})
+        study.tell(trial, value)
+
+
+@contextlib.contextmanager
+def _finished_already(study: Any, trial: Any, state: Any) -> Iterator[None]:
+    """Let the finishing of a trial pass when the study holds it in ``state`` already: the retry
+    of a tell that landed before its answer was lost. Only this worker completes or closes its
+    own trials, so a trial in ``state`` is its own doing; one that another worker failed as
+    stale while it ran here still raises ``UpdateFinishedTrialError`` when it was to complete."""
+    import optuna
+
+    try:
+        yield
+    except optuna.exceptions.UpdateFinishedTrialError:
+        if study._storage.get_trial(trial._trial_id).state != state:  # Optuna keys trials by id
+            raise
+
+
+def candidate_to(c: Candidate) -> dict[str, Any]:
+    return dataclasses.asdict(c)
+
+
+def candidate_from(data: Mapping[str, Any]) -> Candidate:
+    """A candidate from its stored fields; a field a study stored before it existed keeps its default."""
+    return Candidate(**{f.name: data.get(f.name, f.default) for f in dataclasses.fields(Candidate)})
+
+
+def measured_to(m: Measured) -> dict[str, Any]:
+    return {
+        **candidate_to(m.candidate), "goodput": m.goodput, "feasible": m.feasible, "stable": m.stable,
+        "oom": m.oom, "outcome": m.outcome, "reason": m.reason[:2000], "verdict_kind": m.verdict_kind,
+    }
+
+
+def measured_from(data: Mapping[str, Any]) -> Measured:
+    return Measured(
+        candidate_from(data), float(data["goodput"]), bool(data["feasible"]), bool(data["stable"]),
+        bool(data.get("oom", False)), str(data.get("outcome", "")), str(data.get("reason", "")),
+        str(data.get("verdict_kind", "")),
+    )

@@ -1,0 +1,325 @@
+"""What a stored study holds, read before a tune's search or by ``mpadvise study status``.
+
+The checks a tune makes before any trial runs (the study's hardware and workload, the trials a
+fresh start would delete), the fp32 replicate kept with a study, and a storage's status read
+without writing anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from advisor._log import get_logger
+from advisor.tune._storage import (
+    CONNECT_TIMEOUT_S,
+    is_postgres,
+    open_storage,
+    quiet,
+    shared_storage,
+    shown_url,
+    sqlite_file,
+    storage_error,
+    storage_exists,
+    storage_failure,
+    storage_url,
+)
+from advisor.tune._storage_retry import riding_out
+from advisor.tune._study import (
+    STUDY_ATTR_HARDWARE,
+    STUDY_ATTR_REPLICATE,
+    STUDY_ATTR_WORKLOAD,
+    TRIAL_ATTR_CLAIM,
+    TRIAL_ATTR_RESULT,
+    check_hardware,
+    measured_from,
+    shared_workload_error,
+    stored_study,
+    workload_change,
+)
+from probes import MpadviseError, UsageError
+
+
+def check_storage(storage: str | None) -> None:
+    """Open the Optuna storage once, so a bad URL fails before any trial runs.
+
+    Raises:
+        UsageError: (exit 2) a URL that is not one, or names an unknown database or driver.
+        MpadviseError: naming the URL (its password masked) and the reason, in one line.
+    """
+    if storage is not None:
+        open_storage(storage)
+
+
+def check_study(storage: str | None, study_name: str, *, hardware: str, resume: bool, fresh: bool = False,
+                spelling: tuple[str, str] = ("--resume", "--fresh")) -> None:
+    """Refuse, before any trial runs, to continue a stored study measured on other hardware, or
+    to delete one that holds finished trials unless ``fresh`` says so.
+
+    Only a study this tune would continue is read for its hardware: a shared one, or any with
+    ``resume``. A study of this machine that a tune without ``resume`` would start afresh is
+    read for its finished trials: they are never deleted unasked.
+
+    ``spelling`` names the two options as the caller takes them (the CLI's flags by default).
+
+    Raises:
+        UsageError: the study holds finished trials, and neither ``resume`` nor ``fresh`` was
+            given; the line names both.
+        MpadviseError: the study holds another hardware fingerprint, or the storage fails.
+    """
+    if storage is None:
+        return
+    if not (resume or shared_storage(storage)):
+        held = None if fresh else kept_study(storage, study_name)
+        if held is not None and held.finished:
+            keep, drop = spelling
+            raise UsageError(f"{held.describe()}; it is kept: pass {keep} to continue it, or {drop} to delete it "
+                             "and start afresh")
+        return
+    import optuna
+
+    backend, _ = open_storage(storage)
+    try:
+        with quiet():
+            study = optuna.load_study(study_name=study_name, storage=backend)
+    except KeyError:  # no such study yet: this tune makes it
+        return
+    except Exception as exc:
+        raise MpadviseError(storage_error(storage, exc)) from None
+    check_hardware(study, study_name, hardware, record=False)
+
+
+@dataclass(frozen=True)
+class KeptStudy:
+    """What a stored study holds that a fresh start would delete.
+
+    Attributes:
+        name: the study's name.
+        storage: its storage URL, password masked (:func:`shown_url`).
+        finished: its finished trials that measured a candidate (the copy of an fp32 reference,
+            measured outside the study, and proposals the priors ruled out not counted).
+        last: when the latest of them finished (ISO date and time, to the minute), if known.
+    """
+
+    name: str
+    storage: str
+    finished: int
+    last: str | None
+
+    def describe(self) -> str:
+        """``study 'x' in 'sqlite:///...' holds 4 finished trials from 2026-12-02 05:31``."""
+        when = f" from {self.last}" if self.last else ""
+        plural = "" if self.finished == 1 else "s"
+        return f"study {self.name!r} in {self.storage!r} holds {self.finished} finished trial{plural}{when}"
+
+
+def kept_study(storage: str | None, study_name: str) -> KeptStudy | None:
+    """The stored study of that name and its finished trials, read without writing anything;
+    ``None`` in memory, or where there is no such study (an SQLite file not made yet included).
+
+    Raises:
+        MpadviseError: the storage cannot be read, naming the URL (its password masked).
+    """
+    if storage is None or not storage_exists(storage):
+        return None
+    studies = study_status(storage, study_name, missing_ok=True)
+    if not studies:
+        return None
+    return KeptStudy(study_name, shown_url(storage) or storage, studies[0]["measured"], studies[0]["last_finished"])
+
+
+def finished_trials(storage: str | None, study_name: str) -> int:
+    """How many finished trials the stored study holds (0 in memory, or without the study); a
+    storage that cannot be read counts none."""
+    try:
+        held = kept_study(storage, study_name)
+    except MpadviseError:
+        return 0
+    return 0 if held is None else held.finished
+
+
+def check_study_workload(storage: str | None, study_name: str, workload: Mapping[str, Any], *, resume: bool) -> bool:
+    """Whether a stored study may be continued for this workload; read before anything is reused.
+
+    A study keeps the workload fingerprint and model signature of the fp32 reference its
+    verdicts were judged against. When this tune's fresh reference has others (the script read
+    another environment variable, config file or data), those verdicts and the replicate belong
+    to another workload. A study of this machine (``--resume``) is then not continued: where it
+    holds finished trials, the tune refuses in one line that says what changed and names
+    ``--fresh`` (they are never deleted unasked); where it holds none, one warning line says
+    what changed, and a fresh study starts. A shared study, which other workers may be in, is
+    refused either way. A resumed study that keeps no workload (stored by an earlier
+    mpadvise) cannot be checked, and is treated as changed.
+
+    Args:
+        storage: the Optuna storage URL; ``None`` (in memory) keeps nothing.
+        study_name: the study's name in it.
+        workload: ``{"workload_fingerprint": ..., "model_signature": ...}`` of this tune's reference.
+        resume: whether the tune was asked to continue a stored study.
+
+    Returns:
+        ``resume``, or ``False`` when the stored study must not be continued.
+
+    Raises:
+        UsageError: a study of this machine of another workload that holds finished trials.
+        MpadviseError: a shared study of another workload, or a storage that refuses or stays
+            unreachable through the retries (an outage is ridden out, as in the search).
+    """
+    shared = shared_storage(storage)
+    if storage is None or not (resume or shared):
+        return resume
+    with riding_out(storage) as worker:
+        study = stored_study(storage, study_name, worker)
+        if study is None:  # no such study yet: nothing to continue
+            return resume
+        stored = worker.call("reading the study's workload", lambda: study.user_attrs.get(STUDY_ATTR_WORKLOAD))
+        # A study without a workload fingerprint and without trials has no verdicts to doubt.
+        empty = stored is None and not worker.call("reading the study", lambda: study.get_trials(deepcopy=False))
+    changed = workload_change(stored, workload)
+    if shared:
+        if changed:
+            raise MpadviseError(shared_workload_error(study_name, changed))
+        return resume
+    if changed is None and stored is None:
+        if empty:
+            return resume
+        changed = "it keeps no workload fingerprint (stored by an earlier mpadvise), so its verdicts cannot be checked"
+    if changed is None:
+        return resume
+    held = kept_study(storage, study_name)
+    if held is not None and held.finished:
+        raise UsageError(f"--resume: {held.describe()} measured on another workload ({changed}); it is kept: pass "
+                         "--fresh to delete it and start afresh, or run the workload it was measured on")
+    get_logger().warning(f"--resume: study {study_name!r} was measured on another workload ({changed}): its trials "
+                         "and replicate are not reused; a fresh study starts")
+    return False
+
+
+def stored_replicate(storage: str | None, study_name: str) -> dict[str, Any] | None:
+    """The fp32 replicate kept with a stored study, for ``--resume`` to reuse; ``None`` when
+    the study is in memory, does not exist yet, or keeps none.
+
+    Raises:
+        MpadviseError: the storage refuses or stays unreachable through the retries, naming the
+            URL and the reason.
+    """
+    if storage is None:
+        return None
+    with riding_out(storage) as worker:
+        study = stored_study(storage, study_name, worker)
+        stored = None if study is None else worker.call(
+            "reading fp32's replicate", lambda: study.user_attrs.get(STUDY_ATTR_REPLICATE))
+    return stored if isinstance(stored, dict) else None
+
+
+def study_status(storage: str, study_name: str | None = None, *, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """What a study storage holds, read without writing anything (no tables made, no trial
+    failed as stale): per study, its hardware, its trials by state, the workers seen in it and
+    the best stable candidate so far.
+
+    Args:
+        storage: the Optuna storage URL (a database server, or an SQLite file that must exist).
+        study_name: only this study; ``None`` for every study in the storage.
+        missing_ok: an empty list, rather than an error, where ``study_name`` is not there.
+
+    Returns:
+        One dict per study, by name: ``study``, ``hardware``, ``trials`` (``complete``,
+        ``running``, ``waiting``, ``failed``, ``pruned``: counts), ``workers`` (``host:pid``,
+        sorted), ``best`` (``label``, ``goodput``, ``worker``, ``trial``; ``None`` before any
+        stable result).
+
+    Raises:
+        UsageError: (exit 2) an SQLite file that is not there, or a URL that is not one.
+        MpadviseError: the storage cannot be read, or holds no study of that name; one line
+            naming the URL (its password hidden).
+    """
+    import optuna
+    import sqlalchemy
+
+    shown = shown_url(storage)
+    if storage.startswith("sqlite") and sqlite_file(storage) is None:
+        path = storage.partition(":///")[2].partition("?")[0]
+        raise UsageError(f"no study storage at {shown!r}: the file {path or '(none)'} does not exist; expected "
+                         "the SQLite file a tune wrote (by default studies.db in the cache directory)")
+    engine_kwargs: dict[str, Any] = {}
+    if is_postgres(storage) and "connect_timeout" not in storage:
+        engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
+    try:
+        engine = sqlalchemy.create_engine(storage_url(storage), **engine_kwargs)
+        try:
+            tables = set(sqlalchemy.inspect(engine).get_table_names())
+            made = _storage_made(engine, tables)
+        finally:
+            engine.dispose()
+        if not made:
+            studies = []  # none yet: a tune is making the storage now, or none ever did
+            backend = None
+        else:
+            with quiet():
+                backend = optuna.storages.RDBStorage(storage_url(storage), engine_kwargs=engine_kwargs,
+                                                     skip_compatibility_check=True, skip_table_creation=True)
+            studies = backend.get_all_studies()
+        if study_name is not None:
+            studies = [s for s in studies if s.study_name == study_name]
+            if not studies and not missing_ok:
+                raise MpadviseError(f"no study {study_name!r} in {shown!r}; mpadvise study status --storage URL lists "
+                                    "the studies it holds")
+        out = [_study_summary(s, backend.get_all_trials(s._study_id, deepcopy=False)) for s in studies]
+    except MpadviseError:
+        raise
+    except Exception as exc:  # an unreachable server, a refused login, a driver missing, a bad URL
+        raise storage_failure(storage, exc) from None
+    return sorted(out, key=lambda summary: summary["study"])
+
+
+def _storage_made(engine: Any, tables: set[str]) -> bool:
+    """Whether an Optuna storage is fully made: its tables, and its schema version stamped.
+    Optuna's storage, opened before that, writes the stamp itself, racing the tune that is
+    making it ("UNIQUE constraint failed: alembic_version.version_num" for one of the two)."""
+    import sqlalchemy
+
+    if not {"studies", "version_info", "alembic_version"} <= tables:
+        return False
+    with engine.connect() as connection:
+        return all(connection.execute(sqlalchemy.text(f"SELECT COUNT(*) FROM {table}")).scalar()
+                   for table in ("version_info", "alembic_version"))
+
+
+def _study_summary(study: Any, trials: list[Any]) -> dict[str, Any]:
+    """One study's status from its frozen trials (see :func:`study_status`)."""
+    import optuna
+
+    state = optuna.trial.TrialState
+    counts = {"complete": 0, "running": 0, "waiting": 0, "failed": 0, "pruned": 0}
+    names = {state.COMPLETE: "complete", state.RUNNING: "running", state.WAITING: "waiting", state.FAIL: "failed",
+             state.PRUNED: "pruned"}
+    workers: set[str] = set()
+    best: dict[str, Any] | None = None
+    for frozen in trials:
+        counts[names[frozen.state]] += 1
+        claim = frozen.user_attrs.get(TRIAL_ATTR_CLAIM)
+        if isinstance(claim, dict) and claim.get("worker"):
+            workers.add(str(claim["worker"]))
+        data = frozen.user_attrs.get(TRIAL_ATTR_RESULT)
+        if frozen.state != state.COMPLETE or not isinstance(data, dict) or data.get("pruned"):
+            continue
+        if data.get("worker"):
+            workers.add(str(data["worker"]))
+        try:
+            m = measured_from(data)
+        except (KeyError, TypeError, ValueError):  # a result stored by another version: not ranked
+            continue
+        if m.stable and m.feasible and m.goodput > 0 and (best is None or m.goodput > best["goodput"]):
+            best = {"label": m.candidate.label, "goodput": round(m.goodput, 3), "worker": data.get("worker"),
+                    "trial": frozen.number}
+    # The trials a fresh start would lose: results measured by a trial (not a copy of a worker's
+    # fp32 reference, measured outside the study, nor a proposal the priors ruled out).
+    measured = [frozen for frozen in trials if frozen.state == state.COMPLETE
+                and isinstance(frozen.user_attrs.get(TRIAL_ATTR_RESULT), dict)
+                and not frozen.user_attrs[TRIAL_ATTR_RESULT].get("pruned")
+                and frozen.user_attrs[TRIAL_ATTR_RESULT].get("source", "run") == "run"]
+    ends = [frozen.datetime_complete for frozen in measured if frozen.datetime_complete is not None]
+    return {"study": study.study_name, "hardware": study.user_attrs.get(STUDY_ATTR_HARDWARE), "trials": counts,
+            "workers": sorted(workers), "best": best, "measured": len(measured),
+            "last_finished": max(ends).strftime("%Y-%m-%d %H:%M") if ends else None}
