@@ -2,12 +2,14 @@
 
 The protocol between the two processes lives here and nowhere else:
 
-* the parent side (``_protocol``): ``TrialSpec`` (what to run), ``run_trial`` (the launcher,
-  with its process-tree handling in ``_proctree``), the result file (its fields declared once
-  in ``RESULT_FIELDS``, its stages in ``Stage``), ``TrialResult`` and ``classify`` (the pure
-  outcome decision, which rejects a result with an undeclared field), and the merge of several
-  ranks' results; the child's environment (``TRIAL_SPEC_ENV``, ``POLICY_ENV``) is named there
-  too, once for the launcher that sets it and the child that reads it;
+* the schema both sides share (``_schema``): ``TrialSpec`` (what to run), the result file (its
+  fields declared once in ``RESULT_FIELDS``, its stages in ``Stage``), ``TrialResult``, and the
+  child's environment (``TRIAL_SPEC_ENV``, ``POLICY_ENV``), named once for the launcher that
+  sets it and the child that reads it;
+* the parent side: ``run_trial`` (``_launch``, the launcher, with its process-tree handling in
+  ``_proctree``), ``classify`` (``_classify``, the pure outcome decision, which rejects a result
+  with an undeclared field), the merge of several ranks' results (``_rank_merge``), the memory
+  cgroup's OOM kills (``_oom_kills``) and where a timed-out trial hung (``_stacks``);
 * the child side (``_child``): what ``load_policy()`` does when a candidate is injected, the
   ``ResultWriter`` and the recorder that ``step()`` feeds; ``_recorder`` is the same recorder
   fed by a framework's hooks (Lightning, the HF Trainer, Accelerate). Both recorders build the
@@ -34,7 +36,12 @@ from ._child import (
     spec_from_env,
     trial_candidate,
 )
-from ._protocol import (
+from ._classify import classify
+from ._launch import run_trial, trial_environment
+from ._rank_merge import merge_rank_results
+from ._ranks import EXITS_ENV, STORE_ENV, ranks_argv
+from ._recorder import FrameworkRecorder, recorder_for
+from ._schema import (
     DEFAULT_MEASURE_STEPS,
     DEFAULT_WARMUP_STEPS,
     EXIT_NO_STEP,
@@ -47,16 +54,10 @@ from ._protocol import (
     Stage,
     TrialResult,
     TrialSpec,
-    classify,
     json_float,
-    merge_rank_results,
     parse_memory,
     rank_result_path,
-    run_trial,
-    trial_environment,
 )
-from ._ranks import EXITS_ENV, STORE_ENV, ranks_argv
-from ._recorder import FrameworkRecorder, recorder_for
 from ._timeline import PHASES, TIMELINE_MARKS, breakdown, startup_seconds
 from ._warm import RUN_MODULE, WARM_ENV, WarmLauncher, framework_preload
 

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import faulthandler
 import json
 import os
 import random
-import signal
 import sys
 import threading
 import time
@@ -28,20 +26,18 @@ from advisor.runtime import AppliedPolicy, StepObserver
 from policies import Policy, PolicyError, mode_facts, supported_modes
 from probes import HardwareProfile, UnsupportedHere
 
-from ._protocol import (
+from ._schema import (
     EXIT_NO_STEP,
     EXIT_UNSUPPORTED,
     RANK_ENV,
-    STACK_PID_PREFIX,
-    STACK_SIGNAL,
     TRIAL_SPEC_ENV,
     Stage,
     TrialSpec,
     json_float,
     rank_result_path,
-    stack_dump_path,
     unknown_result_fields,
 )
+from ._stacks import register_stack_dump
 from ._timeline import clear as clear_marks
 from ._timeline import mark, marks
 
@@ -86,8 +82,6 @@ FLOPS_ESTIMATE = "6 x parameters x tokens"
 """The ``flops_basis`` of the estimate for a model fed token ids: 2 FLOPs per multiply-add,
 the backward twice the forward, per trainable parameter and token."""
 _CHILD_APPLIED: AppliedPolicy | None = None
-_STACK_FILE: Any = None
-"""The open file that ``faulthandler`` dumps this process's stacks to: held for its lifetime."""
 
 
 class TrialComplete(BaseException):
@@ -110,27 +104,6 @@ def spec_from_env() -> TrialSpec | None:
         spec = dataclasses.replace(spec, result_path=rank_result_path(spec.result_path, int(rank) if rank.isdigit() else 0))
     register_stack_dump(spec.result_path)
     return spec
-
-
-def register_stack_dump(result_path: str) -> bool:
-    """Have ``STACK_SIGNAL`` dump every thread's stack of this process to
-    ``stack_dump_path(result_path)``, which starts with ``pid <this pid>``: on a timeout the
-    parent signals the pid it reads there, and the dump says where the trial hung
-    (``stack_blame``). Once per process; whether the handler is in place.
-    """
-    global _STACK_FILE
-    sig = getattr(signal, STACK_SIGNAL, None)
-    if _STACK_FILE is not None or sig is None:
-        return _STACK_FILE is not None
-    try:
-        stack_file = open(stack_dump_path(result_path), "w")  # noqa: SIM115 (open for the process's life)
-        stack_file.write(f"{STACK_PID_PREFIX}{os.getpid()}\n")
-        stack_file.flush()  # faulthandler writes to the descriptor, after the header
-        faulthandler.register(sig, file=stack_file, all_threads=True, chain=False)
-    except (OSError, ValueError, RuntimeError):
-        return False
-    _STACK_FILE = stack_file
-    return True
 
 
 class ResultWriter:

@@ -20,7 +20,7 @@ set them); those carry tensor bytes into buffers of known size, never code.
 No restarts: when a rank fails, the others are stopped (SIGTERM, SIGKILL after ``GRACE_S``),
 and the launcher exits as the first failed rank did. How each rank ended (its status, when,
 whether the launcher stopped it) is written to the ``--exits`` file (``RankExit``), from which
-the parent blames the rank that failed first (``advisor.trial._protocol``).
+the parent blames the rank that failed first (``advisor.trial._rank_merge``).
 
 Every rank dies with the launcher (``PR_SET_PDEATHSIG``), and the launcher with its own
 parent. Run as a plain file (standard library only), as ``_proctree.py`` is; the rank side

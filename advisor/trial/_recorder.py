@@ -29,7 +29,7 @@ from ._child import (
     optimizer_eps,
     perturb_parameters,
 )
-from ._protocol import Stage, TrialSpec
+from ._schema import Stage, TrialSpec
 from ._timeline import mark, marks
 
 
