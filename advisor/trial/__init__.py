@@ -10,10 +10,14 @@ The protocol between the two processes lives here and nowhere else:
   ``_proctree``), ``classify`` (``_classify``, the pure outcome decision, which rejects a result
   with an undeclared field), the merge of several ranks' results (``_rank_merge``), the memory
   cgroup's OOM kills (``_oom_kills``) and where a timed-out trial hung (``_stacks``);
-* the child side (``_child``): what ``load_policy()`` does when a candidate is injected, the
-  ``ResultWriter`` and the recorder that ``step()`` feeds; ``_recorder`` is the same recorder
-  fed by a framework's hooks (Lightning, the HF Trainer, Accelerate). Both recorders build the
-  result file's measurements in one place (``StepWindow.result_payload``).
+* the child side: what ``load_policy()`` does when a candidate is injected (``_child``), how
+  the child writes its result and ends (``_child_exit``: ``ResultWriter``), and the recorder
+  that ``step()`` feeds (``_loop_recorder``); ``_recorder`` is the same recorder fed by a
+  framework's hooks (Lightning, the HF Trainer, Accelerate). Both share the measured window
+  (``_step_window``), which builds the result file's measurements in one place
+  (``result_payload``), and what it measures with: the device's clock and memory (``_device``,
+  ``_peak_memory``), the first-step watchdog (``_watchdog``), the FLOP count (``_flops``), the
+  fp16 underflow (``_underflow``) and the seeds and perturbation (``_seeding``).
 
 Arrows: this package uses ``runtime`` (the applied policy and its step hook, workload
 fingerprints); ``tune`` (which judges trials) and ``frameworks`` (which apply a policy inside
@@ -22,20 +26,8 @@ a framework) use it.
 
 from __future__ import annotations
 
-from ._child import (
-    UNDERFLOW_EVERY,
-    ResultWriter,
-    StepWindow,
-    applied_for_trial,
-    end_trial_process,
-    install_excepthook,
-    optimizer_eps,
-    perturb_parameters,
-    run_in_process,
-    seed_everything,
-    spec_from_env,
-    trial_candidate,
-)
+from ._child import applied_for_trial, run_in_process, spec_from_env, trial_candidate
+from ._child_exit import ResultWriter, end_trial_process, install_excepthook
 from ._classify import classify
 from ._launch import run_trial, trial_environment
 from ._rank_merge import merge_rank_results
@@ -58,7 +50,10 @@ from ._schema import (
     parse_memory,
     rank_result_path,
 )
+from ._seeding import perturb_parameters, seed_everything
+from ._step_window import StepWindow
 from ._timeline import PHASES, TIMELINE_MARKS, breakdown, startup_seconds
+from ._underflow import UNDERFLOW_EVERY, optimizer_eps
 from ._warm import RUN_MODULE, WARM_ENV, WarmLauncher, framework_preload
 
 __all__ = [
