@@ -19,11 +19,12 @@ from typing import Any
 from ._classify import classify
 from ._oom_kills import oom_kill_count
 from ._proctree import TrialProcess, end_trial, launcher_argv
+from ._python_command import THREADS_ENV, cold_command
 from ._rank_merge import merge_rank_results
 from ._ranks import EXITS_ENV
 from ._schema import POLICY_ENV, TRIAL_SPEC_ENV, TrialResult, TrialSpec, rank_result_path
 from ._stacks import request_stack_dumps, stack_dump_path
-from ._warm import THREADS_ENV, WarmLauncher, cold_command
+from ._warm import WarmLauncher
 
 
 def trial_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:

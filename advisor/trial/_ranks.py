@@ -218,7 +218,7 @@ class AfterImport:
     """A meta path finder that finds nothing itself: once ``name`` is imported (by the finders
     after it), ``then(module)`` runs; then it leaves ``sys.meta_path``. A rank points torch's
     rendezvous at its file store with it; a trial marks torch's import on its timeline
-    (``advisor.trial._warm.mark_torch_import``)."""
+    (``advisor.trial._python_command.mark_torch_import``)."""
 
     def __init__(self, name: str, then: Callable[[Any], None]) -> None:
         self.name, self.then = name, then
