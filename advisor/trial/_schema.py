@@ -39,9 +39,6 @@ RANK_ENV = "RANK"
 """torchrun's global rank of a worker: which result file a rank of a multi-process trial writes."""
 
 
-"""Seconds a timed-out trial's parent waits for the stack dumps it asked for, before the kill."""
-
-
 class Stage(str, Enum):
     """How far a trial child got: the ``stage`` of its result file, which the child rewrites as
     it goes and the parent classifies. A ``str``, so the file holds the plain value."""

@@ -23,6 +23,7 @@ STACK_SIGNAL = "SIGUSR2"
 STACK_PID_PREFIX = "pid "
 """The first line of a stack dump file: ``pid <N>``, the process to signal; the dump follows."""
 STACK_WAIT_S = 2.0
+"""Seconds a timed-out trial's parent waits for the stack dumps it asked for, before the kill."""
 
 
 def stack_dump_path(result_path: str | os.PathLike[str]) -> str:

@@ -155,7 +155,6 @@ def _close_server(proc: subprocess.Popen[bytes] | None, sock: socket.socket | No
             proc.wait()
 
 
-
 class WarmServer:
     """One warm server's process, as the parent holds it: started in ``env`` (it imports in the
     background), then waited for (``await_ready``), asked to fork trials (``fork``) and closed.
