@@ -247,7 +247,7 @@ def supervise(start: Callable[[], int], *, parent: int | None = None) -> NoRetur
 
     ``start`` runs once this process is the subreaper and handles SIGTERM and SIGHUP, so
     nothing it starts can escape; it either spawns a command (``launch``) or forks (the warm
-    launcher, ``advisor.trial._warm``). It may raise ``OSError``: the launcher then exits 127,
+    launcher, ``advisor.trial._warm_server``). It may raise ``OSError``: the launcher then exits 127,
     as a shell does for a command it cannot start.
     """
     become_subreaper()

@@ -20,7 +20,7 @@ set them); those carry tensor bytes into buffers of known size, never code.
 No restarts: when a rank fails, the others are stopped (SIGTERM, SIGKILL after ``GRACE_S``),
 and the launcher exits as the first failed rank did. How each rank ended (its status, when,
 whether the launcher stopped it) is written to the ``--exits`` file (``RankExit``), from which
-the parent blames the rank that failed first (``advisor.trial._protocol``).
+the parent blames the rank that failed first (``advisor.trial._rank_merge``).
 
 Every rank dies with the launcher (``PR_SET_PDEATHSIG``), and the launcher with its own
 parent. Run as a plain file (standard library only), as ``_proctree.py`` is; the rank side
@@ -218,7 +218,7 @@ class AfterImport:
     """A meta path finder that finds nothing itself: once ``name`` is imported (by the finders
     after it), ``then(module)`` runs; then it leaves ``sys.meta_path``. A rank points torch's
     rendezvous at its file store with it; a trial marks torch's import on its timeline
-    (``advisor.trial._warm.mark_torch_import``)."""
+    (``advisor.trial._python_command.mark_torch_import``)."""
 
     def __init__(self, name: str, then: Callable[[Any], None]) -> None:
         self.name, self.then = name, then

@@ -1,5 +1,5 @@
 """The trial recorder for a framework script: fed by the framework's own hooks, it writes the
-same result file as the loop API's recorder (``advisor.trial._child``), so the parent judges a
+same result file as the loop API's recorder (``advisor.trial._loop_recorder``), so the parent judges a
 Lightning, Hugging Face or Accelerate trial exactly as it judges any other.
 
 The framework's adapter calls ``policy_applied()`` once the framework's object that trains
@@ -20,17 +20,15 @@ from typing import Any
 
 from advisor.runtime import Workload
 
-from ._child import (
-    DeviceClock,
-    NoStepWatchdog,
-    ResultWriter,
-    StepFlops,
-    StepWindow,
-    optimizer_eps,
-    perturb_parameters,
-)
-from ._protocol import Stage, TrialSpec
+from ._child_exit import ResultWriter
+from ._device import DeviceClock
+from ._flops import StepFlops
+from ._schema import Stage, TrialSpec
+from ._seeding import perturb_parameters
+from ._step_window import StepWindow
 from ._timeline import mark, marks
+from ._underflow import optimizer_eps
+from ._watchdog import NoStepWatchdog
 
 
 class FrameworkRecorder(StepWindow):

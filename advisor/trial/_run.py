@@ -3,8 +3,8 @@ as ``python [LAUNCH...] SCRIPT [ARGS...]`` would, the moment torch's import is d
 the trial's timeline (in a rank of a multi-process trial, ``_ranks``' file store in use);
 ``... _run --warm-server FD [PRELOAD...]`` is the warm server instead.
 
-Only an entry point: what it runs lives in ``_warm`` (``run_as_python``, ``serve``), where the
-warm server's forked children run the same code. No module imports this one, so that
+Only an entry point: what it runs lives in ``_python_command`` (``run_as_python``) and
+``_warm_server`` (``serve``), whose forked children run the same code. No module imports this one, so that
 ``python -m`` runs it without a second copy of it in ``sys.modules``.
 """
 
@@ -13,17 +13,16 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
-from ._ranks import set_parent_death_signal, use_file_store
-from ._warm import (
+from ._python_command import (
     RUN_MODULE,
-    SERVER_FLAG,
     apply_trial_threads,
     exit_forked,
     mark_torch_import,
     parse_command,
     run_as_python,
-    serve,
 )
+from ._ranks import set_parent_death_signal, use_file_store
+from ._warm_server import SERVER_FLAG, serve
 
 
 def main(argv: list[str]) -> NoReturn:

@@ -222,7 +222,7 @@ def memory_cgroup():
     import os
     import time
 
-    from advisor.trial._protocol import memory_cgroup_dirs
+    from advisor.trial._oom_kills import memory_cgroup_dirs
 
     try:
         dirs = memory_cgroup_dirs(Path("/proc/self/cgroup").read_text(), Path("/proc/self/mountinfo").read_text())
@@ -266,7 +266,7 @@ def test_oom_killer_is_oom(tmp_path, isolated_home, memory_cgroup):
     # reads is that cgroup's; the child (over 1 GiB) is the one the kernel picks.
     runner = (
         "import json, sys\n"
-        "from advisor.trial._protocol import TrialSpec, run_trial\n"
+        "from advisor.trial import TrialSpec, run_trial\n"
         "spec = TrialSpec(policy=json.loads(sys.argv[1]), result_path=sys.argv[2], warmup_steps=0, measure_steps=100)\n"
         "r = run_trial(sys.argv[3], [], spec, timeout=240)\n"
         "print(json.dumps({'outcome': r.outcome, 'reason': r.reason, 'exit_code': r.exit_code}))\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from advisor.cache import _store
-from advisor.trial import _child
+from advisor.trial import _child, _step_window
 
 
 @pytest.fixture
@@ -27,8 +27,9 @@ def cache_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def exits(monkeypatch) -> list[int]:
     """What the trial child would have exited with, instead of ending the test process."""
     codes: list[int] = []
-    monkeypatch.setattr(_child, "end_trial_process", codes.append)
-    monkeypatch.setattr(_child.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(_child, "end_trial_process", codes.append)  # an unsupported candidate
+    monkeypatch.setattr(_step_window, "end_trial_process", codes.append)  # a full window, no step
+    monkeypatch.setattr(_step_window.atexit, "register", lambda fn: None)
     return codes
 
 

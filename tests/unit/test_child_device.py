@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from fakes import FakeCudaTimeline, gpu_profile
 
-from advisor.trial import TrialSpec, _child
+from advisor.trial import TrialSpec, _child, _step_window
 from policies import Policy
 
 STEP_S = 0.010  # the GPU time one training step takes on the trial's device
@@ -92,7 +92,7 @@ def test_the_current_device_is_restored_even_when_the_trial_fails(tmp_path, cuda
 def test_a_trial_child_makes_its_device_current_for_the_whole_script(tmp_path, cuda, monkeypatch):
     # A child process is the trial's: code that says "cuda" without an index (torch.compile,
     # CUDA graphs, a script's own .cuda()) must land on the trial's device.
-    monkeypatch.setattr(_child.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(_step_window.atexit, "register", lambda fn: None)
     spec = dataclasses.replace(_spec(tmp_path, "cuda:1"), first_step_timeout=60.0)
     writer = _child.ResultWriter(spec.result_path)
     applied = _child._build(spec, writer, profile=gpu_profile("H100"), device="cuda:1", in_process=False)

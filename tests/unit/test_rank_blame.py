@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from advisor.trial._protocol import TrialSpec, classify, merge_rank_results
+from advisor.trial import TrialSpec, classify, merge_rank_results
 
 SPEC = TrialSpec(policy={"mode": "fp32"}, result_path="/tmp/trial.json", warmup_steps=1, measure_steps=3,
                  nproc_per_node=2)

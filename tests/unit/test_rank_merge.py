@@ -7,15 +7,9 @@ import math
 
 import pytest
 
-from advisor.trial import spec_from_env
-from advisor.trial._protocol import (
-    TrialSpec,
-    _tail,
-    classify,
-    descendants,
-    merge_rank_results,
-    rank_result_path,
-)
+from advisor.trial import TrialSpec, classify, merge_rank_results, rank_result_path, spec_from_env
+from advisor.trial._launch import _tail
+from advisor.trial._proctree import descendants
 from advisor.tune._options import TuneOptions
 from advisor.tune._trials import TrialSettings
 from policies import Policy

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from advisor.trial._protocol import main_frame, request_stack_dumps, stack_blame, stack_dump_path
+from advisor.trial._stacks import main_frame, request_stack_dumps, stack_blame, stack_dump_path
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs SIGUSR2 and /proc")
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ne
 # or in ``wait_in_torch`` of a module below a ``torch`` directory.
 HANG = textwrap.dedent("""
     import sys, threading, time
-    from advisor.trial._child import register_stack_dump
+    from advisor.trial._stacks import register_stack_dump
 
     def side():
         time.sleep(600)

@@ -19,7 +19,8 @@ from advisor.trial import (
     _timeline,
     classify,
 )
-from advisor.trial._child import TrialRecorder
+from advisor.trial._loop_recorder import TrialRecorder
+from advisor.trial._step_window import result_payload
 from probes import MpadviseError
 
 SPEC = TrialSpec(policy={"schema": 1, "mode": "fp32"}, result_path="unused.json", warmup_steps=1, measure_steps=2)
@@ -123,7 +124,7 @@ def test_both_recorders_write_the_declared_payload(tmp_path, make) -> None:
             recorder.underflow.append(None)
             recorder.pauses.append(None)
         recorder.marks.append(0.1 * step)
-    payload = recorder.result_payload(complete=False)
+    payload = result_payload(recorder, complete=False)
     assert payload["stage"] == Stage.DONE and payload["complete"] is False
     assert payload["losses"] == [1.0, "nan"] and payload["underflow"] == [None, None]
     assert payload["step_times"] == pytest.approx([0.1, 0.1])

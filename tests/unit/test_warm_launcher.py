@@ -7,20 +7,16 @@ import sys
 
 import pytest
 
-from advisor.trial import WARM_ENV, framework_preload
-from advisor.trial._warm import (
-    RUN_MODULE,
-    PythonCommand,
-    cold_command,
+from advisor.trial import RUN_MODULE, WARM_ENV, framework_preload
+from advisor.trial._cold_reasons import (
     cold_reason,
     environment_difference,
     environment_reason,
-    exit_code,
     is_per_trial,
-    parse_command,
     server_refusal,
     warm_switched_off,
 )
+from advisor.trial._python_command import PythonCommand, cold_command, exit_code, parse_command
 
 BOOT = ("-P", "-m", "advisor.frameworks._boot", "lightning")
 

@@ -1,0 +1,120 @@
+"""The device a trial times and measures: time marks and peak memory on it (``DeviceClock``),
+and, for the loop API's recorder, the device made current, its memory capped and its peak
+memory read (``TrialDevice``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ._peak_memory import TrialPeakRss, lifetime_peak_rss
+
+if TYPE_CHECKING:
+    import torch
+
+
+class DeviceClock:
+    """Time marks and peak memory on one device: CUDA events on its stream, else the host clock.
+
+    Args:
+        device: the CUDA device a trial runs on, or ``None`` for the CPU.
+    """
+
+    def __init__(self, device: Any | None) -> None:
+        self.device = device
+
+    def mark(self) -> Any:
+        if self.device is None:
+            return time.perf_counter()
+        import torch
+
+        # On the trial device's stream, whatever the current device is by now: an event on
+        # another device's stream would time that device's (absent) work.
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def sync(self) -> None:
+        if self.device is not None:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    @staticmethod
+    def elapsed(a: Any, b: Any) -> float:
+        """Seconds between two marks of one clock."""
+        return a.elapsed_time(b) / 1e3 if hasattr(a, "elapsed_time") else b - a
+
+    def peak_memory(self) -> tuple[int | None, str]:
+        """The CUDA peak allocated, or this process's lifetime peak RSS on a CPU; and its kind."""
+        if self.device is not None:
+            import torch
+
+            return int(torch.cuda.max_memory_allocated(self.device)), "cuda-peak-allocated"
+        rss = lifetime_peak_rss()
+        return (None, "") if rss is None else (rss, "cpu-peak-rss")
+
+
+class TrialDevice:
+    """The device of a loop API trial, from the candidate's application to ``close()``: made the
+    current one, its memory capped at ``memory_limit`` (CUDA), and its peak memory read.
+
+    Args:
+        device: the device the applied policy trains on.
+        memory_limit: bytes; on CUDA a real per-process cap (``TrialSpec.memory_limit``).
+        in_process: the trial runs in a process that outlives it, whose current device is given
+            back and whose lifetime peak RSS is not the trial's.
+    """
+
+    def __init__(self, device: torch.device, *, memory_limit: int | None, in_process: bool) -> None:
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.clock = DeviceClock(device if self.cuda else None)
+        self._in_process = in_process
+        self._previous_device: int | None = None  # in process: the current device to give back
+        self._rss: TrialPeakRss | None = None
+        if self.cuda:
+            self._use_device(device)
+            if memory_limit:
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), device)
+            torch.cuda.reset_peak_memory_stats(device)
+        elif in_process:
+            # This process outlives the trial, so its lifetime peak RSS is not the trial's.
+            self._rss = TrialPeakRss()
+            self._rss.start()
+
+    def _use_device(self, device: torch.device) -> None:
+        """Make the trial's device the current one while the trial runs.
+
+        CUDA events, ``synchronize()`` and whatever names ``"cuda"`` without an index (a
+        script's ``.cuda()``, torch.compile's and CUDA graphs' own allocations and streams)
+        use the current device, which is device 0 until something sets it. A child process
+        belongs to its trial and keeps the setting; an in-process trial gives it back in
+        ``close()``.
+        """
+        import torch
+
+        if device.index is None:  # plain "cuda" already means the current device
+            return
+        if self._in_process:
+            self._previous_device = torch.cuda.current_device()
+        torch.cuda.set_device(device)
+
+    def peak_memory(self) -> tuple[int | None, str]:
+        """The trial's peak memory and its kind (``cuda-peak-allocated``, ``cpu-peak-rss``)."""
+        if self._rss is not None:
+            return self._rss.stop(), "cpu-peak-rss"
+        return self.clock.peak_memory()
+
+    def close(self) -> None:
+        """Stop the RSS sampler and give back the current device, however the trial ended."""
+        if self._rss is not None:
+            self._rss.stop()
+        if self._previous_device is not None:
+            import torch
+
+            torch.cuda.set_device(self._previous_device)
+            self._previous_device = None

@@ -1,0 +1,167 @@
+"""The FLOPs of one whole optimizer step of a trial (``StepFlops``): counted by torch's
+FlopCounterMode, or estimated for a model fed token ids where counting fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._schema import TrialSpec
+
+# The optimizer step whose FLOPs are counted (``spec.count_flops``): the second, so that the
+# first step's compilation, autotuning and allocator growth are not inside the count. It must
+# be a warm-up step: counting slows the step it counts, and no measured step may carry that.
+FLOPS_STEP = 2
+FLOPS_ESTIMATE = "6 x parameters x tokens"
+"""The ``flops_basis`` of the estimate for a model fed token ids: 2 FLOPs per multiply-add,
+the backward twice the forward, per trainable parameter and token."""
+
+
+class StepFlops:
+    """Counts the FLOPs of one whole optimizer step of a trial: forward, backward and optimizer,
+    over all of the step's micro-batches.
+
+    torch's ``FlopCounterMode`` is entered at the end of the step before (``start``) and left at
+    the end of the counted step (``stop``), so it sees everything the process computes in
+    between, whatever framework runs the loop. It counts matmuls, convolutions and attention
+    from their shapes, the work that dominates training; element-wise work is not counted.
+
+    Where counting fails (it raised, or counted nothing: work the counter does not know) and the
+    model's first training forward took an integer tensor (token ids), the step's work is
+    estimated as 6 x trainable parameters x tokens (2 FLOPs per multiply-add, the backward twice
+    the forward), the tokens being those the counted step's forwards took.
+
+    Args:
+        step: the optimizer step to count (from 1); the one before it must end first.
+    """
+
+    def __init__(self, step: int = FLOPS_STEP) -> None:
+        self.step = step
+        self.flops: int | None = None
+        self.error: str | None = None
+        self.tokens = 0
+        self.integer_input: bool | None = None
+        self.parameters = 0
+        self._model: Any = None
+        self._counter: Any = None
+        self._counting = False
+        self._done = False
+
+    @classmethod
+    def for_spec(cls, spec: TrialSpec) -> StepFlops | None:
+        """The counter a trial asks for (``spec.count_flops``), or ``None``: not asked, or a
+        warm-up too short to hold the counted step."""
+        if not spec.count_flops or spec.warmup_steps < FLOPS_STEP:
+            return None
+        return cls()
+
+    @staticmethod
+    def note_for(spec: TrialSpec, flops: StepFlops | None) -> str | None:
+        """A sentence for the trial's report where FLOPs were asked for and not counted."""
+        if not spec.count_flops:
+            return None
+        if flops is None:
+            return (f"FLOPs per step not counted: the warm-up has {spec.warmup_steps} steps, and the counted step "
+                    f"(step {FLOPS_STEP}) must be one of them; run with --warmup {FLOPS_STEP} or more")
+        if not flops._done or (flops.flops and flops.error is None):
+            return None
+        why = flops.error or "torch's FLOP counter counted nothing in the step"
+        if flops.result()[1] == FLOPS_ESTIMATE:
+            return f"FLOPs per step estimated as {FLOPS_ESTIMATE} ({flops.tokens} tokens): counting failed: {why}"
+        return f"FLOPs per step not known: counting failed ({why}), and the model is not fed token ids"
+
+    def watch(self, model: Any) -> None:
+        """Read the training forwards of ``model`` (the first one given): whether the first took
+        token ids, and how many tokens the counted step's forwards took."""
+        if self._model is not None or not hasattr(model, "register_forward_pre_hook"):
+            return
+        self._model = model
+
+        def pre_hook(module: Any, args: Any, kwargs: Any) -> None:
+            import torch
+
+            if not torch.is_grad_enabled():
+                return  # an evaluation forward, not the training step's
+            first = _first_tensor(args, kwargs)
+            if first is None:
+                return
+            integer = not (first.is_floating_point() or first.is_complex()) and first.dtype != torch.bool
+            if self.integer_input is None:
+                self.integer_input = integer
+            if self._counting and integer:
+                self.tokens += first.numel()
+
+        model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+    def start(self) -> None:
+        """Enter the counter: the counted step begins."""
+        if self._counting or self._done:
+            return
+        self._counting = True  # tokens are read even where the counter cannot be entered
+        try:
+            counter = _guarded_flop_counter()
+            counter.__enter__()
+        except Exception as exc:  # counting is a measurement of the trial, never its failure
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
+        self._counter = counter
+
+    def stop(self, *, discard: bool = False) -> None:
+        """Leave the counter: the counted step ended (with ``discard``, the trial ended inside
+        it, and what was counted is not a whole step)."""
+        if not self._counting:
+            return
+        self._counting, self._done = False, not discard
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            try:
+                counter.__exit__(None, None, None)
+                self.flops = int(counter.get_total_flops())
+            except Exception as exc:
+                self.error = self.error or f"{type(exc).__name__}: {exc}"
+            self.error = self.error or counter.failure
+        if self._model is not None:
+            self.parameters = sum(p.numel() for p in self._model.parameters() if p.requires_grad)
+
+    def result(self) -> tuple[float | None, str | None]:
+        """``(flops_per_step, flops_basis)``: counted, estimated, or ``(None, None)``."""
+        if not self._done:
+            return None, None
+        if self.flops and self.error is None:
+            return float(self.flops), "counted"
+        if self.integer_input and self.tokens and self.parameters:
+            return 6.0 * self.parameters * self.tokens, FLOPS_ESTIMATE
+        return None, None
+
+
+def _first_tensor(args: Any, kwargs: Any) -> Any:
+    """A forward's first input tensor: the first positional one, else ``input_ids`` (how a Hugging
+    Face model is called), else the first keyword one; ``None`` without one."""
+    import torch
+
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(kwargs.get("input_ids"), torch.Tensor):
+        return kwargs["input_ids"]
+    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+
+
+def _guarded_flop_counter() -> Any:
+    """torch's FlopCounterMode (quiet) whose counting of one operation cannot fail the script's
+    step: an error is kept as ``failure`` (the count is then incomplete) and the operation's
+    result passes on."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class GuardedFlopCounter(FlopCounterMode):
+        failure: str | None = None
+
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            try:
+                return super()._count_flops(func_packet, out, args, kwargs)
+            except Exception as exc:
+                if self.failure is None:
+                    self.failure = f"counting {func_packet} raised {type(exc).__name__}: {exc}"
+                return out
+
+    return GuardedFlopCounter(display=False)

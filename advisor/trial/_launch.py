@@ -1,0 +1,174 @@
+"""Launching a trial, parent side: start a training script in a subprocess (forked from a warm
+server, or cold) under one candidate policy, wait for it within its timeout, then read its
+result file (merged over its ranks) and classify the outcome. It speaks only the plain-JSON
+spec and result files, so it needs neither torch nor the policies; the child side is ``_child``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ._classify import classify
+from ._oom_kills import oom_kill_count
+from ._proctree import TrialProcess, end_trial, launcher_argv
+from ._python_command import THREADS_ENV, cold_command
+from ._rank_merge import merge_rank_results
+from ._ranks import EXITS_ENV
+from ._schema import POLICY_ENV, TRIAL_SPEC_ENV, TrialResult, TrialSpec, rank_result_path
+from ._stacks import request_stack_dumps, stack_dump_path
+from ._warm import WarmLauncher
+
+
+def trial_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a trial runs in, but for its per-trial variables: ``env`` (default: this
+    process's) with unbuffered output, and without a policy override (the spec decides; a
+    leftover ``MPADVISE_POLICY`` must not). A warm server started ahead of the first trial
+    (``WarmLauncher.prestart``) starts in it."""
+    child_env = dict(os.environ if env is None else env)
+    child_env["PYTHONUNBUFFERED"] = "1"
+    child_env.pop(POLICY_ENV, None)
+    return child_env
+
+
+def run_trial(
+    script: str | os.PathLike[str],
+    args: list[str],
+    spec: TrialSpec,
+    *,
+    timeout: float,
+    python: str = sys.executable,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    launch: Sequence[str] = (),
+    warm: WarmLauncher | None = None,
+) -> TrialResult:
+    """Run ``python script args`` with ``spec`` injected; classify the outcome.
+
+    ``launch`` goes between the interpreter and the script: a module that runs the script
+    (``-m advisor.frameworks._boot lightning``, the rank launcher's ``advisor.trial._ranks``).
+
+    With ``warm``, the trial is forked from its warm server, torch already imported, where that
+    is as good as a fresh interpreter (``advisor.trial._warm``); otherwise, and wherever the
+    server says no, it starts cold, in a fresh interpreter. Either way the timeline carries the
+    parent's ``launched`` and ``exited`` marks.
+
+    Subprocesses isolate out-of-memory, CUDA errors, segfaults and hangs. The child writes its
+    measurements to ``spec.result_path``; stderr goes to a file whose tail is kept.
+
+    Returns:
+        A TrialResult whose outcome is one of ok, oom, crash, timeout, unsupported, no-step,
+        no-policy (``unstable`` is judged later against the reference).
+    """
+    result_path = Path(spec.result_path)
+    result_path.unlink(missing_ok=True)
+    rank_paths = [Path(rank_result_path(result_path, r)) for r in range(spec.nproc_per_node)] if spec.nproc_per_node > 1 else []
+    for path in rank_paths:
+        path.unlink(missing_ok=True)
+    stack_paths = [Path(stack_dump_path(path)) for path in rank_paths or [result_path]]
+    for path in stack_paths:
+        path.unlink(missing_ok=True)
+    spec_file = result_path.with_suffix(".spec.json")
+    spec_file.write_text(spec.to_json())
+    child_env = trial_environment(env)
+    child_env[TRIAL_SPEC_ENV] = str(spec_file)
+    child_env.pop(THREADS_ENV, None)
+    if spec.threads is not None and spec.nproc_per_node == 1:
+        child_env[THREADS_ENV] = str(spec.threads)
+    exits_path = Path(f"{result_path}.exits.json")
+    exits_path.unlink(missing_ok=True)
+    if rank_paths:
+        child_env[EXITS_ENV] = str(exits_path)  # where the rank launcher records how each rank ended
+    # The child starts in this process's memory cgroup: counting that cgroup's OOM kills before
+    # and after tells a kill by the kernel's OOM killer from any other SIGKILL.
+    oom_before = oom_kill_count()
+    command = [*launch, str(script), *args]
+    with tempfile.TemporaryFile("w+b") as err, tempfile.TemporaryFile("w+b") as out:
+        launched, start = time.time(), time.perf_counter()
+        proc: TrialProcess | None = None
+        if warm is not None:
+            proc = warm.start_trial(command, env=child_env, cwd=cwd, stdout=out, stderr=err, python=python,
+                                    nproc_per_node=spec.nproc_per_node)
+        if proc is None:
+            launched, start = time.time(), time.perf_counter()
+            # Under the launcher (Linux), every process the script starts stays below the trial,
+            # even in a session of its own or once its parent has died, and none outlives the trial.
+            proc = subprocess.Popen(
+                [*launcher_argv(python), *cold_command(python, command, nproc_per_node=spec.nproc_per_node)],
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=child_env,
+                cwd=cwd,
+                start_new_session=True,  # so a timeout can kill the script's own children too
+            )
+        timed_out, stacks = False, None
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stacks = request_stack_dumps(stack_paths, proc.pid)  # where each process hung, before the kill
+            end_trial(proc)
+            code = proc.wait()
+        except BaseException:
+            end_trial(proc)
+            proc.wait()
+            raise
+        exited, wall = time.time(), time.perf_counter() - start
+        err.seek(0)
+        tail = _tail(err.read())
+    oom_after = oom_kill_count() if oom_before is not None else None
+    if rank_paths:
+        data = merge_rank_results([_read_json(path) for path in rank_paths], exits=_read_json(exits_path))
+        exits_path.unlink(missing_ok=True)
+    else:
+        data = _read_json(result_path)
+    spec_file.unlink(missing_ok=True)
+    for path in stack_paths:
+        path.unlink(missing_ok=True)
+    return classify(
+        data,
+        exit_code=code,
+        timed_out=timed_out,
+        stacks=stacks,
+        stderr_tail=tail,
+        spec=spec,
+        timeout=timeout,
+        wall_s=wall,
+        oom_kills=None if oom_after is None or oom_before is None else max(0, oom_after - oom_before),
+        timeline={"launched": launched, "exited": exited},
+    )
+
+
+_LAUNCHER_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+
+
+def _tail(raw: bytes, max_chars: int = 4000, max_lines: int = 30) -> str:
+    text = _without_launcher_report(raw.decode("utf-8", errors="replace"))
+    # torchao prints loader warnings for kernels this machine cannot use; they are not the error.
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return "\n".join(lines[-max_lines:])[-max_chars:]
+
+
+def _without_launcher_report(text: str) -> str:
+    """stderr without torchrun's closing report, which would fill the tail and push the
+    failing rank's own traceback out; the trial's reason names the rank already."""
+    at = text.rfind(_LAUNCHER_FAILURE)
+    if at < 0:
+        return text
+    start = text.rfind("Traceback (most recent call last):", 0, at)
+    return text[: start if start >= 0 else at]
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

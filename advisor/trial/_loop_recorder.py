@@ -1,0 +1,200 @@
+"""The loop API's trial recorder: fed by ``step()`` (``StepObserver``), it records every
+optimizer step of a trial and ends the process after the measured window.
+
+It times optimizer steps (the device synchronised at the edges of the measured window; CUDA
+events in between), records loss, loss scale, skipped steps, fp16 gradient underflow and peak
+memory. Its own work inside a step (reading the loss scale, sampling gradients) runs between
+two time marks, and that interval is cut out of the step's time: a trial times the user's step,
+not its measuring.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from advisor.runtime import AppliedPolicy, StepObserver
+from policies import mode_facts
+
+from ._child_exit import ResultWriter
+from ._device import DeviceClock, TrialDevice
+from ._flops import StepFlops
+from ._schema import Stage, TrialSpec
+from ._seeding import perturb_parameters
+from ._step_window import StepWindow
+from ._underflow import (
+    UNDERFLOW_EVERY,
+    gradients,
+    optimizer_eps,
+    underflow_counts,
+    underflow_fractions,
+)
+from ._watchdog import NoStepWatchdog
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TrialRecorder(StepObserver, StepWindow):
+    """Records every optimizer step of a trial and ends the process after the measured window.
+
+    Per step it keeps the loss, the loss scale that scaled the step's backward, whether the
+    scaler skipped it, and (fp16, every ``UNDERFLOW_EVERY``-th step) the underflow counts.
+    """
+
+    def __init__(self, spec: TrialSpec, writer: ResultWriter, *, in_process: bool = False) -> None:
+        self.spec = spec
+        self.in_process = in_process
+        self.writer = writer
+        self.applied: AppliedPolicy | None = None
+        self.losses: list[Any] = []  # loss tensors, read once at the end (no sync per step)
+        self.loss_scale: list[float | None] = []
+        self.skipped: list[bool] = []
+        self.underflow: list[Any] = []  # [flushed, nonzero] count tensors, read once at the end
+        self.samples: list[int] = []
+        self.marks: list[Any] = []  # one time mark (float or CUDA event) per step boundary
+        self.pauses: list[tuple[Any, Any] | None] = []  # per step: marks around the recorder's own work
+        self._in_step: dict[str, Any] = {}  # what after_backward measured, until after_step keeps it
+        self._micro_losses: list[Any] = []
+        self._micro_samples = 0
+        self._stepped_once = False
+        self._perturbed = False
+        self._finished = False
+        self._watchdog: NoStepWatchdog | None = None
+        self.clock = DeviceClock(None)
+        self._device: TrialDevice | None = None  # from attach(): the device made current, its memory
+        self._flops = StepFlops.for_spec(spec)
+
+    def attach(self, applied: AppliedPolicy) -> None:
+        self.applied = applied
+        self._device = TrialDevice(applied.device, memory_limit=self.spec.memory_limit, in_process=self.in_process)
+        self.clock = self._device.clock
+        if self.in_process:
+            self._policy_applied(watch=False)  # no watchdog or exit hooks: the caller owns this process
+            return
+        self._keep_short_run()
+        self._policy_applied(watch=True)
+
+    # ---- StepObserver -----------------------------------------------------------------------
+
+    def after_setup(self, applied: AppliedPolicy, model: Any) -> None:
+        # The replicate's one perturbation: after the mode converted the model (fp32 leaves it
+        # as it is), before any step has used it.
+        if self.spec.perturb and not self._perturbed:
+            self._perturbed = True
+            perturb_parameters(model, perturb=self.spec.perturb, seed=self.spec.seed, draw=self.spec.perturb_draw)
+        self.watch_model(model)
+
+    def before_step(self, applied: AppliedPolicy) -> None:
+        if not self._stepped_once:
+            self._stepped_once = True
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            self.writer.write(stage=Stage.STEPPING, **batch_facts(applied))
+            self._open_window()
+
+    def after_backward(self, applied: AppliedPolicy, optimizer: torch.optim.Optimizer) -> None:
+        # Everything here is the recorder's, not the user's: it runs between two marks that
+        # finish() cuts out of the step's time. Here rather than after the optimizer step,
+        # because a loss-scaling mode synchronises the device just after this point anyway
+        # (to read the overflow flag), so the scale's read and the sampling add no wait of
+        # their own to the rest of the step.
+        start = self.clock.mark()
+        if not self.losses:
+            self.optimizer_eps = optimizer_eps(optimizer)
+        scale = applied.loss_scale()
+        counts = None
+        facts = mode_facts(applied.mode)
+        if "fp16" in (facts.autocast, facts.weights) and len(self.losses) % UNDERFLOW_EVERY == 0:
+            counts = underflow_counts(gradients(optimizer), scale=scale or 1.0)
+        self._in_step = {"loss_scale": scale, "underflow": counts, "pause": (start, self.clock.mark())}
+
+    def after_step(self, applied: AppliedPolicy, *, loss: Any, stepped: bool, optimizer_step: bool) -> None:
+        # A copy, not a view: under torch.compile(mode="reduce-overhead") the loss lives in a
+        # CUDA graph's output memory, which the next replay overwrites (or frees, so that
+        # reading it raises). The copy is one scalar kernel, queued without a host sync.
+        self._micro_losses.append(loss.detach().clone())
+        self._micro_samples += applied.micro_step_samples or 0
+        if not optimizer_step:
+            return
+        micro = self._micro_losses
+        self.losses.append(micro[0] if len(micro) == 1 else sum(m.float() for m in micro) / len(micro))
+        self.samples.append(self._micro_samples)
+        self._micro_losses, self._micro_samples = [], 0
+        measured, self._in_step = self._in_step, {}
+        self.loss_scale.append(measured.get("loss_scale"))
+        self.underflow.append(measured.get("underflow"))
+        self.pauses.append(measured.get("pause"))
+        self.skipped.append(not stepped)
+        self._end_of_step(len(self.losses))
+
+    # ---- measuring ----------------------------------------------------------------------------
+
+    def _stepping(self) -> bool:
+        return self._stepped_once
+
+    def _step_times(self) -> list[float]:
+        """Seconds per step, less the recorder's own work in it."""
+        return step_times(self.marks, self.pauses)
+
+    def _peak_memory(self) -> tuple[int | None, str]:
+        return self.clock.peak_memory() if self._device is None else self._device.peak_memory()
+
+    def _underflow(self) -> tuple[list[float | None], str | None]:
+        return underflow_fractions(self.underflow)
+
+    def _applied(self) -> AppliedPolicy:
+        if self.applied is None:
+            raise RuntimeError("the trial recorder was never attached to an AppliedPolicy")
+        return self.applied
+
+    # ---- what the result says of the workload, read from the applied policy ----------------
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self._applied().notes)
+
+    @property
+    def workload_fingerprint(self) -> str | None:
+        return self._applied().workload_fingerprint
+
+    @property
+    def model_signature(self) -> str | None:
+        return self._applied().model_signature
+
+    @property
+    def fsdp(self) -> bool:
+        return self._applied().fsdp
+
+    @property
+    def batch(self) -> dict[str, Any]:
+        return batch_facts(self._applied())
+
+    def close(self) -> None:
+        """Stop what runs beside the trial (the RSS sampler, a FLOP count in progress) and give
+        back the current device, however the trial ended."""
+        if self._flops is not None:
+            self._flops.stop(discard=True)  # the training function raised inside the counted step
+        if self._device is not None:
+            self._device.close()
+
+
+def batch_facts(applied: AppliedPolicy) -> dict[str, Any]:
+    """The batch facts of the result file (``user_batch``, ``micro_batch``...), and the device."""
+    return {
+        "user_batch": applied.user_batch,
+        "micro_batch": applied.policy.micro_batch_size or applied.user_batch,
+        "grad_accum_steps": applied.grad_accum_steps,
+        "global_batch": applied.global_batch,
+        "device": str(applied.device),
+    }
+
+
+def step_times(marks: list[Any], pauses: list[tuple[Any, Any] | None]) -> list[float]:
+    """Seconds between consecutive ``marks`` of one DeviceClock, each less its step's pause (the
+    marks around the recorder's own work in it; ``None`` where it did none)."""
+    times = []
+    for i, (a, b) in enumerate(zip(marks, marks[1:])):
+        pause = pauses[i] if i < len(pauses) else None
+        own = DeviceClock.elapsed(*pause) if pause is not None else 0.0
+        times.append(max(0.0, DeviceClock.elapsed(a, b) - own))
+    return times

@@ -1,0 +1,217 @@
+"""One trial result from the result files of a multi-process trial's ranks
+(``merge_rank_results``): the rank that failed first blamed, or the finished ranks' steps
+merged. Pure functions of the files' contents and of the rank launcher's record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._schema import Stage, json_float, stage_text
+from ._timeline import merge_timelines
+
+
+def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None],
+                       exits: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """One trial result from the result files of its ranks, in the form one process writes.
+
+    A pure function of the files' contents (index = rank; ``None`` for a rank that wrote none)
+    and of the rank launcher's record of how each rank ended (``exits``: ``advisor.trial._ranks``
+    writes it; ``None`` where there is none, a trial killed on a timeout). A rank that failed
+    makes the trial fail, and the exception names the rank:
+
+    * with the record, the rank that ended first with a failure of its own (not one the
+      launcher stopped after it): its own exception if it raised one; else its exit status or
+      signal, as a rank that stopped without an error of its own (``killed``, with the
+      ``signal``): a rank ended by ``os._exit`` or a signal (the OOM killer's SIGKILL) is blamed,
+      not the healthy peer that lost its connection to it afterwards;
+    * else the earliest exception (ranks that lost a peer fail after it, with a communication
+      error of their own), a rank the hardware cannot run the mode on, one that never stepped,
+      one that wrote nothing, or one that stopped while others finished.
+
+    When no rank failed but not all finished (a timeout), the result is that of a rank that had
+    not applied the candidate yet, if one had not (the trial is then ``lost``), else rank 0's;
+    ``rank_progress`` says how far each rank got. When every rank finished:
+
+    * step times: per step, the slowest rank's (a synchronous step waits for it);
+    * losses: per step, the mean over ranks weighted by their samples, which is the loss of
+      the global batch and less noisy than one rank's share; a NaN or infinite loss on any
+      rank makes the step's loss that value (a note names the rank where the first came);
+    * skipped steps: must agree (every rank's optimizer steps or none does); otherwise the
+      trial fails, naming the first step and ranks that disagree;
+    * samples: summed over ranks (goodput counts the whole node); peak memory: the largest;
+      underflow: the mean of the ranks' samples; notes: every rank's, once;
+    * everything else (the batch facts, the loss scale, fingerprints, device): rank 0's.
+
+    Returns:
+        The merged result, with ``ranks`` set; ``None`` when no rank wrote anything.
+    """
+    present = {rank: dict(data) for rank, data in enumerate(ranks) if data}
+    if not present:
+        return None
+    failed = _failed_rank(ranks, present, exits)
+    if failed is not None:
+        return {**failed, "ranks": len(ranks)}
+    if any(data.get("stage") != Stage.DONE for data in present.values()):
+        progress = [f"rank {rank} {stage_text((data or {}).get('stage'), data or {})}" for rank, data in enumerate(ranks)]
+        waiting = [rank for rank, data in enumerate(ranks) if not _applied(data)]
+        chosen = {**(ranks[waiting[0]] or {}), "rank_waiting": waiting[0]} if waiting else present[min(present)]
+        return {**chosen, "ranks": len(ranks), "rank_progress": progress}
+    return _merge_finished(ranks, present)
+
+
+def _applied(data: Mapping[str, Any] | None) -> bool:
+    """Whether a rank's result shows its candidate applied."""
+    return bool(data) and ("policy_applied" in (data.get("timeline") or {}) or bool(data.get("losses")))
+
+
+def _first_failure(exits: Mapping[str, Any] | None) -> tuple[int, Mapping[str, Any]] | None:
+    """The rank that ended first with a failure of its own, from the launcher's record."""
+    if not isinstance(exits, Mapping):
+        return None
+    for ended in exits.get("ended") or []:
+        if isinstance(ended, Mapping) and ended.get("status") not in (0, None) and not ended.get("stopped"):
+            return int(ended["rank"]), ended
+    return None
+
+
+def _ended_text(ended: Mapping[str, Any]) -> str:
+    if ended.get("signal"):
+        return f"was killed by {ended['signal']}"
+    return f"exited with status {ended.get('status')}"
+
+
+def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]],
+                 exits: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The result of the rank that made a multi-process trial fail, or ``None`` if none did."""
+    first = _first_failure(exits)
+    if first is not None:
+        rank, ended = first
+        data = present.get(rank, {})
+        stage, exception = data.get("stage"), data.get("exception") or {}
+        if stage == Stage.EXCEPTION and not exception.get("killed"):
+            return {**data, "exception": {**exception, "rank": rank}}
+        if stage in (Stage.UNSUPPORTED, Stage.NO_STEP):
+            return data
+        message = (f"rank {rank} {_ended_text(ended)} {stage_text(stage, data)} without an error of its own; "
+                   "its peers were stopped after it")
+        return {**data, "stage": Stage.EXCEPTION,
+                "exception": {"type": "", "message": message, "rank": rank, "killed": True, "signal": ended.get("signal"),
+                              "no_result": not data}}
+    raised = [(data.get("exception") or {}, rank) for rank, data in present.items() if data.get("stage") == Stage.EXCEPTION]
+    if raised:
+        exception, rank = min(raised, key=lambda item: (_number(item[0].get("at")), item[1]))
+        return {**present[rank], "exception": {**exception, "rank": rank}}
+    for stage in (Stage.UNSUPPORTED, Stage.NO_STEP):
+        for data in present.values():
+            if data.get("stage") == stage:
+                return data
+    missing = [rank for rank, data in enumerate(ranks) if not data]
+    finished = [rank for rank, data in present.items() if data.get("stage") == Stage.DONE]
+    stopped = [rank for rank in present if rank not in finished]
+    if missing:
+        rank = missing[0]
+        message = f"rank {rank} wrote no result: it ended, or was ended, before calling advisor.load_policy()"
+        # The rank's own (empty) result: it had not applied the candidate, which decides ``lost``.
+        return {"stage": Stage.EXCEPTION,
+                "exception": {"type": "", "message": message, "rank": rank, "killed": True, "no_result": True}}
+    elif finished and stopped:
+        rank = stopped[0]
+        message = (f"rank {rank} stopped {stage_text(present[rank].get('stage'), present[rank])} without an error "
+                   f"of its own, while rank {finished[0]} finished (killed by a signal, or ended by its launcher)")
+    else:
+        return None
+    base = present[min(present)]
+    return {**base, "stage": Stage.EXCEPTION, "exception": {"type": "", "message": message, "rank": rank, "killed": True}}
+
+
+def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The merged result of ranks that all finished (see ``merge_rank_results``)."""
+    order = sorted(present)
+    first = present[order[0]]
+    steps = min(len(present[r].get("losses") or []) for r in order)
+
+    def column(name: str, rank: int) -> list[Any]:
+        values = list(present[rank].get(name) or [])
+        return values[:steps] + [None] * (steps - len(values))
+
+    skipped = {r: [bool(v) for v in column("skipped", r)] for r in order}
+    for step in range(steps):
+        decisions = {r: skipped[r][step] for r in order}
+        if len(set(decisions.values())) > 1:
+            took = [r for r, s in decisions.items() if not s]
+            skip = [r for r, s in decisions.items() if s]
+            message = (f"the ranks disagree on skipped steps: step {step} was skipped on rank "
+                       f"{', '.join(map(str, skip))} but taken on rank {', '.join(map(str, took))}, so their "
+                       "weights no longer match; the loss scaler must decide on every rank's gradients alike")
+            return {**first, "stage": Stage.EXCEPTION, "ranks": len(ranks),
+                    "exception": {"type": "MpadviseError", "message": message, "rank": skip[0]}}
+    losses, samples, times, underflow = [], [], [], []
+    for step in range(steps):
+        values = [float(column("losses", r)[step]) for r in order]
+        counts = [column("samples", r)[step] for r in order]
+        bad = [v for v in values if not math.isfinite(v)]
+        if bad:
+            losses.append(next((v for v in bad if math.isnan(v)), bad[0]))
+        elif all(isinstance(c, int) and c > 0 for c in counts):
+            losses.append(sum(v * c for v, c in zip(values, counts)) / sum(counts))
+        else:
+            losses.append(sum(values) / len(values))
+        samples.append(sum(c for c in counts if isinstance(c, int)))
+        step_times = [t for t in (column("step_times", r)[step] for r in order) if t is not None]
+        times.append(max(step_times) if step_times else None)
+        fractions = [u for u in (column("underflow", r)[step] for r in order) if u is not None]
+        underflow.append(sum(fractions) / len(fractions) if fractions else None)
+    peaks = [present[r].get("peak_memory") for r in order if present[r].get("peak_memory") is not None]
+    notes = list(dict.fromkeys(n for r in order for n in present[r].get("notes") or []))
+    first_bad = _first_non_finite(present, order, steps)
+    if first_bad is not None:
+        step, culprits = first_bad
+        notes.append(f"the first non-finite loss came at step {step} on rank {', '.join(map(str, culprits))}")
+    complete = all(present[r].get("complete", True) for r in order) and all(
+        len(present[r].get("losses") or []) == steps for r in order)
+    return {
+        **first,
+        "losses": [json_float(v) for v in losses],
+        "step_times": [t for t in times if t is not None],
+        "samples": samples,
+        "skipped": skipped[order[0]],
+        "loss_scale": column("loss_scale", order[0]),
+        "underflow": underflow,
+        "peak_memory": max(peaks) if peaks else None,
+        "notes": notes,
+        "complete": complete,
+        "fsdp": any(present[r].get("fsdp") for r in order),
+        "ranks": len(ranks),
+        "timeline": merge_timelines([present[r].get("timeline") or {} for r in order]),
+        **_merged_flops([present[r] for r in order]),
+    }
+
+
+def _first_non_finite(present: Mapping[int, Mapping[str, Any]], order: Sequence[int],
+                      steps: int) -> tuple[int, list[int]] | None:
+    """The first step at which some rank's loss was NaN or infinite, and those ranks (in DDP
+    the others follow one step later, once the all-reduce has spread it)."""
+    for step in range(steps):
+        bad = [r for r in order if not math.isfinite(float((present[r].get("losses") or [])[step]))]
+        if bad:
+            return step, bad
+    return None
+
+
+def _merged_flops(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The node's FLOPs per step: the sum of every rank's (each counts its own share of the
+    batch), as samples are summed; unknown unless every rank has a number."""
+    counts = [data.get("flops_per_step") for data in ranks]
+    if not counts or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in counts):
+        return {"flops_per_step": None, "flops_basis": None} if any("flops_per_step" in d for d in ranks) else {}
+    return {"flops_per_step": float(sum(counts)), "flops_basis": ranks[0].get("flops_basis")}
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.inf
+
+
+# torchrun ends a failed run with a report of its own: its traceback, then each worker's exit.

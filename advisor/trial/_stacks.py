@@ -1,0 +1,190 @@
+"""Where a timed-out trial hung: each trial process registers a stack dump on a signal
+(``register_stack_dump``, in the child); on a timeout the parent asks for the dumps before the
+kill (``request_stack_dumps``) and names the process that hung (``stack_blame``).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._proctree import live_descendants, process_table
+
+STACK_SIGNAL = "SIGUSR2"
+"""The signal on which a trial process dumps its threads' stacks (``faulthandler``) to
+``stack_dump_path`` of its result file; the parent sends it on a timeout, before the kill."""
+STACK_PID_PREFIX = "pid "
+"""The first line of a stack dump file: ``pid <N>``, the process to signal; the dump follows."""
+STACK_WAIT_S = 2.0
+"""Seconds a timed-out trial's parent waits for the stack dumps it asked for, before the kill."""
+
+
+def stack_dump_path(result_path: str | os.PathLike[str]) -> str:
+    """Where the trial process writing ``result_path`` dumps its stacks: ``<result>.stack``."""
+    return f"{os.fspath(result_path)}.stack"
+
+
+_STACK_FILE: Any = None
+"""The open file that ``faulthandler`` dumps this process's stacks to: held for its lifetime."""
+
+
+def register_stack_dump(result_path: str) -> bool:
+    """Have ``STACK_SIGNAL`` dump every thread's stack of this process to
+    ``stack_dump_path(result_path)``, which starts with ``pid <this pid>``: on a timeout the
+    parent signals the pid it reads there, and the dump says where the trial hung
+    (``stack_blame``). Once per process; whether the handler is in place.
+    """
+    global _STACK_FILE
+    sig = getattr(signal, STACK_SIGNAL, None)
+    if _STACK_FILE is not None or sig is None:
+        return _STACK_FILE is not None
+    try:
+        stack_file = open(stack_dump_path(result_path), "w")  # noqa: SIM115 (open for the process's life)
+        stack_file.write(f"{STACK_PID_PREFIX}{os.getpid()}\n")
+        stack_file.flush()  # faulthandler writes to the descriptor, after the header
+        faulthandler.register(sig, file=stack_file, all_threads=True, chain=False)
+    except (OSError, ValueError, RuntimeError):
+        return False
+    _STACK_FILE = stack_file
+    return True
+
+
+@dataclass(frozen=True)
+class StackFrame:
+    """One frame of a ``faulthandler`` dump: the file, line and function it was at."""
+
+    file: str
+    line: int
+    function: str
+
+    @property
+    def in_torch(self) -> bool:
+        """Whether the frame is torch's own code (a collective, the autograd engine...)."""
+        return "/torch/" in self.file.replace(os.sep, "/")
+
+    def __str__(self) -> str:
+        return f"{os.path.basename(self.file)} line {self.line} ({self.function})"
+
+
+_DUMP_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<function>.*)$')
+_DUMP_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ \(most recent call first\):$")
+
+
+def main_frame(dump: str) -> StackFrame | None:
+    """The innermost frame of the main thread in a ``faulthandler`` dump of every thread.
+
+    faulthandler lists threads newest first (``Thread 0x... (most recent call first):``, the
+    one that took the signal marked ``Current thread``), so the main thread, the first started,
+    is the last listed; a dump of one thread is that thread. ``None`` when the dump holds no
+    thread, or the main thread had no Python frame (``<no Python frame>``).
+    """
+    blocks: list[list[str]] = []
+    for line in dump.splitlines():
+        if _DUMP_THREAD.match(line.strip()):
+            blocks.append([])
+        elif blocks:
+            blocks[-1].append(line)
+    if not blocks:
+        return None
+    for line in blocks[-1]:
+        found = _DUMP_FRAME.match(line)
+        if found is not None:
+            return StackFrame(found["file"], int(found["line"]), found["function"])
+    return None
+
+
+def stack_blame(dumps: Sequence[str | None]) -> str | None:
+    """Which process of a timed-out trial hung, from each one's stack dump (index = rank;
+    ``None`` where none arrived); ``None`` when no dump holds a frame.
+
+    A process whose main thread was in torch's own code waited (in a collective, for a peer,
+    or in the autograd engine); one elsewhere (the script, another library) hung there. With
+    several ranks, those that hung are named first, then those that waited for them.
+    """
+    frames = [None if dump is None else main_frame(dump) for dump in dumps]
+    if not any(frames):
+        return None
+    if len(frames) == 1:
+        frame = frames[0]
+        if frame is not None and frame.in_torch:
+            return f"the script was waiting in torch (a collective or the autograd engine) at {frame}"
+        return f"the script hung in {frame}"
+    hung = [(rank, frame) for rank, frame in enumerate(frames) if frame is not None and not frame.in_torch]
+    waited = [rank for rank, frame in enumerate(frames) if frame is not None and frame.in_torch]
+    silent = [rank for rank, frame in enumerate(frames) if frame is None]
+    parts = []
+    if hung:
+        text = "; ".join(f"rank {rank} hung in {frame}" for rank, frame in hung)
+        if waited:
+            them = "it" if len(hung) == 1 else "them"
+            text += f" while {_ranks_text(waited)} waited for {them} in torch"
+        parts.append(text)
+    else:
+        parts.append(f"{'every rank' if not silent else _ranks_text(waited)} waited in torch (a collective or the "
+                     "autograd engine), none in the script")
+    if silent:
+        parts.append(f"{_ranks_text(silent)} dumped no stack")
+    return "; ".join(parts)
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def request_stack_dumps(paths: Sequence[Path], root: int, *, wait_s: float = STACK_WAIT_S) -> list[str | None]:
+    """Ask each trial process below ``root`` that registered a stack dump (``paths``: one per
+    process, each starting ``pid <N>``) to write it (``STACK_SIGNAL``), and read the dumps.
+
+    Only a pid that runs below ``root`` is signalled (a process that ended may have left its
+    pid to another). Waits up to ``wait_s`` until every dump asked for is written (not empty,
+    and no longer growing).
+
+    Returns:
+        Each path's dump (index as ``paths``), ``None`` where none came.
+    """
+    sig = getattr(signal, STACK_SIGNAL, None)
+    below = set(live_descendants(process_table(), root)) if sig is not None else set()
+    headers: dict[int, int] = {}
+    for index, path in enumerate(paths):
+        try:
+            first = path.read_text().partition("\n")[0]
+        except (OSError, UnicodeDecodeError):
+            continue
+        pid = first[len(STACK_PID_PREFIX):]
+        if first.startswith(STACK_PID_PREFIX) and pid.isdigit() and int(pid) in below:
+            try:
+                os.kill(int(pid), sig)  # type: ignore[arg-type]
+            except (ProcessLookupError, PermissionError):
+                continue
+            headers[index] = len(first) + 1
+    deadline, sizes = time.monotonic() + wait_s, {}
+    while headers:
+        now = {index: _size(paths[index]) for index in headers}
+        if all(size > headers[index] for index, size in now.items()) and now == sizes:
+            break  # every dump is written and none grew since the last look
+        if time.monotonic() >= deadline:
+            break
+        sizes = now
+        time.sleep(0.05)
+    dumps: list[str | None] = [None] * len(paths)
+    for index, skip in headers.items():
+        try:
+            text = paths[index].read_text(errors="replace")[skip:]
+        except OSError:
+            continue
+        dumps[index] = text if text.strip() else None
+    return dumps
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -1,0 +1,246 @@
+"""The warm server's side of warm trials (``serve``): import torch and the project once, report
+ready, then fork one launcher per request, which becomes what the cold launch's ``_proctree.py``
+launcher is and runs the script as ``python [LAUNCH...] SCRIPT ARGS`` would. The parent's side is
+``_warm``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+from ._cold_reasons import is_per_trial, server_refusal, thread_count
+from ._proctree import _exit_as, end_with_parent, kill_tree, supervise
+from ._python_command import (
+    PythonCommand,
+    apply_trial_threads,
+    exit_forked,
+    parse_command,
+    run_as_python,
+)
+from ._timeline import clear, mark
+
+SERVER_FLAG = "--warm-server"
+"""``python -P -m advisor.trial._run --warm-server FD [PRELOAD...]`` is the warm server."""
+PACKET = 1 << 20
+"""The largest message of the parent and the server (one message per packet)."""
+
+
+def _send(sock: socket.socket, message: Mapping[str, Any]) -> bool:
+    try:
+        sock.send(json.dumps(message).encode())
+        return True
+    except OSError:
+        return False
+
+
+def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """The next request and its descriptors; ``None`` when the parent's end is closed."""
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, PACKET, 4)
+    except OSError:
+        return None, []
+    return (json.loads(data) if data else None), list(fds)
+
+
+def _preload(name: str) -> None:
+    """Import ``name``, or for ``PACKAGE:FRAMEWORK`` the modules the framework is detected by;
+    a module that does not import is left to the trial, which imports it itself."""
+    package, _, framework = name.partition(":")
+    try:
+        module = importlib.import_module(package)
+        if framework:
+            for library in module.framework_class(framework).detected_by:
+                with contextlib.suppress(Exception):
+                    importlib.import_module(library)
+    except Exception:  # noqa: BLE001, S110 - a preload is an optimisation; the trial will say what fails
+        pass
+
+
+def _settle() -> None:
+    """Fork once and let the child end at once. A library may keep a thread pool that it shuts
+    down before any fork (OpenBLAS, under numpy, starts one at import and registers
+    ``pthread_atfork`` handlers for it); after this the server holds only what stays."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def _exit_status(pid: int) -> int | None:
+    """The status of child ``pid`` if it has ended, without reaping it (``WNOWAIT``)."""
+    try:
+        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return -int(signal.SIGKILL)
+    if found is None or found.si_pid == 0:
+        return None
+    return found.si_status if found.si_code == os.CLD_EXITED else -found.si_status
+
+
+def _watch(sock: socket.socket, pid: int) -> int | None:
+    """Wait until launcher ``pid`` ends (its status) or the parent's end closes (``None``)."""
+    try:
+        pidfd: int | None = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None  # an older kernel: poll
+    try:
+        while True:
+            watched = [sock] if pidfd is None else [sock, pidfd]
+            ready, _, _ = select.select(watched, [], [], 0.05 if pidfd is None else None)
+            if sock in ready:
+                try:
+                    data = sock.recv(PACKET, socket.MSG_PEEK)
+                except OSError:
+                    data = b""
+                if not data:
+                    return None
+                sock.recv(PACKET)  # nothing is asked of a running trial: drop it
+            status = _exit_status(pid)
+            if status is not None:
+                return status
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _end(pid: int) -> None:
+    """End launcher ``pid`` and its tree, as ``end_trial`` does, and reap it."""
+    kill_tree(pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def _reseed() -> None:
+    """Give this forked child fresh random state where a fresh interpreter would have it:
+    ``random`` reseeds itself after a fork; numpy's global generator, seeded at import, does not."""
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        with contextlib.suppress(Exception):
+            numpy_random.seed()
+
+
+def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
+    """In the launcher: fork the process that runs the script; its pid."""
+    launcher = os.getpid()
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    code = 1
+    try:
+        for signum, handler in handlers.items():  # the launcher's SIGTERM and SIGHUP are its own
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                signal.signal(signum, handler)
+        end_with_parent(int(signal.SIGKILL), parent=launcher)  # nothing of a trial outlives its launcher
+        _reseed()
+        clear()  # the marks of this trial only
+        mark("torch_imported")  # torch was imported before the fork
+        apply_trial_threads()
+        code = run_as_python(command)
+    except BaseException:  # noqa: BLE001 - a fault here is the trial's, reported as a script's would be
+        traceback.print_exc()
+    exit_forked(code)
+
+
+def _launcher(sock: socket.socket, request: Mapping[str, Any], fds: list[int], handlers: Mapping[int, Any]) -> NoReturn:
+    """The forked child of the server: become the trial's launcher, as ``_proctree.py`` is."""
+    server = os.getppid()
+    try:
+        os.setsid()  # a session of its own, so a timeout can kill its process group
+        sock.close()  # the parent's death must reach the server alone, through its end
+        out, err = fds
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        for fd, target in ((devnull, 0), (out, 1), (err, 2)):
+            os.dup2(fd, target)
+        for fd in {devnull, out, err} - {0, 1, 2}:
+            os.close(fd)
+        os.chdir(request["cwd"])
+        trial_env = request["env"]
+        for name in [n for n in os.environ if is_per_trial(n) and n not in trial_env]:
+            del os.environ[name]
+        os.environ.update(trial_env)
+        for signum, handler in handlers.items():
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                signal.signal(signum, handler)
+        command = parse_command(request["argv"])
+        if command is None:
+            raise ValueError(f"cannot run {request['argv']}")
+    except BaseException:  # noqa: BLE001 - reported on the trial's stderr, as a failed start
+        traceback.print_exc()
+        _exit_as(127)
+    supervise(lambda: _run_script(command, handlers), parent=server)
+
+
+def serve(fd: int, preload: Sequence[str]) -> None:
+    """The warm server: import, report ready, then fork one launcher per request until the
+    parent's end of the channel closes."""
+    sock = socket.socket(fileno=fd)
+    sock.set_inheritable(False)
+    # A fresh interpreter's handlers, restored in every launcher and script process.
+    handlers = {s: signal.getsignal(s) for s in signal.valid_signals()
+                if s not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(s) is not None}
+    refusal = None
+    try:
+        # What a trial child imports: torch, and the project's layers under load_policy (this
+        # package and the top of advisor are imported already, by ``python -m`` of _run).
+        import torch
+
+        import policies  # noqa: F401
+        import probes  # noqa: F401
+
+        # An optimizer's first step imports Dynamo (seconds: it brings sympy): every trial's.
+        with contextlib.suppress(ImportError):
+            import torch._dynamo  # noqa: F401
+        for name in preload:
+            _preload(name)
+        gc.collect()
+        gc.freeze()  # what the imports built is shared with every fork, untouched by its collector
+        _settle()
+        refusal = server_refusal(thread_count(), torch.cuda.is_initialized())
+    except Exception as exc:  # noqa: BLE001 - the parent starts its trials cold, for this reason
+        refusal = f"the warm server's imports failed: {type(exc).__name__}: {exc}"
+    if not _send(sock, {"ready": os.getpid(), "refusal": refusal}) or refusal:
+        return
+    while True:
+        request, fds = _receive(sock)
+        if request is None:
+            return
+        if request.get("op") != "run":
+            for f in fds:
+                os.close(f)
+            continue
+        refusal = server_refusal(thread_count(), torch.cuda.is_initialized())
+        if refusal is not None or len(fds) != 2:
+            for f in fds:
+                os.close(f)
+            _send(sock, {"cold": refusal or "the request came without the trial's stdout and stderr"})
+            continue
+        pid = os.fork()
+        if pid == 0:
+            _launcher(sock, request, fds, handlers)
+        for f in fds:
+            os.close(f)
+        _send(sock, {"pid": pid})
+        status = _watch(sock, pid)
+        if status is None:  # the parent died: nothing of its trial outlives it
+            _end(pid)
+            return
+        _send(sock, {"exit": status})
+        # Reaped once the parent has seen the status (its "reap", or its end).
+        _receive(sock)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
