@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 DEFAULT_WARMUP = 3
 DEFAULT_MIN_MARGIN = 0.02
@@ -251,6 +250,8 @@ def paired_gap(
     if n < 2:
         ratio = math.exp(logs[0]) if n else 1.0
         return Gap(ratio, 0.0, math.inf, n, confidence, min_margin, "unresolved")
+    from scipy import stats  # a second of imports: only a tune that pairs its finalists pays it
+
     centre = float(stats.trim_mean(logs, GAP_TRIM))
     winsorized = np.asarray(stats.mstats.winsorize(logs, limits=(GAP_TRIM, GAP_TRIM)))
     half = _half_width_factor(n, confidence) * float(np.std(winsorized, ddof=1))
@@ -271,6 +272,8 @@ def _half_width_factor(n: int, confidence: float) -> float:
     """Yuen's interval half-width over ``n`` pairs per unit of winsorized standard deviation
     (``GAP_TRIM`` cut from each end; with up to four pairs, the paired t interval's)."""
     h = n - 2 * int(GAP_TRIM * n)
+    from scipy import stats
+
     return float(stats.t.ppf(0.5 + confidence / 2.0, h - 1)) * math.sqrt((n - 1) / (h * (h - 1)))
 
 
