@@ -79,15 +79,21 @@ def show(
     all_hardware: Annotated[
         bool, typer.Option("--all", help="Also list entries tuned on other hardware or versions.")
     ] = False,
+    details: Annotated[
+        bool, typer.Option("--details", help="Each entry in full as well: its evidence, versions and every trial.")
+    ] = False,
     json_output: JsonOption = False,
 ) -> None:
     """Cached recommendations for this machine, and whether each still applies here."""
     console, print_json = _output()
     report = show_report(_machine_profiles(), include_other=all_hardware)
+    records = [cache_show_report(row["id"]) for row in report["recommendations"]] if details else []
     if json_output:
-        print_json(report)
-    else:
-        render_show(report, console)
+        print_json({**report, "details": records} if details else report)
+        return
+    render_show(report, console)
+    for record in records:
+        render_record(record, console)
 
 
 def cache_list(json_output: JsonOption = False) -> None:

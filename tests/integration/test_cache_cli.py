@@ -135,6 +135,20 @@ def test_show_all_says_why_other_entries_do_not_apply(app: typer.Typer, entries:
     assert "fp8-torchao" in text and "torch 2.4.0+cu124 -> 2.5.1+cu124" in text
 
 
+def test_show_details_gives_each_entry_in_full(app: typer.Typer, entries: dict[str, int]) -> None:
+    plain = run(app, "show").stdout
+    assert "loss stalled" not in plain  # the trials' reasons are details
+    result = run(app, "show", "--details")
+    assert result.exit_code == 0, result.output
+    assert "loss stalled" in result.stdout and "torch 2.5.1+cu124" in result.stdout
+    assert "fp8-torchao" not in result.stdout  # only this machine's entries, as without --details
+    data = json.loads(run(app, "show", "--details", "--json").stdout)
+    (record,) = data["details"]
+    assert record["id"] == entries["here"]
+    assert [trial["verdict"] for trial in record["trials"]] == ["stable", "unstable", "stable"]
+    assert "details" not in json.loads(run(app, "show", "--json").stdout)
+
+
 # -- cache list / show ----------------------------------------------------------------------------
 
 
