@@ -85,13 +85,18 @@ class PlainTorch(FrameworkAdapter):
     precedence = 90
     autocasts = ("bf16", "fp16")
     half_weights = ("bf16", "fp16")
+    # torchao's Float8Linear keeps each Linear's Parameter, so its swap at the model's first
+    # forward leaves the script's optimizer holding the parameters it trains.
+    fp8 = {"torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp")}
     loss_scale_kinds = ("dynamic", "static", "none")
     loss_scale_settings = True
     sets_grad_clip = False
     limits = (
         "the script's DataLoader sets the micro-batch: no split with accumulation",
         "gradient clipping stays the script's",
-        "no FP8: its layers would have to be swapped before the script's optimizer holds them",
+        "FP8 through torchao only: its Linear layers are swapped at the model's first training forward, keeping "
+        "their parameters, so the optimizer the script built still holds them; Transformer Engine's layers have "
+        "parameters of their own, which that optimizer would not hold",
         "fp16-mixed needs a torch.optim optimizer: a script that updates its parameters by hand cannot "
         "skip an overflowing step",
     )

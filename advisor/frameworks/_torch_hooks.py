@@ -79,6 +79,7 @@ class ForwardPrecision:
         self._local = threading.local()
         self._modes: dict[str, Any] = {}
         self._cast: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._converted: weakref.WeakSet[Any] = weakref.WeakSet()
         self._checked = False
 
     def mode_for(self, device_type: str) -> Any:
@@ -109,6 +110,20 @@ class ForwardPrecision:
             self._cast.add(module)
             module.to(dtype=self.half)  # Module.to keeps each Parameter, so an optimizer still holds it
 
+    def convert_module(self, module: Any, device_type: str) -> None:
+        """FP8 modes: swap the model's eligible Linear layers in place, once, at its first
+        training forward (the swapped layers keep their parameters, which the optimizer holds)."""
+        import torch
+
+        if (self.facts.fp8_library is None or module in self._converted or not torch.is_grad_enabled()
+                or isinstance(module, torch.nn.Linear) or not any(True for _ in module.parameters())):
+            return
+        self._converted.add(module)
+        mode = self.mode_for(device_type)
+        mode.convert_module(module)
+        for note in mode.notes:
+            self.steps.note(note)
+
     def pre(self, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         import torch
 
@@ -120,6 +135,7 @@ class ForwardPrecision:
                 self.steps.inner_forward(_device_type(module, args))
             return None
         device_type = _device_type(module, args)
+        self.convert_module(module, device_type)
         if self.half is not None:
             self.cast_module(module)
             args = _cast_floats(args, self.half)

@@ -116,6 +116,24 @@ def test_pure_bf16_casts_the_parameters_and_the_floating_inputs(tmp_path, exampl
     assert all(math.isfinite(v) for v in result["losses"])
 
 
+def test_fp8_swaps_the_linear_layers_the_scripts_optimizer_then_trains(tmp_path):
+    # torchao's Float8Linear takes each Linear's place at the first training forward and keeps
+    # its Parameter, which the optimizer the script built before that forward still holds.
+    out = tmp_path / "fp8.json"
+    probe = tmp_path / "probe_fp8.py"
+    probe.write_text(f"OUT = {str(out)!r}\nEXAMPLE = {str(EXAMPLES / 'plain_mlp.py')!r}\n"
+                     + PROBE.replace("input=str(args[0].dtype)", "input=str(args[0].dtype), kind=type(module).__name__"))
+    fp8, _, stderr = child(tmp_path, probe, "fp8-torchao", "--epochs", "3")
+    assert fp8["stage"] == "done", stderr[-2000:]
+    assert json.loads(out.read_text())["kind"] == "Float8Linear"
+    assert "fp8-torchao: emulated on CPU (FP8 numerics, no speedup)" in fp8["notes"]
+    assert any("kept in high precision" in note and "256->10" in note for note in fp8["notes"]), fp8["notes"]
+    fp32, _, _ = child(tmp_path, EXAMPLES / "plain_mlp.py", "fp32", "--epochs", "3")
+    assert fp8["losses"][-1] < fp8["losses"][0]  # the optimizer steps the swapped layers' weights
+    assert fp8["losses"][1:] != fp32["losses"][1:]  # in FP8's numerics, not fp32's
+    assert fp8["losses"][-1] == pytest.approx(fp32["losses"][-1], rel=0.05)
+
+
 def test_integer_tokens_stay_integers_in_pure_modes(tmp_path):
     out = tmp_path / "tokens.json"
     probe = tmp_path / "probe_tokens.py"
