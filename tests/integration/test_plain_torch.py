@@ -134,6 +134,17 @@ def test_fp8_swaps_the_linear_layers_the_scripts_optimizer_then_trains(tmp_path)
     assert fp8["losses"][-1] == pytest.approx(fp32["losses"][-1], rel=0.05)
 
 
+def test_a_compiled_model_runs_each_candidate(tmp_path):
+    script = SCRIPTS / "plain_compiled.py"
+    runs = {mode: child(tmp_path, script, mode) for mode in ("fp32", "bf16-mixed", "bf16-true")}
+    for mode, (result, _, stderr) in runs.items():
+        assert result["stage"] == "done", (mode, stderr[-2000:])
+        assert all(math.isfinite(v) for v in result["losses"]), mode
+    assert "the first training forward ran under cpu autocast to bfloat16" in runs["bf16-mixed"][0]["notes"]
+    fp32 = runs["fp32"][0]["losses"]
+    assert runs["bf16-true"][0]["losses"][1:] != fp32[1:]  # bf16 weights: other numerics than fp32's
+
+
 def test_integer_tokens_stay_integers_in_pure_modes(tmp_path):
     out = tmp_path / "tokens.json"
     probe = tmp_path / "probe_tokens.py"
