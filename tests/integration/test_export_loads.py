@@ -401,7 +401,7 @@ def _float8_config_fields() -> set[str]:
 def test_torchtitan_config_manager_takes_the_export(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torchtitan.config", reason=(
         "torchtitan is not installed: scripts/bootstrap.sh leaves it out, since its datasets dependency pins a "
-        "huggingface-hub older than transformers needs (pip install --no-deps torchtitan tyro spmd_types runs it)"))
+        "huggingface-hub older than transformers needs (pip install --no-deps torchtitan spmd_types, then pip install tyro, runs it)"))
     from torchtitan.config import ConfigManager
 
     (tmp_path / "mpadvise_titan_registry.py").write_text(REGISTRY, encoding="utf-8")
