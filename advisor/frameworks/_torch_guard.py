@@ -19,7 +19,6 @@ from typing import Any
 
 from advisor._log import get_logger
 from advisor.runtime import (
-    GUARD_SETTINGS,
     Guard,
     GuardEvent,
     GuardLimits,
@@ -74,4 +73,4 @@ class RunGuard:
 def run_guard(policy: Policy) -> RunGuard | None:
     """The guard ``MPADVISE_GUARD`` asks for over this run (``mpadvise run`` sets it), or ``None``."""
     setting = guard_setting(None)
-    return None if setting == GUARD_SETTINGS[0] else RunGuard(policy, setting)
+    return None if setting == "off" else RunGuard(policy, setting)
