@@ -12,7 +12,6 @@ next ``load_policy()``) finds it and applies the safer mode.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,15 +41,13 @@ class RunGuard:
         self.guard = Guard(setting, GuardLimits.from_thresholds(StabilityThresholds()))
         self.optimizer_steps = 0
 
-    def step(self, losses: list[Any], scale: float | None, skipped: bool) -> None:
-        """One optimizer step's facts: its micro-batches' losses, the scale after it, a skip."""
+    def step(self, loss: Any, scale: float | None, skipped: bool) -> None:
+        """One optimizer step's facts: its loss (a tensor), the scale after it, a skip."""
         self.optimizer_steps += 1
         if self.guard.tripped:
             return
-        total = losses[0] if len(losses) == 1 else sum(losses[1:], losses[0])
-        value = float(total)  # the loss value's one sync
-        finite_scale = None if scale is None or not math.isfinite(scale) else scale
-        tripped = self.guard.observe(self.optimizer_steps, loss=value, applied=not skipped, loss_scale=finite_scale)
+        value = float(loss)  # the loss value's one sync
+        tripped = self.guard.observe(self.optimizer_steps, loss=value, applied=not skipped, loss_scale=scale)
         if tripped is not None:
             self._trip(*tripped)
 

@@ -303,8 +303,9 @@ class Steps:
             self.recorder.begin(user_batch=None, micro_batch=self._samples or None, grad_accum_steps=None)
 
     make_scaler: Callable[[], Any] = staticmethod(lambda: None)
-    # Under `mpadvise run` with the guard on: each optimizer step's losses, scale and skip.
-    watch: Callable[[list[Any], float | None, bool], None] | None = None
+    # Under `mpadvise run` with the guard on: each optimizer step's loss (its micro-batches'
+    # sum), the scale it ended with (None where none, or not finite) and whether it was skipped.
+    watch: Callable[[Any, float | None, bool], None] | None = None
 
     # ---- optimizers and scalers (the injected scaling: before_step, before_clip) -------------
 
@@ -341,15 +342,18 @@ class Steps:
     def _end(self, scale: float | None, skipped: bool) -> None:
         losses, samples = self._losses, self._samples
         self._losses, self._samples = [], 0
-        if self.watch is not None and losses:
-            self.watch(losses, scale, skipped)
-        if self.recorder is None or not self.recorder.begun or not losses:
+        recording = self.recorder is not None and self.recorder.begun
+        if not losses or not (recording or self.watch is not None):
+            return
+        loss = losses[0] if len(losses) == 1 else sum(losses[1:], losses[0])
+        finite_scale = None if scale is None or not math.isfinite(scale) else scale
+        if self.watch is not None:
+            self.watch(loss, finite_scale, skipped)
+        if not recording:
             return
         if self.recorder.workload_fingerprint is None and self._model is not None:
             self.recorder.workload(self._model, self.lead, global_batch=samples or None)
-        loss = losses[0] if len(losses) == 1 else sum(losses[1:], losses[0])
-        self.recorder.step(loss=loss, loss_scale=None if scale is None or not math.isfinite(scale) else scale,
-                           skipped=skipped, samples=samples or None)
+        self.recorder.step(loss=loss, loss_scale=finite_scale, skipped=skipped, samples=samples or None)
 
 
 def before_step(steps: Steps, optimizer: Any, args: Any, kwargs: Any) -> None:
