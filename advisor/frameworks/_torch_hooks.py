@@ -132,7 +132,7 @@ class ForwardPrecision:
         if depth:
             if depth == 1 and not self._checked and torch.is_grad_enabled():
                 self._checked = True
-                self.steps.inner_forward(_device_type(module, args))
+                self.steps.note(autocast_note(_device_type(module, args)))
             return None
         device_type = _device_type(module, args)
         self.convert_module(module, device_type)
@@ -203,6 +203,17 @@ def _cast_floats(values: Any, dtype: Any, *, only: Any = None) -> Any:
     return values
 
 
+def autocast_note(device_type: str) -> str:
+    """What the first training forward's inner modules ran under: the line that shows which
+    autocast, if any, reached them."""
+    import torch
+
+    if not torch.is_autocast_enabled(device_type):
+        return "the first training forward ran without autocast"
+    dtype = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+    return f"the first training forward ran under {device_type} autocast to {dtype}"
+
+
 class Steps:
     """Step boundaries and the loss of each step, fed to the trial recorder (``None`` in a run).
 
@@ -258,14 +269,6 @@ class Steps:
         tensor = _first_tensor(args)
         if tensor is not None and tensor.dim() > 0:
             self._samples += int(tensor.shape[0])
-
-    def inner_forward(self, device_type: str) -> None:
-        import torch
-
-        on = torch.is_autocast_enabled(device_type)
-        dtype = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
-        self.note(f"the first training forward ran under {device_type} autocast to {dtype}" if on
-                  else "the first training forward ran without autocast")
 
     def scaled(self, scaled: Any, loss: Any) -> None:
         """A GradScaler scaled ``loss``: its backward records the unscaled value."""
