@@ -19,6 +19,8 @@ import probes
 from advisor._log import get_logger
 from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
 from advisor.frameworks._registry import framework_class, framework_names, refusal
+from advisor.frameworks._torch import PlainTorch
+from advisor.frameworks._torch_guard import watch_run
 from advisor.trial import (
     EXIT_UNSUPPORTED,
     FrameworkRecorder,
@@ -71,6 +73,8 @@ def main(argv: list[str]) -> None:
             raise SystemExit(1) from None
         get_logger().info(f"policy {policy.describe()} through {framework} (from {os.environ.get(RUN_SOURCE_ENV) or path})")
     framework_class(framework).install(policy, recorder=recorder, device=None if spec is None else spec.device)
+    if recorder is None and framework != PlainTorch.name:
+        watch_run(policy)  # the plain adapter's install wires the guard into its own step hooks
     # As `python SCRIPT ARGS`: the script is __main__, its directory first on sys.path.
     script = os.path.abspath(script)
     sys.argv = [script, *args]

@@ -49,6 +49,7 @@ from advisor.frameworks._torch_hooks import (
     before_step,
     candidate_scaler_class,
     seen_line,
+    wrap_backward,
 )
 from advisor.trial import EXIT_UNSUPPORTED, Stage, end_trial_process
 from policies import Policy, create_mode, mode_facts
@@ -240,7 +241,7 @@ def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str |
     register_optimizer_step_post_hook(steps.optimizer_post)
     _wrap_optimizer_init(torch.optim.Optimizer, steps, precision)
     _wrap_ddp_init(torch.nn.parallel.DistributedDataParallel, precision)
-    _wrap_backward(torch.Tensor, steps)
+    wrap_backward(torch.Tensor, steps)
     _wrap_clipping(torch.nn.utils, steps)
     _announce(policy, recorder)
     if recorder is None:
@@ -308,20 +309,6 @@ def _wrap_ddp_init(cls: type, precision: ForwardPrecision) -> None:
         original(ddp, module, *args, **kwargs)
 
     cls.__init__ = __init__
-
-
-def _wrap_backward(cls: type, steps: Steps) -> None:
-    original = cls.backward
-
-    @functools.wraps(original)
-    def backward(tensor: Any, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if gradient is not None or tensor.numel() != 1 or not tensor.requires_grad:
-            return original(tensor, gradient, *args, **kwargs)
-        result = original(steps.backward(tensor), gradient, *args, **kwargs)
-        steps.after_backward()
-        return result
-
-    cls.backward = backward
 
 
 def _wrap_clipping(utils: Any, steps: Steps) -> None:

@@ -1,13 +1,14 @@
-"""The guard over a plain script's optimizer steps under ``mpadvise run``.
+"""The guard over a framework or plain script's optimizer steps under ``mpadvise run``.
 
-A plain loop never calls ``load_policy()``, so no runtime object watches its steps. The plain
-adapter's step boundaries (``Steps``) feed this guard instead: the summed loss of each
-optimizer step, the scale its GradScaler ended it with, and whether the step was skipped. Its
-signals and limits are the runtime guard's own (``Guard``). The adapter set the script's
-precision when the script started and cannot take it back in place, so a trip under
-``fallback`` is a ``restart needed`` event, as for a framework that cannot change precision:
-one line says so, and the event goes into the cache, where the next ``mpadvise run`` (and the
-next ``load_policy()``) finds it and applies the safer mode.
+Such a script never calls ``load_policy()``, so no runtime object watches its steps. The plain
+adapter's step boundaries (``Steps``) feed this guard instead, at torch's own seams, whichever
+framework drives the loop: the summed loss of each optimizer step (``Tensor.backward``, through
+``GradScaler.scale`` unscaled), the scale its GradScaler ended it with, and whether the step was
+skipped. Its signals and limits are the runtime guard's own (``Guard``). The adapter set the
+script's precision when the script started and cannot take it back in place, so a trip under
+``fallback`` is a ``restart needed`` event: one line says so, and the event goes into the cache,
+where the next ``mpadvise run`` (and the next ``load_policy()``) finds it and applies the safer
+mode.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from advisor._log import get_logger
+from advisor.frameworks._torch_hooks import Steps, wrap_backward
 from advisor.runtime import (
     Guard,
     GuardEvent,
@@ -71,3 +73,45 @@ def run_guard(policy: Policy) -> RunGuard | None:
     """The guard ``MPADVISE_GUARD`` asks for over this run (``mpadvise run`` sets it), or ``None``."""
     setting = guard_setting(None)
     return None if setting == "off" else RunGuard(policy, setting)
+
+
+def watch_run(policy: Policy) -> None:
+    """Under ``mpadvise run``, feed a framework script's optimizer steps to the guard
+    ``MPADVISE_GUARD`` asks for (the plain adapter's ``install`` wires its own)."""
+    guard = run_guard(policy)
+    if guard is None:
+        return
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = Steps(None, refuse=lambda reason: None, label=policy.mode)
+    steps.watch = guard.step
+    register_optimizer_step_post_hook(steps.optimizer_post)
+    wrap_backward(torch.Tensor, steps)
+    _watch_scaler(torch.amp.GradScaler, steps)
+
+
+def _watch_scaler(cls: type, steps: Steps) -> None:
+    """Wrap ``GradScaler.scale`` and ``step`` in place (every subclass's ``super()`` reaches them):
+    the scaled loss maps back to its value, and the step ends with its scale and whether the
+    scaler skipped it (the found-inf value ``step`` reads anyway)."""
+    scale, step = cls.scale, cls.step
+
+    def scale_(scaler: Any, outputs: Any) -> Any:
+        scaled = scale(scaler, outputs)
+        if hasattr(outputs, "device"):
+            steps.scaled(scaled, outputs)
+        return scaled
+
+    def step_(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if not scaler._enabled or scaler._scale is None:
+            with steps.scaler_step(optimizer, None, False):
+                return step(scaler, optimizer, *args, **kwargs)
+        state = scaler._per_optimizer_states[id(optimizer)]
+        if state["stage"].name == "READY":
+            scaler.unscale_(optimizer)
+        found = sum(v.item() for v in state["found_inf_per_device"].values())
+        with steps.scaler_step(optimizer, scaler.get_scale(), found > 0):
+            return step(scaler, optimizer, *args, **kwargs)
+
+    cls.scale, cls.step = scale_, step_

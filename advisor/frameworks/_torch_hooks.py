@@ -23,6 +23,7 @@ builds the ``GradScaler`` every script's scaler becomes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import weakref
@@ -357,6 +358,21 @@ class Steps:
         if self.recorder.workload_fingerprint is None and self._model is not None:
             self.recorder.workload(self._model, self.lead, global_batch=samples or None)
         self.recorder.step(loss=loss, loss_scale=finite_scale, skipped=skipped, samples=samples or None)
+
+
+def wrap_backward(cls: type, steps: Steps) -> None:
+    """``Tensor.backward`` on a scalar that needs a gradient is a loss: ``steps`` records it."""
+    original = cls.backward
+
+    @functools.wraps(original)
+    def backward(tensor: Any, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if gradient is not None or tensor.numel() != 1 or not tensor.requires_grad:
+            return original(tensor, gradient, *args, **kwargs)
+        result = original(steps.backward(tensor), gradient, *args, **kwargs)
+        steps.after_backward()
+        return result
+
+    cls.backward = backward
 
 
 def before_step(steps: Steps, optimizer: Any, args: Any, kwargs: Any) -> None:
