@@ -20,6 +20,7 @@ from advisor.runtime import (
     GuardEvent,
     GuardLimits,
     fallback_words,
+    guard_fallback,
     guard_setting,
     safe_fallback,
 )
@@ -304,7 +305,8 @@ def load_policy(
     applied = AppliedPolicy(
         resolution.policy, profile=profile, source=resolution.source, device=device,
         match_workload=resolution.match_workload, alternatives=alternatives,
-        guard=Guard(setting, GuardLimits.from_thresholds(StabilityThresholds())),
+        guard=Guard(setting, GuardLimits.from_thresholds(StabilityThresholds()),
+                    trend=guard_fallback(resolution.policy, profile) is not None),
     )
     applied.on_guard_event = _cache_event(applied, profile, script)
     if shared is not None:

@@ -40,7 +40,10 @@ class RunGuard:
 
     def __init__(self, policy: Policy, setting: str) -> None:
         self.policy = policy
-        self.guard = Guard(setting, GuardLimits.from_thresholds(StabilityThresholds()))
+        import probes
+
+        self.guard = Guard(setting, GuardLimits.from_thresholds(StabilityThresholds()),
+                           trend=guard_fallback(policy, probes.profile_for(None)) is not None)
         self.optimizer_steps = 0
 
     def step(self, loss: Any, scale: float | None, skipped: bool) -> None:

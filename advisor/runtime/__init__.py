@@ -7,7 +7,8 @@ into micro-batches (``BatchSplit``, ``batch_split``, ``tuned_global_batch``); FS
 precision (``FsdpPrecision``, ``fsdp_precision``); and the workload's fingerprints
 (``Workload``, ``model_signature``, ``workload_fingerprint``, ``script_digest``), with the
 number of processes training together (``current_world_size``); the guard that watches a long run's steps (``Guard``,
-``GuardEvent``, ``GuardLimits``, ``guard_setting``, ``guard_fallback``, ``GUARD_ENV``).
+``GuardEvent``, ``GuardLimits``, ``guard_setting``, ``guard_fallback``, ``GUARD_ENV``), with its
+slow signals (``LossTrend``, ``UpdateProbe``; ``BEHIND``, ``CLIMB``, ``STALL``).
 
 Arrows: runtime uses ``policies`` and ``probes`` only; ``trial``, ``tune`` and the loader build
 on it.
@@ -27,6 +28,7 @@ from advisor.runtime._guard import (
     guard_setting,
 )
 from advisor.runtime._split import BatchSplit, batch_split, tuned_global_batch
+from advisor.runtime._trend import BEHIND, CLIMB, STALL, LossTrend, UpdateProbe
 from advisor.runtime._workload import (
     Workload,
     current_world_size,
@@ -36,6 +38,11 @@ from advisor.runtime._workload import (
 )
 
 __all__ = [
+    "BEHIND",
+    "CLIMB",
+    "STALL",
+    "LossTrend",
+    "UpdateProbe",
     "GUARD_ENV",
     "GUARD_SETTINGS",
     "Guard",

@@ -2,11 +2,14 @@
 
 A tune judges a policy over a few hundred steps; a run lasts days, and much of what goes wrong
 in reduced precision shows up late (activations outgrowing fp16's range as the weights grow, a
-loss scale that keeps halving). The guard watches, on every optimizer step, three signals:
+loss scale that keeps halving, a learning-rate decay that takes 16-bit updates below the
+weights' resolution). The guard watches, on every optimizer step:
 
 * a non-finite loss on a step the optimizer applied, or on several steps in a row;
 * the GradScaler's skip rate over a window of steps;
-* the loss scale falling below its floor (a healthy GradScaler never goes below 1).
+* the loss scale falling below its floor (a healthy GradScaler never goes below 1);
+* the loss's trend: behind fp32's curve over the steps they share, or climbing, and in the pure
+  16-bit modes updates lost to rounding (a stall); see ``_trend``.
 
 Its limits are the stability verdicts' own (``GuardLimits.from_thresholds`` takes the tune's
 ``StabilityThresholds``), so a run that a trial would have judged stable never trips them.
@@ -21,10 +24,11 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from advisor.runtime._trend import STALL, LossTrend, UpdateProbe
 from probes import MpadviseError
 
 GUARD_ENV = "MPADVISE_GUARD"
@@ -63,6 +67,12 @@ class GuardLimits:
         min_loss_scale: a loss scale below this is a collapse.
         non_finite_run: this many non-finite losses in a row trip the guard even where the
             scaler skipped each of those steps (one such step is the scaler doing its job).
+        loss_window: optimizer steps per window of the loss's trend.
+        trend_windows: windows (or probes) in a row a trend signal must hold.
+        climb_margin: the verdicts' climb limit: a window above the best one by more than this.
+        gap_margin: the verdicts' final gap: a window above fp32's by more than this.
+        probe_every: optimizer steps between two looks at updates lost to rounding.
+        max_lost_fraction: more sampled updates lost than this, in a probe, is a stall.
     """
 
     window: int = 50
@@ -70,6 +80,12 @@ class GuardLimits:
     max_skip_fraction: float = 0.05
     min_loss_scale: float = 1.0
     non_finite_run: int = 3
+    loss_window: int = 25
+    trend_windows: int = 2
+    climb_margin: float = 0.05
+    gap_margin: float = 0.05
+    probe_every: int = 25
+    max_lost_fraction: float = 0.5
 
     @classmethod
     def from_thresholds(cls, thresholds: Any) -> GuardLimits:
@@ -78,6 +94,8 @@ class GuardLimits:
             calibration_steps=int(thresholds.calibration_steps),
             max_skip_fraction=float(thresholds.max_skip_fraction),
             min_loss_scale=float(thresholds.min_loss_scale),
+            climb_margin=float(thresholds.climb_margin),
+            gap_margin=float(thresholds.max_final_gap),
         )
 
     @property
@@ -143,9 +161,13 @@ class Guard:
     Args:
         setting: ``"warn"`` or ``"fallback"`` (``"off"`` makes a guard that never trips).
         limits: when the signals trip.
+        reference: fp32's loss per optimizer step, where the tune recorded it.
+        trend: whether the loss's trend and lost updates are watched: only where a safer mode
+            exists, since a climb that fp32 would show too is the schedule's, not the precision's.
     """
 
-    def __init__(self, setting: str, limits: GuardLimits | None = None) -> None:
+    def __init__(self, setting: str, limits: GuardLimits | None = None, reference: Sequence[float] = (),
+                 trend: bool = True) -> None:
         if setting not in GUARD_SETTINGS:
             raise MpadviseError(f"guard {setting!r}: expected one of {', '.join(GUARD_SETTINGS)}")
         self.setting = setting
@@ -155,6 +177,15 @@ class Guard:
         self._non_finite_since: int | None = None
         self._collapse_since: int | None = None
         self._tripped = False
+        self.reference, self.trend_on = tuple(reference), trend
+        self._fresh_trend()
+
+    def _fresh_trend(self) -> None:
+        limits = self.limits
+        self.trend = LossTrend(limits.loss_window, limits.trend_windows, limits.climb_margin, limits.gap_margin,
+                               self.reference)
+        self.probe = UpdateProbe(limits.probe_every)
+        self._stall: list[int] = []  # the probes in a row that lost too many updates
 
     @property
     def active(self) -> bool:
@@ -166,7 +197,8 @@ class Guard:
         """Whether a signal tripped since the last ``rearm`` (a warning is said once)."""
         return self._tripped
 
-    def observe(self, step: int, *, loss: float, applied: bool, loss_scale: float | None) -> tuple[str, int, str] | None:
+    def observe(self, step: int, *, loss: float, applied: bool, loss_scale: float | None,
+                lost: float | None = None) -> tuple[str, int, str] | None:
         """Take one optimizer step's facts; the signal that trips now, if any.
 
         Args:
@@ -174,6 +206,7 @@ class Guard:
             loss: the step's loss value (the last micro-batch's).
             applied: whether the optimizer step was applied (not skipped by the scaler).
             loss_scale: the scale after the step, or ``None`` without a scaler.
+            lost: the fraction of updates ``probe`` found lost in this step, where it looked.
 
         Returns:
             ``(signal, onset step, detail)`` the first time a signal trips; ``None`` otherwise,
@@ -182,6 +215,8 @@ class Guard:
         if not self.active or self._tripped:
             return None
         found = self._non_finite(step, loss, applied) or self._skip_rate(step, applied) or self._collapse(step, loss_scale)
+        if found is None and self.trend_on and applied and math.isfinite(loss):
+            found = self.trend.add(step, loss) or self._stalled(step, lost)
         if found is not None:
             self._tripped = True
         return found
@@ -223,6 +258,15 @@ class Guard:
                     f"loss scale {loss_scale:g}, below the floor {self.limits.min_loss_scale:g}")
         return None
 
+    def _stalled(self, step: int, lost: float | None) -> tuple[str, int, str] | None:
+        if lost is None:
+            return None
+        self._stall = [*self._stall, step] if lost > self.limits.max_lost_fraction else []
+        if len(self._stall) < self.limits.trend_windows:
+            return None
+        return (STALL, self._stall[0], f"{lost:.0%} of sampled updates lost to rounding in step {step}, "
+                f"{len(self._stall)} looks in a row {self.limits.probe_every} steps apart")
+
     def record(self, event: GuardEvent) -> None:
         """Keep ``event`` (it goes into ``state_dict``)."""
         self.events.append(event)
@@ -232,6 +276,7 @@ class Guard:
         self._skips.clear()
         self._non_finite_since = self._collapse_since = None
         self._tripped = False
+        self._fresh_trend()
 
     def state_dict(self) -> dict[str, Any]:
         """The window and the events, for a checkpoint."""
@@ -241,6 +286,8 @@ class Guard:
             "non_finite_since": self._non_finite_since,
             "collapse_since": self._collapse_since,
             "tripped": self._tripped,
+            "trend": self.trend.state_dict(),
+            "stall": list(self._stall),
             "events": [event.to_dict() for event in self.events],
         }
 
@@ -250,4 +297,6 @@ class Guard:
         self._non_finite_since = state.get("non_finite_since")
         self._collapse_since = state.get("collapse_since")
         self._tripped = bool(state.get("tripped", False))
+        self.trend.load_state_dict(state.get("trend", {}))
+        self._stall = [int(step) for step in state.get("stall", ())]
         self.events = [GuardEvent.from_dict(event) for event in state.get("events", ())]

@@ -88,7 +88,10 @@ def train_step(applied: AppliedPolicy, loss: torch.Tensor, optimizer: torch.opti
         value = float(loss.detach()) if guard.active else 0.0  # the loss value's one sync
         # A non-finite loss under fallback is never applied: a scaler skips it itself.
         withheld = guard.setting == "fallback" and not math.isfinite(value) and mode.loss_scale() is None
+        if guard.active:  # a sample of the 16-bit weights, every few steps, to see updates lost
+            guard.probe.before(applied.optimizer_steps + 1, (p for g in optimizer.param_groups for p in g["params"]))
         stepped = False if withheld else mode.optimizer_step(optimizer)
+        lost = guard.probe.lost() if guard.active else None
         optimizer.zero_grad(set_to_none=True)
     applied.optimizer_steps += 1
     if not stepped:
@@ -97,7 +100,7 @@ def train_step(applied: AppliedPolicy, loss: torch.Tensor, optimizer: torch.opti
         observer.after_step(applied, loss=loss, stepped=stepped, optimizer_step=True)
     if guard.active:
         tripped = guard.observe(applied.optimizer_steps, loss=value, applied=stepped or withheld,
-                                loss_scale=applied.loss_scale())
+                                loss_scale=applied.loss_scale(), lost=lost if stepped else None)
         if tripped is not None:
             guard_tripped(applied, *tripped)
     return stepped

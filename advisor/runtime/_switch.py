@@ -77,6 +77,7 @@ def guard_tripped(applied: AppliedPolicy, signal: str, onset: int, detail: str) 
             upcast_in_place(applied.model, applied.optimizer)
         switch_to(applied, target, f"{target.mode}, the guard's fallback from {old} ({signal})")
         guard.rearm()
+        guard.trend_on = guard_fallback(target, applied.profile) is not None
     guard.record(event)
     get_logger().warning(event.line())
     if applied.on_guard_event is not None:

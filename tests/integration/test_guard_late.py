@@ -1,7 +1,8 @@
 """The guard on runs that go wrong only after a trial's length: caught, fallen back from, remembered.
 
 ``scripts/late_trouble.py`` trains fine until step ONSET, then its inputs outgrow fp16's range
-(``overflow``) or its fp16 gradients are forced non-finite (``collapse``). Under ``warn`` the
+(``overflow``) or its fp16 gradients are forced non-finite (``collapse``); ``scripts/late_stall.py``
+drops its learning rate below pure bf16's resolution (a stall). Under ``warn`` the
 guard names the onset step; under ``fallback`` the run ends on bf16-mixed with a finite loss
 and nearly every optimizer step applied; the cache, ``mpadvise show`` and the next
 ``load_policy()`` carry the event.
@@ -81,3 +82,38 @@ def test_bad_guard_value_is_one_line(tmp_path, isolated_home, cli):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --guard: guard='loud' is not a guard setting; expected one of off, warn, fallback"]
+
+
+
+def _stall_script(tmp_path: Path) -> Path:
+    # scripts/late_stall.py: its learning rate drops 100x at its ONSET, below pure bf16's resolution.
+    script = tmp_path / "late_stall.py"
+    shutil.copy(SCRIPTS / "late_stall.py", script)
+    Policy(mode="bf16-true").save(tmp_path / "late_stall.mpadvise.toml")
+    return script
+
+
+STALL_ARGS, STALL_ONSET, PROBE_EVERY = ("--", "240", "120"), 120, 25  # lost updates are looked at every 25 steps
+
+
+def test_warn_names_a_bf16_true_stall_after_a_learning_rate_drop(tmp_path, isolated_home, cli):
+    warned = cli("run", str(_stall_script(tmp_path)), *STALL_ARGS, timeout=240)
+    (line,) = [line for line in warned.stderr.splitlines() if "guard:" in line]
+    assert "guard: stall under bf16-true (began at optimizer step" in line and "lost to rounding" in line
+    assert "--guard fallback" in line and "bf16-mixed" in line
+    (event,) = _result(warned)["events"]
+    assert STALL_ONSET <= event["step"] <= STALL_ONSET + PROBE_EVERY and event["action"] == "warned"
+
+
+def test_a_bf16_true_stall_falls_back_to_bf16_mixed_and_is_remembered(tmp_path, isolated_home, cli):
+    script = _stall_script(tmp_path)
+    fell = _result(cli("run", "--guard", "fallback", str(script), *STALL_ARGS, timeout=240))
+    assert fell["mode"] == "bf16-mixed" and math.isfinite(fell["final_loss"])
+    assert fell["optimizer_steps"] == fell["applied_steps"] == 240
+    (event,) = fell["events"]
+    assert (event["signal"], event["fallback"], event["action"]) == ("stall", "bf16-mixed", "fell back")
+    (row,) = json.loads(cli("show", "--json", timeout=120).stdout)["guard_events"]
+    assert (row["signal"], row["policy"], row["fallback"]) == ("stall", "bf16-true", "bf16-mixed")
+
+    again = cli("run", str(script), *STALL_ARGS, timeout=240)
+    assert _result(again)["mode"] == "bf16-mixed" and "applying bf16-mixed rather than bf16-true" in again.stderr

@@ -1,0 +1,161 @@
+"""The guard's two slow signals: the loss's trend over windows of steps, and updates lost to
+rounding.
+
+* **Behind fp32** (where the tune recorded fp32's curve for this workload): over the steps the
+  run shares with that curve, a window whose middle half of losses lies above fp32's middle
+  half over the same steps by more than the verdicts' final gap.
+* **Climb**: a window whose middle half lies above the best window's middle half by more than
+  the verdicts' climb margin. Quartiles, not means: a loss heading towards zero, or a noisy
+  one, overlaps itself and never trips.
+* **Stall**: in the pure 16-bit modes a small learning rate takes updates below the weights'
+  resolution, and the loss stops moving while fp32's would not. A flat loss alone cannot be
+  told from convergence, so the cause is measured: every ``probe_every`` optimizer steps a
+  sample of the 16-bit parameters is compared before and after the step, and the fraction of
+  elements with a gradient that did not change is the fraction of updates lost.
+
+Each signal must hold for ``windows`` windows (or probes) in a row. The checks are pure
+functions of the values fed in; the probe's one device sync is every ``probe_every`` steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+BEHIND = "behind fp32"
+CLIMB = "loss climb"
+STALL = "stall"
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``values`` (at least two)."""
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def above(low: float, high: float, margin: float) -> bool:
+    """Whether a window whose first quartile is ``low`` lies above one whose third quartile is
+    ``high`` by more than ``margin`` of its size."""
+    return low > high + margin * abs(high)
+
+
+class LossTrend:
+    """Windows of an applied step's finite losses, checked against fp32's curve and the best
+    window so far.
+
+    Args:
+        window: steps per window.
+        windows: windows in a row a signal must hold.
+        climb_margin: the climb limit, as a fraction (the verdicts' ``climb_margin``).
+        gap_margin: the behind-fp32 limit, as a fraction (the verdicts' ``max_final_gap``).
+        reference: fp32's loss per optimizer step, from the tune; empty where none.
+    """
+
+    def __init__(self, window: int, windows: int, climb_margin: float, gap_margin: float,
+                 reference: Sequence[float] = ()) -> None:
+        self.window, self.windows = window, windows
+        self.climb_margin, self.gap_margin = climb_margin, gap_margin
+        self.reference = [float(v) for v in reference]
+        self.losses: list[float] = []
+        self.start = 0  # the optimizer step of the current window's first loss
+        self.best: tuple[float, float] | None = None  # the best window's quartiles
+        self.runs = {BEHIND: 0, CLIMB: 0}
+        self.since = {BEHIND: 0, CLIMB: 0}
+
+    def add(self, step: int, loss: float) -> tuple[str, int, str] | None:
+        """One applied step's finite loss; the signal that holds now, if any."""
+        if not self.losses:
+            self.start = step
+        self.losses.append(loss)
+        if len(self.losses) < self.window:
+            return None
+        low, high = quartiles(self.losses)
+        start, self.losses = self.start, []
+        found = self._behind(start, step, low) or self._climb(start, low)
+        if self.best is None or high < self.best[1]:
+            self.best = (low, high)
+        return found
+
+    def _held(self, signal: str, start: int, holds: bool) -> bool:
+        if not holds:
+            self.runs[signal] = 0
+            return False
+        if self.runs[signal] == 0:
+            self.since[signal] = start
+        self.runs[signal] += 1
+        return self.runs[signal] >= self.windows
+
+    def _behind(self, start: int, end: int, low: float) -> tuple[str, int, str] | None:
+        shared = self.reference[start - 1:end]
+        if len(shared) < self.window or not all(v == v for v in shared):
+            return None
+        ref_high = quartiles(shared)[1]
+        if self._held(BEHIND, start, above(low, ref_high, self.gap_margin)):
+            return (BEHIND, self.since[BEHIND], f"the loss's lower quartile {low:.4g} over steps {start}-{end}, "
+                    f"above fp32's upper quartile {ref_high:.4g} there by more than {self.gap_margin:.0%}")
+        return None
+
+    def _climb(self, start: int, low: float) -> tuple[str, int, str] | None:
+        if self.best is None:
+            return None
+        if self._held(CLIMB, start, above(low, self.best[1], self.climb_margin)):
+            return (CLIMB, self.since[CLIMB], f"the loss's lower quartile {low:.4g}, above the best window's upper "
+                    f"quartile {self.best[1]:.4g} by more than {self.climb_margin:.0%}, {self.windows} windows "
+                    f"of {self.window} steps in a row")
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": list(self.losses), "start": self.start, "best": self.best, "runs": dict(self.runs),
+                "since": dict(self.since)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses = [float(v) for v in state.get("losses", ())]
+        self.start = int(state.get("start", 0))
+        best = state.get("best")
+        self.best = None if best is None else (float(best[0]), float(best[1]))
+        self.runs.update(state.get("runs", {}))
+        self.since.update(state.get("since", {}))
+
+
+class UpdateProbe:
+    """Every ``every`` optimizer steps, the fraction of sampled 16-bit parameter elements that
+    had a gradient and did not change in the step.
+
+    Args:
+        every: optimizer steps between probes.
+        sample: the most elements read from each parameter.
+    """
+
+    def __init__(self, every: int, sample: int = 1024) -> None:
+        self.every, self.sample = every, sample
+        self._before: list[tuple[Any, Any]] | None = None
+
+    def before(self, step: int, params: Iterable[Any]) -> None:
+        """Before optimizer step ``step``: keep a sample of each 16-bit parameter with a gradient,
+        and which of its elements have one."""
+        import torch
+
+        self._before = None
+        if step % self.every:
+            return
+        half = (torch.bfloat16, torch.float16)
+        taken = []
+        for p in params:
+            if p.grad is not None and p.dtype in half:
+                values = p.detach().reshape(-1)[:self.sample].clone()
+                taken.append((p, values, p.grad.detach().reshape(-1)[:self.sample] != 0))
+        self._before = taken or None
+
+    def lost(self) -> float | None:
+        """After the step: the fraction of sampled updates lost, or ``None`` where none was probed."""
+        if self._before is None:
+            return None
+        changed = eligible = 0
+        for p, before, wanted in self._before:
+            moved = p.detach().reshape(-1)[:before.numel()] != before
+            changed += (moved & wanted).sum()
+            eligible += wanted.sum()
+        self._before = None
+        total = int(eligible)  # the probe's one sync, every ``every`` steps
+        return None if total == 0 else 1.0 - int(changed) / total
