@@ -1,9 +1,5 @@
-"""Schema changes: plain functions registered with :func:`migration`, applied in order.
-
-:func:`migrate` applies those a database lacks and records each in its ``_migrations`` table;
-``PRAGMA user_version`` holds the schema version (the number of migrations applied). A
-migration, once released, is history: it is never edited, only followed by another.
-"""
+"""Schema changes, applied in order and recorded in the ``_migrations`` table (``PRAGMA
+user_version`` counts them). A released migration is history: never edited, only followed."""
 
 from __future__ import annotations
 
@@ -28,15 +24,8 @@ class UnknownSchemaError(Exception):
 
 
 def migration(function: MigrationFunction) -> MigrationFunction:
-    """Register ``function`` as the next schema migration (its name is its record).
-
-    Args:
-        function: takes the ``sqlite_utils.Database`` and changes the schema; it runs inside
-            the migrating transaction, so it must not commit.
-
-    Returns:
-        ``function`` unchanged.
-    """
+    """Register ``function`` as the next schema migration (its name is its record); it runs
+    inside the migrating transaction, so it must not commit."""
     if any(name == function.__name__ for name, _ in _MIGRATIONS):
         raise ValueError(f"migration {function.__name__!r} is registered twice")
     _MIGRATIONS.append((function.__name__, function))
@@ -53,17 +42,9 @@ def m001_initial_schema(db: sqlite_utils.Database) -> None:
     )
     db.table("recommendations").create(
         {
-            "id": int,
-            "hardware_fp": str,
-            "workload_fp": str,
-            "script": str,
-            "mode": str,
-            "policy": str,
-            "speedup_vs_fp32": float,
-            "goodput": float,
-            "created_at": str,
-            "versions": str,
-            "summary": str,
+            "id": int, "hardware_fp": str, "workload_fp": str, "script": str, "mode": str,
+            "policy": str, "speedup_vs_fp32": float, "goodput": float, "created_at": str,
+            "versions": str, "summary": str,
         },
         pk="id",
         not_null=["hardware_fp", "workload_fp", "mode", "policy", "created_at"],
@@ -73,16 +54,8 @@ def m001_initial_schema(db: sqlite_utils.Database) -> None:
     db.table("recommendations").create_index(["created_at"])
     db.table("trials").create(
         {
-            "id": int,
-            "recommendation_id": int,
-            "number": int,
-            "mode": str,
-            "params": str,
-            "outcome": str,
-            "verdict": str,
-            "reason": str,
-            "goodput": float,
-            "metrics": str,
+            "id": int, "recommendation_id": int, "number": int, "mode": str, "params": str,
+            "outcome": str, "verdict": str, "reason": str, "goodput": float, "metrics": str,
         },
         pk="id",
         not_null=["recommendation_id", "number"],
@@ -91,20 +64,9 @@ def m001_initial_schema(db: sqlite_utils.Database) -> None:
     db.table("trials").create_index(["recommendation_id", "number"])
     db.table("jobs").create(
         {
-            "id": str,
-            "state": str,
-            "script": str,
-            "args": str,
-            "options": str,
-            "created_at": str,
-            "started_at": str,
-            "finished_at": str,
-            "attempts": int,
-            "progress": str,
-            "result": str,
-            "log_tail": str,
-            "gpu": str,
-            "requested_gpu": str,
+            "id": str, "state": str, "script": str, "args": str, "options": str, "created_at": str,
+            "started_at": str, "finished_at": str, "attempts": int, "progress": str, "result": str,
+            "log_tail": str, "gpu": str, "requested_gpu": str,
         },
         pk="id",
         not_null=["state", "script", "created_at", "attempts"],
@@ -115,14 +77,9 @@ def m001_initial_schema(db: sqlite_utils.Database) -> None:
 
 @migration
 def m002_hardware_fingerprint_recipe_2(db: sqlite_utils.Database) -> None:
-    """Rekey hardware profiles and recommendations from fingerprint recipe 1 to recipe 2.
-
-    Recipe 2 (``probes.hardware_fingerprint``) no longer covers the driver, torch and CUDA
-    patch releases or the FP8 library versions, so entries from before a driver upgrade apply
-    again. Each new key is computed from the stored hardware profile; a profile that cannot be
-    read keeps its key. Entries that differed only in those facts now share a key: the newest
-    answer for each (hardware, workload) key is kept, as a new tune would have kept it.
-    """
+    """Rekey hardware profiles and recommendations from fingerprint recipe 1 to recipe 2 (which
+    no longer covers driver, patch releases or FP8 library versions); an unreadable profile
+    keeps its key. Of entries that now share a key, the newest answer is kept."""
     renamed = _rekey_hardware(db)
     if not renamed:
         return
@@ -149,22 +106,12 @@ def m002_hardware_fingerprint_recipe_2(db: sqlite_utils.Database) -> None:
 
 @migration
 def m003_guard_events(db: sqlite_utils.Database) -> None:
-    """What the runtime guard saw in a long run: the signal, its onset step, the policy and
-    the one fallen back to, per hardware, workload and script."""
+    """What the runtime guard saw in a long run, per hardware, workload and script."""
     db.table("guard_events").create(
         {
-            "id": int,
-            "hardware_fp": str,
-            "workload_fp": str,
-            "script": str,
-            "signal": str,
-            "step": int,
-            "tripped_at": int,
-            "policy": str,
-            "fallback": str,
-            "action": str,
-            "detail": str,
-            "created_at": str,
+            "id": int, "hardware_fp": str, "workload_fp": str, "script": str, "signal": str,
+            "step": int, "tripped_at": int, "policy": str, "fallback": str, "action": str,
+            "detail": str, "created_at": str,
         },
         pk="id",
         not_null=["hardware_fp", "signal", "step", "policy", "action", "created_at"],
@@ -217,22 +164,11 @@ SCHEMA_VERSION = len(_MIGRATIONS)
 
 
 def migrate(db: sqlite_utils.Database) -> list[str]:
-    """Apply the registered migrations that ``db`` lacks, in order, in one write transaction.
+    """Apply the migrations that ``db`` lacks, in order, and return their names.
 
-    Runs inside the caller's transaction when one is open, else in its own
-    ``BEGIN IMMEDIATE`` so that concurrent processes opening a fresh file apply each
-    migration exactly once.
-
-    Args:
-        db: the database to bring up to :data:`SCHEMA_VERSION`.
-
-    Returns:
-        The names of the migrations applied now (empty when it was up to date).
-
-    Raises:
-        UnknownSchemaError: the database records migrations this code does not know, a
-            schema version above :data:`SCHEMA_VERSION`, or holds tables but no migration
-            record (some other program's file).
+    Runs in the caller's transaction when one is open, else in its own ``BEGIN IMMEDIATE`` so
+    that concurrent processes opening a fresh file apply each migration exactly once. Raises
+    UnknownSchemaError for a newer or foreign schema.
     """
     if db.conn.in_transaction:
         return _apply_migrations(db)
@@ -241,11 +177,7 @@ def migrate(db: sqlite_utils.Database) -> list[str]:
 
 
 def ensure_schema(db: sqlite_utils.Database) -> None:
-    """Check ``db``'s schema and migrate it when it lags; up to date, it takes no write lock.
-
-    Raises:
-        UnknownSchemaError: as :func:`migrate`.
-    """
+    """Check ``db``'s schema and migrate it when it lags; up to date, it takes no write lock."""
     if len(_applied_migrations(db)) < len(_MIGRATIONS):
         migrate(db)
 

@@ -1,9 +1,4 @@
-"""The SQL under the recommendation queries: a recommendation's row, its trials, its hardware.
-
-Functions of an open ``sqlite_utils.Database`` that the Store's recommendation mixins
-(:mod:`~advisor.cache._recommendations`, :mod:`~advisor.cache._transfer`) run inside their
-transactions; the caller holds the Store's lock and has begun the transaction.
-"""
+"""The SQL under the recommendation queries, run inside a transaction the caller has begun."""
 
 from __future__ import annotations
 
@@ -23,9 +18,7 @@ if TYPE_CHECKING:
     import sqlite_utils
 
 
-def select_recommendations(
-    db: sqlite_utils.Database, where: str, params: Sequence[Any]
-) -> list[Record]:
+def select_recommendations(db: sqlite_utils.Database, where: str, params: Sequence[Any]) -> list[Record]:
     rows = db.query(
         "SELECT r.*, h.profile AS hardware FROM recommendations r "
         "LEFT JOIN hardware h ON h.fingerprint = r.hardware_fp "
@@ -36,11 +29,8 @@ def select_recommendations(
 
 
 def attach_trials(db: sqlite_utils.Database, row: Record) -> Record:
-    trials = db.query(
-        f"SELECT {', '.join(TRIAL_FIELDS)} FROM trials "
-        "WHERE recommendation_id = ? ORDER BY number, id",
-        [row["id"]],
-    )
+    trials = db.query(f"SELECT {', '.join(TRIAL_FIELDS)} FROM trials WHERE recommendation_id = ? ORDER BY number, id",
+                      [row["id"]])
     row["trials"] = [decode_trial(trial) for trial in trials]
     return row
 
@@ -65,10 +55,8 @@ def delete_recommendations(db: sqlite_utils.Database, where: str, params: Sequen
 
 
 def replace_recommendation(db: sqlite_utils.Database, record: Record) -> int:
-    """Delete the key's old row and trials and insert the new ones (caller holds the lock)."""
-    delete_recommendations(
-        db, "hardware_fp = ? AND workload_fp = ?", [record["hardware_fp"], record["workload_fp"]]
-    )
+    """Delete the key's old row and trials and insert the new ones."""
+    delete_recommendations(db, "hardware_fp = ? AND workload_fp = ?", [record["hardware_fp"], record["workload_fp"]])
     table = db.table("recommendations")
     row = recommendation_row(record)
     wanted = record.get("id")  # an imported record's id, kept where it is free here
