@@ -16,17 +16,7 @@ from probes import MpadviseError
 
 
 def ensure_token(path: Path) -> str:
-    """Read the daemon's token, creating it (mode 0600) on first start.
-
-    Args:
-        path: the token file.
-
-    Returns:
-        The token.
-
-    Raises:
-        MpadviseError: the file is readable by others or empty.
-    """
+    """Read the daemon's token, creating it (mode 0600) on first start."""
     try:
         fd = open_private_new(path)
     except FileExistsError:
@@ -38,11 +28,7 @@ def ensure_token(path: Path) -> str:
 
 def acquire_lock(path: Path) -> int:
     """Hold the daemon's lock file (created 0600, ours, never through a symlink), so that one
-    daemon runs per cache directory; the descriptor stays open while the daemon runs.
-
-    Raises:
-        MpadviseError: another user owns the lock, or another daemon holds it.
-    """
+    daemon runs per cache directory; the descriptor stays open while the daemon runs."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
@@ -86,7 +72,6 @@ def remove_if_ours(path: Path, pid: int) -> None:
 
 
 def user_name() -> str:
-    """This user's login name, for messages."""
     try:
         import pwd
 

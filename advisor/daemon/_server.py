@@ -93,12 +93,8 @@ def _bind(config: DaemonConfig) -> tuple[socket.socket, dict[str, Any]]:
 
 
 def _check_private(paths: DaemonPaths) -> None:
-    """Refuse a cache directory, or daemon files in it, that someone else owns or may write.
-
-    Whoever can write the job queue, the job logs' directory or the token can run code as the
-    user of the daemon (or read its jobs' secrets), so all of them must be this user's alone.
-    The database files are checked when the store opens them.
-    """
+    """Refuse a cache directory, or daemon files in it, that someone else owns or may write:
+    whoever can write them can run code as this user (the store checks the database files)."""
     ensure_private_dir(paths.directory)
     # Also tightens a daemon.log that `daemon start` opened under the umask to 0600. The token
     # is not tightened but refused by read_token: one that others could read may have leaked.
@@ -129,17 +125,8 @@ def _daemon_files(paths: DaemonPaths, address: dict[str, Any]) -> Iterator[None]
 
 
 def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = None) -> None:
-    """Run the daemon in this process until SIGTERM or Ctrl-C.
-
-    Args:
-        config: where to listen and what may run.
-        busy: PIDs computing on a slot's GPU; default NVML.
-
-    Raises:
-        MpadviseError: a refused or failed bind (exit code 2 for a refused address), another
-            daemon on this cache directory, an unusable token file or cache, or a cache
-            directory (or a file in it) that someone else owns or may write.
-    """
+    """Run the daemon in this process until SIGTERM or Ctrl-C (``busy``: PIDs computing on a
+    slot's GPU; default NVML)."""
     remote_warning = None if config.uds is not None else check_bind(config.host, allow_remote=config.allow_remote)
     for root in config.roots():
         if not root.is_dir():
@@ -151,10 +138,8 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
     stores: list[Store] = []
     try:
         token = ensure_token(paths.token)
-        store = Store()
-        stores.append(store)
-        read_store = Store()
-        stores.append(read_store)
+        stores.append(store := Store())
+        stores.append(read_store := Store())
         for job in recover_jobs(store):
             logger.info("job %s was running when the last daemon stopped: now %s (attempt %s)",
                         job["id"], job["state"], job["attempts"])
