@@ -60,34 +60,26 @@ def error_kind(exc: BaseException) -> str:
 def store_error(path: Path, exc: BaseException, kind: str) -> MpadviseError:
     """The one line a user reads for an SQLite error of ``kind`` on the cache at ``path``."""
     if kind == "busy":
-        return MpadviseError(
-            f"cache database {path} stayed locked by another process for more than "
-            f"{BUSY_TIMEOUT_S:.0f} s; try again when the other mpadvise command finishes"
-        )
+        return MpadviseError(f"cache database {path} stayed locked by another process for more than "
+                             f"{BUSY_TIMEOUT_S:.0f} s; try again when the other mpadvise command finishes")
     if kind == "corrupt":
         return MpadviseError(f"cache database {path} is damaged ({exc}); move it aside or delete it")
-    return MpadviseError(
-        f"cache database {path} cannot be used ({exc}); check that its directory is "
-        "writable, or set MPADVISE_HOME to another directory"
-    )
+    return MpadviseError(f"cache database {path} cannot be used ({exc}); check that its directory is "
+                         "writable, or set MPADVISE_HOME to another directory")
 
 
 class StoreBase:
-    """One SQLite connection shared by threads: its lock, its transactions, its errors."""
-
     path: Path
     _lock: threading.RLock
     _db: sqlite_utils.Database | None
 
     @property
     def db(self) -> sqlite_utils.Database:
-        """The open ``sqlite_utils.Database`` (for migrations and tests; use the methods)."""
         if self._db is None:
             raise MpadviseError(f"the cache database {self.path} is closed")
         return self._db
 
     def _recover(self, reason: str) -> None:
-        """Replace a database found damaged mid-command with a fresh one (the Store does)."""
         raise NotImplementedError
 
     @contextlib.contextmanager

@@ -23,8 +23,8 @@ FINISHED_JOB_STATES = ("succeeded", "failed", "cancelled", "interrupted")
 _JOB_JSON = ("args", "options", "progress", "result")
 
 
-class JobRequests(StoreBase):
-    """What a client asks of the queue: queue a job, look at jobs, cancel one."""
+class JobQueue(StoreBase):
+    """Tune jobs: queued, claimed by a slot, running, finished; oldest first."""
 
     @guarded
     def enqueue_job(self, *, script: str, args: Sequence[str] = (), options: dict[str, Any] | None = None,
@@ -45,12 +45,10 @@ class JobRequests(StoreBase):
 
     @guarded
     def get_job(self, job_id: str) -> Record | None:
-        """One job, with its JSON fields decoded, or ``None``."""
         return _get_job(self.db, job_id)
 
     @guarded
     def list_jobs(self, *, states: Iterable[str] | None = None) -> list[Record]:
-        """Jobs in queue order (oldest first), optionally only those in ``states``."""
         if states is None:
             rows = self.db.query("SELECT * FROM jobs ORDER BY created_at, rowid")
         else:
@@ -61,7 +59,6 @@ class JobRequests(StoreBase):
 
     @guarded
     def count_queued_jobs(self) -> int:
-        """How many jobs wait for a slot."""
         return int(self.db.execute("SELECT count(*) FROM jobs WHERE state = 'queued'").fetchone()[0])
 
     @guarded
@@ -73,10 +70,6 @@ class JobRequests(StoreBase):
                        [utc_now(), job_id])
             db.execute("UPDATE jobs SET state = 'cancelling' WHERE id = ? AND state = 'running'", [job_id])
             return _get_job(db, job_id)
-
-
-class JobRuns(StoreBase):
-    """What a slot's runner does with a job: claim it, report its progress, finish it."""
 
     @guarded
     def claim_next_job(self, slot: str) -> Record | None:
@@ -92,10 +85,8 @@ class JobRuns(StoreBase):
                 if reason is None:
                     break
                 # A row that cannot be read cannot run: fail it, and take the next one.
-                db.execute(
-                    "UPDATE jobs SET state = 'failed', finished_at = ?, result = ? WHERE id = ?",
-                    [utc_now(), json_text("result", {"exit_code": None, "error": reason}), rows[0]["id"]],
-                )
+                db.execute("UPDATE jobs SET state = 'failed', finished_at = ?, result = ? WHERE id = ?",
+                           [utc_now(), json_text("result", {"exit_code": None, "error": reason}), rows[0]["id"]])
             db.execute("UPDATE jobs SET state = 'running', started_at = ?, gpu = ? WHERE id = ?",
                        [utc_now(), slot, rows[0]["id"]])
             return _get_job(db, rows[0]["id"])
@@ -120,21 +111,13 @@ class JobRuns(StoreBase):
     @guarded
     def finish_job(self, job_id: str, *, state: str, result: dict[str, Any] | None = None,
                    log_tail: str | None = None) -> Record | None:
-        """Mark a job finished in ``state``; returns it, or ``None`` if there is no such job."""
         if state not in FINISHED_JOB_STATES:
             raise MpadviseError(f"finished job state must be one of {', '.join(FINISHED_JOB_STATES)}, got {state!r}")
         result_text = json_text("result", result) if result is not None else None
         with self._write() as db:
-            db.execute(
-                "UPDATE jobs SET state = ?, finished_at = ?, result = COALESCE(?, result), "
-                "log_tail = COALESCE(?, log_tail) WHERE id = ?",
-                [state, utc_now(), result_text, log_tail, job_id],
-            )
+            db.execute("UPDATE jobs SET state = ?, finished_at = ?, result = COALESCE(?, result), "
+                       "log_tail = COALESCE(?, log_tail) WHERE id = ?", [state, utc_now(), result_text, log_tail, job_id])
             return _get_job(db, job_id)
-
-
-class JobHousekeeping(StoreBase):
-    """What the daemon does with jobs at start and over time: requeue the interrupted, prune the old."""
 
     @guarded
     def requeue_interrupted(self, *, max_retries: int = 1) -> list[Record]:
@@ -148,11 +131,8 @@ class JobHousekeeping(StoreBase):
             ids = [row["id"] for row in db.query("SELECT id FROM jobs WHERE state IN ('running', 'cancelling')")]
             now = utc_now()
             db.execute("UPDATE jobs SET state = 'cancelled', finished_at = ? WHERE state = 'cancelling'", [now])
-            db.execute(
-                "UPDATE jobs SET state = 'queued', attempts = attempts + 1, started_at = NULL, "
-                "gpu = NULL WHERE state = 'running' AND attempts < ?",
-                [max_retries],
-            )
+            db.execute("UPDATE jobs SET state = 'queued', attempts = attempts + 1, started_at = NULL, "
+                       "gpu = NULL WHERE state = 'running' AND attempts < ?", [max_retries])
             db.execute("UPDATE jobs SET state = 'interrupted', finished_at = ? WHERE state = 'running'", [now])
             return [job for job in (_get_job(db, job_id) for job_id in ids) if job is not None]
 
@@ -167,10 +147,6 @@ class JobHousekeeping(StoreBase):
             ids = [row["id"] for row in db.query(f"SELECT id FROM jobs WHERE {where}", params)]
             db.execute(f"DELETE FROM jobs WHERE {where}", params)
             return ids
-
-
-class JobQueue(JobRequests, JobRuns, JobHousekeeping):
-    """Tune jobs: queued, claimed by a slot, running, finished; oldest first."""
 
 
 def _get_job(db: sqlite_utils.Database, job_id: str) -> Record | None:

@@ -35,19 +35,15 @@ def migration(function: MigrationFunction) -> MigrationFunction:
 @migration
 def m001_initial_schema(db: sqlite_utils.Database) -> None:
     """Hardware profiles, recommendations with their trials, and the daemon's job queue."""
-    db.table("hardware").create(
-        {"fingerprint": str, "profile": str, "first_seen": str, "last_seen": str},
-        pk="fingerprint",
-        not_null=["profile", "first_seen", "last_seen"],
-    )
+    db.table("hardware").create({"fingerprint": str, "profile": str, "first_seen": str, "last_seen": str},
+                                pk="fingerprint", not_null=["profile", "first_seen", "last_seen"])
     db.table("recommendations").create(
         {
             "id": int, "hardware_fp": str, "workload_fp": str, "script": str, "mode": str,
             "policy": str, "speedup_vs_fp32": float, "goodput": float, "created_at": str,
             "versions": str, "summary": str,
         },
-        pk="id",
-        not_null=["hardware_fp", "workload_fp", "mode", "policy", "created_at"],
+        pk="id", not_null=["hardware_fp", "workload_fp", "mode", "policy", "created_at"],
     )
     # The lookup key, and the rule that one key holds one answer.
     db.table("recommendations").create_index(["hardware_fp", "workload_fp"], unique=True)
@@ -57,9 +53,7 @@ def m001_initial_schema(db: sqlite_utils.Database) -> None:
             "id": int, "recommendation_id": int, "number": int, "mode": str, "params": str,
             "outcome": str, "verdict": str, "reason": str, "goodput": float, "metrics": str,
         },
-        pk="id",
-        not_null=["recommendation_id", "number"],
-        foreign_keys=[("recommendation_id", "recommendations", "id")],
+        pk="id", not_null=["recommendation_id", "number"], foreign_keys=[("recommendation_id", "recommendations", "id")],
     )
     db.table("trials").create_index(["recommendation_id", "number"])
     db.table("jobs").create(
@@ -68,9 +62,7 @@ def m001_initial_schema(db: sqlite_utils.Database) -> None:
             "started_at": str, "finished_at": str, "attempts": int, "progress": str, "result": str,
             "log_tail": str, "gpu": str, "requested_gpu": str,
         },
-        pk="id",
-        not_null=["state", "script", "created_at", "attempts"],
-        defaults={"attempts": 0},
+        pk="id", not_null=["state", "script", "created_at", "attempts"], defaults={"attempts": 0},
     )
     db.table("jobs").create_index(["state", "created_at"])
 
@@ -98,10 +90,8 @@ def m002_hardware_fingerprint_recipe_2(db: sqlite_utils.Database) -> None:
         db.execute("DELETE FROM trials WHERE recommendation_id = ?", [recommendation_id])
         db.execute("DELETE FROM recommendations WHERE id = ?", [recommendation_id])
     for row, fingerprint in winners:
-        db.execute(
-            "UPDATE recommendations SET hardware_fp = ?, policy = ? WHERE id = ?",
-            [fingerprint, _policy_rekeyed(row["policy"], row["hardware_fp"], fingerprint), row["id"]],
-        )
+        db.execute("UPDATE recommendations SET hardware_fp = ?, policy = ? WHERE id = ?",
+                   [fingerprint, _policy_rekeyed(row["policy"], row["hardware_fp"], fingerprint), row["id"]])
 
 
 @migration
@@ -113,8 +103,7 @@ def m003_guard_events(db: sqlite_utils.Database) -> None:
             "step": int, "tripped_at": int, "policy": str, "fallback": str, "action": str,
             "detail": str, "created_at": str,
         },
-        pk="id",
-        not_null=["hardware_fp", "signal", "step", "policy", "action", "created_at"],
+        pk="id", not_null=["hardware_fp", "signal", "step", "policy", "action", "created_at"],
     )
     db.table("guard_events").create_index(["hardware_fp", "script"])
 
@@ -140,10 +129,8 @@ def _rekey_hardware(db: sqlite_utils.Database) -> dict[str, str]:
             db.execute("DELETE FROM hardware WHERE fingerprint = ?", [row["fingerprint"]])
             if row["fingerprint"] != fingerprint:
                 renamed[row["fingerprint"]] = fingerprint
-        db.execute(
-            "INSERT INTO hardware (fingerprint, profile, first_seen, last_seen) VALUES (?, ?, ?, ?)",
-            [fingerprint, latest["profile"], first_seen, latest["last_seen"]],
-        )
+        db.execute("INSERT INTO hardware (fingerprint, profile, first_seen, last_seen) VALUES (?, ?, ?, ?)",
+                   [fingerprint, latest["profile"], first_seen, latest["last_seen"]])
     return renamed
 
 
@@ -204,17 +191,13 @@ def _applied_migrations(db: sqlite_utils.Database) -> set[str]:
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if "_migrations" not in tables:
         if tables or version:
-            raise UnknownSchemaError(
-                f"it holds tables ({', '.join(sorted(tables))}) but no mpadvise schema record"
-            )
+            raise UnknownSchemaError(f"it holds tables ({', '.join(sorted(tables))}) but no mpadvise schema record")
         return set()
     applied = {row[0] for row in db.execute("SELECT name FROM _migrations")}
     known = {name for name, _ in _MIGRATIONS}
     unknown = sorted(applied - known)
     if unknown or version > len(_MIGRATIONS):
         detail = f"migrations {', '.join(unknown)}" if unknown else f"user_version {version}"
-        raise UnknownSchemaError(
-            f"its schema is newer than this mpadvise understands ({detail}; this version "
-            f"knows schema {len(_MIGRATIONS)})"
-        )
+        raise UnknownSchemaError(f"its schema is newer than this mpadvise understands ({detail}; this version "
+                                 f"knows schema {len(_MIGRATIONS)})")
     return applied

@@ -37,23 +37,13 @@ _MOMENTARY_PROFILE_FIELDS = ("uuid", "memory_free")
 
 
 def versions_of(profile: HardwareProfile) -> dict[str, str | None]:
-    """The library versions an answer was measured with: torch and each FP8 library."""
     return {"torch": profile.torch_version, **dict(profile.libraries)}
 
 
-def record_tune(
-    *,
-    profile: HardwareProfile,
-    policy: Policy,
-    script: str | os.PathLike[str],
-    workload_fingerprint: str,
-    trials: list[dict[str, Any]],
-    speedup_vs_fp32: float | None,
-    goodput: float | None,
-    store: Store | None = None,
-    args: Sequence[str] | None = None,
-    utilisation: dict[str, Any] | None = None,
-) -> int | None:
+def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.PathLike[str],
+                workload_fingerprint: str, trials: list[dict[str, Any]], speedup_vs_fp32: float | None,
+                goodput: float | None, store: Store | None = None, args: Sequence[str] | None = None,
+                utilisation: dict[str, Any] | None = None) -> int | None:
     """Store a tune's winner for this hardware and workload, with the trials behind it.
 
     The policy is stored with a complete ``[tuned_on]`` record (hardware and versions from
@@ -61,54 +51,30 @@ def record_tune(
     earlier answer for the same key. ``args`` (the script's arguments) and ``utilisation``
     (TFLOP/s and MFU) are kept in the summary when given.
 
-    Returns:
-        The new recommendation's id, or ``None`` when there is no usable cache (after one
-        warning).
-
-    Raises:
-        MpadviseError: a field has the wrong type or shape, or a trial has a key the store
-            does not accept.
+    Returns the new recommendation's id, or ``None`` when there is no usable cache (after one
+    warning); raises MpadviseError for a field of the wrong type or shape.
     """
     for index, trial in enumerate(trials):
         unknown = sorted(set(trial) - set(TRIAL_FIELDS))
         if unknown:
-            raise MpadviseError(
-                f"record_tune: trials[{index}] has key {unknown[0]!r}; allowed keys are "
-                f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')"
-            )
+            raise MpadviseError(f"record_tune: trials[{index}] has key {unknown[0]!r}; allowed keys are "
+                                f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')")
     script_path = str(Path(script).resolve())
     fingerprint = hardware_fingerprint(profile)
     earlier = policy.tuned_on or TunedOn()
     tuned = TunedOn(
-        hardware_fingerprint=fingerprint,
-        device=profile.name,
-        torch=profile.torch_version or "",
-        libraries=tuple(sorted(profile.libraries)),
-        date=earlier.date or datetime.date.today().isoformat(),
-        speedup_vs_fp32=speedup_vs_fp32,
-        goodput=goodput,
-        workload_fingerprint=workload_fingerprint,
-        model_signature=earlier.model_signature,
-        script=script_path,
-        trials=len(trials),
-        cuda=profile.cuda_runtime or "",
-        global_batch=earlier.global_batch,
-        script_digest=earlier.script_digest,
+        hardware_fingerprint=fingerprint, device=profile.name, torch=profile.torch_version or "",
+        libraries=tuple(sorted(profile.libraries)), date=earlier.date or datetime.date.today().isoformat(),
+        speedup_vs_fp32=speedup_vs_fp32, goodput=goodput, workload_fingerprint=workload_fingerprint,
+        model_signature=earlier.model_signature, script=script_path, trials=len(trials),
+        cuda=profile.cuda_runtime or "", global_batch=earlier.global_batch, script_digest=earlier.script_digest,
         # The speed-up's interval and basis, as the tune measured them (they go with its figure).
-        speedup_low=earlier.speedup_low,
-        speedup_high=earlier.speedup_high,
-        speedup_basis=earlier.speedup_basis,
+        speedup_low=earlier.speedup_low, speedup_high=earlier.speedup_high, speedup_basis=earlier.speedup_basis,
         speedup_threads=earlier.speedup_threads,
         args=earlier.args if args is None else tuple(str(arg) for arg in args),
     )
-    summary = {
-        "speedup_vs_fp32": speedup_vs_fp32,
-        "goodput": goodput,
-        "trial_count": len(trials),
-        "device": profile.name,
-        "date": tuned.date,
-        "model_signature": tuned.model_signature,
-    }
+    summary = {"speedup_vs_fp32": speedup_vs_fp32, "goodput": goodput, "trial_count": len(trials),
+               "device": profile.name, "date": tuned.date, "model_signature": tuned.model_signature}
     if args is not None:
         summary["args"] = [str(arg) for arg in args]
     if utilisation is not None:
@@ -126,16 +92,11 @@ def record_tune(
             stored_profile.pop(name, None)
         store.put_hardware(fingerprint, stored_profile)
         return store.put_recommendation(
-            hardware_fp=fingerprint,
-            workload_fp=workload_fingerprint,
-            script=script_path,
-            policy=replace(policy, tuned_on=tuned).to_dict(),
-            speedup_vs_fp32=speedup_vs_fp32,
+            hardware_fp=fingerprint, workload_fp=workload_fingerprint, script=script_path,
+            policy=replace(policy, tuned_on=tuned).to_dict(), speedup_vs_fp32=speedup_vs_fp32,
             # The store needs a number; an unmeasured goodput is recorded as 0, and the
             # summary keeps the None.
-            goodput=goodput if goodput is not None else 0.0,
-            versions=versions_of(profile),
-            summary=summary,
+            goodput=goodput if goodput is not None else 0.0, versions=versions_of(profile), summary=summary,
             trials=[dict(trial) for trial in trials],
         )
     finally:
@@ -193,20 +154,16 @@ def _answer(row: dict[str, Any], profile: HardwareProfile, path: Path) -> TunedA
     try:
         policy = policy_of(row)
     except PolicyError as exc:
-        get_logger().warning(
-            f"{label} in {path} cannot be read ({exc}); ignoring it; "
-            "`mpadvise cache clear` removes it, `mpadvise tune` writes a new one"
-        )
+        get_logger().warning(f"{label} in {path} cannot be read ({exc}); ignoring it; "
+                             "`mpadvise cache clear` removes it, `mpadvise tune` writes a new one")
         return None
     support = supported_modes(profile, policy).get(policy.mode)
     if support is None or not support.supported:
         # Same hardware, but this mpadvise no longer runs the mode here (its support table
         # changed): skipping the entry beats failing the run on it.
         why = support.reason if support is not None else "unknown mode"
-        get_logger().warning(
-            f"not applying {label}: mode {policy.mode} cannot run on {profile.name} "
-            f"({why}); run `mpadvise tune` again"
-        )
+        get_logger().warning(f"not applying {label}: mode {policy.mode} cannot run on {profile.name} "
+                             f"({why}); run `mpadvise tune` again")
         return None
     args = (row.get("summary") or {}).get("args")
     recorded = tuple(args) if isinstance(args, list) and all(isinstance(arg, str) for arg in args) else None
@@ -214,13 +171,11 @@ def _answer(row: dict[str, Any], profile: HardwareProfile, path: Path) -> TunedA
 
 
 def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> tuple[Policy, str] | None:
-    """The newest cached policy and its label for this hardware and script, or ``None``."""
     answers = cached_answers(profile, script)
     return (answers[0].policy, answers[0].label) if answers else None
 
 
 def policy_of(row: dict[str, Any]) -> Policy:
-    """The Policy stored in a cache row (raises PolicyError when it does not validate)."""
     return Policy.from_dict(row["policy"], source=f"cache entry #{row['id']}")
 
 

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from advisor.cache._base import StoreBase, guarded
+from advisor.cache._base import guarded
 from advisor.cache._recommendation_rows import (
     attach_trials,
     delete_recommendations,
@@ -23,31 +23,20 @@ from advisor.cache._records import Record, check_hardware_fp, json_text, utc_now
 from advisor.cache._transfer import RecommendationTransfer
 
 
-class RecommendationWrites(StoreBase):
-    """Storing hardware profiles and answers, and deleting answers."""
+class Recommendations(RecommendationTransfer):
+    """The answers of tunes, keyed by (hardware fingerprint, workload fingerprint)."""
 
     @guarded
     def put_hardware(self, fingerprint: str, profile: dict[str, Any]) -> None:
-        """Record (or refresh) the JSON-ready profile of one hardware fingerprint."""
         check_hardware_fp("fingerprint", fingerprint)
         text = json_text("profile", profile, require_dict=True)
         with self._write() as db:
             upsert_hardware(db, fingerprint, text, utc_now())
 
     @guarded
-    def put_recommendation(
-        self,
-        *,
-        hardware_fp: str,
-        workload_fp: str,
-        script: str | None,
-        policy: dict[str, Any],
-        speedup_vs_fp32: float | None,
-        goodput: float,
-        versions: dict[str, Any],
-        summary: dict[str, Any],
-        trials: Sequence[dict[str, Any]],
-    ) -> int:
+    def put_recommendation(self, *, hardware_fp: str, workload_fp: str, script: str | None, policy: dict[str, Any],
+                           speedup_vs_fp32: float | None, goodput: float, versions: dict[str, Any],
+                           summary: dict[str, Any], trials: Sequence[dict[str, Any]]) -> int:
         """Store the answer for one (hardware, workload) key, replacing any earlier one, and
         return its id. Raises MpadviseError naming a field of the wrong type or shape."""
         record = validated_record({
@@ -60,12 +49,6 @@ class RecommendationWrites(StoreBase):
             return replace_recommendation(db, record)
 
     @guarded
-    def delete(self, recommendation_id: int) -> bool:
-        """Delete one recommendation and its trials; whether it existed."""
-        with self._write() as db:
-            return delete_recommendations(db, "id = ?", [recommendation_id]) > 0
-
-    @guarded
     def clear(self, older_than: datetime.timedelta | None = None) -> int:
         """Delete recommendations (all, or those created longer ago than ``older_than``) and
         their trials; hardware profiles and jobs are kept. Returns how many."""
@@ -75,33 +58,15 @@ class RecommendationWrites(StoreBase):
             cutoff = datetime.datetime.now(datetime.timezone.utc) - older_than
             return delete_recommendations(db, "created_at < ?", [cutoff.isoformat(timespec="microseconds")])
 
-
-class RecommendationQueries(StoreBase):
-    """Reading answers: by key, by id, or by hardware, script and workload filters."""
-
-    @guarded
-    def get_recommendation(self, hardware_fp: str, workload_fp: str) -> Record | None:
-        """The recommendation for one key, with its trials and hardware profile, or ``None``."""
-        with self._read() as db:
-            rows = select_recommendations(db, "r.hardware_fp = ? AND r.workload_fp = ?", [hardware_fp, workload_fp])
-            return attach_trials(db, rows[0]) if rows else None
-
     @guarded
     def get(self, recommendation_id: int) -> Record | None:
-        """One recommendation by id (every field of ``RECORD_FIELDS``), or ``None``."""
         with self._read() as db:
             rows = select_recommendations(db, "r.id = ?", [recommendation_id])
             return attach_trials(db, rows[0]) if rows else None
 
     @guarded
-    def find_recommendations(
-        self,
-        *,
-        hardware_fp: str | None = None,
-        script: str | None = None,
-        workload_fp: str | None = None,
-        with_trials: bool = False,
-    ) -> list[Record]:
+    def find_recommendations(self, *, hardware_fp: str | None = None, script: str | None = None,
+                             workload_fp: str | None = None, with_trials: bool = False) -> list[Record]:
         """Recommendations matching every given filter, newest first (``trials`` absent unless
         ``with_trials``). A ``script`` path matches the stored path exactly; a bare file name
         matches the stored paths with that base name."""
@@ -133,9 +98,4 @@ class RecommendationQueries(StoreBase):
             return rows
 
     def list_recommendations(self, *, with_trials: bool = False) -> list[Record]:
-        """Every recommendation, newest first."""
         return self.find_recommendations(with_trials=with_trials)
-
-
-class Recommendations(RecommendationWrites, RecommendationQueries, RecommendationTransfer):
-    """The answers of tunes, keyed by (hardware fingerprint, workload fingerprint)."""

@@ -40,12 +40,9 @@ def utc_now() -> str:
 
 
 def check_hardware_fp(name: str, value: Any) -> str:
-    """A hardware fingerprint: 1 to 256 printable characters without spaces."""
     if not isinstance(value, str) or not HARDWARE_FP_PATTERN.fullmatch(value):
-        raise MpadviseError(
-            f"{name} must be 1 to 256 printable characters without spaces, starting with a "
-            f"letter or digit, got {value!r}"
-        )
+        raise MpadviseError(f"{name} must be 1 to 256 printable characters without spaces, starting with a "
+                            f"letter or digit, got {value!r}")
     return value
 
 
@@ -126,10 +123,8 @@ def _check_trial(where: str, index: int, trial: Any) -> None:
         raise MpadviseError(f"{where} must be a JSON object, got {type(trial).__name__}")
     unknown = sorted(set(trial) - set(TRIAL_FIELDS))
     if unknown:
-        raise MpadviseError(
-            f"{where} has unknown field {unknown[0]!r}; trial fields are "
-            f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')"
-        )
+        raise MpadviseError(f"{where} has unknown field {unknown[0]!r}; trial fields are "
+                            f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')")
     number = trial.get("number", index)
     if not isinstance(number, int) or isinstance(number, bool):
         raise MpadviseError(f"{where}.number must be an integer, got {number!r}")
@@ -227,7 +222,6 @@ def encoded(value: Any) -> str:
 
 
 def recommendation_row(record: Record) -> dict[str, Any]:
-    """The ``recommendations`` row of a validated record (JSON fields as text)."""
     return {field.name: encoded(record[field.name]) if field.is_json else record[field.name] for field in _ROW_COLUMNS}
 
 
@@ -244,20 +238,10 @@ def trial_rows(recommendation_id: int, trials: Sequence[dict[str, Any]]) -> list
 
 
 def decode_json(row: dict[str, Any], columns: Iterable[str]) -> dict[str, Any]:
-    """``row`` with the JSON text of ``columns`` decoded in place (nulls stay ``None``)."""
     for column in columns:
         if row.get(column) is not None:
             row[column] = json.loads(row[column])
     return row
-
-
-def decode_recommendation(row: dict[str, Any]) -> Record:
-    """A ``recommendations`` row (with its hardware profile joined in) as a record."""
-    return decode_json(row, _JSON_FIELDS)
-
-
-def decode_trial(row: dict[str, Any]) -> dict[str, Any]:
-    return decode_json(row, _TRIAL_JSON)
 
 
 def export_document(rows: Iterable[Record]) -> dict[str, Any]:
@@ -297,7 +281,6 @@ def read_export(source: Path, *, check: Callable[[Record], object] | None = None
 
 
 def _export_records(source: Path) -> list[Any]:
-    """The raw ``records`` of an export file, after checking the file's format."""
     try:
         text = source.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -306,31 +289,21 @@ def _export_records(source: Path) -> list[Any]:
     try:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise MpadviseError(
-            f"{source} is not an mpadvise export: invalid JSON at line {exc.lineno} column "
-            f"{exc.colno} ({exc.msg}); nothing was imported"
-        ) from None
+        raise MpadviseError(f"{source} is not an mpadvise export: invalid JSON at line {exc.lineno} column "
+                            f"{exc.colno} ({exc.msg}); nothing was imported") from None
     if not isinstance(document, dict) or document.get("format") != EXPORT_FORMAT:
         found = document.get("format") if isinstance(document, dict) else type(document).__name__
-        raise MpadviseError(
-            f"{source} is not an mpadvise export: expected format {EXPORT_FORMAT!r}, got "
-            f"{found!r}; nothing was imported"
-        )
+        raise MpadviseError(f"{source} is not an mpadvise export: expected format {EXPORT_FORMAT!r}, got "
+                            f"{found!r}; nothing was imported")
     version = document.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise MpadviseError(
-            f"{source}: format_version must be a positive integer, got {version!r}; "
-            "nothing was imported"
-        )
+        raise MpadviseError(f"{source}: format_version must be a positive integer, got {version!r}; "
+                            "nothing was imported")
     if version > EXPORT_FORMAT_VERSION:
-        raise MpadviseError(
-            f"{source} was written by a newer mpadvise (format_version {version}; this one "
-            f"reads up to {EXPORT_FORMAT_VERSION}); upgrade mpadvise to import it"
-        )
+        raise MpadviseError(f"{source} was written by a newer mpadvise (format_version {version}; this one "
+                            f"reads up to {EXPORT_FORMAT_VERSION}); upgrade mpadvise to import it")
     records = document.get("records")
     if not isinstance(records, list):
-        raise MpadviseError(
-            f"{source}: 'records' must be a list, got {type(records).__name__}; "
-            "nothing was imported"
-        )
+        raise MpadviseError(f"{source}: 'records' must be a list, got {type(records).__name__}; "
+                            "nothing was imported")
     return records

@@ -92,7 +92,6 @@ class Store(Recommendations, JobQueue, GuardEvents):
         self._open()
 
     def close(self) -> None:
-        """Close the connection; the Store cannot be used afterwards."""
         with self._lock:
             if self._db is not None:
                 self._db.close()
@@ -114,10 +113,8 @@ class Store(Recommendations, JobQueue, GuardEvents):
             except _Unusable as again:
                 if again.conn is not None:
                     again.conn.close()
-                raise MpadviseError(
-                    f"cache database {self.path} is unusable even after starting a fresh one "
-                    f"({again.reason}); set MPADVISE_HOME to another directory"
-                ) from None
+                raise MpadviseError(f"cache database {self.path} is unusable even after starting a fresh one "
+                                    f"({again.reason}); set MPADVISE_HOME to another directory") from None
 
     def _move_aside(self, reason: str, identity: tuple[int, int] | None, conn: sqlite3.Connection | None = None) -> None:
         """Rename a damaged or foreign database (and its WAL files) out of the way.
@@ -202,10 +199,8 @@ def _check_files(path: Path) -> None:
     except FileExistsError:
         pass
     except OSError as exc:
-        raise MpadviseError(
-            f"cache database {path} cannot be created ({exc.strerror or exc}); "
-            "set MPADVISE_HOME to a writable directory of your own"
-        ) from exc
+        raise MpadviseError(f"cache database {path} cannot be created ({exc.strerror or exc}); "
+                            "set MPADVISE_HOME to a writable directory of your own") from exc
 
 
 def _rename_aside(path: Path, reason: str, identity: tuple[int, int] | None) -> None:
@@ -225,10 +220,7 @@ def _rename_aside(path: Path, reason: str, identity: tuple[int, int] | None) -> 
             if side.exists():
                 os.replace(side, target.with_name(target.name + suffix))
     except OSError as exc:
-        raise MpadviseError(
-            f"cache database {path} is unusable ({reason}) and cannot be moved "
-            f"aside ({exc.strerror or exc}); delete it or set MPADVISE_HOME"
-        ) from exc
-    logger.warning(
-        "cache database %s is unusable: %s; moved it aside to %s and started a fresh one", path, reason, target
-    )
+        raise MpadviseError(f"cache database {path} is unusable ({reason}) and cannot be moved "
+                            f"aside ({exc.strerror or exc}); delete it or set MPADVISE_HOME") from exc
+    logger.warning("cache database %s is unusable: %s; moved it aside to %s and started a fresh one",
+                   path, reason, target)

@@ -41,8 +41,6 @@ class ImportedIds:
 
 
 class RecommendationTransfer(StoreBase):
-    """Export to a JSON file and import from one, all or nothing."""
-
     @guarded
     def export_records(self, path: Path | str, *, ids: Iterable[int] | None = None) -> int:
         """Write recommendations (only ``ids`` when given) to a JSON file, replaced atomically;
@@ -55,10 +53,8 @@ class RecommendationTransfer(StoreBase):
                 for recommendation_id in ids:
                     found = select_recommendations(db, "r.id = ?", [recommendation_id])
                     if not found:
-                        raise MpadviseError(
-                            f"recommendation {recommendation_id!r} is not in the cache "
-                            f"{self.path}; `mpadvise show` lists the ids"
-                        )
+                        raise MpadviseError(f"recommendation {recommendation_id!r} is not in the cache "
+                                            f"{self.path}; `mpadvise show` lists the ids")
                     rows.extend(found)
             rows = [attach_trials(db, row) for row in rows]
         target = Path(path)

@@ -48,8 +48,6 @@ from probes import MpadviseError
 
 @dataclass
 class DaemonState:
-    """What the request handlers share: stores, hardware, token, runner."""
-
     config: DaemonConfig
     token: str
     store: Store
@@ -220,7 +218,6 @@ _bearer = HTTPBearer(auto_error=False, description="The contents of daemon.token
 
 
 def _check_token(request: Request, given: str | None) -> None:
-    """401 when no token was given, 403 when it is not the daemon's."""
     if given is None:
         raise HTTPException(401, "this request needs `Authorization: Bearer <token>`; the token is in "
                                  "daemon.token in the cache directory", headers={"WWW-Authenticate": "Bearer"})
@@ -232,7 +229,6 @@ def _check_token(request: Request, given: str | None) -> None:
 async def _require_token(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:
-    """The bearer token, for every request that starts or stops work."""
     _check_token(request, None if credentials is None else credentials.credentials)
 
 
@@ -247,16 +243,11 @@ def create_app(state: DaemonState) -> FastAPI:
     """The ASGI app over ``state`` (with the Host and body-size guard around it); its lifespan
     starts and stops the job runner."""
     app = FastAPI(
-        title="mpadvise daemon",
-        version=__version__,
+        title="mpadvise daemon", version=__version__,
         summary="Cached precision recommendations and queued tune jobs for this machine.",
-        description=(
-            "Every request but `GET /health` needs `Authorization: Bearer <token>`, the token "
-            "being the contents of `daemon.token` in the cache directory (mode 0600)."
-        ),
-        docs_url=None,
-        redoc_url=None,
-        openapi_url="/openapi.json",
+        description=("Every request but `GET /health` needs `Authorization: Bearer <token>`, the token "
+                     "being the contents of `daemon.token` in the cache directory (mode 0600)."),
+        docs_url=None, redoc_url=None, openapi_url="/openapi.json",
         lifespan=_lifespan,
     )
     app.state.daemon = state
@@ -302,7 +293,12 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 405:
         # Starlette names only the methods of the first route on the path; a client (and
         # RFC 9110) needs all of them.
-        headers["Allow"] = ", ".join(_allowed_methods(request.app, request.scope))
+        methods: set[str] = set()
+        for route in request.app.router.routes:
+            match, _ = route.matches(request.scope)
+            if match != Match.NONE and getattr(route, "methods", None):
+                methods |= set(route.methods)
+        headers["Allow"] = ", ".join(sorted(methods))
     return _json({"detail": exc.detail}, exc.status_code, headers=headers)
 
 
@@ -374,9 +370,8 @@ async def recommendations(
     key = (workload, script, hardware, trials, limit)
     body = state.answers.get(key)
     if body is None:
-        rows = state.read_store.find_recommendations(
-            hardware_fp=hardware, script=script, workload_fp=workload, with_trials=trials
-        )
+        rows = state.read_store.find_recommendations(hardware_fp=hardware, script=script, workload_fp=workload,
+                                                     with_trials=trials)
         body = _json_bytes({"count": len(rows), "recommendations": rows[:limit]})
         state.answers.put(key, body)
     return Response(body, media_type="application/json")
@@ -461,15 +456,6 @@ def _checked_job(job: JobRequest, state: DaemonState) -> tuple[Path, dict[str, A
     return script, options
 
 
-def _allowed_methods(app: Any, scope: dict[str, Any]) -> list[str]:
-    methods: set[str] = set()
-    for route in app.router.routes:
-        match, _ = route.matches(scope)
-        if match != Match.NONE and getattr(route, "methods", None):
-            methods |= set(route.methods)
-    return sorted(methods)
-
-
 def _client_is_loopback(host: str) -> bool:
     """Whether ``host`` is a loopback address, an IPv4 one seen through a dual-stack socket
     (``::ffff:127.0.0.1``, what ``--host ::`` reports for an IPv4 client) included."""
@@ -488,7 +474,6 @@ def _invalid(loc: list[str], message: str) -> HTTPException:
 
 
 def _checked_path(raw: str, roots: Sequence[Path], what: str, *, want: PathKind) -> Path:
-    """Resolve a path from a request and check it against the allowed roots (403/422)."""
     problem = path_refusal(what, raw, roots, want)
     if problem is None:
         return Path(os.path.realpath(raw))

@@ -30,13 +30,10 @@ FINISHED = ("succeeded", "failed", "cancelled", "interrupted")
 
 @dataclass(frozen=True)
 class DaemonPaths:
-    """The daemon's files, all in the cache directory beside ``mpadvise.db``."""
-
     directory: Path
 
     @classmethod
     def here(cls) -> DaemonPaths:
-        """The paths for the current cache directory (``MPADVISE_HOME`` or XDG)."""
         return cls(cache_dir())
 
     @property
@@ -78,25 +75,19 @@ def read_token(path: Path) -> str:
             os.close(fd)
         mode = status.st_mode & 0o777
     except FileNotFoundError:
-        raise MpadviseError(
-            f"no daemon token at {path}; `mpadvise daemon start` creates it (with the same "
-            "MPADVISE_HOME)"
-        ) from None
+        raise MpadviseError(f"no daemon token at {path}; `mpadvise daemon start` creates it (with the same "
+                            "MPADVISE_HOME)") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise MpadviseError(f"daemon token {path} is a symbolic link; remove it (`rm {path}`) and "
                                 "restart the daemon to get a new token") from None
         raise MpadviseError(f"cannot read the daemon token {path} ({exc.strerror or exc})") from None
     if status.st_uid != os.geteuid():
-        raise MpadviseError(
-            f"daemon token {path} belongs to uid {status.st_uid}, not to uid {os.geteuid()} who runs "
-            f"mpadvise; remove it (`rm {path}`), or set MPADVISE_HOME to a directory of your own"
-        )
+        raise MpadviseError(f"daemon token {path} belongs to uid {status.st_uid}, not to uid {os.geteuid()} who runs "
+                            f"mpadvise; remove it (`rm {path}`), or set MPADVISE_HOME to a directory of your own")
     if mode & 0o077:
-        raise MpadviseError(
-            f"daemon token {path} has mode {mode:04o}; expected 0600 (private to its owner); "
-            f"run `chmod 600 {path}`, or delete it to get a new token at the next start"
-        )
+        raise MpadviseError(f"daemon token {path} has mode {mode:04o}; expected 0600 (private to its owner); "
+                            f"run `chmod 600 {path}`, or delete it to get a new token at the next start")
     if not text:
         raise MpadviseError(f"daemon token {path} is empty; delete it to get a new one at the next start")
     return text
@@ -178,7 +169,6 @@ class DaemonClient:
         return self.url if self.url is not None else f"unix socket {self.uds}"
 
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        """One request (``body`` sent as JSON); returns ``(status, decoded JSON body)``."""
         headers = {"Accept": "application/json"}
         payload = None
         if body is not None:
@@ -196,10 +186,8 @@ class DaemonClient:
             response = conn.getresponse()
             raw = response.read()
         except (OSError, http.client.HTTPException) as exc:
-            raise MpadviseError(
-                f"the mpadvise daemon at {self.where} does not answer ({exc}); is it running? "
-                "`mpadvise daemon status` tells, `mpadvise daemon start` starts it"
-            ) from None
+            raise MpadviseError(f"the mpadvise daemon at {self.where} does not answer ({exc}); is it running? "
+                                "`mpadvise daemon status` tells, `mpadvise daemon start` starts it") from None
         finally:
             conn.close()
         try:
@@ -238,7 +226,6 @@ class DaemonClient:
         return self.call("DELETE", f"/jobs/{quote(job_id, safe='')}")
 
     def allows(self, directory: Path) -> bool:
-        """Whether the daemon lets jobs run in ``directory`` (under one of its allowed roots)."""
         return any(directory == root or root in directory.parents for root in self.roots)
 
     def follow(self, job: dict[str, Any], *, on_line: Callable[[str], None], on_waiting: Callable[[str], None],
@@ -279,13 +266,15 @@ def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> Non
         where = f"the Unix socket {address['uds']}, which is not a socket of uid {os.geteuid()}"
     else:
         host = urlsplit(local_url(str(address.get("url")))).hostname or ""
-        if host == "localhost" or _is_loopback_ip(host):
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if loopback:
             return
         where = f"{address.get('url')}, which is not a loopback address"
-    raise MpadviseError(
-        f"{paths.address} names {where}; not sending the daemon token there. Remove {paths.address} "
-        f"if no daemon of yours runs, and check who can write to {paths.directory}"
-    )
+    raise MpadviseError(f"{paths.address} names {where}; not sending the daemon token there. Remove {paths.address} "
+                        f"if no daemon of yours runs, and check who can write to {paths.directory}")
 
 
 def local_url(url: str) -> str:
@@ -299,13 +288,6 @@ def local_url(url: str) -> str:
         return url
     loopback = "[::1]" if ":" in (parts.hostname or "") else "127.0.0.1"
     return parts._replace(netloc=f"{loopback}:{parts.port}" if parts.port else loopback).geturl()
-
-
-def _is_loopback_ip(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def tune_job_body(script: Path, script_args: Sequence[str], options: TuneOptions) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from advisor.daemon._files import user_name
 from probes import MpadviseError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -71,7 +70,6 @@ class DaemonConfig:
     job_retention_days: float = DEFAULT_JOB_RETENTION_DAYS
 
     def roots(self) -> tuple[Path, ...]:
-        """The allowed roots, resolved (symlinks followed), defaulting to the home directory."""
         raw = self.allowed_roots or (Path.home(),)
         return tuple(Path(os.path.realpath(root)) for root in raw)
 
@@ -101,16 +99,18 @@ def check_bind(host: str, *, allow_remote: bool) -> str | None:
     if is_loopback(host):
         return None
     if not allow_remote:
-        raise MpadviseError(
-            f"--host {host} is not a loopback address; the daemon runs scripts on request, so it "
-            "serves on 127.0.0.1 (or --uds PATH) only; pass --allow-remote to bind it anyway",
-            exit_code=2,
-        )
-    return (
-        f"serving on {host}, reachable from other machines: every request except GET /health "
-        "needs the token, and anyone holding it can run scripts under the allowed roots as "
-        f"{user_name()}; prefer 127.0.0.1 with an SSH tunnel"
-    )
+        raise MpadviseError(f"--host {host} is not a loopback address; the daemon runs scripts on request, so it "
+                            "serves on 127.0.0.1 (or --uds PATH) only; pass --allow-remote to bind it anyway",
+                            exit_code=2)
+    try:
+        import pwd
+
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError):
+        user = "this user"
+    return (f"serving on {host}, reachable from other machines: every request except GET /health "
+            "needs the token, and anyone holding it can run scripts under the allowed roots as "
+            f"{user}; prefer 127.0.0.1 with an SSH tunnel")
 
 
 def connection_limit(soft_descriptors: int) -> int:
@@ -123,5 +123,4 @@ def connection_limit(soft_descriptors: int) -> int:
 
 
 def under_roots(path: Path, roots: Sequence[Path]) -> bool:
-    """Whether ``path`` (resolved) is one of the resolved ``roots`` or inside one."""
     return any(path == root or root in path.parents for root in roots)

@@ -49,11 +49,9 @@ class LogTail:
             return list(self._lines)
 
     def text(self) -> str:
-        """The tail as text, at most :data:`LOG_TAIL_CHARS` characters (the newest kept)."""
         return "\n".join(self.lines())[-LOG_TAIL_CHARS:]
 
     def error_line(self) -> str | None:
-        """What the tune said went wrong: its last ``error:`` line, else its last line."""
         lines = self.lines()
         for line in reversed(lines):
             if line.startswith("error:"):
@@ -81,18 +79,15 @@ class JobFiles:
         return self.directory / f"{self.job_id}.result.json"
 
     def write_request(self, request: TuneRequest) -> None:
-        """Write the request file, new and private (a stale one, or a stale result, removed first)."""
         self.remove()
         with os.fdopen(open_private_new(self.request), "w", encoding="utf-8") as out:
             json.dump(request.to_dict(), out)
 
     @property
     def tmp(self) -> Path:
-        """The job's ``TMPDIR``, removed when the job ends."""
         return self.directory / JOB_TMP / self.job_id
 
     def make_tmp(self) -> Path:
-        """Create the temporary directory afresh, mode 0700 (one left by an earlier attempt removed)."""
         ensure_private_dir(self.tmp.parent)
         _remove_tree(self.tmp)
         os.mkdir(self.tmp, 0o700)
@@ -149,7 +144,6 @@ def result_of(code: int | None, result_path: Path, tail: LogTail) -> dict[str, A
 
 
 def remove_job_tmp_dirs(jobs_dir: Path) -> None:
-    """Remove the jobs' temporary directories (``jobs/tmp/ID``)."""
     try:
         entries = list(os.scandir(jobs_dir / JOB_TMP))
     except OSError:
@@ -169,7 +163,6 @@ def _remove_tree(path: Path) -> None:
 
 
 def prune_job_logs(jobs_dir: Path, *, keep: int = MAX_JOB_LOGS) -> None:
-    """Delete all but the newest ``keep`` job logs, so that they cannot fill the disk."""
     try:
         logs = sorted((entry for entry in os.scandir(jobs_dir) if entry.name.endswith(".log") and entry.is_file()),
                       key=lambda entry: entry.stat().st_mtime, reverse=True)

@@ -16,13 +16,10 @@ from advisor.tune import WAIT_IDLE_ENV, ScriptLaunch, TuneOptions, TuneRequest, 
 
 PathKind = Literal["file", "dir", "new"]  # an existing file, an existing directory, a new file
 
-JOB_MODULE = "advisor.tune.job"
-
-
 def tune_argv(request: str | os.PathLike[str], result: str | os.PathLike[str], *, python: str = sys.executable) -> list[str]:
     """``python -m advisor.tune.job REQUEST.json RESULT.json``, without the working directory on
     ``sys.path``; the script's arguments travel in the request file, never on this line."""
-    return [python, *module_argv(JOB_MODULE), os.fspath(request), os.fspath(result)]
+    return [python, *module_argv("advisor.tune.job"), os.fspath(request), os.fspath(result)]
 
 
 def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:

@@ -45,13 +45,11 @@ class Slot:
 
 
 def slots_for(profiles: Sequence[HardwareProfile]) -> list[Slot]:
-    """One slot per CUDA device, in torch's order; one CPU slot when there is none."""
     gpus = [Slot(f"cuda:{p.index}", p.index, p.uuid) for p in profiles if p.is_cuda and p.index is not None]
     return gpus or [Slot("cpu")]
 
 
 def nvml_busy(slot: Slot) -> list[int]:
-    """PIDs computing on the slot's GPU (none for the CPU slot)."""
     if slot.index is None:
         return []
     return probes.gpu_busy(slot.index, uuid=slot.uuid)
@@ -126,7 +124,6 @@ class JobRunner:
             event.set()
 
     def cancel(self, job_id: str) -> None:
-        """Ask the worker running ``job_id`` to stop it (the store already says cancelling)."""
         with self._cancel_lock:
             self._cancel.add(job_id)
 
@@ -179,7 +176,6 @@ class JobRunner:
                     self._cancel.discard(job["id"])
 
     def asked_to_cancel(self, job_id: str, record: dict[str, Any] | None) -> bool:
-        """Whether the job is to stop: cancelled here, or its row gone or marked cancelling."""
         with self._cancel_lock:
             if job_id in self._cancel:
                 return True
@@ -252,7 +248,6 @@ class _JobRun:
 
     def _finish(self, job_id: str, code: int | None, outcome: str, progress: dict[str, Any], tail: LogTail,
                 files: JobFiles) -> None:
-        """Record how a job's process ended: its result file's tune, or why there is none."""
         try:
             if outcome == "stopped":
                 logger.info("job %s interrupted by the daemon stopping; it runs again at the next start", job_id)

@@ -24,8 +24,6 @@ _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 50
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """The bounds on each connection and on their number."""
-
     max_connections: int
     max_header_bytes: int
     request_timeout_s: float
@@ -37,7 +35,6 @@ def limited_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
 
 class _LimitedProtocol(HttpToolsProtocol):
-    """One connection; ``limits`` is set by :func:`limited_protocol`."""
     limits: ConnectionLimits
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
