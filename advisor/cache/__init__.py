@@ -1,25 +1,8 @@
-"""The per-GPU recommendation cache.
+"""The per-GPU recommendation cache: the SQLite ``Store``, the record schema, and what a stored
+answer means for this machine and script.
 
-* ``_records``: what a recommendation record is (its one schema), how it is checked, and its
-  rows and export form; pure.
-* ``_store``: the SQLite database (the one module that imports sqlite-utils): opening it,
-  damage, and the ``Store``, whose queries come from ``_recommendations`` (answers, trials,
-  hardware profiles; their SQL in ``_recommendation_rows``), ``_transfer`` (export and import)
-  and ``_jobs`` (the daemon's queue), on top of
-  ``_base`` (transactions, errors); ``_migrations`` holds the schema's history.
-* ``_recommend``: what a stored answer means for this machine and script.
-
-Public surface (other packages import these from ``advisor.cache``, never from its modules):
-the ``Store`` and ``open_store``; the record schema (``RECORD_FIELDS``, ``RecordField``, the
-fingerprint patterns, ``read_export``); the job states; and what an answer means here
-(``record_tune``, ``lookup``, ``cached_answers``, ``TunedAnswer``, ``entry_status``,
-``stale_entries``, ``nothing_cached_yet``); the runtime guard's events (``record_guard_event``,
-``guard_events_for``, kept by ``_events``; ``EVENT_FIELDS`` by ``_event_rows``).
-
-The exports are lazy (a module ``__getattr__``, PEP 562): importing the package imports none
-of its modules, so that ``load_policy()`` pays for sqlite-utils only when it really reads the
-cache. Arrows: cache uses ``policies`` and ``probes``; ``runtime``, ``tune``, the daemon and
-the CLI may use it, never the reverse.
+The exports are lazy (PEP 562), so that ``load_policy()`` pays for sqlite-utils only when it
+really reads the cache.
 """
 
 from __future__ import annotations
@@ -50,10 +33,8 @@ _EXPORTS = {
     "lookup": "_recommend",
     "nothing_cached_yet": "_base",
     "record_tune": "_recommend",
-    "stale_entries": "_recommend",
 }
 
 __all__ = sorted(_EXPORTS)
-
 
 __getattr__, __dir__ = lazy_surface(__name__, _EXPORTS, globals())

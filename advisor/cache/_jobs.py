@@ -1,10 +1,6 @@
 """The daemon's job queue, kept in the cache database so that queued jobs survive a restart.
 
-:class:`JobQueue` is the part of the Store that holds the ``jobs`` table, in three parts by
-who asks: :class:`JobRequests` (a client queues, reads and cancels jobs), :class:`JobRuns` (a
-slot's runner claims, updates and finishes one) and :class:`JobHousekeeping` (the daemon
-requeues what a stop interrupted and prunes old jobs). A job is a plain dict of the table's
-columns, with its JSON fields decoded.
+A job is a plain dict of the ``jobs`` table's columns, with its JSON fields decoded.
 """
 
 from __future__ import annotations
@@ -21,171 +17,85 @@ from probes import MpadviseError
 if TYPE_CHECKING:
     import sqlite_utils
 
-JOB_STATES = (
-    "queued",
-    "running",
-    "cancelling",
-    "succeeded",
-    "failed",
-    "cancelled",
-    "interrupted",
-)
+JOB_STATES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled", "interrupted")
 FINISHED_JOB_STATES = ("succeeded", "failed", "cancelled", "interrupted")
 
 _JOB_JSON = ("args", "options", "progress", "result")
 
 
-class JobRequests(StoreBase):
-    """What a client asks of the queue: queue a job, look at jobs, cancel one."""
+class JobQueue(StoreBase):
+    """Tune jobs: queued, claimed by a slot, running, finished; oldest first."""
 
     @guarded
-    def enqueue_job(
-        self,
-        *,
-        script: str,
-        args: Sequence[str] = (),
-        options: dict[str, Any] | None = None,
-        gpu: str | None = None,
-    ) -> str:
-        """Queue a tune job.
-
-        Args:
-            script: the training script.
-            args: the script's own arguments.
-            options: tune options (JSON-ready).
-            gpu: the slot the job must run on (kept as ``requested_gpu``); ``None`` lets any
-                slot take it. The ``gpu`` field names the slot that runs or ran it.
-
-        Returns:
-            The job id.
-        """
+    def enqueue_job(self, *, script: str, args: Sequence[str] = (), options: dict[str, Any] | None = None,
+                    gpu: str | None = None) -> str:
+        """Queue a tune job; returns its id. ``gpu`` pins it to a slot (kept as
+        ``requested_gpu``; the ``gpu`` field names the slot that runs or ran it)."""
         if not isinstance(script, str) or not script:
             raise MpadviseError(f"job script must be a non-empty string, got {script!r}")
         if isinstance(args, str) or not all(isinstance(arg, str) for arg in args):
             raise MpadviseError(f"job args must be a list of strings, got {args!r}")
         job_id = uuid.uuid4().hex
-        row = {
-            "id": job_id,
-            "state": "queued",
-            "script": script,
-            "args": json_text("args", list(args)),
-            "options": json_text("options", options or {}, require_dict=True),
-            "created_at": utc_now(),
-            "attempts": 0,
-            "gpu": None,
-            "requested_gpu": gpu,
-        }
+        row = {"id": job_id, "state": "queued", "script": script, "args": json_text("args", list(args)),
+               "options": json_text("options", options or {}, require_dict=True), "created_at": utc_now(),
+               "attempts": 0, "gpu": None, "requested_gpu": gpu}
         with self._write() as db:
             db.table("jobs").insert(row)
         return job_id
 
     @guarded
     def get_job(self, job_id: str) -> Record | None:
-        """One job, with its JSON fields decoded, or ``None``."""
         return _get_job(self.db, job_id)
 
     @guarded
     def list_jobs(self, *, states: Iterable[str] | None = None) -> list[Record]:
-        """Jobs in queue order (oldest first), optionally only those in ``states``."""
         if states is None:
             rows = self.db.query("SELECT * FROM jobs ORDER BY created_at, rowid")
         else:
             wanted = list(states)
             marks = ", ".join("?" for _ in wanted)
-            rows = self.db.query(
-                f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created_at, rowid", wanted
-            )
+            rows = self.db.query(f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created_at, rowid", wanted)
         return [_decode_job(row) for row in rows]
 
     @guarded
     def count_queued_jobs(self) -> int:
-        """How many jobs wait for a slot."""
         return int(self.db.execute("SELECT count(*) FROM jobs WHERE state = 'queued'").fetchone()[0])
 
     @guarded
     def cancel_job(self, job_id: str) -> Record | None:
-        """Cancel a job: a queued one at once, a running one by asking its runner.
-
-        Args:
-            job_id: the job.
-
-        Returns:
-            The job afterwards: ``cancelled`` if it was queued, ``cancelling`` if it was
-            running (the runner stops it and calls :meth:`finish_job`), unchanged if it had
-            already finished; ``None`` if there is no such job.
-        """
+        """Cancel a job: a queued one at once (``cancelled``), a running one by asking its runner
+        (``cancelling``); returns the job afterwards, or ``None`` if there is no such job."""
         with self._write() as db:
-            db.execute(
-                "UPDATE jobs SET state = 'cancelled', finished_at = ? "
-                "WHERE id = ? AND state = 'queued'",
-                [utc_now(), job_id],
-            )
-            db.execute(
-                "UPDATE jobs SET state = 'cancelling' WHERE id = ? AND state = 'running'",
-                [job_id],
-            )
+            db.execute("UPDATE jobs SET state = 'cancelled', finished_at = ? WHERE id = ? AND state = 'queued'",
+                       [utc_now(), job_id])
+            db.execute("UPDATE jobs SET state = 'cancelling' WHERE id = ? AND state = 'running'", [job_id])
             return _get_job(db, job_id)
-
-
-class JobRuns(StoreBase):
-    """What a slot's runner does with a job: claim it, report its progress, finish it."""
 
     @guarded
     def claim_next_job(self, slot: str) -> Record | None:
-        """Atomically take the oldest queued job this slot may run, and mark it running.
-
-        Args:
-            slot: the GPU slot (``"cuda:0"``, ``"cpu"``...) asking for work; a job pinned to
-                another slot is left for that one.
-
-        Returns:
-            The job, now ``running`` on ``slot``, or ``None`` when nothing is queued.
-        """
+        """Atomically take the oldest queued job this slot may run (a job pinned to another slot
+        is left for that one) and mark it running; ``None`` when nothing is queued."""
         with self._write() as db:
             while True:
-                rows = list(
-                    db.query(
-                        "SELECT * FROM jobs WHERE state = 'queued' "
-                        "AND (requested_gpu IS NULL OR requested_gpu = ?) "
-                        "ORDER BY created_at, rowid LIMIT 1",
-                        [slot],
-                    )
-                )
+                rows = list(db.query("SELECT * FROM jobs WHERE state = 'queued' AND (requested_gpu IS NULL "
+                                     "OR requested_gpu = ?) ORDER BY created_at, rowid LIMIT 1", [slot]))
                 if not rows:
                     return None
                 reason = _undecodable(rows[0])
                 if reason is None:
                     break
                 # A row that cannot be read cannot run: fail it, and take the next one.
-                db.execute(
-                    "UPDATE jobs SET state = 'failed', finished_at = ?, result = ? WHERE id = ?",
-                    [utc_now(), json_text("result", {"exit_code": None, "error": reason}), rows[0]["id"]],
-                )
-            db.execute(
-                "UPDATE jobs SET state = 'running', started_at = ?, gpu = ? WHERE id = ?",
-                [utc_now(), slot, rows[0]["id"]],
-            )
+                db.execute("UPDATE jobs SET state = 'failed', finished_at = ?, result = ? WHERE id = ?",
+                           [utc_now(), json_text("result", {"exit_code": None, "error": reason}), rows[0]["id"]])
+            db.execute("UPDATE jobs SET state = 'running', started_at = ?, gpu = ? WHERE id = ?",
+                       [utc_now(), slot, rows[0]["id"]])
             return _get_job(db, rows[0]["id"])
 
     @guarded
-    def update_job(
-        self,
-        job_id: str,
-        *,
-        progress: dict[str, Any] | None = None,
-        log_tail: str | None = None,
-    ) -> Record | None:
-        """Record a running job's progress.
-
-        Args:
-            job_id: the job.
-            progress: replaces the stored progress (JSON-ready) when given.
-            log_tail: replaces the stored log tail when given.
-
-        Returns:
-            The job after the update (its ``state`` tells the runner whether it was asked to
-            cancel), or ``None`` if there is no such job.
-        """
+    def update_job(self, job_id: str, *, progress: dict[str, Any] | None = None,
+                   log_tail: str | None = None) -> Record | None:
+        """Replace a running job's progress and log tail where given; returns the job after the
+        update (its ``state`` tells the runner whether it was asked to cancel), or ``None``."""
         sets, params = [], []
         if progress is not None:
             sets.append("progress = ?")
@@ -199,89 +109,37 @@ class JobRuns(StoreBase):
             return _get_job(db, job_id)
 
     @guarded
-    def finish_job(
-        self,
-        job_id: str,
-        *,
-        state: str,
-        result: dict[str, Any] | None = None,
-        log_tail: str | None = None,
-    ) -> Record | None:
-        """Mark a job finished.
-
-        Args:
-            job_id: the job.
-            state: one of :data:`FINISHED_JOB_STATES`.
-            result: the outcome (JSON-ready).
-            log_tail: the last lines of its log.
-
-        Returns:
-            The job, or ``None`` if there is no such job.
-        """
+    def finish_job(self, job_id: str, *, state: str, result: dict[str, Any] | None = None,
+                   log_tail: str | None = None) -> Record | None:
         if state not in FINISHED_JOB_STATES:
-            raise MpadviseError(
-                f"finished job state must be one of {', '.join(FINISHED_JOB_STATES)}, got {state!r}"
-            )
+            raise MpadviseError(f"finished job state must be one of {', '.join(FINISHED_JOB_STATES)}, got {state!r}")
         result_text = json_text("result", result) if result is not None else None
         with self._write() as db:
-            db.execute(
-                "UPDATE jobs SET state = ?, finished_at = ?, result = COALESCE(?, result), "
-                "log_tail = COALESCE(?, log_tail) WHERE id = ?",
-                [state, utc_now(), result_text, log_tail, job_id],
-            )
+            db.execute("UPDATE jobs SET state = ?, finished_at = ?, result = COALESCE(?, result), "
+                       "log_tail = COALESCE(?, log_tail) WHERE id = ?", [state, utc_now(), result_text, log_tail, job_id])
             return _get_job(db, job_id)
-
-
-class JobHousekeeping(StoreBase):
-    """What the daemon does with jobs at start and over time: requeue the interrupted, prune the old."""
 
     @guarded
     def requeue_interrupted(self, *, max_retries: int = 1) -> list[Record]:
         """At daemon start: put back jobs that were running when the last daemon stopped.
 
-        A ``running`` job goes back to ``queued`` with ``attempts + 1`` while it has been
-        retried fewer than ``max_retries`` times, and becomes ``interrupted`` otherwise, so a
-        job that kills the daemon cannot do it forever. A ``cancelling`` job is
-        ``cancelled``.
-
-        Args:
-            max_retries: how many restarts a job survives.
-
-        Returns:
-            The jobs changed, after the change.
+        A ``running`` job is queued again with ``attempts + 1`` while it has been retried fewer
+        than ``max_retries`` times, else ``interrupted`` (a job that kills the daemon cannot do
+        it forever); a ``cancelling`` one is ``cancelled``. Returns the jobs changed.
         """
         with self._write() as db:
-            ids = [
-                row["id"]
-                for row in db.query("SELECT id FROM jobs WHERE state IN ('running', 'cancelling')")
-            ]
+            ids = [row["id"] for row in db.query("SELECT id FROM jobs WHERE state IN ('running', 'cancelling')")]
             now = utc_now()
-            db.execute(
-                "UPDATE jobs SET state = 'cancelled', finished_at = ? WHERE state = 'cancelling'",
-                [now],
-            )
-            db.execute(
-                "UPDATE jobs SET state = 'queued', attempts = attempts + 1, started_at = NULL, "
-                "gpu = NULL WHERE state = 'running' AND attempts < ?",
-                [max_retries],
-            )
-            db.execute(
-                "UPDATE jobs SET state = 'interrupted', finished_at = ? WHERE state = 'running'",
-                [now],
-            )
+            db.execute("UPDATE jobs SET state = 'cancelled', finished_at = ? WHERE state = 'cancelling'", [now])
+            db.execute("UPDATE jobs SET state = 'queued', attempts = attempts + 1, started_at = NULL, "
+                       "gpu = NULL WHERE state = 'running' AND attempts < ?", [max_retries])
+            db.execute("UPDATE jobs SET state = 'interrupted', finished_at = ? WHERE state = 'running'", [now])
             return [job for job in (_get_job(db, job_id) for job_id in ids) if job is not None]
 
     @guarded
     def prune_finished_jobs(self, *, finished_before: str) -> list[str]:
-        """Delete finished jobs that finished before ``finished_before``; never a queued,
-        running or cancelling one.
-
-        Args:
-            finished_before: a timestamp in the store's form (:func:`utc_now`'s).
-
-        Returns:
-            The ids deleted (the daemon removes their files).
-        """
+        """Delete the jobs that finished before ``finished_before`` (a :func:`utc_now` timestamp);
+        returns their ids (the daemon removes their files)."""
         marks = ", ".join("?" for _ in FINISHED_JOB_STATES)
         where = f"state IN ({marks}) AND finished_at IS NOT NULL AND finished_at < ?"
         params = [*FINISHED_JOB_STATES, finished_before]
@@ -289,10 +147,6 @@ class JobHousekeeping(StoreBase):
             ids = [row["id"] for row in db.query(f"SELECT id FROM jobs WHERE {where}", params)]
             db.execute(f"DELETE FROM jobs WHERE {where}", params)
             return ids
-
-
-class JobQueue(JobRequests, JobRuns, JobHousekeeping):
-    """Tune jobs: queued, claimed by a slot, running, finished; oldest first."""
 
 
 def _get_job(db: sqlite_utils.Database, job_id: str) -> Record | None:

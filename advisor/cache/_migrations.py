@@ -1,9 +1,5 @@
-"""Schema changes: plain functions registered with :func:`migration`, applied in order.
-
-:func:`migrate` applies those a database lacks and records each in its ``_migrations`` table;
-``PRAGMA user_version`` holds the schema version (the number of migrations applied). A
-migration, once released, is history: it is never edited, only followed by another.
-"""
+"""Schema changes, applied in order and recorded in the ``_migrations`` table (``PRAGMA
+user_version`` counts them). A released migration is history: never edited, only followed."""
 
 from __future__ import annotations
 
@@ -28,15 +24,8 @@ class UnknownSchemaError(Exception):
 
 
 def migration(function: MigrationFunction) -> MigrationFunction:
-    """Register ``function`` as the next schema migration (its name is its record).
-
-    Args:
-        function: takes the ``sqlite_utils.Database`` and changes the schema; it runs inside
-            the migrating transaction, so it must not commit.
-
-    Returns:
-        ``function`` unchanged.
-    """
+    """Register ``function`` as the next schema migration (its name is its record); it runs
+    inside the migrating transaction, so it must not commit."""
     if any(name == function.__name__ for name, _ in _MIGRATIONS):
         raise ValueError(f"migration {function.__name__!r} is registered twice")
     _MIGRATIONS.append((function.__name__, function))
@@ -46,83 +35,43 @@ def migration(function: MigrationFunction) -> MigrationFunction:
 @migration
 def m001_initial_schema(db: sqlite_utils.Database) -> None:
     """Hardware profiles, recommendations with their trials, and the daemon's job queue."""
-    db.table("hardware").create(
-        {"fingerprint": str, "profile": str, "first_seen": str, "last_seen": str},
-        pk="fingerprint",
-        not_null=["profile", "first_seen", "last_seen"],
-    )
+    db.table("hardware").create({"fingerprint": str, "profile": str, "first_seen": str, "last_seen": str},
+                                pk="fingerprint", not_null=["profile", "first_seen", "last_seen"])
     db.table("recommendations").create(
         {
-            "id": int,
-            "hardware_fp": str,
-            "workload_fp": str,
-            "script": str,
-            "mode": str,
-            "policy": str,
-            "speedup_vs_fp32": float,
-            "goodput": float,
-            "created_at": str,
-            "versions": str,
-            "summary": str,
+            "id": int, "hardware_fp": str, "workload_fp": str, "script": str, "mode": str,
+            "policy": str, "speedup_vs_fp32": float, "goodput": float, "created_at": str,
+            "versions": str, "summary": str,
         },
-        pk="id",
-        not_null=["hardware_fp", "workload_fp", "mode", "policy", "created_at"],
+        pk="id", not_null=["hardware_fp", "workload_fp", "mode", "policy", "created_at"],
     )
     # The lookup key, and the rule that one key holds one answer.
     db.table("recommendations").create_index(["hardware_fp", "workload_fp"], unique=True)
     db.table("recommendations").create_index(["created_at"])
     db.table("trials").create(
         {
-            "id": int,
-            "recommendation_id": int,
-            "number": int,
-            "mode": str,
-            "params": str,
-            "outcome": str,
-            "verdict": str,
-            "reason": str,
-            "goodput": float,
-            "metrics": str,
+            "id": int, "recommendation_id": int, "number": int, "mode": str, "params": str,
+            "outcome": str, "verdict": str, "reason": str, "goodput": float, "metrics": str,
         },
-        pk="id",
-        not_null=["recommendation_id", "number"],
-        foreign_keys=[("recommendation_id", "recommendations", "id")],
+        pk="id", not_null=["recommendation_id", "number"], foreign_keys=[("recommendation_id", "recommendations", "id")],
     )
     db.table("trials").create_index(["recommendation_id", "number"])
     db.table("jobs").create(
         {
-            "id": str,
-            "state": str,
-            "script": str,
-            "args": str,
-            "options": str,
-            "created_at": str,
-            "started_at": str,
-            "finished_at": str,
-            "attempts": int,
-            "progress": str,
-            "result": str,
-            "log_tail": str,
-            "gpu": str,
-            "requested_gpu": str,
+            "id": str, "state": str, "script": str, "args": str, "options": str, "created_at": str,
+            "started_at": str, "finished_at": str, "attempts": int, "progress": str, "result": str,
+            "log_tail": str, "gpu": str, "requested_gpu": str,
         },
-        pk="id",
-        not_null=["state", "script", "created_at", "attempts"],
-        defaults={"attempts": 0},
+        pk="id", not_null=["state", "script", "created_at", "attempts"], defaults={"attempts": 0},
     )
     db.table("jobs").create_index(["state", "created_at"])
 
 
 @migration
 def m002_hardware_fingerprint_recipe_2(db: sqlite_utils.Database) -> None:
-    """Rekey hardware profiles and recommendations from fingerprint recipe 1 to recipe 2.
-
-    Recipe 2 (``probes.hardware_fingerprint``) no longer covers the driver, torch and CUDA
-    patch releases or the FP8 library versions, so entries from before a driver upgrade apply
-    again. Each new key is computed from the stored hardware profile; a profile that cannot be
-    read keeps its key. Entries that differed only in those facts now share a key: the newest
-    answer for each (hardware, workload) key is kept, as a new tune would have kept it.
-    """
+    """Rekey hardware profiles and recommendations from fingerprint recipe 1 to recipe 2 (which
+    no longer covers driver, patch releases or FP8 library versions); an unreadable profile
+    keeps its key. Of entries that now share a key, the newest answer is kept."""
     renamed = _rekey_hardware(db)
     if not renamed:
         return
@@ -141,33 +90,20 @@ def m002_hardware_fingerprint_recipe_2(db: sqlite_utils.Database) -> None:
         db.execute("DELETE FROM trials WHERE recommendation_id = ?", [recommendation_id])
         db.execute("DELETE FROM recommendations WHERE id = ?", [recommendation_id])
     for row, fingerprint in winners:
-        db.execute(
-            "UPDATE recommendations SET hardware_fp = ?, policy = ? WHERE id = ?",
-            [fingerprint, _policy_rekeyed(row["policy"], row["hardware_fp"], fingerprint), row["id"]],
-        )
+        db.execute("UPDATE recommendations SET hardware_fp = ?, policy = ? WHERE id = ?",
+                   [fingerprint, _policy_rekeyed(row["policy"], row["hardware_fp"], fingerprint), row["id"]])
 
 
 @migration
 def m003_guard_events(db: sqlite_utils.Database) -> None:
-    """What the runtime guard saw in a long run: the signal, its onset step, the policy and
-    the one fallen back to, per hardware, workload and script."""
+    """What the runtime guard saw in a long run, per hardware, workload and script."""
     db.table("guard_events").create(
         {
-            "id": int,
-            "hardware_fp": str,
-            "workload_fp": str,
-            "script": str,
-            "signal": str,
-            "step": int,
-            "tripped_at": int,
-            "policy": str,
-            "fallback": str,
-            "action": str,
-            "detail": str,
-            "created_at": str,
+            "id": int, "hardware_fp": str, "workload_fp": str, "script": str, "signal": str,
+            "step": int, "tripped_at": int, "policy": str, "fallback": str, "action": str,
+            "detail": str, "created_at": str,
         },
-        pk="id",
-        not_null=["hardware_fp", "signal", "step", "policy", "action", "created_at"],
+        pk="id", not_null=["hardware_fp", "signal", "step", "policy", "action", "created_at"],
     )
     db.table("guard_events").create_index(["hardware_fp", "script"])
 
@@ -193,10 +129,8 @@ def _rekey_hardware(db: sqlite_utils.Database) -> dict[str, str]:
             db.execute("DELETE FROM hardware WHERE fingerprint = ?", [row["fingerprint"]])
             if row["fingerprint"] != fingerprint:
                 renamed[row["fingerprint"]] = fingerprint
-        db.execute(
-            "INSERT INTO hardware (fingerprint, profile, first_seen, last_seen) VALUES (?, ?, ?, ?)",
-            [fingerprint, latest["profile"], first_seen, latest["last_seen"]],
-        )
+        db.execute("INSERT INTO hardware (fingerprint, profile, first_seen, last_seen) VALUES (?, ?, ?, ?)",
+                   [fingerprint, latest["profile"], first_seen, latest["last_seen"]])
     return renamed
 
 
@@ -217,22 +151,11 @@ SCHEMA_VERSION = len(_MIGRATIONS)
 
 
 def migrate(db: sqlite_utils.Database) -> list[str]:
-    """Apply the registered migrations that ``db`` lacks, in order, in one write transaction.
+    """Apply the migrations that ``db`` lacks, in order, and return their names.
 
-    Runs inside the caller's transaction when one is open, else in its own
-    ``BEGIN IMMEDIATE`` so that concurrent processes opening a fresh file apply each
-    migration exactly once.
-
-    Args:
-        db: the database to bring up to :data:`SCHEMA_VERSION`.
-
-    Returns:
-        The names of the migrations applied now (empty when it was up to date).
-
-    Raises:
-        UnknownSchemaError: the database records migrations this code does not know, a
-            schema version above :data:`SCHEMA_VERSION`, or holds tables but no migration
-            record (some other program's file).
+    Runs in the caller's transaction when one is open, else in its own ``BEGIN IMMEDIATE`` so
+    that concurrent processes opening a fresh file apply each migration exactly once. Raises
+    UnknownSchemaError for a newer or foreign schema.
     """
     if db.conn.in_transaction:
         return _apply_migrations(db)
@@ -241,11 +164,7 @@ def migrate(db: sqlite_utils.Database) -> list[str]:
 
 
 def ensure_schema(db: sqlite_utils.Database) -> None:
-    """Check ``db``'s schema and migrate it when it lags; up to date, it takes no write lock.
-
-    Raises:
-        UnknownSchemaError: as :func:`migrate`.
-    """
+    """Check ``db``'s schema and migrate it when it lags; up to date, it takes no write lock."""
     if len(_applied_migrations(db)) < len(_MIGRATIONS):
         migrate(db)
 
@@ -272,17 +191,13 @@ def _applied_migrations(db: sqlite_utils.Database) -> set[str]:
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if "_migrations" not in tables:
         if tables or version:
-            raise UnknownSchemaError(
-                f"it holds tables ({', '.join(sorted(tables))}) but no mpadvise schema record"
-            )
+            raise UnknownSchemaError(f"it holds tables ({', '.join(sorted(tables))}) but no mpadvise schema record")
         return set()
     applied = {row[0] for row in db.execute("SELECT name FROM _migrations")}
     known = {name for name, _ in _MIGRATIONS}
     unknown = sorted(applied - known)
     if unknown or version > len(_MIGRATIONS):
         detail = f"migrations {', '.join(unknown)}" if unknown else f"user_version {version}"
-        raise UnknownSchemaError(
-            f"its schema is newer than this mpadvise understands ({detail}; this version "
-            f"knows schema {len(_MIGRATIONS)})"
-        )
+        raise UnknownSchemaError(f"its schema is newer than this mpadvise understands ({detail}; this version "
+                                 f"knows schema {len(_MIGRATIONS)})")
     return applied

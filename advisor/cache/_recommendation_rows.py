@@ -1,9 +1,4 @@
-"""The SQL under the recommendation queries: a recommendation's row, its trials, its hardware.
-
-Functions of an open ``sqlite_utils.Database`` that the Store's recommendation mixins
-(:mod:`~advisor.cache._recommendations`, :mod:`~advisor.cache._transfer`) run inside their
-transactions; the caller holds the Store's lock and has begun the transaction.
-"""
+"""The SQL under the recommendation queries, run inside a transaction the caller has begun."""
 
 from __future__ import annotations
 
@@ -11,10 +6,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from advisor.cache._records import (
+    _JSON_FIELDS,
+    _TRIAL_JSON,
     TRIAL_FIELDS,
     Record,
-    decode_recommendation,
-    decode_trial,
+    decode_json,
     recommendation_row,
     trial_rows,
 )
@@ -23,36 +19,25 @@ if TYPE_CHECKING:
     import sqlite_utils
 
 
-def select_recommendations(
-    db: sqlite_utils.Database, where: str, params: Sequence[Any]
-) -> list[Record]:
-    rows = db.query(
-        "SELECT r.*, h.profile AS hardware FROM recommendations r "
-        "LEFT JOIN hardware h ON h.fingerprint = r.hardware_fp "
-        f"WHERE {where} ORDER BY r.created_at DESC, r.id DESC",
-        params,
-    )
-    return [decode_recommendation(row) for row in rows]
+def select_recommendations(db: sqlite_utils.Database, where: str, params: Sequence[Any]) -> list[Record]:
+    rows = db.query("SELECT r.*, h.profile AS hardware FROM recommendations r "
+                    "LEFT JOIN hardware h ON h.fingerprint = r.hardware_fp "
+                    f"WHERE {where} ORDER BY r.created_at DESC, r.id DESC", params)
+    return [decode_json(row, _JSON_FIELDS) for row in rows]
 
 
 def attach_trials(db: sqlite_utils.Database, row: Record) -> Record:
-    trials = db.query(
-        f"SELECT {', '.join(TRIAL_FIELDS)} FROM trials "
-        "WHERE recommendation_id = ? ORDER BY number, id",
-        [row["id"]],
-    )
-    row["trials"] = [decode_trial(trial) for trial in trials]
+    trials = db.query(f"SELECT {', '.join(TRIAL_FIELDS)} FROM trials WHERE recommendation_id = ? ORDER BY number, id",
+                      [row["id"]])
+    row["trials"] = [decode_json(trial, _TRIAL_JSON) for trial in trials]
     return row
 
 
 def upsert_hardware(db: sqlite_utils.Database, fingerprint: str, profile: str, seen: str) -> None:
-    db.execute(
-        "INSERT INTO hardware (fingerprint, profile, first_seen, last_seen) VALUES (?, ?, ?, ?) "
-        "ON CONFLICT(fingerprint) DO UPDATE SET profile = excluded.profile, "
-        "last_seen = MAX(last_seen, excluded.last_seen), "
-        "first_seen = MIN(first_seen, excluded.first_seen)",
-        [fingerprint, profile, seen, seen],
-    )
+    db.execute("INSERT INTO hardware (fingerprint, profile, first_seen, last_seen) VALUES (?, ?, ?, ?) "
+               "ON CONFLICT(fingerprint) DO UPDATE SET profile = excluded.profile, "
+               "last_seen = MAX(last_seen, excluded.last_seen), first_seen = MIN(first_seen, excluded.first_seen)",
+               [fingerprint, profile, seen, seen])
 
 
 def delete_recommendations(db: sqlite_utils.Database, where: str, params: Sequence[Any]) -> int:
@@ -65,10 +50,7 @@ def delete_recommendations(db: sqlite_utils.Database, where: str, params: Sequen
 
 
 def replace_recommendation(db: sqlite_utils.Database, record: Record) -> int:
-    """Delete the key's old row and trials and insert the new ones (caller holds the lock)."""
-    delete_recommendations(
-        db, "hardware_fp = ? AND workload_fp = ?", [record["hardware_fp"], record["workload_fp"]]
-    )
+    delete_recommendations(db, "hardware_fp = ? AND workload_fp = ?", [record["hardware_fp"], record["workload_fp"]])
     table = db.table("recommendations")
     row = recommendation_row(record)
     wanted = record.get("id")  # an imported record's id, kept where it is free here

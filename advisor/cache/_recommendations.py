@@ -1,13 +1,7 @@
 """Recommendations, their trials and hardware profiles: the Store's queries.
 
-:class:`Recommendations` is the part of the Store that holds the ``hardware``,
-``recommendations`` and ``trials`` tables, in parts by what they serve: hardware profiles
-(:class:`HardwareProfiles`), writing and deleting answers (:class:`RecommendationWrites`),
-reading them (:class:`RecommendationQueries`), and export and import
-(:class:`~advisor.cache._transfer.RecommendationTransfer`). What a record is, and how it is
-checked and encoded, is :mod:`advisor.cache._records`; the SQL they share is
-:mod:`advisor.cache._recommendation_rows`. One (hardware, workload) key holds one answer: a
-new answer replaces the old row and its trials in one transaction.
+One (hardware, workload) key holds one answer: a new answer replaces the old row and its
+trials in one transaction, so a concurrent reader sees the old one or the new one, complete.
 """
 
 from __future__ import annotations
@@ -17,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from advisor.cache._base import StoreBase, guarded
+from advisor.cache._base import guarded
 from advisor.cache._recommendation_rows import (
     attach_trials,
     delete_recommendations,
@@ -25,197 +19,57 @@ from advisor.cache._recommendation_rows import (
     select_recommendations,
     upsert_hardware,
 )
-from advisor.cache._records import (
-    Record,
-    check_hardware_fp,
-    decode_json,
-    json_text,
-    utc_now,
-    validated_record,
-)
+from advisor.cache._records import Record, check_hardware_fp, json_text, utc_now, validated_record
 from advisor.cache._transfer import RecommendationTransfer
 
 
-class HardwareProfiles(StoreBase):
-    """The hardware profiles the answers were measured on, by hardware fingerprint."""
+class Recommendations(RecommendationTransfer):
+    """The answers of tunes, keyed by (hardware fingerprint, workload fingerprint)."""
 
     @guarded
     def put_hardware(self, fingerprint: str, profile: dict[str, Any]) -> None:
-        """Record (or refresh) the profile of one hardware fingerprint.
-
-        Args:
-            fingerprint: the hardware fingerprint.
-            profile: the hardware profile as a JSON-ready dict.
-        """
         check_hardware_fp("fingerprint", fingerprint)
         text = json_text("profile", profile, require_dict=True)
         with self._write() as db:
             upsert_hardware(db, fingerprint, text, utc_now())
 
     @guarded
-    def get_hardware(self, fingerprint: str) -> dict[str, Any] | None:
-        """The stored row of one hardware fingerprint, with its profile decoded.
-
-        Args:
-            fingerprint: the hardware fingerprint.
-
-        Returns:
-            ``{"fingerprint", "profile", "first_seen", "last_seen"}``, or ``None``.
-        """
-        rows = list(self.db.query("SELECT * FROM hardware WHERE fingerprint = ?", [fingerprint]))
-        return decode_json(rows[0], ("profile",)) if rows else None
-
-    @guarded
-    def list_hardware(self) -> list[dict[str, Any]]:
-        """Every stored hardware profile, most recently seen first."""
-        rows = self.db.query("SELECT * FROM hardware ORDER BY last_seen DESC")
-        return [decode_json(row, ("profile",)) for row in rows]
-
-
-class RecommendationWrites(StoreBase):
-    """Storing an answer for a (hardware, workload) key, and deleting answers."""
-
-    @guarded
-    def put_recommendation(
-        self,
-        *,
-        hardware_fp: str,
-        workload_fp: str,
-        script: str | None,
-        policy: dict[str, Any],
-        speedup_vs_fp32: float | None,
-        goodput: float,
-        versions: dict[str, Any],
-        summary: dict[str, Any],
-        trials: Sequence[dict[str, Any]],
-    ) -> int:
-        """Store the answer for one (hardware, workload) key, replacing any earlier one.
-
-        The old row, its trials, the new row and its trials change in one transaction, so a
-        concurrent reader sees either the old recommendation or the new one, complete.
-
-        Args:
-            hardware_fp: hardware fingerprint.
-            workload_fp: workload fingerprint (hex).
-            script: the training script's path as the user gave it, or ``None``.
-            policy: the policy as a JSON-ready dict with a ``"mode"`` key.
-            speedup_vs_fp32: goodput relative to the fp32 reference, or ``None`` if unknown.
-            goodput: samples per second of the recommended policy.
-            versions: library versions the answer was measured with.
-            summary: free-form summary of the tune (JSON-ready).
-            trials: one dict per trial; keys among :data:`~advisor.cache._records.TRIAL_FIELDS`.
-
-        Returns:
-            The new recommendation's id.
-
-        Raises:
-            MpadviseError: a field has the wrong type or shape (the message names it).
-        """
-        record = validated_record(
-            {
-                "hardware_fp": hardware_fp,
-                "workload_fp": workload_fp,
-                "script": script,
-                "policy": policy,
-                "speedup_vs_fp32": speedup_vs_fp32,
-                "goodput": goodput,
-                "versions": versions,
-                "summary": summary,
-                "trials": list(trials),
-            }
-        )
+    def put_recommendation(self, *, hardware_fp: str, workload_fp: str, script: str | None, policy: dict[str, Any],
+                           speedup_vs_fp32: float | None, goodput: float, versions: dict[str, Any],
+                           summary: dict[str, Any], trials: Sequence[dict[str, Any]]) -> int:
+        """Store the answer for one (hardware, workload) key, replacing any earlier one, and
+        return its id. Raises MpadviseError naming a field of the wrong type or shape."""
+        record = validated_record({
+            "hardware_fp": hardware_fp, "workload_fp": workload_fp, "script": script, "policy": policy,
+            "speedup_vs_fp32": speedup_vs_fp32, "goodput": goodput, "versions": versions,
+            "summary": summary, "trials": list(trials),
+        })
         record["created_at"] = utc_now()
         with self._write() as db:
             return replace_recommendation(db, record)
 
     @guarded
-    def delete(self, recommendation_id: int) -> bool:
-        """Delete one recommendation and its trials.
-
-        Args:
-            recommendation_id: the recommendation's id.
-
-        Returns:
-            Whether it existed.
-        """
-        with self._write() as db:
-            return delete_recommendations(db, "id = ?", [recommendation_id]) > 0
-
-    @guarded
     def clear(self, older_than: datetime.timedelta | None = None) -> int:
-        """Delete recommendations (and their trials); hardware profiles and jobs are kept.
-
-        Args:
-            older_than: only those created longer ago than this; ``None`` deletes all.
-
-        Returns:
-            How many recommendations were deleted.
-        """
+        """Delete recommendations (all, or those created longer ago than ``older_than``) and
+        their trials; hardware profiles and jobs are kept. Returns how many."""
         with self._write() as db:
             if older_than is None:
                 return delete_recommendations(db, "1", [])
             cutoff = datetime.datetime.now(datetime.timezone.utc) - older_than
-            return delete_recommendations(
-                db, "created_at < ?", [cutoff.isoformat(timespec="microseconds")]
-            )
-
-
-class RecommendationQueries(StoreBase):
-    """Reading answers: by key, by id, or by hardware, script and workload filters."""
-
-    @guarded
-    def get_recommendation(self, hardware_fp: str, workload_fp: str) -> Record | None:
-        """The recommendation for one key, with its trials and hardware profile.
-
-        Args:
-            hardware_fp: hardware fingerprint.
-            workload_fp: workload fingerprint.
-
-        Returns:
-            The record (see :meth:`get`), or ``None`` when the key is not cached.
-        """
-        with self._read() as db:
-            rows = select_recommendations(
-                db, "r.hardware_fp = ? AND r.workload_fp = ?", [hardware_fp, workload_fp]
-            )
-            return attach_trials(db, rows[0]) if rows else None
+            return delete_recommendations(db, "created_at < ?", [cutoff.isoformat(timespec="microseconds")])
 
     @guarded
     def get(self, recommendation_id: int) -> Record | None:
-        """One recommendation by id, with its trials.
-
-        Args:
-            recommendation_id: the id returned by :meth:`put_recommendation`.
-
-        Returns:
-            The record: every field of :data:`~advisor.cache._records.RECORD_FIELDS`
-            (``hardware`` is the stored profile or ``None``), or ``None``.
-        """
         with self._read() as db:
             rows = select_recommendations(db, "r.id = ?", [recommendation_id])
             return attach_trials(db, rows[0]) if rows else None
 
     @guarded
-    def find_recommendations(
-        self,
-        *,
-        hardware_fp: str | None = None,
-        script: str | None = None,
-        workload_fp: str | None = None,
-        with_trials: bool = False,
-    ) -> list[Record]:
-        """Recommendations matching every given filter, newest first.
-
-        Args:
-            hardware_fp: only this hardware.
-            script: only this script: a path matches the stored path exactly; a bare file
-                name matches the stored paths with that base name.
-            workload_fp: only this workload.
-            with_trials: include each record's trials (otherwise ``trials`` is absent).
-
-        Returns:
-            The matching records.
-        """
+    def find_recommendations(self, *, hardware_fp: str | None = None, script: str | None = None,
+                             workload_fp: str | None = None, with_trials: bool = False) -> list[Record]:
+        """Recommendations matching every given filter, newest first (``trials`` absent unless
+        ``with_trials``). A ``script`` path matches the stored path exactly; a bare file name
+        matches the stored paths with that base name."""
         clauses, params = [], []
         if hardware_fp is not None:
             clauses.append("r.hardware_fp = ?")
@@ -237,20 +91,11 @@ class RecommendationQueries(StoreBase):
         with self._read() as db:
             rows = select_recommendations(db, " AND ".join(clauses) or "1", params)
             if bare_name:
-                rows = [
-                    row
-                    for row in rows
-                    if row["script"] is not None
-                    and script in (row["script"], os.path.basename(row["script"]))
-                ]
+                rows = [row for row in rows
+                        if row["script"] is not None and script in (row["script"], os.path.basename(row["script"]))]
             if with_trials:
                 rows = [attach_trials(db, row) for row in rows]
             return rows
 
     def list_recommendations(self, *, with_trials: bool = False) -> list[Record]:
-        """Every recommendation, newest first (see :meth:`find_recommendations`)."""
         return self.find_recommendations(with_trials=with_trials)
-
-
-class Recommendations(HardwareProfiles, RecommendationWrites, RecommendationQueries, RecommendationTransfer):
-    """The answers of tunes, keyed by (hardware fingerprint, workload fingerprint)."""

@@ -1,17 +1,10 @@
-"""The recommendation record: its one schema, its checks, its rows and its export form.
-
-A record is a plain dict whose keys are the names in :data:`RECORD_FIELDS`. That table is the
-only description of a record: the store checks what ``put_recommendation`` and an import are
-given against it (:func:`validated_record`, :func:`read_export`), writes its row columns from
-it and decodes them back, and exports its fields; the daemon builds its ``Recommendation``
-response model from it. A field added here is added everywhere (its column needs a migration).
-
-Pure: no database and no sqlite-utils; only :func:`read_export` reads a file.
-"""
+"""The recommendation record: its one schema (:data:`RECORD_FIELDS`), its checks, its rows and
+its export form. Pure: no database; only :func:`read_export` reads a file."""
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import re
@@ -27,44 +20,29 @@ Record = dict[str, Any]
 EXPORT_FORMAT = "mpadvise-recommendations"
 EXPORT_FORMAT_VERSION = 1
 
-TRIAL_FIELDS = (
-    "number",
-    "mode",
-    "params",
-    "outcome",
-    "verdict",
-    "reason",
-    "goodput",
-    "metrics",
-)
+TRIAL_FIELDS = ("number", "mode", "params", "outcome", "verdict", "reason", "goodput", "metrics")
 _TRIAL_JSON = ("params", "metrics")
 
-# Shapes, not registries: the mode list grows as policies are added, and hardware
-# fingerprints are computed elsewhere, so a record is checked only for values that cannot be
-# something else (a path, a sentence, an empty string). The daemon's query filters use the
-# same patterns.
+# Shapes, not registries: a record is checked only for values that cannot be something else
+# (a path, a sentence, an empty string). The daemon's query filters use the same patterns.
 MODE_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,31}")
 WORKLOAD_FP_PATTERN = re.compile(r"[0-9a-f]{16,64}")
 HARDWARE_FP_PATTERN = re.compile(r"[A-Za-z0-9][\x21-\x7e]{0,255}")
 
 
 def utc_now() -> str:
-    """The current time in the store's one timestamp form (UTC, ISO 8601, microseconds)."""
-    # One fixed form, so that timestamps compare as text.
+    """The current time in the store's one timestamp form (UTC, ISO 8601, microseconds), so
+    that timestamps compare as text."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
 
 
-# --------------------------------------------------------------------------------------
-# Checks of single values: each returns the value normalised, or raises naming the field
+# Checks of single values: each returns the value normalised, or raises naming the field.
 
 
 def check_hardware_fp(name: str, value: Any) -> str:
-    """A hardware fingerprint: 1 to 256 printable characters without spaces."""
     if not isinstance(value, str) or not HARDWARE_FP_PATTERN.fullmatch(value):
-        raise MpadviseError(
-            f"{name} must be 1 to 256 printable characters without spaces, starting with a "
-            f"letter or digit, got {value!r}"
-        )
+        raise MpadviseError(f"{name} must be 1 to 256 printable characters without spaces, starting with a "
+                            f"letter or digit, got {value!r}")
     return value
 
 
@@ -89,10 +67,6 @@ def _number(name: str, value: Any, *, optional: bool = False) -> float | None:
     return float(value)
 
 
-def _number_or_null(name: str, value: Any) -> float | None:
-    return _number(name, value, optional=True)
-
-
 def _json_object(name: str, value: Any, *, optional: bool = False) -> dict[str, Any] | None:
     if value is None and optional:
         return None
@@ -103,13 +77,8 @@ def _json_object(name: str, value: Any, *, optional: bool = False) -> dict[str, 
     return value
 
 
-def _json_object_or_null(name: str, value: Any) -> dict[str, Any] | None:
-    return _json_object(name, value, optional=True)
-
-
 def _id_or_null(name: str, value: Any) -> int | None:
-    """An exported entry's id: a positive integer, or absent (an export from before ids were
-    exported)."""
+    """A positive integer, or absent (an export from before ids were exported)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -154,32 +123,21 @@ def _check_trial(where: str, index: int, trial: Any) -> None:
         raise MpadviseError(f"{where} must be a JSON object, got {type(trial).__name__}")
     unknown = sorted(set(trial) - set(TRIAL_FIELDS))
     if unknown:
-        raise MpadviseError(
-            f"{where} has unknown field {unknown[0]!r}; trial fields are "
-            f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')"
-        )
+        raise MpadviseError(f"{where} has unknown field {unknown[0]!r}; trial fields are "
+                            f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')")
     number = trial.get("number", index)
     if not isinstance(number, int) or isinstance(number, bool):
         raise MpadviseError(f"{where}.number must be an integer, got {number!r}")
     for name in ("mode", "outcome", "verdict", "reason"):
         _string_or_null(f"{where}.{name}", trial.get(name))
-    _number_or_null(f"{where}.goodput", trial.get("goodput"))
+    _number(f"{where}.goodput", trial.get("goodput"), optional=True)
     for name in _TRIAL_JSON:
-        _json_object_or_null(f"{where}.{name}", trial.get(name))
+        _json_object(f"{where}.{name}", trial.get(name), optional=True)
 
 
 def json_text(name: str, value: Any, *, require_dict: bool = False) -> str:
-    """``value`` as the store's JSON text, or an error naming ``name`` when it has none.
-
-    Args:
-        name: the field, for the message.
-        value: what to encode.
-        require_dict: refuse anything but a dict.
-
-    Returns:
-        Compact JSON with sorted keys (no NaN or infinity: SQLite's JSON functions and other
-        readers refuse them).
-    """
+    """``value`` as the store's JSON text (sorted keys, no NaN or infinity: SQLite's JSON
+    functions refuse them), or an error naming ``name`` when it has none."""
     if require_dict and not isinstance(value, dict):
         raise MpadviseError(f"{name} must be a dict, got {type(value).__name__}")
     try:
@@ -188,26 +146,14 @@ def json_text(name: str, value: Any, *, require_dict: bool = False) -> str:
         raise MpadviseError(f"{name} is not JSON-serialisable ({exc})") from None
 
 
-# --------------------------------------------------------------------------------------
-# The schema
-
-
 @dataclass(frozen=True)
 class RecordField:
     """One field of a recommendation record.
 
-    Attributes:
-        name: its key in a record, a row, an export and the daemon's answers.
-        annotation: the Python type of a non-null value (the daemon's model declares it).
-        origin: who gives it: ``"caller"`` (put and import), ``"export"`` (an export file;
-            on put the store sets it), or ``"store"`` (the store assigns or derives it).
-        check: validates and normalises a given value; ``None`` for store fields.
-        required: a given record must have the key.
-        not_null: every stored record has a value (a NOT NULL column); the others may be null,
-            and ``trials`` absent, in what the store returns.
-        stored: where the store keeps it: ``"row"`` (a column of ``recommendations`` written
-            from the record), ``"id"`` (the row id SQLite assigns), ``"hardware"`` (the
-            ``hardware`` table, joined in) or ``"trials"`` (the ``trials`` table).
+    ``origin``: who gives it: ``"caller"`` (put and import), ``"export"`` (an export file; on
+    put the store sets it) or ``"store"``. ``not_null``: every stored record has a value.
+    ``stored``: a ``recommendations`` column (``"row"``), the row id, the joined ``hardware``
+    table, or the ``trials`` table.
     """
 
     name: str
@@ -220,7 +166,6 @@ class RecordField:
 
     @property
     def is_json(self) -> bool:
-        """Whether the value is a JSON object or list, kept as JSON text."""
         return (get_origin(self.annotation) or self.annotation) in (dict, list)
 
 
@@ -234,14 +179,13 @@ RECORD_FIELDS: tuple[RecordField, ...] = (
     # policy["mode"], kept in a column of its own for listings.
     RecordField("mode", str, origin="store", not_null=True),
     RecordField("policy", dict[str, Any], check=_policy, required=True, not_null=True),
-    RecordField("speedup_vs_fp32", float, check=_number_or_null),
+    RecordField("speedup_vs_fp32", float, check=functools.partial(_number, optional=True)),
     RecordField("goodput", float, check=_number, required=True),
     RecordField("created_at", str, origin="export", check=_timestamp, not_null=True),
     RecordField("versions", dict[str, Any], check=_json_object, required=True),
     RecordField("summary", dict[str, Any], check=_json_object, required=True),
-    RecordField(
-        "hardware", dict[str, Any], origin="export", check=_json_object_or_null, stored="hardware"
-    ),
+    RecordField("hardware", dict[str, Any], origin="export", check=functools.partial(_json_object, optional=True),
+                stored="hardware"),
     RecordField("trials", list[dict[str, Any]], check=_trials, required=True, stored="trials"),
 )
 
@@ -251,35 +195,20 @@ _EXPORTED_FIELDS = tuple(field.name for field in RECORD_FIELDS if field.origin !
 
 
 def validated_record(raw: Any, *, imported: bool = False) -> Record:
-    """Check a recommendation against :data:`RECORD_FIELDS`; return it normalised.
+    """Check a recommendation against :data:`RECORD_FIELDS`; return it normalised, with
+    ``mode`` derived from its policy.
 
-    Args:
-        raw: the fields a caller gives ``put_recommendation``, or one record of an export.
-        imported: ``raw`` comes from an export, so it brings its own ``created_at`` and
-            ``hardware`` (and may bring a ``mode``, which must agree with its policy).
-
-    Returns:
-        The record with ``mode`` derived from its policy; without ``id``, and (unless
-        imported) without ``created_at`` and ``hardware``, which the store sets.
-
-    Raises:
-        MpadviseError: a field is missing or has the wrong type or shape; the message starts
-            with the field's name.
+    An ``imported`` record (one of an export) brings its own ``id``, ``created_at`` and
+    ``hardware``, and may bring a ``mode``, which must agree with its policy. An error's message
+    starts with the field's name.
     """
     if not isinstance(raw, dict):
         raise MpadviseError(f"a record must be a JSON object, got {type(raw).__name__}")
-    given = [
-        field
-        for field in RECORD_FIELDS
-        if field.origin == "caller" or (imported and field.origin == "export")
-    ]
+    given = [field for field in RECORD_FIELDS if field.origin == "caller" or (imported and field.origin == "export")]
     for field in given:
         if field.required and field.name not in raw:
             raise MpadviseError(f"required field {field.name!r} is missing")
-    record = {
-        field.name: field.check(field.name, raw.get(field.name))  # type: ignore[misc]
-        for field in given
-    }
+    record = {field.name: field.check(field.name, raw.get(field.name)) for field in given}  # type: ignore[misc]
     mode = record["policy"]["mode"]
     if imported and raw.get("mode", mode) != mode:
         raise MpadviseError(f"mode {raw['mode']!r} disagrees with policy.mode {mode!r}")
@@ -287,29 +216,17 @@ def validated_record(raw: Any, *, imported: bool = False) -> Record:
     return record
 
 
-# --------------------------------------------------------------------------------------
-# Rows in and out
-
-
 def encoded(value: Any) -> str:
-    """A validated value as JSON text, in :func:`json_text`'s form.
-
-    Only for values a check has already encoded once, so there is no error to translate.
-    """
+    """A validated value (one a check has encoded once) as JSON text, in :func:`json_text`'s form."""
     return json.dumps(value, sort_keys=True, allow_nan=False)
 
 
 def recommendation_row(record: Record) -> dict[str, Any]:
-    """The ``recommendations`` row of a validated record (JSON fields as text)."""
-    return {
-        field.name: encoded(record[field.name]) if field.is_json else record[field.name]
-        for field in _ROW_COLUMNS
-    }
+    return {field.name: encoded(record[field.name]) if field.is_json else record[field.name] for field in _ROW_COLUMNS}
 
 
 def trial_rows(recommendation_id: int, trials: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ``trials`` rows of a validated record's trials (a trial without a number gets its
-    position)."""
+    """The ``trials`` rows of validated trials (a trial without a number gets its position)."""
     rows = []
     for index, trial in enumerate(trials):
         row: dict[str, Any] = {"recommendation_id": recommendation_id}
@@ -321,25 +238,10 @@ def trial_rows(recommendation_id: int, trials: Sequence[dict[str, Any]]) -> list
 
 
 def decode_json(row: dict[str, Any], columns: Iterable[str]) -> dict[str, Any]:
-    """``row`` with the JSON text of ``columns`` decoded in place (nulls stay ``None``)."""
     for column in columns:
         if row.get(column) is not None:
             row[column] = json.loads(row[column])
     return row
-
-
-def decode_recommendation(row: dict[str, Any]) -> Record:
-    """A ``recommendations`` row (with its hardware profile joined in) as a record."""
-    return decode_json(row, _JSON_FIELDS)
-
-
-def decode_trial(row: dict[str, Any]) -> dict[str, Any]:
-    """A ``trials`` row (its :data:`TRIAL_FIELDS` columns) as a trial."""
-    return decode_json(row, _TRIAL_JSON)
-
-
-# --------------------------------------------------------------------------------------
-# The export file
 
 
 def export_document(rows: Iterable[Record]) -> dict[str, Any]:
@@ -361,20 +263,10 @@ def export_document(rows: Iterable[Record]) -> dict[str, Any]:
 
 
 def read_export(source: Path, *, check: Callable[[Record], object] | None = None) -> list[Record]:
-    """The records of an export file, every one validated before any is returned.
+    """The records of an export file, in file order, every one validated before any is returned.
 
-    Args:
-        source: a file written by ``Store.export_records``.
-        check: called with each validated record, for rules beyond the record's shape (a
-            policy this mpadvise can apply, a fingerprint that matches its profile); raising
-            ``MpadviseError`` or ``ValueError`` refuses the file.
-
-    Returns:
-        The validated records (see :func:`validated_record`), in file order.
-
-    Raises:
-        MpadviseError: the file is unreadable, not an mpadvise export, from a newer format,
-            or a record is refused; the message names the file, the record and the field.
+    ``check`` is called with each record for rules beyond its shape; raising ``MpadviseError``
+    or ``ValueError`` refuses the file. An error names the file, the record and the field.
     """
     validated = []
     for index, raw in enumerate(_export_records(source)):
@@ -389,7 +281,6 @@ def read_export(source: Path, *, check: Callable[[Record], object] | None = None
 
 
 def _export_records(source: Path) -> list[Any]:
-    """The raw ``records`` of an export file, after checking the file's format."""
     try:
         text = source.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -398,31 +289,21 @@ def _export_records(source: Path) -> list[Any]:
     try:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise MpadviseError(
-            f"{source} is not an mpadvise export: invalid JSON at line {exc.lineno} column "
-            f"{exc.colno} ({exc.msg}); nothing was imported"
-        ) from None
+        raise MpadviseError(f"{source} is not an mpadvise export: invalid JSON at line {exc.lineno} column "
+                            f"{exc.colno} ({exc.msg}); nothing was imported") from None
     if not isinstance(document, dict) or document.get("format") != EXPORT_FORMAT:
         found = document.get("format") if isinstance(document, dict) else type(document).__name__
-        raise MpadviseError(
-            f"{source} is not an mpadvise export: expected format {EXPORT_FORMAT!r}, got "
-            f"{found!r}; nothing was imported"
-        )
+        raise MpadviseError(f"{source} is not an mpadvise export: expected format {EXPORT_FORMAT!r}, got "
+                            f"{found!r}; nothing was imported")
     version = document.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise MpadviseError(
-            f"{source}: format_version must be a positive integer, got {version!r}; "
-            "nothing was imported"
-        )
+        raise MpadviseError(f"{source}: format_version must be a positive integer, got {version!r}; "
+                            "nothing was imported")
     if version > EXPORT_FORMAT_VERSION:
-        raise MpadviseError(
-            f"{source} was written by a newer mpadvise (format_version {version}; this one "
-            f"reads up to {EXPORT_FORMAT_VERSION}); upgrade mpadvise to import it"
-        )
+        raise MpadviseError(f"{source} was written by a newer mpadvise (format_version {version}; this one "
+                            f"reads up to {EXPORT_FORMAT_VERSION}); upgrade mpadvise to import it")
     records = document.get("records")
     if not isinstance(records, list):
-        raise MpadviseError(
-            f"{source}: 'records' must be a list, got {type(records).__name__}; "
-            "nothing was imported"
-        )
+        raise MpadviseError(f"{source}: 'records' must be a list, got {type(records).__name__}; "
+                            "nothing was imported")
     return records

@@ -1,31 +1,10 @@
 """The cache database: opening it, surviving damage, and the :class:`Store` that holds it.
 
-This is the one module that imports sqlite-utils; the Store's parts
-(:mod:`~advisor.cache._recommendations`, :mod:`~advisor.cache._jobs`) and the migrations
-(:mod:`~advisor.cache._migrations`) receive the open database. Everything above the cache sees
-plain dicts.
-
-How it stays correct when many processes share one file:
-
-* WAL journal mode, so readers never block the writer and the writer never blocks readers;
-  ``synchronous=NORMAL``, which in WAL mode loses nothing when a process dies (only a power
-  cut can roll back the last commits, never corrupt the file).
-* Every read-then-write runs in ``BEGIN IMMEDIATE``: the write lock is taken before the read,
-  so two writers queue on the busy timeout (30 s) instead of one failing with "database is
-  locked" when it tries to upgrade a read snapshot that has gone stale.
-* A recommendation and its trials are replaced in one transaction, and multi-statement reads
-  run in one read transaction, so nobody sees a recommendation without its trials.
-* On open the file is checked (``PRAGMA quick_check`` and the recorded schema). A file that is
-  not a database, is damaged, or was written by a newer schema is moved aside to
-  ``<name>.corrupt-<timestamp>`` (with its ``-wal``/``-shm``) with a warning naming both
-  paths, and a fresh database takes its place. Damage found later, mid-command, is handled
-  the same way and the operation is retried once on the fresh file.
-* The directory is private to its user (0700) and the database files are 0600: the job queue
-  in them is run by the daemon. A directory or file that someone else owns or may write is
-  refused (:mod:`advisor._secure`).
-* A cache directory that cannot be created or written, or that is refused as not private,
-  is not an error for callers that can run without a cache: :func:`open_store` then returns
-  ``None`` after one warning.
+The one module that imports sqlite-utils. Many processes share one file: WAL mode with
+``synchronous=NORMAL``; every read-then-write in ``BEGIN IMMEDIATE`` (writers queue on the busy
+timeout instead of failing to upgrade a stale snapshot). A damaged, foreign or newer-schema file
+is moved aside to ``<name>.corrupt-<timestamp>`` (with its -wal/-shm) and replaced. The directory
+is 0700 and the files 0600: the job queue in them is run by the daemon.
 """
 
 from __future__ import annotations
@@ -58,17 +37,9 @@ _warned_no_cache: set[str] = set()
 
 
 def open_store(path: Path | str | None = None) -> Store | None:
-    """Open the cache, or return ``None`` (after one warning) when it cannot be used.
+    """Open the cache, or return ``None`` (after one warning per path) when it cannot be used.
 
-    Callers that work without a cache (``load_policy``, ``tune``) treat ``None`` as "no
-    cache": a read-only or uncreatable cache directory, or a file locked for longer than the
-    busy timeout, costs a warning rather than the command.
-
-    Args:
-        path: database file; defaults to :func:`advisor._paths.database_path`.
-
-    Returns:
-        An open :class:`Store`, or ``None``.
+    Callers that work without a cache (``load_policy``, ``tune``) treat ``None`` as "no cache".
     """
     try:
         return Store(path)
@@ -85,12 +56,7 @@ def open_store(path: Path | str | None = None) -> Store | None:
 class _Unusable(Exception):
     """The file at the path cannot serve as the cache and should be moved aside."""
 
-    def __init__(
-        self,
-        reason: str,
-        identity: tuple[int, int] | None,
-        conn: sqlite3.Connection | None = None,
-    ) -> None:
+    def __init__(self, reason: str, identity: tuple[int, int] | None, conn: sqlite3.Connection | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.identity = identity
@@ -108,20 +74,12 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
 
 
 class Store(Recommendations, JobQueue, GuardEvents):
-    """The mpadvise cache database: one SQLite connection, shared safely by threads.
-
-    Its queries come from its parts: recommendations, trials, hardware profiles, export and
-    import (:class:`~advisor.cache._recommendations.Recommendations`), and the daemon's job
-    queue (:class:`~advisor.cache._jobs.JobQueue`).
-
-    Args:
-        path: database file; defaults to :func:`advisor._paths.database_path`. Its directory
-            is created when missing.
+    """The mpadvise cache database (default :func:`advisor._paths.database_path`): one SQLite
+    connection, shared safely by threads.
 
     Raises:
         MpadviseError: the directory cannot be created, the file cannot be opened or written,
-            or it stays locked for longer than the busy timeout. (Damaged or foreign files are
-            not errors: they are moved aside and replaced.)
+            or it stays locked past the busy timeout (damaged files are replaced, not errors).
     """
 
     def __init__(self, path: Path | str | None = None) -> None:
@@ -133,13 +91,7 @@ class Store(Recommendations, JobQueue, GuardEvents):
         ensure_private_dir(self.path.parent)
         self._open()
 
-    @classmethod
-    def open(cls, path: Path | str | None = None) -> Store | None:
-        """Same as :func:`open_store`: a Store, or ``None`` after one warning."""
-        return open_store(path)
-
     def close(self) -> None:
-        """Close the connection; the Store cannot be used afterwards."""
         with self._lock:
             if self._db is not None:
                 self._db.close()
@@ -151,11 +103,6 @@ class Store(Recommendations, JobQueue, GuardEvents):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __repr__(self) -> str:
-        return f"Store({str(self.path)!r})"
-
-    # -- opening, damage -----------------------------------------------------------------
-
     def _open(self) -> None:
         try:
             self._db, self._identity = _connect_checked(self.path)
@@ -166,17 +113,10 @@ class Store(Recommendations, JobQueue, GuardEvents):
             except _Unusable as again:
                 if again.conn is not None:
                     again.conn.close()
-                raise MpadviseError(
-                    f"cache database {self.path} is unusable even after starting a fresh one "
-                    f"({again.reason}); set MPADVISE_HOME to another directory"
-                ) from None
+                raise MpadviseError(f"cache database {self.path} is unusable even after starting a fresh one "
+                                    f"({again.reason}); set MPADVISE_HOME to another directory") from None
 
-    def _move_aside(
-        self,
-        reason: str,
-        identity: tuple[int, int] | None,
-        conn: sqlite3.Connection | None = None,
-    ) -> None:
+    def _move_aside(self, reason: str, identity: tuple[int, int] | None, conn: sqlite3.Connection | None = None) -> None:
         """Rename a damaged or foreign database (and its WAL files) out of the way.
 
         The files are renamed while the connection that found the problem is still open, and
@@ -188,25 +128,18 @@ class Store(Recommendations, JobQueue, GuardEvents):
         finally:
             if conn is not None:
                 conn.close()
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+            self.close()
 
     def _recover(self, reason: str) -> None:
-        identity = self._identity
-        self._move_aside(f"it is damaged ({reason})", identity)
+        self._move_aside(f"it is damaged ({reason})", self._identity)
         self._open()
 
 
 def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int] | None]:
     """Connect to ``path``, configure and verify, retrying while other processes hold locks.
 
-    Returns:
-        The database and the identity (device, inode) of the file it opened.
-
-    Raises:
-        _Unusable: the file is damaged, not a database, or of a newer schema.
-        MpadviseError: it cannot be opened, or stays locked past the busy timeout.
+    Returns the database and the identity (device, inode) of the file it opened; raises
+    ``_Unusable`` for a damaged, foreign or newer file, MpadviseError when it cannot be opened.
     """
     started = time.monotonic()
     deadline = started + BUSY_TIMEOUT_S
@@ -217,12 +150,7 @@ def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int]
         try:
             # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE for
             # writes), never opened behind our back by the sqlite3 module.
-            conn = sqlite3.connect(
-                str(path),
-                timeout=BUSY_TIMEOUT_S,
-                isolation_level=None,
-                check_same_thread=False,
-            )
+            conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
             db = sqlite_utils.Database(conn, execute_plugins=False)
             conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             db.enable_wal()
@@ -262,11 +190,8 @@ def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int]
 
 
 def _check_files(path: Path) -> None:
-    """Refuse a database (or -wal/-shm) that others own or may write; create it 0600.
-
-    SQLite gives the -wal and -shm files the database file's mode, so creating the
-    database private keeps the whole set private.
-    """
+    """Refuse a database (or -wal/-shm) that others own or may write; create it 0600 (SQLite
+    gives the -wal and -shm files the database file's mode)."""
     for suffix in ("", "-wal", "-shm"):
         ensure_private_file(path.with_name(path.name + suffix))
     try:
@@ -274,10 +199,8 @@ def _check_files(path: Path) -> None:
     except FileExistsError:
         pass
     except OSError as exc:
-        raise MpadviseError(
-            f"cache database {path} cannot be created ({exc.strerror or exc}); "
-            "set MPADVISE_HOME to a writable directory of your own"
-        ) from exc
+        raise MpadviseError(f"cache database {path} cannot be created ({exc.strerror or exc}); "
+                            "set MPADVISE_HOME to a writable directory of your own") from exc
 
 
 def _rename_aside(path: Path, reason: str, identity: tuple[int, int] | None) -> None:
@@ -297,13 +220,7 @@ def _rename_aside(path: Path, reason: str, identity: tuple[int, int] | None) -> 
             if side.exists():
                 os.replace(side, target.with_name(target.name + suffix))
     except OSError as exc:
-        raise MpadviseError(
-            f"cache database {path} is unusable ({reason}) and cannot be moved "
-            f"aside ({exc.strerror or exc}); delete it or set MPADVISE_HOME"
-        ) from exc
-    logger.warning(
-        "cache database %s is unusable: %s; moved it aside to %s and started a fresh one",
-        path,
-        reason,
-        target,
-    )
+        raise MpadviseError(f"cache database {path} is unusable ({reason}) and cannot be moved "
+                            f"aside ({exc.strerror or exc}); delete it or set MPADVISE_HOME") from exc
+    logger.warning("cache database %s is unusable: %s; moved it aside to %s and started a fresh one",
+                   path, reason, target)

@@ -1,17 +1,13 @@
-"""Export and import of recommendations: the Store's part that moves answers between machines.
-
-:class:`RecommendationTransfer` writes recommendations, with their hardware profiles and
-trials, to an export file, and reads such a file back all or nothing; the file's form and its
-checks are :mod:`advisor.cache._records`.
-"""
+"""Export and import of recommendations, with their hardware profiles and trials; the file's
+form and its checks are :mod:`advisor.cache._records`."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from advisor.cache._base import StoreBase, guarded
 from advisor.cache._recommendation_rows import (
@@ -20,7 +16,7 @@ from advisor.cache._recommendation_rows import (
     select_recommendations,
     upsert_hardware,
 )
-from advisor.cache._records import Record, encoded, export_document, read_export
+from advisor.cache._records import Record, encoded, export_document
 from probes import MpadviseError, write_file_atomic
 
 if TYPE_CHECKING:
@@ -29,14 +25,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ImportedIds:
-    """What an import wrote: for each record written, ``(exported id, id here)``; the exported
-    id is ``None`` for a file from before ids were exported."""
+    """What an import wrote: ``(exported id, id here)`` per record written; the exported id is
+    ``None`` for a file from before ids were exported."""
 
     ids: tuple[tuple[int | None, int], ...] = ()
 
     @property
     def written(self) -> int:
-        """How many records were written."""
         return len(self.ids)
 
     @property
@@ -46,22 +41,10 @@ class ImportedIds:
 
 
 class RecommendationTransfer(StoreBase):
-    """Export to a JSON file and import from one, all or nothing."""
-
     @guarded
     def export_records(self, path: Path | str, *, ids: Iterable[int] | None = None) -> int:
-        """Write recommendations, with their hardware profiles and trials, to a JSON file.
-
-        Args:
-            path: the file to write (replaced atomically).
-            ids: only these recommendation ids; ``None`` exports all.
-
-        Returns:
-            How many records were written.
-
-        Raises:
-            MpadviseError: an id does not exist, or the file cannot be written.
-        """
+        """Write recommendations (only ``ids`` when given) to a JSON file, replaced atomically;
+        returns how many. Raises MpadviseError for an unknown id or an unwritable file."""
         with self._read() as db:
             if ids is None:
                 rows = select_recommendations(db, "1", [])
@@ -70,51 +53,16 @@ class RecommendationTransfer(StoreBase):
                 for recommendation_id in ids:
                     found = select_recommendations(db, "r.id = ?", [recommendation_id])
                     if not found:
-                        raise MpadviseError(
-                            f"recommendation {recommendation_id!r} is not in the cache "
-                            f"{self.path}; `mpadvise show` lists the ids"
-                        )
+                        raise MpadviseError(f"recommendation {recommendation_id!r} is not in the cache "
+                                            f"{self.path}; `mpadvise show` lists the ids")
                     rows.extend(found)
             rows = [attach_trials(db, row) for row in rows]
-        document = export_document(rows)
         target = Path(path)
         try:
-            write_file_atomic(target, json.dumps(document, indent=2, sort_keys=True) + "\n")
+            write_file_atomic(target, json.dumps(export_document(rows), indent=2, sort_keys=True) + "\n")
         except OSError as exc:
             raise MpadviseError(f"cannot write {target}: {exc.strerror or exc}") from exc
         return len(rows)
-
-    def import_records(
-        self,
-        path: Path | str,
-        *,
-        validate_hardware: Callable[[str, dict[str, Any] | None], object] | None = None,
-    ) -> int:
-        """Read a file written by :meth:`export_records` into the cache, all or nothing.
-
-        Every record is validated before anything is written (see
-        :func:`~advisor.cache._records.read_export`), then :meth:`import_validated` writes them.
-
-        Args:
-            path: the export file.
-            validate_hardware: called as ``validate_hardware(hardware_fp, profile)`` for each
-                record; raising ``MpadviseError`` or ``ValueError`` rejects the file (for
-                example, a fingerprint that does not match its profile).
-
-        Returns:
-            How many records were written.
-
-        Raises:
-            MpadviseError: the file is unreadable, not an mpadvise export, from a newer
-                format, or a record is invalid; the message names the file, the record and
-                the field, and nothing is written.
-        """
-
-        def check(record: Record) -> None:
-            if validate_hardware is not None:
-                validate_hardware(record["hardware_fp"], record["hardware"])
-
-        return self.import_validated(read_export(Path(path), check=check)).written
 
     @guarded
     def import_validated(self, records: Sequence[Record]) -> ImportedIds:
@@ -125,12 +73,6 @@ class RecommendationTransfer(StoreBase):
         re-importing an old file never undoes a fresh local tune); its hardware profile is
         stored with it. It keeps its exported id where no other entry of this cache has it, so
         that ``#3`` means the same entry on both machines; where one has, it gets a new id.
-
-        Args:
-            records: validated records, as ``read_export`` returns them.
-
-        Returns:
-            The ids the written records have here, with those they were exported with.
         """
         ids: list[tuple[int | None, int]] = []
         with self._write() as db:
@@ -141,19 +83,11 @@ class RecommendationTransfer(StoreBase):
             first = [record for record in records if not any(record is other for other in later)]
             for record in (*first, *later):
                 if record["hardware"] is not None:
-                    upsert_hardware(
-                        db,
-                        record["hardware_fp"],
-                        encoded(record["hardware"]),
-                        record["created_at"],
-                    )
-                existing = list(
-                    db.query(
-                        "SELECT created_at FROM recommendations "
-                        "WHERE hardware_fp = ? AND workload_fp = ?",
-                        [record["hardware_fp"], record["workload_fp"]],
-                    )
-                )
+                    upsert_hardware(db, record["hardware_fp"], encoded(record["hardware"]), record["created_at"])
+                existing = list(db.query(
+                    "SELECT created_at FROM recommendations WHERE hardware_fp = ? AND workload_fp = ?",
+                    [record["hardware_fp"], record["workload_fp"]],
+                ))
                 if existing and existing[0]["created_at"] > record["created_at"]:
                     continue
                 ids.append((record.get("id"), replace_recommendation(db, record)))

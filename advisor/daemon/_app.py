@@ -48,8 +48,6 @@ from probes import MpadviseError
 
 @dataclass
 class DaemonState:
-    """What the request handlers share: stores, hardware, token, runner."""
-
     config: DaemonConfig
     token: str
     store: Store
@@ -77,15 +75,9 @@ def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None
 class AnswerCache:
     """Encoded ``GET /recommendations`` answers, valid until anyone commits to the database.
 
-    SQLite's ``PRAGMA data_version`` changes when another connection (in this process or any
-    other: a tune storing its answer, ``mpadvise cache clear``) commits, and costs a few
-    microseconds, against the query, the JSON decoding of every row and the encoding of the
-    answer. Bounded: past ``max_entries`` distinct queries it starts afresh.
-
-    Args:
-        store: the store whose connection is only read from (its data_version would not
-            change for its own writes).
-        max_entries: distinct queries kept.
+    SQLite's ``PRAGMA data_version`` changes when another connection commits, and costs a few
+    microseconds against the query and the JSON work. ``store`` must be only read from (its
+    own writes would not change it). Past ``max_entries`` distinct queries it starts afresh.
     """
 
     def __init__(self, store: Store, max_entries: int = 256) -> None:
@@ -101,7 +93,6 @@ class AnswerCache:
             return None
 
     def get(self, key: Any) -> bytes | None:
-        """The stored answer for ``key`` if nothing was committed since it was stored."""
         version = self._current()
         if version is None or version != self._version:
             self._answers.clear()
@@ -130,11 +121,8 @@ def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 class _Guard:
-    """ASGI middleware: Host check for loopback clients, and the body size limit (413).
-
-    Plain ASGI rather than a Starlette ``BaseHTTPMiddleware``: it adds nothing measurable to a
-    GET, and it refuses an oversized body before the application reads it.
-    """
+    """ASGI middleware: Host check for loopback clients, and the body size limit (413). Plain
+    ASGI: it adds nothing measurable to a GET, and refuses a large body before the app reads it."""
 
     def __init__(self, app: Any, *, max_body: int, check_host: bool, local_only: bool = True) -> None:
         self.app = app
@@ -229,59 +217,43 @@ def _loopback_host_header(host: bytes | None) -> bool:
 _bearer = HTTPBearer(auto_error=False, description="The contents of daemon.token in the cache directory.")
 
 
+def _check_token(request: Request, given: str | None) -> None:
+    if given is None:
+        raise HTTPException(401, "this request needs `Authorization: Bearer <token>`; the token is in "
+                                 "daemon.token in the cache directory", headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(given.encode("utf-8", "replace"), request.app.state.daemon.token.encode()):
+        raise HTTPException(403, "wrong token; read it again from daemon.token in the cache directory "
+                                 "(it changes when the file is deleted)")
+
+
 async def _require_token(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:
-    """The bearer token, for every request that starts or stops work (401 missing, 403 wrong)."""
-    token: str = request.app.state.daemon.token
-    if credentials is None:
-        raise HTTPException(401, "this request needs `Authorization: Bearer <token>`; the token is in "
-                                 "daemon.token in the cache directory", headers={"WWW-Authenticate": "Bearer"})
-    if not hmac.compare_digest(credentials.credentials.encode("utf-8", "replace"), token.encode()):
-        raise HTTPException(403, "wrong token; read it again from daemon.token in the cache directory "
-                                 "(it changes when the file is deleted)")
+    _check_token(request, None if credentials is None else credentials.credentials)
 
 
 async def _require_read(request: Request) -> None:
-    """The bearer token, for every read but ``GET /health`` (401 missing, 403 wrong).
-
-    Reads show a job's arguments, working directory and log, which can hold secrets: other
-    users of this machine (and, with --allow-remote, of others) must not see them.
-    """
-    token: str = request.app.state.daemon.token
+    """The bearer token, for every read but ``GET /health``: reads show a job's arguments,
+    directory and log, which can hold secrets."""
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not given:
-        raise HTTPException(401, "this request needs `Authorization: Bearer <token>`; the token is in "
-                                 "daemon.token in the cache directory", headers={"WWW-Authenticate": "Bearer"})
-    if not hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode()):
-        raise HTTPException(403, "wrong token; read it again from daemon.token in the cache directory "
-                                 "(it changes when the file is deleted)")
+    _check_token(request, given.strip() if scheme.lower() == "bearer" and given else None)
 
 
 def create_app(state: DaemonState) -> FastAPI:
-    """The FastAPI application over ``state``; the lifespan starts and stops the job runner.
-
-    Args:
-        state: stores, hardware report, token and runner.
-
-    Returns:
-        The ASGI app (with the Host and body-size guard around it).
-    """
+    """The ASGI app over ``state`` (with the Host and body-size guard around it); its lifespan
+    starts and stops the job runner."""
     app = FastAPI(
-        title="mpadvise daemon",
-        version=__version__,
+        title="mpadvise daemon", version=__version__,
         summary="Cached precision recommendations and queued tune jobs for this machine.",
-        description=(
-            "Every request but `GET /health` needs `Authorization: Bearer <token>`, the token "
-            "being the contents of `daemon.token` in the cache directory (mode 0600)."
-        ),
-        docs_url=None,
-        redoc_url=None,
-        openapi_url="/openapi.json",
+        description=("Every request but `GET /health` needs `Authorization: Bearer <token>`, the token "
+                     "being the contents of `daemon.token` in the cache directory (mode 0600)."),
+        docs_url=None, redoc_url=None, openapi_url="/openapi.json",
         lifespan=_lifespan,
     )
     app.state.daemon = state
-    _add_error_handlers(app)
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(MpadviseError, _store_error)  # type: ignore[arg-type]
     for path, endpoint, options in _ROUTES:
         app.add_api_route(path, endpoint, **options)
     # The Host check stops DNS rebinding (a web page reaching the loopback under its own name);
@@ -292,7 +264,6 @@ def create_app(state: DaemonState) -> FastAPI:
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Run the job runner while the application serves."""
     runner = _state(app).runner
     runner.start()
     try:
@@ -302,20 +273,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def _state(app: Any) -> DaemonState:
-    """What the handlers share, from the application they run in."""
     state: DaemonState = app.state.daemon
     return state
 
 
-# --------------------------------------------------------------------------------------
 # Errors: every body is {"detail": ...}
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    """Answer validation errors, HTTP errors and cache trouble in the daemon's error shapes."""
-    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
-    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
-    app.add_exception_handler(MpadviseError, _store_error)  # type: ignore[arg-type]
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
@@ -331,7 +293,12 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 405:
         # Starlette names only the methods of the first route on the path; a client (and
         # RFC 9110) needs all of them.
-        headers["Allow"] = ", ".join(_allowed_methods(request.app, request.scope))
+        methods: set[str] = set()
+        for route in request.app.router.routes:
+            match, _ = route.matches(request.scope)
+            if match != Match.NONE and getattr(route, "methods", None):
+                methods |= set(route.methods)
+        headers["Allow"] = ", ".join(sorted(methods))
     return _json({"detail": exc.detail}, exc.status_code, headers=headers)
 
 
@@ -339,7 +306,6 @@ async def _store_error(_: Request, exc: MpadviseError) -> Response:
     return _json({"detail": str(exc)}, 503)
 
 
-# --------------------------------------------------------------------------------------
 # Routes
 
 # Added to each application by create_app, in this order (the OpenAPI document's). Not an
@@ -350,7 +316,6 @@ _Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
 
 
 def _route(path: str, method: str, **options: Any) -> Callable[[_Endpoint], _Endpoint]:
-    """Declare the function below as the handler of ``method path`` (options as ``app.get``'s)."""
 
     def declare(endpoint: _Endpoint) -> _Endpoint:
         _ROUTES.append((path, endpoint, {"methods": [method], **options}))
@@ -405,9 +370,8 @@ async def recommendations(
     key = (workload, script, hardware, trials, limit)
     body = state.answers.get(key)
     if body is None:
-        rows = state.read_store.find_recommendations(
-            hardware_fp=hardware, script=script, workload_fp=workload, with_trials=trials
-        )
+        rows = state.read_store.find_recommendations(hardware_fp=hardware, script=script, workload_fp=workload,
+                                                     with_trials=trials)
         body = _json_bytes({"count": len(rows), "recommendations": rows[:limit]})
         state.answers.put(key, body)
     return Response(body, media_type="application/json")
@@ -470,11 +434,8 @@ def cancel_job(request: Request, job_id: Annotated[str, PathParam(max_length=64)
 
 
 def _checked_job(job: JobRequest, state: DaemonState) -> tuple[Path, dict[str, Any]]:
-    """A job request checked against this daemon: its paths (403/422), modes and slot (422).
-
-    Returns:
-        The resolved script, and the options to queue (paths resolved, ``cwd`` added).
-    """
+    """A job request checked against this daemon (paths 403/422, modes and slot 422): the
+    resolved script, and the options to queue (paths resolved, ``cwd`` added)."""
     roots = state.config.roots()
     script = _checked_path(job.script, roots, "script", want="file")
     cwd = _checked_path(job.cwd, roots, "cwd", want="dir") if job.cwd is not None else None
@@ -495,15 +456,6 @@ def _checked_job(job: JobRequest, state: DaemonState) -> tuple[Path, dict[str, A
     return script, options
 
 
-def _allowed_methods(app: Any, scope: dict[str, Any]) -> list[str]:
-    methods: set[str] = set()
-    for route in app.router.routes:
-        match, _ = route.matches(scope)
-        if match != Match.NONE and getattr(route, "methods", None):
-            methods |= set(route.methods)
-    return sorted(methods)
-
-
 def _client_is_loopback(host: str) -> bool:
     """Whether ``host`` is a loopback address, an IPv4 one seen through a dual-stack socket
     (``::ffff:127.0.0.1``, what ``--host ::`` reports for an IPv4 client) included."""
@@ -522,7 +474,6 @@ def _invalid(loc: list[str], message: str) -> HTTPException:
 
 
 def _checked_path(raw: str, roots: Sequence[Path], what: str, *, want: PathKind) -> Path:
-    """Resolve a path from a request and check it against the allowed roots (403/422)."""
     problem = path_refusal(what, raw, roots, want)
     if problem is None:
         return Path(os.path.realpath(raw))

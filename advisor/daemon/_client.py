@@ -1,8 +1,7 @@
-"""A small client for the local ``mpadvise daemon``: ``tune --submit`` and ``daemon status``.
+"""A small client for the local ``mpadvise daemon``, standard library only (``http.client``).
 
-Standard library only (``http.client``), so the commands that use it import neither FastAPI
-nor an HTTP library; showing what it fetches is the CLI's part. It finds the daemon through ``daemon.json`` in the cache directory (a
-TCP URL or a Unix socket) and reads the token from ``daemon.token`` beside it.
+It finds the daemon through ``daemon.json`` in the cache directory (a TCP URL or a Unix
+socket) and reads the token from ``daemon.token`` beside it.
 """
 
 from __future__ import annotations
@@ -26,24 +25,15 @@ from advisor._paths import cache_dir
 from advisor.tune import TuneOptions
 from probes import MpadviseError
 
-__all__ = ["DaemonClient", "DaemonPaths", "daemon_running", "finished_tune", "read_token", "tune_job_body"]
-
 FINISHED = ("succeeded", "failed", "cancelled", "interrupted")
 
 
 @dataclass(frozen=True)
 class DaemonPaths:
-    """The daemon's files, all in the cache directory beside ``mpadvise.db``.
-
-    Args:
-        directory: the cache directory (:func:`advisor._paths.cache_dir`).
-    """
-
     directory: Path
 
     @classmethod
     def here(cls) -> DaemonPaths:
-        """The paths for the current cache directory (``MPADVISE_HOME`` or XDG)."""
         return cls(cache_dir())
 
     @property
@@ -60,7 +50,6 @@ class DaemonPaths:
 
     @property
     def address(self) -> Path:
-        """JSON saying where the running daemon listens (written at start, removed at stop)."""
         return self.directory / "daemon.json"
 
     @property
@@ -73,18 +62,8 @@ class DaemonPaths:
 
 
 def read_token(path: Path) -> str:
-    """Read the token file, refusing one that others can read.
-
-    Args:
-        path: the token file.
-
-    Returns:
-        The token text.
-
-    Raises:
-        MpadviseError: the file is missing, empty, a symlink, owned by someone else, or not
-            private to its owner.
-    """
+    """Read the token file, refusing one that is missing, empty, a symlink, someone else's, or
+    readable by others."""
     try:
         # O_NOFOLLOW and fstat: the checks below are of the file read, not of a link's target.
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -96,40 +75,27 @@ def read_token(path: Path) -> str:
             os.close(fd)
         mode = status.st_mode & 0o777
     except FileNotFoundError:
-        raise MpadviseError(
-            f"no daemon token at {path}; `mpadvise daemon start` creates it (with the same "
-            "MPADVISE_HOME)"
-        ) from None
+        raise MpadviseError(f"no daemon token at {path}; `mpadvise daemon start` creates it (with the same "
+                            "MPADVISE_HOME)") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise MpadviseError(f"daemon token {path} is a symbolic link; remove it (`rm {path}`) and "
                                 "restart the daemon to get a new token") from None
         raise MpadviseError(f"cannot read the daemon token {path} ({exc.strerror or exc})") from None
     if status.st_uid != os.geteuid():
-        raise MpadviseError(
-            f"daemon token {path} belongs to uid {status.st_uid}, not to uid {os.geteuid()} who runs "
-            f"mpadvise; remove it (`rm {path}`), or set MPADVISE_HOME to a directory of your own"
-        )
+        raise MpadviseError(f"daemon token {path} belongs to uid {status.st_uid}, not to uid {os.geteuid()} who runs "
+                            f"mpadvise; remove it (`rm {path}`), or set MPADVISE_HOME to a directory of your own")
     if mode & 0o077:
-        raise MpadviseError(
-            f"daemon token {path} has mode {mode:04o}; expected 0600 (private to its owner); "
-            f"run `chmod 600 {path}`, or delete it to get a new token at the next start"
-        )
+        raise MpadviseError(f"daemon token {path} has mode {mode:04o}; expected 0600 (private to its owner); "
+                            f"run `chmod 600 {path}`, or delete it to get a new token at the next start")
     if not text:
         raise MpadviseError(f"daemon token {path} is empty; delete it to get a new one at the next start")
     return text
 
 
 def daemon_running(paths: DaemonPaths) -> bool:
-    """Whether a daemon holds this cache directory's lock (it does for as long as it lives).
-
-    Args:
-        paths: the daemon files.
-
-    Returns:
-        True while a daemon process for this directory is alive; False once it has exited,
-        however it ended (the lock goes with its last open file, even under kill -9).
-    """
+    """Whether a daemon holds this cache directory's lock: it does for as long as it lives (the
+    lock goes with its last open file, even under kill -9)."""
     if not paths.lock.exists():
         return False
     try:
@@ -158,14 +124,7 @@ class _UnixConnection(http.client.HTTPConnection):
 
 
 class DaemonClient:
-    """Talk to one daemon over HTTP (TCP or a Unix socket).
-
-    Args:
-        url: ``http://host:port`` of a TCP daemon.
-        uds: the Unix socket of a socket daemon (instead of ``url``).
-        token: the bearer token, for requests that start or stop work.
-        timeout: seconds per request.
-    """
+    """Talk to one daemon over HTTP: ``url`` (``http://host:port``) or the Unix socket ``uds``."""
 
     def __init__(self, *, url: str | None = None, uds: str | None = None, token: str | None = None,
                  timeout: float = 10.0) -> None:
@@ -179,17 +138,16 @@ class DaemonClient:
 
     @classmethod
     def local(cls, *, need_token: bool = False, timeout: float = 10.0) -> DaemonClient:
-        """The daemon of this cache directory, as its ``daemon.json`` says.
-
-        Args:
-            need_token: read the token file too (for submitting or cancelling).
-            timeout: seconds per request.
-
-        Raises:
-            MpadviseError: no daemon has written its address, or the token cannot be read.
-        """
+        """The daemon of this cache directory, as its ``daemon.json`` says (with the token when
+        ``need_token``)."""
         paths = DaemonPaths.here()
-        address = _running_address(paths)
+        try:
+            address = json.loads(paths.address.read_text())
+        except (OSError, ValueError):
+            address = None
+        if not isinstance(address, dict) or not (address.get("url") or address.get("uds")) or not daemon_running(paths):
+            raise MpadviseError(f"no mpadvise daemon is running for {paths.directory}; start one with "
+                                "`mpadvise daemon start` (with the same MPADVISE_HOME)")
         token = None
         if need_token:
             _check_token_destination(address, paths)
@@ -200,12 +158,8 @@ class DaemonClient:
 
     @classmethod
     def for_address(cls, address: dict[str, Any], *, token: str | None = None, timeout: float = 10.0) -> DaemonClient:
-        """A client of the daemon that wrote ``address`` (its ``daemon.json``), from this machine.
-
-        A daemon bound to every interface (``0.0.0.0``, ``::``) is reached through the loopback
-        of that family: a wildcard is no address to connect to, and the daemon refuses a
-        loopback client whose ``Host`` names anything but the loopback.
-        """
+        """A client of the daemon that wrote ``address`` (its ``daemon.json``), from this machine;
+        a wildcard bind (``0.0.0.0``, ``::``) is reached through that family's loopback."""
         if address.get("uds"):
             return cls(uds=address["uds"], token=token, timeout=timeout)
         return cls(url=local_url(str(address["url"])), token=token, timeout=timeout)
@@ -214,18 +168,7 @@ class DaemonClient:
     def where(self) -> str:
         return self.url if self.url is not None else f"unix socket {self.uds}"
 
-    def request(self, method: str, path: str, body: Any = None, *, auth: bool = False) -> tuple[int, Any]:
-        """One request; returns ``(status, decoded JSON body)``.
-
-        Args:
-            method: HTTP method.
-            path: path and query, starting with ``/``.
-            body: sent as JSON when not ``None``.
-            auth: send the bearer token.
-
-        Raises:
-            MpadviseError: the daemon cannot be reached or answers with something not JSON.
-        """
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         headers = {"Accept": "application/json"}
         payload = None
         if body is not None:
@@ -233,27 +176,36 @@ class DaemonClient:
             headers["Content-Type"] = "application/json"
         if self.token:  # every request but GET /health needs it
             headers["Authorization"] = f"Bearer {self.token}"
-        conn = _connection(self.url, self.uds, self.timeout)
+        if self.uds is not None:
+            conn: http.client.HTTPConnection = _UnixConnection(self.uds, self.timeout)
+        else:
+            parts = urlsplit(self.url or "")
+            conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=self.timeout)
         try:
             conn.request(method, path, body=payload, headers=headers)
             response = conn.getresponse()
             raw = response.read()
         except (OSError, http.client.HTTPException) as exc:
-            raise MpadviseError(
-                f"the mpadvise daemon at {self.where} does not answer ({exc}); is it running? "
-                "`mpadvise daemon status` tells, `mpadvise daemon start` starts it"
-            ) from None
+            raise MpadviseError(f"the mpadvise daemon at {self.where} does not answer ({exc}); is it running? "
+                                "`mpadvise daemon status` tells, `mpadvise daemon start` starts it") from None
         finally:
             conn.close()
-        return response.status, _json_body(raw, f"the daemon at {self.where} answered {method} {path} with HTTP "
-                                                f"{response.status}")
+        try:
+            return response.status, json.loads(raw) if raw else None
+        except ValueError:
+            raise MpadviseError(f"the daemon at {self.where} answered {method} {path} with HTTP {response.status} "
+                                "and a body that is not JSON; is something else listening there?") from None
 
-    def call(self, method: str, path: str, body: Any = None, *, auth: bool = False) -> Any:
+    def call(self, method: str, path: str, body: Any = None) -> Any:
         """Like :meth:`request`, raising MpadviseError (naming the daemon's reason) unless 2xx."""
-        status, data = self.request(method, path, body, auth=auth)
+        status, data = self.request(method, path, body)
         if 200 <= status < 300:
             return data
-        detail = _refusal_detail(data)
+        detail = data.get("detail") if isinstance(data, dict) else data
+        if isinstance(detail, list):  # a validation error list, joined into one line
+            detail = "; ".join(
+                f"{'.'.join(str(p) for p in d.get('loc', [])[1:]) or 'body'}: {d.get('msg')}" for d in detail
+            )
         # Refused requests (bad options, a path outside the roots) are usage errors.
         code = 2 if status in (400, 403, 413, 422) else 1
         raise MpadviseError(f"the daemon refused {method} {path} (HTTP {status}): {detail}", exit_code=code)
@@ -268,28 +220,18 @@ class DaemonClient:
         return self.call("GET", f"/jobs/{quote(job_id, safe='')}")
 
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.call("POST", "/jobs", body, auth=True)
+        return self.call("POST", "/jobs", body)
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        return self.call("DELETE", f"/jobs/{quote(job_id, safe='')}", auth=True)
+        return self.call("DELETE", f"/jobs/{quote(job_id, safe='')}")
 
     def allows(self, directory: Path) -> bool:
-        """Whether the daemon lets jobs run in ``directory`` (under one of its allowed roots)."""
         return any(directory == root or root in directory.parents for root in self.roots)
 
     def follow(self, job: dict[str, Any], *, on_line: Callable[[str], None], on_waiting: Callable[[str], None],
                poll_s: float = 1.0) -> dict[str, Any]:
-        """Look at a job every ``poll_s`` seconds until it finishes.
-
-        Args:
-            job: the job as ``submit`` returned it.
-            on_line: called with each new line of the tune's stderr, once.
-            on_waiting: called with each new message of a job waiting for its GPU.
-            poll_s: seconds between looks.
-
-        Returns:
-            The finished job.
-        """
+        """Look at a job every ``poll_s`` seconds until it finishes; ``on_line`` gets each new line
+        of the tune's stderr once, ``on_waiting`` each new message of a job waiting for its GPU."""
         seen = 0
         waiting_shown = None
         while job["state"] not in FINISHED:
@@ -299,75 +241,20 @@ class DaemonClient:
             if progress.get("phase") == "waiting" and progress.get("message") != waiting_shown:
                 waiting_shown = progress.get("message")
                 on_waiting(str(waiting_shown))
-            for line in _unseen_lines(progress, seen):
+            # progress keeps the count of lines so far and the most recent ones
+            count = int(progress.get("lines") or 0)
+            recent = progress.get("recent") or []
+            for line in recent[-min(count - seen, len(recent)):] if count > seen else []:
                 on_line(line)
-            seen = max(seen, int(progress.get("lines") or 0))
+            seen = max(seen, count)
         return job
-
-
-def _json_body(raw: bytes, answered: str) -> Any:
-    """A response body decoded from JSON (``None`` when empty); ``answered`` says which response.
-
-    Raises:
-        MpadviseError: the body is not JSON.
-    """
-    try:
-        return json.loads(raw) if raw else None
-    except ValueError:
-        raise MpadviseError(f"{answered} and a body that is not JSON; is something else listening there?") from None
-
-
-def _unseen_lines(progress: dict[str, Any], seen: int) -> list[str]:
-    """The lines of a job's stderr that ``progress`` holds after the first ``seen`` (it keeps the
-    count of lines so far and the most recent ones)."""
-    count = int(progress.get("lines") or 0)
-    recent = progress.get("recent") or []
-    return recent[-min(count - seen, len(recent)):] if count > seen else []
-
-
-def _running_address(paths: DaemonPaths) -> dict[str, Any]:
-    """The ``daemon.json`` of the daemon running for this cache directory.
-
-    Raises:
-        MpadviseError: no daemon has written its address, or none holds the directory's lock.
-    """
-    address = _read_address(paths.address)
-    if address is None or not daemon_running(paths):
-        raise MpadviseError(
-            f"no mpadvise daemon is running for {paths.directory}; start one with "
-            "`mpadvise daemon start` (with the same MPADVISE_HOME)"
-        )
-    return address
-
-
-def _connection(url: str | None, uds: str | None, timeout: float) -> http.client.HTTPConnection:
-    """An unopened connection to the daemon at ``url``, or at the Unix socket ``uds``."""
-    if uds is not None:
-        return _UnixConnection(uds, timeout)
-    parts = urlsplit(url or "")
-    return http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout)
-
-
-def _refusal_detail(data: Any) -> Any:
-    """The daemon's reason in a refusal's body: its ``detail``, a validation error list joined
-    into one line (``options.trials: Input should be greater than 0``)."""
-    detail = data.get("detail") if isinstance(data, dict) else data
-    if isinstance(detail, list):
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in d.get('loc', [])[1:]) or 'body'}: {d.get('msg')}" for d in detail
-        )
-    return detail
 
 
 def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> None:
     """Refuse to send the token where ``daemon.json`` says unless it is surely our daemon.
 
     ``daemon.json`` is only as trustworthy as the directory it lies in, so the token goes only
-    to a loopback address or to a Unix socket this user owns (the daemon creates it 0600);
-    a client built with an explicit URL does not come through here.
-
-    Raises:
-        MpadviseError: the address is neither.
+    to a loopback address or to a Unix socket this user owns (the daemon creates it 0600).
     """
     if address.get("uds"):
         try:
@@ -379,24 +266,19 @@ def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> Non
         where = f"the Unix socket {address['uds']}, which is not a socket of uid {os.geteuid()}"
     else:
         host = urlsplit(local_url(str(address.get("url")))).hostname or ""
-        if host == "localhost" or _is_loopback_ip(host):
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if loopback:
             return
         where = f"{address.get('url')}, which is not a loopback address"
-    raise MpadviseError(
-        f"{paths.address} names {where}; not sending the daemon token there. Remove {paths.address} "
-        f"if no daemon of yours runs, and check who can write to {paths.directory}"
-    )
+    raise MpadviseError(f"{paths.address} names {where}; not sending the daemon token there. Remove {paths.address} "
+                        f"if no daemon of yours runs, and check who can write to {paths.directory}")
 
 
 def local_url(url: str) -> str:
-    """``url`` with a wildcard host (``0.0.0.0``, ``::``) replaced by that family's loopback.
-
-    Args:
-        url: ``http://host:port`` as ``daemon.json`` names it.
-
-    Returns:
-        The URL to connect to from this machine (other URLs unchanged).
-    """
+    """``url`` with a wildcard host (``0.0.0.0``, ``::``) replaced by that family's loopback."""
     parts = urlsplit(url)
     try:
         wildcard = parts.hostname is not None and ipaddress.ip_address(parts.hostname).is_unspecified
@@ -408,35 +290,9 @@ def local_url(url: str) -> str:
     return parts._replace(netloc=f"{loopback}:{parts.port}" if parts.port else loopback).geturl()
 
 
-def _is_loopback_ip(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _read_address(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and (data.get("url") or data.get("uds")) else None
-
-
 def tune_job_body(script: Path, script_args: Sequence[str], options: TuneOptions) -> dict[str, Any]:
-    """The ``POST /jobs`` body for a tune, its paths made absolute (the daemon's directory is not ours).
-
-    Args:
-        script: the training script.
-        script_args: the script's own arguments.
-        options: the tune's options; ``device`` pins the job to that slot (``None``: any).
-
-    Returns:
-        ``{"script", "args", "options", "gpu"}``; the caller may add ``cwd``.
-
-    Raises:
-        MpadviseError: the script does not exist.
-    """
+    """The ``POST /jobs`` body for a tune, its paths made absolute (the daemon's directory is not
+    ours); ``options.device`` pins the job to that slot. The caller may add ``cwd``."""
     path = Path(script).expanduser().absolute()
     if not path.is_file():
         raise MpadviseError(f"script {script} does not exist; give the path of a training script")
@@ -446,11 +302,8 @@ def tune_job_body(script: Path, script_args: Sequence[str], options: TuneOptions
 
 
 def finished_tune(job: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """A finished job's tune JSON and its exit code (0 found, 3 none stable).
-
-    Raises:
-        MpadviseError: the job failed, was cancelled or interrupted, naming its error line.
-    """
+    """A finished job's tune JSON and its exit code (0 found, 3 none stable); raises
+    MpadviseError naming the error line of a job that did not succeed."""
     result = job.get("result") or {}
     if job["state"] != "succeeded" or result.get("tune") is None:
         why = result.get("error") or (job.get("log_tail") or "").strip().splitlines()[-1:] or "no reason recorded"

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from advisor.daemon._files import user_name
 from probes import MpadviseError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -42,7 +41,6 @@ MAX_JOB_LOGS = 200
 # Finished jobs (their rows, logs and files) are deleted this many days after they finished,
 # at start and then every PRUNE_EVERY_S; queued and running jobs never are.
 DEFAULT_JOB_RETENTION_DAYS = 30.0
-JOB_RETENTION_ENV = "MPADVISE_JOB_RETENTION_DAYS"
 PRUNE_EVERY_S = 3600.0
 # daemon.log is rotated at start past this size, keeping this many old ones (.1 the newest).
 MAX_DAEMON_LOG_BYTES = 10 * 1024 * 1024
@@ -58,15 +56,9 @@ logger = logging.getLogger("mpadvise.daemon")
 class DaemonConfig:
     """How the daemon listens and what it may run.
 
-    Args:
-        host: address to bind; loopback unless ``allow_remote``.
-        port: TCP port; 0 lets the system pick a free one (written to ``daemon.json``).
-        uds: serve on this Unix socket (mode 0600) instead of TCP.
-        allow_remote: permit a non-loopback ``host``.
-        allowed_roots: directories a job's script (and working directory and config file)
-            must be under; empty means the home directory of the user running the daemon.
-        max_body_bytes: larger request bodies are refused with 413.
-        job_retention_days: finished jobs older than this are deleted, with their files.
+    ``port`` 0 lets the system pick (written to ``daemon.json``); ``uds`` serves on a 0600 Unix
+    socket instead of TCP; a job's paths must lie under ``allowed_roots`` (empty: the home
+    directory); finished jobs older than ``job_retention_days`` are deleted with their files.
     """
 
     host: str = DEFAULT_HOST
@@ -78,22 +70,14 @@ class DaemonConfig:
     job_retention_days: float = DEFAULT_JOB_RETENTION_DAYS
 
     def roots(self) -> tuple[Path, ...]:
-        """The allowed roots, resolved (symlinks followed), defaulting to the home directory."""
         raw = self.allowed_roots or (Path.home(),)
         return tuple(Path(os.path.realpath(root)) for root in raw)
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` names only loopback addresses.
-
-    Args:
-        host: an IP address (IPv6 may be bracketed) or a host name; a name counts as loopback
-            when every address it resolves to is one (so a doctored ``/etc/hosts`` cannot
-            turn ``localhost`` into a public bind).
-
-    Returns:
-        True for 127.0.0.0/8, ::1 and names resolving only to them.
-    """
+    """Whether ``host`` (an address, IPv6 maybe bracketed, or a name) names only loopback
+    addresses; a name counts when every address it resolves to is one (so a doctored
+    ``/etc/hosts`` cannot turn ``localhost`` into a public bind)."""
     bare = host.strip().strip("[]")
     if not bare:
         return False
@@ -110,59 +94,33 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(host: str, *, allow_remote: bool) -> str | None:
-    """Decide whether the daemon may bind ``host``.
-
-    Args:
-        host: the address asked for.
-        allow_remote: the user passed ``--allow-remote``.
-
-    Returns:
-        ``None`` for a loopback address, or the warning to print for a permitted remote one.
-
-    Raises:
-        MpadviseError: (exit code 2) a non-loopback address without ``allow_remote``.
-    """
+    """``None`` when the daemon may bind the loopback ``host``, the warning to print for a
+    permitted remote one; MpadviseError (exit code 2) for a remote one without ``allow_remote``."""
     if is_loopback(host):
         return None
     if not allow_remote:
-        raise MpadviseError(
-            f"--host {host} is not a loopback address; the daemon runs scripts on request, so it "
-            "serves on 127.0.0.1 (or --uds PATH) only; pass --allow-remote to bind it anyway",
-            exit_code=2,
-        )
-    return (
-        f"serving on {host}, reachable from other machines: every request except GET /health "
-        "needs the token, and anyone holding it can run scripts under the allowed roots as "
-        f"{user_name()}; prefer 127.0.0.1 with an SSH tunnel"
-    )
+        raise MpadviseError(f"--host {host} is not a loopback address; the daemon runs scripts on request, so it "
+                            "serves on 127.0.0.1 (or --uds PATH) only; pass --allow-remote to bind it anyway",
+                            exit_code=2)
+    try:
+        import pwd
+
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError):
+        user = "this user"
+    return (f"serving on {host}, reachable from other machines: every request except GET /health "
+            "needs the token, and anyone holding it can run scripts under the allowed roots as "
+            f"{user}; prefer 127.0.0.1 with an SSH tunnel")
 
 
 def connection_limit(soft_descriptors: int) -> int:
-    """How many connections the daemon keeps open at once, given its descriptor limit.
-
-    At most :data:`MAX_CONNECTIONS`, and at most half of what remains once
-    :data:`RESERVED_DESCRIPTORS` are set aside, so that connections alone can never use the
-    descriptors that the database, the logs and the jobs need (1,024 gives 256).
-
-    Args:
-        soft_descriptors: ``RLIMIT_NOFILE``'s soft limit (``RLIM_INFINITY`` counts as large).
-
-    Returns:
-        The limit, at least 1.
-    """
+    """How many connections the daemon keeps open at once, given ``RLIMIT_NOFILE``'s soft limit:
+    at most :data:`MAX_CONNECTIONS`, and at most half of what remains once
+    :data:`RESERVED_DESCRIPTORS` are set aside for the database, the logs and the jobs."""
     if soft_descriptors < 0:  # RLIM_INFINITY
         return MAX_CONNECTIONS
     return max(1, min(MAX_CONNECTIONS, (soft_descriptors - RESERVED_DESCRIPTORS) // 2, soft_descriptors // 4))
 
 
 def under_roots(path: Path, roots: Sequence[Path]) -> bool:
-    """Whether ``path`` (already resolved) is one of ``roots`` or inside one.
-
-    Args:
-        path: an absolute, symlink-free path.
-        roots: resolved directories.
-
-    Returns:
-        True when some root contains ``path``.
-    """
     return any(path == root or root in path.parents for root in roots)

@@ -16,33 +16,15 @@ from probes import MpadviseError
 
 
 def ensure_token(path: Path) -> str:
-    """Read the daemon's token, creating it (mode 0600) on first start.
-
-    Args:
-        path: the token file.
-
-    Returns:
-        The token.
-
-    Raises:
-        MpadviseError: the file is readable by others or empty.
-    """
-    try:
-        fd = open_private_new(path)
-    except FileExistsError:
-        return read_token(path)
-    with os.fdopen(fd, "w") as handle:
+    """Read the daemon's token, creating it (mode 0600) on first start."""
+    with contextlib.suppress(FileExistsError), os.fdopen(open_private_new(path), "w") as handle:
         handle.write(secrets.token_urlsafe(32) + "\n")
     return read_token(path)
 
 
 def acquire_lock(path: Path) -> int:
     """Hold the daemon's lock file (created 0600, ours, never through a symlink), so that one
-    daemon runs per cache directory; the descriptor stays open while the daemon runs.
-
-    Raises:
-        MpadviseError: another user owns the lock, or another daemon holds it.
-    """
+    daemon runs per cache directory; the descriptor stays open while the daemon runs."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
@@ -53,10 +35,8 @@ def acquire_lock(path: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise MpadviseError(
-            f"a daemon is already running for {path.parent} (see {path.parent / 'daemon.json'}); "
-            "stop it with `mpadvise daemon stop` or use another MPADVISE_HOME"
-        ) from None
+        raise MpadviseError(f"a daemon is already running for {path.parent} (see {path.parent / 'daemon.json'}); "
+                            "stop it with `mpadvise daemon stop` or use another MPADVISE_HOME") from None
     return fd
 
 
@@ -85,17 +65,5 @@ def remove_if_ours(path: Path, pid: int) -> None:
             path.unlink()
 
 
-def user_name() -> str:
-    """This user's login name, for messages."""
-    try:
-        import pwd
-
-        return pwd.getpwuid(os.getuid()).pw_name
-    except (ImportError, KeyError):
-        return "this user"
-
-
 def utc_now_seconds() -> str:
-    """The current time, UTC, ISO 8601 to the second: the daemon's timestamps."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-

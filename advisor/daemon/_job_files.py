@@ -1,5 +1,5 @@
-"""A tune job's files and processes: its log (and the tail the daemon keeps), request, result and
-temporary directory, finding and killing its processes, and pruning what old jobs left."""
+"""A tune job's files (log, request, result, temporary directory) and processes, and pruning
+what old jobs left."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,15 +24,11 @@ from advisor.daemon._config import JOB_ENV, LOG_TAIL_CHARS, LOG_TAIL_LINES, MAX_
 from advisor.tune import TuneRequest
 from probes import MpadviseError
 
-JOB_TMP = "tmp"
-"""The jobs directory's subdirectory that holds each running job's temporary directory."""
+JOB_TMP = "tmp"  # the jobs directory's subdirectory of the running jobs' temporary directories
+
 
 class LogTail:
-    """The last lines of a job's stderr, with a count of every line seen.
-
-    Args:
-        max_lines: lines kept for the log tail.
-    """
+    """The last ``max_lines`` lines of a job's stderr, with a count of every line seen."""
 
     def __init__(self, max_lines: int = LOG_TAIL_LINES) -> None:
         self._lines: deque[str] = deque(maxlen=max_lines)
@@ -54,11 +49,9 @@ class LogTail:
             return list(self._lines)
 
     def text(self) -> str:
-        """The tail as text, at most :data:`LOG_TAIL_CHARS` characters (the newest kept)."""
         return "\n".join(self.lines())[-LOG_TAIL_CHARS:]
 
     def error_line(self) -> str | None:
-        """What the tune said went wrong: its last ``error:`` line, else its last line."""
         lines = self.lines()
         for line in reversed(lines):
             if line.startswith("error:"):
@@ -68,8 +61,7 @@ class LogTail:
 
 @dataclass(frozen=True)
 class JobFiles:
-    """A job's files in the jobs directory: its log (kept), its request and result (removed
-    once the job has ended)."""
+    """A job's files: its log (kept), its request and result (removed once the job has ended)."""
 
     directory: Path
     job_id: str
@@ -87,18 +79,15 @@ class JobFiles:
         return self.directory / f"{self.job_id}.result.json"
 
     def write_request(self, request: TuneRequest) -> None:
-        """Write the request file (new and private; a stale one, or a stale result, removed first)."""
         self.remove()
         with os.fdopen(open_private_new(self.request), "w", encoding="utf-8") as out:
             json.dump(request.to_dict(), out)
 
     @property
     def tmp(self) -> Path:
-        """The job's temporary directory (its ``TMPDIR``), removed when the job ends."""
         return self.directory / JOB_TMP / self.job_id
 
     def make_tmp(self) -> Path:
-        """Create the temporary directory afresh, mode 0700 (one left by an earlier attempt removed)."""
         ensure_private_dir(self.tmp.parent)
         _remove_tree(self.tmp)
         os.mkdir(self.tmp, 0o700)
@@ -108,7 +97,6 @@ class JobFiles:
         _remove_tree(self.tmp)
 
     def remove_all(self) -> None:
-        """Remove every file of the job: log, request, result and temporary directory."""
         self.remove()
         self.remove_tmp()
         with contextlib.suppress(OSError):
@@ -122,8 +110,7 @@ class JobFiles:
 
 def open_job_log(path: Path) -> Any:
     """Open a job's log (appended to across attempts), never through a symlink: created new or,
-    when an earlier attempt left one, reopened only if it is a plain file of ours with one link.
-    """
+    when an earlier attempt left one, reopened only if it is a plain file of ours with one link."""
     try:
         return os.fdopen(open_private_new(path, os.O_WRONLY | os.O_APPEND), "ab")
     except FileExistsError:
@@ -156,21 +143,13 @@ def result_of(code: int | None, result_path: Path, tail: LogTail) -> dict[str, A
     return {"exit_code": code, "error": error}
 
 
-def remove_job_tmp_dirs(jobs_dir: Path, keep: Sequence[str] = ()) -> None:
-    """Remove the jobs' temporary directories (``jobs/tmp/ID``), but those of ``keep``.
-
-    Args:
-        jobs_dir: the jobs directory.
-        keep: ids of jobs still running.
-    """
-    root = jobs_dir / JOB_TMP
+def remove_job_tmp_dirs(jobs_dir: Path) -> None:
     try:
-        entries = list(os.scandir(root))
+        entries = list(os.scandir(jobs_dir / JOB_TMP))
     except OSError:
         return
     for entry in entries:
-        if entry.name not in keep:
-            _remove_tree(Path(entry.path))
+        _remove_tree(Path(entry.path))
 
 
 def _remove_tree(path: Path) -> None:
@@ -184,7 +163,6 @@ def _remove_tree(path: Path) -> None:
 
 
 def prune_job_logs(jobs_dir: Path, *, keep: int = MAX_JOB_LOGS) -> None:
-    """Delete all but the newest ``keep`` job logs, so that they cannot fill the disk."""
     try:
         logs = sorted((entry for entry in os.scandir(jobs_dir) if entry.name.endswith(".log") and entry.is_file()),
                       key=lambda entry: entry.stat().st_mtime, reverse=True)
@@ -195,25 +173,10 @@ def prune_job_logs(jobs_dir: Path, *, keep: int = MAX_JOB_LOGS) -> None:
             os.unlink(entry.path)
 
 
-def prune_jobs(store: Store, jobs_dir: Path, *, retention_s: float,
-               now: datetime.datetime | None = None) -> list[str]:
-    """Delete the jobs that finished more than ``retention_s`` ago, with their files.
-
-    Queued, running and cancelling jobs are never touched. A job log in ``jobs_dir`` that is
-    older than the retention and whose job is gone (``mpadvise cache clear``, an older
-    daemon) goes too.
-
-    Args:
-        store: the cache store.
-        jobs_dir: the jobs directory.
-        retention_s: how long a finished job is kept.
-        now: the current time (UTC); default the clock.
-
-    Returns:
-        The ids of the jobs deleted.
-    """
-    now = now or datetime.datetime.now(datetime.timezone.utc)
-    cutoff = now - datetime.timedelta(seconds=retention_s)
+def prune_jobs(store: Store, jobs_dir: Path, *, retention_s: float) -> list[str]:
+    """Delete the jobs that finished more than ``retention_s`` ago, with their files; returns
+    their ids. A job log older than that whose job is gone (``mpadvise cache clear``) goes too."""
+    cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=retention_s)
     ids = store.prune_finished_jobs(finished_before=cutoff.isoformat(timespec="microseconds"))
     for job_id in ids:
         JobFiles(jobs_dir, job_id).remove_all()
@@ -229,20 +192,13 @@ def prune_jobs(store: Store, jobs_dir: Path, *, retention_s: float,
     return ids
 
 
-def job_pids(job_id: str, proc: Path = Path("/proc")) -> list[int]:
-    """Live processes of one job: those whose environment carries its :data:`JOB_ENV` mark.
-
-    Args:
-        job_id: the job.
-        proc: the proc file system (Linux); elsewhere nothing is found.
-
-    Returns:
-        The PIDs (this user's processes only: others' environments are unreadable).
-    """
+def job_pids(job_id: str) -> list[int]:
+    """Live processes of one job: this user's whose environment carries its :data:`JOB_ENV` mark
+    (Linux's /proc; elsewhere nothing is found)."""
     marker = f"{JOB_ENV}={job_id}".encode()
     found = []
     try:
-        entries = list(os.scandir(proc))
+        entries = list(os.scandir("/proc"))
     except OSError:
         return []
     for entry in entries:
@@ -259,15 +215,9 @@ def job_pids(job_id: str, proc: Path = Path("/proc")) -> list[int]:
 
 
 def kill_job(job_id: str, process: subprocess.Popen[bytes] | None = None) -> None:
-    """SIGKILL every process of a job: the tune, its process group, and its trials.
-
-    The trials run in sessions of their own (so that a trial timeout can kill a script's
-    children), so killing the tune's group is not enough; they are found by their mark.
-
-    Args:
-        job_id: the job.
-        process: the tune process, when this daemon started it.
-    """
+    """SIGKILL every process of a job: the tune (``process``, when this daemon started it), its
+    process group, and its trials, which run in sessions of their own (so that a trial timeout
+    can kill a script's children) and are found by their mark."""
     if process is not None and process.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)

@@ -1,5 +1,5 @@
-"""What a tune job runs: its request (options, plan, study), its command line and environment,
-and whether its paths may run under the daemon's roots (pure but for reading the script)."""
+"""What a tune job runs: its request, its command line and environment, and whether its paths
+may run under the daemon's roots."""
 
 from __future__ import annotations
 
@@ -14,43 +14,25 @@ from advisor.daemon._config import JOB_ENV, under_roots
 from advisor.frameworks import check_plan_modes, plan_for
 from advisor.tune import WAIT_IDLE_ENV, ScriptLaunch, TuneOptions, TuneRequest, resolve_storage
 
-PathKind = Literal["file", "dir", "new"]
-"""What a job's path must be: an existing file, an existing directory, or a new file."""
-
-JOB_MODULE = "advisor.tune.job"
-"""The entry point a job runs: ``python -m advisor.tune.job REQUEST.json RESULT.json``."""
-
+PathKind = Literal["file", "dir", "new"]  # an existing file, an existing directory, a new file
 
 def tune_argv(request: str | os.PathLike[str], result: str | os.PathLike[str], *, python: str = sys.executable) -> list[str]:
-    """The command line that runs one job: the tune job entry point on its request file.
-
-    Args:
-        request: the job's request file (``TuneRequest.to_dict()`` as JSON).
-        result: where the entry point writes the tune's result (``ScriptTune.to_dict()``).
-        python: the interpreter.
-
-    Returns:
-        The argv list for ``subprocess.Popen`` (no shell is involved; the script's arguments
-        travel in the request file, never on this command line).
-    """
-    return [*_module_entry(python, JOB_MODULE), os.fspath(request), os.fspath(result)]
+    """``python -m advisor.tune.job REQUEST.json RESULT.json``, without the working directory on
+    ``sys.path``; the script's arguments travel in the request file, never on this line."""
+    return [python, *module_argv("advisor.tune.job"), os.fspath(request), os.fspath(result)]
 
 
 def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
-    """The tune a stored job asks for on ``slot``, and the directory it runs in.
+    """The tune a stored job asks for on ``slot``, and the directory it runs in (its own, else
+    the script's).
 
-    The script's plan (its framework, read from its imports unless the job names one, and
-    what that framework can apply on the slot's device) is made here, as ``mpadvise tune``
-    makes it. A job on its second attempt or later resumes its study (unless it asked for
-    ``fresh``).
-
-    Raises:
-        MpadviseError: the stored options hold an unknown key or a value out of bounds; the
-            script cannot be read; an unknown framework (exit 2), or a mode it cannot apply;
-            ``MPADVISE_STORAGE`` and ``MPADVISE_STORAGE_FILE`` both set, or an unusable file.
+    The script's plan is made here, as ``mpadvise tune`` makes it. Raises MpadviseError for
+    stored options out of bounds, an unreadable script, an unknown framework or mode, or an
+    unusable storage setting.
     """
-    options, cwd = job_options(job)
-    options = options.with_(device=slot)  # the slot, whatever the job said
+    stored = dict(job.get("options") or {})
+    cwd = stored.pop("cwd", None) or os.path.dirname(job["script"])  # kept beside the options
+    options = TuneOptions.from_dict(stored).with_(device=slot)  # the slot, whatever the job said
     # A study's URL (with its password) comes from the daemon's own environment, as
     # `mpadvise tune` takes it from the user's: it travels in the private request file, never
     # in a job's arguments, which every user of the machine can read in `ps`.
@@ -65,35 +47,11 @@ def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
     return TuneRequest(script, tuple(job.get("args") or ()), options, ScriptLaunch.of(plan)), cwd
 
 
-def _module_entry(python: str, module: str) -> list[str]:
-    """The argv that runs ``module`` without the working directory on ``sys.path``
-    (``advisor._entry.module_argv``); the runner's interpreter is the daemon's own."""
-    return [python, *module_argv(module)]
-
-
-def job_options(job: Mapping[str, Any]) -> tuple[TuneOptions, str]:
-    """A stored job's tune options and the directory it runs in (its own, else the script's).
-
-    Raises:
-        MpadviseError: the stored options hold an unknown key or a value out of bounds.
-    """
-    stored = dict(job.get("options") or {})
-    cwd = stored.pop("cwd", None) or os.path.dirname(job["script"])  # kept beside the options
-    return TuneOptions.from_dict(stored), cwd
-
-
 def path_refusal(what: str, raw: Any, roots: Sequence[Path], want: PathKind) -> tuple[int, str] | None:
     """Why a job's path may not be used under ``roots``: an HTTP status and one line; or ``None``.
 
     The one rule, at submission and again when a job is claimed: an absolute path whose real
-    path (symlinks resolved) lies under an allowed root (else 403), and is a file (``"file"``),
-    a directory (``"dir"``), or a new file in an existing directory (``"new"``) (else 422).
-
-    Args:
-        what: the field, for the message (``"options.out"``).
-        raw: the path as the request or the queue holds it.
-        roots: the allowed roots, resolved.
-        want: what the path must be.
+    path lies under an allowed root (else 403), and is what ``want`` says (else 422).
     """
     if not isinstance(raw, str) or not os.path.isabs(raw):
         return 422, f"{what} {raw!r} is not absolute; send the full path (the daemon's working directory is not yours)"
@@ -117,12 +75,8 @@ def path_refusal(what: str, raw: Any, roots: Sequence[Path], want: PathKind) -> 
 
 
 def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
-    """Why a queued job may not run under ``roots`` (``path_refusal``'s line), or ``None`` when it may.
-
-    Args:
-        job: the job as the queue stores it: its script, and its ``cwd`` and ``--out`` if any.
-        roots: the allowed roots, resolved.
-    """
+    """Why a queued job (its script, and its ``cwd`` and ``--out`` if any) may not run under
+    ``roots``, or ``None`` when it may."""
     options = job.get("options") or {}
     checks: list[tuple[str, Any, PathKind]] = [("script", job.get("script"), "file"), ("cwd", options.get("cwd"), "dir"),
                                                ("options.out", options.get("out"), "new")]
@@ -137,8 +91,8 @@ def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
 
 def job_env(job_id: str, tmp: Path | None = None) -> dict[str, str]:
     """The environment of a job's process: the daemon's, marked with the job (so that every
-    process of it can be found), waiting for an idle GPU before each trial, with its own
-    private temporary directory as ``TMPDIR``.
+    process of it can be found), waiting for an idle GPU before each trial, with ``tmp`` as its
+    private temporary directory.
 
     The daemon's environment is inherited on purpose: a secret set there (a study's
     ``MPADVISE_STORAGE`` URL, an API key) reaches the job without appearing in its arguments,

@@ -1,5 +1,5 @@
-"""Jobs: the slots (one per GPU, or one CPU slot), and the runner threads that start, follow,
-cancel and recover tune jobs (a job's request is ``_job_request``, its files ``_job_files``)."""
+"""The job slots (one per GPU, or one CPU slot), and the runner threads that start, follow,
+cancel and recover tune jobs."""
 
 from __future__ import annotations
 
@@ -36,13 +36,8 @@ from probes import HardwareProfile, MpadviseError
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one job at a time runs: a GPU (``cuda:N``) or, without one, the CPU.
-
-    Args:
-        name: ``"cpu"`` or ``"cuda:N"`` (torch's index, as ``--device`` takes it).
-        index: the CUDA index, ``None`` for the CPU.
-        uuid: the GPU's UUID, which NVML matches whatever ``CUDA_VISIBLE_DEVICES`` says.
-    """
+    """Where one job at a time runs: a GPU (``cuda:N``, with the UUID that NVML matches whatever
+    ``CUDA_VISIBLE_DEVICES`` says) or, without one, the CPU."""
 
     name: str
     index: int | None = None
@@ -50,20 +45,11 @@ class Slot:
 
 
 def slots_for(profiles: Sequence[HardwareProfile]) -> list[Slot]:
-    """One slot per CUDA device; one CPU slot when there is none.
-
-    Args:
-        profiles: what :func:`probes.detect` found.
-
-    Returns:
-        The slots, GPUs in torch's order.
-    """
     gpus = [Slot(f"cuda:{p.index}", p.index, p.uuid) for p in profiles if p.is_cuda and p.index is not None]
     return gpus or [Slot("cpu")]
 
 
 def nvml_busy(slot: Slot) -> list[int]:
-    """PIDs computing on the slot's GPU (none for the CPU slot)."""
     if slot.index is None:
         return []
     return probes.gpu_busy(slot.index, uuid=slot.uuid)
@@ -79,22 +65,10 @@ class _SlotState:
 class JobRunner:
     """One worker thread per slot: claim the oldest job, wait for an idle GPU, run the tune.
 
-    Args:
-        store: the cache store (shared, thread-safe).
-        slots: where jobs run.
-        jobs_dir: where each job's full log goes.
-        busy: PIDs computing on a slot's GPU (NVML; tests pass a fake).
-        python: the interpreter that runs the job entry point (``advisor.tune.job``).
-        poll_s: how often a running job is checked for cancellation and progress.
-        gpu_poll_s: how often a waiting job asks NVML again.
-        idle_poll_s: how often an idle worker looks at the queue without being woken.
-        retention_s: finished jobs older than this are deleted with their files
-            (:func:`prune_jobs`), at start and every ``prune_every_s``; ``None`` keeps them.
-        prune_every_s: seconds between prunings.
-        roots: the allowed roots (resolved); each job's paths are checked against them again
-            when it is claimed, since whoever can write the queue could have put it there.
-            ``None`` (runners built by hand in tests) skips that check; the daemon always
-            passes its roots.
+    ``busy`` gives the PIDs computing on a slot's GPU (NVML). Finished jobs older than
+    ``retention_s`` are deleted at start and every ``prune_every_s`` (``None`` keeps them). Each
+    job's paths are checked against ``roots`` again when it is claimed, since whoever can write
+    the queue could have put it there (``None``, in tests only, skips that check).
     """
 
     store: Store
@@ -116,7 +90,6 @@ class JobRunner:
     _state: dict[str, _SlotState] = field(default_factory=dict)
 
     def start(self) -> None:
-        """Start one worker thread per slot."""
         # Job logs can quote a script's arguments and output: this user's eyes only, and a
         # jobs/ that someone else owns or may write is refused.
         ensure_private_dir(self.jobs_dir)
@@ -135,7 +108,6 @@ class JobRunner:
             self._threads.append(thread)
 
     def _prune(self, retention_s: float) -> None:
-        """Delete old finished jobs now, then every ``prune_every_s`` until stopped."""
         while True:
             try:
                 pruned = prune_jobs(self.store, self.jobs_dir, retention_s=retention_s)
@@ -148,17 +120,14 @@ class JobRunner:
                 return
 
     def wake(self) -> None:
-        """Tell idle workers that a job was queued."""
         for event in self._wake.values():
             event.set()
 
     def cancel(self, job_id: str) -> None:
-        """Ask the worker running ``job_id`` to stop it (the store already says cancelling)."""
         with self._cancel_lock:
             self._cancel.add(job_id)
 
     def slot_info(self) -> list[dict[str, Any]]:
-        """Each slot, the job on it and what that job is doing."""
         return [
             {"name": s.name, "uuid": s.uuid, "job": self._state.get(s.name, _SlotState()).job,
              "phase": self._state.get(s.name, _SlotState()).phase}
@@ -173,12 +142,6 @@ class JobRunner:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-
-    # -- worker ------------------------------------------------------------------------
-
-    def _cancelled(self, job_id: str) -> bool:
-        with self._cancel_lock:
-            return job_id in self._cancel
 
     def _work(self, slot: Slot) -> None:
         state = self._state[slot.name]
@@ -213,8 +176,10 @@ class JobRunner:
                     self._cancel.discard(job["id"])
 
     def asked_to_cancel(self, job_id: str, record: dict[str, Any] | None) -> bool:
-        """Whether the job is to stop: cancelled here, or its row gone or marked cancelling."""
-        return self._cancelled(job_id) or record is None or record.get("state") == "cancelling"
+        with self._cancel_lock:
+            if job_id in self._cancel:
+                return True
+        return record is None or record.get("state") == "cancelling"
 
 
 class _JobRun:
@@ -283,7 +248,6 @@ class _JobRun:
 
     def _finish(self, job_id: str, code: int | None, outcome: str, progress: dict[str, Any], tail: LogTail,
                 files: JobFiles) -> None:
-        """Record how a job's process ended: its result file's tune, or why there is none."""
         try:
             if outcome == "stopped":
                 logger.info("job %s interrupted by the daemon stopping; it runs again at the next start", job_id)
@@ -305,11 +269,8 @@ class _JobRun:
 
     def _follow(self, job_id: str, slot: Slot, process: subprocess.Popen[bytes],
                 tail: LogTail) -> tuple[str, dict[str, Any]]:
-        """Watch a running tune until it exits ("exited"), is cancelled, or the daemon stops.
-
-        Returns:
-            The outcome and the job's progress record so far.
-        """
+        """Watch a running tune until it exits, is cancelled, or the daemon stops; returns the
+        outcome and the job's progress record so far."""
         progress: dict[str, Any] = {"phase": "running", "slot": slot.name, "pid": process.pid}
         foreign: set[int] = set()
         last_update = 0.0
@@ -357,18 +318,9 @@ class _JobRun:
 
 
 def recover_jobs(store: Store, *, max_retries: int = 1) -> list[dict[str, Any]]:
-    """At start: kill what is left of jobs the last daemon was running, and queue them again.
-
-    A daemon killed with -9 leaves its tune processes running (they are in their own process
-    groups); left alone they would store an answer while the same job runs again.
-
-    Args:
-        store: the cache store.
-        max_retries: how many restarts a job survives.
-
-    Returns:
-        The jobs changed (now queued, interrupted or cancelled).
-    """
+    """At start: kill what is left of jobs the last daemon was running (a daemon killed with -9
+    leaves its tunes running, which would store an answer while the same job runs again), and
+    queue them again; returns the jobs changed."""
     for job in store.list_jobs(states=("running", "cancelling")):
         kill_job(job["id"])
     return store.requeue_interrupted(max_retries=max_retries)

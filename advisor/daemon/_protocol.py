@@ -1,25 +1,11 @@
-"""The HTTP connection with the daemon's limits: how many connections, how large a request's
-head, how long a client may take to send its request.
+"""The HTTP connection with the daemon's limits, which uvicorn's httptools parser lacks.
 
-uvicorn bounds none of these for its httptools parser: a connection that sends nothing stays
-open until the client closes it, a header is buffered however long it grows, and every
-connection holds a descriptor. Without bounds, any local user could use up the daemon's
-descriptors with idle connections (the owner's requests then fail, and so do the jobs' pipes
-and logs) or its memory with one endless header. So this protocol, a subclass of uvicorn's,
-adds three limits at the connection layer, below the application:
-
-* at most ``max_connections`` open at once (:func:`advisor.daemon._config.connection_limit`):
-  past it, a new connection closes the connection that has waited longest without a request
-  in progress (an idle one), or, when every one is busy with a request, is itself refused
-  with 503;
-* a request's line and headers over ``max_header_bytes`` are refused with 431;
-* a connection has ``request_timeout_s`` from its opening (or from the previous answer) to
-  deliver a whole request, headers and body: an idle connection is closed, a dribbled header
-  gets 408.
-
-A refusal is written, then the connection is half-closed and what the client still sends is
-read and dropped for a moment (a "lingering close"), so that the client reads the answer
-instead of a reset.
+Without them any local user could use up the daemon's descriptors with idle connections, or
+its memory with one endless header. So: past ``max_connections`` a new connection closes the
+longest-idle one, or is refused with 503 when all are busy; a head over ``max_header_bytes``
+gets 431; a connection has ``request_timeout_s`` to deliver a whole request (an idle one is
+closed, a dribbled header gets 408). A refusal is followed by a lingering close, so that the
+client reads the answer instead of a reset.
 """
 
 from __future__ import annotations
@@ -38,14 +24,6 @@ _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 50
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """The bounds on each connection and on their number.
-
-    Args:
-        max_connections: connections open at once.
-        max_header_bytes: a request's line and headers, in bytes.
-        request_timeout_s: seconds to deliver a whole request.
-    """
-
     max_connections: int
     max_header_bytes: int
     request_timeout_s: float
@@ -57,8 +35,6 @@ def limited_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
 
 class _LimitedProtocol(HttpToolsProtocol):
-    """One connection; ``limits`` is set by :func:`limited_protocol`."""
-
     limits: ConnectionLimits
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -68,8 +44,6 @@ class _LimitedProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._deadline: asyncio.TimerHandle | None = None
         self._refused = False  # answered with a refusal: input is dropped until it closes
-
-    # -- connections ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -97,8 +71,6 @@ class _LimitedProtocol(HttpToolsProtocol):
         self._disarm()
         if not self.transport.is_closing():
             self.transport.close()
-
-    # -- the request's head and the deadline ----------------------------------------------
 
     def data_received(self, data: bytes) -> None:
         if self._refused:

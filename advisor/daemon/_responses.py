@@ -34,20 +34,12 @@ class HardwareReport(BaseModel):
     detected_at: str
 
 
-def _recommendation_model() -> type[BaseModel]:
-    """A cache record as the daemon serves it, built from the cache's one record schema.
-
-    A field every stored record has (``not_null``) is required; the others may be null, and
-    ``trials`` is absent unless asked for.
-    """
-    fields: dict[str, Any] = {
-        field.name: (field.annotation, ...) if field.not_null else (field.annotation | None, None)
-        for field in RECORD_FIELDS
-    }
-    return create_model("Recommendation", __module__=__name__, **fields)
-
-
-Recommendation = _recommendation_model()
+# A cache record as the daemon serves it, from the cache's one record schema: a field every
+# stored record has is required; the others may be null (``trials`` is absent unless asked for).
+Recommendation = create_model("Recommendation", __module__=__name__, **{
+    field.name: (field.annotation, ...) if field.not_null else (field.annotation | None, None)
+    for field in RECORD_FIELDS
+})
 
 
 class RecommendationList(BaseModel):

@@ -92,30 +92,6 @@ def _bind(config: DaemonConfig) -> tuple[socket.socket, dict[str, Any]]:
     return sock, {"host": host, "port": port, "url": f"http://{shown}:{port}"}
 
 
-def _check_private(paths: DaemonPaths) -> None:
-    """Refuse a cache directory, or daemon files in it, that someone else owns or may write.
-
-    Whoever can write the job queue, the job logs' directory or the token can run code as the
-    user of the daemon (or read its jobs' secrets), so all of them must be this user's alone.
-    The database files are checked when the store opens them.
-    """
-    ensure_private_dir(paths.directory)
-    # Also tightens a daemon.log that `daemon start` opened under the umask to 0600. The token
-    # is not tightened but refused by read_token: one that others could read may have leaked.
-    for path in (paths.log, paths.pid, paths.address, paths.lock):
-        ensure_private_file(path)
-    ensure_private_dir(paths.jobs)
-
-
-def _setup_logging() -> None:
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s mpadvise daemon: %(message)s", "%Y-%m-%d %H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-
-
 @contextlib.contextmanager
 def _daemon_files(paths: DaemonPaths, address: dict[str, Any]) -> Iterator[None]:
     pid = os.getpid()
@@ -129,32 +105,32 @@ def _daemon_files(paths: DaemonPaths, address: dict[str, Any]) -> Iterator[None]
 
 
 def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = None) -> None:
-    """Run the daemon in this process until SIGTERM or Ctrl-C.
-
-    Args:
-        config: where to listen and what may run.
-        busy: PIDs computing on a slot's GPU; default NVML.
-
-    Raises:
-        MpadviseError: a refused or failed bind (exit code 2 for a refused address), another
-            daemon on this cache directory, an unusable token file or cache, or a cache
-            directory (or a file in it) that someone else owns or may write.
-    """
+    """Run the daemon in this process until SIGTERM or Ctrl-C (``busy``: PIDs computing on a
+    slot's GPU; default NVML)."""
     remote_warning = None if config.uds is not None else check_bind(config.host, allow_remote=config.allow_remote)
     for root in config.roots():
         if not root.is_dir():
             raise MpadviseError(f"--allowed-root {root} is not a directory; give an existing directory", exit_code=2)
-    _setup_logging()
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s mpadvise daemon: %(message)s", "%Y-%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
     paths = DaemonPaths.here()
-    _check_private(paths)
+    # Whoever can write the cache directory or the daemon's files in it can run code as this
+    # user (the store checks the database files). This also tightens a daemon.log that `daemon
+    # start` opened under the umask; the token is not tightened but refused by read_token.
+    ensure_private_dir(paths.directory)
+    for path in (paths.log, paths.pid, paths.address, paths.lock):
+        ensure_private_file(path)
+    ensure_private_dir(paths.jobs)
     lock = acquire_lock(paths.lock)
     stores: list[Store] = []
     try:
         token = ensure_token(paths.token)
-        store = Store()
-        stores.append(store)
-        read_store = Store()
-        stores.append(read_store)
+        stores.append(store := Store())
+        stores.append(read_store := Store())
         for job in recover_jobs(store):
             logger.info("job %s was running when the last daemon stopped: now %s (attempt %s)",
                         job["id"], job["state"], job["attempts"])
@@ -171,10 +147,8 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
                             slots=slots, runner=runner, mode_names=modes, answers=AnswerCache(read_store),
                             local_only=config.uds is None and remote_warning is None)
         app = create_app(state)
-        limits = ConnectionLimits(
-            max_connections=connection_limit(resource.getrlimit(resource.RLIMIT_NOFILE)[0]),
-            max_header_bytes=MAX_HEADER_BYTES, request_timeout_s=REQUEST_TIMEOUT_S,
-        )
+        limits = ConnectionLimits(connection_limit(resource.getrlimit(resource.RLIMIT_NOFILE)[0]), MAX_HEADER_BYTES,
+                                  REQUEST_TIMEOUT_S)
         server = _Server(uvicorn.Config(
             app, http=limited_protocol(limits), log_config=None, log_level="warning", access_log=False, lifespan="on",
             proxy_headers=False,  # request.client must be the real peer: the Host check depends on it

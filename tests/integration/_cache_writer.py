@@ -72,7 +72,8 @@ def _put(store: Store, key: str, writer: str, trial_count: int) -> None:
 
 
 def _check(store: Store, key: str) -> None:
-    record = store.get_recommendation(HARDWARE_FP, _workload_fp(key))
+    rows = store.find_recommendations(hardware_fp=HARDWARE_FP, workload_fp=_workload_fp(key), with_trials=True)
+    record = rows[0] if rows else None
     if record is None:
         raise SystemExit(f"read-back of {key} found nothing")
     if len(record["trials"]) != record["summary"]["trial_count"]:

@@ -469,7 +469,7 @@ def test_unix_socket_is_private(tmp_path):
         assert stat.S_IMODE(sock.stat().st_mode) == 0o600
         client = DaemonClient(uds=str(sock), token="wrong")
         assert client.health()["status"] == "ok"
-        status, data = client.request("POST", "/jobs", {"script": "/x"}, auth=True)
+        status, data = client.request("POST", "/jobs", {"script": "/x"})
         assert status == 403
     finally:
         proc.terminate()

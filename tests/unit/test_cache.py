@@ -24,7 +24,7 @@ from advisor._paths import cache_dir, database_path
 from advisor.cache import _migrations, _recommendations
 from advisor.cache import _store as _cache
 from advisor.cache._migrations import SCHEMA_VERSION, migrate, migration
-from advisor.cache._records import EXPORT_FORMAT, EXPORT_FORMAT_VERSION, RECORD_FIELDS
+from advisor.cache._records import EXPORT_FORMAT, EXPORT_FORMAT_VERSION, RECORD_FIELDS, read_export
 from advisor.cache._store import Store, open_store
 from probes._errors import MpadviseError
 
@@ -158,7 +158,7 @@ def test_migrate_applies_only_missing_migrations(
 def test_put_and_get_round_trip_with_trials_and_hardware(store: Store) -> None:
     store.put_hardware(HW, {"kind": "cpu", "name": "Test CPU"})
     recommendation_id = _put(store)
-    record = store.get_recommendation(HW, WL)
+    record = _get(store, HW, WL)
     assert record is not None
     assert record["id"] == recommendation_id
     assert record["mode"] == "bf16-mixed"
@@ -168,8 +168,8 @@ def test_put_and_get_round_trip_with_trials_and_hardware(store: Store) -> None:
     assert record["hardware"] == {"kind": "cpu", "name": "Test CPU"}
     assert record["trials"] == _trials(3)
     assert store.get(recommendation_id) == record
-    assert store.get_recommendation(HW, WL_OTHER) is None
-    assert store.get_recommendation(HW_OTHER, WL) is None
+    assert _get(store, HW, WL_OTHER) is None
+    assert _get(store, HW_OTHER, WL) is None
     assert store.get(recommendation_id + 100) is None
 
 
@@ -201,7 +201,7 @@ def test_find_filters_by_hardware_workload_and_script_name(store: Store) -> None
     assert store.find_recommendations(hardware_fp="0000000000000000") == []
 
 
-def test_delete_and_clear(store: Store) -> None:
+def test_clear(store: Store) -> None:
     old = _put(store)
     recent = _put(store, workload_fp=WL_OTHER)
     store.db.execute(
@@ -210,8 +210,6 @@ def test_delete_and_clear(store: Store) -> None:
     )
     assert store.clear(older_than=datetime.timedelta(days=30)) == 1
     assert [r["id"] for r in store.list_recommendations()] == [recent]
-    assert store.delete(recent) is True
-    assert store.delete(recent) is False
     _put(store)
     _put(store, workload_fp=WL_OTHER)
     assert store.clear() == 2
@@ -247,16 +245,31 @@ def test_put_recommendation_rejects_bad_fields_by_name(
     assert store.list_recommendations() == []
 
 
+def _get(store: Store, hardware_fp: str, workload_fp: str) -> dict[str, Any] | None:
+    rows = store.find_recommendations(hardware_fp=hardware_fp, workload_fp=workload_fp, with_trials=True)
+    return rows[0] if rows else None
+
+
+def _hardware(store: Store, fingerprint: str) -> dict[str, Any] | None:
+    rows = list(store.db.query("SELECT * FROM hardware WHERE fingerprint = ?", [fingerprint]))
+    return {**rows[0], "profile": json.loads(rows[0]["profile"])} if rows else None
+
+
+def _import(store: Store, path: Path, validate: Any = None) -> int:
+    check = None if validate is None else lambda record: validate(record["hardware_fp"], record["hardware"])
+    return store.import_validated(read_export(Path(path), check=check)).written
+
+
 def test_put_hardware_keeps_first_seen_and_refreshes_profile(store: Store) -> None:
     store.put_hardware(HW, {"kind": "cpu", "name": "old"})
-    first = store.get_hardware(HW)
+    first = _hardware(store, HW)
     store.put_hardware(HW, {"kind": "cpu", "name": "new"})
-    second = store.get_hardware(HW)
+    second = _hardware(store, HW)
     assert second["profile"] == {"kind": "cpu", "name": "new"}
     assert second["first_seen"] == first["first_seen"]
     assert second["last_seen"] >= first["last_seen"]
-    assert [row["fingerprint"] for row in store.list_hardware()] == [HW]
-    assert store.get_hardware(HW_OTHER) is None
+    assert [row[0] for row in store.db.execute("SELECT fingerprint FROM hardware")] == [HW]
+    assert _hardware(store, HW_OTHER) is None
 
 
 def _fill(store: Store, directory: Path, count: int) -> None:
@@ -267,7 +280,7 @@ def _fill(store: Store, directory: Path, count: int) -> None:
     ]
     path = directory / f"fill-{count}.json"
     path.write_text(json.dumps(_export_document(records)))
-    assert store.import_records(path) == count
+    assert _import(store, path) == count
 
 
 def test_lookup_takes_milliseconds_with_a_thousand_recommendations(
@@ -277,7 +290,7 @@ def test_lookup_takes_milliseconds_with_a_thousand_recommendations(
     timings = []
     for index in range(0, 1000, 10):
         started = time.perf_counter()
-        record = store.get_recommendation(HW, f"{index:016x}")
+        record = _get(store, HW, f"{index:016x}")
         timings.append(time.perf_counter() - started)
         assert record is not None and len(record["trials"]) == 2
     # Typically ~0.2 ms; the bound leaves room for a loaded 2-core CI machine.
@@ -291,7 +304,7 @@ def test_threads_can_share_one_store(store: Store) -> None:
         try:
             for index in range(10):
                 _put(store, workload_fp=f"{worker:08x}{index:08x}", trials=_trials(2))
-                store.get_recommendation(HW, f"{worker:08x}{index:08x}")
+                _get(store, HW, f"{worker:08x}{index:08x}")
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -310,7 +323,7 @@ def test_threads_can_share_one_store(store: Store) -> None:
 def test_stored_records_have_exactly_the_schema_fields(store: Store, tmp_path: Path) -> None:
     store.put_hardware(HW, {"kind": "cpu", "name": "Test CPU"})
     _put(store)
-    record = store.get_recommendation(HW, WL)
+    record = _get(store, HW, WL)
     assert set(record) == {field.name for field in RECORD_FIELDS}
     listed = store.find_recommendations(hardware_fp=HW)[0]
     assert set(listed) == {field.name for field in RECORD_FIELDS} - {"trials"}
@@ -324,7 +337,7 @@ def test_the_daemon_serves_stored_records_through_the_same_schema(store: Store) 
     from advisor.daemon._responses import Recommendation
 
     _put(store, script=None, speedup_vs_fp32=None)
-    for record in (store.get_recommendation(HW, WL), store.list_recommendations()[0]):
+    for record in (_get(store, HW, WL), store.list_recommendations()[0]):
         served = Recommendation.model_validate(record).model_dump(exclude_unset=True)
         assert served == record
     assert list(Recommendation.model_fields) == [field.name for field in RECORD_FIELDS]
@@ -348,12 +361,12 @@ def test_export_then_import_round_trips_records_profiles_and_trials(
     assert document["records"][0]["hardware"] == {"kind": "cpu", "name": "Test CPU"}
 
     with Store(tmp_path / "other.db") as other:
-        assert other.import_records(exported) == 2
-        imported = other.get_recommendation(HW, WL)
+        assert _import(other, exported) == 2
+        imported = _get(other, HW, WL)
         original = store.get(first)
         for key in ("policy", "trials", "summary", "versions", "created_at", "hardware"):
             assert imported[key] == original[key]
-        assert other.get_hardware(HW)["profile"] == {"kind": "cpu", "name": "Test CPU"}
+        assert _hardware(other, HW)["profile"] == {"kind": "cpu", "name": "Test CPU"}
 
     only_first = tmp_path / "one.json"
     assert store.export_records(only_first, ids=[first]) == 1
@@ -367,8 +380,8 @@ def test_import_keeps_a_newer_local_answer(store: Store, tmp_path: Path) -> None
     exported = tmp_path / "recs.json"
     store.export_records(exported)
     _put(store, policy={"mode": "fp16-mixed"})  # a fresh local tune after the export
-    assert store.import_records(exported) == 0
-    assert store.get_recommendation(HW, WL)["mode"] == "fp16-mixed"
+    assert _import(store, exported) == 0
+    assert _get(store, HW, WL)["mode"] == "fp16-mixed"
 
 
 def _export_document(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -437,7 +450,7 @@ def test_import_refuses_bad_files_whole_with_one_clear_line(
     bad = tmp_path / "bad.json"
     bad.write_text(content)
     with pytest.raises(MpadviseError) as caught:
-        store.import_records(bad)
+        _import(store, bad)
     message = str(caught.value)
     assert str(bad) in message
     assert expected in message
@@ -463,16 +476,16 @@ def test_import_asks_the_caller_to_vouch_for_each_hardware(store: Store, tmp_pat
             raise MpadviseError("fingerprint does not match its profile")
 
     with pytest.raises(MpadviseError, match="record 1: fingerprint does not match its profile"):
-        store.import_records(path, validate_hardware=validate)
+        _import(store, path, validate=validate)
     assert seen == [(HW, None), (HW_OTHER, {"kind": "cuda"})]
     assert store.list_recommendations() == []
-    assert store.import_records(path, validate_hardware=lambda fp, profile: None) == 2
-    assert store.get_recommendation(HW, WL)["created_at"] == "2026-01-02T03:04:05.000000+00:00"
+    assert _import(store, path, validate=lambda fp, profile: None) == 2
+    assert _get(store, HW, WL)["created_at"] == "2026-01-02T03:04:05.000000+00:00"
 
 
 def test_import_of_a_missing_file_names_it(store: Store, tmp_path: Path) -> None:
     with pytest.raises(MpadviseError, match=r"cannot read .*missing\.json"):
-        store.import_records(tmp_path / "missing.json")
+        _import(store, tmp_path / "missing.json")
 
 
 # -- jobs ---------------------------------------------------------------------------------------
@@ -545,7 +558,7 @@ def _assert_fresh_and_usable(path: Path) -> None:
     with Store(path) as store:
         assert store.list_recommendations() == []
         _put(store)
-        assert store.get_recommendation(HW, WL) is not None
+        assert _get(store, HW, WL) is not None
 
 
 def test_garbage_file_is_moved_aside_with_its_wal_and_a_warning_naming_both_paths(
@@ -593,7 +606,7 @@ def test_database_from_a_newer_schema_is_moved_aside(
         store.db.execute("INSERT INTO _migrations VALUES ('m050_from_the_future', 'x')")
         store.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 49}")
     with caplog.at_level(logging.WARNING, logger="mpadvise"), Store(path) as store:
-        assert store.get_recommendation(HW, WL) is None
+        assert _get(store, HW, WL) is None
     (message,) = _warnings(caplog)
     assert "newer than this mpadvise understands" in message
     assert "m050_from_the_future" in message
@@ -648,12 +661,12 @@ def test_damage_found_mid_command_moves_the_file_aside_and_retries(
     monkeypatch.setattr(_recommendations, "select_recommendations", damaged_once)
     with caplog.at_level(logging.WARNING, logger="mpadvise"):
         # The retry runs on the fresh database, where the key is simply not cached.
-        assert store.get_recommendation(HW, WL) is None
+        assert _get(store, HW, WL) is None
     assert len(calls) == 2
     assert len(_moved_aside(store.path)) == 1
     assert "database disk image is malformed" in _warnings(caplog)[0]
     _put(store)
-    assert store.get_recommendation(HW, WL) is not None
+    assert _get(store, HW, WL) is not None
 
 
 @pytest.mark.parametrize(
@@ -675,7 +688,7 @@ def test_unusable_cache_location_degrades_to_no_cache_with_one_warning(
         Store(path)
     with caplog.at_level(logging.WARNING, logger="mpadvise"):
         assert open_store(path) is None
-        assert Store.open(path) is None
+        assert open_store(path) is None
     (message,) = _warnings(caplog)
     assert "continuing without the cache" in message
     assert str(path.parent if path.name == "mpadvise.db" else path) in message

@@ -27,7 +27,7 @@ from advisor import _paths
 from advisor._load import resolve_policy
 from advisor._paths import database_path
 from advisor.cache import _store as _cache
-from advisor.cache._recommend import lookup, record_tune, stale_entries
+from advisor.cache._recommend import entry_status, lookup, record_tune
 from advisor.runtime._workload import model_signature, script_digest
 from policies import Policy, TunedOn, hardware_mismatch, safe_default_mode
 
@@ -246,7 +246,9 @@ def test_an_fp8_answer_needs_its_fp8_library_version(
     assert resolution.policy.mode == "bf16-mixed" and resolution.mismatch is not None
     assert resolution.mismatch.detail() == f"{library} {dict(tuned.libraries)[library]} -> 9.9.9"
     assert len(warnings) == 1 and f"{library} {dict(tuned.libraries)[library]} -> 9.9.9" in warnings[0]
-    ((_, reason),) = stale_entries(upgraded, script)
+    with _cache.Store() as store:
+        (row,) = store.list_recommendations()
+    reason = entry_status(row, upgraded).describe()  # type: ignore[union-attr]
     assert f"{library} {dict(tuned.libraries)[library]} -> 9.9.9" in reason
     # The other FP8 library is not this answer's concern.
     other = "transformer_engine" if library == "torchao" else "torchao"
@@ -302,7 +304,7 @@ def test_entries_keyed_by_recipe_1_are_migrated(home: Path, tmp_path: Path) -> N
         conn.execute("PRAGMA user_version = 1")
     with _cache.Store() as store:
         rows = store.find_recommendations(with_trials=True)
-        hardware = {row["fingerprint"] for row in store.list_hardware()}
+        hardware = {row[0] for row in store.db.execute("SELECT fingerprint FROM hardware")}
     new = probes.hardware_fingerprint(profile)
     assert hardware == {new, "ffffffffffffffff"}
     assert sorted((row["workload_fp"], row["mode"]) for row in rows) == [("1" * 16, "bf16-mixed"), ("2" * 16, "tf32")]

@@ -26,10 +26,10 @@ from advisor import _paths
 from advisor._paths import database_path
 from advisor.cache import _store as _cache
 from advisor.cache._recommend import (
+    entry_status,
     lookup,
     nothing_cached_yet,
     record_tune,
-    stale_entries,
     versions_of,
 )
 from advisor.runtime._workload import model_signature
@@ -225,15 +225,16 @@ def test_a_lookup_costs_milliseconds(script: Path) -> None:
     assert statistics.median(timings) < 0.050
 
 
-def test_stale_entries_name_what_changed(script: Path) -> None:
+def test_entry_status_names_what_changed(script: Path) -> None:
     before = gpu_profile("A100")
     _record(before, script)
     upgraded = replace(before, torch_version="2.6.0+cu124")
-    assert stale_entries(before, script) == []
-    ((row, reason),) = stale_entries(upgraded, script)
+    with _cache.Store() as store:
+        (row,) = store.list_recommendations()
+    assert entry_status(row, before) is None
     assert row["hardware_fp"] == probes.hardware_fingerprint(before)
-    assert "torch 2.5.1+cu124 -> 2.6.0+cu124" in reason
-    ((_, reason),) = stale_entries(gpu_profile("H100"), None)
+    assert "torch 2.5.1+cu124 -> 2.6.0+cu124" in entry_status(row, upgraded).describe()  # type: ignore[union-attr]
+    reason = entry_status(row, gpu_profile("H100")).describe()  # type: ignore[union-attr]
     assert "device NVIDIA A100-SXM4-80GB -> NVIDIA H100 80GB HBM3" in reason
 
 
