@@ -15,8 +15,6 @@ if TYPE_CHECKING:
 
 
 class Tf32(PrecisionMode):
-    """TF32: sets the matmul precision switch while active and restores it on exit."""
-
     name = "tf32"
     dtype_family = "tf32"
     safety_rank = 10
