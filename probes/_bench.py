@@ -26,11 +26,9 @@ BENCH_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
 # Big enough to saturate a data-centre GPU's tensor cores; on a CPU without native bf16 a
 # 1024 matmul takes seconds per call, so 512 keeps the whole CPU run near two seconds.
 _DEFAULT_SIZE = {"cuda": 8192, "cpu": 512}
-# CUDA warm-up: cuBLAS picks its algorithm on the first call, and an idle GPU's clocks take
-# up to a few tenths of a second of load to reach their boost frequency. Three calls of an
-# fp8 matmul are a few milliseconds, so the warm-up goes by time: at least _CUDA_WARMUP_MIN_S
-# of work, then until two successive timings agree within _CUDA_WARMUP_SETTLED, and never
-# beyond _CUDA_WARMUP_MAX_S (a GPU that is being throttled may never settle).
+# CUDA warm-up goes by time, not calls (cuBLAS picks its algorithm on the first call, and an idle
+# GPU's clocks take a few tenths of a second of load to boost): at least the minimum, then until
+# two timings agree within SETTLED, never beyond the maximum (a throttled GPU may never settle).
 _CUDA_WARMUP_MIN_S = 0.2
 _CUDA_WARMUP_MAX_S = 2.0
 _CUDA_WARMUP_SETTLED = 0.03
@@ -120,20 +118,14 @@ def matmul_benchmark(
         stack.enter_context(torch.no_grad())
         for dtype in chosen:
             reason = _skip_reason(torch, profile, dtype)
-            if reason is not None:
-                measured[dtype] = reason
-                continue
-            measured[dtype] = _measure(torch, profile, dtype, size, min_seconds, repeats)
+            measured[dtype] = reason if reason is not None else _measure(
+                torch, profile, dtype, size, min_seconds, repeats)
 
     return _rows(profile, chosen, measured, size)
 
 
-def _rows(
-    profile: HardwareProfile,
-    chosen: tuple[str, ...],
-    measured: dict[str, tuple[float, float, int] | str],
-    size: int,
-) -> list[BenchRow]:
+def _rows(profile: HardwareProfile, chosen: tuple[str, ...], measured: dict[str, tuple[float, float, int] | str],
+          size: int) -> list[BenchRow]:
     peaks = peak_tflops(profile)
     fp32 = measured.get("fp32")
     fp32_tflops = _tflops(size, fp32[0]) if isinstance(fp32, tuple) else None
@@ -147,23 +139,14 @@ def _rows(
             continue
         seconds, spread, repeats = result
         tflops = _tflops(size, seconds)
-        rows.append(
-            BenchRow(
-                **common,
-                tflops=tflops,
-                seconds=seconds,
-                ratio_vs_fp32=tflops / fp32_tflops if fp32_tflops else None,
-                fraction_of_peak=tflops / common["peak_tflops"] if common["peak_tflops"] else None,
-                repeats=repeats,
-                spread=spread,
-            )
-        )
+        rows.append(BenchRow(**common, tflops=tflops, seconds=seconds,
+                             ratio_vs_fp32=tflops / fp32_tflops if fp32_tflops else None,
+                             fraction_of_peak=tflops / common["peak_tflops"] if common["peak_tflops"] else None,
+                             repeats=repeats, spread=spread))
     return rows
 
 
-def _validated_dtypes(
-    profile: HardwareProfile, dtypes: tuple[str, ...] | list[str] | None
-) -> tuple[str, ...]:
+def _validated_dtypes(profile: HardwareProfile, dtypes: tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
     if dtypes is None:
         return default_bench_dtypes(profile)
     if isinstance(dtypes, str):
@@ -217,46 +200,30 @@ def _operands(torch: Any, profile: HardwareProfile, dtype: str, size: int) -> Ca
         return lambda: torch._scaled_mm(
             a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16, use_fast_accum=True
         )
-    torch_dtype = {
-        "fp32": torch.float32,
-        "tf32": torch.float32,
-        "fp16": torch.float16,
-        "bf16": torch.bfloat16,
-    }[dtype]
+    torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     a, b = randn().to(torch_dtype), randn().to(torch_dtype)
     return lambda: torch.mm(a, b)
 
 
-def _measure(
-    torch: Any,
-    profile: HardwareProfile,
-    dtype: str,
-    size: int,
-    min_seconds: float,
-    repeats: int,
-) -> tuple[float, float, int] | str:
+def _measure(torch: Any, profile: HardwareProfile, dtype: str, size: int, min_seconds: float,
+             repeats: int) -> tuple[float, float, int] | str:
     """``(seconds per matmul of the fastest repeat, spread, repeats)``, or why it was skipped."""
     try:
         # TF32 only for the tf32 row; the fp32 row must be IEEE even if the caller enabled TF32
-        # (or, on a CPU, bf16 via "medium"), or it would measure the wrong thing. Only matmuls
-        # run here, so cuDNN's switches stay as they are (cuda=False) on every device. Each
-        # switch comes back as it was, an inherited one inheriting again.
+        # (or, on a CPU, bf16 via "medium"). Only matmuls run here, so cuDNN's switches stay.
         with matmul_switches(tf32=dtype == "tf32", cuda=False):
             matmul = _operands(torch, profile, dtype, size)
             timer = _cuda_timer(torch) if profile.is_cuda else _cpu_timer
             if profile.is_cuda:
                 one_call = _cuda_warm_up(timer, matmul)
             else:
-                # On a CPU the warm-up call doubles as the calibration: a dtype without
-                # native support takes a fifth of a second per call, and each saved call
-                # shortens the probe.
+                # The warm-up call doubles as the calibration: an emulated dtype takes a fifth
+                # of a second per call.
                 one_call = timer(matmul, 1)
             per_repeat = min_seconds / repeats
             if not profile.is_cuda and one_call >= per_repeat:
-                # One call alone outlasts a repeat's share of the budget: a CPU without a fast
-                # path for this dtype (bf16 emulated by AVX2 at a hundredth of fp32's rate).
-                # Single calls, the calibration one among them, fill the budget, two at least;
-                # five repeats of one call each would spend seconds past it.
+                # One call outlasts a repeat's share (bf16 emulated by AVX2 at a hundredth of
+                # fp32's rate): single calls fill the budget, two at least, not seconds past it.
                 count = max(2, min(repeats, math.ceil(min_seconds / max(one_call, 1e-9))))
                 samples = [one_call] + [timer(matmul, 1) for _ in range(count - 1)]
             else:
