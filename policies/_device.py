@@ -10,14 +10,8 @@ TE_INSTALL = 'pip install "mpadvise[fp8]"'
 TORCHAO_INSTALL = 'pip install "mpadvise[torchao]"'
 
 # How the CPU flags are named in messages; amx_tile is implied by the AMX data types.
-FLAG_NAMES = {
-    "avx2": "AVX2",
-    "avx512f": "AVX512F",
-    "avx512_bf16": "AVX512-BF16",
-    "amx_bf16": "AMX-BF16",
-    "avx512_fp16": "AVX512-FP16",
-    "amx_fp16": "AMX-FP16",
-}
+FLAG_NAMES = {"avx2": "AVX2", "avx512f": "AVX512F", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16",
+              "avx512_fp16": "AVX512-FP16", "amx_fp16": "AMX-FP16"}
 
 
 @dataclass(frozen=True)

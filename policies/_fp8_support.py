@@ -66,16 +66,11 @@ class Fp8Support(PrecisionMode):
         version = profile.library_version(cls.library)
         unmet = cls._recipe_unmet(profile, cap, recipe)
         if unmet is None:
-            return ModeSupport(
-                cls.name, True, f"{cls.name}: recipe {recipe!r} runs on {cap.label} with {cls.library_display} {version}"
-            )
+            return ModeSupport(cls.name, True,
+                               f"{cls.name}: recipe {recipe!r} runs on {cap.label} with {cls.library_display} {version}")
         here = [r for r in cls.fp8_recipes if cls._recipe_unmet(profile, cap, r) is None]
-        return ModeSupport(
-            cls.name,
-            False,
-            f"{cls.name}: recipe {recipe!r} on {profile.name} {unmet}; set [fp8] recipe to one "
-            f"that runs here: {', '.join(here) or 'none'}",
-        )
+        return ModeSupport(cls.name, False, f"{cls.name}: recipe {recipe!r} on {profile.name} {unmet}; set [fp8] "
+                                            f"recipe to one that runs here: {', '.join(here) or 'none'}")
 
     @classmethod
     def cuda_support(cls, profile: HardwareProfile, cap: ArchCapability) -> ModeSupport:
@@ -114,14 +109,9 @@ class Fp8Support(PrecisionMode):
     def _recipe_unmet(cls, profile: HardwareProfile, cap: ArchCapability, recipe: str) -> str | None:
         if not cls._has_rule(recipe):
             return None  # a recipe without a rule needs what FP8 as a whole needs
-        return fp8_recipe_unmet(
-            cls.library,
-            recipe,
-            compute_capability=cap.compute_capability,
-            cuda_runtime=profile.cuda_runtime,
-            library_version=profile.library_version(cls.library),
-            library_display=cls.library_display,
-        )
+        return fp8_recipe_unmet(cls.library, recipe, compute_capability=cap.compute_capability,
+                                cuda_runtime=profile.cuda_runtime, library_version=profile.library_version(cls.library),
+                                library_display=cls.library_display)
 
 
 def fp8_device_problem(profile: HardwareProfile, cap: ArchCapability) -> str | None:

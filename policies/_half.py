@@ -54,9 +54,5 @@ class HalfPrecisionMode(PrecisionMode):
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
         speed = cpu_bf16_speed(profile) if cls.dtype_family == "bf16" else cpu_fp16_speed(profile)
         detail = f"{cls.cpu_detail}; " if cls.cpu_detail else ""
-        return ModeSupport(
-            cls.name,
-            True,
-            f"{cls.name}: {detail}{speed}",
-            emulated=not cpu_has_native(profile, cls.dtype_family),
-        )
+        return ModeSupport(cls.name, True, f"{cls.name}: {detail}{speed}",
+                           emulated=not cpu_has_native(profile, cls.dtype_family))

@@ -54,12 +54,6 @@ class HardwareMismatch:
         """The sentence a log line continues with: ``"it was tuned on ..."``."""
         return f"it was {self.describe()}"
 
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "tuned_fingerprint": self.tuned_fingerprint,
-            "differences": [d.to_dict() for d in self.differences],
-        }
-
 
 def hardware_mismatch(policy: Policy, profile: HardwareProfile) -> HardwareMismatch | None:
     """What differs between where ``policy`` was tuned and ``profile``; ``None`` when it may apply.

@@ -47,13 +47,8 @@ class Fp16Mixed(AutocastMode):
         self.scaler = None
         if ls is None or ls.kind == "none":
             return
-        self.scaler = torch.amp.GradScaler(
-            device.type,
-            init_scale=ls.init_scale,
-            growth_factor=ls.growth_factor,
-            backoff_factor=ls.backoff_factor,
-            growth_interval=ls.growth_interval,
-        )
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=ls.init_scale, growth_factor=ls.growth_factor,
+                                           backoff_factor=ls.backoff_factor, growth_interval=ls.growth_interval)
         if ls.kind == "static":
             self.static_scale = float(ls.init_scale)
         self._unscaled = False

@@ -38,22 +38,13 @@ def import_transformer_engine() -> tuple[Any, Any]:
 
 
 # The TE recipe class of each recipe name (transformer_engine.common.recipe).
-RECIPE_CLASSES = {
-    "delayed": "DelayedScaling",
-    "current": "Float8CurrentScaling",
-    "mxfp8": "MXFP8BlockScaling",
-    "block": "Float8BlockScaling",
-}
+RECIPE_CLASSES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling",
+                  "block": "Float8BlockScaling"}
 
 
 def build_recipe(recipe_mod: Any, options: Any) -> Any:
-    """The TE recipe object for the Policy's ``[fp8]`` options (``delayed`` by default)."""
+    """The TE recipe object for the Policy's ``[fp8]`` options (already one of ``fp8_recipes``)."""
     name = options.recipe if options and options.recipe else Fp8Te.default_recipe
-    if name not in RECIPE_CLASSES:
-        raise MpadviseError(
-            f"fp8.recipe: {name!r} is not a Transformer Engine recipe; expected "
-            f"{', '.join(Fp8Te.fp8_recipes)}"
-        )
     recipe_cls = getattr(recipe_mod, RECIPE_CLASSES[name], None)
     if recipe_cls is None:
         floor = fp8_recipe_since(Fp8Te.library, name)
@@ -64,11 +55,8 @@ def build_recipe(recipe_mod: Any, options: Any) -> Any:
         )
     fmt = recipe_format(recipe_mod, options)
     if name == "delayed":
-        return recipe_cls(
-            fp8_format=fmt,
-            amax_history_len=options.amax_history_len if options else 1024,
-            margin=options.margin if options else 0,
-        )
+        return recipe_cls(fp8_format=fmt, amax_history_len=options.amax_history_len if options else 1024,
+                          margin=options.margin if options else 0)
     if name == "current":
         return recipe_cls(fp8_format=fmt)
     return recipe_cls()
@@ -171,13 +159,8 @@ class Fp8Te(Fp8Mode):
         # Exactly nn.Linear: a subclass may do more in its forward than TE's Linear does.
         if type(module) is not torch.nn.Linear or not self.fp8_eligible(fqn, module.in_features, module.out_features):
             return None
-        new = self.te.Linear(
-            module.in_features,
-            module.out_features,
-            bias=module.bias is not None,
-            params_dtype=module.weight.dtype,
-            device=self.device,
-        )
+        new = self.te.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                             params_dtype=module.weight.dtype, device=self.device)
         # Copy the trained values so the swap is invisible to the optimisation.
         with torch.no_grad():
             new.weight.copy_(module.weight)
@@ -187,11 +170,8 @@ class Fp8Te(Fp8Mode):
         self.converted.append(fqn)
         return new
 
-    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
-        return self._bf16_and_fp8_autocast()
-
     @contextlib.contextmanager
-    def _bf16_and_fp8_autocast(self) -> Iterator[None]:
+    def forward_context(self) -> Iterator[None]:
         import torch
 
         # TE's autocast makes only TE's own modules compute in FP8; everything else would run

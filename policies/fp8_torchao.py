@@ -44,9 +44,7 @@ class Fp8Torchao(Fp8Mode):
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
         if profile.library_version(cls.library) is None:
             return cls._not_installed()
-        return ModeSupport(
-            cls.name, True, f"{cls.name}: emulated on CPU (correct numerics, no speedup)", emulated=True
-        )
+        return ModeSupport(cls.name, True, f"{cls.name}: emulated on CPU (correct numerics, no speedup)", emulated=True)
 
     @property
     def compute_dtype(self):
