@@ -48,14 +48,10 @@ class PrecisionMode:
 
     name: ClassVar[str]
     dtype_family: ClassVar[str]
-    # Lower rank = safer. Within the speed noise band the search prefers the safer policy:
-    # full precision first; then mixed modes, which keep fp32 master weights (bf16 before fp16,
-    # since bf16 has fp32's exponent range and needs no loss scaling); then FP8, which also keeps
-    # high-precision weights but computes matmuls with 3 mantissa bits (torchao's default dynamic
-    # per-tensor scaling before Transformer Engine's delayed scaling, whose amax history can go
-    # stale after a spike); then pure low-precision modes, which lose small updates
-    # (bf16 before fp16: fp16 also overflows without a scaler). The built-in ranks are spaced by
-    # ten so that a new mode can slot in between without renumbering the others.
+    # Lower rank = safer; within the speed noise the search prefers the safer policy. Full
+    # precision, then mixed (fp32 master weights; bf16 needs no loss scaling), then FP8 (3 mantissa
+    # bits; torchao's dynamic scaling before TE's delayed, whose amax history can go stale), then
+    # pure low precision, which loses small updates. Spaced by ten so a new mode can slot in.
     safety_rank: ClassVar[int]
     loss_scaling: ClassVar[bool] = False
     fp8_recipes: ClassVar[tuple[str, ...]] = ()

@@ -140,8 +140,6 @@ def load_config(path: str | Path) -> Policy:
         text = read_trusted_text(path, what="config file")
     except IsADirectoryError:
         raise PolicyError(f"config file {path} is a directory, expected a .toml file") from None
-    except PolicyError:
-        raise
     except MpadviseError as exc:
         raise PolicyError(str(exc)) from None
     except (OSError, UnicodeDecodeError) as exc:

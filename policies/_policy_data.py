@@ -7,7 +7,7 @@ import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from ._policy_parts import SCHEMA, Fp8Options, LossScale, PolicyError, TunedOn, choices_text
+from ._policy_parts import SCHEMA, Fp8Options, LossScale, PolicyError, TunedOn
 from ._registry import mode_names
 
 if sys.version_info >= (3, 11):
@@ -52,7 +52,7 @@ def policy_fields(data: Any, *, source: str, known: set[str]) -> dict[str, Any]:
             "upgrade mpadvise (pip install -U mpadvise)"
         )
     if "mode" not in data:
-        raise PolicyError(f"{source}: missing 'mode'; expected one of {choices_text(mode_names())}")
+        raise PolicyError(f"{source}: missing 'mode'; expected one of {', '.join(mode_names())}")
     unknown = sorted(set(data) - known)
     if unknown:
         raise PolicyError(f"{source}: unknown field {unknown[0]!r}; expected one of schema, {', '.join(sorted(known))}")

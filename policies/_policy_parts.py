@@ -27,10 +27,6 @@ class PolicyError(MpadviseError, ValueError):
     """A Policy field or a config file holds a value that is not allowed."""
 
 
-def choices_text(values: tuple[str, ...]) -> str:
-    return ", ".join(values)
-
-
 def names_text(names: list[str]) -> str:
     """``"a"``, ``"a and b"``, ``"a, b and c"``."""
     if len(names) < 2:
@@ -54,7 +50,7 @@ def default_reduce_dtype(mode: str) -> str:
 def check_choice(key: str, value: Any, allowed: tuple[str, ...], *, of: str = "") -> None:
     if value not in allowed:
         whose = f" ({of})" if of else ""
-        raise PolicyError(f"{key}: {value!r} is not allowed; expected one of {choices_text(allowed)}{whose}")
+        raise PolicyError(f"{key}: {value!r} is not allowed; expected one of {', '.join(allowed)}{whose}")
 
 
 def check_positive(key: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> None:

@@ -94,9 +94,7 @@ def _says_where_it_runs(cls: type[PrecisionMode]) -> bool:
 
 
 def unregister_mode(name: str) -> None:
-    if name not in _REGISTRY:
-        raise MpadviseError(f"unknown mode {name!r}; expected one of {', '.join(_REGISTRY)}")
-    del _REGISTRY[name]
+    del _REGISTRY[mode_class(name).name]
 
 
 def mode_classes() -> tuple[type[PrecisionMode], ...]:
