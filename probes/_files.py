@@ -95,9 +95,7 @@ def _fsync_directory(directory: Path) -> None:
 
 def untrusted_reason(st: os.stat_result, *, uid: int) -> str | None:
     """Why a config file with this ``fstat`` status must not be applied (``None``: it may be);
-    files of ``uid``'s and root's are trusted."""
-    if stat.S_ISDIR(st.st_mode):
-        return "a directory, expected a .toml file"
+    files of ``uid``'s and root's are trusted; a directory never gets here."""
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
     perms = f"mode {stat.S_IMODE(st.st_mode):04o}"

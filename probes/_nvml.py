@@ -30,13 +30,8 @@ _INIT_PID_NAMESPACE = 0xEFFFFFFC
 _GPU_DEVICE_FILE = re.compile(r"/dev/nvidia\d+")
 
 
-def cuda_profiles(
-    *,
-    torch_cuda: Any = None,
-    nvml: Any = None,
-    cuda_runtime: str | None = None,
-    torch_version: str | None = None,
-) -> list[HardwareProfile]:
+def cuda_profiles(*, torch_cuda: Any = None, nvml: Any = None, cuda_runtime: str | None = None,
+                  torch_version: str | None = None) -> list[HardwareProfile]:
     """One profile per visible CUDA device, in torch's order; ``[]`` without usable CUDA.
 
     Each argument left ``None`` is read from torch (or pynvml); tests pass fakes.
@@ -65,33 +60,19 @@ def cuda_profiles(
         for index, props in devices:
             handle = handles.get(index)
             facts = session.device_facts(handle) if session and handle is not None else {}
-            profiles.append(
-                HardwareProfile(
-                    kind="cuda",
-                    name=str(props.name),
-                    index=index,
-                    compute_capability=(int(props.major), int(props.minor)),
-                    sm_count=int(props.multi_processor_count),
-                    # CUDA's view, not NVML's: under MIG it is the slice, which is what a
-                    # training process can use.
-                    memory_total=int(props.total_memory),
-                    memory_free=facts.get("memory_free"),
-                    driver_version=driver_version,
-                    cuda_runtime=cuda_runtime,
-                    mig_enabled=facts.get("mig_enabled"),
-                    clocks_mhz=facts.get("clocks_mhz"),
-                    torch_version=torch_version,
-                    libraries=libraries,
-                    uuid=facts.get("uuid") or _torch_uuid(props),
-                    cuda_arch_list=arch_list,
-                )
-            )
+            profiles.append(HardwareProfile(
+                kind="cuda", name=str(props.name), index=index, compute_capability=(int(props.major), int(props.minor)),
+                sm_count=int(props.multi_processor_count),
+                # CUDA's view, not NVML's: under MIG it is the slice, which is what training can use.
+                memory_total=int(props.total_memory), memory_free=facts.get("memory_free"),
+                driver_version=driver_version, cuda_runtime=cuda_runtime, mig_enabled=facts.get("mig_enabled"),
+                clocks_mhz=facts.get("clocks_mhz"), torch_version=torch_version, libraries=libraries,
+                uuid=facts.get("uuid") or _torch_uuid(props), cuda_arch_list=arch_list,
+            ))
     return profiles
 
 
-def gpu_busy(
-    index: int, nvml: Any = None, *, uuid: str | None = None, own: OwnProcesses | None = None
-) -> list[int]:
+def gpu_busy(index: int, nvml: Any = None, *, uuid: str | None = None, own: OwnProcesses | None = None) -> list[int]:
     """Sorted PIDs of other processes computing on a GPU (not this process's own tree); ``[]``
     when none or unknown.
 
@@ -101,10 +82,7 @@ def gpu_busy(
     with _nvml_session(nvml) as session:
         if session is None:
             return []
-        if uuid is not None:
-            handle = session.handle_by_uuid(uuid)
-        else:
-            handle = session.call("nvmlDeviceGetHandleByIndex", index)
+        handle = session.handle_by_uuid(uuid) if uuid is not None else session.call("nvmlDeviceGetHandleByIndex", index)
         if handle is None:
             return []
         processes = session.call("nvmlDeviceGetComputeRunningProcesses", handle) or []
@@ -149,12 +127,8 @@ def own_processes(proc: Path | None = None) -> OwnProcesses:
     pid = _self_pid(proc)
     parents = _parent_pids(proc)
     tree = {pid} | _ancestors(pid, parents) | _descendants(pid, parents)
-    return OwnProcesses(
-        pid=pid,
-        tree=frozenset(tree),
-        gpu_users=sum(_holds_gpu(proc, member) for member in tree),
-        host_namespace=_in_host_namespace(proc),
-    )
+    return OwnProcesses(pid=pid, tree=frozenset(tree), gpu_users=sum(_holds_gpu(proc, member) for member in tree),
+                        host_namespace=_in_host_namespace(proc))
 
 
 def _self_pid(proc: Path) -> int:
@@ -268,10 +242,9 @@ def _normalise_uuid(value: object) -> str | None:
 
 def _torch_uuid(props: Any) -> str | None:
     """torch's UUID, in NVML's ``GPU-...`` spelling."""
-    raw = _as_text(getattr(props, "uuid", None))
-    if not raw or not raw.strip():
+    raw = (_as_text(getattr(props, "uuid", None)) or "").strip()
+    if not raw:
         return None
-    raw = raw.strip()
     return raw if raw.lower().startswith(("gpu-", "mig-")) else f"GPU-{raw}"
 
 
@@ -351,9 +324,7 @@ class _NvmlSession:
     def match_handles(self, devices: list[tuple[int, Any]]) -> dict[int, Any]:
         handles = self.all_handles()
         by_uuid: dict[str, Any] = {uuid: handle for handle, uuid in handles if uuid is not None}
-        torch_uuids = {
-            index: _normalise_uuid(getattr(props, "uuid", None)) for index, props in devices
-        }
+        torch_uuids = {index: _normalise_uuid(getattr(props, "uuid", None)) for index, props in devices}
         if any(torch_uuids.values()):
             # Under MIG, torch's UUID is the instance's ("MIG-..."), which NVML lists under its
             # parent GPU. A UUID NVML lists nowhere stays unpaired rather than guessed.

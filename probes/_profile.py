@@ -52,14 +52,9 @@ class HardwareProfile:
         return dict(self.libraries).get(name)
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["cpu_flags"] = list(self.cpu_flags)
-        data["cuda_arch_list"] = list(self.cuda_arch_list)
-        data["libraries"] = {k: v for k, v in self.libraries}
-        if self.compute_capability is not None:
-            data["compute_capability"] = list(self.compute_capability)
-        if self.clocks_mhz is not None:
-            data["clocks_mhz"] = list(self.clocks_mhz)
+        # JSON-ready: tuples become lists, the libraries a table.
+        data = {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+        data["libraries"] = dict(self.libraries)
         return data
 
     @classmethod
