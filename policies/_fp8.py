@@ -15,32 +15,10 @@ if TYPE_CHECKING:
 
     from ._config import Policy
 
-# FP8 GEMMs need both matrix dimensions divisible by 16 (cuBLASLt's FP8 layout rule, which
-# torchao's Float8Linear inherits); MXFP8 needs 32, its scaling block. Other linears stay in
-# high precision. Each recipe's multiple is its rule's dim_multiple (probes' FP8 recipe rules).
-FP8_DIM_MULTIPLE = 16
-
-
-def fp8_shape_ok(in_features: int, out_features: int, multiple: int = FP8_DIM_MULTIPLE) -> bool:
-    """Whether a Linear of this shape can run its matmuls in FP8 (features multiples of ``multiple``)."""
-    return in_features % multiple == 0 and out_features % multiple == 0
-
-
 # nn.MultiheadAttention hands out_proj.weight and .bias to F.multi_head_attention_forward (or
 # the fused kernel) and never calls out_proj.forward: a swapped layer there would count as
 # FP8 and run none, so neither library's swap is made there.
 MHA_OUT_PROJ = "nn.MultiheadAttention passes its weight to its attention kernel and never calls its forward"
-
-
-def forward_bypassed_linears(module: torch.nn.Module) -> dict[int, str]:
-    """``id(linear)`` -> why: the Linears whose owner uses their weight and never calls them."""
-    import torch
-
-    return {
-        id(owner.out_proj): MHA_OUT_PROJ
-        for owner in module.modules()
-        if isinstance(owner, torch.nn.MultiheadAttention) and isinstance(owner.out_proj, torch.nn.Linear)
-    }
 
 
 # eq=False: equality of the Parameter field would compare tensors element by element.
@@ -124,7 +102,13 @@ class Fp8Mode(Fp8Support):
         )
 
     def find_bypassed(self, module: torch.nn.Module) -> None:
-        self._bypassed = forward_bypassed_linears(module)
+        """Before a conversion: the Linears whose owner uses their weight and never calls them."""
+        import torch
+
+        self._bypassed = {
+            id(owner.out_proj): MHA_OUT_PROJ for owner in module.modules()
+            if isinstance(owner, torch.nn.MultiheadAttention) and isinstance(owner.out_proj, torch.nn.Linear)
+        }
 
     def forward_bypassed(self, fqn: str, linear: torch.nn.Linear) -> bool:
         """Whether ``linear``'s owner never calls its forward (recorded if so); without
@@ -142,9 +126,12 @@ class Fp8Mode(Fp8Support):
         return True
 
     def fp8_eligible(self, fqn: str, in_features: int, out_features: int) -> bool:
-        if fp8_shape_ok(in_features, out_features, self.rule.dim_multiple):
+        # FP8 GEMMs need both dimensions divisible by 16 (cuBLASLt's layout rule, which torchao's
+        # Float8Linear inherits), MXFP8 by 32, its scaling block: the recipe rule's dim_multiple.
+        multiple = self.rule.dim_multiple
+        if in_features % multiple == 0 and out_features % multiple == 0:
             return True
-        self._keep(f"dimensions not divisible by {self.rule.dim_multiple}", fqn, in_features, out_features)
+        self._keep(f"dimensions not divisible by {multiple}", fqn, in_features, out_features)
         return False
 
     def _keep(self, why: str, fqn: str, in_features: int, out_features: int) -> None:
