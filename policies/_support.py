@@ -6,7 +6,7 @@ from __future__ import annotations
 from probes import HardwareProfile
 
 from ._config import Policy
-from ._device import FLAG_NAMES, ModeSupport, arch, cpu_bf16_speed
+from ._device import FLAG_NAMES, ModeSupport, arch, cpu_bf16_speed, gpu_text
 from ._fp8 import Fp8Mode
 from ._registry import mode_class, mode_classes
 
@@ -29,7 +29,7 @@ def safe_default_mode(profile: HardwareProfile) -> tuple[str, str]:
     validation) nor a ``-true`` mode (pure low-precision weights can stall)."""
     if profile.is_cuda:
         cap = arch(profile)
-        where = f"{cap.label}, {profile.name}"
+        where = gpu_text(profile, cap)
         if cap.bf16:
             return (
                 "bf16-mixed",
