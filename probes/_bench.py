@@ -76,14 +76,8 @@ def default_bench_dtypes(profile: HardwareProfile) -> tuple[str, ...]:
     return tuple(dtypes)
 
 
-def matmul_benchmark(
-    profile: HardwareProfile,
-    *,
-    dtypes: tuple[str, ...] | list[str] | None = None,
-    size: int | None = None,
-    min_seconds: float = 0.2,
-    repeats: int = 5,
-) -> list[BenchRow]:
+def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list[str] | None = None,
+                     size: int | None = None, min_seconds: float = 0.2, repeats: int = 5) -> list[BenchRow]:
     """Measure square-matmul TFLOP/s per dtype; one ``BenchRow`` per dtype, in ``BENCH_DTYPES``
     order (a dtype the device cannot run comes back skipped).
 

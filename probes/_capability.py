@@ -251,15 +251,8 @@ def fp8_recipe_since(library: str, recipe: str) -> tuple[int, int] | None:
     return _recipe_rules(library, recipe)[0].min_library
 
 
-def fp8_recipe_unmet(
-    library: str,
-    recipe: str,
-    *,
-    compute_capability: tuple[int, int],
-    cuda_runtime: str | None,
-    library_version: str | None,
-    library_display: str | None = None,
-) -> str | None:
+def fp8_recipe_unmet(library: str, recipe: str, *, compute_capability: tuple[int, int], cuda_runtime: str | None,
+                     library_version: str | None, library_display: str | None = None) -> str | None:
     """What an FP8 recipe needs that this device, CUDA and library version lack, as one clause
     (``"needs CUDA 12.9 or newer (torch was built with CUDA 12.4)"``); ``None`` when it runs.
 
@@ -268,7 +261,7 @@ def fp8_recipe_unmet(
     name = library_display or library
     rules = _recipe_rules(library, recipe)
     version = release(library_version)
-    first = fp8_recipe_since(library, recipe)
+    first = rules[0].min_library
     if version is not None and first is not None and version < first:
         return f"needs {name} {_dotted(first)} or newer (this is {library_version})"
     rule = fp8_recipe_rule(library, recipe, library_version)
