@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from ._device import ModeSupport
 
 
+WHERE_IT_RUNS = "define support(profile), or cuda_support(profile, cap) and cpu_support(profile)"
+
+
 @dataclass(frozen=True)
 class ModeFacts:
     """What a mode does to training, in the terms a framework's settings use, so adapters and
@@ -84,17 +87,11 @@ class PrecisionMode:
 
     @classmethod
     def cuda_support(cls, profile: HardwareProfile, cap: ArchCapability) -> ModeSupport:
-        raise NotImplementedError(  # abstract: each mode says where it runs
-            f"{cls.__qualname__} does not say where it runs; define support(profile), or "
-            "cuda_support(profile, cap) and cpu_support(profile)"
-        )
+        raise NotImplementedError(f"{cls.__qualname__} does not say where it runs; {WHERE_IT_RUNS}")
 
     @classmethod
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
-        raise NotImplementedError(  # abstract: each mode says where it runs
-            f"{cls.__qualname__} does not say where it runs; define support(profile), or "
-            "cuda_support(profile, cap) and cpu_support(profile)"
-        )
+        raise NotImplementedError(f"{cls.__qualname__} does not say where it runs; {WHERE_IT_RUNS}")
 
     @property
     def compute_dtype(self) -> torch.dtype | None:

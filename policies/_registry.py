@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from probes import MpadviseError, UsageError
 
-from ._base import ModeFacts, PrecisionMode
+from ._base import WHERE_IT_RUNS, ModeFacts, PrecisionMode
 from .bf16_mixed import Bf16Mixed
 from .bf16_true import Bf16True
 from .fp8_te import Fp8Te
@@ -59,10 +59,7 @@ def register_mode(cls: ModeT) -> ModeT:
     if not isinstance(cls.fp8_recipes, tuple) or not all(isinstance(r, str) for r in cls.fp8_recipes):
         raise ValueError(f"{owner}: fp8_recipes {cls.fp8_recipes!r} is not allowed; expected a tuple of recipe names")
     if not _says_where_it_runs(cls):
-        raise ValueError(
-            f"{owner}: the class does not say where it runs; define support(profile), or "
-            "cuda_support(profile, cap) and cpu_support(profile)"
-        )
+        raise ValueError(f"{owner}: the class does not say where it runs; {WHERE_IT_RUNS}")
     _REGISTRY[name] = cls
     return cls
 
