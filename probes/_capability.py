@@ -58,9 +58,7 @@ def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
     if major < 7:
         # Pascal and older: no tensor cores. P100 (6.0) has fast fp16 arithmetic (2x fp32),
         # consumer Pascal (6.1) runs fp16 at 1/64 rate; bf16 exists only as emulation.
-        return ArchCapability(
-            "pre-Volta", cc, fp16_tensor_cores=False, tf32=False, bf16=False, fp8=False
-        )
+        return ArchCapability("pre-Volta", cc, fp16_tensor_cores=False, tf32=False, bf16=False, fp8=False)
     if major == 7:
         # 7.0 V100, 7.2 Xavier (both Volta); 7.5 Turing. fp16 tensor cores only.
         arch = "Turing" if minor >= 5 else "Volta"
@@ -69,9 +67,7 @@ def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
         if (major, minor) >= (8, 9):
             # 8.9 Ada: fourth-generation tensor cores with FP8. cuBLASLt runs FP8 matmuls on Ada
             # from CUDA 12.1 (Transformer Engine's check_fp8_support refuses older CUDA there).
-            return ArchCapability(
-                "Ada", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, fp8_min_cuda=(12, 1)
-            )
+            return ArchCapability("Ada", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, fp8_min_cuda=(12, 1))
         # 8.0 A100, 8.6 GA10x (A10, RTX 30xx), 8.7 Orin: bf16 and TF32 tensor cores.
         return ArchCapability("Ampere", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=False)
     if major == 9:
@@ -79,9 +75,7 @@ def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
     # 10.x B200/GB200, 11.x Thor, 12.x RTX 50xx / RTX PRO: fifth-generation tensor cores
     # with hardware block scaling (MXFP8, NVFP4).
     arch = "Blackwell" if major <= 12 else "post-Blackwell"
-    return ArchCapability(
-        arch, cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, mxfp8=True, nvfp4=True
-    )
+    return ArchCapability(arch, cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, mxfp8=True, nvfp4=True)
 
 
 def _validated(compute_capability: object) -> tuple[int, int]:
