@@ -39,11 +39,8 @@ def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...]]:
     return model, tuple(sorted(flags))
 
 
-def cpu_profile(
-    cpuinfo_path: str | os.PathLike[str] = "/proc/cpuinfo",
-    *,
-    meminfo_path: str | os.PathLike[str] = "/proc/meminfo",
-) -> HardwareProfile:
+def cpu_profile(cpuinfo_path: str | os.PathLike[str] = "/proc/cpuinfo", *,
+                meminfo_path: str | os.PathLike[str] = "/proc/meminfo") -> HardwareProfile:
     """Probe the host CPU. Without ``/proc`` (macOS) the flags are empty, which the support
     table reads as "no native bf16/fp16", the safe answer."""
     try:
@@ -54,16 +51,9 @@ def cpu_profile(
     if not model:
         model = platform.processor() or platform.machine() or "unknown CPU"
     memory_total, memory_free = _memory(meminfo_path)
-    return HardwareProfile(
-        kind="cpu",
-        name=model,
-        memory_total=memory_total,
-        memory_free=memory_free,
-        cores=_usable_cores(),
-        cpu_flags=flags,
-        torch_version=_torch_version(),
-        libraries=fp8_library_versions(),
-    )
+    return HardwareProfile(kind="cpu", name=model, memory_total=memory_total, memory_free=memory_free,
+                           cores=_usable_cores(), cpu_flags=flags, torch_version=_torch_version(),
+                           libraries=fp8_library_versions())
 
 
 def _usable_cores() -> int | None:
