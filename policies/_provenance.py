@@ -66,7 +66,8 @@ def hardware_mismatch(policy: Policy, profile: HardwareProfile) -> HardwareMisma
     if tuned is None or not tuned.hardware_fingerprint:
         return None
     library = _fp8_library_change(policy, profile)
-    if tuned.hardware_fingerprint in _fingerprints_here(profile):
+    # Recipe 1 too: a policy recorded before recipe 2 on this very machine still applies.
+    if tuned.hardware_fingerprint in (hardware_fingerprint(profile), hardware_fingerprint(profile, version=1)):
         return None if library is None else HardwareMismatch((library,), tuned.hardware_fingerprint)
     differences = []
     if tuned.device and tuned.device != profile.name:
@@ -81,11 +82,6 @@ def hardware_mismatch(policy: Policy, profile: HardwareProfile) -> HardwareMisma
     if library is not None:
         differences.append(library)
     return HardwareMismatch(tuple(differences), tuned.hardware_fingerprint)
-
-
-def _fingerprints_here(profile: HardwareProfile) -> tuple[str, ...]:
-    # Recipe 1 too: a policy recorded before recipe 2 on this very machine still applies.
-    return (hardware_fingerprint(profile), hardware_fingerprint(profile, version=1))
 
 
 def _fp8_library_change(policy: Policy, profile: HardwareProfile) -> Difference | None:

@@ -55,7 +55,7 @@ def cuda_profiles(*, torch_cuda: Any = None, nvml: Any = None, cuda_runtime: str
     arch_list = _arch_list(torch_cuda)
     profiles = []
     with _nvml_session(nvml) as session:
-        driver_version = session.driver_version() if session else None
+        driver_version = _as_text(session.call("nvmlSystemGetDriverVersion")) if session else None
         handles = session.match_handles(devices) if session else {}
         for index, props in devices:
             handle = handles.get(index)
@@ -278,9 +278,6 @@ class _NvmlSession:
             # on consumer cards, NoPermission in containers, GpuIsLost...), and ctypes can
             # raise OSError; any of them only means this fact is unknown.
             return None
-
-    def driver_version(self) -> str | None:
-        return _as_text(self.call("nvmlSystemGetDriverVersion"))
 
     def all_handles(self) -> list[tuple[Any, str | None]]:
         count = self.call("nvmlDeviceGetCount")
