@@ -13,9 +13,7 @@ What a training script needs::
             loss = loss_fn(model(x), y)
         mp.step(loss, optimizer)
 
-Every name here loads on first use (PEP 562), so ``import advisor`` costs next to nothing: the
-command line (``advisor.cli``, a subpackage) starts with its Ctrl-C handling in place before the
-tune, the runtime and the policies are imported.
+Every name here loads on first use (PEP 562), so ``import advisor`` costs next to nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ if TYPE_CHECKING:  # what static tools see; at run time each name loads on first
     from policies import MODES, Fp8Options, LossScale, Policy, PolicyError
     from probes import MpadviseError
 
-# Each exported name, and the module that defines it (imported on first use).
 _EXPORTS = {
     "load_policy": "_load",
     "AppliedPolicy": "advisor.runtime",
@@ -62,10 +59,8 @@ __all__ = [
 
 
 class _Surface(_ModuleType):
-    """``advisor`` itself: ``advisor.tune`` stays the function ``tune`` when the subpackage of the
-    same name is imported. Importing ``advisor.tune`` (the API, the CLI, ``import
-    advisor.tune._engine``) sets the package's attribute to the subpackage; the public API is
-    ``advisor.tune(script, ...)``, so the attribute keeps the subpackage's function instead."""
+    """``advisor`` itself: importing the subpackage ``advisor.tune`` sets the package's attribute
+    to it, so the attribute keeps its function ``tune`` instead (the API is ``advisor.tune(...)``)."""
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "tune" and isinstance(value, _ModuleType) and value.__name__ == f"{self.__name__}.tune":

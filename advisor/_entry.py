@@ -11,17 +11,9 @@ _SAFE_RUN_MODULE = ("import runpy, sys; del sys.path[0]; "
 
 
 def module_argv(module: str, *, version: tuple[int, int] = sys.version_info[:2]) -> list[str]:
-    """The arguments after the interpreter that run ``module`` without the working directory
-    on ``sys.path``.
-
-    A child runs in the user's project directory; with that directory first on ``sys.path`` (as
-    ``-m`` puts it), a project's own ``advisor`` or ``probes`` package would shadow
-    mpadvise's. ``-P`` (3.11+) leaves it out; the 3.10 form does the same by hand.
-
-    Args:
-        module: the module to run as ``__main__``.
-        version: the child interpreter's version (the same interpreter as this one).
-    """
+    """The arguments after the interpreter that run ``module`` without the working directory on
+    ``sys.path``: a child runs in the user's project, whose own ``advisor`` or ``probes`` package
+    would shadow mpadvise's. ``version`` is the child interpreter's (this one)."""
     if version >= (3, 11):
         return ["-P", "-m", module]
     return ["-c", _SAFE_RUN_MODULE, module]

@@ -10,11 +10,8 @@ from policies import capability_summary, safe_default_mode, supported_modes
 
 
 def probe_report(*, bench: bool = False) -> dict[str, Any]:
-    """Every device's profile, fingerprint, supported modes and safe default, as plain data.
-
-    Args:
-        bench: also run the matmul micro-benchmark on each device.
-    """
+    """Every device's profile, fingerprint, supported modes and safe default (and, with
+    ``bench``, its matmul benchmark), as plain data."""
     devices = []
     for profile in probes.detect():
         mode, why = safe_default_mode(profile)

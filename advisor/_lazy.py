@@ -1,8 +1,5 @@
-"""Lazy package surfaces: a package exports names whose modules load on first use (PEP 562).
-
-``advisor.cache`` and ``advisor.daemon`` export this way, so that ``load_policy()`` pays for
-sqlite-utils only when it reads the cache, and the daemon's client never loads the web framework.
-"""
+"""Lazy package surfaces (PEP 562): ``load_policy()`` pays for sqlite-utils only when it reads
+the cache, and the daemon's client never loads the web framework."""
 
 from __future__ import annotations
 
@@ -15,13 +12,9 @@ def lazy_surface(package: str, exports: Mapping[str, str], namespace: dict[str, 
         Callable[[str], Any], Callable[[], list[str]]]:
     """The module-level ``__getattr__`` and ``__dir__`` of a package with lazy exports.
 
-    Args:
-        package: the package's ``__name__``.
-        exports: exported name -> the private module of the package that defines it
-            (``"_store"``), or, for a name re-exported from elsewhere, the full name of the module
-            that exports it (``"policies"``, ``"advisor.runtime"``).
-        namespace: the package's ``globals()``; a name, once loaded, is stored there, so later
-            lookups do not come back here.
+    ``exports`` maps a name to the package's private module that defines it (``"_store"``) or the
+    full name of the module that exports it (``"policies"``); a loaded name is stored in
+    ``namespace`` (the package's ``globals()``), so later lookups do not come back here.
     """
 
     def __getattr__(name: str) -> Any:

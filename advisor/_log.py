@@ -10,11 +10,8 @@ LOGGER_NAME = "mpadvise"
 
 
 def get_logger() -> logging.Logger:
-    """The project logger, with a stderr handler attached on first use.
-
-    A training script shows which policy it runs with even when it configures no logging;
-    ``MPADVISE_QUIET=1`` silences the info lines (warnings still show).
-    """
+    """The project logger, with a stderr handler attached on first use, so a script shows its
+    policy even when it configures no logging; ``MPADVISE_QUIET=1`` keeps only warnings."""
     logger = logging.getLogger(LOGGER_NAME)
     if not getattr(logger, "_mpadvise_configured", False):
         handler = logging.StreamHandler(sys.stderr)

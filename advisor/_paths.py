@@ -26,16 +26,8 @@ def current_script() -> Path | None:
 
 
 def cache_dir() -> Path:
-    """The directory that holds the cache database (and, later, the daemon's files).
-
-    ``MPADVISE_HOME`` wins when set, so tests, CI and shared machines can point every command
-    at one place; otherwise the XDG base-directory rule applies (``$XDG_CACHE_HOME/mpadvise``,
-    falling back to ``~/.cache/mpadvise``). Empty variables count as unset, as the XDG
-    specification asks.
-
-    Returns:
-        The directory path, which may not exist yet.
-    """
+    """The directory of the cache database and the daemon's files (which may not exist yet):
+    ``MPADVISE_HOME``, else ``$XDG_CACHE_HOME/mpadvise``, else ``~/.cache/mpadvise``."""
     home = os.environ.get("MPADVISE_HOME")
     if home:
         return Path(home).expanduser()
@@ -47,9 +39,5 @@ def cache_dir() -> Path:
 
 
 def database_path() -> Path:
-    """The SQLite database that stores hardware profiles, recommendations, trials and jobs.
-
-    Returns:
-        ``cache_dir() / "mpadvise.db"``; neither the file nor its directory is created here.
-    """
+    """The SQLite database of profiles, recommendations, trials and jobs (not created here)."""
     return cache_dir() / DATABASE_NAME

@@ -1,14 +1,7 @@
-"""Private files and directories: checks of owner and mode, and creation with 0700/0600.
-
-The cache directory holds the job queue (which the daemon runs), the daemon's token and job
-logs that can quote a script's secrets, so every path in it must belong to the user running
-mpadvise and be writable by nobody else. The checks are pure functions of ``os.stat``
-results; the shells around them create, tighten or refuse.
-
-Files mpadvise writes for people (config files, exports, reports) go through
-``write_file_atomic``, and config files it applies are read through ``read_trusted_text``; both
-live in ``probes`` (the package every other one may import, ``policies`` included) and are
-re-exported here.
+"""Private files and directories of the cache: checks of owner and mode, and creation with
+0700/0600. The cache holds the job queue the daemon runs, its token and job logs that can quote
+a script's secrets, so every path in it must be the user's own and writable by nobody else.
+``write_file_atomic`` (files written for people) lives in ``probes`` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -17,14 +10,13 @@ import os
 import stat
 from pathlib import Path
 
-from probes import MpadviseError, read_trusted_text, write_file_atomic
+from probes import MpadviseError, write_file_atomic
 
 __all__ = [
     "ensure_private_dir",
     "ensure_private_file",
     "needs_tightening",
     "open_private_new",
-    "read_trusted_text",
     "unsafe_reason",
     "write_file_atomic",
 ]
@@ -34,16 +26,7 @@ PRIVATE_FILE_MODE = 0o600
 
 
 def unsafe_reason(st: os.stat_result, *, uid: int, is_dir: bool) -> str | None:
-    """Why a path with this status must not be trusted, or ``None`` when it may be.
-
-    Args:
-        st: the path's status (``os.stat`` for a directory, ``os.lstat`` for a file).
-        uid: the user who must own it.
-        is_dir: a directory is expected (else a regular file).
-
-    Returns:
-        ``None``, or a short reason ("owned by uid 65534", "writable by others", ...).
-    """
+    """Why a path with this status (``os.lstat`` for a file) must not be trusted, or ``None``."""
     if is_dir and not stat.S_ISDIR(st.st_mode):
         return "not a directory"
     if not is_dir and stat.S_ISLNK(st.st_mode):
@@ -79,19 +62,9 @@ def _refusal(path: Path, reason: str, *, is_dir: bool) -> MpadviseError:
 def ensure_private_dir(path: Path) -> Path:
     """Create ``path`` with mode 0700, or check that an existing one is private to this user.
 
-    A directory of this user's that others can only read or enter (0755, as older versions
-    created the cache under the umask) is tightened to 0700 rather than refused: nobody else
-    could have written into it. One owned by someone else, or writable by group or others, is
-    refused, since others may already have planted files in it.
-
-    Args:
-        path: the directory.
-
-    Returns:
-        ``path``.
-
-    Raises:
-        MpadviseError: it cannot be created, or it is not safe (one line naming the fix).
+    One of this user's that others can only read or enter (older versions created the cache
+    under the umask) is tightened to 0700: nobody else could have written into it. One owned by
+    someone else, or writable by group or others, is refused: files may already be planted.
     """
     try:
         # Only the last component gets 0700; parents such as ~/.cache keep the umask's mode.
@@ -117,18 +90,8 @@ def ensure_private_dir(path: Path) -> Path:
 
 
 def ensure_private_file(path: Path) -> bool:
-    """Check an existing file (without following a symlink), tightening it to 0600.
-
-    Args:
-        path: the file; a missing one is fine.
-
-    Returns:
-        Whether the file exists.
-
-    Raises:
-        MpadviseError: it is a symlink, not a regular file, owned by someone else, or
-            writable by group or others.
-    """
+    """Whether the file exists; an existing one is checked without following a symlink, refused
+    when unsafe, and tightened to 0600."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -142,16 +105,5 @@ def ensure_private_file(path: Path) -> bool:
 
 
 def open_private_new(path: Path, flags: int = os.O_WRONLY) -> int:
-    """Create a new file with mode 0600, never following a symlink nor reusing a file.
-
-    Args:
-        path: the file, which must not exist.
-        flags: access flags to add (``os.O_WRONLY`` by default).
-
-    Returns:
-        The open file descriptor.
-
-    Raises:
-        OSError: it exists (``FileExistsError``), or a symlink stands there.
-    """
+    """A descriptor of a new file with mode 0600, never following a symlink nor reusing a file."""
     return os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE_MODE)

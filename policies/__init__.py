@@ -1,16 +1,5 @@
-"""How each precision mode is applied: the Policy config, one class per mode, and the registry.
-
-Public surface: ``Policy`` (with ``LossScale``, ``Fp8Options``, ``TunedOn``), ``load_config``,
-``MODES``, the mode interface ``PrecisionMode`` with its families (``AutocastMode``,
-``TrueHalfMode``, ``Fp8Mode``), the registry (``register_mode``, ``mode_class``,
-``create_mode``, ``safety_order``, ...), and the hardware support decisions
-``supported_modes`` / ``safe_default_mode``, and FSDP2's gradient reduction dtypes per mode
-(``reduce_dtype_choices``, ``default_reduce_dtype``). Other packages import from here, never
-from a ``policies._module``.
-
-``MODES`` is read from the registry each time it is looked up, so it lists a mode registered
-with ``register_mode`` too.
-"""
+"""How each precision mode is applied: the Policy and its config file, one class per mode, the
+registry, and which modes a device supports."""
 
 from __future__ import annotations
 
@@ -54,9 +43,7 @@ from .fp8_te import Fp8Te
 from .fp8_torchao import Fp8Torchao
 
 TE_RECIPES: tuple[str, ...] = Fp8Te.fp8_recipes
-"""The recipes ``fp8-te`` accepts in ``[fp8]``."""
 TORCHAO_RECIPES: tuple[str, ...] = Fp8Torchao.fp8_recipes
-"""The recipes ``fp8-torchao`` accepts in ``[fp8]``."""
 
 __all__ = [
     "MODES",  # noqa: F822 - provided by __getattr__ below, from the registry

@@ -1,9 +1,4 @@
-"""The Policy: a frozen, validated description of how to train, and its TOML config file.
-
-Its parts and their checks are :mod:`policies._policy_parts`; its dict and TOML forms
-:mod:`policies._policy_data`. This module holds the Policy and the config file on disk:
-writing it where it may replace what is there, and reading one that is trusted.
-"""
+"""The Policy, a frozen, validated description of how to train, and its config file on disk."""
 
 from __future__ import annotations
 
@@ -28,26 +23,12 @@ from ._registry import mode_class, mode_names
 
 @dataclass(frozen=True)
 class Policy:
-    """How to train: precision mode, loss scaling, batch split and FP8 options.
+    """How to train: precision mode, loss scaling, batch split and FP8 options; frozen, hashable.
 
-    A frozen, hashable value. Build one by hand (``Policy(mode="bf16-mixed")``), read it from a
-    config file (``Policy.from_toml``) or get it from ``mpadvise tune``.
-
-    Attributes:
-        mode: one of ``MODES`` (a registered mode).
-        loss_scale: loss scaling; defaults to dynamic scaling for the modes that scale the
-            loss (``fp16-mixed``) and is only allowed there.
-        micro_batch_size: the batch one forward pass sees; ``None`` keeps the script's own.
-        grad_accum_steps: micro-batches per optimizer step; ``None`` derives it so that the
-            script's global batch is kept.
-        grad_clip_norm: clip the unscaled gradients to this norm; ``None`` for no clipping.
-        fp8: FP8 options; only allowed for the modes that take them (``fp8-te``,
-            ``fp8-torchao``).
-        reduce_dtype: the dtype FSDP2 reduces gradients in across ranks (``"fp32"``, or a
-            16-bit mode's own dtype; see ``reduce_dtype_choices``); ``None`` takes the mode's
-            default (``default_reduce_dtype``). Read by
-            ``AppliedPolicy.fsdp_mixed_precision()`` only: a single process or DDP ignores it.
-        tuned_on: the measurement record, for tuned policies.
+    ``loss_scale`` defaults to dynamic scaling for the modes that scale the loss and is allowed
+    only there. ``micro_batch_size``/``grad_accum_steps`` ``None`` keep the script's global
+    batch. ``reduce_dtype`` is read by ``AppliedPolicy.fsdp_mixed_precision()`` only (``None``:
+    ``default_reduce_dtype``).
     """
 
     mode: str = "fp32"
@@ -70,7 +51,6 @@ class Policy:
         return self.loss_scale is not None and self.loss_scale.kind != "none"
 
     def with_(self, **changes: Any) -> Policy:
-        """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 
     def describe(self) -> str:
@@ -89,19 +69,12 @@ class Policy:
             parts.append(f"micro-batch {self.micro_batch_size}{accum}")
         return " ".join(parts)
 
-    # ---- plain data -------------------------------------------------------------------------
-
     def to_dict(self) -> dict[str, Any]:
-        """A JSON/TOML-ready dict with ``schema`` and ``mode`` first; ``None`` fields omitted."""
         return policy_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "policy") -> Policy:
-        """Build and validate a Policy from a dict as written by ``to_dict``.
-
-        Raises:
-            PolicyError: naming ``source``, the field and the allowed values.
-        """
+        """Inverse of ``to_dict``; a PolicyError names ``source``, the field and what is allowed."""
         values = policy_fields(data, source=source, known={f.name for f in fields(cls)})
         try:
             return cls(**values)
@@ -109,34 +82,17 @@ class Policy:
             raise PolicyError(f"{source}: {exc}") from None
 
     def to_toml(self, *, framework: str | None = None) -> str:
-        """The config file text: readable by a person, ``mode`` at the top level.
-
-        Args:
-            framework: the framework a script trains with that never imports advisor
-                (``"lightning"``); its header then says to run the script with ``mpadvise run``,
-                which applies the policy through the framework, instead of calling
-                ``advisor.load_policy()``.
-        """
+        """The config file text; with ``framework`` (a script that never imports advisor), its
+        header says to run the script with ``mpadvise run``."""
         return config_text(self.to_dict(), framework=framework)
 
     @classmethod
     def from_toml(cls, text: str, *, source: str = "<string>") -> Policy:
-        """Parse config text. Raises PolicyError naming ``source`` and the problem."""
         return cls.from_dict(parse_config_text(text, source=source), source=source)
 
     def save(self, path: str | Path, *, framework: str | None = None, force: bool = False) -> Path:
-        """Write the config file atomically; ``framework`` as :meth:`to_toml` takes it.
-
-        The file is written under a random name beside ``path`` (created exclusively, never
-        through a symlink) and renamed onto it, so a partial file is never left behind and a
-        name another user planted is never written through; a symlink at ``path`` itself is
-        replaced, not followed. An existing ``path`` is replaced only when it is a config file
-        mpadvise can read (a previous tune's, or one written by hand), or with ``force``; a
-        training script or any other file is refused.
-
-        Raises:
-            MpadviseError: ``path`` holds something other than a config file, or cannot be written.
-        """
+        """Write the config file atomically. An existing ``path`` is replaced only when it is a
+        config file mpadvise can read, or with ``force``: a training script there is refused."""
         path = Path(path)
         if not force:
             _check_replaceable(path)
@@ -148,17 +104,8 @@ class Policy:
 
 
 def check_config_target(path: str | Path) -> Path:
-    """Refuse now, in one line, a config file path that :meth:`Policy.save` would refuse or
-    fail on at the end of a tune: an existing file that is not a config file, a directory, a
-    directory that does not exist or cannot be written.
-
-    Refused here, before anything runs, the path is a bad value for where to write (``--out``,
-    or the default beside the script that ``--out`` replaces): a usage error. The same refusal
-    from :meth:`Policy.save`, at the end of a tune, stays an error of that run.
-
-    Raises:
-        UsageError: (exit 2) the reason, naming the path.
-    """
+    """Refuse now, as a usage error, a config file path that :meth:`Policy.save` would refuse
+    or fail on at the end of a tune."""
     path = Path(path)
     try:
         _check_replaceable(path)
@@ -168,7 +115,6 @@ def check_config_target(path: str | Path) -> Path:
 
 
 def _check_replaceable(path: Path) -> None:
-    """Refuse to replace an existing file that is not an mpadvise config file."""
     if not os.path.lexists(path) or os.path.islink(path):
         return  # a symlink is replaced by the new file; what it points to stays as it was
     if path.is_dir():
@@ -187,24 +133,13 @@ def _check_replaceable(path: Path) -> None:
 
 
 def load_config(path: str | Path) -> Policy:
-    """Read and validate a config file.
-
-    The file must be a regular file (not a symlink) owned by the user running mpadvise or by
-    root, and writable by nobody else: a config file applies a precision and a loss scale to
-    the user's training, so one that another user wrote, or could have, is refused. The check
-    is made on the open file (``fstat``), so its directory may be shared, such as ``/tmp``.
-
-    Raises:
-        PolicyError: the file is missing, refused as above, unreadable, not TOML, or holds a
-            bad value; the message names the file and the problem on one line.
-    """
+    """Read and validate a config file, refusing one another user wrote or could have (it
+    applies a precision to the user's training); a PolicyError names the file and the problem."""
     path = Path(path)
     try:
         text = read_trusted_text(path, what="config file")
     except IsADirectoryError:
         raise PolicyError(f"config file {path} is a directory, expected a .toml file") from None
-    except PolicyError:
-        raise
     except MpadviseError as exc:
         raise PolicyError(str(exc)) from None
     except (OSError, UnicodeDecodeError) as exc:

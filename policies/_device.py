@@ -1,8 +1,4 @@
-"""What a device offers each precision, in the words the modes' support reasons use.
-
-Shared by the mode classes (each says whether it runs on a profile) and by ``_support``
-(the device summary). Pure functions of a HardwareProfile; no torch.
-"""
+"""What a device offers each precision, in the words the modes' support reasons use."""
 
 from __future__ import annotations
 
@@ -14,28 +10,14 @@ TE_INSTALL = 'pip install "mpadvise[fp8]"'
 TORCHAO_INSTALL = 'pip install "mpadvise[torchao]"'
 
 # How the CPU flags are named in messages; amx_tile is implied by the AMX data types.
-FLAG_NAMES = {
-    "avx2": "AVX2",
-    "avx512f": "AVX512F",
-    "avx512_bf16": "AVX512-BF16",
-    "amx_bf16": "AMX-BF16",
-    "avx512_fp16": "AVX512-FP16",
-    "amx_fp16": "AMX-FP16",
-}
+FLAG_NAMES = {"avx2": "AVX2", "avx512f": "AVX512F", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16",
+              "avx512_fp16": "AVX512-FP16", "amx_fp16": "AMX-FP16"}
 
 
 @dataclass(frozen=True)
 class ModeSupport:
-    """Whether one precision mode can run on one device.
-
-    Attributes:
-        mode: a registered mode name.
-        supported: the mode may be applied and searched on this device.
-        reason: one plain sentence starting with the mode name, e.g.
-            ``"fp8-te: compute capability 8.0 < 8.9 (NVIDIA A100-SXM4-80GB)"``.
-        emulated: the arithmetic is done in a wider format behind the scenes: numerics are
-            right, speed is not (bf16 on a V100 or an AVX2-only CPU, FP8 on a CPU).
-    """
+    """Whether one mode can run on one device, with a reason that starts with its name;
+    ``emulated``: done in a wider format behind the scenes, numerics right and speed not."""
 
     mode: str
     supported: bool
@@ -44,11 +26,6 @@ class ModeSupport:
 
 
 def arch(profile: HardwareProfile) -> ArchCapability:
-    """The capability table entry of a CUDA profile.
-
-    Raises:
-        MpadviseError: the profile has no compute capability recorded.
-    """
     if profile.compute_capability is None:
         raise MpadviseError(
             f"HardwareProfile.compute_capability is None for CUDA device {profile.name!r}; "
@@ -58,18 +35,15 @@ def arch(profile: HardwareProfile) -> ArchCapability:
 
 
 def cc_text(cap: ArchCapability) -> str:
-    """``"8.0"``: the compute capability as people write it."""
     major, minor = cap.compute_capability
     return f"{major}.{minor}"
 
 
 def gpu_text(profile: HardwareProfile, cap: ArchCapability) -> str:
-    """``"Hopper (9.0), NVIDIA H100 80GB HBM3"``: the architecture and the device's name."""
     return f"{cap.label}, {profile.name}"
 
 
 def cpu_bf16_speed(profile: HardwareProfile) -> str:
-    """How fast bf16 is on this CPU, in one clause."""
     if profile.has_flag("amx_bf16"):
         return "AMX-BF16: bf16 matmuls run on AMX tiles, usually faster than fp32"
     if profile.has_flag("avx512_bf16"):
@@ -78,7 +52,6 @@ def cpu_bf16_speed(profile: HardwareProfile) -> str:
 
 
 def cpu_fp16_speed(profile: HardwareProfile) -> str:
-    """How fast fp16 is on this CPU, in one clause."""
     if profile.has_flag("amx_fp16"):
         return "AMX-FP16: fp16 matmuls run on AMX tiles"
     if profile.has_flag("avx512_fp16"):
@@ -87,5 +60,4 @@ def cpu_fp16_speed(profile: HardwareProfile) -> str:
 
 
 def cpu_has_native(profile: HardwareProfile, dtype_family: str) -> bool:
-    """Whether this CPU computes in ``"bf16"`` or ``"fp16"`` natively rather than emulating it."""
     return profile.has_flag(f"amx_{dtype_family}") or profile.has_flag(f"avx512_{dtype_family}")

@@ -1,10 +1,5 @@
 """Where the FP8 modes run: FP8 tensor cores, a torch build and CUDA for the GPU, the library,
-and for a policy's recipe what that recipe needs (``probes``' FP8 recipe rules).
-
-:class:`Fp8Support` is the part of :class:`~policies._fp8.Fp8Mode` that answers, for a
-hardware profile, whether the mode (or one of its recipes) runs there and why not; it is all
-class methods of the mode's declared facts (its library, recipes, default recipe).
-"""
+and for a policy's recipe what that recipe needs (``probes``' FP8 recipe rules)."""
 
 from __future__ import annotations
 
@@ -29,13 +24,8 @@ if TYPE_CHECKING:
 
 
 class Fp8Support(PrecisionMode):
-    """Whether an FP8 mode, and each of its recipes, runs on a device, and why not.
-
-    Subclasses set ``fp8_recipes`` and ``default_recipe``, the library that provides FP8
-    (``library`` as ``probes`` records its version, ``library_display`` for people,
-    ``install`` the command that installs it), and optionally ``recipe_titles``, what a recipe
-    is called in the support reason.
-    """
+    """Whether an FP8 mode, and each of its recipes, runs on a device, and why not; from the
+    facts a subclass declares (recipes, library, its name for people and its install command)."""
 
     default_recipe: ClassVar[str]
     library: ClassVar[str]
@@ -49,13 +39,11 @@ class Fp8Support(PrecisionMode):
 
     @classmethod
     def policy_recipe(cls, policy: Policy) -> str:
-        """The recipe ``policy`` runs: its ``[fp8]`` recipe, or the mode's default."""
         options = policy.fp8
         return options.recipe if options is not None and options.recipe else cls.default_recipe
 
     @classmethod
     def recipe_rule(cls, recipe: str) -> Fp8RecipeRule:
-        """What ``recipe`` needs; plain FP8's needs for a recipe the rule table does not list."""
         return fp8_recipe_rule(cls.library, recipe) if cls._has_rule(recipe) else Fp8RecipeRule(cls.library, recipe)
 
     @classmethod
@@ -65,16 +53,7 @@ class Fp8Support(PrecisionMode):
 
     @classmethod
     def support(cls, profile: HardwareProfile, policy: Policy | None = None) -> ModeSupport:
-        """Whether this mode runs on ``profile``'s device, and why; with ``policy``, its recipe.
-
-        Args:
-            profile: a CUDA or CPU profile.
-            policy: a policy of this mode: the answer is then for its ``[fp8]`` recipe (the
-                default recipe without one). ``None`` answers for the mode as a whole.
-
-        Raises:
-            MpadviseError: a CUDA profile without a compute capability.
-        """
+        """Whether this mode runs on ``profile``'s device, and why; with ``policy``, for its recipe."""
         whole = super().support(profile)
         if policy is None or not whole.supported or not profile.is_cuda:
             # On a CPU torchao emulates every recipe alike.
@@ -83,21 +62,15 @@ class Fp8Support(PrecisionMode):
 
     @classmethod
     def recipe_support(cls, profile: HardwareProfile, recipe: str) -> ModeSupport:
-        """Whether ``recipe`` runs on a CUDA device where the mode as a whole runs, and why not."""
         cap = arch(profile)
         version = profile.library_version(cls.library)
         unmet = cls._recipe_unmet(profile, cap, recipe)
         if unmet is None:
-            return ModeSupport(
-                cls.name, True, f"{cls.name}: recipe {recipe!r} runs on {cap.label} with {cls.library_display} {version}"
-            )
+            return ModeSupport(cls.name, True,
+                               f"{cls.name}: recipe {recipe!r} runs on {cap.label} with {cls.library_display} {version}")
         here = [r for r in cls.fp8_recipes if cls._recipe_unmet(profile, cap, r) is None]
-        return ModeSupport(
-            cls.name,
-            False,
-            f"{cls.name}: recipe {recipe!r} on {profile.name} {unmet}; set [fp8] recipe to one "
-            f"that runs here: {', '.join(here) or 'none'}",
-        )
+        return ModeSupport(cls.name, False, f"{cls.name}: recipe {recipe!r} on {profile.name} {unmet}; set [fp8] "
+                                            f"recipe to one that runs here: {', '.join(here) or 'none'}")
 
     @classmethod
     def cuda_support(cls, profile: HardwareProfile, cap: ArchCapability) -> ModeSupport:
@@ -136,18 +109,12 @@ class Fp8Support(PrecisionMode):
     def _recipe_unmet(cls, profile: HardwareProfile, cap: ArchCapability, recipe: str) -> str | None:
         if not cls._has_rule(recipe):
             return None  # a recipe without a rule needs what FP8 as a whole needs
-        return fp8_recipe_unmet(
-            cls.library,
-            recipe,
-            compute_capability=cap.compute_capability,
-            cuda_runtime=profile.cuda_runtime,
-            library_version=profile.library_version(cls.library),
-            library_display=cls.library_display,
-        )
+        return fp8_recipe_unmet(cls.library, recipe, compute_capability=cap.compute_capability,
+                                cuda_runtime=profile.cuda_runtime, library_version=profile.library_version(cls.library),
+                                library_display=cls.library_display)
 
 
 def fp8_device_problem(profile: HardwareProfile, cap: ArchCapability) -> str | None:
-    """Why no FP8 recipe of any library runs on this device with this torch build, or ``None``."""
     if not cap.fp8:
         return f"compute capability {cc_text(cap)} < 8.9 ({profile.name})"
     if torch_build_covers(cap.compute_capability, profile.cuda_arch_list) is False:

@@ -1,9 +1,5 @@
-"""Shared by the 16-bit modes (the autocast family and the "-true" family): one half dtype.
-
-Where a 16-bit mode runs depends on its dtype only (fp16 runs on every CUDA device, bf16 needs
-bf16 tensor cores; a CPU runs both, natively or emulated), so the support rule lives here and
-each mode adds its own caveat.
-"""
+"""Shared by the 16-bit modes: where one runs depends on its half dtype only, so the support
+rule lives here and each mode adds its own caveat."""
 
 from __future__ import annotations
 
@@ -22,11 +18,8 @@ _TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 class HalfPrecisionMode(PrecisionMode):
-    """A mode whose matmuls run in fp16 or bf16 (``dtype_family``).
-
-    Subclasses set ``cuda_caveat``, the clause that follows the tensor-core sentence in the
-    CUDA support reason, and may set ``cpu_detail``, a clause before the CPU speed sentence.
-    """
+    """A mode whose matmuls run in fp16 or bf16; subclasses add a ``cuda_caveat`` (and may add
+    a ``cpu_detail``) to the support reason."""
 
     cuda_caveat: ClassVar[str] = ""
     cpu_detail: ClassVar[str] = ""
@@ -61,9 +54,5 @@ class HalfPrecisionMode(PrecisionMode):
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
         speed = cpu_bf16_speed(profile) if cls.dtype_family == "bf16" else cpu_fp16_speed(profile)
         detail = f"{cls.cpu_detail}; " if cls.cpu_detail else ""
-        return ModeSupport(
-            cls.name,
-            True,
-            f"{cls.name}: {detail}{speed}",
-            emulated=not cpu_has_native(profile, cls.dtype_family),
-        )
+        return ModeSupport(cls.name, True, f"{cls.name}: {detail}{speed}",
+                           emulated=not cpu_has_native(profile, cls.dtype_family))

@@ -1,9 +1,5 @@
-"""A Policy as plain data: its dict form, reading that form back, and its TOML config text.
-
-Functions of plain values, so that :class:`~policies._config.Policy` only calls them: reading
-checks the schema number, the field names and each sub-table, and leaves the checks of the
-values to the Policy and its parts (:mod:`policies._policy_parts`).
-"""
+"""A Policy as plain data: its dict form, reading that form back (schema, field names and
+sub-tables; the values are the Policy's to check), and its TOML config text."""
 
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from ._policy_parts import SCHEMA, Fp8Options, LossScale, PolicyError, TunedOn, choices_text
+from ._policy_parts import SCHEMA, Fp8Options, LossScale, PolicyError, TunedOn
 from ._registry import mode_names
 
 if sys.version_info >= (3, 11):
@@ -24,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def policy_dict(policy: Policy) -> dict[str, Any]:
-    """A JSON/TOML-ready dict with ``schema`` and ``mode`` first; ``None`` fields omitted."""
+    """``schema`` and ``mode`` first; ``None`` fields omitted."""
     out: dict[str, Any] = {"schema": SCHEMA, "mode": policy.mode}
     for name in ("micro_batch_size", "grad_accum_steps", "grad_clip_norm", "reduce_dtype"):
         value = getattr(policy, name)
@@ -42,20 +38,8 @@ def policy_dict(policy: Policy) -> dict[str, Any]:
 
 
 def policy_fields(data: Any, *, source: str, known: set[str]) -> dict[str, Any]:
-    """The keyword arguments of a Policy, read from a dict as :func:`policy_dict` writes it.
-
-    Args:
-        data: the dict (a config file's top-level table, a cache entry's policy).
-        source: where it came from, for the messages (a file, ``"cache entry #3"``).
-        known: the Policy's field names.
-
-    Returns:
-        The fields, ``schema`` removed and the sub-tables built (``LossScale``, ``Fp8Options``,
-        ``TunedOn``).
-
-    Raises:
-        PolicyError: naming ``source``, the field and the allowed values.
-    """
+    """A Policy's keyword arguments from a dict as :func:`policy_dict` writes it, the
+    sub-tables built; a PolicyError names ``source``, the field and the allowed values."""
     if not isinstance(data, dict):
         raise PolicyError(f"{source}: expected a table of policy fields, got {type(data).__name__}")
     data = dict(data)
@@ -68,7 +52,7 @@ def policy_fields(data: Any, *, source: str, known: set[str]) -> dict[str, Any]:
             "upgrade mpadvise (pip install -U mpadvise)"
         )
     if "mode" not in data:
-        raise PolicyError(f"{source}: missing 'mode'; expected one of {choices_text(mode_names())}")
+        raise PolicyError(f"{source}: missing 'mode'; expected one of {', '.join(mode_names())}")
     unknown = sorted(set(data) - known)
     if unknown:
         raise PolicyError(f"{source}: unknown field {unknown[0]!r}; expected one of schema, {', '.join(sorted(known))}")
@@ -91,16 +75,7 @@ def policy_fields(data: Any, *, source: str, known: set[str]) -> dict[str, Any]:
 
 
 def config_text(table: dict[str, Any], *, framework: str | None = None) -> str:
-    """The config file text of a policy's dict form: a header that says how to apply it, then TOML.
-
-    Args:
-        table: the policy as :func:`policy_dict` writes it.
-        framework: the framework a script trains with that never imports advisor
-            (``"lightning"``); the header then says to run the script with ``mpadvise run``.
-
-    Raises:
-        ValueError: ``framework`` is not a plain name.
-    """
+    """A header that says how to apply the policy, then its TOML."""
     import tomli_w
 
     if framework is None:
@@ -114,11 +89,6 @@ def config_text(table: dict[str, Any], *, framework: str | None = None) -> str:
 
 
 def parse_config_text(text: str, *, source: str) -> dict[str, Any]:
-    """The top-level table of config text.
-
-    Raises:
-        PolicyError: the text is not TOML, naming ``source``.
-    """
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

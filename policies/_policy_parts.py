@@ -1,11 +1,6 @@
-"""What a Policy is made of: its error, its schema number, its sub-tables and the checks of
-each field.
-
-``LossScale``, ``Fp8Options`` and ``TunedOn`` are the tables of a config file (``[loss_scale]``,
-``[fp8]``, ``[tuned_on]``); :func:`check_policy` checks a whole policy's fields against each
-other and its mode. The Policy itself is :mod:`policies._config`; its dict and TOML forms are
-:mod:`policies._policy_data`.
-"""
+"""What a Policy is made of: its error, its schema number, its sub-tables (``[loss_scale]``,
+``[fp8]``, ``[tuned_on]``) and the checks of each field. Messages name a field by its key in the
+config file (``loss_scale.kind``), never by the class that holds it."""
 
 from __future__ import annotations
 
@@ -21,21 +16,15 @@ from ._true import TrueHalfMode
 if TYPE_CHECKING:
     from ._config import Policy
 
-SCHEMA = 1
-"""Config file schema written by this version. Older schemas are read and upgraded."""
+SCHEMA = 1  # the config file schema this version writes
 
 LOSS_SCALE_KINDS = ("none", "static", "dynamic")
 FP8_FORMATS = ("hybrid", "e4m3")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
-"""The dtypes in which FSDP2 may reduce gradients across ranks (``Policy.reduce_dtype``)."""
 
 
 class PolicyError(MpadviseError, ValueError):
     """A Policy field or a config file holds a value that is not allowed."""
-
-
-def choices_text(values: tuple[str, ...]) -> str:
-    return ", ".join(values)
 
 
 def names_text(names: list[str]) -> str:
@@ -46,34 +35,22 @@ def names_text(names: list[str]) -> str:
 
 
 def reduce_dtype_choices(mode: str) -> tuple[str, ...]:
-    """The dtypes a mode's gradients may be reduced in across ranks under FSDP2.
-
-    fp32 for every mode; a 16-bit mode (``dtype_family`` bf16 or fp16) may also reduce in its
-    own dtype, which halves the bytes of the reduce-scatter. Reducing fp32 or FP8 training in
-    a 16-bit dtype would add a rounding the mode itself never makes, so it is not offered.
-    """
+    """The dtypes FSDP2 may reduce a mode's gradients in: fp32, and a 16-bit mode's own dtype
+    (half the bytes); fp32 or FP8 training in 16 bits would add a rounding the mode never makes."""
     family = mode_class(mode).dtype_family
     return ("fp32", family) if family in ("bf16", "fp16") else ("fp32",)
 
 
 def default_reduce_dtype(mode: str) -> str:
-    """The dtype FSDP2 reduces a mode's gradients in when the policy does not say.
-
-    fp32, as DDP does for a mode that keeps fp32 weights; a "-true" mode's own 16-bit dtype,
-    since its gradients are in that dtype and FSDP2 reduces in the parameter dtype by default.
-    """
+    """fp32, as DDP does for fp32 weights; a "-true" mode's own dtype, its gradients' dtype."""
     cls = mode_class(mode)
     return cls.dtype_family if issubclass(cls, TrueHalfMode) else "fp32"
-
-
-# Messages name a field by its key in the config file, as the user wrote it (``mode``,
-# ``loss_scale.kind``), never by the class that holds it.
 
 
 def check_choice(key: str, value: Any, allowed: tuple[str, ...], *, of: str = "") -> None:
     if value not in allowed:
         whose = f" ({of})" if of else ""
-        raise PolicyError(f"{key}: {value!r} is not allowed; expected one of {choices_text(allowed)}{whose}")
+        raise PolicyError(f"{key}: {value!r} is not allowed; expected one of {', '.join(allowed)}{whose}")
 
 
 def check_positive(key: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> None:
@@ -87,17 +64,8 @@ def check_positive(key: str, value: Any, *, integer: bool = False, allow_none: b
 
 @dataclass(frozen=True)
 class LossScale:
-    """Loss scaling for fp16-mixed: the GradScaler settings, or a static scale.
-
-    Attributes:
-        kind: ``"dynamic"`` (GradScaler), ``"static"`` (a fixed scale; overflowing steps are
-            still skipped) or ``"none"``.
-        init_scale: starting scale (dynamic) or the fixed scale (static). GradScaler's default
-            is 2**16.
-        growth_factor: multiply the scale by this after ``growth_interval`` clean steps.
-        backoff_factor: multiply the scale by this after an overflow.
-        growth_interval: clean steps between growths.
-    """
+    """Loss scaling: GradScaler's settings (``"dynamic"``), or a fixed ``init_scale``
+    (``"static"``; overflowing steps are still skipped)."""
 
     kind: str = "dynamic"
     init_scale: float = 65536.0
@@ -120,16 +88,9 @@ class LossScale:
 
 @dataclass(frozen=True)
 class Fp8Options:
-    """FP8 recipe options, for ``fp8-torchao`` and ``fp8-te``.
-
-    Attributes:
-        recipe: one of the FP8 mode's ``fp8_recipes``. torchao: ``tensorwise`` (default),
-            ``rowwise``, ``rowwise_with_gw_hp``; Transformer Engine: ``delayed`` (default),
-            ``current``, ``mxfp8``, ``block``. ``None`` takes the backend's default.
-        fp8_format: ``hybrid`` (E4M3 forward, E5M2 gradients) or ``e4m3`` (Transformer Engine).
-        amax_history_len: amax history for Transformer Engine's delayed scaling.
-        margin: scaling margin (powers of two) for Transformer Engine's delayed scaling.
-    """
+    """FP8 options: ``recipe`` (``None``: the mode's default); ``fp8_format`` ``hybrid`` (E4M3
+    forward, E5M2 gradients) or ``e4m3``, and the amax history and margin of Transformer
+    Engine's delayed scaling."""
 
     recipe: str | None = None
     fp8_format: str = "hybrid"
@@ -149,34 +110,11 @@ class Fp8Options:
 class TunedOn:
     """Where and when a policy was measured: the evidence that travels with it.
 
-    Attributes:
-        hardware_fingerprint: ``probes.hardware_fingerprint`` of the device it was tuned on.
-        device: the device's name, for people.
-        torch: torch version at tuning time.
-        libraries: FP8 library versions at tuning time (``(name, version or None)`` pairs).
-        date: ISO date of the tune.
-        speedup_vs_fp32: measured goodput ratio of this policy over fp32: the tune's one
-            figure (the paired re-measurement against fp32 when there was one).
-        goodput: measured samples per second.
-        workload_fingerprint: fingerprint of model, optimizer, global batch and script.
-        model_signature: fingerprint of the model's structure alone.
-        script: the script that was tuned.
-        trials: number of trials run.
-        cuda: CUDA runtime at tuning time (empty on a CPU).
-        global_batch: the script's global batch at tuning time (samples per optimizer step);
-            at run time a different script batch keeps the script's own global batch.
-        script_digest: digest of the script's content at tuning time, so that a run can say
-            "script edited" rather than only "workload changed".
-        speedup_low: the lower end of the speed-up's confidence interval, when it has one.
-        speedup_high: the upper end.
-        speedup_basis: what the speed-up rests on, in words ("paired re-measurement, 4 pairs",
-            "single runs, not re-measured").
-        speedup_threads: the CPU threads the speed-up was measured on, where other processes
-            kept cores busy and its runs had fewer than torch's own; ``None``: torch's own (or a
-            GPU). A gain measured on fewer threads can differ from the gain on all cores.
-        args: the script's command-line arguments the tune ran it with (``()`` for none), so
-            that a tune with other arguments does not replace this answer unasked and a run
-            with others can say so; ``None`` in a config written before they were recorded.
+    ``speedup_vs_fp32`` is the tune's one figure (the paired re-measurement when there was one),
+    ``speedup_low``/``speedup_high`` its interval. ``speedup_threads``: the CPU threads it was
+    measured on where busy cores left fewer than torch's own (``None`` otherwise). ``args``: the
+    script's arguments the tune ran it with, so a tune with others does not replace this answer
+    unasked; ``None`` in a config written before they were recorded.
     """
 
     hardware_fingerprint: str = ""
@@ -216,12 +154,7 @@ class TunedOn:
 
 
 def check_policy(policy: Policy) -> None:
-    """Check a policy's fields against each other and against its mode (already a known mode).
-
-    Raises:
-        PolicyError: naming the field as the config file does (``loss_scale``, ``fp8.recipe``),
-            the value and what is allowed.
-    """
+    """Check a policy's fields against each other and against its (known) mode."""
     mode = mode_class(policy.mode)
     if policy.loss_scale is not None:
         if not isinstance(policy.loss_scale, LossScale):

@@ -19,13 +19,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Difference:
-    """One fact that changed between the tune and this machine.
-
-    Attributes:
-        what: ``"device"``, ``"torch"``, ``"CUDA"`` or an FP8 library name.
-        tuned: its value when the policy was tuned; ``None`` for absent.
-        here: its value on this machine; ``None`` for absent.
-    """
+    """One fact (``"device"``, ``"torch"``, ``"CUDA"``, an FP8 library) that changed between
+    the tune and this machine; ``None`` for absent."""
 
     what: str
     tuned: str | None
@@ -41,13 +36,8 @@ class Difference:
 
 @dataclass(frozen=True)
 class HardwareMismatch:
-    """Why a tuned policy must not be applied on this hardware.
-
-    Attributes:
-        differences: the named facts that changed; empty when only facts outside them
-            (compute capability, memory, SM count) differ.
-        tuned_fingerprint: the hardware fingerprint the policy was tuned on.
-    """
+    """Why a tuned policy must not be applied on this hardware; ``differences`` is empty when
+    only facts outside them (compute capability, memory, SM count) differ."""
 
     differences: tuple[Difference, ...]
     tuned_fingerprint: str
@@ -64,29 +54,20 @@ class HardwareMismatch:
         """The sentence a log line continues with: ``"it was tuned on ..."``."""
         return f"it was {self.describe()}"
 
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "tuned_fingerprint": self.tuned_fingerprint,
-            "differences": [d.to_dict() for d in self.differences],
-        }
-
 
 def hardware_mismatch(policy: Policy, profile: HardwareProfile) -> HardwareMismatch | None:
     """What differs between where ``policy`` was tuned and ``profile``; ``None`` when it may apply.
 
-    The hardware fingerprint decides (device model, compute capability, torch and CUDA release
-    lines; see ``probes.hardware_fingerprint``), so a driver upgrade or a torch patch release
-    keeps a tuned policy. An FP8 policy also needs the FP8 library it was measured with, at the
-    same version: its recipes and kernels change between releases, and only FP8 uses them.
-
-    A policy without a ``[tuned_on]`` record was written by hand and applies anywhere it is
-    supported.
+    The hardware fingerprint decides, so a driver upgrade or a patch release keeps a tuned
+    policy; an FP8 policy also needs its FP8 library at the same version (its kernels change
+    between releases). A policy without ``[tuned_on]`` was written by hand and applies anywhere.
     """
     tuned = policy.tuned_on
     if tuned is None or not tuned.hardware_fingerprint:
         return None
     library = _fp8_library_change(policy, profile)
-    if tuned.hardware_fingerprint in _fingerprints_here(profile):
+    # Recipe 1 too: a policy recorded before recipe 2 on this very machine still applies.
+    if tuned.hardware_fingerprint in (hardware_fingerprint(profile), hardware_fingerprint(profile, version=1)):
         return None if library is None else HardwareMismatch((library,), tuned.hardware_fingerprint)
     differences = []
     if tuned.device and tuned.device != profile.name:
@@ -103,14 +84,7 @@ def hardware_mismatch(policy: Policy, profile: HardwareProfile) -> HardwareMisma
     return HardwareMismatch(tuple(differences), tuned.hardware_fingerprint)
 
 
-def _fingerprints_here(profile: HardwareProfile) -> tuple[str, ...]:
-    """This hardware's fingerprint, and its recipe-1 one: a policy recorded before recipe 2 on
-    this very machine (same driver and libraries too) still applies."""
-    return (hardware_fingerprint(profile), hardware_fingerprint(profile, version=1))
-
-
 def _fp8_library_change(policy: Policy, profile: HardwareProfile) -> Difference | None:
-    """For an FP8 policy, its FP8 library's version when tuned and here, if they differ."""
     cls = mode_class(policy.mode)
     if not issubclass(cls, Fp8Mode) or policy.tuned_on is None:
         return None

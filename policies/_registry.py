@@ -1,11 +1,5 @@
-"""Which precision modes exist: one ordered list of mode classes, and what is derived from it.
-
-Everything that lists modes reads this registry: ``MODES``, config validation, hardware
-support, the search space, the safety order and the stability reasons. Adding a mode means
-writing its class (see ``PrecisionMode``) and registering it, here in ``BUILTIN_MODES`` or from
-outside with ``register_mode``. Importing the mode modules imports no torch and no FP8
-library: they import those inside the methods that need them.
-"""
+"""Which precision modes exist: one ordered registry of mode classes, which everything that
+lists modes reads. The mode modules import torch and the FP8 libraries only inside methods."""
 
 from __future__ import annotations
 
@@ -14,7 +8,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from probes import MpadviseError, UsageError
 
-from ._base import ModeFacts, PrecisionMode
+from ._base import WHERE_IT_RUNS, ModeFacts, PrecisionMode
 from .bf16_mixed import Bf16Mixed
 from .bf16_true import Bf16True
 from .fp8_te import Fp8Te
@@ -37,22 +31,8 @@ _REGISTRY: dict[str, type[PrecisionMode]] = {}
 
 
 def register_mode(cls: ModeT) -> ModeT:
-    """Add a precision mode class to the registry, after the modes already there.
-
-    Usable as a class decorator. Registering the same class again does nothing.
-
-    Args:
-        cls: a ``PrecisionMode`` subclass that sets ``name``, ``dtype_family`` and
-            ``safety_rank`` and says where it runs (``support``).
-
-    Returns:
-        ``cls``.
-
-    Raises:
-        TypeError: ``cls`` is not a PrecisionMode subclass.
-        ValueError: a description is missing or clashes with a registered mode (its name or
-            its safety rank); the message names the attribute and the fix.
-    """
+    """Add a mode class after those registered (a class decorator; again for the same class
+    does nothing). A missing or clashing description is a ValueError naming it and the fix."""
     if not (isinstance(cls, type) and issubclass(cls, PrecisionMode)):
         raise TypeError(
             f"register_mode: {cls!r} is not a PrecisionMode subclass; derive the mode's class "
@@ -79,10 +59,7 @@ def register_mode(cls: ModeT) -> ModeT:
     if not isinstance(cls.fp8_recipes, tuple) or not all(isinstance(r, str) for r in cls.fp8_recipes):
         raise ValueError(f"{owner}: fp8_recipes {cls.fp8_recipes!r} is not allowed; expected a tuple of recipe names")
     if not _says_where_it_runs(cls):
-        raise ValueError(
-            f"{owner}: the class does not say where it runs; define support(profile), or "
-            "cuda_support(profile, cap) and cpu_support(profile)"
-        )
+        raise ValueError(f"{owner}: the class does not say where it runs; {WHERE_IT_RUNS}")
     _REGISTRY[name] = cls
     return cls
 
@@ -114,32 +91,18 @@ def _says_where_it_runs(cls: type[PrecisionMode]) -> bool:
 
 
 def unregister_mode(name: str) -> None:
-    """Remove a registered mode (a mode registered for a test, say).
-
-    Raises:
-        MpadviseError: no mode of that name is registered.
-    """
-    if name not in _REGISTRY:
-        raise MpadviseError(f"unknown mode {name!r}; expected one of {', '.join(_REGISTRY)}")
-    del _REGISTRY[name]
+    del _REGISTRY[mode_class(name).name]
 
 
 def mode_classes() -> tuple[type[PrecisionMode], ...]:
-    """Every registered mode class, in registration order."""
     return tuple(_REGISTRY.values())
 
 
 def mode_names() -> tuple[str, ...]:
-    """Every registered mode's name, in registration order (the value of ``MODES``)."""
     return tuple(_REGISTRY)
 
 
 def mode_class(mode: str) -> type[PrecisionMode]:
-    """The class that applies ``mode``.
-
-    Raises:
-        MpadviseError: no mode of that name is registered.
-    """
     try:
         return _REGISTRY[mode]
     except (KeyError, TypeError):
@@ -162,18 +125,8 @@ MODE_ALIASES: dict[str, str] = {
 
 
 def canonical_mode(name: str) -> str:
-    """The registered mode a user means by ``name``: the name itself, in any case, or one of
-    ``MODE_ALIASES`` (Lightning's ``16-mixed``, ``bf16-true``, ``32``...).
-
-    Args:
-        name: what the user typed.
-
-    Returns:
-        A registered mode name.
-
-    Raises:
-        UsageError: (exit 2) no mode goes by that name; the message suggests the closest names.
-    """
+    """The registered mode a user means by ``name``: the name in any case, or an alias; else a
+    UsageError suggesting the closest names."""
     text = str(name).strip()
     lowered = text.lower()
     by_lower = {registered.lower(): registered for registered in _REGISTRY}
@@ -190,7 +143,6 @@ def canonical_mode(name: str) -> str:
 
 
 def create_mode(policy: Policy, device: torch.device) -> PrecisionMode:
-    """Instantiate the mode object for ``policy`` on ``device``."""
     return mode_class(policy.mode)(policy, device)
 
 
@@ -199,22 +151,11 @@ def _by_safety() -> list[type[PrecisionMode]]:
 
 
 def safety_order() -> tuple[str, ...]:
-    """The registered modes from safest to least safe (by ``PrecisionMode.safety_rank``)."""
     return tuple(cls.name for cls in _by_safety())
 
 
 def safety_rank(mode: str) -> int:
-    """How safe a precision mode is numerically; lower is safer.
-
-    Args:
-        mode: a registered mode name (``"fp32"``, ``"bf16-mixed"``, ...).
-
-    Returns:
-        The class's ``safety_rank`` (0 for fp32).
-
-    Raises:
-        ValueError: the mode is not registered, so it has no rank.
-    """
+    """How safe a registered mode is numerically; lower is safer."""
     cls = _REGISTRY.get(mode) if isinstance(mode, str) else None
     if cls is None:
         raise ValueError(
@@ -226,16 +167,10 @@ def safety_rank(mode: str) -> int:
 
 
 def mode_dtypes() -> dict[str, str]:
-    """``{mode: dtype family of its matmuls}`` for every registered mode (the search's priors)."""
     return {cls.name: cls.dtype_family for cls in _REGISTRY.values()}
 
 
 def mode_facts(mode: str) -> ModeFacts:
-    """What ``mode`` does, for framework adapters and exporters (``PrecisionMode.facts``).
-
-    Raises:
-        MpadviseError: an unknown mode, naming those registered.
-    """
     return mode_class(mode).facts()
 
 
@@ -244,17 +179,8 @@ def fp8_recipes() -> tuple[str, ...]:
     return tuple(dict.fromkeys(recipe for cls in _REGISTRY.values() for recipe in cls.fp8_recipes))
 
 
-BUILTIN_MODES: tuple[type[PrecisionMode], ...] = (
-    Fp32,
-    Tf32,
-    Fp16Mixed,
-    Bf16Mixed,
-    Fp16True,
-    Bf16True,
-    Fp8Te,
-    Fp8Torchao,
-)
-"""The modes that ship with mpadvise, in the order they are listed everywhere."""
+# The modes that ship with mpadvise, in the order they are listed everywhere.
+BUILTIN_MODES: tuple[type[PrecisionMode], ...] = (Fp32, Tf32, Fp16Mixed, Bf16Mixed, Fp16True, Bf16True, Fp8Te, Fp8Torchao)
 
 for _cls in BUILTIN_MODES:
     register_mode(_cls)

@@ -1,46 +1,19 @@
-"""Which precision modes a device supports, and why not: pure functions of a HardwareProfile.
-
-These answers decide what the search may run (unsupported modes never run) and what a
-script gets when nothing was tuned (``safe_default_mode``). They are judgements on plain
-data, so they are unit-tested against recorded and fake profiles without any device.
-"""
+"""Which precision modes a device supports and why, and what a script gets when nothing was
+tuned: pure functions of a HardwareProfile."""
 
 from __future__ import annotations
 
 from probes import HardwareProfile
 
 from ._config import Policy
-from ._device import FLAG_NAMES, ModeSupport, arch, cpu_bf16_speed
+from ._device import FLAG_NAMES, ModeSupport, arch, cpu_bf16_speed, gpu_text
 from ._fp8 import Fp8Mode
 from ._registry import mode_class, mode_classes
 
-__all__ = [
-    "ModeSupport",
-    "capability_summary",
-    "safe_default",
-    "safe_default_mode",
-    "supported_modes",
-]
-
 
 def supported_modes(profile: HardwareProfile, policy: Policy | None = None) -> dict[str, ModeSupport]:
-    """Support and reason for every registered mode, in ``MODES`` order.
-
-    Each mode class answers for itself (``PrecisionMode.support``).
-
-    Args:
-        profile: a CUDA or CPU profile. FP8 library versions come from
-            ``profile.libraries``, so the answer is reproducible from a stored profile.
-        policy: a policy about to run. Its mode's entry then answers for this policy: for an
-            FP8 mode, for its ``[fp8]`` recipe (``Fp8Mode.support(profile, policy)``), since a
-            device may run one recipe and not another. The other entries are unchanged.
-
-    Returns:
-        ``{mode: ModeSupport}`` for every mode.
-
-    Raises:
-        MpadviseError: a CUDA profile without a compute capability.
-    """
+    """``{mode: ModeSupport}`` for every registered mode, in ``MODES`` order; with ``policy``,
+    its FP8 mode's entry answers for its ``[fp8]`` recipe (a device may run one and not another)."""
     if profile.is_cuda:
         arch(profile)  # one clear error for a profile without a compute capability
     support = {cls.name: cls.support(profile) for cls in mode_classes()}
@@ -52,21 +25,11 @@ def supported_modes(profile: HardwareProfile, policy: Policy | None = None) -> d
 
 
 def safe_default_mode(profile: HardwareProfile) -> tuple[str, str]:
-    """The mode to use when nothing was measured, and why, from the hardware's evidence.
-
-    Never FP8 (needs per-model validation and a large enough model to pay off) and never a
-    ``-true`` mode (pure low-precision weights can stall: updates smaller than the weight's
-    resolution are lost).
-
-    Args:
-        profile: a CUDA or CPU profile.
-
-    Returns:
-        ``(mode, reasoning)``.
-    """
+    """``(mode, why)`` to use when nothing was measured. Never FP8 (it needs per-model
+    validation) nor a ``-true`` mode (pure low-precision weights can stall)."""
     if profile.is_cuda:
         cap = arch(profile)
-        where = f"{cap.label}, {profile.name}"
+        where = gpu_text(profile, cap)
         if cap.bf16:
             return (
                 "bf16-mixed",
@@ -106,17 +69,12 @@ def safe_default_mode(profile: HardwareProfile) -> tuple[str, str]:
 
 
 def safe_default(profile: HardwareProfile) -> Policy:
-    """The policy used when nothing was tuned for this hardware: ``safe_default_mode``'s mode."""
     mode, _why = safe_default_mode(profile)
     return Policy(mode=mode)
 
 
 def capability_summary(profile: HardwareProfile) -> str:
-    """One line on what the device's hardware accelerates.
-
-    Examples: ``"Hopper (9.0): fp16/bf16 tensor cores, TF32, FP8"``,
-    ``"CPU (AMD EPYC, 2 cores): AVX2; bf16 emulated, usually slower than fp32"``.
-    """
+    """One line on what the device accelerates (``"Hopper (9.0): fp16/bf16 tensor cores, TF32, FP8"``)."""
     if profile.is_cuda:
         cap = arch(profile)
         if cap.bf16:
@@ -125,16 +83,8 @@ def capability_summary(profile: HardwareProfile) -> str:
             features = ["fp16 tensor cores (bf16 emulated)"]
         else:
             features = ["no tensor cores (fp16 on CUDA cores, bf16 emulated)"]
-        features += [
-            label
-            for present, label in (
-                (cap.tf32, "TF32"),
-                (cap.fp8, "FP8"),
-                (cap.mxfp8, "MXFP8"),
-                (cap.nvfp4, "NVFP4"),
-            )
-            if present
-        ]
+        extras = ((cap.tf32, "TF32"), (cap.fp8, "FP8"), (cap.mxfp8, "MXFP8"), (cap.nvfp4, "NVFP4"))
+        features += [label for present, label in extras if present]
         return f"{cap.label}: {', '.join(features)}"
     cores = f", {profile.cores} cores" if profile.cores else ""
     isa = [name for flag, name in FLAG_NAMES.items() if profile.has_flag(flag)]

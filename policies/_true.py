@@ -7,11 +7,8 @@ from ._half import HalfPrecisionMode
 
 
 class TrueHalfMode(HalfPrecisionMode):
-    """Cast the model's floating parameters and buffers, and floating inputs, to one dtype.
-
-    No autocast and no master weights: updates smaller than half the dtype's spacing at the
-    weight's magnitude are lost (the stall the stability check looks for).
-    """
+    """Parameters, buffers and floating inputs in one half dtype, no master weights: updates
+    smaller than half the dtype's spacing at a weight are lost (the stall the check looks for)."""
 
     @classmethod
     def facts(cls) -> ModeFacts:

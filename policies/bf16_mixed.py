@@ -7,8 +7,6 @@ from ._autocast import AutocastMode
 
 
 class Bf16Mixed(AutocastMode):
-    """bf16 autocast over fp32 master weights."""
-
     name = "bf16-mixed"
     dtype_family = "bf16"
     safety_rank = 20

@@ -6,8 +6,6 @@ from ._true import TrueHalfMode
 
 
 class Bf16True(TrueHalfMode):
-    """Pure bf16: stalls when updates are smaller than bf16's precision."""
-
     name = "bf16-true"
     dtype_family = "bf16"
     safety_rank = 60

@@ -6,7 +6,6 @@ from typing import Any
 
 from ._autocast import AutocastMode
 
-# What to try instead, per way fp16-mixed failed (see PrecisionMode.advice).
 _ADVICE = {
     "diverged": "activations overflow fp16 even with loss scaling; use bf16-mixed where the "
     "hardware has bf16, or keep the overflowing layers in fp32",
@@ -23,11 +22,8 @@ _ADVICE = {
 
 
 class Fp16Mixed(AutocastMode):
-    """fp16 autocast with a GradScaler built from the Policy's ``[loss_scale]``.
-
-    Static scaling keeps the scale fixed (``update(new_scale=...)`` after every step) but still
-    skips steps whose gradients overflow, as Apex's static scaler did.
-    """
+    """fp16 autocast with a GradScaler from ``[loss_scale]``; a static scale stays fixed but
+    overflowing steps are still skipped, as Apex's static scaler did."""
 
     name = "fp16-mixed"
     dtype_family = "fp16"
@@ -51,13 +47,8 @@ class Fp16Mixed(AutocastMode):
         self.scaler = None
         if ls is None or ls.kind == "none":
             return
-        self.scaler = torch.amp.GradScaler(
-            device.type,
-            init_scale=ls.init_scale,
-            growth_factor=ls.growth_factor,
-            backoff_factor=ls.backoff_factor,
-            growth_interval=ls.growth_interval,
-        )
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=ls.init_scale, growth_factor=ls.growth_factor,
+                                           backoff_factor=ls.backoff_factor, growth_interval=ls.growth_interval)
         if ls.kind == "static":
             self.static_scale = float(ls.init_scale)
         self._unscaled = False

@@ -1,12 +1,8 @@
 """fp16-true: model, optimizer state and inputs all in fp16 (pure fp16, no loss scaling).
 
-Two ways it goes non-finite, with different fixes. Values beyond fp16's range (65504)
-overflow without a loss scaler. And the optimizer's state is fp16 too, so Adam's update
-``m / (sqrt(v) + eps)`` runs there: ``eps`` below 2**-25 (Adam's default 1e-8 among them)
-rounds to 0, and wherever ``(1 - beta2) * grad**2`` underflows (any gradient below about 5e-3
-with AdamW's defaults) the update divides by 0: inf, or 0/0 = NaN on a zero gradient, after
-the first step, at a loss nowhere near fp16's range. ``eps >= 1e-4`` keeps the divisor above
-the gradients whose square underflows, and pure fp16 then trains.
+It goes non-finite two ways: values beyond 65504 overflow, and Adam's ``m / (sqrt(v) + eps)``
+runs in fp16, where an ``eps`` up to 2**-25 (Adam's 1e-8) is 0, so wherever
+``(1 - beta2) * grad**2`` underflows the update divides by 0. ``eps >= 1e-4`` fixes that.
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ _EPS_ADVICE = (
 
 
 def eps_zero_in_fp16(eps: Any) -> bool:
-    """Whether an optimizer's ``eps`` rounds to 0 in fp16 (False for one that is not a number)."""
     return isinstance(eps, (int, float)) and not isinstance(eps, bool) and abs(eps) <= FP16_ROUNDS_TO_ZERO
 
 
@@ -51,12 +46,7 @@ class Fp16True(TrueHalfMode):
 
     @classmethod
     def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
-        """The base's advice, and for a divergence the cause that fits the optimizer's eps.
-
-        Args:
-            optimizer_eps: the smallest ``eps`` of the optimizer's parameter groups; ``None``
-                when unknown, and then both causes are named.
-        """
+        # For a divergence, the cause that fits the optimizer's eps; both when it is unknown.
         if kind != "diverged":
             return "use fp16-mixed (GradScaler, fp32 master weights) or bf16-mixed"
         if optimizer_eps is None:
@@ -75,7 +65,6 @@ class Fp16True(TrueHalfMode):
         return super().optimizer_step(optimizer)
 
     def _note_zero_eps(self, optimizer: Any) -> None:
-        """Note an eps that is 0 in fp16, where the optimizer computes in fp16."""
         for group in getattr(optimizer, "param_groups", ()):
             eps = group.get("eps")
             # A fused Adam computes in fp32 inside its kernel, where 1e-8 is not 0.

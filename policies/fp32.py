@@ -15,8 +15,6 @@ if TYPE_CHECKING:
 
 
 class Fp32(PrecisionMode):
-    """Full fp32: no autocast, and TF32 off for matmuls and convolutions so results are exact fp32."""
-
     name = "fp32"
     dtype_family = "fp32"
     safety_rank = 0

@@ -1,26 +1,15 @@
 """fp8-te: NVIDIA Transformer Engine. Linear layers are swapped for TE's ``Linear`` where the
-shapes allow, and the forward runs under ``te.autocast(recipe=...)`` inside bf16 autocast,
-which runs what TE's modules do not (attention, norms, activations, the loss).
+shapes allow, and the forward runs under ``te.autocast(recipe=...)`` inside bf16 autocast, which
+runs what TE's modules do not. Transformer Engine is imported only when this mode is used.
 
-LayerNorms stay torch's. TE brings a norm into FP8 only by fusing it with the matmul after it
-(``LayerNormLinear``, ``LayerNormMLP``, ``te.ops.Sequential``); its standalone ``LayerNorm``
-returns a high-precision output, always has a bias (a trainable one added to
-``nn.LayerNorm(bias=False)``), and computes in the autocast dtype where torch's ``layer_norm``
-runs in fp32 under autocast. Swapping one would change the model and its numerics for no FP8.
+LayerNorms stay torch's: TE's standalone ``LayerNorm`` returns a high-precision output, always
+has a bias and computes in the autocast dtype (torch's runs in fp32 under autocast), so a swap
+would change the model and its numerics for no FP8.
 
-TE's FP8 Linear refuses an input whose token count (the product of every dimension but the
-last) is not a multiple of 8, or of 32 under MXFP8, and offers no padding for it. Each swapped
-Linear therefore checks its input first and names the layer, the shape and the fix.
-
-Under torch.compile, Transformer Engine (2.15 and newer, ``check_recipe_support``) refuses the
-delayed recipe when its autocast is entered inside the compiled region, as when a script
-compiles a training step that calls ``mp.autocast()``. There the default recipe gives way to
-``current``. A policy that names ``delayed`` gets an error that says which recipe to set, at
-its first backward: raised while Dynamo traces, it would become a graph break that Dynamo
-resolves by running the step uncompiled, or an error of Dynamo's own. A compiled model whose
-``mp.autocast()`` is entered outside it keeps the delayed recipe.
-
-Transformer Engine is imported here only, and only when this mode is used. It needs CUDA.
+Under torch.compile, TE (2.15 and newer) refuses the delayed recipe when its autocast is entered
+inside the compiled region. There the default recipe gives way to ``current``; a policy that
+names ``delayed`` gets an error saying which recipe to set at its first backward (raised while
+Dynamo traces, it would become a graph break that runs the step uncompiled).
 """
 
 from __future__ import annotations
@@ -37,7 +26,6 @@ from ._fp8 import Fp8Mode, retie, tied_parameters
 
 
 def import_transformer_engine() -> tuple[Any, Any]:
-    """Return ``(transformer_engine.pytorch, transformer_engine.common.recipe)``."""
     try:
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe
@@ -50,26 +38,13 @@ def import_transformer_engine() -> tuple[Any, Any]:
 
 
 # The TE recipe class of each recipe name (transformer_engine.common.recipe).
-RECIPE_CLASSES = {
-    "delayed": "DelayedScaling",
-    "current": "Float8CurrentScaling",
-    "mxfp8": "MXFP8BlockScaling",
-    "block": "Float8BlockScaling",
-}
+RECIPE_CLASSES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling",
+                  "block": "Float8BlockScaling"}
 
 
 def build_recipe(recipe_mod: Any, options: Any) -> Any:
-    """The TE recipe object for the Policy's ``[fp8]`` options (``delayed`` by default).
-
-    Raises:
-        MpadviseError: the name is not a TE recipe, or the installed TE is too old to have it.
-    """
+    """The TE recipe object for the Policy's ``[fp8]`` options (already one of ``fp8_recipes``)."""
     name = options.recipe if options and options.recipe else Fp8Te.default_recipe
-    if name not in RECIPE_CLASSES:
-        raise MpadviseError(
-            f"fp8.recipe: {name!r} is not a Transformer Engine recipe; expected "
-            f"{', '.join(Fp8Te.fp8_recipes)}"
-        )
     recipe_cls = getattr(recipe_mod, RECIPE_CLASSES[name], None)
     if recipe_cls is None:
         floor = fp8_recipe_since(Fp8Te.library, name)
@@ -80,58 +55,39 @@ def build_recipe(recipe_mod: Any, options: Any) -> Any:
         )
     fmt = recipe_format(recipe_mod, options)
     if name == "delayed":
-        return recipe_cls(
-            fp8_format=fmt,
-            amax_history_len=options.amax_history_len if options else 1024,
-            margin=options.margin if options else 0,
-        )
+        return recipe_cls(fp8_format=fmt, amax_history_len=options.amax_history_len if options else 1024,
+                          margin=options.margin if options else 0)
     if name == "current":
         return recipe_cls(fp8_format=fmt)
     return recipe_cls()
 
 
 def recipe_format(recipe_mod: Any, options: Any) -> Any:
-    """TE's ``Format`` member for the Policy's ``fp8_format`` (``HYBRID`` by default)."""
     return getattr(recipe_mod.Format, (options.fp8_format if options else "hybrid").upper())
 
 
 def compile_recipe(recipe_mod: Any, options: Any) -> Any | None:
-    """The recipe that stands in for the delayed recipe under torch.compile: current scaling, in
-    the Policy's format; ``None`` for a TE without it (older than 2.2, which had no
-    torch.compile refusal either)."""
+    """Current scaling, which stands in for the delayed recipe under torch.compile; ``None`` for
+    a TE older than 2.2, which had no torch.compile refusal either."""
     current = getattr(recipe_mod, RECIPE_CLASSES["current"], None)
     return None if current is None else current(fp8_format=recipe_format(recipe_mod, options))
-
-
-class Fp8Window:
-    """Whether the mode's forward context is open: only then does TE run the swapped Linears in FP8."""
-
-    def __init__(self) -> None:
-        self.depth = 0
 
 
 class TokenCheck:
     """A forward pre-hook on a swapped Linear: refuses, with the fix, a token count FP8 cannot run.
 
-    TE raises on such an input deep inside its Linear (``assert_dim_for_fp8_exec``), and has
-    no option to pad it; padding the batch would change the loss. Outside the forward context
-    TE's Linear runs in high precision and takes any shape, so the check is off there.
-
-    Args:
-        fqn: the layer's qualified name, for the message.
-        recipe: the recipe's name, for the message.
-        multiple: the token multiple the recipe needs.
-        window: the mode's ``Fp8Window``.
+    TE asserts deep inside its Linear and cannot pad (padding the batch would change the loss).
+    Outside the forward context TE's Linear runs in high precision and takes any shape.
     """
 
-    def __init__(self, fqn: str, recipe: str, multiple: int, window: Fp8Window) -> None:
+    def __init__(self, fqn: str, recipe: str, multiple: int, mode: Fp8Te) -> None:
         self.fqn = fqn
         self.recipe = recipe
         self.multiple = multiple
-        self.window = window
+        self.mode = mode
 
     def __call__(self, module: Any, args: tuple[Any, ...]) -> None:
-        if not self.window.depth or not args or not hasattr(args[0], "shape"):
+        if not self.mode.depth or not args or not hasattr(args[0], "shape"):
             return
         shape = tuple(args[0].shape)
         tokens = math.prod(shape[:-1])
@@ -168,12 +124,7 @@ class Fp8Te(Fp8Mode):
         self.compile_recipe = compile_recipe(recipe_mod, policy.fp8) if self.recipe_name == "delayed" else None
         self.recipe_named = policy.fp8 is not None and policy.fp8.recipe is not None
         self.compile_refusal: str | None = None
-        self.window = Fp8Window()
-
-    @property
-    def swapped(self) -> list[str]:
-        """The layers replaced by Transformer Engine modules (``converted``, in TE's words)."""
-        return self.converted
+        self.depth = 0  # open forward contexts: only inside one does TE run the swapped Linears in FP8
 
     def convert_module(self, module):
         ties = tied_parameters(module)
@@ -208,38 +159,30 @@ class Fp8Te(Fp8Mode):
         # Exactly nn.Linear: a subclass may do more in its forward than TE's Linear does.
         if type(module) is not torch.nn.Linear or not self.fp8_eligible(fqn, module.in_features, module.out_features):
             return None
-        new = self.te.Linear(
-            module.in_features,
-            module.out_features,
-            bias=module.bias is not None,
-            params_dtype=module.weight.dtype,
-            device=self.device,
-        )
+        new = self.te.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                             params_dtype=module.weight.dtype, device=self.device)
         # Copy the trained values so the swap is invisible to the optimisation.
         with torch.no_grad():
             new.weight.copy_(module.weight)
             if module.bias is not None:
                 new.bias.copy_(module.bias)
-        new.register_forward_pre_hook(TokenCheck(fqn, self.recipe_name, self.rule.token_multiple, self.window))
+        new.register_forward_pre_hook(TokenCheck(fqn, self.recipe_name, self.rule.token_multiple, self))
         self.converted.append(fqn)
         return new
 
-    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
-        return self._bf16_and_fp8_autocast()
-
     @contextlib.contextmanager
-    def _bf16_and_fp8_autocast(self) -> Iterator[None]:
+    def forward_context(self) -> Iterator[None]:
         import torch
 
         # TE's autocast makes only TE's own modules compute in FP8; everything else would run
         # in fp32 and make this mode look slower than fp8-torchao, which has bf16 autocast.
         # bf16 autocast outside, TE's inside: the nesting of TE's own tests and examples.
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16), self._te_autocast():
-            self.window.depth += 1
+            self.depth += 1
             try:
                 yield
             finally:
-                self.window.depth -= 1
+                self.depth -= 1
 
     def _te_autocast(self) -> contextlib.AbstractContextManager[Any]:
         te = self.te
@@ -251,12 +194,9 @@ class Fp8Te(Fp8Mode):
         return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
 
     def _autocast_recipe(self) -> Any:
-        """The recipe for this forward: the policy's, except the delayed one inside torch.compile."""
         import torch
 
         if self.compile_recipe is None or not torch.compiler.is_compiling():
-            # Not delayed, outside compiled code, or a TE without current scaling (older than 2.2,
-            # which had no such refusal either).
             return self.recipe
         if self.recipe_named:
             # Raised by backward(), outside the compiled code (see the module's docstring).

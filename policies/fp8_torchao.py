@@ -1,12 +1,5 @@
-"""fp8-torchao: torchao's float8 training (Float8Linear swap, dynamic scaling).
-
-On CUDA (compute capability >= 8.9) the swapped linears run FP8 matmuls and the rest of the
-forward runs under bf16 autocast. On a CPU torchao emulates the FP8 casts: the numerics are
-FP8's, the speed is not. torchao is imported here only, and only when this mode is used.
-
-The weight gradient's FP8 matmul sums over the tokens, and ``torch._scaled_mm`` wants that
-inner dimension a multiple of 16: a ragged last batch would fail there. The config sets
-``pad_inner_dim`` so that torchao pads it with zeros instead (see ``convert_module``).
+"""fp8-torchao: torchao's float8 training (Float8Linear swap, dynamic scaling), the rest of
+the forward under bf16 autocast on CUDA; emulated on a CPU. torchao is imported only when used.
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ if TYPE_CHECKING:
 
 
 def import_torchao_float8() -> Any:
-    """Import torchao.float8, with a clear error when it is missing."""
     try:
         import torchao.float8 as float8
     except ImportError as exc:
@@ -52,9 +44,7 @@ class Fp8Torchao(Fp8Mode):
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
         if profile.library_version(cls.library) is None:
             return cls._not_installed()
-        return ModeSupport(
-            cls.name, True, f"{cls.name}: emulated on CPU (correct numerics, no speedup)", emulated=True
-        )
+        return ModeSupport(cls.name, True, f"{cls.name}: emulated on CPU (correct numerics, no speedup)", emulated=True)
 
     @property
     def compute_dtype(self):
@@ -63,19 +53,17 @@ class Fp8Torchao(Fp8Mode):
         return torch.float8_e4m3fn
 
     def linear_config(self) -> Any:
-        """torchao's ``Float8LinearConfig`` for the policy's recipe."""
         float8 = import_torchao_float8()
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe_name)
         if self.rule.token_multiple > 1:
-            # Zero rows add nothing to a matmul's sums, so the padding is exact. Its price: with
-            # pad_inner_dim, torchao copies both FP8 operands of every FP8 matmul (F.pad copies
-            # even when nothing is added), one byte per element: traffic that grows with the
-            # operands' sizes, where the matmul's work grows with their product.
+            # The weight gradient's matmul sums over the tokens, which torch._scaled_mm wants a
+            # multiple of 16: a ragged last batch would fail. Zero rows add nothing to the sums,
+            # so the padding is exact; its price is a copy of both FP8 operands of every matmul.
             config = dataclasses.replace(config, pad_inner_dim=True)
         return config
 
     def module_filter(self, module: Any, fqn: str) -> bool:
-        """torchao's ``module_filter_fn``: whether to swap this module; records the Linears it swaps."""
+        """torchao's ``module_filter_fn``; records the Linears it swaps."""
         import torch
 
         if not isinstance(module, torch.nn.Linear) or self.forward_bypassed(fqn, module):

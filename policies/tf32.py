@@ -15,8 +15,6 @@ if TYPE_CHECKING:
 
 
 class Tf32(PrecisionMode):
-    """TF32: sets the matmul precision switch while active and restores it on exit."""
-
     name = "tf32"
     dtype_family = "tf32"
     safety_rank = 10
@@ -32,23 +30,14 @@ class Tf32(PrecisionMode):
     @classmethod
     def cuda_support(cls, profile: HardwareProfile, cap: ArchCapability) -> ModeSupport:
         if cap.tf32:
-            return ModeSupport(
-                cls.name, True, f"{cls.name}: fp32 matmuls run on TF32 tensor cores ({gpu_text(profile, cap)})"
-            )
-        return ModeSupport(
-            cls.name,
-            False,
-            f"{cls.name}: needs compute capability >= 8.0 (Ampere or newer); this is {cc_text(cap)} "
-            f"({profile.name})",
-        )
+            return ModeSupport(cls.name, True, f"{cls.name}: fp32 matmuls run on TF32 tensor cores ({gpu_text(profile, cap)})")
+        return ModeSupport(cls.name, False, f"{cls.name}: needs compute capability >= 8.0 (Ampere or newer); "
+                                            f"this is {cc_text(cap)} ({profile.name})")
 
     @classmethod
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
-        return ModeSupport(
-            cls.name,
-            False,
-            f"{cls.name}: needs an NVIDIA GPU with compute capability >= 8.0; this is a CPU ({profile.name})",
-        )
+        return ModeSupport(cls.name, False,
+                           f"{cls.name}: needs an NVIDIA GPU with compute capability >= 8.0; this is a CPU ({profile.name})")
 
     def process_switches(self) -> contextlib.AbstractContextManager[Any]:
         return matmul_switches(tf32=True, cuda=self.device.type == "cuda")

@@ -1,10 +1,5 @@
-"""What this machine can do: hardware profiles, capability tables, fingerprints, matmul roofline,
-and the process-wide TF32 switches set for a block and restored exactly (``matmul_switches``).
-
-The public surface of the probes package: other packages import from here, never from a
-``probes._module``. Importing it does not import torch (the CLI's ``--help`` must stay fast);
-functions that need torch import it when called.
-"""
+"""What this machine can do: hardware profiles, capability tables, fingerprints, the matmul
+roofline and the TF32 switches. Importing it does not import torch (``--help`` stays fast)."""
 
 from __future__ import annotations
 
@@ -66,19 +61,13 @@ __all__ = [
 
 
 def detect() -> list[HardwareProfile]:
-    """Every visible CUDA device, in torch's order, then the host CPU.
-
-    Never raises for a missing GPU, driver or NVML: those machines get just the CPU.
-    """
+    """Every visible CUDA device, in torch's order, then the host CPU; never raises."""
     return [*cuda_profiles(), cpu_profile()]
 
 
 def primary_profile() -> HardwareProfile:
-    """The device training runs on: the current CUDA device when CUDA is usable, else the CPU.
-
-    "Current" is ``torch.cuda.current_device()``, which is ``cuda:0`` unless the process (or
-    a launcher such as torchrun through ``LOCAL_RANK``) selected another.
-    """
+    """The device training runs on: ``torch.cuda.current_device()`` when CUDA is usable, else
+    the CPU."""
     import torch
 
     try:
@@ -95,11 +84,10 @@ def primary_profile() -> HardwareProfile:
 
 
 def profile_for(device: str | None) -> HardwareProfile:
-    """The profile of the device a run names: ``None`` (the primary device), ``"cpu"``,
-    ``"cuda"`` or ``"cuda:N"``.
+    """The profile of ``None`` (the primary device), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
 
     Raises:
-        UsageError: (exit 2) a CUDA device that is not present, or a device name of another form.
+        UsageError: a CUDA device that is not present, or a name of another form.
     """
     if device is None:
         return primary_profile()

@@ -1,8 +1,7 @@
 """Achieved square-matmul TFLOP/s per dtype on one device: where this hardware's roofline is.
 
-The numbers let results be reported against the datasheet peak and let the search try the
-most promising modes first. They are not a verdict: a model's step time also depends on
-memory traffic, kernel launch overhead and layer sizes, which only a trial step measures.
+A prior for the search and a figure against the datasheet peak, never a verdict: a model's
+step time also depends on memory traffic, launch overhead and layer sizes.
 """
 
 from __future__ import annotations
@@ -22,18 +21,14 @@ from probes._switches import matmul_switches
 if TYPE_CHECKING:
     from probes._profile import HardwareProfile
 
-__all__ = ["BENCH_DTYPES", "BenchRow", "default_bench_dtypes", "matmul_benchmark"]
-
 BENCH_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
 # Big enough to saturate a data-centre GPU's tensor cores; on a CPU without native bf16 a
 # 1024 matmul takes seconds per call, so 512 keeps the whole CPU run near two seconds.
 _DEFAULT_SIZE = {"cuda": 8192, "cpu": 512}
-# CUDA warm-up: cuBLAS picks its algorithm on the first call, and an idle GPU's clocks take
-# up to a few tenths of a second of load to reach their boost frequency. Three calls of an
-# fp8 matmul are a few milliseconds, so the warm-up goes by time: at least _CUDA_WARMUP_MIN_S
-# of work, then until two successive timings agree within _CUDA_WARMUP_SETTLED, and never
-# beyond _CUDA_WARMUP_MAX_S (a GPU that is being throttled may never settle).
+# CUDA warm-up goes by time, not calls (cuBLAS picks its algorithm on the first call, and an idle
+# GPU's clocks take a few tenths of a second of load to boost): at least the minimum, then until
+# two timings agree within SETTLED, never beyond the maximum (a throttled GPU may never settle).
 _CUDA_WARMUP_MIN_S = 0.2
 _CUDA_WARMUP_MAX_S = 2.0
 _CUDA_WARMUP_SETTLED = 0.03
@@ -45,23 +40,9 @@ _CUDA_WARMUP_BATCH_S = 0.05
 class BenchRow:
     """One dtype's measured matmul throughput on one device.
 
-    Attributes:
-        dtype: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
-        device: torch device string (``"cuda:0"``, ``"cpu"``).
-        size: the square matrices' side.
-        tflops: achieved TFLOP/s of the fastest repeat (``2 * size**3`` per matmul): a
-            neighbour's burst or a GPU's clocks only ever slow a matmul, so the fastest repeat
-            is the closest to what the hardware does; ``None`` when skipped.
-        seconds: seconds per matmul of the fastest repeat; ``None`` when skipped.
-        ratio_vs_fp32: ``tflops`` over the fp32 row's, when both were measured.
-        peak_tflops: datasheet dense peak for this dtype on this SKU, when known.
-        fraction_of_peak: ``tflops / peak_tflops``, when both are known.
-        repeats: timed repeats the fastest is taken from; fewer (two at least) for a CPU dtype one
-            call of which outlasts a repeat's share of the time per dtype (no fast path for
-            it); 0 when skipped.
-        skipped: why this dtype was not measured, else ``None``.
-        spread: ``(slowest - fastest) / median`` over the repeats: the measurement noise,
-            so that close dtypes are not ranked on noise.
+    ``tflops`` and ``seconds`` are the fastest repeat's (a neighbour's burst or a GPU's clocks
+    only ever slow a matmul); ``spread`` is ``(slowest - fastest) / median``, the noise, so close
+    dtypes are not ranked on it. ``skipped`` says why a dtype was not measured (``repeats`` 0).
     """
 
     dtype: str
@@ -77,17 +58,12 @@ class BenchRow:
     spread: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
         return asdict(self)
 
 
 def default_bench_dtypes(profile: HardwareProfile) -> tuple[str, ...]:
-    """The dtypes worth measuring on this device.
-
-    CPU: fp32, fp16, bf16 (TF32 and FP8 have no CPU hardware path). CUDA: fp32 and fp16
-    everywhere, bf16 everywhere too (on pre-Ampere it shows what emulation costs), TF32
-    from compute capability 8.0, FP8 from 8.9.
-    """
+    """The dtypes worth measuring here: bf16 on every GPU too (pre-Ampere, it shows what
+    emulation costs); TF32 and FP8 only where a GPU has them."""
     if not profile.is_cuda:
         return ("fp32", "fp16", "bf16")
     cc = profile.compute_capability or (0, 0)
@@ -100,44 +76,22 @@ def default_bench_dtypes(profile: HardwareProfile) -> tuple[str, ...]:
     return tuple(dtypes)
 
 
-def matmul_benchmark(
-    profile: HardwareProfile,
-    *,
-    dtypes: tuple[str, ...] | list[str] | None = None,
-    size: int | None = None,
-    min_seconds: float = 0.2,
-    repeats: int = 5,
-) -> list[BenchRow]:
-    """Measure square-matmul TFLOP/s per dtype on the profile's device.
+def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list[str] | None = None,
+                     size: int | None = None, min_seconds: float = 0.2, repeats: int = 5) -> list[BenchRow]:
+    """Measure square-matmul TFLOP/s per dtype; one ``BenchRow`` per dtype, in ``BENCH_DTYPES``
+    order (a dtype the device cannot run comes back skipped).
 
-    Every global switch touched (the fp32 matmul precision, i.e. TF32, for CUDA and
-    oneDNN, through both of torch's APIs; the current CUDA device) is restored on exit
-    exactly, an inherited ``fp32_precision`` inheriting again, also after an error, and on CUDA
-    the memory the operands took is handed back to the device. Inputs come from a private
-    generator, so the global RNG state is untouched.
-
-    Args:
-        profile: the device to measure (``profile.device``).
-        dtypes: subset of ``BENCH_DTYPES``; ``None`` means ``default_bench_dtypes(profile)``.
-            A requested dtype the device cannot run comes back as a skipped row.
-        size: side of the square matrices; ``None`` means 8192 on CUDA, 512 on CPU.
-        min_seconds: measured time per dtype, split evenly over the repeats; each repeat
-            runs at least one matmul. On a CPU, a dtype one call of which outlasts a repeat's
-            share is timed by single calls, its calibration call among them, until they fill
-            ``min_seconds`` (two at least).
-        repeats: timed repeats; the reported figure is the fastest's.
-
-    Returns:
-        One ``BenchRow`` per dtype, in ``BENCH_DTYPES`` order.
+    Every switch touched (TF32 through both of torch's APIs, the current CUDA device) is
+    restored exactly, also after an error; the operands' CUDA memory is handed back, and a
+    private generator leaves the global RNG alone. ``min_seconds`` is the time per dtype,
+    split over the ``repeats``.
 
     Raises:
-        MpadviseError: an argument is out of range, a dtype is unknown, or the profile is a
-            CUDA device that torch cannot see.
+        MpadviseError: a dtype is unknown, or the profile is a CUDA device torch cannot see.
     """
     chosen = _validated_dtypes(profile, dtypes)
     if size is None:
         size = _DEFAULT_SIZE[profile.kind]
-    _check_settings(size, repeats, min_seconds)
 
     import torch
 
@@ -158,32 +112,14 @@ def matmul_benchmark(
         stack.enter_context(torch.no_grad())
         for dtype in chosen:
             reason = _skip_reason(torch, profile, dtype)
-            if reason is not None:
-                measured[dtype] = reason
-                continue
-            measured[dtype] = _measure(torch, profile, dtype, size, min_seconds, repeats)
+            measured[dtype] = reason if reason is not None else _measure(
+                torch, profile, dtype, size, min_seconds, repeats)
 
     return _rows(profile, chosen, measured, size)
 
 
-def _check_settings(size: Any, repeats: Any, min_seconds: Any) -> None:
-    """Refuse a matrix size, repeat count or time budget that cannot give a measurement."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 16 or size % 16:
-        raise MpadviseError(f"size must be a multiple of 16 and at least 16, got {size!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise MpadviseError(f"repeats must be a positive integer, got {repeats!r}")
-    if not isinstance(min_seconds, (int, float)) or not min_seconds > 0:
-        raise MpadviseError(f"min_seconds must be a positive number, got {min_seconds!r}")
-
-
-def _rows(
-    profile: HardwareProfile,
-    chosen: tuple[str, ...],
-    measured: dict[str, tuple[float, float, int] | str],
-    size: int,
-) -> list[BenchRow]:
-    """One row per dtype: TFLOP/s, the ratio to fp32 and the fraction of the datasheet peak,
-    or the reason it was skipped."""
+def _rows(profile: HardwareProfile, chosen: tuple[str, ...], measured: dict[str, tuple[float, float, int] | str],
+          size: int) -> list[BenchRow]:
     peaks = peak_tflops(profile)
     fp32 = measured.get("fp32")
     fp32_tflops = _tflops(size, fp32[0]) if isinstance(fp32, tuple) else None
@@ -197,23 +133,14 @@ def _rows(
             continue
         seconds, spread, repeats = result
         tflops = _tflops(size, seconds)
-        rows.append(
-            BenchRow(
-                **common,
-                tflops=tflops,
-                seconds=seconds,
-                ratio_vs_fp32=tflops / fp32_tflops if fp32_tflops else None,
-                fraction_of_peak=tflops / common["peak_tflops"] if common["peak_tflops"] else None,
-                repeats=repeats,
-                spread=spread,
-            )
-        )
+        rows.append(BenchRow(**common, tflops=tflops, seconds=seconds,
+                             ratio_vs_fp32=tflops / fp32_tflops if fp32_tflops else None,
+                             fraction_of_peak=tflops / common["peak_tflops"] if common["peak_tflops"] else None,
+                             repeats=repeats, spread=spread))
     return rows
 
 
-def _validated_dtypes(
-    profile: HardwareProfile, dtypes: tuple[str, ...] | list[str] | None
-) -> tuple[str, ...]:
+def _validated_dtypes(profile: HardwareProfile, dtypes: tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
     if dtypes is None:
         return default_bench_dtypes(profile)
     if isinstance(dtypes, str):
@@ -249,7 +176,6 @@ def _skip_reason(torch: Any, profile: HardwareProfile, dtype: str) -> str | None
 
 
 def _operands(torch: Any, profile: HardwareProfile, dtype: str, size: int) -> Callable[[], Any]:
-    """A zero-argument callable that runs one ``size`` x ``size`` matmul in ``dtype``."""
     device = profile.device
     generator = torch.Generator(device=device)
     generator.manual_seed(0)
@@ -268,47 +194,30 @@ def _operands(torch: Any, profile: HardwareProfile, dtype: str, size: int) -> Ca
         return lambda: torch._scaled_mm(
             a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16, use_fast_accum=True
         )
-    torch_dtype = {
-        "fp32": torch.float32,
-        "tf32": torch.float32,
-        "fp16": torch.float16,
-        "bf16": torch.bfloat16,
-    }[dtype]
+    torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     a, b = randn().to(torch_dtype), randn().to(torch_dtype)
     return lambda: torch.mm(a, b)
 
 
-def _measure(
-    torch: Any,
-    profile: HardwareProfile,
-    dtype: str,
-    size: int,
-    min_seconds: float,
-    repeats: int,
-) -> tuple[float, float, int] | str:
-    """``(seconds per matmul of the fastest repeat, relative spread, timed repeats)``, or a skip
-    reason on OOM/errors."""
+def _measure(torch: Any, profile: HardwareProfile, dtype: str, size: int, min_seconds: float,
+             repeats: int) -> tuple[float, float, int] | str:
+    """``(seconds per matmul of the fastest repeat, spread, repeats)``, or why it was skipped."""
     try:
         # TF32 only for the tf32 row; the fp32 row must be IEEE even if the caller enabled TF32
-        # (or, on a CPU, bf16 via "medium"), or it would measure the wrong thing. Only matmuls
-        # run here, so cuDNN's switches stay as they are (cuda=False) on every device. Each
-        # switch comes back as it was, an inherited one inheriting again.
+        # (or, on a CPU, bf16 via "medium"). Only matmuls run here, so cuDNN's switches stay.
         with matmul_switches(tf32=dtype == "tf32", cuda=False):
             matmul = _operands(torch, profile, dtype, size)
             timer = _cuda_timer(torch) if profile.is_cuda else _cpu_timer
             if profile.is_cuda:
                 one_call = _cuda_warm_up(timer, matmul)
             else:
-                # On a CPU the warm-up call doubles as the calibration: a dtype without
-                # native support takes a fifth of a second per call, and each saved call
-                # shortens the probe.
+                # The warm-up call doubles as the calibration: an emulated dtype takes a fifth
+                # of a second per call.
                 one_call = timer(matmul, 1)
             per_repeat = min_seconds / repeats
             if not profile.is_cuda and one_call >= per_repeat:
-                # One call alone outlasts a repeat's share of the budget: a CPU without a fast
-                # path for this dtype (bf16 emulated by AVX2 at a hundredth of fp32's rate).
-                # Single calls, the calibration one among them, fill the budget, two at least;
-                # five repeats of one call each would spend seconds past it.
+                # One call outlasts a repeat's share (bf16 emulated by AVX2 at a hundredth of
+                # fp32's rate): single calls fill the budget, two at least, not seconds past it.
                 count = max(2, min(repeats, math.ceil(min_seconds / max(one_call, 1e-9))))
                 samples = [one_call] + [timer(matmul, 1) for _ in range(count - 1)]
             else:
@@ -326,11 +235,7 @@ def _measure(
 
 
 def _cuda_warm_up(timer: Callable[[Callable[[], Any], int], float], matmul: Callable[[], Any]) -> float:
-    """Run the matmul until the GPU's clocks have ramped up; returns the last seconds per call.
-
-    At least ``_CUDA_WARMUP_MIN_S`` of work, then until two successive per-call timings agree
-    within ``_CUDA_WARMUP_SETTLED``, at most ``_CUDA_WARMUP_MAX_S``.
-    """
+    """Run the matmul until the GPU's clocks have ramped up; returns the last seconds per call."""
     spent, calls, previous = 0.0, 1, None
     while True:
         elapsed = timer(matmul, calls)

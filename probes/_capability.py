@@ -1,22 +1,9 @@
-"""What each NVIDIA architecture can do, and datasheet peak TFLOP/s per SKU: pure data.
+"""What each NVIDIA architecture runs in hardware, what each FP8 recipe needs, and datasheet
+peak TFLOP/s per SKU: pure data.
 
-Two tables, both pure functions of plain data:
-
-- ``capability_for(compute_capability)``: which number formats have real hardware behind them
-  (tensor cores), keyed by compute capability. ``torch.cuda.is_bf16_supported()`` is not used
-  because it also says yes where bf16 is emulated (a V100 answers True).
-- ``peak_tflops(profile)``: the datasheet *dense* (no 2:4 sparsity) peak TFLOP/s per dtype
-  for known SKUs, matched by the device name. Used to report measured matmul throughput as a
-  fraction of the roofline; never used to decide what is supported.
-
-Beside them, what software needs of the device: ``FP8_RECIPE_RULES`` (what each FP8 library's
-recipe needs: compute capability, CUDA, library version, shapes) and ``torch_build_covers``
-(whether a torch build has kernels for a compute capability).
-
-Every figure is quoted from the NVIDIA document named in the comment above its row; where the
-document gives only the sparse figure, the dense one is half of it (NVIDIA's sparse figures
-are exactly 2x the dense ones). docs/capabilities.md lists the same sources and the figures
-we are least sure of.
+``capability_for`` does not use ``torch.cuda.is_bf16_supported()``, which also says yes where
+bf16 is emulated (a V100). Peaks are dense (no 2:4 sparsity), quoted from the NVIDIA document
+named above each row (dense is half a sparse-only figure); docs/capabilities.md lists them.
 """
 
 from __future__ import annotations
@@ -30,42 +17,14 @@ from probes._errors import MpadviseError
 if TYPE_CHECKING:
     from probes._profile import HardwareProfile
 
-__all__ = [
-    "FP8_RECIPE_RULES",
-    "ArchCapability",
-    "Fp8RecipeRule",
-    "SkuPeak",
-    "SKU_PEAKS",
-    "capability_for",
-    "fp8_recipe_rule",
-    "fp8_recipe_since",
-    "fp8_recipe_unmet",
-    "match_sku",
-    "peak_tflops",
-    "release",
-    "torch_build_covers",
-]
-
 
 @dataclass(frozen=True)
 class ArchCapability:
-    """The number formats one GPU architecture runs in hardware.
+    """The number formats one GPU architecture runs on tensor cores.
 
-    Attributes:
-        arch: architecture name (``"Volta"``, ``"Turing"``, ``"Ampere"``, ``"Ada"``,
-            ``"Hopper"``, ``"Blackwell"``, ``"pre-Volta"``).
-        compute_capability: the ``(major, minor)`` this answer is for.
-        fp16_tensor_cores: fp16 matmuls run on tensor cores (Volta and later).
-        tf32: TF32 tensor cores, used for fp32 matmuls when allowed (Ampere and later).
-        bf16: bf16 tensor cores (Ampere and later); earlier GPUs only emulate bf16.
-        fp8: FP8 (E4M3/E5M2) tensor cores with per-tensor scaling (Ada, Hopper, Blackwell).
-        mxfp8: MXFP8, FP8 with hardware block scales of 32 elements (Blackwell). What the
-            hardware has; whether a library's MXFP8 recipe runs is in ``FP8_RECIPE_RULES``
-            (Transformer Engine refuses 12.x).
-        nvfp4: NVFP4, 4-bit floats with hardware block scales (Blackwell).
-        fp8_min_cuda: the oldest CUDA (``(major, minor)``) whose cuBLASLt runs FP8 matmuls on
-            this architecture, where torch builds for older CUDA exist; ``None`` where no
-            floor applies.
+    ``mxfp8``/``nvfp4`` are what the hardware has (Blackwell); whether a library's recipe runs
+    is in ``FP8_RECIPE_RULES``. ``fp8_min_cuda``: the oldest CUDA whose cuBLASLt runs FP8
+    matmuls on this architecture, where one applies.
     """
 
     arch: str
@@ -80,7 +39,7 @@ class ArchCapability:
 
     @property
     def label(self) -> str:
-        """``"Hopper (9.0)"``: the architecture and compute capability, for messages."""
+        """``"Hopper (9.0)"``."""
         major, minor = self.compute_capability
         return f"{self.arch} ({major}.{minor})"
 
@@ -88,13 +47,8 @@ class ArchCapability:
 def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
     """Which formats a GPU of this compute capability runs on tensor cores.
 
-    Args:
-        compute_capability: ``(major, minor)``, as in ``torch.cuda.get_device_capability()``.
-
-    Returns:
-        The architecture's capabilities. Minors not listed in NVIDIA's tables (say 8.8) get
-        their major's answer; majors newer than Blackwell are assumed to keep Blackwell's
-        formats, since each generation so far has kept its predecessor's.
+    Minors not in NVIDIA's tables (say 8.8) get their major's answer; majors newer than
+    Blackwell are assumed to keep Blackwell's formats, as each generation so far has.
 
     Raises:
         MpadviseError: ``compute_capability`` is not a pair of non-negative integers.
@@ -104,9 +58,7 @@ def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
     if major < 7:
         # Pascal and older: no tensor cores. P100 (6.0) has fast fp16 arithmetic (2x fp32),
         # consumer Pascal (6.1) runs fp16 at 1/64 rate; bf16 exists only as emulation.
-        return ArchCapability(
-            "pre-Volta", cc, fp16_tensor_cores=False, tf32=False, bf16=False, fp8=False
-        )
+        return ArchCapability("pre-Volta", cc, fp16_tensor_cores=False, tf32=False, bf16=False, fp8=False)
     if major == 7:
         # 7.0 V100, 7.2 Xavier (both Volta); 7.5 Turing. fp16 tensor cores only.
         arch = "Turing" if minor >= 5 else "Volta"
@@ -115,9 +67,7 @@ def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
         if (major, minor) >= (8, 9):
             # 8.9 Ada: fourth-generation tensor cores with FP8. cuBLASLt runs FP8 matmuls on Ada
             # from CUDA 12.1 (Transformer Engine's check_fp8_support refuses older CUDA there).
-            return ArchCapability(
-                "Ada", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, fp8_min_cuda=(12, 1)
-            )
+            return ArchCapability("Ada", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, fp8_min_cuda=(12, 1))
         # 8.0 A100, 8.6 GA10x (A10, RTX 30xx), 8.7 Orin: bf16 and TF32 tensor cores.
         return ArchCapability("Ampere", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=False)
     if major == 9:
@@ -125,9 +75,7 @@ def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
     # 10.x B200/GB200, 11.x Thor, 12.x RTX 50xx / RTX PRO: fifth-generation tensor cores
     # with hardware block scaling (MXFP8, NVFP4).
     arch = "Blackwell" if major <= 12 else "post-Blackwell"
-    return ArchCapability(
-        arch, cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, mxfp8=True, nvfp4=True
-    )
+    return ArchCapability(arch, cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, mxfp8=True, nvfp4=True)
 
 
 def _validated(compute_capability: object) -> tuple[int, int]:
@@ -148,7 +96,7 @@ _RELEASE = re.compile(r"(\d+)\.(\d+)")
 
 
 def release(version: str | None) -> tuple[int, int] | None:
-    """``"2.3.0+cu12"`` -> ``(2, 3)``: the release line of a version; ``None`` when it has none."""
+    """``"2.3.0+cu12"`` -> ``(2, 3)``; ``None`` when it has no release line."""
     match = _RELEASE.match(version.strip()) if isinstance(version, str) else None
     return (int(match[1]), int(match[2])) if match else None
 
@@ -156,8 +104,6 @@ def release(version: str | None) -> tuple[int, int] | None:
 def _dotted(pair: tuple[int, int]) -> str:
     return f"{pair[0]}.{pair[1]}"
 
-
-# --- what a torch build runs on ----------------------------------------------------------------
 
 # Code built for an integrated GPU (Jetson TX1 5.3, TX2 6.2, Xavier 7.2, Orin 8.7) runs only
 # there, and those GPUs run no code built for another capability; code for 10.1 (Thor, which
@@ -174,19 +120,12 @@ def _arch_number(entry: str) -> int | None:
 
 
 def torch_build_covers(compute_capability: tuple[int, int], arch_list: tuple[str, ...]) -> bool | None:
-    """Whether a torch build compiled for ``arch_list`` has kernels for this compute capability.
+    """Whether a torch build compiled for ``arch_list`` (``get_arch_list()``) has kernels for
+    this compute capability; ``None`` when the list is empty (not recorded, or no CUDA).
 
-    Code built for ``sm_XY`` runs on X.Y and on later minors of major X (the rule of torch's
-    own start-up check, ``torch.cuda._check_capability``), so a cu126 build, which stops at
-    ``sm_90``, has nothing for a Blackwell GPU (10.0, 12.0).
-
-    Args:
-        compute_capability: the device's ``(major, minor)``.
-        arch_list: ``torch.cuda.get_arch_list()`` of the build (``("sm_80", "sm_90")``).
-
-    Returns:
-        ``None`` when the list is empty (not recorded, or a build without CUDA), else whether
-        some entry runs on the device.
+    Code built for ``sm_XY`` runs on X.Y and later minors of major X (torch's own
+    ``torch.cuda._check_capability``), so a cu126 build, which stops at ``sm_90``, has nothing
+    for a Blackwell GPU.
     """
     if not arch_list:
         return None
@@ -207,27 +146,15 @@ def torch_build_covers(compute_capability: tuple[int, int], arch_list: tuple[str
     return False
 
 
-# --- what each FP8 recipe needs --------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Fp8RecipeRule:
     """What one FP8 recipe of one library needs, for a range of that library's versions.
 
-    Attributes:
-        library: the library as profiles record it (``"transformer_engine"``, ``"torchao"``).
-        recipe: the recipe's name in a policy's ``[fp8]`` table.
-        min_cc: the oldest compute capability the recipe runs on.
-        below_cc: the first compute capability it no longer runs on; ``None`` for none.
-        min_cuda: the oldest CUDA runtime (the one torch was built with) it needs; ``None``
-            for no floor beyond the architecture's (``ArchCapability.fp8_min_cuda``).
-        min_library: the first library version this rule holds for (for the first rule of a
-            recipe, the first version that has the recipe); ``None`` for every version.
-        below_library: the first library version of the recipe's next rule; ``None`` for the
-            newest rule.
-        dim_multiple: a Linear runs in FP8 only when its in and out features are multiples of it.
-        token_multiple: the tokens of a Linear's input (the product of every dimension but the
-            last) must be a multiple of it; 1 where any count runs.
+    ``below_cc``/``below_library`` are exclusive upper bounds (``None``: none); ``min_cuda`` is
+    the CUDA torch was built with, beyond the architecture's floor; ``min_library`` of a recipe's
+    first rule is the first version that has it. A Linear runs in FP8 only when its features
+    are multiples of ``dim_multiple`` and its tokens (all dimensions but the last) of
+    ``token_multiple``.
     """
 
     library: str
@@ -241,13 +168,11 @@ class Fp8RecipeRule:
     token_multiple: int = 1
 
     def covers_version(self, version: tuple[int, int]) -> bool:
-        """Whether this rule holds for library release ``version``."""
         return (self.min_library is None or version >= self.min_library) and (
             self.below_library is None or version < self.below_library
         )
 
     def runs_on(self, compute_capability: tuple[int, int]) -> bool:
-        """Whether the recipe runs on a device of this compute capability under this rule."""
         cc = tuple(compute_capability)
         return cc >= self.min_cc and (self.below_cc is None or cc < self.below_cc)
 
@@ -300,13 +225,8 @@ def _recipe_rules(library: str, recipe: str) -> list[Fp8RecipeRule]:
 
 
 def fp8_recipe_rule(library: str, recipe: str, library_version: str | None = None) -> Fp8RecipeRule:
-    """The rule for a library's recipe at an installed version.
-
-    Args:
-        library: as profiles record it (``"transformer_engine"``).
-        recipe: the recipe's name (``"mxfp8"``).
-        library_version: the installed version; ``None`` or an unreadable one gives the
-            newest rule, as does a version older than the recipe.
+    """The rule for a library's recipe at an installed version; the newest rule for ``None``, an
+    unreadable version, or one older than the recipe.
 
     Raises:
         MpadviseError: no rule for this library and recipe.
@@ -321,42 +241,21 @@ def fp8_recipe_rule(library: str, recipe: str, library_version: str | None = Non
 
 
 def fp8_recipe_since(library: str, recipe: str) -> tuple[int, int] | None:
-    """The first version of ``library`` that has ``recipe``; ``None`` when every version has it.
-
-    Raises:
-        MpadviseError: no rule for this library and recipe.
-    """
+    """The first version of ``library`` that has ``recipe``; ``None`` when every version has it."""
     return _recipe_rules(library, recipe)[0].min_library
 
 
-def fp8_recipe_unmet(
-    library: str,
-    recipe: str,
-    *,
-    compute_capability: tuple[int, int],
-    cuda_runtime: str | None,
-    library_version: str | None,
-    library_display: str | None = None,
-) -> str | None:
-    """What an FP8 recipe needs that this device, CUDA and library version lack, or ``None``.
+def fp8_recipe_unmet(library: str, recipe: str, *, compute_capability: tuple[int, int], cuda_runtime: str | None,
+                     library_version: str | None, library_display: str | None = None) -> str | None:
+    """What an FP8 recipe needs that this device, CUDA and library version lack, as one clause
+    (``"needs CUDA 12.9 or newer (torch was built with CUDA 12.4)"``); ``None`` when it runs.
 
-    Args:
-        library: as profiles record it (``"transformer_engine"``).
-        recipe: the recipe's name (``"block"``).
-        compute_capability: the device's ``(major, minor)``.
-        cuda_runtime: the CUDA torch was built with (``"12.4"``); ``None`` skips that check.
-        library_version: the installed version; ``None`` or an unreadable one skips the
-            version check and applies the newest rule.
-        library_display: the library's name for people (``"transformer-engine"``).
-
-    Returns:
-        One clause for people, e.g. ``"needs CUDA 12.9 or newer (torch was built with CUDA
-        12.4)"``; ``None`` when the recipe runs here.
+    A ``None`` (or unreadable) ``cuda_runtime`` or ``library_version`` skips that check.
     """
     name = library_display or library
     rules = _recipe_rules(library, recipe)
     version = release(library_version)
-    first = fp8_recipe_since(library, recipe)
+    first = rules[0].min_library
     if version is not None and first is not None and version < first:
         return f"needs {name} {_dotted(first)} or newer (this is {library_version})"
     rule = fp8_recipe_rule(library, recipe, library_version)
@@ -378,15 +277,8 @@ def fp8_recipe_unmet(
 
 @dataclass(frozen=True)
 class SkuPeak:
-    """Datasheet dense peak TFLOP/s of one GPU SKU.
-
-    Attributes:
-        sku: short name (``"H100 SXM"``).
-        pattern: regular expression searched (case-insensitively) in the device name.
-        tflops: ``(("bf16", 989.4), ...)``: dense peak per dtype; absent dtypes have no
-            hardware path (a V100 has no bf16 entry).
-        source: the NVIDIA document the figures come from.
-    """
+    """Datasheet dense peak TFLOP/s of one GPU SKU; ``pattern`` is searched case-insensitively
+    in the device name, and a dtype absent from ``tflops`` has no hardware path."""
 
     sku: str
     pattern: str
@@ -399,167 +291,70 @@ class SkuPeak:
 # (H100 NVL, H200 NVL, L40 without S, A10G, RTX 3090 Ti, laptop parts) deliberately match
 # nothing: no number is better than a wrong one.
 SKU_PEAKS: tuple[SkuPeak, ...] = (
-    # NVIDIA Tesla P100 datasheet (PCIe and SXM2 variants), https://www.nvidia.com/en-us/data-center/tesla-p100/
-    # fp16 is CUDA-core half2 arithmetic (2x fp32), not tensor cores.
-    SkuPeak(
-        "P100 SXM2",
-        r"P100.*SXM2",
-        (("fp32", 10.6), ("fp16", 21.2)),
-        "NVIDIA Tesla P100 datasheet",
-    ),
-    SkuPeak(
-        "P100 PCIe",
-        r"P100.*PCIE",
-        (("fp32", 9.3), ("fp16", 18.7)),
-        "NVIDIA Tesla P100 datasheet",
-    ),
-    # NVIDIA Tesla V100 GPU Accelerator datasheet, https://www.nvidia.com/en-us/data-center/v100/
-    # "Tensor Performance" is fp16 in, fp32 accumulate.
-    SkuPeak(
-        "V100S PCIe",
-        r"V100S",
-        (("fp32", 16.4), ("fp16", 130.0)),
-        "NVIDIA V100 Tensor Core GPU datasheet (V100S)",
-    ),
-    SkuPeak(
-        "V100 SXM2",
-        r"V100\b.*SXM",
-        (("fp32", 15.7), ("fp16", 125.0)),
-        "NVIDIA Tesla V100 GPU Accelerator datasheet",
-    ),
-    SkuPeak(
-        "V100 PCIe",
-        r"V100\b.*PCIE",
-        (("fp32", 14.0), ("fp16", 112.0)),
-        "NVIDIA Tesla V100 GPU Accelerator datasheet",
-    ),
-    # NVIDIA T4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/tesla-t4/
-    # "Mixed Precision (FP16/FP32) 65 TFLOPS".
-    SkuPeak(
-        "T4",
-        r"\bT4\b",
-        (("fp32", 8.1), ("fp16", 65.0)),
-        "NVIDIA T4 Tensor Core GPU datasheet",
-    ),
-    # NVIDIA A100 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/a100/
-    # Same peaks for 40GB/80GB, SXM4 and PCIe; the datasheet's starred figures are sparse.
-    SkuPeak(
-        "A100",
-        r"\bA100\b",
-        (("fp32", 19.5), ("tf32", 156.0), ("fp16", 312.0), ("bf16", 312.0)),
-        "NVIDIA A100 Tensor Core GPU datasheet",
-    ),
-    # NVIDIA A10 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/products/a10-gpu/
-    SkuPeak(
-        "A10",
-        r"\bA10\b(?!\d|G)",
-        (("fp32", 31.2), ("tf32", 62.5), ("fp16", 125.0), ("bf16", 125.0)),
-        "NVIDIA A10 Tensor Core GPU datasheet",
-    ),
-    # NVIDIA Ampere GA102 GPU Architecture whitepaper (v2), table "GeForce RTX 3090",
-    # https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf
-    # GeForce runs fp16/bf16 with fp32 accumulate at half the fp16-accumulate rate (142);
-    # PyTorch accumulates in fp32, so the fp32-accumulate figure is the relevant one.
-    SkuPeak(
-        "RTX 3090",
-        r"RTX 3090(?!\s*Ti)(?!.*Laptop)",
-        (("fp32", 35.6), ("tf32", 35.6), ("fp16", 71.0), ("bf16", 71.0)),
-        "NVIDIA Ampere GA102 GPU Architecture whitepaper",
-    ),
-    # NVIDIA Ada GPU Architecture whitepaper, table "GeForce RTX 4090",
-    # https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf
-    # fp32-accumulate figures (fp16-accumulate doubles them); fp8 with fp32 accumulate is
-    # what torch._scaled_mm uses. See docs/capabilities.md: fp8 is the least certain here.
-    SkuPeak(
-        "RTX 4090",
-        r"RTX 4090(?!\s*D\b)(?!.*Laptop)",
-        (("fp32", 82.6), ("tf32", 82.6), ("fp16", 165.2), ("bf16", 165.2), ("fp8", 330.3)),
-        "NVIDIA Ada GPU Architecture whitepaper",
-    ),
-    # NVIDIA L4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/l4/
-    # The datasheet gives sparse figures only (120 / 242 / 485); dense is half.
-    SkuPeak(
-        "L4",
-        r"\bL4\b",
-        (("fp32", 30.3), ("tf32", 60.0), ("fp16", 121.0), ("bf16", 121.0), ("fp8", 242.5)),
-        "NVIDIA L4 Tensor Core GPU datasheet",
-    ),
-    # NVIDIA L40S GPU datasheet, https://www.nvidia.com/en-us/data-center/l40s/
-    SkuPeak(
-        "L40S",
-        r"\bL40S\b",
-        (("fp32", 91.6), ("tf32", 183.0), ("fp16", 362.05), ("bf16", 362.05), ("fp8", 733.0)),
-        "NVIDIA L40S GPU datasheet",
-    ),
-    # NVIDIA H100 Tensor Core GPU Architecture whitepaper, tables for H100 SXM5 and PCIe,
-    # https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper
-    # (the H100 datasheet, https://www.nvidia.com/en-us/data-center/h100/, gives the sparse
-    # figures, which are twice these). The PCIe part is named "NVIDIA H100 PCIe", the SXM
-    # part "NVIDIA H100 80GB HBM3".
-    SkuPeak(
-        "H100 PCIe",
-        r"H100\b.*PCIE",
-        (("fp32", 51.2), ("tf32", 378.0), ("fp16", 756.0), ("bf16", 756.0), ("fp8", 1513.0)),
-        "NVIDIA H100 Tensor Core GPU Architecture whitepaper",
-    ),
-    SkuPeak(
-        "H100 SXM",
-        r"H100\b.*\b(SXM|HBM3)\b",
-        (("fp32", 66.9), ("tf32", 494.7), ("fp16", 989.4), ("bf16", 989.4), ("fp8", 1978.9)),
-        "NVIDIA H100 Tensor Core GPU Architecture whitepaper",
-    ),
-    # NVIDIA H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/
-    # H200 SXM is the H100 SXM die with more HBM: same compute peaks (datasheet sparse
-    # 989 / 1,979 / 3,958 halved, fp32 67).
-    SkuPeak(
-        "H200 SXM",
-        r"\bH200\b(?!.*NVL)",
-        (("fp32", 66.9), ("tf32", 494.7), ("fp16", 989.4), ("bf16", 989.4), ("fp8", 1978.9)),
-        "NVIDIA H200 Tensor Core GPU datasheet",
-    ),
-    # NVIDIA HGX B200 specifications (per GPU), https://www.nvidia.com/en-us/data-center/hgx/
-    # The page lists sparse tensor figures (FP4 18 PF, FP8 9 PF, BF16 4.5 PF, TF32 2.2 PF);
-    # dense is half. FP32 75 TFLOPS as listed there.
-    SkuPeak(
-        "B200",
-        r"\bB200\b",
-        (
-            ("fp32", 75.0),
-            ("tf32", 1100.0),
-            ("fp16", 2250.0),
-            ("bf16", 2250.0),
-            ("fp8", 4500.0),
-            ("fp4", 9000.0),
-        ),
-        "NVIDIA HGX B200 specifications",
-    ),
-    # NVIDIA GB200 NVL72 specifications (per GPU, at up to 1,200 W),
-    # https://www.nvidia.com/en-us/data-center/gb200-nvl72/ : sparse FP4 20 PF, FP8 10 PF,
-    # BF16 5 PF, TF32 2.5 PF; FP32 80 TFLOPS.
-    SkuPeak(
-        "GB200",
-        r"\bGB200\b",
-        (
-            ("fp32", 80.0),
-            ("tf32", 1250.0),
-            ("fp16", 2500.0),
-            ("bf16", 2500.0),
-            ("fp8", 5000.0),
-            ("fp4", 10000.0),
-        ),
-        "NVIDIA GB200 NVL72 specifications",
-    ),
+    # https://www.nvidia.com/en-us/data-center/tesla-p100/ ; fp16 is CUDA-core half2 (2x fp32).
+    SkuPeak("P100 SXM2", r"P100.*SXM2", (("fp32", 10.6), ("fp16", 21.2)), "NVIDIA Tesla P100 datasheet"),
+    SkuPeak("P100 PCIe", r"P100.*PCIE", (("fp32", 9.3), ("fp16", 18.7)), "NVIDIA Tesla P100 datasheet"),
+    # https://www.nvidia.com/en-us/data-center/v100/ ; "Tensor Performance" is fp16 in, fp32 accumulate.
+    SkuPeak("V100S PCIe", r"V100S", (("fp32", 16.4), ("fp16", 130.0)), "NVIDIA V100 Tensor Core GPU datasheet (V100S)"),
+    SkuPeak("V100 SXM2", r"V100\b.*SXM", (("fp32", 15.7), ("fp16", 125.0)), "NVIDIA Tesla V100 GPU Accelerator datasheet"),
+    SkuPeak("V100 PCIe", r"V100\b.*PCIE", (("fp32", 14.0), ("fp16", 112.0)), "NVIDIA Tesla V100 GPU Accelerator datasheet"),
+    # https://www.nvidia.com/en-us/data-center/tesla-t4/ : "Mixed Precision (FP16/FP32) 65 TFLOPS".
+    SkuPeak("T4", r"\bT4\b", (("fp32", 8.1), ("fp16", 65.0)), "NVIDIA T4 Tensor Core GPU datasheet"),
+    # https://www.nvidia.com/en-us/data-center/a100/ : same peaks for 40GB/80GB, SXM4 and PCIe;
+    # the datasheet's starred figures are sparse.
+    SkuPeak("A100", r"\bA100\b", (("fp32", 19.5), ("tf32", 156.0), ("fp16", 312.0), ("bf16", 312.0)),
+            "NVIDIA A100 Tensor Core GPU datasheet"),
+    # https://www.nvidia.com/en-us/data-center/products/a10-gpu/
+    SkuPeak("A10", r"\bA10\b(?!\d|G)", (("fp32", 31.2), ("tf32", 62.5), ("fp16", 125.0), ("bf16", 125.0)),
+            "NVIDIA A10 Tensor Core GPU datasheet"),
+    # https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf,
+    # table "GeForce RTX 3090". GeForce runs fp16/bf16 with fp32 accumulate at half the
+    # fp16-accumulate rate (142); PyTorch accumulates in fp32, so that figure is the relevant one.
+    SkuPeak("RTX 3090", r"RTX 3090(?!\s*Ti)(?!.*Laptop)",
+            (("fp32", 35.6), ("tf32", 35.6), ("fp16", 71.0), ("bf16", 71.0)),
+            "NVIDIA Ampere GA102 GPU Architecture whitepaper"),
+    # https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf,
+    # table "GeForce RTX 4090": fp32-accumulate figures (fp16-accumulate doubles them); fp8 with
+    # fp32 accumulate is what torch._scaled_mm uses. See docs/capabilities.md: fp8 is the least certain.
+    SkuPeak("RTX 4090", r"RTX 4090(?!\s*D\b)(?!.*Laptop)",
+            (("fp32", 82.6), ("tf32", 82.6), ("fp16", 165.2), ("bf16", 165.2), ("fp8", 330.3)),
+            "NVIDIA Ada GPU Architecture whitepaper"),
+    # https://www.nvidia.com/en-us/data-center/l4/ : sparse figures only (120 / 242 / 485); dense is half.
+    SkuPeak("L4", r"\bL4\b", (("fp32", 30.3), ("tf32", 60.0), ("fp16", 121.0), ("bf16", 121.0), ("fp8", 242.5)),
+            "NVIDIA L4 Tensor Core GPU datasheet"),
+    # https://www.nvidia.com/en-us/data-center/l40s/
+    SkuPeak("L40S", r"\bL40S\b",
+            (("fp32", 91.6), ("tf32", 183.0), ("fp16", 362.05), ("bf16", 362.05), ("fp8", 733.0)),
+            "NVIDIA L40S GPU datasheet"),
+    # https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper, tables for H100 SXM5
+    # and PCIe (the datasheet gives the sparse figures, twice these). The PCIe part is named
+    # "NVIDIA H100 PCIe", the SXM part "NVIDIA H100 80GB HBM3".
+    SkuPeak("H100 PCIe", r"H100\b.*PCIE",
+            (("fp32", 51.2), ("tf32", 378.0), ("fp16", 756.0), ("bf16", 756.0), ("fp8", 1513.0)),
+            "NVIDIA H100 Tensor Core GPU Architecture whitepaper"),
+    SkuPeak("H100 SXM", r"H100\b.*\b(SXM|HBM3)\b",
+            (("fp32", 66.9), ("tf32", 494.7), ("fp16", 989.4), ("bf16", 989.4), ("fp8", 1978.9)),
+            "NVIDIA H100 Tensor Core GPU Architecture whitepaper"),
+    # https://www.nvidia.com/en-us/data-center/h200/ : the H100 SXM die with more HBM, same
+    # compute peaks (datasheet sparse 989 / 1,979 / 3,958 halved, fp32 67).
+    SkuPeak("H200 SXM", r"\bH200\b(?!.*NVL)",
+            (("fp32", 66.9), ("tf32", 494.7), ("fp16", 989.4), ("bf16", 989.4), ("fp8", 1978.9)),
+            "NVIDIA H200 Tensor Core GPU datasheet"),
+    # https://www.nvidia.com/en-us/data-center/hgx/ (per GPU): sparse FP4 18 PF, FP8 9 PF, BF16
+    # 4.5 PF, TF32 2.2 PF, dense is half; FP32 75 TFLOPS as listed.
+    SkuPeak("B200", r"\bB200\b", (("fp32", 75.0), ("tf32", 1100.0), ("fp16", 2250.0), ("bf16", 2250.0),
+                                  ("fp8", 4500.0), ("fp4", 9000.0)), "NVIDIA HGX B200 specifications"),
+    # https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (per GPU, at up to 1,200 W): sparse
+    # FP4 20 PF, FP8 10 PF, BF16 5 PF, TF32 2.5 PF; FP32 80 TFLOPS.
+    SkuPeak("GB200", r"\bGB200\b", (("fp32", 80.0), ("tf32", 1250.0), ("fp16", 2500.0), ("bf16", 2500.0),
+                                    ("fp8", 5000.0), ("fp4", 10000.0)), "NVIDIA GB200 NVL72 specifications"),
 )
 
 _COMPILED = tuple((re.compile(peak.pattern, re.IGNORECASE), peak) for peak in SKU_PEAKS)
 
 
 def match_sku(device_name: str) -> SkuPeak | None:
-    """The datasheet row for a CUDA device name, or ``None`` for an unknown SKU.
-
-    Args:
-        device_name: the name CUDA reports (``"NVIDIA A100-SXM4-80GB"``).
-    """
+    """The datasheet row for a CUDA device name (``"NVIDIA A100-SXM4-80GB"``), or ``None``."""
     for pattern, peak in _COMPILED:
         if pattern.search(device_name):
             return peak
@@ -567,15 +362,9 @@ def match_sku(device_name: str) -> SkuPeak | None:
 
 
 def peak_tflops(profile: HardwareProfile) -> dict[str, float]:
-    """Datasheet dense peak TFLOP/s per dtype for this device; ``{}`` when unknown.
+    """Datasheet dense peak TFLOP/s per dtype for this device (a fresh dict); ``{}`` when unknown.
 
-    Args:
-        profile: a CUDA profile. CPUs have no table (peaks depend on clocks, cores and
-            vector width that vary by part), so a CPU profile gives ``{}``.
-
-    Returns:
-        ``{"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, ...}``: a fresh dict the caller may
-        modify. Keys are among ``fp32, tf32, fp16, bf16, fp8, fp4``.
+    CPUs have no table: their peaks depend on clocks, cores and vector width that vary by part.
     """
     if not profile.is_cuda:
         return {}

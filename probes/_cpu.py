@@ -9,8 +9,6 @@ from pathlib import Path
 from probes._libraries import fp8_library_versions
 from probes._profile import HardwareProfile
 
-__all__ = ["PRECISION_FLAGS", "cpu_profile", "parse_cpuinfo"]
-
 # The x86 flags that decide whether low precision is fast on a CPU: AVX2 is the baseline
 # oneDNN needs; AVX512-BF16 and AMX-BF16 (with AMX-TILE) make bf16 matmuls native; AVX512-FP16
 # and AMX-FP16 do the same for fp16. Without them PyTorch converts to fp32 internally and
@@ -21,19 +19,8 @@ PRECISION_FLAGS: frozenset[str] = frozenset(
 
 
 def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...]]:
-    """The model name and the precision-relevant flags from ``/proc/cpuinfo`` text.
-
-    Only the first processor block is read: every logical CPU of one machine reports the
-    same model and flags.
-
-    Args:
-        text: contents of ``/proc/cpuinfo``.
-
-    Returns:
-        ``(model_name, flags)`` with ``flags`` the sorted intersection of the CPU's flags with
-        ``PRECISION_FLAGS``. The model name is ``""`` when the text has none (ARM kernels
-        print no ``model name``).
-    """
+    """``(model name, sorted PRECISION_FLAGS present)`` from ``/proc/cpuinfo``'s first block
+    (every logical CPU reports the same); the name is ``""`` where there is none (ARM)."""
     model = ""
     flags: set[str] = set()
     for block in text.split("\n\n"):
@@ -52,24 +39,10 @@ def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...]]:
     return model, tuple(sorted(flags))
 
 
-def cpu_profile(
-    cpuinfo_path: str | os.PathLike[str] = "/proc/cpuinfo",
-    *,
-    meminfo_path: str | os.PathLike[str] = "/proc/meminfo",
-) -> HardwareProfile:
-    """Probe the host CPU.
-
-    Works where ``/proc`` is missing (macOS, some containers): the model then comes from
-    ``platform.processor()`` and the flags are empty, which the support table reads as "no
-    native bf16/fp16", the safe answer.
-
-    Args:
-        cpuinfo_path: where to read the CPU description.
-        meminfo_path: where to read memory totals.
-
-    Returns:
-        A ``HardwareProfile`` with ``kind="cpu"``.
-    """
+def cpu_profile(cpuinfo_path: str | os.PathLike[str] = "/proc/cpuinfo", *,
+                meminfo_path: str | os.PathLike[str] = "/proc/meminfo") -> HardwareProfile:
+    """Probe the host CPU. Without ``/proc`` (macOS) the flags are empty, which the support
+    table reads as "no native bf16/fp16", the safe answer."""
     try:
         text = Path(cpuinfo_path).read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -78,16 +51,9 @@ def cpu_profile(
     if not model:
         model = platform.processor() or platform.machine() or "unknown CPU"
     memory_total, memory_free = _memory(meminfo_path)
-    return HardwareProfile(
-        kind="cpu",
-        name=model,
-        memory_total=memory_total,
-        memory_free=memory_free,
-        cores=_usable_cores(),
-        cpu_flags=flags,
-        torch_version=_torch_version(),
-        libraries=fp8_library_versions(),
-    )
+    return HardwareProfile(kind="cpu", name=model, memory_total=memory_total, memory_free=memory_free,
+                           cores=_usable_cores(), cpu_flags=flags, torch_version=_torch_version(),
+                           libraries=fp8_library_versions())
 
 
 def _usable_cores() -> int | None:
@@ -102,7 +68,6 @@ def _usable_cores() -> int | None:
 
 
 def _memory(meminfo_path: str | os.PathLike[str]) -> tuple[int | None, int | None]:
-    """``(total, available)`` bytes of host RAM, from meminfo or, failing that, sysconf."""
     total: int | None = None
     available: int | None = None
     try:

@@ -1,15 +1,10 @@
-"""The project's errors: one domain exception type that the CLI turns into a red line and an
-exit code, and its usage-error kind. Everything imports them from here; this module imports
-nothing of the project."""
+"""The project's errors, which the CLI turns into one red line and an exit code."""
 
 from __future__ import annotations
 
 
 class MpadviseError(Exception):
-    """An error a user can act on: says what was given, what was expected, and what to do.
-
-    The CLI prints ``str(error)`` on one line and exits with ``exit_code``.
-    """
+    """An error a user can act on: what was given, what was expected, and what to do."""
 
     exit_code: int = 1
 
@@ -27,5 +22,4 @@ class UsageError(MpadviseError):
 
 class UnsupportedHere(MpadviseError):
     """A policy that cannot run here, found only once training began (Transformer Engine's
-    delayed recipe inside a ``torch.compile``'d step): a trial ends ``unsupported`` with this
-    message, as it does for a mode the hardware lacks, not as a crash."""
+    delayed recipe inside a compiled step): the trial ends ``unsupported``, not as a crash."""

@@ -1,19 +1,11 @@
-"""Files mpadvise writes for people, and config files it reads: written whole or not at all,
-never through a name someone else planted; read only when nobody else could have written them.
+"""Files mpadvise writes for people, written whole or never through a planted name, and config
+files it reads only when nobody else could have written them. Here because ``probes`` is the
+package every other one may import; ``advisor._secure`` re-exports it.
 
-Every package writes such files (``policies`` its config files, ``advisor`` exports and reports),
-and ``probes`` is the package all of them may import, so the one implementation lives here;
-``advisor._secure`` re-exports it beside the cache directory's checks.
-
-Writing: a random name beside the target, created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a
-symlink or file planted at any name is never opened), written, flushed and fsynced, then
-``os.replace``-d onto the target and the directory fsynced. A target that is itself a symlink is
-replaced by the new file: the link goes, whatever it pointed to stays untouched.
-
-Reading: opened with ``O_NOFOLLOW`` (a symlink is refused, not followed) and judged by ``fstat``
-on the open descriptor, so the file judged is the file read: it must be a regular file owned by
-the user running mpadvise (or root) and writable by nobody else. Its directory does not matter:
-a file of the user's in ``/tmp`` is as good as one in ``$HOME``.
+Writing: a random name beside the target, created ``O_EXCL | O_NOFOLLOW``, fsynced, then
+``os.replace``-d onto it (a symlink target is replaced, what it points to untouched). Reading:
+opened ``O_NOFOLLOW`` and judged by ``fstat`` on the open descriptor, so the file judged is the
+file read; its directory does not matter (a file of the user's in ``/tmp`` is fine).
 """
 
 from __future__ import annotations
@@ -27,30 +19,15 @@ from pathlib import Path
 
 from probes._errors import MpadviseError
 
-__all__ = ["check_writable", "read_trusted_text", "untrusted_reason", "write_file_atomic"]
-
+# Never group- or world-writable, whatever the umask, so that read_trusted_text accepts it back.
 FILE_MODE = 0o644
-"""Mode of a file :func:`write_file_atomic` creates, before the umask: never group- or
-world-writable, whatever the umask, so that :func:`read_trusted_text` accepts it back."""
 
 _TEMP_TRIES = 16
 
 
 def write_file_atomic(path: str | os.PathLike[str], text: str | bytes, *, mode: int = FILE_MODE) -> Path:
-    """Write ``text`` to ``path`` whole or not at all, never through a planted name.
-
-    Args:
-        path: the file to create or replace; a symlink there is replaced, not followed.
-        text: its content: text (written as UTF-8), or bytes as they are (an image).
-        mode: permission bits of the new file, before the umask.
-
-    Returns:
-        ``path``.
-
-    Raises:
-        OSError: the directory is not writable, the disk is full, ...; no temporary file is
-            left behind and the target is unchanged.
-    """
+    """Write ``text`` (UTF-8) or bytes to ``path`` whole or not at all, never through a planted
+    name; on ``OSError`` no temporary file is left and the target is unchanged."""
     path = Path(path)
     directory = path.parent
     tmp, fd = _create_temporary(directory, path.name, mode)
@@ -69,23 +46,10 @@ def write_file_atomic(path: str | os.PathLike[str], text: str | bytes, *, mode: 
 
 
 def check_writable(path: str | os.PathLike[str], what: str) -> Path:
-    """Refuse now, in one line, a file that could not be written later: before a tune or a
-    trial runs for minutes, not after.
+    """Refuse now, in one line, a file that could not be written after a tune of minutes.
 
-    The directory is tried as :func:`write_file_atomic` uses it: a temporary file is created
-    there (exclusively, never through a link) and removed again, so a read-only file system,
-    a full quota or a directory of another user is caught as well as a missing one.
-
-    Args:
-        path: the file to be written.
-        what: what it is, for the message (``"config file"``, ``"plot"``).
-
-    Returns:
-        ``path``.
-
-    Raises:
-        MpadviseError: the path is a directory, its directory does not exist, or nothing can
-            be created there.
+    A temporary file is created in the directory and removed, as :func:`write_file_atomic`
+    would, so a read-only file system, a full quota or another user's directory is caught too.
     """
     path = Path(path)
     if path.is_dir():
@@ -105,7 +69,6 @@ def check_writable(path: str | os.PathLike[str], what: str) -> Path:
 
 
 def _create_temporary(directory: Path, name: str, mode: int) -> tuple[Path, int]:
-    """A new file of a random name in ``directory``, open for writing."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     for attempt in range(_TEMP_TRIES):
         tmp = directory / f".{name}.{secrets.token_hex(8)}.tmp"
@@ -131,17 +94,8 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def untrusted_reason(st: os.stat_result, *, uid: int) -> str | None:
-    """Why a config file with this status must not be applied, or ``None`` when it may be.
-
-    Args:
-        st: the status of the open file (``os.fstat``).
-        uid: the user running mpadvise; files of root's are trusted too.
-
-    Returns:
-        ``None``, or the reason ("owned by uid 65534 (nobody), ...", "writable by its group").
-    """
-    if stat.S_ISDIR(st.st_mode):
-        return "a directory, expected a .toml file"
+    """Why a config file with this ``fstat`` status must not be applied (``None``: it may be);
+    files of ``uid``'s and root's are trusted; a directory never gets here."""
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
     perms = f"mode {stat.S_IMODE(st.st_mode):04o}"
@@ -160,7 +114,6 @@ def _user(uid: int) -> str:
 
 
 def _name(uid: int) -> str:
-    """The user's login name, or the number where there is none."""
     try:
         import pwd
 
@@ -172,18 +125,10 @@ def _name(uid: int) -> str:
 def read_trusted_text(path: str | os.PathLike[str], *, what: str = "config file") -> str:
     """The text of a file that only the user running mpadvise (or root) can have written.
 
-    Args:
-        path: the file; a symlink is refused, not followed.
-        what: what the file is, for the messages ("config file").
-
-    Returns:
-        Its content.
-
     Raises:
-        MpadviseError: it is missing, a symlink, not a regular file, owned by another user, or
-            writable by group or others; one line naming the file, its owner and mode, and the fix.
-        IsADirectoryError: it is a directory.
-        OSError, UnicodeDecodeError: it cannot be read.
+        MpadviseError: missing, a symlink, not a regular file, another user's, or writable by
+            group or others: one line naming the file, its owner and mode, and the fix.
+        IsADirectoryError, OSError, UnicodeDecodeError: it cannot be read.
     """
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from importlib import metadata
 
-__all__ = ["FP8_LIBRARIES", "fp8_library_versions"]
-
 # Library name as recorded in a profile -> distribution names that provide it, first found
 # wins. Transformer Engine has shipped as "transformer-engine" (the meta package, which
 # pulls in the framework extension), as "transformer_engine" (older wheels and source
@@ -20,28 +18,20 @@ FP8_LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def fp8_library_versions() -> tuple[tuple[str, str | None], ...]:
-    """``(("torchao", "0.18.0"), ("transformer_engine", None))``: version or ``None`` each.
+    """``(("torchao", "0.18.0"), ("transformer_engine", None))``, sorted as
+    ``HardwareProfile.from_dict`` sorts it.
 
-    Reads ``importlib.metadata`` only: importing torchao takes seconds and prints warnings
-    about optional CUDA kernels, and importing transformer_engine initialises CUDA.
-    The result is sorted by library name, as ``HardwareProfile.from_dict`` sorts it, so a
-    profile round-trips unchanged.
+    From package metadata only: importing torchao takes seconds and prints warnings, and
+    importing transformer_engine initialises CUDA.
     """
-    versions = []
-    for library, distributions in FP8_LIBRARIES:
-        versions.append((library, first_installed(distributions)))
-    return tuple(sorted(versions))
+    return tuple(sorted((library, first_installed(names)) for library, names in FP8_LIBRARIES))
 
 
 def first_installed(distributions: tuple[str, ...]) -> str | None:
-    """The version of the first of ``distributions`` that is installed, or ``None``."""
     for distribution in distributions:
         try:
             return metadata.version(distribution)
-        except metadata.PackageNotFoundError:
-            continue
-        except (OSError, ValueError):
-            # A half-removed install can leave unreadable metadata; treat it as absent
-            # rather than failing the whole probe.
+        except (metadata.PackageNotFoundError, OSError, ValueError):
+            # A half-removed install can leave unreadable metadata: absent, not a failed probe.
             continue
     return None

@@ -1,13 +1,8 @@
 """CUDA devices as HardwareProfiles, from torch.cuda plus NVML (the only pynvml importer).
 
-No GPU, no driver, no NVML library, a driver/library mismatch: all are normal on the machines
-this runs on (laptops, CPU CI, containers without ``--gpus``), so nothing here raises. Facts
-that cannot be read are ``None``; devices that cannot be read at all are left out.
-
-torch.cuda and NVML number devices differently: torch honours ``CUDA_VISIBLE_DEVICES`` and
-``CUDA_DEVICE_ORDER``, NVML always lists every GPU in PCI order. Devices are therefore paired
-by UUID, and by index only when both sides see the same number of devices and nothing
-remaps them. Under MIG, CUDA shows MIG instances, whose UUIDs NVML lists under their parent GPU.
+A missing GPU, driver or NVML is normal here, so nothing raises: unreadable facts are ``None``.
+torch honours ``CUDA_VISIBLE_DEVICES`` and NVML lists every GPU in PCI order, so devices are
+paired by UUID (MIG instances under their parent GPU), by index only when nothing remaps them.
 """
 
 from __future__ import annotations
@@ -23,8 +18,6 @@ from typing import Any, NamedTuple
 from probes._libraries import fp8_library_versions
 from probes._profile import HardwareProfile
 
-__all__ = ["cuda_profiles", "gpu_busy"]
-
 # pynvml's NVML_CLOCK_SM; used when a binding does not export the constant.
 _NVML_CLOCK_SM = 1
 _NVML_DEVICE_MIG_ENABLE = 1
@@ -37,25 +30,11 @@ _INIT_PID_NAMESPACE = 0xEFFFFFFC
 _GPU_DEVICE_FILE = re.compile(r"/dev/nvidia\d+")
 
 
-def cuda_profiles(
-    *,
-    torch_cuda: Any = None,
-    nvml: Any = None,
-    cuda_runtime: str | None = None,
-    torch_version: str | None = None,
-) -> list[HardwareProfile]:
-    """One profile per visible CUDA device, in torch's device order.
+def cuda_profiles(*, torch_cuda: Any = None, nvml: Any = None, cuda_runtime: str | None = None,
+                  torch_version: str | None = None) -> list[HardwareProfile]:
+    """One profile per visible CUDA device, in torch's order; ``[]`` without usable CUDA.
 
-    Args:
-        torch_cuda: an object with ``torch.cuda``'s ``is_available``, ``device_count`` and
-            ``get_device_properties``; ``None`` uses ``torch.cuda``. Tests pass a fake.
-        nvml: a module with pynvml's functions; ``None`` imports ``pynvml``. Tests pass a fake.
-        cuda_runtime: CUDA runtime version to record; ``None`` reads ``torch.version.cuda``.
-        torch_version: torch version to record; ``None`` reads ``torch.__version__``.
-
-    Returns:
-        Profiles with ``kind="cuda"``; ``[]`` when there is no usable CUDA. NVML facts
-        (driver, free memory, MIG, clocks, UUID) are ``None`` where NVML is unavailable.
+    Each argument left ``None`` is read from torch (or pynvml); tests pass fakes.
     """
     if torch_cuda is None or cuda_runtime is None or torch_version is None:
         try:
@@ -76,59 +55,34 @@ def cuda_profiles(
     arch_list = _arch_list(torch_cuda)
     profiles = []
     with _nvml_session(nvml) as session:
-        driver_version = session.driver_version() if session else None
+        driver_version = _as_text(session.call("nvmlSystemGetDriverVersion")) if session else None
         handles = session.match_handles(devices) if session else {}
         for index, props in devices:
             handle = handles.get(index)
             facts = session.device_facts(handle) if session and handle is not None else {}
-            profiles.append(
-                HardwareProfile(
-                    kind="cuda",
-                    name=str(props.name),
-                    index=index,
-                    compute_capability=(int(props.major), int(props.minor)),
-                    sm_count=int(props.multi_processor_count),
-                    # CUDA's view, not NVML's: under MIG it is the slice, which is what a
-                    # training process can use.
-                    memory_total=int(props.total_memory),
-                    memory_free=facts.get("memory_free"),
-                    driver_version=driver_version,
-                    cuda_runtime=cuda_runtime,
-                    mig_enabled=facts.get("mig_enabled"),
-                    clocks_mhz=facts.get("clocks_mhz"),
-                    torch_version=torch_version,
-                    libraries=libraries,
-                    uuid=facts.get("uuid") or _torch_uuid(props),
-                    cuda_arch_list=arch_list,
-                )
-            )
+            profiles.append(HardwareProfile(
+                kind="cuda", name=str(props.name), index=index, compute_capability=(int(props.major), int(props.minor)),
+                sm_count=int(props.multi_processor_count),
+                # CUDA's view, not NVML's: under MIG it is the slice, which is what training can use.
+                memory_total=int(props.total_memory), memory_free=facts.get("memory_free"),
+                driver_version=driver_version, cuda_runtime=cuda_runtime, mig_enabled=facts.get("mig_enabled"),
+                clocks_mhz=facts.get("clocks_mhz"), torch_version=torch_version, libraries=libraries,
+                uuid=facts.get("uuid") or _torch_uuid(props), cuda_arch_list=arch_list,
+            ))
     return profiles
 
 
-def gpu_busy(
-    index: int, nvml: Any = None, *, uuid: str | None = None, own: OwnProcesses | None = None
-) -> list[int]:
-    """PIDs of other processes running compute work on a GPU; ``[]`` when none or unknown.
+def gpu_busy(index: int, nvml: Any = None, *, uuid: str | None = None, own: OwnProcesses | None = None) -> list[int]:
+    """Sorted PIDs of other processes computing on a GPU (not this process's own tree); ``[]``
+    when none or unknown.
 
-    Args:
-        index: NVML device index (PCI order; differs from torch's index when
-            ``CUDA_VISIBLE_DEVICES`` is set, so prefer ``uuid``).
-        nvml: a module with pynvml's functions; ``None`` imports ``pynvml``.
-        uuid: the GPU's or MIG instance's UUID (``HardwareProfile.uuid``); when given it
-            selects the device and ``index`` is ignored.
-        own: this process's own tree; ``None`` reads it from ``/proc``.
-
-    Returns:
-        Sorted PIDs as NVML reports them, without this process's own tree
-        (see :func:`other_gpu_processes`).
+    ``uuid`` (a GPU's or MIG instance's), when given, selects the device; else ``index`` does,
+    in NVML's PCI order, which differs from torch's under ``CUDA_VISIBLE_DEVICES``.
     """
     with _nvml_session(nvml) as session:
         if session is None:
             return []
-        if uuid is not None:
-            handle = session.handle_by_uuid(uuid)
-        else:
-            handle = session.call("nvmlDeviceGetHandleByIndex", index)
+        handle = session.handle_by_uuid(uuid) if uuid is not None else session.call("nvmlDeviceGetHandleByIndex", index)
         if handle is None:
             return []
         processes = session.call("nvmlDeviceGetComputeRunningProcesses", handle) or []
@@ -142,14 +96,9 @@ def gpu_busy(
 class OwnProcesses:
     """This process's own tree: GPU work that is never another job's to wait for.
 
-    Attributes:
-        pid: this process, as its PID namespace numbers it.
-        tree: this process, its ancestors (they wait for it, so waiting on them never ends)
-            and its descendants (its trials).
-        gpu_users: how many of them hold a GPU device file open: at most that many entries
-            of NVML's list can be theirs.
-        host_namespace: whether these PIDs are numbered as NVML numbers them (this process
-            is in the initial PID namespace); assumed where that cannot be read.
+    ``tree`` holds its ancestors (they wait for it, so waiting on them never ends) and its
+    descendants (its trials); ``gpu_users`` how many of them hold a GPU device file open;
+    ``host_namespace`` whether these PIDs are numbered as NVML numbers them.
     """
 
     pid: int
@@ -159,13 +108,11 @@ class OwnProcesses:
 
 
 def other_gpu_processes(listed: Iterable[int], own: OwnProcesses) -> list[int]:
-    """The PIDs on NVML's list that belong to someone else: what a wait for an idle GPU waits on.
+    """The PIDs on NVML's list that belong to someone else.
 
-    In the initial PID namespace NVML's PIDs compare with ours: the list less our tree. In
-    another one (a container's), NVML still reports host PIDs, and ours are on the list under
-    numbers we cannot see. Our tree accounts for at most ``own.gpu_users`` entries, so a list
-    no longer than that is ours; a longer one means someone else computes there too, though
-    not which entry, and it is returned whole (less any PID of our tree it happens to hold).
+    In a container NVML still reports host PIDs, ours among them under numbers we cannot see.
+    Our tree accounts for at most ``own.gpu_users`` entries, so a list no longer than that is
+    ours; a longer one is returned whole, since which entry is someone else's cannot be told.
     """
     listed = set(listed)
     others = sorted(listed - own.tree)
@@ -180,12 +127,8 @@ def own_processes(proc: Path | None = None) -> OwnProcesses:
     pid = _self_pid(proc)
     parents = _parent_pids(proc)
     tree = {pid} | _ancestors(pid, parents) | _descendants(pid, parents)
-    return OwnProcesses(
-        pid=pid,
-        tree=frozenset(tree),
-        gpu_users=sum(_holds_gpu(proc, member) for member in tree),
-        host_namespace=_in_host_namespace(proc),
-    )
+    return OwnProcesses(pid=pid, tree=frozenset(tree), gpu_users=sum(_holds_gpu(proc, member) for member in tree),
+                        host_namespace=_in_host_namespace(proc))
 
 
 def _self_pid(proc: Path) -> int:
@@ -196,7 +139,6 @@ def _self_pid(proc: Path) -> int:
 
 
 def _parent_pids(proc: Path) -> dict[int, int]:
-    """PID -> parent PID of every process ``/proc`` shows (empty without ``/proc``)."""
     try:
         names = os.listdir(proc)
     except OSError:
@@ -282,7 +224,6 @@ def _torch_devices(torch_cuda: Any) -> list[tuple[int, Any]]:
 
 
 def _arch_list(torch_cuda: Any) -> tuple[str, ...]:
-    """What the torch build has kernels for (``("sm_80", "sm_90")``); ``()`` when it cannot say."""
     try:
         return tuple(str(arch) for arch in torch_cuda.get_arch_list())
     except Exception:
@@ -291,11 +232,7 @@ def _arch_list(torch_cuda: Any) -> tuple[str, ...]:
 
 
 def _normalise_uuid(value: object) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        value = value.decode("ascii", errors="replace")
-    text = str(value).strip().lower()
+    text = (_as_text(value) or "").strip().lower()
     # NVML prefixes "GPU-" (or "MIG-"); torch's cudaDeviceProp.uuid prints without it.
     for prefix in ("gpu-", "mig-"):
         if text.startswith(prefix):
@@ -304,11 +241,10 @@ def _normalise_uuid(value: object) -> str | None:
 
 
 def _torch_uuid(props: Any) -> str | None:
-    """torch's UUID for a device NVML could not describe, in NVML's ``GPU-...`` spelling."""
-    raw = _as_text(getattr(props, "uuid", None))
-    if not raw or not raw.strip():
+    """torch's UUID, in NVML's ``GPU-...`` spelling."""
+    raw = (_as_text(getattr(props, "uuid", None)) or "").strip()
+    if not raw:
         return None
-    raw = raw.strip()
     return raw if raw.lower().startswith(("gpu-", "mig-")) else f"GPU-{raw}"
 
 
@@ -321,8 +257,6 @@ def _as_text(value: object) -> str | None:
 
 
 class _MigInstance(NamedTuple):
-    """A MIG instance's NVML handle, with its parent GPU's."""
-
     handle: Any
     parent: Any
 
@@ -345,9 +279,6 @@ class _NvmlSession:
             # raise OSError; any of them only means this fact is unknown.
             return None
 
-    def driver_version(self) -> str | None:
-        return _as_text(self.call("nvmlSystemGetDriverVersion"))
-
     def all_handles(self) -> list[tuple[Any, str | None]]:
         count = self.call("nvmlDeviceGetCount")
         handles = []
@@ -359,14 +290,12 @@ class _NvmlSession:
         return handles
 
     def mig_enabled(self, handle: Any) -> bool | None:
-        """Whether MIG mode is on for a GPU now; ``None`` where NVML cannot say."""
         mig = self.call("nvmlDeviceGetMigMode", handle)  # [current, pending]
         if isinstance(mig, (tuple, list)) and mig:
             return int(mig[0]) == getattr(self.nvml, "NVML_DEVICE_MIG_ENABLE", _NVML_DEVICE_MIG_ENABLE)
         return None
 
     def mig_instances(self, gpus: list[tuple[Any, str | None]]) -> list[tuple[_MigInstance, str | None]]:
-        """The MIG instances of every GPU with MIG mode on, each with its normalised UUID."""
         instances = []
         for parent, _ in gpus:
             if not self.mig_enabled(parent):
@@ -379,7 +308,6 @@ class _NvmlSession:
         return instances
 
     def handle_by_uuid(self, uuid: str) -> Any:
-        """The handle of the GPU or MIG instance with this UUID, or ``None``."""
         wanted = _normalise_uuid(uuid)
         gpus = self.all_handles()
         for handle, handle_uuid in gpus:
@@ -391,12 +319,9 @@ class _NvmlSession:
         return None
 
     def match_handles(self, devices: list[tuple[int, Any]]) -> dict[int, Any]:
-        """torch device index -> NVML handle, by UUID, else by index when that is safe."""
         handles = self.all_handles()
         by_uuid: dict[str, Any] = {uuid: handle for handle, uuid in handles if uuid is not None}
-        torch_uuids = {
-            index: _normalise_uuid(getattr(props, "uuid", None)) for index, props in devices
-        }
+        torch_uuids = {index: _normalise_uuid(getattr(props, "uuid", None)) for index, props in devices}
         if any(torch_uuids.values()):
             # Under MIG, torch's UUID is the instance's ("MIG-..."), which NVML lists under its
             # parent GPU. A UUID NVML lists nowhere stays unpaired rather than guessed.
@@ -430,8 +355,7 @@ class _NvmlSession:
         return facts
 
     def _instance_facts(self, instance: _MigInstance) -> dict[str, Any]:
-        """A MIG instance's facts: its own memory and UUID; the GPU-wide ones (clocks) from its
-        parent, which NVML answers only there."""
+        # The GPU-wide facts (clocks) only the parent answers; memory and UUID are the instance's.
         parent = self.device_facts(instance.parent)
         for whole_gpu in ("memory_free", "uuid"):  # the whole GPU's, not this instance's
             parent.pop(whole_gpu, None)
@@ -440,7 +364,6 @@ class _NvmlSession:
 
 @contextlib.contextmanager
 def _nvml_session(nvml: Any) -> Iterator[_NvmlSession | None]:
-    """An initialised NVML for the duration of the block, or ``None`` where there is none."""
     if nvml is None:
         try:
             import pynvml as nvml

@@ -8,34 +8,11 @@ from typing import Any
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """What one device (a CUDA GPU or the host CPU) can do, as plain data.
-
-    Every field is a plain, hashable value so that a profile round-trips through JSON and can
-    be compared and hashed. CUDA-only fields are ``None`` for the CPU, and CPU-only fields keep
-    their defaults for a GPU (the host CPU of a GPU machine is a profile of its own).
-
-    Attributes:
-        kind: ``"cuda"`` or ``"cpu"``.
-        name: marketing name (``"NVIDIA H100 80GB HBM3"``) or CPU model string.
-        index: CUDA device index; ``None`` for the CPU.
-        compute_capability: ``(major, minor)`` for CUDA; ``None`` for the CPU.
-        sm_count: streaming multiprocessors (CUDA).
-        memory_total: bytes of device memory (CUDA) or of host RAM (CPU).
-        memory_free: bytes free when probed.
-        driver_version: NVIDIA driver version string, from NVML.
-        cuda_runtime: CUDA runtime that torch was built with (``torch.version.cuda``).
-        mig_enabled: whether MIG mode is on for this GPU (from NVML).
-        clocks_mhz: ``(sm_clock, sm_clock_max)`` from NVML, when known.
-        cores: logical CPU cores available to this process (CPU).
-        cpu_flags: the precision-relevant ISA flags present, sorted (CPU).
-        torch_version: ``torch.__version__`` at probe time.
-        libraries: ``(("torchao", "0.18.0"), ("transformer_engine", None))``: FP8 libraries and
-            their versions, ``None`` where not installed.
-        uuid: NVML UUID of the GPU, when known; not part of the fingerprint (two cards of the
-            same SKU give the same answer).
-        cuda_arch_list: what the torch build has kernels for (``torch.cuda.get_arch_list()``,
-            ``("sm_80", "sm_90")``), CUDA only; ``()`` where not recorded. Not part of the
-            fingerprint: the torch and CUDA versions already in it name the build.
+    """What one device (a CUDA GPU or the host CPU) can do, as plain, hashable data that
+    round-trips through JSON. CUDA-only fields are ``None`` for the CPU; CPU-only ones keep
+    their defaults for a GPU. ``cuda_runtime`` is the CUDA torch was built with; ``libraries``
+    the FP8 libraries' versions (``None``: not installed); ``cuda_arch_list`` what the torch
+    build has kernels for (``()``: not recorded).
     """
 
     kind: str
@@ -66,7 +43,6 @@ class HardwareProfile:
 
     @property
     def device(self) -> str:
-        """The torch device string for this profile (``"cuda:0"`` or ``"cpu"``)."""
         return f"cuda:{self.index or 0}" if self.is_cuda else "cpu"
 
     def has_flag(self, flag: str) -> bool:
@@ -76,20 +52,14 @@ class HardwareProfile:
         return dict(self.libraries).get(name)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (tuples become lists)."""
-        data = asdict(self)
-        data["cpu_flags"] = list(self.cpu_flags)
-        data["cuda_arch_list"] = list(self.cuda_arch_list)
-        data["libraries"] = {k: v for k, v in self.libraries}
-        if self.compute_capability is not None:
-            data["compute_capability"] = list(self.compute_capability)
-        if self.clocks_mhz is not None:
-            data["clocks_mhz"] = list(self.clocks_mhz)
+        # JSON-ready: tuples become lists, the libraries a table.
+        data = {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+        data["libraries"] = dict(self.libraries)
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
-        """Inverse of ``to_dict``; unknown keys are ignored so that newer files still load."""
+        """Inverse of ``to_dict``; unknown keys are ignored, so newer files still load."""
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
         if kwargs.get("compute_capability") is not None:

@@ -1,20 +1,15 @@
-"""Process-wide matmul switches, set for a block and restored exactly afterwards.
+"""Process-wide matmul switches, set for a block and restored exactly afterwards (the matmul
+benchmark and the fp32 and tf32 modes need them).
 
-The matmul benchmark needs them (its fp32 row runs IEEE fp32, its tf32 row TF32, whatever the
-caller set), and so do the fp32 and tf32 precision modes; probes is the layer both may use.
-
-torch >= 2.9 keeps the TF32 switches twice. The legacy API (``set_float32_matmul_precision``,
-``allow_tf32``) holds one matmul precision and one cuDNN flag. The ``fp32_precision`` API
-holds a value per backend and operator (``torch.backends.cuda.matmul.fp32_precision``),
-where ``"none"`` inherits from ``(backend, "all")``, which inherits from the generic
-``torch.backends.fp32_precision``. Its getters report the value in effect, so saving a switch
-by reading it and writing that back turns an inherited ``"none"`` into an explicit value that
-a later generic setting no longer reaches. The legacy setters write the new switches too, but
-not the other way round, and the legacy getters refuse to answer ("mix of the legacy and new
-APIs") once a new switch holds what the legacy value cannot express. So the legacy getters
-are read only while the switches they check are neutral, and both APIs are set to agree
-inside the block: PyTorch's kernels read the new switches, some of its own Python (the
-inductor autotuning cache) still reads the legacy ones.
+torch >= 2.9 keeps the TF32 switches twice: the legacy API (one matmul precision, one cuDNN
+flag) and ``fp32_precision`` per backend and operator, where ``"none"`` inherits from
+``(backend, "all")``, which inherits from the generic one. Its getters report the value in
+effect, so writing back what was read would turn an inherited ``"none"`` into an explicit
+value. The legacy setters write the new switches, not the other way round, and the legacy
+getters refuse ("mix of the legacy and new APIs") once a new switch holds what they cannot
+express: they are read only while the switches they check are neutral. Both APIs are set to
+agree inside the block: the kernels read the new ones, some of torch's Python (the inductor
+autotuning cache) the legacy ones.
 """
 
 from __future__ import annotations
@@ -22,8 +17,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from typing import Any
-
-__all__ = ["has_fp32_precision_api", "matmul_switches"]
 
 # The new-API switches that the legacy setters write: set_float32_matmul_precision writes
 # the matmul ones, cudnn.allow_tf32 the cuDNN ones. They are all that this module changes.
@@ -35,18 +28,9 @@ _Switch = tuple[str, str]
 
 @contextlib.contextmanager
 def matmul_switches(*, tf32: bool, cuda: bool) -> Iterator[None]:
-    """Turn TF32 on or off for matmuls (and cuDNN convolutions and RNNs on CUDA) inside the block.
-
-    Restores every switch it set exactly, through the API that holds it, also when the block
-    raises: a switch that inherited (``"none"``) inherits again. When the switches already
-    hold the wanted values (inside ``with mp:``, or on every step of a loop) nothing is set
-    or restored: this runs twice per training step.
-
-    Args:
-        tf32: True to let fp32 matmuls run on TF32 tensor cores, False for IEEE fp32.
-        cuda: whether cuDNN's switches are set too (training on CUDA); a block that runs
-            only matmuls leaves them alone with ``False``, on any device.
-    """
+    """TF32 on or off for matmuls (and, with ``cuda``, cuDNN convolutions and RNNs) inside the
+    block; every switch comes back exactly, an inherited one inheriting again. Where they already
+    hold the wanted values nothing is set or restored: this runs twice per training step."""
     import torch
 
     if not has_fp32_precision_api(torch):
@@ -80,13 +64,11 @@ def matmul_switches(*, tf32: bool, cuda: bool) -> Iterator[None]:
 
 
 def has_fp32_precision_api(torch: Any) -> bool:
-    """Whether this torch has the per-backend ``fp32_precision`` switches (torch >= 2.9)."""
     return hasattr(torch.backends, "fp32_precision")
 
 
 @contextlib.contextmanager
 def _legacy_switches(torch: Any, *, tf32: bool, cuda: bool) -> Iterator[None]:
-    """``matmul_switches`` on a torch with only the legacy API."""
     precision = "high" if tf32 else "highest"
     saved_precision = torch.get_float32_matmul_precision()
     cudnn = torch.backends.cudnn
@@ -118,11 +100,8 @@ def _set(torch: Any, switch: _Switch, value: str) -> None:
 
 
 def _own_precision(torch: Any, switch: _Switch) -> str:
-    """The value set on ``switch`` itself, ``"none"`` where it inherits.
-
-    torch reports the inherited value, so the parent is changed for a moment: a switch that
-    follows it inherits. The parent is put back as it was.
-    """
+    """The value set on ``switch`` itself, ``"none"`` where it inherits: torch reports the value
+    in effect, so the parent is changed for a moment to see whether the switch follows it."""
     backend, op = switch
     value = _get(torch, switch)
     if backend == "generic" or value == "none":
@@ -144,11 +123,10 @@ def _put_back(torch: Any, own: dict[_Switch, str]) -> None:
 
 
 def _legacy_state(torch: Any, *, cuda: bool, own: dict[_Switch, str]) -> tuple[str, bool | None]:
-    """The legacy matmul precision and (on CUDA) cuDNN flag, read exactly; ``own`` is put back after.
+    """The legacy matmul precision and (on CUDA) cuDNN flag, read exactly; ``own`` is put back.
 
-    The matmul getter refuses only while a matmul switch holds TF32 or bf16; with both at
-    "ieee" it always answers. The cuDNN getter answers only when convolutions, RNNs and its
-    flag agree; with both switches at "tf32" it answers exactly when the flag is on.
+    The matmul getter always answers with both matmul switches at "ieee"; the cuDNN getter,
+    with both cuDNN switches at "tf32", answers exactly when its flag is on.
     """
     try:
         for switch in _MATMUL_SWITCHES:
@@ -168,7 +146,6 @@ def _legacy_state(torch: Any, *, cuda: bool, own: dict[_Switch, str]) -> tuple[s
 
 
 def _set_both_apis(torch: Any, *, tf32: bool, cuda: bool) -> None:
-    """Set the legacy switches and the new ones they write, in agreement."""
     value = "tf32" if tf32 else "ieee"
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     for switch in _MATMUL_SWITCHES:
@@ -182,7 +159,6 @@ def _set_both_apis(torch: Any, *, tf32: bool, cuda: bool) -> None:
 
 
 def _already_set(torch: Any, *, tf32: bool, cuda: bool) -> bool:
-    """Whether both APIs already hold what ``_set_both_apis`` would set."""
     # "none" in effect means no switch asks for reduced precision: IEEE fp32.
     wanted = {"tf32"} if tf32 else {"ieee", "none"}
     switches = _MATMUL_SWITCHES + (_CUDNN_SWITCHES if cuda else ())

@@ -124,7 +124,7 @@ def test_swaps_linear_where_shapes_allow(fake_te):
     te = fake_te["module"]
     assert isinstance(converted.up, te.Linear) and isinstance(converted.down, te.Linear)
     assert type(converted.head) is nn.Linear
-    assert mode.swapped == ["up", "down"]
+    assert mode.converted == ["up", "down"]
     assert any("head (32->3)" in note for note in mode.notes)
     assert fake_te["linear"] == [(32, 64, True, "cuda"), (64, 32, False, "cuda")]
     x = torch.randn(4, 32)
@@ -143,7 +143,7 @@ def test_layernorms_stay_torch_layernorms(fake_te, bias):
     assert type(converted[0]) is nn.LayerNorm
     assert [name for name, _ in converted.named_parameters()] == names
     assert fake_te["layernorm"] == []
-    assert mode.swapped == ["1"]
+    assert mode.converted == ["1"]
 
 
 def test_optimizer_trains_the_swapped_parameters(fake_te):

@@ -105,19 +105,9 @@ def test_fraction_of_peak_when_the_datasheet_is_known(monkeypatch):
     assert row.fraction_of_peak == pytest.approx(row.tflops / 2.0)
 
 
-@pytest.mark.parametrize(
-    "kwargs, field",
-    [
-        ({"size": 100}, "size"),
-        ({"size": 0}, "size"),
-        ({"repeats": 0}, "repeats"),
-        ({"min_seconds": 0}, "min_seconds"),
-        ({"dtypes": ("fp64",)}, "dtypes"),
-    ],
-)
-def test_bad_arguments_name_the_field(kwargs, field):
-    with pytest.raises(MpadviseError, match=field):
-        matmul_benchmark(CPU, **{**FAST, **kwargs})
+def test_an_unknown_dtype_names_the_field():
+    with pytest.raises(MpadviseError, match="dtypes"):
+        matmul_benchmark(CPU, **{**FAST, "dtypes": ("fp64",)})
 
 
 def test_cuda_profile_without_cuda_is_a_clear_error():
