@@ -12,18 +12,8 @@ if TYPE_CHECKING:
 
 
 def rank_device(device: str | torch.device | None, profile_device: str, env: Mapping[str, str]) -> str | torch.device:
-    """The device this process trains on.
-
-    Args:
-        device: the device asked for, or ``None``.
-        profile_device: the hardware profile's device (``"cuda:0"``, ``"cpu"``).
-        env: the process environment; torchrun sets ``LOCAL_RANK`` in each process it starts.
-
-    Returns:
-        ``device`` when one was named with an index (or is not CUDA); under torchrun on a GPU,
-        ``cuda:LOCAL_RANK``, so that each process of a node takes its own GPU; else the
-        profile's device.
-    """
+    """``device`` when named with an index (or not CUDA); under torchrun on a GPU
+    ``cuda:LOCAL_RANK``, so each process of a node takes its own GPU; else ``profile_device``."""
     if device is not None and str(device) != "cuda":
         return device
     chosen = device if device is not None else profile_device
@@ -34,8 +24,7 @@ def rank_device(device: str | torch.device | None, profile_device: str, env: Map
 
 
 def _distributed_wrapper(model: Any) -> str | None:
-    """Why ``setup()`` cannot take ``model``: it is already wrapped for data parallelism;
-    ``None`` for a bare model."""
+    """Why ``setup()`` cannot take an already wrapped ``model``; ``None`` for a bare one."""
     import torch
 
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -54,8 +43,7 @@ def _distributed_wrapper(model: Any) -> str | None:
 
 
 def move_to(value: Any, device: torch.device, convert: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` (a tensor, or lists/tuples/dicts of them) on ``device``, each tensor passed
-    through ``convert`` (the mode's input cast); anything else unchanged."""
+    """``value`` (a tensor, or lists/tuples/dicts of them) on ``device``, through ``convert``."""
     import torch
 
     if isinstance(value, torch.Tensor):

@@ -11,16 +11,8 @@ from policies import Policy, default_reduce_dtype, mode_class
 
 @dataclass(frozen=True)
 class FsdpPrecision:
-    """The dtypes of FSDP2's ``MixedPrecisionPolicy`` for a policy, by name.
-
-    Attributes:
-        param_dtype: the dtype FSDP2 casts the unsharded parameters to, in which the forward
-            and backward compute; ``None`` keeps the parameters' own dtype.
-        reduce_dtype: the dtype gradients are reduce-scattered in; ``None`` for the
-            parameters' own dtype.
-        output_dtype: the dtype of the sharded modules' outputs; ``None`` leaves them as
-            computed.
-    """
+    """The dtypes of FSDP2's ``MixedPrecisionPolicy`` for a policy, by name; ``None`` keeps
+    the parameters' own dtype (outputs: as computed)."""
 
     param_dtype: str | None
     reduce_dtype: str | None
@@ -28,20 +20,11 @@ class FsdpPrecision:
 
 
 def fsdp_precision(policy: Policy) -> FsdpPrecision:
-    """What FSDP2 should do for ``policy``: a pure mapping from its mode and ``reduce_dtype``.
+    """What FSDP2 should do for ``policy``: 16-bit compute over fp32 shards for the -mixed
+    modes; fp32 (or the already cast 16-bit) parameters otherwise; reduction as the policy says.
 
-    * fp32, tf32 and the FP8 modes keep fp32 parameters (FP8 casts happen inside the swapped
-      layers; tf32 is a matmul switch); gradients are reduced in fp32: FSDP2's defaults.
-    * bf16-mixed, fp16-mixed: parameters are cast to the 16-bit dtype for compute, the fp32
-      shards stay the master weights the optimizer steps; gradients are reduced in fp32
-      unless the policy says the 16-bit dtype.
-    * bf16-true, fp16-true: ``setup()`` already cast the model, so the parameters and their
-      shards are 16-bit; gradients are reduced in that dtype unless the policy says fp32.
-
-    Outputs are left as computed (``output_dtype`` ``None``): the loss runs in
-    ``autocast()``, which computes it in fp32 as in a single process, and an fp32
-    ``output_dtype`` on every sharded block would cast each block's output up and the next
-    block's input down again.
+    Outputs are left as computed: the loss runs in ``autocast()`` in fp32 as in one process,
+    and an fp32 ``output_dtype`` would cast each block's output up and the next input down.
     """
     family = mode_class(policy.mode).dtype_family
     reduce = policy.reduce_dtype or default_reduce_dtype(policy.mode)
@@ -51,7 +34,7 @@ def fsdp_precision(policy: Policy) -> FsdpPrecision:
 
 
 def _torch_dtypes(precision: FsdpPrecision) -> tuple[Any, Any, Any]:
-    """``(param_dtype, reduce_dtype, output_dtype)`` of ``precision`` as torch dtypes (or ``None``)."""
+    """``(param_dtype, reduce_dtype, output_dtype)`` as torch dtypes (or ``None``)."""
     import torch
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -60,21 +43,11 @@ def _torch_dtypes(precision: FsdpPrecision) -> tuple[Any, Any, Any]:
 
 
 def fsdp_policy_refusal(model: Any, policy: Policy) -> str | None:
-    """Why training cannot go on: a module of ``model`` was sharded with FSDP2 under a
-    ``MixedPrecisionPolicy`` other than ``policy``'s; ``None`` when every one matches, or
-    nothing is sharded.
+    """One line when a module of ``model`` was sharded with FSDP2 under a
+    ``MixedPrecisionPolicy`` whose dtypes differ from ``policy``'s; ``None`` otherwise.
 
-    FSDP2 casts the parameters to its own ``param_dtype`` and reduces in its own
-    ``reduce_dtype`` whatever the policy says, so a script's own policy would silently
-    override every candidate (an "fp32" reference computing in bf16). The dtypes are compared;
-    ``cast_forward_inputs`` changes no precision.
-
-    Args:
-        model: the model ``setup()`` returned, sharded since (or not).
-        policy: the policy in force.
-
-    Returns:
-        One line naming the module, both policies and the fix.
+    FSDP2 applies its own dtypes whatever the policy says, so a script's own policy would
+    silently override every candidate (an "fp32" reference computing in bf16).
     """
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
     fsdp_module = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None

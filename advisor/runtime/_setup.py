@@ -20,12 +20,7 @@ if TYPE_CHECKING:
 
 
 def setup_model(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
-    """``AppliedPolicy.setup``'s work: check the workload, move and convert the model.
-
-    Returns:
-        ``(model, optimizer)``, the optimizer rewired to parameters the conversion replaced
-        (FP8 module swaps); or the model alone when no optimizer was given.
-    """
+    """``AppliedPolicy.setup``'s work: check the workload, move and convert the model."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
@@ -56,8 +51,7 @@ def setup_model(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch
 
 
 def fsdp_mixed_precision(applied: AppliedPolicy) -> Any:
-    """``AppliedPolicy.fsdp_mixed_precision``'s work: FSDP2's ``MixedPrecisionPolicy``, and for
-    fp16-mixed the loss scaler moved to a ``ShardedGradScaler`` with the same state."""
+    """``AppliedPolicy.fsdp_mixed_precision``'s work."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
