@@ -1,11 +1,6 @@
-"""What a framework can apply of a Policy, as a value that judges a policy by itself (pure).
-
-One value serves three users: the search space of a framework script (only what the framework
-can apply is searched), the trial child and ``mpadvise run`` (which refuse a policy the
-framework cannot apply), and ``mpadvise export`` (whose exporters receive the traits). Each
-adapter class builds its traits from its declarations and the registered modes
-(``FrameworkAdapter.traits``), so a policy that wins a tune is always one its framework can
-run, and the export of it is what the trial applied.
+"""What a framework can apply of a Policy, as a value that judges a policy by itself (pure):
+the search space, the trial child, ``mpadvise run`` and ``mpadvise export`` all read it, so a
+policy that wins a tune is one its framework can run, and its export is what the trial applied.
 """
 
 from __future__ import annotations
@@ -20,18 +15,9 @@ from policies import Policy, mode_class
 class FrameworkTraits:
     """What a framework can apply without a changed line in the script.
 
-    Attributes:
-        name: the framework.
-        modes: the modes it can apply.
-        sets_micro_batch: whether it owns the micro-batch size (so a split with accumulation
-            can be applied); otherwise the script's DataLoader decides it.
-        loss_scale_kinds: the loss scaling kinds it can apply for fp16-mixed.
-        loss_scale_settings: whether the initial scale and growth interval can be set.
-        fp8_recipes: per FP8 mode, the recipes it can build.
-        sets_grad_clip: whether it can apply the policy's gradient clipping (otherwise the
-            script clips, if at all).
-        needs_cuda: modes it applies on CUDA only (on a CPU it would silently run another).
-        limits: one sentence per thing it cannot express, for people.
+    ``sets_micro_batch``: it owns the micro-batch (else the script's DataLoader does);
+    ``loss_scale_settings``: GradScaler's settings can be set; ``needs_cuda``: modes it applies
+    on CUDA only; ``limits``: one sentence per thing it cannot express, for people.
     """
 
     name: str
@@ -45,16 +31,8 @@ class FrameworkTraits:
     limits: tuple[str, ...] = ()
 
     def refusal(self, policy: Policy, *, device: str | None = None) -> str | None:
-        """Why this framework cannot apply ``policy`` as it stands, or ``None`` when it can.
-
-        Args:
-            policy: the policy to apply.
-            device: ``"cpu"`` or ``"cuda..."`` where it would run, for the modes a framework
-                applies on CUDA only; ``None`` leaves the device out of the judgement.
-
-        Returns:
-            One line naming the part of the policy and what the framework lacks.
-        """
+        """One line on why this framework cannot apply ``policy`` (on ``device``, when given),
+        or ``None`` when it can."""
         t, framework = self, self.name
         if policy.mode not in t.modes:
             return f"{framework} cannot apply mode {policy.mode} (it can apply {', '.join(t.modes)})"
