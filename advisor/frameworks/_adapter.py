@@ -19,14 +19,10 @@ if TYPE_CHECKING:
 
 
 class FrameworkAdapter:
-    """Base class of the framework adapters; a subclass declares what its framework is and does.
-
-    ``detected_by`` maps a module to the names imported from it (or read as its attributes)
-    that mean the framework; ``precedence`` decides when a script uses several (lower wins: a
-    Trainer before the Fabric or Accelerator it is built on). ``autocasts``,
-    ``half_weights`` and ``fp8`` (library -> recipes) say which modes it can express;
-    ``cuda_only_autocasts`` those it applies on CUDA only. The rest are as ``FrameworkTraits``.
-    """
+    """Base class of the framework adapters. ``detected_by``: module -> the names that mean the
+    framework; ``precedence``: lower wins when a script uses several (a Trainer before the
+    Accelerator it is built on); ``autocasts``, ``half_weights``, ``fp8`` (library -> recipes):
+    the modes it can express. The rest are as ``FrameworkTraits`` has them."""
 
     name: ClassVar[str]
     label: ClassVar[str]

@@ -36,13 +36,8 @@ def detect_framework(source: str | bytes) -> str | None:
 
 
 def detect_script_framework(script: Path) -> str | None:
-    """As ``detect_framework``, also reading the modules of the script's directory that it
-    imports (one level deep), so a Trainer built in a helper module is found. A script that
-    names no framework gets the fallback adapter (plain torch); one that does not parse, ``None``.
-
-    Raises:
-        MpadviseError: the script cannot be read.
-    """
+    """As ``detect_framework``, also reading the modules beside the script that it imports (one
+    level deep); no framework named: the fallback adapter (plain torch). MpadviseError if unreadable."""
     try:
         source = script.read_bytes()
     except OSError as exc:

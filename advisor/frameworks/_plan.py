@@ -56,12 +56,7 @@ def space_limits(framework: str, *, device: str | None = None) -> SpaceLimits:
 
 def plan_for(script: Path, framework: str | None = None, *, device: str | None = None) -> ScriptPlan:
     """How to run ``script``: ``framework`` when given (``--framework``), else what its imports
-    say; a script that imports advisor runs as it is. ``device`` bounds the space.
-
-    Raises:
-        UsageError: an unknown framework name.
-        MpadviseError: the script cannot be read.
-    """
+    say; a script that imports advisor runs as it is. ``device`` bounds the space."""
     if framework is None:
         found = detect_script_framework(script)
         if found is None or found == LOOP_API:

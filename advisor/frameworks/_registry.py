@@ -41,13 +41,8 @@ _EXPORTERS: dict[str, type[Exporter]] = {}
 
 
 def register_framework(cls: AdapterT, *, exporter: type[Exporter] | None = None) -> AdapterT:
-    """Add a ``FrameworkAdapter`` subclass to the registry, after those already there, with the
-    ``Exporter`` that writes a policy in its settings (``None``: no export).
-
-    Raises:
-        TypeError: ``cls`` is not a FrameworkAdapter subclass, or ``exporter`` no Exporter.
-        ValueError: a description is missing or clashes with a registered framework.
-    """
+    """Add a ``FrameworkAdapter`` subclass after those registered, with the ``Exporter`` that
+    writes its settings (``None``: no export); TypeError or ValueError naming what is wrong."""
     if not (isinstance(cls, type) and issubclass(cls, FrameworkAdapter)):
         raise TypeError(f"register_framework: {cls!r} is not a FrameworkAdapter subclass; derive the "
                         "framework's class from advisor.frameworks.FrameworkAdapter")
@@ -91,12 +86,7 @@ def _check_description(owner: str, cls: type[FrameworkAdapter]) -> None:
 
 
 def register_export_target(exporter: type[Exporter]) -> type[Exporter]:
-    """Add an export-only target (``mpadvise export --to`` only; no scripts are tuned through it).
-
-    Raises:
-        TypeError: not an Exporter subclass.
-        ValueError: its target is missing or already taken.
-    """
+    """Add an export-only target (``mpadvise export --to`` only; no scripts are tuned through it)."""
     owner = f"register_export_target({getattr(exporter, '__qualname__', exporter)!r})"
     if not (isinstance(exporter, type) and issubclass(exporter, Exporter)):
         raise TypeError(f"{owner}: not an Exporter subclass")
@@ -138,11 +128,8 @@ def check_framework(name: str) -> str:
 
 
 def choose(name: str, choices: Iterable[str], *, what: str) -> str:
-    """The one of ``choices`` a user means by ``name``, in any case.
-
-    Raises:
-        UsageError: (exit 2) one line naming the closest choices and all of them.
-    """
+    """The one of ``choices`` a user means by ``name``, in any case; else a UsageError (exit 2)
+    naming the closest choices and all of them."""
     names = tuple(choices)
     text = str(name).strip()
     by_lower = {choice.lower(): choice for choice in names}
@@ -191,12 +178,7 @@ def check_target(name: str | None) -> str:
 def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: str | None = None,
                   script: Path | None = None) -> Export:
     """``policy`` as ``target``'s own settings, judged by the framework's traits (none for the
-    export-only targets); ``script``: for a target that writes against it (``reads_script``).
-
-    Raises:
-        UsageError: an unknown target or device.
-        ExportRefused: the target cannot express the policy; one line saying what and why.
-    """
+    export-only targets); ``script``: for a target that writes against it (``reads_script``)."""
     target = check_target(target)
     framework = _FRAMEWORKS.get(target)
     exporter = _EXPORTERS[target]()

@@ -43,12 +43,8 @@ def _torch_dtypes(precision: FsdpPrecision) -> tuple[Any, Any, Any]:
 
 
 def fsdp_policy_refusal(model: Any, policy: Policy) -> str | None:
-    """One line when a module of ``model`` was sharded with FSDP2 under a
-    ``MixedPrecisionPolicy`` whose dtypes differ from ``policy``'s; ``None`` otherwise.
-
-    FSDP2 applies its own dtypes whatever the policy says, so a script's own policy would
-    silently override every candidate (an "fp32" reference computing in bf16).
-    """
+    """One line when a module was sharded with FSDP2 under other dtypes than ``policy``'s,
+    which would silently override every candidate (an "fp32" reference computing in bf16)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
     fsdp_module = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
     if fsdp_module is None:

@@ -37,11 +37,8 @@ SCRIPT_ARGS = "script arguments"
 
 @dataclass
 class WorkloadCheck:
-    """What an ``AppliedPolicy`` knows of its workload, and where its check stands.
-
-    ``user_batch`` is the first ``micro_batch_size`` argument, ``other_batches`` later ones
-    (evaluation loaders); ``mismatch_reported``: a mismatch was warned about, the check is over.
-    """
+    """What an ``AppliedPolicy`` knows of its workload (``user_batch``: the first
+    ``micro_batch_size`` argument), and whether a mismatch was reported (the check is over)."""
 
     match_workload: bool
     alternatives: list[tuple[Policy, str]]

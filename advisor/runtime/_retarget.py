@@ -16,12 +16,8 @@ def retarget_optimizer(
     after: dict[str, torch.nn.Parameter],
     device: torch.device,
 ) -> None:
-    """Point the optimizer at parameters that a conversion replaced (``before`` and ``after``
-    by name), each once, with the state of the one it replaced, also for a tied Parameter.
-
-    Raises:
-        MpadviseError: the conversion split a Parameter known by several names (a broken tie).
-    """
+    """Point the optimizer at parameters that a conversion replaced (matched by name), each
+    once, with the state of the one it replaced; an MpadviseError where it split a tied one."""
     targets: dict[int, torch.nn.Parameter] = {}
     for name, old in before.items():
         new = after.get(name)

@@ -50,11 +50,8 @@ _DIGEST_FACTS = {MODEL: "model structure differs", SCRIPT_CONTENT: "script edite
 
 @dataclass(frozen=True)
 class Workload:
-    """The facts a workload fingerprint covers, as plain data.
-
-    ``groups`` holds, per parameter group, ``(name, canonical value)`` pairs: the parameter
-    count, then the precision-relevant hyperparameters. ``global_batch`` is over all processes.
-    """
+    """The facts a workload fingerprint covers; ``groups``: per parameter group, ``(name,
+    canonical value)`` pairs (the parameter count, then the hyperparameters)."""
 
     model: str
     optimizer: str | None
@@ -156,12 +153,8 @@ def model_signature(model: Any) -> str:
 def workload_fingerprint(model: Any, optimizer: Any | None, *, global_batch: int | None,
                          script: str | os.PathLike[str] | None, args: Sequence[str] = (),
                          world_size: int | None = None) -> str:
-    """The cache key of a training workload (16 hex characters).
-
-    ``global_batch`` is samples per optimizer step over all processes (``None``: unknown);
-    ``script`` ``None`` is in-process use (notebooks); ``world_size`` ``None`` reads
-    :func:`current_world_size`.
-    """
+    """The cache key of a training workload (16 hex characters); ``global_batch`` is over all
+    processes, ``script`` ``None`` in-process use (notebooks)."""
     return Workload.of(
         model, optimizer, global_batch=global_batch, script=script, args=args, world_size=world_size
     ).fingerprint()
