@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from advisor.runtime._applied import AppliedPolicy, StepObserver
 from advisor.runtime._fallback import fallback_words, guard_fallback, safe_fallback
-from advisor.runtime._fsdp import FsdpPrecision, fsdp_precision
 from advisor.runtime._guard import (
     GUARD_ENV,
     GUARD_SETTINGS,
@@ -17,6 +16,7 @@ from advisor.runtime._guard import (
     GuardLimits,
     guard_setting,
 )
+from advisor.runtime._setup import FsdpPrecision, fsdp_precision
 from advisor.runtime._split import BatchSplit, batch_split, tuned_global_batch
 from advisor.runtime._workload import (
     Workload,

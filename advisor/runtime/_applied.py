@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.runtime import _match, _setup
-from advisor.runtime._device import move_to, rank_device
 from advisor.runtime._guard import Guard, GuardEvent
 from advisor.runtime._split import _leading_dim
 from advisor.runtime._step import MicroSteps, micro_step_samples, train_step
@@ -173,3 +172,28 @@ class AppliedPolicy:
 
     def __repr__(self) -> str:
         return f"AppliedPolicy({self.policy.describe()!r}, device={str(self.device)!r}, source={self.source!r})"
+
+
+def rank_device(device: str | torch.device | None, profile_device: str, env: Mapping[str, str]) -> str | torch.device:
+    """``device`` when named with an index (or not CUDA); under torchrun on a GPU
+    ``cuda:LOCAL_RANK``, so each process of a node takes its own GPU; else ``profile_device``."""
+    if device is not None and str(device) != "cuda":
+        return device
+    chosen = device if device is not None else profile_device
+    local_rank = env.get("LOCAL_RANK", "")
+    if str(chosen).startswith("cuda") and local_rank.isdigit():
+        return f"cuda:{int(local_rank)}"
+    return chosen
+
+
+def move_to(value: Any, device: torch.device, convert: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` (a tensor, or lists/tuples/dicts of them) on ``device``, through ``convert``."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return convert(value.to(device, non_blocking=True))
+    if isinstance(value, (list, tuple)):
+        return type(value)(move_to(v, device, convert) for v in value)
+    if isinstance(value, dict):
+        return {k: move_to(v, device, convert) for k, v in value.items()}
+    return value

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from advisor.runtime._fsdp import fsdp_policy_refusal
+from advisor.runtime._setup import fsdp_policy_refusal
 from advisor.runtime._split import step_samples
 from advisor.runtime._switch import guard_tripped
 from probes import MpadviseError
