@@ -68,6 +68,5 @@ class FrameworkAdapter:
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-        """Make what the script builds with this framework apply ``policy``, before the script
-        runs; ``recorder`` is ``None`` under ``mpadvise run``, ``device`` ``None`` the script's own."""
+        """Make what the script builds with this framework apply ``policy``, before it runs."""
         raise NotImplementedError(f"{cls.__qualname__} does not say how it applies a policy; define install()")

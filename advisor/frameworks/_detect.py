@@ -70,7 +70,6 @@ def fallback_framework() -> str | None:
 
 
 def _meanings() -> dict[str, dict[str, str]]:
-    """module -> imported name -> framework, from the registered classes (first by precedence wins)."""
     table: dict[str, dict[str, str]] = {}
     for cls in detection_order():
         for module, names in cls.detected_by.items():
@@ -80,7 +79,6 @@ def _meanings() -> dict[str, dict[str, str]]:
 
 
 def _read(source: str | bytes) -> _Imports | None:
-    """What ``source`` imports, or ``None`` where it does not parse."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -130,8 +128,7 @@ def _attribute_uses(tree: ast.AST, aliases: Mapping[str, str], meanings: Mapping
 
 
 def _sibling_modules(directory: Path, modules: Iterable[tuple[str, ...]]) -> list[Path]:
-    """The source files in ``directory`` these imports name: ``helpers.py``, ``pkg/__init__.py``,
-    ``pkg/helpers.py``."""
+    """``helpers.py``, ``pkg/__init__.py`` and ``pkg/helpers.py`` in ``directory`` that these imports name."""
     paths: dict[Path, None] = {}
     for parts in modules:
         for depth in range(1, len(parts) + 1):

@@ -49,10 +49,7 @@ class ExportWarning:
 
 @dataclass(frozen=True)
 class Export:
-    """A policy written in one target's own terms: ``text`` in ``format``, the same settings as
-    ``data`` (for ``--json``), and what the user must still do (``notes``). ``alternates``: the
-    policy in the target's other formats, or the refusal's message where one cannot carry it.
-    """
+    """A policy in one target's own terms; ``alternates``: its other formats, or why one cannot carry it."""
 
     target: str
     text: str
@@ -73,8 +70,7 @@ class Export:
         }
 
     def for_file(self, path: str | PurePath) -> Export:
-        """The export in the format ``path``'s extension names; a UsageError for an extension of
-        no format this target writes, ExportRefused where that format cannot carry the policy."""
+        """The export in the format ``path``'s extension names."""
         wanted = FORMAT_OF_SUFFIX.get(PurePath(path).suffix.lower())
         if wanted == self.format:
             return self
@@ -92,7 +88,6 @@ class Export:
 
 @dataclass(frozen=True)
 class _Split:
-    """``micro`` samples a forward pass (``None``: the script's own), ``accum`` per step."""
 
     micro: int | None
     accum: int
@@ -133,7 +128,6 @@ class _Job:
         return [repr(f"mpadvise policy {self.policy.describe()}{origin}, for {self.title} on {where}.")]
 
     def check_framework(self, policy: Policy | None = None) -> None:
-        """The framework's own refusal (its traits), where it has them."""
         if self.traits is None:
             return
         reason = self.traits.refusal(policy or self.policy, device=self.device)
@@ -171,13 +165,12 @@ class _Job:
         )
 
     def python(self, *blocks: list[str], data: Mapping[str, Any]) -> Export:
-        """A Python export: the header, then ``blocks``."""
         text = "\n".join(_code(self.header(), *blocks)) + "\n"
         return Export(self.target, text, "python", data, tuple(self.warnings), tuple(self.notes))
 
 
 def _code(*blocks: list[str]) -> list[str]:
-    """Blocks of lines one blank line apart; two around a class or a function, as PEP 8 has it."""
+    """Blocks of lines one blank line apart; two around a class or a function."""
     out: list[str] = []
     previous: list[str] = []
     for block in blocks:
@@ -201,7 +194,6 @@ class _Code(str):
 
 
 def _comment(text: str) -> list[str]:
-    """``text`` (the export's own words and numbers) as comment lines of at most 100 characters."""
     return textwrap.wrap(text, width=100, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
 
 

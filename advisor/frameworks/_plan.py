@@ -23,9 +23,7 @@ RUN_SOURCE_ENV = "MPADVISE_RUN_SOURCE"
 
 @dataclass(frozen=True)
 class ScriptPlan:
-    """How trials of one script run: ``framework`` ``None`` for the loop API; ``detected``: read
-    from the script, not forced by a flag; ``launch``: what goes between the interpreter and
-    the script; ``limits``: what the framework can apply."""
+    """How trials of one script run (``framework`` ``None``: the loop API)."""
 
     framework: str | None
     detected: bool = False

@@ -13,12 +13,7 @@ from policies import Policy, mode_class
 
 @dataclass(frozen=True)
 class FrameworkTraits:
-    """What a framework can apply without a changed line in the script.
-
-    ``sets_micro_batch``: it owns the micro-batch (else the script's DataLoader does);
-    ``loss_scale_settings``: GradScaler's settings can be set; ``needs_cuda``: modes it applies
-    on CUDA only; ``limits``: one sentence per thing it cannot express, for people.
-    """
+    """What a framework can apply without a changed line in the script (``limits``: for people)."""
 
     name: str
     modes: tuple[str, ...]
@@ -31,8 +26,7 @@ class FrameworkTraits:
     limits: tuple[str, ...] = ()
 
     def refusal(self, policy: Policy, *, device: str | None = None) -> str | None:
-        """One line on why this framework cannot apply ``policy`` (on ``device``, when given),
-        or ``None`` when it can."""
+        """One line on why this framework cannot apply ``policy``, or ``None`` when it can."""
         t, framework = self, self.name
         if policy.mode not in t.modes:
             return f"{framework} cannot apply mode {policy.mode} (it can apply {', '.join(t.modes)})"

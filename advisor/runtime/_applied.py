@@ -51,13 +51,11 @@ class AppliedPolicy:
                  device: str | torch.device | None = None, observer: StepObserver | None = None,
                  match_workload: bool = False, alternatives: Sequence[tuple[Policy, str]] = (),
                  guard: Guard | None = None, on_guard_event: Callable[[GuardEvent], None] | None = None) -> None:
-        """``match_workload``: a tune's answer, applied only to the whole workload it was tuned
-        on (otherwise only the model's structure is checked); ``alternatives``: the other tunes'
-        answers for this script, tried in order when ``policy`` does not fit."""
+        """``match_workload``: check the whole workload (a tune's answer), not only the model;
+        ``alternatives``: other answers for this script, tried in order when ``policy`` does not fit."""
         import torch
 
         self.policy, self.profile, self.source = policy, profile, source
-        # Under torchrun each process trains on its own GPU (LOCAL_RANK), unless one was named.
         self.device = torch.device(rank_device(device, profile.device, os.environ))
         self._mode = create_mode(policy, self.device)
         self._observer = observer
@@ -100,8 +98,7 @@ class AppliedPolicy:
         return _match.first_micro_batch(self, default)
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """Move the model to the device and convert it for the mode; returns ``(model,
-        optimizer)`` (the optimizer rewired to replaced parameters), or the model alone."""
+        """Move and convert the model for the mode; ``(model, optimizer)``, or the model alone."""
         return _setup.setup_model(self, model, optimizer)
 
     def fsdp_mixed_precision(self) -> Any:
@@ -110,8 +107,7 @@ class AppliedPolicy:
         return _setup.fsdp_mixed_precision(self)
 
     def to_device(self, *tensors: Any) -> Any:
-        """Move tensors (or lists/tuples/dicts of them) to the device, cast for the mode; one
-        value for one argument, else a tuple."""
+        """Move tensors (or lists/tuples/dicts of them) to the device, cast for the mode."""
         moved = tuple(move_to(t, self.device, self._mode.convert_input) for t in tensors)
         size = _leading_dim(tensors)
         if size is not None:
@@ -125,8 +121,7 @@ class AppliedPolicy:
             yield
 
     def step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> bool:
-        """Backward, and every ``grad_accum_steps`` micro-batches an optimizer step (unscale,
-        clip, step, zero the gradients). True when an optimizer step was really taken."""
+        """Backward, and every ``grad_accum_steps`` micro-batches an optimizer step; True when taken."""
         try:
             return train_step(self, loss, optimizer)
         finally:
@@ -175,8 +170,7 @@ class AppliedPolicy:
 
 
 def rank_device(device: str | torch.device | None, profile_device: str, env: Mapping[str, str]) -> str | torch.device:
-    """``device`` when named with an index (or not CUDA); under torchrun on a GPU
-    ``cuda:LOCAL_RANK``, so each process of a node takes its own GPU; else ``profile_device``."""
+    """``device`` when named with an index; under torchrun on a GPU ``cuda:LOCAL_RANK``."""
     if device is not None and str(device) != "cuda":
         return device
     chosen = device if device is not None else profile_device

@@ -50,8 +50,7 @@ class WorkloadCheck:
 
 
 def check_setup(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Fingerprint the user's ``model`` (before any mode swaps its modules) and replace a
-    tuned policy that does not fit it: by another tune's answer, else by the fallback."""
+    """Fingerprint ``model`` before any mode swaps its modules, and replace a policy that does not fit."""
     check = applied._check
     script = _paths.current_script()
     check.workload = Workload.of(model, optimizer, global_batch=None,
@@ -65,8 +64,7 @@ def check_setup(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch
 
 
 def first_micro_batch(applied: AppliedPolicy, default: int) -> int:
-    """``micro_batch_size(default)``'s first call: check the policy at this global batch,
-    then split ``default`` as the policy in force says."""
+    """``micro_batch_size(default)``'s first call: check the policy at this batch, then split it."""
     check = applied._check
     check.user_batch = default
     mismatch = batch_mismatch(applied, applied.policy, default)
@@ -94,8 +92,7 @@ def first_micro_batch(applied: AppliedPolicy, default: int) -> int:
 
 
 def later_micro_batch(check: WorkloadCheck, default: int, split: BatchSplit) -> int:
-    """``micro_batch_size(default)`` after the first call: the training batch's micro-batch
-    again, or ``default`` unchanged for another loader (with one line, once per batch)."""
+    """``micro_batch_size(default)`` again: the same micro-batch, or ``default`` for another loader."""
     if default == check.user_batch:
         return split.micro
     if default not in check.other_batches:
@@ -148,8 +145,7 @@ def global_batch(applied: AppliedPolicy) -> int | None:
 
 
 def workload_fingerprint(applied: AppliedPolicy) -> str | None:
-    """The cache key of this workload: known after ``setup()``; the global batch joins once
-    ``micro_batch_size()`` was called."""
+    """The cache key of this workload, once ``setup()`` was called."""
     check = applied._check
     if check.workload is None:
         return None
@@ -177,8 +173,7 @@ def batch_mismatch(applied: AppliedPolicy, policy: Policy, batch: int) -> Worklo
 def apply_other_answer(
     applied: AppliedPolicy, mismatch: WorkloadMismatch, mismatch_of: Callable[[Policy], WorkloadMismatch | None]
 ) -> bool:
-    """Apply the first other answer that ``mismatch_of`` finds no mismatch for, with one
-    info line; False when none fits. Those before it are dropped: they do not fit either."""
+    """Apply the first other answer that fits, with one info line; False when none does."""
     alternatives = applied._check.alternatives
     for index, (policy, source) in enumerate(alternatives):
         if mismatch_of(policy) is None:
@@ -194,7 +189,6 @@ def apply_other_answer(
 
 
 def _script_args() -> tuple[str, ...]:
-    """The running script's command-line arguments (none in a REPL or notebook)."""
     return tuple(sys.argv[1:]) if _paths.current_script() is not None else ()
 
 

@@ -50,8 +50,7 @@ def retarget_optimizer(
 
 
 def upcast_in_place(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Make every floating-point parameter and its optimizer state fp32, in place (the same
-    Parameter objects, so the optimizer keeps training them); returns how many were upcast."""
+    """Make every parameter and its optimizer state fp32 in place (the same Parameter objects)."""
     import torch
 
     count = 0

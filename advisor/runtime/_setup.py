@@ -92,8 +92,7 @@ def _distributed_wrapper(model: Any) -> str | None:
 
 @dataclass(frozen=True)
 class FsdpPrecision:
-    """The dtypes of FSDP2's ``MixedPrecisionPolicy`` for a policy, by name; ``None`` keeps
-    the parameters' own dtype (outputs: as computed)."""
+    """FSDP2's ``MixedPrecisionPolicy`` dtypes by name; ``None`` keeps the parameters' own."""
 
     param_dtype: str | None
     reduce_dtype: str | None
@@ -115,7 +114,6 @@ def fsdp_precision(policy: Policy) -> FsdpPrecision:
 
 
 def _torch_dtypes(precision: FsdpPrecision) -> tuple[Any, Any, Any]:
-    """``(param_dtype, reduce_dtype, output_dtype)`` as torch dtypes (or ``None``)."""
     import torch
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -155,7 +153,6 @@ def fsdp_policy_refusal(model: Any, policy: Policy) -> str | None:
 
 
 def _describe_mp(dtypes: tuple[Any, Any, Any]) -> str:
-    """``"MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)"``: the dtypes set, by short name."""
     names = ("param_dtype", "reduce_dtype", "output_dtype")
     short = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
     parts = [f"{n}={short.get(str(d), str(d))}" for n, d in zip(names, dtypes) if d is not None]

@@ -10,8 +10,7 @@ from policies import Policy
 
 @dataclass(frozen=True)
 class BatchSplit:
-    """Micro-batches of ``micro`` samples, ``accum`` per optimizer step; ``note``: a line for
-    the log, a warning when ``warning`` (the script's batch could not be kept as tuned)."""
+    """Micro-batches of ``micro`` samples, ``accum`` per optimizer step, and a line for the log."""
 
     micro: int
     accum: int
@@ -26,8 +25,7 @@ class BatchSplit:
 
 
 def tuned_global_batch(policy: Policy) -> int | None:
-    """The script's batch per process a tuned policy was measured at; ``None`` when unknown
-    (a hand-written policy)."""
+    """The script's batch per process a tuned policy was measured at; ``None`` when unknown."""
     tuned = policy.tuned_on
     if tuned is None:
         return None
@@ -95,7 +93,6 @@ def _stated_split(policy: Policy, batch: int) -> BatchSplit:
 
 
 def _largest_divisor(number: int, limit: int) -> int:
-    """The largest divisor of ``number`` that is at most ``limit`` (at least 1)."""
     for size in range(max(1, limit), 0, -1):
         if number % size == 0:
             return size

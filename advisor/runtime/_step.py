@@ -20,8 +20,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class MicroSteps:
-    """Micro-batches accumulated since the last optimizer step, the leading dimensions that
-    reached ``to_device()`` since the last ``step()``, and whether FSDP2 was checked."""
+    """Where the current optimizer step stands."""
 
     done: int = 0
     seen_batches: list[int] = field(default_factory=list)

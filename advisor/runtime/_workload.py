@@ -182,12 +182,7 @@ def script_digest(path: str | os.PathLike[str]) -> str | None:
 
 def workload_mismatch(tuned: TunedOn, here: Workload, *, model_only: bool = False) -> WorkloadMismatch | None:
     """What changed between the workload a policy was tuned on and ``here``; ``None`` when it fits.
-
-    ``model_only`` compares the model's structure alone (a config file beside the script),
-    not the whole workload (a cached answer). Facts the tune did not record (the optimizer's
-    settings, the arguments) are judged by recomputing the fingerprint with every recorded
-    fact put back to its tuned value.
-    """
+    Facts the tune did not record are judged by the fingerprint with the recorded ones put back."""
     differences = []
     if tuned.model_signature and tuned.model_signature != here.model:
         differences.append(Difference(MODEL, tuned.model_signature, here.model))
@@ -210,9 +205,7 @@ def workload_mismatch(tuned: TunedOn, here: Workload, *, model_only: bool = Fals
 
 
 def _as_recorded(tuned: TunedOn, here: Workload) -> tuple[Workload, tuple[str, ...]]:
-    """``here`` with every fact the tune recorded put back to its tuned value, and the names of
-    the facts it did not record. ``[tuned_on]``'s global batch is per process; a world size it
-    did not record is the one that reproduces the tuned fingerprint, when one does."""
+    """``here`` with every recorded fact put back to its tuned value, and the facts not recorded."""
     unrecorded = ["optimizer settings"]
     if not tuned.model_signature:
         unrecorded.append(MODEL)
