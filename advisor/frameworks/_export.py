@@ -88,7 +88,6 @@ class Export:
 
 @dataclass(frozen=True)
 class _Split:
-
     micro: int | None
     accum: int
 

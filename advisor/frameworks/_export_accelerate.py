@@ -29,15 +29,12 @@ from policies import Fp8Te, Fp8Torchao, LossScale
 
 
 class AccelerateExporter(Exporter):
-    """Code that builds the ``Accelerator`` with its kwargs handlers; or its YAML config file."""
-
     target = "accelerate"
     title = "Accelerate"
 
     def write(self, job: _Job) -> Export:
         policy, facts = job.policy, job.facts
-        # Accelerate does not own the batch either (the script's DataLoader does).
-        # The batch split and clipping are the script's here: the export says how to set them in it.
+        # The batch split and clipping are the script's here: the export says how to set them.
         job.check_framework(policy.with_(micro_batch_size=None, grad_accum_steps=None, grad_clip_norm=None))
         split = job.split()
         job.reduce_dtype_warning()
