@@ -12,13 +12,12 @@ from advisor.frameworks._registry import check_framework, framework_class
 from advisor.tune import SpaceLimits
 from probes import MpadviseError
 
+# The child's entry point, named rather than imported, so that running it as ``__main__`` does
+# not find it imported already.
 MODULE = "advisor.frameworks._boot"
-"""The child's entry point: ``python -m advisor.frameworks._boot FRAMEWORK SCRIPT ARGS``. Named,
-not imported, so that running it as ``__main__`` does not find it imported already."""
+# Set by ``mpadvise run``: the config file to apply, and where it came from.
 RUN_POLICY_ENV = "MPADVISE_RUN_POLICY"
-"""Set by ``mpadvise run``: the config file to apply."""
 RUN_SOURCE_ENV = "MPADVISE_RUN_SOURCE"
-"""Set by ``mpadvise run``: where that policy came from, for the one line it logs."""
 
 
 @dataclass(frozen=True)
