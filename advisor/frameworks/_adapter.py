@@ -40,8 +40,7 @@ class FrameworkAdapter:
 
     @classmethod
     def expresses(cls, facts: ModeFacts) -> bool:
-        """Whether the framework's own settings can apply a mode with these facts (TF32 every
-        framework applies: a process switch)."""
+        """Whether the framework's own settings can apply a mode with these facts."""
         if facts.fp8_library is not None:
             return facts.fp8_library in cls.fp8 and facts.weights == "fp32" and facts.autocast is None
         if facts.weights != "fp32":

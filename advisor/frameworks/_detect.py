@@ -29,8 +29,7 @@ class _Imports:
 
 
 def detect_framework(source: str | bytes) -> str | None:
-    """The framework a script's source trains with, ``LOOP_API``, or ``None`` when none is
-    recognised or the source does not parse (pure)."""
+    """The framework a script's source trains with, ``LOOP_API``, or ``None`` (pure)."""
     imports = _read(source)
     return None if imports is None else _decide([imports])
 

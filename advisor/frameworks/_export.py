@@ -37,8 +37,7 @@ class ExportRefused(MpadviseError):
 
 @dataclass(frozen=True)
 class ExportWarning:
-    """A bounded difference between the policy and what the target runs: a stable ``id`` for
-    scripts (``deepspeed-tf32``) and one sentence for people."""
+    """A bounded difference between the policy and what the target runs, with a stable ``id``."""
 
     id: str
     message: str
@@ -177,15 +176,11 @@ def _code(*blocks: list[str]) -> list[str]:
             continue
         if out:
             out.append("")
-            if _is_definition(block) or _is_definition(previous):
+            if any(b and b[0].startswith(("class ", "def ")) for b in (block, previous)):
                 out.append("")
         out.extend(block)
         previous = block
     return out
-
-
-def _is_definition(block: list[str]) -> bool:
-    return bool(block) and block[0].startswith(("class ", "def "))
 
 
 class _Code(str):
@@ -262,8 +257,7 @@ def _dataloader_line(split: _Split | None, owner: str) -> list[str]:
 
 
 class Exporter:
-    """Writes a Policy in one target's own settings: a subclass names its ``target`` (``--to``)
-    and ``title``, and defines ``write``."""
+    """Writes a Policy in one target's (``--to``) own settings; a subclass defines ``write``."""
 
     target: ClassVar[str]
     title: ClassVar[str]

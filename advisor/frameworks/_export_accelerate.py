@@ -5,7 +5,6 @@ YAML config file, from the adapter's own settings (``accelerate_settings``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from advisor.frameworks._accelerate import (
@@ -47,7 +46,11 @@ class AccelerateExporter(Exporter):
             raise job.refuse("Transformer Engine runs on CUDA only")
         settings = accelerate_settings(policy)  # what the traits passed, Accelerate can build
         config_file = self._config_file(job, settings)
-        yaml_text = _yaml(config_file)
+        # PyYAML comes with Accelerate, which reads this file; its safe writer quotes what YAML
+        # 1.1 would read as a bool ('no').
+        import yaml
+
+        yaml_text = yaml.safe_dump(dict(config_file), sort_keys=False, default_flow_style=False)
         code = _AccelerateCode(job, settings, split)
         data = {
             "config_file": config_file,
@@ -110,14 +113,6 @@ class AccelerateExporter(Exporter):
             notes.append(f"clip as the policy does: accelerator.clip_grad_norm_(model.parameters(), "
                          f"{float(job.policy.grad_clip_norm)!r}) before optimizer.step()")
         return Export(job.target, yaml_text, "yaml", {"config_file": config_file}, tuple(job.warnings), tuple(notes))
-
-
-def _yaml(mapping: Mapping[str, Any]) -> str:
-    """``mapping`` as YAML, by PyYAML's safe writer (it quotes what YAML 1.1 would read as a bool: 'no')."""
-    # PyYAML comes with Accelerate, which reads this file: the accelerate export needs nothing more.
-    import yaml
-
-    return yaml.safe_dump(dict(mapping), sort_keys=False, default_flow_style=False)
 
 
 class _AccelerateCode:
@@ -205,7 +200,9 @@ class _AccelerateCode:
             build += _comment(f"Clip as the policy does: accelerator.clip_grad_norm_(model.parameters(), "
                               f"{float(clip)!r}) before optimizer.step().")
         if self.handlers:
-            build += ["kwargs_handlers = [", *_closed(self.handlers), "]"]
+            # As list items: the closing line of a multi-line call gets the comma.
+            items = [line + "," if line.strip() == ")" else line for line in self.handlers]
+            build += ["kwargs_handlers = [", *items, "]"]
             self.accelerator["kwargs_handlers"] = _Code("kwargs_handlers")
         build += _call("accelerator = Accelerator", self.accelerator)
         if cpu_fp16:
@@ -217,8 +214,3 @@ class _AccelerateCode:
                 "accelerator.native_amp = True",
             ]
         return build
-
-
-def _closed(handler_lines: list[str]) -> list[str]:
-    """Handler calls as list items: the closing line of a multi-line call gets the comma."""
-    return [line + "," if line.strip() == ")" else line for line in handler_lines]

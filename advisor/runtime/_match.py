@@ -37,8 +37,7 @@ SCRIPT_ARGS = "script arguments"
 
 @dataclass
 class WorkloadCheck:
-    """What an ``AppliedPolicy`` knows of its workload (``user_batch``: the first
-    ``micro_batch_size`` argument), and whether a mismatch was reported (the check is over)."""
+    """What an ``AppliedPolicy`` knows of its workload, and where its check stands."""
 
     match_workload: bool
     alternatives: list[tuple[Policy, str]]

@@ -153,8 +153,7 @@ def model_signature(model: Any) -> str:
 def workload_fingerprint(model: Any, optimizer: Any | None, *, global_batch: int | None,
                          script: str | os.PathLike[str] | None, args: Sequence[str] = (),
                          world_size: int | None = None) -> str:
-    """The cache key of a training workload (16 hex characters); ``global_batch`` is over all
-    processes, ``script`` ``None`` in-process use (notebooks)."""
+    """The cache key of a training workload; ``global_batch`` is over all processes."""
     return Workload.of(
         model, optimizer, global_batch=global_batch, script=script, args=args, world_size=world_size
     ).fingerprint()
