@@ -148,9 +148,7 @@ class _AccelerateCode:
             self.handlers += _call("TERecipeKwargs", settings.te_recipe, indent="    ")
             self.handler_data.append({"class": "TERecipeKwargs", "kwargs": dict(settings.te_recipe)})
             multiple = Fp8Te.recipe_rule(Fp8Te.policy_recipe(job.policy)).dim_multiple
-            # accelerate/utils/transformer_engine.py, convert_model (1.15): a Linear whose weight
-            # has a dimension not a multiple of 16 ends the swap of its parent's remaining
-            # children (a `return` inside the loop), so later layers stay in high precision.
+            # accelerate/utils/transformer_engine.py, convert_model (1.15): a `return` inside its loop.
             job.warn(
                 "accelerate-te-layer-swap",
                 "Accelerate swaps Linear layers for Transformer Engine's by its own rule: weight dimensions "

@@ -102,9 +102,7 @@ class LightningExporter(Exporter):
             })
             kwargs["plugins"] = _Code("[plugin]")
             data["plugin"] = {"class": "TransformerEnginePrecision", **te}
-            # Lightning's layer swap (_convert_layers) takes in_features % 8 and out_features % 16;
-            # mpadvise's takes both % 16, and Transformer Engine's FP8 GEMM wants the input's last
-            # dimension % 16: such a layer fails at its first forward rather than training otherwise.
+            # Lightning's layer swap is its _convert_layers; TE's FP8 GEMM wants the input's last dim % 16.
             job.warn(
                 "lightning-te-layer-swap",
                 "Lightning swaps every Linear whose in_features is a multiple of 8 and out_features of 16, "

@@ -58,7 +58,7 @@ def batch_split(policy: Policy, batch: int) -> BatchSplit:
             return BatchSplit(micro, batch // micro)
     # Split the script's batch exactly, at most as large as the micro-batch that was measured
     # (so it still fits in memory).
-    size = _largest_divisor(batch, min(micro or batch, batch))
+    size = next(size for size in range(min(micro or batch, batch), 0, -1) if batch % size == 0)
     split = BatchSplit(size, batch // size)
     if batch == tuned_batch:
         note = f"micro-batch {micro} does not divide the batch {batch}: using {split.describe()}"
@@ -90,13 +90,6 @@ def _stated_split(policy: Policy, batch: int) -> BatchSplit:
         )
         return BatchSplit(micro, accum, note, warning=True)
     return BatchSplit(micro, accum)
-
-
-def _largest_divisor(number: int, limit: int) -> int:
-    for size in range(max(1, limit), 0, -1):
-        if number % size == 0:
-            return size
-    return 1
 
 
 def step_samples(seen: list[int], *, asked: int | None, micro: int | None) -> int | None:
