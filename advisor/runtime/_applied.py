@@ -102,12 +102,14 @@ class AppliedPolicy:
         return _setup.setup_model(self, model, optimizer)
 
     def fsdp_mixed_precision(self) -> Any:
-        """FSDP2's ``MixedPrecisionPolicy`` for this policy, for every ``fully_shard`` after
-        ``setup(model)``; for fp16-mixed the loss scaler becomes a ``ShardedGradScaler``."""
+        """FSDP2's ``MixedPrecisionPolicy`` for this policy: ``setup(model)`` first, pass it to every
+        ``fully_shard``, then build the optimizer on the sharded parameters. For fp16-mixed the
+        loss scaler becomes a ``ShardedGradScaler``, so that every rank skips the same steps."""
         return _setup.fsdp_mixed_precision(self)
 
     def to_device(self, *tensors: Any) -> Any:
-        """Move tensors (or lists/tuples/dicts of them) to the device, cast for the mode."""
+        """Move tensors (or lists/tuples/dicts of them) to the device, cast for the mode (integer
+        tensors keep their dtype); one value for one argument, else a tuple."""
         moved = tuple(move_to(t, self.device, self._mode.convert_input) for t in tensors)
         size = _leading_dim(tensors)
         if size is not None:
