@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from policies import Policy, mode_class
+from policies import LossScale, Policy, mode_class
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class FrameworkTraits:
                     return f"{framework} always scales an fp16 loss with a GradScaler, and the policy has no loss scaling"
                 return f"{framework} cannot apply a {ls.kind} loss scale (only {', '.join(t.loss_scale_kinds)})"
             if not t.loss_scale_settings:
-                changed = [k for k, v in _DEFAULT_LOSS_SCALE.items() if getattr(ls, k) != v]
+                changed = [k for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+                           if getattr(ls, k) != getattr(LossScale(), k)]
                 if changed:
                     return (f"{framework} cannot set GradScaler's {', '.join(changed)}: it always uses "
                             "GradScaler's defaults (initial scale 65536, growth interval 2000)")
@@ -56,6 +57,3 @@ class FrameworkTraits:
             if recipe not in recipes:
                 return f"{framework} cannot build the {policy.mode} recipe {recipe!r} (only {', '.join(recipes)})"
         return None
-
-
-_DEFAULT_LOSS_SCALE = {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
