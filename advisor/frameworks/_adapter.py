@@ -1,16 +1,8 @@
-"""The one small interface every framework adapter implements: what the framework is, how a
-script using it is recognised, what it can express of a Policy, and how a policy is applied.
+"""The interface every framework adapter implements: what the framework is, how a script using
+it is recognised, what it can express of a Policy, and how a policy is applied.
 
-An adapter describes itself in class attributes (name, label, the imports that detect it, its
-detection precedence, what it sets) and classmethods (``expresses``, ``traits``, ``install``).
-The registry (``_registry``), detection, the search space of a framework script, the trial
-child and ``mpadvise export`` all read them, so adding a framework means writing one class and
-registering it.
-
-Adapters translate a mode's facts (``policies.ModeFacts``: autocast dtype, weight dtype, TF32,
-loss scaling, FP8 library), never its name. So the modes a framework can apply are derived,
-on every lookup, from the registered modes whose facts it can express: a mode registered later
-is applied and searched through every framework that can express it.
+Adapters translate a mode's facts (``policies.ModeFacts``), never its name, so a mode
+registered later is applied and searched through every framework that can express it.
 """
 
 from __future__ import annotations
@@ -27,24 +19,10 @@ if TYPE_CHECKING:
 
 
 class FrameworkAdapter:
-    """Base class of the framework adapters; a subclass declares what its framework is and does.
-
-    What a registered adapter class sets:
-        name: the framework's name on the command line and in trial specs (``"lightning"``).
-        label: the framework for people (``"Lightning's Trainer"``).
-        detected_by: module -> the names imported from it (or read as its attributes) that
-            mean a script trains with this framework: ``{"lightning.pytorch": ("Trainer",)}``.
-        precedence: which framework runs the loop when a script uses several; lower wins (a
-            Trainer before the Fabric or Accelerator it is built on).
-        autocasts: the autocast dtype families it applies over fp32 weights (``"bf16"``...).
-        half_weights: the pure half weight dtypes it applies (``"bf16"``, ``"fp16"``).
-        fp8: FP8 library -> the recipes it can build with it.
-        cuda_only_autocasts: autocast families it applies on CUDA only (on a CPU it would
-            silently train in fp32).
-        sets_micro_batch, loss_scale_kinds, loss_scale_settings, sets_grad_clip, limits: as
-            ``FrameworkTraits`` has them.
-        ``install(policy, *, recorder, device)``: patch the framework in the script's process.
-    """
+    """Base class of the framework adapters. ``detected_by``: module -> the names that mean the
+    framework; ``precedence``: lower wins when a script uses several (a Trainer before the
+    Accelerator it is built on); ``autocasts``, ``half_weights``, ``fp8`` (library -> recipes):
+    the modes it can express. The rest are as ``FrameworkTraits`` has them."""
 
     name: ClassVar[str]
     label: ClassVar[str]
@@ -62,12 +40,7 @@ class FrameworkAdapter:
 
     @classmethod
     def expresses(cls, facts: ModeFacts) -> bool:
-        """Whether the framework's own settings can apply a mode with these facts.
-
-        The base reads the declared attributes: an FP8 library it builds recipes for (over fp32
-        weights), a pure half weight dtype it has (no autocast), or fp32 weights with no autocast
-        or one of its autocasts. TF32 on or off every framework applies (a process switch).
-        """
+        """Whether the framework's own settings can apply a mode with these facts."""
         if facts.fp8_library is not None:
             return facts.fp8_library in cls.fp8 and facts.weights == "fp32" and facts.autocast is None
         if facts.weights != "fp32":
@@ -94,11 +67,5 @@ class FrameworkAdapter:
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-        """Make what the script builds with this framework apply ``policy``, before the script runs.
-
-        Args:
-            policy: the policy to apply (one the traits accept).
-            recorder: the trial recorder, or ``None`` under ``mpadvise run``.
-            device: the trial's device (``"cpu"``, ``"cuda:1"``), or ``None`` for the script's own.
-        """
+        """Make what the script builds with this framework apply ``policy``, before it runs."""
         raise NotImplementedError(f"{cls.__qualname__} does not say how it applies a policy; define install()")

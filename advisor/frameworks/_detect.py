@@ -1,17 +1,8 @@
 """Which training framework a script drives, read from its imports (no import runs).
 
-A script that imports advisor is served by the loop API (``load_policy()``), whatever else it
-imports. Otherwise the framework whose trainer the script uses decides. Which imports mean
-which framework is each adapter class's ``detected_by`` (module -> names), read from the
-registry on every call, for names imported from a module (``from lightning.pytorch.trainer
-import Trainer``) and for attributes of an imported module (``L.Trainer``,
-``lightning.pytorch.Trainer``). A script that uses two (a Lightning Trainer and an HF model,
-an HF Trainer and Accelerate) is decided by the classes' ``precedence``: the trainer that runs
-the loop before the Fabric or Accelerator it is built on.
-
-``detect_framework(source)`` reads one source text (pure). ``detect_script_framework(path)``
-also reads the modules of the script's own directory that it imports, one level deep, so that
-a Fabric, Trainer or Accelerator built in a helper module beside the script is found too.
+A script that imports advisor uses the loop API. Otherwise each adapter class's
+``detected_by`` names the imports (``from lightning.pytorch import Trainer``) and module
+attributes (``L.Trainer``) that mean it; between two, the lower ``precedence`` wins.
 """
 
 from __future__ import annotations
@@ -25,14 +16,12 @@ from probes import MpadviseError
 
 from ._registry import detection_order
 
-LOOP_API = "advisor"
-"""What ``detect_framework`` returns for a script written against mpadvise's own loop API."""
+LOOP_API = "advisor"  # what detection returns for a script written against the loop API
 
 
 @dataclass
 class _Imports:
-    """What one source imports: whether it uses the loop API, the frameworks it names, and the
-    top-level modules it imports (for the helper modules beside a script)."""
+    """What one source imports: the loop API, the frameworks it names, and the modules."""
 
     loop_api: bool = False
     found: set[str] = field(default_factory=set)
@@ -40,29 +29,14 @@ class _Imports:
 
 
 def detect_framework(source: str | bytes) -> str | None:
-    """The framework a script trains with, ``"advisor"`` for the loop API, or ``None``.
-
-    Args:
-        source: the script's source text.
-
-    Returns:
-        A registered framework's name, ``LOOP_API``, or ``None`` when none is recognised (a
-        plain torch script that never calls ``load_policy()``) or the source does not parse.
-    """
+    """The framework a script's source trains with, ``LOOP_API``, or ``None`` (pure)."""
     imports = _read(source)
     return None if imports is None else _decide([imports])
 
 
 def detect_script_framework(script: Path) -> str | None:
-    """As ``detect_framework`` for the script at ``script``, also reading the modules of its own
-    directory that it imports (one level deep: a helper module's own imports of further helpers
-    are not followed). Nothing is run. A script that parses, names no framework and never
-    imports advisor gets the fallback adapter (``"torch"``, the plain PyTorch loop); one that
-    does not parse gets ``None`` (it runs as it is, and fails as it would).
-
-    Raises:
-        MpadviseError: the script cannot be read.
-    """
+    """As ``detect_framework``, also reading the modules beside the script that it imports (one
+    level deep); no framework named: the fallback adapter (plain torch). MpadviseError if unreadable."""
     try:
         source = script.read_bytes()
     except OSError as exc:
@@ -78,7 +52,6 @@ def detect_script_framework(script: Path) -> str | None:
             continue
         if helper is not None:
             found.append(helper)
-    # A script that names no framework and never imports advisor trains with plain torch.
     return _decide(found) or fallback_framework()
 
 
@@ -91,12 +64,11 @@ def _decide(imports: Iterable[_Imports]) -> str | None:
 
 
 def fallback_framework() -> str | None:
-    """The registered adapter that runs a script naming no framework (plain torch), or ``None``."""
+    """The registered adapter for a script naming no framework (plain torch), or ``None``."""
     return next((cls.name for cls in detection_order() if getattr(cls, "fallback", False)), None)
 
 
 def _meanings() -> dict[str, dict[str, str]]:
-    """module -> imported name -> framework, from the registered classes (first by precedence wins)."""
     table: dict[str, dict[str, str]] = {}
     for cls in detection_order():
         for module, names in cls.detected_by.items():
@@ -106,7 +78,6 @@ def _meanings() -> dict[str, dict[str, str]]:
 
 
 def _read(source: str | bytes) -> _Imports | None:
-    """What ``source`` imports, or ``None`` where it does not parse."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -139,8 +110,7 @@ def _is_loop_api(module: str) -> bool:
 
 
 def _attribute_uses(tree: ast.AST, aliases: Mapping[str, str], meanings: Mapping[str, Mapping[str, str]]) -> Iterable[str]:
-    """Frameworks used as an attribute of an imported module: ``L.Trainer``, ``L.pytorch.Trainer``,
-    ``lightning.pytorch.trainer.Trainer``."""
+    """Frameworks used as an attribute of an imported module: ``L.Trainer``, ``L.pytorch.Trainer``."""
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute):
             continue
@@ -157,8 +127,7 @@ def _attribute_uses(tree: ast.AST, aliases: Mapping[str, str], meanings: Mapping
 
 
 def _sibling_modules(directory: Path, modules: Iterable[tuple[str, ...]]) -> list[Path]:
-    """The source files in ``directory`` that these imports name: ``helpers.py``, a package's
-    ``__init__.py``, or a module inside a package of that directory (``pkg/helpers.py``)."""
+    """``helpers.py``, ``pkg/__init__.py`` and ``pkg/helpers.py`` in ``directory`` that these imports name."""
     paths: dict[Path, None] = {}
     for parts in modules:
         for depth in range(1, len(parts) + 1):

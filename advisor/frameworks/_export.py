@@ -1,31 +1,12 @@
 """``mpadvise export``: a Policy as a framework's own settings, faithful or refused (pure).
 
-Each target gets the settings it reads: the Lightning Trainer and Fabric a precision string or
-plugin code, the Hugging Face Trainer ``TrainingArguments`` fields, Accelerate code with its
-kwargs handlers or its YAML config file, DeepSpeed its JSON config, torchtitan a function over
-its Python config (``Trainer.Config``, torchtitan 0.3). For the four frameworks whose scripts
-mpadvise also tunes (Lightning, Fabric, the HF Trainer, Accelerate), what each can apply comes
-from its ``FrameworkTraits`` and what each mode becomes from the adapters' own plans
-(``lightning_precision``, ``accelerate_settings``), so the export of a policy is what a trial
-under that framework applied. DeepSpeed and torchtitan read the mode's facts (``mode_facts``).
-
-Generated files are data, serialized: each writer builds the settings as plain data and renders
-them with the format's own writer (``json.dumps``, ``yaml.safe_dump``), or, for Python, through
-fixed lines whose every value is a ``repr``. Text from outside (the config path, anything in
-the policy file) never becomes code: the header that names the source is a string literal.
-
-What the policy leaves to the script stays the script's: a policy that keeps the script's
-batch writes no batch size or accumulation, and one that does not clip writes no clipping
-(every trial clipped as the script does); a note says so.
-
-An export is faithful, or refused with the reason (``ExportRefused``, one line). Where a target
-differs from the policy by a bounded amount, the export says so with a named warning: a stable
-id and a sentence (``ExportWarning``).
-
-This module holds what every target shares: the ``Export`` value, the ``Exporter`` base, the
-job an exporter writes (``_Job``) and the code writers. Each target family is one module of its
-own: ``_export_lightning`` (the Trainer and Fabric), ``_export_transformers``,
-``_export_accelerate``, ``_export_deepspeed`` and ``_export_torchtitan``.
+What each framework can apply comes from its ``FrameworkTraits`` and the adapters' own plans,
+so an export is what a trial under that framework applied. Generated files are built as data
+and written by the format's own writer, or as Python from fixed lines whose every value is a
+``repr``: text from outside (the config path, the policy file) never becomes code. What the
+policy leaves to the script (its batch, its clipping) stays the script's, with a note. A
+bounded difference is a named warning (``ExportWarning``); anything more is ``ExportRefused``.
+This module holds what every target shares; each target family is an ``_export_<target>`` module.
 """
 
 from __future__ import annotations
@@ -56,12 +37,7 @@ class ExportRefused(MpadviseError):
 
 @dataclass(frozen=True)
 class ExportWarning:
-    """A bounded difference between the policy and what the target runs.
-
-    Attributes:
-        id: a short, stable name for scripts (``deepspeed-tf32``).
-        message: one sentence for people: what differs, and by how much.
-    """
+    """A bounded difference between the policy and what the target runs, with a stable ``id``."""
 
     id: str
     message: str
@@ -72,18 +48,7 @@ class ExportWarning:
 
 @dataclass(frozen=True)
 class Export:
-    """A policy written in one target's own terms.
-
-    Attributes:
-        target: the ``--to`` name of the target.
-        text: what to paste or save: Python source, DeepSpeed's JSON, or a YAML config file.
-        format: the language of ``text`` (``"python"``, ``"json"`` or ``"yaml"``).
-        data: the same settings as plain data, for ``--json``.
-        warnings: the named, bounded differences.
-        notes: what the user must still do that ``text`` cannot say.
-        alternates: the same policy in the target's other formats (Accelerate's config file),
-            or, where that format cannot carry the policy, the refusal's message.
-    """
+    """A policy in one target's own terms; ``alternates``: its other formats, or why one cannot carry it."""
 
     target: str
     text: str
@@ -104,12 +69,7 @@ class Export:
         }
 
     def for_file(self, path: str | PurePath) -> Export:
-        """The export in the format ``path``'s extension names (``.py``, ``.json``, ``.yaml``).
-
-        Raises:
-            UsageError: an extension of no format this target writes, naming those it does.
-            ExportRefused: the format exists, but cannot carry this policy (the reason).
-        """
+        """The export in the format ``path``'s extension names."""
         wanted = FORMAT_OF_SUFFIX.get(PurePath(path).suffix.lower())
         if wanted == self.format:
             return self
@@ -125,21 +85,15 @@ class Export:
                          "give the file one of those extensions")
 
 
-# ---- shared -----------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class _Split:
-    """The batch a policy sets: ``micro`` samples a forward pass (``None``: the script's own),
-    ``accum`` micro-batches an optimizer step."""
-
     micro: int | None
     accum: int
 
 
 @dataclass
 class _Job:
-    """One export being written: the policy, the target, and the warnings and notes gathered."""
+    """One export being written, with the warnings and notes gathered."""
 
     policy: Policy
     target: str
@@ -165,17 +119,13 @@ class _Job:
         self.warnings.append(ExportWarning(warning_id, message))
 
     def header(self) -> list[str]:
-        """The first statement: a string literal naming the policy, its source and the target.
-
-        A literal, not a comment: the source is a path from outside, and ``repr`` keeps any
-        newline or quote in it inside the string.
-        """
+        """The first statement: a string literal (not a comment, so that ``repr`` keeps any
+        newline or quote of the source path inside it) naming the policy, its source and target."""
         where = "CUDA" if self.cuda else "a CPU"
         origin = f", from {self.source}" if self.source else ""
         return [repr(f"mpadvise policy {self.policy.describe()}{origin}, for {self.title} on {where}.")]
 
     def check_framework(self, policy: Policy | None = None) -> None:
-        """The framework's own refusal (its traits), for the four frameworks mpadvise tunes through."""
         if self.traits is None:
             return
         reason = self.traits.refusal(policy or self.policy, device=self.device)
@@ -183,12 +133,8 @@ class _Job:
             raise self.refuse(reason)
 
     def split(self) -> _Split | None:
-        """The batch the policy sets, or ``None`` where it keeps the script's batch and accumulation.
-
-        A policy that sets a micro-batch without ``grad_accum_steps`` accumulates up to the
-        script's batch, which an export cannot see, unless the policy records the global batch
-        it was tuned at.
-        """
+        """The batch the policy sets, or ``None`` where it keeps the script's. A micro-batch
+        without ``grad_accum_steps`` needs the tuned global batch to know its accumulation."""
         policy = self.policy
         micro, accum = policy.micro_batch_size, policy.grad_accum_steps
         if micro is None and accum is None:
@@ -217,13 +163,12 @@ class _Job:
         )
 
     def python(self, *blocks: list[str], data: Mapping[str, Any]) -> Export:
-        """A Python export: the header, then ``blocks``."""
         text = "\n".join(_code(self.header(), *blocks)) + "\n"
         return Export(self.target, text, "python", data, tuple(self.warnings), tuple(self.notes))
 
 
 def _code(*blocks: list[str]) -> list[str]:
-    """Blocks of lines one blank line apart; two around a class or a function, as PEP 8 has it."""
+    """Blocks of lines one blank line apart; two around a class or a function."""
     out: list[str] = []
     previous: list[str] = []
     for block in blocks:
@@ -231,15 +176,11 @@ def _code(*blocks: list[str]) -> list[str]:
             continue
         if out:
             out.append("")
-            if _is_definition(block) or _is_definition(previous):
+            if any(b and b[0].startswith(("class ", "def ")) for b in (block, previous)):
                 out.append("")
         out.extend(block)
         previous = block
     return out
-
-
-def _is_definition(block: list[str]) -> bool:
-    return bool(block) and block[0].startswith(("class ", "def "))
 
 
 class _Code(str):
@@ -247,7 +188,6 @@ class _Code(str):
 
 
 def _comment(text: str) -> list[str]:
-    """``text`` (the export's own words and numbers) as comment lines of at most 100 characters."""
     return textwrap.wrap(text, width=100, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
 
 
@@ -275,12 +215,11 @@ def _call(name: str, kwargs: Mapping[str, Any], *, indent: str = "", args: tuple
 
 
 def _tf32_lines(tf32: bool, *, cuda: bool, mode: str) -> list[str]:
-    """The TF32 switches as ``policies``' fp32/tf32 modes set them (``policies._switches``).
+    """The TF32 switches as ``policies``' fp32/tf32 modes set them.
 
-    torch >= 2.9 keeps the switches twice (the legacy API and ``fp32_precision``); both are
-    set, legacy first, so that code reading either agrees: Lightning reads the legacy matmul
-    precision, and the legacy ``cudnn.allow_tf32 = False`` alone leaves the new cuDNN switches
-    inheriting, which can still mean TF32.
+    torch >= 2.9 keeps them twice (the legacy API and ``fp32_precision``); both are set, legacy
+    first: Lightning reads the legacy matmul precision, and the legacy ``cudnn.allow_tf32 =
+    False`` alone leaves the new cuDNN switches inheriting, which can still mean TF32.
     """
     legacy, new = ("high", "tf32") if tf32 else ("highest", "ieee")
     state = "on" if tf32 else "off"
@@ -318,34 +257,18 @@ def _dataloader_line(split: _Split | None, owner: str) -> list[str]:
 
 
 class Exporter:
-    """Writes a Policy in one target's own settings: faithful, or refused with the reason.
-
-    A subclass names its target (``mpadvise export --to TARGET``) and its title, and writes the
-    export in ``write``.
-    """
+    """Writes a Policy in one target's (``--to``) own settings; a subclass defines ``write``."""
 
     target: ClassVar[str]
     title: ClassVar[str]
 
     def export(self, policy: Policy, *, traits: FrameworkTraits | None, device: str,
                source: str | None) -> Export:
-        """``policy`` as this target's settings.
-
-        Args:
-            policy: the policy to export.
-            traits: the framework's traits, which judge what it can apply; ``None`` for the
-                export-only targets (DeepSpeed, torchtitan), which judge for themselves.
-            device: ``"cuda"`` or ``"cpu"``, where the export will train.
-            source: where the policy came from (a config path), for the header.
-
-        Raises:
-            UsageError: an unknown device.
-            ExportRefused: the target cannot express the policy; one line saying what and why.
-        """
+        """``policy`` as this target's settings on ``device``; ``traits`` ``None`` for the
+        export-only targets, which judge for themselves. UsageError for an unknown device."""
         if device not in DEVICES:
             raise UsageError(f"unknown device {device!r} for an export; expected one of {', '.join(DEVICES)}")
         return self.write(_Job(policy, self.target, self.title, device, source, traits))
 
     def write(self, job: _Job) -> Export:
-        """The target's settings for ``job`` (each exporter defines it)."""
         raise NotImplementedError(f"{type(self).__qualname__} does not say what it writes; define write(job)")

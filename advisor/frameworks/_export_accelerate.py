@@ -5,7 +5,6 @@ YAML config file, from the adapter's own settings (``accelerate_settings``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from advisor.frameworks._accelerate import (
@@ -29,15 +28,12 @@ from policies import Fp8Te, Fp8Torchao, LossScale
 
 
 class AccelerateExporter(Exporter):
-    """Code that builds the ``Accelerator`` with its kwargs handlers; or its YAML config file."""
-
     target = "accelerate"
     title = "Accelerate"
 
     def write(self, job: _Job) -> Export:
         policy, facts = job.policy, job.facts
-        # Accelerate does not own the batch either (the script's DataLoader does).
-        # The batch split and clipping are the script's here: the export says how to set them in it.
+        # The batch split and clipping are the script's here: the export says how to set them.
         job.check_framework(policy.with_(micro_batch_size=None, grad_accum_steps=None, grad_clip_norm=None))
         split = job.split()
         job.reduce_dtype_warning()
@@ -50,7 +46,11 @@ class AccelerateExporter(Exporter):
             raise job.refuse("Transformer Engine runs on CUDA only")
         settings = accelerate_settings(policy)  # what the traits passed, Accelerate can build
         config_file = self._config_file(job, settings)
-        yaml_text = _yaml(config_file)
+        # PyYAML comes with Accelerate, which reads this file; its safe writer quotes what YAML
+        # 1.1 would read as a bool ('no').
+        import yaml
+
+        yaml_text = yaml.safe_dump(dict(config_file), sort_keys=False, default_flow_style=False)
         code = _AccelerateCode(job, settings, split)
         data = {
             "config_file": config_file,
@@ -115,14 +115,6 @@ class AccelerateExporter(Exporter):
         return Export(job.target, yaml_text, "yaml", {"config_file": config_file}, tuple(job.warnings), tuple(notes))
 
 
-def _yaml(mapping: Mapping[str, Any]) -> str:
-    """``mapping`` as YAML, by PyYAML's safe writer (it quotes what YAML 1.1 would read as a bool: 'no')."""
-    # PyYAML comes with Accelerate, which reads this file: the accelerate export needs nothing more.
-    import yaml
-
-    return yaml.safe_dump(dict(mapping), sort_keys=False, default_flow_style=False)
-
-
 class _AccelerateCode:
     """The Python of an Accelerate export, block by block: imports, FP8 layers, switches, the build."""
 
@@ -156,9 +148,7 @@ class _AccelerateCode:
             self.handlers += _call("TERecipeKwargs", settings.te_recipe, indent="    ")
             self.handler_data.append({"class": "TERecipeKwargs", "kwargs": dict(settings.te_recipe)})
             multiple = Fp8Te.recipe_rule(Fp8Te.policy_recipe(job.policy)).dim_multiple
-            # accelerate/utils/transformer_engine.py, convert_model (1.15): a Linear whose weight
-            # has a dimension not a multiple of 16 ends the swap of its parent's remaining
-            # children (a `return` inside the loop), so later layers stay in high precision.
+            # accelerate/utils/transformer_engine.py, convert_model (1.15): a `return` inside its loop.
             job.warn(
                 "accelerate-te-layer-swap",
                 "Accelerate swaps Linear layers for Transformer Engine's by its own rule: weight dimensions "
@@ -208,7 +198,9 @@ class _AccelerateCode:
             build += _comment(f"Clip as the policy does: accelerator.clip_grad_norm_(model.parameters(), "
                               f"{float(clip)!r}) before optimizer.step().")
         if self.handlers:
-            build += ["kwargs_handlers = [", *_closed(self.handlers), "]"]
+            # As list items: the closing line of a multi-line call gets the comma.
+            items = [line + "," if line.strip() == ")" else line for line in self.handlers]
+            build += ["kwargs_handlers = [", *items, "]"]
             self.accelerator["kwargs_handlers"] = _Code("kwargs_handlers")
         build += _call("accelerator = Accelerator", self.accelerator)
         if cpu_fp16:
@@ -220,8 +212,3 @@ class _AccelerateCode:
                 "accelerator.native_amp = True",
             ]
         return build
-
-
-def _closed(handler_lines: list[str]) -> list[str]:
-    """Handler calls as list items: the closing line of a multi-line call gets the comma."""
-    return [line + "," if line.strip() == ")" else line for line in handler_lines]

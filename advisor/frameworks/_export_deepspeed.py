@@ -17,8 +17,6 @@ DEEPSPEED_AUTOCAST_SINCE = {"bf16": "0.17.2", "fp16": "0.18.0"}
 
 
 class DeepSpeedExporter(Exporter):
-    """DeepSpeed's JSON config: the batch the policy sets, clipping, and torch_autocast."""
-
     target = "deepspeed"
     title = "DeepSpeed"
 
@@ -61,14 +59,9 @@ class DeepSpeedExporter(Exporter):
 
     @staticmethod
     def _check(job: _Job) -> None:
-        """Refuse what DeepSpeed's config cannot express."""
         policy, facts = job.policy, job.facts
-        # DeepSpeed's "fp16" and "bf16" sections cast the model to 16 bits and keep fp32 master
-        # weights (Apex's O2): every operation runs in half precision, softmax, norms and the loss
-        # included, where the policy's -mixed modes run torch.autocast over fp32 weights and keep
-        # those in fp32. That is not a bounded difference, so autocast modes go through DeepSpeed's
-        # "torch_autocast" section. Pure 16-bit weights are refused: DeepSpeed's 16-bit sections
-        # always keep fp32 masters and optimizer state.
+        # DeepSpeed's "fp16"/"bf16" sections run every operation in half precision over fp32
+        # masters (Apex's O2), not autocast: -mixed modes go through "torch_autocast" instead.
         if facts.weights != "fp32":
             raise job.refuse(
                 "DeepSpeed's fp16 and bf16 training keeps fp32 master weights and optimizer state, so it is not "

@@ -50,8 +50,6 @@ def _scaler_code(ls: LossScale, device: str) -> list[str]:
 
 
 class LightningExporter(Exporter):
-    """The Lightning Trainer's arguments: a precision string or plugin, accumulation, clipping."""
-
     target = "lightning"
     title = "the Lightning Trainer"
     package = "lightning.pytorch"
@@ -59,9 +57,7 @@ class LightningExporter(Exporter):
 
     def write(self, job: _Job) -> Export:
         policy = job.policy
-        # The Trainer and Fabric do not own the batch: a split is the DataLoader's batch_size
-        # (said in a comment) with accumulation, so the traits judge the rest of the policy.
-        # The batch split and clipping are the script's here: the export says how to set them in it.
+        # The batch split and clipping are the script's here: the export says how to set them.
         job.check_framework(policy.with_(micro_batch_size=None, grad_accum_steps=None, grad_clip_norm=None))
         split = job.split()
         job.reduce_dtype_warning()
@@ -106,9 +102,7 @@ class LightningExporter(Exporter):
             })
             kwargs["plugins"] = _Code("[plugin]")
             data["plugin"] = {"class": "TransformerEnginePrecision", **te}
-            # Lightning's layer swap (_convert_layers) takes in_features % 8 and out_features % 16;
-            # mpadvise's takes both % 16, and Transformer Engine's FP8 GEMM wants the input's last
-            # dimension % 16: such a layer fails at its first forward rather than training otherwise.
+            # Lightning's layer swap is its _convert_layers; TE's FP8 GEMM wants the input's last dim % 16.
             job.warn(
                 "lightning-te-layer-swap",
                 "Lightning swaps every Linear whose in_features is a multiple of 8 and out_features of 16, "
@@ -134,8 +128,6 @@ class LightningExporter(Exporter):
 
 
 class FabricExporter(LightningExporter):
-    """Lightning Fabric's arguments; accumulation and clipping are the loop's, said in comments."""
-
     target = "fabric"
     title = "Lightning Fabric"
     package = "lightning.fabric"

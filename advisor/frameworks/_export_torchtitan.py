@@ -21,8 +21,6 @@ from policies import default_reduce_dtype
 
 
 class TorchtitanExporter(Exporter):
-    """A function that sets the policy on torchtitan's ``Trainer.Config`` (torchtitan 0.3)."""
-
     target = "torchtitan"
     title = "torchtitan"
 

@@ -11,8 +11,6 @@ from advisor.frameworks._transformers import transformers_precision
 
 
 class TransformersExporter(Exporter):
-    """``TrainingArguments`` fields: precision, the device, and what the policy sets of batch and clipping."""
-
     target = "transformers"
     title = "the Hugging Face Trainer"
 

@@ -31,7 +31,7 @@ def wrap_once(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callab
 
 
 def hold_switches(policy: Policy, device: str | torch.device) -> None:
-    """Set ``policy``'s process switches on ``device`` for the rest of the process, as the loop API's modes do."""
+    """Set ``policy``'s process switches on ``device`` for the rest of the process."""
     import torch
 
     _HELD_SWITCHES.enter_context(create_mode(policy, torch.device(device)).process_switches())

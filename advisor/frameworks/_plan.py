@@ -12,25 +12,17 @@ from advisor.frameworks._registry import check_framework, framework_class
 from advisor.tune import SpaceLimits
 from probes import MpadviseError
 
+# The child's entry point, named rather than imported, so that running it as ``__main__`` does
+# not find it imported already.
 MODULE = "advisor.frameworks._boot"
-"""The child's entry point: ``python -m advisor.frameworks._boot FRAMEWORK SCRIPT ARGS``. Named,
-not imported, so that running it as ``__main__`` does not find it imported already."""
+# Set by ``mpadvise run``: the config file to apply, and where it came from.
 RUN_POLICY_ENV = "MPADVISE_RUN_POLICY"
-"""Set by ``mpadvise run``: the config file to apply."""
 RUN_SOURCE_ENV = "MPADVISE_RUN_SOURCE"
-"""Set by ``mpadvise run``: where that policy came from, for the one line it logs."""
 
 
 @dataclass(frozen=True)
 class ScriptPlan:
-    """How trials of one script run.
-
-    Attributes:
-        framework: the framework that trains, or ``None`` for the loop API (``load_policy()``).
-        detected: whether the framework was read from the script (not forced by a flag).
-        launch: what goes between the interpreter and the script.
-        limits: what the framework can apply, which bounds the search space.
-    """
+    """How trials of one script run (``framework`` ``None``: the loop API)."""
 
     framework: str | None
     detected: bool = False
@@ -39,7 +31,7 @@ class ScriptPlan:
 
     @property
     def label(self) -> str:
-        """``"Lightning's Trainer"``; ``"the loop API"`` for a script that calls load_policy()."""
+        """``"Lightning's Trainer"``, or ``"the loop API"``."""
         return "the loop API" if self.framework is None else framework_class(self.framework).label
 
 
@@ -60,16 +52,8 @@ def space_limits(framework: str, *, device: str | None = None) -> SpaceLimits:
 
 
 def plan_for(script: Path, framework: str | None = None, *, device: str | None = None) -> ScriptPlan:
-    """How to run ``script``: ``framework`` when given (``--framework``), else what its
-    imports say (its own, and those of the helper modules beside it that it imports); a
-    script that imports advisor, or no known framework, runs as it is.
-    ``device`` (``"cpu"``, ``"cuda:0"``) leaves out of the space what the framework cannot
-    apply there.
-
-    Raises:
-        UsageError: an unknown framework name.
-        MpadviseError: the script cannot be read.
-    """
+    """How to run ``script``: ``framework`` when given (``--framework``), else what its imports
+    say; a script that imports advisor runs as it is. ``device`` bounds the space."""
     if framework is None:
         found = detect_script_framework(script)
         if found is None or found == LOOP_API:
@@ -81,11 +65,7 @@ def plan_for(script: Path, framework: str | None = None, *, device: str | None =
 
 
 def check_plan_modes(plan: ScriptPlan, modes: list[str]) -> list[str]:
-    """The requested modes, each one the plan's framework can apply (on the plan's device).
-
-    Raises:
-        MpadviseError: a mode the framework cannot apply, with those it can.
-    """
+    """The requested modes; an MpadviseError for one the plan's framework cannot apply."""
     if plan.framework is None or plan.limits is None or plan.limits.modes is None:
         return modes
     allowed = plan.limits.modes

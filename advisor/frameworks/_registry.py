@@ -1,13 +1,9 @@
-"""Which frameworks exist and which export targets: one ordered registry of adapter classes,
-and everything derived from it.
+"""Which frameworks exist and which export targets: one ordered registry of adapter classes.
 
-Every list of frameworks reads this registry: ``FRAMEWORKS``, detection (each class's
-``detected_by`` and ``precedence``), the ``--framework`` check, the traits that bound a
-framework script's search space, the trial child's dispatch to ``install``, and
-``mpadvise export --to`` (a framework's exporter, plus the export-only targets). Adding a
-framework means writing its adapter class (see ``FrameworkAdapter``) and one
-``register_framework`` line, here in ``BUILTIN_FRAMEWORKS`` or from outside; adding an export
-target means one ``_export_<target>.py`` module with its ``Exporter`` and one line here.
+Every list of frameworks reads it: ``FRAMEWORKS``, detection, the ``--framework`` check, the
+traits, the trial child's dispatch and ``mpadvise export --to``. Adding a framework is its
+adapter class and one ``register_framework`` line; adding an export target is one
+``_export_<target>.py`` module with its ``Exporter`` and one line here.
 """
 
 from __future__ import annotations
@@ -45,21 +41,8 @@ _EXPORTERS: dict[str, type[Exporter]] = {}
 
 
 def register_framework(cls: AdapterT, *, exporter: type[Exporter] | None = None) -> AdapterT:
-    """Add a framework adapter class to the registry, after the frameworks already there.
-
-    Args:
-        cls: a ``FrameworkAdapter`` subclass that sets ``name``, ``label``, ``detected_by`` and
-            ``precedence`` and defines ``install``.
-        exporter: the ``Exporter`` subclass that writes a policy in this framework's settings
-            (its ``target`` is the framework's name); ``None`` for a framework with no export.
-
-    Returns:
-        ``cls``.
-
-    Raises:
-        TypeError: ``cls`` is not a FrameworkAdapter subclass, or ``exporter`` no Exporter.
-        ValueError: a description is missing or clashes with a registered framework.
-    """
+    """Add a ``FrameworkAdapter`` subclass after those registered, with the ``Exporter`` that
+    writes its settings (``None``: no export); TypeError or ValueError naming what is wrong."""
     if not (isinstance(cls, type) and issubclass(cls, FrameworkAdapter)):
         raise TypeError(f"register_framework: {cls!r} is not a FrameworkAdapter subclass; derive the "
                         "framework's class from advisor.frameworks.FrameworkAdapter")
@@ -73,7 +56,11 @@ def register_framework(cls: AdapterT, *, exporter: type[Exporter] | None = None)
         raise ValueError(f"{owner}: framework {name!r} is already registered; give the class a name of its own")
     _check_description(owner, cls)
     if exporter is not None:
-        _check_exporter(owner, exporter, name)
+        if not (isinstance(exporter, type) and issubclass(exporter, Exporter)):
+            raise TypeError(f"{owner}: exporter {exporter!r} is not an Exporter subclass")
+        if getattr(exporter, "target", None) != name:
+            raise ValueError(f"{owner}: exporter {exporter.__qualname__} writes for "
+                             f"{getattr(exporter, 'target', None)!r}, not {name!r}; set its target to {name!r}")
         _EXPORTERS[name] = exporter
     _FRAMEWORKS[name] = cls
     return cls
@@ -98,21 +85,8 @@ def _check_description(owner: str, cls: type[FrameworkAdapter]) -> None:
         raise ValueError(f"{owner}: the class does not say how it applies a policy; define install()")
 
 
-def _check_exporter(owner: str, exporter: type[Exporter], target: str) -> None:
-    if not (isinstance(exporter, type) and issubclass(exporter, Exporter)):
-        raise TypeError(f"{owner}: exporter {exporter!r} is not an Exporter subclass")
-    if getattr(exporter, "target", None) != target:
-        raise ValueError(f"{owner}: exporter {exporter.__qualname__} writes for "
-                         f"{getattr(exporter, 'target', None)!r}, not {target!r}; set its target to {target!r}")
-
-
 def register_export_target(exporter: type[Exporter]) -> type[Exporter]:
-    """Add an export-only target (``mpadvise export --to`` only; no scripts are tuned through it).
-
-    Raises:
-        TypeError: not an Exporter subclass.
-        ValueError: its target is missing or already taken.
-    """
+    """Add an export-only target (``mpadvise export --to`` only; no scripts are tuned through it)."""
     owner = f"register_export_target({getattr(exporter, '__qualname__', exporter)!r})"
     if not (isinstance(exporter, type) and issubclass(exporter, Exporter)):
         raise TypeError(f"{owner}: not an Exporter subclass")
@@ -128,12 +102,7 @@ def register_export_target(exporter: type[Exporter]) -> type[Exporter]:
 
 
 def unregister_framework(name: str) -> None:
-    """Remove a registered framework and its exporter, or an export-only target (one registered
-    for a test, say).
-
-    Raises:
-        MpadviseError: nothing of that name is registered.
-    """
+    """Remove a registered framework and its exporter, or an export-only target."""
     if name not in _FRAMEWORKS and name not in _EXPORTERS:
         raise MpadviseError(f"unknown framework {name!r}; expected one of {', '.join(_FRAMEWORKS)}")
     _FRAMEWORKS.pop(name, None)
@@ -141,12 +110,10 @@ def unregister_framework(name: str) -> None:
 
 
 def framework_classes() -> tuple[type[FrameworkAdapter], ...]:
-    """Every registered adapter class, in registration order."""
     return tuple(_FRAMEWORKS.values())
 
 
 def framework_names() -> tuple[str, ...]:
-    """Every registered framework's name, in registration order (the value of ``FRAMEWORKS``)."""
     return tuple(_FRAMEWORKS)
 
 
@@ -156,21 +123,13 @@ def detection_order() -> tuple[type[FrameworkAdapter], ...]:
 
 
 def check_framework(name: str) -> str:
-    """The framework mpadvise serves that ``name`` names, in any case (``Lightning``).
-
-    Raises:
-        UsageError: naming the value, the closest frameworks and all of them.
-    """
+    """The framework ``name`` names, in any case; else a UsageError naming the closest."""
     return choose(name, _FRAMEWORKS, what="framework")
 
 
 def choose(name: str, choices: Iterable[str], *, what: str) -> str:
-    """The one of ``choices`` a user means by ``name``: itself, in any case.
-
-    Raises:
-        UsageError: (exit 2) none goes by that name; one line naming the closest choices
-            ("did you mean lightning?") and all of them.
-    """
+    """The one of ``choices`` a user means by ``name``, in any case; else a UsageError (exit 2)
+    naming the closest choices and all of them."""
     names = tuple(choices)
     text = str(name).strip()
     by_lower = {choice.lower(): choice for choice in names}
@@ -182,57 +141,35 @@ def choose(name: str, choices: Iterable[str], *, what: str) -> str:
 
 
 def framework_class(name: str) -> type[FrameworkAdapter]:
-    """The adapter class of ``name`` (``check_framework`` says what is wrong with a bad name).
-
-    Raises:
-        UsageError: an unknown framework.
-    """
     return _FRAMEWORKS[check_framework(name)]
 
 
 def traits(framework: str) -> FrameworkTraits:
-    """What ``framework`` can express of a Policy, from the registered modes as they are now.
-
-    Raises:
-        UsageError: an unknown framework.
-    """
     return framework_class(framework).traits()
 
 
 def refusal(policy: Policy, framework: str, *, device: str | None = None) -> str | None:
-    """Why ``framework`` cannot apply ``policy`` as it stands, or ``None`` (``FrameworkTraits.refusal``)."""
+    """Why ``framework`` cannot apply ``policy`` as it stands, or ``None``."""
     return traits(framework).refusal(policy, device=device)
 
 
 def check_expressible(policy: Policy, framework: str, *, source: str = "the policy",
                       device: str | None = None) -> Policy:
-    """``policy`` if ``framework`` can apply it (on ``device``, when given).
-
-    Raises:
-        MpadviseError: one line saying what of ``source`` the framework cannot apply.
-    """
+    """``policy`` if ``framework`` can apply it; else an MpadviseError naming ``source``."""
     reason = refusal(policy, framework, device=device)
     if reason is not None:
         raise MpadviseError(f"{source}: {reason}")
     return policy
 
 
-# ---- export ---------------------------------------------------------------------------------------
-
-
 def export_targets() -> tuple[str, ...]:
-    """What ``mpadvise export --to`` writes for: the frameworks with an exporter, in registration
-    order, then the export-only targets (the value of ``EXPORT_TARGETS``)."""
+    """The frameworks with an exporter, in registration order, then the export-only targets."""
     frameworks = [name for name in _FRAMEWORKS if name in _EXPORTERS]
     return (*frameworks, *(name for name in _EXPORTERS if name not in _FRAMEWORKS))
 
 
 def check_target(name: str | None) -> str:
-    """The export target ``name`` names, in any case.
-
-    Raises:
-        UsageError: a missing or unknown target, naming the closest targets and all of them.
-    """
+    """The export target ``name`` names, in any case; else a UsageError."""
     if name is None:
         raise UsageError(f"missing --to TARGET; expected one of {', '.join(export_targets())}")
     return choose(name, export_targets(), what="export target")
@@ -241,20 +178,7 @@ def check_target(name: str | None) -> str:
 def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: str | None = None,
                   script: Path | None = None) -> Export:
     """``policy`` as ``target``'s own settings, judged by the framework's traits (none for the
-    export-only targets, which judge for themselves).
-
-    Args:
-        policy: the policy to export.
-        target: one of ``export_targets()``.
-        device: ``"cuda"`` or ``"cpu"``, where the export will train.
-        source: where the policy came from, for the header line.
-        script: the training script, for a target that writes against it (``reads_script``:
-            the plain torch loop's diff).
-
-    Raises:
-        UsageError: an unknown target or device.
-        ExportRefused: the target cannot express the policy; one line saying what and why.
-    """
+    export-only targets); ``script``: for a target that writes against it (``reads_script``)."""
     target = check_target(target)
     framework = _FRAMEWORKS.get(target)
     exporter = _EXPORTERS[target]()
@@ -262,8 +186,6 @@ def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: 
         exporter.script = script  # type: ignore[attr-defined]
     return exporter.export(policy, traits=None if framework is None else framework.traits(), device=device, source=source)
 
-
-# ---- the built-in frameworks --------------------------------------------------------------------
 
 BUILTIN_FRAMEWORKS: tuple[tuple[type[FrameworkAdapter], type[Exporter]], ...] = (
     (LightningTrainer, LightningExporter),
@@ -281,8 +203,7 @@ for _exporter in BUILTIN_EXPORT_TARGETS:
 
 
 def __getattr__(name: str) -> tuple[str, ...]:
-    # FRAMEWORKS and EXPORT_TARGETS are read from the registry on every lookup, never copied,
-    # so a framework or target registered later is never missing from them.
+    # Read from the registry on every lookup, never copied, so a later registration shows.
     if name == "FRAMEWORKS":
         return framework_names()
     if name == "EXPORT_TARGETS":

@@ -1,12 +1,5 @@
-"""``mpadvise export --to torch``: the lines a plain PyTorch script adds to apply a policy by hand
-through ``advisor.load_policy()``, as a unified diff against the script (pure).
-
-The script's lines are found from its syntax tree (no line of it runs): the optimizer's
-construction (``mp = advisor.load_policy()`` before it, ``mp.setup(model, optimizer)`` after
-it), the loss's backward (``mp.step(loss, optimizer)`` in its place, which scales, steps,
-updates the scaler and zeroes the gradients), the optimizer's and the GradScaler's own calls
-(removed), the GradScaler's construction (removed) and the script's autocast context
-(``mp.autocast()`` in its place).
+"""``mpadvise export --to torch``: a unified diff that makes a plain PyTorch script apply its
+policy through ``advisor.load_policy()``, from the script's syntax tree (no line of it runs).
 """
 
 from __future__ import annotations
@@ -24,8 +17,7 @@ _GONE_CALLS = ("step", "update", "unscale_", "zero_grad")
 
 
 def script_for(config: Path | None) -> Path | None:
-    """The script an export is against: ``config`` itself (a ``.py``), or the script beside a
-    ``<script>.mpadvise.toml``; ``None`` when there is none."""
+    """``config`` itself (a ``.py``), or the script beside a ``<script>.mpadvise.toml``, or ``None``."""
     if config is None:
         return None
     if config.suffix == ".py":
@@ -41,11 +33,7 @@ def _name(node: ast.AST) -> str:
 
 
 def policy_diff(source: str, path: str) -> tuple[str, list[str]]:
-    """The unified diff that makes ``source`` apply its policy through ``load_policy()``, and notes.
-
-    Raises:
-        ExportRefused: as ``patched_source``.
-    """
+    """The unified diff that makes ``source`` apply its policy through ``load_policy()``, and notes."""
     new, notes = patched_source(source, path)
     diff = "".join(difflib.unified_diff(source.splitlines(keepends=True), new.splitlines(keepends=True),
                                         fromfile=path, tofile=path))
@@ -53,12 +41,8 @@ def policy_diff(source: str, path: str) -> tuple[str, list[str]]:
 
 
 def patched_source(source: str, path: str) -> tuple[str, list[str]]:
-    """``source`` applying its policy through ``load_policy()`` (it parses), and notes.
-
-    Raises:
-        ExportRefused: the script does not parse, or builds no optimizer the diff can hand to
-            ``mp.setup`` (a script that updates by hand).
-    """
+    """``source`` applying its policy through ``load_policy()``, and notes. ExportRefused when it
+    does not parse, or builds no optimizer for ``mp.setup`` (a script that updates by hand)."""
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
@@ -112,16 +96,18 @@ def patched_source(source: str, path: str) -> tuple[str, list[str]]:
     last_import = max((n.end_lineno or n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))),
                       default=0)
     new = _apply(lines, replace, last_import)
-    if not _parses(new):
+    try:
+        ast.parse(new)
+    except SyntaxError:
         # A removed call was all of its block (``if amp: scaler.update()``): a pass keeps the block.
         kept = {i: v or [f"{indent(i)}pass  # {lines[i].strip()}\n"] for i, v in replace.items()}
         new = _apply(lines, kept, last_import)
-    notes = [
+    return new, [
         "mp.step() accumulates over the policy's grad_accum_steps: where the script accumulates by itself, set "
-        "grad_accum_steps in the config file to its count","mp.step() zeroes the gradients and clips at the policy's grad_clip_norm: clipping between the "
-             "backward and the step moves into the config file",
-             "in pure bf16/fp16 modes, pass the inputs through x, y = mp.to_device(x, y)"]
-    return new, notes
+        "grad_accum_steps in the config file to its count",
+        "mp.step() zeroes the gradients and clips at the policy's grad_clip_norm: clipping between the "
+        "backward and the step moves into the config file",
+        "in pure bf16/fp16 modes, pass the inputs through x, y = mp.to_device(x, y)"]
 
 
 def _apply(lines: list[str], replace: dict[int, list[str]], last_import: int) -> str:
@@ -131,14 +117,6 @@ def _apply(lines: list[str], replace: dict[int, list[str]], last_import: int) ->
         if i == last_import - 1:
             new.append("import advisor\n")
     return "".join(new)
-
-
-def _parses(source: str) -> bool:
-    try:
-        ast.parse(source)
-    except SyntaxError:
-        return False
-    return True
 
 
 # Without a script to diff against: the lines a typical loop adds, around its own.
@@ -156,8 +134,7 @@ SNIPPET = [
 
 
 class TorchExporter(Exporter):
-    """A plain PyTorch script: a unified diff that applies the policy through ``load_policy()``;
-    without the script, the lines a typical loop adds."""
+    """A unified diff against the script; without one, the lines a typical loop adds."""
 
     target = "torch"
     title = "a plain PyTorch loop"

@@ -1,11 +1,6 @@
-"""What a framework can apply of a Policy, as a value that judges a policy by itself (pure).
-
-One value serves three users: the search space of a framework script (only what the framework
-can apply is searched), the trial child and ``mpadvise run`` (which refuse a policy the
-framework cannot apply), and ``mpadvise export`` (whose exporters receive the traits). Each
-adapter class builds its traits from its declarations and the registered modes
-(``FrameworkAdapter.traits``), so a policy that wins a tune is always one its framework can
-run, and the export of it is what the trial applied.
+"""What a framework can apply of a Policy, as a value that judges a policy by itself (pure):
+the search space, the trial child, ``mpadvise run`` and ``mpadvise export`` all read it, so a
+policy that wins a tune is one its framework can run, and its export is what the trial applied.
 """
 
 from __future__ import annotations
@@ -13,26 +8,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from policies import Policy, mode_class
+from policies import LossScale, Policy, mode_class
 
 
 @dataclass(frozen=True)
 class FrameworkTraits:
-    """What a framework can apply without a changed line in the script.
-
-    Attributes:
-        name: the framework.
-        modes: the modes it can apply.
-        sets_micro_batch: whether it owns the micro-batch size (so a split with accumulation
-            can be applied); otherwise the script's DataLoader decides it.
-        loss_scale_kinds: the loss scaling kinds it can apply for fp16-mixed.
-        loss_scale_settings: whether the initial scale and growth interval can be set.
-        fp8_recipes: per FP8 mode, the recipes it can build.
-        sets_grad_clip: whether it can apply the policy's gradient clipping (otherwise the
-            script clips, if at all).
-        needs_cuda: modes it applies on CUDA only (on a CPU it would silently run another).
-        limits: one sentence per thing it cannot express, for people.
-    """
+    """What a framework can apply without a changed line in the script (``limits``: for people)."""
 
     name: str
     modes: tuple[str, ...]
@@ -45,16 +26,7 @@ class FrameworkTraits:
     limits: tuple[str, ...] = ()
 
     def refusal(self, policy: Policy, *, device: str | None = None) -> str | None:
-        """Why this framework cannot apply ``policy`` as it stands, or ``None`` when it can.
-
-        Args:
-            policy: the policy to apply.
-            device: ``"cpu"`` or ``"cuda..."`` where it would run, for the modes a framework
-                applies on CUDA only; ``None`` leaves the device out of the judgement.
-
-        Returns:
-            One line naming the part of the policy and what the framework lacks.
-        """
+        """One line on why this framework cannot apply ``policy``, or ``None`` when it can."""
         t, framework = self, self.name
         if policy.mode not in t.modes:
             return f"{framework} cannot apply mode {policy.mode} (it can apply {', '.join(t.modes)})"
@@ -74,7 +46,8 @@ class FrameworkTraits:
                     return f"{framework} always scales an fp16 loss with a GradScaler, and the policy has no loss scaling"
                 return f"{framework} cannot apply a {ls.kind} loss scale (only {', '.join(t.loss_scale_kinds)})"
             if not t.loss_scale_settings:
-                changed = [k for k, v in _DEFAULT_LOSS_SCALE.items() if getattr(ls, k) != v]
+                changed = [k for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+                           if getattr(ls, k) != getattr(LossScale(), k)]
                 if changed:
                     return (f"{framework} cannot set GradScaler's {', '.join(changed)}: it always uses "
                             "GradScaler's defaults (initial scale 65536, growth interval 2000)")
@@ -84,6 +57,3 @@ class FrameworkTraits:
             if recipe not in recipes:
                 return f"{framework} cannot build the {policy.mode} recipe {recipe!r} (only {', '.join(recipes)})"
         return None
-
-
-_DEFAULT_LOSS_SCALE = {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}

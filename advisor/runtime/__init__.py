@@ -1,24 +1,13 @@
-"""The runtime a training script meets: ``AppliedPolicy`` (setup, autocast, step, checkpoints)
-and the workload fingerprints it takes of the model and optimizer.
+"""The runtime a training script meets: ``AppliedPolicy`` (setup, autocast, step, checkpoints),
+the fallback and the guard (with its slow signals, ``_trend``), batch splits, FSDP2's precision and the workload fingerprints.
 
-Public surface: ``AppliedPolicy`` and its step hook ``StepObserver``; the safe fallback when a
-tuned policy does not apply (``safe_fallback``, ``fallback_words``); how a global batch splits
-into micro-batches (``BatchSplit``, ``batch_split``, ``tuned_global_batch``); FSDP2's mixed
-precision (``FsdpPrecision``, ``fsdp_precision``); and the workload's fingerprints
-(``Workload``, ``model_signature``, ``workload_fingerprint``, ``script_digest``), with the
-number of processes training together (``current_world_size``); the guard that watches a long run's steps (``Guard``,
-``GuardEvent``, ``GuardLimits``, ``guard_setting``, ``guard_fallback``, ``GUARD_ENV``), with its
-slow signals (``LossTrend``, ``UpdateProbe``; ``BEHIND``, ``CLIMB``, ``STALL``).
-
-Arrows: runtime uses ``policies`` and ``probes`` only; ``trial``, ``tune`` and the loader build
-on it.
+Arrows: runtime uses ``policies`` and ``probes`` only; ``trial``, ``tune`` and the loader build on it.
 """
 
 from __future__ import annotations
 
 from advisor.runtime._applied import AppliedPolicy, StepObserver
 from advisor.runtime._fallback import fallback_words, guard_fallback, safe_fallback
-from advisor.runtime._fsdp import FsdpPrecision, fsdp_precision
 from advisor.runtime._guard import (
     GUARD_ENV,
     GUARD_SETTINGS,
@@ -27,6 +16,7 @@ from advisor.runtime._guard import (
     GuardLimits,
     guard_setting,
 )
+from advisor.runtime._setup import FsdpPrecision, fsdp_precision
 from advisor.runtime._split import BatchSplit, batch_split, tuned_global_batch
 from advisor.runtime._trend import BEHIND, CLIMB, STALL, LossTrend, UpdateProbe
 from advisor.runtime._workload import (

@@ -1,19 +1,15 @@
-"""AppliedPolicy: the one object a training script uses to train under a Policy.
-
-Its jobs live beside it: the workload check and batch split (``_match``), setup and FSDP2
-(``_setup``), the optimizer step (``_step``), switching policy in place, for the fallback and
-the guard (``_switch``), and checkpoints (``_checkpoint``).
-"""
+"""AppliedPolicy: the one object a training script uses to train under a Policy; its jobs
+live in the modules beside it."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from advisor.runtime import _checkpoint, _match, _setup
-from advisor.runtime._device import move_to, rank_device
+from advisor._log import get_logger
+from advisor.runtime import _match, _setup
 from advisor.runtime._guard import Guard, GuardEvent
 from advisor.runtime._split import _leading_dim
 from advisor.runtime._step import MicroSteps, micro_step_samples, train_step
@@ -42,45 +38,24 @@ class StepObserver:
         """Called at the end of every ``step()``; ``optimizer_step`` is False on accumulation steps."""
 
 
-
 class AppliedPolicy:
     """A Policy applied to this process: set up the model, run forward/backward/step under it.
 
-    Made by ``advisor.load_policy()``. Also a context manager: entering sets the mode's
-    process-wide switches (TF32 matmul precision), leaving restores them exactly.
-
-    A tuned policy is checked against the workload it was tuned on once the workload is known
-    (``setup()``: model, optimizer, script; ``micro_batch_size()``: the global batch). A tune's
-    answer must match all of it; a config file the user named, or one written by hand, the
-    model's structure. The first other answer tuned on this workload applies instead (one info
-    line); failing that ``safe_fallback`` does, with one warning that names what changed, and
-    the global batch stays what ``micro_batch_size()`` answered.
-
-    Attributes:
-        policy: the Policy in force; source: where it came from (``"safe default"``...).
-        device: the torch device training runs on; profile: the hardware profile of that device.
-        guard: the ``Guard`` watching the optimizer steps; on_guard_event: receives its events.
-        optimizer_steps, skipped_steps: optimizer steps taken, and of those the ones not applied.
+    Made by ``advisor.load_policy()``. As a context manager it sets the mode's process-wide
+    switches (TF32) and restores them on exit. A tuned policy that does not fit the workload
+    (checked in ``setup()`` and ``micro_batch_size()``) is replaced by another answer tuned on
+    this workload, else by ``safe_fallback``, with one line that names what changed.
     """
 
     def __init__(self, policy: Policy, *, profile: HardwareProfile, source: str,
                  device: str | torch.device | None = None, observer: StepObserver | None = None,
                  match_workload: bool = False, alternatives: Sequence[tuple[Policy, str]] = (),
                  guard: Guard | None = None, on_guard_event: Callable[[GuardEvent], None] | None = None) -> None:
-        """Apply ``policy`` on ``profile``'s device (``device`` overrides it); ``source`` names
-        it in log lines; ``observer`` receives what ``step()`` does (the trial recorder).
-
-        Args:
-            match_workload: apply a tuned policy only to the whole workload it was tuned on
-                (a tune's answer); otherwise only the model's structure is checked.
-            alternatives: with ``match_workload``, the other tunes' answers for this script
-                (``(policy, source)``, in order), tried when ``policy`` does not fit.
-            guard: watches the optimizer steps; none: off.
-        """
+        """``match_workload``: check the whole workload (a tune's answer), not only the model;
+        ``alternatives``: other answers for this script, tried in order when ``policy`` does not fit."""
         import torch
 
         self.policy, self.profile, self.source = policy, profile, source
-        # Under torchrun each process trains on its own GPU (LOCAL_RANK), unless one was named.
         self.device = torch.device(rank_device(device, profile.device, os.environ))
         self._mode = create_mode(policy, self.device)
         self._observer = observer
@@ -112,19 +87,9 @@ class AppliedPolicy:
         return self._mode.loss_scale()
 
     def micro_batch_size(self, default: int) -> int:
-        """The batch size a DataLoader should use.
-
-        Args:
-            default: the script's own batch size, i.e. its global batch. With a policy that
-                splits it (micro-batch 64 of a global 256), ``step()`` accumulates 256 // 64
-                micro-batches per optimizer step so the optimisation stays the same. The first
-                call sets the training batch; a later one with another batch (an evaluation
-                loader) gets ``default`` back unchanged.
-
-        Returns:
-            The micro-batch size; ``default`` when the policy sets none, and on a later call
-            with another batch.
-        """
+        """The batch size a DataLoader should use for the script's own (global) batch ``default``;
+        ``step()`` accumulates the rest. The first call sets the training batch; a later call
+        with another batch (an evaluation loader) gets ``default`` back."""
         if isinstance(default, bool) or not isinstance(default, int) or default <= 0:
             raise MpadviseError(f"micro_batch_size(default): {default!r} is not a batch size; expected a positive integer")
         split = self._check.split
@@ -133,22 +98,18 @@ class AppliedPolicy:
         return _match.first_micro_batch(self, default)
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """Move the model to the device and convert it for the mode; returns ``(model,
-        optimizer)``, or the model alone. A tuned policy that does not fit this workload is
-        replaced first (see the class). A conversion that replaces parameters (FP8 module
-        swaps) is reflected in ``optimizer``, so that it trains the new ones."""
+        """Move and convert the model for the mode; ``(model, optimizer)``, or the model alone."""
         return _setup.setup_model(self, model, optimizer)
 
     def fsdp_mixed_precision(self) -> Any:
-        """FSDP2's ``MixedPrecisionPolicy`` for this policy (``fsdp_precision``): call ``setup(model)``
-        first, pass it to every ``fully_shard``, then build the optimizer on the sharded
-        parameters; the forward still runs in ``autocast()``. For fp16-mixed the loss scaler
-        becomes a ``ShardedGradScaler``, so that every rank skips the same steps."""
+        """FSDP2's ``MixedPrecisionPolicy`` for this policy: ``setup(model)`` first, pass it to every
+        ``fully_shard``, then build the optimizer on the sharded parameters. For fp16-mixed the
+        loss scaler becomes a ``ShardedGradScaler``, so that every rank skips the same steps."""
         return _setup.fsdp_mixed_precision(self)
 
     def to_device(self, *tensors: Any) -> Any:
-        """Move tensors (or lists/tuples/dicts of them) to the device and cast them for the mode;
-        integer tensors keep their dtype. One value for one argument, else a tuple."""
+        """Move tensors (or lists/tuples/dicts of them) to the device, cast for the mode (integer
+        tensors keep their dtype); one value for one argument, else a tuple."""
         moved = tuple(move_to(t, self.device, self._mode.convert_input) for t in tensors)
         size = _leading_dim(tensors)
         if size is not None:
@@ -162,9 +123,7 @@ class AppliedPolicy:
             yield
 
     def step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> bool:
-        """Backward (the loss scaled for the mode and by ``1 / grad_accum_steps``), and every
-        ``grad_accum_steps`` micro-batches: unscale, clip if the policy says so, step, update
-        the scaler, zero the gradients. True when an optimizer step was really taken."""
+        """Backward, and every ``grad_accum_steps`` micro-batches an optimizer step; True when taken."""
         try:
             return train_step(self, loss, optimizer)
         finally:
@@ -172,11 +131,32 @@ class AppliedPolicy:
 
     def state_dict(self) -> dict[str, Any]:
         """The precision state a checkpoint needs: loss scaler, FP8 state, accumulation position."""
-        return _checkpoint.precision_state(self)
+        done = self._micro.done
+        if done:
+            get_logger().warning(
+                f"state_dict() taken after {done} of {self.grad_accum_steps} accumulated "
+                "micro-batches: their gradients are not in a checkpoint; save after a step() that returned True"
+            )
+        return {"mode": self.policy.mode, "micro_step": done, "optimizer_steps": self.optimizer_steps,
+                "skipped_steps": self.skipped_steps, "mode_state": self._mode.state_dict(),
+                "guard": self.guard.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned, so a resumed run continues exactly."""
-        _checkpoint.load_precision_state(self, state)
+        """Restore what ``state_dict`` returned; from another mode, only the guard (one warning)."""
+        if not isinstance(state, dict) or "mode" not in state:
+            raise MpadviseError("load_state_dict: expected the dict returned by state_dict()")
+        if "guard" in state:
+            self.guard.load_state_dict(state["guard"])
+        if state["mode"] != self.policy.mode:
+            get_logger().warning(
+                f"checkpoint precision state is from mode {state['mode']!r}, this run uses "
+                f"{self.policy.mode!r}: its loss-scale/FP8 state is not restored"
+            )
+            return
+        self._micro.done = int(state.get("micro_step", 0))
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._mode.load_state_dict(state.get("mode_state", {}))
 
     def __enter__(self) -> AppliedPolicy:
         stack = contextlib.ExitStack()
@@ -189,3 +169,27 @@ class AppliedPolicy:
 
     def __repr__(self) -> str:
         return f"AppliedPolicy({self.policy.describe()!r}, device={str(self.device)!r}, source={self.source!r})"
+
+
+def rank_device(device: str | torch.device | None, profile_device: str, env: Mapping[str, str]) -> str | torch.device:
+    """``device`` when named with an index; under torchrun on a GPU ``cuda:LOCAL_RANK``."""
+    if device is not None and str(device) != "cuda":
+        return device
+    chosen = device if device is not None else profile_device
+    local_rank = env.get("LOCAL_RANK", "")
+    if str(chosen).startswith("cuda") and local_rank.isdigit():
+        return f"cuda:{int(local_rank)}"
+    return chosen
+
+
+def move_to(value: Any, device: torch.device, convert: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` (a tensor, or lists/tuples/dicts of them) on ``device``, through ``convert``."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return convert(value.to(device, non_blocking=True))
+    if isinstance(value, (list, tuple)):
+        return type(value)(move_to(v, device, convert) for v in value)
+    if isinstance(value, dict):
+        return {k: move_to(v, device, convert) for k, v in value.items()}
+    return value

@@ -1,19 +1,20 @@
 """Whether a tuned policy fits the workload it is applied to, and the training batch's split.
 
-``AppliedPolicy`` learns the workload in two steps: ``setup()`` knows the model, the optimizer
-and the script, ``micro_batch_size()`` the global batch. Each step checks the policy in force
-against what it learnt; a miss applies another tune's answer for this workload, else
-``safe_fallback`` (``advisor.runtime._switch``).
+``setup()`` learns the model, the optimizer and the script, ``micro_batch_size()`` the global
+batch; each checks the policy in force against what it learnt. A miss applies another tune's
+answer for this workload, else ``safe_fallback`` (``_switch``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import shlex
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from advisor import _paths
 from advisor._log import get_logger
-from advisor.runtime._script import _args_now, _script_args, _script_path, _with_args
 from advisor.runtime._split import BatchSplit, batch_split, tuned_global_batch
 from advisor.runtime._switch import fall_back, switch_to
 from advisor.runtime._workload import (
@@ -30,21 +31,13 @@ if TYPE_CHECKING:
 
     from advisor.runtime._applied import AppliedPolicy
 
+# The fact a Difference names when a tune recorded other arguments than this run's.
+SCRIPT_ARGS = "script arguments"
+
 
 @dataclass
 class WorkloadCheck:
-    """What an ``AppliedPolicy`` knows of its workload, and where its check stands.
-
-    Attributes:
-        match_workload: a tuned policy applies only to the whole workload it was tuned on;
-            otherwise only the model's structure is checked.
-        alternatives: the other tunes' answers for this script (``(policy, source)``), in order.
-        user_batch: the batch the script asked for (the first ``micro_batch_size`` argument).
-        other_batches: later ``micro_batch_size`` arguments (evaluation loaders).
-        split: how ``user_batch`` splits into micro-batches.
-        workload: the workload ``setup()`` found.
-        mismatch_reported: a mismatch was warned about; the check is over.
-    """
+    """What an ``AppliedPolicy`` knows of its workload, and where its check stands."""
 
     match_workload: bool
     alternatives: list[tuple[Policy, str]]
@@ -56,10 +49,11 @@ class WorkloadCheck:
 
 
 def check_setup(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Fingerprint the user's ``model`` (before any mode swaps its modules) and replace a
-    tuned policy that does not fit it: by another tune's answer, else by the fallback."""
+    """Fingerprint ``model`` before any mode swaps its modules, and replace a policy that does not fit."""
     check = applied._check
-    check.workload = Workload.of(model, optimizer, global_batch=None, script=_script_path(), args=_script_args())
+    script = _paths.current_script()
+    check.workload = Workload.of(model, optimizer, global_batch=None,
+                                 script=str(script) if script is not None else None, args=_script_args())
     applied.model_signature = check.workload.model
     mismatch = setup_mismatch(applied, applied.policy)
     if mismatch is not None and not apply_other_answer(applied, mismatch, lambda policy: setup_mismatch(applied, policy)):
@@ -69,14 +63,7 @@ def check_setup(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch
 
 
 def first_micro_batch(applied: AppliedPolicy, default: int) -> int:
-    """``micro_batch_size(default)``'s first call: check the policy at this global batch,
-    then split ``default`` as the policy in force says.
-
-    Before ``setup()``, another tune's answer tuned at this batch may apply; ``setup()`` checks
-    the rest of the workload. A tuned policy splits whatever batch the script asks for, so its
-    global batch is kept; a hand-written one with ``grad_accum_steps`` takes the accumulation
-    it states.
-    """
+    """``micro_batch_size(default)``'s first call: check the policy at this batch, then split it."""
     check = applied._check
     check.user_batch = default
     mismatch = batch_mismatch(applied, applied.policy, default)
@@ -104,8 +91,7 @@ def first_micro_batch(applied: AppliedPolicy, default: int) -> int:
 
 
 def later_micro_batch(check: WorkloadCheck, default: int, split: BatchSplit) -> int:
-    """``micro_batch_size(default)`` after the first call: the training batch's micro-batch
-    again, or ``default`` unchanged for another loader (with one line, once per batch)."""
+    """``micro_batch_size(default)`` again: the same micro-batch, or ``default`` for another loader."""
     if default == check.user_batch:
         return split.micro
     if default not in check.other_batches:
@@ -146,23 +132,19 @@ def grad_accum_steps(applied: AppliedPolicy) -> int:
 
 
 def world_size(applied: AppliedPolicy) -> int:
-    """How many processes train together: as ``setup()`` found it, else as now
-    (``current_world_size``)."""
+    """How many processes train together: as ``setup()`` found it, else as now."""
     workload = applied._check.workload
     return workload.world_size if workload is not None else current_world_size()
 
 
 def global_batch(applied: AppliedPolicy) -> int | None:
-    """Samples per optimizer step over all processes (micro-batch x accumulation x world
-    size), once ``micro_batch_size()`` has been called."""
+    """Samples per optimizer step over all processes, once ``micro_batch_size()`` was called."""
     split = applied._check.split
     return None if split is None else split.micro * split.accum * applied.world_size
 
 
 def workload_fingerprint(applied: AppliedPolicy) -> str | None:
-    """Model structure, optimizer, world size, global batch and script: the cache key of this
-    workload. Known after ``setup()``; the global batch (the script's own, times the world
-    size) joins once ``micro_batch_size()`` was called."""
+    """The cache key of this workload, once ``setup()`` was called."""
     check = applied._check
     if check.workload is None:
         return None
@@ -170,7 +152,6 @@ def workload_fingerprint(applied: AppliedPolicy) -> str | None:
 
 
 def _on_every_process(applied: AppliedPolicy, per_process: int | None) -> int | None:
-    """The global batch of a script batch ``per_process`` on every process of this run."""
     return None if per_process is None else per_process * applied.world_size
 
 
@@ -191,8 +172,7 @@ def batch_mismatch(applied: AppliedPolicy, policy: Policy, batch: int) -> Worklo
 def apply_other_answer(
     applied: AppliedPolicy, mismatch: WorkloadMismatch, mismatch_of: Callable[[Policy], WorkloadMismatch | None]
 ) -> bool:
-    """Apply the first other answer that ``mismatch_of`` finds no mismatch for, with one
-    info line; False when none fits. Those before it are dropped: they do not fit either."""
+    """Apply the first other answer that fits, with one info line; False when none does."""
     alternatives = applied._check.alternatives
     for index, (policy, source) in enumerate(alternatives):
         if mismatch_of(policy) is None:
@@ -205,3 +185,27 @@ def apply_other_answer(
             return True
     alternatives.clear()
     return False
+
+
+def _script_args() -> tuple[str, ...]:
+    return tuple(sys.argv[1:]) if _paths.current_script() is not None else ()
+
+
+def _shown_args(args: Sequence[str]) -> str:
+    return shlex.join(args) if args else "(none)"
+
+
+def _with_args(mismatch: WorkloadMismatch | None, tuned: Sequence[str], here: Sequence[str], *,
+               optimizer_now: str = "", world_size_now: int = 1) -> WorkloadMismatch:
+    """``mismatch`` (``None``: nothing else changed) with the arguments' difference added."""
+    args = Difference(SCRIPT_ARGS, _shown_args(tuned), _shown_args(here))
+    if mismatch is None:
+        return WorkloadMismatch((args,), (), optimizer_now, tuple(here), world_size_now)
+    # "script arguments" is no longer a fact the tune did not record.
+    unrecorded = tuple(name for name in mismatch.unrecorded if name != SCRIPT_ARGS)
+    return replace(mismatch, differences=(*mismatch.differences, args), unrecorded=unrecorded, args_now=tuple(here))
+
+
+def _args_now(mismatch: WorkloadMismatch) -> tuple[str, ...] | None:
+    """This run's arguments, when ``mismatch`` names them as changed since tuning."""
+    return _script_args() if any(d.what == SCRIPT_ARGS for d in mismatch.differences) else None

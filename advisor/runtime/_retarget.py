@@ -16,21 +16,8 @@ def retarget_optimizer(
     after: dict[str, torch.nn.Parameter],
     device: torch.device,
 ) -> None:
-    """Point the optimizer at parameters that a conversion replaced, matched by name.
-
-    The optimizer holds each new Parameter once, with the state of the one it replaced, also
-    where one Parameter had several names (an output head tied to its embedding).
-
-    Args:
-        optimizer: built on the model's parameters before the conversion.
-        before: the model's parameters by name before the conversion.
-        after: the same after it; a name missing from either is left alone.
-        device: where the optimizer state goes with its parameter.
-
-    Raises:
-        MpadviseError: a Parameter known by several names became several Parameters: the
-            conversion broke a tie, and no single replacement can be trained in its place.
-    """
+    """Point the optimizer at parameters that a conversion replaced (matched by name), each
+    once, with the state of the one it replaced; an MpadviseError where it split a tied one."""
     targets: dict[int, torch.nn.Parameter] = {}
     for name, old in before.items():
         new = after.get(name)
@@ -63,14 +50,7 @@ def retarget_optimizer(
 
 
 def upcast_in_place(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Make every floating-point parameter, its gradient and its optimizer state fp32, in place.
-
-    The Parameter objects stay the same (their ``data`` is replaced), so the optimizer keeps
-    training them; a pure 16-bit run becomes one with fp32 master weights.
-
-    Returns:
-        How many parameters were upcast.
-    """
+    """Make every parameter and its optimizer state fp32 in place (the same Parameter objects)."""
     import torch
 
     count = 0

@@ -10,15 +10,7 @@ from policies import Policy
 
 @dataclass(frozen=True)
 class BatchSplit:
-    """How the script's batch is fed: micro-batches of ``micro``, ``accum`` per optimizer step.
-
-    Attributes:
-        micro: samples per forward pass (what the DataLoader should use).
-        accum: micro-batches per optimizer step.
-        note: a line for the log when the split changes or re-derives the global batch.
-        warning: whether ``note`` is a warning (the script's batch could not be kept as tuned)
-            rather than information.
-    """
+    """Micro-batches of ``micro`` samples, ``accum`` per optimizer step, and a line for the log."""
 
     micro: int
     accum: int
@@ -33,20 +25,7 @@ class BatchSplit:
 
 
 def tuned_global_batch(policy: Policy) -> int | None:
-    """The global batch a tuned policy was measured at; ``None`` for a hand-written policy.
-
-    Per process: the script's own batch (``micro_batch_size``'s argument), which is what a run
-    splits. With several processes the workload's global batch is that times the world size,
-    and the world size is in the workload fingerprint, which ``setup()`` compares.
-
-    Args:
-        policy: any policy.
-
-    Returns:
-        ``tuned_on.global_batch``; for a policy tuned before ``[tuned_on]`` recorded it, the
-        micro-batch times the accumulation when the tune split the batch (accumulation 2 or
-        more); otherwise ``None``.
-    """
+    """The script's batch per process a tuned policy was measured at; ``None`` when unknown."""
     tuned = policy.tuned_on
     if tuned is None:
         return None
@@ -62,19 +41,9 @@ def tuned_global_batch(policy: Policy) -> int | None:
 
 
 def batch_split(policy: Policy, batch: int) -> BatchSplit:
-    """How ``policy`` feeds a script whose own batch (its global batch) is ``batch``.
-
-    A tuned policy keeps the script's global batch: its micro-batch splits ``batch``, and a
-    ``batch`` other than the tuned one is split anew, with a warning. A hand-written policy
-    does what it says: ``grad_accum_steps`` when given, else accumulation up to ``batch``.
-
-    Args:
-        policy: the policy in force.
-        batch: the batch the script asks for (``micro_batch_size``'s argument).
-
-    Returns:
-        The split, with the line to log about it, if any.
-    """
+    """How ``policy`` feeds a script whose own (global) batch is ``batch``. A tuned policy keeps
+    the script's batch, split anew (with a warning) when it is not the tuned one; a hand-written
+    policy does what it says."""
     tuned_batch = tuned_global_batch(policy)
     micro = policy.micro_batch_size
     if tuned_batch is None:
@@ -89,7 +58,7 @@ def batch_split(policy: Policy, batch: int) -> BatchSplit:
             return BatchSplit(micro, batch // micro)
     # Split the script's batch exactly, at most as large as the micro-batch that was measured
     # (so it still fits in memory).
-    size = _largest_divisor(batch, min(micro or batch, batch))
+    size = next(size for size in range(min(micro or batch, batch), 0, -1) if batch % size == 0)
     split = BatchSplit(size, batch // size)
     if batch == tuned_batch:
         note = f"micro-batch {micro} does not divide the batch {batch}: using {split.describe()}"
@@ -123,32 +92,10 @@ def _stated_split(policy: Policy, batch: int) -> BatchSplit:
     return BatchSplit(micro, accum)
 
 
-def _largest_divisor(number: int, limit: int) -> int:
-    """The largest divisor of ``number`` that is at most ``limit`` (at least 1)."""
-    for size in range(max(1, limit), 0, -1):
-        if number % size == 0:
-            return size
-    return 1
-
-
 def step_samples(seen: list[int], *, asked: int | None, micro: int | None) -> int | None:
-    """How many samples one micro-step trained on, from the batches that reached ``to_device``.
-
-    A script may move its whole dataset to the device once and index batches there, or move
-    each batch; only the second shows the step's batch to ``to_device``. So a leading dimension
-    counts when it is at most the batch the script asked for (``micro_batch_size``'s argument,
-    or the micro-batch handed out when that is larger): a larger one is a dataset, not a
-    batch. Without one, the step used the micro-batch the policy handed out.
-
-    Args:
-        seen: leading dimensions of the tensors given to ``to_device`` since the last step.
-        asked: the batch the script asked for, or ``None`` before ``micro_batch_size()``.
-        micro: the micro-batch handed out, or ``None`` before ``micro_batch_size()``.
-
-    Returns:
-        The largest batch seen that fits, else ``micro``; ``None`` when neither is known
-        (``micro_batch_size()`` never called, nothing moved since the last step).
-    """
+    """How many samples one micro-step trained on: the largest leading dimension ``seen`` by
+    ``to_device`` since the last step, else ``micro``. One larger than the batch the script
+    asked for (or ``micro``) is a dataset moved once, not a batch, and does not count."""
     limit = None if asked is None else max(asked, micro or 0)
     batches = [size for size in seen if limit is None or size <= limit]
     return max(batches) if batches else micro

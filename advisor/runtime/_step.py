@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from advisor.runtime._fsdp import fsdp_policy_refusal
+from advisor.runtime._setup import fsdp_policy_refusal
 from advisor.runtime._split import step_samples
 from advisor.runtime._switch import guard_tripped
 from probes import MpadviseError
@@ -20,14 +20,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class MicroSteps:
-    """Where the current optimizer step stands.
-
-    Attributes:
-        done: micro-batches accumulated since the last optimizer step.
-        seen_batches: leading dimensions of what reached ``to_device()`` since the last
-            ``step()``: the batch the current micro-step uses, for goodput.
-        fsdp_checked: whether the first step checked the script's own FSDP2 mixed precision.
-    """
+    """Where the current optimizer step stands."""
 
     done: int = 0
     seen_batches: list[int] = field(default_factory=list)
@@ -43,19 +36,8 @@ def micro_step_samples(applied: AppliedPolicy) -> int | None:
 
 
 def train_step(applied: AppliedPolicy, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> bool:
-    """``AppliedPolicy.step``'s work: backward, and every ``grad_accum_steps`` micro-batches an
-    optimizer step.
-
-    Scales the loss for the mode (GradScaler) and by ``1 / grad_accum_steps``, clips the
-    unscaled gradients if the policy says so, steps the optimizer, updates the scaler and
-    zeroes the gradients. The guard, where on, sees each optimizer step; only then is the
-    loss read back (one device sync) and the loss scale asked for.
-
-    Returns:
-        True when an optimizer step was really taken; False on accumulation micro-steps and
-        when the step was skipped (the loss scaler found overflowed gradients, or the guard
-        withheld a non-finite loss).
-    """
+    """``AppliedPolicy.step``'s work. The loss is read back (one device sync) only where the
+    guard is on. False on accumulation micro-steps and skipped steps."""
     import torch
 
     micro = applied._micro

@@ -3,13 +3,14 @@ does not fit the workload, and the guard's reaction when it trips."""
 
 from __future__ import annotations
 
+import shlex
+import sys
 from typing import TYPE_CHECKING
 
 from advisor._log import get_logger
 from advisor.runtime._fallback import fallback_words, guard_fallback, safe_fallback
 from advisor.runtime._guard import GuardEvent
 from advisor.runtime._retarget import upcast_in_place
-from advisor.runtime._script import _retune_hint
 from policies import Policy, create_mode, mode_facts, safe_default
 
 if TYPE_CHECKING:
@@ -32,14 +33,9 @@ def switch_to(applied: AppliedPolicy, policy: Policy, source: str) -> None:
 
 
 def fall_back(applied: AppliedPolicy, why: str, why_args: tuple[str, ...] | None = None) -> None:
-    """Replace the policy by ``safe_fallback`` (the safe default, or the tuned mode where it
-    is safer), warning once.
-
-    Only while the model is unconverted (the fallback never converts it: it is never FP8
-    and never a pure 16-bit mode). A micro-batch already handed out stays, with its
-    accumulation, so the global batch does not change. ``why_args``: this run's arguments,
-    when the tune was run with others, so the line names the tune that fits them.
-    """
+    """Replace the policy by ``safe_fallback``, warning once; only while the model is
+    unconverted. A micro-batch already handed out stays, so the global batch does not change.
+    ``why_args``: this run's arguments, when the tune ran with others."""
     policy, profile, check = applied.policy, applied.profile, applied._check
     fallback = safe_fallback(policy, profile)
     using, source = fallback_words(fallback, profile)
@@ -54,17 +50,20 @@ def fall_back(applied: AppliedPolicy, why: str, why_args: tuple[str, ...] | None
         instead = f"keeping {fallback.mode} from {applied.source}: {why_safe}"
     else:
         instead = f"{using} instead of {policy.describe()} from {applied.source}"
-    get_logger().warning(f"{why}; {_retune_hint(why_args)}; {instead}{kept}")
+    if why_args is None:
+        retune = "run `mpadvise tune` again"
+    else:  # the arguments are what changed: the tune of this script with them
+        script = sys.argv[0] if sys.argv and sys.argv[0] else "SCRIPT"
+        tail = f" -- {shlex.join(why_args)}" if why_args else ""
+        retune = f"`mpadvise tune {shlex.quote(script)}{tail}` tunes for these arguments"
+    get_logger().warning(f"{why}; {retune}; {instead}{kept}")
     check.mismatch_reported = True
     switch_to(applied, fallback, f"{source} ({why})")
 
 
 def guard_tripped(applied: AppliedPolicy, signal: str, onset: int, detail: str) -> None:
     """Act on a tripped guard: warn once, or move in place to ``guard_fallback``'s policy.
-
-    FP8 layers cannot be taken back in place: there the event asks for a restart, and the
-    next ``load_policy()`` starts in the fallback.
-    """
+    FP8 layers cannot be taken back in place: there the event asks for a restart."""
     guard, old = applied.guard, applied.policy.mode
     target = guard_fallback(applied.policy, applied.profile)
     action = "warned"

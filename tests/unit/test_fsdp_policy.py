@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from advisor import AppliedPolicy, MpadviseError, Policy
 from advisor.runtime import FsdpPrecision, fsdp_precision
-from advisor.runtime._device import rank_device
+from advisor.runtime._applied import rank_device
 from advisor.trial import TrialResult
 from advisor.tune._engine import tune_policy
 from advisor.tune._options import TuneOptions
