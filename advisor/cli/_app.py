@@ -1,9 +1,5 @@
-"""The ``mpadvise`` command line: each command declares its options and delegates.
-
-torch is imported inside commands, so ``mpadvise --help`` stays fast. One domain exception
-(``MpadviseError``) is caught at the boundary and printed as one red line on stderr.
-Exit codes: 0 done, 1 error, 2 usage, 3 no stable policy found.
-"""
+"""The root ``mpadvise`` app: each command declares its options and delegates; torch is
+imported inside commands, so ``mpadvise --help`` stays fast."""
 
 from __future__ import annotations
 
@@ -23,9 +19,8 @@ from advisor.tune import PAIRS_MAX, OptionInfo, TuneOptions, option_info
 
 
 class _OneLineUsageErrors(TyperGroup):
-    """The root command: a value typer itself refuses (a number that is not one, a value out of
-    its range, an unknown option, a missing argument) is one red line on stderr, exit 2, in the
-    style of the commands' own bad values, instead of typer's usage text in a box."""
+    """A value typer itself refuses (an unknown option, a missing argument...) is one red line
+    on stderr, exit 2, as the commands' own bad values are, not typer's usage text in a box."""
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
@@ -91,8 +86,7 @@ _TUNE_OPTION_TYPES: dict[str, Any] = {"modes": list[str] | None, "memory_limit":
 
 
 def _option_help(option: OptionInfo) -> str:
-    """An option's help as the command line shows it: the frameworks it names are those
-    registered when the command line is built."""
+    """An option's help; ``--framework``'s names the frameworks registered now."""
     if option.name == "framework":
         from advisor.frameworks import FRAMEWORKS
 
@@ -107,12 +101,8 @@ def with_tune_options(
     taken: Callable[[OptionInfo], bool] = lambda option: True,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Expand a command's ``options: TuneOptions`` parameter into one option per field that
-    ``taken`` accepts (every field for ``tune``; ``trial`` takes its measuring window's).
-
-    Each option's flags, help and default come from :class:`TuneOptions`, so the command line
-    cannot drift from the API and the daemon; the values reach the command as one TuneOptions,
-    validated (the fields a command does not take keep their defaults).
-    """
+    ``taken`` accepts, with the flags, help and default :class:`TuneOptions` gives it, so the
+    command line cannot drift from the API; the values reach the command as one TuneOptions."""
     chosen = [option for option in option_info() if taken(option)]
 
     def expand(command: Callable[..., Any]) -> Callable[..., Any]:

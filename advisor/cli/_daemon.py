@@ -1,11 +1,6 @@
 """``mpadvise daemon run|start|stop|status``: the local service, from the command line.
-
-Each command declares its options and delegates: ``run`` serves in the foreground
-(:func:`advisor.daemon.serve`); ``start`` runs that same command detached, in a session of its
-own with its output in ``daemon.log``, and returns once ``/health`` answers; ``stop`` sends
-SIGTERM to the pid in ``daemon.pid`` and waits; ``status`` asks the running daemon. FastAPI
-and uvicorn are imported only by ``run`` and ``start``.
-"""
+``start`` runs ``run`` detached, its output in ``daemon.log``, and returns once ``/health``
+answers; FastAPI and uvicorn are imported only by ``run`` and ``start``."""
 
 from __future__ import annotations
 
@@ -27,32 +22,16 @@ from advisor._secure import ensure_private_dir, ensure_private_file
 from advisor.cli._common import JsonOption, console, err_console, handle_errors, print_json
 from probes import MpadviseError, UsageError
 
-__all__ = ["app", "start_daemon", "status_report", "stop_daemon"]
-
 HostOption = Annotated[str, typer.Option("--host", help="Address to serve on; anything but loopback needs --allow-remote.")]
 PortOption = Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port; 0 picks a free one (daemon.json says which).")]
-UdsOption = Annotated[
-    Path | None, typer.Option("--uds", help="Serve on this Unix socket (mode 0600) instead of TCP.")
-]
-RemoteOption = Annotated[
-    bool,
-    typer.Option("--allow-remote", help="Allow a non-loopback --host. Anyone with the token can then run scripts here."),
-]
-RootOption = Annotated[
-    list[Path] | None,
-    typer.Option("--allowed-root", help="Jobs' scripts must be under this directory; repeat for several. Default: your home."),
-]
-
-RetentionOption = Annotated[
-    float,
-    typer.Option("--job-retention-days", min=0, envvar="MPADVISE_JOB_RETENTION_DAYS",
-                 help="Delete finished jobs (rows and logs) this many days after they finished; "
-                      "queued and running ones are kept."),
-]
-
-
-# --------------------------------------------------------------------------------------
-# Commands: declare and delegate
+UdsOption = Annotated[Path | None, typer.Option("--uds", help="Serve on this Unix socket (mode 0600) instead of TCP.")]
+RemoteOption = Annotated[bool, typer.Option(
+    "--allow-remote", help="Allow a non-loopback --host. Anyone with the token can then run scripts here.")]
+RootOption = Annotated[list[Path] | None, typer.Option(
+    "--allowed-root", help="Jobs' scripts must be under this directory; repeat for several. Default: your home.")]
+RetentionOption = Annotated[float, typer.Option(
+    "--job-retention-days", min=0, envvar="MPADVISE_JOB_RETENTION_DAYS",
+    help="Delete finished jobs (rows and logs) this many days after they finished; queued and running ones are kept.")]
 
 
 def run(
@@ -123,17 +102,8 @@ def status(
         render_status(report, console)
 
 
-# --------------------------------------------------------------------------------------
-# The work
-
-
 def check_uds(uds: Path | None) -> None:
-    """Refuse now, in one line, a ``--uds`` socket path whose directory is not there: the
-    daemon could not listen on it.
-
-    Raises:
-        UsageError: (exit 2) its directory does not exist, or is not a directory.
-    """
+    """Refuse now, in one line, a ``--uds`` socket path whose directory is not there."""
     if uds is None:
         return
     directory = uds.absolute().parent
@@ -143,32 +113,10 @@ def check_uds(uds: Path | None) -> None:
                          "directory")
 
 
-def start_daemon(
-    *,
-    host: str,
-    port: int,
-    uds: Path | None,
-    allow_remote: bool,
-    allowed_roots: list[Path],
-    wait: float,
-    job_retention_days: float | None = None,
-) -> dict[str, Any]:
-    """Run ``mpadvise daemon run`` detached and wait until ``/health`` answers.
-
-    Args:
-        host, port, uds, allow_remote, allowed_roots, job_retention_days: as for ``daemon run``
-            (``None``: its default, or ``MPADVISE_JOB_RETENTION_DAYS`` in the environment).
-        wait: seconds to wait for the first answer.
-
-    Returns:
-        The daemon's address record (``pid``, ``url``, ``log``, ``token_file``, ``slots``...),
-        plus ``warning`` for a remote bind.
-
-    Raises:
-        UsageError: a refused ``--uds`` path (exit 2).
-        MpadviseError: a refused address (exit 2), a daemon already running, or one that
-            exited or did not answer in time (the message quotes its log).
-    """
+def start_daemon(*, host: str, port: int, uds: Path | None, allow_remote: bool, allowed_roots: list[Path],
+                 wait: float, job_retention_days: float | None = None) -> dict[str, Any]:
+    """Run ``mpadvise daemon run`` detached and wait until ``/health`` answers; returns its
+    address record (``pid``, ``url``, ``log``, ``token_file``...) and ``warning``."""
     from advisor.daemon import DaemonClient, DaemonPaths, check_bind, daemon_running
 
     # Refuse here, in the user's terminal, rather than in a log file they may not read.
@@ -207,10 +155,8 @@ def start_daemon(
     while True:
         code = process.poll()
         if code is not None:
-            raise MpadviseError(
-                f"the daemon exited at start (code {code}): {_last_log_line(paths.log)} (log: {paths.log})",
-                exit_code=code if code == 2 else 1,
-            )
+            raise MpadviseError(f"the daemon exited at start (code {code}): {_last_log_line(paths.log)} "
+                                f"(log: {paths.log})", exit_code=code if code == 2 else 1)
         address = _address(paths)
         if address.get("pid") == process.pid:
             client = DaemonClient.for_address(address)  # a wildcard bind is reached through the loopback
@@ -227,16 +173,8 @@ def start_daemon(
 
 
 def rotate_log(path: Path, *, max_bytes: int | None = None, keep: int | None = None) -> None:
-    """Move ``path`` to ``path.1`` (and ``.1`` to ``.2``...) once it is ``max_bytes`` or more.
-
-    The daemon's output goes to this file for as long as it runs; rotating at each start
-    bounds what a long series of daemons leaves behind.
-
-    Args:
-        path: the log file.
-        max_bytes: rotate at this size; default :data:`MAX_DAEMON_LOG_BYTES`.
-        keep: old logs kept; default :data:`DAEMON_LOGS_KEPT`.
-    """
+    """Move ``path`` to ``path.1`` (and ``.1`` to ``.2``...) once it is ``max_bytes`` or more:
+    rotating at each start bounds what a long series of daemons leaves behind."""
     from advisor.daemon import DAEMON_LOGS_KEPT, MAX_DAEMON_LOG_BYTES
 
     max_bytes = MAX_DAEMON_LOG_BYTES if max_bytes is None else max_bytes
@@ -256,17 +194,7 @@ def rotate_log(path: Path, *, max_bytes: int | None = None, keep: int | None = N
 
 
 def stop_daemon(*, wait: float) -> dict[str, Any]:
-    """SIGTERM the daemon named by ``daemon.pid`` and wait for it to let go of its lock.
-
-    Args:
-        wait: seconds to wait.
-
-    Returns:
-        ``{"stopped": bool, "pid": int | None, "directory": str}``.
-
-    Raises:
-        MpadviseError: no pid file for a running daemon, or it did not exit in time.
-    """
+    """SIGTERM the daemon named by ``daemon.pid`` and wait for it to let go of its lock."""
     from advisor.daemon import DaemonPaths, daemon_running
 
     paths = DaemonPaths.here()
@@ -293,17 +221,6 @@ def stop_daemon(*, wait: float) -> dict[str, Any]:
 
 
 def status_report(*, limit: int = 20) -> dict[str, Any]:
-    """What the running daemon says about itself and its recent jobs.
-
-    Args:
-        limit: how many recent jobs.
-
-    Returns:
-        ``{"running": True, "where": ..., "health": {...}, "jobs": [...]}``.
-
-    Raises:
-        MpadviseError: no daemon runs, or it does not answer.
-    """
     from advisor.daemon import DaemonClient
 
     client = DaemonClient.local(need_token=True)  # reading jobs needs the token
@@ -311,7 +228,6 @@ def status_report(*, limit: int = 20) -> dict[str, Any]:
 
 
 def render_status(report: dict[str, Any], console: Console) -> None:
-    """Print the daemon's health, slots and jobs as tables."""
     health = report["health"]
     counts = ", ".join(f"{n} {state}" for state, n in health["jobs"].items() if n) or "no jobs waiting or running"
     console.print(f"mpadvise daemon {health['version']} at {report['where']} (pid {health['pid']}, "
@@ -351,10 +267,6 @@ def _job_line(job: dict[str, Any]) -> str:
     return str((progress.get("recent") or [None])[-1] or progress.get("message") or "")
 
 
-# --------------------------------------------------------------------------------------
-# Small helpers
-
-
 def _address(paths: Any) -> dict[str, Any]:
     try:
         data = json.loads(paths.address.read_text())
@@ -383,11 +295,8 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
-app = typer.Typer(
-    name="daemon",
-    help="A local service: cached recommendations over HTTP, and tune jobs queued one per GPU.",
-    no_args_is_help=True,
-)
+app = typer.Typer(name="daemon", help="A local service: cached recommendations over HTTP, and tune jobs queued one "
+                  "per GPU.", no_args_is_help=True)
 app.command("run")(handle_errors(run))
 app.command("start")(handle_errors(start))
 app.command("stop")(handle_errors(stop))

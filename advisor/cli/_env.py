@@ -1,10 +1,5 @@
-"""``mpadvise env``: what a bug report needs about this machine, in one block to paste.
-
-Versions (mpadvise, Python, torch and its CUDA build, the optional libraries), the OS, the CPU
-and the flags that decide low-precision speed on it, every GPU the probes see, the capability
-line, the cache path and the ``MPADVISE_*`` environment, with secrets masked. Nothing here
-needs a GPU or NVML: a machine without them reports none.
-"""
+"""``mpadvise env``: what a bug report needs about this machine, in one block to paste, with
+secrets masked; nothing here needs a GPU or NVML."""
 
 from __future__ import annotations
 
@@ -19,8 +14,6 @@ from rich.console import Console
 
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
 from advisor.tune import shown_url
-
-__all__ = ["OPTIONAL_PACKAGES", "env", "env_report", "mask_secret", "render_env"]
 
 # The distributions whose versions change what mpadvise can do, each with the names it ships
 # under (Transformer Engine's wheels have been published under several).
@@ -54,19 +47,8 @@ def env(json_output: JsonOption = False) -> None:
 
 
 def mask_secret(name: str, value: str) -> str:
-    """``value`` of environment variable ``name`` as it may appear in a public bug report.
-
-    A variable whose name says it holds a secret (``..._TOKEN``, ``..._PASSWORD``) is masked
-    whole; a URL keeps its scheme, host and path, with its password and any secret-looking
-    query parameter masked (``postgresql://tuner:****@db:5432/studies``).
-
-    Args:
-        name: the variable's name.
-        value: its value.
-
-    Returns:
-        The value, masked where it holds a secret.
-    """
+    """``value`` of variable ``name`` as a public bug report may show it: whole for a name that
+    says secret (``..._TOKEN``), a URL's password and secret-looking query parameters masked."""
     if any(word in name.upper() for word in _SECRET_WORDS):
         return MASK if value else value
     if "://" not in value:
@@ -83,15 +65,7 @@ def mask_secret(name: str, value: str) -> str:
 
 
 def env_report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Everything ``mpadvise env`` prints, as plain data (``--json`` prints it as is).
-
-    Args:
-        environ: the environment to read ``MPADVISE_*`` from; default ``os.environ``.
-
-    Returns:
-        ``{"mpadvise", "python", "torch", "packages", "os", "cpu", "gpus", "capability",
-        "cache", "environment"}``; a package that is not installed is ``None``.
-    """
+    """Everything ``mpadvise env`` prints, as plain data (``--json`` prints it as is)."""
     import probes
     from advisor._paths import database_path
     from advisor._version import __version__
@@ -125,10 +99,7 @@ def render_env(report: dict[str, Any], console: Console) -> None:
     """Print the report as a Markdown list to paste into a bug report, one fact per line,
     never wrapped (a wrapped line pasted into an issue reads as two facts)."""
     torch = report["torch"]
-    if torch is None:
-        torch_line = "not installed"
-    else:
-        torch_line = f"{torch['version']} ({torch['build']})"
+    torch_line = "not installed" if torch is None else f"{torch['version']} ({torch['build']})"
     cpu = report["cpu"]
     flags = ", ".join(_CPU_FLAG_NAMES.get(flag, flag) for flag in cpu["flags"]) or "none that matter"
     lines = [
@@ -148,10 +119,7 @@ def render_env(report: dict[str, Any], console: Console) -> None:
                          + (", MIG on" if gpu.get("mig") else ""))
     else:
         lines.append("- GPUs: none visible")
-    lines += [
-        f"- capability: {report['capability']}",
-        f"- cache: {report['cache']}",
-    ]
+    lines += [f"- capability: {report['capability']}", f"- cache: {report['cache']}"]
     environment = report["environment"]
     if environment:
         lines.append("- environment: " + ", ".join(f"{name}={value}" for name, value in environment.items()))
@@ -162,7 +130,6 @@ def render_env(report: dict[str, Any], console: Console) -> None:
 
 
 def _torch() -> dict[str, Any] | None:
-    """torch's version and how it was built; ``None`` when torch is missing."""
     try:
         import torch
     except ImportError:

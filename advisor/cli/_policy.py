@@ -15,13 +15,7 @@ from probes import MpadviseError, UsageError, hardware_fingerprint
 
 def explain_policy(target: Path | None, *, device: str | None) -> dict[str, Any]:
     """Resolve as ``load_policy()`` does for ``target``: a config file as ``load_policy(path)``
-    takes it (validated, checked against this hardware), a script through ``MPADVISE_POLICY``,
-    the config file beside it, the cache and the safe default.
-
-    Raises:
-        UsageError: (exit 2) a missing target, a config file that does not load, a bad device.
-        MpadviseError: a mode this hardware lacks.
-    """
+    takes it, a script through ``MPADVISE_POLICY``, the config beside it, the cache, the default."""
     profile = probes.profile_for(device)
     if target is not None and not target.exists():
         raise UsageError(f"{target} does not exist")

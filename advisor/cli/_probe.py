@@ -1,5 +1,4 @@
-"""How ``mpadvise probe`` shows the hardware report (rich tables); the data is
-:func:`advisor._hardware.probe_report`."""
+"""How ``mpadvise probe`` shows ``advisor._hardware.probe_report`` as tables."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ def _gib(value: int | None) -> str:
 
 
 def render_probe(report: dict[str, Any], console: Console) -> None:
-    """Print the probe report as tables."""
     for device in report["devices"]:
         p = device["profile"]
         primary = " (training device)" if device["fingerprint"] == report["primary"] else ""

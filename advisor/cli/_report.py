@@ -1,6 +1,5 @@
-"""How trial and tune results are shown: progress, the trial table, and a tune's report: the
-answer at a glance (``_report_answer``) or the whole of it (``_report_details``, ``--verbose``),
-both made of ``_report_cells``."""
+"""Progress bars, the trial table, and a tune's report: the answer at a glance
+(``_report_answer``) or, with ``--verbose``, the whole of it (``_report_details``)."""
 
 from __future__ import annotations
 
@@ -22,43 +21,18 @@ from rich.progress import (
 from rich.table import Table
 
 from advisor.cli._report_answer import render_answer
-from advisor.cli._report_cells import (
-    VERDICT_STYLE,
-    candidate_spread,
-    compact_table,
-    fmt_bytes,
-    print_disturbances,
-    spread_line,
-    spread_text,
-)
+from advisor.cli._report_cells import VERDICT_STYLE, compact_table, fmt_bytes, spread_text
 from advisor.cli._report_details import render_details
 from advisor.tune import run_ratio_text
 
 if TYPE_CHECKING:
     from advisor.tune import Evaluation, Measured
 
-__all__ = [
-    "VERDICT_STYLE",
-    "candidate_spread",
-    "compact_table",
-    "evaluation_table",
-    "fmt_bytes",
-    "print_disturbances",
-    "print_reasons",
-    "progress_console",
-    "render_tune",
-    "spread_line",
-    "trial_progress",
-    "tune_progress",
-]
-
 
 def render_tune(tune: dict[str, Any], console: Console, *, verbose: bool = False,
                 already_tuned: str | None = None) -> None:
-    """A tune's report from its JSON (what ``mpadvise tune --json`` prints, locally or from a
-    daemon job): the answer at a glance, or with ``verbose`` the whole report (every figure);
-    ``already_tuned`` (when the answer was tuned) ends it with the line that says no trial ran
-    this time and how to tune again."""
+    """A tune's report from its JSON (``mpadvise tune --json``'s, local or a daemon job's);
+    ``already_tuned`` (when the answer was) ends it saying so, and how to tune again."""
     if verbose:
         render_details(tune, console)
     else:
@@ -69,9 +43,7 @@ def render_tune(tune: dict[str, Any], console: Console, *, verbose: bool = False
 
 
 def evaluation_table(reference: Evaluation, evaluations: list[Evaluation], *, title: str) -> Table:
-    """Mode, samples/s, speed-up vs fp32 with its spread, peak memory, final-loss gap, skips and
-    verdict; the reasons go under the table (:func:`print_reasons`), and a legend line says what
-    each short header means, so the table fits 80 columns."""
+    """The trial table; short headers, which its legend explains, so that it fits 80 columns."""
     skips = any(any(ev.result.skipped) for ev in [reference, *evaluations])
     legend = ("goodput: samples/s, skipped steps lost; ×fp32: speed-up over the fp32 reference, ± half its step times' "
               "interquartile range, ≈ a tie within that noise; memory: peak; Δloss: final loss against fp32's"
@@ -114,8 +86,7 @@ def print_reasons(console: Console, evaluations: list[Evaluation]) -> None:
 
 
 def progress_console(console: Console) -> Console:
-    """Where progress goes: stderr, always, so that stdout holds only the result (a table or
-    JSON) and ``mpadvise tune train.py > result.txt`` captures no bar; a console that already
+    """Where progress goes: stderr, so that stdout holds only the result; a console that already
     writes elsewhere (a file, a test's recording) is kept."""
     if console.file is sys.stdout:
         return Console(stderr=True)
@@ -149,13 +120,8 @@ def trial_progress(console: Console, total: int, *, enabled: bool = True) -> Ite
 
 @contextmanager
 def tune_progress(console: Console, total: int) -> Iterator[Any]:
-    """A progress bar over a tune's trials and then its rounds of re-measurement; yields
-    ``(on_start, on_done, on_round)`` for the tuner.
-
-    Args:
-        console: where the bar and each trial's line go.
-        total: the trials the search may run (its budget, the reference and its replicate).
-    """
+    """A progress bar over a tune's ``total`` trials and then its rounds of re-measurement;
+    yields ``(on_start, on_done, on_round)`` for the tuner."""
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=progress_console(console)) as bar:
         task = bar.add_task("starting", total=total)

@@ -1,9 +1,5 @@
 """A tune's answer at a glance (``mpadvise tune``'s default report): the winner with its one
-figure, a short table (the winner, the runners-up, fp32 and each failing mode once, with one
-word for why), where the config went, and the one next step; a note on the machine only where
-it made the figure rough. Everything else is in the whole report (``--verbose``).
-
-Every line fits 80 columns: the labels are short (``fp16 dyn 2^16``) and never wrap."""
+figure, a short table, where the config went and the next step; every line fits 80 columns."""
 
 from __future__ import annotations
 
@@ -28,8 +24,6 @@ from advisor.cli._report_cells import (
     spread_text,
 )
 
-__all__ = ["answer_rows", "render_answer", "short_label", "why_word"]
-
 RUNNERS_UP = 2
 MAX_ROWS = 8  # with the other lines, the answer stays within 15
 
@@ -51,9 +45,8 @@ def short_label(label: str) -> str:
 
 
 def why_word(row: dict[str, Any]) -> str:
-    """One word for why a row lost, its verdict in the short table: its outcome where that says
-    it (``oom``, ``crash``), else the first telling phrase of an unstable verdict's reason
-    (``nan``, ``stalled``); ``unstable`` where none is."""
+    """One word for why a row lost: its outcome (``oom``), else the first telling phrase of an
+    unstable verdict's reason (``nan``, ``stalled``), else ``unstable``."""
     outcome = str(row.get("outcome") or "ok")
     if row.get("stable") and not row.get("feasible", True):
         return "memory"
@@ -128,8 +121,7 @@ def _table(tune: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
 
 
 def machine_note(tune: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """One line on the machine, only where it made the answer less sure: timings of a shown row
-    too scattered, or a speed-up measured on fewer threads than torch's own; else empty."""
+    """One line on the machine where it made the answer less sure (noisy timings, fewer threads)."""
     noisy = [f"{short_label(str(row.get('label')))} {spread_text(spread)}" for row in rows
              if row.get("goodput") and (spread := candidate_spread(tune, row)) is not None and spread > NOISY_SPREAD]
     threads = (tune.get("speedup") or {}).get("threads"), (tune.get("speedup") or {}).get("torch_threads")
@@ -149,12 +141,6 @@ def _next_step(tune: dict[str, Any]) -> str:
 
 
 def render_answer(tune: dict[str, Any], console: Console) -> None:
-    """A tune's answer at a glance, from its JSON (see the module's note).
-
-    Args:
-        tune: the tune's JSON, decoded.
-        console: where to print.
-    """
     def line(text: str, style: str = "") -> None:
         console.print(f"[{style}]{escape(text)}[/]" if style else escape(text), highlight=False)
 

@@ -1,6 +1,4 @@
-"""The cells and phrases every tune report is made of, short or whole: formats, the ×fp32
-figure a row shows and its spread, the noise warning, the winner's figure in words, and the
-commands to paste (always ``mpadvise ...``)."""
+"""The cells and phrases every tune report is made of, short or whole, and the commands to paste."""
 
 from __future__ import annotations
 
@@ -42,13 +40,8 @@ def spread_text(half_spread: float | None) -> str:
 
 
 def spread_line(reference: dict[str, Any], replicate: dict[str, Any] | None) -> str:
-    """How far one rounding carried fp32 (its perturbed replicate), and the limits that set, in
-    one line; empty without a replicate.
-
-    Args:
-        reference: the reference's evaluation as JSON (its verdict's metrics hold the spread).
-        replicate: the replicate as JSON (``Replicate.to_dict``), or ``None``.
-    """
+    """How far one rounding carried fp32 (its perturbed replicate, as JSON), and the limits that
+    set, in one line; empty without a replicate."""
     if not replicate:
         return ""
     if replicate.get("note"):
@@ -120,15 +113,8 @@ def remeasured_goodput(tune: dict[str, Any], row: dict[str, Any]) -> float | Non
 
 
 def candidate_spread(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
-    """How far the ×fp32 figure a row shows could move with its timing noise, as a fraction
-    (half a spread): a paired figure's interval (its rounds' range without one); a search
-    run's step times (p10 to p90, or the interquartile range); ``None`` where the tune's JSON
-    has none.
-
-    Args:
-        tune: the tune's JSON.
-        row: one of its ``candidates``.
-    """
+    """How far the ×fp32 figure a row shows could move with its timing noise, as half a spread:
+    a paired figure's interval (or its rounds' range); a search run's step times; else ``None``."""
     beside = is_reference_row(tune, row) and any(shows_paired(tune, r) for r in tune.get("candidates") or [])
     if shows_paired(tune, row) or beside:
         figure = (tune.get("speedup") or {}) if row.get("winner") else (row.get("paired_speedup") or {})
@@ -167,12 +153,10 @@ def noisy_line(tune: dict[str, Any]) -> str:
 
 
 def fmt_tflops(tflops: float | None) -> str:
-    """Achieved TFLOP/s to three significant figures, or ``-`` when unknown."""
     return "-" if tflops is None else f"{tflops:.3g}"
 
 
 def fmt_mfu(mfu: float | None) -> str:
-    """The fraction of the probed peak (``12%``, ``0.4%``), or ``-``."""
     return "-" if mfu is None else f"{mfu:.0%}" if mfu >= 0.01 else f"{mfu:.1%}"
 
 
@@ -197,14 +181,10 @@ def describe_speedup(speedup: dict[str, Any]) -> str:
 
 
 def pasteable_path(path: str | os.PathLike[str]) -> str:
-    """A path as a command line pasted here should name it: relative to the working directory
-    when it lies under it (``examples/train.py``), else as given."""
+    """A path relative to the working directory when it lies under it, else as given."""
     given = Path(path)
-    if given.is_absolute():
-        try:
-            return str(given.relative_to(Path.cwd()))
-        except ValueError:
-            return str(given)
+    if given.is_absolute() and given.is_relative_to(Path.cwd()):
+        return str(given.relative_to(Path.cwd()))
     return str(given)
 
 
@@ -215,17 +195,13 @@ def script_and_args(tune: dict[str, Any]) -> list[str]:
 
 
 def run_command(tune: dict[str, Any]) -> str:
-    """``mpadvise run SCRIPT -- ARGS`` for the tuned script, shell-quoted, to paste where the
-    report is read."""
+    """``mpadvise run SCRIPT -- ARGS`` for the tuned script, shell-quoted."""
     return shlex.join(["mpadvise", "run", *script_and_args(tune)])
 
 
 def resume_command(tune: dict[str, Any]) -> str:
-    """``mpadvise tune SCRIPT --resume -- ARGS`` for the tune's study, shell-quoted; with
-    ``--storage`` when the study is neither in the default file nor in ``MPADVISE_STORAGE``.
-    A tune run from the command line carries its own (``resume_command``: every option as typed,
-    ``--nproc-per-node`` included, which names the study); this rebuild serves a tune's JSON
-    without it, such as a daemon job's."""
+    """The command that continues the tune's study: the one it carries (a command line's), else
+    ``mpadvise tune SCRIPT --resume -- ARGS``, with ``--storage`` where it is not the default."""
     if tune.get("resume_command"):
         return str(tune["resume_command"])
     storage = tune.get("storage")
@@ -236,17 +212,15 @@ def resume_command(tune: dict[str, Any]) -> str:
 
 
 def print_disturbances(console: Console, events: list[dict[str, Any]]) -> None:
-    """One line per trial the machine disturbed or lost (run again), or whose threads changed
-    with a busy CPU: ``Disturbance.to_dict``'s."""
+    """One line per trial the machine disturbed or lost, or whose threads changed."""
     for event in events:
         kind = {"lost": "lost", "busy-cpu": "busy CPU", "cpu-free": "CPU free"}.get(event.get("kind") or "", "disturbed")
         console.print(f"[yellow]{kind}[/] {event.get('text')}", highlight=False)
 
 
 def mfu_peak(tune: dict[str, Any]) -> tuple[str, float] | None:
-    """The one peak every row's MFU is measured against: the probed matmul peak of the fastest
-    dtype the candidates computed in (of any probed where none says), named (``("bf16",
-    990.0)``); ``None`` where no peak was probed."""
+    """The one peak every row's MFU is of: the probed matmul peak of the fastest dtype the
+    candidates computed in (of any where none says), as ``("bf16", 990.0)``; else ``None``."""
     peaks = [(str(k), float(v)) for k, v in (tune.get("peak_tflops") or {}).items()
              if isinstance(v, (int, float)) and v > 0]
     used = {row.get("mfu_dtype") for row in tune.get("candidates") or []}

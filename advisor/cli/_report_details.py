@@ -1,6 +1,5 @@
 """The whole report of a tune (``mpadvise tune --verbose``): every candidate with its figures,
-the search's priors and stop, the run-to-run spread, FLOPs and MFU, the re-measured gap, the
-cost, the machine's notes, the study and how to continue it."""
+the search, the spread, FLOPs and MFU, the cost, the study and how to continue it."""
 
 from __future__ import annotations
 
@@ -41,15 +40,6 @@ from probes import MpadviseError
 
 
 def render_details(tune: dict[str, Any], console: Console) -> None:
-    """A tune's summary from its JSON (what ``mpadvise tune --json`` prints, locally or from a
-    daemon job): the candidates (those re-measured beside fp32 by their paired figure, then the
-    search's single runs), why the others lost, the winner with its one speed-up figure, and
-    next steps to paste.
-
-    Args:
-        tune: the tune's JSON, decoded.
-        console: where to print.
-    """
     console.print(_tune_table(tune))
     noisy = noisy_line(tune)
     if noisy:
@@ -139,8 +129,7 @@ def _add_row(table: Table, tune: dict[str, Any], row: dict[str, Any], *, goodput
 
 
 def cost_line(cost: dict[str, Any] | None) -> str | None:
-    """What the tune cost: its trials, its wall time in trial-equivalents (one measured window
-    each), and the share of a trial that start-up took; ``None`` when unknown."""
+    """What the tune cost: trials, wall time in measured windows, start-up's share; or ``None``."""
     if not cost:
         return None
     line = f"cost: {cost.get('trials')} trials in {cost.get('wall_s', 0):.0f} s"
@@ -152,8 +141,7 @@ def cost_line(cost: dict[str, Any] | None) -> str | None:
 
 
 def utilisation_line(tune: dict[str, Any]) -> str:
-    """How the TFLOP/s and MFU columns were found: the reference's FLOP count and its basis, and
-    the one probed matmul peak every row's MFU is measured against (the fastest dtype's)."""
+    """How the TFLOP/s and MFU columns were found: the reference's FLOPs and the one peak."""
     flops = tune.get("flops_per_step")
     if not flops:
         return "TFLOP/s and MFU: not known (the reference's FLOPs could not be counted)"
@@ -226,8 +214,6 @@ def remeasure_stop_line(tune: dict[str, Any]) -> str:
 
 
 def on_threads_line(speedup: dict[str, Any]) -> str:
-    """A warning when the speed-up was measured on fewer CPU threads than torch's own (other
-    processes kept cores busy), else empty."""
     threads, own = speedup.get("threads"), speedup.get("torch_threads")
     if not threads or not own:
         return ""
@@ -249,7 +235,6 @@ def describe_gap(gap: dict[str, Any]) -> str:
 
 
 def _print_winner(tune: dict[str, Any], console: Console) -> None:
-    """The winner, its speedup, the files it went to, and the line to add to the script."""
     try:
         described = Policy.from_dict(tune["winner"]).describe()
     except MpadviseError:  # written by another version: its label still says what won
