@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from advisor.tune import Basis, StabilityThresholds, TrialCurve, basis, curve_of, smooth
-from probes import MpadviseError, check_writable, write_file_atomic
+from probes import MpadviseError, write_file_atomic
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -47,19 +46,13 @@ def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation],
         raise MpadviseError(f"cannot write plot {path}: {exc.strerror or exc}") from None
 
 
-def check_plot_target(path: str | os.PathLike[str]) -> None:
-    """Refuse now, before the trials, a plot that could not be drawn or written after them."""
-    _figure_class()
-    check_writable(path, "plot")
-
-
 def trial_figure(reference: Evaluation, evaluations: list[Evaluation], *, replicate: TrialCurve | None = None,
                  thresholds: StabilityThresholds | None = None, advice: Mapping[str, str] | None = None,
                  judged_against: Mapping[str, TrialCurve] | None = None) -> Figure:
     """The figure of a trial. Artists carry a ``gid`` naming what they show (``smoothed:<label>``,
     ``raw:<label>``, ``limit:final``, ``reason:<label>``...), so it can be read without the PNG;
     ``judged_against`` names, by label, a replicate other than ``replicate`` a verdict was given against."""
-    figure_class = _figure_class()
+    figure_class = check_matplotlib()
     panels = evaluations or [reference]
     reasons = [_wrapped(ev, (advice or {}).get(ev.label)) for ev in panels]
     heights = [_PANEL + _TICKS + len(lines) * _LINE + _GAP for lines in reasons]
@@ -85,7 +78,8 @@ def trial_figure(reference: Evaluation, evaluations: list[Evaluation], *, replic
     return fig
 
 
-def _figure_class() -> Any:
+def check_matplotlib() -> Any:
+    """matplotlib's Figure, or one line saying how to install it (checked before the trials)."""
     try:
         import matplotlib
 

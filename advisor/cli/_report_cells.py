@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import shlex
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -102,14 +103,20 @@ def row_speedup(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
     return row.get("search_speedup_vs_fp32", row.get("speedup_vs_fp32"))
 
 
-def remeasured_goodput(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
-    """A row's median goodput over its rounds of re-measurement (fp32's alongside for fp32); its
-    search run's when it has none."""
+def _rounds(tune: dict[str, Any], row: dict[str, Any]) -> list[Any]:
+    """A row's goodputs over its rounds of re-measurement (fp32's alongside, for fp32)."""
     if is_reference_row(tune, row) and not row.get("winner"):
-        rounds = tune.get("reference_rounds") or []
-    else:
-        rounds = next((f.get("rounds") or [] for f in tune.get("finalists") or [] if f.get("label") == row.get("label")), [])
-    return median_round({"rounds": rounds, "goodput": row.get("goodput")}) or row.get("goodput")
+        return tune.get("reference_rounds") or []
+    return next((f.get("rounds") or [] for f in tune.get("finalists") or [] if f.get("label") == row.get("label")), [])
+
+
+def _measured_runs(rounds: list[Any] | None) -> list[float]:
+    return sorted(g for g in rounds or [] if isinstance(g, (int, float)) and g > 0)
+
+
+def remeasured_goodput(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
+    """A row's median goodput over its rounds of re-measurement; its search run's without any."""
+    return median_round({"rounds": _rounds(tune, row), "goodput": row.get("goodput")}) or row.get("goodput")
 
 
 def candidate_spread(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
@@ -121,9 +128,7 @@ def candidate_spread(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
         ratio, low, high = figure.get("ratio"), figure.get("low"), figure.get("high")
         if ratio and low and high:
             return (high - low) / 2 / ratio
-        rounds = (tune.get("reference_rounds") if is_reference_row(tune, row) and not row.get("winner") else
-                  next((f.get("rounds") for f in tune.get("finalists") or [] if f.get("label") == row.get("label")), None))
-        runs = sorted(g for g in rounds or [] if isinstance(g, (int, float)) and g > 0)
+        runs = _measured_runs(_rounds(tune, row))
         if len(runs) > 1:
             return (runs[-1] - runs[0]) / 2 / runs[len(runs) // 2]
     p10, p90 = row.get("step_time_p10"), row.get("step_time_p90")
@@ -161,13 +166,9 @@ def fmt_mfu(mfu: float | None) -> str:
 
 
 def median_round(finalist: dict[str, Any]) -> float:
-    """A finalist's median goodput over its rounds (its search run's when it ran none), as the
-    table shows it."""
-    runs = sorted(g for g in finalist.get("rounds") or [] if isinstance(g, (int, float)) and g > 0)
-    if not runs:
-        return float(finalist.get("goodput") or 0.0)
-    mid = len(runs) // 2
-    return runs[mid] if len(runs) % 2 else (runs[mid - 1] + runs[mid]) / 2
+    """A finalist's median goodput over its rounds (its search run's when it ran none)."""
+    runs = _measured_runs(finalist.get("rounds"))
+    return statistics.median(runs) if runs else float(finalist.get("goodput") or 0.0)
 
 
 def describe_speedup(speedup: dict[str, Any]) -> str:

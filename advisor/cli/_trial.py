@@ -10,7 +10,7 @@ import logging
 import os
 import statistics
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +19,7 @@ from rich.table import Table
 
 import probes
 from advisor._log import get_logger
-from advisor.cli._plot import check_plot_target, plot_trials
+from advisor.cli._plot import check_matplotlib, plot_trials
 from advisor.cli._report import evaluation_table, print_reasons, trial_progress
 from advisor.cli._report_cells import print_disturbances, spread_line
 from advisor.frameworks import check_plan_modes, plan_for
@@ -60,12 +60,6 @@ class TrialStream:
     def __init__(self, path: Path | None, *, given_by: str = "--stream") -> None:
         self.path = path
         self.given_by = given_by
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> TrialStream:
-        """The stream ``MPADVISE_TRIAL_STREAM`` names, or one that writes nothing."""
-        value = environ.get(STREAM_ENV, "").strip()
-        return cls(Path(value) if value else None, given_by=STREAM_ENV)
 
     def check_writable(self) -> None:
         """Create the file (keeping what it holds) before any trial runs; a bad environment
@@ -112,7 +106,7 @@ def run_trial_command(script: Path, script_args: list[str], options: TuneOptions
             probes.check_writable(plot, "plot")
         except MpadviseError as exc:  # a bad --plot value; matplotlib missing (below) is not one
             raise UsageError(str(exc)) from None
-        check_plot_target(plot)
+        check_matplotlib()
     try:  # a trial may be short, for its speeds alone; say so before it runs, not after
         check_judgeable_window(options)
     except UsageError as exc:
@@ -148,7 +142,9 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     candidates = [(Policy(mode=m), m) for m in modes]
     progress_console = Console(stderr=True) if json_output else console
     # The reference, its perturbed replicate, then each candidate.
-    stream = TrialStream.from_environ() if stream is None else stream
+    if stream is None:  # the file MPADVISE_TRIAL_STREAM names, or none
+        named = os.environ.get(STREAM_ENV, "").strip()
+        stream = TrialStream(Path(named) if named else None, given_by=STREAM_ENV)
     stream.check_writable()
     bar = not quiet and (sys.stderr.isatty() or not json_output)
     paired: list[PairedRuns] = []
