@@ -121,15 +121,10 @@ def _table(tune: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
 
 
 def machine_note(tune: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """One line on the machine where it made the answer less sure (noisy timings, fewer threads)."""
+    """One line on the machine where its noise made the answer less sure; else empty."""
     noisy = [f"{short_label(str(row.get('label')))} {spread_text(spread)}" for row in rows
              if row.get("goodput") and (spread := candidate_spread(tune, row)) is not None and spread > NOISY_SPREAD]
-    threads = (tune.get("speedup") or {}).get("threads"), (tune.get("speedup") or {}).get("torch_threads")
-    if noisy:
-        return f"note: a busy machine made timings noisy ({', '.join(noisy[:2])}): figures are rough"
-    if threads[0] and threads[1]:
-        return f"note: measured on {threads[0]} of {threads[1]} threads (busy CPU): the figure may differ"
-    return ""
+    return f"note: a busy machine made timings noisy ({', '.join(noisy[:2])}): figures are rough" if noisy else ""
 
 
 def _next_step(tune: dict[str, Any]) -> str:

@@ -134,8 +134,6 @@ def candidate_spread(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
     p10, p90 = row.get("step_time_p10"), row.get("step_time_p90")
     if isinstance(p10, (int, float)) and isinstance(p90, (int, float)) and p10 > 0:
         return (p90 / p10 - 1) / 2
-    if isinstance(row.get("step_spread"), (int, float)):  # p90 over p10 of its step times
-        return (row["step_spread"] - 1) / 2
     timing = row.get("step_time") or ((tune.get("reference") or {}).get("step_time") if row.get("mode") == "fp32"
                                        and not row.get("micro_batch") else None)
     if isinstance(timing, dict) and isinstance(timing.get("rel_iqr"), (int, float)):
@@ -213,10 +211,10 @@ def resume_command(tune: dict[str, Any]) -> str:
 
 
 def print_disturbances(console: Console, events: list[dict[str, Any]]) -> None:
-    """One line per trial the machine disturbed or lost, or whose threads changed."""
+    """One line per trial the machine disturbed or lost (``Disturbance.to_dict``'s)."""
     for event in events:
-        kind = {"lost": "lost", "busy-cpu": "busy CPU", "cpu-free": "CPU free"}.get(event.get("kind") or "", "disturbed")
-        console.print(f"[yellow]{kind}[/] {event.get('text')}", highlight=False)
+        console.print(f"[yellow]{'lost' if event.get('kind') == 'lost' else 'disturbed'}[/] {event.get('text')}",
+                      highlight=False)
 
 
 def mfu_peak(tune: dict[str, Any]) -> tuple[str, float] | None:

@@ -129,14 +129,12 @@ def _add_row(table: Table, tune: dict[str, Any], row: dict[str, Any], *, goodput
 
 
 def cost_line(cost: dict[str, Any] | None) -> str | None:
-    """What the tune cost: trials, wall time in measured windows, start-up's share; or ``None``."""
+    """What the tune cost: its trials and wall time, in measured windows; or ``None``."""
     if not cost:
         return None
     line = f"cost: {cost.get('trials')} trials in {cost.get('wall_s', 0):.0f} s"
     if cost.get("trial_equivalents"):
         line += f", {cost['trial_equivalents']:.0f} measured windows of {cost['window_s']:.2g} s"
-    if cost.get("startup_share") is not None:
-        line += f"; start-up took {cost['startup_share']:.0%} of a trial's wall time (median)"
     return line
 
 
@@ -182,9 +180,6 @@ def _print_search(tune: dict[str, Any], console: Console) -> None:
     stop = remeasure_stop_line(tune)
     if stop:
         console.print(stop, highlight=False)
-    on_threads = on_threads_line(tune.get("speedup") or {})
-    if on_threads:
-        console.print(on_threads, highlight=False)
     for dropped in tune.get("dropped_finalists") or []:
         console.print(f"[red]dropped[/] {dropped.get('label')}: {dropped.get('reason')}", highlight=False)
     if tune.get("gap"):
@@ -211,15 +206,6 @@ def remeasure_stop_line(tune: dict[str, Any]) -> str:
                     "margin or a change of threads left rounds unpaired: a gap still unresolved counts as a tie")
         return f"re-measurement stopped at its limit of {most} rounds: a gap still unresolved counts as a tie"
     return ""
-
-
-def on_threads_line(speedup: dict[str, Any]) -> str:
-    threads, own = speedup.get("threads"), speedup.get("torch_threads")
-    if not threads or not own:
-        return ""
-    return (f"[yellow]the speed-up was measured on {threads} of torch's {own} threads[/]: other processes kept cores "
-            "busy through it, and a gain on fewer threads can differ from the gain on all cores: the figure there "
-            "needs a tune while they are free")
 
 
 def describe_gap(gap: dict[str, Any]) -> str:
