@@ -95,7 +95,10 @@ def status(
     json_output: JsonOption = False,
 ) -> None:
     """Whether the daemon answers, its slots, and the recent jobs."""
-    report = status_report(limit=limit)
+    from advisor.daemon import DaemonClient
+
+    client = DaemonClient.local(need_token=True)  # reading jobs needs the token
+    report = {"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)}
     if json_output:
         print_json(report)
     else:
@@ -218,13 +221,6 @@ def stop_daemon(*, wait: float) -> dict[str, Any]:
                                 f"`kill -9 {pid}` forces it (its jobs are queued again at the next start)")
         time.sleep(0.1)
     return {"stopped": True, "pid": pid, "directory": str(paths.directory)}
-
-
-def status_report(*, limit: int = 20) -> dict[str, Any]:
-    from advisor.daemon import DaemonClient
-
-    client = DaemonClient.local(need_token=True)  # reading jobs needs the token
-    return {"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)}
 
 
 def render_status(report: dict[str, Any], console: Console) -> None:

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import shlex
-import sys
 from pathlib import Path
 
 import typer
@@ -16,7 +15,7 @@ from rich.console import Console
 
 import probes
 from advisor._log import get_logger
-from advisor.cli._common import err_console, fail
+from advisor.cli._common import err_console, fail, print_json
 from advisor.cli._report import render_tune, tune_progress
 from advisor.frameworks import check_plan_modes, plan_for
 from advisor.trial import WarmLauncher
@@ -67,10 +66,7 @@ def _tune_here(path: Path, script: Path, script_args: list[str], given: TuneOpti
     check_plan_modes(plan, list(options.modes))
     if dry_run:
         planned = tune_plan(TuneRequest(path, tuple(script_args), options, ScriptLaunch.of(plan)), profile)
-        if json_output:
-            sys.stdout.write(json.dumps(planned, indent=2, default=str) + "\n")
-        else:
-            _render_plan(planned, console)
+        print_json(planned) if json_output else _render_plan(planned, console)
         return 0
     if options.storage is None:  # chosen here, as the tune would, so the study can be named before it runs
         options = options.with_(storage=default_storage())
@@ -88,7 +84,7 @@ def _tune_here(path: Path, script: Path, script_args: list[str], given: TuneOpti
     except KeyboardInterrupt:
         raise _interrupted(options.storage, study_name, resume) from None
     if json_output:
-        _report(json.dumps(done.to_dict(), indent=2, default=str), json_output=True, console=console)
+        print_json(done.to_dict())
     else:  # the continue line is this command as typed: the tune's JSON does not hold its options
         shown = {**json.loads(json.dumps(done.to_dict(), default=str)), "resume_command": resume}
         render_tune(shown, console, verbose=verbose, already_tuned=done.already_tuned)
@@ -153,14 +149,6 @@ def _interrupted(storage: str | None, study_name: str, resume: str) -> typer.Exi
     return exit_
 
 
-def _report(tune_json: str, *, json_output: bool, console: Console, verbose: bool = False) -> None:
-    """Print a tune's JSON as is (``--json``), or its summary rendered from that same JSON."""
-    if json_output:
-        sys.stdout.write(tune_json + "\n")
-    else:
-        render_tune(json.loads(tune_json), console, verbose=verbose)
-
-
 def submit_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
                         console: Console, poll_s: float = 1.0, quiet: bool = False, verbose: bool = False) -> int:
     """Queue the tune with the local daemon, follow its lines (not with ``quiet``), and report it
@@ -192,5 +180,5 @@ def submit_tune_command(script: Path, script_args: list[str], options: TuneOptio
         err.print(f"cancelled job {job['id']}", highlight=False)
         raise
     tune, code = finished_tune(job)
-    _report(json.dumps(tune, indent=2, default=str), json_output=json_output, console=console, verbose=verbose)
+    print_json(tune) if json_output else render_tune(tune, console, verbose=verbose)
     return code
