@@ -231,7 +231,7 @@ def policy(
     json_output: JsonOption = False,
 ) -> None:
     """Which policy load_policy() would apply for a script (or a config file) here, and why."""
-    from advisor.cli._policy import explain_policy
+    from advisor.cli._export import explain_policy
 
     info = explain_policy(target, device=device)
     if json_output:
@@ -277,13 +277,12 @@ def probe(
 ) -> None:
     """Show what this machine can do: devices, supported precision modes, the safe default."""
     from advisor._hardware import probe_report
-    from advisor.cli._probe import render_probe
 
     report = probe_report(bench=bench)
     if json_output:
         print_json(report)
     else:
-        render_probe(report, console)
+        _env.render_probe(report, console)
 
 
 app.command("env", rich_help_panel="Machine")(_env.env)

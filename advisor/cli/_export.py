@@ -1,5 +1,6 @@
-"""``mpadvise export [CONFIG] --to TARGET``: a tuned policy as a framework's own settings. The
-export itself is ``frameworks.export_policy``; this reads the policy and prints or writes it."""
+"""``mpadvise export [CONFIG] --to TARGET``: a tuned policy as a framework's own settings (the
+export itself is ``frameworks.export_policy``); and ``mpadvise policy``: which policy
+``load_policy()`` would apply for a script, and why."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.markup import escape
 
+import probes
+from advisor._load import resolve_policy
 from advisor._secure import write_file_atomic
+from advisor.cache import lookup
 from advisor.cli._common import err_console, print_json
 from advisor.frameworks import check_target, export_policy, script_for
 from policies import Policy, load_config
-from probes import MpadviseError, UsageError
+from probes import MpadviseError, UsageError, hardware_fingerprint
 
 
 def export_command(config: Path | None, *, target: str | None, out: Path | None, json_output: bool,
@@ -62,7 +67,6 @@ def _cuda_elsewhere(policy: Policy, target: str) -> str | None:
     """What a CUDA export means on this machine when it has no CUDA device, or ``None`` when it
     has one: the settings are for a GPU, and here the framework would train on the CPU, or
     could not apply the policy at all."""
-    import probes
     from advisor.frameworks import FRAMEWORKS, framework_class, refusal
 
     if probes.primary_profile().is_cuda:
@@ -101,9 +105,6 @@ def resolve_for_export(config: Path | None) -> tuple[Policy, str, str]:
         except MpadviseError as exc:
             raise UsageError(str(exc)) from None
         return policy, f"config file {config}", _device_of(policy, local_cuda=None)
-    import probes
-    from advisor.cli._policy import explain_policy
-
     info = explain_policy(config, device=None)
     policy = Policy.from_dict(info["policy"], source=info["source"])
     return policy, info["source"], _device_of(policy, local_cuda=probes.profile_for(None).is_cuda)
@@ -161,3 +162,30 @@ def _write(path: Path, text: str) -> None:
         write_file_atomic(path, text)
     except OSError as exc:
         raise MpadviseError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def explain_policy(target: Path | None, *, device: str | None) -> dict[str, Any]:
+    """Resolve as ``load_policy()`` does for ``target``: a config file as ``load_policy(path)``
+    takes it, a script through ``MPADVISE_POLICY``, the config beside it, the cache, the default."""
+    profile = probes.profile_for(device)
+    if target is not None and not target.exists():
+        raise UsageError(f"{target} does not exist")
+    if target is not None and target.suffix == ".toml":
+        try:
+            load_config(target)  # a file that does not load is a bad argument, as to export and run
+        except MpadviseError as exc:
+            raise UsageError(str(exc)) from None
+        resolution = resolve_policy(target, profile=profile, script=None, environ=os.environ)
+    else:
+        script = target.resolve() if target is not None else None
+        resolution = resolve_policy(None, profile=profile, script=script, environ=os.environ, cached=lookup)
+    mismatch = resolution.mismatch
+    return {
+        "hardware": {"name": profile.name, "fingerprint": hardware_fingerprint(profile)},
+        "source": resolution.source,
+        "kind": resolution.kind.value,
+        "policy": resolution.policy.to_dict(),
+        "describe": resolution.policy.describe(),
+        "not_applied_because": None if mismatch is None else mismatch.reason(),
+        "differences": [] if mismatch is None else [d.to_dict() for d in mismatch.differences],
+    }
