@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import re
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -63,7 +62,9 @@ def show(
 def cache_list(json_output: JsonOption = False) -> None:
     """Every cached recommendation, for any hardware, newest first."""
     get_logger()
-    report = cache_list_report()
+    rows = _read_rows()
+    report = {"database": str(database_path()), "cache": rows is not None,
+              "recommendations": [_summary_row(row) for row in rows or []]}
     if json_output:
         print_json(report)
     else:
@@ -92,7 +93,12 @@ def cache_export(
 ) -> None:
     """Write recommendations, their hardware profiles and trials to a file to share."""
     get_logger()
-    report = export_report(file, ids=ids)
+    try:  # a file that cannot be written there is a bad value, found before the cache is read
+        probes.check_writable(file, "export file")
+    except MpadviseError as exc:
+        raise UsageError(str(exc)) from None
+    with _writable_store() as store:
+        report = {"file": str(file), "exported": store.export_records(file, ids=ids or None), "database": str(store.path)}
     if json_output:
         print_json(report)
     else:
@@ -105,7 +111,26 @@ def cache_import(
 ) -> None:
     """Add the recommendations of an exported file; refuses the whole file if any record is bad."""
     get_logger()
-    report = import_report(file)
+    # A file named that is not there is a bad value, refused first; otherwise the store comes
+    # first: an unusable cache is the error to report, whatever the file holds.
+    if not file.exists():
+        raise UsageError(f"{file} does not exist; expected a file written by `mpadvise cache export`")
+    if not file.is_file():
+        raise UsageError(f"{file} is not a file; expected a file written by `mpadvise cache export`")
+    with _writable_store() as store:
+        # Every record is validated (_check_imported_record) before any is written; an entry keeps
+        # its exported id where this cache has no other entry with it.
+        records = read_export(file, check=_check_imported_record)
+        imported = store.import_validated(records)
+        report = {
+            "file": str(file),
+            "records": len(records),
+            "imported": imported.written,
+            "kept_newer": len(records) - imported.written,
+            "database": str(store.path),
+            "ids": [{"exported": old, "id": new} for old, new in imported.ids],
+            "renumbered": [{"exported": old, "id": new} for old, new in imported.renumbered],
+        }
     if json_output:
         print_json(report)
         return
@@ -132,8 +157,11 @@ def cache_clear(
     get_logger()
     age = parse_duration(older_than) if older_than is not None else None
     scope = f" older than {older_than}" if older_than is not None else ""
-    report = clear_report(age, confirm=None if yes else lambda database: _ask(f"Delete the cached recommendations{scope} "
-                                                                               f"in {database}?"))
+    with _writable_store() as store:
+        if not yes and not _ask(f"Delete the cached recommendations{scope} in {store.path}?"):
+            raise MpadviseError(f"nothing deleted from {store.path}")
+        report = {"deleted": store.clear(age), "older_than_seconds": None if age is None else age.total_seconds(),
+                  "database": str(store.path)}
     if json_output:
         print_json(report)
     else:
@@ -197,14 +225,6 @@ def show_report(profiles: list[HardwareProfile], *, include_other: bool = False)
     return report
 
 
-def cache_list_report() -> dict[str, Any]:
-    """Every cached recommendation (no trials), newest first; ``cache`` is False when no cache
-    could be opened."""
-    rows = _read_rows()
-    return {"database": str(database_path()), "cache": rows is not None,
-            "recommendations": [_summary_row(row) for row in rows or []]}
-
-
 def cache_show_report(recommendation_id: int) -> dict[str, Any]:
     """One recommendation with its trials, hardware profile and versions."""
     from advisor.cache import open_store
@@ -222,54 +242,6 @@ def cache_show_report(recommendation_id: int) -> dict[str, Any]:
         raise MpadviseError(f"recommendation #{recommendation_id} is not in the cache {store.path}; "
                             "`mpadvise cache list` lists the ids")
     return record
-
-
-def export_report(file: Path, *, ids: list[int] | None = None) -> dict[str, Any]:
-    """Export recommendations (``ids``, or all) to ``file``; a ``file`` that cannot be written
-    is a usage error, found before the cache is read."""
-    try:
-        probes.check_writable(file, "export file")
-    except MpadviseError as exc:
-        raise UsageError(str(exc)) from None
-    with _writable_store() as store:
-        count = store.export_records(file, ids=ids or None)
-        return {"file": str(file), "exported": count, "database": str(store.path)}
-
-
-def import_report(file: Path) -> dict[str, Any]:
-    """Import an exported file, all or nothing, after validating every record
-    (``_check_imported_record``). An entry keeps its exported id where this cache has no other
-    entry with it; otherwise it gets a new one, listed in ``renumbered``."""
-    # A file named that is not there is a bad value, refused first; otherwise the store comes
-    # first: an unusable cache is the error to report, whatever the file holds.
-    if not file.exists():
-        raise UsageError(f"{file} does not exist; expected a file written by `mpadvise cache export`")
-    if not file.is_file():
-        raise UsageError(f"{file} is not a file; expected a file written by `mpadvise cache export`")
-    with _writable_store() as store:
-        records = read_export(file, check=_check_imported_record)
-        imported = store.import_validated(records)
-        return {
-            "file": str(file),
-            "records": len(records),
-            "imported": imported.written,
-            "kept_newer": len(records) - imported.written,
-            "database": str(store.path),
-            "ids": [{"exported": old, "id": new} for old, new in imported.ids],
-            "renumbered": [{"exported": old, "id": new} for old, new in imported.renumbered],
-        }
-
-
-def clear_report(older_than: datetime.timedelta | None, *,
-                 confirm: Callable[[Path], bool] | None = None) -> dict[str, Any]:
-    """Delete recommendations, all or those older than ``older_than``; ``confirm`` is asked with
-    the database's path before anything is deleted (``None``: no question)."""
-    with _writable_store() as store:
-        if confirm is not None and not confirm(store.path):
-            raise MpadviseError(f"nothing deleted from {store.path}")
-        deleted = store.clear(older_than)
-        return {"deleted": deleted, "older_than_seconds": None if older_than is None else older_than.total_seconds(),
-                "database": str(store.path)}
 
 
 def _machine_profiles() -> list[HardwareProfile]:

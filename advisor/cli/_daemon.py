@@ -62,64 +62,6 @@ def start(
     json_output: JsonOption = False,
 ) -> None:
     """Start the daemon in the background (pid and log files in the cache directory)."""
-    info = start_daemon(host=host, port=port, uds=uds, allow_remote=allow_remote, allowed_roots=allowed_root or [],
-                        wait=wait, job_retention_days=job_retention_days)
-    if info.get("warning"):
-        err_console.print(f"[bold yellow]warning:[/] {info['warning']}", highlight=False, soft_wrap=True)
-    if json_output:
-        print_json(info)
-        return
-    console.print(f"mpadvise daemon started (pid {info['pid']}) on {info['url']}", highlight=False)
-    console.print(f"jobs run on: {', '.join(info.get('slots') or [])}; scripts allowed under: "
-                  f"{', '.join(info.get('roots') or [])}", highlight=False)
-    console.print(f"token: {info['token_file']}; log: {info['log']}; stop it with `mpadvise daemon stop`",
-                  highlight=False)
-
-
-def stop(
-    wait: Annotated[float, typer.Option("--wait", min=1, help="Seconds to wait for it to exit.")] = 30.0,
-    json_output: JsonOption = False,
-) -> None:
-    """Stop the background daemon (SIGTERM); a running job is queued again at the next start."""
-    info = stop_daemon(wait=wait)
-    if json_output:
-        print_json(info)
-    elif info["stopped"]:
-        console.print(f"stopped the mpadvise daemon (pid {info['pid']})", highlight=False)
-    else:
-        console.print(f"no mpadvise daemon is running for {info['directory']}; nothing to stop", highlight=False)
-
-
-def status(
-    limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Show at most this many recent jobs.")] = 20,
-    json_output: JsonOption = False,
-) -> None:
-    """Whether the daemon answers, its slots, and the recent jobs."""
-    from advisor.daemon import DaemonClient
-
-    client = DaemonClient.local(need_token=True)  # reading jobs needs the token
-    report = {"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)}
-    if json_output:
-        print_json(report)
-    else:
-        render_status(report, console)
-
-
-def check_uds(uds: Path | None) -> None:
-    """Refuse now, in one line, a ``--uds`` socket path whose directory is not there."""
-    if uds is None:
-        return
-    directory = uds.absolute().parent
-    if not directory.is_dir():
-        why = "is not a directory" if directory.exists() else "does not exist"
-        raise UsageError(f"--uds {uds}: its directory {directory} {why}; name a socket path in an existing "
-                         "directory")
-
-
-def start_daemon(*, host: str, port: int, uds: Path | None, allow_remote: bool, allowed_roots: list[Path],
-                 wait: float, job_retention_days: float | None = None) -> dict[str, Any]:
-    """Run ``mpadvise daemon run`` detached and wait until ``/health`` answers; returns its
-    address record (``pid``, ``url``, ``log``, ``token_file``...) and ``warning``."""
     from advisor.daemon import DaemonClient, DaemonPaths, check_bind, daemon_running
 
     # Refuse here, in the user's terminal, rather than in a log file they may not read.
@@ -138,10 +80,9 @@ def start_daemon(*, host: str, port: int, uds: Path | None, allow_remote: bool, 
         argv += ["--uds", str(uds.absolute())]
     if allow_remote:
         argv.append("--allow-remote")
-    for root in allowed_roots:
+    for root in allowed_root or []:
         argv += ["--allowed-root", str(root.absolute())]
-    if job_retention_days is not None:
-        argv += ["--job-retention-days", repr(float(job_retention_days))]
+    argv += ["--job-retention-days", repr(float(job_retention_days))]
     env = dict(os.environ)
     # The daemon runs from / (it must not keep a directory busy), so a relative cache
     # directory has to be made absolute for it.
@@ -172,7 +113,78 @@ def start_daemon(*, host: str, port: int, uds: Path | None, allow_remote: bool, 
             os.killpg(process.pid, signal.SIGTERM)
             raise MpadviseError(f"the daemon did not answer within {wait:g} s; see {paths.log}")
         time.sleep(0.1)
-    return {**address, "warning": warning}
+    info = {**address, "warning": warning}
+    if warning:
+        err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+    if json_output:
+        print_json(info)
+        return
+    console.print(f"mpadvise daemon started (pid {info['pid']}) on {info['url']}", highlight=False)
+    console.print(f"jobs run on: {', '.join(info.get('slots') or [])}; scripts allowed under: "
+                  f"{', '.join(info.get('roots') or [])}", highlight=False)
+    console.print(f"token: {info['token_file']}; log: {info['log']}; stop it with `mpadvise daemon stop`",
+                  highlight=False)
+
+
+def stop(
+    wait: Annotated[float, typer.Option("--wait", min=1, help="Seconds to wait for it to exit.")] = 30.0,
+    json_output: JsonOption = False,
+) -> None:
+    """Stop the background daemon (SIGTERM); a running job is queued again at the next start."""
+    from advisor.daemon import DaemonPaths, daemon_running
+
+    paths = DaemonPaths.here()
+    pid = None
+    if daemon_running(paths):
+        try:
+            pid = int(paths.pid.read_text().strip())
+        except (OSError, ValueError):
+            raise MpadviseError(f"a daemon holds {paths.lock} but {paths.pid} is missing or unreadable; "
+                                "find it with `fuser` or `lsof` on the lock file and stop it by hand") from None
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            raise MpadviseError(f"not allowed to signal the daemon (pid {pid}); it runs as another user") from None
+        deadline = time.monotonic() + wait
+        while daemon_running(paths):
+            if time.monotonic() > deadline:
+                raise MpadviseError(f"the daemon (pid {pid}) did not stop within {wait:g} s; "
+                                    f"`kill -9 {pid}` forces it (its jobs are queued again at the next start)")
+            time.sleep(0.1)
+    if json_output:
+        print_json({"stopped": pid is not None, "pid": pid, "directory": str(paths.directory)})
+    elif pid is not None:
+        console.print(f"stopped the mpadvise daemon (pid {pid})", highlight=False)
+    else:
+        console.print(f"no mpadvise daemon is running for {paths.directory}; nothing to stop", highlight=False)
+
+
+def status(
+    limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Show at most this many recent jobs.")] = 20,
+    json_output: JsonOption = False,
+) -> None:
+    """Whether the daemon answers, its slots, and the recent jobs."""
+    from advisor.daemon import DaemonClient
+
+    client = DaemonClient.local(need_token=True)  # reading jobs needs the token
+    report = {"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)}
+    if json_output:
+        print_json(report)
+    else:
+        render_status(report, console)
+
+
+def check_uds(uds: Path | None) -> None:
+    """Refuse now, in one line, a ``--uds`` socket path whose directory is not there."""
+    if uds is None:
+        return
+    directory = uds.absolute().parent
+    if not directory.is_dir():
+        why = "is not a directory" if directory.exists() else "does not exist"
+        raise UsageError(f"--uds {uds}: its directory {directory} {why}; name a socket path in an existing "
+                         "directory")
 
 
 def rotate_log(path: Path, *, max_bytes: int | None = None, keep: int | None = None) -> None:
@@ -194,33 +206,6 @@ def rotate_log(path: Path, *, max_bytes: int | None = None, keep: int | None = N
             if number == keep:
                 older.unlink(missing_ok=True)
             os.replace(newer, older)
-
-
-def stop_daemon(*, wait: float) -> dict[str, Any]:
-    """SIGTERM the daemon named by ``daemon.pid`` and wait for it to let go of its lock."""
-    from advisor.daemon import DaemonPaths, daemon_running
-
-    paths = DaemonPaths.here()
-    if not daemon_running(paths):
-        return {"stopped": False, "pid": None, "directory": str(paths.directory)}
-    try:
-        pid = int(paths.pid.read_text().strip())
-    except (OSError, ValueError):
-        raise MpadviseError(f"a daemon holds {paths.lock} but {paths.pid} is missing or unreadable; "
-                            "find it with `fuser` or `lsof` on the lock file and stop it by hand") from None
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        raise MpadviseError(f"not allowed to signal the daemon (pid {pid}); it runs as another user") from None
-    deadline = time.monotonic() + wait
-    while daemon_running(paths):
-        if time.monotonic() > deadline:
-            raise MpadviseError(f"the daemon (pid {pid}) did not stop within {wait:g} s; "
-                                f"`kill -9 {pid}` forces it (its jobs are queued again at the next start)")
-        time.sleep(0.1)
-    return {"stopped": True, "pid": pid, "directory": str(paths.directory)}
 
 
 def render_status(report: dict[str, Any], console: Console) -> None:
