@@ -85,16 +85,11 @@ def root(
 _TUNE_OPTION_TYPES: dict[str, Any] = {"modes": list[str] | None, "memory_limit": str | None, "out": Path | None}
 
 
-def _option_help(option: OptionInfo) -> str:
-    """An option's help; ``--framework``'s names the frameworks registered now."""
-    if option.name == "framework":
-        from advisor.frameworks import FRAMEWORKS
+def _framework_help() -> str:
+    """``--framework``'s help, naming the frameworks registered when the command line is built."""
+    from advisor.frameworks import FRAMEWORKS
 
-        return f"How the script trains: {', '.join(FRAMEWORKS)}; default: read from its imports."
-    return option.help
-
-
-_FRAMEWORK_OPTION = next(option for option in option_info() if option.name == "framework")
+    return f"How the script trains: {', '.join(FRAMEWORKS)}; default: read from its imports."
 
 
 def with_tune_options(
@@ -117,7 +112,7 @@ def with_tune_options(
                     option.name, parameter.kind,
                     default=None if isinstance(option.default, tuple) else option.default,  # typer: a list defaults to None
                     annotation=Annotated[_TUNE_OPTION_TYPES.get(option.name, option.type),
-                                         typer.Option(*option.flags, help=_option_help(option))],
+                                         typer.Option(*option.flags, help=_framework_help() if option.name == "framework" else option.help)],
                 )
                 for option in chosen
             ]
@@ -165,10 +160,7 @@ def tune(
     if dry_run and submit:
         raise UsageError("--dry-run cannot be used with --submit: it shows a tune here without running it; leave out "
                          "--submit")
-    if dry_run:
-        raise typer.Exit(run_tune_command(script, script_args or [], options, json_output=json_output, console=console,
-                                          dry_run=True))
-    command = submit_tune_command if submit else run_tune_command
+    command = submit_tune_command if submit else functools.partial(run_tune_command, dry_run=dry_run)
     raise typer.Exit(command(script, script_args or [], options, json_output=json_output, console=console, quiet=quiet,
                              verbose=verbose))
 
@@ -206,7 +198,7 @@ def run(
     script: Annotated[Path, typer.Argument(help="The training script: a Lightning, HF Trainer or Accelerate script, or one that calls load_policy().")],
     script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
     config: Annotated[Path | None, typer.Option(help="Config file to apply; default: resolved as load_policy() does.")] = None,
-    framework: Annotated[str | None, typer.Option(help=_option_help(_FRAMEWORK_OPTION))] = None,
+    framework: Annotated[str | None, typer.Option(help=_framework_help())] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda:N whose policy applies; default: the first GPU, else the CPU.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="After the script's own output, print one line of JSON on "
                                               "stdout: the policy applied and its source, the framework, the script's "

@@ -39,7 +39,7 @@ def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation],
     try:
         fig.savefig(image, format=Path(path).suffix[1:].lower() or "png", dpi=110)
     except ValueError as exc:  # a format matplotlib does not know
-        raise MpadviseError(f"cannot write plot {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise MpadviseError(f"cannot write plot {path}: {(str(exc) or type(exc).__name__).splitlines()[0]}") from None
     try:
         write_file_atomic(path, image.getvalue())
     except OSError as exc:

@@ -258,7 +258,13 @@ def _render(comparison: Comparison, path: Path, profile: HardwareProfile, settin
         rows.append(("fp32 replicate", replicate.result))
     rows += [(ev.label, ev.result) for ev in evaluations]
     console.print(breakdown_table(rows, reference.result.flops_per_step))
-    console.print(breakdown_legend(reference.result), highlight=False)
+    legend = ("start-up: launch to torch imported; set-up: the script's own, to the candidate's application; "
+              "1st step: to the end of the first optimizer step; warm-up and measured: the trial's two windows; "
+              "exit: to the process's end.")
+    if reference.result.flops_per_step:
+        legend += (f" TFLOP/s: fp32's {reference.result.flops_per_step:.3g} FLOPs per optimizer step "
+                   f"({reference.result.flops_basis}) over each trial's median measured step.")
+    console.print(legend, highlight=False)
     if plot is not None:
         console.print(f"plot written to {plot}")
 
@@ -320,20 +326,8 @@ def breakdown_table(rows: list[tuple[str, TrialResult]], reference_flops: float 
     return table
 
 
-def breakdown_legend(reference: TrialResult) -> str:
-    text = ("start-up: launch to torch imported; set-up: the script's own, to the candidate's application; "
-            "1st step: to the end of the first optimizer step; warm-up and measured: the trial's two windows; "
-            "exit: to the process's end.")
-    if reference.flops_per_step:
-        text += (f" TFLOP/s: fp32's {reference.flops_per_step:.3g} FLOPs per optimizer step "
-                 f"({reference.flops_basis}) over each trial's median measured step.")
-    return text
-
-
 def _seconds_text(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.2f}" if value < 100 else f"{value:.0f}"
+    return "-" if value is None else f"{value:.2f}" if value < 100 else f"{value:.0f}"
 
 
 def _tflops_text(value: float | None) -> str:
