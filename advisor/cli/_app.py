@@ -160,7 +160,10 @@ def tune(
     if dry_run and submit:
         raise UsageError("--dry-run cannot be used with --submit: it shows a tune here without running it; leave out "
                          "--submit")
-    command = submit_tune_command if submit else functools.partial(run_tune_command, dry_run=dry_run)
+    if dry_run:
+        raise typer.Exit(run_tune_command(script, script_args or [], options, json_output=json_output, console=console,
+                                          dry_run=True))
+    command = submit_tune_command if submit else run_tune_command
     raise typer.Exit(command(script, script_args or [], options, json_output=json_output, console=console, quiet=quiet,
                              verbose=verbose))
 

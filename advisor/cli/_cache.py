@@ -118,8 +118,7 @@ def cache_import(
     if not file.is_file():
         raise UsageError(f"{file} is not a file; expected a file written by `mpadvise cache export`")
     with _writable_store() as store:
-        # Every record is validated (_check_imported_record) before any is written; an entry keeps
-        # its exported id where this cache has no other entry with it.
+        # All or nothing: every record is checked before any is written.
         records = read_export(file, check=_check_imported_record)
         imported = store.import_validated(records)
         report = {

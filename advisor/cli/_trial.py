@@ -141,7 +141,6 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     runner = SteadyRunner(ScriptRunner(path, script_args, settings, launch=plan.launch, warm=warm), watch)
     candidates = [(Policy(mode=m), m) for m in modes]
     progress_console = Console(stderr=True) if json_output else console
-    # The reference, its perturbed replicate, then each candidate.
     if stream is None:  # the file MPADVISE_TRIAL_STREAM names, or none
         named = os.environ.get(STREAM_ENV, "").strip()
         stream = TrialStream(Path(named) if named else None, given_by=STREAM_ENV)
@@ -149,6 +148,7 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     bar = not quiet and (sys.stderr.isatty() or not json_output)
     paired: list[PairedRuns] = []
     try:
+        # The reference, its perturbed replicate, then each candidate.
         with trial_progress(progress_console, len(candidates) + 2, enabled=bar) as (start, done):
             comparison = run_comparison(runner, candidates, on_start=start, on_done=_both(done, stream.trial))
         runs = pairs_runs(comparison, pairs)
