@@ -1,18 +1,6 @@
-"""The ``mpadvise`` command line: each command declares its options and delegates.
-
-torch is imported inside commands, so ``mpadvise --help`` stays fast. One domain exception
-(``MpadviseError``) is caught at the boundary and printed as one red line on stderr.
-Exit codes: 0 done, 1 error, 2 usage, 3 no stable policy found, 130 interrupted (Ctrl-C).
-
-Modules: ``_app`` (the root app: probe, policy, trial, tune, and the groups added with
-``add_typer``), ``_common`` (consoles, ``--json``, the error boundary), one module per command
-or group (``_probe``, ``_policy``, ``_trial``, ``_tune``, ``_cache``, ``_daemon``) and
-``_report`` (rich tables and progress shared by trial and tune).
-
-Only ``main`` is defined here, and the rest loads on first use: ``main`` is in place to catch
-Ctrl-C before typer, rich and the tune are imported, so a Ctrl-C at any moment ends the command
-with one line and exit 130, never a traceback.
-"""
+"""The ``mpadvise`` command line. Exit codes: 0 done, 1 error, 2 usage, 3 no stable policy
+found, 130 interrupted. Only ``main`` is defined here, so that it catches a Ctrl-C before typer,
+rich and the tune are imported: one line and exit 130, never a traceback."""
 
 from __future__ import annotations
 

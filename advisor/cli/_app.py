@@ -1,9 +1,5 @@
-"""The ``mpadvise`` command line: each command declares its options and delegates.
-
-torch is imported inside commands, so ``mpadvise --help`` stays fast. One domain exception
-(``MpadviseError``) is caught at the boundary and printed as one red line on stderr.
-Exit codes: 0 done, 1 error, 2 usage, 3 no stable policy found.
-"""
+"""The root ``mpadvise`` app: each command declares its options and delegates; torch is
+imported inside commands, so ``mpadvise --help`` stays fast."""
 
 from __future__ import annotations
 
@@ -23,9 +19,8 @@ from advisor.tune import PAIRS_MAX, OptionInfo, TuneOptions, option_info
 
 
 class _OneLineUsageErrors(TyperGroup):
-    """The root command: a value typer itself refuses (a number that is not one, a value out of
-    its range, an unknown option, a missing argument) is one red line on stderr, exit 2, in the
-    style of the commands' own bad values, instead of typer's usage text in a box."""
+    """A value typer itself refuses (an unknown option, a missing argument...) is one red line
+    on stderr, exit 2, as the commands' own bad values are, not typer's usage text in a box."""
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
@@ -90,29 +85,19 @@ def root(
 _TUNE_OPTION_TYPES: dict[str, Any] = {"modes": list[str] | None, "memory_limit": str | None, "out": Path | None}
 
 
-def _option_help(option: OptionInfo) -> str:
-    """An option's help as the command line shows it: the frameworks it names are those
-    registered when the command line is built."""
-    if option.name == "framework":
-        from advisor.frameworks import FRAMEWORKS
+def _framework_help() -> str:
+    """``--framework``'s help, naming the frameworks registered when the command line is built."""
+    from advisor.frameworks import FRAMEWORKS
 
-        return f"How the script trains: {', '.join(FRAMEWORKS)}; default: read from its imports."
-    return option.help
-
-
-_FRAMEWORK_OPTION = next(option for option in option_info() if option.name == "framework")
+    return f"How the script trains: {', '.join(FRAMEWORKS)}; default: read from its imports."
 
 
 def with_tune_options(
     taken: Callable[[OptionInfo], bool] = lambda option: True,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Expand a command's ``options: TuneOptions`` parameter into one option per field that
-    ``taken`` accepts (every field for ``tune``; ``trial`` takes its measuring window's).
-
-    Each option's flags, help and default come from :class:`TuneOptions`, so the command line
-    cannot drift from the API and the daemon; the values reach the command as one TuneOptions,
-    validated (the fields a command does not take keep their defaults).
-    """
+    ``taken`` accepts, with the flags, help and default :class:`TuneOptions` gives it, so the
+    command line cannot drift from the API; the values reach the command as one TuneOptions."""
     chosen = [option for option in option_info() if taken(option)]
 
     def expand(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -127,7 +112,7 @@ def with_tune_options(
                     option.name, parameter.kind,
                     default=None if isinstance(option.default, tuple) else option.default,  # typer: a list defaults to None
                     annotation=Annotated[_TUNE_OPTION_TYPES.get(option.name, option.type),
-                                         typer.Option(*option.flags, help=_option_help(option))],
+                                         typer.Option(*option.flags, help=_framework_help() if option.name == "framework" else option.help)],
                 )
                 for option in chosen
             ]
@@ -216,7 +201,7 @@ def run(
     script: Annotated[Path, typer.Argument(help="The training script: a Lightning, HF Trainer or Accelerate script, or one that calls load_policy().")],
     script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
     config: Annotated[Path | None, typer.Option(help="Config file to apply; default: resolved as load_policy() does.")] = None,
-    framework: Annotated[str | None, typer.Option(help=_option_help(_FRAMEWORK_OPTION))] = None,
+    framework: Annotated[str | None, typer.Option(help=_framework_help())] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda:N whose policy applies; default: the first GPU, else the CPU.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="After the script's own output, print one line of JSON on "
                                               "stdout: the policy applied and its source, the framework, the script's "
@@ -241,7 +226,7 @@ def policy(
     json_output: JsonOption = False,
 ) -> None:
     """Which policy load_policy() would apply for a script (or a config file) here, and why."""
-    from advisor.cli._policy import explain_policy
+    from advisor.cli._export import explain_policy
 
     info = explain_policy(target, device=device)
     if json_output:
@@ -287,13 +272,12 @@ def probe(
 ) -> None:
     """Show what this machine can do: devices, supported precision modes, the safe default."""
     from advisor._hardware import probe_report
-    from advisor.cli._probe import render_probe
 
     report = probe_report(bench=bench)
     if json_output:
         print_json(report)
     else:
-        render_probe(report, console)
+        _env.render_probe(report, console)
 
 
 app.command("env", rich_help_panel="Machine")(_env.env)

@@ -1,14 +1,7 @@
 """``mpadvise show`` and ``mpadvise cache list|show|export|import|clear``: the cache, for people.
 
-Each command declares its options and delegates to a function that gathers plain data
-(``*_report``); rendering is separate, and ``--json`` prints the data itself. The commands are
-added to the main app by :func:`register`; everything from ``advisor.cli`` (the error
-boundary, the console) is imported when a command runs, so this module can be imported from
-``advisor/cli.py`` at any point.
-
-Reading commands (``show``, ``cache list``) treat a cache that cannot be opened as empty:
-one warning, exit 0. Commands that change the cache (``import``, ``clear``) and ``export``
-need it and fail with one line saying why.
+Reading commands treat a cache that cannot be opened as empty (one warning, exit 0); commands
+that change it, and ``export``, need it and fail with one line saying why.
 """
 
 from __future__ import annotations
@@ -16,35 +9,22 @@ from __future__ import annotations
 import datetime
 import re
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 
 import probes
 from advisor._log import get_logger
 from advisor._paths import database_path
 from advisor.cache import entry_status, nothing_cached_yet, read_export
 from advisor.cli._cache_cells import (
-    SCRIPT_HEADER,
-    SPEEDUP_HEADER,
-    _args_legend,
-    _device_keys,
-    _device_legend,
-    _device_of,
-    _figure_cell,
-    _legend,
     _plural,
-    _script_cell,
-    _short,
     _summary_row,
-    _table,
     guard_event_rows,
-    render_guard_events,
     render_list,
     render_record,
+    render_show,
 )
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
 from policies import Policy
@@ -52,26 +32,9 @@ from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerpr
 
 if TYPE_CHECKING:
     from advisor.cache import Store
-    from probes import HardwareProfile
-
-__all__ = [
-    "app",
-    "show",
-    "cache_list_report",
-    "clear_report",
-    "export_report",
-    "import_report",
-    "parse_duration",
-    "show_report",
-]
-
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-# --------------------------------------------------------------------------------------
-# Commands: declare and delegate
 
 
 @handle_errors
@@ -85,7 +48,7 @@ def show(
     json_output: JsonOption = False,
 ) -> None:
     """Cached recommendations for this machine, and whether each still applies here."""
-    console, print_json = _output()
+    get_logger()  # attaches the handler for the cache's warnings
     report = show_report(_machine_profiles(), include_other=all_hardware)
     records = [cache_show_report(row["id"]) for row in report["recommendations"]] if details else []
     if json_output:
@@ -98,8 +61,10 @@ def show(
 
 def cache_list(json_output: JsonOption = False) -> None:
     """Every cached recommendation, for any hardware, newest first."""
-    console, print_json = _output()
-    report = cache_list_report()
+    get_logger()
+    rows = _read_rows()
+    report = {"database": str(database_path()), "cache": rows is not None,
+              "recommendations": [_summary_row(row) for row in rows or []]}
     if json_output:
         print_json(report)
     else:
@@ -111,7 +76,7 @@ def cache_show(
     json_output: JsonOption = False,
 ) -> None:
     """One cached recommendation in full: policy, versions, hardware and its trials."""
-    console, print_json = _output()
+    get_logger()
     record = cache_show_report(recommendation_id)
     if json_output:
         print_json(record)
@@ -127,8 +92,13 @@ def cache_export(
     json_output: JsonOption = False,
 ) -> None:
     """Write recommendations, their hardware profiles and trials to a file to share."""
-    console, print_json = _output()
-    report = export_report(file, ids=ids)
+    get_logger()
+    try:  # a file that cannot be written there is a bad value, found before the cache is read
+        probes.check_writable(file, "export file")
+    except MpadviseError as exc:
+        raise UsageError(str(exc)) from None
+    with _writable_store() as store:
+        report = {"file": str(file), "exported": store.export_records(file, ids=ids or None), "database": str(store.path)}
     if json_output:
         print_json(report)
     else:
@@ -140,8 +110,26 @@ def cache_import(
     json_output: JsonOption = False,
 ) -> None:
     """Add the recommendations of an exported file; refuses the whole file if any record is bad."""
-    console, print_json = _output()
-    report = import_report(file)
+    get_logger()
+    # A file named that is not there is a bad value, refused first; otherwise the store comes
+    # first: an unusable cache is the error to report, whatever the file holds.
+    if not file.exists():
+        raise UsageError(f"{file} does not exist; expected a file written by `mpadvise cache export`")
+    if not file.is_file():
+        raise UsageError(f"{file} is not a file; expected a file written by `mpadvise cache export`")
+    with _writable_store() as store:
+        # All or nothing: every record is checked before any is written.
+        records = read_export(file, check=_check_imported_record)
+        imported = store.import_validated(records)
+        report = {
+            "file": str(file),
+            "records": len(records),
+            "imported": imported.written,
+            "kept_newer": len(records) - imported.written,
+            "database": str(store.path),
+            "ids": [{"exported": old, "id": new} for old, new in imported.ids],
+            "renumbered": [{"exported": old, "id": new} for old, new in imported.renumbered],
+        }
     if json_output:
         print_json(report)
         return
@@ -165,11 +153,14 @@ def cache_clear(
     json_output: JsonOption = False,
 ) -> None:
     """Delete cached recommendations and their trials (hardware profiles are kept); asks first."""
-    console, print_json = _output()
+    get_logger()
     age = parse_duration(older_than) if older_than is not None else None
     scope = f" older than {older_than}" if older_than is not None else ""
-    report = clear_report(age, confirm=None if yes else lambda database: _ask(f"Delete the cached recommendations{scope} "
-                                                                               f"in {database}?"))
+    with _writable_store() as store:
+        if not yes and not _ask(f"Delete the cached recommendations{scope} in {store.path}?"):
+            raise MpadviseError(f"nothing deleted from {store.path}")
+        report = {"deleted": store.clear(age), "older_than_seconds": None if age is None else age.total_seconds(),
+                  "database": str(store.path)}
     if json_output:
         print_json(report)
     else:
@@ -177,63 +168,33 @@ def cache_clear(
 
 
 def _ask(question: str) -> bool:
-    """Ask a yes/no question on the terminal (default no).
-
-    Raises:
-        UsageError: stdin is not a terminal, so nobody can answer: ``--yes`` says it instead.
-    """
+    """A yes/no question on the terminal (default no); without a terminal, ``--yes`` must say it."""
     if not sys.stdin.isatty():
         raise UsageError(f"{question[:-1].lower()}: stdin is not a terminal to confirm on; pass --yes to delete")
     return typer.confirm(question, default=False)
 
 
-# --------------------------------------------------------------------------------------
-# The work: plain data in, plain data out
-
-
 def parse_duration(text: str) -> datetime.timedelta:
-    """``"30d"`` -> 30 days; also ``s``, ``m``, ``h``, ``w`` and sums such as ``1d12h``.
-
-    Args:
-        text: the ``--older-than`` value.
-
-    Returns:
-        The duration.
-
-    Raises:
-        MpadviseError: (exit 2, a usage error) the text is not a positive duration.
-    """
+    """``"30d"`` -> 30 days; also ``s``, ``m``, ``h``, ``w`` and sums such as ``1d12h``."""
     compact = text.strip().lower()
     parts = list(_DURATION.finditer(compact))
     covered = "".join(match.group(0) for match in parts)
     if not parts or covered.replace(" ", "") != compact.replace(" ", ""):
-        raise MpadviseError(
-            f"--older-than {text!r} is not a duration; expected a number and a unit (s, m, h, d, "
-            "w) such as 30d, 12h or 1d12h",
-            exit_code=2,
-        )
+        raise UsageError(f"--older-than {text!r} is not a duration; expected a number and a unit (s, m, h, d, "
+                         "w) such as 30d, 12h or 1d12h")
     seconds = sum(float(match.group(1)) * _UNIT_SECONDS[match.group(2)] for match in parts)
     if seconds <= 0:
-        raise MpadviseError(f"--older-than {text!r} must be longer than zero, such as 30d", exit_code=2)
+        raise UsageError(f"--older-than {text!r} must be longer than zero, such as 30d")
     return datetime.timedelta(seconds=seconds)
 
 
 def show_report(profiles: list[HardwareProfile], *, include_other: bool = False) -> dict[str, Any]:
-    """What ``mpadvise show`` prints: this machine's entries, each judged valid or not here.
-
-    Args:
-        profiles: this machine's devices (first: the training device, which judges entries
-            from other hardware).
-        include_other: also list entries whose hardware fingerprint is not this machine's.
-
-    Returns:
-        ``{"database", "cache", "hardware", "recommendations", "other_hardware", "guard_events"}``: ``cache``
-        is False when no cache could be opened; ``other_hardware`` counts the entries of other
-        fingerprints (listed only with ``include_other``).
-    """
+    """What ``mpadvise show`` prints: this machine's entries (``profiles``, the training device
+    first), each judged valid or not here; ``cache`` is False when no cache could be opened, and
+    ``other_hardware`` counts the entries of other fingerprints (listed with ``include_other``)."""
     local = {hardware_fingerprint(profile): profile for profile in profiles}
     report: dict[str, Any] = {
-        "database": str(_database_path()),
+        "database": str(database_path()),
         "cache": False,
         "hardware": [{"fingerprint": fp, "device": p.name} for fp, p in local.items()],
         "recommendations": [],
@@ -263,204 +224,23 @@ def show_report(profiles: list[HardwareProfile], *, include_other: bool = False)
     return report
 
 
-def cache_list_report() -> dict[str, Any]:
-    """Every cached recommendation (no trials), newest first.
-
-    Returns:
-        ``{"database", "cache", "recommendations"}``; ``cache`` is False when no cache could
-        be opened.
-    """
-    rows = _read_rows()
-    return {
-        "database": str(_database_path()),
-        "cache": rows is not None,
-        "recommendations": [_summary_row(row) for row in rows or []],
-    }
-
-
 def cache_show_report(recommendation_id: int) -> dict[str, Any]:
-    """One recommendation with its trials, hardware profile and versions.
-
-    Args:
-        recommendation_id: the entry's id.
-
-    Returns:
-        The stored record.
-
-    Raises:
-        MpadviseError: there is no such entry, or no cache.
-    """
+    """One recommendation with its trials, hardware profile and versions."""
     from advisor.cache import open_store
 
-    if nothing_cached_yet(_database_path()):
-        raise MpadviseError(
-            f"recommendation #{recommendation_id} is not in the cache: nothing is cached in "
-            f"{_database_path()} yet; `mpadvise tune` caches its answers"
-        )
+    if nothing_cached_yet(database_path()):
+        raise MpadviseError(f"recommendation #{recommendation_id} is not in the cache: nothing is cached in "
+                            f"{database_path()} yet; `mpadvise tune` caches its answers")
     store = open_store()
     if store is None:
-        raise MpadviseError(
-            f"recommendation #{recommendation_id} cannot be read: the cache {_database_path()} "
-            "cannot be opened (see the warning above)"
-        )
+        raise MpadviseError(f"recommendation #{recommendation_id} cannot be read: the cache {database_path()} "
+                            "cannot be opened (see the warning above)")
     with store:
         record = store.get(recommendation_id)
     if record is None:
-        raise MpadviseError(
-            f"recommendation #{recommendation_id} is not in the cache {store.path}; "
-            "`mpadvise cache list` lists the ids"
-        )
+        raise MpadviseError(f"recommendation #{recommendation_id} is not in the cache {store.path}; "
+                            "`mpadvise cache list` lists the ids")
     return record
-
-
-def export_report(file: Path, *, ids: list[int] | None = None) -> dict[str, Any]:
-    """Export recommendations to ``file``.
-
-    Args:
-        file: where to write.
-        ids: only these entries; ``None`` or empty for all.
-
-    Returns:
-        ``{"file", "exported", "database"}``.
-
-    Raises:
-        UsageError: (exit 2) ``file`` cannot be written there (a missing directory, a
-            directory itself), found before the cache is read.
-        MpadviseError: the cache cannot be opened, or an id is not in it.
-    """
-    try:
-        probes.check_writable(file, "export file")
-    except MpadviseError as exc:
-        raise UsageError(str(exc)) from None
-    with _writable_store() as store:
-        count = store.export_records(file, ids=ids or None)
-        return {"file": str(file), "exported": count, "database": str(store.path)}
-
-
-def import_report(file: Path) -> dict[str, Any]:
-    """Import an exported file, all or nothing, after validating every record.
-
-    Beyond the cache's record schema (format, field types and shapes), each record's policy
-    must be valid for this mpadvise, and its hardware fingerprint must be the one its hardware
-    profile and its policy's ``[tuned_on]`` record give: a record edited to claim other
-    hardware, or written by another fingerprint recipe, is refused.
-
-    Args:
-        file: a file written by ``mpadvise cache export``.
-
-    An entry keeps its exported id where this cache has no other entry with it; where one has,
-    it gets a new id, and ``renumbered`` maps the one to the other.
-
-    Returns:
-        ``{"file", "records", "imported", "kept_newer", "database", "ids", "renumbered"}``:
-        ``ids`` and ``renumbered`` list ``{"exported", "id"}`` for every written entry and for
-        those given a new id (``exported`` is null for a file from before ids were exported).
-
-    Raises:
-        UsageError: (exit 2) ``file`` is not there, or is not a file.
-        MpadviseError: the file or a record is refused; nothing was imported.
-    """
-    # A file named that is not there is a bad value, refused first; otherwise the store comes
-    # first: an unusable cache is the error to report, whatever the file holds.
-    if not file.exists():
-        raise UsageError(f"{file} does not exist; expected a file written by `mpadvise cache export`")
-    if not file.is_file():
-        raise UsageError(f"{file} is not a file; expected a file written by `mpadvise cache export`")
-    with _writable_store() as store:
-        records = read_export(file, check=_check_imported_record)
-        imported = store.import_validated(records)
-        return {
-            "file": str(file),
-            "records": len(records),
-            "imported": imported.written,
-            "kept_newer": len(records) - imported.written,
-            "database": str(store.path),
-            "ids": [{"exported": old, "id": new} for old, new in imported.ids],
-            "renumbered": [{"exported": old, "id": new} for old, new in imported.renumbered],
-        }
-
-
-def clear_report(older_than: datetime.timedelta | None, *,
-                 confirm: Callable[[Path], bool] | None = None) -> dict[str, Any]:
-    """Delete recommendations, all or those older than ``older_than``.
-
-    Args:
-        older_than: only entries older than this; ``None`` for all.
-        confirm: asked with the database's path once the cache is open, before anything is
-            deleted; ``None`` deletes without asking.
-
-    Returns:
-        ``{"deleted", "older_than_seconds", "database"}``.
-
-    Raises:
-        MpadviseError: the cache cannot be opened, or ``confirm`` said no (nothing deleted).
-    """
-    with _writable_store() as store:
-        if confirm is not None and not confirm(store.path):
-            raise MpadviseError(f"nothing deleted from {store.path}")
-        deleted = store.clear(older_than)
-        return {
-            "deleted": deleted,
-            "older_than_seconds": None if older_than is None else older_than.total_seconds(),
-            "database": str(store.path),
-        }
-
-
-# --------------------------------------------------------------------------------------
-# Rendering
-
-
-def render_show(report: dict[str, Any], console: Console) -> None:
-    """Print ``mpadvise show``: this machine's entries, then (``--all``) the others and why
-    they do not apply here; a plain sentence when there is nothing to list."""
-    devices = ", ".join(item["device"] for item in report["hardware"]) or "this machine"
-    if not report["cache"]:
-        console.print(f"No cache: {report['database']} cannot be used (see the warning above).", highlight=False)
-        return
-    here = [row for row in report["recommendations"] if row["this_machine"]]
-    other = [row for row in report["recommendations"] if not row["this_machine"]]
-    if not here:
-        console.print(
-            f"No recommendations cached for this machine ({devices}) in {report['database']}. "
-            "`mpadvise tune train.py` measures and caches one.",
-            highlight=False,
-        )
-    else:
-        table = _table(f"This machine ({devices})",
-                       ("id", SCRIPT_HEADER, "workload", "mode", SPEEDUP_HEADER, "tuned", "status"),
-                       legend=_legend(here))
-        for row in here:
-            status = "[green]valid[/]" if row["valid"] else f"[yellow]{row['status']}[/]"
-            table.add_row(
-                str(row["id"]), _script_cell(row), _short(row["workload_fp"]),
-                row["mode"], _figure_cell(row), row["tuned"], status,
-            )
-        console.print(table)
-    if other:
-        devices = _device_keys(other)
-        table = _table("Other hardware or versions (not applied here)",
-                       ("id", "device", SCRIPT_HEADER, "mode", "tuned", "why not"),
-                       legend=_device_legend(devices) + _args_legend(other))
-        for row in other:
-            table.add_row(
-                str(row["id"]), devices[_device_of(row)], _script_cell(row),
-                row["mode"], row["tuned"], row["status"].removeprefix("other hardware: "),
-            )
-        console.print(table)
-    render_guard_events(report.get("guard_events", []), console)
-    hidden = report["other_hardware"] - len(other)
-    if hidden:
-        console.print(
-            f"{_plural(hidden, 'entry', 'entries')} tuned on other hardware or versions not shown; "
-            "`mpadvise show --all` lists them.",
-            highlight=False,
-        )
-
-
-def _output() -> tuple[Console, Callable[[Any], None]]:
-    """The CLI's console and JSON printer; also attaches the log handler for cache warnings."""
-    get_logger()
-    return console, print_json
 
 
 def _machine_profiles() -> list[HardwareProfile]:
@@ -468,16 +248,12 @@ def _machine_profiles() -> list[HardwareProfile]:
     return probes.detect()
 
 
-def _database_path() -> Path:
-    return database_path()
-
-
 def _read_rows(*, events: bool = False) -> list[dict[str, Any]] | None:
     """Every recommendation (or, with ``events``, every guard event), newest first; ``None``
     when no cache can be opened (one warning)."""
     from advisor.cache import open_store
 
-    path = _database_path()
+    path = database_path()
     if nothing_cached_yet(path):
         return []
     store = open_store(path)
@@ -491,7 +267,7 @@ def _writable_store() -> Store:
     """The cache, for commands that need it: raises one clear line when it cannot be opened."""
     from advisor.cache import Store
 
-    return Store(_database_path())
+    return Store(database_path())
 
 
 def _check_imported_record(record: dict[str, Any]) -> None:
@@ -500,26 +276,20 @@ def _check_imported_record(record: dict[str, Any]) -> None:
     tuned = Policy.from_dict(record["policy"], source="policy").tuned_on
     claimed = record["hardware_fp"]
     if tuned is not None and tuned.hardware_fingerprint and tuned.hardware_fingerprint != claimed:
-        raise MpadviseError(
-            f"hardware_fp {claimed!r} disagrees with the policy's tuned_on.hardware_fingerprint "
-            f"{tuned.hardware_fingerprint!r}; the record was edited or is corrupt"
-        )
+        raise MpadviseError(f"hardware_fp {claimed!r} disagrees with the policy's tuned_on.hardware_fingerprint "
+                            f"{tuned.hardware_fingerprint!r}; the record was edited or is corrupt")
     profile = record["hardware"]
     if profile is None:
-        raise MpadviseError(
-            "it carries no hardware profile, so its hardware fingerprint cannot be checked; "
-            "export it again with `mpadvise cache export`"
-        )
+        raise MpadviseError("it carries no hardware profile, so its hardware fingerprint cannot be checked; "
+                            "export it again with `mpadvise cache export`")
     try:
         computed = hardware_fingerprint(HardwareProfile.from_dict(profile))
     except (TypeError, ValueError) as exc:
         raise MpadviseError(f"its hardware profile is invalid ({exc})") from None
     if computed != claimed:
-        raise MpadviseError(
-            f"hardware_fp {claimed!r} is not the fingerprint of its hardware profile "
-            f"({computed!r}): the record was edited, or written by an mpadvise with another "
-            "fingerprint recipe; export it again from the machine that tuned it"
-        )
+        raise MpadviseError(f"hardware_fp {claimed!r} is not the fingerprint of its hardware profile "
+                            f"({computed!r}): the record was edited, or written by an mpadvise with another "
+                            "fingerprint recipe; export it again from the machine that tuned it")
 
 
 app = typer.Typer(

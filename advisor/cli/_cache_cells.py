@@ -1,5 +1,4 @@
-"""The cells and tables that ``mpadvise show`` and ``mpadvise cache`` print, and the guard's
-events as ``show`` lists them."""
+"""The tables that ``mpadvise show`` and ``mpadvise cache`` print, and the guard's events."""
 
 from __future__ import annotations
 
@@ -12,6 +11,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from policies import Policy, PolicyError
+
+SPEEDUP_HEADER = "×fp32"  # a cache entry's figure: the tune's one speed-up, its winner's over fp32
+SPEEDUP_LEGEND = (f"{SPEEDUP_HEADER}: the winner's speed-up over fp32 (paired re-measurement where there was one; "
+                  "its interval: mpadvise cache show ID)")
+SCRIPT_HEADER = "script args"  # tells two tunes of one script apart
+FEWER_THREADS_MARK = "*"  # a figure measured on fewer CPU threads than torch's own
 
 
 def _table(title: str, columns: tuple[str, ...], *, legend: str | None = None) -> Table:
@@ -31,27 +36,8 @@ def _table(title: str, columns: tuple[str, ...], *, legend: str | None = None) -
     return table
 
 
-def _short(fingerprint: str) -> str:
-    # Tables show a prefix, as git shows short hashes; --json and `cache show` the whole key.
-    return fingerprint[:8]
-
-
 def _speedup(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
-
-
-SPEEDUP_HEADER = "×fp32"
-"""The header of a cache entry's figure: the tune's one speed-up, its winner's over fp32."""
-
-SPEEDUP_LEGEND = (f"{SPEEDUP_HEADER}: the winner's speed-up over fp32 (paired re-measurement where there was one; "
-                  "its interval: mpadvise cache show ID)")
-
-SCRIPT_HEADER = "script args"
-"""The column that tells two tunes of one script apart: the script and the arguments it was tuned with."""
-
-
-FEWER_THREADS_MARK = "*"
-"""After a figure measured on fewer CPU threads than torch's own (other processes kept cores busy)."""
 
 
 def _legend(rows: list[dict[str, Any]]) -> str:
@@ -70,7 +56,6 @@ def _speedup_threads(row: dict[str, Any]) -> int | None:
 
 
 def _figure_cell(row: dict[str, Any]) -> str:
-    """An entry's speed-up, marked when it was measured on fewer threads than torch's own."""
     figure = _speedup(row["speedup_vs_fp32"])
     return figure + FEWER_THREADS_MARK if row["speedup_vs_fp32"] is not None and _speedup_threads(row) else figure
 
@@ -82,13 +67,11 @@ def _args_legend(rows: list[dict[str, Any]]) -> str:
 
 
 def _script_cell(row: dict[str, Any]) -> str:
-    """``"train.py --epochs 1"``: the script and the arguments it was tuned with; ``?`` for
-    arguments an older tune did not record."""
+    """``"train.py --epochs 1"``; ``?`` for arguments an older tune did not record."""
     name = row["script_name"]
     if not name:
         return "-"
-    args = row["args"]
-    return f"{name} ?" if args is None else shlex.join([name, *args])
+    return f"{name} ?" if row["args"] is None else shlex.join([name, *row["args"]])
 
 
 def _speedup_with_interval(record: dict[str, Any]) -> str:
@@ -117,13 +100,6 @@ def _recorded_args(row: dict[str, Any]) -> list[str] | None:
     return None
 
 
-def _args(args: list[str] | None) -> str:
-    """An args cell: ``"--epochs 1"``, ``"(none)"``, or ``"-"`` when not recorded."""
-    if args is None:
-        return "-"
-    return shlex.join(args) if args else "(none)"
-
-
 def _plural(count: int, singular: str, plural: str | None = None) -> str:
     return f"{count} {singular if count == 1 else (plural or singular + 's')}"
 
@@ -135,7 +111,44 @@ def guard_event_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{key: event.get(key) for key in keep} for event in events]
 
 
-def render_guard_events(events: list[dict[str, Any]], console: Console) -> None:
+def render_show(report: dict[str, Any], console: Console) -> None:
+    """``mpadvise show``: this machine's entries, then (``--all``) the others and why they do not
+    apply here; a plain sentence when there is nothing to list."""
+    devices = ", ".join(item["device"] for item in report["hardware"]) or "this machine"
+    if not report["cache"]:
+        console.print(f"No cache: {report['database']} cannot be used (see the warning above).", highlight=False)
+        return
+    here = [row for row in report["recommendations"] if row["this_machine"]]
+    other = [row for row in report["recommendations"] if not row["this_machine"]]
+    if not here:
+        console.print(f"No recommendations cached for this machine ({devices}) in {report['database']}. "
+                      "`mpadvise tune train.py` measures and caches one.", highlight=False)
+    else:
+        table = _table(f"This machine ({devices})",
+                       ("id", SCRIPT_HEADER, "workload", "mode", SPEEDUP_HEADER, "tuned", "status"),
+                       legend=_legend(here))
+        for row in here:
+            status = "[green]valid[/]" if row["valid"] else f"[yellow]{row['status']}[/]"
+            table.add_row(str(row["id"]), _script_cell(row), row["workload_fp"][:8], row["mode"], _figure_cell(row),
+                          row["tuned"], status)
+        console.print(table)
+    if other:
+        keys = _device_keys(other)
+        table = _table("Other hardware or versions (not applied here)",
+                       ("id", "device", SCRIPT_HEADER, "mode", "tuned", "why not"),
+                       legend=_device_legend(keys) + _args_legend(other))
+        for row in other:
+            table.add_row(str(row["id"]), keys[_device_of(row)], _script_cell(row), row["mode"], row["tuned"],
+                          row["status"].removeprefix("other hardware: "))
+        console.print(table)
+    _render_guard_events(report.get("guard_events", []), console)
+    hidden = report["other_hardware"] - len(other)
+    if hidden:
+        console.print(f"{_plural(hidden, 'entry', 'entries')} tuned on other hardware or versions not shown; "
+                      "`mpadvise show --all` lists them.", highlight=False)
+
+
+def _render_guard_events(events: list[dict[str, Any]], console: Console) -> None:
     """The guard's events on this machine: what a long run saw, and what the next run applies."""
     if not events:
         return
@@ -148,7 +161,7 @@ def render_guard_events(events: list[dict[str, Any]], console: Console) -> None:
 
 
 def render_list(report: dict[str, Any], console: Console) -> None:
-    """Print every cached recommendation as a table."""
+    """Every cached recommendation as a table."""
     rows = report["recommendations"]
     if not report["cache"]:
         console.print(f"No cache: {report['database']} cannot be used (see the warning above).", highlight=False)
@@ -160,9 +173,9 @@ def render_list(report: dict[str, Any], console: Console) -> None:
     table = _table(report["database"], ("id", "device", SCRIPT_HEADER, "workload", "mode", SPEEDUP_HEADER, "tuned"),
                    legend=_device_legend(devices) + "\n" + _legend(rows))
     for row in rows:
-        table.add_row(
-            str(row["id"]), devices[_device_of(row)], _script_cell(row), _short(row["workload_fp"]), row["mode"], _figure_cell(row), row["tuned"],
-        )
+        # Tables show a fingerprint's prefix, as git shows short hashes; --json and `cache show` the whole key.
+        table.add_row(str(row["id"]), devices[_device_of(row)], _script_cell(row), row["workload_fp"][:8], row["mode"],
+                      _figure_cell(row), row["tuned"])
     console.print(table)
 
 
@@ -172,7 +185,7 @@ def _device_of(row: dict[str, Any]) -> str:
 
 def _device_keys(rows: list[dict[str, Any]]) -> dict[str, str]:
     """A short key per device (``d1``, ``d2``...) so a device column stays narrow; the legend
-    under the table names each device in full. One device needs no key: its name is the title's."""
+    under the table names each device in full."""
     names = list(dict.fromkeys(_device_of(row) for row in rows))
     return {name: f"d{i}" for i, name in enumerate(names, 1)}
 
@@ -182,14 +195,15 @@ def _device_legend(devices: dict[str, str]) -> str:
 
 
 def render_record(record: dict[str, Any], console: Console) -> None:
-    """Print one recommendation: facts, then its trials."""
+    """One recommendation: facts, then its trials."""
     summary = _summary_row(record)
     facts = Table(title=f"cache entry #{record['id']}", show_header=False, title_justify="left", title_style="bold")
     facts.add_column(style="cyan")
     facts.add_column(overflow="fold")
+    args = summary["args"]
     facts.add_row("policy", summary["mode"])
     facts.add_row("script", record["script"] or "-")
-    facts.add_row("arguments", _args(summary["args"]) if summary["args"] is not None else "- (not recorded)")
+    facts.add_row("arguments", "- (not recorded)" if args is None else shlex.join(args) if args else "(none)")
     facts.add_row("device", summary["device"] or "-")
     facts.add_row("hardware fingerprint", record["hardware_fp"])
     facts.add_row("workload fingerprint", record["workload_fp"])
@@ -207,16 +221,9 @@ def render_record(record: dict[str, Any], console: Console) -> None:
         table.add_column(column, overflow="fold")
     for trial in trials:
         goodput = trial.get("goodput")
-        table.add_row(
-            str(trial.get("number")), trial.get("mode") or "-", trial.get("outcome") or "-",
-            trial.get("verdict") or "-", "-" if goodput is None else f"{goodput:.1f}",
-            trial.get("reason") or "",
-        )
+        table.add_row(str(trial.get("number")), trial.get("mode") or "-", trial.get("outcome") or "-",
+                      trial.get("verdict") or "-", "-" if goodput is None else f"{goodput:.1f}", trial.get("reason") or "")
     console.print(table)
-
-
-# --------------------------------------------------------------------------------------
-# Helpers
 
 
 def _summary_row(row: dict[str, Any]) -> dict[str, Any]:

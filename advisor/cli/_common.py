@@ -1,5 +1,4 @@
-"""What every command shares: the consoles, the ``--json`` option, and the error boundary that
-turns ``MpadviseError`` into one red line and its exit code."""
+"""The consoles, the ``--json`` option, and the error boundary every command shares."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from probes import MpadviseError
-
-__all__ = ["JsonOption", "QuietOption", "console", "err_console", "fail", "handle_errors", "print_json"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

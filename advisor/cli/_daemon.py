@@ -1,11 +1,6 @@
 """``mpadvise daemon run|start|stop|status``: the local service, from the command line.
-
-Each command declares its options and delegates: ``run`` serves in the foreground
-(:func:`advisor.daemon.serve`); ``start`` runs that same command detached, in a session of its
-own with its output in ``daemon.log``, and returns once ``/health`` answers; ``stop`` sends
-SIGTERM to the pid in ``daemon.pid`` and waits; ``status`` asks the running daemon. FastAPI
-and uvicorn are imported only by ``run`` and ``start``.
-"""
+``start`` runs ``run`` detached, its output in ``daemon.log``, and returns once ``/health``
+answers; FastAPI and uvicorn are imported only by ``run`` and ``start``."""
 
 from __future__ import annotations
 
@@ -27,32 +22,16 @@ from advisor._secure import ensure_private_dir, ensure_private_file
 from advisor.cli._common import JsonOption, console, err_console, handle_errors, print_json
 from probes import MpadviseError, UsageError
 
-__all__ = ["app", "start_daemon", "status_report", "stop_daemon"]
-
 HostOption = Annotated[str, typer.Option("--host", help="Address to serve on; anything but loopback needs --allow-remote.")]
 PortOption = Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port; 0 picks a free one (daemon.json says which).")]
-UdsOption = Annotated[
-    Path | None, typer.Option("--uds", help="Serve on this Unix socket (mode 0600) instead of TCP.")
-]
-RemoteOption = Annotated[
-    bool,
-    typer.Option("--allow-remote", help="Allow a non-loopback --host. Anyone with the token can then run scripts here."),
-]
-RootOption = Annotated[
-    list[Path] | None,
-    typer.Option("--allowed-root", help="Jobs' scripts must be under this directory; repeat for several. Default: your home."),
-]
-
-RetentionOption = Annotated[
-    float,
-    typer.Option("--job-retention-days", min=0, envvar="MPADVISE_JOB_RETENTION_DAYS",
-                 help="Delete finished jobs (rows and logs) this many days after they finished; "
-                      "queued and running ones are kept."),
-]
-
-
-# --------------------------------------------------------------------------------------
-# Commands: declare and delegate
+UdsOption = Annotated[Path | None, typer.Option("--uds", help="Serve on this Unix socket (mode 0600) instead of TCP.")]
+RemoteOption = Annotated[bool, typer.Option(
+    "--allow-remote", help="Allow a non-loopback --host. Anyone with the token can then run scripts here.")]
+RootOption = Annotated[list[Path] | None, typer.Option(
+    "--allowed-root", help="Jobs' scripts must be under this directory; repeat for several. Default: your home.")]
+RetentionOption = Annotated[float, typer.Option(
+    "--job-retention-days", min=0, envvar="MPADVISE_JOB_RETENTION_DAYS",
+    help="Delete finished jobs (rows and logs) this many days after they finished; queued and running ones are kept.")]
 
 
 def run(
@@ -83,92 +62,6 @@ def start(
     json_output: JsonOption = False,
 ) -> None:
     """Start the daemon in the background (pid and log files in the cache directory)."""
-    info = start_daemon(host=host, port=port, uds=uds, allow_remote=allow_remote, allowed_roots=allowed_root or [],
-                        wait=wait, job_retention_days=job_retention_days)
-    if info.get("warning"):
-        err_console.print(f"[bold yellow]warning:[/] {info['warning']}", highlight=False, soft_wrap=True)
-    if json_output:
-        print_json(info)
-        return
-    console.print(f"mpadvise daemon started (pid {info['pid']}) on {info['url']}", highlight=False)
-    console.print(f"jobs run on: {', '.join(info.get('slots') or [])}; scripts allowed under: "
-                  f"{', '.join(info.get('roots') or [])}", highlight=False)
-    console.print(f"token: {info['token_file']}; log: {info['log']}; stop it with `mpadvise daemon stop`",
-                  highlight=False)
-
-
-def stop(
-    wait: Annotated[float, typer.Option("--wait", min=1, help="Seconds to wait for it to exit.")] = 30.0,
-    json_output: JsonOption = False,
-) -> None:
-    """Stop the background daemon (SIGTERM); a running job is queued again at the next start."""
-    info = stop_daemon(wait=wait)
-    if json_output:
-        print_json(info)
-    elif info["stopped"]:
-        console.print(f"stopped the mpadvise daemon (pid {info['pid']})", highlight=False)
-    else:
-        console.print(f"no mpadvise daemon is running for {info['directory']}; nothing to stop", highlight=False)
-
-
-def status(
-    limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Show at most this many recent jobs.")] = 20,
-    json_output: JsonOption = False,
-) -> None:
-    """Whether the daemon answers, its slots, and the recent jobs."""
-    report = status_report(limit=limit)
-    if json_output:
-        print_json(report)
-    else:
-        render_status(report, console)
-
-
-# --------------------------------------------------------------------------------------
-# The work
-
-
-def check_uds(uds: Path | None) -> None:
-    """Refuse now, in one line, a ``--uds`` socket path whose directory is not there: the
-    daemon could not listen on it.
-
-    Raises:
-        UsageError: (exit 2) its directory does not exist, or is not a directory.
-    """
-    if uds is None:
-        return
-    directory = uds.absolute().parent
-    if not directory.is_dir():
-        why = "is not a directory" if directory.exists() else "does not exist"
-        raise UsageError(f"--uds {uds}: its directory {directory} {why}; name a socket path in an existing "
-                         "directory")
-
-
-def start_daemon(
-    *,
-    host: str,
-    port: int,
-    uds: Path | None,
-    allow_remote: bool,
-    allowed_roots: list[Path],
-    wait: float,
-    job_retention_days: float | None = None,
-) -> dict[str, Any]:
-    """Run ``mpadvise daemon run`` detached and wait until ``/health`` answers.
-
-    Args:
-        host, port, uds, allow_remote, allowed_roots, job_retention_days: as for ``daemon run``
-            (``None``: its default, or ``MPADVISE_JOB_RETENTION_DAYS`` in the environment).
-        wait: seconds to wait for the first answer.
-
-    Returns:
-        The daemon's address record (``pid``, ``url``, ``log``, ``token_file``, ``slots``...),
-        plus ``warning`` for a remote bind.
-
-    Raises:
-        UsageError: a refused ``--uds`` path (exit 2).
-        MpadviseError: a refused address (exit 2), a daemon already running, or one that
-            exited or did not answer in time (the message quotes its log).
-    """
     from advisor.daemon import DaemonClient, DaemonPaths, check_bind, daemon_running
 
     # Refuse here, in the user's terminal, rather than in a log file they may not read.
@@ -187,10 +80,9 @@ def start_daemon(
         argv += ["--uds", str(uds.absolute())]
     if allow_remote:
         argv.append("--allow-remote")
-    for root in allowed_roots:
+    for root in allowed_root or []:
         argv += ["--allowed-root", str(root.absolute())]
-    if job_retention_days is not None:
-        argv += ["--job-retention-days", repr(float(job_retention_days))]
+    argv += ["--job-retention-days", repr(float(job_retention_days))]
     env = dict(os.environ)
     # The daemon runs from / (it must not keep a directory busy), so a relative cache
     # directory has to be made absolute for it.
@@ -207,10 +99,8 @@ def start_daemon(
     while True:
         code = process.poll()
         if code is not None:
-            raise MpadviseError(
-                f"the daemon exited at start (code {code}): {_last_log_line(paths.log)} (log: {paths.log})",
-                exit_code=code if code == 2 else 1,
-            )
+            raise MpadviseError(f"the daemon exited at start (code {code}): {_last_log_line(paths.log)} "
+                                f"(log: {paths.log})", exit_code=code if code == 2 else 1)
         address = _address(paths)
         if address.get("pid") == process.pid:
             client = DaemonClient.for_address(address)  # a wildcard bind is reached through the loopback
@@ -223,20 +113,83 @@ def start_daemon(
             os.killpg(process.pid, signal.SIGTERM)
             raise MpadviseError(f"the daemon did not answer within {wait:g} s; see {paths.log}")
         time.sleep(0.1)
-    return {**address, "warning": warning}
+    info = {**address, "warning": warning}
+    if warning:
+        err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+    if json_output:
+        print_json(info)
+        return
+    console.print(f"mpadvise daemon started (pid {info['pid']}) on {info['url']}", highlight=False)
+    console.print(f"jobs run on: {', '.join(info.get('slots') or [])}; scripts allowed under: "
+                  f"{', '.join(info.get('roots') or [])}", highlight=False)
+    console.print(f"token: {info['token_file']}; log: {info['log']}; stop it with `mpadvise daemon stop`",
+                  highlight=False)
+
+
+def stop(
+    wait: Annotated[float, typer.Option("--wait", min=1, help="Seconds to wait for it to exit.")] = 30.0,
+    json_output: JsonOption = False,
+) -> None:
+    """Stop the background daemon (SIGTERM); a running job is queued again at the next start."""
+    from advisor.daemon import DaemonPaths, daemon_running
+
+    paths = DaemonPaths.here()
+    pid = None
+    if daemon_running(paths):
+        try:
+            pid = int(paths.pid.read_text().strip())
+        except (OSError, ValueError):
+            raise MpadviseError(f"a daemon holds {paths.lock} but {paths.pid} is missing or unreadable; "
+                                "find it with `fuser` or `lsof` on the lock file and stop it by hand") from None
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            raise MpadviseError(f"not allowed to signal the daemon (pid {pid}); it runs as another user") from None
+        deadline = time.monotonic() + wait
+        while daemon_running(paths):
+            if time.monotonic() > deadline:
+                raise MpadviseError(f"the daemon (pid {pid}) did not stop within {wait:g} s; "
+                                    f"`kill -9 {pid}` forces it (its jobs are queued again at the next start)")
+            time.sleep(0.1)
+    if json_output:
+        print_json({"stopped": pid is not None, "pid": pid, "directory": str(paths.directory)})
+    elif pid is not None:
+        console.print(f"stopped the mpadvise daemon (pid {pid})", highlight=False)
+    else:
+        console.print(f"no mpadvise daemon is running for {paths.directory}; nothing to stop", highlight=False)
+
+
+def status(
+    limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Show at most this many recent jobs.")] = 20,
+    json_output: JsonOption = False,
+) -> None:
+    """Whether the daemon answers, its slots, and the recent jobs."""
+    from advisor.daemon import DaemonClient
+
+    client = DaemonClient.local(need_token=True)  # reading jobs needs the token
+    report = {"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)}
+    if json_output:
+        print_json(report)
+    else:
+        render_status(report, console)
+
+
+def check_uds(uds: Path | None) -> None:
+    """Refuse now, in one line, a ``--uds`` socket path whose directory is not there."""
+    if uds is None:
+        return
+    directory = uds.absolute().parent
+    if not directory.is_dir():
+        why = "is not a directory" if directory.exists() else "does not exist"
+        raise UsageError(f"--uds {uds}: its directory {directory} {why}; name a socket path in an existing "
+                         "directory")
 
 
 def rotate_log(path: Path, *, max_bytes: int | None = None, keep: int | None = None) -> None:
-    """Move ``path`` to ``path.1`` (and ``.1`` to ``.2``...) once it is ``max_bytes`` or more.
-
-    The daemon's output goes to this file for as long as it runs; rotating at each start
-    bounds what a long series of daemons leaves behind.
-
-    Args:
-        path: the log file.
-        max_bytes: rotate at this size; default :data:`MAX_DAEMON_LOG_BYTES`.
-        keep: old logs kept; default :data:`DAEMON_LOGS_KEPT`.
-    """
+    """Move ``path`` to ``path.1`` (and ``.1`` to ``.2``...) once it is ``max_bytes`` or more:
+    rotating at each start bounds what a long series of daemons leaves behind."""
     from advisor.daemon import DAEMON_LOGS_KEPT, MAX_DAEMON_LOG_BYTES
 
     max_bytes = MAX_DAEMON_LOG_BYTES if max_bytes is None else max_bytes
@@ -255,63 +208,7 @@ def rotate_log(path: Path, *, max_bytes: int | None = None, keep: int | None = N
             os.replace(newer, older)
 
 
-def stop_daemon(*, wait: float) -> dict[str, Any]:
-    """SIGTERM the daemon named by ``daemon.pid`` and wait for it to let go of its lock.
-
-    Args:
-        wait: seconds to wait.
-
-    Returns:
-        ``{"stopped": bool, "pid": int | None, "directory": str}``.
-
-    Raises:
-        MpadviseError: no pid file for a running daemon, or it did not exit in time.
-    """
-    from advisor.daemon import DaemonPaths, daemon_running
-
-    paths = DaemonPaths.here()
-    if not daemon_running(paths):
-        return {"stopped": False, "pid": None, "directory": str(paths.directory)}
-    try:
-        pid = int(paths.pid.read_text().strip())
-    except (OSError, ValueError):
-        raise MpadviseError(f"a daemon holds {paths.lock} but {paths.pid} is missing or unreadable; "
-                            "find it with `fuser` or `lsof` on the lock file and stop it by hand") from None
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        raise MpadviseError(f"not allowed to signal the daemon (pid {pid}); it runs as another user") from None
-    deadline = time.monotonic() + wait
-    while daemon_running(paths):
-        if time.monotonic() > deadline:
-            raise MpadviseError(f"the daemon (pid {pid}) did not stop within {wait:g} s; "
-                                f"`kill -9 {pid}` forces it (its jobs are queued again at the next start)")
-        time.sleep(0.1)
-    return {"stopped": True, "pid": pid, "directory": str(paths.directory)}
-
-
-def status_report(*, limit: int = 20) -> dict[str, Any]:
-    """What the running daemon says about itself and its recent jobs.
-
-    Args:
-        limit: how many recent jobs.
-
-    Returns:
-        ``{"running": True, "where": ..., "health": {...}, "jobs": [...]}``.
-
-    Raises:
-        MpadviseError: no daemon runs, or it does not answer.
-    """
-    from advisor.daemon import DaemonClient
-
-    client = DaemonClient.local(need_token=True)  # reading jobs needs the token
-    return {"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)}
-
-
 def render_status(report: dict[str, Any], console: Console) -> None:
-    """Print the daemon's health, slots and jobs as tables."""
     health = report["health"]
     counts = ", ".join(f"{n} {state}" for state, n in health["jobs"].items() if n) or "no jobs waiting or running"
     console.print(f"mpadvise daemon {health['version']} at {report['where']} (pid {health['pid']}, "
@@ -351,10 +248,6 @@ def _job_line(job: dict[str, Any]) -> str:
     return str((progress.get("recent") or [None])[-1] or progress.get("message") or "")
 
 
-# --------------------------------------------------------------------------------------
-# Small helpers
-
-
 def _address(paths: Any) -> dict[str, Any]:
     try:
         data = json.loads(paths.address.read_text())
@@ -383,11 +276,8 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
-app = typer.Typer(
-    name="daemon",
-    help="A local service: cached recommendations over HTTP, and tune jobs queued one per GPU.",
-    no_args_is_help=True,
-)
+app = typer.Typer(name="daemon", help="A local service: cached recommendations over HTTP, and tune jobs queued one "
+                  "per GPU.", no_args_is_help=True)
 app.command("run")(handle_errors(run))
 app.command("start")(handle_errors(start))
 app.command("stop")(handle_errors(stop))

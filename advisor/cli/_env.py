@@ -1,10 +1,6 @@
-"""``mpadvise env``: what a bug report needs about this machine, in one block to paste.
-
-Versions (mpadvise, Python, torch and its CUDA build, the optional libraries), the OS, the CPU
-and the flags that decide low-precision speed on it, every GPU the probes see, the capability
-line, the cache path and the ``MPADVISE_*`` environment, with secrets masked. Nothing here
-needs a GPU or NVML: a machine without them reports none.
-"""
+"""The machine's commands: ``mpadvise env``, what a bug report needs about this machine in one
+block to paste, secrets masked (nothing here needs a GPU or NVML); and how ``mpadvise probe``
+shows ``advisor._hardware.probe_report`` as tables."""
 
 from __future__ import annotations
 
@@ -16,11 +12,11 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
 from advisor.tune import shown_url
-
-__all__ = ["OPTIONAL_PACKAGES", "env", "env_report", "mask_secret", "render_env"]
 
 # The distributions whose versions change what mpadvise can do, each with the names it ships
 # under (Transformer Engine's wheels have been published under several).
@@ -54,19 +50,8 @@ def env(json_output: JsonOption = False) -> None:
 
 
 def mask_secret(name: str, value: str) -> str:
-    """``value`` of environment variable ``name`` as it may appear in a public bug report.
-
-    A variable whose name says it holds a secret (``..._TOKEN``, ``..._PASSWORD``) is masked
-    whole; a URL keeps its scheme, host and path, with its password and any secret-looking
-    query parameter masked (``postgresql://tuner:****@db:5432/studies``).
-
-    Args:
-        name: the variable's name.
-        value: its value.
-
-    Returns:
-        The value, masked where it holds a secret.
-    """
+    """``value`` of variable ``name`` as a public bug report may show it: whole for a name that
+    says secret (``..._TOKEN``), a URL's password and secret-looking query parameters masked."""
     if any(word in name.upper() for word in _SECRET_WORDS):
         return MASK if value else value
     if "://" not in value:
@@ -83,15 +68,7 @@ def mask_secret(name: str, value: str) -> str:
 
 
 def env_report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Everything ``mpadvise env`` prints, as plain data (``--json`` prints it as is).
-
-    Args:
-        environ: the environment to read ``MPADVISE_*`` from; default ``os.environ``.
-
-    Returns:
-        ``{"mpadvise", "python", "torch", "packages", "os", "cpu", "gpus", "capability",
-        "cache", "environment"}``; a package that is not installed is ``None``.
-    """
+    """Everything ``mpadvise env`` prints, as plain data (``--json`` prints it as is)."""
     import probes
     from advisor._paths import database_path
     from advisor._version import __version__
@@ -125,10 +102,7 @@ def render_env(report: dict[str, Any], console: Console) -> None:
     """Print the report as a Markdown list to paste into a bug report, one fact per line,
     never wrapped (a wrapped line pasted into an issue reads as two facts)."""
     torch = report["torch"]
-    if torch is None:
-        torch_line = "not installed"
-    else:
-        torch_line = f"{torch['version']} ({torch['build']})"
+    torch_line = "not installed" if torch is None else f"{torch['version']} ({torch['build']})"
     cpu = report["cpu"]
     flags = ", ".join(_CPU_FLAG_NAMES.get(flag, flag) for flag in cpu["flags"]) or "none that matter"
     lines = [
@@ -148,10 +122,7 @@ def render_env(report: dict[str, Any], console: Console) -> None:
                          + (", MIG on" if gpu.get("mig") else ""))
     else:
         lines.append("- GPUs: none visible")
-    lines += [
-        f"- capability: {report['capability']}",
-        f"- cache: {report['cache']}",
-    ]
+    lines += [f"- capability: {report['capability']}", f"- cache: {report['cache']}"]
     environment = report["environment"]
     if environment:
         lines.append("- environment: " + ", ".join(f"{name}={value}" for name, value in environment.items()))
@@ -162,7 +133,6 @@ def render_env(report: dict[str, Any], console: Console) -> None:
 
 
 def _torch() -> dict[str, Any] | None:
-    """torch's version and how it was built; ``None`` when torch is missing."""
     try:
         import torch
     except ImportError:
@@ -197,9 +167,80 @@ def _gpus() -> list[dict[str, Any]]:
         return []
     gpus = []
     for p in profiles:
-        memory = "-" if p.memory_total is None else f"{p.memory_total / 2**30:.1f} GiB"
         gpus.append({"index": p.index, "name": p.name,
                      "compute_capability": ".".join(map(str, p.compute_capability or ())) or None,
-                     "memory": memory, "driver": p.driver_version, "cuda_runtime": p.cuda_runtime,
+                     "memory": _gib(p.memory_total), "driver": p.driver_version, "cuda_runtime": p.cuda_runtime,
                      "mig": p.mig_enabled})
     return gpus
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.1f} GiB"
+
+
+def render_probe(report: dict[str, Any], console: Console) -> None:
+    for device in report["devices"]:
+        p = device["profile"]
+        primary = " (training device)" if device["fingerprint"] == report["primary"] else ""
+        title = f"{p['name']}{primary}"
+        facts = Table(title=title, show_header=False, title_justify="left", title_style="bold")
+        facts.add_column(style="cyan")
+        facts.add_column()
+        facts.add_row("kind", p["kind"] + (f" (cuda:{p['index']})" if p["kind"] == "cuda" else ""))
+        facts.add_row("capability", device["capability"])
+        if p["kind"] == "cuda":
+            facts.add_row("compute capability", ".".join(map(str, p["compute_capability"] or [])))
+            facts.add_row("SMs", str(p["sm_count"]))
+            facts.add_row("memory", f"{_gib(p['memory_total'])} total, {_gib(p['memory_free'])} free")
+            facts.add_row("driver / CUDA", f"{p['driver_version'] or '-'} / {p['cuda_runtime'] or '-'}")
+            facts.add_row("MIG", {True: "on", False: "off", None: "unknown"}[p["mig_enabled"]])
+            if device["peak_tflops"]:
+                peaks = ", ".join(f"{k} {v:g}" for k, v in device["peak_tflops"].items())
+                facts.add_row("datasheet peak TFLOP/s", peaks)
+        else:
+            facts.add_row("cores", str(p["cores"]))
+            facts.add_row("memory", _gib(p["memory_total"]))
+            facts.add_row("precision ISA flags", ", ".join(p["cpu_flags"]) or "none")
+        facts.add_row("torch", str(p["torch_version"]))
+        libs = ", ".join(f"{k} {v or 'not installed'}" for k, v in p["libraries"].items())
+        facts.add_row("FP8 libraries", libs or "-")
+        facts.add_row("fingerprint", device["fingerprint"])
+        facts.add_row("safe default", f"[bold]{device['safe_default']['mode']}[/]: {device['safe_default']['reason']}")
+        console.print(facts)
+
+        modes = Table(title_justify="left")
+        modes.add_column("mode")
+        modes.add_column("supported")
+        modes.add_column("why")
+        for name, info in device["modes"].items():
+            mark = "[yellow]emulated[/]" if info["emulated"] else ("[green]yes[/]" if info["supported"] else "[red]no[/]")
+            modes.add_row(name, mark, info["reason"])
+        console.print(modes)
+
+        if "bench" in device:
+            console.print(_bench_table(device["bench"]))
+
+
+def _bench_table(rows: list[dict[str, Any]]) -> Table:
+    """The matmul benchmark's rows; a dtype that was not measured shows why, not a figure."""
+    table = Table(title="matmul micro-benchmark", title_justify="left")
+    for col in ("dtype", "size", "TFLOP/s", "vs fp32", "of peak"):
+        table.add_column(col, justify="right" if col != "dtype" else "left")
+    # A dtype is skipped for fp8 without torch._scaled_mm, an OOM at the default size, or a
+    # kernel this build lacks; its row has no figures, only the reason.
+    if any(row.get("tflops") is None for row in rows):
+        table.add_column("note")
+    for row in rows:
+        if row.get("tflops") is None:
+            reason = escape(row.get("skipped") or "not measured")
+            table.add_row(row["dtype"], str(row["size"]), "-", "-", "-", f"[yellow]skipped[/]: {reason}")
+            continue
+        ratio, frac = row.get("ratio_vs_fp32"), row.get("fraction_of_peak")
+        table.add_row(
+            row["dtype"],
+            str(row["size"]),
+            f"{row['tflops']:.3f}",
+            f"{ratio:.2f}x" if ratio else "-",
+            f"{frac:.0%}" if frac else "-",
+        )
+    return table

@@ -1,11 +1,6 @@
-"""``mpadvise export [CONFIG] --to TARGET``: a tuned policy as a framework's own settings.
-
-CONFIG is a config file (``.toml``, as ``mpadvise tune`` writes it), exported as it stands,
-whatever machine this is; or a training script (``.py``), whose policy resolves as
-``mpadvise policy SCRIPT`` resolves it here. The export itself is ``frameworks.export_policy``
-(pure); this module reads the policy, prints or writes the result, and puts the warnings and
-notes on stderr.
-"""
+"""``mpadvise export [CONFIG] --to TARGET``: a tuned policy as a framework's own settings (the
+export itself is ``frameworks.export_policy``); and ``mpadvise policy``: which policy
+``load_policy()`` would apply for a script, and why."""
 
 from __future__ import annotations
 
@@ -17,28 +12,20 @@ from typing import Any
 
 from rich.markup import escape
 
+import probes
+from advisor._load import resolve_policy
 from advisor._secure import write_file_atomic
+from advisor.cache import lookup
 from advisor.cli._common import err_console, print_json
-from advisor.frameworks import Export, check_target, export_policy, script_for
+from advisor.frameworks import check_target, export_policy, script_for
 from policies import Policy, load_config
-from probes import MpadviseError, UsageError
+from probes import MpadviseError, UsageError, hardware_fingerprint
 
 
 def export_command(config: Path | None, *, target: str | None, out: Path | None, json_output: bool,
                    force: bool = False) -> None:
-    """Export the policy of ``config`` to ``target``; print it, or write it to ``out``.
-
-    ``out`` is written whole (a random name beside it, renamed onto it), never through a name
-    another user planted. An existing ``out`` is replaced only with ``force``, and never when it
-    is ``config`` itself or a ``.py`` file other than an earlier export (see ``out_refusal``).
-
-    Raises:
-        UsageError: no CONFIG, a missing one, an unknown target, a CONFIG that is neither .toml
-            nor .py, an ``out`` that exists (without ``force``), must not be replaced, or lies in
-            a directory that does not exist.
-        MpadviseError: an export the target refuses
-            (``ExportRefused``: one line saying what of the policy the target cannot express).
-    """
+    """Export the policy of ``config`` to ``target``; print it, or write it to ``out`` whole
+    (never through a planted name; an existing one only as ``out_refusal`` allows)."""
     target = check_target(target)
     if out is not None:
         refusal = out_refusal(out, config=config, force=force)
@@ -49,7 +36,7 @@ def export_command(config: Path | None, *, target: str | None, out: Path | None,
     policy, source, device = resolve_for_export(config)
     export = export_policy(policy, target, device=device, source=source, script=script_for(config))
     if json_output:
-        document = export_document(export, policy, source=source, device=device)
+        document = {"policy": policy.to_dict(), "source": source, "device": device, **export.to_dict()}
         if out is None:
             print_json(document)
         else:
@@ -80,7 +67,6 @@ def _cuda_elsewhere(policy: Policy, target: str) -> str | None:
     """What a CUDA export means on this machine when it has no CUDA device, or ``None`` when it
     has one: the settings are for a GPU, and here the framework would train on the CPU, or
     could not apply the policy at all."""
-    import probes
     from advisor.frameworks import FRAMEWORKS, framework_class, refusal
 
     if probes.primary_profile().is_cuda:
@@ -97,18 +83,9 @@ def _cuda_elsewhere(policy: Policy, target: str) -> str | None:
     return f"{text}: here {label} would apply it on the CPU, where it was never measured"
 
 
-def export_document(export: Export, policy: Policy, *, source: str, device: str) -> dict[str, Any]:
-    """What ``--json`` prints: the policy, where it came from, and the export."""
-    return {"policy": policy.to_dict(), "source": source, "device": device, **export.to_dict()}
-
-
 def resolve_for_export(config: Path | None) -> tuple[Policy, str, str]:
-    """The policy to export, where it came from, and the device it trains on (``cuda``/``cpu``).
-
-    Raises:
-        UsageError: no CONFIG, one that does not exist or does not load, or one that is neither
-            a config file nor a script.
-    """
+    """The policy to export, where it came from, and the device it trains on (``cuda``/``cpu``):
+    a config file as it stands, whatever machine this is; a script's as ``mpadvise policy`` resolves it."""
     if config is None:
         raise UsageError(
             "mpadvise export needs a config file (.toml) or a training script (.py): "
@@ -128,9 +105,6 @@ def resolve_for_export(config: Path | None) -> tuple[Policy, str, str]:
         except MpadviseError as exc:
             raise UsageError(str(exc)) from None
         return policy, f"config file {config}", _device_of(policy, local_cuda=None)
-    import probes
-    from advisor.cli._policy import explain_policy
-
     info = explain_policy(config, device=None)
     policy = Policy.from_dict(info["policy"], source=info["source"])
     return policy, info["source"], _device_of(policy, local_cuda=probes.profile_for(None).is_cuda)
@@ -147,21 +121,14 @@ def _device_of(policy: Policy, *, local_cuda: bool | None) -> str:
     return "cuda"
 
 
+# How a .py export begins (its docstring): export --out replaces a .py file only when it is one.
 EXPORT_MARKS = ("'mpadvise policy ", '"mpadvise policy ')
-"""How a ``.py`` export begins (its docstring), so that an earlier export can be told from a
-script: ``export --out`` replaces a ``.py`` file only when it is one."""
 
 
 def out_refusal(out: Path, *, config: Path | None, force: bool) -> str | None:
-    """Why ``export --out`` must not write ``out``, or ``None`` when it may.
-
-    The rule: a new file is always written. An existing one is replaced only with ``--force``,
-    and never, even with ``--force``, when it is the config file or training script being
-    exported (the same file, through any path or link), a directory, or a ``.py`` file that
-    does not begin as an export of ``mpadvise export`` does (a training script, most likely).
-    A symlink at ``out`` is replaced by the export, not followed: what it points to is never
-    written, so only ``--force`` is asked for (unless it points to the script being exported).
-    """
+    """Why ``export --out`` must not write ``out``, or ``None`` when it may: an existing file is
+    replaced only with ``--force``, and never when it is the file being exported, a directory, or
+    a ``.py`` file that is no earlier export. A symlink there is replaced, never followed."""
     if not os.path.lexists(out):
         return None
     if config is not None and config.exists() and out.exists() and os.path.samefile(out, config):
@@ -182,7 +149,6 @@ def out_refusal(out: Path, *, config: Path | None, force: bool) -> str | None:
 
 
 def _earlier_export(path: Path) -> bool:
-    """Whether ``path`` begins as a ``.py`` export of ``mpadvise export`` does."""
     try:
         with open(path, encoding="utf-8") as handle:
             first = handle.readline(200)
@@ -192,8 +158,34 @@ def _earlier_export(path: Path) -> bool:
 
 
 def _write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole, or not at all (``write_file_atomic``)."""
     try:
         write_file_atomic(path, text)
     except OSError as exc:
         raise MpadviseError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def explain_policy(target: Path | None, *, device: str | None) -> dict[str, Any]:
+    """Resolve as ``load_policy()`` does for ``target``: a config file as ``load_policy(path)``
+    takes it, a script through ``MPADVISE_POLICY``, the config beside it, the cache, the default."""
+    profile = probes.profile_for(device)
+    if target is not None and not target.exists():
+        raise UsageError(f"{target} does not exist")
+    if target is not None and target.suffix == ".toml":
+        try:
+            load_config(target)  # a file that does not load is a bad argument, as to export and run
+        except MpadviseError as exc:
+            raise UsageError(str(exc)) from None
+        resolution = resolve_policy(target, profile=profile, script=None, environ=os.environ)
+    else:
+        script = target.resolve() if target is not None else None
+        resolution = resolve_policy(None, profile=profile, script=script, environ=os.environ, cached=lookup)
+    mismatch = resolution.mismatch
+    return {
+        "hardware": {"name": profile.name, "fingerprint": hardware_fingerprint(profile)},
+        "source": resolution.source,
+        "kind": resolution.kind.value,
+        "policy": resolution.policy.to_dict(),
+        "describe": resolution.policy.describe(),
+        "not_applied_because": None if mismatch is None else mismatch.reason(),
+        "differences": [] if mismatch is None else [d.to_dict() for d in mismatch.differences],
+    }

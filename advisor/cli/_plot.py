@@ -1,25 +1,18 @@
-"""``mpadvise trial --plot``: a figure that shows why each verdict is what it is.
-
-One panel per candidate, each against the fp32 reference: the curves the verdict judges (the
-losses smoothed with the verdict's own window, by ``_stability.basis``), the per-step losses
-faint behind them, the limits the verdict applied (the final-loss band above fp32's end level,
-the level a candidate had to reach to keep pace, the divergence level where it climbed), a red
-x where a loss went NaN or inf, and the verdict's reason in words under the panel. A last panel
-shows each trial's median step time. matplotlib is imported only when a plot is asked for.
-"""
+"""``mpadvise trial --plot``: one panel per candidate against fp32 (the curves as the verdict
+smooths them, the limits it applied, NaNs, its reason), then the step times. matplotlib is
+imported only when a plot is asked for."""
 
 from __future__ import annotations
 
 import io
 import math
-import os
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from advisor.tune import Basis, StabilityThresholds, TrialCurve, basis, curve_of, smooth
-from probes import MpadviseError, check_writable, write_file_atomic
+from probes import MpadviseError, write_file_atomic
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -35,84 +28,31 @@ _WRAP = 150  # characters per line of a reason
 _REFERENCE_COLOR, _BAD, _GOOD = "black", "tab:red", "tab:green"
 
 
-def plot_trials(
-    path: str,
-    reference: Evaluation,
-    evaluations: list[Evaluation],
-    *,
-    replicate: TrialCurve | None = None,
-    thresholds: StabilityThresholds | None = None,
-    advice: Mapping[str, str] | None = None,
-    judged_against: Mapping[str, TrialCurve] | None = None,
-) -> None:
-    """Write ``trial_figure`` to ``path``, in the format its extension names (PNG without one).
-
-    The image is drawn in memory and written as every file mpadvise writes is
-    (``write_file_atomic``): whole, and never through a link planted at its name.
-
-    Raises:
-        MpadviseError: matplotlib is missing, it cannot draw that format, or the file cannot be
-            written.
-    """
+def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation], *, replicate: TrialCurve | None = None,
+                thresholds: StabilityThresholds | None = None, advice: Mapping[str, str] | None = None,
+                judged_against: Mapping[str, TrialCurve] | None = None) -> None:
+    """Write ``trial_figure`` to ``path``, in the format its extension names (PNG without one),
+    whole and never through a planted link."""
     fig = trial_figure(reference, evaluations, replicate=replicate, thresholds=thresholds, advice=advice,
                        judged_against=judged_against)
     image = io.BytesIO()
     try:
         fig.savefig(image, format=Path(path).suffix[1:].lower() or "png", dpi=110)
     except ValueError as exc:  # a format matplotlib does not know
-        raise MpadviseError(f"cannot write plot {path}: {_first_line(exc)}") from None
+        raise MpadviseError(f"cannot write plot {path}: {(str(exc) or type(exc).__name__).splitlines()[0]}") from None
     try:
         write_file_atomic(path, image.getvalue())
     except OSError as exc:
         raise MpadviseError(f"cannot write plot {path}: {exc.strerror or exc}") from None
 
 
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-
-def check_plot_target(path: str | os.PathLike[str]) -> None:
-    """Refuse now, in one line, a plot that could not be drawn or written once the trials have
-    run: matplotlib missing, or a path that cannot be written.
-
-    Raises:
-        MpadviseError: the reason.
-    """
-    _figure_class()
-    check_writable(path, "plot")
-
-
-def trial_figure(
-    reference: Evaluation,
-    evaluations: list[Evaluation],
-    *,
-    replicate: TrialCurve | None = None,
-    thresholds: StabilityThresholds | None = None,
-    advice: Mapping[str, str] | None = None,
-    judged_against: Mapping[str, TrialCurve] | None = None,
-) -> Figure:
-    """The figure of a trial: one panel per candidate against fp32, and the step times.
-
-    Artists carry a ``gid`` naming what they show, so the figure can be read without the PNG:
-    ``smoothed:<label>``, ``raw:<label>``, ``smoothed:fp32@<label>`` (fp32 in that panel),
-    ``nonfinite:<label>`` (the red x, with the text ``NaN at step N``), ``limit:final``,
-    ``limit:progress``, ``limit:climb``, and each reason's figure text ``reason:<label>``.
-
-    Args:
-        reference: the fp32 reference's evaluation.
-        evaluations: each candidate's.
-        replicate: fp32's perturbed replicate, as the verdicts were given it (its spread widens
-            the limits), or ``None``.
-        thresholds: the limits the verdicts applied; the defaults when ``None``.
-        advice: words to add after a candidate's reason, by label (what to change after a
-            timeout, say).
-        judged_against: by label, the replicate a candidate's verdict was given against when
-            it is not ``replicate`` (a narrow stall judged again against a second one).
-
-    Raises:
-        MpadviseError: matplotlib is missing.
-    """
-    figure_class = _figure_class()
+def trial_figure(reference: Evaluation, evaluations: list[Evaluation], *, replicate: TrialCurve | None = None,
+                 thresholds: StabilityThresholds | None = None, advice: Mapping[str, str] | None = None,
+                 judged_against: Mapping[str, TrialCurve] | None = None) -> Figure:
+    """The figure of a trial. Artists carry a ``gid`` naming what they show (``smoothed:<label>``,
+    ``raw:<label>``, ``limit:final``, ``reason:<label>``...), so it can be read without the PNG;
+    ``judged_against`` names, by label, a replicate other than ``replicate`` a verdict was given against."""
+    figure_class = check_matplotlib()
     panels = evaluations or [reference]
     reasons = [_wrapped(ev, (advice or {}).get(ev.label)) for ev in panels]
     heights = [_PANEL + _TICKS + len(lines) * _LINE + _GAP for lines in reasons]
@@ -138,7 +78,8 @@ def trial_figure(
     return fig
 
 
-def _figure_class() -> Any:
+def check_matplotlib() -> Any:
+    """matplotlib's Figure, or one line saying how to install it (checked before the trials)."""
     try:
         import matplotlib
 

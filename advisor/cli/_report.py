@@ -1,9 +1,10 @@
-"""How trial and tune results are shown: progress, the trial table, and a tune's report: the
-answer at a glance (``_report_answer``) or the whole of it (``_report_details``, ``--verbose``),
-both made of ``_report_cells``."""
+"""Progress bars, the trial table, and a tune's report: the answer at a glance (the winner with
+its one figure, a short table, where the config went and the next step; every line fits 80
+columns) or, with ``--verbose``, the whole of it (``_report_cells.render_details``)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,44 +22,31 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from advisor.cli._report_answer import render_answer
 from advisor.cli._report_cells import (
+    NOISY_SPREAD,
     VERDICT_STYLE,
     candidate_spread,
     compact_table,
     fmt_bytes,
-    print_disturbances,
-    spread_line,
+    is_reference_row,
+    pasteable_path,
+    remeasured_goodput,
+    render_details,
+    row_speedup,
+    run_command,
+    shows_paired,
     spread_text,
 )
-from advisor.cli._report_details import render_details
 from advisor.tune import run_ratio_text
 
 if TYPE_CHECKING:
     from advisor.tune import Evaluation, Measured
 
-__all__ = [
-    "VERDICT_STYLE",
-    "candidate_spread",
-    "compact_table",
-    "evaluation_table",
-    "fmt_bytes",
-    "print_disturbances",
-    "print_reasons",
-    "progress_console",
-    "render_tune",
-    "spread_line",
-    "trial_progress",
-    "tune_progress",
-]
-
 
 def render_tune(tune: dict[str, Any], console: Console, *, verbose: bool = False,
                 already_tuned: str | None = None) -> None:
-    """A tune's report from its JSON (what ``mpadvise tune --json`` prints, locally or from a
-    daemon job): the answer at a glance, or with ``verbose`` the whole report (every figure);
-    ``already_tuned`` (when the answer was tuned) ends it with the line that says no trial ran
-    this time and how to tune again."""
+    """A tune's report from its JSON (``mpadvise tune --json``'s, local or a daemon job's);
+    ``already_tuned`` (when the answer was) ends it saying so, and how to tune again."""
     if verbose:
         render_details(tune, console)
     else:
@@ -69,9 +57,7 @@ def render_tune(tune: dict[str, Any], console: Console, *, verbose: bool = False
 
 
 def evaluation_table(reference: Evaluation, evaluations: list[Evaluation], *, title: str) -> Table:
-    """Mode, samples/s, speed-up vs fp32 with its spread, peak memory, final-loss gap, skips and
-    verdict; the reasons go under the table (:func:`print_reasons`), and a legend line says what
-    each short header means, so the table fits 80 columns."""
+    """The trial table; short headers, which its legend explains, so that it fits 80 columns."""
     skips = any(any(ev.result.skipped) for ev in [reference, *evaluations])
     legend = ("goodput: samples/s, skipped steps lost; ×fp32: speed-up over the fp32 reference, ± half its step times' "
               "interquartile range, ≈ a tie within that noise; memory: peak; Δloss: final loss against fp32's"
@@ -114,8 +100,7 @@ def print_reasons(console: Console, evaluations: list[Evaluation]) -> None:
 
 
 def progress_console(console: Console) -> Console:
-    """Where progress goes: stderr, always, so that stdout holds only the result (a table or
-    JSON) and ``mpadvise tune train.py > result.txt`` captures no bar; a console that already
+    """Where progress goes: stderr, so that stdout holds only the result; a console that already
     writes elsewhere (a file, a test's recording) is kept."""
     if console.file is sys.stdout:
         return Console(stderr=True)
@@ -149,13 +134,8 @@ def trial_progress(console: Console, total: int, *, enabled: bool = True) -> Ite
 
 @contextmanager
 def tune_progress(console: Console, total: int) -> Iterator[Any]:
-    """A progress bar over a tune's trials and then its rounds of re-measurement; yields
-    ``(on_start, on_done, on_round)`` for the tuner.
-
-    Args:
-        console: where the bar and each trial's line go.
-        total: the trials the search may run (its budget, the reference and its replicate).
-    """
+    """A progress bar over a tune's ``total`` trials and then its rounds of re-measurement;
+    yields ``(on_start, on_done, on_round)`` for the tuner."""
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=progress_console(console)) as bar:
         task = bar.add_task("starting", total=total)
@@ -181,3 +161,137 @@ def tune_progress(console: Console, total: int) -> Iterator[Any]:
 
         yield on_start, on_done, on_round
         bar.update(task, total=bar.tasks[task].completed)  # a search that stopped early completes the bar
+
+RUNNERS_UP = 2
+MAX_ROWS = 8  # with the other lines, the answer stays within 15
+
+# Words a label is shortened by, in order: the table never wraps a row at 80 columns.
+_SHORT = (("-mixed", ""), ("dynamic", "dyn"), ("reduce-", "r"), ("tensorwise", "tw"), ("rowwise", "rw"),
+          ("growth ", "g"), ("-torchao", "-ao"))
+
+# What a verdict's reason says, in one word, by the first phrase it holds.
+_WHY = (("nan", "nan"), ("non-finite", "nan"), ("overflow", "overflow"), ("skipped", "skips"),
+        ("diverg", "diverged"), ("fell", "stalled"), ("progress", "stalled"), ("final loss", "loss-gap"),
+        ("memory", "memory"))
+
+
+def short_label(label: str) -> str:
+    """A candidate's label in few characters: ``fp16-mixed dynamic 2^16`` is ``fp16 dyn 2^16``."""
+    for long, short in _SHORT:
+        label = label.replace(long, short)
+    return re.sub(r"\s+", " ", label).strip()
+
+
+def why_word(row: dict[str, Any]) -> str:
+    """One word for why a row lost: its outcome (``oom``), else the first telling phrase of an
+    unstable verdict's reason (``nan``, ``stalled``), else ``unstable``."""
+    outcome = str(row.get("outcome") or "ok")
+    if row.get("stable") and not row.get("feasible", True):
+        return "memory"
+    if outcome != "unstable":
+        return outcome
+    reason = str(row.get("reason") or "").lower()
+    return next((word for phrase, word in _WHY if phrase in reason), "unstable")
+
+
+def answer_rows(tune: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows the short table shows, in order: the winner, the runners-up (stable, fastest
+    first), fp32, then one row for each mode that failed (its first), at most ``MAX_ROWS``."""
+    rows = list(tune.get("candidates") or [])
+    winner = [row for row in rows if row.get("winner")]
+    good = sorted((row for row in rows if row.get("stable") and row.get("feasible") and not row.get("winner")
+                   and not _is_fp32(row)), key=lambda r: -(row_speedup(tune, r) or 0.0))
+    fp32 = [row for row in rows if _is_fp32(row) and not row.get("winner")][:1]
+    shown = [*winner, *good[:RUNNERS_UP], *fp32]
+    modes: set[Any] = set()
+    for row in rows:
+        if len(shown) >= MAX_ROWS:
+            break
+        failed = not (row.get("stable") and row.get("feasible"))
+        if failed and row.get("mode") not in modes:
+            shown.append(row)
+            modes.add(row.get("mode"))
+    return shown
+
+
+def _is_fp32(row: dict[str, Any]) -> bool:
+    return row.get("mode") == "fp32" and not row.get("micro_batch") and not (row.get("policy") or {}).get(
+        "micro_batch_size")
+
+
+def _winner_line(tune: dict[str, Any]) -> str:
+    """``winner: bf16 mb32, 1.42x fp32 goodput (95% interval 1.38x-1.46x, paired runs)``."""
+    label = short_label(str(tune.get("winner_label") or "?"))
+    speedup = tune.get("speedup") or {}
+    ratio = speedup.get("ratio") or tune.get("speedup_vs_fp32")
+    if not ratio:
+        return f"winner: {label}"
+    low, high = speedup.get("low"), speedup.get("high")
+    if low and high and speedup.get("pairs"):
+        how = f"{speedup.get('confidence', 0.95):.0%} interval {low:.2f}x-{high:.2f}x"
+    else:
+        how = speedup.get("basis") or "one run"
+    return f"winner: {label}, {ratio:.2f}x fp32 goodput ({how})"
+
+
+def _table(tune: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
+    table = compact_table(None)
+    table.add_column("", no_wrap=True)
+    table.add_column("candidate", no_wrap=True, overflow="ellipsis", max_width=34)
+    table.add_column("goodput", justify="right", no_wrap=True)
+    table.add_column("×fp32", justify="right", no_wrap=True)
+    table.add_column("verdict", no_wrap=True, overflow="ellipsis", max_width=11)
+    for row in rows:
+        won, ok = bool(row.get("winner")), bool(row.get("stable") and row.get("feasible"))
+        goodput = remeasured_goodput(tune, row) if shows_paired(tune, row) or is_reference_row(tune, row) \
+            else row.get("goodput")
+        ratio = row_speedup(tune, row)
+        cell = "-"
+        if goodput and ratio:
+            spread = spread_text(candidate_spread(tune, row))
+            cell = f"{ratio:.2f}x" + (f" {spread}" if spread else "")
+        outcome = str(row.get("outcome") or "ok")
+        verdict = "ok" if ok else why_word(row)
+        style = VERDICT_STYLE.get("ok" if ok else outcome, "red")
+        table.add_row("→" if won else "", escape(short_label(str(row.get("label")))),
+                      f"{goodput:,.0f}" if goodput else "-", cell, f"[{style}]{escape(verdict)}[/]")
+    return table
+
+
+def machine_note(tune: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """One line on the machine where its noise made the answer less sure; else empty."""
+    noisy = [f"{short_label(str(row.get('label')))} {spread_text(spread)}" for row in rows
+             if row.get("goodput") and (spread := candidate_spread(tune, row)) is not None and spread > NOISY_SPREAD]
+    return f"note: a busy machine made timings noisy ({', '.join(noisy[:2])}): figures are rough" if noisy else ""
+
+
+def _next_step(tune: dict[str, Any]) -> str:
+    if tune.get("framework"):
+        return f"next: {run_command(tune)}"
+    if tune.get("calls_load_policy"):
+        return "next: run the script as usual (its advisor.load_policy() applies it)"
+    return "next: add mp = advisor.load_policy() to the script"
+
+
+def render_answer(tune: dict[str, Any], console: Console) -> None:
+    def line(text: str, style: str = "") -> None:
+        console.print(f"[{style}]{escape(text)}[/]" if style else escape(text), highlight=False)
+
+    rows = answer_rows(tune)
+    if tune.get("winner") is None:
+        line("no stable policy fits: every candidate was unstable, out of memory or failed", "bold red")
+    else:
+        line(_winner_line(tune), "bold green")
+    if rows:
+        console.print(_table(tune, rows))
+    note = machine_note(tune, rows)
+    if note:
+        line(note, "yellow")
+    if tune.get("winner") is None:
+        line("next: mpadvise tune --verbose shows why each one failed")
+        return
+    where = f"config: {pasteable_path(tune['config_file'])}" if tune.get("config_file") else "config: not written"
+    if tune.get("cache_id") is not None:
+        where += f" (cached, entry #{tune['cache_id']})"
+    line(where)
+    line(_next_step(tune))

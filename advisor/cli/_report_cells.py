@@ -1,20 +1,24 @@
-"""The cells and phrases every tune report is made of, short or whole: formats, the ×fp32
-figure a row shows and its spread, the noise warning, the winner's figure in words, and the
-commands to paste (always ``mpadvise ...``)."""
+"""The cells and phrases every tune report is made of, short or whole, and the whole report
+(``mpadvise tune --verbose``): every candidate with its figures, the search, the spread, FLOPs
+and MFU, the cost, the study and how to continue it."""
 
 from __future__ import annotations
 
 import math
 import os
 import shlex
+import statistics
 from pathlib import Path
 from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from advisor.tune import default_storage_url
+from advisor.tune import default_storage_url, shared_storage
+from policies import Policy
+from probes import MpadviseError
 
 VERDICT_STYLE = {"ok": "green", "unstable": "yellow", "pruned": "dim"}
 
@@ -42,13 +46,8 @@ def spread_text(half_spread: float | None) -> str:
 
 
 def spread_line(reference: dict[str, Any], replicate: dict[str, Any] | None) -> str:
-    """How far one rounding carried fp32 (its perturbed replicate), and the limits that set, in
-    one line; empty without a replicate.
-
-    Args:
-        reference: the reference's evaluation as JSON (its verdict's metrics hold the spread).
-        replicate: the replicate as JSON (``Replicate.to_dict``), or ``None``.
-    """
+    """How far one rounding carried fp32 (its perturbed replicate, as JSON), and the limits that
+    set, in one line; empty without a replicate."""
     if not replicate:
         return ""
     if replicate.get("note"):
@@ -109,42 +108,37 @@ def row_speedup(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
     return row.get("search_speedup_vs_fp32", row.get("speedup_vs_fp32"))
 
 
-def remeasured_goodput(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
-    """A row's median goodput over its rounds of re-measurement (fp32's alongside for fp32); its
-    search run's when it has none."""
+def _rounds(tune: dict[str, Any], row: dict[str, Any]) -> list[Any]:
+    """A row's goodputs over its rounds of re-measurement (fp32's alongside, for fp32)."""
     if is_reference_row(tune, row) and not row.get("winner"):
-        rounds = tune.get("reference_rounds") or []
-    else:
-        rounds = next((f.get("rounds") or [] for f in tune.get("finalists") or [] if f.get("label") == row.get("label")), [])
-    return median_round({"rounds": rounds, "goodput": row.get("goodput")}) or row.get("goodput")
+        return tune.get("reference_rounds") or []
+    return next((f.get("rounds") or [] for f in tune.get("finalists") or [] if f.get("label") == row.get("label")), [])
+
+
+def _measured_runs(rounds: list[Any] | None) -> list[float]:
+    return sorted(g for g in rounds or [] if isinstance(g, (int, float)) and g > 0)
+
+
+def remeasured_goodput(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
+    """A row's median goodput over its rounds of re-measurement; its search run's without any."""
+    return median_round({"rounds": _rounds(tune, row), "goodput": row.get("goodput")}) or row.get("goodput")
 
 
 def candidate_spread(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
-    """How far the ×fp32 figure a row shows could move with its timing noise, as a fraction
-    (half a spread): a paired figure's interval (its rounds' range without one); a search
-    run's step times (p10 to p90, or the interquartile range); ``None`` where the tune's JSON
-    has none.
-
-    Args:
-        tune: the tune's JSON.
-        row: one of its ``candidates``.
-    """
+    """How far the ×fp32 figure a row shows could move with its timing noise, as half a spread:
+    a paired figure's interval (or its rounds' range); a search run's step times; else ``None``."""
     beside = is_reference_row(tune, row) and any(shows_paired(tune, r) for r in tune.get("candidates") or [])
     if shows_paired(tune, row) or beside:
         figure = (tune.get("speedup") or {}) if row.get("winner") else (row.get("paired_speedup") or {})
         ratio, low, high = figure.get("ratio"), figure.get("low"), figure.get("high")
         if ratio and low and high:
             return (high - low) / 2 / ratio
-        rounds = (tune.get("reference_rounds") if is_reference_row(tune, row) and not row.get("winner") else
-                  next((f.get("rounds") for f in tune.get("finalists") or [] if f.get("label") == row.get("label")), None))
-        runs = sorted(g for g in rounds or [] if isinstance(g, (int, float)) and g > 0)
+        runs = _measured_runs(_rounds(tune, row))
         if len(runs) > 1:
             return (runs[-1] - runs[0]) / 2 / runs[len(runs) // 2]
     p10, p90 = row.get("step_time_p10"), row.get("step_time_p90")
     if isinstance(p10, (int, float)) and isinstance(p90, (int, float)) and p10 > 0:
         return (p90 / p10 - 1) / 2
-    if isinstance(row.get("step_spread"), (int, float)):  # p90 over p10 of its step times
-        return (row["step_spread"] - 1) / 2
     timing = row.get("step_time") or ((tune.get("reference") or {}).get("step_time") if row.get("mode") == "fp32"
                                        and not row.get("micro_batch") else None)
     if isinstance(timing, dict) and isinstance(timing.get("rel_iqr"), (int, float)):
@@ -167,23 +161,17 @@ def noisy_line(tune: dict[str, Any]) -> str:
 
 
 def fmt_tflops(tflops: float | None) -> str:
-    """Achieved TFLOP/s to three significant figures, or ``-`` when unknown."""
     return "-" if tflops is None else f"{tflops:.3g}"
 
 
 def fmt_mfu(mfu: float | None) -> str:
-    """The fraction of the probed peak (``12%``, ``0.4%``), or ``-``."""
     return "-" if mfu is None else f"{mfu:.0%}" if mfu >= 0.01 else f"{mfu:.1%}"
 
 
 def median_round(finalist: dict[str, Any]) -> float:
-    """A finalist's median goodput over its rounds (its search run's when it ran none), as the
-    table shows it."""
-    runs = sorted(g for g in finalist.get("rounds") or [] if isinstance(g, (int, float)) and g > 0)
-    if not runs:
-        return float(finalist.get("goodput") or 0.0)
-    mid = len(runs) // 2
-    return runs[mid] if len(runs) % 2 else (runs[mid - 1] + runs[mid]) / 2
+    """A finalist's median goodput over its rounds (its search run's when it ran none)."""
+    runs = _measured_runs(finalist.get("rounds"))
+    return statistics.median(runs) if runs else float(finalist.get("goodput") or 0.0)
 
 
 def describe_speedup(speedup: dict[str, Any]) -> str:
@@ -197,14 +185,10 @@ def describe_speedup(speedup: dict[str, Any]) -> str:
 
 
 def pasteable_path(path: str | os.PathLike[str]) -> str:
-    """A path as a command line pasted here should name it: relative to the working directory
-    when it lies under it (``examples/train.py``), else as given."""
+    """A path relative to the working directory when it lies under it, else as given."""
     given = Path(path)
-    if given.is_absolute():
-        try:
-            return str(given.relative_to(Path.cwd()))
-        except ValueError:
-            return str(given)
+    if given.is_absolute() and given.is_relative_to(Path.cwd()):
+        return str(given.relative_to(Path.cwd()))
     return str(given)
 
 
@@ -215,17 +199,13 @@ def script_and_args(tune: dict[str, Any]) -> list[str]:
 
 
 def run_command(tune: dict[str, Any]) -> str:
-    """``mpadvise run SCRIPT -- ARGS`` for the tuned script, shell-quoted, to paste where the
-    report is read."""
+    """``mpadvise run SCRIPT -- ARGS`` for the tuned script, shell-quoted."""
     return shlex.join(["mpadvise", "run", *script_and_args(tune)])
 
 
 def resume_command(tune: dict[str, Any]) -> str:
-    """``mpadvise tune SCRIPT --resume -- ARGS`` for the tune's study, shell-quoted; with
-    ``--storage`` when the study is neither in the default file nor in ``MPADVISE_STORAGE``.
-    A tune run from the command line carries its own (``resume_command``: every option as typed,
-    ``--nproc-per-node`` included, which names the study); this rebuild serves a tune's JSON
-    without it, such as a daemon job's."""
+    """The command that continues the tune's study: the one it carries (a command line's), else
+    ``mpadvise tune SCRIPT --resume -- ARGS``, with ``--storage`` where it is not the default."""
     if tune.get("resume_command"):
         return str(tune["resume_command"])
     storage = tune.get("storage")
@@ -236,17 +216,15 @@ def resume_command(tune: dict[str, Any]) -> str:
 
 
 def print_disturbances(console: Console, events: list[dict[str, Any]]) -> None:
-    """One line per trial the machine disturbed or lost (run again), or whose threads changed
-    with a busy CPU: ``Disturbance.to_dict``'s."""
+    """One line per trial the machine disturbed or lost (``Disturbance.to_dict``'s)."""
     for event in events:
-        kind = {"lost": "lost", "busy-cpu": "busy CPU", "cpu-free": "CPU free"}.get(event.get("kind") or "", "disturbed")
-        console.print(f"[yellow]{kind}[/] {event.get('text')}", highlight=False)
+        console.print(f"[yellow]{'lost' if event.get('kind') == 'lost' else 'disturbed'}[/] {event.get('text')}",
+                      highlight=False)
 
 
 def mfu_peak(tune: dict[str, Any]) -> tuple[str, float] | None:
-    """The one peak every row's MFU is measured against: the probed matmul peak of the fastest
-    dtype the candidates computed in (of any probed where none says), named (``("bf16",
-    990.0)``); ``None`` where no peak was probed."""
+    """The one peak every row's MFU is of: the probed matmul peak of the fastest dtype the
+    candidates computed in (of any where none says), as ``("bf16", 990.0)``; else ``None``."""
     peaks = [(str(k), float(v)) for k, v in (tune.get("peak_tflops") or {}).items()
              if isinstance(v, (int, float)) and v > 0]
     used = {row.get("mfu_dtype") for row in tune.get("candidates") or []}
@@ -262,3 +240,214 @@ def shared_reasons(rows: list[dict[str, Any]]) -> list[tuple[list[str], str, str
         if not (row.get("stable") and row.get("feasible")) and row.get("reason"):
             grouped.setdefault((str(row.get("outcome")), str(row["reason"])), []).append(str(row.get("label")))
     return [(labels, outcome, reason) for (outcome, reason), labels in grouped.items()]
+
+
+def render_details(tune: dict[str, Any], console: Console) -> None:
+    console.print(_tune_table(tune))
+    noisy = noisy_line(tune)
+    if noisy:
+        console.print(f"[yellow]{escape(noisy)}[/]", highlight=False)
+    if tune.get("window_note"):
+        console.print(f"window: {tune['window_note']}", highlight=False)
+    if tune.get("extended_window"):
+        console.print(f"judged again on a longer window, their gap to fp32 growing: {', '.join(tune['extended_window'])}",
+                      highlight=False)
+    print_disturbances(console, tune.get("disturbed") or [])
+    console.print(utilisation_line(tune), highlight=False)
+    spread = spread_line(tune.get("reference") or {}, tune.get("replicate"))
+    if spread:
+        console.print(spread, highlight=False)
+    for labels, outcome, reason in shared_reasons(tune.get("candidates") or []):
+        console.print(f"[{VERDICT_STYLE.get(outcome, 'red')}]{escape(', '.join(labels))}[/]: {escape(reason)}",
+                      highlight=False)
+    _print_search(tune, console)
+    cost = cost_line(tune.get("cost"))
+    if cost:
+        console.print(cost, highlight=False)
+    if tune.get("winner") is None:
+        console.print("[bold red]no stable policy fits[/]: every candidate was unstable, out of memory or failed")
+        return
+    _print_winner(tune, console)
+
+
+def _tune_table(tune: dict[str, Any]) -> Table:
+    """The candidates in two parts, so that no ratio is read as another kind: above the rule,
+    the winner and whoever ran beside fp32 in this run's re-measurement, by that figure (the
+    winner's is the tune's one speed-up, marked †); below it, the search's single runs."""
+    resumed = tune.get("trials_resumed") or 0
+    title = (f"{Path(tune.get('script') or '?').name} on {(tune.get('hardware') or {}).get('name', '?')}: "
+             f"the fp32 reference and {tune.get('trials_run', 0)} trials"
+             + (f", {resumed} resumed" if resumed else "")
+             + f" of {(tune.get('space') or {}).get('grid_size', '?')} candidates")
+    rows = list(tune.get("candidates") or [])
+    peak = mfu_peak(tune)
+    paired = [row for row in rows if shows_paired(tune, row)]
+    if paired and not any(row.get("winner") for row in paired):
+        paired = []  # nothing to set apart: the winner's figure is a single run's too
+    if paired:  # fp32 heads its own scale
+        paired += [row for row in rows if row.get("mode") == "fp32" and not row.get("micro_batch")
+                   and row not in paired and is_reference_row(tune, row)]
+    single = [row for row in rows if row not in paired]
+    legend = ("×fp32: goodput over fp32's" + (", above the rule re-measured side by side in this run, ± half its "
+                                              "interval; below it, " if paired else " in ")
+              + "one search run, ± the spread of its step times; goodput: samples/s, skipped steps lost; "
+              "TF/s: achieved TFLOP/s; memory: peak"
+              + (f"; MFU: of the probed {peak[0]} peak, one for every row" if peak else ""))
+    if any(row.get("resumed") for row in single):
+        legend += "; *: an earlier run's or another worker's figure (resumed), never compared with this run's fp32"
+    speedup = tune.get("speedup") or {}
+    if tune.get("speedup_vs_fp32"):
+        legend += f"\n† the winner's speed-up: {describe_speedup(speedup)}, the tune's one figure"
+    # Short headers, explained by the legend; numbers and verdicts never wrap, labels wrap at
+    # their spaces, so the table fits 80 columns with every figure whole.
+    table = compact_table(title, legend)
+    table.add_column("", no_wrap=True)
+    table.add_column("candidate", overflow="fold", min_width=11, ratio=1)
+    for col in ("goodput", "×fp32", "TF/s", *(("MFU",) if peak else ()), "memory"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("verdict", no_wrap=True)
+    for row in sorted(paired, key=lambda r: -(row_speedup(tune, r) or 0.0)):
+        _add_row(table, tune, row, goodput=remeasured_goodput(tune, row), peak=peak)
+    if paired and single:
+        table.add_section()
+    for row in single:
+        _add_row(table, tune, row, goodput=row.get("goodput"), peak=peak)
+    for row in tune.get("pruned") or []:  # never run: no numbers to show
+        table.add_row("", escape(str(row.get("label"))), *("-" for _ in range(5 if peak else 4)),
+                      f"[{VERDICT_STYLE['pruned']}]pruned[/]")
+    return table
+
+
+def _add_row(table: Table, tune: dict[str, Any], row: dict[str, Any], *, goodput: float | None,
+             peak: tuple[str, float] | None) -> None:
+    outcome, won = row.get("outcome") or "ok", bool(row.get("winner"))
+    ratio = row_speedup(tune, row)
+    cell = f"{ratio:.2f}x" + ("†" if won else "") if goodput and ratio else "-"
+    spread = spread_text(candidate_spread(tune, row)) if cell != "-" else ""
+    shown_goodput = f"{goodput:,.0f}" + ("*" if row.get("resumed") and not shows_paired(tune, row) else "") if goodput else "-"
+    table.add_row("→" if won else "", escape(str(row.get("label"))), shown_goodput,
+                  cell + (f" {spread}" if spread else ""), fmt_tflops(row.get("tflops")),
+                  *((fmt_mfu(None if row.get("tflops") is None else row["tflops"] / peak[1]),) if peak else ()),
+                  fmt_bytes(row.get("peak_memory")), f"[{VERDICT_STYLE.get(outcome, 'red')}]{outcome}[/]")
+
+
+def cost_line(cost: dict[str, Any] | None) -> str | None:
+    """What the tune cost: its trials and wall time, in measured windows; or ``None``."""
+    if not cost:
+        return None
+    line = f"cost: {cost.get('trials')} trials in {cost.get('wall_s', 0):.0f} s"
+    if cost.get("trial_equivalents"):
+        line += f", {cost['trial_equivalents']:.0f} measured windows of {cost['window_s']:.2g} s"
+    return line
+
+
+def utilisation_line(tune: dict[str, Any]) -> str:
+    """How the TFLOP/s and MFU columns were found: the reference's FLOPs and the one peak."""
+    flops = tune.get("flops_per_step")
+    if not flops:
+        return "TFLOP/s and MFU: not known (the reference's FLOPs could not be counted)"
+    peaks = ", ".join(f"{k} {v:.3g}" for k, v in (tune.get("peak_tflops") or {}).items())
+    basis = tune.get("flops_basis") or "counted"
+    peak = mfu_peak(tune)
+    rows = tune.get("candidates") or []
+    above = [] if peak is None else [row["label"] for row in rows if (row.get("tflops") or 0.0) > peak[1]]
+    head = f"FLOPs per step {flops:.3g} ({basis}, in the fp32 reference)"
+    if peak is None:
+        return head + "; MFU: left out, no matmul peak probed"
+    return (head + f"; MFU of every row is of one peak, the probed {peak[0]} matmul peak ({peak[1]:.3g} TFLOP/s, "
+            f"the fastest dtype's); probed TFLOP/s: {peaks}"
+            + (f"; above 100% ({', '.join(above)}): this workload's matmuls ran faster than the probe's square ones, "
+               "so the probed peak is below what this hardware does here" if above else ""))
+
+
+def _print_search(tune: dict[str, Any], console: Console) -> None:
+    """The priors, why the search stopped, the side-by-side re-measurement and any tie."""
+    ratios = ", ".join(f"{k} {v:.2g}x" for k, v in (tune.get("matmul_ratio_vs_fp32") or {}).items() if k != "fp32")
+    if ratios:
+        console.print(f"matmul throughput vs fp32 on this device (the search's priors): {ratios}", highlight=False)
+    console.print(f"search stopped: {tune.get('stop_reason')}", highlight=False)
+    resumed = tune.get("trials_resumed") or 0
+    if resumed:
+        console.print(f"resumed: {resumed} result{'' if resumed == 1 else 's'} from the stored study (an earlier run's or "
+                      "another worker's), never compared with this run's fp32: the finalists among them ran again, "
+                      "and the winner's figure is measured side by side in this run", highlight=False)
+    pruned = tune.get("pruned") or []
+    if pruned:
+        console.print(f"pruned (not run): {len(pruned)} proposals the priors ruled out; --no-priors runs them",
+                      highlight=False)
+    finalists = tune.get("finalists") or []
+    rounds = tune.get("remeasure_rounds")
+    if len(finalists) > 1:
+        close = ", ".join(f"{f['label']} {median_round(f):,.0f}/s" for f in finalists)
+        console.print(f"re-measured side by side{f' in {rounds} rounds' if rounds else ''}: {close}", highlight=False)
+    stop = remeasure_stop_line(tune)
+    if stop:
+        console.print(stop, highlight=False)
+    for dropped in tune.get("dropped_finalists") or []:
+        console.print(f"[red]dropped[/] {dropped.get('label')}: {dropped.get('reason')}", highlight=False)
+    if tune.get("gap"):
+        between = tune["gap"].get("between") or []
+        # Against fp32, the decisive gap is the speed-up itself; between finalists it is no speed-up.
+        rival = "" if between[1:2] == [(tune.get("reference") or {}).get("label", "fp32")] else \
+            " (between finalists: not a speed-up over fp32)"
+        console.print(f"gap: {describe_gap(tune['gap'])}{rival}", highlight=False)
+    if tune.get("tie_note"):
+        console.print(f"tie: {tune['tie_note']}", highlight=False)
+
+
+def remeasure_stop_line(tune: dict[str, Any]) -> str:
+    """Why re-measurement ended, in one line, when that is news (a limit cut it short)."""
+    stop, rounds, most = tune.get("remeasure_stop"), tune.get("remeasure_rounds") or 0, tune.get("remeasure_max_rounds")
+    if stop == "time budget":
+        budget = tune.get("time_budget")
+        spent = f" ({budget:g} s)" if isinstance(budget, (int, float)) else ""
+        return (f"re-measurement cut short by the time budget{spent} after {rounds} round{'' if rounds == 1 else 's'}: "
+                "a gap it left unresolved counts as a tie")
+    if stop == "round limit":
+        if most and rounds > most:
+            return (f"re-measurement stopped after {rounds} rounds, past its usual {most} while a lead lay beyond the "
+                    "margin or a change of threads left rounds unpaired: a gap still unresolved counts as a tie")
+        return f"re-measurement stopped at its limit of {most} rounds: a gap still unresolved counts as a tie"
+    return ""
+
+
+def describe_gap(gap: dict[str, Any]) -> str:
+    """A re-measured gap in words: who leads whom, by how much, its interval and verdict."""
+    leader, other = (gap.get("between") or ["?", "?"])[:2]
+    ratio, low, high = gap.get("ratio"), gap.get("low"), gap.get("high")
+    lead = f"{leader} runs {ratio:.2f}x the goodput of {other}" if ratio else f"{leader} against {other}"
+    interval = (f"{gap.get('confidence', 0.95):.0%} interval {low:.2f}x to {high:.2f}x over {gap.get('pairs')} paired runs"
+                if low and high else f"no interval from {gap.get('pairs', 0)} paired runs")
+    verdict = {"faster": "resolved", "slower": "resolved", "tie": "a tie: within the margin that counts",
+               "unresolved": "unresolved: counted as a tie"}.get(str(gap.get("verdict")), str(gap.get("verdict")))
+    return f"{lead} ({interval}): {verdict}"
+
+
+def _print_winner(tune: dict[str, Any], console: Console) -> None:
+    try:
+        described = Policy.from_dict(tune["winner"]).describe()
+    except MpadviseError:  # written by another version: its label still says what won
+        described = str(tune.get("winner_label"))
+    speedup = tune.get("speedup") or ({"ratio": tune["speedup_vs_fp32"]} if tune.get("speedup_vs_fp32") else None)
+    console.print(f"[bold green]winner[/]: {described}" + (f", {describe_speedup(speedup)}" if speedup else ""),
+                  highlight=False)
+    if tune.get("scale_batch_note"):
+        console.print(f"[yellow]note[/]: {tune['scale_batch_note']}", highlight=False)
+    if tune.get("config_file"):
+        console.print(f"wrote {tune['config_file']}", highlight=False)
+    if tune.get("cache_id") is not None:
+        console.print(f"cached for this GPU/CPU as entry #{tune['cache_id']} (mpadvise show)", highlight=False)
+    if tune.get("storage"):
+        # A database server's study is joined as it stands by every worker that runs this tune.
+        how = ("every worker running this tune joins it" if shared_storage(tune["storage"])
+               else f"continue with: {escape(resume_command(tune))}")
+        console.print(f"study {tune.get('study_name')!r} in {tune['storage']} ({how})", highlight=False)
+    if tune.get("framework"):
+        # A framework script applies its policy with no changed line: through mpadvise run.
+        export = shlex.join(["mpadvise", "export", *([pasteable_path(tune["config_file"])] if tune.get("config_file")
+                                                      else []), "--to", str(tune["framework"])])
+        console.print(f"train with it: [bold]{escape(run_command(tune))}[/] (or {escape(export)})", highlight=False)
+    elif tune.get("calls_load_policy"):
+        console.print("the script calls advisor.load_policy(): it applies the config file beside it", highlight=False)
+    else:
+        console.print("add to the script: [bold]mp = advisor.load_policy()[/] (it reads the config file beside it)")

@@ -1,9 +1,5 @@
-"""``mpadvise study status``: what a study storage holds, for the people running its workers.
-
-Read-only: it never makes tables, fails stale trials or writes an attribute, so it is safe
-beside running workers. The storage comes as a tune's does: ``--storage``, else
-``MPADVISE_STORAGE`` or ``MPADVISE_STORAGE_FILE``, else the cache directory's ``studies.db``.
-"""
+"""``mpadvise study status``: what a study storage holds, read without writing, so it is safe
+beside running workers."""
 
 from __future__ import annotations
 
@@ -14,8 +10,6 @@ import typer
 from rich.table import Table
 
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
-
-__all__ = ["app", "status"]
 
 app = typer.Typer(help="Optuna studies of tunes: what a shared study holds, read without writing.",
                   no_args_is_help=True)
@@ -42,7 +36,6 @@ def status(
 
 
 def render_status(shown: str, studies: list[dict[str, Any]]) -> None:
-    """The studies as a table, one row each."""
     if not studies:
         console.print(f"no studies in {shown}", highlight=False)
         return

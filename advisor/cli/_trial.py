@@ -1,12 +1,6 @@
-"""``mpadvise trial``: the fp32 reference against named candidates, shown side by side, with
-how far fp32 drifts after one rounding (its replicate, initial parameters perturbed once), which
-the verdicts allow for.
-
-With ``--stream FILE`` (or ``MPADVISE_TRIAL_STREAM`` naming a file), each trial's evaluation is
-appended to it as one JSON line the moment the trial finishes, and the whole comparison (what
-``--json`` prints) as a last line: a wrapper that stops the command part-way, or runs it under a time limit, keeps
-every verdict reached so far. ``--json``'s own output is unchanged.
-"""
+"""``mpadvise trial``: the fp32 reference against named candidates, side by side, with how far
+fp32 drifts after one rounding (its replicate), which the verdicts allow for; ``--stream`` keeps
+every verdict reached in a file, a JSON line per trial, for a run cut short."""
 
 from __future__ import annotations
 
@@ -16,7 +10,7 @@ import logging
 import os
 import statistics
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,14 +19,9 @@ from rich.table import Table
 
 import probes
 from advisor._log import get_logger
-from advisor.cli._plot import check_plot_target, plot_trials
-from advisor.cli._report import (
-    evaluation_table,
-    print_disturbances,
-    print_reasons,
-    spread_line,
-    trial_progress,
-)
+from advisor.cli._plot import check_matplotlib, plot_trials
+from advisor.cli._report import evaluation_table, print_reasons, trial_progress
+from advisor.cli._report_cells import print_disturbances, spread_line
 from advisor.frameworks import check_plan_modes, plan_for
 from advisor.trial import TrialResult, WarmLauncher
 from advisor.tune import (
@@ -64,37 +53,17 @@ STREAM_ENV = "MPADVISE_TRIAL_STREAM"
 
 
 class TrialStream:
-    """Appends one JSON line per finished trial to a file, then the comparison.
-
-    Each line is a JSON object with ``event``: ``"trial"`` lines carry ``index`` (the order the
-    trials ran in), ``role`` (``reference``, ``replicate``, ``candidate`` or ``pair``) and the evaluation's
-    fields (``Evaluation.to_dict``); the ``"comparison"`` line carries what ``--json`` prints.
-    The file is opened, appended to and closed for every line, so a line once written survives
-    the process being killed. Without a path nothing is written.
-
-    Args:
-        path: the file to append to (created if missing; earlier lines are kept).
-        given_by: what named it, for messages: ``"--stream"`` or ``MPADVISE_TRIAL_STREAM``.
-    """
+    """Appends one JSON line per finished trial to ``path`` (``event``: ``"trial"``, with its
+    ``index``, ``role`` and evaluation), then the ``"comparison"`` that ``--json`` prints. The
+    file is opened and closed for every line, so a line once written survives a kill."""
 
     def __init__(self, path: Path | None, *, given_by: str = "--stream") -> None:
         self.path = path
         self.given_by = given_by
 
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> TrialStream:
-        """The stream ``MPADVISE_TRIAL_STREAM`` names, or one that writes nothing."""
-        value = environ.get(STREAM_ENV, "").strip()
-        return cls(Path(value) if value else None, given_by=STREAM_ENV)
-
     def check_writable(self) -> None:
-        """Create the file (keeping what it holds) before any trial runs.
-
-        Raises:
-            UsageError: (exit 2) ``--stream`` names a file that cannot be written.
-            MpadviseError: ``MPADVISE_TRIAL_STREAM`` does (the environment, not the command
-                line, is wrong).
-        """
+        """Create the file (keeping what it holds) before any trial runs; a bad environment
+        variable is not a usage error, a bad ``--stream`` is."""
         if self.path is None:
             return
         try:
@@ -124,35 +93,11 @@ class TrialStream:
             stream.write(line)
 
 
-def run_trial_command(
-    script: Path,
-    script_args: list[str],
-    options: TuneOptions,
-    *,
-    plot: Path | None,
-    json_output: bool,
-    console: Console,
-    stream: TrialStream | None = None,
-    quiet: bool = False,
-    pairs: int = 0,
-) -> int:
-    """Run the comparison and print it. Returns 0 when every candidate is stable, else 3.
-
-    With ``pairs``, fp32 and each stable candidate then run that many interleaved rounds, for
-    a paired speed-up with its interval (``run_pairs``); a candidate not stable in a round is
-    not stable.
-
-    With ``quiet``, no progress and no info lines: only the comparison (warnings and errors
-    still show on stderr).
-
-    Each finished trial also goes to ``stream`` (default: the file ``MPADVISE_TRIAL_STREAM``
-    names, if any) as it finishes, and the comparison after the last.
-
-    Of ``options`` (checked already, a multi-process trial's device too), the comparison reads
-    its candidates (``modes``; default: every mode the hardware supports that the script's
-    framework can apply) and the measuring window of every trial (``steps``, ``warmup``,
-    ``memory_limit``, ``timeout``, ``seed``, ``device``, ``framework``, ``nproc_per_node``).
-    """
+def run_trial_command(script: Path, script_args: list[str], options: TuneOptions, *, plot: Path | None,
+                      json_output: bool, console: Console, stream: TrialStream | None = None, quiet: bool = False,
+                      pairs: int = 0) -> int:
+    """Run the comparison and print it; 0 when every candidate is stable (in every round of
+    ``pairs`` too), else 3. ``stream`` defaults to the file ``MPADVISE_TRIAL_STREAM`` names."""
     if quiet:
         get_logger().setLevel(logging.WARNING)
     path = check_script(script)
@@ -161,7 +106,7 @@ def run_trial_command(
             probes.check_writable(plot, "plot")
         except MpadviseError as exc:  # a bad --plot value; matplotlib missing (below) is not one
             raise UsageError(str(exc)) from None
-        check_plot_target(plot)
+        check_matplotlib()
     try:  # a trial may be short, for its speeds alone; say so before it runs, not after
         check_judgeable_window(options)
     except UsageError as exc:
@@ -196,12 +141,14 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     runner = SteadyRunner(ScriptRunner(path, script_args, settings, launch=plan.launch, warm=warm), watch)
     candidates = [(Policy(mode=m), m) for m in modes]
     progress_console = Console(stderr=True) if json_output else console
-    # The reference, its perturbed replicate, then each candidate.
-    stream = TrialStream.from_environ() if stream is None else stream
+    if stream is None:  # the file MPADVISE_TRIAL_STREAM names, or none
+        named = os.environ.get(STREAM_ENV, "").strip()
+        stream = TrialStream(Path(named) if named else None, given_by=STREAM_ENV)
     stream.check_writable()
     bar = not quiet and (sys.stderr.isatty() or not json_output)
     paired: list[PairedRuns] = []
     try:
+        # The reference, its perturbed replicate, then each candidate.
         with trial_progress(progress_console, len(candidates) + 2, enabled=bar) as (start, done):
             comparison = run_comparison(runner, candidates, on_start=start, on_done=_both(done, stream.trial))
         runs = pairs_runs(comparison, pairs)
@@ -263,7 +210,6 @@ def _both(*callbacks: Callable[[int, Evaluation], None]) -> Callable[[int, Evalu
 
 def _payload(comparison: Comparison, path: Path, script_args: list[str], framework: str | None,
              profile: HardwareProfile, settings: TrialSettings, plot: Path | None) -> dict[str, Any]:
-    """What ``--json`` prints: the script, the hardware, the window, and each trial's evaluation."""
     replicate = comparison.replicate
     advice = _timeout_advice(comparison, settings)
     reference_flops = comparison.reference.result.flops_per_step
@@ -292,7 +238,6 @@ def _payload(comparison: Comparison, path: Path, script_args: list[str], framewo
 
 def _render(comparison: Comparison, path: Path, profile: HardwareProfile, settings: TrialSettings,
             plot: Path | None, console: Console) -> None:
-    """The comparison as a table, the window, the run-to-run spread and each verdict's reason."""
     reference, evaluations, replicate = comparison.reference, comparison.evaluations, comparison.replicate
     steps = comparison.measure_steps or settings.measure_steps
     title = (f"{path.name} on {profile.name}: {settings.warmup_steps} warm-up + {steps} measured steps per trial, "
@@ -313,14 +258,19 @@ def _render(comparison: Comparison, path: Path, profile: HardwareProfile, settin
         rows.append(("fp32 replicate", replicate.result))
     rows += [(ev.label, ev.result) for ev in evaluations]
     console.print(breakdown_table(rows, reference.result.flops_per_step))
-    console.print(breakdown_legend(reference.result), highlight=False)
+    legend = ("start-up: launch to torch imported; set-up: the script's own, to the candidate's application; "
+              "1st step: to the end of the first optimizer step; warm-up and measured: the trial's two windows; "
+              "exit: to the process's end.")
+    if reference.result.flops_per_step:
+        legend += (f" TFLOP/s: fp32's {reference.result.flops_per_step:.3g} FLOPs per optimizer step "
+                   f"({reference.result.flops_basis}) over each trial's median measured step.")
+    console.print(legend, highlight=False)
     if plot is not None:
         console.print(f"plot written to {plot}")
 
 
 def _timeout_advice(comparison: Comparison, settings: TrialSettings) -> dict[str, str]:
-    """For each candidate killed by the trial's time limit: that it timed out (no stability
-    verdict was reached) and what to change, by label."""
+    """By label, for each candidate killed by the time limit: that this is no verdict, and what to change."""
     steps = comparison.measure_steps or settings.measure_steps
     fewer = max(StabilityThresholds().min_steps, steps // 2)
     advice = {}
@@ -340,25 +290,17 @@ _PHASE_COLUMNS = (("startup", "start-up"), ("script_setup", "set-up"), ("to_firs
                   ("warmup", "warm-up"), ("measured", "measured"), ("exit", "exit"))
 
 
-def median_measured_step(result: TrialResult) -> float | None:
-    """The median of a trial's measured (post-warm-up) step times, in seconds; ``None`` without any."""
-    measured = [t for t in result.step_times[result.warmup_steps:] if t > 0]
-    return statistics.median(measured) if measured else None
-
-
 def achieved_tflops(result: TrialResult, flops_per_step: float | None) -> float | None:
-    """TFLOP/s of a trial: ``flops_per_step`` (the reference's, the same work in every trial)
-    over the trial's median measured step; ``None`` where either is unknown."""
-    median = median_measured_step(result)
-    if not flops_per_step or median is None:
+    """``flops_per_step`` (the reference's, the same work in every trial) over the trial's median
+    measured step, in TFLOP/s; ``None`` where either is unknown."""
+    measured = [t for t in result.step_times[result.warmup_steps:] if t > 0]
+    if not flops_per_step or not measured:
         return None
-    return flops_per_step / median / 1e12
+    return flops_per_step / statistics.median(measured) / 1e12
 
 
 def trial_breakdown(result: TrialResult, reference_flops: float | None = None) -> dict[str, Any]:
-    """What ``--json`` and ``--stream`` add to each trial: its timeline (epoch seconds), the
-    seconds of each phase, its FLOPs per step and how they were found, and, given the
-    reference's FLOPs, its achieved TFLOP/s."""
+    """What ``--json`` and ``--stream`` add to each trial: timeline, phases, FLOPs, TFLOP/s."""
     data: dict[str, Any] = {"timeline": dict(result.timeline), "phases": result.phases,
                             "flops_per_step": result.flops_per_step, "flops_basis": result.flops_basis}
     if reference_flops is not None:
@@ -367,8 +309,6 @@ def trial_breakdown(result: TrialResult, reference_flops: float | None = None) -
 
 
 def breakdown_table(rows: list[tuple[str, TrialResult]], reference_flops: float | None) -> Table:
-    """Seconds per phase of each trial (within 80 columns), and its TFLOP/s where the
-    reference's FLOPs per step are known."""
     # No box and one space either side of a cell: seven numeric columns and a label fit in 80.
     table = Table(title="Where each trial's time went (seconds)", title_justify="left", box=None,
                   pad_edge=False, padding=(0, 1), header_style="bold")
@@ -386,21 +326,8 @@ def breakdown_table(rows: list[tuple[str, TrialResult]], reference_flops: float 
     return table
 
 
-def breakdown_legend(reference: TrialResult) -> str:
-    """What the breakdown's columns measure, in one paragraph under it."""
-    text = ("start-up: launch to torch imported; set-up: the script's own, to the candidate's application; "
-            "1st step: to the end of the first optimizer step; warm-up and measured: the trial's two windows; "
-            "exit: to the process's end.")
-    if reference.flops_per_step:
-        text += (f" TFLOP/s: fp32's {reference.flops_per_step:.3g} FLOPs per optimizer step "
-                 f"({reference.flops_basis}) over each trial's median measured step.")
-    return text
-
-
 def _seconds_text(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.2f}" if value < 100 else f"{value:.0f}"
+    return "-" if value is None else f"{value:.2f}" if value < 100 else f"{value:.0f}"
 
 
 def _tflops_text(value: float | None) -> str:

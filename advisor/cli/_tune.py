@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import shlex
-import sys
 from pathlib import Path
 
 import typer
@@ -16,7 +15,7 @@ from rich.console import Console
 
 import probes
 from advisor._log import get_logger
-from advisor.cli._common import err_console, fail
+from advisor.cli._common import err_console, fail, print_json
 from advisor.cli._report import render_tune, tune_progress
 from advisor.frameworks import check_plan_modes, plan_for
 from advisor.trial import WarmLauncher
@@ -36,21 +35,12 @@ from advisor.tune import (
 )
 from probes import UsageError, hardware_fingerprint
 
-__all__ = ["resume_command", "run_tune_command", "submit_tune_command"]
-
 
 def run_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
                      console: Console, quiet: bool = False, dry_run: bool = False, verbose: bool = False) -> int:
-    """Run the tune here and report it. Returns 0 when a stable policy was found, 3 when none was.
-
-    With ``quiet``, no progress and no info lines: only the result (warnings and errors still
-    show on stderr). With ``verbose``, the report holds every figure (the priors, the search's
-    stop, the spread, utilisation, the gap, the cost, the machine's notes, the study); by default
-    it is the answer at a glance. A study that finished already answers again without a trial;
-    one interrupted is continued (the tune service decides; ``--fresh`` deletes it).
-    Ctrl-C ends it with exit 130 and the command that continues it. With ``dry_run``, only the
-    search space and the plan are shown (0): nothing runs and nothing is written.
-    """
+    """Run the tune here and report it: 0 when a stable policy was found, 3 when none was.
+    Ctrl-C ends it with exit 130 and the command that continues it; ``dry_run`` only shows the
+    search space and the plan."""
     given = options
     # The URL may come from the environment instead, to keep its password out of ps.
     options = options.with_(storage=resolve_storage(options.storage, os.environ))
@@ -76,10 +66,7 @@ def _tune_here(path: Path, script: Path, script_args: list[str], given: TuneOpti
     check_plan_modes(plan, list(options.modes))
     if dry_run:
         planned = tune_plan(TuneRequest(path, tuple(script_args), options, ScriptLaunch.of(plan)), profile)
-        if json_output:
-            sys.stdout.write(json.dumps(planned, indent=2, default=str) + "\n")
-        else:
-            _render_plan(planned, console)
+        print_json(planned) if json_output else _render_plan(planned, console)
         return 0
     if options.storage is None:  # chosen here, as the tune would, so the study can be named before it runs
         options = options.with_(storage=default_storage())
@@ -97,7 +84,7 @@ def _tune_here(path: Path, script: Path, script_args: list[str], given: TuneOpti
     except KeyboardInterrupt:
         raise _interrupted(options.storage, study_name, resume) from None
     if json_output:
-        _report(json.dumps(done.to_dict(), indent=2, default=str), json_output=True, console=console)
+        print_json(done.to_dict())
     else:  # the continue line is this command as typed: the tune's JSON does not hold its options
         shown = {**json.loads(json.dumps(done.to_dict(), default=str)), "resume_command": resume}
         render_tune(shown, console, verbose=verbose, already_tuned=done.already_tuned)
@@ -136,26 +123,17 @@ def _render_plan(planned: dict, console: Console) -> None:
 
 
 def resume_command(script: Path, script_args: list[str], options: TuneOptions, flags: tuple[str, ...] = ()) -> str:
-    """The command line that continues this tune: its own, as given (``flags``: the command's
-    own, such as ``--json``), with ``--resume``.
-
-    A storage URL given on the command line is shown with its password masked; one taken from
-    the environment is left out, as it was (the environment supplies it again).
-    """
+    """This tune's command line as given (``flags``: its own, such as ``--json``), with
+    ``--resume``; a storage URL's password masked (one from the environment stays there)."""
     options = options.with_(resume=True, fresh=False)
     argv = options.to_argv()
     if options.storage is not None:
         at = argv.index(options.storage)
         argv[at] = shown_url(options.storage) or options.storage
     tail = ["--", *script_args] if script_args else []
-    return shlex.join([*_program(), "tune", str(script), *argv, *flags, *tail])
-
-
-def _program() -> list[str]:
-    """How a printed command names this program: ``mpadvise``, the name the package installs,
-    however this process was started (``python -m advisor.cli``, a virtual environment's path):
-    a command to paste never carries an interpreter's path."""
-    return ["mpadvise"]
+    # Always the installed name, however this process was started: a command to paste never
+    # carries an interpreter's path.
+    return shlex.join(["mpadvise", "tune", str(script), *argv, *flags, *tail])
 
 
 def _interrupted(storage: str | None, study_name: str, resume: str) -> typer.Exit:
@@ -171,25 +149,10 @@ def _interrupted(storage: str | None, study_name: str, resume: str) -> typer.Exi
     return exit_
 
 
-def _report(tune_json: str, *, json_output: bool, console: Console, verbose: bool = False) -> None:
-    """Print a tune's JSON as is (``--json``), or its summary rendered from that same JSON."""
-    if json_output:
-        sys.stdout.write(tune_json + "\n")
-    else:
-        render_tune(json.loads(tune_json), console, verbose=verbose)
-
-
 def submit_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
                         console: Console, poll_s: float = 1.0, quiet: bool = False, verbose: bool = False) -> int:
-    """Queue the tune with the local daemon, follow its lines, and report it as a local tune
-    (with ``quiet``, only the report: the job's lines are not shown).
-
-    Returns:
-        The tune's exit code: 0 when a stable policy was found, 3 when none was.
-
-    Raises:
-        MpadviseError: no daemon, the job was refused (exit 2), failed, was cancelled or interrupted.
-    """
+    """Queue the tune with the local daemon, follow its lines (not with ``quiet``), and report it
+    as a local tune; returns the tune's exit code."""
     from advisor.daemon import DaemonClient, finished_tune, tune_job_body
 
     if options.storage is not None:
@@ -217,5 +180,5 @@ def submit_tune_command(script: Path, script_args: list[str], options: TuneOptio
         err.print(f"cancelled job {job['id']}", highlight=False)
         raise
     tune, code = finished_tune(job)
-    _report(json.dumps(tune, indent=2, default=str), json_output=json_output, console=console, verbose=verbose)
+    print_json(tune) if json_output else render_tune(tune, console, verbose=verbose)
     return code

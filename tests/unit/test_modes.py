@@ -18,7 +18,7 @@ from rich.console import Console
 
 import probes
 from advisor import _hardware
-from advisor.cli._probe import render_probe
+from advisor.cli._env import render_probe
 from advisor.tune._checks import check_modes, default_trial_modes
 from advisor.tune._space import Candidate, preference_key, space_for, upper_bound
 from advisor.tune._stability import SAFETY_ORDER, VERDICT_KINDS, TrialCurve, judge

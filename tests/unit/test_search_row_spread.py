@@ -12,7 +12,8 @@ import pytest
 from rich.console import Console
 from test_search import FakeRunner, tune
 
-from advisor.cli._report import candidate_spread, render_tune
+from advisor.cli._report import render_tune
+from advisor.cli._report_cells import candidate_spread
 from advisor.trial import TrialResult
 from advisor.tune._timing import step_time_range
 from policies import Policy

@@ -197,7 +197,7 @@ def test_a_replicate_identical_to_fp32_says_its_perturbation_did_not_reach_the_m
 
 
 def spread_line_of(replicate: Replicate) -> str:
-    from advisor.cli._report import spread_line
+    from advisor.cli._report_cells import spread_line
 
     reference = _result(Policy(mode="fp32"), "fp32", list(replicate.losses))
     from advisor.tune._trials import evaluate
@@ -346,7 +346,7 @@ def test_replicate_result_is_not_part_of_its_identity() -> None:
 
 
 def test_spread_line_says_what_the_replicate_measured_and_allowed() -> None:
-    from advisor.cli._report import spread_line
+    from advisor.cli._report_cells import spread_line
 
     runner = PerturbableRunner()
     reference, _, replicate, *_ = run_comparison(runner, [])

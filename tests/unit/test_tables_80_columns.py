@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from advisor.cli._cache import render_list, render_record, render_show
-from advisor.cli._probe import render_probe
+from advisor.cli._env import render_probe
 from advisor.cli._report import evaluation_table, print_reasons, render_tune
 from advisor.trial import TrialResult
 from advisor.tune import TuneOptions

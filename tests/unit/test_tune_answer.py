@@ -12,8 +12,7 @@ import re
 from rich.console import Console
 from test_tables_80_columns import _tune_json
 
-from advisor.cli._report import render_tune
-from advisor.cli._report_answer import answer_rows, short_label, why_word
+from advisor.cli._report import answer_rows, render_tune, short_label, why_word
 from advisor.cli._report_cells import fmt_bytes
 
 NAN_REASON = "fp16-mixed is unstable: its loss went nan at step 11 (the loss scale could not keep it finite)"
