@@ -1,11 +1,6 @@
-"""The loop API's trial recorder: fed by ``step()`` (``StepObserver``), it records every
-optimizer step of a trial and ends the process after the measured window.
-
-It times optimizer steps (the device synchronised at the edges of the measured window; CUDA
-events in between), records loss, loss scale, skipped steps, fp16 gradient underflow and peak
-memory. Its own work inside a step (reading the loss scale, sampling gradients) runs between
-two time marks, and that interval is cut out of the step's time: a trial times the user's step,
-not its measuring.
+"""The loop API's trial recorder: fed by ``step()``, it records every optimizer step of a trial.
+Its own work inside a step runs between two time marks, and that interval is cut out of the
+step's time: a trial times the user's step, not its measuring.
 """
 
 from __future__ import annotations
@@ -35,11 +30,7 @@ if TYPE_CHECKING:
 
 
 class TrialRecorder(StepObserver, StepWindow):
-    """Records every optimizer step of a trial and ends the process after the measured window.
-
-    Per step it keeps the loss, the loss scale that scaled the step's backward, whether the
-    scaler skipped it, and (fp16, every ``UNDERFLOW_EVERY``-th step) the underflow counts.
-    """
+    """Records every optimizer step of a trial and ends the process after the measured window."""
 
     def __init__(self, spec: TrialSpec, writer: ResultWriter, *, in_process: bool = False) -> None:
         self.spec = spec
@@ -133,7 +124,6 @@ class TrialRecorder(StepObserver, StepWindow):
         return self._stepped_once
 
     def _step_times(self) -> list[float]:
-        """Seconds per step, less the recorder's own work in it."""
         return step_times(self.marks, self.pauses)
 
     def _peak_memory(self) -> tuple[int | None, str]:
@@ -170,8 +160,7 @@ class TrialRecorder(StepObserver, StepWindow):
         return batch_facts(self._applied())
 
     def close(self) -> None:
-        """Stop what runs beside the trial (the RSS sampler, a FLOP count in progress) and give
-        back the current device, however the trial ended."""
+        """Stop the RSS sampler and a FLOP count in progress, and give back the current device."""
         if self._flops is not None:
             self._flops.stop(discard=True)  # the training function raised inside the counted step
         if self._device is not None:
@@ -179,7 +168,6 @@ class TrialRecorder(StepObserver, StepWindow):
 
 
 def batch_facts(applied: AppliedPolicy) -> dict[str, Any]:
-    """The batch facts of the result file (``user_batch``, ``micro_batch``...), and the device."""
     return {
         "user_batch": applied.user_batch,
         "micro_batch": applied.policy.micro_batch_size or applied.user_batch,
@@ -190,8 +178,7 @@ def batch_facts(applied: AppliedPolicy) -> dict[str, Any]:
 
 
 def step_times(marks: list[Any], pauses: list[tuple[Any, Any] | None]) -> list[float]:
-    """Seconds between consecutive ``marks`` of one DeviceClock, each less its step's pause (the
-    marks around the recorder's own work in it; ``None`` where it did none)."""
+    """Seconds between consecutive ``marks``, each less its step's pause (``None``: none)."""
     times = []
     for i, (a, b) in enumerate(zip(marks, marks[1:])):
         pause = pauses[i] if i < len(pauses) else None

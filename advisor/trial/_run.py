@@ -1,11 +1,6 @@
 """``python -P -m advisor.trial._run [LAUNCH...] SCRIPT [ARGS...]``: run a cold trial's command
-as ``python [LAUNCH...] SCRIPT [ARGS...]`` would, the moment torch's import is done marked on
-the trial's timeline (in a rank of a multi-process trial, ``_ranks``' file store in use);
-``... _run --warm-server FD [PRELOAD...]`` is the warm server instead.
-
-Only an entry point: what it runs lives in ``_python_command`` (``run_as_python``) and
-``_warm_server`` (``serve``), whose forked children run the same code. No module imports this one, so that
-``python -m`` runs it without a second copy of it in ``sys.modules``.
+as python would, torch's import marked on the trial's timeline; ``... --warm-server FD
+[PRELOAD...]`` is the warm server. No module imports this one (no second copy in sys.modules).
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ from ._warm_server import SERVER_FLAG, serve
 
 
 def main(argv: list[str]) -> NoReturn:
-    """Run ``python ARGV...`` in this fresh interpreter, or be the warm server."""
     if argv[:1] == [SERVER_FLAG] and len(argv) >= 2:
         serve(int(argv[1]), argv[2:])
         raise SystemExit(0)
