@@ -54,13 +54,8 @@ def applied_for_trial(spec: TrialSpec, *, profile: HardwareProfile, device: str 
     return applied
 
 
-def trial_candidate(
-    spec: TrialSpec,
-    writer: ResultWriter,
-    *,
-    profile: HardwareProfile,
-    refusal: Callable[[Policy], str | None] | None = None,
-) -> Policy | None:
+def trial_candidate(spec: TrialSpec, writer: ResultWriter, *, profile: HardwareProfile,
+                    refusal: Callable[[Policy], str | None] | None = None) -> Policy | None:
     """The injected candidate, or ``None`` (the reason written as ``unsupported``) when it cannot
     run here; ``refusal``: a framework's limits, judged before the hardware's support."""
     try:
@@ -80,9 +75,8 @@ def trial_candidate(
     return policy
 
 
-def _build(
-    spec: TrialSpec, writer: ResultWriter, *, profile: HardwareProfile, device: str | None, in_process: bool
-) -> AppliedPolicy | None:
+def _build(spec: TrialSpec, writer: ResultWriter, *, profile: HardwareProfile, device: str | None,
+           in_process: bool) -> AppliedPolicy | None:
     policy = trial_candidate(spec, writer, profile=profile)
     if policy is None:
         return None

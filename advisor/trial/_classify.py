@@ -14,19 +14,10 @@ from ._stacks import stack_blame
 SIGKILL = int(getattr(signal, "SIGKILL", 9))  # Windows has no SIGKILL; the number is never seen there
 
 
-def classify(
-    data: dict[str, Any] | None,
-    *,
-    exit_code: int | None,
-    timed_out: bool,
-    stderr_tail: str,
-    spec: TrialSpec,
-    timeout: float,
-    wall_s: float = 0.0,
-    oom_kills: int | None = None,
-    timeline: Mapping[str, float] | None = None,
-    stacks: Sequence[str | None] | None = None,
-) -> TrialResult:
+def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: bool, stderr_tail: str,
+             spec: TrialSpec, timeout: float, wall_s: float = 0.0, oom_kills: int | None = None,
+             timeline: Mapping[str, float] | None = None,
+             stacks: Sequence[str | None] | None = None) -> TrialResult:
     """Decide the outcome of a finished child from its result file, exit code and stderr.
 
     A child that timed out, or died by a signal, before its candidate was applied is ``lost``
@@ -50,15 +41,9 @@ def classify(
     exception = result_file.get("exception") or {}
     # What the TrialResult carries of the file; the rest (stage, exception...) only decides.
     base = {f.name: result_file[f.name] for f in RESULT_FIELDS if f.kept and f.name in result_file}
-    base.update(
-        exit_code=exit_code,
-        stderr_tail=stderr_tail,
-        policy=spec.policy,
-        label=spec.label,
-        wall_s=wall_s,
-        timeline={**(result_file.get("timeline") or {}), **(timeline or {})},
-        threads=spec.threads if spec.nproc_per_node == 1 else None,
-    )
+    base.update(exit_code=exit_code, stderr_tail=stderr_tail, policy=spec.policy, label=spec.label, wall_s=wall_s,
+                timeline={**(result_file.get("timeline") or {}), **(timeline or {})},
+                threads=spec.threads if spec.nproc_per_node == 1 else None)
     if (timed_out or _by_signal(exit_code)) and _lost_before_application(stage, result_file, exception, base["timeline"]):
         outcome, reason = "lost", _lost_reason(
             None if exception.get("no_result") else stage, base["timeline"], spec, timed_out=timed_out, timeout=timeout, exit_code=exit_code, oom_kills=oom_kills,
@@ -155,14 +140,8 @@ def _worker_oom_reason(pid: str, where: str, oom_kills: int | None) -> str:
     )
 
 
-def _outcome(
-    stage: str | None,
-    result_file: Mapping[str, Any],
-    exception: dict[str, Any],
-    exit_code: int | None,
-    last_line: str,
-    spec: TrialSpec,
-) -> tuple[str, str]:
+def _outcome(stage: str | None, result_file: Mapping[str, Any], exception: dict[str, Any],
+             exit_code: int | None, last_line: str, spec: TrialSpec) -> tuple[str, str]:
     """``(outcome, reason)`` of a child that ended by itself, from the last stage it reached."""
     if stage == Stage.UNSUPPORTED:
         return "unsupported", result_file.get("reason") or "mode not supported on this hardware"

@@ -31,14 +31,8 @@ def warm_switched_off(environ: Mapping[str, str]) -> bool:
     return environ.get(WARM_ENV, "").strip().lower() in ("0", "false", "no", "off")
 
 
-def cold_reason(
-    command: Sequence[str],
-    *,
-    environ: Mapping[str, str],
-    nproc_per_node: int = 1,
-    platform: str = sys.platform,
-    can_fork: bool = hasattr(os, "fork"),
-) -> str | None:
+def cold_reason(command: Sequence[str], *, environ: Mapping[str, str], nproc_per_node: int = 1,
+                platform: str = sys.platform, can_fork: bool = hasattr(os, "fork")) -> str | None:
     """Why a trial must start in a fresh interpreter, whatever the server; ``None`` when it may
     be forked."""
     if warm_switched_off(environ):

@@ -34,18 +34,10 @@ def trial_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return child_env
 
 
-def run_trial(
-    script: str | os.PathLike[str],
-    args: list[str],
-    spec: TrialSpec,
-    *,
-    timeout: float,
-    python: str = sys.executable,
-    env: dict[str, str] | None = None,
-    cwd: str | os.PathLike[str] | None = None,
-    launch: Sequence[str] = (),
-    warm: WarmLauncher | None = None,
-) -> TrialResult:
+def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, *, timeout: float,
+              python: str = sys.executable, env: dict[str, str] | None = None,
+              cwd: str | os.PathLike[str] | None = None, launch: Sequence[str] = (),
+              warm: WarmLauncher | None = None) -> TrialResult:
     """Run ``python [LAUNCH...] script args`` with ``spec`` injected, in a subprocess (which
     isolates out-of-memory, CUDA errors, segfaults and hangs); classify the outcome. With
     ``warm``, the trial is forked from its warm server where that is as good as a fresh
@@ -85,11 +77,7 @@ def run_trial(
             # even in a session of its own or once its parent has died, and none outlives the trial.
             proc = subprocess.Popen(
                 [*launcher_argv(python), *cold_command(python, command, nproc_per_node=spec.nproc_per_node)],
-                stdout=out,
-                stderr=err,
-                stdin=subprocess.DEVNULL,
-                env=child_env,
-                cwd=cwd,
+                stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env, cwd=cwd,
                 start_new_session=True,  # so a timeout can kill the script's own children too
             )
         timed_out, stacks = False, None
@@ -117,17 +105,9 @@ def run_trial(
     for path in stack_paths:
         path.unlink(missing_ok=True)
     return classify(
-        data,
-        exit_code=code,
-        timed_out=timed_out,
-        stacks=stacks,
-        stderr_tail=tail,
-        spec=spec,
-        timeout=timeout,
-        wall_s=wall,
-        oom_kills=None if oom_after is None or oom_before is None else max(0, oom_after - oom_before),
-        timeline={"launched": launched, "exited": exited},
-    )
+        data, exit_code=code, timed_out=timed_out, stacks=stacks, stderr_tail=tail, spec=spec, timeout=timeout,
+        wall_s=wall, oom_kills=None if oom_after is None or oom_before is None else max(0, oom_after - oom_before),
+        timeline={"launched": launched, "exited": exited})
 
 
 _LAUNCHER_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"

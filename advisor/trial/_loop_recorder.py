@@ -12,7 +12,6 @@ from policies import mode_facts
 
 from ._child_exit import ResultWriter
 from ._device import DeviceClock, TrialDevice
-from ._flops import StepFlops
 from ._schema import Stage, TrialSpec
 from ._seeding import perturb_parameters
 from ._step_window import StepWindow
@@ -23,7 +22,6 @@ from ._underflow import (
     underflow_counts,
     underflow_fractions,
 )
-from ._watchdog import NoStepWatchdog
 
 if TYPE_CHECKING:
     import torch
@@ -33,27 +31,17 @@ class TrialRecorder(StepObserver, StepWindow):
     """Records every optimizer step of a trial and ends the process after the measured window."""
 
     def __init__(self, spec: TrialSpec, writer: ResultWriter, *, in_process: bool = False) -> None:
-        self.spec = spec
+        StepWindow.__init__(self, spec, writer)
         self.in_process = in_process
-        self.writer = writer
         self.applied: AppliedPolicy | None = None
-        self.losses: list[Any] = []  # loss tensors, read once at the end (no sync per step)
-        self.loss_scale: list[float | None] = []
-        self.skipped: list[bool] = []
         self.underflow: list[Any] = []  # [flushed, nonzero] count tensors, read once at the end
-        self.samples: list[int] = []
-        self.marks: list[Any] = []  # one time mark (float or CUDA event) per step boundary
         self.pauses: list[tuple[Any, Any] | None] = []  # per step: marks around the recorder's own work
         self._in_step: dict[str, Any] = {}  # what after_backward measured, until after_step keeps it
         self._micro_losses: list[Any] = []
         self._micro_samples = 0
         self._stepped_once = False
-        self._perturbed = False
-        self._finished = False
-        self._watchdog: NoStepWatchdog | None = None
         self.clock = DeviceClock(None)
         self._device: TrialDevice | None = None  # from attach(): the device made current, its memory
-        self._flops = StepFlops.for_spec(spec)
 
     def attach(self, applied: AppliedPolicy) -> None:
         self.applied = applied

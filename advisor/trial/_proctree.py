@@ -93,15 +93,9 @@ def _send(pid: int, sig: int) -> None:
         pass
 
 
-def kill_tree(
-    root: int,
-    *,
-    timeout: float = KILL_TIMEOUT,
-    table: Callable[[], ProcessTable] = process_table,
-    send: Callable[[int, int], None] = _send,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-) -> list[int]:
+def kill_tree(root: int, *, timeout: float = KILL_TIMEOUT, table: Callable[[], ProcessTable] = process_table,
+              send: Callable[[int, int], None] = _send, sleep: Callable[[float], None] = time.sleep,
+              clock: Callable[[], float] = time.monotonic) -> list[int]:
     """SIGKILL every process below ``root`` (not ``root`` itself) and wait until none runs; the
     processes still running when ``timeout`` ran out.
 

@@ -15,37 +15,25 @@ from advisor.runtime import Workload
 
 from ._child_exit import ResultWriter
 from ._device import DeviceClock
-from ._flops import StepFlops
 from ._schema import Stage, TrialSpec
 from ._seeding import perturb_parameters
 from ._step_window import StepWindow
 from ._timeline import mark, marks
 from ._underflow import optimizer_eps
-from ._watchdog import NoStepWatchdog
 
 
 class FrameworkRecorder(StepWindow):
     """Records every optimizer step of a framework script's trial."""
 
     def __init__(self, spec: TrialSpec, writer: ResultWriter, *, device: Any = "cpu") -> None:
-        self.spec = spec
-        self.writer = writer
+        super().__init__(spec, writer)
         self.set_device(device)
-        self.losses: list[Any] = []
-        self.loss_scale: list[float | None] = []
-        self.skipped: list[bool] = []
-        self.samples: list[int] = []
-        self.marks: list[Any] = []
         self.notes: list[str] = []
         self.batch: dict[str, Any] = {}
         self.workload_fingerprint: str | None = None
         self.model_signature: str | None = None
         self.fsdp = False  # asked for through mp.fsdp_mixed_precision(), which a framework script never calls
         self._begun = False
-        self._perturbed = False
-        self._finished = False
-        self._watchdog: NoStepWatchdog | None = None
-        self._flops = StepFlops.for_spec(spec)
 
     def start(self) -> None:
         """Keep a short run's steps at exit (the watchdog waits for ``policy_applied``)."""

@@ -21,24 +21,25 @@ class StepWindow:
     """The measured window of optimizer steps, timed on one DeviceClock, and the three ways a
     trial child ends (the window is full; no step came in time; the script ended first).
 
-    A subclass sets the attributes below and what it recorded of the workload (``notes``,
+    A subclass sets ``clock`` and what it recorded of the workload (``notes``,
     ``workload_fingerprint``, ``model_signature``, ``fsdp``, ``batch``), and defines
     ``_stepping`` (whether the first step has begun) and ``_step_times``.
     """
 
-    spec: TrialSpec
-    writer: ResultWriter
-    marks: list[Any]
     clock: DeviceClock
-    losses: list[Any]
-    loss_scale: list[float | None]
-    skipped: list[bool]
-    samples: list[int]
     in_process = False
     optimizer_eps: float | None = None
-    _finished: bool
-    _watchdog: NoStepWatchdog | None
-    _flops: StepFlops | None
+
+    def __init__(self, spec: TrialSpec, writer: ResultWriter) -> None:
+        self.spec, self.writer = spec, writer
+        self.losses: list[Any] = []  # loss tensors, read once at the end (no sync per step)
+        self.loss_scale: list[float | None] = []
+        self.skipped: list[bool] = []
+        self.samples: list[int] = []
+        self.marks: list[Any] = []  # one time mark (float or CUDA event) per step boundary
+        self._perturbed = self._finished = False
+        self._watchdog: NoStepWatchdog | None = None
+        self._flops = StepFlops.for_spec(spec)
 
     def _stepping(self) -> bool:
         raise NotImplementedError

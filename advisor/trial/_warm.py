@@ -124,12 +124,8 @@ class WarmServer:
         try:
             self.proc = subprocess.Popen(
                 [python, "-P", "-m", RUN_MODULE, SERVER_FLAG, str(child.fileno()), *preload],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=self._log,
-                env=self.env,
-                pass_fds=(child.fileno(),),
-                start_new_session=True,  # Ctrl-C in the terminal reaches the parent, which ends it
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log, env=self.env,
+                pass_fds=(child.fileno(),), start_new_session=True,  # Ctrl-C in the terminal reaches the parent, which ends it
             )
         except OSError:
             parent.close()
@@ -157,12 +153,8 @@ class WarmServer:
     def fork(self, command: list[str], env: Mapping[str, str], cwd: str | os.PathLike[str] | None,
              stdout: IO[bytes], stderr: IO[bytes], on_lost: Callable[[], None]) -> WarmTrial | str:
         """Have the server fork a launcher that runs ``python COMMAND``: its handle, or why not."""
-        request = {
-            "op": "run",
-            "argv": command,
-            "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
-            "env": {k: v for k, v in env.items() if is_per_trial(k)},
-        }
+        request = {"op": "run", "argv": command, "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+                   "env": {k: v for k, v in env.items() if is_per_trial(k)}}
         for f in (stdout, stderr):
             f.flush()
         if not self.channel.send(request, [stdout.fileno(), stderr.fileno()]):
@@ -209,17 +201,9 @@ class WarmLauncher:
     def server_pid(self) -> int | None:
         return None if self._server is None else self._server.proc.pid
 
-    def start_trial(
-        self,
-        command: Sequence[str],
-        *,
-        env: Mapping[str, str],
-        cwd: str | os.PathLike[str] | None,
-        stdout: IO[bytes],
-        stderr: IO[bytes],
-        python: str,
-        nproc_per_node: int = 1,
-    ) -> WarmTrial | None:
+    def start_trial(self, command: Sequence[str], *, env: Mapping[str, str],
+                    cwd: str | os.PathLike[str] | None, stdout: IO[bytes], stderr: IO[bytes], python: str,
+                    nproc_per_node: int = 1) -> WarmTrial | None:
         """Fork ``python COMMAND`` from the server; ``None`` (and a debug line saying why) when
         the trial must start cold instead."""
         reason = cold_reason(command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node)

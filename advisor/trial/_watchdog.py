@@ -48,15 +48,9 @@ class NoStepWatchdog:
     than ``timeout`` after the latest moment a compilation was seen running (the trial's own
     timeout still bounds one that never ends)."""
 
-    def __init__(
-        self,
-        timeout: float,
-        on_expire: Callable[[], None],
-        *,
-        activity: CompileActivity | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        poll_s: float | None = None,
-    ) -> None:
+    def __init__(self, timeout: float, on_expire: Callable[[], None], *,
+                 activity: CompileActivity | None = None, clock: Callable[[], float] = time.monotonic,
+                 poll_s: float | None = None) -> None:
         self.timeout = timeout
         self._on_expire = on_expire
         self._activity = activity or CompileActivity()
