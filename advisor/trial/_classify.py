@@ -44,7 +44,8 @@ def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: b
     base.update(exit_code=exit_code, stderr_tail=stderr_tail, policy=spec.policy, label=spec.label, wall_s=wall_s,
                 timeline={**(result_file.get("timeline") or {}), **(timeline or {})},
                 threads=spec.threads if spec.nproc_per_node == 1 else None)
-    if (timed_out or _by_signal(exit_code)) and _lost_before_application(stage, result_file, exception, base["timeline"]):
+    by_signal = exit_code is not None and exit_code < 0
+    if (timed_out or by_signal) and _lost_before_application(stage, result_file, exception, base["timeline"]):
         outcome, reason = "lost", _lost_reason(
             None if exception.get("no_result") else stage, base["timeline"], spec, timed_out=timed_out, timeout=timeout, exit_code=exit_code, oom_kills=oom_kills,
             rank=exception.get("rank", result_file.get("rank_waiting")))
@@ -67,14 +68,14 @@ def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: b
             "use a smaller micro-batch or give the trial more memory"
         )
     elif stage != Stage.DONE and oom_kills != 0 and (worker := _killed_worker(stderr_tail, exception)) is not None:
-        outcome, reason = "oom", _worker_oom_reason(worker, stage_text(stage, result_file), oom_kills)
+        counted = "" if oom_kills is None else f"; its memory cgroup counted {oom_kills} OOM kill{'s' if oom_kills != 1 else ''} meanwhile"
+        outcome, reason = "oom", (
+            f"out of memory: DataLoader worker (pid {worker}) was killed by SIGKILL {stage_text(stage, result_file)}, "
+            f"as the kernel's OOM killer ends a process{counted}; use fewer DataLoader workers or a smaller "
+            "micro-batch, or give the trial more memory")
     else:
         outcome, reason = _outcome(stage, result_file, exception, exit_code, _last_line(stderr_tail), spec)
     return TrialResult.from_dict({**base, "outcome": outcome, "reason": reason})
-
-
-def _by_signal(exit_code: int | None) -> bool:
-    return exit_code is not None and exit_code < 0
 
 
 def _lost_before_application(stage: str | None, result_file: Mapping[str, Any], exception: Mapping[str, Any],
@@ -121,23 +122,8 @@ _WORKER_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signa
 
 def _killed_worker(stderr_tail: str, exception: dict[str, Any]) -> str | None:
     """The pid of a DataLoader worker that died by SIGKILL, from stderr or the exception."""
-    for text in (stderr_tail, str(exception.get("message", ""))):
-        found = _WORKER_KILLED.search(text)
-        if found is not None:
-            return found.group(1)
-    return None
-
-
-def _worker_oom_reason(pid: str, where: str, oom_kills: int | None) -> str:
-    counted = (
-        "" if oom_kills is None
-        else f"; its memory cgroup counted {oom_kills} OOM kill{'s' if oom_kills != 1 else ''} meanwhile"
-    )
-    return (
-        f"out of memory: DataLoader worker (pid {pid}) was killed by SIGKILL {where}, as the kernel's OOM "
-        f"killer ends a process{counted}; use fewer DataLoader workers or a smaller micro-batch, or give "
-        "the trial more memory"
-    )
+    found = (_WORKER_KILLED.search(text) for text in (stderr_tail, str(exception.get("message", ""))))
+    return next((m.group(1) for m in found if m is not None), None)
 
 
 def _outcome(stage: str | None, result_file: Mapping[str, Any], exception: dict[str, Any],

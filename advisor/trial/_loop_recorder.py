@@ -53,8 +53,6 @@ class TrialRecorder(StepObserver, StepWindow):
         self._keep_short_run()
         self._policy_applied(watch=True)
 
-    # ---- StepObserver -----------------------------------------------------------------------
-
     def after_setup(self, applied: AppliedPolicy, model: Any) -> None:
         # The replicate's one perturbation: after the mode converted the model (fp32 leaves it
         # as it is), before any step has used it.
@@ -106,8 +104,6 @@ class TrialRecorder(StepObserver, StepWindow):
         self.skipped.append(not stepped)
         self._end_of_step(len(self.losses))
 
-    # ---- measuring ----------------------------------------------------------------------------
-
     def _stepping(self) -> bool:
         return self._stepped_once
 
@@ -124,8 +120,6 @@ class TrialRecorder(StepObserver, StepWindow):
         if self.applied is None:
             raise RuntimeError("the trial recorder was never attached to an AppliedPolicy")
         return self.applied
-
-    # ---- what the result says of the workload, read from the applied policy ----------------
 
     @property
     def notes(self) -> list[str]:

@@ -27,30 +27,21 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+if __package__:
+    from ._proctree import _exit_as, end_with_parent
+else:  # run as a plain file (ranks_argv): its sibling, by path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _proctree import _exit_as, end_with_parent
+
 STORE_ENV = "MPADVISE_RANK_STORE"  # the FileStore of every rank's env:// rendezvous
 EXITS_ENV = "MPADVISE_RANK_EXITS"  # where the launcher writes how each rank ended
 GRACE_S = 10.0  # seconds the other ranks get after SIGTERM, once one failed, before SIGKILL
-PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 LOOPBACK = "127.0.0.1"
 
 
 def ranks_argv(nproc: int) -> list[str]:
     # -I -S: no site-packages and no script directory on sys.path, nothing from the environment.
     return ["-I", "-S", str(Path(__file__).resolve()), "--nproc", str(nproc), "--"]
-
-
-def set_parent_death_signal(sig: int = int(getattr(signal, "SIGKILL", 9)), *, parent: int | None = None) -> bool:
-    """``_proctree.end_with_parent``, for this plain file."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        done = libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-    if done and parent is not None and os.getppid() != parent:
-        os.kill(os.getpid(), sig)
-    return done
 
 
 def rank_environment(base: Mapping[str, str], *, rank: int, nproc: int, port: int, store: str) -> dict[str, str]:
@@ -114,7 +105,7 @@ def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None, grace_s:
         for rank in range(nproc):
             procs[rank] = subprocess.Popen(
                 list(command), env=rank_environment(os.environ, rank=rank, nproc=nproc, port=port, store=store),
-                preexec_fn=lambda: set_parent_death_signal(parent=me))
+                preexec_fn=lambda: end_with_parent(signal.SIGKILL, parent=me))
     except OSError as exc:
         stop_others(signal.SIGKILL)
         print(f"mpadvise: cannot start {command[0]}: {exc}", file=sys.stderr)
@@ -157,9 +148,6 @@ def _finish(exits: str | None, nproc: int, procs: Mapping[int, subprocess.Popen[
         for entry in os.listdir(store_dir):
             os.unlink(os.path.join(store_dir, entry))
         os.rmdir(store_dir)
-
-
-# --- the rank's side ----------------------------------------------------------------------------
 
 
 def _file_store_handler(path: str) -> Callable[..., Any]:
@@ -226,20 +214,6 @@ def use_file_store(environ: Mapping[str, str] = os.environ) -> bool:
     return True
 
 
-def _exit_as(code: int) -> NoReturn:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code >= 0:
-        os._exit(code)
-    with contextlib.suppress(OSError, ValueError):
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-    os._exit(128 - code)
-
-
 def main(argv: list[str]) -> NoReturn:
     usage = f"usage: python {sys.argv[0]} --nproc N [--exits FILE] -- COMMAND [ARGS...]"
     nproc, exits, rest = None, os.environ.get(EXITS_ENV) or None, list(argv)
@@ -253,7 +227,7 @@ def main(argv: list[str]) -> NoReturn:
     if nproc is None or rest[:1] != ["--"] or len(rest) < 2:
         print(usage, file=sys.stderr)
         _exit_as(2)
-    set_parent_death_signal()  # the trial's launcher (``_proctree``) gone: so are the ranks
+    end_with_parent(signal.SIGKILL)  # the trial's launcher (``_proctree``) gone: so are the ranks
     _exit_as(run_ranks(nproc, rest[1:], exits=exits))
 
 

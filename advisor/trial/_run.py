@@ -5,9 +5,11 @@ as python would, torch's import marked on the trial's timeline; ``... --warm-ser
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import NoReturn
 
+from ._proctree import end_with_parent
 from ._python_command import (
     RUN_MODULE,
     apply_trial_threads,
@@ -16,7 +18,7 @@ from ._python_command import (
     parse_command,
     run_as_python,
 )
-from ._ranks import set_parent_death_signal, use_file_store
+from ._ranks import use_file_store
 from ._warm_server import SERVER_FLAG, serve
 
 
@@ -29,7 +31,7 @@ def main(argv: list[str]) -> NoReturn:
         print(f"usage: python -P -m {RUN_MODULE} [-P] (-m MODULE | SCRIPT) [ARGS...]", file=sys.stderr)
         raise SystemExit(2)
     # Nothing of a trial outlives its launcher (a tune killed by SIGKILL takes its trials along).
-    set_parent_death_signal()
+    end_with_parent(signal.SIGKILL)
     # A rank of a multi-process trial meets its peers through the trial's private file store.
     use_file_store()
     mark_torch_import()

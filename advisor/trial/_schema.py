@@ -193,10 +193,6 @@ class TrialResult:
         """Whether the candidate was applied (a trial that measured steps was)."""
         return "policy_applied" in self.timeline or bool(self.losses)
 
-    @property
-    def ran(self) -> bool:
-        return self.outcome in ("ok", "unstable")
-
     def with_outcome(self, outcome: str, reason: str) -> TrialResult:
         return replace(self, outcome=outcome, reason=reason)
 
@@ -207,9 +203,6 @@ class TrialResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialResult:
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"TrialResult has no fields {unknown}")
         kwargs = dict(data)
         for name in ("losses", "step_times", "loss_scale", "skipped", "underflow", "samples", "notes"):
             if name in kwargs and kwargs[name] is not None:
