@@ -66,7 +66,6 @@ def server_refusal(threads: int, cuda_initialized: bool) -> str | None:
 
 
 def thread_count() -> int:
-    """Threads of this process, native ones included."""
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:

@@ -38,7 +38,6 @@ class StepFlops:
 
     @classmethod
     def for_spec(cls, spec: TrialSpec) -> StepFlops | None:
-        """The counter a trial asks for, or ``None``: not asked, or a warm-up too short."""
         if not spec.count_flops or spec.warmup_steps < FLOPS_STEP:
             return None
         return cls()

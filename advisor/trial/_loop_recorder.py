@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 
 
 class TrialRecorder(StepObserver, StepWindow):
-    """Records every optimizer step of a trial and ends the process after the measured window."""
-
     def __init__(self, spec: TrialSpec, writer: ResultWriter, *, in_process: bool = False) -> None:
         StepWindow.__init__(self, spec, writer)
         self.in_process = in_process

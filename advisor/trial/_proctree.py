@@ -62,7 +62,6 @@ def descendants(parents: Mapping[int, int], root: int) -> list[int]:
 
 
 def live_descendants(table: ProcessTable, root: int) -> list[int]:
-    """The processes below ``root`` that still run (not zombies)."""
     parents = {pid: ppid for pid, (ppid, _) in table.items()}
     return [pid for pid in descendants(parents, root) if table[pid][1] not in ("Z", "X", "x")]
 

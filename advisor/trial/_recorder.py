@@ -23,8 +23,6 @@ from ._underflow import optimizer_eps
 
 
 class FrameworkRecorder(StepWindow):
-    """Records every optimizer step of a framework script's trial."""
-
     def __init__(self, spec: TrialSpec, writer: ResultWriter, *, device: Any = "cpu") -> None:
         super().__init__(spec, writer)
         self.set_device(device)

@@ -91,7 +91,6 @@ class StepWindow:
             self._flops.watch(model)
 
     def _open_window(self) -> None:
-        """The first optimizer step begins: the clock's first mark."""
         self.clock.sync()
         self.marks.append(self.clock.mark())
         if self.spec.warmup_steps == 0:

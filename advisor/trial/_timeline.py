@@ -59,7 +59,6 @@ def breakdown(timeline: Mapping[str, float]) -> dict[str, float | None]:
 
 
 def startup_seconds(timeline: Mapping[str, float]) -> float | None:
-    """Seconds from the launch to the end of the first optimizer step."""
     a, b = timeline.get("launched"), timeline.get("first_step")
     if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or b < a:
         return None

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
@@ -33,8 +32,6 @@ START_TIMEOUT = 600.0  # seconds for the server's imports (a framework's under l
 
 
 class _Channel:
-    """The parent's end of the socket pair."""
-
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
 
@@ -47,20 +44,15 @@ class _Channel:
 
     def receive(self, timeout: float | None) -> dict[str, Any] | None:
         """The next message; ``None`` when the server is gone; TimeoutError after ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                ready, _, _ = select.select([self.sock], [], [], left)
-            except InterruptedError:
-                continue
-            if not ready:
-                raise TimeoutError
-            try:
-                data = self.sock.recv(PACKET)
-            except OSError:
-                return None
-            return json.loads(data) if data else None
+        # select() retries by itself on EINTR, with the time left (PEP 475).
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        try:
+            data = self.sock.recv(PACKET)
+        except OSError:
+            return None
+        return json.loads(data) if data else None
 
 
 class WarmTrial:
@@ -98,16 +90,14 @@ class WarmTrial:
                 os.kill(self.pid, signal.SIGKILL)
 
 
-def _close_server(proc: subprocess.Popen[bytes] | None, sock: socket.socket | None) -> None:
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.close()
-    if proc is not None:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _close_server(proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.close()  # the server ends at its end of the channel
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class WarmServer:
@@ -122,11 +112,11 @@ class WarmServer:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log: IO[bytes] = tempfile.TemporaryFile()
         try:
+            # A session of its own: Ctrl-C in the terminal reaches the parent, which ends it.
             self.proc = subprocess.Popen(
                 [python, "-P", "-m", RUN_MODULE, SERVER_FLAG, str(child.fileno()), *preload],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log, env=self.env,
-                pass_fds=(child.fileno(),), start_new_session=True,  # Ctrl-C in the terminal reaches the parent, which ends it
-            )
+                pass_fds=(child.fileno(),), start_new_session=True)
         except OSError:
             parent.close()
             self._log.close()
