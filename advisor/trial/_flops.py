@@ -38,9 +38,7 @@ class StepFlops:
 
     @classmethod
     def for_spec(cls, spec: TrialSpec) -> StepFlops | None:
-        if not spec.count_flops or spec.warmup_steps < FLOPS_STEP:
-            return None
-        return cls()
+        return cls() if spec.count_flops and spec.warmup_steps >= FLOPS_STEP else None
 
     @staticmethod
     def note_for(spec: TrialSpec, flops: StepFlops | None) -> str | None:

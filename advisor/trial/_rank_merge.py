@@ -34,14 +34,11 @@ def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None],
         return {**failed, "ranks": len(ranks)}
     if any(data.get("stage") != Stage.DONE for data in present.values()):
         progress = [f"rank {rank} {stage_text((data or {}).get('stage'), data or {})}" for rank, data in enumerate(ranks)]
-        waiting = [rank for rank, data in enumerate(ranks) if not _applied(data)]
+        waiting = [rank for rank, data in enumerate(ranks)
+                   if not (data and ("policy_applied" in (data.get("timeline") or {}) or data.get("losses")))]
         chosen = {**(ranks[waiting[0]] or {}), "rank_waiting": waiting[0]} if waiting else present[min(present)]
         return {**chosen, "ranks": len(ranks), "rank_progress": progress}
     return _merge_finished(ranks, present)
-
-
-def _applied(data: Mapping[str, Any] | None) -> bool:
-    return bool(data) and ("policy_applied" in (data.get("timeline") or {}) or bool(data.get("losses")))
 
 
 def _first_failure(exits: Mapping[str, Any] | None) -> tuple[int, Mapping[str, Any]] | None:
@@ -51,12 +48,6 @@ def _first_failure(exits: Mapping[str, Any] | None) -> tuple[int, Mapping[str, A
         if isinstance(ended, Mapping) and ended.get("status") not in (0, None) and not ended.get("stopped"):
             return int(ended["rank"]), ended
     return None
-
-
-def _ended_text(ended: Mapping[str, Any]) -> str:
-    if ended.get("signal"):
-        return f"was killed by {ended['signal']}"
-    return f"exited with status {ended.get('status')}"
 
 
 def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]],
@@ -70,8 +61,8 @@ def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, d
             return {**data, "exception": {**exception, "rank": rank}}
         if stage in (Stage.UNSUPPORTED, Stage.NO_STEP):
             return data
-        message = (f"rank {rank} {_ended_text(ended)} {stage_text(stage, data)} without an error of its own; "
-                   "its peers were stopped after it")
+        how = f"was killed by {ended['signal']}" if ended.get("signal") else f"exited with status {ended.get('status')}"
+        message = f"rank {rank} {how} {stage_text(stage, data)} without an error of its own; its peers were stopped after it"
         return {**data, "stage": Stage.EXCEPTION,
                 "exception": {"type": "", "message": message, "rank": rank, "killed": True, "signal": ended.get("signal"),
                               "no_result": not data}}

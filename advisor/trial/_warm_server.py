@@ -116,14 +116,6 @@ def _end(pid: int) -> None:
         os.waitpid(pid, 0)
 
 
-def _reseed() -> None:
-    """Fresh random state: ``random`` reseeds itself after a fork; numpy's global generator does not."""
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:
-        with contextlib.suppress(Exception):
-            numpy_random.seed()
-
-
 def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
     launcher = os.getpid()
     pid = os.fork()
@@ -135,7 +127,10 @@ def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
             with contextlib.suppress(OSError, ValueError, TypeError):
                 signal.signal(signum, handler)
         end_with_parent(int(signal.SIGKILL), parent=launcher)  # nothing of a trial outlives its launcher
-        _reseed()
+        # Fresh random state: ``random`` reseeds itself after a fork; numpy's global generator does not.
+        if (numpy_random := sys.modules.get("numpy.random")) is not None:
+            with contextlib.suppress(Exception):
+                numpy_random.seed()
         clear()  # the marks of this trial only
         mark("torch_imported")  # torch was imported before the fork
         apply_trial_threads()
