@@ -59,11 +59,15 @@ class TrialDevice:
 
         self.cuda = device.type == "cuda"
         self.clock = DeviceClock(device if self.cuda else None)
-        self._in_process = in_process
         self._previous_device: int | None = None  # in process: the current device to give back
         self._rss: TrialPeakRss | None = None
         if self.cuda:
-            self._use_device(device)
+            # The trial's device made the current one: whatever names "cuda" without an index (a
+            # script's .cuda(), torch.compile's and CUDA graphs' allocations) uses it.
+            if device.index is not None:  # plain "cuda" already means the current device
+                if in_process:
+                    self._previous_device = torch.cuda.current_device()
+                torch.cuda.set_device(device)
             if memory_limit:
                 total = torch.cuda.get_device_properties(device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), device)
@@ -71,17 +75,6 @@ class TrialDevice:
         elif in_process:
             self._rss = TrialPeakRss()
             self._rss.start()
-
-    def _use_device(self, device: torch.device) -> None:
-        """Make the trial's device the current one: whatever names ``"cuda"`` without an index
-        (a script's ``.cuda()``, torch.compile's and CUDA graphs' allocations) uses it."""
-        import torch
-
-        if device.index is None:  # plain "cuda" already means the current device
-            return
-        if self._in_process:
-            self._previous_device = torch.cuda.current_device()
-        torch.cuda.set_device(device)
 
     def peak_memory(self) -> tuple[int | None, str]:
         if self._rss is not None:
