@@ -119,25 +119,12 @@ class TrialRecorder(StepObserver, StepWindow):
             raise RuntimeError("the trial recorder was never attached to an AppliedPolicy")
         return self.applied
 
-    @property
-    def notes(self) -> list[str]:
-        return list(self._applied().notes)
-
-    @property
-    def workload_fingerprint(self) -> str | None:
-        return self._applied().workload_fingerprint
-
-    @property
-    def model_signature(self) -> str | None:
-        return self._applied().model_signature
-
-    @property
-    def fsdp(self) -> bool:
-        return self._applied().fsdp
-
-    @property
-    def batch(self) -> dict[str, Any]:
-        return batch_facts(self._applied())
+    # What the result says of the workload, read from the applied policy.
+    notes = property(lambda self: list(self._applied().notes))
+    workload_fingerprint = property(lambda self: self._applied().workload_fingerprint)
+    model_signature = property(lambda self: self._applied().model_signature)
+    fsdp = property(lambda self: self._applied().fsdp)
+    batch = property(lambda self: batch_facts(self._applied()))
 
     def close(self) -> None:
         """Stop the RSS sampler and a FLOP count in progress, and give back the current device."""
@@ -148,13 +135,9 @@ class TrialRecorder(StepObserver, StepWindow):
 
 
 def batch_facts(applied: AppliedPolicy) -> dict[str, Any]:
-    return {
-        "user_batch": applied.user_batch,
-        "micro_batch": applied.policy.micro_batch_size or applied.user_batch,
-        "grad_accum_steps": applied.grad_accum_steps,
-        "global_batch": applied.global_batch,
-        "device": str(applied.device),
-    }
+    return {"user_batch": applied.user_batch, "micro_batch": applied.policy.micro_batch_size or applied.user_batch,
+            "grad_accum_steps": applied.grad_accum_steps, "global_batch": applied.global_batch,
+            "device": str(applied.device)}
 
 
 def step_times(marks: list[Any], pauses: list[tuple[Any, Any] | None]) -> list[float]:
