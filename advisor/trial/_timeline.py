@@ -32,11 +32,9 @@ PHASES: tuple[tuple[str, str, str], ...] = (
 _marks: dict[str, float] = {}
 
 
-def mark(name: str, at: float | None = None) -> None:
-    """Record that ``name`` happened now (or ``at``); the first record of a mark stands."""
-    if name not in TIMELINE_MARKS:
-        raise ValueError(f"timeline mark {name!r} is not one of {list(TIMELINE_MARKS)}")
-    _marks.setdefault(name, time.time() if at is None else float(at))
+def mark(name: str) -> None:
+    """Record that ``name`` (one of ``TIMELINE_MARKS``) happened now; the first record stands."""
+    _marks.setdefault(name, time.time())
 
 
 def marks() -> dict[str, float]:
