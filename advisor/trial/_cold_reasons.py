@@ -80,4 +80,3 @@ def framework_preload(launch: Sequence[str]) -> tuple[str, ...]:
         return ()
     package = command.target.rpartition(".")[0]
     return (package, f"{package}:{command.args[0]}")
-

@@ -176,4 +176,3 @@ def _merged_flops(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def _number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.inf
-

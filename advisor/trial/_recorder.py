@@ -117,7 +117,6 @@ class FrameworkRecorder(StepWindow):
         return [DeviceClock.elapsed(a, b) for a, b in zip(self.marks, self.marks[1:])]
 
 
-
 def recorder_for(spec: TrialSpec) -> FrameworkRecorder:
     writer = ResultWriter(spec.result_path)
     writer.write(stage=Stage.LOADED, pid=os.getpid())
