@@ -15,7 +15,7 @@ from typing import Any
 
 from ._proctree import live_descendants, process_table
 
-STACK_SIGNAL = "SIGUSR2"
+STACK_SIGNAL = "SIGUSR2"  # on which a trial process dumps its stacks (faulthandler)
 STACK_PID_PREFIX = "pid "  # a dump file's first line names the process to signal
 STACK_WAIT_S = 2.0  # how long the parent waits for the dumps, before the kill
 
