@@ -43,12 +43,10 @@ def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, 
     ``warm``, the trial is forked from its warm server where that is as good as a fresh
     interpreter; otherwise it starts cold."""
     result_path = Path(spec.result_path)
-    result_path.unlink(missing_ok=True)
     rank_paths = [Path(rank_result_path(result_path, r)) for r in range(spec.nproc_per_node)] if spec.nproc_per_node > 1 else []
-    for path in rank_paths:
-        path.unlink(missing_ok=True)
     stack_paths = [Path(stack_dump_path(path)) for path in rank_paths or [result_path]]
-    for path in stack_paths:
+    exits_path = Path(f"{result_path}.exits.json")
+    for path in (result_path, *rank_paths, *stack_paths, exits_path):
         path.unlink(missing_ok=True)
     spec_file = result_path.with_suffix(".spec.json")
     spec_file.write_text(spec.to_json())
@@ -57,8 +55,6 @@ def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, 
     child_env.pop(THREADS_ENV, None)
     if spec.threads is not None and spec.nproc_per_node == 1:
         child_env[THREADS_ENV] = str(spec.threads)
-    exits_path = Path(f"{result_path}.exits.json")
-    exits_path.unlink(missing_ok=True)
     if rank_paths:
         child_env[EXITS_ENV] = str(exits_path)  # where the rank launcher records how each rank ended
     # The child starts in this process's memory cgroup: counting that cgroup's OOM kills before
