@@ -1,8 +1,5 @@
-"""Inside a trial's child process: what ``load_policy()`` does when ``mpadvise tune`` or
-``mpadvise trial`` injected a candidate (``spec_from_env``, ``applied_for_trial``), and one
-trial run in this process (``run_in_process``). The recorder that ``step()`` then feeds is
-``_loop_recorder``'s; how the child writes its result and ends is ``_child_exit``'s.
-"""
+"""Inside a trial's child process: what ``load_policy()`` does when a candidate is injected, and
+one trial run in this process (``run_in_process``)."""
 
 from __future__ import annotations
 
@@ -28,11 +25,8 @@ _CHILD_APPLIED: AppliedPolicy | None = None
 
 
 def spec_from_env() -> TrialSpec | None:
-    """The trial spec injected into this process, or ``None`` in a plain run.
-
-    In a trial of several processes, each rank (torchrun's ``RANK``) gets the spec with its
-    own result file, which the parent merges with the others.
-    """
+    """The trial spec injected into this process (a rank's with its own result file), or
+    ``None`` in a plain run."""
     path = os.environ.get(TRIAL_SPEC_ENV)
     if not path:
         return None
@@ -45,11 +39,8 @@ def spec_from_env() -> TrialSpec | None:
 
 
 def applied_for_trial(spec: TrialSpec, *, profile: HardwareProfile, device: str | None) -> AppliedPolicy:
-    """Build the AppliedPolicy for the injected candidate, with a recorder attached.
-
-    In the trial child process: an unsupported candidate ends the process with
-    ``EXIT_UNSUPPORTED``; uncaught exceptions are recorded for the parent.
-    """
+    """The AppliedPolicy for the injected candidate, with a recorder attached; an unsupported
+    candidate ends the process with ``EXIT_UNSUPPORTED``."""
     global _CHILD_APPLIED
     if _CHILD_APPLIED is not None:  # a script that calls load_policy() twice gets one recorder
         return _CHILD_APPLIED
@@ -63,20 +54,10 @@ def applied_for_trial(spec: TrialSpec, *, profile: HardwareProfile, device: str 
     return applied
 
 
-def trial_candidate(
-    spec: TrialSpec,
-    writer: ResultWriter,
-    *,
-    profile: HardwareProfile,
-    refusal: Callable[[Policy], str | None] | None = None,
-) -> Policy | None:
-    """The injected candidate, or ``None`` (with the reason written as ``unsupported``) when it
-    cannot run here.
-
-    Args:
-        refusal: why the script's way of training cannot apply a policy (a framework's
-            limits), judged before the hardware's support; ``None`` when it can apply any.
-    """
+def trial_candidate(spec: TrialSpec, writer: ResultWriter, *, profile: HardwareProfile,
+                    refusal: Callable[[Policy], str | None] | None = None) -> Policy | None:
+    """The injected candidate, or ``None`` (the reason written as ``unsupported``) when it cannot
+    run here; ``refusal``: a framework's limits, judged before the hardware's support."""
     try:
         policy = Policy.from_dict(spec.policy, source="trial spec")
     except PolicyError as exc:
@@ -94,9 +75,8 @@ def trial_candidate(
     return policy
 
 
-def _build(
-    spec: TrialSpec, writer: ResultWriter, *, profile: HardwareProfile, device: str | None, in_process: bool
-) -> AppliedPolicy | None:
+def _build(spec: TrialSpec, writer: ResultWriter, *, profile: HardwareProfile, device: str | None,
+           in_process: bool) -> AppliedPolicy | None:
     policy = trial_candidate(spec, writer, profile=profile)
     if policy is None:
         return None
@@ -108,12 +88,8 @@ def _build(
 
 
 def run_in_process(train_fn: Any, spec: TrialSpec, *, profile: HardwareProfile) -> tuple[dict[str, Any], str | None]:
-    """Run ``train_fn(mp)`` as one trial in this process.
-
-    Returns:
-        The result data (as a child would have written it) and the error text when
-        ``train_fn`` raised, else ``None``.
-    """
+    """Run ``train_fn(mp)`` as one trial in this process: the result data, and the error text
+    when ``train_fn`` raised."""
     import gc
     import traceback
 

@@ -1,8 +1,4 @@
-"""How a trial child writes its result and ends: the result file written whole
-(``ResultWriter``), an uncaught exception recorded in it (``install_excepthook``), the process
-ended once the result is written (``end_trial_process``), or an in-process trial's training
-function stopped (``TrialComplete``).
-"""
+"""How a trial child writes its result (whole, with any uncaught exception) and ends."""
 
 from __future__ import annotations
 
@@ -32,12 +28,7 @@ class ResultWriter:
         self.data: dict[str, Any] = {}
 
     def write(self, **fields: Any) -> None:
-        """Add ``fields`` to the result and write it whole.
-
-        Raises:
-            ValueError: a field that ``RESULT_FIELDS`` does not declare, which the parent
-                would reject.
-        """
+        """Add ``fields`` (each declared in ``RESULT_FIELDS``) to the result and write it whole."""
         unknown = unknown_result_fields(fields)
         if unknown:
             raise ValueError(f"the trial result has no fields {unknown}; declare them in RESULT_FIELDS")
@@ -63,7 +54,7 @@ def install_excepthook(writer: ResultWriter) -> None:
 
 
 def end_trial_process(code: int) -> NoReturn:
-    """End the trial child now: the result is written, the script's remaining work is not needed."""
+    """End the trial child now: the result is written."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -1,7 +1,5 @@
-"""The outcome of a finished trial: ``classify`` decides it from the child's result file, its
-exit status, its stderr and (on a timeout) its stack dumps. A pure function of those facts, so
-every outcome class is unit-tested without processes.
-"""
+"""The outcome of a finished trial, decided from the child's result file, its exit status, its
+stderr and (on a timeout) its stack dumps."""
 
 from __future__ import annotations
 
@@ -16,46 +14,17 @@ from ._stacks import stack_blame
 SIGKILL = int(getattr(signal, "SIGKILL", 9))  # Windows has no SIGKILL; the number is never seen there
 
 
-def classify(
-    data: dict[str, Any] | None,
-    *,
-    exit_code: int | None,
-    timed_out: bool,
-    stderr_tail: str,
-    spec: TrialSpec,
-    timeout: float,
-    wall_s: float = 0.0,
-    oom_kills: int | None = None,
-    timeline: Mapping[str, float] | None = None,
-    stacks: Sequence[str | None] | None = None,
-) -> TrialResult:
+def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: bool, stderr_tail: str,
+             spec: TrialSpec, timeout: float, wall_s: float = 0.0, oom_kills: int | None = None,
+             timeline: Mapping[str, float] | None = None,
+             stacks: Sequence[str | None] | None = None) -> TrialResult:
     """Decide the outcome of a finished child from its result file, exit code and stderr.
 
-    A pure function of its inputs, so every outcome class is unit-testable without processes.
-
-    A child that timed out, or died by a signal, before its candidate was applied (no
-    ``policy_applied`` in its timeline) is ``lost``: nothing it did says anything of the
-    candidate (a slow or failing machine, the script's own start-up), so a tune runs it again.
-    A script that exited by itself without calling ``load_policy()`` stays ``no-policy``.
-
-    Args:
-        timeline: the parent's own marks of the trial (``launched``, ``exited``), added to the
-            child's.
-        stacks: on a timeout, each process's (rank's) stack dump taken before the kill
-            (``request_stack_dumps``), ``None`` where none came: the reason names the process
-            that hung (``stack_blame``).
-        oom_kills: how many processes the kernel's OOM killer killed in the child's memory
-            cgroup while it ran (``oom_kill_count`` before and after), or ``None`` where that
-            is unknown. A child ended by SIGKILL while the count rose is out of memory; with
-            no count, SIGKILL is a crash.
-
-    A DataLoader worker that the OOM killer chose (often the largest process: each worker
-    holds a copy of the dataset and its batches) dies by SIGKILL while the script lives on,
-    and torch raises "DataLoader worker (pid N) is killed by signal: Killed." in the script,
-    which then fails as a crash would. Such a trial is out of memory too, unless the cgroup's
-    count was read and did not rise. Unlike the script itself (which a launcher or a failed
-    peer's torchrun may kill), nothing in a trial sends SIGKILL to a worker but the OOM
-    killer, so an unknown count still reads as out of memory.
+    A child that timed out, or died by a signal, before its candidate was applied is ``lost``
+    (a tune runs it again). ``oom_kills``: the OOM kills in the child's memory cgroup while it
+    ran, or ``None`` where unknown; a child ended by SIGKILL while it rose is out of memory.
+    A DataLoader worker killed by SIGKILL is out of memory too unless the count was read and
+    did not rise: nothing in a trial sends SIGKILL to a worker but the OOM killer.
     """
     unknown = unknown_result_fields(data or {})
     if unknown:
@@ -72,16 +41,11 @@ def classify(
     exception = result_file.get("exception") or {}
     # What the TrialResult carries of the file; the rest (stage, exception...) only decides.
     base = {f.name: result_file[f.name] for f in RESULT_FIELDS if f.kept and f.name in result_file}
-    base.update(
-        exit_code=exit_code,
-        stderr_tail=stderr_tail,
-        policy=spec.policy,
-        label=spec.label,
-        wall_s=wall_s,
-        timeline={**(result_file.get("timeline") or {}), **(timeline or {})},
-        threads=spec.threads if spec.nproc_per_node == 1 else None,
-    )
-    if (timed_out or _by_signal(exit_code)) and _lost_before_application(stage, result_file, exception, base["timeline"]):
+    base.update(exit_code=exit_code, stderr_tail=stderr_tail, policy=spec.policy, label=spec.label, wall_s=wall_s,
+                timeline={**(result_file.get("timeline") or {}), **(timeline or {})},
+                threads=spec.threads if spec.nproc_per_node == 1 else None)
+    by_signal = exit_code is not None and exit_code < 0
+    if (timed_out or by_signal) and _lost_before_application(stage, result_file, exception, base["timeline"]):
         outcome, reason = "lost", _lost_reason(
             None if exception.get("no_result") else stage, base["timeline"], spec, timed_out=timed_out, timeout=timeout, exit_code=exit_code, oom_kills=oom_kills,
             rank=exception.get("rank", result_file.get("rank_waiting")))
@@ -104,25 +68,20 @@ def classify(
             "use a smaller micro-batch or give the trial more memory"
         )
     elif stage != Stage.DONE and oom_kills != 0 and (worker := _killed_worker(stderr_tail, exception)) is not None:
-        outcome, reason = "oom", _worker_oom_reason(worker, stage_text(stage, result_file), oom_kills)
+        counted = "" if oom_kills is None else f"; its memory cgroup counted {oom_kills} OOM kill{'s' if oom_kills != 1 else ''} meanwhile"
+        outcome, reason = "oom", (
+            f"out of memory: DataLoader worker (pid {worker}) was killed by SIGKILL {stage_text(stage, result_file)}, "
+            f"as the kernel's OOM killer ends a process{counted}; use fewer DataLoader workers or a smaller "
+            "micro-batch, or give the trial more memory")
     else:
         outcome, reason = _outcome(stage, result_file, exception, exit_code, _last_line(stderr_tail), spec)
     return TrialResult.from_dict({**base, "outcome": outcome, "reason": reason})
 
 
-def _by_signal(exit_code: int | None) -> bool:
-    """Whether the child ended by a signal (``subprocess`` reports it as a negative status)."""
-    return exit_code is not None and exit_code < 0
-
-
 def _lost_before_application(stage: str | None, result_file: Mapping[str, Any], exception: Mapping[str, Any],
                              timeline: Mapping[str, float]) -> bool:
-    """Whether a child that timed out or died by a signal had not applied the candidate yet.
-
-    The timeline's ``policy_applied`` says it was; so does any stage that only an applied
-    candidate reaches (a step, the first-step watchdog), for a result from before timelines.
-    A candidate refused as unsupported, or a script's own exception, is an outcome in itself.
-    """
+    """Whether a child that timed out or died by a signal had not applied the candidate yet
+    (a stage only an applied candidate reaches says it had, for a result from before timelines)."""
     if "policy_applied" in timeline or result_file.get("losses"):
         return False
     if stage in (Stage.STEPPING, Stage.DONE, Stage.NO_STEP, Stage.UNSUPPORTED):
@@ -136,7 +95,6 @@ _MARK_WORDS = {"launched": "launched", "torch_imported": "torch imported"}
 
 def _lost_reason(stage: str | None, timeline: Mapping[str, float], spec: TrialSpec, *, timed_out: bool,
                  timeout: float, exit_code: int | None, oom_kills: int | None, rank: int | None = None) -> str:
-    """Why a trial is ``lost``: how it ended, and where it (its rank ``rank``) had got to."""
     how = f"no result within {timeout:g} s" if timed_out else f"killed by {_exit_text(exit_code)}"
     if rank is not None:
         how += f", rank {rank}"
@@ -163,35 +121,13 @@ _WORKER_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signa
 
 
 def _killed_worker(stderr_tail: str, exception: dict[str, Any]) -> str | None:
-    """The pid of a DataLoader worker that died by SIGKILL, from the script's stderr or its
-    recorded exception; ``None`` when none did."""
-    for text in (stderr_tail, str(exception.get("message", ""))):
-        found = _WORKER_KILLED.search(text)
-        if found is not None:
-            return found.group(1)
-    return None
+    """The pid of a DataLoader worker that died by SIGKILL, from stderr or the exception."""
+    found = (_WORKER_KILLED.search(text) for text in (stderr_tail, str(exception.get("message", ""))))
+    return next((m.group(1) for m in found if m is not None), None)
 
 
-def _worker_oom_reason(pid: str, where: str, oom_kills: int | None) -> str:
-    counted = (
-        "" if oom_kills is None
-        else f"; its memory cgroup counted {oom_kills} OOM kill{'s' if oom_kills != 1 else ''} meanwhile"
-    )
-    return (
-        f"out of memory: DataLoader worker (pid {pid}) was killed by SIGKILL {where}, as the kernel's OOM "
-        f"killer ends a process{counted}; use fewer DataLoader workers or a smaller micro-batch, or give "
-        "the trial more memory"
-    )
-
-
-def _outcome(
-    stage: str | None,
-    result_file: Mapping[str, Any],
-    exception: dict[str, Any],
-    exit_code: int | None,
-    last_line: str,
-    spec: TrialSpec,
-) -> tuple[str, str]:
+def _outcome(stage: str | None, result_file: Mapping[str, Any], exception: dict[str, Any],
+             exit_code: int | None, last_line: str, spec: TrialSpec) -> tuple[str, str]:
     """``(outcome, reason)`` of a child that ended by itself, from the last stage it reached."""
     if stage == Stage.UNSUPPORTED:
         return "unsupported", result_file.get("reason") or "mode not supported on this hardware"
@@ -230,7 +166,6 @@ def _outcome(
 
 
 def _failure(exception: dict[str, Any], exit_code: int | None, last_line: str) -> tuple[str, str]:
-    """``(outcome, reason)`` of a child that raised: out of memory, our own error, or a crash."""
     kind = exception.get("type", "")
     message = exception.get("message", "") or last_line
     rank = exception.get("rank")

@@ -1,7 +1,5 @@
-"""The device a trial times and measures: time marks and peak memory on it (``DeviceClock``),
-and, for the loop API's recorder, the device made current, its memory capped and its peak
-memory read (``TrialDevice``).
-"""
+"""The device a trial times and measures (``DeviceClock``), and the loop API trial's device made
+current, its memory capped (``TrialDevice``)."""
 
 from __future__ import annotations
 
@@ -15,11 +13,7 @@ if TYPE_CHECKING:
 
 
 class DeviceClock:
-    """Time marks and peak memory on one device: CUDA events on its stream, else the host clock.
-
-    Args:
-        device: the CUDA device a trial runs on, or ``None`` for the CPU.
-    """
+    """Time marks and peak memory on one CUDA device (``None``: the host clock, the CPU)."""
 
     def __init__(self, device: Any | None) -> None:
         self.device = device
@@ -43,7 +37,6 @@ class DeviceClock:
 
     @staticmethod
     def elapsed(a: Any, b: Any) -> float:
-        """Seconds between two marks of one clock."""
         return a.elapsed_time(b) / 1e3 if hasattr(a, "elapsed_time") else b - a
 
     def peak_memory(self) -> tuple[int | None, str]:
@@ -57,60 +50,38 @@ class DeviceClock:
 
 
 class TrialDevice:
-    """The device of a loop API trial, from the candidate's application to ``close()``: made the
-    current one, its memory capped at ``memory_limit`` (CUDA), and its peak memory read.
-
-    Args:
-        device: the device the applied policy trains on.
-        memory_limit: bytes; on CUDA a real per-process cap (``TrialSpec.memory_limit``).
-        in_process: the trial runs in a process that outlives it, whose current device is given
-            back and whose lifetime peak RSS is not the trial's.
-    """
+    """The device of a loop API trial until ``close()``: made the current one, its memory capped
+    at ``memory_limit`` (CUDA). ``in_process``: the process outlives the trial, so its current
+    device is given back and its lifetime peak RSS is not the trial's."""
 
     def __init__(self, device: torch.device, *, memory_limit: int | None, in_process: bool) -> None:
         import torch
 
         self.cuda = device.type == "cuda"
         self.clock = DeviceClock(device if self.cuda else None)
-        self._in_process = in_process
         self._previous_device: int | None = None  # in process: the current device to give back
         self._rss: TrialPeakRss | None = None
         if self.cuda:
-            self._use_device(device)
+            # The trial's device made the current one: whatever names "cuda" without an index (a
+            # script's .cuda(), torch.compile's and CUDA graphs' allocations) uses it.
+            if device.index is not None:  # plain "cuda" already means the current device
+                if in_process:
+                    self._previous_device = torch.cuda.current_device()
+                torch.cuda.set_device(device)
             if memory_limit:
                 total = torch.cuda.get_device_properties(device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), device)
             torch.cuda.reset_peak_memory_stats(device)
         elif in_process:
-            # This process outlives the trial, so its lifetime peak RSS is not the trial's.
             self._rss = TrialPeakRss()
             self._rss.start()
 
-    def _use_device(self, device: torch.device) -> None:
-        """Make the trial's device the current one while the trial runs.
-
-        CUDA events, ``synchronize()`` and whatever names ``"cuda"`` without an index (a
-        script's ``.cuda()``, torch.compile's and CUDA graphs' own allocations and streams)
-        use the current device, which is device 0 until something sets it. A child process
-        belongs to its trial and keeps the setting; an in-process trial gives it back in
-        ``close()``.
-        """
-        import torch
-
-        if device.index is None:  # plain "cuda" already means the current device
-            return
-        if self._in_process:
-            self._previous_device = torch.cuda.current_device()
-        torch.cuda.set_device(device)
-
     def peak_memory(self) -> tuple[int | None, str]:
-        """The trial's peak memory and its kind (``cuda-peak-allocated``, ``cpu-peak-rss``)."""
         if self._rss is not None:
             return self._rss.stop(), "cpu-peak-rss"
         return self.clock.peak_memory()
 
     def close(self) -> None:
-        """Stop the RSS sampler and give back the current device, however the trial ended."""
         if self._rss is not None:
             self._rss.stop()
         if self._previous_device is not None:

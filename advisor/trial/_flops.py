@@ -1,6 +1,5 @@
-"""The FLOPs of one whole optimizer step of a trial (``StepFlops``): counted by torch's
-FlopCounterMode, or estimated for a model fed token ids where counting fails.
-"""
+"""The FLOPs of one whole optimizer step of a trial: counted by torch's FlopCounterMode, or
+estimated for a model fed token ids where counting fails."""
 
 from __future__ import annotations
 
@@ -12,27 +11,17 @@ from ._schema import TrialSpec
 # first step's compilation, autotuning and allocator growth are not inside the count. It must
 # be a warm-up step: counting slows the step it counts, and no measured step may carry that.
 FLOPS_STEP = 2
+# 2 FLOPs per multiply-add, the backward twice the forward, per trainable parameter and token.
 FLOPS_ESTIMATE = "6 x parameters x tokens"
-"""The ``flops_basis`` of the estimate for a model fed token ids: 2 FLOPs per multiply-add,
-the backward twice the forward, per trainable parameter and token."""
 
 
 class StepFlops:
-    """Counts the FLOPs of one whole optimizer step of a trial: forward, backward and optimizer,
-    over all of the step's micro-batches.
+    """Counts the FLOPs of one whole optimizer step (``step``, from 1), all its micro-batches.
 
-    torch's ``FlopCounterMode`` is entered at the end of the step before (``start``) and left at
-    the end of the counted step (``stop``), so it sees everything the process computes in
-    between, whatever framework runs the loop. It counts matmuls, convolutions and attention
-    from their shapes, the work that dominates training; element-wise work is not counted.
-
-    Where counting fails (it raised, or counted nothing: work the counter does not know) and the
-    model's first training forward took an integer tensor (token ids), the step's work is
-    estimated as 6 x trainable parameters x tokens (2 FLOPs per multiply-add, the backward twice
-    the forward), the tokens being those the counted step's forwards took.
-
-    Args:
-        step: the optimizer step to count (from 1); the one before it must end first.
+    torch's ``FlopCounterMode`` is entered at the end of the step before and left at the end of
+    the counted one, whatever framework runs the loop; it counts matmuls, convolutions and
+    attention. Where counting fails and the model was fed token ids, the step's work is
+    estimated as 6 x trainable parameters x the counted step's tokens.
     """
 
     def __init__(self, step: int = FLOPS_STEP) -> None:
@@ -49,11 +38,7 @@ class StepFlops:
 
     @classmethod
     def for_spec(cls, spec: TrialSpec) -> StepFlops | None:
-        """The counter a trial asks for (``spec.count_flops``), or ``None``: not asked, or a
-        warm-up too short to hold the counted step."""
-        if not spec.count_flops or spec.warmup_steps < FLOPS_STEP:
-            return None
-        return cls()
+        return cls() if spec.count_flops and spec.warmup_steps >= FLOPS_STEP else None
 
     @staticmethod
     def note_for(spec: TrialSpec, flops: StepFlops | None) -> str | None:
@@ -71,8 +56,8 @@ class StepFlops:
         return f"FLOPs per step not known: counting failed ({why}), and the model is not fed token ids"
 
     def watch(self, model: Any) -> None:
-        """Read the training forwards of ``model`` (the first one given): whether the first took
-        token ids, and how many tokens the counted step's forwards took."""
+        """Read the training forwards of the first ``model`` given: whether it takes token ids,
+        and how many the counted step's forwards took."""
         if self._model is not None or not hasattr(model, "register_forward_pre_hook"):
             return
         self._model = model
@@ -94,7 +79,6 @@ class StepFlops:
         model.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
     def start(self) -> None:
-        """Enter the counter: the counted step begins."""
         if self._counting or self._done:
             return
         self._counting = True  # tokens are read even where the counter cannot be entered
@@ -107,8 +91,7 @@ class StepFlops:
         self._counter = counter
 
     def stop(self, *, discard: bool = False) -> None:
-        """Leave the counter: the counted step ended (with ``discard``, the trial ended inside
-        it, and what was counted is not a whole step)."""
+        """Leave the counter (``discard``: the trial ended inside the step)."""
         if not self._counting:
             return
         self._counting, self._done = False, not discard
@@ -135,8 +118,8 @@ class StepFlops:
 
 
 def _first_tensor(args: Any, kwargs: Any) -> Any:
-    """A forward's first input tensor: the first positional one, else ``input_ids`` (how a Hugging
-    Face model is called), else the first keyword one; ``None`` without one."""
+    """A forward's first input tensor: the first positional one, else ``input_ids``, else the
+    first keyword one."""
     import torch
 
     for value in args:
@@ -148,9 +131,8 @@ def _first_tensor(args: Any, kwargs: Any) -> Any:
 
 
 def _guarded_flop_counter() -> Any:
-    """torch's FlopCounterMode (quiet) whose counting of one operation cannot fail the script's
-    step: an error is kept as ``failure`` (the count is then incomplete) and the operation's
-    result passes on."""
+    """torch's FlopCounterMode (quiet) whose counting cannot fail the script's step: an error is
+    kept as ``failure`` and the operation's result passes on."""
     from torch.utils.flop_counter import FlopCounterMode
 
     class GuardedFlopCounter(FlopCounterMode):

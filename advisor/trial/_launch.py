@@ -1,8 +1,6 @@
-"""Launching a trial, parent side: start a training script in a subprocess (forked from a warm
-server, or cold) under one candidate policy, wait for it within its timeout, then read its
-result file (merged over its ranks) and classify the outcome. It speaks only the plain-JSON
-spec and result files, so it needs neither torch nor the policies; the child side is ``_child``.
-"""
+"""Launching a trial, parent side: start a training script under one candidate policy, wait for
+it within its timeout, read its result file (merged over its ranks) and classify the outcome.
+It needs neither torch nor the policies."""
 
 from __future__ import annotations
 
@@ -29,51 +27,26 @@ from ._warm import WarmLauncher
 
 def trial_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a trial runs in, but for its per-trial variables: ``env`` (default: this
-    process's) with unbuffered output, and without a policy override (the spec decides; a
-    leftover ``MPADVISE_POLICY`` must not). A warm server started ahead of the first trial
-    (``WarmLauncher.prestart``) starts in it."""
+    process's) with unbuffered output, and without a policy override (the spec decides)."""
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONUNBUFFERED"] = "1"
     child_env.pop(POLICY_ENV, None)
     return child_env
 
 
-def run_trial(
-    script: str | os.PathLike[str],
-    args: list[str],
-    spec: TrialSpec,
-    *,
-    timeout: float,
-    python: str = sys.executable,
-    env: dict[str, str] | None = None,
-    cwd: str | os.PathLike[str] | None = None,
-    launch: Sequence[str] = (),
-    warm: WarmLauncher | None = None,
-) -> TrialResult:
-    """Run ``python script args`` with ``spec`` injected; classify the outcome.
-
-    ``launch`` goes between the interpreter and the script: a module that runs the script
-    (``-m advisor.frameworks._boot lightning``, the rank launcher's ``advisor.trial._ranks``).
-
-    With ``warm``, the trial is forked from its warm server, torch already imported, where that
-    is as good as a fresh interpreter (``advisor.trial._warm``); otherwise, and wherever the
-    server says no, it starts cold, in a fresh interpreter. Either way the timeline carries the
-    parent's ``launched`` and ``exited`` marks.
-
-    Subprocesses isolate out-of-memory, CUDA errors, segfaults and hangs. The child writes its
-    measurements to ``spec.result_path``; stderr goes to a file whose tail is kept.
-
-    Returns:
-        A TrialResult whose outcome is one of ok, oom, crash, timeout, unsupported, no-step,
-        no-policy (``unstable`` is judged later against the reference).
-    """
+def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, *, timeout: float,
+              python: str = sys.executable, env: dict[str, str] | None = None,
+              cwd: str | os.PathLike[str] | None = None, launch: Sequence[str] = (),
+              warm: WarmLauncher | None = None) -> TrialResult:
+    """Run ``python [LAUNCH...] script args`` with ``spec`` injected, in a subprocess (which
+    isolates out-of-memory, CUDA errors, segfaults and hangs); classify the outcome. With
+    ``warm``, the trial is forked from its warm server where that is as good as a fresh
+    interpreter; otherwise it starts cold."""
     result_path = Path(spec.result_path)
-    result_path.unlink(missing_ok=True)
     rank_paths = [Path(rank_result_path(result_path, r)) for r in range(spec.nproc_per_node)] if spec.nproc_per_node > 1 else []
-    for path in rank_paths:
-        path.unlink(missing_ok=True)
     stack_paths = [Path(stack_dump_path(path)) for path in rank_paths or [result_path]]
-    for path in stack_paths:
+    exits_path = Path(f"{result_path}.exits.json")
+    for path in (result_path, *rank_paths, *stack_paths, exits_path):
         path.unlink(missing_ok=True)
     spec_file = result_path.with_suffix(".spec.json")
     spec_file.write_text(spec.to_json())
@@ -82,8 +55,6 @@ def run_trial(
     child_env.pop(THREADS_ENV, None)
     if spec.threads is not None and spec.nproc_per_node == 1:
         child_env[THREADS_ENV] = str(spec.threads)
-    exits_path = Path(f"{result_path}.exits.json")
-    exits_path.unlink(missing_ok=True)
     if rank_paths:
         child_env[EXITS_ENV] = str(exits_path)  # where the rank launcher records how each rank ended
     # The child starts in this process's memory cgroup: counting that cgroup's OOM kills before
@@ -102,11 +73,7 @@ def run_trial(
             # even in a session of its own or once its parent has died, and none outlives the trial.
             proc = subprocess.Popen(
                 [*launcher_argv(python), *cold_command(python, command, nproc_per_node=spec.nproc_per_node)],
-                stdout=out,
-                stderr=err,
-                stdin=subprocess.DEVNULL,
-                env=child_env,
-                cwd=cwd,
+                stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env, cwd=cwd,
                 start_new_session=True,  # so a timeout can kill the script's own children too
             )
         timed_out, stacks = False, None
@@ -134,17 +101,9 @@ def run_trial(
     for path in stack_paths:
         path.unlink(missing_ok=True)
     return classify(
-        data,
-        exit_code=code,
-        timed_out=timed_out,
-        stacks=stacks,
-        stderr_tail=tail,
-        spec=spec,
-        timeout=timeout,
-        wall_s=wall,
-        oom_kills=None if oom_after is None or oom_before is None else max(0, oom_after - oom_before),
-        timeline={"launched": launched, "exited": exited},
-    )
+        data, exit_code=code, timed_out=timed_out, stacks=stacks, stderr_tail=tail, spec=spec, timeout=timeout,
+        wall_s=wall, oom_kills=None if oom_after is None or oom_before is None else max(0, oom_after - oom_before),
+        timeline={"launched": launched, "exited": exited})
 
 
 _LAUNCHER_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
@@ -152,14 +111,13 @@ _LAUNCHER_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFaile
 
 def _tail(raw: bytes, max_chars: int = 4000, max_lines: int = 30) -> str:
     text = _without_launcher_report(raw.decode("utf-8", errors="replace"))
-    # torchao prints loader warnings for kernels this machine cannot use; they are not the error.
     lines = [ln for ln in text.splitlines() if ln.strip()]
     return "\n".join(lines[-max_lines:])[-max_chars:]
 
 
 def _without_launcher_report(text: str) -> str:
-    """stderr without torchrun's closing report, which would fill the tail and push the
-    failing rank's own traceback out; the trial's reason names the rank already."""
+    """stderr without torchrun's closing report, which would push the failing rank's own
+    traceback out of the tail."""
     at = text.rfind(_LAUNCHER_FAILURE)
     if at < 0:
         return text

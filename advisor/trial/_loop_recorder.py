@@ -1,11 +1,6 @@
-"""The loop API's trial recorder: fed by ``step()`` (``StepObserver``), it records every
-optimizer step of a trial and ends the process after the measured window.
-
-It times optimizer steps (the device synchronised at the edges of the measured window; CUDA
-events in between), records loss, loss scale, skipped steps, fp16 gradient underflow and peak
-memory. Its own work inside a step (reading the loss scale, sampling gradients) runs between
-two time marks, and that interval is cut out of the step's time: a trial times the user's step,
-not its measuring.
+"""The loop API's trial recorder: fed by ``step()``, it records every optimizer step of a trial.
+Its own work inside a step runs between two time marks, and that interval is cut out of the
+step's time: a trial times the user's step, not its measuring.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ from policies import mode_facts
 
 from ._child_exit import ResultWriter
 from ._device import DeviceClock, TrialDevice
-from ._flops import StepFlops
 from ._schema import Stage, TrialSpec
 from ._seeding import perturb_parameters
 from ._step_window import StepWindow
@@ -28,41 +22,24 @@ from ._underflow import (
     underflow_counts,
     underflow_fractions,
 )
-from ._watchdog import NoStepWatchdog
 
 if TYPE_CHECKING:
     import torch
 
 
 class TrialRecorder(StepObserver, StepWindow):
-    """Records every optimizer step of a trial and ends the process after the measured window.
-
-    Per step it keeps the loss, the loss scale that scaled the step's backward, whether the
-    scaler skipped it, and (fp16, every ``UNDERFLOW_EVERY``-th step) the underflow counts.
-    """
-
     def __init__(self, spec: TrialSpec, writer: ResultWriter, *, in_process: bool = False) -> None:
-        self.spec = spec
+        StepWindow.__init__(self, spec, writer)
         self.in_process = in_process
-        self.writer = writer
         self.applied: AppliedPolicy | None = None
-        self.losses: list[Any] = []  # loss tensors, read once at the end (no sync per step)
-        self.loss_scale: list[float | None] = []
-        self.skipped: list[bool] = []
         self.underflow: list[Any] = []  # [flushed, nonzero] count tensors, read once at the end
-        self.samples: list[int] = []
-        self.marks: list[Any] = []  # one time mark (float or CUDA event) per step boundary
         self.pauses: list[tuple[Any, Any] | None] = []  # per step: marks around the recorder's own work
         self._in_step: dict[str, Any] = {}  # what after_backward measured, until after_step keeps it
         self._micro_losses: list[Any] = []
         self._micro_samples = 0
         self._stepped_once = False
-        self._perturbed = False
-        self._finished = False
-        self._watchdog: NoStepWatchdog | None = None
         self.clock = DeviceClock(None)
         self._device: TrialDevice | None = None  # from attach(): the device made current, its memory
-        self._flops = StepFlops.for_spec(spec)
 
     def attach(self, applied: AppliedPolicy) -> None:
         self.applied = applied
@@ -73,8 +50,6 @@ class TrialRecorder(StepObserver, StepWindow):
             return
         self._keep_short_run()
         self._policy_applied(watch=True)
-
-    # ---- StepObserver -----------------------------------------------------------------------
 
     def after_setup(self, applied: AppliedPolicy, model: Any) -> None:
         # The replicate's one perturbation: after the mode converted the model (fp32 leaves it
@@ -127,13 +102,10 @@ class TrialRecorder(StepObserver, StepWindow):
         self.skipped.append(not stepped)
         self._end_of_step(len(self.losses))
 
-    # ---- measuring ----------------------------------------------------------------------------
-
     def _stepping(self) -> bool:
         return self._stepped_once
 
     def _step_times(self) -> list[float]:
-        """Seconds per step, less the recorder's own work in it."""
         return step_times(self.marks, self.pauses)
 
     def _peak_memory(self) -> tuple[int | None, str]:
@@ -147,31 +119,15 @@ class TrialRecorder(StepObserver, StepWindow):
             raise RuntimeError("the trial recorder was never attached to an AppliedPolicy")
         return self.applied
 
-    # ---- what the result says of the workload, read from the applied policy ----------------
-
-    @property
-    def notes(self) -> list[str]:
-        return list(self._applied().notes)
-
-    @property
-    def workload_fingerprint(self) -> str | None:
-        return self._applied().workload_fingerprint
-
-    @property
-    def model_signature(self) -> str | None:
-        return self._applied().model_signature
-
-    @property
-    def fsdp(self) -> bool:
-        return self._applied().fsdp
-
-    @property
-    def batch(self) -> dict[str, Any]:
-        return batch_facts(self._applied())
+    # What the result says of the workload, read from the applied policy.
+    notes = property(lambda self: list(self._applied().notes))
+    workload_fingerprint = property(lambda self: self._applied().workload_fingerprint)
+    model_signature = property(lambda self: self._applied().model_signature)
+    fsdp = property(lambda self: self._applied().fsdp)
+    batch = property(lambda self: batch_facts(self._applied()))
 
     def close(self) -> None:
-        """Stop what runs beside the trial (the RSS sampler, a FLOP count in progress) and give
-        back the current device, however the trial ended."""
+        """Stop the RSS sampler and a FLOP count in progress, and give back the current device."""
         if self._flops is not None:
             self._flops.stop(discard=True)  # the training function raised inside the counted step
         if self._device is not None:
@@ -179,19 +135,13 @@ class TrialRecorder(StepObserver, StepWindow):
 
 
 def batch_facts(applied: AppliedPolicy) -> dict[str, Any]:
-    """The batch facts of the result file (``user_batch``, ``micro_batch``...), and the device."""
-    return {
-        "user_batch": applied.user_batch,
-        "micro_batch": applied.policy.micro_batch_size or applied.user_batch,
-        "grad_accum_steps": applied.grad_accum_steps,
-        "global_batch": applied.global_batch,
-        "device": str(applied.device),
-    }
+    return {"user_batch": applied.user_batch, "micro_batch": applied.policy.micro_batch_size or applied.user_batch,
+            "grad_accum_steps": applied.grad_accum_steps, "global_batch": applied.global_batch,
+            "device": str(applied.device)}
 
 
 def step_times(marks: list[Any], pauses: list[tuple[Any, Any] | None]) -> list[float]:
-    """Seconds between consecutive ``marks`` of one DeviceClock, each less its step's pause (the
-    marks around the recorder's own work in it; ``None`` where it did none)."""
+    """Seconds between consecutive ``marks``, each less its step's pause (``None``: none)."""
     times = []
     for i, (a, b) in enumerate(zip(marks, marks[1:])):
         pause = pauses[i] if i < len(pauses) else None

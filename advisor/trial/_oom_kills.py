@@ -1,6 +1,5 @@
 """The kernel's OOM kills in a process's memory cgroup: counted before and after a trial, they
-tell a kill by the OOM killer from any other SIGKILL.
-"""
+tell a kill by the OOM killer from any other SIGKILL."""
 
 from __future__ import annotations
 
@@ -9,16 +8,8 @@ from pathlib import Path
 
 
 def oom_kill_count(pid: int | str = "self", *, proc: str | os.PathLike[str] = "/proc") -> int | None:
-    """How many processes the kernel's OOM killer has killed in ``pid``'s memory cgroup.
-
-    Read from cgroup v2's ``memory.events`` or, where memory is on a v1 hierarchy, from
-    ``memory.oom_control`` (both count kills by any OOM killer, the cgroup's own or the
-    system's). Compare two readings: the count only grows.
-
-    Returns:
-        The count, or ``None`` where it cannot be read (not Linux, no memory cgroup mounted,
-        no access, a kernel older than 4.13).
-    """
+    """How many processes the OOM killer has killed in ``pid``'s memory cgroup (v2's
+    ``memory.events``, or v1's ``memory.oom_control``), or ``None`` where it cannot be read."""
     root = Path(proc)
     try:
         cgroups = (root / str(pid) / "cgroup").read_text()
@@ -39,13 +30,8 @@ def oom_kill_count(pid: int | str = "self", *, proc: str | os.PathLike[str] = "/
 
 
 def memory_cgroup_dirs(cgroups: str, mountinfo: str) -> list[tuple[int, Path]]:
-    """The directories of a process's memory cgroup: ``(2, dir)`` on the unified hierarchy,
-    ``(1, dir)`` on a v1 memory hierarchy, in that order.
-
-    Args:
-        cgroups: the text of ``/proc/<pid>/cgroup`` (``hierarchy:controllers:path`` lines).
-        mountinfo: the text of ``/proc/self/mountinfo``, where the hierarchies are mounted.
-    """
+    """The directories of a process's memory cgroup, from ``/proc/<pid>/cgroup`` and
+    ``/proc/self/mountinfo``: ``(2, dir)`` on the unified hierarchy, then ``(1, dir)`` on v1."""
     paths: dict[int, str] = {}
     for line in cgroups.splitlines():
         parts = line.split(":", 2)
@@ -69,8 +55,7 @@ def memory_cgroup_dirs(cgroups: str, mountinfo: str) -> list[tuple[int, Path]]:
 
 
 def _cgroup_mounts(mountinfo: str, version: int) -> list[tuple[str, str]]:
-    """``(root, mount point)`` of each mount of the cgroup2 file system (``version`` 2), or of a
-    v1 cgroup hierarchy with the memory controller (``version`` 1)."""
+    """``(root, mount point)`` of each cgroup2 mount (``version`` 2), or of each v1 memory one."""
     mounts = []
     for line in mountinfo.splitlines():
         left, sep, right = line.partition(" - ")

@@ -1,6 +1,4 @@
-"""The peak RSS of one in-process trial on a CPU (``TrialPeakRss``), and this process's
-lifetime peak, which a trial child's peak is.
-"""
+"""The peak RSS of one in-process trial on a CPU, and this process's lifetime peak."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ RSS_SAMPLE_S = 0.005
 
 def reset_peak_rss() -> bool:
     """Reset this process's RSS high-water mark (VmHWM) to its current RSS; False where Linux
-    does not allow it (not Linux, a kernel before 4.0, no write access to clear_refs)."""
+    does not allow it."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # 5 resets the peak RSS only; 1-4 would clear page-referenced bits
@@ -25,7 +23,6 @@ def reset_peak_rss() -> bool:
 
 
 def _status_bytes(field: str) -> int | None:
-    """A ``kB`` field of ``/proc/self/status`` in bytes, or ``None`` where there is none."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -56,13 +53,9 @@ def lifetime_peak_rss() -> int | None:
 class TrialPeakRss:
     """The peak RSS of this process from ``start()`` to ``stop()``: one in-process trial's own.
 
-    Linux keeps the high-water mark (VmHWM) for the life of the process, and writing 5 to
-    ``/proc/self/clear_refs`` resets it to the current RSS: the mark read at the end is then
-    this trial's peak, exactly and at no cost while it runs. Where that is not allowed, the
-    peak comes from two cheaper facts: a lifetime peak (``ru_maxrss``) that rose during the
-    trial was set by it, and is exact; otherwise a thread samples the current RSS every
-    ``RSS_SAMPLE_S`` (a lower bound that can miss a spike shorter than that). Without either
-    (no /proc), the peak is unknown (``None``) unless the lifetime peak rose.
+    Exact where the high-water mark can be reset; else a lifetime peak (``ru_maxrss``) that rose
+    during the trial, and is exact; else the current RSS sampled every ``RSS_SAMPLE_S`` (a lower
+    bound).
     """
 
     def __init__(self) -> None:
@@ -89,7 +82,6 @@ class TrialPeakRss:
             self._sampled = max(self._sampled, _current_rss() or 0)
 
     def stop(self) -> int | None:
-        """The trial's peak in bytes (the same value on every later call), or ``None`` if unknown."""
         if self._stopped:
             return self._peak
         self._stopped = True

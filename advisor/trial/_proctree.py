@@ -1,18 +1,9 @@
 """A trial's process tree: every process a trial starts stays findable, and ending it ends all.
 
-A script may start processes of its own, in sessions of their own (torchrun starts each worker
-with ``start_new_session=True``), so the trial's process group does not hold them all; and a
-process whose parent dies first is reparented to init, out of reach of a walk down from the
-trial (torchrun's workers, when its agent dies before them). On Linux a trial therefore runs
-under this file as its launcher (``launcher_argv``): the launcher makes itself a child
-subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``), so every orphan of the trial is reparented to
-the launcher instead of init, and the tree below the launcher is the whole trial for as long
-as the launcher lives. When its command ends, by itself or killed, the launcher kills what is
-left below it and then exits as its command did. On a timeout, the parent kills the tree below
-the launcher (``kill_tree``) and only then the launcher (``end_trial``).
-
-The launcher runs as a plain file (``python -I -S _proctree.py COMMAND...``), without the
-package or site-packages, so this module imports the standard library only.
+A script's processes may sit in sessions of their own, or be orphaned (torchrun's workers), so
+on Linux a trial runs under this file as its launcher (``launcher_argv``), a child subreaper:
+every orphan of the trial is reparented to it, and the tree below it is the whole trial. The
+launcher runs as a plain file (``python -I -S _proctree.py COMMAND...``): standard library only.
 """
 
 from __future__ import annotations
@@ -27,22 +18,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn, Protocol
 
-PR_SET_CHILD_SUBREAPER = 36
-"""``prctl`` option (linux/prctl.h): orphans below this process are reparented to it."""
+PR_SET_CHILD_SUBREAPER = 36  # prctl options (linux/prctl.h)
 PR_SET_PDEATHSIG = 1
-"""``prctl`` option (linux/prctl.h): the signal this process gets when its parent thread dies."""
 SIGKILL = int(getattr(signal, "SIGKILL", 9))  # Windows has no SIGKILL; no tree is walked there
 SIGSTOP = int(getattr(signal, "SIGSTOP", 19))
-KILL_TIMEOUT = 30.0
-"""Seconds a kill waits for the processes to die (a CUDA process can take seconds to exit)."""
+KILL_TIMEOUT = 30.0  # seconds a kill waits (a CUDA process can take seconds to exit)
 
-ProcessTable = Mapping[int, tuple[int, str]]
-"""pid -> (parent pid, state letter as in ``/proc/PID/stat``: R, S, D, T, Z...)."""
+ProcessTable = Mapping[int, tuple[int, str]]  # pid -> (parent pid, state letter of /proc/PID/stat)
 
 
 class TrialProcess(Protocol):
-    """What ``end_trial`` and the trial's wait need of its process: a ``subprocess.Popen``, or
-    the handle of a launcher forked by the warm server (``advisor.trial._warm.WarmTrial``)."""
+    """A ``subprocess.Popen``, or the warm server's ``WarmTrial``."""
 
     @property
     def pid(self) -> int: ...
@@ -53,11 +39,8 @@ class TrialProcess(Protocol):
 
 
 def launcher_argv(python: str) -> list[str]:
-    """What goes before a trial's command line so that it runs under the launcher.
-
-    Empty where there is no child subreaper (not Linux): there the trial runs as it is, and a
-    timeout kills its process group and whatever a walk of ``/proc`` finds below it.
-    """
+    """What goes before a trial's command line so that it runs under the launcher; empty where
+    there is no child subreaper (not Linux)."""
     if not sys.platform.startswith("linux"):
         return []
     # -I -S: no site-packages and no script directory on sys.path, nothing from the environment.
@@ -65,12 +48,7 @@ def launcher_argv(python: str) -> list[str]:
 
 
 def descendants(parents: Mapping[int, int], root: int) -> list[int]:
-    """Every process below ``root``, children before their own children.
-
-    Args:
-        parents: each process's parent (pid -> ppid).
-        root: the process whose tree is wanted.
-    """
+    """Every process below ``root`` (``parents``: pid -> ppid), children before their own."""
     children: dict[int, list[int]] = {}
     for pid, ppid in parents.items():
         children.setdefault(ppid, []).append(pid)
@@ -84,13 +62,12 @@ def descendants(parents: Mapping[int, int], root: int) -> list[int]:
 
 
 def live_descendants(table: ProcessTable, root: int) -> list[int]:
-    """The processes below ``root`` that still run: a zombie has ended (and has no children)."""
     parents = {pid: ppid for pid, (ppid, _) in table.items()}
     return [pid for pid in descendants(parents, root) if table[pid][1] not in ("Z", "X", "x")]
 
 
 def process_table(proc: str | os.PathLike[str] = "/proc") -> dict[int, tuple[int, str]]:
-    """Every process's parent and state, from ``/proc``; empty where there is none (not Linux)."""
+    """Every process's parent and state, from ``/proc``; empty where there is none."""
     table = {}
     try:
         entries = [e for e in os.listdir(proc) if e.isdigit()]
@@ -115,35 +92,16 @@ def _send(pid: int, sig: int) -> None:
         pass
 
 
-def kill_tree(
-    root: int,
-    *,
-    timeout: float = KILL_TIMEOUT,
-    table: Callable[[], ProcessTable] = process_table,
-    send: Callable[[int, int], None] = _send,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-) -> list[int]:
-    """SIGKILL every process below ``root`` (not ``root`` itself) and wait until none runs.
+def kill_tree(root: int, *, timeout: float = KILL_TIMEOUT, table: Callable[[], ProcessTable] = process_table,
+              send: Callable[[int, int], None] = _send, sleep: Callable[[float], None] = time.sleep,
+              clock: Callable[[], float] = time.monotonic) -> list[int]:
+    """SIGKILL every process below ``root`` (not ``root`` itself) and wait until none runs; the
+    processes still running when ``timeout`` ran out.
 
-    The tree is frozen first: each process found is stopped (SIGSTOP), and the tree is read
-    again until a read finds no process that was not stopped already. A stopped process
-    neither forks nor exits, so no child appears, and none is orphaned, between the reads.
-    Then every process below ``root`` is killed, and the tree read and killed again until no
-    process below it runs: a kill is not instant (a process with many threads or much memory
-    takes a while to exit, longer on a loaded machine), and a process that forked before its
-    stop took effect is caught by the next read. Below a child subreaper (the launcher),
-    a process orphaned meanwhile is still below ``root``.
-
-    Args:
-        root: the process whose descendants are killed.
-        timeout: seconds to wait for them all to end.
-        table, send, sleep, clock: the process table, ``os.kill``, ``time.sleep`` and
-            ``time.monotonic``; a test passes fakes.
-
-    Returns:
-        The processes still running below ``root`` when ``timeout`` ran out; empty when all
-        ended.
+    The tree is frozen first (SIGSTOP, read again until no unstopped process is found): a
+    stopped process neither forks nor exits between the reads. Then it is read and killed
+    again until nothing below ``root`` runs: a kill is not instant, and a process that forked
+    before its stop took effect is caught by the next read.
     """
     deadline = clock() + timeout
     stopped: set[int] = set()
@@ -166,12 +124,8 @@ def kill_tree(
 
 
 def end_trial(proc: TrialProcess, *, timeout: float = KILL_TIMEOUT) -> list[int]:
-    """Kill a trial started in a session of its own (``start_new_session=True``): every
-    process below it, then its process group and itself.
-
-    Returns:
-        The processes that still ran below it after ``timeout`` (see ``kill_tree``).
-    """
+    """Kill a trial started in a session of its own: every process below it, then its process
+    group and itself; what still ran below it after ``timeout``."""
     left = kill_tree(proc.pid, timeout=timeout)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, SIGKILL)  # the session's leader's pid is its process group's
@@ -179,32 +133,20 @@ def end_trial(proc: TrialProcess, *, timeout: float = KILL_TIMEOUT) -> list[int]
     return left
 
 
-def become_subreaper() -> bool:
-    """Make this process a child subreaper (Linux); whether that worked."""
+def _prctl(option: int, value: int) -> bool:
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
 
 def end_with_parent(sig: int, *, parent: int | None = None) -> bool:
-    """Have the kernel send ``sig`` to this process when its parent dies (Linux); whether that
-    worked. With ``parent`` (the pid that started this process), a parent that died before
-    the call is caught too: this process is reparented already, and gets ``sig`` at once.
-
-    The signal comes when the parent *thread* that started this process ends: a trial's
-    launcher is started by the thread that then waits for it, so that thread outlives it.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
+    """Have the kernel send ``sig`` to this process when the parent *thread* that started it
+    dies (Linux); whether that worked. With ``parent`` (the pid that started this process), a
+    parent that died before the call is caught too: ``sig`` is sent at once."""
+    if not _prctl(PR_SET_PDEATHSIG, sig):
         return False
     if parent is not None and os.getppid() != parent:
         os.kill(os.getpid(), sig)
@@ -212,14 +154,9 @@ def end_with_parent(sig: int, *, parent: int | None = None) -> bool:
 
 
 def _reap_ended() -> None:
-    """Reap every child that has ended, without waiting for the others."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
 
 
 def _exit_as(code: int) -> NoReturn:
@@ -242,15 +179,10 @@ def _exit_as(code: int) -> NoReturn:
 
 def supervise(start: Callable[[], int], *, parent: int | None = None) -> NoReturn:
     """Be a trial's launcher: become a child subreaper, start the trial's command (``start``
-    returns its pid), reap orphans until it ends, kill what is left below, and exit as it did.
-    When ``parent`` (the process that started this one) dies, the trial's tree is killed too.
-
-    ``start`` runs once this process is the subreaper and handles SIGTERM and SIGHUP, so
-    nothing it starts can escape; it either spawns a command (``launch``) or forks (the warm
-    launcher, ``advisor.trial._warm_server``). It may raise ``OSError``: the launcher then exits 127,
-    as a shell does for a command it cannot start.
+    returns its pid; ``OSError`` exits 127, as a shell does), reap orphans until it ends, kill
+    what is left below, and exit as it did. When ``parent`` dies, the trial's tree is killed too.
     """
-    become_subreaper()
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
     def end_on_signal(signum: int, frame: object) -> NoReturn:
         kill_tree(os.getpid())
@@ -277,8 +209,6 @@ def supervise(start: Callable[[], int], *, parent: int | None = None) -> NoRetur
 
 
 def launch(command: list[str], *, parent: int | None = None) -> NoReturn:
-    """Run ``command`` as a child subreaper's only child; exit as it exited, once no process
-    below this one runs."""
     # Held until the end: a Popen that is dropped polls, and so reaps, a child that has ended,
     # and its status would never reach the launcher's wait.
     started: list[subprocess.Popen[bytes]] = []

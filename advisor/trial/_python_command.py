@@ -1,7 +1,5 @@
 """Running a trial's command as ``python [LAUNCH...] SCRIPT ARGS`` would, in this process: what
-the cold launch (``_run``) and the warm server's forked children (``_warm_server``) share. The
-command read as the interpreter reads it (``parse_command``), run (``run_as_python``) and ended
-(``exit_forked``), with torch's import marked on the trial's timeline and its thread count set.
+the cold launch (``_run``) and the warm server's forked children (``_warm_server``) share.
 """
 
 from __future__ import annotations
@@ -21,24 +19,14 @@ from ._proctree import _exit_as
 from ._ranks import AfterImport
 from ._timeline import mark
 
-RUN_MODULE = "advisor.trial._run"
-"""The module a cold trial runs under, and the warm server's entry point."""
-THREADS_ENV = "MPADVISE_TRIAL_THREADS"
-"""How many threads the trial's torch ops may use (``TrialSpec.threads``), where other processes
-keep some of the cores busy; unset leaves torch's own choice."""
+RUN_MODULE = "advisor.trial._run"  # the module a cold trial runs under, and the warm server's
+THREADS_ENV = "MPADVISE_TRIAL_THREADS"  # torch's thread count in the trial (TrialSpec.threads)
 
 
 @dataclass(frozen=True)
 class PythonCommand:
-    """What follows ``python`` on a trial's command line, as the interpreter reads it.
-
-    Attributes:
-        target: the script's path, or the module's name when ``module`` is true.
-        args: the arguments after the target (``sys.argv[1:]``).
-        module: ``-m``: the target is a module run as ``__main__``.
-        safe_path: ``-P``: nothing is put before ``sys.path`` (neither the script's directory
-            nor the working directory).
-    """
+    """What follows ``python`` on a trial's command line: ``-P`` (``safe_path``), then ``-m
+    MODULE`` (``module``) or a script (``target``), then ``args``."""
 
     target: str
     args: tuple[str, ...] = ()
@@ -47,9 +35,8 @@ class PythonCommand:
 
 
 def parse_command(argv: Sequence[str]) -> PythonCommand | None:
-    """Read ``[-P...] (-m MODULE | SCRIPT) [ARGS...]``; ``None`` for anything else (another
-    interpreter option, ``-c``, a script on stdin, no target), which only an interpreter runs
-    faithfully."""
+    """Read ``[-P...] (-m MODULE | SCRIPT) [ARGS...]``; ``None`` for anything else, which only
+    an interpreter runs faithfully."""
     safe_path, rest = False, list(argv)
     while rest and rest[0] == "-P":
         safe_path, rest = True, rest[1:]
@@ -65,18 +52,15 @@ def parse_command(argv: Sequence[str]) -> PythonCommand | None:
 
 
 def cold_command(python: str, command: Sequence[str], *, nproc_per_node: int = 1) -> list[str]:
-    """The command line of a cold trial: ``python -P -m advisor.trial._run COMMAND...``, which
-    marks torch's import on the trial's timeline, where that runs ``COMMAND`` as the
-    interpreter would; otherwise (the rank launcher, an option it does not read) ``python
-    COMMAND...`` itself."""
+    """The command line of a cold trial: ``python -P -m advisor.trial._run COMMAND...`` where
+    that runs ``COMMAND`` as the interpreter would, else ``python COMMAND...``."""
     if nproc_per_node == 1 and parse_command(command) is not None:
         return [python, "-P", "-m", RUN_MODULE, *command]
     return [python, *command]
 
 
 def exit_code(exc: SystemExit) -> int:
-    """The status ``raise SystemExit(code)`` ends an interpreter with; a code that is not an
-    integer is printed on stderr, and the status is 1, as the interpreter does."""
+    """The status ``raise SystemExit(code)`` ends an interpreter with (a non-integer is printed)."""
     code = exc.code
     if code is None:
         return 0
@@ -87,8 +71,7 @@ def exit_code(exc: SystemExit) -> int:
 
 
 def _trimmed(tb: Any) -> Any:
-    """The traceback from the script's own frames on, without this module's and runpy's, as
-    the interpreter shows a script's error."""
+    """The traceback from the script's own frames on, as the interpreter shows it."""
     ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in ours:
         tb = tb.tb_next
@@ -96,12 +79,8 @@ def _trimmed(tb: Any) -> Any:
 
 
 def run_as_python(command: PythonCommand) -> int:
-    """Run ``command`` in this process as ``python COMMAND`` would; its exit status.
-
-    ``sys.argv`` and ``sys.path[0]`` are the interpreter's; ``SystemExit`` gives the status; an
-    uncaught exception goes to ``sys.excepthook`` (printed, and recorded by a trial's hook) and
-    gives 1, or ``-SIGINT`` for a KeyboardInterrupt (the interpreter then ends by SIGINT).
-    """
+    """Run ``command`` in this process as ``python COMMAND`` would; its exit status (``-SIGINT``
+    for a KeyboardInterrupt)."""
     sys.argv = [command.target, *command.args]  # runpy puts a module's file in argv[0]
     if not command.safe_path:
         sys.path.insert(0, os.getcwd() if command.module else os.path.dirname(os.path.abspath(command.target)))
@@ -123,9 +102,8 @@ def run_as_python(command: PythonCommand) -> int:
 
 
 def exit_forked(code: int) -> NoReturn:
-    """End this process as the interpreter ends after a script: the script's non-daemon
-    threads joined, ``atexit`` handlers run, stdio flushed; then ``os._exit`` (so that in a
-    forked child nothing of the server's stack runs on), or the signal of a negative code."""
+    """End this process as the interpreter ends after a script (threads joined, ``atexit``,
+    stdio flushed), then ``os._exit``: in a forked child nothing of the server's stack runs on."""
     try:
         shutdown = getattr(threading, "_shutdown", None)  # the interpreter's own join of threads
         if shutdown is not None:
@@ -139,8 +117,7 @@ def exit_forked(code: int) -> NoReturn:
 
 
 def apply_trial_threads() -> None:
-    """Give torch the thread count the trial was asked to use (``THREADS_ENV``), now if torch is
-    imported already (a forked trial), else as soon as the script imports it; nothing when unset.
+    """Give torch the trial's thread count (``THREADS_ENV``), now or once the script imports it.
 
     On a CPU that other processes keep partly busy, an operation split over more threads than
     there are free cores waits at every barrier for a thread the scheduler has put aside: on 2
@@ -149,29 +126,20 @@ def apply_trial_threads() -> None:
     value = os.environ.get(THREADS_ENV, "")
     if not value.isdigit() or int(value) < 1:
         return
-    threads = int(value)
-
-    def set_threads(torch: Any) -> None:
-        torch.set_num_threads(threads)
-
-    if "torch" in sys.modules:
-        set_threads(sys.modules["torch"])
-    else:
-        sys.meta_path.insert(0, AfterImport("torch", set_threads))
+    _after_torch(lambda torch: torch.set_num_threads(int(value)))
 
 
 def mark_torch_import() -> None:
-    """Mark ``torch_imported`` on this trial's timeline: now if torch is imported already (a
-    forked trial), else when the script's own ``import torch`` is done.
+    """Mark ``torch_imported`` on this trial's timeline, now or once the script imports torch.
 
     The cold launch does not import torch itself: a script may set a variable torch reads at
-    import (``OMP_NUM_THREADS``) before its ``import torch``, and one that never imports torch
-    starts as fast as before.
+    import (``OMP_NUM_THREADS``) before its ``import torch``.
     """
+    _after_torch(lambda torch: mark("torch_imported"))
+
+
+def _after_torch(then: Any) -> None:
     if "torch" in sys.modules:
-        mark("torch_imported")
+        then(sys.modules["torch"])
     else:
-        sys.meta_path.insert(0, AfterImport("torch", lambda module: mark("torch_imported")))
-
-
-# --- when a trial starts cold --------------------------------------------------------------------
+        sys.meta_path.insert(0, AfterImport("torch", then))

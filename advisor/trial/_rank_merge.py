@@ -1,7 +1,5 @@
-"""One trial result from the result files of a multi-process trial's ranks
-(``merge_rank_results``): the rank that failed first blamed, or the finished ranks' steps
-merged. Pure functions of the files' contents and of the rank launcher's record.
-"""
+"""One trial result from the result files of a multi-process trial's ranks: the rank that failed
+first blamed, or the finished ranks' steps merged."""
 
 from __future__ import annotations
 
@@ -15,38 +13,18 @@ from ._timeline import merge_timelines
 
 def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None],
                        exits: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    """One trial result from the result files of its ranks, in the form one process writes.
+    """One trial result from its ranks' result files (index = rank; ``None`` for a rank that
+    wrote none) and the rank launcher's record of how each ended (``exits``; ``None`` on a
+    timeout); ``None`` when no rank wrote anything.
 
-    A pure function of the files' contents (index = rank; ``None`` for a rank that wrote none)
-    and of the rank launcher's record of how each rank ended (``exits``: ``advisor.trial._ranks``
-    writes it; ``None`` where there is none, a trial killed on a timeout). A rank that failed
-    makes the trial fail, and the exception names the rank:
-
-    * with the record, the rank that ended first with a failure of its own (not one the
-      launcher stopped after it): its own exception if it raised one; else its exit status or
-      signal, as a rank that stopped without an error of its own (``killed``, with the
-      ``signal``): a rank ended by ``os._exit`` or a signal (the OOM killer's SIGKILL) is blamed,
-      not the healthy peer that lost its connection to it afterwards;
-    * else the earliest exception (ranks that lost a peer fail after it, with a communication
-      error of their own), a rank the hardware cannot run the mode on, one that never stepped,
-      one that wrote nothing, or one that stopped while others finished.
-
-    When no rank failed but not all finished (a timeout), the result is that of a rank that had
-    not applied the candidate yet, if one had not (the trial is then ``lost``), else rank 0's;
-    ``rank_progress`` says how far each rank got. When every rank finished:
-
-    * step times: per step, the slowest rank's (a synchronous step waits for it);
-    * losses: per step, the mean over ranks weighted by their samples, which is the loss of
-      the global batch and less noisy than one rank's share; a NaN or infinite loss on any
-      rank makes the step's loss that value (a note names the rank where the first came);
-    * skipped steps: must agree (every rank's optimizer steps or none does); otherwise the
-      trial fails, naming the first step and ranks that disagree;
-    * samples: summed over ranks (goodput counts the whole node); peak memory: the largest;
-      underflow: the mean of the ranks' samples; notes: every rank's, once;
-    * everything else (the batch facts, the loss scale, fingerprints, device): rank 0's.
-
-    Returns:
-        The merged result, with ``ranks`` set; ``None`` when no rank wrote anything.
+    A failed rank fails the trial, named: with the record, the rank that ended first with a
+    failure of its own (not the healthy peer that lost its connection to it afterwards); else
+    the earliest exception, an unsupported rank, one that never stepped, wrote nothing, or
+    stopped while others finished. When none failed but not all finished, the result is a rank's
+    that had not applied the candidate, if any (``lost``), else rank 0's. When all finished:
+    per step the slowest rank's time, the samples-weighted mean loss (a non-finite loss on any
+    rank wins), the summed samples; skipped steps must agree; the largest peak memory; the rest
+    is rank 0's.
     """
     present = {rank: dict(data) for rank, data in enumerate(ranks) if data}
     if not present:
@@ -56,19 +34,14 @@ def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None],
         return {**failed, "ranks": len(ranks)}
     if any(data.get("stage") != Stage.DONE for data in present.values()):
         progress = [f"rank {rank} {stage_text((data or {}).get('stage'), data or {})}" for rank, data in enumerate(ranks)]
-        waiting = [rank for rank, data in enumerate(ranks) if not _applied(data)]
+        waiting = [rank for rank, data in enumerate(ranks)
+                   if not (data and ("policy_applied" in (data.get("timeline") or {}) or data.get("losses")))]
         chosen = {**(ranks[waiting[0]] or {}), "rank_waiting": waiting[0]} if waiting else present[min(present)]
         return {**chosen, "ranks": len(ranks), "rank_progress": progress}
     return _merge_finished(ranks, present)
 
 
-def _applied(data: Mapping[str, Any] | None) -> bool:
-    """Whether a rank's result shows its candidate applied."""
-    return bool(data) and ("policy_applied" in (data.get("timeline") or {}) or bool(data.get("losses")))
-
-
 def _first_failure(exits: Mapping[str, Any] | None) -> tuple[int, Mapping[str, Any]] | None:
-    """The rank that ended first with a failure of its own, from the launcher's record."""
     if not isinstance(exits, Mapping):
         return None
     for ended in exits.get("ended") or []:
@@ -77,15 +50,8 @@ def _first_failure(exits: Mapping[str, Any] | None) -> tuple[int, Mapping[str, A
     return None
 
 
-def _ended_text(ended: Mapping[str, Any]) -> str:
-    if ended.get("signal"):
-        return f"was killed by {ended['signal']}"
-    return f"exited with status {ended.get('status')}"
-
-
 def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]],
                  exits: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    """The result of the rank that made a multi-process trial fail, or ``None`` if none did."""
     first = _first_failure(exits)
     if first is not None:
         rank, ended = first
@@ -95,8 +61,8 @@ def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, d
             return {**data, "exception": {**exception, "rank": rank}}
         if stage in (Stage.UNSUPPORTED, Stage.NO_STEP):
             return data
-        message = (f"rank {rank} {_ended_text(ended)} {stage_text(stage, data)} without an error of its own; "
-                   "its peers were stopped after it")
+        how = f"was killed by {ended['signal']}" if ended.get("signal") else f"exited with status {ended.get('status')}"
+        message = f"rank {rank} {how} {stage_text(stage, data)} without an error of its own; its peers were stopped after it"
         return {**data, "stage": Stage.EXCEPTION,
                 "exception": {"type": "", "message": message, "rank": rank, "killed": True, "signal": ended.get("signal"),
                               "no_result": not data}}
@@ -128,7 +94,6 @@ def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, d
 
 
 def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The merged result of ranks that all finished (see ``merge_rank_results``)."""
     order = sorted(present)
     first = present[order[0]]
     steps = min(len(present[r].get("losses") or []) for r in order)
@@ -192,8 +157,8 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
 
 def _first_non_finite(present: Mapping[int, Mapping[str, Any]], order: Sequence[int],
                       steps: int) -> tuple[int, list[int]] | None:
-    """The first step at which some rank's loss was NaN or infinite, and those ranks (in DDP
-    the others follow one step later, once the all-reduce has spread it)."""
+    """The first step at which some rank's loss was not finite, and those ranks (in DDP the others
+    follow one step later)."""
     for step in range(steps):
         bad = [r for r in order if not math.isfinite(float((present[r].get("losses") or [])[step]))]
         if bad:
@@ -202,8 +167,7 @@ def _first_non_finite(present: Mapping[int, Mapping[str, Any]], order: Sequence[
 
 
 def _merged_flops(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The node's FLOPs per step: the sum of every rank's (each counts its own share of the
-    batch), as samples are summed; unknown unless every rank has a number."""
+    """The node's FLOPs per step: the sum of every rank's; unknown unless every rank has one."""
     counts = [data.get("flops_per_step") for data in ranks]
     if not counts or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in counts):
         return {"flops_per_step": None, "flops_basis": None} if any("flops_per_step" in d for d in ranks) else {}
@@ -212,6 +176,3 @@ def _merged_flops(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def _number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.inf
-
-
-# torchrun ends a failed run with a report of its own: its traceback, then each worker's exit.

@@ -1,30 +1,15 @@
 """The ranks of a multi-process trial on this node, started without torchrun's elastic agent.
 
-``python -I -S _ranks.py --nproc N --exits FILE -- COMMAND...`` starts ``COMMAND`` N times, each
-a rank with the variables a script, Lightning, Accelerate or the HF Trainer reads to take the
-multi-process path (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-``GROUP_RANK``, ``ROLE_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, and
-``TORCHELASTIC_RUN_ID``, which ``torch.distributed.is_torchelastic_launched()`` and so
-Lightning's ``TorchElasticEnvironment.detect()`` read).
+``python -I -S _ranks.py --nproc N --exits FILE -- COMMAND...`` starts ``COMMAND`` N times with
+the variables torchrun sets. Why not torchrun: its c10d TCPStore listens on every interface with
+no authentication, and its agent unpickles what it reads back from it, so another local user
+who finds the port runs code as the tuning user. Here the ranks meet through a ``FileStore`` in
+a 0700 directory (``STORE_ENV``), at which every rank points torch's ``env://`` rendezvous
+(``use_file_store``); gloo and NCCL keep their sockets on loopback, carrying tensor bytes only.
 
-Why not torchrun: its c10d TCPStore listens on every interface with no authentication, and its
-agent unpickles the rendezvous state it reads back from that store, so another local user who
-finds the port runs code as the tuning user. Here the ranks meet through a ``FileStore`` in a
-directory of the trial that only its user can enter (``mkdtemp``, mode 0700), named in
-``STORE_ENV``; every rank, before its script runs (``advisor.trial._run``), points torch's
-``env://`` rendezvous at that file (``use_file_store``), so ``init_process_group()`` with no
-``init_method`` or ``store``, or with ``env://``, opens no TCP store. gloo and NCCL keep their
-own sockets on loopback (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` = ``lo`` unless the user
-set them); those carry tensor bytes into buffers of known size, never code.
-
-No restarts: when a rank fails, the others are stopped (SIGTERM, SIGKILL after ``GRACE_S``),
-and the launcher exits as the first failed rank did. How each rank ended (its status, when,
-whether the launcher stopped it) is written to the ``--exits`` file (``RankExit``), from which
-the parent blames the rank that failed first (``advisor.trial._rank_merge``).
-
-Every rank dies with the launcher (``PR_SET_PDEATHSIG``), and the launcher with its own
-parent. Run as a plain file (standard library only), as ``_proctree.py`` is; the rank side
-(``use_file_store``) is imported from ``_run``.
+No restarts: when a rank fails the others are stopped, and how each rank ended is written to
+the ``--exits`` file, from which the parent blames the rank that failed first. Run as a plain
+file (standard library only), as ``_proctree.py`` is.
 """
 
 from __future__ import annotations
@@ -42,41 +27,25 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-STORE_ENV = "MPADVISE_RANK_STORE"
-"""The FileStore path that every rank's ``env://`` rendezvous uses (set by the launcher)."""
-EXITS_ENV = "MPADVISE_RANK_EXITS"
-"""Where the launcher writes how each rank ended (set by ``run_trial``)."""
-GRACE_S = 10.0
-"""Seconds the other ranks get to end after SIGTERM, once one failed, before SIGKILL."""
-PR_SET_PDEATHSIG = 1
-"""``prctl`` option (linux/prctl.h): the signal this process gets when its parent thread dies."""
+if __package__:
+    from ._proctree import _exit_as, end_with_parent
+else:  # run as a plain file (ranks_argv): its sibling, by path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _proctree import _exit_as, end_with_parent
+
+STORE_ENV = "MPADVISE_RANK_STORE"  # the FileStore of every rank's env:// rendezvous
+EXITS_ENV = "MPADVISE_RANK_EXITS"  # where the launcher writes how each rank ended
+GRACE_S = 10.0  # seconds the other ranks get after SIGTERM, once one failed, before SIGKILL
 LOOPBACK = "127.0.0.1"
 
 
 def ranks_argv(nproc: int) -> list[str]:
-    """What goes after the interpreter to run ``nproc`` ranks of the command that follows it."""
     # -I -S: no site-packages and no script directory on sys.path, nothing from the environment.
     return ["-I", "-S", str(Path(__file__).resolve()), "--nproc", str(nproc), "--"]
 
 
-def set_parent_death_signal(sig: int = int(getattr(signal, "SIGKILL", 9)), *, parent: int | None = None) -> bool:
-    """Have the kernel send ``sig`` to this process when its parent dies (Linux); whether that
-    worked. With ``parent`` (the pid this process was started by), a parent that died before
-    the call is caught too: the process is reparented already, and ``sig`` is sent at once."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        done = libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-    if done and parent is not None and os.getppid() != parent:
-        os.kill(os.getpid(), sig)
-    return done
-
-
 def rank_environment(base: Mapping[str, str], *, rank: int, nproc: int, port: int, store: str) -> dict[str, str]:
-    """The environment of rank ``rank`` of ``nproc`` on this one node, as torchrun sets it."""
+    # TORCHELASTIC_RUN_ID: what torch.distributed.is_torchelastic_launched() (and Lightning) read.
     env = dict(base)
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
@@ -92,8 +61,7 @@ def rank_environment(base: Mapping[str, str], *, rank: int, nproc: int, port: in
 
 
 def _free_port() -> int:
-    """A loopback port free now: ``MASTER_PORT`` for code that reads it without rendezvousing
-    through it (Lightning and Accelerate check it is set); no store listens on it."""
+    """A free loopback port for ``MASTER_PORT``, which Lightning and Accelerate check is set."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
@@ -110,7 +78,7 @@ def _signal_name(status: int) -> str | None:
 
 def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None, grace_s: float = GRACE_S) -> int:
     """Start ``command`` as ranks 0..nproc-1, wait for them all, stop the rest when one fails;
-    the first failed rank's status (``Popen.returncode`` form), else 0."""
+    the first failed rank's status, else 0."""
     store_dir = tempfile.mkdtemp(prefix="mpadvise-ranks-")  # 0700: only this user reaches the store
     store = os.path.join(store_dir, "store")
     port = _free_port()
@@ -137,7 +105,7 @@ def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None, grace_s:
         for rank in range(nproc):
             procs[rank] = subprocess.Popen(
                 list(command), env=rank_environment(os.environ, rank=rank, nproc=nproc, port=port, store=store),
-                preexec_fn=_dies_with(me))
+                preexec_fn=lambda: end_with_parent(signal.SIGKILL, parent=me))
     except OSError as exc:
         stop_others(signal.SIGKILL)
         print(f"mpadvise: cannot start {command[0]}: {exc}", file=sys.stderr)
@@ -168,15 +136,8 @@ def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None, grace_s:
     return first_failure or 0
 
 
-def _dies_with(parent: int) -> Callable[[], None]:
-    def preexec() -> None:
-        set_parent_death_signal(parent=parent)
-    return preexec
-
-
 def _finish(exits: str | None, nproc: int, procs: Mapping[int, subprocess.Popen[bytes]],
             ended: list[dict[str, Any]], store_dir: str) -> None:
-    """Write the exit record (atomically) and remove the store's directory."""
     if exits:
         record = {"nproc": nproc, "pids": {str(r): p.pid for r, p in procs.items()}, "ended": ended}
         tmp = f"{exits}.tmp"
@@ -189,13 +150,8 @@ def _finish(exits: str | None, nproc: int, procs: Mapping[int, subprocess.Popen[
         os.rmdir(store_dir)
 
 
-# --- the rank's side ----------------------------------------------------------------------------
-
-
 def _file_store_handler(path: str) -> Callable[..., Any]:
-    """torch's ``env://`` rendezvous, through the FileStore at ``path`` instead of a TCPStore:
-    rank and world size from the URL's query (``init_process_group(rank=, world_size=)``) or
-    ``RANK``/``WORLD_SIZE``, as torch's own ``env://`` handler reads them."""
+    """torch's ``env://`` rendezvous, through the FileStore at ``path`` instead of a TCPStore."""
     from urllib.parse import parse_qs, urlparse
 
     def handler(url: str, **kwargs: Any) -> Any:
@@ -216,9 +172,7 @@ def _install_handler(rendezvous: Any, path: str) -> None:
 
 class AfterImport:
     """A meta path finder that finds nothing itself: once ``name`` is imported (by the finders
-    after it), ``then(module)`` runs; then it leaves ``sys.meta_path``. A rank points torch's
-    rendezvous at its file store with it; a trial marks torch's import on its timeline
-    (``advisor.trial._python_command.mark_torch_import``)."""
+    after it), ``then(module)`` runs; then it leaves ``sys.meta_path``."""
 
     def __init__(self, name: str, then: Callable[[Any], None]) -> None:
         self.name, self.then = name, then
@@ -245,15 +199,10 @@ def _then(exec_module: Callable[[Any], None], then: Callable[[Any], None]) -> Ca
 
 
 def use_file_store(environ: Mapping[str, str] = os.environ) -> bool:
-    """In a rank started by this launcher: make torch's ``env://`` rendezvous (the default of
-    ``init_process_group``) meet through the trial's FileStore, now if torch's rendezvous module
-    is imported, else as soon as it is (this imports nothing of torch). Whether this is such a
-    rank.
-
-    The one change to torch is its handler for the ``env`` scheme
-    (``torch.distributed.rendezvous._rendezvous_handlers["env"]``): an ``init_method`` of
-    ``file://``/``tcp://`` or an explicit ``store`` is the script's own choice, left as it is.
-    """
+    """In a rank started by this launcher: make torch's ``env://`` rendezvous meet through the
+    trial's FileStore, now or once torch's rendezvous module is imported; whether this is such a
+    rank. Only the ``env`` scheme's handler changes: a script's own ``init_method`` or ``store``
+    is left as it is."""
     path = environ.get(STORE_ENV)
     if not path:
         return False
@@ -263,20 +212,6 @@ def use_file_store(environ: Mapping[str, str] = os.environ) -> bool:
     else:
         sys.meta_path.insert(0, AfterImport("torch.distributed.rendezvous", lambda m: _install_handler(m, path)))
     return True
-
-
-def _exit_as(code: int) -> NoReturn:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code >= 0:
-        os._exit(code)
-    with contextlib.suppress(OSError, ValueError):
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-    os._exit(128 - code)
 
 
 def main(argv: list[str]) -> NoReturn:
@@ -292,7 +227,7 @@ def main(argv: list[str]) -> NoReturn:
     if nproc is None or rest[:1] != ["--"] or len(rest) < 2:
         print(usage, file=sys.stderr)
         _exit_as(2)
-    set_parent_death_signal()  # the trial's launcher (``_proctree``) gone: so are the ranks
+    end_with_parent(signal.SIGKILL)  # the trial's launcher (``_proctree``) gone: so are the ranks
     _exit_as(run_ranks(nproc, rest[1:], exits=exits))
 
 

@@ -1,18 +1,15 @@
 """``python -P -m advisor.trial._run [LAUNCH...] SCRIPT [ARGS...]``: run a cold trial's command
-as ``python [LAUNCH...] SCRIPT [ARGS...]`` would, the moment torch's import is done marked on
-the trial's timeline (in a rank of a multi-process trial, ``_ranks``' file store in use);
-``... _run --warm-server FD [PRELOAD...]`` is the warm server instead.
-
-Only an entry point: what it runs lives in ``_python_command`` (``run_as_python``) and
-``_warm_server`` (``serve``), whose forked children run the same code. No module imports this one, so that
-``python -m`` runs it without a second copy of it in ``sys.modules``.
+as python would, torch's import marked on the trial's timeline; ``... --warm-server FD
+[PRELOAD...]`` is the warm server. No module imports this one (no second copy in sys.modules).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import NoReturn
 
+from ._proctree import end_with_parent
 from ._python_command import (
     RUN_MODULE,
     apply_trial_threads,
@@ -21,12 +18,11 @@ from ._python_command import (
     parse_command,
     run_as_python,
 )
-from ._ranks import set_parent_death_signal, use_file_store
+from ._ranks import use_file_store
 from ._warm_server import SERVER_FLAG, serve
 
 
 def main(argv: list[str]) -> NoReturn:
-    """Run ``python ARGV...`` in this fresh interpreter, or be the warm server."""
     if argv[:1] == [SERVER_FLAG] and len(argv) >= 2:
         serve(int(argv[1]), argv[2:])
         raise SystemExit(0)
@@ -35,7 +31,7 @@ def main(argv: list[str]) -> NoReturn:
         print(f"usage: python -P -m {RUN_MODULE} [-P] (-m MODULE | SCRIPT) [ARGS...]", file=sys.stderr)
         raise SystemExit(2)
     # Nothing of a trial outlives its launcher (a tune killed by SIGKILL takes its trials along).
-    set_parent_death_signal()
+    end_with_parent(signal.SIGKILL)
     # A rank of a multi-process trial meets its peers through the trial's private file store.
     use_file_store()
     mark_torch_import()

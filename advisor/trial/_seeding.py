@@ -1,23 +1,17 @@
-"""The same start for every trial (``seed_everything``), and the fp32 replicate's one
-perturbation of its initial parameters (``perturb_parameters``).
-"""
+"""The same start for every trial, and the fp32 replicate's one perturbation of its parameters."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
 
-# The relative size of the one perturbation the fp32 replicate's initial parameters get, by
-# the format it stands for: a bf16 rounding errs by at most half a unit in the last of its 8
-# significant bits, 2^-8 of the value. A candidate in that format starts from the same weights
-# and sees the same batches as fp32, and differs from it by roundings of about that size; the
-# replicate differs by one, once, so how far it drifts is how much this workload amplifies
-# a perturbation of precision's size (docs/stability.md, "Calibration to the workload").
+# The relative size of the fp32 replicate's one perturbation, by the format it stands for: a bf16
+# rounding errs by at most 2^-8 of the value. How far the replicate drifts is how much this workload
+# amplifies a perturbation of precision's size (docs/stability.md, "Calibration to the workload").
 PERTURBATIONS: dict[str, float] = {"bf16": 2.0**-8}
 
 
 def seed_everything(seed: int) -> None:
-    """Same seed in every trial: data order and initial weights match, curves compare."""
     import torch
 
     random.seed(seed)
@@ -34,25 +28,17 @@ _DRAW_STRIDE = 1_000_003
 
 
 def perturbation_seed(seed: int, draw: int) -> int:
-    """The seed of a replicate's perturbation: the trial's own for the first draw (0), another
-    for each later draw, so that two replicates of one reference are perturbed independently."""
+    """The seed of a replicate's perturbation: the trial's own for draw 0, another for each later
+    draw, so that two replicates of one reference are perturbed independently."""
     if isinstance(draw, bool) or not isinstance(draw, int) or draw < 0:
         raise ValueError(f"perturb draw: {draw!r} is not allowed; expected a whole number >= 0")
     return (seed + _DRAW_STRIDE * draw) % 2**63
 
 
 def perturb_parameters(model: Any, *, perturb: str, seed: int, draw: int = 0) -> int:
-    """Multiply every floating-point parameter once by ``1 + u * e``, ``u`` uniform in [-1, 1].
-
-    ``e`` is the relative rounding error of the format ``perturb`` names (``PERTURBATIONS``).
-    The draws come from a private generator seeded with ``seed`` (and ``draw``, for a second
-    replicate perturbed otherwise: ``perturbation_seed``), so torch's global random state,
-    which the script's data order and dropout masks come from, is left untouched, and every
-    rank of a multi-process trial perturbs its replica alike.
-
-    Returns:
-        How many parameter values were perturbed.
-    """
+    """Multiply every floating-point parameter once by ``1 + u * e``, ``u`` uniform in [-1, 1] and
+    ``e`` from ``PERTURBATIONS``; how many values were perturbed. A private generator leaves
+    torch's global random state untouched, and every rank perturbs its replica alike."""
     import torch
 
     size = PERTURBATIONS.get(perturb)

@@ -1,7 +1,5 @@
-"""Where a timed-out trial hung: each trial process registers a stack dump on a signal
-(``register_stack_dump``, in the child); on a timeout the parent asks for the dumps before the
-kill (``request_stack_dumps``) and names the process that hung (``stack_blame``).
-"""
+"""Where a timed-out trial hung: each trial process dumps its stacks on a signal, which the
+parent sends before the kill, and names the process that hung."""
 
 from __future__ import annotations
 
@@ -17,30 +15,21 @@ from typing import Any
 
 from ._proctree import live_descendants, process_table
 
-STACK_SIGNAL = "SIGUSR2"
-"""The signal on which a trial process dumps its threads' stacks (``faulthandler``) to
-``stack_dump_path`` of its result file; the parent sends it on a timeout, before the kill."""
-STACK_PID_PREFIX = "pid "
-"""The first line of a stack dump file: ``pid <N>``, the process to signal; the dump follows."""
-STACK_WAIT_S = 2.0
-"""Seconds a timed-out trial's parent waits for the stack dumps it asked for, before the kill."""
+STACK_SIGNAL = "SIGUSR2"  # on which a trial process dumps its stacks (faulthandler)
+STACK_PID_PREFIX = "pid "  # a dump file's first line names the process to signal
+STACK_WAIT_S = 2.0  # how long the parent waits for the dumps, before the kill
 
 
 def stack_dump_path(result_path: str | os.PathLike[str]) -> str:
-    """Where the trial process writing ``result_path`` dumps its stacks: ``<result>.stack``."""
     return f"{os.fspath(result_path)}.stack"
 
 
-_STACK_FILE: Any = None
-"""The open file that ``faulthandler`` dumps this process's stacks to: held for its lifetime."""
+_STACK_FILE: Any = None  # held for the process's lifetime: faulthandler writes to it
 
 
 def register_stack_dump(result_path: str) -> bool:
     """Have ``STACK_SIGNAL`` dump every thread's stack of this process to
-    ``stack_dump_path(result_path)``, which starts with ``pid <this pid>``: on a timeout the
-    parent signals the pid it reads there, and the dump says where the trial hung
-    (``stack_blame``). Once per process; whether the handler is in place.
-    """
+    ``stack_dump_path(result_path)``, after a ``pid <this pid>`` line; whether it is in place."""
     global _STACK_FILE
     sig = getattr(signal, STACK_SIGNAL, None)
     if _STACK_FILE is not None or sig is None:
@@ -58,7 +47,6 @@ def register_stack_dump(result_path: str) -> bool:
 
 @dataclass(frozen=True)
 class StackFrame:
-    """One frame of a ``faulthandler`` dump: the file, line and function it was at."""
 
     file: str
     line: int
@@ -66,7 +54,6 @@ class StackFrame:
 
     @property
     def in_torch(self) -> bool:
-        """Whether the frame is torch's own code (a collective, the autograd engine...)."""
         return "/torch/" in self.file.replace(os.sep, "/")
 
     def __str__(self) -> str:
@@ -78,13 +65,8 @@ _DUMP_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ \(most recen
 
 
 def main_frame(dump: str) -> StackFrame | None:
-    """The innermost frame of the main thread in a ``faulthandler`` dump of every thread.
-
-    faulthandler lists threads newest first (``Thread 0x... (most recent call first):``, the
-    one that took the signal marked ``Current thread``), so the main thread, the first started,
-    is the last listed; a dump of one thread is that thread. ``None`` when the dump holds no
-    thread, or the main thread had no Python frame (``<no Python frame>``).
-    """
+    """The innermost frame of the main thread in a ``faulthandler`` dump of every thread, or
+    ``None``. faulthandler lists threads newest first, so the main thread is the last listed."""
     blocks: list[list[str]] = []
     for line in dump.splitlines():
         if _DUMP_THREAD.match(line.strip()):
@@ -101,13 +83,9 @@ def main_frame(dump: str) -> StackFrame | None:
 
 
 def stack_blame(dumps: Sequence[str | None]) -> str | None:
-    """Which process of a timed-out trial hung, from each one's stack dump (index = rank;
-    ``None`` where none arrived); ``None`` when no dump holds a frame.
-
-    A process whose main thread was in torch's own code waited (in a collective, for a peer,
-    or in the autograd engine); one elsewhere (the script, another library) hung there. With
-    several ranks, those that hung are named first, then those that waited for them.
-    """
+    """Which process of a timed-out trial hung, from each one's stack dump (index = rank);
+    ``None`` when no dump holds a frame. One in torch's own code waited (in a collective, or
+    the autograd engine); one elsewhere hung there."""
     frames = [None if dump is None else main_frame(dump) for dump in dumps]
     if not any(frames):
         return None
@@ -139,16 +117,9 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 
 def request_stack_dumps(paths: Sequence[Path], root: int, *, wait_s: float = STACK_WAIT_S) -> list[str | None]:
-    """Ask each trial process below ``root`` that registered a stack dump (``paths``: one per
-    process, each starting ``pid <N>``) to write it (``STACK_SIGNAL``), and read the dumps.
-
-    Only a pid that runs below ``root`` is signalled (a process that ended may have left its
-    pid to another). Waits up to ``wait_s`` until every dump asked for is written (not empty,
-    and no longer growing).
-
-    Returns:
-        Each path's dump (index as ``paths``), ``None`` where none came.
-    """
+    """Ask each trial process below ``root`` that registered a stack dump (``paths``) to write
+    it, and read the dumps (``None`` where none came). Only a pid below ``root`` is signalled
+    (one that ended may have left its pid to another); waits up to ``wait_s``."""
     sig = getattr(signal, STACK_SIGNAL, None)
     below = set(live_descendants(process_table(), root)) if sig is not None else set()
     headers: dict[int, int] = {}

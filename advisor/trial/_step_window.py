@@ -1,6 +1,5 @@
-"""What both trial recorders (the loop API's, ``_loop_recorder``, and a framework's,
-``_recorder``) share: the measured window of optimizer steps, the three ways a trial child ends,
-and the result file's measurements built in one place (``result_payload``).
+"""What both trial recorders (``_loop_recorder``, ``_recorder``) share: the measured window of
+optimizer steps, the ways a trial child ends, and the result's measurements (``result_payload``).
 """
 
 from __future__ import annotations
@@ -19,50 +18,40 @@ from ._watchdog import NoStepWatchdog
 
 
 class StepWindow:
-    """What both trial recorders (the loop API's and a framework's) share: the measured window
-    of optimizer steps, timed on one DeviceClock, and the three ways a trial child ends (the
-    window is full; no step came in time; the script ended before the window was full).
+    """The measured window of optimizer steps, timed on one DeviceClock, and the three ways a
+    trial child ends (the window is full; no step came in time; the script ended first).
 
-    A subclass sets ``spec``, ``writer``, ``marks``, ``clock``, ``_finished``, ``_watchdog``,
-    ``_flops`` (``StepFlops.for_spec``) and what it recorded (per step: ``losses``,
-    ``loss_scale``, ``skipped``, ``samples``; of the workload: ``notes``,
-    ``workload_fingerprint``, ``model_signature``, ``fsdp``, ``batch``), and says whether the
-    first step has begun (``_stepping``) and how long each step took (``_step_times``).
-    ``result_payload`` (a function of the window) turns that state into the result file's
-    measurements.
-
-    Both mark the trial's timeline alike (``advisor.trial._timeline``): ``policy_applied`` when
-    the candidate is applied (which starts the first-step watchdog), then ``first_step``,
-    ``warmup_done`` and ``measured_done`` at the ends of those optimizer steps.
+    A subclass sets ``clock`` and what it recorded of the workload (``notes``,
+    ``workload_fingerprint``, ``model_signature``, ``fsdp``, ``batch``), and defines
+    ``_stepping`` (whether the first step has begun) and ``_step_times``.
     """
 
-    spec: TrialSpec
-    writer: ResultWriter
-    marks: list[Any]
     clock: DeviceClock
-    losses: list[Any]
-    loss_scale: list[float | None]
-    skipped: list[bool]
-    samples: list[int]
     in_process = False
     optimizer_eps: float | None = None
-    _finished: bool
-    _watchdog: NoStepWatchdog | None
-    _flops: StepFlops | None
+
+    def __init__(self, spec: TrialSpec, writer: ResultWriter) -> None:
+        self.spec, self.writer = spec, writer
+        self.losses: list[Any] = []  # loss tensors, read once at the end (no sync per step)
+        self.loss_scale: list[float | None] = []
+        self.skipped: list[bool] = []
+        self.samples: list[int] = []
+        self.marks: list[Any] = []  # one time mark (float or CUDA event) per step boundary
+        self._perturbed = self._finished = False
+        self._watchdog: NoStepWatchdog | None = None
+        self._flops = StepFlops.for_spec(spec)
 
     def _stepping(self) -> bool:
-        raise NotImplementedError(f"{type(self).__qualname__} does not say whether it has begun; define _stepping()")
+        raise NotImplementedError
 
     def _step_times(self) -> list[float]:
-        raise NotImplementedError(f"{type(self).__qualname__} does not say how long its steps took; define _step_times()")
+        raise NotImplementedError
 
     def _peak_memory(self) -> tuple[int | None, str]:
-        """The trial's peak memory and its kind (``cuda-peak-allocated``, ``cpu-peak-rss``)."""
         return self.clock.peak_memory()
 
     def _underflow(self) -> tuple[list[float | None], str | None]:
-        """Per step, the fp16 gradient underflow fraction (``None`` where not sampled), and a
-        note on it for the report (``None`` without one)."""
+        """Per step, the fp16 gradient underflow fraction, and a note on it for the report."""
         return [None] * len(self.losses), None
 
     def finish(self, *, complete: bool) -> None:
@@ -81,16 +70,12 @@ class StepWindow:
             end_trial_process(0)
 
     def _keep_short_run(self) -> None:
-        """In a child process: a script that ends before the window is full keeps its steps."""
         atexit.register(self._at_exit)
 
     def _policy_applied(self, *, watch: bool) -> None:
         """The candidate is applied: mark it, and with ``watch`` (a child process) give the script
-        ``spec.first_step_timeout`` from now to reach its first optimizer step.
-
-        The watchdog counts from here, not from the process's start: imports, the script's data
-        preparation and a framework's own set-up before that are no part of the candidate's cost.
-        """
+        ``spec.first_step_timeout`` from now (not from the process's start: imports and the
+        script's own set-up are no part of the candidate's cost) to its first optimizer step."""
         mark("policy_applied")
         if watch:
             # Written at once: a child ended before its first step (a timeout, a signal, a peer
@@ -101,26 +86,19 @@ class StepWindow:
             self._watchdog.start()
 
     def watch_model(self, model: Any) -> None:
-        """The model the script trains: its first forward's input says whether it is fed token
-        ids, for the FLOP estimate where counting fails (only with ``spec.count_flops``)."""
+        """The model the script trains, for the FLOP estimate where counting fails."""
         if self._flops is not None:
             self._flops.watch(model)
 
     def _open_window(self) -> None:
-        """The first optimizer step begins: the clock's first mark (without a warm-up, also the
-        edge of the measured window)."""
         self.clock.sync()
         self.marks.append(self.clock.mark())
         if self.spec.warmup_steps == 0:
             mark("warmup_done")
 
     def _end_of_step(self, steps: int) -> None:
-        """Mark the end of optimizer step number ``steps``; a full window ends the trial.
-
-        The FLOP counter (``spec.count_flops``) is entered just after the mark that ends the step
-        before the counted one and left just before the counted step's own mark, so that its
-        cost falls inside that warm-up step and in no other.
-        """
+        """Mark the end of optimizer step number ``steps``; a full window ends the trial. The FLOP
+        counter runs between the marks of the counted step, so its cost falls in no other step."""
         flops, warmup = self._flops, self.spec.warmup_steps
         if flops is not None and steps == flops.step:
             flops.stop()
@@ -157,11 +135,7 @@ class StepWindow:
 
 
 def result_payload(window: StepWindow, *, complete: bool) -> dict[str, Any]:
-    """The result file's measurements (stage ``done``), from what ``window`` recorded.
-
-    Args:
-        complete: whether the measured window was full.
-    """
+    """The result file's measurements (stage ``done``), from what ``window`` recorded."""
     peak, kind = window._peak_memory()
     losses = [float(v) for v in window.losses]
     underflow, note = window._underflow()

@@ -1,10 +1,7 @@
 """A trial's timeline: when each part of its life began and ended, for the per-trial breakdown.
 
-Every mark is wall-clock seconds since the epoch (``time.time()``), so that marks taken in the
-parent (``launched``, ``exited``) and in the child (the rest) read on one clock. The child keeps
-its marks in this module (standard library only, so the launcher's runner can mark the moment
-torch is imported before anything else of the project is loaded); its result file carries them
-as ``timeline``, and the parent adds its own two.
+Marks are ``time.time()``, so that the parent's (``launched``, ``exited``) and the child's read on
+one clock. Standard library only: the runner marks torch's import before the project loads.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ TIMELINE_MARKS: tuple[str, ...] = (
     "measured_done",  # child: the measured window ended
     "exited",  # parent: the trial's process was seen to end
 )
-"""The marks of a trial's timeline, in the order they happen."""
 
 PHASES: tuple[tuple[str, str, str], ...] = (
     ("startup", "launched", "torch_imported"),
@@ -32,35 +28,26 @@ PHASES: tuple[tuple[str, str, str], ...] = (
     ("measured", "warmup_done", "measured_done"),
     ("exit", "measured_done", "exited"),
 )
-"""Each phase of the breakdown: its name and the marks that begin and end it."""
 
 _marks: dict[str, float] = {}
 
 
-def mark(name: str, at: float | None = None) -> None:
-    """Record that ``name`` happened now (or ``at``); the first record of a mark stands.
-
-    Raises:
-        ValueError: ``name`` is not one of ``TIMELINE_MARKS``.
-    """
-    if name not in TIMELINE_MARKS:
-        raise ValueError(f"timeline mark {name!r} is not one of {list(TIMELINE_MARKS)}")
-    _marks.setdefault(name, time.time() if at is None else float(at))
+def mark(name: str) -> None:
+    """Record that ``name`` (one of ``TIMELINE_MARKS``) happened now; the first record stands."""
+    _marks.setdefault(name, time.time())
 
 
 def marks() -> dict[str, float]:
-    """This process's marks so far."""
     return dict(_marks)
 
 
 def clear() -> None:
-    """Forget this process's marks (a process forked to run a new trial starts afresh)."""
     _marks.clear()
 
 
 def breakdown(timeline: Mapping[str, float]) -> dict[str, float | None]:
-    """Seconds spent in each phase of ``PHASES``; ``None`` for a phase missing either mark (a
-    trial that ended early) or whose marks are out of order."""
+    """Seconds spent in each phase of ``PHASES``; ``None`` for a phase missing either mark or
+    whose marks are out of order."""
     out: dict[str, float | None] = {}
     for phase, begin, end in PHASES:
         a, b = timeline.get(begin), timeline.get(end)
@@ -70,8 +57,6 @@ def breakdown(timeline: Mapping[str, float]) -> dict[str, float | None]:
 
 
 def startup_seconds(timeline: Mapping[str, float]) -> float | None:
-    """Seconds from the launch to the end of the first optimizer step: what a trial pays before
-    it measures anything (imports, the script's own set-up, the first step's compilation)."""
     a, b = timeline.get("launched"), timeline.get("first_step")
     if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or b < a:
         return None

@@ -1,30 +1,9 @@
-"""Warm trials: a server that imports torch and the project once and forks one launcher per trial.
-
-On a small workload start-up is most of a trial: a fresh interpreter spends seconds importing
-torch before the script's first line. The warm server (``serve``, started by ``WarmLauncher``)
-pays that once. It imports torch and the project, runs no torch op, starts no thread and never
-initialises CUDA, and then, for each trial, forks a child that is what the cold launch's
-``_proctree.py`` launcher is: in a session of its own, a child subreaper (``supervise``) whose
-own forked child runs the script as ``python [LAUNCH...] SCRIPT ARGS`` would
-(``run_as_python``), with the trial's stdio, environment and working directory. A timeout
-kills that tree as it kills a cold one (``end_trial`` on the launcher's pid).
-
-A trial starts cold instead (``cold_reason``, ``environment_difference``, ``server_refusal``)
-where a fork is not as good as a fresh interpreter: no fork (not Linux); several processes
-(the rank launcher, ``_ranks``, starts its own); a command this module cannot run as the interpreter would; an
-environment that differs from the server's in a variable torch or a library may have read at
-import (only ``PER_TRIAL_PREFIXES``/``PER_TRIAL_NAMES`` may differ); a server with a second
-thread or CUDA initialised; a server that died or did not start; or ``MPADVISE_WARM_TRIALS=0``.
-
-The parent and the server speak JSON over a private Unix socket pair (``SOCK_SEQPACKET``: one
-message per packet), the trial's stdout and stderr passed along as descriptors. When the
-parent's end closes (the parent died), the server ends the trial it runs, and itself.
-
-This module is the parent's side: ``WarmLauncher`` decides, trial by trial, whether it is
-forked or started cold, and keeps the count; ``WarmServer`` is the server's process as the parent
-holds it. The server's side is ``_warm_server``; when a trial starts cold, ``_cold_reasons``;
-what both launches share to run a trial "as python would", ``_python_command``; ``_run`` is the
-cold launch's entry point and the server's.
+"""Warm trials, the parent's side: a server (``_warm_server``) imports torch and the project once
+and forks one launcher per trial, as the cold launch's ``_proctree.py`` launcher is, saving the
+seconds a fresh interpreter spends importing torch. ``WarmLauncher`` decides, trial by trial,
+whether it is forked or started cold (``_cold_reasons``). Parent and server speak JSON over a
+private ``SOCK_SEQPACKET`` socket pair, the trial's stdout and stderr passed as descriptors; when
+the parent's end closes, the server ends the trial it runs, and itself.
 """
 
 from __future__ import annotations
@@ -38,7 +17,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
@@ -46,22 +24,18 @@ from typing import IO, Any
 from advisor._log import get_logger
 
 from ._cold_reasons import cold_reason, environment_reason, is_per_trial
-from ._proctree import kill_tree
+from ._proctree import end_trial
 from ._python_command import RUN_MODULE
 from ._warm_server import PACKET, SERVER_FLAG
 
-START_TIMEOUT = 600.0
-"""Seconds the parent waits for the server's imports (a framework's under load take a minute)."""
+START_TIMEOUT = 600.0  # seconds for the server's imports (a framework's under load take a minute)
 
 
 class _Channel:
-    """The parent's end of the socket pair: JSON messages, descriptors alongside."""
-
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
 
     def send(self, message: Mapping[str, Any], fds: Sequence[int] = ()) -> bool:
-        """Send ``message``; ``False`` when the server is gone."""
         try:
             socket.send_fds(self.sock, [json.dumps(message).encode()], list(fds))
             return True
@@ -69,35 +43,21 @@ class _Channel:
             return False
 
     def receive(self, timeout: float | None) -> dict[str, Any] | None:
-        """The next message; ``None`` when the server is gone.
-
-        Raises:
-            TimeoutError: nothing came within ``timeout`` seconds.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                ready, _, _ = select.select([self.sock], [], [], left)
-            except InterruptedError:
-                continue
-            if not ready:
-                raise TimeoutError
-            try:
-                data = self.sock.recv(PACKET)
-            except OSError:
-                return None
-            return json.loads(data) if data else None
+        """The next message; ``None`` when the server is gone; TimeoutError after ``timeout``."""
+        # select() retries by itself on EINTR, with the time left (PEP 475).
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        try:
+            data = self.sock.recv(PACKET)
+        except OSError:
+            return None
+        return json.loads(data) if data else None
 
 
 class WarmTrial:
-    """A launcher forked by the warm server, as ``run_trial`` and ``end_trial`` use a Popen:
-    ``pid``, ``wait(timeout)`` (``subprocess.TimeoutExpired``), ``kill()``, ``returncode``.
-
-    The server reports the launcher's end without reaping it, and reaps it when this handle has
-    seen the status: until then the pid is the launcher's (a zombie at worst) and a kill cannot
-    hit another process, as with a Popen not yet waited for.
-    """
+    """A launcher forked by the warm server, used as a Popen. The server reaps it only once this
+    handle has seen its status, so until then a kill cannot hit another process."""
 
     def __init__(self, channel: _Channel, pid: int, args: list[str], on_lost: Callable[[], None]) -> None:
         self._channel = channel
@@ -107,7 +67,6 @@ class WarmTrial:
         self._on_lost = on_lost
 
     def wait(self, timeout: float | None = None) -> int:
-        """The launcher's exit status, as ``Popen.returncode`` gives it (``-N``: signal N)."""
         if self.returncode is not None:
             return self.returncode
         try:
@@ -118,55 +77,31 @@ class WarmTrial:
             # The server died under the trial: end the orphaned tree here, where it can still be
             # found below the launcher's pid, and report it as killed.
             self._on_lost()
-            kill_tree(self.pid)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGKILL)
-                os.kill(self.pid, signal.SIGKILL)
+            end_trial(self)
             self.returncode = -int(signal.SIGKILL)
             return self.returncode
         self.returncode = int(message["exit"])
         self._channel.send({"op": "reap"})
         return self.returncode
 
-    def poll(self) -> int | None:
-        """The exit status if the launcher has ended, else ``None``."""
-        try:
-            return self.wait(0)
-        except subprocess.TimeoutExpired:
-            return None
-
     def kill(self) -> None:
-        """SIGKILL the launcher, unless its end was already seen."""
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(self.pid, signal.SIGKILL)
 
 
-def _close_server(proc: subprocess.Popen[bytes] | None, sock: socket.socket | None) -> None:
-    """Close the channel (the server ends at its end of it), then make sure the server ended."""
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.close()
-    if proc is not None:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _close_server(proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.close()  # the server ends at its end of the channel
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class WarmServer:
-    """One warm server's process, as the parent holds it: started in ``env`` (it imports in the
-    background), then waited for (``await_ready``), asked to fork trials (``fork``) and closed.
-
-    Args:
-        python: the interpreter of the server, and of its trials.
-        preload: modules the server imports beyond torch and the project.
-        env: the environment the server starts in: the first trial's whole environment.
-
-    Raises:
-        OSError: the server's process could not be started.
-    """
+    """One warm server's process, started in ``env`` (the first trial's whole environment)."""
 
     def __init__(self, python: str, preload: Sequence[str], env: Mapping[str, str]) -> None:
         # The server starts in the first trial's whole environment. A fork's /proc/PID/environ is
@@ -177,15 +112,11 @@ class WarmServer:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log: IO[bytes] = tempfile.TemporaryFile()
         try:
+            # A session of its own: Ctrl-C in the terminal reaches the parent, which ends it.
             self.proc = subprocess.Popen(
                 [python, "-P", "-m", RUN_MODULE, SERVER_FLAG, str(child.fileno()), *preload],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=self._log,
-                env=self.env,
-                pass_fds=(child.fileno(),),
-                start_new_session=True,  # Ctrl-C in the terminal reaches the parent, which ends it
-            )
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log, env=self.env,
+                pass_fds=(child.fileno(),), start_new_session=True)
         except OSError:
             parent.close()
             self._log.close()
@@ -197,8 +128,7 @@ class WarmServer:
         self._finalizer = weakref.finalize(self, _close_server, self.proc, parent)
 
     def await_ready(self) -> str | None:
-        """Wait for the server's word; why it cannot serve (it refused, or never came), or
-        ``None``."""
+        """Wait for the server's word; why it cannot serve, or ``None``."""
         try:
             ready = self.channel.receive(START_TIMEOUT)
         except TimeoutError:
@@ -212,14 +142,9 @@ class WarmServer:
 
     def fork(self, command: list[str], env: Mapping[str, str], cwd: str | os.PathLike[str] | None,
              stdout: IO[bytes], stderr: IO[bytes], on_lost: Callable[[], None]) -> WarmTrial | str:
-        """Have the server fork a launcher that runs ``python COMMAND``: its handle, or why not
-        (the server died, or refused: a thread or CUDA in it stays, and so would the refusal)."""
-        request = {
-            "op": "run",
-            "argv": command,
-            "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
-            "env": {k: v for k, v in env.items() if is_per_trial(k)},
-        }
+        """Have the server fork a launcher that runs ``python COMMAND``: its handle, or why not."""
+        request = {"op": "run", "argv": command, "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+                   "env": {k: v for k, v in env.items() if is_per_trial(k)}}
         for f in (stdout, stderr):
             f.flush()
         if not self.channel.send(request, [stdout.fileno(), stderr.fileno()]):
@@ -242,8 +167,7 @@ class WarmServer:
         return ""
 
     def close(self) -> None:
-        """End the server (it ends any trial it still runs). One still importing has forked
-        nothing: it is killed, not waited for."""
+        # One still importing has forked nothing: it is killed, not waited for.
         if not self.ready:
             with contextlib.suppress(OSError):
                 self.proc.kill()
@@ -253,17 +177,7 @@ class WarmServer:
 
 class WarmLauncher:
     """Forks trials from one warm server, started on the first trial (or ahead of it, by
-    ``prestart``) and kept until ``close``.
-
-    Args:
-        python: the interpreter of the trials, and of the server.
-        preload: modules the server imports beyond torch and the project
-            (``framework_preload``).
-
-    Attributes:
-        forked: how many trials the server forked.
-        last_cold_reason: why the latest trial that started cold did; ``None`` before one did.
-    """
+    ``prestart``) and kept until ``close``; ``preload``: what ``framework_preload`` names."""
 
     def __init__(self, python: str = sys.executable, *, preload: Sequence[str] = ()) -> None:
         self.python = python
@@ -275,31 +189,13 @@ class WarmLauncher:
 
     @property
     def server_pid(self) -> int | None:
-        """The running server's pid; ``None`` before it started, after ``close``."""
         return None if self._server is None else self._server.proc.pid
 
-    def start_trial(
-        self,
-        command: Sequence[str],
-        *,
-        env: Mapping[str, str],
-        cwd: str | os.PathLike[str] | None,
-        stdout: IO[bytes],
-        stderr: IO[bytes],
-        python: str,
-        nproc_per_node: int = 1,
-    ) -> WarmTrial | None:
+    def start_trial(self, command: Sequence[str], *, env: Mapping[str, str],
+                    cwd: str | os.PathLike[str] | None, stdout: IO[bytes], stderr: IO[bytes], python: str,
+                    nproc_per_node: int = 1) -> WarmTrial | None:
         """Fork ``python COMMAND`` from the server; ``None`` (and a debug line saying why) when
-        the trial must start cold instead.
-
-        Args:
-            command: what follows the interpreter (``[LAUNCH...] SCRIPT ARGS``).
-            env: the trial's whole environment.
-            cwd: its working directory (``None``: this process's).
-            stdout, stderr: files the trial writes to.
-            python: the trial's interpreter; another than the server's starts cold.
-            nproc_per_node: processes of the trial.
-        """
+        the trial must start cold instead."""
         reason = cold_reason(command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node)
         if reason is None and os.path.abspath(python) != os.path.abspath(self.python):
             reason = f"the trial's interpreter {python} is not the warm server's {self.python}"
@@ -329,21 +225,8 @@ class WarmLauncher:
         return trial
 
     def prestart(self, command: Sequence[str], *, env: Mapping[str, str], nproc_per_node: int = 1) -> bool:
-        """Start the server now, without waiting for its imports; whether one was started.
-
-        A parent with work of its own before its first trial (importing torch, probing the
-        hardware, the matmul benchmark) does it while the server imports, instead of before.
-        The first trial waits for the server to be ready, as it would have waited for the
-        server it started. Nothing starts where that trial would start cold anyway
-        (``cold_reason`` for ``command``), nor when a server runs already.
-
-        Args:
-            command: what the trials run after the interpreter (``[LAUNCH...] SCRIPT ARGS``).
-            env: the environment the trials will have, but for their per-trial variables
-                (``trial_environment``); a first trial whose environment differs in anything
-                else starts the server again in its own.
-            nproc_per_node: processes of each trial.
-        """
+        """Start the server now, without waiting for its imports, so that the parent's own work
+        before its first trial overlaps them; whether one was started."""
         if self._server is not None or self._broken is not None:
             return False
         if cold_reason(command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node) is not None:
@@ -351,8 +234,7 @@ class WarmLauncher:
         return self._spawn(env) is None
 
     def _ensure_server(self, env: Mapping[str, str]) -> str | None:
-        """Start the server unless it runs, and wait until it is ready; why it cannot serve, or
-        ``None``."""
+        """Start the server unless it runs and wait until it is ready; why it cannot serve."""
         if self._server is None:
             failed = self._spawn(env)
             if failed is not None:
@@ -364,7 +246,6 @@ class WarmLauncher:
         return None if failed is None else self._lost(failed)
 
     def _spawn(self, env: Mapping[str, str]) -> str | None:
-        """Start the server's process; why it could not start, or ``None``."""
         try:
             self._server = WarmServer(self.python, self.preload, env)
         except OSError as exc:
@@ -378,8 +259,6 @@ class WarmLauncher:
         return reason
 
     def close(self) -> None:
-        """End the server (it ends any trial it still runs); a later trial starts a new one,
-        unless the server was found unable to serve."""
         if self._server is not None:
             server, self._server = self._server, None
             server.close()

@@ -1,8 +1,5 @@
 """The warm server's side of warm trials (``serve``): import torch and the project once, report
-ready, then fork one launcher per request, which becomes what the cold launch's ``_proctree.py``
-launcher is and runs the script as ``python [LAUNCH...] SCRIPT ARGS`` would. The parent's side is
-``_warm``.
-"""
+ready, then fork one launcher per request, as the cold launch's ``_proctree.py`` launcher is."""
 
 from __future__ import annotations
 
@@ -30,10 +27,8 @@ from ._python_command import (
 )
 from ._timeline import clear, mark
 
-SERVER_FLAG = "--warm-server"
-"""``python -P -m advisor.trial._run --warm-server FD [PRELOAD...]`` is the warm server."""
-PACKET = 1 << 20
-"""The largest message of the parent and the server (one message per packet)."""
+SERVER_FLAG = "--warm-server"  # python -P -m advisor.trial._run --warm-server FD [PRELOAD...]
+PACKET = 1 << 20  # the largest message of the parent and the server
 
 
 def _send(sock: socket.socket, message: Mapping[str, Any]) -> bool:
@@ -45,7 +40,6 @@ def _send(sock: socket.socket, message: Mapping[str, Any]) -> bool:
 
 
 def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """The next request and its descriptors; ``None`` when the parent's end is closed."""
     try:
         data, fds, _, _ = socket.recv_fds(sock, PACKET, 4)
     except OSError:
@@ -54,8 +48,8 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 
 
 def _preload(name: str) -> None:
-    """Import ``name``, or for ``PACKAGE:FRAMEWORK`` the modules the framework is detected by;
-    a module that does not import is left to the trial, which imports it itself."""
+    """Import ``name``, or for ``PACKAGE:FRAMEWORK`` the framework's libraries; one that does not
+    import is left to the trial."""
     package, _, framework = name.partition(":")
     try:
         module = importlib.import_module(package)
@@ -78,7 +72,6 @@ def _settle() -> None:
 
 
 def _exit_status(pid: int) -> int | None:
-    """The status of child ``pid`` if it has ended, without reaping it (``WNOWAIT``)."""
     try:
         found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
@@ -89,7 +82,6 @@ def _exit_status(pid: int) -> int | None:
 
 
 def _watch(sock: socket.socket, pid: int) -> int | None:
-    """Wait until launcher ``pid`` ends (its status) or the parent's end closes (``None``)."""
     try:
         pidfd: int | None = os.pidfd_open(pid)
     except (AttributeError, OSError):
@@ -115,7 +107,6 @@ def _watch(sock: socket.socket, pid: int) -> int | None:
 
 
 def _end(pid: int) -> None:
-    """End launcher ``pid`` and its tree, as ``end_trial`` does, and reap it."""
     kill_tree(pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
@@ -125,17 +116,7 @@ def _end(pid: int) -> None:
         os.waitpid(pid, 0)
 
 
-def _reseed() -> None:
-    """Give this forked child fresh random state where a fresh interpreter would have it:
-    ``random`` reseeds itself after a fork; numpy's global generator, seeded at import, does not."""
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:
-        with contextlib.suppress(Exception):
-            numpy_random.seed()
-
-
 def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
-    """In the launcher: fork the process that runs the script; its pid."""
     launcher = os.getpid()
     pid = os.fork()
     if pid != 0:
@@ -146,7 +127,10 @@ def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
             with contextlib.suppress(OSError, ValueError, TypeError):
                 signal.signal(signum, handler)
         end_with_parent(int(signal.SIGKILL), parent=launcher)  # nothing of a trial outlives its launcher
-        _reseed()
+        # Fresh random state: ``random`` reseeds itself after a fork; numpy's global generator does not.
+        if (numpy_random := sys.modules.get("numpy.random")) is not None:
+            with contextlib.suppress(Exception):
+                numpy_random.seed()
         clear()  # the marks of this trial only
         mark("torch_imported")  # torch was imported before the fork
         apply_trial_threads()
@@ -157,7 +141,6 @@ def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
 
 
 def _launcher(sock: socket.socket, request: Mapping[str, Any], fds: list[int], handlers: Mapping[int, Any]) -> NoReturn:
-    """The forked child of the server: become the trial's launcher, as ``_proctree.py`` is."""
     server = os.getppid()
     try:
         os.setsid()  # a session of its own, so a timeout can kill its process group
@@ -186,8 +169,6 @@ def _launcher(sock: socket.socket, request: Mapping[str, Any], fds: list[int], h
 
 
 def serve(fd: int, preload: Sequence[str]) -> None:
-    """The warm server: import, report ready, then fork one launcher per request until the
-    parent's end of the channel closes."""
     sock = socket.socket(fileno=fd)
     sock.set_inheritable(False)
     # A fresh interpreter's handlers, restored in every launcher and script process.

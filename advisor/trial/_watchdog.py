@@ -1,6 +1,4 @@
-"""The first-step watchdog of a trial child (``NoStepWatchdog``), which does not count the time
-torch.compile spends compiling (``CompileActivity``).
-"""
+"""The first-step watchdog of a trial child, which does not count torch.compile's compiling."""
 
 from __future__ import annotations
 
@@ -16,14 +14,9 @@ NO_STEP_POLL_S = 0.25
 
 
 class CompileActivity:
-    """Whether torch.compile is compiling in this process now, found without importing it.
-
-    Dynamo runs start and end callbacks around each compilation (tracing a frame, a backward
-    compiled lazily, a CUDA graph recorded), counting nested ones as one. ``torch.compile``
-    imports Dynamo before it compiles anything, so the first look after that registers the
-    callbacks here, and registers them again after ``torch._dynamo.reset()`` cleared them. A
-    compilation already running when they were registered is seen through Dynamo's count of
-    pending compilations, where this torch has it.
+    """Whether torch.compile is compiling in this process now, found without importing it:
+    through Dynamo's start and end callbacks, registered at the first look once Dynamo is
+    imported (and again after ``torch._dynamo.reset()``), and its count of pending compilations.
     """
 
     def __init__(self) -> None:
@@ -36,7 +29,6 @@ class CompileActivity:
         self._compiling = False
 
     def compiling(self) -> bool:
-        """True while a compilation runs; False too where torch.compile was never imported."""
         handler = getattr(sys.modules.get("torch._dynamo"), "callback_handler", None)
         if handler is None:  # no torch.compile in this process (or its import has not got there)
             return False
@@ -51,27 +43,14 @@ class CompileActivity:
 
 
 class NoStepWatchdog:
-    """Calls ``on_expire`` once when ``timeout`` seconds pass without a step, not counting the
-    time torch.compile spends compiling.
+    """Calls ``on_expire`` once when ``timeout`` seconds pass without a step. torch.compile
+    compiles inside the first forward, which can take minutes, so the deadline is never earlier
+    than ``timeout`` after the latest moment a compilation was seen running (the trial's own
+    timeout still bounds one that never ends)."""
 
-    torch.compile compiles inside the first forward, before the first ``step()``; on a large
-    model, or with ``mode="max-autotune"``, that alone can take minutes, and a deadline counted
-    from ``load_policy()`` would end a healthy trial as "no-step". So the deadline moves while
-    a compilation runs: it is never earlier than ``timeout`` after the latest moment the
-    watchdog saw one running, and the script has the whole timeout to reach its first step
-    after its last compilation. A compilation that never ends is still bounded by the trial's
-    overall timeout, which the parent process enforces.
-    """
-
-    def __init__(
-        self,
-        timeout: float,
-        on_expire: Callable[[], None],
-        *,
-        activity: CompileActivity | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        poll_s: float | None = None,
-    ) -> None:
+    def __init__(self, timeout: float, on_expire: Callable[[], None], *,
+                 activity: CompileActivity | None = None, clock: Callable[[], float] = time.monotonic,
+                 poll_s: float | None = None) -> None:
         self.timeout = timeout
         self._on_expire = on_expire
         self._activity = activity or CompileActivity()
@@ -84,11 +63,9 @@ class NoStepWatchdog:
         threading.Thread(target=self._watch, name="mpadvise-no-step", daemon=True).start()
 
     def cancel(self) -> None:
-        """Stop watching (the script stepped)."""
         self._stop.set()
 
     def expired(self) -> bool:
-        """One look: whether the time is up, moving the deadline if a compilation runs."""
         now = self._clock()
         if self._activity.compiling():
             self._deadline = max(self._deadline, now + self.timeout)

@@ -70,9 +70,7 @@ def test_every_field_the_result_keeps_is_a_trial_result_field() -> None:
     assert len({f.name for f in RESULT_FIELDS}) == len(RESULT_FIELDS)
 
 
-def test_a_trial_result_refuses_an_unknown_field() -> None:
-    with pytest.raises(ValueError, match="step_time_ms"):
-        TrialResult.from_dict({"outcome": "ok", "step_time_ms": []})
+def test_a_trial_result_reads_back_what_it_wrote() -> None:
     result = TrialResult(outcome="ok", losses=(float("nan"),))
     assert TrialResult.from_dict(result.to_dict()).outcome == "ok"
 

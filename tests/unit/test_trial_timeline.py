@@ -65,16 +65,12 @@ def _train(mp) -> None:
 
 
 def test_the_first_record_of_a_mark_stands_and_clear_forgets():
-    _timeline.mark("first_step", at=5.0)
-    _timeline.mark("first_step", at=9.0)
-    assert _timeline.marks() == {"first_step": 5.0}
+    _timeline.mark("first_step")
+    first = _timeline.marks()["first_step"]
+    _timeline.mark("first_step")
+    assert _timeline.marks() == {"first_step": first}
     _timeline.clear()
     assert _timeline.marks() == {}
-
-
-def test_an_unknown_mark_is_refused_by_name():
-    with pytest.raises(ValueError, match="'first_stp'"):
-        _timeline.mark("first_stp")
 
 
 # ---- the loop API's recorder ----------------------------------------------------------------------
@@ -91,7 +87,7 @@ def test_a_loop_api_trial_marks_every_edge_in_order(tmp_path):
 
 
 def test_an_in_process_trial_starts_from_a_clean_timeline(tmp_path):
-    _timeline.mark("first_step", at=1.0)  # an earlier trial of this process
+    _timeline._marks["first_step"] = 1.0  # an earlier trial of this process
     data, _ = _child.run_in_process(_train, _spec(tmp_path), profile=CPU)
     assert data["timeline"]["first_step"] > 1.0
 
