@@ -1,35 +1,9 @@
-"""Accelerate: apply a Policy through ``Accelerator``'s own settings, and record a trial's steps
-through its own methods.
+"""Accelerate: apply a Policy through ``Accelerator``'s own settings (``mixed_precision`` and the
+kwargs handlers, replacing the script's), and record a trial's steps (``_accelerate_record``).
 
-``install_accelerator()`` runs in the script's process before the script. It wraps ``Accelerator.__init__``
-in place, so that whatever the script passes, the Accelerator it builds runs the policy:
-
-* ``mixed_precision`` is the policy's, read from its mode's facts (``"bf16"``/``"fp16"`` for
-  autocast, ``"fp8"`` for an FP8 library, else ``"no"``). The constructor argument
-  wins over ``ACCELERATE_MIXED_PRECISION`` and ``accelerate launch``'s config, and the built
-  Accelerator is checked to hold it.
-* The kwargs handlers carry the rest: ``GradScalerKwargs`` for fp16 autocast's dynamic loss
-  scale; ``TERecipeKwargs`` for Transformer Engine FP8 (delayed or MXFP8); ``AORecipeKwargs``
-  for torchao FP8, with the config and layer filter of mpadvise's own fp8-torchao mode. A handler of the same kind
-  that the script passed is replaced, and FP8 recipe handlers go where the mode is not FP8
-  (Accelerate refuses them without ``mixed_precision="fp8"``).
-* fp16 on a CPU: Accelerate turns neither autocast nor a GradScaler on there
-  (``Accelerator.__init__`` builds them only for ``device.type != "cpu"``), so the script
-  would train in fp32 while calling it fp16. The adapter turns on CPU autocast (fp16) with
-  ``GradScaler("cpu")``, as the loop API's fp16-mixed does.
-* a mode that turns TF32 on or off (fp32, tf32) sets the switches as the loop API's modes do,
-  and again once the Accelerator exists (``AcceleratorState`` turns TF32 on for ``mixed_precision="no"`` under
-  a dynamo backend on CUDA).
-
-Gradient accumulation stays as the script sets it (``gradient_accumulation_steps``, or
-``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, which overrides it): the micro-batch is the
-script's DataLoader, so no split is applied (see the traits).
-
-A trial's steps are recorded by ``_accelerate_record``. The script's ``set_seed(n)`` runs as
-``set_seed(n + trial seed)``.
-
-``AccelerateAdapter`` is the adapter class the registry holds. Accelerate is imported inside
-``install_accelerator()`` only: this module runs in the trial child.
+fp16 on a CPU: Accelerate builds neither autocast nor a GradScaler there, so the script would
+train in fp32 while calling it fp16; the adapter turns on CPU autocast with ``GradScaler("cpu")``.
+Accelerate is imported inside ``install_accelerator()`` only: this module runs in the trial child.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Accelerate trials, recorded: one record per optimizer step from the Accelerator's own methods.
-
-``Accelerator.backward`` gives each micro-batch's loss (before Accelerate divides it by the
-accumulation count), a forward pre-hook on each prepared model gives its batch size, and
-``AcceleratedOptimizer.step`` ends a step when ``sync_gradients`` says the micro-batch closes
-one; the GradScaler's scale is read before the step, and ``step_was_skipped`` says whether it
-skipped. Accelerate and torch are imported inside the hooks only: this runs in the trial child.
+"""Accelerate trials, recorded: one record per optimizer step from the Accelerator's own methods
+(``backward``, ``prepare``, ``AcceleratedOptimizer.step``) and a forward pre-hook for the batch size.
 """
 
 from __future__ import annotations

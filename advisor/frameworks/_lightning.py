@@ -1,27 +1,9 @@
-"""Lightning's Trainer and Fabric: apply a Policy through their precision settings, and record a
-trial's steps through their own hooks.
-
-``install()`` runs in the script's process before the script. It patches ``Trainer.__init__``
-and ``Fabric.__init__`` in place (every flavour installed: ``lightning`` and the standalone
-``pytorch_lightning``/``lightning_fabric``), so that whatever precision the script passes, the
-policy's is the one Lightning builds:
-
-* the precision string where it is exact: ``32-true`` for fp32 weights without autocast,
-  ``bf16-mixed`` for bf16 autocast, ``bf16-true``/``16-true`` for pure half weights;
-* fp16 autocast as ``MixedPrecision("16-mixed", device, scaler=...)`` carrying the policy's
-  GradScaler, because the string builds a default scaler, and on a CPU turns fp16 into bf16;
-* Transformer Engine FP8 as ``TransformerEnginePrecision`` with fp32 weights and the policy's
-  delayed recipe (the ``"transformer-engine"`` string means bf16 weights);
-* a mode that turns TF32 on or off sets the switches as the loop API does (Lightning leaves
-  cuDNN's TF32 on).
-
-What is applied is read from the mode's facts (``policies.ModeFacts``), never its name, so a
-mode registered later with facts Lightning can express is applied here too. ``LightningTrainer``
-and ``LightningFabric`` are the two adapter classes the registry holds.
-
-A trial's steps are recorded by ``_lightning_record``.
-
-Lightning is imported inside ``install()`` only: this module runs in the trial child.
+"""Lightning's Trainer and Fabric: apply a Policy through their precision settings (every flavour
+installed: ``lightning`` and the standalone ``pytorch_lightning``/``lightning_fabric``), whatever
+precision the script passes. fp16 autocast is a ``MixedPrecision`` plugin carrying the policy's
+GradScaler (the string builds a default one, and on a CPU turns fp16 into bf16); Transformer
+Engine FP8 is ``TransformerEnginePrecision`` with fp32 weights (the string means bf16 weights).
+Steps are recorded by ``_lightning_record``. Lightning is imported inside ``install()`` only.
 """
 
 from __future__ import annotations

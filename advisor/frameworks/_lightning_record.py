@@ -1,12 +1,5 @@
 """Lightning trials, recorded: the GradScaler a policy builds (it remembers each step's scale and
 skip), and the feeds from the Trainer's callback hooks and Fabric's, one record per optimizer step.
-
-Steps are recorded per optimizer step: the Trainer through a callback (a step happened when
-``trainer.global_step`` moved during the batch), Fabric through its ``on_after_optimizer_step``
-callback, with the losses taken from ``fabric.backward``. The loss scale and whether the
-GradScaler skipped the step come from the scaler itself (``PolicyGradScaler``).
-
-Lightning and torch are imported inside the hooks only: this module runs in the trial child.
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """The plain-PyTorch adapter: a hand-written training loop that imports no framework and never
-calls ``load_policy()``, run with the candidate applied at torch's own seams.
-
-Before the script runs, ``install`` puts the hooks of ``_torch_hooks`` in place:
-
-* the candidate's autocast around the model's outermost forward (a global forward pre-hook and
-  an always-called forward hook), or autocast off for a mode without one, so it wins over the
-  script's own ``torch.autocast``/``torch.amp.autocast`` inside the forward; in the pure modes
-  the model's floating parameters are cast when an optimizer is built over them (wrapping
-  ``torch.optim.Optimizer.__init__``, which every optimizer's ``__init__`` calls), its buffers
-  and floating inputs at the forward (integer tokens stay), its floating outputs back to fp32;
-* ``torch.Tensor.backward`` on a scalar is a loss: recorded unscaled (through
-  ``scaler.scale(loss)`` too), NaN and inf as they are;
-* every ``GradScaler`` the script builds (``torch.amp``, ``torch.cuda.amp``, ``torch.cpu.amp``,
-  enabled or not) is the candidate's scaler; fp16-mixed in a script that builds none gets its
-  scaling injected around the backward, the gradient clipping and the optimizer step; in a
-  script with no optimizer it is refused as not expressible, with the reason;
-* the global optimizer step hooks end each step; a script with no optimizer ends one at the
-  first training forward after a backward and an update by hand;
-* the mode's process switches (TF32 on or off) for the life of the process.
-
-A trial's window is the recorder's (``FrameworkRecorder``): the script is ended once it is
-measured, and start-up (evaluation, checkpoints before the first backward) is not in it. A
-script that reaches no backward within ``first_step_timeout`` ends with one line saying what it
-reached; SIGTERM and Ctrl-C print the same kind of line. The script's own precision flag
-(``--dtype``, ``--amp``, ...) is named in the trial's notes with the value that says the
-candidate (``precision_flag``).
+calls ``load_policy()``, run with the candidate applied at torch's own seams (``_torch_hooks``).
+The script's own precision flag (``--dtype``, ``--amp``, ...) is named in the trial's notes with
+the value that says the candidate (``precision_flag``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """The plain-PyTorch adapter's hooks at torch's own seams: the model's forward, ``Tensor.backward``,
 the optimizer's construction and step, ``GradScaler`` and gradient clipping.
 
-Every seam is checked in torch's source (2.13): ``torch.nn.modules.module`` runs the global
-forward pre-hooks (``register_module_forward_pre_hook``: ``hook(module, args)``, a returned
-tuple replaces ``args``) and the global forward hooks (``register_module_forward_hook(...,
-always_call=True)``: ``hook(module, args, result)``, also after a forward that raised) for
-every module's ``__call__``; ``torch.optim.optimizer`` runs the global step hooks
-(``register_optimizer_step_pre_hook``/``post_hook``: ``hook(optimizer, args, kwargs)``) around
-every ``Optimizer.step``, and every optimizer's ``__init__`` calls ``Optimizer.__init__(params,
-defaults)``; ``torch.amp.GradScaler`` skips ``optimizer.step()`` when ``unscale_`` found
-infs (so no step hook runs for a skipped step) and ``torch.cuda.amp.GradScaler`` is its
-subclass.
-
-``ForwardPrecision`` applies the candidate around the outermost forward: its autocast (or
-autocast off, which overrules the script's own) and, in the pure modes, the cast of the model,
-of floating inputs (integer tokens stay) and of floating outputs back to fp32 (as Lightning
-Fabric's half precision does, so a loss computed outside the model meets fp32 targets).
-``Steps`` finds the step boundaries and feeds the trial recorder. ``candidate_scaler_class``
-builds the ``GradScaler`` every script's scaler becomes.
+Seams as torch (2.13) runs them: the global forward pre-hooks and forward hooks
+(``always_call=True``: also after a forward that raised) for every module's ``__call__``; the
+global optimizer step hooks around every ``Optimizer.step`` (none for a step GradScaler skipped);
+every optimizer's ``__init__`` calls ``Optimizer.__init__``.
 """
 
 from __future__ import annotations

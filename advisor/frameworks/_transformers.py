@@ -1,24 +1,11 @@
 """The Hugging Face Trainer adapter: a policy applied through ``TrainingArguments``, steps
 recorded through the Trainer's own hooks.
 
-``TrainingArguments.__post_init__`` derives ``mixed_precision`` from ``fp16``/``bf16`` (and
-``ACCELERATE_MIXED_PRECISION``) once, and the Trainer hands that to its Accelerator. So the
-candidate's fields are set at the start of ``__post_init__``, before that derivation, whatever
-the script passed; setting ``args.bf16`` afterwards (as HF's own ``hyperparameter_search``
-does) would leave the Accelerator in the old precision. The Trainer's Accelerator and the
-first forward are then checked: a trial that would not really run in the candidate's precision
-ends as unsupported, with the reason, instead of measuring something else under its name.
-
-Per optimizer step the recorder gets the sum of what ``training_step`` returned for the step's
-micro-batches (the Trainer divides each by the accumulation count, or normalises it over the
-step's tokens, so the sum is the step's mean loss), unfiltered: HF's ``logging_nan_inf_filter``
-only replaces NaN in its running log, never in ``training_step``'s value. The GradScaler's scale
-is read after each step: the scale a step's backward ran with is the one the previous step left,
-and a scale that backed off marks a skipped step.
-
-What the Trainer is given is read from the mode's facts (``policies.ModeFacts``: the autocast
-dtype and the TF32 switch), never its name. ``HuggingFaceTrainer`` is the adapter class the
-registry holds.
+``TrainingArguments.__post_init__`` derives ``mixed_precision`` from ``fp16``/``bf16`` once, and
+the Trainer hands that to its Accelerator, so the candidate's fields are set at the start of
+``__post_init__``. The Trainer's Accelerator and first forward are then checked: a trial that
+would not really run the candidate's precision ends as unsupported instead of measuring something
+else under its name.
 """
 
 from __future__ import annotations
