@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._adapter import FrameworkAdapter
+from advisor.frameworks._patch import hold_switches
 from advisor.frameworks._torch_hooks import (
     ForwardPrecision,
     Steps,
@@ -29,13 +30,11 @@ from advisor.frameworks._torch_hooks import (
     wrap_backward,
 )
 from advisor.trial import EXIT_UNSUPPORTED, Stage, end_trial_process
-from policies import Policy, create_mode, mode_facts
+from policies import Policy, mode_facts
 
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
 
-# Process-wide switches of the mode, held until the process ends (the trial is the process).
-_HELD_SWITCHES = contextlib.ExitStack()
 # The flags scripts commonly take their precision from, as argparse or a --key=value
 # configurator spells them.
 PRECISION_FLAGS = ("dtype", "amp", "fp16", "bf16", "precision", "mixed_precision")
@@ -81,7 +80,7 @@ class PlainTorch(FrameworkAdapter):
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-        install(policy, recorder=recorder, device=device)
+        _install(policy, recorder=recorder, device=device)
 
 
 @dataclass(frozen=True)
@@ -93,13 +92,9 @@ class PrecisionFlag:
 
 
 def precision_flag(argv: Sequence[str], source: str) -> PrecisionFlag | None:
-    """The precision flag a script takes, from its arguments and then its source (pure).
-
-    Args:
-        argv: the script's arguments (``--dtype=float16``, ``--amp``, ``--precision bf16``).
-        source: the script's source: an ``add_argument("--dtype", ...)`` or a top-level
-            ``dtype = ...`` that a ``--key=value`` configurator overrides.
-    """
+    """The precision flag a script takes, from its arguments, then its source: an
+    ``add_argument("--dtype", ...)`` or a top-level ``dtype = ...`` a ``--key=value`` configurator
+    overrides (pure)."""
     for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
         key = name.lstrip("-").replace("-", "_")
@@ -133,7 +128,6 @@ class _Run:
     """What ``install`` holds for the life of the script: the hooks and how the run ends."""
 
     def __init__(self, policy: Policy, recorder: FrameworkRecorder | None) -> None:
-        self.policy = policy
         self.recorder = recorder
         self.steps = Steps(recorder, refuse=self.refuse, label=policy.mode)
         self.precision = ForwardPrecision(policy, self.steps)
@@ -176,14 +170,8 @@ class _Run:
         raise SystemExit(128 + signum)
 
 
-def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-    """Put the candidate's hooks in place at torch's seams, before the script runs.
-
-    Args:
-        policy: the policy (one the traits accept).
-        recorder: the trial recorder, or ``None`` under ``mpadvise run``.
-        device: the trial's device, or ``None`` (the script chooses its own).
-    """
+def _install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
+    """Put the candidate's hooks in place at torch's seams, before the script runs."""
     import torch
     import torch.amp.grad_scaler
     import torch.cpu.amp
@@ -200,13 +188,9 @@ def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str |
     )
 
     run = _Run(policy, recorder)
-    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    _HELD_SWITCHES.enter_context(create_mode(policy, target).process_switches())
+    hold_switches(policy, device or ("cuda" if torch.cuda.is_available() else "cpu"))
     steps, precision = run.steps, run.precision
-    steps.scaling_wanted = mode_facts(policy.mode).loss_scaling and (
-        policy.loss_scale is None or policy.loss_scale.kind != "none")
     scaler_class = candidate_scaler_class(torch.amp.GradScaler, policy=policy, steps=steps)
-    steps.make_scaler = lambda: scaler_class(count=False)
     for owner in (torch.amp, torch.amp.grad_scaler, torch.cuda.amp, torch.cpu.amp):
         owner.GradScaler = scaler_class
     for name in ("torch.cuda.amp.grad_scaler", "torch.cpu.amp.grad_scaler"):
@@ -227,7 +211,7 @@ def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str |
         guard = run_guard(policy)
         if guard is not None:
             steps.watch = guard.step
-    if recorder is not None:
+    else:
         recorder.no_step_reason = run.no_backward
         recorder.policy_applied()  # the hooks are the candidate: from here the script has its bound
         if recorder.spec.seed:
@@ -277,7 +261,7 @@ def _wrap_optimizer_init(cls: type, steps: Steps, precision: ForwardPrecision) -
 
 
 def _wrap_ddp_init(cls: type, precision: ForwardPrecision) -> None:
-    """Pure modes: DDP's gradient buckets follow the parameters' dtype, so cast before it builds them."""
+    # Pure modes: DDP's gradient buckets follow the parameters' dtype, so cast before it builds them.
     original = cls.__init__
 
     @functools.wraps(original)
