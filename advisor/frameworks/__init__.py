@@ -1,24 +1,7 @@
 """Framework scripts: Lightning (Trainer, Fabric), the Hugging Face Trainer, Accelerate, and the
-plain PyTorch loop (``PlainTorch``: a script that imports none of them and never calls
-``load_policy()``, hooked at torch's own seams).
-
-Each framework is one self-describing adapter class (``FrameworkAdapter``: its name, its label,
-the imports that detect it, its detection precedence, what it can express of a Policy, and
-``install``), registered with ``register_framework`` together with its exporter. Every list of
-frameworks is derived from that registry: ``FRAMEWORKS``, detection, the ``--framework``
-check, the traits that bound a framework script's search space, the trial child's dispatch,
-and the export targets (``EXPORT_TARGETS``, with the export-only ones added by
-``register_export_target``). Adapters translate a mode's facts, never its name, so a mode
-registered later is applied and exported by every framework that can express it.
-
-Public surface: ``FRAMEWORKS``, ``detect_framework``/``detect_script_framework``,
-``traits``/``refusal``/``check_expressible``, ``plan_for``/``space_limits``,
-``export_policy``/``check_target``/``EXPORT_TARGETS``, the registry functions, and the
-child-side entry point ``advisor.frameworks._boot``.
-
-Arrows: this package uses ``tune`` (the search-space limits), ``trial`` (the recorder the
-framework hooks feed) and ``runtime`` (workload fingerprints); none of them knows of frameworks
-beyond a launch prefix and a name in the trial spec.
+plain PyTorch loop (``PlainTorch``), each one adapter class in a registry from which every list of
+frameworks (detection, ``--framework``, traits, the trial child's dispatch, export targets) is
+derived. Adapters translate a mode's facts, never its name, so a mode registered later works too.
 """
 
 from __future__ import annotations

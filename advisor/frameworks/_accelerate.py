@@ -1,35 +1,9 @@
-"""Accelerate: apply a Policy through ``Accelerator``'s own settings, and record a trial's steps
-through its own methods.
+"""Accelerate: apply a Policy through ``Accelerator``'s own settings (``mixed_precision`` and the
+kwargs handlers, replacing the script's), and record a trial's steps (``_accelerate_record``).
 
-``install_accelerator()`` runs in the script's process before the script. It wraps ``Accelerator.__init__``
-in place, so that whatever the script passes, the Accelerator it builds runs the policy:
-
-* ``mixed_precision`` is the policy's, read from its mode's facts (``"bf16"``/``"fp16"`` for
-  autocast, ``"fp8"`` for an FP8 library, else ``"no"``). The constructor argument
-  wins over ``ACCELERATE_MIXED_PRECISION`` and ``accelerate launch``'s config, and the built
-  Accelerator is checked to hold it.
-* The kwargs handlers carry the rest: ``GradScalerKwargs`` for fp16 autocast's dynamic loss
-  scale; ``TERecipeKwargs`` for Transformer Engine FP8 (delayed or MXFP8); ``AORecipeKwargs``
-  for torchao FP8, with the config and layer filter of mpadvise's own fp8-torchao mode. A handler of the same kind
-  that the script passed is replaced, and FP8 recipe handlers go where the mode is not FP8
-  (Accelerate refuses them without ``mixed_precision="fp8"``).
-* fp16 on a CPU: Accelerate turns neither autocast nor a GradScaler on there
-  (``Accelerator.__init__`` builds them only for ``device.type != "cpu"``), so the script
-  would train in fp32 while calling it fp16. The adapter turns on CPU autocast (fp16) with
-  ``GradScaler("cpu")``, as the loop API's fp16-mixed does.
-* a mode that turns TF32 on or off (fp32, tf32) sets the switches as the loop API's modes do,
-  and again once the Accelerator exists (``AcceleratorState`` turns TF32 on for ``mixed_precision="no"`` under
-  a dynamo backend on CUDA).
-
-Gradient accumulation stays as the script sets it (``gradient_accumulation_steps``, or
-``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, which overrides it): the micro-batch is the
-script's DataLoader, so no split is applied (see the traits).
-
-A trial's steps are recorded by ``_accelerate_record``. The script's ``set_seed(n)`` runs as
-``set_seed(n + trial seed)``.
-
-``AccelerateAdapter`` is the adapter class the registry holds. Accelerate is imported inside
-``install_accelerator()`` only: this module runs in the trial child.
+fp16 on a CPU: Accelerate builds neither autocast nor a GradScaler there, so the script would
+train in fp32 while calling it fp16; the adapter turns on CPU autocast with ``GradScaler("cpu")``.
+Accelerate is imported inside ``install()`` only: this module runs in the trial child.
 """
 
 from __future__ import annotations
@@ -55,22 +29,10 @@ if TYPE_CHECKING:
 _TE_AMAX_COMPUTE_ALGO = "max"
 
 
-# ---- what to apply (pure) ---------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class AccelerateSettings:
-    """What an ``Accelerator`` is given to run one Policy.
-
-    Attributes:
-        mixed_precision: Accelerate's ``mixed_precision`` (``"no"``, ``"fp16"``, ``"bf16"``,
-            ``"fp8"``).
-        grad_scaler: ``GradScalerKwargs`` fields (fp16-mixed), else ``None``.
-        te_recipe: ``TERecipeKwargs`` fields (fp8-te), else ``None``.
-        torchao_recipe: the torchao recipe name for ``AORecipeKwargs`` (fp8-torchao), else ``None``.
-        tf32: whether fp32 matmuls may use TF32 (the mode's ``ModeFacts.tf32``: fp32 False,
-            tf32 True), or ``None`` for the modes that leave the switches as they are.
-    """
+    """What an ``Accelerator`` is given to run one Policy: ``mixed_precision``, the kwargs
+    handlers' fields, and the TF32 switch (``None``: left as it is)."""
 
     mixed_precision: str
     grad_scaler: dict[str, Any] | None = None
@@ -79,7 +41,6 @@ class AccelerateSettings:
     tf32: bool | None = None
 
     def describe(self) -> str:
-        """What the Accelerator gets, for a note: ``mixed_precision='fp16' with GradScalerKwargs(...)``."""
         text = f"mixed_precision={self.mixed_precision!r}"
         if self.grad_scaler is not None:
             fields = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.grad_scaler.items())
@@ -93,11 +54,7 @@ class AccelerateSettings:
 
 
 def accelerate_settings(policy: Policy) -> AccelerateSettings:
-    """What the Accelerator must be given to run ``policy``, from its mode's facts.
-
-    Raises:
-        MpadviseError: a mode or setting Accelerate cannot apply (the traits refuse it earlier).
-    """
+    """What the Accelerator must be given to run ``policy``, from its mode's facts."""
     facts = mode_facts(policy.mode)
     if not AccelerateAdapter.expresses(facts):
         raise MpadviseError(
@@ -114,11 +71,7 @@ def accelerate_settings(policy: Policy) -> AccelerateSettings:
 
 
 def grad_scaler_kwargs(loss_scale: LossScale) -> dict[str, Any]:
-    """``GradScalerKwargs`` fields for a policy's ``[loss_scale]``.
-
-    Raises:
-        MpadviseError: a static scale: Accelerate's GradScaler is always dynamic.
-    """
+    """``GradScalerKwargs`` fields for a policy's ``[loss_scale]`` (never static: Accelerate's is dynamic)."""
     if loss_scale.kind == "static":
         raise MpadviseError(
             "Accelerate cannot apply a static loss scale (GradScalerKwargs builds a dynamic GradScaler); "
@@ -135,16 +88,8 @@ def grad_scaler_kwargs(loss_scale: LossScale) -> dict[str, Any]:
 
 
 def te_recipe_kwargs(fp8: Fp8Options) -> dict[str, Any]:
-    """``TERecipeKwargs`` fields for an fp8-te policy's ``[fp8]`` options.
-
-    The recipe is the one the loop API's fp8-te builds: ``delayed`` is ``DelayedScaling`` with
-    the policy's format, amax history and margin (and TE's own ``"max"`` amax algorithm);
-    ``mxfp8`` is ``MXFP8BlockScaling()`` with TE's defaults, which Accelerate builds when
-    ``use_mxfp8_block_scaling`` is set and no amax setting is given (it refuses those there).
-
-    Raises:
-        MpadviseError: a recipe Accelerate cannot build (``current``, ``block``).
-    """
+    """``TERecipeKwargs`` fields for the recipe the loop API's fp8-te builds. ``mxfp8`` gets no amax
+    setting: Accelerate builds ``MXFP8BlockScaling()`` only without one."""
     recipe = fp8.recipe or "delayed"
     if recipe == "delayed":
         return {
@@ -166,9 +111,6 @@ def shifted_seed(seed: Any, shift: int) -> Any:
     if not shift or isinstance(seed, bool) or not isinstance(seed, int):
         return seed
     return seed + shift
-
-
-# ---- install ----------------------------------------------------------------------------------
 
 
 class AccelerateAdapter(FrameworkAdapter):
@@ -196,41 +138,24 @@ class AccelerateAdapter(FrameworkAdapter):
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-        install_accelerator(policy, recorder=recorder, device=device)
+        import accelerate
+        import accelerate.utils
+        import accelerate.utils.random
+        from accelerate.optimizer import AcceleratedOptimizer
 
-
-def install_accelerator(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-    """Make every Accelerator the script builds apply ``policy``; with a recorder, record the
-    trial's optimizer steps.
-
-    Args:
-        policy: the policy to apply.
-        recorder: the trial recorder, or ``None`` under ``mpadvise run``.
-        device: the trial's device (``"cpu"``, ``"cuda:1"``), or ``None`` for the script's own.
-    """
-    import accelerate
-    import accelerate.utils
-    import accelerate.utils.random
-    from accelerate.optimizer import AcceleratedOptimizer
-
-    application = _Application(policy, accelerate_settings(policy), recorder, device)
-    application.hold_switches()
-    wrap_once(accelerate.Accelerator, "__init__", application.wrap_init)
-    if recorder is None:
-        return
-    steps = Steps(recorder)
-    application.steps = steps
-    wrap_once(accelerate.Accelerator, "prepare", steps.wrap_prepare)
-    wrap_once(accelerate.Accelerator, "prepare_model", steps.wrap_prepare_model)
-    wrap_once(accelerate.Accelerator, "prepare_optimizer", steps.wrap_prepare_optimizer)
-    wrap_once(accelerate.Accelerator, "backward", steps.wrap_backward)
-    wrap_once(AcceleratedOptimizer, "step", steps.wrap_step)
-    shift = recorder.spec.seed
-    if shift:
-        # `from accelerate.utils import set_seed` and `from accelerate.utils.random import
-        # set_seed` both find the wrapped one: the script imports after this runs.
-        for module in (accelerate.utils, accelerate.utils.random):
-            wrap_once(module, "set_seed", functools.partial(_shift_set_seed, shift=shift, recorder=recorder))
+        application = _Application(policy, accelerate_settings(policy), recorder, device)
+        application.hold_switches()
+        wrap_once(accelerate.Accelerator, "__init__", application.wrap_init)
+        if recorder is None:
+            return
+        steps = application.steps = Steps(recorder)
+        for name in ("prepare", "prepare_model", "prepare_optimizer", "backward"):
+            wrap_once(accelerate.Accelerator, name, getattr(steps, f"wrap_{name}"))
+        wrap_once(AcceleratedOptimizer, "step", steps.wrap_step)
+        if shift := recorder.spec.seed:
+            # Both import paths of set_seed find the wrapped one: the script imports after this runs.
+            for module in (accelerate.utils, accelerate.utils.random):
+                wrap_once(module, "set_seed", functools.partial(_shift_set_seed, shift=shift, recorder=recorder))
 
 
 def _shift_set_seed(original: Callable[..., Any], *, shift: int, recorder: FrameworkRecorder) -> Callable[..., Any]:
@@ -262,13 +187,9 @@ class _Application:
             get_logger().debug(text)
 
     def hold_switches(self, *, again: bool = False) -> None:
-        """fp32 and tf32: set the TF32 switches for the rest of the process, as the loop API's modes do.
-
-        Args:
-            again: set them once more after an Accelerator was built (``AcceleratorState`` turns
-                TF32 on for ``mixed_precision="no"`` under a dynamo backend on CUDA). Switches
-                that already hold the values are left as they are.
-        """
+        """fp32 and tf32: set the TF32 switches for the rest of the process, as the loop API's modes
+        do; ``again`` once an Accelerator was built (``AcceleratorState`` turns TF32 on for
+        ``mixed_precision="no"`` under a dynamo backend on CUDA)."""
         if self.settings.tf32 is None:
             return
         import torch
@@ -279,8 +200,6 @@ class _Application:
             state = "on" if self.settings.tf32 else "off"
             self.note(f"TF32 {state} for matmuls{' and cuDNN' if device.startswith('cuda') else ''}, "
                       f"as {self.policy.mode} sets it")
-
-    # ---- the constructor ------------------------------------------------------------------------
 
     def wrap_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
@@ -353,12 +272,10 @@ class _Application:
     def _torchao_handler(self, handler_cls: type) -> Any:
         """``AORecipeKwargs`` with the loop API's fp8-torchao config and layer filter.
 
-        Accelerate's own default config (``AORecipeKwargs.__post_init__`` in
-        accelerate/utils/dataclasses.py) turns on FSDP's float8 all-gather, which wraps each
-        swapped weight in a new Parameter: an optimizer built before ``prepare()`` then keeps
-        the old ones, and the FP8 layers stop training (seen with accelerate 1.15 and torchao
-        0.18 on an unsharded model: the loss barely moved). The loop API's config reuses the
-        Linear's Parameter.
+        Accelerate's default config turns on FSDP's float8 all-gather, which wraps each swapped
+        weight in a new Parameter: an optimizer built before ``prepare()`` keeps the old ones and
+        the FP8 layers stop training (accelerate 1.15, torchao 0.18). The loop API's config
+        reuses the Linear's Parameter.
         """
         import torch
 
@@ -392,12 +309,9 @@ class _Application:
 
 
 def _cpu_fp16(accelerator: Any, grad_scaler: dict[str, Any] | None) -> None:
-    """fp16 on a CPU: turn on the autocast and GradScaler that Accelerate builds only off the CPU."""
+    """fp16 on a CPU: turn on the autocast and GradScaler that Accelerate builds only off the CPU
+    (with native_amp on, prepare(), backward() and the AcceleratedOptimizer use them as on a GPU)."""
     import torch
 
-    # Accelerator.__init__ builds autocast (native_amp) and the GradScaler for fp16 only off
-    # the CPU; both exist on a CPU in torch (GradScaler("cpu") since 2.3). With native_amp
-    # on, prepare() wraps the forward in fp16 autocast, backward() scales the loss and the
-    # AcceleratedOptimizer steps through the scaler, as on a GPU.
     accelerator.scaler = torch.amp.GradScaler("cpu", **(grad_scaler or {}))
     accelerator.native_amp = True

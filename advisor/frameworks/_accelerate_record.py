@@ -1,10 +1,5 @@
-"""Accelerate trials, recorded: one record per optimizer step from the Accelerator's own methods.
-
-``Accelerator.backward`` gives each micro-batch's loss (before Accelerate divides it by the
-accumulation count), a forward pre-hook on each prepared model gives its batch size, and
-``AcceleratedOptimizer.step`` ends a step when ``sync_gradients`` says the micro-batch closes
-one; the GradScaler's scale is read before the step, and ``step_was_skipped`` says whether it
-skipped. Accelerate and torch are imported inside the hooks only: this runs in the trial child.
+"""Accelerate trials, recorded: one record per optimizer step from the Accelerator's own methods
+(``backward``, ``prepare``, ``AcceleratedOptimizer.step``) and a forward pre-hook for the batch size.
 """
 
 from __future__ import annotations
@@ -21,9 +16,8 @@ if TYPE_CHECKING:
 # eq=False: equality would compare the Parameters element by element.
 @dataclass(frozen=True, eq=False)
 class _ModelAsBuilt:
-    """A model's modules and parameters as the script built it, before Accelerate's FP8
-    conversion swaps its Linears: what the workload fingerprint describes, as the loop API's
-    ``setup()`` fingerprints the model before its mode converts it."""
+    """A model as the script built it, before Accelerate's FP8 conversion swaps its Linears: what
+    the workload fingerprint describes, as the loop API fingerprints it before its mode converts it."""
 
     modules: tuple[tuple[str, Any], ...]
     parameters: tuple[tuple[str, Any], ...]
@@ -42,11 +36,9 @@ class _ModelAsBuilt:
 class Steps:
     """Feeds the recorder from one Accelerator's methods, one record per optimizer step.
 
-    The micro-batches of a step are the ``backward()`` calls since the last optimizer step;
-    the recorded loss is the mean of the losses the script passed to ``backward()`` (Accelerate
-    divides them by ``gradient_accumulation_steps`` only inside, so they arrive undivided unless
-    the script divides them itself). Only the first optimizer prepared is followed (a GAN's
-    second one steps in the same loop).
+    A step's micro-batches are the ``backward()`` calls since the last optimizer step; its loss is
+    the mean of the losses passed to ``backward()`` (Accelerate divides them only inside). Only
+    the first optimizer prepared is followed (a GAN's second one steps in the same loop).
     """
 
     def __init__(self, recorder: FrameworkRecorder) -> None:
@@ -62,8 +54,6 @@ class Steps:
         self._samples = 0
         self._first_step = True
         self._fp8_noted = False
-
-    # ---- wrapped methods ---------------------------------------------------------------------
 
     def wrap_prepare(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
@@ -120,10 +110,7 @@ class Steps:
 
         return step
 
-    # ---- what they feed ----------------------------------------------------------------------
-
     def _watch(self, model: Any, built: _ModelAsBuilt) -> None:
-        """Read the batch size of every training forward of a prepared model."""
         if id(model) in self._hooked or not hasattr(model, "register_forward_pre_hook"):
             return
         self._hooked.add(id(model))
@@ -145,7 +132,6 @@ class Steps:
         model.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
     def _begin(self, accelerator: Any) -> None:
-        """The first micro-batch starts: its size and Accelerate's accumulation count."""
         size = self._forward_batch
         accum = int(accelerator.gradient_accumulation_steps or 1)
         self.recorder.begin(user_batch=None if size is None else size * accum, micro_batch=size, grad_accum_steps=accum)

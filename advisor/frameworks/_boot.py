@@ -1,12 +1,6 @@
-"""``python -m advisor.frameworks._boot FRAMEWORK SCRIPT [ARGS...]``: run an unmodified
-framework script with a policy applied through the framework's own settings.
-
-Under ``mpadvise tune``/``trial`` the policy is the injected trial candidate and the steps are
-recorded through the framework's hooks (``FrameworkRecorder``); under ``mpadvise run`` it is
-the config file the parent resolved (``RUN_POLICY_ENV``), applied without recording. Either way
-the framework's registered adapter class (its ``install``) patches the framework before the
-script runs (so the candidate wins over whatever precision the script sets), then the script
-runs as ``python SCRIPT ARGS`` would run it.
+"""``python -m advisor.frameworks._boot FRAMEWORK SCRIPT [ARGS...]``: run an unmodified framework
+script with a policy applied through the framework's own settings: the trial candidate (steps
+recorded through the framework's hooks) or, under ``mpadvise run``, the resolved config file.
 """
 
 from __future__ import annotations

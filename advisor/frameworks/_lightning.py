@@ -1,27 +1,9 @@
-"""Lightning's Trainer and Fabric: apply a Policy through their precision settings, and record a
-trial's steps through their own hooks.
-
-``install()`` runs in the script's process before the script. It patches ``Trainer.__init__``
-and ``Fabric.__init__`` in place (every flavour installed: ``lightning`` and the standalone
-``pytorch_lightning``/``lightning_fabric``), so that whatever precision the script passes, the
-policy's is the one Lightning builds:
-
-* the precision string where it is exact: ``32-true`` for fp32 weights without autocast,
-  ``bf16-mixed`` for bf16 autocast, ``bf16-true``/``16-true`` for pure half weights;
-* fp16 autocast as ``MixedPrecision("16-mixed", device, scaler=...)`` carrying the policy's
-  GradScaler, because the string builds a default scaler, and on a CPU turns fp16 into bf16;
-* Transformer Engine FP8 as ``TransformerEnginePrecision`` with fp32 weights and the policy's
-  delayed recipe (the ``"transformer-engine"`` string means bf16 weights);
-* a mode that turns TF32 on or off sets the switches as the loop API does (Lightning leaves
-  cuDNN's TF32 on).
-
-What is applied is read from the mode's facts (``policies.ModeFacts``), never its name, so a
-mode registered later with facts Lightning can express is applied here too. ``LightningTrainer``
-and ``LightningFabric`` are the two adapter classes the registry holds.
-
-A trial's steps are recorded by ``_lightning_record``.
-
-Lightning is imported inside ``install()`` only: this module runs in the trial child.
+"""Lightning's Trainer and Fabric: apply a Policy through their precision settings (every flavour
+installed: ``lightning`` and the standalone ``pytorch_lightning``/``lightning_fabric``), whatever
+precision the script passes. fp16 autocast is a ``MixedPrecision`` plugin carrying the policy's
+GradScaler (the string builds a default one, and on a CPU turns fp16 into bf16); Transformer
+Engine FP8 is ``TransformerEnginePrecision`` with fp32 weights (the string means bf16 weights).
+Steps are recorded by ``_lightning_record``. Lightning is imported inside ``install()`` only.
 """
 
 from __future__ import annotations
@@ -62,22 +44,11 @@ _SHARDED = ("fsdp", "deepspeed")
 _TRUE_PRECISION: Mapping[str, str] = {"bf16": "bf16-true", "fp16": "16-true"}
 
 
-# ---- what to apply (pure) ---------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class LightningPrecision:
-    """How the Trainer and Fabric apply one Policy.
-
-    Attributes:
-        precision: Lightning's precision string for the mode's facts (``"bf16-mixed"``).
-        plugin: ``"amp"`` for ``MixedPrecision`` carrying the policy's GradScaler,
-            ``"transformer-engine"`` for ``TransformerEnginePrecision`` with fp32 weights, or
-            ``None`` where the precision string is exact.
-        loss_scale: the GradScaler's settings (``"amp"`` only).
-        tf32: whether fp32 matmuls may use TF32 (the mode's ``ModeFacts.tf32``: fp32 False,
-            tf32 True), or ``None`` for the modes that leave the switches as they are.
-    """
+    """How the Trainer and Fabric apply one Policy: Lightning's precision string, or a ``plugin``
+    (``"amp"``: ``MixedPrecision`` with the policy's GradScaler; ``"transformer-engine"``) where
+    the string is not exact, and the TF32 switch (``None``: left as it is)."""
 
     precision: str
     plugin: str | None = None
@@ -85,7 +56,6 @@ class LightningPrecision:
     tf32: bool | None = None
 
     def describe(self) -> str:
-        """What the Trainer or Fabric gets, for a note: ``precision='bf16-mixed'``."""
         if self.plugin == "amp":
             ls = self.loss_scale or LossScale()
             return (f"MixedPrecision('16-mixed') with a {ls.kind} GradScaler (scale {ls.init_scale:g}"
@@ -96,11 +66,7 @@ class LightningPrecision:
 
 
 def lightning_precision(policy: Policy) -> LightningPrecision:
-    """What the Trainer and Fabric must be given to run ``policy``, from its mode's facts.
-
-    Raises:
-        MpadviseError: a mode Lightning has no precision for (the traits refuse it earlier).
-    """
+    """What the Trainer and Fabric must be given to run ``policy``, from its mode's facts."""
     facts = mode_facts(policy.mode)
     if not LightningTrainer.expresses(facts):
         raise MpadviseError(
@@ -119,16 +85,9 @@ def lightning_precision(policy: Policy) -> LightningPrecision:
 
 
 def transformer_engine_args(policy: Policy) -> dict[str, Any]:
-    """The keyword arguments of Lightning's ``TransformerEnginePrecision`` for an fp8-te policy.
-
-    Dtypes are named (``"float32"``), so that this stays free of torch. The weights stay fp32
-    (Lightning's ``"transformer-engine"`` string would make them bf16), and what TE does not run
-    in FP8 runs under bf16 autocast, as the loop API's fp8-te does. The recipe is a mapping
-    that Lightning turns into ``DelayedScaling`` (its ``fp8_format`` a ``Format`` member name).
-
-    Raises:
-        MpadviseError: a recipe other than ``delayed``, which the plugin cannot build.
-    """
+    """The keyword arguments of Lightning's ``TransformerEnginePrecision`` for an fp8-te policy:
+    fp32 weights, bf16 autocast for what TE does not run in FP8 (as the loop API's fp8-te), dtypes
+    named so that this stays free of torch, and a recipe Lightning turns into ``DelayedScaling``."""
     fp8 = policy.fp8 or Fp8Options()
     recipe = fp8.recipe or "delayed"
     if recipe != "delayed":
@@ -155,9 +114,6 @@ def is_sharded(strategy: Any) -> bool:
     """Whether a strategy (a name or an instance) builds its own precision plugin (FSDP, DeepSpeed)."""
     name = strategy if isinstance(strategy, str) else type(strategy).__name__
     return any(kind in name.lower() for kind in _SHARDED)
-
-
-# ---- the adapters -------------------------------------------------------------------------------
 
 
 class _LightningPrecisionPlugins(FrameworkAdapter):
@@ -196,7 +152,10 @@ class LightningTrainer(_LightningPrecisionPlugins):
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-        install_trainer(policy, recorder=recorder, device=device)
+        application = _prepare(policy, recorder, device)
+        for package in _installed(TRAINER_PACKAGES):
+            _patch_init(importlib.import_module(package).Trainer, package, application.trainer_kwargs,
+                        application.trainer_built)
 
 
 class LightningFabric(_LightningPrecisionPlugins):
@@ -220,45 +179,22 @@ class LightningFabric(_LightningPrecisionPlugins):
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-        install_fabric(policy, recorder=recorder, device=device)
-
-
-# ---- install ------------------------------------------------------------------------------------
-
-
-def install_trainer(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-    """Make every Trainer the script builds apply ``policy``; with a recorder, record the trial's
-    optimizer steps.
-
-    Args:
-        policy: the policy to apply.
-        recorder: the trial recorder, or ``None`` under ``mpadvise run``.
-        device: the trial's device (``"cpu"``, ``"cuda:1"``), or ``None`` for the script's own.
-    """
-    application = _prepare(policy, recorder, device)
-    for package in _installed(TRAINER_PACKAGES):
-        _patch_init(importlib.import_module(package).Trainer, package, application.trainer_kwargs,
-                    application.trainer_built)
-
-
-def install_fabric(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-    """Make every Fabric the script builds apply ``policy``; with a recorder, record the trial's
-    optimizer steps (arguments as ``install_trainer``)."""
-    application = _prepare(policy, recorder, device)
-    if os.environ.pop("LT_PRECISION", None) is not None and recorder is not None:
-        recorder.note("LT_PRECISION left out: the candidate's precision applies")
-    for package in _installed(FABRIC_PACKAGES):
-        fabric_cls = importlib.import_module(package).Fabric
-        _patch_init(fabric_cls, package, application.fabric_kwargs, application.fabric_built)
-        if recorder is not None:
-            application.fabric_steps.patch(fabric_cls)
+        application = _prepare(policy, recorder, device)
+        if os.environ.pop("LT_PRECISION", None) is not None and recorder is not None:
+            recorder.note("LT_PRECISION left out: the candidate's precision applies")
+        for package in _installed(FABRIC_PACKAGES):
+            fabric_cls = importlib.import_module(package).Fabric
+            _patch_init(fabric_cls, package, application.fabric_kwargs, application.fabric_built)
+            if recorder is not None:
+                application.fabric_steps.patch(fabric_cls)
 
 
 def _prepare(policy: Policy, recorder: FrameworkRecorder | None, device: str | None) -> _Application:
     """What both entries do first: the plan, the process switches and the seeds."""
     application = _Application(policy, lightning_precision(policy), recorder, device)
     application.hold_switches()
-    _shift_seeds(recorder.spec.seed if recorder is not None else 0, recorder)
+    if recorder is not None:
+        _shift_seeds(recorder.spec.seed, recorder)
     return application
 
 
@@ -274,23 +210,21 @@ def _installed(packages: Iterable[str]) -> list[str]:
 
 
 def _patch_init(cls: type, package: str, adjust: Callable[[str, dict[str, Any]], dict[str, Any]],
-                built: Callable[[Any], None] | None = None) -> None:
-    """Wrap ``cls.__init__`` in place: ``adjust`` rewrites the keyword arguments (given the
-    Lightning flavour ``package`` whose plugins and callbacks they may hold), ``built``, if
-    given, sees the object made. A subclass's ``super().__init__`` goes through it too."""
+                built: Callable[[Any], None]) -> None:
+    """Wrap ``cls.__init__`` in place: ``adjust`` rewrites the keyword arguments (for the Lightning
+    flavour ``package``), ``built`` sees the object made."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **adjust(package, kwargs))
-            if built is not None:
-                built(self)
+            built(self)
 
         return __init__
 
     wrap_once(cls, "__init__", make)
 
 
-def _shift_seeds(shift: int, recorder: FrameworkRecorder | None) -> None:
+def _shift_seeds(shift: int, recorder: FrameworkRecorder) -> None:
     """Move the script's own ``seed_everything(n)`` by the trial's seed, wherever Lightning exports it."""
     if not shift:
         return
@@ -308,7 +242,7 @@ def _shift_seeds(shift: int, recorder: FrameworkRecorder | None) -> None:
             if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):  # numpy's too
                 seed = int(seed)
                 moved = shifted_seed(seed, shift)
-                if recorder is not None and moved != seed:
+                if moved != seed:
                     recorder.note(f"the script's seed_everything({seed}) ran as seed {moved} (trial seed {shift})")
                 seed = moved
             elif seed is None and os.environ.get("PL_GLOBAL_SEED") is None:
@@ -352,10 +286,7 @@ class _Application:
         state = "on" if self.plan.tf32 else "off"
         self.note(f"TF32 {state} for matmuls{' and cuDNN' if device.startswith('cuda') else ''}, as {self.policy.mode} sets it")
 
-    # ---- precision, for both ----------------------------------------------------------------
-
     def _device_kwargs(self, kwargs: dict[str, Any]) -> None:
-        """The trial's device, where one was asked for (``--device``)."""
         if self.device is None:
             return
         import torch
@@ -414,8 +345,6 @@ class _Application:
         was = asked if asked is not None else (", ".join(theirs) if theirs else None)
         self.note(f"{who}: {applied}" + (f" (the script asked for {was!r})" if was is not None else ""))
 
-    # ---- the Trainer ----------------------------------------------------------------------
-
     def trainer_kwargs(self, package: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(kwargs)
         self._device_kwargs(kwargs)
@@ -431,11 +360,8 @@ class _Application:
         return kwargs
 
     def trainer_built(self, trainer: Any) -> None:
-        """A Trainer exists with the policy's precision plugin: the candidate is applied."""
         if self.recorder is not None:
             self.recorder.policy_applied()
-
-    # ---- Fabric -------------------------------------------------------------------------------
 
     def fabric_kwargs(self, package: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(kwargs)
@@ -451,7 +377,6 @@ class _Application:
         return kwargs
 
     def fabric_built(self, fabric: Any) -> None:
-        """A Fabric exists with the policy's precision plugin: the candidate is applied."""
         if self.recorder is not None:
             self.recorder.set_device(fabric.device)
             self.recorder.policy_applied()

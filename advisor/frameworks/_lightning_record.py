@@ -1,12 +1,5 @@
 """Lightning trials, recorded: the GradScaler a policy builds (it remembers each step's scale and
 skip), and the feeds from the Trainer's callback hooks and Fabric's, one record per optimizer step.
-
-Steps are recorded per optimizer step: the Trainer through a callback (a step happened when
-``trainer.global_step`` moved during the batch), Fabric through its ``on_after_optimizer_step``
-callback, with the losses taken from ``fabric.backward``. The loss scale and whether the
-GradScaler skipped the step come from the scaler itself (``PolicyGradScaler``).
-
-Lightning and torch are imported inside the hooks only: this module runs in the trial child.
 """
 
 from __future__ import annotations
@@ -23,14 +16,14 @@ from policies import LossScale
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
 
+
 def as_list(value: Any) -> list[Any]:
     """A Trainer's or Fabric's ``plugins``/``callbacks`` argument as a list: none, one, or several."""
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def batch_size_of(batch: Any) -> int | None:
-    """The leading dimension of the first tensor in a batch (a tensor, a sequence, a mapping),
-    or ``None`` where the batch holds no tensor with a dimension."""
+    """The leading dimension of the first tensor with one in a batch (a tensor, a sequence, a mapping)."""
     shape = getattr(batch, "shape", None)
     if shape is not None:
         return int(shape[0]) if len(shape) else None
@@ -47,22 +40,13 @@ def batch_size_of(batch: Any) -> int | None:
     return None
 
 
-
-# ---- the GradScaler ----------------------------------------------------------------------------
-
-
 @functools.cache
 def _scaler_class() -> type:
     import torch
 
     class PolicyGradScaler(torch.amp.GradScaler):
-        """The GradScaler a policy's ``[loss_scale]`` builds; it remembers each step's scale and skip.
-
-        A static scale stays fixed (``update()`` sets it back), while a step whose gradients
-        overflow is still skipped, as ``policies``' fp16-mixed does it. ``step()`` records the
-        scale the step's backward ran with and whether the step was skipped; ``take()`` hands
-        them over.
-        """
+        """The GradScaler a policy's ``[loss_scale]`` builds; it remembers each step's scale and skip
+        (a static scale stays fixed, while an overflowing step is still skipped)."""
 
         def __init__(self, device: str, loss_scale: LossScale) -> None:
             # kind "none": fp16 autocast without loss scaling, as the loop API's fp16-mixed runs it.
@@ -109,7 +93,6 @@ def __getattr__(name: str) -> Any:
 
 
 def policy_scaler(device: str, loss_scale: LossScale) -> Any:
-    """A ``PolicyGradScaler`` for ``device`` (``"cpu"``, ``"cuda"``) with the policy's settings."""
     return _scaler_class()(device, loss_scale)
 
 
@@ -118,9 +101,6 @@ def take_step_scale(scaler: Any) -> tuple[float | None, bool]:
     if scaler is not None and isinstance(scaler, _scaler_class()):
         return scaler.take()
     return None, False
-
-
-# ---- recording ------------------------------------------------------------------------------------
 
 
 class _StepLosses:
@@ -187,7 +167,6 @@ class TrainerSteps:
         kwargs["callbacks"] = callbacks
 
     def callback(self, base: type) -> Any:
-        """A Callback of the Trainer's own flavour (``base``) that calls this object's hooks."""
         steps = self
 
         class StepRecorder(base):  # type: ignore[misc, valid-type]
@@ -262,14 +241,9 @@ class TrainerSteps:
 
 
 class FabricSteps:
-    """Feeds the recorder from Fabric: a Fabric callback (``on_after_optimizer_step``), with the
-    micro-batch losses taken from ``fabric.backward`` and the batch size from a forward
-    pre-hook on the model the script sets up.
-
-    Accumulation is the script's own: the backward passes between two optimizer steps are the
-    step's micro-batches, and the recorded loss is their mean as the script passed them to
-    ``fabric.backward`` (divided by the accumulation count if the script divides it).
-    """
+    """Feeds the recorder from Fabric's ``on_after_optimizer_step`` callback, the losses given to
+    ``fabric.backward`` (the step's micro-batches, their mean recorded as the script passed them)
+    and a forward pre-hook on the model the script sets up for the batch size."""
 
     def __init__(self, recorder: FrameworkRecorder) -> None:
         self.recorder = recorder
@@ -280,7 +254,6 @@ class FabricSteps:
         self._first_step = True
 
     def patch(self, fabric_cls: type) -> None:
-        """Wrap ``backward`` and the setup methods of one Fabric class in place."""
         wrap_once(fabric_cls, "backward", self._backward)
         wrap_once(fabric_cls, "setup", self._setup)
         wrap_once(fabric_cls, "setup_module", self._setup)
@@ -306,7 +279,6 @@ class FabricSteps:
         return setup
 
     def watch(self, module: Any) -> None:
-        """Read the batch size of every training forward of ``module``."""
         if id(module) in self._hooked or not hasattr(module, "register_forward_pre_hook"):
             return
         self._hooked.add(id(module))
@@ -326,7 +298,6 @@ class FabricSteps:
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
-        """Fabric's callback hook, after ``optimizer.step()`` of a set-up optimizer."""
         if not self.recorder.begun or not self.step.micro_batches:
             return
         if self._first_step:

@@ -1,30 +1,7 @@
 """The plain-PyTorch adapter: a hand-written training loop that imports no framework and never
-calls ``load_policy()``, run with the candidate applied at torch's own seams.
-
-Before the script runs, ``install`` puts the hooks of ``_torch_hooks`` in place:
-
-* the candidate's autocast around the model's outermost forward (a global forward pre-hook and
-  an always-called forward hook), or autocast off for a mode without one, so it wins over the
-  script's own ``torch.autocast``/``torch.amp.autocast`` inside the forward; in the pure modes
-  the model's floating parameters are cast when an optimizer is built over them (wrapping
-  ``torch.optim.Optimizer.__init__``, which every optimizer's ``__init__`` calls), its buffers
-  and floating inputs at the forward (integer tokens stay), its floating outputs back to fp32;
-* ``torch.Tensor.backward`` on a scalar is a loss: recorded unscaled (through
-  ``scaler.scale(loss)`` too), NaN and inf as they are;
-* every ``GradScaler`` the script builds (``torch.amp``, ``torch.cuda.amp``, ``torch.cpu.amp``,
-  enabled or not) is the candidate's scaler; fp16-mixed in a script that builds none gets its
-  scaling injected around the backward, the gradient clipping and the optimizer step; in a
-  script with no optimizer it is refused as not expressible, with the reason;
-* the global optimizer step hooks end each step; a script with no optimizer ends one at the
-  first training forward after a backward and an update by hand;
-* the mode's process switches (TF32 on or off) for the life of the process.
-
-A trial's window is the recorder's (``FrameworkRecorder``): the script is ended once it is
-measured, and start-up (evaluation, checkpoints before the first backward) is not in it. A
-script that reaches no backward within ``first_step_timeout`` ends with one line saying what it
-reached; SIGTERM and Ctrl-C print the same kind of line. The script's own precision flag
-(``--dtype``, ``--amp``, ...) is named in the trial's notes with the value that says the
-candidate (``precision_flag``).
+calls ``load_policy()``, run with the candidate applied at torch's own seams (``_torch_hooks``).
+The script's own precision flag (``--dtype``, ``--amp``, ...) is named in the trial's notes with
+the value that says the candidate (``precision_flag``).
 """
 
 from __future__ import annotations
@@ -42,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._adapter import FrameworkAdapter
+from advisor.frameworks._patch import hold_switches
 from advisor.frameworks._torch_hooks import (
     ForwardPrecision,
     Steps,
@@ -52,13 +30,11 @@ from advisor.frameworks._torch_hooks import (
     wrap_backward,
 )
 from advisor.trial import EXIT_UNSUPPORTED, Stage, end_trial_process
-from policies import Policy, create_mode, mode_facts
+from policies import Policy, mode_facts
 
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
 
-# Process-wide switches of the mode, held until the process ends (the trial is the process).
-_HELD_SWITCHES = contextlib.ExitStack()
 # The flags scripts commonly take their precision from, as argparse or a --key=value
 # configurator spells them.
 PRECISION_FLAGS = ("dtype", "amp", "fp16", "bf16", "precision", "mixed_precision")
@@ -104,7 +80,7 @@ class PlainTorch(FrameworkAdapter):
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-        install(policy, recorder=recorder, device=device)
+        _install(policy, recorder=recorder, device=device)
 
 
 @dataclass(frozen=True)
@@ -116,13 +92,9 @@ class PrecisionFlag:
 
 
 def precision_flag(argv: Sequence[str], source: str) -> PrecisionFlag | None:
-    """The precision flag a script takes, from its arguments and then its source (pure).
-
-    Args:
-        argv: the script's arguments (``--dtype=float16``, ``--amp``, ``--precision bf16``).
-        source: the script's source: an ``add_argument("--dtype", ...)`` or a top-level
-            ``dtype = ...`` that a ``--key=value`` configurator overrides.
-    """
+    """The precision flag a script takes, from its arguments, then its source: an
+    ``add_argument("--dtype", ...)`` or a top-level ``dtype = ...`` a ``--key=value`` configurator
+    overrides (pure)."""
     for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
         key = name.lstrip("-").replace("-", "_")
@@ -156,7 +128,6 @@ class _Run:
     """What ``install`` holds for the life of the script: the hooks and how the run ends."""
 
     def __init__(self, policy: Policy, recorder: FrameworkRecorder | None) -> None:
-        self.policy = policy
         self.recorder = recorder
         self.steps = Steps(recorder, refuse=self.refuse, label=policy.mode)
         self.precision = ForwardPrecision(policy, self.steps)
@@ -199,14 +170,8 @@ class _Run:
         raise SystemExit(128 + signum)
 
 
-def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-    """Put the candidate's hooks in place at torch's seams, before the script runs.
-
-    Args:
-        policy: the policy (one the traits accept).
-        recorder: the trial recorder, or ``None`` under ``mpadvise run``.
-        device: the trial's device, or ``None`` (the script chooses its own).
-    """
+def _install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
+    """Put the candidate's hooks in place at torch's seams, before the script runs."""
     import torch
     import torch.amp.grad_scaler
     import torch.cpu.amp
@@ -223,13 +188,9 @@ def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str |
     )
 
     run = _Run(policy, recorder)
-    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    _HELD_SWITCHES.enter_context(create_mode(policy, target).process_switches())
+    hold_switches(policy, device or ("cuda" if torch.cuda.is_available() else "cpu"))
     steps, precision = run.steps, run.precision
-    steps.scaling_wanted = mode_facts(policy.mode).loss_scaling and (
-        policy.loss_scale is None or policy.loss_scale.kind != "none")
     scaler_class = candidate_scaler_class(torch.amp.GradScaler, policy=policy, steps=steps)
-    steps.make_scaler = lambda: scaler_class(count=False)
     for owner in (torch.amp, torch.amp.grad_scaler, torch.cuda.amp, torch.cpu.amp):
         owner.GradScaler = scaler_class
     for name in ("torch.cuda.amp.grad_scaler", "torch.cpu.amp.grad_scaler"):
@@ -250,7 +211,7 @@ def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str |
         guard = run_guard(policy)
         if guard is not None:
             steps.watch = guard.step
-    if recorder is not None:
+    else:
         recorder.no_step_reason = run.no_backward
         recorder.policy_applied()  # the hooks are the candidate: from here the script has its bound
         if recorder.spec.seed:
@@ -300,7 +261,7 @@ def _wrap_optimizer_init(cls: type, steps: Steps, precision: ForwardPrecision) -
 
 
 def _wrap_ddp_init(cls: type, precision: ForwardPrecision) -> None:
-    """Pure modes: DDP's gradient buckets follow the parameters' dtype, so cast before it builds them."""
+    # Pure modes: DDP's gradient buckets follow the parameters' dtype, so cast before it builds them.
     original = cls.__init__
 
     @functools.wraps(original)

@@ -1,23 +1,10 @@
 """The plain-PyTorch adapter's hooks at torch's own seams: the model's forward, ``Tensor.backward``,
 the optimizer's construction and step, ``GradScaler`` and gradient clipping.
 
-Every seam is checked in torch's source (2.13): ``torch.nn.modules.module`` runs the global
-forward pre-hooks (``register_module_forward_pre_hook``: ``hook(module, args)``, a returned
-tuple replaces ``args``) and the global forward hooks (``register_module_forward_hook(...,
-always_call=True)``: ``hook(module, args, result)``, also after a forward that raised) for
-every module's ``__call__``; ``torch.optim.optimizer`` runs the global step hooks
-(``register_optimizer_step_pre_hook``/``post_hook``: ``hook(optimizer, args, kwargs)``) around
-every ``Optimizer.step``, and every optimizer's ``__init__`` calls ``Optimizer.__init__(params,
-defaults)``; ``torch.amp.GradScaler`` skips ``optimizer.step()`` when ``unscale_`` found
-infs (so no step hook runs for a skipped step) and ``torch.cuda.amp.GradScaler`` is its
-subclass.
-
-``ForwardPrecision`` applies the candidate around the outermost forward: its autocast (or
-autocast off, which overrules the script's own) and, in the pure modes, the cast of the model,
-of floating inputs (integer tokens stay) and of floating outputs back to fp32 (as Lightning
-Fabric's half precision does, so a loss computed outside the model meets fp32 targets).
-``Steps`` finds the step boundaries and feeds the trial recorder. ``candidate_scaler_class``
-builds the ``GradScaler`` every script's scaler becomes.
+Seams as torch (2.13) runs them: the global forward pre-hooks and forward hooks
+(``always_call=True``: also after a forward that raised) for every module's ``__call__``; the
+global optimizer step hooks around every ``Optimizer.step`` (none for a step GradScaler skipped);
+every optimizer's ``__init__`` calls ``Optimizer.__init__``.
 """
 
 from __future__ import annotations
@@ -34,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from policies import Policy, create_mode, mode_facts
 
 if TYPE_CHECKING:
-
     from advisor.trial import FrameworkRecorder
 
 _HALF = {"bf16": "bfloat16", "fp16": "float16"}
@@ -57,8 +43,7 @@ class Sightings:
 
 
 def seen_line(seen: Sightings, *, what: str) -> str:
-    """One line: ``what`` happened, and which of forward, backward and optimizer step the script
-    reached (pure)."""
+    """One line: ``what`` happened, and how far the script got (pure)."""
     forward = (f"{seen.forwards} forward{'s' if seen.forwards != 1 else ''} of {', '.join(seen.models)}"
                if seen.forwards else "no forward of a module")
     backward = f"{seen.backwards} backward{'s' if seen.backwards != 1 else ''}" if seen.backwards else "no backward"
@@ -68,7 +53,10 @@ def seen_line(seen: Sightings, *, what: str) -> str:
 
 
 class ForwardPrecision:
-    """The candidate's precision around the outermost module forward (one per process)."""
+    """The candidate's precision around the outermost module forward (one per process): its
+    autocast, or autocast off over the script's own; in the pure modes the model and floating
+    inputs in half, floating outputs back to fp32 (as Lightning Fabric's half precision does, so a
+    loss computed outside the model meets fp32 targets)."""
 
     def __init__(self, policy: Policy, steps: Steps) -> None:
         import torch
@@ -84,7 +72,6 @@ class ForwardPrecision:
         self._checked = False
 
     def mode_for(self, device_type: str) -> Any:
-        """The candidate's mode object on ``device_type`` (its autocast context)."""
         import torch
 
         if device_type not in self._modes:
@@ -105,15 +92,13 @@ class ForwardPrecision:
                 p.data = p.data.to(self.half)
 
     def cast_module(self, module: Any) -> None:
-        """Pure modes: the module's floating parameters and buffers in half, once (before DDP's
-        buckets are built over them, or at its first forward)."""
+        """Pure modes: the module's floating parameters and buffers in half, once."""
         if self.half is not None and module not in self._cast:
             self._cast.add(module)
             module.to(dtype=self.half)  # Module.to keeps each Parameter, so an optimizer still holds it
 
     def convert_module(self, module: Any, device_type: str) -> None:
-        """FP8 modes: swap the model's eligible Linear layers in place, once, at its first
-        training forward (the swapped layers keep their parameters, which the optimizer holds)."""
+        """FP8 modes: swap the model's eligible Linear layers in place, once, at its first training forward."""
         import torch
 
         if (self.facts.fp8_library is None or module in self._converted or not torch.is_grad_enabled()
@@ -190,7 +175,6 @@ def _first_tensor(values: Any) -> Any:
 
 
 def _cast_floats(values: Any, dtype: Any, *, only: Any = None) -> Any:
-    """``values`` with each floating tensor in ``dtype`` (only those in ``only``, when given)."""
     if hasattr(values, "is_floating_point") and hasattr(values, "to"):
         if values.is_floating_point() and values.dtype != dtype and (only is None or values.dtype == only):
             return values.to(dtype)
@@ -205,8 +189,7 @@ def _cast_floats(values: Any, dtype: Any, *, only: Any = None) -> Any:
 
 
 def autocast_note(device_type: str) -> str:
-    """What the first training forward's inner modules ran under: the line that shows which
-    autocast, if any, reached them."""
+    """Which autocast, if any, reached the first training forward's inner modules."""
     import torch
 
     if not torch.is_autocast_enabled(device_type):
@@ -219,10 +202,9 @@ class Steps:
     """Step boundaries and the loss of each step, fed to the trial recorder (``None`` in a run).
 
     A step ends at the lead optimizer's step (the first one that steps), at a ``GradScaler``'s
-    ``step`` that skipped it, or, in a script that built no optimizer, at the first training
-    forward after a backward once the parameters or their gradients changed (an update by
-    hand, then zeroed gradients); backwards between two boundaries are one step's micro-batches,
-    and the step's loss is their sum (the script divides each by its accumulation count).
+    ``step`` that skipped it, or, with no optimizer, at the first training forward after a
+    backward once the parameters or their gradients changed (an update by hand). The step's loss
+    is the sum of its backwards' (the script divides each by its accumulation count).
     """
 
     def __init__(self, recorder: FrameworkRecorder | None, *, refuse: Callable[[str], None], label: str) -> None:
@@ -272,12 +254,10 @@ class Steps:
             self._samples += int(tensor.shape[0])
 
     def scaled(self, scaled: Any, loss: Any) -> None:
-        """A GradScaler scaled ``loss``: its backward records the unscaled value."""
         self._scaled = (scaled, loss)
 
     def backward(self, tensor: Any) -> Any:
-        """The tensor a backward runs from is a loss: the one to record, and the one to run
-        backward from (scaled where scaling is injected)."""
+        """A backward's tensor is a loss: record it (unscaled) and return what to run backward from."""
         loss = tensor
         if self._scaled is not None and self._scaled[0] is tensor:
             loss = self._scaled[1]
@@ -310,8 +290,6 @@ class Steps:
     # Under `mpadvise run` with the guard on: each optimizer step's loss (its micro-batches'
     # sum), the scale it ended with (None where none, or not finite) and whether it was skipped.
     watch: Callable[[Any, float | None, bool], None] | None = None
-
-    # ---- optimizers and scalers (the injected scaling: before_step, before_clip) -------------
 
     def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.seen.optimizer_steps += 1
@@ -361,7 +339,6 @@ class Steps:
 
 
 def wrap_backward(cls: type, steps: Steps) -> None:
-    """``Tensor.backward`` on a scalar that needs a gradient is a loss: ``steps`` records it."""
     original = cls.backward
 
     @functools.wraps(original)
@@ -414,12 +391,8 @@ def _signature(module: Any) -> list[int]:
 
 
 def candidate_scaler_class(base: type, *, policy: Policy, steps: Steps) -> type:
-    """A ``GradScaler`` subclass that holds the candidate's loss scaling, whatever the script asks.
-
-    It is enabled only for a mode with loss scaling and a policy that scales (``[loss_scale]``'s
-    kind, initial scale, factors and interval), lives on the device of the first loss it scales,
-    holds a static scale fixed, and ends the trial's step at ``step()``.
-    """
+    """A ``GradScaler`` subclass with the candidate's loss scaling, whatever the script asks; it
+    lives on the device of the first loss it scales and ends the trial's step at ``step()``."""
     facts = mode_facts(policy.mode)
     ls = policy.loss_scale
     enabled = facts.loss_scaling and (ls is None or ls.kind != "none")
@@ -427,10 +400,9 @@ def candidate_scaler_class(base: type, *, policy: Policy, steps: Steps) -> type:
         "init_scale": ls.init_scale, "growth_factor": ls.growth_factor, "backoff_factor": ls.backoff_factor,
         "growth_interval": ls.growth_interval}
     static = float(ls.init_scale) if enabled and ls is not None and ls.kind == "static" else None
+    steps.scaling_wanted = enabled
 
     class CandidateGradScaler(base):  # type: ignore[misc, valid-type]
-        """The candidate's GradScaler, built where the script builds its own."""
-
         def __init__(self, *args: Any, count: bool = True, **kwargs: Any) -> None:
             import torch
 
@@ -463,4 +435,5 @@ def candidate_scaler_class(base: type, *, policy: Policy, steps: Steps) -> type:
             super().update(static if new_scale is None and static is not None else new_scale)
 
     CandidateGradScaler.__qualname__ = CandidateGradScaler.__name__ = "GradScaler"
+    steps.make_scaler = lambda: CandidateGradScaler(count=False)
     return CandidateGradScaler

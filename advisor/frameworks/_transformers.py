@@ -1,24 +1,11 @@
 """The Hugging Face Trainer adapter: a policy applied through ``TrainingArguments``, steps
 recorded through the Trainer's own hooks.
 
-``TrainingArguments.__post_init__`` derives ``mixed_precision`` from ``fp16``/``bf16`` (and
-``ACCELERATE_MIXED_PRECISION``) once, and the Trainer hands that to its Accelerator. So the
-candidate's fields are set at the start of ``__post_init__``, before that derivation, whatever
-the script passed; setting ``args.bf16`` afterwards (as HF's own ``hyperparameter_search``
-does) would leave the Accelerator in the old precision. The Trainer's Accelerator and the
-first forward are then checked: a trial that would not really run in the candidate's precision
-ends as unsupported, with the reason, instead of measuring something else under its name.
-
-Per optimizer step the recorder gets the sum of what ``training_step`` returned for the step's
-micro-batches (the Trainer divides each by the accumulation count, or normalises it over the
-step's tokens, so the sum is the step's mean loss), unfiltered: HF's ``logging_nan_inf_filter``
-only replaces NaN in its running log, never in ``training_step``'s value. The GradScaler's scale
-is read after each step: the scale a step's backward ran with is the one the previous step left,
-and a scale that backed off marks a skipped step.
-
-What the Trainer is given is read from the mode's facts (``policies.ModeFacts``: the autocast
-dtype and the TF32 switch), never its name. ``HuggingFaceTrainer`` is the adapter class the
-registry holds.
+``TrainingArguments.__post_init__`` derives ``mixed_precision`` from ``fp16``/``bf16`` once, and
+the Trainer hands that to its Accelerator, so the candidate's fields are set at the start of
+``__post_init__``. The Trainer's Accelerator and first forward are then checked: a trial that
+would not really run the candidate's precision ends as unsupported instead of measuring something
+else under its name.
 """
 
 from __future__ import annotations
@@ -31,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._adapter import FrameworkAdapter
+from advisor.frameworks._lightning_record import batch_size_of
 from advisor.frameworks._patch import hold_switches
 from advisor.runtime import BatchSplit, batch_split, current_world_size
 from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
@@ -85,21 +73,28 @@ class HuggingFaceTrainer(FrameworkAdapter):
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-        install(policy, recorder=recorder, device=device)
+        import torch
+        import transformers
+        import transformers.trainer
+        import transformers.trainer_utils
+        import transformers.training_args
+
+        use_cpu = device == "cpu" or (device is None and not _accelerator_available(torch))
+        hold_switches(policy, torch.device("cpu" if use_cpu else (device or "cuda")))
+        # What TrainingArguments falls back to when fp16 and bf16 are both off, and what an
+        # Accelerator the script builds by itself reads.
+        os.environ["ACCELERATE_MIXED_PRECISION"] = accelerator_precision(policy.mode)
+        hooks = TrainerHooks(policy, recorder, use_cpu=use_cpu, device=device,
+                             callback_base=transformers.TrainerCallback)
+        _patch_arguments(transformers.training_args.TrainingArguments, hooks)
+        _patch_trainer(transformers.trainer.Trainer, hooks)
+        if recorder is not None and recorder.spec.seed:
+            _shift_seeds([transformers, transformers.trainer, transformers.trainer_utils], recorder.spec.seed, hooks)
 
 
 def transformers_precision(policy: Policy) -> dict[str, bool]:
-    """The ``TrainingArguments`` precision fields (``fp16``, ``bf16``, ``tf32``) for ``policy``,
-    from its mode's facts (pure).
-
-    The Trainer autocasts to bf16 or fp16 over fp32 weights, and switches TF32 on or off;
-    pure half weights (the model's dtype, set where the script loads it) and FP8 are not
-    fields of ``TrainingArguments``. A mode that leaves TF32 alone gets ``tf32=False``, the
-    field's meaning of "not asked".
-
-    Raises:
-        MpadviseError: the Hugging Face Trainer cannot express the policy's mode.
-    """
+    """The ``TrainingArguments`` precision fields (``fp16``, ``bf16``, ``tf32``) for ``policy`` (pure).
+    A mode that leaves TF32 alone gets ``tf32=False``, the field's meaning of "not asked"."""
     facts = mode_facts(policy.mode)
     if not HuggingFaceTrainer.expresses(facts):
         raise MpadviseError(
@@ -111,15 +106,8 @@ def transformers_precision(policy: Policy) -> dict[str, bool]:
 
 @dataclass(frozen=True)
 class ArgumentChanges:
-    """What the adapter sets in one ``TrainingArguments``, computed from the script's values.
-
-    Attributes:
-        values: field name -> the value to set, before ``__post_init__`` derives anything.
-        split: the micro-batch split applied, or ``None`` when the script's batch stays.
-        user_batch: the script's own samples per optimizer step per device
-            (``per_device_train_batch_size x gradient_accumulation_steps`` as it wrote them).
-        notes: sentences for the trial's report.
-    """
+    """What the adapter sets in one ``TrainingArguments`` (``values``, before ``__post_init__``
+    derives anything), the split applied, the script's own samples per step per device, and notes."""
 
     values: Mapping[str, Any]
     split: BatchSplit | None
@@ -129,19 +117,8 @@ class ArgumentChanges:
 
 def argument_changes(policy: Policy, script: Mapping[str, Any], *, trial: bool, seed_shift: int = 0,
                      use_cpu: bool = False) -> ArgumentChanges:
-    """The ``TrainingArguments`` fields that apply ``policy`` over what the script set (pure).
-
-    Args:
-        policy: the policy to apply (a mode the Trainer can apply: see ``transformers_precision``).
-        script: the script's values of the fields in ``SCRIPT_FIELDS``.
-        trial: whether this run is a trial (then what only slows it is turned off).
-        seed_shift: added to an explicit ``data_seed`` (the trial seed).
-        use_cpu: whether training runs on the CPU, where the Trainer refuses ``bf16=True``
-            unless ``use_cpu`` is set.
-
-    Returns:
-        The fields to set and what they mean.
-    """
+    """The ``TrainingArguments`` fields that apply ``policy`` over the script's values of
+    ``SCRIPT_FIELDS`` (pure); in a trial, what only slows it is turned off too."""
     precision = transformers_precision(policy)
     values: dict[str, Any] = dict(precision)
     asked = {k: script.get(k) for k in precision if script.get(k) != precision[k]}
@@ -185,7 +162,6 @@ def argument_changes(policy: Policy, script: Mapping[str, Any], *, trial: bool, 
 
 
 def expected_autocast(mode: str) -> str | None:
-    """The autocast dtype name a forward runs under in ``mode`` through the Trainer, or ``None``."""
     autocast = mode_facts(mode).autocast
     return None if autocast is None else _AUTOCAST_DTYPES[autocast]
 
@@ -210,12 +186,7 @@ def autocast_mismatch(mode: str, *, enabled: bool, dtype: str, device_type: str)
 
 def accelerator_mismatch(mode: str, *, mixed_precision: str, native_amp: bool, has_scaler: bool,
                          device_type: str) -> str | None:
-    """Why the Trainer's Accelerator does not run ``mode``, or ``None`` when it does (pure).
-
-    Accelerate builds fp16 autocast and a GradScaler only off the CPU: on a CPU,
-    ``TrainingArguments(fp16=True)`` trains in fp32 (accelerate/accelerator.py, where
-    ``mixed_precision == "fp16" and self.device.type != "cpu"`` guards both).
-    """
+    """Why the Trainer's Accelerator does not run ``mode``, or ``None`` when it does (pure)."""
     want = accelerator_precision(mode)
     if mixed_precision != want:
         return (f"the Hugging Face Trainer's Accelerator runs mixed_precision={mixed_precision!r}, not {want!r} "
@@ -229,41 +200,12 @@ def accelerator_mismatch(mode: str, *, mixed_precision: str, native_amp: bool, h
 
 
 def scaler_skipped(before: float | None, after: float | None) -> bool:
-    """Whether a dynamic GradScaler skipped the step: its update backs the scale off (x0.5) exactly
-    when the step's gradients overflowed (pure).
+    """Whether a dynamic GradScaler skipped the step: it backs the scale off exactly then (pure).
 
-    Accelerate's ``step_was_skipped`` cannot be trusted for this: it watches whether the
-    optimizer's ``step`` was called, and GradScaler always calls a fused optimizer's ``step``
-    (``adamw_torch_fused``, the Trainer's default optimizer), which then skips by itself.
+    Accelerate's ``step_was_skipped`` misses it for a fused optimizer (the Trainer's default),
+    whose ``step`` GradScaler always calls and which then skips by itself.
     """
     return before is not None and after is not None and after < before
-
-
-def install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-    """Apply ``policy`` to every ``TrainingArguments`` and ``Trainer`` the script builds.
-
-    Args:
-        policy: the policy (a mode the Trainer can apply).
-        recorder: the trial recorder, or ``None`` under ``mpadvise run``.
-        device: the trial's device (``"cpu"``, ``"cuda:N"``), or ``None`` for the default.
-    """
-    import torch
-    import transformers
-    import transformers.trainer
-    import transformers.trainer_utils
-    import transformers.training_args
-
-    use_cpu = device == "cpu" or (device is None and not _accelerator_available(torch))
-    target = torch.device("cpu" if use_cpu else (device or "cuda"))
-    hold_switches(policy, target)
-    # What TrainingArguments falls back to when fp16 and bf16 are both off, and what an
-    # Accelerator the script builds by itself reads.
-    os.environ["ACCELERATE_MIXED_PRECISION"] = accelerator_precision(policy.mode)
-    hooks = TrainerHooks(policy, recorder, use_cpu=use_cpu, device=device, callback_base=transformers.TrainerCallback)
-    _patch_arguments(transformers.training_args.TrainingArguments, hooks)
-    _patch_trainer(transformers.trainer.Trainer, hooks)
-    if recorder is not None and recorder.spec.seed:
-        _shift_seeds([transformers, transformers.trainer, transformers.trainer_utils], recorder.spec.seed, hooks)
 
 
 class TrainerHooks:
@@ -282,8 +224,6 @@ class TrainerHooks:
         self._micro_samples = 0
         self._loss_scale: float | None = None  # what the GradScaler's scale is now, once read
         self._first_forward = _FirstForward()
-
-    # ---- TrainingArguments ---------------------------------------------------------------------
 
     def before_arguments(self, args: Any) -> None:
         """Set the policy's fields, before ``__post_init__`` derives ``mixed_precision``."""
@@ -315,8 +255,6 @@ class TrainerHooks:
         if getattr(args, "_n_gpu", 1) > 1:
             args._n_gpu = 1
 
-    # ---- Trainer ----------------------------------------------------------------------------------
-
     def before_trainer(self, args: Any) -> None:
         """Set the precision again where the script changed it on the arguments after building them."""
         if args is None or getattr(args, "mixed_precision", self.mixed_precision) == self.mixed_precision:
@@ -328,7 +266,6 @@ class TrainerHooks:
         self.note(f"the script changed TrainingArguments' precision after building them: set back to {self.policy.mode}")
 
     def after_trainer(self, trainer: Any) -> None:
-        """Check the Accelerator, then hook the trainer's steps."""
         accelerator = trainer.accelerator
         device_type = trainer.args.device.type
         if not getattr(trainer, "is_deepspeed_enabled", False):
@@ -357,7 +294,7 @@ class TrainerHooks:
         loss = step(*args, **kwargs)
         inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
         self._micro_losses.append(loss.detach().float().clone())
-        self._micro_samples += _leading_dim(inputs) or 0
+        self._micro_samples += batch_size_of(inputs) or 0
         if not self._first_forward.checked:
             self._check_forward()
         return loss
@@ -386,8 +323,6 @@ class TrainerHooks:
         skipped = scaler_skipped(before, after) or bool(trainer.accelerator.optimizer_step_was_skipped)
         self.recorder.step(loss=loss, loss_scale=before, skipped=skipped, samples=samples or None)
 
-    # ---- checks -----------------------------------------------------------------------------------
-
     def _check_forward(self) -> None:
         seen = self._first_forward.take()
         if seen is None:
@@ -408,14 +343,11 @@ class TrainerHooks:
         raise SystemExit(1)
 
     def note(self, text: str) -> None:
-        """A sentence for the trial's report (nothing under ``mpadvise run``)."""
         if self.recorder is not None:
             self.recorder.note(text)
 
 
 def _step_callback(base: type, hooks: TrainerHooks, trainer: Any) -> Any:
-    """A ``TrainerCallback`` (of ``base``) that feeds ``hooks`` from the Trainer's events."""
-
     class MpadviseSteps(base):  # type: ignore[misc, valid-type]
         """Feeds the trial recorder from the Trainer's events."""
 
@@ -503,13 +435,11 @@ def _shift_seeds(modules: list[Any], shift: int, hooks: TrainerHooks) -> None:
 
 
 def _scale(trainer: Any) -> float | None:
-    """The current scale of the trainer's GradScaler, or ``None`` without one."""
     scaler = getattr(trainer.accelerator, "scaler", None)
     return None if scaler is None else float(scaler.get_scale())
 
 
 def _accelerator_available(torch: Any) -> bool:
-    """Whether torch sees an accelerator the Trainer would pick over the CPU."""
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None and hasattr(accelerator, "is_available"):
         return bool(accelerator.is_available())
@@ -524,14 +454,3 @@ def _value(value: Any) -> Any:
     """An enum's value (``SchedulerType.LINEAR`` -> ``"linear"``), anything else as it is."""
     return getattr(value, "value", value)
 
-
-def _leading_dim(values: Any) -> int | None:
-    """The batch size of a micro-batch: the first dimension of its first tensor."""
-    if hasattr(values, "shape") and hasattr(values, "dim"):
-        return int(values.shape[0]) if values.dim() > 0 else None
-    items = values.values() if isinstance(values, Mapping) else values if isinstance(values, (list, tuple)) else ()
-    for value in items:
-        found = _leading_dim(value)
-        if found is not None:
-            return found
-    return None
