@@ -83,6 +83,8 @@ class Resolution:
     first one tuned on this run's workload when ``policy`` was tuned on another."""
     args: tuple[str, ...] | None = None
     """The script's arguments the tune of ``policy`` ran with, where recorded (``TunedAnswer``)."""
+    reference: tuple[float, ...] = ()
+    """fp32's loss per optimizer step in the tune of ``policy``, for the guard (``TunedAnswer``)."""
 
     @property
     def from_cache(self) -> bool:
@@ -163,8 +165,9 @@ def resolve_policy(
             # of the script's other workloads.
             found = _answers(cached, profile, script)
             same = [a for a in found if _workload_of(a.policy) == _workload_of(config.policy)]
-            if same and config.args is None:
-                config = replace(config, args=same[0].args)
+            if same:
+                config = replace(config, args=config.args if config.args is not None else same[0].args,
+                                 reference=same[0].reference)
             others = [a for a in found if _workload_of(a.policy) != _workload_of(config.policy)]
             return _tuned_resolution([config, *others], profile, config=config)
     else:
@@ -210,7 +213,7 @@ def _tuned_resolution(answers: list[TunedAnswer], profile: HardwareProfile, *, c
     return Resolution(
         _check_supported(chosen.policy, profile, chosen.label), chosen.label,
         PolicySource.BESIDE_SCRIPT if chosen is config else PolicySource.CACHE, match_workload=True,
-        alternatives=tuple(rest), args=chosen.args,
+        alternatives=tuple(rest), args=chosen.args, reference=chosen.reference,
     )
 
 
@@ -305,7 +308,7 @@ def load_policy(
     applied = AppliedPolicy(
         resolution.policy, profile=profile, source=resolution.source, device=device,
         match_workload=resolution.match_workload, alternatives=alternatives,
-        guard=Guard(setting, GuardLimits.from_thresholds(StabilityThresholds()),
+        guard=Guard(setting, GuardLimits.from_thresholds(StabilityThresholds()), reference=resolution.reference,
                     trend=guard_fallback(resolution.policy, profile) is not None),
     )
     applied.on_guard_event = _cache_event(applied, profile, script)
@@ -342,7 +345,8 @@ def after_guard_events(resolution: Resolution, events: Sequence[dict[str, object
         f"applying {policy.mode} rather than {resolution.policy.describe()} from {resolution.source}: "
         f"{'; then '.join(reasons)}; `mpadvise tune` again judges the modes afresh"
     )
-    return Resolution(policy, f"{policy.mode}, the guard's fallback ({reasons[-1]})", PolicySource.SAFE_DEFAULT)
+    return Resolution(policy, f"{policy.mode}, the guard's fallback ({reasons[-1]})", PolicySource.SAFE_DEFAULT,
+                      reference=resolution.reference)  # fp32's curve is any mode's yardstick
 
 
 def _cache_event(applied: AppliedPolicy, profile: HardwareProfile, script: Path | None) -> Callable[[GuardEvent], None]:

@@ -7,6 +7,7 @@ most one warning and the run continues with the next source.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -43,13 +44,15 @@ def versions_of(profile: HardwareProfile) -> dict[str, str | None]:
 def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.PathLike[str],
                 workload_fingerprint: str, trials: list[dict[str, Any]], speedup_vs_fp32: float | None,
                 goodput: float | None, store: Store | None = None, args: Sequence[str] | None = None,
-                utilisation: dict[str, Any] | None = None) -> int | None:
+                utilisation: dict[str, Any] | None = None,
+                reference_losses: Sequence[float] | None = None) -> int | None:
     """Store a tune's winner for this hardware and workload, with the trials behind it.
 
     The policy is stored with a complete ``[tuned_on]`` record (hardware and versions from
     ``profile``; the workload facts and date already on ``policy.tuned_on`` kept), replacing an
-    earlier answer for the same key. ``args`` (the script's arguments) and ``utilisation``
-    (TFLOP/s and MFU) are kept in the summary when given.
+    earlier answer for the same key. ``args`` (the script's arguments), ``utilisation``
+    (TFLOP/s and MFU) and ``reference_losses`` (fp32's loss per optimizer step, which the run's
+    guard compares with) are kept in the summary when given.
 
     Returns the new recommendation's id, or ``None`` when there is no usable cache (after one
     warning); raises MpadviseError for a field of the wrong type or shape.
@@ -79,6 +82,8 @@ def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.Pa
         summary["args"] = [str(arg) for arg in args]
     if utilisation is not None:
         summary["utilisation"] = dict(utilisation)
+    if reference_losses is not None:
+        summary["fp32_losses"] = [float(v) if math.isfinite(v) else None for v in reference_losses]
     owned = store is None
     if store is None:
         from advisor.cache._store import open_store
@@ -107,12 +112,14 @@ def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.Pa
 @dataclass(frozen=True)
 class TunedAnswer:
     """A tune's answer for this script: the policy, a label for log lines (``"cache entry #7
-    (tuned 2025-03-01)"``), and the script's arguments at tuning time (``None`` when unknown:
-    ``mpadvise run`` checks them before a framework builds the model)."""
+    (tuned 2025-03-01)"``), the script's arguments at tuning time (``None`` when unknown:
+    ``mpadvise run`` checks them before a framework builds the model), and fp32's loss per
+    optimizer step in the tune, for the run's guard (empty where not recorded)."""
 
     policy: Policy
     label: str
     args: tuple[str, ...] | None = None
+    reference: tuple[float, ...] = ()
 
 
 def cached_answers(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> list[TunedAnswer]:
@@ -165,9 +172,12 @@ def _answer(row: dict[str, Any], profile: HardwareProfile, path: Path) -> TunedA
         get_logger().warning(f"not applying {label}: mode {policy.mode} cannot run on {profile.name} "
                              f"({why}); run `mpadvise tune` again")
         return None
-    args = (row.get("summary") or {}).get("args")
+    summary = row.get("summary") or {}
+    args, losses = summary.get("args"), summary.get("fp32_losses")
     recorded = tuple(args) if isinstance(args, list) and all(isinstance(arg, str) for arg in args) else None
-    return TunedAnswer(policy, label, recorded)
+    reference = tuple(math.nan if v is None else float(v) for v in losses) if isinstance(losses, list) and all(
+        v is None or isinstance(v, (int, float)) for v in losses) else ()
+    return TunedAnswer(policy, label, recorded, reference)
 
 
 def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> tuple[Policy, str] | None:

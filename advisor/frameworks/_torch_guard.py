@@ -49,6 +49,8 @@ class RunGuard:
     def step(self, loss: Any, scale: float | None, skipped: bool) -> None:
         """One optimizer step's facts: its loss (a tensor), the scale after it, a skip."""
         self.optimizer_steps += 1
+        if self.optimizer_steps == 1 and self.guard.trend_on:
+            self.guard.trend.reference = list(_reference())
         if self.guard.tripped:
             return
         value = float(loss)  # the loss value's one sync
@@ -70,6 +72,19 @@ class RunGuard:
         # The script's cache entry keeps it: by now the script runs, and argv[0] is the script.
         script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
         record_guard_event(event.to_dict(), profile=profile, workload_fp=None, script=script)
+
+
+def _reference() -> tuple[float, ...]:
+    """fp32's loss per optimizer step in the newest tune of this script with these arguments
+    (by now the script runs, and argv is its own), or nothing."""
+    import probes
+    from advisor.cache import cached_answers
+
+    args = tuple(sys.argv[1:])
+    for answer in cached_answers(probes.profile_for(None), Path(sys.argv[0]).resolve()):
+        if answer.args is None or answer.args == args:
+            return answer.reference
+    return ()
 
 
 def run_guard(policy: Policy) -> RunGuard | None:

@@ -1,9 +1,10 @@
 """The guard's two slow signals: the loss's trend over windows of steps, and updates lost to
 rounding.
 
-* **Behind fp32** (where the tune recorded fp32's curve for this workload): over the steps the
-  run shares with that curve, a window whose middle half of losses lies above fp32's middle
-  half over the same steps by more than the verdicts' final gap.
+* **Behind fp32** (where the tune recorded fp32's curve for this workload): in the last whole
+  window the run shares with that curve, the middle half of its losses above fp32's middle half
+  over the same steps by more than the verdicts' final gap. The last window, as the verdicts
+  judge a trial's final level: a scaler's first skipped steps delay the early descent.
 * **Climb**: a window whose middle half lies above the best window's middle half by more than
   the verdicts' climb margin. Quartiles, not means: a loss heading towards zero, or a noisy
   one, overlaps itself and never trips.
@@ -13,12 +14,13 @@ rounding.
   sample of the 16-bit parameters is compared before and after the step, and the fraction of
   elements with a gradient that did not change is the fraction of updates lost.
 
-Each signal must hold for ``windows`` windows (or probes) in a row. The checks are pure
+A climb or a stall must hold for ``windows`` windows (or probes) in a row. The checks are pure
 functions of the values fed in; the probe's one device sync is every ``probe_every`` steps.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -60,8 +62,8 @@ class LossTrend:
         self.losses: list[float] = []
         self.start = 0  # the optimizer step of the current window's first loss
         self.best: tuple[float, float] | None = None  # the best window's quartiles
-        self.runs = {BEHIND: 0, CLIMB: 0}
-        self.since = {BEHIND: 0, CLIMB: 0}
+        self.runs = {CLIMB: 0}
+        self.since = {CLIMB: 0}
 
     def add(self, step: int, loss: float) -> tuple[str, int, str] | None:
         """One applied step's finite loss; the signal that holds now, if any."""
@@ -87,14 +89,16 @@ class LossTrend:
         return self.runs[signal] >= self.windows
 
     def _behind(self, start: int, end: int, low: float) -> tuple[str, int, str] | None:
+        if end > len(self.reference) or end + self.window <= len(self.reference):
+            return None  # not the last whole window the run shares with fp32's curve
         shared = self.reference[start - 1:end]
-        if len(shared) < self.window or not all(v == v for v in shared):
+        if not all(math.isfinite(v) for v in shared):
             return None
         ref_high = quartiles(shared)[1]
-        if self._held(BEHIND, start, above(low, ref_high, self.gap_margin)):
-            return (BEHIND, self.since[BEHIND], f"the loss's lower quartile {low:.4g} over steps {start}-{end}, "
-                    f"above fp32's upper quartile {ref_high:.4g} there by more than {self.gap_margin:.0%}")
-        return None
+        if not above(low, ref_high, self.gap_margin):
+            return None
+        return (BEHIND, start, f"the loss's lower quartile {low:.4g} over steps {start}-{end}, above fp32's upper "
+                f"quartile {ref_high:.4g} in the tune by more than {self.gap_margin:.0%}")
 
     def _climb(self, start: int, low: float) -> tuple[str, int, str] | None:
         if self.best is None:

@@ -523,6 +523,7 @@ def remember(result: TuneResult, profile: HardwareProfile, script: str | os.Path
         profile=profile, policy=result.policy, script=script, workload_fingerprint=tuned_on.workload_fingerprint,
         trials=cache_rows(result), speedup_vs_fp32=tuned_on.speedup_vs_fp32, goodput=tuned_on.goodput,
         args=None if args is None else list(args), utilisation=_winner_utilisation(result),
+        reference_losses=result.reference.result.losses,
     )
 
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import probes
+from advisor.cache import cached_answers
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,6 +25,9 @@ def test_the_demo_answers_in_15_lines_at_80_columns_and_again_without_a_trial(tm
     assert "python -m" not in first.stdout and ".venv" not in first.stdout
     assert "search stopped" not in first.stdout and "search stopped" not in first.stderr  # --verbose only
     assert "fp32 (replicate" in first.stderr  # progress goes to stderr
+    # The cache keeps fp32's loss per optimizer step with the answer: the run's guard compares with it.
+    (answer,) = cached_answers(probes.profile_for(None), ROOT / "examples" / "mlp.py")
+    assert len(answer.reference) >= 20 and all(0 < v < 10 for v in answer.reference), answer.reference
 
     again = cli(*args, env=env)
     assert again.returncode == 0, again.stderr

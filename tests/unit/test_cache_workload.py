@@ -323,3 +323,31 @@ def test_a_model_signature_is_kept_by_record_tune(script: Path) -> None:
     assert tuned is not None and tuned.model_signature == model_signature(Net())
     assert (tuned.global_batch, tuned.script_digest) == (64, script_digest(script))
     assert tuned.cuda == (_cpu().cuda_runtime or "")
+
+
+# -- the guard's yardstick ----------------------------------------------------------------------
+
+
+def test_the_guard_measures_the_run_against_the_tunes_fp32_curve(script: Path, warnings: list[str]) -> None:
+    # The tune keeps fp32's loss per optimizer step with its answer; a run of the same workload
+    # that ends the steps they share well above it is named, from its last whole shared window.
+    trial = advisor.load_policy(Policy(mode="fp32"), device="cpu")
+    _train(trial)
+    policy = Policy(mode=_tuned_mode(), tuned_on=TunedOn(
+        model_signature=trial.model_signature, global_batch=64, script_digest=script_digest(script)))
+    record_tune(profile=_cpu(), policy=policy, script=script, workload_fingerprint=trial.workload_fingerprint or "",
+                trials=[], speedup_vs_fp32=1.5, goodput=150.0, reference_losses=[0.01] * 40)
+    mp = advisor.load_policy(device="cpu", guard="warn")
+    assert mp.guard.reference == (0.01,) * 40
+    model = Net(32)
+    model, optimizer = mp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
+    mp.micro_batch_size(64)
+    torch.manual_seed(0)
+    for _ in range(60):
+        with mp.autocast():
+            loss = torch.nn.functional.cross_entropy(model(torch.randn(64, 16)).float(), torch.randint(0, 4, (64,)))
+        mp.step(loss, optimizer)
+    (event,) = mp.guard.events
+    assert (event.signal, event.step, event.tripped_at) == ("behind fp32", 1, 25)
+    assert "over steps 1-25, above fp32's upper quartile 0.01 in the tune" in event.detail
+    assert [line for line in warnings if "guard: behind fp32 under" in line]
