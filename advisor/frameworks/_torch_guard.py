@@ -129,7 +129,8 @@ def _watch_scaler(cls: type, steps: Steps) -> None:
         if state["stage"].name == "READY":
             scaler.unscale_(optimizer)
         found = sum(v.item() for v in state["found_inf_per_device"].values())
-        with steps.scaler_step(optimizer, scaler.get_scale(), found > 0):
+        # The scale falls only on a skipped step: reading it then spares the others a device sync.
+        with steps.scaler_step(optimizer, scaler.get_scale() if found else None, found > 0):
             return step(scaler, optimizer, *args, **kwargs)
 
     cls.scale, cls.step = scale_, step_

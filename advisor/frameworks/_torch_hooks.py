@@ -427,7 +427,8 @@ def candidate_scaler_class(base: type, *, policy: Policy, steps: Steps) -> type:
             if state["stage"].name == "READY" and self._scale is not None:
                 self.unscale_(optimizer)
             found = sum(v.item() for v in state.get("found_inf_per_device", {}).values())
-            scale = None if self._scale is None else self.get_scale()
+            # A trial records the scale of every step; a run's guard needs it only where it fell.
+            scale = None if self._scale is None or not (found or steps.recorder is not None) else self.get_scale()
             with steps.scaler_step(optimizer, scale, found > 0):
                 return super().step(optimizer, *args, **kwargs)
 

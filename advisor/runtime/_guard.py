@@ -205,7 +205,8 @@ class Guard:
             step: the optimizer step, counted from 1.
             loss: the step's loss value (the last micro-batch's).
             applied: whether the optimizer step was applied (not skipped by the scaler).
-            loss_scale: the scale after the step, or ``None`` without a scaler.
+            loss_scale: the scale after the step, or ``None`` without a scaler or where not read
+                (a step the scaler applied: only a skip lowers it).
             lost: the fraction of updates ``probe`` found lost in this step, where it looked.
 
         Returns:
@@ -246,7 +247,9 @@ class Guard:
         return None
 
     def _collapse(self, step: int, loss_scale: float | None) -> tuple[str, int, str] | None:
-        if loss_scale is None or loss_scale >= self.limits.min_loss_scale * 2:
+        if loss_scale is None:  # not read: an applied step, on which the scale cannot have fallen
+            return None
+        if loss_scale >= self.limits.min_loss_scale * 2:
             self._collapse_since = None
             return None
         # Onset: the first step of the fall that ends below the floor (the scale within a

@@ -82,7 +82,9 @@ def train_step(applied: AppliedPolicy, loss: torch.Tensor, optimizer: torch.opti
         observer.after_step(applied, loss=loss, stepped=stepped, optimizer_step=True)
     if guard.active:
         tripped = guard.observe(applied.optimizer_steps, loss=value, applied=stepped or withheld,
-                                loss_scale=applied.loss_scale(), lost=lost if stepped else None)
+                                # The scale falls only on a skipped step: reading it then spares the
+                                # applied steps a second device sync.
+                                loss_scale=None if stepped else applied.loss_scale(), lost=lost if stepped else None)
         if tripped is not None:
             guard_tripped(applied, *tripped)
     return stepped

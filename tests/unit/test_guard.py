@@ -129,3 +129,21 @@ def test_fallback_from_pure_bf16_upcasts_in_place_and_withholds_the_bad_step(mon
     with mp.autocast():
         loss = model(mp.to_device(torch.randn(8, 4))).float().pow(2).mean()
     assert mp.step(loss, optimizer) is True and torch.isfinite(model.weight).all()
+
+
+def test_the_guard_reads_the_loss_scale_only_on_a_skipped_step(monkeypatch):
+    # The scale falls only when the scaler skips a step; an applied step's read would be a
+    # second device sync on a GPU, beyond the loss value's.
+    monkeypatch.delenv("MPADVISE_POLICY", raising=False)
+    mp = advisor.load_policy(Policy(mode="fp16-mixed"), device="cpu", guard="warn")
+    mp.on_guard_event = None
+    net = torch.nn.Linear(4, 1)
+    model, optimizer = mp.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    reads = []
+    read = mp._mode.loss_scale
+    monkeypatch.setattr(mp._mode, "loss_scale", lambda: reads.append(1) or read())
+    for step in range(12):
+        with mp.autocast():
+            loss = model(torch.randn(8, 4)).float().pow(2).mean() * (math.inf if step in (3, 7) else 1.0)
+        mp.step(loss, optimizer)
+    assert 2 <= mp.skipped_steps < 12 and len(reads) == mp.skipped_steps and mp.guard.events == []
