@@ -24,7 +24,7 @@ from advisor.tune._confirm import (
     paired,
     pick_winner,
 )
-from advisor.tune._judge import Evaluation
+from advisor.tune._judge import Evaluation, warmup_of
 from advisor.tune._search import SearchOutcome
 from advisor.tune._space import Candidate, Measured, SearchSpace, preference_key
 from advisor.tune._steady import REMEASURE_LEANING_ROUNDS, REMEASURE_MAX_ROUNDS, Disturbance
@@ -240,7 +240,7 @@ def tune_rows(result: TuneResult) -> list[dict[str, Any]]:
         search_speedup = m.goodput / ref_good if ref_good and not resumed else None
         won = cand == result.winner
         paired_figure = result.paired_speedup(cand)
-        spread = None if ev is None else step_time_range(ev.result.step_times, _warmup_of(ev.result))
+        spread = None if ev is None else step_time_range(ev.result.step_times, warmup_of(ev.result))
         found = result.utilisation(cand)
         rows.append({
             "label": cand.label,
@@ -269,11 +269,6 @@ def tune_rows(result: TuneResult) -> list[dict[str, Any]]:
             "winner": won,
         })
     return rows
-
-
-def _warmup_of(result: TrialResult) -> int:
-    """The warm-up steps to drop, leaving at least one timed step for a short run."""
-    return min(result.warmup_steps, max(0, len(result.step_times) - 1))
 
 
 @dataclass(frozen=True)

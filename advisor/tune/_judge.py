@@ -128,7 +128,7 @@ def evaluate(
         if result.outcome == "ok":  # ran, but the script ended before one full step was timed
             result = result.with_outcome("no-step", "the script ended before a step could be timed")
         return Evaluation(label, policy, result, None, None, None, None, None, None)
-    timing = summarize(result.step_times, _warmup(result))
+    timing = summarize(result.step_times, warmup_of(result))
     good = _goodput(result, thresholds)
     verdict = None
     speedup = speed_verdict = gap = None
@@ -143,7 +143,7 @@ def evaluate(
 def _speed(timing: TimingSummary, good: float | None, fp32: TrialResult,
            thresholds: StabilityThresholds) -> tuple[float | None, str]:
     """A trial's speed-up over the fp32 trial ``fp32``, and the speed verdict (faster, slower, tie)."""
-    comparison = compare(timing, summarize(fp32.step_times, _warmup(fp32)))
+    comparison = compare(timing, summarize(fp32.step_times, warmup_of(fp32)))
     ref_good = _goodput(fp32, thresholds)
     # Goodput counts samples, so a candidate with another micro-batch compares fairly;
     # without sample counts, fall back to the step-time ratio.
@@ -174,7 +174,7 @@ def summed_loss_split(result: TrialResult, reference: TrialResult) -> str | None
             f"would shrink the gradient {accum}x; use reduction='mean' to let a tune split the batch")
 
 
-def _warmup(result: TrialResult) -> int:
+def warmup_of(result: TrialResult) -> int:
     """The warm-up to drop, leaving at least one timed step for a short run."""
     return min(result.warmup_steps, max(0, len(result.step_times) - 1))
 
@@ -183,7 +183,7 @@ def _goodput(result: TrialResult, thresholds: StabilityThresholds) -> float | No
     samples = samples_per_step(result)
     if not samples:
         return None
-    return goodput(samples, result.step_times, result.skipped, _warmup(result), calibration_steps=thresholds.calibration_steps)
+    return goodput(samples, result.step_times, result.skipped, warmup_of(result), calibration_steps=thresholds.calibration_steps)
 
 
 class ReferenceTrialError(MpadviseError):
