@@ -163,18 +163,18 @@ class Limits:
             limit, floor = self.progress, self.min_progress_ratio
         else:
             limit, floor = self.final_gap, self.max_final_gap
-        text = f"limit {_pct(limit)}{suffix}"
+        text = f"limit {pct(limit)}{suffix}"
         if self.spread is None or limit == floor:
             return text
         times = f"{self.multiplier:g}x"
         if which == "progress":
             measured = self.spread.progress_spread(self.reference_drop)
-            return f"{text}, set by fp32 perturbed by one rounding, whose fall differed by {_pct(measured)} ({times})"
+            return f"{text}, set by fp32 perturbed by one rounding, whose fall differed by {pct(measured)} ({times})"
         measured = self.spread.final_spread(self.reference_drop)
         if self.capped:
-            return (f"{text}, the most allowed: fp32 perturbed by one rounding ended {_pct(measured)} apart, "
+            return (f"{text}, the most allowed: fp32 perturbed by one rounding ended {pct(measured)} apart, "
                     "so this workload's final loss is very sensitive")
-        return f"{text}, set by fp32 perturbed by one rounding ending {_pct(measured)} apart ({times})"
+        return f"{text}, set by fp32 perturbed by one rounding ending {pct(measured)} apart ({times})"
 
     def flat_note(self, reference_curve: str) -> str:
         """The clause saying fp32's fall is within its spread, so progress was not judged."""
@@ -187,5 +187,5 @@ class Limits:
         )
 
 
-def _pct(fraction: float) -> str:
+def pct(fraction: float) -> str:
     return f"{fraction:.0%}" if abs(fraction) >= 0.1 else f"{fraction:.1%}"
