@@ -17,12 +17,8 @@ from advisor.tune._trials import FunctionRunner, TrialSettings
 
 
 def tune(
-    train_fn: Callable[[Any], Any],
-    options: TuneOptions | None = None,
-    *,
-    thresholds: StabilityThresholds | None = None,
-    remeasure: bool = True,
-    study_name: str = "mpadvise-in-process",
+    train_fn: Callable[[Any], Any], options: TuneOptions | None = None, *,
+    thresholds: StabilityThresholds | None = None, remeasure: bool = True, study_name: str = "mpadvise-in-process",
     **option_values: Any,
 ) -> TuneResult:
     """Tune a training function in this process: the same trials, verdicts and search as

@@ -8,14 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 VERDICT_KINDS: tuple[str, ...] = (
-    "ok",
-    "diverged",
-    "stalled",
-    "skips",
-    "scale_collapse",
-    "underflow",
-    "reference_not_finite",
-    "too_short",
+    "ok", "diverged", "stalled", "skips", "scale_collapse", "underflow", "reference_not_finite", "too_short",
 )
 
 

@@ -31,22 +31,13 @@ __all__ = ["LOCAL_PAIRS", "REMEASURE_LEANING_ROUNDS", "REMEASURE_MAX_ROUNDS", "F
 
 
 def tune_policy(
-    runner: Runner,
-    profile: HardwareProfile,
-    options: TuneOptions | None = None,
-    *,
-    study_name: str = "mpadvise",
-    thresholds: StabilityThresholds | None = None,
-    dtype_ratio: dict[str, float] | None = None,
-    peak_tflops: dict[str, float] | None = None,
-    remeasure: bool = True,
-    workload: dict[str, Any] | None = None,
+    runner: Runner, profile: HardwareProfile, options: TuneOptions | None = None, *, study_name: str = "mpadvise",
+    thresholds: StabilityThresholds | None = None, dtype_ratio: dict[str, float] | None = None,
+    peak_tflops: dict[str, float] | None = None, remeasure: bool = True, workload: dict[str, Any] | None = None,
     on_start: Callable[[str], None] | None = None,
     on_done: Callable[[str, Evaluation | None, Measured], None] | None = None,
-    clock: Callable[[], float] | None = None,
-    limits: SpaceLimits | None = None,
-    on_round: Callable[[int, int, int], None] | None = None,
-    timing: Timing | None = None,
+    clock: Callable[[], float] | None = None, limits: SpaceLimits | None = None,
+    on_round: Callable[[int, int, int], None] | None = None, timing: Timing | None = None,
 ) -> TuneResult:
     """Find the fastest stable policy for the workload that ``runner`` runs.
 

@@ -54,44 +54,24 @@ class Evaluation:
     def to_dict(self) -> dict[str, Any]:
         r = self.result
         return {
-            "label": self.label,
-            "mode": self.policy.mode,
-            "policy": self.policy.to_dict(),
-            "outcome": self.outcome,
-            "stable": self.stable,
-            "reason": self.reason,
-            "verdict": None if self.verdict is None else self.verdict.to_dict(),
-            "goodput": self.goodput,
-            "speedup_vs_fp32": self.speedup,
-            "speed_vs_fp32": self.speed_verdict,
+            "label": self.label, "mode": self.policy.mode, "policy": self.policy.to_dict(), "outcome": self.outcome,
+            "stable": self.stable, "reason": self.reason,
+            "verdict": None if self.verdict is None else self.verdict.to_dict(), "goodput": self.goodput,
+            "speedup_vs_fp32": self.speedup, "speed_vs_fp32": self.speed_verdict,
             "final_loss_gap": self.final_loss_gap,
-            "step_time": None if self.timing is None else self.timing.to_dict(),
-            "peak_memory": r.peak_memory,
-            "memory_kind": r.memory_kind,
-            "skipped_steps": sum(1 for s in r.skipped if s),
-            "steps": len(r.losses),
-            "micro_batch": r.micro_batch,
-            "grad_accum_steps": r.grad_accum_steps,
-            "global_batch": r.global_batch,
-            "user_batch": r.user_batch,
-            "notes": list(r.notes),
-            "ranks": r.ranks,
-            "threads": r.threads,
-            "fsdp": r.fsdp,
-            "exit_code": r.exit_code,
-            "stderr_tail": r.stderr_tail if self.result.outcome != "ok" else "",
-            "wall_s": r.wall_s,
-            "phases": r.phases,
-            "losses": [json_float(v) for v in r.losses],
-            "step_times": list(r.step_times),
+            "step_time": None if self.timing is None else self.timing.to_dict(), "peak_memory": r.peak_memory,
+            "memory_kind": r.memory_kind, "skipped_steps": sum(1 for s in r.skipped if s), "steps": len(r.losses),
+            "micro_batch": r.micro_batch, "grad_accum_steps": r.grad_accum_steps, "global_batch": r.global_batch,
+            "user_batch": r.user_batch, "notes": list(r.notes), "ranks": r.ranks, "threads": r.threads,
+            "fsdp": r.fsdp, "exit_code": r.exit_code,
+            "stderr_tail": r.stderr_tail if self.result.outcome != "ok" else "", "wall_s": r.wall_s,
+            "phases": r.phases, "losses": [json_float(v) for v in r.losses], "step_times": list(r.step_times),
         }
 
 
 def curve_of(result: TrialResult, mode: str) -> TrialCurve:
     return TrialCurve(
-        mode=mode,
-        losses=result.losses,
-        skipped=result.skipped,
+        mode=mode, losses=result.losses, skipped=result.skipped,
         loss_scale=result.loss_scale if any(v is not None for v in result.loss_scale) else (),
         underflow=result.underflow if any(v is not None for v in result.underflow) else (),
         optimizer_eps=result.optimizer_eps,
@@ -108,13 +88,8 @@ def samples_per_step(result: TrialResult) -> int | None:
 
 
 def evaluate(
-    label: str,
-    policy: Policy,
-    result: TrialResult,
-    reference: TrialResult | None,
-    *,
-    thresholds: StabilityThresholds | None = None,
-    replicate: TrialCurve | None = None,
+    label: str, policy: Policy, result: TrialResult, reference: TrialResult | None, *,
+    thresholds: StabilityThresholds | None = None, replicate: TrialCurve | None = None,
 ) -> Evaluation:
     """Judge one result against the reference; a reference judged against itself is ``ok``.
 

@@ -134,15 +134,8 @@ def _framework(option: OptionInfo, value: Any) -> str:
 
 
 def _option(
-    default: Any,
-    help: str,
-    check: Callable[[OptionInfo, Any], Any],
-    *,
-    flags: tuple[str, ...] = (),
-    minimum: float | None = None,
-    above: bool = False,
-    job: bool = True,
-    job_limit: float | None = None,
+    default: Any, help: str, check: Callable[[OptionInfo, Any], Any], *, flags: tuple[str, ...] = (),
+    minimum: float | None = None, above: bool = False, job: bool = True, job_limit: float | None = None,
     trial: bool = False,
 ) -> Any:
     rules = {"help": help, "check": check, "flags": flags, "minimum": minimum, "above": above, "job": job,

@@ -50,13 +50,8 @@ class PairedRuns:
 
 
 def run_pairs(
-    runner: Runner,
-    comparison: Comparison,
-    rounds: int,
-    *,
-    thresholds: StabilityThresholds | None = None,
-    on_start: Callable[[int, str], None] | None = None,
-    on_done: Callable[[int, Evaluation], None] | None = None,
+    runner: Runner, comparison: Comparison, rounds: int, *, thresholds: StabilityThresholds | None = None,
+    on_start: Callable[[int, str], None] | None = None, on_done: Callable[[int, Evaluation], None] | None = None,
 ) -> list[PairedRuns]:
     """Run fp32 and each candidate the comparison found stable, ``rounds`` times, interleaved
     (fp32 first in even rounds, last in odd ones), each judged as the comparison judged it.

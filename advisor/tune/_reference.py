@@ -110,12 +110,8 @@ class Replicate:
 
 
 def run_replicate(
-    runner: Runner,
-    reference: TrialResult,
-    *,
-    stored: Mapping[str, Any] | None = None,
-    on_start: Callable[[str], None] | None = None,
-    draw: int = 0,
+    runner: Runner, reference: TrialResult, *, stored: Mapping[str, Any] | None = None,
+    on_start: Callable[[str], None] | None = None, draw: int = 0,
 ) -> Replicate | None:
     """fp32 again with its initial parameters perturbed, or the ``stored`` replicate of the same
     seed, perturbation and steps; ``None`` for a runner that cannot perturb."""
@@ -143,12 +139,8 @@ class Reference(NamedTuple):
 
 
 def run_reference(
-    runner: Runner,
-    *,
-    thresholds: StabilityThresholds | None = None,
-    on_start: Callable[[str], None] | None = None,
-    deadline: float | None = None,
-    clock: Callable[[], float] = time.monotonic,
+    runner: Runner, *, thresholds: StabilityThresholds | None = None, on_start: Callable[[str], None] | None = None,
+    deadline: float | None = None, clock: Callable[[], float] = time.monotonic,
 ) -> Reference:
     """Run fp32; while its loss still falls geometrically at the end of the window, run it again
     with twice the window (a 16-bit mode's loss floor shows only once fp32 has fallen below it), up
@@ -323,12 +315,8 @@ class Comparison(NamedTuple):
 
 
 def run_comparison(
-    runner: Runner,
-    candidates: list[tuple[Policy, str]],
-    *,
-    thresholds: StabilityThresholds | None = None,
-    on_start: Callable[[int, str], None] | None = None,
-    on_done: Callable[[int, Evaluation], None] | None = None,
+    runner: Runner, candidates: list[tuple[Policy, str]], *, thresholds: StabilityThresholds | None = None,
+    on_start: Callable[[int, str], None] | None = None, on_done: Callable[[int, Evaluation], None] | None = None,
 ) -> Comparison:
     """``mpadvise trial``'s comparison: fp32, its replicate, then each candidate judged against them.
 

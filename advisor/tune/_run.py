@@ -137,12 +137,8 @@ WAIT_IDLE_MAX_S = 3600.0
 
 
 def wait_until_idle(
-    profile: HardwareProfile | None,
-    *,
-    poll_s: float = 5.0,
-    max_wait_s: float = WAIT_IDLE_MAX_S,
-    on_wait: Callable[[list[int]], None] | None = None,
-    sleep: Callable[[float], None] = time.sleep,
+    profile: HardwareProfile | None, *, poll_s: float = 5.0, max_wait_s: float = WAIT_IDLE_MAX_S,
+    on_wait: Callable[[list[int]], None] | None = None, sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Block until NVML shows no other compute process on the profile's GPU (no-op on a CPU);
@@ -191,15 +187,8 @@ class ScriptRunner:
     """
 
     def __init__(
-        self,
-        script: str | os.PathLike[str],
-        args: list[str],
-        settings: TrialSettings,
-        *,
-        python: str | None = None,
-        wait_idle_on: HardwareProfile | None = None,
-        launch: Sequence[str] = (),
-        warm: WarmLauncher | None = None,
+        self, script: str | os.PathLike[str], args: list[str], settings: TrialSettings, *, python: str | None = None,
+        wait_idle_on: HardwareProfile | None = None, launch: Sequence[str] = (), warm: WarmLauncher | None = None,
     ) -> None:
         import sys
 

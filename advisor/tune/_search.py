@@ -86,21 +86,11 @@ def _suggest(trial: Any, space: SearchSpace) -> Candidate:
 
 
 def run_search(
-    space: SearchSpace,
-    evaluate: Callable[[Candidate], Measured],
-    options: TuneOptions,
-    *,
-    first: list[Candidate],
-    reference_goodput: float,
-    dtype_ratio: dict[str, float],
-    study_name: str = "mpadvise",
-    known: dict[Candidate, Measured] | None = None,
-    on_trial: Callable[[Candidate, Measured], None] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    replicate: dict[str, Any] | None = None,
-    hardware: str | None = None,
-    sleep: Callable[[float], None] = time.sleep,
-    workload: Mapping[str, Any] | None = None,
+    space: SearchSpace, evaluate: Callable[[Candidate], Measured], options: TuneOptions, *, first: list[Candidate],
+    reference_goodput: float, dtype_ratio: dict[str, float], study_name: str = "mpadvise",
+    known: dict[Candidate, Measured] | None = None, on_trial: Callable[[Candidate, Measured], None] | None = None,
+    clock: Callable[[], float] = time.monotonic, replicate: dict[str, Any] | None = None, hardware: str | None = None,
+    sleep: Callable[[float], None] = time.sleep, workload: Mapping[str, Any] | None = None,
 ) -> SearchOutcome:
     """Search ``space`` for the fastest stable candidate.
 

@@ -186,13 +186,8 @@ def micro_batch_choices(user_batch: int | None, *, scale_batch: bool = False) ->
 
 
 def space_for(
-    support: Mapping[str, object],
-    user_batch: int | None,
-    *,
-    include_emulated: bool = False,
-    scale_batch: bool = False,
-    modes: Iterable[str] | None = None,
-    limits: SpaceLimits | None = None,
+    support: Mapping[str, object], user_batch: int | None, *, include_emulated: bool = False,
+    scale_batch: bool = False, modes: Iterable[str] | None = None, limits: SpaceLimits | None = None,
     fsdp: bool = False,
 ) -> SearchSpace:
     """The space on this hardware: supported modes only (``support`` is
@@ -232,11 +227,7 @@ class Measured:
 
 
 def upper_bound(
-    candidate: Candidate,
-    measured: Mapping[Candidate, Measured],
-    *,
-    user_batch: int | None,
-    reference_goodput: float,
+    candidate: Candidate, measured: Mapping[Candidate, Measured], *, user_batch: int | None, reference_goodput: float,
     dtype_ratio: Mapping[str, float],
 ) -> float:
     """The most goodput this untried candidate could plausibly reach (0 when it cannot run).

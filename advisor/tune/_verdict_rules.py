@@ -219,16 +219,8 @@ def _bending_note(c: CurveComparison) -> str:
 
 
 STABILITY_CHECKS: tuple[Callable[[CurveComparison], Verdict | None], ...] = (
-    _reference_finite,
-    _candidate_finite,
-    _enough_steps,
-    _finite_tail,
-    _scale_collapse,
-    _persistent_skips,
-    _gradient_underflow,
-    _climb,
-    _progress,
-    _final_gap,
+    _reference_finite, _candidate_finite, _enough_steps, _finite_tail, _scale_collapse, _persistent_skips,
+    _gradient_underflow, _climb, _progress, _final_gap,
 )
 
 
