@@ -54,7 +54,9 @@ class CurveComparison:
 
     @cached_property
     def name(self) -> str:
-        return mode_label(self.candidate.mode)
+        """The mode as named in reasons: the mode class's label, or the name as given."""
+        cls = _mode_class(self.candidate.mode)
+        return self.candidate.mode if cls is None else cls.label()
 
     @property
     def ref_name(self) -> str:
@@ -65,7 +67,10 @@ class CurveComparison:
         return min(len(self.candidate), len(self.reference))
 
     def advice(self, kind: str) -> str:
-        return mode_advice(self.candidate.mode, kind, optimizer_eps=self.candidate.optimizer_eps)
+        """The mode class's advice after a failure ``kind`` (or ``"climbed"``); a mode that is not
+        registered gets the generic advice."""
+        cls = _mode_class(self.candidate.mode) or PrecisionMode
+        return cls.advice(kind, optimizer_eps=self.candidate.optimizer_eps)
 
     @cached_property
     def window(self) -> int:
@@ -140,17 +145,6 @@ def _mode_class(mode: str) -> type[PrecisionMode] | None:
         return mode_class(mode)
     except MpadviseError:
         return None
-
-
-def mode_advice(mode: str, kind: str, *, optimizer_eps: float | None = None) -> str:
-    """The mode class's advice after a failure ``kind`` (or ``"climbed"``) of ``mode``."""
-    return (_mode_class(mode) or PrecisionMode).advice(kind, optimizer_eps=optimizer_eps)
-
-
-def mode_label(mode: str) -> str:
-    """The mode as named in reasons: the mode class's label, or the name as given."""
-    cls = _mode_class(mode)
-    return mode if cls is None else cls.label()
 
 
 def first_nonfinite(losses: Sequence[float], skipped: Callable[[int], bool]) -> int | None:

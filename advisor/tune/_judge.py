@@ -111,18 +111,13 @@ def evaluate(
         verdict = judge(curve_of(result, policy.mode), curve_of(reference, "fp32"), thresholds,
                         replicate=replicate)
         gap = verdict.metrics.get("final_gap")
-        speedup, speed_verdict = _speed(timing, good, reference, thresholds)
+        comparison = compare(timing, summarize(reference.step_times, warmup_of(reference)))
+        ref_good = _goodput(reference, thresholds)
+        # Goodput counts samples, so a candidate with another micro-batch compares fairly;
+        # without sample counts, fall back to the step-time ratio.
+        speedup = good / ref_good if good is not None and ref_good else comparison.ratio
+        speed_verdict = comparison.verdict
     return Evaluation(label, policy, result, verdict, timing, good, speedup, speed_verdict, gap)
-
-
-def _speed(timing: TimingSummary, good: float | None, fp32: TrialResult,
-           thresholds: StabilityThresholds) -> tuple[float | None, str]:
-    """A trial's speed-up over the fp32 trial ``fp32``, and the speed verdict (faster, slower, tie)."""
-    comparison = compare(timing, summarize(fp32.step_times, warmup_of(fp32)))
-    ref_good = _goodput(fp32, thresholds)
-    # Goodput counts samples, so a candidate with another micro-batch compares fairly;
-    # without sample counts, fall back to the step-time ratio.
-    return (good / ref_good if good is not None and ref_good else comparison.ratio), comparison.verdict
 
 
 def summed_loss_split(result: TrialResult, reference: TrialResult) -> str | None:

@@ -12,8 +12,8 @@ import hashlib
 import json
 import os
 import shlex
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, suppress
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -226,7 +226,8 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
         runner = ScriptRunner(path, list(request.args), TrialSettings.for_tune(options), wait_idle_on=wait_idle_on,
                               launch=launch.launch, warm=warm)
     # The budget plus the reference and its replicate; then each round of re-measurement.
-    with (progress or _silent)(options.trials + 2) as (on_start, on_done, on_round):
+    silent = (lambda *a: None,) * 3
+    with (progress or (lambda total: nullcontext(silent)))(options.trials + 2) as (on_start, on_done, on_round):
         result = tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
                              on_start=on_start, on_done=on_done, on_round=on_round, limits=launch.limits)
     config_file, cache_id = keep_answer(result, options, profile, path, request.args, framework=launch.framework)
@@ -322,11 +323,6 @@ def check_judgeable_window(options: TuneOptions, thresholds: StabilityThresholds
 
 def _config_out(options: TuneOptions, script: Path) -> Path:
     return Path(options.out) if options.out is not None else config_path_for(script)
-
-
-@contextmanager
-def _silent(total: int) -> Iterator[ProgressCallbacks]:
-    yield (lambda *a: None, lambda *a: None, lambda *a: None)
 
 
 def _resolved(options: TuneOptions, profile: HardwareProfile) -> TuneOptions:

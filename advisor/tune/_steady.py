@@ -160,17 +160,15 @@ class SteadyRunner:
 
     _DERIVING = ("perturbed", "with_measure_steps", "with_flop_count")
 
-    def __init__(self, runner: Any, watch: DisturbanceWatch, *,
-                 on_rerun: Callable[[Disturbance], None] | None = None) -> None:
+    def __init__(self, runner: Any, watch: DisturbanceWatch) -> None:
         self.runner = runner
         self.watch = watch
-        self.on_rerun = on_rerun
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.runner, name)
         if name in self._DERIVING:
             def derive(*args: Any, **kwargs: Any) -> SteadyRunner:
-                return SteadyRunner(value(*args, **kwargs), self.watch, on_rerun=self.on_rerun)
+                return SteadyRunner(value(*args, **kwargs), self.watch)
             return derive
         return value
 
@@ -185,24 +183,17 @@ class SteadyRunner:
             event = self.watch.check(result, label, attempt, others)
             if event is None:
                 return result
-            if event.rerun and _repeats(event, [e for _, e in runs]):
+            # Two runs that spread alike (within SPREAD_FACTOR): the machine is this busy now.
+            if event.rerun and event.spread is not None and any(
+                    e.spread is not None and max(e.spread, event.spread) <= SPREAD_FACTOR * min(e.spread, event.spread)
+                    for _, e in runs):
                 event = dataclasses.replace(event, rerun=False, kept="repeats")
             elif not event.rerun:
                 event = dataclasses.replace(event, kept="spent")
             self.watch.events.append(event)
-            if self.on_rerun is not None:
-                self.on_rerun(event)
             runs.append((result, event))
             if not event.rerun:
                 return self.watch.keep(runs)
-
-
-def _repeats(event: Disturbance, earlier: list[Disturbance]) -> bool:
-    """Whether ``event``'s spread matches an earlier run's within ``SPREAD_FACTOR``."""
-    if event.spread is None:
-        return False
-    return any(e.spread is not None and max(e.spread, event.spread) <= SPREAD_FACTOR * min(e.spread, event.spread)
-               for e in earlier)
 
 
 class Timing(Protocol):

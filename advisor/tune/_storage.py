@@ -236,12 +236,10 @@ def unreachable(exc: BaseException) -> bool:
     if any(isinstance(inner, gone) or (isinstance(inner, sqlalchemy.exc.DBAPIError) and inner.connection_invalidated)
            for inner in error_chain(exc)):
         return True
-    return False if not isinstance(exc, optuna.exceptions.StorageInternalError) else _unreachable_cause(exc)
-
-
-def _unreachable_cause(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return any(word in text for word in ("connection", "server closed", "terminating", "could not connect"))
+    if not isinstance(exc, optuna.exceptions.StorageInternalError):
+        return False
+    # An Optuna storage error whose cause is lost with its message: the server's words say.
+    return any(word in str(exc).lower() for word in ("connection", "server closed", "terminating", "could not connect"))
 
 
 _OPENED: dict[str, tuple[Any, Heartbeat]] = {}

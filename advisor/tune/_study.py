@@ -229,9 +229,11 @@ def read_trials(study: Any, *, exclude: int | None = None) -> StudyTrials:
                 # stored before pruned proposals were marked as such.
                 (pruned if data.get("pruned") or not m.outcome else measured).append(m)
             continue
-        claim = _claim_of(frozen)
-        if claim is None or frozen.number == exclude:
+        # A retried copy inherits its original's claim, which names the original's number.
+        data = frozen.user_attrs.get(TRIAL_ATTR_CLAIM)
+        if not isinstance(data, dict) or data.get("trial") != frozen.number or frozen.number == exclude:
             continue
+        claim = candidate_from(data)
         if frozen.state == state.RUNNING:
             running.setdefault(claim, frozen.number)
         elif frozen.state == state.FAIL and TRIAL_ATTR_CLOSED not in frozen.user_attrs:
@@ -243,14 +245,6 @@ def claim(trial: Any, candidate: Candidate, worker: str) -> None:
     """Claim ``candidate`` in the trial (its number included, so that a retried copy's inherited
     claim is told apart)."""
     trial.set_user_attr(TRIAL_ATTR_CLAIM, {**candidate_to(candidate), "trial": trial.number, "worker": worker})
-
-
-def _claim_of(frozen: Any) -> Candidate | None:
-    """The candidate a trial claimed; ``None`` for none, or for a retried copy's inherited claim."""
-    claim = frozen.user_attrs.get(TRIAL_ATTR_CLAIM)
-    if not isinstance(claim, dict) or claim.get("trial") != frozen.number:
-        return None
-    return candidate_from(claim)
 
 
 def add_result(study: Any, trial: Any, measured: Measured, worker: str) -> None:
