@@ -1,10 +1,4 @@
-"""The judge stage: each trial's verdict against the fp32 reference.
-
-``evaluate`` is the stage's entry: it judges one result against the reference (the stability
-verdict from ``advisor.tune._stability``, widened to the replicate's spread), with its timing
-summary, goodput and speed-up over fp32. The reference and its replicate, the yardsticks it is
-judged against, come from ``advisor.tune._reference``.
-"""
+"""The judge stage: each trial's verdict, timing, goodput and speed-up against the fp32 reference."""
 
 from __future__ import annotations
 
@@ -91,10 +85,8 @@ def evaluate(
     label: str, policy: Policy, result: TrialResult, reference: TrialResult | None, *,
     thresholds: StabilityThresholds | None = None, replicate: TrialCurve | None = None,
 ) -> Evaluation:
-    """Judge one result against the reference; a reference judged against itself is ``ok``.
-
-    ``replicate`` (fp32 with perturbed initial parameters) widens the stability limits to its spread.
-    """
+    """Judge one result against the reference (itself: ``ok``), the limits widened to ``replicate``'s
+    spread."""
     thresholds = thresholds or StabilityThresholds()
     summed = None if reference is None else summed_loss_split(result, reference)
     if summed is not None:
@@ -121,15 +113,9 @@ def evaluate(
 
 
 def summed_loss_split(result: TrialResult, reference: TrialResult) -> str | None:
-    """Why a split candidate cannot keep the script's optimisation when its loss is summed over
-    the batch, or ``None``.
-
-    ``step()`` divides each micro-batch's loss by the accumulation count, which keeps a mean-
-    reduced loss's gradient. A loss summed over the batch is already smaller per micro-batch,
-    and divided again its gradient shrinks by that count: the split trains at another learning
-    rate. Both trials start from the same weights on the same data, so the first step shows it:
-    a summed loss's micro-batches average to fp32's first loss divided by the count.
-    """
+    """Why a split candidate cannot keep the script's optimisation when its loss is summed over the
+    batch, or ``None``: ``step()`` divides each micro-batch's loss by the accumulation count, so a
+    summed loss's gradient shrinks by that count, which the first step shows against fp32's."""
     accum = result.grad_accum_steps or 1
     if accum < 2 or (reference.grad_accum_steps or 1) != 1 or not result.losses or not reference.losses:
         return None

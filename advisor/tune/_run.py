@@ -178,7 +178,33 @@ def prestarted_launcher(script: str | os.PathLike[str], args: Sequence[str], lau
     return warm
 
 
-class ScriptRunner:
+class _Derives:
+    """The runners derived from one: the same workload with other settings (``_with``)."""
+
+    settings: TrialSettings
+
+    def _with(self, **settings: Any) -> Any:
+        raise NotImplementedError
+
+    @property
+    def seed(self) -> int:
+        return self.settings.seed
+
+    @property
+    def measure_steps(self) -> int:
+        return self.settings.measure_steps
+
+    def perturbed(self, perturb: str, draw: int = 0) -> Any:
+        return self._with(perturb=perturb, perturb_draw=draw)
+
+    def with_measure_steps(self, steps: int) -> Any:
+        return self._with(measure_steps=steps)
+
+    def with_flop_count(self, on: bool = True) -> Any:
+        return self._with(count_flops=on)
+
+
+class ScriptRunner(_Derives):
     """Run ``python script args`` once per candidate, each in its own process, forked from a warm
     server (``advisor.trial.WarmLauncher``) shared with the runners derived from this one.
 
@@ -212,23 +238,6 @@ class ScriptRunner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def seed(self) -> int:
-        return self.settings.seed
-
-    def perturbed(self, perturb: str, draw: int = 0) -> ScriptRunner:
-        return self._with(perturb=perturb, perturb_draw=draw)
-
-    @property
-    def measure_steps(self) -> int:
-        return self.settings.measure_steps
-
-    def with_measure_steps(self, steps: int) -> ScriptRunner:
-        return self._with(measure_steps=steps)
-
-    def with_flop_count(self, on: bool = True) -> ScriptRunner:
-        return self._with(count_flops=on)
-
     def _with(self, **settings: Any) -> ScriptRunner:
         derived = ScriptRunner(self.script, self.args, dataclasses.replace(self.settings, **settings),
                                python=self.python, wait_idle_on=self.wait_idle_on, launch=self.launch, warm=self.warm)
@@ -255,7 +264,7 @@ class ScriptRunner:
                              launch=self.settings.launch(self.python, self.launch), warm=self.warm)
 
 
-class FunctionRunner:
+class FunctionRunner(_Derives):
     """Run ``train_fn(mp)`` in this process once per candidate; it must build its model and data
     inside, so every candidate starts from the same seed."""
 
@@ -268,22 +277,8 @@ class FunctionRunner:
         self.train_fn = train_fn
         self.settings = settings
 
-    @property
-    def seed(self) -> int:
-        return self.settings.seed
-
-    def perturbed(self, perturb: str, draw: int = 0) -> FunctionRunner:
-        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, perturb=perturb, perturb_draw=draw))
-
-    @property
-    def measure_steps(self) -> int:
-        return self.settings.measure_steps
-
-    def with_measure_steps(self, steps: int) -> FunctionRunner:
-        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, measure_steps=steps))
-
-    def with_flop_count(self, on: bool = True) -> FunctionRunner:
-        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, count_flops=on))
+    def _with(self, **settings: Any) -> FunctionRunner:
+        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, **settings))
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         profile = probes.profile_for(self.settings.device)

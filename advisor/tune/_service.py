@@ -131,10 +131,8 @@ class TuneRequest:
 
 @dataclass
 class ScriptTune:
-    """A finished tune of a script: what the tuner decided, and where its answer went.
-
-    ``result`` is ``None`` and ``stored`` set for an answer read back from its study (no trial ran).
-    """
+    """A finished tune of a script and where its answer went; ``result`` is ``None`` and ``stored``
+    set for an answer read back from its study."""
 
     result: TuneResult | None
     request: TuneRequest

@@ -45,11 +45,8 @@ class Heartbeat:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Heartbeat:
-        """The settings from the environment (the grace defaults to four intervals).
-
-        Raises:
-            MpadviseError: a value that is not a whole number in range, naming the variable.
-        """
+        """The settings from the environment (the grace defaults to four intervals); MpadviseError
+        naming a variable that is not a whole number in range."""
         interval = whole_env(environ, HEARTBEAT_ENV, cls.interval_s, minimum=1, unit="seconds")
         grace = whole_env(environ, GRACE_ENV, 4 * interval, minimum=1, unit="seconds")
         if grace <= interval:
@@ -247,14 +244,8 @@ _OPENED_LOCK = threading.Lock()
 
 
 def open_storage(url: str) -> tuple[Any, Heartbeat]:
-    """The Optuna RDB storage for ``url`` and its heartbeat settings; opened once per process
-    and URL.
-
-    Raises:
-        UsageError: (exit 2) a URL that is not one, or names an unknown database or driver.
-        MpadviseError: a missing driver, an unreachable or refusing server, a bad heartbeat
-            setting; one line.
-    """
+    """The Optuna RDB storage for ``url`` and its heartbeat settings, opened once per process and URL
+    (UsageError for a URL that is not one; MpadviseError in one line for any other failure)."""
     with _OPENED_LOCK:
         if url not in _OPENED:
             heartbeat = Heartbeat.from_environ(os.environ)

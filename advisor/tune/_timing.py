@@ -51,12 +51,8 @@ class Comparison:
 
 
 def summarize(step_times: Sequence[float], warmup: int = DEFAULT_WARMUP) -> TimingSummary:
-    """Summarise step times after discarding the ``warmup`` leading steps.
-
-    Raises:
-        ValueError: ``warmup`` is negative, a step time is negative or not finite, or no
-            step is left after the warm-up.
-    """
+    """Summarise step times after discarding the ``warmup`` leading steps (ValueError, naming the
+    problem, for a bad step time or warm-up, or none left)."""
     measured = np.asarray(_measured("step_times", step_times, warmup))
     median, q1, q3 = (float(v) for v in np.quantile(measured, [0.5, 0.25, 0.75]))
     return TimingSummary(n=len(measured), median=median, q1=q1, q3=q3, iqr=q3 - q1,
