@@ -1,9 +1,5 @@
-"""The confirm stage: a bounded, paired re-measure of the finalists within noise of the best.
-
-Finalists run in interleaved rounds (alternating order, so a slow spell of the machine hits them
-alike) beside fp32 until every gap to the leader is settled; the winner is the fastest unless a
-safer finalist is within the noise (ties go to safety).
-"""
+"""The confirm stage: a bounded, paired re-measure of the finalists within noise of the best,
+in interleaved rounds beside fp32; ties go to the safer finalist."""
 
 from __future__ import annotations
 

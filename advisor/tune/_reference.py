@@ -1,9 +1,6 @@
-"""The yardsticks every verdict is judged against: the fp32 reference and its replicate.
-
-The replicate is fp32 again with its initial parameters perturbed once by about one bf16
-rounding: how far it drifts is how much this workload amplifies a perturbation of precision's
-size, which widens the stability limits (``advisor.tune._spread``).
-"""
+"""The yardsticks every verdict is judged against: the fp32 reference and its replicate (fp32
+with its initial parameters perturbed once by about one bf16 rounding, whose drift widens the
+stability limits)."""
 
 from __future__ import annotations
 

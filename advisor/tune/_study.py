@@ -1,9 +1,7 @@
 """A study in the Optuna storage: opening it, its records, and its trials asked and told.
 
-The search calls this small interface and never optuna itself. One study may be shared by many
-workers: each claims a trial's candidate before running it and reads the others' results and
-claims before every proposal; a trial whose worker goes silent (no heartbeat) is failed after a
-grace period, and Optuna's retry callback queues it again for a live worker.
+Workers sharing a study claim a trial's candidate before running it; a trial whose worker goes
+silent (no heartbeat) is failed after a grace period and queued again for a live worker.
 """
 
 from __future__ import annotations

@@ -111,17 +111,13 @@ def finished_trials(storage: str | None, study_name: str) -> int:
 
 
 def check_study_workload(storage: str | None, study_name: str, workload: Mapping[str, Any], *, resume: bool) -> bool:
-    """``resume``, or ``False`` when a stored study of another workload must not be continued.
-
-    A study keeps the workload fingerprint and model signature of its fp32 reference. A study of
-    this machine of another workload is refused where it holds finished trials (they are never
-    deleted unasked), else a fresh one starts with a warning; a shared study is refused either way.
-    A resumed study that keeps no workload (an earlier mpadvise) is treated as changed.
+    """``resume``, or ``False`` when a stored study of another workload (its fp32 reference's
+    fingerprint and model signature) must not be continued: a study of this machine that holds
+    finished trials, or a shared one, is refused; an empty one starts afresh with a warning.
 
     Raises:
         UsageError: a study of this machine of another workload that holds finished trials.
-        MpadviseError: a shared study of another workload, or a storage that refuses or stays
-            unreachable through the retries.
+        MpadviseError: a shared study of another workload, or a storage that stays unreachable.
     """
     shared = shared_storage(storage)
     if storage is None or not (resume or shared):
