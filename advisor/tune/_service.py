@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import probes
 from advisor._log import get_logger
@@ -59,16 +59,6 @@ def run_ratio_text(ev: Evaluation | None) -> str:
     return f", this run {ev.speedup:.2f}x the fp32 reference run"
 
 
-class _Plan(Protocol):  # advisor.frameworks.ScriptPlan, as this layer reads it
-    framework: str | None
-    detected: bool
-    launch: tuple[str, ...]
-    limits: SpaceLimits | None
-
-    @property
-    def label(self) -> str: ...
-
-
 @dataclass(frozen=True)
 class ScriptLaunch:
     """How the trials of one script start, as data (``advisor.frameworks.ScriptPlan``'s facts):
@@ -81,7 +71,7 @@ class ScriptLaunch:
     label: str = "the loop API"
 
     @classmethod
-    def of(cls, plan: _Plan) -> ScriptLaunch:
+    def of(cls, plan: Any) -> ScriptLaunch:  # an advisor.frameworks.ScriptPlan, a layer above
         return cls(plan.framework, plan.detected, tuple(plan.launch), plan.limits, plan.label)
 
     def to_dict(self) -> dict[str, Any]:
