@@ -194,6 +194,11 @@ def is_postgres(url: str) -> bool:
     return url.partition("://")[0].split("+")[0] in ("postgresql", "postgres")
 
 
+def timeout_kwargs(url: str) -> dict[str, Any]:
+    """SQLAlchemy engine arguments that bound a PostgreSQL server's first connection."""
+    return {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}} if is_postgres(url) and "connect_timeout" not in url else {}
+
+
 def error_chain(exc: BaseException | None) -> Iterator[BaseException]:
     """``exc``, then each error it was raised from or while handling, each once."""
     seen: set[int] = set()
@@ -262,11 +267,9 @@ def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
     # is handed anyway; with no handler of its own, Python would print it on the terminal.
     if not any(isinstance(h, logging.NullHandler) for h in logging.getLogger("sqlalchemy").handlers):
         logging.getLogger("sqlalchemy").addHandler(logging.NullHandler())
-    engine_kwargs: dict[str, Any] = {}
+    engine_kwargs = timeout_kwargs(url)
     if not url.startswith("sqlite"):
         engine_kwargs["pool_pre_ping"] = True  # a server restarted since the last trial drops old connections
-    if is_postgres(url) and "connect_timeout" not in url:
-        engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
     for attempt in range(OPEN_ATTEMPTS):
         try:
             with quiet():

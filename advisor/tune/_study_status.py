@@ -8,8 +8,6 @@ from typing import Any
 
 from advisor._log import get_logger
 from advisor.tune._storage import (
-    CONNECT_TIMEOUT_S,
-    is_postgres,
     open_storage,
     quiet,
     shared_storage,
@@ -19,6 +17,7 @@ from advisor.tune._storage import (
     storage_exists,
     storage_failure,
     storage_url,
+    timeout_kwargs,
 )
 from advisor.tune._storage_retry import riding_out
 from advisor.tune._study import (
@@ -178,9 +177,7 @@ def study_status(storage: str, study_name: str | None = None, *, missing_ok: boo
         path = storage.partition(":///")[2].partition("?")[0]
         raise UsageError(f"no study storage at {shown!r}: the file {path or '(none)'} does not exist; expected "
                          "the SQLite file a tune wrote (by default studies.db in the cache directory)")
-    engine_kwargs: dict[str, Any] = {}
-    if is_postgres(storage) and "connect_timeout" not in storage:
-        engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
+    engine_kwargs = timeout_kwargs(storage)
     try:
         engine = sqlalchemy.create_engine(storage_url(storage), **engine_kwargs)
         try:
