@@ -1,22 +1,10 @@
 """Trials and the search: run candidates (subprocess or in process), judge their stability
 against the fp32 reference, time them fairly, and search for the fastest stable policy.
 
-The tune is five stages, one module each, composed by ``_engine``: ``_plan`` (space, priors,
-bounds), ``_run`` (trials through one runner interface, warm or cold), ``_judge`` (verdicts
-against fp32, with ``_reference`` for the fp32 yardsticks and ``_stability`` for the verdict:
-its data in ``_curves``, its measurements in ``_comparison``, its checks in ``_verdict_rules``),
-``_confirm`` (a bounded paired re-measure of close finalists) and ``_answer`` (the winner, its
-speed-up and the data the report, config and cache need). ``_trials`` is the tune's trial book.
-Timing noise sits behind one ``Timing`` strategy in ``_steady`` (with the statistics in
-``_timing``). Around them: ``_space`` (candidates and priors), ``_search`` (the Optuna
-ask-and-tell loop), the study storage behind it (``_storage``: URLs, opening, errors;
-``_storage_retry``: outages ridden out; ``_study``: the study's records, claims, heartbeats,
-asks and tells; ``_study_status``: reads before a tune and ``study status``), ``_service`` (one
-tune of a script end to end: study, storage, config file, cache entry), ``_api`` (``advisor.tune``), ``_checks`` (script and mode checks before a run),
-``_options`` (the tune options, declared once for the CLI, the API and the daemon), and ``job``
-(``python -m advisor.tune.job REQUEST.json RESULT.json``, the daemon's entry point). Arrows: tune
-uses ``trial``, ``runtime`` and ``cache`` (to record its answer), ``policies`` and ``probes``;
-nothing in it imports the frameworks, the daemon or the CLI.
+The tune is five stages composed by ``_engine``: ``_plan``, ``_run``, ``_judge`` (with
+``_reference`` and ``_stability``), ``_confirm`` and ``_answer``; timing noise sits behind the
+``Timing`` strategy in ``_steady``. ``_service`` tunes a script end to end; nothing here imports
+the frameworks, the daemon or the CLI.
 """
 
 from __future__ import annotations
@@ -75,63 +63,13 @@ from advisor.tune._trials import (
 )
 
 __all__ = [
-    "Basis",
-    "DisturbanceWatch",
-    "SteadyRunner",
-    "Timing",
-    "CpuTiming",
-    "GpuTiming",
-    "timing_for",
-    "Evaluation",
-    "KeptStudy",
-    "Measured",
-    "SpaceLimits",
-    "StabilityThresholds",
-    "TrialCurve",
-    "DEFAULT_MEASURE_STEPS",
-    "DEFAULT_WARMUP_STEPS",
-    "PAIRS_MAX",
-    "PairedRuns",
-    "EXIT_FOUND",
-    "EXIT_NONE_STABLE",
-    "WAIT_IDLE_ENV",
-    "Comparison",
-    "OptionInfo",
-    "ScriptLaunch",
-    "ScriptRunner",
-    "ScriptTune",
-    "TrialSettings",
-    "TuneOptions",
-    "TuneProgress",
-    "TuneRequest",
-    "TuneResult",
-    "basis",
-    "calls_load_policy",
-    "check_judgeable_window",
-    "check_modes",
-    "check_rank_device",
-    "check_script",
-    "curve_of",
-    "default_storage",
-    "default_storage_url",
-    "finished_trials",
-    "kept_study",
-    "default_trial_modes",
-    "keep_answer",
-    "option_info",
-    "prestarted_launcher",
-    "resolve_storage",
-    "run_comparison",
-    "run_pairs",
-    "pairs_runs",
-    "shared_storage",
-    "study_status",
-    "shown_url",
-    "smooth",
-    "run_ratio_text",
-    "study_name_for",
-    "study_name_from",
-    "tune",
-    "tune_plan",
-    "tune_script",
+    "Basis", "Comparison", "CpuTiming", "DEFAULT_MEASURE_STEPS", "DEFAULT_WARMUP_STEPS", "DisturbanceWatch",
+    "EXIT_FOUND", "EXIT_NONE_STABLE", "Evaluation", "GpuTiming", "KeptStudy", "Measured", "OptionInfo", "PAIRS_MAX",
+    "PairedRuns", "ScriptLaunch", "ScriptRunner", "ScriptTune", "SpaceLimits", "StabilityThresholds", "SteadyRunner",
+    "Timing", "TrialCurve", "TrialSettings", "TuneOptions", "TuneProgress", "TuneRequest", "TuneResult",
+    "WAIT_IDLE_ENV", "basis", "calls_load_policy", "check_judgeable_window", "check_modes", "check_rank_device",
+    "check_script", "curve_of", "default_storage", "default_storage_url", "default_trial_modes", "finished_trials",
+    "keep_answer", "kept_study", "option_info", "pairs_runs", "prestarted_launcher", "resolve_storage",
+    "run_comparison", "run_pairs", "run_ratio_text", "shared_storage", "shown_url", "smooth", "study_name_for",
+    "study_name_from", "study_status", "timing_for", "tune", "tune_plan", "tune_script",
 ]

@@ -1,17 +1,11 @@
-"""The answer stage: the winner, its one speed-up figure with its interval, and everything the
-report, the config file and the cache need.
-
-``answer`` is the stage's entry: it picks the winner among the confirmed finalists (ties go to
-the safer policy), computes its speed-up over fp32 (the paired re-measurement where there is
-one), and builds its policy with the ``[tuned_on]`` record. ``TuneResult`` carries it all;
-``tune_rows`` and ``TuneResult.to_dict`` are the data the report and the JSON show.
-"""
+"""The answer stage: the winner (ties go to the safer policy), its one speed-up figure with its
+interval, and everything the report, the config file and the cache need."""
 
 from __future__ import annotations
 
 import datetime as dt
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from advisor.runtime import script_digest
@@ -24,7 +18,7 @@ from advisor.tune._confirm import (
     paired,
     pick_winner,
 )
-from advisor.tune._judge import Evaluation
+from advisor.tune._judge import Evaluation, warmup_of
 from advisor.tune._search import SearchOutcome
 from advisor.tune._space import Candidate, Measured, SearchSpace, preference_key
 from advisor.tune._steady import REMEASURE_LEANING_ROUNDS, REMEASURE_MAX_ROUNDS, Disturbance
@@ -38,18 +32,7 @@ from probes import HardwareProfile, hardware_fingerprint
 @dataclass(frozen=True)
 class Speedup:
     """The winner's goodput over fp32's: the one speed-up figure a tune reports, writes and caches.
-
-    Attributes:
-        ratio: the speed-up, rounded to 4 decimals (above 1 when the winner is faster).
-        low: the lower end of its confidence interval; ``None`` where there is none (single
-            runs, a single pair).
-        high: the upper end; ``None`` likewise.
-        pairs: the paired runs of the winner and fp32 it rests on (0 for single runs, and for
-            fp32 itself).
-        confidence: the interval's confidence level.
-        basis: what it rests on, in words: ``"paired re-measurement, 4 pairs"``, ``"single runs,
-            not re-measured"``, ``"the fp32 reference itself"``.
-    """
+    ``low``/``high`` are ``None`` without an interval; ``basis`` says what it rests on, in words."""
 
     ratio: float
     low: float | None = None
@@ -60,34 +43,24 @@ class Speedup:
 
     @classmethod
     def of_gap(cls, gap: Gap) -> Speedup:
-        """The paired gap of the winner over fp32, as the speed-up."""
         bounded = gap.pairs >= 2 and math.isfinite(gap.high) and gap.low > 0
         return cls(round(gap.ratio, 4), _bound(gap.low) if bounded else None, _bound(gap.high) if bounded else None,
                    gap.pairs, gap.confidence, f"paired re-measurement, {gap.pairs} pair{'' if gap.pairs == 1 else 's'}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ratio": self.ratio, "low": self.low, "high": self.high, "pairs": self.pairs,
-                "confidence": self.confidence, "basis": self.basis}
+        return asdict(self)
 
 
 def _bound(end: float) -> float:
-    """An interval's end to four decimals, or to four significant digits below 0.001x: two pairs
-    that scatter widely can put the low end under 0.0001x, which four decimals make zero."""
+    """An interval's end to four decimals, or four significant digits below 0.001x (which four
+    decimals would make zero)."""
     return round(end, 4) if end >= 1e-3 else float(f"{end:.4g}")
 
 
 @dataclass(frozen=True)
 class TuneCost:
     """What a tune cost, in trial-equivalents: its wall time over one measured window (the fp32
-    reference's measured steps), so that start-up, warm-up and every rerun show as overhead.
-
-    Attributes:
-        wall_s: the tune's wall time, in seconds.
-        trials: trials run in all (the reference, its replicate, the search, the reruns of
-            disturbed or lost trials and the rounds of re-measurement).
-        window_s: one measured window, in seconds; ``None`` when the reference had no timeline.
-        trial_equivalents: ``wall_s / window_s``; ``None`` without a window.
-    """
+    reference's), so that start-up, warm-up and every rerun show as overhead."""
 
     wall_s: float
     trials: int
@@ -96,16 +69,11 @@ class TuneCost:
 
     @classmethod
     def of(cls, ran: list[TrialResult], wall_s: float, reference: TrialResult | None) -> TuneCost:
-        """The cost of a tune that ran ``ran`` in ``wall_s`` seconds, in windows of the kept
-        ``reference`` (not a disturbed first run of it)."""
         window = None if reference is None else reference.phases.get("measured")
         return cls(round(wall_s, 3), len(ran), window, round(wall_s / window, 1) if window else None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"wall_s": self.wall_s, "trials": self.trials, "window_s": self.window_s,
-                "trial_equivalents": self.trial_equivalents}
-
-
+        return asdict(self)
 
 
 @dataclass
@@ -139,7 +107,6 @@ class TuneResult:
     round_bounds: tuple[int, int] = (REMEASURE_MAX_ROUNDS, REMEASURE_LEANING_ROUNDS)  # the timing's round bounds
 
     def utilisation(self, cand: Candidate) -> Utilisation | None:
-        """A measured candidate's achieved TFLOP/s and MFU, from the reference's FLOP count."""
         ev = self.evaluations.get(cand)
         if ev is None or ev.timing is None:
             return None
@@ -147,13 +114,11 @@ class TuneResult:
 
     @property
     def winner_speedup(self) -> float | None:
-        """The winner's speed-up over fp32 (``speedup.ratio``); ``None`` without a winner."""
         return None if self.speedup is None else self.speedup.ratio
 
     def decisive_gap(self) -> dict[str, Any] | None:
-        """The re-measured gap the choice rests on: the leader's over the winner when a safer
-        finalist won a tie; else over the closest of the safer finalists it beat (the closest
-        rival when none is safer); ``None`` when nothing was re-measured."""
+        """The re-measured gap the choice rests on: the leader's over the winner, or over the closest
+        safer finalist it beat; ``None`` when nothing was re-measured."""
         rivals = [f for f in self.finalists if f.gap is not None]
         leader = next((f for f in self.finalists if f.gap is None), None)
         if not rivals or leader is None:
@@ -172,9 +137,8 @@ class TuneResult:
                       key=lambda item: (not (item[1].stable and item[1].feasible), -item[1].goodput))
 
     def paired_speedup(self, cand: Candidate) -> Speedup | None:
-        """A finalist's speed-up over fp32 from the rounds it ran beside fp32 in this run (the
-        same computation as the winner's figure); ``None`` for fp32 itself, and for a candidate
-        never re-measured beside it."""
+        """A finalist's speed-up over fp32 from its rounds beside fp32 in this run; ``None`` for fp32
+        itself and a candidate never re-measured beside it."""
         finalist = next((f for f in self.finalists if f.candidate == cand), None)
         if finalist is None or cand.mode == "fp32" and finalist.rounds == self.reference_rounds:
             return None
@@ -183,8 +147,7 @@ class TuneResult:
         return Speedup.of_gap(gap) if gap.pairs else None
 
     def resumed(self, cand: Candidate) -> bool:
-        """Whether a measured candidate's search figure is not this run's: taken from the stored
-        study (an earlier run's, or another worker's)."""
+        """Whether a measured candidate's search figure was taken from the stored study."""
         return cand in self.search.measured and cand not in self.evaluations
 
     def to_dict(self) -> dict[str, Any]:
@@ -240,7 +203,7 @@ def tune_rows(result: TuneResult) -> list[dict[str, Any]]:
         search_speedup = m.goodput / ref_good if ref_good and not resumed else None
         won = cand == result.winner
         paired_figure = result.paired_speedup(cand)
-        spread = None if ev is None else step_time_range(ev.result.step_times, _warmup_of(ev.result))
+        spread = None if ev is None else step_time_range(ev.result.step_times, warmup_of(ev.result))
         found = result.utilisation(cand)
         rows.append({
             "label": cand.label,
@@ -271,11 +234,6 @@ def tune_rows(result: TuneResult) -> list[dict[str, Any]]:
     return rows
 
 
-def _warmup_of(result: TrialResult) -> int:
-    """The warm-up steps to drop, leaving at least one timed step for a short run."""
-    return min(result.warmup_steps, max(0, len(result.step_times) - 1))
-
-
 @dataclass(frozen=True)
 class Answer:
     """What ``answer`` decided: the winner, its policy, its speed-up and the tie note."""
@@ -289,17 +247,8 @@ class Answer:
 
 def answer(confirmed: Confirmed, trials: Trials, ref_cand: Candidate, reference_goodput: float,
            profile: HardwareProfile, workload: dict[str, Any] | None, trial_count: int) -> Answer:
-    """The winner among the confirmed finalists, its speed-up over fp32 and its tuned policy.
-
-    Args:
-        confirmed: the finalists as re-measurement left them.
-        trials: the tune's trial book (the evaluations and the script's batch).
-        ref_cand: fp32 at the script's batch.
-        reference_goodput: fp32's goodput, judged with its replicate.
-        profile: the hardware the tune ran on.
-        workload: extra facts for ``[tuned_on]`` (the script).
-        trial_count: the search's trials, this run's and those resumed.
-    """
+    """The winner among the confirmed finalists, its speed-up over fp32 and its tuned policy
+    (``workload`` adds facts for ``[tuned_on]``; ``trial_count`` counts resumed trials too)."""
     winner, tie_note = pick_winner(confirmed.finalists, trials.user_batch, stop=confirmed.stop)
     policy = speedup = None
     if winner is not None:
@@ -312,38 +261,26 @@ def answer(confirmed: Confirmed, trials: Trials, ref_cand: Candidate, reference_
 
 def _tuned_policy(winner: Candidate, best: Finalist, speedup: Speedup, trials: Trials, profile: HardwareProfile,
                   workload: dict[str, Any] | None, trial_count: int) -> Policy:
-    """The winner's policy with its ``[tuned_on]`` record: hardware, versions, evidence (the
-    speed-up is the tune's one figure, with its interval and basis)."""
     ev = trials.evaluations.get(winner)
     measured = ev.result if ev else trials.reference
     script = (workload or {}).get("script")
     return winner.policy(trials.user_batch).with_(tuned_on=TunedOn(
-        hardware_fingerprint=hardware_fingerprint(profile),
-        device=profile.name,
-        torch=profile.torch_version or "",
-        libraries=profile.libraries,
-        date=dt.date.today().isoformat(),
-        speedup_vs_fp32=speedup.ratio,
-        speedup_low=speedup.low,
-        speedup_high=speedup.high,
-        speedup_basis=speedup.basis,
+        hardware_fingerprint=hardware_fingerprint(profile), device=profile.name, torch=profile.torch_version or "",
+        libraries=profile.libraries, date=dt.date.today().isoformat(), speedup_vs_fp32=speedup.ratio,
+        speedup_low=speedup.low, speedup_high=speedup.high, speedup_basis=speedup.basis,
         # Its rounds here, when it has any: its search figure may be another worker's.
         goodput=round(best.remeasured_goodput if winner not in trials.evaluations else best.goodput, 3),
-        workload_fingerprint=measured.workload_fingerprint,
-        model_signature=measured.model_signature,
-        script=script,
-        trials=trial_count,
-        cuda=profile.cuda_runtime or "",
+        workload_fingerprint=measured.workload_fingerprint, model_signature=measured.model_signature,
+        script=script, trials=trial_count, cuda=profile.cuda_runtime or "",
         # The script's own batch: a run splits whatever batch it asks for, keeping it global.
-        global_batch=trials.user_batch,
-        script_digest=script_digest(script) if script else None,
+        global_batch=trials.user_batch, script_digest=script_digest(script) if script else None,
     ))
 
 
 def _speedup(best: Finalist, companion: Finalist | None, ref_cand: Candidate, reference_goodput: float, *,
              stop: str) -> Speedup | None:
-    """The winner's speed-up over fp32: exactly 1 for fp32 itself; else the paired gap over the
-    rounds both ran; else (nothing re-measured) its search run over fp32's reference run."""
+    """The winner's speed-up over fp32: 1 for fp32 itself; else the paired gap; else (nothing
+    re-measured) its search run over fp32's reference run."""
     if best.candidate == ref_cand:
         return Speedup(1.0, 1.0, 1.0, 0, basis="the fp32 reference itself")
     gap = paired(best, companion) if companion is not None else None
@@ -356,10 +293,7 @@ def _speedup(best: Finalist, companion: Finalist | None, ref_cand: Candidate, re
 
 
 def _scale_batch_note(winner: Candidate | None, user_batch: int | None) -> str:
-    """A warning when the winner changes the global batch (``scale_batch``), else empty."""
     if winner is None or not winner.micro_batch or not user_batch or winner.micro_batch <= user_batch:
         return ""
     return (f"the winner uses a global batch of {winner.micro_batch} instead of {user_batch}: this changes "
             "the optimisation (learning-rate and convergence may need retuning)")
-
-

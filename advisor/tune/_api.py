@@ -17,12 +17,8 @@ from advisor.tune._trials import FunctionRunner, TrialSettings
 
 
 def tune(
-    train_fn: Callable[[Any], Any],
-    options: TuneOptions | None = None,
-    *,
-    thresholds: StabilityThresholds | None = None,
-    remeasure: bool = True,
-    study_name: str = "mpadvise-in-process",
+    train_fn: Callable[[Any], Any], options: TuneOptions | None = None, *,
+    thresholds: StabilityThresholds | None = None, remeasure: bool = True, study_name: str = "mpadvise-in-process",
     **option_values: Any,
 ) -> TuneResult:
     """Tune a training function in this process: the same trials, verdicts and search as
@@ -30,32 +26,22 @@ def tune(
 
     ``train_fn(mp)`` receives the candidate's AppliedPolicy and trains as a script would
     (``mp.setup``, ``mp.micro_batch_size``, ``mp.autocast``, ``mp.step``); it must build its
-    model and data inside so every candidate starts from the same seed. A trial ends once its
-    steps are measured. Out-of-memory and crashes are classified, not raised; a hard crash
-    (segfault) takes the process with it, which is what ``mpadvise tune``'s subprocesses avoid.
+    model and data inside so every candidate starts from the same seed. Out-of-memory and crashes
+    are classified, not raised; a hard crash (segfault) takes the process with it.
 
     Args:
         train_fn: the training function.
         options: the tune's options, as ``mpadvise tune`` takes them (:class:`TuneOptions`).
         thresholds: stability thresholds.
-        remeasure: re-measure close candidates before declaring a winner, and the winner
-            against fp32 for its speed-up (``TuneResult.speedup``, with its interval); without
-            it the speed-up rests on single runs.
+        remeasure: re-measure close candidates, and the winner against fp32 for its speed-up;
+            without it the speed-up rests on single runs.
         study_name: the Optuna study's name in ``storage``.
-        **option_values: :class:`TuneOptions` fields by name, over ``options``: ``trials``,
-            ``time_budget`` (no trial or round of re-measurement starts after it), ``steps``,
-            ``warmup``, ``modes``, ``scale_batch``, ``include_emulated``, ``memory_limit``
-            (``"4GiB"`` or bytes), ``timeout``, ``seed``, ``device`` (default: the first GPU,
-            else the CPU), ``storage`` (default: the study is kept in memory), ``resume``
-            (continue the stored study), ``fresh`` (delete its finished trials and start afresh;
-            with neither, a stored study that holds finished trials is refused),
-            ``out`` (also write the winner to this config file), ``no_cache`` (do not record the
-            winner in the per-GPU cache), ``no_priors``.
+        **option_values: :class:`TuneOptions` fields by name, over ``options`` (``storage``
+            defaults to memory; with neither ``resume`` nor ``fresh``, a stored study that holds
+            finished trials is refused).
 
-    The winner is cached as ``mpadvise tune`` caches a script's (the same record), under the
-    file that defines ``train_fn``: a script that tunes its own function and then calls
-    ``advisor.load_policy()`` finds it there. A function without a source file (a notebook
-    cell) is not cached.
+    The winner is cached as ``mpadvise tune`` caches a script's, under the file that defines
+    ``train_fn``, so that its ``advisor.load_policy()`` finds it; a notebook cell's is not cached.
 
     Returns:
         A TuneResult: ``.policy`` is the winner (``None`` when nothing was stable).
@@ -84,7 +70,6 @@ def tune(
 
 
 def _source_file(train_fn: Callable[[Any], Any]) -> Path | None:
-    """The file that defines ``train_fn``; ``None`` for one defined nowhere on disk."""
     try:
         name = inspect.getsourcefile(train_fn)
     except TypeError:  # a builtin, or a callable object without code

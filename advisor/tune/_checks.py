@@ -10,13 +10,8 @@ from probes import HardwareProfile, MpadviseError, UsageError
 
 
 def check_script(script: str | os.PathLike[str]) -> Path:
-    """The script's resolved path, after checking that it exists and compiles.
-
-    Raises:
-        UsageError: (exit 2) the path named is not there, or is not a file.
-        MpadviseError: one line naming the script and what is wrong (with the line number of a
-            syntax error).
-    """
+    """The script's resolved path, after checking that it exists and compiles (UsageError, exit 2,
+    for a path that is not a file; MpadviseError, one line, for one that does not compile)."""
     path = Path(script)
     if not path.exists():
         raise UsageError(f"script {path} does not exist")
@@ -36,12 +31,7 @@ def check_script(script: str | os.PathLike[str]) -> Path:
 
 
 def check_modes(modes: list[str], profile: HardwareProfile) -> list[str]:
-    """The requested modes, each known and supported on ``profile``.
-
-    Raises:
-        UsageError: an unknown mode name (exit 2).
-        MpadviseError: a mode this hardware lacks, with the reason and the available modes.
-    """
+    """The requested modes, each known (UsageError) and supported on ``profile`` (MpadviseError)."""
     support = supported_modes(profile)
     for mode in modes:
         if mode not in support:

@@ -1,9 +1,4 @@
-"""A candidate curve against the fp32 reference: the measurements the stability rules share.
-
-Each measurement (the smoothing window, what the loss scaler did, the smoothed levels, the limits
-widened to the replicate's spread) is computed once, on first use, and recorded in the metrics a
-verdict carries. Pure: no torch, no files, no clocks.
-"""
+"""A candidate curve against the fp32 reference: the measurements the stability rules share."""
 
 from __future__ import annotations
 
@@ -48,11 +43,8 @@ class Levels:
 
 @dataclass
 class CurveComparison:
-    """A candidate curve against the reference, and the measurements the checks share.
-
-    Each measurement is computed on first use and recorded in ``metrics`` then, so a verdict
-    carries exactly the numbers computed up to its check, in the order they were computed.
-    """
+    """A candidate curve against the reference. Each measurement is computed on first use and
+    recorded in ``metrics`` then, so a verdict carries exactly the numbers computed up to its check."""
 
     candidate: TrialCurve
     reference: TrialCurve
@@ -62,7 +54,9 @@ class CurveComparison:
 
     @cached_property
     def name(self) -> str:
-        return mode_label(self.candidate.mode)
+        """The mode as named in reasons: the mode class's label, or the name as given."""
+        cls = _mode_class(self.candidate.mode)
+        return self.candidate.mode if cls is None else cls.label()
 
     @property
     def ref_name(self) -> str:
@@ -70,15 +64,16 @@ class CurveComparison:
 
     @cached_property
     def n(self) -> int:
-        """Compared steps: the common length of the two curves."""
         return min(len(self.candidate), len(self.reference))
 
     def advice(self, kind: str) -> str:
-        return mode_advice(self.candidate.mode, kind, optimizer_eps=self.candidate.optimizer_eps)
+        """The mode class's advice after a failure ``kind`` (or ``"climbed"``); a mode that is not
+        registered gets the generic advice."""
+        cls = _mode_class(self.candidate.mode) or PrecisionMode
+        return cls.advice(kind, optimizer_eps=self.candidate.optimizer_eps)
 
     @cached_property
     def window(self) -> int:
-        """The smoothing window, in steps."""
         n = self.n
         window = self.t.smoothing_window(n)
         self.metrics.update(steps=n, smoothing_window=window)
@@ -146,27 +141,10 @@ class CurveComparison:
 
 
 def _mode_class(mode: str) -> type[PrecisionMode] | None:
-    """The registered class of ``mode``, or ``None`` (a curve may name any mode)."""
     try:
         return mode_class(mode)
     except MpadviseError:
         return None
-
-
-def mode_advice(mode: str, kind: str, *, optimizer_eps: float | None = None) -> str:
-    """What to try instead after a failure ``kind`` of ``mode``: the mode class's advice.
-
-    ``kind`` is a verdict kind, or ``"climbed"`` for a finite loss that rose (a divergence
-    that is not an overflow); ``optimizer_eps`` the trial's, when known. A mode that is not
-    registered gets the generic advice.
-    """
-    return (_mode_class(mode) or PrecisionMode).advice(kind, optimizer_eps=optimizer_eps)
-
-
-def mode_label(mode: str) -> str:
-    """The mode as named in reasons: the mode class's label, or the name as given."""
-    cls = _mode_class(mode)
-    return mode if cls is None else cls.label()
 
 
 def first_nonfinite(losses: Sequence[float], skipped: Callable[[int], bool]) -> int | None:

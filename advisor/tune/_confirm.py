@@ -1,13 +1,5 @@
-"""The confirm stage: a bounded, paired re-measure of the finalists whose intervals overlap.
-
-The finalists are the best stable candidate, the runner-up and every other within measured
-noise of the best, with fp32 beside them. ``confirm`` is the stage's entry: it re-runs them in
-interleaved rounds (back to back, in alternating order, so that a slow spell of the machine hits
-them alike) until every gap to the leader is settled, the likely winner holds ``LOCAL_PAIRS``
-pairs beside fp32, the ``Timing`` strategy allows no more rounds, or the time budget is spent.
-A finalist whose re-measurement is not stable is dropped and the field drawn again. The winner
-is then picked: the fastest, unless a safer finalist is within the noise (ties go to safety).
-"""
+"""The confirm stage: a bounded, paired re-measure of the finalists within noise of the best,
+in interleaved rounds beside fp32; ties go to the safer finalist."""
 
 from __future__ import annotations
 
@@ -18,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from advisor.trial import TrialResult
-from advisor.tune._judge import Evaluation, samples_per_step
+from advisor.tune._judge import Evaluation, samples_per_step, warmup_of
 from advisor.tune._space import Candidate, Measured, preference_key
 from advisor.tune._steady import Timing
 from advisor.tune._timing import DEFAULT_MIN_MARGIN, Gap, compare, noise_band, paired_gap, summarize
@@ -35,7 +27,7 @@ STOP_OFF = "off"
 
 
 class Rerun(Protocol):
-    """What runs a finalist once more (``advisor.tune._trials.Trials.run_again``)."""
+    """``advisor.tune._trials.Trials``."""
 
     evaluations: dict[Candidate, Evaluation]
 
@@ -46,16 +38,9 @@ class Rerun(Protocol):
 class Finalist:
     """A candidate re-measured side by side with the others before a winner is declared.
 
-    Attributes:
-        candidate: the candidate.
-        goodputs: its goodput in the search's run, then in each re-measurement.
-        per_sample_times: seconds per sample of its measured steps (the tie rule when nothing
-            was re-measured).
-        rounds: its goodput in each round of re-measurement; ``None`` in a round it sat out.
-        gap: once re-measured, the leader's gap over it; ``None`` for the leader.
-        in_band: whether the search measured it within noise of the best. The runner-up and
-            fp32 run beside the best even when they are not, as evidence; such a finalist
-            takes a tie only on paired runs (two pairs or more), never on the want of them.
+    ``goodputs``: the search's run, then each re-measurement; ``rounds``: goodput per round,
+    ``None`` in a round it sat out; ``gap``: the leader's gap over it (``None`` for the leader).
+    A finalist not ``in_band`` (fp32 beside the best) takes a tie only on two pairs or more.
     """
 
     candidate: Candidate
@@ -63,7 +48,7 @@ class Finalist:
     per_sample_times: list[float]
     rounds: list[float | None] = field(default_factory=list)
     gap: Gap | None = None
-    in_band: bool = True  # within the search's noise of the best; else it runs only as evidence
+    in_band: bool = True
 
     @property
     def goodput(self) -> float:
@@ -96,22 +81,12 @@ def confirm(
     remeasure: bool = True, out_of_time: Callable[[], bool] = lambda: False,
     on_round: Callable[[int, int, int], None] | None = None,
 ) -> Confirmed:
-    """The finalists once re-measurement has settled their gaps (and the winner's against
-    fp32), best first.
+    """The finalists once re-measurement has settled their gaps, best first.
 
-    A finalist that fails its re-measurement is marked so in ``measured`` and dropped. Its
-    going can bring others within the noise band of the new best, so the field is drawn
-    again (keeping every round run so far) until a re-measurement drops none.
-
-    Args:
-        trials: runs a finalist again; its ``evaluations`` say which figures are this run's.
-        measured: what the search measured.
-        user_batch: the script's batch (the safety order among equals).
-        ref_cand: fp32 at the script's batch.
-        timing: says whether another round may run.
-        remeasure: re-measure at all (a figure from a stored study is re-measured regardless).
-        out_of_time: whether the time budget is spent.
-        on_round: progress: the round's number (from 1), the most rounds, its runs.
+    A finalist that fails its re-measurement is marked so in ``measured`` and dropped; its going
+    can bring others within the noise of the new best, so the field is drawn again (keeping
+    every round run so far) until a re-measurement drops none. ``on_round`` gets the round's
+    number (from 1), the most rounds and its runs.
     """
     history: dict[Candidate, Finalist] = {}
     ref = measured.get(ref_cand)
@@ -150,14 +125,8 @@ def _rounds(
     trials: Rerun, finalists: list[Finalist], companion: Finalist, first_round: int, user_batch: int | None,
     timing: Timing, *, out_of_time: Callable[[], bool], on_round: Callable[[int, int, int], None] | None,
 ) -> tuple[list[Finalist], list[Measured], int, str]:
-    """Re-run finalists in interleaved rounds until each gap to the leader is settled, and the
-    likely winner's against fp32; no round starts once ``timing`` allows no more, nor once
-    ``out_of_time``.
-
-    Returns:
-        The finalists left (each with its gap to the leader), the failed re-measurements of
-        those dropped, the number of the next round, and why it stopped.
-    """
+    """Re-run finalists in interleaved rounds until each gap to the leader is settled; returns
+    the finalists left, the failures dropped, the next round's number and why it stopped."""
     active = list(finalists)
     lost: list[Measured] = []
     round_ = first_round
@@ -223,15 +192,7 @@ def _finalists(
     history: dict[Candidate, Finalist] | None = None,
 ) -> list[Finalist]:
     """The best stable, feasible candidate and every other within measured noise of it, best
-    first.
-
-    Args:
-        measured: what the search measured.
-        evaluations: their evaluations (the step times give each one's noise).
-        user_batch: the script's batch (for the safety order among equals).
-        history: finalists of an earlier field by candidate, reused with their rounds; the
-            new ones are added to it.
-    """
+    first; ``history`` keeps finalists (and their rounds) across fields."""
     history = {} if history is None else history
     stable = [m for m in measured.values() if m.stable and m.feasible and m.goodput > 0]
     if not stable:
@@ -257,11 +218,8 @@ def _finalists(
 
 
 def lead(finalists: list[Finalist]) -> Finalist | None:
-    """The re-measured leader; sets every other finalist's gap to it.
-
-    The leader has the highest median goodput over the rounds; should another finalist turn
-    out resolved faster than it over their paired rounds, that one leads instead.
-    """
+    """The re-measured leader (highest median goodput, unless another is resolved faster than
+    it over their paired rounds); sets every other finalist's gap to it."""
     for f in finalists:
         f.gap = None
     if len(finalists) < 2:
@@ -284,25 +242,15 @@ def paired(a: Finalist, b: Finalist) -> Gap:
     return paired_gap([x for x, _ in pairs], [y for _, y in pairs])
 
 
-def _warmup_of(result: TrialResult) -> int:
-    """The warm-up steps to drop, leaving at least one timed step for a short run."""
-    return min(result.warmup_steps, max(0, len(result.step_times) - 1))
-
-
 def _per_sample_times(result: TrialResult) -> list[float]:
     samples = samples_per_step(result) or 1
-    warm = _warmup_of(result)
-    return [t / samples for t in result.step_times[warm:]]
+    return [t / samples for t in result.step_times[warmup_of(result):]]
 
 
 def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int | None) -> list[Finalist]:
-    """Who runs in the next round of re-measurement; nobody once everything is settled.
-
-    The leader and every finalist whose gap to it is not settled; with them (or alone, while
-    its speed-up is unresolved or rests on fewer than ``LOCAL_PAIRS`` pairs) the finalist that
-    would win now, and fp32 beside it, so that the winner's speed-up rests on rounds both ran.
-    Nobody runs for fp32's own speed-up.
-    """
+    """Who runs in the next round: the leader and every finalist whose gap to it is not settled;
+    with them (or alone, while its speed-up is unresolved or rests on fewer than ``LOCAL_PAIRS``
+    pairs) the finalist that would win now, and fp32 beside it."""
     leader = lead(active)
     if leader is None:
         return []
@@ -317,12 +265,8 @@ def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int 
 
 
 def _settled(leader: Finalist, other: Finalist, user_batch: int | None) -> bool:
-    """Whether more rounds could not change who wins between the leader and ``other``.
-
-    Either the gap is resolved (a clear lead, or a lead too small to count), or its interval
-    shows that the riskier of the two cannot be more than the margin faster than the safer,
-    which then wins (as a tie would go).
-    """
+    """Whether more rounds could not change who wins: the gap is resolved, or the riskier of
+    the two cannot be more than the margin faster than the safer (which then wins the tie)."""
     gap = other.gap
     if gap is None or gap.resolved:
         return True
@@ -335,9 +279,8 @@ def _settled(leader: Finalist, other: Finalist, user_batch: int | None) -> bool:
 
 
 def _leaning(finalists: list[Finalist], user_batch: int | None) -> bool:
-    """Whether a gap still unsettled has its estimate beyond the margin on the riskier
-    finalist's side: stopping now would give the safer one, as a tie, a win that more rounds
-    would likely hand to the other. Call after ``lead`` (the leader has no gap)."""
+    """Whether an unsettled gap's estimate lies beyond the margin on the riskier finalist's side
+    (stopping now would hand the safer one a likely wrong tie). Call after ``lead``."""
     leader = next((f for f in finalists if f.gap is None), None)
     if leader is None:
         return False
@@ -353,19 +296,14 @@ def _leaning(finalists: list[Finalist], user_batch: int | None) -> bool:
 
 
 def pick_winner(finalists: list[Finalist], user_batch: int | None, *, stop: str = STOP_OFF) -> tuple[Candidate | None, str]:
-    """The fastest finalist, unless a safer one is within the measured noise (ties go to safety).
-
-    Re-measured finalists are judged by their gap to the leader: a finalist whose gap is a tie
-    (within the margin that counts) or unresolved when re-measurement stopped competes with
-    it. Otherwise (no re-measurement) by the step times of the search's runs.
-    """
+    """The fastest finalist, unless a safer one is within the measured noise (ties go to safety):
+    by gap to the leader once re-measured, else by the step times of the search's runs."""
     winner, note = _pick_finalist(finalists, user_batch, stop=stop)
     return (None if winner is None else winner.candidate), note
 
 
 def _pick_finalist(finalists: list[Finalist], user_batch: int | None, *,
                    stop: str = STOP_OFF) -> tuple[Finalist | None, str]:
-    """``pick_winner``'s finalist and note."""
     if not finalists:
         return None, ""
     if any(f.gap is not None for f in finalists):
@@ -390,10 +328,8 @@ def _pick_by_gap(finalists: list[Finalist], user_batch: int | None, stop: str) -
     """The safest of the leader and the finalists whose gap to it is not resolved in its favour.
 
     A finalist other than fp32 takes such a tie only when it is itself resolved faster than fp32
-    over the rounds both ran (two or more; with fewer, nothing paired says either way): a tie
-    with the leader hands it the leader's place, not the leader's lead over fp32. (One tune of
-    examples/mlp.py had bf16-true 1.14x of fp32, resolved, and 1.13x of bf16-mixed, unresolved;
-    bf16-mixed took the tie and was written at 0.99x of fp32.)
+    over two or more shared rounds: a tie with the leader hands it the leader's place, not the
+    leader's lead over fp32 (bf16-mixed once took a tie from bf16-true and was written at 0.99x).
     """
     leader = next(f for f in finalists if f.gap is None)
     fp32 = min((f for f in finalists if f.candidate.mode == "fp32"), default=None,
@@ -430,15 +366,12 @@ def _pick_by_gap(finalists: list[Finalist], user_batch: int | None, stop: str) -
 
 
 def _interval_text(gap: Gap) -> str:
-    """A gap's interval as a tie note says it: "95% interval 0.88x to 1.12x", or "no interval yet"."""
     if not math.isfinite(gap.high):
         return "no interval yet"
     return f"{gap.confidence:.0%} interval {gap.low:.2f}x to {gap.high:.2f}x"
 
 
 def _passed_over_note(leader: Finalist, other: Finalist, over_fp32: Gap, fp32: Finalist) -> str:
-    """Why a safer finalist within the noise of the leader did not take the tie: it is not
-    resolved faster than fp32."""
     gap = other.gap
     assert gap is not None
     return (f"{leader.candidate.label} measured {gap.ratio:.2f}x of the safer {other.candidate.label}, within the "

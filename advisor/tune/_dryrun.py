@@ -1,9 +1,6 @@
-"""What a tune would do, without doing it: ``mpadvise tune --dry-run``.
-
-:func:`tune_plan` runs the checks a tune runs before its first trial (the script, the modes on
-this hardware, the trial window, the config file's path, the storage URL, the stored study) and
-describes the search space and the plan as data; it starts no trial process, makes no study
-and no storage file, writes no config file and no cache entry.
+"""What a tune would do, without doing it: ``mpadvise tune --dry-run`` runs the checks a tune runs
+before its first trial and describes the space and the plan; it starts no trial, makes no study
+or storage file, and writes no config file or cache entry.
 """
 
 from __future__ import annotations
@@ -33,26 +30,17 @@ from advisor.tune._study_status import KeptStudy, check_storage, check_study, ke
 from policies import check_config_target, mode_dtypes, supported_modes
 from probes import HardwareProfile, hardware_fingerprint
 
-__all__ = ["tune_plan"]
-
 # A batch with halves and quarters, to count the micro-batch sizes a search may try before the
 # fp32 reference reads the script's own.
 _SPLITTABLE_BATCH = 64
 
 
 def tune_plan(request: TuneRequest, profile: HardwareProfile) -> dict[str, Any]:
-    """The search space and the plan of a tune, checked as the tune would check them.
-
-    Returns:
-        A JSON-ready dict: ``space`` (``modes`` searched, ``excluded`` modes with the reason,
-        ``micro_batch`` and ``loss_scale`` in words and values, ``candidates``: the most the
-        grid holds) and ``plan`` (framework, launch command, trial budget, window, time budget,
-        config file, study, storage, whether it resumes, the cache).
+    """The search space and the plan of a tune (JSON-ready), checked as the tune would check them.
 
     Raises:
-        MpadviseError: what a real tune would refuse before its first trial (a bad script,
-            mode, window, config path or storage; a stored study it would not delete unasked
-            is reported in ``plan.study_action``, not raised).
+        MpadviseError: what a real tune would refuse before its first trial (a stored study it
+            would not delete unasked is reported in ``plan.study_action``, not raised).
     """
     path = check_script(request.script)
     options = request.options
@@ -102,7 +90,6 @@ def tune_plan(request: TuneRequest, profile: HardwareProfile) -> dict[str, Any]:
 
 def _excluded(support: dict[str, Any], searched: tuple[str, ...], options: TuneOptions, asked: list[str],
               launch: Any) -> dict[str, str]:
-    """Each mode left out of the space, with why."""
     dtypes = mode_dtypes()
     out = {}
     for mode, info in support.items():
@@ -122,7 +109,6 @@ def _excluded(support: dict[str, Any], searched: tuple[str, ...], options: TuneO
 
 
 def _micro_batch(options: TuneOptions, launch: Any) -> str:
-    """The micro-batch sizes in words: they follow from the batch the fp32 reference reads."""
     if launch.limits is not None and not launch.limits.micro_batch:
         return f"the script's own batch only ({launch.label} cannot split it)"
     sizes = micro_batch_choices(_SPLITTABLE_BATCH, scale_batch=options.scale_batch)
@@ -133,7 +119,6 @@ def _micro_batch(options: TuneOptions, launch: Any) -> str:
 
 
 def _loss_scale(modes: tuple[str, ...], limits: Any) -> dict[str, Any]:
-    """The loss-scaling settings the modes that scale their loss are searched over."""
     scaled = [mode for mode in modes if scales_loss(mode)]
     if not scaled:
         return {"modes": [], "kinds": [], "init_scales": [], "growth_intervals": []}
@@ -146,8 +131,7 @@ def _loss_scale(modes: tuple[str, ...], limits: Any) -> dict[str, Any]:
 
 def _answered(storage: str, held: KeptStudy | None, study_name: str, options: TuneOptions, modes: list[str],
               launch: Any, profile: HardwareProfile) -> StoredAnswer | None:
-    """The answer a finished tune of this study kept that the tune would print again, as the
-    tune service decides it (the same key); ``None`` where it would run."""
+    """The answer kept that the tune would print again (the service's key); ``None`` where it would run."""
     if held is None or options.fresh or options.resume:
         return None
     resolved = options.with_(framework=launch.framework, modes=modes, storage=storage)
@@ -155,7 +139,6 @@ def _answered(storage: str, held: KeptStudy | None, study_name: str, options: Tu
 
 
 def _study_action(storage: str, held: KeptStudy | None, options: TuneOptions, answered: StoredAnswer | None) -> str:
-    """What the tune would do with its study (``held``: what is stored of it), in words."""
     finished = 0 if held is None else held.finished
     if shared_storage(storage):
         return f"join the shared study ({finished} finished trials so far)" if held else "make the shared study"

@@ -1,11 +1,4 @@
-"""The tune, composed of its five stages: plan, run, judge, confirm, answer.
-
-``tune_policy`` only composes them: the run stage's trial book (``Trials``) runs the fp32
-reference and its replicate, and every search trial, each judged against fp32; ``plan`` draws
-the space and its priors; the search (``run_search``) proposes candidates to run; ``confirm``
-re-measures the close finalists side by side; ``answer`` picks the winner and its one speed-up
-figure. Timing noise lives behind one ``Timing`` strategy (``advisor.tune._steady``).
-"""
+"""The tune, composed of its five stages: plan, run, judge, confirm, answer."""
 
 from __future__ import annotations
 
@@ -13,7 +6,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from advisor.trial import TrialResult
 from advisor.tune._answer import Speedup, TuneCost, TuneResult, answer
 from advisor.tune._confirm import LOCAL_PAIRS, Finalist, confirm
 from advisor.tune._judge import Evaluation
@@ -39,50 +31,20 @@ __all__ = ["LOCAL_PAIRS", "REMEASURE_LEANING_ROUNDS", "REMEASURE_MAX_ROUNDS", "F
 
 
 def tune_policy(
-    runner: Runner,
-    profile: HardwareProfile,
-    options: TuneOptions | None = None,
-    *,
-    study_name: str = "mpadvise",
-    thresholds: StabilityThresholds | None = None,
-    dtype_ratio: dict[str, float] | None = None,
-    peak_tflops: dict[str, float] | None = None,
-    remeasure: bool = True,
-    workload: dict[str, Any] | None = None,
+    runner: Runner, profile: HardwareProfile, options: TuneOptions | None = None, *, study_name: str = "mpadvise",
+    thresholds: StabilityThresholds | None = None, dtype_ratio: dict[str, float] | None = None,
+    peak_tflops: dict[str, float] | None = None, remeasure: bool = True, workload: dict[str, Any] | None = None,
     on_start: Callable[[str], None] | None = None,
     on_done: Callable[[str, Evaluation | None, Measured], None] | None = None,
-    clock: Callable[[], float] | None = None,
-    limits: SpaceLimits | None = None,
-    on_round: Callable[[int, int, int], None] | None = None,
-    timing: Timing | None = None,
+    clock: Callable[[], float] | None = None, limits: SpaceLimits | None = None,
+    on_round: Callable[[int, int, int], None] | None = None, timing: Timing | None = None,
 ) -> TuneResult:
     """Find the fastest stable policy for the workload that ``runner`` runs.
 
-    Args:
-        runner: runs one candidate Policy (subprocess script trials, or a function in-process);
-            one that can perturb fp32's initial weights (``Perturbable``) also runs fp32's
-            replicate, whose drift widens the stability limits.
-        profile: the hardware the trials run on; decides the search space and the timing.
-        options: the tune's options (defaults when ``None``). The tuner reads ``trials``
-            (the reference and re-measurements not counted), ``time_budget`` (no trial of the
-            search and no round of re-measurement starts after it), ``scale_batch``,
-            ``include_emulated``, ``modes``, ``memory_limit`` (candidates over it are
-            infeasible), ``storage`` and ``resume`` (where the Optuna study lives; a study of
-            another workload is not resumed), ``seed`` (of the sampler) and ``no_priors``; the
-            runner has the measuring window already.
-        study_name: the study's name in that storage.
-        thresholds: stability thresholds.
-        dtype_ratio: matmul ratios per dtype; measured on the device when ``None``.
-        peak_tflops: matmul TFLOP/s per dtype, each candidate's MFU's denominator (``plan``).
-        remeasure: re-measure close candidates interleaved, and the winner against fp32 for
-            its speed-up, before declaring a winner.
-        workload: extra facts recorded in the winner's ``[tuned_on]`` (script name).
-        on_start, on_done: progress callbacks.
-        clock: monotonic seconds (tests pass a fake).
-        limits: what the script's way of training can apply (a framework's limits).
-        on_round: called before each round of re-measurement with its number (from 1), the
-            most rounds there can be, and how many runs it holds.
-        timing: the timing strategy; the device's (``timing_for``) when ``None``.
+    The runner has the measuring window already; a ``Perturbable`` one also runs fp32's replicate.
+    ``dtype_ratio`` is measured on the device when ``None``; ``remeasure`` re-measures close
+    candidates side by side before declaring a winner; ``on_round`` gets each round's number (from
+    1), the most rounds there can be, and its runs.
 
     Raises:
         MpadviseError: the fp32 reference failed, so nothing can be judged.
@@ -100,7 +62,7 @@ def tune_policy(
     ref_measured = trials.record(planned.ref_cand, Policy(mode="fp32"), fp32)
     # A stored study's verdicts hold for the workload its reference ran: one whose model,
     # optimizer or batch changed since (an environment variable, a config file) starts afresh.
-    workload_facts = _workload_facts(fp32)
+    workload_facts = {"workload_fingerprint": fp32.workload_fingerprint, "model_signature": fp32.model_signature}
     resume = check_study_workload(options.storage, study_name, workload_facts, resume=options.resume)
     if resume != options.resume:
         options = options.with_(resume=resume)
@@ -135,8 +97,3 @@ def tune_policy(
         round_bounds=(getattr(timing, "max_rounds", REMEASURE_MAX_ROUNDS),
                       getattr(timing, "leaning_rounds", REMEASURE_LEANING_ROUNDS)),
     )
-
-
-def _workload_facts(result: TrialResult) -> dict[str, str | None]:
-    """What identifies the workload a reference trial ran, for the study to keep."""
-    return {"workload_fingerprint": result.workload_fingerprint, "model_signature": result.model_signature}

@@ -1,10 +1,4 @@
-"""The judge stage: each trial's verdict against the fp32 reference.
-
-``evaluate`` is the stage's entry: it judges one result against the reference (the stability
-verdict from ``advisor.tune._stability``, widened to the replicate's spread), with its timing
-summary, goodput and speed-up over fp32. The reference and its replicate, the yardsticks it is
-judged against, come from ``advisor.tune._reference``.
-"""
+"""The judge stage: each trial's verdict, timing, goodput and speed-up against the fp32 reference."""
 
 from __future__ import annotations
 
@@ -54,44 +48,24 @@ class Evaluation:
     def to_dict(self) -> dict[str, Any]:
         r = self.result
         return {
-            "label": self.label,
-            "mode": self.policy.mode,
-            "policy": self.policy.to_dict(),
-            "outcome": self.outcome,
-            "stable": self.stable,
-            "reason": self.reason,
-            "verdict": None if self.verdict is None else self.verdict.to_dict(),
-            "goodput": self.goodput,
-            "speedup_vs_fp32": self.speedup,
-            "speed_vs_fp32": self.speed_verdict,
+            "label": self.label, "mode": self.policy.mode, "policy": self.policy.to_dict(), "outcome": self.outcome,
+            "stable": self.stable, "reason": self.reason,
+            "verdict": None if self.verdict is None else self.verdict.to_dict(), "goodput": self.goodput,
+            "speedup_vs_fp32": self.speedup, "speed_vs_fp32": self.speed_verdict,
             "final_loss_gap": self.final_loss_gap,
-            "step_time": None if self.timing is None else self.timing.to_dict(),
-            "peak_memory": r.peak_memory,
-            "memory_kind": r.memory_kind,
-            "skipped_steps": sum(1 for s in r.skipped if s),
-            "steps": len(r.losses),
-            "micro_batch": r.micro_batch,
-            "grad_accum_steps": r.grad_accum_steps,
-            "global_batch": r.global_batch,
-            "user_batch": r.user_batch,
-            "notes": list(r.notes),
-            "ranks": r.ranks,
-            "threads": r.threads,
-            "fsdp": r.fsdp,
-            "exit_code": r.exit_code,
-            "stderr_tail": r.stderr_tail if self.result.outcome != "ok" else "",
-            "wall_s": r.wall_s,
-            "phases": r.phases,
-            "losses": [json_float(v) for v in r.losses],
-            "step_times": list(r.step_times),
+            "step_time": None if self.timing is None else self.timing.to_dict(), "peak_memory": r.peak_memory,
+            "memory_kind": r.memory_kind, "skipped_steps": sum(1 for s in r.skipped if s), "steps": len(r.losses),
+            "micro_batch": r.micro_batch, "grad_accum_steps": r.grad_accum_steps, "global_batch": r.global_batch,
+            "user_batch": r.user_batch, "notes": list(r.notes), "ranks": r.ranks, "threads": r.threads,
+            "fsdp": r.fsdp, "exit_code": r.exit_code,
+            "stderr_tail": r.stderr_tail if self.result.outcome != "ok" else "", "wall_s": r.wall_s,
+            "phases": r.phases, "losses": [json_float(v) for v in r.losses], "step_times": list(r.step_times),
         }
 
 
 def curve_of(result: TrialResult, mode: str) -> TrialCurve:
     return TrialCurve(
-        mode=mode,
-        losses=result.losses,
-        skipped=result.skipped,
+        mode=mode, losses=result.losses, skipped=result.skipped,
         loss_scale=result.loss_scale if any(v is not None for v in result.loss_scale) else (),
         underflow=result.underflow if any(v is not None for v in result.underflow) else (),
         optimizer_eps=result.optimizer_eps,
@@ -108,18 +82,11 @@ def samples_per_step(result: TrialResult) -> int | None:
 
 
 def evaluate(
-    label: str,
-    policy: Policy,
-    result: TrialResult,
-    reference: TrialResult | None,
-    *,
-    thresholds: StabilityThresholds | None = None,
-    replicate: TrialCurve | None = None,
+    label: str, policy: Policy, result: TrialResult, reference: TrialResult | None, *,
+    thresholds: StabilityThresholds | None = None, replicate: TrialCurve | None = None,
 ) -> Evaluation:
-    """Judge one result against the reference; a reference judged against itself is ``ok``.
-
-    ``replicate`` (fp32 with perturbed initial parameters) widens the stability limits to its spread.
-    """
+    """Judge one result against the reference (itself: ``ok``), the limits widened to ``replicate``'s
+    spread."""
     thresholds = thresholds or StabilityThresholds()
     summed = None if reference is None else summed_loss_split(result, reference)
     if summed is not None:
@@ -128,7 +95,7 @@ def evaluate(
         if result.outcome == "ok":  # ran, but the script ended before one full step was timed
             result = result.with_outcome("no-step", "the script ended before a step could be timed")
         return Evaluation(label, policy, result, None, None, None, None, None, None)
-    timing = summarize(result.step_times, _warmup(result))
+    timing = summarize(result.step_times, warmup_of(result))
     good = _goodput(result, thresholds)
     verdict = None
     speedup = speed_verdict = gap = None
@@ -136,30 +103,19 @@ def evaluate(
         verdict = judge(curve_of(result, policy.mode), curve_of(reference, "fp32"), thresholds,
                         replicate=replicate)
         gap = verdict.metrics.get("final_gap")
-        speedup, speed_verdict = _speed(timing, good, reference, thresholds)
+        comparison = compare(timing, summarize(reference.step_times, warmup_of(reference)))
+        ref_good = _goodput(reference, thresholds)
+        # Goodput counts samples, so a candidate with another micro-batch compares fairly;
+        # without sample counts, fall back to the step-time ratio.
+        speedup = good / ref_good if good is not None and ref_good else comparison.ratio
+        speed_verdict = comparison.verdict
     return Evaluation(label, policy, result, verdict, timing, good, speedup, speed_verdict, gap)
 
 
-def _speed(timing: TimingSummary, good: float | None, fp32: TrialResult,
-           thresholds: StabilityThresholds) -> tuple[float | None, str]:
-    """A trial's speed-up over the fp32 trial ``fp32``, and the speed verdict (faster, slower, tie)."""
-    comparison = compare(timing, summarize(fp32.step_times, _warmup(fp32)))
-    ref_good = _goodput(fp32, thresholds)
-    # Goodput counts samples, so a candidate with another micro-batch compares fairly;
-    # without sample counts, fall back to the step-time ratio.
-    return (good / ref_good if good is not None and ref_good else comparison.ratio), comparison.verdict
-
-
 def summed_loss_split(result: TrialResult, reference: TrialResult) -> str | None:
-    """Why a split candidate cannot keep the script's optimisation when its loss is summed over
-    the batch, or ``None``.
-
-    ``step()`` divides each micro-batch's loss by the accumulation count, which keeps a mean-
-    reduced loss's gradient. A loss summed over the batch is already smaller per micro-batch,
-    and divided again its gradient shrinks by that count: the split trains at another learning
-    rate. Both trials start from the same weights on the same data, so the first step shows it:
-    a summed loss's micro-batches average to fp32's first loss divided by the count.
-    """
+    """Why a split candidate cannot keep the script's optimisation when its loss is summed over the
+    batch, or ``None``: ``step()`` divides each micro-batch's loss by the accumulation count, so a
+    summed loss's gradient shrinks by that count, which the first step shows against fp32's."""
     accum = result.grad_accum_steps or 1
     if accum < 2 or (reference.grad_accum_steps or 1) != 1 or not result.losses or not reference.losses:
         return None
@@ -174,7 +130,7 @@ def summed_loss_split(result: TrialResult, reference: TrialResult) -> str | None
             f"would shrink the gradient {accum}x; use reduction='mean' to let a tune split the batch")
 
 
-def _warmup(result: TrialResult) -> int:
+def warmup_of(result: TrialResult) -> int:
     """The warm-up to drop, leaving at least one timed step for a short run."""
     return min(result.warmup_steps, max(0, len(result.step_times) - 1))
 
@@ -183,7 +139,7 @@ def _goodput(result: TrialResult, thresholds: StabilityThresholds) -> float | No
     samples = samples_per_step(result)
     if not samples:
         return None
-    return goodput(samples, result.step_times, result.skipped, _warmup(result), calibration_steps=thresholds.calibration_steps)
+    return goodput(samples, result.step_times, result.skipped, warmup_of(result), calibration_steps=thresholds.calibration_steps)
 
 
 class ReferenceTrialError(MpadviseError):

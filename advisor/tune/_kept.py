@@ -1,11 +1,6 @@
 """A finished tune's answer, kept with its study, so that running the same tune again prints it
-instead of measuring it again.
-
-A tune that ends stores its JSON (what ``mpadvise tune --json`` printed), the config file it
-wrote and what the answer depends on beyond the study's name (which already names the script's
-content, its arguments and the hardware): mpadvise's and torch's versions and the options that
-shape the search. A later tune of the same study reads it back when all of that still holds and
-the study holds no trial since (an interrupted resume leaves more trials than the answer saw).
+instead of measuring it again: served while mpadvise's and torch's versions and the options that
+shape the search still hold and the study holds no trial since.
 """
 
 from __future__ import annotations
@@ -21,8 +16,6 @@ from advisor.tune._storage_retry import riding_out
 from advisor.tune._study import stored_study
 from probes import HardwareProfile, MpadviseError
 
-__all__ = ["STUDY_ATTR_ANSWER", "StoredAnswer", "answer_key", "store_answer", "stored_answer"]
-
 STUDY_ATTR_ANSWER = "mpadvise:answer"
 
 # Options that do not change what a tune measures or answers: where the study lives, how it is
@@ -32,13 +25,8 @@ _NOT_IN_KEY = frozenset({"storage", "resume", "fresh", "device"})
 
 @dataclass(frozen=True)
 class StoredAnswer:
-    """A finished tune's answer as its study keeps it.
-
-    Attributes:
-        payload: the tune's JSON, as its first run printed it.
-        config_text: the config file it wrote, to write again where it has gone; ``None`` without one.
-        at: when it finished (ISO date and time, to the minute, UTC).
-    """
+    """A finished tune's answer as its study keeps it: its JSON, its config file (``None`` without
+    one) and when it finished (UTC, to the minute)."""
 
     payload: dict[str, Any]
     config_text: str | None
@@ -46,20 +34,14 @@ class StoredAnswer:
 
 
 def answer_key(options: TuneOptions, profile: HardwareProfile) -> dict[str, Any]:
-    """What a stored answer must have been tuned with to be served again (JSON-ready)."""
     shaping = {k: v for k, v in options.to_dict().items() if k not in _NOT_IN_KEY}
     return {"mpadvise": __version__, "torch": profile.torch_version, "options": shaping}
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-
-
 def store_answer(storage: str | None, study_name: str, key: dict[str, Any], payload: dict[str, Any],
                  config_text: str | None) -> None:
-    """Keep a finished tune's answer with its study; nothing in memory or in a shared study
-    (its workers each tune on, and no one of them owns the answer). A storage that fails here
-    loses only the shortcut: the answer is already written and cached."""
+    """Keep a finished tune's answer with its study; nothing in memory or in a shared study (no one
+    worker owns the answer). A storage that fails here loses only the shortcut."""
     if storage is None or shared_storage(storage):
         return
     try:
@@ -68,19 +50,15 @@ def store_answer(storage: str | None, study_name: str, key: dict[str, Any], payl
             if study is None:
                 return
             trials = worker.call("counting the study's trials", lambda: len(study.get_trials(deepcopy=False)))
-            stored = {"key": key, "json": payload, "config": config_text, "at": _now(), "trials": trials}
+            stored = {"key": key, "json": payload, "config": config_text, "at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), "trials": trials}
             worker.call("keeping the answer", lambda: study.set_user_attr(STUDY_ATTR_ANSWER, stored))
     except MpadviseError:
         return
 
 
 def stored_answer(storage: str | None, study_name: str, key: dict[str, Any]) -> StoredAnswer | None:
-    """The answer kept with the study, where it still holds: tuned with ``key`` and no trial
-    added since; ``None`` otherwise (no study, none kept, another version or options, trials
-    since: an interrupted resume)."""
-    if storage is None or shared_storage(storage):
-        return None
-    if not storage_exists(storage):
+    """The answer kept with the study, where it was tuned with ``key`` and no trial was added since."""
+    if storage is None or shared_storage(storage) or not storage_exists(storage):
         return None
     with riding_out(storage) as worker:
         study = stored_study(storage, study_name, worker)

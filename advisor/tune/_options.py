@@ -1,10 +1,6 @@
-"""The tune options, declared once.
-
-``mpadvise tune``'s flags, ``advisor.tune``'s keywords, a daemon job's ``options`` and the argv
-the daemon runs are all one frozen dataclass, :class:`TuneOptions`. Each field carries its help
-text and its rules (flags, the least value allowed, the most a queued job may ask) as metadata;
-the CLI builds its options and the daemon its request model from :func:`option_info`, so
-neither can name, default or describe an option differently.
+"""The tune options, declared once: ``mpadvise tune``'s flags, ``advisor.tune``'s keywords and a
+daemon job's ``options`` are one frozen dataclass whose fields carry their help and rules, so
+neither the CLI nor the daemon can name, default or describe an option differently.
 """
 
 from __future__ import annotations
@@ -25,29 +21,13 @@ from probes import MpadviseError, UsageError
 # ``speedup_within`` asked for re-measurement rounds past the usual bound ("precision rounds").
 RETIRED_OPTIONS = frozenset({"speedup_within"})
 
-__all__ = ["DEFAULT_MEASURE_STEPS", "DEFAULT_WARMUP_STEPS", "OptionInfo", "TuneOptions", "check_rank_device",
-           "option_info"]
-
 
 
 @dataclass(frozen=True)
 class OptionInfo:
-    """One tune option as the command line and the daemon present it.
-
-    Args:
-        name: the field name, also the daemon's JSON key and ``advisor.tune``'s keyword.
-        type: the field's type (resolved).
-        default: the value when the option is not given.
-        help: one sentence for ``--help`` and the OpenAPI document.
-        flags: the command-line names, the long one first.
-        minimum: the least value allowed (numbers); ``None`` for no bound.
-        above: the value must exceed ``minimum``, not only reach it.
-        job: whether a daemon job may set it (the daemon picks the device and the storage).
-        job_limit: the most a daemon job may ask: a number's largest value, a list's length.
-        trial: whether ``mpadvise trial`` takes it too (the options of its measuring window).
-        check: validates and normalises a value (raises UsageError: a bad option value is a
-            usage error, exit 2).
-    """
+    """One tune option as the command line and the daemon present it. ``job``: whether a daemon
+    job may set it; ``job_limit``: the most a job may ask (a number, a list's length); ``trial``:
+    whether ``mpadvise trial`` takes it too; ``check`` validates and normalises a value."""
 
     name: str
     type: Any
@@ -66,13 +46,10 @@ class OptionInfo:
         return self.flags[0]
 
     def refuse(self, value: Any, expected: str) -> UsageError:
-        """The error for a value this option does not take (a usage error, exit 2): the flag,
-        the value, what is allowed."""
         shown = f"{value:g}" if isinstance(value, float) else repr(value)
         return UsageError(f"{self.flag} {shown} is not allowed; expected {expected}")
 
     def bound(self) -> str:
-        """``">= 1"`` or ``"> 0"``: the lower bound in words, empty when there is none."""
         if self.minimum is None:
             return ""
         return f" {'>' if self.above else '>='} {self.minimum:g}"
@@ -149,28 +126,18 @@ _FRAMEWORK_NAME = re.compile(r"[a-z][a-z0-9_-]{0,39}")
 
 
 def _framework(option: OptionInfo, value: Any) -> str:
-    # Which frameworks exist is the frameworks registry's to say (advisor.frameworks, a layer
-    # above this one); it names them when the script's plan is made, before any trial. It takes
-    # a name in any case (Lightning), so this check does too, and the name goes on as given:
-    # the registry's refusal quotes what the user wrote.
+    # Which frameworks exist is the frameworks registry's to say (a layer above); the name goes on
+    # as given, in any case, so that the registry's refusal quotes what the user wrote.
     if not isinstance(value, str) or not _FRAMEWORK_NAME.fullmatch(value.lower()):
         raise option.refuse(value, "a framework name such as lightning")
     return value
 
 
 def _option(
-    default: Any,
-    help: str,
-    check: Callable[[OptionInfo, Any], Any],
-    *,
-    flags: tuple[str, ...] = (),
-    minimum: float | None = None,
-    above: bool = False,
-    job: bool = True,
-    job_limit: float | None = None,
+    default: Any, help: str, check: Callable[[OptionInfo, Any], Any], *, flags: tuple[str, ...] = (),
+    minimum: float | None = None, above: bool = False, job: bool = True, job_limit: float | None = None,
     trial: bool = False,
 ) -> Any:
-    """A dataclass field whose metadata says how the option is shown and checked."""
     rules = {"help": help, "check": check, "flags": flags, "minimum": minimum, "above": above, "job": job,
              "job_limit": job_limit, "trial": trial}
     return field(default=default, metadata={"option": rules})
@@ -178,12 +145,8 @@ def _option(
 
 @dataclass(frozen=True)
 class TuneOptions:
-    """Every option of a tune, with one set of names and defaults.
-
-    The field order is the order of ``mpadvise tune --help``. Invalid values raise
-    UsageError (exit 2) naming the flag, the value and what is allowed; ``modes`` becomes a tuple and
-    ``out`` a string, so the options are hashable and JSON-ready.
-    """
+    """Every option of a tune; the field order is that of ``mpadvise tune --help``. Invalid values
+    raise UsageError (exit 2) naming the flag, the value and what is allowed."""
 
     trials: int = _option(20, "Trial budget of the search (the reference not counted).", _whole_number,
                           minimum=1, job_limit=10_000)
@@ -246,26 +209,18 @@ class TuneOptions:
 
     @property
     def memory_limit_bytes(self) -> int | None:
-        """``memory_limit`` in bytes, ``None`` for no limit."""
         if self.memory_limit is None:
             return None
         return self.memory_limit if isinstance(self.memory_limit, int) else parse_memory(self.memory_limit)
 
     def with_(self, **changes: Any) -> TuneOptions:
-        """A copy with some options changed (validated again).
-
-        Raises:
-            UsageError: an unknown option name, or a value it does not take.
-        """
+        """A copy with some options changed, validated again (UsageError for an unknown name)."""
         _check_names(changes)
         return replace(self, **changes)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TuneOptions:
-        """Options from a plain dict (JSON, a stored job); missing keys keep their defaults.
-
-        A retired option (``RETIRED_OPTIONS``) that a job stored before its retirement carries
-        is dropped.
+        """Options from a plain dict (missing keys keep their defaults; ``RETIRED_OPTIONS`` are dropped).
 
         Raises:
             UsageError: an unknown key, or a value its option does not take.
@@ -302,12 +257,7 @@ class TuneOptions:
 
 
 def check_rank_device(nproc_per_node: int, device: str | None) -> None:
-    """Refuse one numbered GPU for the processes of a multi-process trial.
-
-    Raises:
-        UsageError: ``device`` names a GPU (``cuda:N``) while ``nproc_per_node`` > 1: each
-            process takes its own GPU (``cuda:LOCAL_RANK``).
-    """
+    """Refuse one numbered GPU (``cuda:N``) for the processes of a multi-process trial."""
     if nproc_per_node > 1 and device is not None and device.startswith("cuda:"):
         raise UsageError(
             f"--device {device} cannot be used with --nproc-per-node {nproc_per_node}: each process "
@@ -317,7 +267,6 @@ def check_rank_device(nproc_per_node: int, device: str | None) -> None:
 
 @functools.cache
 def option_info() -> tuple[OptionInfo, ...]:
-    """Every tune option in declaration order, with its type, default, help and rules."""
     hints = get_type_hints(TuneOptions)
     return tuple(
         OptionInfo(

@@ -1,11 +1,7 @@
-"""Interleaved pairs for ``mpadvise trial --pairs N``: fp32 and every candidate that came out
-stable run again, ``N`` rounds, back to back and in alternating order, so that each speed-up
-rests on paired runs with a confidence interval, as a tune's re-measurement does, and not on
-one run of each (on a shared 2-core machine, one run's ratio scattered from 1.28x to 1.65x
-where the start-up-free figure was 1.45x).
-
-A candidate that is not stable in a round leaves the rounds, with the reason: one stable
-run does not make it safe.
+"""Interleaved pairs for ``mpadvise trial --pairs N``: fp32 and every stable candidate run again,
+``N`` rounds in alternating order, so that each speed-up rests on paired runs with an interval
+(one run's ratio scattered from 1.28x to 1.65x on a shared 2-core machine, where it was 1.45x).
+A candidate not stable in a round leaves the rounds, with the reason.
 """
 
 from __future__ import annotations
@@ -27,16 +23,8 @@ PAIRS_MAX = 50
 
 @dataclass
 class PairedRuns:
-    """One candidate's runs beside fp32's, round by round.
-
-    Attributes:
-        label: the candidate's label.
-        policy: its policy.
-        goodputs: its goodput in each round; ``None`` where it did not pair (not run, no
-            sample count, or fp32's run failed).
-        fp32_goodputs: fp32's goodput in the same rounds, ``None`` likewise.
-        dropped: why it left the rounds (its outcome and reason), empty while it stayed.
-    """
+    """One candidate's runs beside fp32's, round by round (``None`` where a round did not pair);
+    ``dropped`` says why it left the rounds."""
 
     label: str
     policy: Policy
@@ -45,16 +33,13 @@ class PairedRuns:
     dropped: str = ""
 
     def _paired_rounds(self) -> list[int]:
-        """The rounds that paired."""
         return [r for r, (c, f) in enumerate(zip(self.goodputs, self.fp32_goodputs)) if c is not None and f is not None]
 
     def gap(self) -> Gap:
-        """Its gap over fp32, over the rounds that paired."""
         rounds = self._paired_rounds()
         return paired_gap([self.goodputs[r] or 0.0 for r in rounds], [self.fp32_goodputs[r] or 0.0 for r in rounds])
 
     def speedup(self) -> Speedup | None:
-        """Its paired speed-up over fp32 with its interval; ``None`` without a single pair."""
         return Speedup.of_gap(self.gap()) if self._paired_rounds() else None
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,30 +50,12 @@ class PairedRuns:
 
 
 def run_pairs(
-    runner: Runner,
-    comparison: Comparison,
-    rounds: int,
-    *,
-    thresholds: StabilityThresholds | None = None,
-    on_start: Callable[[int, str], None] | None = None,
-    on_done: Callable[[int, Evaluation], None] | None = None,
+    runner: Runner, comparison: Comparison, rounds: int, *, thresholds: StabilityThresholds | None = None,
+    on_start: Callable[[int, str], None] | None = None, on_done: Callable[[int, Evaluation], None] | None = None,
 ) -> list[PairedRuns]:
-    """Run fp32 and each candidate the comparison found stable, ``rounds`` times, interleaved.
-
-    Round ``r`` runs fp32 first and the candidates after it when ``r`` is even, and the
-    reverse when it is odd, so that a slow spell of the machine falls on both sides alike.
-    Each run is judged as the comparison judged it (against its reference, with the
-    replicate's limits). No round starts once no candidate is left.
-
-    Args:
-        runner: runs one trial, as the comparison's did.
-        comparison: what ``run_comparison`` measured.
-        rounds: how many rounds (0 runs nothing).
-        on_start, on_done: progress, with each run's index from 0.
-
-    Returns:
-        One ``PairedRuns`` per candidate the comparison found stable with a goodput, in its order.
-    """
+    """Run fp32 and each candidate the comparison found stable, ``rounds`` times, interleaved
+    (fp32 first in even rounds, last in odd ones), each judged as the comparison judged it.
+    ``on_start``/``on_done`` get each run's index from 0."""
     reference = comparison.reference.result
     fp32 = Policy(mode="fp32")
     replicate = None if comparison.replicate is None else comparison.replicate.curve
@@ -130,12 +97,10 @@ def run_pairs(
 
 
 def _pairable(comparison: Comparison) -> list[Evaluation]:
-    """The candidates the comparison found stable with a goodput: those the rounds pair."""
     return [ev for ev in comparison.evaluations if ev.stable and ev.goodput]
 
 
 def pairs_runs(comparison: Comparison, rounds: int) -> int:
-    """The most runs ``run_pairs`` makes for this comparison: fp32 and each pairable
-    candidate, every round (for a progress bar's total); 0 when none is pairable."""
+    """The most runs ``run_pairs`` makes (a progress bar's total); 0 when none is pairable."""
     pairable = len(_pairable(comparison))
     return rounds * (1 + pairable) if pairable else 0

@@ -1,11 +1,5 @@
-"""The plan stage: the search space, its priors and its bounds, before a candidate runs.
-
-``plan`` is the stage's entry. Once the fp32 reference has run (its batch and whether the
-script shards with FSDP2 shape the space), it draws the candidates this hardware supports,
-narrowed to the options' modes and the script's limits; the matmul priors per dtype (the
-search's order of promise, and each candidate's MFU's peak); and the first candidates, the
-reference and the hardware's safe default before every other mode's defaults.
-"""
+"""The plan stage: the search space, its priors and its bounds, once the fp32 reference has run
+(its batch and whether the script shards with FSDP2 shape the space)."""
 
 from __future__ import annotations
 
@@ -23,17 +17,9 @@ from probes import HardwareProfile
 
 @dataclass
 class Plan:
-    """What the tune will search, and in which order it looks first.
-
-    Attributes:
-        space: the candidates.
-        ref_cand: fp32 at the script's batch (the reference, as a candidate).
-        first: the candidates enqueued before the sampler explores.
-        ratios: matmul throughput per dtype relative to fp32 (the priors); empty without priors.
-        peaks: matmul TFLOP/s per dtype (each candidate's MFU's denominator).
-        probed: whether this plan measured the peaks itself (and so probes them again at the
-            tune's end, ``final_peaks``).
-    """
+    """What the tune will search, and in which order it looks first (``first``: enqueued before the
+    sampler explores). ``ratios`` are matmul rates per dtype over fp32's, ``peaks`` in TFLOP/s;
+    ``probed``: this plan measured them, and so probes again at the tune's end."""
 
     space: SearchSpace
     ref_cand: Candidate
@@ -43,8 +29,6 @@ class Plan:
     probed: bool = False
 
     def final_peaks(self, profile: HardwareProfile, reference: TrialResult) -> dict[str, float]:
-        """The peaks, each dtype's higher figure of two probes when this plan probed them and the
-        reference counted its FLOPs (``higher_peaks``)."""
         if not (self.probed and reference.flops_per_step):
             return self.peaks
         return higher_peaks(self.peaks, measure_matmul(profile)[1])
@@ -53,16 +37,8 @@ class Plan:
 def plan(profile: HardwareProfile, options: TuneOptions, reference: TrialResult, *,
          limits: SpaceLimits | None = None, dtype_ratio: dict[str, float] | None = None,
          peak_tflops: dict[str, float] | None = None) -> Plan:
-    """The tune's plan once its fp32 ``reference`` has run.
-
-    Args:
-        profile: the hardware the trials run on; decides the space.
-        options: the tune's options (modes, ``include_emulated``, ``scale_batch``, ``no_priors``).
-        reference: the fp32 reference's result (its batch; whether it shards with FSDP2).
-        limits: what the script's way of training can apply (a framework's limits).
-        dtype_ratio: matmul ratios per dtype; measured on the device when ``None``.
-        peak_tflops: matmul TFLOP/s per dtype, given with ``dtype_ratio`` (tests pass both).
-    """
+    """The tune's plan once its fp32 ``reference`` has run; ``dtype_ratio`` (with ``peak_tflops``)
+    is measured on the device when ``None``."""
     user_batch = reference.user_batch
     support = supported_modes(profile)
     modes = check_modes(list(options.modes), profile) if options.modes else None  # unknown or unsupported: one clear error
@@ -87,8 +63,7 @@ def plan(profile: HardwareProfile, options: TuneOptions, reference: TrialResult,
 
 
 def measure_matmul(profile: HardwareProfile) -> tuple[dict[str, float], dict[str, float]]:
-    """Matmul throughput per dtype on this device: relative to fp32 (the search's priors), and
-    in TFLOP/s (the peaks each candidate's MFU is measured against)."""
+    """Matmul throughput per dtype on this device: relative to fp32 (the priors), and in TFLOP/s."""
     ratios, peaks = {}, {}
     for row in probes.matmul_benchmark(profile):
         if row.skipped is None and row.ratio_vs_fp32:
@@ -100,9 +75,6 @@ def measure_matmul(profile: HardwareProfile) -> tuple[dict[str, float], dict[str
 
 
 def higher_peaks(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
-    """Each dtype's higher figure of two probes of the matmul peaks.
-
-    A peak is what the hardware can do, and a neighbour's burst only ever slows a matmul. One
-    probe lasts a fraction of a second, so one burst can halve every MFU of a tune; two probes
-    minutes apart, at the tune's start and end, rarely both meet one."""
+    """Each dtype's higher figure of two probes of the matmul peaks: a neighbour's burst only ever
+    slows a matmul, and two probes minutes apart rarely both meet one."""
     return {dtype: max(first.get(dtype, 0.0), second.get(dtype, 0.0)) for dtype in {**first, **second}}

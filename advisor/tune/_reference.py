@@ -1,13 +1,6 @@
-"""The yardsticks every verdict is judged against: the fp32 reference and its replicate.
-
-``run_reference`` runs fp32, growing the window while its loss still falls geometrically;
-``run_replicate`` runs fp32 again with the same seed and data but its initial parameters
-perturbed once by about one bf16 rounding: how far it drifts from fp32 is how much this workload
-amplifies a perturbation of precision's size, which widens the stability limits
-(``advisor.tune._spread``). ``Yardsticks`` judges a candidate on a longer window while it bends
-away from fp32, and a narrow stall against a second replicate; ``run_comparison`` is
-``mpadvise trial``'s whole comparison.
-"""
+"""The yardsticks every verdict is judged against: the fp32 reference and its replicate (fp32
+with its initial parameters perturbed once by about one bf16 rounding, whose drift widens the
+stability limits)."""
 
 from __future__ import annotations
 
@@ -26,51 +19,23 @@ from advisor.tune._spread import still_falling
 from advisor.tune._stability import StabilityThresholds, TrialCurve, judge
 from policies import Policy
 
+# How many times the window asked for may grow while fp32's loss still falls geometrically.
 MAX_WINDOW_GROWTH = 8
-"""How many times the measured window asked for may grow while fp32's loss is still falling
-geometrically at its end: 40 steps become at most 320. A loss that halves every few steps has
-long reached fp32's own floor, or a 16-bit mode's, by then."""
-
-
+# A stall this many times fp32's measured spread would forgive gets a second replicate: one draw of
+# a normally distributed drift comes out under an eighth of the typical one about one time in ten
+# (tests/integration/scripts/noisy_small_drop.py: 0.036 and 0.015, then 0.111), two about 1 in 100.
 SECOND_LOOK_MULTIPLE = 8.0
-"""A candidate judged stalled that would be stable were fp32's spread this many times what its
-replicate measured gets a second replicate, perturbed by another draw of the same size
-(``Yardsticks.second_look``). One replicate is one draw of how far a chaotic run strays: for a
-normally distributed drift, one draw comes out under an eighth of the typical distance about one
-time in ten, and a stable candidate then fails narrowly against it (on tests/integration/scripts/
-noisy_small_drop.py, first replicates measured 0.036 and 0.015 where a second measured 0.111).
-The larger of two draws is that small about one time in a hundred. A stall far beyond the spread
-costs no extra run."""
-
-
+# The coarsest of the 16-bit formats a candidate computes in (2^-8 of a value at most).
 REPLICATE_PERTURBATION = "bf16"
-"""The format whose rounding perturbs the replicate's initial parameters: bf16's, the coarsest
-of the 16-bit formats a candidate computes in (2^-8 of a value at most)."""
 
 
 @dataclass(frozen=True)
 class Replicate:
-    """fp32 run again with the same seed and data, its initial parameters perturbed once.
+    """fp32 run again with the same seed and data, each initial parameter multiplied once by
+    ``1 + u * 2^-8``. A tune stores it with its study, so ``--resume`` reuses it.
 
-    A candidate starts from fp32's own weights and sees fp32's own batches; it differs only
-    numerically. So does the replicate: each parameter is multiplied once by ``1 + u * 2^-8``
-    (one bf16 rounding) before the first step. How far it then drifts from fp32 is how much
-    this workload amplifies a perturbation of precision's size, the noise a candidate's gap is
-    judged against. A tune stores it with its study, so ``--resume`` reuses it.
-
-    Attributes:
-        seed: the seed it ran with (the reference's).
-        losses: its loss per optimizer step; empty when it gave no usable curve.
-        wall_s: how long its trial took, in seconds.
-        note: why it gave no usable curve; empty when it did.
-        reused: whether it was read back from a stored study rather than run now.
-        perturb: the format whose rounding perturbed its initial parameters.
-        identical: whether its losses are fp32's, bit for bit: the perturbation never reached
-            the trained weights (the script set them after ``setup()``), so it measured no
-            spread and the fixed limits stand alone.
-        result: the trial's result when it ran in this process (never stored).
-        draw: which draw of the perturbation: 0 for the replicate every comparison runs, 1 for
-            the second one a narrow stall asks for (``Yardsticks.second_look``).
+    ``identical``: its losses are fp32's bit for bit (the script set the weights after ``setup()``),
+    so it measured no spread. ``draw`` is 1 for the second one a narrow stall asks for.
     """
 
     seed: int
@@ -90,11 +55,9 @@ class Replicate:
 
     @property
     def curve(self) -> TrialCurve | None:
-        """The curve that calibrates the verdicts, or ``None`` when there is no usable one."""
         return TrialCurve(mode="fp32", losses=self.losses) if self.losses and not self.note else None
 
     def to_dict(self, *, losses: bool = True) -> dict[str, Any]:
-        """A JSON-ready dict (the losses left out with ``losses=False``); ``from_dict`` reads it."""
         data: dict[str, Any] = {"seed": self.seed, "perturb": self.perturb, "steps": len(self.losses),
                                 "wall_s": self.wall_s, "note": self.note, "reused": self.reused,
                                 "identical": self.identical, "draw": self.draw}
@@ -104,9 +67,8 @@ class Replicate:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Replicate | None:
-        """Inverse of ``to_dict``; ``None`` for data that does not hold a usable replicate (a
-        replicate stored without ``perturb`` ran under another seed, which measured the wrong
-        noise, and is not reused)."""
+        """Inverse of ``to_dict``; ``None`` for data without a usable replicate (one stored without
+        ``perturb`` ran under another seed)."""
         try:
             losses = tuple(float(v) for v in data["losses"])
             seed, wall = int(data["seed"]), float(data.get("wall_s") or 0.0)
@@ -121,7 +83,6 @@ class Replicate:
     @classmethod
     def from_result(cls, result: TrialResult, seed: int, reference: TrialResult,
                     perturb: str = REPLICATE_PERTURBATION, draw: int = 0) -> Replicate:
-        """The replicate a trial gave; one that failed carries a note saying why, and is logged."""
         label = f"the {'second ' if draw else ''}fp32 replicate ({perturb}-perturbed)"
         bad = next((i for i, v in enumerate(result.losses) if not math.isfinite(v)), None)
         note = ""
@@ -146,28 +107,11 @@ class Replicate:
 
 
 def run_replicate(
-    runner: Runner,
-    reference: TrialResult,
-    *,
-    stored: Mapping[str, Any] | None = None,
-    on_start: Callable[[str], None] | None = None,
-    draw: int = 0,
+    runner: Runner, reference: TrialResult, *, stored: Mapping[str, Any] | None = None,
+    on_start: Callable[[str], None] | None = None, draw: int = 0,
 ) -> Replicate | None:
-    """fp32 again with its initial parameters perturbed, or the stored replicate of the same
-    reference.
-
-    Args:
-        runner: the runner of the reference; one that cannot perturb (not ``Perturbable``)
-            gets no replicate.
-        reference: the fp32 reference's result.
-        stored: a replicate kept with a study (``Replicate.to_dict``), reused when it has the
-            same seed, the same perturbation and the reference's number of steps.
-        on_start: called with the replicate's label before it runs.
-        draw: which draw of the perturbation (0, or 1 for a second replicate).
-
-    Returns:
-        The replicate (possibly one with a note saying why it is unusable), or ``None``.
-    """
+    """fp32 again with its initial parameters perturbed, or the ``stored`` replicate of the same
+    seed, perturbation and steps; ``None`` for a runner that cannot perturb."""
     if not isinstance(runner, Perturbable):
         return None
     seed, perturb = runner.seed, REPLICATE_PERTURBATION
@@ -183,8 +127,8 @@ def run_replicate(
 
 
 class Reference(NamedTuple):
-    """What ``run_reference`` measured: the fp32 result, the runner (its window extended
-    when fp32 was still falling) that every later trial must use, and what was done."""
+    """The fp32 result, the runner every later trial must use (its window maybe extended), and
+    what was done to the window."""
 
     result: TrialResult
     runner: Runner
@@ -192,20 +136,12 @@ class Reference(NamedTuple):
 
 
 def run_reference(
-    runner: Runner,
-    *,
-    thresholds: StabilityThresholds | None = None,
-    on_start: Callable[[str], None] | None = None,
-    deadline: float | None = None,
-    clock: Callable[[], float] = time.monotonic,
+    runner: Runner, *, thresholds: StabilityThresholds | None = None, on_start: Callable[[str], None] | None = None,
+    deadline: float | None = None, clock: Callable[[], float] = time.monotonic,
 ) -> Reference:
-    """Run fp32, the yardstick; while its loss is still falling geometrically at the end of the
-    window, run it again with twice the window, so the comparison sees where the curves level
-    off (a 16-bit mode's loss floor shows only once fp32 has fallen below it).
-
-    The window grows to at most ``MAX_WINDOW_GROWTH`` times what was asked, and only while the
-    next, longer reference is expected to end before ``deadline`` (its last run's wall time,
-    doubled). When it cannot grow, ``window_note`` says the window is short for this workload.
+    """Run fp32; while its loss still falls geometrically at the end of the window, run it again
+    with twice the window (a 16-bit mode's loss floor shows only once fp32 has fallen below it), up
+    to ``MAX_WINDOW_GROWTH`` times what was asked and while it fits before ``deadline``.
 
     Raises:
         MpadviseError: the reference failed or is not finite (no verdict is possible).
@@ -245,17 +181,11 @@ def run_reference(
 
 
 class Yardsticks:
-    """fp32 and its replicate at every window length a comparison has used, and the judging of a
-    candidate that extends the window while the candidate bends away from fp32.
+    """fp32 and its replicate at every window length a comparison has used.
 
-    A stable candidate whose gap above fp32 more than doubled over the window's second half
-    (``bending_away`` in its verdict) may be a stall or a floor that the window ended too soon to
-    show. It runs again with twice the window, beside fp32 and the replicate at that window (run
-    once per length, shared by every candidate), until it levels off, fails, or the window
-    reaches ``MAX_WINDOW_GROWTH`` times what was asked or the time budget; then its verdict keeps
-    the note that the window is short.
-
-    A narrow stall is judged again against a second replicate (``second_look``).
+    A stable candidate whose gap above fp32 grows (``bending_away``) runs again with twice the window,
+    beside fp32 and the replicate at that window (run once per length), until it levels off, fails or
+    the window cannot grow; a narrow stall is judged again against a second replicate.
     """
 
     def __init__(self, runner: Runner, reference: TrialResult, replicate: Replicate | None, *,
@@ -273,7 +203,6 @@ class Yardsticks:
         self.extended: list[str] = []
 
     def evaluate(self, label: str, policy: Policy, result: TrialResult) -> Evaluation:
-        """Judge ``result`` against fp32 at its window, extending the window while it bends away."""
         reference, curve = self._at[self.steps]
         ev = evaluate(label, policy, result, reference, thresholds=self.thresholds, replicate=curve)
         steps = self.steps
@@ -291,39 +220,24 @@ class Yardsticks:
             ev = evaluate(label, policy, ran, reference, thresholds=self.thresholds, replicate=curve)
         return self.second_look(ev, steps)
 
-    def second_replicate(self, steps: int | None = None) -> Replicate | None:
-        """The second replicate at ``steps`` (the comparison's window when ``None``), if a narrow
-        stall ran one there."""
-        return self._second.get(self.steps if steps is None else steps)
+    def second_replicate(self) -> Replicate | None:
+        return self._second.get(self.steps)
 
     def second_look(self, ev: Evaluation, steps: int | None = None) -> Evaluation:
-        """``ev`` judged again against a second replicate, when it is a narrow stall.
-
-        A stall that ``SECOND_LOOK_MULTIPLE`` times fp32's measured spread would forgive may be
-        one replicate's draw coming out small. A second replicate, perturbed by another draw,
-        runs once per window (shared by every candidate), and the candidate is stable if it is
-        stable against either: the limits then come from the wider of the two draws. Anything
-        else is returned as it is.
-
-        Args:
-            ev: the evaluation against fp32 and the first replicate at ``steps``.
-            steps: the window it was measured over; the comparison's own when ``None``.
-        """
+        """``ev`` judged again against a second replicate (run once per window) when it is a narrow
+        stall; stable if stable against either."""
         steps = self.steps if steps is None else steps
         reference, curve = self._at.get(steps, (None, None))
         if reference is None or curve is None or not _narrow_stall(ev, reference, curve, self.thresholds):
             return ev
         if steps not in self._second:
-            self._second[steps] = run_replicate(self._runner_at(steps), reference, on_start=self.on_start, draw=1)
+            runner = self.runner if steps == self.steps else self.runner.with_measure_steps(steps)  # type: ignore[attr-defined]
+            self._second[steps] = run_replicate(runner, reference, on_start=self.on_start, draw=1)
         second = self._second[steps]
         if second is None or second.curve is None:
             return ev
         again = evaluate(ev.label, ev.policy, ev.result, reference, thresholds=self.thresholds, replicate=second.curve)
         return _judged_twice(ev, again, second)
-
-    def _runner_at(self, steps: int | None) -> Runner:
-        """The comparison's runner, measuring ``steps`` steps."""
-        return self.runner if steps == self.steps else self.runner.with_measure_steps(steps)  # type: ignore[attr-defined]
 
     @staticmethod
     def _bending(ev: Evaluation) -> bool:
@@ -339,8 +253,7 @@ class Yardsticks:
         return self.deadline is None or self.clock() + cost <= self.deadline
 
     def _yardstick(self, steps: int) -> tuple[TrialResult, TrialCurve | None] | None:
-        """fp32 and its replicate measuring ``steps`` steps, run on first use; ``None`` when
-        fp32 fails there (the shorter verdict then stands)."""
+        """fp32 and its replicate at ``steps``, run on first use; ``None`` when fp32 fails there."""
         if steps not in self._at:
             runner = self.runner.with_measure_steps(steps)  # type: ignore[attr-defined]
             label = f"fp32 (reference, {steps} steps)"
@@ -359,8 +272,6 @@ class Yardsticks:
 
 def _narrow_stall(ev: Evaluation, reference: TrialResult, replicate: TrialCurve,
                   thresholds: StabilityThresholds) -> bool:
-    """Whether ``ev`` is a stall that ``SECOND_LOOK_MULTIPLE`` times the replicate's spread
-    would forgive."""
     if ev.verdict is None or ev.verdict.kind != "stalled" or ev.result.outcome != "ok":
         return False
     wider = dataclasses.replace(thresholds, spread_multiplier=thresholds.spread_multiplier * SECOND_LOOK_MULTIPLE)
@@ -368,8 +279,8 @@ def _narrow_stall(ev: Evaluation, reference: TrialResult, replicate: TrialCurve,
 
 
 def _judged_twice(first: Evaluation, again: Evaluation, second: Replicate) -> Evaluation:
-    """The evaluation against the replicate whose spread allows the candidate (the second's, when
-    it is stable there; the first's otherwise), its reason saying both were run."""
+    """The evaluation against the replicate whose spread allows the candidate, its reason saying
+    both were run."""
     if first.verdict is None or again.verdict is None:
         return first
     if again.stable:
@@ -384,9 +295,6 @@ def _judged_twice(first: Evaluation, again: Evaluation, second: Replicate) -> Ev
 
 
 class Comparison(NamedTuple):
-    """What ``run_comparison`` measured: the reference, each candidate, and the replicate (and
-    the second one, when a narrow stall ran it)."""
-
     reference: Evaluation
     evaluations: list[Evaluation]
     replicate: Replicate | None
@@ -395,8 +303,7 @@ class Comparison(NamedTuple):
     second_replicate: Replicate | None = None
 
     def judged_against(self) -> dict[str, TrialCurve]:
-        """The replicate curve each evaluation judged stable against the second replicate was
-        judged with, by label (for a picture of the limits it met)."""
+        """By label, the second replicate's curve for each evaluation judged stable against it."""
         second = None if self.second_replicate is None else self.second_replicate.curve
         if second is None:
             return {}
@@ -405,15 +312,10 @@ class Comparison(NamedTuple):
 
 
 def run_comparison(
-    runner: Runner,
-    candidates: list[tuple[Policy, str]],
-    *,
-    thresholds: StabilityThresholds | None = None,
-    on_start: Callable[[int, str], None] | None = None,
-    on_done: Callable[[int, Evaluation], None] | None = None,
+    runner: Runner, candidates: list[tuple[Policy, str]], *, thresholds: StabilityThresholds | None = None,
+    on_start: Callable[[int, str], None] | None = None, on_done: Callable[[int, Evaluation], None] | None = None,
 ) -> Comparison:
-    """Run the fp32 reference, its perturbed replicate, then each candidate, and
-    judge each against the reference, with limits widened to the replicate's spread.
+    """``mpadvise trial``'s comparison: fp32, its replicate, then each candidate judged against them.
 
     Raises:
         MpadviseError: the reference failed or is not finite (no verdict is possible).

@@ -1,10 +1,7 @@
 """The run stage: launch trials through one runner interface, warm or cold.
 
-A *runner* turns a Policy into a TrialResult. ``ScriptRunner`` runs the user's script in a
-subprocess through the trial launcher (``advisor.trial``: cold, or from a warm server);
-``FunctionRunner`` runs a function in this process (``advisor.tune(train_fn)``, notebooks, fast
-tests). ``run_candidate`` is the stage's entry: one trial of one policy, through the tune's
-``Timing`` (which runs a disturbed or lost trial again), held to the memory limit.
+A runner turns a Policy into a TrialResult: ``ScriptRunner`` runs the user's script in a
+subprocess, ``FunctionRunner`` a function in this process (``advisor.tune(train_fn)``).
 """
 
 from __future__ import annotations
@@ -45,7 +42,6 @@ from probes import HardwareProfile, MpadviseError
 
 
 class Runner(Protocol):
-    """Runs one candidate and returns what it measured. The search takes one as an argument."""
 
     def __call__(self, policy: Policy, label: str) -> TrialResult: ...
 
@@ -53,18 +49,13 @@ class Runner(Protocol):
 @runtime_checkable
 class Perturbable(Protocol):
     """A runner that can run the same workload with its initial parameters perturbed once (the
-    replicate of fp32): same seed, same data order, only the numbers differ.
-
-    A runner without this (a test's fake) gets no replicate: the fixed limits apply.
-    """
+    replicate of fp32); one without this (a test's fake) gets no replicate."""
 
     seed: int
 
     def __call__(self, policy: Policy, label: str) -> TrialResult: ...
 
     def perturbed(self, perturb: str, draw: int = 0) -> Runner:
-        """The same runner, every trial's initial parameters perturbed by a ``perturb`` rounding
-        (``draw`` picks an independent perturbation of the same size, for a second replicate)."""
         ...
 
 
@@ -95,7 +86,6 @@ class TrialSettings:
 
     @classmethod
     def for_tune(cls, options: TuneOptions) -> TrialSettings:
-        """The measuring window and limits that a tune's options ask of every trial."""
         return cls(warmup_steps=options.warmup, measure_steps=options.steps, seed=options.seed,
                    memory_limit=options.memory_limit_bytes, timeout=options.timeout,
                    first_step_timeout=options.first_step_timeout, device=options.device,
@@ -103,32 +93,16 @@ class TrialSettings:
 
     def spec(self, policy: Policy, result_path: str, label: str) -> TrialSpec:
         return TrialSpec(
-            policy=policy.to_dict(),
-            result_path=result_path,
-            seed=self.seed,
-            warmup_steps=self.warmup_steps,
-            measure_steps=self.measure_steps,
-            memory_limit=self.memory_limit,
-            first_step_timeout=self.first_step_timeout,
-            device=self.device,
-            label=label,
-            framework=self.framework,
-            nproc_per_node=self.nproc_per_node,
-            perturb=self.perturb,
-            perturb_draw=self.perturb_draw,
-            count_flops=self.count_flops,
-        )
+            policy=policy.to_dict(), result_path=result_path, seed=self.seed, warmup_steps=self.warmup_steps,
+            measure_steps=self.measure_steps, memory_limit=self.memory_limit,
+            first_step_timeout=self.first_step_timeout, device=self.device, label=label, framework=self.framework,
+            nproc_per_node=self.nproc_per_node, perturb=self.perturb, perturb_draw=self.perturb_draw,
+            count_flops=self.count_flops)
 
     def launch(self, python: str, launch: Sequence[str] = ()) -> tuple[str, ...]:
-        """What goes between the interpreter (``python``) and the script for a trial under
-        these settings.
-
-        One process: ``launch`` itself (a framework script's ``-P -m advisor.frameworks._boot
-        FRAMEWORK``, or nothing). Several: the trial's own rank launcher (``advisor.trial._ranks``:
-        no elastic agent, no TCP store, no restarts: a failure is the trial's outcome), which
-        starts ``python -P -m advisor.trial._run LAUNCH SCRIPT ARGS`` as each rank: every rank
-        runs the command line a one-process trial runs.
-        """
+        """What goes between the interpreter and the script: ``launch`` itself for one process; for
+        several, the trial's own rank launcher (no elastic agent, no restarts: a failure is the trial's
+        outcome), each rank running the command line a one-process trial runs."""
         if self.nproc_per_node == 1:
             return tuple(launch)
         return (*ranks_argv(self.nproc_per_node), python, *module_argv(RUN_MODULE), *launch)
@@ -143,45 +117,32 @@ class Extendable(Protocol):
     def __call__(self, policy: Policy, label: str) -> TrialResult: ...
 
     def with_measure_steps(self, steps: int) -> Runner:
-        """The same runner, every trial measuring ``steps`` optimizer steps."""
         ...
 
 
 @runtime_checkable
 class FlopCountable(Protocol):
-    """A runner whose trials can count one optimizer step's FLOPs (the tune asks it of the fp32
-    reference alone: every candidate runs the same arithmetic per step)."""
+    """A runner whose trials can count one optimizer step's FLOPs (asked of the fp32 reference alone)."""
 
     def __call__(self, policy: Policy, label: str) -> TrialResult: ...
 
     def with_flop_count(self, on: bool = True) -> Runner:
-        """The same runner, its trials counting FLOPs (``on``) or not."""
         ...
 
 
+# Set (by the daemon) to make every trial wait until no other process computes on its GPU.
 WAIT_IDLE_ENV = "MPADVISE_WAIT_IDLE_GPU"
-"""Set (by the daemon) to make every trial wait until no other process computes on its GPU."""
-
-
+# An hour outlasts a colleague's short job; a day-long run is better met with a clear error.
 WAIT_IDLE_MAX_S = 3600.0
-"""How long a trial waits for its GPU before the tune gives up: an hour outlasts a colleague's
-short job, and a day-long training run is better met with a clear error than a silent hang."""
 
 
 def wait_until_idle(
-    profile: HardwareProfile | None,
-    *,
-    poll_s: float = 5.0,
-    max_wait_s: float = WAIT_IDLE_MAX_S,
-    on_wait: Callable[[list[int]], None] | None = None,
-    sleep: Callable[[float], None] = time.sleep,
+    profile: HardwareProfile | None, *, poll_s: float = 5.0, max_wait_s: float = WAIT_IDLE_MAX_S,
+    on_wait: Callable[[list[int]], None] | None = None, sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Block until NVML shows no other compute process on the profile's GPU (no-op on a CPU).
-
-    Tuning beside someone's training run would disturb it and measure noise. This process's
-    own tree (itself, the processes it waits for, its trials) never counts as another's,
-    in a container too (``probes.gpu_busy``).
+    """Block until NVML shows no other compute process on the profile's GPU (no-op on a CPU);
+    this process's own tree never counts as another's.
 
     Raises:
         MpadviseError: the GPU was still busy after ``max_wait_s`` seconds.
@@ -207,12 +168,8 @@ def wait_until_idle(
 
 def prestarted_launcher(script: str | os.PathLike[str], args: Sequence[str], launch: Sequence[str] = (), *,
                         nproc_per_node: int = 1, python: str | None = None) -> WarmLauncher:
-    """A warm launcher for a script's trials, its server started now (``WarmLauncher.prestart``).
-
-    A command calls this before its own slow work (importing torch, the probe, the matmul
-    benchmark), which then runs while the server imports, and hands the launcher to its
-    ``ScriptRunner`` (``warm=``). Where the trials would start cold, nothing starts.
-    """
+    """A warm launcher for a script's trials, its server started now, so that it imports while the
+    caller does its own slow work (the probe, the matmul benchmark)."""
     import sys
 
     python = python or sys.executable
@@ -221,30 +178,43 @@ def prestarted_launcher(script: str | os.PathLike[str], args: Sequence[str], lau
     return warm
 
 
-class ScriptRunner:
-    """Run ``python script args`` once per candidate, each in its own process.
+class _Derives:
+    """The runners derived from one: the same workload with other settings (``_with``)."""
 
-    With ``wait_idle_on`` (a CUDA profile), each trial first waits until that GPU has no other
-    compute process. ``launch`` goes between the interpreter and the script (see
-    ``advisor.trial.run_trial``): how a framework script or a multi-process trial starts.
+    settings: TrialSettings
 
-    Trials are forked from a warm server (``advisor.trial.WarmLauncher``) that imports torch,
-    the project and a framework script's framework once, on the first trial; the runners derived
-    from this one (``perturbed``, ``with_measure_steps``) share it. ``close()`` (or leaving a
-    ``with`` block) ends it; a trial that cannot be forked starts cold, as does every trial
-    under ``MPADVISE_WARM_TRIALS=0``.
+    def _with(self, **settings: Any) -> Any:
+        raise NotImplementedError
+
+    @property
+    def seed(self) -> int:
+        return self.settings.seed
+
+    @property
+    def measure_steps(self) -> int:
+        return self.settings.measure_steps
+
+    def perturbed(self, perturb: str, draw: int = 0) -> Any:
+        return self._with(perturb=perturb, perturb_draw=draw)
+
+    def with_measure_steps(self, steps: int) -> Any:
+        return self._with(measure_steps=steps)
+
+    def with_flop_count(self, on: bool = True) -> Any:
+        return self._with(count_flops=on)
+
+
+class ScriptRunner(_Derives):
+    """Run ``python script args`` once per candidate, each in its own process, forked from a warm
+    server (``advisor.trial.WarmLauncher``) shared with the runners derived from this one.
+
+    With ``wait_idle_on`` (a CUDA profile), each trial first waits until that GPU is idle.
+    ``close()`` (or leaving a ``with`` block) ends the server.
     """
 
     def __init__(
-        self,
-        script: str | os.PathLike[str],
-        args: list[str],
-        settings: TrialSettings,
-        *,
-        python: str | None = None,
-        wait_idle_on: HardwareProfile | None = None,
-        launch: Sequence[str] = (),
-        warm: WarmLauncher | None = None,
+        self, script: str | os.PathLike[str], args: list[str], settings: TrialSettings, *, python: str | None = None,
+        wait_idle_on: HardwareProfile | None = None, launch: Sequence[str] = (), warm: WarmLauncher | None = None,
     ) -> None:
         import sys
 
@@ -260,7 +230,6 @@ class ScriptRunner:
         self._numbers = itertools.count(1)
 
     def close(self) -> None:
-        """End the warm server, if one runs (shared: the derived runners' too)."""
         self.warm.close()
 
     def __enter__(self) -> ScriptRunner:
@@ -268,26 +237,6 @@ class ScriptRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @property
-    def seed(self) -> int:
-        return self.settings.seed
-
-    def perturbed(self, perturb: str, draw: int = 0) -> ScriptRunner:
-        """The same script and arguments, every trial's initial parameters perturbed once."""
-        return self._with(perturb=perturb, perturb_draw=draw)
-
-    @property
-    def measure_steps(self) -> int:
-        return self.settings.measure_steps
-
-    def with_measure_steps(self, steps: int) -> ScriptRunner:
-        """The same script and arguments, every trial measuring ``steps`` optimizer steps."""
-        return self._with(measure_steps=steps)
-
-    def with_flop_count(self, on: bool = True) -> ScriptRunner:
-        """The same script and arguments, every trial counting one step's FLOPs (or none)."""
-        return self._with(count_flops=on)
 
     def _with(self, **settings: Any) -> ScriptRunner:
         derived = ScriptRunner(self.script, self.args, dataclasses.replace(self.settings, **settings),
@@ -315,13 +264,9 @@ class ScriptRunner:
                              launch=self.settings.launch(self.python, self.launch), warm=self.warm)
 
 
-class FunctionRunner:
-    """Run ``train_fn(mp)`` in this process once per candidate.
-
-    ``train_fn`` receives the AppliedPolicy and uses it as a script would (``setup``,
-    ``micro_batch_size``, ``autocast``, ``step``); it must build its model and data inside, so
-    every candidate starts from the same seed.
-    """
+class FunctionRunner(_Derives):
+    """Run ``train_fn(mp)`` in this process once per candidate; it must build its model and data
+    inside, so every candidate starts from the same seed."""
 
     def __init__(self, train_fn: Callable[[Any], Any], settings: TrialSettings) -> None:
         if settings.nproc_per_node > 1:
@@ -332,25 +277,8 @@ class FunctionRunner:
         self.train_fn = train_fn
         self.settings = settings
 
-    @property
-    def seed(self) -> int:
-        return self.settings.seed
-
-    def perturbed(self, perturb: str, draw: int = 0) -> FunctionRunner:
-        """The same function, every trial's initial parameters perturbed once at ``setup()``."""
-        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, perturb=perturb, perturb_draw=draw))
-
-    @property
-    def measure_steps(self) -> int:
-        return self.settings.measure_steps
-
-    def with_measure_steps(self, steps: int) -> FunctionRunner:
-        """The same function, every trial measuring ``steps`` optimizer steps."""
-        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, measure_steps=steps))
-
-    def with_flop_count(self, on: bool = True) -> FunctionRunner:
-        """The same function, every trial counting one step's FLOPs (or none)."""
-        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, count_flops=on))
+    def _with(self, **settings: Any) -> FunctionRunner:
+        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, **settings))
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         profile = probes.profile_for(self.settings.device)
@@ -359,33 +287,23 @@ class FunctionRunner:
             start = time.perf_counter()
             data, error = run_in_process(self.train_fn, spec, profile=profile)
             wall = time.perf_counter() - start
-        return classify(
-            data,
-            exit_code=0 if error is None else 1,
-            timed_out=False,
-            stderr_tail=error or "",
-            spec=spec,
-            timeout=self.settings.timeout,
-            wall_s=wall,
-        )
+        return classify(data, exit_code=0 if error is None else 1, timed_out=False, stderr_tail=error or "",
+                        spec=spec, timeout=self.settings.timeout, wall_s=wall)
 
 
 class Measures(Protocol):
-    """What measures one window of a trial: the tune's ``Timing`` (``advisor.tune._steady``)."""
 
     def measure(self, runner: Runner, policy: Policy, label: str) -> TrialResult: ...
 
 
 def run_candidate(runner: Runner, policy: Policy, label: str, *, timing: Measures | None = None,
                   memory_limit: int | None = None) -> TrialResult:
-    """Run one trial of ``policy`` (through ``timing`` when given), turned out of memory when its
-    peak exceeds ``memory_limit`` bytes."""
+    """One trial of ``policy``, turned out of memory when its peak exceeds ``memory_limit`` bytes."""
     result = runner(policy, label) if timing is None else timing.measure(runner, policy, label)
     return limit_memory(result, memory_limit)
 
 
 def limit_memory(result: TrialResult, memory_limit: int | None) -> TrialResult:
-    """The result, turned out of memory when its peak exceeds ``memory_limit`` bytes."""
     if memory_limit is not None and result.outcome == "ok" and result.peak_memory and result.peak_memory > memory_limit:
         return result.with_outcome(
             "oom", f"peak memory {result.peak_memory / 2**20:.0f} MiB exceeds the limit {memory_limit / 2**20:.0f} MiB")

@@ -1,14 +1,8 @@
 """The search over precision mode, loss scaling and micro-batch size: Optuna's ask and tell.
 
-The trial runner is passed in (``evaluate``), so the search logic runs in milliseconds against a
-fake in the unit tests. Unstable and out-of-memory candidates are reported as constraint
-violations (``Trial.set_constraint``), which TPE learns from, not as failures, which it ignores.
-
-The study is reached only through ``_study``'s small interface (open it, ask, claim, read the
-trials, tell, heartbeats around a trial), and every call on it through the worker's retries
-(``_storage_retry``), so that a storage that goes away mid-search is ridden out. In a study
-shared by many workers, a worker runs nothing that another has run or is running, and waits
-when all that is left runs elsewhere.
+Unstable and out-of-memory candidates are told as constraint violations, which TPE learns from,
+not as failures, which it ignores. Every call on the study goes through the worker's retries
+(``_storage_retry``); in a shared study a worker runs nothing another has run or is running.
 """
 
 from __future__ import annotations
@@ -32,17 +26,8 @@ from advisor.tune._space import (
     scales_loss,
     upper_bound,
 )
-from advisor.tune._storage import (
-    MAX_RETRY_ENV,
-    root_line,
-    shared_storage,
-    storage_error,
-)
-from advisor.tune._storage_retry import (
-    StorageLost,
-    Worker,
-    lost_message,
-)
+from advisor.tune._storage import MAX_RETRY_ENV, root_line, shared_storage, storage_error
+from advisor.tune._storage_retry import StorageLost, Worker, lost_message
 from advisor.tune._study import (
     ask,
     beating,
@@ -101,53 +86,18 @@ def _suggest(trial: Any, space: SearchSpace) -> Candidate:
 
 
 def run_search(
-    space: SearchSpace,
-    evaluate: Callable[[Candidate], Measured],
-    options: TuneOptions,
-    *,
-    first: list[Candidate],
-    reference_goodput: float,
-    dtype_ratio: dict[str, float],
-    study_name: str = "mpadvise",
-    known: dict[Candidate, Measured] | None = None,
-    on_trial: Callable[[Candidate, Measured], None] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    replicate: dict[str, Any] | None = None,
-    hardware: str | None = None,
-    sleep: Callable[[float], None] = time.sleep,
-    workload: Mapping[str, Any] | None = None,
+    space: SearchSpace, evaluate: Callable[[Candidate], Measured], options: TuneOptions, *, first: list[Candidate],
+    reference_goodput: float, dtype_ratio: dict[str, float], study_name: str = "mpadvise",
+    known: dict[Candidate, Measured] | None = None, on_trial: Callable[[Candidate, Measured], None] | None = None,
+    clock: Callable[[], float] = time.monotonic, replicate: dict[str, Any] | None = None, hardware: str | None = None,
+    sleep: Callable[[float], None] = time.sleep, workload: Mapping[str, Any] | None = None,
 ) -> SearchOutcome:
     """Search ``space`` for the fastest stable candidate.
 
-    Args:
-        space: the candidates allowed on this hardware.
-        evaluate: runs one candidate (a subprocess trial, or a fake in tests).
-        options: the tune's options; the search reads ``trials`` (trials run here),
-            ``time_budget`` (no trial starts after it), ``storage`` (Optuna storage URL,
-            ``None`` for in memory; a database server's study is shared with other workers),
-            ``resume`` (continue a stored study without running its trials again), ``seed``
-            (of the sampler) and ``no_priors`` (measure candidates even when no untried one can
-            beat the best).
-        first: candidates enqueued before the sampler takes over (fp32, the safe default);
-            in a shared study, only by the worker that made it.
-        reference_goodput: fp32's goodput, for the priors.
-        dtype_ratio: matmul TFLOP/s ratio to fp32 per dtype on this device (the priors).
-        study_name: the study's name in that storage.
-        known: candidates already measured (the reference), reused without running.
-        on_trial: called after each candidate is evaluated.
-        clock: monotonic seconds (tests pass a fake).
-        replicate: the fp32 replicate (``Replicate.to_dict``), kept with the study so that a
-            resumed tune judges against the same spread without running it again.
-        hardware: the fingerprint of the hardware the trials run on, recorded in the study;
-            a study that holds another is refused. ``None`` records and checks nothing.
-        sleep: waits while the only candidates left are those other workers are running.
-        workload: the workload fingerprint and model signature of this tune's reference,
-            recorded in the study; a stored study of another workload is refused (see
-            :func:`check_study_workload`, which the tuner asks first). ``None`` records nothing.
-
-    Returns:
-        Every measured candidate (this worker's and, from the study, the others'), and why the
-        search stopped.
+    ``evaluate`` runs one candidate; ``first`` are enqueued before the sampler takes over (only by
+    the worker that made a shared study); ``known`` are measured already (the reference);
+    ``replicate``, ``hardware`` and ``workload`` are recorded with the study, and a study that holds
+    other hardware or another workload is refused.
 
     Raises:
         MpadviseError: the storage cannot be opened or is lost, or the study was made for other
@@ -202,8 +152,6 @@ def _search_loop(study: Any, space: SearchSpace, evaluate: Callable[[Candidate],
                  priors: _Priors, outcome: SearchOutcome, elapsed: Callable[[], float],
                  on_trial: Callable[[Candidate, Measured], None] | None, worker: Worker,
                  reference: dict[Candidate, Measured]) -> None:
-    """Ask the sampler, run what is promising, new and claimed by no other worker, tell it the
-    rest, until a budget is spent or nothing is left to run."""
     grid = space.grid()
     duplicates = 0
     announced: set[int] = set()
@@ -250,13 +198,8 @@ def _search_loop(study: Any, space: SearchSpace, evaluate: Callable[[Candidate],
 def _propose(study: Any, trial: Any, space: SearchSpace, grid: list[Candidate],
              evaluate: Callable[[Candidate], Measured], priors: _Priors, outcome: SearchOutcome,
              worker: Worker, reference: dict[Candidate, Measured]) -> tuple[str, Candidate]:
-    """Claim the trial's candidate, then run it, or tell or close the trial without running it
-    when it is measured, pruned, or another worker runs it.
-
-    Returns:
-        ``"ran"``, ``"told"`` (measured or pruned already) or ``"taken"`` (another worker
-        runs it), and the candidate.
-    """
+    """Claim the trial's candidate and run it (``"ran"``), or tell the trial without running it
+    when measured or pruned (``"told"``), or close it when another worker runs it (``"taken"``)."""
     # Optuna writes each suggested parameter to the study; a retry keeps the ones that landed.
     candidate = worker.call(f"reading trial {trial.number}'s candidate", lambda: _suggest(trial, space))
     # The claim is written before the look at the others: of two workers that propose one
@@ -290,8 +233,8 @@ def _wait(claimed: dict[Candidate, int], promising: list[Candidate], announced: 
 
 @dataclass(frozen=True)
 class _Priors:
-    """Upper bounds on what untried candidates could reach (matmul ratios, memory fit, measured
-    variants); with ``enabled`` off, every untried candidate stays promising."""
+    """Upper bounds on what untried candidates could reach; with ``enabled`` off, every untried
+    candidate stays promising."""
 
     space: SearchSpace
     reference_goodput: float
@@ -303,14 +246,12 @@ class _Priors:
                            reference_goodput=self.reference_goodput, dtype_ratio=self.dtype_ratio)
 
     def promising(self, untried: list[Candidate], measured: dict[Candidate, Measured]) -> list[Candidate]:
-        """The untried candidates that could still beat the best stable one."""
         if not self.enabled:
             return untried
         best = best_goodput(measured)
         return [c for c in untried if self.bound(c, measured) > best]
 
     def why_pruned(self, candidate: Candidate, measured: dict[Candidate, Measured]) -> str:
-        """Why the priors rule out ``candidate``, in words, with its bound and the best."""
         bound, best = self.bound(candidate, measured), best_goodput(measured)
         if bound <= 0:
             return ("not run: it cannot fit or stay stable (out of memory at a micro-batch no larger, or a "
@@ -320,23 +261,14 @@ class _Priors:
                 f"more than the best measured {best:,.0f}/s; --no-priors runs it")
 
     def most_promising(self, promising: list[Candidate], measured: dict[Candidate, Measured]) -> Candidate:
-        """The highest bound (when enabled), the safest first among equals."""
         return max(promising, key=lambda c: (self.bound(c, measured) if self.enabled else 0.0,
                                              [-x for x in preference_key(c, self.space.user_batch)]))
 
 
 def _take_in(study: Any, outcome: SearchOutcome, worker: Worker, *, exclude: int | None = None) -> dict[Candidate, int]:
-    """Take in what the study's finished trials measured (an earlier run's, another worker's),
-    and return the candidates other trials are running now, with those trials' numbers.
-
-    The first result of a candidate counts (this worker's own reference before any other). A
-    proposal the priors pruned stays pruned, so that another run (``--no-priors``) may still
-    measure it. A candidate whose trials lost their workers more often than they are retried
-    is given up as a crash.
-
-    Args:
-        exclude: the number of this worker's own trial, which is no rival to itself.
-    """
+    """Take in what the study's finished trials measured (the first result of a candidate counts)
+    and return the candidates other trials run now, with their numbers. A candidate whose trials
+    lost their workers more often than they are retried is given up as a crash."""
     trials = worker.call("reading the study", lambda: read_trials(study, exclude=exclude))
     for m in trials.pruned:
         outcome.pruned.setdefault(m.candidate, m.reason or "not run: the priors ruled it out")
@@ -359,7 +291,6 @@ def _take_in(study: Any, outcome: SearchOutcome, worker: Worker, *, exclude: int
 
 
 def _enqueue_first(study: Any, space: SearchSpace, first: list[Candidate]) -> None:
-    """Queue the candidates that run before the sampler takes over, unless the study has them."""
     done_params = [t.params for t in study.get_trials(deepcopy=False)]
     for cand in first:
         params = _params(space, space.normalise(cand))
@@ -368,8 +299,8 @@ def _enqueue_first(study: Any, space: SearchSpace, first: list[Candidate]) -> No
 
 
 def _params(space: SearchSpace, candidate: Candidate) -> dict[str, object]:
-    """The Optuna parameters that select ``candidate``, the micro-batch always named: an
-    enqueued trial that leaves a parameter out has the sampler draw it."""
+    """The Optuna parameters that select ``candidate``, the micro-batch always named (an enqueued
+    trial that leaves a parameter out has the sampler draw it)."""
     params = candidate.params()
     if space.micro_batches and "micro_batch" not in params:
         params["micro_batch"] = space.user_batch
@@ -379,8 +310,6 @@ def _params(space: SearchSpace, candidate: Candidate) -> dict[str, object]:
 def _budget_spent(
     outcome: SearchOutcome, options: TuneOptions, elapsed: Callable[[], float], untried: list[Candidate], grid_size: int
 ) -> str:
-    """Why the search stops before another trial (the trial or time budget, an exhausted
-    space); empty while it goes on."""
     if outcome.runs >= options.trials:
         return f"trial budget reached ({options.trials} trials)"
     if options.time_budget is not None and elapsed() >= options.time_budget:
@@ -392,12 +321,8 @@ def _budget_spent(
 
 def _tell_without_running(study: Any, trial: Any, candidate: Candidate, outcome: SearchOutcome,
                           priors: _Priors, worker: Worker, reference: dict[Candidate, Measured]) -> None:
-    """Tell the sampler what is known (or bounded) of a proposal, without running it.
-
-    A pruned proposal is told as infeasible, which steers the sampler away from it, and is
-    stored marked as pruned: it was never measured. The first telling of this worker's own
-    reference is stored as such; every other known result as a copy.
-    """
+    """Tell the sampler what is known of a proposal, without running it: a pruned one as
+    infeasible (stored marked pruned), this worker's reference as such, other results as copies."""
     known = outcome.measured.get(candidate)
     if known is not None:
         source = "reference" if candidate in reference else "known"

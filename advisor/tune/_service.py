@@ -1,15 +1,8 @@
 """One tune of a training script, end to end: the service behind ``mpadvise tune`` and the
-daemon's jobs (through :mod:`advisor.tune.job`).
+daemon's jobs (through :mod:`advisor.tune.job`): study, storage, trials, config file and cache.
 
-:func:`tune_script` names the study, opens its storage (the SQLite file in the cache directory,
-or ``--storage``), resumes it where asked, runs the trials and the re-measurement, writes the
-config file and records the answer in the cache; it returns a :class:`ScriptTune`, whose
-``to_dict()`` is what ``mpadvise tune --json`` prints and what a daemon job stores. Callers
-only build the :class:`TuneRequest` and show the result.
-
-How the script's trials start (the loop API, or a framework's adapter, and what that framework
-can apply) is the frameworks package's decision, a layer above this one: the caller makes it
-(``advisor.frameworks.plan_for``) and passes it in as a :class:`ScriptLaunch`.
+How the script's trials start is the frameworks package's decision, a layer above this one: the
+caller makes it (``advisor.frameworks.plan_for``) and passes it in as a :class:`ScriptLaunch`.
 """
 
 from __future__ import annotations
@@ -19,11 +12,11 @@ import hashlib
 import json
 import os
 import shlex
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, suppress
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import probes
 from advisor._log import get_logger
@@ -51,65 +44,25 @@ from advisor.tune._trials import (
 from policies import Policy, check_config_target
 from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
-__all__ = [
-    "EXIT_FOUND",
-    "EXIT_NONE_STABLE",
-    "ScriptLaunch",
-    "ScriptTune",
-    "TuneProgress",
-    "TuneRequest",
-    "cache_rows",
-    "calls_load_policy",
-    "check_config_args",
-    "default_storage",
-    "keep_answer",
-    "remember",
-    "run_ratio_text",
-    "study_name_for",
-    "study_name_from",
-    "tune_script",
-]
+EXIT_FOUND, EXIT_NONE_STABLE = 0, 3  # a stable policy was found; none was
 
-EXIT_FOUND, EXIT_NONE_STABLE = 0, 3
-"""A tune's exit codes: a stable policy was found; none was."""
-
+# ``progress(total)`` yields ``(on_start, on_done, on_round)`` for ``tune_policy``.
 ProgressCallbacks = tuple[Callable[..., None], Callable[..., None], Callable[..., None]]
 TuneProgress = Callable[[int], AbstractContextManager[ProgressCallbacks]]
-"""``progress(total)``: a context manager around the trials that yields ``(on_start, on_done,
-on_round)`` for the tuner (see :func:`advisor.tune._engine.tune_policy`); ``total`` counts the
-trial budget, the reference and its replicate."""
 
 
 def run_ratio_text(ev: Evaluation | None) -> str:
-    """What a tune's progress line says of one run's speed: its goodput over the fp32
-    reference run's, named as one run's ratio (the tune's speed-up is decided later, from paired
-    runs); empty without one. The command line's and a daemon job's progress both say it."""
+    """A progress line's words for one run's goodput over the fp32 reference run's (the tune's
+    speed-up is decided later, from paired runs)."""
     if ev is None or not ev.speedup:
         return ""
     return f", this run {ev.speedup:.2f}x the fp32 reference run"
 
 
-class _Plan(Protocol):  # advisor.frameworks.ScriptPlan, as this layer reads it
-    framework: str | None
-    detected: bool
-    launch: tuple[str, ...]
-    limits: SpaceLimits | None
-
-    @property
-    def label(self) -> str: ...
-
-
 @dataclass(frozen=True)
 class ScriptLaunch:
-    """How the trials of one script start, as data (``advisor.frameworks.ScriptPlan``'s facts).
-
-    Attributes:
-        framework: the framework that trains, or ``None`` for the loop API (``load_policy()``).
-        detected: whether the framework was read from the script's imports (not forced).
-        launch: what goes between the interpreter and the script.
-        limits: what the framework can apply, which bounds the search space.
-        label: how people name the way it trains (``"Lightning's Trainer"``).
-    """
+    """How the trials of one script start, as data (``advisor.frameworks.ScriptPlan``'s facts):
+    ``framework`` is ``None`` for the loop API, ``limits`` bounds the search space."""
 
     framework: str | None = None
     detected: bool = False
@@ -118,8 +71,7 @@ class ScriptLaunch:
     label: str = "the loop API"
 
     @classmethod
-    def of(cls, plan: _Plan) -> ScriptLaunch:
-        """The facts of a ``ScriptPlan``."""
+    def of(cls, plan: Any) -> ScriptLaunch:  # an advisor.frameworks.ScriptPlan, a layer above
         return cls(plan.framework, plan.detected, tuple(plan.launch), plan.limits, plan.label)
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,14 +96,7 @@ class ScriptLaunch:
 
 @dataclass(frozen=True)
 class TuneRequest:
-    """One tune of a script: what ``mpadvise tune`` and a daemon job ask of :func:`tune_script`.
-
-    Attributes:
-        script: the training script.
-        args: the script's own arguments.
-        options: the tune's options (``device`` included: the daemon sets its slot there).
-        launch: how the script's trials start (the caller's ``plan_for``).
-    """
+    """One tune of a script: what ``mpadvise tune`` and a daemon job ask of :func:`tune_script`."""
 
     script: Path
     args: tuple[str, ...] = ()
@@ -159,15 +104,12 @@ class TuneRequest:
     launch: ScriptLaunch = field(default_factory=ScriptLaunch)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready, for the job entry point's request file."""
         return {"script": str(self.script), "args": list(self.args), "options": self.options.to_dict(),
                 "launch": self.launch.to_dict()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TuneRequest:
-        """The request a request file holds.
-
-        Raises:
+        """Raises:
             MpadviseError: a missing or unknown key, or an option value out of bounds.
         """
         unknown = sorted(set(data) - {"script", "args", "options", "launch"})
@@ -179,19 +121,8 @@ class TuneRequest:
 
 @dataclass
 class ScriptTune:
-    """A finished tune of a script: what the tuner decided, and where its answer went.
-
-    Attributes:
-        result: the tuner's :class:`TuneResult`; ``None`` for an answer read back from its study.
-        request: the request, its options as the tune ran them (modes checked, storage chosen).
-        profile: the hardware the trials ran on.
-        study_name: the Optuna study it used.
-        config_file: the config file written for the winner; ``None`` without one.
-        cache_id: the winner's cache entry; ``None`` when not cached.
-        calls_load_policy: whether the script calls ``load_policy()`` already.
-        stored: the answer its study kept from a tune that finished before (no trial ran this
-            time); ``None`` for a tune that measured.
-    """
+    """A finished tune of a script and where its answer went; ``result`` is ``None`` and ``stored``
+    set for an answer read back from its study."""
 
     result: TuneResult | None
     request: TuneRequest
@@ -204,20 +135,17 @@ class ScriptTune:
 
     @property
     def already_tuned(self) -> str | None:
-        """When the answer read back was tuned (``2026-12-07 09:40``); ``None`` for a tune that measured."""
         return None if self.stored is None else self.stored.at
 
     @property
     def exit_code(self) -> int:
-        """0 when a stable policy was found, 3 when none was."""
         if self.result is None:
             return EXIT_FOUND if self.to_dict().get("winner") is not None else EXIT_NONE_STABLE
         return EXIT_FOUND if self.result.policy is not None else EXIT_NONE_STABLE
 
     def to_dict(self) -> dict[str, Any]:
-        """What ``mpadvise tune --json`` prints and a daemon job stores: the tuner's result, the
-        script, its files, the study and the hardware; for an answer read back, the JSON its
-        tune printed, unchanged."""
+        """What ``mpadvise tune --json`` prints and a daemon job stores; for an answer read back, the
+        JSON its tune printed, unchanged."""
         if self.stored is not None:
             return json.loads(json.dumps(self.stored.payload))
         assert self.result is not None
@@ -237,20 +165,8 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
                 profile: HardwareProfile | None = None, runner: Runner | None = None,
                 warm: WarmLauncher | None = None) -> ScriptTune:
     """Tune a script end to end: check it, open the study, run the trials, write the config
-    file and cache the answer.
-
-    Args:
-        request: the script, its arguments, the options and how its trials start.
-        progress: shows the trials as they run (``None``: nothing shown).
-        profile: the hardware to tune on; default: ``probes.profile_for(options.device)``.
-        runner: runs each trial; default: the script in a subprocess per trial
-            (``ScriptRunner``). Tests pass a fake.
-        warm: the warm launcher of that default runner (``prestarted_launcher``, which a
-            caller starts before its own probe); default: one whose server starts here, before
-            the probe. Ended when the tune ends, however it ends.
-
-    Returns:
-        The tune and where its answer went; ``exit_code`` says whether one was found.
+    file and cache the answer. ``warm`` (default: one started here, before the probe) is ended when
+    the tune ends.
 
     Raises:
         MpadviseError: a bad script, mode or storage; a study of other hardware; the fp32
@@ -298,7 +214,8 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
         runner = ScriptRunner(path, list(request.args), TrialSettings.for_tune(options), wait_idle_on=wait_idle_on,
                               launch=launch.launch, warm=warm)
     # The budget plus the reference and its replicate; then each round of re-measurement.
-    with (progress or _silent)(options.trials + 2) as (on_start, on_done, on_round):
+    silent = (lambda *a: None,) * 3
+    with (progress or (lambda total: nullcontext(silent)))(options.trials + 2) as (on_start, on_done, on_round):
         result = tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
                              on_start=on_start, on_done=on_done, on_round=on_round, limits=launch.limits)
     config_file, cache_id = keep_answer(result, options, profile, path, request.args, framework=launch.framework)
@@ -312,9 +229,8 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
 
 
 def _continue_kept(options: TuneOptions, study_name: str) -> TuneOptions:
-    """The options for a study of this machine that holds finished trials and no answer that
-    still holds (a tune interrupted, or one with other options since): continued, saying so in
-    one line; its trials are never deleted unasked (``--fresh`` does)."""
+    """Continue a study of this machine that holds finished trials and no answer that still holds,
+    saying so; its trials are never deleted unasked (``--fresh`` does)."""
     if options.storage is None or shared_storage(options.storage):
         return options
     held = kept_study(options.storage, study_name)
@@ -329,8 +245,7 @@ def _continue_kept(options: TuneOptions, study_name: str) -> TuneOptions:
 
 def _answer_again(kept: StoredAnswer, request: TuneRequest, profile: HardwareProfile, study_name: str,
                   path: Path) -> ScriptTune:
-    """The answer a finished tune of this study gave, with no trial run: its config file is
-    written again where it has gone since."""
+    """The answer a finished tune of this study gave; its config file is written again if gone."""
     payload = kept.payload
     written = payload.get("config_file")
     if written and kept.config_text is not None and not Path(written).exists():
@@ -343,9 +258,8 @@ def _answer_again(kept: StoredAnswer, request: TuneRequest, profile: HardwarePro
 
 def keep_answer(result: TuneResult, options: TuneOptions, profile: HardwareProfile, script: Path,
                 args: Sequence[str], *, framework: str | None = None) -> tuple[Path | None, int | None]:
-    """Write the winner's config file (``options.out``, else beside the script) and cache it
-    (unless ``options.no_cache``); returns the file and the cache entry, ``None`` for each
-    without a winner. ``framework``: the script trains with it and never imports advisor."""
+    """Write the winner's config file and cache it (unless ``options.no_cache``); returns the file
+    and the cache entry, ``None`` for each without a winner."""
     if result.policy is None:
         return None, None
     policy = result.policy
@@ -359,16 +273,10 @@ def keep_answer(result: TuneResult, options: TuneOptions, profile: HardwareProfi
 
 def check_config_args(path: Path, script: Path, args: Sequence[str]) -> None:
     """Refuse, before any trial, a tune that would replace a config file tuned with other
-    arguments of the script.
-
-    The config file beside a script holds one answer; a tune of ``train.py -- 300`` must not
-    silently replace the one tuned for ``train.py``. A file that does not record its arguments
-    (written by hand, or before they were recorded) is replaced as before, as is one tuned
-    with the same arguments.
+    arguments of the script (a file that does not record its arguments is replaced as before).
 
     Raises:
-        UsageError: the file at ``path`` was tuned with other arguments; the line names both
-            argument lists and the ways out (``--out FILE``, or deleting the file).
+        UsageError: the file at ``path`` was tuned with other arguments.
     """
     try:
         existing = Policy.from_toml(path.read_text(encoding="utf-8"), source=str(path))
@@ -386,21 +294,12 @@ def check_config_args(path: Path, script: Path, args: Sequence[str]) -> None:
 
 
 def _command(script: Path, args: Sequence[str]) -> str:
-    """``"`train.py 300`"``, ``"`train.py` (no arguments)"``."""
     return f"`{shlex.join([script.name, *args])}`" + ("" if args else " (no arguments)")
 
 
 def check_judgeable_window(options: TuneOptions, thresholds: StabilityThresholds | None = None) -> None:
-    """Refuse a trial window shorter than a verdict needs, before any trial runs.
-
-    A verdict compares every step of a trial, the warm-up's included, and needs at least
-    ``min_steps`` of them (twice the 16-step window in which a GradScaler finds its scale):
-    with fewer, every candidate, fp32 too, ends ``too-short`` and the tune has no answer.
-
-    Raises:
-        UsageError: ``--steps`` plus ``--warmup`` below the minimum; the line names the
-            smallest ``--steps`` that works with this warm-up.
-    """
+    """Refuse, before any trial, a window (``--steps`` plus ``--warmup``) shorter than a verdict's
+    ``min_steps``: every candidate, fp32 too, would end ``too-short``."""
     need = (thresholds or StabilityThresholds()).min_steps
     if options.steps + options.warmup < need:
         raise UsageError(
@@ -411,18 +310,12 @@ def check_judgeable_window(options: TuneOptions, thresholds: StabilityThresholds
 
 
 def _config_out(options: TuneOptions, script: Path) -> Path:
-    """Where a tune writes its config file: ``--out``, else beside the script."""
     return Path(options.out) if options.out is not None else config_path_for(script)
 
 
-@contextmanager
-def _silent(total: int) -> Iterator[ProgressCallbacks]:
-    yield (lambda *a: None, lambda *a: None, lambda *a: None)
-
-
 def _resolved(options: TuneOptions, profile: HardwareProfile) -> TuneOptions:
-    """The options with their modes checked on this hardware and the study storage chosen
-    (and opened once, so a bad URL fails before any trial runs)."""
+    """The options with their modes checked on this hardware and the study storage chosen (and
+    opened once, so a bad URL fails before any trial runs)."""
     modes = check_modes(list(options.modes), profile) if options.modes else []
     storage = options.storage if options.storage is not None else default_storage()
     check_storage(storage)
@@ -430,13 +323,11 @@ def _resolved(options: TuneOptions, profile: HardwareProfile) -> TuneOptions:
 
 
 def default_storage_url() -> str:
-    """The URL of the study database in the cache directory, made or not (see :func:`default_storage`)."""
     return f"sqlite:///{cache_dir() / 'studies.db'}"
 
 
 def default_storage() -> str | None:
-    """The study database in the cache directory, made private where it is not there yet, or
-    ``None`` (in memory) when unusable."""
+    """The study database in the cache directory, made private, or ``None`` (in memory) when unusable."""
     directory = cache_dir()
     study = directory / "studies.db"
     try:
@@ -460,20 +351,14 @@ def default_storage() -> str | None:
 
 
 def study_name_for(script: Path, args: list[str], fingerprint: str, *, processes: int = 1) -> str:
-    """The study a tune of ``script ARGS`` on this hardware joins (see :func:`study_name_from`)."""
     return study_name_from(script.name, script_digest(script), args, fingerprint, processes=processes)
 
 
 def study_name_from(script_name: str, content_digest: str | None, args: list[str], fingerprint: str, *,
                     processes: int = 1) -> str:
-    """The study's name: the script's stem, the hardware fingerprint, and a digest of the
-    script's file name, its content, its arguments and (above one) its processes per trial.
-
-    Every worker that tunes the same script with the same arguments on the same hardware joins
-    one study, wherever its checkout lies; a changed script, other arguments, other hardware or
-    another number of processes (a step of N ranks is another measurement) make another study,
-    so measurements that would not compare never share one.
-    """
+    """The study's name: the script's stem, the hardware fingerprint, and a digest of the file
+    name, content, arguments and (above one) processes per trial, so that measurements that would
+    not compare never share a study."""
     facts: list[object] = [script_name, content_digest, args, fingerprint]
     if processes > 1:  # one process keeps the name it always had
         facts.append({"nproc_per_node": processes})
@@ -482,11 +367,8 @@ def study_name_from(script_name: str, content_digest: str | None, args: list[str
 
 
 def calls_load_policy(script: Path) -> bool:
-    """Whether the script's source calls advisor's ``load_policy``, so that the report does not
-    ask for a line it already has: ``advisor.load_policy()`` under any name the package is
-    imported as, or the function under any name it is imported as (``from advisor import
-    load_policy as lp``). A function of the script's own that happens to be named
-    ``load_policy`` does not count."""
+    """Whether the script's source calls advisor's ``load_policy`` (under any name it is imported
+    as), so that the report does not ask for a line it already has."""
     try:
         tree = ast.parse(script.read_bytes())
     except (OSError, SyntaxError, ValueError):
@@ -511,11 +393,8 @@ def calls_load_policy(script: Path) -> bool:
 
 def remember(result: TuneResult, profile: HardwareProfile, script: str | os.PathLike[str],
              args: Sequence[str] | None) -> int | None:
-    """Record a tune's winner in the cache, with its trials; returns the entry's id.
-
-    ``None`` without a winner, without a workload fingerprint to key it by, or without a
-    usable cache (after one warning).
-    """
+    """Record a tune's winner in the cache, with its trials; returns the entry's id, ``None``
+    without a winner, a workload fingerprint, or a usable cache."""
     tuned_on = None if result.policy is None else result.policy.tuned_on
     if result.policy is None or tuned_on is None or not tuned_on.workload_fingerprint:
         return None
@@ -528,7 +407,6 @@ def remember(result: TuneResult, profile: HardwareProfile, script: str | os.Path
 
 
 def _winner_utilisation(result: TuneResult) -> dict[str, Any] | None:
-    """The winner's achieved TFLOP/s and MFU, with the FLOP count they rest on, for the cache."""
     found = None if result.winner is None else result.utilisation(result.winner)
     if found is None:
         return None
@@ -537,8 +415,7 @@ def _winner_utilisation(result: TuneResult) -> dict[str, Any] | None:
 
 
 def cache_rows(result: TuneResult) -> list[dict[str, Any]]:
-    """The trial rows the cache keeps for a tune: every measured candidate, ranked; the
-    winner's carries the tune's one speed-up figure, with its interval and basis."""
+    """The trial rows the cache keeps for a tune, ranked; the winner's carries the speed-up."""
     speedup = result.speedup.to_dict() if result.speedup else {}
     rows = []
     for number, (cand, m) in enumerate(result.ranking()):

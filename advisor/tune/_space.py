@@ -1,11 +1,8 @@
-"""The search space and the pure decisions of the tuner: candidates, priors, bounds, ranking.
-
-No optuna, no torch, no clocks: the search module drives these with measured data, and the
-tests check them with made-up numbers.
-"""
+"""The search space and the pure decisions of the tuner: candidates, priors, bounds, ranking."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -29,34 +26,19 @@ SLOW_DTYPE_RATIO = 0.5
 # How far a candidate of an unmeasured mode may beat what its matmul ratio alone predicts
 # (memory-bound work halves its bytes in 16-bit dtypes; kernels differ).
 PRIOR_SLACK = 1.25
-# The instabilities that a micro-batch split of the same settings cannot cure. Accumulation keeps
-# the global batch, so the optimizer applies the same update to the same low-precision weights:
-# an update lost to their rounding (stalled) stays lost. Each micro-batch's loss is divided by the
-# accumulation count, so its gradients are smaller and underflow only grows. Not listed, because a
-# split can cure them: fp16 overflow in the backward pass (diverged, skips, scale_collapse), since
-# each backward sums fewer samples into its fp16 gradients; and anything in a model with
-# BatchNorm, which normalises over the micro-batch, so a split changes the forward pass itself.
+# The instabilities a micro-batch split of the same settings cannot cure: the same update to the
+# same low-precision weights is lost to rounding alike (stalled), and smaller per-micro-batch
+# gradients only underflow more. A split can cure fp16 overflow (fewer samples per backward).
 SPLIT_KEEPS: frozenset[str] = frozenset({"stalled", "underflow"})
-# The Optuna values of the gradient reduction dimension (FSDP2 scripts): fp32, or the mode's own
-# 16-bit dtype. One list for every mode, since a categorical parameter keeps its choices for
-# the whole study, and bf16 and fp16 modes share the dimension.
+# The Optuna values of the FSDP2 gradient reduction dimension, one list for every mode (a
+# categorical parameter keeps its choices for the whole study).
 REDUCE_CHOICES: tuple[str, ...] = ("fp32", "16-bit")
 
 
 @dataclass(frozen=True, order=True)
 class Candidate:
-    """One point of the search space: a precision mode and its settings.
-
-    Attributes:
-        mode: the precision mode.
-        micro_batch: samples per forward pass; ``None`` keeps the script's batch.
-        loss_scale: ``"dynamic"`` or ``"static"`` (modes that scale the loss: fp16-mixed).
-        init_scale: initial (dynamic) or fixed (static) loss scale (same modes).
-        growth_interval: clean steps between scale growths (dynamic loss scaling only).
-        reduce_dtype: the dtype FSDP2 reduces gradients in (``"fp32"``, or the mode's 16-bit
-            dtype); ``None`` where the script does not shard with FSDP2, or the mode offers no
-            choice.
-    """
+    """One point of the search space: a precision mode and its settings (``micro_batch`` ``None``
+    keeps the script's batch; ``reduce_dtype`` is FSDP2's gradient reduction, ``None`` without it)."""
 
     mode: str
     micro_batch: int | None = None
@@ -66,15 +48,11 @@ class Candidate:
     reduce_dtype: str | None = None
 
     def policy(self, user_batch: int | None) -> Policy:
-        """The Policy a trial runs: accumulation keeps the global batch when the micro-batch
-        divides it; a larger micro-batch (``--scale-batch``) changes the global batch."""
+        """The Policy a trial runs: accumulation keeps the global batch when the micro-batch divides it."""
         loss_scale = None
         if scales_loss(self.mode):
-            loss_scale = LossScale(
-                kind=self.loss_scale or "dynamic",
-                init_scale=self.init_scale or 65536.0,
-                growth_interval=self.growth_interval or 2000,
-            )
+            loss_scale = LossScale(kind=self.loss_scale or "dynamic", init_scale=self.init_scale or 65536.0,
+                                   growth_interval=self.growth_interval or 2000)
         micro = accum = None
         if self.micro_batch is not None and self.micro_batch != user_batch:
             micro = self.micro_batch
@@ -96,7 +74,6 @@ class Candidate:
         return " ".join(parts)
 
     def params(self) -> dict[str, object]:
-        """The Optuna parameters that select this candidate (for enqueueing)."""
         out: dict[str, object] = {"mode": self.mode}
         if self.micro_batch is not None:
             out["micro_batch"] = self.micro_batch
@@ -112,19 +89,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class SpaceLimits:
-    """What the script's way of training can apply, which bounds the search space.
-
-    A script written against the loop API can apply everything (the default). A framework
-    script can apply only what its framework expresses (``advisor.frameworks.traits``).
-
-    Attributes:
-        modes: the modes that can be applied; ``None`` for every mode.
-        micro_batch: whether a micro-batch split (with accumulation) can be applied.
-        loss_scale_kinds: the loss scaling kinds that can be applied.
-        loss_scale_settings: whether initial scales and growth intervals other than
-            GradScaler's defaults can be applied.
-        why: what imposes the limits, for people (``"the Hugging Face Trainer"``).
-    """
+    """What the script's way of training can apply, which bounds the search space: everything
+    for the loop API, what its framework expresses for a framework script (``why`` names it)."""
 
     modes: tuple[str, ...] | None = None
     micro_batch: bool = True
@@ -133,7 +99,6 @@ class SpaceLimits:
     why: str = ""
 
     def allows(self, candidate: Candidate) -> bool:
-        """Whether a candidate can be applied under these limits."""
         if self.modes is not None and candidate.mode not in self.modes:
             return False
         if candidate.micro_batch is not None and not self.micro_batch:
@@ -150,19 +115,8 @@ class SpaceLimits:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Which candidates a tune may try on this hardware for this script.
-
-    Attributes:
-        modes: supported modes to search (unsupported ones are never in it).
-        micro_batches: micro-batch sizes, the script's own batch first.
-        user_batch: the script's global batch (from the reference trial).
-        scale_batch: whether micro-batches above the user's batch (a larger global batch,
-            which changes the optimisation) are allowed.
-        limits: what the script's way of training can apply (a framework's limits).
-        fsdp: whether the script shards with FSDP2 (its reference trial called
-            ``mp.fsdp_mixed_precision()``): the dtype of the gradient reduction is then a
-            dimension of the 16-bit modes.
-    """
+    """Which candidates a tune may try on this hardware for this script. ``fsdp``: the script shards
+    with FSDP2, so the gradient reduction dtype is a dimension of the 16-bit modes."""
 
     modes: tuple[str, ...]
     micro_batches: tuple[int, ...]
@@ -172,17 +126,15 @@ class SearchSpace:
     fsdp: bool = False
 
     def reduce_options(self, mode: str) -> list[str]:
-        """The Optuna values of the reduction dtype for ``mode`` (``REDUCE_CHOICES``); empty
-        where it is no dimension (no FSDP2, or a mode that reduces in fp32 only)."""
+        """The Optuna values of the reduction dtype for ``mode``; empty where it is no dimension."""
         return list(REDUCE_CHOICES) if self.fsdp and len(reduce_dtype_choices(mode)) > 1 else []
 
     def reduce_dtype(self, mode: str, value: str) -> str:
-        """The reduction dtype an Optuna value (``REDUCE_CHOICES``) means for ``mode``."""
         return "fp32" if value == REDUCE_CHOICES[0] else reduce_dtype_choices(mode)[-1]
 
     def normalise(self, candidate: Candidate) -> Candidate:
-        """Drop settings that do not apply, so equal policies compare equal; under FSDP2 the
-        reduction dtype is always named (the mode's default when the candidate leaves it out)."""
+        """Drop settings that do not apply, so equal policies compare equal (under FSDP2 the reduction
+        dtype is always named)."""
         micro = candidate.micro_batch
         if micro == self.user_batch:
             micro = None  # the script's own batch
@@ -198,7 +150,6 @@ class SearchSpace:
         )
 
     def grid(self) -> list[Candidate]:
-        """Every candidate: what an exhaustive search would run."""
         out = []
         for mode in self.modes:
             reduces = [self.reduce_dtype(mode, v) for v in self.reduce_options(mode)] or [None]
@@ -217,7 +168,6 @@ class SearchSpace:
 
 
 def scales_loss(mode: str) -> bool:
-    """Whether ``mode`` scales its loss, so that the search tries loss scales for it."""
     return any(cls.name == mode and cls.loss_scaling for cls in mode_classes())
 
 
@@ -236,27 +186,12 @@ def micro_batch_choices(user_batch: int | None, *, scale_batch: bool = False) ->
 
 
 def space_for(
-    support: Mapping[str, object],
-    user_batch: int | None,
-    *,
-    include_emulated: bool = False,
-    scale_batch: bool = False,
-    modes: Iterable[str] | None = None,
-    limits: SpaceLimits | None = None,
+    support: Mapping[str, object], user_batch: int | None, *, include_emulated: bool = False,
+    scale_batch: bool = False, modes: Iterable[str] | None = None, limits: SpaceLimits | None = None,
     fsdp: bool = False,
 ) -> SearchSpace:
-    """The space on this hardware: supported modes only; FP8 emulation only when asked for.
-
-    Args:
-        support: ``policies.supported_modes(profile)``.
-        user_batch: the script's batch, reported by the reference trial.
-        include_emulated: also search FP8 emulated on a CPU (correct numerics, no speed).
-        scale_batch: allow larger global batches.
-        modes: restrict to these modes (each must be supported).
-        limits: what the script's way of training can apply; modes outside it are left out,
-            and without micro-batch splits the only micro-batch is the script's own.
-        fsdp: the script shards with FSDP2: search the dtype of the gradient reduction too.
-    """
+    """The space on this hardware: supported modes only (``support`` is
+    ``policies.supported_modes(profile)``); FP8 emulated on a CPU only with ``include_emulated``."""
     limits = limits or SpaceLimits()
     wanted = list(modes) if modes else list(support)
     dtypes = mode_dtypes()
@@ -292,29 +227,22 @@ class Measured:
 
 
 def upper_bound(
-    candidate: Candidate,
-    measured: Mapping[Candidate, Measured],
-    *,
-    user_batch: int | None,
-    reference_goodput: float,
+    candidate: Candidate, measured: Mapping[Candidate, Measured], *, user_batch: int | None, reference_goodput: float,
     dtype_ratio: Mapping[str, float],
 ) -> float:
     """The most goodput this untried candidate could plausibly reach (0 when it cannot run).
 
-    Priors, in order: a micro-batch split of settings that were unstable in a way no split
-    cures (``SPLIT_KEEPS``: a stall, gradient underflow) stays unstable; a micro-batch at or
-    above one that ran out of memory in this mode cannot fit; a variant of a mode measured
-    stable at a micro-batch at least as large (another loss scale, a smaller micro-batch
-    accumulated back) is no faster than that run; an unmeasured mode, or one with no stable
-    run yet, is bounded by its matmul speed ratio to fp32 on this device, and a dtype under
-    half fp32's rate cannot beat fp32 (at best it ties, and ties go to fp32).
+    In order: a micro-batch split of settings unstable in a way no split cures stays unstable; a
+    micro-batch at or above one that ran out of memory cannot fit; a variant of a mode measured
+    stable at a micro-batch at least as large is no faster than that run; otherwise the dtype's
+    matmul ratio to fp32 bounds it, and a dtype under half fp32's rate cannot beat fp32.
     """
     size = candidate.micro_batch or user_batch or 0
     same_mode = [m for m in measured.values() if m.candidate.mode == candidate.mode]
     for m in same_mode:
         # Another loss scale might cure any instability, and is still explored.
         if (m.feasible and not m.stable and m.verdict_kind in SPLIT_KEEPS
-                and _same_settings(m.candidate, candidate)):
+                and dataclasses.replace(m.candidate, micro_batch=None) == dataclasses.replace(candidate, micro_batch=None)):
             return 0.0
     for m in same_mode:
         if m.oom and size >= (m.candidate.micro_batch or user_batch or 0):
@@ -337,15 +265,8 @@ def upper_bound(
     return reference_goodput * max(ratio, 1.0) * PRIOR_SLACK
 
 
-def _same_settings(a: Candidate, b: Candidate) -> bool:
-    """Same mode, loss scaling and reduction dtype, whatever the micro-batch."""
-    return ((a.mode, a.loss_scale, a.init_scale, a.growth_interval, a.reduce_dtype)
-            == (b.mode, b.loss_scale, b.init_scale, b.growth_interval, b.reduce_dtype))
-
-
 def preference_key(candidate: Candidate, user_batch: int | None) -> tuple[int, int, int, int]:
-    """Sort key among ties: safer mode first, then fewer accumulation steps, then dynamic
-    loss scaling (it adapts) over static, then gradients reduced in fp32 over 16 bits."""
+    """Sort key among ties: safer mode, fewer accumulation steps, dynamic loss scaling, fp32 reduction."""
     accum = 1
     if candidate.micro_batch and user_batch and candidate.micro_batch < user_batch:
         accum = user_batch // candidate.micro_batch

@@ -1,15 +1,7 @@
 """Stability verdicts: is a candidate's loss curve as good as the fp32 reference's?
 
-Pure functions over recorded trial data: no torch, no files, no clocks. A trial records one
-``TrialCurve`` per precision mode, all with the same seed and data order, so the candidate
-and the fp32 reference can be compared step by step. ``judge`` turns the pair into a
-``Verdict`` whose reason says, with numbers, what went wrong and what to do. Given fp32 run again
-with its initial parameters perturbed by one rounding (the replicate), the limits widen to how
-far that perturbation carried it on this workload (``_spread``).
-
 The data types are in ``_curves``, the shared measurements in ``_comparison`` and the checks, in
-order, in ``_verdict_rules``; ``basis`` shows what ``judge`` measured, for the trial's plot.
-The defaults of ``StabilityThresholds`` and the evidence for them are in docs/stability.md.
+order, in ``_verdict_rules``; the defaults and the evidence for them are in docs/stability.md.
 """
 
 from __future__ import annotations
@@ -44,28 +36,13 @@ def judge(
     *,
     replicate: TrialCurve | None = None,
 ) -> Verdict:
-    """Decide whether a candidate's trial curve is as stable as the fp32 reference's.
+    """Decide whether a candidate's curve is as stable as the fp32 reference's, step by step
+    over their common length.
 
-    Both curves come from the same seed and data order and are compared step by step over
-    their common length. The checks of ``STABILITY_CHECKS`` run in order, and the first that
-    fails gives the verdict: a non-finite reference (no verdict possible), a non-finite
-    candidate loss on a step the optimizer applied (diverged), too few steps, a non-finite
-    tail (diverged), loss-scale collapse, persistent skips, gradient underflow, a climbing loss
-    (diverged), too little progress (stalled) and too large a final gap (stalled).
-    Non-finite losses on steps the GradScaler skipped are the scaler doing its job: they count
-    as skips, not divergence. With a replicate, the progress and final-gap limits widen to
-    ``spread_multiplier`` times how far one rounding carried fp32, never below the fixed ones.
-
-    Args:
-        candidate: the curve of the precision mode under test.
-        reference: the fp32 curve of the same trial.
-        thresholds: the limits; the defaults when ``None``.
-        replicate: fp32 again with its initial parameters perturbed by one rounding, at least
-            as long as the compared steps; ``None`` (or one too short, or not finite) leaves the
-            fixed limits.
-
-    Returns:
-        The verdict, with a reason in words and the numbers behind it.
+    The first of ``STABILITY_CHECKS`` that fails gives the verdict. Non-finite losses on steps the
+    GradScaler skipped count as skips, not divergence. With a ``replicate`` (fp32 with its initial
+    parameters perturbed by one rounding), the progress and final-gap limits widen to
+    ``spread_multiplier`` times how far it drifted, never below the fixed ones.
     """
     comparison = _compare(candidate, reference, thresholds, replicate)
     for check in STABILITY_CHECKS:
@@ -81,7 +58,6 @@ def _compare(
     thresholds: StabilityThresholds | None,
     replicate: TrialCurve | None,
 ) -> CurveComparison:
-    """The comparison ``judge`` decides on and ``basis`` shows: one construction for both."""
     return CurveComparison(
         candidate, reference, StabilityThresholds() if thresholds is None else thresholds, replicate,
     )
@@ -89,26 +65,8 @@ def _compare(
 
 @dataclass(frozen=True)
 class Basis:
-    """What ``judge`` measures on the way to a verdict, for showing it (``mpadvise trial --plot``).
-
-    Read from the very comparison ``judge`` decides on, so a picture drawn from it shows the
-    verdict's own levels and limits. Levels are medians over ``window`` steps (the smoothing of
-    docs/stability.md); ``smoothed`` gives a whole curve smoothed the same way.
-
-    Attributes:
-        steps: the compared steps (the common length of the two curves).
-        window: the smoothing window, in steps.
-        candidate_start, candidate_end: the candidate's smoothed start and end levels.
-        reference_start, reference_end: fp32's.
-        progress_limit: the least fraction of fp32's fall the candidate had to make (the stall
-            limit), widened by the replicate's spread where that applies.
-        final_gap_limit: the most the candidate's final level may exceed fp32's, as ``judge``
-            measures a gap (relative to fp32's final loss).
-        climb_margin: how far above its own start the candidate's level may end (divergence).
-        reference_flat: progress was not judged (fp32's loss did not fall beyond its noise).
-        first_nonfinite_step: the first step (1-based) with a NaN or inf loss that the optimizer
-            applied, as the divergence check finds it; ``None`` when there is none.
-    """
+    """What ``judge`` measures on the way to a verdict, for ``mpadvise trial --plot``: the
+    verdict's own levels (medians over ``window`` steps) and limits."""
 
     steps: int
     window: int
@@ -123,25 +81,22 @@ class Basis:
     first_nonfinite_step: int | None
 
     def smoothed(self, losses: Sequence[float]) -> tuple[float, ...]:
-        """``losses`` over the compared steps, smoothed with the verdict's window (``smooth``)."""
         return smooth(losses[: self.steps], self.window)
 
     @property
     def progress_level(self) -> float:
-        """The smoothed end level the candidate had to reach to keep pace (the stall limit)."""
+        """The smoothed end level the candidate had to reach to keep pace."""
         return self.candidate_start - self.progress_limit * (self.reference_start - self.reference_end)
 
     @property
     def final_level(self) -> float:
-        """The highest smoothed final level within the final-gap limit (above it, a loss floor or
-        a lag). ``_spread.final_gap`` is linear in the candidate's level: its slope sets it."""
+        """The highest smoothed final level within the final-gap limit (``final_gap`` is linear)."""
         r_end, r_drop = self.reference_end, self.reference_start - self.reference_end
         per_unit = _spread.final_gap(r_end + 1.0, r_end, r_drop)
         return r_end + self.final_gap_limit / per_unit
 
     @property
     def climb_level(self) -> float:
-        """The smoothed end level above which a finite curve counts as diverging."""
         return self.candidate_start + self.climb_margin * max(abs(self.candidate_start), TINY)
 
 
@@ -152,11 +107,7 @@ def basis(
     *,
     replicate: TrialCurve | None = None,
 ) -> Basis:
-    """The levels and limits ``judge`` applies to these curves (same arguments), without a verdict.
-
-    Returns:
-        The ``Basis``; levels are NaN where a curve has no finite loss in a window.
-    """
+    """The levels and limits ``judge`` applies to these curves, without a verdict."""
     c = _compare(candidate, reference, thresholds, replicate)
     lv, limits = c.levels, c.limits
     bad = first_nonfinite(candidate.losses, candidate.was_skipped)

@@ -1,22 +1,10 @@
 """Timing noise, behind one seam: the ``Timing`` strategy a tune measures through.
 
-A strategy measures a trial's window, compares two candidates over paired runs, and says whether
-another round of re-measurement may run. ``GpuTiming``: the trial times its steps with CUDA
-events, and close finalists get a small fixed number of paired rounds (a GPU step varies by a
-few percent). ``CpuTiming``, for a shared CPU host, keeps what changed an answer in the recorded
-benches: paired, interleaved re-measurement of close finalists, with up to twice the rounds
-while a gap leans towards the riskier finalist, and re-running a trial whose own steps were
-disturbed (spread far beyond the tune's usual) or lost.
-
 A neighbour's burst during one trial slows some of its steps, and that trial's goodput is then
-wrong by as much as the burst: one disturbed fp32 reference once made every candidate look 17x
-faster. Such a trial shows itself in its own step times, whose spread (the 90th percentile over
-the 10th) goes far beyond what the same workload shows undisturbed. On a GPU another process
-computing on the device (NVML) disturbs it the same way. And a trial that ended before its
-candidate was even applied (``lost``: the machine's failure, a slow import past the timeout)
-says nothing about the candidate. Each is run again, a bounded number of times, and the tune
-says so. ``judge_spread`` is the pure decision; ``SteadyRunner`` wraps any runner with it, so
-that the reference, its replicate, the search and every re-measurement are watched alike.
+wrong by as much as the burst (one disturbed fp32 reference once made every candidate look 17x
+faster). Such a trial shows itself in its step times' spread (90th percentile over 10th); on a
+GPU, another process computing on the device (NVML) disturbs it alike; a ``lost`` trial says
+nothing of its candidate. ``SteadyRunner`` runs each again, a bounded number of times.
 """
 
 from __future__ import annotations
@@ -29,6 +17,7 @@ from typing import Any, Protocol
 
 import probes
 from advisor.trial import TrialResult
+from advisor.tune._judge import warmup_of
 from advisor.tune._timing import DEFAULT_MIN_MARGIN, Gap, paired_gap, step_spread
 from policies import Policy
 from probes import HardwareProfile
@@ -68,22 +57,13 @@ a 5% gap there; a closer one is a tie, won by the safer mode."""
 
 
 class Runs(Protocol):
-    """Runs one candidate (``advisor.tune._run.Runner``)."""
-
     def __call__(self, policy: Policy, label: str) -> TrialResult: ...
 
 
 def judge_spread(spread: float | None, usual: float | None, *, factor: float = SPREAD_FACTOR,
                  floor: float = SPREAD_FLOOR, first_limit: float = FIRST_SPREAD_LIMIT) -> tuple[bool, float | None]:
-    """Whether a trial whose steps spread by ``spread`` was disturbed, and the limit it was held to.
-
-    Args:
-        spread: the trial's ``step_spread``; ``None`` is never disturbed.
-        usual: the tune's usual spread so far (``None`` before the first steady trial).
-        factor: how far beyond the usual spread counts as disturbed.
-        floor: the least limit.
-        first_limit: the limit while there is no usual spread yet.
-    """
+    """Whether a trial whose steps spread by ``spread`` was disturbed, and the limit it was held
+    to (``first_limit`` while there is no ``usual`` spread yet)."""
     if spread is None:
         return False, None
     limit = first_limit if usual is None else max(floor, factor * usual)
@@ -92,20 +72,10 @@ def judge_spread(spread: float | None, usual: float | None, *, factor: float = S
 
 @dataclass(frozen=True)
 class Disturbance:
-    """One trial run again because the machine disturbed or lost it.
+    """One trial the machine disturbed or lost.
 
-    Attributes:
-        label: the trial's label.
-        kind: ``"spread"`` (its steps spread far beyond the usual), ``"busy-gpu"`` (another
-            process computed on the GPU) or ``"lost"`` (it ended before the candidate was applied).
-        detail: what was seen, in words.
-        attempt: which run of the trial it was (1 for the first).
-        rerun: whether it was run again; ``False`` when a run was kept instead (see ``kept``).
-        spread: the trial's spread, where read.
-        limit: the spread it was held to, where read.
-        kept: why a run was kept rather than run again: ``"repeats"`` (two runs spread alike, so
-            the spread is this workload's on this machine as it is now) or ``"spent"`` (the
-            reruns are spent); empty while it is run again.
+    ``kind``: ``"spread"``, ``"busy-gpu"`` or ``"lost"``. ``kept``, when it was not run again:
+    ``"repeats"`` (two runs spread alike: the machine is this busy now) or ``"spent"``.
     """
 
     label: str
@@ -123,7 +93,6 @@ class Disturbance:
                 "text": self.describe()}
 
     def describe(self) -> str:
-        """One line for the report."""
         if self.rerun:
             then = "run again"
         elif self.kept == "repeats":
@@ -135,8 +104,7 @@ class Disturbance:
 
 @dataclass
 class DisturbanceWatch:
-    """What a tune has seen of its machine: the spreads of its steady trials, and every
-    disturbance. One watch serves every runner derived from the tune's runner."""
+    """The spreads of a tune's steady trials and every disturbance, shared by derived runners."""
 
     profile: HardwareProfile | None = None
     max_reruns: int = MAX_RERUNS
@@ -146,11 +114,9 @@ class DisturbanceWatch:
     ran: list[TrialResult] = field(default_factory=list)  # every trial run, reruns included
     @property
     def usual(self) -> float | None:
-        """The median spread of the steady trials so far; ``None`` before the first."""
         return statistics.median(self.spreads) if self.spreads else None
 
     def gpu_others(self) -> list[int]:
-        """PIDs of other processes computing on the tune's GPU (none on a CPU)."""
         if self.profile is None or not self.profile.is_cuda:
             return []
         if self.busy is not None:
@@ -158,8 +124,7 @@ class DisturbanceWatch:
         return probes.gpu_busy(self.profile.index or 0, uuid=self.profile.uuid)
 
     def check(self, result: TrialResult, label: str, attempt: int, others: list[int]) -> Disturbance | None:
-        """The disturbance a finished trial shows, or ``None`` when it is steady (its spread then
-        joins the usual)."""
+        """The disturbance a finished trial shows, or ``None`` when it is steady."""
         rerun = attempt <= self.max_reruns
         if result.outcome == "lost":
             return Disturbance(label, "lost", result.reason or "lost before the candidate was applied", attempt, rerun)
@@ -168,7 +133,7 @@ class DisturbanceWatch:
                                f"{', '.join(map(str, others))})", attempt, rerun)
         if result.outcome != "ok":
             return None
-        spread = step_spread(result.step_times, min(result.warmup_steps, max(0, len(result.step_times) - 1)))
+        spread = step_spread(result.step_times, warmup_of(result))
         disturbed, limit = judge_spread(spread, self.usual)
         if not disturbed:
             if spread is not None:
@@ -178,11 +143,9 @@ class DisturbanceWatch:
         return Disturbance(label, "spread", f"steps spread {spread:.2f}x from the 10th to the 90th percentile "
                            f"(limit {limit:.2f}x, {usual})", attempt, rerun, round(spread, 4), round(limit, 4))
 
-
     def keep(self, runs: list[tuple[TrialResult, Disturbance]]) -> TrialResult:
-        """The run to keep once every rerun was disturbed too: the least spread one, whose
-        spread then joins the usual (the workload evidently spreads this much here); the last
-        run when none was read."""
+        """The run to keep once every rerun was disturbed too: the least spread one (whose spread
+        joins the usual), else the last."""
         read = [(event.spread, result) for result, event in runs if event.spread is not None]
         if not read:
             return runs[-1][0]
@@ -192,26 +155,20 @@ class DisturbanceWatch:
 
 
 class SteadyRunner:
-    """A runner that runs a trial again when the machine disturbed or lost it.
-
-    Derived runners (``perturbed``, ``with_measure_steps``) share the watch. Every other
-    attribute is the wrapped runner's, so a runner keeps the protocols it has (a fake without
-    ``perturbed`` still has none).
-    """
+    """A runner that runs a trial again when the machine disturbed or lost it. Every other
+    attribute is the wrapped runner's (derived runners share the watch)."""
 
     _DERIVING = ("perturbed", "with_measure_steps", "with_flop_count")
 
-    def __init__(self, runner: Any, watch: DisturbanceWatch, *,
-                 on_rerun: Callable[[Disturbance], None] | None = None) -> None:
+    def __init__(self, runner: Any, watch: DisturbanceWatch) -> None:
         self.runner = runner
         self.watch = watch
-        self.on_rerun = on_rerun
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.runner, name)
         if name in self._DERIVING:
             def derive(*args: Any, **kwargs: Any) -> SteadyRunner:
-                return SteadyRunner(value(*args, **kwargs), self.watch, on_rerun=self.on_rerun)
+                return SteadyRunner(value(*args, **kwargs), self.watch)
             return derive
         return value
 
@@ -220,62 +177,43 @@ class SteadyRunner:
         while True:
             attempt = len(runs) + 1
             others_before = self.watch.gpu_others()
-            runner = self.runner
-            result = runner(policy, label if attempt == 1 else f"{label} (run {attempt})")
+            result = self.runner(policy, label if attempt == 1 else f"{label} (run {attempt})")
             self.watch.ran.append(result)
             others = sorted(set(others_before) | set(self.watch.gpu_others()))
             event = self.watch.check(result, label, attempt, others)
             if event is None:
                 return result
-            if event.rerun and _repeats(event, [e for _, e in runs]):
+            # Two runs that spread alike (within SPREAD_FACTOR): the machine is this busy now.
+            if event.rerun and event.spread is not None and any(
+                    e.spread is not None and max(e.spread, event.spread) <= SPREAD_FACTOR * min(e.spread, event.spread)
+                    for _, e in runs):
                 event = dataclasses.replace(event, rerun=False, kept="repeats")
             elif not event.rerun:
                 event = dataclasses.replace(event, kept="spent")
             self.watch.events.append(event)
-            if self.on_rerun is not None:
-                self.on_rerun(event)
             runs.append((result, event))
             if not event.rerun:
                 return self.watch.keep(runs)
 
 
-def _repeats(event: Disturbance, earlier: list[Disturbance]) -> bool:
-    """Whether ``event``'s spread matches an earlier run's of the same trial within
-    ``SPREAD_FACTOR``: the spread is then the machine's as it is now, not one burst's."""
-    if event.spread is None:
-        return False
-    return any(e.spread is not None and max(e.spread, event.spread) <= SPREAD_FACTOR * min(e.spread, event.spread)
-               for e in earlier)
-
-
 class Timing(Protocol):
-    """How a tune measures: one window of a trial, two candidates over paired runs, and whether
-    another round of re-measurement may run."""
+    """How a tune measures a trial's window, compares paired runs, and bounds re-measurement."""
 
     watch: DisturbanceWatch
 
-    def measure(self, runner: Runs, policy: Policy, label: str) -> TrialResult:
-        """One trial's window (run again while the machine disturbed or lost it)."""
-        ...
+    def measure(self, runner: Runs, policy: Policy, label: str) -> TrialResult: ...
 
-    def compare(self, a: Sequence[float], b: Sequence[float]) -> Gap:
-        """The gap of ``a`` over ``b`` from goodputs of paired runs."""
-        ...
+    def compare(self, a: Sequence[float], b: Sequence[float]) -> Gap: ...
 
-    def remeasure(self, rounds: int, *, leaning: bool) -> bool:
-        """Whether another round may run after ``rounds``, ``leaning`` when a gap leans towards
-        the riskier finalist (``advisor.tune._confirm``)."""
-        ...
+    def remeasure(self, rounds: int, *, leaning: bool) -> bool: ...
 
-    def most_rounds(self, rounds: int, *, leaning: bool) -> int:
-        """The most rounds there can be, as far as is known after ``rounds`` (progress)."""
-        ...
+    def most_rounds(self, rounds: int, *, leaning: bool) -> int: ...
 
 
 @dataclass
 class CpuTiming:
-    """Timing on a shared CPU host: disturbed and lost trials run again, close finalists paired
-    for up to ``max_rounds`` rounds (``leaning_rounds`` while a gap leans)."""
+    """Close finalists paired for up to ``max_rounds`` rounds (``leaning_rounds`` while a gap
+    leans towards the riskier finalist)."""
 
     watch: DisturbanceWatch = field(default_factory=DisturbanceWatch)
     max_rounds: int = REMEASURE_MAX_ROUNDS
@@ -297,15 +235,11 @@ class CpuTiming:
 
 @dataclass
 class GpuTiming(CpuTiming):
-    """Timing on a GPU: the trial times its steps with CUDA events, and close finalists get a
-    small fixed number of paired rounds (``GPU_ROUNDS``), leaning or not."""
-
     max_rounds: int = GPU_ROUNDS
     leaning_rounds: int = GPU_ROUNDS
 
 
 def timing_for(profile: HardwareProfile | None) -> Timing:
-    """The timing strategy for the device a tune runs on: ``GpuTiming`` on CUDA, else ``CpuTiming``."""
     watch = DisturbanceWatch(profile=profile)
     if profile is not None and profile.is_cuda:
         return GpuTiming(watch)

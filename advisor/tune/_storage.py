@@ -1,11 +1,7 @@
 """The Optuna study storage: where its URL comes from, how it is shown, and opening it.
 
-Optuna (and SQLAlchemy, which it brings) is imported only by the storage modules: this one,
-``_study`` and ``_study_status``; the search and the retries never import it. Here: its RDB
-storage, opened once per process and URL with heartbeats and retries of stale trials, through
-the race of workers that make a fresh database at the same moment; URLs and the storage's errors
-read and told in one line (an outage from a refusal: ``unreachable``). A URL's password never
-reaches a message: ``shown_url``.
+Optuna (and SQLAlchemy) is imported only by the storage modules: this one, ``_study`` and
+``_study_status``. A URL's password never reaches a message: ``shown_url``.
 """
 
 from __future__ import annotations
@@ -39,15 +35,9 @@ OPEN_ATTEMPTS = 5
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """How a worker shows that its trial is alive, and what becomes of one that goes silent.
-
-    Attributes:
-        interval_s: seconds between heartbeats of a running trial.
-        grace_s: seconds without a heartbeat after which any worker fails the trial as stale;
-            Optuna's retry callback then queues a copy for a live worker.
-        max_retry: how many copies of a stale trial are queued; after that its candidate is
-            given up as a crash.
-    """
+    """How a worker shows that its trial is alive: heartbeats every ``interval_s``; after
+    ``grace_s`` without one any worker fails the trial as stale, and a copy is queued up to
+    ``max_retry`` times before its candidate is given up as a crash."""
 
     interval_s: int = 30
     grace_s: int = 120
@@ -55,12 +45,8 @@ class Heartbeat:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Heartbeat:
-        """The settings from ``MPADVISE_HEARTBEAT_S``, ``MPADVISE_GRACE_S`` (default: four
-        intervals) and ``MPADVISE_MAX_RETRY``; the defaults where they are unset or empty.
-
-        Raises:
-            MpadviseError: a value that is not a whole number in range, naming the variable.
-        """
+        """The settings from the environment (the grace defaults to four intervals); MpadviseError
+        naming a variable that is not a whole number in range."""
         interval = whole_env(environ, HEARTBEAT_ENV, cls.interval_s, minimum=1, unit="seconds")
         grace = whole_env(environ, GRACE_ENV, 4 * interval, minimum=1, unit="seconds")
         if grace <= interval:
@@ -94,20 +80,14 @@ def storage_url(url: str) -> str:
 
 
 def shared_storage(url: str | None) -> bool:
-    """Whether studies in this storage are shared by many workers: a database server (any URL
-    but an SQLite file) rather than one machine's file or memory. A shared study is joined as
-    it stands, never started afresh, since other workers may be in it."""
+    """Whether studies in this storage are shared by many workers: any URL but an SQLite file."""
     return url is not None and not url.startswith("sqlite")
 
 
 def shown_url(url: str | None) -> str | None:
-    """``url`` with its password masked and any ``password`` query parameter dropped, fit for
-    messages, reports, JSON and cache records.
-
-    A password may hold ``/`` (generated secrets often do) or even an unescaped ``@``: for a
-    database server, everything between the user's ``:`` and the last ``@`` before the host is
-    the password. An SQLite file's URL carries none, and is shown as given.
-    """
+    """``url`` with its password masked and any ``password`` query parameter dropped. A password
+    may hold ``/`` or an unescaped ``@``: everything between the user's ``:`` and the last ``@``
+    before the host is the password."""
     if url is None:
         return None
     scheme, sep, rest = url.partition("://")
@@ -130,15 +110,12 @@ def shown_url(url: str | None) -> str | None:
 
 
 def resolve_storage(given: str | None, environ: Mapping[str, str]) -> str | None:
-    """The storage URL a tune uses: ``--storage`` when given; else ``MPADVISE_STORAGE``; else the
-    first line of the file ``MPADVISE_STORAGE_FILE`` names; else ``None`` (the default storage).
-
-    The variables keep a password out of ``ps`` and shell history. The file must be this
-    user's and private (no access for group or others), as an SSH key must.
+    """The storage URL a tune uses: ``--storage``; else ``MPADVISE_STORAGE``; else the first line
+    of the file ``MPADVISE_STORAGE_FILE`` names (this user's, private, as an SSH key must be); else
+    ``None`` (the default storage).
 
     Raises:
-        UsageError: both variables set, or a file that cannot be read, is not private or is
-            empty; one line naming the variable.
+        UsageError: both variables set, or a file that cannot be read, is not private or is empty.
     """
     if given is not None:
         return given
@@ -192,10 +169,8 @@ def storage_error(url: str, exc: BaseException) -> str:
 
 
 def storage_failure(url: str, exc: BaseException) -> MpadviseError:
-    """The error for a study storage that cannot be opened: a usage error (exit 2) where the URL
-    itself is one SQLAlchemy cannot read (an unknown scheme or driver name, not a URL at all),
-    since the value given is wrong; otherwise (an unreachable server, a refused login, a driver
-    not installed) an error of this run (exit 1). Its message is :func:`storage_error`'s."""
+    """A usage error (exit 2) where SQLAlchemy cannot read the URL itself; otherwise (an
+    unreachable server, a refused login, a missing driver) an error of this run (exit 1)."""
     if _missing_module(exc) is None and not _readable_url(url):
         return UsageError(storage_error(url, exc))
     return MpadviseError(storage_error(url, exc))
@@ -203,7 +178,7 @@ def storage_failure(url: str, exc: BaseException) -> MpadviseError:
 
 def _readable_url(url: str) -> bool:
     """Whether SQLAlchemy reads ``url`` as a URL of a database it knows (a driver it names but
-    that is not installed counts as known: the URL is right, this machine lacks the driver)."""
+    that is not installed counts as known)."""
     import sqlalchemy.engine
 
     try:
@@ -219,9 +194,13 @@ def is_postgres(url: str) -> bool:
     return url.partition("://")[0].split("+")[0] in ("postgresql", "postgres")
 
 
+def timeout_kwargs(url: str) -> dict[str, Any]:
+    """SQLAlchemy engine arguments that bound a PostgreSQL server's first connection."""
+    return {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}} if is_postgres(url) and "connect_timeout" not in url else {}
+
+
 def error_chain(exc: BaseException | None) -> Iterator[BaseException]:
-    """``exc``, then each error it was raised from or while handling, outermost first, each once
-    (a chain can loop back on itself)."""
+    """``exc``, then each error it was raised from or while handling, each once."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -230,7 +209,6 @@ def error_chain(exc: BaseException | None) -> Iterator[BaseException]:
 
 
 def _missing_module(exc: BaseException | None) -> str | None:
-    """The module whose import failed somewhere in ``exc``'s chain (the innermost), or ``None``."""
     missing = None
     for inner in error_chain(exc):
         if isinstance(inner, ImportError):
@@ -244,15 +222,14 @@ def first_line(exc: BaseException) -> str:
 
 
 def root_line(exc: BaseException) -> str:
-    """The first line of the innermost error in ``exc``'s chain: the server's or the driver's
-    own words, not Optuna's wrapper ("An exception is raised during the commit")."""
+    """The first line of the innermost error in ``exc``'s chain: the server's own words."""
     *_, innermost = error_chain(exc)
     return first_line(innermost)
 
 
 def unreachable(exc: BaseException) -> bool:
-    """Whether ``exc`` says the storage cannot be reached now (a server down or restarting, a
-    dropped connection), which a later try may get through; not a refusal of the request."""
+    """Whether ``exc`` says the storage cannot be reached now (which a later try may get
+    through), not a refusal of the request."""
     import optuna
     import sqlalchemy.exc
 
@@ -261,13 +238,10 @@ def unreachable(exc: BaseException) -> bool:
     if any(isinstance(inner, gone) or (isinstance(inner, sqlalchemy.exc.DBAPIError) and inner.connection_invalidated)
            for inner in error_chain(exc)):
         return True
-    return False if not isinstance(exc, optuna.exceptions.StorageInternalError) else _unreachable_cause(exc)
-
-
-def _unreachable_cause(exc: BaseException) -> bool:
-    """An Optuna storage error whose cause is lost with its message: the server's words say."""
-    text = str(exc).lower()
-    return any(word in text for word in ("connection", "server closed", "terminating", "could not connect"))
+    if not isinstance(exc, optuna.exceptions.StorageInternalError):
+        return False
+    # An Optuna storage error whose cause is lost with its message: the server's words say.
+    return any(word in str(exc).lower() for word in ("connection", "server closed", "terminating", "could not connect"))
 
 
 _OPENED: dict[str, tuple[Any, Heartbeat]] = {}
@@ -275,14 +249,8 @@ _OPENED_LOCK = threading.Lock()
 
 
 def open_storage(url: str) -> tuple[Any, Heartbeat]:
-    """The Optuna RDB storage for ``url`` (with heartbeats and retries of stale trials) and its
-    heartbeat settings; opened once per process and URL.
-
-    Raises:
-        UsageError: (exit 2) a URL that is not one, or names an unknown database or driver.
-        MpadviseError: a missing driver, an unreachable or refusing server, a bad heartbeat
-            setting; one line.
-    """
+    """The Optuna RDB storage for ``url`` and its heartbeat settings, opened once per process and URL
+    (UsageError for a URL that is not one; MpadviseError in one line for any other failure)."""
     with _OPENED_LOCK:
         if url not in _OPENED:
             heartbeat = Heartbeat.from_environ(os.environ)
@@ -295,17 +263,13 @@ def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
 
     # Optuna's RDB storage logs through a logger of its module's name.
     logging.getLogger(optuna.storages.RDBStorage.__module__).addFilter(_OUTAGE_NOISE)
-    # SQLAlchemy logs what fails while it cleans up after an error the search is handed anyway
-    # ("Error closing cursor" once a Ctrl-C stopped a write), with a traceback: with no handler
-    # of the program's own, Python would print it on the terminal. Handlers the program set on
-    # the root logger still receive it.
+    # SQLAlchemy logs, with a traceback, what fails while it cleans up after an error the search
+    # is handed anyway; with no handler of its own, Python would print it on the terminal.
     if not any(isinstance(h, logging.NullHandler) for h in logging.getLogger("sqlalchemy").handlers):
         logging.getLogger("sqlalchemy").addHandler(logging.NullHandler())
-    engine_kwargs: dict[str, Any] = {}
+    engine_kwargs = timeout_kwargs(url)
     if not url.startswith("sqlite"):
         engine_kwargs["pool_pre_ping"] = True  # a server restarted since the last trial drops old connections
-    if is_postgres(url) and "connect_timeout" not in url:
-        engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
     for attempt in range(OPEN_ATTEMPTS):
         try:
             with quiet():
@@ -327,9 +291,7 @@ def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
 
 def _creation_race(exc: BaseException) -> bool:
     """Whether ``exc`` is what another process making the same storage at the same moment
-    causes: a table or a version row it made between this one's look and its own write
-    (PostgreSQL's CREATE TABLE IF NOT EXISTS is not safe against that, nor is SQLite's check
-    before CREATE TABLE: "table studies already exists"), or SQLite's lock held while it does."""
+    causes: a table or version row made between this one's look and its write, or SQLite's lock."""
     import sqlalchemy.exc
 
     return any(isinstance(inner, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError))
@@ -339,8 +301,7 @@ def _creation_race(exc: BaseException) -> bool:
 
 
 class _OutageNoise(logging.Filter):
-    """Drops Optuna's multi-line log of a lost connection (the SQL and its parameters): the
-    search says in one line that the storage is unreachable, and retries."""
+    """Drops Optuna's multi-line log of a lost connection: the search says it in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("Caught an error from sqlalchemy")
@@ -362,13 +323,10 @@ def quiet() -> Iterator[None]:
 
 
 def storage_exists(storage: str) -> bool:
-    """Whether the storage may hold studies already: any database server, or an SQLite file
-    that exists (reading it must not make it)."""
+    """Whether the storage may hold studies already (reading an SQLite file must not make it)."""
     return not storage.startswith("sqlite") or sqlite_file(storage) is not None
 
 
 def sqlite_file(storage: str) -> str | None:
-    """The file an ``sqlite:///`` URL names, where it exists; ``None`` for no file, an
-    in-memory database or a file that is not there."""
     path = storage.partition(":///")[2].partition("?")[0]
     return path if path and path != ":memory:" and os.path.isfile(path) else None

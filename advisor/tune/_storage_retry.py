@@ -1,9 +1,4 @@
-"""Riding out a study storage that goes away: a worker's calls on it, retried with backoff.
-
-A storage that goes away mid-search (a server restarted) is waited for: each call is retried
-with backoff for ``MPADVISE_STORAGE_RETRY_S`` seconds, a finished result kept meanwhile; a
-storage that stays away ends the tune in one line that names it and what was not stored.
-"""
+"""Riding out a study storage that goes away: a worker's calls on it, retried with backoff."""
 
 from __future__ import annotations
 
@@ -34,13 +29,11 @@ STORAGE_RETRY_S = 120
 
 
 def worker_name() -> str:
-    """This process as a worker of a study: ``host:pid``."""
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def storage_retry_s(environ: Mapping[str, str]) -> int:
-    """Seconds a running search retries an unreachable storage: ``MPADVISE_STORAGE_RETRY_S``
-    (whole seconds, 0 for none), else 120.
+    """Seconds a running search retries an unreachable storage (0 for none).
 
     Raises:
         MpadviseError: a value that is not a whole number >= 0, naming the variable.
@@ -50,18 +43,8 @@ def storage_retry_s(environ: Mapping[str, str]) -> int:
 
 @dataclass
 class Worker:
-    """This process as one worker of the study, and the retries of its calls on the storage.
-
-    Attributes:
-        name: ``host:pid``, recorded in each trial it claims.
-        backend: the RDB storage, whose heartbeats show its trials alive; ``None`` in memory.
-        heartbeat: the heartbeat settings; ``None`` in memory.
-        sleep: waits that many seconds (tests pass a fake).
-        storage: the storage URL, for the lines that say it is away.
-        retry_s: how long one call is retried while the storage is unreachable.
-        untold: results this worker measured that are not in the study yet (an outage), by
-            trial number; listed in the line that ends a tune whose storage stays away.
-    """
+    """This process as one worker of the study (``host:pid``), and the retries of its calls on the
+    storage. ``untold``: results measured but not in the study yet (an outage), by trial number."""
 
     name: str
     backend: Any
@@ -73,24 +56,16 @@ class Worker:
 
     @classmethod
     def of(cls, storage: str | None, sleep: Callable[[float], None]) -> Worker:
-        """This process as a worker of the studies in ``storage`` (``None``: in memory), which it
-        opens (once per process) for its heartbeats.
-
-        Raises:
-            MpadviseError: the storage cannot be opened, or a setting of the heartbeats or the
-                retries is not allowed; one line.
+        """Raises:
+            MpadviseError: the storage cannot be opened, or a heartbeat or retry setting is not allowed.
         """
         name = worker_name()
         backend, heartbeat = open_storage(storage) if storage is not None else (None, None)
         return cls(name, backend, heartbeat, sleep, storage, storage_retry_s(os.environ))
 
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
-        """``fn()``, retried with backoff while the study storage is unreachable, for up to
-        ``retry_s`` seconds (wall-clock time, whatever clock the search runs on).
-
-        Args:
-            what: the call in words, for the lines that say it waits (``"storing trial 4's
-                result"``).
+        """``fn()``, retried with backoff while the study storage is unreachable, for up to ``retry_s``
+        seconds; ``what`` says the call in words.
 
         Raises:
             StorageLost: the storage stayed unreachable for ``retry_s`` seconds.
@@ -129,8 +104,8 @@ class StorageLost(Exception):
 
 
 def lost_message(storage: str | None, why: str, worker: Worker, runs: int | None, *, retried: int | None) -> str:
-    """The one line a tune ends with when its storage is lost: the server, why, and what was
-    kept (``runs``: the trials the search ran; ``None`` before the search began)."""
+    """The one line a tune ends with when its storage is lost: the server, why, and what was kept
+    (``runs``: the trials the search ran; ``None`` before the search began)."""
     after = f" (retried for {retried} s, {STORAGE_RETRY_ENV})" if retried is not None else ""
     if runs is None:
         kept = "nothing of this tune is in the study yet"
@@ -152,9 +127,8 @@ def _result_words(m: Measured) -> str:
 
 @contextlib.contextmanager
 def riding_out(storage: str) -> Iterator[Worker]:
-    """A worker for the study reads a tune makes between its reference and its search: they ride
-    out an outage as the search's calls do, since the tune reached the storage before its
-    reference ran. One that stays away ends the tune in one line.
+    """A worker for the study reads a tune makes between its reference and its search, which ride
+    out an outage as the search's calls do.
 
     Raises:
         MpadviseError: the storage stayed unreachable through the retries.

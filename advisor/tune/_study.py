@@ -1,16 +1,7 @@
 """A study in the Optuna storage: opening it, its records, and its trials asked and told.
 
-One of the storage modules that import optuna (with ``_storage`` and ``_study_status``); the
-search (``_search``) calls this small interface and never optuna itself: ``open_study``, the
-records it checks (hardware, space, workload, replicate), ``ask``, ``claim``, ``read_trials``,
-``tell``/``store_result``/``close``, ``beating`` (a trial's heartbeats, started and stopped
-around it) and ``fail_stale``. Each call goes through the worker's retries (``_storage_retry``).
-
-One study may be shared by many workers (``--storage postgresql://...`` on several machines of
-the same hardware). Each worker claims a trial's candidate in the study before running it, and
-reads the others' results and claims before every proposal. A worker's trial sends heartbeats;
-a trial whose worker goes silent is failed after a grace period, and Optuna's retry callback
-queues it again for a live worker.
+Workers sharing a study claim a trial's candidate before running it; a trial whose worker goes
+silent (no heartbeat) is failed after a grace period and queued again for a live worker.
 """
 
 from __future__ import annotations
@@ -34,25 +25,18 @@ from probes import MpadviseError
 STUDY_ATTR_SPACE = "mpadvise:space"
 STUDY_ATTR_REPLICATE = "mpadvise:replicate"  # fp32 under another seed: the verdicts' spread
 STUDY_ATTR_HARDWARE = "mpadvise:hardware"  # the hardware fingerprint every trial of the study ran on
-# The workload fingerprint and model signature of the fp32 reference its verdicts were judged
-# against: a study name covers the script and its arguments, not what the script reads besides
-# (an environment variable, a config file), which can change the model under the same name.
+# The fp32 reference's workload fingerprint and model signature: a study name covers the script
+# and its arguments, not what it reads besides (an environment variable, a config file).
 STUDY_ATTR_WORKLOAD = "mpadvise:workload"
 TRIAL_ATTR_RESULT = "mpadvise:result"
-# The candidate a trial runs, the trial's number and the worker running it; written before the
-# worker looks for rivals, so that of two workers that propose one candidate at once, at least
-# one sees the other. A retried copy inherits it with the old number, which no longer counts.
+# The candidate a trial runs, its number and its worker, written before the worker looks for rivals.
 TRIAL_ATTR_CLAIM = "mpadvise:claim"
 TRIAL_ATTR_CLOSED = "mpadvise:closed"  # why a trial ended without a result (FAIL), in words
 
 
 def open_study(storage: str | None, study_name: str, *, resume: bool, seed: int, worker: str) -> tuple[Any, bool]:
-    """The study, and whether this call made it.
-
-    A shared study is joined as it stands (other workers may be in it); elsewhere a tune without
-    ``resume`` starts afresh. The storage's own errors pass through: the caller retries one that
-    says the storage is unreachable for now (an outage since the tune opened it).
-    """
+    """The study, and whether this call made it. A shared study is joined as it stands; elsewhere
+    a tune without ``resume`` starts afresh. The storage's own errors pass through to be retried."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -77,8 +61,7 @@ def open_study(storage: str | None, study_name: str, *, resume: bool, seed: int,
 
 
 def stored_study(storage: str, study_name: str, worker: Worker) -> Any:
-    """The stored ``optuna.Study`` of that name, or ``None`` when there is none yet; ``worker``
-    rides out an outage.
+    """The stored ``optuna.Study`` of that name, or ``None`` when there is none yet.
 
     Raises:
         MpadviseError: the storage refuses, naming the URL and the reason.
@@ -104,8 +87,6 @@ def stored_study(storage: str, study_name: str, worker: Worker) -> Any:
 
 
 def check_hardware(study: Any, study_name: str, hardware: str | None, *, record: bool) -> None:
-    """Refuse a study whose trials ran on other hardware; with ``record``, name this hardware
-    in a study that names none."""
     if hardware is None:
         return
     stored = study.user_attrs.get(STUDY_ATTR_HARDWARE)
@@ -122,8 +103,7 @@ def check_hardware(study: Any, study_name: str, hardware: str | None, *, record:
 
 
 def workload_change(stored: Any, workload: Mapping[str, Any]) -> str | None:
-    """What differs between a study's stored workload and this one, in words; ``None`` when
-    nothing does, or when the study keeps none."""
+    """What differs between a study's stored workload and this one, in words, or ``None``."""
     if not isinstance(stored, dict):
         return None
     before, now = stored.get("model_signature"), workload.get("model_signature")
@@ -182,11 +162,8 @@ def ask(study: Any) -> Any:
 
 @contextlib.contextmanager
 def beating(worker: Worker, trial: Any) -> Iterator[None]:
-    """Send the trial's heartbeats while the block runs; nothing for a storage without them.
-
-    Optuna beats for the trials that ``Study.optimize`` runs; a search by ask and tell beats for
-    its own, from a thread, so that a trial's subprocess may take as long as it needs.
-    """
+    """Send the trial's heartbeats from a thread while the block runs (Optuna beats only for
+    ``Study.optimize``); nothing for a storage without them."""
     backend = worker.backend
     interval = None if backend is None else backend.get_heartbeat_interval()
     if interval is None:
@@ -213,8 +190,8 @@ def beating(worker: Worker, trial: Any) -> Iterator[None]:
 
 
 def fail_stale(study: Any) -> None:
-    """Fail the trials whose workers stopped sending heartbeats; Optuna's retry callback queues
-    a copy of each (up to the retry limit), which the next ``ask`` of a live worker takes."""
+    """Fail the trials whose workers stopped sending heartbeats; Optuna's retry callback queues a
+    copy of each, which the next ``ask`` of a live worker takes."""
     import optuna
 
     with quiet():
@@ -223,15 +200,8 @@ def fail_stale(study: Any) -> None:
 
 @dataclass(frozen=True)
 class StudyTrials:
-    """What a study's trials say at one reading.
-
-    Attributes:
-        measured: the stored results of finished trials, in trial order.
-        pruned: the proposals the priors ruled out, stored as such (never measured).
-        running: the candidates other trials are running now, with those trials' numbers.
-        silent: the candidates whose trials were failed as stale (their workers went silent),
-            with those trials' numbers.
-    """
+    """What a study's trials say at one reading: finished results, pruned proposals, candidates
+    other trials run now and those whose trials were failed as stale (with the trials' numbers)."""
 
     measured: list[Measured]
     pruned: list[Measured]
@@ -240,11 +210,7 @@ class StudyTrials:
 
 
 def read_trials(study: Any, *, exclude: int | None = None) -> StudyTrials:
-    """Read the study's trials: finished results, running claims and trials failed as stale.
-
-    Args:
-        exclude: the number of this worker's own trial, which is no rival to itself.
-    """
+    """``exclude``: this worker's own trial, which is no rival to itself."""
     import optuna
 
     state = optuna.trial.TrialState
@@ -261,9 +227,11 @@ def read_trials(study: Any, *, exclude: int | None = None) -> StudyTrials:
                 # stored before pruned proposals were marked as such.
                 (pruned if data.get("pruned") or not m.outcome else measured).append(m)
             continue
-        claim = _claim_of(frozen)
-        if claim is None or frozen.number == exclude:
+        # A retried copy inherits its original's claim, which names the original's number.
+        data = frozen.user_attrs.get(TRIAL_ATTR_CLAIM)
+        if not isinstance(data, dict) or data.get("trial") != frozen.number or frozen.number == exclude:
             continue
+        claim = candidate_from(data)
         if frozen.state == state.RUNNING:
             running.setdefault(claim, frozen.number)
         elif frozen.state == state.FAIL and TRIAL_ATTR_CLOSED not in frozen.user_attrs:
@@ -272,18 +240,9 @@ def read_trials(study: Any, *, exclude: int | None = None) -> StudyTrials:
 
 
 def claim(trial: Any, candidate: Candidate, worker: str) -> None:
-    """Write in the trial that ``worker`` runs ``candidate`` under it (its number included, so
-    that a retried copy's inherited claim is told apart)."""
+    """Claim ``candidate`` in the trial (its number included, so that a retried copy's inherited
+    claim is told apart)."""
     trial.set_user_attr(TRIAL_ATTR_CLAIM, {**candidate_to(candidate), "trial": trial.number, "worker": worker})
-
-
-def _claim_of(frozen: Any) -> Candidate | None:
-    """The candidate a trial claimed; ``None`` for none, or for a retried copy's inherited
-    claim, which names the number of the trial it copies."""
-    claim = frozen.user_attrs.get(TRIAL_ATTR_CLAIM)
-    if not isinstance(claim, dict) or claim.get("trial") != frozen.number:
-        return None
-    return candidate_from(claim)
 
 
 def add_result(study: Any, trial: Any, measured: Measured, worker: str) -> None:
@@ -300,9 +259,8 @@ def add_result(study: Any, trial: Any, measured: Measured, worker: str) -> None:
 
 
 def store_result(study: Any, trial: Any, measured: Measured, worker: Worker, what: str) -> bool:
-    """Tell the study what ``trial`` measured, riding out an outage; ``True`` where the study had
-    failed the trial as stale meanwhile (another worker heard no heartbeat), so that the result
-    was stored as a trial of its own and the queued copy is told, not run again."""
+    """Tell the study what ``trial`` measured; ``True`` where the study had failed the trial as
+    stale meanwhile, so that the result was stored as a trial of its own."""
     import optuna
 
     try:
@@ -314,13 +272,11 @@ def store_result(study: Any, trial: Any, measured: Measured, worker: Worker, wha
 
 
 def keep_replicate(study: Any, replicate: dict[str, Any]) -> None:
-    """Keep fp32's replicate with the study, for a resumed tune to judge against."""
     study.set_user_attr(STUDY_ATTR_REPLICATE, replicate)
 
 
 def refused(exc: BaseException) -> bool:
-    """Whether ``exc`` is the storage's refusal of a request (not an outage, which the worker's
-    retries ride out)."""
+    """Whether ``exc`` is the storage's refusal (not an outage, which the retries ride out)."""
     import optuna
     import sqlalchemy.exc
 
@@ -337,14 +293,8 @@ def close(study: Any, trial: Any, why: str) -> None:
 
 
 def tell(study: Any, trial: Any, measured: Measured, value: float, *, source: str, worker: str) -> None:
-    """Store a result with the trial and finish it.
-
-    Args:
-        source: ``run`` (measured by this trial), ``reference`` (this worker's fp32 reference,
-            measured outside the study), ``known`` (a copy of a result already measured) or
-            ``pruned`` (ruled out by the priors, never measured).
-        worker: the worker that tells it.
-    """
+    """Store a result with the trial and finish it; ``source``: ``run``, ``reference`` (this
+    worker's fp32, measured outside the study), ``known`` (a copy) or ``pruned``."""
     import optuna
 
     with _finished_already(study, trial, optuna.trial.TrialState.COMPLETE), warnings.catch_warnings():
@@ -360,10 +310,8 @@ def tell(study: Any, trial: Any, measured: Measured, value: float, *, source: st
 
 @contextlib.contextmanager
 def _finished_already(study: Any, trial: Any, state: Any) -> Iterator[None]:
-    """Let the finishing of a trial pass when the study holds it in ``state`` already: the retry
-    of a tell that landed before its answer was lost. Only this worker completes or closes its
-    own trials, so a trial in ``state`` is its own doing; one that another worker failed as
-    stale while it ran here still raises ``UpdateFinishedTrialError`` when it was to complete."""
+    """Let the finishing of a trial pass when the study holds it in ``state`` already (the retry
+    of a tell that landed); one another worker failed as stale still raises when it was to complete."""
     import optuna
 
     try:
@@ -378,7 +326,6 @@ def candidate_to(c: Candidate) -> dict[str, Any]:
 
 
 def candidate_from(data: Mapping[str, Any]) -> Candidate:
-    """A candidate from its stored fields; a field a study stored before it existed keeps its default."""
     return Candidate(**{f.name: data.get(f.name, f.default) for f in dataclasses.fields(Candidate)})
 
 

@@ -1,9 +1,4 @@
-"""What a stored study holds, read before a tune's search or by ``mpadvise study status``.
-
-The checks a tune makes before any trial runs (the study's hardware and workload, the trials a
-fresh start would delete), the fp32 replicate kept with a study, and a storage's status read
-without writing anything.
-"""
+"""What a stored study holds, read before a tune's search or by ``mpadvise study status``."""
 
 from __future__ import annotations
 
@@ -13,8 +8,6 @@ from typing import Any
 
 from advisor._log import get_logger
 from advisor.tune._storage import (
-    CONNECT_TIMEOUT_S,
-    is_postgres,
     open_storage,
     quiet,
     shared_storage,
@@ -24,6 +17,7 @@ from advisor.tune._storage import (
     storage_exists,
     storage_failure,
     storage_url,
+    timeout_kwargs,
 )
 from advisor.tune._storage_retry import riding_out
 from advisor.tune._study import (
@@ -42,12 +36,7 @@ from probes import MpadviseError, UsageError
 
 
 def check_storage(storage: str | None) -> None:
-    """Open the Optuna storage once, so a bad URL fails before any trial runs.
-
-    Raises:
-        UsageError: (exit 2) a URL that is not one, or names an unknown database or driver.
-        MpadviseError: naming the URL (its password masked) and the reason, in one line.
-    """
+    """Open the Optuna storage once, so a bad URL fails before any trial runs (in one line)."""
     if storage is not None:
         open_storage(storage)
 
@@ -55,17 +44,11 @@ def check_storage(storage: str | None) -> None:
 def check_study(storage: str | None, study_name: str, *, hardware: str, resume: bool, fresh: bool = False,
                 spelling: tuple[str, str] = ("--resume", "--fresh")) -> None:
     """Refuse, before any trial runs, to continue a stored study measured on other hardware, or
-    to delete one that holds finished trials unless ``fresh`` says so.
-
-    Only a study this tune would continue is read for its hardware: a shared one, or any with
-    ``resume``. A study of this machine that a tune without ``resume`` would start afresh is
-    read for its finished trials: they are never deleted unasked.
-
-    ``spelling`` names the two options as the caller takes them (the CLI's flags by default).
+    to delete one that holds finished trials unless ``fresh`` says so (``spelling`` names the two
+    options as the caller takes them).
 
     Raises:
-        UsageError: the study holds finished trials, and neither ``resume`` nor ``fresh`` was
-            given; the line names both.
+        UsageError: the study holds finished trials, and neither ``resume`` nor ``fresh`` was given.
         MpadviseError: the study holds another hardware fingerprint, or the storage fails.
     """
     if storage is None:
@@ -92,15 +75,8 @@ def check_study(storage: str | None, study_name: str, *, hardware: str, resume: 
 
 @dataclass(frozen=True)
 class KeptStudy:
-    """What a stored study holds that a fresh start would delete.
-
-    Attributes:
-        name: the study's name.
-        storage: its storage URL, password masked (:func:`shown_url`).
-        finished: its finished trials that measured a candidate (the copy of an fp32 reference,
-            measured outside the study, and proposals the priors ruled out not counted).
-        last: when the latest of them finished (ISO date and time, to the minute), if known.
-    """
+    """What a stored study holds that a fresh start would delete: ``finished`` counts the trials
+    that measured a candidate; ``last`` is when the latest finished, to the minute."""
 
     name: str
     storage: str
@@ -108,19 +84,14 @@ class KeptStudy:
     last: str | None
 
     def describe(self) -> str:
-        """``study 'x' in 'sqlite:///...' holds 4 finished trials from 2026-12-02 05:31``."""
         when = f" from {self.last}" if self.last else ""
         plural = "" if self.finished == 1 else "s"
         return f"study {self.name!r} in {self.storage!r} holds {self.finished} finished trial{plural}{when}"
 
 
 def kept_study(storage: str | None, study_name: str) -> KeptStudy | None:
-    """The stored study of that name and its finished trials, read without writing anything;
-    ``None`` in memory, or where there is no such study (an SQLite file not made yet included).
-
-    Raises:
-        MpadviseError: the storage cannot be read, naming the URL (its password masked).
-    """
+    """The stored study of that name, read without writing anything; ``None`` in memory, or
+    where there is no such study."""
     if storage is None or not storage_exists(storage):
         return None
     studies = study_status(storage, study_name, missing_ok=True)
@@ -130,8 +101,7 @@ def kept_study(storage: str | None, study_name: str) -> KeptStudy | None:
 
 
 def finished_trials(storage: str | None, study_name: str) -> int:
-    """How many finished trials the stored study holds (0 in memory, or without the study); a
-    storage that cannot be read counts none."""
+    """How many finished trials the stored study holds; a storage that cannot be read counts none."""
     try:
         held = kept_study(storage, study_name)
     except MpadviseError:
@@ -140,31 +110,13 @@ def finished_trials(storage: str | None, study_name: str) -> int:
 
 
 def check_study_workload(storage: str | None, study_name: str, workload: Mapping[str, Any], *, resume: bool) -> bool:
-    """Whether a stored study may be continued for this workload; read before anything is reused.
-
-    A study keeps the workload fingerprint and model signature of the fp32 reference its
-    verdicts were judged against. When this tune's fresh reference has others (the script read
-    another environment variable, config file or data), those verdicts and the replicate belong
-    to another workload. A study of this machine (``--resume``) is then not continued: where it
-    holds finished trials, the tune refuses in one line that says what changed and names
-    ``--fresh`` (they are never deleted unasked); where it holds none, one warning line says
-    what changed, and a fresh study starts. A shared study, which other workers may be in, is
-    refused either way. A resumed study that keeps no workload (stored by an earlier
-    mpadvise) cannot be checked, and is treated as changed.
-
-    Args:
-        storage: the Optuna storage URL; ``None`` (in memory) keeps nothing.
-        study_name: the study's name in it.
-        workload: ``{"workload_fingerprint": ..., "model_signature": ...}`` of this tune's reference.
-        resume: whether the tune was asked to continue a stored study.
-
-    Returns:
-        ``resume``, or ``False`` when the stored study must not be continued.
+    """``resume``, or ``False`` when a stored study of another workload (its fp32 reference's
+    fingerprint and model signature) must not be continued: a study of this machine that holds
+    finished trials, or a shared one, is refused; an empty one starts afresh with a warning.
 
     Raises:
         UsageError: a study of this machine of another workload that holds finished trials.
-        MpadviseError: a shared study of another workload, or a storage that refuses or stays
-            unreachable through the retries (an outage is ridden out, as in the search).
+        MpadviseError: a shared study of another workload, or a storage that stays unreachable.
     """
     shared = shared_storage(storage)
     if storage is None or not (resume or shared):
@@ -197,13 +149,7 @@ def check_study_workload(storage: str | None, study_name: str, workload: Mapping
 
 
 def stored_replicate(storage: str | None, study_name: str) -> dict[str, Any] | None:
-    """The fp32 replicate kept with a stored study, for ``--resume`` to reuse; ``None`` when
-    the study is in memory, does not exist yet, or keeps none.
-
-    Raises:
-        MpadviseError: the storage refuses or stays unreachable through the retries, naming the
-            URL and the reason.
-    """
+    """The fp32 replicate kept with a stored study, for ``--resume`` to reuse, or ``None``."""
     if storage is None:
         return None
     with riding_out(storage) as worker:
@@ -214,25 +160,14 @@ def stored_replicate(storage: str | None, study_name: str) -> dict[str, Any] | N
 
 
 def study_status(storage: str, study_name: str | None = None, *, missing_ok: bool = False) -> list[dict[str, Any]]:
-    """What a study storage holds, read without writing anything (no tables made, no trial
-    failed as stale): per study, its hardware, its trials by state, the workers seen in it and
-    the best stable candidate so far.
-
-    Args:
-        storage: the Optuna storage URL (a database server, or an SQLite file that must exist).
-        study_name: only this study; ``None`` for every study in the storage.
-        missing_ok: an empty list, rather than an error, where ``study_name`` is not there.
-
-    Returns:
-        One dict per study, by name: ``study``, ``hardware``, ``trials`` (``complete``,
-        ``running``, ``waiting``, ``failed``, ``pruned``: counts), ``workers`` (``host:pid``,
-        sorted), ``best`` (``label``, ``goodput``, ``worker``, ``trial``; ``None`` before any
-        stable result).
+    """What a study storage holds, read without writing anything (no tables made, no trial failed
+    as stale): per study, by name, ``study``, ``hardware``, ``trials`` (counts by state), ``workers``,
+    ``best`` (``None`` before any stable result), ``measured`` and ``last_finished``.
 
     Raises:
         UsageError: (exit 2) an SQLite file that is not there, or a URL that is not one.
-        MpadviseError: the storage cannot be read, or holds no study of that name; one line
-            naming the URL (its password hidden).
+        MpadviseError: the storage cannot be read, or holds no study of that name (``missing_ok``
+            gives an empty list instead).
     """
     import optuna
     import sqlalchemy
@@ -242,9 +177,7 @@ def study_status(storage: str, study_name: str | None = None, *, missing_ok: boo
         path = storage.partition(":///")[2].partition("?")[0]
         raise UsageError(f"no study storage at {shown!r}: the file {path or '(none)'} does not exist; expected "
                          "the SQLite file a tune wrote (by default studies.db in the cache directory)")
-    engine_kwargs: dict[str, Any] = {}
-    if is_postgres(storage) and "connect_timeout" not in storage:
-        engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
+    engine_kwargs = timeout_kwargs(storage)
     try:
         engine = sqlalchemy.create_engine(storage_url(storage), **engine_kwargs)
         try:
@@ -274,9 +207,8 @@ def study_status(storage: str, study_name: str | None = None, *, missing_ok: boo
 
 
 def _storage_made(engine: Any, tables: set[str]) -> bool:
-    """Whether an Optuna storage is fully made: its tables, and its schema version stamped.
-    Optuna's storage, opened before that, writes the stamp itself, racing the tune that is
-    making it ("UNIQUE constraint failed: alembic_version.version_num" for one of the two)."""
+    """Whether an Optuna storage is fully made, its schema version stamped (Optuna's storage,
+    opened before that, writes the stamp itself, racing the tune that is making it)."""
     import sqlalchemy
 
     if not {"studies", "version_info", "alembic_version"} <= tables:
@@ -287,7 +219,6 @@ def _storage_made(engine: Any, tables: set[str]) -> bool:
 
 
 def _study_summary(study: Any, trials: list[Any]) -> dict[str, Any]:
-    """One study's status from its frozen trials (see :func:`study_status`)."""
     import optuna
 
     state = optuna.trial.TrialState

@@ -1,9 +1,6 @@
 """The tune's trial book: the fp32 reference, its replicate, and every candidate run and judged.
 
-``Trials`` runs each trial through the run stage (``advisor.tune._run``) and judges it through
-the judge stage (``advisor.tune._judge``) against the yardsticks (``advisor.tune._reference``),
-keeping every evaluation for the answer. This module also re-exports the runners and
-evaluations under the names their callers have long imported from here.
+It also re-exports the runners and evaluations under the names their callers import from here.
 """
 
 from __future__ import annotations
@@ -14,21 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from advisor.trial import TrialResult
-from advisor.tune._judge import (
-    Evaluation,
-    ReferenceTrialError,
-    check_reference,
-    curve_of,
-    evaluate,
-    samples_per_step,
-    summed_loss_split,
-)
+from advisor.tune._judge import Evaluation, curve_of, evaluate, samples_per_step
 from advisor.tune._reference import (
-    MAX_WINDOW_GROWTH,
-    REPLICATE_PERTURBATION,
-    SECOND_LOOK_MULTIPLE,
     Comparison,
-    Reference,
     Replicate,
     Yardsticks,
     run_comparison,
@@ -37,7 +22,6 @@ from advisor.tune._reference import (
 )
 from advisor.tune._run import (
     WAIT_IDLE_ENV,
-    WAIT_IDLE_MAX_S,
     Extendable,
     FlopCountable,
     FunctionRunner,
@@ -55,11 +39,9 @@ from advisor.tune._stability import StabilityThresholds, TrialCurve
 from policies import Policy
 
 __all__ = [
-    "MAX_WINDOW_GROWTH", "REPLICATE_PERTURBATION", "SECOND_LOOK_MULTIPLE", "WAIT_IDLE_ENV", "WAIT_IDLE_MAX_S",
-    "Comparison", "Evaluation", "Extendable", "FlopCountable", "FunctionRunner", "Perturbable", "Reference",
-    "ReferenceTrialError", "Replicate", "Runner", "ScriptRunner", "TrialSettings", "Trials", "Yardsticks",
-    "check_reference", "curve_of", "evaluate", "limit_memory", "prestarted_launcher", "run_candidate",
-    "run_comparison", "run_reference", "run_replicate", "samples_per_step", "summed_loss_split", "wait_until_idle",
+    "WAIT_IDLE_ENV", "Comparison", "Evaluation", "Extendable", "FunctionRunner", "Perturbable", "Replicate", "Runner",
+    "ScriptRunner", "TrialSettings", "Trials", "Yardsticks", "curve_of", "evaluate", "prestarted_launcher",
+    "run_comparison", "run_reference", "run_replicate", "samples_per_step", "wait_until_idle",
 ]
 
 
@@ -87,20 +69,14 @@ class Trials:
 
     @property
     def replicate_curve(self) -> TrialCurve | None:
-        """fp32 perturbed, whose spread widens the stability limits; ``None`` if none."""
         return None if self.replicate is None else self.replicate.curve
 
     @property
     def replicate_record(self) -> dict[str, Any] | None:
-        """The usable replicate as the study keeps it, or ``None``."""
         return None if self.replicate_curve is None else self.replicate.to_dict()
 
     def run_reference(self, *, deadline: float | None = None, clock: Callable[[], float] = time.monotonic) -> Evaluation:
-        """Run fp32, the baseline every candidate is judged against (``run_reference``).
-
-        Raises:
-            MpadviseError: the reference failed or is not finite.
-        """
+        """Run fp32, the baseline every candidate is judged against (MpadviseError if it fails)."""
         # While fp32's loss still falls geometrically at the window's end, the window grows and
         # every later trial (replicate, candidates, re-measurements) measures the longer one.
         self._asked, self._deadline, self._clock = getattr(self.runner, "measure_steps", None), deadline, clock
@@ -114,8 +90,8 @@ class Trials:
         return evaluate("fp32", Policy(mode="fp32"), result, result, thresholds=self.thresholds)
 
     def run_replicate(self, stored: dict[str, Any] | None) -> Evaluation:
-        """Run fp32 perturbed (or reuse the ``stored`` replicate when it matches), whose spread
-        widens the stability limits; returns the reference judged with that spread."""
+        """Run fp32 perturbed (or reuse the ``stored`` replicate); returns the reference judged with
+        its spread."""
         fp32, reference = Policy(mode="fp32"), self.reference
         if reference is None:
             raise RuntimeError("run_replicate needs the reference: call run_reference first")
@@ -133,14 +109,12 @@ class Trials:
         return evaluate("fp32", fp32, reference, reference, thresholds=self.thresholds, replicate=self.replicate_curve)
 
     def run(self, cand: Candidate) -> Measured:
-        """Run one candidate of the search and record its evaluation."""
         policy = cand.policy(self.user_batch)
         if self.on_start:
             self.on_start(cand.label)
         return self.record(cand, policy, self.runner(policy, cand.label))
 
     def record(self, cand: Candidate, policy: Policy, result: TrialResult) -> Measured:
-        """Judge a result (the memory limit too), keep its evaluation, and report it."""
         result = limit_memory(result, self.memory_limit)
         if self.yardsticks is not None:
             ev = self.yardsticks.evaluate(cand.label, policy, result)
@@ -154,8 +128,7 @@ class Trials:
         return m
 
     def run_again(self, cand: Candidate, label: str) -> Evaluation:
-        """Run a candidate once more (a round of re-measurement), judged as the search judged it
-        but not recorded as its search run."""
+        """Run a candidate once more (a round of re-measurement), not recorded as its search run."""
         if self.on_start:
             self.on_start(label)
         policy = cand.policy(self.user_batch)
@@ -169,7 +142,6 @@ class Trials:
 
 
 def _measured(cand: Candidate, ev: Evaluation) -> Measured:
-    """What the search learns of an evaluation."""
     return Measured(cand, ev.goodput or 0.0, feasible=ev.result.outcome == "ok", stable=ev.stable,
                     oom=ev.result.outcome == "oom", outcome=ev.outcome, reason=ev.reason,
                     verdict_kind=ev.verdict.kind if ev.verdict else "")

@@ -1,28 +1,20 @@
 """How far each candidate runs from what the hardware can do: achieved TFLOP/s and MFU.
 
-A speed-up over fp32 says nothing about the distance to the roofline. The fp32 reference counts
-its FLOPs per optimizer step once (``TrialResult.flops_per_step``: counted by torch's
-FlopCounterMode, or estimated as 6 x parameters x tokens, as ``flops_basis`` says); every
-candidate runs the same arithmetic per step, so its achieved TFLOP/s is that count over its
-median step time. Its MFU is that over the probed matmul peak of the dtype its matmuls run in
-(``probes.matmul_benchmark`` on this device: measured, not a datasheet figure), or fp32's where
-that dtype has no fast path here (it measured slower than fp32).
-
-Pure functions of plain numbers.
+The fp32 reference counts its FLOPs per optimizer step once, and every candidate runs the same
+arithmetic, so its TFLOP/s is that count over its median step time; its MFU is that over the
+probed matmul peak of the dtype its matmuls run in (measured here, not a datasheet figure).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from policies import mode_facts
 
 
 def compute_dtype(mode: str) -> str:
-    """The dtype a mode's matmuls run in, as the matmul benchmark names it: ``fp8`` for an FP8
-    mode, the autocast dtype for a mixed mode, the weights' for a pure one, ``tf32`` where TF32
-    is on, else ``fp32``."""
+    """The dtype a mode's matmuls run in, as the matmul benchmark names it."""
     facts = mode_facts(mode)
     if facts.fp8_library is not None:
         return "fp8"
@@ -35,16 +27,8 @@ def compute_dtype(mode: str) -> str:
 
 @dataclass(frozen=True)
 class Utilisation:
-    """One candidate's achieved throughput against the hardware's.
-
-    Attributes:
-        tflops: achieved TFLOP/s (the reference's FLOPs per step over this candidate's median
-            step time).
-        dtype: the dtype its matmuls run in (``compute_dtype``).
-        peak_tflops: the probed matmul peak for that dtype on this device; ``None`` when not
-            probed.
-        mfu: ``tflops / peak_tflops``; ``None`` without a peak.
-    """
+    """One candidate's achieved throughput against the hardware's; ``peak_tflops`` and ``mfu`` are
+    ``None`` where the dtype's peak was not probed."""
 
     tflops: float
     dtype: str
@@ -52,17 +36,14 @@ class Utilisation:
     mfu: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tflops": self.tflops, "dtype": self.dtype, "peak_tflops": self.peak_tflops, "mfu": self.mfu}
+        return asdict(self)
 
 
 def utilisation(flops_per_step: float | None, median_step_s: float | None, mode: str,
                 peaks: dict[str, float] | None) -> Utilisation | None:
-    """A candidate's achieved TFLOP/s and MFU; ``None`` without a FLOP count or a step time.
-
-    A dtype the benchmark did not measure (fp8 on a CPU, where it is emulation) has no peak,
-    and so no MFU: its TFLOP/s still shows. A dtype the benchmark measured slower than fp32 has
-    no fast path here, and is held to fp32's rate (``dtype`` then says ``fp32``).
-    """
+    """A candidate's achieved TFLOP/s and MFU; ``None`` without a FLOP count or a step time. A
+    dtype the benchmark did not measure has no MFU; one it measured slower than fp32 is held to
+    fp32's rate (``dtype`` then says ``fp32``)."""
     if not flops_per_step or not median_step_s or flops_per_step <= 0 or median_step_s <= 0:
         return None
     tflops = flops_per_step / median_step_s / 1e12

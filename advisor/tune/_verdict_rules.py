@@ -1,8 +1,6 @@
 """The stability rules: named checks over a ``CurveComparison``, run in order, first failure wins.
 
-Each check returns ``None`` when it passes, or the ``Verdict`` of its failure with a reason that
-says, with numbers, what went wrong and what to do. The order puts a cause before its symptoms
-(docs/stability.md, "What is checked, in order"). Pure: no torch, no files, no clocks.
+The order puts a cause before its symptoms (docs/stability.md, "What is checked, in order").
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from collections.abc import Callable
 from advisor.tune import _spread
 from advisor.tune._comparison import CurveComparison, first_nonfinite, nonfinite_tail
 from advisor.tune._curves import Verdict
+from advisor.tune._spread import pct
 
 
 def _reference_finite(c: CurveComparison) -> Verdict | None:
@@ -22,8 +21,7 @@ def _reference_finite(c: CurveComparison) -> Verdict | None:
     if bad is None:
         return None
     return Verdict(
-        False,
-        "reference_not_finite",
+        False, "reference_not_finite",
         f"no verdict possible: the {c.ref_name} reference itself reached a "
         f"{_describe(reference.losses[bad])} loss at step {bad + 1} of {len(reference)}, "
         "so the script diverges even in full precision; lower the learning rate or fix the "
@@ -40,8 +38,7 @@ def _candidate_finite(c: CurveComparison) -> Verdict | None:
         return None
     applied = " on a step the optimizer applied" if any(candidate.skipped) else ""
     return Verdict(
-        False,
-        "diverged",
+        False, "diverged",
         f"{c.name} diverged: loss became {_describe(candidate.losses[bad])} at step {bad + 1} "
         f"of {len(candidate)}{applied}; {c.advice('diverged')}",
         {"first_nonfinite_step": bad + 1, "steps": len(candidate)},
@@ -53,8 +50,7 @@ def _enough_steps(c: CurveComparison) -> Verdict | None:
     if c.n >= c.t.min_steps:
         return None
     return Verdict(
-        False,
-        "too_short",
+        False, "too_short",
         f"too few steps to judge {c.name}: {c.n} steps compared, need at least {c.t.min_steps}; "
         "run the trial longer (a few hundred optimizer steps give a clear verdict)",
         {"steps": c.n},
@@ -69,8 +65,7 @@ def _finite_tail(c: CurveComparison) -> Verdict | None:
         return None
     c.metrics["first_nonfinite_step"] = tail_bad + 1
     return Verdict(
-        False,
-        "diverged",
+        False, "diverged",
         f"{c.name} diverged: loss stayed {_describe(losses[-1])} from step {tail_bad + 1} "
         f"to the end ({c.n} steps), every one skipped by the scaler; "
         f"{c.advice('diverged')}",
@@ -84,8 +79,7 @@ def _scale_collapse(c: CurveComparison) -> Verdict | None:
     if not s.scales or min(s.scales) >= t.min_loss_scale:
         return None
     return Verdict(
-        False,
-        "scale_collapse",
+        False, "scale_collapse",
         f"{c.name}'s loss scale collapsed to {_format_scale(min(s.scales))}, below the limit of "
         f"{_format_scale(t.min_loss_scale)}, with {s.skips} of {s.judged_steps} steps skipped "
         f"after the first {s.calibration}: gradients overflow fp16 even unscaled; "
@@ -101,30 +95,27 @@ def _persistent_skips(c: CurveComparison) -> Verdict | None:
         return None
     scale_note = f"; the loss scale fell to {_format_scale(min(s.scales))}" if s.scales else ""
     return Verdict(
-        False,
-        "skips",
-        f"{c.name} skipped {_pct(s.skip_fraction)} of steps after the first {s.calibration} "
-        f"({s.skips} of {s.judged_steps}; limit {_pct(t.max_skip_fraction)}{scale_note}): "
+        False, "skips",
+        f"{c.name} skipped {pct(s.skip_fraction)} of steps after the first {s.calibration} "
+        f"({s.skips} of {s.judged_steps}; limit {pct(t.max_skip_fraction)}{scale_note}): "
         f"{c.advice('skips')}",
         c.metrics,
     )
 
 
 def _gradient_underflow(c: CurveComparison) -> Verdict | None:
-    """On average more than ``max_underflow_fraction`` of sampled gradient values lost to fp16
-    underflow (flushed to zero already, or below fp16's smallest subnormal once scaled)."""
+    """On average more than ``max_underflow_fraction`` of sampled gradient values lost to fp16 underflow."""
     s, t, metrics = c.scaler, c.t, c.metrics
     if not (s.underflow and metrics["mean_underflow"] > t.max_underflow_fraction):
         return None
     scale_note = f" (lowest loss scale {_format_scale(min(s.scales))})" if s.scales else ""
     return Verdict(
-        False,
-        "underflow",
-        f"{c.name} loses gradients to underflow: on average {_pct(metrics['mean_underflow'])} "
-        f"of sampled gradient values (up to {_pct(metrics['max_underflow'])} on one step) "
+        False, "underflow",
+        f"{c.name} loses gradients to underflow: on average {pct(metrics['mean_underflow'])} "
+        f"of sampled gradient values (up to {pct(metrics['max_underflow'])} on one step) "
         f"were flushed to zero or fall below fp16's smallest subnormal (2^-24) once scaled, "
         f"where an fp16 backward flushes them, limit "
-        f"{_pct(t.max_underflow_fraction)}{scale_note}; {c.advice('underflow')}",
+        f"{pct(t.max_underflow_fraction)}{scale_note}; {c.advice('underflow')}",
         metrics,
     )
 
@@ -135,10 +126,9 @@ def _climb(c: CurveComparison) -> Verdict | None:
     if not (lv.cand_rise_rel > t.climb_margin and -lv.ref_drop_rel <= t.climb_margin):
         return None
     return Verdict(
-        False,
-        "diverged",
+        False, "diverged",
         f"{c.name} diverged: its smoothed loss rose {_fmt(lv.c_start)} -> {_fmt(lv.c_end)} "
-        f"(+{_pct(lv.cand_rise_rel)}, limit +{_pct(t.climb_margin)}) over {c.n} steps against "
+        f"(+{pct(lv.cand_rise_rel)}, limit +{pct(t.climb_margin)}) over {c.n} steps against "
         f"{_ref_curve(c)}; {c.advice('climbed')}",
         c.metrics,
     )
@@ -158,12 +148,11 @@ def _progress(c: CurveComparison) -> Verdict | None:
         how = f"its smoothed loss did not fall ({_fmt(lv.c_start)} -> {_fmt(lv.c_end)})"
     else:
         how = (
-            f"its smoothed loss fell {_pct(progress)} as far as {c.ref_name}'s "
+            f"its smoothed loss fell {pct(progress)} as far as {c.ref_name}'s "
             f"({_fmt(lv.c_start)} -> {_fmt(lv.c_end)})"
         )
     return Verdict(
-        False,
-        "stalled",
+        False, "stalled",
         f"{c.name} stalled: {how} against {_ref_curve(c)} over {c.n} steps "
         f"({c.limits.describe('progress')}); {c.advice('stalled')}",
         c.metrics,
@@ -177,8 +166,7 @@ def _final_gap(c: CurveComparison) -> Verdict | None:
     if gap <= c.limits.final_gap:
         return None
     return Verdict(
-        False,
-        "stalled",
+        False, "stalled",
         f"{c.name} fell behind {c.ref_name}: {_flat_note(c)}its smoothed final loss is "
         f"{_fmt(c.levels.c_end)} against {_fmt(c.levels.r_end)} after {c.n} steps "
         f"({_higher(gap)}, {c.limits.describe('final')}); {c.advice('stalled')}",
@@ -190,14 +178,14 @@ def stable_verdict(c: CurveComparison) -> Verdict:
     """Every check passed: the ``ok`` verdict, with the numbers that show it."""
     gap, s = c.final_gap, c.scaler
     final = (
-        f"final loss {_pct(abs(gap))} {'higher' if gap > 0 else 'lower'} than {c.ref_name}'s "
+        f"final loss {pct(abs(gap))} {'higher' if gap > 0 else 'lower'} than {c.ref_name}'s "
         f"({c.limits.describe('final', ' higher')})"
     )
     if c.reference_flat:
         pace = f"{_flat_note(c)}{final}"
     else:
         pace = (
-            f"its loss fell {_pct(c.metrics['progress_ratio'])} as far as {c.ref_name}'s "
+            f"its loss fell {pct(c.metrics['progress_ratio'])} as far as {c.ref_name}'s "
             f"({c.limits.describe('progress')}), {final}"
         )
     scaler_note = (
@@ -210,11 +198,9 @@ def stable_verdict(c: CurveComparison) -> Verdict:
 
 
 def _bending_note(c: CurveComparison) -> str:
-    """A stable candidate whose gap above fp32 grew by half again or more over the second half
-    of the window, to over a quarter of its limit, is bending away (a gap that grows with every
-    step, as a stall's does, doubles from the middle to the end; an offset or a levelling one
-    does not): the window is short to tell whether it levels off. The clause that says so, or
-    nothing."""
+    """The clause for a stable candidate whose gap above fp32 grew by half again or more over
+    the second half of the window, to over a quarter of its limit (a stall's gap doubles from the
+    middle to the end; an offset does not): the window is too short to tell; else nothing."""
     gap, half = c.final_gap, c.n // 2
     if gap <= 0.25 * c.limits.final_gap or half < 2 * c.window:
         return ""
@@ -228,25 +214,14 @@ def _bending_note(c: CurveComparison) -> str:
     c.metrics["bending_away"] = True
     c.metrics["mid_gap"] = mid_gap
     return (f"; the window is short for this workload: its loss is moving away from {c.ref_name}'s "
-            f"({_pct(mid_gap)} above it at step {half}, {_pct(gap)} at step {c.n}); a longer trial "
+            f"({pct(mid_gap)} above it at step {half}, {pct(gap)} at step {c.n}); a longer trial "
             f"(--steps {2 * c.n}) shows whether it levels off")
 
 
 STABILITY_CHECKS: tuple[Callable[[CurveComparison], Verdict | None], ...] = (
-    _reference_finite,
-    _candidate_finite,
-    _enough_steps,
-    _finite_tail,
-    _scale_collapse,
-    _persistent_skips,
-    _gradient_underflow,
-    _climb,
-    _progress,
-    _final_gap,
+    _reference_finite, _candidate_finite, _enough_steps, _finite_tail, _scale_collapse, _persistent_skips,
+    _gradient_underflow, _climb, _progress, _final_gap,
 )
-"""The checks ``judge`` runs, in order; the first that returns a Verdict gives it. The order puts
-the cause before its symptoms: an fp16 run that skips a third of its steps also falls behind,
-but the skips are what a user can act on (docs/stability.md, "What is checked, in order")."""
 
 
 def _ref_curve(c: CurveComparison) -> str:
@@ -278,12 +253,8 @@ def _fmt(value: float) -> str:
 def _higher(gap: float) -> str:
     """``"8.0% higher"``; a loss floor, ``"14,205 times as high"``, reads better as a factor."""
     if gap < 1:
-        return f"{_pct(gap)} higher"
+        return f"{pct(gap)} higher"
     return f"{1 + gap:,.0f} times as high" if gap >= 9 else f"{1 + gap:.1f} times as high"
-
-
-def _pct(fraction: float) -> str:
-    return f"{fraction:.0%}" if abs(fraction) >= 0.1 else f"{fraction:.1%}"
 
 
 def _format_scale(scale: float) -> str:

@@ -1,15 +1,9 @@
 """``python -m advisor.tune.job REQUEST.json RESULT.json``: one tune of a script, in a process
-of its own (how the daemon runs a queued job).
+of its own (how the daemon runs a queued job), exactly as ``mpadvise tune`` runs it.
 
-``REQUEST.json`` holds a :class:`~advisor.tune.TuneRequest` (``TuneRequest.to_dict()``: the
-script, its arguments, the tune options and how its trials start). The tune runs through
-:func:`~advisor.tune.tune_script`, exactly as ``mpadvise tune`` runs it: the same study, config
-file and cache entry. Its result (``ScriptTune.to_dict()``, what ``mpadvise tune --json``
-prints) is written to ``RESULT.json``, whole or not at all, only when the tune answered.
-
-Progress goes to stderr, one line per trial (``  bf16-mixed: ok, this run 1.83x the fp32
-reference run``: one run's ratio, not the tune's speed-up), and an error as one ``error: ...``
-line. Nothing is read from stdout, which the script's own prints may use.
+``REQUEST.json`` holds ``TuneRequest.to_dict()``; the result (``ScriptTune.to_dict()``) is written
+to ``RESULT.json`` whole, and only when the tune answered. Progress goes to stderr, one line per
+trial, and an error as one ``error: ...`` line; stdout is left to the script's own prints.
 
 Exit codes: 0 a stable policy was found, 3 none was, 1 an error (2 a usage error), 130
 interrupted; the result file exists only after 0 or 3.
@@ -33,7 +27,6 @@ USAGE = "usage: python -m advisor.tune.job REQUEST.json RESULT.json"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the tune a request file asks for and write its result file; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if len(args) != 2:
@@ -51,9 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def read_request(path: Path) -> TuneRequest:
-    """The request in a request file.
-
-    Raises:
+    """Raises:
         MpadviseError: the file cannot be read, is not JSON, or is not a tune request.
     """
     try:
@@ -66,7 +57,6 @@ def read_request(path: Path) -> TuneRequest:
 
 
 def write_result(path: Path, result: dict[str, Any]) -> None:
-    """Write the result file whole (a new private file, renamed into place), or not at all."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with os.fdopen(open_private_new(tmp), "w", encoding="utf-8") as out:
@@ -79,7 +69,6 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
 
 @contextmanager
 def progress_lines(total: int) -> Iterator[ProgressCallbacks]:
-    """Progress as plain lines on stderr: one per finished trial, one per round of re-measurement."""
 
     def on_done(label: str, ev: Any, m: Any) -> None:
         # One run's ratio, named so: the tune's speed-up is its paired figure, decided at the end.

@@ -96,7 +96,7 @@ def test_measure_spread_needs_a_finite_replicate_as_long_as_the_comparison() -> 
     reference = [1.0 - 0.01 * i for i in range(STEPS)]
     replicate = [1.1 - 0.01 * i for i in range(STEPS + 5)]
     spread = measure_spread(reference, replicate, 5)
-    assert spread is not None and spread.end_gap == pytest.approx(0.1)
+    assert spread is not None and abs(spread.replicate_end - spread.reference_end) == pytest.approx(0.1)
     assert measure_spread(reference, replicate[:30], 5) is None
     assert measure_spread(reference, replicate[:10] + [math.nan] + replicate[11:], 5) is None
 

@@ -78,11 +78,6 @@ def test_invalid_input_names_the_problem(times: list[object], warmup: int, match
         summarize(times, warmup)  # type: ignore[arg-type]
 
 
-def test_summary_round_trips() -> None:
-    summary = summarize([1.0, 2.0, 3.0, 4.0, 5.0], warmup=1)
-    assert TimingSummary.from_dict(summary.to_dict()) == summary
-
-
 # --- compare -------------------------------------------------------------------------------
 
 
@@ -134,10 +129,8 @@ def test_band_edges_are_symmetric() -> None:
     assert compare(b, just_outside).verdict == "slower"
 
 
-def test_compare_rejects_bad_margin_and_zero_median() -> None:
+def test_compare_rejects_zero_median() -> None:
     a = summarize([1.0, 1.0], warmup=0)
-    with pytest.raises(ValueError, match="min_margin"):
-        compare(a, a, min_margin=-0.1)
     zero = summarize([0.0, 0.0], warmup=0)
     with pytest.raises(ValueError, match="b.median"):
         compare(a, zero)
@@ -169,10 +162,7 @@ def test_goodput_ignores_skips_in_warmup_and_calibration() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"samples_per_step": 0}, "samples_per_step"),
-        ({"samples_per_step": 2.5}, "samples_per_step"),
         ({"skipped": [False] * 4}, "skipped has 4 entries but step_times has 5"),
-        ({"calibration_steps": -1}, "calibration_steps"),
         ({"warmup": 5}, "warmup discards 5"),
     ],
 )
@@ -251,8 +241,6 @@ def test_fewer_than_two_pairs_give_no_interval() -> None:
         ({"a": [1.0, 2.0], "b": [1.0]}, "a has 2 runs but b has 1"),
         ({"a": [1.0, 0.0], "b": [1.0, 1.0]}, r"a\[1\] must be a goodput > 0"),
         ({"a": [1.0, 1.0], "b": [1.0, math.nan]}, r"b\[1\] must be a goodput > 0"),
-        ({"confidence": 1.0}, "confidence must be between 0 and 1"),
-        ({"min_margin": -0.01}, "min_margin must be a number >= 0"),
     ],
 )
 def test_paired_gap_validation(kwargs: dict[str, object], match: str) -> None:
