@@ -50,13 +50,17 @@ class Recommendations(RecommendationTransfer):
 
     @guarded
     def clear(self, older_than: datetime.timedelta | None = None) -> int:
-        """Delete recommendations (all, or those created longer ago than ``older_than``) and
-        their trials; hardware profiles and jobs are kept. Returns how many."""
+        """Delete recommendations (all, or those created longer ago than ``older_than``) with their
+        trials, and the guard's events of the same age; hardware profiles and jobs are kept.
+        Returns how many recommendations went."""
         with self._write() as db:
-            if older_than is None:
-                return delete_recommendations(db, "1", [])
-            cutoff = datetime.datetime.now(datetime.timezone.utc) - older_than
-            return delete_recommendations(db, "created_at < ?", [cutoff.isoformat(timespec="microseconds")])
+            where, params = "1", []
+            if older_than is not None:
+                cutoff = datetime.datetime.now(datetime.timezone.utc) - older_than
+                where, params = "created_at < ?", [cutoff.isoformat(timespec="microseconds")]
+            if db["guard_events"].exists():
+                db.execute(f"DELETE FROM guard_events WHERE {where}", params)
+            return delete_recommendations(db, where, params)
 
     @guarded
     def get(self, recommendation_id: int) -> Record | None:

@@ -287,6 +287,8 @@ def render_answer(tune: dict[str, Any], console: Console) -> None:
     note = machine_note(tune, rows)
     if note:
         line(note, "yellow")
+    for late in tune.get("late") or []:
+        line(f"not run: {late['mode']}, {late['reason']}", "yellow")
     if tune.get("winner") is None:
         line("next: mpadvise tune --verbose shows why each one failed")
         return

@@ -375,6 +375,8 @@ def _print_search(tune: dict[str, Any], console: Console) -> None:
     if pruned:
         console.print(f"pruned (not run): {len(pruned)} proposals the priors ruled out; --no-priors runs them",
                       highlight=False)
+    for late in tune.get("late") or []:
+        console.print(f"not run: {late['mode']}, {late['reason']}", highlight=False, markup=False)
     finalists = tune.get("finalists") or []
     rounds = tune.get("remeasure_rounds")
     if len(finalists) > 1:

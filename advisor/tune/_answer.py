@@ -105,6 +105,7 @@ class TuneResult:
     peak_tflops: dict[str, float] = field(default_factory=dict)  # probed matmul TFLOP/s per dtype
     cost: TuneCost | None = None  # what the tune's trials cost, against one measured window
     round_bounds: tuple[int, int] = (REMEASURE_MAX_ROUNDS, REMEASURE_LEANING_ROUNDS)  # the timing's round bounds
+    late: dict[str, str] = field(default_factory=dict)  # modes a long run's guard found unstable: not run
 
     def utilisation(self, cand: Candidate) -> Utilisation | None:
         ev = self.evaluations.get(cand)
@@ -188,6 +189,7 @@ class TuneResult:
             "flops_basis": self.reference.result.flops_basis,
             "peak_tflops": dict(self.peak_tflops),
             "cost": None if self.cost is None else self.cost.to_dict(),
+            "late": [{"mode": mode, "outcome": "unstable", "reason": reason} for mode, reason in self.late.items()],
         }
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from advisor.tune._answer import Speedup, TuneCost, TuneResult, answer
@@ -38,13 +39,15 @@ def tune_policy(
     on_done: Callable[[str, Evaluation | None, Measured], None] | None = None,
     clock: Callable[[], float] | None = None, limits: SpaceLimits | None = None,
     on_round: Callable[[int, int, int], None] | None = None, timing: Timing | None = None,
+    late: Mapping[str, str] | None = None,
 ) -> TuneResult:
     """Find the fastest stable policy for the workload that ``runner`` runs.
 
     The runner has the measuring window already; a ``Perturbable`` one also runs fp32's replicate.
     ``dtype_ratio`` is measured on the device when ``None``; ``remeasure`` re-measures close
     candidates side by side before declaring a winner; ``on_round`` gets each round's number (from
-    1), the most rounds there can be, and its runs.
+    1), the most rounds there can be, and its runs. ``late`` maps the modes a long run's guard
+    found unstable to their verdict: they are not run, and a stored study's runs of them lose.
 
     Raises:
         MpadviseError: the fp32 reference failed, so nothing can be judged.
@@ -58,7 +61,9 @@ def tune_policy(
                     options.memory_limit_bytes, on_start, on_done)
     fp32 = trials.run_reference(deadline=None if options.time_budget is None else start + options.time_budget,
                                 clock=clock).result
-    planned = plan(profile, options, fp32, limits=limits, dtype_ratio=dtype_ratio, peak_tflops=peak_tflops)
+    late = dict(late or {})
+    planned = plan(profile, options, fp32, limits=limits, dtype_ratio=dtype_ratio, peak_tflops=peak_tflops,
+                   late=late)
     ref_measured = trials.record(planned.ref_cand, Policy(mode="fp32"), fp32)
     # A stored study's verdicts hold for the workload its reference ran: one whose model,
     # optimizer or batch changed since (an environment variable, a config file) starts afresh.
@@ -75,6 +80,11 @@ def tune_policy(
         dtype_ratio=planned.ratios, study_name=study_name, known={planned.ref_cand: ref_measured}, clock=clock,
         replicate=trials.replicate_record, hardware=hardware_fingerprint(profile), workload=workload_facts,
     )
+
+    for cand, m in list(search.measured.items()):  # a resumed study's runs of a mode found unstable late
+        if cand.mode in late:
+            search.measured[cand] = replace(m, stable=False, outcome="unstable", reason=late[cand.mode],
+                                            verdict_kind="late")
 
     def out_of_time() -> bool:  # the search's budget bounds re-measurement too
         return options.time_budget is not None and clock() - search_start >= options.time_budget
@@ -96,4 +106,5 @@ def tune_policy(
         cost=TuneCost.of(timing.watch.ran, clock() - start, fp32),
         round_bounds=(getattr(timing, "max_rounds", REMEASURE_MAX_ROUNDS),
                       getattr(timing, "leaning_rounds", REMEASURE_LEANING_ROUNDS)),
+        late=late,
     )

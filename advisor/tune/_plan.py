@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import probes
 from advisor.trial import TrialResult
@@ -36,12 +38,14 @@ class Plan:
 
 def plan(profile: HardwareProfile, options: TuneOptions, reference: TrialResult, *,
          limits: SpaceLimits | None = None, dtype_ratio: dict[str, float] | None = None,
-         peak_tflops: dict[str, float] | None = None) -> Plan:
+         peak_tflops: dict[str, float] | None = None, late: Mapping[str, str] | None = None) -> Plan:
     """The tune's plan once its fp32 ``reference`` has run; ``dtype_ratio`` (with ``peak_tflops``)
-    is measured on the device when ``None``."""
+    is measured on the device when ``None``; ``late``'s modes (``late_unstable``) are not run."""
     user_batch = reference.user_batch
     support = supported_modes(profile)
     modes = check_modes(list(options.modes), profile) if options.modes else None  # unknown or unsupported: one clear error
+    if late:
+        modes = [m for m in (modes or support) if m not in late]
     space = space_for(support, user_batch, include_emulated=options.include_emulated,
                       scale_batch=options.scale_batch, modes=modes, limits=limits, fsdp=reference.fsdp)
     probed = False
@@ -60,6 +64,20 @@ def plan(profile: HardwareProfile, options: TuneOptions, reference: TrialResult,
     first = [ref_cand] + [space.normalise(Candidate(m, space.user_batch))
                           for m in sorted(space.modes, key=lambda m: (m != default_mode, safety_rank(m)))]
     return Plan(space, ref_cand, first, ratios, peaks, probed)
+
+
+def late_unstable(events: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """The modes a long run found unstable after its trial's window, from the guard's events for
+    this hardware and script (newest first), each with its verdict: ``unstable late (step N)``.
+    fp32 is the reference, never one of them."""
+    late: dict[str, str] = {}
+    for event in events:
+        mode = str(event.get("policy") or "")
+        if mode and mode != "fp32" and mode not in late:
+            when = f" on {str(event['created_at'])[:10]}" if event.get("created_at") else ""
+            late[mode] = (f"unstable late (step {event.get('step')}): the guard saw {event.get('signal')} under "
+                          f"{mode} in a run{when}; mpadvise cache clear forgets it")
+    return late
 
 
 def measure_matmul(profile: HardwareProfile) -> tuple[dict[str, float], dict[str, float]]:

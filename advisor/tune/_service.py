@@ -22,13 +22,14 @@ import probes
 from advisor._log import get_logger
 from advisor._paths import cache_dir, config_path_for
 from advisor._secure import ensure_private_dir, ensure_private_file, open_private_new
-from advisor.cache import record_tune
+from advisor.cache import guard_events_for, record_tune
 from advisor.runtime import script_digest
 from advisor.trial import WarmLauncher
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._engine import TuneResult, tune_policy
 from advisor.tune._kept import StoredAnswer, answer_key, store_answer, stored_answer
 from advisor.tune._options import TuneOptions
+from advisor.tune._plan import late_unstable
 from advisor.tune._space import SpaceLimits
 from advisor.tune._stability import StabilityThresholds
 from advisor.tune._storage import shared_storage, shown_url
@@ -196,7 +197,10 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
     check_judgeable_window(options)
     fingerprint = hardware_fingerprint(profile)
     study_name = study_name_for(path, list(request.args), fingerprint, processes=options.nproc_per_node)
-    key = answer_key(options, profile)
+    # A mode a long run's guard found unstable is not tuned again, and an answer kept before that
+    # run no longer holds.
+    late = late_unstable(guard_events_for(profile, path))
+    key = {**answer_key(options, profile), "late": sorted(late)} if late else answer_key(options, profile)
     if not (options.fresh or options.resume):
         kept = stored_answer(options.storage, study_name, key)
         if kept is not None:
@@ -217,7 +221,7 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
     silent = (lambda *a: None,) * 3
     with (progress or (lambda total: nullcontext(silent)))(options.trials + 2) as (on_start, on_done, on_round):
         result = tune_policy(runner, profile, options, study_name=study_name, workload={"script": str(path)},
-                             on_start=on_start, on_done=on_done, on_round=on_round, limits=launch.limits)
+                             on_start=on_start, on_done=on_done, on_round=on_round, limits=launch.limits, late=late)
     config_file, cache_id = keep_answer(result, options, profile, path, request.args, framework=launch.framework)
     done = ScriptTune(result, request, profile, study_name, config_file, cache_id, calls_load_policy(path))
     config_text = None

@@ -28,7 +28,7 @@ TUNE_JSON_KEYS = {
     "trials_run", "trials_resumed", "stop_reason", "matmul_ratio_vs_fp32", "finalists", "remeasure_rounds",
     "remeasure_max_rounds", "remeasure_leaning_rounds", "remeasure_stop", "reference_rounds", "time_budget", "gap", "dropped_finalists",
     "pruned", "reference", "replicate", "candidates", "wall_s", "window_note", "measure_steps", "extended_window", "disturbed",
-    "flops_per_step", "flops_basis", "peak_tflops", "cost",
+    "flops_per_step", "flops_basis", "peak_tflops", "cost", "late",
     "script", "args", "framework", "calls_load_policy", "config_file", "cache_id", "storage", "study_name",
     "hardware",
 }
