@@ -5,8 +5,8 @@ Two models, built alike from one seed, train on the same data; each round times 
 steps of one and then of the other, alternating which goes first, so that the machine's pace
 hits both alike. The table gives, per mode, the median step time of each and the median over
 rounds of the per-round ratio (guard on / off), with its quartiles. The guard reads the loss
-value once per optimizer step (the one sync the loss value needs) and, under a GradScaler, its
-scale; the aim is at most 1% of the step.
+value once per optimizer step (the one sync the loss value needs), and a GradScaler's scale only
+on a skipped step; the aim is at most 1% of the step.
 
     .venv/bin/python scripts/bench_guard_overhead.py [--rounds 21] [--steps 30] [--modes fp32 fp16-mixed]
 """
