@@ -87,6 +87,26 @@ class Fp8Torchao(Fp8Mode):
             self.notes.append(f"{self.name}: emulated on CPU (FP8 numerics, no speedup)")
         return module
 
+    def revert_module(self, module: Any) -> int:
+        """Put back an ``nn.Linear`` for each ``Float8Linear`` in ``module``, holding the very same
+        Parameters (so the optimizer trains them on); the guard's fallback to bf16-mixed in place.
+        Returns how many."""
+        import torch
+
+        import_torchao_float8()
+        from torchao.float8.float8_linear import Float8Linear
+
+        swapped = 0
+        for parent in list(module.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Float8Linear):
+                    linear = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                             device="meta")
+                    linear.weight, linear.bias = child.weight, child.bias
+                    setattr(parent, name, linear)
+                    swapped += 1
+        return swapped
+
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         import torch
 

@@ -63,15 +63,19 @@ def fall_back(applied: AppliedPolicy, why: str, why_args: tuple[str, ...] | None
 
 def guard_tripped(applied: AppliedPolicy, signal: str, onset: int, detail: str) -> None:
     """Act on a tripped guard: warn once, or move in place to ``guard_fallback``'s policy.
-    FP8 layers cannot be taken back in place: there the event asks for a restart."""
+    torchao's FP8 layers are put back as Linears; Transformer Engine's hold Parameters of their
+    own, which the optimizer does not, so there the event asks for a restart."""
     guard, old = applied.guard, applied.policy.mode
     target = guard_fallback(applied.policy, applied.profile)
     action = "warned"
+    in_place = mode_facts(old).fp8_library is None or hasattr(applied._mode, "revert_module")
     if guard.setting == "fallback" and target is not None:
-        action = "fell back" if mode_facts(old).fp8_library is None else "restart needed"
+        action = "fell back" if in_place else "restart needed"
     event = GuardEvent(signal, onset, applied.optimizer_steps, old, None if target is None else target.mode,
                        action, detail)
     if action == "fell back" and target is not None:
+        if applied.model is not None and mode_facts(old).fp8_library is not None:
+            applied._mode.revert_module(applied.model)
         if applied.model is not None and mode_facts(old).weights != "fp32":
             upcast_in_place(applied.model, applied.optimizer)
         switch_to(applied, target, f"{target.mode}, the guard's fallback from {old} ({signal})")

@@ -147,3 +147,31 @@ def test_the_guard_reads_the_loss_scale_only_on_a_skipped_step(monkeypatch):
             loss = model(torch.randn(8, 4)).float().pow(2).mean() * (math.inf if step in (3, 7) else 1.0)
         mp.step(loss, optimizer)
     assert 2 <= mp.skipped_steps < 12 and len(reads) == mp.skipped_steps and mp.guard.events == []
+
+
+def test_fp8_torchao_falls_back_to_bf16_mixed_in_place_keeping_the_optimizers_parameters(monkeypatch):
+    from torchao.float8.float8_linear import Float8Linear
+
+    monkeypatch.delenv("MPADVISE_POLICY", raising=False)
+    mp = advisor.load_policy(Policy(mode="fp8-torchao"), device="cpu", guard="fallback")
+    mp.on_guard_event = None
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    model, optimizer = mp.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    assert any(isinstance(m, Float8Linear) for m in model.modules())
+    held = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    x, y = torch.randn(32, 64), torch.randn(32, 16)
+    for step in range(6):
+        with mp.autocast():
+            loss = (model(x).float() - y).pow(2).mean() * (math.nan if step == 2 else 1.0)
+        mp.step(loss, optimizer)
+    (event,) = mp.guard.events
+    assert (event.signal, event.policy, event.fallback, event.action) == ("non-finite loss", "fp8-torchao",
+                                                                          "bf16-mixed", "fell back")
+    assert mp.mode == "bf16-mixed" and not any(isinstance(m, Float8Linear) for m in model.modules())
+    assert [id(p) for p in model.parameters()] == held  # the optimizer still trains the model's weights
+    before = model[0].weight.detach().clone()
+    with mp.autocast():
+        loss = (model(x).float() - y).pow(2).mean()
+    mp.step(loss, optimizer)
+    assert math.isfinite(float(loss)) and not torch.equal(before, model[0].weight)
