@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import probes
 from advisor._log import get_logger
 from advisor.frameworks._torch_hooks import Steps, wrap_backward
 from advisor.runtime import (
@@ -31,7 +32,7 @@ from policies import Policy
 
 
 class RunGuard:
-    """Watches the plain script's optimizer steps; warns once and records the event.
+    """Watches a framework or plain script's optimizer steps; warns once and records the event.
 
     Args:
         policy: the policy the run applies.
@@ -40,8 +41,6 @@ class RunGuard:
 
     def __init__(self, policy: Policy, setting: str) -> None:
         self.policy = policy
-        import probes
-
         self.guard = Guard(setting, GuardLimits.from_thresholds(StabilityThresholds()),
                            trend=guard_fallback(policy, probes.profile_for(None)) is not None)
         self.optimizer_steps = 0
@@ -49,8 +48,9 @@ class RunGuard:
     def step(self, loss: Any, scale: float | None, skipped: bool) -> None:
         """One optimizer step's facts: its loss (a tensor), the scale after it, a skip."""
         self.optimizer_steps += 1
-        if self.optimizer_steps == 1 and self.guard.trend_on:
-            self.guard.trend.reference = list(_reference())
+        if self.optimizer_steps == 1 and self.guard.trend_on:  # by now argv is the script's own
+            self.guard.reference = _reference()
+            self.guard.trend.reference = list(self.guard.reference)
         if self.guard.tripped:
             return
         value = float(loss)  # the loss value's one sync
@@ -59,7 +59,6 @@ class RunGuard:
             self._trip(*tripped)
 
     def _trip(self, signal: str, onset: int, detail: str) -> None:
-        import probes
         from advisor.cache import record_guard_event
 
         profile = probes.profile_for(None)
@@ -77,7 +76,6 @@ class RunGuard:
 def _reference() -> tuple[float, ...]:
     """fp32's loss per optimizer step in the newest tune of this script with these arguments
     (by now the script runs, and argv is its own), or nothing."""
-    import probes
     from advisor.cache import cached_answers
 
     args = tuple(sys.argv[1:])
