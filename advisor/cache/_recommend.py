@@ -1,7 +1,9 @@
-"""Tuned answers in the cache: record a tune's winner, find it again, tell when it no longer holds.
+"""Tuned answers in the cache: record a tune's winner, find it again, tell when it no longer
+holds; and what the runtime guard saw in long runs.
 
 A lookup never raises for cache trouble: a missing, damaged, locked or read-only cache costs at
-most one warning and the run continues with the next source.
+most one warning and the run continues with the next source. The store is imported on first
+use, so that ``load_policy()`` pays for sqlite-utils only when a cache exists.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from advisor._log import get_logger
 from advisor._paths import database_path
 from advisor.cache._base import nothing_cached_yet
-from advisor.cache._records import TRIAL_FIELDS
+from advisor.cache._records import _trials
 from policies import (
     HardwareMismatch,
     Policy,
@@ -57,11 +59,7 @@ def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.Pa
     Returns the new recommendation's id, or ``None`` when there is no usable cache (after one
     warning); raises MpadviseError for a field of the wrong type or shape.
     """
-    for index, trial in enumerate(trials):
-        unknown = sorted(set(trial) - set(TRIAL_FIELDS))
-        if unknown:
-            raise MpadviseError(f"record_tune: trials[{index}] has key {unknown[0]!r}; allowed keys are "
-                                f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')")
+    _trials("trials", list(trials))  # checked before any cache is opened: a wrong field is a bug
     script_path = str(Path(script).resolve())
     fingerprint = hardware_fingerprint(profile)
     earlier = policy.tuned_on or TunedOn()
@@ -129,16 +127,8 @@ def cached_answers(profile: HardwareProfile, script: str | os.PathLike[str] | No
     be read, or whose mode no longer runs here, is skipped with one warning; a cache that does
     not exist yet is not created. Empty on a miss or any cache trouble.
     """
-    if script is None:
-        return []
-    from advisor.cache._store import open_store
-
     path = database_path()
-    if nothing_cached_yet(path):
-        # Opening would create the directory and the database file for a lookup that cannot
-        # hit; a plain training run should leave no files behind.
-        return []
-    store = open_store(path)
+    store = _existing_store(path, script)
     if store is None:
         return []
     try:
@@ -153,6 +143,54 @@ def cached_answers(profile: HardwareProfile, script: str | os.PathLike[str] | No
         return []
     answers = [_answer(row, profile, path) for row in rows]
     return [answer for answer in answers if answer is not None]
+
+
+def _existing_store(path: Path, script: object) -> Store | None:
+    """The cache for a reader, or ``None`` when there is no script, nothing is cached yet
+    (opening would create files for a lookup that cannot hit: a plain training run leaves
+    none behind), or it cannot be opened (one warning)."""
+    if script is None or nothing_cached_yet(path):
+        return None
+    from advisor.cache._store import open_store
+
+    return open_store(path)
+
+
+def record_guard_event(event: Mapping[str, Any], *, profile: HardwareProfile, workload_fp: str | None,
+                       script: str | os.PathLike[str] | None) -> bool:
+    """Write the runtime guard's ``event`` (plain data: ``GuardEvent.to_dict()``) to the cache
+    entry of this hardware, workload and script; returns whether it was stored.
+
+    A cache that cannot be written costs one warning, never the run.
+    """
+    from advisor.cache._store import open_store
+
+    path = database_path()
+    store = open_store(path)
+    if store is None:
+        return False
+    try:
+        with store:
+            store.put_guard_event(event, hardware_fp=hardware_fingerprint(profile), workload_fp=workload_fp,
+                                  script=None if script is None else str(Path(script).resolve()))
+    except (MpadviseError, OSError) as exc:
+        get_logger().warning(f"the guard could not record its event in {path}: {exc}")
+        return False
+    return True
+
+
+def guard_events_for(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
+    """This hardware's and script's guard events, newest first; empty on any cache trouble."""
+    path = database_path()
+    store = _existing_store(path, script)
+    if store is None:
+        return []
+    try:
+        with store:
+            return store.list_guard_events(hardware_fp=hardware_fingerprint(profile), script=str(Path(script).resolve()))
+    except (MpadviseError, OSError) as exc:
+        get_logger().warning(f"reading the guard's events in {path} failed: {exc}; continuing without them")
+        return []
 
 
 def _answer(row: dict[str, Any], profile: HardwareProfile, path: Path) -> TunedAnswer | None:

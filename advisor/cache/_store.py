@@ -16,17 +16,19 @@ import random
 import sqlite3
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import sqlite_utils
 
 from advisor._paths import database_path
 from advisor._secure import ensure_private_dir, ensure_private_file, open_private_new
-from advisor.cache._base import BUSY_TIMEOUT_S, error_kind, store_error
-from advisor.cache._event_rows import GuardEvents
+from advisor.cache._base import BUSY_TIMEOUT_S, error_kind, guarded, store_error
 from advisor.cache._jobs import JobQueue
 from advisor.cache._migrations import UnknownSchemaError, ensure_schema
 from advisor.cache._recommendations import Recommendations
+from advisor.cache._records import utc_now
 from probes import MpadviseError
 
 logger = logging.getLogger("mpadvise")
@@ -34,6 +36,9 @@ logger = logging.getLogger("mpadvise")
 _WAL_PATIENCE_S = 2.0
 
 _warned_no_cache: set[str] = set()
+
+EVENT_FIELDS = ("signal", "step", "tripped_at", "policy", "fallback", "action", "detail")
+"""The fields of one guard event, as the runtime's ``GuardEvent.to_dict()`` gives them."""
 
 
 def open_store(path: Path | str | None = None) -> Store | None:
@@ -73,7 +78,7 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
     return (status.st_dev, status.st_ino)
 
 
-class Store(Recommendations, JobQueue, GuardEvents):
+class Store(Recommendations, JobQueue):
     """The mpadvise cache database (default :func:`advisor._paths.database_path`): one SQLite
     connection, shared safely by threads.
 
@@ -103,6 +108,27 @@ class Store(Recommendations, JobQueue, GuardEvents):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @guarded
+    def put_guard_event(self, event: Mapping[str, Any], *, hardware_fp: str, workload_fp: str | None,
+                        script: str | None) -> int:
+        """Store one event of the runtime guard (fields: ``EVENT_FIELDS``); returns its id."""
+        if set(event) != set(EVENT_FIELDS):
+            raise MpadviseError(f"guard event: expected the fields {', '.join(EVENT_FIELDS)}, "
+                                f"got {', '.join(sorted(event))}")
+        row = {**event, "hardware_fp": hardware_fp, "workload_fp": workload_fp, "script": script,
+               "created_at": utc_now()}
+        with self._write() as db:
+            return int(db.table("guard_events").insert(row).last_pk)
+
+    @guarded
+    def list_guard_events(self, *, hardware_fp: str | None = None, script: str | None = None) -> list[dict[str, Any]]:
+        """The guard's stored events, newest first; only this hardware's and script's where given."""
+        given = {column: value for column, value in (("hardware_fp", hardware_fp), ("script", script))
+                 if value is not None}
+        where = " AND ".join(f"{column} = ?" for column in given) or "1"
+        return list(self.db.query(f"SELECT * FROM guard_events WHERE {where} ORDER BY created_at DESC, id DESC",
+                                  list(given.values())))
+
     def _open(self) -> None:
         try:
             self._db, self._identity = _connect_checked(self.path)
@@ -117,14 +143,33 @@ class Store(Recommendations, JobQueue, GuardEvents):
                                     f"({again.reason}); set MPADVISE_HOME to another directory") from None
 
     def _move_aside(self, reason: str, identity: tuple[int, int] | None, conn: sqlite3.Connection | None = None) -> None:
-        """Rename a damaged or foreign database (and its WAL files) out of the way.
+        """Rename a damaged or foreign database (with its -wal and -shm) to
+        ``<name>.corrupt-<timestamp>``.
 
         The files are renamed while the connection that found the problem is still open, and
         only then closed: on close SQLite checkpoints and deletes the -wal by its old name,
         which by then no longer exists, so the moved copy keeps its WAL.
         """
+        path = self.path
         try:
-            _rename_aside(self.path, reason, identity)
+            current = _file_identity(path)
+            if identity is not None and current != identity:
+                return  # another process found the same damage and has already replaced the file
+            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+            target = path.with_name(f"{path.name}.corrupt-{stamp}")
+            try:
+                if current is not None:
+                    os.replace(path, target)
+                # Keep the set together under names SQLite pairs up, so the copy can be opened.
+                for suffix in ("-wal", "-shm"):
+                    side = path.with_name(path.name + suffix)
+                    if side.exists():
+                        os.replace(side, target.with_name(target.name + suffix))
+            except OSError as exc:
+                raise MpadviseError(f"cache database {path} is unusable ({reason}) and cannot be moved "
+                                    f"aside ({exc.strerror or exc}); delete it or set MPADVISE_HOME") from exc
+            logger.warning("cache database %s is unusable: %s; moved it aside to %s and started a fresh one",
+                           path, reason, target)
         finally:
             if conn is not None:
                 conn.close()
@@ -201,26 +246,3 @@ def _check_files(path: Path) -> None:
     except OSError as exc:
         raise MpadviseError(f"cache database {path} cannot be created ({exc.strerror or exc}); "
                             "set MPADVISE_HOME to a writable directory of your own") from exc
-
-
-def _rename_aside(path: Path, reason: str, identity: tuple[int, int] | None) -> None:
-    """Move the file at ``path`` (with its -wal and -shm) to ``<name>.corrupt-<timestamp>``."""
-    current = _file_identity(path)
-    if identity is not None and current != identity:
-        # Another process found the same damage and has already replaced the file.
-        return
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-    target = path.with_name(f"{path.name}.corrupt-{stamp}")
-    try:
-        if current is not None:
-            os.replace(path, target)
-        # Keep the set together under names SQLite pairs up, so the copy can be opened.
-        for suffix in ("-wal", "-shm"):
-            side = path.with_name(path.name + suffix)
-            if side.exists():
-                os.replace(side, target.with_name(target.name + suffix))
-    except OSError as exc:
-        raise MpadviseError(f"cache database {path} is unusable ({reason}) and cannot be moved "
-                            f"aside ({exc.strerror or exc}); delete it or set MPADVISE_HOME") from exc
-    logger.warning("cache database %s is unusable: %s; moved it aside to %s and started a fresh one",
-                   path, reason, target)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import ipaddress
 import json
 import os
 import time
@@ -29,17 +28,23 @@ from advisor.cache import (
     WORKLOAD_FP_PATTERN,
     Store,
 )
-from advisor.daemon._config import MAX_QUEUED_JOBS, MAX_TEXT, DaemonConfig
-from advisor.daemon._files import utc_now_seconds
-from advisor.daemon._job_request import PathKind, path_refusal
+from advisor.daemon._config import (
+    MAX_QUEUED_JOBS,
+    MAX_TEXT,
+    DaemonConfig,
+    loopback_address,
+    utc_now_seconds,
+)
+from advisor.daemon._job_files import PathKind, path_refusal
 from advisor.daemon._jobs import JobRunner, Slot
-from advisor.daemon._requests import JobRequest, JobState
-from advisor.daemon._responses import (
+from advisor.daemon._models import (
     ErrorBody,
     HardwareReport,
     Health,
     Job,
     JobList,
+    JobRequest,
+    JobState,
     RecommendationList,
     ValidationErrorBody,
 )
@@ -108,16 +113,18 @@ class AnswerCache:
         self._answers[key] = body
 
 
+_ERRORS = {400: "Bad Host header, or a body that is not JSON", 401: "Token missing",
+           403: "Token wrong, or path outside the allowed roots", 404: "No such job",
+           409: "The job has already finished", 413: "Body too large",
+           422: "Invalid request: each item says where (loc) and what (msg)",
+           429: "Too many jobs queued (the daemon's cap); try again later",
+           503: "The cache database is busy or unusable"}
+
+
 def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    text = {400: "Bad Host header, or a body that is not JSON", 401: "Token missing", 403: "Token wrong, or path outside the allowed roots",
-            404: "No such job", 409: "The job has already finished", 413: "Body too large",
-            429: "Too many jobs queued (the daemon's cap); try again later",
-            422: "Invalid request: each item says where (loc) and what (msg)",
-            503: "The cache database is busy or unusable"}
-    if 422 in codes:
-        return {**{code: {"model": ErrorBody, "description": text[code]} for code in codes if code != 422},
-                422: {"model": ValidationErrorBody, "description": text[422]}}
-    return {code: {"model": ErrorBody, "description": text[code]} for code in codes}
+    """The OpenAPI document's error answers of a route."""
+    return {code: {"model": ValidationErrorBody if code == 422 else ErrorBody, "description": _ERRORS[code]}
+            for code in codes}
 
 
 class _Guard:
@@ -181,7 +188,7 @@ class _Guard:
         if self.local_only:
             return True
         client = scope.get("client")
-        return not client or not client[0] or _client_is_loopback(str(client[0]))
+        return not client or not client[0] or loopback_address(str(client[0]))
 
 
 def _replay(messages: list[dict[str, Any]], receive: Callable[..., Any]) -> Callable[..., Any]:
@@ -201,17 +208,11 @@ async def _send_error(send: Callable[..., Any], status: int, detail: str) -> Non
     await send({"type": "http.response.body", "body": body})
 
 
-_LOOPBACK_HOSTS = frozenset({b"127.0.0.1", b"localhost", b"[::1]"})
-
-
 def _loopback_host_header(host: bytes | None) -> bool:
-    if not host:
-        return False
-    name = host.rsplit(b":", 1)[0] if not host.endswith(b"]") else host
-    if name in _LOOPBACK_HOSTS:
-        return True
-    # 127.0.0.0/8 as a whole is loopback; only literal addresses count (no DNS look-up here).
-    return _client_is_loopback(name.decode("ascii", errors="replace").strip("[]"))
+    """Whether a Host header names the loopback: ``localhost`` or a literal address (no DNS)."""
+    name = (host or b"").decode("ascii", errors="replace")
+    name = name if name.endswith("]") else name.rsplit(":", 1)[0]
+    return name == "localhost" or loopback_address(name)
 
 
 _bearer = HTTPBearer(auto_error=False, description="The contents of daemon.token in the cache directory.")
@@ -454,17 +455,6 @@ def _checked_job(job: JobRequest, state: DaemonState) -> tuple[Path, dict[str, A
     if cwd is not None:
         options["cwd"] = str(cwd)
     return script, options
-
-
-def _client_is_loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address, an IPv4 one seen through a dual-stack socket
-    (``::ffff:127.0.0.1``, what ``--host ::`` reports for an IPv4 client) included."""
-    try:
-        address = ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
 
 
 def _invalid(loc: list[str], message: str) -> HTTPException:

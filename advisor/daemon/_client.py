@@ -16,49 +16,33 @@ import socket
 import stat
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 from advisor._paths import cache_dir
+from advisor.daemon._config import loopback_address
 from advisor.tune import TuneOptions
 from probes import MpadviseError
 
 FINISHED = ("succeeded", "failed", "cancelled", "interrupted")
 
 
-@dataclass(frozen=True)
 class DaemonPaths:
-    directory: Path
+    """The daemon's files in one cache directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.token = directory / "daemon.token"
+        self.pid = directory / "daemon.pid"
+        self.log = directory / "daemon.log"
+        self.address = directory / "daemon.json"  # where it listens, its pid, slots and roots
+        self.lock = directory / "daemon.lock"
+        self.jobs = directory / "jobs"
 
     @classmethod
     def here(cls) -> DaemonPaths:
         return cls(cache_dir())
-
-    @property
-    def token(self) -> Path:
-        return self.directory / "daemon.token"
-
-    @property
-    def pid(self) -> Path:
-        return self.directory / "daemon.pid"
-
-    @property
-    def log(self) -> Path:
-        return self.directory / "daemon.log"
-
-    @property
-    def address(self) -> Path:
-        return self.directory / "daemon.json"
-
-    @property
-    def lock(self) -> Path:
-        return self.directory / "daemon.lock"
-
-    @property
-    def jobs(self) -> Path:
-        return self.directory / "jobs"
 
 
 def read_token(path: Path) -> str:
@@ -266,11 +250,7 @@ def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> Non
         where = f"the Unix socket {address['uds']}, which is not a socket of uid {os.geteuid()}"
     else:
         host = urlsplit(local_url(str(address.get("url")))).hostname or ""
-        try:
-            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if loopback:
+        if host == "localhost" or loopback_address(host):
             return
         where = f"{address.get('url')}, which is not a loopback address"
     raise MpadviseError(f"{paths.address} names {where}; not sending the daemon token there. Remove {paths.address} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import logging
 import os
@@ -74,23 +75,34 @@ class DaemonConfig:
         return tuple(Path(os.path.realpath(root)) for root in raw)
 
 
+def utc_now_seconds() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def loopback_address(host: str) -> bool:
+    """Whether ``host`` is a literal loopback address: brackets, a zone, and an IPv4 address
+    seen through a dual-stack socket (``::ffff:127.0.0.1``) allowed; never a DNS look-up."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%")[0])
+    except ValueError:
+        return False
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address, IPv6 maybe bracketed, or a name) names only loopback
-    addresses; a name counts when every address it resolves to is one (so a doctored
-    ``/etc/hosts`` cannot turn ``localhost`` into a public bind)."""
+    """Whether ``host`` (an address or a name) names only loopback addresses; a name counts
+    when every address it resolves to is one (so a doctored ``/etc/hosts`` cannot turn
+    ``localhost`` into a public bind)."""
     bare = host.strip().strip("[]")
     if not bare:
         return False
+    if loopback_address(bare):
+        return True
     try:
-        return ipaddress.ip_address(bare).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(bare, None)
+        addresses = {info[4][0] for info in socket.getaddrinfo(bare, None)}
     except (OSError, UnicodeError):
         return False
-    addresses = {info[4][0] for info in infos}
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+    return bool(addresses) and all(loopback_address(a) for a in addresses)
 
 
 def check_bind(host: str, *, allow_remote: bool) -> str | None:

@@ -1,5 +1,5 @@
-"""A tune job's files (log, request, result, temporary directory) and processes, and pruning
-what old jobs left."""
+"""One tune job: what it runs (its request, command line and environment, and whether its paths
+may run under the daemon's roots), its files and processes, and pruning what old jobs left."""
 
 from __future__ import annotations
 
@@ -11,20 +11,121 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from advisor._entry import module_argv
 from advisor._secure import ensure_private_dir, open_private_new
 from advisor.cache import Store
-from advisor.daemon._config import JOB_ENV, LOG_TAIL_CHARS, LOG_TAIL_LINES, MAX_JOB_LOGS
-from advisor.tune import TuneRequest
+from advisor.daemon._config import (
+    JOB_ENV,
+    LOG_TAIL_CHARS,
+    LOG_TAIL_LINES,
+    MAX_JOB_LOGS,
+    under_roots,
+)
+from advisor.frameworks import check_plan_modes, plan_for
+from advisor.tune import WAIT_IDLE_ENV, ScriptLaunch, TuneOptions, TuneRequest, resolve_storage
 from probes import MpadviseError
 
 JOB_TMP = "tmp"  # the jobs directory's subdirectory of the running jobs' temporary directories
+
+PathKind = Literal["file", "dir", "new"]  # an existing file, an existing directory, a new file
+
+
+def tune_argv(request: str | os.PathLike[str], result: str | os.PathLike[str], *,
+              python: str = sys.executable) -> list[str]:
+    """``python -m advisor.tune.job REQUEST.json RESULT.json``, without the working directory on
+    ``sys.path``; the script's arguments travel in the request file, never on this line."""
+    return [python, *module_argv("advisor.tune.job"), os.fspath(request), os.fspath(result)]
+
+
+def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
+    """The tune a stored job asks for on ``slot``, and the directory it runs in (its own, else
+    the script's).
+
+    The script's plan is made here, as ``mpadvise tune`` makes it. Raises MpadviseError for
+    stored options out of bounds, an unreadable script, an unknown framework or mode, or an
+    unusable storage setting.
+    """
+    stored = dict(job.get("options") or {})
+    cwd = stored.pop("cwd", None) or os.path.dirname(job["script"])  # kept beside the options
+    # The slot, whatever the job said. A study's URL (with its password) comes from the
+    # daemon's own environment, as `mpadvise tune` takes it from the user's: it travels in the
+    # private request file, never in a job's arguments, which every user can read in `ps`.
+    options = TuneOptions.from_dict(stored).with_(device=slot, storage=resolve_storage(None, os.environ))
+    if job.get("attempts") and not options.fresh:
+        # A job run again (its daemon stopped mid-tune) continues its own study: the finished
+        # trials there are this job's, and a tune without --resume refuses to delete them.
+        options = options.with_(resume=True)
+    script = Path(job["script"])
+    plan = plan_for(script, options.framework, device=slot)
+    check_plan_modes(plan, list(options.modes))
+    return TuneRequest(script, tuple(job.get("args") or ()), options, ScriptLaunch.of(plan)), cwd
+
+
+def path_refusal(what: str, raw: Any, roots: Sequence[Path], want: PathKind) -> tuple[int, str] | None:
+    """Why a job's path may not be used under ``roots``: an HTTP status and one line; or ``None``.
+
+    The one rule, at submission and again when a job is claimed: an absolute path whose real
+    path lies under an allowed root (else 403), and is what ``want`` says (else 422).
+    """
+    if not isinstance(raw, str) or not os.path.isabs(raw):
+        return 422, f"{what} {raw!r} is not absolute; send the full path (the daemon's working directory is not yours)"
+    try:
+        path = Path(os.path.realpath(raw))
+    except (OSError, ValueError) as exc:
+        return 422, f"{what} {raw!r} cannot be resolved ({exc})"
+    if not under_roots(path, roots):
+        return 403, (f"{what} {raw!r} is outside the allowed roots ({', '.join(map(str, roots))}); "
+                     "move it under one, or start the daemon with --allowed-root")
+    try:
+        if want == "file" and not path.is_file():
+            return 422, f"{what} {raw!r} does not exist or is not a file"
+        if want == "dir" and not path.is_dir():
+            return 422, f"{what} {raw!r} does not exist or is not a directory"
+        if want == "new" and not path.parent.is_dir():
+            return 422, f"{what} {raw!r}: its directory does not exist"
+    except OSError as exc:
+        return 422, f"{what} {raw!r} cannot be read ({exc.strerror or exc})"
+    return None
+
+
+def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
+    """Why a queued job (its script, and its ``cwd`` and ``--out`` if any) may not run under
+    ``roots``, or ``None`` when it may."""
+    options = job.get("options") or {}
+    checks: list[tuple[str, Any, PathKind]] = [("script", job.get("script"), "file"),
+                                               ("cwd", options.get("cwd"), "dir"),
+                                               ("options.out", options.get("out"), "new")]
+    for what, raw, want in checks:
+        problem = None if raw is None and what != "script" else path_refusal(what, raw, roots, want)
+        if problem is not None:
+            return problem[1]
+    return None
+
+
+def job_env(job_id: str, tmp: Path | None = None) -> dict[str, str]:
+    """The environment of a job's process: the daemon's, marked with the job (so that every
+    process of it can be found), waiting for an idle GPU before each trial, with ``tmp`` as its
+    private temporary directory.
+
+    The daemon's environment is inherited on purpose: a secret set there (a study's
+    ``MPADVISE_STORAGE`` URL, an API key) reaches the job without appearing in its arguments,
+    which every user of the machine can read in ``ps``.
+    """
+    env = dict(os.environ)
+    env[JOB_ENV] = job_id
+    if tmp is not None:
+        env["TMPDIR"] = env["TMP"] = env["TEMP"] = str(tmp)
+    env[WAIT_IDLE_ENV] = "1"  # and before every trial, not only before the tune starts
+    env.pop("MPADVISE_POLICY", None)
+    return env
 
 
 class LogTail:
@@ -59,53 +160,31 @@ class LogTail:
         return lines[-1] if lines else None
 
 
-@dataclass(frozen=True)
 class JobFiles:
-    """A job's files: its log (kept), its request and result (removed once the job has ended)."""
+    """A job's files: its log (kept), its request and result, and its private temporary
+    directory (removed once the job has ended)."""
 
-    directory: Path
-    job_id: str
-
-    @property
-    def log(self) -> Path:
-        return self.directory / f"{self.job_id}.log"
-
-    @property
-    def request(self) -> Path:
-        return self.directory / f"{self.job_id}.request.json"
-
-    @property
-    def result(self) -> Path:
-        return self.directory / f"{self.job_id}.result.json"
+    def __init__(self, directory: Path, job_id: str) -> None:
+        self.log = directory / f"{job_id}.log"
+        self.request = directory / f"{job_id}.request.json"
+        self.result = directory / f"{job_id}.result.json"
+        self.tmp = directory / JOB_TMP / job_id
 
     def write_request(self, request: TuneRequest) -> None:
         self.remove()
         with os.fdopen(open_private_new(self.request), "w", encoding="utf-8") as out:
             json.dump(request.to_dict(), out)
 
-    @property
-    def tmp(self) -> Path:
-        return self.directory / JOB_TMP / self.job_id
-
     def make_tmp(self) -> Path:
         ensure_private_dir(self.tmp.parent)
-        _remove_tree(self.tmp)
+        remove_tree(self.tmp)
         os.mkdir(self.tmp, 0o700)
         return self.tmp
 
-    def remove_tmp(self) -> None:
-        _remove_tree(self.tmp)
-
-    def remove_all(self) -> None:
-        self.remove()
-        self.remove_tmp()
-        with contextlib.suppress(OSError):
-            self.log.unlink()
-
-    def remove(self) -> None:
-        for path in (self.request, self.result):
-            with contextlib.suppress(OSError):
-                path.unlink()  # unlink never follows a symlink: it removes the link itself
+    def remove(self, *, log: bool = False) -> None:
+        """Remove the request, the result and the temporary directory; the log too with ``log``."""
+        for path in (self.request, self.result, self.tmp, *((self.log,) if log else ())):
+            remove_tree(path)
 
 
 def open_job_log(path: Path) -> Any:
@@ -139,20 +218,10 @@ def result_of(code: int | None, result_path: Path, tail: LogTail) -> dict[str, A
         data = json.loads(text) if text.strip() else None
     if code in (0, 3) and isinstance(data, dict):
         return {"exit_code": code, "tune": data}
-    error = tail.error_line() or f"the tune exited with code {code} and wrote no result"
-    return {"exit_code": code, "error": error}
+    return {"exit_code": code, "error": tail.error_line() or f"the tune exited with code {code} and wrote no result"}
 
 
-def remove_job_tmp_dirs(jobs_dir: Path) -> None:
-    try:
-        entries = list(os.scandir(jobs_dir / JOB_TMP))
-    except OSError:
-        return
-    for entry in entries:
-        _remove_tree(Path(entry.path))
-
-
-def _remove_tree(path: Path) -> None:
+def remove_tree(path: Path) -> None:
     """Remove ``path`` and what is in it, never following a symlink (a link is removed itself)."""
     if path.is_symlink() or not path.is_dir():
         with contextlib.suppress(OSError):
@@ -162,15 +231,19 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def prune_job_logs(jobs_dir: Path, *, keep: int = MAX_JOB_LOGS) -> None:
+def _job_logs(jobs_dir: Path) -> list[os.DirEntry[str]]:
     try:
-        logs = sorted((entry for entry in os.scandir(jobs_dir) if entry.name.endswith(".log") and entry.is_file()),
-                      key=lambda entry: entry.stat().st_mtime, reverse=True)
+        return [entry for entry in os.scandir(jobs_dir) if entry.name.endswith(".log") and entry.is_file()]
     except OSError:
-        return
-    for entry in logs[keep:]:
-        with contextlib.suppress(OSError):
-            os.unlink(entry.path)
+        return []
+
+
+def prune_job_logs(jobs_dir: Path, *, keep: int = MAX_JOB_LOGS) -> None:
+    with contextlib.suppress(OSError):
+        logs = sorted(_job_logs(jobs_dir), key=lambda entry: entry.stat().st_mtime, reverse=True)
+        for entry in logs[keep:]:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
 
 
 def prune_jobs(store: Store, jobs_dir: Path, *, retention_s: float) -> list[str]:
@@ -179,16 +252,12 @@ def prune_jobs(store: Store, jobs_dir: Path, *, retention_s: float) -> list[str]
     cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=retention_s)
     ids = store.prune_finished_jobs(finished_before=cutoff.isoformat(timespec="microseconds"))
     for job_id in ids:
-        JobFiles(jobs_dir, job_id).remove_all()
-    try:
-        entries = [entry for entry in os.scandir(jobs_dir) if entry.name.endswith(".log") and entry.is_file()]
-    except OSError:
-        entries = []
-    for entry in entries:
+        JobFiles(jobs_dir, job_id).remove(log=True)
+    for entry in _job_logs(jobs_dir):
         job_id = entry.name[: -len(".log")]
         with contextlib.suppress(OSError, MpadviseError):
             if entry.stat().st_mtime < cutoff.timestamp() and store.get_job(job_id) is None:
-                JobFiles(jobs_dir, job_id).remove_all()
+                JobFiles(jobs_dir, job_id).remove(log=True)
     return ids
 
 
@@ -197,20 +266,12 @@ def job_pids(job_id: str) -> list[int]:
     (Linux's /proc; elsewhere nothing is found)."""
     marker = f"{JOB_ENV}={job_id}".encode()
     found = []
-    try:
-        entries = list(os.scandir("/proc"))
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(os.path.join(entry.path, "environ"), "rb") as handle:
-                environ = handle.read()
-        except OSError:
-            continue
-        if marker in environ.split(b"\0"):
-            found.append(int(entry.name))
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError), open(os.path.join(entry.path, "environ"), "rb") as handle:
+                    if marker in handle.read().split(b"\0"):
+                        found.append(int(entry.name))
     return found
 
 

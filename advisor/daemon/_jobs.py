@@ -16,21 +16,24 @@ from typing import Any
 import probes
 from advisor._secure import ensure_private_dir
 from advisor.cache import Store
-from advisor.daemon._config import PRUNE_EVERY_S, RECENT_LINES, logger
-from advisor.daemon._files import utc_now_seconds
+from advisor.daemon._config import PRUNE_EVERY_S, RECENT_LINES, logger, utc_now_seconds
 from advisor.daemon._job_files import (
+    JOB_TMP,
     JobFiles,
     LogTail,
+    job_env,
     job_pids,
+    job_request,
     kill_job,
     open_job_log,
+    outside_roots,
     prune_job_logs,
     prune_jobs,
     pump_output,
-    remove_job_tmp_dirs,
+    remove_tree,
     result_of,
+    tune_argv,
 )
-from advisor.daemon._job_request import job_env, job_request, outside_roots, tune_argv
 from probes import HardwareProfile, MpadviseError
 
 
@@ -94,7 +97,7 @@ class JobRunner:
         # jobs/ that someone else owns or may write is refused.
         ensure_private_dir(self.jobs_dir)
         # No job runs yet: every temporary directory left is an orphan of a daemon that died.
-        remove_job_tmp_dirs(self.jobs_dir)
+        remove_tree(self.jobs_dir / JOB_TMP)
         for slot in self.slots:
             self._wake[slot.name] = threading.Event()
             self._state[slot.name] = _SlotState()
@@ -242,30 +245,28 @@ class _JobRun:
                 pump.join(timeout=5)
             self._finish(job_id, process.returncode, outcome, progress, tail, files)
         finally:
-            # However the job ended (done, failed, cancelled, the daemon stopping), what its
-            # trials left under TMPDIR goes; its processes are gone by now (_follow waited).
-            files.remove_tmp()
+            # However the job ended (done, failed, cancelled, the daemon stopping), its request,
+            # its result and what its trials left under TMPDIR go; its processes are gone by
+            # now (_follow waited).
+            files.remove()
 
     def _finish(self, job_id: str, code: int | None, outcome: str, progress: dict[str, Any], tail: LogTail,
                 files: JobFiles) -> None:
-        try:
-            if outcome == "stopped":
-                logger.info("job %s interrupted by the daemon stopping; it runs again at the next start", job_id)
-                return
-            if outcome == "cancelled":
-                self.runner.store.finish_job(job_id, state="cancelled", log_tail=tail.text())
-                logger.info("job %s cancelled", job_id)
-                return
-            result = result_of(code, files.result, tail)
-            final = "succeeded" if result.get("tune") is not None else "failed"
-            # The last lines first, so a follower that sees the job finished has seen them all.
-            self.runner.store.update_job(job_id, progress={**progress, "phase": "finished", "exit_code": code,
-                                                    "lines": tail.count, "recent": tail.lines()[-RECENT_LINES:],
-                                                    "updated_at": utc_now_seconds()})
-            self.runner.store.finish_job(job_id, state=final, result=result, log_tail=tail.text())
-            logger.info("job %s %s (exit code %s)", job_id, final, code)
-        finally:
-            files.remove()
+        if outcome == "stopped":
+            logger.info("job %s interrupted by the daemon stopping; it runs again at the next start", job_id)
+            return
+        if outcome == "cancelled":
+            self.runner.store.finish_job(job_id, state="cancelled", log_tail=tail.text())
+            logger.info("job %s cancelled", job_id)
+            return
+        result = result_of(code, files.result, tail)
+        final = "succeeded" if result.get("tune") is not None else "failed"
+        # The last lines first, so a follower that sees the job finished has seen them all.
+        self.runner.store.update_job(job_id, progress={**progress, "phase": "finished", "exit_code": code,
+                                                       "lines": tail.count, "recent": tail.lines()[-RECENT_LINES:],
+                                                       "updated_at": utc_now_seconds()})
+        self.runner.store.finish_job(job_id, state=final, result=result, log_tail=tail.text())
+        logger.info("job %s %s (exit code %s)", job_id, final, code)
 
     def _follow(self, job_id: str, slot: Slot, process: subprocess.Popen[bytes],
                 tail: LogTail) -> tuple[str, dict[str, Any]]:

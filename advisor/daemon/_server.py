@@ -1,12 +1,15 @@
-"""Serving: bind the address, write the daemon's files, run uvicorn until a signal."""
+"""Serving: the daemon's private files (token, lock, pid and address), binding the address, and
+running uvicorn until a signal."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import resource
+import secrets
 import signal
 import socket
 import sys
@@ -18,11 +21,16 @@ from typing import Any
 import uvicorn
 
 from advisor._hardware import probe_report
-from advisor._secure import ensure_private_dir, ensure_private_file
+from advisor._secure import (
+    PRIVATE_FILE_MODE,
+    ensure_private_dir,
+    ensure_private_file,
+    open_private_new,
+)
 from advisor._version import __version__
 from advisor.cache import Store
 from advisor.daemon._app import AnswerCache, DaemonState, create_app
-from advisor.daemon._client import DaemonPaths
+from advisor.daemon._client import DaemonPaths, read_token
 from advisor.daemon._config import (
     MAX_HEADER_BYTES,
     REQUEST_TIMEOUT_S,
@@ -30,17 +38,60 @@ from advisor.daemon._config import (
     check_bind,
     connection_limit,
     logger,
-)
-from advisor.daemon._files import (
-    acquire_lock,
-    ensure_token,
-    remove_if_ours,
     utc_now_seconds,
-    write_private,
 )
 from advisor.daemon._jobs import JobRunner, Slot, nvml_busy, recover_jobs, slots_for
 from advisor.daemon._protocol import ConnectionLimits, limited_protocol
 from probes import HardwareProfile, MpadviseError
+
+
+def ensure_token(path: Path) -> str:
+    """Read the daemon's token, creating it (mode 0600) on first start."""
+    with contextlib.suppress(FileExistsError), os.fdopen(open_private_new(path), "w") as handle:
+        handle.write(secrets.token_urlsafe(32) + "\n")
+    return read_token(path)
+
+
+def acquire_lock(path: Path) -> int:
+    """Hold the daemon's lock file (created 0600, ours, never through a symlink), so that one
+    daemon runs per cache directory; the descriptor stays open while the daemon runs."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise MpadviseError(f"daemon lock {path} belongs to uid {st.st_uid}, not to us; remove it, or set "
+                            "MPADVISE_HOME to a directory of your own")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise MpadviseError(f"a daemon is already running for {path.parent} (see {path.parent / 'daemon.json'}); "
+                            "stop it with `mpadvise daemon stop` or use another MPADVISE_HOME") from None
+    return fd
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` atomically with ``text``, mode 0600, through a new temporary file.
+
+    The temporary file is created exclusively and never through a symlink, so nothing planted
+    under its name can redirect the write; one left by a crashed process of the same pid is
+    removed first (unlink removes a link, not its target).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    with os.fdopen(open_private_new(tmp), "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def _remove_if_ours(path: Path, pid: int) -> None:
+    """Remove a pid or address file that names ``pid``; leave one another daemon wrote."""
+    with contextlib.suppress(OSError, ValueError):
+        text = path.read_text()
+        owner = json.loads(text).get("pid") if text.lstrip().startswith("{") else int(text.strip())
+        if owner == pid:
+            path.unlink()
 
 
 def _bind(config: DaemonConfig) -> tuple[socket.socket, dict[str, Any]]:
@@ -100,8 +151,8 @@ def _daemon_files(paths: DaemonPaths, address: dict[str, Any]) -> Iterator[None]
     try:
         yield
     finally:
-        remove_if_ours(paths.address, pid)
-        remove_if_ours(paths.pid, pid)
+        _remove_if_ours(paths.address, pid)
+        _remove_if_ours(paths.pid, pid)
 
 
 def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = None) -> None:
@@ -126,50 +177,45 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
         ensure_private_file(path)
     ensure_private_dir(paths.jobs)
     lock = acquire_lock(paths.lock)
-    stores: list[Store] = []
     try:
         token = ensure_token(paths.token)
-        stores.append(store := Store())
-        stores.append(read_store := Store())
-        for job in recover_jobs(store):
-            logger.info("job %s was running when the last daemon stopped: now %s (attempt %s)",
-                        job["id"], job["state"], job["attempts"])
-        report = {**probe_report(), "detected_at": utc_now_seconds()}
-        slots = slots_for([HardwareProfile.from_dict(d["profile"]) for d in report["devices"]])
-        modes = frozenset(name for device in report["devices"] for name in device["modes"])
-        runner = JobRunner(store=store, slots=slots, jobs_dir=paths.jobs, busy=busy or nvml_busy,
-                           roots=config.roots(), retention_s=config.job_retention_days * 86400)
-        sock, address = _bind(config)
-        address.update(pid=os.getpid(), started_at=utc_now_seconds(), version=__version__, log=str(paths.log),
-                       token_file=str(paths.token), slots=[s.name for s in slots],
-                       roots=[str(r) for r in config.roots()])
-        state = DaemonState(config=config, token=token, store=store, read_store=read_store, report=report,
-                            slots=slots, runner=runner, mode_names=modes, answers=AnswerCache(read_store),
-                            local_only=config.uds is None and remote_warning is None)
-        app = create_app(state)
-        limits = ConnectionLimits(connection_limit(resource.getrlimit(resource.RLIMIT_NOFILE)[0]), MAX_HEADER_BYTES,
-                                  REQUEST_TIMEOUT_S)
-        server = _Server(uvicorn.Config(
-            app, http=limited_protocol(limits), log_config=None, log_level="warning", access_log=False, lifespan="on",
-            proxy_headers=False,  # request.client must be the real peer: the Host check depends on it
-            server_header=False, timeout_keep_alive=5,
-        ))
-        with _daemon_files(paths, address):
-            if remote_warning:
-                logger.warning(remote_warning)
-            logger.info("listening on %s; jobs run on %s; token in %s; at most %d connections", address["url"],
-                        ", ".join(s.name for s in slots), paths.token, limits.max_connections)
-            try:
-                server.run(sockets=[sock])
-            finally:
-                sock.close()
-                if config.uds is not None:
-                    with contextlib.suppress(OSError):
-                        Path(address["uds"]).unlink()
-            logger.info("stopped")
+        with Store() as store, Store() as read_store:
+            for job in recover_jobs(store):
+                logger.info("job %s was running when the last daemon stopped: now %s (attempt %s)",
+                            job["id"], job["state"], job["attempts"])
+            report = {**probe_report(), "detected_at": utc_now_seconds()}
+            slots = slots_for([HardwareProfile.from_dict(d["profile"]) for d in report["devices"]])
+            modes = frozenset(name for device in report["devices"] for name in device["modes"])
+            runner = JobRunner(store=store, slots=slots, jobs_dir=paths.jobs, busy=busy or nvml_busy,
+                               roots=config.roots(), retention_s=config.job_retention_days * 86400)
+            sock, address = _bind(config)
+            address.update(pid=os.getpid(), started_at=utc_now_seconds(), version=__version__,
+                           log=str(paths.log), token_file=str(paths.token), slots=[s.name for s in slots],
+                           roots=[str(r) for r in config.roots()])
+            state = DaemonState(config=config, token=token, store=store, read_store=read_store, report=report,
+                                slots=slots, runner=runner, mode_names=modes, answers=AnswerCache(read_store),
+                                local_only=config.uds is None and remote_warning is None)
+            limits = ConnectionLimits(connection_limit(resource.getrlimit(resource.RLIMIT_NOFILE)[0]),
+                                      MAX_HEADER_BYTES, REQUEST_TIMEOUT_S)
+            server = _Server(uvicorn.Config(
+                create_app(state), http=limited_protocol(limits), log_config=None, log_level="warning",
+                access_log=False, lifespan="on", server_header=False, timeout_keep_alive=5,
+                proxy_headers=False,  # request.client must be the real peer: the Host check depends on it
+            ))
+            with _daemon_files(paths, address):
+                if remote_warning:
+                    logger.warning(remote_warning)
+                logger.info("listening on %s; jobs run on %s; token in %s; at most %d connections", address["url"],
+                            ", ".join(s.name for s in slots), paths.token, limits.max_connections)
+                try:
+                    server.run(sockets=[sock])
+                finally:
+                    sock.close()
+                    if config.uds is not None:
+                        with contextlib.suppress(OSError):
+                            Path(address["uds"]).unlink()
+                logger.info("stopped")
     finally:
-        for opened in stores:
-            opened.close()
         os.close(lock)
 
 

@@ -124,7 +124,7 @@ def test_record_then_lookup_hits_with_a_complete_tuned_on_record(script: Path) -
 
 
 def test_record_rejects_a_trial_key_the_store_does_not_keep(script: Path) -> None:
-    with pytest.raises(advisor.MpadviseError, match="trials\\[0\\] has key 'loss'"):
+    with pytest.raises(advisor.MpadviseError, match="trials\\[0\\] has unknown field 'loss'"):
         record_tune(
             profile=gpu_profile("A100"), policy=Policy(mode="fp32"), script=script,
             workload_fingerprint=WORKLOAD, trials=[{"loss": 1.0}], speedup_vs_fp32=None,

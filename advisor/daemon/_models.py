@@ -1,4 +1,5 @@
-"""What a client may send: validated request bodies (the OpenAPI document is built from them)."""
+"""What a client may send and what the daemon answers: validated bodies, from which the OpenAPI
+document is built."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model
 
+from advisor.cache import JOB_STATES, RECORD_FIELDS
 from advisor.daemon._config import MAX_ARGS, MAX_TEXT
 from advisor.trial import parse_memory
 from advisor.tune import option_info
@@ -37,7 +39,7 @@ Text = Annotated[str, StringConstraints(max_length=MAX_TEXT), AfterValidator(_cl
 MemorySize = Annotated[str, StringConstraints(max_length=32), AfterValidator(_clean_text), AfterValidator(_memory_size)]
 ModeName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,31}$")]
 SlotName = Annotated[str, StringConstraints(pattern=r"^(cpu|cuda:[0-9]{1,3})$")]
-JobState = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled", "interrupted"]
+JobState = Literal[JOB_STATES]  # type: ignore[valid-type]
 
 
 # The wire types of the tune options whose field type is wider than what a job may send:
@@ -93,3 +95,79 @@ class JobRequest(BaseModel):
     options: TuneOptionsModel = Field(default_factory=TuneOptionsModel)  # type: ignore[valid-type]
     gpu: SlotName | None = Field(None, description="Run on this slot (cpu or cuda:N); default: the first free one.")
     cwd: Text | None = Field(None, description="Working directory (absolute, under an allowed root); default: the script's.")
+
+
+# Answers
+
+
+class SlotInfo(BaseModel):
+    name: str
+    uuid: str | None = None
+    job: str | None = None
+    phase: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    version: str
+    pid: int
+    started_at: str
+    uptime_s: float
+    slots: list[SlotInfo]
+    jobs: dict[str, int]
+
+
+class HardwareReport(BaseModel):
+    primary: str
+    devices: list[dict[str, Any]]
+    slots: list[SlotInfo]
+    detected_at: str
+
+
+# A cache record as the daemon serves it, from the cache's one record schema: a field every
+# stored record has is required; the others may be null (``trials`` is absent unless asked for).
+Recommendation = create_model("Recommendation", __module__=__name__, **{
+    field.name: (field.annotation, ...) if field.not_null else (field.annotation | None, None)
+    for field in RECORD_FIELDS
+})
+
+
+class RecommendationList(BaseModel):
+    count: int
+    recommendations: list[Recommendation]
+
+
+class Job(BaseModel):
+    id: str
+    state: JobState
+    script: str
+    args: list[str]
+    options: dict[str, Any]
+    created_at: str
+    started_at: str | None = None
+    finished_at: str | None = None
+    attempts: int
+    progress: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None
+    log_tail: str | None = None
+    gpu: str | None = None
+    requested_gpu: str | None = None
+
+
+class JobList(BaseModel):
+    count: int
+    jobs: list[Job]
+
+
+class ErrorBody(BaseModel):
+    detail: str
+
+
+class ValidationItem(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationErrorBody(BaseModel):
+    detail: list[ValidationItem]
