@@ -24,19 +24,13 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 @contextlib.contextmanager
 def transaction(conn: sqlite3.Connection, begin: str) -> Iterator[None]:
     """Run the block in one transaction opened by ``begin`` on an autocommit connection:
-    COMMIT, or ROLLBACK when the block or the commit fails."""
+    COMMIT, or ROLLBACK when the block or the commit fails (a failed COMMIT, on a full disk or
+    an I/O error, leaves the transaction open: closing it keeps the connection usable)."""
     conn.execute(begin)
     try:
         yield
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
-    try:
         conn.execute("COMMIT")
     except BaseException:
-        # A failed COMMIT (disk full, I/O error) leaves the transaction open; close it so
-        # the connection stays usable.
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
@@ -69,6 +63,8 @@ def store_error(path: Path, exc: BaseException, kind: str) -> MpadviseError:
 
 
 class StoreBase:
+    """What the Store's parts share: the connection and its transactions."""
+
     path: Path
     _lock: threading.RLock
     _db: sqlite_utils.Database | None
@@ -86,16 +82,14 @@ class StoreBase:
     def _write(self) -> Iterator[sqlite_utils.Database]:
         # The write lock is taken before the first read, so a read-then-write never has to
         # upgrade a snapshot that another writer has made stale.
-        db = self.db
-        with transaction(db.conn, "BEGIN IMMEDIATE"):
-            yield db
+        with transaction(self.db.conn, "BEGIN IMMEDIATE"):
+            yield self.db
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[sqlite_utils.Database]:
         # One snapshot for several SELECTs: a recommendation and its trials always match.
-        db = self.db
-        with transaction(db.conn, "BEGIN"):
-            yield db
+        with transaction(self.db.conn, "BEGIN"):
+            yield self.db
 
 
 def guarded(method: _F) -> _F:

@@ -49,12 +49,11 @@ class JobQueue(StoreBase):
 
     @guarded
     def list_jobs(self, *, states: Iterable[str] | None = None) -> list[Record]:
-        if states is None:
-            rows = self.db.query("SELECT * FROM jobs ORDER BY created_at, rowid")
-        else:
-            wanted = list(states)
-            marks = ", ".join("?" for _ in wanted)
-            rows = self.db.query(f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY created_at, rowid", wanted)
+        where, params = "1", []
+        if states is not None:
+            params = list(states)
+            where = f"state IN ({', '.join('?' * len(params))})"
+        rows = self.db.query(f"SELECT * FROM jobs WHERE {where} ORDER BY created_at, rowid", params)
         return [_decode_job(row) for row in rows]
 
     @guarded
@@ -96,16 +95,10 @@ class JobQueue(StoreBase):
                    log_tail: str | None = None) -> Record | None:
         """Replace a running job's progress and log tail where given; returns the job after the
         update (its ``state`` tells the runner whether it was asked to cancel), or ``None``."""
-        sets, params = [], []
-        if progress is not None:
-            sets.append("progress = ?")
-            params.append(json_text("progress", progress, require_dict=True))
-        if log_tail is not None:
-            sets.append("log_tail = ?")
-            params.append(log_tail)
+        progress_text = None if progress is None else json_text("progress", progress, require_dict=True)
         with self._write() as db:
-            if sets:
-                db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", [*params, job_id])
+            db.execute("UPDATE jobs SET progress = COALESCE(?, progress), log_tail = COALESCE(?, log_tail) "
+                       "WHERE id = ?", [progress_text, log_tail, job_id])
             return _get_job(db, job_id)
 
     @guarded
@@ -140,7 +133,7 @@ class JobQueue(StoreBase):
     def prune_finished_jobs(self, *, finished_before: str) -> list[str]:
         """Delete the jobs that finished before ``finished_before`` (a :func:`utc_now` timestamp);
         returns their ids (the daemon removes their files)."""
-        marks = ", ".join("?" for _ in FINISHED_JOB_STATES)
+        marks = ", ".join("?" * len(FINISHED_JOB_STATES))
         where = f"state IN ({marks}) AND finished_at IS NOT NULL AND finished_at < ?"
         params = [*FINISHED_JOB_STATES, finished_before]
         with self._write() as db:

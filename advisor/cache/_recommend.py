@@ -90,10 +90,8 @@ def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.Pa
         if store is None:
             return None
     try:
-        stored_profile = profile.to_dict()
-        for name in _MOMENTARY_PROFILE_FIELDS:
-            stored_profile.pop(name, None)
-        store.put_hardware(fingerprint, stored_profile)
+        store.put_hardware(fingerprint, {name: value for name, value in profile.to_dict().items()
+                                         if name not in _MOMENTARY_PROFILE_FIELDS})
         return store.put_recommendation(
             hardware_fp=fingerprint, workload_fp=workload_fingerprint, script=script_path,
             policy=replace(policy, tuned_on=tuned).to_dict(), speedup_vs_fp32=speedup_vs_fp32,
@@ -234,30 +232,20 @@ def entry_label(row: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class EntryStatus:
-    """Why a cache entry would not be applied on some hardware.
+    """Why a cache entry would not be applied on some hardware: ``mismatch`` when its policy
+    says what differs, else ``detail`` (an unreadable policy, another fingerprint, a mode that
+    cannot run there)."""
 
-    ``kind`` is ``"unreadable"``, ``"other_hardware"`` (``mismatch`` says what differs),
-    ``"other_fingerprint"`` (no ``[tuned_on]`` fingerprint, stored under another key) or
-    ``"unsupported"``; ``detail`` is the error, the other fingerprint, or the reason.
-    """
-
-    kind: str
+    detail: str
     mismatch: HardwareMismatch | None = None
-    detail: str = ""
 
     def describe(self) -> str:
         """One line for people: ``"tuned on other hardware or versions (torch a -> b)"``."""
-        if self.mismatch is not None:
-            return self.mismatch.describe()
-        if self.kind == "unreadable":
-            return f"unreadable policy ({self.detail})"
-        if self.kind == "other_fingerprint":
-            return f"tuned on other hardware (fingerprint {self.detail})"
-        return self.detail
+        return self.mismatch.describe() if self.mismatch is not None else self.detail
 
     def what_differs(self) -> str:
         """Only what changed (``"torch a -> b"``) where that is known, else ``describe()``."""
-        return self.mismatch.detail() if self.mismatch is not None else self.describe()
+        return self.mismatch.detail() if self.mismatch is not None else self.detail
 
 
 def entry_status(row: dict[str, Any], profile: HardwareProfile) -> EntryStatus | None:
@@ -265,15 +253,15 @@ def entry_status(row: dict[str, Any], profile: HardwareProfile) -> EntryStatus |
     try:
         policy = policy_of(row)
     except PolicyError as exc:
-        return EntryStatus("unreadable", detail=str(exc))
+        return EntryStatus(f"unreadable policy ({exc})")
     mismatch = hardware_mismatch(policy, profile)
     if mismatch is not None:
-        return EntryStatus("other_hardware", mismatch=mismatch)
+        return EntryStatus("", mismatch)
     if row["hardware_fp"] != hardware_fingerprint(profile):
         # A policy stored without a [tuned_on] fingerprint: the row's key still says where it
         # was measured.
-        return EntryStatus("other_fingerprint", detail=row["hardware_fp"])
+        return EntryStatus(f"tuned on other hardware (fingerprint {row['hardware_fp']})")
     support = supported_modes(profile, policy).get(policy.mode)
     if support is not None and not support.supported:
-        return EntryStatus("unsupported", detail=f"mode {policy.mode} cannot run here ({support.reason})")
+        return EntryStatus(f"mode {policy.mode} cannot run here ({support.reason})")
     return None

@@ -73,7 +73,7 @@ def _json_object(name: str, value: Any, *, optional: bool = False) -> dict[str, 
     if not isinstance(value, dict):
         expected = "a JSON object or null" if optional else "a JSON object"
         raise MpadviseError(f"{name} must be {expected}, got {type(value).__name__}")
-    json_text(name, value)
+    json_text(name, value)  # raises for what JSON cannot hold
     return value
 
 
@@ -87,12 +87,9 @@ def _id_or_null(name: str, value: Any) -> int | None:
 
 
 def _policy(name: str, value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise MpadviseError(f"{name} must be a JSON object, got {type(value).__name__}")
-    mode = value.get("mode")
+    mode = _json_object(name, value).get("mode")  # type: ignore[union-attr]
     if not isinstance(mode, str) or not MODE_PATTERN.fullmatch(mode):
         raise MpadviseError(f"{name}.mode must be a mode name such as 'bf16-mixed', got {mode!r}")
-    json_text(name, value)
     return value
 
 
@@ -114,34 +111,36 @@ def _trials(name: str, value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise MpadviseError(f"{name} must be a list, got {type(value).__name__}")
     for index, trial in enumerate(value):
-        _check_trial(f"{name}[{index}]", index, trial)
+        where = f"{name}[{index}]"
+        if not isinstance(trial, dict):
+            raise MpadviseError(f"{where} must be a JSON object, got {type(trial).__name__}")
+        unknown = sorted(set(trial) - set(TRIAL_FIELDS))
+        if unknown:
+            raise MpadviseError(f"{where} has unknown field {unknown[0]!r}; trial fields are "
+                                f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')")
+        number = trial.get("number", index)
+        if not isinstance(number, int) or isinstance(number, bool):
+            raise MpadviseError(f"{where}.number must be an integer, got {number!r}")
+        for field in ("mode", "outcome", "verdict", "reason"):
+            _string_or_null(f"{where}.{field}", trial.get(field))
+        _number(f"{where}.goodput", trial.get("goodput"), optional=True)
+        for field in _TRIAL_JSON:
+            _json_object(f"{where}.{field}", trial.get(field), optional=True)
     return value
 
 
-def _check_trial(where: str, index: int, trial: Any) -> None:
-    if not isinstance(trial, dict):
-        raise MpadviseError(f"{where} must be a JSON object, got {type(trial).__name__}")
-    unknown = sorted(set(trial) - set(TRIAL_FIELDS))
-    if unknown:
-        raise MpadviseError(f"{where} has unknown field {unknown[0]!r}; trial fields are "
-                            f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')")
-    number = trial.get("number", index)
-    if not isinstance(number, int) or isinstance(number, bool):
-        raise MpadviseError(f"{where}.number must be an integer, got {number!r}")
-    for name in ("mode", "outcome", "verdict", "reason"):
-        _string_or_null(f"{where}.{name}", trial.get(name))
-    _number(f"{where}.goodput", trial.get("goodput"), optional=True)
-    for name in _TRIAL_JSON:
-        _json_object(f"{where}.{name}", trial.get(name), optional=True)
+def encoded(value: Any) -> str:
+    """``value`` as the store's JSON text: sorted keys, no NaN or infinity (SQLite's JSON
+    functions refuse them)."""
+    return json.dumps(value, sort_keys=True, allow_nan=False)
 
 
 def json_text(name: str, value: Any, *, require_dict: bool = False) -> str:
-    """``value`` as the store's JSON text (sorted keys, no NaN or infinity: SQLite's JSON
-    functions refuse them), or an error naming ``name`` when it has none."""
+    """:func:`encoded`, or an error naming ``name`` when ``value`` has no JSON text."""
     if require_dict and not isinstance(value, dict):
         raise MpadviseError(f"{name} must be a dict, got {type(value).__name__}")
     try:
-        return json.dumps(value, sort_keys=True, allow_nan=False)
+        return encoded(value)
     except (TypeError, ValueError) as exc:
         raise MpadviseError(f"{name} is not JSON-serialisable ({exc})") from None
 
@@ -150,10 +149,9 @@ def json_text(name: str, value: Any, *, require_dict: bool = False) -> str:
 class RecordField:
     """One field of a recommendation record.
 
-    ``origin``: who gives it: ``"caller"`` (put and import), ``"export"`` (an export file; on
-    put the store sets it) or ``"store"``. ``not_null``: every stored record has a value.
-    ``stored``: a ``recommendations`` column (``"row"``), the row id, the joined ``hardware``
-    table, or the ``trials`` table.
+    ``origin``: who gives it: the ``"caller"`` (put and import), an ``"export"`` file (on put,
+    the store) or the ``"store"``. ``not_null``: every stored record has a value. ``stored``: a
+    ``recommendations`` column, the row id, the joined ``hardware`` table, or ``trials``.
     """
 
     name: str
@@ -216,11 +214,6 @@ def validated_record(raw: Any, *, imported: bool = False) -> Record:
     return record
 
 
-def encoded(value: Any) -> str:
-    """A validated value (one a check has encoded once) as JSON text, in :func:`json_text`'s form."""
-    return json.dumps(value, sort_keys=True, allow_nan=False)
-
-
 def recommendation_row(record: Record) -> dict[str, Any]:
     return {field.name: encoded(record[field.name]) if field.is_json else record[field.name] for field in _ROW_COLUMNS}
 
@@ -246,20 +239,12 @@ def decode_json(row: dict[str, Any], columns: Iterable[str]) -> dict[str, Any]:
 
 def export_document(rows: Iterable[Record]) -> dict[str, Any]:
     """The export file's content for stored records (with their trials and hardware)."""
-    records = []
-    for row in rows:
-        record = {name: row[name] for name in _EXPORTED_FIELDS}
-        # Required on import: a row stored without them (edited by hand) still exports as a
-        # file that imports.
-        record["versions"] = record["versions"] or {}
-        record["summary"] = record["summary"] or {}
-        records.append(record)
-    return {
-        "format": EXPORT_FORMAT,
-        "format_version": EXPORT_FORMAT_VERSION,
-        "exported_at": utc_now(),
-        "records": records,
-    }
+    # versions and summary are required on import: a row stored without them (edited by hand)
+    # still exports as a file that imports.
+    records = [{**{name: row[name] for name in _EXPORTED_FIELDS}, "versions": row["versions"] or {},
+                "summary": row["summary"] or {}} for row in rows]
+    return {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION, "exported_at": utc_now(),
+            "records": records}
 
 
 def read_export(source: Path, *, check: Callable[[Record], object] | None = None) -> list[Record]:
@@ -271,12 +256,11 @@ def read_export(source: Path, *, check: Callable[[Record], object] | None = None
     validated = []
     for index, raw in enumerate(_export_records(source)):
         try:
-            record = validated_record(raw, imported=True)
+            validated.append(validated_record(raw, imported=True))
             if check is not None:
-                check(record)
+                check(validated[-1])
         except (MpadviseError, ValueError) as exc:
             raise MpadviseError(f"{source}: record {index}: {exc}; nothing was imported") from None
-        validated.append(record)
     return validated
 
 

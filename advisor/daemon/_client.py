@@ -1,11 +1,10 @@
-"""A small client for the local ``mpadvise daemon``, standard library only (``http.client``).
-
-It finds the daemon through ``daemon.json`` in the cache directory (a TCP URL or a Unix
-socket) and reads the token from ``daemon.token`` beside it.
-"""
+"""A small client for the local ``mpadvise daemon`` (``http.client``, no web framework): it finds
+the daemon through ``daemon.json`` in the cache directory (a TCP URL or a Unix socket) and reads
+the token from ``daemon.token`` beside it."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import http.client
@@ -21,11 +20,10 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from advisor._paths import cache_dir
-from advisor.daemon._config import loopback_address
+from advisor.cache import FINISHED_JOB_STATES
+from advisor.daemon._config import loopback_address, under_roots
 from advisor.tune import TuneOptions
 from probes import MpadviseError
-
-FINISHED = ("succeeded", "failed", "cancelled", "interrupted")
 
 
 class DaemonPaths:
@@ -50,13 +48,9 @@ def read_token(path: Path) -> str:
     readable by others."""
     try:
         # O_NOFOLLOW and fstat: the checks below are of the file read, not of a link's target.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            status = os.fstat(fd)
-            with os.fdopen(os.dup(fd), "r") as handle:
-                text = handle.read().strip()
-        finally:
-            os.close(fd)
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as handle:
+            status = os.fstat(handle.fileno())
+            text = handle.read().strip()
         mode = status.st_mode & 0o777
     except FileNotFoundError:
         raise MpadviseError(f"no daemon token at {path}; `mpadvise daemon start` creates it (with the same "
@@ -80,19 +74,17 @@ def read_token(path: Path) -> str:
 def daemon_running(paths: DaemonPaths) -> bool:
     """Whether a daemon holds this cache directory's lock: it does for as long as it lives (the
     lock goes with its last open file, even under kill -9)."""
-    if not paths.lock.exists():
-        return False
     try:
         fd = os.open(paths.lock, os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
     except BlockingIOError:
         return True
     finally:
         os.close(fd)
-    return False
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -210,7 +202,7 @@ class DaemonClient:
         return self.call("DELETE", f"/jobs/{quote(job_id, safe='')}")
 
     def allows(self, directory: Path) -> bool:
-        return any(directory == root or root in directory.parents for root in self.roots)
+        return under_roots(directory, self.roots)
 
     def follow(self, job: dict[str, Any], *, on_line: Callable[[str], None], on_waiting: Callable[[str], None],
                poll_s: float = 1.0) -> dict[str, Any]:
@@ -218,7 +210,7 @@ class DaemonClient:
         of the tune's stderr once, ``on_waiting`` each new message of a job waiting for its GPU."""
         seen = 0
         waiting_shown = None
-        while job["state"] not in FINISHED:
+        while job["state"] not in FINISHED_JOB_STATES:
             time.sleep(poll_s)
             job = self.job(job["id"])
             progress = job.get("progress") or {}
@@ -241,12 +233,10 @@ def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> Non
     to a loopback address or to a Unix socket this user owns (the daemon creates it 0600).
     """
     if address.get("uds"):
-        try:
+        with contextlib.suppress(OSError):
             status = os.lstat(address["uds"])
-        except OSError:
-            status = None
-        if status is not None and stat.S_ISSOCK(status.st_mode) and status.st_uid == os.geteuid():
-            return
+            if stat.S_ISSOCK(status.st_mode) and status.st_uid == os.geteuid():
+                return
         where = f"the Unix socket {address['uds']}, which is not a socket of uid {os.geteuid()}"
     else:
         host = urlsplit(local_url(str(address.get("url")))).hostname or ""
@@ -286,8 +276,7 @@ def finished_tune(job: dict[str, Any]) -> tuple[dict[str, Any], int]:
     MpadviseError naming the error line of a job that did not succeed."""
     result = job.get("result") or {}
     if job["state"] != "succeeded" or result.get("tune") is None:
-        why = result.get("error") or (job.get("log_tail") or "").strip().splitlines()[-1:] or "no reason recorded"
-        if isinstance(why, list):
-            why = why[0]
+        lines = (job.get("log_tail") or "").strip().splitlines()
+        why = result.get("error") or (lines[-1] if lines else "no reason recorded")
         raise MpadviseError(f"job {job['id']} {job['state']}: {why} (GET /jobs/{job['id']} has its log tail)")
     return result["tune"], int(result.get("exit_code") or 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import getpass
 import ipaddress
 import logging
 import os
@@ -13,11 +14,6 @@ from pathlib import Path
 
 from probes import MpadviseError
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8757
-# A job request is a path, a few dozen options and an argument list: 64 KiB is generous, and
-# a bound means a client cannot make the daemon buffer (or store) an arbitrary amount.
-MAX_BODY_BYTES = 64 * 1024
 # A request's line and headers together: a client cannot make the daemon buffer more (431).
 MAX_HEADER_BYTES = 64 * 1024
 # A connection must deliver a whole request (line, headers, body) this many seconds after it
@@ -30,25 +26,15 @@ MAX_CONNECTIONS = 256
 RESERVED_DESCRIPTORS = 256
 MAX_ARGS = 256
 MAX_TEXT = 4096
-# What the job record keeps of a tune's stderr: enough to see why it failed.
-LOG_TAIL_LINES = 40
-LOG_TAIL_CHARS = 8000
-RECENT_LINES = 20
 # Jobs waiting at once: past this, POST /jobs answers 429 (a client cannot grow the queue,
 # and the database, without bound).
 MAX_QUEUED_JOBS = 1000
-# Full job logs kept in the jobs directory (the newest); older ones are deleted.
-MAX_JOB_LOGS = 200
-# Finished jobs (their rows, logs and files) are deleted this many days after they finished,
-# at start and then every PRUNE_EVERY_S; queued and running jobs never are.
-DEFAULT_JOB_RETENTION_DAYS = 30.0
+# Finished jobs (their rows, logs and files) past their retention are deleted at start and
+# then every PRUNE_EVERY_S; queued and running jobs never are.
 PRUNE_EVERY_S = 3600.0
 # daemon.log is rotated at start past this size, keeping this many old ones (.1 the newest).
 MAX_DAEMON_LOG_BYTES = 10 * 1024 * 1024
 DAEMON_LOGS_KEPT = 3
-# The environment variable that marks every process of a job (the tune and its trials, which
-# run in sessions of their own): how leftovers are found after a crash or a cancel.
-JOB_ENV = "MPADVISE_DAEMON_JOB"
 
 logger = logging.getLogger("mpadvise.daemon")
 
@@ -62,13 +48,15 @@ class DaemonConfig:
     directory); finished jobs older than ``job_retention_days`` are deleted with their files.
     """
 
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
+    host: str = "127.0.0.1"
+    port: int = 8757
     uds: Path | None = None
     allow_remote: bool = False
     allowed_roots: tuple[Path, ...] = ()
-    max_body_bytes: int = MAX_BODY_BYTES
-    job_retention_days: float = DEFAULT_JOB_RETENTION_DAYS
+    # A job request is a path, a few dozen options and an argument list: 64 KiB is generous,
+    # and a bound means a client cannot make the daemon buffer (or store) an arbitrary amount.
+    max_body_bytes: int = 64 * 1024
+    job_retention_days: float = 30.0
 
     def roots(self) -> tuple[Path, ...]:
         raw = self.allowed_roots or (Path.home(),)
@@ -115,10 +103,8 @@ def check_bind(host: str, *, allow_remote: bool) -> str | None:
                             "serves on 127.0.0.1 (or --uds PATH) only; pass --allow-remote to bind it anyway",
                             exit_code=2)
     try:
-        import pwd
-
-        user = pwd.getpwuid(os.getuid()).pw_name
-    except (ImportError, KeyError):
+        user = getpass.getuser()
+    except (OSError, KeyError):
         user = "this user"
     return (f"serving on {host}, reachable from other machines: every request except GET /health "
             "needs the token, and anyone holding it can run scripts under the allowed roots as "

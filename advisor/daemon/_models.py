@@ -171,3 +171,17 @@ class ValidationItem(BaseModel):
 
 class ValidationErrorBody(BaseModel):
     detail: list[ValidationItem]
+
+
+_ERRORS = {400: "Bad Host header, or a body that is not JSON", 401: "Token missing",
+           403: "Token wrong, or path outside the allowed roots", 404: "No such job",
+           409: "The job has already finished", 413: "Body too large",
+           422: "Invalid request: each item says where (loc) and what (msg)",
+           429: "Too many jobs queued (the daemon's cap); try again later",
+           503: "The cache database is busy or unusable"}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI document's error answers of a route."""
+    return {code: {"model": ValidationErrorBody if code == 422 else ErrorBody, "description": _ERRORS[code]}
+            for code in codes}

@@ -2,8 +2,8 @@
 
 Without them any local user could use up the daemon's descriptors with idle connections, or
 its memory with one endless header. So: past ``max_connections`` a new connection closes the
-longest-idle one, or is refused with 503 when all are busy; a head over ``max_header_bytes``
-gets 431; a connection has ``request_timeout_s`` to deliver a whole request (an idle one is
+longest-idle one, or is refused with 503 when all are busy; a head over ``MAX_HEADER_BYTES``
+gets 431; a connection has ``REQUEST_TIMEOUT_S`` to deliver a whole request (an idle one is
 closed, a dribbled header gets 408). A refusal is followed by a lingering close, so that the
 client reads the answer instead of a reset.
 """
@@ -12,30 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+import resource
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from advisor.daemon._config import MAX_HEADER_BYTES, REQUEST_TIMEOUT_S, connection_limit
 
 # How long a refused connection drains the client's bytes before it closes.
 _LINGER_S = 2.0
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
 
-@dataclass(frozen=True)
-class ConnectionLimits:
-    max_connections: int
-    max_header_bytes: int
-    request_timeout_s: float
-
-
-def limited_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol class with ``limits`` (pass it as ``uvicorn.Config(http=...)``)."""
-    return type("LimitedHttpProtocol", (_LimitedProtocol,), {"limits": limits})
+def limited_protocol() -> type[_LimitedProtocol]:
+    """uvicorn's httptools protocol class with the limits (pass it as ``uvicorn.Config(http=...)``);
+    ``max_connections`` follows from this process's descriptor limit."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return type("LimitedHttpProtocol", (_LimitedProtocol,), {"max_connections": connection_limit(soft)})
 
 
 class _LimitedProtocol(HttpToolsProtocol):
-    limits: ConnectionLimits
+    max_connections: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -48,14 +45,14 @@ class _LimitedProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
-        if len(self.connections) <= self.limits.max_connections:
+        if len(self.connections) <= self.max_connections:
             return
         idle = [c for c in self.connections
                 if c is not self and isinstance(c, _LimitedProtocol) and c._idle()]
         if idle:
             min(idle, key=lambda c: c._waiting_since)._close()
         else:
-            self._refuse(503, f"the daemon has {self.limits.max_connections} connections open, each busy with a "
+            self._refuse(503, f"the daemon has {self.max_connections} connections open, each busy with a "
                               "request; try again shortly")
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -81,8 +78,8 @@ class _LimitedProtocol(HttpToolsProtocol):
         super().data_received(data)
         # Checked after the parser has had the data, so that a head and a body arriving
         # together count only as far as the head: the parser has said where it ended.
-        if self._in_head and counted and self._head_bytes > self.limits.max_header_bytes:
-            self._refuse(431, f"the request's line and headers are over {self.limits.max_header_bytes} bytes")
+        if self._in_head and counted and self._head_bytes > MAX_HEADER_BYTES:
+            self._refuse(431, f"the request's line and headers are over {MAX_HEADER_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -102,7 +99,7 @@ class _LimitedProtocol(HttpToolsProtocol):
     def _arm(self) -> None:
         self._disarm()
         self._waiting_since = self.loop.time()
-        self._deadline = self.loop.call_later(self.limits.request_timeout_s, self._expired)
+        self._deadline = self.loop.call_later(REQUEST_TIMEOUT_S, self._expired)
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -114,7 +111,7 @@ class _LimitedProtocol(HttpToolsProtocol):
         if self.transport.is_closing() or self._refused:
             return
         if self._head_bytes:
-            self._refuse(408, f"the request did not arrive within {self.limits.request_timeout_s:g} s")
+            self._refuse(408, f"the request did not arrive within {REQUEST_TIMEOUT_S:g} s")
         else:
             self._close()  # nothing sent (or a body left unfinished): nothing to answer
 

@@ -8,7 +8,6 @@ import fcntl
 import json
 import logging
 import os
-import resource
 import secrets
 import signal
 import socket
@@ -21,27 +20,14 @@ from typing import Any
 import uvicorn
 
 from advisor._hardware import probe_report
-from advisor._secure import (
-    PRIVATE_FILE_MODE,
-    ensure_private_dir,
-    ensure_private_file,
-    open_private_new,
-)
+from advisor._secure import ensure_private_dir, ensure_private_file, open_private_new
 from advisor._version import __version__
 from advisor.cache import Store
 from advisor.daemon._app import AnswerCache, DaemonState, create_app
 from advisor.daemon._client import DaemonPaths, read_token
-from advisor.daemon._config import (
-    MAX_HEADER_BYTES,
-    REQUEST_TIMEOUT_S,
-    DaemonConfig,
-    check_bind,
-    connection_limit,
-    logger,
-    utc_now_seconds,
-)
+from advisor.daemon._config import DaemonConfig, check_bind, logger, utc_now_seconds
 from advisor.daemon._jobs import JobRunner, Slot, nvml_busy, recover_jobs, slots_for
-from advisor.daemon._protocol import ConnectionLimits, limited_protocol
+from advisor.daemon._protocol import limited_protocol
 from probes import HardwareProfile, MpadviseError
 
 
@@ -55,7 +41,7 @@ def ensure_token(path: Path) -> str:
 def acquire_lock(path: Path) -> int:
     """Hold the daemon's lock file (created 0600, ours, never through a symlink), so that one
     daemon runs per cache directory; the descriptor stays open while the daemon runs."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
         os.close(fd)
@@ -143,18 +129,6 @@ def _bind(config: DaemonConfig) -> tuple[socket.socket, dict[str, Any]]:
     return sock, {"host": host, "port": port, "url": f"http://{shown}:{port}"}
 
 
-@contextlib.contextmanager
-def _daemon_files(paths: DaemonPaths, address: dict[str, Any]) -> Iterator[None]:
-    pid = os.getpid()
-    write_private(paths.pid, f"{pid}\n")
-    write_private(paths.address, json.dumps(address, indent=2) + "\n")
-    try:
-        yield
-    finally:
-        _remove_if_ours(paths.address, pid)
-        _remove_if_ours(paths.pid, pid)
-
-
 def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = None) -> None:
     """Run the daemon in this process until SIGTERM or Ctrl-C (``busy``: PIDs computing on a
     slot's GPU; default NVML)."""
@@ -193,28 +167,30 @@ def serve(config: DaemonConfig, *, busy: Callable[[Slot], list[int]] | None = No
                            log=str(paths.log), token_file=str(paths.token), slots=[s.name for s in slots],
                            roots=[str(r) for r in config.roots()])
             state = DaemonState(config=config, token=token, store=store, read_store=read_store, report=report,
-                                slots=slots, runner=runner, mode_names=modes, answers=AnswerCache(read_store),
+                                runner=runner, mode_names=modes, answers=AnswerCache(read_store),
                                 local_only=config.uds is None and remote_warning is None)
-            limits = ConnectionLimits(connection_limit(resource.getrlimit(resource.RLIMIT_NOFILE)[0]),
-                                      MAX_HEADER_BYTES, REQUEST_TIMEOUT_S)
+            protocol = limited_protocol()
             server = _Server(uvicorn.Config(
-                create_app(state), http=limited_protocol(limits), log_config=None, log_level="warning",
+                create_app(state), http=protocol, log_config=None, log_level="warning",
                 access_log=False, lifespan="on", server_header=False, timeout_keep_alive=5,
                 proxy_headers=False,  # request.client must be the real peer: the Host check depends on it
             ))
-            with _daemon_files(paths, address):
-                if remote_warning:
-                    logger.warning(remote_warning)
-                logger.info("listening on %s; jobs run on %s; token in %s; at most %d connections", address["url"],
-                            ", ".join(s.name for s in slots), paths.token, limits.max_connections)
-                try:
-                    server.run(sockets=[sock])
-                finally:
-                    sock.close()
-                    if config.uds is not None:
-                        with contextlib.suppress(OSError):
-                            Path(address["uds"]).unlink()
-                logger.info("stopped")
+            write_private(paths.pid, f"{os.getpid()}\n")
+            write_private(paths.address, json.dumps(address, indent=2) + "\n")
+            if remote_warning:
+                logger.warning(remote_warning)
+            logger.info("listening on %s; jobs run on %s; token in %s; at most %d connections", address["url"],
+                        ", ".join(s.name for s in slots), paths.token, protocol.max_connections)
+            try:
+                server.run(sockets=[sock])
+            finally:
+                sock.close()
+                if config.uds is not None:
+                    with contextlib.suppress(OSError):
+                        Path(address["uds"]).unlink()
+                for path in (paths.address, paths.pid):
+                    _remove_if_ours(path, os.getpid())
+            logger.info("stopped")
     finally:
         os.close(lock)
 

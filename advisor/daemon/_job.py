@@ -1,5 +1,6 @@
 """One tune job: what it runs (its request, command line and environment, and whether its paths
-may run under the daemon's roots), its files and processes, and pruning what old jobs left."""
+may run under the daemon's roots), its files and processes, running it on a slot, and pruning
+what old jobs left."""
 
 from __future__ import annotations
 
@@ -17,23 +18,29 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from advisor._entry import module_argv
 from advisor._secure import ensure_private_dir, open_private_new
 from advisor.cache import Store
-from advisor.daemon._config import (
-    JOB_ENV,
-    LOG_TAIL_CHARS,
-    LOG_TAIL_LINES,
-    MAX_JOB_LOGS,
-    under_roots,
-)
+from advisor.daemon._config import logger, under_roots, utc_now_seconds
 from advisor.frameworks import check_plan_modes, plan_for
 from advisor.tune import WAIT_IDLE_ENV, ScriptLaunch, TuneOptions, TuneRequest, resolve_storage
 from probes import MpadviseError
 
+if TYPE_CHECKING:
+    from advisor.daemon._jobs import JobRunner, Slot, SlotState
+
 JOB_TMP = "tmp"  # the jobs directory's subdirectory of the running jobs' temporary directories
+# The environment variable that marks every process of a job (the tune and its trials, which
+# run in sessions of their own): how leftovers are found after a crash or a cancel.
+JOB_ENV = "MPADVISE_DAEMON_JOB"
+# What the job record keeps of a tune's stderr: enough to see why it failed.
+LOG_TAIL_LINES = 40
+LOG_TAIL_CHARS = 8000
+RECENT_LINES = 20
+# Full job logs kept in the jobs directory (the newest); older ones are deleted.
+MAX_JOB_LOGS = 200
 
 PathKind = Literal["file", "dir", "new"]  # an existing file, an existing directory, a new file
 
@@ -187,6 +194,130 @@ class JobFiles:
             remove_tree(path)
 
 
+class JobRun:
+    """One job on one slot, for its runner: check its paths again, wait for an idle GPU, run the
+    tune, follow it, and record how it ended."""
+
+    def __init__(self, runner: JobRunner, job: dict[str, Any], slot: Slot, state: SlotState) -> None:
+        self.runner, self.store = runner, runner.store
+        self.job, self.job_id, self.slot, self.state = job, job["id"], slot, state
+
+    def run(self) -> None:
+        job_id, runner = self.job_id, self.runner
+        refusal = None if runner.roots is None else outside_roots(self.job, runner.roots)
+        if refusal is not None:
+            logger.warning("job %s refused: %s", job_id, refusal)
+            self.store.finish_job(job_id, state="failed", result={"exit_code": None, "error": f"refused: {refusal}"})
+            return
+        if not self._wait_for_idle_gpu():
+            return
+        try:
+            request, cwd = job_request(self.job, self.slot.name)
+        except MpadviseError as exc:  # what `mpadvise tune` would refuse before any trial
+            logger.info("job %s failed: %s", job_id, exc)
+            self.store.finish_job(job_id, state="failed", result={"exit_code": exc.exit_code, "error": str(exc)})
+            return
+        files = JobFiles(runner.jobs_dir, job_id)
+        files.write_request(request)
+        tail = LogTail()
+        self.state.phase = "running"
+        # The arguments can hold secrets (keys, tokens): the log names the job, not its command.
+        logger.info("job %s started on %s: %s", job_id, self.slot.name, self.job["script"])
+        try:
+            tmp = files.make_tmp()
+            with open_job_log(files.log) as log:
+                process = subprocess.Popen(
+                    tune_argv(files.request, files.result, python=runner.python), stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=job_env(job_id, tmp),
+                    start_new_session=True,  # its own group: a cancel kills it without touching us
+                )
+                pump = threading.Thread(target=_pump_output, args=(process.stdout, tail, log), daemon=True)
+                pump.start()
+                outcome, progress = self._follow(process, tail)
+                pump.join(timeout=5)
+            self._finish(process.returncode, outcome, progress, tail, files)
+        finally:
+            # However the job ended (done, failed, cancelled, the daemon stopping), its request,
+            # its result and what its trials left under TMPDIR go; its processes are gone by
+            # now (_follow waited).
+            files.remove()
+
+    def _wait_for_idle_gpu(self) -> bool:
+        """Block until no other process computes on the slot's GPU. False: cancel or stop."""
+        name = self.slot.name
+        while pids := self.runner.busy(self.slot):
+            self.state.phase = "waiting"
+            record = self.store.update_job(self.job_id, progress={
+                "phase": "waiting", "slot": name, "waiting_for_pids": pids, "updated_at": utc_now_seconds(),
+                "message": f"waiting for {name} to be idle: PIDs {', '.join(map(str, pids))} compute on it",
+            })
+            if self.runner.asked_to_cancel(self.job_id, record):
+                self.store.finish_job(self.job_id, state="cancelled")
+                logger.info("job %s cancelled while waiting for %s", self.job_id, name)
+                return False
+            if self.runner.stopping.wait(self.runner.gpu_poll_s):
+                return False
+        return True
+
+    def _finish(self, code: int | None, outcome: str, progress: dict[str, Any], tail: LogTail,
+                files: JobFiles) -> None:
+        job_id = self.job_id
+        if outcome == "stopped":
+            logger.info("job %s interrupted by the daemon stopping; it runs again at the next start", job_id)
+            return
+        if outcome == "cancelled":
+            self.store.finish_job(job_id, state="cancelled", log_tail=tail.text())
+            logger.info("job %s cancelled", job_id)
+            return
+        result = result_of(code, files.result, tail)
+        final = "succeeded" if result.get("tune") is not None else "failed"
+        # The last lines first, so a follower that sees the job finished has seen them all.
+        self.store.update_job(job_id, progress={**progress, "phase": "finished", "exit_code": code,
+                                                "lines": tail.count, "recent": tail.lines()[-RECENT_LINES:],
+                                                "updated_at": utc_now_seconds()})
+        self.store.finish_job(job_id, state=final, result=result, log_tail=tail.text())
+        logger.info("job %s %s (exit code %s)", job_id, final, code)
+
+    def _follow(self, process: subprocess.Popen[bytes], tail: LogTail) -> tuple[str, dict[str, Any]]:
+        """Watch a running tune until it exits, is cancelled, or the daemon stops; returns the
+        outcome and the job's progress record so far."""
+        job_id, runner, slot = self.job_id, self.runner, self.slot
+        progress: dict[str, Any] = {"phase": "running", "slot": slot.name, "pid": process.pid}
+        foreign: set[int] = set()
+        last_update, last_count, last_gpu_check = 0.0, -1, time.monotonic()
+        record = self.store.update_job(job_id, progress={**progress, "updated_at": utc_now_seconds()})
+        while True:
+            try:
+                process.wait(timeout=runner.poll_s)
+                return "exited", progress
+            except subprocess.TimeoutExpired:
+                pass
+            stopping = runner.stopping.is_set()
+            if stopping or runner.asked_to_cancel(job_id, record):
+                kill_job(job_id, process)
+                process.wait()
+                return ("stopped" if stopping else "cancelled"), progress
+            now = time.monotonic()
+            if slot.index is not None and now - last_gpu_check >= runner.gpu_poll_s:
+                # The tune's own trials compute on this GPU too; anything else is someone
+                # else's work that started after ours, and it skews what we measure.
+                last_gpu_check = now
+                others = set(runner.busy(slot)) - set(job_pids(job_id))
+                if others - foreign:
+                    foreign |= others
+                    logger.warning("job %s: PIDs %s started computing on %s during the tune", job_id,
+                                   sorted(others), slot.name)
+                    progress["foreign_gpu_pids"] = sorted(foreign)
+                    last_count = -1  # news to write at once
+            # At most one write a second while lines come in, one every 5 s when quiet.
+            if (tail.count != last_count and now - last_update >= 1.0) or now - last_update >= 5.0:
+                last_count, last_update = tail.count, now
+                record = self.store.update_job(job_id, log_tail=tail.text(), progress={
+                    **progress, "lines": tail.count, "recent": tail.lines()[-RECENT_LINES:],
+                    "updated_at": utc_now_seconds(),
+                })
+
+
 def open_job_log(path: Path) -> Any:
     """Open a job's log (appended to across attempts), never through a symlink: created new or,
     when an earlier attempt left one, reopened only if it is a plain file of ours with one link."""
@@ -202,7 +333,7 @@ def open_job_log(path: Path) -> Any:
     return os.fdopen(fd, "ab")
 
 
-def pump_output(stream: Any, tail: LogTail, log: Any) -> None:
+def _pump_output(stream: Any, tail: LogTail, log: Any) -> None:
     for raw in iter(stream.readline, b""):
         log.write(raw)
         log.flush()
