@@ -1,9 +1,6 @@
 """The per-GPU recommendation cache: the SQLite ``Store``, the record schema, and what a stored
-answer means for this machine and script.
-
-The exports are lazy (PEP 562), so that ``load_policy()`` pays for sqlite-utils only when it
-really reads the cache.
-"""
+answer means for this machine and script. The exports are lazy (PEP 562), so that
+``load_policy()`` pays for sqlite-utils only when it really reads the cache."""
 
 from __future__ import annotations
 

@@ -51,8 +51,9 @@ def error_kind(exc: BaseException) -> str:
     return "busy" if "locked" in message or "busy" in message else "other"
 
 
-def store_error(path: Path, exc: BaseException, kind: str) -> MpadviseError:
-    """The one line a user reads for an SQLite error of ``kind`` on the cache at ``path``."""
+def store_error(path: Path, exc: BaseException) -> MpadviseError:
+    """The one line a user reads for an SQLite error on the cache at ``path``."""
+    kind = error_kind(exc)
     if kind == "busy":
         return MpadviseError(f"cache database {path} stayed locked by another process for more than "
                              f"{BUSY_TIMEOUT_S:.0f} s; try again when the other mpadvise command finishes")
@@ -93,11 +94,9 @@ class StoreBase:
 
 
 def guarded(method: _F) -> _F:
-    """Serialise a Store method and turn SQLite errors into one-line MpadviseErrors.
-
-    Damage discovered mid-command moves the file aside and retries the method once on a
-    fresh database, so a corrupt cache never costs more than its contents.
-    """
+    """Serialise a Store method and turn SQLite errors into one-line MpadviseErrors. Damage found
+    mid-command moves the file aside and retries the method once on a fresh database, so a
+    corrupt cache never costs more than its contents."""
 
     @functools.wraps(method)
     def wrapper(self: StoreBase, *args: Any, **kwargs: Any) -> Any:
@@ -105,24 +104,21 @@ def guarded(method: _F) -> _F:
             try:
                 return method(self, *args, **kwargs)
             except sqlite3.Error as exc:
-                kind = error_kind(exc)
-                if kind != "corrupt":
-                    raise store_error(self.path, exc, kind) from exc
+                if error_kind(exc) != "corrupt":
+                    raise store_error(self.path, exc) from exc
                 self._recover(str(exc))
             try:
                 return method(self, *args, **kwargs)
             except sqlite3.Error as exc:
-                raise store_error(self.path, exc, error_kind(exc)) from exc
+                raise store_error(self.path, exc) from exc
 
     return wrapper  # type: ignore[return-value]
 
 
 def nothing_cached_yet(path: Path) -> bool:
-    """Whether the cache file at ``path`` does not exist yet but could be created there.
-
-    Readers skip such a cache without creating it. One that could not be created (below a
-    regular file, in a read-only directory) is opened anyway, so that the store warns once.
-    """
+    """Whether the cache file at ``path`` does not exist yet but could be created there: readers
+    skip it without creating it. One that could not be created (below a regular file, in a
+    read-only directory) is opened anyway, so that the store warns once."""
     if path.exists():
         return False
     for ancestor in path.parents:

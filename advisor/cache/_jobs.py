@@ -1,7 +1,5 @@
-"""The daemon's job queue, kept in the cache database so that queued jobs survive a restart.
-
-A job is a plain dict of the ``jobs`` table's columns, with its JSON fields decoded.
-"""
+"""The daemon's job queue, kept in the cache database so that queued jobs survive a restart. A
+job is a plain dict of the ``jobs`` table's columns, with its JSON fields decoded."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from advisor.cache._base import StoreBase, guarded
-from advisor.cache._records import Record, decode_json, json_text, utc_now
+from advisor.cache._records import Record, json_text, utc_now
 from probes import MpadviseError
 
 if TYPE_CHECKING:
@@ -80,12 +78,11 @@ class JobQueue(StoreBase):
                                      "OR requested_gpu = ?) ORDER BY created_at, rowid LIMIT 1", [slot]))
                 if not rows:
                     return None
-                reason = _undecodable(rows[0])
-                if reason is None:
+                if _decode_job(rows[0])["state"] == "queued":
                     break
                 # A row that cannot be read cannot run: fail it, and take the next one.
                 db.execute("UPDATE jobs SET state = 'failed', finished_at = ?, result = ? WHERE id = ?",
-                           [utc_now(), json_text("result", {"exit_code": None, "error": reason}), rows[0]["id"]])
+                           [utc_now(), json_text("result", _decode_job(rows[0])["result"]), rows[0]["id"]])
             db.execute("UPDATE jobs SET state = 'running', started_at = ?, gpu = ? WHERE id = ?",
                        [utc_now(), slot, rows[0]["id"]])
             return _get_job(db, rows[0]["id"])
@@ -114,12 +111,10 @@ class JobQueue(StoreBase):
 
     @guarded
     def requeue_interrupted(self, *, max_retries: int = 1) -> list[Record]:
-        """At daemon start: put back jobs that were running when the last daemon stopped.
-
-        A ``running`` job is queued again with ``attempts + 1`` while it has been retried fewer
+        """At daemon start, put back the jobs that were running when the last daemon stopped: a
+        ``running`` job is queued again with ``attempts + 1`` while it has been retried fewer
         than ``max_retries`` times, else ``interrupted`` (a job that kills the daemon cannot do
-        it forever); a ``cancelling`` one is ``cancelled``. Returns the jobs changed.
-        """
+        it forever); a ``cancelling`` one is ``cancelled``. Returns the jobs changed."""
         with self._write() as db:
             ids = [row["id"] for row in db.query("SELECT id FROM jobs WHERE state IN ('running', 'cancelling')")]
             now = utc_now()
@@ -147,26 +142,14 @@ def _get_job(db: sqlite_utils.Database, job_id: str) -> Record | None:
     return _decode_job(rows[0]) if rows else None
 
 
-def _undecodable(row: dict[str, Any]) -> str | None:
-    """Why a ``jobs`` row cannot be read as a job (a JSON column that is not JSON), or ``None``."""
-    for column in _JOB_JSON:
-        text = row.get(column)
-        if text is None:
-            continue
-        try:
-            json.loads(text)
-        except (TypeError, ValueError) as exc:
-            return f"the stored job cannot be read: its {column} column is not JSON ({exc})"
-    return None
-
-
 def _decode_job(row: dict[str, Any]) -> Record:
-    """A ``jobs`` row as a job; one that cannot be decoded is shown failed, with the reason
-    (so that listing jobs never fails on one damaged row)."""
-    reason = _undecodable(row)
-    if reason is None:
-        return decode_json(row, _JOB_JSON)
-    job = {**row, **{column: None for column in _JOB_JSON}}
-    job["state"] = "failed"
-    job["result"] = {"exit_code": None, "error": reason}
+    """A ``jobs`` row as a job. One with a JSON column that is not JSON is shown failed, with the
+    reason (so that listing jobs never fails on one damaged row)."""
+    job = dict(row)
+    for column in _JOB_JSON:
+        try:
+            job[column] = None if row[column] is None else json.loads(row[column])
+        except (TypeError, ValueError) as exc:
+            error = f"the stored job cannot be read: its {column} column is not JSON ({exc})"
+            return {**row, **dict.fromkeys(_JOB_JSON), "state": "failed", "result": {"exit_code": None, "error": error}}
     return job

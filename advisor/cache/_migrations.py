@@ -151,11 +151,9 @@ SCHEMA_VERSION = len(_MIGRATIONS)
 
 
 def migrate(db: sqlite_utils.Database) -> list[str]:
-    """Apply the migrations that ``db`` lacks, in order, and return their names.
-
-    One ``BEGIN IMMEDIATE`` holds them all, so that concurrent processes opening a fresh file
-    apply each migration exactly once. Raises UnknownSchemaError for a newer or foreign schema.
-    """
+    """Apply the migrations that ``db`` lacks, in order, and return their names. One ``BEGIN
+    IMMEDIATE`` holds them all, so that concurrent processes opening a fresh file apply each
+    migration exactly once. Raises UnknownSchemaError for a newer or foreign schema."""
     applied_now = []
     with transaction(db.conn, "BEGIN IMMEDIATE"):
         applied = _applied_migrations(db)

@@ -1,10 +1,8 @@
 """Tuned answers in the cache: record a tune's winner, find it again, tell when it no longer
-holds; and what the runtime guard saw in long runs.
-
-A lookup never raises for cache trouble: a missing, damaged, locked or read-only cache costs at
-most one warning and the run continues with the next source. The store is imported on first
-use, so that ``load_policy()`` pays for sqlite-utils only when a cache exists.
-"""
+holds; and what the runtime guard saw in long runs. A lookup never raises for cache trouble: a
+missing, damaged, locked or read-only cache costs at most one warning and the run continues
+with the next source. The store is imported on first use, so that ``load_policy()`` pays for
+sqlite-utils only when a cache exists."""
 
 from __future__ import annotations
 
@@ -48,17 +46,15 @@ def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.Pa
                 goodput: float | None, store: Store | None = None, args: Sequence[str] | None = None,
                 utilisation: dict[str, Any] | None = None,
                 reference_losses: Sequence[float] | None = None) -> int | None:
-    """Store a tune's winner for this hardware and workload, with the trials behind it.
+    """Store a tune's winner for this hardware and workload, with the trials behind it; returns
+    its id, or ``None`` when there is no usable cache (after one warning). Raises MpadviseError
+    for a field of the wrong type or shape.
 
     The policy is stored with a complete ``[tuned_on]`` record (hardware and versions from
     ``profile``; the workload facts and date already on ``policy.tuned_on`` kept), replacing an
     earlier answer for the same key. ``args`` (the script's arguments), ``utilisation``
     (TFLOP/s and MFU) and ``reference_losses`` (fp32's loss per optimizer step, which the run's
-    guard compares with) are kept in the summary when given.
-
-    Returns the new recommendation's id, or ``None`` when there is no usable cache (after one
-    warning); raises MpadviseError for a field of the wrong type or shape.
-    """
+    guard compares with) are kept in the summary when given."""
     _trials("trials", list(trials))  # checked before any cache is opened: a wrong field is a bug
     script_path = str(Path(script).resolve())
     fingerprint = hardware_fingerprint(profile)
@@ -119,12 +115,9 @@ class TunedAnswer:
 
 
 def cached_answers(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> list[TunedAnswer]:
-    """Every cached answer for this hardware and this very script file, newest first.
-
-    A script of the same name elsewhere is another workload, and misses. An entry that cannot
-    be read, or whose mode no longer runs here, is skipped with one warning; a cache that does
-    not exist yet is not created. Empty on a miss or any cache trouble.
-    """
+    """Every cached answer for this hardware and this very script file (one of the same name
+    elsewhere is another workload), newest first. An entry that cannot be read, or whose mode no
+    longer runs here, is skipped with one warning. Empty on a miss or any cache trouble."""
     path = database_path()
     store = _existing_store(path, script)
     if store is None:
@@ -157,10 +150,8 @@ def _existing_store(path: Path, script: object) -> Store | None:
 def record_guard_event(event: Mapping[str, Any], *, profile: HardwareProfile, workload_fp: str | None,
                        script: str | os.PathLike[str] | None) -> bool:
     """Write the runtime guard's ``event`` (plain data: ``GuardEvent.to_dict()``) to the cache
-    entry of this hardware, workload and script; returns whether it was stored.
-
-    A cache that cannot be written costs one warning, never the run.
-    """
+    entry of this hardware, workload and script; returns whether it was stored. A cache that
+    cannot be written costs one warning, never the run."""
     from advisor.cache._store import open_store
 
     path = database_path()
@@ -185,7 +176,8 @@ def guard_events_for(profile: HardwareProfile, script: str | os.PathLike[str] | 
         return []
     try:
         with store:
-            return store.list_guard_events(hardware_fp=hardware_fingerprint(profile), script=str(Path(script).resolve()))
+            script_path = str(Path(script).resolve())  # type: ignore[arg-type]
+            return store.list_guard_events(hardware_fp=hardware_fingerprint(profile), script=script_path)
     except (MpadviseError, OSError) as exc:
         get_logger().warning(f"reading the guard's events in {path} failed: {exc}; continuing without them")
         return []
@@ -193,7 +185,7 @@ def guard_events_for(profile: HardwareProfile, script: str | os.PathLike[str] | 
 
 def _answer(row: dict[str, Any], profile: HardwareProfile, path: Path) -> TunedAnswer | None:
     """The answer a cache row holds, or ``None`` (with a warning) when it cannot apply here."""
-    label = entry_label(row)
+    label = f"cache entry #{row['id']} (tuned {str(row['created_at'])[:10]})"  # how logs name it
     try:
         policy = policy_of(row)
     except PolicyError as exc:
@@ -223,11 +215,6 @@ def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> t
 
 def policy_of(row: dict[str, Any]) -> Policy:
     return Policy.from_dict(row["policy"], source=f"cache entry #{row['id']}")
-
-
-def entry_label(row: dict[str, Any]) -> str:
-    """``"cache entry #7 (tuned 2025-03-01)"``: how logs and commands name a cache row."""
-    return f"cache entry #{row['id']} (tuned {str(row['created_at'])[:10]})"
 
 
 @dataclass(frozen=True)

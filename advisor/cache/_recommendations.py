@@ -1,8 +1,6 @@
 """Recommendations, their trials and hardware profiles: the Store's queries, export and import.
-
 One (hardware, workload) key holds one answer: a new answer replaces the old row and its
-trials in one transaction, so a concurrent reader sees the old one or the new one, complete.
-"""
+trials in one transaction, so a concurrent reader sees the old one or the new one, complete."""
 
 from __future__ import annotations
 
@@ -150,13 +148,10 @@ class Recommendations(StoreBase):
     @guarded
     def import_validated(self, records: Sequence[Record]) -> ImportedIds:
         """Write records that :func:`~advisor.cache._records.read_export` returned, in one
-        transaction.
-
-        A record replaces the cached one for its key unless the cached one is newer (so
-        re-importing an old file never undoes a fresh local tune); its hardware profile is
+        transaction. A record replaces the cached one for its key unless the cached one is newer
+        (so re-importing an old file never undoes a fresh local tune); its hardware profile is
         stored with it. It keeps its exported id where no other entry of this cache has it, so
-        that ``#3`` means the same entry on both machines; where one has, it gets a new id.
-        """
+        that ``#3`` means the same entry on both machines; where one has, it gets a new id."""
         ids: list[tuple[int | None, int]] = []
         with self._write() as db:
             # Those whose id another entry holds go last, so that a new id given to one of them

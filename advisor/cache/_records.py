@@ -95,12 +95,10 @@ def _policy(name: str, value: Any) -> dict[str, Any]:
 
 def _timestamp(name: str, value: Any) -> str:
     """An imported timestamp in the store's one text form (UTC, microseconds)."""
-    if not isinstance(value, str):
-        raise MpadviseError(f"{name} must be an ISO 8601 timestamp, got {value!r}")
     try:
         # Python 3.10's fromisoformat does not accept the "Z" suffix.
         parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
+    except (AttributeError, TypeError, ValueError):  # not text, or not a timestamp
         raise MpadviseError(f"{name} must be an ISO 8601 timestamp, got {value!r}") from None
     if parsed.tzinfo is None:
         raise MpadviseError(f"{name} must include a time zone, got {value!r}")
@@ -147,12 +145,10 @@ def json_text(name: str, value: Any, *, require_dict: bool = False) -> str:
 
 @dataclass(frozen=True)
 class RecordField:
-    """One field of a recommendation record.
-
-    ``origin``: who gives it: the ``"caller"`` (put and import), an ``"export"`` file (on put,
-    the store) or the ``"store"``. ``not_null``: every stored record has a value. ``stored``: a
-    ``recommendations`` column, the row id, the joined ``hardware`` table, or ``trials``.
-    """
+    """One field of a recommendation record. ``origin``: who gives it: the ``"caller"`` (put and
+    import), an ``"export"`` file (on put, the store) or the ``"store"``. ``not_null``: every
+    stored record has a value. ``stored``: a ``recommendations`` column, the row id, the joined
+    ``hardware`` table, or ``trials``."""
 
     name: str
     annotation: Any
@@ -193,13 +189,10 @@ _EXPORTED_FIELDS = tuple(field.name for field in RECORD_FIELDS if field.origin !
 
 
 def validated_record(raw: Any, *, imported: bool = False) -> Record:
-    """Check a recommendation against :data:`RECORD_FIELDS`; return it normalised, with
-    ``mode`` derived from its policy.
-
-    An ``imported`` record (one of an export) brings its own ``id``, ``created_at`` and
-    ``hardware``, and may bring a ``mode``, which must agree with its policy. An error's message
-    starts with the field's name.
-    """
+    """Check a recommendation against :data:`RECORD_FIELDS`; return it normalised, with ``mode``
+    derived from its policy. An ``imported`` record (one of an export) brings its own ``id``,
+    ``created_at`` and ``hardware``, and may bring a ``mode``, which must agree with its policy.
+    An error's message starts with the field's name."""
     if not isinstance(raw, dict):
         raise MpadviseError(f"a record must be a JSON object, got {type(raw).__name__}")
     given = [field for field in RECORD_FIELDS if field.origin == "caller" or (imported and field.origin == "export")]
@@ -249,10 +242,8 @@ def export_document(rows: Iterable[Record]) -> dict[str, Any]:
 
 def read_export(source: Path, *, check: Callable[[Record], object] | None = None) -> list[Record]:
     """The records of an export file, in file order, every one validated before any is returned.
-
     ``check`` is called with each record for rules beyond its shape; raising ``MpadviseError``
-    or ``ValueError`` refuses the file. An error names the file, the record and the field.
-    """
+    or ``ValueError`` refuses the file. An error names the file, the record and the field."""
     validated = []
     for index, raw in enumerate(_export_records(source)):
         try:

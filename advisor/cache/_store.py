@@ -1,11 +1,9 @@
-"""The cache database: opening it, surviving damage, and the :class:`Store` that holds it.
-
-The one module that imports sqlite-utils. Many processes share one file: WAL mode with
+"""The cache database: opening it, surviving damage, and the :class:`Store` that holds it; the
+one module that imports sqlite-utils. Many processes share one file: WAL mode with
 ``synchronous=NORMAL``; every read-then-write in ``BEGIN IMMEDIATE`` (writers queue on the busy
 timeout instead of failing to upgrade a stale snapshot). A damaged, foreign or newer-schema file
 is moved aside to ``<name>.corrupt-<timestamp>`` (with its -wal/-shm) and replaced. The directory
-is 0700 and the files 0600: the job queue in them is run by the daemon.
-"""
+is 0700 and the files 0600: the job queue in them is run by the daemon."""
 
 from __future__ import annotations
 
@@ -42,16 +40,13 @@ EVENT_FIELDS = ("signal", "step", "tripped_at", "policy", "fallback", "action", 
 
 
 def open_store(path: Path | str | None = None) -> Store | None:
-    """Open the cache, or return ``None`` (after one warning per path) when it cannot be used.
-
-    Callers that work without a cache (``load_policy``, ``tune``) treat ``None`` as "no cache".
-    """
+    """Open the cache, or return ``None`` when it cannot be used, for callers that work without
+    one. The warning comes once per path and process: a daemon or a notebook that asks
+    repeatedly should not fill the log with the same line."""
     try:
         return Store(path)
     except MpadviseError as exc:
         key = str(path if path is not None else database_path())
-        # One warning per path and process: a daemon or a notebook that asks repeatedly
-        # should not fill the log with the same line.
         if key not in _warned_no_cache:
             _warned_no_cache.add(key)
             logger.warning("%s; continuing without the cache", exc)
@@ -59,15 +54,10 @@ def open_store(path: Path | str | None = None) -> Store | None:
 
 
 class _Unusable(Exception):
-    """The file at the path cannot serve as the cache and should be moved aside."""
-
-    def __init__(self, reason: str, identity: tuple[int, int] | None, conn: sqlite3.Connection | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.identity = identity
-        # Still open: closing it before the move would let SQLite delete or checkpoint the
-        # -wal file, destroying part of what is being kept aside.
-        self.conn = conn
+    """The file cannot serve as the cache and should be moved aside. Its ``args``: the reason,
+    the file's identity, and the connection that found the problem, still open (closing it
+    before the move would let SQLite delete or checkpoint the -wal file, destroying part of
+    what is being kept aside)."""
 
 
 def _file_identity(path: Path) -> tuple[int, int] | None:
@@ -80,12 +70,9 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
 
 class Store(Recommendations, JobQueue):
     """The mpadvise cache database (default :func:`advisor._paths.database_path`): one SQLite
-    connection, shared safely by threads.
-
-    Raises:
-        MpadviseError: the directory cannot be created, the file cannot be opened or written,
-            or it stays locked past the busy timeout (damaged files are replaced, not errors).
-    """
+    connection, shared safely by threads. Raises MpadviseError when the directory cannot be
+    created, the file cannot be opened or written, or it stays locked past the busy timeout
+    (damaged files are replaced, not errors)."""
 
     def __init__(self, path: Path | str | None = None) -> None:
         self.path = Path(path) if path is not None else database_path()
@@ -123,33 +110,29 @@ class Store(Recommendations, JobQueue):
     @guarded
     def list_guard_events(self, *, hardware_fp: str | None = None, script: str | None = None) -> list[dict[str, Any]]:
         """The guard's stored events, newest first; only this hardware's and script's where given."""
-        given = {column: value for column, value in (("hardware_fp", hardware_fp), ("script", script))
-                 if value is not None}
-        where = " AND ".join(f"{column} = ?" for column in given) or "1"
-        return list(self.db.query(f"SELECT * FROM guard_events WHERE {where} ORDER BY created_at DESC, id DESC",
-                                  list(given.values())))
+        return list(self.db.query("SELECT * FROM guard_events WHERE (:hw IS NULL OR hardware_fp = :hw) AND "
+                                  "(:script IS NULL OR script = :script) ORDER BY created_at DESC, id DESC",
+                                  {"hw": hardware_fp, "script": script}))
 
     def _open(self) -> None:
         try:
             self._db, self._identity = _connect_checked(self.path)
         except _Unusable as problem:
-            self._move_aside(problem.reason, problem.identity, problem.conn)
+            self._move_aside(*problem.args)
             try:
                 self._db, self._identity = _connect_checked(self.path)
             except _Unusable as again:
-                if again.conn is not None:
-                    again.conn.close()
+                reason, _, conn = again.args
+                if conn is not None:
+                    conn.close()
                 raise MpadviseError(f"cache database {self.path} is unusable even after starting a fresh one "
-                                    f"({again.reason}); set MPADVISE_HOME to another directory") from None
+                                    f"({reason}); set MPADVISE_HOME to another directory") from None
 
     def _move_aside(self, reason: str, identity: tuple[int, int] | None, conn: sqlite3.Connection | None = None) -> None:
-        """Rename a damaged or foreign database (with its -wal and -shm) to
-        ``<name>.corrupt-<timestamp>``.
-
-        The files are renamed while the connection that found the problem is still open, and
-        only then closed: on close SQLite checkpoints and deletes the -wal by its old name,
-        which by then no longer exists, so the moved copy keeps its WAL.
-        """
+        """Rename a damaged or foreign database (with its -wal and -shm) to ``<name>.corrupt-<time>``,
+        while the connection that found the problem is still open, and only then close it: on
+        close SQLite checkpoints and deletes the -wal by its old name, which by then no longer
+        exists, so the moved copy keeps its WAL."""
         path = self.path
         try:
             current = _file_identity(path)
@@ -181,11 +164,9 @@ class Store(Recommendations, JobQueue):
 
 
 def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int] | None]:
-    """Connect to ``path``, configure and verify, retrying while other processes hold locks.
-
-    Returns the database and the identity (device, inode) of the file it opened; raises
-    ``_Unusable`` for a damaged, foreign or newer file, MpadviseError when it cannot be opened.
-    """
+    """Connect to ``path``, configure and verify, retrying while other processes hold locks:
+    the database and the identity (device, inode) of the file it opened. Raises ``_Unusable``
+    for a damaged, foreign or newer file, MpadviseError when it cannot be opened."""
     started = time.monotonic()
     deadline = started + BUSY_TIMEOUT_S
     while True:
@@ -197,7 +178,6 @@ def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int]
             # writes), never opened behind our back by the sqlite3 module.
             conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
             db = sqlite_utils.Database(conn, execute_plugins=False)
-            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             db.enable_wal()
             if db.journal_mode != "wal" and time.monotonic() < started + _WAL_PATIENCE_S:
                 # SQLite answers a journal-mode switch it cannot lock for with the old
@@ -231,7 +211,7 @@ def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int]
                 # and start over, within the same overall timeout.
                 time.sleep(random.uniform(0.01, 0.05))
                 continue
-            raise store_error(path, exc, kind) from exc
+            raise store_error(path, exc) from exc
 
 
 def _check_files(path: Path) -> None:

@@ -58,16 +58,13 @@ def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None
 
 
 class AnswerCache:
-    """Encoded ``GET /recommendations`` answers, valid until anyone commits to the database.
-
+    """Encoded ``GET /recommendations`` answers, valid until anyone commits to the database:
     SQLite's ``PRAGMA data_version`` changes when another connection commits, and costs a few
-    microseconds against the query and the JSON work. ``store`` must be only read from (its
-    own writes would not change it). Past ``max_entries`` distinct queries it starts afresh.
-    """
+    microseconds against the query and the JSON work. ``store`` must be only read from (its own
+    writes would not change it). Past 256 distinct queries it starts afresh."""
 
-    def __init__(self, store: Store, max_entries: int = 256) -> None:
+    def __init__(self, store: Store) -> None:
         self._store = store
-        self._max = max_entries
         self._answers: dict[Any, bytes] = {}
         self._version: int | None = None
 
@@ -85,7 +82,7 @@ class AnswerCache:
     def put(self, key: Any, body: bytes) -> None:
         if self._version is None:
             return
-        if len(self._answers) >= self._max:
+        if len(self._answers) >= 256:
             self._answers.clear()
         self._answers[key] = body
 

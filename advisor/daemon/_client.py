@@ -227,11 +227,9 @@ class DaemonClient:
 
 
 def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> None:
-    """Refuse to send the token where ``daemon.json`` says unless it is surely our daemon.
-
-    ``daemon.json`` is only as trustworthy as the directory it lies in, so the token goes only
-    to a loopback address or to a Unix socket this user owns (the daemon creates it 0600).
-    """
+    """Refuse to send the token where ``daemon.json`` says unless it is surely our daemon: that
+    file is only as trustworthy as its directory, so the token goes only to a loopback address
+    or to a Unix socket this user owns (the daemon creates it 0600)."""
     if address.get("uds"):
         with contextlib.suppress(OSError):
             status = os.lstat(address["uds"])

@@ -41,12 +41,10 @@ logger = logging.getLogger("mpadvise.daemon")
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    """How the daemon listens and what it may run.
-
-    ``port`` 0 lets the system pick (written to ``daemon.json``); ``uds`` serves on a 0600 Unix
-    socket instead of TCP; a job's paths must lie under ``allowed_roots`` (empty: the home
-    directory); finished jobs older than ``job_retention_days`` are deleted with their files.
-    """
+    """How the daemon listens and what it may run: ``port`` 0 lets the system pick (written to
+    ``daemon.json``); ``uds`` serves on a 0600 Unix socket instead of TCP; a job's paths must lie
+    under ``allowed_roots`` (empty: the home directory); finished jobs older than
+    ``job_retention_days`` are deleted with their files."""
 
     host: str = "127.0.0.1"
     port: int = 8757

@@ -53,13 +53,10 @@ def tune_argv(request: str | os.PathLike[str], result: str | os.PathLike[str], *
 
 
 def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
-    """The tune a stored job asks for on ``slot``, and the directory it runs in (its own, else
-    the script's).
-
-    The script's plan is made here, as ``mpadvise tune`` makes it. Raises MpadviseError for
-    stored options out of bounds, an unreadable script, an unknown framework or mode, or an
-    unusable storage setting.
-    """
+    """The tune a stored job asks for on ``slot`` (its plan made as ``mpadvise tune`` makes it),
+    and the directory it runs in (its own, else the script's). Raises MpadviseError for stored
+    options out of bounds, an unreadable script, an unknown framework or mode, or an unusable
+    storage setting."""
     stored = dict(job.get("options") or {})
     cwd = stored.pop("cwd", None) or os.path.dirname(job["script"])  # kept beside the options
     # The slot, whatever the job said. A study's URL (with its password) comes from the
@@ -78,10 +75,8 @@ def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
 
 def path_refusal(what: str, raw: Any, roots: Sequence[Path], want: PathKind) -> tuple[int, str] | None:
     """Why a job's path may not be used under ``roots``: an HTTP status and one line; or ``None``.
-
     The one rule, at submission and again when a job is claimed: an absolute path whose real
-    path lies under an allowed root (else 403), and is what ``want`` says (else 422).
-    """
+    path lies under an allowed root (else 403), and is what ``want`` says (else 422)."""
     if not isinstance(raw, str) or not os.path.isabs(raw):
         return 422, f"{what} {raw!r} is not absolute; send the full path (the daemon's working directory is not yours)"
     try:
@@ -117,22 +112,14 @@ def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
     return None
 
 
-def job_env(job_id: str, tmp: Path | None = None) -> dict[str, str]:
+def job_env(job_id: str, tmp: Path) -> dict[str, str]:
     """The environment of a job's process: the daemon's, marked with the job (so that every
-    process of it can be found), waiting for an idle GPU before each trial, with ``tmp`` as its
-    private temporary directory.
-
-    The daemon's environment is inherited on purpose: a secret set there (a study's
-    ``MPADVISE_STORAGE`` URL, an API key) reaches the job without appearing in its arguments,
-    which every user of the machine can read in ``ps``.
-    """
-    env = dict(os.environ)
-    env[JOB_ENV] = job_id
-    if tmp is not None:
-        env["TMPDIR"] = env["TMP"] = env["TEMP"] = str(tmp)
-    env[WAIT_IDLE_ENV] = "1"  # and before every trial, not only before the tune starts
-    env.pop("MPADVISE_POLICY", None)
-    return env
+    process of it can be found), waiting for an idle GPU before each trial (not only before the
+    tune starts), with ``tmp`` as its private temporary directory. The daemon's environment is
+    inherited on purpose: a secret set there (a study's ``MPADVISE_STORAGE`` URL, an API key)
+    reaches the job without appearing in its arguments, which every user can read in ``ps``."""
+    env = {name: value for name, value in os.environ.items() if name != "MPADVISE_POLICY"}
+    return {**env, JOB_ENV: job_id, "TMPDIR": str(tmp), "TMP": str(tmp), "TEMP": str(tmp), WAIT_IDLE_ENV: "1"}
 
 
 class LogTail:
@@ -177,17 +164,6 @@ class JobFiles:
         self.result = directory / f"{job_id}.result.json"
         self.tmp = directory / JOB_TMP / job_id
 
-    def write_request(self, request: TuneRequest) -> None:
-        self.remove()
-        with os.fdopen(open_private_new(self.request), "w", encoding="utf-8") as out:
-            json.dump(request.to_dict(), out)
-
-    def make_tmp(self) -> Path:
-        ensure_private_dir(self.tmp.parent)
-        remove_tree(self.tmp)
-        os.mkdir(self.tmp, 0o700)
-        return self.tmp
-
     def remove(self, *, log: bool = False) -> None:
         """Remove the request, the result and the temporary directory; the log too with ``log``."""
         for path in (self.request, self.result, self.tmp, *((self.log,) if log else ())):
@@ -218,17 +194,20 @@ class JobRun:
             self.store.finish_job(job_id, state="failed", result={"exit_code": exc.exit_code, "error": str(exc)})
             return
         files = JobFiles(runner.jobs_dir, job_id)
-        files.write_request(request)
+        files.remove()  # what an earlier attempt left
+        with os.fdopen(open_private_new(files.request), "w", encoding="utf-8") as out:
+            json.dump(request.to_dict(), out)
         tail = LogTail()
         self.state.phase = "running"
         # The arguments can hold secrets (keys, tokens): the log names the job, not its command.
         logger.info("job %s started on %s: %s", job_id, self.slot.name, self.job["script"])
         try:
-            tmp = files.make_tmp()
+            ensure_private_dir(files.tmp.parent)
+            os.mkdir(files.tmp, 0o700)
             with open_job_log(files.log) as log:
                 process = subprocess.Popen(
                     tune_argv(files.request, files.result, python=runner.python), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=job_env(job_id, tmp),
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=job_env(job_id, files.tmp),
                     start_new_session=True,  # its own group: a cancel kills it without touching us
                 )
                 pump = threading.Thread(target=_pump_output, args=(process.stdout, tail, log), daemon=True)

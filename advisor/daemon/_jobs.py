@@ -48,12 +48,10 @@ class SlotState:
 @dataclass
 class JobRunner:
     """One worker thread per slot: claim the oldest job, wait for an idle GPU, run the tune.
-
     ``busy`` gives the PIDs computing on a slot's GPU (NVML). Finished jobs older than
     ``retention_s`` are deleted at start and every ``prune_every_s`` (``None`` keeps them). Each
     job's paths are checked against ``roots`` again when it is claimed, since whoever can write
-    the queue could have put it there (``None``, in tests only, skips that check).
-    """
+    the queue could have put it there (``None``, in tests only, skips that check)."""
 
     store: Store
     slots: Sequence[Slot]

@@ -50,12 +50,10 @@ _WIRE_NOTES = {"out": "Absolute, under an allowed root."}
 
 
 def _job_options_model() -> type[BaseModel]:
-    """The ``options`` of a job request, built from the fields of :class:`TuneOptions`.
-
-    Names, defaults, help, lower bounds and the limits of a job all come from the dataclass, so
-    the wire cannot drift from ``mpadvise tune``; only the wire types of text fields are the
-    daemon's. Strict: no coercion, no unknown fields, no NaN or infinity.
-    """
+    """The ``options`` of a job request, built from the fields of :class:`TuneOptions`: names,
+    defaults, help, lower bounds and the limits of a job all come from the dataclass, so the
+    wire cannot drift from ``mpadvise tune``; only the wire types of text fields are the
+    daemon's. Strict: no coercion, no unknown fields, no NaN or infinity."""
     options = [option for option in option_info() if option.job]
     stray = set(_WIRE_TYPES) - {option.name for option in options}
     if stray:

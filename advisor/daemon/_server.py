@@ -57,12 +57,10 @@ def acquire_lock(path: Path) -> int:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Replace ``path`` atomically with ``text``, mode 0600, through a new temporary file.
-
-    The temporary file is created exclusively and never through a symlink, so nothing planted
-    under its name can redirect the write; one left by a crashed process of the same pid is
-    removed first (unlink removes a link, not its target).
-    """
+    """Replace ``path`` atomically with ``text``, mode 0600, through a new temporary file created
+    exclusively and never through a symlink, so nothing planted under its name can redirect the
+    write; one left by a crashed process of the same pid is removed first (unlink removes a
+    link, not its target)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
