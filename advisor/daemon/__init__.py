@@ -13,18 +13,10 @@ from __future__ import annotations
 
 from advisor._lazy import lazy_surface
 
-# Each exported name, and the module that defines it (imported on first use).
 _EXPORTS = {
-    "DaemonClient": "_client",
-    "DaemonPaths": "_client",
-    "daemon_running": "_client",
-    "finished_tune": "_client",
-    "read_token": "_client",
-    "tune_job_body": "_client",
-    "DAEMON_LOGS_KEPT": "_config",
-    "MAX_DAEMON_LOG_BYTES": "_config",
-    "DaemonConfig": "_config",
-    "check_bind": "_config",
+    **dict.fromkeys(("DaemonClient", "DaemonPaths", "daemon_running", "finished_tune", "read_token",
+                     "tune_job_body"), "_client"),
+    **dict.fromkeys(("DAEMON_LOGS_KEPT", "MAX_DAEMON_LOG_BYTES", "DaemonConfig", "check_bind"), "_config"),
     "serve": "_server",
 }
 

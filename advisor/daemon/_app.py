@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
@@ -24,8 +24,7 @@ from advisor._version import __version__
 from advisor.cache import FINISHED_JOB_STATES, HARDWARE_FP_PATTERN, WORKLOAD_FP_PATTERN, Store
 from advisor.daemon import _models as models
 from advisor.daemon._config import MAX_QUEUED_JOBS, MAX_TEXT, loopback_address, utc_now_seconds
-from advisor.daemon._job import PathKind, path_refusal
-from advisor.daemon._jobs import JobRunner
+from advisor.daemon._jobs import JobRunner, PathKind, path_refusal
 from probes import MpadviseError
 
 if TYPE_CHECKING:
@@ -165,26 +164,16 @@ def _loopback_host_header(host: bytes | None) -> bool:
 _bearer = HTTPBearer(auto_error=False, description="The contents of daemon.token in the cache directory.")
 
 
-def _check_token(request: Request, given: str | None) -> None:
-    if given is None:
-        raise HTTPException(401, "this request needs `Authorization: Bearer <token>`; the token is in "
-                                 "daemon.token in the cache directory", headers={"WWW-Authenticate": "Bearer"})
-    if not hmac.compare_digest(given.encode("utf-8", "replace"), request.app.state.daemon.token.encode()):
-        raise HTTPException(403, "wrong token; read it again from daemon.token in the cache directory "
-                                 "(it changes when the file is deleted)")
-
-
-async def _require_token(
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-) -> None:
-    _check_token(request, None if credentials is None else credentials.credentials)
-
-
-async def _require_read(request: Request) -> None:
-    """The bearer token, for every read but ``GET /health``: reads show a job's arguments,
+async def _require_token(request: Request) -> None:
+    """The bearer token, for every request but ``GET /health``: reads show a job's arguments,
     directory and log, which can hold secrets."""
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    _check_token(request, given.strip() if scheme.lower() == "bearer" and given else None)
+    if scheme.lower() != "bearer" or not given:
+        raise HTTPException(401, "this request needs `Authorization: Bearer <token>`; the token is in "
+                                 "daemon.token in the cache directory", headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(given.strip().encode("utf-8", "replace"), request.app.state.daemon.token.encode()):
+        raise HTTPException(403, "wrong token; read it again from daemon.token in the cache directory "
+                                 "(it changes when the file is deleted)")
 
 
 # The routes, added to each application by create_app in this order (the OpenAPI document's).
@@ -217,12 +206,11 @@ def create_app(state: DaemonState) -> FastAPI:
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    runner = _state(app).runner
-    runner.start()
+    _state(app).runner.start()
     try:
         yield
     finally:
-        runner.stop()
+        _state(app).runner.stop()
 
 
 def _state(app: Any) -> DaemonState:
@@ -258,8 +246,8 @@ async def _store_error(_: Request, exc: MpadviseError) -> Response:
     return _json({"detail": str(exc)}, 503)
 
 
-_READ = [Depends(_require_read)]
-_CHANGE = [Depends(_require_token)]
+_READ = [Depends(_require_token)]
+_CHANGE = [Depends(_bearer), Depends(_require_token)]  # _bearer: the token in the OpenAPI document
 
 
 @_router.get("/health", response_model=models.Health, tags=["service"], responses=models.error_responses(400))
@@ -300,7 +288,7 @@ async def recommendations(
     """Cached recommendations, newest first, filtered by workload, script and hardware."""
     # Called here rather than as a dependency: the hottest path, and FastAPI's dependency
     # resolution costs a tenth of a request.
-    await _require_read(request)
+    await _require_token(request)
     state = _state(request.app)
     key = (workload, script, hardware, trials, limit)
     body = state.answers.get(key)

@@ -113,7 +113,7 @@ class DaemonClient:
         self.roots: list[Path] = []  # where the daemon lets jobs run (from daemon.json)
 
     @classmethod
-    def local(cls, *, need_token: bool = False, timeout: float = 10.0) -> DaemonClient:
+    def local(cls, *, need_token: bool = False) -> DaemonClient:
         """The daemon of this cache directory, as its ``daemon.json`` says (with the token when
         ``need_token``)."""
         paths = DaemonPaths.here()
@@ -124,32 +124,27 @@ class DaemonClient:
         if not isinstance(address, dict) or not (address.get("url") or address.get("uds")) or not daemon_running(paths):
             raise MpadviseError(f"no mpadvise daemon is running for {paths.directory}; start one with "
                                 "`mpadvise daemon start` (with the same MPADVISE_HOME)")
-        token = None
         if need_token:
             _check_token_destination(address, paths)
-            token = read_token(paths.token)
-        client = cls.for_address(address, token=token, timeout=timeout)
+        client = cls.for_address(address, token=read_token(paths.token) if need_token else None)
         client.roots = [Path(root) for root in address.get("roots") or []]
         return client
 
     @classmethod
-    def for_address(cls, address: dict[str, Any], *, token: str | None = None, timeout: float = 10.0) -> DaemonClient:
+    def for_address(cls, address: dict[str, Any], *, token: str | None = None) -> DaemonClient:
         """A client of the daemon that wrote ``address`` (its ``daemon.json``), from this machine;
         a wildcard bind (``0.0.0.0``, ``::``) is reached through that family's loopback."""
         if address.get("uds"):
-            return cls(uds=address["uds"], token=token, timeout=timeout)
-        return cls(url=local_url(str(address["url"])), token=token, timeout=timeout)
+            return cls(uds=address["uds"], token=token)
+        return cls(url=local_url(str(address["url"])), token=token)
 
     @property
     def where(self) -> str:
         return self.url if self.url is not None else f"unix socket {self.uds}"
 
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        headers = {"Accept": "application/json"}
-        payload = None
-        if body is not None:
-            payload = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
+        payload = None if body is None else json.dumps(body).encode()
+        headers = {"Accept": "application/json", "Content-Type": "application/json"}
         if self.token:  # every request but GET /health needs it
             headers["Authorization"] = f"Bearer {self.token}"
         if self.uds is not None:
@@ -179,9 +174,8 @@ class DaemonClient:
             return data
         detail = data.get("detail") if isinstance(data, dict) else data
         if isinstance(detail, list):  # a validation error list, joined into one line
-            detail = "; ".join(
-                f"{'.'.join(str(p) for p in d.get('loc', [])[1:]) or 'body'}: {d.get('msg')}" for d in detail
-            )
+            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])[1:])) or 'body'}: {d.get('msg')}"
+                               for d in detail)
         # Refused requests (bad options, a path outside the roots) are usage errors.
         code = 2 if status in (400, 403, 413, 422) else 1
         raise MpadviseError(f"the daemon refused {method} {path} (HTTP {status}): {detail}", exit_code=code)
@@ -208,8 +202,7 @@ class DaemonClient:
                poll_s: float = 1.0) -> dict[str, Any]:
         """Look at a job every ``poll_s`` seconds until it finishes; ``on_line`` gets each new line
         of the tune's stderr once, ``on_waiting`` each new message of a job waiting for its GPU."""
-        seen = 0
-        waiting_shown = None
+        seen, waiting_shown = 0, None
         while job["state"] not in FINISHED_JOB_STATES:
             time.sleep(poll_s)
             job = self.job(job["id"])

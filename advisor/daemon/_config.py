@@ -14,16 +14,6 @@ from pathlib import Path
 
 from probes import MpadviseError
 
-# A request's line and headers together: a client cannot make the daemon buffer more (431).
-MAX_HEADER_BYTES = 64 * 1024
-# A connection must deliver a whole request (line, headers, body) this many seconds after it
-# opens or after the previous answer, else it is closed: an idle or dribbling client cannot
-# hold a connection, and the descriptor behind it, for longer.
-REQUEST_TIMEOUT_S = 10.0
-# Connections open at once, at most; and descriptors kept out of their reach for the database,
-# the job logs and the jobs' pipes (see connection_limit).
-MAX_CONNECTIONS = 256
-RESERVED_DESCRIPTORS = 256
 MAX_ARGS = 256
 MAX_TEXT = 4096
 # Jobs waiting at once: past this, POST /jobs answers 429 (a client cannot grow the queue,
@@ -107,15 +97,6 @@ def check_bind(host: str, *, allow_remote: bool) -> str | None:
     return (f"serving on {host}, reachable from other machines: every request except GET /health "
             "needs the token, and anyone holding it can run scripts under the allowed roots as "
             f"{user}; prefer 127.0.0.1 with an SSH tunnel")
-
-
-def connection_limit(soft_descriptors: int) -> int:
-    """How many connections the daemon keeps open at once, given ``RLIMIT_NOFILE``'s soft limit:
-    at most :data:`MAX_CONNECTIONS`, and at most half of what remains once
-    :data:`RESERVED_DESCRIPTORS` are set aside for the database, the logs and the jobs."""
-    if soft_descriptors < 0:  # RLIM_INFINITY
-        return MAX_CONNECTIONS
-    return max(1, min(MAX_CONNECTIONS, (soft_descriptors - RESERVED_DESCRIPTORS) // 2, soft_descriptors // 4))
 
 
 def under_roots(path: Path, roots: Sequence[Path]) -> bool:

@@ -95,9 +95,6 @@ class JobRequest(BaseModel):
     cwd: Text | None = Field(None, description="Working directory (absolute, under an allowed root); default: the script's.")
 
 
-# Answers
-
-
 class SlotInfo(BaseModel):
     name: str
     uuid: str | None = None
