@@ -7,12 +7,12 @@ from __future__ import annotations
 from advisor._lazy import lazy_surface
 
 _EXPORTS = {
-    **dict.fromkeys(("EXPORT_FORMAT", "EXPORT_FORMAT_VERSION", "HARDWARE_FP_PATTERN", "RECORD_FIELDS",
-                     "TRIAL_FIELDS", "WORKLOAD_FP_PATTERN", "Record", "RecordField", "read_export"), "_records"),
+    **dict.fromkeys(("EXPORT_FORMAT", "EXPORT_FORMAT_VERSION", "FINISHED_JOB_STATES", "HARDWARE_FP_PATTERN",
+                     "JOB_STATES", "RECORD_FIELDS", "TRIAL_FIELDS", "WORKLOAD_FP_PATTERN", "Record",
+                     "RecordField", "read_export"), "_records"),
     **dict.fromkeys(("TunedAnswer", "cached_answers", "entry_status", "guard_events_for", "lookup",
                      "record_guard_event", "record_tune"), "_recommend"),
     **dict.fromkeys(("EVENT_FIELDS", "Store", "open_store"), "_store"),
-    **dict.fromkeys(("FINISHED_JOB_STATES", "JOB_STATES"), "_jobs"),
     "nothing_cached_yet": "_base",
 }
 

@@ -69,15 +69,13 @@ class StoreBase:
     path: Path
     _lock: threading.RLock
     _db: sqlite_utils.Database | None
+    _recover: Callable[[str], None]  # move a damaged file aside and reopen (the Store's)
 
     @property
     def db(self) -> sqlite_utils.Database:
         if self._db is None:
             raise MpadviseError(f"the cache database {self.path} is closed")
         return self._db
-
-    def _recover(self, reason: str) -> None:
-        raise NotImplementedError
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite_utils.Database]:

@@ -157,9 +157,8 @@ def migrate(db: sqlite_utils.Database) -> list[str]:
     applied_now = []
     with transaction(db.conn, "BEGIN IMMEDIATE"):
         applied = _applied_migrations(db)
-        migrations = db.table("_migrations")
-        if not migrations.exists():
-            migrations.create({"name": str, "applied_at": str}, pk="name")
+        migrations = db.table("_migrations").create({"name": str, "applied_at": str}, pk="name",
+                                                     if_not_exists=True)
         for version, (name, function) in enumerate(_MIGRATIONS, start=1):
             if name not in applied:
                 function(db)
@@ -184,8 +183,7 @@ def _applied_migrations(db: sqlite_utils.Database) -> set[str]:
             raise UnknownSchemaError(f"it holds tables ({', '.join(sorted(tables))}) but no mpadvise schema record")
         return set()
     applied = {row[0] for row in db.execute("SELECT name FROM _migrations")}
-    known = {name for name, _ in _MIGRATIONS}
-    unknown = sorted(applied - known)
+    unknown = sorted(applied - {name for name, _ in _MIGRATIONS})
     if unknown or version > len(_MIGRATIONS):
         detail = f"migrations {', '.join(unknown)}" if unknown else f"user_version {version}"
         raise UnknownSchemaError(f"its schema is newer than this mpadvise understands ({detail}; this version "

@@ -6,6 +6,7 @@ sqlite-utils only when a cache exists."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -47,14 +48,12 @@ def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.Pa
                 utilisation: dict[str, Any] | None = None,
                 reference_losses: Sequence[float] | None = None) -> int | None:
     """Store a tune's winner for this hardware and workload, with the trials behind it; returns
-    its id, or ``None`` when there is no usable cache (after one warning). Raises MpadviseError
-    for a field of the wrong type or shape.
+    its id, or ``None`` when there is no usable cache (after one warning).
 
-    The policy is stored with a complete ``[tuned_on]`` record (hardware and versions from
-    ``profile``; the workload facts and date already on ``policy.tuned_on`` kept), replacing an
-    earlier answer for the same key. ``args`` (the script's arguments), ``utilisation``
-    (TFLOP/s and MFU) and ``reference_losses`` (fp32's loss per optimizer step, which the run's
-    guard compares with) are kept in the summary when given."""
+    The policy gets a complete ``[tuned_on]`` record (hardware and versions from ``profile``;
+    the workload facts and date already on ``policy.tuned_on`` kept). ``args``, ``utilisation``
+    (TFLOP/s and MFU) and ``reference_losses`` (fp32's loss per optimizer step, for the run's
+    guard) are kept in the summary when given."""
     _trials("trials", list(trials))  # checked before any cache is opened: a wrong field is a bug
     script_path = str(Path(script).resolve())
     fingerprint = hardware_fingerprint(profile)
@@ -78,14 +77,14 @@ def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.Pa
         summary["utilisation"] = dict(utilisation)
     if reference_losses is not None:
         summary["fp32_losses"] = [float(v) if math.isfinite(v) else None for v in reference_losses]
-    owned = store is None
-    if store is None:
-        from advisor.cache._store import open_store
-
-        store = open_store()
+    with contextlib.ExitStack() as opened:
         if store is None:
-            return None
-    try:
+            from advisor.cache._store import open_store
+
+            store = open_store()
+            if store is None:
+                return None
+            opened.enter_context(store)
         store.put_hardware(fingerprint, {name: value for name, value in profile.to_dict().items()
                                          if name not in _MOMENTARY_PROFILE_FIELDS})
         return store.put_recommendation(
@@ -96,9 +95,6 @@ def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.Pa
             goodput=goodput if goodput is not None else 0.0, versions=versions_of(profile), summary=summary,
             trials=[dict(trial) for trial in trials],
         )
-    finally:
-        if owned:
-            store.close()
 
 
 @dataclass(frozen=True)
@@ -132,8 +128,7 @@ def cached_answers(profile: HardwareProfile, script: str | os.PathLike[str] | No
         # ValueError: a row whose JSON was damaged by hand. A cache must never stop training.
         get_logger().warning(f"cache lookup in {path} failed: {exc}; continuing without the cache")
         return []
-    answers = [_answer(row, profile, path) for row in rows]
-    return [answer for answer in answers if answer is not None]
+    return [answer for answer in (_answer(row, profile, path) for row in rows) if answer is not None]
 
 
 def _existing_store(path: Path, script: object) -> Store | None:

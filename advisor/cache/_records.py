@@ -20,6 +20,10 @@ Record = dict[str, Any]
 EXPORT_FORMAT = "mpadvise-recommendations"
 EXPORT_FORMAT_VERSION = 1
 
+# The daemon's jobs, kept in the Store.
+JOB_STATES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled", "interrupted")
+FINISHED_JOB_STATES = ("succeeded", "failed", "cancelled", "interrupted")
+
 TRIAL_FIELDS = ("number", "mode", "params", "outcome", "verdict", "reason", "goodput", "metrics")
 _TRIAL_JSON = ("params", "metrics")
 
@@ -31,8 +35,7 @@ HARDWARE_FP_PATTERN = re.compile(r"[A-Za-z0-9][\x21-\x7e]{0,255}")
 
 
 def utc_now() -> str:
-    """The current time in the store's one timestamp form (UTC, ISO 8601, microseconds), so
-    that timestamps compare as text."""
+    """The current time in the store's one form (UTC, ISO 8601, microseconds): it sorts as text."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
 
 
@@ -128,8 +131,7 @@ def _trials(name: str, value: Any) -> list[dict[str, Any]]:
 
 
 def encoded(value: Any) -> str:
-    """``value`` as the store's JSON text: sorted keys, no NaN or infinity (SQLite's JSON
-    functions refuse them)."""
+    """``value`` as the store's JSON: sorted keys, no NaN or infinity (SQLite's JSON refuses them)."""
     return json.dumps(value, sort_keys=True, allow_nan=False)
 
 
@@ -158,10 +160,6 @@ class RecordField:
     not_null: bool = False
     stored: Literal["row", "id", "hardware", "trials"] = "row"
 
-    @property
-    def is_json(self) -> bool:
-        return (get_origin(self.annotation) or self.annotation) in (dict, list)
-
 
 RECORD_FIELDS: tuple[RecordField, ...] = (
     # Exported, so that an import can keep an entry's id where it is free (the store assigns
@@ -184,7 +182,8 @@ RECORD_FIELDS: tuple[RecordField, ...] = (
 )
 
 _ROW_COLUMNS = tuple(field for field in RECORD_FIELDS if field.stored == "row")
-_JSON_FIELDS = tuple(field.name for field in RECORD_FIELDS if field.is_json)
+_JSON_FIELDS = tuple(field.name for field in RECORD_FIELDS if (get_origin(field.annotation) or field.annotation)
+                     in (dict, list))
 _EXPORTED_FIELDS = tuple(field.name for field in RECORD_FIELDS if field.origin != "store")
 
 
@@ -208,7 +207,8 @@ def validated_record(raw: Any, *, imported: bool = False) -> Record:
 
 
 def recommendation_row(record: Record) -> dict[str, Any]:
-    return {field.name: encoded(record[field.name]) if field.is_json else record[field.name] for field in _ROW_COLUMNS}
+    return {name: encoded(record[name]) if name in _JSON_FIELDS else record[name]
+            for name in (field.name for field in _ROW_COLUMNS)}
 
 
 def trial_rows(recommendation_id: int, trials: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -87,8 +87,7 @@ class AnswerCache:
 
 
 class _Guard:
-    """ASGI middleware: Host check for loopback clients, and the body size limit (413). Plain
-    ASGI: it adds nothing measurable to a GET, and refuses a large body before the app reads it."""
+    """ASGI middleware (nothing measurable on a GET): the Host check, and the body size limit."""
 
     def __init__(self, app: Any, *, max_body: int, check_host: bool, local_only: bool = True) -> None:
         self.app = app
@@ -140,8 +139,8 @@ class _Guard:
         await self.app(scope, replay, send)
 
     def _from_loopback(self, scope: dict[str, Any]) -> bool:
-        """Whether the Host check applies: every client when serving loopback only, else a
-        loopback one (a remote client names this machine however it reaches it)."""
+        """Whether the Host check applies: to every client when serving loopback only, else to
+        loopback ones (a remote client names this machine however it reaches it)."""
         client = scope.get("client")
         return self.local_only or not client or not client[0] or loopback_address(str(client[0]))
 
@@ -183,8 +182,7 @@ _router = APIRouter()
 
 
 def create_app(state: DaemonState) -> FastAPI:
-    """The ASGI app over ``state`` (with the Host and body-size guard around it); its lifespan
-    starts and stops the job runner."""
+    """The ASGI app over ``state``, in the Host and body-size guard; its lifespan runs the runner."""
     app = FastAPI(
         title="mpadvise daemon", version=__version__,
         summary="Cached precision recommendations and queued tune jobs for this machine.",
@@ -198,8 +196,7 @@ def create_app(state: DaemonState) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(MpadviseError, _store_error)  # type: ignore[arg-type]
     app.router.routes.extend(_router.routes)
-    # The Host check stops DNS rebinding (a web page reaching the loopback under its own name);
-    # it holds for loopback clients even when remote ones are allowed.
+    # The Host check stops DNS rebinding (a web page reaching the loopback under its own name).
     return _Guard(app, max_body=state.config.max_body_bytes,  # type: ignore[return-value]
                   check_host=state.config.uds is None, local_only=state.local_only)
 

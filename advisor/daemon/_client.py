@@ -8,7 +8,6 @@ import contextlib
 import errno
 import fcntl
 import http.client
-import ipaddress
 import json
 import os
 import socket
@@ -44,8 +43,7 @@ class DaemonPaths:
 
 
 def read_token(path: Path) -> str:
-    """Read the token file, refusing one that is missing, empty, a symlink, someone else's, or
-    readable by others."""
+    """The token file's text; refused when missing, empty, a symlink, another's, or not 0600."""
     try:
         # O_NOFOLLOW and fstat: the checks below are of the file read, not of a link's target.
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as handle:
@@ -114,8 +112,7 @@ class DaemonClient:
 
     @classmethod
     def local(cls, *, need_token: bool = False) -> DaemonClient:
-        """The daemon of this cache directory, as its ``daemon.json`` says (with the token when
-        ``need_token``)."""
+        """The daemon of this cache directory, as its ``daemon.json`` says; with the token if asked."""
         paths = DaemonPaths.here()
         try:
             address = json.loads(paths.address.read_text())
@@ -241,13 +238,9 @@ def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> Non
 def local_url(url: str) -> str:
     """``url`` with a wildcard host (``0.0.0.0``, ``::``) replaced by that family's loopback."""
     parts = urlsplit(url)
-    try:
-        wildcard = parts.hostname is not None and ipaddress.ip_address(parts.hostname).is_unspecified
-    except ValueError:
-        wildcard = False
-    if not wildcard:
+    if parts.hostname not in ("0.0.0.0", "::"):  # as the daemon writes them (getsockname)
         return url
-    loopback = "[::1]" if ":" in (parts.hostname or "") else "127.0.0.1"
+    loopback = "[::1]" if parts.hostname == "::" else "127.0.0.1"
     return parts._replace(netloc=f"{loopback}:{parts.port}" if parts.port else loopback).geturl()
 
 

@@ -59,9 +59,9 @@ def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
     storage setting."""
     stored = dict(job.get("options") or {})
     cwd = stored.pop("cwd", None) or os.path.dirname(job["script"])  # kept beside the options
-    # The slot, whatever the job said. A study's URL (with its password) comes from the
-    # daemon's own environment, as `mpadvise tune` takes it from the user's: it travels in the
-    # private request file, never in a job's arguments, which every user can read in `ps`.
+    # The slot, whatever the job said. A study's URL (with its password) comes from the daemon's
+    # environment, as `mpadvise tune` takes it from the user's: it travels in the private
+    # request file, never in a job's arguments, which every user can read in `ps`.
     options = TuneOptions.from_dict(stored).with_(device=slot, storage=resolve_storage(None, os.environ))
     if job.get("attempts") and not options.fresh:
         # A job run again (its daemon stopped mid-tune) continues its own study: the finished
@@ -99,8 +99,7 @@ def path_refusal(what: str, raw: Any, roots: Sequence[Path], want: PathKind) -> 
 
 
 def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
-    """Why a queued job (its script, and its ``cwd`` and ``--out`` if any) may not run under
-    ``roots``, or ``None`` when it may."""
+    """Why a queued job's script, ``cwd`` or ``--out`` may not be used under ``roots``, or ``None``."""
     options = job.get("options") or {}
     checks: list[tuple[str, Any, PathKind]] = [("script", job.get("script"), "file"),
                                                ("cwd", options.get("cwd"), "dir"),
@@ -153,8 +152,7 @@ class LogTail:
 
 
 class JobFiles:
-    """A job's files: its log (kept), its request and result, and its private temporary
-    directory (removed once the job has ended)."""
+    """A job's log (kept), request, result and private temporary directory (removed at its end)."""
 
     def __init__(self, directory: Path, job_id: str) -> None:
         self.log = directory / f"{job_id}.log"
@@ -195,11 +193,11 @@ class SlotState:
 
 @dataclass
 class JobRunner:
-    """One worker thread per slot: claim the oldest job, wait for an idle GPU, run the tune.
-    ``busy`` gives the PIDs computing on a slot's GPU (NVML). Finished jobs older than
-    ``retention_s`` are deleted at start and every ``prune_every_s`` (``None`` keeps them). Each
-    job's paths are checked against ``roots`` again when it is claimed, since whoever can write
-    the queue could have put it there (``None``, in tests only, skips that check)."""
+    """One worker thread per slot: claim the oldest job, wait for an idle GPU (``busy``: the PIDs
+    computing on it), run the tune. Finished jobs older than ``retention_s`` (``None`` keeps
+    them) are deleted at start and every ``prune_every_s``. Each job's paths are checked against
+    ``roots`` again when it is claimed, as whoever can write the queue could have put it there
+    (``None``, in tests only, skips that check)."""
 
     store: Store
     slots: Sequence[Slot]
@@ -300,8 +298,7 @@ class JobRunner:
 
 
 class JobRun:
-    """One job on one slot, for its runner: check its paths again, wait for an idle GPU, run the
-    tune, follow it, and record how it ended."""
+    """One job on one slot: check its paths again, wait for an idle GPU, run the tune, record it."""
 
     def __init__(self, runner: JobRunner, job: dict[str, Any], slot: Slot, state: SlotState) -> None:
         self.runner, self.store = runner, runner.store
@@ -345,9 +342,8 @@ class JobRun:
                 pump.join(timeout=5)
             self._finish(process.returncode, outcome, progress, tail, files)
         finally:
-            # However the job ended (done, failed, cancelled, the daemon stopping), its request,
-            # its result and what its trials left under TMPDIR go; its processes are gone by
-            # now (_follow waited).
+            # However the job ended, its request, result and what its trials left under TMPDIR
+            # go; its processes are gone by now (_follow waited).
             files.remove()
 
     def _wait_for_idle_gpu(self) -> bool:
@@ -387,8 +383,7 @@ class JobRun:
         logger.info("job %s %s (exit code %s)", job_id, final, code)
 
     def _follow(self, process: subprocess.Popen[bytes], tail: LogTail) -> tuple[str, dict[str, Any]]:
-        """Watch a running tune until it exits, is cancelled, or the daemon stops; returns the
-        outcome and the job's progress record so far."""
+        """Follow a running tune until it exits, is cancelled or the daemon stops: outcome, progress."""
         job_id, runner, slot = self.job_id, self.runner, self.slot
         progress: dict[str, Any] = {"phase": "running", "slot": slot.name, "pid": process.pid}
         foreign: set[int] = set()

@@ -60,14 +60,13 @@ def _job_options_model() -> type[BaseModel]:
         raise TypeError(f"wire types for {', '.join(sorted(stray))}, which no job option has")
     definitions: dict[str, Any] = {}
     for option in options:
+        listed = isinstance(option.default, tuple)
         bounds: dict[str, Any] = {}
         if option.minimum is not None:
             bounds["gt" if option.above else "ge"] = option.minimum
         if option.job_limit is not None:
-            bounds["max_length" if isinstance(option.default, tuple) else "le"] = option.job_limit
-        default: dict[str, Any] = (
-            {"default_factory": list} if isinstance(option.default, tuple) else {"default": option.default}
-        )
+            bounds["max_length" if listed else "le"] = option.job_limit
+        default: dict[str, Any] = {"default_factory": list} if listed else {"default": option.default}
         description = " ".join(filter(None, (option.help, _WIRE_NOTES.get(option.name))))
         definitions[option.name] = (_WIRE_TYPES.get(option.name, option.type),
                                     Field(description=description, **default, **bounds))

@@ -236,8 +236,7 @@ def connection_limit(soft_descriptors: int) -> int:
 
 
 def limited_protocol() -> type[_LimitedProtocol]:
-    """uvicorn's httptools protocol class with the limits (pass it as ``uvicorn.Config(http=...)``);
-    ``max_connections`` follows from this process's descriptor limit."""
+    """uvicorn's httptools protocol (for ``http=``) with the limits, for this RLIMIT_NOFILE."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return type("LimitedHttpProtocol", (_LimitedProtocol,), {"max_connections": connection_limit(soft)})
 
