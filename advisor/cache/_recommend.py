@@ -10,7 +10,7 @@ import contextlib
 import datetime
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,22 +38,16 @@ if TYPE_CHECKING:
 _MOMENTARY_PROFILE_FIELDS = ("uuid", "memory_free")
 
 
-def versions_of(profile: HardwareProfile) -> dict[str, str | None]:
-    return {"torch": profile.torch_version, **dict(profile.libraries)}
-
-
 def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.PathLike[str],
                 workload_fingerprint: str, trials: list[dict[str, Any]], speedup_vs_fp32: float | None,
                 goodput: float | None, store: Store | None = None, args: Sequence[str] | None = None,
                 utilisation: dict[str, Any] | None = None,
                 reference_losses: Sequence[float] | None = None) -> int | None:
-    """Store a tune's winner for this hardware and workload, with the trials behind it; returns
-    its id, or ``None`` when there is no usable cache (after one warning).
-
-    The policy gets a complete ``[tuned_on]`` record (hardware and versions from ``profile``;
-    the workload facts and date already on ``policy.tuned_on`` kept). ``args``, ``utilisation``
-    (TFLOP/s and MFU) and ``reference_losses`` (fp32's loss per optimizer step, for the run's
-    guard) are kept in the summary when given."""
+    """Store a tune's winner for this hardware and workload, with its trials: its id, or ``None``
+    when no cache is usable (after one warning). The policy gets a complete ``[tuned_on]``
+    (hardware and versions from ``profile``; the workload facts and date on it kept); ``args``,
+    ``utilisation`` and ``reference_losses`` (fp32's loss per optimizer step, for the run's
+    guard) go in the summary when given."""
     _trials("trials", list(trials))  # checked before any cache is opened: a wrong field is a bug
     script_path = str(Path(script).resolve())
     fingerprint = hardware_fingerprint(profile)
@@ -90,19 +84,17 @@ def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.Pa
         return store.put_recommendation(
             hardware_fp=fingerprint, workload_fp=workload_fingerprint, script=script_path,
             policy=replace(policy, tuned_on=tuned).to_dict(), speedup_vs_fp32=speedup_vs_fp32,
-            # The store needs a number; an unmeasured goodput is recorded as 0, and the
-            # summary keeps the None.
-            goodput=goodput if goodput is not None else 0.0, versions=versions_of(profile), summary=summary,
-            trials=[dict(trial) for trial in trials],
+            # The store needs a number: an unmeasured goodput is 0 there (the summary keeps None).
+            goodput=goodput if goodput is not None else 0.0, summary=summary, trials=[dict(t) for t in trials],
+            versions={"torch": profile.torch_version, **dict(profile.libraries)},
         )
 
 
 @dataclass(frozen=True)
 class TunedAnswer:
-    """A tune's answer for this script: the policy, a label for log lines (``"cache entry #7
-    (tuned 2025-03-01)"``), the script's arguments at tuning time (``None`` when unknown:
-    ``mpadvise run`` checks them before a framework builds the model), and fp32's loss per
-    optimizer step in the tune, for the run's guard (empty where not recorded)."""
+    """A tune's answer for this script: the policy, a label for logs (``"cache entry #7 (tuned
+    2025-03-01)"``), the script's arguments at tuning time (``None`` if unknown; ``mpadvise run``
+    checks them before a framework builds the model), fp32's loss per step, for the run's guard."""
 
     policy: Policy
     label: str
@@ -114,32 +106,33 @@ def cached_answers(profile: HardwareProfile, script: str | os.PathLike[str] | No
     """Every cached answer for this hardware and this very script file (one of the same name
     elsewhere is another workload), newest first. An entry that cannot be read, or whose mode no
     longer runs here, is skipped with one warning. Empty on a miss or any cache trouble."""
+    # Given a full path, the store matches the stored path exactly.
+    rows = _read(script, "cache lookup", "the cache", lambda store, path: store.find_recommendations(
+        hardware_fp=hardware_fingerprint(profile), script=path))
+    answers = (_answer(row, profile, database_path()) for row in rows)
+    return [answer for answer in answers if answer is not None]
+
+
+def _read(script: str | os.PathLike[str] | None, doing: str, without: str,
+          query: Callable[[Store, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """What ``query`` finds for this very script file; empty when there is no script, nothing
+    is cached yet (opening would create files for a lookup that cannot hit: a plain training run
+    leaves none behind), or on any cache trouble, after one warning."""
     path = database_path()
-    store = _existing_store(path, script)
+    if script is None or nothing_cached_yet(path):
+        return []
+    from advisor.cache._store import open_store
+
+    store = open_store(path)
     if store is None:
         return []
     try:
         with store:
-            # Given a full path, the store matches the stored path exactly.
-            rows = store.find_recommendations(
-                hardware_fp=hardware_fingerprint(profile), script=str(Path(script).resolve())
-            )
+            return query(store, str(Path(script).resolve()))
     except (MpadviseError, OSError, ValueError) as exc:
         # ValueError: a row whose JSON was damaged by hand. A cache must never stop training.
-        get_logger().warning(f"cache lookup in {path} failed: {exc}; continuing without the cache")
+        get_logger().warning(f"{doing} in {path} failed: {exc}; continuing without {without}")
         return []
-    return [answer for answer in (_answer(row, profile, path) for row in rows) if answer is not None]
-
-
-def _existing_store(path: Path, script: object) -> Store | None:
-    """The cache for a reader, or ``None`` when there is no script, nothing is cached yet
-    (opening would create files for a lookup that cannot hit: a plain training run leaves
-    none behind), or it cannot be opened (one warning)."""
-    if script is None or nothing_cached_yet(path):
-        return None
-    from advisor.cache._store import open_store
-
-    return open_store(path)
 
 
 def record_guard_event(event: Mapping[str, Any], *, profile: HardwareProfile, workload_fp: str | None,
@@ -165,17 +158,8 @@ def record_guard_event(event: Mapping[str, Any], *, profile: HardwareProfile, wo
 
 def guard_events_for(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
     """This hardware's and script's guard events, newest first; empty on any cache trouble."""
-    path = database_path()
-    store = _existing_store(path, script)
-    if store is None:
-        return []
-    try:
-        with store:
-            script_path = str(Path(script).resolve())  # type: ignore[arg-type]
-            return store.list_guard_events(hardware_fp=hardware_fingerprint(profile), script=script_path)
-    except (MpadviseError, OSError) as exc:
-        get_logger().warning(f"reading the guard's events in {path} failed: {exc}; continuing without them")
-        return []
+    return _read(script, "reading the guard's events", "them", lambda store, path: store.list_guard_events(
+        hardware_fp=hardware_fingerprint(profile), script=path))
 
 
 def _answer(row: dict[str, Any], profile: HardwareProfile, path: Path) -> TunedAnswer | None:

@@ -67,12 +67,11 @@ class Recommendations(StoreBase):
                            summary: dict[str, Any], trials: Sequence[dict[str, Any]]) -> int:
         """Store the answer for one (hardware, workload) key, replacing any earlier one, and
         return its id. Raises MpadviseError naming a field of the wrong type or shape."""
-        record = validated_record({
+        record = {**validated_record({
             "hardware_fp": hardware_fp, "workload_fp": workload_fp, "script": script, "policy": policy,
             "speedup_vs_fp32": speedup_vs_fp32, "goodput": goodput, "versions": versions,
             "summary": summary, "trials": list(trials),
-        })
-        record["created_at"] = utc_now()
+        }), "created_at": utc_now()}
         with self._write() as db:
             return replace_recommendation(db, record)
 
@@ -98,10 +97,9 @@ class Recommendations(StoreBase):
     @guarded
     def find_recommendations(self, *, hardware_fp: str | None = None, script: str | None = None,
                              workload_fp: str | None = None, with_trials: bool = False) -> list[Record]:
-        """Recommendations matching every given filter, newest first (``trials`` absent unless
-        ``with_trials``). A ``script`` path matches the stored path exactly (a script of the same
-        name elsewhere is another workload); a bare file name matches the stored paths with that
-        base name."""
+        """Recommendations matching every given filter, newest first (``trials`` only
+        ``with_trials``). A ``script`` path matches the stored path exactly (the same name elsewhere
+        is another workload); a bare file name matches the stored paths with that base name."""
         bare_name = script is not None and os.path.basename(script) == script
         clauses, params = [], []
         for clause, value in (("r.hardware_fp = ?", hardware_fp), ("r.workload_fp = ?", workload_fp),
@@ -147,11 +145,10 @@ class Recommendations(StoreBase):
 
     @guarded
     def import_validated(self, records: Sequence[Record]) -> ImportedIds:
-        """Write records that :func:`~advisor.cache._records.read_export` returned, in one
-        transaction. A record replaces the cached one for its key unless the cached one is newer
-        (so re-importing an old file never undoes a fresh local tune); its hardware profile is
-        stored with it. It keeps its exported id where no other entry of this cache has it, so
-        that ``#3`` means the same entry on both machines; where one has, it gets a new id."""
+        """Write records that ``read_export`` returned, in one transaction. A record replaces the
+        cached one for its key unless that is newer (re-importing an old file never undoes a fresh
+        local tune), with its hardware profile. It keeps its exported id where no other entry has
+        it, so that ``#3`` means the same entry on both machines; else it gets a new id."""
         ids: list[tuple[int | None, int]] = []
         with self._write() as db:
             # Those whose id another entry holds go last, so that a new id given to one of them

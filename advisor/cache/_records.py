@@ -1,5 +1,5 @@
 """The recommendation record: its one schema (:data:`RECORD_FIELDS`), its checks, its rows and
-its export form. Pure: no database; only :func:`read_export` reads a file."""
+its export form; and the job states. Pure: no database; only :func:`read_export` reads a file."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ Record = dict[str, Any]
 EXPORT_FORMAT = "mpadvise-recommendations"
 EXPORT_FORMAT_VERSION = 1
 
-# The daemon's jobs, kept in the Store.
 JOB_STATES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled", "interrupted")
 FINISHED_JOB_STATES = ("succeeded", "failed", "cancelled", "interrupted")
 
@@ -131,7 +130,7 @@ def _trials(name: str, value: Any) -> list[dict[str, Any]]:
 
 
 def encoded(value: Any) -> str:
-    """``value`` as the store's JSON: sorted keys, no NaN or infinity (SQLite's JSON refuses them)."""
+    """``value`` as the store's JSON: sorted keys, no NaN or infinity (SQLite's JSON refuses it)."""
     return json.dumps(value, sort_keys=True, allow_nan=False)
 
 
@@ -147,10 +146,9 @@ def json_text(name: str, value: Any, *, require_dict: bool = False) -> str:
 
 @dataclass(frozen=True)
 class RecordField:
-    """One field of a recommendation record. ``origin``: who gives it: the ``"caller"`` (put and
-    import), an ``"export"`` file (on put, the store) or the ``"store"``. ``not_null``: every
-    stored record has a value. ``stored``: a ``recommendations`` column, the row id, the joined
-    ``hardware`` table, or ``trials``."""
+    """One field of a recommendation record. ``origin``: who gives it (the caller on put and
+    import; an export file, or on put the store; the store). ``not_null``: every stored record
+    has one. ``stored``: a ``recommendations`` column, the row id, ``hardware`` or ``trials``."""
 
     name: str
     annotation: Any
@@ -189,9 +187,8 @@ _EXPORTED_FIELDS = tuple(field.name for field in RECORD_FIELDS if field.origin !
 
 def validated_record(raw: Any, *, imported: bool = False) -> Record:
     """Check a recommendation against :data:`RECORD_FIELDS`; return it normalised, with ``mode``
-    derived from its policy. An ``imported`` record (one of an export) brings its own ``id``,
-    ``created_at`` and ``hardware``, and may bring a ``mode``, which must agree with its policy.
-    An error's message starts with the field's name."""
+    from its policy. An ``imported`` one (from an export) brings its ``id``, ``created_at`` and
+    ``hardware``, and may bring a ``mode`` that agrees with its policy. Errors start with the field."""
     if not isinstance(raw, dict):
         raise MpadviseError(f"a record must be a JSON object, got {type(raw).__name__}")
     given = [field for field in RECORD_FIELDS if field.origin == "caller" or (imported and field.origin == "export")]
@@ -244,18 +241,6 @@ def read_export(source: Path, *, check: Callable[[Record], object] | None = None
     """The records of an export file, in file order, every one validated before any is returned.
     ``check`` is called with each record for rules beyond its shape; raising ``MpadviseError``
     or ``ValueError`` refuses the file. An error names the file, the record and the field."""
-    validated = []
-    for index, raw in enumerate(_export_records(source)):
-        try:
-            validated.append(validated_record(raw, imported=True))
-            if check is not None:
-                check(validated[-1])
-        except (MpadviseError, ValueError) as exc:
-            raise MpadviseError(f"{source}: record {index}: {exc}; nothing was imported") from None
-    return validated
-
-
-def _export_records(source: Path) -> list[Any]:
     try:
         text = source.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -281,4 +266,12 @@ def _export_records(source: Path) -> list[Any]:
     if not isinstance(records, list):
         raise MpadviseError(f"{source}: 'records' must be a list, got {type(records).__name__}; "
                             "nothing was imported")
-    return records
+    validated = []
+    for index, raw in enumerate(records):
+        try:
+            validated.append(validated_record(raw, imported=True))
+            if check is not None:
+                check(validated[-1])
+        except (MpadviseError, ValueError) as exc:
+            raise MpadviseError(f"{source}: record {index}: {exc}; nothing was imported") from None
+    return validated

@@ -1,9 +1,8 @@
-"""The cache database: opening it, surviving damage, and the :class:`Store` that holds it; the
-one module that imports sqlite-utils. Many processes share one file: WAL mode with
-``synchronous=NORMAL``; every read-then-write in ``BEGIN IMMEDIATE`` (writers queue on the busy
-timeout instead of failing to upgrade a stale snapshot). A damaged, foreign or newer-schema file
-is moved aside to ``<name>.corrupt-<timestamp>`` (with its -wal/-shm) and replaced. The directory
-is 0700 and the files 0600: the job queue in them is run by the daemon."""
+"""The cache database, the one module that imports sqlite-utils: opening it, surviving damage,
+its job queue, and the :class:`Store`. Many processes share one file: WAL, ``synchronous=NORMAL``,
+every read-then-write in ``BEGIN IMMEDIATE`` (writers queue on the busy timeout instead of failing
+to upgrade a stale snapshot). A damaged, foreign or newer-schema file is moved aside (with its
+-wal/-shm) and replaced. The directory is 0700, the files 0600: the daemon runs the job queue."""
 
 from __future__ import annotations
 
@@ -32,10 +31,8 @@ from advisor.cache._records import FINISHED_JOB_STATES, Record, json_text, utc_n
 from probes import MpadviseError
 
 logger = logging.getLogger("mpadvise")
-
 _WAL_PATIENCE_S = 2.0
-
-_warned_no_cache: set[str] = set()
+_warned_no_cache: set[str] = set()  # paths warned about, once per process
 
 EVENT_FIELDS = ("signal", "step", "tripped_at", "policy", "fallback", "action", "detail")
 """The fields of one guard event, as the runtime's ``GuardEvent.to_dict()`` gives them."""
@@ -152,8 +149,7 @@ class JobQueue(StoreBase):
     def prune_finished_jobs(self, *, finished_before: str) -> list[str]:
         """Delete the jobs that finished before ``finished_before`` (a :func:`utc_now` timestamp);
         returns their ids (the daemon removes their files)."""
-        marks = ", ".join("?" * len(FINISHED_JOB_STATES))
-        where = f"state IN ({marks}) AND finished_at IS NOT NULL AND finished_at < ?"
+        where = f"state IN ({', '.join('?' * len(FINISHED_JOB_STATES))}) AND finished_at < ?"
         params = [*FINISHED_JOB_STATES, finished_before]
         with self._write() as db:
             ids = [row["id"] for row in db.query(f"SELECT id FROM jobs WHERE {where}", params)]
@@ -206,11 +202,10 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
     return None
 
 
-class Store(Recommendations, JobQueue):
+class Store(Recommendations, JobQueue, contextlib.AbstractContextManager):
     """The mpadvise cache database (default :func:`advisor._paths.database_path`): one SQLite
-    connection, shared safely by threads. Raises MpadviseError when the directory cannot be
-    created, the file cannot be opened or written, or it stays locked past the busy timeout
-    (damaged files are replaced, not errors)."""
+    connection, shared safely by threads. MpadviseError when it cannot be created, opened or
+    written, or stays locked past the busy timeout (damaged files are replaced, not errors)."""
 
     def __init__(self, path: Path | str | None = None) -> None:
         self.path = Path(path) if path is not None else database_path()
@@ -226,9 +221,6 @@ class Store(Recommendations, JobQueue):
             if self._db is not None:
                 self._db.close()
                 self._db = None
-
-    def __enter__(self) -> Store:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
@@ -247,7 +239,7 @@ class Store(Recommendations, JobQueue):
 
     @guarded
     def list_guard_events(self, *, hardware_fp: str | None = None, script: str | None = None) -> list[dict[str, Any]]:
-        """The guard's stored events, newest first; only this hardware's and script's where given."""
+        """The guard's events, newest first; only this hardware's and script's where given."""
         return list(self.db.query("SELECT * FROM guard_events WHERE (:hw IS NULL OR hardware_fp = :hw) AND "
                                   "(:script IS NULL OR script = :script) ORDER BY created_at DESC, id DESC",
                                   {"hw": hardware_fp, "script": script}))
@@ -267,10 +259,9 @@ class Store(Recommendations, JobQueue):
                                     f"({reason}); set MPADVISE_HOME to another directory") from None
 
     def _move_aside(self, reason: str, identity: tuple[int, int] | None, conn: sqlite3.Connection | None = None) -> None:
-        """Rename a damaged or foreign database (with its -wal and -shm) to ``<name>.corrupt-<time>``,
-        while the connection that found the problem is still open, and only then close it: on
-        close SQLite checkpoints and deletes the -wal by its old name, which by then no longer
-        exists, so the moved copy keeps its WAL."""
+        """Rename a damaged or foreign database (and its -wal, -shm) to ``<name>.corrupt-<time>``
+        while the connection that found the problem is open, and only then close it: on close
+        SQLite checkpoints and deletes the -wal by its old name, gone by then: the copy keeps it."""
         path = self.path
         try:
             current = _file_identity(path)
@@ -333,8 +324,6 @@ def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int]
             except UnknownSchemaError as exc:
                 raise _Unusable(str(exc), identity, conn) from None
             return db, identity or _file_identity(path)
-        except _Unusable:
-            raise
         except sqlite3.Error as exc:
             kind = error_kind(exc)
             if kind == "corrupt":
@@ -355,9 +344,8 @@ def _check_files(path: Path) -> None:
     for suffix in ("", "-wal", "-shm"):
         ensure_private_file(path.with_name(path.name + suffix))
     try:
-        os.close(open_private_new(path, os.O_RDWR))
-    except FileExistsError:
-        pass
+        with contextlib.suppress(FileExistsError):
+            os.close(open_private_new(path, os.O_RDWR))
     except OSError as exc:
         raise MpadviseError(f"cache database {path} cannot be created ({exc.strerror or exc}); "
                             "set MPADVISE_HOME to a writable directory of your own") from exc

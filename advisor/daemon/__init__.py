@@ -6,8 +6,7 @@ API became CVE-2023-48022), so: it binds the loopback (or a 0600 Unix socket) un
 client's ``Host`` must name the loopback (DNS rebinding); a job's paths must lie under an
 allowed root and its arguments go to ``exec`` as a list, never a shell; bodies, heads,
 connections and the time to send a request are bounded. The queue lives in the cache database,
-so jobs survive a restart. The exports are lazy (PEP 562): the client loads no web framework.
-"""
+so jobs survive a restart. The exports are lazy (PEP 562): the client loads no web framework."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The HTTP application: the routes, the request guard (body size, Host header) and the token check."""
+"""The HTTP application: the routes, the request guard (body size, Host header), the token check."""
 
 from __future__ import annotations
 
@@ -47,8 +47,7 @@ class DaemonState:
 
 
 def _json_bytes(data: Any) -> bytes:
-    # Plain json with ASCII escapes: no response model is re-validated on the hot path, and
-    # no stored text can make encoding fail.
+    # Plain json: no response model re-validated on the hot path; ASCII escapes never fail.
     return json.dumps(data, separators=(",", ":"), default=str).encode()
 
 
@@ -79,11 +78,10 @@ class AnswerCache:
         return self._answers.get(key)
 
     def put(self, key: Any, body: bytes) -> None:
-        if self._version is None:
-            return
-        if len(self._answers) >= 256:
-            self._answers.clear()
-        self._answers[key] = body
+        if self._version is not None:
+            if len(self._answers) >= 256:
+                self._answers.clear()
+            self._answers[key] = body
 
 
 class _Guard:
@@ -99,9 +97,12 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
+        headers, client = dict(scope["headers"]), scope.get("client")
         length = headers.get(b"content-length")
-        if self.check_host and self._from_loopback(scope) and not _loopback_host_header(headers.get(b"host")):
+        # The Host check applies to every client when serving loopback only, else to loopback
+        # ones (a remote client names this machine however it reaches it).
+        from_loopback = self.local_only or not client or not client[0] or loopback_address(str(client[0]))
+        if self.check_host and from_loopback and not _loopback_host_header(headers.get(b"host")):
             await _send_error(send, 400, "the Host header must name the loopback (127.0.0.1, localhost or [::1]); "
                                          "this daemon serves local clients only")
             return
@@ -137,12 +138,6 @@ class _Guard:
             return replayed.pop() if replayed else await receive()
 
         await self.app(scope, replay, send)
-
-    def _from_loopback(self, scope: dict[str, Any]) -> bool:
-        """Whether the Host check applies: to every client when serving loopback only, else to
-        loopback ones (a remote client names this machine however it reaches it)."""
-        client = scope.get("client")
-        return self.local_only or not client or not client[0] or loopback_address(str(client[0]))
 
 
 async def _send_error(send: Callable[..., Any], status: int, detail: str) -> None:
@@ -182,7 +177,7 @@ _router = APIRouter()
 
 
 def create_app(state: DaemonState) -> FastAPI:
-    """The ASGI app over ``state``, in the Host and body-size guard; its lifespan runs the runner."""
+    """The ASGI app over ``state``, in the Host and body-size guard; its lifespan runs the jobs."""
     app = FastAPI(
         title="mpadvise daemon", version=__version__,
         summary="Cached precision recommendations and queued tune jobs for this machine.",
@@ -230,11 +225,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 405:
         # Starlette names only the methods of the first route on the path; a client (and
         # RFC 9110) needs all of them.
-        methods: set[str] = set()
-        for route in request.app.router.routes:
-            match, _ = route.matches(request.scope)
-            if match != Match.NONE and getattr(route, "methods", None):
-                methods |= set(route.methods)
+        routes = [route for route in request.app.router.routes if getattr(route, "methods", None)]
+        methods = {m for route in routes if route.matches(request.scope)[0] != Match.NONE for m in route.methods}
         headers["Allow"] = ", ".join(sorted(methods))
     return _json({"detail": exc.detail}, exc.status_code, headers=headers)
 

@@ -49,7 +49,6 @@ def read_token(path: Path) -> str:
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as handle:
             status = os.fstat(handle.fileno())
             text = handle.read().strip()
-        mode = status.st_mode & 0o777
     except FileNotFoundError:
         raise MpadviseError(f"no daemon token at {path}; `mpadvise daemon start` creates it (with the same "
                             "MPADVISE_HOME)") from None
@@ -61,7 +60,7 @@ def read_token(path: Path) -> str:
     if status.st_uid != os.geteuid():
         raise MpadviseError(f"daemon token {path} belongs to uid {status.st_uid}, not to uid {os.geteuid()} who runs "
                             f"mpadvise; remove it (`rm {path}`), or set MPADVISE_HOME to a directory of your own")
-    if mode & 0o077:
+    if (mode := status.st_mode & 0o777) & 0o077:
         raise MpadviseError(f"daemon token {path} has mode {mode:04o}; expected 0600 (private to its owner); "
                             f"run `chmod 600 {path}`, or delete it to get a new token at the next start")
     if not text:
@@ -91,10 +90,9 @@ class _UnixConnection(http.client.HTTPConnection):
         self._path = path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        sock.connect(self._path)
-        self.sock = sock
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
 
 
 class DaemonClient:
@@ -112,7 +110,7 @@ class DaemonClient:
 
     @classmethod
     def local(cls, *, need_token: bool = False) -> DaemonClient:
-        """The daemon of this cache directory, as its ``daemon.json`` says; with the token if asked."""
+        """The daemon of this cache directory, as its ``daemon.json`` says; the token if asked."""
         paths = DaemonPaths.here()
         try:
             address = json.loads(paths.address.read_text())
@@ -174,8 +172,8 @@ class DaemonClient:
             detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])[1:])) or 'body'}: {d.get('msg')}"
                                for d in detail)
         # Refused requests (bad options, a path outside the roots) are usage errors.
-        code = 2 if status in (400, 403, 413, 422) else 1
-        raise MpadviseError(f"the daemon refused {method} {path} (HTTP {status}): {detail}", exit_code=code)
+        raise MpadviseError(f"the daemon refused {method} {path} (HTTP {status}): {detail}",
+                            exit_code=2 if status in (400, 403, 413, 422) else 1)
 
     def health(self) -> dict[str, Any]:
         return self.call("GET", "/health")

@@ -47,8 +47,7 @@ class DaemonConfig:
     job_retention_days: float = 30.0
 
     def roots(self) -> tuple[Path, ...]:
-        raw = self.allowed_roots or (Path.home(),)
-        return tuple(Path(os.path.realpath(root)) for root in raw)
+        return tuple(Path(os.path.realpath(root)) for root in self.allowed_roots or (Path.home(),))
 
 
 def utc_now_seconds() -> str:

@@ -39,8 +39,7 @@ JOB_ENV = "MPADVISE_DAEMON_JOB"
 LOG_TAIL_LINES = 40
 LOG_TAIL_CHARS = 8000
 RECENT_LINES = 20
-# Full job logs kept in the jobs directory (the newest); older ones are deleted.
-MAX_JOB_LOGS = 200
+MAX_JOB_LOGS = 200  # full job logs kept in the jobs directory (the newest); older ones are deleted
 
 PathKind = Literal["file", "dir", "new"]  # an existing file, an existing directory, a new file
 
@@ -53,10 +52,9 @@ def tune_argv(request: str | os.PathLike[str], result: str | os.PathLike[str], *
 
 
 def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
-    """The tune a stored job asks for on ``slot`` (its plan made as ``mpadvise tune`` makes it),
-    and the directory it runs in (its own, else the script's). Raises MpadviseError for stored
-    options out of bounds, an unreadable script, an unknown framework or mode, or an unusable
-    storage setting."""
+    """The tune a stored job asks for on ``slot`` (planned as ``mpadvise tune`` plans it), and the
+    directory it runs in (its own, else the script's). MpadviseError for stored options out of
+    bounds, an unreadable script, an unknown framework or mode, or an unusable storage setting."""
     stored = dict(job.get("options") or {})
     cwd = stored.pop("cwd", None) or os.path.dirname(job["script"])  # kept beside the options
     # The slot, whatever the job said. A study's URL (with its password) comes from the daemon's
@@ -99,7 +97,7 @@ def path_refusal(what: str, raw: Any, roots: Sequence[Path], want: PathKind) -> 
 
 
 def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
-    """Why a queued job's script, ``cwd`` or ``--out`` may not be used under ``roots``, or ``None``."""
+    """Why a queued job's script, ``cwd`` or ``--out`` may not be used under ``roots``; or None."""
     options = job.get("options") or {}
     checks: list[tuple[str, Any, PathKind]] = [("script", job.get("script"), "file"),
                                                ("cwd", options.get("cwd"), "dir"),
@@ -194,10 +192,9 @@ class SlotState:
 @dataclass
 class JobRunner:
     """One worker thread per slot: claim the oldest job, wait for an idle GPU (``busy``: the PIDs
-    computing on it), run the tune. Finished jobs older than ``retention_s`` (``None`` keeps
-    them) are deleted at start and every ``prune_every_s``. Each job's paths are checked against
-    ``roots`` again when it is claimed, as whoever can write the queue could have put it there
-    (``None``, in tests only, skips that check)."""
+    computing on it), run the tune. Finished jobs older than ``retention_s`` (if set) go at start
+    and every ``PRUNE_EVERY_S``. A claimed job's paths are checked against ``roots`` again
+    (``None``, in tests only, skips it): whoever can write the queue could have put it there."""
 
     store: Store
     slots: Sequence[Slot]
@@ -209,7 +206,6 @@ class JobRunner:
     idle_poll_s: float = 2.0
     roots: Sequence[Path] | None = None
     retention_s: float | None = None
-    prune_every_s: float = PRUNE_EVERY_S
     stopping: threading.Event = field(default_factory=threading.Event)
     _wake: dict[str, threading.Event] = field(default_factory=dict)
     _cancel: set[str] = field(default_factory=set)  # asked over HTTP, before the store says so
@@ -240,7 +236,7 @@ class JobRunner:
                                 retention_s / 86400)
             except Exception:  # housekeeping must never stop the daemon
                 logger.exception("cannot prune old jobs")
-            if self.stopping.wait(self.prune_every_s):
+            if self.stopping.wait(PRUNE_EVERY_S):
                 return
 
     def wake(self) -> None:
@@ -254,8 +250,8 @@ class JobRunner:
         return job_id in self._cancel or record is None or record.get("state") == "cancelling"
 
     def slot_info(self) -> list[dict[str, Any]]:
-        idle = SlotState()
-        return [{"name": s.name, "uuid": s.uuid, **asdict(self._state.get(s.name, idle))} for s in self.slots]
+        return [{"name": s.name, "uuid": s.uuid, **asdict(self._state.get(s.name) or SlotState())}
+                for s in self.slots]
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the workers, killing running jobs; they stay ``running`` in the store, so the
@@ -271,12 +267,11 @@ class JobRunner:
         while not self.stopping.is_set():
             try:
                 job = self.store.claim_next_job(slot.name)
-            except MpadviseError as exc:
-                logger.warning("cannot read the job queue: %s", exc)
-                self.stopping.wait(self.idle_poll_s)
-                continue
-            except Exception:  # a worker must outlive anything the queue holds
-                logger.exception("cannot read the job queue")
+            except Exception as exc:  # a worker must outlive anything the queue holds
+                if isinstance(exc, MpadviseError):
+                    logger.warning("cannot read the job queue: %s", exc)
+                else:
+                    logger.exception("cannot read the job queue")
                 self.stopping.wait(self.idle_poll_s)
                 continue
             if job is None:
@@ -383,7 +378,8 @@ class JobRun:
         logger.info("job %s %s (exit code %s)", job_id, final, code)
 
     def _follow(self, process: subprocess.Popen[bytes], tail: LogTail) -> tuple[str, dict[str, Any]]:
-        """Follow a running tune until it exits, is cancelled or the daemon stops: outcome, progress."""
+        """Follow a running tune until it exits, is cancelled or the daemon stops; the outcome and
+        the progress so far."""
         job_id, runner, slot = self.job_id, self.runner, self.slot
         progress: dict[str, Any] = {"phase": "running", "slot": slot.name, "pid": process.pid}
         foreign: set[int] = set()

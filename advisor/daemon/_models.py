@@ -45,8 +45,6 @@ JobState = Literal[JOB_STATES]  # type: ignore[valid-type]
 # The wire types of the tune options whose field type is wider than what a job may send:
 # text is bounded and checked, and a memory limit is text (e.g. "4GiB"), never bytes.
 _WIRE_TYPES: dict[str, Any] = {"modes": list[ModeName], "memory_limit": MemorySize | None, "out": Text | None}
-# What only the daemon adds to an option's help.
-_WIRE_NOTES = {"out": "Absolute, under an allowed root."}
 
 
 def _job_options_model() -> type[BaseModel]:
@@ -67,7 +65,8 @@ def _job_options_model() -> type[BaseModel]:
         if option.job_limit is not None:
             bounds["max_length" if listed else "le"] = option.job_limit
         default: dict[str, Any] = {"default_factory": list} if listed else {"default": option.default}
-        description = " ".join(filter(None, (option.help, _WIRE_NOTES.get(option.name))))
+        note = "Absolute, under an allowed root." if option.name == "out" else ""  # the daemon's own
+        description = " ".join(filter(None, (option.help, note)))
         definitions[option.name] = (_WIRE_TYPES.get(option.name, option.type),
                                     Field(description=description, **default, **bounds))
     return create_model(
@@ -86,8 +85,7 @@ class JobRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     script: Annotated[Text, StringConstraints(min_length=1)] = Field(
-        description="Absolute path of the training script, under an allowed root."
-    )
+        description="Absolute path of the training script, under an allowed root.")
     args: list[Text] = Field(default_factory=list, max_length=MAX_ARGS, description="The script's own arguments.")
     options: TuneOptionsModel = Field(default_factory=TuneOptionsModel)  # type: ignore[valid-type]
     gpu: SlotName | None = Field(None, description="Run on this slot (cpu or cuda:N); default: the first free one.")

@@ -242,13 +242,12 @@ def limited_protocol() -> type[_LimitedProtocol]:
 
 
 class _LimitedProtocol(HttpToolsProtocol):
-    """The HTTP connection with the daemon's limits. Without them any local user could use up the
-    daemon's descriptors with idle connections, or its memory with one endless header. So: past
-    ``max_connections`` a new connection closes the longest-idle one, or is refused with 503
-    when all are busy; a head over ``MAX_HEADER_BYTES`` gets 431; a connection has
-    ``REQUEST_TIMEOUT_S`` to deliver a whole request (an idle one is closed, a dribbled header
-    gets 408). A refusal is followed by a lingering close, so that the client reads the answer
-    instead of a reset."""
+    """The HTTP connection with the daemon's limits; without them any local user could use up its
+    descriptors with idle connections, or its memory with one endless header. Past
+    ``max_connections`` a new connection closes the longest-idle one, or is refused (503) when all
+    are busy; a head over ``MAX_HEADER_BYTES`` gets 431; a connection has ``REQUEST_TIMEOUT_S`` to
+    deliver a whole request (an idle one is closed, a dribbled header gets 408). A refusal is
+    followed by a lingering close, so that the client reads the answer instead of a reset."""
 
     max_connections: int
 
