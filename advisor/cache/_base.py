@@ -24,19 +24,13 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 @contextlib.contextmanager
 def transaction(conn: sqlite3.Connection, begin: str) -> Iterator[None]:
     """Run the block in one transaction opened by ``begin`` on an autocommit connection:
-    COMMIT, or ROLLBACK when the block or the commit fails."""
+    COMMIT, or ROLLBACK when the block or the commit fails (a failed COMMIT, on a full disk or
+    an I/O error, leaves the transaction open: closing it keeps the connection usable)."""
     conn.execute(begin)
     try:
         yield
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
-    try:
         conn.execute("COMMIT")
     except BaseException:
-        # A failed COMMIT (disk full, I/O error) leaves the transaction open; close it so
-        # the connection stays usable.
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
@@ -57,8 +51,9 @@ def error_kind(exc: BaseException) -> str:
     return "busy" if "locked" in message or "busy" in message else "other"
 
 
-def store_error(path: Path, exc: BaseException, kind: str) -> MpadviseError:
-    """The one line a user reads for an SQLite error of ``kind`` on the cache at ``path``."""
+def store_error(path: Path, exc: BaseException) -> MpadviseError:
+    """The one line a user reads for an SQLite error on the cache at ``path``."""
+    kind = error_kind(exc)
     if kind == "busy":
         return MpadviseError(f"cache database {path} stayed locked by another process for more than "
                              f"{BUSY_TIMEOUT_S:.0f} s; try again when the other mpadvise command finishes")
@@ -69,9 +64,12 @@ def store_error(path: Path, exc: BaseException, kind: str) -> MpadviseError:
 
 
 class StoreBase:
+    """What the Store's parts share: the connection and its transactions."""
+
     path: Path
     _lock: threading.RLock
     _db: sqlite_utils.Database | None
+    _recover: Callable[[str], None]  # move a damaged file aside and reopen (the Store's)
 
     @property
     def db(self) -> sqlite_utils.Database:
@@ -79,31 +77,24 @@ class StoreBase:
             raise MpadviseError(f"the cache database {self.path} is closed")
         return self._db
 
-    def _recover(self, reason: str) -> None:
-        raise NotImplementedError
-
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite_utils.Database]:
         # The write lock is taken before the first read, so a read-then-write never has to
         # upgrade a snapshot that another writer has made stale.
-        db = self.db
-        with transaction(db.conn, "BEGIN IMMEDIATE"):
-            yield db
+        with transaction(self.db.conn, "BEGIN IMMEDIATE"):
+            yield self.db
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[sqlite_utils.Database]:
         # One snapshot for several SELECTs: a recommendation and its trials always match.
-        db = self.db
-        with transaction(db.conn, "BEGIN"):
-            yield db
+        with transaction(self.db.conn, "BEGIN"):
+            yield self.db
 
 
 def guarded(method: _F) -> _F:
-    """Serialise a Store method and turn SQLite errors into one-line MpadviseErrors.
-
-    Damage discovered mid-command moves the file aside and retries the method once on a
-    fresh database, so a corrupt cache never costs more than its contents.
-    """
+    """Serialise a Store method and turn SQLite errors into one-line MpadviseErrors. Damage found
+    mid-command moves the file aside and retries the method once on a fresh database, so a
+    corrupt cache never costs more than its contents."""
 
     @functools.wraps(method)
     def wrapper(self: StoreBase, *args: Any, **kwargs: Any) -> Any:
@@ -111,24 +102,21 @@ def guarded(method: _F) -> _F:
             try:
                 return method(self, *args, **kwargs)
             except sqlite3.Error as exc:
-                kind = error_kind(exc)
-                if kind != "corrupt":
-                    raise store_error(self.path, exc, kind) from exc
+                if error_kind(exc) != "corrupt":
+                    raise store_error(self.path, exc) from exc
                 self._recover(str(exc))
             try:
                 return method(self, *args, **kwargs)
             except sqlite3.Error as exc:
-                raise store_error(self.path, exc, error_kind(exc)) from exc
+                raise store_error(self.path, exc) from exc
 
     return wrapper  # type: ignore[return-value]
 
 
 def nothing_cached_yet(path: Path) -> bool:
-    """Whether the cache file at ``path`` does not exist yet but could be created there.
-
-    Readers skip such a cache without creating it. One that could not be created (below a
-    regular file, in a read-only directory) is opened anyway, so that the store warns once.
-    """
+    """Whether the cache file at ``path`` does not exist yet but could be created there: readers
+    skip it without creating it. One that could not be created (below a regular file, in a
+    read-only directory) is opened anyway, so that the store warns once."""
     if path.exists():
         return False
     for ancestor in path.parents:

@@ -151,38 +151,27 @@ SCHEMA_VERSION = len(_MIGRATIONS)
 
 
 def migrate(db: sqlite_utils.Database) -> list[str]:
-    """Apply the migrations that ``db`` lacks, in order, and return their names.
-
-    Runs in the caller's transaction when one is open, else in its own ``BEGIN IMMEDIATE`` so
-    that concurrent processes opening a fresh file apply each migration exactly once. Raises
-    UnknownSchemaError for a newer or foreign schema.
-    """
-    if db.conn.in_transaction:
-        return _apply_migrations(db)
+    """Apply the migrations that ``db`` lacks, in order, and return their names. One ``BEGIN
+    IMMEDIATE`` holds them all, so that concurrent processes opening a fresh file apply each
+    migration exactly once. Raises UnknownSchemaError for a newer or foreign schema."""
+    applied_now = []
     with transaction(db.conn, "BEGIN IMMEDIATE"):
-        return _apply_migrations(db)
+        applied = _applied_migrations(db)
+        migrations = db.table("_migrations").create({"name": str, "applied_at": str}, pk="name",
+                                                     if_not_exists=True)
+        for version, (name, function) in enumerate(_MIGRATIONS, start=1):
+            if name not in applied:
+                function(db)
+                migrations.insert({"name": name, "applied_at": utc_now()})
+                db.execute(f"PRAGMA user_version = {version}")
+                applied_now.append(name)
+    return applied_now
 
 
 def ensure_schema(db: sqlite_utils.Database) -> None:
     """Check ``db``'s schema and migrate it when it lags; up to date, it takes no write lock."""
     if len(_applied_migrations(db)) < len(_MIGRATIONS):
         migrate(db)
-
-
-def _apply_migrations(db: sqlite_utils.Database) -> list[str]:
-    applied = _applied_migrations(db)
-    migrations = db.table("_migrations")
-    if not migrations.exists():
-        migrations.create({"name": str, "applied_at": str}, pk="name")
-    applied_now = []
-    for version, (name, function) in enumerate(_MIGRATIONS, start=1):
-        if name in applied:
-            continue
-        function(db)
-        migrations.insert({"name": name, "applied_at": utc_now()})
-        db.execute(f"PRAGMA user_version = {version}")
-        applied_now.append(name)
-    return applied_now
 
 
 def _applied_migrations(db: sqlite_utils.Database) -> set[str]:
@@ -194,8 +183,7 @@ def _applied_migrations(db: sqlite_utils.Database) -> set[str]:
             raise UnknownSchemaError(f"it holds tables ({', '.join(sorted(tables))}) but no mpadvise schema record")
         return set()
     applied = {row[0] for row in db.execute("SELECT name FROM _migrations")}
-    known = {name for name, _ in _MIGRATIONS}
-    unknown = sorted(applied - known)
+    unknown = sorted(applied - {name for name, _ in _MIGRATIONS})
     if unknown or version > len(_MIGRATIONS):
         detail = f"migrations {', '.join(unknown)}" if unknown else f"user_version {version}"
         raise UnknownSchemaError(f"its schema is newer than this mpadvise understands ({detail}; this version "

@@ -1,15 +1,16 @@
-"""Tuned answers in the cache: record a tune's winner, find it again, tell when it no longer holds.
-
-A lookup never raises for cache trouble: a missing, damaged, locked or read-only cache costs at
-most one warning and the run continues with the next source.
-"""
+"""Tuned answers in the cache: record a tune's winner, find it again, tell when it no longer
+holds; and what the runtime guard saw in long runs. A lookup never raises for cache trouble: a
+missing, damaged, locked or read-only cache costs at most one warning and the run continues
+with the next source. The store is imported on first use, so that ``load_policy()`` pays for
+sqlite-utils only when a cache exists."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from advisor._log import get_logger
 from advisor._paths import database_path
 from advisor.cache._base import nothing_cached_yet
-from advisor.cache._records import TRIAL_FIELDS
+from advisor.cache._records import _trials
 from policies import (
     HardwareMismatch,
     Policy,
@@ -37,31 +38,17 @@ if TYPE_CHECKING:
 _MOMENTARY_PROFILE_FIELDS = ("uuid", "memory_free")
 
 
-def versions_of(profile: HardwareProfile) -> dict[str, str | None]:
-    return {"torch": profile.torch_version, **dict(profile.libraries)}
-
-
 def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.PathLike[str],
                 workload_fingerprint: str, trials: list[dict[str, Any]], speedup_vs_fp32: float | None,
                 goodput: float | None, store: Store | None = None, args: Sequence[str] | None = None,
                 utilisation: dict[str, Any] | None = None,
                 reference_losses: Sequence[float] | None = None) -> int | None:
-    """Store a tune's winner for this hardware and workload, with the trials behind it.
-
-    The policy is stored with a complete ``[tuned_on]`` record (hardware and versions from
-    ``profile``; the workload facts and date already on ``policy.tuned_on`` kept), replacing an
-    earlier answer for the same key. ``args`` (the script's arguments), ``utilisation``
-    (TFLOP/s and MFU) and ``reference_losses`` (fp32's loss per optimizer step, which the run's
-    guard compares with) are kept in the summary when given.
-
-    Returns the new recommendation's id, or ``None`` when there is no usable cache (after one
-    warning); raises MpadviseError for a field of the wrong type or shape.
-    """
-    for index, trial in enumerate(trials):
-        unknown = sorted(set(trial) - set(TRIAL_FIELDS))
-        if unknown:
-            raise MpadviseError(f"record_tune: trials[{index}] has key {unknown[0]!r}; allowed keys are "
-                                f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')")
+    """Store a tune's winner for this hardware and workload, with its trials: its id, or ``None``
+    when no cache is usable (after one warning). The policy gets a complete ``[tuned_on]``
+    (hardware and versions from ``profile``; the workload facts and date on it kept); ``args``,
+    ``utilisation`` and ``reference_losses`` (fp32's loss per optimizer step, for the run's
+    guard) go in the summary when given."""
+    _trials("trials", list(trials))  # checked before any cache is opened: a wrong field is a bug
     script_path = str(Path(script).resolve())
     fingerprint = hardware_fingerprint(profile)
     earlier = policy.tuned_on or TunedOn()
@@ -84,37 +71,30 @@ def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.Pa
         summary["utilisation"] = dict(utilisation)
     if reference_losses is not None:
         summary["fp32_losses"] = [float(v) if math.isfinite(v) else None for v in reference_losses]
-    owned = store is None
-    if store is None:
-        from advisor.cache._store import open_store
-
-        store = open_store()
+    with contextlib.ExitStack() as opened:
         if store is None:
-            return None
-    try:
-        stored_profile = profile.to_dict()
-        for name in _MOMENTARY_PROFILE_FIELDS:
-            stored_profile.pop(name, None)
-        store.put_hardware(fingerprint, stored_profile)
+            from advisor.cache._store import open_store
+
+            store = open_store()
+            if store is None:
+                return None
+            opened.enter_context(store)
+        store.put_hardware(fingerprint, {name: value for name, value in profile.to_dict().items()
+                                         if name not in _MOMENTARY_PROFILE_FIELDS})
         return store.put_recommendation(
             hardware_fp=fingerprint, workload_fp=workload_fingerprint, script=script_path,
             policy=replace(policy, tuned_on=tuned).to_dict(), speedup_vs_fp32=speedup_vs_fp32,
-            # The store needs a number; an unmeasured goodput is recorded as 0, and the
-            # summary keeps the None.
-            goodput=goodput if goodput is not None else 0.0, versions=versions_of(profile), summary=summary,
-            trials=[dict(trial) for trial in trials],
+            # The store needs a number: an unmeasured goodput is 0 there (the summary keeps None).
+            goodput=goodput if goodput is not None else 0.0, summary=summary, trials=[dict(t) for t in trials],
+            versions={"torch": profile.torch_version, **dict(profile.libraries)},
         )
-    finally:
-        if owned:
-            store.close()
 
 
 @dataclass(frozen=True)
 class TunedAnswer:
-    """A tune's answer for this script: the policy, a label for log lines (``"cache entry #7
-    (tuned 2025-03-01)"``), the script's arguments at tuning time (``None`` when unknown:
-    ``mpadvise run`` checks them before a framework builds the model), and fp32's loss per
-    optimizer step in the tune, for the run's guard (empty where not recorded)."""
+    """A tune's answer for this script: the policy, a label for logs (``"cache entry #7 (tuned
+    2025-03-01)"``), the script's arguments at tuning time (``None`` if unknown; ``mpadvise run``
+    checks them before a framework builds the model), fp32's loss per step, for the run's guard."""
 
     policy: Policy
     label: str
@@ -123,41 +103,68 @@ class TunedAnswer:
 
 
 def cached_answers(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> list[TunedAnswer]:
-    """Every cached answer for this hardware and this very script file, newest first.
+    """Every cached answer for this hardware and this very script file (one of the same name
+    elsewhere is another workload), newest first. An entry that cannot be read, or whose mode no
+    longer runs here, is skipped with one warning. Empty on a miss or any cache trouble."""
+    # Given a full path, the store matches the stored path exactly.
+    rows = _read(script, "cache lookup", "the cache", lambda store, path: store.find_recommendations(
+        hardware_fp=hardware_fingerprint(profile), script=path))
+    answers = (_answer(row, profile, database_path()) for row in rows)
+    return [answer for answer in answers if answer is not None]
 
-    A script of the same name elsewhere is another workload, and misses. An entry that cannot
-    be read, or whose mode no longer runs here, is skipped with one warning; a cache that does
-    not exist yet is not created. Empty on a miss or any cache trouble.
-    """
-    if script is None:
+
+def _read(script: str | os.PathLike[str] | None, doing: str, without: str,
+          query: Callable[[Store, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """What ``query`` finds for this very script file; empty when there is no script, nothing
+    is cached yet (opening would create files for a lookup that cannot hit: a plain training run
+    leaves none behind), or on any cache trouble, after one warning."""
+    path = database_path()
+    if script is None or nothing_cached_yet(path):
         return []
     from advisor.cache._store import open_store
 
-    path = database_path()
-    if nothing_cached_yet(path):
-        # Opening would create the directory and the database file for a lookup that cannot
-        # hit; a plain training run should leave no files behind.
-        return []
     store = open_store(path)
     if store is None:
         return []
     try:
         with store:
-            # Given a full path, the store matches the stored path exactly.
-            rows = store.find_recommendations(
-                hardware_fp=hardware_fingerprint(profile), script=str(Path(script).resolve())
-            )
+            return query(store, str(Path(script).resolve()))
     except (MpadviseError, OSError, ValueError) as exc:
         # ValueError: a row whose JSON was damaged by hand. A cache must never stop training.
-        get_logger().warning(f"cache lookup in {path} failed: {exc}; continuing without the cache")
+        get_logger().warning(f"{doing} in {path} failed: {exc}; continuing without {without}")
         return []
-    answers = [_answer(row, profile, path) for row in rows]
-    return [answer for answer in answers if answer is not None]
+
+
+def record_guard_event(event: Mapping[str, Any], *, profile: HardwareProfile, workload_fp: str | None,
+                       script: str | os.PathLike[str] | None) -> bool:
+    """Write the runtime guard's ``event`` (plain data: ``GuardEvent.to_dict()``) to the cache
+    entry of this hardware, workload and script; returns whether it was stored. A cache that
+    cannot be written costs one warning, never the run."""
+    from advisor.cache._store import open_store
+
+    path = database_path()
+    store = open_store(path)
+    if store is None:
+        return False
+    try:
+        with store:
+            store.put_guard_event(event, hardware_fp=hardware_fingerprint(profile), workload_fp=workload_fp,
+                                  script=None if script is None else str(Path(script).resolve()))
+    except (MpadviseError, OSError) as exc:
+        get_logger().warning(f"the guard could not record its event in {path}: {exc}")
+        return False
+    return True
+
+
+def guard_events_for(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
+    """This hardware's and script's guard events, newest first; empty on any cache trouble."""
+    return _read(script, "reading the guard's events", "them", lambda store, path: store.list_guard_events(
+        hardware_fp=hardware_fingerprint(profile), script=path))
 
 
 def _answer(row: dict[str, Any], profile: HardwareProfile, path: Path) -> TunedAnswer | None:
     """The answer a cache row holds, or ``None`` (with a warning) when it cannot apply here."""
-    label = entry_label(row)
+    label = f"cache entry #{row['id']} (tuned {str(row['created_at'])[:10]})"  # how logs name it
     try:
         policy = policy_of(row)
     except PolicyError as exc:
@@ -189,37 +196,22 @@ def policy_of(row: dict[str, Any]) -> Policy:
     return Policy.from_dict(row["policy"], source=f"cache entry #{row['id']}")
 
 
-def entry_label(row: dict[str, Any]) -> str:
-    """``"cache entry #7 (tuned 2025-03-01)"``: how logs and commands name a cache row."""
-    return f"cache entry #{row['id']} (tuned {str(row['created_at'])[:10]})"
-
-
 @dataclass(frozen=True)
 class EntryStatus:
-    """Why a cache entry would not be applied on some hardware.
+    """Why a cache entry would not be applied on some hardware: ``mismatch`` when its policy
+    says what differs, else ``detail`` (an unreadable policy, another fingerprint, a mode that
+    cannot run there)."""
 
-    ``kind`` is ``"unreadable"``, ``"other_hardware"`` (``mismatch`` says what differs),
-    ``"other_fingerprint"`` (no ``[tuned_on]`` fingerprint, stored under another key) or
-    ``"unsupported"``; ``detail`` is the error, the other fingerprint, or the reason.
-    """
-
-    kind: str
+    detail: str
     mismatch: HardwareMismatch | None = None
-    detail: str = ""
 
     def describe(self) -> str:
         """One line for people: ``"tuned on other hardware or versions (torch a -> b)"``."""
-        if self.mismatch is not None:
-            return self.mismatch.describe()
-        if self.kind == "unreadable":
-            return f"unreadable policy ({self.detail})"
-        if self.kind == "other_fingerprint":
-            return f"tuned on other hardware (fingerprint {self.detail})"
-        return self.detail
+        return self.mismatch.describe() if self.mismatch is not None else self.detail
 
     def what_differs(self) -> str:
         """Only what changed (``"torch a -> b"``) where that is known, else ``describe()``."""
-        return self.mismatch.detail() if self.mismatch is not None else self.describe()
+        return self.mismatch.detail() if self.mismatch is not None else self.detail
 
 
 def entry_status(row: dict[str, Any], profile: HardwareProfile) -> EntryStatus | None:
@@ -227,15 +219,15 @@ def entry_status(row: dict[str, Any], profile: HardwareProfile) -> EntryStatus |
     try:
         policy = policy_of(row)
     except PolicyError as exc:
-        return EntryStatus("unreadable", detail=str(exc))
+        return EntryStatus(f"unreadable policy ({exc})")
     mismatch = hardware_mismatch(policy, profile)
     if mismatch is not None:
-        return EntryStatus("other_hardware", mismatch=mismatch)
+        return EntryStatus("", mismatch)
     if row["hardware_fp"] != hardware_fingerprint(profile):
         # A policy stored without a [tuned_on] fingerprint: the row's key still says where it
         # was measured.
-        return EntryStatus("other_fingerprint", detail=row["hardware_fp"])
+        return EntryStatus(f"tuned on other hardware (fingerprint {row['hardware_fp']})")
     support = supported_modes(profile, policy).get(policy.mode)
     if support is not None and not support.supported:
-        return EntryStatus("unsupported", detail=f"mode {policy.mode} cannot run here ({support.reason})")
+        return EntryStatus(f"mode {policy.mode} cannot run here ({support.reason})")
     return None

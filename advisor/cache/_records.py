@@ -1,5 +1,5 @@
 """The recommendation record: its one schema (:data:`RECORD_FIELDS`), its checks, its rows and
-its export form. Pure: no database; only :func:`read_export` reads a file."""
+its export form; and the job states. Pure: no database; only :func:`read_export` reads a file."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ Record = dict[str, Any]
 EXPORT_FORMAT = "mpadvise-recommendations"
 EXPORT_FORMAT_VERSION = 1
 
+JOB_STATES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled", "interrupted")
+FINISHED_JOB_STATES = ("succeeded", "failed", "cancelled", "interrupted")
+
 TRIAL_FIELDS = ("number", "mode", "params", "outcome", "verdict", "reason", "goodput", "metrics")
 _TRIAL_JSON = ("params", "metrics")
 
@@ -31,8 +34,7 @@ HARDWARE_FP_PATTERN = re.compile(r"[A-Za-z0-9][\x21-\x7e]{0,255}")
 
 
 def utc_now() -> str:
-    """The current time in the store's one timestamp form (UTC, ISO 8601, microseconds), so
-    that timestamps compare as text."""
+    """The current time in the store's one form (UTC, ISO 8601, microseconds): it sorts as text."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
 
 
@@ -73,7 +75,7 @@ def _json_object(name: str, value: Any, *, optional: bool = False) -> dict[str, 
     if not isinstance(value, dict):
         expected = "a JSON object or null" if optional else "a JSON object"
         raise MpadviseError(f"{name} must be {expected}, got {type(value).__name__}")
-    json_text(name, value)
+    json_text(name, value)  # raises for what JSON cannot hold
     return value
 
 
@@ -87,23 +89,18 @@ def _id_or_null(name: str, value: Any) -> int | None:
 
 
 def _policy(name: str, value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise MpadviseError(f"{name} must be a JSON object, got {type(value).__name__}")
-    mode = value.get("mode")
+    mode = _json_object(name, value).get("mode")  # type: ignore[union-attr]
     if not isinstance(mode, str) or not MODE_PATTERN.fullmatch(mode):
         raise MpadviseError(f"{name}.mode must be a mode name such as 'bf16-mixed', got {mode!r}")
-    json_text(name, value)
     return value
 
 
 def _timestamp(name: str, value: Any) -> str:
     """An imported timestamp in the store's one text form (UTC, microseconds)."""
-    if not isinstance(value, str):
-        raise MpadviseError(f"{name} must be an ISO 8601 timestamp, got {value!r}")
     try:
         # Python 3.10's fromisoformat does not accept the "Z" suffix.
         parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
+    except (AttributeError, TypeError, ValueError):  # not text, or not a timestamp
         raise MpadviseError(f"{name} must be an ISO 8601 timestamp, got {value!r}") from None
     if parsed.tzinfo is None:
         raise MpadviseError(f"{name} must include a time zone, got {value!r}")
@@ -114,47 +111,44 @@ def _trials(name: str, value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise MpadviseError(f"{name} must be a list, got {type(value).__name__}")
     for index, trial in enumerate(value):
-        _check_trial(f"{name}[{index}]", index, trial)
+        where = f"{name}[{index}]"
+        if not isinstance(trial, dict):
+            raise MpadviseError(f"{where} must be a JSON object, got {type(trial).__name__}")
+        unknown = sorted(set(trial) - set(TRIAL_FIELDS))
+        if unknown:
+            raise MpadviseError(f"{where} has unknown field {unknown[0]!r}; trial fields are "
+                                f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')")
+        number = trial.get("number", index)
+        if not isinstance(number, int) or isinstance(number, bool):
+            raise MpadviseError(f"{where}.number must be an integer, got {number!r}")
+        for field in ("mode", "outcome", "verdict", "reason"):
+            _string_or_null(f"{where}.{field}", trial.get(field))
+        _number(f"{where}.goodput", trial.get("goodput"), optional=True)
+        for field in _TRIAL_JSON:
+            _json_object(f"{where}.{field}", trial.get(field), optional=True)
     return value
 
 
-def _check_trial(where: str, index: int, trial: Any) -> None:
-    if not isinstance(trial, dict):
-        raise MpadviseError(f"{where} must be a JSON object, got {type(trial).__name__}")
-    unknown = sorted(set(trial) - set(TRIAL_FIELDS))
-    if unknown:
-        raise MpadviseError(f"{where} has unknown field {unknown[0]!r}; trial fields are "
-                            f"{', '.join(TRIAL_FIELDS)} (put anything else in 'metrics')")
-    number = trial.get("number", index)
-    if not isinstance(number, int) or isinstance(number, bool):
-        raise MpadviseError(f"{where}.number must be an integer, got {number!r}")
-    for name in ("mode", "outcome", "verdict", "reason"):
-        _string_or_null(f"{where}.{name}", trial.get(name))
-    _number(f"{where}.goodput", trial.get("goodput"), optional=True)
-    for name in _TRIAL_JSON:
-        _json_object(f"{where}.{name}", trial.get(name), optional=True)
+def encoded(value: Any) -> str:
+    """``value`` as the store's JSON: sorted keys, no NaN or infinity (SQLite's JSON refuses it)."""
+    return json.dumps(value, sort_keys=True, allow_nan=False)
 
 
 def json_text(name: str, value: Any, *, require_dict: bool = False) -> str:
-    """``value`` as the store's JSON text (sorted keys, no NaN or infinity: SQLite's JSON
-    functions refuse them), or an error naming ``name`` when it has none."""
+    """:func:`encoded`, or an error naming ``name`` when ``value`` has no JSON text."""
     if require_dict and not isinstance(value, dict):
         raise MpadviseError(f"{name} must be a dict, got {type(value).__name__}")
     try:
-        return json.dumps(value, sort_keys=True, allow_nan=False)
+        return encoded(value)
     except (TypeError, ValueError) as exc:
         raise MpadviseError(f"{name} is not JSON-serialisable ({exc})") from None
 
 
 @dataclass(frozen=True)
 class RecordField:
-    """One field of a recommendation record.
-
-    ``origin``: who gives it: ``"caller"`` (put and import), ``"export"`` (an export file; on
-    put the store sets it) or ``"store"``. ``not_null``: every stored record has a value.
-    ``stored``: a ``recommendations`` column (``"row"``), the row id, the joined ``hardware``
-    table, or the ``trials`` table.
-    """
+    """One field of a recommendation record. ``origin``: who gives it (the caller on put and
+    import; an export file, or on put the store; the store). ``not_null``: every stored record
+    has one. ``stored``: a ``recommendations`` column, the row id, ``hardware`` or ``trials``."""
 
     name: str
     annotation: Any
@@ -163,10 +157,6 @@ class RecordField:
     required: bool = False
     not_null: bool = False
     stored: Literal["row", "id", "hardware", "trials"] = "row"
-
-    @property
-    def is_json(self) -> bool:
-        return (get_origin(self.annotation) or self.annotation) in (dict, list)
 
 
 RECORD_FIELDS: tuple[RecordField, ...] = (
@@ -190,18 +180,15 @@ RECORD_FIELDS: tuple[RecordField, ...] = (
 )
 
 _ROW_COLUMNS = tuple(field for field in RECORD_FIELDS if field.stored == "row")
-_JSON_FIELDS = tuple(field.name for field in RECORD_FIELDS if field.is_json)
+_JSON_FIELDS = tuple(field.name for field in RECORD_FIELDS if (get_origin(field.annotation) or field.annotation)
+                     in (dict, list))
 _EXPORTED_FIELDS = tuple(field.name for field in RECORD_FIELDS if field.origin != "store")
 
 
 def validated_record(raw: Any, *, imported: bool = False) -> Record:
-    """Check a recommendation against :data:`RECORD_FIELDS`; return it normalised, with
-    ``mode`` derived from its policy.
-
-    An ``imported`` record (one of an export) brings its own ``id``, ``created_at`` and
-    ``hardware``, and may bring a ``mode``, which must agree with its policy. An error's message
-    starts with the field's name.
-    """
+    """Check a recommendation against :data:`RECORD_FIELDS`; return it normalised, with ``mode``
+    from its policy. An ``imported`` one (from an export) brings its ``id``, ``created_at`` and
+    ``hardware``, and may bring a ``mode`` that agrees with its policy. Errors start with the field."""
     if not isinstance(raw, dict):
         raise MpadviseError(f"a record must be a JSON object, got {type(raw).__name__}")
     given = [field for field in RECORD_FIELDS if field.origin == "caller" or (imported and field.origin == "export")]
@@ -216,13 +203,9 @@ def validated_record(raw: Any, *, imported: bool = False) -> Record:
     return record
 
 
-def encoded(value: Any) -> str:
-    """A validated value (one a check has encoded once) as JSON text, in :func:`json_text`'s form."""
-    return json.dumps(value, sort_keys=True, allow_nan=False)
-
-
 def recommendation_row(record: Record) -> dict[str, Any]:
-    return {field.name: encoded(record[field.name]) if field.is_json else record[field.name] for field in _ROW_COLUMNS}
+    return {name: encoded(record[name]) if name in _JSON_FIELDS else record[name]
+            for name in (field.name for field in _ROW_COLUMNS)}
 
 
 def trial_rows(recommendation_id: int, trials: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -246,41 +229,18 @@ def decode_json(row: dict[str, Any], columns: Iterable[str]) -> dict[str, Any]:
 
 def export_document(rows: Iterable[Record]) -> dict[str, Any]:
     """The export file's content for stored records (with their trials and hardware)."""
-    records = []
-    for row in rows:
-        record = {name: row[name] for name in _EXPORTED_FIELDS}
-        # Required on import: a row stored without them (edited by hand) still exports as a
-        # file that imports.
-        record["versions"] = record["versions"] or {}
-        record["summary"] = record["summary"] or {}
-        records.append(record)
-    return {
-        "format": EXPORT_FORMAT,
-        "format_version": EXPORT_FORMAT_VERSION,
-        "exported_at": utc_now(),
-        "records": records,
-    }
+    # versions and summary are required on import: a row stored without them (edited by hand)
+    # still exports as a file that imports.
+    records = [{**{name: row[name] for name in _EXPORTED_FIELDS}, "versions": row["versions"] or {},
+                "summary": row["summary"] or {}} for row in rows]
+    return {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION, "exported_at": utc_now(),
+            "records": records}
 
 
 def read_export(source: Path, *, check: Callable[[Record], object] | None = None) -> list[Record]:
     """The records of an export file, in file order, every one validated before any is returned.
-
     ``check`` is called with each record for rules beyond its shape; raising ``MpadviseError``
-    or ``ValueError`` refuses the file. An error names the file, the record and the field.
-    """
-    validated = []
-    for index, raw in enumerate(_export_records(source)):
-        try:
-            record = validated_record(raw, imported=True)
-            if check is not None:
-                check(record)
-        except (MpadviseError, ValueError) as exc:
-            raise MpadviseError(f"{source}: record {index}: {exc}; nothing was imported") from None
-        validated.append(record)
-    return validated
-
-
-def _export_records(source: Path) -> list[Any]:
+    or ``ValueError`` refuses the file. An error names the file, the record and the field."""
     try:
         text = source.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -306,4 +266,12 @@ def _export_records(source: Path) -> list[Any]:
     if not isinstance(records, list):
         raise MpadviseError(f"{source}: 'records' must be a list, got {type(records).__name__}; "
                             "nothing was imported")
-    return records
+    validated = []
+    for index, raw in enumerate(records):
+        try:
+            validated.append(validated_record(raw, imported=True))
+            if check is not None:
+                check(validated[-1])
+        except (MpadviseError, ValueError) as exc:
+            raise MpadviseError(f"{source}: record {index}: {exc}; nothing was imported") from None
+    return validated

@@ -1,52 +1,188 @@
-"""The cache database: opening it, surviving damage, and the :class:`Store` that holds it.
-
-The one module that imports sqlite-utils. Many processes share one file: WAL mode with
-``synchronous=NORMAL``; every read-then-write in ``BEGIN IMMEDIATE`` (writers queue on the busy
-timeout instead of failing to upgrade a stale snapshot). A damaged, foreign or newer-schema file
-is moved aside to ``<name>.corrupt-<timestamp>`` (with its -wal/-shm) and replaced. The directory
-is 0700 and the files 0600: the job queue in them is run by the daemon.
-"""
+"""The cache database, the one module that imports sqlite-utils: opening it, surviving damage,
+its job queue, and the :class:`Store`. Many processes share one file: WAL, ``synchronous=NORMAL``,
+every read-then-write in ``BEGIN IMMEDIATE`` (writers queue on the busy timeout instead of failing
+to upgrade a stale snapshot). A damaged, foreign or newer-schema file is moved aside (with its
+-wal/-shm) and replaced. The directory is 0700, the files 0600: the daemon runs the job queue."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import logging
 import os
 import random
 import sqlite3
 import threading
 import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import sqlite_utils
 
 from advisor._paths import database_path
 from advisor._secure import ensure_private_dir, ensure_private_file, open_private_new
-from advisor.cache._base import BUSY_TIMEOUT_S, error_kind, store_error
-from advisor.cache._event_rows import GuardEvents
-from advisor.cache._jobs import JobQueue
+from advisor.cache._base import BUSY_TIMEOUT_S, StoreBase, error_kind, guarded, store_error
 from advisor.cache._migrations import UnknownSchemaError, ensure_schema
 from advisor.cache._recommendations import Recommendations
+from advisor.cache._records import FINISHED_JOB_STATES, Record, json_text, utc_now
 from probes import MpadviseError
 
 logger = logging.getLogger("mpadvise")
-
 _WAL_PATIENCE_S = 2.0
+_warned_no_cache: set[str] = set()  # paths warned about, once per process
 
-_warned_no_cache: set[str] = set()
+EVENT_FIELDS = ("signal", "step", "tripped_at", "policy", "fallback", "action", "detail")
+"""The fields of one guard event, as the runtime's ``GuardEvent.to_dict()`` gives them."""
+
+_JOB_JSON = ("args", "options", "progress", "result")
+
+
+class JobQueue(StoreBase):
+    """The daemon's tune jobs, kept in the cache database so that queued jobs survive a restart:
+    queued, claimed by a slot, running, finished; oldest first. A job is a plain dict of the
+    ``jobs`` table's columns, with its JSON fields decoded."""
+
+    @guarded
+    def enqueue_job(self, *, script: str, args: Sequence[str] = (), options: dict[str, Any] | None = None,
+                    gpu: str | None = None) -> str:
+        """Queue a tune job; returns its id. ``gpu`` pins it to a slot (kept as
+        ``requested_gpu``; the ``gpu`` field names the slot that runs or ran it)."""
+        if not isinstance(script, str) or not script:
+            raise MpadviseError(f"job script must be a non-empty string, got {script!r}")
+        if isinstance(args, str) or not all(isinstance(arg, str) for arg in args):
+            raise MpadviseError(f"job args must be a list of strings, got {args!r}")
+        job_id = uuid.uuid4().hex
+        row = {"id": job_id, "state": "queued", "script": script, "args": json_text("args", list(args)),
+               "options": json_text("options", options or {}, require_dict=True), "created_at": utc_now(),
+               "attempts": 0, "gpu": None, "requested_gpu": gpu}
+        with self._write() as db:
+            db.table("jobs").insert(row)
+        return job_id
+
+    @guarded
+    def get_job(self, job_id: str) -> Record | None:
+        return _get_job(self.db, job_id)
+
+    @guarded
+    def list_jobs(self, *, states: Iterable[str] | None = None) -> list[Record]:
+        where, params = "1", []
+        if states is not None:
+            params = list(states)
+            where = f"state IN ({', '.join('?' * len(params))})"
+        rows = self.db.query(f"SELECT * FROM jobs WHERE {where} ORDER BY created_at, rowid", params)
+        return [_decode_job(row) for row in rows]
+
+    @guarded
+    def count_queued_jobs(self) -> int:
+        return int(self.db.execute("SELECT count(*) FROM jobs WHERE state = 'queued'").fetchone()[0])
+
+    @guarded
+    def cancel_job(self, job_id: str) -> Record | None:
+        """Cancel a job: a queued one at once (``cancelled``), a running one by asking its runner
+        (``cancelling``); returns the job afterwards, or ``None`` if there is no such job."""
+        with self._write() as db:
+            db.execute("UPDATE jobs SET state = 'cancelled', finished_at = ? WHERE id = ? AND state = 'queued'",
+                       [utc_now(), job_id])
+            db.execute("UPDATE jobs SET state = 'cancelling' WHERE id = ? AND state = 'running'", [job_id])
+            return _get_job(db, job_id)
+
+    @guarded
+    def claim_next_job(self, slot: str) -> Record | None:
+        """Atomically take the oldest queued job this slot may run (a job pinned to another slot
+        is left for that one) and mark it running; ``None`` when nothing is queued."""
+        with self._write() as db:
+            while True:
+                rows = list(db.query("SELECT * FROM jobs WHERE state = 'queued' AND (requested_gpu IS NULL "
+                                     "OR requested_gpu = ?) ORDER BY created_at, rowid LIMIT 1", [slot]))
+                if not rows:
+                    return None
+                if _decode_job(rows[0])["state"] == "queued":
+                    break
+                # A row that cannot be read cannot run: fail it, and take the next one.
+                db.execute("UPDATE jobs SET state = 'failed', finished_at = ?, result = ? WHERE id = ?",
+                           [utc_now(), json_text("result", _decode_job(rows[0])["result"]), rows[0]["id"]])
+            db.execute("UPDATE jobs SET state = 'running', started_at = ?, gpu = ? WHERE id = ?",
+                       [utc_now(), slot, rows[0]["id"]])
+            return _get_job(db, rows[0]["id"])
+
+    @guarded
+    def update_job(self, job_id: str, *, progress: dict[str, Any] | None = None,
+                   log_tail: str | None = None) -> Record | None:
+        """Replace a running job's progress and log tail where given; returns the job after the
+        update (its ``state`` tells the runner whether it was asked to cancel), or ``None``."""
+        progress_text = None if progress is None else json_text("progress", progress, require_dict=True)
+        with self._write() as db:
+            db.execute("UPDATE jobs SET progress = COALESCE(?, progress), log_tail = COALESCE(?, log_tail) "
+                       "WHERE id = ?", [progress_text, log_tail, job_id])
+            return _get_job(db, job_id)
+
+    @guarded
+    def finish_job(self, job_id: str, *, state: str, result: dict[str, Any] | None = None,
+                   log_tail: str | None = None) -> Record | None:
+        if state not in FINISHED_JOB_STATES:
+            raise MpadviseError(f"finished job state must be one of {', '.join(FINISHED_JOB_STATES)}, got {state!r}")
+        result_text = json_text("result", result) if result is not None else None
+        with self._write() as db:
+            db.execute("UPDATE jobs SET state = ?, finished_at = ?, result = COALESCE(?, result), "
+                       "log_tail = COALESCE(?, log_tail) WHERE id = ?", [state, utc_now(), result_text, log_tail, job_id])
+            return _get_job(db, job_id)
+
+    @guarded
+    def requeue_interrupted(self, *, max_retries: int = 1) -> list[Record]:
+        """At daemon start, put back the jobs that were running when the last daemon stopped: a
+        ``running`` job is queued again with ``attempts + 1`` while it has been retried fewer
+        than ``max_retries`` times, else ``interrupted`` (a job that kills the daemon cannot do
+        it forever); a ``cancelling`` one is ``cancelled``. Returns the jobs changed."""
+        with self._write() as db:
+            ids = [row["id"] for row in db.query("SELECT id FROM jobs WHERE state IN ('running', 'cancelling')")]
+            now = utc_now()
+            db.execute("UPDATE jobs SET state = 'cancelled', finished_at = ? WHERE state = 'cancelling'", [now])
+            db.execute("UPDATE jobs SET state = 'queued', attempts = attempts + 1, started_at = NULL, "
+                       "gpu = NULL WHERE state = 'running' AND attempts < ?", [max_retries])
+            db.execute("UPDATE jobs SET state = 'interrupted', finished_at = ? WHERE state = 'running'", [now])
+            return [job for job in (_get_job(db, job_id) for job_id in ids) if job is not None]
+
+    @guarded
+    def prune_finished_jobs(self, *, finished_before: str) -> list[str]:
+        """Delete the jobs that finished before ``finished_before`` (a :func:`utc_now` timestamp);
+        returns their ids (the daemon removes their files)."""
+        where = f"state IN ({', '.join('?' * len(FINISHED_JOB_STATES))}) AND finished_at < ?"
+        params = [*FINISHED_JOB_STATES, finished_before]
+        with self._write() as db:
+            ids = [row["id"] for row in db.query(f"SELECT id FROM jobs WHERE {where}", params)]
+            db.execute(f"DELETE FROM jobs WHERE {where}", params)
+            return ids
+
+
+def _get_job(db: sqlite_utils.Database, job_id: str) -> Record | None:
+    rows = list(db.query("SELECT * FROM jobs WHERE id = ?", [job_id]))
+    return _decode_job(rows[0]) if rows else None
+
+
+def _decode_job(row: dict[str, Any]) -> Record:
+    """A ``jobs`` row as a job. One with a JSON column that is not JSON is shown failed, with the
+    reason (so that listing jobs never fails on one damaged row)."""
+    job = dict(row)
+    for column in _JOB_JSON:
+        try:
+            job[column] = None if row[column] is None else json.loads(row[column])
+        except (TypeError, ValueError) as exc:
+            error = f"the stored job cannot be read: its {column} column is not JSON ({exc})"
+            return {**row, **dict.fromkeys(_JOB_JSON), "state": "failed", "result": {"exit_code": None, "error": error}}
+    return job
 
 
 def open_store(path: Path | str | None = None) -> Store | None:
-    """Open the cache, or return ``None`` (after one warning per path) when it cannot be used.
-
-    Callers that work without a cache (``load_policy``, ``tune``) treat ``None`` as "no cache".
-    """
+    """Open the cache, or return ``None`` when it cannot be used, for callers that work without
+    one. The warning comes once per path and process: a daemon or a notebook that asks
+    repeatedly should not fill the log with the same line."""
     try:
         return Store(path)
     except MpadviseError as exc:
         key = str(path if path is not None else database_path())
-        # One warning per path and process: a daemon or a notebook that asks repeatedly
-        # should not fill the log with the same line.
         if key not in _warned_no_cache:
             _warned_no_cache.add(key)
             logger.warning("%s; continuing without the cache", exc)
@@ -54,33 +190,22 @@ def open_store(path: Path | str | None = None) -> Store | None:
 
 
 class _Unusable(Exception):
-    """The file at the path cannot serve as the cache and should be moved aside."""
-
-    def __init__(self, reason: str, identity: tuple[int, int] | None, conn: sqlite3.Connection | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.identity = identity
-        # Still open: closing it before the move would let SQLite delete or checkpoint the
-        # -wal file, destroying part of what is being kept aside.
-        self.conn = conn
+    """The file cannot serve as the cache; ``args``: the reason, its identity, and the connection
+    that found it, still open (closing it before the move would let SQLite delete or checkpoint
+    the -wal file, destroying part of what is being kept aside)."""
 
 
 def _file_identity(path: Path) -> tuple[int, int] | None:
-    try:
+    with contextlib.suppress(OSError):
         status = os.stat(path)
-    except OSError:
-        return None
-    return (status.st_dev, status.st_ino)
+        return (status.st_dev, status.st_ino)
+    return None
 
 
-class Store(Recommendations, JobQueue, GuardEvents):
+class Store(Recommendations, JobQueue, contextlib.AbstractContextManager):
     """The mpadvise cache database (default :func:`advisor._paths.database_path`): one SQLite
-    connection, shared safely by threads.
-
-    Raises:
-        MpadviseError: the directory cannot be created, the file cannot be opened or written,
-            or it stays locked past the busy timeout (damaged files are replaced, not errors).
-    """
+    connection, shared safely by threads. MpadviseError when it cannot be created, opened or
+    written, or stays locked past the busy timeout (damaged files are replaced, not errors)."""
 
     def __init__(self, path: Path | str | None = None) -> None:
         self.path = Path(path) if path is not None else database_path()
@@ -97,34 +222,66 @@ class Store(Recommendations, JobQueue, GuardEvents):
                 self._db.close()
                 self._db = None
 
-    def __enter__(self) -> Store:
-        return self
-
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    @guarded
+    def put_guard_event(self, event: Mapping[str, Any], *, hardware_fp: str, workload_fp: str | None,
+                        script: str | None) -> int:
+        """Store one event of the runtime guard (fields: ``EVENT_FIELDS``); returns its id."""
+        if set(event) != set(EVENT_FIELDS):
+            raise MpadviseError(f"guard event: expected the fields {', '.join(EVENT_FIELDS)}, "
+                                f"got {', '.join(sorted(event))}")
+        row = {**event, "hardware_fp": hardware_fp, "workload_fp": workload_fp, "script": script,
+               "created_at": utc_now()}
+        with self._write() as db:
+            return int(db.table("guard_events").insert(row).last_pk)
+
+    @guarded
+    def list_guard_events(self, *, hardware_fp: str | None = None, script: str | None = None) -> list[dict[str, Any]]:
+        """The guard's events, newest first; only this hardware's and script's where given."""
+        return list(self.db.query("SELECT * FROM guard_events WHERE (:hw IS NULL OR hardware_fp = :hw) AND "
+                                  "(:script IS NULL OR script = :script) ORDER BY created_at DESC, id DESC",
+                                  {"hw": hardware_fp, "script": script}))
 
     def _open(self) -> None:
         try:
             self._db, self._identity = _connect_checked(self.path)
         except _Unusable as problem:
-            self._move_aside(problem.reason, problem.identity, problem.conn)
+            self._move_aside(*problem.args)
             try:
                 self._db, self._identity = _connect_checked(self.path)
             except _Unusable as again:
-                if again.conn is not None:
-                    again.conn.close()
+                reason, _, conn = again.args
+                if conn is not None:
+                    conn.close()
                 raise MpadviseError(f"cache database {self.path} is unusable even after starting a fresh one "
-                                    f"({again.reason}); set MPADVISE_HOME to another directory") from None
+                                    f"({reason}); set MPADVISE_HOME to another directory") from None
 
     def _move_aside(self, reason: str, identity: tuple[int, int] | None, conn: sqlite3.Connection | None = None) -> None:
-        """Rename a damaged or foreign database (and its WAL files) out of the way.
-
-        The files are renamed while the connection that found the problem is still open, and
-        only then closed: on close SQLite checkpoints and deletes the -wal by its old name,
-        which by then no longer exists, so the moved copy keeps its WAL.
-        """
+        """Rename a damaged or foreign database (and its -wal, -shm) to ``<name>.corrupt-<time>``
+        while the connection that found the problem is open, and only then close it: on close
+        SQLite checkpoints and deletes the -wal by its old name, gone by then: the copy keeps it."""
+        path = self.path
         try:
-            _rename_aside(self.path, reason, identity)
+            current = _file_identity(path)
+            if identity is not None and current != identity:
+                return  # another process found the same damage and has already replaced the file
+            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+            target = path.with_name(f"{path.name}.corrupt-{stamp}")
+            try:
+                if current is not None:
+                    os.replace(path, target)
+                # Keep the set together under names SQLite pairs up, so the copy can be opened.
+                for suffix in ("-wal", "-shm"):
+                    side = path.with_name(path.name + suffix)
+                    if side.exists():
+                        os.replace(side, target.with_name(target.name + suffix))
+            except OSError as exc:
+                raise MpadviseError(f"cache database {path} is unusable ({reason}) and cannot be moved "
+                                    f"aside ({exc.strerror or exc}); delete it or set MPADVISE_HOME") from exc
+            logger.warning("cache database %s is unusable: %s; moved it aside to %s and started a fresh one",
+                           path, reason, target)
         finally:
             if conn is not None:
                 conn.close()
@@ -136,11 +293,9 @@ class Store(Recommendations, JobQueue, GuardEvents):
 
 
 def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int] | None]:
-    """Connect to ``path``, configure and verify, retrying while other processes hold locks.
-
-    Returns the database and the identity (device, inode) of the file it opened; raises
-    ``_Unusable`` for a damaged, foreign or newer file, MpadviseError when it cannot be opened.
-    """
+    """Connect to ``path``, configure and verify, retrying while other processes hold locks:
+    the database and the identity (device, inode) of the file it opened. Raises ``_Unusable``
+    for a damaged, foreign or newer file, MpadviseError when it cannot be opened."""
     started = time.monotonic()
     deadline = started + BUSY_TIMEOUT_S
     while True:
@@ -148,17 +303,14 @@ def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int]
         identity = _file_identity(path)
         conn: sqlite3.Connection | None = None
         try:
-            # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE for
-            # writes), never opened behind our back by the sqlite3 module.
+            # isolation_level=None: transactions are explicit, never opened by the sqlite3 module.
             conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
             db = sqlite_utils.Database(conn, execute_plugins=False)
-            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             db.enable_wal()
             if db.journal_mode != "wal" and time.monotonic() < started + _WAL_PATIENCE_S:
-                # SQLite answers a journal-mode switch it cannot lock for with the old
-                # mode instead of an error. Retry for a moment; a file system without
-                # shared memory never allows WAL, and the rollback journal is still
-                # correct there, only less concurrent.
+                # SQLite answers a journal-mode switch it cannot lock for with the old mode
+                # instead of an error. Retry for a moment; a file system without shared memory
+                # never allows WAL, and the rollback journal is correct there, only less concurrent.
                 conn.close()
                 time.sleep(random.uniform(0.01, 0.05))
                 continue
@@ -172,8 +324,6 @@ def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int]
             except UnknownSchemaError as exc:
                 raise _Unusable(str(exc), identity, conn) from None
             return db, identity or _file_identity(path)
-        except _Unusable:
-            raise
         except sqlite3.Error as exc:
             kind = error_kind(exc)
             if kind == "corrupt":
@@ -181,12 +331,11 @@ def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int]
             if conn is not None:
                 conn.close()
             if kind == "busy" and time.monotonic() < deadline:
-                # Not every lock wait goes through the busy handler (a journal-mode
-                # switch on a fresh file, WAL recovery after a crash): back off briefly
-                # and start over, within the same overall timeout.
+                # Not every lock wait goes through the busy handler (a journal-mode switch on a
+                # fresh file, WAL recovery after a crash): back off, start over, same deadline.
                 time.sleep(random.uniform(0.01, 0.05))
                 continue
-            raise store_error(path, exc, kind) from exc
+            raise store_error(path, exc) from exc
 
 
 def _check_files(path: Path) -> None:
@@ -195,32 +344,8 @@ def _check_files(path: Path) -> None:
     for suffix in ("", "-wal", "-shm"):
         ensure_private_file(path.with_name(path.name + suffix))
     try:
-        os.close(open_private_new(path, os.O_RDWR))
-    except FileExistsError:
-        pass
+        with contextlib.suppress(FileExistsError):
+            os.close(open_private_new(path, os.O_RDWR))
     except OSError as exc:
         raise MpadviseError(f"cache database {path} cannot be created ({exc.strerror or exc}); "
                             "set MPADVISE_HOME to a writable directory of your own") from exc
-
-
-def _rename_aside(path: Path, reason: str, identity: tuple[int, int] | None) -> None:
-    """Move the file at ``path`` (with its -wal and -shm) to ``<name>.corrupt-<timestamp>``."""
-    current = _file_identity(path)
-    if identity is not None and current != identity:
-        # Another process found the same damage and has already replaced the file.
-        return
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-    target = path.with_name(f"{path.name}.corrupt-{stamp}")
-    try:
-        if current is not None:
-            os.replace(path, target)
-        # Keep the set together under names SQLite pairs up, so the copy can be opened.
-        for suffix in ("-wal", "-shm"):
-            side = path.with_name(path.name + suffix)
-            if side.exists():
-                os.replace(side, target.with_name(target.name + suffix))
-    except OSError as exc:
-        raise MpadviseError(f"cache database {path} is unusable ({reason}) and cannot be moved "
-                            f"aside ({exc.strerror or exc}); delete it or set MPADVISE_HOME") from exc
-    logger.warning("cache database %s is unusable: %s; moved it aside to %s and started a fresh one",
-                   path, reason, target)

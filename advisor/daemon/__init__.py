@@ -5,32 +5,20 @@ API became CVE-2023-48022), so: it binds the loopback (or a 0600 Unix socket) un
 ``allow_remote``; every request but ``GET /health`` needs the token in a 0600 file; a loopback
 client's ``Host`` must name the loopback (DNS rebinding); a job's paths must lie under an
 allowed root and its arguments go to ``exec`` as a list, never a shell; bodies, heads,
-connections and the time to send a request are bounded.
-
-The queue lives in the cache database, so jobs survive a restart. The exports are lazy (PEP
-562), so that the client (standard library only) does not load the web framework.
-"""
+connections and the time to send a request are bounded. The queue lives in the cache database,
+so jobs survive a restart. The exports are lazy (PEP 562): the client loads no web framework."""
 
 from __future__ import annotations
 
 from advisor._lazy import lazy_surface
 
-# Each exported name, and the module that defines it (imported on first use).
 _EXPORTS = {
-    "DaemonClient": "_client",
-    "DaemonPaths": "_client",
-    "daemon_running": "_client",
-    "finished_tune": "_client",
-    "read_token": "_client",
-    "tune_job_body": "_client",
-    "DAEMON_LOGS_KEPT": "_config",
-    "MAX_DAEMON_LOG_BYTES": "_config",
-    "DaemonConfig": "_config",
-    "check_bind": "_config",
+    **dict.fromkeys(("DaemonClient", "DaemonPaths", "daemon_running", "finished_tune", "read_token",
+                     "tune_job_body"), "_client"),
+    **dict.fromkeys(("DAEMON_LOGS_KEPT", "MAX_DAEMON_LOG_BYTES", "DaemonConfig", "check_bind"), "_config"),
     "serve": "_server",
 }
 
 __all__ = sorted(_EXPORTS)
-
 
 __getattr__, __dir__ = lazy_surface(__name__, _EXPORTS, globals())

@@ -1,49 +1,34 @@
-"""The HTTP application: the routes, the request guard (body size, Host header) and the token check."""
+"""The HTTP application: the routes, the request guard (body size, Host header), the token check."""
 
 from __future__ import annotations
 
 import contextlib
 import hmac
-import ipaddress
 import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from advisor._version import __version__
-from advisor.cache import (
-    FINISHED_JOB_STATES,
-    HARDWARE_FP_PATTERN,
-    JOB_STATES,
-    WORKLOAD_FP_PATTERN,
-    Store,
-)
-from advisor.daemon._config import MAX_QUEUED_JOBS, MAX_TEXT, DaemonConfig
-from advisor.daemon._files import utc_now_seconds
-from advisor.daemon._job_request import PathKind, path_refusal
-from advisor.daemon._jobs import JobRunner, Slot
-from advisor.daemon._requests import JobRequest, JobState
-from advisor.daemon._responses import (
-    ErrorBody,
-    HardwareReport,
-    Health,
-    Job,
-    JobList,
-    RecommendationList,
-    ValidationErrorBody,
-)
+from advisor.cache import FINISHED_JOB_STATES, HARDWARE_FP_PATTERN, WORKLOAD_FP_PATTERN, Store
+from advisor.daemon import _models as models
+from advisor.daemon._config import MAX_QUEUED_JOBS, MAX_TEXT, loopback_address, utc_now_seconds
+from advisor.daemon._jobs import JobRunner, PathKind, path_refusal
 from probes import MpadviseError
+
+if TYPE_CHECKING:
+    from advisor.daemon._config import DaemonConfig
 
 
 @dataclass
@@ -53,7 +38,6 @@ class DaemonState:
     store: Store
     read_store: Store
     report: dict[str, Any]
-    slots: list[Slot]
     runner: JobRunner
     mode_names: frozenset[str]
     answers: AnswerCache
@@ -63,8 +47,7 @@ class DaemonState:
 
 
 def _json_bytes(data: Any) -> bytes:
-    # Plain json with ASCII escapes: no response model is re-validated on the hot path, and
-    # no stored text can make encoding fail.
+    # Plain json: no response model re-validated on the hot path; ASCII escapes never fail.
     return json.dumps(data, separators=(",", ":"), default=str).encode()
 
 
@@ -73,27 +56,21 @@ def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None
 
 
 class AnswerCache:
-    """Encoded ``GET /recommendations`` answers, valid until anyone commits to the database.
-
+    """Encoded ``GET /recommendations`` answers, valid until anyone commits to the database:
     SQLite's ``PRAGMA data_version`` changes when another connection commits, and costs a few
-    microseconds against the query and the JSON work. ``store`` must be only read from (its
-    own writes would not change it). Past ``max_entries`` distinct queries it starts afresh.
-    """
+    microseconds against the query and the JSON work. ``store`` must be only read from (its own
+    writes would not change it). Past 256 distinct queries it starts afresh."""
 
-    def __init__(self, store: Store, max_entries: int = 256) -> None:
+    def __init__(self, store: Store) -> None:
         self._store = store
-        self._max = max_entries
         self._answers: dict[Any, bytes] = {}
         self._version: int | None = None
 
-    def _current(self) -> int | None:
-        try:
-            return int(self._store.db.execute("PRAGMA data_version").fetchone()[0])
-        except Exception:  # a closed or replaced connection: never serve from the cache then
-            return None
-
     def get(self, key: Any) -> bytes | None:
-        version = self._current()
+        try:
+            version = int(self._store.db.execute("PRAGMA data_version").fetchone()[0])
+        except Exception:  # a closed or replaced connection: never serve from the cache then
+            version = None
         if version is None or version != self._version:
             self._answers.clear()
             self._version = version
@@ -101,28 +78,14 @@ class AnswerCache:
         return self._answers.get(key)
 
     def put(self, key: Any, body: bytes) -> None:
-        if self._version is None:
-            return
-        if len(self._answers) >= self._max:
-            self._answers.clear()
-        self._answers[key] = body
-
-
-def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    text = {400: "Bad Host header, or a body that is not JSON", 401: "Token missing", 403: "Token wrong, or path outside the allowed roots",
-            404: "No such job", 409: "The job has already finished", 413: "Body too large",
-            429: "Too many jobs queued (the daemon's cap); try again later",
-            422: "Invalid request: each item says where (loc) and what (msg)",
-            503: "The cache database is busy or unusable"}
-    if 422 in codes:
-        return {**{code: {"model": ErrorBody, "description": text[code]} for code in codes if code != 422},
-                422: {"model": ValidationErrorBody, "description": text[422]}}
-    return {code: {"model": ErrorBody, "description": text[code]} for code in codes}
+        if self._version is not None:
+            if len(self._answers) >= 256:
+                self._answers.clear()
+            self._answers[key] = body
 
 
 class _Guard:
-    """ASGI middleware: Host check for loopback clients, and the body size limit (413). Plain
-    ASGI: it adds nothing measurable to a GET, and refuses a large body before the app reads it."""
+    """ASGI middleware (nothing measurable on a GET): the Host check, and the body size limit."""
 
     def __init__(self, app: Any, *, max_body: int, check_host: bool, local_only: bool = True) -> None:
         self.app = app
@@ -134,14 +97,12 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = None
-        host = None
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                length = value
-            elif name == b"host":
-                host = value
-        if self.check_host and self._from_loopback(scope) and not _loopback_host_header(host):
+        headers, client = dict(scope["headers"]), scope.get("client")
+        length = headers.get(b"content-length")
+        # The Host check applies to every client when serving loopback only, else to loopback
+        # ones (a remote client names this machine however it reaches it).
+        from_loopback = self.local_only or not client or not client[0] or loopback_address(str(client[0]))
+        if self.check_host and from_loopback and not _loopback_host_header(headers.get(b"host")):
             await _send_error(send, 400, "the Host header must name the loopback (127.0.0.1, localhost or [::1]); "
                                          "this daemon serves local clients only")
             return
@@ -162,35 +123,21 @@ class _Guard:
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                await self.app(scope, _replay([message], receive), send)
-                return
-            chunk = message.get("body", b"")
-            total += len(chunk)
+                break
+            chunks.append(message.get("body", b""))
+            total += len(chunks[-1])
             if total > self.max_body:
                 await _send_error(send, 413, f"request body is over the limit of {self.max_body} bytes")
                 return
-            chunks.append(chunk)
             if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
                 break
-        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        await self.app(scope, _replay([body], receive), send)
+        replayed = [message]
 
-    def _from_loopback(self, scope: dict[str, Any]) -> bool:
-        """Whether the Host check applies: every client when serving loopback only, else a
-        loopback one (a remote client names this machine however it reaches it)."""
-        if self.local_only:
-            return True
-        client = scope.get("client")
-        return not client or not client[0] or _client_is_loopback(str(client[0]))
+        async def replay() -> dict[str, Any]:
+            return replayed.pop() if replayed else await receive()
 
-
-def _replay(messages: list[dict[str, Any]], receive: Callable[..., Any]) -> Callable[..., Any]:
-    async def replayed() -> dict[str, Any]:
-        if messages:
-            return messages.pop(0)
-        return await receive()
-
-    return replayed
+        await self.app(scope, replay, send)
 
 
 async def _send_error(send: Callable[..., Any], status: int, detail: str) -> None:
@@ -201,47 +148,36 @@ async def _send_error(send: Callable[..., Any], status: int, detail: str) -> Non
     await send({"type": "http.response.body", "body": body})
 
 
-_LOOPBACK_HOSTS = frozenset({b"127.0.0.1", b"localhost", b"[::1]"})
-
-
 def _loopback_host_header(host: bytes | None) -> bool:
-    if not host:
-        return False
-    name = host.rsplit(b":", 1)[0] if not host.endswith(b"]") else host
-    if name in _LOOPBACK_HOSTS:
-        return True
-    # 127.0.0.0/8 as a whole is loopback; only literal addresses count (no DNS look-up here).
-    return _client_is_loopback(name.decode("ascii", errors="replace").strip("[]"))
+    """Whether a Host header names the loopback: ``localhost`` or a literal address (no DNS)."""
+    name = (host or b"").decode("ascii", errors="replace")
+    name = name if name.endswith("]") else name.rsplit(":", 1)[0]
+    return name == "localhost" or loopback_address(name)
 
 
 _bearer = HTTPBearer(auto_error=False, description="The contents of daemon.token in the cache directory.")
 
 
-def _check_token(request: Request, given: str | None) -> None:
-    if given is None:
+async def _require_token(request: Request) -> None:
+    """The bearer token, for every request but ``GET /health``: reads show a job's arguments,
+    directory and log, which can hold secrets."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
         raise HTTPException(401, "this request needs `Authorization: Bearer <token>`; the token is in "
                                  "daemon.token in the cache directory", headers={"WWW-Authenticate": "Bearer"})
-    if not hmac.compare_digest(given.encode("utf-8", "replace"), request.app.state.daemon.token.encode()):
+    if not hmac.compare_digest(given.strip().encode("utf-8", "replace"), request.app.state.daemon.token.encode()):
         raise HTTPException(403, "wrong token; read it again from daemon.token in the cache directory "
                                  "(it changes when the file is deleted)")
 
 
-async def _require_token(
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-) -> None:
-    _check_token(request, None if credentials is None else credentials.credentials)
-
-
-async def _require_read(request: Request) -> None:
-    """The bearer token, for every read but ``GET /health``: reads show a job's arguments,
-    directory and log, which can hold secrets."""
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    _check_token(request, given.strip() if scheme.lower() == "bearer" and given else None)
+# The routes, added to each application by create_app in this order (the OpenAPI document's).
+# Not through include_router: newer FastAPI keeps an included router as one nested route, and
+# the 405 handler needs every route of the application to say which methods a path allows.
+_router = APIRouter()
 
 
 def create_app(state: DaemonState) -> FastAPI:
-    """The ASGI app over ``state`` (with the Host and body-size guard around it); its lifespan
-    starts and stops the job runner."""
+    """The ASGI app over ``state``, in the Host and body-size guard; its lifespan runs the jobs."""
     app = FastAPI(
         title="mpadvise daemon", version=__version__,
         summary="Cached precision recommendations and queued tune jobs for this machine.",
@@ -254,27 +190,23 @@ def create_app(state: DaemonState) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(MpadviseError, _store_error)  # type: ignore[arg-type]
-    for path, endpoint, options in _ROUTES:
-        app.add_api_route(path, endpoint, **options)
-    # The Host check stops DNS rebinding (a web page reaching the loopback under its own name);
-    # it holds for loopback clients even when remote ones are allowed.
+    app.router.routes.extend(_router.routes)
+    # The Host check stops DNS rebinding (a web page reaching the loopback under its own name).
     return _Guard(app, max_body=state.config.max_body_bytes,  # type: ignore[return-value]
                   check_host=state.config.uds is None, local_only=state.local_only)
 
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    runner = _state(app).runner
-    runner.start()
+    _state(app).runner.start()
     try:
         yield
     finally:
-        runner.stop()
+        _state(app).runner.stop()
 
 
 def _state(app: Any) -> DaemonState:
-    state: DaemonState = app.state.daemon
-    return state
+    return app.state.daemon  # type: ignore[no-any-return]
 
 
 # Errors: every body is {"detail": ...}
@@ -293,11 +225,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 405:
         # Starlette names only the methods of the first route on the path; a client (and
         # RFC 9110) needs all of them.
-        methods: set[str] = set()
-        for route in request.app.router.routes:
-            match, _ = route.matches(request.scope)
-            if match != Match.NONE and getattr(route, "methods", None):
-                methods |= set(route.methods)
+        routes = [route for route in request.app.router.routes if getattr(route, "methods", None)]
+        methods = {m for route in routes if route.matches(request.scope)[0] != Match.NONE for m in route.methods}
         headers["Allow"] = ", ".join(sorted(methods))
     return _json({"detail": exc.detail}, exc.status_code, headers=headers)
 
@@ -306,58 +235,41 @@ async def _store_error(_: Request, exc: MpadviseError) -> Response:
     return _json({"detail": str(exc)}, 503)
 
 
-# Routes
-
-# Added to each application by create_app, in this order (the OpenAPI document's). Not an
-# included APIRouter: newer FastAPI keeps an included router as one nested route, and the 405
-# handler needs every route of the application to say which methods a path allows.
-_ROUTES: list[tuple[str, Callable[..., Any], dict[str, Any]]] = []
-_Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
+_READ = [Depends(_require_token)]
+_CHANGE = [Depends(_bearer), Depends(_require_token)]  # _bearer: the token in the OpenAPI document
 
 
-def _route(path: str, method: str, **options: Any) -> Callable[[_Endpoint], _Endpoint]:
-
-    def declare(endpoint: _Endpoint) -> _Endpoint:
-        _ROUTES.append((path, endpoint, {"methods": [method], **options}))
-        return endpoint
-
-    return declare
-
-
-_WORKLOAD_QUERY = f"^{WORKLOAD_FP_PATTERN.pattern}$"
-_HARDWARE_QUERY = f"^{HARDWARE_FP_PATTERN.pattern}$"
-
-
-@_route("/health", "GET", response_model=Health, tags=["service"], responses=_error_responses(400))
+@_router.get("/health", response_model=models.Health, tags=["service"], responses=models.error_responses(400))
 async def health(request: Request) -> Response:
     """Whether the daemon answers, its slots, and how many jobs are in each state."""
     state = _state(request.app)
-    counts = {name: 0 for name in JOB_STATES}
-    for job in state.read_store.list_jobs(states=("queued", "running", "cancelling")):
-        counts[job["state"]] = counts.get(job["state"], 0) + 1  # a damaged row reads as failed
+    counts = dict.fromkeys(("queued", "running", "cancelling"), 0)
+    for job in state.read_store.list_jobs(states=tuple(counts)):
+        if job["state"] in counts:  # a damaged row reads as failed
+            counts[job["state"]] += 1
     return _json({
         "status": "ok", "version": __version__, "pid": os.getpid(), "started_at": state.started_at,
-        "uptime_s": round(time.time() - state.started, 3), "slots": state.runner.slot_info(),
-        "jobs": {k: v for k, v in counts.items() if k in ("queued", "running", "cancelling")},
+        "uptime_s": round(time.time() - state.started, 3), "slots": state.runner.slot_info(), "jobs": counts,
     })
 
 
-@_route("/hardware", "GET", response_model=HardwareReport, tags=["service"], dependencies=[Depends(_require_read)],
-             responses=_error_responses(400, 401, 403))
+@_router.get("/hardware", response_model=models.HardwareReport, tags=["service"], dependencies=_READ,
+             responses=models.error_responses(400, 401, 403))
 async def hardware(request: Request) -> Response:
     """This machine's devices (as `mpadvise probe --json` reports them) and the job slots."""
     state = _state(request.app)
     return _json({**state.report, "slots": state.runner.slot_info()})
 
 
-@_route("/recommendations", "GET", response_model=RecommendationList, tags=["cache"],
-             responses=_error_responses(400, 401, 403, 422, 503))
+@_router.get("/recommendations", response_model=models.RecommendationList, tags=["cache"],
+             responses=models.error_responses(400, 401, 403, 422, 503))
 async def recommendations(
     request: Request,
-    workload: Annotated[str | None, Query(pattern=_WORKLOAD_QUERY, description="Workload fingerprint.")] = None,
+    workload: Annotated[str | None, Query(pattern=f"^{WORKLOAD_FP_PATTERN.pattern}$",
+                                          description="Workload fingerprint.")] = None,
     script: Annotated[str | None, Query(min_length=1, max_length=MAX_TEXT,
                                         description="Script path, or its file name.")] = None,
-    hardware: Annotated[str | None, Query(pattern=_HARDWARE_QUERY,
+    hardware: Annotated[str | None, Query(pattern=f"^{HARDWARE_FP_PATTERN.pattern}$",
                                           description="Hardware fingerprint (GET /hardware lists this machine's).")] = None,
     trials: Annotated[bool, Query(description="Include each entry's trials.")] = False,
     limit: Annotated[int, Query(ge=1, le=1000, description="At most this many, newest first.")] = 100,
@@ -365,7 +277,7 @@ async def recommendations(
     """Cached recommendations, newest first, filtered by workload, script and hardware."""
     # Called here rather than as a dependency: the hottest path, and FastAPI's dependency
     # resolution costs a tenth of a request.
-    await _require_read(request)
+    await _require_token(request)
     state = _state(request.app)
     key = (workload, script, hardware, trials, limit)
     body = state.answers.get(key)
@@ -377,9 +289,9 @@ async def recommendations(
     return Response(body, media_type="application/json")
 
 
-@_route("/jobs", "POST", response_model=Job, status_code=201, tags=["jobs"], dependencies=[Depends(_require_token)],
-              responses=_error_responses(400, 401, 403, 413, 422, 429, 503))
-def create_job(request: Request, job: JobRequest) -> Response:
+@_router.post("/jobs", response_model=models.Job, status_code=201, tags=["jobs"], dependencies=_CHANGE,
+              responses=models.error_responses(400, 401, 403, 413, 422, 429, 503))
+def create_job(request: Request, job: models.JobRequest) -> Response:
     """Queue a tune job; it runs when a slot (and its GPU) is free."""
     state = _state(request.app)
     script, options = _checked_job(job, state)
@@ -393,11 +305,12 @@ def create_job(request: Request, job: JobRequest) -> Response:
     return _json(state.store.get_job(job_id), 201, headers={"Location": f"/jobs/{job_id}"})
 
 
-@_route("/jobs", "GET", response_model=JobList, tags=["jobs"], dependencies=[Depends(_require_read)],
-             responses=_error_responses(400, 401, 403, 422, 503))
+@_router.get("/jobs", response_model=models.JobList, tags=["jobs"], dependencies=_READ,
+             responses=models.error_responses(400, 401, 403, 422, 503))
 async def list_jobs(
     request: Request,
-    state_filter: Annotated[list[JobState] | None, Query(alias="state", description="Only jobs in these states.")] = None,
+    state_filter: Annotated[list[models.JobState] | None,
+                            Query(alias="state", description="Only jobs in these states.")] = None,
     limit: Annotated[int, Query(ge=1, le=1000, description="At most this many, the newest.")] = 100,
 ) -> Response:
     """Jobs in queue order (oldest first); the newest ``limit`` of them."""
@@ -405,8 +318,8 @@ async def list_jobs(
     return _json({"count": len(jobs), "jobs": jobs[-limit:]})
 
 
-@_route("/jobs/{job_id}", "GET", response_model=Job, tags=["jobs"], dependencies=[Depends(_require_read)],
-             responses=_error_responses(400, 401, 403, 404, 422, 503))
+@_router.get("/jobs/{job_id}", response_model=models.Job, tags=["jobs"], dependencies=_READ,
+             responses=models.error_responses(400, 401, 403, 404, 422, 503))
 async def get_job(request: Request, job_id: Annotated[str, PathParam(max_length=64)]) -> Response:
     """One job: state, progress, result (the tune's JSON) and the tail of its log."""
     job = _state(request.app).read_store.get_job(job_id)
@@ -415,56 +328,41 @@ async def get_job(request: Request, job_id: Annotated[str, PathParam(max_length=
     return _json(job)
 
 
-@_route("/jobs/{job_id}", "DELETE", response_model=Job, tags=["jobs"], dependencies=[Depends(_require_token)],
-                responses={**_error_responses(400, 401, 403, 404, 409, 422, 503),
-                           202: {"model": Job, "description": "Cancelling: the running tune is being stopped"}})
+@_router.delete("/jobs/{job_id}", response_model=models.Job, tags=["jobs"], dependencies=_CHANGE,
+                responses={**models.error_responses(400, 401, 403, 404, 409, 422, 503),
+                           202: {"model": models.Job, "description": "Cancelling: the running tune is being stopped"}})
 def cancel_job(request: Request, job_id: Annotated[str, PathParam(max_length=64)]) -> Response:
     """Cancel a job: a queued one at once (200), a running one by killing its tune (202)."""
     state = _state(request.app)
     before = state.store.get_job(job_id)
-    if before is None:
-        raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
-    if before["state"] in FINISHED_JOB_STATES:
+    if before is not None and before["state"] in FINISHED_JOB_STATES:
         raise HTTPException(409, f"job {job_id} has already finished ({before['state']}); nothing to cancel")
-    job = state.store.cancel_job(job_id)
-    state.runner.cancel(job_id)
-    if job is None:  # deleted in between: the cache was cleared
+    job = None if before is None else state.store.cancel_job(job_id)
+    if job is None:  # none, or deleted in between: the cache was cleared
         raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
+    state.runner.cancel(job_id)
     return _json(job, 202 if job["state"] == "cancelling" else 200)
 
 
-def _checked_job(job: JobRequest, state: DaemonState) -> tuple[Path, dict[str, Any]]:
+def _checked_job(job: models.JobRequest, state: DaemonState) -> tuple[Path, dict[str, Any]]:
     """A job request checked against this daemon (paths 403/422, modes and slot 422): the
     resolved script, and the options to queue (paths resolved, ``cwd`` added)."""
     roots = state.config.roots()
     script = _checked_path(job.script, roots, "script", want="file")
-    cwd = _checked_path(job.cwd, roots, "cwd", want="dir") if job.cwd is not None else None
     options = job.options.model_dump()
+    if job.cwd is not None:
+        options["cwd"] = str(_checked_path(job.cwd, roots, "cwd", want="dir"))
     if job.options.out is not None:
-        out = _checked_path(job.options.out, roots, "options.out", want="new")
-        options["out"] = str(out)
+        options["out"] = str(_checked_path(job.options.out, roots, "options.out", want="new"))
     unknown = sorted(set(job.options.modes) - state.mode_names)
     if unknown:
         raise _invalid(["body", "options", "modes"], f"unknown mode {', '.join(unknown)}; "
                                  f"expected some of {', '.join(sorted(state.mode_names))}")
-    names = [slot.name for slot in state.slots]
+    names = [slot.name for slot in state.runner.slots]
     if job.gpu is not None and job.gpu not in names:
         raise _invalid(["body", "gpu"], f"gpu {job.gpu!r} is not a slot of this daemon; expected one of "
                                  f"{', '.join(names)} (or none for the first free one)")
-    if cwd is not None:
-        options["cwd"] = str(cwd)
     return script, options
-
-
-def _client_is_loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address, an IPv4 one seen through a dual-stack socket
-    (``::ffff:127.0.0.1``, what ``--host ::`` reports for an IPv4 client) included."""
-    try:
-        address = ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
 
 
 def _invalid(loc: list[str], message: str) -> HTTPException:

@@ -1,79 +1,54 @@
-"""A small client for the local ``mpadvise daemon``, standard library only (``http.client``).
-
-It finds the daemon through ``daemon.json`` in the cache directory (a TCP URL or a Unix
-socket) and reads the token from ``daemon.token`` beside it.
-"""
+"""A small client for the local ``mpadvise daemon`` (``http.client``, no web framework): it finds
+the daemon through ``daemon.json`` in the cache directory (a TCP URL or a Unix socket) and reads
+the token from ``daemon.token`` beside it."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import http.client
-import ipaddress
 import json
 import os
 import socket
 import stat
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 from advisor._paths import cache_dir
+from advisor.cache import FINISHED_JOB_STATES
+from advisor.daemon._config import loopback_address, under_roots
 from advisor.tune import TuneOptions
 from probes import MpadviseError
 
-FINISHED = ("succeeded", "failed", "cancelled", "interrupted")
 
-
-@dataclass(frozen=True)
 class DaemonPaths:
-    directory: Path
+    """The daemon's files in one cache directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.token = directory / "daemon.token"
+        self.pid = directory / "daemon.pid"
+        self.log = directory / "daemon.log"
+        self.address = directory / "daemon.json"  # where it listens, its pid, slots and roots
+        self.lock = directory / "daemon.lock"
+        self.jobs = directory / "jobs"
 
     @classmethod
     def here(cls) -> DaemonPaths:
         return cls(cache_dir())
 
-    @property
-    def token(self) -> Path:
-        return self.directory / "daemon.token"
-
-    @property
-    def pid(self) -> Path:
-        return self.directory / "daemon.pid"
-
-    @property
-    def log(self) -> Path:
-        return self.directory / "daemon.log"
-
-    @property
-    def address(self) -> Path:
-        return self.directory / "daemon.json"
-
-    @property
-    def lock(self) -> Path:
-        return self.directory / "daemon.lock"
-
-    @property
-    def jobs(self) -> Path:
-        return self.directory / "jobs"
-
 
 def read_token(path: Path) -> str:
-    """Read the token file, refusing one that is missing, empty, a symlink, someone else's, or
-    readable by others."""
+    """The token file's text; refused when missing, empty, a symlink, another's, or not 0600."""
     try:
         # O_NOFOLLOW and fstat: the checks below are of the file read, not of a link's target.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            status = os.fstat(fd)
-            with os.fdopen(os.dup(fd), "r") as handle:
-                text = handle.read().strip()
-        finally:
-            os.close(fd)
-        mode = status.st_mode & 0o777
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as handle:
+            status = os.fstat(handle.fileno())
+            text = handle.read().strip()
     except FileNotFoundError:
         raise MpadviseError(f"no daemon token at {path}; `mpadvise daemon start` creates it (with the same "
                             "MPADVISE_HOME)") from None
@@ -85,7 +60,7 @@ def read_token(path: Path) -> str:
     if status.st_uid != os.geteuid():
         raise MpadviseError(f"daemon token {path} belongs to uid {status.st_uid}, not to uid {os.geteuid()} who runs "
                             f"mpadvise; remove it (`rm {path}`), or set MPADVISE_HOME to a directory of your own")
-    if mode & 0o077:
+    if (mode := status.st_mode & 0o777) & 0o077:
         raise MpadviseError(f"daemon token {path} has mode {mode:04o}; expected 0600 (private to its owner); "
                             f"run `chmod 600 {path}`, or delete it to get a new token at the next start")
     if not text:
@@ -96,19 +71,17 @@ def read_token(path: Path) -> str:
 def daemon_running(paths: DaemonPaths) -> bool:
     """Whether a daemon holds this cache directory's lock: it does for as long as it lives (the
     lock goes with its last open file, even under kill -9)."""
-    if not paths.lock.exists():
-        return False
     try:
         fd = os.open(paths.lock, os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
     except BlockingIOError:
         return True
     finally:
         os.close(fd)
-    return False
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -117,10 +90,9 @@ class _UnixConnection(http.client.HTTPConnection):
         self._path = path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        sock.connect(self._path)
-        self.sock = sock
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
 
 
 class DaemonClient:
@@ -137,9 +109,8 @@ class DaemonClient:
         self.roots: list[Path] = []  # where the daemon lets jobs run (from daemon.json)
 
     @classmethod
-    def local(cls, *, need_token: bool = False, timeout: float = 10.0) -> DaemonClient:
-        """The daemon of this cache directory, as its ``daemon.json`` says (with the token when
-        ``need_token``)."""
+    def local(cls, *, need_token: bool = False) -> DaemonClient:
+        """The daemon of this cache directory, as its ``daemon.json`` says; the token if asked."""
         paths = DaemonPaths.here()
         try:
             address = json.loads(paths.address.read_text())
@@ -148,32 +119,27 @@ class DaemonClient:
         if not isinstance(address, dict) or not (address.get("url") or address.get("uds")) or not daemon_running(paths):
             raise MpadviseError(f"no mpadvise daemon is running for {paths.directory}; start one with "
                                 "`mpadvise daemon start` (with the same MPADVISE_HOME)")
-        token = None
         if need_token:
             _check_token_destination(address, paths)
-            token = read_token(paths.token)
-        client = cls.for_address(address, token=token, timeout=timeout)
+        client = cls.for_address(address, token=read_token(paths.token) if need_token else None)
         client.roots = [Path(root) for root in address.get("roots") or []]
         return client
 
     @classmethod
-    def for_address(cls, address: dict[str, Any], *, token: str | None = None, timeout: float = 10.0) -> DaemonClient:
+    def for_address(cls, address: dict[str, Any], *, token: str | None = None) -> DaemonClient:
         """A client of the daemon that wrote ``address`` (its ``daemon.json``), from this machine;
         a wildcard bind (``0.0.0.0``, ``::``) is reached through that family's loopback."""
         if address.get("uds"):
-            return cls(uds=address["uds"], token=token, timeout=timeout)
-        return cls(url=local_url(str(address["url"])), token=token, timeout=timeout)
+            return cls(uds=address["uds"], token=token)
+        return cls(url=local_url(str(address["url"])), token=token)
 
     @property
     def where(self) -> str:
         return self.url if self.url is not None else f"unix socket {self.uds}"
 
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        headers = {"Accept": "application/json"}
-        payload = None
-        if body is not None:
-            payload = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
+        payload = None if body is None else json.dumps(body).encode()
+        headers = {"Accept": "application/json", "Content-Type": "application/json"}
         if self.token:  # every request but GET /health needs it
             headers["Authorization"] = f"Bearer {self.token}"
         if self.uds is not None:
@@ -203,12 +169,11 @@ class DaemonClient:
             return data
         detail = data.get("detail") if isinstance(data, dict) else data
         if isinstance(detail, list):  # a validation error list, joined into one line
-            detail = "; ".join(
-                f"{'.'.join(str(p) for p in d.get('loc', [])[1:]) or 'body'}: {d.get('msg')}" for d in detail
-            )
+            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])[1:])) or 'body'}: {d.get('msg')}"
+                               for d in detail)
         # Refused requests (bad options, a path outside the roots) are usage errors.
-        code = 2 if status in (400, 403, 413, 422) else 1
-        raise MpadviseError(f"the daemon refused {method} {path} (HTTP {status}): {detail}", exit_code=code)
+        raise MpadviseError(f"the daemon refused {method} {path} (HTTP {status}): {detail}",
+                            exit_code=2 if status in (400, 403, 413, 422) else 1)
 
     def health(self) -> dict[str, Any]:
         return self.call("GET", "/health")
@@ -226,15 +191,14 @@ class DaemonClient:
         return self.call("DELETE", f"/jobs/{quote(job_id, safe='')}")
 
     def allows(self, directory: Path) -> bool:
-        return any(directory == root or root in directory.parents for root in self.roots)
+        return under_roots(directory, self.roots)
 
     def follow(self, job: dict[str, Any], *, on_line: Callable[[str], None], on_waiting: Callable[[str], None],
                poll_s: float = 1.0) -> dict[str, Any]:
         """Look at a job every ``poll_s`` seconds until it finishes; ``on_line`` gets each new line
         of the tune's stderr once, ``on_waiting`` each new message of a job waiting for its GPU."""
-        seen = 0
-        waiting_shown = None
-        while job["state"] not in FINISHED:
+        seen, waiting_shown = 0, None
+        while job["state"] not in FINISHED_JOB_STATES:
             time.sleep(poll_s)
             job = self.job(job["id"])
             progress = job.get("progress") or {}
@@ -251,26 +215,18 @@ class DaemonClient:
 
 
 def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> None:
-    """Refuse to send the token where ``daemon.json`` says unless it is surely our daemon.
-
-    ``daemon.json`` is only as trustworthy as the directory it lies in, so the token goes only
-    to a loopback address or to a Unix socket this user owns (the daemon creates it 0600).
-    """
+    """Refuse to send the token where ``daemon.json`` says unless it is surely our daemon: that
+    file is only as trustworthy as its directory, so the token goes only to a loopback address
+    or to a Unix socket this user owns (the daemon creates it 0600)."""
     if address.get("uds"):
-        try:
+        with contextlib.suppress(OSError):
             status = os.lstat(address["uds"])
-        except OSError:
-            status = None
-        if status is not None and stat.S_ISSOCK(status.st_mode) and status.st_uid == os.geteuid():
-            return
+            if stat.S_ISSOCK(status.st_mode) and status.st_uid == os.geteuid():
+                return
         where = f"the Unix socket {address['uds']}, which is not a socket of uid {os.geteuid()}"
     else:
         host = urlsplit(local_url(str(address.get("url")))).hostname or ""
-        try:
-            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if loopback:
+        if host == "localhost" or loopback_address(host):
             return
         where = f"{address.get('url')}, which is not a loopback address"
     raise MpadviseError(f"{paths.address} names {where}; not sending the daemon token there. Remove {paths.address} "
@@ -280,13 +236,9 @@ def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> Non
 def local_url(url: str) -> str:
     """``url`` with a wildcard host (``0.0.0.0``, ``::``) replaced by that family's loopback."""
     parts = urlsplit(url)
-    try:
-        wildcard = parts.hostname is not None and ipaddress.ip_address(parts.hostname).is_unspecified
-    except ValueError:
-        wildcard = False
-    if not wildcard:
+    if parts.hostname not in ("0.0.0.0", "::"):  # as the daemon writes them (getsockname)
         return url
-    loopback = "[::1]" if ":" in (parts.hostname or "") else "127.0.0.1"
+    loopback = "[::1]" if parts.hostname == "::" else "127.0.0.1"
     return parts._replace(netloc=f"{loopback}:{parts.port}" if parts.port else loopback).geturl()
 
 
@@ -306,8 +258,7 @@ def finished_tune(job: dict[str, Any]) -> tuple[dict[str, Any], int]:
     MpadviseError naming the error line of a job that did not succeed."""
     result = job.get("result") or {}
     if job["state"] != "succeeded" or result.get("tune") is None:
-        why = result.get("error") or (job.get("log_tail") or "").strip().splitlines()[-1:] or "no reason recorded"
-        if isinstance(why, list):
-            why = why[0]
+        lines = (job.get("log_tail") or "").strip().splitlines()
+        why = result.get("error") or (lines[-1] if lines else "no reason recorded")
         raise MpadviseError(f"job {job['id']} {job['state']}: {why} (GET /jobs/{job['id']} has its log tail)")
     return result["tune"], int(result.get("exit_code") or 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import getpass
 import ipaddress
 import logging
 import os
@@ -12,85 +14,70 @@ from pathlib import Path
 
 from probes import MpadviseError
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8757
-# A job request is a path, a few dozen options and an argument list: 64 KiB is generous, and
-# a bound means a client cannot make the daemon buffer (or store) an arbitrary amount.
-MAX_BODY_BYTES = 64 * 1024
-# A request's line and headers together: a client cannot make the daemon buffer more (431).
-MAX_HEADER_BYTES = 64 * 1024
-# A connection must deliver a whole request (line, headers, body) this many seconds after it
-# opens or after the previous answer, else it is closed: an idle or dribbling client cannot
-# hold a connection, and the descriptor behind it, for longer.
-REQUEST_TIMEOUT_S = 10.0
-# Connections open at once, at most; and descriptors kept out of their reach for the database,
-# the job logs and the jobs' pipes (see connection_limit).
-MAX_CONNECTIONS = 256
-RESERVED_DESCRIPTORS = 256
 MAX_ARGS = 256
 MAX_TEXT = 4096
-# What the job record keeps of a tune's stderr: enough to see why it failed.
-LOG_TAIL_LINES = 40
-LOG_TAIL_CHARS = 8000
-RECENT_LINES = 20
 # Jobs waiting at once: past this, POST /jobs answers 429 (a client cannot grow the queue,
 # and the database, without bound).
 MAX_QUEUED_JOBS = 1000
-# Full job logs kept in the jobs directory (the newest); older ones are deleted.
-MAX_JOB_LOGS = 200
-# Finished jobs (their rows, logs and files) are deleted this many days after they finished,
-# at start and then every PRUNE_EVERY_S; queued and running jobs never are.
-DEFAULT_JOB_RETENTION_DAYS = 30.0
+# Finished jobs (their rows, logs and files) past their retention are deleted at start and
+# then every PRUNE_EVERY_S; queued and running jobs never are.
 PRUNE_EVERY_S = 3600.0
 # daemon.log is rotated at start past this size, keeping this many old ones (.1 the newest).
 MAX_DAEMON_LOG_BYTES = 10 * 1024 * 1024
 DAEMON_LOGS_KEPT = 3
-# The environment variable that marks every process of a job (the tune and its trials, which
-# run in sessions of their own): how leftovers are found after a crash or a cancel.
-JOB_ENV = "MPADVISE_DAEMON_JOB"
 
 logger = logging.getLogger("mpadvise.daemon")
 
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    """How the daemon listens and what it may run.
+    """How the daemon listens and what it may run: ``port`` 0 lets the system pick (written to
+    ``daemon.json``); ``uds`` serves on a 0600 Unix socket instead of TCP; a job's paths must lie
+    under ``allowed_roots`` (empty: the home directory); finished jobs older than
+    ``job_retention_days`` are deleted with their files."""
 
-    ``port`` 0 lets the system pick (written to ``daemon.json``); ``uds`` serves on a 0600 Unix
-    socket instead of TCP; a job's paths must lie under ``allowed_roots`` (empty: the home
-    directory); finished jobs older than ``job_retention_days`` are deleted with their files.
-    """
-
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
+    host: str = "127.0.0.1"
+    port: int = 8757
     uds: Path | None = None
     allow_remote: bool = False
     allowed_roots: tuple[Path, ...] = ()
-    max_body_bytes: int = MAX_BODY_BYTES
-    job_retention_days: float = DEFAULT_JOB_RETENTION_DAYS
+    # A job request is a path, a few dozen options and an argument list: 64 KiB is generous,
+    # and a bound means a client cannot make the daemon buffer (or store) an arbitrary amount.
+    max_body_bytes: int = 64 * 1024
+    job_retention_days: float = 30.0
 
     def roots(self) -> tuple[Path, ...]:
-        raw = self.allowed_roots or (Path.home(),)
-        return tuple(Path(os.path.realpath(root)) for root in raw)
+        return tuple(Path(os.path.realpath(root)) for root in self.allowed_roots or (Path.home(),))
+
+
+def utc_now_seconds() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def loopback_address(host: str) -> bool:
+    """Whether ``host`` is a literal loopback address: brackets, a zone, and an IPv4 address
+    seen through a dual-stack socket (``::ffff:127.0.0.1``) allowed; never a DNS look-up."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%")[0])
+    except ValueError:
+        return False
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address, IPv6 maybe bracketed, or a name) names only loopback
-    addresses; a name counts when every address it resolves to is one (so a doctored
-    ``/etc/hosts`` cannot turn ``localhost`` into a public bind)."""
+    """Whether ``host`` (an address or a name) names only loopback addresses; a name counts
+    when every address it resolves to is one (so a doctored ``/etc/hosts`` cannot turn
+    ``localhost`` into a public bind)."""
     bare = host.strip().strip("[]")
     if not bare:
         return False
+    if loopback_address(bare):
+        return True
     try:
-        return ipaddress.ip_address(bare).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(bare, None)
+        addresses = {info[4][0] for info in socket.getaddrinfo(bare, None)}
     except (OSError, UnicodeError):
         return False
-    addresses = {info[4][0] for info in infos}
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+    return bool(addresses) and all(loopback_address(a) for a in addresses)
 
 
 def check_bind(host: str, *, allow_remote: bool) -> str | None:
@@ -103,23 +90,12 @@ def check_bind(host: str, *, allow_remote: bool) -> str | None:
                             "serves on 127.0.0.1 (or --uds PATH) only; pass --allow-remote to bind it anyway",
                             exit_code=2)
     try:
-        import pwd
-
-        user = pwd.getpwuid(os.getuid()).pw_name
-    except (ImportError, KeyError):
+        user = getpass.getuser()
+    except (OSError, KeyError):
         user = "this user"
     return (f"serving on {host}, reachable from other machines: every request except GET /health "
             "needs the token, and anyone holding it can run scripts under the allowed roots as "
             f"{user}; prefer 127.0.0.1 with an SSH tunnel")
-
-
-def connection_limit(soft_descriptors: int) -> int:
-    """How many connections the daemon keeps open at once, given ``RLIMIT_NOFILE``'s soft limit:
-    at most :data:`MAX_CONNECTIONS`, and at most half of what remains once
-    :data:`RESERVED_DESCRIPTORS` are set aside for the database, the logs and the jobs."""
-    if soft_descriptors < 0:  # RLIM_INFINITY
-        return MAX_CONNECTIONS
-    return max(1, min(MAX_CONNECTIONS, (soft_descriptors - RESERVED_DESCRIPTORS) // 2, soft_descriptors // 4))
 
 
 def under_roots(path: Path, roots: Sequence[Path]) -> bool:

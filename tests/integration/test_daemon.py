@@ -24,10 +24,8 @@ from _daemon_server import ROOT, Daemon, copy_scripts, daemon_env, pid_alive, se
 from advisor.cache._store import Store
 from advisor.daemon._client import DaemonClient, read_token
 from advisor.daemon._config import check_bind, is_loopback, under_roots
-from advisor.daemon._files import ensure_token
-from advisor.daemon._job_files import JOB_TMP, LogTail, job_pids
-from advisor.daemon._job_request import job_request, tune_argv
-from advisor.daemon._jobs import JobRunner, Slot
+from advisor.daemon._jobs import JOB_TMP, JobRunner, LogTail, Slot, job_pids, job_request, tune_argv
+from advisor.daemon._server import ensure_token
 from advisor.tune import TuneRequest
 from probes import MpadviseError
 

@@ -23,8 +23,7 @@ from _daemon_server import ROOT, Daemon, copy_scripts, daemon_env
 from advisor.cache._store import Store
 from advisor.cli._daemon import rotate_log
 from advisor.daemon._config import MAX_QUEUED_JOBS, DaemonConfig
-from advisor.daemon._job_files import prune_job_logs
-from advisor.daemon._job_request import tune_argv
+from advisor.daemon._jobs import prune_job_logs, tune_argv
 from probes import MpadviseError
 
 TINY_TUNE = {"trials": 1, "steps": 32, "warmup": 2, "modes": ["fp32"]}

@@ -10,8 +10,7 @@ import time
 import pytest
 from _daemon_server import Daemon, copy_scripts
 
-from advisor.daemon._job_files import job_pids
-from advisor.daemon._job_request import job_request, tune_argv
+from advisor.daemon._jobs import job_pids, job_request, tune_argv
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from _daemon_server import ROOT, Daemon, daemon_env
 
-from advisor.daemon._config import MAX_HEADER_BYTES, REQUEST_TIMEOUT_S, connection_limit
+from advisor.daemon._server import MAX_HEADER_BYTES, REQUEST_TIMEOUT_S, connection_limit
 
 pytestmark = pytest.mark.slow
 

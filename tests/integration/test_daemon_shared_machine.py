@@ -27,7 +27,7 @@ from _daemon_server import ROOT, Daemon, copy_scripts, daemon_env
 
 from advisor.cache._store import Store
 from advisor.daemon._client import DaemonClient, read_token
-from advisor.daemon._files import ensure_token, write_private
+from advisor.daemon._server import ensure_token, write_private
 from probes import MpadviseError
 
 TINY_TUNE = {"trials": 1, "steps": 32, "warmup": 2, "modes": ["fp32"]}

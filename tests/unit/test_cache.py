@@ -334,7 +334,7 @@ def test_stored_records_have_exactly_the_schema_fields(store: Store, tmp_path: P
 
 
 def test_the_daemon_serves_stored_records_through_the_same_schema(store: Store) -> None:
-    from advisor.daemon._responses import Recommendation
+    from advisor.daemon._models import Recommendation
 
     _put(store, script=None, speedup_vs_fp32=None)
     for record in (_get(store, HW, WL), store.list_recommendations()[0]):

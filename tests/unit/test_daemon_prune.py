@@ -10,8 +10,7 @@ import os
 import time
 
 from advisor.cache._store import Store
-from advisor.daemon._job_files import prune_jobs
-from advisor.daemon._jobs import JobRunner, Slot
+from advisor.daemon._jobs import JobRunner, Slot, prune_jobs
 
 DAY = 86400.0
 

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 import advisor
-from advisor.daemon._requests import JobRequest, TuneOptionsModel
+from advisor.daemon._models import JobRequest, TuneOptionsModel
 from advisor.frameworks import plan_for
 from advisor.tune._options import TuneOptions, option_info
 from advisor.tune._trials import TrialSettings
