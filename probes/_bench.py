@@ -11,7 +11,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from probes._capability import peak_tflops
@@ -67,13 +67,7 @@ def default_bench_dtypes(profile: HardwareProfile) -> tuple[str, ...]:
     if not profile.is_cuda:
         return ("fp32", "fp16", "bf16")
     cc = profile.compute_capability or (0, 0)
-    dtypes = ["fp32"]
-    if cc >= (8, 0):
-        dtypes.append("tf32")
-    dtypes += ["fp16", "bf16"]
-    if cc >= (8, 9):
-        dtypes.append("fp8")
-    return tuple(dtypes)
+    return tuple(d for d in BENCH_DTYPES if (d != "tf32" or cc >= (8, 0)) and (d != "fp8" or cc >= (8, 9)))
 
 
 def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list[str] | None = None,
@@ -89,9 +83,14 @@ def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list
     Raises:
         MpadviseError: a dtype is unknown, or the profile is a CUDA device torch cannot see.
     """
-    chosen = _validated_dtypes(profile, dtypes)
-    if size is None:
-        size = _DEFAULT_SIZE[profile.kind]
+    if dtypes is None:
+        dtypes = default_bench_dtypes(profile)
+    unknown = [d for d in dtypes if d not in BENCH_DTYPES]
+    if unknown:
+        raise MpadviseError(
+            f"dtypes: unknown {', '.join(map(repr, unknown))}; expected some of {', '.join(BENCH_DTYPES)}"
+        )
+    size = size or _DEFAULT_SIZE[profile.kind]
 
     import torch
 
@@ -100,7 +99,6 @@ def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list
             f"cannot benchmark {profile.device} ({profile.name}): torch.cuda is not available "
             f"in this process; check the driver and CUDA_VISIBLE_DEVICES"
         )
-
     measured: dict[str, tuple[float, float, int] | str] = {}
     with contextlib.ExitStack() as stack:
         if profile.is_cuda:
@@ -110,48 +108,26 @@ def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list
             # trials on the same GPU after the benchmark.
             stack.callback(torch.cuda.empty_cache)
         stack.enter_context(torch.no_grad())
-        for dtype in chosen:
+        for dtype in (d for d in BENCH_DTYPES if d in dtypes):
             reason = _skip_reason(torch, profile, dtype)
-            measured[dtype] = reason if reason is not None else _measure(
-                torch, profile, dtype, size, min_seconds, repeats)
+            measured[dtype] = reason or _measure(torch, profile, dtype, size, min_seconds, repeats)
 
-    return _rows(profile, chosen, measured, size)
-
-
-def _rows(profile: HardwareProfile, chosen: tuple[str, ...], measured: dict[str, tuple[float, float, int] | str],
-          size: int) -> list[BenchRow]:
     peaks = peak_tflops(profile)
     fp32 = measured.get("fp32")
     fp32_tflops = _tflops(size, fp32[0]) if isinstance(fp32, tuple) else None
     rows = []
-    for dtype in chosen:
-        result = measured[dtype]
-        common = {"dtype": dtype, "device": profile.device, "size": size, "peak_tflops": peaks.get(dtype)}
+    for dtype, result in measured.items():
+        row = BenchRow(dtype=dtype, device=profile.device, size=size, tflops=None, seconds=None, ratio_vs_fp32=None,
+                       peak_tflops=peaks.get(dtype), fraction_of_peak=None, repeats=0)
         if isinstance(result, str):
-            rows.append(BenchRow(**common, tflops=None, seconds=None, ratio_vs_fp32=None, fraction_of_peak=None,
-                                 repeats=0, skipped=result))
+            rows.append(replace(row, skipped=result))
             continue
-        seconds, spread, repeats = result
+        seconds, spread, repeats_run = result
         tflops = _tflops(size, seconds)
-        rows.append(BenchRow(**common, tflops=tflops, seconds=seconds,
-                             ratio_vs_fp32=tflops / fp32_tflops if fp32_tflops else None,
-                             fraction_of_peak=tflops / common["peak_tflops"] if common["peak_tflops"] else None,
-                             repeats=repeats, spread=spread))
+        rows.append(replace(row, tflops=tflops, seconds=seconds, repeats=repeats_run, spread=spread,
+                            ratio_vs_fp32=tflops / fp32_tflops if fp32_tflops else None,
+                            fraction_of_peak=tflops / row.peak_tflops if row.peak_tflops else None))
     return rows
-
-
-def _validated_dtypes(profile: HardwareProfile, dtypes: tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
-    if dtypes is None:
-        return default_bench_dtypes(profile)
-    if isinstance(dtypes, str):
-        dtypes = (dtypes,)
-    unknown = [d for d in dtypes if d not in BENCH_DTYPES]
-    if unknown:
-        raise MpadviseError(
-            f"dtypes: unknown {', '.join(map(repr, unknown))}; "
-            f"expected some of {', '.join(BENCH_DTYPES)}"
-        )
-    return tuple(d for d in BENCH_DTYPES if d in dtypes)
 
 
 def _tflops(size: int, seconds: float) -> float:

@@ -29,10 +29,10 @@ class ArchCapability:
 
     arch: str
     compute_capability: tuple[int, int]
-    fp16_tensor_cores: bool
-    tf32: bool
-    bf16: bool
-    fp8: bool
+    fp16_tensor_cores: bool = True
+    tf32: bool = True
+    bf16: bool = True
+    fp8: bool = False
     mxfp8: bool = False
     nvfp4: bool = False
     fp8_min_cuda: tuple[int, int] | None = None
@@ -58,24 +58,22 @@ def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
     if major < 7:
         # Pascal and older: no tensor cores. P100 (6.0) has fast fp16 arithmetic (2x fp32),
         # consumer Pascal (6.1) runs fp16 at 1/64 rate; bf16 exists only as emulation.
-        return ArchCapability("pre-Volta", cc, fp16_tensor_cores=False, tf32=False, bf16=False, fp8=False)
+        return ArchCapability("pre-Volta", cc, fp16_tensor_cores=False, tf32=False, bf16=False)
     if major == 7:
         # 7.0 V100, 7.2 Xavier (both Volta); 7.5 Turing. fp16 tensor cores only.
-        arch = "Turing" if minor >= 5 else "Volta"
-        return ArchCapability(arch, cc, fp16_tensor_cores=True, tf32=False, bf16=False, fp8=False)
+        return ArchCapability("Turing" if minor >= 5 else "Volta", cc, tf32=False, bf16=False)
+    if major == 8 and minor >= 9:
+        # 8.9 Ada: fourth-generation tensor cores with FP8. cuBLASLt runs FP8 matmuls on Ada
+        # from CUDA 12.1 (Transformer Engine's check_fp8_support refuses older CUDA there).
+        return ArchCapability("Ada", cc, fp8=True, fp8_min_cuda=(12, 1))
     if major == 8:
-        if (major, minor) >= (8, 9):
-            # 8.9 Ada: fourth-generation tensor cores with FP8. cuBLASLt runs FP8 matmuls on Ada
-            # from CUDA 12.1 (Transformer Engine's check_fp8_support refuses older CUDA there).
-            return ArchCapability("Ada", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, fp8_min_cuda=(12, 1))
         # 8.0 A100, 8.6 GA10x (A10, RTX 30xx), 8.7 Orin: bf16 and TF32 tensor cores.
-        return ArchCapability("Ampere", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=False)
+        return ArchCapability("Ampere", cc)
     if major == 9:
-        return ArchCapability("Hopper", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True)
+        return ArchCapability("Hopper", cc, fp8=True)
     # 10.x B200/GB200, 11.x Thor, 12.x RTX 50xx / RTX PRO: fifth-generation tensor cores
     # with hardware block scaling (MXFP8, NVFP4).
-    arch = "Blackwell" if major <= 12 else "post-Blackwell"
-    return ArchCapability(arch, cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, mxfp8=True, nvfp4=True)
+    return ArchCapability("Blackwell" if major <= 12 else "post-Blackwell", cc, fp8=True, mxfp8=True, nvfp4=True)
 
 
 def _validated(compute_capability: object) -> tuple[int, int]:
@@ -92,12 +90,9 @@ def _validated(compute_capability: object) -> tuple[int, int]:
     return (compute_capability[0], compute_capability[1])
 
 
-_RELEASE = re.compile(r"(\d+)\.(\d+)")
-
-
 def release(version: str | None) -> tuple[int, int] | None:
     """``"2.3.0+cu12"`` -> ``(2, 3)``; ``None`` when it has no release line."""
-    match = _RELEASE.match(version.strip()) if isinstance(version, str) else None
+    match = re.match(r"(\d+)\.(\d+)", version.strip()) if isinstance(version, str) else None
     return (int(match[1]), int(match[2])) if match else None
 
 
@@ -110,13 +105,6 @@ def _dotted(pair: tuple[int, int]) -> str:
 # CUDA 13 renumbered 11.0) runs on both numbers. Read from torch.cuda's DEVICE_REQUIREMENT table.
 _RUNS_ONLY_ON = {53: {53}, 62: {62}, 72: {72}, 87: {87}, 101: {101, 110}}
 _TAKES_ONLY_ITS_OWN = {53, 62, 72, 87, 101}
-
-
-def _arch_number(entry: str) -> int | None:
-    """``"sm_90a"`` -> 90, ``"compute_120f"`` -> 120; ``None`` for an entry of another form."""
-    _, _, number = str(entry).partition("_")
-    digits = number.rstrip("abcdefghijklmnopqrstuvwxyz")
-    return int(digits) if digits.isdigit() else None
 
 
 def torch_build_covers(compute_capability: tuple[int, int], arch_list: tuple[str, ...]) -> bool | None:
@@ -132,9 +120,11 @@ def torch_build_covers(compute_capability: tuple[int, int], arch_list: tuple[str
     major, minor = _validated(compute_capability)
     device = 10 * major + minor
     for entry in arch_list:
-        code = _arch_number(entry)
-        if code is None:
+        # "sm_90a" -> 90, "compute_120f" -> 120; an entry of another form is skipped.
+        digits = str(entry).partition("_")[2].rstrip("abcdefghijklmnopqrstuvwxyz")
+        if not digits.isdigit():
             continue
+        code = int(digits)
         if code in _RUNS_ONLY_ON:
             runs = device in _RUNS_ONLY_ON[code]
         elif device in _TAKES_ONLY_ITS_OWN:
@@ -350,15 +340,9 @@ SKU_PEAKS: tuple[SkuPeak, ...] = (
                                     ("fp8", 5000.0), ("fp4", 10000.0)), "NVIDIA GB200 NVL72 specifications"),
 )
 
-_COMPILED = tuple((re.compile(peak.pattern, re.IGNORECASE), peak) for peak in SKU_PEAKS)
-
-
 def match_sku(device_name: str) -> SkuPeak | None:
     """The datasheet row for a CUDA device name (``"NVIDIA A100-SXM4-80GB"``), or ``None``."""
-    for pattern, peak in _COMPILED:
-        if pattern.search(device_name):
-            return peak
-    return None
+    return next((peak for peak in SKU_PEAKS if re.search(peak.pattern, device_name, re.IGNORECASE)), None)
 
 
 def peak_tflops(profile: HardwareProfile) -> dict[str, float]:
@@ -366,7 +350,5 @@ def peak_tflops(profile: HardwareProfile) -> dict[str, float]:
 
     CPUs have no table: their peaks depend on clocks, cores and vector width that vary by part.
     """
-    if not profile.is_cuda:
-        return {}
-    peak = match_sku(profile.name)
+    peak = match_sku(profile.name) if profile.is_cuda else None
     return dict(peak.tflops) if peak is not None else {}

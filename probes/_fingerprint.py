@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from typing import TYPE_CHECKING, Any
+
+from probes._capability import release
 
 if TYPE_CHECKING:
     from probes._profile import HardwareProfile
@@ -22,29 +23,24 @@ if TYPE_CHECKING:
 FINGERPRINT_VERSION = 2
 
 _GIB = 1024**3
-_MAJOR_MINOR = re.compile(r"(\d+)\.(\d+)")
 
 
 def major_minor(version: str | None) -> str | None:
     """``"2.5.1+cu124"`` -> ``"2.5"``; text that does not start with ``major.minor`` unchanged."""
-    if version is None:
-        return None
-    match = _MAJOR_MINOR.match(version)
-    return f"{match[1]}.{match[2]}" if match else version
+    pair = release(version)
+    return version if pair is None else f"{pair[0]}.{pair[1]}"
 
 
-def fingerprint_fields(profile: HardwareProfile, *, version: int = FINGERPRINT_VERSION) -> dict[str, Any]:
-    """The profile fields that key cached results under recipe ``version``. Never one card's
-    identifiers or momentary facts (UUID, index, free memory, clocks): two cards of one SKU
-    give one answer."""
-    memory_gib = None if profile.memory_total is None else round(profile.memory_total / _GIB)
-    capability = None if profile.compute_capability is None else list(profile.compute_capability)
+def hardware_fingerprint(profile: HardwareProfile, *, version: int = FINGERPRINT_VERSION) -> str:
+    """First 16 hex digits of the SHA-256, as canonical JSON, of the profile fields that key
+    cached results under recipe ``version``. Never one card's identifiers or momentary facts
+    (UUID, index, free memory, clocks): two cards of one SKU give one answer."""
     fields: dict[str, Any] = {
         "v": version,
         "kind": profile.kind,
         "name": profile.name,
-        "compute_capability": capability,
-        "memory_gib": memory_gib,
+        "compute_capability": None if profile.compute_capability is None else list(profile.compute_capability),
+        "memory_gib": None if profile.memory_total is None else round(profile.memory_total / _GIB),
         "sm_count": profile.sm_count,
     }
     if version == 1:
@@ -55,14 +51,6 @@ def fingerprint_fields(profile: HardwareProfile, *, version: int = FINGERPRINT_V
     else:
         raise ValueError(f"hardware fingerprint recipe {version!r} is unknown; expected 1 or {FINGERPRINT_VERSION}")
     if profile.kind == "cpu":
-        fields["cpu_flags"] = sorted(profile.cpu_flags)
-        fields["cores"] = profile.cores
-    return fields
-
-
-def hardware_fingerprint(profile: HardwareProfile, *, version: int = FINGERPRINT_VERSION) -> str:
-    """First 16 hex digits of the SHA-256 of ``fingerprint_fields`` as canonical JSON."""
-    canonical = json.dumps(
-        fingerprint_fields(profile, version=version), sort_keys=True, separators=(",", ":"), ensure_ascii=True
-    )
+        fields.update(cpu_flags=sorted(profile.cpu_flags), cores=profile.cores)
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode("ascii")).hexdigest()[:16]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 
@@ -29,7 +29,7 @@ class HardwareProfile:
     cores: int | None = None
     cpu_flags: tuple[str, ...] = ()
     torch_version: str | None = None
-    libraries: tuple[tuple[str, str | None], ...] = field(default=())
+    libraries: tuple[tuple[str, str | None], ...] = ()
     uuid: str | None = None
     cuda_arch_list: tuple[str, ...] = ()
 
@@ -60,16 +60,13 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
         """Inverse of ``to_dict``; unknown keys are ignored, so newer files still load."""
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in known}
-        if kwargs.get("compute_capability") is not None:
-            kwargs["compute_capability"] = tuple(kwargs["compute_capability"])
-        if kwargs.get("clocks_mhz") is not None:
-            kwargs["clocks_mhz"] = tuple(kwargs["clocks_mhz"])
-        kwargs["cpu_flags"] = tuple(kwargs.get("cpu_flags") or ())
-        kwargs["cuda_arch_list"] = tuple(kwargs.get("cuda_arch_list") or ())
+        kwargs = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        for key in ("compute_capability", "clocks_mhz"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = tuple(kwargs[key])
+        for key in ("cpu_flags", "cuda_arch_list"):
+            kwargs[key] = tuple(kwargs.get(key) or ())
         libs = kwargs.get("libraries") or {}
-        if isinstance(libs, dict):
-            libs = libs.items()
-        kwargs["libraries"] = tuple(sorted((str(k), v) for k, v in libs))
+        pairs = libs.items() if isinstance(libs, dict) else libs
+        kwargs["libraries"] = tuple(sorted((str(k), v) for k, v in pairs))
         return cls(**kwargs)
