@@ -3,10 +3,10 @@ registry, and which modes a device supports."""
 
 from __future__ import annotations
 
-from ._autocast import AutocastMode
 from ._base import ModeFacts, PrecisionMode
 from ._config import Policy, check_config_target, load_config
 from ._fp8 import Fp8Mode
+from ._half import AutocastMode, TrueHalfMode
 from ._policy_parts import (
     SCHEMA,
     Fp8Options,
@@ -38,7 +38,6 @@ from ._support import (
     safe_default_mode,
     supported_modes,
 )
-from ._true import TrueHalfMode
 from .fp8_te import Fp8Te
 from .fp8_torchao import Fp8Torchao
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from probes import MpadviseError
 
+from ._half import TrueHalfMode
 from ._registry import fp8_recipes, mode_class, mode_classes
-from ._true import TrueHalfMode
 
 if TYPE_CHECKING:
     from ._config import Policy

@@ -3,7 +3,7 @@ bf16 has fp32's exponent range."""
 
 from __future__ import annotations
 
-from ._autocast import AutocastMode
+from ._half import AutocastMode
 
 
 class Bf16Mixed(AutocastMode):

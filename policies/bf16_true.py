@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._true import TrueHalfMode
+from ._half import TrueHalfMode
 
 
 class Bf16True(TrueHalfMode):

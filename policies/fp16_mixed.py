@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._autocast import AutocastMode
+from ._half import AutocastMode
 
 _ADVICE = {
     "diverged": "activations overflow fp16 even with loss scaling; use bf16-mixed where the "

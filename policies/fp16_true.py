@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._true import TrueHalfMode
+from ._half import TrueHalfMode
 
 if TYPE_CHECKING:
     import torch

@@ -15,6 +15,7 @@ Dynamo traces, it would become a graph break that runs the step uncompiled).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 from probes import MpadviseError, UnsupportedHere, fp8_recipe_since
 
 from ._device import TE_INSTALL
-from ._fp8 import Fp8Mode, retie, tied_parameters
+from ._fp8 import Fp8Mode
 
 
 def import_transformer_engine() -> tuple[Any, Any]:
@@ -42,9 +43,8 @@ RECIPE_CLASSES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling"
                   "block": "Float8BlockScaling"}
 
 
-def build_recipe(recipe_mod: Any, options: Any) -> Any:
-    """The TE recipe object for the Policy's ``[fp8]`` options (already one of ``fp8_recipes``)."""
-    name = options.recipe if options and options.recipe else Fp8Te.default_recipe
+def build_recipe(recipe_mod: Any, options: Any, name: str) -> Any:
+    """The TE recipe object named ``name`` (one of ``fp8_recipes``) for the ``[fp8]`` options."""
     recipe_cls = getattr(recipe_mod, RECIPE_CLASSES[name], None)
     if recipe_cls is None:
         floor = fp8_recipe_since(Fp8Te.library, name)
@@ -53,52 +53,11 @@ def build_recipe(recipe_mod: Any, options: Any) -> Any:
             f"fp8.recipe: {name!r} needs {needs}, and the installed one has no "
             f"{RECIPE_CLASSES[name]}; upgrade it ({TE_INSTALL}) or set recipe = \"delayed\""
         )
-    fmt = recipe_format(recipe_mod, options)
+    fmt = getattr(recipe_mod.Format, (options.fp8_format if options else "hybrid").upper())
     if name == "delayed":
         return recipe_cls(fp8_format=fmt, amax_history_len=options.amax_history_len if options else 1024,
                           margin=options.margin if options else 0)
-    if name == "current":
-        return recipe_cls(fp8_format=fmt)
-    return recipe_cls()
-
-
-def recipe_format(recipe_mod: Any, options: Any) -> Any:
-    return getattr(recipe_mod.Format, (options.fp8_format if options else "hybrid").upper())
-
-
-def compile_recipe(recipe_mod: Any, options: Any) -> Any | None:
-    """Current scaling, which stands in for the delayed recipe under torch.compile; ``None`` for
-    a TE older than 2.2, which had no torch.compile refusal either."""
-    current = getattr(recipe_mod, RECIPE_CLASSES["current"], None)
-    return None if current is None else current(fp8_format=recipe_format(recipe_mod, options))
-
-
-class TokenCheck:
-    """A forward pre-hook on a swapped Linear: refuses, with the fix, a token count FP8 cannot run.
-
-    TE asserts deep inside its Linear and cannot pad (padding the batch would change the loss).
-    Outside the forward context TE's Linear runs in high precision and takes any shape.
-    """
-
-    def __init__(self, fqn: str, recipe: str, multiple: int, mode: Fp8Te) -> None:
-        self.fqn = fqn
-        self.recipe = recipe
-        self.multiple = multiple
-        self.mode = mode
-
-    def __call__(self, module: Any, args: tuple[Any, ...]) -> None:
-        if not self.mode.depth or not args or not hasattr(args[0], "shape"):
-            return
-        shape = tuple(args[0].shape)
-        tokens = math.prod(shape[:-1])
-        if tokens % self.multiple:
-            raise MpadviseError(
-                f"fp8-te: layer {self.fqn} got an input of shape {shape}, {tokens} tokens (the "
-                f"product of every dimension but the last), and Transformer Engine runs the "
-                f"{self.recipe} recipe only on a multiple of {self.multiple} tokens. A last batch "
-                f"smaller than the others does this: pass drop_last=True to the DataLoader, or "
-                f"make batch size x sequence length a multiple of {self.multiple}"
-            )
+    return recipe_cls(fp8_format=fmt) if name == "current" else recipe_cls()
 
 
 class Fp8Te(Fp8Mode):
@@ -119,23 +78,20 @@ class Fp8Te(Fp8Mode):
         if device.type != "cuda":
             raise MpadviseError(f"fp8-te needs a CUDA device; this policy runs on {device.type}")
         self.te, recipe_mod = import_transformer_engine()
-        self.recipe = build_recipe(recipe_mod, policy.fp8)
-        # Built here: TE refuses to build a recipe inside a compiled region.
-        self.compile_recipe = compile_recipe(recipe_mod, policy.fp8) if self.recipe_name == "delayed" else None
+        self.recipe = build_recipe(recipe_mod, policy.fp8, self.recipe_name)
+        # Current scaling stands in for the delayed recipe under torch.compile; built here, since
+        # TE refuses to build a recipe inside a compiled region. A TE older than 2.2 had neither
+        # current scaling nor the refusal.
+        self.compile_recipe = None
+        if self.recipe_name == "delayed" and hasattr(recipe_mod, RECIPE_CLASSES["current"]):
+            self.compile_recipe = build_recipe(recipe_mod, policy.fp8, "current")
         self.recipe_named = policy.fp8 is not None and policy.fp8.recipe is not None
         self.compile_refusal: str | None = None
         self.depth = 0  # open forward contexts: only inside one does TE run the swapped Linears in FP8
 
-    def convert_module(self, module):
-        ties = tied_parameters(module)
-        self.find_bypassed(module)
-        module = self._swap(module, prefix="", done={})
-        retie(module, ties)
-        self.note_conversion()
-        return module
-
-    def _swap(self, module, prefix: str, done: dict[int, Any]):
+    def swap_layers(self, module, prefix: str = "", done: dict[int, Any] | None = None):
         # A module registered in two places is swapped once, so both places keep sharing it.
+        done = {} if done is None else done
         if id(module) in done:
             return done[id(module)]
         replacement = self._replacement(module, prefix or "<root>")
@@ -144,8 +100,7 @@ class Fp8Te(Fp8Mode):
             for name, child in list(module._modules.items()):
                 if child is None:
                     continue
-                fqn = f"{prefix}.{name}" if prefix else name
-                new_child = self._swap(child, fqn, done)
+                new_child = self.swap_layers(child, f"{prefix}.{name}" if prefix else name, done)
                 if new_child is not child:
                     setattr(module, name, new_child)
         done[id(module)] = replacement if replacement is not None else module
@@ -166,9 +121,26 @@ class Fp8Te(Fp8Mode):
             new.weight.copy_(module.weight)
             if module.bias is not None:
                 new.bias.copy_(module.bias)
-        new.register_forward_pre_hook(TokenCheck(fqn, self.recipe_name, self.rule.token_multiple, self))
+        new.register_forward_pre_hook(functools.partial(self._check_tokens, fqn))
         self.converted.append(fqn)
         return new
+
+    def _check_tokens(self, fqn: str, module: Any, args: tuple[Any, ...]) -> None:
+        """A swapped Linear's forward pre-hook: refuses, with the fix, a token count FP8 cannot
+        run. TE asserts deep inside its Linear and cannot pad (padding the batch would change the
+        loss); outside the forward context TE's Linear runs in high precision and takes any shape."""
+        if not self.depth or not args or not hasattr(args[0], "shape"):
+            return
+        shape = tuple(args[0].shape)
+        tokens, multiple = math.prod(shape[:-1]), self.rule.token_multiple
+        if tokens % multiple:
+            raise MpadviseError(
+                f"fp8-te: layer {fqn} got an input of shape {shape}, {tokens} tokens (the "
+                f"product of every dimension but the last), and Transformer Engine runs the "
+                f"{self.recipe_name} recipe only on a multiple of {multiple} tokens. A last batch "
+                f"smaller than the others does this: pass drop_last=True to the DataLoader, or "
+                f"make batch size x sequence length a multiple of {multiple}"
+            )
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from probes import MpadviseError
 
 from ._device import TORCHAO_INSTALL, ModeSupport
-from ._fp8 import Fp8Mode, retie, tied_parameters
+from ._fp8 import Fp8Mode
 
 if TYPE_CHECKING:
     from probes import HardwareProfile
@@ -73,16 +73,14 @@ class Fp8Torchao(Fp8Mode):
         self.converted.append(fqn)
         return True
 
+    def swap_layers(self, module):
+        # Float8Linear reuses the Linear's Parameter, except where a config wraps the weight in a
+        # new one (FSDP float8 all-gather): then convert_module makes the tie again.
+        return import_torchao_float8().convert_to_float8_training(
+            module, module_filter_fn=self.module_filter, config=self.linear_config())
+
     def convert_module(self, module):
-        float8 = import_torchao_float8()
-        ties = tied_parameters(module)
-        self.find_bypassed(module)
-        module = float8.convert_to_float8_training(module, module_filter_fn=self.module_filter,
-                                                   config=self.linear_config())
-        # Float8Linear reuses the Linear's Parameter, except where a config wraps the weight
-        # in a new one (FSDP float8 all-gather): then the tie is made again here.
-        retie(module, ties)
-        self.note_conversion()
+        module = super().convert_module(module)
         if self.device.type == "cpu":
             self.notes.append(f"{self.name}: emulated on CPU (FP8 numerics, no speedup)")
         return module
