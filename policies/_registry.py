@@ -38,49 +38,32 @@ def register_mode(cls: ModeT) -> ModeT:
             f"register_mode: {cls!r} is not a PrecisionMode subclass; derive the mode's class "
             "from policies.PrecisionMode"
         )
-    owner = f"register_mode({cls.__qualname__})"
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{owner}: name {name!r} is not allowed; set name to the mode's name, e.g. 'int8-mixed'")
-    if _REGISTRY.get(name) is cls:
+    name, family, rank = (getattr(cls, key, None) for key in ("name", "dtype_family", "safety_rank"))
+    if isinstance(name, str) and _REGISTRY.get(name) is cls:
         return cls
-    if name in _REGISTRY:
-        raise ValueError(
-            f"{owner}: mode {name!r} is already registered by {_REGISTRY[name].__qualname__}; "
-            "give the class a name of its own"
-        )
-    family = getattr(cls, "dtype_family", None)
-    if not isinstance(family, str) or not family:
-        raise ValueError(
-            f"{owner}: dtype_family {family!r} is not allowed; set it to the dtype of most "
-            "matmuls, e.g. 'bf16'"
-        )
-    _check_rank(owner, cls)
-    if not isinstance(cls.fp8_recipes, tuple) or not all(isinstance(r, str) for r in cls.fp8_recipes):
-        raise ValueError(f"{owner}: fp8_recipes {cls.fp8_recipes!r} is not allowed; expected a tuple of recipe names")
-    if not _says_where_it_runs(cls):
-        raise ValueError(f"{owner}: the class does not say where it runs; {WHERE_IT_RUNS}")
+    ranks = f"(ranks in use: {', '.join(f'{c.name} {c.safety_rank}' for c in _by_safety())})"
+    rank_owner = next((c.name for c in _REGISTRY.values() if c.safety_rank == rank), None)
+    problem = None
+    if not isinstance(name, str) or not name:
+        problem = f"name {name!r} is not allowed; set name to the mode's name, e.g. 'int8-mixed'"
+    elif name in _REGISTRY:
+        problem = (f"mode {name!r} is already registered by {_REGISTRY[name].__qualname__}; "
+                   "give the class a name of its own")
+    elif not isinstance(family, str) or not family:
+        problem = (f"dtype_family {family!r} is not allowed; set it to the dtype of most matmuls, "
+                   "e.g. 'bf16'")
+    elif isinstance(rank, bool) or not isinstance(rank, int):
+        problem = f"safety_rank {rank!r} is not allowed; set an integer, lower is safer {ranks}"
+    elif rank_owner is not None:
+        problem = f"safety_rank {rank} is already {rank_owner}'s; pick an unused rank {ranks}"
+    elif not isinstance(cls.fp8_recipes, tuple) or not all(isinstance(r, str) for r in cls.fp8_recipes):
+        problem = f"fp8_recipes {cls.fp8_recipes!r} is not allowed; expected a tuple of recipe names"
+    elif not _says_where_it_runs(cls):
+        problem = f"the class does not say where it runs; {WHERE_IT_RUNS}"
+    if problem is not None:
+        raise ValueError(f"register_mode({cls.__qualname__}): {problem}")
     _REGISTRY[name] = cls
     return cls
-
-
-def _check_rank(owner: str, cls: type[PrecisionMode]) -> None:
-    rank = getattr(cls, "safety_rank", None)
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise ValueError(
-            f"{owner}: safety_rank {rank!r} is not allowed; set an integer, lower is safer "
-            f"(ranks in use: {_ranks_in_use()})"
-        )
-    for other in _REGISTRY.values():
-        if other.safety_rank == rank:
-            raise ValueError(
-                f"{owner}: safety_rank {rank} is already {other.name}'s; pick an unused rank "
-                f"(ranks in use: {_ranks_in_use()})"
-            )
-
-
-def _ranks_in_use() -> str:
-    return ", ".join(f"{cls.name} {cls.safety_rank}" for cls in _by_safety())
 
 
 def _says_where_it_runs(cls: type[PrecisionMode]) -> bool:
@@ -113,14 +96,8 @@ def mode_class(mode: str) -> type[PrecisionMode]:
 # (``16`` and ``bf16`` are its older spellings of the mixed modes) and Transformer Engine's plugin
 # name. Each maps to the one mode that does the same arithmetic.
 MODE_ALIASES: dict[str, str] = {
-    "16-mixed": "fp16-mixed",
-    "16": "fp16-mixed",
-    "fp16": "fp16-mixed",
-    "bf16": "bf16-mixed",
-    "16-true": "fp16-true",
-    "32-true": "fp32",
-    "32": "fp32",
-    "transformer-engine": "fp8-te",
+    "16-mixed": "fp16-mixed", "16": "fp16-mixed", "fp16": "fp16-mixed", "bf16": "bf16-mixed",
+    "16-true": "fp16-true", "32-true": "fp32", "32": "fp32", "transformer-engine": "fp8-te",
 }
 
 
@@ -180,7 +157,5 @@ def fp8_recipes() -> tuple[str, ...]:
 
 
 # The modes that ship with mpadvise, in the order they are listed everywhere.
-BUILTIN_MODES: tuple[type[PrecisionMode], ...] = (Fp32, Tf32, Fp16Mixed, Bf16Mixed, Fp16True, Bf16True, Fp8Te, Fp8Torchao)
-
-for _cls in BUILTIN_MODES:
+for _cls in (Fp32, Tf32, Fp16Mixed, Bf16Mixed, Fp16True, Bf16True, Fp8Te, Fp8Torchao):
     register_mode(_cls)
