@@ -16,7 +16,6 @@ from ._policy_parts import (
     default_reduce_dtype,
     reduce_dtype_choices,
 )
-from ._provenance import Difference, HardwareMismatch, hardware_mismatch
 from ._registry import (
     MODE_ALIASES,
     canonical_mode,
@@ -32,8 +31,11 @@ from ._registry import (
     unregister_mode,
 )
 from ._support import (
+    Difference,
+    HardwareMismatch,
     ModeSupport,
     capability_summary,
+    hardware_mismatch,
     safe_default,
     safe_default_mode,
     supported_modes,

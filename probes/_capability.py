@@ -281,61 +281,47 @@ class SkuPeak:
 # (H100 NVL, H200 NVL, L40 without S, A10G, RTX 3090 Ti, laptop parts) deliberately match
 # nothing: no number is better than a wrong one.
 SKU_PEAKS: tuple[SkuPeak, ...] = (
-    # https://www.nvidia.com/en-us/data-center/tesla-p100/ ; fp16 is CUDA-core half2 (2x fp32).
+    # P100: fp16 is CUDA-core half2 (2x fp32).
     SkuPeak("P100 SXM2", r"P100.*SXM2", (("fp32", 10.6), ("fp16", 21.2)), "NVIDIA Tesla P100 datasheet"),
     SkuPeak("P100 PCIe", r"P100.*PCIE", (("fp32", 9.3), ("fp16", 18.7)), "NVIDIA Tesla P100 datasheet"),
-    # https://www.nvidia.com/en-us/data-center/v100/ ; "Tensor Performance" is fp16 in, fp32 accumulate.
+    # V100 and T4: "Tensor Performance" / "Mixed Precision" is fp16 in, fp32 accumulate.
     SkuPeak("V100S PCIe", r"V100S", (("fp32", 16.4), ("fp16", 130.0)), "NVIDIA V100 Tensor Core GPU datasheet (V100S)"),
     SkuPeak("V100 SXM2", r"V100\b.*SXM", (("fp32", 15.7), ("fp16", 125.0)), "NVIDIA Tesla V100 GPU Accelerator datasheet"),
     SkuPeak("V100 PCIe", r"V100\b.*PCIE", (("fp32", 14.0), ("fp16", 112.0)), "NVIDIA Tesla V100 GPU Accelerator datasheet"),
-    # https://www.nvidia.com/en-us/data-center/tesla-t4/ : "Mixed Precision (FP16/FP32) 65 TFLOPS".
     SkuPeak("T4", r"\bT4\b", (("fp32", 8.1), ("fp16", 65.0)), "NVIDIA T4 Tensor Core GPU datasheet"),
-    # https://www.nvidia.com/en-us/data-center/a100/ : same peaks for 40GB/80GB, SXM4 and PCIe;
-    # the datasheet's starred figures are sparse.
+    # A100: same peaks for 40GB/80GB, SXM4 and PCIe; the datasheet's starred figures are sparse.
     SkuPeak("A100", r"\bA100\b", (("fp32", 19.5), ("tf32", 156.0), ("fp16", 312.0), ("bf16", 312.0)),
             "NVIDIA A100 Tensor Core GPU datasheet"),
-    # https://www.nvidia.com/en-us/data-center/products/a10-gpu/
     SkuPeak("A10", r"\bA10\b(?!\d|G)", (("fp32", 31.2), ("tf32", 62.5), ("fp16", 125.0), ("bf16", 125.0)),
             "NVIDIA A10 Tensor Core GPU datasheet"),
-    # https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf,
-    # table "GeForce RTX 3090". GeForce runs fp16/bf16 with fp32 accumulate at half the
-    # fp16-accumulate rate (142); PyTorch accumulates in fp32, so that figure is the relevant one.
+    # GeForce runs fp16/bf16 with fp32 accumulate (what PyTorch uses) at half the fp16-accumulate
+    # rate; fp8 with fp32 accumulate is what torch._scaled_mm uses, and the least certain figure.
     SkuPeak("RTX 3090", r"RTX 3090(?!\s*Ti)(?!.*Laptop)",
             (("fp32", 35.6), ("tf32", 35.6), ("fp16", 71.0), ("bf16", 71.0)),
             "NVIDIA Ampere GA102 GPU Architecture whitepaper"),
-    # https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf,
-    # table "GeForce RTX 4090": fp32-accumulate figures (fp16-accumulate doubles them); fp8 with
-    # fp32 accumulate is what torch._scaled_mm uses. See docs/capabilities.md: fp8 is the least certain.
     SkuPeak("RTX 4090", r"RTX 4090(?!\s*D\b)(?!.*Laptop)",
             (("fp32", 82.6), ("tf32", 82.6), ("fp16", 165.2), ("bf16", 165.2), ("fp8", 330.3)),
             "NVIDIA Ada GPU Architecture whitepaper"),
-    # https://www.nvidia.com/en-us/data-center/l4/ : sparse figures only (120 / 242 / 485); dense is half.
+    # L4 and from here on, where only sparse figures are given (L4: 120 / 242 / 485), dense is half.
     SkuPeak("L4", r"\bL4\b", (("fp32", 30.3), ("tf32", 60.0), ("fp16", 121.0), ("bf16", 121.0), ("fp8", 242.5)),
             "NVIDIA L4 Tensor Core GPU datasheet"),
-    # https://www.nvidia.com/en-us/data-center/l40s/
     SkuPeak("L40S", r"\bL40S\b",
             (("fp32", 91.6), ("tf32", 183.0), ("fp16", 362.05), ("bf16", 362.05), ("fp8", 733.0)),
             "NVIDIA L40S GPU datasheet"),
-    # https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper, tables for H100 SXM5
-    # and PCIe (the datasheet gives the sparse figures, twice these). The PCIe part is named
-    # "NVIDIA H100 PCIe", the SXM part "NVIDIA H100 80GB HBM3".
+    # The PCIe part is named "NVIDIA H100 PCIe", the SXM part "NVIDIA H100 80GB HBM3"; the H200 is
+    # the H100 SXM die with more HBM, same compute peaks.
     SkuPeak("H100 PCIe", r"H100\b.*PCIE",
             (("fp32", 51.2), ("tf32", 378.0), ("fp16", 756.0), ("bf16", 756.0), ("fp8", 1513.0)),
             "NVIDIA H100 Tensor Core GPU Architecture whitepaper"),
     SkuPeak("H100 SXM", r"H100\b.*\b(SXM|HBM3)\b",
             (("fp32", 66.9), ("tf32", 494.7), ("fp16", 989.4), ("bf16", 989.4), ("fp8", 1978.9)),
             "NVIDIA H100 Tensor Core GPU Architecture whitepaper"),
-    # https://www.nvidia.com/en-us/data-center/h200/ : the H100 SXM die with more HBM, same
-    # compute peaks (datasheet sparse 989 / 1,979 / 3,958 halved, fp32 67).
     SkuPeak("H200 SXM", r"\bH200\b(?!.*NVL)",
             (("fp32", 66.9), ("tf32", 494.7), ("fp16", 989.4), ("bf16", 989.4), ("fp8", 1978.9)),
             "NVIDIA H200 Tensor Core GPU datasheet"),
-    # https://www.nvidia.com/en-us/data-center/hgx/ (per GPU): sparse FP4 18 PF, FP8 9 PF, BF16
-    # 4.5 PF, TF32 2.2 PF, dense is half; FP32 75 TFLOPS as listed.
+    # Per GPU; FP32 as listed (GB200 at up to 1,200 W).
     SkuPeak("B200", r"\bB200\b", (("fp32", 75.0), ("tf32", 1100.0), ("fp16", 2250.0), ("bf16", 2250.0),
                                   ("fp8", 4500.0), ("fp4", 9000.0)), "NVIDIA HGX B200 specifications"),
-    # https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (per GPU, at up to 1,200 W): sparse
-    # FP4 20 PF, FP8 10 PF, BF16 5 PF, TF32 2.5 PF; FP32 80 TFLOPS.
     SkuPeak("GB200", r"\bGB200\b", (("fp32", 80.0), ("tf32", 1250.0), ("fp16", 2500.0), ("bf16", 2500.0),
                                     ("fp8", 5000.0), ("fp4", 10000.0)), "NVIDIA GB200 NVL72 specifications"),
 )
