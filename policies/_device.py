@@ -43,21 +43,18 @@ def gpu_text(profile: HardwareProfile, cap: ArchCapability) -> str:
     return f"{cap.label}, {profile.name}"
 
 
-def cpu_bf16_speed(profile: HardwareProfile) -> str:
-    if profile.has_flag("amx_bf16"):
-        return "AMX-BF16: bf16 matmuls run on AMX tiles, usually faster than fp32"
-    if profile.has_flag("avx512_bf16"):
-        return "AVX512-BF16 without AMX: native bf16 dot products, may or may not beat fp32"
-    return "no AMX-BF16/AVX512-BF16: bf16 runs but is usually slower than fp32 here"
+# What a CPU's flags make of each half dtype's speed: the first flag present decides.
+_CPU_SPEED = {
+    "bf16": ((("amx_bf16", "AMX-BF16: bf16 matmuls run on AMX tiles, usually faster than fp32"),
+              ("avx512_bf16", "AVX512-BF16 without AMX: native bf16 dot products, may or may not beat fp32")),
+             "no AMX-BF16/AVX512-BF16: bf16 runs but is usually slower than fp32 here"),
+    "fp16": ((("amx_fp16", "AMX-FP16: fp16 matmuls run on AMX tiles"),
+              ("avx512_fp16", "AVX512-FP16: native fp16 arithmetic, may or may not beat fp32")),
+             "no AVX512-FP16/AMX-FP16: fp16 runs but is usually much slower than fp32 here"),
+}
 
 
-def cpu_fp16_speed(profile: HardwareProfile) -> str:
-    if profile.has_flag("amx_fp16"):
-        return "AMX-FP16: fp16 matmuls run on AMX tiles"
-    if profile.has_flag("avx512_fp16"):
-        return "AVX512-FP16: native fp16 arithmetic, may or may not beat fp32"
-    return "no AVX512-FP16/AMX-FP16: fp16 runs but is usually much slower than fp32 here"
-
-
-def cpu_has_native(profile: HardwareProfile, dtype_family: str) -> bool:
-    return profile.has_flag(f"amx_{dtype_family}") or profile.has_flag(f"avx512_{dtype_family}")
+def cpu_speed(profile: HardwareProfile, dtype_family: str) -> tuple[str, bool]:
+    """What this CPU does with ``dtype_family`` (``"bf16"``/``"fp16"``), and whether natively."""
+    native, without = _CPU_SPEED[dtype_family]
+    return next(((text, True) for flag, text in native if profile.has_flag(flag)), (without, False))

@@ -9,7 +9,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._base import ModeFacts, PrecisionMode
-from ._device import ModeSupport, cc_text, cpu_bf16_speed, cpu_fp16_speed, cpu_has_native, gpu_text
+from ._device import ModeSupport, cc_text, cpu_speed, gpu_text
 
 if TYPE_CHECKING:
     import torch
@@ -52,10 +52,9 @@ class HalfPrecisionMode(PrecisionMode):
 
     @classmethod
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
-        speed = cpu_bf16_speed(profile) if cls.dtype_family == "bf16" else cpu_fp16_speed(profile)
+        speed, native = cpu_speed(profile, cls.dtype_family)
         detail = f"{cls.cpu_detail}; " if cls.cpu_detail else ""
-        return ModeSupport(cls.name, True, f"{cls.name}: {detail}{speed}",
-                           emulated=not cpu_has_native(profile, cls.dtype_family))
+        return ModeSupport(cls.name, True, f"{cls.name}: {detail}{speed}", emulated=not native)
 
 
 class AutocastMode(HalfPrecisionMode):

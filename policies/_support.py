@@ -4,12 +4,12 @@ only where a person reads them): pure functions of a HardwareProfile."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from probes import HardwareProfile, hardware_fingerprint, major_minor
 
 from ._config import Policy
-from ._device import FLAG_NAMES, ModeSupport, arch, cpu_bf16_speed, gpu_text
+from ._device import FLAG_NAMES, ModeSupport, arch, cpu_speed, gpu_text
 from ._fp8 import Fp8Mode
 from ._registry import mode_class, mode_classes
 
@@ -34,46 +34,27 @@ def safe_default_mode(profile: HardwareProfile) -> tuple[str, str]:
         cap = arch(profile)
         where = gpu_text(profile, cap)
         if cap.bf16:
-            return (
-                "bf16-mixed",
-                f"{where} has bf16 tensor cores; bf16 keeps fp32's exponent range, so no loss "
-                f"scaling is needed, and mixed precision keeps fp32 master weights",
-            )
+            return "bf16-mixed", (f"{where} has bf16 tensor cores; bf16 keeps fp32's exponent range, so no "
+                                  "loss scaling is needed, and mixed precision keeps fp32 master weights")
         if cap.fp16_tensor_cores:
-            return (
-                "fp16-mixed",
-                f"{where} has fp16 tensor cores but only emulated bf16; fp16 mixed precision "
-                f"with dynamic loss scaling matched fp32 accuracy on ImageNet networks "
-                f"(Micikevicius et al., 2018, Mixed Precision Training)",
-            )
-        return (
-            "fp32",
-            f"{where} has no tensor cores, so low precision brings little speed for the "
-            f"risk of fp16 overflow and underflow",
-        )
+            return "fp16-mixed", (f"{where} has fp16 tensor cores but only emulated bf16; fp16 mixed precision "
+                                  "with dynamic loss scaling matched fp32 accuracy on ImageNet networks "
+                                  "(Micikevicius et al., 2018, Mixed Precision Training)")
+        return "fp32", (f"{where} has no tensor cores, so low precision brings little speed for the risk "
+                        "of fp16 overflow and underflow")
     if profile.has_flag("amx_bf16"):
-        return (
-            "bf16-mixed",
-            f"this CPU ({profile.name}) has AMX-BF16, so bf16 matmuls run on AMX tiles and "
-            f"beat fp32 (bf16-mixed measured 1.7x over fp32 for an MLP on such a CPU); bf16 "
-            f"keeps fp32's exponent range, so no loss scaling is needed",
-        )
+        return "bf16-mixed", (f"this CPU ({profile.name}) has AMX-BF16, so bf16 matmuls run on AMX tiles and "
+                              "beat fp32 (bf16-mixed measured 1.7x over fp32 for an MLP on such a CPU); bf16 "
+                              "keeps fp32's exponent range, so no loss scaling is needed")
     if profile.has_flag("avx512_bf16"):
-        return (
-            "fp32",
-            f"this CPU ({profile.name}) has AVX512-BF16 but no AMX: bf16 may or may not beat "
-            f"fp32, so fp32 stays the default until a tune run measures it",
-        )
-    return (
-        "fp32",
-        f"this CPU ({profile.name}) has neither AMX-BF16 nor AVX512-BF16, so bf16 is "
-        f"emulated and usually slower than fp32",
-    )
+        return "fp32", (f"this CPU ({profile.name}) has AVX512-BF16 but no AMX: bf16 may or may not beat "
+                        "fp32, so fp32 stays the default until a tune run measures it")
+    return "fp32", (f"this CPU ({profile.name}) has neither AMX-BF16 nor AVX512-BF16, so bf16 is "
+                    "emulated and usually slower than fp32")
 
 
 def safe_default(profile: HardwareProfile) -> Policy:
-    mode, _why = safe_default_mode(profile)
-    return Policy(mode=mode)
+    return Policy(mode=safe_default_mode(profile)[0])
 
 
 def capability_summary(profile: HardwareProfile) -> str:
@@ -91,7 +72,7 @@ def capability_summary(profile: HardwareProfile) -> str:
         return f"{cap.label}: {', '.join(features)}"
     cores = f", {profile.cores} cores" if profile.cores else ""
     isa = [name for flag, name in FLAG_NAMES.items() if profile.has_flag(flag)]
-    return f"CPU ({profile.name}{cores}): {', '.join(isa) or 'no AVX2'}; {cpu_bf16_speed(profile)}"
+    return f"CPU ({profile.name}{cores}): {', '.join(isa) or 'no AVX2'}; {cpu_speed(profile, 'bf16')[0]}"
 
 
 @dataclass(frozen=True)
@@ -108,7 +89,7 @@ class Difference:
         return f"{self.what} {self.tuned or 'absent'} -> {self.here or 'absent'}"
 
     def to_dict(self) -> dict[str, str | None]:
-        return {"what": self.what, "tuned": self.tuned, "here": self.here}
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -142,7 +123,11 @@ def hardware_mismatch(policy: Policy, profile: HardwareProfile) -> HardwareMisma
     tuned = policy.tuned_on
     if tuned is None or not tuned.hardware_fingerprint:
         return None
-    library = _fp8_library_change(policy, profile)
+    cls, library = mode_class(policy.mode), None
+    if issubclass(cls, Fp8Mode):
+        tuned_library, here_library = dict(tuned.libraries).get(cls.library), profile.library_version(cls.library)
+        if tuned_library != here_library:
+            library = Difference(cls.library, tuned_library, here_library)
     # Recipe 1 too: a policy recorded before recipe 2 on this very machine still applies.
     if tuned.hardware_fingerprint in (hardware_fingerprint(profile), hardware_fingerprint(profile, version=1)):
         return None if library is None else HardwareMismatch((library,), tuned.hardware_fingerprint)
@@ -160,10 +145,3 @@ def hardware_mismatch(policy: Policy, profile: HardwareProfile) -> HardwareMisma
         differences.append(library)
     return HardwareMismatch(tuple(differences), tuned.hardware_fingerprint)
 
-
-def _fp8_library_change(policy: Policy, profile: HardwareProfile) -> Difference | None:
-    cls = mode_class(policy.mode)
-    if not issubclass(cls, Fp8Mode) or policy.tuned_on is None:
-        return None
-    tuned, here = dict(policy.tuned_on.libraries).get(cls.library), profile.library_version(cls.library)
-    return None if tuned == here else Difference(cls.library, tuned, here)

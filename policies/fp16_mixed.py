@@ -43,21 +43,15 @@ class Fp16Mixed(AutocastMode):
         import torch
 
         ls = policy.loss_scale
-        self.static_scale: float | None = None
         self.scaler = None
-        if ls is None or ls.kind == "none":
-            return
-        self.scaler = torch.amp.GradScaler(device.type, init_scale=ls.init_scale, growth_factor=ls.growth_factor,
-                                           backoff_factor=ls.backoff_factor, growth_interval=ls.growth_interval)
-        if ls.kind == "static":
-            self.static_scale = float(ls.init_scale)
         self._unscaled = False
+        if ls is not None and ls.kind != "none":
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=ls.init_scale, growth_factor=ls.growth_factor,
+                                               backoff_factor=ls.backoff_factor, growth_interval=ls.growth_interval)
+        self.static_scale = float(ls.init_scale) if ls is not None and ls.kind == "static" else None
 
     def backward(self, loss) -> None:
-        if self.scaler is None:
-            loss.backward()
-        else:
-            self.scaler.scale(loss).backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def unscale(self, optimizer) -> None:
         if self.scaler is not None and not self._unscaled:
@@ -66,17 +60,13 @@ class Fp16Mixed(AutocastMode):
 
     def optimizer_step(self, optimizer) -> bool:
         if self.scaler is None:
-            optimizer.step()
-            return True
+            return super().optimizer_step(optimizer)
         # Unscaling here (not inside scaler.step) lets us read the overflow flag that decides
         # whether GradScaler silently skips this step.
         self.unscale(optimizer)
         found_inf = sum(v.item() for v in self.scaler._found_inf_per_device(optimizer).values())
         self.scaler.step(optimizer)
-        if self.static_scale is not None:
-            self.scaler.update(new_scale=self.static_scale)
-        else:
-            self.scaler.update()
+        self.scaler.update(new_scale=self.static_scale)  # None: GradScaler's dynamic update
         self._unscaled = False
         return found_inf == 0
 

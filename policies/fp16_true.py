@@ -61,19 +61,14 @@ class Fp16True(TrueHalfMode):
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         if not self._eps_checked:
             self._eps_checked = True
-            self._note_zero_eps(optimizer)
-        return super().optimizer_step(optimizer)
-
-    def _note_zero_eps(self, optimizer: Any) -> None:
-        for group in getattr(optimizer, "param_groups", ()):
-            eps = group.get("eps")
             # A fused Adam computes in fp32 inside its kernel, where 1e-8 is not 0.
-            if group.get("fused") or not eps_zero_in_fp16(eps):
-                continue
-            self.notes.append(
-                f"{self.name}: the optimizer's eps={eps:g} is 0 in fp16, where its state lives: "
-                "Adam's update m / (sqrt(v) + eps) divides by 0 wherever (1 - beta2) * grad**2 "
-                "underflows (inf, or 0/0 = NaN on a zero gradient); set eps >= 1e-4, or use "
-                "bf16-true or fp16-mixed"
-            )
-            return
+            eps = next((group.get("eps") for group in getattr(optimizer, "param_groups", ())
+                        if not group.get("fused") and eps_zero_in_fp16(group.get("eps"))), None)
+            if eps is not None:
+                self.notes.append(
+                    f"{self.name}: the optimizer's eps={eps:g} is 0 in fp16, where its state lives: "
+                    "Adam's update m / (sqrt(v) + eps) divides by 0 wherever (1 - beta2) * grad**2 "
+                    "underflows (inf, or 0/0 = NaN on a zero gradient); set eps >= 1e-4, or use "
+                    "bf16-true or fp16-mixed"
+                )
+        return super().optimizer_step(optimizer)
