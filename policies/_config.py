@@ -38,8 +38,7 @@ class Policy:
     ``loss_scale`` defaults to dynamic scaling for the modes that scale the loss and is allowed
     only there. ``micro_batch_size``/``grad_accum_steps`` ``None`` keep the script's global
     batch. ``reduce_dtype`` is read by ``AppliedPolicy.fsdp_mixed_precision()`` only (``None``:
-    ``default_reduce_dtype``).
-    """
+    ``default_reduce_dtype``)."""
 
     mode: str = "fp32"
     loss_scale: LossScale | None = None
@@ -66,10 +65,8 @@ class Policy:
     def describe(self) -> str:
         """One short line for people: ``fp16-mixed (dynamic loss scale 65536), micro-batch 32 x 2``."""
         parts = [self.mode]
-        if self.uses_loss_scaling:
-            ls = self.loss_scale
-            assert ls is not None
-            parts.append(f"({ls.kind} loss scale {ls.init_scale:g})")
+        if self.loss_scale is not None and self.uses_loss_scaling:
+            parts.append(f"({self.loss_scale.kind} loss scale {self.loss_scale.init_scale:g})")
         if self.fp8 is not None and self.fp8.recipe:
             parts.append(f"(recipe {self.fp8.recipe})")
         if self.reduce_dtype is not None:
@@ -184,13 +181,11 @@ def _check_replaceable(path: Path) -> None:
         raise MpadviseError(f"refusing to replace {path} with a config file: it is not a regular file")
     try:
         Policy.from_toml(path.read_text(encoding="utf-8"), source=str(path))
-        return
     except (OSError, UnicodeDecodeError, MpadviseError):
-        pass
-    raise MpadviseError(
-        f"refusing to replace {path} with a config file: it exists and is not an mpadvise config file; "
-        "name a new .toml file (the default is <script>.mpadvise.toml beside the script)"
-    )
+        raise MpadviseError(
+            f"refusing to replace {path} with a config file: it exists and is not an mpadvise config file; "
+            "name a new .toml file (the default is <script>.mpadvise.toml beside the script)"
+        ) from None
 
 
 def load_config(path: str | Path) -> Policy:

@@ -67,8 +67,11 @@ def retie(module: torch.nn.Module, ties: list[TiedParameter]) -> None:
     for tie in ties:
         held = []
         for path, attr in tie.holders:
-            owner = _submodule_or_none(module, path)
-            if owner is not None and isinstance(getattr(owner, attr, None), torch.nn.Parameter):
+            try:
+                owner = module.get_submodule(path)
+            except AttributeError:
+                continue  # the conversion removed this holder
+            if isinstance(getattr(owner, attr, None), torch.nn.Parameter):
                 held.append((owner, attr, getattr(owner, attr)))
         kept = next((p for _, _, p in held if p is not tie.parameter), tie.parameter)
         if kept.shape != tie.parameter.shape:
@@ -80,13 +83,6 @@ def retie(module: torch.nn.Module, ties: list[TiedParameter]) -> None:
         for owner, attr, parameter in held:
             if parameter is not kept:
                 setattr(owner, attr, kept)
-
-
-def _submodule_or_none(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
-    try:
-        return module.get_submodule(path)
-    except AttributeError:
-        return None  # the conversion removed this holder
 
 
 class Fp8Support(PrecisionMode):
@@ -200,8 +196,7 @@ class Fp8Mode(Fp8Support):
 
     ``kept_high_precision`` holds the layers left out, with their shapes, by why
     (``{"dimensions not divisible by 16": ["head (32->3)"]}``). A subclass swaps the layers in
-    ``swap_layers``, asking ``forward_bypassed`` and ``fp8_eligible`` of each Linear.
-    """
+    ``swap_layers``, asking ``forward_bypassed`` and ``fp8_eligible`` of each Linear."""
 
     dtype_family = "fp8"
     nothing_converted: ClassVar[str] = "no layer could run in FP8; this trains like fp32"

@@ -115,8 +115,7 @@ class TunedOn:
     measured on where busy cores left fewer than torch's own (``None`` otherwise). ``args``: the
     script's arguments the tune ran it with, so a tune with others does not replace this answer
     unasked; ``None`` in a config written before they were recorded. ``libraries`` may be given
-    as a table (``""`` for absent), as a config file holds it.
-    """
+    as a table (``""`` for absent), as a config file holds it."""
 
     hardware_fingerprint: str = ""
     device: str = ""

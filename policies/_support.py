@@ -118,8 +118,7 @@ def hardware_mismatch(policy: Policy, profile: HardwareProfile) -> HardwareMisma
 
     The hardware fingerprint decides, so a driver upgrade or a patch release keeps a tuned
     policy; an FP8 policy also needs its FP8 library at the same version (its kernels change
-    between releases). A policy without ``[tuned_on]`` was written by hand and applies anywhere.
-    """
+    between releases). A policy without ``[tuned_on]`` was written by hand and applies anywhere."""
     tuned = policy.tuned_on
     if tuned is None or not tuned.hardware_fingerprint:
         return None

@@ -2,8 +2,7 @@
 
 It goes non-finite two ways: values beyond 65504 overflow, and Adam's ``m / (sqrt(v) + eps)``
 runs in fp16, where an ``eps`` up to 2**-25 (Adam's 1e-8) is 0, so wherever
-``(1 - beta2) * grad**2`` underflows the update divides by 0. ``eps >= 1e-4`` fixes that.
-"""
+``(1 - beta2) * grad**2`` underflows the update divides by 0. ``eps >= 1e-4`` fixes that."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ would change the model and its numerics for no FP8.
 Under torch.compile, TE (2.15 and newer) refuses the delayed recipe when its autocast is entered
 inside the compiled region. There the default recipe gives way to ``current``; a policy that
 names ``delayed`` gets an error saying which recipe to set at its first backward (raised while
-Dynamo traces, it would become a graph break that runs the step uncompiled).
-"""
+Dynamo traces, it would become a graph break that runs the step uncompiled)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """fp8-torchao: torchao's float8 training (Float8Linear swap, dynamic scaling), the rest of
-the forward under bf16 autocast on CUDA; emulated on a CPU. torchao is imported only when used.
-"""
+the forward under bf16 autocast on CUDA; emulated on a CPU. torchao is imported only when used."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Achieved square-matmul TFLOP/s per dtype on one device: where this hardware's roofline is.
 
 A prior for the search and a figure against the datasheet peak, never a verdict: a model's
-step time also depends on memory traffic, launch overhead and layer sizes.
-"""
+step time also depends on memory traffic, launch overhead and layer sizes."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ class BenchRow:
 
     ``tflops`` and ``seconds`` are the fastest repeat's (a neighbour's burst or a GPU's clocks
     only ever slow a matmul); ``spread`` is ``(slowest - fastest) / median``, the noise, so close
-    dtypes are not ranked on it. ``skipped`` says why a dtype was not measured (``repeats`` 0).
-    """
+    dtypes are not ranked on it. ``skipped`` says why a dtype was not measured (``repeats`` 0)."""
 
     dtype: str
     device: str

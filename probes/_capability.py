@@ -3,8 +3,7 @@ peak TFLOP/s per SKU: pure data.
 
 ``capability_for`` does not use ``torch.cuda.is_bf16_supported()``, which also says yes where
 bf16 is emulated (a V100). Peaks are dense (no 2:4 sparsity), quoted from the NVIDIA document
-named above each row (dense is half a sparse-only figure); docs/capabilities.md lists them.
-"""
+each row names (dense is half a sparse-only figure); docs/capabilities.md lists them."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class ArchCapability:
 
     ``mxfp8``/``nvfp4`` are what the hardware has (Blackwell); whether a library's recipe runs
     is in ``FP8_RECIPE_RULES``. ``fp8_min_cuda``: the oldest CUDA whose cuBLASLt runs FP8
-    matmuls on this architecture, where one applies.
-    """
+    matmuls on this architecture, where one applies."""
 
     arch: str
     compute_capability: tuple[int, int]
@@ -77,16 +75,11 @@ def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
 
 
 def _validated(compute_capability: object) -> tuple[int, int]:
-    if (
-        not isinstance(compute_capability, (tuple, list))
-        or len(compute_capability) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in compute_capability)
-        or min(compute_capability) < 0
+    if not isinstance(compute_capability, (tuple, list)) or len(compute_capability) != 2 or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in compute_capability
     ):
-        raise MpadviseError(
-            f"compute_capability must be a (major, minor) pair of non-negative integers, "
-            f"got {compute_capability!r}"
-        )
+        raise MpadviseError(f"compute_capability must be a (major, minor) pair of non-negative integers, "
+                            f"got {compute_capability!r}")
     return (compute_capability[0], compute_capability[1])
 
 
@@ -113,8 +106,7 @@ def torch_build_covers(compute_capability: tuple[int, int], arch_list: tuple[str
 
     Code built for ``sm_XY`` runs on X.Y and later minors of major X (torch's own
     ``torch.cuda._check_capability``), so a cu126 build, which stops at ``sm_90``, has nothing
-    for a Blackwell GPU.
-    """
+    for a Blackwell GPU."""
     if not arch_list:
         return None
     major, minor = _validated(compute_capability)
@@ -144,8 +136,7 @@ class Fp8RecipeRule:
     the CUDA torch was built with, beyond the architecture's floor; ``min_library`` of a recipe's
     first rule is the first version that has it. A Linear runs in FP8 only when its features
     are multiples of ``dim_multiple`` and its tokens (all dimensions but the last) of
-    ``token_multiple``.
-    """
+    ``token_multiple``."""
 
     library: str
     recipe: str
@@ -158,9 +149,8 @@ class Fp8RecipeRule:
     token_multiple: int = 1
 
     def covers_version(self, version: tuple[int, int]) -> bool:
-        return (self.min_library is None or version >= self.min_library) and (
-            self.below_library is None or version < self.below_library
-        )
+        below = self.below_library is None or version < self.below_library
+        return below and (self.min_library is None or version >= self.min_library)
 
     def runs_on(self, compute_capability: tuple[int, int]) -> bool:
         cc = tuple(compute_capability)
@@ -186,15 +176,11 @@ FP8_RECIPE_RULES: tuple[Fp8RecipeRule, ...] = (
     # MXFP8 scales blocks of 32 along both dimensions (MXFP8_BLOCK_SCALING_SIZE; the quantizer's
     # is_quantizable wants both the last dimension and the tokens in whole blocks), and
     # check_mxfp8_support wants 10.0 or newer and refuses 12.0 and newer (an RTX 5090).
-    Fp8RecipeRule(
-        "transformer_engine", "mxfp8", min_cc=(10, 0), below_cc=(12, 0), min_library=(2, 0),
-        dim_multiple=32, token_multiple=32,
-    ),
+    Fp8RecipeRule("transformer_engine", "mxfp8", min_cc=(10, 0), below_cc=(12, 0), min_library=(2, 0),
+                  dim_multiple=32, token_multiple=32),
     # check_fp8_block_scaling_support: CUDA 12.9 always; Hopper alone until 2.8, 9.0 and newer from 2.9.
-    Fp8RecipeRule(
-        "transformer_engine", "block", min_cc=(9, 0), below_cc=(10, 0), min_cuda=(12, 9),
-        min_library=(2, 3), below_library=(2, 9), token_multiple=8,
-    ),
+    Fp8RecipeRule("transformer_engine", "block", min_cc=(9, 0), below_cc=(10, 0), min_cuda=(12, 9),
+                  min_library=(2, 3), below_library=(2, 9), token_multiple=8),
     Fp8RecipeRule("transformer_engine", "block", min_cc=(9, 0), min_cuda=(12, 9), min_library=(2, 9), token_multiple=8),
     # torchao: torch._scaled_mm wants the inner dimension a multiple of 16 (float8/config.py,
     # pad_inner_dim). The weight gradient's inner dimension is the token count, except where
@@ -221,13 +207,8 @@ def fp8_recipe_rule(library: str, recipe: str, library_version: str | None = Non
     Raises:
         MpadviseError: no rule for this library and recipe.
     """
-    rules = _recipe_rules(library, recipe)
-    version = release(library_version)
-    if version is not None:
-        for rule in rules:
-            if rule.covers_version(version):
-                return rule
-    return rules[-1]
+    rules, version = _recipe_rules(library, recipe), release(library_version)
+    return next((rule for rule in rules if version is not None and rule.covers_version(version)), rules[-1])
 
 
 def fp8_recipe_since(library: str, recipe: str) -> tuple[int, int] | None:
@@ -240,8 +221,7 @@ def fp8_recipe_unmet(library: str, recipe: str, *, compute_capability: tuple[int
     """What an FP8 recipe needs that this device, CUDA and library version lack, as one clause
     (``"needs CUDA 12.9 or newer (torch was built with CUDA 12.4)"``); ``None`` when it runs.
 
-    A ``None`` (or unreadable) ``cuda_runtime`` or ``library_version`` skips that check.
-    """
+    A ``None`` (or unreadable) ``cuda_runtime`` or ``library_version`` skips that check."""
     name = library_display or library
     rules = _recipe_rules(library, recipe)
     version = release(library_version)
@@ -334,7 +314,6 @@ def match_sku(device_name: str) -> SkuPeak | None:
 def peak_tflops(profile: HardwareProfile) -> dict[str, float]:
     """Datasheet dense peak TFLOP/s per dtype for this device (a fresh dict); ``{}`` when unknown.
 
-    CPUs have no table: their peaks depend on clocks, cores and vector width that vary by part.
-    """
+    CPUs have no table: their peaks depend on clocks, cores and vector width that vary by part."""
     peak = match_sku(profile.name) if profile.is_cuda else None
     return dict(peak.tflops) if peak is not None else {}

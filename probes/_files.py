@@ -5,8 +5,7 @@ package every other one may import; ``advisor._secure`` re-exports it.
 Writing: a random name beside the target, created ``O_EXCL | O_NOFOLLOW``, fsynced, then
 ``os.replace``-d onto it (a symlink target is replaced, what it points to untouched). Reading:
 opened ``O_NOFOLLOW`` and judged by ``fstat`` on the open descriptor, so the file judged is the
-file read; its directory does not matter (a file of the user's in ``/tmp`` is fine).
-"""
+file read; its directory does not matter (a file of the user's in ``/tmp`` is fine)."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def check_writable(path: str | os.PathLike[str], what: str) -> Path:
     """Refuse now, in one line, a file that could not be written after a tune of minutes.
 
     A temporary file is created in the directory and removed, as :func:`write_file_atomic`
-    would, so a read-only file system, a full quota or another user's directory is caught too.
-    """
+    would, so a read-only file system, a full quota or another user's directory is caught too."""
     path = Path(path)
     if path.is_dir():
         raise MpadviseError(f"cannot write {what} {path}: it is a directory")

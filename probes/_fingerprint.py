@@ -5,8 +5,7 @@ whole GPU), compute capability, the CUDA and torch release lines, and a CPU's pr
 and cores. It leaves out what a routine upgrade changes without changing the answer: the
 driver, patch releases and the FP8 library versions (``policies.hardware_mismatch`` compares
 those for FP8 policies alone). Recipe 1 also covered all of those; it stays so that a policy
-or cache recorded under it is still recognised.
-"""
+or cache recorded under it is still recognised."""
 
 from __future__ import annotations
 

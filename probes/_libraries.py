@@ -19,8 +19,7 @@ def fp8_library_versions() -> tuple[tuple[str, str | None], ...]:
     ``HardwareProfile.from_dict`` sorts it.
 
     From package metadata only: importing torchao takes seconds and prints warnings, and
-    importing transformer_engine initialises CUDA.
-    """
+    importing transformer_engine initialises CUDA."""
     return tuple(sorted((library, first_installed(names)) for library, names in FP8_LIBRARIES))
 
 

@@ -2,8 +2,7 @@
 
 A missing GPU, driver or NVML is normal here, so nothing raises: unreadable facts are ``None``.
 torch honours ``CUDA_VISIBLE_DEVICES`` and NVML lists every GPU in PCI order, so devices are
-paired by UUID (MIG instances under their parent GPU), by index only when nothing remaps them.
-"""
+paired by UUID (MIG instances under their parent GPU), by index only when nothing remaps them."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ def cuda_profiles(*, torch_cuda: Any = None, nvml: Any = None, cuda_runtime: str
                   torch_version: str | None = None) -> list[HardwareProfile]:
     """One profile per visible CUDA device, in torch's order; ``[]`` without usable CUDA.
 
-    Tests pass fakes; without ``torch_cuda`` all three torch facts are read from torch.
-    """
+    Tests pass fakes; without ``torch_cuda`` all three torch facts are read from torch."""
     if torch_cuda is None:
         try:
             import torch
@@ -73,8 +71,7 @@ def gpu_busy(index: int, nvml: Any = None, *, uuid: str | None = None, own: OwnP
 
     In a container NVML still reports host PIDs, ours among them under numbers we cannot see.
     Our tree accounts for at most ``own.gpu_users`` entries, so a list no longer than that is
-    ours; a longer one is returned whole, since which entry is someone else's cannot be told.
-    """
+    ours; a longer one is returned whole, since which entry is someone else's cannot be told."""
     with _nvml_session(nvml) as session:
         if session is None:
             return []
@@ -97,8 +94,7 @@ class OwnProcesses:
 
     ``tree`` holds its ancestors (they wait for it, so waiting on them never ends) and its
     descendants (its trials); ``gpu_users`` how many of them hold a GPU device file open;
-    ``host_namespace`` whether these PIDs are numbered as NVML numbers them.
-    """
+    ``host_namespace`` whether these PIDs are numbered as NVML numbers them."""
 
     pid: int
     tree: frozenset[int]

@@ -12,8 +12,7 @@ class HardwareProfile:
     round-trips through JSON. CUDA-only fields are ``None`` for the CPU; CPU-only ones keep
     their defaults for a GPU. ``cuda_runtime`` is the CUDA torch was built with; ``libraries``
     the FP8 libraries' versions (``None``: not installed); ``cuda_arch_list`` what the torch
-    build has kernels for (``()``: not recorded).
-    """
+    build has kernels for (``()``: not recorded)."""
 
     kind: str
     name: str

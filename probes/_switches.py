@@ -9,8 +9,7 @@ value. The legacy setters write the new switches, not the other way round, and t
 getters refuse ("mix of the legacy and new APIs") once a new switch holds what they cannot
 express: they are read only while the switches they check are neutral. Both APIs are set to
 agree inside the block: the kernels read the new ones, some of torch's Python (the inductor
-autotuning cache) the legacy ones.
-"""
+autotuning cache) the legacy ones."""
 
 from __future__ import annotations
 
@@ -132,8 +131,7 @@ def _legacy_state(torch: Any, *, cuda: bool, own: dict[_Switch, str]) -> tuple[s
     """The legacy matmul precision and (on CUDA) cuDNN flag, read exactly; ``own`` is put back.
 
     The matmul getter always answers with both matmul switches at "ieee"; the cuDNN getter,
-    with both cuDNN switches at "tf32", answers exactly when its flag is on.
-    """
+    with both cuDNN switches at "tf32", answers exactly when its flag is on."""
     try:
         _put_back(torch, dict.fromkeys(_MATMUL_SWITCHES, "ieee"))
         precision = torch.get_float32_matmul_precision()
