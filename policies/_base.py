@@ -7,15 +7,14 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ._device import arch
+from probes import ArchCapability, HardwareProfile, matmul_switches
+
+from ._device import ModeSupport, arch
 
 if TYPE_CHECKING:
     import torch
 
-    from probes import ArchCapability, HardwareProfile
-
     from ._config import Policy
-    from ._device import ModeSupport
 
 
 WHERE_IT_RUNS = "define support(profile), or cuda_support(profile, cap) and cpu_support(profile)"
@@ -98,7 +97,11 @@ class PrecisionMode:
         return None
 
     def process_switches(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
+        """The process-wide switches the mode's facts ask for (TF32 on or off) inside the block."""
+        tf32 = self.facts().tf32
+        if tf32 is None:
+            return contextlib.nullcontext()
+        return matmul_switches(tf32=tf32, cuda=self.device.type == "cuda")
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from probes import (
     FP8_RECIPE_RULES,
+    ArchCapability,
     Fp8RecipeRule,
+    HardwareProfile,
     MpadviseError,
     fp8_recipe_rule,
     fp8_recipe_unmet,
@@ -23,8 +25,6 @@ from ._device import ModeSupport, arch, cc_text
 
 if TYPE_CHECKING:
     import torch
-
-    from probes import ArchCapability, HardwareProfile
 
     from ._config import Policy
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from probes import ArchCapability, HardwareProfile
+
 from ._base import ModeFacts, PrecisionMode
 from ._device import ModeSupport, cc_text, cpu_speed, gpu_text
 
 if TYPE_CHECKING:
     import torch
-
-    from probes import ArchCapability, HardwareProfile
 
 
 class HalfPrecisionMode(PrecisionMode):

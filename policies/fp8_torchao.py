@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from probes import MpadviseError
+from probes import HardwareProfile, MpadviseError
 
 from ._device import TORCHAO_INSTALL, ModeSupport
 from ._fp8 import Fp8Mode
-
-if TYPE_CHECKING:
-    from probes import HardwareProfile
 
 
 def import_torchao_float8() -> Any:

@@ -11,14 +11,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from probes._capability import peak_tflops
 from probes._errors import MpadviseError
+from probes._profile import HardwareProfile
 from probes._switches import matmul_switches
-
-if TYPE_CHECKING:
-    from probes._profile import HardwareProfile
 
 BENCH_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
 

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from probes._errors import MpadviseError
-
-if TYPE_CHECKING:
-    from probes._profile import HardwareProfile
+from probes._profile import HardwareProfile
 
 
 @dataclass(frozen=True)

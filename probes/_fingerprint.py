@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from probes._capability import release
-
-if TYPE_CHECKING:
-    from probes._profile import HardwareProfile
+from probes._profile import HardwareProfile
 
 # Bumped when the recipe below changes, so that old cache keys miss instead of colliding.
 FINGERPRINT_VERSION = 2
