@@ -20,8 +20,7 @@ from probes import (
     torch_build_covers,
 )
 
-from ._base import ModeFacts, PrecisionMode
-from ._device import ModeSupport, arch, cc_text
+from ._base import ModeFacts, ModeSupport, PrecisionMode, arch, cc_text
 
 if TYPE_CHECKING:
     import torch
@@ -136,21 +135,13 @@ class Fp8Support(PrecisionMode):
         version = profile.library_version(cls.library)
         if version is None:
             return cls._not_installed()
-        here, missing = [], []
-        for recipe in cls.fp8_recipes:
-            unmet = cls._recipe_unmet(profile, cap, recipe)
-            title = f" ({cls.recipe_titles[recipe]})" if recipe in cls.recipe_titles else ""
-            if unmet is None:
-                here.append(f"{recipe}{title}")
-            else:
-                missing.append(f"{recipe} {unmet}")
-        reason = (
-            f"{cls.name}: FP8 tensor cores ({cap.label}) with {cls.library_display} {version}; "
-            f"recipes here: {', '.join(here) or 'none'}"
-        )
-        if missing:
-            reason += f"; not here: {'; '.join(missing)}"
-        return ModeSupport(cls.name, cls._recipe_unmet(profile, cap, cls.default_recipe) is None, reason)
+        unmet = {recipe: cls._recipe_unmet(profile, cap, recipe) for recipe in cls.fp8_recipes}
+        here = [f"{r} ({cls.recipe_titles[r]})" if r in cls.recipe_titles else r for r, why in unmet.items() if not why]
+        missing = [f"{r} {why}" for r, why in unmet.items() if why]
+        reason = (f"{cls.name}: FP8 tensor cores ({cap.label}) with {cls.library_display} {version}; "
+                  f"recipes here: {', '.join(here) or 'none'}" + (f"; not here: {'; '.join(missing)}" if missing else ""))
+        runs = cls._recipe_unmet(profile, cap, cls.default_recipe) is None
+        return ModeSupport(cls.name, runs, reason)
 
     @classmethod
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:

@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from probes import ArchCapability, HardwareProfile
 
-from ._base import ModeFacts, PrecisionMode
-from ._device import ModeSupport, cc_text, cpu_speed, gpu_text
+from ._base import ModeFacts, ModeSupport, PrecisionMode, cc_text, cpu_speed, gpu_text
 
 if TYPE_CHECKING:
     import torch

@@ -105,15 +105,11 @@ def canonical_mode(name: str) -> str:
     """The registered mode a user means by ``name``: the name in any case, or an alias; else a
     UsageError suggesting the closest names."""
     text = str(name).strip()
-    lowered = text.lower()
-    by_lower = {registered.lower(): registered for registered in _REGISTRY}
-    if lowered in by_lower:
-        return by_lower[lowered]
-    target = MODE_ALIASES.get(lowered)
-    if target is not None and target in _REGISTRY:
-        return target
-    known = [*_REGISTRY, *(alias for alias, mode in MODE_ALIASES.items() if mode in _REGISTRY)]
-    close = difflib.get_close_matches(lowered, known, n=3, cutoff=0.6)
+    aliases = {alias: mode for alias, mode in MODE_ALIASES.items() if mode in _REGISTRY}
+    by_lower = {**aliases, **{registered.lower(): registered for registered in _REGISTRY}}
+    if text.lower() in by_lower:
+        return by_lower[text.lower()]
+    close = difflib.get_close_matches(text.lower(), [*_REGISTRY, *aliases], n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     raise UsageError(f"unknown mode {text!r}; {hint}expected one of {', '.join(_REGISTRY)} "
                      "(or Lightning's 16-mixed, bf16-mixed, bf16-true, 32-true, 32, 16, bf16)")

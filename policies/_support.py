@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass
 
 from probes import HardwareProfile, hardware_fingerprint, major_minor
 
+from ._base import FLAG_NAMES, ModeSupport, arch, cpu_speed, gpu_text
 from ._config import Policy
-from ._device import FLAG_NAMES, ModeSupport, arch, cpu_speed, gpu_text
 from ._fp8 import Fp8Mode
 from ._registry import mode_class, mode_classes
 
@@ -17,8 +17,6 @@ from ._registry import mode_class, mode_classes
 def supported_modes(profile: HardwareProfile, policy: Policy | None = None) -> dict[str, ModeSupport]:
     """``{mode: ModeSupport}`` for every registered mode, in ``MODES`` order; with ``policy``,
     its FP8 mode's entry answers for its ``[fp8]`` recipe (a device may run one and not another)."""
-    if profile.is_cuda:
-        arch(profile)  # one clear error for a profile without a compute capability
     support = {cls.name: cls.support(profile) for cls in mode_classes()}
     if policy is not None:
         cls = mode_class(policy.mode)

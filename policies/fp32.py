@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from probes import HardwareProfile
 
-from ._base import ModeFacts, PrecisionMode
-from ._device import ModeSupport
+from ._base import ModeFacts, ModeSupport, PrecisionMode
 
 
 class Fp32(PrecisionMode):

@@ -21,7 +21,7 @@ from typing import Any
 
 from probes import MpadviseError, UnsupportedHere, fp8_recipe_since
 
-from ._device import TE_INSTALL
+from ._base import TE_INSTALL
 from ._fp8 import Fp8Mode
 
 

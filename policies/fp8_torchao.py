@@ -9,7 +9,7 @@ from typing import Any
 
 from probes import HardwareProfile, MpadviseError
 
-from ._device import TORCHAO_INSTALL, ModeSupport
+from ._base import TORCHAO_INSTALL, ModeSupport
 from ._fp8 import Fp8Mode
 
 

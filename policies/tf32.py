@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from probes import ArchCapability, HardwareProfile
 
-from ._base import ModeFacts, PrecisionMode
-from ._device import ModeSupport, cc_text, gpu_text
+from ._base import ModeFacts, ModeSupport, PrecisionMode, cc_text, gpu_text
 
 
 class Tf32(PrecisionMode):

@@ -47,16 +47,11 @@ def primary_profile() -> HardwareProfile:
     import torch
 
     try:
-        available = torch.cuda.is_available()
-        current = torch.cuda.current_device() if available else None
+        current = torch.cuda.current_device() if torch.cuda.is_available() else None
     except Exception:
-        # A broken driver raises here instead of reporting False; train on the CPU.
-        available, current = False, None
-    if available:
-        for profile in cuda_profiles():
-            if profile.index == current:
-                return profile
-    return cpu_profile()
+        current = None  # a broken driver raises here instead of reporting False: train on the CPU
+    found = [profile for profile in cuda_profiles() if profile.index == current] if current is not None else []
+    return found[0] if found else cpu_profile()
 
 
 def profile_for(device: str | None) -> HardwareProfile:
