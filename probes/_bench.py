@@ -44,12 +44,12 @@ class BenchRow:
     dtype: str
     device: str
     size: int
-    tflops: float | None
-    seconds: float | None
-    ratio_vs_fp32: float | None
-    peak_tflops: float | None
-    fraction_of_peak: float | None
-    repeats: int
+    tflops: float | None = None
+    seconds: float | None = None
+    ratio_vs_fp32: float | None = None
+    peak_tflops: float | None = None
+    fraction_of_peak: float | None = None
+    repeats: int = 0
     skipped: str | None = None
     spread: float | None = None
 
@@ -63,7 +63,8 @@ def default_bench_dtypes(profile: HardwareProfile) -> tuple[str, ...]:
     if not profile.is_cuda:
         return ("fp32", "fp16", "bf16")
     cc = profile.compute_capability or (0, 0)
-    return tuple(d for d in BENCH_DTYPES if (d != "tf32" or cc >= (8, 0)) and (d != "fp8" or cc >= (8, 9)))
+    floors = {"tf32": (8, 0), "fp8": (8, 9)}
+    return tuple(dtype for dtype in BENCH_DTYPES if cc >= floors.get(dtype, (0, 0)))
 
 
 def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list[str] | None = None,
@@ -83,9 +84,8 @@ def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list
         dtypes = default_bench_dtypes(profile)
     unknown = [d for d in dtypes if d not in BENCH_DTYPES]
     if unknown:
-        raise MpadviseError(
-            f"dtypes: unknown {', '.join(map(repr, unknown))}; expected some of {', '.join(BENCH_DTYPES)}"
-        )
+        raise MpadviseError(f"dtypes: unknown {', '.join(map(repr, unknown))}; "
+                            f"expected some of {', '.join(BENCH_DTYPES)}")
     size = size or _DEFAULT_SIZE[profile.kind]
 
     import torch
@@ -113,8 +113,7 @@ def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list
     fp32_tflops = _tflops(size, fp32[0]) if isinstance(fp32, tuple) else None
     rows = []
     for dtype, result in measured.items():
-        row = BenchRow(dtype=dtype, device=profile.device, size=size, tflops=None, seconds=None, ratio_vs_fp32=None,
-                       peak_tflops=peaks.get(dtype), fraction_of_peak=None, repeats=0)
+        row = BenchRow(dtype, profile.device, size, peak_tflops=peaks.get(dtype))
         if isinstance(result, str):
             rows.append(replace(row, skipped=result))
             continue

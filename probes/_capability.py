@@ -162,27 +162,20 @@ class Fp8RecipeRule:
         return f"{_dotted(self.min_cc)} up to, not including, {_dotted(self.below_cc)}"
 
 
-# Read from each library's source; docs/capabilities.md cites the lines.
+# Read from each library's source; docs/capabilities.md cites the lines and says why.
 FP8_RECIPE_RULES: tuple[Fp8RecipeRule, ...] = (
-    # Transformer Engine: check_recipe_support (pytorch/quantization.py; pytorch/fp8.py before
-    # 2.9) decides the device, and every FP8 Linear asserts assert_dim_for_fp8_exec (pytorch/
-    # utils.py): tokens a multiple of 8, the last dimension of 16. Float8CurrentScaling came in
-    # 2.2, Float8BlockScaling in 2.3, MXFP8BlockScaling in 2.0 (common/recipe/__init__.py).
+    # Transformer Engine: check_recipe_support decides the device, assert_dim_for_fp8_exec the shapes.
     Fp8RecipeRule("transformer_engine", "delayed", token_multiple=8),
     Fp8RecipeRule("transformer_engine", "current", min_library=(2, 2), token_multiple=8),
-    # MXFP8 scales blocks of 32 along both dimensions (MXFP8_BLOCK_SCALING_SIZE; the quantizer's
-    # is_quantizable wants both the last dimension and the tokens in whole blocks), and
-    # check_mxfp8_support wants 10.0 or newer and refuses 12.0 and newer (an RTX 5090).
+    # MXFP8 scales blocks of 32 along both dimensions; TE refuses it on 12.0 and newer (an RTX 5090).
     Fp8RecipeRule("transformer_engine", "mxfp8", min_cc=(10, 0), below_cc=(12, 0), min_library=(2, 0),
                   dim_multiple=32, token_multiple=32),
     # check_fp8_block_scaling_support: CUDA 12.9 always; Hopper alone until 2.8, 9.0 and newer from 2.9.
     Fp8RecipeRule("transformer_engine", "block", min_cc=(9, 0), below_cc=(10, 0), min_cuda=(12, 9),
                   min_library=(2, 3), below_library=(2, 9), token_multiple=8),
     Fp8RecipeRule("transformer_engine", "block", min_cc=(9, 0), min_cuda=(12, 9), min_library=(2, 9), token_multiple=8),
-    # torchao: torch._scaled_mm wants the inner dimension a multiple of 16 (float8/config.py,
-    # pad_inner_dim). The weight gradient's inner dimension is the token count, except where
-    # rowwise_with_gw_hp computes that matmul in high precision. torchao has no MXFP8 recipe
-    # in float8 training (Float8LinearRecipeName).
+    # torchao: torch._scaled_mm wants inner dimensions (the weight gradient's is the token count,
+    # computed in high precision by rowwise_with_gw_hp) a multiple of 16. It has no MXFP8 recipe.
     Fp8RecipeRule("torchao", "tensorwise", token_multiple=16),
     Fp8RecipeRule("torchao", "rowwise", token_multiple=16),
     Fp8RecipeRule("torchao", "rowwise_with_gw_hp"),

@@ -108,20 +108,13 @@ def own_processes(proc: Path = _PROC) -> OwnProcesses:
         pid = int(os.readlink(proc / "self"))
     except (OSError, ValueError):
         pid = os.getpid()
-    parents = _parent_pids(proc)
-    tree, current = {pid}, parents.get(pid)
+    parents, tree = _parent_pids(proc), {pid}
+    while children := {child for child, parent in parents.items() if parent in tree} - tree:
+        tree |= children  # the descendants
+    current = parents.get(pid)
     while current and current not in tree:  # the ancestors
         tree.add(current)
         current = parents.get(current)
-    children: dict[int, list[int]] = {}
-    for child, parent in parents.items():
-        children.setdefault(parent, []).append(child)
-    pending = [pid]
-    while pending:  # the descendants
-        for child in children.get(pending.pop(), ()):
-            if child not in tree:
-                tree.add(child)
-                pending.append(child)
     try:
         namespace = re.fullmatch(r"pid:\[(\d+)\]", os.readlink(proc / "self" / "ns" / "pid"))
     except OSError:  # not Linux, or no /proc: nothing says the PIDs differ
