@@ -56,7 +56,8 @@ def gpu_text(profile: HardwareProfile, cap: ArchCapability) -> str:
 # What a CPU's flags make of each half dtype's speed: the first flag present decides.
 _CPU_SPEED = {
     "bf16": ((("amx_bf16", "AMX-BF16: bf16 matmuls run on AMX tiles, usually faster than fp32"),
-              ("avx512_bf16", "AVX512-BF16 without AMX: native bf16 dot products, may or may not beat fp32")),
+              ("avx512_bf16",
+               "AVX512-BF16 without AMX: native bf16 dot products, may or may not beat fp32")),
              "no AMX-BF16/AVX512-BF16: bf16 runs but is usually slower than fp32 here"),
     "fp16": ((("amx_fp16", "AMX-FP16: fp16 matmuls run on AMX tiles"),
               ("avx512_fp16", "AVX512-FP16: native fp16 arithmetic, may or may not beat fp32")),

@@ -108,7 +108,8 @@ class Policy:
                    "running the script with:\n#     mpadvise run SCRIPT -- ARGS\n")
         else:
             raise ValueError(f"framework {framework!r}: expected a name such as lightning")
-        return how + "# Fields: see README.md, section 'The config file'\n" + tomli_w.dumps(self.to_dict())
+        fields_help = "# Fields: see README.md, section 'The config file'\n"
+        return how + fields_help + tomli_w.dumps(self.to_dict())
 
     @classmethod
     def from_toml(cls, text: str, *, source: str = "<string>") -> Policy:
@@ -146,7 +147,8 @@ def _policy_fields(data: Any, *, known: list[str]) -> dict[str, Any]:
         raise PolicyError(f"missing 'mode'; expected one of {', '.join(mode_names())}")
     unknown = sorted(set(values) - set(known))
     if unknown:
-        raise PolicyError(f"unknown field {unknown[0]!r}; expected one of schema, {', '.join(sorted(known))}")
+        raise PolicyError(f"unknown field {unknown[0]!r}; expected one of schema, "
+                          f"{', '.join(sorted(known))}")
     for name, table_cls in TABLES.items():
         if name not in values:
             continue
@@ -156,7 +158,8 @@ def _policy_fields(data: Any, *, known: list[str]) -> dict[str, Any]:
         allowed = {f.name for f in fields(table_cls)}
         extra = sorted(set(table) - allowed)
         if extra:
-            raise PolicyError(f"[{name}] has unknown field {extra[0]!r}; expected one of {', '.join(sorted(allowed))}")
+            raise PolicyError(f"[{name}] has unknown field {extra[0]!r}; expected one of "
+                              f"{', '.join(sorted(allowed))}")
         values[name] = table_cls(**table)
     return values
 

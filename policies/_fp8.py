@@ -136,10 +136,13 @@ class Fp8Support(PrecisionMode):
         if version is None:
             return cls._not_installed()
         unmet = {recipe: cls._recipe_unmet(profile, cap, recipe) for recipe in cls.fp8_recipes}
-        here = [f"{r} ({cls.recipe_titles[r]})" if r in cls.recipe_titles else r for r, why in unmet.items() if not why]
+        here = [f"{r} ({cls.recipe_titles[r]})" if r in cls.recipe_titles else r
+                for r, why in unmet.items() if not why]
         missing = [f"{r} {why}" for r, why in unmet.items() if why]
-        reason = (f"{cls.name}: FP8 tensor cores ({cap.label}) with {cls.library_display} {version}; "
-                  f"recipes here: {', '.join(here) or 'none'}" + (f"; not here: {'; '.join(missing)}" if missing else ""))
+        reason = (f"{cls.name}: FP8 tensor cores ({cap.label}) with {cls.library_display} "
+                  f"{version}; recipes here: {', '.join(here) or 'none'}")
+        if missing:
+            reason += f"; not here: {'; '.join(missing)}"
         runs = cls._recipe_unmet(profile, cap, cls.default_recipe) is None
         return ModeSupport(cls.name, runs, reason)
 
@@ -216,7 +219,8 @@ class Fp8Mode(Fp8Support):
         ties = tied_parameters(module)
         # The Linears whose owner uses their weight and never calls them.
         self._bypassed = {id(owner.out_proj) for owner in module.modules()
-                          if isinstance(owner, torch.nn.MultiheadAttention) and isinstance(owner.out_proj, torch.nn.Linear)}
+                          if isinstance(owner, torch.nn.MultiheadAttention)
+                          and isinstance(owner.out_proj, torch.nn.Linear)}
         module = self.swap_layers(module)
         retie(module, ties)
         self.note_conversion()
@@ -229,7 +233,8 @@ class Fp8Mode(Fp8Support):
         import torch
 
         mha_class = getattr(torch.nn.modules.linear, "NonDynamicallyQuantizableLinear", None)
-        if id(linear) not in self._bypassed and (mha_class is None or type(linear) is not mha_class):
+        is_mha_out_proj = mha_class is not None and type(linear) is mha_class
+        if id(linear) not in self._bypassed and not is_mha_out_proj:
             return False
         self._keep(MHA_OUT_PROJ, fqn, linear.in_features, linear.out_features)
         return True

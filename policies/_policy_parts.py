@@ -140,7 +140,8 @@ class TunedOn:
     def __post_init__(self) -> None:
         # TOML and JSON give a table and lists; the values stay hashable tuples.
         libraries = self.libraries.items() if isinstance(self.libraries, dict) else self.libraries
-        object.__setattr__(self, "libraries", tuple(sorted((str(k), v or None) for k, v in libraries)))
+        libraries = tuple(sorted((str(name), version or None) for name, version in libraries))
+        object.__setattr__(self, "libraries", libraries)
         if self.args is not None:
             if isinstance(self.args, str) or not isinstance(self.args, (list, tuple)) or not all(
                 isinstance(arg, str) for arg in self.args
@@ -158,9 +159,10 @@ class TunedOn:
 def check_policy(policy: Policy) -> None:
     """Check a policy's fields against each other and against its (known) mode."""
     mode = mode_class(policy.mode)
-    for key, value, kind in (("loss_scale", policy.loss_scale, LossScale), ("fp8", policy.fp8, Fp8Options)):
+    for key, kind, what in (("loss_scale", LossScale, "a LossScale"), ("fp8", Fp8Options, "Fp8Options")):
+        value = getattr(policy, key)
         if value is not None and not isinstance(value, kind):
-            raise PolicyError(f"{key}: expected {kind.__name__}, got {type(value).__name__}")
+            raise PolicyError(f"{key}: expected {what}, got {type(value).__name__}")
     if policy.loss_scale is not None and not mode.loss_scaling and policy.loss_scale.kind != "none":
         scaled = names_text([m.name for m in mode_classes() if m.loss_scaling])
         raise PolicyError(
@@ -169,7 +171,8 @@ def check_policy(policy: Policy) -> None:
         )
     if policy.fp8 is not None and not mode.fp8_recipes:
         fp8_modes = names_text([m.name for m in mode_classes() if m.fp8_recipes])
-        raise PolicyError(f"fp8: FP8 options apply to {fp8_modes} only, not {policy.mode!r}; remove [fp8]")
+        raise PolicyError(f"fp8: FP8 options apply to {fp8_modes} only, not {policy.mode!r}; "
+                          "remove [fp8]")
     if policy.fp8 is not None and policy.fp8.recipe is not None:
         check_choice("fp8.recipe", policy.fp8.recipe, mode.fp8_recipes, of=f"the recipes of {policy.mode}")
     check_positive("micro_batch_size", policy.micro_batch_size, integer=True, allow_none=True)

@@ -38,7 +38,8 @@ def register_mode(cls: ModeT) -> ModeT:
             f"register_mode: {cls!r} is not a PrecisionMode subclass; derive the mode's class "
             "from policies.PrecisionMode"
         )
-    name, family, rank = (getattr(cls, key, None) for key in ("name", "dtype_family", "safety_rank"))
+    name, recipes = getattr(cls, "name", None), cls.fp8_recipes
+    family, rank = getattr(cls, "dtype_family", None), getattr(cls, "safety_rank", None)
     if isinstance(name, str) and _REGISTRY.get(name) is cls:
         return cls
     ranks = f"(ranks in use: {', '.join(f'{c.name} {c.safety_rank}' for c in _by_safety())})"
@@ -56,8 +57,8 @@ def register_mode(cls: ModeT) -> ModeT:
         problem = f"safety_rank {rank!r} is not allowed; set an integer, lower is safer {ranks}"
     elif rank_owner is not None:
         problem = f"safety_rank {rank} is already {rank_owner}'s; pick an unused rank {ranks}"
-    elif not isinstance(cls.fp8_recipes, tuple) or not all(isinstance(r, str) for r in cls.fp8_recipes):
-        problem = f"fp8_recipes {cls.fp8_recipes!r} is not allowed; expected a tuple of recipe names"
+    elif not isinstance(recipes, tuple) or not all(isinstance(r, str) for r in recipes):
+        problem = f"fp8_recipes {recipes!r} is not allowed; expected a tuple of recipe names"
     elif not _says_where_it_runs(cls):
         problem = f"the class does not say where it runs; {WHERE_IT_RUNS}"
     if problem is not None:

@@ -32,23 +32,26 @@ def safe_default_mode(profile: HardwareProfile) -> tuple[str, str]:
         cap = arch(profile)
         where = gpu_text(profile, cap)
         if cap.bf16:
-            return "bf16-mixed", (f"{where} has bf16 tensor cores; bf16 keeps fp32's exponent range, so no "
-                                  "loss scaling is needed, and mixed precision keeps fp32 master weights")
+            return "bf16-mixed", (f"{where} has bf16 tensor cores; bf16 keeps fp32's exponent "
+                                  "range, so no loss scaling is needed, and mixed precision keeps "
+                                  "fp32 master weights")
         if cap.fp16_tensor_cores:
-            return "fp16-mixed", (f"{where} has fp16 tensor cores but only emulated bf16; fp16 mixed precision "
-                                  "with dynamic loss scaling matched fp32 accuracy on ImageNet networks "
-                                  "(Micikevicius et al., 2018, Mixed Precision Training)")
-        return "fp32", (f"{where} has no tensor cores, so low precision brings little speed for the risk "
-                        "of fp16 overflow and underflow")
+            return "fp16-mixed", (f"{where} has fp16 tensor cores but only emulated bf16; fp16 "
+                                  "mixed precision with dynamic loss scaling matched fp32 accuracy "
+                                  "on ImageNet networks (Micikevicius et al., 2018, Mixed "
+                                  "Precision Training)")
+        return "fp32", (f"{where} has no tensor cores, so low precision brings little speed for "
+                        "the risk of fp16 overflow and underflow")
+    cpu = f"this CPU ({profile.name})"
     if profile.has_flag("amx_bf16"):
-        return "bf16-mixed", (f"this CPU ({profile.name}) has AMX-BF16, so bf16 matmuls run on AMX tiles and "
-                              "beat fp32 (bf16-mixed measured 1.7x over fp32 for an MLP on such a CPU); bf16 "
+        return "bf16-mixed", (f"{cpu} has AMX-BF16, so bf16 matmuls run on AMX tiles and beat fp32 "
+                              "(bf16-mixed measured 1.7x over fp32 for an MLP on such a CPU); bf16 "
                               "keeps fp32's exponent range, so no loss scaling is needed")
     if profile.has_flag("avx512_bf16"):
-        return "fp32", (f"this CPU ({profile.name}) has AVX512-BF16 but no AMX: bf16 may or may not beat "
-                        "fp32, so fp32 stays the default until a tune run measures it")
-    return "fp32", (f"this CPU ({profile.name}) has neither AMX-BF16 nor AVX512-BF16, so bf16 is "
-                    "emulated and usually slower than fp32")
+        return "fp32", (f"{cpu} has AVX512-BF16 but no AMX: bf16 may or may not beat fp32, so fp32 "
+                        "stays the default until a tune run measures it")
+    return "fp32", (f"{cpu} has neither AMX-BF16 nor AVX512-BF16, so bf16 is emulated and usually "
+                    "slower than fp32")
 
 
 def safe_default(profile: HardwareProfile) -> Policy:
@@ -70,7 +73,8 @@ def capability_summary(profile: HardwareProfile) -> str:
         return f"{cap.label}: {', '.join(features)}"
     cores = f", {profile.cores} cores" if profile.cores else ""
     isa = [name for flag, name in FLAG_NAMES.items() if profile.has_flag(flag)]
-    return f"CPU ({profile.name}{cores}): {', '.join(isa) or 'no AVX2'}; {cpu_speed(profile, 'bf16')[0]}"
+    bf16_speed, _native = cpu_speed(profile, "bf16")
+    return f"CPU ({profile.name}{cores}): {', '.join(isa) or 'no AVX2'}; {bf16_speed}"
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,8 @@ def hardware_mismatch(policy: Policy, profile: HardwareProfile) -> HardwareMisma
         return None
     cls, library = mode_class(policy.mode), None
     if issubclass(cls, Fp8Mode):
-        tuned_library, here_library = dict(tuned.libraries).get(cls.library), profile.library_version(cls.library)
+        tuned_library = dict(tuned.libraries).get(cls.library)
+        here_library = profile.library_version(cls.library)
         if tuned_library != here_library:
             library = Difference(cls.library, tuned_library, here_library)
     # Recipe 1 too: a policy recorded before recipe 2 on this very machine still applies.

@@ -126,8 +126,8 @@ class Fp8Te(Fp8Mode):
 
     def _check_tokens(self, fqn: str, module: Any, args: tuple[Any, ...]) -> None:
         """A swapped Linear's forward pre-hook: refuses, with the fix, a token count FP8 cannot
-        run. TE asserts deep inside its Linear and cannot pad (padding the batch would change the
-        loss); outside the forward context TE's Linear runs in high precision and takes any shape."""
+        run. TE asserts deep inside its Linear and cannot pad (padding the batch would change
+        the loss); outside the forward context its Linear runs in high precision, any shape."""
         if not self.depth or not args or not hasattr(args[0], "shape"):
             return
         shape = tuple(args[0].shape)

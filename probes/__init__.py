@@ -50,8 +50,8 @@ def primary_profile() -> HardwareProfile:
         current = torch.cuda.current_device() if torch.cuda.is_available() else None
     except Exception:
         current = None  # a broken driver raises here instead of reporting False: train on the CPU
-    found = [profile for profile in cuda_profiles() if profile.index == current] if current is not None else []
-    return found[0] if found else cpu_profile()
+    found = [profile for profile in cuda_profiles() if profile.index == current]
+    return found[0] if current is not None and found else cpu_profile()
 
 
 def profile_for(device: str | None) -> HardwareProfile:

@@ -68,15 +68,16 @@ def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
         return ArchCapability("Hopper", cc, fp8=True)
     # 10.x B200/GB200, 11.x Thor, 12.x RTX 50xx / RTX PRO: fifth-generation tensor cores
     # with hardware block scaling (MXFP8, NVFP4).
-    return ArchCapability("Blackwell" if major <= 12 else "post-Blackwell", cc, fp8=True, mxfp8=True, nvfp4=True)
+    arch = "Blackwell" if major <= 12 else "post-Blackwell"
+    return ArchCapability(arch, cc, fp8=True, mxfp8=True, nvfp4=True)
 
 
 def _validated(compute_capability: object) -> tuple[int, int]:
     if not isinstance(compute_capability, (tuple, list)) or len(compute_capability) != 2 or not all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in compute_capability
     ):
-        raise MpadviseError(f"compute_capability must be a (major, minor) pair of non-negative integers, "
-                            f"got {compute_capability!r}")
+        raise MpadviseError("compute_capability must be a (major, minor) pair of non-negative "
+                            f"integers, got {compute_capability!r}")
     return (compute_capability[0], compute_capability[1])
 
 
@@ -164,12 +165,12 @@ class Fp8RecipeRule:
 
 # Read from each library's source; docs/capabilities.md cites the lines and says why.
 FP8_RECIPE_RULES: tuple[Fp8RecipeRule, ...] = (
-    # Transformer Engine: check_recipe_support decides the device, assert_dim_for_fp8_exec the shapes.
+    # Transformer Engine: check_recipe_support decides the device, assert_dim_for_fp8_exec shapes.
     Fp8RecipeRule("transformer_engine", "delayed", token_multiple=8),
     Fp8RecipeRule("transformer_engine", "current", min_library=(2, 2), token_multiple=8),
-    # MXFP8 scales blocks of 32 along both dimensions; TE refuses it on 12.0 and newer (an RTX 5090).
-    Fp8RecipeRule("transformer_engine", "mxfp8", min_cc=(10, 0), below_cc=(12, 0), min_library=(2, 0),
-                  dim_multiple=32, token_multiple=32),
+    # MXFP8 scales blocks of 32 along both dimensions; TE refuses it on 12.0 and newer (RTX 5090).
+    Fp8RecipeRule("transformer_engine", "mxfp8", min_cc=(10, 0), below_cc=(12, 0),
+                  min_library=(2, 0), dim_multiple=32, token_multiple=32),
     # check_fp8_block_scaling_support: CUDA 12.9 always; Hopper alone until 2.8, 9.0 and newer from 2.9.
     Fp8RecipeRule("transformer_engine", "block", min_cc=(9, 0), below_cc=(10, 0), min_cuda=(12, 9),
                   min_library=(2, 3), below_library=(2, 9), token_multiple=8),
@@ -198,7 +199,8 @@ def fp8_recipe_rule(library: str, recipe: str, library_version: str | None = Non
         MpadviseError: no rule for this library and recipe.
     """
     rules, version = _recipe_rules(library, recipe), release(library_version)
-    return next((rule for rule in rules if version is not None and rule.covers_version(version)), rules[-1])
+    covering = [rule for rule in rules if version is not None and rule.covers_version(version)]
+    return covering[0] if covering else rules[-1]
 
 
 def fp8_recipe_since(library: str, recipe: str) -> tuple[int, int] | None:
@@ -298,7 +300,8 @@ SKU_PEAKS: tuple[SkuPeak, ...] = (
 
 def match_sku(device_name: str) -> SkuPeak | None:
     """The datasheet row for a CUDA device name (``"NVIDIA A100-SXM4-80GB"``), or ``None``."""
-    return next((peak for peak in SKU_PEAKS if re.search(peak.pattern, device_name, re.IGNORECASE)), None)
+    matches = (peak for peak in SKU_PEAKS if re.search(peak.pattern, device_name, re.IGNORECASE))
+    return next(matches, None)
 
 
 def peak_tflops(profile: HardwareProfile) -> dict[str, float]:

@@ -47,9 +47,10 @@ def cpu_profile(cpuinfo_path: str | os.PathLike[str] = "/proc/cpuinfo", *,
     except ImportError:
         torch_version = None
     memory_total, memory_free = _memory(meminfo_path)
-    return HardwareProfile(kind="cpu", name=model or platform.processor() or platform.machine() or "unknown CPU",
-                           memory_total=memory_total, memory_free=memory_free, cores=_usable_cores(),
-                           cpu_flags=flags, torch_version=torch_version, libraries=fp8_library_versions())
+    name = model or platform.processor() or platform.machine() or "unknown CPU"
+    return HardwareProfile(kind="cpu", name=name, memory_total=memory_total,
+                           memory_free=memory_free, cores=_usable_cores(), cpu_flags=flags,
+                           torch_version=torch_version, libraries=fp8_library_versions())
 
 
 def _usable_cores() -> int | None:

@@ -126,7 +126,8 @@ def read_trusted_text(path: str | os.PathLike[str], *, what: str = "config file"
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         if not stat.S_ISREG(st.st_mode):
-            raise MpadviseError(f"refusing {what} {path}: it is not a regular file; name a {what} instead")
+            raise MpadviseError(f"refusing {what} {path}: it is not a regular file; name a {what} "
+                                "instead")
         me, perms = os.geteuid(), f"mode {stat.S_IMODE(st.st_mode):04o}"
         if st.st_uid not in (me, 0):
             reason = f"owned by {_user(st.st_uid)}, not by {_user(me)} who runs mpadvise ({perms})"

@@ -32,12 +32,13 @@ def hardware_fingerprint(profile: HardwareProfile, *, version: int = FINGERPRINT
     """First 16 hex digits of the SHA-256, as canonical JSON, of the profile fields that key
     cached results under recipe ``version``. Never one card's identifiers or momentary facts
     (UUID, index, free memory, clocks): two cards of one SKU give one answer."""
+    capability, memory = profile.compute_capability, profile.memory_total
     fields: dict[str, Any] = {
         "v": version,
         "kind": profile.kind,
         "name": profile.name,
-        "compute_capability": None if profile.compute_capability is None else list(profile.compute_capability),
-        "memory_gib": None if profile.memory_total is None else round(profile.memory_total / _GIB),
+        "compute_capability": None if capability is None else list(capability),
+        "memory_gib": None if memory is None else round(memory / _GIB),
         "sm_count": profile.sm_count,
     }
     if version == 1:

@@ -10,7 +10,8 @@ from importlib import metadata
 # builds), and its PyTorch extension alone as "transformer-engine-torch".
 FP8_LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torchao", ("torchao",)),
-    ("transformer_engine", ("transformer-engine", "transformer_engine", "transformer-engine-torch")),
+    ("transformer_engine",
+     ("transformer-engine", "transformer_engine", "transformer-engine-torch")),
 )
 
 

@@ -35,7 +35,8 @@ def cuda_profiles(*, torch_cuda: Any = None, nvml: Any = None, cuda_runtime: str
             import torch
         except ImportError:
             return []
-        torch_cuda, cuda_runtime, torch_version = torch.cuda, torch.version.cuda, str(torch.__version__)
+        torch_cuda, cuda_runtime = torch.cuda, torch.version.cuda
+        torch_version = str(torch.__version__)
     devices = _torch_devices(torch_cuda)
     if not devices:
         return []
@@ -119,8 +120,9 @@ def own_processes(proc: Path = _PROC) -> OwnProcesses:
         namespace = re.fullmatch(r"pid:\[(\d+)\]", os.readlink(proc / "self" / "ns" / "pid"))
     except OSError:  # not Linux, or no /proc: nothing says the PIDs differ
         namespace = None
-    return OwnProcesses(pid=pid, tree=frozenset(tree), gpu_users=sum(_holds_gpu(proc, member) for member in tree),
-                        host_namespace=namespace is None or int(namespace[1]) == _INIT_PID_NAMESPACE)
+    return OwnProcesses(pid=pid, tree=frozenset(tree),
+                        gpu_users=sum(_holds_gpu(proc, member) for member in tree),
+                        host_namespace=not namespace or int(namespace[1]) == _INIT_PID_NAMESPACE)
 
 
 def _parent_pids(proc: Path) -> dict[int, int]:
@@ -206,7 +208,8 @@ class _NvmlSession:
             return None
 
     def gpus(self) -> list[Any]:
-        handles = (self.call("nvmlDeviceGetHandleByIndex", i) for i in range(int(self.call("nvmlDeviceGetCount") or 0)))
+        count = int(self.call("nvmlDeviceGetCount") or 0)
+        handles = (self.call("nvmlDeviceGetHandleByIndex", index) for index in range(count))
         return [handle for handle in handles if handle is not None]
 
     def mig_enabled(self, handle: Any) -> bool | None:
@@ -249,11 +252,14 @@ class _NvmlSession:
         if parent is not None:
             # A MIG instance: the GPU-wide facts (clocks) only the parent answers; memory and
             # UUID are the instance's own.
-            whole_gpu = {k: v for k, v in self.device_facts(parent).items() if k not in ("memory_free", "uuid")}
+            whole_gpu = self.device_facts(parent)
+            whole_gpu.pop("memory_free", None)
+            whole_gpu.pop("uuid", None)
             return {**whole_gpu, **self.device_facts(handle), "mig_enabled": True}
         free = getattr(self.call("nvmlDeviceGetMemoryInfo", handle), "free", None)
         clock_sm = getattr(self.nvml, "NVML_CLOCK_SM", 1)
-        clocks = [self.call(f, handle, clock_sm) for f in ("nvmlDeviceGetClockInfo", "nvmlDeviceGetMaxClockInfo")]
+        clocks = [self.call(query, handle, clock_sm)
+                  for query in ("nvmlDeviceGetClockInfo", "nvmlDeviceGetMaxClockInfo")]
         facts = {
             "memory_free": None if free is None else int(free),
             "mig_enabled": self.mig_enabled(handle),
