@@ -37,10 +37,8 @@ class ModeSupport:
 
 def arch(profile: HardwareProfile) -> ArchCapability:
     if profile.compute_capability is None:
-        raise MpadviseError(
-            f"HardwareProfile.compute_capability is None for CUDA device {profile.name!r}; "
-            f"re-run `mpadvise probe` to record it"
-        )
+        raise MpadviseError(f"HardwareProfile.compute_capability is None for CUDA device "
+                            f"{profile.name!r}; re-run `mpadvise probe` to record it")
     return capability_for(profile.compute_capability)
 
 

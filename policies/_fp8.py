@@ -74,11 +74,10 @@ def retie(module: torch.nn.Module, ties: list[TiedParameter]) -> None:
                 held.append((owner, attr, getattr(owner, attr)))
         kept = next((p for _, _, p in held if p is not tie.parameter), tie.parameter)
         if kept.shape != tie.parameter.shape:
-            raise MpadviseError(
-                f"the conversion changed the shape of the tied parameter {tie.describe()} "
-                f"({tuple(tie.parameter.shape)} -> {tuple(kept.shape)}), so its holders cannot "
-                "share it; untie them before setup(), or use bf16-mixed"
-            )
+            raise MpadviseError(f"the conversion changed the shape of the tied parameter "
+                                f"{tie.describe()} ({tuple(tie.parameter.shape)} -> "
+                                f"{tuple(kept.shape)}), so its holders cannot share it; untie "
+                                "them before setup(), or use bf16-mixed")
         for owner, attr, parameter in held:
             if parameter is not kept:
                 setattr(owner, attr, kept)
@@ -169,19 +168,15 @@ def fp8_device_problem(profile: HardwareProfile, cap: ArchCapability) -> str | N
     if torch_build_covers(cap.compute_capability, profile.cuda_arch_list) is False:
         major, minor = cap.compute_capability
         hint = " (pytorch.org's wheels for CUDA 12.9 and newer list sm_100 and sm_120)" if major >= 10 else ""
-        return (
-            f"torch {profile.torch_version} was built for {' '.join(profile.cuda_arch_list)}, with no "
-            f"kernels for compute capability {cc_text(cap)} ({profile.name}); install a torch "
-            f"build whose torch.cuda.get_arch_list() lists sm_{major}{minor}{hint}"
-        )
+        return (f"torch {profile.torch_version} was built for {' '.join(profile.cuda_arch_list)}, "
+                f"with no kernels for compute capability {cc_text(cap)} ({profile.name}); install "
+                f"a torch build whose torch.cuda.get_arch_list() lists sm_{major}{minor}{hint}")
     cuda = release(profile.cuda_runtime)
     if cap.fp8_min_cuda is not None and cuda is not None and cuda < cap.fp8_min_cuda:
         floor = "{}.{}".format(*cap.fp8_min_cuda)
-        return (
-            f"FP8 on {cap.label} needs CUDA {floor} or newer, and torch {profile.torch_version} "
-            f"was built with CUDA {profile.cuda_runtime} ({profile.name}); install a torch "
-            f"build for CUDA {floor} or newer"
-        )
+        return (f"FP8 on {cap.label} needs CUDA {floor} or newer, and torch "
+                f"{profile.torch_version} was built with CUDA {profile.cuda_runtime} "
+                f"({profile.name}); install a torch build for CUDA {floor} or newer")
     return None
 
 
@@ -205,10 +200,8 @@ class Fp8Mode(Fp8Support):
 
     @classmethod
     def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
-        return (
-            "FP8 matmuls (e4m3 keeps 3 mantissa bits) are too coarse for this model; use "
-            "bf16-mixed, or keep the sensitive layers (first, last, small ones) out of FP8"
-        )
+        return ("FP8 matmuls (e4m3 keeps 3 mantissa bits) are too coarse for this model; use "
+                "bf16-mixed, or keep the sensitive layers (first, last, small ones) out of FP8")
 
     def swap_layers(self, module: torch.nn.Module) -> torch.nn.Module:
         raise NotImplementedError
@@ -269,7 +262,6 @@ class Fp8Mode(Fp8Support):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("fp8_recipe")
         if saved is not None and saved != self.recipe_record():
-            raise MpadviseError(
-                f"checkpoint was trained with {self.name} recipe {saved!r}, this policy uses "
-                f"{self.recipe_record()!r}; resume with the same policy"
-            )
+            raise MpadviseError(f"checkpoint was trained with {self.name} recipe {saved!r}, this "
+                                f"policy uses {self.recipe_record()!r}; resume with the same "
+                                "policy")

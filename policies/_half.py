@@ -34,19 +34,16 @@ class HalfPrecisionMode(PrecisionMode):
         where = gpu_text(profile, cap)
         if cls.dtype_family == "bf16":
             if not cap.bf16:
-                emulated = (
-                    f"bf16 is emulated on compute capability {cc_text(cap)} ({profile.name}); "
-                    f"torch.cuda.is_bf16_supported() says yes but there are no bf16 tensor cores"
-                )
-                return ModeSupport(cls.name, False, f"{cls.name}: {emulated}", emulated=True)
+                return ModeSupport(cls.name, False, f"{cls.name}: bf16 is emulated on compute "
+                                   f"capability {cc_text(cap)} ({profile.name}); "
+                                   "torch.cuda.is_bf16_supported() says yes but there are no bf16 "
+                                   "tensor cores", emulated=True)
             cores = f"bf16 tensor cores ({where})"
         elif cap.fp16_tensor_cores:
             cores = f"fp16 tensor cores ({where})"
         else:
-            cores = (
-                f"no tensor cores on {where}; fp16 runs on CUDA cores, at best 2x fp32 (P100) "
-                f"and much slower on consumer Pascal"
-            )
+            cores = (f"no tensor cores on {where}; fp16 runs on CUDA cores, at best 2x fp32 (P100) "
+                     f"and much slower on consumer Pascal")
         return ModeSupport(cls.name, True, f"{cls.name}: {cores}; {cls.cuda_caveat}")
 
     @classmethod

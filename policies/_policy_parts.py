@@ -159,16 +159,15 @@ class TunedOn:
 def check_policy(policy: Policy) -> None:
     """Check a policy's fields against each other and against its (known) mode."""
     mode = mode_class(policy.mode)
-    for key, kind, what in (("loss_scale", LossScale, "a LossScale"), ("fp8", Fp8Options, "Fp8Options")):
+    for key, kind, what in (("loss_scale", LossScale, "a LossScale"),
+                            ("fp8", Fp8Options, "Fp8Options")):
         value = getattr(policy, key)
         if value is not None and not isinstance(value, kind):
             raise PolicyError(f"{key}: expected {what}, got {type(value).__name__}")
     if policy.loss_scale is not None and not mode.loss_scaling and policy.loss_scale.kind != "none":
         scaled = names_text([m.name for m in mode_classes() if m.loss_scaling])
-        raise PolicyError(
-            f"loss_scale: loss scaling applies to {scaled} only, not {policy.mode!r}; "
-            "remove [loss_scale] or set kind = \"none\""
-        )
+        raise PolicyError(f"loss_scale: loss scaling applies to {scaled} only, not "
+                          f"{policy.mode!r}; remove [loss_scale] or set kind = \"none\"")
     if policy.fp8 is not None and not mode.fp8_recipes:
         fp8_modes = names_text([m.name for m in mode_classes() if m.fp8_recipes])
         raise PolicyError(f"fp8: FP8 options apply to {fp8_modes} only, not {policy.mode!r}; "
@@ -182,7 +181,6 @@ def check_policy(policy: Policy) -> None:
         check_choice("reduce_dtype", policy.reduce_dtype, REDUCE_DTYPES)
         allowed = reduce_dtype_choices(policy.mode)
         if policy.reduce_dtype not in allowed:
-            raise PolicyError(
-                f"reduce_dtype: {policy.reduce_dtype!r} does not apply to {policy.mode!r}; expected "
-                f"{' or '.join(allowed)} (a mode's gradients are reduced in fp32 or in its own 16-bit dtype)"
-            )
+            raise PolicyError(f"reduce_dtype: {policy.reduce_dtype!r} does not apply to "
+                              f"{policy.mode!r}; expected {' or '.join(allowed)} (a mode's "
+                              "gradients are reduced in fp32 or in its own 16-bit dtype)")

@@ -34,10 +34,8 @@ def register_mode(cls: ModeT) -> ModeT:
     """Add a mode class after those registered (a class decorator; again for the same class
     does nothing). A missing or clashing description is a ValueError naming it and the fix."""
     if not (isinstance(cls, type) and issubclass(cls, PrecisionMode)):
-        raise TypeError(
-            f"register_mode: {cls!r} is not a PrecisionMode subclass; derive the mode's class "
-            "from policies.PrecisionMode"
-        )
+        raise TypeError(f"register_mode: {cls!r} is not a PrecisionMode subclass; derive the "
+                        "mode's class from policies.PrecisionMode")
     name, recipes = getattr(cls, "name", None), cls.fp8_recipes
     family, rank = getattr(cls, "dtype_family", None), getattr(cls, "safety_rank", None)
     if isinstance(name, str) and _REGISTRY.get(name) is cls:
@@ -132,11 +130,9 @@ def safety_rank(mode: str) -> int:
     """How safe a registered mode is numerically; lower is safer."""
     cls = _REGISTRY.get(mode) if isinstance(mode, str) else None
     if cls is None:
-        raise ValueError(
-            f"mode {mode!r} has no safety rank; expected one of {', '.join(safety_order())} "
-            "(a new mode is ranked by its class's safety_rank once registered with "
-            "policies.register_mode)"
-        )
+        raise ValueError(f"mode {mode!r} has no safety rank; expected one of "
+                         f"{', '.join(safety_order())} (a new mode is ranked by its class's "
+                         "safety_rank once registered with policies.register_mode)")
     return cls.safety_rank
 
 

@@ -30,10 +30,8 @@ def import_transformer_engine() -> tuple[Any, Any]:
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe
     except ImportError as exc:
-        raise MpadviseError(
-            f"fp8-te needs Transformer Engine, which cannot be imported ({exc}); "
-            f"install it with: {TE_INSTALL}"
-        ) from None
+        raise MpadviseError(f"fp8-te needs Transformer Engine, which cannot be imported ({exc}); "
+                            f"install it with: {TE_INSTALL}") from None
     return te, recipe
 
 
@@ -48,10 +46,9 @@ def build_recipe(recipe_mod: Any, options: Any, name: str) -> Any:
     if recipe_cls is None:
         floor = fp8_recipe_since(Fp8Te.library, name)
         needs = f"transformer-engine {floor[0]}.{floor[1]} or newer" if floor else "a newer transformer-engine"
-        raise MpadviseError(
-            f"fp8.recipe: {name!r} needs {needs}, and the installed one has no "
-            f"{RECIPE_CLASSES[name]}; upgrade it ({TE_INSTALL}) or set recipe = \"delayed\""
-        )
+        raise MpadviseError(f"fp8.recipe: {name!r} needs {needs}, and the installed one has no "
+                            f"{RECIPE_CLASSES[name]}; upgrade it ({TE_INSTALL}) or set "
+                            "recipe = \"delayed\"")
     fmt = getattr(recipe_mod.Format, (options.fp8_format if options else "hybrid").upper())
     if name == "delayed":
         return recipe_cls(fp8_format=fmt, amax_history_len=options.amax_history_len if options else 1024,
@@ -133,13 +130,12 @@ class Fp8Te(Fp8Mode):
         shape = tuple(args[0].shape)
         tokens, multiple = math.prod(shape[:-1]), self.rule.token_multiple
         if tokens % multiple:
-            raise MpadviseError(
-                f"fp8-te: layer {fqn} got an input of shape {shape}, {tokens} tokens (the "
-                f"product of every dimension but the last), and Transformer Engine runs the "
-                f"{self.recipe_name} recipe only on a multiple of {multiple} tokens. A last batch "
-                f"smaller than the others does this: pass drop_last=True to the DataLoader, or "
-                f"make batch size x sequence length a multiple of {multiple}"
-            )
+            raise MpadviseError(f"fp8-te: layer {fqn} got an input of shape {shape}, {tokens} "
+                                "tokens (the product of every dimension but the last), and "
+                                f"Transformer Engine runs the {self.recipe_name} recipe only on a "
+                                f"multiple of {multiple} tokens. A last batch smaller than the "
+                                "others does this: pass drop_last=True to the DataLoader, or make "
+                                f"batch size x sequence length a multiple of {multiple}")
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -171,18 +167,16 @@ class Fp8Te(Fp8Mode):
             return self.recipe
         if self.recipe_named:
             # Raised by backward(), outside the compiled code (see the module's docstring).
-            self.compile_refusal = (
-                "fp8-te: [fp8] recipe = \"delayed\" cannot run under torch.compile: mp.autocast() "
-                "is inside the compiled code, where Transformer Engine refuses DelayedScaling; set "
-                "recipe = \"current\" (per-tensor scales computed every step), leave the recipe "
-                "out (then current runs under torch.compile), or enter mp.autocast() outside the "
-                "compiled function"
-            )
+            self.compile_refusal = ("fp8-te: [fp8] recipe = \"delayed\" cannot run under "
+                                    "torch.compile: mp.autocast() is inside the compiled code, "
+                                    "where Transformer Engine refuses DelayedScaling; set recipe = "
+                                    "\"current\" (per-tensor scales computed every step), leave "
+                                    "the recipe out (then current runs under torch.compile), or "
+                                    "enter mp.autocast() outside the compiled function")
             return self.compile_recipe
-        note = (
-            f"{self.name}: mp.autocast() runs inside torch.compile, where Transformer Engine refuses "
-            "the delayed recipe; the current recipe (per-tensor scales computed every step) runs instead"
-        )
+        note = (f"{self.name}: mp.autocast() runs inside torch.compile, where Transformer Engine "
+                "refuses the delayed recipe; the current recipe (per-tensor scales computed every "
+                "step) runs instead")
         if note not in self.notes:
             self.notes.append(note)
         return self.compile_recipe

@@ -17,10 +17,8 @@ def import_torchao_float8() -> Any:
     try:
         import torchao.float8 as float8
     except ImportError as exc:
-        raise MpadviseError(
-            f"fp8-torchao needs torchao, which cannot be imported ({exc}); "
-            f"install it with: {TORCHAO_INSTALL}"
-        ) from None
+        raise MpadviseError(f"fp8-torchao needs torchao, which cannot be imported ({exc}); "
+                            f"install it with: {TORCHAO_INSTALL}") from None
     return float8
 
 

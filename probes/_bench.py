@@ -91,10 +91,9 @@ def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list
     import torch
 
     if profile.is_cuda and not torch.cuda.is_available():
-        raise MpadviseError(
-            f"cannot benchmark {profile.device} ({profile.name}): torch.cuda is not available "
-            f"in this process; check the driver and CUDA_VISIBLE_DEVICES"
-        )
+        raise MpadviseError(f"cannot benchmark {profile.device} ({profile.name}): torch.cuda is "
+                            "not available in this process; check the driver and "
+                            "CUDA_VISIBLE_DEVICES")
     measured: dict[str, tuple[float, float, int] | str] = {}
     with contextlib.ExitStack() as stack:
         if profile.is_cuda:

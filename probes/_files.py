@@ -116,10 +116,9 @@ def read_trusted_text(path: str | os.PathLike[str], *, what: str = "config file"
         raise MpadviseError(f"{what} {path} does not exist") from None
     except OSError:
         if os.path.islink(path):
-            raise MpadviseError(
-                f"refusing {what} {path}: it is a symbolic link, which mpadvise does not follow "
-                "(another user may have planted it); name the file it points to instead"
-            ) from None
+            raise MpadviseError(f"refusing {what} {path}: it is a symbolic link, which mpadvise "
+                                "does not follow (another user may have planted it); name the "
+                                "file it points to instead") from None
         raise
     with os.fdopen(fd, "rb") as handle:
         st = os.fstat(handle.fileno())

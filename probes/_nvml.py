@@ -160,9 +160,7 @@ def _torch_devices(torch_cuda: Any) -> list[tuple[int, Any]]:
     # A broken driver makes these raise RuntimeError (or worse) rather than report False;
     # that is still "no usable CUDA" to a probe.
     try:
-        if not torch_cuda.is_available():
-            return []
-        count = int(torch_cuda.device_count())
+        count = int(torch_cuda.device_count()) if torch_cuda.is_available() else 0
     except Exception:
         return []
     devices = []
@@ -181,9 +179,9 @@ def _normalise_uuid(value: object) -> str | None:
 def _torch_uuid(props: Any) -> str | None:
     """torch's UUID, in NVML's ``GPU-...`` spelling."""
     raw = (_as_text(getattr(props, "uuid", None)) or "").strip()
-    if not raw:
-        return None
-    return raw if raw.lower().startswith(("gpu-", "mig-")) else f"GPU-{raw}"
+    if raw and not raw.lower().startswith(("gpu-", "mig-")):
+        raw = f"GPU-{raw}"
+    return raw or None
 
 
 def _as_text(value: object) -> str | None:
