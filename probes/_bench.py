@@ -69,13 +69,10 @@ def default_bench_dtypes(profile: HardwareProfile) -> tuple[str, ...]:
 
 def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list[str] | None = None,
                      size: int | None = None, min_seconds: float = 0.2, repeats: int = 5) -> list[BenchRow]:
-    """Measure square-matmul TFLOP/s per dtype; one ``BenchRow`` per dtype, in ``BENCH_DTYPES``
-    order (a dtype the device cannot run comes back skipped).
-
-    Every switch touched (TF32 through both of torch's APIs, the current CUDA device) is
-    restored exactly, also after an error; the operands' CUDA memory is handed back, and a
-    private generator leaves the global RNG alone. ``min_seconds`` is the time per dtype,
-    split over the ``repeats``.
+    """One ``BenchRow`` per dtype, in ``BENCH_DTYPES`` order (skipped where the device cannot
+    run it); ``min_seconds`` per dtype, split over the ``repeats``. Every switch touched (TF32,
+    the current CUDA device) is restored, also after an error, the operands' CUDA memory given
+    back, and the global RNG left alone.
 
     Raises:
         MpadviseError: a dtype is unknown, or the profile is a CUDA device torch cannot see.

@@ -8,6 +8,7 @@ each row names (dense is half a sparse-only figure); docs/capabilities.md lists 
 from __future__ import annotations
 
 import re
+import string
 from dataclasses import dataclass
 
 from probes._errors import MpadviseError
@@ -109,19 +110,13 @@ def torch_build_covers(compute_capability: tuple[int, int], arch_list: tuple[str
         return None
     major, minor = _validated(compute_capability)
     device = 10 * major + minor
-    for entry in arch_list:
-        # "sm_90a" -> 90, "compute_120f" -> 120; an entry of another form is skipped.
-        digits = str(entry).partition("_")[2].rstrip("abcdefghijklmnopqrstuvwxyz")
-        if not digits.isdigit():
-            continue
-        code = int(digits)
+    # "sm_90a" -> 90, "compute_120f" -> 120; an entry of another form is skipped.
+    numbers = (str(entry).partition("_")[2].rstrip(string.ascii_lowercase) for entry in arch_list)
+    for code in (int(number) for number in numbers if number.isdigit()):
         if code in _RUNS_ONLY_ON:
-            runs = device in _RUNS_ONLY_ON[code]
-        elif device in _TAKES_ONLY_ITS_OWN:
-            runs = False
-        else:
-            runs = code // 10 == major and minor >= code % 10
-        if runs:
+            if device in _RUNS_ONLY_ON[code]:
+                return True
+        elif device not in _TAKES_ONLY_ITS_OWN and code // 10 == major and minor >= code % 10:
             return True
     return False
 

@@ -65,9 +65,7 @@ def cuda_profiles(*, torch_cuda: Any = None, nvml: Any = None, cuda_runtime: str
 
 def gpu_busy(index: int, nvml: Any = None, *, uuid: str | None = None, own: OwnProcesses | None = None) -> list[int]:
     """Sorted PIDs of other processes computing on a GPU (not this process's own tree); ``[]``
-    when none or unknown.
-
-    ``uuid`` (a GPU's or MIG instance's), when given, selects the device; else ``index`` does,
+    when none or unknown. ``uuid`` (a GPU's or MIG instance's) selects the device, else ``index``
     in NVML's PCI order, which differs from torch's under ``CUDA_VISIBLE_DEVICES``.
 
     In a container NVML still reports host PIDs, ours among them under numbers we cannot see.

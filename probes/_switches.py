@@ -1,5 +1,4 @@
-"""Process-wide matmul switches, set for a block and restored exactly afterwards (the matmul
-benchmark and the fp32 and tf32 modes need them).
+"""Process-wide matmul switches, set for a block and restored exactly afterwards.
 
 torch >= 2.9 keeps the TF32 switches twice: the legacy API (one matmul precision, one cuDNN
 flag) and ``fp32_precision`` per backend and operator, where ``"none"`` inherits from
