@@ -3,28 +3,22 @@ registry, and which modes a device supports."""
 
 from __future__ import annotations
 
-from ._base import ModeFacts, PrecisionMode
+from ._base import ModeFacts, ModeSupport, PrecisionMode
 from ._config import Policy, check_config_target, load_config
 from ._fp8 import Fp8Mode
 from ._half import AutocastMode, TrueHalfMode
-from ._policy_parts import (
-    SCHEMA,
-    Fp8Options,
-    LossScale,
-    PolicyError,
-    TunedOn,
-    default_reduce_dtype,
-    reduce_dtype_choices,
-)
+from ._policy_parts import SCHEMA, Fp8Options, LossScale, PolicyError, TunedOn
 from ._registry import (
     MODE_ALIASES,
     canonical_mode,
     create_mode,
+    default_reduce_dtype,
     mode_class,
     mode_classes,
     mode_dtypes,
     mode_facts,
     mode_names,
+    reduce_dtype_choices,
     register_mode,
     safety_order,
     safety_rank,
@@ -33,7 +27,6 @@ from ._registry import (
 from ._support import (
     Difference,
     HardwareMismatch,
-    ModeSupport,
     capability_summary,
     hardware_mismatch,
     safe_default,

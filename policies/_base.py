@@ -88,17 +88,15 @@ class ModeFacts:
     def fp8_recipe(self, policy: Policy) -> str | None:
         if self.fp8_library is None:
             return None
-        options = policy.fp8
-        return options.recipe if options is not None and options.recipe else self.fp8_default_recipe
+        return (policy.fp8 and policy.fp8.recipe) or self.fp8_default_recipe
 
 
 class PrecisionMode:
     """Base class of the modes; one object lives for one ``AppliedPolicy`` and may keep state.
 
-    A registered class sets ``name``, ``dtype_family`` (the dtype of most matmuls, as the
-    matmul benchmark names it: the search's prior), a unique ``safety_rank``, ``loss_scaling``,
-    ``fp8_recipes``, and says where it runs (``support``, or ``cuda_support`` and ``cpu_support``).
-    """
+    A registered class sets ``name``, ``dtype_family`` (the dtype of most matmuls, as the matmul
+    benchmark names it: the search's prior), a unique ``safety_rank``, ``loss_scaling`` and
+    ``fp8_recipes``, and where it runs: ``support``, or ``cuda_support`` and ``cpu_support``."""
 
     name: ClassVar[str]
     dtype_family: ClassVar[str]

@@ -35,10 +35,9 @@ TABLES: dict[str, type] = {"loss_scale": LossScale, "fp8": Fp8Options, "tuned_on
 class Policy:
     """How to train: precision mode, loss scaling, batch split and FP8 options; frozen, hashable.
 
-    ``loss_scale`` defaults to dynamic scaling for the modes that scale the loss and is allowed
-    only there. ``micro_batch_size``/``grad_accum_steps`` ``None`` keep the script's global
-    batch. ``reduce_dtype`` is read by ``AppliedPolicy.fsdp_mixed_precision()`` only (``None``:
-    ``default_reduce_dtype``)."""
+    ``loss_scale`` defaults to dynamic scaling for the modes that scale the loss, and is allowed
+    only there; ``micro_batch_size``/``grad_accum_steps`` ``None`` keep the script's global batch;
+    ``reduce_dtype`` ``None`` is ``default_reduce_dtype`` (for ``fsdp_mixed_precision()`` only)."""
 
     mode: str = "fp32"
     loss_scale: LossScale | None = None

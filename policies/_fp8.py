@@ -188,7 +188,7 @@ class Fp8Mode(Fp8Support):
     ``swap_layers``, asking ``forward_bypassed`` and ``fp8_eligible`` of each Linear."""
 
     dtype_family = "fp8"
-    nothing_converted: ClassVar[str] = "no layer could run in FP8; this trains like fp32"
+    nothing_converted: ClassVar[str] = "no Linear layer could run in FP8; this trains like fp32"
 
     def __init__(self, policy: Policy, device: torch.device) -> None:
         super().__init__(policy, device)

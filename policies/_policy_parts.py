@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from probes import MpadviseError
 
-from ._half import TrueHalfMode
-from ._registry import fp8_recipes, mode_class, mode_classes
+from ._registry import fp8_recipes, mode_class, mode_classes, reduce_dtype_choices
 
 if TYPE_CHECKING:
     from ._config import Policy
@@ -32,19 +31,6 @@ def names_text(names: list[str]) -> str:
     if len(names) < 2:
         return names[0] if names else "no mode"
     return f"{', '.join(names[:-1])} and {names[-1]}"
-
-
-def reduce_dtype_choices(mode: str) -> tuple[str, ...]:
-    """The dtypes FSDP2 may reduce a mode's gradients in: fp32, and a 16-bit mode's own dtype
-    (half the bytes); fp32 or FP8 training in 16 bits would add a rounding the mode never makes."""
-    family = mode_class(mode).dtype_family
-    return ("fp32", family) if family in ("bf16", "fp16") else ("fp32",)
-
-
-def default_reduce_dtype(mode: str) -> str:
-    """fp32, as DDP does for fp32 weights; a "-true" mode's own dtype, its gradients' dtype."""
-    cls = mode_class(mode)
-    return cls.dtype_family if issubclass(cls, TrueHalfMode) else "fp32"
 
 
 def refuse(key: str, value: Any, expected: str) -> NoReturn:
@@ -111,11 +97,10 @@ class TunedOn:
     """Where and when a policy was measured: the evidence that travels with it.
 
     ``speedup_vs_fp32`` is the tune's one figure (the paired re-measurement when there was one),
-    ``speedup_low``/``speedup_high`` its interval. ``speedup_threads``: the CPU threads it was
-    measured on where busy cores left fewer than torch's own (``None`` otherwise). ``args``: the
-    script's arguments the tune ran it with, so a tune with others does not replace this answer
-    unasked; ``None`` in a config written before they were recorded. ``libraries`` may be given
-    as a table (``""`` for absent), as a config file holds it."""
+    ``speedup_low``/``speedup_high`` its interval, ``speedup_threads`` the CPU threads it was
+    measured on where busy cores left fewer than torch's own. ``args``: the script's arguments,
+    so a tune with others does not replace this answer unasked (``None``: not recorded).
+    ``libraries`` may be given as a table (``""`` for absent), as a config file holds it."""
 
     hardware_fingerprint: str = ""
     device: str = ""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, TypeVar
 from probes import MpadviseError, UsageError
 
 from ._base import WHERE_IT_RUNS, ModeFacts, PrecisionMode
+from ._half import TrueHalfMode
 from .bf16_mixed import Bf16Mixed
 from .bf16_true import Bf16True
 from .fp8_te import Fp8Te
@@ -142,6 +143,19 @@ def mode_dtypes() -> dict[str, str]:
 
 def mode_facts(mode: str) -> ModeFacts:
     return mode_class(mode).facts()
+
+
+def reduce_dtype_choices(mode: str) -> tuple[str, ...]:
+    """The dtypes FSDP2 may reduce a mode's gradients in: fp32, and a 16-bit mode's own dtype
+    (half the bytes); fp32 or FP8 training in 16 bits would add a rounding the mode never makes."""
+    family = mode_class(mode).dtype_family
+    return ("fp32", family) if family in ("bf16", "fp16") else ("fp32",)
+
+
+def default_reduce_dtype(mode: str) -> str:
+    """fp32, as DDP does for fp32 weights; a "-true" mode's own dtype, its gradients' dtype."""
+    cls = mode_class(mode)
+    return cls.dtype_family if issubclass(cls, TrueHalfMode) else "fp32"
 
 
 def fp8_recipes() -> tuple[str, ...]:

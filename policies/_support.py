@@ -62,12 +62,9 @@ def capability_summary(profile: HardwareProfile) -> str:
     """One line on what the device accelerates (``"Hopper (9.0): fp16/bf16 tensor cores, TF32, FP8"``)."""
     if profile.is_cuda:
         cap = arch(profile)
-        if cap.bf16:
-            features = ["fp16/bf16 tensor cores"]
-        elif cap.fp16_tensor_cores:
-            features = ["fp16 tensor cores (bf16 emulated)"]
-        else:
-            features = ["no tensor cores (fp16 on CUDA cores, bf16 emulated)"]
+        features = [("fp16/bf16 tensor cores" if cap.bf16
+                      else "fp16 tensor cores (bf16 emulated)" if cap.fp16_tensor_cores
+                      else "no tensor cores (fp16 on CUDA cores, bf16 emulated)")]
         extras = ((cap.tf32, "TF32"), (cap.fp8, "FP8"), (cap.mxfp8, "MXFP8"), (cap.nvfp4, "NVFP4"))
         features += [label for present, label in extras if present]
         return f"{cap.label}: {', '.join(features)}"
@@ -136,10 +133,8 @@ def hardware_mismatch(policy: Policy, profile: HardwareProfile) -> HardwareMisma
     differences = []
     if tuned.device and tuned.device != profile.name:
         differences.append(Difference("device", tuned.device, profile.name))
-    for what, tuned_version, here_version in (
-        ("torch", tuned.torch, profile.torch_version),
-        ("CUDA", tuned.cuda, profile.cuda_runtime),
-    ):
+    for what, tuned_version, here_version in (("torch", tuned.torch, profile.torch_version),
+                                              ("CUDA", tuned.cuda, profile.cuda_runtime)):
         # Only a new release line changes the fingerprint; a patch release is not named as a cause.
         if tuned_version and major_minor(tuned_version) != major_minor(here_version):
             differences.append(Difference(what, tuned_version, here_version))

@@ -2,9 +2,8 @@
 shapes allow, and the forward runs under ``te.autocast(recipe=...)`` inside bf16 autocast, which
 runs what TE's modules do not. Transformer Engine is imported only when this mode is used.
 
-LayerNorms stay torch's: TE's standalone ``LayerNorm`` returns a high-precision output, always
-has a bias and computes in the autocast dtype (torch's runs in fp32 under autocast), so a swap
-would change the model and its numerics for no FP8.
+LayerNorms stay torch's: TE's ``LayerNorm`` returns a high-precision output, always has a bias
+and computes in the autocast dtype, so a swap would change the model and numerics for no FP8.
 
 Under torch.compile, TE (2.15 and newer) refuses the delayed recipe when its autocast is entered
 inside the compiled region. There the default recipe gives way to ``current``; a policy that
@@ -152,13 +151,12 @@ class Fp8Te(Fp8Mode):
                 self.depth -= 1
 
     def _te_autocast(self) -> contextlib.AbstractContextManager[Any]:
-        te = self.te
         recipe = self._autocast_recipe()
-        if hasattr(te, "autocast"):
-            return te.autocast(enabled=True, recipe=recipe)
         # Transformer Engine before 2.9 spells it fp8_autocast(fp8_recipe=...); 2.9 added
         # autocast(recipe=...) and keeps fp8_autocast as a deprecated alias.
-        return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+        if hasattr(self.te, "autocast"):
+            return self.te.autocast(enabled=True, recipe=recipe)
+        return self.te.fp8_autocast(enabled=True, fp8_recipe=recipe)
 
     def _autocast_recipe(self) -> Any:
         import torch

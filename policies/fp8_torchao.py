@@ -32,7 +32,6 @@ class Fp8Torchao(Fp8Mode):
     library = "torchao"
     library_display = "torchao"
     install = TORCHAO_INSTALL
-    nothing_converted = "no Linear layer could run in FP8; this trains like fp32"
 
     @classmethod
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
@@ -51,8 +50,7 @@ class Fp8Torchao(Fp8Mode):
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe_name)
         if self.rule.token_multiple > 1:
             # The weight gradient's matmul sums over the tokens, which torch._scaled_mm wants a
-            # multiple of 16: a ragged last batch would fail. Zero rows add nothing to the sums,
-            # so the padding is exact; its price is a copy of both FP8 operands of every matmul.
+            # multiple of 16; zero rows add nothing to the sums (docs/capabilities.md).
             config = dataclasses.replace(config, pad_inner_dim=True)
         return config
 

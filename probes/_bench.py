@@ -1,7 +1,6 @@
 """Achieved square-matmul TFLOP/s per dtype on one device: where this hardware's roofline is.
-
-A prior for the search and a figure against the datasheet peak, never a verdict: a model's
-step time also depends on memory traffic, launch overhead and layer sizes."""
+A prior for the search and a figure against the datasheet peak, never a verdict: a model's step
+time also depends on memory traffic, launch overhead and layer sizes."""
 
 from __future__ import annotations
 
@@ -35,11 +34,9 @@ _CUDA_WARMUP_BATCH_S = 0.05
 
 @dataclass(frozen=True)
 class BenchRow:
-    """One dtype's measured matmul throughput on one device.
-
-    ``tflops`` and ``seconds`` are the fastest repeat's (a neighbour's burst or a GPU's clocks
-    only ever slow a matmul); ``spread`` is ``(slowest - fastest) / median``, the noise, so close
-    dtypes are not ranked on it. ``skipped`` says why a dtype was not measured (``repeats`` 0)."""
+    """One dtype's measured matmul throughput on one device. ``tflops`` and ``seconds`` are the
+    fastest repeat's (a neighbour's burst or a GPU's clocks only ever slow a matmul); ``spread``,
+    ``(slowest - fastest) / median``, is the noise, so close dtypes are not ranked on it."""
 
     dtype: str
     device: str
@@ -175,12 +172,9 @@ def _measure(torch: Any, profile: HardwareProfile, dtype: str, size: int, min_se
         with matmul_switches(tf32=dtype == "tf32", cuda=False):
             matmul = _operands(torch, profile, dtype, size)
             timer = _cuda_timer(torch) if profile.is_cuda else _cpu_timer
-            if profile.is_cuda:
-                one_call = _cuda_warm_up(timer, matmul)
-            else:
-                # The warm-up call doubles as the calibration: an emulated dtype takes a fifth
-                # of a second per call.
-                one_call = timer(matmul, 1)
+            # On a CPU the warm-up call doubles as the calibration: an emulated dtype takes a
+            # fifth of a second per call.
+            one_call = _cuda_warm_up(timer, matmul) if profile.is_cuda else timer(matmul, 1)
             per_repeat = min_seconds / repeats
             if not profile.is_cuda and one_call >= per_repeat:
                 # One call outlasts a repeat's share (bf16 emulated by AVX2 at a hundredth of

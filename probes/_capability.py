@@ -41,34 +41,27 @@ class ArchCapability:
 
 
 def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
-    """Which formats a GPU of this compute capability runs on tensor cores.
-
-    Minors not in NVIDIA's tables (say 8.8) get their major's answer; majors newer than
-    Blackwell are assumed to keep Blackwell's formats, as each generation so far has.
+    """Which formats a GPU of this compute capability runs on tensor cores; docs/capabilities.md
+    has the table. Minors not in NVIDIA's tables (say 8.8) get their major's answer; majors newer
+    than Blackwell are assumed to keep Blackwell's formats, as each generation so far has.
 
     Raises:
         MpadviseError: ``compute_capability`` is not a pair of non-negative integers.
     """
     cc = _validated(compute_capability)
     major, minor = cc
-    if major < 7:
-        # Pascal and older: no tensor cores. P100 (6.0) has fast fp16 arithmetic (2x fp32),
-        # consumer Pascal (6.1) runs fp16 at 1/64 rate; bf16 exists only as emulation.
+    if major < 7:  # Pascal and older: no tensor cores; bf16 exists only as emulation
         return ArchCapability("pre-Volta", cc, fp16_tensor_cores=False, tf32=False, bf16=False)
-    if major == 7:
-        # 7.0 V100, 7.2 Xavier (both Volta); 7.5 Turing. fp16 tensor cores only.
+    if major == 7:  # 7.0 V100, 7.2 Xavier (both Volta); 7.5 Turing
         return ArchCapability("Turing" if minor >= 5 else "Volta", cc, tf32=False, bf16=False)
     if major == 8 and minor >= 9:
-        # 8.9 Ada: fourth-generation tensor cores with FP8. cuBLASLt runs FP8 matmuls on Ada
-        # from CUDA 12.1 (Transformer Engine's check_fp8_support refuses older CUDA there).
+        # Ada: cuBLASLt runs FP8 matmuls from CUDA 12.1 (TE's check_fp8_support refuses older).
         return ArchCapability("Ada", cc, fp8=True, fp8_min_cuda=(12, 1))
-    if major == 8:
-        # 8.0 A100, 8.6 GA10x (A10, RTX 30xx), 8.7 Orin: bf16 and TF32 tensor cores.
+    if major == 8:  # 8.0 A100, 8.6 GA10x (A10, RTX 30xx), 8.7 Orin
         return ArchCapability("Ampere", cc)
     if major == 9:
         return ArchCapability("Hopper", cc, fp8=True)
-    # 10.x B200/GB200, 11.x Thor, 12.x RTX 50xx / RTX PRO: fifth-generation tensor cores
-    # with hardware block scaling (MXFP8, NVFP4).
+    # 10.x B200/GB200, 11.x Thor, 12.x RTX 50xx / RTX PRO: hardware block scaling.
     arch = "Blackwell" if major <= 12 else "post-Blackwell"
     return ArchCapability(arch, cc, fp8=True, mxfp8=True, nvfp4=True)
 
@@ -104,8 +97,7 @@ def torch_build_covers(compute_capability: tuple[int, int], arch_list: tuple[str
     this compute capability; ``None`` when the list is empty (not recorded, or no CUDA).
 
     Code built for ``sm_XY`` runs on X.Y and later minors of major X (torch's own
-    ``torch.cuda._check_capability``), so a cu126 build, which stops at ``sm_90``, has nothing
-    for a Blackwell GPU."""
+    ``torch.cuda._check_capability``): a cu126 build, up to ``sm_90``, has nothing for Blackwell."""
     if not arch_list:
         return None
     major, minor = _validated(compute_capability)
@@ -127,9 +119,8 @@ class Fp8RecipeRule:
 
     ``below_cc``/``below_library`` are exclusive upper bounds (``None``: none); ``min_cuda`` is
     the CUDA torch was built with, beyond the architecture's floor; ``min_library`` of a recipe's
-    first rule is the first version that has it. A Linear runs in FP8 only when its features
-    are multiples of ``dim_multiple`` and its tokens (all dimensions but the last) of
-    ``token_multiple``."""
+    first rule is the first version that has it. A Linear runs in FP8 only with its features a
+    multiple of ``dim_multiple``, its tokens (all dimensions but the last) of ``token_multiple``."""
 
     library: str
     recipe: str

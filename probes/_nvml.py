@@ -89,11 +89,9 @@ def gpu_busy(index: int, nvml: Any = None, *, uuid: str | None = None, own: OwnP
 
 @dataclass(frozen=True)
 class OwnProcesses:
-    """This process's own tree: GPU work that is never another job's to wait for.
-
-    ``tree`` holds its ancestors (they wait for it, so waiting on them never ends) and its
-    descendants (its trials); ``gpu_users`` how many of them hold a GPU device file open;
-    ``host_namespace`` whether these PIDs are numbered as NVML numbers them."""
+    """This process's own tree: its ancestors (they wait for it, so waiting on them never ends)
+    and descendants (its trials); ``gpu_users`` of them hold a GPU device file open, and
+    ``host_namespace`` says whether these PIDs are numbered as NVML numbers them."""
 
     pid: int
     tree: frozenset[int]

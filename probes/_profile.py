@@ -8,11 +8,10 @@ from typing import Any
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """What one device (a CUDA GPU or the host CPU) can do, as plain, hashable data that
-    round-trips through JSON. CUDA-only fields are ``None`` for the CPU; CPU-only ones keep
-    their defaults for a GPU. ``cuda_runtime`` is the CUDA torch was built with; ``libraries``
-    the FP8 libraries' versions (``None``: not installed); ``cuda_arch_list`` what the torch
-    build has kernels for (``()``: not recorded)."""
+    """What one device (a CUDA GPU or the host CPU) can do, as hashable data that round-trips
+    through JSON; fields of the other kind keep their defaults. ``cuda_runtime`` is the CUDA torch
+    was built with; ``libraries`` the FP8 libraries' versions (``None``: not installed);
+    ``cuda_arch_list`` what the torch build has kernels for (``()``: not recorded)."""
 
     kind: str
     name: str
@@ -60,9 +59,7 @@ class HardwareProfile:
     def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
         """Inverse of ``to_dict``; unknown keys are ignored, so newer files still load."""
         kwargs = {f.name: data[f.name] for f in fields(cls) if f.name in data}
-        for key in ("compute_capability", "clocks_mhz"):
-            if kwargs.get(key) is not None:
-                kwargs[key] = tuple(kwargs[key])
+        kwargs = {key: tuple(v) if isinstance(v, list) else v for key, v in kwargs.items()}
         for key in ("cpu_flags", "cuda_arch_list"):
             kwargs[key] = tuple(kwargs.get(key) or ())
         libs = kwargs.get("libraries") or {}
