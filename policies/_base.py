@@ -43,8 +43,7 @@ def arch(profile: HardwareProfile) -> ArchCapability:
 
 
 def cc_text(cap: ArchCapability) -> str:
-    major, minor = cap.compute_capability
-    return f"{major}.{minor}"
+    return "{}.{}".format(*cap.compute_capability)
 
 
 def gpu_text(profile: HardwareProfile, cap: ArchCapability) -> str:

@@ -1,7 +1,6 @@
-"""The FP8 family's shared part: where FP8 and each recipe run (tensor cores, a torch build and
-CUDA for the GPU, the library, and what a recipe needs: ``probes``' FP8 recipe rules), which
-layers may run in FP8, the record of converted and kept layers, tied parameters across a swap,
-and the recipe check on resume."""
+"""The FP8 family's shared part: where FP8 and each recipe run (``probes``' FP8 recipe rules),
+which layers may run in FP8 and which were kept, tied parameters across a swap, and the recipe
+check on resume."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The 16-bit families: where one runs depends on its half dtype only, so the support rule lives
-here and each mode adds its own caveat. The autocast (mixed) family keeps fp32 weights and runs
-the forward under ``torch.autocast``; the "-true" family puts the whole model, its optimizer
-state and its inputs in the half dtype."""
+"""The 16-bit families, whose support rule depends on the half dtype alone: autocast (mixed),
+with fp32 weights, and "-true", with the model, optimizer state and inputs in the half dtype."""
 
 from __future__ import annotations
 

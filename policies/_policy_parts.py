@@ -127,12 +127,11 @@ class TunedOn:
         libraries = self.libraries.items() if isinstance(self.libraries, dict) else self.libraries
         libraries = tuple(sorted((str(name), version or None) for name, version in libraries))
         object.__setattr__(self, "libraries", libraries)
-        if self.args is not None:
-            if isinstance(self.args, str) or not isinstance(self.args, (list, tuple)) or not all(
-                isinstance(arg, str) for arg in self.args
-            ):
-                refuse("tuned_on.args", self.args, "a list of strings")
-            object.__setattr__(self, "args", tuple(self.args))
+        args = self.args
+        if args is not None:
+            if not isinstance(args, (list, tuple)) or not all(isinstance(arg, str) for arg in args):
+                refuse("tuned_on.args", args, "a list of strings")
+            object.__setattr__(self, "args", tuple(args))
         for name in ("global_batch", "speedup_threads"):
             check_positive(f"tuned_on.{name}", getattr(self, name), integer=True, allow_none=True)
         for name in ("speedup_low", "speedup_high"):

@@ -18,10 +18,9 @@ def supported_modes(profile: HardwareProfile, policy: Policy | None = None) -> d
     """``{mode: ModeSupport}`` for every registered mode, in ``MODES`` order; with ``policy``,
     its FP8 mode's entry answers for its ``[fp8]`` recipe (a device may run one and not another)."""
     support = {cls.name: cls.support(profile) for cls in mode_classes()}
-    if policy is not None:
-        cls = mode_class(policy.mode)
-        if issubclass(cls, Fp8Mode):
-            support[policy.mode] = cls.support(profile, policy)
+    cls = None if policy is None else mode_class(policy.mode)
+    if cls is not None and issubclass(cls, Fp8Mode):
+        support[cls.name] = cls.support(profile, policy)
     return support
 
 

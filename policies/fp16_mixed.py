@@ -33,6 +33,7 @@ class Fp16Mixed(AutocastMode):
     # CPU autocast takes float16 and GradScaler("cpu") exists in every torch this package
     # supports (>= 2.4); checked by running both on torch 2.13.
     cpu_detail = "CPU autocast with GradScaler"
+    _unscaled = False  # gradients unscaled since the last step
 
     @classmethod
     def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
@@ -44,7 +45,6 @@ class Fp16Mixed(AutocastMode):
 
         ls = policy.loss_scale
         self.scaler = None
-        self._unscaled = False
         if ls is not None and ls.kind != "none":
             self.scaler = torch.amp.GradScaler(device.type, init_scale=ls.init_scale, growth_factor=ls.growth_factor,
                                                backoff_factor=ls.backoff_factor, growth_interval=ls.growth_interval)

@@ -140,9 +140,8 @@ class Fp8Te(Fp8Mode):
     def forward_context(self) -> Iterator[None]:
         import torch
 
-        # TE's autocast makes only TE's own modules compute in FP8; everything else would run
-        # in fp32 and make this mode look slower than fp8-torchao, which has bf16 autocast.
-        # bf16 autocast outside, TE's inside: the nesting of TE's own tests and examples.
+        # Without bf16 autocast all but TE's modules would run in fp32 (fp8-torchao has it);
+        # bf16 outside, TE's inside: the nesting of TE's own tests and examples.
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16), self._te_autocast():
             self.depth += 1
             try:

@@ -58,9 +58,8 @@ class Fp8Torchao(Fp8Mode):
         """torchao's ``module_filter_fn``; records the Linears it swaps."""
         import torch
 
-        if not isinstance(module, torch.nn.Linear) or self.forward_bypassed(fqn, module):
-            return False
-        if not self.fp8_eligible(fqn, module.in_features, module.out_features):
+        if (not isinstance(module, torch.nn.Linear) or self.forward_bypassed(fqn, module)
+                or not self.fp8_eligible(fqn, module.in_features, module.out_features)):
             return False
         self.converted.append(fqn)
         return True

@@ -36,8 +36,7 @@ class ArchCapability:
     @property
     def label(self) -> str:
         """``"Hopper (9.0)"``."""
-        major, minor = self.compute_capability
-        return f"{self.arch} ({major}.{minor})"
+        return f"{self.arch} ({_dotted(self.compute_capability)})"
 
 
 def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:

@@ -82,9 +82,7 @@ def gpu_busy(index: int, nvml: Any = None, *, uuid: str | None = None, own: OwnP
     if not pids:
         return []
     own = own if own is not None else own_processes()
-    if own.host_namespace or len(pids) > own.gpu_users:
-        return sorted(pids - own.tree)
-    return []
+    return sorted(pids - own.tree) if own.host_namespace or len(pids) > own.gpu_users else []
 
 
 @dataclass(frozen=True)
@@ -265,18 +263,13 @@ class _NvmlSession:
 
 @contextlib.contextmanager
 def _nvml_session(nvml: Any) -> Iterator[_NvmlSession | None]:
-    if nvml is None:
-        try:
-            import pynvml as nvml
-        except Exception:
-            # ImportError without nvidia-ml-py; some old bindings fail on import with
-            # other errors when libnvidia-ml is missing.
-            yield None
-            return
     try:
+        if nvml is None:
+            import pynvml as nvml
         nvml.nvmlInit()
     except Exception:
-        # NVMLError_LibraryNotFound / DriverNotLoaded on machines without a driver.
+        # No nvidia-ml-py (some old bindings fail on import with other errors when libnvidia-ml
+        # is missing), or NVMLError_LibraryNotFound / DriverNotLoaded without a driver.
         yield None
         return
     try:
