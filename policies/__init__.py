@@ -3,42 +3,36 @@ registry, and which modes a device supports."""
 
 from __future__ import annotations
 
-from ._autocast import AutocastMode
-from ._base import ModeFacts, PrecisionMode
+from ._base import ModeFacts, ModeSupport, PrecisionMode
 from ._config import Policy, check_config_target, load_config
 from ._fp8 import Fp8Mode
-from ._policy_parts import (
-    SCHEMA,
-    Fp8Options,
-    LossScale,
-    PolicyError,
-    TunedOn,
-    default_reduce_dtype,
-    reduce_dtype_choices,
-)
-from ._provenance import Difference, HardwareMismatch, hardware_mismatch
+from ._half import AutocastMode, TrueHalfMode
+from ._policy_parts import SCHEMA, Fp8Options, LossScale, PolicyError, TunedOn
 from ._registry import (
     MODE_ALIASES,
     canonical_mode,
     create_mode,
+    default_reduce_dtype,
     mode_class,
     mode_classes,
     mode_dtypes,
     mode_facts,
     mode_names,
+    reduce_dtype_choices,
     register_mode,
     safety_order,
     safety_rank,
     unregister_mode,
 )
 from ._support import (
-    ModeSupport,
+    Difference,
+    HardwareMismatch,
     capability_summary,
+    hardware_mismatch,
     safe_default,
     safe_default_mode,
     supported_modes,
 )
-from ._true import TrueHalfMode
 from .fp8_te import Fp8Te
 from .fp8_torchao import Fp8Torchao
 
@@ -47,43 +41,13 @@ TORCHAO_RECIPES: tuple[str, ...] = Fp8Torchao.fp8_recipes
 
 __all__ = [
     "MODES",  # noqa: F822 - provided by __getattr__ below, from the registry
-    "MODE_ALIASES",
-    "SCHEMA",
-    "TE_RECIPES",
-    "TORCHAO_RECIPES",
-    "AutocastMode",
-    "Difference",
-    "Fp8Mode",
-    "Fp8Options",
-    "HardwareMismatch",
-    "LossScale",
-    "ModeFacts",
-    "ModeSupport",
-    "Policy",
-    "PolicyError",
-    "PrecisionMode",
-    "TrueHalfMode",
-    "TunedOn",
-    "canonical_mode",
-    "capability_summary",
-    "check_config_target",
-    "create_mode",
-    "default_reduce_dtype",
-    "hardware_mismatch",
-    "load_config",
-    "mode_class",
-    "mode_classes",
-    "mode_dtypes",
-    "mode_facts",
-    "mode_names",
-    "reduce_dtype_choices",
-    "register_mode",
-    "safe_default",
-    "safe_default_mode",
-    "safety_order",
-    "safety_rank",
-    "supported_modes",
-    "unregister_mode",
+    "MODE_ALIASES", "SCHEMA", "TE_RECIPES", "TORCHAO_RECIPES", "AutocastMode", "Difference",
+    "Fp8Mode", "Fp8Options", "HardwareMismatch", "LossScale", "ModeFacts", "ModeSupport",
+    "Policy", "PolicyError", "PrecisionMode", "TrueHalfMode", "TunedOn", "canonical_mode",
+    "capability_summary", "check_config_target", "create_mode", "default_reduce_dtype",
+    "hardware_mismatch", "load_config", "mode_class", "mode_classes", "mode_dtypes",
+    "mode_facts", "mode_names", "reduce_dtype_choices", "register_mode", "safe_default",
+    "safe_default_mode", "safety_order", "safety_rank", "supported_modes", "unregister_mode",
 ]
 
 

@@ -1,5 +1,6 @@
-"""The interface every precision mode implements: what it is, where it runs, and its hooks,
-which default to fp32 behaviour. Adding a mode means writing one class and registering it."""
+"""The interface every precision mode implements: what it is, where it runs (in the words the
+modes' support reasons share), and its hooks, which default to fp32 behaviour. Adding a mode
+means writing one class and registering it."""
 
 from __future__ import annotations
 
@@ -7,15 +8,64 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ._device import arch
+from probes import ArchCapability, HardwareProfile, MpadviseError, capability_for, matmul_switches
 
 if TYPE_CHECKING:
     import torch
 
-    from probes import ArchCapability, HardwareProfile
-
     from ._config import Policy
-    from ._device import ModeSupport
+
+
+TE_INSTALL = 'pip install "mpadvise[fp8]"'
+TORCHAO_INSTALL = 'pip install "mpadvise[torchao]"'
+
+# How the CPU flags are named in messages; amx_tile is implied by the AMX data types.
+FLAG_NAMES = {"avx2": "AVX2", "avx512f": "AVX512F", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16",
+              "avx512_fp16": "AVX512-FP16", "amx_fp16": "AMX-FP16"}
+
+
+@dataclass(frozen=True)
+class ModeSupport:
+    """Whether one mode can run on one device, with a reason that starts with its name;
+    ``emulated``: done in a wider format behind the scenes, numerics right and speed not."""
+
+    mode: str
+    supported: bool
+    reason: str
+    emulated: bool = False
+
+
+def arch(profile: HardwareProfile) -> ArchCapability:
+    if profile.compute_capability is None:
+        raise MpadviseError(f"HardwareProfile.compute_capability is None for CUDA device "
+                            f"{profile.name!r}; re-run `mpadvise probe` to record it")
+    return capability_for(profile.compute_capability)
+
+
+def cc_text(cap: ArchCapability) -> str:
+    return "{}.{}".format(*cap.compute_capability)
+
+
+def gpu_text(profile: HardwareProfile, cap: ArchCapability) -> str:
+    return f"{cap.label}, {profile.name}"
+
+
+# What a CPU's flags make of each half dtype's speed: the first flag present decides.
+_CPU_SPEED = {
+    "bf16": ((("amx_bf16", "AMX-BF16: bf16 matmuls run on AMX tiles, usually faster than fp32"),
+              ("avx512_bf16",
+               "AVX512-BF16 without AMX: native bf16 dot products, may or may not beat fp32")),
+             "no AMX-BF16/AVX512-BF16: bf16 runs but is usually slower than fp32 here"),
+    "fp16": ((("amx_fp16", "AMX-FP16: fp16 matmuls run on AMX tiles"),
+              ("avx512_fp16", "AVX512-FP16: native fp16 arithmetic, may or may not beat fp32")),
+             "no AVX512-FP16/AMX-FP16: fp16 runs but is usually much slower than fp32 here"),
+}
+
+
+def cpu_speed(profile: HardwareProfile, dtype_family: str) -> tuple[str, bool]:
+    """What this CPU does with ``dtype_family`` (``"bf16"``/``"fp16"``), and whether natively."""
+    native, without = _CPU_SPEED[dtype_family]
+    return next(((text, True) for flag, text in native if profile.has_flag(flag)), (without, False))
 
 
 WHERE_IT_RUNS = "define support(profile), or cuda_support(profile, cap) and cpu_support(profile)"
@@ -37,17 +87,15 @@ class ModeFacts:
     def fp8_recipe(self, policy: Policy) -> str | None:
         if self.fp8_library is None:
             return None
-        options = policy.fp8
-        return options.recipe if options is not None and options.recipe else self.fp8_default_recipe
+        return (policy.fp8 and policy.fp8.recipe) or self.fp8_default_recipe
 
 
 class PrecisionMode:
     """Base class of the modes; one object lives for one ``AppliedPolicy`` and may keep state.
 
-    A registered class sets ``name``, ``dtype_family`` (the dtype of most matmuls, as the
-    matmul benchmark names it: the search's prior), a unique ``safety_rank``, ``loss_scaling``,
-    ``fp8_recipes``, and says where it runs (``support``, or ``cuda_support`` and ``cpu_support``).
-    """
+    A registered class sets ``name``, ``dtype_family`` (the dtype of most matmuls, as the matmul
+    benchmark names it: the search's prior), a unique ``safety_rank``, ``loss_scaling`` and
+    ``fp8_recipes``, and where it runs: ``support``, or ``cuda_support`` and ``cpu_support``."""
 
     name: ClassVar[str]
     dtype_family: ClassVar[str]
@@ -98,7 +146,11 @@ class PrecisionMode:
         return None
 
     def process_switches(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
+        """The process-wide switches the mode's facts ask for (TF32 on or off) inside the block."""
+        tf32 = self.facts().tf32
+        if tf32 is None:
+            return contextlib.nullcontext()
+        return matmul_switches(tf32=tf32, cuda=self.device.type == "cuda")
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module

@@ -1,20 +1,17 @@
-"""Shared by the 16-bit modes: where one runs depends on its half dtype only, so the support
-rule lives here and each mode adds its own caveat."""
+"""The 16-bit families, whose support rule depends on the half dtype alone: autocast (mixed),
+with fp32 weights, and "-true", with the model, optimizer state and inputs in the half dtype."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+import contextlib
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ._base import PrecisionMode
-from ._device import ModeSupport, cc_text, cpu_bf16_speed, cpu_fp16_speed, cpu_has_native, gpu_text
+from probes import ArchCapability, HardwareProfile
+
+from ._base import ModeFacts, ModeSupport, PrecisionMode, cc_text, cpu_speed, gpu_text
 
 if TYPE_CHECKING:
     import torch
-
-    from probes import ArchCapability, HardwareProfile
-
-# torch's name of each half dtype family.
-_TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 class HalfPrecisionMode(PrecisionMode):
@@ -28,31 +25,63 @@ class HalfPrecisionMode(PrecisionMode):
     def compute_dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, _TORCH_DTYPES[self.dtype_family])
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype_family]
 
     @classmethod
     def cuda_support(cls, profile: HardwareProfile, cap: ArchCapability) -> ModeSupport:
         where = gpu_text(profile, cap)
         if cls.dtype_family == "bf16":
             if not cap.bf16:
-                emulated = (
-                    f"bf16 is emulated on compute capability {cc_text(cap)} ({profile.name}); "
-                    f"torch.cuda.is_bf16_supported() says yes but there are no bf16 tensor cores"
-                )
-                return ModeSupport(cls.name, False, f"{cls.name}: {emulated}", emulated=True)
+                return ModeSupport(cls.name, False, f"{cls.name}: bf16 is emulated on compute "
+                                   f"capability {cc_text(cap)} ({profile.name}); "
+                                   "torch.cuda.is_bf16_supported() says yes but there are no bf16 "
+                                   "tensor cores", emulated=True)
             cores = f"bf16 tensor cores ({where})"
         elif cap.fp16_tensor_cores:
             cores = f"fp16 tensor cores ({where})"
         else:
-            cores = (
-                f"no tensor cores on {where}; fp16 runs on CUDA cores, at best 2x fp32 (P100) "
-                f"and much slower on consumer Pascal"
-            )
+            cores = (f"no tensor cores on {where}; fp16 runs on CUDA cores, at best 2x fp32 (P100) "
+                     f"and much slower on consumer Pascal")
         return ModeSupport(cls.name, True, f"{cls.name}: {cores}; {cls.cuda_caveat}")
 
     @classmethod
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
-        speed = cpu_bf16_speed(profile) if cls.dtype_family == "bf16" else cpu_fp16_speed(profile)
+        speed, native = cpu_speed(profile, cls.dtype_family)
         detail = f"{cls.cpu_detail}; " if cls.cpu_detail else ""
-        return ModeSupport(cls.name, True, f"{cls.name}: {detail}{speed}",
-                           emulated=not cpu_has_native(profile, cls.dtype_family))
+        return ModeSupport(cls.name, True, f"{cls.name}: {detail}{speed}", emulated=not native)
+
+
+class AutocastMode(HalfPrecisionMode):
+    """The forward runs under ``torch.autocast`` of the mode's half dtype; weights stay fp32."""
+
+    @classmethod
+    def facts(cls) -> ModeFacts:
+        return ModeFacts(autocast=cls.dtype_family, loss_scaling=cls.loss_scaling)
+
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        import torch
+
+        # torch.autocast restores the previous autocast state on exit, also after an exception.
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+
+class TrueHalfMode(HalfPrecisionMode):
+    """Parameters, buffers and floating inputs in one half dtype, no master weights: updates
+    smaller than half the dtype's spacing at a weight are lost (the stall the check looks for)."""
+
+    @classmethod
+    def facts(cls) -> ModeFacts:
+        return ModeFacts(weights=cls.dtype_family, loss_scaling=cls.loss_scaling)
+
+    @classmethod
+    def label(cls) -> str:
+        # Reasons say "pure", since the missing master weights are what goes wrong.
+        return f"{cls.name} (pure {cls.dtype_family})"
+
+    def convert_module(self, module):
+        # Module.to(dtype) only touches floating tensors and keeps Parameter identity, so an
+        # optimizer built before the cast still trains these parameters.
+        return module.to(dtype=self.compute_dtype)
+
+    def convert_input(self, tensor):
+        return tensor.to(self.compute_dtype) if tensor.is_floating_point() else tensor

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from probes import MpadviseError
 
-from ._registry import fp8_recipes, mode_class, mode_classes
-from ._true import TrueHalfMode
+from ._registry import fp8_recipes, mode_class, mode_classes, reduce_dtype_choices
 
 if TYPE_CHECKING:
     from ._config import Policy
@@ -34,23 +33,13 @@ def names_text(names: list[str]) -> str:
     return f"{', '.join(names[:-1])} and {names[-1]}"
 
 
-def reduce_dtype_choices(mode: str) -> tuple[str, ...]:
-    """The dtypes FSDP2 may reduce a mode's gradients in: fp32, and a 16-bit mode's own dtype
-    (half the bytes); fp32 or FP8 training in 16 bits would add a rounding the mode never makes."""
-    family = mode_class(mode).dtype_family
-    return ("fp32", family) if family in ("bf16", "fp16") else ("fp32",)
-
-
-def default_reduce_dtype(mode: str) -> str:
-    """fp32, as DDP does for fp32 weights; a "-true" mode's own dtype, its gradients' dtype."""
-    cls = mode_class(mode)
-    return cls.dtype_family if issubclass(cls, TrueHalfMode) else "fp32"
+def refuse(key: str, value: Any, expected: str) -> NoReturn:
+    raise PolicyError(f"{key}: {value!r} is not allowed; expected {expected}")
 
 
 def check_choice(key: str, value: Any, allowed: tuple[str, ...], *, of: str = "") -> None:
     if value not in allowed:
-        whose = f" ({of})" if of else ""
-        raise PolicyError(f"{key}: {value!r} is not allowed; expected one of {', '.join(allowed)}{whose}")
+        refuse(key, value, f"one of {', '.join(allowed)}" + (f" ({of})" if of else ""))
 
 
 def check_positive(key: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> None:
@@ -58,8 +47,7 @@ def check_positive(key: str, value: Any, *, integer: bool = False, allow_none: b
         return
     kind = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value <= 0:
-        what = "a positive integer" if integer else "a positive number"
-        raise PolicyError(f"{key}: {value!r} is not allowed; expected {what}")
+        refuse(key, value, "a positive integer" if integer else "a positive number")
 
 
 @dataclass(frozen=True)
@@ -78,11 +66,9 @@ class LossScale:
         check_positive("loss_scale.init_scale", self.init_scale)
         check_positive("loss_scale.growth_factor", self.growth_factor)
         if self.growth_factor <= 1.0:
-            raise PolicyError(f"loss_scale.growth_factor: {self.growth_factor!r} is not allowed; expected a number > 1")
+            refuse("loss_scale.growth_factor", self.growth_factor, "a number > 1")
         if not isinstance(self.backoff_factor, (int, float)) or not 0.0 < self.backoff_factor < 1.0:
-            raise PolicyError(
-                f"loss_scale.backoff_factor: {self.backoff_factor!r} is not allowed; expected a number in (0, 1)"
-            )
+            refuse("loss_scale.backoff_factor", self.backoff_factor, "a number in (0, 1)")
         check_positive("loss_scale.growth_interval", self.growth_interval, integer=True)
 
 
@@ -103,7 +89,7 @@ class Fp8Options:
         check_choice("fp8.fp8_format", self.fp8_format, FP8_FORMATS)
         check_positive("fp8.amax_history_len", self.amax_history_len, integer=True)
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise PolicyError(f"fp8.margin: {self.margin!r} is not allowed; expected an integer >= 0")
+            refuse("fp8.margin", self.margin, "an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -111,11 +97,10 @@ class TunedOn:
     """Where and when a policy was measured: the evidence that travels with it.
 
     ``speedup_vs_fp32`` is the tune's one figure (the paired re-measurement when there was one),
-    ``speedup_low``/``speedup_high`` its interval. ``speedup_threads``: the CPU threads it was
-    measured on where busy cores left fewer than torch's own (``None`` otherwise). ``args``: the
-    script's arguments the tune ran it with, so a tune with others does not replace this answer
-    unasked; ``None`` in a config written before they were recorded.
-    """
+    ``speedup_low``/``speedup_high`` its interval, ``speedup_threads`` the CPU threads it was
+    measured on where busy cores left fewer than torch's own. ``args``: the script's arguments,
+    so a tune with others does not replace this answer unasked (``None``: not recorded).
+    ``libraries`` may be given as a table (``""`` for absent), as a config file holds it."""
 
     hardware_fingerprint: str = ""
     device: str = ""
@@ -138,43 +123,41 @@ class TunedOn:
     speedup_threads: int | None = None
 
     def __post_init__(self) -> None:
-        check_positive("tuned_on.global_batch", self.global_batch, integer=True, allow_none=True)
-        if self.args is not None:
-            # TOML and JSON give a list; the value stays a hashable tuple of strings.
-            if isinstance(self.args, str) or not isinstance(self.args, (list, tuple)) or not all(
-                isinstance(arg, str) for arg in self.args
-            ):
-                raise PolicyError(f"tuned_on.args: {self.args!r} is not allowed; expected a list of strings")
-            object.__setattr__(self, "args", tuple(self.args))
-        check_positive("tuned_on.speedup_threads", self.speedup_threads, integer=True, allow_none=True)
+        # TOML and JSON give a table and lists; the values stay hashable tuples.
+        libraries = self.libraries.items() if isinstance(self.libraries, dict) else self.libraries
+        libraries = tuple(sorted((str(name), version or None) for name, version in libraries))
+        object.__setattr__(self, "libraries", libraries)
+        args = self.args
+        if args is not None:
+            if not isinstance(args, (list, tuple)) or not all(isinstance(arg, str) for arg in args):
+                refuse("tuned_on.args", args, "a list of strings")
+            object.__setattr__(self, "args", tuple(args))
+        for name in ("global_batch", "speedup_threads"):
+            check_positive(f"tuned_on.{name}", getattr(self, name), integer=True, allow_none=True)
         for name in ("speedup_low", "speedup_high"):
             check_positive(f"tuned_on.{name}", getattr(self, name), allow_none=True)
         if self.speedup_basis is not None and not isinstance(self.speedup_basis, str):
-            raise PolicyError(f"tuned_on.speedup_basis: {self.speedup_basis!r} is not allowed; expected a string")
+            refuse("tuned_on.speedup_basis", self.speedup_basis, "a string")
 
 
 def check_policy(policy: Policy) -> None:
     """Check a policy's fields against each other and against its (known) mode."""
     mode = mode_class(policy.mode)
-    if policy.loss_scale is not None:
-        if not isinstance(policy.loss_scale, LossScale):
-            raise PolicyError(f"loss_scale: expected a LossScale, got {type(policy.loss_scale).__name__}")
-        if not mode.loss_scaling and policy.loss_scale.kind != "none":
-            scaled = names_text([m.name for m in mode_classes() if m.loss_scaling])
-            raise PolicyError(
-                f"loss_scale: loss scaling applies to {scaled} only, not {policy.mode!r}; "
-                "remove [loss_scale] or set kind = \"none\""
-            )
-    if policy.fp8 is not None:
-        if not isinstance(policy.fp8, Fp8Options):
-            raise PolicyError(f"fp8: expected Fp8Options, got {type(policy.fp8).__name__}")
-        if not mode.fp8_recipes:
-            fp8_modes = names_text([m.name for m in mode_classes() if m.fp8_recipes])
-            raise PolicyError(
-                f"fp8: FP8 options apply to {fp8_modes} only, not {policy.mode!r}; remove [fp8]"
-            )
-        if policy.fp8.recipe is not None:
-            check_choice("fp8.recipe", policy.fp8.recipe, mode.fp8_recipes, of=f"the recipes of {policy.mode}")
+    for key, kind, what in (("loss_scale", LossScale, "a LossScale"),
+                            ("fp8", Fp8Options, "Fp8Options")):
+        value = getattr(policy, key)
+        if value is not None and not isinstance(value, kind):
+            raise PolicyError(f"{key}: expected {what}, got {type(value).__name__}")
+    if policy.loss_scale is not None and not mode.loss_scaling and policy.loss_scale.kind != "none":
+        scaled = names_text([m.name for m in mode_classes() if m.loss_scaling])
+        raise PolicyError(f"loss_scale: loss scaling applies to {scaled} only, not "
+                          f"{policy.mode!r}; remove [loss_scale] or set kind = \"none\"")
+    if policy.fp8 is not None and not mode.fp8_recipes:
+        fp8_modes = names_text([m.name for m in mode_classes() if m.fp8_recipes])
+        raise PolicyError(f"fp8: FP8 options apply to {fp8_modes} only, not {policy.mode!r}; "
+                          "remove [fp8]")
+    if policy.fp8 is not None and policy.fp8.recipe is not None:
+        check_choice("fp8.recipe", policy.fp8.recipe, mode.fp8_recipes, of=f"the recipes of {policy.mode}")
     check_positive("micro_batch_size", policy.micro_batch_size, integer=True, allow_none=True)
     check_positive("grad_accum_steps", policy.grad_accum_steps, integer=True, allow_none=True)
     check_positive("grad_clip_norm", policy.grad_clip_norm, allow_none=True)
@@ -182,7 +165,6 @@ def check_policy(policy: Policy) -> None:
         check_choice("reduce_dtype", policy.reduce_dtype, REDUCE_DTYPES)
         allowed = reduce_dtype_choices(policy.mode)
         if policy.reduce_dtype not in allowed:
-            raise PolicyError(
-                f"reduce_dtype: {policy.reduce_dtype!r} does not apply to {policy.mode!r}; expected "
-                f"{' or '.join(allowed)} (a mode's gradients are reduced in fp32 or in its own 16-bit dtype)"
-            )
+            raise PolicyError(f"reduce_dtype: {policy.reduce_dtype!r} does not apply to "
+                              f"{policy.mode!r}; expected {' or '.join(allowed)} (a mode's "
+                              "gradients are reduced in fp32 or in its own 16-bit dtype)")

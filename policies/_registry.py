@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, TypeVar
 from probes import MpadviseError, UsageError
 
 from ._base import WHERE_IT_RUNS, ModeFacts, PrecisionMode
+from ._half import TrueHalfMode
 from .bf16_mixed import Bf16Mixed
 from .bf16_true import Bf16True
 from .fp8_te import Fp8Te
@@ -34,53 +35,35 @@ def register_mode(cls: ModeT) -> ModeT:
     """Add a mode class after those registered (a class decorator; again for the same class
     does nothing). A missing or clashing description is a ValueError naming it and the fix."""
     if not (isinstance(cls, type) and issubclass(cls, PrecisionMode)):
-        raise TypeError(
-            f"register_mode: {cls!r} is not a PrecisionMode subclass; derive the mode's class "
-            "from policies.PrecisionMode"
-        )
-    owner = f"register_mode({cls.__qualname__})"
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{owner}: name {name!r} is not allowed; set name to the mode's name, e.g. 'int8-mixed'")
-    if _REGISTRY.get(name) is cls:
+        raise TypeError(f"register_mode: {cls!r} is not a PrecisionMode subclass; derive the "
+                        "mode's class from policies.PrecisionMode")
+    name, recipes = getattr(cls, "name", None), cls.fp8_recipes
+    family, rank = getattr(cls, "dtype_family", None), getattr(cls, "safety_rank", None)
+    if isinstance(name, str) and _REGISTRY.get(name) is cls:
         return cls
-    if name in _REGISTRY:
-        raise ValueError(
-            f"{owner}: mode {name!r} is already registered by {_REGISTRY[name].__qualname__}; "
-            "give the class a name of its own"
-        )
-    family = getattr(cls, "dtype_family", None)
-    if not isinstance(family, str) or not family:
-        raise ValueError(
-            f"{owner}: dtype_family {family!r} is not allowed; set it to the dtype of most "
-            "matmuls, e.g. 'bf16'"
-        )
-    _check_rank(owner, cls)
-    if not isinstance(cls.fp8_recipes, tuple) or not all(isinstance(r, str) for r in cls.fp8_recipes):
-        raise ValueError(f"{owner}: fp8_recipes {cls.fp8_recipes!r} is not allowed; expected a tuple of recipe names")
-    if not _says_where_it_runs(cls):
-        raise ValueError(f"{owner}: the class does not say where it runs; {WHERE_IT_RUNS}")
+    ranks = f"(ranks in use: {', '.join(f'{c.name} {c.safety_rank}' for c in _by_safety())})"
+    rank_owner = next((c.name for c in _REGISTRY.values() if c.safety_rank == rank), None)
+    problem = None
+    if not isinstance(name, str) or not name:
+        problem = f"name {name!r} is not allowed; set name to the mode's name, e.g. 'int8-mixed'"
+    elif name in _REGISTRY:
+        problem = (f"mode {name!r} is already registered by {_REGISTRY[name].__qualname__}; "
+                   "give the class a name of its own")
+    elif not isinstance(family, str) or not family:
+        problem = (f"dtype_family {family!r} is not allowed; set it to the dtype of most matmuls, "
+                   "e.g. 'bf16'")
+    elif isinstance(rank, bool) or not isinstance(rank, int):
+        problem = f"safety_rank {rank!r} is not allowed; set an integer, lower is safer {ranks}"
+    elif rank_owner is not None:
+        problem = f"safety_rank {rank} is already {rank_owner}'s; pick an unused rank {ranks}"
+    elif not isinstance(recipes, tuple) or not all(isinstance(r, str) for r in recipes):
+        problem = f"fp8_recipes {recipes!r} is not allowed; expected a tuple of recipe names"
+    elif not _says_where_it_runs(cls):
+        problem = f"the class does not say where it runs; {WHERE_IT_RUNS}"
+    if problem is not None:
+        raise ValueError(f"register_mode({cls.__qualname__}): {problem}")
     _REGISTRY[name] = cls
     return cls
-
-
-def _check_rank(owner: str, cls: type[PrecisionMode]) -> None:
-    rank = getattr(cls, "safety_rank", None)
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise ValueError(
-            f"{owner}: safety_rank {rank!r} is not allowed; set an integer, lower is safer "
-            f"(ranks in use: {_ranks_in_use()})"
-        )
-    for other in _REGISTRY.values():
-        if other.safety_rank == rank:
-            raise ValueError(
-                f"{owner}: safety_rank {rank} is already {other.name}'s; pick an unused rank "
-                f"(ranks in use: {_ranks_in_use()})"
-            )
-
-
-def _ranks_in_use() -> str:
-    return ", ".join(f"{cls.name} {cls.safety_rank}" for cls in _by_safety())
 
 
 def _says_where_it_runs(cls: type[PrecisionMode]) -> bool:
@@ -113,14 +96,8 @@ def mode_class(mode: str) -> type[PrecisionMode]:
 # (``16`` and ``bf16`` are its older spellings of the mixed modes) and Transformer Engine's plugin
 # name. Each maps to the one mode that does the same arithmetic.
 MODE_ALIASES: dict[str, str] = {
-    "16-mixed": "fp16-mixed",
-    "16": "fp16-mixed",
-    "fp16": "fp16-mixed",
-    "bf16": "bf16-mixed",
-    "16-true": "fp16-true",
-    "32-true": "fp32",
-    "32": "fp32",
-    "transformer-engine": "fp8-te",
+    "16-mixed": "fp16-mixed", "16": "fp16-mixed", "fp16": "fp16-mixed", "bf16": "bf16-mixed",
+    "16-true": "fp16-true", "32-true": "fp32", "32": "fp32", "transformer-engine": "fp8-te",
 }
 
 
@@ -128,15 +105,11 @@ def canonical_mode(name: str) -> str:
     """The registered mode a user means by ``name``: the name in any case, or an alias; else a
     UsageError suggesting the closest names."""
     text = str(name).strip()
-    lowered = text.lower()
-    by_lower = {registered.lower(): registered for registered in _REGISTRY}
-    if lowered in by_lower:
-        return by_lower[lowered]
-    target = MODE_ALIASES.get(lowered)
-    if target is not None and target in _REGISTRY:
-        return target
-    known = [*_REGISTRY, *(alias for alias, mode in MODE_ALIASES.items() if mode in _REGISTRY)]
-    close = difflib.get_close_matches(lowered, known, n=3, cutoff=0.6)
+    aliases = {alias: mode for alias, mode in MODE_ALIASES.items() if mode in _REGISTRY}
+    by_lower = {**aliases, **{registered.lower(): registered for registered in _REGISTRY}}
+    if text.lower() in by_lower:
+        return by_lower[text.lower()]
+    close = difflib.get_close_matches(text.lower(), [*_REGISTRY, *aliases], n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     raise UsageError(f"unknown mode {text!r}; {hint}expected one of {', '.join(_REGISTRY)} "
                      "(or Lightning's 16-mixed, bf16-mixed, bf16-true, 32-true, 32, 16, bf16)")
@@ -158,11 +131,9 @@ def safety_rank(mode: str) -> int:
     """How safe a registered mode is numerically; lower is safer."""
     cls = _REGISTRY.get(mode) if isinstance(mode, str) else None
     if cls is None:
-        raise ValueError(
-            f"mode {mode!r} has no safety rank; expected one of {', '.join(safety_order())} "
-            "(a new mode is ranked by its class's safety_rank once registered with "
-            "policies.register_mode)"
-        )
+        raise ValueError(f"mode {mode!r} has no safety rank; expected one of "
+                         f"{', '.join(safety_order())} (a new mode is ranked by its class's "
+                         "safety_rank once registered with policies.register_mode)")
     return cls.safety_rank
 
 
@@ -174,13 +145,24 @@ def mode_facts(mode: str) -> ModeFacts:
     return mode_class(mode).facts()
 
 
+def reduce_dtype_choices(mode: str) -> tuple[str, ...]:
+    """The dtypes FSDP2 may reduce a mode's gradients in: fp32, and a 16-bit mode's own dtype
+    (half the bytes); fp32 or FP8 training in 16 bits would add a rounding the mode never makes."""
+    family = mode_class(mode).dtype_family
+    return ("fp32", family) if family in ("bf16", "fp16") else ("fp32",)
+
+
+def default_reduce_dtype(mode: str) -> str:
+    """fp32, as DDP does for fp32 weights; a "-true" mode's own dtype, its gradients' dtype."""
+    cls = mode_class(mode)
+    return cls.dtype_family if issubclass(cls, TrueHalfMode) else "fp32"
+
+
 def fp8_recipes() -> tuple[str, ...]:
     """Every FP8 recipe some registered mode accepts, each once, in registration order."""
     return tuple(dict.fromkeys(recipe for cls in _REGISTRY.values() for recipe in cls.fp8_recipes))
 
 
 # The modes that ship with mpadvise, in the order they are listed everywhere.
-BUILTIN_MODES: tuple[type[PrecisionMode], ...] = (Fp32, Tf32, Fp16Mixed, Bf16Mixed, Fp16True, Bf16True, Fp8Te, Fp8Torchao)
-
-for _cls in BUILTIN_MODES:
+for _cls in (Fp32, Tf32, Fp16Mixed, Bf16Mixed, Fp16True, Bf16True, Fp8Te, Fp8Torchao):
     register_mode(_cls)

@@ -3,7 +3,7 @@ bf16 has fp32's exponent range."""
 
 from __future__ import annotations
 
-from ._autocast import AutocastMode
+from ._half import AutocastMode
 
 
 class Bf16Mixed(AutocastMode):
@@ -14,7 +14,5 @@ class Bf16Mixed(AutocastMode):
 
     @classmethod
     def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
-        return (
-            "bf16-mixed keeps fp32 weights, so an operation computed in bf16 is to blame; use "
-            "tf32 or fp32, or keep that operation in fp32"
-        )
+        return ("bf16-mixed keeps fp32 weights, so an operation computed in bf16 is to blame; use "
+                "tf32 or fp32, or keep that operation in fp32")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._true import TrueHalfMode
+from ._half import TrueHalfMode
 
 
 class Bf16True(TrueHalfMode):
@@ -14,8 +14,6 @@ class Bf16True(TrueHalfMode):
     @classmethod
     def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
         if kind == "stalled":
-            return (
-                "updates smaller than bf16's precision (8 significant bits, about 0.4% of a "
-                "weight) are lost; use bf16-mixed, which keeps fp32 master weights"
-            )
+            return ("updates smaller than bf16's precision (8 significant bits, about 0.4% of a "
+                    "weight) are lost; use bf16-mixed, which keeps fp32 master weights")
         return "use bf16-mixed, which keeps fp32 master weights and optimizer state"

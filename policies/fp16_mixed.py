@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._autocast import AutocastMode
+from ._half import AutocastMode
 
 _ADVICE = {
     "diverged": "activations overflow fp16 even with loss scaling; use bf16-mixed where the "
@@ -33,6 +33,7 @@ class Fp16Mixed(AutocastMode):
     # CPU autocast takes float16 and GradScaler("cpu") exists in every torch this package
     # supports (>= 2.4); checked by running both on torch 2.13.
     cpu_detail = "CPU autocast with GradScaler"
+    _unscaled = False  # gradients unscaled since the last step
 
     @classmethod
     def advice(cls, kind: str, *, optimizer_eps: float | None = None) -> str:
@@ -43,21 +44,14 @@ class Fp16Mixed(AutocastMode):
         import torch
 
         ls = policy.loss_scale
-        self.static_scale: float | None = None
         self.scaler = None
-        if ls is None or ls.kind == "none":
-            return
-        self.scaler = torch.amp.GradScaler(device.type, init_scale=ls.init_scale, growth_factor=ls.growth_factor,
-                                           backoff_factor=ls.backoff_factor, growth_interval=ls.growth_interval)
-        if ls.kind == "static":
-            self.static_scale = float(ls.init_scale)
-        self._unscaled = False
+        if ls is not None and ls.kind != "none":
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=ls.init_scale, growth_factor=ls.growth_factor,
+                                               backoff_factor=ls.backoff_factor, growth_interval=ls.growth_interval)
+        self.static_scale = float(ls.init_scale) if ls is not None and ls.kind == "static" else None
 
     def backward(self, loss) -> None:
-        if self.scaler is None:
-            loss.backward()
-        else:
-            self.scaler.scale(loss).backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def unscale(self, optimizer) -> None:
         if self.scaler is not None and not self._unscaled:
@@ -66,17 +60,13 @@ class Fp16Mixed(AutocastMode):
 
     def optimizer_step(self, optimizer) -> bool:
         if self.scaler is None:
-            optimizer.step()
-            return True
+            return super().optimizer_step(optimizer)
         # Unscaling here (not inside scaler.step) lets us read the overflow flag that decides
         # whether GradScaler silently skips this step.
         self.unscale(optimizer)
         found_inf = sum(v.item() for v in self.scaler._found_inf_per_device(optimizer).values())
         self.scaler.step(optimizer)
-        if self.static_scale is not None:
-            self.scaler.update(new_scale=self.static_scale)
-        else:
-            self.scaler.update()
+        self.scaler.update(new_scale=self.static_scale)  # None: GradScaler's dynamic update
         self._unscaled = False
         return found_inf == 0
 

@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Any
+from probes import HardwareProfile
 
-from probes import matmul_switches
-
-from ._base import ModeFacts, PrecisionMode
-from ._device import ModeSupport
-
-if TYPE_CHECKING:
-    from probes import HardwareProfile
+from ._base import ModeFacts, ModeSupport, PrecisionMode
 
 
 class Fp32(PrecisionMode):
@@ -26,6 +19,3 @@ class Fp32(PrecisionMode):
     @classmethod
     def support(cls, profile: HardwareProfile) -> ModeSupport:
         return ModeSupport(cls.name, True, f"{cls.name}: runs everywhere; the reference for every mode")
-
-    def process_switches(self) -> contextlib.AbstractContextManager[Any]:
-        return matmul_switches(tf32=False, cuda=self.device.type == "cuda")

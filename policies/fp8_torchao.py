@@ -1,30 +1,24 @@
 """fp8-torchao: torchao's float8 training (Float8Linear swap, dynamic scaling), the rest of
-the forward under bf16 autocast on CUDA; emulated on a CPU. torchao is imported only when used.
-"""
+the forward under bf16 autocast on CUDA; emulated on a CPU. torchao is imported only when used."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from probes import MpadviseError
+from probes import HardwareProfile, MpadviseError
 
-from ._device import TORCHAO_INSTALL, ModeSupport
-from ._fp8 import Fp8Mode, retie, tied_parameters
-
-if TYPE_CHECKING:
-    from probes import HardwareProfile
+from ._base import TORCHAO_INSTALL, ModeSupport
+from ._fp8 import Fp8Mode
 
 
 def import_torchao_float8() -> Any:
     try:
         import torchao.float8 as float8
     except ImportError as exc:
-        raise MpadviseError(
-            f"fp8-torchao needs torchao, which cannot be imported ({exc}); "
-            f"install it with: {TORCHAO_INSTALL}"
-        ) from None
+        raise MpadviseError(f"fp8-torchao needs torchao, which cannot be imported ({exc}); "
+                            f"install it with: {TORCHAO_INSTALL}") from None
     return float8
 
 
@@ -38,7 +32,6 @@ class Fp8Torchao(Fp8Mode):
     library = "torchao"
     library_display = "torchao"
     install = TORCHAO_INSTALL
-    nothing_converted = "no Linear layer could run in FP8; this trains like fp32"
 
     @classmethod
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
@@ -57,8 +50,7 @@ class Fp8Torchao(Fp8Mode):
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe_name)
         if self.rule.token_multiple > 1:
             # The weight gradient's matmul sums over the tokens, which torch._scaled_mm wants a
-            # multiple of 16: a ragged last batch would fail. Zero rows add nothing to the sums,
-            # so the padding is exact; its price is a copy of both FP8 operands of every matmul.
+            # multiple of 16; zero rows add nothing to the sums (docs/capabilities.md).
             config = dataclasses.replace(config, pad_inner_dim=True)
         return config
 
@@ -66,23 +58,20 @@ class Fp8Torchao(Fp8Mode):
         """torchao's ``module_filter_fn``; records the Linears it swaps."""
         import torch
 
-        if not isinstance(module, torch.nn.Linear) or self.forward_bypassed(fqn, module):
-            return False
-        if not self.fp8_eligible(fqn, module.in_features, module.out_features):
+        if (not isinstance(module, torch.nn.Linear) or self.forward_bypassed(fqn, module)
+                or not self.fp8_eligible(fqn, module.in_features, module.out_features)):
             return False
         self.converted.append(fqn)
         return True
 
+    def swap_layers(self, module):
+        # Float8Linear reuses the Linear's Parameter, except where a config wraps the weight in a
+        # new one (FSDP float8 all-gather): then convert_module makes the tie again.
+        return import_torchao_float8().convert_to_float8_training(
+            module, module_filter_fn=self.module_filter, config=self.linear_config())
+
     def convert_module(self, module):
-        float8 = import_torchao_float8()
-        ties = tied_parameters(module)
-        self.find_bypassed(module)
-        module = float8.convert_to_float8_training(module, module_filter_fn=self.module_filter,
-                                                   config=self.linear_config())
-        # Float8Linear reuses the Linear's Parameter, except where a config wraps the weight
-        # in a new one (FSDP float8 all-gather): then the tie is made again here.
-        retie(module, ties)
-        self.note_conversion()
+        module = super().convert_module(module)
         if self.device.type == "cpu":
             self.notes.append(f"{self.name}: emulated on CPU (FP8 numerics, no speedup)")
         return module

@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Any
+from probes import ArchCapability, HardwareProfile
 
-from probes import matmul_switches
-
-from ._base import ModeFacts, PrecisionMode
-from ._device import ModeSupport, cc_text, gpu_text
-
-if TYPE_CHECKING:
-    from probes import ArchCapability, HardwareProfile
+from ._base import ModeFacts, ModeSupport, PrecisionMode, cc_text, gpu_text
 
 
 class Tf32(PrecisionMode):
@@ -38,6 +31,3 @@ class Tf32(PrecisionMode):
     def cpu_support(cls, profile: HardwareProfile) -> ModeSupport:
         return ModeSupport(cls.name, False,
                            f"{cls.name}: needs an NVIDIA GPU with compute capability >= 8.0; this is a CPU ({profile.name})")
-
-    def process_switches(self) -> contextlib.AbstractContextManager[Any]:
-        return matmul_switches(tf32=True, cuda=self.device.type == "cuda")

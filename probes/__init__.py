@@ -26,36 +26,12 @@ from probes._profile import HardwareProfile
 from probes._switches import matmul_switches
 
 __all__ = [
-    "FP8_RECIPE_RULES",
-    "ArchCapability",
-    "BenchRow",
-    "Fp8RecipeRule",
-    "HardwareProfile",
-    "MpadviseError",
-    "UnsupportedHere",
-    "UsageError",
-    "capability_for",
-    "cpu_profile",
-    "cuda_profiles",
-    "detect",
-    "first_installed",
-    "fp8_library_versions",
-    "fp8_recipe_rule",
-    "fp8_recipe_since",
-    "fp8_recipe_unmet",
-    "gpu_busy",
-    "hardware_fingerprint",
-    "major_minor",
-    "matmul_benchmark",
-    "matmul_switches",
-    "parse_cpuinfo",
-    "peak_tflops",
-    "primary_profile",
-    "profile_for",
-    "check_writable",
-    "read_trusted_text",
-    "release",
-    "torch_build_covers",
+    "FP8_RECIPE_RULES", "ArchCapability", "BenchRow", "Fp8RecipeRule", "HardwareProfile",
+    "MpadviseError", "UnsupportedHere", "UsageError", "capability_for", "cpu_profile",
+    "cuda_profiles", "detect", "first_installed", "fp8_library_versions", "fp8_recipe_rule",
+    "fp8_recipe_since", "fp8_recipe_unmet", "gpu_busy", "hardware_fingerprint", "major_minor",
+    "matmul_benchmark", "matmul_switches", "parse_cpuinfo", "peak_tflops", "primary_profile",
+    "profile_for", "check_writable", "read_trusted_text", "release", "torch_build_covers",
     "write_file_atomic",
 ]
 
@@ -71,16 +47,11 @@ def primary_profile() -> HardwareProfile:
     import torch
 
     try:
-        available = torch.cuda.is_available()
-        current = torch.cuda.current_device() if available else None
+        current = torch.cuda.current_device() if torch.cuda.is_available() else None
     except Exception:
-        # A broken driver raises here instead of reporting False; train on the CPU.
-        available, current = False, None
-    if available:
-        for profile in cuda_profiles():
-            if profile.index == current:
-                return profile
-    return cpu_profile()
+        current = None  # a broken driver raises here instead of reporting False: train on the CPU
+    found = [profile for profile in cuda_profiles() if profile.index == current]
+    return found[0] if current is not None and found else cpu_profile()
 
 
 def profile_for(device: str | None) -> HardwareProfile:

@@ -1,8 +1,6 @@
 """Achieved square-matmul TFLOP/s per dtype on one device: where this hardware's roofline is.
-
-A prior for the search and a figure against the datasheet peak, never a verdict: a model's
-step time also depends on memory traffic, launch overhead and layer sizes.
-"""
+A prior for the search and a figure against the datasheet peak, never a verdict: a model's step
+time also depends on memory traffic, launch overhead and layer sizes."""
 
 from __future__ import annotations
 
@@ -11,15 +9,13 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from probes._capability import peak_tflops
 from probes._errors import MpadviseError
+from probes._profile import HardwareProfile
 from probes._switches import matmul_switches
-
-if TYPE_CHECKING:
-    from probes._profile import HardwareProfile
 
 BENCH_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
@@ -38,22 +34,19 @@ _CUDA_WARMUP_BATCH_S = 0.05
 
 @dataclass(frozen=True)
 class BenchRow:
-    """One dtype's measured matmul throughput on one device.
-
-    ``tflops`` and ``seconds`` are the fastest repeat's (a neighbour's burst or a GPU's clocks
-    only ever slow a matmul); ``spread`` is ``(slowest - fastest) / median``, the noise, so close
-    dtypes are not ranked on it. ``skipped`` says why a dtype was not measured (``repeats`` 0).
-    """
+    """One dtype's measured matmul throughput on one device. ``tflops`` and ``seconds`` are the
+    fastest repeat's (a neighbour's burst or a GPU's clocks only ever slow a matmul); ``spread``,
+    ``(slowest - fastest) / median``, is the noise, so close dtypes are not ranked on it."""
 
     dtype: str
     device: str
     size: int
-    tflops: float | None
-    seconds: float | None
-    ratio_vs_fp32: float | None
-    peak_tflops: float | None
-    fraction_of_peak: float | None
-    repeats: int
+    tflops: float | None = None
+    seconds: float | None = None
+    ratio_vs_fp32: float | None = None
+    peak_tflops: float | None = None
+    fraction_of_peak: float | None = None
+    repeats: int = 0
     skipped: str | None = None
     spread: float | None = None
 
@@ -67,40 +60,34 @@ def default_bench_dtypes(profile: HardwareProfile) -> tuple[str, ...]:
     if not profile.is_cuda:
         return ("fp32", "fp16", "bf16")
     cc = profile.compute_capability or (0, 0)
-    dtypes = ["fp32"]
-    if cc >= (8, 0):
-        dtypes.append("tf32")
-    dtypes += ["fp16", "bf16"]
-    if cc >= (8, 9):
-        dtypes.append("fp8")
-    return tuple(dtypes)
+    floors = {"tf32": (8, 0), "fp8": (8, 9)}
+    return tuple(dtype for dtype in BENCH_DTYPES if cc >= floors.get(dtype, (0, 0)))
 
 
 def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list[str] | None = None,
                      size: int | None = None, min_seconds: float = 0.2, repeats: int = 5) -> list[BenchRow]:
-    """Measure square-matmul TFLOP/s per dtype; one ``BenchRow`` per dtype, in ``BENCH_DTYPES``
-    order (a dtype the device cannot run comes back skipped).
-
-    Every switch touched (TF32 through both of torch's APIs, the current CUDA device) is
-    restored exactly, also after an error; the operands' CUDA memory is handed back, and a
-    private generator leaves the global RNG alone. ``min_seconds`` is the time per dtype,
-    split over the ``repeats``.
+    """One ``BenchRow`` per dtype, in ``BENCH_DTYPES`` order (skipped where the device cannot
+    run it); ``min_seconds`` per dtype, split over the ``repeats``. Every switch touched (TF32,
+    the current CUDA device) is restored, also after an error, the operands' CUDA memory given
+    back, and the global RNG left alone.
 
     Raises:
         MpadviseError: a dtype is unknown, or the profile is a CUDA device torch cannot see.
     """
-    chosen = _validated_dtypes(profile, dtypes)
-    if size is None:
-        size = _DEFAULT_SIZE[profile.kind]
+    if dtypes is None:
+        dtypes = default_bench_dtypes(profile)
+    unknown = [d for d in dtypes if d not in BENCH_DTYPES]
+    if unknown:
+        raise MpadviseError(f"dtypes: unknown {', '.join(map(repr, unknown))}; "
+                            f"expected some of {', '.join(BENCH_DTYPES)}")
+    size = size or _DEFAULT_SIZE[profile.kind]
 
     import torch
 
     if profile.is_cuda and not torch.cuda.is_available():
-        raise MpadviseError(
-            f"cannot benchmark {profile.device} ({profile.name}): torch.cuda is not available "
-            f"in this process; check the driver and CUDA_VISIBLE_DEVICES"
-        )
-
+        raise MpadviseError(f"cannot benchmark {profile.device} ({profile.name}): torch.cuda is "
+                            "not available in this process; check the driver and "
+                            "CUDA_VISIBLE_DEVICES")
     measured: dict[str, tuple[float, float, int] | str] = {}
     with contextlib.ExitStack() as stack:
         if profile.is_cuda:
@@ -110,48 +97,25 @@ def matmul_benchmark(profile: HardwareProfile, *, dtypes: tuple[str, ...] | list
             # trials on the same GPU after the benchmark.
             stack.callback(torch.cuda.empty_cache)
         stack.enter_context(torch.no_grad())
-        for dtype in chosen:
+        for dtype in (d for d in BENCH_DTYPES if d in dtypes):
             reason = _skip_reason(torch, profile, dtype)
-            measured[dtype] = reason if reason is not None else _measure(
-                torch, profile, dtype, size, min_seconds, repeats)
+            measured[dtype] = reason or _measure(torch, profile, dtype, size, min_seconds, repeats)
 
-    return _rows(profile, chosen, measured, size)
-
-
-def _rows(profile: HardwareProfile, chosen: tuple[str, ...], measured: dict[str, tuple[float, float, int] | str],
-          size: int) -> list[BenchRow]:
     peaks = peak_tflops(profile)
     fp32 = measured.get("fp32")
     fp32_tflops = _tflops(size, fp32[0]) if isinstance(fp32, tuple) else None
     rows = []
-    for dtype in chosen:
-        result = measured[dtype]
-        common = {"dtype": dtype, "device": profile.device, "size": size, "peak_tflops": peaks.get(dtype)}
+    for dtype, result in measured.items():
+        row = BenchRow(dtype, profile.device, size, peak_tflops=peaks.get(dtype))
         if isinstance(result, str):
-            rows.append(BenchRow(**common, tflops=None, seconds=None, ratio_vs_fp32=None, fraction_of_peak=None,
-                                 repeats=0, skipped=result))
+            rows.append(replace(row, skipped=result))
             continue
-        seconds, spread, repeats = result
+        seconds, spread, repeats_run = result
         tflops = _tflops(size, seconds)
-        rows.append(BenchRow(**common, tflops=tflops, seconds=seconds,
-                             ratio_vs_fp32=tflops / fp32_tflops if fp32_tflops else None,
-                             fraction_of_peak=tflops / common["peak_tflops"] if common["peak_tflops"] else None,
-                             repeats=repeats, spread=spread))
+        rows.append(replace(row, tflops=tflops, seconds=seconds, repeats=repeats_run, spread=spread,
+                            ratio_vs_fp32=tflops / fp32_tflops if fp32_tflops else None,
+                            fraction_of_peak=tflops / row.peak_tflops if row.peak_tflops else None))
     return rows
-
-
-def _validated_dtypes(profile: HardwareProfile, dtypes: tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
-    if dtypes is None:
-        return default_bench_dtypes(profile)
-    if isinstance(dtypes, str):
-        dtypes = (dtypes,)
-    unknown = [d for d in dtypes if d not in BENCH_DTYPES]
-    if unknown:
-        raise MpadviseError(
-            f"dtypes: unknown {', '.join(map(repr, unknown))}; "
-            f"expected some of {', '.join(BENCH_DTYPES)}"
-        )
-    return tuple(d for d in BENCH_DTYPES if d in dtypes)
 
 
 def _tflops(size: int, seconds: float) -> float:
@@ -208,12 +172,9 @@ def _measure(torch: Any, profile: HardwareProfile, dtype: str, size: int, min_se
         with matmul_switches(tf32=dtype == "tf32", cuda=False):
             matmul = _operands(torch, profile, dtype, size)
             timer = _cuda_timer(torch) if profile.is_cuda else _cpu_timer
-            if profile.is_cuda:
-                one_call = _cuda_warm_up(timer, matmul)
-            else:
-                # The warm-up call doubles as the calibration: an emulated dtype takes a fifth
-                # of a second per call.
-                one_call = timer(matmul, 1)
+            # On a CPU the warm-up call doubles as the calibration: an emulated dtype takes a
+            # fifth of a second per call.
+            one_call = _cuda_warm_up(timer, matmul) if profile.is_cuda else timer(matmul, 1)
             per_repeat = min_seconds / repeats
             if not profile.is_cuda and one_call >= per_repeat:
                 # One call outlasts a repeat's share (bf16 emulated by AVX2 at a hundredth of

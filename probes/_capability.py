@@ -3,19 +3,16 @@ peak TFLOP/s per SKU: pure data.
 
 ``capability_for`` does not use ``torch.cuda.is_bf16_supported()``, which also says yes where
 bf16 is emulated (a V100). Peaks are dense (no 2:4 sparsity), quoted from the NVIDIA document
-named above each row (dense is half a sparse-only figure); docs/capabilities.md lists them.
-"""
+each row names (dense is half a sparse-only figure); docs/capabilities.md lists them."""
 
 from __future__ import annotations
 
 import re
+import string
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from probes._errors import MpadviseError
-
-if TYPE_CHECKING:
-    from probes._profile import HardwareProfile
+from probes._profile import HardwareProfile
 
 
 @dataclass(frozen=True)
@@ -24,15 +21,14 @@ class ArchCapability:
 
     ``mxfp8``/``nvfp4`` are what the hardware has (Blackwell); whether a library's recipe runs
     is in ``FP8_RECIPE_RULES``. ``fp8_min_cuda``: the oldest CUDA whose cuBLASLt runs FP8
-    matmuls on this architecture, where one applies.
-    """
+    matmuls on this architecture, where one applies."""
 
     arch: str
     compute_capability: tuple[int, int]
-    fp16_tensor_cores: bool
-    tf32: bool
-    bf16: bool
-    fp8: bool
+    fp16_tensor_cores: bool = True
+    tf32: bool = True
+    bf16: bool = True
+    fp8: bool = False
     mxfp8: bool = False
     nvfp4: bool = False
     fp8_min_cuda: tuple[int, int] | None = None
@@ -40,64 +36,47 @@ class ArchCapability:
     @property
     def label(self) -> str:
         """``"Hopper (9.0)"``."""
-        major, minor = self.compute_capability
-        return f"{self.arch} ({major}.{minor})"
+        return f"{self.arch} ({_dotted(self.compute_capability)})"
 
 
 def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
-    """Which formats a GPU of this compute capability runs on tensor cores.
-
-    Minors not in NVIDIA's tables (say 8.8) get their major's answer; majors newer than
-    Blackwell are assumed to keep Blackwell's formats, as each generation so far has.
+    """Which formats a GPU of this compute capability runs on tensor cores; docs/capabilities.md
+    has the table. Minors not in NVIDIA's tables (say 8.8) get their major's answer; majors newer
+    than Blackwell are assumed to keep Blackwell's formats, as each generation so far has.
 
     Raises:
         MpadviseError: ``compute_capability`` is not a pair of non-negative integers.
     """
     cc = _validated(compute_capability)
     major, minor = cc
-    if major < 7:
-        # Pascal and older: no tensor cores. P100 (6.0) has fast fp16 arithmetic (2x fp32),
-        # consumer Pascal (6.1) runs fp16 at 1/64 rate; bf16 exists only as emulation.
-        return ArchCapability("pre-Volta", cc, fp16_tensor_cores=False, tf32=False, bf16=False, fp8=False)
-    if major == 7:
-        # 7.0 V100, 7.2 Xavier (both Volta); 7.5 Turing. fp16 tensor cores only.
-        arch = "Turing" if minor >= 5 else "Volta"
-        return ArchCapability(arch, cc, fp16_tensor_cores=True, tf32=False, bf16=False, fp8=False)
-    if major == 8:
-        if (major, minor) >= (8, 9):
-            # 8.9 Ada: fourth-generation tensor cores with FP8. cuBLASLt runs FP8 matmuls on Ada
-            # from CUDA 12.1 (Transformer Engine's check_fp8_support refuses older CUDA there).
-            return ArchCapability("Ada", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, fp8_min_cuda=(12, 1))
-        # 8.0 A100, 8.6 GA10x (A10, RTX 30xx), 8.7 Orin: bf16 and TF32 tensor cores.
-        return ArchCapability("Ampere", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=False)
+    if major < 7:  # Pascal and older: no tensor cores; bf16 exists only as emulation
+        return ArchCapability("pre-Volta", cc, fp16_tensor_cores=False, tf32=False, bf16=False)
+    if major == 7:  # 7.0 V100, 7.2 Xavier (both Volta); 7.5 Turing
+        return ArchCapability("Turing" if minor >= 5 else "Volta", cc, tf32=False, bf16=False)
+    if major == 8 and minor >= 9:
+        # Ada: cuBLASLt runs FP8 matmuls from CUDA 12.1 (TE's check_fp8_support refuses older).
+        return ArchCapability("Ada", cc, fp8=True, fp8_min_cuda=(12, 1))
+    if major == 8:  # 8.0 A100, 8.6 GA10x (A10, RTX 30xx), 8.7 Orin
+        return ArchCapability("Ampere", cc)
     if major == 9:
-        return ArchCapability("Hopper", cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True)
-    # 10.x B200/GB200, 11.x Thor, 12.x RTX 50xx / RTX PRO: fifth-generation tensor cores
-    # with hardware block scaling (MXFP8, NVFP4).
+        return ArchCapability("Hopper", cc, fp8=True)
+    # 10.x B200/GB200, 11.x Thor, 12.x RTX 50xx / RTX PRO: hardware block scaling.
     arch = "Blackwell" if major <= 12 else "post-Blackwell"
-    return ArchCapability(arch, cc, fp16_tensor_cores=True, tf32=True, bf16=True, fp8=True, mxfp8=True, nvfp4=True)
+    return ArchCapability(arch, cc, fp8=True, mxfp8=True, nvfp4=True)
 
 
 def _validated(compute_capability: object) -> tuple[int, int]:
-    if (
-        not isinstance(compute_capability, (tuple, list))
-        or len(compute_capability) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in compute_capability)
-        or min(compute_capability) < 0
+    if not isinstance(compute_capability, (tuple, list)) or len(compute_capability) != 2 or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in compute_capability
     ):
-        raise MpadviseError(
-            f"compute_capability must be a (major, minor) pair of non-negative integers, "
-            f"got {compute_capability!r}"
-        )
+        raise MpadviseError("compute_capability must be a (major, minor) pair of non-negative "
+                            f"integers, got {compute_capability!r}")
     return (compute_capability[0], compute_capability[1])
-
-
-_RELEASE = re.compile(r"(\d+)\.(\d+)")
 
 
 def release(version: str | None) -> tuple[int, int] | None:
     """``"2.3.0+cu12"`` -> ``(2, 3)``; ``None`` when it has no release line."""
-    match = _RELEASE.match(version.strip()) if isinstance(version, str) else None
+    match = re.match(r"(\d+)\.(\d+)", version.strip()) if isinstance(version, str) else None
     return (int(match[1]), int(match[2])) if match else None
 
 
@@ -112,36 +91,23 @@ _RUNS_ONLY_ON = {53: {53}, 62: {62}, 72: {72}, 87: {87}, 101: {101, 110}}
 _TAKES_ONLY_ITS_OWN = {53, 62, 72, 87, 101}
 
 
-def _arch_number(entry: str) -> int | None:
-    """``"sm_90a"`` -> 90, ``"compute_120f"`` -> 120; ``None`` for an entry of another form."""
-    _, _, number = str(entry).partition("_")
-    digits = number.rstrip("abcdefghijklmnopqrstuvwxyz")
-    return int(digits) if digits.isdigit() else None
-
-
 def torch_build_covers(compute_capability: tuple[int, int], arch_list: tuple[str, ...]) -> bool | None:
     """Whether a torch build compiled for ``arch_list`` (``get_arch_list()``) has kernels for
     this compute capability; ``None`` when the list is empty (not recorded, or no CUDA).
 
     Code built for ``sm_XY`` runs on X.Y and later minors of major X (torch's own
-    ``torch.cuda._check_capability``), so a cu126 build, which stops at ``sm_90``, has nothing
-    for a Blackwell GPU.
-    """
+    ``torch.cuda._check_capability``): a cu126 build, up to ``sm_90``, has nothing for Blackwell."""
     if not arch_list:
         return None
     major, minor = _validated(compute_capability)
     device = 10 * major + minor
-    for entry in arch_list:
-        code = _arch_number(entry)
-        if code is None:
-            continue
+    # "sm_90a" -> 90, "compute_120f" -> 120; an entry of another form is skipped.
+    numbers = (str(entry).partition("_")[2].rstrip(string.ascii_lowercase) for entry in arch_list)
+    for code in (int(number) for number in numbers if number.isdigit()):
         if code in _RUNS_ONLY_ON:
-            runs = device in _RUNS_ONLY_ON[code]
-        elif device in _TAKES_ONLY_ITS_OWN:
-            runs = False
-        else:
-            runs = code // 10 == major and minor >= code % 10
-        if runs:
+            if device in _RUNS_ONLY_ON[code]:
+                return True
+        elif device not in _TAKES_ONLY_ITS_OWN and code // 10 == major and minor >= code % 10:
             return True
     return False
 
@@ -152,10 +118,8 @@ class Fp8RecipeRule:
 
     ``below_cc``/``below_library`` are exclusive upper bounds (``None``: none); ``min_cuda`` is
     the CUDA torch was built with, beyond the architecture's floor; ``min_library`` of a recipe's
-    first rule is the first version that has it. A Linear runs in FP8 only when its features
-    are multiples of ``dim_multiple`` and its tokens (all dimensions but the last) of
-    ``token_multiple``.
-    """
+    first rule is the first version that has it. A Linear runs in FP8 only with its features a
+    multiple of ``dim_multiple``, its tokens (all dimensions but the last) of ``token_multiple``."""
 
     library: str
     recipe: str
@@ -168,9 +132,8 @@ class Fp8RecipeRule:
     token_multiple: int = 1
 
     def covers_version(self, version: tuple[int, int]) -> bool:
-        return (self.min_library is None or version >= self.min_library) and (
-            self.below_library is None or version < self.below_library
-        )
+        below = self.below_library is None or version < self.below_library
+        return below and (self.min_library is None or version >= self.min_library)
 
     def runs_on(self, compute_capability: tuple[int, int]) -> bool:
         cc = tuple(compute_capability)
@@ -185,31 +148,20 @@ class Fp8RecipeRule:
         return f"{_dotted(self.min_cc)} up to, not including, {_dotted(self.below_cc)}"
 
 
-# Read from each library's source; docs/capabilities.md cites the lines.
+# Read from each library's source; docs/capabilities.md cites the lines and says why.
 FP8_RECIPE_RULES: tuple[Fp8RecipeRule, ...] = (
-    # Transformer Engine: check_recipe_support (pytorch/quantization.py; pytorch/fp8.py before
-    # 2.9) decides the device, and every FP8 Linear asserts assert_dim_for_fp8_exec (pytorch/
-    # utils.py): tokens a multiple of 8, the last dimension of 16. Float8CurrentScaling came in
-    # 2.2, Float8BlockScaling in 2.3, MXFP8BlockScaling in 2.0 (common/recipe/__init__.py).
+    # Transformer Engine: check_recipe_support decides the device, assert_dim_for_fp8_exec shapes.
     Fp8RecipeRule("transformer_engine", "delayed", token_multiple=8),
     Fp8RecipeRule("transformer_engine", "current", min_library=(2, 2), token_multiple=8),
-    # MXFP8 scales blocks of 32 along both dimensions (MXFP8_BLOCK_SCALING_SIZE; the quantizer's
-    # is_quantizable wants both the last dimension and the tokens in whole blocks), and
-    # check_mxfp8_support wants 10.0 or newer and refuses 12.0 and newer (an RTX 5090).
-    Fp8RecipeRule(
-        "transformer_engine", "mxfp8", min_cc=(10, 0), below_cc=(12, 0), min_library=(2, 0),
-        dim_multiple=32, token_multiple=32,
-    ),
+    # MXFP8 scales blocks of 32 along both dimensions; TE refuses it on 12.0 and newer (RTX 5090).
+    Fp8RecipeRule("transformer_engine", "mxfp8", min_cc=(10, 0), below_cc=(12, 0),
+                  min_library=(2, 0), dim_multiple=32, token_multiple=32),
     # check_fp8_block_scaling_support: CUDA 12.9 always; Hopper alone until 2.8, 9.0 and newer from 2.9.
-    Fp8RecipeRule(
-        "transformer_engine", "block", min_cc=(9, 0), below_cc=(10, 0), min_cuda=(12, 9),
-        min_library=(2, 3), below_library=(2, 9), token_multiple=8,
-    ),
+    Fp8RecipeRule("transformer_engine", "block", min_cc=(9, 0), below_cc=(10, 0), min_cuda=(12, 9),
+                  min_library=(2, 3), below_library=(2, 9), token_multiple=8),
     Fp8RecipeRule("transformer_engine", "block", min_cc=(9, 0), min_cuda=(12, 9), min_library=(2, 9), token_multiple=8),
-    # torchao: torch._scaled_mm wants the inner dimension a multiple of 16 (float8/config.py,
-    # pad_inner_dim). The weight gradient's inner dimension is the token count, except where
-    # rowwise_with_gw_hp computes that matmul in high precision. torchao has no MXFP8 recipe
-    # in float8 training (Float8LinearRecipeName).
+    # torchao: torch._scaled_mm wants inner dimensions (the weight gradient's is the token count,
+    # computed in high precision by rowwise_with_gw_hp) a multiple of 16. It has no MXFP8 recipe.
     Fp8RecipeRule("torchao", "tensorwise", token_multiple=16),
     Fp8RecipeRule("torchao", "rowwise", token_multiple=16),
     Fp8RecipeRule("torchao", "rowwise_with_gw_hp"),
@@ -231,13 +183,9 @@ def fp8_recipe_rule(library: str, recipe: str, library_version: str | None = Non
     Raises:
         MpadviseError: no rule for this library and recipe.
     """
-    rules = _recipe_rules(library, recipe)
-    version = release(library_version)
-    if version is not None:
-        for rule in rules:
-            if rule.covers_version(version):
-                return rule
-    return rules[-1]
+    rules, version = _recipe_rules(library, recipe), release(library_version)
+    covering = [rule for rule in rules if version is not None and rule.covers_version(version)]
+    return covering[0] if covering else rules[-1]
 
 
 def fp8_recipe_since(library: str, recipe: str) -> tuple[int, int] | None:
@@ -250,8 +198,7 @@ def fp8_recipe_unmet(library: str, recipe: str, *, compute_capability: tuple[int
     """What an FP8 recipe needs that this device, CUDA and library version lack, as one clause
     (``"needs CUDA 12.9 or newer (torch was built with CUDA 12.4)"``); ``None`` when it runs.
 
-    A ``None`` (or unreadable) ``cuda_runtime`` or ``library_version`` skips that check.
-    """
+    A ``None`` (or unreadable) ``cuda_runtime`` or ``library_version`` skips that check."""
     name = library_display or library
     rules = _recipe_rules(library, recipe)
     version = release(library_version)
@@ -291,82 +238,60 @@ class SkuPeak:
 # (H100 NVL, H200 NVL, L40 without S, A10G, RTX 3090 Ti, laptop parts) deliberately match
 # nothing: no number is better than a wrong one.
 SKU_PEAKS: tuple[SkuPeak, ...] = (
-    # https://www.nvidia.com/en-us/data-center/tesla-p100/ ; fp16 is CUDA-core half2 (2x fp32).
+    # P100: fp16 is CUDA-core half2 (2x fp32).
     SkuPeak("P100 SXM2", r"P100.*SXM2", (("fp32", 10.6), ("fp16", 21.2)), "NVIDIA Tesla P100 datasheet"),
     SkuPeak("P100 PCIe", r"P100.*PCIE", (("fp32", 9.3), ("fp16", 18.7)), "NVIDIA Tesla P100 datasheet"),
-    # https://www.nvidia.com/en-us/data-center/v100/ ; "Tensor Performance" is fp16 in, fp32 accumulate.
+    # V100 and T4: "Tensor Performance" / "Mixed Precision" is fp16 in, fp32 accumulate.
     SkuPeak("V100S PCIe", r"V100S", (("fp32", 16.4), ("fp16", 130.0)), "NVIDIA V100 Tensor Core GPU datasheet (V100S)"),
     SkuPeak("V100 SXM2", r"V100\b.*SXM", (("fp32", 15.7), ("fp16", 125.0)), "NVIDIA Tesla V100 GPU Accelerator datasheet"),
     SkuPeak("V100 PCIe", r"V100\b.*PCIE", (("fp32", 14.0), ("fp16", 112.0)), "NVIDIA Tesla V100 GPU Accelerator datasheet"),
-    # https://www.nvidia.com/en-us/data-center/tesla-t4/ : "Mixed Precision (FP16/FP32) 65 TFLOPS".
     SkuPeak("T4", r"\bT4\b", (("fp32", 8.1), ("fp16", 65.0)), "NVIDIA T4 Tensor Core GPU datasheet"),
-    # https://www.nvidia.com/en-us/data-center/a100/ : same peaks for 40GB/80GB, SXM4 and PCIe;
-    # the datasheet's starred figures are sparse.
+    # A100: same peaks for 40GB/80GB, SXM4 and PCIe; the datasheet's starred figures are sparse.
     SkuPeak("A100", r"\bA100\b", (("fp32", 19.5), ("tf32", 156.0), ("fp16", 312.0), ("bf16", 312.0)),
             "NVIDIA A100 Tensor Core GPU datasheet"),
-    # https://www.nvidia.com/en-us/data-center/products/a10-gpu/
     SkuPeak("A10", r"\bA10\b(?!\d|G)", (("fp32", 31.2), ("tf32", 62.5), ("fp16", 125.0), ("bf16", 125.0)),
             "NVIDIA A10 Tensor Core GPU datasheet"),
-    # https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf,
-    # table "GeForce RTX 3090". GeForce runs fp16/bf16 with fp32 accumulate at half the
-    # fp16-accumulate rate (142); PyTorch accumulates in fp32, so that figure is the relevant one.
+    # GeForce runs fp16/bf16 with fp32 accumulate (what PyTorch uses) at half the fp16-accumulate
+    # rate; fp8 with fp32 accumulate is what torch._scaled_mm uses, and the least certain figure.
     SkuPeak("RTX 3090", r"RTX 3090(?!\s*Ti)(?!.*Laptop)",
             (("fp32", 35.6), ("tf32", 35.6), ("fp16", 71.0), ("bf16", 71.0)),
             "NVIDIA Ampere GA102 GPU Architecture whitepaper"),
-    # https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf,
-    # table "GeForce RTX 4090": fp32-accumulate figures (fp16-accumulate doubles them); fp8 with
-    # fp32 accumulate is what torch._scaled_mm uses. See docs/capabilities.md: fp8 is the least certain.
     SkuPeak("RTX 4090", r"RTX 4090(?!\s*D\b)(?!.*Laptop)",
             (("fp32", 82.6), ("tf32", 82.6), ("fp16", 165.2), ("bf16", 165.2), ("fp8", 330.3)),
             "NVIDIA Ada GPU Architecture whitepaper"),
-    # https://www.nvidia.com/en-us/data-center/l4/ : sparse figures only (120 / 242 / 485); dense is half.
+    # L4 and from here on, where only sparse figures are given (L4: 120 / 242 / 485), dense is half.
     SkuPeak("L4", r"\bL4\b", (("fp32", 30.3), ("tf32", 60.0), ("fp16", 121.0), ("bf16", 121.0), ("fp8", 242.5)),
             "NVIDIA L4 Tensor Core GPU datasheet"),
-    # https://www.nvidia.com/en-us/data-center/l40s/
     SkuPeak("L40S", r"\bL40S\b",
             (("fp32", 91.6), ("tf32", 183.0), ("fp16", 362.05), ("bf16", 362.05), ("fp8", 733.0)),
             "NVIDIA L40S GPU datasheet"),
-    # https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper, tables for H100 SXM5
-    # and PCIe (the datasheet gives the sparse figures, twice these). The PCIe part is named
-    # "NVIDIA H100 PCIe", the SXM part "NVIDIA H100 80GB HBM3".
+    # The PCIe part is named "NVIDIA H100 PCIe", the SXM part "NVIDIA H100 80GB HBM3"; the H200 is
+    # the H100 SXM die with more HBM, same compute peaks.
     SkuPeak("H100 PCIe", r"H100\b.*PCIE",
             (("fp32", 51.2), ("tf32", 378.0), ("fp16", 756.0), ("bf16", 756.0), ("fp8", 1513.0)),
             "NVIDIA H100 Tensor Core GPU Architecture whitepaper"),
     SkuPeak("H100 SXM", r"H100\b.*\b(SXM|HBM3)\b",
             (("fp32", 66.9), ("tf32", 494.7), ("fp16", 989.4), ("bf16", 989.4), ("fp8", 1978.9)),
             "NVIDIA H100 Tensor Core GPU Architecture whitepaper"),
-    # https://www.nvidia.com/en-us/data-center/h200/ : the H100 SXM die with more HBM, same
-    # compute peaks (datasheet sparse 989 / 1,979 / 3,958 halved, fp32 67).
     SkuPeak("H200 SXM", r"\bH200\b(?!.*NVL)",
             (("fp32", 66.9), ("tf32", 494.7), ("fp16", 989.4), ("bf16", 989.4), ("fp8", 1978.9)),
             "NVIDIA H200 Tensor Core GPU datasheet"),
-    # https://www.nvidia.com/en-us/data-center/hgx/ (per GPU): sparse FP4 18 PF, FP8 9 PF, BF16
-    # 4.5 PF, TF32 2.2 PF, dense is half; FP32 75 TFLOPS as listed.
+    # Per GPU; FP32 as listed (GB200 at up to 1,200 W).
     SkuPeak("B200", r"\bB200\b", (("fp32", 75.0), ("tf32", 1100.0), ("fp16", 2250.0), ("bf16", 2250.0),
                                   ("fp8", 4500.0), ("fp4", 9000.0)), "NVIDIA HGX B200 specifications"),
-    # https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (per GPU, at up to 1,200 W): sparse
-    # FP4 20 PF, FP8 10 PF, BF16 5 PF, TF32 2.5 PF; FP32 80 TFLOPS.
     SkuPeak("GB200", r"\bGB200\b", (("fp32", 80.0), ("tf32", 1250.0), ("fp16", 2500.0), ("bf16", 2500.0),
                                     ("fp8", 5000.0), ("fp4", 10000.0)), "NVIDIA GB200 NVL72 specifications"),
 )
 
-_COMPILED = tuple((re.compile(peak.pattern, re.IGNORECASE), peak) for peak in SKU_PEAKS)
-
-
 def match_sku(device_name: str) -> SkuPeak | None:
     """The datasheet row for a CUDA device name (``"NVIDIA A100-SXM4-80GB"``), or ``None``."""
-    for pattern, peak in _COMPILED:
-        if pattern.search(device_name):
-            return peak
-    return None
+    matches = (peak for peak in SKU_PEAKS if re.search(peak.pattern, device_name, re.IGNORECASE))
+    return next(matches, None)
 
 
 def peak_tflops(profile: HardwareProfile) -> dict[str, float]:
     """Datasheet dense peak TFLOP/s per dtype for this device (a fresh dict); ``{}`` when unknown.
 
-    CPUs have no table: their peaks depend on clocks, cores and vector width that vary by part.
-    """
-    if not profile.is_cuda:
-        return {}
-    peak = match_sku(profile.name)
+    CPUs have no table: their peaks depend on clocks, cores and vector width that vary by part."""
+    peak = match_sku(profile.name) if profile.is_cuda else None
     return dict(peak.tflops) if peak is not None else {}

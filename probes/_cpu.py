@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from pathlib import Path
@@ -21,22 +22,13 @@ PRECISION_FLAGS: frozenset[str] = frozenset(
 def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...]]:
     """``(model name, sorted PRECISION_FLAGS present)`` from ``/proc/cpuinfo``'s first block
     (every logical CPU reports the same); the name is ``""`` where there is none (ARM)."""
-    model = ""
-    flags: set[str] = set()
-    for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        for line in block.splitlines():
-            key, sep, value = line.partition(":")
-            if not sep:
-                continue
-            key = key.strip().lower()
-            if key == "model name" and not model:
-                model = value.strip()
-            elif key == "flags" and not flags:
-                flags = set(value.split()) & PRECISION_FLAGS
-        break
-    return model, tuple(sorted(flags))
+    first: dict[str, str] = {}
+    for line in text.strip().split("\n\n")[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            first.setdefault(key.strip().lower(), value.strip())
+    flags = set(first.get("flags", "").split()) & PRECISION_FLAGS
+    return first.get("model name", ""), tuple(sorted(flags))
 
 
 def cpu_profile(cpuinfo_path: str | os.PathLike[str] = "/proc/cpuinfo", *,
@@ -48,52 +40,38 @@ def cpu_profile(cpuinfo_path: str | os.PathLike[str] = "/proc/cpuinfo", *,
     except OSError:
         text = ""
     model, flags = parse_cpuinfo(text)
-    if not model:
-        model = platform.processor() or platform.machine() or "unknown CPU"
+    try:
+        import torch
+
+        torch_version: str | None = str(torch.__version__)
+    except ImportError:
+        torch_version = None
     memory_total, memory_free = _memory(meminfo_path)
-    return HardwareProfile(kind="cpu", name=model, memory_total=memory_total, memory_free=memory_free,
-                           cores=_usable_cores(), cpu_flags=flags, torch_version=_torch_version(),
-                           libraries=fp8_library_versions())
+    name = model or platform.processor() or platform.machine() or "unknown CPU"
+    return HardwareProfile(kind="cpu", name=name, memory_total=memory_total,
+                           memory_free=memory_free, cores=_usable_cores(), cpu_flags=flags,
+                           torch_version=torch_version, libraries=fp8_library_versions())
 
 
 def _usable_cores() -> int | None:
     # The affinity mask, not os.cpu_count(): under taskset, a cgroup cpuset or a batch
     # scheduler this process may use fewer cores than the machine has.
-    if hasattr(os, "sched_getaffinity"):
-        try:
-            return len(os.sched_getaffinity(0))
-        except OSError:
-            pass
-    return os.cpu_count()
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
 
 
 def _memory(meminfo_path: str | os.PathLike[str]) -> tuple[int | None, int | None]:
-    total: int | None = None
-    available: int | None = None
-    try:
+    values: dict[str, int] = {}
+    with contextlib.suppress(OSError):
         for line in Path(meminfo_path).read_text(encoding="utf-8").splitlines():
             key, _, value = line.partition(":")
             parts = value.split()
-            if not parts or not parts[0].isdigit():
-                continue
-            # meminfo reports kibibytes whatever the unit column says.
-            if key == "MemTotal":
-                total = int(parts[0]) * 1024
-            elif key == "MemAvailable":
-                available = int(parts[0]) * 1024
-    except OSError:
-        pass
+            if parts and parts[0].isdigit():
+                values[key] = int(parts[0]) * 1024  # kibibytes whatever the unit column says
+    total = values.get("MemTotal")
     if total is None:
-        try:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (AttributeError, OSError, ValueError):
-            total = None
-    return total, available
-
-
-def _torch_version() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    return str(torch.__version__)
+    return total, values.get("MemAvailable")

@@ -5,8 +5,7 @@ package every other one may import; ``advisor._secure`` re-exports it.
 Writing: a random name beside the target, created ``O_EXCL | O_NOFOLLOW``, fsynced, then
 ``os.replace``-d onto it (a symlink target is replaced, what it points to untouched). Reading:
 opened ``O_NOFOLLOW`` and judged by ``fstat`` on the open descriptor, so the file judged is the
-file read; its directory does not matter (a file of the user's in ``/tmp`` is fine).
-"""
+file read; its directory does not matter (a file of the user's in ``/tmp`` is fine)."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def write_file_atomic(path: str | os.PathLike[str], text: str | bytes, *, mode: 
     """Write ``text`` (UTF-8) or bytes to ``path`` whole or not at all, never through a planted
     name; on ``OSError`` no temporary file is left and the target is unchanged."""
     path = Path(path)
-    directory = path.parent
-    tmp, fd = _create_temporary(directory, path.name, mode)
+    tmp, fd = _create_temporary(path.parent, path.name, mode)
     try:
         with (os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")) as handle:
             handle.write(text)
@@ -41,7 +39,7 @@ def write_file_atomic(path: str | os.PathLike[str], text: str | bytes, *, mode: 
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_directory(directory)
+    _fsync_directory(path.parent)
     return path
 
 
@@ -49,8 +47,7 @@ def check_writable(path: str | os.PathLike[str], what: str) -> Path:
     """Refuse now, in one line, a file that could not be written after a tune of minutes.
 
     A temporary file is created in the directory and removed, as :func:`write_file_atomic`
-    would, so a read-only file system, a full quota or another user's directory is caught too.
-    """
+    would, so a read-only file system, a full quota or another user's directory is caught too."""
     path = Path(path)
     if path.is_dir():
         raise MpadviseError(f"cannot write {what} {path}: it is a directory")
@@ -82,30 +79,12 @@ def _create_temporary(directory: Path, name: str, mode: int) -> tuple[Path, int]
 
 def _fsync_directory(directory: Path) -> None:
     """Make the rename durable; a file system that cannot fsync a directory is let be."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def untrusted_reason(st: os.stat_result, *, uid: int) -> str | None:
-    """Why a config file with this ``fstat`` status must not be applied (``None``: it may be);
-    files of ``uid``'s and root's are trusted; a directory never gets here."""
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    perms = f"mode {stat.S_IMODE(st.st_mode):04o}"
-    if st.st_uid not in (uid, 0):
-        return f"owned by {_user(st.st_uid)}, not by {_user(uid)} who runs mpadvise ({perms})"
-    if st.st_mode & stat.S_IWOTH:
-        return f"writable by others ({perms}, owner {_user(st.st_uid)})"
-    if st.st_mode & stat.S_IWGRP:
-        return f"writable by its group ({perms}, owner {_user(st.st_uid)})"
-    return None
+        finally:
+            os.close(fd)
 
 
 def _user(uid: int) -> str:
@@ -137,22 +116,25 @@ def read_trusted_text(path: str | os.PathLike[str], *, what: str = "config file"
         raise MpadviseError(f"{what} {path} does not exist") from None
     except OSError:
         if os.path.islink(path):
-            raise MpadviseError(
-                f"refusing {what} {path}: it is a symbolic link, which mpadvise does not follow "
-                "(another user may have planted it); name the file it points to instead"
-            ) from None
+            raise MpadviseError(f"refusing {what} {path}: it is a symbolic link, which mpadvise "
+                                "does not follow (another user may have planted it); name the "
+                                "file it points to instead") from None
         raise
     with os.fdopen(fd, "rb") as handle:
         st = os.fstat(handle.fileno())
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        reason = untrusted_reason(st, uid=os.geteuid())
-        if reason is not None:
-            if not stat.S_ISREG(st.st_mode):
-                raise MpadviseError(f"refusing {what} {path}: it is {reason}; name a {what} instead")
-            if st.st_uid not in (os.geteuid(), 0):
-                fix = f"`rm {path}` if it is not yours, or `chown {_name(os.geteuid())} {path}` after reading it"
-            else:
-                fix = f"`chmod go-w {path}` if its content is yours"
-            raise MpadviseError(f"refusing {what} {path}: it is {reason}; another user could have written it; {fix}")
-        return handle.read().decode("utf-8")
+        if not stat.S_ISREG(st.st_mode):
+            raise MpadviseError(f"refusing {what} {path}: it is not a regular file; name a {what} "
+                                "instead")
+        me, perms = os.geteuid(), f"mode {stat.S_IMODE(st.st_mode):04o}"
+        if st.st_uid not in (me, 0):
+            reason = f"owned by {_user(st.st_uid)}, not by {_user(me)} who runs mpadvise ({perms})"
+            fix = f"`rm {path}` if it is not yours, or `chown {_name(me)} {path}` after reading it"
+        elif st.st_mode & (stat.S_IWOTH | stat.S_IWGRP):
+            whom = "others" if st.st_mode & stat.S_IWOTH else "its group"
+            reason = f"writable by {whom} ({perms}, owner {_user(st.st_uid)})"
+            fix = f"`chmod go-w {path}` if its content is yours"
+        else:
+            return handle.read().decode("utf-8")
+    raise MpadviseError(f"refusing {what} {path}: it is {reason}; another user could have written it; {fix}")

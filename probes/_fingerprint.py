@@ -5,46 +5,40 @@ whole GPU), compute capability, the CUDA and torch release lines, and a CPU's pr
 and cores. It leaves out what a routine upgrade changes without changing the answer: the
 driver, patch releases and the FP8 library versions (``policies.hardware_mismatch`` compares
 those for FP8 policies alone). Recipe 1 also covered all of those; it stays so that a policy
-or cache recorded under it is still recognised.
-"""
+or cache recorded under it is still recognised."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from probes._profile import HardwareProfile
+from probes._capability import release
+from probes._profile import HardwareProfile
 
 # Bumped when the recipe below changes, so that old cache keys miss instead of colliding.
 FINGERPRINT_VERSION = 2
 
 _GIB = 1024**3
-_MAJOR_MINOR = re.compile(r"(\d+)\.(\d+)")
 
 
 def major_minor(version: str | None) -> str | None:
     """``"2.5.1+cu124"`` -> ``"2.5"``; text that does not start with ``major.minor`` unchanged."""
-    if version is None:
-        return None
-    match = _MAJOR_MINOR.match(version)
-    return f"{match[1]}.{match[2]}" if match else version
+    pair = release(version)
+    return version if pair is None else f"{pair[0]}.{pair[1]}"
 
 
-def fingerprint_fields(profile: HardwareProfile, *, version: int = FINGERPRINT_VERSION) -> dict[str, Any]:
-    """The profile fields that key cached results under recipe ``version``. Never one card's
-    identifiers or momentary facts (UUID, index, free memory, clocks): two cards of one SKU
-    give one answer."""
-    memory_gib = None if profile.memory_total is None else round(profile.memory_total / _GIB)
-    capability = None if profile.compute_capability is None else list(profile.compute_capability)
+def hardware_fingerprint(profile: HardwareProfile, *, version: int = FINGERPRINT_VERSION) -> str:
+    """First 16 hex digits of the SHA-256, as canonical JSON, of the profile fields that key
+    cached results under recipe ``version``. Never one card's identifiers or momentary facts
+    (UUID, index, free memory, clocks): two cards of one SKU give one answer."""
+    capability, memory = profile.compute_capability, profile.memory_total
     fields: dict[str, Any] = {
         "v": version,
         "kind": profile.kind,
         "name": profile.name,
-        "compute_capability": capability,
-        "memory_gib": memory_gib,
+        "compute_capability": None if capability is None else list(capability),
+        "memory_gib": None if memory is None else round(memory / _GIB),
         "sm_count": profile.sm_count,
     }
     if version == 1:
@@ -55,14 +49,6 @@ def fingerprint_fields(profile: HardwareProfile, *, version: int = FINGERPRINT_V
     else:
         raise ValueError(f"hardware fingerprint recipe {version!r} is unknown; expected 1 or {FINGERPRINT_VERSION}")
     if profile.kind == "cpu":
-        fields["cpu_flags"] = sorted(profile.cpu_flags)
-        fields["cores"] = profile.cores
-    return fields
-
-
-def hardware_fingerprint(profile: HardwareProfile, *, version: int = FINGERPRINT_VERSION) -> str:
-    """First 16 hex digits of the SHA-256 of ``fingerprint_fields`` as canonical JSON."""
-    canonical = json.dumps(
-        fingerprint_fields(profile, version=version), sort_keys=True, separators=(",", ":"), ensure_ascii=True
-    )
+        fields.update(cpu_flags=sorted(profile.cpu_flags), cores=profile.cores)
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode("ascii")).hexdigest()[:16]

@@ -10,10 +10,8 @@ from importlib import metadata
 # builds), and its PyTorch extension alone as "transformer-engine-torch".
 FP8_LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torchao", ("torchao",)),
-    (
-        "transformer_engine",
-        ("transformer-engine", "transformer_engine", "transformer-engine-torch"),
-    ),
+    ("transformer_engine",
+     ("transformer-engine", "transformer_engine", "transformer-engine-torch")),
 )
 
 
@@ -22,8 +20,7 @@ def fp8_library_versions() -> tuple[tuple[str, str | None], ...]:
     ``HardwareProfile.from_dict`` sorts it.
 
     From package metadata only: importing torchao takes seconds and prints warnings, and
-    importing transformer_engine initialises CUDA.
-    """
+    importing transformer_engine initialises CUDA."""
     return tuple(sorted((library, first_installed(names)) for library, names in FP8_LIBRARIES))
 
 

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """What one device (a CUDA GPU or the host CPU) can do, as plain, hashable data that
-    round-trips through JSON. CUDA-only fields are ``None`` for the CPU; CPU-only ones keep
-    their defaults for a GPU. ``cuda_runtime`` is the CUDA torch was built with; ``libraries``
-    the FP8 libraries' versions (``None``: not installed); ``cuda_arch_list`` what the torch
-    build has kernels for (``()``: not recorded).
-    """
+    """What one device (a CUDA GPU or the host CPU) can do, as hashable data that round-trips
+    through JSON; fields of the other kind keep their defaults. ``cuda_runtime`` is the CUDA torch
+    was built with; ``libraries`` the FP8 libraries' versions (``None``: not installed);
+    ``cuda_arch_list`` what the torch build has kernels for (``()``: not recorded)."""
 
     kind: str
     name: str
@@ -29,7 +27,7 @@ class HardwareProfile:
     cores: int | None = None
     cpu_flags: tuple[str, ...] = ()
     torch_version: str | None = None
-    libraries: tuple[tuple[str, str | None], ...] = field(default=())
+    libraries: tuple[tuple[str, str | None], ...] = ()
     uuid: str | None = None
     cuda_arch_list: tuple[str, ...] = ()
 
@@ -60,16 +58,11 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
         """Inverse of ``to_dict``; unknown keys are ignored, so newer files still load."""
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in known}
-        if kwargs.get("compute_capability") is not None:
-            kwargs["compute_capability"] = tuple(kwargs["compute_capability"])
-        if kwargs.get("clocks_mhz") is not None:
-            kwargs["clocks_mhz"] = tuple(kwargs["clocks_mhz"])
-        kwargs["cpu_flags"] = tuple(kwargs.get("cpu_flags") or ())
-        kwargs["cuda_arch_list"] = tuple(kwargs.get("cuda_arch_list") or ())
+        kwargs = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        kwargs = {key: tuple(v) if isinstance(v, list) else v for key, v in kwargs.items()}
+        for key in ("cpu_flags", "cuda_arch_list"):
+            kwargs[key] = tuple(kwargs.get(key) or ())
         libs = kwargs.get("libraries") or {}
-        if isinstance(libs, dict):
-            libs = libs.items()
-        kwargs["libraries"] = tuple(sorted((str(k), v) for k, v in libs))
+        pairs = libs.items() if isinstance(libs, dict) else libs
+        kwargs["libraries"] = tuple(sorted((str(k), v) for k, v in pairs))
         return cls(**kwargs)

@@ -1,5 +1,4 @@
-"""Process-wide matmul switches, set for a block and restored exactly afterwards (the matmul
-benchmark and the fp32 and tf32 modes need them).
+"""Process-wide matmul switches, set for a block and restored exactly afterwards.
 
 torch >= 2.9 keeps the TF32 switches twice: the legacy API (one matmul precision, one cuDNN
 flag) and ``fp32_precision`` per backend and operator, where ``"none"`` inherits from
@@ -9,8 +8,7 @@ value. The legacy setters write the new switches, not the other way round, and t
 getters refuse ("mix of the legacy and new APIs") once a new switch holds what they cannot
 express: they are read only while the switches they check are neutral. Both APIs are set to
 agree inside the block: the kernels read the new ones, some of torch's Python (the inductor
-autotuning cache) the legacy ones.
-"""
+autotuning cache) the legacy ones."""
 
 from __future__ import annotations
 
@@ -37,18 +35,24 @@ def matmul_switches(*, tf32: bool, cuda: bool) -> Iterator[None]:
         with _legacy_switches(torch, tf32=tf32, cuda=cuda):
             yield
         return
-    if _already_set(torch, tf32=tf32, cuda=cuda):
+    switches = _MATMUL_SWITCHES + (_CUDNN_SWITCHES if cuda else ())
+    if _already_set(torch, switches, tf32=tf32, cuda=cuda):
         yield
         return
-    switches = _MATMUL_SWITCHES + (_CUDNN_SWITCHES if cuda else ())
     read = {switch: _get(torch, switch) for switch in switches}
     own = {switch: _own_precision(torch, switch) for switch in switches}
-    legacy = _legacy_state(torch, cuda=cuda, own=own)
+    precision, cudnn_tf32 = _legacy_state(torch, cuda=cuda, own=own)
     try:
-        _set_both_apis(torch, tf32=tf32, cuda=cuda)
+        value = "tf32" if tf32 else "ieee"
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        if cuda:
+            torch.backends.cudnn.allow_tf32 = tf32
+        # cudnn.allow_tf32 = False writes "none", which inherits TF32 where the user turned it
+        # on for all of CUDA or everywhere: "TF32 off" has to be stated.
+        for switch in switches:
+            _set(torch, switch, value)
         yield
     finally:
-        precision, cudnn_tf32 = legacy
         torch.set_float32_matmul_precision(precision)
         if cudnn_tf32 is not None:
             torch.backends.cudnn.allow_tf32 = cudnn_tf32
@@ -58,9 +62,9 @@ def matmul_switches(*, tf32: bool, cuda: bool) -> Iterator[None]:
         # are unset, a default no setter restores: "none" written back would read "none", and
         # torch would then refuse to report cudnn.allow_tf32 at all. Where the value put back
         # does not read as before, the value read before is set.
-        for switch, value in read.items():
-            if _get(torch, switch) != value:
-                _set(torch, switch, value)
+        for switch, before in read.items():
+            if _get(torch, switch) != before:
+                _set(torch, switch, before)
 
 
 def has_fp32_precision_api(torch: Any) -> bool:
@@ -99,6 +103,11 @@ def _set(torch: Any, switch: _Switch, value: str) -> None:
     torch._C._set_fp32_precision_setter(*switch, value)
 
 
+def _put_back(torch: Any, own: dict[_Switch, str]) -> None:
+    for switch, value in own.items():
+        _set(torch, switch, value)
+
+
 def _own_precision(torch: Any, switch: _Switch) -> str:
     """The value set on ``switch`` itself, ``"none"`` where it inherits: torch reports the value
     in effect, so the parent is changed for a moment to see whether the switch follows it."""
@@ -117,56 +126,31 @@ def _own_precision(torch: Any, switch: _Switch) -> str:
     return "none" if inherits else value
 
 
-def _put_back(torch: Any, own: dict[_Switch, str]) -> None:
-    for switch, value in own.items():
-        _set(torch, switch, value)
-
-
 def _legacy_state(torch: Any, *, cuda: bool, own: dict[_Switch, str]) -> tuple[str, bool | None]:
     """The legacy matmul precision and (on CUDA) cuDNN flag, read exactly; ``own`` is put back.
 
     The matmul getter always answers with both matmul switches at "ieee"; the cuDNN getter,
-    with both cuDNN switches at "tf32", answers exactly when its flag is on.
-    """
+    with both cuDNN switches at "tf32", answers exactly when its flag is on."""
     try:
-        for switch in _MATMUL_SWITCHES:
-            _set(torch, switch, "ieee")
+        _put_back(torch, dict.fromkeys(_MATMUL_SWITCHES, "ieee"))
         precision = torch.get_float32_matmul_precision()
-        cudnn_tf32 = None
-        if cuda:
-            for switch in _CUDNN_SWITCHES:
-                _set(torch, switch, "tf32")
-            try:
-                cudnn_tf32 = bool(torch.backends.cudnn.allow_tf32)
-            except RuntimeError:
-                cudnn_tf32 = False
-        return precision, cudnn_tf32
+        if not cuda:
+            return precision, None
+        _put_back(torch, dict.fromkeys(_CUDNN_SWITCHES, "tf32"))
+        try:
+            return precision, bool(torch.backends.cudnn.allow_tf32)
+        except RuntimeError:
+            return precision, False
     finally:
         _put_back(torch, own)
 
 
-def _set_both_apis(torch: Any, *, tf32: bool, cuda: bool) -> None:
-    value = "tf32" if tf32 else "ieee"
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    for switch in _MATMUL_SWITCHES:
-        _set(torch, switch, value)
-    if cuda:
-        torch.backends.cudnn.allow_tf32 = tf32
-        # cudnn.allow_tf32 = False writes "none", which inherits TF32 where the user turned it
-        # on for all of CUDA or everywhere: "TF32 off" has to be stated.
-        for switch in _CUDNN_SWITCHES:
-            _set(torch, switch, value)
-
-
-def _already_set(torch: Any, *, tf32: bool, cuda: bool) -> bool:
+def _already_set(torch: Any, switches: tuple[_Switch, ...], *, tf32: bool, cuda: bool) -> bool:
     # "none" in effect means no switch asks for reduced precision: IEEE fp32.
     wanted = {"tf32"} if tf32 else {"ieee", "none"}
-    switches = _MATMUL_SWITCHES + (_CUDNN_SWITCHES if cuda else ())
-    if any(_get(torch, switch) not in wanted for switch in switches):
-        return False
     try:
-        if torch.get_float32_matmul_precision() != ("high" if tf32 else "highest"):
-            return False
-        return not cuda or torch.backends.cudnn.allow_tf32 == tf32
+        return (all(_get(torch, switch) in wanted for switch in switches)
+                and torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+                and (not cuda or torch.backends.cudnn.allow_tf32 == tf32))
     except RuntimeError:
         return False
