@@ -1,22 +1,10 @@
-"""The guard: watches a long run's optimizer steps for what a short trial cannot see.
-
-A tune judges a policy over a few hundred steps; a run lasts days, and much of what goes wrong
-in reduced precision shows up late (activations outgrowing fp16's range as the weights grow, a
-loss scale that keeps halving, a learning-rate decay that takes 16-bit updates below the
-weights' resolution). The guard watches, on every optimizer step:
-
-* a non-finite loss on a step the optimizer applied, or on several steps in a row;
-* the GradScaler's skip rate over a window of steps;
-* the loss scale falling below its floor (a healthy GradScaler never goes below 1);
-* the loss's trend: behind fp32's curve over the steps they share, or climbing, and in the pure
-  16-bit modes updates lost to rounding (a stall); see ``_trend``.
-
-Its limits are the stability verdicts' own (``GuardLimits.from_thresholds`` takes the tune's
-``StabilityThresholds``), so a run that a trial would have judged stable never trips them.
-
-What it does on a trip is the caller's: ``warn`` logs one line, once; ``fallback`` moves the
-run to ``guard_fallback``'s safer policy. The decision is a pure function of the values it is
-fed, so it is tested without devices or clocks.
+"""The guard: watches a long run's optimizer steps for what a short trial cannot see (activations
+outgrowing fp16 as the weights grow, a loss scale that keeps halving, a decayed learning rate
+whose 16-bit updates round away): non-finite losses, the GradScaler's skip rate, a loss scale
+below its floor, and the loss's trend (``_trend``). Its limits are the stability verdicts' own,
+so a run that a trial would judge stable never trips them. On a trip, ``warn`` logs one line
+once and ``fallback`` moves to ``guard_fallback``'s safer policy; the decision is a pure
+function of the values fed in.
 """
 
 from __future__ import annotations
@@ -43,11 +31,8 @@ SCALE_COLLAPSE = "loss-scale collapse"
 
 
 def guard_setting(given: str | None, environ: Mapping[str, str] = os.environ) -> str:
-    """The guard setting in force: ``given``, else ``MPADVISE_GUARD``, else ``"off"``.
-
-    Raises:
-        MpadviseError: a value that is not one of ``GUARD_SETTINGS``, naming where it came from.
-    """
+    """The guard setting in force: ``given``, else ``MPADVISE_GUARD``, else ``"off"``; an
+    MpadviseError naming where a value that is not one of ``GUARD_SETTINGS`` came from."""
     where, value = ("guard=", given) if given is not None else (f"{GUARD_ENV}=", environ.get(GUARD_ENV, ""))
     value = (value or "off").strip().lower()
     if value not in GUARD_SETTINGS:
@@ -57,35 +42,22 @@ def guard_setting(given: str | None, environ: Mapping[str, str] = os.environ) ->
 
 @dataclass(frozen=True)
 class GuardLimits:
-    """When a signal trips.
+    """When a signal trips (the trend's margins are the verdicts' climb limit and final gap)."""
 
-    Attributes:
-        window: optimizer steps over which the skip rate is counted.
-        calibration_steps: the first steps, whose skips are the scaler finding its scale.
-        max_skip_fraction: the most skips a window may hold, as a fraction (at least two are
-            always allowed: a healthy dynamic scaler skips once per growth interval).
-        min_loss_scale: a loss scale below this is a collapse.
-        non_finite_run: this many non-finite losses in a row trip the guard even where the
-            scaler skipped each of those steps (one such step is the scaler doing its job).
-        loss_window: optimizer steps per window of the loss's trend.
-        trend_windows: windows (or probes) in a row a trend signal must hold.
-        climb_margin: the verdicts' climb limit: a window above the best one by more than this.
-        gap_margin: the verdicts' final gap: a window above fp32's by more than this.
-        probe_every: optimizer steps between two looks at updates lost to rounding.
-        max_lost_fraction: more sampled updates lost than this, in a probe, is a stall.
-    """
-
-    window: int = 50
-    calibration_steps: int = 16
+    window: int = 50  # optimizer steps over which the skip rate is counted
+    calibration_steps: int = 16  # the first steps, whose skips are the scaler finding its scale
+    # At least two skips per window are always allowed: a healthy scaler skips once per growth.
     max_skip_fraction: float = 0.05
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = 1.0  # a loss scale below this is a collapse
+    # This many non-finite losses in a row trip even where the scaler skipped each step (one
+    # such step is the scaler doing its job).
     non_finite_run: int = 3
-    loss_window: int = 25
-    trend_windows: int = 2
+    loss_window: int = 25  # optimizer steps per window of the loss's trend
+    trend_windows: int = 2  # windows (or probes) in a row a trend signal must hold
     climb_margin: float = 0.05
     gap_margin: float = 0.05
-    probe_every: int = 25
-    max_lost_fraction: float = 0.5
+    probe_every: int = 25  # optimizer steps between two looks at updates lost to rounding
+    max_lost_fraction: float = 0.5  # more sampled updates lost than this, in a probe, is a stall
 
     @classmethod
     def from_thresholds(cls, thresholds: Any) -> GuardLimits:
@@ -106,19 +78,10 @@ class GuardLimits:
 
 @dataclass(frozen=True)
 class GuardEvent:
-    """What the guard saw: the signal, the optimizer step where it began, and what followed.
-
-    Attributes:
-        signal: ``NON_FINITE``, ``SKIP_RATE`` or ``SCALE_COLLAPSE``.
-        step: the optimizer step (counted from 1) where the signal began.
-        tripped_at: the optimizer step at which the guard tripped.
-        policy: the mode in force when it began.
-        fallback: the safer mode the run moved to (``fallback``), or would move to (``warn``);
-            ``None`` where nothing safer runs here.
-        action: ``"warned"``, ``"fell back"``, or ``"restart needed"`` (a framework that
-            cannot change precision in place).
-        detail: the figures behind the signal, for people.
-    """
+    """What the guard saw: the signal, the optimizer step (from 1) where it began and the one
+    where it tripped, the mode in force, the safer mode moved to (or that would be; ``None``
+    where none runs here), the ``action`` (``"warned"``, ``"fell back"``, or ``"restart
+    needed"`` where a framework cannot change precision in place), and the figures, for people."""
 
     signal: str
     step: int
@@ -164,6 +127,8 @@ class Guard:
         reference: fp32's loss per optimizer step, where the tune recorded it.
         trend: whether the loss's trend and lost updates are watched: only where a safer mode
             exists, since a climb that fp32 would show too is the schedule's, not the precision's.
+
+    ``tripped``: whether a signal tripped since the last ``rearm`` (a warning is said once).
     """
 
     def __init__(self, setting: str, limits: GuardLimits | None = None, reference: Sequence[float] = (),
@@ -176,7 +141,8 @@ class Guard:
         self._skips: deque[int] = deque()  # optimizer steps the scaler skipped, within the window
         self._non_finite_since: int | None = None
         self._collapse_since: int | None = None
-        self._tripped = False
+        self.tripped = False
+        self.active = setting != "off"
         self.reference, self.trend_on = tuple(reference), trend
         self._fresh_trend()
 
@@ -186,16 +152,6 @@ class Guard:
                                self.reference)
         self.probe = UpdateProbe(limits.probe_every)
         self._stall: list[int] = []  # the probes in a row that lost too many updates
-
-    @property
-    def active(self) -> bool:
-        """Whether it watches at all."""
-        return self.setting != "off"
-
-    @property
-    def tripped(self) -> bool:
-        """Whether a signal tripped since the last ``rearm`` (a warning is said once)."""
-        return self._tripped
 
     def observe(self, step: int, *, loss: float, applied: bool, loss_scale: float | None,
                 lost: float | None = None) -> tuple[str, int, str] | None:
@@ -210,16 +166,15 @@ class Guard:
             lost: the fraction of updates ``probe`` found lost in this step, where it looked.
 
         Returns:
-            ``(signal, onset step, detail)`` the first time a signal trips; ``None`` otherwise,
-            and always once tripped until ``rearm``.
+            ``(signal, onset step, detail)`` the first time a signal trips, else ``None``.
         """
-        if not self.active or self._tripped:
+        if not self.active or self.tripped:
             return None
         found = self._non_finite(step, loss, applied) or self._skip_rate(step, applied) or self._collapse(step, loss_scale)
         if found is None and self.trend_on and applied and math.isfinite(loss):
             found = self.trend.add(step, loss) or self._stalled(step, lost)
         if found is not None:
-            self._tripped = True
+            self.tripped = True
         return found
 
     def _non_finite(self, step: int, loss: float, applied: bool) -> tuple[str, int, str] | None:
@@ -278,7 +233,7 @@ class Guard:
         """Watch afresh, under a new policy after a fallback."""
         self._skips.clear()
         self._non_finite_since = self._collapse_since = None
-        self._tripped = False
+        self.tripped = False
         self._fresh_trend()
 
     def state_dict(self) -> dict[str, Any]:
@@ -288,7 +243,7 @@ class Guard:
             "skips": list(self._skips),
             "non_finite_since": self._non_finite_since,
             "collapse_since": self._collapse_since,
-            "tripped": self._tripped,
+            "tripped": self.tripped,
             "trend": self.trend.state_dict(),
             "stall": list(self._stall),
             "events": [event.to_dict() for event in self.events],
@@ -299,7 +254,7 @@ class Guard:
         self._skips = deque(int(step) for step in state.get("skips", ()))
         self._non_finite_since = state.get("non_finite_since")
         self._collapse_since = state.get("collapse_since")
-        self._tripped = bool(state.get("tripped", False))
+        self.tripped = bool(state.get("tripped", False))
         self.trend.load_state_dict(state.get("trend", {}))
         self._stall = [int(step) for step in state.get("stall", ())]
         self.events = [GuardEvent.from_dict(event) for event in state.get("events", ())]

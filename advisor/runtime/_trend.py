@@ -1,21 +1,18 @@
 """The guard's two slow signals: the loss's trend over windows of steps, and updates lost to
 rounding.
 
-* **Behind fp32** (where the tune recorded fp32's curve for this workload): in the last whole
-  window the run shares with that curve, the middle half of its losses above fp32's middle half
-  over the same steps by more than the verdicts' final gap. The last window, as the verdicts
-  judge a trial's final level: a scaler's first skipped steps delay the early descent.
-* **Climb**: a window whose middle half lies above the best window's middle half by more than
-  the verdicts' climb margin. Quartiles, not means: a loss heading towards zero, or a noisy
-  one, overlaps itself and never trips.
+* **Behind fp32** (where the tune recorded fp32's curve): in the last whole window the run
+  shares with that curve, the middle half of its losses above fp32's over the same steps by
+  more than the verdicts' final gap. The last window, as the verdicts judge a trial's final
+  level: a scaler's first skipped steps delay the early descent.
+* **Climb**: a window's middle half above the best window's by more than the verdicts' climb
+  margin. Quartiles, not means: a loss heading towards zero, or a noisy one, never trips.
 * **Stall**: in the pure 16-bit modes a small learning rate takes updates below the weights'
-  resolution, and the loss stops moving while fp32's would not. A flat loss alone cannot be
-  told from convergence, so the cause is measured: every ``probe_every`` optimizer steps a
-  sample of the 16-bit parameters is compared before and after the step, and the fraction of
-  elements with a gradient that did not change is the fraction of updates lost.
+  resolution. A flat loss cannot be told from convergence, so the cause is measured: every
+  ``probe_every`` steps, the fraction of sampled 16-bit elements with a gradient that the step
+  left unchanged (one device sync per probe).
 
-A climb or a stall must hold for ``windows`` windows (or probes) in a row. The checks are pure
-functions of the values fed in; the probe's one device sync is every ``probe_every`` steps.
+A climb or a stall must hold for ``windows`` windows (or probes) in a row.
 """
 
 from __future__ import annotations
@@ -43,16 +40,9 @@ def above(low: float, high: float, margin: float) -> bool:
 
 
 class LossTrend:
-    """Windows of an applied step's finite losses, checked against fp32's curve and the best
-    window so far.
-
-    Args:
-        window: steps per window.
-        windows: windows in a row a signal must hold.
-        climb_margin: the climb limit, as a fraction (the verdicts' ``climb_margin``).
-        gap_margin: the behind-fp32 limit, as a fraction (the verdicts' ``max_final_gap``).
-        reference: fp32's loss per optimizer step, from the tune; empty where none.
-    """
+    """Windows of ``window`` applied steps' finite losses, checked against ``reference`` (fp32's
+    loss per optimizer step in the tune, where recorded) by ``gap_margin``, and against the best
+    window so far by ``climb_margin``, which must hold ``windows`` windows in a row."""
 
     def __init__(self, window: int, windows: int, climb_margin: float, gap_margin: float,
                  reference: Sequence[float] = ()) -> None:
@@ -62,8 +52,7 @@ class LossTrend:
         self.losses: list[float] = []
         self.start = 0  # the optimizer step of the current window's first loss
         self.best: tuple[float, float] | None = None  # the best window's quartiles
-        self.runs = {CLIMB: 0}
-        self.since = {CLIMB: 0}
+        self.climbs = self.climb_since = 0  # windows in a row that climbed, from this step
 
     def add(self, step: int, loss: float) -> tuple[str, int, str] | None:
         """One applied step's finite loss; the signal that holds now, if any."""
@@ -78,15 +67,6 @@ class LossTrend:
         if self.best is None or high < self.best[1]:
             self.best = (low, high)
         return found
-
-    def _held(self, signal: str, start: int, holds: bool) -> bool:
-        if not holds:
-            self.runs[signal] = 0
-            return False
-        if self.runs[signal] == 0:
-            self.since[signal] = start
-        self.runs[signal] += 1
-        return self.runs[signal] >= self.windows
 
     def _behind(self, start: int, end: int, low: float) -> tuple[str, int, str] | None:
         if end > len(self.reference) or end + self.window <= len(self.reference):
@@ -103,33 +83,35 @@ class LossTrend:
     def _climb(self, start: int, low: float) -> tuple[str, int, str] | None:
         if self.best is None:
             return None
-        if self._held(CLIMB, start, above(low, self.best[1], self.climb_margin)):
-            return (CLIMB, self.since[CLIMB], f"the loss's lower quartile {low:.4g}, above the best window's upper "
-                    f"quartile {self.best[1]:.4g} by more than {self.climb_margin:.0%}, {self.windows} windows "
-                    f"of {self.window} steps in a row")
-        return None
+        if not above(low, self.best[1], self.climb_margin):
+            self.climbs = 0
+            return None
+        if self.climbs == 0:
+            self.climb_since = start
+        self.climbs += 1
+        if self.climbs < self.windows:
+            return None
+        return (CLIMB, self.climb_since, f"the loss's lower quartile {low:.4g}, above the best window's upper "
+                f"quartile {self.best[1]:.4g} by more than {self.climb_margin:.0%}, {self.windows} windows "
+                f"of {self.window} steps in a row")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"losses": list(self.losses), "start": self.start, "best": self.best, "runs": dict(self.runs),
-                "since": dict(self.since)}
+        # "runs" and "since" keep the checkpoint format of a climb counter keyed by signal.
+        return {"losses": list(self.losses), "start": self.start, "best": self.best,
+                "runs": {CLIMB: self.climbs}, "since": {CLIMB: self.climb_since}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.losses = [float(v) for v in state.get("losses", ())]
         self.start = int(state.get("start", 0))
         best = state.get("best")
         self.best = None if best is None else (float(best[0]), float(best[1]))
-        self.runs.update(state.get("runs", {}))
-        self.since.update(state.get("since", {}))
+        self.climbs = int(state.get("runs", {}).get(CLIMB, self.climbs))
+        self.climb_since = int(state.get("since", {}).get(CLIMB, self.climb_since))
 
 
 class UpdateProbe:
-    """Every ``every`` optimizer steps, the fraction of sampled 16-bit parameter elements that
-    had a gradient and did not change in the step.
-
-    Args:
-        every: optimizer steps between probes.
-        sample: the most elements read from each parameter.
-    """
+    """Every ``every`` optimizer steps, the fraction of sampled 16-bit parameter elements (at
+    most ``sample`` from each) that had a gradient and did not change in the step."""
 
     def __init__(self, every: int, sample: int = 1024) -> None:
         self.every, self.sample = every, sample

@@ -69,7 +69,8 @@ class Workload:
     @classmethod
     def of(cls, model: Any, optimizer: Any | None, *, global_batch: int | None,
            script: str | os.PathLike[str] | None, args: Sequence[str] = (), world_size: int | None = None) -> Workload:
-        """Read the facts from a model, an optimizer and the script (as :func:`workload_fingerprint`)."""
+        """Read the facts from a model, an optimizer and the script; ``global_batch`` is over all
+        processes."""
         path = None if script is None else os.fspath(script)
         return cls(
             model=model_signature(model),
@@ -150,15 +151,6 @@ def model_signature(model: Any) -> str:
     return _digest(lines)
 
 
-def workload_fingerprint(model: Any, optimizer: Any | None, *, global_batch: int | None,
-                         script: str | os.PathLike[str] | None, args: Sequence[str] = (),
-                         world_size: int | None = None) -> str:
-    """The cache key of a training workload; ``global_batch`` is over all processes."""
-    return Workload.of(
-        model, optimizer, global_batch=global_batch, script=script, args=args, world_size=world_size
-    ).fingerprint()
-
-
 def current_world_size(env: Mapping[str, str] | None = None) -> int:
     """The initialised process group's size, else ``WORLD_SIZE`` if a positive integer, else 1."""
     # Not imported here: a script that never imported torch.distributed has no group.
@@ -215,9 +207,7 @@ def _as_recorded(tuned: TunedOn, here: Workload) -> tuple[Workload, tuple[str, .
                        script=os.path.basename(tuned.script) if tuned.script else here.script,
                        script_digest=tuned.script_digest or here.script_digest)
     per_process = tuned.global_batch
-    world_size = getattr(tuned, "world_size", None)  # a [tuned_on] that records it
-    if world_size is None:
-        world_size = _recovered_world_size(recorded, per_process, tuned.workload_fingerprint)
+    world_size = _recovered_world_size(recorded, per_process, tuned.workload_fingerprint)
     if world_size is None:
         # Unknown, since other facts changed too. Most tunes and every entry from before the
         # world size was recorded ran one process: only a run of several names it.
