@@ -51,8 +51,8 @@ class AppliedPolicy:
                  device: str | torch.device | None = None, observer: StepObserver | None = None,
                  match_workload: bool = False, alternatives: Sequence[tuple[Policy, str]] = (),
                  guard: Guard | None = None, on_guard_event: Callable[[GuardEvent], None] | None = None) -> None:
-        """``match_workload``: check the whole workload (a tune's answer), not only the model;
-        ``alternatives``: other answers for this script, tried in order when ``policy`` does not fit."""
+        """``match_workload``: check the whole workload (a tune's answer), not only the model,
+        trying ``alternatives`` (other answers for this script) in order where it does not fit."""
         import torch
 
         self.policy, self.profile, self.source = policy, profile, source

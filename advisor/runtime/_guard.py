@@ -133,8 +133,6 @@ class Guard:
 
     def __init__(self, setting: str, limits: GuardLimits | None = None, reference: Sequence[float] = (),
                  trend: bool = True) -> None:
-        if setting not in GUARD_SETTINGS:
-            raise MpadviseError(f"guard {setting!r}: expected one of {', '.join(GUARD_SETTINGS)}")
         self.setting = setting
         self.limits = limits or GuardLimits()
         self.events: list[GuardEvent] = []

@@ -1,9 +1,6 @@
-"""Whether a tuned policy fits the workload it is applied to, and the training batch's split.
-
-``setup()`` learns the model, the optimizer and the script, ``micro_batch_size()`` the global
-batch; each checks the policy in force against what it learnt. A miss applies another tune's
-answer for this workload, else ``safe_fallback`` (``_switch``).
-"""
+"""Whether a tuned policy fits its workload: ``setup()`` checks the model, optimizer and script,
+``micro_batch_size()`` the global batch. A miss applies another tune's answer for this workload,
+else ``safe_fallback`` (``_switch``)."""
 
 from __future__ import annotations
 
@@ -51,9 +48,8 @@ class WorkloadCheck:
 def check_setup(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Fingerprint ``model`` before any mode swaps its modules, and replace a policy that does not fit."""
     check = applied._check
-    script = _paths.current_script()
-    check.workload = Workload.of(model, optimizer, global_batch=None,
-                                 script=str(script) if script is not None else None, args=_script_args())
+    check.workload = Workload.of(model, optimizer, global_batch=None, script=_paths.current_script(),
+                                 args=_script_args())
     applied.model_signature = check.workload.model
     mismatch = setup_mismatch(applied, applied.policy)
     if mismatch is not None and not apply_other_answer(applied, mismatch, lambda policy: setup_mismatch(applied, policy)):

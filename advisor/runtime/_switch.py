@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 from advisor._log import get_logger
 from advisor.runtime._fallback import fallback_words, guard_fallback, safe_fallback
 from advisor.runtime._guard import GuardEvent
-from advisor.runtime._retarget import upcast_in_place
 from policies import Policy, create_mode, mode_facts, safe_default
 
 if TYPE_CHECKING:
+    import torch
+
     from advisor.runtime._applied import AppliedPolicy
 
 
@@ -85,3 +86,17 @@ def guard_tripped(applied: AppliedPolicy, signal: str, onset: int, detail: str) 
     get_logger().warning(event.line())
     if applied.on_guard_event is not None:
         applied.on_guard_event(event)
+
+
+def upcast_in_place(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Make every parameter and its optimizer state fp32 in place (the same Parameter objects)."""
+    import torch
+
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and parameter.dtype != torch.float32:
+            parameter.data = parameter.data.float()
+            parameter.grad = None
+    for state in optimizer.state.values() if optimizer is not None else ():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                state[key] = value.float()
