@@ -32,8 +32,8 @@ _EXPORTS = {
     "MpadviseError": "probes",
 }
 
-__all__ = ["MODES", "AppliedPolicy", "Fp8Options", "LossScale", "MpadviseError", "Policy", "PolicyError",
-           "__version__", "load_policy", "tune"]
+__all__ = ["MODES", "AppliedPolicy", "Fp8Options", "LossScale", "MpadviseError", "Policy",
+           "PolicyError", "__version__", "load_policy", "tune"]
 
 
 class _Surface(_ModuleType):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -38,20 +38,21 @@ from probes import MpadviseError
 if TYPE_CHECKING:
     from probes import HardwareProfile
 
-    Cached = Callable[[HardwareProfile, Path | None], tuple[Policy, str] | Sequence[TunedAnswer] | None]
+    Found = tuple[Policy, str] | Sequence[TunedAnswer] | None
+    Cached = Callable[[HardwareProfile, Path | None], Found]
 
-POLICY_ENV = "MPADVISE_POLICY"
-"""Environment variable naming a config file to use."""
+POLICY_ENV = "MPADVISE_POLICY"  # names a config file to use
 
 # The AppliedPolicy made for each tuned policy that load_policy() resolved in this process, so
 # that a second call shares the first one's workload check (see load_policy).
 _CHECKED_POLICIES: dict[tuple[object, ...], AppliedPolicy] = {}
 
+
 class PolicySource(Enum):
     """Where a resolved policy comes from, in ``load_policy()``'s order (for callers to decide
     on; ``Resolution.source`` is the text for people)."""
 
-    EXPLICIT = "explicit"  # a config file or Policy the caller named (load_policy(source), --config)
+    EXPLICIT = "explicit"  # a config file or Policy the caller named (load_policy(), --config)
     ENV = "env"  # the config file MPADVISE_POLICY names
     BESIDE_SCRIPT = "beside-script"  # <script>.mpadvise.toml
     CACHE = "cache"  # the cache entry for this hardware and script
@@ -81,14 +82,9 @@ class Resolution:
     reference: tuple[float, ...] = ()
 
 
-def resolve_policy(
-    source: Policy | str | os.PathLike[str] | None,
-    *,
-    profile: HardwareProfile,
-    script: Path | None,
-    environ: dict[str, str] | os._Environ[str] = os.environ,
-    cached: Cached | None = None,
-) -> Resolution:
+def resolve_policy(source: Policy | str | os.PathLike[str] | None, *, profile: HardwareProfile,
+                   script: Path | None, environ: Mapping[str, str] = os.environ,
+                   cached: Cached | None = None) -> Resolution:
     """Decide which policy applies, in the documented order.
 
     Order: an explicit ``source``; ``MPADVISE_POLICY``; ``<script>.mpadvise.toml`` beside the
@@ -130,7 +126,8 @@ def resolve_policy(
             # files do not record), and those of the script's other workloads.
             found = _answers(cached, profile, script)
             same = [a for a in found if _workload_of(a.policy) == workload]
-            config = TunedAnswer(policy, f"config file {path}", policy.tuned_on.args)  # type: ignore[union-attr]
+            args = policy.tuned_on.args  # type: ignore[union-attr]
+            config = TunedAnswer(policy, f"config file {path}", args)
             if same:
                 config = replace(config, args=config.args if config.args is not None else same[0].args,
                                  reference=same[0].reference)
@@ -149,7 +146,8 @@ def resolve_policy(
     return _other_hardware(policy, label, mismatch, profile)
 
 
-def _answers(cached: Cached | None, profile: HardwareProfile, script: Path | None) -> list[TunedAnswer]:
+def _answers(cached: Cached | None, profile: HardwareProfile,
+             script: Path | None) -> list[TunedAnswer]:
     """What ``cached`` found, as answers."""
     found = None if cached is None else cached(profile, script)
     if found is None:
@@ -208,12 +206,8 @@ def _check_supported(policy: Policy, profile: HardwareProfile, label: str) -> Po
     return policy
 
 
-def load_policy(
-    source: Policy | str | os.PathLike[str] | None = None,
-    *,
-    device: str | None = None,
-    guard: str | None = None,
-) -> AppliedPolicy:
+def load_policy(source: Policy | str | os.PathLike[str] | None = None, *, device: str | None = None,
+                guard: str | None = None) -> AppliedPolicy:
     """The precision policy for this script on this hardware, ready to apply.
 
     Args:

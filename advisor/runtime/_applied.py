@@ -87,9 +87,10 @@ class AppliedPolicy:
     @property
     def micro_step_samples(self) -> int | None:
         """Samples the current micro-step trains on, for goodput (see ``step_samples``)."""
-        split = self._check.split
-        return step_samples(self._seen_batches, asked=None if split is None else self._check.user_batch,
-                            micro=None if split is None else split.micro)
+        split, asked = self._check.split, self._check.user_batch
+        if split is None:
+            return step_samples(self._seen_batches, asked=None, micro=None)
+        return step_samples(self._seen_batches, asked=asked, micro=split.micro)
 
     def loss_scale(self) -> float | None:
         """The current loss scale, or ``None`` where the mode does not scale the loss."""

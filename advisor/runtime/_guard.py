@@ -19,11 +19,8 @@ from typing import Any
 from advisor.runtime._trend import STALL, LossTrend, UpdateProbe
 from probes import MpadviseError
 
-GUARD_ENV = "MPADVISE_GUARD"
-"""Environment variable that turns the guard on: ``warn``, ``fallback`` or ``off``."""
-
-GUARD_SETTINGS = ("off", "warn", "fallback")
-"""What the guard may be told to do, from nothing to the most."""
+GUARD_ENV = "MPADVISE_GUARD"  # turns the guard on: warn, fallback or off
+GUARD_SETTINGS = ("off", "warn", "fallback")  # from nothing to the most
 
 NON_FINITE = "non-finite loss"
 SKIP_RATE = "skip rate"
@@ -62,13 +59,10 @@ class GuardLimits:
     @classmethod
     def from_thresholds(cls, thresholds: Any) -> GuardLimits:
         """The limits the stability verdicts use (a tune's ``StabilityThresholds``)."""
-        return cls(
-            calibration_steps=int(thresholds.calibration_steps),
-            max_skip_fraction=float(thresholds.max_skip_fraction),
-            min_loss_scale=float(thresholds.min_loss_scale),
-            climb_margin=float(thresholds.climb_margin),
-            gap_margin=float(thresholds.max_final_gap),
-        )
+        return cls(calibration_steps=thresholds.calibration_steps,
+                   max_skip_fraction=thresholds.max_skip_fraction,
+                   min_loss_scale=thresholds.min_loss_scale, climb_margin=thresholds.climb_margin,
+                   gap_margin=thresholds.max_final_gap)
 
     @property
     def max_skips(self) -> int:
@@ -133,19 +127,19 @@ class Guard:
 
     def __init__(self, setting: str, limits: GuardLimits | None = None, reference: Sequence[float] = (),
                  trend: bool = True) -> None:
-        self.setting = setting
+        self.setting, self.active = setting, setting != "off"
         self.limits = limits or GuardLimits()
+        self.reference, self.trend_on = tuple(reference), trend
         self.events: list[GuardEvent] = []
+        self.rearm()
+
+    def rearm(self) -> None:
+        """Watch afresh (after a fallback, under the new policy)."""
+        limits = self.limits
         self._skips: deque[int] = deque()  # optimizer steps the scaler skipped, within the window
         self._non_finite_since: int | None = None
         self._collapse_since: int | None = None
         self.tripped = False
-        self.active = setting != "off"
-        self.reference, self.trend_on = tuple(reference), trend
-        self._fresh_trend()
-
-    def _fresh_trend(self) -> None:
-        limits = self.limits
         self.trend = LossTrend(limits.loss_window, limits.trend_windows, limits.climb_margin, limits.gap_margin,
                                self.reference)
         self.probe = UpdateProbe(limits.probe_every)
@@ -227,25 +221,12 @@ class Guard:
         """Keep ``event`` (it goes into ``state_dict``)."""
         self.events.append(event)
 
-    def rearm(self) -> None:
-        """Watch afresh, under a new policy after a fallback."""
-        self._skips.clear()
-        self._non_finite_since = self._collapse_since = None
-        self.tripped = False
-        self._fresh_trend()
-
     def state_dict(self) -> dict[str, Any]:
         """The window and the events, for a checkpoint."""
-        return {
-            "setting": self.setting,
-            "skips": list(self._skips),
-            "non_finite_since": self._non_finite_since,
-            "collapse_since": self._collapse_since,
-            "tripped": self.tripped,
-            "trend": self.trend.state_dict(),
-            "stall": list(self._stall),
-            "events": [event.to_dict() for event in self.events],
-        }
+        return {"setting": self.setting, "skips": list(self._skips), "tripped": self.tripped,
+                "non_finite_since": self._non_finite_since, "collapse_since": self._collapse_since,
+                "trend": self.trend.state_dict(), "stall": list(self._stall),
+                "events": [event.to_dict() for event in self.events]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned; the setting stays this run's."""

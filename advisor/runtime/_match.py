@@ -48,8 +48,8 @@ class WorkloadCheck:
 def check_setup(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Fingerprint ``model`` before any mode swaps its modules, and replace a policy that does not fit."""
     check = applied._check
-    check.workload = Workload.of(model, optimizer, global_batch=None, script=_paths.current_script(),
-                                 args=_script_args())
+    check.workload = Workload.of(model, optimizer, global_batch=None,
+                                 script=_paths.current_script(), args=_script_args())
     applied.model_signature = check.workload.model
     mismatch = setup_mismatch(applied, applied.policy)
     if mismatch is not None and not apply_other_answer(applied, mismatch, lambda policy: setup_mismatch(applied, policy)):

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from advisor.runtime._applied import AppliedPolicy
 
 _SHARD_FIX = ("call mp.setup(model) on the bare model first, then fully_shard it with "
-              "mp_policy=mp.fsdp_mixed_precision(), then build the optimizer on the sharded parameters")
+              "mp_policy=mp.fsdp_mixed_precision(), then build the optimizer on the sharded "
+              "parameters")
 
 
 def setup_model(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
@@ -31,9 +32,11 @@ def setup_model(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch
     # The mode converts the bare model (dtypes, FP8 layers); a wrapper built before that would
     # keep buckets or shards of the old parameters.
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise MpadviseError("setup(model): the model is already wrapped in DistributedDataParallel; call "
-                            "mp.setup(model, optimizer) on the bare model first, then wrap the model it returns")
-    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", ())  # not imported: none
+        raise MpadviseError("setup(model): the model is already wrapped in DistributedDataParallel; "
+                            "call mp.setup(model, optimizer) on the bare model first, then wrap the "
+                            "model it returns")
+    # Not imported: nothing can be sharded yet.
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", ())
     for name, module in model.named_modules():
         if isinstance(module, fsdp_module):
             where = f"its module {name!r} is" if name else "the model is"
@@ -75,7 +78,8 @@ def retarget_optimizer(optimizer: torch.optim.Optimizer, before: dict[str, torch
     # Once each: two replaced Parameters that became one (a tie) must not be stepped twice.
     seen: set[int] = set()
     for group in optimizer.param_groups:
-        unique = {id(p): p for p in (replaced.get(id(p), p) for p in group["params"]) if id(p) not in seen}
+        params = (replaced.get(id(p), p) for p in group["params"])
+        unique = {id(p): p for p in params if id(p) not in seen}
         seen.update(unique)
         group["params"] = list(unique.values())
     for old in list(optimizer.state):
@@ -139,7 +143,8 @@ def _torch_dtypes(precision: FsdpPrecision) -> tuple[Any, Any, Any]:
 def fsdp_policy_refusal(model: Any, policy: Policy) -> str | None:
     """One line when a module was sharded with FSDP2 under other dtypes than ``policy``'s,
     which would silently override every candidate (an "fp32" reference computing in bf16)."""
-    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)  # not imported: none
+    # Not imported: nothing is sharded.
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     if fsdp_module is None:
         return None
     wanted = _torch_dtypes(fsdp_precision(policy))

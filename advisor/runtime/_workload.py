@@ -88,18 +88,16 @@ class Workload:
         return _digest(self._head() + self._tail(self.world_size, self.global_batch))
 
     def _head(self) -> list[str]:
-        lines = [_FORMAT, f"model {self.model}", f"optimizer {self.optimizer}"]
-        for index, group in enumerate(self.groups):
-            lines.append(f"group {index} " + " ".join(f"{key}={value}" for key, value in group))
-        return lines
+        groups = [f"group {index} " + " ".join(f"{key}={value}" for key, value in group)
+                  for index, group in enumerate(self.groups)]
+        return [_FORMAT, f"model {self.model}", f"optimizer {self.optimizer}", *groups]
 
     def _tail(self, world_size: int, global_batch: int | None) -> list[str]:
         # Absent for one process, so that keys from before the world size was recorded still hit.
-        lines = [] if world_size == 1 else [f"world_size {world_size}"]
-        lines.append(f"global_batch {_canonical(global_batch)}")
-        lines.append(f"script {self.script} {self.script_digest or 'missing'}")
-        lines.append(f"args {json.dumps(list(self.args))}")
-        return lines
+        world = [] if world_size == 1 else [f"world_size {world_size}"]
+        return [*world, f"global_batch {_canonical(global_batch)}",
+                f"script {self.script} {self.script_digest or 'missing'}",
+                f"args {json.dumps(list(self.args))}"]
 
     def describe_optimizer(self) -> str:
         """``"AdamW(lr=0.001, eps=1e-08, betas=(0.9,0.999), weight_decay=0.01)"``, for people."""
