@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,28 +49,21 @@ _CHECKED_POLICIES: dict[tuple[object, ...], AppliedPolicy] = {}
 
 
 class PolicySource(Enum):
-    """Where a resolved policy comes from, in ``load_policy()``'s order (for callers to decide
-    on; ``Resolution.source`` is the text for people)."""
+    """Where a resolved policy comes from, in ``load_policy()``'s order."""
 
     EXPLICIT = "explicit"  # a config file or Policy the caller named (load_policy(), --config)
     ENV = "env"  # the config file MPADVISE_POLICY names
     BESIDE_SCRIPT = "beside-script"  # <script>.mpadvise.toml
     CACHE = "cache"  # the cache entry for this hardware and script
-    # Chosen for want of one that applies: the hardware's safe default, or safe_fallback from a
-    # tuned policy that does not fit here.
-    SAFE_DEFAULT = "safe-default"
+    SAFE_DEFAULT = "safe-default"  # the safe default, or safe_fallback from a tuned policy
 
 
 @dataclass(frozen=True)
 class Resolution:
     """Which policy applies, where it comes from (``kind``), and why in words (``source``, the
-    text of the one line ``load_policy`` logs).
-
-    ``match_workload``: ``policy`` is a tune's answer, which applies only to the workload it was
-    tuned on; ``alternatives``: the other tunes' answers for this script, which ``setup()``
-    tries in order when ``policy`` does not fit; ``args`` and ``reference``: the script's
-    arguments and fp32's loss per optimizer step in the tune of ``policy``, where recorded.
-    """
+    text of the one line ``load_policy`` logs). ``match_workload``: a tune's answer, for its own
+    workload only, else ``alternatives`` in order; ``args`` and ``reference``: the script's
+    arguments and fp32's loss per optimizer step in its tune, where recorded."""
 
     policy: Policy
     source: str
@@ -85,21 +78,15 @@ class Resolution:
 def resolve_policy(source: Policy | str | os.PathLike[str] | None, *, profile: HardwareProfile,
                    script: Path | None, environ: Mapping[str, str] = os.environ,
                    cached: Cached | None = None) -> Resolution:
-    """Decide which policy applies, in the documented order.
+    """Decide which policy applies: an explicit ``source``; ``MPADVISE_POLICY``; the config file
+    beside the script; ``cached(profile, script)`` (the cached answers newest first, one
+    ``(Policy, label)``, or ``None``); the safe default. A policy tuned on other hardware or
+    versions gives way to ``safe_fallback``, with a warning.
 
-    Order: an explicit ``source``; ``MPADVISE_POLICY``; ``<script>.mpadvise.toml`` beside the
-    script; ``cached`` (a callable ``(profile, script)`` returning the cached answers newest
-    first, as ``cached_answers`` does, or one ``(Policy, label)``, or ``None``); the hardware's
-    safe default. A tuned policy from other hardware or versions gives way to ``safe_fallback``,
-    with a warning.
-
-    The workload is not known yet, so a tune's answer (a cached one, or a config file beside
-    the script that carries a workload fingerprint, as ``mpadvise tune`` writes it) is marked
-    ``match_workload``, with every other answer for the script (the config file's first) kept
-    for ``setup()``. A config file without one was written by a person and applies as written.
-    A config file the user names is checked against the model's structure only: naming it is
-    the decision to apply it to this run. ``load_config`` refuses a symlink, and a file of
-    another user or writable by group or others.
+    A tune's answer (cached, or a config file beside the script with a workload fingerprint,
+    as ``mpadvise tune`` writes it) is marked ``match_workload``, the script's other answers kept
+    for ``setup()``, since the workload is not known yet. A config file the user names is checked
+    against the model's structure only: naming it is the decision to apply it to this run.
     """
     candidate: tuple[Policy, str, PolicySource] | None = None
     if source is not None:
@@ -119,18 +106,16 @@ def resolve_policy(source: Policy | str | os.PathLike[str] | None, *, profile: H
         path = _paths.config_path_for(script)
         policy = load_config(path)
         workload = _workload_of(policy)
-        if not workload:
+        if not workload:  # written by a person, applied as written
             candidate = (policy, f"config file {path}", PolicySource.BESIDE_SCRIPT)
         else:
-            # The cache holds this tune's answer too (with the arguments it ran with, which older
-            # files do not record), and those of the script's other workloads.
+            # The cache holds this tune's answer too (with fp32's curve, and the arguments it ran
+            # with, which older files do not record), and those of the script's other workloads.
             found = _answers(cached, profile, script)
-            same = [a for a in found if _workload_of(a.policy) == workload]
+            same = [a for a in found if _workload_of(a.policy) == workload] or [TunedAnswer(policy, "")]
             args = policy.tuned_on.args  # type: ignore[union-attr]
-            config = TunedAnswer(policy, f"config file {path}", args)
-            if same:
-                config = replace(config, args=config.args if config.args is not None else same[0].args,
-                                 reference=same[0].reference)
+            config = TunedAnswer(policy, f"config file {path}", same[0].args if args is None else args,
+                                 same[0].reference)
             others = [a for a in found if _workload_of(a.policy) != workload]
             return _tuned_resolution([config, *others], profile, config=config)
     else:
@@ -221,12 +206,9 @@ def load_policy(source: Policy | str | os.PathLike[str] | None = None, *, device
             and the next ``load_policy()`` without ``source`` applies the policy fallen back to.
 
     Returns:
-        An ``AppliedPolicy``: ``setup``, ``autocast``, ``step``, ``to_device``,
-        ``micro_batch_size``, ``state_dict``/``load_state_dict``; also a context manager.
-
-    ``setup()`` checks a tuned policy against the workload and may replace it, so a later call
-    that resolves the same tuned policy returns the same object: a second one would never see
-    ``setup()``, and would apply what the check turned down with a loss scaler of its own.
+        An ``AppliedPolicy``, also a context manager. A later call that resolves the same tuned
+        policy returns the same object, which ``setup()``'s workload check applies to: a second
+        one would apply what the check turned down, with a loss scaler of its own.
     """
     spec = spec_from_env()
     if spec is not None:
