@@ -1,8 +1,6 @@
-"""Private files and directories of the cache: checks of owner and mode, and creation with
-0700/0600. The cache holds the job queue the daemon runs, its token and job logs that can quote
-a script's secrets, so every path in it must be the user's own and writable by nobody else.
-``write_file_atomic`` (files written for people) lives in ``probes`` and is re-exported here.
-"""
+"""Private files and directories of the cache, created 0700/0600 and checked for owner and
+mode: the cache holds the daemon's job queue, its token and job logs that can quote a script's
+secrets. ``write_file_atomic`` (files written for people) is re-exported from ``probes``."""
 
 from __future__ import annotations
 

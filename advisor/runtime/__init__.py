@@ -11,12 +11,11 @@ from advisor.runtime._fallback import fallback_words, guard_fallback, safe_fallb
 from advisor.runtime._guard import GUARD_ENV, Guard, GuardEvent, GuardLimits, guard_setting
 from advisor.runtime._setup import FsdpPrecision, fsdp_precision
 from advisor.runtime._split import BatchSplit, batch_split, tuned_global_batch
-from advisor.runtime._trend import BEHIND, CLIMB, STALL, LossTrend, UpdateProbe
 from advisor.runtime._workload import Workload, current_world_size, model_signature, script_digest
 
 __all__ = [
-    "BEHIND", "CLIMB", "GUARD_ENV", "STALL", "AppliedPolicy", "BatchSplit", "FsdpPrecision",
-    "Guard", "GuardEvent", "GuardLimits", "LossTrend", "StepObserver", "UpdateProbe", "Workload",
-    "batch_split", "current_world_size", "fallback_words", "fsdp_precision", "guard_fallback",
-    "guard_setting", "model_signature", "safe_fallback", "script_digest", "tuned_global_batch",
+    "GUARD_ENV", "AppliedPolicy", "BatchSplit", "FsdpPrecision", "Guard", "GuardEvent",
+    "GuardLimits", "StepObserver", "Workload", "batch_split", "current_world_size",
+    "fallback_words", "fsdp_precision", "guard_fallback", "guard_setting", "model_signature",
+    "safe_fallback", "script_digest", "tuned_global_batch",
 ]

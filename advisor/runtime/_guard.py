@@ -1,22 +1,20 @@
-"""The guard: watches a long run's optimizer steps for what a short trial cannot see (activations
-outgrowing fp16 as the weights grow, a loss scale that keeps halving, a decayed learning rate
-whose 16-bit updates round away): non-finite losses, the GradScaler's skip rate, a loss scale
-below its floor, and the loss's trend (``_trend``). Its limits are the stability verdicts' own,
-so a run that a trial would judge stable never trips them. On a trip, ``warn`` logs one line
-once and ``fallback`` moves to ``guard_fallback``'s safer policy; the decision is a pure
-function of the values fed in.
-"""
+"""The guard (docs/reference.md, "The guard"): watches a long run's optimizer steps for what a
+short trial cannot see, with the stability verdicts' own limits. Its slow signals are the loss's
+trend in windows of steps (behind fp32's curve, or climbing above its best window, on quartiles
+so that a noisy loss or one heading to zero trips nothing) and, since a flat loss cannot be told
+from convergence, updates lost to rounding in the pure 16-bit modes (a stall). The decisions
+are pure functions of the values fed in."""
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from advisor.runtime._trend import STALL, LossTrend, UpdateProbe
 from probes import MpadviseError
 
 GUARD_ENV = "MPADVISE_GUARD"  # turns the guard on: warn, fallback or off
@@ -25,6 +23,9 @@ GUARD_SETTINGS = ("off", "warn", "fallback")  # from nothing to the most
 NON_FINITE = "non-finite loss"
 SKIP_RATE = "skip rate"
 SCALE_COLLAPSE = "loss-scale collapse"
+BEHIND = "behind fp32"
+CLIMB = "loss climb"
+STALL = "stall"
 
 
 def guard_setting(given: str | None, environ: Mapping[str, str] = os.environ) -> str:
@@ -237,3 +238,123 @@ class Guard:
         self.trend.load_state_dict(state.get("trend", {}))
         self._stall = [int(step) for step in state.get("stall", ())]
         self.events = [GuardEvent.from_dict(event) for event in state.get("events", ())]
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``values`` (at least two)."""
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def above(low: float, high: float, margin: float) -> bool:
+    """Whether a window whose first quartile is ``low`` lies above one whose third quartile is
+    ``high`` by more than ``margin`` of its size."""
+    return low > high + margin * abs(high)
+
+
+class LossTrend:
+    """Windows of ``window`` applied steps' finite losses, checked against ``reference`` (fp32's
+    loss per optimizer step in the tune, where recorded) by ``gap_margin``, and against the best
+    window so far by ``climb_margin``, which must hold ``windows`` windows in a row."""
+
+    def __init__(self, window: int, windows: int, climb_margin: float, gap_margin: float,
+                 reference: Sequence[float] = ()) -> None:
+        self.window, self.windows = window, windows
+        self.climb_margin, self.gap_margin = climb_margin, gap_margin
+        self.reference = [float(v) for v in reference]
+        self.losses: list[float] = []
+        self.start = 0  # the optimizer step of the current window's first loss
+        self.best: tuple[float, float] | None = None  # the best window's quartiles
+        self.climbs = self.climb_since = 0  # windows in a row that climbed, from this step
+
+    def add(self, step: int, loss: float) -> tuple[str, int, str] | None:
+        """One applied step's finite loss; the signal that holds now, if any."""
+        if not self.losses:
+            self.start = step
+        self.losses.append(loss)
+        if len(self.losses) < self.window:
+            return None
+        low, high = quartiles(self.losses)
+        start, self.losses = self.start, []
+        found = self._behind(start, step, low) or self._climb(start, low)
+        if self.best is None or high < self.best[1]:
+            self.best = (low, high)
+        return found
+
+    def _behind(self, start: int, end: int, low: float) -> tuple[str, int, str] | None:
+        if end > len(self.reference) or end + self.window <= len(self.reference):
+            return None  # not the last whole window the run shares with fp32's curve
+        shared = self.reference[start - 1:end]
+        if not all(math.isfinite(v) for v in shared):
+            return None
+        ref_high = quartiles(shared)[1]
+        if not above(low, ref_high, self.gap_margin):
+            return None
+        return (BEHIND, start, f"the loss's lower quartile {low:.4g} over steps {start}-{end}, above fp32's upper "
+                f"quartile {ref_high:.4g} in the tune by more than {self.gap_margin:.0%}")
+
+    def _climb(self, start: int, low: float) -> tuple[str, int, str] | None:
+        if self.best is None:
+            return None
+        if not above(low, self.best[1], self.climb_margin):
+            self.climbs = 0
+            return None
+        if self.climbs == 0:
+            self.climb_since = start
+        self.climbs += 1
+        if self.climbs < self.windows:
+            return None
+        return (CLIMB, self.climb_since, f"the loss's lower quartile {low:.4g}, above the best window's upper "
+                f"quartile {self.best[1]:.4g} by more than {self.climb_margin:.0%}, {self.windows} windows "
+                f"of {self.window} steps in a row")
+
+    def state_dict(self) -> dict[str, Any]:
+        # "runs" and "since" keep the checkpoint format of a climb counter keyed by signal.
+        return {"losses": list(self.losses), "start": self.start, "best": self.best,
+                "runs": {CLIMB: self.climbs}, "since": {CLIMB: self.climb_since}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses = [float(v) for v in state.get("losses", ())]
+        self.start = int(state.get("start", 0))
+        best = state.get("best")
+        self.best = None if best is None else (float(best[0]), float(best[1]))
+        self.climbs = int(state.get("runs", {}).get(CLIMB, self.climbs))
+        self.climb_since = int(state.get("since", {}).get(CLIMB, self.climb_since))
+
+
+class UpdateProbe:
+    """Every ``every`` optimizer steps, the fraction of sampled 16-bit parameter elements (at
+    most ``sample`` from each) that had a gradient and did not change in the step."""
+
+    def __init__(self, every: int, sample: int = 1024) -> None:
+        self.every, self.sample = every, sample
+        self._before: list[tuple[Any, Any]] | None = None
+
+    def before(self, step: int, params: Iterable[Any]) -> None:
+        """Before optimizer step ``step``: keep a sample of each 16-bit parameter with a gradient,
+        and which of its elements have one."""
+        import torch
+
+        self._before = None
+        if step % self.every:
+            return
+        half = (torch.bfloat16, torch.float16)
+        taken = []
+        for p in params:
+            if p.grad is not None and p.dtype in half:
+                values = p.detach().reshape(-1)[:self.sample].clone()
+                taken.append((p, values, p.grad.detach().reshape(-1)[:self.sample] != 0))
+        self._before = taken or None
+
+    def lost(self) -> float | None:
+        """After the step: the fraction of sampled updates lost, or ``None`` where none was probed."""
+        if self._before is None:
+            return None
+        changed = eligible = 0
+        for p, before, wanted in self._before:
+            moved = p.detach().reshape(-1)[:before.numel()] != before
+            changed += (moved & wanted).sum()
+            eligible += wanted.sum()
+        self._before = None
+        total = int(eligible)  # the probe's one sync, every ``every`` steps
+        return None if total == 0 else 1.0 - int(changed) / total
