@@ -43,8 +43,7 @@ if TYPE_CHECKING:
 
 POLICY_ENV = "MPADVISE_POLICY"  # names a config file to use
 
-# The AppliedPolicy made for each tuned policy that load_policy() resolved in this process, so
-# that a second call shares the first one's workload check (see load_policy).
+# The AppliedPolicy of each tuned policy load_policy() resolved, for a second call (load_policy).
 _CHECKED_POLICIES: dict[tuple[object, ...], AppliedPolicy] = {}
 
 
@@ -184,10 +183,8 @@ def _check_supported(policy: Policy, profile: HardwareProfile, label: str) -> Po
     info = support[policy.mode]
     if not info.supported:
         available = ", ".join(m for m, s in support.items() if s.supported)
-        raise MpadviseError(
-            f"mode {policy.mode!r} from {label} cannot run on {profile.name}: {info.reason}; "
-            f"available here: {available}"
-        )
+        raise MpadviseError(f"mode {policy.mode!r} from {label} cannot run on {profile.name}: "
+                            f"{info.reason}; available here: {available}")
     return policy
 
 
@@ -196,9 +193,8 @@ def load_policy(source: Policy | str | os.PathLike[str] | None = None, *, device
     """The precision policy for this script on this hardware, ready to apply.
 
     Args:
-        source: ``None`` to resolve it (a trial spec from ``mpadvise tune``, then
-            ``MPADVISE_POLICY``, then ``<script>.mpadvise.toml``, then the cache, then the
-            hardware's safe default); a config file path; or an ``advisor.Policy``.
+        source: ``None`` to resolve it in the documented order; a config file path; or an
+            ``advisor.Policy``.
         device: ``"cpu"`` or ``"cuda:N"`` to override the device; default: the first CUDA
             device if there is one, else the CPU.
         guard: ``"warn"``, ``"fallback"`` or ``"off"``: what the guard does when a long run

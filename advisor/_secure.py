@@ -58,11 +58,8 @@ def _check_private(path: Path, st: os.stat_result, *, is_dir: bool) -> None:
 
 
 def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` with mode 0700, or check that an existing one is private to this user.
-
-    One of this user's that others can only read or enter is tightened to 0700 (nobody else
-    could have written into it); one owned by someone else, or writable by group or others, is
-    refused: files may already be planted."""
+    """Create ``path`` with mode 0700, or check that an existing one is this user's and
+    writable by nobody else (else files may already be planted), tightening it to 0700."""
     try:
         # Only the last component gets 0700; parents such as ~/.cache keep the umask's mode.
         path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)

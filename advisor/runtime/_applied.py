@@ -42,10 +42,9 @@ class StepObserver:
 class AppliedPolicy:
     """A Policy applied to this process: set up the model, run forward/backward/step under it.
 
-    Made by ``advisor.load_policy()``. As a context manager it sets the mode's process-wide
-    switches (TF32) and restores them on exit. A tuned policy that does not fit the workload
-    (checked in ``setup()`` and ``micro_batch_size()``) is replaced by another answer tuned on
-    this workload, else by ``safe_fallback``, with one line that names what changed.
+    As a context manager it sets the mode's process-wide switches (TF32) and restores them on
+    exit. A tuned policy that does not fit the workload (``setup()``, ``micro_batch_size()``) is
+    replaced by another answer tuned on it, else by ``safe_fallback``, in one line naming why.
     """
 
     def __init__(self, policy: Policy, *, profile: HardwareProfile, source: str,
@@ -169,9 +168,8 @@ class AppliedPolicy:
         self._mode.load_state_dict(state.get("mode_state", {}))
 
     def __enter__(self) -> AppliedPolicy:
-        stack = contextlib.ExitStack()
-        stack.enter_context(self._mode.process_switches())
-        self._switch_stack.append(stack)
+        self._switch_stack.append(contextlib.ExitStack())
+        self._switch_stack[-1].enter_context(self._mode.process_switches())
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -14,12 +14,10 @@ def safe_fallback(tuned: Policy, profile: HardwareProfile) -> Policy:
     """What applies in place of a tuned policy that does not fit this run: the safer of the
     hardware's safe default and the tuned mode (by ``safety_rank``), where it runs here.
 
-    A tune leaves the safe default for a faster stable mode, or for a safer one when the default
-    failed: a workload tuned to fp32 or tf32 is one whose 16-bit modes stalled or hit a loss
-    floor, and falling back to bf16-mixed because the script changed (even by a comment) would
-    apply exactly what it was tuned away from. Only the mode is kept: the micro-batch, loss
-    scale and ``[tuned_on]`` were measured on a workload that no longer fits. Modes safer than a
-    safe default leave the model as it is, so the switch is possible until ``setup()``.
+    A workload tuned to fp32 or tf32 is one whose 16-bit modes stalled or hit a loss floor:
+    falling back to bf16-mixed because the script changed (even by a comment) would apply what
+    it was tuned away from. Only the mode is kept, not what was measured on the old workload;
+    modes safer than a safe default leave the model as it is, so switching works until setup().
     """
     default = safe_default(profile)
     support = supported_modes(profile).get(tuned.mode)
@@ -45,8 +43,7 @@ def guard_fallback(policy: Policy, profile: HardwareProfile) -> Policy | None:
     precision: FP8 and fp16-mixed to bf16-mixed; pure 16-bit to the same dtype mixed; any other
     16-bit autocast to full precision; a step the hardware lacks is passed over, down to the
     safest mode. Only the mode and the batch split carry over, not a loss scale measured for the
-    old mode.
-    """
+    old mode."""
     facts = mode_facts(policy.mode)
     supported = {name for name, support in supported_modes(profile).items() if support.supported}
     classes = [cls for cls in mode_classes() if cls.name in supported]

@@ -47,8 +47,7 @@ class GuardLimits:
     # At least two skips per window are always allowed: a healthy scaler skips once per growth.
     max_skip_fraction: float = 0.05
     min_loss_scale: float = 1.0  # a loss scale below this is a collapse
-    # This many non-finite losses in a row trip even where the scaler skipped each step (one
-    # such step is the scaler doing its job).
+    # Non-finite losses in a row that trip even where the scaler skipped each (one is its job).
     non_finite_run: int = 3
     loss_window: int = 25  # optimizer steps per window of the loss's trend
     trend_windows: int = 2  # windows (or probes) in a row a trend signal must hold
@@ -73,10 +72,9 @@ class GuardLimits:
 
 @dataclass(frozen=True)
 class GuardEvent:
-    """What the guard saw: the signal, the optimizer step (from 1) where it began and the one
-    where it tripped, the mode in force, the safer mode moved to (or that would be; ``None``
-    where none runs here), the ``action`` (``"warned"``, ``"fell back"``, or ``"restart
-    needed"`` where a framework cannot change precision in place), and the figures, for people."""
+    """What the guard saw: the signal, the optimizer steps (from 1) where it began and tripped,
+    the mode in force, the safer mode moved to or that would be (``None``: none runs here), the
+    ``action`` (``"warned"``, ``"fell back"``, ``"restart needed"``), and the figures for people."""
 
     signal: str
     step: int
@@ -114,7 +112,8 @@ class GuardEvent:
 
 
 class Guard:
-    """The guard's state over a run: fed each optimizer step, it says when a signal trips.
+    """The guard's state over a run: fed each optimizer step, it says when a signal trips
+    (``tripped`` until ``rearm``: a warning is said once).
 
     Args:
         setting: ``"warn"`` or ``"fallback"`` (``"off"`` makes a guard that never trips).
@@ -122,8 +121,6 @@ class Guard:
         reference: fp32's loss per optimizer step, where the tune recorded it.
         trend: whether the loss's trend and lost updates are watched: only where a safer mode
             exists, since a climb that fp32 would show too is the schedule's, not the precision's.
-
-    ``tripped``: whether a signal tripped since the last ``rearm`` (a warning is said once).
     """
 
     def __init__(self, setting: str, limits: GuardLimits | None = None, reference: Sequence[float] = (),
@@ -148,19 +145,11 @@ class Guard:
 
     def observe(self, step: int, *, loss: float, applied: bool, loss_scale: float | None,
                 lost: float | None = None) -> tuple[str, int, str] | None:
-        """Take one optimizer step's facts; the signal that trips now, if any.
-
-        Args:
-            step: the optimizer step, counted from 1.
-            loss: the step's loss value (the last micro-batch's).
-            applied: whether the optimizer step was applied (not skipped by the scaler).
-            loss_scale: the scale after the step, or ``None`` without a scaler or where not read
-                (a step the scaler applied: only a skip lowers it).
-            lost: the fraction of updates ``probe`` found lost in this step, where it looked.
-
-        Returns:
-            ``(signal, onset step, detail)`` the first time a signal trips, else ``None``.
-        """
+        """Take optimizer step ``step``'s facts (counted from 1): its last micro-batch's loss,
+        whether it was applied (not skipped by the scaler), the loss scale after it (``None``
+        without a scaler, or not read on an applied step, which cannot lower it), and the
+        fraction of updates ``probe`` found lost, where it looked. Returns ``(signal, onset
+        step, detail)`` the first time a signal trips, else ``None``."""
         if not self.active or self.tripped:
             return None
         found = self._non_finite(step, loss, applied) or self._skip_rate(step, applied) or self._collapse(step, loss_scale)

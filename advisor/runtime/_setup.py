@@ -121,10 +121,8 @@ class FsdpPrecision:
 def fsdp_precision(policy: Policy) -> FsdpPrecision:
     """What FSDP2 should do for ``policy``: 16-bit compute over fp32 shards for the -mixed
     modes; fp32 (or the already cast 16-bit) parameters otherwise; reduction as the policy says.
-
-    Outputs are left as computed: the loss runs in ``autocast()`` in fp32 as in one process,
-    and an fp32 ``output_dtype`` would cast each block's output up and the next input down.
-    """
+    Outputs are left as computed: an fp32 ``output_dtype`` would cast each block's output up and
+    the next input down, and the loss runs in ``autocast()`` in fp32 as in one process."""
     family = mode_class(policy.mode).dtype_family
     reduce = policy.reduce_dtype or default_reduce_dtype(policy.mode)
     if family in ("bf16", "fp16"):

@@ -26,8 +26,7 @@ def switch_to(applied: AppliedPolicy, policy: Policy, source: str) -> None:
     depth = len(stack)
     while stack:
         stack.pop().close()
-    applied.policy = policy
-    applied.source = source
+    applied.policy, applied.source = policy, source
     applied._mode = create_mode(policy, applied.device)
     for _ in range(depth):
         applied.__enter__()
@@ -40,9 +39,8 @@ def fall_back(applied: AppliedPolicy, why: str, why_args: tuple[str, ...] | None
     policy, profile, check = applied.policy, applied.profile, applied._check
     fallback = safe_fallback(policy, profile)
     using, source = fallback_words(fallback, profile)
-    kept = ""
-    if check.split is not None and check.split.accum > 1:
-        kept = f"; keeping {check.split.describe()}"
+    split = check.split
+    kept = f"; keeping {split.describe()}" if split is not None and split.accum > 1 else ""
     if fallback.describe() == policy.describe():
         # The fallback is the tuned policy's own mode with nothing else tuned: the mode
         # stays, and the line says so rather than "fp32 instead of fp32".

@@ -1,14 +1,9 @@
-"""Workload fingerprints: a short, stable key for "this model, this optimizer, this batch, this script".
-
-The key changes with whatever changes the precision answer: module types and names, parameter
-names, shapes and ``requires_grad``, the optimizer's class and precision-relevant
-hyperparameters, the world size, the global batch (per-process batch times world size), the
-script's name, content digest and arguments. It ignores parameter values, dtypes and devices
-(applying the policy converts them), buffers, ``foreach``/``fused`` switches and the script's
-directory. An edited script misses the cache, the safe direction. Everything is SHA-256 over
-a canonical text, identical across processes and machines; torch is not imported here.
+"""Workload fingerprints (docs/cache.md, "What a cached answer is keyed by"): SHA-256 over a
+canonical text, identical across processes and machines; torch is not imported here. They
+ignore parameter values, dtypes and devices (applying the policy converts them), buffers,
+``foreach``/``fused`` switches and the script's directory; an edited script misses the cache,
+the safe direction.
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -214,8 +209,8 @@ def _as_recorded(tuned: TunedOn, here: Workload) -> tuple[Workload, tuple[str, .
         world_size = here.world_size
     if per_process is None:
         unrecorded.insert(1, GLOBAL_BATCH)
-        return replace(recorded, world_size=world_size), tuple(unrecorded)
-    return replace(recorded, world_size=world_size, global_batch=per_process * world_size), tuple(unrecorded)
+    batch = recorded.global_batch if per_process is None else per_process * world_size
+    return replace(recorded, world_size=world_size, global_batch=batch), tuple(unrecorded)
 
 
 def _recovered_world_size(recorded: Workload, per_process: int | None, fingerprint: str | None) -> int | None:
