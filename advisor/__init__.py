@@ -1,18 +1,6 @@
 """mpadvise: measure, pick and apply the fastest stable precision policy for PyTorch training.
 
-What a training script needs::
-
-    import advisor
-
-    mp = advisor.load_policy()
-    model, optimizer = mp.setup(model, optimizer)
-    loader = DataLoader(ds, batch_size=mp.micro_batch_size(64))
-    for x, y in loader:
-        x, y = mp.to_device(x, y)
-        with mp.autocast():
-            loss = loss_fn(model(x), y)
-        mp.step(loss, optimizer)
-
+A training script needs ``load_policy()`` and the object it returns (README, "The Python API").
 Every name here loads on first use (PEP 562), so ``import advisor`` costs next to nothing.
 """
 
@@ -44,18 +32,8 @@ _EXPORTS = {
     "MpadviseError": "probes",
 }
 
-__all__ = [
-    "MODES",
-    "AppliedPolicy",
-    "Fp8Options",
-    "LossScale",
-    "MpadviseError",
-    "Policy",
-    "PolicyError",
-    "__version__",
-    "load_policy",
-    "tune",
-]
+__all__ = ["MODES", "AppliedPolicy", "Fp8Options", "LossScale", "MpadviseError", "Policy",
+           "PolicyError", "__version__", "load_policy", "tune"]
 
 
 class _Surface(_ModuleType):

@@ -29,5 +29,4 @@ def probe_report(*, bench: bool = False) -> dict[str, Any]:
         if bench:
             entry["bench"] = [row.to_dict() for row in probes.matmul_benchmark(profile)]
         devices.append(entry)
-    primary = probes.primary_profile()
-    return {"primary": probes.hardware_fingerprint(primary), "devices": devices}
+    return {"primary": probes.hardware_fingerprint(probes.primary_profile()), "devices": devices}

@@ -10,12 +10,9 @@ from typing import Any
 
 def lazy_surface(package: str, exports: Mapping[str, str], namespace: dict[str, Any]) -> tuple[
         Callable[[str], Any], Callable[[], list[str]]]:
-    """The module-level ``__getattr__`` and ``__dir__`` of a package with lazy exports.
-
-    ``exports`` maps a name to the package's private module that defines it (``"_store"``) or the
-    full name of the module that exports it (``"policies"``); a loaded name is stored in
-    ``namespace`` (the package's ``globals()``), so later lookups do not come back here.
-    """
+    """The module-level ``__getattr__`` and ``__dir__`` of a package whose ``exports`` map each
+    name to its private module (``"_store"``) or a full module name (``"policies"``); a loaded
+    name is kept in ``namespace`` (the package's ``globals()``)."""
 
     def __getattr__(name: str) -> Any:
         module = exports.get(name)

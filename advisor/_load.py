@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +17,6 @@ from advisor.cache import TunedAnswer, cached_answers, guard_events_for, record_
 from advisor.runtime import (
     AppliedPolicy,
     Guard,
-    GuardEvent,
     GuardLimits,
     fallback_words,
     guard_fallback,
@@ -39,105 +38,54 @@ from probes import MpadviseError
 if TYPE_CHECKING:
     from probes import HardwareProfile
 
-POLICY_ENV = "MPADVISE_POLICY"
-"""Environment variable naming a config file to use."""
+    Found = tuple[Policy, str] | Sequence[TunedAnswer] | None
+    Cached = Callable[[HardwareProfile, Path | None], Found]
 
-# The AppliedPolicy made for each tuned policy that load_policy() resolved in this process, so
-# that a second call shares the first one's workload check (see load_policy).
+POLICY_ENV = "MPADVISE_POLICY"  # names a config file to use
+
+# The AppliedPolicy of each tuned policy load_policy() resolved, for a second call (load_policy).
 _CHECKED_POLICIES: dict[tuple[object, ...], AppliedPolicy] = {}
 
 
 class PolicySource(Enum):
-    """Where a resolved policy comes from, in ``load_policy()``'s order: what callers decide on
-    (the text for people is ``Resolution.source``)."""
+    """Where a resolved policy comes from, in ``load_policy()``'s order."""
 
-    TRIAL = "trial"
-    """The candidate ``mpadvise tune`` or ``mpadvise trial`` injected into a trial."""
-    EXPLICIT = "explicit"
-    """A config file or an ``advisor.Policy`` the caller named (``load_policy(source)``, ``--config``)."""
-    ENV = "env"
-    """The config file ``MPADVISE_POLICY`` names."""
-    BESIDE_SCRIPT = "beside-script"
-    """``<script>.mpadvise.toml`` beside the script."""
-    CACHE = "cache"
-    """The cache entry for this hardware and script."""
-    SAFE_DEFAULT = "safe-default"
-    """Chosen by mpadvise for want of one that applies: the hardware's safe default, or the
-    fallback from a tuned policy that does not fit here (``safe_fallback``)."""
+    EXPLICIT = "explicit"  # a config file or Policy the caller named (load_policy(), --config)
+    ENV = "env"  # the config file MPADVISE_POLICY names
+    BESIDE_SCRIPT = "beside-script"  # <script>.mpadvise.toml
+    CACHE = "cache"  # the cache entry for this hardware and script
+    SAFE_DEFAULT = "safe-default"  # the safe default, or safe_fallback from a tuned policy
 
 
 @dataclass(frozen=True)
 class Resolution:
     """Which policy applies, where it comes from (``kind``), and why in words (``source``, the
-    text of the one line ``load_policy`` logs)."""
+    text of the one line ``load_policy`` logs). ``match_workload``: a tune's answer, for its own
+    workload only, else ``alternatives`` in order; ``args`` and ``reference``: the script's
+    arguments and fp32's loss per optimizer step in its tune, where recorded."""
 
     policy: Policy
     source: str
     kind: PolicySource
     mismatch: HardwareMismatch | None = None
     match_workload: bool = False
-    """Whether ``policy`` is a tune's answer (a cached one, or the config file a tune wrote beside
-    the script), which applies only to the whole workload it was tuned on."""
     alternatives: tuple[TunedAnswer, ...] = ()
-    """The other tunes' answers for this script and hardware, in order: ``setup()`` applies the
-    first one tuned on this run's workload when ``policy`` was tuned on another."""
     args: tuple[str, ...] | None = None
-    """The script's arguments the tune of ``policy`` ran with, where recorded (``TunedAnswer``)."""
     reference: tuple[float, ...] = ()
-    """fp32's loss per optimizer step in the tune of ``policy``, for the guard (``TunedAnswer``)."""
-
-    @property
-    def from_cache(self) -> bool:
-        """Whether ``policy`` is a cached answer."""
-        return self.kind is PolicySource.CACHE
-
-    @property
-    def by_default(self) -> bool:
-        """Whether mpadvise chose ``policy`` for want of one that applies (the safe default, or the
-        fallback from a tuned policy that does not fit), rather than a person or a tune."""
-        return self.kind is PolicySource.SAFE_DEFAULT
-
-    @property
-    def fallback_reason(self) -> str | None:
-        """Why a tuned policy was not applied (``"it was tuned on ..."``), for people."""
-        return None if self.mismatch is None else self.mismatch.reason()
 
 
-def resolve_policy(
-    source: Policy | str | os.PathLike[str] | None,
-    *,
-    profile: HardwareProfile,
-    script: Path | None,
-    environ: dict[str, str] | os._Environ[str] = os.environ,
-    cached: Callable[[HardwareProfile, Path | None], tuple[Policy, str] | Sequence[TunedAnswer] | None] | None = None,
-) -> Resolution:
-    """Decide which policy applies, in the documented order.
+def resolve_policy(source: Policy | str | os.PathLike[str] | None, *, profile: HardwareProfile,
+                   script: Path | None, environ: Mapping[str, str] = os.environ,
+                   cached: Cached | None = None) -> Resolution:
+    """Decide which policy applies: an explicit ``source``; ``MPADVISE_POLICY``; the config file
+    beside the script; ``cached(profile, script)`` (the cached answers newest first, one
+    ``(Policy, label)``, or ``None``); the safe default. A policy tuned on other hardware or
+    versions gives way to ``safe_fallback``, with a warning.
 
-    Order: an explicit ``source``; ``MPADVISE_POLICY``; ``<script>.mpadvise.toml`` beside the
-    script; ``cached`` (a callable ``(profile, script)`` returning the cached answers newest
-    first, as ``cached_answers`` does, or one ``(Policy, label)``, or ``None``); the hardware's
-    safe default. A tuned policy from other hardware or versions falls back to the safe default,
-    or to the tuned mode where that is safer (``safe_fallback``), with a warning.
-
-    A script may have been tuned on several workloads (other arguments, another learning
-    rate): the cache keeps one answer for each, the config file beside the script the latest
-    tune's. All of them are kept, in order (the config file first), so that ``setup()`` can
-    apply the one tuned on this run's workload.
-
-    The workload is not known yet, so a tune's answer is marked ``match_workload`` and
-    ``AppliedPolicy.setup()`` applies it only to the whole workload it was tuned on (model,
-    optimizer and its settings, global batch, script content and arguments): a cached answer,
-    and the config file beside the script when it carries a workload fingerprint, which
-    ``mpadvise tune`` always writes there. A config file beside the script without one was
-    written by a person and is applied as written. A config file the user names (``source`` or
-    ``MPADVISE_POLICY``) is checked against the model's structure only: naming it is the
-    user's decision to apply it to this run, such as a policy tuned on a short run of the same
-    model applied to the long run with other arguments.
-
-    Every config file, named or found beside the script, is read by ``load_config``, which
-    refuses (``PolicyError``, one line) a symlink, and a file owned by another user than the
-    one running this (root excepted) or writable by its group or others: naming a path is the
-    user's decision to apply that file, not a word on who wrote its content.
+    A tune's answer (cached, or a config file beside the script with a workload fingerprint,
+    as ``mpadvise tune`` writes it) is marked ``match_workload``, the script's other answers kept
+    for ``setup()``, since the workload is not known yet. A config file the user names is checked
+    against the model's structure only: naming it is the decision to apply it to this run.
     """
     candidate: tuple[Policy, str, PolicySource] | None = None
     if source is not None:
@@ -156,19 +104,18 @@ def resolve_policy(
     elif script is not None and _paths.config_path_for(script).is_file():
         path = _paths.config_path_for(script)
         policy = load_config(path)
-        # A tune records the arguments it ran with in the file; older files do not say.
-        config = TunedAnswer(policy, f"config file {path}", None if policy.tuned_on is None else policy.tuned_on.args)
-        if not written_by_a_tune(config.policy):
-            candidate = (config.policy, config.label, PolicySource.BESIDE_SCRIPT)
+        workload = _workload_of(policy)
+        if not workload:  # written by a person, applied as written
+            candidate = (policy, f"config file {path}", PolicySource.BESIDE_SCRIPT)
         else:
-            # The cache holds this tune's answer too (with the arguments it ran with), and those
-            # of the script's other workloads.
+            # The cache holds this tune's answer too (with fp32's curve, and the arguments it ran
+            # with, which older files do not record), and those of the script's other workloads.
             found = _answers(cached, profile, script)
-            same = [a for a in found if _workload_of(a.policy) == _workload_of(config.policy)]
-            if same:
-                config = replace(config, args=config.args if config.args is not None else same[0].args,
-                                 reference=same[0].reference)
-            others = [a for a in found if _workload_of(a.policy) != _workload_of(config.policy)]
+            same = [a for a in found if _workload_of(a.policy) == workload] or [TunedAnswer(policy, "")]
+            args = policy.tuned_on.args  # type: ignore[union-attr]
+            config = TunedAnswer(policy, f"config file {path}", same[0].args if args is None else args,
+                                 same[0].reference)
+            others = [a for a in found if _workload_of(a.policy) != workload]
             return _tuned_resolution([config, *others], profile, config=config)
     else:
         answers = _answers(cached, profile, script)
@@ -183,11 +130,8 @@ def resolve_policy(
     return _other_hardware(policy, label, mismatch, profile)
 
 
-def _answers(
-    cached: Callable[[HardwareProfile, Path | None], tuple[Policy, str] | Sequence[TunedAnswer] | None] | None,
-    profile: HardwareProfile,
-    script: Path | None,
-) -> list[TunedAnswer]:
+def _answers(cached: Cached | None, profile: HardwareProfile,
+             script: Path | None) -> list[TunedAnswer]:
     """What ``cached`` found, as answers."""
     found = None if cached is None else cached(profile, script)
     if found is None:
@@ -228,12 +172,8 @@ def _other_hardware(policy: Policy, label: str, mismatch: HardwareMismatch, prof
     return Resolution(fallback, source, PolicySource.SAFE_DEFAULT, mismatch=mismatch)
 
 
-def written_by_a_tune(policy: Policy) -> bool:
-    """Whether ``policy`` is a tune's answer: its ``[tuned_on]`` names the workload it was measured on."""
-    return bool(_workload_of(policy))
-
-
 def _workload_of(policy: Policy) -> str | None:
+    """The workload a tune's answer was measured on (``None`` for a hand-written policy)."""
     return None if policy.tuned_on is None else policy.tuned_on.workload_fingerprint
 
 
@@ -243,44 +183,29 @@ def _check_supported(policy: Policy, profile: HardwareProfile, label: str) -> Po
     info = support[policy.mode]
     if not info.supported:
         available = ", ".join(m for m, s in support.items() if s.supported)
-        raise MpadviseError(
-            f"mode {policy.mode!r} from {label} cannot run on {profile.name}: {info.reason}; "
-            f"available here: {available}"
-        )
+        raise MpadviseError(f"mode {policy.mode!r} from {label} cannot run on {profile.name}: "
+                            f"{info.reason}; available here: {available}")
     return policy
 
 
-def load_policy(
-    source: Policy | str | os.PathLike[str] | None = None,
-    *,
-    device: str | None = None,
-    guard: str | None = None,
-) -> AppliedPolicy:
+def load_policy(source: Policy | str | os.PathLike[str] | None = None, *, device: str | None = None,
+                guard: str | None = None) -> AppliedPolicy:
     """The precision policy for this script on this hardware, ready to apply.
 
     Args:
-        source: ``None`` to resolve it (a trial spec from ``mpadvise tune``, then
-            ``MPADVISE_POLICY``, then ``<script>.mpadvise.toml``, then the cache, then the
-            hardware's safe default); a config file path; or an ``advisor.Policy``.
+        source: ``None`` to resolve it in the documented order; a config file path; or an
+            ``advisor.Policy``.
         device: ``"cpu"`` or ``"cuda:N"`` to override the device; default: the first CUDA
             device if there is one, else the CPU.
         guard: ``"warn"``, ``"fallback"`` or ``"off"``: what the guard does when a long run
-            turns unstable (non-finite losses, persistent GradScaler skips, a collapsing loss
-            scale); default ``MPADVISE_GUARD``, else ``"off"``. Its events are cached, and
-            the next ``load_policy()`` without ``source`` applies the policy fallen back to.
+            turns unstable; default ``MPADVISE_GUARD``, else ``"off"``. Its events are cached,
+            and the next ``load_policy()`` without ``source`` applies the policy fallen back to.
 
     Returns:
-        An ``AppliedPolicy``: ``setup``, ``autocast``, ``step``, ``to_device``,
-        ``micro_batch_size``, ``state_dict``/``load_state_dict``; also a context manager.
-
-    A tuned policy is checked against the workload once ``setup()`` sees it, and the check may
-    replace it. So a later call that resolves the same tuned policy (in a helper module, for
-    evaluation) returns the same object, as a trial does: a second object would never see
-    ``setup()`` and would apply what the check turned down, with a loss scaler of its own. An
-    ``advisor.Policy`` passed in, and a policy without ``[tuned_on]``, give a new object on
-    every call.
+        An ``AppliedPolicy``, also a context manager. A later call that resolves the same tuned
+        policy returns the same object, which ``setup()``'s workload check applies to: a second
+        one would apply what the check turned down, with a loss scaler of its own.
     """
-
     spec = spec_from_env()
     if spec is not None:
         # Under `mpadvise tune`/`trial` the injected candidate wins over everything else.
@@ -311,7 +236,8 @@ def load_policy(
         guard=Guard(setting, GuardLimits.from_thresholds(StabilityThresholds()), reference=resolution.reference,
                     trend=guard_fallback(resolution.policy, profile) is not None),
     )
-    applied.on_guard_event = _cache_event(applied, profile, script)
+    applied.on_guard_event = lambda event: record_guard_event(
+        event.to_dict(), profile=profile, workload_fp=applied.workload_fingerprint, script=script)
     if shared is not None:
         _CHECKED_POLICIES[shared] = applied
     get_logger().info(f"policy {resolution.policy.describe()} on {applied.device} (from {resolution.source})")
@@ -319,18 +245,9 @@ def load_policy(
 
 
 def after_guard_events(resolution: Resolution, events: Sequence[dict[str, object]]) -> Resolution:
-    """The resolution once the guard's cached events are heeded: where a long run under the
-    resolved mode fell back (or was told to), the mode fallen back to, saying why.
-
-    Followed as a chain (fp16-mixed fell back to bf16-mixed, which later fell back to fp32).
-
-    Args:
-        resolution: what ``resolve_policy`` chose.
-        events: the guard's events for this hardware and script, newest first (cache rows).
-
-    Returns:
-        ``resolution``, or one with the safer policy as an explicit choice naming the event.
-    """
+    """``resolution``, or, where a long run under its mode fell back (or was told to), the mode
+    fallen back to as a safe-default choice naming the event; followed as a chain (fp16-mixed
+    to bf16-mixed, later to fp32). ``events``: the guard's cache rows, newest first."""
     policy, reasons = resolution.policy, []
     for _ in range(len(events)):
         event = next((e for e in events if e.get("policy") == policy.mode and e.get("fallback")), None)
@@ -347,13 +264,3 @@ def after_guard_events(resolution: Resolution, events: Sequence[dict[str, object
     )
     return Resolution(policy, f"{policy.mode}, the guard's fallback ({reasons[-1]})", PolicySource.SAFE_DEFAULT,
                       reference=resolution.reference)  # fp32's curve is any mode's yardstick
-
-
-def _cache_event(applied: AppliedPolicy, profile: HardwareProfile, script: Path | None) -> Callable[[GuardEvent], None]:
-    """What records ``applied``'s guard events in the cache entry of this hardware and workload."""
-
-    def record(event: GuardEvent) -> None:
-        record_guard_event(event.to_dict(), profile=profile, workload_fp=applied.workload_fingerprint, script=script)
-
-    return record
-

@@ -6,14 +6,11 @@ import os
 import sys
 from pathlib import Path
 
-DATABASE_NAME = "mpadvise.db"
-CONFIG_SUFFIX = ".mpadvise.toml"
-
 
 def config_path_for(script: str | os.PathLike[str]) -> Path:
     """``train.py`` -> ``train.mpadvise.toml`` beside it."""
     script = Path(script)
-    return script.with_name(script.stem + CONFIG_SUFFIX)
+    return script.with_name(script.stem + ".mpadvise.toml")
 
 
 def current_script() -> Path | None:
@@ -40,4 +37,4 @@ def cache_dir() -> Path:
 
 def database_path() -> Path:
     """The SQLite database of profiles, recommendations, trials and jobs (not created here)."""
-    return cache_dir() / DATABASE_NAME
+    return cache_dir() / "mpadvise.db"

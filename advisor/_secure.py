@@ -1,8 +1,6 @@
-"""Private files and directories of the cache: checks of owner and mode, and creation with
-0700/0600. The cache holds the job queue the daemon runs, its token and job logs that can quote
-a script's secrets, so every path in it must be the user's own and writable by nobody else.
-``write_file_atomic`` (files written for people) lives in ``probes`` and is re-exported here.
-"""
+"""Private files and directories of the cache, created 0700/0600 and checked for owner and
+mode: the cache holds the daemon's job queue, its token and job logs that can quote a script's
+secrets. ``write_file_atomic`` (files written for people) is re-exported from ``probes``."""
 
 from __future__ import annotations
 
@@ -12,14 +10,8 @@ from pathlib import Path
 
 from probes import MpadviseError, write_file_atomic
 
-__all__ = [
-    "ensure_private_dir",
-    "ensure_private_file",
-    "needs_tightening",
-    "open_private_new",
-    "unsafe_reason",
-    "write_file_atomic",
-]
+__all__ = ["ensure_private_dir", "ensure_private_file", "needs_tightening", "open_private_new",
+           "unsafe_reason", "write_file_atomic"]
 
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
@@ -47,8 +39,13 @@ def needs_tightening(st: os.stat_result) -> bool:
     return bool(stat.S_IMODE(st.st_mode) & 0o077)
 
 
-def _refusal(path: Path, reason: str, *, is_dir: bool) -> MpadviseError:
-    kind = "directory" if is_dir else "file"
+def _check_private(path: Path, st: os.stat_result, *, is_dir: bool) -> None:
+    """Refuse ``path`` when unsafe (naming the fix), else tighten it to 0700/0600."""
+    reason = unsafe_reason(st, uid=os.geteuid(), is_dir=is_dir)
+    if reason is None:
+        if needs_tightening(st):
+            os.chmod(path, PRIVATE_DIR_MODE if is_dir else PRIVATE_FILE_MODE)
+        return
     if is_dir:
         fix = f"`chmod 700 {path}` if it is yours, or set MPADVISE_HOME to a directory of your own"
     elif reason.startswith(("a symbolic", "not a")):
@@ -56,36 +53,23 @@ def _refusal(path: Path, reason: str, *, is_dir: bool) -> MpadviseError:
     else:
         fix = (f"`chmod 600 {path}` if it is yours, `rm {path}` if it is not, or set MPADVISE_HOME "
                "to a directory of your own")
-    return MpadviseError(f"refusing the mpadvise {kind} {path}: it is {reason}; {fix}")
+    kind = "directory" if is_dir else "file"
+    raise MpadviseError(f"refusing the mpadvise {kind} {path}: it is {reason}; {fix}")
 
 
 def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` with mode 0700, or check that an existing one is private to this user.
-
-    One of this user's that others can only read or enter (older versions created the cache
-    under the umask) is tightened to 0700: nobody else could have written into it. One owned by
-    someone else, or writable by group or others, is refused: files may already be planted.
-    """
+    """Create ``path`` with mode 0700, or check that an existing one is this user's and
+    writable by nobody else (else files may already be planted), tightening it to 0700."""
     try:
         # Only the last component gets 0700; parents such as ~/.cache keep the umask's mode.
         path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise MpadviseError(
-            f"cache directory {path} cannot be created ({exc.strerror or exc}); "
-            "set MPADVISE_HOME to a writable directory"
-        ) from exc
-    try:
         st = os.stat(path)
     except OSError as exc:
         raise MpadviseError(
-            f"cache directory {path} cannot be read ({exc.strerror or exc}); "
+            f"cache directory {path} cannot be created or read ({exc.strerror or exc}); "
             "set MPADVISE_HOME to a writable directory"
         ) from exc
-    reason = unsafe_reason(st, uid=os.geteuid(), is_dir=True)
-    if reason is not None:
-        raise _refusal(path, reason, is_dir=True)
-    if needs_tightening(st):
-        os.chmod(path, PRIVATE_DIR_MODE)
+    _check_private(path, st, is_dir=True)
     return path
 
 
@@ -96,11 +80,7 @@ def ensure_private_file(path: Path) -> bool:
         st = os.lstat(path)
     except FileNotFoundError:
         return False
-    reason = unsafe_reason(st, uid=os.geteuid(), is_dir=False)
-    if reason is not None:
-        raise _refusal(path, reason, is_dir=False)
-    if needs_tightening(st):
-        os.chmod(path, PRIVATE_FILE_MODE)
+    _check_private(path, st, is_dir=False)
     return True
 
 

@@ -1,9 +1,10 @@
-"""AppliedPolicy: the one object a training script uses to train under a Policy; its jobs
-live in the modules beside it."""
+"""AppliedPolicy: the one object a training script uses to train under a Policy, and its
+``step()`` (backward, accumulation, unscale, clip, the optimizer step, the guard's look)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -11,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from advisor._log import get_logger
 from advisor.runtime import _match, _setup
 from advisor.runtime._guard import Guard, GuardEvent
-from advisor.runtime._split import _leading_dim
-from advisor.runtime._step import MicroSteps, micro_step_samples, train_step
+from advisor.runtime._split import _leading_dim, step_samples
+from advisor.runtime._switch import guard_tripped
 from policies import Policy, create_mode
 from probes import MpadviseError
 
@@ -41,18 +42,17 @@ class StepObserver:
 class AppliedPolicy:
     """A Policy applied to this process: set up the model, run forward/backward/step under it.
 
-    Made by ``advisor.load_policy()``. As a context manager it sets the mode's process-wide
-    switches (TF32) and restores them on exit. A tuned policy that does not fit the workload
-    (checked in ``setup()`` and ``micro_batch_size()``) is replaced by another answer tuned on
-    this workload, else by ``safe_fallback``, with one line that names what changed.
+    As a context manager it sets the mode's process-wide switches (TF32) and restores them on
+    exit. A tuned policy that does not fit the workload (``setup()``, ``micro_batch_size()``) is
+    replaced by another answer tuned on it, else by ``safe_fallback``, in one line naming why.
     """
 
     def __init__(self, policy: Policy, *, profile: HardwareProfile, source: str,
                  device: str | torch.device | None = None, observer: StepObserver | None = None,
                  match_workload: bool = False, alternatives: Sequence[tuple[Policy, str]] = (),
                  guard: Guard | None = None, on_guard_event: Callable[[GuardEvent], None] | None = None) -> None:
-        """``match_workload``: check the whole workload (a tune's answer), not only the model;
-        ``alternatives``: other answers for this script, tried in order when ``policy`` does not fit."""
+        """``match_workload``: check the whole workload (a tune's answer), not only the model,
+        trying ``alternatives`` (other answers for this script) in order where it does not fit."""
         import torch
 
         self.policy, self.profile, self.source = policy, profile, source
@@ -60,7 +60,9 @@ class AppliedPolicy:
         self._mode = create_mode(policy, self.device)
         self._observer = observer
         self._check = _match.WorkloadCheck(match_workload, list(alternatives) if match_workload else [])
-        self._micro = MicroSteps()
+        self._micro_done = 0  # micro-batches of the current optimizer step done
+        self._seen_batches: list[int] = []  # leading dimensions to_device() saw since the last step
+        self._fsdp_checked = False
         # Whether the model's dtypes or modules were changed for the mode (setup(), FSDP2):
         # after that the mode can no longer be switched.
         self._converted = False
@@ -80,7 +82,14 @@ class AppliedPolicy:
     world_size = property(_match.world_size)
     global_batch = property(_match.global_batch)
     workload_fingerprint = property(_match.workload_fingerprint)
-    micro_step_samples = property(micro_step_samples)
+
+    @property
+    def micro_step_samples(self) -> int | None:
+        """Samples the current micro-step trains on, for goodput (see ``step_samples``)."""
+        split, asked = self._check.split, self._check.user_batch
+        if split is None:
+            return step_samples(self._seen_batches, asked=None, micro=None)
+        return step_samples(self._seen_batches, asked=asked, micro=split.micro)
 
     def loss_scale(self) -> float | None:
         """The current loss scale, or ``None`` where the mode does not scale the loss."""
@@ -113,7 +122,7 @@ class AppliedPolicy:
         moved = tuple(move_to(t, self.device, self._mode.convert_input) for t in tensors)
         size = _leading_dim(tensors)
         if size is not None:
-            self._micro.seen_batches.append(size)
+            self._seen_batches.append(size)
         return moved[0] if len(moved) == 1 else moved
 
     @contextlib.contextmanager
@@ -127,11 +136,11 @@ class AppliedPolicy:
         try:
             return train_step(self, loss, optimizer)
         finally:
-            self._micro.seen_batches.clear()  # the next micro-step's batch is what reaches to_device next
+            self._seen_batches.clear()  # the next micro-step's batch is what reaches to_device next
 
     def state_dict(self) -> dict[str, Any]:
         """The precision state a checkpoint needs: loss scaler, FP8 state, accumulation position."""
-        done = self._micro.done
+        done = self._micro_done
         if done:
             get_logger().warning(
                 f"state_dict() taken after {done} of {self.grad_accum_steps} accumulated "
@@ -153,15 +162,14 @@ class AppliedPolicy:
                 f"{self.policy.mode!r}: its loss-scale/FP8 state is not restored"
             )
             return
-        self._micro.done = int(state.get("micro_step", 0))
+        self._micro_done = int(state.get("micro_step", 0))
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._mode.load_state_dict(state.get("mode_state", {}))
 
     def __enter__(self) -> AppliedPolicy:
-        stack = contextlib.ExitStack()
-        stack.enter_context(self._mode.process_switches())
-        self._switch_stack.append(stack)
+        self._switch_stack.append(contextlib.ExitStack())
+        self._switch_stack[-1].enter_context(self._mode.process_switches())
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -193,3 +201,57 @@ def move_to(value: Any, device: torch.device, convert: Callable[[torch.Tensor], 
     if isinstance(value, dict):
         return {k: move_to(v, device, convert) for k, v in value.items()}
     return value
+
+
+def train_step(applied: AppliedPolicy, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> bool:
+    """``AppliedPolicy.step``'s work. The loss is read back (one device sync) only where the
+    guard is on. False on accumulation micro-steps and skipped steps."""
+    import torch
+
+    if not applied._fsdp_checked:
+        # By the first step every fully_shard has run; once is enough.
+        applied._fsdp_checked = True
+        if applied.model is not None:
+            refusal = _setup.fsdp_policy_refusal(applied.model, applied.policy)
+            if refusal is not None:
+                raise MpadviseError(refusal)
+    observer, mode, policy, guard = applied._observer, applied._mode, applied.policy, applied.guard
+    if observer is not None:
+        observer.before_step(applied)
+    accum = applied.grad_accum_steps
+    with mode.process_switches():
+        mode.backward(loss / accum if accum > 1 else loss)
+        applied._micro_done += 1
+        if applied._micro_done < accum:
+            if observer is not None:
+                observer.after_step(applied, loss=loss, stepped=False, optimizer_step=False)
+            return False
+        applied._micro_done = 0
+        if policy.grad_clip_norm is not None or observer is not None:
+            mode.unscale(optimizer)
+        if observer is not None:
+            observer.after_backward(applied, optimizer)
+        if policy.grad_clip_norm is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, policy.grad_clip_norm)
+        value = float(loss.detach()) if guard.active else 0.0  # the loss value's one sync
+        # A non-finite loss under fallback is never applied: a scaler skips it itself.
+        withheld = guard.setting == "fallback" and not math.isfinite(value) and mode.loss_scale() is None
+        if guard.active:  # a sample of the 16-bit weights, every few steps, to see updates lost
+            guard.probe.before(applied.optimizer_steps + 1, (p for g in optimizer.param_groups for p in g["params"]))
+        stepped = False if withheld else mode.optimizer_step(optimizer)
+        lost = guard.probe.lost() if guard.active else None
+        optimizer.zero_grad(set_to_none=True)
+    applied.optimizer_steps += 1
+    if not stepped:
+        applied.skipped_steps += 1
+    if observer is not None:
+        observer.after_step(applied, loss=loss, stepped=stepped, optimizer_step=True)
+    if guard.active:
+        tripped = guard.observe(applied.optimizer_steps, loss=value, applied=stepped or withheld,
+                                # The scale falls only on a skipped step: reading it then spares the
+                                # applied steps a second device sync.
+                                loss_scale=None if stepped else applied.loss_scale(), lost=lost if stepped else None)
+        if tripped is not None:
+            guard_tripped(applied, *tripped)
+    return stepped

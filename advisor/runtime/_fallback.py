@@ -12,24 +12,12 @@ if TYPE_CHECKING:
 
 def safe_fallback(tuned: Policy, profile: HardwareProfile) -> Policy:
     """What applies in place of a tuned policy that does not fit this run: the safer of the
-    hardware's safe default and the tuned mode, by ``policies.safety_rank``.
+    hardware's safe default and the tuned mode (by ``safety_rank``), where it runs here.
 
-    A tune leaves the safe default only for a faster mode that stays stable, or for a safer
-    one when the default failed: a workload tuned to fp32 or tf32 is one whose 16-bit modes hit
-    a loss floor or stalled. Falling back from it to bf16-mixed (on bf16 hardware) because the
-    script changed, even by a comment, would apply exactly the mode it was tuned away from. So
-    a tuned mode safer than the default is kept, where it runs here. Only the mode: the
-    micro-batch, loss scale and ``[tuned_on]`` were measured on the workload that no longer
-    fits. Modes safer than a safe default are full precision or mixed ones, which leave the
-    model as it is, so the switch is possible until ``setup()`` converted it.
-
-    Args:
-        tuned: the tuned policy that does not apply.
-        profile: the hardware this run trains on.
-
-    Returns:
-        ``Policy(mode=tuned.mode)`` when that mode is safer than the safe default and runs
-        here; otherwise the safe default.
+    A workload tuned to fp32 or tf32 is one whose 16-bit modes stalled or hit a loss floor:
+    falling back to bf16-mixed because the script changed (even by a comment) would apply what
+    it was tuned away from. Only the mode is kept, not what was measured on the old workload;
+    modes safer than a safe default leave the model as it is, so switching works until setup().
     """
     default = safe_default(profile)
     support = supported_modes(profile).get(tuned.mode)
@@ -51,21 +39,11 @@ def fallback_words(fallback: Policy, profile: HardwareProfile) -> tuple[str, str
 
 
 def guard_fallback(policy: Policy, profile: HardwareProfile) -> Policy | None:
-    """The next safer policy the guard moves a run to, by the modes' facts.
-
-    FP8 goes to bf16-mixed; pure 16-bit to the same dtype mixed (fp32 master weights);
-    fp16-mixed to bf16-mixed; bf16-mixed (and anything else with a 16-bit autocast) to full
-    precision. A step that the hardware lacks is passed over, down to the safest mode.
-
-    Args:
-        policy: the policy in force.
-        profile: the hardware this run trains on.
-
-    Returns:
-        The safer policy (its mode only: a loss scale or micro-batch measured for the old mode
-        does not carry over, except that the split of the batch stays), or ``None`` where the
-        policy is full precision already.
-    """
+    """The next safer policy the guard moves a run to, by the modes' facts, or ``None`` from full
+    precision: FP8 and fp16-mixed to bf16-mixed; pure 16-bit to the same dtype mixed; any other
+    16-bit autocast to full precision; a step the hardware lacks is passed over, down to the
+    safest mode. Only the mode and the batch split carry over, not a loss scale measured for the
+    old mode."""
     facts = mode_facts(policy.mode)
     supported = {name for name, support in supported_modes(profile).items() if support.supported}
     classes = [cls for cls in mode_classes() if cls.name in supported]

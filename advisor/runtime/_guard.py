@@ -1,53 +1,36 @@
-"""The guard: watches a long run's optimizer steps for what a short trial cannot see.
-
-A tune judges a policy over a few hundred steps; a run lasts days, and much of what goes wrong
-in reduced precision shows up late (activations outgrowing fp16's range as the weights grow, a
-loss scale that keeps halving, a learning-rate decay that takes 16-bit updates below the
-weights' resolution). The guard watches, on every optimizer step:
-
-* a non-finite loss on a step the optimizer applied, or on several steps in a row;
-* the GradScaler's skip rate over a window of steps;
-* the loss scale falling below its floor (a healthy GradScaler never goes below 1);
-* the loss's trend: behind fp32's curve over the steps they share, or climbing, and in the pure
-  16-bit modes updates lost to rounding (a stall); see ``_trend``.
-
-Its limits are the stability verdicts' own (``GuardLimits.from_thresholds`` takes the tune's
-``StabilityThresholds``), so a run that a trial would have judged stable never trips them.
-
-What it does on a trip is the caller's: ``warn`` logs one line, once; ``fallback`` moves the
-run to ``guard_fallback``'s safer policy. The decision is a pure function of the values it is
-fed, so it is tested without devices or clocks.
-"""
+"""The guard (docs/reference.md, "The guard"): watches a long run's optimizer steps for what a
+short trial cannot see, with the stability verdicts' own limits. Its slow signals are the loss's
+trend in windows of steps (behind fp32's curve, or climbing above its best window, on quartiles
+so that a noisy loss or one heading to zero trips nothing) and, since a flat loss cannot be told
+from convergence, updates lost to rounding in the pure 16-bit modes (a stall). The decisions
+are pure functions of the values fed in."""
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from advisor.runtime._trend import STALL, LossTrend, UpdateProbe
 from probes import MpadviseError
 
-GUARD_ENV = "MPADVISE_GUARD"
-"""Environment variable that turns the guard on: ``warn``, ``fallback`` or ``off``."""
-
-GUARD_SETTINGS = ("off", "warn", "fallback")
-"""What the guard may be told to do, from nothing to the most."""
+GUARD_ENV = "MPADVISE_GUARD"  # turns the guard on: warn, fallback or off
+GUARD_SETTINGS = ("off", "warn", "fallback")  # from nothing to the most
 
 NON_FINITE = "non-finite loss"
 SKIP_RATE = "skip rate"
 SCALE_COLLAPSE = "loss-scale collapse"
+BEHIND = "behind fp32"
+CLIMB = "loss climb"
+STALL = "stall"
 
 
 def guard_setting(given: str | None, environ: Mapping[str, str] = os.environ) -> str:
-    """The guard setting in force: ``given``, else ``MPADVISE_GUARD``, else ``"off"``.
-
-    Raises:
-        MpadviseError: a value that is not one of ``GUARD_SETTINGS``, naming where it came from.
-    """
+    """The guard setting in force: ``given``, else ``MPADVISE_GUARD``, else ``"off"``; an
+    MpadviseError naming where a value that is not one of ``GUARD_SETTINGS`` came from."""
     where, value = ("guard=", given) if given is not None else (f"{GUARD_ENV}=", environ.get(GUARD_ENV, ""))
     value = (value or "off").strip().lower()
     if value not in GUARD_SETTINGS:
@@ -57,46 +40,29 @@ def guard_setting(given: str | None, environ: Mapping[str, str] = os.environ) ->
 
 @dataclass(frozen=True)
 class GuardLimits:
-    """When a signal trips.
+    """When a signal trips (the trend's margins are the verdicts' climb limit and final gap)."""
 
-    Attributes:
-        window: optimizer steps over which the skip rate is counted.
-        calibration_steps: the first steps, whose skips are the scaler finding its scale.
-        max_skip_fraction: the most skips a window may hold, as a fraction (at least two are
-            always allowed: a healthy dynamic scaler skips once per growth interval).
-        min_loss_scale: a loss scale below this is a collapse.
-        non_finite_run: this many non-finite losses in a row trip the guard even where the
-            scaler skipped each of those steps (one such step is the scaler doing its job).
-        loss_window: optimizer steps per window of the loss's trend.
-        trend_windows: windows (or probes) in a row a trend signal must hold.
-        climb_margin: the verdicts' climb limit: a window above the best one by more than this.
-        gap_margin: the verdicts' final gap: a window above fp32's by more than this.
-        probe_every: optimizer steps between two looks at updates lost to rounding.
-        max_lost_fraction: more sampled updates lost than this, in a probe, is a stall.
-    """
-
-    window: int = 50
-    calibration_steps: int = 16
+    window: int = 50  # optimizer steps over which the skip rate is counted
+    calibration_steps: int = 16  # the first steps, whose skips are the scaler finding its scale
+    # At least two skips per window are always allowed: a healthy scaler skips once per growth.
     max_skip_fraction: float = 0.05
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = 1.0  # a loss scale below this is a collapse
+    # Non-finite losses in a row that trip even where the scaler skipped each (one is its job).
     non_finite_run: int = 3
-    loss_window: int = 25
-    trend_windows: int = 2
+    loss_window: int = 25  # optimizer steps per window of the loss's trend
+    trend_windows: int = 2  # windows (or probes) in a row a trend signal must hold
     climb_margin: float = 0.05
     gap_margin: float = 0.05
-    probe_every: int = 25
-    max_lost_fraction: float = 0.5
+    probe_every: int = 25  # optimizer steps between two looks at updates lost to rounding
+    max_lost_fraction: float = 0.5  # more sampled updates lost than this, in a probe, is a stall
 
     @classmethod
     def from_thresholds(cls, thresholds: Any) -> GuardLimits:
         """The limits the stability verdicts use (a tune's ``StabilityThresholds``)."""
-        return cls(
-            calibration_steps=int(thresholds.calibration_steps),
-            max_skip_fraction=float(thresholds.max_skip_fraction),
-            min_loss_scale=float(thresholds.min_loss_scale),
-            climb_margin=float(thresholds.climb_margin),
-            gap_margin=float(thresholds.max_final_gap),
-        )
+        return cls(calibration_steps=thresholds.calibration_steps,
+                   max_skip_fraction=thresholds.max_skip_fraction,
+                   min_loss_scale=thresholds.min_loss_scale, climb_margin=thresholds.climb_margin,
+                   gap_margin=thresholds.max_final_gap)
 
     @property
     def max_skips(self) -> int:
@@ -106,19 +72,9 @@ class GuardLimits:
 
 @dataclass(frozen=True)
 class GuardEvent:
-    """What the guard saw: the signal, the optimizer step where it began, and what followed.
-
-    Attributes:
-        signal: ``NON_FINITE``, ``SKIP_RATE`` or ``SCALE_COLLAPSE``.
-        step: the optimizer step (counted from 1) where the signal began.
-        tripped_at: the optimizer step at which the guard tripped.
-        policy: the mode in force when it began.
-        fallback: the safer mode the run moved to (``fallback``), or would move to (``warn``);
-            ``None`` where nothing safer runs here.
-        action: ``"warned"``, ``"fell back"``, or ``"restart needed"`` (a framework that
-            cannot change precision in place).
-        detail: the figures behind the signal, for people.
-    """
+    """What the guard saw: the signal, the optimizer steps (from 1) where it began and tripped,
+    the mode in force, the safer mode moved to or that would be (``None``: none runs here), the
+    ``action`` (``"warned"``, ``"fell back"``, ``"restart needed"``), and the figures for people."""
 
     signal: str
     step: int
@@ -156,7 +112,8 @@ class GuardEvent:
 
 
 class Guard:
-    """The guard's state over a run: fed each optimizer step, it says when a signal trips.
+    """The guard's state over a run: fed each optimizer step, it says when a signal trips
+    (``tripped`` until ``rearm``: a warning is said once).
 
     Args:
         setting: ``"warn"`` or ``"fallback"`` (``"off"`` makes a guard that never trips).
@@ -168,58 +125,38 @@ class Guard:
 
     def __init__(self, setting: str, limits: GuardLimits | None = None, reference: Sequence[float] = (),
                  trend: bool = True) -> None:
-        if setting not in GUARD_SETTINGS:
-            raise MpadviseError(f"guard {setting!r}: expected one of {', '.join(GUARD_SETTINGS)}")
-        self.setting = setting
+        self.setting, self.active = setting, setting != "off"
         self.limits = limits or GuardLimits()
+        self.reference, self.trend_on = tuple(reference), trend
         self.events: list[GuardEvent] = []
+        self.rearm()
+
+    def rearm(self) -> None:
+        """Watch afresh (after a fallback, under the new policy)."""
+        limits = self.limits
         self._skips: deque[int] = deque()  # optimizer steps the scaler skipped, within the window
         self._non_finite_since: int | None = None
         self._collapse_since: int | None = None
-        self._tripped = False
-        self.reference, self.trend_on = tuple(reference), trend
-        self._fresh_trend()
-
-    def _fresh_trend(self) -> None:
-        limits = self.limits
+        self.tripped = False
         self.trend = LossTrend(limits.loss_window, limits.trend_windows, limits.climb_margin, limits.gap_margin,
                                self.reference)
         self.probe = UpdateProbe(limits.probe_every)
         self._stall: list[int] = []  # the probes in a row that lost too many updates
 
-    @property
-    def active(self) -> bool:
-        """Whether it watches at all."""
-        return self.setting != "off"
-
-    @property
-    def tripped(self) -> bool:
-        """Whether a signal tripped since the last ``rearm`` (a warning is said once)."""
-        return self._tripped
-
     def observe(self, step: int, *, loss: float, applied: bool, loss_scale: float | None,
                 lost: float | None = None) -> tuple[str, int, str] | None:
-        """Take one optimizer step's facts; the signal that trips now, if any.
-
-        Args:
-            step: the optimizer step, counted from 1.
-            loss: the step's loss value (the last micro-batch's).
-            applied: whether the optimizer step was applied (not skipped by the scaler).
-            loss_scale: the scale after the step, or ``None`` without a scaler or where not read
-                (a step the scaler applied: only a skip lowers it).
-            lost: the fraction of updates ``probe`` found lost in this step, where it looked.
-
-        Returns:
-            ``(signal, onset step, detail)`` the first time a signal trips; ``None`` otherwise,
-            and always once tripped until ``rearm``.
-        """
-        if not self.active or self._tripped:
+        """Take optimizer step ``step``'s facts (counted from 1): its last micro-batch's loss,
+        whether it was applied (not skipped by the scaler), the loss scale after it (``None``
+        without a scaler, or not read on an applied step, which cannot lower it), and the
+        fraction of updates ``probe`` found lost, where it looked. Returns ``(signal, onset
+        step, detail)`` the first time a signal trips, else ``None``."""
+        if not self.active or self.tripped:
             return None
         found = self._non_finite(step, loss, applied) or self._skip_rate(step, applied) or self._collapse(step, loss_scale)
         if found is None and self.trend_on and applied and math.isfinite(loss):
             found = self.trend.add(step, loss) or self._stalled(step, lost)
         if found is not None:
-            self._tripped = True
+            self.tripped = True
         return found
 
     def _non_finite(self, step: int, loss: float, applied: bool) -> tuple[str, int, str] | None:
@@ -274,32 +211,139 @@ class Guard:
         """Keep ``event`` (it goes into ``state_dict``)."""
         self.events.append(event)
 
-    def rearm(self) -> None:
-        """Watch afresh, under a new policy after a fallback."""
-        self._skips.clear()
-        self._non_finite_since = self._collapse_since = None
-        self._tripped = False
-        self._fresh_trend()
-
     def state_dict(self) -> dict[str, Any]:
         """The window and the events, for a checkpoint."""
-        return {
-            "setting": self.setting,
-            "skips": list(self._skips),
-            "non_finite_since": self._non_finite_since,
-            "collapse_since": self._collapse_since,
-            "tripped": self._tripped,
-            "trend": self.trend.state_dict(),
-            "stall": list(self._stall),
-            "events": [event.to_dict() for event in self.events],
-        }
+        return {"setting": self.setting, "skips": list(self._skips), "tripped": self.tripped,
+                "non_finite_since": self._non_finite_since, "collapse_since": self._collapse_since,
+                "trend": self.trend.state_dict(), "stall": list(self._stall),
+                "events": [event.to_dict() for event in self.events]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned; the setting stays this run's."""
         self._skips = deque(int(step) for step in state.get("skips", ()))
         self._non_finite_since = state.get("non_finite_since")
         self._collapse_since = state.get("collapse_since")
-        self._tripped = bool(state.get("tripped", False))
+        self.tripped = bool(state.get("tripped", False))
         self.trend.load_state_dict(state.get("trend", {}))
         self._stall = [int(step) for step in state.get("stall", ())]
         self.events = [GuardEvent.from_dict(event) for event in state.get("events", ())]
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``values`` (at least two)."""
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def above(low: float, high: float, margin: float) -> bool:
+    """Whether a window whose first quartile is ``low`` lies above one whose third quartile is
+    ``high`` by more than ``margin`` of its size."""
+    return low > high + margin * abs(high)
+
+
+class LossTrend:
+    """Windows of ``window`` applied steps' finite losses, checked against ``reference`` (fp32's
+    loss per optimizer step in the tune, where recorded) by ``gap_margin``, and against the best
+    window so far by ``climb_margin``, which must hold ``windows`` windows in a row."""
+
+    def __init__(self, window: int, windows: int, climb_margin: float, gap_margin: float,
+                 reference: Sequence[float] = ()) -> None:
+        self.window, self.windows = window, windows
+        self.climb_margin, self.gap_margin = climb_margin, gap_margin
+        self.reference = [float(v) for v in reference]
+        self.losses: list[float] = []
+        self.start = 0  # the optimizer step of the current window's first loss
+        self.best: tuple[float, float] | None = None  # the best window's quartiles
+        self.climbs = self.climb_since = 0  # windows in a row that climbed, from this step
+
+    def add(self, step: int, loss: float) -> tuple[str, int, str] | None:
+        """One applied step's finite loss; the signal that holds now, if any."""
+        if not self.losses:
+            self.start = step
+        self.losses.append(loss)
+        if len(self.losses) < self.window:
+            return None
+        low, high = quartiles(self.losses)
+        start, self.losses = self.start, []
+        found = self._behind(start, step, low) or self._climb(start, low)
+        if self.best is None or high < self.best[1]:
+            self.best = (low, high)
+        return found
+
+    def _behind(self, start: int, end: int, low: float) -> tuple[str, int, str] | None:
+        if end > len(self.reference) or end + self.window <= len(self.reference):
+            return None  # not the last whole window the run shares with fp32's curve
+        shared = self.reference[start - 1:end]
+        if not all(math.isfinite(v) for v in shared):
+            return None
+        ref_high = quartiles(shared)[1]
+        if not above(low, ref_high, self.gap_margin):
+            return None
+        return (BEHIND, start, f"the loss's lower quartile {low:.4g} over steps {start}-{end}, above fp32's upper "
+                f"quartile {ref_high:.4g} in the tune by more than {self.gap_margin:.0%}")
+
+    def _climb(self, start: int, low: float) -> tuple[str, int, str] | None:
+        if self.best is None:
+            return None
+        if not above(low, self.best[1], self.climb_margin):
+            self.climbs = 0
+            return None
+        if self.climbs == 0:
+            self.climb_since = start
+        self.climbs += 1
+        if self.climbs < self.windows:
+            return None
+        return (CLIMB, self.climb_since, f"the loss's lower quartile {low:.4g}, above the best window's upper "
+                f"quartile {self.best[1]:.4g} by more than {self.climb_margin:.0%}, {self.windows} windows "
+                f"of {self.window} steps in a row")
+
+    def state_dict(self) -> dict[str, Any]:
+        # "runs" and "since" keep the checkpoint format of a climb counter keyed by signal.
+        return {"losses": list(self.losses), "start": self.start, "best": self.best,
+                "runs": {CLIMB: self.climbs}, "since": {CLIMB: self.climb_since}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses = [float(v) for v in state.get("losses", ())]
+        self.start = int(state.get("start", 0))
+        best = state.get("best")
+        self.best = None if best is None else (float(best[0]), float(best[1]))
+        self.climbs = int(state.get("runs", {}).get(CLIMB, self.climbs))
+        self.climb_since = int(state.get("since", {}).get(CLIMB, self.climb_since))
+
+
+class UpdateProbe:
+    """Every ``every`` optimizer steps, the fraction of sampled 16-bit parameter elements (at
+    most ``sample`` from each) that had a gradient and did not change in the step."""
+
+    def __init__(self, every: int, sample: int = 1024) -> None:
+        self.every, self.sample = every, sample
+        self._before: list[tuple[Any, Any]] | None = None
+
+    def before(self, step: int, params: Iterable[Any]) -> None:
+        """Before optimizer step ``step``: keep a sample of each 16-bit parameter with a gradient,
+        and which of its elements have one."""
+        import torch
+
+        self._before = None
+        if step % self.every:
+            return
+        half = (torch.bfloat16, torch.float16)
+        taken = []
+        for p in params:
+            if p.grad is not None and p.dtype in half:
+                values = p.detach().reshape(-1)[:self.sample].clone()
+                taken.append((p, values, p.grad.detach().reshape(-1)[:self.sample] != 0))
+        self._before = taken or None
+
+    def lost(self) -> float | None:
+        """After the step: the fraction of sampled updates lost, or ``None`` where none was probed."""
+        if self._before is None:
+            return None
+        changed = eligible = 0
+        for p, before, wanted in self._before:
+            moved = p.detach().reshape(-1)[:before.numel()] != before
+            changed += (moved & wanted).sum()
+            eligible += wanted.sum()
+        self._before = None
+        total = int(eligible)  # the probe's one sync, every ``every`` steps
+        return None if total == 0 else 1.0 - int(changed) / total

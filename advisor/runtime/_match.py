@@ -1,9 +1,6 @@
-"""Whether a tuned policy fits the workload it is applied to, and the training batch's split.
-
-``setup()`` learns the model, the optimizer and the script, ``micro_batch_size()`` the global
-batch; each checks the policy in force against what it learnt. A miss applies another tune's
-answer for this workload, else ``safe_fallback`` (``_switch``).
-"""
+"""Whether a tuned policy fits its workload: ``setup()`` checks the model, optimizer and script,
+``micro_batch_size()`` the global batch. A miss applies another tune's answer for this workload,
+else ``safe_fallback`` (``_switch``)."""
 
 from __future__ import annotations
 
@@ -31,8 +28,7 @@ if TYPE_CHECKING:
 
     from advisor.runtime._applied import AppliedPolicy
 
-# The fact a Difference names when a tune recorded other arguments than this run's.
-SCRIPT_ARGS = "script arguments"
+SCRIPT_ARGS = "script arguments"  # the fact a Difference names for other arguments than tuned
 
 
 @dataclass
@@ -51,9 +47,8 @@ class WorkloadCheck:
 def check_setup(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Fingerprint ``model`` before any mode swaps its modules, and replace a policy that does not fit."""
     check = applied._check
-    script = _paths.current_script()
     check.workload = Workload.of(model, optimizer, global_batch=None,
-                                 script=str(script) if script is not None else None, args=_script_args())
+                                 script=_paths.current_script(), args=_script_args())
     applied.model_signature = check.workload.model
     mismatch = setup_mismatch(applied, applied.policy)
     if mismatch is not None and not apply_other_answer(applied, mismatch, lambda policy: setup_mismatch(applied, policy)):
@@ -121,8 +116,7 @@ def setup_mismatch(applied: AppliedPolicy, policy: Policy) -> WorkloadMismatch |
     # The tune recorded its arguments: name both lists, and judge the rest of the workload
     # as if the arguments were the tuned ones, so what else changed is named too.
     rest = workload_mismatch(tuned, replace(here, args=tuned.args))
-    return _with_args(rest, tuned.args, here.args, optimizer_now=here.describe_optimizer(),
-                      world_size_now=here.world_size)
+    return _with_args(rest, tuned.args, here.args)
 
 
 def grad_accum_steps(applied: AppliedPolicy) -> int:
@@ -191,19 +185,14 @@ def _script_args() -> tuple[str, ...]:
     return tuple(sys.argv[1:]) if _paths.current_script() is not None else ()
 
 
-def _shown_args(args: Sequence[str]) -> str:
-    return shlex.join(args) if args else "(none)"
-
-
-def _with_args(mismatch: WorkloadMismatch | None, tuned: Sequence[str], here: Sequence[str], *,
-               optimizer_now: str = "", world_size_now: int = 1) -> WorkloadMismatch:
-    """``mismatch`` (``None``: nothing else changed) with the arguments' difference added."""
-    args = Difference(SCRIPT_ARGS, _shown_args(tuned), _shown_args(here))
-    if mismatch is None:
-        return WorkloadMismatch((args,), (), optimizer_now, tuple(here), world_size_now)
-    # "script arguments" is no longer a fact the tune did not record.
+def _with_args(mismatch: WorkloadMismatch | None, tuned: Sequence[str], here: Sequence[str]) -> WorkloadMismatch:
+    """``mismatch`` (``None``: nothing else changed) with the arguments' difference added, which
+    are then no longer a fact the tune did not record."""
+    mismatch = WorkloadMismatch(()) if mismatch is None else mismatch
+    args = Difference(SCRIPT_ARGS, shlex.join(tuned) or "(none)", shlex.join(here) or "(none)")
     unrecorded = tuple(name for name in mismatch.unrecorded if name != SCRIPT_ARGS)
-    return replace(mismatch, differences=(*mismatch.differences, args), unrecorded=unrecorded, args_now=tuple(here))
+    return replace(mismatch, differences=(*mismatch.differences, args), unrecorded=unrecorded,
+                   args_now=tuple(here))
 
 
 def _args_now(mismatch: WorkloadMismatch) -> tuple[str, ...] | None:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.runtime._match import check_setup
-from advisor.runtime._retarget import retarget_optimizer
 from advisor.runtime._workload import model_signature
 from policies import Policy, default_reduce_dtype, mode_class
 from probes import MpadviseError
@@ -19,6 +18,10 @@ if TYPE_CHECKING:
 
     from advisor.runtime._applied import AppliedPolicy
 
+_SHARD_FIX = ("call mp.setup(model) on the bare model first, then fully_shard it with "
+              "mp_policy=mp.fsdp_mixed_precision(), then build the optimizer on the sharded "
+              "parameters")
+
 
 def setup_model(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
     """``AppliedPolicy.setup``'s work: check the workload, move and convert the model."""
@@ -26,16 +29,22 @@ def setup_model(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch
 
     if not isinstance(model, torch.nn.Module):
         raise MpadviseError(f"setup(model, ...): expected a torch.nn.Module, got {type(model).__name__}")
-    wrapper = _distributed_wrapper(model)
-    if wrapper is not None:
-        # The mode converts the bare model (dtypes, FP8 layers); a wrapper built before that
-        # would keep buckets or shards of the old parameters.
-        raise MpadviseError(wrapper)
+    # The mode converts the bare model (dtypes, FP8 layers); a wrapper built before that would
+    # keep buckets or shards of the old parameters.
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise MpadviseError("setup(model): the model is already wrapped in DistributedDataParallel; "
+                            "call mp.setup(model, optimizer) on the bare model first, then wrap the "
+                            "model it returns")
+    # Not imported: nothing can be sharded yet.
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", ())
+    for name, module in model.named_modules():
+        if isinstance(module, fsdp_module):
+            where = f"its module {name!r} is" if name else "the model is"
+            raise MpadviseError(f"setup(model): {where} already sharded with fully_shard; {_SHARD_FIX}")
     check_setup(applied, model, optimizer)
     before = dict(model.named_parameters())
     dtypes = {name: parameter.dtype for name, parameter in before.items()}
-    model = model.to(applied.device)
-    model = applied._mode.convert_module(model)
+    model = applied._mode.convert_module(model.to(applied.device))
     after = dict(model.named_parameters())
     applied._converted = applied._converted or model_signature(model) != applied.model_signature or any(
         dtypes.get(name) != parameter.dtype for name, parameter in after.items()
@@ -49,6 +58,35 @@ def setup_model(applied: AppliedPolicy, model: torch.nn.Module, optimizer: torch
     if first and applied._observer is not None:
         applied._observer.after_setup(applied, model)
     return model if optimizer is None else (model, optimizer)
+
+
+def retarget_optimizer(optimizer: torch.optim.Optimizer, before: dict[str, torch.nn.Parameter],
+                       after: dict[str, torch.nn.Parameter], device: torch.device) -> None:
+    """Point the optimizer at parameters that a conversion replaced (matched by name), each
+    once, with the state of the one it replaced; an MpadviseError where it split a tied one."""
+    targets: dict[int, torch.nn.Parameter] = {}
+    for name, old in before.items():
+        new = after.get(name)
+        if new is not None and targets.setdefault(id(old), new) is not new:
+            raise MpadviseError(
+                f"setup(): the conversion split the parameter {name!r}, which the model shares "
+                "between modules, into separate parameters; untie them before setup(), or use bf16-mixed"
+            )
+    replaced = {key: new for key, new in targets.items() if id(new) != key}
+    if not replaced:
+        return
+    # Once each: two replaced Parameters that became one (a tie) must not be stepped twice.
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        params = (replaced.get(id(p), p) for p in group["params"])
+        unique = {id(p): p for p in params if id(p) not in seen}
+        seen.update(unique)
+        group["params"] = list(unique.values())
+    for old in list(optimizer.state):
+        new = replaced.get(id(old))
+        if new is not None:
+            state = optimizer.state.pop(old)
+            optimizer.state[new] = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in state.items()}
 
 
 def fsdp_mixed_precision(applied: AppliedPolicy) -> Any:
@@ -71,25 +109,6 @@ def fsdp_mixed_precision(applied: AppliedPolicy) -> Any:
     return MixedPrecisionPolicy(*_torch_dtypes(precision))
 
 
-def _distributed_wrapper(model: Any) -> str | None:
-    """Why ``setup()`` cannot take an already wrapped ``model``; ``None`` for a bare one."""
-    import torch
-
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return ("setup(model): the model is already wrapped in DistributedDataParallel; call "
-                "mp.setup(model, optimizer) on the bare model first, then wrap the model it returns")
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded yet
-    fix = ("call mp.setup(model) on the bare model first, then fully_shard it with "
-           "mp_policy=mp.fsdp_mixed_precision(), then build the optimizer on the sharded parameters")
-    if fsdp is not None and isinstance(model, getattr(fsdp, "FSDPModule", ())):
-        return f"setup(model): the model is already sharded with fully_shard; {fix}"
-    if fsdp is not None:
-        for name, module in model.named_modules():
-            if name and isinstance(module, getattr(fsdp, "FSDPModule", ())):
-                return f"setup(model): its module {name!r} is already sharded with fully_shard; {fix}"
-    return None
-
-
 @dataclass(frozen=True)
 class FsdpPrecision:
     """FSDP2's ``MixedPrecisionPolicy`` dtypes by name; ``None`` keeps the parameters' own."""
@@ -102,10 +121,8 @@ class FsdpPrecision:
 def fsdp_precision(policy: Policy) -> FsdpPrecision:
     """What FSDP2 should do for ``policy``: 16-bit compute over fp32 shards for the -mixed
     modes; fp32 (or the already cast 16-bit) parameters otherwise; reduction as the policy says.
-
-    Outputs are left as computed: the loss runs in ``autocast()`` in fp32 as in one process,
-    and an fp32 ``output_dtype`` would cast each block's output up and the next input down.
-    """
+    Outputs are left as computed: an fp32 ``output_dtype`` would cast each block's output up and
+    the next input down, and the loss runs in ``autocast()`` in fp32 as in one process."""
     family = mode_class(policy.mode).dtype_family
     reduce = policy.reduce_dtype or default_reduce_dtype(policy.mode)
     if family in ("bf16", "fp16"):
@@ -124,8 +141,8 @@ def _torch_dtypes(precision: FsdpPrecision) -> tuple[Any, Any, Any]:
 def fsdp_policy_refusal(model: Any, policy: Policy) -> str | None:
     """One line when a module was sharded with FSDP2 under other dtypes than ``policy``'s,
     which would silently override every candidate (an "fp32" reference computing in bf16)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
-    fsdp_module = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    # Not imported: nothing is sharded.
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     if fsdp_module is None:
         return None
     wanted = _torch_dtypes(fsdp_precision(policy))
@@ -136,10 +153,8 @@ def fsdp_policy_refusal(model: Any, policy: Policy) -> str | None:
         # later: FSDPState._mp_policy; each FSDPParamGroup holds the same as mp_policy).
         state_of = getattr(module, "_get_fsdp_state", None)
         state = state_of() if callable(state_of) else None
-        given = getattr(state, "_mp_policy", None)
-        if given is None:
-            group = getattr(state, "_fsdp_param_group", None)
-            given = getattr(group, "mp_policy", None)
+        group = getattr(state, "_fsdp_param_group", None)
+        given = getattr(state, "_mp_policy", None) or getattr(group, "mp_policy", None)
         if given is None:
             continue
         own = (given.param_dtype, given.reduce_dtype, given.output_dtype)

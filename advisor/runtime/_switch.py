@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 from advisor._log import get_logger
 from advisor.runtime._fallback import fallback_words, guard_fallback, safe_fallback
 from advisor.runtime._guard import GuardEvent
-from advisor.runtime._retarget import upcast_in_place
 from policies import Policy, create_mode, mode_facts, safe_default
 
 if TYPE_CHECKING:
+    import torch
+
     from advisor.runtime._applied import AppliedPolicy
 
 
@@ -25,8 +26,7 @@ def switch_to(applied: AppliedPolicy, policy: Policy, source: str) -> None:
     depth = len(stack)
     while stack:
         stack.pop().close()
-    applied.policy = policy
-    applied.source = source
+    applied.policy, applied.source = policy, source
     applied._mode = create_mode(policy, applied.device)
     for _ in range(depth):
         applied.__enter__()
@@ -39,9 +39,8 @@ def fall_back(applied: AppliedPolicy, why: str, why_args: tuple[str, ...] | None
     policy, profile, check = applied.policy, applied.profile, applied._check
     fallback = safe_fallback(policy, profile)
     using, source = fallback_words(fallback, profile)
-    kept = ""
-    if check.split is not None and check.split.accum > 1:
-        kept = f"; keeping {check.split.describe()}"
+    split = check.split
+    kept = f"; keeping {split.describe()}" if split is not None and split.accum > 1 else ""
     if fallback.describe() == policy.describe():
         # The fallback is the tuned policy's own mode with nothing else tuned: the mode
         # stays, and the line says so rather than "fp32 instead of fp32".
@@ -85,3 +84,17 @@ def guard_tripped(applied: AppliedPolicy, signal: str, onset: int, detail: str) 
     get_logger().warning(event.line())
     if applied.on_guard_event is not None:
         applied.on_guard_event(event)
+
+
+def upcast_in_place(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Make every parameter and its optimizer state fp32 in place (the same Parameter objects)."""
+    import torch
+
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and parameter.dtype != torch.float32:
+            parameter.data = parameter.data.float()
+            parameter.grad = None
+    for state in optimizer.state.values() if optimizer is not None else ():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                state[key] = value.float()

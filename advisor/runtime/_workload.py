@@ -1,14 +1,9 @@
-"""Workload fingerprints: a short, stable key for "this model, this optimizer, this batch, this script".
-
-The key changes with whatever changes the precision answer: module types and names, parameter
-names, shapes and ``requires_grad``, the optimizer's class and precision-relevant
-hyperparameters, the world size, the global batch (per-process batch times world size), the
-script's name, content digest and arguments. It ignores parameter values, dtypes and devices
-(applying the policy converts them), buffers, ``foreach``/``fused`` switches and the script's
-directory. An edited script misses the cache, the safe direction. Everything is SHA-256 over
-a canonical text, identical across processes and machines; torch is not imported here.
+"""Workload fingerprints (docs/cache.md, "What a cached answer is keyed by"): SHA-256 over a
+canonical text, identical across processes and machines; torch is not imported here. They
+ignore parameter values, dtypes and devices (applying the policy converts them), buffers,
+``foreach``/``fused`` switches and the script's directory; an edited script misses the cache,
+the safe direction.
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -69,7 +64,8 @@ class Workload:
     @classmethod
     def of(cls, model: Any, optimizer: Any | None, *, global_batch: int | None,
            script: str | os.PathLike[str] | None, args: Sequence[str] = (), world_size: int | None = None) -> Workload:
-        """Read the facts from a model, an optimizer and the script (as :func:`workload_fingerprint`)."""
+        """Read the facts from a model, an optimizer and the script; ``global_batch`` is over all
+        processes."""
         path = None if script is None else os.fspath(script)
         return cls(
             model=model_signature(model),
@@ -87,18 +83,16 @@ class Workload:
         return _digest(self._head() + self._tail(self.world_size, self.global_batch))
 
     def _head(self) -> list[str]:
-        lines = [_FORMAT, f"model {self.model}", f"optimizer {self.optimizer}"]
-        for index, group in enumerate(self.groups):
-            lines.append(f"group {index} " + " ".join(f"{key}={value}" for key, value in group))
-        return lines
+        groups = [f"group {index} " + " ".join(f"{key}={value}" for key, value in group)
+                  for index, group in enumerate(self.groups)]
+        return [_FORMAT, f"model {self.model}", f"optimizer {self.optimizer}", *groups]
 
     def _tail(self, world_size: int, global_batch: int | None) -> list[str]:
         # Absent for one process, so that keys from before the world size was recorded still hit.
-        lines = [] if world_size == 1 else [f"world_size {world_size}"]
-        lines.append(f"global_batch {_canonical(global_batch)}")
-        lines.append(f"script {self.script} {self.script_digest or 'missing'}")
-        lines.append(f"args {json.dumps(list(self.args))}")
-        return lines
+        world = [] if world_size == 1 else [f"world_size {world_size}"]
+        return [*world, f"global_batch {_canonical(global_batch)}",
+                f"script {self.script} {self.script_digest or 'missing'}",
+                f"args {json.dumps(list(self.args))}"]
 
     def describe_optimizer(self) -> str:
         """``"AdamW(lr=0.001, eps=1e-08, betas=(0.9,0.999), weight_decay=0.01)"``, for people."""
@@ -148,15 +142,6 @@ def model_signature(model: Any) -> str:
         shape = "x".join(str(int(size)) for size in parameter.shape)
         lines.append(f"param {name} [{shape}] grad={bool(parameter.requires_grad)}")
     return _digest(lines)
-
-
-def workload_fingerprint(model: Any, optimizer: Any | None, *, global_batch: int | None,
-                         script: str | os.PathLike[str] | None, args: Sequence[str] = (),
-                         world_size: int | None = None) -> str:
-    """The cache key of a training workload; ``global_batch`` is over all processes."""
-    return Workload.of(
-        model, optimizer, global_batch=global_batch, script=script, args=args, world_size=world_size
-    ).fingerprint()
 
 
 def current_world_size(env: Mapping[str, str] | None = None) -> int:
@@ -215,9 +200,7 @@ def _as_recorded(tuned: TunedOn, here: Workload) -> tuple[Workload, tuple[str, .
                        script=os.path.basename(tuned.script) if tuned.script else here.script,
                        script_digest=tuned.script_digest or here.script_digest)
     per_process = tuned.global_batch
-    world_size = getattr(tuned, "world_size", None)  # a [tuned_on] that records it
-    if world_size is None:
-        world_size = _recovered_world_size(recorded, per_process, tuned.workload_fingerprint)
+    world_size = _recovered_world_size(recorded, per_process, tuned.workload_fingerprint)
     if world_size is None:
         # Unknown, since other facts changed too. Most tunes and every entry from before the
         # world size was recorded ran one process: only a run of several names it.
@@ -226,8 +209,8 @@ def _as_recorded(tuned: TunedOn, here: Workload) -> tuple[Workload, tuple[str, .
         world_size = here.world_size
     if per_process is None:
         unrecorded.insert(1, GLOBAL_BATCH)
-        return replace(recorded, world_size=world_size), tuple(unrecorded)
-    return replace(recorded, world_size=world_size, global_batch=per_process * world_size), tuple(unrecorded)
+    batch = recorded.global_batch if per_process is None else per_process * world_size
+    return replace(recorded, world_size=world_size, global_batch=batch), tuple(unrecorded)
 
 
 def _recovered_world_size(recorded: Workload, per_process: int | None, fingerprint: str | None) -> int | None:

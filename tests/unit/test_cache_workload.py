@@ -24,7 +24,7 @@ from fakes import Net, gpu_profile
 import advisor
 import probes
 from advisor import _paths
-from advisor._load import resolve_policy
+from advisor._load import PolicySource, resolve_policy
 from advisor._paths import database_path
 from advisor.cache import _store as _cache
 from advisor.cache._recommend import entry_status, lookup, record_tune
@@ -228,7 +228,7 @@ def test_a_driver_upgrade_or_torch_patch_release_keeps_the_cache(script: Path, w
     _tune(script, "bf16-mixed", profile=tuned)
     for upgraded in (replace(tuned, driver_version="560.35.03"), replace(tuned, torch_version="2.5.2+cu124")):
         resolution = resolve_policy(None, profile=upgraded, script=script, environ={}, cached=lookup)
-        assert resolution.policy.mode == "bf16-mixed" and resolution.from_cache
+        assert resolution.policy.mode == "bf16-mixed" and resolution.kind is PolicySource.CACHE
     assert warnings == []
 
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fakes import DelayedScaling, Format
 
-from advisor.runtime._retarget import retarget_optimizer
+from advisor.runtime._setup import retarget_optimizer
 from policies import Fp8Options, Policy
 from probes import MpadviseError
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from advisor import AppliedPolicy, Policy
-from advisor.runtime._retarget import retarget_optimizer
+from advisor.runtime._setup import retarget_optimizer
 from policies._fp8 import retie, tied_parameters
 from probes import HardwareProfile, MpadviseError
 

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from advisor.runtime import BEHIND, CLIMB, STALL, Guard, GuardLimits, LossTrend, UpdateProbe
+from advisor.runtime._guard import BEHIND, CLIMB, STALL, Guard, GuardLimits, LossTrend, UpdateProbe
 
 LIMITS = GuardLimits()
 

@@ -9,7 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from advisor.runtime._workload import Workload, model_signature, script_digest, workload_fingerprint
+from advisor.runtime._workload import Workload, model_signature, script_digest
+
+
+def workload_fingerprint(model: nn.Module, optimizer: object, **facts: object) -> str:
+    return Workload.of(model, optimizer, **facts).fingerprint()
 
 
 class Net(nn.Module):
