@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _registry
 from ._accelerate import AccelerateAdapter, accelerate_settings
-from ._adapter import FrameworkAdapter
+from ._adapter import FrameworkAdapter, FrameworkTraits
 from ._detect import LOOP_API, detect_framework, detect_script_framework
 from ._export import Export, Exporter
 from ._lightning import LightningTrainer, lightning_precision
@@ -35,11 +34,9 @@ from ._registry import (
     register_export_target,
     register_framework,
     traits,
-    unregister_framework,
 )
 from ._torch import PlainTorch, PrecisionFlag, flag_advice, precision_flag
 from ._torch_export import TorchExporter, policy_diff, script_for
-from ._traits import FrameworkTraits
 from ._transformers import HuggingFaceTrainer, transformers_precision
 
 __all__ = [
@@ -83,13 +80,14 @@ __all__ = [
     "space_limits",
     "traits",
     "transformers_precision",
-    "unregister_framework",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    # Derived on every lookup rather than copied once, so a framework, export target or mode
-    # registered later is never missing from them.
-    if name in ("FRAMEWORKS", "EXPORT_TARGETS"):
-        return getattr(_registry, name)
+    # Read from the registry on every lookup rather than copied once, so that a framework,
+    # export target or mode registered later is never missing from them.
+    if name == "FRAMEWORKS":
+        return framework_names()
+    if name == "EXPORT_TARGETS":
+        return export_targets()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

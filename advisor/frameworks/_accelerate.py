@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._accelerate_record import Steps
-from advisor.frameworks._adapter import FrameworkAdapter
-from advisor.frameworks._patch import hold_switches, wrap_once
+from advisor.frameworks._adapter import FrameworkAdapter, hold_switches, wrap_once
 from policies import Fp8Options, LossScale, Policy, create_mode, mode_facts
 from probes import MpadviseError
 
@@ -125,16 +124,6 @@ class AccelerateAdapter(FrameworkAdapter):
     loss_scale_kinds = ("dynamic", "none")
     loss_scale_settings = True
     sets_grad_clip = False
-    limits = (
-        "the micro-batch is the script's DataLoader batch_size, so no split is searched",
-        "no static loss scale: GradScalerKwargs builds a dynamic GradScaler",
-        "no pure fp16/bf16 training (that is the model's dtype, set by the script)",
-        "fp8-te: Accelerate builds the delayed and mxfp8 recipes only, not current or block",
-        # accelerate/utils/transformer_engine.py, convert_model (1.15): it swaps each Linear
-        # whose weight dims are multiples of 16, and LayerNorms, with no filter to pass.
-        "fp8-te: Accelerate swaps Linear layers by its own rule (weight dimensions multiples of 16, "
-        "LayerNorms too), not mpadvise's FP8 layer filter",
-    )
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:

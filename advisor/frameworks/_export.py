@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, ClassVar
 
-from advisor.frameworks._traits import FrameworkTraits
+from advisor.frameworks._adapter import FrameworkTraits
 from advisor.runtime import batch_split, tuned_global_batch
 from policies import LossScale, ModeFacts, Policy, default_reduce_dtype, mode_facts
 from probes import MpadviseError, UsageError

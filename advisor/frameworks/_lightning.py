@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._adapter import FrameworkAdapter
+from advisor.frameworks._adapter import PATCHED, FrameworkAdapter, hold_switches, wrap_once
 from advisor.frameworks._lightning_record import FabricSteps, TrainerSteps, as_list, policy_scaler
-from advisor.frameworks._patch import PATCHED, hold_switches, wrap_once
 from policies import Fp8Options, LossScale, Policy, mode_facts
 from probes import MpadviseError
 
@@ -144,11 +143,6 @@ class LightningTrainer(_LightningPrecisionPlugins):
         "pytorch_lightning.cli": ("LightningCLI",),
     }
     precedence = 10
-    limits = (
-        "the micro-batch is the script's DataLoader batch_size, so no split is searched",
-        "fp8-torchao has no Lightning precision plugin",
-        "fp8-te runs Transformer Engine's delayed recipe only (the plugin builds DelayedScaling)",
-    )
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
@@ -170,12 +164,6 @@ class LightningFabric(_LightningPrecisionPlugins):
     }
     precedence = 30
     sets_grad_clip = False
-    limits = (
-        "the micro-batch and any accumulation are the script's own, so no split is searched",
-        "gradient clipping is the script's own (fabric.clip_gradients): a policy's grad_clip_norm is not applied",
-        "fp8-torchao has no Fabric precision plugin",
-        "fp8-te runs Transformer Engine's delayed recipe only (the plugin builds DelayedScaling)",
-    )
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:

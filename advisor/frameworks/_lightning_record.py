@@ -9,7 +9,7 @@ import importlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from advisor.frameworks._patch import wrap_once
+from advisor.frameworks._adapter import wrap_once
 from advisor.runtime import current_world_size
 from policies import LossScale
 

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._adapter import FrameworkAdapter
-from advisor.frameworks._patch import hold_switches
+from advisor.frameworks._adapter import FrameworkAdapter, hold_switches
 from advisor.frameworks._torch_hooks import (
     ForwardPrecision,
     Steps,
@@ -68,15 +67,6 @@ class PlainTorch(FrameworkAdapter):
     loss_scale_kinds = ("dynamic", "static", "none")
     loss_scale_settings = True
     sets_grad_clip = False
-    limits = (
-        "the script's DataLoader sets the micro-batch: no split with accumulation",
-        "gradient clipping stays the script's",
-        "FP8 through torchao only: its Linear layers are swapped at the model's first training forward, keeping "
-        "their parameters, so the optimizer the script built still holds them; Transformer Engine's layers have "
-        "parameters of their own, which that optimizer would not hold",
-        "fp16-mixed needs a torch.optim optimizer: a script that updates its parameters by hand cannot "
-        "skip an overflowing step",
-    )
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:

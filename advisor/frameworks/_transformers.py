@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._adapter import FrameworkAdapter
+from advisor.frameworks._adapter import FrameworkAdapter, hold_switches
 from advisor.frameworks._lightning_record import batch_size_of
-from advisor.frameworks._patch import hold_switches
 from advisor.runtime import BatchSplit, batch_split, current_world_size
 from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
 from policies import Policy, mode_facts
@@ -63,13 +62,6 @@ class HuggingFaceTrainer(FrameworkAdapter):
     sets_micro_batch = True
     loss_scale_kinds = ("dynamic",)
     loss_scale_settings = False
-    limits = (
-        "TrainingArguments cannot set GradScaler's parameters: fp16 runs with the default dynamic scale",
-        "no pure fp16/bf16 training (that is the model's dtype, set where the script loads it)",
-        "no FP8 through TrainingArguments",
-        "fp16-mixed needs a GPU: on a CPU fp16=True trains in fp32 (Accelerate builds neither fp16 autocast "
-        "nor a GradScaler there), so a trial of it ends unsupported",
-    )
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
