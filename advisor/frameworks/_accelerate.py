@@ -8,7 +8,6 @@ Accelerate is imported inside ``install()`` only: this module runs in the trial 
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._accelerate_record import Steps
-from advisor.frameworks._adapter import FrameworkAdapter, hold_switches, wrap_once
+from advisor.frameworks._adapter import (
+    FrameworkAdapter,
+    fp16_loss_scale,
+    hold_switches,
+    scaler_kwargs,
+    shift_seed,
+    wrap_once,
+)
 from policies import Fp8Options, LossScale, Policy, create_mode, mode_facts
 from probes import MpadviseError
 
@@ -64,8 +70,7 @@ def accelerate_settings(policy: Policy) -> AccelerateSettings:
     if facts.fp8_library == "torchao":
         return AccelerateSettings("fp8", torchao_recipe=facts.fp8_recipe(policy), tf32=facts.tf32)
     if facts.autocast == "fp16":
-        loss_scale = (policy.loss_scale or LossScale()) if facts.loss_scaling else LossScale(kind="none")
-        return AccelerateSettings("fp16", grad_scaler=grad_scaler_kwargs(loss_scale), tf32=facts.tf32)
+        return AccelerateSettings("fp16", grad_scaler=grad_scaler_kwargs(fp16_loss_scale(policy)), tf32=facts.tf32)
     return AccelerateSettings(facts.autocast or "no", tf32=facts.tf32)
 
 
@@ -76,14 +81,7 @@ def grad_scaler_kwargs(loss_scale: LossScale) -> dict[str, Any]:
             "Accelerate cannot apply a static loss scale (GradScalerKwargs builds a dynamic GradScaler); "
             "use kind = \"dynamic\""
         )
-    if loss_scale.kind == "none":
-        return {"enabled": False}
-    return {
-        "init_scale": float(loss_scale.init_scale),
-        "growth_factor": float(loss_scale.growth_factor),
-        "backoff_factor": float(loss_scale.backoff_factor),
-        "growth_interval": int(loss_scale.growth_interval),
-    }
+    return {"enabled": False} if loss_scale.kind == "none" else scaler_kwargs(loss_scale)
 
 
 def te_recipe_kwargs(fp8: Fp8Options) -> dict[str, Any]:
@@ -103,13 +101,6 @@ def te_recipe_kwargs(fp8: Fp8Options) -> dict[str, Any]:
         f"Accelerate's TERecipeKwargs builds Transformer Engine's delayed and mxfp8 recipes only, not "
         f"{recipe!r}; set [fp8] recipe to \"delayed\" or \"mxfp8\", or train through the loop API"
     )
-
-
-def shifted_seed(seed: Any, shift: int) -> Any:
-    """The script's seed moved by the trial's seed (0, or a seed that is not an int, leaves it)."""
-    if not shift or isinstance(seed, bool) or not isinstance(seed, int):
-        return seed
-    return seed + shift
 
 
 class AccelerateAdapter(FrameworkAdapter):
@@ -133,7 +124,7 @@ class AccelerateAdapter(FrameworkAdapter):
         from accelerate.optimizer import AcceleratedOptimizer
 
         application = _Application(policy, accelerate_settings(policy), recorder, device)
-        application.hold_switches()
+        application.note(hold_switches(policy, device))
         wrap_once(accelerate.Accelerator, "__init__", application.wrap_init)
         if recorder is None:
             return
@@ -141,20 +132,8 @@ class AccelerateAdapter(FrameworkAdapter):
         for name in ("prepare", "prepare_model", "prepare_optimizer", "backward"):
             wrap_once(accelerate.Accelerator, name, getattr(steps, f"wrap_{name}"))
         wrap_once(AcceleratedOptimizer, "step", steps.wrap_step)
-        if shift := recorder.spec.seed:
-            # Both import paths of set_seed find the wrapped one: the script imports after this runs.
-            for module in (accelerate.utils, accelerate.utils.random):
-                wrap_once(module, "set_seed", functools.partial(_shift_set_seed, shift=shift, recorder=recorder))
-
-
-def _shift_set_seed(original: Callable[..., Any], *, shift: int, recorder: FrameworkRecorder) -> Callable[..., Any]:
-    def set_seed(seed: Any, *args: Any, **kwargs: Any) -> Any:
-        moved = shifted_seed(seed, shift)
-        if moved != seed:
-            recorder.note(f"the script's set_seed({seed}) ran as set_seed({moved}) (trial seed {shift})")
-        return original(moved, *args, **kwargs)
-
-    return set_seed
+        # Both import paths of set_seed find the wrapped one: the script imports after this runs.
+        shift_seed([accelerate.utils, accelerate.utils.random], "set_seed", recorder)
 
 
 class _Application:
@@ -169,26 +148,11 @@ class _Application:
         self.steps: Steps | None = None
         self.fp8_mode: Any = None  # fp8-torchao: the loop API's mode, whose filter and notes are used
 
-    def note(self, text: str) -> None:
-        if self.recorder is not None:
+    def note(self, text: str | None) -> None:
+        if self.recorder is not None and text is not None:
             self.recorder.note(text)
-        else:
+        elif text is not None:
             get_logger().debug(text)
-
-    def hold_switches(self, *, again: bool = False) -> None:
-        """fp32 and tf32: set the TF32 switches for the rest of the process, as the loop API's modes
-        do; ``again`` once an Accelerator was built (``AcceleratorState`` turns TF32 on for
-        ``mixed_precision="no"`` under a dynamo backend on CUDA)."""
-        if self.settings.tf32 is None:
-            return
-        import torch
-
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        hold_switches(self.policy, device)
-        if not again:
-            state = "on" if self.settings.tf32 else "off"
-            self.note(f"TF32 {state} for matmuls{' and cuDNN' if device.startswith('cuda') else ''}, "
-                      f"as {self.policy.mode} sets it")
 
     def wrap_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
@@ -218,39 +182,33 @@ class _Application:
 
     def _handlers(self, given: Sequence[Any] | None) -> list[Any]:
         """The script's kwargs handlers with the policy's in place of those of the same kind."""
-        import accelerate.utils
-        from accelerate.utils import (
-            AORecipeKwargs,
-            AutocastKwargs,
-            GradScalerKwargs,
-            TERecipeKwargs,
-        )
+        import accelerate.utils as utils
 
         ours: list[Any] = []
         settings = self.settings
         if settings.grad_scaler is not None:
-            ours.append(GradScalerKwargs(**settings.grad_scaler))
+            ours.append(utils.GradScalerKwargs(**settings.grad_scaler))
         if settings.te_recipe is not None:
-            ours.append(TERecipeKwargs(**settings.te_recipe))
+            ours.append(utils.TERecipeKwargs(**settings.te_recipe))
         if settings.torchao_recipe is not None:
-            ours.append(self._torchao_handler(AORecipeKwargs))
+            ours.append(self._torchao_handler(utils.AORecipeKwargs))
         # Every FP8 recipe kind goes: another backend's recipe would pick the backend
         # (Accelerator.fp8_backend reads the generic FP8RecipeKwargs first where it exists), and
         # outside fp8 Accelerate refuses any of them. Accelerate 1.16 dropped FP8RecipeKwargs and
         # MSAMPRecipeKwargs; earlier versions have them.
-        recipe_kinds = {AORecipeKwargs, TERecipeKwargs} | {
+        recipe_kinds = {utils.AORecipeKwargs, utils.TERecipeKwargs} | {
             kind
             for name in ("FP8RecipeKwargs", "MSAMPRecipeKwargs")
-            if (kind := getattr(accelerate.utils, name, None)) is not None
+            if (kind := getattr(utils, name, None)) is not None
         }
         replaced_kinds = {type(h) for h in ours} | recipe_kinds
         kept, replaced = [], []
         for handler in given or ():
             if type(handler) in replaced_kinds:
                 replaced.append(type(handler).__name__)
-            elif isinstance(handler, AutocastKwargs) and not handler.enabled and settings.mixed_precision != "no":
+            elif isinstance(handler, utils.AutocastKwargs) and not handler.enabled and settings.mixed_precision != "no":
                 # Autocast off would leave the forward in fp32 under a mixed precision.
-                kept.append(AutocastKwargs(enabled=True, cache_enabled=handler.cache_enabled))
+                kept.append(utils.AutocastKwargs(enabled=True, cache_enabled=handler.cache_enabled))
                 replaced.append("AutocastKwargs(enabled=False)")
             else:
                 kept.append(handler)
@@ -283,10 +241,16 @@ class _Application:
                 "of Accelerate"
             )
         if want == "fp16" and accelerator.device.type == "cpu" and accelerator.scaler is None:
-            _cpu_fp16(accelerator, self.settings.grad_scaler)
+            # Accelerate builds fp16 autocast and a GradScaler only off the CPU: with native_amp on,
+            # prepare(), backward() and the AcceleratedOptimizer use them as on a GPU.
+            import torch
+
+            accelerator.scaler = torch.amp.GradScaler("cpu", **(self.settings.grad_scaler or {}))
+            accelerator.native_amp = True
             self.note("Accelerator: fp16 on a CPU runs CPU autocast with GradScaler('cpu') "
                       "(Accelerate itself would train in fp32 there)")
-        self.hold_switches(again=True)
+        # Again: AcceleratorState turns TF32 on for mixed_precision="no" under a dynamo backend on CUDA.
+        hold_switches(self.policy, self.device)
         was = f" (the script asked for {str(asked)!r})" if asked is not None else ""
         self.note(f"Accelerator: {self.settings.describe()}{was}")
         if self.recorder is not None:
@@ -296,11 +260,3 @@ class _Application:
             self.steps.accelerators.append(accelerator)
             self.steps.fp8_mode = self.fp8_mode
 
-
-def _cpu_fp16(accelerator: Any, grad_scaler: dict[str, Any] | None) -> None:
-    """fp16 on a CPU: turn on the autocast and GradScaler that Accelerate builds only off the CPU
-    (with native_amp on, prepare(), backward() and the AcceleratedOptimizer use them as on a GPU)."""
-    import torch
-
-    accelerator.scaler = torch.amp.GradScaler("cpu", **(grad_scaler or {}))
-    accelerator.native_amp = True

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from advisor.frameworks._adapter import StepLosses
 from advisor.runtime import current_world_size
 
 if TYPE_CHECKING:
@@ -50,8 +51,7 @@ class Steps:
         self._as_built: dict[int, _ModelAsBuilt] = {}
         self._hooked: set[int] = set()
         self._forward_batch: int | None = None
-        self._losses: list[Any] = []
-        self._samples = 0
+        self.step = StepLosses()
         self._first_step = True
         self._fp8_noted = False
 
@@ -90,9 +90,7 @@ class Steps:
         def backward(accelerator: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
             if not self.recorder.begun:
                 self._begin(accelerator)
-            if hasattr(loss, "detach"):
-                self._losses.append(loss.detach().float().clone())
-            self._samples += self._forward_batch or 0
+            self.step.add(loss, self._forward_batch)
             return original(accelerator, loss, *args, **kwargs)
 
         return backward
@@ -152,16 +150,14 @@ class Steps:
             self.recorder.note(note)
 
     def _step_ended(self, optimizer: Any, scale: float | None, skipped: bool) -> None:
-        if not self.recorder.begun or not self._losses:
+        if not self.recorder.begun or not self.step.losses:
             return  # a step before any backward() (nothing of the script's loss to record)
-        micro_batches = len(self._losses)
         if self._first_step:
             self._first_step = False
-            _first_step_facts(self.recorder, self.model, optimizer, micro_batches)
-        losses = self._losses
-        loss = losses[0] if micro_batches == 1 else sum(losses) / micro_batches
-        self.recorder.step(loss=loss, loss_scale=scale, skipped=skipped, samples=self._samples or None)
-        self._losses, self._samples = [], 0
+            _first_step_facts(self.recorder, self.model, optimizer, self.step.micro_batches)
+        self.recorder.step(loss=self.step.total(mean=True), loss_scale=scale, skipped=skipped,
+                           samples=self.step.samples or None)
+        self.step.reset()
 
 
 def _first_step_facts(recorder: FrameworkRecorder, model: Any, optimizer: Any, micro_batches: int) -> None:

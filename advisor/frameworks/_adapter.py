@@ -130,6 +130,11 @@ def scaler_kwargs(ls: LossScale) -> dict[str, Any]:
             "backoff_factor": float(ls.backoff_factor), "growth_interval": int(ls.growth_interval)}
 
 
+def fp16_loss_scale(policy: Policy) -> LossScale:
+    """The loss scaling ``policy``'s fp16 autocast runs with: its own, GradScaler's defaults, or none."""
+    return (policy.loss_scale or LossScale()) if mode_facts(policy.mode).loss_scaling else LossScale(kind="none")
+
+
 def wrap_once(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     """Replace ``owner.name`` in place by ``make(original)``, unless it is wrapped already."""
     original = getattr(owner, name)
@@ -154,19 +159,23 @@ def hold_switches(policy: Policy, device: Any = None) -> str | None:
     return f"TF32 {'on' if tf32 else 'off'} for matmuls{cudnn}, as {policy.mode} sets it"
 
 
-def shift_seed(owners: Sequence[Any], name: str, recorder: FrameworkRecorder, *, shown: str | None = None) -> None:
-    """Make the script's ``name(seed)``, found in each of ``owners``, seed its integer seed plus
-    the trial's seed, with a note; ``shown``: how the note spells the call."""
+def shift_seed(owners: Sequence[Any], name: str, recorder: FrameworkRecorder, *,
+               move: Callable[[int], int] | None = None, default: Callable[[], Any] | None = None) -> None:
+    """Make the script's ``name(seed)``, held by each of ``owners``, seed ``move(seed)`` (the trial's
+    seed added) for an integer seed, with a note, and ``default()`` for ``None`` where given."""
     shift, original = recorder.spec.seed, getattr(owners[-1], name)
     if not shift or getattr(original, PATCHED, False):
         return
-    shown = shown or name
 
     @functools.wraps(original)
-    def seeded(seed: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
-            recorder.note(f"the script's {shown}({seed}) ran as {shown}({int(seed) + shift}) (trial seed {shift})")
-            seed = int(seed) + shift
+    def seeded(seed: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):  # numpy's too
+            moved = move(int(seed)) if move is not None else int(seed) + shift
+            if moved != seed:
+                recorder.note(f"the script's {name}({seed}) ran as {name}({moved}) (trial seed {shift})")
+            seed = moved
+        elif seed is None and default is not None:
+            seed = default()
         return original(seed, *args, **kwargs)
 
     setattr(seeded, PATCHED, True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._adapter import FrameworkAdapter, hold_switches
+from advisor.frameworks._adapter import FrameworkAdapter, hold_switches, shift_seed
 from advisor.frameworks._torch_hooks import (
     ForwardPrecision,
     Steps,
@@ -204,8 +204,7 @@ def _install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str 
     else:
         recorder.no_step_reason = run.no_backward
         recorder.policy_applied()  # the hooks are the candidate: from here the script has its bound
-        if recorder.spec.seed:
-            _shift_manual_seed(torch, recorder)
+        shift_seed([torch, torch.random], "manual_seed", recorder)
         atexit.register(run.at_exit)
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(ValueError):  # not the main thread
@@ -275,20 +274,4 @@ def _wrap_clipping(utils: Any, steps: Steps) -> None:
         functools.update_wrapper(clip, original)
         setattr(utils, name, clip)
         setattr(clip_grad, name, clip)
-
-
-def _shift_manual_seed(torch: Any, recorder: FrameworkRecorder) -> None:
-    """The script's ``torch.manual_seed(n)`` seeds ``n + trial seed``."""
-    original, shift = torch.manual_seed, recorder.spec.seed
-
-    @functools.wraps(original)
-    def manual_seed(seed: Any) -> Any:
-        if isinstance(seed, int) and not isinstance(seed, bool):
-            recorder.note(f"the script's torch.manual_seed({seed}) ran as torch.manual_seed({seed + shift}) "
-                          f"(trial seed {shift})")
-            seed += shift
-        return original(seed)
-
-    torch.manual_seed = manual_seed
-    torch.random.manual_seed = manual_seed
 

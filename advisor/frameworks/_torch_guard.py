@@ -13,13 +13,14 @@ mode.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
 
 import probes
 from advisor._log import get_logger
-from advisor.frameworks._torch_hooks import Steps, wrap_backward
+from advisor.frameworks._torch_hooks import Steps, scaler_step, wrap_backward
 from advisor.runtime import (
     Guard,
     GuardEvent,
@@ -109,8 +110,7 @@ def watch_run(policy: Policy) -> None:
 
 def _watch_scaler(cls: type, steps: Steps) -> None:
     """Wrap ``GradScaler.scale`` and ``step`` in place (every subclass's ``super()`` reaches them):
-    the scaled loss maps back to its value, and the step ends with its scale and whether the
-    scaler skipped it (the found-inf value ``step`` reads anyway)."""
+    the scaled loss maps back to its value, and the step ends with its scale and skip."""
     scale, step = cls.scale, cls.step
 
     def scale_(scaler: Any, outputs: Any) -> Any:
@@ -120,15 +120,6 @@ def _watch_scaler(cls: type, steps: Steps) -> None:
         return scaled
 
     def step_(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        if not scaler._enabled or scaler._scale is None:
-            with steps.scaler_step(optimizer, None, False):
-                return step(scaler, optimizer, *args, **kwargs)
-        state = scaler._per_optimizer_states[id(optimizer)]
-        if state["stage"].name == "READY":
-            scaler.unscale_(optimizer)
-        found = sum(v.item() for v in state["found_inf_per_device"].values())
-        # The scale falls only on a skipped step: reading it then spares the others a device sync.
-        with steps.scaler_step(optimizer, scaler.get_scale() if found else None, found > 0):
-            return step(scaler, optimizer, *args, **kwargs)
+        return scaler_step(steps, scaler, optimizer, functools.partial(step, scaler, optimizer, *args, **kwargs))
 
     cls.scale, cls.step = scale_, step_

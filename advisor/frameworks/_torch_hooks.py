@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from advisor.frameworks._adapter import fp16_loss_scale, scaler_kwargs
 from policies import Policy, create_mode, mode_facts
 
 if TYPE_CHECKING:
@@ -380,6 +381,22 @@ def before_clip(steps: Steps) -> None:
             scaler.unscale_(optimizer)
 
 
+def scaler_step(steps: Steps, scaler: Any, optimizer: Any, step: Callable[[], Any]) -> Any:
+    """A GradScaler's ``step(optimizer)`` (``step``), which ends the script's optimizer step with
+    the scale and whether the scaler skipped it (the found-inf value ``step`` reads anyway). A trial
+    records the scale of every step; a run's guard needs it only where it fell, sparing the others
+    a device sync."""
+    if not scaler._enabled or scaler._scale is None:
+        with steps.scaler_step(optimizer, None, False):
+            return step()
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"].name == "READY":
+        scaler.unscale_(optimizer)
+    found = sum(v.item() for v in state["found_inf_per_device"].values())
+    with steps.scaler_step(optimizer, scaler.get_scale() if found or steps.recorder is not None else None, found > 0):
+        return step()
+
+
 def _signature(module: Any) -> list[int]:
     """The versions of a model's parameters and of their gradients: an update by hand or zeroed
     gradients change it, a backward that accumulates into the same gradients does not."""
@@ -393,13 +410,9 @@ def _signature(module: Any) -> list[int]:
 def candidate_scaler_class(base: type, *, policy: Policy, steps: Steps) -> type:
     """A ``GradScaler`` subclass with the candidate's loss scaling, whatever the script asks; it
     lives on the device of the first loss it scales and ends the trial's step at ``step()``."""
-    facts = mode_facts(policy.mode)
-    ls = policy.loss_scale
-    enabled = facts.loss_scaling and (ls is None or ls.kind != "none")
-    settings: dict[str, Any] = {} if ls is None else {
-        "init_scale": ls.init_scale, "growth_factor": ls.growth_factor, "backoff_factor": ls.backoff_factor,
-        "growth_interval": ls.growth_interval}
-    static = float(ls.init_scale) if enabled and ls is not None and ls.kind == "static" else None
+    loss_scale = fp16_loss_scale(policy)
+    enabled = loss_scale.kind != "none"
+    static = float(loss_scale.init_scale) if loss_scale.kind == "static" else None
     steps.scaling_wanted = enabled
 
     class CandidateGradScaler(base):  # type: ignore[misc, valid-type]
@@ -409,7 +422,7 @@ def candidate_scaler_class(base: type, *, policy: Policy, steps: Steps) -> type:
             if count and steps.counting_scalers:
                 steps.seen.scalers += 1
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            super().__init__(device, enabled=enabled, **settings)
+            super().__init__(device, enabled=enabled, **scaler_kwargs(loss_scale))
 
         def scale(self, outputs: Any) -> Any:
             if self._enabled and self._scale is None and hasattr(outputs, "device"):
@@ -420,17 +433,7 @@ def candidate_scaler_class(base: type, *, policy: Policy, steps: Steps) -> type:
             return scaled
 
         def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self._enabled:
-                with steps.scaler_step(optimizer, None, False):
-                    return super().step(optimizer, *args, **kwargs)
-            state = self._per_optimizer_states[id(optimizer)]
-            if state["stage"].name == "READY" and self._scale is not None:
-                self.unscale_(optimizer)
-            found = sum(v.item() for v in state.get("found_inf_per_device", {}).values())
-            # A trial records the scale of every step; a run's guard needs it only where it fell.
-            scale = None if self._scale is None or not (found or steps.recorder is not None) else self.get_scale()
-            with steps.scaler_step(optimizer, scale, found > 0):
-                return super().step(optimizer, *args, **kwargs)
+            return scaler_step(steps, self, optimizer, functools.partial(super().step, optimizer, *args, **kwargs))
 
         def update(self, new_scale: Any = None) -> None:
             super().update(static if new_scale is None and static is not None else new_scale)

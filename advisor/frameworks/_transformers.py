@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._adapter import FrameworkAdapter, hold_switches
+from advisor.frameworks._adapter import FrameworkAdapter, StepLosses, hold_switches, shift_seed
 from advisor.frameworks._lightning_record import batch_size_of
 from advisor.runtime import BatchSplit, batch_split, current_world_size
 from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
@@ -80,8 +80,10 @@ class HuggingFaceTrainer(FrameworkAdapter):
                              callback_base=transformers.TrainerCallback)
         _patch_arguments(transformers.training_args.TrainingArguments, hooks)
         _patch_trainer(transformers.trainer.Trainer, hooks)
-        if recorder is not None and recorder.spec.seed:
-            _shift_seeds([transformers, transformers.trainer, transformers.trainer_utils], recorder.spec.seed, hooks)
+        if recorder is not None:
+            # Wherever the script or the Trainer (which seeds args.seed, 42 by default) takes them from.
+            for name in ("set_seed", "enable_full_determinism"):
+                shift_seed([transformers, transformers.trainer, transformers.trainer_utils], name, recorder)
 
 
 def transformers_precision(policy: Policy) -> dict[str, bool]:
@@ -212,8 +214,7 @@ class TrainerHooks:
         self.callback_base = callback_base
         self.mixed_precision = accelerator_precision(policy.mode)
         self.user_batch: int | None = None
-        self._micro_losses: list[Any] = []
-        self._micro_samples = 0
+        self.step = StepLosses()
         self._loss_scale: float | None = None  # what the GradScaler's scale is now, once read
         self._first_forward = _FirstForward()
 
@@ -285,8 +286,7 @@ class TrainerHooks:
             self._loss_scale = _scale(trainer)
         loss = step(*args, **kwargs)
         inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
-        self._micro_losses.append(loss.detach().float().clone())
-        self._micro_samples += batch_size_of(inputs) or 0
+        self.step.add(loss, batch_size_of(inputs))
         if not self._first_forward.checked:
             self._check_forward()
         return loss
@@ -303,15 +303,14 @@ class TrainerHooks:
 
     def step_end(self, trainer: Any) -> None:
         """The optimizer stepped: the step's loss, the scale its backward ran with, and whether it was skipped."""
-        micro, samples = self._micro_losses, self._micro_samples
-        self._micro_losses, self._micro_samples = [], 0
+        micro, samples, loss = self.step.losses, self.step.samples, self.step.total(mean=False)
+        self.step.reset()
         # The GradScaler changes its scale only in the optimizer step's update(), so the scale
         # before this step is the one the previous step left (or the first read).
         before, after = self._loss_scale, _scale(trainer)
         self._loss_scale = after
         if self.recorder is None or not micro:
             return
-        loss = micro[0] if len(micro) == 1 else sum(micro[1:], micro[0])
         skipped = scaler_skipped(before, after) or bool(trainer.accelerator.optimizer_step_was_skipped)
         self.recorder.step(loss=loss, loss_scale=before, skipped=skipped, samples=samples or None)
 
@@ -409,21 +408,6 @@ def _patch_trainer(cls: type, hooks: TrainerHooks) -> None:
         hooks.after_trainer(self)
 
     cls.__init__ = __init__
-
-
-def _shift_seeds(modules: list[Any], shift: int, hooks: TrainerHooks) -> None:
-    """``set_seed(s)`` and ``enable_full_determinism(s)`` seed ``s + shift``, wherever the script
-    or the Trainer (which seeds ``args.seed``, 42 by default) takes them from."""
-    for name in ("set_seed", "enable_full_determinism"):
-        original = getattr(modules[-1], name)
-
-        def shifted(seed: int, *args: Any, _original: Callable[..., Any] = original, _name: str = name,
-                    **kwargs: Any) -> Any:
-            hooks.note(f"seeds shifted by the trial seed {shift} ({_name}({seed}) seeds {seed + shift})")
-            return _original(seed + shift, *args, **kwargs)
-
-        for module in modules:
-            setattr(module, name, shifted)
 
 
 def _scale(trainer: Any) -> float | None:
