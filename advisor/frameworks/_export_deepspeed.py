@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from advisor.frameworks._export import _TORCH_DTYPE, Export, Exporter, _Job, _scaler_settings
+from advisor.frameworks._adapter import scaler_kwargs
+from advisor.frameworks._export import _TORCH_DTYPE, Export, Exporter, _Job
 from policies import LossScale
 
 # DeepSpeed runs torch.autocast from its "torch_autocast" section: bf16 since 0.17.2; fp16 with
@@ -22,7 +23,7 @@ class DeepSpeedExporter(Exporter):
 
     def write(self, job: _Job) -> Export:
         self._check(job)
-        split = job.split()
+        split = job.split
         job.reduce_dtype_warning()
         facts = job.facts
         config: dict[str, Any] = {}
@@ -80,8 +81,8 @@ class DeepSpeedExporter(Exporter):
         if ls.kind == "none":
             raise job.refuse("DeepSpeed's torch_autocast scales every fp16 loss with a dynamic GradScaler, "
                              "and the policy has no loss scaling")
-        default = _scaler_settings(LossScale())
-        changed = [name for name, value in _scaler_settings(ls).items() if name != "kind" and value != default[name]]
+        default = scaler_kwargs(LossScale())
+        changed = [name for name, value in scaler_kwargs(ls).items() if value != default[name]]
         if ls.kind == "static" or changed:
             what = "a static loss scale" if ls.kind == "static" else f"GradScaler's {', '.join(changed)}"
             raise job.refuse(
