@@ -40,45 +40,18 @@ from ._torch_export import TorchExporter, policy_diff, script_for
 from ._transformers import HuggingFaceTrainer, transformers_precision
 
 __all__ = [
-    "LOOP_API",
-    "RUN_POLICY_ENV",
-    "RUN_SOURCE_ENV",
-    "AccelerateAdapter",
-    "EXPORT_TARGETS",  # noqa: F822 - provided by __getattr__ below, from the registry
-    "Export",
-    "Exporter",
-    "FRAMEWORKS",  # noqa: F822 - provided by __getattr__ below, from the registry
-    "FrameworkAdapter",
-    "FrameworkTraits",
-    "HuggingFaceTrainer",
-    "TorchExporter",
-    "LightningTrainer",
-    "PlainTorch",
-    "PrecisionFlag",
-    "ScriptPlan",
-    "accelerate_settings",
-    "check_expressible",
-    "check_framework",
-    "check_plan_modes",
-    "check_target",
-    "detect_framework",
-    "detect_script_framework",
-    "export_policy",
-    "export_targets",
-    "flag_advice",
-    "framework_class",
-    "framework_classes",
-    "framework_names",
-    "lightning_precision",
-    "plan_for",
-    "policy_diff",
-    "precision_flag",
-    "refusal",
-    "register_export_target",
-    "register_framework",
-    "script_for",
-    "space_limits",
-    "traits",
+    # The registry, and the lists read from it (by __getattr__ below).
+    "EXPORT_TARGETS", "FRAMEWORKS",  # noqa: F822
+    "check_expressible", "check_framework", "check_target", "export_policy", "export_targets",
+    "framework_class", "framework_classes", "framework_names", "refusal", "register_export_target",
+    "register_framework", "traits",
+    # How a script's trials run: its framework, read from its imports, and the plan.
+    "LOOP_API", "RUN_POLICY_ENV", "RUN_SOURCE_ENV", "ScriptPlan", "check_plan_modes", "detect_framework",
+    "detect_script_framework", "plan_for", "space_limits",
+    # The adapters and exporters, and what they decide for a policy.
+    "AccelerateAdapter", "Export", "Exporter", "FrameworkAdapter", "FrameworkTraits", "HuggingFaceTrainer",
+    "LightningTrainer", "PlainTorch", "PrecisionFlag", "TorchExporter", "accelerate_settings",
+    "flag_advice", "lightning_precision", "policy_diff", "precision_flag", "script_for",
     "transformers_precision",
 ]
 

@@ -21,6 +21,8 @@ from policies import LossScale, ModeFacts, Policy, create_mode, mode_class, mode
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
 
+# torch's names of the dtype families.
+TORCH_DTYPE: Mapping[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # Marks a function an adapter has wrapped, so that a second install wraps it no more.
 PATCHED = "__mpadvise_patched__"
 
@@ -133,6 +135,15 @@ def scaler_kwargs(ls: LossScale) -> dict[str, Any]:
 def fp16_loss_scale(policy: Policy) -> LossScale:
     """The loss scaling ``policy``'s fp16 autocast runs with: its own, GradScaler's defaults, or none."""
     return (policy.loss_scale or LossScale()) if mode_facts(policy.mode).loss_scaling else LossScale(kind="none")
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The leading dimension of the first tensor with one in a batch (a tensor, a sequence, a mapping)."""
+    shape = getattr(batch, "shape", None)
+    if shape is not None:
+        return int(shape[0]) if len(shape) else None
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return next((size for size in map(batch_size_of, items) if size is not None), None)
 
 
 def wrap_once(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

@@ -30,8 +30,6 @@ DEVICES = ("cuda", "cpu")
 # The format a file's extension asks ``--out`` for.
 FORMAT_OF_SUFFIX: Mapping[str, str] = {".py": "python", ".json": "json", ".yaml": "yaml", ".yml": "yaml"}
 
-_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
 
 class ExportRefused(MpadviseError):
     """The target cannot express the policy faithfully; the message says what and why (exit 1)."""

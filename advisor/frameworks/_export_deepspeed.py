@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from advisor.frameworks._adapter import scaler_kwargs
-from advisor.frameworks._export import _TORCH_DTYPE, Export, Exporter, _Job
+from advisor.frameworks._adapter import TORCH_DTYPE, scaler_kwargs
+from advisor.frameworks._export import Export, Exporter, _Job
 from policies import LossScale
 
 # DeepSpeed runs torch.autocast from its "torch_autocast" section: bf16 since 0.17.2; fp16 with
@@ -50,7 +50,7 @@ class DeepSpeedExporter(Exporter):
             # An empty lower_precision_safe_modules keeps every gradient's reduction in fp32, as
             # DDP does under autocast; DeepSpeed's default list would reduce Linear and Conv
             # gradients in 16 bits.
-            config["torch_autocast"] = {"enabled": True, "dtype": _TORCH_DTYPE[facts.autocast],
+            config["torch_autocast"] = {"enabled": True, "dtype": TORCH_DTYPE[facts.autocast],
                                         "lower_precision_safe_modules": []}
             job.notes.append(f"needs DeepSpeed {DEEPSPEED_AUTOCAST_SINCE[facts.autocast]} or newer for "
                              "torch_autocast; an older one ignores the section and trains in fp32")

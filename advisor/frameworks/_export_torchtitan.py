@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from advisor.frameworks._export import _TORCH_DTYPE, Export, Exporter, _call, _Job, _py
+from advisor.frameworks._adapter import TORCH_DTYPE
+from advisor.frameworks._export import Export, Exporter, _call, _Job, _py
 from policies import default_reduce_dtype
 
 
@@ -19,7 +20,7 @@ class TorchtitanExporter(Exporter):
         facts = job.facts
         float8 = self._check(job)
         training: dict[str, Any] = {
-            "dtype": _TORCH_DTYPE[facts.weights],
+            "dtype": TORCH_DTYPE[facts.weights],
             # torchtitan applies the parameter dtype as FSDP2's MixedPrecisionPolicy when it shards
             # and as torch.autocast otherwise: what mpadvise's bf16-mixed does in either case; its
             # FP8 runs the layers it does not convert in bf16.

@@ -9,7 +9,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from advisor.frameworks._adapter import StepLosses, scaler_kwargs, wrap_once
+from advisor.frameworks._adapter import StepLosses, batch_size_of, scaler_kwargs, wrap_once
 from advisor.runtime import current_world_size
 from policies import LossScale
 
@@ -20,15 +20,6 @@ if TYPE_CHECKING:
 def as_list(value: Any) -> list[Any]:
     """A Trainer's or Fabric's ``plugins``/``callbacks`` argument as a list: none, one, or several."""
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def batch_size_of(batch: Any) -> int | None:
-    """The leading dimension of the first tensor with one in a batch (a tensor, a sequence, a mapping)."""
-    shape = getattr(batch, "shape", None)
-    if shape is not None:
-        return int(shape[0]) if len(shape) else None
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    return next((size for size in map(batch_size_of, items) if size is not None), None)
 
 
 @functools.cache

@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
@@ -168,14 +169,8 @@ def _install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str 
     import torch.cuda.amp
     import torch.nn.parallel
     import torch.nn.utils
-    from torch.nn.modules.module import (
-        register_module_forward_hook,
-        register_module_forward_pre_hook,
-    )
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
+    from torch.nn.modules import module
+    from torch.optim import optimizer
 
     run = _Run(policy, recorder)
     hold_switches(policy, device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -186,10 +181,10 @@ def _install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str 
     for name in ("torch.cuda.amp.grad_scaler", "torch.cpu.amp.grad_scaler"):
         if name in sys.modules:
             sys.modules[name].GradScaler = scaler_class
-    register_module_forward_pre_hook(precision.pre)
-    register_module_forward_hook(precision.post, always_call=True)
-    register_optimizer_step_pre_hook(functools.partial(before_step, steps))
-    register_optimizer_step_post_hook(steps.optimizer_post)
+    module.register_module_forward_pre_hook(precision.pre)
+    module.register_module_forward_hook(precision.post, always_call=True)
+    optimizer.register_optimizer_step_pre_hook(functools.partial(before_step, steps))
+    optimizer.register_optimizer_step_post_hook(steps.optimizer_post)
     _wrap_optimizer_init(torch.optim.Optimizer, steps, precision)
     _wrap_ddp_init(torch.nn.parallel.DistributedDataParallel, precision)
     wrap_backward(torch.Tensor, steps)
@@ -217,8 +212,7 @@ def _announce(policy: Policy, recorder: FrameworkRecorder | None) -> None:
     argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == PlainTorch.name else sys.argv
     script, args = (argv[0], list(argv[1:])) if argv else ("", [])
     try:
-        with open(script, encoding="utf-8") as file:
-            source = file.read()
+        source = Path(script).read_text(encoding="utf-8")
     except OSError:
         source = ""
     flag = precision_flag(args, source)

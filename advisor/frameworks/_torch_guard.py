@@ -1,14 +1,10 @@
 """The guard over a framework or plain script's optimizer steps under ``mpadvise run``.
 
-Such a script never calls ``load_policy()``, so no runtime object watches its steps. The plain
-adapter's step boundaries (``Steps``) feed this guard instead, at torch's own seams, whichever
-framework drives the loop: the summed loss of each optimizer step (``Tensor.backward``, through
-``GradScaler.scale`` unscaled), the scale its GradScaler ended it with, and whether the step was
-skipped. Its signals and limits are the runtime guard's own (``Guard``). The adapter set the
-script's precision when the script started and cannot take it back in place, so a trip under
-``fallback`` is a ``restart needed`` event: one line says so, and the event goes into the cache,
-where the next ``mpadvise run`` (and the next ``load_policy()``) finds it and applies the safer
-mode.
+Such a script never calls ``load_policy()``, so the plain adapter's step boundaries (``Steps``,
+at torch's own seams, whichever framework drives the loop) feed the runtime guard (``Guard``)
+instead. The script's precision was set when it started and cannot be taken back in place, so a
+trip under ``fallback`` is a ``restart needed`` event: one line says so, and the event goes into
+the cache, where the next ``mpadvise run`` (and ``load_policy()``) applies the safer mode.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from typing import Any
 
 import probes
 from advisor._log import get_logger
-from advisor.frameworks._torch_hooks import Steps, scaler_step, wrap_backward
+from advisor.frameworks._torch_hooks import Steps, wrap_backward
 from advisor.runtime import (
     Guard,
     GuardEvent,
@@ -112,14 +108,6 @@ def _watch_scaler(cls: type, steps: Steps) -> None:
     """Wrap ``GradScaler.scale`` and ``step`` in place (every subclass's ``super()`` reaches them):
     the scaled loss maps back to its value, and the step ends with its scale and skip."""
     scale, step = cls.scale, cls.step
-
-    def scale_(scaler: Any, outputs: Any) -> Any:
-        scaled = scale(scaler, outputs)
-        if hasattr(outputs, "device"):
-            steps.scaled(scaled, outputs)
-        return scaled
-
-    def step_(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        return scaler_step(steps, scaler, optimizer, functools.partial(step, scaler, optimizer, *args, **kwargs))
-
-    cls.scale, cls.step = scale_, step_
+    cls.scale = lambda scaler, outputs: steps.scaled(scale(scaler, outputs), outputs)
+    cls.step = lambda scaler, optimizer, *args, **kwargs: steps.scaler_step(
+        scaler, optimizer, functools.partial(step, scaler, optimizer, *args, **kwargs))

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._adapter import FrameworkAdapter, StepLosses, hold_switches, shift_seed
-from advisor.frameworks._lightning_record import batch_size_of
+from advisor.frameworks._adapter import (
+    TORCH_DTYPE,
+    FrameworkAdapter,
+    StepLosses,
+    batch_size_of,
+    hold_switches,
+    shift_seed,
+)
 from advisor.runtime import BatchSplit, batch_split, current_world_size
 from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
 from policies import Policy, mode_facts
@@ -30,22 +36,13 @@ if TYPE_CHECKING:
 # What a trial turns off: work that only slows a short trial window (reporting to trackers,
 # checkpoints, pushes to the Hub, progress bars) and changes no numerics. NaN losses are
 # kept in the script's own logs too, so what it prints agrees with what the trial records.
-TRIAL_ARGUMENTS: Mapping[str, Any] = {
-    "logging_nan_inf_filter": False,
-    "report_to": "none",
-    "save_strategy": "no",
-    "push_to_hub": False,
-    "load_best_model_at_end": False,
-    "disable_tqdm": True,
-}
+TRIAL_ARGUMENTS: Mapping[str, Any] = {"logging_nan_inf_filter": False, "report_to": "none", "save_strategy": "no",
+                                      "push_to_hub": False, "load_best_model_at_end": False, "disable_tqdm": True}
 # The TrainingArguments fields that argument_changes reads from the script's arguments.
 SCRIPT_FIELDS = ("fp16", "bf16", "tf32", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "max_grad_norm", "data_seed", "lr_scheduler_type", "use_cpu")
 # Evaluation inside the window would be timed as training; these schedulers need it, though.
 _SCHEDULERS_NEEDING_EVAL = ("reduce_lr_on_plateau", "greedy")
-
-# torch's names of the autocast dtype families.
-_AUTOCAST_DTYPES: Mapping[str, str] = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 class HuggingFaceTrainer(FrameworkAdapter):
@@ -157,7 +154,7 @@ def argument_changes(policy: Policy, script: Mapping[str, Any], *, trial: bool, 
 
 def expected_autocast(mode: str) -> str | None:
     autocast = mode_facts(mode).autocast
-    return None if autocast is None else _AUTOCAST_DTYPES[autocast]
+    return None if autocast is None else TORCH_DTYPE[autocast]
 
 
 def accelerator_precision(mode: str) -> str:
@@ -234,9 +231,8 @@ class TrainerHooks:
 
     def after_arguments(self, args: Any) -> None:
         """A trial trains on one device: no DataParallel over every visible GPU, and ``cuda:N`` as asked."""
-        if self.recorder is None or args.distributed_state is None:
-            return
-        if args.distributed_state.distributed_type != "NO":
+        state = args.distributed_state
+        if self.recorder is None or state is None or state.distributed_type != "NO":
             return
         import torch
 
