@@ -155,6 +155,8 @@ class _Application:
             get_logger().debug(text)
 
     def wrap_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        import torch
+
         signature = inspect.signature(original)
 
         def __init__(accelerator: Any, *args: Any, **kwargs: Any) -> None:
@@ -162,23 +164,17 @@ class _Application:
             asked = bound.arguments.get("mixed_precision")
             bound.arguments["mixed_precision"] = self.settings.mixed_precision
             bound.arguments["kwargs_handlers"] = self._handlers(bound.arguments.get("kwargs_handlers"))
-            if self.device is not None:
-                self._device_arguments(bound.arguments)
+            # The trial's device: cpu=True for the CPU; a CUDA index becomes the current device,
+            # which a single-process Accelerator trains on (PartialState picks "cuda").
+            device = None if self.device is None else torch.device(self.device)
+            if device is not None and device.type == "cpu":
+                bound.arguments["cpu"] = True
+            elif device is not None and device.type == "cuda" and device.index is not None:
+                torch.cuda.set_device(device)
             original(*bound.args, **bound.kwargs)
             self._built(accelerator, asked)
 
         return __init__
-
-    def _device_arguments(self, arguments: dict[str, Any]) -> None:
-        """The trial's device: ``cpu=True`` for the CPU; a CUDA index becomes the current device,
-        which a single-process Accelerator trains on (``PartialState`` picks ``"cuda"``)."""
-        import torch
-
-        device = torch.device(self.device)
-        if device.type == "cpu":
-            arguments["cpu"] = True
-        elif device.type == "cuda" and device.index is not None:
-            torch.cuda.set_device(device)
 
     def _handlers(self, given: Sequence[Any] | None) -> list[Any]:
         """The script's kwargs handlers with the policy's in place of those of the same kind."""

@@ -156,6 +156,23 @@ def wrap_once(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callab
     setattr(owner, name, wrapped)
 
 
+def around(before: Callable[..., Any], after: Callable[[Any], None] | None = None) -> Callable[..., Any]:
+    """For ``wrap_once``: a method that calls ``before`` with its arguments, then the original
+    method, then ``after`` with the object."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            before(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            if after is not None:
+                after(self)
+            return result
+
+        return method
+
+    return make
+
+
 def hold_switches(policy: Policy, device: Any = None) -> str | None:
     """Set ``policy``'s TF32 switches on ``device`` (``None``: CUDA where there is one) for the
     rest of the process, as the loop API's modes do; the note saying so, ``None`` if it sets none."""
@@ -213,6 +230,11 @@ class StepLosses:
             return float("nan")
         total = sum(losses[1:], losses[0])
         return total / len(losses) if mean else total
+
+    def record(self, recorder: FrameworkRecorder, scale: float | None, skipped: bool, *, mean: bool = True) -> None:
+        """End the optimizer step: record its loss, scale and skip; the next step starts empty."""
+        recorder.step(loss=self.total(mean=mean), loss_scale=scale, skipped=skipped, samples=self.samples or None)
+        self.reset()
 
     def reset(self) -> None:
         self.losses: list[Any] = []

@@ -190,8 +190,7 @@ class TrainerSteps:
             after = float(scaler.get_scale())
             scale, skipped = self._scale_before, after < self._scale_before
             self._scale_before = None
-        self.recorder.step(loss=self.step.total(mean=True), loss_scale=scale, skipped=skipped, samples=self.step.samples)
-        self.step.reset()
+        self.step.record(self.recorder, scale, skipped)
 
 
 class FabricSteps:
@@ -262,5 +261,4 @@ class FabricSteps:
             every_process = None if global_batch is None else global_batch * current_world_size()
             self.recorder.workload(self.model, optimizer, global_batch=every_process)
         scale, skipped = take_step_scale(getattr(strategy.precision, "scaler", None))
-        self.recorder.step(loss=self.step.total(mean=True), loss_scale=scale, skipped=skipped, samples=self.step.samples)
-        self.step.reset()
+        self.step.record(self.recorder, scale, skipped)

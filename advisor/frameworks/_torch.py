@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._adapter import FrameworkAdapter, hold_switches, shift_seed
+from advisor.frameworks._adapter import (
+    FrameworkAdapter,
+    around,
+    hold_switches,
+    shift_seed,
+    wrap_once,
+)
 from advisor.frameworks._torch_hooks import (
     ForwardPrecision,
     Steps,
@@ -186,7 +192,9 @@ def _install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str 
     optimizer.register_optimizer_step_pre_hook(functools.partial(before_step, steps))
     optimizer.register_optimizer_step_post_hook(steps.optimizer_post)
     _wrap_optimizer_init(torch.optim.Optimizer, steps, precision)
-    _wrap_ddp_init(torch.nn.parallel.DistributedDataParallel, precision)
+    # Pure modes: DDP's gradient buckets follow the parameters' dtype, so cast before it builds them.
+    wrap_once(torch.nn.parallel.DistributedDataParallel, "__init__",
+              around(lambda ddp, module, *args, **kwargs: precision.cast_module(module)))
     wrap_backward(torch.Tensor, steps)
     _wrap_clipping(torch.nn.utils, steps)
     _announce(policy, recorder)
@@ -239,18 +247,6 @@ def _wrap_optimizer_init(cls: type, steps: Steps, precision: ForwardPrecision) -
         original(optimizer, params, defaults, *args, **kwargs)
         steps.optimizers.add(optimizer)
         steps.seen.optimizers += 1
-
-    cls.__init__ = __init__
-
-
-def _wrap_ddp_init(cls: type, precision: ForwardPrecision) -> None:
-    # Pure modes: DDP's gradient buckets follow the parameters' dtype, so cast before it builds them.
-    original = cls.__init__
-
-    @functools.wraps(original)
-    def __init__(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
-        precision.cast_module(module)
-        original(ddp, module, *args, **kwargs)
 
     cls.__init__ = __init__
 

@@ -1,11 +1,8 @@
 """The Hugging Face Trainer adapter: a policy applied through ``TrainingArguments``, steps
-recorded through the Trainer's own hooks.
-
-``TrainingArguments.__post_init__`` derives ``mixed_precision`` from ``fp16``/``bf16`` once, and
-the Trainer hands that to its Accelerator, so the candidate's fields are set at the start of
-``__post_init__``. The Trainer's Accelerator and first forward are then checked: a trial that
-would not really run the candidate's precision ends as unsupported instead of measuring something
-else under its name.
+recorded through the Trainer's own hooks. ``TrainingArguments.__post_init__`` derives
+``mixed_precision`` from ``fp16``/``bf16`` once for the Trainer's Accelerator, so the candidate's
+fields are set at its start. The Trainer's Accelerator and first forward are then checked: a trial
+that would not run the candidate's precision ends unsupported instead of measuring something else.
 """
 
 from __future__ import annotations
@@ -21,9 +18,11 @@ from advisor.frameworks._adapter import (
     TORCH_DTYPE,
     FrameworkAdapter,
     StepLosses,
+    around,
     batch_size_of,
     hold_switches,
     shift_seed,
+    wrap_once,
 )
 from advisor.runtime import BatchSplit, batch_split, current_world_size
 from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
@@ -68,15 +67,20 @@ class HuggingFaceTrainer(FrameworkAdapter):
         import transformers.trainer_utils
         import transformers.training_args
 
-        use_cpu = device == "cpu" or (device is None and not _accelerator_available(torch))
+        accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+        available = accelerator.is_available() if hasattr(accelerator, "is_available") else torch.cuda.is_available()
+        use_cpu = device == "cpu" or (device is None and not available)
         hold_switches(policy, torch.device("cpu" if use_cpu else (device or "cuda")))
         # What TrainingArguments falls back to when fp16 and bf16 are both off, and what an
         # Accelerator the script builds by itself reads.
         os.environ["ACCELERATE_MIXED_PRECISION"] = accelerator_precision(policy.mode)
         hooks = TrainerHooks(policy, recorder, use_cpu=use_cpu, device=device,
                              callback_base=transformers.TrainerCallback)
-        _patch_arguments(transformers.training_args.TrainingArguments, hooks)
-        _patch_trainer(transformers.trainer.Trainer, hooks)
+        # __post_init__ sets the policy's fields first (subclasses inherit it or call it); __init__
+        # re-checks the arguments' precision, then hooks the built trainer.
+        wrap_once(transformers.training_args.TrainingArguments, "__post_init__",
+                  around(hooks.before_arguments, hooks.after_arguments))
+        wrap_once(transformers.trainer.Trainer, "__init__", around(hooks.before_trainer, hooks.after_trainer))
         if recorder is not None:
             # Wherever the script or the Trainer (which seeds args.seed, 42 by default) takes them from.
             for name in ("set_seed", "enable_full_determinism"):
@@ -144,7 +148,8 @@ def argument_changes(policy: Policy, script: Mapping[str, Any], *, trial: bool, 
         values.update(TRIAL_ARGUMENTS)
         off = ["logging_nan_inf_filter=False (NaN losses reach the script's logs)", "report_to=none",
                "save_strategy=no", "no Hub push", "no progress bar"]
-        if str(_value(script.get("lr_scheduler_type"))) not in _SCHEDULERS_NEEDING_EVAL:
+        scheduler = script.get("lr_scheduler_type")  # SchedulerType.LINEAR's value is "linear"
+        if str(getattr(scheduler, "value", scheduler)) not in _SCHEDULERS_NEEDING_EVAL:
             values["eval_strategy"] = "no"
             values["do_eval"] = False
             off.append("no evaluation")
@@ -244,8 +249,9 @@ class TrainerHooks:
         if getattr(args, "_n_gpu", 1) > 1:
             args._n_gpu = 1
 
-    def before_trainer(self, args: Any) -> None:
+    def before_trainer(self, trainer: Any, *given: Any, **named: Any) -> None:
         """Set the precision again where the script changed it on the arguments after building them."""
+        args = named["args"] if "args" in named else (given[1] if len(given) > 1 else None)
         if args is None or getattr(args, "mixed_precision", self.mixed_precision) == self.mixed_precision:
             return
         for name, value in transformers_precision(self.policy).items():
@@ -299,16 +305,15 @@ class TrainerHooks:
 
     def step_end(self, trainer: Any) -> None:
         """The optimizer stepped: the step's loss, the scale its backward ran with, and whether it was skipped."""
-        micro, samples, loss = self.step.losses, self.step.samples, self.step.total(mean=False)
-        self.step.reset()
         # The GradScaler changes its scale only in the optimizer step's update(), so the scale
         # before this step is the one the previous step left (or the first read).
         before, after = self._loss_scale, _scale(trainer)
         self._loss_scale = after
-        if self.recorder is None or not micro:
+        if self.recorder is None or not self.step.losses:
+            self.step.reset()
             return
         skipped = scaler_skipped(before, after) or bool(trainer.accelerator.optimizer_step_was_skipped)
-        self.recorder.step(loss=loss, loss_scale=before, skipped=skipped, samples=samples or None)
+        self.step.record(self.recorder, before, skipped, mean=False)
 
     def _check_forward(self) -> None:
         seen = self._first_forward.take()
@@ -382,47 +387,11 @@ class _FirstForward:
         self._handles.clear()
 
 
-def _patch_arguments(cls: type, hooks: TrainerHooks) -> None:
-    """``cls.__post_init__`` sets the policy's fields first; subclasses inherit it or call it."""
-    original = cls.__post_init__
-
-    def __post_init__(self: Any) -> None:
-        hooks.before_arguments(self)
-        original(self)
-        hooks.after_arguments(self)
-
-    cls.__post_init__ = __post_init__
-
-
-def _patch_trainer(cls: type, hooks: TrainerHooks) -> None:
-    """``cls.__init__`` re-checks the arguments' precision, then hooks the built trainer."""
-    original = cls.__init__
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        hooks.before_trainer(kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None))
-        original(self, *args, **kwargs)
-        hooks.after_trainer(self)
-
-    cls.__init__ = __init__
-
-
 def _scale(trainer: Any) -> float | None:
     scaler = getattr(trainer.accelerator, "scaler", None)
     return None if scaler is None else float(scaler.get_scale())
 
 
-def _accelerator_available(torch: Any) -> bool:
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "is_available"):
-        return bool(accelerator.is_available())
-    return bool(torch.cuda.is_available())
-
-
 def _positive(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def _value(value: Any) -> Any:
-    """An enum's value (``SchedulerType.LINEAR`` -> ``"linear"``), anything else as it is."""
-    return getattr(value, "value", value)
 

@@ -15,7 +15,7 @@ from advisor.frameworks._accelerate import (
     grad_scaler_kwargs,
     te_recipe_kwargs,
 )
-from advisor.frameworks._accelerate_record import _ModelAsBuilt
+from advisor.frameworks._accelerate_record import as_built
 from advisor.frameworks._adapter import shift_seed
 from policies import Fp8Options, LossScale, Policy, create_mode
 from probes import MpadviseError
@@ -139,10 +139,10 @@ def test_the_fingerprinted_model_is_the_one_the_script_built_before_fp8_swaps_it
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     before = model_signature(model)
-    as_built = _ModelAsBuilt.of(model)
+    built = as_built(model)
     # The swap Accelerate makes with the AORecipeKwargs the adapter gives it: this mode's
     # config and filter, the same convert_to_float8_training call.
     mode = create_mode(Policy(mode="fp8-torchao"), torch.device("cpu"))
     model = mode.convert_module(model)
     assert mode.converted == ["0"] and model_signature(model) != before
-    assert model_signature(as_built) == before
+    assert model_signature(built) == before
