@@ -1,8 +1,5 @@
 """Accelerate: apply a Policy through ``Accelerator``'s own settings (``mixed_precision`` and the
 kwargs handlers, replacing the script's), and record a trial's steps (``_accelerate_record``).
-
-fp16 on a CPU: Accelerate builds neither autocast nor a GradScaler there, so the script would
-train in fp32 while calling it fp16; the adapter turns on CPU autocast with ``GradScaler("cpu")``.
 Accelerate is imported inside ``install()`` only: this module runs in the trial child.
 """
 
@@ -28,11 +25,6 @@ from probes import MpadviseError
 
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
-
-# Transformer Engine's DelayedScaling computes its scale from the largest amax of the history
-# ("max"); TERecipeKwargs defaults to "most_recent". The loop API's fp8-te builds TE's default.
-_TE_AMAX_COMPUTE_ALGO = "max"
-
 
 @dataclass(frozen=True)
 class AccelerateSettings:
@@ -89,12 +81,10 @@ def te_recipe_kwargs(fp8: Fp8Options) -> dict[str, Any]:
     setting: Accelerate builds ``MXFP8BlockScaling()`` only without one."""
     recipe = fp8.recipe or "delayed"
     if recipe == "delayed":
-        return {
-            "fp8_format": fp8.fp8_format.upper(),
-            "amax_history_len": fp8.amax_history_len,
-            "amax_compute_algo": _TE_AMAX_COMPUTE_ALGO,
-            "margin": fp8.margin,
-        }
+        # TE's DelayedScaling scales from the largest amax of the history ("max"), as the loop
+        # API's fp8-te builds it; TERecipeKwargs' default is "most_recent".
+        return {"fp8_format": fp8.fp8_format.upper(), "amax_history_len": fp8.amax_history_len,
+                "amax_compute_algo": "max", "margin": fp8.margin}
     if recipe == "mxfp8":
         return {"use_mxfp8_block_scaling": True}
     raise MpadviseError(

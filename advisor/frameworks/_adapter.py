@@ -191,24 +191,23 @@ def shift_seed(owners: Sequence[Any], name: str, recorder: FrameworkRecorder, *,
                move: Callable[[int], int] | None = None, default: Callable[[], Any] | None = None) -> None:
     """Make the script's ``name(seed)``, held by each of ``owners``, seed ``move(seed)`` (the trial's
     seed added) for an integer seed, with a note, and ``default()`` for ``None`` where given."""
-    shift, original = recorder.spec.seed, getattr(owners[-1], name)
-    if not shift or getattr(original, PATCHED, False):
-        return
+    shift = recorder.spec.seed
 
-    @functools.wraps(original)
-    def seeded(seed: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):  # numpy's too
-            moved = move(int(seed)) if move is not None else int(seed) + shift
-            if moved != seed:
-                recorder.note(f"the script's {name}({seed}) ran as {name}({moved}) (trial seed {shift})")
-            seed = moved
-        elif seed is None and default is not None:
-            seed = default()
-        return original(seed, *args, **kwargs)
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def seeded(seed: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):  # numpy's too
+                moved = move(int(seed)) if move is not None else int(seed) + shift
+                if moved != seed:
+                    recorder.note(f"the script's {name}({seed}) ran as {name}({moved}) (trial seed {shift})")
+                seed = moved
+            elif seed is None and default is not None:
+                seed = default()
+            return original(seed, *args, **kwargs)
 
-    setattr(seeded, PATCHED, True)
-    for owner in owners:
-        setattr(owner, name, seeded)
+        return seeded
+
+    for owner in owners if shift else ():
+        wrap_once(owner, name, make)
 
 
 class StepLosses:

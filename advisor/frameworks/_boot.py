@@ -13,8 +13,7 @@ import probes
 from advisor._log import get_logger
 from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
 from advisor.frameworks._registry import framework_class, framework_names, refusal
-from advisor.frameworks._torch import PlainTorch
-from advisor.frameworks._torch_guard import watch_run
+from advisor.frameworks._torch import PlainTorch, watch_run
 from advisor.trial import (
     EXIT_UNSUPPORTED,
     end_trial_process,

@@ -145,7 +145,7 @@ class LightningTrainer(_LightningPrecisionPlugins):
         application = _prepare(policy, recorder, device)
         for package in _installed(TRAINER_PACKAGES):
             _patch_init(importlib.import_module(package).Trainer, package, application.trainer_kwargs,
-                        application.trainer_built)
+                        lambda trainer: application.note_applied())
 
 
 class LightningFabric(_LightningPrecisionPlugins):
@@ -164,7 +164,7 @@ class LightningFabric(_LightningPrecisionPlugins):
             recorder.note("LT_PRECISION left out: the candidate's precision applies")
         for package in _installed(FABRIC_PACKAGES):
             fabric_cls = importlib.import_module(package).Fabric
-            _patch_init(fabric_cls, package, application.fabric_kwargs, application.fabric_built)
+            _patch_init(fabric_cls, package, application.fabric_kwargs, lambda fabric: application.note_applied(fabric.device))
             if recorder is not None:
                 application.fabric_steps.patch(fabric_cls)
 
@@ -246,8 +246,7 @@ class _Application:
     def _precision_kwargs(self, package: str, kwargs: dict[str, Any], *, who: str, held_attr: str) -> None:
         """Replace whatever precision the script passes with the policy's."""
         plugins_module = importlib.import_module(f"{package}.plugins.precision")
-        base = plugins_module.Precision
-        asked = kwargs.pop("precision", None)
+        base, asked = plugins_module.Precision, kwargs.pop("precision", None)
         plugins = as_list(kwargs.get("plugins"))
         theirs = [type(p).__name__ for p in plugins if isinstance(p, base)]
         plugins = [p for p in plugins if not isinstance(p, base)]
@@ -273,8 +272,7 @@ class _Application:
             kwargs["precision"] = None  # explicit, so that PL_TRAINER_PRECISION cannot add one
             if plan.plugin == "amp":
                 device = _amp_device(kwargs.get("accelerator", "auto"))
-                plugin = plugins_module.MixedPrecision(
-                    "16-mixed", device, scaler=policy_scaler(device, plan.loss_scale or LossScale()))
+                plugin = plugins_module.MixedPrecision("16-mixed", device, scaler=policy_scaler(device, plan.loss_scale))
             else:
                 import torch
 
@@ -304,10 +302,6 @@ class _Application:
             self.trainer_steps.trainer_kwargs(package, kwargs)
         return kwargs
 
-    def trainer_built(self, trainer: Any) -> None:
-        if self.recorder is not None:
-            self.recorder.policy_applied()
-
     def fabric_kwargs(self, package: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(kwargs)
         self._device_kwargs(kwargs)
@@ -321,9 +315,11 @@ class _Application:
             kwargs["callbacks"] = [*as_list(kwargs.get("callbacks")), self.fabric_steps]
         return kwargs
 
-    def fabric_built(self, fabric: Any) -> None:
+    def note_applied(self, device: Any = None) -> None:
+        """The Trainer or Fabric is built with the candidate (Fabric knows its device by now)."""
         if self.recorder is not None:
-            self.recorder.set_device(fabric.device)
+            if device is not None:
+                self.recorder.set_device(device)
             self.recorder.policy_applied()
 
 
