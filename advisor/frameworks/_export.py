@@ -56,14 +56,8 @@ class Export:
     alternates: Mapping[str, Export | str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "target": self.target,
-            "format": self.format,
-            "text": self.text,
-            "settings": dict(self.data),
-            "warnings": [dataclasses.asdict(w) for w in self.warnings],
-            "notes": list(self.notes),
-        }
+        return {"target": self.target, "format": self.format, "text": self.text, "settings": dict(self.data),
+                "warnings": [dataclasses.asdict(w) for w in self.warnings], "notes": list(self.notes)}
 
     def for_file(self, path: str | PurePath) -> Export:
         """The export in the format ``path``'s extension names."""

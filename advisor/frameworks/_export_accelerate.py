@@ -31,7 +31,12 @@ class AccelerateExporter(Exporter):
         if facts.fp8_library == "transformer_engine" and not job.cuda:
             raise job.refuse("Transformer Engine runs on CUDA only")
         settings = accelerate_settings(policy)  # what the traits passed, Accelerate can build
-        config_file = self._config_file(job, settings)
+        config_file: dict[str, Any] = {
+            "compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "num_processes": 1,
+            "mixed_precision": settings.mixed_precision, "use_cpu": not job.cuda, "debug": False,
+        }
+        if settings.te_recipe is not None or settings.torchao_recipe is not None:
+            config_file["fp8_config"] = {"backend": "TE" if settings.te_recipe is not None else "AO"}
         # PyYAML comes with Accelerate, which reads this file; its safe writer quotes what YAML
         # 1.1 would read as a bool ('no').
         import yaml
@@ -56,22 +61,6 @@ class AccelerateExporter(Exporter):
                             code.build, data=data)
         return dataclasses.replace(
             export, alternates={"yaml": self._yaml_export(job, settings, config_file, yaml_text)})
-
-    @staticmethod
-    def _config_file(job: _Job, settings: AccelerateSettings) -> dict[str, Any]:
-        config_file: dict[str, Any] = {
-            "compute_environment": "LOCAL_MACHINE",
-            "distributed_type": "NO",
-            "num_processes": 1,
-            "mixed_precision": settings.mixed_precision,
-            "use_cpu": not job.cuda,
-            "debug": False,
-        }
-        if settings.te_recipe is not None:
-            config_file["fp8_config"] = {"backend": "TE"}
-        if settings.torchao_recipe is not None:
-            config_file["fp8_config"] = {"backend": "AO"}
-        return config_file
 
     @staticmethod
     def _yaml_export(job: _Job, settings: AccelerateSettings, config_file: dict[str, Any],
@@ -124,14 +113,12 @@ class _AccelerateCode:
         self.build = self._build(job, settings, cpu_fp16)
 
     def _handlers(self, job: _Job, settings: AccelerateSettings) -> None:
-        if settings.grad_scaler is not None:
-            self.utils.append("GradScalerKwargs")
-            self.handlers += _call("GradScalerKwargs", settings.grad_scaler, indent="    ")
-            self.handler_data.append({"class": "GradScalerKwargs", "kwargs": dict(settings.grad_scaler)})
+        for handler, kwargs in (("GradScalerKwargs", settings.grad_scaler), ("TERecipeKwargs", settings.te_recipe)):
+            if kwargs is not None:
+                self.utils.append(handler)
+                self.handlers += _call(handler, kwargs, indent="    ")
+                self.handler_data.append({"class": handler, "kwargs": dict(kwargs)})
         if settings.te_recipe is not None:
-            self.utils.append("TERecipeKwargs")
-            self.handlers += _call("TERecipeKwargs", settings.te_recipe, indent="    ")
-            self.handler_data.append({"class": "TERecipeKwargs", "kwargs": dict(settings.te_recipe)})
             multiple = Fp8Te.recipe_rule(Fp8Te.policy_recipe(job.policy)).dim_multiple
             # accelerate/utils/transformer_engine.py, convert_model (1.15): a `return` inside its loop.
             job.warn(

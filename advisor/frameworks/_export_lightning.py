@@ -124,8 +124,7 @@ class FabricExporter(LightningExporter):
     def _loop(self, job: _Job, kwargs: dict[str, Any], data: dict[str, Any]) -> list[str]:
         clip = job.policy.grad_clip_norm
         accum = job.split.accum if job.split is not None else None
-        data["accumulate"] = accum
-        data["clip_grad_norm"] = clip
+        data.update(accumulate=accum, clip_grad_norm=clip)
         comments: list[str] = []
         if accum is not None and accum > 1:
             comments += _comment(
