@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from advisor._log import get_logger
 from advisor.frameworks._accelerate_record import Steps
 from advisor.frameworks._adapter import (
+    Application,
     FrameworkAdapter,
     fp16_loss_scale,
     hold_switches,
@@ -126,23 +126,15 @@ class AccelerateAdapter(FrameworkAdapter):
         shift_seed([accelerate.utils, accelerate.utils.random], "set_seed", recorder)
 
 
-class _Application:
+class _Application(Application):
     """What ``install()`` decided, applied to each Accelerator the script builds."""
 
     def __init__(self, policy: Policy, settings: AccelerateSettings, recorder: FrameworkRecorder | None,
                  device: str | None) -> None:
-        self.policy = policy
+        super().__init__(policy, recorder, device)
         self.settings = settings
-        self.recorder = recorder
-        self.device = device
         self.steps: Steps | None = None
         self.fp8_mode: Any = None  # fp8-torchao: the loop API's mode, whose filter and notes are used
-
-    def note(self, text: str | None) -> None:
-        if self.recorder is not None and text is not None:
-            self.recorder.note(text)
-        elif text is not None:
-            get_logger().debug(text)
 
     def wrap_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
         import torch
@@ -239,9 +231,7 @@ class _Application:
         hold_switches(self.policy, self.device)
         was = f" (the script asked for {str(asked)!r})" if asked is not None else ""
         self.note(f"Accelerator: {self.settings.describe()}{was}")
-        if self.recorder is not None:
-            self.recorder.set_device(accelerator.device)
-            self.recorder.policy_applied()  # the Accelerator runs the candidate's settings
+        self.applied(accelerator.device)
         if self.steps is not None:
             self.steps.accelerators.append(accelerator)
             self.steps.fp8_mode = self.fp8_mode

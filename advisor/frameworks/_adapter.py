@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from advisor._log import get_logger
 from policies import LossScale, ModeFacts, Policy, create_mode, mode_class, mode_classes, mode_facts
 
 if TYPE_CHECKING:
@@ -124,6 +125,28 @@ class FrameworkAdapter:
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
         """Make what the script builds with this framework apply ``policy``, before it runs."""
         raise NotImplementedError(f"{cls.__qualname__} does not say how it applies a policy; define install()")
+
+
+class Application:
+    """What an adapter's ``install()`` decided, applied to what the script builds: the policy, the
+    trial's recorder (``None`` under ``mpadvise run``) and device (``None``: the framework's)."""
+
+    def __init__(self, policy: Policy, recorder: FrameworkRecorder | None, device: str | None) -> None:
+        self.policy, self.recorder, self.device = policy, recorder, device
+
+    def note(self, text: str | None) -> None:
+        """A note in the trial's result; a debug line under ``mpadvise run``."""
+        if self.recorder is not None and text is not None:
+            self.recorder.note(text)
+        elif text is not None:
+            get_logger().debug(text)
+
+    def applied(self, device: Any = None) -> None:
+        """What the script built runs the candidate (on ``device`` where known): the clock may start."""
+        if self.recorder is not None:
+            if device is not None:
+                self.recorder.set_device(device)
+            self.recorder.policy_applied()
 
 
 def scaler_kwargs(ls: LossScale) -> dict[str, Any]:

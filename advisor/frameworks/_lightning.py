@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
 from advisor.frameworks._adapter import (
+    Application,
     FrameworkAdapter,
     fp16_loss_scale,
     hold_switches,
@@ -145,7 +146,7 @@ class LightningTrainer(_LightningPrecisionPlugins):
         application = _prepare(policy, recorder, device)
         for package in _installed(TRAINER_PACKAGES):
             _patch_init(importlib.import_module(package).Trainer, package, application.trainer_kwargs,
-                        lambda trainer: application.note_applied())
+                        lambda trainer: application.applied())
 
 
 class LightningFabric(_LightningPrecisionPlugins):
@@ -164,7 +165,7 @@ class LightningFabric(_LightningPrecisionPlugins):
             recorder.note("LT_PRECISION left out: the candidate's precision applies")
         for package in _installed(FABRIC_PACKAGES):
             fabric_cls = importlib.import_module(package).Fabric
-            _patch_init(fabric_cls, package, application.fabric_kwargs, lambda fabric: application.note_applied(fabric.device))
+            _patch_init(fabric_cls, package, application.fabric_kwargs, lambda fabric: application.applied(fabric.device))
             if recorder is not None:
                 application.fabric_steps.patch(fabric_cls)
 
@@ -215,21 +216,15 @@ def _patch_init(cls: type, package: str, adjust: Callable[[str, dict[str, Any]],
     wrap_once(cls, "__init__", make)
 
 
-class _Application:
+class _Application(Application):
     """What ``install()`` decided, applied to each Trainer or Fabric the script builds."""
 
     def __init__(self, policy: Policy, plan: LightningPrecision, recorder: FrameworkRecorder | None,
                  device: str | None) -> None:
-        self.policy = policy
+        super().__init__(policy, recorder, device)
         self.plan = plan
-        self.recorder = recorder
-        self.device = device
         self.trainer_steps = TrainerSteps(recorder) if recorder is not None else None
         self.fabric_steps = FabricSteps(recorder) if recorder is not None else None
-
-    def note(self, text: str | None) -> None:
-        if self.recorder is not None and text is not None:
-            self.recorder.note(text)
 
     def _device_kwargs(self, kwargs: dict[str, Any]) -> None:
         if self.device is None:
@@ -314,13 +309,6 @@ class _Application:
         if self.fabric_steps is not None:
             kwargs["callbacks"] = [*as_list(kwargs.get("callbacks")), self.fabric_steps]
         return kwargs
-
-    def note_applied(self, device: Any = None) -> None:
-        """The Trainer or Fabric is built with the candidate (Fabric knows its device by now)."""
-        if self.recorder is not None:
-            if device is not None:
-                self.recorder.set_device(device)
-            self.recorder.policy_applied()
 
 
 def _amp_device(accelerator: Any) -> str:

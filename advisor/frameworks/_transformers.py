@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from advisor._log import get_logger
 from advisor.frameworks._adapter import (
     TORCH_DTYPE,
+    Application,
     FrameworkAdapter,
     StepLosses,
     around,
@@ -204,15 +205,13 @@ def scaler_skipped(before: float | None, after: float | None) -> bool:
     return before is not None and after is not None and after < before
 
 
-class TrainerHooks:
+class TrainerHooks(Application):
     """What the patched ``TrainingArguments`` and ``Trainer`` call, and the step records."""
 
     def __init__(self, policy: Policy, recorder: FrameworkRecorder | None, *, use_cpu: bool, device: str | None,
                  callback_base: type) -> None:
-        self.policy = policy
-        self.recorder = recorder
+        super().__init__(policy, recorder, device)
         self.use_cpu = use_cpu
-        self.device = device
         self.callback_base = callback_base
         self.mixed_precision = accelerator_precision(policy.mode)
         self.user_batch: int | None = None
@@ -272,9 +271,7 @@ class TrainerHooks:
             if reason is not None:
                 self._refuse(reason)
         self.note(f"the Trainer's Accelerator runs mixed_precision={accelerator.mixed_precision} on {trainer.args.device}")
-        if self.recorder is not None:
-            self.recorder.set_device(trainer.args.device)
-            self.recorder.policy_applied()  # the Trainer and its Accelerator run the candidate
+        self.applied(trainer.args.device)  # the Trainer and its Accelerator run the candidate
         trainer.add_callback(_step_callback(self.callback_base, self, trainer))
         step = trainer.training_step  # the most derived one: a subclass's override included
         trainer.training_step = lambda *a, **kw: self.training_step(trainer, step, *a, **kw)
@@ -333,10 +330,6 @@ class TrainerHooks:
             end_trial_process(EXIT_UNSUPPORTED)
         sys.stderr.write(f"error: {reason}\n")
         raise SystemExit(1)
-
-    def note(self, text: str) -> None:
-        if self.recorder is not None:
-            self.recorder.note(text)
 
 
 def _step_callback(base: type, hooks: TrainerHooks, trainer: Any) -> Any:
