@@ -62,7 +62,8 @@ def accelerate_settings(policy: Policy) -> AccelerateSettings:
     if facts.fp8_library == "torchao":
         return AccelerateSettings("fp8", torchao_recipe=facts.fp8_recipe(policy), tf32=facts.tf32)
     if facts.autocast == "fp16":
-        return AccelerateSettings("fp16", grad_scaler=grad_scaler_kwargs(fp16_loss_scale(policy)), tf32=facts.tf32)
+        grad_scaler = grad_scaler_kwargs(fp16_loss_scale(policy))
+        return AccelerateSettings("fp16", grad_scaler=grad_scaler, tf32=facts.tf32)
     return AccelerateSettings(facts.autocast or "no", tf32=facts.tf32)
 
 
@@ -184,8 +185,8 @@ class _Application(Application):
         for handler in given or ():
             if type(handler) in replaced_kinds:
                 replaced.append(type(handler).__name__)
-            elif isinstance(handler, utils.AutocastKwargs) and not handler.enabled and settings.mixed_precision != "no":
-                # Autocast off would leave the forward in fp32 under a mixed precision.
+            elif (isinstance(handler, utils.AutocastKwargs) and not handler.enabled
+                  and settings.mixed_precision != "no"):  # autocast off: the forward in fp32
                 kept.append(utils.AutocastKwargs(enabled=True, cache_enabled=handler.cache_enabled))
                 replaced.append("AutocastKwargs(enabled=False)")
             else:

@@ -115,8 +115,9 @@ class FrameworkAdapter:
         """What the framework can express of a Policy, from the registered modes as they are now."""
         facts = {name: mode_facts(name) for name in cls.modes()}
         return FrameworkTraits(
-            cls.name, tuple(facts), sets_micro_batch=cls.sets_micro_batch, loss_scale_kinds=cls.loss_scale_kinds,
-            loss_scale_settings=cls.loss_scale_settings, sets_grad_clip=cls.sets_grad_clip,
+            cls.name, tuple(facts), sets_micro_batch=cls.sets_micro_batch,
+            loss_scale_kinds=cls.loss_scale_kinds, loss_scale_settings=cls.loss_scale_settings,
+            sets_grad_clip=cls.sets_grad_clip,
             fp8_recipes={m: cls.fp8[f.fp8_library] for m, f in facts.items() if f.fp8_library is not None},
             needs_cuda=tuple(m for m, f in facts.items() if f.autocast in cls.cuda_only_autocasts),
         )
@@ -157,7 +158,9 @@ def scaler_kwargs(ls: LossScale) -> dict[str, Any]:
 
 def fp16_loss_scale(policy: Policy) -> LossScale:
     """The loss scaling ``policy``'s fp16 autocast runs with: its own, GradScaler's defaults, or none."""
-    return (policy.loss_scale or LossScale()) if mode_facts(policy.mode).loss_scaling else LossScale(kind="none")
+    if not mode_facts(policy.mode).loss_scaling:
+        return LossScale(kind="none")
+    return policy.loss_scale or LossScale()
 
 
 def batch_size_of(batch: Any) -> int | None:
@@ -165,7 +168,8 @@ def batch_size_of(batch: Any) -> int | None:
     shape = getattr(batch, "shape", None)
     if shape is not None:
         return int(shape[0]) if len(shape) else None
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    items = (batch.values() if isinstance(batch, Mapping)
+             else batch if isinstance(batch, (list, tuple)) else ())
     return next((size for size in map(batch_size_of, items) if size is not None), None)
 
 
@@ -253,9 +257,11 @@ class StepLosses:
         total = sum(losses[1:], losses[0])
         return total / len(losses) if mean else total
 
-    def record(self, recorder: FrameworkRecorder, scale: float | None, skipped: bool, *, mean: bool = True) -> None:
+    def record(self, recorder: FrameworkRecorder, scale: float | None, skipped: bool, *,
+               mean: bool = True) -> None:
         """End the optimizer step: record its loss, scale and skip; the next step starts empty."""
-        recorder.step(loss=self.total(mean=mean), loss_scale=scale, skipped=skipped, samples=self.samples or None)
+        recorder.step(loss=self.total(mean=mean), loss_scale=scale, skipped=skipped,
+                      samples=self.samples or None)
         self.reset()
 
     def reset(self) -> None:

@@ -113,7 +113,8 @@ class _AccelerateCode:
         self.build = self._build(job, settings, cpu_fp16)
 
     def _handlers(self, job: _Job, settings: AccelerateSettings) -> None:
-        for handler, kwargs in (("GradScalerKwargs", settings.grad_scaler), ("TERecipeKwargs", settings.te_recipe)):
+        for handler, kwargs in (("GradScalerKwargs", settings.grad_scaler),
+                                ("TERecipeKwargs", settings.te_recipe)):
             if kwargs is not None:
                 self.utils.append(handler)
                 self.handlers += _call(handler, kwargs, indent="    ")

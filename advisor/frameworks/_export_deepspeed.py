@@ -16,6 +16,16 @@ from policies import LossScale
 # older DeepSpeed ignores the section and trains in fp32.
 DEEPSPEED_AUTOCAST_SINCE = {"bf16": "0.17.2", "fp16": "0.18.0"}
 
+# DeepSpeed's config has no TF32 switch: what the script must set for each of the mode's choices.
+_TF32_GAP = {
+    False: "DeepSpeed's config has no TF32 switch, and torch runs cuDNN convolutions in TF32 by default: for "
+           "exact fp32 set torch.backends.cudnn.allow_tf32 = False in the script (and on torch >= 2.9 "
+           'torch.backends.cudnn.conv.fp32_precision = "ieee"), as `mpadvise export --to lightning` writes',
+    True: "DeepSpeed's config has no TF32 switch: set torch.set_float32_matmul_precision(\"high\") in the "
+          "script (and the cuDNN switches, as `mpadvise export --to lightning` writes), or fp32 matmuls run "
+          "in IEEE fp32: slower, not less precise",
+}
+
 
 class DeepSpeedExporter(Exporter):
     target = "deepspeed"
@@ -54,7 +64,8 @@ class DeepSpeedExporter(Exporter):
                                         "lower_precision_safe_modules": []}
             job.notes.append(f"needs DeepSpeed {DEEPSPEED_AUTOCAST_SINCE[facts.autocast]} or newer for "
                              "torch_autocast; an older one ignores the section and trains in fp32")
-        self._tf32_warning(job, facts.tf32)
+        if facts.tf32 is not None:
+            job.warn("deepspeed-tf32", _TF32_GAP[facts.tf32])
         text = json.dumps(config, indent=2) + "\n"
         return Export(job.target, text, "json", {"config": config}, tuple(job.warnings), tuple(job.notes))
 
@@ -91,19 +102,3 @@ class DeepSpeedExporter(Exporter):
                 "settings, trains fp16 weights with fp32 masters, not autocast"
             )
 
-    @staticmethod
-    def _tf32_warning(job: _Job, tf32: bool | None) -> None:
-        if tf32 is False:
-            job.warn(
-                "deepspeed-tf32",
-                "DeepSpeed's config has no TF32 switch, and torch runs cuDNN convolutions in TF32 by default: for "
-                "exact fp32 set torch.backends.cudnn.allow_tf32 = False in the script (and on torch >= 2.9 "
-                'torch.backends.cudnn.conv.fp32_precision = "ieee"), as `mpadvise export --to lightning` writes',
-            )
-        elif tf32 is True:
-            job.warn(
-                "deepspeed-tf32",
-                "DeepSpeed's config has no TF32 switch: set torch.set_float32_matmul_precision(\"high\") in the "
-                "script (and the cuDNN switches, as `mpadvise export --to lightning` writes), or fp32 matmuls run "
-                "in IEEE fp32: slower, not less precise",
-            )

@@ -47,7 +47,8 @@ _SHARDED = ("fsdp", "deepspeed")
 
 # Lightning's precision strings by (weights, autocast), where the string is exact.
 _PRECISION: Mapping[tuple[str, str | None], str] = {
-    ("fp32", None): "32-true", ("fp32", "bf16"): "bf16-mixed", ("bf16", None): "bf16-true", ("fp16", None): "16-true"}
+    ("fp32", None): "32-true", ("fp32", "bf16"): "bf16-mixed", ("bf16", None): "bf16-true", ("fp16", None): "16-true",
+}
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ def lightning_precision(policy: Policy) -> LightningPrecision:
     if facts.fp8_library is not None:  # Transformer Engine: the plugin, with fp32 weights
         return LightningPrecision("transformer-engine", plugin="transformer-engine", tf32=facts.tf32)
     if facts.autocast == "fp16":
-        return LightningPrecision("16-mixed", plugin="amp", loss_scale=fp16_loss_scale(policy), tf32=facts.tf32)
+        loss_scale = fp16_loss_scale(policy)
+        return LightningPrecision("16-mixed", plugin="amp", loss_scale=loss_scale, tf32=facts.tf32)
     return LightningPrecision(_PRECISION[facts.weights, facts.autocast], tf32=facts.tf32)
 
 
@@ -154,7 +156,7 @@ class LightningFabric(_LightningPrecisionPlugins):
 
     name = "fabric"
     label = "Lightning Fabric"
-    detected_by = {"lightning": ("Fabric",), "lightning.fabric": ("Fabric",), "lightning_fabric": ("Fabric",)}
+    detected_by = {module: ("Fabric",) for module in ("lightning", "lightning.fabric", "lightning_fabric")}
     precedence = 30
     sets_grad_clip = False
 
@@ -165,7 +167,8 @@ class LightningFabric(_LightningPrecisionPlugins):
             recorder.note("LT_PRECISION left out: the candidate's precision applies")
         for package in _installed(FABRIC_PACKAGES):
             fabric_cls = importlib.import_module(package).Fabric
-            _patch_init(fabric_cls, package, application.fabric_kwargs, lambda fabric: application.applied(fabric.device))
+            _patch_init(fabric_cls, package, application.fabric_kwargs,
+                        lambda fabric: application.applied(fabric.device))
             if recorder is not None:
                 application.fabric_steps.patch(fabric_cls)
 
@@ -184,11 +187,11 @@ def _prepare(policy: Policy, recorder: FrameworkRecorder | None, device: str | N
         original = importlib.import_module(name).seed_everything
         # Every module that re-exports it (lightning.seed_everything, Fabric's staticmethod's
         # global, lightning.pytorch.seed_everything) holds the original object: replace each.
-        owners = [module for loaded, module in list(sys.modules.items()) if module is not None
-                  and loaded.split(".")[0] in _LIGHTNING_ROOTS and getattr(module, "seed_everything", None) is original]
+        owners = [module for loaded, module in list(sys.modules.items())
+                  if loaded.split(".")[0] in _LIGHTNING_ROOTS and getattr(module, "seed_everything", None) is original]
         # No seed: Lightning's default seed 0, moved, unless PL_GLOBAL_SEED gives one.
         shift_seed(owners, "seed_everything", recorder, move=lambda seed: shifted_seed(seed, shift),
-                   default=lambda: None if os.environ.get("PL_GLOBAL_SEED") is not None else shifted_seed(0, shift))
+                   default=lambda: None if "PL_GLOBAL_SEED" in os.environ else shifted_seed(0, shift))
     return application
 
 
@@ -267,7 +270,8 @@ class _Application(Application):
             kwargs["precision"] = None  # explicit, so that PL_TRAINER_PRECISION cannot add one
             if plan.plugin == "amp":
                 device = _amp_device(kwargs.get("accelerator", "auto"))
-                plugin = plugins_module.MixedPrecision("16-mixed", device, scaler=policy_scaler(device, plan.loss_scale))
+                scaler = policy_scaler(device, plan.loss_scale)
+                plugin = plugins_module.MixedPrecision("16-mixed", device, scaler=scaler)
             else:
                 import torch
 

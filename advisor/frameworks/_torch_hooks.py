@@ -214,7 +214,6 @@ class Steps:
         self._in_scaler = False
         self._model: Any = None
         self._signature: list[int] | None = None
-        self._notes: set[str] = set()
 
     def note(self, text: str) -> None:
         if self.recorder is not None:
@@ -225,8 +224,7 @@ class Steps:
 
         self.seen.forwards += 1
         self.seen.model(type(module).__name__)
-        if script_autocast and "autocast" not in self._notes:
-            self._notes.add("autocast")
+        if script_autocast:  # a note once: the recorder keeps each note once
             self.note(f"the script's own {device_type} autocast gives way to {self.label}'s inside the model's forward")
         if not torch.is_grad_enabled():
             return  # evaluation: start-up, not a training step
@@ -406,7 +404,8 @@ def candidate_scaler_class(base: type, *, policy: Policy, steps: Steps) -> type:
             return steps.scaled(super().scale(outputs), outputs)
 
         def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            return steps.scaler_step(self, optimizer, functools.partial(super().step, optimizer, *args, **kwargs))
+            step = functools.partial(super().step, optimizer, *args, **kwargs)
+            return steps.scaler_step(self, optimizer, step)
 
         def update(self, new_scale: Any = None) -> None:
             super().update(static if new_scale is None else new_scale)

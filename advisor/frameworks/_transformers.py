@@ -36,8 +36,10 @@ if TYPE_CHECKING:
 # What a trial turns off: work that only slows a short trial window (reporting to trackers,
 # checkpoints, pushes to the Hub, progress bars) and changes no numerics. NaN losses are
 # kept in the script's own logs too, so what it prints agrees with what the trial records.
-TRIAL_ARGUMENTS: Mapping[str, Any] = {"logging_nan_inf_filter": False, "report_to": "none", "save_strategy": "no",
-                                      "push_to_hub": False, "load_best_model_at_end": False, "disable_tqdm": True}
+TRIAL_ARGUMENTS: Mapping[str, Any] = {
+    "logging_nan_inf_filter": False, "report_to": "none", "save_strategy": "no", "push_to_hub": False,
+    "load_best_model_at_end": False, "disable_tqdm": True,
+}
 # The TrainingArguments fields that argument_changes reads from the script's arguments.
 SCRIPT_FIELDS = ("fp16", "bf16", "tf32", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "max_grad_norm", "data_seed", "lr_scheduler_type", "use_cpu")
@@ -69,8 +71,8 @@ class HuggingFaceTrainer(FrameworkAdapter):
         import transformers.training_args
 
         accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
-        available = accelerator.is_available() if hasattr(accelerator, "is_available") else torch.cuda.is_available()
-        use_cpu = device == "cpu" or (device is None and not available)
+        available = accelerator.is_available if hasattr(accelerator, "is_available") else torch.cuda.is_available
+        use_cpu = device == "cpu" or (device is None and not available())
         hold_switches(policy, torch.device("cpu" if use_cpu else (device or "cuda")))
         # What TrainingArguments falls back to when fp16 and bf16 are both off, and what an
         # Accelerator the script builds by itself reads.
