@@ -113,8 +113,7 @@ class TrainerSteps:
                "enable_checkpointing": has("Checkpoint"),
                "logger": has("LearningRateMonitor", "DeviceStatsMonitor")}
         turned = [name for name, needed in off.items() if not needed]
-        for name in turned:
-            kwargs[name] = False
+        kwargs.update(dict.fromkeys(turned, False))
         if turned:
             self.recorder.note(f"Lightning Trainer: {', '.join(turned)} off in the trial (no effect on the numerics)")
         callbacks.append(self.callback(callbacks_module.Callback))

@@ -366,9 +366,8 @@ class _FirstForward:
                 self.seen = (enabled, str(torch.get_autocast_dtype(device_type)).removeprefix("torch."), device_type)
             self._unhook()
 
-        for name, module in model.named_modules():
-            if name:
-                self._handles.append(module.register_forward_pre_hook(seen))
+        submodules = [module for name, module in model.named_modules() if name]
+        self._handles += [module.register_forward_pre_hook(seen) for module in submodules]
 
     def take(self) -> tuple[bool, str, str] | None:
         """What the first forward ran under (``None``: nothing was watched); checked from now on."""
