@@ -47,7 +47,8 @@ _SHARDED = ("fsdp", "deepspeed")
 
 # Lightning's precision strings by (weights, autocast), where the string is exact.
 _PRECISION: Mapping[tuple[str, str | None], str] = {
-    ("fp32", None): "32-true", ("fp32", "bf16"): "bf16-mixed", ("bf16", None): "bf16-true", ("fp16", None): "16-true",
+    ("fp32", None): "32-true", ("fp32", "bf16"): "bf16-mixed",
+    ("bf16", None): "bf16-true", ("fp16", None): "16-true",
 }
 
 
