@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _registry
 from ._accelerate import AccelerateAdapter, accelerate_settings
-from ._adapter import FrameworkAdapter
+from ._adapter import FrameworkAdapter, FrameworkTraits
 from ._detect import LOOP_API, detect_framework, detect_script_framework
 from ._export import Export, Exporter
 from ._lightning import LightningTrainer, lightning_precision
@@ -35,61 +34,33 @@ from ._registry import (
     register_export_target,
     register_framework,
     traits,
-    unregister_framework,
 )
 from ._torch import PlainTorch, PrecisionFlag, flag_advice, precision_flag
 from ._torch_export import TorchExporter, policy_diff, script_for
-from ._traits import FrameworkTraits
 from ._transformers import HuggingFaceTrainer, transformers_precision
 
 __all__ = [
-    "LOOP_API",
-    "RUN_POLICY_ENV",
-    "RUN_SOURCE_ENV",
-    "AccelerateAdapter",
-    "EXPORT_TARGETS",  # noqa: F822 - provided by __getattr__ below, from the registry
-    "Export",
-    "Exporter",
-    "FRAMEWORKS",  # noqa: F822 - provided by __getattr__ below, from the registry
-    "FrameworkAdapter",
-    "FrameworkTraits",
-    "HuggingFaceTrainer",
-    "TorchExporter",
-    "LightningTrainer",
-    "PlainTorch",
-    "PrecisionFlag",
-    "ScriptPlan",
-    "accelerate_settings",
-    "check_expressible",
-    "check_framework",
-    "check_plan_modes",
-    "check_target",
-    "detect_framework",
-    "detect_script_framework",
-    "export_policy",
-    "export_targets",
-    "flag_advice",
-    "framework_class",
-    "framework_classes",
-    "framework_names",
-    "lightning_precision",
-    "plan_for",
-    "policy_diff",
-    "precision_flag",
-    "refusal",
-    "register_export_target",
-    "register_framework",
-    "script_for",
-    "space_limits",
-    "traits",
+    # The registry, and the lists read from it (by __getattr__ below).
+    "EXPORT_TARGETS", "FRAMEWORKS",  # noqa: F822
+    "check_expressible", "check_framework", "check_target", "export_policy", "export_targets",
+    "framework_class", "framework_classes", "framework_names", "refusal", "register_export_target",
+    "register_framework", "traits",
+    # How a script's trials run: its framework, read from its imports, and the plan.
+    "LOOP_API", "RUN_POLICY_ENV", "RUN_SOURCE_ENV", "ScriptPlan", "check_plan_modes", "detect_framework",
+    "detect_script_framework", "plan_for", "space_limits",
+    # The adapters and exporters, and what they decide for a policy.
+    "AccelerateAdapter", "Export", "Exporter", "FrameworkAdapter", "FrameworkTraits", "HuggingFaceTrainer",
+    "LightningTrainer", "PlainTorch", "PrecisionFlag", "TorchExporter", "accelerate_settings",
+    "flag_advice", "lightning_precision", "policy_diff", "precision_flag", "script_for",
     "transformers_precision",
-    "unregister_framework",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    # Derived on every lookup rather than copied once, so a framework, export target or mode
-    # registered later is never missing from them.
-    if name in ("FRAMEWORKS", "EXPORT_TARGETS"):
-        return getattr(_registry, name)
+    # Read from the registry on every lookup rather than copied once, so that a framework,
+    # export target or mode registered later is never missing from them.
+    if name == "FRAMEWORKS":
+        return framework_names()
+    if name == "EXPORT_TARGETS":
+        return export_targets()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,33 +1,30 @@
 """Accelerate: apply a Policy through ``Accelerator``'s own settings (``mixed_precision`` and the
 kwargs handlers, replacing the script's), and record a trial's steps (``_accelerate_record``).
-
-fp16 on a CPU: Accelerate builds neither autocast nor a GradScaler there, so the script would
-train in fp32 while calling it fp16; the adapter turns on CPU autocast with ``GradScaler("cpu")``.
 Accelerate is imported inside ``install()`` only: this module runs in the trial child.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from advisor._log import get_logger
 from advisor.frameworks._accelerate_record import Steps
-from advisor.frameworks._adapter import FrameworkAdapter
-from advisor.frameworks._patch import hold_switches, wrap_once
+from advisor.frameworks._adapter import (
+    Application,
+    FrameworkAdapter,
+    fp16_loss_scale,
+    hold_switches,
+    scaler_kwargs,
+    shift_seed,
+    wrap_once,
+)
 from policies import Fp8Options, LossScale, Policy, create_mode, mode_facts
 from probes import MpadviseError
 
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
-
-# Transformer Engine's DelayedScaling computes its scale from the largest amax of the history
-# ("max"); TERecipeKwargs defaults to "most_recent". The loop API's fp8-te builds TE's default.
-_TE_AMAX_COMPUTE_ALGO = "max"
-
 
 @dataclass(frozen=True)
 class AccelerateSettings:
@@ -65,8 +62,8 @@ def accelerate_settings(policy: Policy) -> AccelerateSettings:
     if facts.fp8_library == "torchao":
         return AccelerateSettings("fp8", torchao_recipe=facts.fp8_recipe(policy), tf32=facts.tf32)
     if facts.autocast == "fp16":
-        loss_scale = (policy.loss_scale or LossScale()) if facts.loss_scaling else LossScale(kind="none")
-        return AccelerateSettings("fp16", grad_scaler=grad_scaler_kwargs(loss_scale), tf32=facts.tf32)
+        grad_scaler = grad_scaler_kwargs(fp16_loss_scale(policy))
+        return AccelerateSettings("fp16", grad_scaler=grad_scaler, tf32=facts.tf32)
     return AccelerateSettings(facts.autocast or "no", tf32=facts.tf32)
 
 
@@ -77,14 +74,7 @@ def grad_scaler_kwargs(loss_scale: LossScale) -> dict[str, Any]:
             "Accelerate cannot apply a static loss scale (GradScalerKwargs builds a dynamic GradScaler); "
             "use kind = \"dynamic\""
         )
-    if loss_scale.kind == "none":
-        return {"enabled": False}
-    return {
-        "init_scale": float(loss_scale.init_scale),
-        "growth_factor": float(loss_scale.growth_factor),
-        "backoff_factor": float(loss_scale.backoff_factor),
-        "growth_interval": int(loss_scale.growth_interval),
-    }
+    return {"enabled": False} if loss_scale.kind == "none" else scaler_kwargs(loss_scale)
 
 
 def te_recipe_kwargs(fp8: Fp8Options) -> dict[str, Any]:
@@ -92,25 +82,16 @@ def te_recipe_kwargs(fp8: Fp8Options) -> dict[str, Any]:
     setting: Accelerate builds ``MXFP8BlockScaling()`` only without one."""
     recipe = fp8.recipe or "delayed"
     if recipe == "delayed":
-        return {
-            "fp8_format": fp8.fp8_format.upper(),
-            "amax_history_len": fp8.amax_history_len,
-            "amax_compute_algo": _TE_AMAX_COMPUTE_ALGO,
-            "margin": fp8.margin,
-        }
+        # TE's DelayedScaling scales from the largest amax of the history ("max"), as the loop
+        # API's fp8-te builds it; TERecipeKwargs' default is "most_recent".
+        return {"fp8_format": fp8.fp8_format.upper(), "amax_history_len": fp8.amax_history_len,
+                "amax_compute_algo": "max", "margin": fp8.margin}
     if recipe == "mxfp8":
         return {"use_mxfp8_block_scaling": True}
     raise MpadviseError(
         f"Accelerate's TERecipeKwargs builds Transformer Engine's delayed and mxfp8 recipes only, not "
         f"{recipe!r}; set [fp8] recipe to \"delayed\" or \"mxfp8\", or train through the loop API"
     )
-
-
-def shifted_seed(seed: Any, shift: int) -> Any:
-    """The script's seed moved by the trial's seed (0, or a seed that is not an int, leaves it)."""
-    if not shift or isinstance(seed, bool) or not isinstance(seed, int):
-        return seed
-    return seed + shift
 
 
 class AccelerateAdapter(FrameworkAdapter):
@@ -125,16 +106,6 @@ class AccelerateAdapter(FrameworkAdapter):
     loss_scale_kinds = ("dynamic", "none")
     loss_scale_settings = True
     sets_grad_clip = False
-    limits = (
-        "the micro-batch is the script's DataLoader batch_size, so no split is searched",
-        "no static loss scale: GradScalerKwargs builds a dynamic GradScaler",
-        "no pure fp16/bf16 training (that is the model's dtype, set by the script)",
-        "fp8-te: Accelerate builds the delayed and mxfp8 recipes only, not current or block",
-        # accelerate/utils/transformer_engine.py, convert_model (1.15): it swaps each Linear
-        # whose weight dims are multiples of 16, and LayerNorms, with no filter to pass.
-        "fp8-te: Accelerate swaps Linear layers by its own rule (weight dimensions multiples of 16, "
-        "LayerNorms too), not mpadvise's FP8 layer filter",
-    )
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
@@ -144,7 +115,7 @@ class AccelerateAdapter(FrameworkAdapter):
         from accelerate.optimizer import AcceleratedOptimizer
 
         application = _Application(policy, accelerate_settings(policy), recorder, device)
-        application.hold_switches()
+        application.note(hold_switches(policy, device))
         wrap_once(accelerate.Accelerator, "__init__", application.wrap_init)
         if recorder is None:
             return
@@ -152,56 +123,23 @@ class AccelerateAdapter(FrameworkAdapter):
         for name in ("prepare", "prepare_model", "prepare_optimizer", "backward"):
             wrap_once(accelerate.Accelerator, name, getattr(steps, f"wrap_{name}"))
         wrap_once(AcceleratedOptimizer, "step", steps.wrap_step)
-        if shift := recorder.spec.seed:
-            # Both import paths of set_seed find the wrapped one: the script imports after this runs.
-            for module in (accelerate.utils, accelerate.utils.random):
-                wrap_once(module, "set_seed", functools.partial(_shift_set_seed, shift=shift, recorder=recorder))
+        # Both import paths of set_seed find the wrapped one: the script imports after this runs.
+        shift_seed([accelerate.utils, accelerate.utils.random], "set_seed", recorder)
 
 
-def _shift_set_seed(original: Callable[..., Any], *, shift: int, recorder: FrameworkRecorder) -> Callable[..., Any]:
-    def set_seed(seed: Any, *args: Any, **kwargs: Any) -> Any:
-        moved = shifted_seed(seed, shift)
-        if moved != seed:
-            recorder.note(f"the script's set_seed({seed}) ran as set_seed({moved}) (trial seed {shift})")
-        return original(moved, *args, **kwargs)
-
-    return set_seed
-
-
-class _Application:
+class _Application(Application):
     """What ``install()`` decided, applied to each Accelerator the script builds."""
 
     def __init__(self, policy: Policy, settings: AccelerateSettings, recorder: FrameworkRecorder | None,
                  device: str | None) -> None:
-        self.policy = policy
+        super().__init__(policy, recorder, device)
         self.settings = settings
-        self.recorder = recorder
-        self.device = device
         self.steps: Steps | None = None
         self.fp8_mode: Any = None  # fp8-torchao: the loop API's mode, whose filter and notes are used
 
-    def note(self, text: str) -> None:
-        if self.recorder is not None:
-            self.recorder.note(text)
-        else:
-            get_logger().debug(text)
-
-    def hold_switches(self, *, again: bool = False) -> None:
-        """fp32 and tf32: set the TF32 switches for the rest of the process, as the loop API's modes
-        do; ``again`` once an Accelerator was built (``AcceleratorState`` turns TF32 on for
-        ``mixed_precision="no"`` under a dynamo backend on CUDA)."""
-        if self.settings.tf32 is None:
-            return
+    def wrap_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
         import torch
 
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        hold_switches(self.policy, device)
-        if not again:
-            state = "on" if self.settings.tf32 else "off"
-            self.note(f"TF32 {state} for matmuls{' and cuDNN' if device.startswith('cuda') else ''}, "
-                      f"as {self.policy.mode} sets it")
-
-    def wrap_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
 
         def __init__(accelerator: Any, *args: Any, **kwargs: Any) -> None:
@@ -209,59 +147,47 @@ class _Application:
             asked = bound.arguments.get("mixed_precision")
             bound.arguments["mixed_precision"] = self.settings.mixed_precision
             bound.arguments["kwargs_handlers"] = self._handlers(bound.arguments.get("kwargs_handlers"))
-            if self.device is not None:
-                self._device_arguments(bound.arguments)
+            # The trial's device: cpu=True for the CPU; a CUDA index becomes the current device,
+            # which a single-process Accelerator trains on (PartialState picks "cuda").
+            device = None if self.device is None else torch.device(self.device)
+            if device is not None and device.type == "cpu":
+                bound.arguments["cpu"] = True
+            elif device is not None and device.type == "cuda" and device.index is not None:
+                torch.cuda.set_device(device)
             original(*bound.args, **bound.kwargs)
             self._built(accelerator, asked)
 
         return __init__
 
-    def _device_arguments(self, arguments: dict[str, Any]) -> None:
-        """The trial's device: ``cpu=True`` for the CPU; a CUDA index becomes the current device,
-        which a single-process Accelerator trains on (``PartialState`` picks ``"cuda"``)."""
-        import torch
-
-        device = torch.device(self.device)
-        if device.type == "cpu":
-            arguments["cpu"] = True
-        elif device.type == "cuda" and device.index is not None:
-            torch.cuda.set_device(device)
-
     def _handlers(self, given: Sequence[Any] | None) -> list[Any]:
         """The script's kwargs handlers with the policy's in place of those of the same kind."""
-        import accelerate.utils
-        from accelerate.utils import (
-            AORecipeKwargs,
-            AutocastKwargs,
-            GradScalerKwargs,
-            TERecipeKwargs,
-        )
+        import accelerate.utils as utils
 
         ours: list[Any] = []
         settings = self.settings
         if settings.grad_scaler is not None:
-            ours.append(GradScalerKwargs(**settings.grad_scaler))
+            ours.append(utils.GradScalerKwargs(**settings.grad_scaler))
         if settings.te_recipe is not None:
-            ours.append(TERecipeKwargs(**settings.te_recipe))
+            ours.append(utils.TERecipeKwargs(**settings.te_recipe))
         if settings.torchao_recipe is not None:
-            ours.append(self._torchao_handler(AORecipeKwargs))
+            ours.append(self._torchao_handler(utils.AORecipeKwargs))
         # Every FP8 recipe kind goes: another backend's recipe would pick the backend
         # (Accelerator.fp8_backend reads the generic FP8RecipeKwargs first where it exists), and
         # outside fp8 Accelerate refuses any of them. Accelerate 1.16 dropped FP8RecipeKwargs and
         # MSAMPRecipeKwargs; earlier versions have them.
-        recipe_kinds = {AORecipeKwargs, TERecipeKwargs} | {
+        recipe_kinds = {utils.AORecipeKwargs, utils.TERecipeKwargs} | {
             kind
             for name in ("FP8RecipeKwargs", "MSAMPRecipeKwargs")
-            if (kind := getattr(accelerate.utils, name, None)) is not None
+            if (kind := getattr(utils, name, None)) is not None
         }
         replaced_kinds = {type(h) for h in ours} | recipe_kinds
         kept, replaced = [], []
         for handler in given or ():
             if type(handler) in replaced_kinds:
                 replaced.append(type(handler).__name__)
-            elif isinstance(handler, AutocastKwargs) and not handler.enabled and settings.mixed_precision != "no":
-                # Autocast off would leave the forward in fp32 under a mixed precision.
-                kept.append(AutocastKwargs(enabled=True, cache_enabled=handler.cache_enabled))
+            elif (isinstance(handler, utils.AutocastKwargs) and not handler.enabled
+                  and settings.mixed_precision != "no"):  # autocast off: the forward in fp32
+                kept.append(utils.AutocastKwargs(enabled=True, cache_enabled=handler.cache_enabled))
                 replaced.append("AutocastKwargs(enabled=False)")
             else:
                 kept.append(handler)
@@ -294,24 +220,20 @@ class _Application:
                 "of Accelerate"
             )
         if want == "fp16" and accelerator.device.type == "cpu" and accelerator.scaler is None:
-            _cpu_fp16(accelerator, self.settings.grad_scaler)
+            # Accelerate builds fp16 autocast and a GradScaler only off the CPU: with native_amp on,
+            # prepare(), backward() and the AcceleratedOptimizer use them as on a GPU.
+            import torch
+
+            accelerator.scaler = torch.amp.GradScaler("cpu", **(self.settings.grad_scaler or {}))
+            accelerator.native_amp = True
             self.note("Accelerator: fp16 on a CPU runs CPU autocast with GradScaler('cpu') "
                       "(Accelerate itself would train in fp32 there)")
-        self.hold_switches(again=True)
+        # Again: AcceleratorState turns TF32 on for mixed_precision="no" under a dynamo backend on CUDA.
+        hold_switches(self.policy, self.device)
         was = f" (the script asked for {str(asked)!r})" if asked is not None else ""
         self.note(f"Accelerator: {self.settings.describe()}{was}")
-        if self.recorder is not None:
-            self.recorder.set_device(accelerator.device)
-            self.recorder.policy_applied()  # the Accelerator runs the candidate's settings
+        self.applied(accelerator.device)
         if self.steps is not None:
             self.steps.accelerators.append(accelerator)
             self.steps.fp8_mode = self.fp8_mode
 
-
-def _cpu_fp16(accelerator: Any, grad_scaler: dict[str, Any] | None) -> None:
-    """fp16 on a CPU: turn on the autocast and GradScaler that Accelerate builds only off the CPU
-    (with native_amp on, prepare(), backward() and the AcceleratedOptimizer use them as on a GPU)."""
-    import torch
-
-    accelerator.scaler = torch.amp.GradScaler("cpu", **(grad_scaler or {}))
-    accelerator.native_amp = True

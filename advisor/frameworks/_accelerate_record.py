@@ -4,33 +4,21 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from advisor.frameworks._adapter import StepLosses
 from advisor.runtime import current_world_size
 
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
 
-# eq=False: equality would compare the Parameters element by element.
-@dataclass(frozen=True, eq=False)
-class _ModelAsBuilt:
+def as_built(model: Any) -> Any:
     """A model as the script built it, before Accelerate's FP8 conversion swaps its Linears: what
     the workload fingerprint describes, as the loop API fingerprints it before its mode converts it."""
-
-    modules: tuple[tuple[str, Any], ...]
-    parameters: tuple[tuple[str, Any], ...]
-
-    @classmethod
-    def of(cls, model: Any) -> _ModelAsBuilt:
-        return cls(tuple(model.named_modules()), tuple(model.named_parameters()))
-
-    def named_modules(self) -> tuple[tuple[str, Any], ...]:
-        return self.modules
-
-    def named_parameters(self) -> tuple[tuple[str, Any], ...]:
-        return self.parameters
+    modules, parameters = tuple(model.named_modules()), tuple(model.named_parameters())
+    return types.SimpleNamespace(named_modules=lambda: modules, named_parameters=lambda: parameters)
 
 
 class Steps:
@@ -47,11 +35,10 @@ class Steps:
         self.fp8_mode: Any = None
         self.model: Any = None  # the first model prepared, as built
         self.optimizer: Any = None  # the first AcceleratedOptimizer prepared
-        self._as_built: dict[int, _ModelAsBuilt] = {}
+        self._as_built: dict[int, Any] = {}
         self._hooked: set[int] = set()
         self._forward_batch: int | None = None
-        self._losses: list[Any] = []
-        self._samples = 0
+        self.step = StepLosses()
         self._first_step = True
         self._fp8_noted = False
 
@@ -61,7 +48,7 @@ class Steps:
 
             for arg in args:
                 if isinstance(arg, torch.nn.Module) and id(arg) not in self._as_built:
-                    self._as_built[id(arg)] = _ModelAsBuilt.of(arg)
+                    self._as_built[id(arg)] = as_built(arg)
             result = original(accelerator, *args, **kwargs)
             self._note_fp8()
             return result
@@ -70,7 +57,7 @@ class Steps:
 
     def wrap_prepare_model(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def prepare_model(accelerator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-            built = self._as_built.get(id(model)) or _ModelAsBuilt.of(model)
+            built = self._as_built.get(id(model)) or as_built(model)
             prepared = original(accelerator, model, *args, **kwargs)
             self._watch(prepared, built)
             return prepared
@@ -90,9 +77,7 @@ class Steps:
         def backward(accelerator: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
             if not self.recorder.begun:
                 self._begin(accelerator)
-            if hasattr(loss, "detach"):
-                self._losses.append(loss.detach().float().clone())
-            self._samples += self._forward_batch or 0
+            self.step.add(loss, self._forward_batch)
             return original(accelerator, loss, *args, **kwargs)
 
         return backward
@@ -105,12 +90,16 @@ class Steps:
             scaled = scaler is not None and scaler.is_enabled()
             scale = float(scaler.get_scale()) if scaled else None  # the scale this step's backward used
             result = original(optimizer, *args, **kwargs)
-            self._step_ended(optimizer, scale, bool(scaled and optimizer.step_was_skipped))
+            if self.recorder.begun and self.step.losses:  # not a step before any backward()
+                if self._first_step:
+                    self._first_step = False
+                    _first_step_facts(self.recorder, self.model, optimizer, self.step.micro_batches)
+                self.step.record(self.recorder, scale, bool(scaled and optimizer.step_was_skipped))
             return result
 
         return step
 
-    def _watch(self, model: Any, built: _ModelAsBuilt) -> None:
+    def _watch(self, model: Any, built: Any) -> None:
         if id(model) in self._hooked or not hasattr(model, "register_forward_pre_hook"):
             return
         self._hooked.add(id(model))
@@ -150,18 +139,6 @@ class Steps:
             notes.append(f"{mode.name}: emulated on CPU (FP8 numerics, no speedup), under Accelerate's bf16 autocast")
         for note in notes:
             self.recorder.note(note)
-
-    def _step_ended(self, optimizer: Any, scale: float | None, skipped: bool) -> None:
-        if not self.recorder.begun or not self._losses:
-            return  # a step before any backward() (nothing of the script's loss to record)
-        micro_batches = len(self._losses)
-        if self._first_step:
-            self._first_step = False
-            _first_step_facts(self.recorder, self.model, optimizer, micro_batches)
-        losses = self._losses
-        loss = losses[0] if micro_batches == 1 else sum(losses) / micro_batches
-        self.recorder.step(loss=loss, loss_scale=scale, skipped=skipped, samples=self._samples or None)
-        self._losses, self._samples = [], 0
 
 
 def _first_step_facts(recorder: FrameworkRecorder, model: Any, optimizer: Any, micro_batches: int) -> None:

@@ -13,11 +13,9 @@ import probes
 from advisor._log import get_logger
 from advisor.frameworks._plan import MODULE, RUN_POLICY_ENV, RUN_SOURCE_ENV
 from advisor.frameworks._registry import framework_class, framework_names, refusal
-from advisor.frameworks._torch import PlainTorch
-from advisor.frameworks._torch_guard import watch_run
+from advisor.frameworks._torch import PlainTorch, watch_run
 from advisor.trial import (
     EXIT_UNSUPPORTED,
-    FrameworkRecorder,
     end_trial_process,
     install_excepthook,
     recorder_for,
@@ -25,19 +23,8 @@ from advisor.trial import (
     spec_from_env,
     trial_candidate,
 )
-from policies import Policy, load_config
+from policies import load_config
 from probes import MpadviseError
-
-
-def _trial_policy(recorder: FrameworkRecorder, framework: str) -> Policy:
-    """The candidate, or the end of this process as ``unsupported`` when it cannot run here."""
-    # The device is left to the adapter, which checks what the framework really built there
-    # (the HF Trainer's fp16 on a CPU ends unsupported once its Accelerator shows fp32).
-    policy = trial_candidate(recorder.spec, recorder.writer, profile=probes.profile_for(recorder.spec.device),
-                             refusal=lambda p: refusal(p, framework))
-    if policy is None:
-        end_trial_process(EXIT_UNSUPPORTED)
-    return policy
 
 
 def main(argv: list[str]) -> None:
@@ -51,7 +38,12 @@ def main(argv: list[str]) -> None:
     if spec is not None:
         recorder = recorder_for(spec)
         install_excepthook(recorder.writer)
-        policy = _trial_policy(recorder, framework)
+        # The device is left to the adapter, which checks what the framework really built there
+        # (the HF Trainer's fp16 on a CPU ends unsupported once its Accelerator shows fp32).
+        policy = trial_candidate(spec, recorder.writer, profile=probes.profile_for(spec.device),
+                                 refusal=lambda p: refusal(p, framework))
+        if policy is None:
+            end_trial_process(EXIT_UNSUPPORTED)
         seed_everything(spec.seed)
         recorder.start()
         get_logger().info(f"trial {spec.label or policy.describe()} through {framework}")

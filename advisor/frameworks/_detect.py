@@ -8,6 +8,7 @@ attributes (``L.Trainer``) that mean it; between two, the lower ``precedence`` w
 from __future__ import annotations
 
 import ast
+import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ def detect_framework(source: str | bytes) -> str | None:
 
 def detect_script_framework(script: Path) -> str | None:
     """As ``detect_framework``, also reading the modules beside the script that it imports (one
-    level deep); no framework named: the fallback adapter (plain torch). MpadviseError if unreadable."""
+    level deep). MpadviseError if unreadable."""
     try:
         source = script.read_bytes()
     except OSError as exc:
@@ -46,26 +47,19 @@ def detect_script_framework(script: Path) -> str | None:
         return None
     found = [imports]
     for path in _sibling_modules(script.parent, imports.modules):
-        try:
-            helper = _read(path.read_bytes())
-        except OSError:
-            continue
-        if helper is not None:
-            found.append(helper)
-    return _decide(found) or fallback_framework()
+        with contextlib.suppress(OSError):
+            found.append(_read(path.read_bytes()))
+    # No framework named: the adapter for a script that imports none (plain torch).
+    fallback = next((cls.name for cls in detection_order() if getattr(cls, "fallback", False)), None)
+    return _decide(found) or fallback
 
 
-def _decide(imports: Iterable[_Imports]) -> str | None:
-    seen = list(imports)
+def _decide(imports: Iterable[_Imports | None]) -> str | None:
+    seen = [i for i in imports if i is not None]
     if any(i.loop_api for i in seen):
         return LOOP_API
     found = set().union(*(i.found for i in seen))
     return next((cls.name for cls in detection_order() if cls.name in found), None)
-
-
-def fallback_framework() -> str | None:
-    """The registered adapter for a script naming no framework (plain torch), or ``None``."""
-    return next((cls.name for cls in detection_order() if getattr(cls, "fallback", False)), None)
 
 
 def _meanings() -> dict[str, dict[str, str]]:

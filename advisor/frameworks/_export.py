@@ -6,11 +6,13 @@ and written by the format's own writer, or as Python from fixed lines whose ever
 ``repr``: text from outside (the config path, the policy file) never becomes code. What the
 policy leaves to the script (its batch, its clipping) stays the script's, with a note. A
 bounded difference is a named warning (``ExportWarning``); anything more is ``ExportRefused``.
-This module holds what every target shares; each target family is an ``_export_<target>`` module.
+Each target family is an ``_export_<target>`` module.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import textwrap
 from collections.abc import Mapping
@@ -18,17 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, ClassVar
 
-from advisor.frameworks._traits import FrameworkTraits
+from advisor.frameworks._adapter import FrameworkTraits
 from advisor.runtime import batch_split, tuned_global_batch
-from policies import LossScale, ModeFacts, Policy, default_reduce_dtype, mode_facts
+from policies import ModeFacts, Policy, default_reduce_dtype, mode_facts
 from probes import MpadviseError, UsageError
 
 DEVICES = ("cuda", "cpu")
 
 # The format a file's extension asks ``--out`` for.
 FORMAT_OF_SUFFIX: Mapping[str, str] = {".py": "python", ".json": "json", ".yaml": "yaml", ".yml": "yaml"}
-
-_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 class ExportRefused(MpadviseError):
@@ -41,9 +41,6 @@ class ExportWarning:
 
     id: str
     message: str
-
-    def to_dict(self) -> dict[str, str]:
-        return {"id": self.id, "message": self.message}
 
 
 @dataclass(frozen=True)
@@ -59,14 +56,8 @@ class Export:
     alternates: Mapping[str, Export | str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "target": self.target,
-            "format": self.format,
-            "text": self.text,
-            "settings": dict(self.data),
-            "warnings": [w.to_dict() for w in self.warnings],
-            "notes": list(self.notes),
-        }
+        return {"target": self.target, "format": self.format, "text": self.text, "settings": dict(self.data),
+                "warnings": [dataclasses.asdict(w) for w in self.warnings], "notes": list(self.notes)}
 
     def for_file(self, path: str | PurePath) -> Export:
         """The export in the format ``path``'s extension names."""
@@ -132,6 +123,7 @@ class _Job:
         if reason is not None:
             raise self.refuse(reason)
 
+    @functools.cached_property
     def split(self) -> _Split | None:
         """The batch the policy sets, or ``None`` where it keeps the script's. A micro-batch
         without ``grad_accum_steps`` needs the tuned global batch to know its accumulation."""
@@ -161,6 +153,42 @@ class _Job:
             "the sharding strategy that this export does not write: set it where the script shards the "
             "model (unsharded training ignores it)",
         )
+
+    def tf32_lines(self, tf32: bool | None) -> list[str]:
+        """The TF32 switches as ``policies``' fp32/tf32 modes set them (none for ``None``).
+
+        torch >= 2.9 keeps them twice (the legacy API and ``fp32_precision``); both are set, legacy
+        first: Lightning reads the legacy matmul precision, and the legacy ``cudnn.allow_tf32 =
+        False`` alone leaves the new cuDNN switches inheriting, which can still mean TF32.
+        """
+        if tf32 is None:
+            return []
+        legacy, new = ("high", "tf32") if tf32 else ("highest", "ieee")
+        what = "fp32 matmuls and cuDNN convolutions" if self.cuda else "fp32 matmuls"
+        lines = [
+            *_comment(f"{self.policy.mode}: TF32 {'on' if tf32 else 'off'} for {what}, as mpadvise sets it, "
+                      "in both of torch's TF32 APIs."),
+            f"torch.set_float32_matmul_precision({_py(legacy)})",
+        ]
+        if self.cuda:
+            lines.append(f"torch.backends.cudnn.allow_tf32 = {_py(tf32)}")
+        lines += [
+            'if hasattr(torch.backends, "fp32_precision"):  # torch >= 2.9',
+            f"    torch.backends.cuda.matmul.fp32_precision = {_py(new)}",
+            f"    torch.backends.mkldnn.matmul.fp32_precision = {_py(new)}",
+        ]
+        if self.cuda:
+            lines += [f"    torch.backends.cudnn.conv.fp32_precision = {_py(new)}",
+                      f"    torch.backends.cudnn.rnn.fp32_precision = {_py(new)}"]
+        return lines
+
+    def dataloader_line(self, owner: str) -> list[str]:
+        """The comment saying the DataLoader's batch size, where the policy sets a micro-batch."""
+        if self.split is None or self.split.micro is None:
+            return []
+        per_step = f" ({self.split.accum} micro-batches per optimizer step)" if self.split.accum > 1 else ""
+        return _comment(f"The DataLoader's batch_size must be {self.split.micro}, the policy's micro-batch: "
+                        f"{owner} does not set it{per_step}.")
 
     def python(self, *blocks: list[str], data: Mapping[str, Any]) -> Export:
         text = "\n".join(_code(self.header(), *blocks)) + "\n"
@@ -212,48 +240,6 @@ def _call(name: str, kwargs: Mapping[str, Any], *, indent: str = "", args: tuple
     if not items:
         return [f"{indent}{name}()"]
     return [f"{indent}{name}(", *(f"{indent}    {item}," for item in items), f"{indent})"]
-
-
-def _tf32_lines(tf32: bool, *, cuda: bool, mode: str) -> list[str]:
-    """The TF32 switches as ``policies``' fp32/tf32 modes set them.
-
-    torch >= 2.9 keeps them twice (the legacy API and ``fp32_precision``); both are set, legacy
-    first: Lightning reads the legacy matmul precision, and the legacy ``cudnn.allow_tf32 =
-    False`` alone leaves the new cuDNN switches inheriting, which can still mean TF32.
-    """
-    legacy, new = ("high", "tf32") if tf32 else ("highest", "ieee")
-    state = "on" if tf32 else "off"
-    what = "fp32 matmuls and cuDNN convolutions" if cuda else "fp32 matmuls"
-    lines = [
-        *_comment(f"{mode}: TF32 {state} for {what}, as mpadvise sets it, in both of torch's TF32 APIs."),
-        f"torch.set_float32_matmul_precision({_py(legacy)})",
-    ]
-    if cuda:
-        lines.append(f"torch.backends.cudnn.allow_tf32 = {_py(tf32)}")
-    lines += [
-        'if hasattr(torch.backends, "fp32_precision"):  # torch >= 2.9',
-        f"    torch.backends.cuda.matmul.fp32_precision = {_py(new)}",
-        f"    torch.backends.mkldnn.matmul.fp32_precision = {_py(new)}",
-    ]
-    if cuda:
-        lines += [
-            f"    torch.backends.cudnn.conv.fp32_precision = {_py(new)}",
-            f"    torch.backends.cudnn.rnn.fp32_precision = {_py(new)}",
-        ]
-    return lines
-
-
-def _scaler_settings(ls: LossScale) -> dict[str, Any]:
-    return {"kind": ls.kind, "init_scale": float(ls.init_scale), "growth_factor": float(ls.growth_factor),
-            "backoff_factor": float(ls.backoff_factor), "growth_interval": int(ls.growth_interval)}
-
-
-def _dataloader_line(split: _Split | None, owner: str) -> list[str]:
-    if split is None or split.micro is None:
-        return []
-    per_step = f" ({split.accum} micro-batches per optimizer step)" if split.accum > 1 else ""
-    return _comment(f"The DataLoader's batch_size must be {split.micro}, the policy's micro-batch: {owner} "
-                    f"does not set it{per_step}.")
 
 
 class Exporter:

@@ -7,23 +7,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from advisor.frameworks._accelerate import (
-    AccelerateSettings,
-    accelerate_settings,
-    grad_scaler_kwargs,
-)
-from advisor.frameworks._export import (
-    Export,
-    Exporter,
-    _call,
-    _Code,
-    _comment,
-    _dataloader_line,
-    _Job,
-    _py,
-    _Split,
-    _tf32_lines,
-)
+from advisor.frameworks._accelerate import AccelerateSettings, accelerate_settings
+from advisor.frameworks._adapter import scaler_kwargs
+from advisor.frameworks._export import Export, Exporter, _call, _Code, _comment, _Job, _py
 from policies import Fp8Te, Fp8Torchao, LossScale
 
 
@@ -35,7 +21,7 @@ class AccelerateExporter(Exporter):
         policy, facts = job.policy, job.facts
         # The batch split and clipping are the script's here: the export says how to set them.
         job.check_framework(policy.with_(micro_batch_size=None, grad_accum_steps=None, grad_clip_norm=None))
-        split = job.split()
+        split = job.split
         job.reduce_dtype_warning()
         if facts.fp8_library == "torchao" and not job.cuda:
             raise job.refuse(
@@ -45,13 +31,18 @@ class AccelerateExporter(Exporter):
         if facts.fp8_library == "transformer_engine" and not job.cuda:
             raise job.refuse("Transformer Engine runs on CUDA only")
         settings = accelerate_settings(policy)  # what the traits passed, Accelerate can build
-        config_file = self._config_file(job, settings)
+        config_file: dict[str, Any] = {
+            "compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "num_processes": 1,
+            "mixed_precision": settings.mixed_precision, "use_cpu": not job.cuda, "debug": False,
+        }
+        if settings.te_recipe is not None or settings.torchao_recipe is not None:
+            config_file["fp8_config"] = {"backend": "TE" if settings.te_recipe is not None else "AO"}
         # PyYAML comes with Accelerate, which reads this file; its safe writer quotes what YAML
         # 1.1 would read as a bool ('no').
         import yaml
 
         yaml_text = yaml.safe_dump(dict(config_file), sort_keys=False, default_flow_style=False)
-        code = _AccelerateCode(job, settings, split)
+        code = _AccelerateCode(job, settings)
         data = {
             "config_file": config_file,
             "config_file_yaml": yaml_text,
@@ -69,30 +60,14 @@ class AccelerateExporter(Exporter):
         export = job.python(code.stdlib, code.imports, *code.fp8_layers, code.switches, config_comment,
                             code.build, data=data)
         return dataclasses.replace(
-            export, alternates={"yaml": self._yaml_export(job, settings, split, config_file, yaml_text)})
+            export, alternates={"yaml": self._yaml_export(job, settings, config_file, yaml_text)})
 
     @staticmethod
-    def _config_file(job: _Job, settings: AccelerateSettings) -> dict[str, Any]:
-        config_file: dict[str, Any] = {
-            "compute_environment": "LOCAL_MACHINE",
-            "distributed_type": "NO",
-            "num_processes": 1,
-            "mixed_precision": settings.mixed_precision,
-            "use_cpu": not job.cuda,
-            "debug": False,
-        }
-        if settings.te_recipe is not None:
-            config_file["fp8_config"] = {"backend": "TE"}
-        if settings.torchao_recipe is not None:
-            config_file["fp8_config"] = {"backend": "AO"}
-        return config_file
-
-    @staticmethod
-    def _yaml_export(job: _Job, settings: AccelerateSettings, split: _Split | None,
-                     config_file: dict[str, Any], yaml_text: str) -> Export | str:
+    def _yaml_export(job: _Job, settings: AccelerateSettings, config_file: dict[str, Any],
+                     yaml_text: str) -> Export | str:
         """The config file alone, for ``accelerate launch --config_file``; or why it cannot carry the policy."""
         needs_code = []
-        if settings.grad_scaler is not None and settings.grad_scaler != grad_scaler_kwargs(LossScale()):
+        if settings.grad_scaler is not None and settings.grad_scaler != scaler_kwargs(LossScale()):
             needs_code.append("the GradScaler's settings (GradScalerKwargs)")
         if settings.te_recipe is not None or settings.torchao_recipe is not None:
             needs_code.append("the FP8 recipe and layer filter (kwargs handlers)")
@@ -103,7 +78,7 @@ class AccelerateExporter(Exporter):
         if needs_code:
             return str(job.refuse(f"an accelerate config file cannot carry {' or '.join(needs_code)}; "
                                   "write the Python export (--out FILE.py), which builds them"))
-        notes = []
+        notes, split = [], job.split
         if split is not None and split.micro is not None:
             notes.append(f"set the DataLoader's batch_size to {split.micro}, the policy's micro-batch")
         if split is not None and split.accum > 1:
@@ -118,7 +93,7 @@ class AccelerateExporter(Exporter):
 class _AccelerateCode:
     """The Python of an Accelerate export, block by block: imports, FP8 layers, switches, the build."""
 
-    def __init__(self, job: _Job, settings: AccelerateSettings, split: _Split | None) -> None:
+    def __init__(self, job: _Job, settings: AccelerateSettings) -> None:
         self.stdlib: list[str] = []
         self.imports = ["from accelerate import Accelerator"]
         self.utils: list[str] = []
@@ -130,23 +105,21 @@ class _AccelerateCode:
             self.imports.append(f"from accelerate.utils import {', '.join(self.utils)}")
         if settings.torchao_recipe is not None:
             self.imports.append("from torchao.float8 import Float8LinearConfig")
-        tf32 = settings.tf32
-        self.switches = [] if tf32 is None else _tf32_lines(tf32, cuda=job.cuda, mode=job.policy.mode)
+        self.switches = job.tf32_lines(settings.tf32)
         cpu_fp16 = settings.mixed_precision == "fp16" and not job.cuda
         if self.switches or self.fp8_layers or cpu_fp16:
             self.imports.insert(0, "import torch")
         self.accelerator: dict[str, Any] = {"mixed_precision": settings.mixed_precision}
-        self.build = self._build(job, settings, split, cpu_fp16)
+        self.build = self._build(job, settings, cpu_fp16)
 
     def _handlers(self, job: _Job, settings: AccelerateSettings) -> None:
-        if settings.grad_scaler is not None:
-            self.utils.append("GradScalerKwargs")
-            self.handlers += _call("GradScalerKwargs", settings.grad_scaler, indent="    ")
-            self.handler_data.append({"class": "GradScalerKwargs", "kwargs": dict(settings.grad_scaler)})
+        for handler, kwargs in (("GradScalerKwargs", settings.grad_scaler),
+                                ("TERecipeKwargs", settings.te_recipe)):
+            if kwargs is not None:
+                self.utils.append(handler)
+                self.handlers += _call(handler, kwargs, indent="    ")
+                self.handler_data.append({"class": handler, "kwargs": dict(kwargs)})
         if settings.te_recipe is not None:
-            self.utils.append("TERecipeKwargs")
-            self.handlers += _call("TERecipeKwargs", settings.te_recipe, indent="    ")
-            self.handler_data.append({"class": "TERecipeKwargs", "kwargs": dict(settings.te_recipe)})
             multiple = Fp8Te.recipe_rule(Fp8Te.policy_recipe(job.policy)).dim_multiple
             # accelerate/utils/transformer_engine.py, convert_model (1.15): a `return` inside its loop.
             job.warn(
@@ -186,8 +159,8 @@ class _AccelerateCode:
             "module_filter": f"torch.nn.Linear with in and out features multiples of {multiple}",
         })
 
-    def _build(self, job: _Job, settings: AccelerateSettings, split: _Split | None, cpu_fp16: bool) -> list[str]:
-        build = _dataloader_line(split, "the Accelerator")
+    def _build(self, job: _Job, settings: AccelerateSettings, cpu_fp16: bool) -> list[str]:
+        build, split = job.dataloader_line("the Accelerator"), job.split
         if split is not None:
             self.accelerator["gradient_accumulation_steps"] = split.accum
             if split.accum > 1:

@@ -7,13 +7,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from advisor.frameworks._export import _TORCH_DTYPE, Export, Exporter, _Job, _scaler_settings
+from advisor.frameworks._adapter import TORCH_DTYPE, scaler_kwargs
+from advisor.frameworks._export import Export, Exporter, _Job
 from policies import LossScale
 
 # DeepSpeed runs torch.autocast from its "torch_autocast" section: bf16 since 0.17.2; fp16 with
 # a GradScaler at every ZeRO stage since 0.18.0 (read in the sources of those releases). An
 # older DeepSpeed ignores the section and trains in fp32.
 DEEPSPEED_AUTOCAST_SINCE = {"bf16": "0.17.2", "fp16": "0.18.0"}
+
+# DeepSpeed's config has no TF32 switch: what the script must set for each of the mode's choices.
+_TF32_GAP = {
+    False: "DeepSpeed's config has no TF32 switch, and torch runs cuDNN convolutions in TF32 by default: for "
+           "exact fp32 set torch.backends.cudnn.allow_tf32 = False in the script (and on torch >= 2.9 "
+           'torch.backends.cudnn.conv.fp32_precision = "ieee"), as `mpadvise export --to lightning` writes',
+    True: "DeepSpeed's config has no TF32 switch: set torch.set_float32_matmul_precision(\"high\") in the "
+          "script (and the cuDNN switches, as `mpadvise export --to lightning` writes), or fp32 matmuls run "
+          "in IEEE fp32: slower, not less precise",
+}
 
 
 class DeepSpeedExporter(Exporter):
@@ -22,7 +33,7 @@ class DeepSpeedExporter(Exporter):
 
     def write(self, job: _Job) -> Export:
         self._check(job)
-        split = job.split()
+        split = job.split
         job.reduce_dtype_warning()
         facts = job.facts
         config: dict[str, Any] = {}
@@ -49,11 +60,12 @@ class DeepSpeedExporter(Exporter):
             # An empty lower_precision_safe_modules keeps every gradient's reduction in fp32, as
             # DDP does under autocast; DeepSpeed's default list would reduce Linear and Conv
             # gradients in 16 bits.
-            config["torch_autocast"] = {"enabled": True, "dtype": _TORCH_DTYPE[facts.autocast],
+            config["torch_autocast"] = {"enabled": True, "dtype": TORCH_DTYPE[facts.autocast],
                                         "lower_precision_safe_modules": []}
             job.notes.append(f"needs DeepSpeed {DEEPSPEED_AUTOCAST_SINCE[facts.autocast]} or newer for "
                              "torch_autocast; an older one ignores the section and trains in fp32")
-        self._tf32_warning(job, facts.tf32)
+        if facts.tf32 is not None:
+            job.warn("deepspeed-tf32", _TF32_GAP[facts.tf32])
         text = json.dumps(config, indent=2) + "\n"
         return Export(job.target, text, "json", {"config": config}, tuple(job.warnings), tuple(job.notes))
 
@@ -80,8 +92,8 @@ class DeepSpeedExporter(Exporter):
         if ls.kind == "none":
             raise job.refuse("DeepSpeed's torch_autocast scales every fp16 loss with a dynamic GradScaler, "
                              "and the policy has no loss scaling")
-        default = _scaler_settings(LossScale())
-        changed = [name for name, value in _scaler_settings(ls).items() if name != "kind" and value != default[name]]
+        default = scaler_kwargs(LossScale())
+        changed = [name for name, value in scaler_kwargs(ls).items() if value != default[name]]
         if ls.kind == "static" or changed:
             what = "a static loss scale" if ls.kind == "static" else f"GradScaler's {', '.join(changed)}"
             raise job.refuse(
@@ -90,19 +102,3 @@ class DeepSpeedExporter(Exporter):
                 "settings, trains fp16 weights with fp32 masters, not autocast"
             )
 
-    @staticmethod
-    def _tf32_warning(job: _Job, tf32: bool | None) -> None:
-        if tf32 is False:
-            job.warn(
-                "deepspeed-tf32",
-                "DeepSpeed's config has no TF32 switch, and torch runs cuDNN convolutions in TF32 by default: for "
-                "exact fp32 set torch.backends.cudnn.allow_tf32 = False in the script (and on torch >= 2.9 "
-                'torch.backends.cudnn.conv.fp32_precision = "ieee"), as `mpadvise export --to lightning` writes',
-            )
-        elif tf32 is True:
-            job.warn(
-                "deepspeed-tf32",
-                "DeepSpeed's config has no TF32 switch: set torch.set_float32_matmul_precision(\"high\") in the "
-                "script (and the cuDNN switches, as `mpadvise export --to lightning` writes), or fp32 matmuls run "
-                "in IEEE fp32: slower, not less precise",
-            )

@@ -6,19 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from advisor.frameworks._export import (
-    Export,
-    Exporter,
-    _call,
-    _Code,
-    _comment,
-    _dataloader_line,
-    _Job,
-    _py,
-    _scaler_settings,
-    _Split,
-    _tf32_lines,
-)
+from advisor.frameworks._adapter import scaler_kwargs
+from advisor.frameworks._export import Export, Exporter, _call, _Code, _comment, _Job, _py
 from advisor.frameworks._lightning import (
     LightningPrecision,
     lightning_precision,
@@ -45,8 +34,7 @@ def _scaler_code(ls: LossScale, device: str) -> list[str]:
         return [f"scaler = StaticGradScaler({_py(device)}, {_py(float(ls.init_scale))})"]
     if ls.kind == "none":
         return [f"scaler = torch.amp.GradScaler({_py(device)}, enabled=False)  # no loss scaling"]
-    settings = {k: v for k, v in _scaler_settings(ls).items() if k != "kind"}
-    return _call("scaler = torch.amp.GradScaler", settings, args=(device,))
+    return _call("scaler = torch.amp.GradScaler", scaler_kwargs(ls), args=(device,))
 
 
 class LightningExporter(Exporter):
@@ -59,19 +47,19 @@ class LightningExporter(Exporter):
         policy = job.policy
         # The batch split and clipping are the script's here: the export says how to set them.
         job.check_framework(policy.with_(micro_batch_size=None, grad_accum_steps=None, grad_clip_norm=None))
-        split = job.split()
+        split = job.split
         job.reduce_dtype_warning()
         plan = lightning_precision(policy)
         imports = [f"from {self.package} import {self.cls}"]
         kwargs: dict[str, Any] = {}
         data: dict[str, Any] = {"precision": None, "plugin": None}
         setup = self._precision(job, plan, imports, kwargs, data)
-        switches = [] if plan.tf32 is None else _tf32_lines(plan.tf32, cuda=job.cuda, mode=policy.mode)
+        switches = job.tf32_lines(plan.tf32)
         if setup or switches:
             imports.insert(0, "import torch")
         data["tf32"] = plan.tf32
         data["dataloader_batch_size"] = split.micro if split is not None else None
-        comments = _dataloader_line(split, f"the {self.cls}") + self._loop(job, split, kwargs, data)
+        comments = job.dataloader_line(f"the {self.cls}") + self._loop(job, kwargs, data)
         build = [*comments, f"# Pass these arguments to your {self.cls}(...).",
                  *_call(f"{self.cls.lower()} = {self.cls}", kwargs)]
         return job.python(imports, *setup, switches, build, data=data)
@@ -88,7 +76,7 @@ class LightningExporter(Exporter):
             imports.append(f"from {package}.plugins import MixedPrecision")
             kwargs["plugins"] = _Code(f"[MixedPrecision({_py('16-mixed')}, {_py(job.device)}, scaler=scaler)]")
             data["plugin"] = {"class": "MixedPrecision", "precision": "16-mixed", "device": job.device,
-                              "scaler": _scaler_settings(ls)}
+                              "scaler": {"kind": ls.kind, **scaler_kwargs(ls)}}
             return [list(_STATIC_SCALER) if ls.kind == "static" else [], _scaler_code(ls, job.device)]
         if plan.plugin == "transformer-engine":
             if not job.cuda:
@@ -115,11 +103,11 @@ class LightningExporter(Exporter):
         data["precision"] = plan.precision
         return []
 
-    def _loop(self, job: _Job, split: _Split | None, kwargs: dict[str, Any], data: dict[str, Any]) -> list[str]:
+    def _loop(self, job: _Job, kwargs: dict[str, Any], data: dict[str, Any]) -> list[str]:
         """Accumulation and clipping: the Trainer's arguments (Fabric's override says how)."""
         clip = job.policy.grad_clip_norm
-        if split is not None:
-            kwargs["accumulate_grad_batches"] = split.accum
+        if job.split is not None:
+            kwargs["accumulate_grad_batches"] = job.split.accum
         if clip is not None:
             kwargs["gradient_clip_val"] = float(clip)
             kwargs["gradient_clip_algorithm"] = "norm"
@@ -133,11 +121,10 @@ class FabricExporter(LightningExporter):
     package = "lightning.fabric"
     cls = "Fabric"
 
-    def _loop(self, job: _Job, split: _Split | None, kwargs: dict[str, Any], data: dict[str, Any]) -> list[str]:
+    def _loop(self, job: _Job, kwargs: dict[str, Any], data: dict[str, Any]) -> list[str]:
         clip = job.policy.grad_clip_norm
-        accum = split.accum if split is not None else None
-        data["accumulate"] = accum
-        data["clip_grad_norm"] = clip
+        accum = job.split.accum if job.split is not None else None
+        data.update(accumulate=accum, clip_grad_norm=clip)
         comments: list[str] = []
         if accum is not None and accum > 1:
             comments += _comment(

@@ -7,16 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from advisor.frameworks._export import (
-    _TORCH_DTYPE,
-    Export,
-    Exporter,
-    _call,
-    _Job,
-    _py,
-    _Split,
-    _tf32_lines,
-)
+from advisor.frameworks._adapter import TORCH_DTYPE
+from advisor.frameworks._export import Export, Exporter, _call, _Job, _py
 from policies import default_reduce_dtype
 
 
@@ -28,7 +20,7 @@ class TorchtitanExporter(Exporter):
         facts = job.facts
         float8 = self._check(job)
         training: dict[str, Any] = {
-            "dtype": _TORCH_DTYPE[facts.weights],
+            "dtype": TORCH_DTYPE[facts.weights],
             # torchtitan applies the parameter dtype as FSDP2's MixedPrecisionPolicy when it shards
             # and as torch.autocast otherwise: what mpadvise's bf16-mixed does in either case; its
             # FP8 runs the layers it does not convert in bf16.
@@ -42,11 +34,11 @@ class TorchtitanExporter(Exporter):
             job.notes.append("training.max_norm stays as the config sets it (torchtitan clips at 1.0 by default): "
                              "the policy keeps the script's clipping, so set it to the norm the script clips at")
         self._warnings(job)
-        split = job.split()
+        split = job.split
         if split is None:
             job.notes.append("training.local_batch_size and global_batch_size stay as the config sets them: the "
                              "policy keeps the script's batch")
-        switches = [] if facts.tf32 is None else _tf32_lines(facts.tf32, cuda=job.cuda, mode=job.policy.mode)
+        switches = job.tf32_lines(facts.tf32)
         imports = (["import torch"] if switches else []) + (
             ["from torchtitan.components.quantization import Float8LinearConverter"] if float8 is not None else [])
         converter = [] if float8 is None else [
@@ -59,7 +51,7 @@ class TorchtitanExporter(Exporter):
                 "grad_accum_steps": split.accum if split is not None else None}
         about = ["# torchtitan's Python config (Trainer.Config, torchtitan 0.3): apply the function to the",
                  "# config your config_registry function returns."]
-        return job.python(about, imports, switches, converter, self._function(job, training, split), data=data)
+        return job.python(about, imports, switches, converter, self._function(job, training), data=data)
 
     @staticmethod
     def _check(job: _Job) -> dict[str, Any] | None:
@@ -103,8 +95,9 @@ class TorchtitanExporter(Exporter):
             )
 
     @staticmethod
-    def _function(job: _Job, training: Mapping[str, Any], split: _Split | None) -> list[str]:
+    def _function(job: _Job, training: Mapping[str, Any]) -> list[str]:
         """``apply_mpadvise_policy(config, ...)``: the training fields, then the batch the policy sets."""
+        split = job.split
         signature = "config" if split is None else "config, data_parallel_degree=1"
         lines = [f"def apply_mpadvise_policy({signature}):",
                  f"    {_py('Set the mpadvise policy on a torchtitan Trainer.Config; returns the config.')}"]

@@ -21,7 +21,7 @@ class TransformersExporter(Exporter):
         job.check_framework()
         if facts.tf32 and not job.cuda:
             raise job.refuse("TrainingArguments(tf32=True) needs an Ampere or newer GPU; on a CPU it raises")
-        split = job.split()
+        split = job.split
         job.reduce_dtype_warning()
         fields: dict[str, Any] = dict(transformers_precision(policy))
         if not job.cuda:

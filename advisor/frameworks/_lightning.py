@@ -8,10 +8,9 @@ Steps are recorded by ``_lightning_record``. Lightning is imported inside ``inst
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import importlib
 import importlib.util
-import numbers
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -19,9 +18,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._adapter import FrameworkAdapter
+from advisor.frameworks._adapter import (
+    Application,
+    FrameworkAdapter,
+    fp16_loss_scale,
+    hold_switches,
+    shift_seed,
+    wrap_once,
+)
 from advisor.frameworks._lightning_record import FabricSteps, TrainerSteps, as_list, policy_scaler
-from advisor.frameworks._patch import PATCHED, hold_switches, wrap_once
 from policies import Fp8Options, LossScale, Policy, mode_facts
 from probes import MpadviseError
 
@@ -40,8 +45,11 @@ _SEED_RANGE = 2**32
 # DeepSpeedPrecision) and drop a scaler passed to them.
 _SHARDED = ("fsdp", "deepspeed")
 
-# Lightning's precision strings for pure half weights.
-_TRUE_PRECISION: Mapping[str, str] = {"bf16": "bf16-true", "fp16": "16-true"}
+# Lightning's precision strings by (weights, autocast), where the string is exact.
+_PRECISION: Mapping[tuple[str, str | None], str] = {
+    ("fp32", None): "32-true", ("fp32", "bf16"): "bf16-mixed",
+    ("bf16", None): "bf16-true", ("fp16", None): "16-true",
+}
 
 
 @dataclass(frozen=True)
@@ -74,14 +82,10 @@ def lightning_precision(policy: Policy) -> LightningPrecision:
         )
     if facts.fp8_library is not None:  # Transformer Engine: the plugin, with fp32 weights
         return LightningPrecision("transformer-engine", plugin="transformer-engine", tf32=facts.tf32)
-    if facts.weights != "fp32":
-        return LightningPrecision(_TRUE_PRECISION[facts.weights], tf32=facts.tf32)
     if facts.autocast == "fp16":
-        loss_scale = (policy.loss_scale or LossScale()) if facts.loss_scaling else LossScale(kind="none")
+        loss_scale = fp16_loss_scale(policy)
         return LightningPrecision("16-mixed", plugin="amp", loss_scale=loss_scale, tf32=facts.tf32)
-    if facts.autocast == "bf16":
-        return LightningPrecision("bf16-mixed", tf32=facts.tf32)
-    return LightningPrecision("32-true", tf32=facts.tf32)
+    return LightningPrecision(_PRECISION[facts.weights, facts.autocast], tf32=facts.tf32)
 
 
 def transformer_engine_args(policy: Policy) -> dict[str, Any]:
@@ -131,31 +135,21 @@ class LightningTrainer(_LightningPrecisionPlugins):
 
     name = "lightning"
     label = "Lightning's Trainer"
+    # The Trainer's own modules in each flavour, and LightningCLI, which builds and runs one.
     detected_by = {
         "lightning": ("Trainer",),
-        "lightning.pytorch": ("Trainer",),
-        "lightning.pytorch.trainer": ("Trainer",),
-        "lightning.pytorch.trainer.trainer": ("Trainer",),
-        "pytorch_lightning": ("Trainer",),
-        "pytorch_lightning.trainer": ("Trainer",),
-        "pytorch_lightning.trainer.trainer": ("Trainer",),
-        # LightningCLI builds and runs a Trainer.
-        "lightning.pytorch.cli": ("LightningCLI",),
-        "pytorch_lightning.cli": ("LightningCLI",),
+        **{f"{package}{module}": ("Trainer",) for package in ("lightning.pytorch", "pytorch_lightning")
+           for module in ("", ".trainer", ".trainer.trainer")},
+        **{f"{package}.cli": ("LightningCLI",) for package in ("lightning.pytorch", "pytorch_lightning")},
     }
     precedence = 10
-    limits = (
-        "the micro-batch is the script's DataLoader batch_size, so no split is searched",
-        "fp8-torchao has no Lightning precision plugin",
-        "fp8-te runs Transformer Engine's delayed recipe only (the plugin builds DelayedScaling)",
-    )
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
         application = _prepare(policy, recorder, device)
         for package in _installed(TRAINER_PACKAGES):
             _patch_init(importlib.import_module(package).Trainer, package, application.trainer_kwargs,
-                        application.trainer_built)
+                        lambda trainer: application.applied())
 
 
 class LightningFabric(_LightningPrecisionPlugins):
@@ -163,19 +157,9 @@ class LightningFabric(_LightningPrecisionPlugins):
 
     name = "fabric"
     label = "Lightning Fabric"
-    detected_by = {
-        "lightning": ("Fabric",),
-        "lightning.fabric": ("Fabric",),
-        "lightning_fabric": ("Fabric",),
-    }
+    detected_by = {module: ("Fabric",) for module in ("lightning", "lightning.fabric", "lightning_fabric")}
     precedence = 30
     sets_grad_clip = False
-    limits = (
-        "the micro-batch and any accumulation are the script's own, so no split is searched",
-        "gradient clipping is the script's own (fabric.clip_gradients): a policy's grad_clip_norm is not applied",
-        "fp8-torchao has no Fabric precision plugin",
-        "fp8-te runs Transformer Engine's delayed recipe only (the plugin builds DelayedScaling)",
-    )
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
@@ -184,7 +168,8 @@ class LightningFabric(_LightningPrecisionPlugins):
             recorder.note("LT_PRECISION left out: the candidate's precision applies")
         for package in _installed(FABRIC_PACKAGES):
             fabric_cls = importlib.import_module(package).Fabric
-            _patch_init(fabric_cls, package, application.fabric_kwargs, application.fabric_built)
+            _patch_init(fabric_cls, package, application.fabric_kwargs,
+                        lambda fabric: application.applied(fabric.device))
             if recorder is not None:
                 application.fabric_steps.patch(fabric_cls)
 
@@ -192,20 +177,31 @@ class LightningFabric(_LightningPrecisionPlugins):
 def _prepare(policy: Policy, recorder: FrameworkRecorder | None, device: str | None) -> _Application:
     """What both entries do first: the plan, the process switches and the seeds."""
     application = _Application(policy, lightning_precision(policy), recorder, device)
-    application.hold_switches()
-    if recorder is not None:
-        _shift_seeds(recorder.spec.seed, recorder)
+    application.note(hold_switches(policy, device))
+    if recorder is None or not recorder.spec.seed:
+        return application
+    shift = recorder.spec.seed
+    env = os.environ.get("PL_GLOBAL_SEED")
+    if env is not None and env.lstrip("-").isdigit():  # seed_everything() with no seed reads it
+        os.environ["PL_GLOBAL_SEED"] = str(shifted_seed(int(env), shift))
+    for name in _installed(_SEED_MODULES):
+        original = importlib.import_module(name).seed_everything
+        # Every module that re-exports it (lightning.seed_everything, Fabric's staticmethod's
+        # global, lightning.pytorch.seed_everything) holds the original object: replace each.
+        owners = [module for loaded, module in list(sys.modules.items())
+                  if loaded.split(".")[0] in _LIGHTNING_ROOTS and getattr(module, "seed_everything", None) is original]
+        # No seed: Lightning's default seed 0, moved, unless PL_GLOBAL_SEED gives one.
+        shift_seed(owners, "seed_everything", recorder, move=lambda seed: shifted_seed(seed, shift),
+                   default=lambda: None if "PL_GLOBAL_SEED" in os.environ else shifted_seed(0, shift))
     return application
 
 
 def _installed(packages: Iterable[str]) -> list[str]:
     found = []
     for package in packages:
-        try:
+        with contextlib.suppress(ModuleNotFoundError):  # lightning.pytorch when lightning itself is absent
             if importlib.util.find_spec(package) is not None:
                 found.append(package)
-        except ModuleNotFoundError:  # lightning.pytorch when lightning itself is absent
-            continue
     return found
 
 
@@ -224,67 +220,15 @@ def _patch_init(cls: type, package: str, adjust: Callable[[str, dict[str, Any]],
     wrap_once(cls, "__init__", make)
 
 
-def _shift_seeds(shift: int, recorder: FrameworkRecorder) -> None:
-    """Move the script's own ``seed_everything(n)`` by the trial's seed, wherever Lightning exports it."""
-    if not shift:
-        return
-    env = os.environ.get("PL_GLOBAL_SEED")
-    if env is not None and env.lstrip("-").isdigit():  # seed_everything() with no seed reads it
-        os.environ["PL_GLOBAL_SEED"] = str(shifted_seed(int(env), shift))
-    for name in _installed(_SEED_MODULES):
-        module = importlib.import_module(name)
-        original = module.seed_everything
-        if getattr(original, PATCHED, False):
-            continue
-
-        @functools.wraps(original)
-        def seed_everything(seed: Any = None, *args: Any, _original: Any = original, **kwargs: Any) -> int:
-            if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):  # numpy's too
-                seed = int(seed)
-                moved = shifted_seed(seed, shift)
-                if moved != seed:
-                    recorder.note(f"the script's seed_everything({seed}) ran as seed {moved} (trial seed {shift})")
-                seed = moved
-            elif seed is None and os.environ.get("PL_GLOBAL_SEED") is None:
-                seed = shifted_seed(0, shift)  # Lightning's default seed, moved
-            return _original(seed, *args, **kwargs)
-
-        setattr(seed_everything, PATCHED, True)
-        # Every module that re-exports it (lightning.seed_everything, Fabric's staticmethod's
-        # global, lightning.pytorch.seed_everything) holds the original object: replace each.
-        for loaded_name, loaded in list(sys.modules.items()):
-            if loaded is None or loaded_name.split(".")[0] not in _LIGHTNING_ROOTS:
-                continue
-            if getattr(loaded, "seed_everything", None) is original:
-                loaded.seed_everything = seed_everything
-
-
-class _Application:
+class _Application(Application):
     """What ``install()`` decided, applied to each Trainer or Fabric the script builds."""
 
     def __init__(self, policy: Policy, plan: LightningPrecision, recorder: FrameworkRecorder | None,
                  device: str | None) -> None:
-        self.policy = policy
+        super().__init__(policy, recorder, device)
         self.plan = plan
-        self.recorder = recorder
-        self.device = device
         self.trainer_steps = TrainerSteps(recorder) if recorder is not None else None
         self.fabric_steps = FabricSteps(recorder) if recorder is not None else None
-
-    def note(self, text: str) -> None:
-        if self.recorder is not None:
-            self.recorder.note(text)
-
-    def hold_switches(self) -> None:
-        """fp32 and tf32: set the TF32 switches for the rest of the process, as the loop API's modes do."""
-        if self.plan.tf32 is None:
-            return
-        import torch
-
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        hold_switches(self.policy, device)
-        state = "on" if self.plan.tf32 else "off"
-        self.note(f"TF32 {state} for matmuls{' and cuDNN' if device.startswith('cuda') else ''}, as {self.policy.mode} sets it")
 
     def _device_kwargs(self, kwargs: dict[str, Any]) -> None:
         if self.device is None:
@@ -301,8 +245,7 @@ class _Application:
     def _precision_kwargs(self, package: str, kwargs: dict[str, Any], *, who: str, held_attr: str) -> None:
         """Replace whatever precision the script passes with the policy's."""
         plugins_module = importlib.import_module(f"{package}.plugins.precision")
-        base = plugins_module.Precision
-        asked = kwargs.pop("precision", None)
+        base, asked = plugins_module.Precision, kwargs.pop("precision", None)
         plugins = as_list(kwargs.get("plugins"))
         theirs = [type(p).__name__ for p in plugins if isinstance(p, base)]
         plugins = [p for p in plugins if not isinstance(p, base)]
@@ -328,8 +271,8 @@ class _Application:
             kwargs["precision"] = None  # explicit, so that PL_TRAINER_PRECISION cannot add one
             if plan.plugin == "amp":
                 device = _amp_device(kwargs.get("accelerator", "auto"))
-                plugin = plugins_module.MixedPrecision(
-                    "16-mixed", device, scaler=policy_scaler(device, plan.loss_scale or LossScale()))
+                scaler = policy_scaler(device, plan.loss_scale)
+                plugin = plugins_module.MixedPrecision("16-mixed", device, scaler=scaler)
             else:
                 import torch
 
@@ -359,10 +302,6 @@ class _Application:
             self.trainer_steps.trainer_kwargs(package, kwargs)
         return kwargs
 
-    def trainer_built(self, trainer: Any) -> None:
-        if self.recorder is not None:
-            self.recorder.policy_applied()
-
     def fabric_kwargs(self, package: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(kwargs)
         self._device_kwargs(kwargs)
@@ -375,11 +314,6 @@ class _Application:
         if self.fabric_steps is not None:
             kwargs["callbacks"] = [*as_list(kwargs.get("callbacks")), self.fabric_steps]
         return kwargs
-
-    def fabric_built(self, fabric: Any) -> None:
-        if self.recorder is not None:
-            self.recorder.set_device(fabric.device)
-            self.recorder.policy_applied()
 
 
 def _amp_device(accelerator: Any) -> str:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from advisor.frameworks._patch import wrap_once
+from advisor.frameworks._adapter import StepLosses, batch_size_of, scaler_kwargs, wrap_once
 from advisor.runtime import current_world_size
 from policies import LossScale
 
@@ -22,24 +22,6 @@ def as_list(value: Any) -> list[Any]:
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def batch_size_of(batch: Any) -> int | None:
-    """The leading dimension of the first tensor with one in a batch (a tensor, a sequence, a mapping)."""
-    shape = getattr(batch, "shape", None)
-    if shape is not None:
-        return int(shape[0]) if len(shape) else None
-    if isinstance(batch, Mapping):
-        items: Iterable[Any] = batch.values()
-    elif isinstance(batch, (list, tuple)):
-        items = batch
-    else:
-        return None
-    for item in items:
-        size = batch_size_of(item)
-        if size is not None:
-            return size
-    return None
-
-
 @functools.cache
 def _scaler_class() -> type:
     import torch
@@ -50,9 +32,7 @@ def _scaler_class() -> type:
 
         def __init__(self, device: str, loss_scale: LossScale) -> None:
             # kind "none": fp16 autocast without loss scaling, as the loop API's fp16-mixed runs it.
-            super().__init__(device, init_scale=loss_scale.init_scale, growth_factor=loss_scale.growth_factor,
-                             backoff_factor=loss_scale.backoff_factor, growth_interval=loss_scale.growth_interval,
-                             enabled=loss_scale.kind != "none")
+            super().__init__(device, **scaler_kwargs(loss_scale), enabled=loss_scale.kind != "none")
             self.static_scale = float(loss_scale.init_scale) if loss_scale.kind == "static" else None
             self._last_scale: float | None = None
             self._skipped = False
@@ -69,9 +49,7 @@ def _scaler_class() -> type:
             return result
 
         def update(self, new_scale: Any = None) -> None:
-            if new_scale is None and self.static_scale is not None:
-                new_scale = self.static_scale
-            super().update(new_scale)
+            super().update(self.static_scale if new_scale is None else new_scale)
 
         def take(self) -> tuple[float | None, bool]:
             """The scale of the latest step and whether any step since the last ``take()`` was skipped."""
@@ -103,30 +81,6 @@ def take_step_scale(scaler: Any) -> tuple[float | None, bool]:
     return None, False
 
 
-class _StepLosses:
-    """The micro-batch losses and samples of the optimizer step in progress."""
-
-    def __init__(self) -> None:
-        self.losses: list[Any] = []
-        self.samples = 0
-        self.micro_batches = 0
-
-    def add(self, loss: Any, samples: int | None) -> None:
-        if loss is not None:
-            self.losses.append(loss.detach().float().clone() if hasattr(loss, "detach") else float(loss))
-        self.samples += samples or 0
-        self.micro_batches += 1
-
-    def mean(self) -> Any:
-        losses = self.losses
-        if not losses:
-            return float("nan")  # a step with no loss to read is not a finite one
-        return losses[0] if len(losses) == 1 else sum(losses) / len(losses)
-
-    def reset(self) -> None:
-        self.losses, self.samples, self.micro_batches = [], 0, 0
-
-
 class TrainerSteps:
     """Feeds the recorder from a Lightning Trainer's callback hooks, one record per optimizer step.
 
@@ -138,7 +92,7 @@ class TrainerSteps:
 
     def __init__(self, recorder: FrameworkRecorder) -> None:
         self.recorder = recorder
-        self.step = _StepLosses()
+        self.step = StepLosses()
         self._global_step_at_start = 0
         self._backward_loss: Any = None
         self._batch_size: int | None = None
@@ -159,8 +113,7 @@ class TrainerSteps:
                "enable_checkpointing": has("Checkpoint"),
                "logger": has("LearningRateMonitor", "DeviceStatsMonitor")}
         turned = [name for name, needed in off.items() if not needed]
-        for name in turned:
-            kwargs[name] = False
+        kwargs.update(dict.fromkeys(turned, False))
         if turned:
             self.recorder.note(f"Lightning Trainer: {', '.join(turned)} off in the trial (no effect on the numerics)")
         callbacks.append(self.callback(callbacks_module.Callback))
@@ -236,8 +189,7 @@ class TrainerSteps:
             after = float(scaler.get_scale())
             scale, skipped = self._scale_before, after < self._scale_before
             self._scale_before = None
-        self.recorder.step(loss=self.step.mean(), loss_scale=scale, skipped=skipped, samples=self.step.samples)
-        self.step.reset()
+        self.step.record(self.recorder, scale, skipped)
 
 
 class FabricSteps:
@@ -247,7 +199,7 @@ class FabricSteps:
 
     def __init__(self, recorder: FrameworkRecorder) -> None:
         self.recorder = recorder
-        self.step = _StepLosses()
+        self.step = StepLosses()
         self.model: Any = None
         self._forward_batch: int | None = None
         self._hooked: set[int] = set()
@@ -259,7 +211,6 @@ class FabricSteps:
         wrap_once(fabric_cls, "setup_module", self._setup)
 
     def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
         def backward(fabric: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
             if not self.recorder.begun:
                 size = self._forward_batch
@@ -271,7 +222,6 @@ class FabricSteps:
         return backward
 
     def _setup(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
         def setup(fabric: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
             self.watch(module)
             return original(fabric, module, *args, **kwargs)
@@ -310,5 +260,4 @@ class FabricSteps:
             every_process = None if global_batch is None else global_batch * current_world_size()
             self.recorder.workload(self.model, optimizer, global_batch=every_process)
         scale, skipped = take_step_scale(getattr(strategy.precision, "scaler", None))
-        self.recorder.step(loss=self.step.mean(), loss_scale=scale, skipped=skipped, samples=self.step.samples)
-        self.step.reset()
+        self.step.record(self.recorder, scale, skipped)

@@ -1,4 +1,4 @@
-"""Which frameworks exist and which export targets: one ordered registry of adapter classes.
+"""Which frameworks and export targets exist: one ordered registry of adapter classes.
 
 Every list of frameworks reads it: ``FRAMEWORKS``, detection, the ``--framework`` check, the
 traits, the trial child's dispatch and ``mpadvise export --to``. Adding a framework is its
@@ -9,15 +9,15 @@ adapter class and one ``register_framework`` line; adding an export target is on
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from policies import Policy
 from probes import MpadviseError, UsageError
 
 from ._accelerate import AccelerateAdapter
-from ._adapter import FrameworkAdapter
+from ._adapter import FrameworkAdapter, FrameworkTraits
 from ._export import Export, Exporter
 from ._export_accelerate import AccelerateExporter
 from ._export_deepspeed import DeepSpeedExporter
@@ -28,9 +28,6 @@ from ._lightning import LightningFabric, LightningTrainer
 from ._torch import PlainTorch
 from ._torch_export import TorchExporter
 from ._transformers import HuggingFaceTrainer
-
-if TYPE_CHECKING:
-    from ._traits import FrameworkTraits
 
 AdapterT = TypeVar("AdapterT", bound=type[FrameworkAdapter])
 
@@ -54,10 +51,9 @@ def register_framework(cls: AdapterT, *, exporter: type[Exporter] | None = None)
         return cls
     if name in _FRAMEWORKS or name in _EXPORTERS:
         raise ValueError(f"{owner}: framework {name!r} is already registered; give the class a name of its own")
-    _check_description(owner, cls)
+    if cls.install.__func__ is FrameworkAdapter.install.__func__:  # type: ignore[attr-defined]
+        raise ValueError(f"{owner}: the class does not say how it applies a policy; define install()")
     if exporter is not None:
-        if not (isinstance(exporter, type) and issubclass(exporter, Exporter)):
-            raise TypeError(f"{owner}: exporter {exporter!r} is not an Exporter subclass")
         if getattr(exporter, "target", None) != name:
             raise ValueError(f"{owner}: exporter {exporter.__qualname__} writes for "
                              f"{getattr(exporter, 'target', None)!r}, not {name!r}; set its target to {name!r}")
@@ -66,47 +62,16 @@ def register_framework(cls: AdapterT, *, exporter: type[Exporter] | None = None)
     return cls
 
 
-def _check_description(owner: str, cls: type[FrameworkAdapter]) -> None:
-    label = getattr(cls, "label", None)
-    if not isinstance(label, str) or not label:
-        raise ValueError(f"{owner}: label {label!r} is not allowed; name the framework for people, "
-                         "e.g. 'the Composer Trainer'")
-    detected_by = getattr(cls, "detected_by", None)
-    if not isinstance(detected_by, Mapping) or not all(
-        isinstance(m, str) and isinstance(n, tuple) and all(isinstance(x, str) for x in n) for m, n in detected_by.items()
-    ):
-        raise ValueError(f"{owner}: detected_by {detected_by!r} is not allowed; map each module to the names "
-                         "that mean the framework, e.g. {'composer': ('Trainer',)}")
-    precedence = getattr(cls, "precedence", None)
-    if isinstance(precedence, bool) or not isinstance(precedence, int):
-        raise ValueError(f"{owner}: precedence {precedence!r} is not allowed; set an integer, lower wins "
-                         f"(in use: {', '.join(f'{c.name} {c.precedence}' for c in detection_order())})")
-    if cls.install.__func__ is FrameworkAdapter.install.__func__:  # type: ignore[attr-defined]
-        raise ValueError(f"{owner}: the class does not say how it applies a policy; define install()")
-
-
 def register_export_target(exporter: type[Exporter]) -> type[Exporter]:
     """Add an export-only target (``mpadvise export --to`` only; no scripts are tuned through it)."""
-    owner = f"register_export_target({getattr(exporter, '__qualname__', exporter)!r})"
-    if not (isinstance(exporter, type) and issubclass(exporter, Exporter)):
-        raise TypeError(f"{owner}: not an Exporter subclass")
-    target = getattr(exporter, "target", None)
-    if not isinstance(target, str) or not target:
-        raise ValueError(f"{owner}: target {target!r} is not allowed; set the name of --to")
+    target = exporter.target
     if _EXPORTERS.get(target) is exporter:
         return exporter
     if target in _EXPORTERS or target in _FRAMEWORKS:
-        raise ValueError(f"{owner}: export target {target!r} is already registered")
+        raise ValueError(f"register_export_target({exporter.__qualname__}): export target {target!r} "
+                         "is already registered")
     _EXPORTERS[target] = exporter
     return exporter
-
-
-def unregister_framework(name: str) -> None:
-    """Remove a registered framework and its exporter, or an export-only target."""
-    if name not in _FRAMEWORKS and name not in _EXPORTERS:
-        raise MpadviseError(f"unknown framework {name!r}; expected one of {', '.join(_FRAMEWORKS)}")
-    _FRAMEWORKS.pop(name, None)
-    _EXPORTERS.pop(name, None)
 
 
 def framework_classes() -> tuple[type[FrameworkAdapter], ...]:
@@ -187,25 +152,9 @@ def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: 
     return exporter.export(policy, traits=None if framework is None else framework.traits(), device=device, source=source)
 
 
-BUILTIN_FRAMEWORKS: tuple[tuple[type[FrameworkAdapter], type[Exporter]], ...] = (
-    (LightningTrainer, LightningExporter),
-    (LightningFabric, FabricExporter),
-    (HuggingFaceTrainer, TransformersExporter),
-    (AccelerateAdapter, AccelerateExporter),
-    (PlainTorch, TorchExporter),
-)
-BUILTIN_EXPORT_TARGETS: tuple[type[Exporter], ...] = (DeepSpeedExporter, TorchtitanExporter)
-
-for _cls, _exporter in BUILTIN_FRAMEWORKS:
+for _cls, _exporter in ((LightningTrainer, LightningExporter), (LightningFabric, FabricExporter),
+                        (HuggingFaceTrainer, TransformersExporter), (AccelerateAdapter, AccelerateExporter),
+                        (PlainTorch, TorchExporter)):
     register_framework(_cls, exporter=_exporter)
-for _exporter in BUILTIN_EXPORT_TARGETS:
+for _exporter in (DeepSpeedExporter, TorchtitanExporter):
     register_export_target(_exporter)
-
-
-def __getattr__(name: str) -> tuple[str, ...]:
-    # Read from the registry on every lookup, never copied, so a later registration shows.
-    if name == "FRAMEWORKS":
-        return framework_names()
-    if name == "EXPORT_TARGETS":
-        return export_targets()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,6 +2,12 @@
 calls ``load_policy()``, run with the candidate applied at torch's own seams (``_torch_hooks``).
 The script's own precision flag (``--dtype``, ``--amp``, ...) is named in the trial's notes with
 the value that says the candidate (``precision_flag``).
+
+Under ``mpadvise run`` the same step boundaries feed the runtime guard (``RunGuard``), whichever
+framework drives the loop. The script's precision was set when it started and cannot be taken
+back in place, so a trip under ``fallback`` is a ``restart needed`` event: one line says so, and
+the event goes into the cache, where the next ``mpadvise run`` (and ``load_policy()``) applies
+the safer mode.
 """
 
 from __future__ import annotations
@@ -15,11 +21,18 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import probes
 from advisor._log import get_logger
-from advisor.frameworks._adapter import FrameworkAdapter
-from advisor.frameworks._patch import hold_switches
+from advisor.frameworks._adapter import (
+    FrameworkAdapter,
+    around,
+    hold_switches,
+    shift_seed,
+    wrap_once,
+)
 from advisor.frameworks._torch_hooks import (
     ForwardPrecision,
     Steps,
@@ -29,7 +42,9 @@ from advisor.frameworks._torch_hooks import (
     seen_line,
     wrap_backward,
 )
+from advisor.runtime import Guard, GuardEvent, GuardLimits, guard_fallback, guard_setting
 from advisor.trial import EXIT_UNSUPPORTED, Stage, end_trial_process
+from advisor.tune import StabilityThresholds
 from policies import Policy, mode_facts
 
 if TYPE_CHECKING:
@@ -68,15 +83,6 @@ class PlainTorch(FrameworkAdapter):
     loss_scale_kinds = ("dynamic", "static", "none")
     loss_scale_settings = True
     sets_grad_clip = False
-    limits = (
-        "the script's DataLoader sets the micro-batch: no split with accumulation",
-        "gradient clipping stays the script's",
-        "FP8 through torchao only: its Linear layers are swapped at the model's first training forward, keeping "
-        "their parameters, so the optimizer the script built still holds them; Transformer Engine's layers have "
-        "parameters of their own, which that optimizer would not hold",
-        "fp16-mixed needs a torch.optim optimizer: a script that updates its parameters by hand cannot "
-        "skip an overflowing step",
-    )
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
@@ -178,14 +184,8 @@ def _install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str 
     import torch.cuda.amp
     import torch.nn.parallel
     import torch.nn.utils
-    from torch.nn.modules.module import (
-        register_module_forward_hook,
-        register_module_forward_pre_hook,
-    )
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
+    from torch.nn.modules import module
+    from torch.optim import optimizer
 
     run = _Run(policy, recorder)
     hold_switches(policy, device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -196,26 +196,25 @@ def _install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str 
     for name in ("torch.cuda.amp.grad_scaler", "torch.cpu.amp.grad_scaler"):
         if name in sys.modules:
             sys.modules[name].GradScaler = scaler_class
-    register_module_forward_pre_hook(precision.pre)
-    register_module_forward_hook(precision.post, always_call=True)
-    register_optimizer_step_pre_hook(functools.partial(before_step, steps))
-    register_optimizer_step_post_hook(steps.optimizer_post)
+    module.register_module_forward_pre_hook(precision.pre)
+    module.register_module_forward_hook(precision.post, always_call=True)
+    optimizer.register_optimizer_step_pre_hook(functools.partial(before_step, steps))
+    optimizer.register_optimizer_step_post_hook(steps.optimizer_post)
     _wrap_optimizer_init(torch.optim.Optimizer, steps, precision)
-    _wrap_ddp_init(torch.nn.parallel.DistributedDataParallel, precision)
+    # Pure modes: DDP's gradient buckets follow the parameters' dtype, so cast before it builds them.
+    wrap_once(torch.nn.parallel.DistributedDataParallel, "__init__",
+              around(lambda ddp, module, *args, **kwargs: precision.cast_module(module)))
     wrap_backward(torch.Tensor, steps)
     _wrap_clipping(torch.nn.utils, steps)
     _announce(policy, recorder)
     if recorder is None:
-        from advisor.frameworks._torch_guard import run_guard
-
         guard = run_guard(policy)
         if guard is not None:
             steps.watch = guard.step
     else:
         recorder.no_step_reason = run.no_backward
         recorder.policy_applied()  # the hooks are the candidate: from here the script has its bound
-        if recorder.spec.seed:
-            _shift_manual_seed(torch, recorder)
+        shift_seed([torch, torch.random], "manual_seed", recorder)
         atexit.register(run.at_exit)
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(ValueError):  # not the main thread
@@ -228,8 +227,7 @@ def _announce(policy: Policy, recorder: FrameworkRecorder | None) -> None:
     argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == PlainTorch.name else sys.argv
     script, args = (argv[0], list(argv[1:])) if argv else ("", [])
     try:
-        with open(script, encoding="utf-8") as file:
-            source = file.read()
+        source = Path(script).read_text(encoding="utf-8")
     except OSError:
         source = ""
     flag = precision_flag(args, source)
@@ -260,18 +258,6 @@ def _wrap_optimizer_init(cls: type, steps: Steps, precision: ForwardPrecision) -
     cls.__init__ = __init__
 
 
-def _wrap_ddp_init(cls: type, precision: ForwardPrecision) -> None:
-    # Pure modes: DDP's gradient buckets follow the parameters' dtype, so cast before it builds them.
-    original = cls.__init__
-
-    @functools.wraps(original)
-    def __init__(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
-        precision.cast_module(module)
-        original(ddp, module, *args, **kwargs)
-
-    cls.__init__ = __init__
-
-
 def _wrap_clipping(utils: Any, steps: Steps) -> None:
     import torch.nn.utils.clip_grad as clip_grad
 
@@ -287,18 +273,86 @@ def _wrap_clipping(utils: Any, steps: Steps) -> None:
         setattr(clip_grad, name, clip)
 
 
-def _shift_manual_seed(torch: Any, recorder: FrameworkRecorder) -> None:
-    """The script's ``torch.manual_seed(n)`` seeds ``n + trial seed``."""
-    original, shift = torch.manual_seed, recorder.spec.seed
+class RunGuard:
+    """Watches a framework or plain script's optimizer steps; warns once and records the event.
 
-    @functools.wraps(original)
-    def manual_seed(seed: Any) -> Any:
-        if isinstance(seed, int) and not isinstance(seed, bool):
-            recorder.note(f"the script's torch.manual_seed({seed}) ran as torch.manual_seed({seed + shift}) "
-                          f"(trial seed {shift})")
-            seed += shift
-        return original(seed)
+    Args:
+        policy: the policy the run applies.
+        setting: ``"warn"`` or ``"fallback"``.
+    """
 
-    torch.manual_seed = manual_seed
-    torch.random.manual_seed = manual_seed
+    def __init__(self, policy: Policy, setting: str) -> None:
+        self.policy = policy
+        self.guard = Guard(setting, GuardLimits.from_thresholds(StabilityThresholds()),
+                           trend=guard_fallback(policy, probes.profile_for(None)) is not None)
+        self.optimizer_steps = 0
 
+    def step(self, loss: Any, scale: float | None, skipped: bool) -> None:
+        """One optimizer step's facts: its loss (a tensor), the scale after it, a skip."""
+        self.optimizer_steps += 1
+        if self.optimizer_steps == 1 and self.guard.trend_on:  # by now argv is the script's own
+            self.guard.reference = _reference()
+            self.guard.trend.reference = list(self.guard.reference)
+        if self.guard.tripped:
+            return
+        value = float(loss)  # the loss value's one sync
+        tripped = self.guard.observe(self.optimizer_steps, loss=value, applied=not skipped, loss_scale=scale)
+        if tripped is not None:
+            self._trip(*tripped)
+
+    def _trip(self, signal: str, onset: int, detail: str) -> None:
+        from advisor.cache import record_guard_event
+
+        profile = probes.profile_for(None)
+        target = guard_fallback(self.policy, profile)
+        action = "restart needed" if target is not None else "warned"
+        event = GuardEvent(signal, onset, self.optimizer_steps, self.policy.mode,
+                           None if target is None else target.mode, action, detail)
+        self.guard.record(event)
+        get_logger().warning(event.line())
+        # The script's cache entry keeps it: by now the script runs, and argv[0] is the script.
+        script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+        record_guard_event(event.to_dict(), profile=profile, workload_fp=None, script=script)
+
+
+def _reference() -> tuple[float, ...]:
+    """fp32's loss per optimizer step in the newest tune of this script with these arguments
+    (by now the script runs, and argv is its own), or nothing."""
+    from advisor.cache import cached_answers
+
+    args = tuple(sys.argv[1:])
+    for answer in cached_answers(probes.profile_for(None), Path(sys.argv[0]).resolve()):
+        if answer.args is None or answer.args == args:
+            return answer.reference
+    return ()
+
+
+def run_guard(policy: Policy) -> RunGuard | None:
+    """The guard ``MPADVISE_GUARD`` asks for over this run (``mpadvise run`` sets it), or ``None``."""
+    setting = guard_setting(None)
+    return None if setting == "off" else RunGuard(policy, setting)
+
+
+def watch_run(policy: Policy) -> None:
+    """Under ``mpadvise run``, feed a framework script's optimizer steps to the guard
+    ``MPADVISE_GUARD`` asks for (the plain adapter's ``install`` wires its own)."""
+    guard = run_guard(policy)
+    if guard is None:
+        return
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = Steps(None, refuse=lambda reason: None, label=policy.mode)
+    steps.watch = guard.step
+    register_optimizer_step_post_hook(steps.optimizer_post)
+    wrap_backward(torch.Tensor, steps)
+    _watch_scaler(torch.amp.GradScaler, steps)
+
+
+def _watch_scaler(cls: type, steps: Steps) -> None:
+    """Wrap ``GradScaler.scale`` and ``step`` in place (every subclass's ``super()`` reaches them):
+    the scaled loss maps back to its value, and the step ends with its scale and skip."""
+    scale, step = cls.scale, cls.step
+    cls.scale = lambda scaler, outputs: steps.scaled(scale(scaler, outputs), outputs)
+    cls.step = lambda scaler, optimizer, *args, **kwargs: steps.scaler_step(
+        scaler, optimizer, functools.partial(step, scaler, optimizer, *args, **kwargs))

@@ -18,14 +18,10 @@ _GONE_CALLS = ("step", "update", "unscale_", "zero_grad")
 
 def script_for(config: Path | None) -> Path | None:
     """``config`` itself (a ``.py``), or the script beside a ``<script>.mpadvise.toml``, or ``None``."""
-    if config is None:
-        return None
-    if config.suffix == ".py":
+    if config is None or config.suffix == ".py":
         return config
-    if config.name.endswith(".mpadvise.toml"):
-        beside = config.with_name(config.name.removesuffix(".mpadvise.toml") + ".py")
-        return beside if beside.is_file() else None
-    return None
+    beside = config.with_name(config.name.removesuffix(".mpadvise.toml") + ".py")
+    return beside if config.name.endswith(".mpadvise.toml") and beside.is_file() else None
 
 
 def _name(node: ast.AST) -> str:

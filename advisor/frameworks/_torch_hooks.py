@@ -9,7 +9,6 @@ every optimizer's ``__init__`` calls ``Optimizer.__init__``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import threading
@@ -18,12 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from advisor.frameworks._adapter import TORCH_DTYPE, StepLosses, fp16_loss_scale, scaler_kwargs
 from policies import Policy, create_mode, mode_facts
 
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
-
-_HALF = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass
@@ -64,7 +62,7 @@ class ForwardPrecision:
         self.policy = policy
         self.facts = mode_facts(policy.mode)
         self.steps = steps
-        self.half = None if self.facts.weights == "fp32" else getattr(torch, _HALF[self.facts.weights])
+        self.half = None if self.facts.weights == "fp32" else getattr(torch, TORCH_DTYPE[self.facts.weights])
         self._local = threading.local()
         self._modes: dict[str, Any] = {}
         self._cast: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -133,10 +131,7 @@ class ForwardPrecision:
             context = torch.autocast(device_type=device_type, enabled=False)
         if context is not None:
             context.__enter__()
-        stack = getattr(self._local, "contexts", None)
-        if stack is None:
-            stack = self._local.contexts = []
-        stack.append(context)
+        self._local.__dict__.setdefault("contexts", []).append(context)
         self.steps.forward(module, args, device_type=device_type, script_autocast=script_autocast)
         return args if self.half is not None else None
 
@@ -167,11 +162,7 @@ def _first_tensor(values: Any) -> Any:
     if hasattr(values, "dim") and hasattr(values, "device"):
         return values
     items = values.values() if isinstance(values, dict) else values if isinstance(values, (list, tuple)) else ()
-    for value in items:
-        found = _first_tensor(value)
-        if found is not None:
-            return found
-    return None
+    return next((found for found in map(_first_tensor, items) if found is not None), None)
 
 
 def _cast_floats(values: Any, dtype: Any, *, only: Any = None) -> Any:
@@ -217,14 +208,12 @@ class Steps:
         self.scaling_wanted = False
         self.counting_scalers = True
         self.lead: Any = None
-        self._losses: list[Any] = []
-        self._samples = 0
+        self.step = StepLosses()
         self._scaled: tuple[Any, Any] | None = None
         self.pending_step: tuple[float | None, bool] | None = None
         self._in_scaler = False
         self._model: Any = None
         self._signature: list[int] | None = None
-        self._notes: set[str] = set()
 
     def note(self, text: str) -> None:
         if self.recorder is not None:
@@ -235,8 +224,7 @@ class Steps:
 
         self.seen.forwards += 1
         self.seen.model(type(module).__name__)
-        if script_autocast and "autocast" not in self._notes:
-            self._notes.add("autocast")
+        if script_autocast:  # a note once: the recorder keeps each note once
             self.note(f"the script's own {device_type} autocast gives way to {self.label}'s inside the model's forward")
         if not torch.is_grad_enabled():
             return  # evaluation: start-up, not a training step
@@ -251,10 +239,13 @@ class Steps:
                 self._end(None, False)  # updated by hand since the last backward
         tensor = _first_tensor(args)
         if tensor is not None and tensor.dim() > 0:
-            self._samples += int(tensor.shape[0])
+            self.step.samples += int(tensor.shape[0])
 
-    def scaled(self, scaled: Any, loss: Any) -> None:
-        self._scaled = (scaled, loss)
+    def scaled(self, scaled: Any, loss: Any) -> Any:
+        """A GradScaler scaled ``loss``: its backward records ``loss`` itself."""
+        if hasattr(loss, "device"):
+            self._scaled = (scaled, loss)
+        return scaled
 
     def backward(self, tensor: Any) -> Any:
         """A backward's tensor is a loss: record it (unscaled) and return what to run backward from."""
@@ -265,7 +256,7 @@ class Steps:
         self.seen.backwards += 1
         if self.seen.backwards == 1:
             self._first_backward()
-        self._losses.append(loss.detach().float().clone())
+        self.step.add(loss)
         if self.scaling is not None and loss is tensor:
             return self.scaling.scale(tensor)
         return tensor
@@ -284,7 +275,7 @@ class Steps:
             self.note("the script builds no GradScaler: fp16-mixed's loss scaling is injected around its backward "
                       "and optimizer step")
         if self.recorder is not None and not self.recorder.begun:
-            self.recorder.begin(user_batch=None, micro_batch=self._samples or None, grad_accum_steps=None)
+            self.recorder.begin(user_batch=None, micro_batch=self.step.samples or None, grad_accum_steps=None)
 
     make_scaler: Callable[[], Any] = staticmethod(lambda: None)
     # Under `mpadvise run` with the guard on: each optimizer step's loss (its micro-batches'
@@ -303,31 +294,35 @@ class Steps:
         elif optimizer is self.lead and not self._in_scaler:
             self._end(None, False)
 
-    def scaler_step(self, optimizer: Any, scale: float | None, skipped: bool) -> contextlib.AbstractContextManager[Any]:
-        """Around a script's ``scaler.step(optimizer)``: the step ends there, skipped or not."""
-        steps = self
-
-        @contextlib.contextmanager
-        def around() -> Any:
-            steps._in_scaler = True
-            try:
-                yield
-            finally:
-                steps._in_scaler = False
-            if steps.lead is None:
-                steps.lead = optimizer
-            if optimizer is steps.lead:
-                steps._end(scale, skipped)
-
-        return around()
+    def scaler_step(self, scaler: Any, optimizer: Any, step: Callable[[], Any]) -> Any:
+        """A script's ``scaler.step(optimizer)`` (``step``): the optimizer step ends there, with the
+        scale and whether the scaler skipped it (the found-inf value ``step`` reads anyway). A trial
+        records every step's scale; a run's guard needs it only where it fell, sparing the others
+        a device sync."""
+        scale, skipped = None, False
+        if scaler._enabled and scaler._scale is not None:
+            state = scaler._per_optimizer_states[id(optimizer)]
+            if state["stage"].name == "READY":
+                scaler.unscale_(optimizer)
+            found = sum(v.item() for v in state["found_inf_per_device"].values())
+            scale, skipped = scaler.get_scale() if found or self.recorder is not None else None, found > 0
+        self._in_scaler = True
+        try:
+            result = step()
+        finally:
+            self._in_scaler = False
+        if self.lead is None:
+            self.lead = optimizer
+        if optimizer is self.lead:
+            self._end(scale, skipped)
+        return result
 
     def _end(self, scale: float | None, skipped: bool) -> None:
-        losses, samples = self._losses, self._samples
-        self._losses, self._samples = [], 0
+        losses, samples, loss = self.step.losses, self.step.samples, self.step.total(mean=False)
+        self.step.reset()
         recording = self.recorder is not None and self.recorder.begun
         if not losses or not (recording or self.watch is not None):
             return
-        loss = losses[0] if len(losses) == 1 else sum(losses[1:], losses[0])
         finite_scale = None if scale is None or not math.isfinite(scale) else scale
         if self.watch is not None:
             self.watch(loss, finite_scale, skipped)
@@ -383,23 +378,15 @@ def before_clip(steps: Steps) -> None:
 def _signature(module: Any) -> list[int]:
     """The versions of a model's parameters and of their gradients: an update by hand or zeroed
     gradients change it, a backward that accumulates into the same gradients does not."""
-    out: list[int] = []
-    for p in module.parameters():
-        grad = p.grad
-        out.extend((p._version, -1 if grad is None else id(grad)))
-    return out
+    return [v for p in module.parameters() for v in (p._version, -1 if p.grad is None else id(p.grad))]
 
 
 def candidate_scaler_class(base: type, *, policy: Policy, steps: Steps) -> type:
     """A ``GradScaler`` subclass with the candidate's loss scaling, whatever the script asks; it
     lives on the device of the first loss it scales and ends the trial's step at ``step()``."""
-    facts = mode_facts(policy.mode)
-    ls = policy.loss_scale
-    enabled = facts.loss_scaling and (ls is None or ls.kind != "none")
-    settings: dict[str, Any] = {} if ls is None else {
-        "init_scale": ls.init_scale, "growth_factor": ls.growth_factor, "backoff_factor": ls.backoff_factor,
-        "growth_interval": ls.growth_interval}
-    static = float(ls.init_scale) if enabled and ls is not None and ls.kind == "static" else None
+    loss_scale = fp16_loss_scale(policy)
+    enabled = loss_scale.kind != "none"
+    static = float(loss_scale.init_scale) if loss_scale.kind == "static" else None
     steps.scaling_wanted = enabled
 
     class CandidateGradScaler(base):  # type: ignore[misc, valid-type]
@@ -409,31 +396,19 @@ def candidate_scaler_class(base: type, *, policy: Policy, steps: Steps) -> type:
             if count and steps.counting_scalers:
                 steps.seen.scalers += 1
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            super().__init__(device, enabled=enabled, **settings)
+            super().__init__(device, enabled=enabled, **scaler_kwargs(loss_scale))
 
         def scale(self, outputs: Any) -> Any:
             if self._enabled and self._scale is None and hasattr(outputs, "device"):
                 self._device = outputs.device.type
-            scaled = super().scale(outputs)
-            if hasattr(outputs, "device"):
-                steps.scaled(scaled, outputs)
-            return scaled
+            return steps.scaled(super().scale(outputs), outputs)
 
         def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self._enabled:
-                with steps.scaler_step(optimizer, None, False):
-                    return super().step(optimizer, *args, **kwargs)
-            state = self._per_optimizer_states[id(optimizer)]
-            if state["stage"].name == "READY" and self._scale is not None:
-                self.unscale_(optimizer)
-            found = sum(v.item() for v in state.get("found_inf_per_device", {}).values())
-            # A trial records the scale of every step; a run's guard needs it only where it fell.
-            scale = None if self._scale is None or not (found or steps.recorder is not None) else self.get_scale()
-            with steps.scaler_step(optimizer, scale, found > 0):
-                return super().step(optimizer, *args, **kwargs)
+            step = functools.partial(super().step, optimizer, *args, **kwargs)
+            return steps.scaler_step(self, optimizer, step)
 
         def update(self, new_scale: Any = None) -> None:
-            super().update(static if new_scale is None and static is not None else new_scale)
+            super().update(static if new_scale is None else new_scale)
 
     CandidateGradScaler.__qualname__ = CandidateGradScaler.__name__ = "GradScaler"
     steps.make_scaler = lambda: CandidateGradScaler(count=False)

@@ -1,11 +1,8 @@
 """The Hugging Face Trainer adapter: a policy applied through ``TrainingArguments``, steps
-recorded through the Trainer's own hooks.
-
-``TrainingArguments.__post_init__`` derives ``mixed_precision`` from ``fp16``/``bf16`` once, and
-the Trainer hands that to its Accelerator, so the candidate's fields are set at the start of
-``__post_init__``. The Trainer's Accelerator and first forward are then checked: a trial that
-would not really run the candidate's precision ends as unsupported instead of measuring something
-else under its name.
+recorded through the Trainer's own hooks. ``TrainingArguments.__post_init__`` derives
+``mixed_precision`` from ``fp16``/``bf16`` once for the Trainer's Accelerator, so the candidate's
+fields are set at its start. The Trainer's Accelerator and first forward are then checked: a trial
+that would not run the candidate's precision ends unsupported instead of measuring something else.
 """
 
 from __future__ import annotations
@@ -17,9 +14,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor._log import get_logger
-from advisor.frameworks._adapter import FrameworkAdapter
-from advisor.frameworks._lightning_record import batch_size_of
-from advisor.frameworks._patch import hold_switches
+from advisor.frameworks._adapter import (
+    TORCH_DTYPE,
+    Application,
+    FrameworkAdapter,
+    StepLosses,
+    around,
+    batch_size_of,
+    hold_switches,
+    shift_seed,
+    wrap_once,
+)
 from advisor.runtime import BatchSplit, batch_split, current_world_size
 from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
 from policies import Policy, mode_facts
@@ -32,21 +37,14 @@ if TYPE_CHECKING:
 # checkpoints, pushes to the Hub, progress bars) and changes no numerics. NaN losses are
 # kept in the script's own logs too, so what it prints agrees with what the trial records.
 TRIAL_ARGUMENTS: Mapping[str, Any] = {
-    "logging_nan_inf_filter": False,
-    "report_to": "none",
-    "save_strategy": "no",
-    "push_to_hub": False,
-    "load_best_model_at_end": False,
-    "disable_tqdm": True,
+    "logging_nan_inf_filter": False, "report_to": "none", "save_strategy": "no", "push_to_hub": False,
+    "load_best_model_at_end": False, "disable_tqdm": True,
 }
 # The TrainingArguments fields that argument_changes reads from the script's arguments.
 SCRIPT_FIELDS = ("fp16", "bf16", "tf32", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "max_grad_norm", "data_seed", "lr_scheduler_type", "use_cpu")
 # Evaluation inside the window would be timed as training; these schedulers need it, though.
 _SCHEDULERS_NEEDING_EVAL = ("reduce_lr_on_plateau", "greedy")
-
-# torch's names of the autocast dtype families.
-_AUTOCAST_DTYPES: Mapping[str, str] = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 class HuggingFaceTrainer(FrameworkAdapter):
@@ -63,13 +61,6 @@ class HuggingFaceTrainer(FrameworkAdapter):
     sets_micro_batch = True
     loss_scale_kinds = ("dynamic",)
     loss_scale_settings = False
-    limits = (
-        "TrainingArguments cannot set GradScaler's parameters: fp16 runs with the default dynamic scale",
-        "no pure fp16/bf16 training (that is the model's dtype, set where the script loads it)",
-        "no FP8 through TrainingArguments",
-        "fp16-mixed needs a GPU: on a CPU fp16=True trains in fp32 (Accelerate builds neither fp16 autocast "
-        "nor a GradScaler there), so a trial of it ends unsupported",
-    )
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
@@ -79,17 +70,24 @@ class HuggingFaceTrainer(FrameworkAdapter):
         import transformers.trainer_utils
         import transformers.training_args
 
-        use_cpu = device == "cpu" or (device is None and not _accelerator_available(torch))
+        accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+        available = accelerator.is_available if hasattr(accelerator, "is_available") else torch.cuda.is_available
+        use_cpu = device == "cpu" or (device is None and not available())
         hold_switches(policy, torch.device("cpu" if use_cpu else (device or "cuda")))
         # What TrainingArguments falls back to when fp16 and bf16 are both off, and what an
         # Accelerator the script builds by itself reads.
         os.environ["ACCELERATE_MIXED_PRECISION"] = accelerator_precision(policy.mode)
         hooks = TrainerHooks(policy, recorder, use_cpu=use_cpu, device=device,
                              callback_base=transformers.TrainerCallback)
-        _patch_arguments(transformers.training_args.TrainingArguments, hooks)
-        _patch_trainer(transformers.trainer.Trainer, hooks)
-        if recorder is not None and recorder.spec.seed:
-            _shift_seeds([transformers, transformers.trainer, transformers.trainer_utils], recorder.spec.seed, hooks)
+        # __post_init__ sets the policy's fields first (subclasses inherit it or call it); __init__
+        # re-checks the arguments' precision, then hooks the built trainer.
+        wrap_once(transformers.training_args.TrainingArguments, "__post_init__",
+                  around(hooks.before_arguments, hooks.after_arguments))
+        wrap_once(transformers.trainer.Trainer, "__init__", around(hooks.before_trainer, hooks.after_trainer))
+        if recorder is not None:
+            # Wherever the script or the Trainer (which seeds args.seed, 42 by default) takes them from.
+            for name in ("set_seed", "enable_full_determinism"):
+                shift_seed([transformers, transformers.trainer, transformers.trainer_utils], name, recorder)
 
 
 def transformers_precision(policy: Policy) -> dict[str, bool]:
@@ -153,7 +151,8 @@ def argument_changes(policy: Policy, script: Mapping[str, Any], *, trial: bool, 
         values.update(TRIAL_ARGUMENTS)
         off = ["logging_nan_inf_filter=False (NaN losses reach the script's logs)", "report_to=none",
                "save_strategy=no", "no Hub push", "no progress bar"]
-        if str(_value(script.get("lr_scheduler_type"))) not in _SCHEDULERS_NEEDING_EVAL:
+        scheduler = script.get("lr_scheduler_type")  # SchedulerType.LINEAR's value is "linear"
+        if str(getattr(scheduler, "value", scheduler)) not in _SCHEDULERS_NEEDING_EVAL:
             values["eval_strategy"] = "no"
             values["do_eval"] = False
             off.append("no evaluation")
@@ -163,7 +162,7 @@ def argument_changes(policy: Policy, script: Mapping[str, Any], *, trial: bool, 
 
 def expected_autocast(mode: str) -> str | None:
     autocast = mode_facts(mode).autocast
-    return None if autocast is None else _AUTOCAST_DTYPES[autocast]
+    return None if autocast is None else TORCH_DTYPE[autocast]
 
 
 def accelerator_precision(mode: str) -> str:
@@ -208,20 +207,17 @@ def scaler_skipped(before: float | None, after: float | None) -> bool:
     return before is not None and after is not None and after < before
 
 
-class TrainerHooks:
+class TrainerHooks(Application):
     """What the patched ``TrainingArguments`` and ``Trainer`` call, and the step records."""
 
     def __init__(self, policy: Policy, recorder: FrameworkRecorder | None, *, use_cpu: bool, device: str | None,
                  callback_base: type) -> None:
-        self.policy = policy
-        self.recorder = recorder
+        super().__init__(policy, recorder, device)
         self.use_cpu = use_cpu
-        self.device = device
         self.callback_base = callback_base
         self.mixed_precision = accelerator_precision(policy.mode)
         self.user_batch: int | None = None
-        self._micro_losses: list[Any] = []
-        self._micro_samples = 0
+        self.step = StepLosses()
         self._loss_scale: float | None = None  # what the GradScaler's scale is now, once read
         self._first_forward = _FirstForward()
 
@@ -241,9 +237,8 @@ class TrainerHooks:
 
     def after_arguments(self, args: Any) -> None:
         """A trial trains on one device: no DataParallel over every visible GPU, and ``cuda:N`` as asked."""
-        if self.recorder is None or args.distributed_state is None:
-            return
-        if args.distributed_state.distributed_type != "NO":
+        state = args.distributed_state
+        if self.recorder is None or state is None or state.distributed_type != "NO":
             return
         import torch
 
@@ -255,8 +250,9 @@ class TrainerHooks:
         if getattr(args, "_n_gpu", 1) > 1:
             args._n_gpu = 1
 
-    def before_trainer(self, args: Any) -> None:
+    def before_trainer(self, trainer: Any, *given: Any, **named: Any) -> None:
         """Set the precision again where the script changed it on the arguments after building them."""
+        args = named["args"] if "args" in named else (given[1] if len(given) > 1 else None)
         if args is None or getattr(args, "mixed_precision", self.mixed_precision) == self.mixed_precision:
             return
         for name, value in transformers_precision(self.policy).items():
@@ -277,9 +273,7 @@ class TrainerHooks:
             if reason is not None:
                 self._refuse(reason)
         self.note(f"the Trainer's Accelerator runs mixed_precision={accelerator.mixed_precision} on {trainer.args.device}")
-        if self.recorder is not None:
-            self.recorder.set_device(trainer.args.device)
-            self.recorder.policy_applied()  # the Trainer and its Accelerator run the candidate
+        self.applied(trainer.args.device)  # the Trainer and its Accelerator run the candidate
         trainer.add_callback(_step_callback(self.callback_base, self, trainer))
         step = trainer.training_step  # the most derived one: a subclass's override included
         trainer.training_step = lambda *a, **kw: self.training_step(trainer, step, *a, **kw)
@@ -293,8 +287,7 @@ class TrainerHooks:
             self._loss_scale = _scale(trainer)
         loss = step(*args, **kwargs)
         inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
-        self._micro_losses.append(loss.detach().float().clone())
-        self._micro_samples += batch_size_of(inputs) or 0
+        self.step.add(loss, batch_size_of(inputs))
         if not self._first_forward.checked:
             self._check_forward()
         return loss
@@ -311,17 +304,15 @@ class TrainerHooks:
 
     def step_end(self, trainer: Any) -> None:
         """The optimizer stepped: the step's loss, the scale its backward ran with, and whether it was skipped."""
-        micro, samples = self._micro_losses, self._micro_samples
-        self._micro_losses, self._micro_samples = [], 0
         # The GradScaler changes its scale only in the optimizer step's update(), so the scale
         # before this step is the one the previous step left (or the first read).
         before, after = self._loss_scale, _scale(trainer)
         self._loss_scale = after
-        if self.recorder is None or not micro:
+        if self.recorder is None or not self.step.losses:
+            self.step.reset()
             return
-        loss = micro[0] if len(micro) == 1 else sum(micro[1:], micro[0])
         skipped = scaler_skipped(before, after) or bool(trainer.accelerator.optimizer_step_was_skipped)
-        self.recorder.step(loss=loss, loss_scale=before, skipped=skipped, samples=samples or None)
+        self.step.record(self.recorder, before, skipped, mean=False)
 
     def _check_forward(self) -> None:
         seen = self._first_forward.take()
@@ -341,10 +332,6 @@ class TrainerHooks:
             end_trial_process(EXIT_UNSUPPORTED)
         sys.stderr.write(f"error: {reason}\n")
         raise SystemExit(1)
-
-    def note(self, text: str) -> None:
-        if self.recorder is not None:
-            self.recorder.note(text)
 
 
 def _step_callback(base: type, hooks: TrainerHooks, trainer: Any) -> Any:
@@ -379,9 +366,8 @@ class _FirstForward:
                 self.seen = (enabled, str(torch.get_autocast_dtype(device_type)).removeprefix("torch."), device_type)
             self._unhook()
 
-        for name, module in model.named_modules():
-            if name:
-                self._handles.append(module.register_forward_pre_hook(seen))
+        submodules = [module for name, module in model.named_modules() if name]
+        self._handles += [module.register_forward_pre_hook(seen) for module in submodules]
 
     def take(self) -> tuple[bool, str, str] | None:
         """What the first forward ran under (``None``: nothing was watched); checked from now on."""
@@ -395,62 +381,11 @@ class _FirstForward:
         self._handles.clear()
 
 
-def _patch_arguments(cls: type, hooks: TrainerHooks) -> None:
-    """``cls.__post_init__`` sets the policy's fields first; subclasses inherit it or call it."""
-    original = cls.__post_init__
-
-    def __post_init__(self: Any) -> None:
-        hooks.before_arguments(self)
-        original(self)
-        hooks.after_arguments(self)
-
-    cls.__post_init__ = __post_init__
-
-
-def _patch_trainer(cls: type, hooks: TrainerHooks) -> None:
-    """``cls.__init__`` re-checks the arguments' precision, then hooks the built trainer."""
-    original = cls.__init__
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        hooks.before_trainer(kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None))
-        original(self, *args, **kwargs)
-        hooks.after_trainer(self)
-
-    cls.__init__ = __init__
-
-
-def _shift_seeds(modules: list[Any], shift: int, hooks: TrainerHooks) -> None:
-    """``set_seed(s)`` and ``enable_full_determinism(s)`` seed ``s + shift``, wherever the script
-    or the Trainer (which seeds ``args.seed``, 42 by default) takes them from."""
-    for name in ("set_seed", "enable_full_determinism"):
-        original = getattr(modules[-1], name)
-
-        def shifted(seed: int, *args: Any, _original: Callable[..., Any] = original, _name: str = name,
-                    **kwargs: Any) -> Any:
-            hooks.note(f"seeds shifted by the trial seed {shift} ({_name}({seed}) seeds {seed + shift})")
-            return _original(seed + shift, *args, **kwargs)
-
-        for module in modules:
-            setattr(module, name, shifted)
-
-
 def _scale(trainer: Any) -> float | None:
     scaler = getattr(trainer.accelerator, "scaler", None)
     return None if scaler is None else float(scaler.get_scale())
 
 
-def _accelerator_available(torch: Any) -> bool:
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "is_available"):
-        return bool(accelerator.is_available())
-    return bool(torch.cuda.is_available())
-
-
 def _positive(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def _value(value: Any) -> Any:
-    """An enum's value (``SchedulerType.LINEAR`` -> ``"linear"``), anything else as it is."""
-    return getattr(value, "value", value)
 

@@ -164,7 +164,7 @@ def test_fabric_trial_applies_bf16_over_the_scripts_precision(tmp_path, isolated
                              "--precision", "32-true", "--accumulate", "2", "--dtype-file", str(dtypes), seed=1, steps=4)
     assert dtypes.read_text().split() == ["torch.bfloat16"]
     assert "Lightning Fabric: precision='bf16-mixed' (the script asked for '32-true')" in result.notes
-    assert "the script's seed_everything(42) ran as seed 43 (trial seed 1)" in result.notes
+    assert "the script's seed_everything(42) ran as seed_everything(43) (trial seed 1)" in result.notes
     assert len(result.losses) == 6 and result.device == "cpu"
     # Two backward passes per optimizer step: the script's own accumulation.
     assert result.grad_accum_steps == 2 and result.global_batch == 64 and set(result.samples) == {64}

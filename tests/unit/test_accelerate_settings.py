@@ -4,6 +4,7 @@ that Accelerate's own kwargs handlers take those fields as they are."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 
@@ -12,10 +13,10 @@ from advisor.frameworks._accelerate import (
     _Application,
     accelerate_settings,
     grad_scaler_kwargs,
-    shifted_seed,
     te_recipe_kwargs,
 )
-from advisor.frameworks._accelerate_record import _ModelAsBuilt
+from advisor.frameworks._accelerate_record import as_built
+from advisor.frameworks._adapter import shift_seed
 from policies import Fp8Options, LossScale, Policy, create_mode
 from probes import MpadviseError
 
@@ -94,7 +95,13 @@ def test_the_torchao_recipe_is_the_policys_or_the_default():
 
 @pytest.mark.parametrize(("seed", "shift", "expected"), [(42, 0, 42), (42, 1, 43), (None, 1, None), (True, 1, True)])
 def test_the_scripts_seed_moves_by_the_trial_seed(seed, shift, expected):
-    assert shifted_seed(seed, shift) == expected
+    seeded, notes = [], []
+    utils = types.SimpleNamespace(set_seed=seeded.append)
+    recorder = types.SimpleNamespace(spec=types.SimpleNamespace(seed=shift), note=notes.append)
+    shift_seed([utils], "set_seed", recorder)
+    utils.set_seed(seed)
+    assert seeded == [expected]
+    assert notes == (["the script's set_seed(42) ran as set_seed(43) (trial seed 1)"] if expected == 43 else [])
 
 
 def test_a_mode_accelerate_lacks_is_refused():
@@ -132,10 +139,10 @@ def test_the_fingerprinted_model_is_the_one_the_script_built_before_fp8_swaps_it
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     before = model_signature(model)
-    as_built = _ModelAsBuilt.of(model)
+    built = as_built(model)
     # The swap Accelerate makes with the AORecipeKwargs the adapter gives it: this mode's
     # config and filter, the same convert_to_float8_training call.
     mode = create_mode(Policy(mode="fp8-torchao"), torch.device("cpu"))
     model = mode.convert_module(model)
     assert mode.converted == ["0"] and model_signature(model) != before
-    assert model_signature(as_built) == before
+    assert model_signature(built) == before
