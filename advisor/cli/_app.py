@@ -168,7 +168,7 @@ def tune(
                              verbose=verbose))
 
 
-@app.command(rich_help_panel="Tune", context_settings={"help_option_names": ["-h", "--help"]})
+@app.command(rich_help_panel="Tune")
 @handle_errors
 @with_tune_options(lambda option: option.trial)
 def trial(
@@ -195,7 +195,7 @@ def trial(
     raise typer.Exit(code)
 
 
-@app.command(rich_help_panel="Apply", context_settings={"help_option_names": ["-h", "--help"]})
+@app.command(rich_help_panel="Apply")
 @handle_errors
 def run(
     script: Annotated[Path, typer.Argument(help="The training script: a Lightning, HF Trainer or Accelerate script, or one that calls load_policy().")],
@@ -264,20 +264,5 @@ app.add_typer(_study.app, name="study", rich_help_panel="Cache")
 app.add_typer(_daemon.app, name="daemon", rich_help_panel="Service")
 
 
-@app.command(rich_help_panel="Machine")
-@handle_errors
-def probe(
-    json_output: JsonOption = False,
-    bench: Annotated[bool, typer.Option("--bench", help="Also measure matmul TFLOP/s per dtype on each device.")] = False,
-) -> None:
-    """Show what this machine can do: devices, supported precision modes, the safe default."""
-    from advisor._hardware import probe_report
-
-    report = probe_report(bench=bench)
-    if json_output:
-        print_json(report)
-    else:
-        _env.render_probe(report, console)
-
-
+app.command("probe", rich_help_panel="Machine")(_env.probe)
 app.command("env", rich_help_panel="Machine")(_env.env)

@@ -19,14 +19,14 @@ from advisor._log import get_logger
 from advisor._paths import database_path
 from advisor.cache import entry_status, nothing_cached_yet, read_export
 from advisor.cli._cache_cells import (
-    _plural,
-    _summary_row,
     guard_event_rows,
+    plural,
     render_list,
     render_record,
     render_show,
+    summary_row,
 )
-from advisor.cli._common import JsonOption, console, handle_errors, print_json
+from advisor.cli._common import JsonOption, bad_value, console, emit, handle_errors, print_json
 from policies import Policy
 from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
@@ -39,16 +39,13 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 @handle_errors
 def show(
-    all_hardware: Annotated[
-        bool, typer.Option("--all", help="Also list entries tuned on other hardware or versions.")
-    ] = False,
-    details: Annotated[
-        bool, typer.Option("--details", help="Each entry in full as well: its evidence, versions and every trial.")
-    ] = False,
+    all_hardware: Annotated[bool, typer.Option(
+        "--all", help="Also list entries tuned on other hardware or versions.")] = False,
+    details: Annotated[bool, typer.Option(
+        "--details", help="Each entry in full as well: its evidence, versions and every trial.")] = False,
     json_output: JsonOption = False,
 ) -> None:
     """Cached recommendations for this machine, and whether each still applies here."""
-    get_logger()  # attaches the handler for the cache's warnings
     report = show_report(_machine_profiles(), include_other=all_hardware)
     records = [cache_show_report(row["id"]) for row in report["recommendations"]] if details else []
     if json_output:
@@ -61,14 +58,9 @@ def show(
 
 def cache_list(json_output: JsonOption = False) -> None:
     """Every cached recommendation, for any hardware, newest first."""
-    get_logger()
     rows = _read_rows()
-    report = {"database": str(database_path()), "cache": rows is not None,
-              "recommendations": [_summary_row(row) for row in rows or []]}
-    if json_output:
-        print_json(report)
-    else:
-        render_list(report, console)
+    emit({"database": str(database_path()), "cache": rows is not None,
+          "recommendations": [summary_row(row) for row in rows or []]}, json_output, render_list)
 
 
 def cache_show(
@@ -76,33 +68,22 @@ def cache_show(
     json_output: JsonOption = False,
 ) -> None:
     """One cached recommendation in full: policy, versions, hardware and its trials."""
-    get_logger()
-    record = cache_show_report(recommendation_id)
-    if json_output:
-        print_json(record)
-    else:
-        render_record(record, console)
+    emit(cache_show_report(recommendation_id), json_output, render_record)
 
 
 def cache_export(
     file: Annotated[Path, typer.Argument(help="The JSON file to write (replaced if it exists).")],
-    ids: Annotated[
-        list[int] | None, typer.Option("--id", help="Export only this recommendation; repeat for several.")
-    ] = None,
+    ids: Annotated[list[int] | None, typer.Option(
+        "--id", help="Export only this recommendation; repeat for several.")] = None,
     json_output: JsonOption = False,
 ) -> None:
     """Write recommendations, their hardware profiles and trials to a file to share."""
-    get_logger()
-    try:  # a file that cannot be written there is a bad value, found before the cache is read
+    with bad_value():  # a file that cannot be written there is a bad value, found before the cache is read
         probes.check_writable(file, "export file")
-    except MpadviseError as exc:
-        raise UsageError(str(exc)) from None
     with _writable_store() as store:
         report = {"file": str(file), "exported": store.export_records(file, ids=ids or None), "database": str(store.path)}
-    if json_output:
-        print_json(report)
-    else:
-        console.print(f"exported {_plural(report['exported'], 'recommendation')} to {report['file']}", highlight=False)
+    emit(report, json_output, lambda report, console: console.print(
+        f"exported {plural(report['exported'], 'recommendation')} to {report['file']}", highlight=False))
 
 
 def cache_import(
@@ -110,30 +91,23 @@ def cache_import(
     json_output: JsonOption = False,
 ) -> None:
     """Add the recommendations of an exported file; refuses the whole file if any record is bad."""
-    get_logger()
     # A file named that is not there is a bad value, refused first; otherwise the store comes
     # first: an unusable cache is the error to report, whatever the file holds.
-    if not file.exists():
-        raise UsageError(f"{file} does not exist; expected a file written by `mpadvise cache export`")
     if not file.is_file():
-        raise UsageError(f"{file} is not a file; expected a file written by `mpadvise cache export`")
+        raise UsageError(f"{file} {'is not a file' if file.exists() else 'does not exist'}; expected a file "
+                         "written by `mpadvise cache export`")
     with _writable_store() as store:
         # All or nothing: every record is checked before any is written.
         records = read_export(file, check=_check_imported_record)
         imported = store.import_validated(records)
-        report = {
-            "file": str(file),
-            "records": len(records),
-            "imported": imported.written,
-            "kept_newer": len(records) - imported.written,
-            "database": str(store.path),
-            "ids": [{"exported": old, "id": new} for old, new in imported.ids],
-            "renumbered": [{"exported": old, "id": new} for old, new in imported.renumbered],
-        }
+        report = {"file": str(file), "records": len(records), "imported": imported.written,
+                  "kept_newer": len(records) - imported.written, "database": str(store.path),
+                  "ids": [{"exported": old, "id": new} for old, new in imported.ids],
+                  "renumbered": [{"exported": old, "id": new} for old, new in imported.renumbered]}
     if json_output:
         print_json(report)
         return
-    line = f"imported {report['imported']} of {_plural(report['records'], 'record')} from {report['file']}"
+    line = f"imported {report['imported']} of {plural(report['records'], 'record')} from {report['file']}"
     if report["kept_newer"]:
         line += f" ({report['kept_newer']} kept: the cached answer for the same key is newer)"
     console.print(line, highlight=False)
@@ -143,17 +117,13 @@ def cache_import(
 
 
 def cache_clear(
-    older_than: Annotated[
-        str | None,
-        typer.Option("--older-than", metavar="DURATION", help="Only entries older than this: 30d, 12h, 90m, 2w."),
-    ] = None,
-    yes: Annotated[
-        bool, typer.Option("--yes", "-y", help="Delete without asking (needed where stdin is not a terminal).")
-    ] = False,
+    older_than: Annotated[str | None, typer.Option(
+        "--older-than", metavar="DURATION", help="Only entries older than this: 30d, 12h, 90m, 2w.")] = None,
+    yes: Annotated[bool, typer.Option(
+        "--yes", "-y", help="Delete without asking (needed where stdin is not a terminal).")] = False,
     json_output: JsonOption = False,
 ) -> None:
     """Delete cached recommendations and their trials (hardware profiles are kept); asks first."""
-    get_logger()
     age = parse_duration(older_than) if older_than is not None else None
     scope = f" older than {older_than}" if older_than is not None else ""
     with _writable_store() as store:
@@ -161,10 +131,8 @@ def cache_clear(
             raise MpadviseError(f"nothing deleted from {store.path}")
         report = {"deleted": store.clear(age), "older_than_seconds": None if age is None else age.total_seconds(),
                   "database": str(store.path)}
-    if json_output:
-        print_json(report)
-    else:
-        console.print(f"deleted {_plural(report['deleted'], 'recommendation')}{scope} from {report['database']}", highlight=False)
+    emit(report, json_output, lambda report, console: console.print(
+        f"deleted {plural(report['deleted'], 'recommendation')}{scope} from {report['database']}", highlight=False))
 
 
 def _ask(question: str) -> bool:
@@ -193,14 +161,9 @@ def show_report(profiles: list[HardwareProfile], *, include_other: bool = False)
     first), each judged valid or not here; ``cache`` is False when no cache could be opened, and
     ``other_hardware`` counts the entries of other fingerprints (listed with ``include_other``)."""
     local = {hardware_fingerprint(profile): profile for profile in profiles}
-    report: dict[str, Any] = {
-        "database": str(database_path()),
-        "cache": False,
-        "hardware": [{"fingerprint": fp, "device": p.name} for fp, p in local.items()],
-        "recommendations": [],
-        "other_hardware": 0,
-        "guard_events": [],
-    }
+    report: dict[str, Any] = {"database": str(database_path()), "cache": False,
+                              "hardware": [{"fingerprint": fp, "device": p.name} for fp, p in local.items()],
+                              "recommendations": [], "other_hardware": 0, "guard_events": []}
     rows = _read_rows()
     if rows is None:
         return report
@@ -218,7 +181,7 @@ def show_report(profiles: list[HardwareProfile], *, include_other: bool = False)
         else:
             reason = entry_status(row, here)
             status = "valid" if reason is None else reason.describe()
-        entry = _summary_row(row)
+        entry = summary_row(row)
         entry.update(this_machine=here is not None, valid=reason is None, status=status)
         report["recommendations"].append(entry)
     return report
@@ -228,6 +191,7 @@ def cache_show_report(recommendation_id: int) -> dict[str, Any]:
     """One recommendation with its trials, hardware profile and versions."""
     from advisor.cache import open_store
 
+    get_logger()  # attaches the handler for the cache's warnings
     if nothing_cached_yet(database_path()):
         raise MpadviseError(f"recommendation #{recommendation_id} is not in the cache: nothing is cached in "
                             f"{database_path()} yet; `mpadvise tune` caches its answers")
@@ -253,6 +217,7 @@ def _read_rows(*, events: bool = False) -> list[dict[str, Any]] | None:
     when no cache can be opened (one warning)."""
     from advisor.cache import open_store
 
+    get_logger()
     path = database_path()
     if nothing_cached_yet(path):
         return []
@@ -267,6 +232,7 @@ def _writable_store() -> Store:
     """The cache, for commands that need it: raises one clear line when it cannot be opened."""
     from advisor.cache import Store
 
+    get_logger()
     return Store(database_path())
 
 
@@ -292,14 +258,7 @@ def _check_imported_record(record: dict[str, Any]) -> None:
                             "fingerprint recipe; export it again from the machine that tuned it")
 
 
-app = typer.Typer(
-    name="cache",
-    help="The per-GPU recommendation cache: list, show, export, import, clear.",
-    no_args_is_help=True,
-    context_settings={"help_option_names": ["-h", "--help"]},  # its commands inherit -h
-)
-app.command("list")(handle_errors(cache_list))
-app.command("show")(handle_errors(cache_show))
-app.command("export")(handle_errors(cache_export))
-app.command("import")(handle_errors(cache_import))
-app.command("clear")(handle_errors(cache_clear))
+app = typer.Typer(name="cache", help="The per-GPU recommendation cache: list, show, export, import, clear.",
+                  no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]})
+for _command in (cache_list, cache_show, cache_export, cache_import, cache_clear):
+    app.command(_command.__name__.removeprefix("cache_"))(handle_errors(_command))

@@ -12,10 +12,8 @@ from rich.table import Table
 
 from policies import Policy, PolicyError
 
-SPEEDUP_HEADER = "×fp32"  # a cache entry's figure: the tune's one speed-up, its winner's over fp32
-SPEEDUP_LEGEND = (f"{SPEEDUP_HEADER}: the winner's speed-up over fp32 (paired re-measurement where there was one; "
-                  "its interval: mpadvise cache show ID)")
-SCRIPT_HEADER = "script args"  # tells two tunes of one script apart
+SPEEDUP = "×fp32"  # a cache entry's figure: the tune's one speed-up, its winner's over fp32
+SCRIPT = "script args"  # tells two tunes of one script apart
 FEWER_THREADS_MARK = "*"  # a figure measured on fewer CPU threads than torch's own
 
 
@@ -24,7 +22,7 @@ def _table(title: str, columns: tuple[str, ...], *, legend: str | None = None) -
     (folding only a word longer than the column); ``legend`` goes under it."""
     table = Table(title=title, title_justify="left", caption=legend, caption_justify="left")
     for column in columns:
-        if column in ("id", "workload", SPEEDUP_HEADER, "tuned", "device"):
+        if column in ("id", "workload", SPEEDUP, "tuned", "device"):
             table.add_column(column, no_wrap=True)
         elif column in ("status", "why not"):
             table.add_column(column, overflow="fold", ratio=2)
@@ -40,24 +38,30 @@ def _speedup(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _tuned_on(row: dict[str, Any]) -> dict[str, Any]:
+    return (row.get("policy") or {}).get("tuned_on") or {}
+
+
+def _fewer_threads(row: dict[str, Any]) -> bool:
+    """Whether an entry's figure was measured on fewer threads than torch's own."""
+    threads = _tuned_on(row).get("speedup_threads")
+    return type(threads) is int and threads != 0
+
+
 def _legend(rows: list[dict[str, Any]]) -> str:
     """What the figure column says, and what an args cell of ``-`` means when one shows."""
-    fewer = ""
-    if any(_speedup_threads(row) for row in rows):
-        fewer = (f"; {FEWER_THREADS_MARK}: measured on fewer threads than torch's own, other processes keeping cores "
-                 "busy (the gain on all cores can differ)")
-    return SPEEDUP_LEGEND + fewer + _args_legend(rows)
-
-
-def _speedup_threads(row: dict[str, Any]) -> int | None:
-    """The threads an entry's figure was measured on, where fewer than torch's own; else ``None``."""
-    threads = ((row.get("policy") or {}).get("tuned_on") or {}).get("speedup_threads")
-    return threads if isinstance(threads, int) and not isinstance(threads, bool) else None
+    legend = (f"{SPEEDUP}: the winner's speed-up over fp32 (paired re-measurement where there was one; its "
+              "interval: mpadvise cache show ID)")
+    if any(_fewer_threads(row) for row in rows):
+        legend += (f"; {FEWER_THREADS_MARK}: measured on fewer threads than torch's own, other processes keeping "
+                   "cores busy (the gain on all cores can differ)")
+    return legend + _args_legend(rows)
 
 
 def _figure_cell(row: dict[str, Any]) -> str:
     figure = _speedup(row["speedup_vs_fp32"])
-    return figure + FEWER_THREADS_MARK if row["speedup_vs_fp32"] is not None and _speedup_threads(row) else figure
+    fewer = row["speedup_vs_fp32"] is not None and _fewer_threads(row)
+    return figure + FEWER_THREADS_MARK if fewer else figure
 
 
 def _args_legend(rows: list[dict[str, Any]]) -> str:
@@ -80,7 +84,7 @@ def _speedup_with_interval(record: dict[str, Any]) -> str:
     if record["speedup_vs_fp32"] is None:
         return "- (not measured)"
     figure = f"{_speedup(record['speedup_vs_fp32'])}, the winner's speed-up over fp32"
-    tuned = (record.get("policy") or {}).get("tuned_on") or {}
+    tuned = _tuned_on(record)
     low, high, basis = tuned.get("speedup_low"), tuned.get("speedup_high"), tuned.get("speedup_basis")
     extra = []
     if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low != high:  # fp32's own is 1-1
@@ -90,33 +94,30 @@ def _speedup_with_interval(record: dict[str, Any]) -> str:
     return f"{figure} ({'; '.join(extra)})" if extra else figure
 
 
-def _recorded_args(row: dict[str, Any]) -> list[str] | None:
-    """The script's arguments an entry was tuned with (its summary, else its ``[tuned_on]``);
-    ``None`` when the tune did not record them."""
-    for args in ((row.get("summary") or {}).get("args"),
-                 ((row.get("policy") or {}).get("tuned_on") or {}).get("args")):
-        if isinstance(args, list) and all(isinstance(arg, str) for arg in args):
-            return list(args)
-    return None
-
-
-def _plural(count: int, singular: str, plural: str | None = None) -> str:
+def plural(count: int, singular: str, plural: str | None = None) -> str:
     return f"{count} {singular if count == 1 else (plural or singular + 's')}"
 
 
 def guard_event_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The guard's cached events as ``show --json`` gives them (newest first)."""
-    keep = ("id", "script", "workload_fp", "signal", "step", "tripped_at", "policy", "fallback", "action", "detail",
-            "created_at")
+    keep = ("id", "script", "workload_fp", "signal", "step", "tripped_at", "policy", "fallback", "action",
+            "detail", "created_at")
     return [{key: event.get(key) for key in keep} for event in events]
+
+
+def _no_cache(report: dict[str, Any], console: Console) -> bool:
+    """Say so, and return True, when no cache could be opened."""
+    if not report["cache"]:
+        console.print(f"No cache: {report['database']} cannot be used (see the warning above).",
+                      highlight=False)
+    return not report["cache"]
 
 
 def render_show(report: dict[str, Any], console: Console) -> None:
     """``mpadvise show``: this machine's entries, then (``--all``) the others and why they do not
     apply here; a plain sentence when there is nothing to list."""
     devices = ", ".join(item["device"] for item in report["hardware"]) or "this machine"
-    if not report["cache"]:
-        console.print(f"No cache: {report['database']} cannot be used (see the warning above).", highlight=False)
+    if _no_cache(report, console):
         return
     here = [row for row in report["recommendations"] if row["this_machine"]]
     other = [row for row in report["recommendations"] if not row["this_machine"]]
@@ -125,17 +126,16 @@ def render_show(report: dict[str, Any], console: Console) -> None:
                       "`mpadvise tune train.py` measures and caches one.", highlight=False)
     else:
         table = _table(f"This machine ({devices})",
-                       ("id", SCRIPT_HEADER, "workload", "mode", SPEEDUP_HEADER, "tuned", "status"),
-                       legend=_legend(here))
+                       ("id", SCRIPT, "workload", "mode", SPEEDUP, "tuned", "status"), legend=_legend(here))
         for row in here:
             status = "[green]valid[/]" if row["valid"] else f"[yellow]{row['status']}[/]"
-            table.add_row(str(row["id"]), _script_cell(row), row["workload_fp"][:8], row["mode"], _figure_cell(row),
-                          row["tuned"], status)
+            table.add_row(str(row["id"]), _script_cell(row), row["workload_fp"][:8], row["mode"],
+                          _figure_cell(row), row["tuned"], status)
         console.print(table)
     if other:
         keys = _device_keys(other)
         table = _table("Other hardware or versions (not applied here)",
-                       ("id", "device", SCRIPT_HEADER, "mode", "tuned", "why not"),
+                       ("id", "device", SCRIPT, "mode", "tuned", "why not"),
                        legend=_device_legend(keys) + _args_legend(other))
         for row in other:
             table.add_row(str(row["id"]), keys[_device_of(row)], _script_cell(row), row["mode"], row["tuned"],
@@ -144,7 +144,7 @@ def render_show(report: dict[str, Any], console: Console) -> None:
     _render_guard_events(report.get("guard_events", []), console)
     hidden = report["other_hardware"] - len(other)
     if hidden:
-        console.print(f"{_plural(hidden, 'entry', 'entries')} tuned on other hardware or versions not shown; "
+        console.print(f"{plural(hidden, 'entry', 'entries')} tuned on other hardware or versions not shown; "
                       "`mpadvise show --all` lists them.", highlight=False)
 
 
@@ -163,14 +163,13 @@ def _render_guard_events(events: list[dict[str, Any]], console: Console) -> None
 def render_list(report: dict[str, Any], console: Console) -> None:
     """Every cached recommendation as a table."""
     rows = report["recommendations"]
-    if not report["cache"]:
-        console.print(f"No cache: {report['database']} cannot be used (see the warning above).", highlight=False)
+    if _no_cache(report, console):
         return
     if not rows:
         console.print(f"The cache {report['database']} holds no recommendations.", highlight=False)
         return
     devices = _device_keys(rows)
-    table = _table(report["database"], ("id", "device", SCRIPT_HEADER, "workload", "mode", SPEEDUP_HEADER, "tuned"),
+    table = _table(report["database"], ("id", "device", SCRIPT, "workload", "mode", SPEEDUP, "tuned"),
                    legend=_device_legend(devices) + "\n" + _legend(rows))
     for row in rows:
         # Tables show a fingerprint's prefix, as git shows short hashes; --json and `cache show` the whole key.
@@ -196,22 +195,19 @@ def _device_legend(devices: dict[str, str]) -> str:
 
 def render_record(record: dict[str, Any], console: Console) -> None:
     """One recommendation: facts, then its trials."""
-    summary = _summary_row(record)
+    summary = summary_row(record)
+    args = summary["args"]
+    versions = ", ".join(f"{name} {version or 'absent'}" for name, version in (record["versions"] or {}).items())
     facts = Table(title=f"cache entry #{record['id']}", show_header=False, title_justify="left", title_style="bold")
     facts.add_column(style="cyan")
     facts.add_column(overflow="fold")
-    args = summary["args"]
-    facts.add_row("policy", summary["mode"])
-    facts.add_row("script", record["script"] or "-")
-    facts.add_row("arguments", "- (not recorded)" if args is None else shlex.join(args) if args else "(none)")
-    facts.add_row("device", summary["device"] or "-")
-    facts.add_row("hardware fingerprint", record["hardware_fp"])
-    facts.add_row("workload fingerprint", record["workload_fp"])
-    facts.add_row(SPEEDUP_HEADER, _speedup_with_interval(record))
-    facts.add_row("goodput", f"{record['goodput']:.1f} samples/s" if record["goodput"] else "-")
-    facts.add_row("tuned", str(record["created_at"]))
-    versions = ", ".join(f"{name} {version or 'absent'}" for name, version in (record["versions"] or {}).items())
-    facts.add_row("versions", versions or "-")
+    for fact in (("policy", summary["mode"]), ("script", record["script"] or "-"),
+                 ("arguments", "- (not recorded)" if args is None else shlex.join(args) if args else "(none)"),
+                 ("device", summary["device"] or "-"), ("hardware fingerprint", record["hardware_fp"]),
+                 ("workload fingerprint", record["workload_fp"]), (SPEEDUP, _speedup_with_interval(record)),
+                 ("goodput", f"{record['goodput']:.1f} samples/s" if record["goodput"] else "-"),
+                 ("tuned", str(record["created_at"])), ("versions", versions or "-")):
+        facts.add_row(*fact)
     console.print(facts)
     trials = record.get("trials") or []
     if not trials:
@@ -226,15 +222,17 @@ def render_record(record: dict[str, Any], console: Console) -> None:
     console.print(table)
 
 
-def _summary_row(row: dict[str, Any]) -> dict[str, Any]:
+def summary_row(row: dict[str, Any]) -> dict[str, Any]:
     """One recommendation as list/show print it (no trials)."""
     try:
         described = Policy.from_dict(row["policy"]).describe()
     except PolicyError:
         described = f"{row['mode']} (unreadable policy)"
-    hardware = row.get("hardware") or {}
-    summary = row.get("summary") or {}
-    script = row.get("script")
+    hardware, summary, script = row.get("hardware") or {}, row.get("summary") or {}, row.get("script")
+    # The script's arguments the entry was tuned with (its summary's, else its [tuned_on]'s);
+    # None when the tune did not record them.
+    args = next((list(args) for args in (summary.get("args"), _tuned_on(row).get("args"))
+                 if isinstance(args, list) and all(isinstance(arg, str) for arg in args)), None)
     return {
         "id": row["id"],
         "hardware_fp": row["hardware_fp"],
@@ -242,7 +240,7 @@ def _summary_row(row: dict[str, Any]) -> dict[str, Any]:
         "workload_fp": row["workload_fp"],
         "script": script,
         "script_name": Path(script).name if script else None,
-        "args": _recorded_args(row),
+        "args": args,
         "mode": described,
         "policy": row["policy"],
         "speedup_vs_fp32": row["speedup_vs_fp32"],

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from advisor._secure import ensure_private_dir, ensure_private_file
-from advisor.cli._common import JsonOption, console, err_console, handle_errors, print_json
+from advisor.cli._common import JsonOption, console, emit, err_console, handle_errors, print_json
 from probes import MpadviseError, UsageError
 
 HostOption = Annotated[str, typer.Option("--host", help="Address to serve on; anything but loopback needs --allow-remote.")]
@@ -67,26 +67,21 @@ def start(
     # Refuse here, in the user's terminal, rather than in a log file they may not read.
     check_uds(uds)
     warning = None if uds is not None else check_bind(host, allow_remote=allow_remote)
-    paths = DaemonPaths.here()
-    directory = paths.directory.absolute()
+    directory = DaemonPaths.here().directory.absolute()
     paths = DaemonPaths(directory)
     ensure_private_dir(directory)
     if daemon_running(paths):
         where = _address(paths).get("url", "?")
         raise MpadviseError(f"a daemon is already running for {directory} at {where}; "
                             "`mpadvise daemon stop` stops it, `mpadvise daemon status` shows it")
-    argv = [sys.executable, "-m", "advisor.cli", "daemon", "run", "--host", host, "--port", str(port)]
-    if uds is not None:
-        argv += ["--uds", str(uds.absolute())]
-    if allow_remote:
-        argv.append("--allow-remote")
-    for root in allowed_root or []:
-        argv += ["--allowed-root", str(root.absolute())]
-    argv += ["--job-retention-days", repr(float(job_retention_days))]
-    env = dict(os.environ)
+    argv = [sys.executable, "-m", "advisor.cli", "daemon", "run", "--host", host, "--port", str(port),
+            *(["--uds", str(uds.absolute())] if uds is not None else []),
+            *(["--allow-remote"] if allow_remote else []),
+            *[arg for root in allowed_root or [] for arg in ("--allowed-root", str(root.absolute()))],
+            "--job-retention-days", repr(float(job_retention_days))]
     # The daemon runs from / (it must not keep a directory busy), so a relative cache
     # directory has to be made absolute for it.
-    env["MPADVISE_HOME"] = str(directory)
+    env = {**os.environ, "MPADVISE_HOME": str(directory)}
     ensure_private_file(paths.log)  # refuses a planted symlink or another user's file
     rotate_log(paths.log)
     fd = os.open(paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -113,12 +108,12 @@ def start(
             os.killpg(process.pid, signal.SIGTERM)
             raise MpadviseError(f"the daemon did not answer within {wait:g} s; see {paths.log}")
         time.sleep(0.1)
-    info = {**address, "warning": warning}
     if warning:
         err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
-    if json_output:
-        print_json(info)
-        return
+    emit({**address, "warning": warning}, json_output, _render_started)
+
+
+def _render_started(info: dict[str, Any], console: Console) -> None:
     console.print(f"mpadvise daemon started (pid {info['pid']}) on {info['url']}", highlight=False)
     console.print(f"jobs run on: {', '.join(info.get('slots') or [])}; scripts allowed under: "
                   f"{', '.join(info.get('roots') or [])}", highlight=False)
@@ -169,11 +164,8 @@ def status(
     from advisor.daemon import DaemonClient
 
     client = DaemonClient.local(need_token=True)  # reading jobs needs the token
-    report = {"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)}
-    if json_output:
-        print_json(report)
-    else:
-        render_status(report, console)
+    emit({"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)},
+         json_output, render_status)
 
 
 def check_uds(uds: Path | None) -> None:
@@ -261,10 +253,8 @@ def _last_log_line(path: Path) -> str:
         lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return "(no log)"
-    for line in reversed(lines):
-        if line.startswith("error:"):
-            return line[len("error:"):].strip()
-    return lines[-1] if lines else "(empty log)"
+    errors = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
+    return errors[-1] if errors else lines[-1] if lines else "(empty log)"
 
 
 def _duration(seconds: float) -> str:
@@ -278,7 +268,5 @@ def _duration(seconds: float) -> str:
 
 app = typer.Typer(name="daemon", help="A local service: cached recommendations over HTTP, and tune jobs queued one "
                   "per GPU.", no_args_is_help=True)
-app.command("run")(handle_errors(run))
-app.command("start")(handle_errors(start))
-app.command("stop")(handle_errors(stop))
-app.command("status")(handle_errors(status))
+for _command in (run, start, stop, status):
+    app.command(_command.__name__)(handle_errors(_command))
