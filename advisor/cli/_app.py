@@ -140,9 +140,8 @@ def tune(
     script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
     *,
     options: TuneOptions,
-    submit: Annotated[
-        bool, typer.Option("--submit", help="Queue the tune with the local daemon (mpadvise daemon start) and follow it.")
-    ] = False,
+    submit: Annotated[bool, typer.Option("--submit", help="Queue the tune with the local daemon "
+                                         "(mpadvise daemon start) and follow it.")] = False,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Show the search space (modes, and why each other one is left out; micro-batch sizes; loss "
         "scaling) and the plan (framework, launch command, candidates, budget, config file, study), then stop: no "
@@ -219,9 +218,8 @@ def run(
 @app.command(rich_help_panel="Apply")
 @handle_errors
 def policy(
-    target: Annotated[
-        Path | None, typer.Argument(help="A training script, or a .toml config file to check.")
-    ] = None,
+    target: Annotated[Path | None, typer.Argument(
+        help="A training script, or a .toml config file to check.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda:N; default: the first GPU, else the CPU.")] = None,
     json_output: JsonOption = False,
 ) -> None:
@@ -240,12 +238,11 @@ def policy(
 @app.command(rich_help_panel="Apply")
 @handle_errors
 def export(
-    config: Annotated[
-        Path | None, typer.Argument(help="A config file (.toml, as mpadvise tune writes), or a training script (.py) whose policy resolves as mpadvise policy does.")
-    ] = None,
-    to: Annotated[
-        str | None, typer.Option("--to", help="lightning, fabric, transformers, accelerate, deepspeed or torchtitan.")
-    ] = None,
+    config: Annotated[Path | None, typer.Argument(
+        help="A config file (.toml, as mpadvise tune writes), or a training script (.py) whose "
+        "policy resolves as mpadvise policy does.")] = None,
+    to: Annotated[str | None, typer.Option("--to", help="lightning, fabric, transformers, "
+                                           "accelerate, deepspeed or torchtitan.")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Write the export to this file instead of printing it.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file (never the script, nor a .py file "
                                         "mpadvise export did not write).")] = False,
@@ -262,7 +259,5 @@ app.command("show", rich_help_panel="Apply")(_cache.show)
 app.add_typer(_cache.app, name="cache", rich_help_panel="Cache")
 app.add_typer(_study.app, name="study", rich_help_panel="Cache")
 app.add_typer(_daemon.app, name="daemon", rich_help_panel="Service")
-
-
 app.command("probe", rich_help_panel="Machine")(_env.probe)
 app.command("env", rich_help_panel="Machine")(_env.env)

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from advisor._secure import ensure_private_dir, ensure_private_file
 from advisor.cli._common import JsonOption, console, emit, err_console, handle_errors, print_json
@@ -74,10 +74,10 @@ def start(
         where = _address(paths).get("url", "?")
         raise MpadviseError(f"a daemon is already running for {directory} at {where}; "
                             "`mpadvise daemon stop` stops it, `mpadvise daemon status` shows it")
-    argv = [sys.executable, "-m", "advisor.cli", "daemon", "run", "--host", host, "--port", str(port),
-            *(["--uds", str(uds.absolute())] if uds is not None else []),
-            *(["--allow-remote"] if allow_remote else []),
-            *[arg for root in allowed_root or [] for arg in ("--allowed-root", str(root.absolute()))],
+    roots = [arg for root in allowed_root or [] for arg in ("--allowed-root", str(root.absolute()))]
+    argv = [sys.executable, "-m", "advisor.cli", "daemon", "run", "--host", host,
+            "--port", str(port), *(["--uds", str(uds.absolute())] if uds is not None else []),
+            *(["--allow-remote"] if allow_remote else []), *roots,
             "--job-retention-days", repr(float(job_retention_days))]
     # The daemon runs from / (it must not keep a directory busy), so a relative cache
     # directory has to be made absolute for it.
@@ -98,12 +98,10 @@ def start(
                                 f"(log: {paths.log})", exit_code=code if code == 2 else 1)
         address = _address(paths)
         if address.get("pid") == process.pid:
-            client = DaemonClient.for_address(address)  # a wildcard bind is reached through the loopback
-            try:
-                client.health()
+            with contextlib.suppress(MpadviseError):
+                # A wildcard bind is reached through the loopback.
+                DaemonClient.for_address(address).health()
                 break
-            except MpadviseError:
-                pass
         if time.monotonic() > deadline:
             os.killpg(process.pid, signal.SIGTERM)
             raise MpadviseError(f"the daemon did not answer within {wait:g} s; see {paths.log}")
@@ -164,8 +162,9 @@ def status(
     from advisor.daemon import DaemonClient
 
     client = DaemonClient.local(need_token=True)  # reading jobs needs the token
-    emit({"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)},
-         json_output, render_status)
+    report = {"running": True, "where": client.where, "health": client.health(),
+              "jobs": client.jobs(limit=limit)}
+    emit(report, json_output, render_status)
 
 
 def check_uds(uds: Path | None) -> None:
@@ -205,18 +204,17 @@ def render_status(report: dict[str, Any], console: Console) -> None:
     counts = ", ".join(f"{n} {state}" for state, n in health["jobs"].items() if n) or "no jobs waiting or running"
     console.print(f"mpadvise daemon {health['version']} at {report['where']} (pid {health['pid']}, "
                   f"up {_duration(health['uptime_s'])}): {counts}", highlight=False)
-    slots = Table(title="slots", title_justify="left")
-    for col in ("slot", "job", "doing"):
-        slots.add_column(col, no_wrap=True)
+    slots = Table(*(Column(col, no_wrap=True) for col in ("slot", "job", "doing")), title="slots",
+                  title_justify="left")
     for slot in health["slots"]:
         slots.add_row(slot["name"], (slot.get("job") or "-")[:12], slot["phase"])
     console.print(slots)
     if not report["jobs"]:
         console.print("no jobs yet; queue one with `mpadvise tune --submit SCRIPT`")
         return
-    jobs = Table(title="jobs (oldest first)", title_justify="left")
-    for col in ("id", "state", "script", "slot", "created", "last line"):
-        jobs.add_column(col, no_wrap=col != "last line", overflow="fold")
+    jobs = Table(*(Column(col, no_wrap=col != "last line", overflow="fold")
+                   for col in ("id", "state", "script", "slot", "created", "last line")),
+                 title="jobs (oldest first)", title_justify="left")
     for job in report["jobs"]:
         jobs.add_row(job["id"][:12], job["state"], Path(job["script"]).name, job.get("gpu") or job.get("requested_gpu")
                      or "-", job["created_at"][:19].replace("T", " "), _job_line(job))

@@ -122,9 +122,11 @@ def render_env(report: dict[str, Any], console: Console) -> None:
         f"- OS: {report['os']}",
         f"- CPU: {cpu['model']} ({cpu['cores'] or '?'} usable cores); flags: {flags}",
     ]
-    lines += [f"- GPU {gpu['index']}: {gpu['name']}, compute capability {gpu['compute_capability'] or '?'}, "
-              f"{gpu['memory']}, driver {gpu['driver'] or '?'}, CUDA {gpu['cuda_runtime'] or '?'}"
-              + (", MIG on" if gpu.get("mig") else "") for gpu in report["gpus"]] or ["- GPUs: none visible"]
+    lines += [f"- GPU {gpu['index']}: {gpu['name']}, compute capability "
+              f"{gpu['compute_capability'] or '?'}, {gpu['memory']}, "
+              f"driver {gpu['driver'] or '?'}, CUDA {gpu['cuda_runtime'] or '?'}"
+              + (", MIG on" if gpu.get("mig") else "")
+              for gpu in report["gpus"]] or ["- GPUs: none visible"]
     environment = ", ".join(f"{name}={value}" for name, value in report["environment"].items())
     lines += [f"- capability: {report['capability']}", f"- cache: {report['cache']}",
               f"- environment: {environment or 'no MPADVISE_* variables set'}"]
@@ -179,33 +181,35 @@ def render_probe(report: dict[str, Any], console: Console) -> None:
     for device in report["devices"]:
         p = device["profile"]
         cuda = p["kind"] == "cuda"
-        facts = [("kind", p["kind"] + (f" (cuda:{p['index']})" if cuda else "")), ("capability", device["capability"])]
+        facts = [("kind", p["kind"] + (f" (cuda:{p['index']})" if cuda else "")),
+                 ("capability", device["capability"])]
         if cuda:
+            peaks = ", ".join(f"{k} {v:g}" for k, v in (device["peak_tflops"] or {}).items())
             facts += [("compute capability", ".".join(map(str, p["compute_capability"] or []))),
                       ("SMs", str(p["sm_count"])),
                       ("memory", f"{_gib(p['memory_total'])} total, {_gib(p['memory_free'])} free"),
-                      ("driver / CUDA", f"{p['driver_version'] or '-'} / {p['cuda_runtime'] or '-'}"),
-                      ("MIG", {True: "on", False: "off", None: "unknown"}[p["mig_enabled"]])]
-            if device["peak_tflops"]:
-                facts.append(("datasheet peak TFLOP/s", ", ".join(f"{k} {v:g}" for k, v in device["peak_tflops"].items())))
+                      ("driver / CUDA",
+                       f"{p['driver_version'] or '-'} / {p['cuda_runtime'] or '-'}"),
+                      ("MIG", {True: "on", False: "off", None: "unknown"}[p["mig_enabled"]]),
+                      *([("datasheet peak TFLOP/s", peaks)] if peaks else [])]
         else:
             facts += [("cores", str(p["cores"])), ("memory", _gib(p["memory_total"])),
                       ("precision ISA flags", ", ".join(p["cpu_flags"]) or "none")]
         libs = ", ".join(f"{k} {v or 'not installed'}" for k, v in p["libraries"].items())
         safe = device["safe_default"]
         facts += [("torch", str(p["torch_version"])), ("FP8 libraries", libs or "-"),
-                  ("fingerprint", device["fingerprint"]), ("safe default", f"[bold]{safe['mode']}[/]: {safe['reason']}")]
+                  ("fingerprint", device["fingerprint"]),
+                  ("safe default", f"[bold]{safe['mode']}[/]: {safe['reason']}")]
         primary = " (training device)" if device["fingerprint"] == report["primary"] else ""
-        table = Table(title=f"{p['name']}{primary}", show_header=False, title_justify="left", title_style="bold")
+        table = Table(title=f"{p['name']}{primary}", show_header=False, title_justify="left",
+                      title_style="bold")
         table.add_column(style="cyan")
         table.add_column()
         for fact in facts:
             table.add_row(*fact)
         console.print(table)
 
-        modes = Table(title_justify="left")
-        for column in ("mode", "supported", "why"):
-            modes.add_column(column)
+        modes = Table("mode", "supported", "why", title_justify="left")
         for name, info in device["modes"].items():
             mark = "[yellow]emulated[/]" if info["emulated"] else ("[green]yes[/]" if info["supported"] else "[red]no[/]")
             modes.add_row(name, mark, info["reason"])
@@ -229,6 +233,6 @@ def _bench_table(rows: list[dict[str, Any]]) -> Table:
             table.add_row(row["dtype"], str(row["size"]), "-", "-", "-", f"[yellow]skipped[/]: {reason}")
             continue
         ratio, frac = row.get("ratio_vs_fp32"), row.get("fraction_of_peak")
-        table.add_row(row["dtype"], str(row["size"]), f"{row['tflops']:.3f}", f"{ratio:.2f}x" if ratio else "-",
-                      f"{frac:.0%}" if frac else "-")
+        table.add_row(row["dtype"], str(row["size"]), f"{row['tflops']:.3f}",
+                      f"{ratio:.2f}x" if ratio else "-", f"{frac:.0%}" if frac else "-")
     return table

@@ -83,7 +83,8 @@ def resolve_for_export(config: Path | None) -> tuple[Policy, str, str]:
         raise UsageError("mpadvise export needs a config file (.toml) or a training script (.py): "
                          "mpadvise export train.mpadvise.toml --to lightning")
     if config.suffix not in (".toml", ".py"):
-        raise UsageError(f"{config}: expected a config file (.toml, as mpadvise tune writes) or a training script (.py)")
+        raise UsageError(f"{config}: expected a config file (.toml, as mpadvise tune writes) or a "
+                         "training script (.py)")
     if not config.exists():
         raise UsageError(f"{config} does not exist")
     if config.suffix == ".toml":
@@ -119,8 +120,8 @@ def out_refusal(out: Path, *, config: Path | None, force: bool) -> str | None:
         return None if parent.is_dir() else f"--out {out}: its directory {parent} does not exist"
     over = f"refusing to write the export over {out}: it is"
     if config is not None and config.exists() and out.exists() and os.path.samefile(out, config):
-        return (f"{over} the {'script' if config.suffix == '.py' else 'config file'} being exported; name another "
-                "file with --out")
+        what = "script" if config.suffix == ".py" else "config file"
+        return f"{over} the {what} being exported; name another file with --out"
     if os.path.islink(out):
         pass  # the export replaces the link; the file it points to is never written
     elif out.is_dir():
@@ -128,8 +129,8 @@ def out_refusal(out: Path, *, config: Path | None, force: bool) -> str | None:
     elif not out.is_file():
         return f"{over} not a regular file; name a file with --out"
     elif out.suffix.lower() == ".py" and not _earlier_export(out):
-        return (f"{over} a Python file that mpadvise export did not write (a training script?), even with --force; "
-                "name another file with --out")
+        return (f"{over} a Python file that mpadvise export did not write (a training script?), "
+                "even with --force; name another file with --out")
     if not force:
         return f"refusing to overwrite {out}: it exists; add --force to replace it"
     return None

@@ -28,7 +28,8 @@ _WRAP = 150  # characters per line of a reason
 _REFERENCE_COLOR, _BAD, _GOOD = "black", "tab:red", "tab:green"
 
 
-def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation], **figure: Any) -> None:
+def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation],
+                **figure: Any) -> None:
     """Write ``trial_figure`` (``figure``: its keyword arguments) to ``path``, in the format its
     extension names (PNG without one), whole and never through a planted link."""
     fig = trial_figure(reference, evaluations, **figure)
@@ -44,7 +45,8 @@ def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation],
 
 
 def trial_figure(reference: Evaluation, evaluations: list[Evaluation], *, replicate: TrialCurve | None = None,
-                 advice: Mapping[str, str] | None = None, judged_against: Mapping[str, TrialCurve] | None = None) -> Figure:
+                 advice: Mapping[str, str] | None = None,
+                 judged_against: Mapping[str, TrialCurve] | None = None) -> Figure:
     """The figure of a trial. Artists carry a ``gid`` naming what they show (``smoothed:<label>``,
     ``raw:<label>``, ``limit:final``, ``reason:<label>``...), so it can be read without the PNG;
     ``judged_against`` names, by label, a replicate other than ``replicate`` a verdict was given against."""
@@ -62,7 +64,8 @@ def trial_figure(reference: Evaluation, evaluations: list[Evaluation], *, replic
     y = total - top
     for ev, lines, height in zip(panels, reasons, heights, strict=True):
         ax = fig.add_axes((_LEFT / _WIDTH, (y - _PANEL) / total, width, _PANEL / total))
-        _loss_panel(ax, ev, ref_curve, reference is ev, (judged_against or {}).get(ev.label, replicate))
+        against = (judged_against or {}).get(ev.label, replicate)
+        _loss_panel(ax, ev, ref_curve, reference is ev, against)
         text_top = y - _PANEL - _TICKS
         color = _GOOD if ev.stable else _BAD
         fig.text(_LEFT / _WIDTH, text_top / total, "\n".join(lines), fontsize=8.5, va="top", ha="left",

@@ -98,8 +98,9 @@ def print_reasons(console: Console, evaluations: list[Evaluation]) -> None:
 def _progress(console: Console) -> Progress:
     """A progress bar on stderr, so that stdout holds only the result; a console that already
     writes elsewhere (a file, a test's recording) is kept."""
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=Console(stderr=True) if console.file is sys.stdout else console)
+    shown_on = Console(stderr=True) if console.file is sys.stdout else console
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                    MofNCompleteColumn(), TimeElapsedColumn(), console=shown_on)
 
 
 @contextmanager
@@ -142,7 +143,8 @@ def tune_progress(console: Console, total: int) -> Iterator[Any]:
 
         def on_done(label: str, ev: Evaluation | None, m: Measured) -> None:
             bar.advance(task)
-            bar.console.print(f"  {label}: {styled(m.outcome)}{run_ratio_text(ev)}", highlight=False)
+            bar.console.print(f"  {label}: {styled(m.outcome)}{run_ratio_text(ev)}",
+                              highlight=False)
 
         def on_round(number: int, most: int, runs: int) -> None:
             # The search is over (what it left of its budget will not run): the bar now counts
@@ -194,16 +196,11 @@ def answer_rows(tune: dict[str, Any]) -> list[dict[str, Any]]:
     good = sorted((row for row in rows if row.get("stable") and row.get("feasible") and not row.get("winner")
                    and not _is_fp32(row)), key=lambda r: -(row_speedup(tune, r) or 0.0))
     fp32 = [row for row in rows if _is_fp32(row) and not row.get("winner")][:1]
-    shown = [*winner, *good[:RUNNERS_UP], *fp32]
-    modes: set[Any] = set()
+    failed: dict[Any, dict[str, Any]] = {}  # by mode, its first row
     for row in rows:
-        if len(shown) >= MAX_ROWS:
-            break
-        failed = not (row.get("stable") and row.get("feasible"))
-        if failed and row.get("mode") not in modes:
-            shown.append(row)
-            modes.add(row.get("mode"))
-    return shown
+        if not (row.get("stable") and row.get("feasible")):
+            failed.setdefault(row.get("mode"), row)
+    return [*winner, *good[:RUNNERS_UP], *fp32, *failed.values()][:MAX_ROWS]
 
 
 def _is_fp32(row: dict[str, Any]) -> bool:
@@ -235,26 +232,13 @@ def _table(tune: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
     table.add_column("verdict", no_wrap=True, overflow="ellipsis", max_width=11)
     for row in rows:
         ok = bool(row.get("stable") and row.get("feasible"))
-        goodput = remeasured_goodput(tune, row) if shows_paired(tune, row) or is_reference_row(tune, row) \
-            else row.get("goodput")
+        remeasured = shows_paired(tune, row) or is_reference_row(tune, row)
+        goodput = remeasured_goodput(tune, row) if remeasured else row.get("goodput")
+        outcome = "ok" if ok else str(row.get("outcome") or "ok")
         table.add_row("→" if row.get("winner") else "", escape(short_label(str(row.get("label")))),
                       f"{goodput:,.0f}" if goodput else "-", speedup_cell(tune, row, goodput),
-                      styled("ok" if ok else str(row.get("outcome") or "ok"), escape("ok" if ok else why_word(row))))
+                      styled(outcome, escape("ok" if ok else why_word(row))))
     return table
-
-
-def machine_note(tune: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """One line on the machine where its noise made the answer less sure; else empty."""
-    noisy = [f"{short_label(str(row.get('label')))} {spread}" for row, spread in noisy_rows(tune, rows)]
-    return f"note: a busy machine made timings noisy ({', '.join(noisy[:2])}): figures are rough" if noisy else ""
-
-
-def _next_step(tune: dict[str, Any]) -> str:
-    if tune.get("framework"):
-        return f"next: {run_command(tune)}"
-    if tune.get("calls_load_policy"):
-        return "next: run the script as usual (its advisor.load_policy() applies it)"
-    return "next: add mp = advisor.load_policy() to the script"
 
 
 def render_answer(tune: dict[str, Any], console: Console) -> None:
@@ -268,9 +252,10 @@ def render_answer(tune: dict[str, Any], console: Console) -> None:
         line(_winner_line(tune), "bold green")
     if rows:
         console.print(_table(tune, rows))
-    note = machine_note(tune, rows)
-    if note:
-        line(note, "yellow")
+    # A note on the machine only where its noise made the answer less sure.
+    if noisy := noisy_rows(tune, rows, short_label):
+        line(f"note: a busy machine made timings noisy ({', '.join(noisy[:2])}): figures are rough",
+             "yellow")
     for late in tune.get("late") or []:
         line(f"not run: {late['mode']}, {late['reason']}", "yellow")
     if tune.get("winner") is None:
@@ -280,4 +265,9 @@ def render_answer(tune: dict[str, Any], console: Console) -> None:
     if tune.get("cache_id") is not None:
         where += f" (cached, entry #{tune['cache_id']})"
     line(where)
-    line(_next_step(tune))
+    if tune.get("framework"):
+        line(f"next: {run_command(tune)}")
+    elif tune.get("calls_load_policy"):
+        line("next: run the script as usual (its advisor.load_policy() applies it)")
+    else:
+        line("next: add mp = advisor.load_policy() to the script")

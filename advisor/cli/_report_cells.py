@@ -114,7 +114,8 @@ def row_speedup(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
     return row.get("search_speedup_vs_fp32", row.get("speedup_vs_fp32"))
 
 
-def speedup_cell(tune: dict[str, Any], row: dict[str, Any], goodput: float | None, mark: str = "") -> str:
+def speedup_cell(tune: dict[str, Any], row: dict[str, Any], goodput: float | None,
+                 mark: str = "") -> str:
     """``1.42x ±3%``: the ×fp32 figure a row shows (``mark`` after it), with its spread; ``-``
     where the row has no goodput or no figure."""
     ratio = row_speedup(tune, row)
@@ -168,11 +169,13 @@ def candidate_spread(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
     return None
 
 
-def noisy_rows(tune: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
-    """The rows whose speed-up rests on timings spread wider than ±NOISY_SPREAD, each with that
-    spread as text."""
-    return [(row, spread_text(spread)) for row in rows
-            if row.get("goodput") and (spread := candidate_spread(tune, row)) is not None and spread > NOISY_SPREAD]
+def noisy_rows(tune: dict[str, Any], rows: list[dict[str, Any]],
+               label: Callable[[str], str] = str) -> list[str]:
+    """``"bf16 ±30%"`` for each row whose speed-up rests on timings spread wider than
+    ±NOISY_SPREAD; ``label`` shortens its label."""
+    return [f"{label(str(row.get('label')))} {spread_text(spread)}" for row in rows
+            if row.get("goodput") and (spread := candidate_spread(tune, row)) is not None
+            and spread > NOISY_SPREAD]
 
 
 def describe_speedup(speedup: dict[str, Any]) -> str:
@@ -236,30 +239,29 @@ def mfu_peak(tune: dict[str, Any]) -> tuple[str, float] | None:
 def render_details(tune: dict[str, Any], console: Console) -> None:
     say = functools.partial(console.print, highlight=False)
     console.print(_tune_table(tune))
-    noisy = ", ".join(f"{row.get('label')} {spread}" for row, spread in noisy_rows(tune, tune.get("candidates") or []))
-    if noisy:
-        text = (f"noisy timings: {noisy}; their speed-ups are rough (another job or a busy GPU ran beside them): "
-                "tune again on a quieter machine, or with more --steps")
+    if noisy := noisy_rows(tune, tune.get("candidates") or []):
+        text = (f"noisy timings: {', '.join(noisy)}; their speed-ups are rough (another job or a "
+                "busy GPU ran beside them): tune again on a quieter machine, or with more --steps")
         say(f"[yellow]{escape(text)}[/]")
     if tune.get("window_note"):
         say(f"window: {tune['window_note']}")
     if tune.get("extended_window"):
-        say(f"judged again on a longer window, their gap to fp32 growing: {', '.join(tune['extended_window'])}")
+        say("judged again on a longer window, their gap to fp32 growing: "
+            + ", ".join(tune["extended_window"]))
     print_disturbances(console, tune.get("disturbed") or [])
     say(utilisation_line(tune))
-    spread = spread_line(tune.get("reference") or {}, tune.get("replicate"))
-    if spread:
+    if spread := spread_line(tune.get("reference") or {}, tune.get("replicate")):
         say(spread)
     # Why each losing candidate lost: a reason shared by several variants once.
     reasons: dict[tuple[str, str], list[str]] = {}
     for row in tune.get("candidates") or []:
         if not (row.get("stable") and row.get("feasible")) and row.get("reason"):
-            reasons.setdefault((str(row.get("outcome")), str(row["reason"])), []).append(str(row.get("label")))
+            why = (str(row.get("outcome")), str(row["reason"]))
+            reasons.setdefault(why, []).append(str(row.get("label")))
     for (outcome, reason), labels in reasons.items():
         say(f"{styled(outcome, escape(', '.join(labels)))}: {escape(reason)}")
     _print_search(tune, say)
-    cost = tune.get("cost")
-    if cost:
+    if cost := tune.get("cost"):
         say(f"cost: {cost.get('trials')} trials in {cost.get('wall_s', 0):.0f} s" + (
             f", {cost['trial_equivalents']:.0f} measured windows of {cost['window_s']:.2g} s"
             if cost.get("trial_equivalents") else ""))
@@ -295,7 +297,8 @@ def _tune_table(tune: dict[str, Any]) -> Table:
     if any(row.get("resumed") for row in single):
         legend += "; *: an earlier run's or another worker's figure (resumed), never compared with this run's fp32"
     if tune.get("speedup_vs_fp32"):
-        legend += f"\n† the winner's speed-up: {describe_speedup(tune.get('speedup') or {})}, the tune's one figure"
+        speedup = describe_speedup(tune.get("speedup") or {})
+        legend += f"\n† the winner's speed-up: {speedup}, the tune's one figure"
     # Short headers, explained by the legend; numbers and verdicts never wrap, labels wrap at
     # their spaces, so the table fits 80 columns with every figure whole.
     table = compact_table(title, legend)
@@ -304,20 +307,23 @@ def _tune_table(tune: dict[str, Any]) -> Table:
     for col in ("goodput", "×fp32", "TF/s", *(("MFU",) if peak else ()), "memory"):
         table.add_column(col, justify="right", no_wrap=True)
     table.add_column("verdict", no_wrap=True)
-    for i, row in enumerate([*sorted(paired, key=lambda r: -(row_speedup(tune, r) or 0.0)), *single]):
+    paired.sort(key=lambda r: -(row_speedup(tune, r) or 0.0))
+    for i, row in enumerate(paired + single):
         if paired and i == len(paired):
             table.add_section()
         goodput = remeasured_goodput(tune, row) if i < len(paired) else row.get("goodput")
         won, tflops = bool(row.get("winner")), row.get("tflops")
+        resumed = "*" if row.get("resumed") and not shows_paired(tune, row) else ""
         mfu = None if tflops is None or peak is None else tflops / peak[1]
+        mfu_cell = "-" if mfu is None else f"{mfu:.0%}" if mfu >= 0.01 else f"{mfu:.1%}"
         table.add_row("→" if won else "", escape(str(row.get("label"))),
-                      f"{goodput:,.0f}" + ("*" if row.get("resumed") and not shows_paired(tune, row) else "")
-                      if goodput else "-",
-                      speedup_cell(tune, row, goodput, "†" if won else ""), "-" if tflops is None else f"{tflops:.3g}",
-                      *(("-" if mfu is None else f"{mfu:.0%}" if mfu >= 0.01 else f"{mfu:.1%}",) if peak else ()),
+                      f"{goodput:,.0f}{resumed}" if goodput else "-",
+                      speedup_cell(tune, row, goodput, "†" if won else ""),
+                      "-" if tflops is None else f"{tflops:.3g}", *([mfu_cell] if peak else []),
                       fmt_bytes(row.get("peak_memory")), styled(row.get("outcome") or "ok"))
     for row in tune.get("pruned") or []:  # never run: no numbers to show
-        table.add_row("", escape(str(row.get("label"))), *("-" for _ in range(5 if peak else 4)), styled("pruned"))
+        table.add_row("", escape(str(row.get("label"))), *("-" for _ in range(5 if peak else 4)),
+                      styled("pruned"))
     return table
 
 
@@ -328,10 +334,12 @@ def utilisation_line(tune: dict[str, Any]) -> str:
         return "TFLOP/s and MFU: not known (the reference's FLOPs could not be counted)"
     peaks = ", ".join(f"{k} {v:.3g}" for k, v in (tune.get("peak_tflops") or {}).items())
     peak = mfu_peak(tune)
-    head = f"FLOPs per step {flops:.3g} ({tune.get('flops_basis') or 'counted'}, in the fp32 reference)"
+    basis = tune.get("flops_basis") or "counted"
+    head = f"FLOPs per step {flops:.3g} ({basis}, in the fp32 reference)"
     if peak is None:
         return head + "; MFU: left out, no matmul peak probed"
-    above = [row["label"] for row in tune.get("candidates") or [] if (row.get("tflops") or 0.0) > peak[1]]
+    rows = tune.get("candidates") or []
+    above = [row["label"] for row in rows if (row.get("tflops") or 0.0) > peak[1]]
     return (head + f"; MFU of every row is of one peak, the probed {peak[0]} matmul peak ({peak[1]:.3g} TFLOP/s, "
             f"the fastest dtype's); probed TFLOP/s: {peaks}"
             + (f"; above 100% ({', '.join(above)}): this workload's matmuls ran faster than the probe's square ones, "
@@ -340,17 +348,19 @@ def utilisation_line(tune: dict[str, Any]) -> str:
 
 def _print_search(tune: dict[str, Any], say: Callable[..., None]) -> None:
     """The priors, why the search stopped, the side-by-side re-measurement and any tie."""
-    ratios = ", ".join(f"{k} {v:.2g}x" for k, v in (tune.get("matmul_ratio_vs_fp32") or {}).items() if k != "fp32")
-    if ratios:
+    priors = (tune.get("matmul_ratio_vs_fp32") or {}).items()
+    if ratios := ", ".join(f"{k} {v:.2g}x" for k, v in priors if k != "fp32"):
         say(f"matmul throughput vs fp32 on this device (the search's priors): {ratios}")
     say(f"search stopped: {tune.get('stop_reason')}")
     resumed = tune.get("trials_resumed") or 0
     if resumed:
-        say(f"resumed: {resumed} result{'' if resumed == 1 else 's'} from the stored study (an earlier run's or "
-            "another worker's), never compared with this run's fp32: the finalists among them ran again, and the "
-            "winner's figure is measured side by side in this run")
+        say(f"resumed: {resumed} result{'' if resumed == 1 else 's'} from the stored study (an "
+            "earlier run's or another worker's), never compared with this run's fp32: the "
+            "finalists among them ran again, and the winner's figure is measured side by side in "
+            "this run")
     if tune.get("pruned"):
-        say(f"pruned (not run): {len(tune['pruned'])} proposals the priors ruled out; --no-priors runs them")
+        say(f"pruned (not run): {len(tune['pruned'])} proposals the priors ruled out; "
+            "--no-priors runs them")
     for late in tune.get("late") or []:
         say(f"not run: {late['mode']}, {late['reason']}", markup=False)
     finalists = tune.get("finalists") or []
@@ -358,8 +368,7 @@ def _print_search(tune: dict[str, Any], say: Callable[..., None]) -> None:
     if len(finalists) > 1:
         close = ", ".join(f"{f['label']} {median_round(f):,.0f}/s" for f in finalists)
         say(f"re-measured side by side{f' in {rounds} rounds' if rounds else ''}: {close}")
-    stop = remeasure_stop_line(tune)
-    if stop:
+    if stop := remeasure_stop_line(tune):
         say(stop)
     for dropped in tune.get("dropped_finalists") or []:
         say(f"[red]dropped[/] {dropped.get('label')}: {dropped.get('reason')}")
@@ -407,7 +416,8 @@ def _print_winner(tune: dict[str, Any], console: Console, say: Callable[..., Non
     except MpadviseError:  # written by another version: its label still says what won
         described = str(tune.get("winner_label"))
     speedup = tune.get("speedup") or ({"ratio": tune["speedup_vs_fp32"]} if tune.get("speedup_vs_fp32") else None)
-    say(f"[bold green]winner[/]: {described}" + (f", {describe_speedup(speedup)}" if speedup else ""))
+    say(f"[bold green]winner[/]: {described}"
+        + (f", {describe_speedup(speedup)}" if speedup else ""))
     if tune.get("scale_batch_note"):
         say(f"[yellow]note[/]: {tune['scale_batch_note']}")
     if tune.get("config_file"):

@@ -109,30 +109,43 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
     plan = plan_for(path, framework)
     env = dict(os.environ)
     with bad_value("--guard: "):  # a run under mpadvise is watched unless told otherwise
-        env[GUARD_ENV] = guard_setting(guard if guard is not None else os.environ.get(GUARD_ENV) or "warn")
+        env[GUARD_ENV] = guard_setting(guard if guard is not None else env.get(GUARD_ENV) or "warn")
+
+    def summary(framework: str | None, policy: Policy | None, source: str,
+                kind: PolicySource | None) -> dict[str, Any] | None:
+        """What ``run --json`` says besides the exit code and the wall time."""
+        if not json_output:
+            return None
+        return {"script": str(path), "framework": framework,
+                "policy": None if policy is None else policy.to_dict(), "source": source,
+                "source_kind": None if kind is None else kind.value}
+
     if plan.framework is None:
         # The script calls load_policy() itself: it resolves the same way, makes the workload
         # check at setup(), and logs its own line. A config file it would refuse (another
         # user's, or one others can write) is refused here first, in one line.
-        named = str(config) if config is not None else os.environ.get(POLICY_ENV)
-        if named or os.path.lexists(config_path_for(path)):
-            load_config(named or config_path_for(path))
+        named = str(config) if config is not None else env.get(POLICY_ENV)
+        beside = config_path_for(path)
+        loaded = load_config(named or beside) if named or os.path.lexists(beside) else None
         if config is not None:
             env[POLICY_ENV] = str(config.resolve())
         if device is not None:
-            get_logger().warning("--device applies to framework scripts; a load_policy() script picks its own device")
-        summary = None
-        if json_output:  # a config file named here is the one the script applies
-            summary = _summary(path, None, None if not named else load_config(named),
-                               "load_policy() in the script" if not named else f"config file {named}",
-                               None if not named else PolicySource.EXPLICIT if config else PolicySource.ENV)
-        return _run([sys.executable, str(path), *script_args], env, summary)
+            get_logger().warning("--device applies to framework scripts; a load_policy() script "
+                                 "picks its own device")
+        if not named:
+            return _run([sys.executable, str(path), *script_args], env,
+                        summary(None, None, "load_policy() in the script", None))
+        # A config file named here is the one the script applies.
+        kind = PolicySource.EXPLICIT if config else PolicySource.ENV
+        return _run([sys.executable, str(path), *script_args], env,
+                    summary(None, loaded, f"config file {named}", kind))
     profile = probes.profile_for(device)
     resolution = tuned_for_run(path, config, profile, script_args)
     if resolution is None:
-        get_logger().warning(f"no tuned policy for {script}; running it with its own settings: mpadvise tune {script} first")
-        return _run([sys.executable, str(path), *script_args], env, _summary(
-            path, plan.framework, None, "none: the script's own settings", None) if json_output else None)
+        get_logger().warning(f"no tuned policy for {script}; running it with its own settings: "
+                             f"mpadvise tune {script} first")
+        return _run([sys.executable, str(path), *script_args], env,
+                    summary(plan.framework, None, "none: the script's own settings", None))
     if config is None and resolution.kind is not PolicySource.ENV:
         # A long run under this policy that the guard saw go wrong: the mode it fell back to.
         resolution = after_guard_events(resolution, guard_events_for(profile, path))
@@ -145,15 +158,8 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
     with _policy_file(policy, config) as file:
         env[RUN_POLICY_ENV] = file
         env[RUN_SOURCE_ENV] = resolution.source
-        return _run([sys.executable, *plan.launch, str(path), *script_args], env, _summary(
-            path, plan.framework, policy, resolution.source, resolution.kind) if json_output else None)
-
-
-def _summary(script: Path, framework: str | None, policy: Policy | None, source: str,
-             kind: PolicySource | None) -> dict[str, Any]:
-    """What ``run --json`` says besides the exit code and the wall time."""
-    return {"script": str(script), "framework": framework, "policy": None if policy is None else policy.to_dict(),
-            "source": source, "source_kind": None if kind is None else kind.value}
+        return _run([sys.executable, *plan.launch, str(path), *script_args], env,
+                    summary(plan.framework, policy, resolution.source, resolution.kind))
 
 
 @contextmanager

@@ -7,7 +7,7 @@ import os
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
+from rich.table import Column, Table
 
 from advisor.cli._common import JsonOption, console, handle_errors, print_json
 
@@ -41,19 +41,16 @@ def render_status(shown: str, studies: list[dict[str, Any]]) -> None:
         return
     # Short count headers, named in full under the table, and prose columns that wrap at their
     # spaces: the table fits 80 columns with every count and name whole.
-    table = Table(title=f"studies in {shown}", title_justify="left",
+    short = ("done", "run", "wait", "fail")
+    table = Table(*(Column(column, justify="right", no_wrap=True) if column in short
+                    else Column(column, overflow="fold", ratio=1, min_width=8)
+                    for column in ("study", "hardware", *short, "workers", "best so far")),
+                  title=f"studies in {shown}", title_justify="left",
                   caption="trials done, running, waiting and failed", caption_justify="left")
-    for column in ("study", "hardware", "done", "run", "wait", "fail", "workers", "best so far"):
-        if column in ("done", "run", "wait", "fail"):
-            table.add_column(column, justify="right", no_wrap=True)
-        else:
-            table.add_column(column, overflow="fold", ratio=1, min_width=8)
     for summary in studies:
-        counts = summary["trials"]
-        best = summary["best"]
-        table.add_row(
-            summary["study"], summary["hardware"] or "-", *(str(counts[k]) for k in ("complete", "running", "waiting",
-                                                                                   "failed")),
-            "\n".join(summary["workers"]) or "-",
-            f"{best['label']}: {best['goodput']:,.1f} samples/s" if best else "-")
+        trials, best = summary["trials"], summary["best"]
+        table.add_row(summary["study"], summary["hardware"] or "-",
+                      *(str(trials[k]) for k in ("complete", "running", "waiting", "failed")),
+                      "\n".join(summary["workers"]) or "-",
+                      f"{best['label']}: {best['goodput']:,.1f} samples/s" if best else "-")
     console.print(table)

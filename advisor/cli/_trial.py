@@ -140,13 +140,15 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     paired: list[PairedRuns] = []
     try:
         # The reference, its perturbed replicate, then each candidate.
-        with trial_progress(console, len(candidates) + 2, enabled=bar, then=stream.trial) as (start, done):
+        first = len(candidates) + 2
+        with trial_progress(console, first, enabled=bar, then=stream.trial) as (start, done):
             comparison = run_comparison(runner, candidates, on_start=start, on_done=done)
         runs = pairs_runs(comparison, pairs)
         if runs:  # none without a stable candidate to pair
-            first = len(candidates) + 2  # each run of the rounds streams as a trial of its own
-            with trial_progress(console, runs, enabled=bar,
-                                then=lambda i, ev: stream.trial(first + i, ev, role="pair")) as (start, done):
+            def then(i: int, ev: Evaluation) -> None:  # each run streams as a trial of its own
+                stream.trial(first + i, ev, role="pair")
+
+            with trial_progress(console, runs, enabled=bar, then=then) as (start, done):
                 paired = run_pairs(runner, comparison, pairs, on_start=start, on_done=done)
     finally:
         close = getattr(runner, "close", None)  # ends the runner's warm server; a stand-in may hold none
@@ -155,9 +157,10 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     advice = _timeout_advice(comparison, settings)
     if plot is not None:
         replicate = None if comparison.replicate is None else comparison.replicate.curve
-        plot_trials(str(plot), comparison.reference, comparison.evaluations, replicate=replicate, advice=advice,
-                    judged_against=comparison.judged_against())
-    payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot, advice)
+        plot_trials(str(plot), comparison.reference, comparison.evaluations, replicate=replicate,
+                    advice=advice, judged_against=comparison.judged_against())
+    payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot,
+                       advice)
     payload["pairs"] = {"rounds": pairs, "candidates": [p.to_dict() for p in paired]} if pairs else None
     payload["disturbed"] = [event.to_dict() for event in watch.events]
     stream.comparison(payload)
@@ -210,7 +213,8 @@ def _payload(comparison: Comparison, path: Path, script_args: list[str], framewo
                      "seed": settings.seed, "memory_limit": settings.memory_limit,
                      "nproc_per_node": settings.nproc_per_node},
         "window_note": comparison.window_note,
-        "reference": {**comparison.reference.to_dict(), **trial_breakdown(comparison.reference.result, flops)},
+        "reference": {**comparison.reference.to_dict(),
+                      **trial_breakdown(comparison.reference.result, flops)},
         "replicate": replicate_dict,
         "second_replicate": None if comparison.second_replicate is None else comparison.second_replicate.to_dict(),
         "candidates": [{**ev.to_dict(), **trial_breakdown(ev.result, flops),

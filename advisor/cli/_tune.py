@@ -46,7 +46,8 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
     options = options.with_(storage=resolve_storage(options.storage, os.environ))
     path = check_script(script)
     # The trials' warm server imports while this process imports torch and probes.
-    warm = None if dry_run else prestarted_launcher(path, script_args, plan_for(path, options.framework).launch,
+    launch = plan_for(path, options.framework).launch
+    warm = None if dry_run else prestarted_launcher(path, script_args, launch,
                                                     nproc_per_node=options.nproc_per_node)
     with warm or nullcontext():
         profile = probes.profile_for(options.device)
@@ -66,8 +67,8 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
         if quiet:
             get_logger().setLevel(logging.WARNING)
         try:
-            done = tune_script(request, profile=profile, warm=warm,
-                               progress=None if quiet else lambda total: tune_progress(console, total))
+            progress = None if quiet else functools.partial(tune_progress, console)
+            done = tune_script(request, profile=profile, warm=warm, progress=progress)
         except KeyboardInterrupt:
             raise _interrupted(options.storage, study_name, resume) from None
     if json_output:
@@ -113,13 +114,10 @@ def resume_command(script: Path, script_args: list[str], options: TuneOptions, f
     """This tune's command line as given (``flags``: its own, such as ``--json``), with
     ``--resume``; a storage URL's password masked (one from the environment stays there)."""
     options = options.with_(resume=True, fresh=False)
-    argv = options.to_argv()
-    if options.storage is not None:
-        at = argv.index(options.storage)
-        argv[at] = shown_url(options.storage) or options.storage
-    tail = ["--", *script_args] if script_args else []
+    argv = [shown_url(arg) or arg if arg == options.storage else arg for arg in options.to_argv()]
     # Always the installed name, however this process was started: a command to paste never
     # carries an interpreter's path.
+    tail = ["--", *script_args] if script_args else []
     return shlex.join(["mpadvise", "tune", str(script), *argv, *flags, *tail])
 
 
@@ -129,9 +127,9 @@ def _interrupted(storage: str | None, study_name: str, resume: str) -> typer.Exi
         return fail(f"interrupted; study {study_name!r} was kept in memory, so nothing can be resumed: run the "
                     "tune again to start over", 130)
     finished = finished_trials(storage, study_name)
-    plural = "" if finished == 1 else "s"
-    exit_ = fail(f"interrupted; {finished} finished trial{plural} kept in study {study_name!r} in "
-                 f"{shown_url(storage)!r}", 130)
+    trials = f"{finished} finished trial{'' if finished == 1 else 's'}"
+    exit_ = fail(f"interrupted; {trials} kept in study {study_name!r} in {shown_url(storage)!r}",
+                 130)
     err_console.print(f"continue with: {resume}", highlight=False, markup=False, soft_wrap=True)
     return exit_
 
