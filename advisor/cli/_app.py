@@ -13,7 +13,7 @@ import typer
 from typer.core import TyperGroup
 
 from advisor._version import __version__
-from advisor.cli import _cache, _daemon, _env, _study
+from advisor.cli import _cache, _daemon, _env
 from advisor.cli._common import JsonOption, QuietOption, console, fail, handle_errors, print_json
 from advisor.tune import PAIRS_MAX, OptionInfo, TuneOptions, option_info
 
@@ -257,7 +257,7 @@ def export(
 # The help groups the commands by what they are for: Tune, Apply, Machine, then the groups (Cache, Service).
 app.command("show", rich_help_panel="Apply")(_cache.show)
 app.add_typer(_cache.app, name="cache", rich_help_panel="Cache")
-app.add_typer(_study.app, name="study", rich_help_panel="Cache")
+app.add_typer(_cache.study_app, name="study", rich_help_panel="Cache")
 app.add_typer(_daemon.app, name="daemon", rich_help_panel="Service")
 app.command("probe", rich_help_panel="Machine")(_env.probe)
 app.command("env", rich_help_panel="Machine")(_env.env)

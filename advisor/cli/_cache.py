@@ -1,5 +1,5 @@
-"""``mpadvise show`` and ``mpadvise cache list|show|export|import|clear``: the cache, for people,
-and the tables they print.
+"""``mpadvise show``, ``mpadvise cache list|show|export|import|clear`` and ``mpadvise study
+status``: the cache and the tune studies, for people, and the tables they print.
 
 Reading commands treat a cache that cannot be opened as empty (one warning, exit 0); commands
 that change it, and ``export``, need it and fail with one line saying why.
@@ -8,6 +8,7 @@ that change it, and ``export``, need it and fail with one line saying why.
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import shlex
 import sys
@@ -144,6 +145,45 @@ def cache_clear(
     deleted = plural(report["deleted"], "recommendation")
     emit(report, json_output, lambda report, console: console.print(
         f"deleted {deleted}{scope} from {report['database']}", highlight=False))
+
+
+@handle_errors
+def study_status(
+    storage: Annotated[str | None, typer.Option(
+        "--storage", help="Optuna storage URL; default: MPADVISE_STORAGE, MPADVISE_STORAGE_FILE, else the SQLite file "
+        "in the cache directory.")] = None,
+    study: Annotated[str | None, typer.Option("--study", help="Only this study; default: every study.")] = None,
+    json_output: JsonOption = False,
+) -> None:
+    """List the studies in a storage: hardware, trials by state, workers seen, the best so far."""
+    from advisor.tune import default_storage_url, resolve_storage, shown_url, study_status
+
+    # Read without writing, so it is safe beside running workers.
+    url = resolve_storage(storage, os.environ) or default_storage_url()
+    report = {"storage": shown_url(url), "studies": study_status(url, study)}
+    emit(report, json_output, render_studies)
+
+
+def render_studies(report: dict[str, Any], console: Console) -> None:
+    shown, studies = report["storage"] or "", report["studies"]
+    if not studies:
+        console.print(f"no studies in {shown}", highlight=False)
+        return
+    # Short count headers, named in full under the table, and prose columns that wrap at their
+    # spaces: the table fits 80 columns with every count and name whole.
+    short = ("done", "run", "wait", "fail")
+    table = Table(*(Column(column, justify="right", no_wrap=True) if column in short
+                    else Column(column, overflow="fold", ratio=1, min_width=8)
+                    for column in ("study", "hardware", *short, "workers", "best so far")),
+                  title=f"studies in {shown}", title_justify="left",
+                  caption="trials done, running, waiting and failed", caption_justify="left")
+    for summary in studies:
+        trials, best = summary["trials"], summary["best"]
+        table.add_row(summary["study"], summary["hardware"] or "-",
+                      *(str(trials[k]) for k in ("complete", "running", "waiting", "failed")),
+                      "\n".join(summary["workers"]) or "-",
+                      f"{best['label']}: {best['goodput']:,.1f} samples/s" if best else "-")
+    console.print(table)
 
 
 def parse_duration(text: str) -> datetime.timedelta:
@@ -493,3 +533,6 @@ app = typer.Typer(name="cache", no_args_is_help=True,
                   context_settings={"help_option_names": ["-h", "--help"]})
 for _command in (cache_list, cache_show, cache_export, cache_import, cache_clear):
     app.command(_command.__name__.removeprefix("cache_"))(handle_errors(_command))
+study_app = typer.Typer(no_args_is_help=True, help="Optuna studies of tunes: what a shared study "
+                        "holds, read without writing.")
+study_app.command("status")(study_status)

@@ -68,12 +68,9 @@ def evaluation_table(reference: Evaluation, evaluations: list[Evaluation], *, ti
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("verdict", no_wrap=True)
     for ev in [reference, *evaluations]:
-        if ev is reference:
-            speed = "1.00x"
-        elif ev.speedup is None:
-            speed = "-"
-        else:
-            speed = f"{ev.speedup:.2f}x" + ("≈" if ev.speed_verdict == "tie" else "")
+        tie = "≈" if ev.speed_verdict == "tie" else ""
+        speed = ("1.00x" if ev is reference else "-" if ev.speedup is None
+                 else f"{ev.speedup:.2f}x{tie}")
         spread = spread_text(None if ev.timing is None else ev.timing.rel_iqr / 2)
         gap = "-" if ev.final_loss_gap is None or ev is reference else f"{ev.final_loss_gap:+.1%}"
         row = [escape(ev.label), "-" if ev.goodput is None else f"{ev.goodput:,.0f}",

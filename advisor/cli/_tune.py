@@ -135,7 +135,7 @@ def _interrupted(storage: str | None, study_name: str, resume: str) -> typer.Exi
 
 
 def submit_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
-                        console: Console, poll_s: float = 1.0, quiet: bool = False, verbose: bool = False) -> int:
+                        console: Console, quiet: bool = False, verbose: bool = False) -> int:
     """Queue the tune with the local daemon, follow its lines (not with ``quiet``), and report it
     as a local tune; returns the tune's exit code."""
     from advisor.daemon import DaemonClient, finished_tune, tune_job_body
@@ -159,7 +159,7 @@ def submit_tune_command(script: Path, script_args: list[str], options: TuneOptio
     err.print(f"queued job {job['id']} with the daemon at {client.where}", highlight=False)
     try:
         job = client.follow(job, on_line=lambda line: err.print(line, highlight=False, markup=False),
-                            on_waiting=lambda message: err.print(message, highlight=False), poll_s=poll_s)
+                            on_waiting=lambda message: err.print(message, highlight=False))
     except KeyboardInterrupt:
         client.cancel(job["id"])
         err.print(f"cancelled job {job['id']}", highlight=False)
