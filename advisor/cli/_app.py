@@ -13,7 +13,7 @@ import typer
 from typer.core import TyperGroup
 
 from advisor._version import __version__
-from advisor.cli import _cache, _daemon, _env, _study
+from advisor.cli import _cache, _daemon, _env
 from advisor.cli._common import JsonOption, QuietOption, console, fail, handle_errors, print_json
 from advisor.tune import PAIRS_MAX, OptionInfo, TuneOptions, option_info
 
@@ -140,9 +140,8 @@ def tune(
     script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script, after --.")] = None,
     *,
     options: TuneOptions,
-    submit: Annotated[
-        bool, typer.Option("--submit", help="Queue the tune with the local daemon (mpadvise daemon start) and follow it.")
-    ] = False,
+    submit: Annotated[bool, typer.Option("--submit", help="Queue the tune with the local daemon "
+                                         "(mpadvise daemon start) and follow it.")] = False,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Show the search space (modes, and why each other one is left out; micro-batch sizes; loss "
         "scaling) and the plan (framework, launch command, candidates, budget, config file, study), then stop: no "
@@ -168,7 +167,7 @@ def tune(
                              verbose=verbose))
 
 
-@app.command(rich_help_panel="Tune", context_settings={"help_option_names": ["-h", "--help"]})
+@app.command(rich_help_panel="Tune")
 @handle_errors
 @with_tune_options(lambda option: option.trial)
 def trial(
@@ -195,7 +194,7 @@ def trial(
     raise typer.Exit(code)
 
 
-@app.command(rich_help_panel="Apply", context_settings={"help_option_names": ["-h", "--help"]})
+@app.command(rich_help_panel="Apply")
 @handle_errors
 def run(
     script: Annotated[Path, typer.Argument(help="The training script: a Lightning, HF Trainer or Accelerate script, or one that calls load_policy().")],
@@ -219,9 +218,8 @@ def run(
 @app.command(rich_help_panel="Apply")
 @handle_errors
 def policy(
-    target: Annotated[
-        Path | None, typer.Argument(help="A training script, or a .toml config file to check.")
-    ] = None,
+    target: Annotated[Path | None, typer.Argument(
+        help="A training script, or a .toml config file to check.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda:N; default: the first GPU, else the CPU.")] = None,
     json_output: JsonOption = False,
 ) -> None:
@@ -240,12 +238,11 @@ def policy(
 @app.command(rich_help_panel="Apply")
 @handle_errors
 def export(
-    config: Annotated[
-        Path | None, typer.Argument(help="A config file (.toml, as mpadvise tune writes), or a training script (.py) whose policy resolves as mpadvise policy does.")
-    ] = None,
-    to: Annotated[
-        str | None, typer.Option("--to", help="lightning, fabric, transformers, accelerate, deepspeed or torchtitan.")
-    ] = None,
+    config: Annotated[Path | None, typer.Argument(
+        help="A config file (.toml, as mpadvise tune writes), or a training script (.py) whose "
+        "policy resolves as mpadvise policy does.")] = None,
+    to: Annotated[str | None, typer.Option("--to", help="lightning, fabric, transformers, "
+                                           "accelerate, deepspeed or torchtitan.")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Write the export to this file instead of printing it.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file (never the script, nor a .py file "
                                         "mpadvise export did not write).")] = False,
@@ -260,24 +257,7 @@ def export(
 # The help groups the commands by what they are for: Tune, Apply, Machine, then the groups (Cache, Service).
 app.command("show", rich_help_panel="Apply")(_cache.show)
 app.add_typer(_cache.app, name="cache", rich_help_panel="Cache")
-app.add_typer(_study.app, name="study", rich_help_panel="Cache")
+app.add_typer(_cache.study_app, name="study", rich_help_panel="Cache")
 app.add_typer(_daemon.app, name="daemon", rich_help_panel="Service")
-
-
-@app.command(rich_help_panel="Machine")
-@handle_errors
-def probe(
-    json_output: JsonOption = False,
-    bench: Annotated[bool, typer.Option("--bench", help="Also measure matmul TFLOP/s per dtype on each device.")] = False,
-) -> None:
-    """Show what this machine can do: devices, supported precision modes, the safe default."""
-    from advisor._hardware import probe_report
-
-    report = probe_report(bench=bench)
-    if json_output:
-        print_json(report)
-    else:
-        _env.render_probe(report, console)
-
-
+app.command("probe", rich_help_panel="Machine")(_env.probe)
 app.command("env", rich_help_panel="Machine")(_env.env)

@@ -1,4 +1,5 @@
-"""``mpadvise show`` and ``mpadvise cache list|show|export|import|clear``: the cache, for people.
+"""``mpadvise show``, ``mpadvise cache list|show|export|import|clear`` and ``mpadvise study
+status``: the cache and the tune studies, for people, and the tables they print.
 
 Reading commands treat a cache that cannot be opened as empty (one warning, exit 0); commands
 that change it, and ``export``, need it and fail with one line saying why.
@@ -7,27 +8,24 @@ that change it, and ``export``, need it and fail with one line saying why.
 from __future__ import annotations
 
 import datetime
+import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Column, Table
 
 import probes
 from advisor._log import get_logger
 from advisor._paths import database_path
 from advisor.cache import entry_status, nothing_cached_yet, read_export
-from advisor.cli._cache_cells import (
-    _plural,
-    _summary_row,
-    guard_event_rows,
-    render_list,
-    render_record,
-    render_show,
-)
-from advisor.cli._common import JsonOption, console, handle_errors, print_json
-from policies import Policy
+from advisor.cli._common import JsonOption, bad_value, console, emit, handle_errors, print_json
+from policies import Policy, PolicyError
 from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
 if TYPE_CHECKING:
@@ -35,20 +33,22 @@ if TYPE_CHECKING:
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+SPEEDUP = "×fp32"  # a cache entry's figure: the tune's one speed-up, its winner's over fp32
+SCRIPT = "script args"  # tells two tunes of one script apart
+FEWER_THREADS_MARK = "*"  # a figure measured on fewer CPU threads than torch's own
+_GUARD_EVENT_KEYS = ("id", "script", "workload_fp", "signal", "step", "tripped_at", "policy",
+                     "fallback", "action", "detail", "created_at")
 
 
 @handle_errors
 def show(
-    all_hardware: Annotated[
-        bool, typer.Option("--all", help="Also list entries tuned on other hardware or versions.")
-    ] = False,
-    details: Annotated[
-        bool, typer.Option("--details", help="Each entry in full as well: its evidence, versions and every trial.")
-    ] = False,
+    all_hardware: Annotated[bool, typer.Option(
+        "--all", help="Also list entries tuned on other hardware or versions.")] = False,
+    details: Annotated[bool, typer.Option("--details", help="Each entry in full as well: its "
+                                          "evidence, versions and every trial.")] = False,
     json_output: JsonOption = False,
 ) -> None:
     """Cached recommendations for this machine, and whether each still applies here."""
-    get_logger()  # attaches the handler for the cache's warnings
     report = show_report(_machine_profiles(), include_other=all_hardware)
     records = [cache_show_report(row["id"]) for row in report["recommendations"]] if details else []
     if json_output:
@@ -61,14 +61,9 @@ def show(
 
 def cache_list(json_output: JsonOption = False) -> None:
     """Every cached recommendation, for any hardware, newest first."""
-    get_logger()
     rows = _read_rows()
-    report = {"database": str(database_path()), "cache": rows is not None,
-              "recommendations": [_summary_row(row) for row in rows or []]}
-    if json_output:
-        print_json(report)
-    else:
-        render_list(report, console)
+    emit({"database": str(database_path()), "cache": rows is not None,
+          "recommendations": [summary_row(row) for row in rows or []]}, json_output, render_list)
 
 
 def cache_show(
@@ -76,33 +71,25 @@ def cache_show(
     json_output: JsonOption = False,
 ) -> None:
     """One cached recommendation in full: policy, versions, hardware and its trials."""
-    get_logger()
-    record = cache_show_report(recommendation_id)
-    if json_output:
-        print_json(record)
-    else:
-        render_record(record, console)
+    emit(cache_show_report(recommendation_id), json_output, render_record)
 
 
 def cache_export(
     file: Annotated[Path, typer.Argument(help="The JSON file to write (replaced if it exists).")],
-    ids: Annotated[
-        list[int] | None, typer.Option("--id", help="Export only this recommendation; repeat for several.")
-    ] = None,
+    ids: Annotated[list[int] | None, typer.Option(
+        "--id", help="Export only this recommendation; repeat for several.")] = None,
     json_output: JsonOption = False,
 ) -> None:
     """Write recommendations, their hardware profiles and trials to a file to share."""
-    get_logger()
-    try:  # a file that cannot be written there is a bad value, found before the cache is read
+    # A file that cannot be written there is a bad value, found before the cache is read.
+    with bad_value():
         probes.check_writable(file, "export file")
-    except MpadviseError as exc:
-        raise UsageError(str(exc)) from None
     with _writable_store() as store:
-        report = {"file": str(file), "exported": store.export_records(file, ids=ids or None), "database": str(store.path)}
-    if json_output:
-        print_json(report)
-    else:
-        console.print(f"exported {_plural(report['exported'], 'recommendation')} to {report['file']}", highlight=False)
+        report = {"file": str(file), "exported": store.export_records(file, ids=ids or None),
+                  "database": str(store.path)}
+    emit(report, json_output, lambda report, console: console.print(
+        f"exported {plural(report['exported'], 'recommendation')} to {report['file']}",
+        highlight=False))
 
 
 def cache_import(
@@ -110,30 +97,24 @@ def cache_import(
     json_output: JsonOption = False,
 ) -> None:
     """Add the recommendations of an exported file; refuses the whole file if any record is bad."""
-    get_logger()
     # A file named that is not there is a bad value, refused first; otherwise the store comes
     # first: an unusable cache is the error to report, whatever the file holds.
-    if not file.exists():
-        raise UsageError(f"{file} does not exist; expected a file written by `mpadvise cache export`")
     if not file.is_file():
-        raise UsageError(f"{file} is not a file; expected a file written by `mpadvise cache export`")
+        what = "is not a file" if file.exists() else "does not exist"
+        raise UsageError(f"{file} {what}; expected a file written by `mpadvise cache export`")
     with _writable_store() as store:
         # All or nothing: every record is checked before any is written.
         records = read_export(file, check=_check_imported_record)
         imported = store.import_validated(records)
-        report = {
-            "file": str(file),
-            "records": len(records),
-            "imported": imported.written,
-            "kept_newer": len(records) - imported.written,
-            "database": str(store.path),
-            "ids": [{"exported": old, "id": new} for old, new in imported.ids],
-            "renumbered": [{"exported": old, "id": new} for old, new in imported.renumbered],
-        }
+        report = {"file": str(file), "records": len(records), "imported": imported.written,
+                  "kept_newer": len(records) - imported.written, "database": str(store.path),
+                  "ids": [{"exported": old, "id": new} for old, new in imported.ids],
+                  "renumbered": [{"exported": old, "id": new} for old, new in imported.renumbered]}
     if json_output:
         print_json(report)
         return
-    line = f"imported {report['imported']} of {_plural(report['records'], 'record')} from {report['file']}"
+    records = plural(report["records"], "record")
+    line = f"imported {report['imported']} of {records} from {report['file']}"
     if report["kept_newer"]:
         line += f" ({report['kept_newer']} kept: the cached answer for the same key is newer)"
     console.print(line, highlight=False)
@@ -143,35 +124,66 @@ def cache_import(
 
 
 def cache_clear(
-    older_than: Annotated[
-        str | None,
-        typer.Option("--older-than", metavar="DURATION", help="Only entries older than this: 30d, 12h, 90m, 2w."),
-    ] = None,
-    yes: Annotated[
-        bool, typer.Option("--yes", "-y", help="Delete without asking (needed where stdin is not a terminal).")
-    ] = False,
+    older_than: Annotated[str | None, typer.Option(
+        "--older-than", metavar="DURATION",
+        help="Only entries older than this: 30d, 12h, 90m, 2w.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking (needed where "
+                                      "stdin is not a terminal).")] = False,
     json_output: JsonOption = False,
 ) -> None:
     """Delete cached recommendations and their trials (hardware profiles are kept); asks first."""
-    get_logger()
     age = parse_duration(older_than) if older_than is not None else None
     scope = f" older than {older_than}" if older_than is not None else ""
     with _writable_store() as store:
-        if not yes and not _ask(f"Delete the cached recommendations{scope} in {store.path}?"):
+        question = f"Delete the cached recommendations{scope} in {store.path}?"
+        if not yes and not sys.stdin.isatty():  # without a terminal to ask on, --yes must say it
+            raise UsageError(f"{question[:-1].lower()}: stdin is not a terminal to confirm on; pass --yes to delete")
+        if not yes and not typer.confirm(question, default=False):
             raise MpadviseError(f"nothing deleted from {store.path}")
         report = {"deleted": store.clear(age), "older_than_seconds": None if age is None else age.total_seconds(),
                   "database": str(store.path)}
-    if json_output:
-        print_json(report)
-    else:
-        console.print(f"deleted {_plural(report['deleted'], 'recommendation')}{scope} from {report['database']}", highlight=False)
+    deleted = plural(report["deleted"], "recommendation")
+    emit(report, json_output, lambda report, console: console.print(
+        f"deleted {deleted}{scope} from {report['database']}", highlight=False))
 
 
-def _ask(question: str) -> bool:
-    """A yes/no question on the terminal (default no); without a terminal, ``--yes`` must say it."""
-    if not sys.stdin.isatty():
-        raise UsageError(f"{question[:-1].lower()}: stdin is not a terminal to confirm on; pass --yes to delete")
-    return typer.confirm(question, default=False)
+@handle_errors
+def study_status(
+    storage: Annotated[str | None, typer.Option(
+        "--storage", help="Optuna storage URL; default: MPADVISE_STORAGE, MPADVISE_STORAGE_FILE, else the SQLite file "
+        "in the cache directory.")] = None,
+    study: Annotated[str | None, typer.Option("--study", help="Only this study; default: every study.")] = None,
+    json_output: JsonOption = False,
+) -> None:
+    """List the studies in a storage: hardware, trials by state, workers seen, the best so far."""
+    from advisor.tune import default_storage_url, resolve_storage, shown_url, study_status
+
+    # Read without writing, so it is safe beside running workers.
+    url = resolve_storage(storage, os.environ) or default_storage_url()
+    report = {"storage": shown_url(url), "studies": study_status(url, study)}
+    emit(report, json_output, render_studies)
+
+
+def render_studies(report: dict[str, Any], console: Console) -> None:
+    shown, studies = report["storage"] or "", report["studies"]
+    if not studies:
+        console.print(f"no studies in {shown}", highlight=False)
+        return
+    # Short count headers, named in full under the table, and prose columns that wrap at their
+    # spaces: the table fits 80 columns with every count and name whole.
+    short = ("done", "run", "wait", "fail")
+    table = Table(*(Column(column, justify="right", no_wrap=True) if column in short
+                    else Column(column, overflow="fold", ratio=1, min_width=8)
+                    for column in ("study", "hardware", *short, "workers", "best so far")),
+                  title=f"studies in {shown}", title_justify="left",
+                  caption="trials done, running, waiting and failed", caption_justify="left")
+    for summary in studies:
+        trials, best = summary["trials"], summary["best"]
+        table.add_row(summary["study"], summary["hardware"] or "-",
+                      *(str(trials[k]) for k in ("complete", "running", "waiting", "failed")),
+                      "\n".join(summary["workers"]) or "-",
+                      f"{best['label']}: {best['goodput']:,.1f} samples/s" if best else "-")
+    console.print(table)
 
 
 def parse_duration(text: str) -> datetime.timedelta:
@@ -193,20 +205,16 @@ def show_report(profiles: list[HardwareProfile], *, include_other: bool = False)
     first), each judged valid or not here; ``cache`` is False when no cache could be opened, and
     ``other_hardware`` counts the entries of other fingerprints (listed with ``include_other``)."""
     local = {hardware_fingerprint(profile): profile for profile in profiles}
-    report: dict[str, Any] = {
-        "database": str(database_path()),
-        "cache": False,
-        "hardware": [{"fingerprint": fp, "device": p.name} for fp, p in local.items()],
-        "recommendations": [],
-        "other_hardware": 0,
-        "guard_events": [],
-    }
+    report: dict[str, Any] = {"database": str(database_path()), "cache": False,
+                              "hardware": [{"fingerprint": fp, "device": p.name} for fp, p in local.items()],
+                              "recommendations": [], "other_hardware": 0, "guard_events": []}
     rows = _read_rows()
     if rows is None:
         return report
     report["cache"] = True
-    # What the runtime guard saw in long runs here: the next load_policy() heeds it.
-    report["guard_events"] = guard_event_rows([e for e in _read_rows(events=True) or [] if e["hardware_fp"] in local])
+    # What the runtime guard saw in long runs here (newest first): the next load_policy() heeds it.
+    events = [event for event in _read_rows(events=True) or [] if event["hardware_fp"] in local]
+    report["guard_events"] = [{key: e.get(key) for key in _GUARD_EVENT_KEYS} for e in events]
     for row in rows:
         here = local.get(row["hardware_fp"])
         if here is None:
@@ -218,7 +226,7 @@ def show_report(profiles: list[HardwareProfile], *, include_other: bool = False)
         else:
             reason = entry_status(row, here)
             status = "valid" if reason is None else reason.describe()
-        entry = _summary_row(row)
+        entry = summary_row(row)
         entry.update(this_machine=here is not None, valid=reason is None, status=status)
         report["recommendations"].append(entry)
     return report
@@ -228,6 +236,7 @@ def cache_show_report(recommendation_id: int) -> dict[str, Any]:
     """One recommendation with its trials, hardware profile and versions."""
     from advisor.cache import open_store
 
+    get_logger()  # attaches the handler for the cache's warnings
     if nothing_cached_yet(database_path()):
         raise MpadviseError(f"recommendation #{recommendation_id} is not in the cache: nothing is cached in "
                             f"{database_path()} yet; `mpadvise tune` caches its answers")
@@ -253,6 +262,7 @@ def _read_rows(*, events: bool = False) -> list[dict[str, Any]] | None:
     when no cache can be opened (one warning)."""
     from advisor.cache import open_store
 
+    get_logger()
     path = database_path()
     if nothing_cached_yet(path):
         return []
@@ -267,6 +277,7 @@ def _writable_store() -> Store:
     """The cache, for commands that need it: raises one clear line when it cannot be opened."""
     from advisor.cache import Store
 
+    get_logger()
     return Store(database_path())
 
 
@@ -292,14 +303,236 @@ def _check_imported_record(record: dict[str, Any]) -> None:
                             "fingerprint recipe; export it again from the machine that tuned it")
 
 
-app = typer.Typer(
-    name="cache",
-    help="The per-GPU recommendation cache: list, show, export, import, clear.",
-    no_args_is_help=True,
-    context_settings={"help_option_names": ["-h", "--help"]},  # its commands inherit -h
-)
-app.command("list")(handle_errors(cache_list))
-app.command("show")(handle_errors(cache_show))
-app.command("export")(handle_errors(cache_export))
-app.command("import")(handle_errors(cache_import))
-app.command("clear")(handle_errors(cache_clear))
+def _table(title: str, columns: tuple[str, ...], *, legend: str | None = None) -> Table:
+    """A table whose short columns never wrap and whose prose columns wrap at their spaces
+    (folding only a word longer than the column); ``legend`` goes under it."""
+    table = Table(title=title, title_justify="left", caption=legend, caption_justify="left")
+    for column in columns:
+        if column in ("id", "workload", SPEEDUP, "tuned", "device"):
+            table.add_column(column, no_wrap=True)
+        elif column in ("status", "why not"):
+            table.add_column(column, overflow="fold", ratio=2)
+        elif column == "mode":
+            # Wide enough that the mode names ("fp8-torchao") never break mid-word.
+            table.add_column(column, overflow="fold", ratio=1, min_width=11)
+        else:
+            table.add_column(column, overflow="fold", ratio=1)
+    return table
+
+
+def _speedup(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _tuned_on(row: dict[str, Any]) -> dict[str, Any]:
+    return (row.get("policy") or {}).get("tuned_on") or {}
+
+
+def _fewer_threads(row: dict[str, Any]) -> bool:
+    """Whether an entry's figure was measured on fewer threads than torch's own."""
+    threads = _tuned_on(row).get("speedup_threads")
+    return type(threads) is int and threads != 0
+
+
+def _legend(rows: list[dict[str, Any]]) -> str:
+    """What the figure column says, and what an args cell of ``-`` means when one shows."""
+    legend = (f"{SPEEDUP}: the winner's speed-up over fp32 (paired re-measurement where there was "
+              "one; its interval: mpadvise cache show ID)")
+    if any(_fewer_threads(row) for row in rows):
+        legend += (f"; {FEWER_THREADS_MARK}: measured on fewer threads than torch's own, other "
+                   "processes keeping cores busy (the gain on all cores can differ)")
+    return legend + _args_legend(rows)
+
+
+def _figure_cell(row: dict[str, Any]) -> str:
+    figure = _speedup(row["speedup_vs_fp32"])
+    fewer = row["speedup_vs_fp32"] is not None and _fewer_threads(row)
+    return figure + FEWER_THREADS_MARK if fewer else figure
+
+
+def _args_legend(rows: list[dict[str, Any]]) -> str:
+    if any(row["args"] is None and row["script_name"] for row in rows):
+        return "; ?: arguments not recorded (an older tune)"
+    return ""
+
+
+def _script_cell(row: dict[str, Any]) -> str:
+    """``"train.py --epochs 1"``; ``?`` for arguments an older tune did not record."""
+    name = row["script_name"]
+    if not name:
+        return "-"
+    return f"{name} ?" if row["args"] is None else shlex.join([name, *row["args"]])
+
+
+def _speedup_with_interval(record: dict[str, Any]) -> str:
+    """``"1.52x, the winner's speed-up over fp32 (interval 1.40x-1.65x; paired re-measurement,
+    4 pairs)"``: the figure with what the tune's ``[tuned_on]`` says of its interval and basis."""
+    if record["speedup_vs_fp32"] is None:
+        return "- (not measured)"
+    figure = f"{_speedup(record['speedup_vs_fp32'])}, the winner's speed-up over fp32"
+    tuned = _tuned_on(record)
+    low, high, basis = tuned.get("speedup_low"), tuned.get("speedup_high"), tuned.get("speedup_basis")
+    extra = []
+    if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low != high:  # fp32's own is 1-1
+        extra.append(f"interval {_speedup(low)}-{_speedup(high)}")
+    if isinstance(basis, str) and basis:
+        extra.append(basis)
+    return f"{figure} ({'; '.join(extra)})" if extra else figure
+
+
+def plural(count: int, singular: str, plural: str | None = None) -> str:
+    return f"{count} {singular if count == 1 else (plural or singular + 's')}"
+
+
+def _no_cache(report: dict[str, Any], console: Console) -> bool:
+    """Say so, and return True, when no cache could be opened."""
+    if not report["cache"]:
+        console.print(f"No cache: {report['database']} cannot be used (see the warning above).",
+                      highlight=False)
+    return not report["cache"]
+
+
+def render_show(report: dict[str, Any], console: Console) -> None:
+    """``mpadvise show``: this machine's entries, then (``--all``) the others and why they do not
+    apply here; a plain sentence when there is nothing to list."""
+    devices = ", ".join(item["device"] for item in report["hardware"]) or "this machine"
+    if _no_cache(report, console):
+        return
+    here = [row for row in report["recommendations"] if row["this_machine"]]
+    other = [row for row in report["recommendations"] if not row["this_machine"]]
+    if not here:
+        console.print(f"No recommendations cached for this machine ({devices}) in {report['database']}. "
+                      "`mpadvise tune train.py` measures and caches one.", highlight=False)
+    else:
+        table = _table(f"This machine ({devices})",
+                       ("id", SCRIPT, "workload", "mode", SPEEDUP, "tuned", "status"),
+                       legend=_legend(here))
+        for row in here:
+            status = "[green]valid[/]" if row["valid"] else f"[yellow]{row['status']}[/]"
+            table.add_row(str(row["id"]), _script_cell(row), row["workload_fp"][:8], row["mode"],
+                          _figure_cell(row), row["tuned"], status)
+        console.print(table)
+    if other:
+        keys = _device_keys(other)
+        table = _table("Other hardware or versions (not applied here)",
+                       ("id", "device", SCRIPT, "mode", "tuned", "why not"),
+                       legend=_device_legend(keys) + _args_legend(other))
+        for row in other:
+            table.add_row(str(row["id"]), keys[_device_of(row)], _script_cell(row), row["mode"], row["tuned"],
+                          row["status"].removeprefix("other hardware: "))
+        console.print(table)
+    if report.get("guard_events"):  # what a long run saw here, and what the next run applies
+        table = _table("Guard events on this machine (the next load_policy() applies the fallback)",
+                       ("id", "script", "signal", "step", "policy", "fallback", "action", "when"))
+        for event in report["guard_events"]:
+            table.add_row(str(event["id"]), escape(str(event["script"] or "-")), event["signal"], str(event["step"]),
+                          event["policy"], str(event["fallback"] or "-"), event["action"], str(event["created_at"])[:10])
+        console.print(table)
+    if hidden := report["other_hardware"] - len(other):
+        console.print(f"{plural(hidden, 'entry', 'entries')} tuned on other hardware or versions "
+                      "not shown; `mpadvise show --all` lists them.", highlight=False)
+
+
+def render_list(report: dict[str, Any], console: Console) -> None:
+    """Every cached recommendation as a table."""
+    rows = report["recommendations"]
+    if _no_cache(report, console):
+        return
+    if not rows:
+        console.print(f"The cache {report['database']} holds no recommendations.", highlight=False)
+        return
+    devices = _device_keys(rows)
+    table = _table(report["database"],
+                   ("id", "device", SCRIPT, "workload", "mode", SPEEDUP, "tuned"),
+                   legend=_device_legend(devices) + "\n" + _legend(rows))
+    for row in rows:
+        # Tables show a fingerprint's prefix, as git shows short hashes; --json and `cache show` the whole key.
+        table.add_row(str(row["id"]), devices[_device_of(row)], _script_cell(row), row["workload_fp"][:8], row["mode"],
+                      _figure_cell(row), row["tuned"])
+    console.print(table)
+
+
+def _device_of(row: dict[str, Any]) -> str:
+    return row["device"] or row["hardware_fp"]
+
+
+def _device_keys(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """A short key per device (``d1``, ``d2``...) so a device column stays narrow; the legend
+    under the table names each device in full."""
+    names = list(dict.fromkeys(_device_of(row) for row in rows))
+    return {name: f"d{i}" for i, name in enumerate(names, 1)}
+
+
+def _device_legend(devices: dict[str, str]) -> str:
+    return "; ".join(f"{key}: {name}" for name, key in devices.items())
+
+
+def render_record(record: dict[str, Any], console: Console) -> None:
+    """One recommendation: facts, then its trials."""
+    summary = summary_row(record)
+    args = summary["args"]
+    versions = ", ".join(f"{name} {version or 'absent'}" for name, version in (record["versions"] or {}).items())
+    facts = Table(title=f"cache entry #{record['id']}", show_header=False, title_justify="left", title_style="bold")
+    facts.add_column(style="cyan")
+    facts.add_column(overflow="fold")
+    arguments = "- (not recorded)" if args is None else shlex.join(args) if args else "(none)"
+    goodput = f"{record['goodput']:.1f} samples/s" if record["goodput"] else "-"
+    for fact in (("policy", summary["mode"]), ("script", record["script"] or "-"),
+                 ("arguments", arguments), ("device", summary["device"] or "-"),
+                 ("hardware fingerprint", record["hardware_fp"]),
+                 ("workload fingerprint", record["workload_fp"]),
+                 (SPEEDUP, _speedup_with_interval(record)), ("goodput", goodput),
+                 ("tuned", str(record["created_at"])), ("versions", versions or "-")):
+        facts.add_row(*fact)
+    console.print(facts)
+    trials = record.get("trials") or []
+    if not trials:
+        return
+    columns = ("#", "mode", "outcome", "verdict", "goodput", "reason")
+    table = Table(*(Column(column, overflow="fold") for column in columns), title="trials",
+                  title_justify="left")
+    for trial in trials:
+        goodput = trial.get("goodput")
+        table.add_row(str(trial.get("number")), trial.get("mode") or "-", trial.get("outcome") or "-",
+                      trial.get("verdict") or "-", "-" if goodput is None else f"{goodput:.1f}", trial.get("reason") or "")
+    console.print(table)
+
+
+def summary_row(row: dict[str, Any]) -> dict[str, Any]:
+    """One recommendation as list/show print it (no trials)."""
+    try:
+        described = Policy.from_dict(row["policy"]).describe()
+    except PolicyError:
+        described = f"{row['mode']} (unreadable policy)"
+    hardware, summary = row.get("hardware") or {}, row.get("summary") or {}
+    script = row.get("script")
+    # The script's arguments the entry was tuned with (its summary's, else its [tuned_on]'s);
+    # None when the tune did not record them.
+    args = next((list(args) for args in (summary.get("args"), _tuned_on(row).get("args"))
+                 if isinstance(args, list) and all(isinstance(arg, str) for arg in args)), None)
+    return {
+        "id": row["id"],
+        "hardware_fp": row["hardware_fp"],
+        "device": hardware.get("name") or summary.get("device"),
+        "workload_fp": row["workload_fp"],
+        "script": script,
+        "script_name": Path(script).name if script else None,
+        "args": args,
+        "mode": described,
+        "policy": row["policy"],
+        "speedup_vs_fp32": row["speedup_vs_fp32"],
+        "goodput": row["goodput"],
+        "created_at": row["created_at"],
+        "tuned": str(row["created_at"])[:10],
+        "versions": row.get("versions") or {},
+    }
+
+
+app = typer.Typer(name="cache", no_args_is_help=True,
+                  help="The per-GPU recommendation cache: list, show, export, import, clear.",
+                  context_settings={"help_option_names": ["-h", "--help"]})
+for _command in (cache_list, cache_show, cache_export, cache_import, cache_clear):
+    app.command(_command.__name__.removeprefix("cache_"))(handle_errors(_command))
+study_app = typer.Typer(no_args_is_help=True, help="Optuna studies of tunes: what a shared study "
+                        "holds, read without writing.")
+study_app.command("status")(study_status)

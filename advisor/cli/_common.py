@@ -5,14 +5,15 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from probes import MpadviseError
+from probes import MpadviseError, UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,5 +49,22 @@ def handle_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+@contextmanager
+def bad_value(prefix: str = "") -> Iterator[None]:
+    """An MpadviseError raised inside is a bad value on the command line: a UsageError (exit 2)."""
+    try:
+        yield
+    except MpadviseError as exc:
+        raise UsageError(f"{prefix}{exc}") from None
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def emit(data: Any, json_output: bool, render: Callable[[Any, Console], None]) -> None:
+    """``data`` as JSON for scripts, else as ``render`` shows it to a person."""
+    if json_output:
+        print_json(data)
+    else:
+        render(data, console)

@@ -16,10 +16,10 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from advisor._secure import ensure_private_dir, ensure_private_file
-from advisor.cli._common import JsonOption, console, err_console, handle_errors, print_json
+from advisor.cli._common import JsonOption, console, emit, err_console, handle_errors, print_json
 from probes import MpadviseError, UsageError
 
 HostOption = Annotated[str, typer.Option("--host", help="Address to serve on; anything but loopback needs --allow-remote.")]
@@ -67,26 +67,21 @@ def start(
     # Refuse here, in the user's terminal, rather than in a log file they may not read.
     check_uds(uds)
     warning = None if uds is not None else check_bind(host, allow_remote=allow_remote)
-    paths = DaemonPaths.here()
-    directory = paths.directory.absolute()
+    directory = DaemonPaths.here().directory.absolute()
     paths = DaemonPaths(directory)
     ensure_private_dir(directory)
     if daemon_running(paths):
         where = _address(paths).get("url", "?")
         raise MpadviseError(f"a daemon is already running for {directory} at {where}; "
                             "`mpadvise daemon stop` stops it, `mpadvise daemon status` shows it")
-    argv = [sys.executable, "-m", "advisor.cli", "daemon", "run", "--host", host, "--port", str(port)]
-    if uds is not None:
-        argv += ["--uds", str(uds.absolute())]
-    if allow_remote:
-        argv.append("--allow-remote")
-    for root in allowed_root or []:
-        argv += ["--allowed-root", str(root.absolute())]
-    argv += ["--job-retention-days", repr(float(job_retention_days))]
-    env = dict(os.environ)
+    roots = [arg for root in allowed_root or [] for arg in ("--allowed-root", str(root.absolute()))]
+    argv = [sys.executable, "-m", "advisor.cli", "daemon", "run", "--host", host,
+            "--port", str(port), *(["--uds", str(uds.absolute())] if uds is not None else []),
+            *(["--allow-remote"] if allow_remote else []), *roots,
+            "--job-retention-days", repr(float(job_retention_days))]
     # The daemon runs from / (it must not keep a directory busy), so a relative cache
     # directory has to be made absolute for it.
-    env["MPADVISE_HOME"] = str(directory)
+    env = {**os.environ, "MPADVISE_HOME": str(directory)}
     ensure_private_file(paths.log)  # refuses a planted symlink or another user's file
     rotate_log(paths.log)
     fd = os.open(paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -103,22 +98,20 @@ def start(
                                 f"(log: {paths.log})", exit_code=code if code == 2 else 1)
         address = _address(paths)
         if address.get("pid") == process.pid:
-            client = DaemonClient.for_address(address)  # a wildcard bind is reached through the loopback
-            try:
-                client.health()
+            with contextlib.suppress(MpadviseError):
+                # A wildcard bind is reached through the loopback.
+                DaemonClient.for_address(address).health()
                 break
-            except MpadviseError:
-                pass
         if time.monotonic() > deadline:
             os.killpg(process.pid, signal.SIGTERM)
             raise MpadviseError(f"the daemon did not answer within {wait:g} s; see {paths.log}")
         time.sleep(0.1)
-    info = {**address, "warning": warning}
     if warning:
         err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
-    if json_output:
-        print_json(info)
-        return
+    emit({**address, "warning": warning}, json_output, _render_started)
+
+
+def _render_started(info: dict[str, Any], console: Console) -> None:
     console.print(f"mpadvise daemon started (pid {info['pid']}) on {info['url']}", highlight=False)
     console.print(f"jobs run on: {', '.join(info.get('slots') or [])}; scripts allowed under: "
                   f"{', '.join(info.get('roots') or [])}", highlight=False)
@@ -169,11 +162,9 @@ def status(
     from advisor.daemon import DaemonClient
 
     client = DaemonClient.local(need_token=True)  # reading jobs needs the token
-    report = {"running": True, "where": client.where, "health": client.health(), "jobs": client.jobs(limit=limit)}
-    if json_output:
-        print_json(report)
-    else:
-        render_status(report, console)
+    report = {"running": True, "where": client.where, "health": client.health(),
+              "jobs": client.jobs(limit=limit)}
+    emit(report, json_output, render_status)
 
 
 def check_uds(uds: Path | None) -> None:
@@ -213,18 +204,17 @@ def render_status(report: dict[str, Any], console: Console) -> None:
     counts = ", ".join(f"{n} {state}" for state, n in health["jobs"].items() if n) or "no jobs waiting or running"
     console.print(f"mpadvise daemon {health['version']} at {report['where']} (pid {health['pid']}, "
                   f"up {_duration(health['uptime_s'])}): {counts}", highlight=False)
-    slots = Table(title="slots", title_justify="left")
-    for col in ("slot", "job", "doing"):
-        slots.add_column(col, no_wrap=True)
+    slots = Table(*(Column(col, no_wrap=True) for col in ("slot", "job", "doing")), title="slots",
+                  title_justify="left")
     for slot in health["slots"]:
         slots.add_row(slot["name"], (slot.get("job") or "-")[:12], slot["phase"])
     console.print(slots)
     if not report["jobs"]:
         console.print("no jobs yet; queue one with `mpadvise tune --submit SCRIPT`")
         return
-    jobs = Table(title="jobs (oldest first)", title_justify="left")
-    for col in ("id", "state", "script", "slot", "created", "last line"):
-        jobs.add_column(col, no_wrap=col != "last line", overflow="fold")
+    jobs = Table(*(Column(col, no_wrap=col != "last line", overflow="fold")
+                   for col in ("id", "state", "script", "slot", "created", "last line")),
+                 title="jobs (oldest first)", title_justify="left")
     for job in report["jobs"]:
         jobs.add_row(job["id"][:12], job["state"], Path(job["script"]).name, job.get("gpu") or job.get("requested_gpu")
                      or "-", job["created_at"][:19].replace("T", " "), _job_line(job))
@@ -261,10 +251,8 @@ def _last_log_line(path: Path) -> str:
         lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return "(no log)"
-    for line in reversed(lines):
-        if line.startswith("error:"):
-            return line[len("error:"):].strip()
-    return lines[-1] if lines else "(empty log)"
+    errors = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
+    return errors[-1] if errors else lines[-1] if lines else "(empty log)"
 
 
 def _duration(seconds: float) -> str:
@@ -278,7 +266,5 @@ def _duration(seconds: float) -> str:
 
 app = typer.Typer(name="daemon", help="A local service: cached recommendations over HTTP, and tune jobs queued one "
                   "per GPU.", no_args_is_help=True)
-app.command("run")(handle_errors(run))
-app.command("start")(handle_errors(start))
-app.command("stop")(handle_errors(stop))
-app.command("status")(handle_errors(status))
+for _command in (run, start, stop, status):
+    app.command(_command.__name__)(handle_errors(_command))

@@ -8,14 +8,15 @@ import os
 import platform
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import parse_qsl, urlencode
 
+import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from advisor.cli._common import JsonOption, console, handle_errors, print_json
+from advisor.cli._common import JsonOption, emit, handle_errors
 from advisor.tune import shown_url
 
 # The distributions whose versions change what mpadvise can do, each with the names it ships
@@ -40,13 +41,20 @@ MASK = "****"
 
 
 @handle_errors
+def probe(
+    json_output: JsonOption = False,
+    bench: Annotated[bool, typer.Option("--bench", help="Also measure matmul TFLOP/s per dtype on each device.")] = False,
+) -> None:
+    """Show what this machine can do: devices, supported precision modes, the safe default."""
+    from advisor._hardware import probe_report
+
+    emit(probe_report(bench=bench), json_output, render_probe)
+
+
+@handle_errors
 def env(json_output: JsonOption = False) -> None:
     """Versions, hardware and settings to paste into a bug report (secrets masked)."""
-    report = env_report()
-    if json_output:
-        print_json(report)
-    else:
-        render_env(report, console)
+    emit(env_report(), json_output, render_env)
 
 
 def mask_secret(name: str, value: str) -> str:
@@ -78,8 +86,7 @@ def env_report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     cpu = probes.cpu_profile()
     gpus = _gpus()
     try:
-        primary = probes.primary_profile()
-        capability = capability_summary(primary)
+        capability = capability_summary(probes.primary_profile())
     except Exception as exc:  # noqa: BLE001 - a report for a bug report must not itself fail
         capability = f"unknown ({type(exc).__name__}: {exc})"
     return {
@@ -115,19 +122,14 @@ def render_env(report: dict[str, Any], console: Console) -> None:
         f"- OS: {report['os']}",
         f"- CPU: {cpu['model']} ({cpu['cores'] or '?'} usable cores); flags: {flags}",
     ]
-    if report["gpus"]:
-        for gpu in report["gpus"]:
-            lines.append(f"- GPU {gpu['index']}: {gpu['name']}, compute capability {gpu['compute_capability'] or '?'}, "
-                         f"{gpu['memory']}, driver {gpu['driver'] or '?'}, CUDA {gpu['cuda_runtime'] or '?'}"
-                         + (", MIG on" if gpu.get("mig") else ""))
-    else:
-        lines.append("- GPUs: none visible")
-    lines += [f"- capability: {report['capability']}", f"- cache: {report['cache']}"]
-    environment = report["environment"]
-    if environment:
-        lines.append("- environment: " + ", ".join(f"{name}={value}" for name, value in environment.items()))
-    else:
-        lines.append("- environment: no MPADVISE_* variables set")
+    lines += [f"- GPU {gpu['index']}: {gpu['name']}, compute capability "
+              f"{gpu['compute_capability'] or '?'}, {gpu['memory']}, "
+              f"driver {gpu['driver'] or '?'}, CUDA {gpu['cuda_runtime'] or '?'}"
+              + (", MIG on" if gpu.get("mig") else "")
+              for gpu in report["gpus"]] or ["- GPUs: none visible"]
+    environment = ", ".join(f"{name}={value}" for name, value in report["environment"].items())
+    lines += [f"- capability: {report['capability']}", f"- cache: {report['cache']}",
+              f"- environment: {environment or 'no MPADVISE_* variables set'}"]
     for line in lines:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
@@ -165,13 +167,10 @@ def _gpus() -> list[dict[str, Any]]:
         profiles = probes.cuda_profiles()
     except Exception:  # noqa: BLE001 - the probes already degrade; this is the last guard
         return []
-    gpus = []
-    for p in profiles:
-        gpus.append({"index": p.index, "name": p.name,
-                     "compute_capability": ".".join(map(str, p.compute_capability or ())) or None,
-                     "memory": _gib(p.memory_total), "driver": p.driver_version, "cuda_runtime": p.cuda_runtime,
-                     "mig": p.mig_enabled})
-    return gpus
+    return [{"index": p.index, "name": p.name,
+             "compute_capability": ".".join(map(str, p.compute_capability or ())) or None,
+             "memory": _gib(p.memory_total), "driver": p.driver_version, "cuda_runtime": p.cuda_runtime,
+             "mig": p.mig_enabled} for p in profiles]
 
 
 def _gib(value: int | None) -> str:
@@ -181,42 +180,40 @@ def _gib(value: int | None) -> str:
 def render_probe(report: dict[str, Any], console: Console) -> None:
     for device in report["devices"]:
         p = device["profile"]
-        primary = " (training device)" if device["fingerprint"] == report["primary"] else ""
-        title = f"{p['name']}{primary}"
-        facts = Table(title=title, show_header=False, title_justify="left", title_style="bold")
-        facts.add_column(style="cyan")
-        facts.add_column()
-        facts.add_row("kind", p["kind"] + (f" (cuda:{p['index']})" if p["kind"] == "cuda" else ""))
-        facts.add_row("capability", device["capability"])
-        if p["kind"] == "cuda":
-            facts.add_row("compute capability", ".".join(map(str, p["compute_capability"] or [])))
-            facts.add_row("SMs", str(p["sm_count"]))
-            facts.add_row("memory", f"{_gib(p['memory_total'])} total, {_gib(p['memory_free'])} free")
-            facts.add_row("driver / CUDA", f"{p['driver_version'] or '-'} / {p['cuda_runtime'] or '-'}")
-            facts.add_row("MIG", {True: "on", False: "off", None: "unknown"}[p["mig_enabled"]])
-            if device["peak_tflops"]:
-                peaks = ", ".join(f"{k} {v:g}" for k, v in device["peak_tflops"].items())
-                facts.add_row("datasheet peak TFLOP/s", peaks)
+        cuda = p["kind"] == "cuda"
+        facts = [("kind", p["kind"] + (f" (cuda:{p['index']})" if cuda else "")),
+                 ("capability", device["capability"])]
+        if cuda:
+            peaks = ", ".join(f"{k} {v:g}" for k, v in (device["peak_tflops"] or {}).items())
+            facts += [("compute capability", ".".join(map(str, p["compute_capability"] or []))),
+                      ("SMs", str(p["sm_count"])),
+                      ("memory", f"{_gib(p['memory_total'])} total, {_gib(p['memory_free'])} free"),
+                      ("driver / CUDA",
+                       f"{p['driver_version'] or '-'} / {p['cuda_runtime'] or '-'}"),
+                      ("MIG", {True: "on", False: "off", None: "unknown"}[p["mig_enabled"]]),
+                      *([("datasheet peak TFLOP/s", peaks)] if peaks else [])]
         else:
-            facts.add_row("cores", str(p["cores"]))
-            facts.add_row("memory", _gib(p["memory_total"]))
-            facts.add_row("precision ISA flags", ", ".join(p["cpu_flags"]) or "none")
-        facts.add_row("torch", str(p["torch_version"]))
+            facts += [("cores", str(p["cores"])), ("memory", _gib(p["memory_total"])),
+                      ("precision ISA flags", ", ".join(p["cpu_flags"]) or "none")]
         libs = ", ".join(f"{k} {v or 'not installed'}" for k, v in p["libraries"].items())
-        facts.add_row("FP8 libraries", libs or "-")
-        facts.add_row("fingerprint", device["fingerprint"])
-        facts.add_row("safe default", f"[bold]{device['safe_default']['mode']}[/]: {device['safe_default']['reason']}")
-        console.print(facts)
+        safe = device["safe_default"]
+        facts += [("torch", str(p["torch_version"])), ("FP8 libraries", libs or "-"),
+                  ("fingerprint", device["fingerprint"]),
+                  ("safe default", f"[bold]{safe['mode']}[/]: {safe['reason']}")]
+        primary = " (training device)" if device["fingerprint"] == report["primary"] else ""
+        table = Table(title=f"{p['name']}{primary}", show_header=False, title_justify="left",
+                      title_style="bold")
+        table.add_column(style="cyan")
+        table.add_column()
+        for fact in facts:
+            table.add_row(*fact)
+        console.print(table)
 
-        modes = Table(title_justify="left")
-        modes.add_column("mode")
-        modes.add_column("supported")
-        modes.add_column("why")
+        modes = Table("mode", "supported", "why", title_justify="left")
         for name, info in device["modes"].items():
             mark = "[yellow]emulated[/]" if info["emulated"] else ("[green]yes[/]" if info["supported"] else "[red]no[/]")
             modes.add_row(name, mark, info["reason"])
         console.print(modes)
-
         if "bench" in device:
             console.print(_bench_table(device["bench"]))
 
@@ -236,11 +233,6 @@ def _bench_table(rows: list[dict[str, Any]]) -> Table:
             table.add_row(row["dtype"], str(row["size"]), "-", "-", "-", f"[yellow]skipped[/]: {reason}")
             continue
         ratio, frac = row.get("ratio_vs_fp32"), row.get("fraction_of_peak")
-        table.add_row(
-            row["dtype"],
-            str(row["size"]),
-            f"{row['tflops']:.3f}",
-            f"{ratio:.2f}x" if ratio else "-",
-            f"{frac:.0%}" if frac else "-",
-        )
+        table.add_row(row["dtype"], str(row["size"]), f"{row['tflops']:.3f}",
+                      f"{ratio:.2f}x" if ratio else "-", f"{frac:.0%}" if frac else "-")
     return table

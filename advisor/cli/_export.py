@@ -16,7 +16,7 @@ import probes
 from advisor._load import resolve_policy
 from advisor._secure import write_file_atomic
 from advisor.cache import lookup
-from advisor.cli._common import err_console, print_json
+from advisor.cli._common import bad_value, err_console, print_json
 from advisor.frameworks import check_target, export_policy, script_for
 from policies import Policy, load_config
 from probes import MpadviseError, UsageError, hardware_fingerprint
@@ -27,12 +27,9 @@ def export_command(config: Path | None, *, target: str | None, out: Path | None,
     """Export the policy of ``config`` to ``target``; print it, or write it to ``out`` whole
     (never through a planted name; an existing one only as ``out_refusal`` allows)."""
     target = check_target(target)
-    if out is not None:
-        refusal = out_refusal(out, config=config, force=force)
-        if refusal is None and not out.absolute().parent.is_dir():
-            refusal = f"--out {out}: its directory {out.absolute().parent} does not exist"
-        if refusal is not None:
-            raise UsageError(refusal)
+    refusal = None if out is None else out_refusal(out, config=config, force=force)
+    if refusal is not None:
+        raise UsageError(refusal)
     policy, source, device = resolve_for_export(config)
     export = export_policy(policy, target, device=device, source=source, script=script_for(config))
     if json_output:
@@ -52,12 +49,8 @@ def export_command(config: Path | None, *, target: str | None, out: Path | None,
     for warning in export.warnings:
         err_console.print(f"[yellow]warning[/] [bold]{escape(warning.id)}[/]: {escape(warning.message)}",
                           highlight=False, soft_wrap=True)
-    notes = list(export.notes)
-    if device == "cuda":
-        elsewhere = _cuda_elsewhere(policy, target)
-        if elsewhere is not None:
-            notes.append(elsewhere)
-    for note in notes:
+    elsewhere = _cuda_elsewhere(policy, target) if device == "cuda" else None
+    for note in [*export.notes, *([elsewhere] if elsewhere else [])]:
         err_console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
     if out is not None:
         err_console.print(f"wrote {escape(str(out))} ({target}, {export.format})", highlight=False, soft_wrap=True)
@@ -87,23 +80,18 @@ def resolve_for_export(config: Path | None) -> tuple[Policy, str, str]:
     """The policy to export, where it came from, and the device it trains on (``cuda``/``cpu``):
     a config file as it stands, whatever machine this is; a script's as ``mpadvise policy`` resolves it."""
     if config is None:
-        raise UsageError(
-            "mpadvise export needs a config file (.toml) or a training script (.py): "
-            "mpadvise export train.mpadvise.toml --to lightning"
-        )
+        raise UsageError("mpadvise export needs a config file (.toml) or a training script (.py): "
+                         "mpadvise export train.mpadvise.toml --to lightning")
     if config.suffix not in (".toml", ".py"):
-        raise UsageError(
-            f"{config}: expected a config file (.toml, as mpadvise tune writes) or a training script (.py)"
-        )
+        raise UsageError(f"{config}: expected a config file (.toml, as mpadvise tune writes) or a "
+                         "training script (.py)")
     if not config.exists():
         raise UsageError(f"{config} does not exist")
     if config.suffix == ".toml":
         # A config file is exported as it stands: it may well be for another machine. One that
         # does not load is a bad argument, as a bad --config is to mpadvise run.
-        try:
+        with bad_value():
             policy = load_config(config)
-        except MpadviseError as exc:
-            raise UsageError(str(exc)) from None
         return policy, f"config file {config}", _device_of(policy, local_cuda=None)
     info = explain_policy(config, device=None)
     policy = Policy.from_dict(info["policy"], source=info["source"])
@@ -116,9 +104,7 @@ def _device_of(policy: Policy, *, local_cuda: bool | None) -> str:
     tuned = policy.tuned_on
     if tuned is not None and tuned.hardware_fingerprint:
         return "cuda" if tuned.cuda else "cpu"
-    if local_cuda is not None:
-        return "cuda" if local_cuda else "cpu"
-    return "cuda"
+    return "cpu" if local_cuda is False else "cuda"
 
 
 # How a .py export begins (its docstring): export --out replaces a .py file only when it is one.
@@ -130,19 +116,21 @@ def out_refusal(out: Path, *, config: Path | None, force: bool) -> str | None:
     replaced only with ``--force``, and never when it is the file being exported, a directory, or
     a ``.py`` file that is no earlier export. A symlink there is replaced, never followed."""
     if not os.path.lexists(out):
-        return None
+        parent = out.absolute().parent
+        return None if parent.is_dir() else f"--out {out}: its directory {parent} does not exist"
+    over = f"refusing to write the export over {out}: it is"
     if config is not None and config.exists() and out.exists() and os.path.samefile(out, config):
-        return (f"refusing to write the export over {out}: it is the {'script' if config.suffix == '.py' else 'config file'} "
-                "being exported; name another file with --out")
+        what = "script" if config.suffix == ".py" else "config file"
+        return f"{over} the {what} being exported; name another file with --out"
     if os.path.islink(out):
         pass  # the export replaces the link; the file it points to is never written
     elif out.is_dir():
-        return f"refusing to write the export over {out}: it is a directory; name a file with --out"
+        return f"{over} a directory; name a file with --out"
     elif not out.is_file():
-        return f"refusing to write the export over {out}: it is not a regular file; name a file with --out"
+        return f"{over} not a regular file; name a file with --out"
     elif out.suffix.lower() == ".py" and not _earlier_export(out):
-        return (f"refusing to write the export over {out}: it is a Python file that mpadvise export did not write "
-                "(a training script?), even with --force; name another file with --out")
+        return (f"{over} a Python file that mpadvise export did not write (a training script?), "
+                "even with --force; name another file with --out")
     if not force:
         return f"refusing to overwrite {out}: it exists; add --force to replace it"
     return None
@@ -151,10 +139,9 @@ def out_refusal(out: Path, *, config: Path | None, force: bool) -> str | None:
 def _earlier_export(path: Path) -> bool:
     try:
         with open(path, encoding="utf-8") as handle:
-            first = handle.readline(200)
+            return handle.readline(200).startswith(EXPORT_MARKS)
     except (OSError, UnicodeDecodeError):
         return False
-    return first.startswith(EXPORT_MARKS)
 
 
 def _write(path: Path, text: str) -> None:
@@ -171,10 +158,8 @@ def explain_policy(target: Path | None, *, device: str | None) -> dict[str, Any]
     if target is not None and not target.exists():
         raise UsageError(f"{target} does not exist")
     if target is not None and target.suffix == ".toml":
-        try:
-            load_config(target)  # a file that does not load is a bad argument, as to export and run
-        except MpadviseError as exc:
-            raise UsageError(str(exc)) from None
+        with bad_value():  # a file that does not load is a bad argument, as to export and run
+            load_config(target)
         resolution = resolve_policy(target, profile=profile, script=None, environ=os.environ)
     else:
         script = target.resolve() if target is not None else None

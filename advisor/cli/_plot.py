@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from advisor.tune import Basis, StabilityThresholds, TrialCurve, basis, curve_of, smooth
+from advisor.tune import Basis, TrialCurve, basis, curve_of, smooth
 from probes import MpadviseError, write_file_atomic
 
 if TYPE_CHECKING:
@@ -28,13 +28,11 @@ _WRAP = 150  # characters per line of a reason
 _REFERENCE_COLOR, _BAD, _GOOD = "black", "tab:red", "tab:green"
 
 
-def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation], *, replicate: TrialCurve | None = None,
-                thresholds: StabilityThresholds | None = None, advice: Mapping[str, str] | None = None,
-                judged_against: Mapping[str, TrialCurve] | None = None) -> None:
-    """Write ``trial_figure`` to ``path``, in the format its extension names (PNG without one),
-    whole and never through a planted link."""
-    fig = trial_figure(reference, evaluations, replicate=replicate, thresholds=thresholds, advice=advice,
-                       judged_against=judged_against)
+def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation],
+                **figure: Any) -> None:
+    """Write ``trial_figure`` (``figure``: its keyword arguments) to ``path``, in the format its
+    extension names (PNG without one), whole and never through a planted link."""
+    fig = trial_figure(reference, evaluations, **figure)
     image = io.BytesIO()
     try:
         fig.savefig(image, format=Path(path).suffix[1:].lower() or "png", dpi=110)
@@ -47,7 +45,7 @@ def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation],
 
 
 def trial_figure(reference: Evaluation, evaluations: list[Evaluation], *, replicate: TrialCurve | None = None,
-                 thresholds: StabilityThresholds | None = None, advice: Mapping[str, str] | None = None,
+                 advice: Mapping[str, str] | None = None,
                  judged_against: Mapping[str, TrialCurve] | None = None) -> Figure:
     """The figure of a trial. Artists carry a ``gid`` naming what they show (``smoothed:<label>``,
     ``raw:<label>``, ``limit:final``, ``reason:<label>``...), so it can be read without the PNG;
@@ -66,7 +64,8 @@ def trial_figure(reference: Evaluation, evaluations: list[Evaluation], *, replic
     y = total - top
     for ev, lines, height in zip(panels, reasons, heights, strict=True):
         ax = fig.add_axes((_LEFT / _WIDTH, (y - _PANEL) / total, width, _PANEL / total))
-        _loss_panel(ax, ev, ref_curve, reference is ev, (judged_against or {}).get(ev.label, replicate), thresholds)
+        against = (judged_against or {}).get(ev.label, replicate)
+        _loss_panel(ax, ev, ref_curve, reference is ev, against)
         text_top = y - _PANEL - _TICKS
         color = _GOOD if ev.stable else _BAD
         fig.text(_LEFT / _WIDTH, text_top / total, "\n".join(lines), fontsize=8.5, va="top", ha="left",
@@ -97,11 +96,11 @@ def _wrapped(ev: Evaluation, advice: str | None) -> list[str]:
 
 
 def _loss_panel(ax: Axes, ev: Evaluation, ref_curve: TrialCurve, is_reference: bool,
-                replicate: TrialCurve | None, thresholds: StabilityThresholds | None) -> None:
+                replicate: TrialCurve | None) -> None:
     """One candidate against fp32: raw and smoothed curves, limits, non-finite marks."""
     label = ev.label
     curve = curve_of(ev.result, ev.policy.mode) if ev.result.losses else TrialCurve(mode=ev.policy.mode, losses=())
-    b = basis(curve, ref_curve, thresholds, replicate=replicate)
+    b = basis(curve, ref_curve, replicate=replicate)
     ref_steps = range(1, len(ref_curve.losses) + 1)
     # fp32 beneath: a thick dashed line with its own z-order, so a curve matching it cannot hide it.
     ax.plot(ref_steps, _finite(ref_curve.losses), color="gray", alpha=0.3, linewidth=0.8, zorder=1,
@@ -117,7 +116,10 @@ def _loss_panel(ax: Axes, ev: Evaluation, ref_curve: TrialCurve, is_reference: b
                 label=f"{label}, smoothed ({b.window}-step median)", gid=f"smoothed:{label}")
         _limits(ax, ev, b)
         _nonfinite(ax, ev, curve, b)
-    _scale(ax, [*ref_curve.losses, *curve.losses])
+    # A log axis when the losses span orders of magnitude (a loss floor far above fp32's end).
+    finite = [v for v in [*ref_curve.losses, *curve.losses] if math.isfinite(v)]
+    if finite and min(finite) > 0 and max(finite) / min(finite) > 50:
+        ax.set_yscale("log")
     title = "fp32 (reference)" if is_reference else f"{label}: {ev.outcome}"
     if ev.verdict is not None and not is_reference and not ev.stable:
         title += f" ({ev.verdict.kind.replace('_', ' ')})"
@@ -210,13 +212,6 @@ def _measured(ev: Evaluation, b: Basis) -> str:
     if "candidate_rise" in m and ev.verdict.kind == "diverged":
         parts.append(f"rose {_pct(m['candidate_rise'])} from its start")
     return "; ".join(parts)
-
-
-def _scale(ax: Axes, losses: Sequence[float]) -> None:
-    """A log axis when the losses span orders of magnitude (a loss floor far above fp32's end)."""
-    finite = [v for v in losses if math.isfinite(v)]
-    if finite and min(finite) > 0 and max(finite) / min(finite) > 50:
-        ax.set_yscale("log")
 
 
 def _time_panel(ax: Axes, reference: Evaluation, evaluations: list[Evaluation]) -> None:

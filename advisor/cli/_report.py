@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -23,19 +23,19 @@ from rich.progress import (
 from rich.table import Table
 
 from advisor.cli._report_cells import (
-    NOISY_SPREAD,
-    VERDICT_STYLE,
-    candidate_spread,
     compact_table,
     fmt_bytes,
     is_reference_row,
+    noisy_rows,
     pasteable_path,
     remeasured_goodput,
     render_details,
     row_speedup,
     run_command,
     shows_paired,
+    speedup_cell,
     spread_text,
+    styled,
 )
 from advisor.tune import run_ratio_text
 
@@ -68,30 +68,23 @@ def evaluation_table(reference: Evaluation, evaluations: list[Evaluation], *, ti
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("verdict", no_wrap=True)
     for ev in [reference, *evaluations]:
-        outcome = ev.outcome
-        style = VERDICT_STYLE.get(outcome, "red")
-        if ev is reference:
-            speed = "1.00x"
-        elif ev.speedup is None:
-            speed = "-"
-        else:
-            speed = f"{ev.speedup:.2f}x" + ("≈" if ev.speed_verdict == "tie" else "")
+        tie = "≈" if ev.speed_verdict == "tie" else ""
+        speed = ("1.00x" if ev is reference else "-" if ev.speedup is None
+                 else f"{ev.speedup:.2f}x{tie}")
         spread = spread_text(None if ev.timing is None else ev.timing.rel_iqr / 2)
         gap = "-" if ev.final_loss_gap is None or ev is reference else f"{ev.final_loss_gap:+.1%}"
         row = [escape(ev.label), "-" if ev.goodput is None else f"{ev.goodput:,.0f}",
                speed + (f" {spread}" if spread and speed != "-" else ""), fmt_bytes(ev.result.peak_memory), gap]
         if skips:
             row.append(str(sum(1 for s in ev.result.skipped if s)) if ev.result.skipped else "-")
-        table.add_row(*row, f"[{style}]{outcome}[/]")
+        table.add_row(*row, styled(ev.outcome))
     return table
 
 
 def print_reasons(console: Console, evaluations: list[Evaluation]) -> None:
     """The verdict reason of each candidate, one paragraph each, under the table."""
     for ev in evaluations:
-        style = VERDICT_STYLE.get(ev.outcome, "red")
-        reason = ev.reason or "ok"
-        console.print(f"[{style}]{ev.label}[/]: {reason}", highlight=False)
+        console.print(f"{styled(ev.outcome, ev.label)}: {ev.reason or 'ok'}", highlight=False)
         if ev.outcome not in ("ok", "unstable") and ev.result.stderr_tail:
             tail = "\n".join(ev.result.stderr_tail.splitlines()[-5:])
             console.print(f"[dim]{tail}[/]", highlight=False, markup=False)
@@ -99,35 +92,34 @@ def print_reasons(console: Console, evaluations: list[Evaluation]) -> None:
             console.print(f"  note: {note}", highlight=False)
 
 
-def progress_console(console: Console) -> Console:
-    """Where progress goes: stderr, so that stdout holds only the result; a console that already
+def _progress(console: Console) -> Progress:
+    """A progress bar on stderr, so that stdout holds only the result; a console that already
     writes elsewhere (a file, a test's recording) is kept."""
-    if console.file is sys.stdout:
-        return Console(stderr=True)
-    return console
+    shown_on = Console(stderr=True) if console.file is sys.stdout else console
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                    MofNCompleteColumn(), TimeElapsedColumn(), console=shown_on)
 
 
 @contextmanager
-def trial_progress(console: Console, total: int, *, enabled: bool = True) -> Iterator[Any]:
-    """A progress bar over trials; yields ``(on_start, on_done)`` callbacks for the runners."""
+def trial_progress(console: Console, total: int, *, enabled: bool = True,
+                   then: Callable[[int, Evaluation], None] = lambda i, ev: None) -> Iterator[Any]:
+    """A progress bar over trials; yields ``(on_start, on_done)`` callbacks for the runners, and
+    ``on_done`` calls ``then`` after the bar's own line."""
     if not enabled:
-        yield (lambda i, label: None, lambda i, ev: None)
+        yield (lambda i, label: None, then)
         return
-    progress = Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=progress_console(console), transient=False,
-    )
-    with progress:
-        task = progress.add_task("trials", total=total)
+    with _progress(console) as bar:
+        task = bar.add_task("trials", total=total)
 
         def on_start(i: int, label: str) -> None:
-            progress.update(task, description=f"trial {i + 1}/{total}: {label}")
+            bar.update(task, description=f"trial {i + 1}/{total}: {label}")
 
         def on_done(i: int, ev: Evaluation) -> None:
-            progress.advance(task)
+            bar.advance(task)
             mark = "[green]ok[/]" if ev.outcome == "ok" else f"[red]{ev.outcome}[/]"
             speed = "" if ev.speedup is None else f", {ev.speedup:.2f}x fp32"
-            progress.console.print(f"  {ev.label}: {mark}{speed}", highlight=False)
+            bar.console.print(f"  {ev.label}: {mark}{speed}", highlight=False)
+            then(i, ev)
 
         yield on_start, on_done
 
@@ -136,8 +128,7 @@ def trial_progress(console: Console, total: int, *, enabled: bool = True) -> Ite
 def tune_progress(console: Console, total: int) -> Iterator[Any]:
     """A progress bar over a tune's ``total`` trials and then its rounds of re-measurement;
     yields ``(on_start, on_done, on_round)`` for the tuner."""
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=progress_console(console)) as bar:
+    with _progress(console) as bar:
         task = bar.add_task("starting", total=total)
         started = 0
         phase = ""
@@ -149,8 +140,8 @@ def tune_progress(console: Console, total: int) -> Iterator[Any]:
 
         def on_done(label: str, ev: Evaluation | None, m: Measured) -> None:
             bar.advance(task)
-            style = VERDICT_STYLE.get(m.outcome, "red")
-            bar.console.print(f"  {label}: [{style}]{m.outcome}[/]{run_ratio_text(ev)}", highlight=False)
+            bar.console.print(f"  {label}: {styled(m.outcome)}{run_ratio_text(ev)}",
+                              highlight=False)
 
         def on_round(number: int, most: int, runs: int) -> None:
             # The search is over (what it left of its budget will not run): the bar now counts
@@ -202,16 +193,11 @@ def answer_rows(tune: dict[str, Any]) -> list[dict[str, Any]]:
     good = sorted((row for row in rows if row.get("stable") and row.get("feasible") and not row.get("winner")
                    and not _is_fp32(row)), key=lambda r: -(row_speedup(tune, r) or 0.0))
     fp32 = [row for row in rows if _is_fp32(row) and not row.get("winner")][:1]
-    shown = [*winner, *good[:RUNNERS_UP], *fp32]
-    modes: set[Any] = set()
+    failed: dict[Any, dict[str, Any]] = {}  # by mode, its first row
     for row in rows:
-        if len(shown) >= MAX_ROWS:
-            break
-        failed = not (row.get("stable") and row.get("feasible"))
-        if failed and row.get("mode") not in modes:
-            shown.append(row)
-            modes.add(row.get("mode"))
-    return shown
+        if not (row.get("stable") and row.get("feasible")):
+            failed.setdefault(row.get("mode"), row)
+    return [*winner, *good[:RUNNERS_UP], *fp32, *failed.values()][:MAX_ROWS]
 
 
 def _is_fp32(row: dict[str, Any]) -> bool:
@@ -242,35 +228,14 @@ def _table(tune: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
     table.add_column("×fp32", justify="right", no_wrap=True)
     table.add_column("verdict", no_wrap=True, overflow="ellipsis", max_width=11)
     for row in rows:
-        won, ok = bool(row.get("winner")), bool(row.get("stable") and row.get("feasible"))
-        goodput = remeasured_goodput(tune, row) if shows_paired(tune, row) or is_reference_row(tune, row) \
-            else row.get("goodput")
-        ratio = row_speedup(tune, row)
-        cell = "-"
-        if goodput and ratio:
-            spread = spread_text(candidate_spread(tune, row))
-            cell = f"{ratio:.2f}x" + (f" {spread}" if spread else "")
-        outcome = str(row.get("outcome") or "ok")
-        verdict = "ok" if ok else why_word(row)
-        style = VERDICT_STYLE.get("ok" if ok else outcome, "red")
-        table.add_row("→" if won else "", escape(short_label(str(row.get("label")))),
-                      f"{goodput:,.0f}" if goodput else "-", cell, f"[{style}]{escape(verdict)}[/]")
+        ok = bool(row.get("stable") and row.get("feasible"))
+        remeasured = shows_paired(tune, row) or is_reference_row(tune, row)
+        goodput = remeasured_goodput(tune, row) if remeasured else row.get("goodput")
+        outcome = "ok" if ok else str(row.get("outcome") or "ok")
+        table.add_row("→" if row.get("winner") else "", escape(short_label(str(row.get("label")))),
+                      f"{goodput:,.0f}" if goodput else "-", speedup_cell(tune, row, goodput),
+                      styled(outcome, escape("ok" if ok else why_word(row))))
     return table
-
-
-def machine_note(tune: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """One line on the machine where its noise made the answer less sure; else empty."""
-    noisy = [f"{short_label(str(row.get('label')))} {spread_text(spread)}" for row in rows
-             if row.get("goodput") and (spread := candidate_spread(tune, row)) is not None and spread > NOISY_SPREAD]
-    return f"note: a busy machine made timings noisy ({', '.join(noisy[:2])}): figures are rough" if noisy else ""
-
-
-def _next_step(tune: dict[str, Any]) -> str:
-    if tune.get("framework"):
-        return f"next: {run_command(tune)}"
-    if tune.get("calls_load_policy"):
-        return "next: run the script as usual (its advisor.load_policy() applies it)"
-    return "next: add mp = advisor.load_policy() to the script"
 
 
 def render_answer(tune: dict[str, Any], console: Console) -> None:
@@ -284,9 +249,10 @@ def render_answer(tune: dict[str, Any], console: Console) -> None:
         line(_winner_line(tune), "bold green")
     if rows:
         console.print(_table(tune, rows))
-    note = machine_note(tune, rows)
-    if note:
-        line(note, "yellow")
+    # A note on the machine only where its noise made the answer less sure.
+    if noisy := noisy_rows(tune, rows, short_label):
+        line(f"note: a busy machine made timings noisy ({', '.join(noisy[:2])}): figures are rough",
+             "yellow")
     for late in tune.get("late") or []:
         line(f"not run: {late['mode']}, {late['reason']}", "yellow")
     if tune.get("winner") is None:
@@ -296,4 +262,9 @@ def render_answer(tune: dict[str, Any], console: Console) -> None:
     if tune.get("cache_id") is not None:
         where += f" (cached, entry #{tune['cache_id']})"
     line(where)
-    line(_next_step(tune))
+    if tune.get("framework"):
+        line(f"next: {run_command(tune)}")
+    elif tune.get("calls_load_policy"):
+        line("next: run the script as usual (its advisor.load_policy() applies it)")
+    else:
+        line("next: add mp = advisor.load_policy() to the script")

@@ -4,10 +4,12 @@ and MFU, the cost, the study and how to continue it."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shlex
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,15 @@ from policies import Policy
 from probes import MpadviseError
 
 VERDICT_STYLE = {"ok": "green", "unstable": "yellow", "pruned": "dim"}
+
+# Above this half-spread a speed-up is called rough: step times this scattered hide a gap of the
+# size that separates modes (the design's 2-core build machine sees about ±10% between quartiles).
+NOISY_SPREAD = 0.25
+
+
+def styled(outcome: str, text: str | None = None) -> str:
+    """``text`` (by default the outcome itself) as markup in the outcome's colour."""
+    return f"[{VERDICT_STYLE.get(outcome, 'red')}]{outcome if text is None else text}[/]"
 
 
 def fmt_bytes(value: int | None) -> str:
@@ -81,11 +92,6 @@ def as_float(value: Any) -> float:
         return float("nan")
 
 
-# Above this half-spread a speed-up is called rough: step times this scattered hide a gap of the
-# size that separates modes (the design's 2-core build machine sees about ±10% between quartiles).
-NOISY_SPREAD = 0.25
-
-
 def shows_paired(tune: dict[str, Any], row: dict[str, Any]) -> bool:
     """Whether a row's ×fp32 is a paired figure of this run (the winner's, when it is paired)."""
     if row.get("winner"):
@@ -108,6 +114,17 @@ def row_speedup(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
     return row.get("search_speedup_vs_fp32", row.get("speedup_vs_fp32"))
 
 
+def speedup_cell(tune: dict[str, Any], row: dict[str, Any], goodput: float | None,
+                 mark: str = "") -> str:
+    """``1.42x ±3%``: the ×fp32 figure a row shows (``mark`` after it), with its spread; ``-``
+    where the row has no goodput or no figure."""
+    ratio = row_speedup(tune, row)
+    if not (goodput and ratio):
+        return "-"
+    spread = spread_text(candidate_spread(tune, row))
+    return f"{ratio:.2f}x{mark}" + (f" {spread}" if spread else "")
+
+
 def _rounds(tune: dict[str, Any], row: dict[str, Any]) -> list[Any]:
     """A row's goodputs over its rounds of re-measurement (fp32's alongside, for fp32)."""
     if is_reference_row(tune, row) and not row.get("winner"):
@@ -117,6 +134,12 @@ def _rounds(tune: dict[str, Any], row: dict[str, Any]) -> list[Any]:
 
 def _measured_runs(rounds: list[Any] | None) -> list[float]:
     return sorted(g for g in rounds or [] if isinstance(g, (int, float)) and g > 0)
+
+
+def median_round(finalist: dict[str, Any]) -> float:
+    """A finalist's median goodput over its rounds (its search run's when it ran none)."""
+    runs = _measured_runs(finalist.get("rounds"))
+    return statistics.median(runs) if runs else float(finalist.get("goodput") or 0.0)
 
 
 def remeasured_goodput(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
@@ -146,32 +169,13 @@ def candidate_spread(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
     return None
 
 
-def noisy_line(tune: dict[str, Any]) -> str:
-    """A warning naming the candidates whose speed-up rests on timings spread wider than
-    ±NOISY_SPREAD; empty when none is."""
-    noisy = []
-    for row in tune.get("candidates") or []:
-        spread = candidate_spread(tune, row)
-        if row.get("goodput") and spread is not None and spread > NOISY_SPREAD:
-            noisy.append(f"{row.get('label')} {spread_text(spread)}")
-    if not noisy:
-        return ""
-    return (f"noisy timings: {', '.join(noisy)}; their speed-ups are rough (another job or a busy GPU ran beside "
-            "them): tune again on a quieter machine, or with more --steps")
-
-
-def fmt_tflops(tflops: float | None) -> str:
-    return "-" if tflops is None else f"{tflops:.3g}"
-
-
-def fmt_mfu(mfu: float | None) -> str:
-    return "-" if mfu is None else f"{mfu:.0%}" if mfu >= 0.01 else f"{mfu:.1%}"
-
-
-def median_round(finalist: dict[str, Any]) -> float:
-    """A finalist's median goodput over its rounds (its search run's when it ran none)."""
-    runs = _measured_runs(finalist.get("rounds"))
-    return statistics.median(runs) if runs else float(finalist.get("goodput") or 0.0)
+def noisy_rows(tune: dict[str, Any], rows: list[dict[str, Any]],
+               label: Callable[[str], str] = str) -> list[str]:
+    """``"bf16 ±30%"`` for each row whose speed-up rests on timings spread wider than
+    ±NOISY_SPREAD; ``label`` shortens its label."""
+    return [f"{label(str(row.get('label')))} {spread_text(spread)}" for row in rows
+            if row.get("goodput") and (spread := candidate_spread(tune, row)) is not None
+            and spread > NOISY_SPREAD]
 
 
 def describe_speedup(speedup: dict[str, Any]) -> str:
@@ -232,42 +236,39 @@ def mfu_peak(tune: dict[str, Any]) -> tuple[str, float] | None:
     return max(peaks, key=lambda kv: kv[1]) if peaks else None
 
 
-def shared_reasons(rows: list[dict[str, Any]]) -> list[tuple[list[str], str, str]]:
-    """Why each losing candidate lost, a reason shared by several variants once: ``(labels,
-    outcome, reason)`` in the order the rows first give each reason."""
-    grouped: dict[tuple[str, str], list[str]] = {}
-    for row in rows:
-        if not (row.get("stable") and row.get("feasible")) and row.get("reason"):
-            grouped.setdefault((str(row.get("outcome")), str(row["reason"])), []).append(str(row.get("label")))
-    return [(labels, outcome, reason) for (outcome, reason), labels in grouped.items()]
-
-
 def render_details(tune: dict[str, Any], console: Console) -> None:
+    say = functools.partial(console.print, highlight=False)
     console.print(_tune_table(tune))
-    noisy = noisy_line(tune)
-    if noisy:
-        console.print(f"[yellow]{escape(noisy)}[/]", highlight=False)
+    if noisy := noisy_rows(tune, tune.get("candidates") or []):
+        text = (f"noisy timings: {', '.join(noisy)}; their speed-ups are rough (another job or a "
+                "busy GPU ran beside them): tune again on a quieter machine, or with more --steps")
+        say(f"[yellow]{escape(text)}[/]")
     if tune.get("window_note"):
-        console.print(f"window: {tune['window_note']}", highlight=False)
+        say(f"window: {tune['window_note']}")
     if tune.get("extended_window"):
-        console.print(f"judged again on a longer window, their gap to fp32 growing: {', '.join(tune['extended_window'])}",
-                      highlight=False)
+        say("judged again on a longer window, their gap to fp32 growing: "
+            + ", ".join(tune["extended_window"]))
     print_disturbances(console, tune.get("disturbed") or [])
-    console.print(utilisation_line(tune), highlight=False)
-    spread = spread_line(tune.get("reference") or {}, tune.get("replicate"))
-    if spread:
-        console.print(spread, highlight=False)
-    for labels, outcome, reason in shared_reasons(tune.get("candidates") or []):
-        console.print(f"[{VERDICT_STYLE.get(outcome, 'red')}]{escape(', '.join(labels))}[/]: {escape(reason)}",
-                      highlight=False)
-    _print_search(tune, console)
-    cost = cost_line(tune.get("cost"))
-    if cost:
-        console.print(cost, highlight=False)
+    say(utilisation_line(tune))
+    if spread := spread_line(tune.get("reference") or {}, tune.get("replicate")):
+        say(spread)
+    # Why each losing candidate lost: a reason shared by several variants once.
+    reasons: dict[tuple[str, str], list[str]] = {}
+    for row in tune.get("candidates") or []:
+        if not (row.get("stable") and row.get("feasible")) and row.get("reason"):
+            why = (str(row.get("outcome")), str(row["reason"]))
+            reasons.setdefault(why, []).append(str(row.get("label")))
+    for (outcome, reason), labels in reasons.items():
+        say(f"{styled(outcome, escape(', '.join(labels)))}: {escape(reason)}")
+    _print_search(tune, say)
+    if cost := tune.get("cost"):
+        say(f"cost: {cost.get('trials')} trials in {cost.get('wall_s', 0):.0f} s" + (
+            f", {cost['trial_equivalents']:.0f} measured windows of {cost['window_s']:.2g} s"
+            if cost.get("trial_equivalents") else ""))
     if tune.get("winner") is None:
         console.print("[bold red]no stable policy fits[/]: every candidate was unstable, out of memory or failed")
         return
-    _print_winner(tune, console)
+    _print_winner(tune, console, say)
 
 
 def _tune_table(tune: dict[str, Any]) -> Table:
@@ -295,9 +296,9 @@ def _tune_table(tune: dict[str, Any]) -> Table:
               + (f"; MFU: of the probed {peak[0]} peak, one for every row" if peak else ""))
     if any(row.get("resumed") for row in single):
         legend += "; *: an earlier run's or another worker's figure (resumed), never compared with this run's fp32"
-    speedup = tune.get("speedup") or {}
     if tune.get("speedup_vs_fp32"):
-        legend += f"\n† the winner's speed-up: {describe_speedup(speedup)}, the tune's one figure"
+        speedup = describe_speedup(tune.get("speedup") or {})
+        legend += f"\n† the winner's speed-up: {speedup}, the tune's one figure"
     # Short headers, explained by the legend; numbers and verdicts never wrap, labels wrap at
     # their spaces, so the table fits 80 columns with every figure whole.
     table = compact_table(title, legend)
@@ -306,39 +307,24 @@ def _tune_table(tune: dict[str, Any]) -> Table:
     for col in ("goodput", "×fp32", "TF/s", *(("MFU",) if peak else ()), "memory"):
         table.add_column(col, justify="right", no_wrap=True)
     table.add_column("verdict", no_wrap=True)
-    for row in sorted(paired, key=lambda r: -(row_speedup(tune, r) or 0.0)):
-        _add_row(table, tune, row, goodput=remeasured_goodput(tune, row), peak=peak)
-    if paired and single:
-        table.add_section()
-    for row in single:
-        _add_row(table, tune, row, goodput=row.get("goodput"), peak=peak)
+    paired.sort(key=lambda r: -(row_speedup(tune, r) or 0.0))
+    for i, row in enumerate(paired + single):
+        if paired and i == len(paired):
+            table.add_section()
+        goodput = remeasured_goodput(tune, row) if i < len(paired) else row.get("goodput")
+        won, tflops = bool(row.get("winner")), row.get("tflops")
+        resumed = "*" if row.get("resumed") and not shows_paired(tune, row) else ""
+        mfu = None if tflops is None or peak is None else tflops / peak[1]
+        mfu_cell = "-" if mfu is None else f"{mfu:.0%}" if mfu >= 0.01 else f"{mfu:.1%}"
+        table.add_row("→" if won else "", escape(str(row.get("label"))),
+                      f"{goodput:,.0f}{resumed}" if goodput else "-",
+                      speedup_cell(tune, row, goodput, "†" if won else ""),
+                      "-" if tflops is None else f"{tflops:.3g}", *([mfu_cell] if peak else []),
+                      fmt_bytes(row.get("peak_memory")), styled(row.get("outcome") or "ok"))
     for row in tune.get("pruned") or []:  # never run: no numbers to show
         table.add_row("", escape(str(row.get("label"))), *("-" for _ in range(5 if peak else 4)),
-                      f"[{VERDICT_STYLE['pruned']}]pruned[/]")
+                      styled("pruned"))
     return table
-
-
-def _add_row(table: Table, tune: dict[str, Any], row: dict[str, Any], *, goodput: float | None,
-             peak: tuple[str, float] | None) -> None:
-    outcome, won = row.get("outcome") or "ok", bool(row.get("winner"))
-    ratio = row_speedup(tune, row)
-    cell = f"{ratio:.2f}x" + ("†" if won else "") if goodput and ratio else "-"
-    spread = spread_text(candidate_spread(tune, row)) if cell != "-" else ""
-    shown_goodput = f"{goodput:,.0f}" + ("*" if row.get("resumed") and not shows_paired(tune, row) else "") if goodput else "-"
-    table.add_row("→" if won else "", escape(str(row.get("label"))), shown_goodput,
-                  cell + (f" {spread}" if spread else ""), fmt_tflops(row.get("tflops")),
-                  *((fmt_mfu(None if row.get("tflops") is None else row["tflops"] / peak[1]),) if peak else ()),
-                  fmt_bytes(row.get("peak_memory")), f"[{VERDICT_STYLE.get(outcome, 'red')}]{outcome}[/]")
-
-
-def cost_line(cost: dict[str, Any] | None) -> str | None:
-    """What the tune cost: its trials and wall time, in measured windows; or ``None``."""
-    if not cost:
-        return None
-    line = f"cost: {cost.get('trials')} trials in {cost.get('wall_s', 0):.0f} s"
-    if cost.get("trial_equivalents"):
-        line += f", {cost['trial_equivalents']:.0f} measured windows of {cost['window_s']:.2g} s"
-    return line
 
 
 def utilisation_line(tune: dict[str, Any]) -> str:
@@ -347,54 +333,53 @@ def utilisation_line(tune: dict[str, Any]) -> str:
     if not flops:
         return "TFLOP/s and MFU: not known (the reference's FLOPs could not be counted)"
     peaks = ", ".join(f"{k} {v:.3g}" for k, v in (tune.get("peak_tflops") or {}).items())
-    basis = tune.get("flops_basis") or "counted"
     peak = mfu_peak(tune)
-    rows = tune.get("candidates") or []
-    above = [] if peak is None else [row["label"] for row in rows if (row.get("tflops") or 0.0) > peak[1]]
+    basis = tune.get("flops_basis") or "counted"
     head = f"FLOPs per step {flops:.3g} ({basis}, in the fp32 reference)"
     if peak is None:
         return head + "; MFU: left out, no matmul peak probed"
+    rows = tune.get("candidates") or []
+    above = [row["label"] for row in rows if (row.get("tflops") or 0.0) > peak[1]]
     return (head + f"; MFU of every row is of one peak, the probed {peak[0]} matmul peak ({peak[1]:.3g} TFLOP/s, "
             f"the fastest dtype's); probed TFLOP/s: {peaks}"
             + (f"; above 100% ({', '.join(above)}): this workload's matmuls ran faster than the probe's square ones, "
                "so the probed peak is below what this hardware does here" if above else ""))
 
 
-def _print_search(tune: dict[str, Any], console: Console) -> None:
+def _print_search(tune: dict[str, Any], say: Callable[..., None]) -> None:
     """The priors, why the search stopped, the side-by-side re-measurement and any tie."""
-    ratios = ", ".join(f"{k} {v:.2g}x" for k, v in (tune.get("matmul_ratio_vs_fp32") or {}).items() if k != "fp32")
-    if ratios:
-        console.print(f"matmul throughput vs fp32 on this device (the search's priors): {ratios}", highlight=False)
-    console.print(f"search stopped: {tune.get('stop_reason')}", highlight=False)
+    priors = (tune.get("matmul_ratio_vs_fp32") or {}).items()
+    if ratios := ", ".join(f"{k} {v:.2g}x" for k, v in priors if k != "fp32"):
+        say(f"matmul throughput vs fp32 on this device (the search's priors): {ratios}")
+    say(f"search stopped: {tune.get('stop_reason')}")
     resumed = tune.get("trials_resumed") or 0
     if resumed:
-        console.print(f"resumed: {resumed} result{'' if resumed == 1 else 's'} from the stored study (an earlier run's or "
-                      "another worker's), never compared with this run's fp32: the finalists among them ran again, "
-                      "and the winner's figure is measured side by side in this run", highlight=False)
-    pruned = tune.get("pruned") or []
-    if pruned:
-        console.print(f"pruned (not run): {len(pruned)} proposals the priors ruled out; --no-priors runs them",
-                      highlight=False)
+        say(f"resumed: {resumed} result{'' if resumed == 1 else 's'} from the stored study (an "
+            "earlier run's or another worker's), never compared with this run's fp32: the "
+            "finalists among them ran again, and the winner's figure is measured side by side in "
+            "this run")
+    if tune.get("pruned"):
+        say(f"pruned (not run): {len(tune['pruned'])} proposals the priors ruled out; "
+            "--no-priors runs them")
     for late in tune.get("late") or []:
-        console.print(f"not run: {late['mode']}, {late['reason']}", highlight=False, markup=False)
+        say(f"not run: {late['mode']}, {late['reason']}", markup=False)
     finalists = tune.get("finalists") or []
     rounds = tune.get("remeasure_rounds")
     if len(finalists) > 1:
         close = ", ".join(f"{f['label']} {median_round(f):,.0f}/s" for f in finalists)
-        console.print(f"re-measured side by side{f' in {rounds} rounds' if rounds else ''}: {close}", highlight=False)
-    stop = remeasure_stop_line(tune)
-    if stop:
-        console.print(stop, highlight=False)
+        say(f"re-measured side by side{f' in {rounds} rounds' if rounds else ''}: {close}")
+    if stop := remeasure_stop_line(tune):
+        say(stop)
     for dropped in tune.get("dropped_finalists") or []:
-        console.print(f"[red]dropped[/] {dropped.get('label')}: {dropped.get('reason')}", highlight=False)
+        say(f"[red]dropped[/] {dropped.get('label')}: {dropped.get('reason')}")
     if tune.get("gap"):
         between = tune["gap"].get("between") or []
         # Against fp32, the decisive gap is the speed-up itself; between finalists it is no speed-up.
         rival = "" if between[1:2] == [(tune.get("reference") or {}).get("label", "fp32")] else \
             " (between finalists: not a speed-up over fp32)"
-        console.print(f"gap: {describe_gap(tune['gap'])}{rival}", highlight=False)
+        say(f"gap: {describe_gap(tune['gap'])}{rival}")
     if tune.get("tie_note"):
-        console.print(f"tie: {tune['tie_note']}", highlight=False)
+        say(f"tie: {tune['tie_note']}")
 
 
 def remeasure_stop_line(tune: dict[str, Any]) -> str:
@@ -425,31 +410,31 @@ def describe_gap(gap: dict[str, Any]) -> str:
     return f"{lead} ({interval}): {verdict}"
 
 
-def _print_winner(tune: dict[str, Any], console: Console) -> None:
+def _print_winner(tune: dict[str, Any], console: Console, say: Callable[..., None]) -> None:
     try:
         described = Policy.from_dict(tune["winner"]).describe()
     except MpadviseError:  # written by another version: its label still says what won
         described = str(tune.get("winner_label"))
     speedup = tune.get("speedup") or ({"ratio": tune["speedup_vs_fp32"]} if tune.get("speedup_vs_fp32") else None)
-    console.print(f"[bold green]winner[/]: {described}" + (f", {describe_speedup(speedup)}" if speedup else ""),
-                  highlight=False)
+    say(f"[bold green]winner[/]: {described}"
+        + (f", {describe_speedup(speedup)}" if speedup else ""))
     if tune.get("scale_batch_note"):
-        console.print(f"[yellow]note[/]: {tune['scale_batch_note']}", highlight=False)
+        say(f"[yellow]note[/]: {tune['scale_batch_note']}")
     if tune.get("config_file"):
-        console.print(f"wrote {tune['config_file']}", highlight=False)
+        say(f"wrote {tune['config_file']}")
     if tune.get("cache_id") is not None:
-        console.print(f"cached for this GPU/CPU as entry #{tune['cache_id']} (mpadvise show)", highlight=False)
+        say(f"cached for this GPU/CPU as entry #{tune['cache_id']} (mpadvise show)")
     if tune.get("storage"):
         # A database server's study is joined as it stands by every worker that runs this tune.
         how = ("every worker running this tune joins it" if shared_storage(tune["storage"])
                else f"continue with: {escape(resume_command(tune))}")
-        console.print(f"study {tune.get('study_name')!r} in {tune['storage']} ({how})", highlight=False)
+        say(f"study {tune.get('study_name')!r} in {tune['storage']} ({how})")
     if tune.get("framework"):
         # A framework script applies its policy with no changed line: through mpadvise run.
         export = shlex.join(["mpadvise", "export", *([pasteable_path(tune["config_file"])] if tune.get("config_file")
                                                       else []), "--to", str(tune["framework"])])
-        console.print(f"train with it: [bold]{escape(run_command(tune))}[/] (or {escape(export)})", highlight=False)
+        say(f"train with it: [bold]{escape(run_command(tune))}[/] (or {escape(export)})")
     elif tune.get("calls_load_policy"):
-        console.print("the script calls advisor.load_policy(): it applies the config file beside it", highlight=False)
+        say("the script calls advisor.load_policy(): it applies the config file beside it")
     else:
         console.print("add to the script: [bold]mp = advisor.load_policy()[/] (it reads the config file beside it)")

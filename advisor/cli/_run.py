@@ -1,18 +1,11 @@
 """``mpadvise run train.py -- ARGS``: run a script with its tuned policy applied, unchanged.
 
-A framework script (Lightning, the HF Trainer, Accelerate) runs under the framework adapter,
-which applies the policy through the framework's own settings, as its trials did; a plain
-PyTorch loop (no framework, no advisor import) runs under the plain-torch adapter, which applies
-it at torch's own seams (forward, backward, optimizer step, GradScaler) and names the script's
-own precision flag and the value that says the policy. A script
-written against the loop API applies its policy itself (``load_policy()``), so it runs as
-``python train.py ARGS`` with the chosen config file named in ``MPADVISE_POLICY``.
-
-A framework script for which nothing was tuned (no ``--config``, no ``MPADVISE_POLICY``, no
-config file beside it, nothing cached) runs with its own settings, as ``python train.py ARGS``
-would: mpadvise applies only what was measured, never its guess over the script's explicit
-precision. With ``--json``, one JSON object on one line follows the script's own output on
-stdout (``mpadvise run --json train.py | tail -1 | jq``).
+A framework script (Lightning, the HF Trainer, Accelerate, or a plain PyTorch loop) runs under
+its adapter, which applies the policy through the framework's own settings or torch's own seams,
+as its trials did. A script that calls ``load_policy()`` applies its policy itself, so it runs
+as ``python train.py ARGS`` with ``--config`` named in ``MPADVISE_POLICY``. A framework script
+for which nothing was tuned runs with its own settings: mpadvise applies only what was
+measured, never its guess over the script's explicit precision.
 """
 
 from __future__ import annotations
@@ -24,7 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,24 +27,22 @@ from advisor._load import POLICY_ENV, PolicySource, Resolution, after_guard_even
 from advisor._log import get_logger
 from advisor._paths import config_path_for
 from advisor.cache import TunedAnswer, cached_answers, guard_events_for
+from advisor.cli._common import bad_value
 from advisor.frameworks import RUN_POLICY_ENV, RUN_SOURCE_ENV, check_expressible, plan_for, refusal
 from advisor.runtime import GUARD_ENV, fallback_words, guard_setting, safe_fallback, script_digest
 from advisor.tune import check_script
 from policies import Policy, load_config, safe_default
-from probes import HardwareProfile, MpadviseError, UsageError
+from probes import HardwareProfile, UsageError
 
 
 def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile, args: Sequence[str] = ()) -> Resolution:
-    """The policy ``mpadvise run`` applies: ``--config``, ``MPADVISE_POLICY``, the config beside
-    the script, the cache, the safe default (the order ``load_policy()`` follows).
+    """The policy ``mpadvise run`` applies, in ``load_policy()``'s order: ``--config``,
+    ``MPADVISE_POLICY``, the config beside the script, the cache, the safe default.
 
-    The workload check that ``setup()`` makes for a tune's answer (cached, or the config file a
-    tune wrote beside the script) cannot run before a framework builds the model, so here such
-    an answer applies only to the script it was tuned on: the same content, and the same
-    arguments ``args`` where the tune recorded them (``record_tune(args=...)``; an answer that
-    does not say is judged on the content alone). Of the tunes' answers for this script, the
-    first tuned on both applies; without one, ``safe_fallback`` applies (the safe default, or the
-    tuned mode where that is safer), with a warning that says what differs.
+    The workload check that ``setup()`` makes cannot run before a framework builds the model, so
+    a tune's answer applies only to the script it was tuned on: the same content, and the same
+    ``args`` where the tune recorded them. Without such an answer, ``safe_fallback`` applies,
+    with a warning that says what differs.
     """
     resolution = tuned_for_run(script, config, profile, args)
     if resolution is None:
@@ -60,9 +52,8 @@ def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile,
 
 def tuned_for_run(script: Path, config: Path | None, profile: HardwareProfile,
                   args: Sequence[str] = ()) -> Resolution | None:
-    """``resolve_for_run``'s answer, or ``None`` when nothing was tuned for ``script``: no
-    ``--config``, no ``MPADVISE_POLICY``, no config file beside it and nothing cached (a tuned
-    policy that does not fit this run still resolves, to its fallback, with a warning)."""
+    """``resolve_for_run``'s answer, or ``None`` when nothing at all was tuned for ``script`` (a
+    tuned policy that does not fit this run still resolves, to its fallback, with a warning)."""
     resolution = resolve_policy(config, profile=profile, script=script, environ=os.environ, cached=cached_answers)
     if resolution.kind is PolicySource.SAFE_DEFAULT and resolution.mismatch is None:
         return None  # resolve_policy found nothing at all: its hardware default is a guess
@@ -101,46 +92,60 @@ def _differences(answer: TunedAnswer, digest: str | None, args: tuple[str, ...],
 
 def run_command(script: Path, script_args: list[str], *, config: Path | None, framework: str | None,
                 device: str | None, json_output: bool = False, guard: str | None = None) -> int:
-    """Run the script with its policy applied; returns the script's exit code.
-
-    With ``json_output``, one line of JSON follows the script's own output on stdout: what
-    ``run_summary`` says.
+    """Run the script with its policy applied; returns the script's exit code. With
+    ``json_output``, one line of JSON (``_summary``) follows the script's own output on stdout.
 
     Raises:
-        UsageError: a ``--config`` that is missing or does not load (bad TOML, an unknown mode,
-            a field of the wrong type, a file refused as untrusted), an unknown framework.
+        UsageError: a ``--config`` that is missing or does not load, a bad ``--guard``, an
+            unknown framework.
         MpadviseError: a missing script, or a policy the framework cannot apply.
     """
     path = check_script(script)
-    _check_named_config(config)
+    if config is not None:
+        if not config.is_file():
+            raise UsageError(f"--config: config file {config} does not exist")
+        with bad_value():
+            load_config(config)
     plan = plan_for(path, framework)
     env = dict(os.environ)
-    env[GUARD_ENV] = _guard_for_run(guard)
+    with bad_value("--guard: "):  # a run under mpadvise is watched unless told otherwise
+        env[GUARD_ENV] = guard_setting(guard if guard is not None else env.get(GUARD_ENV) or "warn")
+
+    def summary(framework: str | None, policy: Policy | None, source: str,
+                kind: PolicySource | None) -> dict[str, Any] | None:
+        """What ``run --json`` says besides the exit code and the wall time."""
+        if not json_output:
+            return None
+        return {"script": str(path), "framework": framework,
+                "policy": None if policy is None else policy.to_dict(), "source": source,
+                "source_kind": None if kind is None else kind.value}
+
     if plan.framework is None:
         # The script calls load_policy() itself: it resolves the same way, makes the workload
         # check at setup(), and logs its own line. A config file it would refuse (another
         # user's, or one others can write) is refused here first, in one line.
-        _check_config_file(config, path)
+        named = str(config) if config is not None else env.get(POLICY_ENV)
+        beside = config_path_for(path)
+        loaded = load_config(named or beside) if named or os.path.lexists(beside) else None
         if config is not None:
             env[POLICY_ENV] = str(config.resolve())
         if device is not None:
-            get_logger().warning("--device applies to framework scripts; a load_policy() script picks its own device")
-        summary = None
-        if json_output:
-            # The script resolves its policy itself, and names it in its own line; a config file
-            # named here is the one it applies.
-            named = config or os.environ.get(POLICY_ENV) or None
-            summary = _summary(script=path, framework=None, policy=None if named is None else load_config(named),
-                               source="load_policy() in the script" if named is None else f"config file {named}",
-                               kind=None if named is None else PolicySource.EXPLICIT if config else PolicySource.ENV)
-        return _run([sys.executable, str(path), *script_args], env, summary=summary)
+            get_logger().warning("--device applies to framework scripts; a load_policy() script "
+                                 "picks its own device")
+        if not named:
+            return _run([sys.executable, str(path), *script_args], env,
+                        summary(None, None, "load_policy() in the script", None))
+        # A config file named here is the one the script applies.
+        kind = PolicySource.EXPLICIT if config else PolicySource.ENV
+        return _run([sys.executable, str(path), *script_args], env,
+                    summary(None, loaded, f"config file {named}", kind))
     profile = probes.profile_for(device)
     resolution = tuned_for_run(path, config, profile, script_args)
     if resolution is None:
-        get_logger().warning(f"no tuned policy for {script}; running it with its own settings: mpadvise tune {script} first")
-        return _run([sys.executable, str(path), *script_args], env, summary=_summary(
-            script=path, framework=plan.framework, policy=None, source="none: the script's own settings",
-            kind=None) if json_output else None)
+        get_logger().warning(f"no tuned policy for {script}; running it with its own settings: "
+                             f"mpadvise tune {script} first")
+        return _run([sys.executable, str(path), *script_args], env,
+                    summary(plan.framework, None, "none: the script's own settings", None))
     if config is None and resolution.kind is not PolicySource.ENV:
         # A long run under this policy that the guard saw go wrong: the mode it fell back to.
         resolution = after_guard_events(resolution, guard_events_for(profile, path))
@@ -153,69 +158,21 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
     with _policy_file(policy, config) as file:
         env[RUN_POLICY_ENV] = file
         env[RUN_SOURCE_ENV] = resolution.source
-        return _run([sys.executable, *plan.launch, str(path), *script_args], env, summary=_summary(
-            script=path, framework=plan.framework, policy=policy, source=resolution.source,
-            kind=resolution.kind) if json_output else None)
+        return _run([sys.executable, *plan.launch, str(path), *script_args], env,
+                    summary(plan.framework, policy, resolution.source, resolution.kind))
 
 
-def _check_named_config(config: Path | None) -> None:
-    """Refuse a ``--config`` that cannot be applied, in one line, as the bad option value it is.
-
-    Raises:
-        UsageError: (exit 2) it does not exist, or ``load_config`` refuses it (not TOML, an
-            unknown mode, a field of the wrong type, a symlink or a file others may write).
-    """
-    if config is None:
-        return
-    if not config.is_file():
-        raise UsageError(f"--config: config file {config} does not exist")
-    try:
-        load_config(config)
-    except MpadviseError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _summary(*, script: Path, framework: str | None, policy: Policy | None, source: str,
-             kind: PolicySource | None) -> dict[str, Any]:
-    """What ``run --json`` says besides the exit code and the wall time (``run_summary``)."""
-    return {
-        "script": str(script),
-        "framework": framework,
-        "policy": None if policy is None else policy.to_dict(),
-        "source": source,
-        "source_kind": None if kind is None else kind.value,
-    }
-
-
-def _check_config_file(config: Path | None, script: Path) -> None:
-    """Load the config file a ``load_policy()`` script would read (``--config``,
-    ``MPADVISE_POLICY``, or the one beside the script), so that a bad or untrusted one is
-    refused before the script starts. Raises ``PolicyError``."""
-    named = str(config) if config is not None else os.environ.get(POLICY_ENV)
-    path = Path(named) if named else config_path_for(script)
-    if named or os.path.lexists(path):
-        load_config(path)
-
-
-class _policy_file:
+@contextmanager
+def _policy_file(policy: Policy, config: Path | None) -> Iterator[str]:
     """The config file to hand to the child: ``config`` itself, or a private temporary copy."""
-
-    def __init__(self, policy: Policy, config: Path | None) -> None:
-        self.policy, self.config = policy, config
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-
-    def __enter__(self) -> str:
-        if self.config is not None:
-            return str(self.config.resolve())
-        self._tmp = tempfile.TemporaryDirectory(prefix="mpadvise-run-")
-        return str(self.policy.save(Path(self._tmp.name) / "policy.mpadvise.toml"))
-
-    def __exit__(self, *exc: object) -> None:
-        if self._tmp is not None:
-            self._tmp.cleanup()
+    if config is not None:
+        yield str(config.resolve())
+        return
+    with tempfile.TemporaryDirectory(prefix="mpadvise-run-") as directory:
+        yield str(policy.save(Path(directory) / "policy.mpadvise.toml"))
 
 
-def _run(argv: list[str], env: dict[str, str], *, summary: dict[str, Any] | None = None) -> int:
+def _run(argv: list[str], env: dict[str, str], summary: dict[str, Any] | None) -> int:
     """Run the script, its output passing through; with ``summary``, print it after the script's
     output as one line of JSON on stdout, with ``exit_code`` and ``wall_s`` added."""
     started = time.monotonic()
@@ -230,17 +187,3 @@ def _run(argv: list[str], env: dict[str, str], *, summary: dict[str, Any] | None
         sys.stdout.write(json.dumps({**summary, "exit_code": code, "wall_s": wall}, default=str) + "\n")
         sys.stdout.flush()
     return code
-
-
-def _guard_for_run(guard: str | None) -> str:
-    """The guard setting the script runs with: ``--guard``, else ``MPADVISE_GUARD``, else
-    ``warn`` (a run under mpadvise is watched unless told otherwise).
-
-    Raises:
-        UsageError: a value that is not a guard setting.
-    """
-    try:
-        return guard_setting(guard if guard is not None else os.environ.get(GUARD_ENV) or "warn")
-    except MpadviseError as exc:
-        raise UsageError(f"--guard: {exc}") from None
-

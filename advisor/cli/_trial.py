@@ -10,7 +10,6 @@ import logging
 import os
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ from rich.table import Table
 
 import probes
 from advisor._log import get_logger
+from advisor.cli._common import bad_value
 from advisor.cli._plot import check_matplotlib, plot_trials
 from advisor.cli._report import evaluation_table, print_reasons, trial_progress
 from advisor.cli._report_cells import print_disturbances, spread_line
@@ -86,11 +86,9 @@ class TrialStream:
         self._append({"event": "comparison", **payload})
 
     def _append(self, record: dict[str, Any]) -> None:
-        if self.path is None:
-            return
-        line = json.dumps(record, default=str) + "\n"
-        with self.path.open("a", encoding="utf-8") as stream:
-            stream.write(line)
+        if self.path is not None:
+            with self.path.open("a", encoding="utf-8") as stream:
+                stream.write(json.dumps(record, default=str) + "\n")
 
 
 def run_trial_command(script: Path, script_args: list[str], options: TuneOptions, *, plot: Path | None,
@@ -102,10 +100,8 @@ def run_trial_command(script: Path, script_args: list[str], options: TuneOptions
         get_logger().setLevel(logging.WARNING)
     path = check_script(script)
     if plot is not None:  # drawn after every trial: a path it cannot take is refused before the first
-        try:
+        with bad_value():  # a bad --plot value; matplotlib missing (below) is not one
             probes.check_writable(plot, "plot")
-        except MpadviseError as exc:  # a bad --plot value; matplotlib missing (below) is not one
-            raise UsageError(str(exc)) from None
         check_matplotlib()
     try:  # a trial may be short, for its speeds alone; say so before it runs, not after
         check_judgeable_window(options)
@@ -113,18 +109,15 @@ def run_trial_command(script: Path, script_args: list[str], options: TuneOptions
         get_logger().warning(f"{exc}; until then every candidate is too-short: its speed is measured, its "
                              "stability is not judged")
     # The trials' warm server imports while this process imports torch and probes.
-    warm = prestarted_launcher(path, script_args, plan_for(path, options.framework).launch,
-                               nproc_per_node=options.nproc_per_node)
-    try:
+    with prestarted_launcher(path, script_args, plan_for(path, options.framework).launch,
+                             nproc_per_node=options.nproc_per_node) as warm:
         return _compare_here(path, script_args, options, warm, plot=plot, json_output=json_output, console=console,
                              stream=stream, quiet=quiet, pairs=pairs)
-    finally:
-        warm.close()
 
 
 def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm: WarmLauncher, *,
                   plot: Path | None, json_output: bool, console: Console, stream: TrialStream | None,
-                  quiet: bool, pairs: int = 0) -> int:
+                  quiet: bool, pairs: int) -> int:
     profile = probes.profile_for(options.device)
     plan = plan_for(path, options.framework, device=profile.device)
     if options.modes:
@@ -132,15 +125,13 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     else:  # every mode the hardware supports that the script's framework can apply
         modes = [m for m in default_trial_modes(profile) if plan.limits is None or plan.limits.modes is None
                  or m in plan.limits.modes]
-    modes = [m for m in modes if m != "fp32"]
+    candidates = [(Policy(mode=m), m) for m in modes if m != "fp32"]
     # Every trial counts one warm-up step's FLOPs (so all run alike): the reference's count is the
     # work each trial's step does, and its TFLOP/s is that over the trial's median step.
     settings = dataclasses.replace(TrialSettings.for_tune(options.with_(framework=plan.framework)), count_flops=True)
     # Like a tune's, every trial is run again when the machine disturbed or lost it.
     watch = DisturbanceWatch(profile=profile)
     runner = SteadyRunner(ScriptRunner(path, script_args, settings, launch=plan.launch, warm=warm), watch)
-    candidates = [(Policy(mode=m), m) for m in modes]
-    progress_console = Console(stderr=True) if json_output else console
     if stream is None:  # the file MPADVISE_TRIAL_STREAM names, or none
         named = os.environ.get(STREAM_ENV, "").strip()
         stream = TrialStream(Path(named) if named else None, given_by=STREAM_ENV)
@@ -149,30 +140,34 @@ def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm
     paired: list[PairedRuns] = []
     try:
         # The reference, its perturbed replicate, then each candidate.
-        with trial_progress(progress_console, len(candidates) + 2, enabled=bar) as (start, done):
-            comparison = run_comparison(runner, candidates, on_start=start, on_done=_both(done, stream.trial))
+        first = len(candidates) + 2
+        with trial_progress(console, first, enabled=bar, then=stream.trial) as (start, done):
+            comparison = run_comparison(runner, candidates, on_start=start, on_done=done)
         runs = pairs_runs(comparison, pairs)
         if runs:  # none without a stable candidate to pair
-            with trial_progress(progress_console, runs, enabled=bar) as (start, done):
-                first = len(candidates) + 2  # each run of the rounds streams as a trial of its own
-                paired = run_pairs(runner, comparison, pairs, on_start=start, on_done=_both(
-                    done, lambda i, ev: stream.trial(first + i, ev, role="pair")))
+            def then(i: int, ev: Evaluation) -> None:  # each run streams as a trial of its own
+                stream.trial(first + i, ev, role="pair")
+
+            with trial_progress(console, runs, enabled=bar, then=then) as (start, done):
+                paired = run_pairs(runner, comparison, pairs, on_start=start, on_done=done)
     finally:
         close = getattr(runner, "close", None)  # ends the runner's warm server; a stand-in may hold none
         if close is not None:
             close()
+    advice = _timeout_advice(comparison, settings)
     if plot is not None:
         replicate = None if comparison.replicate is None else comparison.replicate.curve
         plot_trials(str(plot), comparison.reference, comparison.evaluations, replicate=replicate,
-                    advice=_timeout_advice(comparison, settings), judged_against=comparison.judged_against())
-    payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot)
+                    advice=advice, judged_against=comparison.judged_against())
+    payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot,
+                       advice)
     payload["pairs"] = {"rounds": pairs, "candidates": [p.to_dict() for p in paired]} if pairs else None
     payload["disturbed"] = [event.to_dict() for event in watch.events]
     stream.comparison(payload)
     if json_output:
         sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
     else:
-        _render(comparison, path, profile, settings, plot, console)
+        _render(comparison, path, profile, settings, plot, advice, console)
         if pairs:
             _render_pairs(paired, pairs, console)
         print_disturbances(console, payload["disturbed"])
@@ -200,22 +195,14 @@ def _render_pairs(paired: list[PairedRuns], rounds: int, console: Console) -> No
         console.print(f"  {p.label}: {text}", highlight=False)
 
 
-def _both(*callbacks: Callable[[int, Evaluation], None]) -> Callable[[int, Evaluation], None]:
-    def on_done(index: int, evaluation: Evaluation) -> None:
-        for callback in callbacks:
-            callback(index, evaluation)
-
-    return on_done
-
-
 def _payload(comparison: Comparison, path: Path, script_args: list[str], framework: str | None,
-             profile: HardwareProfile, settings: TrialSettings, plot: Path | None) -> dict[str, Any]:
+             profile: HardwareProfile, settings: TrialSettings, plot: Path | None,
+             advice: dict[str, str]) -> dict[str, Any]:
     replicate = comparison.replicate
-    advice = _timeout_advice(comparison, settings)
-    reference_flops = comparison.reference.result.flops_per_step
+    flops = comparison.reference.result.flops_per_step
     replicate_dict = None if replicate is None else replicate.to_dict()
     if replicate_dict is not None and replicate.result is not None:
-        replicate_dict.update(trial_breakdown(replicate.result, reference_flops))
+        replicate_dict.update(trial_breakdown(replicate.result, flops))
     return {
         "script": str(path),
         "args": script_args,
@@ -226,10 +213,11 @@ def _payload(comparison: Comparison, path: Path, script_args: list[str], framewo
                      "seed": settings.seed, "memory_limit": settings.memory_limit,
                      "nproc_per_node": settings.nproc_per_node},
         "window_note": comparison.window_note,
-        "reference": {**comparison.reference.to_dict(), **trial_breakdown(comparison.reference.result, reference_flops)},
+        "reference": {**comparison.reference.to_dict(),
+                      **trial_breakdown(comparison.reference.result, flops)},
         "replicate": replicate_dict,
         "second_replicate": None if comparison.second_replicate is None else comparison.second_replicate.to_dict(),
-        "candidates": [{**ev.to_dict(), **trial_breakdown(ev.result, reference_flops),
+        "candidates": [{**ev.to_dict(), **trial_breakdown(ev.result, flops),
                         **({"advice": advice[ev.label]} if ev.label in advice else {})}
                        for ev in comparison.evaluations],
         "plot": str(plot) if plot else None,
@@ -237,7 +225,7 @@ def _payload(comparison: Comparison, path: Path, script_args: list[str], framewo
 
 
 def _render(comparison: Comparison, path: Path, profile: HardwareProfile, settings: TrialSettings,
-            plot: Path | None, console: Console) -> None:
+            plot: Path | None, advice: dict[str, str], console: Console) -> None:
     reference, evaluations, replicate = comparison.reference, comparison.evaluations, comparison.replicate
     steps = comparison.measure_steps or settings.measure_steps
     title = (f"{path.name} on {profile.name}: {settings.warmup_steps} warm-up + {steps} measured steps per trial, "
@@ -251,8 +239,8 @@ def _render(comparison: Comparison, path: Path, profile: HardwareProfile, settin
         console.print(f"{comparison.second_replicate.label}: run because a candidate fell just short of the limits "
                       "the first set (its reason says against which it was judged)", highlight=False)
     print_reasons(console, evaluations)
-    for label, advice in _timeout_advice(comparison, settings).items():
-        console.print(f"[red]{label}[/]: {advice}", highlight=False)
+    for label, text in advice.items():
+        console.print(f"[red]{label}[/]: {text}", highlight=False)
     rows = [("fp32", reference.result)]
     if replicate is not None and replicate.result is not None:
         rows.append(("fp32 replicate", replicate.result))

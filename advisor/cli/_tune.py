@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shlex
+from contextlib import nullcontext
 from pathlib import Path
 
 import typer
@@ -18,7 +19,6 @@ from advisor._log import get_logger
 from advisor.cli._common import err_console, fail, print_json
 from advisor.cli._report import render_tune, tune_progress
 from advisor.frameworks import check_plan_modes, plan_for
-from advisor.trial import WarmLauncher
 from advisor.tune import (
     ScriptLaunch,
     TuneOptions,
@@ -45,44 +45,32 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
     # The URL may come from the environment instead, to keep its password out of ps.
     options = options.with_(storage=resolve_storage(options.storage, os.environ))
     path = check_script(script)
-    warm = None
-    if not dry_run:
-        # The trials' warm server imports while this process imports torch and probes.
-        warm = prestarted_launcher(path, script_args, plan_for(path, options.framework).launch,
-                                   nproc_per_node=options.nproc_per_node)
-    try:
-        return _tune_here(path, script, script_args, given, options, warm, json_output=json_output,
-                          console=console, quiet=quiet, dry_run=dry_run, verbose=verbose)
-    finally:
-        if warm is not None:
-            warm.close()
-
-
-def _tune_here(path: Path, script: Path, script_args: list[str], given: TuneOptions, options: TuneOptions,
-               warm: WarmLauncher | None, *, json_output: bool, console: Console, quiet: bool,
-               dry_run: bool, verbose: bool) -> int:
-    profile = probes.profile_for(options.device)
-    plan = plan_for(path, options.framework, device=profile.device)
-    check_plan_modes(plan, list(options.modes))
-    if dry_run:
-        planned = tune_plan(TuneRequest(path, tuple(script_args), options, ScriptLaunch.of(plan)), profile)
-        print_json(planned) if json_output else _render_plan(planned, console)
-        return 0
-    if options.storage is None:  # chosen here, as the tune would, so the study can be named before it runs
-        options = options.with_(storage=default_storage())
-    study_name = study_name_for(path, list(script_args), hardware_fingerprint(profile),
-                                processes=options.nproc_per_node)
-    flags = (*(["--json"] if json_output else []), *(["--quiet"] if quiet else []))
-    resume = resume_command(script, script_args, given, flags)
-    request = TuneRequest(path, tuple(script_args), options, ScriptLaunch.of(plan))
-    if quiet:
-        get_logger().setLevel(logging.WARNING)
-    progress_console = Console(stderr=True) if json_output else console
-    try:
-        done = tune_script(request, profile=profile, warm=warm,
-                           progress=None if quiet else lambda total: tune_progress(progress_console, total))
-    except KeyboardInterrupt:
-        raise _interrupted(options.storage, study_name, resume) from None
+    # The trials' warm server imports while this process imports torch and probes.
+    launch = plan_for(path, options.framework).launch
+    warm = None if dry_run else prestarted_launcher(path, script_args, launch,
+                                                    nproc_per_node=options.nproc_per_node)
+    with warm or nullcontext():
+        profile = probes.profile_for(options.device)
+        plan = plan_for(path, options.framework, device=profile.device)
+        check_plan_modes(plan, list(options.modes))
+        if dry_run:
+            planned = tune_plan(TuneRequest(path, tuple(script_args), options, ScriptLaunch.of(plan)), profile)
+            print_json(planned) if json_output else _render_plan(planned, console)
+            return 0
+        if options.storage is None:  # chosen here, as the tune would, so the study can be named before it runs
+            options = options.with_(storage=default_storage())
+        study_name = study_name_for(path, list(script_args), hardware_fingerprint(profile),
+                                    processes=options.nproc_per_node)
+        flags = (*(["--json"] if json_output else []), *(["--quiet"] if quiet else []))
+        resume = resume_command(script, script_args, given, flags)
+        request = TuneRequest(path, tuple(script_args), options, ScriptLaunch.of(plan))
+        if quiet:
+            get_logger().setLevel(logging.WARNING)
+        try:
+            progress = None if quiet else functools.partial(tune_progress, console)
+            done = tune_script(request, profile=profile, warm=warm, progress=progress)
+        except KeyboardInterrupt:
+            raise _interrupted(options.storage, study_name, resume) from None
     if json_output:
         print_json(done.to_dict())
     else:  # the continue line is this command as typed: the tune's JSON does not hold its options
@@ -126,13 +114,10 @@ def resume_command(script: Path, script_args: list[str], options: TuneOptions, f
     """This tune's command line as given (``flags``: its own, such as ``--json``), with
     ``--resume``; a storage URL's password masked (one from the environment stays there)."""
     options = options.with_(resume=True, fresh=False)
-    argv = options.to_argv()
-    if options.storage is not None:
-        at = argv.index(options.storage)
-        argv[at] = shown_url(options.storage) or options.storage
-    tail = ["--", *script_args] if script_args else []
+    argv = [shown_url(arg) or arg if arg == options.storage else arg for arg in options.to_argv()]
     # Always the installed name, however this process was started: a command to paste never
     # carries an interpreter's path.
+    tail = ["--", *script_args] if script_args else []
     return shlex.join(["mpadvise", "tune", str(script), *argv, *flags, *tail])
 
 
@@ -142,15 +127,15 @@ def _interrupted(storage: str | None, study_name: str, resume: str) -> typer.Exi
         return fail(f"interrupted; study {study_name!r} was kept in memory, so nothing can be resumed: run the "
                     "tune again to start over", 130)
     finished = finished_trials(storage, study_name)
-    plural = "" if finished == 1 else "s"
-    exit_ = fail(f"interrupted; {finished} finished trial{plural} kept in study {study_name!r} in "
-                 f"{shown_url(storage)!r}", 130)
+    trials = f"{finished} finished trial{'' if finished == 1 else 's'}"
+    exit_ = fail(f"interrupted; {trials} kept in study {study_name!r} in {shown_url(storage)!r}",
+                 130)
     err_console.print(f"continue with: {resume}", highlight=False, markup=False, soft_wrap=True)
     return exit_
 
 
 def submit_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
-                        console: Console, poll_s: float = 1.0, quiet: bool = False, verbose: bool = False) -> int:
+                        console: Console, quiet: bool = False, verbose: bool = False) -> int:
     """Queue the tune with the local daemon, follow its lines (not with ``quiet``), and report it
     as a local tune; returns the tune's exit code."""
     from advisor.daemon import DaemonClient, finished_tune, tune_job_body
@@ -174,7 +159,7 @@ def submit_tune_command(script: Path, script_args: list[str], options: TuneOptio
     err.print(f"queued job {job['id']} with the daemon at {client.where}", highlight=False)
     try:
         job = client.follow(job, on_line=lambda line: err.print(line, highlight=False, markup=False),
-                            on_waiting=lambda message: err.print(message, highlight=False), poll_s=poll_s)
+                            on_waiting=lambda message: err.print(message, highlight=False))
     except KeyboardInterrupt:
         client.cancel(job["id"])
         err.print(f"cancelled job {job['id']}", highlight=False)

@@ -251,17 +251,15 @@ def test_progress_goes_to_stderr_and_leaves_stdout_to_the_result(capsys):
 # -- the other commands' tables ----------------------------------------------------------------------------
 
 
-def test_the_study_status_table_fits_80_columns(monkeypatch):
-    from advisor.cli import _study
+def test_the_study_status_table_fits_80_columns():
+    from advisor.cli._cache import render_studies
 
-    console = Console(record=True, width=80, file=io.StringIO())
-    monkeypatch.setattr(_study, "console", console)
     studies = [{"study": "train_language_model-3f2a9c1d", "hardware": LONG_DEVICE,
                 "trials": {"complete": 120, "running": 3, "waiting": 0, "failed": 12},
                 "workers": ["node-a.cluster.example.org", "node-b.cluster.example.org"],
                 "best": {"label": LONG_LABELS[1], "goodput": 123456.7}}]
-    _study.render_status("postgresql://tuner:****@db.example.org:5432/studies", studies)
-    _assert_fits(console.export_text(), must_appear=("done", "run", "wait", "fail", "120", "12",
+    report = {"storage": "postgresql://tuner:****@db.example.org:5432/studies", "studies": studies}
+    _assert_fits(_text(render_studies, report), must_appear=("done", "run", "wait", "fail", "120", "12",
                                                      "123,456.7"))
 
 
