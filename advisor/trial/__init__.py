@@ -11,7 +11,6 @@ from __future__ import annotations
 from ._child import applied_for_trial, run_in_process, spec_from_env, trial_candidate
 from ._child_exit import ResultWriter, end_trial_process, install_excepthook
 from ._classify import classify
-from ._cold_reasons import WARM_ENV, framework_preload
 from ._launch import run_trial, trial_environment
 from ._python_command import RUN_MODULE
 from ._rank_merge import merge_rank_results
@@ -38,7 +37,7 @@ from ._seeding import perturb_parameters, seed_everything
 from ._step_window import StepWindow
 from ._timeline import PHASES, TIMELINE_MARKS, breakdown, startup_seconds
 from ._underflow import UNDERFLOW_EVERY, optimizer_eps
-from ._warm import WarmLauncher
+from ._warm import WARM_ENV, WarmLauncher, framework_preload
 
 __all__ = [
     "DEFAULT_MEASURE_STEPS", "DEFAULT_WARMUP_STEPS", "EXITS_ENV", "EXIT_NO_STEP",

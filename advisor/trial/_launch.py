@@ -16,13 +16,13 @@ from typing import Any
 
 from ._classify import classify
 from ._oom_kills import oom_kill_count
-from ._proctree import TrialProcess, end_trial, launcher_argv
+from ._proctree import end_trial, launcher_argv
 from ._python_command import THREADS_ENV, cold_command
 from ._rank_merge import merge_rank_results
 from ._ranks import EXITS_ENV
 from ._schema import POLICY_ENV, TRIAL_SPEC_ENV, TrialResult, TrialSpec, rank_result_path
 from ._stacks import request_stack_dumps, stack_dump_path
-from ._warm import WarmLauncher
+from ._warm import WarmLauncher, WarmTrial
 
 
 def trial_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -63,7 +63,7 @@ def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, 
     command = [*launch, str(script), *args]
     with tempfile.TemporaryFile("w+b") as err, tempfile.TemporaryFile("w+b") as out:
         launched, start = time.time(), time.perf_counter()
-        proc: TrialProcess | None = None
+        proc: subprocess.Popen[bytes] | WarmTrial | None = None
         if warm is not None:
             proc = warm.start_trial(command, env=child_env, cwd=cwd, stdout=out, stderr=err, python=python,
                                     nproc_per_node=spec.nproc_per_node)
@@ -82,23 +82,21 @@ def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, 
         except subprocess.TimeoutExpired:
             timed_out = True
             stacks = request_stack_dumps(stack_paths, proc.pid)  # where each process hung, before the kill
-            end_trial(proc)
+            end_trial(proc.pid)
             code = proc.wait()
         except BaseException:
-            end_trial(proc)
+            end_trial(proc.pid)
             proc.wait()
             raise
         exited, wall = time.time(), time.perf_counter() - start
         err.seek(0)
         tail = _tail(err.read())
-    oom_after = oom_kill_count() if oom_before is not None else None
+    oom_after = oom_kill_count()
     if rank_paths:
         data = merge_rank_results([_read_json(path) for path in rank_paths], exits=_read_json(exits_path))
-        exits_path.unlink(missing_ok=True)
     else:
         data = _read_json(result_path)
-    spec_file.unlink(missing_ok=True)
-    for path in stack_paths:
+    for path in (spec_file, exits_path, *stack_paths):
         path.unlink(missing_ok=True)
     return classify(
         data, exit_code=code, timed_out=timed_out, stacks=stacks, stderr_tail=tail, spec=spec, timeout=timeout,
@@ -106,23 +104,9 @@ def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, 
         timeline={"launched": launched, "exited": exited})
 
 
-_LAUNCHER_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
-
-
 def _tail(raw: bytes, max_chars: int = 4000, max_lines: int = 30) -> str:
-    text = _without_launcher_report(raw.decode("utf-8", errors="replace"))
-    lines = [ln for ln in text.splitlines() if ln.strip()]
+    lines = [ln for ln in raw.decode("utf-8", errors="replace").splitlines() if ln.strip()]
     return "\n".join(lines[-max_lines:])[-max_chars:]
-
-
-def _without_launcher_report(text: str) -> str:
-    """stderr without torchrun's closing report, which would push the failing rank's own
-    traceback out of the tail."""
-    at = text.rfind(_LAUNCHER_FAILURE)
-    if at < 0:
-        return text
-    start = text.rfind("Traceback (most recent call last):", 0, at)
-    return text[: start if start >= 0 else at]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

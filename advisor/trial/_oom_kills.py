@@ -4,6 +4,7 @@ tell a kill by the OOM killer from any other SIGKILL."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 
@@ -33,14 +34,11 @@ def memory_cgroup_dirs(cgroups: str, mountinfo: str) -> list[tuple[int, Path]]:
     """The directories of a process's memory cgroup, from ``/proc/<pid>/cgroup`` and
     ``/proc/self/mountinfo``: ``(2, dir)`` on the unified hierarchy, then ``(1, dir)`` on v1."""
     paths: dict[int, str] = {}
-    for line in cgroups.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            paths[2] = parts[2]
-        elif "memory" in parts[1].split(","):
-            paths[1] = parts[2]
+    for hierarchy, controllers, path in (ln.split(":", 2) for ln in cgroups.splitlines() if ln.count(":") > 1):
+        if hierarchy == "0" and controllers == "":
+            paths[2] = path
+        elif "memory" in controllers.split(","):
+            paths[1] = path
     found = []
     for version in (2, 1):
         if version not in paths:
@@ -64,12 +62,7 @@ def _cgroup_mounts(mountinfo: str, version: int) -> list[tuple[str, str]]:
             continue
         fstype, options = tail[0], tail[2].split(",")
         if (version == 2 and fstype == "cgroup2") or (version == 1 and fstype == "cgroup" and "memory" in options):
-            mounts.append((_unescape(fields[3]), _unescape(fields[4])))
+            # The kernel writes a space, tab, newline or backslash in a path as an octal escape.
+            root, point = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f) for f in fields[3:5])
+            mounts.append((root, point))
     return mounts
-
-
-def _unescape(field: str) -> str:
-    """A mountinfo path: the kernel writes space, tab, newline and backslash as octal escapes."""
-    for code in ("040", "011", "012", "134"):
-        field = field.replace("\\" + code, chr(int(code, 8)))
-    return field

@@ -12,12 +12,12 @@ import select
 import signal
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from ._cold_reasons import is_per_trial, server_refusal, thread_count
-from ._proctree import _exit_as, end_with_parent, kill_tree, supervise
+from ._proctree import _exit_as, end_trial, end_with_parent, supervise
 from ._python_command import (
     PythonCommand,
     apply_trial_threads,
@@ -29,22 +29,58 @@ from ._timeline import clear, mark
 
 SERVER_FLAG = "--warm-server"  # python -P -m advisor.trial._run --warm-server FD [PRELOAD...]
 PACKET = 1 << 20  # the largest message of the parent and the server
+# What a trial's environment may set differently from the server's: the project's own variables,
+# never read at import, and the shell's record of the working directory, which the request carries.
+PER_TRIAL_PREFIXES: tuple[str, ...] = ("MPADVISE_",)
+PER_TRIAL_NAMES: frozenset[str] = frozenset({"PWD", "OLDPWD"})
 
 
-def _send(sock: socket.socket, message: Mapping[str, Any]) -> bool:
+def is_per_trial(name: str) -> bool:
+    return name in PER_TRIAL_NAMES or name.startswith(PER_TRIAL_PREFIXES)
+
+
+def server_refusal(threads: int, cuda_initialized: bool) -> str | None:
+    """Why the server must not fork; ``None`` when it may."""
+    if cuda_initialized:
+        return "CUDA is initialised in the warm server, and a forked child cannot use it"
+    if threads != 1:
+        return f"the warm server runs {threads} threads, and a fork copies only one"
+    return None
+
+
+def thread_count() -> int:
     try:
-        sock.send(json.dumps(message).encode())
-        return True
+        return len(os.listdir("/proc/self/task"))
     except OSError:
-        return False
+        return threading.active_count()
 
 
-def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    try:
-        data, fds, _, _ = socket.recv_fds(sock, PACKET, 4)
-    except OSError:
-        return None, []
-    return (json.loads(data) if data else None), list(fds)
+class Channel:
+    """One end of the parent's and the server's socket pair: JSON messages, with descriptors."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fds: list[int] = []  # those that came with the last message
+
+    def send(self, message: Mapping[str, Any], fds: Sequence[int] = ()) -> bool:
+        try:
+            socket.send_fds(self.sock, [json.dumps(message).encode()], list(fds))
+            return True
+        except OSError:
+            return False
+
+    def receive(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The next message; ``None`` when the other end is gone; TimeoutError after ``timeout``."""
+        # select() retries by itself on EINTR, with the time left (PEP 475).
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, PACKET, 4)
+        except OSError:
+            return None
+        self.fds = list(fds)
+        return json.loads(data) if data else None
 
 
 def _preload(name: str) -> None:
@@ -61,16 +97,6 @@ def _preload(name: str) -> None:
         pass
 
 
-def _settle() -> None:
-    """Fork once and let the child end at once. A library may keep a thread pool that it shuts
-    down before any fork (OpenBLAS, under numpy, starts one at import and registers
-    ``pthread_atfork`` handlers for it); after this the server holds only what stays."""
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-
-
 def _exit_status(pid: int) -> int | None:
     try:
         found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -82,6 +108,7 @@ def _exit_status(pid: int) -> int | None:
 
 
 def _watch(sock: socket.socket, pid: int) -> int | None:
+    """The launcher's exit status, left unreaped; ``None`` when the parent's end closed first."""
     try:
         pidfd: int | None = os.pidfd_open(pid)
     except (AttributeError, OSError):
@@ -104,16 +131,6 @@ def _watch(sock: socket.socket, pid: int) -> int | None:
     finally:
         if pidfd is not None:
             os.close(pidfd)
-
-
-def _end(pid: int) -> None:
-    kill_tree(pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
 
 
 def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
@@ -169,8 +186,8 @@ def _launcher(sock: socket.socket, request: Mapping[str, Any], fds: list[int], h
 
 
 def serve(fd: int, preload: Sequence[str]) -> None:
-    sock = socket.socket(fileno=fd)
-    sock.set_inheritable(False)
+    channel = Channel(socket.socket(fileno=fd))
+    channel.sock.set_inheritable(False)
     # A fresh interpreter's handlers, restored in every launcher and script process.
     handlers = {s: signal.getsignal(s) for s in signal.valid_signals()
                 if s not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(s) is not None}
@@ -190,38 +207,38 @@ def serve(fd: int, preload: Sequence[str]) -> None:
             _preload(name)
         gc.collect()
         gc.freeze()  # what the imports built is shared with every fork, untouched by its collector
-        _settle()
+        # Fork once and let the child end at once. A library may keep a thread pool that it shuts
+        # down before any fork (OpenBLAS, under numpy, starts one at import and registers
+        # ``pthread_atfork`` handlers for it); after this the server holds only what stays.
+        if (pid := os.fork()) == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
         refusal = server_refusal(thread_count(), torch.cuda.is_initialized())
     except Exception as exc:  # noqa: BLE001 - the parent starts its trials cold, for this reason
         refusal = f"the warm server's imports failed: {type(exc).__name__}: {exc}"
-    if not _send(sock, {"ready": os.getpid(), "refusal": refusal}) or refusal:
+    if not channel.send({"ready": os.getpid(), "refusal": refusal}) or refusal:
         return
-    while True:
-        request, fds = _receive(sock)
-        if request is None:
-            return
-        if request.get("op") != "run":
-            for f in fds:
-                os.close(f)
-            continue
+    while (request := channel.receive()) is not None:
+        fds = channel.fds
         refusal = server_refusal(thread_count(), torch.cuda.is_initialized())
         if refusal is not None or len(fds) != 2:
             for f in fds:
                 os.close(f)
-            _send(sock, {"cold": refusal or "the request came without the trial's stdout and stderr"})
+            channel.send({"cold": refusal or "the request came without the trial's stdout and stderr"})
             continue
         pid = os.fork()
         if pid == 0:
-            _launcher(sock, request, fds, handlers)
+            _launcher(channel.sock, request, fds, handlers)
         for f in fds:
             os.close(f)
-        _send(sock, {"pid": pid})
-        status = _watch(sock, pid)
+        channel.send({"pid": pid})
+        status = _watch(channel.sock, pid)
         if status is None:  # the parent died: nothing of its trial outlives it
-            _end(pid)
+            end_trial(pid)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
             return
-        _send(sock, {"exit": status})
-        # Reaped once the parent has seen the status (its "reap", or its end).
-        _receive(sock)
+        channel.send({"exit": status})
+        channel.receive()  # reaped once the parent has seen the status (its "reap", or its end)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
