@@ -9,7 +9,6 @@ The schema both share is ``_schema``.
 from __future__ import annotations
 
 from ._child import applied_for_trial, run_in_process, spec_from_env, trial_candidate
-from ._child_exit import ResultWriter, end_trial_process, install_excepthook
 from ._classify import classify
 from ._launch import run_trial, trial_environment
 from ._python_command import RUN_MODULE
@@ -34,7 +33,7 @@ from ._schema import (
     rank_result_path,
 )
 from ._seeding import perturb_parameters, seed_everything
-from ._step_window import StepWindow
+from ._step_window import ResultWriter, StepWindow, end_trial_process, install_excepthook
 from ._timeline import PHASES, TIMELINE_MARKS, breakdown, startup_seconds
 from ._underflow import UNDERFLOW_EVERY, optimizer_eps
 from ._warm import WARM_ENV, WarmLauncher, framework_preload

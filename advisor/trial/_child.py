@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,11 +13,11 @@ from advisor.runtime import AppliedPolicy
 from policies import Policy, PolicyError, supported_modes
 from probes import HardwareProfile, UnsupportedHere
 
-from ._child_exit import ResultWriter, TrialComplete, end_trial_process, install_excepthook
 from ._loop_recorder import TrialRecorder
 from ._schema import EXIT_UNSUPPORTED, RANK_ENV, TRIAL_SPEC_ENV, Stage, TrialSpec, rank_result_path
 from ._seeding import seed_everything
 from ._stacks import register_stack_dump
+from ._step_window import ResultWriter, TrialComplete, end_trial_process, install_excepthook
 from ._timeline import clear as clear_marks
 
 _CHILD_APPLIED: AppliedPolicy | None = None
@@ -112,11 +111,10 @@ def run_in_process(train_fn: Any, spec: TrialSpec, *, profile: HardwareProfile) 
     except UnsupportedHere as exc:
         writer.write(stage=Stage.UNSUPPORTED, reason=str(exc))
     except Exception as exc:  # the trial's outcome, not ours: classify it
-        message = str(exc).splitlines()[0] if str(exc) else ""
-        writer.write(stage=Stage.EXCEPTION, exception={"type": type(exc).__name__, "message": message, "at": time.time()})
+        writer.exception(exc)
         error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     else:
-        if recorder._stepped_once:
+        if recorder.begun:
             recorder.finish(complete=False)
     finally:
         recorder.close()

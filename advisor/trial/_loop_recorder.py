@@ -10,11 +10,9 @@ from typing import TYPE_CHECKING, Any
 from advisor.runtime import AppliedPolicy, StepObserver
 from policies import mode_facts
 
-from ._child_exit import ResultWriter
 from ._device import DeviceClock, TrialDevice
-from ._schema import Stage, TrialSpec
-from ._seeding import perturb_parameters
-from ._step_window import StepWindow
+from ._schema import TrialSpec
+from ._step_window import ResultWriter, StepWindow
 from ._underflow import (
     UNDERFLOW_EVERY,
     gradients,
@@ -33,11 +31,9 @@ class TrialRecorder(StepObserver, StepWindow):
         self.in_process = in_process
         self.applied: AppliedPolicy | None = None
         self.underflow: list[Any] = []  # [flushed, nonzero] count tensors, read once at the end
-        self.pauses: list[tuple[Any, Any] | None] = []  # per step: marks around the recorder's own work
         self._in_step: dict[str, Any] = {}  # what after_backward measured, until after_step keeps it
         self._micro_losses: list[Any] = []
         self._micro_samples = 0
-        self._stepped_once = False
         self.clock = DeviceClock(None)
         self._device: TrialDevice | None = None  # from attach(): the device made current, its memory
 
@@ -45,27 +41,18 @@ class TrialRecorder(StepObserver, StepWindow):
         self.applied = applied
         self._device = TrialDevice(applied.device, memory_limit=self.spec.memory_limit, in_process=self.in_process)
         self.clock = self._device.clock
-        if self.in_process:
-            self._policy_applied(watch=False)  # no watchdog or exit hooks: the caller owns this process
-            return
-        self._keep_short_run()
-        self._policy_applied(watch=True)
+        if not self.in_process:  # in process, the caller owns the process and its exit
+            self._keep_short_run()
+        self._policy_applied()
 
     def after_setup(self, applied: AppliedPolicy, model: Any) -> None:
-        # The replicate's one perturbation: after the mode converted the model (fp32 leaves it
-        # as it is), before any step has used it.
-        if self.spec.perturb and not self._perturbed:
-            self._perturbed = True
-            perturb_parameters(model, perturb=self.spec.perturb, seed=self.spec.seed, draw=self.spec.perturb_draw)
+        # After the mode converted the model (fp32 leaves it as it is), before any step used it.
+        self._perturb(model)
         self.watch_model(model)
 
     def before_step(self, applied: AppliedPolicy) -> None:
-        if not self._stepped_once:
-            self._stepped_once = True
-            if self._watchdog is not None:
-                self._watchdog.cancel()
-            self.writer.write(stage=Stage.STEPPING, **batch_facts(applied))
-            self._open_window()
+        if not self.begun:
+            self._begin(batch_facts(applied))
 
     def after_backward(self, applied: AppliedPolicy, optimizer: torch.optim.Optimizer) -> None:
         # Everything here is the recorder's, not the user's: it runs between two marks that
@@ -102,29 +89,18 @@ class TrialRecorder(StepObserver, StepWindow):
         self.skipped.append(not stepped)
         self._end_of_step(len(self.losses))
 
-    def _stepping(self) -> bool:
-        return self._stepped_once
-
-    def _step_times(self) -> list[float]:
-        return step_times(self.marks, self.pauses)
-
     def _peak_memory(self) -> tuple[int | None, str]:
         return self.clock.peak_memory() if self._device is None else self._device.peak_memory()
 
     def _underflow(self) -> tuple[list[float | None], str | None]:
         return underflow_fractions(self.underflow)
 
-    def _applied(self) -> AppliedPolicy:
-        if self.applied is None:
-            raise RuntimeError("the trial recorder was never attached to an AppliedPolicy")
-        return self.applied
-
-    # What the result says of the workload, read from the applied policy.
-    notes = property(lambda self: list(self._applied().notes))
-    workload_fingerprint = property(lambda self: self._applied().workload_fingerprint)
-    model_signature = property(lambda self: self._applied().model_signature)
-    fsdp = property(lambda self: self._applied().fsdp)
-    batch = property(lambda self: batch_facts(self._applied()))
+    # What the result says of the workload, read from the applied policy (attached before any step).
+    notes = property(lambda self: list(self.applied.notes))
+    workload_fingerprint = property(lambda self: self.applied.workload_fingerprint)
+    model_signature = property(lambda self: self.applied.model_signature)
+    fsdp = property(lambda self: self.applied.fsdp)
+    batch = property(lambda self: batch_facts(self.applied))
 
     def close(self) -> None:
         """Stop the RSS sampler and a FLOP count in progress, and give back the current device."""
@@ -138,13 +114,3 @@ def batch_facts(applied: AppliedPolicy) -> dict[str, Any]:
     return {"user_batch": applied.user_batch, "micro_batch": applied.policy.micro_batch_size or applied.user_batch,
             "grad_accum_steps": applied.grad_accum_steps, "global_batch": applied.global_batch,
             "device": str(applied.device)}
-
-
-def step_times(marks: list[Any], pauses: list[tuple[Any, Any] | None]) -> list[float]:
-    """Seconds between consecutive ``marks``, each less its step's pause (``None``: none)."""
-    times = []
-    for i, (a, b) in enumerate(zip(marks, marks[1:])):
-        pause = pauses[i] if i < len(pauses) else None
-        own = DeviceClock.elapsed(*pause) if pause is not None else 0.0
-        times.append(max(0.0, DeviceClock.elapsed(a, b) - own))
-    return times

@@ -13,12 +13,10 @@ from typing import Any
 
 from advisor.runtime import Workload
 
-from ._child_exit import ResultWriter
 from ._device import DeviceClock
 from ._schema import Stage, TrialSpec
-from ._seeding import perturb_parameters
-from ._step_window import StepWindow
-from ._timeline import mark, marks
+from ._step_window import ResultWriter, StepWindow
+from ._timeline import mark
 from ._underflow import optimizer_eps
 
 
@@ -31,7 +29,6 @@ class FrameworkRecorder(StepWindow):
         self.workload_fingerprint: str | None = None
         self.model_signature: str | None = None
         self.fsdp = False  # asked for through mp.fsdp_mixed_precision(), which a framework script never calls
-        self._begun = False
 
     def start(self) -> None:
         """Keep a short run's steps at exit (the watchdog waits for ``policy_applied``)."""
@@ -39,7 +36,7 @@ class FrameworkRecorder(StepWindow):
 
     def policy_applied(self) -> None:
         """The framework's trainer is built with the candidate: mark it and start the watchdog."""
-        self._policy_applied(watch=True)
+        self._policy_applied()
 
     def set_device(self, device: Any) -> None:
         """The device the framework trains on: CUDA events time its steps, else the host clock."""
@@ -57,13 +54,9 @@ class FrameworkRecorder(StepWindow):
 
     def begin(self, *, user_batch: int | None, micro_batch: int | None, grad_accum_steps: int | None) -> None:
         """The first batch starts: the clock's first mark (later calls do nothing)."""
-        if self._begun:
+        if self.begun:
             return
-        self._begun = True
-        if "policy_applied" not in marks():
-            mark("policy_applied")  # an object the adapter did not see built: it runs the candidate now
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        mark("policy_applied")  # if the adapter did not see the object built: it runs the candidate now
         accum = grad_accum_steps or 1
         self.batch = {
             "user_batch": user_batch,
@@ -72,21 +65,13 @@ class FrameworkRecorder(StepWindow):
             "global_batch": None if micro_batch is None else micro_batch * accum,
             "device": self.device,
         }
-        self.writer.write(stage=Stage.STEPPING, **self.batch)
-        self._open_window()
+        self._begin(self.batch)
 
     def perturb(self, model: Any) -> None:
         """The fp32 replicate's one perturbation of the initial parameters, before the first
         training forward."""
-        if not self.spec.perturb or self._perturbed or model is None or not hasattr(model, "parameters"):
-            return
-        self._perturbed = True
-        perturb_parameters(model, perturb=self.spec.perturb, seed=self.spec.seed, draw=self.spec.perturb_draw)
-        self.note(f"fp32 replicate: initial parameters perturbed once by a {self.spec.perturb} rounding")
-
-    @property
-    def begun(self) -> bool:
-        return self._begun
+        if model is not None and hasattr(model, "parameters") and self._perturb(model):
+            self.note(f"fp32 replicate: initial parameters perturbed once by a {self.spec.perturb} rounding")
 
     def workload(self, model: Any, optimizer: Any | None, *, global_batch: int | None) -> None:
         """Fingerprint the workload (the script's model, optimizer and global batch), once."""
@@ -102,19 +87,13 @@ class FrameworkRecorder(StepWindow):
              samples: int | None = None) -> None:
         """One optimizer step ended: its loss averaged over its micro-batches (not divided by the
         accumulation count), the scale its backward ran with, whether the scaler skipped it."""
-        if self._finished or not self._begun:
+        if self._finished or not self.begun:
             return
         self.losses.append(loss.detach().clone() if hasattr(loss, "detach") else loss)
         self.loss_scale.append(loss_scale)
         self.skipped.append(bool(skipped))
         self.samples.append(int(samples or self.batch.get("global_batch") or 0))
         self._end_of_step(len(self.losses))
-
-    def _stepping(self) -> bool:
-        return self._begun
-
-    def _step_times(self) -> list[float]:
-        return [DeviceClock.elapsed(a, b) for a, b in zip(self.marks, self.marks[1:])]
 
 
 def recorder_for(spec: TrialSpec) -> FrameworkRecorder:

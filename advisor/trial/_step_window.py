@@ -1,20 +1,77 @@
 """What both trial recorders (``_loop_recorder``, ``_recorder``) share: the measured window of
-optimizer steps, the ways a trial child ends, and the result's measurements (``result_payload``).
+optimizer steps, the result file (``ResultWriter``, ``result_payload``) and the ways a trial
+child ends.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
+import os
 import sys
+import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
-from ._child_exit import ResultWriter, TrialComplete, end_trial_process
+from probes import UnsupportedHere
+
 from ._device import DeviceClock
 from ._flops import StepFlops
-from ._schema import EXIT_NO_STEP, Stage, TrialSpec, json_float
-from ._timeline import mark
+from ._schema import EXIT_NO_STEP, Stage, TrialSpec, json_float, unknown_result_fields
+from ._seeding import perturb_parameters
+from ._timeline import mark, marks
 from ._watchdog import NoStepWatchdog
+
+
+class TrialComplete(BaseException):
+    """Ends an in-process trial once its window is measured (a BaseException, so that a
+    training function's ``except Exception`` does not swallow it)."""
+
+
+class ResultWriter:
+    """Writes the result file atomically, so the parent never reads half a file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.data: dict[str, Any] = {}
+
+    def write(self, **fields: Any) -> None:
+        """Add ``fields`` (each declared in ``RESULT_FIELDS``) to the result and write it whole."""
+        unknown = unknown_result_fields(fields)
+        if unknown:
+            raise ValueError(f"the trial result has no fields {unknown}; declare them in RESULT_FIELDS")
+        self.data.update(fields, timeline=marks())
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, default=str))
+        tmp.replace(self.path)
+
+    def exception(self, exc: BaseException) -> None:
+        """Write what the script raised; the time tells the rank that failed first from those
+        that lost it as a peer."""
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        self.write(stage=Stage.EXCEPTION, exception={"type": type(exc).__name__, "message": message,
+                                                     "at": time.time()})
+
+
+def install_excepthook(writer: ResultWriter) -> None:
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if issubclass(exc_type, UnsupportedHere):
+            writer.write(stage=Stage.UNSUPPORTED, reason=str(exc))
+        elif not issubclass(exc_type, KeyboardInterrupt):
+            writer.exception(exc)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
+def end_trial_process(code: int) -> NoReturn:
+    """End the trial child now: the result is written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class StepWindow:
@@ -22,13 +79,15 @@ class StepWindow:
     trial child ends (the window is full; no step came in time; the script ended first).
 
     A subclass sets ``clock`` and what it recorded of the workload (``notes``,
-    ``workload_fingerprint``, ``model_signature``, ``fsdp``, ``batch``), and defines
-    ``_stepping`` (whether the first step has begun) and ``_step_times``.
+    ``workload_fingerprint``, ``model_signature``, ``fsdp``, ``batch``).
     """
 
     clock: DeviceClock
     in_process = False
     optimizer_eps: float | None = None
+    # What a framework adapter says of a script that reached no step (the plain torch adapter:
+    # what it did reach), written as the result's reason and printed; None for the default reason.
+    no_step_reason: Callable[[], str] | None = None
 
     def __init__(self, spec: TrialSpec, writer: ResultWriter) -> None:
         self.spec, self.writer = spec, writer
@@ -37,15 +96,11 @@ class StepWindow:
         self.skipped: list[bool] = []
         self.samples: list[int] = []
         self.marks: list[Any] = []  # one time mark (float or CUDA event) per step boundary
+        self.pauses: list[tuple[Any, Any] | None] = []  # per step: marks around the recorder's own work
+        self.begun = False  # the first optimizer step has begun
         self._perturbed = self._finished = False
         self._watchdog: NoStepWatchdog | None = None
         self._flops = StepFlops.for_spec(spec)
-
-    def _stepping(self) -> bool:
-        raise NotImplementedError
-
-    def _step_times(self) -> list[float]:
-        raise NotImplementedError
 
     def _peak_memory(self) -> tuple[int | None, str]:
         return self.clock.peak_memory()
@@ -72,16 +127,17 @@ class StepWindow:
     def _keep_short_run(self) -> None:
         atexit.register(self._at_exit)
 
-    def _policy_applied(self, *, watch: bool) -> None:
-        """The candidate is applied: mark it, and with ``watch`` (a child process) give the script
+    def _policy_applied(self) -> None:
+        """The candidate is applied: mark it, and in a child process give the script
         ``spec.first_step_timeout`` from now (not from the process's start: imports and the
         script's own set-up are no part of the candidate's cost) to its first optimizer step."""
         mark("policy_applied")
-        if watch:
-            # Written at once: a child ended before its first step (a timeout, a signal, a peer
-            # rank's failure) was past the candidate's application, which decides ``lost``.
-            self.writer.write()
-        if watch and self._watchdog is None and not self._stepping():
+        if self.in_process:
+            return  # no watchdog: the caller owns this process
+        # Written at once: a child ended before its first step (a timeout, a signal, a peer
+        # rank's failure) was past the candidate's application, which decides ``lost``.
+        self.writer.write()
+        if self._watchdog is None and not self.begun:
             self._watchdog = NoStepWatchdog(self.spec.first_step_timeout, self._no_step)
             self._watchdog.start()
 
@@ -90,7 +146,20 @@ class StepWindow:
         if self._flops is not None:
             self._flops.watch(model)
 
-    def _open_window(self) -> None:
+    def _perturb(self, model: Any) -> bool:
+        """The fp32 replicate's one perturbation of the initial parameters; whether it ran now."""
+        if not self.spec.perturb or self._perturbed:
+            return False
+        self._perturbed = True
+        perturb_parameters(model, perturb=self.spec.perturb, seed=self.spec.seed, draw=self.spec.perturb_draw)
+        return True
+
+    def _begin(self, batch: dict[str, Any]) -> None:
+        """The first optimizer step begins: its batch facts written, the clock's first mark."""
+        self.begun = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self.writer.write(stage=Stage.STEPPING, **batch)
         self.clock.sync()
         self.marks.append(self.clock.mark())
         if self.spec.warmup_steps == 0:
@@ -116,10 +185,6 @@ class StepWindow:
             mark("measured_done")
             self.finish(complete=True)
 
-    # What a framework adapter says of a script that reached no step (the plain torch adapter:
-    # what it did reach), written as the result's reason and printed; None for the default reason.
-    no_step_reason: Callable[[], str] | None = None
-
     def _no_step(self) -> None:
         reason = self.no_step_reason() if self.no_step_reason is not None else None
         if reason:
@@ -129,9 +194,19 @@ class StepWindow:
 
     def _at_exit(self) -> None:
         # The script ended by itself before the measured window was full: keep what it measured.
-        if self._stepping() and not self._finished and self.writer.data.get("stage") not in (
+        if self.begun and not self._finished and self.writer.data.get("stage") not in (
                 Stage.EXCEPTION, Stage.UNSUPPORTED):
             self.finish(complete=False)
+
+
+def step_times(marks: list[Any], pauses: list[tuple[Any, Any] | None]) -> list[float]:
+    """Seconds between consecutive ``marks``, each less its step's pause (``None``: none)."""
+    times = []
+    for i, (a, b) in enumerate(zip(marks, marks[1:])):
+        pause = pauses[i] if i < len(pauses) else None
+        own = DeviceClock.elapsed(*pause) if pause is not None else 0.0
+        times.append(max(0.0, DeviceClock.elapsed(a, b) - own))
+    return times
 
 
 def result_payload(window: StepWindow, *, complete: bool) -> dict[str, Any]:
@@ -139,16 +214,13 @@ def result_payload(window: StepWindow, *, complete: bool) -> dict[str, Any]:
     peak, kind = window._peak_memory()
     losses = [float(v) for v in window.losses]
     underflow, note = window._underflow()
-    notes = list(window.notes)
     flops_per_step, flops_basis = (None, None) if window._flops is None else window._flops.result()
-    flops_note = StepFlops.note_for(window.spec, window._flops)
-    if flops_note is not None:
-        notes.append(flops_note)
+    notes = [n for n in (*window.notes, StepFlops.note_for(window.spec, window._flops), note) if n is not None]
     return {
         "stage": Stage.DONE,
         "complete": complete,
         "losses": [json_float(v) for v in losses],
-        "step_times": window._step_times()[: len(losses)],
+        "step_times": step_times(window.marks, window.pauses)[: len(losses)],
         "loss_scale": window.loss_scale,
         "skipped": window.skipped,
         "underflow": underflow,
@@ -156,7 +228,7 @@ def result_payload(window: StepWindow, *, complete: bool) -> dict[str, Any]:
         "warmup_steps": window.spec.warmup_steps,
         "peak_memory": peak,
         "memory_kind": kind,
-        "notes": notes if note is None else [*notes, note],
+        "notes": notes,
         "workload_fingerprint": window.workload_fingerprint,
         "model_signature": window.model_signature,
         "fsdp": window.fsdp,
