@@ -27,16 +27,7 @@ def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: b
     did not rise: nothing in a trial sends SIGKILL to a worker but the OOM killer.
     """
     unknown = unknown_result_fields(data or {})
-    if unknown:
-        return TrialResult(
-            outcome="crash",
-            reason=(f"the trial's result file holds unknown fields {unknown} (expected only those of "
-                    "advisor.trial.RESULT_FIELDS); the script ran under another version of mpadvise: "
-                    "run it with the same installation as the tune"),
-            label=spec.label, policy=spec.policy, exit_code=exit_code, stderr_tail=stderr_tail, wall_s=wall_s,
-            timeline=dict(timeline or {}),
-        )
-    result_file: dict[str, Any] = dict(data or {})
+    result_file: dict[str, Any] = {} if unknown else dict(data or {})
     stage = result_file.get("stage")
     exception = result_file.get("exception") or {}
     # What the TrialResult carries of the file; the rest (stage, exception...) only decides.
@@ -45,7 +36,12 @@ def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: b
                 timeline={**(result_file.get("timeline") or {}), **(timeline or {})},
                 threads=spec.threads if spec.nproc_per_node == 1 else None)
     by_signal = exit_code is not None and exit_code < 0
-    if (timed_out or by_signal) and _lost_before_application(stage, result_file, exception, base["timeline"]):
+    if unknown:
+        outcome, reason = "crash", (
+            f"the trial's result file holds unknown fields {unknown} (expected only those of "
+            "advisor.trial.RESULT_FIELDS); the script ran under another version of mpadvise: "
+            "run it with the same installation as the tune")
+    elif (timed_out or by_signal) and _lost_before_application(stage, result_file, exception, base["timeline"]):
         outcome, reason = "lost", _lost_reason(
             None if exception.get("no_result") else stage, base["timeline"], spec, timed_out=timed_out, timeout=timeout, exit_code=exit_code, oom_kills=oom_kills,
             rank=exception.get("rank", result_file.get("rank_waiting")))

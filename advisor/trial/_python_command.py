@@ -38,17 +38,14 @@ def parse_command(argv: Sequence[str]) -> PythonCommand | None:
     """Read ``[-P...] (-m MODULE | SCRIPT) [ARGS...]``; ``None`` for anything else, which only
     an interpreter runs faithfully."""
     safe_path, rest = False, list(argv)
-    while rest and rest[0] == "-P":
+    while rest[:1] == ["-P"]:
         safe_path, rest = True, rest[1:]
-    if not rest or not rest[0]:
+    module = rest[:1] == ["-m"]
+    if module:
+        rest = rest[1:]
+    if not rest or not rest[0] or rest[0].startswith("-"):
         return None
-    if rest[0] == "-m":
-        if len(rest) < 2 or not rest[1] or rest[1].startswith("-"):
-            return None
-        return PythonCommand(rest[1], tuple(rest[2:]), module=True, safe_path=safe_path)
-    if rest[0].startswith("-"):
-        return None
-    return PythonCommand(rest[0], tuple(rest[1:]), safe_path=safe_path)
+    return PythonCommand(rest[0], tuple(rest[1:]), module=module, safe_path=safe_path)
 
 
 def cold_command(python: str, command: Sequence[str], *, nproc_per_node: int = 1) -> list[str]:
@@ -61,12 +58,9 @@ def cold_command(python: str, command: Sequence[str], *, nproc_per_node: int = 1
 
 def exit_code(exc: SystemExit) -> int:
     """The status ``raise SystemExit(code)`` ends an interpreter with (a non-integer is printed)."""
-    code = exc.code
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
     return 1
 
 
@@ -116,29 +110,23 @@ def exit_forked(code: int) -> NoReturn:
         _exit_as(code)
 
 
-def apply_trial_threads() -> None:
-    """Give torch the trial's thread count (``THREADS_ENV``), now or once the script imports it.
-
-    On a CPU that other processes keep partly busy, an operation split over more threads than
-    there are free cores waits at every barrier for a thread the scheduler has put aside: on 2
-    cores beside one busy process, examples/mlp.py's step went from 3.8 ms to 280 ms.
-    """
-    value = os.environ.get(THREADS_ENV, "")
-    if not value.isdigit() or int(value) < 1:
-        return
-    _after_torch(lambda torch: torch.set_num_threads(int(value)))
-
-
-def mark_torch_import() -> None:
-    """Mark ``torch_imported`` on this trial's timeline, now or once the script imports torch.
+def prepare_torch() -> None:
+    """Mark ``torch_imported`` on this trial's timeline and give torch the trial's thread count
+    (``THREADS_ENV``), now or once the script imports torch.
 
     The cold launch does not import torch itself: a script may set a variable torch reads at
-    import (``OMP_NUM_THREADS``) before its ``import torch``.
+    import (``OMP_NUM_THREADS``) before its ``import torch``. The thread count: on a CPU that
+    other processes keep partly busy, an operation split over more threads than there are free
+    cores waits at every barrier for a thread the scheduler has put aside: on 2 cores beside one
+    busy process, examples/mlp.py's step went from 3.8 ms to 280 ms.
     """
-    _after_torch(lambda torch: mark("torch_imported"))
+    threads = os.environ.get(THREADS_ENV, "")
 
+    def then(torch: Any) -> None:
+        mark("torch_imported")
+        if threads.isdigit() and int(threads) >= 1:
+            torch.set_num_threads(int(threads))
 
-def _after_torch(then: Any) -> None:
     if "torch" in sys.modules:
         then(sys.modules["torch"])
     else:

@@ -20,12 +20,12 @@ from typing import Any, NoReturn
 from ._proctree import _exit_as, end_trial, end_with_parent, supervise
 from ._python_command import (
     PythonCommand,
-    apply_trial_threads,
     exit_forked,
     parse_command,
+    prepare_torch,
     run_as_python,
 )
-from ._timeline import clear, mark
+from ._timeline import clear
 
 SERVER_FLAG = "--warm-server"  # python -P -m advisor.trial._run --warm-server FD [PRELOAD...]
 PACKET = 1 << 20  # the largest message of the parent and the server
@@ -149,8 +149,7 @@ def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
             with contextlib.suppress(Exception):
                 numpy_random.seed()
         clear()  # the marks of this trial only
-        mark("torch_imported")  # torch was imported before the fork
-        apply_trial_threads()
+        prepare_torch()  # torch was imported before the fork: marked now
         code = run_as_python(command)
     except BaseException:  # noqa: BLE001 - a fault here is the trial's, reported as a script's would be
         traceback.print_exc()
