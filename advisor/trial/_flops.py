@@ -16,16 +16,13 @@ FLOPS_ESTIMATE = "6 x parameters x tokens"
 
 
 class StepFlops:
-    """Counts the FLOPs of one whole optimizer step (``step``, from 1), all its micro-batches.
+    """Counts the FLOPs of optimizer step ``FLOPS_STEP``, all its micro-batches: torch's
+    ``FlopCounterMode`` is entered at the end of the step before and left at the end of the
+    counted one, whatever framework runs the loop."""
 
-    torch's ``FlopCounterMode`` is entered at the end of the step before and left at the end of
-    the counted one, whatever framework runs the loop; it counts matmuls, convolutions and
-    attention. Where counting fails and the model was fed token ids, the step's work is
-    estimated as 6 x trainable parameters x the counted step's tokens.
-    """
+    step = FLOPS_STEP
 
-    def __init__(self, step: int = FLOPS_STEP) -> None:
-        self.step = step
+    def __init__(self) -> None:
         self.flops: int | None = None
         self.error: str | None = None
         self.tokens = 0
@@ -33,8 +30,7 @@ class StepFlops:
         self.parameters = 0
         self._model: Any = None
         self._counter: Any = None
-        self._counting = False
-        self._done = False
+        self._counting = self._done = False
 
     @classmethod
     def for_spec(cls, spec: TrialSpec) -> StepFlops | None:
@@ -83,12 +79,10 @@ class StepFlops:
             return
         self._counting = True  # tokens are read even where the counter cannot be entered
         try:
-            counter = _guarded_flop_counter()
-            counter.__enter__()
+            self._counter = _guarded_flop_counter()
+            self._counter.__enter__()
         except Exception as exc:  # counting is a measurement of the trial, never its failure
-            self.error = f"{type(exc).__name__}: {exc}"
-            return
-        self._counter = counter
+            self._counter, self.error = None, f"{type(exc).__name__}: {exc}"
 
     def stop(self, *, discard: bool = False) -> None:
         """Leave the counter (``discard``: the trial ended inside the step)."""
@@ -122,12 +116,8 @@ def _first_tensor(args: Any, kwargs: Any) -> Any:
     first keyword one."""
     import torch
 
-    for value in args:
-        if isinstance(value, torch.Tensor):
-            return value
-    if isinstance(kwargs.get("input_ids"), torch.Tensor):
-        return kwargs["input_ids"]
-    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    values = [*args, kwargs.get("input_ids"), *kwargs.values()]
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)
 
 
 def _guarded_flop_counter() -> Any:
