@@ -78,11 +78,9 @@ def _lost_before_application(stage: str | None, result_file: Mapping[str, Any], 
                              timeline: Mapping[str, float]) -> bool:
     """Whether a child that timed out or died by a signal had not applied the candidate yet
     (a stage only an applied candidate reaches says it had, for a result from before timelines)."""
-    if "policy_applied" in timeline or result_file.get("losses"):
-        return False
-    if stage in (Stage.STEPPING, Stage.DONE, Stage.NO_STEP, Stage.UNSUPPORTED):
-        return False
-    return not (stage == Stage.EXCEPTION and not exception.get("killed"))
+    applied = "policy_applied" in timeline or result_file.get("losses")
+    return not (applied or stage in (Stage.STEPPING, Stage.DONE, Stage.NO_STEP, Stage.UNSUPPORTED)
+                or (stage == Stage.EXCEPTION and not exception.get("killed")))
 
 
 # What a person reads for the last mark a lost trial reached.
@@ -138,22 +136,18 @@ def _outcome(stage: str | None, result_file: Mapping[str, Any], exception: dict[
         return "no-step", f"{what} (time spent compiling with torch.compile not counted)"
     if stage == Stage.EXCEPTION or (stage not in (None, Stage.DONE) and exit_code not in (0, None)):
         return _failure(exception, exit_code, last_line)
+    if stage is None and exit_code not in (0, None):
+        return "no-policy", (f"the script failed before load_policy() (exit {_exit_text(exit_code)}): "
+                             f"{last_line or 'no error message'}")
     if stage is None:
-        if exit_code not in (0, None):
-            return (
-                "no-policy",
-                f"the script failed before load_policy() (exit {_exit_text(exit_code)}): {last_line or 'no error message'}",
-            )
         return "no-policy", "the script exited without calling advisor.load_policy()"
     if stage == Stage.LOADED or (stage == Stage.STEPPING and not result_file.get("losses")):
         if spec.framework is not None:
             return "no-step", f"the script ended before its {spec.framework} training ran an optimizer step"
         return "no-step", "the script ended without calling step(); call mp.step(loss, optimizer) in the training loop"
     if stage == Stage.STEPPING:
-        return (
-            "crash",
-            f"the script stopped after {len(result_file['losses'])} steps without finishing the trial (exit {_exit_text(exit_code)})",
-        )
+        return "crash", (f"the script stopped after {len(result_file['losses'])} steps without finishing the "
+                         f"trial (exit {_exit_text(exit_code)})")
     # stage == Stage.DONE
     peak = result_file.get("peak_memory")
     if spec.memory_limit is not None and peak is not None and peak > spec.memory_limit:
@@ -166,12 +160,9 @@ def _failure(exception: dict[str, Any], exit_code: int | None, last_line: str) -
     message = exception.get("message", "") or last_line
     rank = exception.get("rank")
     on_rank = "" if rank is None else f" on rank {rank}"  # a multi-process trial names the rank
-    if (
-        "OutOfMemoryError" in kind
-        or kind == "MemoryError"
-        or "out of memory" in message.lower()
-        or "can't allocate memory" in message.lower()  # torch's CPU allocator
-    ):
+    # "can't allocate memory": torch's CPU allocator.
+    if "OutOfMemoryError" in kind or kind == "MemoryError" or any(
+            text in message.lower() for text in ("out of memory", "can't allocate memory")):
         return "oom", f"out of memory{on_rank}: {message}".strip()
     if kind == "MpadviseError":
         return "crash", message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Any
 
@@ -16,11 +17,9 @@ def seed_everything(seed: int) -> None:
 
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
+    with contextlib.suppress(ImportError):  # numpy is optional for torch
         import numpy as np
-    except ImportError:  # numpy is optional for torch
-        pass
-    else:
+
         np.random.seed(seed)
 
 
@@ -52,6 +51,6 @@ def perturb_parameters(model: Any, *, perturb: str, seed: int, draw: int = 0) ->
                 continue
             u = torch.rand(parameter.shape, generator=generator, dtype=torch.float64) * 2.0 - 1.0
             factor = (1.0 + size * u).to(device=parameter.device, dtype=torch.float32)
-            parameter.mul_(factor.to(parameter.dtype) if parameter.dtype != torch.float32 else factor)
+            parameter.mul_(factor.to(parameter.dtype))
             count += parameter.numel()
     return count

@@ -38,7 +38,7 @@ def gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [g for g in local if g.layout == torch.strided]  # sparse gradients have no flat view
 
 
-def underflow_counts(grads: list[torch.Tensor], *, scale: float, budget: int = UNDERFLOW_SAMPLE) -> torch.Tensor | None:
+def underflow_counts(grads: list[torch.Tensor], *, scale: float) -> torch.Tensor | None:
     """Count sampled gradient values that an fp16 backward lost, or would lose, to underflow:
     ``[already flushed, would flush, counted]`` as a tensor on the gradients' device (no host
     sync; read it when the trial ends), or ``None`` without gradients.
@@ -56,7 +56,7 @@ def underflow_counts(grads: list[torch.Tensor], *, scale: float, budget: int = U
     total = sum(g.numel() for g in grads)
     if not total:
         return None
-    stride = max(1, total // budget)
+    stride = max(1, total // UNDERFLOW_SAMPLE)
     device = grads[0].device
     pieces, owners, offset = [], [], 0
     with torch.no_grad():

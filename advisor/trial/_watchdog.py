@@ -49,13 +49,12 @@ class NoStepWatchdog:
     timeout still bounds one that never ends)."""
 
     def __init__(self, timeout: float, on_expire: Callable[[], None], *,
-                 activity: CompileActivity | None = None, clock: Callable[[], float] = time.monotonic,
-                 poll_s: float | None = None) -> None:
+                 activity: CompileActivity | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout = timeout
         self._on_expire = on_expire
         self._activity = activity or CompileActivity()
         self._clock = clock
-        self._poll_s = poll_s if poll_s is not None else min(NO_STEP_POLL_S, timeout / 4)
+        self._poll_s = min(NO_STEP_POLL_S, timeout / 4)
         self._deadline = clock() + timeout
         self._stop = threading.Event()
 
