@@ -10,6 +10,7 @@ from __future__ import annotations
 from ._child import applied_for_trial, run_in_process, spec_from_env, trial_candidate
 from ._classify import classify
 from ._launch import run_trial, trial_environment
+from ._loop_recorder import UNDERFLOW_EVERY, optimizer_eps
 from ._python_command import RUN_MODULE
 from ._rank_merge import merge_rank_results
 from ._ranks import STORE_ENV, ranks_argv
@@ -33,7 +34,6 @@ from ._schema import (
 from ._seeding import seed_everything
 from ._step_window import ResultWriter, end_trial_process, install_excepthook
 from ._timeline import PHASES, TIMELINE_MARKS, breakdown, startup_seconds
-from ._underflow import UNDERFLOW_EVERY, optimizer_eps
 from ._warm import WARM_ENV, WarmLauncher, framework_preload
 
 __all__ = [

@@ -14,10 +14,10 @@ from typing import Any
 from advisor.runtime import Workload
 
 from ._device import DeviceClock
+from ._loop_recorder import optimizer_eps
 from ._schema import Stage, TrialSpec
 from ._step_window import ResultWriter, StepWindow
 from ._timeline import mark
-from ._underflow import optimizer_eps
 
 
 class FrameworkRecorder(StepWindow):
