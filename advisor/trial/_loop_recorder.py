@@ -137,8 +137,8 @@ class TrialRecorder(StepObserver, StepWindow):
         self._device = TrialDevice(applied.device, memory_limit=self.spec.memory_limit, in_process=self.in_process)
         self.clock = self._device.clock
         if not self.in_process:  # in process, the caller owns the process and its exit
-            self._keep_short_run()
-        self._policy_applied()
+            self.start()
+        self.policy_applied()
 
     def after_setup(self, applied: AppliedPolicy, model: Any) -> None:
         # After the mode converted the model (fp32 leaves it as it is), before any step used it.

@@ -30,14 +30,6 @@ class FrameworkRecorder(StepWindow):
         self.model_signature: str | None = None
         self.fsdp = False  # asked for through mp.fsdp_mixed_precision(), which a framework script never calls
 
-    def start(self) -> None:
-        """Keep a short run's steps at exit (the watchdog waits for ``policy_applied``)."""
-        self._keep_short_run()
-
-    def policy_applied(self) -> None:
-        """The framework's trainer is built with the candidate: mark it and start the watchdog."""
-        self._policy_applied()
-
     def set_device(self, device: Any) -> None:
         """The device the framework trains on: CUDA events time its steps, else the host clock."""
         self.device = str(device)

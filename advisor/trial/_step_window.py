@@ -29,10 +29,8 @@ NO_STEP_POLL_S = 0.25
 
 
 class CompileActivity:
-    """Whether torch.compile is compiling in this process now, found without importing it:
-    through Dynamo's start and end callbacks, registered at the first look once Dynamo is
-    imported (and again after ``torch._dynamo.reset()``), and its count of pending compilations.
-    """
+    """Whether torch.compile is compiling now, without importing it: Dynamo's start and end
+    callbacks (registered at each look, as ``torch._dynamo.reset()`` drops them) and its count."""
 
     def __init__(self) -> None:
         self._compiling = False
@@ -95,8 +93,7 @@ class NoStepWatchdog:
 
 
 class TrialComplete(BaseException):
-    """Ends an in-process trial once its window is measured (a BaseException, so that a
-    training function's ``except Exception`` does not swallow it)."""
+    """Ends an in-process trial once measured (not an Exception: ``except Exception`` misses it)."""
 
 
 class ResultWriter:
@@ -117,8 +114,7 @@ class ResultWriter:
         tmp.replace(self.path)
 
     def exception(self, exc: BaseException) -> None:
-        """Write what the script raised; the time tells the rank that failed first from those
-        that lost it as a peer."""
+        """Write what the script raised, timed: the first rank to fail is blamed, not its peers."""
         message = str(exc).splitlines()[0] if str(exc) else ""
         self.write(stage=Stage.EXCEPTION, exception={"type": type(exc).__name__, "message": message,
                                                      "at": time.time()})
@@ -146,11 +142,9 @@ def end_trial_process(code: int) -> NoReturn:
 
 class StepWindow:
     """The measured window of optimizer steps, timed on one DeviceClock, and the three ways a
-    trial child ends (the window is full; no step came in time; the script ended first).
-
-    A subclass sets ``clock`` and what it recorded of the workload (``notes``,
-    ``workload_fingerprint``, ``model_signature``, ``fsdp``, ``batch``).
-    """
+    trial child ends (the window is full; no step came in time; the script ended first). A
+    subclass sets ``clock``, ``notes``, ``workload_fingerprint``, ``model_signature``, ``fsdp``
+    and ``batch``."""
 
     clock: DeviceClock
     in_process = False
@@ -175,13 +169,11 @@ class StepWindow:
     def _peak_memory(self) -> tuple[int | None, str]:
         return self.clock.peak_memory()
 
-    def _underflow(self) -> tuple[list[float | None], str | None]:
-        """Per step, the fp16 gradient underflow fraction, and a note on it for the report."""
+    def _underflow(self) -> tuple[list[float | None], str | None]:  # per step, and a note
         return [None] * len(self.losses), None
 
     def finish(self, *, complete: bool) -> None:
-        """Write the result; with ``complete`` also end the trial (it has its data): the process,
-        or in process the training function (``TrialComplete``)."""
+        """Write the result; with ``complete`` also end the process (in process: the function)."""
         if self._finished:
             return
         self._finished = True
@@ -194,10 +186,11 @@ class StepWindow:
                 raise TrialComplete
             end_trial_process(0)
 
-    def _keep_short_run(self) -> None:
+    def start(self) -> None:
+        """Keep a short run's steps at exit (the watchdog waits for ``policy_applied``)."""
         atexit.register(self._at_exit)
 
-    def _policy_applied(self) -> None:
+    def policy_applied(self) -> None:
         """The candidate is applied: mark it, and in a child process give the script
         ``spec.first_step_timeout`` from now (not from the process's start: imports and the
         script's own set-up are no part of the candidate's cost) to its first optimizer step."""
@@ -211,8 +204,7 @@ class StepWindow:
             self._watchdog = NoStepWatchdog(self.spec.first_step_timeout, self._no_step)
             self._watchdog.start()
 
-    def watch_model(self, model: Any) -> None:
-        """The model the script trains, for the FLOP estimate where counting fails."""
+    def watch_model(self, model: Any) -> None:  # for the FLOP estimate where counting fails
         if self._flops is not None:
             self._flops.watch(model)
 
@@ -269,16 +261,6 @@ class StepWindow:
             self.finish(complete=False)
 
 
-def step_times(marks: list[Any], pauses: list[tuple[Any, Any] | None]) -> list[float]:
-    """Seconds between consecutive ``marks``, each less its step's pause (``None``: none)."""
-    times = []
-    for i, (a, b) in enumerate(zip(marks, marks[1:])):
-        pause = pauses[i] if i < len(pauses) else None
-        own = DeviceClock.elapsed(*pause) if pause is not None else 0.0
-        times.append(max(0.0, DeviceClock.elapsed(a, b) - own))
-    return times
-
-
 def result_payload(window: StepWindow, *, complete: bool) -> dict[str, Any]:
     """The result file's measurements (stage ``done``), from what ``window`` recorded."""
     peak, kind = window._peak_memory()
@@ -286,11 +268,15 @@ def result_payload(window: StepWindow, *, complete: bool) -> dict[str, Any]:
     underflow, note = window._underflow()
     flops_per_step, flops_basis = (None, None) if window._flops is None else window._flops.result()
     notes = [n for n in (*window.notes, StepFlops.note_for(window.spec, window._flops), note) if n is not None]
+    # Seconds between consecutive marks, each less its step's pause (the recorder's own work).
+    pauses = [*window.pauses, *[None] * len(window.marks)]
+    step_times = [max(0.0, DeviceClock.elapsed(a, b) - (DeviceClock.elapsed(*pause) if pause else 0.0))
+                  for a, b, pause in zip(window.marks, window.marks[1:], pauses)]
     return {
         "stage": Stage.DONE,
         "complete": complete,
         "losses": [json_float(v) for v in losses],
-        "step_times": step_times(window.marks, window.pauses)[: len(losses)],
+        "step_times": step_times[: len(losses)],
         "loss_scale": window.loss_scale,
         "skipped": window.skipped,
         "underflow": underflow,
