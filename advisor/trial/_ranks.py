@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -107,7 +108,11 @@ def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None) -> int:
         for rank, proc in procs.items():
             if proc.returncode is None and proc.poll() is not None:
                 status = proc.returncode
-                ended.append({"rank": rank, "pid": proc.pid, "status": status, "signal": _signal_name(status),
+                try:
+                    name = None if status >= 0 else signal.Signals(-status).name
+                except ValueError:
+                    name = f"signal {-status}"
+                ended.append({"rank": rank, "pid": proc.pid, "status": status, "signal": name,
                               "at": time.time(), "stopped": stopping_since is not None})
                 if status != 0 and stopping_since is None:
                     first_failure, stopping_since = status, time.monotonic()
@@ -120,15 +125,6 @@ def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None) -> int:
     return first_failure or 0
 
 
-def _signal_name(status: int) -> str | None:
-    if status >= 0:
-        return None
-    try:
-        return signal.Signals(-status).name
-    except ValueError:
-        return f"signal {-status}"
-
-
 def _finish(exits: str | None, nproc: int, procs: Mapping[int, subprocess.Popen[bytes]],
             ended: list[dict[str, Any]], store_dir: str) -> None:
     if exits:
@@ -136,10 +132,7 @@ def _finish(exits: str | None, nproc: int, procs: Mapping[int, subprocess.Popen[
         with contextlib.suppress(OSError):
             Path(f"{exits}.tmp").write_text(json.dumps(record))
             os.replace(f"{exits}.tmp", exits)
-    with contextlib.suppress(OSError):
-        for entry in os.listdir(store_dir):
-            os.unlink(os.path.join(store_dir, entry))
-        os.rmdir(store_dir)
+    shutil.rmtree(store_dir, ignore_errors=True)
 
 
 class AfterImport:
@@ -169,14 +162,13 @@ class AfterImport:
         return None
 
 
-def use_file_store(environ: Mapping[str, str] = os.environ) -> bool:
+def use_file_store() -> None:
     """In a rank started by this launcher: make torch's ``env://`` rendezvous meet through the
-    trial's FileStore, now or once torch's rendezvous module is imported; whether this is such a
-    rank. Only the ``env`` scheme's handler changes: a script's own ``init_method`` or ``store``
-    is left as it is."""
-    path = environ.get(STORE_ENV)
+    trial's FileStore, now or once torch's rendezvous module is imported. Only the ``env``
+    scheme's handler changes: a script's own ``init_method`` or ``store`` is left as it is."""
+    path = os.environ.get(STORE_ENV)
     if not path:
-        return False
+        return
 
     def handler(url: str, **kwargs: Any) -> Any:
         from urllib.parse import parse_qs, urlparse
@@ -196,7 +188,6 @@ def use_file_store(environ: Mapping[str, str] = os.environ) -> bool:
         install(sys.modules["torch.distributed.rendezvous"])
     else:
         sys.meta_path.insert(0, AfterImport("torch.distributed.rendezvous", install))
-    return True
 
 
 if __name__ == "__main__":
