@@ -24,8 +24,7 @@ _CHILD_APPLIED: AppliedPolicy | None = None
 
 
 def spec_from_env() -> TrialSpec | None:
-    """The trial spec injected into this process (a rank's with its own result file), or
-    ``None`` in a plain run."""
+    """The trial spec injected into this process (a rank's, with its own result file), or None."""
     path = os.environ.get(TRIAL_SPEC_ENV)
     if not path:
         return None
@@ -38,8 +37,7 @@ def spec_from_env() -> TrialSpec | None:
 
 
 def applied_for_trial(spec: TrialSpec, *, profile: HardwareProfile, device: str | None) -> AppliedPolicy:
-    """The AppliedPolicy for the injected candidate, with a recorder attached; an unsupported
-    candidate ends the process with ``EXIT_UNSUPPORTED``."""
+    """The injected candidate applied, its recorder attached; unsupported: exit EXIT_UNSUPPORTED."""
     global _CHILD_APPLIED
     if _CHILD_APPLIED is not None:  # a script that calls load_policy() twice gets one recorder
         return _CHILD_APPLIED
@@ -55,8 +53,8 @@ def applied_for_trial(spec: TrialSpec, *, profile: HardwareProfile, device: str 
 
 def trial_candidate(spec: TrialSpec, writer: ResultWriter, *, profile: HardwareProfile,
                     refusal: Callable[[Policy], str | None] | None = None) -> Policy | None:
-    """The injected candidate, or ``None`` (the reason written as ``unsupported``) when it cannot
-    run here; ``refusal``: a framework's limits, judged before the hardware's support."""
+    """The injected candidate, or None (written ``unsupported``) when it, or ``refusal`` (a
+    framework's limits, judged before the hardware's support), says it cannot run here."""
     try:
         policy = Policy.from_dict(spec.policy, source="trial spec")
     except PolicyError as exc:
@@ -87,8 +85,7 @@ def _build(spec: TrialSpec, writer: ResultWriter, *, profile: HardwareProfile, d
 
 
 def run_in_process(train_fn: Any, spec: TrialSpec, *, profile: HardwareProfile) -> tuple[dict[str, Any], str | None]:
-    """Run ``train_fn(mp)`` as one trial in this process: the result data, and the error text
-    when ``train_fn`` raised."""
+    """Run ``train_fn(mp)`` as one trial in this process: the result data, and any error text."""
     import gc
     import traceback
 

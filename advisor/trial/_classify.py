@@ -76,8 +76,7 @@ def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: b
 
 def _lost_before_application(stage: str | None, result_file: Mapping[str, Any], exception: Mapping[str, Any],
                              timeline: Mapping[str, float]) -> bool:
-    """Whether a child that timed out or died by a signal had not applied the candidate yet
-    (a stage only an applied candidate reaches says it had, for a result from before timelines)."""
+    """Whether a child had not applied the candidate yet (by its timeline, or by its stage)."""
     applied = "policy_applied" in timeline or result_file.get("losses")
     return not (applied or stage in (Stage.STEPPING, Stage.DONE, Stage.NO_STEP, Stage.UNSUPPORTED)
                 or (stage == Stage.EXCEPTION and not exception.get("killed")))
@@ -137,8 +136,8 @@ def _outcome(stage: str | None, result_file: Mapping[str, Any], exception: dict[
     if stage == Stage.EXCEPTION or (stage not in (None, Stage.DONE) and exit_code not in (0, None)):
         return _failure(exception, exit_code, last_line)
     if stage is None and exit_code not in (0, None):
-        return "no-policy", (f"the script failed before load_policy() (exit {_exit_text(exit_code)}): "
-                             f"{last_line or 'no error message'}")
+        return "no-policy", ("the script failed before load_policy() (exit "
+                             f"{_exit_text(exit_code)}): {last_line or 'no error message'}")
     if stage is None:
         return "no-policy", "the script exited without calling advisor.load_policy()"
     if stage == Stage.LOADED or (stage == Stage.STEPPING and not result_file.get("losses")):
@@ -146,8 +145,8 @@ def _outcome(stage: str | None, result_file: Mapping[str, Any], exception: dict[
             return "no-step", f"the script ended before its {spec.framework} training ran an optimizer step"
         return "no-step", "the script ended without calling step(); call mp.step(loss, optimizer) in the training loop"
     if stage == Stage.STEPPING:
-        return "crash", (f"the script stopped after {len(result_file['losses'])} steps without finishing the "
-                         f"trial (exit {_exit_text(exit_code)})")
+        return "crash", (f"the script stopped after {len(result_file['losses'])} steps without "
+                         f"finishing the trial (exit {_exit_text(exit_code)})")
     # stage == Stage.DONE
     peak = result_file.get("peak_memory")
     if spec.memory_limit is not None and peak is not None and peak > spec.memory_limit:

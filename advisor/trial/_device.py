@@ -18,8 +18,7 @@ RSS_SAMPLE_S = 0.005
 
 
 def reset_peak_rss() -> bool:
-    """Reset this process's RSS high-water mark (VmHWM) to its current RSS; False where Linux
-    does not allow it."""
+    """Reset this process's RSS high-water mark (VmHWM); False where Linux does not allow it."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # 5 resets the peak RSS only; 1-4 would clear page-referenced bits
@@ -55,11 +54,8 @@ def lifetime_peak_rss() -> int | None:
 
 class TrialPeakRss:
     """The peak RSS of this process from ``start()`` to ``stop()``: one in-process trial's own.
-
-    Exact where the high-water mark can be reset; else a lifetime peak (``ru_maxrss``) that rose
-    during the trial, and is exact; else the current RSS sampled every ``RSS_SAMPLE_S`` (a lower
-    bound).
-    """
+    Exact where the high-water mark can be reset, or where the lifetime peak (``ru_maxrss``) rose
+    during the trial; else the RSS sampled every ``RSS_SAMPLE_S`` (a lower bound)."""
 
     def __init__(self) -> None:
         self._lifetime_at_start: int | None = None

@@ -52,8 +52,7 @@ class StepFlops:
         return f"FLOPs per step not known: counting failed ({why}), and the model is not fed token ids"
 
     def watch(self, model: Any) -> None:
-        """Read the training forwards of the first ``model`` given: whether it takes token ids,
-        and how many the counted step's forwards took."""
+        """Count the token ids the first ``model``'s training forwards take in the counted step."""
         if self._model is not None or not hasattr(model, "register_forward_pre_hook"):
             return
         self._model = model
@@ -112,8 +111,7 @@ class StepFlops:
 
 
 def _first_tensor(args: Any, kwargs: Any) -> Any:
-    """A forward's first input tensor: the first positional one, else ``input_ids``, else the
-    first keyword one."""
+    """A forward's first positional tensor, else ``input_ids``, else its first keyword tensor."""
     import torch
 
     values = [*args, kwargs.get("input_ids"), *kwargs.values()]
@@ -121,8 +119,7 @@ def _first_tensor(args: Any, kwargs: Any) -> Any:
 
 
 def _guarded_flop_counter() -> Any:
-    """torch's FlopCounterMode (quiet) whose counting cannot fail the script's step: an error is
-    kept as ``failure`` and the operation's result passes on."""
+    """torch's FlopCounterMode (quiet) that keeps an error of its counting as ``failure``."""
     from torch.utils.flop_counter import FlopCounterMode
 
     class GuardedFlopCounter(FlopCounterMode):

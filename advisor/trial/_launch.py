@@ -26,8 +26,7 @@ from ._warm import WarmLauncher, WarmTrial
 
 
 def trial_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment a trial runs in, but for its per-trial variables: ``env`` (default: this
-    process's) with unbuffered output, and without a policy override (the spec decides)."""
+    """``env`` (default: this process's) unbuffered, without a policy override (the spec rules)."""
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONUNBUFFERED"] = "1"
     child_env.pop(POLICY_ENV, None)
@@ -39,9 +38,8 @@ def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, 
               cwd: str | os.PathLike[str] | None = None, launch: Sequence[str] = (),
               warm: WarmLauncher | None = None) -> TrialResult:
     """Run ``python [LAUNCH...] script args`` with ``spec`` injected, in a subprocess (which
-    isolates out-of-memory, CUDA errors, segfaults and hangs); classify the outcome. With
-    ``warm``, the trial is forked from its warm server where that is as good as a fresh
-    interpreter; otherwise it starts cold."""
+    isolates out-of-memory, CUDA errors, segfaults and hangs), forked from ``warm`` where that is
+    as good as a fresh interpreter; classify the outcome."""
     result_path = Path(spec.result_path)
     rank_paths = [Path(rank_result_path(result_path, r)) for r in range(spec.nproc_per_node)] if spec.nproc_per_node > 1 else []
     stack_paths = [Path(stack_dump_path(path)) for path in rank_paths or [result_path]]
@@ -117,8 +115,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def oom_kill_count(pid: int | str = "self", *, proc: str | os.PathLike[str] = "/proc") -> int | None:
-    """How many processes the OOM killer has killed in ``pid``'s memory cgroup (v2's
-    ``memory.events``, or v1's ``memory.oom_control``), or ``None`` where it cannot be read."""
+    """The OOM killer's kills in ``pid``'s memory cgroup (v2 or v1), or None where unreadable."""
     root = Path(proc)
     try:
         cgroups = (root / str(pid) / "cgroup").read_text()
@@ -139,14 +136,13 @@ def oom_kill_count(pid: int | str = "self", *, proc: str | os.PathLike[str] = "/
 
 
 def memory_cgroup_dirs(cgroups: str, mountinfo: str) -> list[tuple[int, Path]]:
-    """The directories of a process's memory cgroup, from ``/proc/<pid>/cgroup`` and
-    ``/proc/self/mountinfo``: ``(2, dir)`` on the unified hierarchy, then ``(1, dir)`` on v1."""
+    """A process's memory cgroup directories: ``(2, dir)`` on the unified hierarchy, then v1's."""
     paths: dict[int, str] = {}
-    for hierarchy, controllers, path in (ln.split(":", 2) for ln in cgroups.splitlines() if ln.count(":") > 1):
-        if hierarchy == "0" and controllers == "":
-            paths[2] = path
-        elif "memory" in controllers.split(","):
-            paths[1] = path
+    for parts in (line.split(":", 2) for line in cgroups.splitlines()):
+        if len(parts) == 3 and parts[:2] == ["0", ""]:
+            paths[2] = parts[2]
+        elif len(parts) == 3 and "memory" in parts[1].split(","):
+            paths[1] = parts[2]
     found = []
     for version in (2, 1):
         if version not in paths:
@@ -171,6 +167,7 @@ def _cgroup_mounts(mountinfo: str, version: int) -> list[tuple[str, str]]:
         fstype, options = tail[0], tail[2].split(",")
         if (version == 2 and fstype == "cgroup2") or (version == 1 and fstype == "cgroup" and "memory" in options):
             # The kernel writes a space, tab, newline or backslash in a path as an octal escape.
-            root, point = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f) for f in fields[3:5])
+            root, point = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f)
+                           for f in fields[3:5])
             mounts.append((root, point))
     return mounts

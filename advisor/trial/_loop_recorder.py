@@ -40,8 +40,7 @@ def optimizer_eps(optimizer: Any) -> float | None:
 
 
 def gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's gradients; under FSDP2 this rank's shards (sampling a whole DTensor would
-    gather it from every rank)."""
+    """The optimizer's gradients; under FSDP2 this rank's shards (not whole, gathered DTensors)."""
     import torch
 
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -97,8 +96,7 @@ def underflow_counts(grads: list[torch.Tensor], *, scale: float,
 
 
 def underflow_note(counts: list[list[int]]) -> str | None:
-    """One line with both kinds of underflow over a trial's sampled steps, or ``None`` when no
-    sampled value was lost."""
+    """One line on both kinds of underflow over the sampled steps, or None when none was lost."""
     flushed, would_flush, counted = (sum(c[i] for c in counts) for i in range(3))
     if not counted or not flushed + would_flush:
         return None
@@ -114,8 +112,7 @@ def _fraction(counts: torch.Tensor) -> float | None:
 
 
 def underflow_fractions(counts: list[Any]) -> tuple[list[float | None], str | None]:
-    """Per optimizer step, the share of its sampled gradient values lost to underflow (``None``
-    where not sampled), and the trial's note on it."""
+    """Per step, the share of sampled gradient values lost to underflow; and the note on it."""
     sampled = [[int(v) for v in c.tolist()] for c in counts if c is not None]
     return [None if c is None else _fraction(c) for c in counts], underflow_note(sampled)
 

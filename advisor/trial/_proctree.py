@@ -28,8 +28,7 @@ ProcessTable = Mapping[int, tuple[int, str]]  # pid -> (parent pid, state letter
 
 
 def launcher_argv(python: str) -> list[str]:
-    """What goes before a trial's command line so that it runs under the launcher; empty where
-    there is no child subreaper (not Linux)."""
+    """What runs a trial's command under the launcher; empty where there is no subreaper."""
     if not sys.platform.startswith("linux"):
         return []
     # -I -S: no site-packages and no script directory on sys.path, nothing from the environment.
@@ -111,8 +110,7 @@ def kill_tree(root: int, *, timeout: float = KILL_TIMEOUT, table: Callable[[], P
 
 
 def end_trial(pid: int) -> None:
-    """Kill a trial started in a session of its own, not yet reaped: every process below it,
-    then its process group and itself."""
+    """Kill an unreaped trial in a session of its own: all below it, its group and itself."""
     kill_tree(pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, SIGKILL)  # the session's leader's pid is its process group's

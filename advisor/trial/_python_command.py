@@ -35,8 +35,7 @@ class PythonCommand:
 
 
 def parse_command(argv: Sequence[str]) -> PythonCommand | None:
-    """Read ``[-P...] (-m MODULE | SCRIPT) [ARGS...]``; ``None`` for anything else, which only
-    an interpreter runs faithfully."""
+    """Read ``[-P...] (-m MODULE | SCRIPT) [ARGS...]``; None for what only python runs right."""
     safe_path, rest = False, list(argv)
     while rest[:1] == ["-P"]:
         safe_path, rest = True, rest[1:]
@@ -73,8 +72,7 @@ def _trimmed(tb: Any) -> Any:
 
 
 def run_as_python(command: PythonCommand) -> int:
-    """Run ``command`` in this process as ``python COMMAND`` would; its exit status (``-SIGINT``
-    for a KeyboardInterrupt)."""
+    """Run ``command`` here as ``python COMMAND`` would; its exit status (KeyboardInterrupt: -2)."""
     sys.argv = [command.target, *command.args]  # runpy puts a module's file in argv[0]
     if not command.safe_path:
         sys.path.insert(0, os.getcwd() if command.module else os.path.dirname(os.path.abspath(command.target)))

@@ -76,7 +76,8 @@ def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, d
                 return data
     missing = [rank for rank, data in enumerate(ranks) if not data]
     if missing:
-        message = f"rank {missing[0]} wrote no result: it ended, or was ended, before calling advisor.load_policy()"
+        message = (f"rank {missing[0]} wrote no result: it ended, or was ended, before calling "
+                   "advisor.load_policy()")
         # The rank's own (empty) result: it had not applied the candidate, which decides ``lost``.
         return {"stage": Stage.EXCEPTION, "exception": {"type": "", "message": message, "rank": missing[0],
                                                         "killed": True, "no_result": True}}
@@ -85,8 +86,9 @@ def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, d
     if not (finished and stopped):
         return None
     rank = stopped[0]
-    message = (f"rank {rank} stopped {stage_text(present[rank].get('stage'), present[rank])} without an error "
-               f"of its own, while rank {finished[0]} finished (killed by a signal, or ended by its launcher)")
+    message = (f"rank {rank} stopped {stage_text(present[rank].get('stage'), present[rank])} without "
+               f"an error of its own, while rank {finished[0]} finished (killed by a signal, or ended "
+               "by its launcher)")
     return {**present[min(present)], "stage": Stage.EXCEPTION,
             "exception": {"type": "", "message": message, "rank": rank, "killed": True}}
 
@@ -119,7 +121,8 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
         if bad and all(math.isfinite(v) for v in losses):
             # In DDP the other ranks follow one step later: name the ranks where it began.
             culprits = [r for r, v in zip(order, values) if not math.isfinite(v)]
-            notes.append(f"the first non-finite loss came at step {step} on rank {', '.join(map(str, culprits))}")
+            notes.append(f"the first non-finite loss came at step {step} on rank "
+                         f"{', '.join(map(str, culprits))}")
         if bad:
             losses.append(next((v for v in bad if math.isnan(v)), bad[0]))
         elif all(isinstance(c, int) and c > 0 for c in counts):

@@ -61,8 +61,7 @@ def rank_environment(base: Mapping[str, str], *, rank: int, nproc: int, port: in
 
 
 def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None) -> int:
-    """Start ``command`` as ranks 0..nproc-1, wait for them all, stop the rest when one fails;
-    the first failed rank's status, else 0."""
+    """Run ``command`` as ranks 0..nproc-1, the rest stopped when one fails; its status, else 0."""
     store_dir = tempfile.mkdtemp(prefix="mpadvise-ranks-")  # 0700: only this user reaches the store
     store = os.path.join(store_dir, "store")
     # MASTER_PORT: a free loopback port, which Lightning and Accelerate check is set.
@@ -192,8 +191,9 @@ def use_file_store() -> None:
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if len(argv) < 4 or argv[0] != "--nproc" or not argv[1].isdigit() or int(argv[1]) < 1 or argv[2] != "--":
+    nproc = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else 0
+    if len(argv) < 4 or argv[0] != "--nproc" or nproc < 1 or argv[2] != "--":
         print(f"usage: python {sys.argv[0]} --nproc N -- COMMAND [ARGS...]", file=sys.stderr)
         _exit_as(2)
     end_with_parent(signal.SIGKILL)  # the trial's launcher (``_proctree``) gone: so are the ranks
-    _exit_as(run_ranks(int(argv[1]), argv[3:], exits=os.environ.get(EXITS_ENV) or None))
+    _exit_as(run_ranks(nproc, argv[3:], exits=os.environ.get(EXITS_ENV) or None))

@@ -48,7 +48,7 @@ class FrameworkRecorder(StepWindow):
         """The first batch starts: the clock's first mark (later calls do nothing)."""
         if self.begun:
             return
-        mark("policy_applied")  # if the adapter did not see the object built: it runs the candidate now
+        mark("policy_applied")  # unless the adapter saw the object built: it runs the candidate now
         accum = grad_accum_steps or 1
         self.batch = {
             "user_batch": user_batch,
@@ -60,8 +60,7 @@ class FrameworkRecorder(StepWindow):
         self._begin(self.batch)
 
     def perturb(self, model: Any) -> None:
-        """The fp32 replicate's one perturbation of the initial parameters, before the first
-        training forward."""
+        """The fp32 replicate's one perturbation, before the first training forward."""
         if model is not None and hasattr(model, "parameters") and self._perturb(model):
             self.note(f"fp32 replicate: initial parameters perturbed once by a {self.spec.perturb} rounding")
 

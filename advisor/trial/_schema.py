@@ -32,8 +32,7 @@ RANK_ENV = "RANK"  # which result file a rank of a multi-process trial writes
 
 
 class Stage(str, Enum):
-    """How far a trial child got: the ``stage`` of its result file (a ``str``, so the file holds
-    the plain value)."""
+    """How far a trial child got: its result file's ``stage`` (a str: the file holds the value)."""
 
     LOADED = "loaded"  # load_policy() (or a framework's boot) ran; no step began yet
     STEPPING = "stepping"  # the first optimizer step began; the batch facts are written

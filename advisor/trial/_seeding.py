@@ -27,8 +27,7 @@ _DRAW_STRIDE = 1_000_003
 
 
 def perturbation_seed(seed: int, draw: int) -> int:
-    """The seed of a replicate's perturbation: the trial's own for draw 0, another for each later
-    draw, so that two replicates of one reference are perturbed independently."""
+    """The seed of a replicate's perturbation: the trial's for draw 0, another for each later."""
     if isinstance(draw, bool) or not isinstance(draw, int) or draw < 0:
         raise ValueError(f"perturb draw: {draw!r} is not allowed; expected a whole number >= 0")
     return (seed + _DRAW_STRIDE * draw) % 2**63

@@ -28,8 +28,7 @@ _STACK_FILE: Any = None  # held for the process's lifetime: faulthandler writes 
 
 
 def register_stack_dump(result_path: str) -> bool:
-    """Have ``STACK_SIGNAL`` dump every thread's stack of this process to
-    ``stack_dump_path(result_path)``, after a ``pid <this pid>`` line; whether it is in place."""
+    """Have ``STACK_SIGNAL`` dump this process's stacks after a ``pid N`` line; whether it does."""
     global _STACK_FILE
     sig = getattr(signal, STACK_SIGNAL, None)
     if _STACK_FILE is not None or sig is None:

@@ -213,7 +213,8 @@ class StepWindow:
         if not self.spec.perturb or self._perturbed:
             return False
         self._perturbed = True
-        perturb_parameters(model, perturb=self.spec.perturb, seed=self.spec.seed, draw=self.spec.perturb_draw)
+        spec = self.spec
+        perturb_parameters(model, perturb=spec.perturb, seed=spec.seed, draw=spec.perturb_draw)
         return True
 
     def _begin(self, batch: dict[str, Any]) -> None:
@@ -267,11 +268,12 @@ def result_payload(window: StepWindow, *, complete: bool) -> dict[str, Any]:
     losses = [float(v) for v in window.losses]
     underflow, note = window._underflow()
     flops_per_step, flops_basis = (None, None) if window._flops is None else window._flops.result()
-    notes = [n for n in (*window.notes, StepFlops.note_for(window.spec, window._flops), note) if n is not None]
+    extra = (StepFlops.note_for(window.spec, window._flops), note)
+    notes = [*window.notes, *(n for n in extra if n is not None)]
     # Seconds between consecutive marks, each less its step's pause (the recorder's own work).
     pauses = [*window.pauses, *[None] * len(window.marks)]
-    step_times = [max(0.0, DeviceClock.elapsed(a, b) - (DeviceClock.elapsed(*pause) if pause else 0.0))
-                  for a, b, pause in zip(window.marks, window.marks[1:], pauses)]
+    step_times = [max(0.0, DeviceClock.elapsed(a, b) - (DeviceClock.elapsed(*p) if p else 0.0))
+                  for a, b, p in zip(window.marks, window.marks[1:], pauses)]
     return {
         "stage": Stage.DONE,
         "complete": complete,

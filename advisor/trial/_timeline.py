@@ -46,8 +46,7 @@ def clear() -> None:
 
 
 def breakdown(timeline: Mapping[str, float]) -> dict[str, float | None]:
-    """Seconds spent in each phase of ``PHASES``; ``None`` for a phase missing either mark or
-    whose marks are out of order."""
+    """Seconds spent in each phase of ``PHASES``; None where a mark is missing or out of order."""
     out: dict[str, float | None] = {}
     for phase, begin, end in PHASES:
         a, b = timeline.get(begin), timeline.get(end)

@@ -35,8 +35,7 @@ def warm_switched_off(environ: Mapping[str, str]) -> bool:
 
 def cold_reason(command: Sequence[str], *, environ: Mapping[str, str], nproc_per_node: int = 1,
                 platform: str = sys.platform, can_fork: bool = hasattr(os, "fork")) -> str | None:
-    """Why a trial must start in a fresh interpreter, whatever the server; ``None`` when it may
-    be forked."""
+    """Why a trial must start in a fresh interpreter, whatever the server; None if it may fork."""
     if warm_switched_off(environ):
         return f"{WARM_ENV}={environ.get(WARM_ENV)} starts every trial cold"
     if not platform.startswith("linux") or not can_fork:
@@ -50,8 +49,9 @@ def cold_reason(command: Sequence[str], *, environ: Mapping[str, str], nproc_per
 
 
 def environment_difference(server: Mapping[str, str], trial: Mapping[str, str]) -> list[str]:
-    """The variables, other than per-trial ones, that differ between the two environments; sorted."""
-    return sorted(n for n in set(server) | set(trial) if not is_per_trial(n) and server.get(n) != trial.get(n))
+    """The variables, but per-trial ones, that differ between the two environments; sorted."""
+    names = set(server) | set(trial)
+    return sorted(n for n in names if not is_per_trial(n) and server.get(n) != trial.get(n))
 
 
 def environment_reason(server: Mapping[str, str], trial: Mapping[str, str]) -> str | None:
@@ -166,7 +166,8 @@ class WarmServer:
                    "env": {k: v for k, v in env.items() if is_per_trial(k)}}
         for f in (stdout, stderr):
             f.flush()
-        reply = self._reply() if self.channel.send(request, [stdout.fileno(), stderr.fileno()]) else None
+        sent = self.channel.send(request, [stdout.fileno(), stderr.fileno()])
+        reply = self._reply() if sent else None
         if reply is None:
             return "the warm server died"
         if "pid" not in reply:
@@ -201,8 +202,7 @@ class WarmLauncher:
     def start_trial(self, command: Sequence[str], *, env: Mapping[str, str],
                     cwd: str | os.PathLike[str] | None, stdout: IO[bytes], stderr: IO[bytes], python: str,
                     nproc_per_node: int = 1) -> WarmTrial | None:
-        """Fork ``python COMMAND`` from the server; ``None`` (and a debug line saying why) when
-        the trial must start cold instead."""
+        """Fork ``python COMMAND`` from the server; None (and a debug line why) to start cold."""
         reason = cold_reason(command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node)
         if reason is None and os.path.abspath(python) != os.path.abspath(self.python):
             reason = f"the trial's interpreter {python} is not the warm server's {self.python}"
@@ -232,8 +232,8 @@ class WarmLauncher:
         return trial
 
     def prestart(self, command: Sequence[str], *, env: Mapping[str, str], nproc_per_node: int = 1) -> bool:
-        """Start the server now, without waiting for its imports, so that the parent's own work
-        before its first trial overlaps them; whether one was started."""
+        """Start the server without waiting for its imports, which overlap the parent's own work
+        before its first trial; whether one was started."""
         if self._server is not None or self._broken is not None:
             return False
         if cold_reason(command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node) is not None:

@@ -84,8 +84,7 @@ class Channel:
 
 
 def _preload(name: str) -> None:
-    """Import ``name``, or for ``PACKAGE:FRAMEWORK`` the framework's libraries; one that does not
-    import is left to the trial."""
+    """Import ``name`` (``PACKAGE:FRAMEWORK``: its libraries); a failure is left to the trial."""
     package, _, framework = name.partition(":")
     try:
         module = importlib.import_module(package)
