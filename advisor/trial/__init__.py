@@ -1,20 +1,26 @@
 """Trials: one run of a training script under one candidate policy, and what it reports.
 
 The parent side launches (``run_trial``), merges ranks and classifies the outcome; the child
-side applies the injected candidate (``_child``) and records its steps (``_loop_recorder``, or
-``_recorder`` for a framework's hooks). The schema both share is ``_schema``.
+side (``_child``) applies the injected candidate and records its steps. Both share ``_schema``.
 """
 
 from __future__ import annotations
 
-from ._child import applied_for_trial, run_in_process, spec_from_env, trial_candidate
+from ._child import (
+    UNDERFLOW_EVERY,
+    FrameworkRecorder,
+    applied_for_trial,
+    optimizer_eps,
+    recorder_for,
+    run_in_process,
+    spec_from_env,
+    trial_candidate,
+)
 from ._classify import classify
 from ._launch import run_trial, trial_environment
-from ._loop_recorder import UNDERFLOW_EVERY, optimizer_eps
 from ._python_command import RUN_MODULE
 from ._rank_merge import merge_rank_results
 from ._ranks import STORE_ENV, ranks_argv
-from ._recorder import FrameworkRecorder, recorder_for
 from ._schema import (
     DEFAULT_MEASURE_STEPS,
     DEFAULT_WARMUP_STEPS,

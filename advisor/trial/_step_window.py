@@ -1,7 +1,6 @@
-"""What both trial recorders (``_loop_recorder``, ``_recorder``) share: the measured window of
-optimizer steps, the result file (``ResultWriter``, ``result_payload``), the ways a trial child
-ends, and its first-step watchdog, which does not count torch.compile's compiling.
-"""
+"""What both trial recorders (``_child``) share: the measured window of optimizer steps, the
+result file (``ResultWriter``, ``result_payload``), the ways a trial child ends, and its
+first-step watchdog, which does not count torch.compile's compiling."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from advisor.trial import EXIT_NO_STEP, TrialSpec, _child, _loop_recorder, _step_window
+from advisor.trial import EXIT_NO_STEP, TrialSpec, _child, _step_window
 from policies import Policy
 from probes import HardwareProfile
 
@@ -65,7 +65,7 @@ def test_losses_are_copies_under_gradient_accumulation_too(tmp_path):
     assert all(v > 0 for v in data["losses"])
 
 
-def _child_recorder(tmp_path, first_step_timeout: float) -> _loop_recorder.TrialRecorder:
+def _child_recorder(tmp_path, first_step_timeout: float) -> _child.TrialRecorder:
     spec = _spec(tmp_path, first_step_timeout=first_step_timeout)
     applied = _child._build(spec, _child.ResultWriter(spec.result_path), profile=CPU, device="cpu", in_process=False)
     return applied._observer
