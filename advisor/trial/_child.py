@@ -146,11 +146,10 @@ class TrialRecorder(StepObserver, StepWindow):
         self._in_step: dict[str, Any] = {}  # what after_backward measured, until after_step keeps it
         self._micro_losses: list[Any] = []
         self._micro_samples = 0
-        self.clock = DeviceClock(None)
-        self._device: TrialDevice | None = None  # from attach(): the device made current, its memory
 
     def attach(self, applied: AppliedPolicy) -> None:
         self.applied = applied
+        # The device made current, its memory capped, and its clock.
         self._device = TrialDevice(applied.device, memory_limit=self.spec.memory_limit, in_process=self.in_process)
         self.clock = self._device.clock
         if not self.in_process:  # in process, the caller owns the process and its exit
@@ -167,11 +166,9 @@ class TrialRecorder(StepObserver, StepWindow):
             self._begin(batch_facts(applied))
 
     def after_backward(self, applied: AppliedPolicy, optimizer: torch.optim.Optimizer) -> None:
-        # Everything here is the recorder's, not the user's: it runs between two marks that
-        # finish() cuts out of the step's time. Here rather than after the optimizer step,
-        # because a loss-scaling mode synchronises the device just after this point anyway
-        # (to read the overflow flag), so the scale's read and the sampling add no wait of
-        # their own to the rest of the step.
+        # The recorder's own work, between two marks cut out of the step's time. Here, not after
+        # the optimizer step: a loss-scaling mode syncs the device just after this point anyway
+        # (to read the overflow flag), so reading the scale and sampling add no wait of their own.
         start = self.clock.mark()
         if not self.losses:
             self.optimizer_eps = optimizer_eps(optimizer)
@@ -202,7 +199,7 @@ class TrialRecorder(StepObserver, StepWindow):
         self._end_of_step(len(self.losses))
 
     def _peak_memory(self) -> tuple[int | None, str]:
-        return self.clock.peak_memory() if self._device is None else self._device.peak_memory()
+        return self._device.peak_memory()
 
     def _underflow(self) -> tuple[list[float | None], str | None]:
         return underflow_fractions(self.underflow)
@@ -218,8 +215,7 @@ class TrialRecorder(StepObserver, StepWindow):
         """Stop the RSS sampler and a FLOP count in progress, and give back the current device."""
         if self._flops is not None:
             self._flops.stop(discard=True)  # the training function raised inside the counted step
-        if self._device is not None:
-            self._device.close()
+        self._device.close()
 
 
 def batch_facts(applied: AppliedPolicy) -> dict[str, Any]:
@@ -258,13 +254,9 @@ class FrameworkRecorder(StepWindow):
             return
         mark("policy_applied")  # unless the adapter saw the object built: it runs the candidate now
         accum = grad_accum_steps or 1
-        self.batch = {
-            "user_batch": user_batch,
-            "micro_batch": micro_batch,
-            "grad_accum_steps": accum,
-            "global_batch": None if micro_batch is None else micro_batch * accum,
-            "device": self.device,
-        }
+        global_batch = None if micro_batch is None else micro_batch * accum
+        self.batch = {"user_batch": user_batch, "micro_batch": micro_batch, "grad_accum_steps": accum,
+                      "global_batch": global_batch, "device": self.device}
         self._begin(self.batch)
 
     def perturb(self, model: Any) -> None:

@@ -135,10 +135,8 @@ class TrialSpec:
         data = json.loads(text)
         unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
-            raise MpadviseError(
-                f"the trial spec holds unknown fields {unknown}; the process that wrote it runs another "
-                "version of mpadvise: run the trial with the same installation"
-            )
+            raise MpadviseError(f"the trial spec holds unknown fields {unknown}; the process that wrote "
+                                "it runs another version of mpadvise: run the trial with the same installation")
         return cls(**data)
 
 
@@ -203,8 +201,8 @@ class TrialResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialResult:
         kwargs = dict(data)
-        for name in ("losses", "step_times", "loss_scale", "skipped", "underflow", "samples", "notes"):
-            if name in kwargs and kwargs[name] is not None:
+        for name in ("step_times", "loss_scale", "skipped", "underflow", "samples", "notes"):
+            if kwargs.get(name) is not None:
                 kwargs[name] = tuple(kwargs[name])
         kwargs["losses"] = tuple(float(v) for v in kwargs.get("losses", ()))
         return cls(**kwargs)

@@ -206,8 +206,7 @@ class WarmLauncher:
         reason = cold_reason(command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node)
         if reason is None and os.path.abspath(python) != os.path.abspath(self.python):
             reason = f"the trial's interpreter {python} is not the warm server's {self.python}"
-        if reason is None:
-            reason = self._broken or self._ensure_server(env)
+        reason = reason or self._broken or self._ensure_server(env)
         if reason is None and self._server is not None:
             reason = environment_reason(self._server.env, env)
             if reason is not None and self.forked == 0:
@@ -216,20 +215,16 @@ class WarmLauncher:
                 get_logger().debug(f"warm server started again: {reason}")
                 self.close()
                 reason = self._ensure_server(env)
-        trial = None
         if reason is None and self._server is not None:
             forked = self._server.fork(list(command), env, cwd, stdout, stderr,
                                        lambda: self._lost("the warm server died"))
-            if isinstance(forked, str):
-                reason = self._lost(forked)
-            else:
-                trial = forked
-        if trial is None:
-            self.last_cold_reason = reason
-            get_logger().debug(f"trial launched cold: {reason}")
-        else:
-            self.forked += 1
-        return trial
+            if not isinstance(forked, str):
+                self.forked += 1
+                return forked
+            reason = self._lost(forked)
+        self.last_cold_reason = reason
+        get_logger().debug(f"trial launched cold: {reason}")
+        return None
 
     def prestart(self, command: Sequence[str], *, env: Mapping[str, str], nproc_per_node: int = 1) -> bool:
         """Start the server without waiting for its imports, which overlap the parent's own work

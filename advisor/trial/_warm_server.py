@@ -116,14 +116,12 @@ def _watch(sock: socket.socket, pid: int) -> int | None:
         while True:
             watched = [sock] if pidfd is None else [sock, pidfd]
             ready, _, _ = select.select(watched, [], [], 0.05 if pidfd is None else None)
-            if sock in ready:
+            if sock in ready:  # nothing is asked of a running trial: only the parent's end matters
                 try:
-                    data = sock.recv(PACKET, socket.MSG_PEEK)
+                    if not sock.recv(PACKET):
+                        return None
                 except OSError:
-                    data = b""
-                if not data:
                     return None
-                sock.recv(PACKET)  # nothing is asked of a running trial: drop it
             status = _exit_status(pid)
             if status is not None:
                 return status
