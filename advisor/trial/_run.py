@@ -10,13 +10,7 @@ import sys
 from typing import NoReturn
 
 from ._proctree import end_with_parent
-from ._python_command import (
-    RUN_MODULE,
-    exit_forked,
-    parse_command,
-    prepare_torch,
-    run_as_python,
-)
+from ._python_command import RUN_MODULE, exit_forked, parse_command, prepare_torch, run_as_python
 from ._ranks import use_file_store
 from ._warm_server import SERVER_FLAG, serve
 

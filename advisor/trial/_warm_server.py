@@ -18,13 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from ._proctree import _exit_as, end_trial, end_with_parent, supervise
-from ._python_command import (
-    PythonCommand,
-    exit_forked,
-    parse_command,
-    prepare_torch,
-    run_as_python,
-)
+from ._python_command import PythonCommand, exit_forked, parse_command, prepare_torch, run_as_python
 from ._timeline import clear
 
 SERVER_FLAG = "--warm-server"  # python -P -m advisor.trial._run --warm-server FD [PRELOAD...]
