@@ -37,8 +37,7 @@ from ._schema import (
     parse_memory,
     rank_result_path,
 )
-from ._seeding import seed_everything
-from ._step_window import ResultWriter, end_trial_process, install_excepthook
+from ._step_window import ResultWriter, end_trial_process, install_excepthook, seed_everything
 from ._timeline import PHASES, TIMELINE_MARKS, breakdown, startup_seconds
 from ._warm import WARM_ENV, WarmLauncher, framework_preload
 

@@ -24,7 +24,6 @@ from probes import HardwareProfile, UnsupportedHere
 
 from ._device import DeviceClock, TrialDevice
 from ._schema import EXIT_UNSUPPORTED, RANK_ENV, TRIAL_SPEC_ENV, Stage, TrialSpec, rank_result_path
-from ._seeding import seed_everything
 from ._stacks import register_stack_dump
 from ._step_window import (
     ResultWriter,
@@ -32,6 +31,7 @@ from ._step_window import (
     TrialComplete,
     end_trial_process,
     install_excepthook,
+    seed_everything,
 )
 from ._timeline import clear, mark
 
@@ -146,10 +146,11 @@ class TrialRecorder(StepObserver, StepWindow):
         self._in_step: dict[str, Any] = {}  # what after_backward measured, until after_step keeps it
         self._micro_losses: list[Any] = []
         self._micro_samples = 0
+        self.clock = DeviceClock(None)
+        self._device: TrialDevice | None = None  # from attach(): the device made current, its memory
 
     def attach(self, applied: AppliedPolicy) -> None:
         self.applied = applied
-        # The device made current, its memory capped, and its clock.
         self._device = TrialDevice(applied.device, memory_limit=self.spec.memory_limit, in_process=self.in_process)
         self.clock = self._device.clock
         if not self.in_process:  # in process, the caller owns the process and its exit
@@ -199,7 +200,7 @@ class TrialRecorder(StepObserver, StepWindow):
         self._end_of_step(len(self.losses))
 
     def _peak_memory(self) -> tuple[int | None, str]:
-        return self._device.peak_memory()
+        return self.clock.peak_memory() if self._device is None else self._device.peak_memory()
 
     def _underflow(self) -> tuple[list[float | None], str | None]:
         return underflow_fractions(self.underflow)
@@ -215,7 +216,8 @@ class TrialRecorder(StepObserver, StepWindow):
         """Stop the RSS sampler and a FLOP count in progress, and give back the current device."""
         if self._flops is not None:
             self._flops.stop(discard=True)  # the training function raised inside the counted step
-        self._device.close()
+        if self._device is not None:
+            self._device.close()
 
 
 def batch_facts(applied: AppliedPolicy) -> dict[str, Any]:

@@ -1,12 +1,16 @@
 """What both trial recorders (``_child``) share: the measured window of optimizer steps, the
-result file (``ResultWriter``, ``result_payload``), the ways a trial child ends, and its
-first-step watchdog, which does not count torch.compile's compiling."""
+result file (``ResultWriter``, ``result_payload``), the ways a trial child ends, its first-step
+watchdog (which does not count torch.compile's compiling), the FLOPs of one whole optimizer
+step (counted by torch's FlopCounterMode, or estimated for a model fed token ids where counting
+fails), the same seeds for every trial, and the fp32 replicate's one perturbation."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -17,9 +21,7 @@ from typing import Any, NoReturn
 from probes import UnsupportedHere
 
 from ._device import DeviceClock
-from ._flops import StepFlops
 from ._schema import EXIT_NO_STEP, Stage, TrialSpec, json_float, unknown_result_fields
-from ._seeding import perturb_parameters
 from ._timeline import mark, marks
 
 # How often the no-step watchdog looks at the clock and at torch.compile: a compilation is seen
@@ -89,6 +91,184 @@ class NoStepWatchdog:
                 if not self._stop.is_set():
                     self._on_expire()
                 return
+
+
+# The relative size of the fp32 replicate's one perturbation, by the format it stands for: a bf16
+# rounding errs by at most 2^-8 of the value. How far the replicate drifts is how much this workload
+# amplifies a perturbation of precision's size (docs/stability.md, "Calibration to the workload").
+PERTURBATIONS: dict[str, float] = {"bf16": 2.0**-8}
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    with contextlib.suppress(ImportError):  # numpy is optional for torch
+        import numpy as np
+
+        np.random.seed(seed)
+
+
+_DRAW_STRIDE = 1_000_003
+
+
+def perturbation_seed(seed: int, draw: int) -> int:
+    """The seed of a replicate's perturbation: the trial's for draw 0, another for each later."""
+    if isinstance(draw, bool) or not isinstance(draw, int) or draw < 0:
+        raise ValueError(f"perturb draw: {draw!r} is not allowed; expected a whole number >= 0")
+    return (seed + _DRAW_STRIDE * draw) % 2**63
+
+
+def perturb_parameters(model: Any, *, perturb: str, seed: int, draw: int = 0) -> int:
+    """Multiply every floating-point parameter once by ``1 + u * e``, ``u`` uniform in [-1, 1] and
+    ``e`` from ``PERTURBATIONS``; how many values were perturbed. A private generator leaves
+    torch's global random state untouched, and every rank perturbs its replica alike."""
+    import torch
+
+    size = PERTURBATIONS.get(perturb)
+    if size is None:
+        raise ValueError(f"perturb: {perturb!r} is not a known perturbation; expected one of {sorted(PERTURBATIONS)}")
+    generator = torch.Generator(device="cpu").manual_seed(perturbation_seed(seed, draw))
+    count = 0
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if not parameter.is_floating_point() or parameter.numel() == 0:
+                continue
+            u = torch.rand(parameter.shape, generator=generator, dtype=torch.float64) * 2.0 - 1.0
+            factor = (1.0 + size * u).to(device=parameter.device, dtype=torch.float32)
+            parameter.mul_(factor.to(parameter.dtype))
+            count += parameter.numel()
+    return count
+
+
+# The optimizer step whose FLOPs are counted (``spec.count_flops``): the second, so that the
+# first step's compilation, autotuning and allocator growth are not inside the count. It must
+# be a warm-up step: counting slows the step it counts, and no measured step may carry that.
+FLOPS_STEP = 2
+# 2 FLOPs per multiply-add, the backward twice the forward, per trainable parameter and token.
+FLOPS_ESTIMATE = "6 x parameters x tokens"
+
+
+class StepFlops:
+    """Counts the FLOPs of optimizer step ``FLOPS_STEP``, all its micro-batches: torch's
+    ``FlopCounterMode`` is entered at the end of the step before and left at the end of the
+    counted one, whatever framework runs the loop."""
+
+    step = FLOPS_STEP
+
+    def __init__(self) -> None:
+        self.flops: int | None = None
+        self.error: str | None = None
+        self.tokens = 0
+        self.integer_input: bool | None = None
+        self.parameters = 0
+        self._model: Any = None
+        self._counter: Any = None
+        self._counting = self._done = False
+
+    @classmethod
+    def for_spec(cls, spec: TrialSpec) -> StepFlops | None:
+        return cls() if spec.count_flops and spec.warmup_steps >= FLOPS_STEP else None
+
+    @staticmethod
+    def note_for(spec: TrialSpec, flops: StepFlops | None) -> str | None:
+        """A sentence for the trial's report where FLOPs were asked for and not counted."""
+        if not spec.count_flops:
+            return None
+        if flops is None:
+            return (f"FLOPs per step not counted: the warm-up has {spec.warmup_steps} steps, and the counted step "
+                    f"(step {FLOPS_STEP}) must be one of them; run with --warmup {FLOPS_STEP} or more")
+        if not flops._done or (flops.flops and flops.error is None):
+            return None
+        why = flops.error or "torch's FLOP counter counted nothing in the step"
+        if flops.result()[1] == FLOPS_ESTIMATE:
+            return f"FLOPs per step estimated as {FLOPS_ESTIMATE} ({flops.tokens} tokens): counting failed: {why}"
+        return f"FLOPs per step not known: counting failed ({why}), and the model is not fed token ids"
+
+    def watch(self, model: Any) -> None:
+        """Count the token ids the first ``model``'s training forwards take in the counted step."""
+        if self._model is not None or not hasattr(model, "register_forward_pre_hook"):
+            return
+        self._model = model
+
+        def pre_hook(module: Any, args: Any, kwargs: Any) -> None:
+            import torch
+
+            if not torch.is_grad_enabled():
+                return  # an evaluation forward, not the training step's
+            first = _first_tensor(args, kwargs)
+            if first is None:
+                return
+            integer = not (first.is_floating_point() or first.is_complex()) and first.dtype != torch.bool
+            if self.integer_input is None:
+                self.integer_input = integer
+            if self._counting and integer:
+                self.tokens += first.numel()
+
+        model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+    def start(self) -> None:
+        if self._counting or self._done:
+            return
+        self._counting = True  # tokens are read even where the counter cannot be entered
+        try:
+            self._counter = _guarded_flop_counter()
+            self._counter.__enter__()
+        except Exception as exc:  # counting is a measurement of the trial, never its failure
+            self._counter, self.error = None, f"{type(exc).__name__}: {exc}"
+
+    def stop(self, *, discard: bool = False) -> None:
+        """Leave the counter (``discard``: the trial ended inside the step)."""
+        if not self._counting:
+            return
+        self._counting, self._done = False, not discard
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            try:
+                counter.__exit__(None, None, None)
+                self.flops = int(counter.get_total_flops())
+            except Exception as exc:
+                self.error = self.error or f"{type(exc).__name__}: {exc}"
+            self.error = self.error or counter.failure
+        if self._model is not None:
+            self.parameters = sum(p.numel() for p in self._model.parameters() if p.requires_grad)
+
+    def result(self) -> tuple[float | None, str | None]:
+        """``(flops_per_step, flops_basis)``: counted, estimated, or ``(None, None)``."""
+        if not self._done:
+            return None, None
+        if self.flops and self.error is None:
+            return float(self.flops), "counted"
+        if self.integer_input and self.tokens and self.parameters:
+            return 6.0 * self.parameters * self.tokens, FLOPS_ESTIMATE
+        return None, None
+
+
+def _first_tensor(args: Any, kwargs: Any) -> Any:
+    """A forward's first positional tensor, else ``input_ids``, else its first keyword tensor."""
+    import torch
+
+    values = [*args, kwargs.get("input_ids"), *kwargs.values()]
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)
+
+
+def _guarded_flop_counter() -> Any:
+    """torch's FlopCounterMode (quiet) that keeps an error of its counting as ``failure``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class GuardedFlopCounter(FlopCounterMode):
+        failure: str | None = None
+
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            try:
+                return super()._count_flops(func_packet, out, args, kwargs)
+            except Exception as exc:
+                if self.failure is None:
+                    self.failure = f"counting {func_packet} raised {type(exc).__name__}: {exc}"
+                return out
+
+    return GuardedFlopCounter(display=False)
 
 
 class TrialComplete(BaseException):
