@@ -131,12 +131,6 @@ def _fraction(counts: torch.Tensor) -> float | None:
     return (flushed + would_flush) / counted if counted else None
 
 
-def underflow_fractions(counts: list[Any]) -> tuple[list[float | None], str | None]:
-    """Per step, the share of sampled gradient values lost to underflow; and the note on it."""
-    sampled = [[int(v) for v in c.tolist()] for c in counts if c is not None]
-    return [None if c is None else _fraction(c) for c in counts], underflow_note(sampled)
-
-
 class TrialRecorder(StepObserver, StepWindow):
     def __init__(self, spec: TrialSpec, writer: ResultWriter, *, in_process: bool = False) -> None:
         StepWindow.__init__(self, spec, writer)
@@ -203,7 +197,8 @@ class TrialRecorder(StepObserver, StepWindow):
         return self.clock.peak_memory() if self._device is None else self._device.peak_memory()
 
     def _underflow(self) -> tuple[list[float | None], str | None]:
-        return underflow_fractions(self.underflow)
+        sampled = [[int(v) for v in c.tolist()] for c in self.underflow if c is not None]
+        return [None if c is None else _fraction(c) for c in self.underflow], underflow_note(sampled)
 
     # What the result says of the workload, read from the applied policy (attached before any step).
     notes = property(lambda self: list(self.applied.notes))

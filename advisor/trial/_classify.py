@@ -36,12 +36,16 @@ def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: b
                 timeline={**(result_file.get("timeline") or {}), **(timeline or {})},
                 threads=spec.threads if spec.nproc_per_node == 1 else None)
     by_signal = exit_code is not None and exit_code < 0
+    # Whether the candidate was applied: by the timeline, or by a stage only an applied one reaches.
+    applied = ("policy_applied" in base["timeline"] or result_file.get("losses")
+               or stage in (Stage.STEPPING, Stage.DONE, Stage.NO_STEP, Stage.UNSUPPORTED)
+               or (stage == Stage.EXCEPTION and not exception.get("killed")))
     if unknown:
         outcome, reason = "crash", (
             f"the trial's result file holds unknown fields {unknown} (expected only those of "
             "advisor.trial.RESULT_FIELDS); the script ran under another version of mpadvise: "
             "run it with the same installation as the tune")
-    elif (timed_out or by_signal) and _lost_before_application(stage, result_file, exception, base["timeline"]):
+    elif (timed_out or by_signal) and not applied:
         outcome, reason = "lost", _lost_reason(
             None if exception.get("no_result") else stage, base["timeline"], spec, timed_out=timed_out, timeout=timeout, exit_code=exit_code, oom_kills=oom_kills,
             rank=exception.get("rank", result_file.get("rank_waiting")))
@@ -72,14 +76,6 @@ def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: b
     else:
         outcome, reason = _outcome(stage, result_file, exception, exit_code, _last_line(stderr_tail), spec)
     return TrialResult.from_dict({**base, "outcome": outcome, "reason": reason})
-
-
-def _lost_before_application(stage: str | None, result_file: Mapping[str, Any], exception: Mapping[str, Any],
-                             timeline: Mapping[str, float]) -> bool:
-    """Whether a child had not applied the candidate yet (by its timeline, or by its stage)."""
-    applied = "policy_applied" in timeline or result_file.get("losses")
-    return not (applied or stage in (Stage.STEPPING, Stage.DONE, Stage.NO_STEP, Stage.UNSUPPORTED)
-                or (stage == Stage.EXCEPTION and not exception.get("killed")))
 
 
 # What a person reads for the last mark a lost trial reached.

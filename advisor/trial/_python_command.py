@@ -63,14 +63,6 @@ def exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _trimmed(tb: Any) -> Any:
-    """The traceback from the script's own frames on, as the interpreter shows it."""
-    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in ours:
-        tb = tb.tb_next
-    return tb
-
-
 def run_as_python(command: PythonCommand) -> int:
     """Run ``command`` here as ``python COMMAND`` would; its exit status (KeyboardInterrupt: -2)."""
     sys.argv = [command.target, *command.args]  # runpy puts a module's file in argv[0]
@@ -88,7 +80,10 @@ def run_as_python(command: PythonCommand) -> int:
     except SystemExit as exc:
         return exit_code(exc)
     except BaseException as exc:  # whatever the script raised ends it, as under python
-        sys.excepthook(type(exc), exc, _trimmed(exc.__traceback__))
+        tb, ours = exc.__traceback__, {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+        while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in ours:
+            tb = tb.tb_next  # the traceback from the script's own frames on, as python shows it
+        sys.excepthook(type(exc), exc, tb)
         return -int(signal.SIGINT) if isinstance(exc, KeyboardInterrupt) else 1
     return 0
 

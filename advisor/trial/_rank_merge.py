@@ -41,20 +41,14 @@ def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None],
     return _merge_finished(ranks, present)
 
 
-def _first_failure(exits: Mapping[str, Any] | None) -> tuple[int, Mapping[str, Any]] | None:
-    if not isinstance(exits, Mapping):
-        return None
-    for ended in exits.get("ended") or []:
-        if isinstance(ended, Mapping) and ended.get("status") not in (0, None) and not ended.get("stopped"):
-            return int(ended["rank"]), ended
-    return None
-
-
 def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]],
                  exits: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    first = _first_failure(exits)
-    if first is not None:
-        rank, ended = first
+    # The first rank the launcher saw fail by itself (not stopped after another's failure).
+    record = (exits.get("ended") or []) if isinstance(exits, Mapping) else []
+    ended = next((e for e in record if isinstance(e, Mapping) and e.get("status") not in (0, None)
+                  and not e.get("stopped")), None)
+    if ended is not None:
+        rank = int(ended["rank"])
         data = present.get(rank, {})
         stage, exception = data.get("stage"), data.get("exception") or {}
         if stage == Stage.EXCEPTION and not exception.get("killed"):

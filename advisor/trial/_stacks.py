@@ -129,7 +129,7 @@ def request_stack_dumps(paths: Sequence[Path], root: int, *, wait_s: float = STA
             headers[index] = len(first) + 1
     deadline, sizes = time.monotonic() + wait_s, {}
     while headers:
-        now = {index: _size(paths[index]) for index in headers}
+        now = {index: paths[index].stat().st_size for index in headers}
         # Every dump is written and none grew since the last look, or the time is up.
         written = all(size > headers[index] for index, size in now.items()) and now == sizes
         if written or time.monotonic() >= deadline:
@@ -144,10 +144,3 @@ def request_stack_dumps(paths: Sequence[Path], root: int, *, wait_s: float = STA
             continue
         dumps[index] = text if text.strip() else None
     return dumps
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0

@@ -90,16 +90,6 @@ def _preload(name: str) -> None:
         pass
 
 
-def _exit_status(pid: int) -> int | None:
-    try:
-        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return -int(signal.SIGKILL)
-    if found is None or found.si_pid == 0:
-        return None
-    return found.si_status if found.si_code == os.CLD_EXITED else -found.si_status
-
-
 def _watch(sock: socket.socket, pid: int) -> int | None:
     """The launcher's exit status, left unreaped; ``None`` when the parent's end closed first."""
     try:
@@ -116,9 +106,12 @@ def _watch(sock: socket.socket, pid: int) -> int | None:
                         return None
                 except OSError:
                     return None
-            status = _exit_status(pid)
-            if status is not None:
-                return status
+            try:
+                found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return -int(signal.SIGKILL)
+            if found is not None and found.si_pid != 0:
+                return found.si_status if found.si_code == os.CLD_EXITED else -found.si_status
     finally:
         if pidfd is not None:
             os.close(pidfd)
