@@ -80,22 +80,20 @@ class TrialPeakRss:
             self._sampled = max(self._sampled, _current_rss() or 0)
 
     def stop(self) -> int | None:
-        if self._stopped:
-            return self._peak
-        self._stopped = True
+        if not self._stopped:
+            self._stopped, self._peak = True, self._measure()
+        return self._peak
+
+    def _measure(self) -> int | None:
         if self._hwm:
-            self._peak = _high_water_mark()
-            return self._peak
+            return _high_water_mark()
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
             self._sampled = max(self._sampled, _current_rss() or 0)
-        lifetime = lifetime_peak_rss()
-        if lifetime is not None and self._lifetime_at_start is not None and lifetime > self._lifetime_at_start:
-            self._peak = lifetime
-        else:
-            self._peak = self._sampled or None
-        return self._peak
+        lifetime, start = lifetime_peak_rss(), self._lifetime_at_start
+        rose = lifetime is not None and start is not None and lifetime > start
+        return lifetime if rose else (self._sampled or None)
 
 
 class DeviceClock:

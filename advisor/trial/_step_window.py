@@ -155,8 +155,6 @@ class StepFlops:
     ``FlopCounterMode`` is entered at the end of the step before and left at the end of the
     counted one, whatever framework runs the loop."""
 
-    step = FLOPS_STEP
-
     def __init__(self) -> None:
         self.flops: int | None = None
         self.error: str | None = None
@@ -166,10 +164,6 @@ class StepFlops:
         self._model: Any = None
         self._counter: Any = None
         self._counting = self._done = False
-
-    @classmethod
-    def for_spec(cls, spec: TrialSpec) -> StepFlops | None:
-        return cls() if spec.count_flops and spec.warmup_steps >= FLOPS_STEP else None
 
     @staticmethod
     def note_for(spec: TrialSpec, flops: StepFlops | None) -> str | None:
@@ -197,7 +191,9 @@ class StepFlops:
 
             if not torch.is_grad_enabled():
                 return  # an evaluation forward, not the training step's
-            first = _first_tensor(args, kwargs)
+            # The first positional tensor, else ``input_ids``, else the first keyword tensor.
+            values = [*args, kwargs.get("input_ids"), *kwargs.values()]
+            first = next((v for v in values if isinstance(v, torch.Tensor)), None)
             if first is None:
                 return
             integer = not (first.is_floating_point() or first.is_complex()) and first.dtype != torch.bool
@@ -243,14 +239,6 @@ class StepFlops:
         if self.integer_input and self.tokens and self.parameters:
             return 6.0 * self.parameters * self.tokens, FLOPS_ESTIMATE
         return None, None
-
-
-def _first_tensor(args: Any, kwargs: Any) -> Any:
-    """A forward's first positional tensor, else ``input_ids``, else its first keyword tensor."""
-    import torch
-
-    values = [*args, kwargs.get("input_ids"), *kwargs.values()]
-    return next((v for v in values if isinstance(v, torch.Tensor)), None)
 
 
 def _guarded_flop_counter() -> Any:
@@ -343,7 +331,7 @@ class StepWindow:
         self.begun = False  # the first optimizer step has begun
         self._perturbed = self._finished = False
         self._watchdog: NoStepWatchdog | None = None
-        self._flops = StepFlops.for_spec(spec)
+        self._flops = StepFlops() if spec.count_flops and spec.warmup_steps >= FLOPS_STEP else None
 
     def _peak_memory(self) -> tuple[int | None, str]:
         return self.clock.peak_memory()
@@ -411,7 +399,7 @@ class StepWindow:
         """Mark the end of optimizer step number ``steps``; a full window ends the trial. The FLOP
         counter runs between the marks of the counted step, so its cost falls in no other step."""
         flops, warmup = self._flops, self.spec.warmup_steps
-        if flops is not None and steps == flops.step:
+        if flops is not None and steps == FLOPS_STEP:
             flops.stop()
         if steps == warmup or (steps == 1 and warmup > 1):
             self.clock.sync()  # edge of the measured window; the first step's end, for its mark
@@ -420,7 +408,7 @@ class StepWindow:
             mark("first_step")
         if steps == warmup:
             mark("warmup_done")
-        if flops is not None and steps == flops.step - 1:
+        if flops is not None and steps == FLOPS_STEP - 1:
             flops.start()
         if steps >= warmup + self.spec.measure_steps:
             self.clock.sync()

@@ -204,16 +204,14 @@ def serve(fd: int, preload: Sequence[str]) -> None:
     while (request := channel.receive()) is not None:
         fds = channel.fds
         refusal = server_refusal(thread_count(), torch.cuda.is_initialized())
-        if refusal is not None or len(fds) != 2:
-            for f in fds:
-                os.close(f)
-            channel.send({"cold": refusal or "the request came without the trial's stdout and stderr"})
-            continue
-        pid = os.fork()
+        pid = os.fork() if refusal is None and len(fds) == 2 else None
         if pid == 0:
             _launcher(channel.sock, request, fds, handlers)
         for f in fds:
             os.close(f)
+        if pid is None:
+            channel.send({"cold": refusal or "the request came without the trial's stdout and stderr"})
+            continue
         channel.send({"pid": pid})
         status = _watch(channel.sock, pid)
         if status is None:  # the parent died: nothing of its trial outlives it
