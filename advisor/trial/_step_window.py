@@ -120,17 +120,16 @@ def perturbation_seed(seed: int, draw: int) -> int:
     return (seed + _DRAW_STRIDE * draw) % 2**63
 
 
-def perturb_parameters(model: Any, *, perturb: str, seed: int, draw: int = 0) -> int:
+def perturb_parameters(model: Any, *, perturb: str, seed: int, draw: int = 0) -> None:
     """Multiply every floating-point parameter once by ``1 + u * e``, ``u`` uniform in [-1, 1] and
-    ``e`` from ``PERTURBATIONS``; how many values were perturbed. A private generator leaves
-    torch's global random state untouched, and every rank perturbs its replica alike."""
+    ``e`` from ``PERTURBATIONS``. A private generator leaves torch's global random state
+    untouched, and every rank perturbs its replica alike."""
     import torch
 
     size = PERTURBATIONS.get(perturb)
     if size is None:
         raise ValueError(f"perturb: {perturb!r} is not a known perturbation; expected one of {sorted(PERTURBATIONS)}")
     generator = torch.Generator(device="cpu").manual_seed(perturbation_seed(seed, draw))
-    count = 0
     with torch.no_grad():
         for parameter in model.parameters():
             if not parameter.is_floating_point() or parameter.numel() == 0:
@@ -138,8 +137,6 @@ def perturb_parameters(model: Any, *, perturb: str, seed: int, draw: int = 0) ->
             u = torch.rand(parameter.shape, generator=generator, dtype=torch.float64) * 2.0 - 1.0
             factor = (1.0 + size * u).to(device=parameter.device, dtype=torch.float32)
             parameter.mul_(factor.to(parameter.dtype))
-            count += parameter.numel()
-    return count
 
 
 # The optimizer step whose FLOPs are counted (``spec.count_flops``): the second, so that the
