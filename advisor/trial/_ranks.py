@@ -72,6 +72,13 @@ def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None) -> int:
     procs: dict[int, subprocess.Popen[bytes]] = {}
     ended: list[dict[str, Any]] = []
 
+    def finish() -> None:  # how each rank ended, for the parent's blame; the store removed
+        if exits:
+            with contextlib.suppress(OSError):
+                Path(f"{exits}.tmp").write_text(json.dumps({"ended": ended}))
+                os.replace(f"{exits}.tmp", exits)
+        shutil.rmtree(store_dir, ignore_errors=True)
+
     def stop_others(signum: int) -> None:
         for proc in procs.values():
             if proc.returncode is None:
@@ -80,7 +87,7 @@ def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None) -> int:
 
     def on_signal(signum: int, frame: object) -> None:
         stop_others(signal.SIGKILL)
-        _finish(exits, nproc, procs, ended, store_dir)
+        finish()
         signal.signal(signum, signal.SIG_DFL)
         os.kill(me, signum)
 
@@ -94,7 +101,7 @@ def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None) -> int:
     except OSError as exc:
         stop_others(signal.SIGKILL)
         print(f"mpadvise: cannot start {command[0]}: {exc}", file=sys.stderr)
-        _finish(exits, nproc, procs, ended, store_dir)
+        finish()
         return 127
     first_failure: int | None = None
     stopping_since: float | None = None
@@ -120,18 +127,8 @@ def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None) -> int:
             if time.monotonic() - stopping_since > GRACE_S:
                 stop_others(signal.SIGKILL)
             time.sleep(0.02)
-    _finish(exits, nproc, procs, ended, store_dir)
+    finish()
     return first_failure or 0
-
-
-def _finish(exits: str | None, nproc: int, procs: Mapping[int, subprocess.Popen[bytes]],
-            ended: list[dict[str, Any]], store_dir: str) -> None:
-    if exits:
-        record = {"nproc": nproc, "pids": {str(r): p.pid for r, p in procs.items()}, "ended": ended}
-        with contextlib.suppress(OSError):
-            Path(f"{exits}.tmp").write_text(json.dumps(record))
-            os.replace(f"{exits}.tmp", exits)
-    shutil.rmtree(store_dir, ignore_errors=True)
 
 
 class AfterImport:
