@@ -1,22 +1,26 @@
 """Trials: one run of a training script under one candidate policy, and what it reports.
 
 The parent side launches (``run_trial``), merges ranks and classifies the outcome; the child
-side applies the injected candidate (``_child``) and records its steps (``_loop_recorder``, or
-``_recorder`` for a framework's hooks), both through the measured window of ``_step_window``.
-The schema both share is ``_schema``.
+side (``_child``) applies the injected candidate and records its steps. Both share ``_schema``.
 """
 
 from __future__ import annotations
 
-from ._child import applied_for_trial, run_in_process, spec_from_env, trial_candidate
-from ._child_exit import ResultWriter, end_trial_process, install_excepthook
+from ._child import (
+    UNDERFLOW_EVERY,
+    FrameworkRecorder,
+    applied_for_trial,
+    optimizer_eps,
+    recorder_for,
+    run_in_process,
+    spec_from_env,
+    trial_candidate,
+)
 from ._classify import classify
-from ._cold_reasons import WARM_ENV, framework_preload
 from ._launch import run_trial, trial_environment
 from ._python_command import RUN_MODULE
 from ._rank_merge import merge_rank_results
-from ._ranks import EXITS_ENV, STORE_ENV, ranks_argv
-from ._recorder import FrameworkRecorder, recorder_for
+from ._ranks import STORE_ENV, ranks_argv
 from ._schema import (
     DEFAULT_MEASURE_STEPS,
     DEFAULT_WARMUP_STEPS,
@@ -26,7 +30,6 @@ from ._schema import (
     POLICY_ENV,
     RESULT_FIELDS,
     TRIAL_SPEC_ENV,
-    ResultField,
     Stage,
     TrialResult,
     TrialSpec,
@@ -34,20 +37,17 @@ from ._schema import (
     parse_memory,
     rank_result_path,
 )
-from ._seeding import perturb_parameters, seed_everything
-from ._step_window import StepWindow
+from ._step_window import ResultWriter, end_trial_process, install_excepthook, seed_everything
 from ._timeline import PHASES, TIMELINE_MARKS, breakdown, startup_seconds
-from ._underflow import UNDERFLOW_EVERY, optimizer_eps
-from ._warm import WarmLauncher
+from ._warm import WARM_ENV, WarmLauncher, framework_preload
 
 __all__ = [
-    "DEFAULT_MEASURE_STEPS", "DEFAULT_WARMUP_STEPS", "EXITS_ENV", "EXIT_NO_STEP",
-    "EXIT_UNSUPPORTED", "OUTCOMES", "PHASES", "POLICY_ENV", "RESULT_FIELDS", "RUN_MODULE",
-    "STORE_ENV", "TIMELINE_MARKS", "TRIAL_SPEC_ENV", "UNDERFLOW_EVERY", "WARM_ENV",
-    "FrameworkRecorder", "ResultField", "ResultWriter", "Stage", "StepWindow", "TrialResult",
-    "TrialSpec", "WarmLauncher", "applied_for_trial", "breakdown", "classify", "end_trial_process",
-    "framework_preload", "install_excepthook", "json_float", "merge_rank_results", "parse_memory",
-    "optimizer_eps", "perturb_parameters", "rank_result_path", "ranks_argv", "recorder_for",
-    "run_in_process", "run_trial", "seed_everything", "spec_from_env", "startup_seconds",
-    "trial_candidate", "trial_environment"
+    "DEFAULT_MEASURE_STEPS", "DEFAULT_WARMUP_STEPS", "EXIT_NO_STEP", "EXIT_UNSUPPORTED", "OUTCOMES",
+    "PHASES", "POLICY_ENV", "RESULT_FIELDS", "RUN_MODULE", "STORE_ENV", "TIMELINE_MARKS",
+    "TRIAL_SPEC_ENV", "UNDERFLOW_EVERY", "WARM_ENV", "FrameworkRecorder", "ResultWriter", "Stage",
+    "TrialResult", "TrialSpec", "WarmLauncher", "applied_for_trial", "breakdown", "classify",
+    "end_trial_process", "framework_preload", "install_excepthook", "json_float",
+    "merge_rank_results", "parse_memory", "optimizer_eps", "rank_result_path", "ranks_argv",
+    "recorder_for", "run_in_process", "run_trial", "seed_everything", "spec_from_env",
+    "startup_seconds", "trial_candidate", "trial_environment"
 ]

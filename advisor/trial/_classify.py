@@ -27,16 +27,7 @@ def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: b
     did not rise: nothing in a trial sends SIGKILL to a worker but the OOM killer.
     """
     unknown = unknown_result_fields(data or {})
-    if unknown:
-        return TrialResult(
-            outcome="crash",
-            reason=(f"the trial's result file holds unknown fields {unknown} (expected only those of "
-                    "advisor.trial.RESULT_FIELDS); the script ran under another version of mpadvise: "
-                    "run it with the same installation as the tune"),
-            label=spec.label, policy=spec.policy, exit_code=exit_code, stderr_tail=stderr_tail, wall_s=wall_s,
-            timeline=dict(timeline or {}),
-        )
-    result_file: dict[str, Any] = dict(data or {})
+    result_file: dict[str, Any] = {} if unknown else dict(data or {})
     stage = result_file.get("stage")
     exception = result_file.get("exception") or {}
     # What the TrialResult carries of the file; the rest (stage, exception...) only decides.
@@ -45,7 +36,16 @@ def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: b
                 timeline={**(result_file.get("timeline") or {}), **(timeline or {})},
                 threads=spec.threads if spec.nproc_per_node == 1 else None)
     by_signal = exit_code is not None and exit_code < 0
-    if (timed_out or by_signal) and _lost_before_application(stage, result_file, exception, base["timeline"]):
+    # Whether the candidate was applied: by the timeline, or by a stage only an applied one reaches.
+    applied = ("policy_applied" in base["timeline"] or result_file.get("losses")
+               or stage in (Stage.STEPPING, Stage.DONE, Stage.NO_STEP, Stage.UNSUPPORTED)
+               or (stage == Stage.EXCEPTION and not exception.get("killed")))
+    if unknown:
+        outcome, reason = "crash", (
+            f"the trial's result file holds unknown fields {unknown} (expected only those of "
+            "advisor.trial.RESULT_FIELDS); the script ran under another version of mpadvise: "
+            "run it with the same installation as the tune")
+    elif (timed_out or by_signal) and not applied:
         outcome, reason = "lost", _lost_reason(
             None if exception.get("no_result") else stage, base["timeline"], spec, timed_out=timed_out, timeout=timeout, exit_code=exit_code, oom_kills=oom_kills,
             rank=exception.get("rank", result_file.get("rank_waiting")))
@@ -76,17 +76,6 @@ def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: b
     else:
         outcome, reason = _outcome(stage, result_file, exception, exit_code, _last_line(stderr_tail), spec)
     return TrialResult.from_dict({**base, "outcome": outcome, "reason": reason})
-
-
-def _lost_before_application(stage: str | None, result_file: Mapping[str, Any], exception: Mapping[str, Any],
-                             timeline: Mapping[str, float]) -> bool:
-    """Whether a child that timed out or died by a signal had not applied the candidate yet
-    (a stage only an applied candidate reaches says it had, for a result from before timelines)."""
-    if "policy_applied" in timeline or result_file.get("losses"):
-        return False
-    if stage in (Stage.STEPPING, Stage.DONE, Stage.NO_STEP, Stage.UNSUPPORTED):
-        return False
-    return not (stage == Stage.EXCEPTION and not exception.get("killed"))
 
 
 # What a person reads for the last mark a lost trial reached.
@@ -142,22 +131,18 @@ def _outcome(stage: str | None, result_file: Mapping[str, Any], exception: dict[
         return "no-step", f"{what} (time spent compiling with torch.compile not counted)"
     if stage == Stage.EXCEPTION or (stage not in (None, Stage.DONE) and exit_code not in (0, None)):
         return _failure(exception, exit_code, last_line)
+    if stage is None and exit_code not in (0, None):
+        return "no-policy", ("the script failed before load_policy() (exit "
+                             f"{_exit_text(exit_code)}): {last_line or 'no error message'}")
     if stage is None:
-        if exit_code not in (0, None):
-            return (
-                "no-policy",
-                f"the script failed before load_policy() (exit {_exit_text(exit_code)}): {last_line or 'no error message'}",
-            )
         return "no-policy", "the script exited without calling advisor.load_policy()"
     if stage == Stage.LOADED or (stage == Stage.STEPPING and not result_file.get("losses")):
         if spec.framework is not None:
             return "no-step", f"the script ended before its {spec.framework} training ran an optimizer step"
         return "no-step", "the script ended without calling step(); call mp.step(loss, optimizer) in the training loop"
     if stage == Stage.STEPPING:
-        return (
-            "crash",
-            f"the script stopped after {len(result_file['losses'])} steps without finishing the trial (exit {_exit_text(exit_code)})",
-        )
+        return "crash", (f"the script stopped after {len(result_file['losses'])} steps without "
+                         f"finishing the trial (exit {_exit_text(exit_code)})")
     # stage == Stage.DONE
     peak = result_file.get("peak_memory")
     if spec.memory_limit is not None and peak is not None and peak > spec.memory_limit:
@@ -170,12 +155,9 @@ def _failure(exception: dict[str, Any], exit_code: int | None, last_line: str) -
     message = exception.get("message", "") or last_line
     rank = exception.get("rank")
     on_rank = "" if rank is None else f" on rank {rank}"  # a multi-process trial names the rank
-    if (
-        "OutOfMemoryError" in kind
-        or kind == "MemoryError"
-        or "out of memory" in message.lower()
-        or "can't allocate memory" in message.lower()  # torch's CPU allocator
-    ):
+    # "can't allocate memory": torch's CPU allocator.
+    if "OutOfMemoryError" in kind or kind == "MemoryError" or any(
+            text in message.lower() for text in ("out of memory", "can't allocate memory")):
         return "oom", f"out of memory{on_rank}: {message}".strip()
     if kind == "MpadviseError":
         return "crash", message

@@ -1,15 +1,99 @@
-"""The device a trial times and measures (``DeviceClock``), and the loop API trial's device made
-current, its memory capped (``TrialDevice``)."""
+"""The device a trial times and measures (``DeviceClock``), the loop API trial's device made
+current, its memory capped (``TrialDevice``), and the peak RSS of one in-process CPU trial."""
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._peak_memory import TrialPeakRss, lifetime_peak_rss
-
 if TYPE_CHECKING:
     import torch
+
+# How often the RSS is sampled where the high-water mark cannot be reset: often enough to see
+# an allocation that lives for a step, rarely enough to cost nothing measurable.
+RSS_SAMPLE_S = 0.005
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's RSS high-water mark (VmHWM); False where Linux does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5 resets the peak RSS only; 1-4 would clear page-referenced bits
+    except OSError:
+        return False
+    return _high_water_mark() is not None
+
+
+def _high_water_mark() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _current_rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def lifetime_peak_rss() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+
+
+class TrialPeakRss:
+    """The peak RSS of this process from ``start()`` to ``stop()``: one in-process trial's own.
+    Exact where the high-water mark can be reset, or where the lifetime peak (``ru_maxrss``) rose
+    during the trial; else the RSS sampled every ``RSS_SAMPLE_S`` (a lower bound)."""
+
+    def __init__(self) -> None:
+        self._lifetime_at_start: int | None = None
+        self._sampled = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._peak: int | None = None
+        self._hwm = self._stopped = False
+
+    def start(self) -> None:
+        self._hwm = reset_peak_rss()
+        if self._hwm:
+            return
+        self._lifetime_at_start = lifetime_peak_rss()
+        self._sampled = _current_rss() or 0
+        if self._sampled:
+            self._thread = threading.Thread(target=self._sample, name="mpadvise-rss", daemon=True)
+            self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(RSS_SAMPLE_S):
+            self._sampled = max(self._sampled, _current_rss() or 0)
+
+    def stop(self) -> int | None:
+        if not self._stopped:
+            self._stopped, self._peak = True, self._measure()
+        return self._peak
+
+    def _measure(self) -> int | None:
+        if self._hwm:
+            return _high_water_mark()
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._sampled = max(self._sampled, _current_rss() or 0)
+        lifetime, start = lifetime_peak_rss(), self._lifetime_at_start
+        rose = lifetime is not None and start is not None and lifetime > start
+        return lifetime if rose else (self._sampled or None)
 
 
 class DeviceClock:
@@ -57,11 +141,10 @@ class TrialDevice:
     def __init__(self, device: torch.device, *, memory_limit: int | None, in_process: bool) -> None:
         import torch
 
-        self.cuda = device.type == "cuda"
-        self.clock = DeviceClock(device if self.cuda else None)
+        self.clock = DeviceClock(device if device.type == "cuda" else None)
         self._previous_device: int | None = None  # in process: the current device to give back
         self._rss: TrialPeakRss | None = None
-        if self.cuda:
+        if device.type == "cuda":
             # The trial's device made the current one: whatever names "cuda" without an index (a
             # script's .cuda(), torch.compile's and CUDA graphs' allocations) uses it.
             if device.index is not None:  # plain "cuda" already means the current device

@@ -1,11 +1,12 @@
 """Launching a trial, parent side: start a training script under one candidate policy, wait for
-it within its timeout, read its result file (merged over its ranks) and classify the outcome.
-It needs neither torch nor the policies."""
+it within its timeout, read its result file (merged over its ranks) and classify the outcome,
+told by the kernel's OOM kill count. It needs neither torch nor the policies."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -15,19 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from ._classify import classify
-from ._oom_kills import oom_kill_count
-from ._proctree import TrialProcess, end_trial, launcher_argv
+from ._proctree import end_trial, launcher_argv
 from ._python_command import THREADS_ENV, cold_command
 from ._rank_merge import merge_rank_results
 from ._ranks import EXITS_ENV
 from ._schema import POLICY_ENV, TRIAL_SPEC_ENV, TrialResult, TrialSpec, rank_result_path
 from ._stacks import request_stack_dumps, stack_dump_path
-from ._warm import WarmLauncher
+from ._warm import WarmLauncher, WarmTrial
 
 
 def trial_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment a trial runs in, but for its per-trial variables: ``env`` (default: this
-    process's) with unbuffered output, and without a policy override (the spec decides)."""
+    """``env`` (default: this process's) unbuffered, without a policy override (the spec rules)."""
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONUNBUFFERED"] = "1"
     child_env.pop(POLICY_ENV, None)
@@ -39,9 +38,8 @@ def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, 
               cwd: str | os.PathLike[str] | None = None, launch: Sequence[str] = (),
               warm: WarmLauncher | None = None) -> TrialResult:
     """Run ``python [LAUNCH...] script args`` with ``spec`` injected, in a subprocess (which
-    isolates out-of-memory, CUDA errors, segfaults and hangs); classify the outcome. With
-    ``warm``, the trial is forked from its warm server where that is as good as a fresh
-    interpreter; otherwise it starts cold."""
+    isolates out-of-memory, CUDA errors, segfaults and hangs), forked from ``warm`` where that is
+    as good as a fresh interpreter; classify the outcome."""
     result_path = Path(spec.result_path)
     rank_paths = [Path(rank_result_path(result_path, r)) for r in range(spec.nproc_per_node)] if spec.nproc_per_node > 1 else []
     stack_paths = [Path(stack_dump_path(path)) for path in rank_paths or [result_path]]
@@ -63,7 +61,7 @@ def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, 
     command = [*launch, str(script), *args]
     with tempfile.TemporaryFile("w+b") as err, tempfile.TemporaryFile("w+b") as out:
         launched, start = time.time(), time.perf_counter()
-        proc: TrialProcess | None = None
+        proc: subprocess.Popen[bytes] | WarmTrial | None = None
         if warm is not None:
             proc = warm.start_trial(command, env=child_env, cwd=cwd, stdout=out, stderr=err, python=python,
                                     nproc_per_node=spec.nproc_per_node)
@@ -82,23 +80,21 @@ def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, 
         except subprocess.TimeoutExpired:
             timed_out = True
             stacks = request_stack_dumps(stack_paths, proc.pid)  # where each process hung, before the kill
-            end_trial(proc)
+            end_trial(proc.pid)
             code = proc.wait()
         except BaseException:
-            end_trial(proc)
+            end_trial(proc.pid)
             proc.wait()
             raise
         exited, wall = time.time(), time.perf_counter() - start
         err.seek(0)
         tail = _tail(err.read())
-    oom_after = oom_kill_count() if oom_before is not None else None
+    oom_after = oom_kill_count()
     if rank_paths:
         data = merge_rank_results([_read_json(path) for path in rank_paths], exits=_read_json(exits_path))
-        exits_path.unlink(missing_ok=True)
     else:
         data = _read_json(result_path)
-    spec_file.unlink(missing_ok=True)
-    for path in stack_paths:
+    for path in (spec_file, exits_path, *stack_paths):
         path.unlink(missing_ok=True)
     return classify(
         data, exit_code=code, timed_out=timed_out, stacks=stacks, stderr_tail=tail, spec=spec, timeout=timeout,
@@ -106,23 +102,9 @@ def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, 
         timeline={"launched": launched, "exited": exited})
 
 
-_LAUNCHER_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
-
-
 def _tail(raw: bytes, max_chars: int = 4000, max_lines: int = 30) -> str:
-    text = _without_launcher_report(raw.decode("utf-8", errors="replace"))
-    lines = [ln for ln in text.splitlines() if ln.strip()]
+    lines = [ln for ln in raw.decode("utf-8", errors="replace").splitlines() if ln.strip()]
     return "\n".join(lines[-max_lines:])[-max_chars:]
-
-
-def _without_launcher_report(text: str) -> str:
-    """stderr without torchrun's closing report, which would push the failing rank's own
-    traceback out of the tail."""
-    at = text.rfind(_LAUNCHER_FAILURE)
-    if at < 0:
-        return text
-    start = text.rfind("Traceback (most recent call last):", 0, at)
-    return text[: start if start >= 0 else at]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -130,3 +112,62 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def oom_kill_count(pid: int | str = "self", *, proc: str | os.PathLike[str] = "/proc") -> int | None:
+    """The OOM killer's kills in ``pid``'s memory cgroup (v2 or v1), or None where unreadable."""
+    root = Path(proc)
+    try:
+        cgroups = (root / str(pid) / "cgroup").read_text()
+        mounts = (root / "self" / "mountinfo").read_text()
+    except OSError:
+        return None
+    for version, directory in memory_cgroup_dirs(cgroups, mounts):
+        name = "memory.events" if version == 2 else "memory.oom_control"
+        try:
+            text = (directory / name).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return None
+
+
+def memory_cgroup_dirs(cgroups: str, mountinfo: str) -> list[tuple[int, Path]]:
+    """A process's memory cgroup directories: ``(2, dir)`` on the unified hierarchy, then v1's."""
+    paths: dict[int, str] = {}
+    for parts in (line.split(":", 2) for line in cgroups.splitlines()):
+        if len(parts) == 3 and parts[:2] == ["0", ""]:
+            paths[2] = parts[2]
+        elif len(parts) == 3 and "memory" in parts[1].split(","):
+            paths[1] = parts[2]
+    found = []
+    for version in (2, 1):
+        if version not in paths:
+            continue
+        for mount_root, mount_point in _cgroup_mounts(mountinfo, version):
+            # A mount may show a subtree only (a container's view): its root is that subtree.
+            relative = os.path.relpath(paths[version], mount_root)
+            if relative == ".." or relative.startswith("../"):
+                continue
+            found.append((version, Path(mount_point) / relative if relative != "." else Path(mount_point)))
+    return found
+
+
+def _cgroup_mounts(mountinfo: str, version: int) -> list[tuple[str, str]]:
+    """``(root, mount point)`` of each cgroup2 mount (``version`` 2), or of each v1 memory one."""
+    mounts = []
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        fstype, options = tail[0], tail[2].split(",")
+        if (version == 2 and fstype == "cgroup2") or (version == 1 and fstype == "cgroup" and "memory" in options):
+            # The kernel writes a space, tab, newline or backslash in a path as an octal escape.
+            root, point = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f)
+                           for f in fields[3:5])
+            mounts.append((root, point))
+    return mounts

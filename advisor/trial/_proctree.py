@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NoReturn, Protocol
+from typing import NoReturn
 
 PR_SET_CHILD_SUBREAPER = 36  # prctl options (linux/prctl.h)
 PR_SET_PDEATHSIG = 1
@@ -27,20 +27,8 @@ KILL_TIMEOUT = 30.0  # seconds a kill waits (a CUDA process can take seconds to 
 ProcessTable = Mapping[int, tuple[int, str]]  # pid -> (parent pid, state letter of /proc/PID/stat)
 
 
-class TrialProcess(Protocol):
-    """A ``subprocess.Popen``, or the warm server's ``WarmTrial``."""
-
-    @property
-    def pid(self) -> int: ...
-
-    def kill(self) -> None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-
 def launcher_argv(python: str) -> list[str]:
-    """What goes before a trial's command line so that it runs under the launcher; empty where
-    there is no child subreaper (not Linux)."""
+    """What runs a trial's command under the launcher; empty where there is no subreaper."""
     if not sys.platform.startswith("linux"):
         return []
     # -I -S: no site-packages and no script directory on sys.path, nothing from the environment.
@@ -86,10 +74,8 @@ def process_table(proc: str | os.PathLike[str] = "/proc") -> dict[int, tuple[int
 
 
 def _send(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def kill_tree(root: int, *, timeout: float = KILL_TIMEOUT, table: Callable[[], ProcessTable] = process_table,
@@ -123,14 +109,12 @@ def kill_tree(root: int, *, timeout: float = KILL_TIMEOUT, table: Callable[[], P
         sleep(0.01)
 
 
-def end_trial(proc: TrialProcess, *, timeout: float = KILL_TIMEOUT) -> list[int]:
-    """Kill a trial started in a session of its own: every process below it, then its process
-    group and itself; what still ran below it after ``timeout``."""
-    left = kill_tree(proc.pid, timeout=timeout)
+def end_trial(pid: int) -> None:
+    """Kill an unreaped trial in a session of its own: all below it, its group and itself."""
+    kill_tree(pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, SIGKILL)  # the session's leader's pid is its process group's
-    proc.kill()
-    return left
+        os.killpg(pid, SIGKILL)  # the session's leader's pid is its process group's
+    _send(pid, SIGKILL)
 
 
 def _prctl(option: int, value: int) -> bool:
@@ -142,21 +126,12 @@ def _prctl(option: int, value: int) -> bool:
         return False
 
 
-def end_with_parent(sig: int, *, parent: int | None = None) -> bool:
+def end_with_parent(sig: int, *, parent: int | None = None) -> None:
     """Have the kernel send ``sig`` to this process when the parent *thread* that started it
-    dies (Linux); whether that worked. With ``parent`` (the pid that started this process), a
-    parent that died before the call is caught too: ``sig`` is sent at once."""
-    if not _prctl(PR_SET_PDEATHSIG, sig):
-        return False
-    if parent is not None and os.getppid() != parent:
+    dies (Linux). With ``parent`` (the pid that started this process), a parent that died
+    before the call is caught too: ``sig`` is sent at once."""
+    if _prctl(PR_SET_PDEATHSIG, sig) and parent is not None and os.getppid() != parent:
         os.kill(os.getpid(), sig)
-    return True
-
-
-def _reap_ended() -> None:
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
 
 
 def _exit_as(code: int) -> NoReturn:
@@ -204,23 +179,10 @@ def supervise(start: Callable[[], int], *, parent: int | None = None) -> NoRetur
         if pid == child:
             break
     kill_tree(os.getpid())
-    _reap_ended()
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
     _exit_as(os.waitstatus_to_exitcode(status))
-
-
-def launch(command: list[str], *, parent: int | None = None) -> NoReturn:
-    # Held until the end: a Popen that is dropped polls, and so reaps, a child that has ended,
-    # and its status would never reach the launcher's wait.
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start() -> int:
-        try:
-            started.append(subprocess.Popen(command))
-        except OSError as exc:
-            raise OSError(f"cannot start {command[0]}: {exc}") from exc
-        return started[0].pid
-
-    supervise(start, parent=parent)
 
 
 if __name__ == "__main__":
@@ -228,4 +190,15 @@ if __name__ == "__main__":
     if len(sys.argv) < 2:
         print(f"usage: python {sys.argv[0]} COMMAND [ARGS...]", file=sys.stderr)
         sys.exit(2)
-    launch(sys.argv[1:], parent=started_by)
+    # Held until the end: a Popen that is dropped polls, and so reaps, a child that has ended,
+    # and its status would never reach the launcher's wait.
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start() -> int:
+        try:
+            started.append(subprocess.Popen(sys.argv[1:]))
+        except OSError as exc:
+            raise OSError(f"cannot start {sys.argv[1]}: {exc}") from exc
+        return started[0].pid
+
+    supervise(start, parent=started_by)

@@ -35,20 +35,16 @@ class PythonCommand:
 
 
 def parse_command(argv: Sequence[str]) -> PythonCommand | None:
-    """Read ``[-P...] (-m MODULE | SCRIPT) [ARGS...]``; ``None`` for anything else, which only
-    an interpreter runs faithfully."""
+    """Read ``[-P...] (-m MODULE | SCRIPT) [ARGS...]``; None for what only python runs right."""
     safe_path, rest = False, list(argv)
-    while rest and rest[0] == "-P":
+    while rest[:1] == ["-P"]:
         safe_path, rest = True, rest[1:]
-    if not rest or not rest[0]:
+    module = rest[:1] == ["-m"]
+    if module:
+        rest = rest[1:]
+    if not rest or not rest[0] or rest[0].startswith("-"):
         return None
-    if rest[0] == "-m":
-        if len(rest) < 2 or not rest[1] or rest[1].startswith("-"):
-            return None
-        return PythonCommand(rest[1], tuple(rest[2:]), module=True, safe_path=safe_path)
-    if rest[0].startswith("-"):
-        return None
-    return PythonCommand(rest[0], tuple(rest[1:]), safe_path=safe_path)
+    return PythonCommand(rest[0], tuple(rest[1:]), module=module, safe_path=safe_path)
 
 
 def cold_command(python: str, command: Sequence[str], *, nproc_per_node: int = 1) -> list[str]:
@@ -61,26 +57,14 @@ def cold_command(python: str, command: Sequence[str], *, nproc_per_node: int = 1
 
 def exit_code(exc: SystemExit) -> int:
     """The status ``raise SystemExit(code)`` ends an interpreter with (a non-integer is printed)."""
-    code = exc.code
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
     return 1
 
 
-def _trimmed(tb: Any) -> Any:
-    """The traceback from the script's own frames on, as the interpreter shows it."""
-    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in ours:
-        tb = tb.tb_next
-    return tb
-
-
 def run_as_python(command: PythonCommand) -> int:
-    """Run ``command`` in this process as ``python COMMAND`` would; its exit status (``-SIGINT``
-    for a KeyboardInterrupt)."""
+    """Run ``command`` here as ``python COMMAND`` would; its exit status (KeyboardInterrupt: -2)."""
     sys.argv = [command.target, *command.args]  # runpy puts a module's file in argv[0]
     if not command.safe_path:
         sys.path.insert(0, os.getcwd() if command.module else os.path.dirname(os.path.abspath(command.target)))
@@ -96,7 +80,10 @@ def run_as_python(command: PythonCommand) -> int:
     except SystemExit as exc:
         return exit_code(exc)
     except BaseException as exc:  # whatever the script raised ends it, as under python
-        sys.excepthook(type(exc), exc, _trimmed(exc.__traceback__))
+        tb, ours = exc.__traceback__, {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+        while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in ours:
+            tb = tb.tb_next  # the traceback from the script's own frames on, as python shows it
+        sys.excepthook(type(exc), exc, tb)
         return -int(signal.SIGINT) if isinstance(exc, KeyboardInterrupt) else 1
     return 0
 
@@ -116,29 +103,23 @@ def exit_forked(code: int) -> NoReturn:
         _exit_as(code)
 
 
-def apply_trial_threads() -> None:
-    """Give torch the trial's thread count (``THREADS_ENV``), now or once the script imports it.
-
-    On a CPU that other processes keep partly busy, an operation split over more threads than
-    there are free cores waits at every barrier for a thread the scheduler has put aside: on 2
-    cores beside one busy process, examples/mlp.py's step went from 3.8 ms to 280 ms.
-    """
-    value = os.environ.get(THREADS_ENV, "")
-    if not value.isdigit() or int(value) < 1:
-        return
-    _after_torch(lambda torch: torch.set_num_threads(int(value)))
-
-
-def mark_torch_import() -> None:
-    """Mark ``torch_imported`` on this trial's timeline, now or once the script imports torch.
+def prepare_torch() -> None:
+    """Mark ``torch_imported`` on this trial's timeline and give torch the trial's thread count
+    (``THREADS_ENV``), now or once the script imports torch.
 
     The cold launch does not import torch itself: a script may set a variable torch reads at
-    import (``OMP_NUM_THREADS``) before its ``import torch``.
+    import (``OMP_NUM_THREADS``) before its ``import torch``. The thread count: on a CPU that
+    other processes keep partly busy, an operation split over more threads than there are free
+    cores waits at every barrier for a thread the scheduler has put aside: on 2 cores beside one
+    busy process, examples/mlp.py's step went from 3.8 ms to 280 ms.
     """
-    _after_torch(lambda torch: mark("torch_imported"))
+    threads = os.environ.get(THREADS_ENV, "")
 
+    def then(torch: Any) -> None:
+        mark("torch_imported")
+        if threads.isdigit() and int(threads) >= 1:
+            torch.set_num_threads(int(threads))
 
-def _after_torch(then: Any) -> None:
     if "torch" in sys.modules:
         then(sys.modules["torch"])
     else:

@@ -41,20 +41,14 @@ def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None],
     return _merge_finished(ranks, present)
 
 
-def _first_failure(exits: Mapping[str, Any] | None) -> tuple[int, Mapping[str, Any]] | None:
-    if not isinstance(exits, Mapping):
-        return None
-    for ended in exits.get("ended") or []:
-        if isinstance(ended, Mapping) and ended.get("status") not in (0, None) and not ended.get("stopped"):
-            return int(ended["rank"]), ended
-    return None
-
-
 def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]],
                  exits: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    first = _first_failure(exits)
-    if first is not None:
-        rank, ended = first
+    # The first rank the launcher saw fail by itself (not stopped after another's failure).
+    record = (exits.get("ended") or []) if isinstance(exits, Mapping) else []
+    ended = next((e for e in record if isinstance(e, Mapping) and e.get("status") not in (0, None)
+                  and not e.get("stopped")), None)
+    if ended is not None:
+        rank = int(ended["rank"])
         data = present.get(rank, {})
         stage, exception = data.get("stage"), data.get("exception") or {}
         if stage == Stage.EXCEPTION and not exception.get("killed"):
@@ -75,22 +69,22 @@ def _failed_rank(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, d
             if data.get("stage") == stage:
                 return data
     missing = [rank for rank, data in enumerate(ranks) if not data]
+    if missing:
+        message = (f"rank {missing[0]} wrote no result: it ended, or was ended, before calling "
+                   "advisor.load_policy()")
+        # The rank's own (empty) result: it had not applied the candidate, which decides ``lost``.
+        return {"stage": Stage.EXCEPTION, "exception": {"type": "", "message": message, "rank": missing[0],
+                                                        "killed": True, "no_result": True}}
     finished = [rank for rank, data in present.items() if data.get("stage") == Stage.DONE]
     stopped = [rank for rank in present if rank not in finished]
-    if missing:
-        rank = missing[0]
-        message = f"rank {rank} wrote no result: it ended, or was ended, before calling advisor.load_policy()"
-        # The rank's own (empty) result: it had not applied the candidate, which decides ``lost``.
-        return {"stage": Stage.EXCEPTION,
-                "exception": {"type": "", "message": message, "rank": rank, "killed": True, "no_result": True}}
-    elif finished and stopped:
-        rank = stopped[0]
-        message = (f"rank {rank} stopped {stage_text(present[rank].get('stage'), present[rank])} without an error "
-                   f"of its own, while rank {finished[0]} finished (killed by a signal, or ended by its launcher)")
-    else:
+    if not (finished and stopped):
         return None
-    base = present[min(present)]
-    return {**base, "stage": Stage.EXCEPTION, "exception": {"type": "", "message": message, "rank": rank, "killed": True}}
+    rank = stopped[0]
+    message = (f"rank {rank} stopped {stage_text(present[rank].get('stage'), present[rank])} without "
+               f"an error of its own, while rank {finished[0]} finished (killed by a signal, or ended "
+               "by its launcher)")
+    return {**present[min(present)], "stage": Stage.EXCEPTION,
+            "exception": {"type": "", "message": message, "rank": rank, "killed": True}}
 
 
 def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -104,20 +98,25 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
 
     skipped = {r: [bool(v) for v in column("skipped", r)] for r in order}
     for step in range(steps):
-        decisions = {r: skipped[r][step] for r in order}
-        if len(set(decisions.values())) > 1:
-            took = [r for r, s in decisions.items() if not s]
-            skip = [r for r, s in decisions.items() if s]
+        skip = [r for r in order if skipped[r][step]]
+        took = [r for r in order if not skipped[r][step]]
+        if skip and took:
             message = (f"the ranks disagree on skipped steps: step {step} was skipped on rank "
                        f"{', '.join(map(str, skip))} but taken on rank {', '.join(map(str, took))}, so their "
                        "weights no longer match; the loss scaler must decide on every rank's gradients alike")
             return {**first, "stage": Stage.EXCEPTION, "ranks": len(ranks),
                     "exception": {"type": "MpadviseError", "message": message, "rank": skip[0]}}
     losses, samples, times, underflow = [], [], [], []
+    notes = list(dict.fromkeys(n for r in order for n in present[r].get("notes") or []))
     for step in range(steps):
         values = [float(column("losses", r)[step]) for r in order]
         counts = [column("samples", r)[step] for r in order]
         bad = [v for v in values if not math.isfinite(v)]
+        if bad and all(math.isfinite(v) for v in losses):
+            # In DDP the other ranks follow one step later: name the ranks where it began.
+            culprits = [r for r, v in zip(order, values) if not math.isfinite(v)]
+            notes.append(f"the first non-finite loss came at step {step} on rank "
+                         f"{', '.join(map(str, culprits))}")
         if bad:
             losses.append(next((v for v in bad if math.isnan(v)), bad[0]))
         elif all(isinstance(c, int) and c > 0 for c in counts):
@@ -130,11 +129,6 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
         fractions = [u for u in (column("underflow", r)[step] for r in order) if u is not None]
         underflow.append(sum(fractions) / len(fractions) if fractions else None)
     peaks = [present[r].get("peak_memory") for r in order if present[r].get("peak_memory") is not None]
-    notes = list(dict.fromkeys(n for r in order for n in present[r].get("notes") or []))
-    first_bad = _first_non_finite(present, order, steps)
-    if first_bad is not None:
-        step, culprits = first_bad
-        notes.append(f"the first non-finite loss came at step {step} on rank {', '.join(map(str, culprits))}")
     complete = all(present[r].get("complete", True) for r in order) and all(
         len(present[r].get("losses") or []) == steps for r in order)
     return {
@@ -153,17 +147,6 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
         "timeline": merge_timelines([present[r].get("timeline") or {} for r in order]),
         **_merged_flops([present[r] for r in order]),
     }
-
-
-def _first_non_finite(present: Mapping[int, Mapping[str, Any]], order: Sequence[int],
-                      steps: int) -> tuple[int, list[int]] | None:
-    """The first step at which some rank's loss was not finite, and those ranks (in DDP the others
-    follow one step later)."""
-    for step in range(steps):
-        bad = [r for r in order if not math.isfinite(float((present[r].get("losses") or [])[step]))]
-        if bad:
-            return step, bad
-    return None
 
 
 def _merged_flops(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

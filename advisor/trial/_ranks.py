@@ -1,14 +1,14 @@
 """The ranks of a multi-process trial on this node, started without torchrun's elastic agent.
 
-``python -I -S _ranks.py --nproc N --exits FILE -- COMMAND...`` starts ``COMMAND`` N times with
-the variables torchrun sets. Why not torchrun: its c10d TCPStore listens on every interface with
+``python -I -S _ranks.py --nproc N -- COMMAND...`` starts ``COMMAND`` N times with the
+variables torchrun sets. Why not torchrun: its c10d TCPStore listens on every interface with
 no authentication, and its agent unpickles what it reads back from it, so another local user
 who finds the port runs code as the tuning user. Here the ranks meet through a ``FileStore`` in
 a 0700 directory (``STORE_ENV``), at which every rank points torch's ``env://`` rendezvous
 (``use_file_store``); gloo and NCCL keep their sockets on loopback, carrying tensor bytes only.
 
 No restarts: when a rank fails the others are stopped, and how each rank ended is written to
-the ``--exits`` file, from which the parent blames the rank that failed first. Run as a plain
+``EXITS_ENV``'s file, from which the parent blames the rank that failed first. Run as a plain
 file (standard library only), as ``_proctree.py`` is.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 if __package__:
     from ._proctree import _exit_as, end_with_parent
@@ -51,41 +52,32 @@ def rank_environment(base: Mapping[str, str], *, rank: int, nproc: int, port: in
         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
         WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc),
         MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="mpadvise",
-        TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", **{STORE_ENV: store},
     )
-    env[STORE_ENV] = store
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # it would send env:// to an agent's TCP store
     return env
 
 
-def _free_port() -> int:
-    """A free loopback port for ``MASTER_PORT``, which Lightning and Accelerate check is set."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
-
-
-def _signal_name(status: int) -> str | None:
-    if status >= 0:
-        return None
-    try:
-        return signal.Signals(-status).name
-    except ValueError:
-        return f"signal {-status}"
-
-
-def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None, grace_s: float = GRACE_S) -> int:
-    """Start ``command`` as ranks 0..nproc-1, wait for them all, stop the rest when one fails;
-    the first failed rank's status, else 0."""
+def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None) -> int:
+    """Run ``command`` as ranks 0..nproc-1, the rest stopped when one fails; its status, else 0."""
     store_dir = tempfile.mkdtemp(prefix="mpadvise-ranks-")  # 0700: only this user reaches the store
     store = os.path.join(store_dir, "store")
-    port = _free_port()
+    # MASTER_PORT: a free loopback port, which Lightning and Accelerate check is set.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        port = int(s.getsockname()[1])
     me = os.getpid()
     procs: dict[int, subprocess.Popen[bytes]] = {}
     ended: list[dict[str, Any]] = []
-    stopping: dict[str, Any] = {"since": None}
+
+    def finish() -> None:  # how each rank ended, for the parent's blame; the store removed
+        if exits:
+            with contextlib.suppress(OSError):
+                Path(f"{exits}.tmp").write_text(json.dumps({"ended": ended}))
+                os.replace(f"{exits}.tmp", exits)
+        shutil.rmtree(store_dir, ignore_errors=True)
 
     def stop_others(signum: int) -> None:
         for proc in procs.values():
@@ -95,7 +87,7 @@ def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None, grace_s:
 
     def on_signal(signum: int, frame: object) -> None:
         stop_others(signal.SIGKILL)
-        _finish(exits, nproc, procs, ended, store_dir)
+        finish()
         signal.signal(signum, signal.SIG_DFL)
         os.kill(me, signum)
 
@@ -109,65 +101,34 @@ def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None, grace_s:
     except OSError as exc:
         stop_others(signal.SIGKILL)
         print(f"mpadvise: cannot start {command[0]}: {exc}", file=sys.stderr)
-        _finish(exits, nproc, procs, ended, store_dir)
+        finish()
         return 127
     first_failure: int | None = None
+    stopping_since: float | None = None
     while any(p.returncode is None for p in procs.values()):
-        if stopping["since"] is None:
+        if stopping_since is None:
             # Wake the moment a rank ends (without reaping it), so that the order of the record
             # is the order in which ranks ended: the first is the one a failure is blamed on.
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
         for rank, proc in procs.items():
             if proc.returncode is None and proc.poll() is not None:
-                stopped = stopping["since"] is not None
-                ended.append({"rank": rank, "pid": proc.pid, "status": proc.returncode,
-                              "signal": _signal_name(proc.returncode), "at": time.time(),
-                              "stopped": stopped})
-                if proc.returncode != 0 and first_failure is None and not stopped:
-                    first_failure = proc.returncode
-                    stopping["since"] = time.monotonic()
+                status = proc.returncode
+                try:
+                    name = None if status >= 0 else signal.Signals(-status).name
+                except ValueError:
+                    name = f"signal {-status}"
+                ended.append({"rank": rank, "pid": proc.pid, "status": status, "signal": name,
+                              "at": time.time(), "stopped": stopping_since is not None})
+                if status != 0 and stopping_since is None:
+                    first_failure, stopping_since = status, time.monotonic()
                     stop_others(signal.SIGTERM)
-        if stopping["since"] is not None and time.monotonic() - stopping["since"] > grace_s:
-            stop_others(signal.SIGKILL)
-        if stopping["since"] is not None:
+        if stopping_since is not None:
+            if time.monotonic() - stopping_since > GRACE_S:
+                stop_others(signal.SIGKILL)
             time.sleep(0.02)
-    _finish(exits, nproc, procs, ended, store_dir)
+    finish()
     return first_failure or 0
-
-
-def _finish(exits: str | None, nproc: int, procs: Mapping[int, subprocess.Popen[bytes]],
-            ended: list[dict[str, Any]], store_dir: str) -> None:
-    if exits:
-        record = {"nproc": nproc, "pids": {str(r): p.pid for r, p in procs.items()}, "ended": ended}
-        tmp = f"{exits}.tmp"
-        with contextlib.suppress(OSError):
-            Path(tmp).write_text(json.dumps(record))
-            os.replace(tmp, exits)
-    with contextlib.suppress(OSError):
-        for entry in os.listdir(store_dir):
-            os.unlink(os.path.join(store_dir, entry))
-        os.rmdir(store_dir)
-
-
-def _file_store_handler(path: str) -> Callable[..., Any]:
-    """torch's ``env://`` rendezvous, through the FileStore at ``path`` instead of a TCPStore."""
-    from urllib.parse import parse_qs, urlparse
-
-    def handler(url: str, **kwargs: Any) -> Any:
-        from torch.distributed import FileStore
-
-        query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
-        rank = int(query.get("rank", os.environ["RANK"]))
-        world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
-        yield FileStore(path, world_size), rank, world_size
-        raise RuntimeError("Unable to perform re-rendezvous through the trial's file store")
-
-    return handler
-
-
-def _install_handler(rendezvous: Any, path: str) -> None:
-    rendezvous._rendezvous_handlers["env"] = _file_store_handler(path)
 
 
 class AfterImport:
@@ -185,51 +146,51 @@ class AfterImport:
             find = getattr(finder, "find_spec", None)
             spec = None if find is None else find(name, path, target)
             if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader.exec_module = _then(spec.loader.exec_module, self.then)  # this loader only
+                exec_module = getattr(spec.loader, "exec_module", None)
+                if exec_module is not None:
+
+                    def run(module: Any, exec_module: Callable[[Any], None] = exec_module) -> None:
+                        exec_module(module)
+                        self.then(module)
+
+                    spec.loader.exec_module = run  # this loader only
                 return spec
         return None
 
 
-def _then(exec_module: Callable[[Any], None], then: Callable[[Any], None]) -> Callable[[Any], None]:
-    def run(module: Any) -> None:
-        exec_module(module)
-        then(module)
-    return run
-
-
-def use_file_store(environ: Mapping[str, str] = os.environ) -> bool:
+def use_file_store() -> None:
     """In a rank started by this launcher: make torch's ``env://`` rendezvous meet through the
-    trial's FileStore, now or once torch's rendezvous module is imported; whether this is such a
-    rank. Only the ``env`` scheme's handler changes: a script's own ``init_method`` or ``store``
-    is left as it is."""
-    path = environ.get(STORE_ENV)
+    trial's FileStore, now or once torch's rendezvous module is imported. Only the ``env``
+    scheme's handler changes: a script's own ``init_method`` or ``store`` is left as it is."""
+    path = os.environ.get(STORE_ENV)
     if not path:
-        return False
-    module = sys.modules.get("torch.distributed.rendezvous")
-    if module is not None:
-        _install_handler(module, path)
+        return
+
+    def handler(url: str, **kwargs: Any) -> Any:
+        from urllib.parse import parse_qs, urlparse
+
+        from torch.distributed import FileStore
+
+        query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
+        rank = int(query.get("rank", os.environ["RANK"]))
+        world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
+        yield FileStore(path, world_size), rank, world_size
+        raise RuntimeError("Unable to perform re-rendezvous through the trial's file store")
+
+    def install(rendezvous: Any) -> None:
+        rendezvous._rendezvous_handlers["env"] = handler
+
+    if "torch.distributed.rendezvous" in sys.modules:
+        install(sys.modules["torch.distributed.rendezvous"])
     else:
-        sys.meta_path.insert(0, AfterImport("torch.distributed.rendezvous", lambda m: _install_handler(m, path)))
-    return True
-
-
-def main(argv: list[str]) -> NoReturn:
-    usage = f"usage: python {sys.argv[0]} --nproc N [--exits FILE] -- COMMAND [ARGS...]"
-    nproc, exits, rest = None, os.environ.get(EXITS_ENV) or None, list(argv)
-    while rest and rest[0] != "--":
-        if rest[0] == "--nproc" and len(rest) > 1 and rest[1].isdigit() and int(rest[1]) > 0:
-            nproc, rest = int(rest[1]), rest[2:]
-        elif rest[0] == "--exits" and len(rest) > 1:
-            exits, rest = rest[1], rest[2:]
-        else:
-            break
-    if nproc is None or rest[:1] != ["--"] or len(rest) < 2:
-        print(usage, file=sys.stderr)
-        _exit_as(2)
-    end_with_parent(signal.SIGKILL)  # the trial's launcher (``_proctree``) gone: so are the ranks
-    _exit_as(run_ranks(nproc, rest[1:], exits=exits))
+        sys.meta_path.insert(0, AfterImport("torch.distributed.rendezvous", install))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    argv = sys.argv[1:]
+    nproc = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else 0
+    if len(argv) < 4 or argv[0] != "--nproc" or nproc < 1 or argv[2] != "--":
+        print(f"usage: python {sys.argv[0]} --nproc N -- COMMAND [ARGS...]", file=sys.stderr)
+        _exit_as(2)
+    end_with_parent(signal.SIGKILL)  # the trial's launcher (``_proctree``) gone: so are the ranks
+    _exit_as(run_ranks(nproc, argv[3:], exits=os.environ.get(EXITS_ENV) or None))

@@ -10,14 +10,7 @@ import sys
 from typing import NoReturn
 
 from ._proctree import end_with_parent
-from ._python_command import (
-    RUN_MODULE,
-    apply_trial_threads,
-    exit_forked,
-    mark_torch_import,
-    parse_command,
-    run_as_python,
-)
+from ._python_command import RUN_MODULE, exit_forked, parse_command, prepare_torch, run_as_python
 from ._ranks import use_file_store
 from ._warm_server import SERVER_FLAG, serve
 
@@ -34,8 +27,7 @@ def main(argv: list[str]) -> NoReturn:
     end_with_parent(signal.SIGKILL)
     # A rank of a multi-process trial meets its peers through the trial's private file store.
     use_file_store()
-    mark_torch_import()
-    apply_trial_threads()
+    prepare_torch()
     code = run_as_python(command)
     if code >= 0:
         raise SystemExit(code)  # the interpreter's own way out: threads joined, atexit, flush

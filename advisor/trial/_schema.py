@@ -32,8 +32,7 @@ RANK_ENV = "RANK"  # which result file a rank of a multi-process trial writes
 
 
 class Stage(str, Enum):
-    """How far a trial child got: the ``stage`` of its result file (a ``str``, so the file holds
-    the plain value)."""
+    """How far a trial child got: its result file's ``stage`` (a str: the file holds the value)."""
 
     LOADED = "loaded"  # load_policy() (or a framework's boot) ran; no step began yet
     STEPPING = "stepping"  # the first optimizer step began; the batch facts are written
@@ -136,10 +135,8 @@ class TrialSpec:
         data = json.loads(text)
         unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
-            raise MpadviseError(
-                f"the trial spec holds unknown fields {unknown}; the process that wrote it runs another "
-                "version of mpadvise: run the trial with the same installation"
-            )
+            raise MpadviseError(f"the trial spec holds unknown fields {unknown}; the process that wrote "
+                                "it runs another version of mpadvise: run the trial with the same installation")
         return cls(**data)
 
 
@@ -204,8 +201,8 @@ class TrialResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialResult:
         kwargs = dict(data)
-        for name in ("losses", "step_times", "loss_scale", "skipped", "underflow", "samples", "notes"):
-            if name in kwargs and kwargs[name] is not None:
+        for name in ("step_times", "loss_scale", "skipped", "underflow", "samples", "notes"):
+            if kwargs.get(name) is not None:
                 kwargs[name] = tuple(kwargs[name])
         kwargs["losses"] = tuple(float(v) for v in kwargs.get("losses", ()))
         return cls(**kwargs)

@@ -28,8 +28,7 @@ _STACK_FILE: Any = None  # held for the process's lifetime: faulthandler writes 
 
 
 def register_stack_dump(result_path: str) -> bool:
-    """Have ``STACK_SIGNAL`` dump every thread's stack of this process to
-    ``stack_dump_path(result_path)``, after a ``pid <this pid>`` line; whether it is in place."""
+    """Have ``STACK_SIGNAL`` dump this process's stacks after a ``pid N`` line; whether it does."""
     global _STACK_FILE
     sig = getattr(signal, STACK_SIGNAL, None)
     if _STACK_FILE is not None or sig is None:
@@ -67,15 +66,9 @@ _DUMP_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ \(most recen
 def main_frame(dump: str) -> StackFrame | None:
     """The innermost frame of the main thread in a ``faulthandler`` dump of every thread, or
     ``None``. faulthandler lists threads newest first, so the main thread is the last listed."""
-    blocks: list[list[str]] = []
-    for line in dump.splitlines():
-        if _DUMP_THREAD.match(line.strip()):
-            blocks.append([])
-        elif blocks:
-            blocks[-1].append(line)
-    if not blocks:
-        return None
-    for line in blocks[-1]:
+    lines = dump.splitlines()
+    starts = [i for i, line in enumerate(lines) if _DUMP_THREAD.match(line.strip())]
+    for line in lines[starts[-1] + 1:] if starts else []:
         found = _DUMP_FRAME.match(line)
         if found is not None:
             return StackFrame(found["file"], int(found["line"]), found["function"])
@@ -90,10 +83,9 @@ def stack_blame(dumps: Sequence[str | None]) -> str | None:
     if not any(frames):
         return None
     if len(frames) == 1:
-        frame = frames[0]
-        if frame is not None and frame.in_torch:
-            return f"the script was waiting in torch (a collective or the autograd engine) at {frame}"
-        return f"the script hung in {frame}"
+        if frames[0] is not None and frames[0].in_torch:
+            return f"the script was waiting in torch (a collective or the autograd engine) at {frames[0]}"
+        return f"the script hung in {frames[0]}"
     hung = [(rank, frame) for rank, frame in enumerate(frames) if frame is not None and not frame.in_torch]
     waited = [rank for rank, frame in enumerate(frames) if frame is not None and frame.in_torch]
     silent = [rank for rank, frame in enumerate(frames) if frame is None]
@@ -137,10 +129,10 @@ def request_stack_dumps(paths: Sequence[Path], root: int, *, wait_s: float = STA
             headers[index] = len(first) + 1
     deadline, sizes = time.monotonic() + wait_s, {}
     while headers:
-        now = {index: _size(paths[index]) for index in headers}
-        if all(size > headers[index] for index, size in now.items()) and now == sizes:
-            break  # every dump is written and none grew since the last look
-        if time.monotonic() >= deadline:
+        now = {index: paths[index].stat().st_size for index in headers}
+        # Every dump is written and none grew since the last look, or the time is up.
+        written = all(size > headers[index] for index, size in now.items()) and now == sizes
+        if written or time.monotonic() >= deadline:
             break
         sizes = now
         time.sleep(0.05)
@@ -152,10 +144,3 @@ def request_stack_dumps(paths: Sequence[Path], root: int, *, wait_s: float = STA
             continue
         dumps[index] = text if text.strip() else None
     return dumps
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0

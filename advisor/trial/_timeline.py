@@ -45,22 +45,21 @@ def clear() -> None:
     _marks.clear()
 
 
+def _seconds(timeline: Mapping[str, float], begin: str, end: str) -> float | None:
+    """From mark ``begin`` to mark ``end``; None where either is missing or they are out of order."""
+    a, b = timeline.get(begin), timeline.get(end)
+    ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (a, b))
+    return b - a if ok and b >= a else None  # type: ignore[operator]
+
+
 def breakdown(timeline: Mapping[str, float]) -> dict[str, float | None]:
-    """Seconds spent in each phase of ``PHASES``; ``None`` for a phase missing either mark or
-    whose marks are out of order."""
-    out: dict[str, float | None] = {}
-    for phase, begin, end in PHASES:
-        a, b = timeline.get(begin), timeline.get(end)
-        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isfinite(a) and math.isfinite(b)
-        out[phase] = round(b - a, 6) if ok and b >= a else None
-    return out
+    """Seconds spent in each phase of ``PHASES``."""
+    spans = {phase: _seconds(timeline, begin, end) for phase, begin, end in PHASES}
+    return {phase: None if span is None else round(span, 6) for phase, span in spans.items()}
 
 
 def startup_seconds(timeline: Mapping[str, float]) -> float | None:
-    a, b = timeline.get("launched"), timeline.get("first_step")
-    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or b < a:
-        return None
-    return b - a
+    return _seconds(timeline, "launched", "first_step")
 
 
 def merge_timelines(timelines: list[Mapping[str, float]]) -> dict[str, float]:

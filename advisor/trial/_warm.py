@@ -1,7 +1,7 @@
 """Warm trials, the parent's side: a server (``_warm_server``) imports torch and the project once
 and forks one launcher per trial, as the cold launch's ``_proctree.py`` launcher is, saving the
 seconds a fresh interpreter spends importing torch. ``WarmLauncher`` decides, trial by trial,
-whether it is forked or started cold (``_cold_reasons``). Parent and server speak JSON over a
+whether it is forked or started cold (``cold_reason``). Parent and server speak JSON over a
 private ``SOCK_SEQPACKET`` socket pair, the trial's stdout and stderr passed as descriptors; when
 the parent's end closes, the server ends the trial it runs, and itself.
 """
@@ -9,9 +9,7 @@ the parent's end closes, the server ends the trial it runs, and itself.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -23,43 +21,63 @@ from typing import IO, Any
 
 from advisor._log import get_logger
 
-from ._cold_reasons import cold_reason, environment_reason, is_per_trial
 from ._proctree import end_trial
-from ._python_command import RUN_MODULE
-from ._warm_server import PACKET, SERVER_FLAG
+from ._python_command import RUN_MODULE, parse_command
+from ._warm_server import SERVER_FLAG, Channel, is_per_trial
 
 START_TIMEOUT = 600.0  # seconds for the server's imports (a framework's under load take a minute)
+WARM_ENV = "MPADVISE_WARM_TRIALS"  # 0 starts every trial in a fresh interpreter
 
 
-class _Channel:
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+def warm_switched_off(environ: Mapping[str, str]) -> bool:
+    return environ.get(WARM_ENV, "").strip().lower() in ("0", "false", "no", "off")
 
-    def send(self, message: Mapping[str, Any], fds: Sequence[int] = ()) -> bool:
-        try:
-            socket.send_fds(self.sock, [json.dumps(message).encode()], list(fds))
-            return True
-        except OSError:
-            return False
 
-    def receive(self, timeout: float | None) -> dict[str, Any] | None:
-        """The next message; ``None`` when the server is gone; TimeoutError after ``timeout``."""
-        # select() retries by itself on EINTR, with the time left (PEP 475).
-        ready, _, _ = select.select([self.sock], [], [], timeout)
-        if not ready:
-            raise TimeoutError
-        try:
-            data = self.sock.recv(PACKET)
-        except OSError:
-            return None
-        return json.loads(data) if data else None
+def cold_reason(command: Sequence[str], *, environ: Mapping[str, str], nproc_per_node: int = 1,
+                platform: str = sys.platform, can_fork: bool = hasattr(os, "fork")) -> str | None:
+    """Why a trial must start in a fresh interpreter, whatever the server; None if it may fork."""
+    if warm_switched_off(environ):
+        return f"{WARM_ENV}={environ.get(WARM_ENV)} starts every trial cold"
+    if not platform.startswith("linux") or not can_fork:
+        return f"warm trials need Linux's fork and child subreaper; this is {platform}"
+    if nproc_per_node > 1:
+        return (f"a trial of {nproc_per_node} processes starts its ranks from its own launcher (in torchrun's "
+                "place), which starts each one itself")
+    if parse_command(command) is None:
+        return f"the command {list(command)[:4]} is not one a forked interpreter runs as python would"
+    return None
+
+
+def environment_difference(server: Mapping[str, str], trial: Mapping[str, str]) -> list[str]:
+    """The variables, but per-trial ones, that differ between the two environments; sorted."""
+    names = set(server) | set(trial)
+    return sorted(n for n in names if not is_per_trial(n) and server.get(n) != trial.get(n))
+
+
+def environment_reason(server: Mapping[str, str], trial: Mapping[str, str]) -> str | None:
+    differ = environment_difference(server, trial)
+    if not differ:
+        return None
+    shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+    return (f"the trial's environment differs from the warm server's in {shown}, which torch or a "
+            "library may have read at import")
+
+
+def framework_preload(launch: Sequence[str]) -> tuple[str, ...]:
+    """What a warm server imports for trials launched by ``launch``: for a framework boot
+    (``-P -m PACKAGE._boot FRAMEWORK``), its package and ``PACKAGE:FRAMEWORK`` (its library)."""
+    command = parse_command([*launch, "script.py"])
+    if command is None or not command.module or not command.target.endswith("._boot") or len(command.args) < 2:
+        return ()
+    package = command.target.rpartition(".")[0]
+    return (package, f"{package}:{command.args[0]}")
 
 
 class WarmTrial:
     """A launcher forked by the warm server, used as a Popen. The server reaps it only once this
     handle has seen its status, so until then a kill cannot hit another process."""
 
-    def __init__(self, channel: _Channel, pid: int, args: list[str], on_lost: Callable[[], None]) -> None:
+    def __init__(self, channel: Channel, pid: int, args: list[str], on_lost: Callable[[], None]) -> None:
         self._channel = channel
         self.pid = pid
         self.args = args
@@ -77,17 +95,12 @@ class WarmTrial:
             # The server died under the trial: end the orphaned tree here, where it can still be
             # found below the launcher's pid, and report it as killed.
             self._on_lost()
-            end_trial(self)
+            end_trial(self.pid)
             self.returncode = -int(signal.SIGKILL)
             return self.returncode
         self.returncode = int(message["exit"])
         self._channel.send({"op": "reap"})
         return self.returncode
-
-    def kill(self) -> None:
-        if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.pid, signal.SIGKILL)
 
 
 def _close_server(proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
@@ -101,13 +114,12 @@ def _close_server(proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
 
 
 class WarmServer:
-    """One warm server's process, started in ``env`` (the first trial's whole environment)."""
+    """One warm server's process, started in ``env``: the first trial's whole environment. A
+    fork's /proc/PID/environ is the server's, whatever the fork sets in os.environ, and the
+    daemon finds (and ends) a job's processes by the mark its environment carries there
+    (MPADVISE_DAEMON_JOB). Per-trial values are set in each fork; the server reads none of them."""
 
     def __init__(self, python: str, preload: Sequence[str], env: Mapping[str, str]) -> None:
-        # The server starts in the first trial's whole environment. A fork's /proc/PID/environ is
-        # the server's, whatever the fork sets in os.environ, and the daemon finds (and ends) a
-        # job's processes by the mark its environment carries there (MPADVISE_DAEMON_JOB).
-        # Per-trial values are set in each fork; the server reads none of them.
         self.env = dict(env)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log: IO[bytes] = tempfile.TemporaryFile()
@@ -123,18 +135,25 @@ class WarmServer:
             raise
         finally:
             child.close()
-        self.channel = _Channel(parent)
+        self.channel = Channel(parent)
         self.ready = False  # the server said it is ready (one started ahead may still be importing)
         self._finalizer = weakref.finalize(self, _close_server, self.proc, parent)
 
+    def _reply(self) -> dict[str, Any] | None:
+        try:
+            return self.channel.receive(START_TIMEOUT)
+        except TimeoutError:
+            return None
+
     def await_ready(self) -> str | None:
         """Wait for the server's word; why it cannot serve, or ``None``."""
-        try:
-            ready = self.channel.receive(START_TIMEOUT)
-        except TimeoutError:
-            ready = None
+        ready = self._reply()
         if ready is None:
-            return f"the warm server failed to start: {self._log_tail()}"
+            lines = []
+            with contextlib.suppress(OSError, ValueError):
+                self._log.seek(0)
+                lines = self._log.read().decode(errors="replace").strip().splitlines()
+            return f"the warm server failed to start: {lines[-1] if lines else 'it ended without a word'}"
         if ready.get("refusal"):
             return str(ready["refusal"])
         self.ready = True
@@ -147,24 +166,13 @@ class WarmServer:
                    "env": {k: v for k, v in env.items() if is_per_trial(k)}}
         for f in (stdout, stderr):
             f.flush()
-        if not self.channel.send(request, [stdout.fileno(), stderr.fileno()]):
-            return "the warm server died"
-        try:
-            reply = self.channel.receive(START_TIMEOUT)
-        except TimeoutError:
-            reply = None
+        sent = self.channel.send(request, [stdout.fileno(), stderr.fileno()])
+        reply = self._reply() if sent else None
         if reply is None:
             return "the warm server died"
         if "pid" not in reply:
             return str(reply.get("cold") or reply)
         return WarmTrial(self.channel, int(reply["pid"]), command, on_lost)
-
-    def _log_tail(self) -> str:
-        with contextlib.suppress(OSError, ValueError):
-            self._log.seek(0)
-            lines = self._log.read().decode(errors="replace").strip().splitlines()
-            return lines[-1] if lines else "it ended without a word"
-        return ""
 
     def close(self) -> None:
         # One still importing has forked nothing: it is killed, not waited for.
@@ -194,13 +202,11 @@ class WarmLauncher:
     def start_trial(self, command: Sequence[str], *, env: Mapping[str, str],
                     cwd: str | os.PathLike[str] | None, stdout: IO[bytes], stderr: IO[bytes], python: str,
                     nproc_per_node: int = 1) -> WarmTrial | None:
-        """Fork ``python COMMAND`` from the server; ``None`` (and a debug line saying why) when
-        the trial must start cold instead."""
+        """Fork ``python COMMAND`` from the server; None (and a debug line why) to start cold."""
         reason = cold_reason(command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node)
         if reason is None and os.path.abspath(python) != os.path.abspath(self.python):
             reason = f"the trial's interpreter {python} is not the warm server's {self.python}"
-        if reason is None:
-            reason = self._broken or self._ensure_server(env)
+        reason = reason or self._broken or self._ensure_server(env)
         if reason is None and self._server is not None:
             reason = environment_reason(self._server.env, env)
             if reason is not None and self.forked == 0:
@@ -209,24 +215,20 @@ class WarmLauncher:
                 get_logger().debug(f"warm server started again: {reason}")
                 self.close()
                 reason = self._ensure_server(env)
-        trial = None
         if reason is None and self._server is not None:
             forked = self._server.fork(list(command), env, cwd, stdout, stderr,
                                        lambda: self._lost("the warm server died"))
-            if isinstance(forked, str):
-                reason = self._lost(forked)
-            else:
-                trial = forked
-        if trial is None:
-            self.last_cold_reason = reason
-            get_logger().debug(f"trial launched cold: {reason}")
-        else:
-            self.forked += 1
-        return trial
+            if not isinstance(forked, str):
+                self.forked += 1
+                return forked
+            reason = self._lost(forked)
+        self.last_cold_reason = reason
+        get_logger().debug(f"trial launched cold: {reason}")
+        return None
 
     def prestart(self, command: Sequence[str], *, env: Mapping[str, str], nproc_per_node: int = 1) -> bool:
-        """Start the server now, without waiting for its imports, so that the parent's own work
-        before its first trial overlaps them; whether one was started."""
+        """Start the server without waiting for its imports, which overlap the parent's own work
+        before its first trial; whether one was started."""
         if self._server is not None or self._broken is not None:
             return False
         if cold_reason(command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node) is not None:
@@ -235,10 +237,8 @@ class WarmLauncher:
 
     def _ensure_server(self, env: Mapping[str, str]) -> str | None:
         """Start the server unless it runs and wait until it is ready; why it cannot serve."""
-        if self._server is None:
-            failed = self._spawn(env)
-            if failed is not None:
-                return failed
+        if self._server is None and (failed := self._spawn(env)) is not None:
+            return failed
         assert self._server is not None
         if self._server.ready:
             return None

@@ -12,44 +12,73 @@ import select
 import signal
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from ._cold_reasons import is_per_trial, server_refusal, thread_count
-from ._proctree import _exit_as, end_with_parent, kill_tree, supervise
-from ._python_command import (
-    PythonCommand,
-    apply_trial_threads,
-    exit_forked,
-    parse_command,
-    run_as_python,
-)
-from ._timeline import clear, mark
+from ._proctree import _exit_as, end_trial, end_with_parent, supervise
+from ._python_command import PythonCommand, exit_forked, parse_command, prepare_torch, run_as_python
+from ._timeline import clear
 
 SERVER_FLAG = "--warm-server"  # python -P -m advisor.trial._run --warm-server FD [PRELOAD...]
 PACKET = 1 << 20  # the largest message of the parent and the server
+# What a trial's environment may set differently from the server's: the project's own variables,
+# never read at import, and the shell's record of the working directory, which the request carries.
+PER_TRIAL_PREFIXES: tuple[str, ...] = ("MPADVISE_",)
+PER_TRIAL_NAMES: frozenset[str] = frozenset({"PWD", "OLDPWD"})
 
 
-def _send(sock: socket.socket, message: Mapping[str, Any]) -> bool:
+def is_per_trial(name: str) -> bool:
+    return name in PER_TRIAL_NAMES or name.startswith(PER_TRIAL_PREFIXES)
+
+
+def server_refusal(threads: int, cuda_initialized: bool) -> str | None:
+    """Why the server must not fork; ``None`` when it may."""
+    if cuda_initialized:
+        return "CUDA is initialised in the warm server, and a forked child cannot use it"
+    if threads != 1:
+        return f"the warm server runs {threads} threads, and a fork copies only one"
+    return None
+
+
+def thread_count() -> int:
     try:
-        sock.send(json.dumps(message).encode())
-        return True
+        return len(os.listdir("/proc/self/task"))
     except OSError:
-        return False
+        return threading.active_count()
 
 
-def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    try:
-        data, fds, _, _ = socket.recv_fds(sock, PACKET, 4)
-    except OSError:
-        return None, []
-    return (json.loads(data) if data else None), list(fds)
+class Channel:
+    """One end of the parent's and the server's socket pair: JSON messages, with descriptors."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fds: list[int] = []  # those that came with the last message
+
+    def send(self, message: Mapping[str, Any], fds: Sequence[int] = ()) -> bool:
+        try:
+            socket.send_fds(self.sock, [json.dumps(message).encode()], list(fds))
+            return True
+        except OSError:
+            return False
+
+    def receive(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The next message; ``None`` when the other end is gone; TimeoutError after ``timeout``."""
+        # select() retries by itself on EINTR, with the time left (PEP 475).
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, PACKET, 4)
+        except OSError:
+            return None
+        self.fds = list(fds)
+        return json.loads(data) if data else None
 
 
 def _preload(name: str) -> None:
-    """Import ``name``, or for ``PACKAGE:FRAMEWORK`` the framework's libraries; one that does not
-    import is left to the trial."""
+    """Import ``name`` (``PACKAGE:FRAMEWORK``: its libraries); a failure is left to the trial."""
     package, _, framework = name.partition(":")
     try:
         module = importlib.import_module(package)
@@ -61,27 +90,8 @@ def _preload(name: str) -> None:
         pass
 
 
-def _settle() -> None:
-    """Fork once and let the child end at once. A library may keep a thread pool that it shuts
-    down before any fork (OpenBLAS, under numpy, starts one at import and registers
-    ``pthread_atfork`` handlers for it); after this the server holds only what stays."""
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-
-
-def _exit_status(pid: int) -> int | None:
-    try:
-        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return -int(signal.SIGKILL)
-    if found is None or found.si_pid == 0:
-        return None
-    return found.si_status if found.si_code == os.CLD_EXITED else -found.si_status
-
-
 def _watch(sock: socket.socket, pid: int) -> int | None:
+    """The launcher's exit status, left unreaped; ``None`` when the parent's end closed first."""
     try:
         pidfd: int | None = os.pidfd_open(pid)
     except (AttributeError, OSError):
@@ -90,30 +100,21 @@ def _watch(sock: socket.socket, pid: int) -> int | None:
         while True:
             watched = [sock] if pidfd is None else [sock, pidfd]
             ready, _, _ = select.select(watched, [], [], 0.05 if pidfd is None else None)
-            if sock in ready:
+            if sock in ready:  # nothing is asked of a running trial: only the parent's end matters
                 try:
-                    data = sock.recv(PACKET, socket.MSG_PEEK)
+                    if not sock.recv(PACKET):
+                        return None
                 except OSError:
-                    data = b""
-                if not data:
                     return None
-                sock.recv(PACKET)  # nothing is asked of a running trial: drop it
-            status = _exit_status(pid)
-            if status is not None:
-                return status
+            try:
+                found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return -int(signal.SIGKILL)
+            if found is not None and found.si_pid != 0:
+                return found.si_status if found.si_code == os.CLD_EXITED else -found.si_status
     finally:
         if pidfd is not None:
             os.close(pidfd)
-
-
-def _end(pid: int) -> None:
-    kill_tree(pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
 
 
 def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
@@ -132,8 +133,7 @@ def _run_script(command: PythonCommand, handlers: Mapping[int, Any]) -> int:
             with contextlib.suppress(Exception):
                 numpy_random.seed()
         clear()  # the marks of this trial only
-        mark("torch_imported")  # torch was imported before the fork
-        apply_trial_threads()
+        prepare_torch()  # torch was imported before the fork: marked now
         code = run_as_python(command)
     except BaseException:  # noqa: BLE001 - a fault here is the trial's, reported as a script's would be
         traceback.print_exc()
@@ -169,8 +169,8 @@ def _launcher(sock: socket.socket, request: Mapping[str, Any], fds: list[int], h
 
 
 def serve(fd: int, preload: Sequence[str]) -> None:
-    sock = socket.socket(fileno=fd)
-    sock.set_inheritable(False)
+    channel = Channel(socket.socket(fileno=fd))
+    channel.sock.set_inheritable(False)
     # A fresh interpreter's handlers, restored in every launcher and script process.
     handlers = {s: signal.getsignal(s) for s in signal.valid_signals()
                 if s not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(s) is not None}
@@ -190,38 +190,36 @@ def serve(fd: int, preload: Sequence[str]) -> None:
             _preload(name)
         gc.collect()
         gc.freeze()  # what the imports built is shared with every fork, untouched by its collector
-        _settle()
+        # Fork once and let the child end at once. A library may keep a thread pool that it shuts
+        # down before any fork (OpenBLAS, under numpy, starts one at import and registers
+        # ``pthread_atfork`` handlers for it); after this the server holds only what stays.
+        if (pid := os.fork()) == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
         refusal = server_refusal(thread_count(), torch.cuda.is_initialized())
     except Exception as exc:  # noqa: BLE001 - the parent starts its trials cold, for this reason
         refusal = f"the warm server's imports failed: {type(exc).__name__}: {exc}"
-    if not _send(sock, {"ready": os.getpid(), "refusal": refusal}) or refusal:
+    if not channel.send({"ready": os.getpid(), "refusal": refusal}) or refusal:
         return
-    while True:
-        request, fds = _receive(sock)
-        if request is None:
-            return
-        if request.get("op") != "run":
-            for f in fds:
-                os.close(f)
-            continue
+    while (request := channel.receive()) is not None:
+        fds = channel.fds
         refusal = server_refusal(thread_count(), torch.cuda.is_initialized())
-        if refusal is not None or len(fds) != 2:
-            for f in fds:
-                os.close(f)
-            _send(sock, {"cold": refusal or "the request came without the trial's stdout and stderr"})
-            continue
-        pid = os.fork()
+        pid = os.fork() if refusal is None and len(fds) == 2 else None
         if pid == 0:
-            _launcher(sock, request, fds, handlers)
+            _launcher(channel.sock, request, fds, handlers)
         for f in fds:
             os.close(f)
-        _send(sock, {"pid": pid})
-        status = _watch(sock, pid)
+        if pid is None:
+            channel.send({"cold": refusal or "the request came without the trial's stdout and stderr"})
+            continue
+        channel.send({"pid": pid})
+        status = _watch(channel.sock, pid)
         if status is None:  # the parent died: nothing of its trial outlives it
-            _end(pid)
+            end_trial(pid)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
             return
-        _send(sock, {"exit": status})
-        # Reaped once the parent has seen the status (its "reap", or its end).
-        _receive(sock)
+        channel.send({"exit": status})
+        channel.receive()  # reaped once the parent has seen the status (its "reap", or its end)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)

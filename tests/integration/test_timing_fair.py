@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from advisor import AppliedPolicy
-from advisor.trial import UNDERFLOW_EVERY, _loop_recorder
+from advisor.trial import UNDERFLOW_EVERY, _child
 from advisor.tune._trials import FunctionRunner, TrialSettings
 from policies import Policy
 
@@ -88,7 +88,7 @@ def test_a_trial_times_each_step_less_the_recorders_own_work(mode, one_thread, i
     spent: dict[int, float] = {}
     # The recorder reads the loss scale on every step and samples the underflow on some (fp16).
     monkeypatch.setattr(AppliedPolicy, "loss_scale", slowed(AppliedPolicy.loss_scale, spent, marks))
-    monkeypatch.setattr(_loop_recorder, "underflow_counts", slowed(_loop_recorder.underflow_counts, spent, marks))
+    monkeypatch.setattr(_child, "underflow_counts", slowed(_child.underflow_counts, spent, marks))
     settings = TrialSettings(warmup_steps=WARMUP, measure_steps=MEASURE, device="cpu")
     result = FunctionRunner(lambda mp: train(mp, marks), settings)(Policy(mode=mode), mode)
     assert result.outcome == "ok", (result.reason, result.stderr_tail)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from advisor.frameworks import plan_for
 from advisor.frameworks._plan import launch_argv
-from advisor.trial import TrialSpec, _flops, run_in_process, run_trial
+from advisor.trial import TrialSpec, _step_window, run_in_process, run_trial
 from policies import Policy
 from probes import HardwareProfile
 
@@ -166,7 +166,7 @@ def test_a_counter_that_fails_falls_back_and_says_why(tmp_path, monkeypatch):
     def broken():
         raise RuntimeError("no dispatch modes here")
 
-    monkeypatch.setattr(_flops, "_guarded_flop_counter", broken)
+    monkeypatch.setattr(_step_window, "_guarded_flop_counter", broken)
     data, error = run_in_process(_bag_trainer(), spec(tmp_path), profile=CPU)
     assert error is None
     assert data["flops_basis"] == "6 x parameters x tokens"

@@ -222,7 +222,7 @@ def memory_cgroup():
     import os
     import time
 
-    from advisor.trial._oom_kills import memory_cgroup_dirs
+    from advisor.trial._launch import memory_cgroup_dirs
 
     try:
         dirs = memory_cgroup_dirs(Path("/proc/self/cgroup").read_text(), Path("/proc/self/mountinfo").read_text())

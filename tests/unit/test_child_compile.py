@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from advisor.trial import EXIT_NO_STEP, TrialSpec, _child, _loop_recorder, _watchdog
+from advisor.trial import EXIT_NO_STEP, TrialSpec, _child, _step_window
 from policies import Policy
 from probes import HardwareProfile
 
@@ -65,7 +65,7 @@ def test_losses_are_copies_under_gradient_accumulation_too(tmp_path):
     assert all(v > 0 for v in data["losses"])
 
 
-def _child_recorder(tmp_path, first_step_timeout: float) -> _loop_recorder.TrialRecorder:
+def _child_recorder(tmp_path, first_step_timeout: float) -> _child.TrialRecorder:
     spec = _spec(tmp_path, first_step_timeout=first_step_timeout)
     applied = _child._build(spec, _child.ResultWriter(spec.result_path), profile=CPU, device="cpu", in_process=False)
     return applied._observer
@@ -145,7 +145,7 @@ class _Activity:
 
 def test_the_deadline_moves_while_a_compilation_runs():
     clock, activity = _Clock(), _Activity()
-    watchdog = _watchdog.NoStepWatchdog(10.0, lambda: None, activity=activity, clock=clock)
+    watchdog = _step_window.NoStepWatchdog(10.0, lambda: None, activity=activity, clock=clock)
     clock.now += 4.0
     activity.running = True  # the first forward compiles from 4 s to 300 s
     for _ in range(60):
@@ -160,7 +160,7 @@ def test_the_deadline_moves_while_a_compilation_runs():
 
 def test_without_compilation_the_deadline_is_the_timeout():
     clock = _Clock()
-    watchdog = _watchdog.NoStepWatchdog(10.0, lambda: None, activity=_Activity(), clock=clock)
+    watchdog = _step_window.NoStepWatchdog(10.0, lambda: None, activity=_Activity(), clock=clock)
     clock.now += 9.9
     assert not watchdog.expired()
     clock.now += 0.1
@@ -170,7 +170,7 @@ def test_without_compilation_the_deadline_is_the_timeout():
 def test_compile_activity_follows_dynamo_and_survives_its_reset():
     import torch._dynamo
 
-    activity = _watchdog.CompileActivity()
+    activity = _step_window.CompileActivity()
     seen: list[bool] = []
 
     def backend(gm, example_inputs):
@@ -191,7 +191,7 @@ def test_compile_activity_follows_dynamo_and_survives_its_reset():
 def test_a_compilation_already_running_when_first_seen_counts():
     import torch._dynamo
 
-    activity = _watchdog.CompileActivity()  # registers nothing until its first look
+    activity = _step_window.CompileActivity()  # registers nothing until its first look
     seen: list[bool] = []
 
     def backend(gm, example_inputs):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from advisor.trial import _peak_memory
+from advisor.trial import _device
 from advisor.tune._trials import FunctionRunner, TrialSettings
 from policies import Policy
 
@@ -65,15 +65,15 @@ def test_later_trial_is_not_out_of_memory_for_an_earlier_ones_peak() -> None:
 
 def test_same_without_a_resettable_high_water_mark(monkeypatch) -> None:
     # Where /proc/self/clear_refs cannot be written, the peak comes from sampling the RSS.
-    monkeypatch.setattr(_peak_memory, "reset_peak_rss", lambda: False, raising=False)
+    monkeypatch.setattr(_device, "reset_peak_rss", lambda: False, raising=False)
     later_trial_is_judged_on_its_own_peak()
 
 
 def test_sampled_peak_sees_a_short_allocation(monkeypatch) -> None:
-    monkeypatch.setattr(_peak_memory, "reset_peak_rss", lambda: False)
+    monkeypatch.setattr(_device, "reset_peak_rss", lambda: False)
     held = torch.ones(HOG // 4)  # make the lifetime peak higher than what follows
     del held
-    meter = _peak_memory.TrialPeakRss()
+    meter = _device.TrialPeakRss()
     meter.start()
     before = current_rss()
     spike = torch.ones(MARGIN // 4)

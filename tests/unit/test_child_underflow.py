@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from advisor.trial import _underflow
+from advisor.trial import _child
 from advisor.tune._trials import FunctionRunner, TrialSettings
 from policies import Policy
 
@@ -61,20 +61,20 @@ def test_fraction_weighs_each_tensor_by_its_size_and_counts_only_flushed_values(
 def test_sampled_every_kth_step() -> None:
     result = run(steps=13)
     sampled = [i for i, u in enumerate(result.underflow) if u is not None]
-    assert sampled == list(range(0, 13, _underflow.UNDERFLOW_EVERY))
+    assert sampled == list(range(0, 13, _child.UNDERFLOW_EVERY))
     assert len(result.step_times) == len(result.losses) == len(result.loss_scale) == 13
 
 
 def test_counts_directly() -> None:
     grads = [torch.full((1000,), 2.0**-42), torch.full((3000,), 1e-3), torch.zeros(500)]
-    counts = _underflow.underflow_counts(grads, scale=SCALE, budget=400)
+    counts = _child.underflow_counts(grads, scale=SCALE, budget=400)
     flushed, would_flush, counted = (int(v) for v in counts.tolist())
     # The all-zero tensor beside a healthy one is sparse, not flushed: its zeros are not counted.
     assert flushed == 0 and would_flush / counted == pytest.approx(0.25, abs=0.01)
-    assert _underflow._fraction(counts) == pytest.approx(0.25, abs=0.01)
+    assert _child._fraction(counts) == pytest.approx(0.25, abs=0.01)
     assert 350 <= counted <= 800  # about the budget, however many tensors there are
-    assert _underflow.underflow_counts([], scale=SCALE) is None
-    inf = _underflow.underflow_counts([torch.tensor([float("inf"), float("nan"), 2.0**-40])], scale=1.0)
+    assert _child.underflow_counts([], scale=SCALE) is None
+    inf = _child.underflow_counts([torch.tensor([float("inf"), float("nan"), 2.0**-40])], scale=1.0)
     assert inf.tolist() == [0, 1, 1]  # a skipped step's inf/NaN gradients are not values that underflow
 
 
@@ -90,10 +90,10 @@ def _mostly_flushed(dtype: torch.dtype, scale: float) -> torch.Tensor:
     ("dtype", "scale"), [(torch.float32, SCALE), (torch.float16, 1.0)], ids=["fp16-mixed (fp32 gradient)", "fp16-true"]
 )
 def test_a_gradient_that_flushed_to_zero_reports_what_it_lost(dtype: torch.dtype, scale: float) -> None:
-    counts = _underflow.underflow_counts([_mostly_flushed(dtype, scale)], scale=scale)
+    counts = _child.underflow_counts([_mostly_flushed(dtype, scale)], scale=scale)
     flushed, would_flush, counted = (int(v) for v in counts.tolist())
     assert (flushed, would_flush) == (99_900, 0)
-    assert _underflow._fraction(counts) == pytest.approx(0.999, abs=0.001)
+    assert _child._fraction(counts) == pytest.approx(0.999, abs=0.001)
 
 
 def test_structural_zeros_beside_healthy_values_are_not_underflow() -> None:
@@ -102,13 +102,13 @@ def test_structural_zeros_beside_healthy_values_are_not_underflow() -> None:
     dead_units[::3] = 0  # a third of the rows: dead ReLU units, zero in fp32 too
     unused_rows = torch.zeros(50_000, 64)  # an embedding table: no sampled row was in the batch
     unused_rows[7] = 1e-3
-    counts = _underflow.underflow_counts([dead_units, unused_rows], scale=SCALE)
-    assert counts.tolist()[:2] == [0, 0] and _underflow._fraction(counts) == 0.0
+    counts = _child.underflow_counts([dead_units, unused_rows], scale=SCALE)
+    assert counts.tolist()[:2] == [0, 0] and _child._fraction(counts) == 0.0
 
 
 def test_a_gradient_flushed_everywhere_is_all_lost() -> None:
-    counts = _underflow.underflow_counts([torch.zeros(4096), torch.zeros(64)], scale=SCALE)
-    assert _underflow._fraction(counts) == 1.0
+    counts = _child.underflow_counts([torch.zeros(4096), torch.zeros(64)], scale=SCALE)
+    assert _child._fraction(counts) == 1.0
 
 
 def test_an_autocast_backward_that_flushed_is_seen() -> None:
@@ -122,12 +122,12 @@ def test_an_autocast_backward_that_flushed_is_seen() -> None:
     grads = [p.grad / SCALE for p in net.parameters()]  # unscaled, as the recorder sees them
     zeros = sum(int((g == 0).sum()) for g in grads) / sum(g.numel() for g in grads)
     assert zeros > 0.3  # what fp32 would not have produced: the same backward in fp32 has none
-    counts = _underflow.underflow_counts(grads, scale=SCALE)
-    assert _underflow._fraction(counts) == pytest.approx(zeros, abs=0.02)
+    counts = _child.underflow_counts(grads, scale=SCALE)
+    assert _child._fraction(counts) == pytest.approx(zeros, abs=0.02)
 
 
 def test_the_note_reports_both_kinds() -> None:
-    assert _underflow.underflow_note([[0, 0, 100], [0, 0, 100]]) is None
-    note = _underflow.underflow_note([[50, 10, 100], [30, 10, 100]])
+    assert _child.underflow_note([[0, 0, 100], [0, 0, 100]]) is None
+    note = _child.underflow_note([[50, 10, 100], [30, 10, 100]])
     assert note is not None and "40.0% of the sampled gradient values had already flushed" in note
     assert "10.0% would flush" in note

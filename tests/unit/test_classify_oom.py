@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from advisor.trial import TrialSpec, classify
-from advisor.trial._oom_kills import oom_kill_count
+from advisor.trial._launch import oom_kill_count
 
 SIGKILL = -getattr(signal, "SIGKILL", 9)
 SPEC = TrialSpec(policy={"schema": 1, "mode": "fp32"}, result_path="unused.json")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from advisor.trial import TrialResult
-from advisor.trial._seeding import perturbation_seed
+from advisor.trial._step_window import perturbation_seed
 from advisor.tune._engine import tune_policy
 from advisor.tune._options import TuneOptions
 from advisor.tune._trials import Replicate, run_comparison

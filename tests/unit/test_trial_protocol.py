@@ -19,7 +19,7 @@ from advisor.trial import (
     _timeline,
     classify,
 )
-from advisor.trial._loop_recorder import TrialRecorder
+from advisor.trial._child import TrialRecorder
 from advisor.trial._step_window import result_payload
 from probes import MpadviseError
 

@@ -8,15 +8,14 @@ import sys
 import pytest
 
 from advisor.trial import RUN_MODULE, WARM_ENV, framework_preload
-from advisor.trial._cold_reasons import (
+from advisor.trial._python_command import PythonCommand, cold_command, exit_code, parse_command
+from advisor.trial._warm import (
     cold_reason,
     environment_difference,
     environment_reason,
-    is_per_trial,
-    server_refusal,
     warm_switched_off,
 )
-from advisor.trial._python_command import PythonCommand, cold_command, exit_code, parse_command
+from advisor.trial._warm_server import is_per_trial, server_refusal
 
 BOOT = ("-P", "-m", "advisor.frameworks._boot", "lightning")
 
