@@ -24,10 +24,11 @@ def tune(
     """Tune a training function in this process: the same trials, verdicts and search as
     ``mpadvise tune``, without subprocesses.
 
-    ``train_fn(mp)`` receives the candidate's AppliedPolicy and trains as a script would
-    (``mp.setup``, ``mp.micro_batch_size``, ``mp.autocast``, ``mp.step``); it must build its
-    model and data inside so every candidate starts from the same seed. Out-of-memory and crashes
-    are classified, not raised; a hard crash (segfault) takes the process with it.
+    ``train_fn(mp)`` receives the candidate's AppliedPolicy and trains as a script would; it must
+    build its model and data inside so every candidate starts from the same seed. Out-of-memory and
+    crashes are classified, not raised; a hard crash (segfault) takes the process with it. The
+    winner is cached under the file that defines ``train_fn``, so that its
+    ``advisor.load_policy()`` finds it; a notebook cell's is not cached.
 
     Args:
         train_fn: the training function.
@@ -38,22 +39,13 @@ def tune(
         study_name: the Optuna study's name in ``storage``.
         **option_values: :class:`TuneOptions` fields by name, over ``options`` (``storage``
             defaults to memory; with neither ``resume`` nor ``fresh``, a stored study that holds
-            finished trials is refused).
-
-    The winner is cached as ``mpadvise tune`` caches a script's, under the file that defines
-    ``train_fn``, so that its ``advisor.load_policy()`` finds it; a notebook cell's is not cached.
+            finished trials is refused, as on the command line).
 
     Returns:
         A TuneResult: ``.policy`` is the winner (``None`` when nothing was stable).
-
-    Raises:
-        MpadviseError: an unknown option or a value it does not take; a stored study with
-            finished trials and neither ``resume`` nor ``fresh`` (a UsageError); a study of
-            other hardware; the fp32 reference failed.
     """
     options = (options or TuneOptions()).with_(**option_values)
     profile = probes.profile_for(options.device)
-    # A stored study's finished trials are deleted only when asked (fresh=True), as on the CLI.
     check_study(options.storage, study_name, hardware=probes.hardware_fingerprint(profile), resume=options.resume,
                 fresh=options.fresh, spelling=("resume=True", "fresh=True"))
     runner = FunctionRunner(train_fn, TrialSettings.for_tune(options))
@@ -63,15 +55,10 @@ def tune(
     )
     if options.out is not None and result.policy is not None:
         result.policy.save(Path(options.out))
-    source = _source_file(train_fn)
-    if not options.no_cache and source is not None:
+    try:
+        source = inspect.getsourcefile(train_fn)
+    except TypeError:  # a builtin, or a callable object without code
+        source = None
+    if not options.no_cache and source is not None and Path(source).is_file():
         remember(result, profile, source, None)
     return result
-
-
-def _source_file(train_fn: Callable[[Any], Any]) -> Path | None:
-    try:
-        name = inspect.getsourcefile(train_fn)
-    except TypeError:  # a builtin, or a callable object without code
-        return None
-    return Path(name) if name is not None and Path(name).is_file() else None
