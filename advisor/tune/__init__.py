@@ -9,7 +9,6 @@ the frameworks, the daemon or the CLI.
 
 from __future__ import annotations
 
-from advisor.tune._api import tune
 from advisor.tune._checks import check_modes, check_script, default_trial_modes
 from advisor.tune._engine import TuneResult
 from advisor.tune._options import (
@@ -29,6 +28,7 @@ from advisor.tune._service import (
     default_storage_url,
     run_ratio_text,
     study_name_for,
+    tune,
     tune_plan,
     tune_script,
 )

@@ -170,11 +170,8 @@ class TuneOptions:
     def __post_init__(self) -> None:
         for option in option_info():
             value = getattr(self, option.name)
-            if value is None and option.default is None:
-                continue
-            checked = option.check(option, value)
-            if checked is not value:
-                object.__setattr__(self, option.name, checked)  # frozen: normalised once, here
+            if value is not None or option.default is not None:  # frozen: normalised once, here
+                object.__setattr__(self, option.name, option.check(option, value))
         check_rank_device(self.nproc_per_node, self.device)
         if self.resume and self.fresh:
             raise UsageError("--resume and --fresh cannot be used together: --resume continues the stored study, "
@@ -182,9 +179,7 @@ class TuneOptions:
 
     @property
     def memory_limit_bytes(self) -> int | None:
-        if self.memory_limit is None:
-            return None
-        return self.memory_limit if isinstance(self.memory_limit, int) else parse_memory(self.memory_limit)
+        return parse_memory(self.memory_limit) if isinstance(self.memory_limit, str) else self.memory_limit
 
     def with_(self, **changes: Any) -> TuneOptions:
         """A copy with some options changed, validated again (UsageError for an unknown name)."""

@@ -106,12 +106,8 @@ def run_search(
 
     ``evaluate`` runs one candidate; ``first`` are enqueued before the sampler takes over (only by
     the worker that made a shared study); ``known`` are measured already (the reference);
-    ``replicate``, ``hardware`` and ``workload`` are recorded with the study, and a study that holds
-    other hardware or another workload is refused.
-
-    Raises:
-        MpadviseError: the storage cannot be opened or is lost, or the study was made for other
-            hardware, another workload or another space.
+    ``replicate``, ``hardware`` and ``workload`` are recorded with the study. MpadviseError where
+    the storage cannot be opened or is lost, or the study holds other hardware, workload or space.
     """
     start = clock()
     outcome = SearchOutcome(dict(known or {}))
@@ -253,9 +249,9 @@ class _Search:
                     and cand not in trials.running):
                 outcome.measured[cand] = Measured(
                     cand, 0.0, feasible=False, stable=False, outcome="crash",
-                    reason=(f"not run again: its trials {', '.join(map(str, numbers))} lost their workers (no heartbeat "
-                            f"for {heartbeat.grace_s} s), more often than the {heartbeat.max_retry} retries "
-                            f"({MAX_RETRY_ENV})"))
+                    reason=(f"not run again: its trials {', '.join(map(str, numbers))} lost their workers (no "
+                            f"heartbeat for {heartbeat.grace_s} s), more often than the {heartbeat.max_retry} "
+                            f"retries ({MAX_RETRY_ENV})"))
         return trials.running
 
     def tell_without_running(self, trial: Any, candidate: Candidate) -> None:
@@ -285,7 +281,8 @@ class _Search:
         self.outcome.measured[candidate] = measured
         # Kept here until the study has it: a storage that is away now may be back before it is needed.
         worker.untold[trial.number] = measured
-        if store_result(self.study, trial, measured, worker, f"storing trial {trial.number}'s result ({candidate.label})"):
+        what = f"storing trial {trial.number}'s result ({candidate.label})"
+        if store_result(self.study, trial, measured, worker, what):
             # Failed as stale by another worker while this one ran it (or while the storage was away):
             # the result landed as a trial of its own, so that the queued copy is told, not run again.
             grace = worker.heartbeat.grace_s if worker.heartbeat else 0
@@ -359,5 +356,4 @@ def _params(space: SearchSpace, candidate: Candidate) -> dict[str, object]:
 
 
 def best_goodput(measured: dict[Candidate, Measured]) -> float:
-    stable = [m.goodput for m in measured.values() if m.feasible and m.stable]
-    return max(stable, default=0.0)
+    return max((m.goodput for m in measured.values() if m.feasible and m.stable), default=0.0)

@@ -1,5 +1,6 @@
 """One tune of a training script, end to end: the service behind ``mpadvise tune`` and the
 daemon's jobs (through :mod:`advisor.tune.job`): study, storage, trials, config file and cache.
+``advisor.tune(train_fn)`` runs the same tune on a function in this process, for notebooks and tests.
 ``tune_plan`` (``mpadvise tune --dry-run``) runs the checks a tune runs before its first trial and
 describes the space and the plan; it starts no trial, makes no study or storage file, and writes
 no config file or cache entry.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import inspect
 import json
 import os
 import shlex
@@ -50,6 +52,7 @@ from advisor.tune._study_status import (
 from advisor.tune._trials import (
     WAIT_IDLE_ENV,
     Evaluation,
+    FunctionRunner,
     Runner,
     ScriptRunner,
     TrialSettings,
@@ -68,9 +71,7 @@ TuneProgress = Callable[[int], AbstractContextManager[ProgressCallbacks]]
 def run_ratio_text(ev: Evaluation | None) -> str:
     """A progress line's words for one run's goodput over the fp32 reference run's (the tune's
     speed-up is decided later, from paired runs)."""
-    if ev is None or not ev.speedup:
-        return ""
-    return f", this run {ev.speedup:.2f}x the fp32 reference run"
+    return f", this run {ev.speedup:.2f}x the fp32 reference run" if ev is not None and ev.speedup else ""
 
 
 @dataclass(frozen=True)
@@ -154,15 +155,11 @@ class ScriptTune:
             return json.loads(json.dumps(self.stored.payload))
         assert self.result is not None
         request = self.request
-        payload = self.result.to_dict()
-        payload.update(
-            script=str(request.script), args=list(request.args), framework=request.launch.framework,
-            calls_load_policy=self.calls_load_policy,
-            config_file=str(self.config_file) if self.config_file else None, cache_id=self.cache_id,
-            storage=shown_url(request.options.storage), study_name=self.study_name,
-            hardware={"name": self.profile.name, "fingerprint": hardware_fingerprint(self.profile)},
-        )
-        return payload
+        return {**self.result.to_dict(), "script": str(request.script), "args": list(request.args),
+                "framework": request.launch.framework, "calls_load_policy": self.calls_load_policy,
+                "config_file": str(self.config_file) if self.config_file else None, "cache_id": self.cache_id,
+                "storage": shown_url(request.options.storage), "study_name": self.study_name,
+                "hardware": {"name": self.profile.name, "fingerprint": hardware_fingerprint(self.profile)}}
 
 
 def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
@@ -209,7 +206,8 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
         # never deleted unasked (--fresh does).
         held = None if shared_storage(options.storage) else kept_study(options.storage, study_name)
         if held is not None and held.finished:
-            get_logger().info(f"resuming study {study_name!r}: {held.trials} kept (mpadvise tune --fresh starts afresh)")
+            get_logger().info(f"resuming study {study_name!r}: {held.trials} kept "
+                              "(mpadvise tune --fresh starts afresh)")
             options = options.with_(resume=True)
     request = replace(request, script=path, options=options)
     check_study(options.storage, study_name, hardware=fingerprint, resume=options.resume, fresh=options.fresh)
@@ -235,6 +233,54 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
             config_text = config_file.read_text(encoding="utf-8")
     store_answer(options.storage, study_name, key, json.loads(json.dumps(done.to_dict(), default=str)), config_text)
     return done
+
+
+def tune(
+    train_fn: Callable[[Any], Any], options: TuneOptions | None = None, *,
+    thresholds: StabilityThresholds | None = None, remeasure: bool = True, study_name: str = "mpadvise-in-process",
+    **option_values: Any,
+) -> TuneResult:
+    """Tune a training function in this process: the same trials, verdicts and search as
+    ``mpadvise tune``, without subprocesses.
+
+    ``train_fn(mp)`` receives the candidate's AppliedPolicy and trains as a script would; it must
+    build its model and data inside so every candidate starts from the same seed. Out-of-memory and
+    crashes are classified, not raised; a hard crash (segfault) takes the process with it. The
+    winner is cached under the file that defines ``train_fn``, so that its
+    ``advisor.load_policy()`` finds it; a notebook cell's is not cached.
+
+    Args:
+        train_fn: the training function.
+        options: the tune's options, as ``mpadvise tune`` takes them (:class:`TuneOptions`).
+        thresholds: stability thresholds.
+        remeasure: re-measure close candidates, and the winner against fp32 for its speed-up;
+            without it the speed-up rests on single runs.
+        study_name: the Optuna study's name in ``storage``.
+        **option_values: :class:`TuneOptions` fields by name, over ``options`` (``storage``
+            defaults to memory; with neither ``resume`` nor ``fresh``, a stored study that holds
+            finished trials is refused, as on the command line).
+
+    Returns:
+        A TuneResult: ``.policy`` is the winner (``None`` when nothing was stable).
+    """
+    options = (options or TuneOptions()).with_(**option_values)
+    profile = probes.profile_for(options.device)
+    check_study(options.storage, study_name, hardware=hardware_fingerprint(profile), resume=options.resume,
+                fresh=options.fresh, spelling=("resume=True", "fresh=True"))
+    runner = FunctionRunner(train_fn, TrialSettings.for_tune(options))
+    result = tune_policy(
+        runner, profile, options, study_name=study_name, thresholds=thresholds, remeasure=remeasure,
+        workload={"script": getattr(train_fn, "__qualname__", None)},
+    )
+    if options.out is not None and result.policy is not None:
+        result.policy.save(Path(options.out))
+    try:
+        source = inspect.getsourcefile(train_fn)
+    except TypeError:  # a builtin, or a callable object without code
+        source = None
+    if not options.no_cache and source is not None and Path(source).is_file():
+        remember(result, profile, source, None)
+    return result
 
 
 def keep_answer(result: TuneResult, options: TuneOptions, profile: HardwareProfile, script: Path,

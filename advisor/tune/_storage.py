@@ -32,7 +32,6 @@ MAX_RETRY_ENV = "MPADVISE_MAX_RETRY"
 # Where the storage URL may come from besides --storage, so that its password stays out of ps.
 STORAGE_ENV = "MPADVISE_STORAGE"
 STORAGE_FILE_ENV = "MPADVISE_STORAGE_FILE"
-POSTGRES_INSTALL = 'pip install "mpadvise[postgres]"'
 # A server that drops packets would otherwise keep the first connection waiting for minutes.
 CONNECT_TIMEOUT_S = 10
 # Tries at opening a storage that other processes are making at the same moment.
@@ -59,10 +58,9 @@ class Heartbeat:
         interval = whole_env(environ, HEARTBEAT_ENV, cls.interval_s, minimum=1, unit="seconds")
         grace = whole_env(environ, GRACE_ENV, 4 * interval, minimum=1, unit="seconds")
         if grace <= interval:
-            raise MpadviseError(
-                f"{GRACE_ENV}={grace} is not allowed with {HEARTBEAT_ENV}={interval}; expected more seconds than "
-                f"one heartbeat interval, so that a live trial is never taken for a dead one (e.g. {4 * interval})"
-            )
+            raise MpadviseError(f"{GRACE_ENV}={grace} is not allowed with {HEARTBEAT_ENV}={interval}; expected more "
+                                "seconds than one heartbeat interval, so that a live trial is never taken for a dead "
+                                f"one (e.g. {4 * interval})")
         return cls(interval, grace, whole_env(environ, MAX_RETRY_ENV, cls.max_retry, minimum=0, unit="retries"))
 
 
@@ -83,9 +81,7 @@ def storage_url(url: str) -> str:
     """The URL Optuna opens for ``url``: a PostgreSQL URL that names no driver gets psycopg, the
     driver of the ``postgres`` extra (SQLAlchemy's own default is psycopg2)."""
     scheme, sep, rest = url.partition("://")
-    if sep and scheme in ("postgresql", "postgres"):
-        return f"postgresql+psycopg://{rest}"
-    return url
+    return f"postgresql+psycopg://{rest}" if sep and scheme in ("postgresql", "postgres") else url
 
 
 def shared_storage(url: str | None) -> bool:
@@ -153,7 +149,7 @@ def storage_error(url: str, exc: BaseException) -> str:
     shown = shown_url(url)
     missing = _missing_module(exc)
     if missing is not None:
-        fix = (f"{POSTGRES_INSTALL} (postgresql:// URLs use its psycopg)" if is_postgres(url)
+        fix = ('pip install "mpadvise[postgres]" (postgresql:// URLs use its psycopg)' if is_postgres(url)
                else "install the driver its URL names")
         return f"cannot open the Optuna study storage {shown!r}: its database driver {missing} is not installed; {fix}"
     return (f"cannot open the Optuna study storage {shown!r}: {first_line(exc)}; expected a database this machine "
@@ -234,6 +230,7 @@ def open_storage(url: str) -> tuple[Any, Heartbeat]:
     """The Optuna RDB storage for ``url`` and its heartbeat settings, opened once per process and URL
     (UsageError for a URL that is not one; MpadviseError in one line for any other failure)."""
     import optuna
+    import sqlalchemy.exc
 
     with _OPENED_LOCK:
         if url in _OPENED:
@@ -260,23 +257,17 @@ def open_storage(url: str) -> tuple[Any, Heartbeat]:
                 break
             except Exception as exc:
                 # Workers that open a fresh database at the same moment race to create its tables and
-                # to stamp its schema version; the loser finds them made when it looks again.
-                if attempt == OPEN_ATTEMPTS or not _creation_race(exc):
+                # to stamp its schema version (or meet SQLite's lock); the loser finds them made when
+                # it looks again.
+                raced = any(isinstance(inner, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError))
+                            or (isinstance(inner, sqlalchemy.exc.OperationalError)
+                                and any(words in str(inner) for words in ("already exists", "database is locked")))
+                            for inner in error_chain(exc))
+                if attempt == OPEN_ATTEMPTS or not raced:
                     raise storage_failure(url, exc) from None
                 time.sleep((0.2 + random.random() / 2) * attempt)
         _OPENED[url] = (backend, heartbeat)
         return _OPENED[url]
-
-
-def _creation_race(exc: BaseException) -> bool:
-    """Whether ``exc`` is a table or version row another process made between this one's look and
-    its write, or SQLite's lock."""
-    import sqlalchemy.exc
-
-    return any(isinstance(inner, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError))
-               or (isinstance(inner, sqlalchemy.exc.OperationalError)
-                   and any(words in str(inner) for words in ("already exists", "database is locked")))
-               for inner in error_chain(exc))
 
 
 def _outage_noise(record: logging.LogRecord) -> bool:
@@ -286,9 +277,10 @@ def _outage_noise(record: logging.LogRecord) -> bool:
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """Silence Optuna's warnings that heartbeats and their retries are experimental."""
+    """Silence Optuna's info logs and its warnings that heartbeats and retries are experimental."""
     import optuna
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         # Optuna expects heartbeats with Study.optimize; this search beats for its own trials.

@@ -46,7 +46,6 @@ def open_study(storage: str | None, study_name: str, *, resume: bool, seed: int,
     a tune without ``resume`` starts afresh. The storage's own errors pass through to be retried."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     shared = shared_storage(storage)
     # The workers of one study draw different proposals: with one seed, they would all propose
     # the same candidates in the same order and spend their asks skipping each other's.
@@ -65,15 +64,10 @@ def open_study(storage: str | None, study_name: str, *, resume: bool, seed: int,
 
 
 def stored_study(storage: str, study_name: str, worker: Worker) -> Any:
-    """The stored ``optuna.Study`` of that name, or ``None`` when there is none yet.
-
-    Raises:
-        MpadviseError: the storage refuses, naming the URL and the reason.
-        StorageLost: it stayed unreachable through ``worker``'s retries.
-    """
+    """The stored ``optuna.Study`` of that name, or ``None`` when there is none yet (MpadviseError
+    where the storage refuses; StorageLost where it stays unreachable through the retries)."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     backend, _ = open_storage(storage)
 
     def load() -> Any:

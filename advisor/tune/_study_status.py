@@ -6,6 +6,7 @@ shape the search still hold and the study holds no trial since.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -97,10 +98,10 @@ def kept_study(storage: str | None, study_name: str) -> KeptStudy | None:
     where there is no such study."""
     if storage is None or not storage_exists(storage):
         return None
-    studies = study_status(storage, study_name, missing_ok=True)
-    if not studies:
+    found = study_status(storage, study_name, missing_ok=True)
+    if not found:
         return None
-    return KeptStudy(study_name, shown_url(storage) or storage, studies[0]["measured"], studies[0]["last_finished"])
+    return KeptStudy(study_name, shown_url(storage) or storage, found[0]["measured"], found[0]["last_finished"])
 
 
 def finished_trials(storage: str | None, study_name: str) -> int:
@@ -170,9 +171,15 @@ def study_status(storage: str, study_name: str | None = None, *, missing_ok: boo
                          "the SQLite file a tune wrote (by default studies.db in the cache directory)")
     engine_kwargs = timeout_kwargs(storage)
     try:
+        # Only a storage fully made is read, its schema version stamped (Optuna's storage, opened
+        # before that, writes the stamp itself, racing the tune that is making it).
         engine = sqlalchemy.create_engine(storage_url(storage), **engine_kwargs)
         try:
-            made = _storage_made(engine)
+            made = {"studies", "version_info", "alembic_version"} <= set(sqlalchemy.inspect(engine).get_table_names())
+            if made:
+                with engine.connect() as connection:
+                    made = all(connection.execute(sqlalchemy.text(f"SELECT COUNT(*) FROM {table}")).scalar()
+                               for table in ("version_info", "alembic_version"))
         finally:
             engine.dispose()
         studies, backend = [], None  # none yet: a tune is making the storage now, or none ever did
@@ -192,18 +199,6 @@ def study_status(storage: str, study_name: str | None = None, *, missing_ok: boo
     except Exception as exc:  # an unreachable server, a refused login, a driver missing, a bad URL
         raise storage_failure(storage, exc) from None
     return sorted(out, key=lambda summary: summary["study"])
-
-
-def _storage_made(engine: Any) -> bool:
-    """Whether an Optuna storage is fully made, its schema version stamped (Optuna's storage,
-    opened before that, writes the stamp itself, racing the tune that is making it)."""
-    import sqlalchemy
-
-    if not {"studies", "version_info", "alembic_version"} <= set(sqlalchemy.inspect(engine).get_table_names()):
-        return False
-    with engine.connect() as connection:
-        return all(connection.execute(sqlalchemy.text(f"SELECT COUNT(*) FROM {table}")).scalar()
-                   for table in ("version_info", "alembic_version"))
 
 
 def _study_summary(study: Any, trials: list[Any]) -> dict[str, Any]:
@@ -262,17 +257,14 @@ def store_answer(storage: str | None, study_name: str, key: dict[str, Any], payl
     worker owns the answer). A storage that fails here loses only the shortcut."""
     if storage is None or shared_storage(storage):
         return
-    try:
-        with riding_out(storage) as worker:
-            study = stored_study(storage, study_name, worker)
-            if study is None:
-                return
-            trials = worker.call("counting the study's trials", lambda: len(study.get_trials(deepcopy=False)))
-            at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-            stored = {"key": key, "json": payload, "config": config_text, "at": at, "trials": trials}
-            worker.call("keeping the answer", lambda: study.set_user_attr(STUDY_ATTR_ANSWER, stored))
-    except MpadviseError:
-        return
+    with contextlib.suppress(MpadviseError), riding_out(storage) as worker:
+        study = stored_study(storage, study_name, worker)
+        if study is None:
+            return
+        trials = worker.call("counting the study's trials", lambda: len(study.get_trials(deepcopy=False)))
+        at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+        stored = {"key": key, "json": payload, "config": config_text, "at": at, "trials": trials}
+        worker.call("keeping the answer", lambda: study.set_user_attr(STUDY_ATTR_ANSWER, stored))
 
 
 def stored_answer(storage: str | None, study_name: str, key: dict[str, Any]) -> StoredAnswer | None:

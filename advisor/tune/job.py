@@ -63,17 +63,12 @@ def progress_lines(total: int) -> Iterator[ProgressCallbacks]:
 
     def on_done(label: str, ev: Any, m: Any) -> None:
         # One run's ratio, named so: the tune's speed-up is its paired figure, decided at the end.
-        _line(f"  {label}: {m.outcome}{run_ratio_text(ev)}")
+        print(f"  {label}: {m.outcome}{run_ratio_text(ev)}", file=sys.stderr, flush=True)
 
     def on_round(number: int, most: int, runs: int) -> None:
-        _line(f"re-measure round {number} of at most {most}: {runs} runs")
+        print(f"re-measure round {number} of at most {most}: {runs} runs", file=sys.stderr, flush=True)
 
     yield (lambda label: None, on_done, on_round)
-
-
-def _line(text: str) -> None:
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
 
 
 if __name__ == "__main__":
