@@ -306,8 +306,7 @@ def _wait(claimed: dict[Candidate, int], promising: list[Candidate], announced: 
 
 @dataclass(frozen=True)
 class _Priors:
-    """Upper bounds on what untried candidates could reach; with ``enabled`` off, every untried
-    candidate stays promising."""
+    """Upper bounds on what untried candidates could reach (every one promising unless ``enabled``)."""
 
     space: SearchSpace
     reference_goodput: float

@@ -400,20 +400,18 @@ def calls_load_policy(script: Path) -> bool:
         tree = ast.parse(script.read_bytes())
     except (OSError, SyntaxError, ValueError):
         return False
-    nodes = list(ast.walk(tree))
-    packages = {alias.asname or alias.name for node in nodes if isinstance(node, ast.Import)
-                for alias in node.names if alias.name == "advisor"}
-    functions = {alias.asname or alias.name for node in nodes
-                 if isinstance(node, ast.ImportFrom) and node.module == "advisor"
-                 for alias in node.names if alias.name == "load_policy"}
-    for node in nodes:
-        func = node.func if isinstance(node, ast.Call) else None
-        if isinstance(func, ast.Name) and func.id in functions:
-            return True
-        if (isinstance(func, ast.Attribute) and func.attr == "load_policy" and isinstance(func.value, ast.Name)
-                and func.value.id in packages):
-            return True
-    return False
+    packages, functions, called = set(), set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            packages.update(alias.asname or alias.name for alias in node.names if alias.name == "advisor")
+        elif isinstance(node, ast.ImportFrom) and node.module == "advisor":
+            functions.update(alias.asname or alias.name for alias in node.names if alias.name == "load_policy")
+        elif isinstance(node, ast.Call):
+            called.append(node.func)
+    return any((isinstance(func, ast.Name) and func.id in functions)
+               or (isinstance(func, ast.Attribute) and func.attr == "load_policy"
+                   and isinstance(func.value, ast.Name) and func.value.id in packages)
+               for func in called)
 
 
 def remember(result: TuneResult, profile: HardwareProfile, script: str | os.PathLike[str],

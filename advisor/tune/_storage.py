@@ -326,8 +326,7 @@ class Worker:
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, retried with backoff while the study storage is unreachable, for up to ``retry_s``
         seconds (then StorageLost); ``what`` says the call in words."""
-        deadline = None
-        delay = 0.5
+        deadline, delay = None, 0.5
         while True:
             try:
                 result = fn()
@@ -344,10 +343,10 @@ class Worker:
                     raise StorageLost(what, exc) from None
                 self.sleep(max(0.05, min(delay, deadline - now)))
                 delay = min(2 * delay, 10.0)
-                continue
-            if deadline is not None:
-                get_logger().info(f"the Optuna study storage is back: {what} went through")
-            return result
+            else:
+                if deadline is not None:
+                    get_logger().info(f"the Optuna study storage is back: {what} went through")
+                return result
 
 
 class StorageLost(Exception):
