@@ -11,13 +11,7 @@ from __future__ import annotations
 
 from advisor.tune._checks import check_modes, check_script, default_trial_modes
 from advisor.tune._engine import TuneResult
-from advisor.tune._options import (
-    DEFAULT_MEASURE_STEPS,
-    DEFAULT_WARMUP_STEPS,
-    OptionInfo,
-    TuneOptions,
-    option_info,
-)
+from advisor.tune._options import OptionInfo, TuneOptions, option_info
 from advisor.tune._pairs import PAIRS_MAX, PairedRuns, pairs_runs, run_pairs
 from advisor.tune._service import (
     ScriptLaunch,
@@ -56,12 +50,13 @@ from advisor.tune._trials import (
 )
 
 __all__ = [
-    "Basis", "Comparison", "CpuTiming", "DEFAULT_MEASURE_STEPS", "DEFAULT_WARMUP_STEPS", "DisturbanceWatch",
-    "Evaluation", "GpuTiming", "Measured", "OptionInfo", "PAIRS_MAX", "PairedRuns", "ScriptLaunch", "ScriptRunner",
-    "ScriptTune", "SpaceLimits", "StabilityThresholds", "SteadyRunner", "Timing", "TrialCurve", "TrialSettings",
-    "TuneOptions", "TuneRequest", "TuneResult", "WAIT_IDLE_ENV", "basis", "check_judgeable_window", "check_modes",
-    "check_script", "curve_of", "default_storage", "default_storage_url", "default_trial_modes", "finished_trials",
-    "option_info", "pairs_runs", "prestarted_launcher", "resolve_storage", "run_comparison", "run_pairs",
-    "run_ratio_text", "shared_storage", "shown_url", "smooth", "study_name_for", "study_status", "timing_for", "tune",
-    "tune_plan", "tune_script",
+    "Basis", "Comparison", "CpuTiming", "DisturbanceWatch", "Evaluation", "GpuTiming", "Measured",
+    "OptionInfo", "PAIRS_MAX", "PairedRuns", "ScriptLaunch", "ScriptRunner", "ScriptTune",
+    "SpaceLimits", "StabilityThresholds", "SteadyRunner", "Timing", "TrialCurve", "TrialSettings",
+    "TuneOptions", "TuneRequest", "TuneResult", "WAIT_IDLE_ENV", "basis", "check_judgeable_window",
+    "check_modes", "check_script", "curve_of", "default_storage", "default_storage_url",
+    "default_trial_modes", "finished_trials", "option_info", "pairs_runs", "prestarted_launcher",
+    "resolve_storage", "run_comparison", "run_pairs", "run_ratio_text", "shared_storage",
+    "shown_url", "smooth", "study_name_for", "study_status", "timing_for", "tune", "tune_plan",
+    "tune_script",
 ]
