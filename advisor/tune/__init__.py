@@ -9,34 +9,21 @@ the frameworks, the daemon or the CLI.
 
 from __future__ import annotations
 
-from advisor.tune._api import tune
 from advisor.tune._checks import check_modes, check_script, default_trial_modes
-from advisor.tune._dryrun import tune_plan
 from advisor.tune._engine import TuneResult
-from advisor.tune._options import (
-    DEFAULT_MEASURE_STEPS,
-    DEFAULT_WARMUP_STEPS,
-    OptionInfo,
-    TuneOptions,
-    check_rank_device,
-    option_info,
-)
+from advisor.tune._options import OptionInfo, TuneOptions, option_info
 from advisor.tune._pairs import PAIRS_MAX, PairedRuns, pairs_runs, run_pairs
 from advisor.tune._service import (
-    EXIT_FOUND,
-    EXIT_NONE_STABLE,
     ScriptLaunch,
     ScriptTune,
-    TuneProgress,
     TuneRequest,
-    calls_load_policy,
     check_judgeable_window,
     default_storage,
     default_storage_url,
-    keep_answer,
     run_ratio_text,
     study_name_for,
-    study_name_from,
+    tune,
+    tune_plan,
     tune_script,
 )
 from advisor.tune._space import Measured, SpaceLimits
@@ -50,7 +37,7 @@ from advisor.tune._steady import (
     timing_for,
 )
 from advisor.tune._storage import resolve_storage, shared_storage, shown_url
-from advisor.tune._study_status import KeptStudy, finished_trials, kept_study, study_status
+from advisor.tune._study_status import finished_trials, study_status
 from advisor.tune._trials import (
     WAIT_IDLE_ENV,
     Comparison,
@@ -63,13 +50,13 @@ from advisor.tune._trials import (
 )
 
 __all__ = [
-    "Basis", "Comparison", "CpuTiming", "DEFAULT_MEASURE_STEPS", "DEFAULT_WARMUP_STEPS", "DisturbanceWatch",
-    "EXIT_FOUND", "EXIT_NONE_STABLE", "Evaluation", "GpuTiming", "KeptStudy", "Measured", "OptionInfo", "PAIRS_MAX",
-    "PairedRuns", "ScriptLaunch", "ScriptRunner", "ScriptTune", "SpaceLimits", "StabilityThresholds", "SteadyRunner",
-    "Timing", "TrialCurve", "TrialSettings", "TuneOptions", "TuneProgress", "TuneRequest", "TuneResult",
-    "WAIT_IDLE_ENV", "basis", "calls_load_policy", "check_judgeable_window", "check_modes", "check_rank_device",
-    "check_script", "curve_of", "default_storage", "default_storage_url", "default_trial_modes", "finished_trials",
-    "keep_answer", "kept_study", "option_info", "pairs_runs", "prestarted_launcher", "resolve_storage",
-    "run_comparison", "run_pairs", "run_ratio_text", "shared_storage", "shown_url", "smooth", "study_name_for",
-    "study_name_from", "study_status", "timing_for", "tune", "tune_plan", "tune_script",
+    "Basis", "Comparison", "CpuTiming", "DisturbanceWatch", "Evaluation", "GpuTiming", "Measured",
+    "OptionInfo", "PAIRS_MAX", "PairedRuns", "ScriptLaunch", "ScriptRunner", "ScriptTune",
+    "SpaceLimits", "StabilityThresholds", "SteadyRunner", "Timing", "TrialCurve", "TrialSettings",
+    "TuneOptions", "TuneRequest", "TuneResult", "WAIT_IDLE_ENV", "basis", "check_judgeable_window",
+    "check_modes", "check_script", "curve_of", "default_storage", "default_storage_url",
+    "default_trial_modes", "finished_trials", "option_info", "pairs_runs", "prestarted_launcher",
+    "resolve_storage", "run_comparison", "run_pairs", "run_ratio_text", "shared_storage",
+    "shown_url", "smooth", "study_name_for", "study_status", "timing_for", "tune", "tune_plan",
+    "tune_script",
 ]

@@ -6,7 +6,6 @@ neither the CLI nor the daemon can name, default or describe an option different
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -22,7 +21,6 @@ from probes import MpadviseError, UsageError
 RETIRED_OPTIONS = frozenset({"speedup_within"})
 
 
-
 @dataclass(frozen=True)
 class OptionInfo:
     """One tune option as the command line and the daemon present it. ``job``: whether a daemon
@@ -33,13 +31,13 @@ class OptionInfo:
     type: Any
     default: Any
     help: str
-    flags: tuple[str, ...]
-    minimum: float | None
-    above: bool
-    job: bool
-    job_limit: float | None
-    trial: bool
     check: Callable[[OptionInfo, Any], Any]
+    flags: tuple[str, ...]
+    minimum: float | None = None
+    above: bool = False
+    job: bool = True
+    job_limit: float | None = None
+    trial: bool = False
 
     @property
     def flag(self) -> str:
@@ -49,34 +47,25 @@ class OptionInfo:
         shown = f"{value:g}" if isinstance(value, float) else repr(value)
         return UsageError(f"{self.flag} {shown} is not allowed; expected {expected}")
 
-    def bound(self) -> str:
-        if self.minimum is None:
-            return ""
-        return f" {'>' if self.above else '>='} {self.minimum:g}"
 
-    def in_bounds(self, value: float) -> bool:
-        if self.minimum is None:
-            return not math.isnan(value)
-        # Written so that NaN fails both comparisons.
-        return value > self.minimum if self.above else value >= self.minimum
-
-
-def _whole_number(option: OptionInfo, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not option.in_bounds(value):
-        raise option.refuse(value, f"a whole number{option.bound()}")
+def _typed(option: OptionInfo, value: Any, *, types: type | tuple[type, ...], expected: str) -> Any:
+    if not isinstance(value, types):
+        raise option.refuse(value, expected)
     return value
 
 
-def _seconds(option: OptionInfo, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not option.in_bounds(value):
-        raise option.refuse(value, f"seconds{option.bound()}")
+def _bounded(option: OptionInfo, value: Any, *, types: tuple[type, ...], words: str) -> Any:
+    # Written so that NaN fails both comparisons.
+    if (isinstance(value, bool) or not isinstance(value, types)
+            or not (value > option.minimum if option.above else value >= option.minimum)):
+        raise option.refuse(value, f"{words} {'>' if option.above else '>='} {option.minimum:g}")
     return value
 
 
-def _switch(option: OptionInfo, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise option.refuse(value, "True or False")
-    return value
+_switch = functools.partial(_typed, types=bool, expected="True or False")
+_text = functools.partial(_typed, types=str, expected="text")
+_whole_number = functools.partial(_bounded, types=(int,), words="a whole number")
+_seconds = functools.partial(_bounded, types=(int, float), words="seconds")
 
 
 def _mode_names(option: OptionInfo, value: Any) -> tuple[str, ...]:
@@ -102,21 +91,11 @@ def _memory_size(option: OptionInfo, value: Any) -> str | int | None:
     return value
 
 
-def _text(option: OptionInfo, value: Any) -> str:
-    if not isinstance(value, str):
-        raise option.refuse(value, "text")
-    return value
-
-
-def _path(option: OptionInfo, value: Any) -> str:
+def _config_path(option: OptionInfo, value: Any) -> str:
     if not isinstance(value, (str, os.PathLike)):
         raise option.refuse(value, "a file path")
-    return os.fspath(value)
-
-
-def _config_path(option: OptionInfo, value: Any) -> str:
     # Refused before any trial runs; Policy.save refuses any other existing non-config file.
-    path = _path(option, value)
+    path = os.fspath(value)
     if path.lower().endswith(".py"):
         raise option.refuse(path, "a config file path (.toml), not a Python file the tune would replace")
     return path
@@ -133,14 +112,8 @@ def _framework(option: OptionInfo, value: Any) -> str:
     return value
 
 
-def _option(
-    default: Any, help: str, check: Callable[[OptionInfo, Any], Any], *, flags: tuple[str, ...] = (),
-    minimum: float | None = None, above: bool = False, job: bool = True, job_limit: float | None = None,
-    trial: bool = False,
-) -> Any:
-    rules = {"help": help, "check": check, "flags": flags, "minimum": minimum, "above": above, "job": job,
-             "job_limit": job_limit, "trial": trial}
-    return field(default=default, metadata={"option": rules})
+def _option(default: Any, help: str, check: Callable[[OptionInfo, Any], Any], **rules: Any) -> Any:
+    return field(default=default, metadata={"option": {"help": help, "check": check, **rules}})
 
 
 @dataclass(frozen=True)
@@ -197,11 +170,8 @@ class TuneOptions:
     def __post_init__(self) -> None:
         for option in option_info():
             value = getattr(self, option.name)
-            if value is None and option.default is None:
-                continue
-            checked = option.check(option, value)
-            if checked is not value:
-                object.__setattr__(self, option.name, checked)  # frozen: normalised once, here
+            if value is not None or option.default is not None:  # frozen: normalised once, here
+                object.__setattr__(self, option.name, option.check(option, value))
         check_rank_device(self.nproc_per_node, self.device)
         if self.resume and self.fresh:
             raise UsageError("--resume and --fresh cannot be used together: --resume continues the stored study, "
@@ -209,9 +179,7 @@ class TuneOptions:
 
     @property
     def memory_limit_bytes(self) -> int | None:
-        if self.memory_limit is None:
-            return None
-        return self.memory_limit if isinstance(self.memory_limit, int) else parse_memory(self.memory_limit)
+        return parse_memory(self.memory_limit) if isinstance(self.memory_limit, str) else self.memory_limit
 
     def with_(self, **changes: Any) -> TuneOptions:
         """A copy with some options changed, validated again (UsageError for an unknown name)."""
@@ -220,24 +188,15 @@ class TuneOptions:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TuneOptions:
-        """Options from a plain dict (missing keys keep their defaults; ``RETIRED_OPTIONS`` are dropped).
-
-        Raises:
-            UsageError: an unknown key, or a value its option does not take.
-        """
+        """Options from a plain dict: missing keys keep their defaults, ``RETIRED_OPTIONS`` are dropped."""
         data = {k: v for k, v in data.items() if k not in RETIRED_OPTIONS}
         _check_names(data)
         return cls(**data)
 
     def to_dict(self, *, job: bool = False) -> dict[str, Any]:
         """A JSON-ready dict of every option (with ``job``, only those a daemon job may set)."""
-        data = {}
-        for option in option_info():
-            if job and not option.job:
-                continue
-            value = getattr(self, option.name)
-            data[option.name] = list(value) if isinstance(value, tuple) else value
-        return data
+        values = {option.name: getattr(self, option.name) for option in option_info() if option.job or not job}
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in values.items()}
 
     def to_argv(self) -> list[str]:
         """The ``mpadvise tune`` options that give these values; defaults are left out."""
@@ -268,22 +227,13 @@ def check_rank_device(nproc_per_node: int, device: str | None) -> None:
 @functools.cache
 def option_info() -> tuple[OptionInfo, ...]:
     hints = get_type_hints(TuneOptions)
-    return tuple(
-        OptionInfo(
-            name=f.name, type=hints[f.name], default=f.default,
-            help=rules["help"], flags=rules["flags"] or (f"--{f.name.replace('_', '-')}",),
-            minimum=rules["minimum"], above=rules["above"], job=rules["job"], job_limit=rules["job_limit"],
-            trial=rules["trial"], check=rules["check"],
-        )
-        for f in fields(TuneOptions)
-        for rules in (f.metadata["option"],)
-    )
+    return tuple(OptionInfo(f.name, hints[f.name], f.default,
+                            **{"flags": (f"--{f.name.replace('_', '-')}",), **f.metadata["option"]})
+                 for f in fields(TuneOptions))
 
 
 def _check_names(data: Mapping[str, Any]) -> None:
     names = [option.name for option in option_info()]
     unknown = sorted(set(data) - set(names))
     if unknown:
-        raise UsageError(
-            f"unknown tune option {', '.join(map(repr, unknown))}; expected some of {', '.join(names)}"
-        )
+        raise UsageError(f"unknown tune option {', '.join(map(repr, unknown))}; expected some of {', '.join(names)}")

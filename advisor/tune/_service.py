@@ -1,5 +1,9 @@
 """One tune of a training script, end to end: the service behind ``mpadvise tune`` and the
 daemon's jobs (through :mod:`advisor.tune.job`): study, storage, trials, config file and cache.
+``advisor.tune(train_fn)`` runs the same tune on a function in this process, for notebooks and tests.
+``tune_plan`` (``mpadvise tune --dry-run``) runs the checks a tune runs before its first trial and
+describes the space and the plan; it starts no trial, makes no study or storage file, and writes
+no config file or cache entry.
 
 How the script's trials start is the frameworks package's decision, a layer above this one: the
 caller makes it (``advisor.frameworks.plan_for``) and passes it in as a :class:`ScriptLaunch`.
@@ -9,12 +13,14 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import inspect
 import json
 import os
 import shlex
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +33,32 @@ from advisor.runtime import script_digest
 from advisor.trial import WarmLauncher
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._engine import TuneResult, tune_policy
-from advisor.tune._kept import StoredAnswer, answer_key, store_answer, stored_answer
 from advisor.tune._options import TuneOptions
 from advisor.tune._plan import late_unstable
-from advisor.tune._space import SpaceLimits
+from advisor.tune._search import loss_scale_choices
+from advisor.tune._space import SpaceLimits, micro_batch_choices, scales_loss, space_for
 from advisor.tune._stability import StabilityThresholds
 from advisor.tune._storage import shared_storage, shown_url
-from advisor.tune._study_status import check_storage, check_study, kept_study
+from advisor.tune._study_status import (
+    KeptStudy,
+    StoredAnswer,
+    answer_key,
+    check_storage,
+    check_study,
+    kept_study,
+    store_answer,
+    stored_answer,
+)
 from advisor.tune._trials import (
     WAIT_IDLE_ENV,
     Evaluation,
+    FunctionRunner,
     Runner,
     ScriptRunner,
     TrialSettings,
     prestarted_launcher,
 )
-from policies import Policy, check_config_target
+from policies import Policy, check_config_target, mode_dtypes, supported_modes
 from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
 EXIT_FOUND, EXIT_NONE_STABLE = 0, 3  # a stable policy was found; none was
@@ -55,9 +71,7 @@ TuneProgress = Callable[[int], AbstractContextManager[ProgressCallbacks]]
 def run_ratio_text(ev: Evaluation | None) -> str:
     """A progress line's words for one run's goodput over the fp32 reference run's (the tune's
     speed-up is decided later, from paired runs)."""
-    if ev is None or not ev.speedup:
-        return ""
-    return f", this run {ev.speedup:.2f}x the fp32 reference run"
+    return f", this run {ev.speedup:.2f}x the fp32 reference run" if ev is not None and ev.speedup else ""
 
 
 @dataclass(frozen=True)
@@ -76,21 +90,15 @@ class ScriptLaunch:
         return cls(plan.framework, plan.detected, tuple(plan.launch), plan.limits, plan.label)
 
     def to_dict(self) -> dict[str, Any]:
-        limits = None if self.limits is None else {
-            "modes": None if self.limits.modes is None else list(self.limits.modes),
-            "micro_batch": self.limits.micro_batch, "loss_scale_kinds": list(self.limits.loss_scale_kinds),
-            "loss_scale_settings": self.limits.loss_scale_settings, "why": self.limits.why}
-        return {"framework": self.framework, "detected": self.detected, "launch": list(self.launch),
-                "limits": limits, "label": self.label}
+        return asdict(self)  # JSON writes its tuples as lists
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ScriptLaunch:
         limits = data.get("limits")
         if limits is not None:
             modes = limits.get("modes")
-            limits = SpaceLimits(modes=None if modes is None else tuple(modes), micro_batch=limits["micro_batch"],
-                                 loss_scale_kinds=tuple(limits["loss_scale_kinds"]),
-                                 loss_scale_settings=limits["loss_scale_settings"], why=limits.get("why", ""))
+            limits = SpaceLimits(**{**limits, "modes": None if modes is None else tuple(modes),
+                                    "loss_scale_kinds": tuple(limits["loss_scale_kinds"])})
         return cls(data.get("framework"), bool(data.get("detected")), tuple(data.get("launch") or ()), limits,
                    data.get("label") or cls.label)
 
@@ -110,9 +118,6 @@ class TuneRequest:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TuneRequest:
-        """Raises:
-            MpadviseError: a missing or unknown key, or an option value out of bounds.
-        """
         unknown = sorted(set(data) - {"script", "args", "options", "launch"})
         if unknown or "script" not in data:
             raise MpadviseError(f"tune request: expected the keys script, args, options and launch, got {sorted(data)}")
@@ -140,9 +145,8 @@ class ScriptTune:
 
     @property
     def exit_code(self) -> int:
-        if self.result is None:
-            return EXIT_FOUND if self.to_dict().get("winner") is not None else EXIT_NONE_STABLE
-        return EXIT_FOUND if self.result.policy is not None else EXIT_NONE_STABLE
+        found = self.to_dict().get("winner") if self.result is None else self.result.policy
+        return EXIT_FOUND if found is not None else EXIT_NONE_STABLE
 
     def to_dict(self) -> dict[str, Any]:
         """What ``mpadvise tune --json`` prints and a daemon job stores; for an answer read back, the
@@ -151,15 +155,11 @@ class ScriptTune:
             return json.loads(json.dumps(self.stored.payload))
         assert self.result is not None
         request = self.request
-        payload = self.result.to_dict()
-        payload.update(
-            script=str(request.script), args=list(request.args), framework=request.launch.framework,
-            calls_load_policy=self.calls_load_policy,
-            config_file=str(self.config_file) if self.config_file else None, cache_id=self.cache_id,
-            storage=shown_url(request.options.storage), study_name=self.study_name,
-            hardware={"name": self.profile.name, "fingerprint": hardware_fingerprint(self.profile)},
-        )
-        return payload
+        return {**self.result.to_dict(), "script": str(request.script), "args": list(request.args),
+                "framework": request.launch.framework, "calls_load_policy": self.calls_load_policy,
+                "config_file": str(self.config_file) if self.config_file else None, "cache_id": self.cache_id,
+                "storage": shown_url(request.options.storage), "study_name": self.study_name,
+                "hardware": {"name": self.profile.name, "fingerprint": hardware_fingerprint(self.profile)}}
 
 
 def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
@@ -167,12 +167,7 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
                 warm: WarmLauncher | None = None) -> ScriptTune:
     """Tune a script end to end: check it, open the study, run the trials, write the config
     file and cache the answer. ``warm`` (default: one started here, before the probe) is ended when
-    the tune ends.
-
-    Raises:
-        MpadviseError: a bad script, mode or storage; a study of other hardware; the fp32
-            reference failed.
-    """
+    the tune ends."""
     path = check_script(request.script)
     if runner is None and warm is None:
         # The server imports while this process probes the hardware and benchmarks its matmuls.
@@ -188,15 +183,11 @@ def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
 def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None, profile: HardwareProfile | None,
                  runner: Runner | None, warm: WarmLauncher | None) -> ScriptTune:
     profile = profile or probes.profile_for(request.options.device)
-    options = _resolved(request.options.with_(framework=request.launch.framework), profile)
-    request = TuneRequest(path, tuple(request.args), options, request.launch)
-    # The config file is written at the end: a path it cannot take is refused before any trial,
-    # as is a window too short for any verdict (every candidate, fp32 too, would be too-short).
-    check_config_target(_config_out(options, path))
+    # The storage is opened once here, so that a bad URL fails before any trial runs.
+    storage = request.options.storage if request.options.storage is not None else default_storage()
+    check_storage(storage)
+    options, fingerprint, study_name = _checked(request, path, profile, storage)
     check_config_args(_config_out(options, path), path, request.args)
-    check_judgeable_window(options)
-    fingerprint = hardware_fingerprint(profile)
-    study_name = study_name_for(path, list(request.args), fingerprint, processes=options.nproc_per_node)
     # A mode a long run's guard found unstable is not tuned again, and an answer kept before that
     # run no longer holds.
     late = late_unstable(guard_events_for(profile, path))
@@ -204,9 +195,21 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
     if not (options.fresh or options.resume):
         kept = stored_answer(options.storage, study_name, key)
         if kept is not None:
-            return _answer_again(kept, request, profile, study_name, path)
-        options = _continue_kept(options, study_name)
-        request = TuneRequest(path, tuple(request.args), options, request.launch)
+            # The answer a finished tune of this study gave; its config file is written again if gone.
+            written = kept.payload.get("config_file")
+            if written and kept.config_text is not None and not Path(written).exists():
+                with suppress(OSError):
+                    Path(written).write_text(kept.config_text, encoding="utf-8")
+            return ScriptTune(None, replace(request, script=path, options=options), profile, study_name,
+                              Path(written) if written else None, kept.payload.get("cache_id"), stored=kept)
+        # A study of this machine with finished trials and no answer that still holds is continued,
+        # never deleted unasked (--fresh does).
+        held = None if shared_storage(options.storage) else kept_study(options.storage, study_name)
+        if held is not None and held.finished:
+            get_logger().info(f"resuming study {study_name!r}: {held.trials} kept "
+                              "(mpadvise tune --fresh starts afresh)")
+            options = options.with_(resume=True)
+    request = replace(request, script=path, options=options)
     check_study(options.storage, study_name, hardware=fingerprint, resume=options.resume, fresh=options.fresh)
     launch = request.launch
     if launch.framework is not None:
@@ -232,32 +235,52 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
     return done
 
 
-def _continue_kept(options: TuneOptions, study_name: str) -> TuneOptions:
-    """Continue a study of this machine that holds finished trials and no answer that still holds,
-    saying so; its trials are never deleted unasked (``--fresh`` does)."""
-    if options.storage is None or shared_storage(options.storage):
-        return options
-    held = kept_study(options.storage, study_name)
-    if held is None or not held.finished:
-        return options
-    plural = "" if held.finished == 1 else "s"
-    when = f" from {held.last}" if held.last else ""
-    get_logger().info(f"resuming study {study_name!r}: {held.finished} finished trial{plural}{when} kept "
-                         "(mpadvise tune --fresh starts afresh)")
-    return options.with_(resume=True)
+def tune(
+    train_fn: Callable[[Any], Any], options: TuneOptions | None = None, *,
+    thresholds: StabilityThresholds | None = None, remeasure: bool = True, study_name: str = "mpadvise-in-process",
+    **option_values: Any,
+) -> TuneResult:
+    """Tune a training function in this process: the same trials, verdicts and search as
+    ``mpadvise tune``, without subprocesses.
 
+    ``train_fn(mp)`` receives the candidate's AppliedPolicy and trains as a script would; it must
+    build its model and data inside so every candidate starts from the same seed. Out-of-memory and
+    crashes are classified, not raised; a hard crash (segfault) takes the process with it. The
+    winner is cached under the file that defines ``train_fn``, so that its
+    ``advisor.load_policy()`` finds it; a notebook cell's is not cached.
 
-def _answer_again(kept: StoredAnswer, request: TuneRequest, profile: HardwareProfile, study_name: str,
-                  path: Path) -> ScriptTune:
-    """The answer a finished tune of this study gave; its config file is written again if gone."""
-    payload = kept.payload
-    written = payload.get("config_file")
-    if written and kept.config_text is not None and not Path(written).exists():
-        with suppress(OSError):
-            Path(written).write_text(kept.config_text, encoding="utf-8")
-    config_file = Path(written) if written else None
-    return ScriptTune(None, request, profile, study_name, config_file, payload.get("cache_id"),
-                      bool(payload.get("calls_load_policy", calls_load_policy(path))), stored=kept)
+    Args:
+        train_fn: the training function.
+        options: the tune's options, as ``mpadvise tune`` takes them (:class:`TuneOptions`).
+        thresholds: stability thresholds.
+        remeasure: re-measure close candidates, and the winner against fp32 for its speed-up;
+            without it the speed-up rests on single runs.
+        study_name: the Optuna study's name in ``storage``.
+        **option_values: :class:`TuneOptions` fields by name, over ``options`` (``storage``
+            defaults to memory; with neither ``resume`` nor ``fresh``, a stored study that holds
+            finished trials is refused, as on the command line).
+
+    Returns:
+        A TuneResult: ``.policy`` is the winner (``None`` when nothing was stable).
+    """
+    options = (options or TuneOptions()).with_(**option_values)
+    profile = probes.profile_for(options.device)
+    check_study(options.storage, study_name, hardware=hardware_fingerprint(profile), resume=options.resume,
+                fresh=options.fresh, spelling=("resume=True", "fresh=True"))
+    runner = FunctionRunner(train_fn, TrialSettings.for_tune(options))
+    result = tune_policy(
+        runner, profile, options, study_name=study_name, thresholds=thresholds, remeasure=remeasure,
+        workload={"script": getattr(train_fn, "__qualname__", None)},
+    )
+    if options.out is not None and result.policy is not None:
+        result.policy.save(Path(options.out))
+    try:
+        source = inspect.getsourcefile(train_fn)
+    except TypeError:  # a builtin, or a callable object without code
+        source = None
+    if not options.no_cache and source is not None and Path(source).is_file():
+        remember(result, profile, source, None)
+    return result
 
 
 def keep_answer(result: TuneResult, options: TuneOptions, profile: HardwareProfile, script: Path,
@@ -276,12 +299,8 @@ def keep_answer(result: TuneResult, options: TuneOptions, profile: HardwareProfi
 
 
 def check_config_args(path: Path, script: Path, args: Sequence[str]) -> None:
-    """Refuse, before any trial, a tune that would replace a config file tuned with other
-    arguments of the script (a file that does not record its arguments is replaced as before).
-
-    Raises:
-        UsageError: the file at ``path`` was tuned with other arguments.
-    """
+    """Refuse (UsageError), before any trial, a tune that would replace a config file tuned with
+    other arguments of the script (a file that does not record its arguments is replaced)."""
     try:
         existing = Policy.from_toml(path.read_text(encoding="utf-8"), source=str(path))
     except (OSError, UnicodeDecodeError, MpadviseError):
@@ -301,10 +320,10 @@ def _command(script: Path, args: Sequence[str]) -> str:
     return f"`{shlex.join([script.name, *args])}`" + ("" if args else " (no arguments)")
 
 
-def check_judgeable_window(options: TuneOptions, thresholds: StabilityThresholds | None = None) -> None:
+def check_judgeable_window(options: TuneOptions) -> None:
     """Refuse, before any trial, a window (``--steps`` plus ``--warmup``) shorter than a verdict's
     ``min_steps``: every candidate, fp32 too, would end ``too-short``."""
-    need = (thresholds or StabilityThresholds()).min_steps
+    need = StabilityThresholds().min_steps
     if options.steps + options.warmup < need:
         raise UsageError(
             f"--steps {options.steps} with --warmup {options.warmup} gives {options.steps + options.warmup} steps per "
@@ -313,17 +332,24 @@ def check_judgeable_window(options: TuneOptions, thresholds: StabilityThresholds
         )
 
 
+def _checked(request: TuneRequest, path: Path, profile: HardwareProfile, storage: str | None
+             ) -> tuple[TuneOptions, str, str]:
+    """The options as the tune takes them (modes checked on this hardware, the framework and the
+    storage set), once checked as before any trial; the hardware fingerprint and the study name."""
+    options = request.options
+    options = options.with_(framework=request.launch.framework, storage=storage,
+                            modes=check_modes(list(options.modes), profile) if options.modes else [])
+    # The config file is written at the end: a path it cannot take is refused before any trial,
+    # as is a window too short for any verdict (every candidate, fp32 too, would be too-short).
+    check_config_target(_config_out(options, path))
+    check_judgeable_window(options)
+    fingerprint = hardware_fingerprint(profile)
+    return options, fingerprint, study_name_for(path, list(request.args), fingerprint,
+                                                processes=options.nproc_per_node)
+
+
 def _config_out(options: TuneOptions, script: Path) -> Path:
     return Path(options.out) if options.out is not None else config_path_for(script)
-
-
-def _resolved(options: TuneOptions, profile: HardwareProfile) -> TuneOptions:
-    """The options with their modes checked on this hardware and the study storage chosen (and
-    opened once, so a bad URL fails before any trial runs)."""
-    modes = check_modes(list(options.modes), profile) if options.modes else []
-    storage = options.storage if options.storage is not None else default_storage()
-    check_storage(storage)
-    return options.with_(modes=modes, storage=storage)
 
 
 def default_storage_url() -> str:
@@ -333,23 +359,20 @@ def default_storage_url() -> str:
 def default_storage() -> str | None:
     """The study database in the cache directory, made private, or ``None`` (in memory) when unusable."""
     directory = cache_dir()
-    study = directory / "studies.db"
     try:
         ensure_private_dir(directory)
-        if not ensure_private_file(study):
+        if not ensure_private_file(directory / "studies.db"):
             # Made here, private, before SQLite would make it under the umask (0644): the study's
             # trials name this machine's workers and the script's arguments.
             with suppress(FileExistsError):  # another tune made it a moment ago
-                os.close(open_private_new(study))
+                os.close(open_private_new(directory / "studies.db"))
         probe = directory / f".write-test-{os.getpid()}"
         os.close(open_private_new(probe))
         probe.unlink()
-    except MpadviseError as exc:
-        get_logger().warning(f"{exc}; the study is kept in memory, so --resume will not work")
-        return None
-    except OSError as exc:
-        get_logger().warning(f"cache directory {directory} is not writable ({exc.strerror or exc}); the study is kept "
-                             "in memory, so --resume will not work")
+    except (MpadviseError, OSError) as exc:
+        why = exc if isinstance(exc, MpadviseError) else (
+            f"cache directory {directory} is not writable ({exc.strerror or exc})")
+        get_logger().warning(f"{why}; the study is kept in memory, so --resume will not work")
         return None
     return default_storage_url()
 
@@ -377,22 +400,18 @@ def calls_load_policy(script: Path) -> bool:
         tree = ast.parse(script.read_bytes())
     except (OSError, SyntaxError, ValueError):
         return False
-    packages, functions = set(), set()
+    packages, functions, called = set(), set(), []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             packages.update(alias.asname or alias.name for alias in node.names if alias.name == "advisor")
         elif isinstance(node, ast.ImportFrom) and node.module == "advisor":
             functions.update(alias.asname or alias.name for alias in node.names if alias.name == "load_policy")
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        func = node.func
-        if isinstance(func, ast.Name) and func.id in functions:
-            return True
-        if (isinstance(func, ast.Attribute) and func.attr == "load_policy" and isinstance(func.value, ast.Name)
-                and func.value.id in packages):
-            return True
-    return False
+        elif isinstance(node, ast.Call):
+            called.append(node.func)
+    return any((isinstance(func, ast.Name) and func.id in functions)
+               or (isinstance(func, ast.Attribute) and func.attr == "load_policy"
+                   and isinstance(func.value, ast.Name) and func.value.id in packages)
+               for func in called)
 
 
 def remember(result: TuneResult, profile: HardwareProfile, script: str | os.PathLike[str],
@@ -402,20 +421,15 @@ def remember(result: TuneResult, profile: HardwareProfile, script: str | os.Path
     tuned_on = None if result.policy is None else result.policy.tuned_on
     if result.policy is None or tuned_on is None or not tuned_on.workload_fingerprint:
         return None
+    reference = result.reference.result
+    found = None if result.winner is None else result.utilisation(result.winner)
+    utilisation = None if found is None else {**found.to_dict(), "flops_per_step": reference.flops_per_step,
+                                              "flops_basis": reference.flops_basis}
     return record_tune(
         profile=profile, policy=result.policy, script=script, workload_fingerprint=tuned_on.workload_fingerprint,
         trials=cache_rows(result), speedup_vs_fp32=tuned_on.speedup_vs_fp32, goodput=tuned_on.goodput,
-        args=None if args is None else list(args), utilisation=_winner_utilisation(result),
-        reference_losses=result.reference.result.losses,
+        args=None if args is None else list(args), utilisation=utilisation, reference_losses=reference.losses,
     )
-
-
-def _winner_utilisation(result: TuneResult) -> dict[str, Any] | None:
-    found = None if result.winner is None else result.utilisation(result.winner)
-    if found is None:
-        return None
-    return {**found.to_dict(), "flops_per_step": result.reference.result.flops_per_step,
-            "flops_basis": result.reference.result.flops_basis}
 
 
 def cache_rows(result: TuneResult) -> list[dict[str, Any]]:
@@ -437,3 +451,101 @@ def cache_rows(result: TuneResult) -> list[dict[str, Any]]:
             "metrics": metrics,
         })
     return rows
+
+
+# A batch with halves and quarters, to count the micro-batch sizes a search may try before the
+# fp32 reference reads the script's own.
+_SPLITTABLE_BATCH = 64
+
+
+def tune_plan(request: TuneRequest, profile: HardwareProfile) -> dict[str, Any]:
+    """The search space and the plan of a tune (JSON-ready), checked as the tune would check them:
+    MpadviseError for what a real tune would refuse before its first trial (a stored study it would
+    not delete unasked is reported in ``plan.study_action``, not raised)."""
+    path = check_script(request.script)
+    launch = request.launch
+    storage = request.options.storage if request.options.storage is not None else default_storage_url()
+    if not storage.startswith("sqlite"):
+        check_storage(storage)  # a server is only read; an SQLite file a tune would make is not made here
+    options, fingerprint, study_name = _checked(request, path, profile, storage)
+    held = kept_study(storage, study_name)
+    if held is not None:  # a study it would continue must be of this hardware
+        check_study(storage, study_name, hardware=fingerprint, resume=options.resume, fresh=True)
+    support = supported_modes(profile)
+    limits = launch.limits
+    space = space_for(support, _SPLITTABLE_BATCH, include_emulated=options.include_emulated,
+                      scale_batch=options.scale_batch, modes=options.modes or None, limits=limits)
+    answered = None
+    if held is not None and not (options.fresh or options.resume):  # the answer the tune would print again
+        answered = stored_answer(storage, study_name, answer_key(options, profile))
+    return {
+        "dry_run": True, "script": str(path), "args": list(request.args),
+        "hardware": {"name": profile.name, "fingerprint": fingerprint},
+        "space": {
+            "modes": list(space.modes), "excluded": _excluded(support, space.modes, options, launch),
+            "micro_batch": _micro_batch(options, launch), "loss_scale": _loss_scale(space.modes, limits),
+            "candidates": len(space.grid()),
+        },
+        "plan": {
+            "framework": launch.framework, "framework_detected": launch.detected, "trains_with": launch.label,
+            "launch": [sys.executable, *launch.launch, str(path), *request.args],
+            "processes_per_trial": options.nproc_per_node,
+            "trials": options.trials, "reference_trials": 2, "steps": options.steps, "warmup": options.warmup,
+            "time_budget_s": options.time_budget, "trial_timeout_s": options.timeout,
+            "config_file": str(_config_out(options, path)), "cache": not options.no_cache,
+            "study_name": study_name, "storage": shown_url(storage), "resume": options.resume,
+            "study_action": _study_action(storage, held, options, answered),
+        },
+    }
+
+
+def _excluded(support: dict[str, Any], searched: tuple[str, ...], options: TuneOptions,
+              launch: ScriptLaunch) -> dict[str, str]:
+    dtypes = mode_dtypes()
+    out = {}
+    for mode, info in support.items():
+        if mode in searched:
+            continue
+        if not info.supported:
+            reason = info.reason or "not supported on this hardware"
+            out[mode] = reason.removeprefix(f"{mode}: ")
+        elif options.modes and mode not in options.modes:
+            out[mode] = "not asked for (--mode)"
+        elif dtypes.get(mode) == "fp8" and info.emulated and not options.include_emulated:
+            out[mode] = "emulated here (no speed-up); --include-emulated searches it"
+        else:
+            why = f" ({launch.limits.why})" if launch.limits is not None and launch.limits.why else ""
+            out[mode] = f"{launch.label} cannot apply it{why}"
+    return out
+
+
+def _micro_batch(options: TuneOptions, launch: Any) -> str:
+    if launch.limits is not None and not launch.limits.micro_batch:
+        return f"the script's own batch only ({launch.label} cannot split it)"
+    sizes = micro_batch_choices(_SPLITTABLE_BATCH, scale_batch=options.scale_batch)
+    words = "the script's own batch (read by the fp32 reference), its half and quarter (accumulated back)"
+    if options.scale_batch:
+        words += ", its double and quadruple (--scale-batch changes the global batch)"
+    return f"{words}: for a batch of {_SPLITTABLE_BATCH}, {', '.join(map(str, sizes))}"
+
+
+def _loss_scale(modes: tuple[str, ...], limits: SpaceLimits | None) -> dict[str, Any]:
+    scaled = [mode for mode in modes if scales_loss(mode)]
+    kinds, inits, growths = loss_scale_choices(limits or SpaceLimits()) if scaled else ([], [], [])
+    return {"modes": scaled, "kinds": kinds, "init_scales": inits, "growth_intervals": growths}
+
+
+def _study_action(storage: str, held: KeptStudy | None, options: TuneOptions, answered: StoredAnswer | None) -> str:
+    finished = 0 if held is None else held.finished
+    if shared_storage(storage):
+        return f"join the shared study ({finished} finished trials so far)" if held else "make the shared study"
+    if options.resume:
+        return f"continue the stored study ({finished} finished trials)" if held else "make the study (none to resume)"
+    if finished and options.fresh:
+        return f"delete the stored study's {finished} finished trials (--fresh) and start afresh"
+    if answered is not None:
+        return f"print the answer it kept, tuned {answered.at}, and run no trial (--fresh tunes again)"
+    if finished:
+        return (f"continue the stored study's {finished} finished trials (a tune interrupted, or tuned with other "
+                "options): --fresh deletes them and starts afresh")
+    return "make the study afresh"

@@ -1,4 +1,5 @@
-"""The Optuna study storage: where its URL comes from, how it is shown, and opening it.
+"""The Optuna study storage: where its URL comes from, how it is shown, opening it, and riding
+out its outages (a worker's calls on it, retried with backoff).
 
 Optuna (and SQLAlchemy) is imported only by the storage modules: this one, ``_study`` and
 ``_study_status``. A URL's password never reaches a message: ``shown_url``.
@@ -11,14 +12,19 @@ import logging
 import os
 import random
 import re
+import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+from advisor._log import get_logger
 from probes import MpadviseError, UsageError
+
+if TYPE_CHECKING:
+    from advisor.tune._space import Measured
 
 HEARTBEAT_ENV = "MPADVISE_HEARTBEAT_S"
 GRACE_ENV = "MPADVISE_GRACE_S"
@@ -26,11 +32,14 @@ MAX_RETRY_ENV = "MPADVISE_MAX_RETRY"
 # Where the storage URL may come from besides --storage, so that its password stays out of ps.
 STORAGE_ENV = "MPADVISE_STORAGE"
 STORAGE_FILE_ENV = "MPADVISE_STORAGE_FILE"
-POSTGRES_INSTALL = 'pip install "mpadvise[postgres]"'
 # A server that drops packets would otherwise keep the first connection waiting for minutes.
 CONNECT_TIMEOUT_S = 10
 # Tries at opening a storage that other processes are making at the same moment.
 OPEN_ATTEMPTS = 5
+# How long a running search keeps retrying a study storage that went away (a server restarted,
+# a network cut), before it ends in one line; its finished measurements are kept meanwhile.
+STORAGE_RETRY_ENV = "MPADVISE_STORAGE_RETRY_S"
+STORAGE_RETRY_S = 120
 
 
 @dataclass(frozen=True)
@@ -45,15 +54,13 @@ class Heartbeat:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Heartbeat:
-        """The settings from the environment (the grace defaults to four intervals); MpadviseError
-        naming a variable that is not a whole number in range."""
+        """The settings from the environment; the grace defaults to four intervals."""
         interval = whole_env(environ, HEARTBEAT_ENV, cls.interval_s, minimum=1, unit="seconds")
         grace = whole_env(environ, GRACE_ENV, 4 * interval, minimum=1, unit="seconds")
         if grace <= interval:
-            raise MpadviseError(
-                f"{GRACE_ENV}={grace} is not allowed with {HEARTBEAT_ENV}={interval}; expected more seconds than "
-                f"one heartbeat interval, so that a live trial is never taken for a dead one (e.g. {4 * interval})"
-            )
+            raise MpadviseError(f"{GRACE_ENV}={grace} is not allowed with {HEARTBEAT_ENV}={interval}; expected more "
+                                "seconds than one heartbeat interval, so that a live trial is never taken for a dead "
+                                f"one (e.g. {4 * interval})")
         return cls(interval, grace, whole_env(environ, MAX_RETRY_ENV, cls.max_retry, minimum=0, unit="retries"))
 
 
@@ -74,9 +81,7 @@ def storage_url(url: str) -> str:
     """The URL Optuna opens for ``url``: a PostgreSQL URL that names no driver gets psycopg, the
     driver of the ``postgres`` extra (SQLAlchemy's own default is psycopg2)."""
     scheme, sep, rest = url.partition("://")
-    if sep and scheme in ("postgresql", "postgres"):
-        return f"postgresql+psycopg://{rest}"
-    return url
+    return f"postgresql+psycopg://{rest}" if sep and scheme in ("postgresql", "postgres") else url
 
 
 def shared_storage(url: str | None) -> bool:
@@ -98,25 +103,14 @@ def shown_url(url: str | None) -> str | None:
         user, colon, _ = authority.partition(":")
         rest = f"{user}{':***' if colon else ''}@{after}{rest[len(authority) + 1 + len(after):]}"
     masked = f"{scheme}://{rest}"
-    import sqlalchemy.engine
-    import sqlalchemy.exc
-
-    try:
-        parsed = sqlalchemy.engine.make_url(masked)
-    except (sqlalchemy.exc.ArgumentError, ValueError):  # not a URL SQLAlchemy reads: mask by hand
-        return re.sub(r"([?&])[^&=]*password[^&=]*=[^&]*&?", r"\1", masked, flags=re.IGNORECASE).rstrip("?&")
-    query = {k: v for k, v in parsed.query.items() if "password" not in k.lower()}
-    return parsed.set(query=query).render_as_string(hide_password=True)
+    return re.sub(r"([?&])[^&=]*password[^&=]*=[^&]*&?", r"\1", masked, flags=re.IGNORECASE).rstrip("?&")
 
 
 def resolve_storage(given: str | None, environ: Mapping[str, str]) -> str | None:
     """The storage URL a tune uses: ``--storage``; else ``MPADVISE_STORAGE``; else the first line
     of the file ``MPADVISE_STORAGE_FILE`` names (this user's, private, as an SSH key must be); else
-    ``None`` (the default storage).
-
-    Raises:
-        UsageError: both variables set, or a file that cannot be read, is not private or is empty.
-    """
+    ``None`` (the default storage). UsageError for both variables set, or a file that cannot be
+    read, is not private or is empty."""
     if given is not None:
         return given
     url = environ.get(STORAGE_ENV, "").strip()
@@ -124,14 +118,8 @@ def resolve_storage(given: str | None, environ: Mapping[str, str]) -> str | None
     if url and path:
         raise UsageError(f"both {STORAGE_ENV} and {STORAGE_FILE_ENV} are set; expected one: unset the other, or "
                             "give --storage")
-    if url:
-        return url
-    if not path:
-        return None
-    return _storage_from_file(path)
-
-
-def _storage_from_file(path: str) -> str:
+    if url or not path:
+        return url or None
     import stat
 
     where = f"{STORAGE_FILE_ENV}={path}"
@@ -161,7 +149,7 @@ def storage_error(url: str, exc: BaseException) -> str:
     shown = shown_url(url)
     missing = _missing_module(exc)
     if missing is not None:
-        fix = (f"{POSTGRES_INSTALL} (postgresql:// URLs use its psycopg)" if is_postgres(url)
+        fix = ('pip install "mpadvise[postgres]" (postgresql:// URLs use its psycopg)' if is_postgres(url)
                else "install the driver its URL names")
         return f"cannot open the Optuna study storage {shown!r}: its database driver {missing} is not installed; {fix}"
     return (f"cannot open the Optuna study storage {shown!r}: {first_line(exc)}; expected a database this machine "
@@ -171,23 +159,17 @@ def storage_error(url: str, exc: BaseException) -> str:
 def storage_failure(url: str, exc: BaseException) -> MpadviseError:
     """A usage error (exit 2) where SQLAlchemy cannot read the URL itself; otherwise (an
     unreachable server, a refused login, a missing driver) an error of this run (exit 1)."""
-    if _missing_module(exc) is None and not _readable_url(url):
-        return UsageError(storage_error(url, exc))
-    return MpadviseError(storage_error(url, exc))
-
-
-def _readable_url(url: str) -> bool:
-    """Whether SQLAlchemy reads ``url`` as a URL of a database it knows (a driver it names but
-    that is not installed counts as known)."""
     import sqlalchemy.engine
 
-    try:
-        sqlalchemy.engine.make_url(storage_url(url)).get_dialect()
-    except ImportError:
-        return True
-    except Exception:  # not a URL, a port that is not a number, an unknown database or driver
-        return False
-    return True
+    error = MpadviseError
+    if _missing_module(exc) is None:
+        try:  # a driver the URL names but that is not installed counts as known
+            sqlalchemy.engine.make_url(storage_url(url)).get_dialect()
+        except ImportError:
+            pass
+        except Exception:  # not a URL, a port that is not a number, an unknown database or driver
+            error = UsageError
+    return error(storage_error(url, exc))
 
 
 def is_postgres(url: str) -> bool:
@@ -209,11 +191,8 @@ def error_chain(exc: BaseException | None) -> Iterator[BaseException]:
 
 
 def _missing_module(exc: BaseException | None) -> str | None:
-    missing = None
-    for inner in error_chain(exc):
-        if isinstance(inner, ImportError):
-            missing = inner.name or first_line(inner)
-    return missing
+    missing = [inner.name or first_line(inner) for inner in error_chain(exc) if isinstance(inner, ImportError)]
+    return missing[-1] if missing else None
 
 
 def first_line(exc: BaseException) -> str:
@@ -228,8 +207,7 @@ def root_line(exc: BaseException) -> str:
 
 
 def unreachable(exc: BaseException) -> bool:
-    """Whether ``exc`` says the storage cannot be reached now (which a later try may get
-    through), not a refusal of the request."""
+    """Whether ``exc`` says the storage cannot be reached now, not a refusal of the request."""
     import optuna
     import sqlalchemy.exc
 
@@ -251,70 +229,58 @@ _OPENED_LOCK = threading.Lock()
 def open_storage(url: str) -> tuple[Any, Heartbeat]:
     """The Optuna RDB storage for ``url`` and its heartbeat settings, opened once per process and URL
     (UsageError for a URL that is not one; MpadviseError in one line for any other failure)."""
+    import optuna
+    import sqlalchemy.exc
+
     with _OPENED_LOCK:
-        if url not in _OPENED:
-            heartbeat = Heartbeat.from_environ(os.environ)
-            _OPENED[url] = (_open_rdb(url, heartbeat), heartbeat)
+        if url in _OPENED:
+            return _OPENED[url]
+        heartbeat = Heartbeat.from_environ(os.environ)
+        # Optuna's RDB storage logs through a logger of its module's name.
+        logging.getLogger(optuna.storages.RDBStorage.__module__).addFilter(_outage_noise)
+        # SQLAlchemy logs, with a traceback, what fails while it cleans up after an error the search
+        # is handed anyway; with no handler of its own, Python would print it on the terminal.
+        if not any(isinstance(h, logging.NullHandler) for h in logging.getLogger("sqlalchemy").handlers):
+            logging.getLogger("sqlalchemy").addHandler(logging.NullHandler())
+        engine_kwargs = timeout_kwargs(url)
+        if not url.startswith("sqlite"):
+            engine_kwargs["pool_pre_ping"] = True  # a server restarted since the last trial drops old connections
+        for attempt in range(1, OPEN_ATTEMPTS + 1):
+            try:
+                with quiet():
+                    backend = optuna.storages.RDBStorage(
+                        storage_url(url), engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat.interval_s,
+                        grace_period=heartbeat.grace_s,
+                        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                            max_retry=heartbeat.max_retry),
+                    )
+                break
+            except Exception as exc:
+                # Workers that open a fresh database at the same moment race to create its tables and
+                # to stamp its schema version (or meet SQLite's lock); the loser finds them made when
+                # it looks again.
+                raced = any(isinstance(inner, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError))
+                            or (isinstance(inner, sqlalchemy.exc.OperationalError)
+                                and any(words in str(inner) for words in ("already exists", "database is locked")))
+                            for inner in error_chain(exc))
+                if attempt == OPEN_ATTEMPTS or not raced:
+                    raise storage_failure(url, exc) from None
+                time.sleep((0.2 + random.random() / 2) * attempt)
+        _OPENED[url] = (backend, heartbeat)
         return _OPENED[url]
 
 
-def _open_rdb(url: str, heartbeat: Heartbeat) -> Any:
-    import optuna
-
-    # Optuna's RDB storage logs through a logger of its module's name.
-    logging.getLogger(optuna.storages.RDBStorage.__module__).addFilter(_OUTAGE_NOISE)
-    # SQLAlchemy logs, with a traceback, what fails while it cleans up after an error the search
-    # is handed anyway; with no handler of its own, Python would print it on the terminal.
-    if not any(isinstance(h, logging.NullHandler) for h in logging.getLogger("sqlalchemy").handlers):
-        logging.getLogger("sqlalchemy").addHandler(logging.NullHandler())
-    engine_kwargs = timeout_kwargs(url)
-    if not url.startswith("sqlite"):
-        engine_kwargs["pool_pre_ping"] = True  # a server restarted since the last trial drops old connections
-    for attempt in range(OPEN_ATTEMPTS):
-        try:
-            with quiet():
-                return optuna.storages.RDBStorage(
-                    storage_url(url), engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat.interval_s,
-                    grace_period=heartbeat.grace_s,
-                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-                        max_retry=heartbeat.max_retry),
-                )
-        except Exception as exc:
-            # Workers that open a fresh database at the same moment race to create its tables and
-            # to stamp its schema version; the loser finds them made when it looks again.
-            if attempt < OPEN_ATTEMPTS - 1 and _creation_race(exc):
-                time.sleep((0.2 + random.random() / 2) * (attempt + 1))
-                continue
-            raise storage_failure(url, exc) from None
-    raise AssertionError("unreachable")  # the loop returns or raises
-
-
-def _creation_race(exc: BaseException) -> bool:
-    """Whether ``exc`` is what another process making the same storage at the same moment
-    causes: a table or version row made between this one's look and its write, or SQLite's lock."""
-    import sqlalchemy.exc
-
-    return any(isinstance(inner, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError))
-               or (isinstance(inner, sqlalchemy.exc.OperationalError)
-                   and any(words in str(inner) for words in ("already exists", "database is locked")))
-               for inner in error_chain(exc))
-
-
-class _OutageNoise(logging.Filter):
+def _outage_noise(record: logging.LogRecord) -> bool:
     """Drops Optuna's multi-line log of a lost connection: the search says it in one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Caught an error from sqlalchemy")
-
-
-_OUTAGE_NOISE = _OutageNoise()
+    return not str(record.msg).startswith("Caught an error from sqlalchemy")
 
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """Silence Optuna's warnings that heartbeats and their retries are experimental."""
+    """Silence Optuna's info logs and its warnings that heartbeats and retries are experimental."""
     import optuna
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         # Optuna expects heartbeats with Study.optimize; this search beats for its own trials.
@@ -330,3 +296,92 @@ def storage_exists(storage: str) -> bool:
 def sqlite_file(storage: str) -> str | None:
     path = storage.partition(":///")[2].partition("?")[0]
     return path if path and path != ":memory:" and os.path.isfile(path) else None
+
+
+def storage_retry_s(environ: Mapping[str, str]) -> int:
+    """Seconds a running search retries an unreachable storage (0 for none)."""
+    return whole_env(environ, STORAGE_RETRY_ENV, STORAGE_RETRY_S, minimum=0, unit="seconds")
+
+
+@dataclass
+class Worker:
+    """This process as one worker of the study (``host:pid``), and the retries of its calls on the
+    storage. ``untold``: results measured but not in the study yet (an outage), by trial number."""
+
+    name: str
+    backend: Any
+    heartbeat: Heartbeat | None
+    sleep: Callable[[float], None]
+    storage: str | None = None
+    retry_s: int = STORAGE_RETRY_S
+    untold: dict[int, Measured] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, storage: str | None, sleep: Callable[[float], None] = time.sleep, *, opened: bool = True) -> Worker:
+        """This process's worker; ``opened``: with the storage opened, for its heartbeats."""
+        backend, heartbeat = open_storage(storage) if storage is not None and opened else (None, None)
+        return cls(f"{socket.gethostname()}:{os.getpid()}", backend, heartbeat, sleep, storage,
+                   storage_retry_s(os.environ))
+
+    def call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, retried with backoff while the study storage is unreachable, for up to ``retry_s``
+        seconds (then StorageLost); ``what`` says the call in words."""
+        deadline, delay = None, 0.5
+        while True:
+            try:
+                result = fn()
+            except Exception as exc:
+                if not unreachable(exc):
+                    raise
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.retry_s
+                    get_logger().warning(
+                        f"the Optuna study storage {shown_url(self.storage)!r} is unreachable ({root_line(exc)}); "
+                        f"{what}: retrying for up to {self.retry_s} s ({STORAGE_RETRY_ENV})")
+                if now >= deadline:
+                    raise StorageLost(what, exc) from None
+                self.sleep(max(0.05, min(delay, deadline - now)))
+                delay = min(2 * delay, 10.0)
+            else:
+                if deadline is not None:
+                    get_logger().info(f"the Optuna study storage is back: {what} went through")
+                return result
+
+
+class StorageLost(Exception):
+    """The study storage stayed unreachable through the retries of one call."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        super().__init__(f"{what}: {root_line(cause)}")
+
+
+def lost_message(storage: str | None, why: str, worker: Worker, runs: int | None, *, retried: int | None) -> str:
+    """The one line a tune ends with when its storage is lost: the server, why, and what was kept
+    (``runs``: the trials the search ran; ``None`` before the search began)."""
+    after = f" (retried for {retried} s, {STORAGE_RETRY_ENV})" if retried is not None else ""
+    if runs is None:
+        kept = "nothing of this tune is in the study yet"
+    elif worker.untold:
+        told = "; ".join(f"trial {n} {m.candidate.label}: {_result_words(m)}" for n, m in sorted(worker.untold.items()))
+        kept = (f"this worker's results not stored in the study, kept in this tune's ranking and listed here: {told}; "
+                f"the {runs - len(worker.untold)} stored before stay in the study")
+    else:
+        kept = f"every result this worker measured ({runs}) is stored in the study"
+    return (f"lost the Optuna study storage {shown_url(storage)!r}{after}: {why}; {kept}; run the same command again "
+            "once the server is back to continue")
+
+
+def _result_words(m: Measured) -> str:
+    return f"{m.goodput:,.1f} samples/s, stable" if m.feasible and m.stable else m.outcome or "not stable"
+
+
+@contextlib.contextmanager
+def riding_out(storage: str) -> Iterator[Worker]:
+    """A worker for the study reads a tune makes outside its search, which ride out an outage as
+    the search's calls do (MpadviseError once the retries are spent)."""
+    worker = Worker.of(storage, opened=False)
+    try:
+        yield worker
+    except StorageLost as exc:
+        raise MpadviseError(lost_message(storage, str(exc), worker, None, retried=worker.retry_s)) from None

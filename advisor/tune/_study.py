@@ -18,8 +18,15 @@ from typing import Any
 
 from advisor._log import get_logger
 from advisor.tune._space import Candidate, Measured, SearchSpace
-from advisor.tune._storage import first_line, open_storage, quiet, shared_storage, storage_error
-from advisor.tune._storage_retry import StorageLost, Worker
+from advisor.tune._storage import (
+    StorageLost,
+    Worker,
+    first_line,
+    open_storage,
+    quiet,
+    shared_storage,
+    storage_error,
+)
 from probes import MpadviseError
 
 STUDY_ATTR_SPACE = "mpadvise:space"
@@ -39,20 +46,16 @@ def open_study(storage: str | None, study_name: str, *, resume: bool, seed: int,
     a tune without ``resume`` starts afresh. The storage's own errors pass through to be retried."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     shared = shared_storage(storage)
     # The workers of one study draw different proposals: with one seed, they would all propose
     # the same candidates in the same order and spend their asks skipping each other's.
-    sampler_seed = zlib.crc32(f"{seed}:{worker}".encode()) if shared else seed
-    sampler = optuna.samplers.TPESampler(seed=sampler_seed, n_startup_trials=4)
+    sampler = optuna.samplers.TPESampler(seed=zlib.crc32(f"{seed}:{worker}".encode()) if shared else seed,
+                                         n_startup_trials=4)
     backend = None if storage is None else open_storage(storage)[0]
     with quiet():
-        if not resume and not shared:
-            if backend is not None:
-                with contextlib.suppress(KeyError):  # no such study yet
-                    optuna.delete_study(study_name=study_name, storage=backend)
-            return optuna.create_study(study_name=study_name, storage=backend, direction="maximize",
-                                       sampler=sampler), True
+        if not resume and not shared and backend is not None:
+            with contextlib.suppress(KeyError):  # no such study yet
+                optuna.delete_study(study_name=study_name, storage=backend)
         try:  # the study name is unique in the storage: one worker makes it, the others join it
             return optuna.create_study(study_name=study_name, storage=backend, direction="maximize",
                                        sampler=sampler), True
@@ -61,15 +64,10 @@ def open_study(storage: str | None, study_name: str, *, resume: bool, seed: int,
 
 
 def stored_study(storage: str, study_name: str, worker: Worker) -> Any:
-    """The stored ``optuna.Study`` of that name, or ``None`` when there is none yet.
-
-    Raises:
-        MpadviseError: the storage refuses, naming the URL and the reason.
-        StorageLost: it stayed unreachable through ``worker``'s retries.
-    """
+    """The stored ``optuna.Study`` of that name, or ``None`` when there is none yet (MpadviseError
+    where the storage refuses; StorageLost where it stays unreachable through the retries)."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     backend, _ = open_storage(storage)
 
     def load() -> Any:
@@ -90,29 +88,25 @@ def check_hardware(study: Any, study_name: str, hardware: str | None, *, record:
     if hardware is None:
         return
     stored = study.user_attrs.get(STUDY_ATTR_HARDWARE)
-    if stored is None:
-        if record:
-            study.set_user_attr(STUDY_ATTR_HARDWARE, hardware)
-        return
-    if stored != hardware:
+    if stored not in (None, hardware):
         raise MpadviseError(
             f"study {study_name!r} holds trials measured on hardware {stored}, and this machine is {hardware}: "
             "measurements from different hardware never mix; give this machine its own study (the study name "
             "mpadvise tune chooses names the hardware)"
         )
+    if stored is None and record:
+        study.set_user_attr(STUDY_ATTR_HARDWARE, hardware)
 
 
 def workload_change(stored: Any, workload: Mapping[str, Any]) -> str | None:
     """What differs between a study's stored workload and this one, in words, or ``None``."""
     if not isinstance(stored, dict):
         return None
-    before, now = stored.get("model_signature"), workload.get("model_signature")
-    if before != now:
-        return f"the model changed: signature {_short(before)} then, {_short(now)} now"
-    before, now = stored.get("workload_fingerprint"), workload.get("workload_fingerprint")
-    if before != now:
-        return (f"the optimizer, global batch or script changed: workload fingerprint {_short(before)} then, "
-                f"{_short(now)} now")
+    for key, what in (("model_signature", "the model changed: signature"),
+                      ("workload_fingerprint", "the optimizer, global batch or script changed: workload fingerprint")):
+        before, now = stored.get(key), workload.get(key)
+        if before != now:
+            return f"{what} {_short(before)} then, {_short(now)} now"
     return None
 
 
@@ -214,10 +208,7 @@ def read_trials(study: Any, *, exclude: int | None = None) -> StudyTrials:
     import optuna
 
     state = optuna.trial.TrialState
-    measured: list[Measured] = []
-    pruned: list[Measured] = []
-    running: dict[Candidate, int] = {}
-    silent: dict[Candidate, list[int]] = {}
+    trials = StudyTrials([], [], {}, {})
     for frozen in study.get_trials(deepcopy=False):
         if frozen.state == state.COMPLETE:
             data = frozen.user_attrs.get(TRIAL_ATTR_RESULT)
@@ -225,18 +216,18 @@ def read_trials(study: Any, *, exclude: int | None = None) -> StudyTrials:
                 m = measured_from(data)
                 # A measured result always has an outcome; an empty one is a pruned proposal
                 # stored before pruned proposals were marked as such.
-                (pruned if data.get("pruned") or not m.outcome else measured).append(m)
+                (trials.pruned if data.get("pruned") or not m.outcome else trials.measured).append(m)
             continue
         # A retried copy inherits its original's claim, which names the original's number.
         data = frozen.user_attrs.get(TRIAL_ATTR_CLAIM)
         if not isinstance(data, dict) or data.get("trial") != frozen.number or frozen.number == exclude:
             continue
-        claim = candidate_from(data)
         if frozen.state == state.RUNNING:
-            running.setdefault(claim, frozen.number)
+            trials.running.setdefault(candidate_from(data), frozen.number)
         elif frozen.state == state.FAIL and TRIAL_ATTR_CLOSED not in frozen.user_attrs:
-            silent.setdefault(claim, []).append(frozen.number)  # failed as stale: its worker went silent
-    return StudyTrials(measured, pruned, running, silent)
+            # Failed as stale: its worker went silent.
+            trials.silent.setdefault(candidate_from(data), []).append(frozen.number)
+    return trials
 
 
 def claim(trial: Any, candidate: Candidate, worker: str) -> None:
@@ -245,34 +236,25 @@ def claim(trial: Any, candidate: Candidate, worker: str) -> None:
     trial.set_user_attr(TRIAL_ATTR_CLAIM, {**candidate_to(candidate), "trial": trial.number, "worker": worker})
 
 
-def add_result(study: Any, trial: Any, measured: Measured, worker: str) -> None:
-    """Store a result as a new finished trial, for a trial the study failed meanwhile."""
-    import optuna
-
-    frozen = optuna.trial.create_trial(
-        state=optuna.trial.TrialState.COMPLETE, value=measured.goodput, params=trial.params,
-        distributions=trial.distributions,
-        user_attrs={TRIAL_ATTR_RESULT: {**measured_to(measured), "pruned": False, "source": "run", "worker": worker}})
-    frozen.set_constraint("unstable", 0.0 if measured.stable else 1.0)
-    frozen.set_constraint("infeasible", 0.0 if measured.feasible else 1.0)
-    study.add_trial(frozen)
-
-
 def store_result(study: Any, trial: Any, measured: Measured, worker: Worker, what: str) -> bool:
     """Tell the study what ``trial`` measured; ``True`` where the study had failed the trial as
-    stale meanwhile, so that the result was stored as a trial of its own."""
+    stale meanwhile, so that the result was stored as a new finished trial of its own."""
     import optuna
 
     try:
-        worker.call(what, lambda: tell(study, trial, measured, measured.goodput, source="run", worker=worker.name))
+        worker.call(what, lambda: tell(study, trial, measured, source="run", worker=worker.name))
+        return False
     except optuna.exceptions.UpdateFinishedTrialError:
-        worker.call(what, lambda: add_result(study, trial, measured, worker.name))
-        return True
-    return False
+        pass
 
+    def add() -> None:
+        frozen = optuna.trial.create_trial(state=optuna.trial.TrialState.COMPLETE, value=measured.goodput,
+                                           params=trial.params, distributions=trial.distributions)
+        _record(frozen, measured, "run", worker.name)
+        study.add_trial(frozen)
 
-def keep_replicate(study: Any, replicate: dict[str, Any]) -> None:
-    study.set_user_attr(STUDY_ATTR_REPLICATE, replicate)
+    worker.call(what, add)
+    return True
 
 
 def refused(exc: BaseException) -> bool:
@@ -292,7 +274,7 @@ def close(study: Any, trial: Any, why: str) -> None:
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
 
 
-def tell(study: Any, trial: Any, measured: Measured, value: float, *, source: str, worker: str) -> None:
+def tell(study: Any, trial: Any, measured: Measured, *, source: str, worker: str) -> None:
     """Store a result with the trial and finish it; ``source``: ``run``, ``reference`` (this
     worker's fp32, measured outside the study), ``known`` (a copy) or ``pruned``."""
     import optuna
@@ -300,12 +282,16 @@ def tell(study: Any, trial: Any, measured: Measured, value: float, *, source: st
     with _finished_already(study, trial, optuna.trial.TrialState.COMPLETE), warnings.catch_warnings():
         # A retried tell finds the constraints it set before the storage went away: the same values.
         warnings.filterwarnings("ignore", message="The constraint value is ignored because")
-        # Constraints (> 0 violates): instability and not fitting are what TPE must learn to avoid.
-        trial.set_constraint("unstable", 0.0 if measured.stable else 1.0)
-        trial.set_constraint("infeasible", 0.0 if measured.feasible else 1.0)
-        trial.set_user_attr(TRIAL_ATTR_RESULT, {**measured_to(measured), "pruned": source == "pruned",
-                                                "source": source, "worker": worker})
-        study.tell(trial, value)
+        _record(trial, measured, source, worker)
+        study.tell(trial, measured.goodput)
+
+
+def _record(trial: Any, measured: Measured, source: str, worker: str) -> None:
+    # Constraints (> 0 violates): instability and not fitting are what TPE must learn to avoid.
+    trial.set_constraint("unstable", 0.0 if measured.stable else 1.0)
+    trial.set_constraint("infeasible", 0.0 if measured.feasible else 1.0)
+    trial.set_user_attr(TRIAL_ATTR_RESULT, {**measured_to(measured), "pruned": source == "pruned", "source": source,
+                                            "worker": worker})
 
 
 @contextlib.contextmanager

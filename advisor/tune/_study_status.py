@@ -1,25 +1,32 @@
-"""What a stored study holds, read before a tune's search or by ``mpadvise study status``."""
+"""What a stored study holds, read before a tune's search or by ``mpadvise study status``, and
+the answer a finished tune keeps with its study, so that running the same tune again prints it
+instead of measuring it again: served while mpadvise's and torch's versions and the options that
+shape the search still hold and the study holds no trial since.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from advisor._log import get_logger
+from advisor._version import __version__
+from advisor.tune._options import TuneOptions
 from advisor.tune._storage import (
     open_storage,
     quiet,
+    riding_out,
     shared_storage,
     shown_url,
     sqlite_file,
-    storage_error,
     storage_exists,
     storage_failure,
     storage_url,
     timeout_kwargs,
 )
-from advisor.tune._storage_retry import riding_out
 from advisor.tune._study import (
     STUDY_ATTR_HARDWARE,
     STUDY_ATTR_REPLICATE,
@@ -32,7 +39,12 @@ from advisor.tune._study import (
     stored_study,
     workload_change,
 )
-from probes import MpadviseError, UsageError
+from probes import HardwareProfile, MpadviseError, UsageError
+
+STUDY_ATTR_ANSWER = "mpadvise:answer"
+# Options that do not change what a tune measures or answers: where the study lives, how it is
+# opened, and the device (the study's name holds the hardware fingerprint already).
+_NOT_IN_KEY = frozenset({"storage", "resume", "fresh", "device"})
 
 
 def check_storage(storage: str | None) -> None:
@@ -43,14 +55,9 @@ def check_storage(storage: str | None) -> None:
 
 def check_study(storage: str | None, study_name: str, *, hardware: str, resume: bool, fresh: bool = False,
                 spelling: tuple[str, str] = ("--resume", "--fresh")) -> None:
-    """Refuse, before any trial runs, to continue a stored study measured on other hardware, or
-    to delete one that holds finished trials unless ``fresh`` says so (``spelling`` names the two
-    options as the caller takes them).
-
-    Raises:
-        UsageError: the study holds finished trials, and neither ``resume`` nor ``fresh`` was given.
-        MpadviseError: the study holds another hardware fingerprint, or the storage fails.
-    """
+    """Refuse, before any trial runs, to continue a stored study measured on other hardware
+    (MpadviseError), or to delete one that holds finished trials unless ``fresh`` says so
+    (UsageError; ``spelling`` names the two options as the caller takes them)."""
     if storage is None:
         return
     if not (resume or shared_storage(storage)):
@@ -60,17 +67,11 @@ def check_study(storage: str | None, study_name: str, *, hardware: str, resume: 
             raise UsageError(f"{held.describe()}; it is kept: pass {keep} to continue it, or {drop} to delete it "
                              "and start afresh")
         return
-    import optuna
-
-    backend, _ = open_storage(storage)
-    try:
-        with quiet():
-            study = optuna.load_study(study_name=study_name, storage=backend)
-    except KeyError:  # no such study yet: this tune makes it
-        return
-    except Exception as exc:
-        raise MpadviseError(storage_error(storage, exc)) from None
-    check_hardware(study, study_name, hardware, record=False)
+    with riding_out(storage) as worker:
+        study = stored_study(storage, study_name, worker)
+        if study is not None:  # none yet: this tune makes it
+            worker.call("checking the study's hardware",
+                        lambda: check_hardware(study, study_name, hardware, record=False))
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,13 @@ class KeptStudy:
     finished: int
     last: str | None
 
-    def describe(self) -> str:
+    @property
+    def trials(self) -> str:
         when = f" from {self.last}" if self.last else ""
-        plural = "" if self.finished == 1 else "s"
-        return f"study {self.name!r} in {self.storage!r} holds {self.finished} finished trial{plural}{when}"
+        return f"{self.finished} finished trial{'' if self.finished == 1 else 's'}{when}"
+
+    def describe(self) -> str:
+        return f"study {self.name!r} in {self.storage!r} holds {self.trials}"
 
 
 def kept_study(storage: str | None, study_name: str) -> KeptStudy | None:
@@ -94,10 +98,10 @@ def kept_study(storage: str | None, study_name: str) -> KeptStudy | None:
     where there is no such study."""
     if storage is None or not storage_exists(storage):
         return None
-    studies = study_status(storage, study_name, missing_ok=True)
-    if not studies:
+    found = study_status(storage, study_name, missing_ok=True)
+    if not found:
         return None
-    return KeptStudy(study_name, shown_url(storage) or storage, studies[0]["measured"], studies[0]["last_finished"])
+    return KeptStudy(study_name, shown_url(storage) or storage, found[0]["measured"], found[0]["last_finished"])
 
 
 def finished_trials(storage: str | None, study_name: str) -> int:
@@ -112,12 +116,8 @@ def finished_trials(storage: str | None, study_name: str) -> int:
 def check_study_workload(storage: str | None, study_name: str, workload: Mapping[str, Any], *, resume: bool) -> bool:
     """``resume``, or ``False`` when a stored study of another workload (its fp32 reference's
     fingerprint and model signature) must not be continued: a study of this machine that holds
-    finished trials, or a shared one, is refused; an empty one starts afresh with a warning.
-
-    Raises:
-        UsageError: a study of this machine of another workload that holds finished trials.
-        MpadviseError: a shared study of another workload, or a storage that stays unreachable.
-    """
+    finished trials (UsageError), or a shared one (MpadviseError), is refused; an empty one starts
+    afresh with a warning."""
     shared = shared_storage(storage)
     if storage is None or not (resume or shared):
         return resume
@@ -129,15 +129,11 @@ def check_study_workload(storage: str | None, study_name: str, workload: Mapping
         # A study without a workload fingerprint and without trials has no verdicts to doubt.
         empty = stored is None and not worker.call("reading the study", lambda: study.get_trials(deepcopy=False))
     changed = workload_change(stored, workload)
-    if shared:
-        if changed:
-            raise MpadviseError(shared_workload_error(study_name, changed))
-        return resume
-    if changed is None and stored is None:
-        if empty:
-            return resume
+    if shared and changed:
+        raise MpadviseError(shared_workload_error(study_name, changed))
+    if stored is None and not empty:
         changed = "it keeps no workload fingerprint (stored by an earlier mpadvise), so its verdicts cannot be checked"
-    if changed is None:
+    if shared or changed is None:
         return resume
     held = kept_study(storage, study_name)
     if held is not None and held.finished:
@@ -162,13 +158,9 @@ def stored_replicate(storage: str | None, study_name: str) -> dict[str, Any] | N
 def study_status(storage: str, study_name: str | None = None, *, missing_ok: bool = False) -> list[dict[str, Any]]:
     """What a study storage holds, read without writing anything (no tables made, no trial failed
     as stale): per study, by name, ``study``, ``hardware``, ``trials`` (counts by state), ``workers``,
-    ``best`` (``None`` before any stable result), ``measured`` and ``last_finished``.
-
-    Raises:
-        UsageError: (exit 2) an SQLite file that is not there, or a URL that is not one.
-        MpadviseError: the storage cannot be read, or holds no study of that name (``missing_ok``
-            gives an empty list instead).
-    """
+    ``best`` (``None`` before any stable result), ``measured`` and ``last_finished``. UsageError
+    for an SQLite file that is not there or a URL that is not one; MpadviseError for a storage that
+    cannot be read, or no study of that name (``missing_ok`` gives an empty list instead)."""
     import optuna
     import sqlalchemy
 
@@ -179,16 +171,19 @@ def study_status(storage: str, study_name: str | None = None, *, missing_ok: boo
                          "the SQLite file a tune wrote (by default studies.db in the cache directory)")
     engine_kwargs = timeout_kwargs(storage)
     try:
+        # Only a storage fully made is read, its schema version stamped (Optuna's storage, opened
+        # before that, writes the stamp itself, racing the tune that is making it).
         engine = sqlalchemy.create_engine(storage_url(storage), **engine_kwargs)
         try:
-            tables = set(sqlalchemy.inspect(engine).get_table_names())
-            made = _storage_made(engine, tables)
+            made = {"studies", "version_info", "alembic_version"} <= set(sqlalchemy.inspect(engine).get_table_names())
+            if made:
+                with engine.connect() as connection:
+                    made = all(connection.execute(sqlalchemy.text(f"SELECT COUNT(*) FROM {table}")).scalar()
+                               for table in ("version_info", "alembic_version"))
         finally:
             engine.dispose()
-        if not made:
-            studies = []  # none yet: a tune is making the storage now, or none ever did
-            backend = None
-        else:
+        studies, backend = [], None  # none yet: a tune is making the storage now, or none ever did
+        if made:
             with quiet():
                 backend = optuna.storages.RDBStorage(storage_url(storage), engine_kwargs=engine_kwargs,
                                                      skip_compatibility_check=True, skip_table_creation=True)
@@ -206,37 +201,29 @@ def study_status(storage: str, study_name: str | None = None, *, missing_ok: boo
     return sorted(out, key=lambda summary: summary["study"])
 
 
-def _storage_made(engine: Any, tables: set[str]) -> bool:
-    """Whether an Optuna storage is fully made, its schema version stamped (Optuna's storage,
-    opened before that, writes the stamp itself, racing the tune that is making it)."""
-    import sqlalchemy
-
-    if not {"studies", "version_info", "alembic_version"} <= tables:
-        return False
-    with engine.connect() as connection:
-        return all(connection.execute(sqlalchemy.text(f"SELECT COUNT(*) FROM {table}")).scalar()
-                   for table in ("version_info", "alembic_version"))
-
-
 def _study_summary(study: Any, trials: list[Any]) -> dict[str, Any]:
     import optuna
 
-    state = optuna.trial.TrialState
-    counts = {"complete": 0, "running": 0, "waiting": 0, "failed": 0, "pruned": 0}
-    names = {state.COMPLETE: "complete", state.RUNNING: "running", state.WAITING: "waiting", state.FAIL: "failed",
-             state.PRUNED: "pruned"}
+    counts = dict.fromkeys(("complete", "running", "waiting", "failed", "pruned"), 0)
     workers: set[str] = set()
     best: dict[str, Any] | None = None
+    measured, ends = 0, []
     for frozen in trials:
-        counts[names[frozen.state]] += 1
+        counts["failed" if frozen.state == optuna.trial.TrialState.FAIL else frozen.state.name.lower()] += 1
         claim = frozen.user_attrs.get(TRIAL_ATTR_CLAIM)
         if isinstance(claim, dict) and claim.get("worker"):
             workers.add(str(claim["worker"]))
         data = frozen.user_attrs.get(TRIAL_ATTR_RESULT)
-        if frozen.state != state.COMPLETE or not isinstance(data, dict) or data.get("pruned"):
+        if frozen.state != optuna.trial.TrialState.COMPLETE or not isinstance(data, dict) or data.get("pruned"):
             continue
         if data.get("worker"):
             workers.add(str(data["worker"]))
+        # The trials a fresh start would lose: results measured by a trial (not a copy of a worker's
+        # fp32 reference, measured outside the study, nor a proposal the priors ruled out).
+        if data.get("source", "run") == "run":
+            measured += 1
+            if frozen.datetime_complete is not None:
+                ends.append(frozen.datetime_complete)
         try:
             m = measured_from(data)
         except (KeyError, TypeError, ValueError):  # a result stored by another version: not ranked
@@ -244,13 +231,54 @@ def _study_summary(study: Any, trials: list[Any]) -> dict[str, Any]:
         if m.stable and m.feasible and m.goodput > 0 and (best is None or m.goodput > best["goodput"]):
             best = {"label": m.candidate.label, "goodput": round(m.goodput, 3), "worker": data.get("worker"),
                     "trial": frozen.number}
-    # The trials a fresh start would lose: results measured by a trial (not a copy of a worker's
-    # fp32 reference, measured outside the study, nor a proposal the priors ruled out).
-    measured = [frozen for frozen in trials if frozen.state == state.COMPLETE
-                and isinstance(frozen.user_attrs.get(TRIAL_ATTR_RESULT), dict)
-                and not frozen.user_attrs[TRIAL_ATTR_RESULT].get("pruned")
-                and frozen.user_attrs[TRIAL_ATTR_RESULT].get("source", "run") == "run"]
-    ends = [frozen.datetime_complete for frozen in measured if frozen.datetime_complete is not None]
     return {"study": study.study_name, "hardware": study.user_attrs.get(STUDY_ATTR_HARDWARE), "trials": counts,
-            "workers": sorted(workers), "best": best, "measured": len(measured),
+            "workers": sorted(workers), "best": best, "measured": measured,
             "last_finished": max(ends).strftime("%Y-%m-%d %H:%M") if ends else None}
+
+
+@dataclass(frozen=True)
+class StoredAnswer:
+    """A finished tune's answer as its study keeps it: its JSON, its config file (``None`` without
+    one) and when it finished (UTC, to the minute)."""
+
+    payload: dict[str, Any]
+    config_text: str | None
+    at: str
+
+
+def answer_key(options: TuneOptions, profile: HardwareProfile) -> dict[str, Any]:
+    shaping = {k: v for k, v in options.to_dict().items() if k not in _NOT_IN_KEY}
+    return {"mpadvise": __version__, "torch": profile.torch_version, "options": shaping}
+
+
+def store_answer(storage: str | None, study_name: str, key: dict[str, Any], payload: dict[str, Any],
+                 config_text: str | None) -> None:
+    """Keep a finished tune's answer with its study; nothing in memory or in a shared study (no one
+    worker owns the answer). A storage that fails here loses only the shortcut."""
+    if storage is None or shared_storage(storage):
+        return
+    with contextlib.suppress(MpadviseError), riding_out(storage) as worker:
+        study = stored_study(storage, study_name, worker)
+        if study is None:
+            return
+        trials = worker.call("counting the study's trials", lambda: len(study.get_trials(deepcopy=False)))
+        at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+        stored = {"key": key, "json": payload, "config": config_text, "at": at, "trials": trials}
+        worker.call("keeping the answer", lambda: study.set_user_attr(STUDY_ATTR_ANSWER, stored))
+
+
+def stored_answer(storage: str | None, study_name: str, key: dict[str, Any]) -> StoredAnswer | None:
+    """The answer kept with the study, where it was tuned with ``key`` and no trial was added since."""
+    if storage is None or shared_storage(storage) or not storage_exists(storage):
+        return None
+    with riding_out(storage) as worker:
+        study = stored_study(storage, study_name, worker)
+        if study is None:
+            return None
+        kept = worker.call("reading the study's answer", lambda: study.user_attrs.get(STUDY_ATTR_ANSWER))
+        if not isinstance(kept, dict) or kept.get("key") != key or not isinstance(kept.get("json"), dict):
+            return None
+        trials = worker.call("counting the study's trials", lambda: len(study.get_trials(deepcopy=False)))
+    if trials != kept.get("trials"):
+        return None
+    return StoredAnswer(kept["json"], kept.get("config"), str(kept.get("at") or "?"))

@@ -23,16 +23,20 @@ from advisor._secure import open_private_new
 from advisor.tune._service import ProgressCallbacks, TuneRequest, run_ratio_text, tune_script
 from probes import MpadviseError, UsageError
 
-USAGE = "usage: python -m advisor.tune.job REQUEST.json RESULT.json"
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if len(args) != 2:
-            raise UsageError(USAGE)
+            raise UsageError("usage: python -m advisor.tune.job REQUEST.json RESULT.json")
         request_path, result_path = (Path(a) for a in args)
-        done = tune_script(read_request(request_path), progress=progress_lines)
+        try:
+            data = json.loads(request_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise MpadviseError(f"cannot read the tune request {request_path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise MpadviseError(f"tune request {request_path}: expected a JSON object")
+        done = tune_script(TuneRequest.from_dict(data), progress=progress_lines)
         write_result(result_path, done.to_dict())
     except MpadviseError as exc:
         sys.stderr.write(f"error: {exc}\n")
@@ -41,19 +45,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("error: interrupted\n")
         return 130
     return done.exit_code
-
-
-def read_request(path: Path) -> TuneRequest:
-    """Raises:
-        MpadviseError: the file cannot be read, is not JSON, or is not a tune request.
-    """
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise MpadviseError(f"cannot read the tune request {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise MpadviseError(f"tune request {path}: expected a JSON object")
-    return TuneRequest.from_dict(data)
 
 
 def write_result(path: Path, result: dict[str, Any]) -> None:
@@ -72,17 +63,12 @@ def progress_lines(total: int) -> Iterator[ProgressCallbacks]:
 
     def on_done(label: str, ev: Any, m: Any) -> None:
         # One run's ratio, named so: the tune's speed-up is its paired figure, decided at the end.
-        _line(f"  {label}: {m.outcome}{run_ratio_text(ev)}")
+        print(f"  {label}: {m.outcome}{run_ratio_text(ev)}", file=sys.stderr, flush=True)
 
     def on_round(number: int, most: int, runs: int) -> None:
-        _line(f"re-measure round {number} of at most {most}: {runs} runs")
+        print(f"re-measure round {number} of at most {most}: {runs} runs", file=sys.stderr, flush=True)
 
     yield (lambda label: None, on_done, on_round)
-
-
-def _line(text: str) -> None:
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
 
 
 if __name__ == "__main__":

@@ -26,8 +26,7 @@ from test_shared_study import (
 )
 
 from advisor.trial import WARM_ENV
-from advisor.tune._storage import GRACE_ENV
-from advisor.tune._storage_retry import STORAGE_RETRY_ENV
+from advisor.tune._storage import GRACE_ENV, STORAGE_RETRY_ENV
 
 # The workers' own trials start cold (seconds each), so that one can be caught running; a long
 # grace, so that the outage never makes a live trial look dead to the other worker.

@@ -71,7 +71,7 @@ def test_ctrl_c_while_typer_parses_is_one_line_and_exit_130(monkeypatch):
 
 def test_advisor_tune_stays_the_function_when_its_subpackage_is_imported(monkeypatch):
     tune = advisor.tune
-    assert callable(tune) and tune.__module__ == "advisor.tune._api"
+    assert callable(tune) and tune.__module__ == "advisor.tune._service"
     # What the import system does when ``advisor.tune`` (or a module under it) is first imported:
     # it sets the package's attribute to the subpackage.
     monkeypatch.setattr(advisor, "tune", sys.modules["advisor.tune"])

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from advisor.cli._app import app
 from advisor.cli._report import render_tune
-from advisor.tune import calls_load_policy
+from advisor.tune._service import calls_load_policy
 
 # The whole report (mpadvise tune --verbose): it holds every figure these tests read.
 render_verbose = functools.partial(render_tune, verbose=True)

@@ -22,9 +22,10 @@ from advisor._log import get_logger
 from advisor.cache._store import open_store
 from advisor.cli._report import render_tune
 from advisor.trial import TrialResult
-from advisor.tune import _study_status, calls_load_policy, keep_answer
+from advisor.tune import _study_status
 from advisor.tune._confirm import Finalist, paired
 from advisor.tune._options import TuneOptions
+from advisor.tune._service import calls_load_policy, keep_answer
 from advisor.tune._space import Candidate
 from advisor.tune._study import STUDY_ATTR_WORKLOAD
 from advisor.tune._study_status import check_study_workload, kept_study

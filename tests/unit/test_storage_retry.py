@@ -13,14 +13,14 @@ import pytest
 import sqlalchemy
 
 from advisor.tune._space import Candidate, Measured
-from advisor.tune._storage import unreachable
-from advisor.tune._storage_retry import (
+from advisor.tune._storage import (
     STORAGE_RETRY_ENV,
     STORAGE_RETRY_S,
     StorageLost,
     Worker,
     lost_message,
     storage_retry_s,
+    unreachable,
 )
 from probes import MpadviseError
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from advisor.tune import study_name_for, study_name_from
+from advisor.tune import study_name_for
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import run_search
+from advisor.tune._service import study_name_from
 from advisor.tune._space import Candidate, Measured, SearchSpace
 from advisor.tune._storage import (
     GRACE_ENV,

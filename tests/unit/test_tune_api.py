@@ -73,7 +73,7 @@ def _profile_with(fingerprint):
 def test_a_stored_study_with_finished_trials_is_kept_unless_asked(tmp_path, cache_home):
     import pytest
 
-    from advisor.tune import kept_study
+    from advisor.tune._study_status import kept_study
     from probes import UsageError
 
     storage = f"sqlite:///{tmp_path / 'study.db'}"
