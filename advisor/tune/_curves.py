@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-VERDICT_KINDS: tuple[str, ...] = (
-    "ok", "diverged", "stalled", "skips", "scale_collapse", "underflow", "reference_not_finite", "too_short",
-)
+VERDICT_KINDS: tuple[str, ...] = ("ok", "diverged", "stalled", "skips", "scale_collapse", "underflow",
+                                  "reference_not_finite", "too_short")
 
 
 @dataclass(frozen=True)
@@ -34,41 +33,19 @@ class TrialCurve:
             raise ValueError(f"TrialCurve.mode must be a non-empty string, got {self.mode!r}")
         # Accept any sequence (lists from JSON), store tuples so the curve stays hashable.
         losses = tuple(_as_float("losses", i, v) for i, v in enumerate(self.losses))
-        object.__setattr__(self, "losses", losses)
-        n = len(losses)
         skipped = tuple(self.skipped)
         for i, s in enumerate(skipped):
             if not isinstance(s, bool):
                 raise ValueError(f"TrialCurve.skipped[{i}] must be a bool, got {s!r}")
-        scales = tuple(
-            None if v is None else _as_float("loss_scale", i, v)
-            for i, v in enumerate(self.loss_scale)
-        )
-        for i, v in enumerate(scales):
-            if v is not None and not v >= 0.0:
-                raise ValueError(f"TrialCurve.loss_scale[{i}] must be >= 0 or None, got {v!r}")
-        underflow = tuple(
-            None if v is None else _as_float("underflow", i, v)
-            for i, v in enumerate(self.underflow)
-        )
-        for i, v in enumerate(underflow):
-            if v is not None and not 0.0 <= v <= 1.0:
-                raise ValueError(
-                    f"TrialCurve.underflow[{i}] must be a fraction in [0, 1] or None, got {v!r}"
-                )
-        for name, values in (
-            ("skipped", skipped),
-            ("loss_scale", scales),
-            ("underflow", underflow),
-        ):
-            if values and len(values) != n:
-                raise ValueError(
-                    f"TrialCurve.{name} has {len(values)} entries but losses has {n}; "
-                    "record one per optimizer step, or leave it empty when not recorded"
-                )
-        object.__setattr__(self, "skipped", skipped)
-        object.__setattr__(self, "loss_scale", scales)
-        object.__setattr__(self, "underflow", underflow)
+        scales = _optional_floats("loss_scale", self.loss_scale, ">= 0", lambda v: v >= 0.0)
+        underflow = _optional_floats("underflow", self.underflow, "a fraction in [0, 1]",
+                                     lambda v: 0.0 <= v <= 1.0)
+        for name, values in (("skipped", skipped), ("loss_scale", scales), ("underflow", underflow)):
+            if values and len(values) != len(losses):
+                raise ValueError(f"TrialCurve.{name} has {len(values)} entries but losses has {len(losses)}; "
+                                 "record one per optimizer step, or leave it empty when not recorded")
+            object.__setattr__(self, name, values)
+        object.__setattr__(self, "losses", losses)
         if self.lr is not None:
             object.__setattr__(self, "lr", _as_float("lr", None, self.lr))
 
@@ -106,25 +83,26 @@ class StabilityThresholds:
     max_spread_final_gap: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("min_steps", "min_smoothing_steps"):
-            _check_int(name, getattr(self, name), minimum=1)
-        _check_int("calibration_steps", self.calibration_steps, minimum=0)
-        for name in ("max_skip_fraction", "max_underflow_fraction", "min_reference_drop"):
-            _check_number(name, getattr(self, name), low=0.0, high=1.0)
-        _check_number("smoothing_fraction", self.smoothing_fraction, low=0.0, high=0.5)
+        highs = {"max_skip_fraction": 1.0, "max_underflow_fraction": 1.0, "min_reference_drop": 1.0,
+                 "smoothing_fraction": 0.5}
+        for f in fields(self):
+            value, where = getattr(self, f.name), f"StabilityThresholds.{f.name}"
+            if f.type == "int":
+                least = 0 if f.name == "calibration_steps" else 1
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                    raise ValueError(f"{where} must be an integer >= {least}, got {value!r}")
+                continue
+            high = highs.get(f.name)
+            if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+                    or value < 0.0 or (high is not None and value > high)):
+                bound = ">= 0.0" if high is None else f"in [0.0, {high}]"
+                raise ValueError(f"{where} must be a number {bound}, got {value!r}")
         if self.smoothing_fraction == 0.0:
-            raise ValueError(
-                "StabilityThresholds.smoothing_fraction must be > 0 (a fraction of the steps), "
-                "got 0.0"
-            )
-        for name in ("min_loss_scale", "min_progress_ratio", "max_final_gap", "climb_margin",
-                     "spread_multiplier", "max_spread_final_gap"):
-            _check_number(name, getattr(self, name), low=0.0, high=None)
+            raise ValueError("StabilityThresholds.smoothing_fraction must be > 0 (a fraction of the steps), got 0.0")
 
     def smoothing_window(self, steps: int) -> int:
         """The smoothing window, in steps, for ``steps`` compared steps."""
         return min(max(self.min_smoothing_steps, round(steps * self.smoothing_fraction)), max(1, steps // 2))
-
 
 
 @dataclass(frozen=True)
@@ -141,21 +119,9 @@ class Verdict:
         object.__setattr__(self, "metrics", dict(self.metrics))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "stable": self.stable,
-            "kind": self.kind,
-            "reason": self.reason,
-            "metrics": {
-                k: v if isinstance(v, bool | int) else _encode_float(v)
-                for k, v in self.metrics.items()
-            },
-        }
-
-
-def _encode_float(value: float) -> float | str:
-    if math.isfinite(value):
-        return value
-    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        # Strict JSON has no NaN or inf: those are written as "nan", "inf" and "-inf".
+        metrics = {k: v if isinstance(v, bool | int) or math.isfinite(v) else str(v) for k, v in self.metrics.items()}
+        return {"stable": self.stable, "kind": self.kind, "reason": self.reason, "metrics": metrics}
 
 
 def _as_float(name: str, index: int | None, value: Any) -> float:
@@ -168,19 +134,10 @@ def _as_float(name: str, index: int | None, value: Any) -> float:
         raise ValueError(f"{where} must be a number, got {value!r}") from None
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"StabilityThresholds.{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_number(name: str, value: Any, *, low: float, high: float | None) -> None:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and math.isfinite(value)
-        and value >= low
-        and (high is None or value <= high)
-    )
-    if not ok:
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"StabilityThresholds.{name} must be a number {bound}, got {value!r}")
+def _optional_floats(name: str, values: Sequence[Any], what: str,
+                     ok: Callable[[float], bool]) -> tuple[float | None, ...]:
+    out = tuple(None if v is None else _as_float(name, i, v) for i, v in enumerate(values))
+    for i, v in enumerate(out):
+        if v is not None and not ok(v):
+            raise ValueError(f"TrialCurve.{name}[{i}] must be {what} or None, got {v!r}")
+    return out

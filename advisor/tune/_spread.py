@@ -8,6 +8,7 @@ a multiple of that, never less than the fixed thresholds (docs/stability.md).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,18 +27,13 @@ def levels(losses: Sequence[float], window: int) -> tuple[float, float]:
 
 
 def median_finite(values: Sequence[float]) -> float:
-    finite = sorted(v for v in values if math.isfinite(v))
-    if not finite:
-        return math.nan
-    mid = len(finite) // 2
-    return finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2.0
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.median(finite) if finite else math.nan
 
 
 # A smoothed loss that fell by this factor or more over the last quarter of a trial is still falling:
 # where it will level off (fp32 towards zero, a 16-bit mode at a floor) the window has not shown.
 GEOMETRIC_FALL = 2.0
-
-
 # A loss fallen to this fraction of its start has shown every 16-bit format's floor (fp16's 11
 # significant bits err by 2^-12, a squared error by about 2^-24).
 SEEN_FALL = 2.0**-24
@@ -90,9 +86,7 @@ class Spread:
         return self.fall_gap / reference_drop if reference_drop > 0 else math.inf
 
 
-def measure_spread(
-    reference: Sequence[float], replicate: Sequence[float], window: int
-) -> Spread | None:
+def measure_spread(reference: Sequence[float], replicate: Sequence[float], window: int) -> Spread | None:
     """The spread between fp32 and its replicate over the compared steps; ``None`` when the
     replicate is shorter or not finite (the fixed thresholds then apply alone)."""
     replicate = replicate[: len(reference)]
@@ -121,9 +115,7 @@ class Limits:
     def fell_within_spread(self) -> bool:
         """fp32's loss fell no further than a gap may reach: whether a candidate kept pace
         cannot be told."""
-        if self.spread is None:
-            return False
-        return 0 < self.reference_drop <= self.multiplier * self.spread.fall_gap
+        return self.spread is not None and 0 < self.reference_drop <= self.multiplier * self.spread.fall_gap
 
     @property
     def progress(self) -> float:
@@ -180,11 +172,9 @@ class Limits:
         """The clause saying fp32's fall is within its spread, so progress was not judged."""
         if self.spread is None or not self.fell_within_spread:
             return ""
-        return (
-            f"{reference_curve} is a fall within {self.multiplier:g}x the "
-            f"{self.spread.fall_gap:.4g} by which fp32 perturbed by one rounding fell differently, so "
-            "progress cannot be compared and only the final loss is judged; "
-        )
+        return (f"{reference_curve} is a fall within {self.multiplier:g}x the {self.spread.fall_gap:.4g} by which "
+                "fp32 perturbed by one rounding fell differently, so progress cannot be compared and only the "
+                "final loss is judged; ")
 
 
 def pct(fraction: float) -> str:
