@@ -22,7 +22,7 @@ from advisor.tune._judge import Evaluation, warmup_of
 from advisor.tune._search import SearchOutcome
 from advisor.tune._space import Candidate, Measured, SearchSpace, preference_key
 from advisor.tune._steady import REMEASURE_LEANING_ROUNDS, REMEASURE_MAX_ROUNDS, Disturbance
-from advisor.tune._timing import DEFAULT_CONFIDENCE, Gap, step_time_range
+from advisor.tune._timing import DEFAULT_CONFIDENCE, Gap, rounds_gap, step_time_range
 from advisor.tune._trials import Replicate, Trials
 from advisor.tune._utilisation import Utilisation, utilisation
 from policies import Policy, TunedOn
@@ -143,8 +143,7 @@ class TuneResult:
         finalist = next((f for f in self.finalists if f.candidate == cand), None)
         if finalist is None or cand.mode == "fp32" and finalist.rounds == self.reference_rounds:
             return None
-        companion = Finalist(cand, [], [], rounds=list(self.reference_rounds))
-        gap = paired(finalist, companion)
+        gap = rounds_gap(finalist.rounds, self.reference_rounds)
         return Speedup.of_gap(gap) if gap.pairs else None
 
     def resumed(self, cand: Candidate) -> bool:
@@ -205,33 +204,31 @@ def tune_rows(result: TuneResult) -> list[dict[str, Any]]:
         search_speedup = m.goodput / ref_good if ref_good and not resumed else None
         won = cand == result.winner
         paired_figure = result.paired_speedup(cand)
-        spread = None if ev is None else step_time_range(ev.result.step_times, warmup_of(ev.result))
+        spread = ev and step_time_range(ev.result.step_times, warmup_of(ev.result))
+        low, high = spread or (None, None)
         found = result.utilisation(cand)
+        basis = "search run"
+        if won and result.speedup:
+            basis = result.speedup.basis
+        elif resumed:
+            basis = "resumed: measured in an earlier run or by another worker"
         rows.append({
-            "label": cand.label,
-            "mode": cand.mode,
+            "label": cand.label, "mode": cand.mode,
             "policy": cand.policy(result.space.user_batch).to_dict(),
-            "outcome": m.outcome or ("ok" if m.stable else "unstable"),
-            "stable": m.stable,
-            "feasible": m.feasible,
-            "goodput": m.goodput,
+            "outcome": m.outcome or ("ok" if m.stable else "unstable"), "stable": m.stable,
+            "feasible": m.feasible, "goodput": m.goodput,
             # The search ran each candidate once: its ratio to fp32 is a single run's. The
             # winner's speed-up is the tune's one figure (re-measured against fp32).
             "search_speedup_vs_fp32": search_speedup,
             "speedup_vs_fp32": result.winner_speedup if won else search_speedup,
-            "speedup_basis": (result.speedup.basis if won and result.speedup else
-                              "resumed: measured in an earlier run or by another worker" if resumed else "search run"),
+            "speedup_basis": basis,
             # Its rounds beside fp32 in this run, when it was re-measured (the winner's is its figure).
-            "paired_speedup": None if paired_figure is None else paired_figure.to_dict(),
-            "resumed": resumed,
+            "paired_speedup": paired_figure and paired_figure.to_dict(), "resumed": resumed,
             # The spread of its search run's measured step times (seconds), for the ± it carries.
-            "step_time_p10": None if spread is None else spread[0],
-            "step_time_p90": None if spread is None else spread[1],
+            "step_time_p10": low, "step_time_p90": high,
             "peak_memory": ev.result.peak_memory if ev else None,
-            "tflops": None if found is None else found.tflops, "mfu": None if found is None else found.mfu,
-            "mfu_dtype": None if found is None else found.dtype,
-            "reason": m.reason,
-            "winner": won,
+            "tflops": found and found.tflops, "mfu": found and found.mfu,
+            "mfu_dtype": found and found.dtype, "reason": m.reason, "winner": won,
         })
     return rows
 

@@ -104,7 +104,6 @@ def tune_policy(
         extended=list(trials.yardsticks.extended) if trials.yardsticks else [],
         disturbances=list(timing.watch.events), peak_tflops=peaks,
         cost=TuneCost.of(timing.watch.ran, clock() - start, fp32),
-        round_bounds=(getattr(timing, "max_rounds", REMEASURE_MAX_ROUNDS),
-                      getattr(timing, "leaning_rounds", REMEASURE_LEANING_ROUNDS)),
+        round_bounds=(timing.max_rounds, timing.leaning_rounds),
         late=late,
     )

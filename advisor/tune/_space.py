@@ -193,22 +193,20 @@ def space_for(
     """The space on this hardware: supported modes only (``support`` is
     ``policies.supported_modes(profile)``); FP8 emulated on a CPU only with ``include_emulated``."""
     limits = limits or SpaceLimits()
-    wanted = list(modes) if modes else list(support)
     dtypes = mode_dtypes()
-    chosen = []
-    for mode in wanted:
-        info = support[mode]
-        if not info.supported:  # type: ignore[attr-defined]
-            continue
+    chosen = [
+        mode for mode in (list(modes) if modes else list(support))
+        if support[mode].supported  # type: ignore[attr-defined]
         # FP8 emulated (on a CPU) has FP8's numerics but none of its speed.
-        if dtypes.get(mode) == "fp8" and info.emulated and not include_emulated:  # type: ignore[attr-defined]
-            continue
-        if limits.modes is not None and mode not in limits.modes:
-            continue
-        chosen.append(mode)
+        and not (dtypes.get(mode) == "fp8" and support[mode].emulated  # type: ignore[attr-defined]
+                 and not include_emulated)
+        and (limits.modes is None or mode in limits.modes)
+    ]
     if "fp32" not in chosen:
         chosen.insert(0, "fp32")
-    micro = micro_batch_choices(user_batch, scale_batch=scale_batch) if limits.micro_batch else ((user_batch,) if user_batch else ())
+    micro = micro_batch_choices(user_batch, scale_batch=scale_batch)
+    if not limits.micro_batch:
+        micro = (user_batch,) if user_batch else ()
     return SearchSpace(tuple(chosen), micro, user_batch, scale_batch, limits, fsdp)
 
 

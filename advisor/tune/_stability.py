@@ -1,6 +1,6 @@
 """Stability verdicts: is a candidate's loss curve as good as the fp32 reference's?
 
-The data types are in ``_curves``, the shared measurements and the checks, in order, in
+The data types are in ``_spread``, the shared measurements and the checks, in order, in
 ``_verdict_rules``; the defaults and the evidence for them are in docs/stability.md.
 """
 
@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from advisor.tune import _spread
-from advisor.tune._curves import VERDICT_KINDS as VERDICT_KINDS
-from advisor.tune._curves import StabilityThresholds as StabilityThresholds
-from advisor.tune._curves import TrialCurve as TrialCurve
-from advisor.tune._curves import Verdict as Verdict
+from advisor.tune._spread import VERDICT_KINDS as VERDICT_KINDS
+from advisor.tune._spread import StabilityThresholds as StabilityThresholds
+from advisor.tune._spread import TrialCurve as TrialCurve
+from advisor.tune._spread import Verdict as Verdict
 from advisor.tune._spread import smooth as smooth  # re-exported: part of this module's surface
 from advisor.tune._verdict_rules import (
     STABILITY_CHECKS,
@@ -34,7 +34,8 @@ def __getattr__(name: str) -> tuple[str, ...]:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def judge(candidate: TrialCurve, reference: TrialCurve, thresholds: StabilityThresholds | None = None, *,
+def judge(candidate: TrialCurve, reference: TrialCurve,
+          thresholds: StabilityThresholds | None = None, *,
           replicate: TrialCurve | None = None) -> Verdict:
     """Decide whether a candidate's curve is as stable as the fp32 reference's, step by step
     over their common length.
@@ -44,7 +45,8 @@ def judge(candidate: TrialCurve, reference: TrialCurve, thresholds: StabilityThr
     parameters perturbed by one rounding), the progress and final-gap limits widen to
     ``spread_multiplier`` times how far it drifted, never below the fixed ones.
     """
-    comparison = CurveComparison(candidate, reference, thresholds or StabilityThresholds(), replicate)
+    thresholds = thresholds or StabilityThresholds()
+    comparison = CurveComparison(candidate, reference, thresholds, replicate)
     for check in STABILITY_CHECKS:
         verdict = check(comparison)
         if verdict is not None:
@@ -89,10 +91,12 @@ class Basis:
         return self.candidate_start + self.climb_margin * max(abs(self.candidate_start), TINY)
 
 
-def basis(candidate: TrialCurve, reference: TrialCurve, thresholds: StabilityThresholds | None = None, *,
+def basis(candidate: TrialCurve, reference: TrialCurve,
+          thresholds: StabilityThresholds | None = None, *,
           replicate: TrialCurve | None = None) -> Basis:
     """The levels and limits ``judge`` applies to these curves, without a verdict."""
-    c = CurveComparison(candidate, reference, thresholds or StabilityThresholds(), replicate)
+    c = CurveComparison(candidate, reference, thresholds or StabilityThresholds(),
+                        replicate)
     lv, limits = c.levels, c.limits
     bad = first_nonfinite(candidate.losses, candidate.was_skipped)
     return Basis(

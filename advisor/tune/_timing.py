@@ -53,7 +53,15 @@ class Comparison:
 def summarize(step_times: Sequence[float], warmup: int = DEFAULT_WARMUP) -> TimingSummary:
     """Summarise step times after discarding the ``warmup`` leading steps (ValueError, naming the
     problem, for a bad step time or warm-up, or none left)."""
-    measured = np.asarray(_measured("step_times", step_times, warmup))
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    for i, v in enumerate(step_times):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"step_times[{i}] must be a finite number of seconds >= 0, got {v!r}")
+    if len(step_times) <= warmup:
+        raise ValueError(f"step_times has {len(step_times)} steps and warmup discards {warmup}, "
+                         "leaving none to measure; time more steps or lower warmup")
+    measured = np.asarray(step_times[warmup:], dtype=float)
     median, q1, q3 = (float(v) for v in np.quantile(measured, [0.5, 0.25, 0.75]))
     return TimingSummary(n=len(measured), median=median, q1=q1, q3=q3, iqr=q3 - q1,
                          rel_iqr=(q3 - q1) / median if median > 0 else 0.0,
@@ -153,15 +161,15 @@ def paired_gap(a: Sequence[float], b: Sequence[float], *, confidence: float = DE
     centre = float(stats.trim_mean(logs, GAP_TRIM))
     low, high = centre - half, centre + half
     edge = math.log1p(min_margin)
-    if low > edge:
-        verdict = "faster"
-    elif high < -edge:
-        verdict = "slower"
-    elif low >= -edge and high <= edge:
-        verdict = "tie"
-    else:
-        verdict = "unresolved"
+    verdict = ("faster" if low > edge else "slower" if high < -edge
+               else "tie" if low >= -edge and high <= edge else "unresolved")
     return Gap(math.exp(centre), math.exp(low), math.exp(high), n, confidence, min_margin, verdict)
+
+
+def rounds_gap(a: Sequence[float | None], b: Sequence[float | None]) -> Gap:
+    """``paired_gap`` over the rounds both ran (``None`` marks a round one sat out)."""
+    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    return paired_gap([x for x, _ in pairs], [y for _, y in pairs])
 
 
 def goodput(samples_per_step: int, step_times: Sequence[float], skipped: Sequence[bool],
@@ -181,11 +189,10 @@ def goodput(samples_per_step: int, step_times: Sequence[float], skipped: Sequenc
 def step_spread(step_times: Sequence[float], warmup: int) -> float | None:
     """The 90th percentile of the measured step times over their 10th; ``None`` with fewer than
     ``MIN_SPREAD_STEPS`` measured steps, or a zero 10th percentile."""
-    measured = [float(t) for t in list(step_times)[warmup:]]
-    if len(measured) < MIN_SPREAD_STEPS:
+    if len(step_times) - warmup < MIN_SPREAD_STEPS:
         return None
-    low, high = np.quantile(measured, [0.1, 0.9])
-    return float(high / low) if low > 0 else None
+    found = step_time_range(step_times, warmup)
+    return found[1] / found[0] if found and found[0] > 0 else None
 
 
 def step_time_range(step_times: Sequence[float], warmup: int) -> tuple[float, float] | None:
@@ -197,16 +204,3 @@ def step_time_range(step_times: Sequence[float], warmup: int) -> tuple[float, fl
     low, high = np.quantile(measured, [0.1, 0.9])
     return float(low), float(high)
 
-
-def _measured(name: str, step_times: Sequence[float], warmup: int) -> list[float]:
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
-    values = []
-    for i, v in enumerate(step_times):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name}[{i}] must be a finite number of seconds >= 0, got {v!r}")
-        values.append(float(v))
-    if len(values) <= warmup:
-        raise ValueError(f"{name} has {len(values)} steps and warmup discards {warmup}, leaving none to "
-                         "measure; time more steps or lower warmup")
-    return values[warmup:]

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from advisor.tune import _spread
-from advisor.tune._curves import StabilityThresholds, TrialCurve, Verdict
-from advisor.tune._spread import pct
+from advisor.tune._spread import StabilityThresholds, TrialCurve, Verdict, pct
 from policies import PrecisionMode, mode_class
 from probes import MpadviseError
 
@@ -80,7 +79,8 @@ class CurveComparison:
     def advice(self, kind: str) -> str:
         """The mode class's advice after a failure ``kind`` (or ``"climbed"``); a mode that is not
         registered gets the generic advice."""
-        return (self.mode_class or PrecisionMode).advice(kind, optimizer_eps=self.candidate.optimizer_eps)
+        cls = self.mode_class or PrecisionMode
+        return cls.advice(kind, optimizer_eps=self.candidate.optimizer_eps)
 
     @cached_property
     def window(self) -> int:
@@ -112,7 +112,8 @@ class CurveComparison:
         ref_drop_rel = r_drop / max(abs(r_start), TINY)
         cand_rise_rel = (c_end - c_start) / max(abs(c_start), TINY)
         self.metrics.update(candidate_start=c_start, candidate_end=c_end, reference_start=r_start,
-                            reference_end=r_end, reference_drop=ref_drop_rel, candidate_rise=cand_rise_rel)
+                            reference_end=r_end, reference_drop=ref_drop_rel,
+                            candidate_rise=cand_rise_rel)
         return Levels(c_start, c_end, r_start, r_end, r_drop, ref_drop_rel, cand_rise_rel)
 
     @cached_property
@@ -130,7 +131,8 @@ class CurveComparison:
     def reference_flat(self) -> bool:
         """fp32's loss did not fall, or fell within its own spread: no decrease to compare."""
         lv = self.levels
-        flat = lv.r_drop <= 0 or lv.ref_drop_rel < self.t.min_reference_drop or self.limits.fell_within_spread
+        flat = lv.r_drop <= 0 or lv.ref_drop_rel < self.t.min_reference_drop
+        flat = flat or self.limits.fell_within_spread
         self.metrics["reference_flat"] = flat
         return flat
 
@@ -153,9 +155,10 @@ def _reference_finite(c: CurveComparison) -> Verdict | None:
     if bad is None:
         return None
     return Verdict(False, "reference_not_finite",
-                   f"no verdict possible: the {c.ref_name} reference itself reached a {_describe(losses[bad])} "
-                   f"loss at step {bad + 1} of {len(losses)}, so the script diverges even in full precision; "
-                   "lower the learning rate or fix the script (a log or division by zero, say) before tuning",
+                   f"no verdict possible: the {c.ref_name} reference itself reached a "
+                   f"{_describe(losses[bad])} loss at step {bad + 1} of {len(losses)}, so the "
+                   "script diverges even in full precision; lower the learning rate or fix the "
+                   "script (a log or division by zero, say) before tuning",
                    {"reference_first_nonfinite_step": bad + 1, "steps": len(losses)})
 
 
@@ -167,8 +170,8 @@ def _candidate_finite(c: CurveComparison) -> Verdict | None:
         return None
     applied = " on a step the optimizer applied" if any(candidate.skipped) else ""
     return Verdict(False, "diverged",
-                   f"{c.name} diverged: loss became {_describe(candidate.losses[bad])} at step {bad + 1} "
-                   f"of {len(candidate)}{applied}; {c.advice('diverged')}",
+                   f"{c.name} diverged: loss became {_describe(candidate.losses[bad])} at step "
+                   f"{bad + 1} of {len(candidate)}{applied}; {c.advice('diverged')}",
                    {"first_nonfinite_step": bad + 1, "steps": len(candidate)})
 
 
@@ -177,8 +180,9 @@ def _enough_steps(c: CurveComparison) -> Verdict | None:
     if c.n >= c.t.min_steps:
         return None
     return Verdict(False, "too_short",
-                   f"too few steps to judge {c.name}: {c.n} steps compared, need at least {c.t.min_steps}; "
-                   "run the trial longer (a few hundred optimizer steps give a clear verdict)", {"steps": c.n})
+                   f"too few steps to judge {c.name}: {c.n} steps compared, need at least "
+                   f"{c.t.min_steps}; run the trial longer (a few hundred optimizer steps give a "
+                   "clear verdict)", {"steps": c.n})
 
 
 def _finite_tail(c: CurveComparison) -> Verdict | None:
@@ -191,8 +195,9 @@ def _finite_tail(c: CurveComparison) -> Verdict | None:
         return None
     c.metrics["first_nonfinite_step"] = start + 1
     return Verdict(False, "diverged",
-                   f"{c.name} diverged: loss stayed {_describe(losses[-1])} from step {start + 1} to the end "
-                   f"({c.n} steps), every one skipped by the scaler; {c.advice('diverged')}", c.metrics)
+                   f"{c.name} diverged: loss stayed {_describe(losses[-1])} from step {start + 1} "
+                   f"to the end ({c.n} steps), every one skipped by the scaler; "
+                   f"{c.advice('diverged')}", c.metrics)
 
 
 def _scale_collapse(c: CurveComparison) -> Verdict | None:
@@ -201,10 +206,10 @@ def _scale_collapse(c: CurveComparison) -> Verdict | None:
     if not s.scales or min(s.scales) >= t.min_loss_scale:
         return None
     return Verdict(False, "scale_collapse",
-                   f"{c.name}'s loss scale collapsed to {_format_scale(min(s.scales))}, below the limit of "
-                   f"{_format_scale(t.min_loss_scale)}, with {s.skips} of {s.judged_steps} steps skipped "
-                   f"after the first {s.calibration}: gradients overflow fp16 even unscaled; "
-                   f"{c.advice('scale_collapse')}", c.metrics)
+                   f"{c.name}'s loss scale collapsed to {_format_scale(min(s.scales))}, below the "
+                   f"limit of {_format_scale(t.min_loss_scale)}, with {s.skips} of "
+                   f"{s.judged_steps} steps skipped after the first {s.calibration}: gradients "
+                   f"overflow fp16 even unscaled; {c.advice('scale_collapse')}", c.metrics)
 
 
 def _persistent_skips(c: CurveComparison) -> Verdict | None:
@@ -214,9 +219,9 @@ def _persistent_skips(c: CurveComparison) -> Verdict | None:
         return None
     scale_note = f"; the loss scale fell to {_format_scale(min(s.scales))}" if s.scales else ""
     return Verdict(False, "skips",
-                   f"{c.name} skipped {pct(s.skip_fraction)} of steps after the first {s.calibration} "
-                   f"({s.skips} of {s.judged_steps}; limit {pct(t.max_skip_fraction)}{scale_note}): "
-                   f"{c.advice('skips')}", c.metrics)
+                   f"{c.name} skipped {pct(s.skip_fraction)} of steps after the first "
+                   f"{s.calibration} ({s.skips} of {s.judged_steps}; limit "
+                   f"{pct(t.max_skip_fraction)}{scale_note}): {c.advice('skips')}", c.metrics)
 
 
 def _gradient_underflow(c: CurveComparison) -> Verdict | None:
@@ -226,11 +231,12 @@ def _gradient_underflow(c: CurveComparison) -> Verdict | None:
         return None
     scale_note = f" (lowest loss scale {_format_scale(min(s.scales))})" if s.scales else ""
     return Verdict(False, "underflow",
-                   f"{c.name} loses gradients to underflow: on average {pct(metrics['mean_underflow'])} "
-                   f"of sampled gradient values (up to {pct(metrics['max_underflow'])} on one step) "
-                   f"were flushed to zero or fall below fp16's smallest subnormal (2^-24) once scaled, "
-                   f"where an fp16 backward flushes them, limit "
-                   f"{pct(t.max_underflow_fraction)}{scale_note}; {c.advice('underflow')}", metrics)
+                   f"{c.name} loses gradients to underflow: on average "
+                   f"{pct(metrics['mean_underflow'])} of sampled gradient values (up to "
+                   f"{pct(metrics['max_underflow'])} on one step) were flushed to zero or fall "
+                   "below fp16's smallest subnormal (2^-24) once scaled, where an fp16 backward "
+                   f"flushes them, limit {pct(t.max_underflow_fraction)}{scale_note}; "
+                   f"{c.advice('underflow')}", metrics)
 
 
 def _climb(c: CurveComparison) -> Verdict | None:
@@ -239,9 +245,9 @@ def _climb(c: CurveComparison) -> Verdict | None:
     if not (lv.cand_rise_rel > t.climb_margin and -lv.ref_drop_rel <= t.climb_margin):
         return None
     return Verdict(False, "diverged",
-                   f"{c.name} diverged: its smoothed loss rose {_fmt(lv.c_start)} -> {_fmt(lv.c_end)} "
-                   f"(+{pct(lv.cand_rise_rel)}, limit +{pct(t.climb_margin)}) over {c.n} steps against "
-                   f"{_ref_curve(c)}; {c.advice('climbed')}", c.metrics)
+                   f"{c.name} diverged: its smoothed loss rose {_fmt(lv.c_start)} -> "
+                   f"{_fmt(lv.c_end)} (+{pct(lv.cand_rise_rel)}, limit +{pct(t.climb_margin)}) "
+                   f"over {c.n} steps against {_ref_curve(c)}; {c.advice('climbed')}", c.metrics)
 
 
 def _progress(c: CurveComparison) -> Verdict | None:
@@ -270,7 +276,8 @@ def _final_gap(c: CurveComparison) -> Verdict | None:
     return Verdict(False, "stalled",
                    f"{c.name} fell behind {c.ref_name}: {_flat_note(c)}its smoothed final loss is "
                    f"{_fmt(c.levels.c_end)} against {_fmt(c.levels.r_end)} after {c.n} steps "
-                   f"({_higher(gap)}, {c.limits.describe('final')}); {c.advice('stalled')}", c.metrics)
+                   f"({_higher(gap)}, {c.limits.describe('final')}); {c.advice('stalled')}",
+                   c.metrics)
 
 
 def stable_verdict(c: CurveComparison) -> Verdict:
@@ -285,9 +292,10 @@ def stable_verdict(c: CurveComparison) -> Verdict:
                 f"({c.limits.describe('progress')}), {final}")
     scaler_note = ""
     if c.candidate.skipped:
-        scaler_note = f", {s.skips} skipped step{'s' if s.skips != 1 else ''} after the first {s.calibration}"
-    return Verdict(True, "ok", f"{c.name} is stable over {c.n} steps: {pace}{scaler_note}{_bending_note(c)}",
-                   c.metrics)
+        steps = "step" if s.skips == 1 else "steps"
+        scaler_note = f", {s.skips} skipped {steps} after the first {s.calibration}"
+    reason = f"{c.name} is stable over {c.n} steps: {pace}{scaler_note}{_bending_note(c)}"
+    return Verdict(True, "ok", reason, c.metrics)
 
 
 def _bending_note(c: CurveComparison) -> str:
@@ -327,8 +335,9 @@ def _flat_note(c: CurveComparison) -> str:
         return ""
     if c.limits.fell_within_spread:
         return c.limits.flat_note(_ref_curve(c))
-    return (f"{c.ref_name}'s loss did not fall ({_fmt(c.levels.r_start)} -> {_fmt(c.levels.r_end)}), so "
-            "progress cannot be compared and only the final loss is judged; ")
+    return (f"{c.ref_name}'s loss did not fall ({_fmt(c.levels.r_start)} -> "
+            f"{_fmt(c.levels.r_end)}), so progress cannot be compared and only the final loss is "
+            "judged; ")
 
 
 def _describe(value: float) -> str:
