@@ -9,7 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from advisor.trial import TrialResult
 from advisor.tune._judge import Evaluation, samples_per_step, warmup_of
 from advisor.tune._space import Candidate, Measured, preference_key
 from advisor.tune._steady import Timing
@@ -30,11 +29,9 @@ STOP_OFF = "off"
 @dataclass
 class Finalist:
     """A candidate re-measured side by side with the others before a winner is declared.
-
     ``goodputs``: the search's run, then each re-measurement; ``rounds``: goodput per round,
     ``None`` in a round it sat out; ``gap``: the leader's gap over it (``None`` for the leader).
-    A finalist not ``in_band`` (fp32 beside the best) takes a tie only on two pairs or more.
-    """
+    A finalist not ``in_band`` (fp32 beside the best) takes a tie only on two pairs or more."""
 
     candidate: Candidate
     goodputs: list[float]
@@ -75,13 +72,11 @@ def confirm(
     out_of_time: Callable[[], bool] = lambda: False,
     on_round: Callable[[int, int, int], None] | None = None,
 ) -> Confirmed:
-    """The finalists once re-measurement has settled their gaps, best first.
-
-    A finalist that fails its re-measurement is marked so in ``measured`` and dropped; its going
-    can bring others within the noise of the new best, so the field is drawn again (keeping
-    every round run so far) until a re-measurement drops none. ``on_round`` gets the round's
-    number (from 1), the most rounds and its runs.
-    """
+    """The finalists once re-measurement has settled their gaps, best first. A finalist that fails
+    its re-measurement is marked so in ``measured`` and dropped; its going can bring others within
+    the noise of the new best, so the field is drawn again (keeping every round run so far) until
+    a re-measurement drops none. ``on_round`` gets the round's number (from 1), the most rounds
+    and its runs."""
     history: dict[Candidate, Finalist] = {}
     ref = measured.get(ref_cand)
     companion = None
@@ -173,7 +168,6 @@ def _run_once(trials: Trials, finalist: Finalist, round_: int) -> Measured | Non
     if ev.stable:
         if ev.goodput:  # without sample counts there is nothing to compare; the round stays empty
             finalist.goodputs.append(ev.goodput)
-            finalist.per_sample_times.extend(_per_sample_times(ev.result))
             finalist.rounds[round_] = ev.goodput
         return None
     return Measured(finalist.candidate, finalist.goodputs[0], ev.result.outcome == "ok", False,
@@ -232,13 +226,12 @@ def paired(a: Finalist, b: Finalist) -> Gap:
     return rounds_gap(a.rounds, b.rounds)
 
 
-def _per_sample_times(result: TrialResult) -> list[float]:
-    samples = samples_per_step(result) or 1
-    return [t / samples for t in result.step_times[warmup_of(result):]]
-
-
 def _finalist(m: Measured, ev: Evaluation | None) -> Finalist:
-    return Finalist(m.candidate, [m.goodput], _per_sample_times(ev.result) if ev else [])
+    """A finalist from its search run (times per sample compare across micro-batches)."""
+    if ev is None:
+        return Finalist(m.candidate, [m.goodput], [])
+    samples, times = samples_per_step(ev.result) or 1, ev.result.step_times[warmup_of(ev.result):]
+    return Finalist(m.candidate, [m.goodput], [t / samples for t in times])
 
 
 def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int | None) -> list[Finalist]:
@@ -319,11 +312,9 @@ def _pick_finalist(finalists: list[Finalist], user_batch: int | None, *,
 
 def _pick_by_gap(finalists: list[Finalist], user_batch: int | None, stop: str) -> tuple[Finalist, str]:
     """The safest of the leader and the finalists whose gap to it is not resolved in its favour.
-
     A finalist other than fp32 takes such a tie only when it is itself resolved faster than fp32
     over two or more shared rounds: a tie with the leader hands it the leader's place, not the
-    leader's lead over fp32 (bf16-mixed once took a tie from bf16-true and was written at 0.99x).
-    """
+    leader's lead over fp32 (bf16-mixed once took a tie from bf16-true and was written at 0.99x)."""
     leader = next(f for f in finalists if f.gap is None)
     fp32 = min((f for f in finalists if f.candidate.mode == "fp32"), default=None,
                key=lambda f: preference_key(f.candidate, user_batch))

@@ -1,8 +1,7 @@
 """Interleaved pairs for ``mpadvise trial --pairs N``: fp32 and every stable candidate run again,
 ``N`` rounds in alternating order, so that each speed-up rests on paired runs with an interval
 (one run's ratio scattered from 1.28x to 1.65x on a shared 2-core machine, where it was 1.45x).
-A candidate not stable in a round leaves the rounds, with the reason.
-"""
+A candidate not stable in a round leaves the rounds, with the reason."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The run stage: launch trials through one runner interface, warm or cold.
-
-A runner turns a Policy into a TrialResult: ``ScriptRunner`` runs the user's script in a
-subprocess, ``FunctionRunner`` a function in this process (``advisor.tune(train_fn)``).
-"""
+"""The run stage: launch trials through one runner interface, warm or cold. A runner turns a
+Policy into a TrialResult: ``ScriptRunner`` runs the user's script in a subprocess,
+``FunctionRunner`` a function in this process (``advisor.tune(train_fn)``)."""
 
 from __future__ import annotations
 
@@ -127,11 +125,8 @@ def wait_until_idle(
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Block until NVML shows no other compute process on the profile's GPU (no-op on a CPU);
-    this process's own tree never counts as another's.
-
-    Raises:
-        MpadviseError: the GPU was still busy after ``max_wait_s`` seconds.
-    """
+    this process's own tree never counts as another's. MpadviseError when the GPU is still busy
+    after ``max_wait_s`` seconds."""
     if profile is None or not profile.is_cuda:
         return
     start = clock()
@@ -191,11 +186,9 @@ class _Derives:
 
 class ScriptRunner(_Derives):
     """Run ``python script args`` once per candidate, each in its own process, forked from a warm
-    server (``advisor.trial.WarmLauncher``) shared with the runners derived from this one.
-
-    With ``wait_idle_on`` (a CUDA profile), each trial first waits until that GPU is idle.
-    ``close()`` (or leaving a ``with`` block) ends the server.
-    """
+    server (``advisor.trial.WarmLauncher``) shared with the runners derived from this one;
+    ``close()`` (or leaving a ``with`` block) ends it. With ``wait_idle_on`` (a CUDA profile),
+    each trial first waits until that GPU is idle."""
 
     def __init__(
         self, script: str | os.PathLike[str], args: list[str], settings: TrialSettings, *, python: str | None = None,

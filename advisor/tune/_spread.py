@@ -1,10 +1,8 @@
 """Loss curves: what a trial records (``TrialCurve``), the limits a verdict applies and the verdict
-itself, loss levels, and the limits that the fp32 reference's own run-to-run spread sets on a gap.
-
-A replicate (fp32 with its initial parameters perturbed by about one bf16 rounding) drifts as far
+itself, loss levels, and the limits that the fp32 reference's own run-to-run spread sets on a gap:
+a replicate (fp32 with its initial parameters perturbed by about one bf16 rounding) drifts as far
 as this workload amplifies a perturbation of precision's size; a candidate's gap is judged against
-a multiple of that, never less than the fixed thresholds (docs/stability.md).
-"""
+a multiple of that, never less than the fixed thresholds (docs/stability.md)."""
 
 from __future__ import annotations
 
@@ -20,12 +18,10 @@ VERDICT_KINDS: tuple[str, ...] = ("ok", "diverged", "stalled", "skips", "scale_c
 
 @dataclass(frozen=True)
 class TrialCurve:
-    """What one trial recorded per optimizer step, for one precision mode.
-
-    ``skipped``, ``loss_scale`` and ``underflow`` are empty when not recorded. ``underflow`` is the
-    fraction of sampled gradient values an fp16 backward flushes to zero (scaled magnitude below
-    2**-24). ``optimizer_eps`` matters to the advice after a failure (pure fp16 rounds 1e-8 to 0).
-    """
+    """What one trial recorded per optimizer step, for one precision mode (``skipped``,
+    ``loss_scale`` and ``underflow`` empty when not recorded). ``underflow`` is the fraction of
+    sampled gradient values an fp16 backward flushes to zero (scaled magnitude below 2**-24);
+    ``optimizer_eps`` matters to the advice after a failure (pure fp16 rounds 1e-8 to 0)."""
 
     mode: str
     losses: tuple[float, ...]
@@ -68,14 +64,12 @@ class TrialCurve:
 @dataclass(frozen=True)
 class StabilityThresholds:
     """The limits ``judge`` applies; each default is justified in docs/stability.md.
-
     ``calibration_steps``: skips in the first steps are ignored (GradScaler starts at 2**16 and
     halves on every overflow). ``max_final_gap`` is relative to fp32's final loss.
     ``min_reference_drop``: when fp32 falls by less, progress is not judged, only the final gap.
     ``spread_multiplier``: how many times a replicate's drift the progress shortfall and final
     gap may reach (the fixed limits stay floors; 0 ignores the replicate), the final-gap limit
-    widening to at most ``max_spread_final_gap``.
-    """
+    widening to at most ``max_spread_final_gap``."""
 
     min_steps: int = 32
     calibration_steps: int = 16

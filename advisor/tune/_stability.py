@@ -1,8 +1,6 @@
-"""Stability verdicts: is a candidate's loss curve as good as the fp32 reference's?
-
-The data types are in ``_spread``, the shared measurements and the checks, in order, in
-``_verdict_rules``; the defaults and the evidence for them are in docs/stability.md.
-"""
+"""Stability verdicts: is a candidate's loss curve as good as the fp32 reference's? The data
+types are in ``_spread``, the checks in ``_verdict_rules``; the defaults and their evidence in
+docs/stability.md."""
 
 from __future__ import annotations
 
@@ -37,14 +35,11 @@ def __getattr__(name: str) -> tuple[str, ...]:
 def judge(candidate: TrialCurve, reference: TrialCurve,
           thresholds: StabilityThresholds | None = None, *,
           replicate: TrialCurve | None = None) -> Verdict:
-    """Decide whether a candidate's curve is as stable as the fp32 reference's, step by step
-    over their common length.
-
-    The first of ``STABILITY_CHECKS`` that fails gives the verdict. Non-finite losses on steps the
-    GradScaler skipped count as skips, not divergence. With a ``replicate`` (fp32 with its initial
-    parameters perturbed by one rounding), the progress and final-gap limits widen to
-    ``spread_multiplier`` times how far it drifted, never below the fixed ones.
-    """
+    """Whether a candidate's curve is as stable as the fp32 reference's over their common length:
+    the first of ``STABILITY_CHECKS`` that fails gives the verdict. Non-finite losses on steps the
+    GradScaler skipped count as skips, not divergence. A ``replicate`` (fp32 with its initial
+    parameters perturbed by one rounding) widens the progress and final-gap limits to
+    ``spread_multiplier`` times its drift, never below the fixed ones."""
     thresholds = thresholds or StabilityThresholds()
     comparison = CurveComparison(candidate, reference, thresholds, replicate)
     for check in STABILITY_CHECKS:

@@ -1,11 +1,10 @@
 """Timing noise, behind one seam: the ``Timing`` strategy a tune measures through.
 
-A neighbour's burst during one trial slows some of its steps, and that trial's goodput is then
-wrong by as much as the burst (one disturbed fp32 reference once made every candidate look 17x
-faster). Such a trial shows itself in its step times' spread (90th percentile over 10th); on a
-GPU, another process computing on the device (NVML) disturbs it alike; a ``lost`` trial says
-nothing of its candidate. ``SteadyRunner`` runs each again, a bounded number of times.
-"""
+A neighbour's burst slows some of a trial's steps, and its goodput is then wrong by as much (one
+disturbed fp32 reference once made every candidate look 17x faster). Such a trial shows in its
+step times' spread (90th percentile over 10th); on a GPU, another process computing on it (NVML)
+disturbs it alike; a ``lost`` trial says nothing of its candidate. ``SteadyRunner`` runs each
+again, a bounded number of times."""
 
 from __future__ import annotations
 
@@ -67,11 +66,8 @@ def judge_spread(spread: float | None, usual: float | None) -> tuple[bool, float
 
 @dataclass(frozen=True)
 class Disturbance:
-    """One trial the machine disturbed or lost.
-
-    ``kind``: ``"spread"``, ``"busy-gpu"`` or ``"lost"``. ``kept``, when it was not run again:
-    ``"repeats"`` (two runs spread alike: the machine is this busy now) or ``"spent"``.
-    """
+    """One trial the machine disturbed or lost (``kind``: spread, busy-gpu or lost). ``kept``, when
+    not run again: repeats (two runs spread alike: the machine is this busy now) or spent."""
 
     label: str
     kind: str

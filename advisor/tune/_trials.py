@@ -1,9 +1,7 @@
 """The tune's trial book: the yardsticks every verdict is judged against (the fp32 reference and
 its replicate, fp32 with its initial parameters perturbed once by about one bf16 rounding, whose
-drift widens the stability limits), and every candidate run and judged.
-
-It also re-exports the runners and evaluations under the names their callers import from here.
-"""
+drift widens the stability limits) and every candidate run and judged; also the runners and
+evaluations, re-exported under the names their callers import from here."""
 
 from __future__ import annotations
 
@@ -60,11 +58,9 @@ REPLICATE_PERTURBATION = "bf16"
 @dataclass(frozen=True)
 class Replicate:
     """fp32 run again with the same seed and data, each initial parameter multiplied once by
-    ``1 + u * 2^-8``. A tune stores it with its study, so ``--resume`` reuses it.
-
-    ``identical``: its losses are fp32's bit for bit (the script set the weights after ``setup()``),
-    so it measured no spread. ``draw`` is 1 for the second one a narrow stall asks for.
-    """
+    ``1 + u * 2^-8``; stored with the study, so ``--resume`` reuses it. ``identical``: its losses
+    are fp32's bit for bit (the script set the weights after ``setup()``), so it measured no
+    spread. ``draw`` is 1 for the second one a narrow stall asks for."""
 
     seed: int
     losses: tuple[float, ...] = ()
@@ -169,10 +165,7 @@ def run_reference(
     """Run fp32; while its loss still falls geometrically at the end of the window, run it again
     with twice the window (a 16-bit mode's loss floor shows only once fp32 has fallen below it), up
     to ``MAX_WINDOW_GROWTH`` times what was asked and while it fits before ``deadline``.
-
-    Raises:
-        MpadviseError: the reference failed or is not finite (no verdict is possible).
-    """
+    MpadviseError when the reference failed or is not finite (no verdict is possible)."""
     if on_start:
         on_start("fp32 (reference)")
     result = runner(Policy(mode="fp32"), "fp32")
@@ -208,12 +201,10 @@ def run_reference(
 
 
 class Yardsticks:
-    """fp32 and its replicate at every window length a comparison has used.
-
-    A stable candidate whose gap above fp32 grows (``bending_away``) runs again with twice the window,
-    beside fp32 and the replicate at that window (run once per length), until it levels off, fails or
-    the window cannot grow; a narrow stall is judged again against a second replicate.
-    """
+    """fp32 and its replicate at every window length a comparison has used. A stable candidate
+    whose gap above fp32 grows (``bending_away``) runs again with twice the window, beside fp32 and
+    the replicate at that window (run once per length), until it levels off, fails or the window
+    cannot grow; a narrow stall is judged again against a second replicate."""
 
     def __init__(self, runner: Runner, reference: TrialResult, replicate: Replicate | None, *,
                  thresholds: StabilityThresholds | None = None, asked: int | None = None,
@@ -338,11 +329,8 @@ def run_comparison(
     runner: Runner, candidates: list[tuple[Policy, str]], *, thresholds: StabilityThresholds | None = None,
     on_start: Callable[[int, str], None] | None = None, on_done: Callable[[int, Evaluation], None] | None = None,
 ) -> Comparison:
-    """``mpadvise trial``'s comparison: fp32, its replicate, then each candidate judged against them.
-
-    Raises:
-        MpadviseError: the reference failed or is not finite (no verdict is possible).
-    """
+    """``mpadvise trial``'s comparison: fp32, its replicate, then each candidate judged against
+    them (MpadviseError when the reference failed or is not finite)."""
     fp32 = Policy(mode="fp32")
     asked = runner.measure_steps if isinstance(runner, Extendable) else None
     ref_result, runner, window_note = run_reference(
@@ -416,11 +404,10 @@ class Trials:
         return evaluate("fp32", Policy(mode="fp32"), result, result, thresholds=self.thresholds)
 
     def run_replicate(self, stored: dict[str, Any] | None) -> Evaluation:
-        """Run fp32 perturbed (or reuse the ``stored`` replicate); returns the reference judged with
-        its spread."""
+        """After ``run_reference``, run fp32 perturbed (or reuse the ``stored`` replicate); returns
+        the reference judged with its spread."""
         fp32, reference = Policy(mode="fp32"), self.reference
-        if reference is None:
-            raise RuntimeError("run_replicate needs the reference: call run_reference first")
+        assert reference is not None, "run_reference comes first"
         self.replicate = run_replicate(self.runner, reference, stored=stored, on_start=self.on_start)
         # From here on a candidate bending away from fp32 is judged on a longer window.
         self.yardsticks = Yardsticks(self.runner, reference, self.replicate, thresholds=self.thresholds,

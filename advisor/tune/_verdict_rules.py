@@ -1,8 +1,6 @@
 """The stability rules: the measurements a candidate curve shares with the fp32 reference's
-(``CurveComparison``), and named checks over them, run in order, first failure wins.
-
-The order puts a cause before its symptoms (docs/stability.md, "What is checked, in order").
-"""
+(``CurveComparison``), and named checks over them, run in order, first failure wins; the order
+puts a cause before its symptoms (docs/stability.md, "What is checked, in order")."""
 
 from __future__ import annotations
 
