@@ -1,5 +1,10 @@
 """The answer stage: the winner (ties go to the safer policy), its one speed-up figure with its
-interval, and everything the report, the config file and the cache need."""
+interval, and everything the report, the config file and the cache need.
+
+How far each candidate runs from what the hardware can do: the fp32 reference counts its FLOPs per
+optimizer step once, and every candidate runs the same arithmetic, so its TFLOP/s is that count
+over its median step time; its MFU is that over the probed matmul peak of the dtype its matmuls
+run in (measured here, not a datasheet figure)."""
 
 from __future__ import annotations
 
@@ -19,13 +24,13 @@ from advisor.tune._confirm import (
     pick_winner,
 )
 from advisor.tune._judge import Evaluation, warmup_of
+from advisor.tune._plan import Plan
 from advisor.tune._search import SearchOutcome
 from advisor.tune._space import Candidate, Measured, SearchSpace, preference_key
-from advisor.tune._steady import REMEASURE_LEANING_ROUNDS, REMEASURE_MAX_ROUNDS, Disturbance
-from advisor.tune._timing import DEFAULT_CONFIDENCE, Gap, step_time_range
+from advisor.tune._steady import REMEASURE_LEANING_ROUNDS, REMEASURE_MAX_ROUNDS, Disturbance, Timing
+from advisor.tune._timing import DEFAULT_CONFIDENCE, Gap, rounds_gap, step_time_range
 from advisor.tune._trials import Replicate, Trials
-from advisor.tune._utilisation import Utilisation, utilisation
-from policies import Policy, TunedOn
+from policies import Policy, TunedOn, mode_facts
 from probes import HardwareProfile, hardware_fingerprint
 
 
@@ -74,6 +79,50 @@ class TuneCost:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def compute_dtype(mode: str) -> str:
+    """The dtype a mode's matmuls run in, as the matmul benchmark names it."""
+    facts = mode_facts(mode)
+    if facts.fp8_library is not None:
+        return "fp8"
+    if facts.autocast is not None:
+        return facts.autocast
+    if facts.weights != "fp32":
+        return facts.weights
+    return "tf32" if facts.tf32 else "fp32"
+
+
+@dataclass(frozen=True)
+class Utilisation:
+    """One candidate's achieved throughput against the hardware's; ``peak_tflops`` and ``mfu`` are
+    ``None`` where the dtype's peak was not probed."""
+
+    tflops: float
+    dtype: str
+    peak_tflops: float | None = None
+    mfu: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def utilisation(flops_per_step: float | None, median_step_s: float | None, mode: str,
+                peaks: dict[str, float] | None) -> Utilisation | None:
+    """A candidate's achieved TFLOP/s and MFU; ``None`` without a FLOP count or a step time. A
+    dtype the benchmark did not measure has no MFU; one it measured slower than fp32 is held to
+    fp32's rate (``dtype`` then says ``fp32``)."""
+    if not flops_per_step or not median_step_s or flops_per_step <= 0 or median_step_s <= 0:
+        return None
+    tflops = flops_per_step / median_step_s / 1e12
+    dtype = compute_dtype(mode)
+    peaks = peaks or {}
+    peak = peaks.get(dtype)
+    if peak is not None and peaks.get("fp32") and peak < peaks["fp32"]:
+        # No fast path for this dtype here (bf16 on a CPU without AVX512-BF16 or AMX): the
+        # hardware's best rate for the work is fp32's, and the slow path is no peak to be near.
+        dtype, peak = "fp32", peaks["fp32"]
+    return Utilisation(round(tflops, 6), dtype, peak, round(tflops / peak, 6) if peak else None)
 
 
 @dataclass
@@ -143,8 +192,7 @@ class TuneResult:
         finalist = next((f for f in self.finalists if f.candidate == cand), None)
         if finalist is None or cand.mode == "fp32" and finalist.rounds == self.reference_rounds:
             return None
-        companion = Finalist(cand, [], [], rounds=list(self.reference_rounds))
-        gap = paired(finalist, companion)
+        gap = rounds_gap(finalist.rounds, self.reference_rounds)
         return Speedup.of_gap(gap) if gap.pairs else None
 
     def resumed(self, cand: Candidate) -> bool:
@@ -154,41 +202,32 @@ class TuneResult:
     def to_dict(self) -> dict[str, Any]:
         search, space = self.search, self.space
         return {
-            "winner": None if self.policy is None else self.policy.to_dict(),
-            "winner_label": None if self.winner is None else self.winner.label,
+            "winner": self.policy and self.policy.to_dict(),
+            "winner_label": self.winner and self.winner.label,
             "speedup_vs_fp32": self.winner_speedup,
-            "speedup": None if self.speedup is None else self.speedup.to_dict(),
-            "tie_note": self.tie_note,
-            "scale_batch_note": self.scale_batch_note,
-            "user_batch": space.user_batch,
+            "speedup": self.speedup and self.speedup.to_dict(), "tie_note": self.tie_note,
+            "scale_batch_note": self.scale_batch_note, "user_batch": space.user_batch,
             "space": {"modes": list(space.modes), "micro_batches": list(space.micro_batches),
                       "fsdp": space.fsdp, "grid_size": len(space.grid())},
             "trials_run": search.runs, "trials_resumed": search.resumed, "stop_reason": search.stop_reason,
             "matmul_ratio_vs_fp32": self.dtype_ratio,
             "finalists": [f.to_dict() for f in self.finalists],
-            "remeasure_rounds": self.remeasure_rounds,
-            "remeasure_max_rounds": self.round_bounds[0],
-            "remeasure_leaning_rounds": self.round_bounds[1],
-            "remeasure_stop": self.remeasure_stop,
-            "reference_rounds": self.reference_rounds,
-            "time_budget": self.time_budget,
+            "remeasure_rounds": self.remeasure_rounds, "remeasure_max_rounds": self.round_bounds[0],
+            "remeasure_leaning_rounds": self.round_bounds[1], "remeasure_stop": self.remeasure_stop,
+            "reference_rounds": self.reference_rounds, "time_budget": self.time_budget,
             "gap": self.decisive_gap(),
             "dropped_finalists": [{"label": m.candidate.label, "outcome": m.outcome, "reason": m.reason}
                                   for m in self.dropped],
             "pruned": [{"label": cand.label, "mode": cand.mode, "policy": cand.policy(space.user_batch).to_dict(),
                         "outcome": "pruned", "reason": reason} for cand, reason in search.pruned.items()],
             "reference": self.reference.to_dict(),
-            "replicate": None if self.replicate is None else self.replicate.to_dict(losses=False),
-            "candidates": tune_rows(self),
-            "wall_s": self.wall_s,
-            "window_note": self.window_note,
-            "measure_steps": self.measure_steps,
-            "extended_window": list(self.extended),
+            "replicate": self.replicate and self.replicate.to_dict(losses=False),
+            "candidates": tune_rows(self), "wall_s": self.wall_s, "window_note": self.window_note,
+            "measure_steps": self.measure_steps, "extended_window": list(self.extended),
             "disturbed": [d.to_dict() for d in self.disturbances],
             "flops_per_step": self.reference.result.flops_per_step,
-            "flops_basis": self.reference.result.flops_basis,
-            "peak_tflops": dict(self.peak_tflops),
-            "cost": None if self.cost is None else self.cost.to_dict(),
+            "flops_basis": self.reference.result.flops_basis, "peak_tflops": dict(self.peak_tflops),
+            "cost": self.cost and self.cost.to_dict(),
             "late": [{"mode": mode, "outcome": "unstable", "reason": reason} for mode, reason in self.late.items()],
         }
 
@@ -205,60 +244,67 @@ def tune_rows(result: TuneResult) -> list[dict[str, Any]]:
         search_speedup = m.goodput / ref_good if ref_good and not resumed else None
         won = cand == result.winner
         paired_figure = result.paired_speedup(cand)
-        spread = None if ev is None else step_time_range(ev.result.step_times, warmup_of(ev.result))
+        spread = ev and step_time_range(ev.result.step_times, warmup_of(ev.result))
+        low, high = spread or (None, None)
         found = result.utilisation(cand)
+        basis = "search run"
+        if won and result.speedup:
+            basis = result.speedup.basis
+        elif resumed:
+            basis = "resumed: measured in an earlier run or by another worker"
         rows.append({
-            "label": cand.label,
-            "mode": cand.mode,
+            "label": cand.label, "mode": cand.mode,
             "policy": cand.policy(result.space.user_batch).to_dict(),
-            "outcome": m.outcome or ("ok" if m.stable else "unstable"),
-            "stable": m.stable,
-            "feasible": m.feasible,
-            "goodput": m.goodput,
+            "outcome": m.outcome or ("ok" if m.stable else "unstable"), "stable": m.stable,
+            "feasible": m.feasible, "goodput": m.goodput,
             # The search ran each candidate once: its ratio to fp32 is a single run's. The
             # winner's speed-up is the tune's one figure (re-measured against fp32).
             "search_speedup_vs_fp32": search_speedup,
             "speedup_vs_fp32": result.winner_speedup if won else search_speedup,
-            "speedup_basis": (result.speedup.basis if won and result.speedup else
-                              "resumed: measured in an earlier run or by another worker" if resumed else "search run"),
+            "speedup_basis": basis,
             # Its rounds beside fp32 in this run, when it was re-measured (the winner's is its figure).
-            "paired_speedup": None if paired_figure is None else paired_figure.to_dict(),
-            "resumed": resumed,
+            "paired_speedup": paired_figure and paired_figure.to_dict(), "resumed": resumed,
             # The spread of its search run's measured step times (seconds), for the ± it carries.
-            "step_time_p10": None if spread is None else spread[0],
-            "step_time_p90": None if spread is None else spread[1],
+            "step_time_p10": low, "step_time_p90": high,
             "peak_memory": ev.result.peak_memory if ev else None,
-            "tflops": None if found is None else found.tflops, "mfu": None if found is None else found.mfu,
-            "mfu_dtype": None if found is None else found.dtype,
-            "reason": m.reason,
-            "winner": won,
+            "tflops": found and found.tflops, "mfu": found and found.mfu,
+            "mfu_dtype": found and found.dtype, "reason": m.reason, "winner": won,
         })
     return rows
 
 
-@dataclass(frozen=True)
-class Answer:
-    """What ``answer`` decided: the winner, its policy, its speed-up and the tie note."""
-
-    winner: Candidate | None
-    policy: Policy | None
-    speedup: Speedup | None
-    tie_note: str
-    scale_batch_note: str
-
-
-def answer(confirmed: Confirmed, trials: Trials, ref_cand: Candidate, reference_goodput: float,
-           profile: HardwareProfile, workload: dict[str, Any] | None, trial_count: int) -> Answer:
+def answer(confirmed: Confirmed, trials: Trials, planned: Plan, search: SearchOutcome,
+           reference: Evaluation, profile: HardwareProfile, timing: Timing, *,
+           workload: dict[str, Any] | None, peaks: dict[str, float], time_budget: float | None,
+           late: dict[str, str], wall_s: float) -> TuneResult:
     """The winner among the confirmed finalists, its speed-up over fp32 and its tuned policy
-    (``workload`` adds facts for ``[tuned_on]``; ``trial_count`` counts resumed trials too)."""
-    winner, tie_note = pick_winner(confirmed.finalists, trials.user_batch, stop=confirmed.stop)
+    (``workload`` adds facts for ``[tuned_on]``), with everything the report shows."""
+    user_batch, stop, companion = trials.user_batch, confirmed.stop, confirmed.companion
+    winner, tie_note = pick_winner(confirmed.finalists, user_batch, stop=stop)
     policy = speedup = None
     if winner is not None:
         best = next(f for f in confirmed.finalists if f.candidate == winner)
-        speedup = _speedup(best, confirmed.companion, ref_cand, reference_goodput, stop=confirmed.stop)
-        if speedup is not None:
-            policy = _tuned_policy(winner, best, speedup, trials, profile, workload, trial_count)
-    return Answer(winner, policy, speedup, tie_note, _scale_batch_note(winner, trials.user_batch))
+        speedup = _speedup(best, companion, planned.ref_cand, reference.goodput or 0.0, stop=stop)
+        if speedup is not None:  # trials counted with those a resumed study ran
+            policy = _tuned_policy(winner, best, speedup, trials, profile, workload,
+                                   search.runs + search.resumed)
+    batch_note = ""
+    if winner and winner.micro_batch and user_batch and winner.micro_batch > user_batch:
+        batch_note = (f"the winner uses a global batch of {winner.micro_batch} instead of "
+                      f"{user_batch}: this changes the optimisation (learning-rate and convergence "
+                      "may need retuning)")
+    return TuneResult(
+        reference, planned.space, search, trials.evaluations, confirmed.finalists, winner, policy,
+        tie_note, batch_note, planned.ratios, wall_s, dropped=confirmed.dropped,
+        remeasure_rounds=confirmed.rounds, replicate=trials.replicate, speedup=speedup,
+        remeasure_stop=stop, time_budget=time_budget, window_note=trials.window_note,
+        reference_rounds=list(companion.rounds) if companion else [],
+        measure_steps=getattr(trials.runner, "measure_steps", None),
+        extended=list(trials.yardsticks.extended) if trials.yardsticks else [],
+        disturbances=list(timing.watch.events), peak_tflops=peaks,
+        cost=TuneCost.of(timing.watch.ran, wall_s, trials.reference),
+        round_bounds=(timing.max_rounds, timing.leaning_rounds), late=late,
+    )
 
 
 def _tuned_policy(winner: Candidate, best: Finalist, speedup: Speedup, trials: Trials, profile: HardwareProfile,
@@ -292,10 +338,3 @@ def _speedup(best: Finalist, companion: Finalist | None, ref_cand: Candidate, re
         return None
     why = " (the time budget was spent first)" if stop == STOP_TIME_BUDGET else ""
     return Speedup(round(best.goodputs[0] / reference_goodput, 4), basis=f"single runs, not re-measured{why}")
-
-
-def _scale_batch_note(winner: Candidate | None, user_batch: int | None) -> str:
-    if winner is None or not winner.micro_batch or not user_batch or winner.micro_batch <= user_batch:
-        return ""
-    return (f"the winner uses a global batch of {winner.micro_batch} instead of {user_batch}: this changes "
-            "the optimisation (learning-rate and convergence may need retuning)")

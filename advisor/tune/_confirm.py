@@ -7,13 +7,13 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from advisor.trial import TrialResult
 from advisor.tune._judge import Evaluation, samples_per_step, warmup_of
 from advisor.tune._space import Candidate, Measured, preference_key
 from advisor.tune._steady import Timing
-from advisor.tune._timing import DEFAULT_MIN_MARGIN, Gap, compare, noise_band, paired_gap, summarize
+from advisor.tune._timing import DEFAULT_MIN_MARGIN, Gap, compare, noise_band, rounds_gap, summarize
+from advisor.tune._trials import Trials
 
 # The fewest paired rounds of the winner beside fp32, run here, that its speed-up rests on: its
 # figure in the search may be another worker's (a shared study) or an earlier run's.
@@ -26,22 +26,12 @@ STOP_TIME_BUDGET = "time budget"
 STOP_OFF = "off"
 
 
-class Rerun(Protocol):
-    """``advisor.tune._trials.Trials``."""
-
-    evaluations: dict[Candidate, Evaluation]
-
-    def run_again(self, cand: Candidate, label: str) -> Evaluation: ...
-
-
 @dataclass
 class Finalist:
     """A candidate re-measured side by side with the others before a winner is declared.
-
     ``goodputs``: the search's run, then each re-measurement; ``rounds``: goodput per round,
     ``None`` in a round it sat out; ``gap``: the leader's gap over it (``None`` for the leader).
-    A finalist not ``in_band`` (fp32 beside the best) takes a tie only on two pairs or more.
-    """
+    A finalist not ``in_band`` (fp32 beside the best) takes a tie only on two pairs or more."""
 
     candidate: Candidate
     goodputs: list[float]
@@ -77,23 +67,21 @@ class Confirmed:
 
 
 def confirm(
-    trials: Rerun, measured: dict[Candidate, Measured], user_batch: int | None, ref_cand: Candidate, timing: Timing, *,
-    remeasure: bool = True, out_of_time: Callable[[], bool] = lambda: False,
+    trials: Trials, measured: dict[Candidate, Measured], user_batch: int | None,
+    ref_cand: Candidate, timing: Timing, *, remeasure: bool = True,
+    out_of_time: Callable[[], bool] = lambda: False,
     on_round: Callable[[int, int, int], None] | None = None,
 ) -> Confirmed:
-    """The finalists once re-measurement has settled their gaps, best first.
-
-    A finalist that fails its re-measurement is marked so in ``measured`` and dropped; its going
-    can bring others within the noise of the new best, so the field is drawn again (keeping
-    every round run so far) until a re-measurement drops none. ``on_round`` gets the round's
-    number (from 1), the most rounds and its runs.
-    """
+    """The finalists once re-measurement has settled their gaps, best first. A finalist that fails
+    its re-measurement is marked so in ``measured`` and dropped; its going can bring others within
+    the noise of the new best, so the field is drawn again (keeping every round run so far) until
+    a re-measurement drops none. ``on_round`` gets the round's number (from 1), the most rounds
+    and its runs."""
     history: dict[Candidate, Finalist] = {}
     ref = measured.get(ref_cand)
-    ref_ev = trials.evaluations.get(ref_cand)
     companion = None
     if ref is not None:  # one object for fp32, whether it runs as a finalist or alongside
-        companion = history[ref_cand] = Finalist(ref_cand, [ref.goodput], _per_sample_times(ref_ev.result) if ref_ev else [])
+        companion = history[ref_cand] = _finalist(ref, trials.evaluations.get(ref_cand))
     dropped: list[Measured] = []
     rounds, stop = 0, STOP_OFF
     while True:
@@ -122,8 +110,9 @@ def confirm(
 
 
 def _rounds(
-    trials: Rerun, finalists: list[Finalist], companion: Finalist, first_round: int, user_batch: int | None,
-    timing: Timing, *, out_of_time: Callable[[], bool], on_round: Callable[[int, int, int], None] | None,
+    trials: Trials, finalists: list[Finalist], companion: Finalist, first_round: int,
+    user_batch: int | None, timing: Timing, *, out_of_time: Callable[[], bool],
+    on_round: Callable[[int, int, int], None] | None,
 ) -> tuple[list[Finalist], list[Measured], int, str]:
     """Re-run finalists in interleaved rounds until each gap to the leader is settled; returns
     the finalists left, the failures dropped, the next round's number and why it stopped."""
@@ -162,7 +151,7 @@ def _rounds(
     return active, lost, round_, stop
 
 
-def _measured_elsewhere(trials: Rerun, active: list[Finalist], companion: Finalist,
+def _measured_elsewhere(trials: Trials, active: list[Finalist], companion: Finalist,
                         user_batch: int | None) -> Finalist | None:
     """The finalist that would win now when its figure is not this run's and it holds fewer than
     ``LOCAL_PAIRS`` pairs beside fp32 here; else ``None``."""
@@ -173,13 +162,12 @@ def _measured_elsewhere(trials: Rerun, active: list[Finalist], companion: Finali
     return pick if paired(pick, companion).pairs < LOCAL_PAIRS else None
 
 
-def _run_once(trials: Rerun, finalist: Finalist, round_: int) -> Measured | None:
+def _run_once(trials: Trials, finalist: Finalist, round_: int) -> Measured | None:
     """Run a finalist once more for round ``round_``; returns what dropped it, or ``None``."""
     ev = trials.run_again(finalist.candidate, f"{finalist.candidate.label} (re-measure {round_ + 1})")
     if ev.stable:
         if ev.goodput:  # without sample counts there is nothing to compare; the round stays empty
             finalist.goodputs.append(ev.goodput)
-            finalist.per_sample_times.extend(_per_sample_times(ev.result))
             finalist.rounds[round_] = ev.goodput
         return None
     return Measured(finalist.candidate, finalist.goodputs[0], ev.result.outcome == "ok", False,
@@ -187,13 +175,10 @@ def _run_once(trials: Rerun, finalist: Finalist, round_: int) -> Measured | None
                     reason=f"stable in the search, then {ev.outcome} on re-measurement {round_ + 1}: {ev.reason}")
 
 
-def _finalists(
-    measured: dict[Candidate, Measured], evaluations: dict[Candidate, Evaluation], user_batch: int | None,
-    history: dict[Candidate, Finalist] | None = None,
-) -> list[Finalist]:
+def _finalists(measured: dict[Candidate, Measured], evaluations: dict[Candidate, Evaluation],
+               user_batch: int | None, history: dict[Candidate, Finalist]) -> list[Finalist]:
     """The best stable, feasible candidate and every other within measured noise of it, best
     first; ``history`` keeps finalists (and their rounds) across fields."""
-    history = {} if history is None else history
     stable = [m for m in measured.values() if m.stable and m.feasible and m.goodput > 0]
     if not stable:
         return []
@@ -211,7 +196,7 @@ def _finalists(
         in_band = m.goodput * (1 + noise) >= best.goodput
         if rank == 0 or in_band:
             if m.candidate not in history:
-                history[m.candidate] = Finalist(m.candidate, [m.goodput], _per_sample_times(ev.result) if ev else [])
+                history[m.candidate] = _finalist(m, ev)
             history[m.candidate].in_band = in_band
             out.append(history[m.candidate])
     return out
@@ -238,13 +223,15 @@ def lead(finalists: list[Finalist]) -> Finalist | None:
 
 def paired(a: Finalist, b: Finalist) -> Gap:
     """The gap of ``a`` over ``b`` over the rounds both ran."""
-    pairs = [(x, y) for x, y in zip(a.rounds, b.rounds) if x is not None and y is not None]
-    return paired_gap([x for x, _ in pairs], [y for _, y in pairs])
+    return rounds_gap(a.rounds, b.rounds)
 
 
-def _per_sample_times(result: TrialResult) -> list[float]:
-    samples = samples_per_step(result) or 1
-    return [t / samples for t in result.step_times[warmup_of(result):]]
+def _finalist(m: Measured, ev: Evaluation | None) -> Finalist:
+    """A finalist from its search run (times per sample compare across micro-batches)."""
+    if ev is None:
+        return Finalist(m.candidate, [m.goodput], [])
+    samples, times = samples_per_step(ev.result) or 1, ev.result.step_times[warmup_of(ev.result):]
+    return Finalist(m.candidate, [m.goodput], [t / samples for t in times])
 
 
 def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int | None) -> list[Finalist]:
@@ -264,38 +251,37 @@ def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int 
     return running
 
 
+def _riskier(a: Finalist, b: Finalist, user_batch: int | None) -> int:
+    """1 when ``a`` is the riskier of the two, -1 when ``b`` is, 0 when they rank alike."""
+    a_key, b_key = preference_key(a.candidate, user_batch), preference_key(b.candidate, user_batch)
+    return (a_key > b_key) - (a_key < b_key)
+
+
 def _settled(leader: Finalist, other: Finalist, user_batch: int | None) -> bool:
     """Whether more rounds could not change who wins: the gap is resolved, or the riskier of
     the two cannot be more than the margin faster than the safer (which then wins the tie)."""
     gap = other.gap
     if gap is None or gap.resolved:
         return True
-    lead_key, other_key = preference_key(leader.candidate, user_batch), preference_key(other.candidate, user_batch)
-    if lead_key > other_key:  # the leader is the riskier
-        return gap.a_lead_ruled_out
-    if lead_key < other_key:
-        return gap.b_lead_ruled_out
-    return False
+    riskier = _riskier(leader, other, user_batch)
+    return gap.a_lead_ruled_out if riskier > 0 else gap.b_lead_ruled_out if riskier < 0 else False
 
 
 def _leaning(finalists: list[Finalist], user_batch: int | None) -> bool:
     """Whether an unsettled gap's estimate lies beyond the margin on the riskier finalist's side
     (stopping now would hand the safer one a likely wrong tie). Call after ``lead``."""
     leader = next((f for f in finalists if f.gap is None), None)
-    if leader is None:
-        return False
-    for other in finalists:
+    for other in finalists if leader is not None else []:
         gap = other.gap
-        if gap is None or _settled(leader, other, user_batch):
-            continue
-        edge = 1.0 + gap.min_margin
-        lead_key, other_key = preference_key(leader.candidate, user_batch), preference_key(other.candidate, user_batch)
-        if (lead_key >= other_key and gap.ratio > edge) or (lead_key <= other_key and gap.ratio < 1.0 / edge):
-            return True
+        if gap is not None and not _settled(leader, other, user_batch):
+            riskier, edge = _riskier(leader, other, user_batch), 1.0 + gap.min_margin
+            if (riskier >= 0 and gap.ratio > edge) or (riskier <= 0 and gap.ratio < 1.0 / edge):
+                return True
     return False
 
 
-def pick_winner(finalists: list[Finalist], user_batch: int | None, *, stop: str = STOP_OFF) -> tuple[Candidate | None, str]:
+def pick_winner(finalists: list[Finalist], user_batch: int | None, *,
+                stop: str = STOP_OFF) -> tuple[Candidate | None, str]:
     """The fastest finalist, unless a safer one is within the measured noise (ties go to safety):
     by gap to the leader once re-measured, else by the step times of the search's runs."""
     winner, note = _pick_finalist(finalists, user_batch, stop=stop)
@@ -326,18 +312,17 @@ def _pick_finalist(finalists: list[Finalist], user_batch: int | None, *,
 
 def _pick_by_gap(finalists: list[Finalist], user_batch: int | None, stop: str) -> tuple[Finalist, str]:
     """The safest of the leader and the finalists whose gap to it is not resolved in its favour.
-
     A finalist other than fp32 takes such a tie only when it is itself resolved faster than fp32
     over two or more shared rounds: a tie with the leader hands it the leader's place, not the
-    leader's lead over fp32 (bf16-mixed once took a tie from bf16-true and was written at 0.99x).
-    """
+    leader's lead over fp32 (bf16-mixed once took a tie from bf16-true and was written at 0.99x)."""
     leader = next(f for f in finalists if f.gap is None)
     fp32 = min((f for f in finalists if f.candidate.mode == "fp32"), default=None,
                key=lambda f: preference_key(f.candidate, user_batch))
     tied: list[Finalist] = [leader]
     passed_over: list[tuple[Finalist, Gap]] = []  # each with its gap over fp32
     for f in finalists:
-        if f.gap is None or not (f.gap.verdict == "tie" or (f.gap.verdict == "unresolved" and (f.in_band or f.gap.pairs >= 2))):
+        if f.gap is None or not (f.gap.verdict == "tie" or f.gap.verdict == "unresolved"
+                                 and (f.in_band or f.gap.pairs >= 2)):
             continue
         over_fp32 = None if fp32 is None or f is fp32 else paired(f, fp32)
         if over_fp32 is not None and over_fp32.pairs >= 2 and over_fp32.verdict != "faster":
@@ -349,7 +334,12 @@ def _pick_by_gap(finalists: list[Finalist], user_batch: int | None, stop: str) -
              if preference_key(f.candidate, user_batch) < preference_key(winner.candidate, user_batch)]
     if winner is leader and safer and fp32 is not None:
         other, over_fp32 = min(safer, key=lambda item: preference_key(item[0].candidate, user_batch))
-        return winner, _passed_over_note(leader, other, over_fp32, fp32)
+        ratio, name = other.gap.ratio if other.gap else math.nan, other.candidate.label
+        note = (f"{leader.candidate.label} measured {ratio:.2f}x of the safer {name}, within "
+                f"the noise, but {name} is not resolved faster than {fp32.candidate.label} "
+                f"({over_fp32.ratio:.2f}x, {_interval_text(over_fp32)}, {over_fp32.pairs} paired "
+                f"runs): {leader.candidate.label} keeps the lead")
+        return winner, note
     if winner is leader or winner.gap is None:
         return winner, ""
     gap = winner.gap
@@ -370,11 +360,3 @@ def _interval_text(gap: Gap) -> str:
         return "no interval yet"
     return f"{gap.confidence:.0%} interval {gap.low:.2f}x to {gap.high:.2f}x"
 
-
-def _passed_over_note(leader: Finalist, other: Finalist, over_fp32: Gap, fp32: Finalist) -> str:
-    gap = other.gap
-    assert gap is not None
-    return (f"{leader.candidate.label} measured {gap.ratio:.2f}x of the safer {other.candidate.label}, within the "
-            f"noise, but {other.candidate.label} is not resolved faster than {fp32.candidate.label} "
-            f"({over_fp32.ratio:.2f}x, {_interval_text(over_fp32)}, {over_fp32.pairs} paired runs): "
-            f"{leader.candidate.label} keeps the lead")

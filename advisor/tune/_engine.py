@@ -7,8 +7,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from advisor.tune._answer import Speedup, TuneCost, TuneResult, answer
-from advisor.tune._confirm import LOCAL_PAIRS, Finalist, confirm
+from advisor.tune._answer import TuneCost, TuneResult, answer
+from advisor.tune._confirm import LOCAL_PAIRS, confirm
 from advisor.tune._judge import Evaluation
 from advisor.tune._options import TuneOptions
 from advisor.tune._plan import measure_matmul, plan
@@ -27,7 +27,7 @@ from advisor.tune._trials import Runner, Trials
 from policies import Policy
 from probes import HardwareProfile, hardware_fingerprint
 
-__all__ = ["LOCAL_PAIRS", "REMEASURE_LEANING_ROUNDS", "REMEASURE_MAX_ROUNDS", "Finalist", "Speedup", "TuneCost",
+__all__ = ["LOCAL_PAIRS", "REMEASURE_LEANING_ROUNDS", "REMEASURE_MAX_ROUNDS", "TuneCost",
            "TuneResult", "measure_matmul", "tune_policy"]
 
 
@@ -41,12 +41,8 @@ def tune_policy(
     on_round: Callable[[int, int, int], None] | None = None, timing: Timing | None = None,
     late: Mapping[str, str] | None = None,
 ) -> TuneResult:
-    """Find the fastest stable policy for the workload that ``runner`` runs.
-
-    The runner has the measuring window already; a ``Perturbable`` one also runs fp32's replicate.
-    ``dtype_ratio`` is measured on the device when ``None``; ``remeasure`` re-measures close
-    candidates side by side before declaring a winner; ``on_round`` gets each round's number (from
-    1), the most rounds there can be, and its runs. ``late`` maps the modes a long run's guard
+    """Find the fastest stable policy for the workload ``runner`` runs (its window set; a
+    ``Perturbable`` one also runs fp32's replicate). ``late`` maps the modes a long run's guard
     found unstable to their verdict: they are not run, and a stored study's runs of them lose.
 
     Raises:
@@ -92,19 +88,5 @@ def tune_policy(
     confirmed = confirm(trials, search.measured, trials.user_batch, planned.ref_cand, timing, remeasure=remeasure,
                         out_of_time=out_of_time, on_round=on_round)
     peaks = planned.final_peaks(profile, fp32)
-    answered = answer(confirmed, trials, planned.ref_cand, reference.goodput or 0.0, profile, workload,
-                      search.runs + search.resumed)
-    return TuneResult(
-        reference, planned.space, search, trials.evaluations, confirmed.finalists, answered.winner, answered.policy,
-        answered.tie_note, answered.scale_batch_note, planned.ratios, clock() - start,
-        dropped=confirmed.dropped, remeasure_rounds=confirmed.rounds, replicate=trials.replicate,
-        speedup=answered.speedup, remeasure_stop=confirmed.stop, time_budget=options.time_budget,
-        reference_rounds=list(confirmed.companion.rounds) if confirmed.companion else [],
-        window_note=trials.window_note, measure_steps=getattr(trials.runner, "measure_steps", None),
-        extended=list(trials.yardsticks.extended) if trials.yardsticks else [],
-        disturbances=list(timing.watch.events), peak_tflops=peaks,
-        cost=TuneCost.of(timing.watch.ran, clock() - start, fp32),
-        round_bounds=(getattr(timing, "max_rounds", REMEASURE_MAX_ROUNDS),
-                      getattr(timing, "leaning_rounds", REMEASURE_LEANING_ROUNDS)),
-        late=late,
-    )
+    return answer(confirmed, trials, planned, search, reference, profile, timing, workload=workload,
+                  peaks=peaks, time_budget=options.time_budget, late=late, wall_s=clock() - start)

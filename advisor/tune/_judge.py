@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,11 +75,8 @@ def curve_of(result: TrialResult, mode: str) -> TrialCurve:
 
 def samples_per_step(result: TrialResult) -> int | None:
     """Samples one optimizer step consumed (median over steps), or the reported global batch."""
-    if result.samples:
-        ordered = sorted(s for s in result.samples if s)
-        if ordered:
-            return ordered[len(ordered) // 2]
-    return result.global_batch
+    counted = [s for s in result.samples or () if s]
+    return statistics.median_high(counted) if counted else result.global_batch
 
 
 def evaluate(
@@ -97,8 +95,7 @@ def evaluate(
         return Evaluation(label, policy, result, None, None, None, None, None, None)
     timing = summarize(result.step_times, warmup_of(result))
     good = _goodput(result, thresholds)
-    verdict = None
-    speedup = speed_verdict = gap = None
+    verdict = speedup = speed_verdict = gap = None
     if reference is not None and reference.outcome == "ok" and reference.step_times:
         verdict = judge(curve_of(result, policy.mode), curve_of(reference, "fp32"), thresholds,
                         replicate=replicate)

@@ -1,8 +1,7 @@
 """Interleaved pairs for ``mpadvise trial --pairs N``: fp32 and every stable candidate run again,
 ``N`` rounds in alternating order, so that each speed-up rests on paired runs with an interval
 (one run's ratio scattered from 1.28x to 1.65x on a shared 2-core machine, where it was 1.45x).
-A candidate not stable in a round leaves the rounds, with the reason.
-"""
+A candidate not stable in a round leaves the rounds, with the reason."""
 
 from __future__ import annotations
 
@@ -12,10 +11,10 @@ from typing import Any
 
 from advisor.tune._answer import Speedup
 from advisor.tune._judge import Evaluation, evaluate
-from advisor.tune._reference import Comparison
 from advisor.tune._run import Runner
 from advisor.tune._stability import StabilityThresholds
-from advisor.tune._timing import Gap, paired_gap
+from advisor.tune._timing import rounds_gap
+from advisor.tune._trials import Comparison
 from policies import Policy
 
 PAIRS_MAX = 50
@@ -32,15 +31,9 @@ class PairedRuns:
     fp32_goodputs: list[float | None] = field(default_factory=list)
     dropped: str = ""
 
-    def _paired_rounds(self) -> list[int]:
-        return [r for r, (c, f) in enumerate(zip(self.goodputs, self.fp32_goodputs)) if c is not None and f is not None]
-
-    def gap(self) -> Gap:
-        rounds = self._paired_rounds()
-        return paired_gap([self.goodputs[r] or 0.0 for r in rounds], [self.fp32_goodputs[r] or 0.0 for r in rounds])
-
     def speedup(self) -> Speedup | None:
-        return Speedup.of_gap(self.gap()) if self._paired_rounds() else None
+        gap = rounds_gap(self.goodputs, self.fp32_goodputs)
+        return Speedup.of_gap(gap) if gap.pairs else None
 
     def to_dict(self) -> dict[str, Any]:
         speedup = self.speedup()
@@ -72,8 +65,7 @@ def run_pairs(
         got: dict[str, float | None] = {}
         fp32_got: float | None = None
         for entry in order:
-            label = "fp32" if entry is None else entry.label
-            policy = fp32 if entry is None else entry.policy
+            label, policy = ("fp32", fp32) if entry is None else (entry.label, entry.policy)
             shown = f"{label} (pair {round_ + 1})"
             if on_start:
                 on_start(index, shown)

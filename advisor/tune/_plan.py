@@ -31,9 +31,14 @@ class Plan:
     probed: bool = False
 
     def final_peaks(self, profile: HardwareProfile, reference: TrialResult) -> dict[str, float]:
+        """Each dtype's higher figure of this plan's probe and one more at the tune's end: a
+        neighbour's burst only ever slows a matmul, and two probes minutes apart rarely both
+        meet one."""
         if not (self.probed and reference.flops_per_step):
             return self.peaks
-        return higher_peaks(self.peaks, measure_matmul(profile)[1])
+        first, second = self.peaks, measure_matmul(profile)[1]
+        return {dtype: max(first.get(dtype, 0.0), second.get(dtype, 0.0))
+                for dtype in {**first, **second}}
 
 
 def plan(profile: HardwareProfile, options: TuneOptions, reference: TrialResult, *,
@@ -82,17 +87,7 @@ def late_unstable(events: Iterable[Mapping[str, Any]]) -> dict[str, str]:
 
 def measure_matmul(profile: HardwareProfile) -> tuple[dict[str, float], dict[str, float]]:
     """Matmul throughput per dtype on this device: relative to fp32 (the priors), and in TFLOP/s."""
-    ratios, peaks = {}, {}
-    for row in probes.matmul_benchmark(profile):
-        if row.skipped is None and row.ratio_vs_fp32:
-            ratios[row.dtype] = float(row.ratio_vs_fp32)
-        if row.skipped is None and row.tflops:
-            peaks[row.dtype] = float(row.tflops)
-    ratios["fp32"] = 1.0
-    return ratios, peaks
-
-
-def higher_peaks(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
-    """Each dtype's higher figure of two probes of the matmul peaks: a neighbour's burst only ever
-    slows a matmul, and two probes minutes apart rarely both meet one."""
-    return {dtype: max(first.get(dtype, 0.0), second.get(dtype, 0.0)) for dtype in {**first, **second}}
+    rows = [row for row in probes.matmul_benchmark(profile) if row.skipped is None]
+    ratios = {row.dtype: float(row.ratio_vs_fp32) for row in rows if row.ratio_vs_fp32}
+    peaks = {row.dtype: float(row.tflops) for row in rows if row.tflops}
+    return {**ratios, "fp32": 1.0}, peaks

@@ -1,14 +1,14 @@
-"""The run stage: launch trials through one runner interface, warm or cold.
-
-A runner turns a Policy into a TrialResult: ``ScriptRunner`` runs the user's script in a
-subprocess, ``FunctionRunner`` a function in this process (``advisor.tune(train_fn)``).
-"""
+"""The run stage: launch trials through one runner interface, warm or cold. A runner turns a
+Policy into a TrialResult: ``ScriptRunner`` runs the user's script in a subprocess,
+``FunctionRunner`` a function in this process (``advisor.tune(train_fn)``)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +42,6 @@ from probes import HardwareProfile, MpadviseError
 
 
 class Runner(Protocol):
-
     def __call__(self, policy: Policy, label: str) -> TrialResult: ...
 
 
@@ -55,8 +54,7 @@ class Perturbable(Protocol):
 
     def __call__(self, policy: Policy, label: str) -> TrialResult: ...
 
-    def perturbed(self, perturb: str, draw: int = 0) -> Runner:
-        ...
+    def perturbed(self, perturb: str, draw: int = 0) -> Runner: ...
 
 
 @dataclass(frozen=True)
@@ -92,12 +90,8 @@ class TrialSettings:
                    framework=options.framework, nproc_per_node=options.nproc_per_node)
 
     def spec(self, policy: Policy, result_path: str, label: str) -> TrialSpec:
-        return TrialSpec(
-            policy=policy.to_dict(), result_path=result_path, seed=self.seed, warmup_steps=self.warmup_steps,
-            measure_steps=self.measure_steps, memory_limit=self.memory_limit,
-            first_step_timeout=self.first_step_timeout, device=self.device, label=label, framework=self.framework,
-            nproc_per_node=self.nproc_per_node, perturb=self.perturb, perturb_draw=self.perturb_draw,
-            count_flops=self.count_flops)
+        shared = {k: v for k, v in dataclasses.asdict(self).items() if k != "timeout"}
+        return TrialSpec(policy=policy.to_dict(), result_path=result_path, label=label, **shared)
 
     def launch(self, python: str, launch: Sequence[str] = ()) -> tuple[str, ...]:
         """What goes between the interpreter and the script: ``launch`` itself for one process; for
@@ -116,18 +110,7 @@ class Extendable(Protocol):
 
     def __call__(self, policy: Policy, label: str) -> TrialResult: ...
 
-    def with_measure_steps(self, steps: int) -> Runner:
-        ...
-
-
-@runtime_checkable
-class FlopCountable(Protocol):
-    """A runner whose trials can count one optimizer step's FLOPs (asked of the fp32 reference alone)."""
-
-    def __call__(self, policy: Policy, label: str) -> TrialResult: ...
-
-    def with_flop_count(self, on: bool = True) -> Runner:
-        ...
+    def with_measure_steps(self, steps: int) -> Runner: ...
 
 
 # Set (by the daemon) to make every trial wait until no other process computes on its GPU.
@@ -142,11 +125,8 @@ def wait_until_idle(
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Block until NVML shows no other compute process on the profile's GPU (no-op on a CPU);
-    this process's own tree never counts as another's.
-
-    Raises:
-        MpadviseError: the GPU was still busy after ``max_wait_s`` seconds.
-    """
+    this process's own tree never counts as another's. MpadviseError when the GPU is still busy
+    after ``max_wait_s`` seconds."""
     if profile is None or not profile.is_cuda:
         return
     start = clock()
@@ -170,21 +150,21 @@ def prestarted_launcher(script: str | os.PathLike[str], args: Sequence[str], lau
                         nproc_per_node: int = 1, python: str | None = None) -> WarmLauncher:
     """A warm launcher for a script's trials, its server started now, so that it imports while the
     caller does its own slow work (the probe, the matmul benchmark)."""
-    import sys
-
-    python = python or sys.executable
-    warm = WarmLauncher(python, preload=framework_preload(launch))
+    warm = WarmLauncher(python or sys.executable, preload=framework_preload(launch))
     warm.prestart([*launch, os.fspath(script), *args], env=trial_environment(), nproc_per_node=nproc_per_node)
     return warm
 
 
 class _Derives:
-    """The runners derived from one: the same workload with other settings (``_with``)."""
+    """The runners derived from one: the same workload with other settings, sharing the rest (a
+    script runner's warm server and trial numbers)."""
 
     settings: TrialSettings
 
     def _with(self, **settings: Any) -> Any:
-        raise NotImplementedError
+        derived = copy.copy(self)
+        derived.settings = dataclasses.replace(self.settings, **settings)
+        return derived
 
     @property
     def seed(self) -> int:
@@ -206,18 +186,14 @@ class _Derives:
 
 class ScriptRunner(_Derives):
     """Run ``python script args`` once per candidate, each in its own process, forked from a warm
-    server (``advisor.trial.WarmLauncher``) shared with the runners derived from this one.
-
-    With ``wait_idle_on`` (a CUDA profile), each trial first waits until that GPU is idle.
-    ``close()`` (or leaving a ``with`` block) ends the server.
-    """
+    server (``advisor.trial.WarmLauncher``) shared with the runners derived from this one;
+    ``close()`` (or leaving a ``with`` block) ends it. With ``wait_idle_on`` (a CUDA profile),
+    each trial first waits until that GPU is idle."""
 
     def __init__(
         self, script: str | os.PathLike[str], args: list[str], settings: TrialSettings, *, python: str | None = None,
         wait_idle_on: HardwareProfile | None = None, launch: Sequence[str] = (), warm: WarmLauncher | None = None,
     ) -> None:
-        import sys
-
         self.script = Path(script)
         self.args = list(args)
         self.settings = settings
@@ -237,12 +213,6 @@ class ScriptRunner(_Derives):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _with(self, **settings: Any) -> ScriptRunner:
-        derived = ScriptRunner(self.script, self.args, dataclasses.replace(self.settings, **settings),
-                               python=self.python, wait_idle_on=self.wait_idle_on, launch=self.launch, warm=self.warm)
-        derived._numbers = self._numbers
-        return derived
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         if self.wait_idle_on is not None:
@@ -277,9 +247,6 @@ class FunctionRunner(_Derives):
         self.train_fn = train_fn
         self.settings = settings
 
-    def _with(self, **settings: Any) -> FunctionRunner:
-        return FunctionRunner(self.train_fn, dataclasses.replace(self.settings, **settings))
-
     def __call__(self, policy: Policy, label: str) -> TrialResult:
         profile = probes.profile_for(self.settings.device)
         with tempfile.TemporaryDirectory(prefix="mpadvise-trial-") as tmp:
@@ -291,19 +258,8 @@ class FunctionRunner(_Derives):
                         spec=spec, timeout=self.settings.timeout, wall_s=wall)
 
 
-class Measures(Protocol):
-
-    def measure(self, runner: Runner, policy: Policy, label: str) -> TrialResult: ...
-
-
-def run_candidate(runner: Runner, policy: Policy, label: str, *, timing: Measures | None = None,
-                  memory_limit: int | None = None) -> TrialResult:
-    """One trial of ``policy``, turned out of memory when its peak exceeds ``memory_limit`` bytes."""
-    result = runner(policy, label) if timing is None else timing.measure(runner, policy, label)
-    return limit_memory(result, memory_limit)
-
-
 def limit_memory(result: TrialResult, memory_limit: int | None) -> TrialResult:
+    """``result``, turned out of memory when its peak exceeds ``memory_limit`` bytes."""
     if memory_limit is not None and result.outcome == "ok" and result.peak_memory and result.peak_memory > memory_limit:
         return result.with_outcome(
             "oom", f"peak memory {result.peak_memory / 2**20:.0f} MiB exceeds the limit {memory_limit / 2**20:.0f} MiB")

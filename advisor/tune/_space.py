@@ -103,14 +103,11 @@ class SpaceLimits:
             return False
         if candidate.micro_batch is not None and not self.micro_batch:
             return False
-        if scales_loss(candidate.mode):
-            if (candidate.loss_scale or "dynamic") not in self.loss_scale_kinds:
-                return False
-            if not self.loss_scale_settings and (
-                (candidate.init_scale or 65536.0) != 65536.0 or (candidate.growth_interval or 2000) != 2000
-            ):
-                return False
-        return True
+        if not scales_loss(candidate.mode):
+            return True
+        settings = (candidate.init_scale or 65536.0, candidate.growth_interval or 2000)
+        return (candidate.loss_scale or "dynamic") in self.loss_scale_kinds and (
+            self.loss_scale_settings or settings == (65536.0, 2000))
 
 
 @dataclass(frozen=True)
@@ -193,22 +190,20 @@ def space_for(
     """The space on this hardware: supported modes only (``support`` is
     ``policies.supported_modes(profile)``); FP8 emulated on a CPU only with ``include_emulated``."""
     limits = limits or SpaceLimits()
-    wanted = list(modes) if modes else list(support)
     dtypes = mode_dtypes()
-    chosen = []
-    for mode in wanted:
-        info = support[mode]
-        if not info.supported:  # type: ignore[attr-defined]
-            continue
+    chosen = [
+        mode for mode in (list(modes) if modes else list(support))
+        if support[mode].supported  # type: ignore[attr-defined]
         # FP8 emulated (on a CPU) has FP8's numerics but none of its speed.
-        if dtypes.get(mode) == "fp8" and info.emulated and not include_emulated:  # type: ignore[attr-defined]
-            continue
-        if limits.modes is not None and mode not in limits.modes:
-            continue
-        chosen.append(mode)
+        and not (dtypes.get(mode) == "fp8" and support[mode].emulated  # type: ignore[attr-defined]
+                 and not include_emulated)
+        and (limits.modes is None or mode in limits.modes)
+    ]
     if "fp32" not in chosen:
         chosen.insert(0, "fp32")
-    micro = micro_batch_choices(user_batch, scale_batch=scale_batch) if limits.micro_batch else ((user_batch,) if user_batch else ())
+    micro = micro_batch_choices(user_batch, scale_batch=scale_batch)
+    if not limits.micro_batch:
+        micro = (user_batch,) if user_batch else ()
     return SearchSpace(tuple(chosen), micro, user_batch, scale_batch, limits, fsdp)
 
 
@@ -230,13 +225,11 @@ def upper_bound(
     candidate: Candidate, measured: Mapping[Candidate, Measured], *, user_batch: int | None, reference_goodput: float,
     dtype_ratio: Mapping[str, float],
 ) -> float:
-    """The most goodput this untried candidate could plausibly reach (0 when it cannot run).
-
-    In order: a micro-batch split of settings unstable in a way no split cures stays unstable; a
+    """The most goodput this untried candidate could plausibly reach (0 when it cannot run). In
+    order: a micro-batch split of settings unstable in a way no split cures stays unstable; a
     micro-batch at or above one that ran out of memory cannot fit; a variant of a mode measured
     stable at a micro-batch at least as large is no faster than that run; otherwise the dtype's
-    matmul ratio to fp32 bounds it, and a dtype under half fp32's rate cannot beat fp32.
-    """
+    matmul ratio to fp32 bounds it, and a dtype under half fp32's rate cannot beat fp32."""
     size = candidate.micro_batch or user_batch or 0
     same_mode = [m for m in measured.values() if m.candidate.mode == candidate.mode]
     for m in same_mode:

@@ -1,8 +1,6 @@
-"""Stability verdicts: is a candidate's loss curve as good as the fp32 reference's?
-
-The data types are in ``_curves``, the shared measurements in ``_comparison`` and the checks, in
-order, in ``_verdict_rules``; the defaults and the evidence for them are in docs/stability.md.
-"""
+"""Stability verdicts: is a candidate's loss curve as good as the fp32 reference's? The data
+types are in ``_spread``, the checks in ``_verdict_rules``; the defaults and their evidence in
+docs/stability.md."""
 
 from __future__ import annotations
 
@@ -10,13 +8,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from advisor.tune import _spread
-from advisor.tune._comparison import TINY, CurveComparison, first_nonfinite
-from advisor.tune._curves import VERDICT_KINDS as VERDICT_KINDS
-from advisor.tune._curves import StabilityThresholds as StabilityThresholds
-from advisor.tune._curves import TrialCurve as TrialCurve
-from advisor.tune._curves import Verdict as Verdict
+from advisor.tune._spread import VERDICT_KINDS as VERDICT_KINDS
+from advisor.tune._spread import StabilityThresholds as StabilityThresholds
+from advisor.tune._spread import TrialCurve as TrialCurve
+from advisor.tune._spread import Verdict as Verdict
 from advisor.tune._spread import smooth as smooth  # re-exported: part of this module's surface
-from advisor.tune._verdict_rules import STABILITY_CHECKS, stable_verdict
+from advisor.tune._verdict_rules import (
+    STABILITY_CHECKS,
+    TINY,
+    CurveComparison,
+    first_nonfinite,
+    stable_verdict,
+)
 from policies import safety_order
 from policies import safety_rank as safety_rank  # re-exported: the search ranks ties with it
 
@@ -29,38 +32,21 @@ def __getattr__(name: str) -> tuple[str, ...]:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def judge(
-    candidate: TrialCurve,
-    reference: TrialCurve,
-    thresholds: StabilityThresholds | None = None,
-    *,
-    replicate: TrialCurve | None = None,
-) -> Verdict:
-    """Decide whether a candidate's curve is as stable as the fp32 reference's, step by step
-    over their common length.
-
-    The first of ``STABILITY_CHECKS`` that fails gives the verdict. Non-finite losses on steps the
-    GradScaler skipped count as skips, not divergence. With a ``replicate`` (fp32 with its initial
-    parameters perturbed by one rounding), the progress and final-gap limits widen to
-    ``spread_multiplier`` times how far it drifted, never below the fixed ones.
-    """
-    comparison = _compare(candidate, reference, thresholds, replicate)
+def judge(candidate: TrialCurve, reference: TrialCurve,
+          thresholds: StabilityThresholds | None = None, *,
+          replicate: TrialCurve | None = None) -> Verdict:
+    """Whether a candidate's curve is as stable as the fp32 reference's over their common length:
+    the first of ``STABILITY_CHECKS`` that fails gives the verdict. Non-finite losses on steps the
+    GradScaler skipped count as skips, not divergence. A ``replicate`` (fp32 with its initial
+    parameters perturbed by one rounding) widens the progress and final-gap limits to
+    ``spread_multiplier`` times its drift, never below the fixed ones."""
+    thresholds = thresholds or StabilityThresholds()
+    comparison = CurveComparison(candidate, reference, thresholds, replicate)
     for check in STABILITY_CHECKS:
         verdict = check(comparison)
         if verdict is not None:
             return verdict
     return stable_verdict(comparison)
-
-
-def _compare(
-    candidate: TrialCurve,
-    reference: TrialCurve,
-    thresholds: StabilityThresholds | None,
-    replicate: TrialCurve | None,
-) -> CurveComparison:
-    return CurveComparison(
-        candidate, reference, StabilityThresholds() if thresholds is None else thresholds, replicate,
-    )
 
 
 @dataclass(frozen=True)
@@ -100,15 +86,12 @@ class Basis:
         return self.candidate_start + self.climb_margin * max(abs(self.candidate_start), TINY)
 
 
-def basis(
-    candidate: TrialCurve,
-    reference: TrialCurve,
-    thresholds: StabilityThresholds | None = None,
-    *,
-    replicate: TrialCurve | None = None,
-) -> Basis:
+def basis(candidate: TrialCurve, reference: TrialCurve,
+          thresholds: StabilityThresholds | None = None, *,
+          replicate: TrialCurve | None = None) -> Basis:
     """The levels and limits ``judge`` applies to these curves, without a verdict."""
-    c = _compare(candidate, reference, thresholds, replicate)
+    c = CurveComparison(candidate, reference, thresholds or StabilityThresholds(),
+                        replicate)
     lv, limits = c.levels, c.limits
     bad = first_nonfinite(candidate.losses, candidate.was_skipped)
     return Basis(

@@ -1,11 +1,10 @@
 """Timing noise, behind one seam: the ``Timing`` strategy a tune measures through.
 
-A neighbour's burst during one trial slows some of its steps, and that trial's goodput is then
-wrong by as much as the burst (one disturbed fp32 reference once made every candidate look 17x
-faster). Such a trial shows itself in its step times' spread (90th percentile over 10th); on a
-GPU, another process computing on the device (NVML) disturbs it alike; a ``lost`` trial says
-nothing of its candidate. ``SteadyRunner`` runs each again, a bounded number of times.
-"""
+A neighbour's burst slows some of a trial's steps, and its goodput is then wrong by as much (one
+disturbed fp32 reference once made every candidate look 17x faster). Such a trial shows in its
+step times' spread (90th percentile over 10th); on a GPU, another process computing on it (NVML)
+disturbs it alike; a ``lost`` trial says nothing of its candidate. ``SteadyRunner`` runs each
+again, a bounded number of times."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import probes
 from advisor.trial import TrialResult
@@ -56,27 +55,19 @@ GPU_ROUNDS = 3
 a 5% gap there; a closer one is a tie, won by the safer mode."""
 
 
-class Runs(Protocol):
-    def __call__(self, policy: Policy, label: str) -> TrialResult: ...
-
-
-def judge_spread(spread: float | None, usual: float | None, *, factor: float = SPREAD_FACTOR,
-                 floor: float = SPREAD_FLOOR, first_limit: float = FIRST_SPREAD_LIMIT) -> tuple[bool, float | None]:
+def judge_spread(spread: float | None, usual: float | None) -> tuple[bool, float | None]:
     """Whether a trial whose steps spread by ``spread`` was disturbed, and the limit it was held
-    to (``first_limit`` while there is no ``usual`` spread yet)."""
+    to (``FIRST_SPREAD_LIMIT`` while there is no ``usual`` spread yet)."""
     if spread is None:
         return False, None
-    limit = first_limit if usual is None else max(floor, factor * usual)
+    limit = FIRST_SPREAD_LIMIT if usual is None else max(SPREAD_FLOOR, SPREAD_FACTOR * usual)
     return spread > limit, limit
 
 
 @dataclass(frozen=True)
 class Disturbance:
-    """One trial the machine disturbed or lost.
-
-    ``kind``: ``"spread"``, ``"busy-gpu"`` or ``"lost"``. ``kept``, when it was not run again:
-    ``"repeats"`` (two runs spread alike: the machine is this busy now) or ``"spent"``.
-    """
+    """One trial the machine disturbed or lost (``kind``: spread, busy-gpu or lost). ``kept``, when
+    not run again: repeats (two runs spread alike: the machine is this busy now) or spent."""
 
     label: str
     kind: str
@@ -88,17 +79,16 @@ class Disturbance:
     kept: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "kind": self.kind, "detail": self.detail, "attempt": self.attempt,
-                "rerun": self.rerun, "spread": self.spread, "limit": self.limit, "kept": self.kept,
-                "text": self.describe()}
+        return {**dataclasses.asdict(self), "text": self.describe()}
 
     def describe(self) -> str:
+        then = f"kept the least spread of {self.attempt} runs"
         if self.rerun:
             then = "run again"
         elif self.kept == "repeats":
-            then = f"kept the least spread of {self.attempt} runs: they spread alike, so the machine is this busy now"
+            then += ": they spread alike, so the machine is this busy now"
         else:
-            then = f"kept the least spread of {self.attempt} runs (the machine stayed busy)"
+            then += " (the machine stayed busy)"
         return f"{self.label}: {self.detail}; {then}"
 
 
@@ -107,11 +97,11 @@ class DisturbanceWatch:
     """The spreads of a tune's steady trials and every disturbance, shared by derived runners."""
 
     profile: HardwareProfile | None = None
-    max_reruns: int = MAX_RERUNS
     spreads: list[float] = field(default_factory=list)
     events: list[Disturbance] = field(default_factory=list)
     busy: Callable[[HardwareProfile], list[int]] | None = None  # tests pass a fake NVML reading
     ran: list[TrialResult] = field(default_factory=list)  # every trial run, reruns included
+
     @property
     def usual(self) -> float | None:
         return statistics.median(self.spreads) if self.spreads else None
@@ -125,7 +115,7 @@ class DisturbanceWatch:
 
     def check(self, result: TrialResult, label: str, attempt: int, others: list[int]) -> Disturbance | None:
         """The disturbance a finished trial shows, or ``None`` when it is steady."""
-        rerun = attempt <= self.max_reruns
+        rerun = attempt <= MAX_RERUNS
         if result.outcome == "lost":
             return Disturbance(label, "lost", result.reason or "lost before the candidate was applied", attempt, rerun)
         if others:
@@ -196,31 +186,19 @@ class SteadyRunner:
                 return self.watch.keep(runs)
 
 
-class Timing(Protocol):
-    """How a tune measures a trial's window, compares paired runs, and bounds re-measurement."""
-
-    watch: DisturbanceWatch
-
-    def measure(self, runner: Runs, policy: Policy, label: str) -> TrialResult: ...
-
-    def compare(self, a: Sequence[float], b: Sequence[float]) -> Gap: ...
-
-    def remeasure(self, rounds: int, *, leaning: bool) -> bool: ...
-
-    def most_rounds(self, rounds: int, *, leaning: bool) -> int: ...
-
-
 @dataclass
 class CpuTiming:
-    """Close finalists paired for up to ``max_rounds`` rounds (``leaning_rounds`` while a gap
-    leans towards the riskier finalist)."""
+    """How a tune measures a trial's window, compares paired runs, and bounds re-measurement: close
+    finalists paired for up to ``max_rounds`` rounds (``leaning_rounds`` while a gap leans towards
+    the riskier finalist)."""
 
     watch: DisturbanceWatch = field(default_factory=DisturbanceWatch)
     max_rounds: int = REMEASURE_MAX_ROUNDS
     leaning_rounds: int = REMEASURE_LEANING_ROUNDS
     min_margin: float = DEFAULT_MIN_MARGIN
 
-    def measure(self, runner: Runs, policy: Policy, label: str) -> TrialResult:
+    def measure(self, runner: Callable[[Policy, str], TrialResult], policy: Policy,
+                label: str) -> TrialResult:
         return SteadyRunner(runner, self.watch)(policy, label)
 
     def compare(self, a: Sequence[float], b: Sequence[float]) -> Gap:
@@ -239,8 +217,9 @@ class GpuTiming(CpuTiming):
     leaning_rounds: int = GPU_ROUNDS
 
 
+Timing = CpuTiming  # the strategy's interface: GpuTiming differs in its round bounds alone
+
+
 def timing_for(profile: HardwareProfile | None) -> Timing:
     watch = DisturbanceWatch(profile=profile)
-    if profile is not None and profile.is_cuda:
-        return GpuTiming(watch)
-    return CpuTiming(watch)
+    return GpuTiming(watch) if profile is not None and profile.is_cuda else CpuTiming(watch)

@@ -1,8 +1,6 @@
-"""Step-time statistics: robust summaries, noise-aware comparisons, gaps and goodput.
-
-Medians and quartiles rather than means, because step times on a shared machine have heavy
-tails (a neighbour's burst, a page fault, a GC pause).
-"""
+"""Step-time statistics: robust summaries, noise-aware comparisons, gaps and goodput. Medians
+and quartiles rather than means: step times on a shared machine have heavy tails (a neighbour's
+burst, a page fault, a GC pause)."""
 
 from __future__ import annotations
 
@@ -53,7 +51,15 @@ class Comparison:
 def summarize(step_times: Sequence[float], warmup: int = DEFAULT_WARMUP) -> TimingSummary:
     """Summarise step times after discarding the ``warmup`` leading steps (ValueError, naming the
     problem, for a bad step time or warm-up, or none left)."""
-    measured = np.asarray(_measured("step_times", step_times, warmup))
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    for i, v in enumerate(step_times):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"step_times[{i}] must be a finite number of seconds >= 0, got {v!r}")
+    if len(step_times) <= warmup:
+        raise ValueError(f"step_times has {len(step_times)} steps and warmup discards {warmup}, "
+                         "leaving none to measure; time more steps or lower warmup")
+    measured = np.asarray(step_times[warmup:], dtype=float)
     median, q1, q3 = (float(v) for v in np.quantile(measured, [0.5, 0.25, 0.75]))
     return TimingSummary(n=len(measured), median=median, q1=q1, q3=q3, iqr=q3 - q1,
                          rel_iqr=(q3 - q1) / median if median > 0 else 0.0,
@@ -66,13 +72,10 @@ def noise_band(a: TimingSummary, b: TimingSummary, *, min_margin: float = DEFAUL
 
 
 def compare(a: TimingSummary, b: TimingSummary, *, min_margin: float = DEFAULT_MIN_MARGIN) -> Comparison:
-    """Whether ``a`` is faster than ``b``, slower, or a tie within the noise.
-
-    The band is half the larger relative IQR, never less than ``min_margin``. It does not
-    shrink with the number of steps (as a standard error would) because consecutive step times
-    on a shared machine are correlated: a neighbour's job slows a run of steps, not single ones.
-    ``min_margin`` keeps quiet devices from calling a winner on a lead too small to matter.
-    """
+    """Whether ``a`` is faster than ``b``, slower, or a tie within the noise: half the larger
+    relative IQR, never less than ``min_margin`` (so a quiet device calls no winner on a lead too
+    small to matter). It does not shrink with the steps, as a standard error would: a neighbour's
+    job slows a run of consecutive steps, not single ones."""
     for name, summary in (("a", a), ("b", b)):
         if not summary.median > 0:
             raise ValueError(f"compare: {name}.median must be > 0 seconds to form a ratio, got {summary.median!r}")
@@ -84,12 +87,9 @@ def compare(a: TimingSummary, b: TimingSummary, *, min_margin: float = DEFAULT_M
 
 @dataclass(frozen=True)
 class Gap:
-    """How much faster ``a`` runs than ``b`` over paired runs, with a confidence interval.
-
-    ``low``/``high`` are 0 and inf with fewer than two pairs. ``verdict``, said of ``a``:
-    ``"faster"``/``"slower"`` when the whole interval lies beyond ``min_margin`` on one side,
-    ``"tie"`` when it lies within it, ``"unresolved"`` when it straddles the margin.
-    """
+    """How much faster ``a`` runs than ``b`` over paired runs, with a confidence interval (0 and
+    inf with fewer than two pairs). ``verdict``, of ``a``: faster/slower when the whole interval
+    lies beyond ``min_margin`` on one side, tie within it, unresolved when it straddles it."""
 
     ratio: float
     low: float
@@ -124,16 +124,11 @@ class Gap:
 
 def paired_gap(a: Sequence[float], b: Sequence[float], *, confidence: float = DEFAULT_CONFIDENCE,
                min_margin: float = DEFAULT_MIN_MARGIN) -> Gap:
-    """The gap between two configurations from goodputs of paired runs, with its interval.
-
-    Each pair is one run of each, back to back, so a slow spell of the machine hits both alike.
-    The estimate is the 20%-trimmed mean of the log ratios with Yuen's interval, so that one
-    run a neighbour's burst slowed does not hide a real gap (with up to four pairs this is the
-    paired t interval). Runs, unlike steps, are independent, so the interval narrows with runs.
-
-    Raises:
-        ValueError: ``a`` and ``b`` differ in length, or a goodput is not a positive finite number.
-    """
+    """The gap between two configurations from goodputs of paired runs (one run of each, back to
+    back, so a slow spell hits both alike), with its interval: the 20%-trimmed mean of the log
+    ratios with Yuen's interval, so one run a neighbour's burst slowed hides no real gap (up to
+    four pairs, the paired t interval). Runs, unlike steps, are independent: it narrows with runs.
+    ValueError for unequal lengths or a goodput that is not a positive finite number."""
     if len(a) != len(b):
         raise ValueError(f"paired_gap: a has {len(a)} runs but b has {len(b)}; give one goodput of each per pair")
     for name, values in (("a", a), ("b", b)):
@@ -153,23 +148,22 @@ def paired_gap(a: Sequence[float], b: Sequence[float], *, confidence: float = DE
     centre = float(stats.trim_mean(logs, GAP_TRIM))
     low, high = centre - half, centre + half
     edge = math.log1p(min_margin)
-    if low > edge:
-        verdict = "faster"
-    elif high < -edge:
-        verdict = "slower"
-    elif low >= -edge and high <= edge:
-        verdict = "tie"
-    else:
-        verdict = "unresolved"
+    verdict = ("faster" if low > edge else "slower" if high < -edge
+               else "tie" if low >= -edge and high <= edge else "unresolved")
     return Gap(math.exp(centre), math.exp(low), math.exp(high), n, confidence, min_margin, verdict)
+
+
+def rounds_gap(a: Sequence[float | None], b: Sequence[float | None]) -> Gap:
+    """``paired_gap`` over the rounds both ran (``None`` marks a round one sat out)."""
+    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    return paired_gap([x for x, _ in pairs], [y for _, y in pairs])
 
 
 def goodput(samples_per_step: int, step_times: Sequence[float], skipped: Sequence[bool],
             warmup: int = DEFAULT_WARMUP, *, calibration_steps: int = 0) -> float:
-    """Samples per second that reach the optimizer over the steps after the warm-up, over the
-    median step time: a skipped step costs its time but its samples do not count. Skips within
-    the first ``calibration_steps`` (the scaler's initial back-off, a one-time cost) are not lost.
-    """
+    """Samples per second that reach the optimizer after the warm-up, over the median step time:
+    a skipped step costs its time but its samples do not count, except within the first
+    ``calibration_steps`` (the scaler's initial back-off, a one-time cost)."""
     if skipped and len(skipped) != len(step_times):
         raise ValueError(f"goodput: skipped has {len(skipped)} entries but step_times has "
                          f"{len(step_times)}; give one per step, or none when no scaler ran")
@@ -181,11 +175,10 @@ def goodput(samples_per_step: int, step_times: Sequence[float], skipped: Sequenc
 def step_spread(step_times: Sequence[float], warmup: int) -> float | None:
     """The 90th percentile of the measured step times over their 10th; ``None`` with fewer than
     ``MIN_SPREAD_STEPS`` measured steps, or a zero 10th percentile."""
-    measured = [float(t) for t in list(step_times)[warmup:]]
-    if len(measured) < MIN_SPREAD_STEPS:
+    if len(step_times) - warmup < MIN_SPREAD_STEPS:
         return None
-    low, high = np.quantile(measured, [0.1, 0.9])
-    return float(high / low) if low > 0 else None
+    found = step_time_range(step_times, warmup)
+    return found[1] / found[0] if found and found[0] > 0 else None
 
 
 def step_time_range(step_times: Sequence[float], warmup: int) -> tuple[float, float] | None:
@@ -197,16 +190,3 @@ def step_time_range(step_times: Sequence[float], warmup: int) -> tuple[float, fl
     low, high = np.quantile(measured, [0.1, 0.9])
     return float(low), float(high)
 
-
-def _measured(name: str, step_times: Sequence[float], warmup: int) -> list[float]:
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
-    values = []
-    for i, v in enumerate(step_times):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name}[{i}] must be a finite number of seconds >= 0, got {v!r}")
-        values.append(float(v))
-    if len(values) <= warmup:
-        raise ValueError(f"{name} has {len(values)} steps and warmup discards {warmup}, leaving none to "
-                         "measure; time more steps or lower warmup")
-    return values[warmup:]

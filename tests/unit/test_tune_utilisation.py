@@ -16,9 +16,9 @@ from test_search_remeasure import MODES
 import probes
 from advisor.cli._report import render_tune
 from advisor.trial import TrialResult
+from advisor.tune._answer import compute_dtype, utilisation
 from advisor.tune._engine import TuneCost
 from advisor.tune._service import cache_rows
-from advisor.tune._utilisation import compute_dtype, utilisation
 from probes import BenchRow
 
 # The whole report (mpadvise tune --verbose): it holds every figure these tests read.
