@@ -103,7 +103,15 @@ def shown_url(url: str | None) -> str | None:
         user, colon, _ = authority.partition(":")
         rest = f"{user}{':***' if colon else ''}@{after}{rest[len(authority) + 1 + len(after):]}"
     masked = f"{scheme}://{rest}"
-    return re.sub(r"([?&])[^&=]*password[^&=]*=[^&]*&?", r"\1", masked, flags=re.IGNORECASE).rstrip("?&")
+    import sqlalchemy.engine
+    import sqlalchemy.exc
+
+    try:
+        parsed = sqlalchemy.engine.make_url(masked)
+    except (sqlalchemy.exc.ArgumentError, ValueError):  # not a URL SQLAlchemy reads: mask by hand
+        return re.sub(r"([?&])[^&=]*password[^&=]*=[^&]*&?", r"\1", masked, flags=re.IGNORECASE).rstrip("?&")
+    query = {k: v for k, v in parsed.query.items() if "password" not in k.lower()}
+    return parsed.set(query=query).render_as_string(hide_password=True)
 
 
 def resolve_storage(given: str | None, environ: Mapping[str, str]) -> str | None:
