@@ -1,7 +1,7 @@
 """What a whole tune of a GPT-sized script costs: its trials and its trial-equivalents.
 
 Runs ``mpadvise tune examples/gpt_lm.py --json --fresh`` (a CPU size by default) ``--repeats``
-times, each in a fresh cache directory, and prints each run's winner, trials, re-measure rounds,
+times, each in a fresh cache directory, and prints each run's winner, trials (the fp32 reference and its replicate included), re-measure rounds,
 wall time and ``cost.trial_equivalents`` (the tune's wall time over one measured window of the
 fp32 reference: start-up, warm-up and every rerun count as overhead), then their medians.
 
@@ -35,7 +35,7 @@ def tune(home: Path, script_args: list[str]) -> dict:
         sys.exit(f"error: the tune exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
     data = json.loads(proc.stdout)
     cost = data.get("cost") or {}
-    return {"winner": (data.get("winner") or {}).get("mode"), "trials": data.get("trials_run"),
+    return {"winner": (data.get("winner") or {}).get("mode"), "trials": cost.get("trials"),
             "remeasure_rounds": data.get("remeasure_rounds"), "wall_s": round(wall, 1),
             "trial_equivalents": cost.get("trial_equivalents"), "window_s": cost.get("window_s")}
 

@@ -199,7 +199,7 @@ class _OutageAt:
         return {c.mode: m.goodput for c, m in outcome.measured.items()}, ran
 
 
-OUTAGE_PARTS = 2
+OUTAGE_PARTS = 4
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
