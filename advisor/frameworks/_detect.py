@@ -62,21 +62,16 @@ def _decide(imports: Iterable[_Imports | None]) -> str | None:
     return next((cls.name for cls in detection_order() if cls.name in found), None)
 
 
-def _meanings() -> dict[str, dict[str, str]]:
-    table: dict[str, dict[str, str]] = {}
-    for cls in detection_order():
-        for module, names in cls.detected_by.items():
-            for name in names:
-                table.setdefault(module, {}).setdefault(name, cls.name)
-    return table
-
-
 def _read(source: str | bytes) -> _Imports | None:
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return None
-    meanings = _meanings()
+    meanings: dict[str, dict[str, str]] = {}  # module -> imported name -> framework
+    for cls in detection_order():
+        for module, names in cls.detected_by.items():
+            for name in names:
+                meanings.setdefault(module, {}).setdefault(name, cls.name)
     imports = _Imports()
     aliases: dict[str, str] = {}  # local name of an imported module -> module
     for node in ast.walk(tree):

@@ -1,9 +1,6 @@
-"""Which frameworks and export targets exist: one ordered registry of adapter classes.
-
-Every list of frameworks reads it: ``FRAMEWORKS``, detection, the ``--framework`` check, the
-traits, the trial child's dispatch and ``mpadvise export --to``. Adding a framework is its
-adapter class and one ``register_framework`` line; adding an export target is one
-``_export_<target>.py`` module with its ``Exporter`` and one line here.
+"""Which frameworks and export targets exist: one ordered registry of adapter classes, which every
+list of frameworks reads. Adding a framework is its adapter class and one ``register_framework``
+line; adding an export target is one ``_export_<target>.py`` module and one line here.
 """
 
 from __future__ import annotations
@@ -93,8 +90,7 @@ def check_framework(name: str) -> str:
 
 
 def choose(name: str, choices: Iterable[str], *, what: str) -> str:
-    """The one of ``choices`` a user means by ``name``, in any case; else a UsageError (exit 2)
-    naming the closest choices and all of them."""
+    """The one of ``choices`` a user means by ``name``, in any case; else a UsageError."""
     names = tuple(choices)
     text = str(name).strip()
     by_lower = {choice.lower(): choice for choice in names}
@@ -143,12 +139,11 @@ def check_target(name: str | None) -> str:
 def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: str | None = None,
                   script: Path | None = None) -> Export:
     """``policy`` as ``target``'s own settings, judged by the framework's traits (none for the
-    export-only targets); ``script``: for a target that writes against it (``reads_script``)."""
+    export-only targets); ``script``: for a target that writes against it (``torch``)."""
     target = check_target(target)
     framework = _FRAMEWORKS.get(target)
     exporter = _EXPORTERS[target]()
-    if getattr(exporter, "reads_script", False):
-        exporter.script = script  # type: ignore[attr-defined]
+    exporter.script = script
     return exporter.export(policy, traits=None if framework is None else framework.traits(), device=device, source=source)
 
 
