@@ -20,7 +20,6 @@ from probes import MpadviseError
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
 
-# torch's names of the dtype families.
 TORCH_DTYPE: Mapping[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # Marks a function an adapter has wrapped, so that a second install wraps it no more.
 PATCHED = "__mpadvise_patched__"

@@ -31,8 +31,7 @@ class _Imports:
 
 def detect_framework(source: str | bytes) -> str | None:
     """The framework a script's source trains with, ``LOOP_API``, or ``None`` (pure)."""
-    imports = _read(source)
-    return None if imports is None else _decide([imports])
+    return _decide([_read(source)])
 
 
 def detect_script_framework(script: Path) -> str | None:

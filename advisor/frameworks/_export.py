@@ -6,7 +6,6 @@ and written by the format's own writer, or as Python from fixed lines whose ever
 ``repr``: text from outside (the config path, the policy file) never becomes code. What the
 policy leaves to the script (its batch, its clipping) stays the script's, with a note. A
 bounded difference is a named warning (``ExportWarning``); anything more is ``ExportRefused``.
-Each target family is an ``_export_<target>`` module.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from probes import MpadviseError, UsageError
 
 DEVICES = ("cuda", "cpu")
 
-# The format a file's extension asks ``--out`` for.
 FORMAT_OF_SUFFIX: Mapping[str, str] = {".py": "python", ".json": "json", ".yaml": "yaml", ".yml": "yaml"}
 
 
