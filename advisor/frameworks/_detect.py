@@ -35,8 +35,7 @@ def detect_framework(source: str | bytes) -> str | None:
 
 
 def detect_script_framework(script: Path) -> str | None:
-    """As ``detect_framework``, also reading the modules beside the script that it imports (one
-    level deep). MpadviseError if unreadable."""
+    """As ``detect_framework``, also reading the modules beside the script that it imports."""
     try:
         source = script.read_bytes()
     except OSError as exc:

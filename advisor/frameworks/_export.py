@@ -239,8 +239,7 @@ class Exporter:
 
     def export(self, policy: Policy, *, traits: FrameworkTraits | None, device: str,
                source: str | None) -> Export:
-        """``policy`` as this target's settings on ``device``; ``traits`` ``None`` for the
-        export-only targets, which judge for themselves. UsageError for an unknown device."""
+        """``policy`` as this target's settings (``traits``: ``None`` for export-only targets)."""
         if device not in DEVICES:
             raise UsageError(f"unknown device {device!r} for an export; expected one of {', '.join(DEVICES)}")
         job = _Job(policy, self.target, self.title, device, source)

@@ -201,8 +201,7 @@ def _installed(packages: Iterable[str]) -> list[str]:
 
 def _patch_init(cls: type, package: str, adjust: Callable[[str, dict[str, Any]], dict[str, Any]],
                 built: Callable[[Any], None]) -> None:
-    """Wrap ``cls.__init__`` in place: ``adjust`` rewrites the keyword arguments (for the Lightning
-    flavour ``package``), ``built`` sees the object made."""
+    """Wrap ``cls.__init__``: ``adjust(package, kwargs)`` rewrites its arguments; ``built(obj)``."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:

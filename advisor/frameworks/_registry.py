@@ -35,8 +35,7 @@ _EXPORTERS: dict[str, type[Exporter]] = {}
 
 
 def register_framework(cls: AdapterT, *, exporter: type[Exporter] | None = None) -> AdapterT:
-    """Add a ``FrameworkAdapter`` subclass after those registered, with the ``Exporter`` that
-    writes its settings (``None``: no export); TypeError or ValueError naming what is wrong."""
+    """Add a ``FrameworkAdapter`` subclass, with the ``Exporter`` of its settings, if any."""
     if not (isinstance(cls, type) and issubclass(cls, FrameworkAdapter)):
         raise TypeError(f"register_framework: {cls!r} is not a FrameworkAdapter subclass; derive the "
                         "framework's class from advisor.frameworks.FrameworkAdapter")
@@ -138,8 +137,7 @@ def check_target(name: str | None) -> str:
 
 def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: str | None = None,
                   script: Path | None = None) -> Export:
-    """``policy`` as ``target``'s own settings, judged by the framework's traits (none for the
-    export-only targets); ``script``: for a target that writes against it (``torch``)."""
+    """``policy`` as ``target``'s own settings, judged by its framework's traits (if it has one)."""
     target = check_target(target)
     framework = _FRAMEWORKS.get(target)
     exporter = _EXPORTERS[target]()

@@ -267,8 +267,7 @@ def _wrap_clipping(steps: Steps) -> None:
 
 
 class RunGuard:
-    """Watches a framework or plain script's optimizer steps (``setting``: ``"warn"`` or
-    ``"fallback"``); warns once and records the event."""
+    """Watches a script's optimizer steps (``setting``: warn or fallback); warns once, records."""
 
     def __init__(self, policy: Policy, setting: str) -> None:
         self.policy = policy
