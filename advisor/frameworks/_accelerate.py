@@ -14,13 +14,14 @@ from advisor.frameworks._accelerate_record import Steps
 from advisor.frameworks._adapter import (
     Application,
     FrameworkAdapter,
+    around,
     fp16_loss_scale,
     hold_switches,
     scaler_kwargs,
     shift_seed,
     wrap_once,
 )
-from policies import Fp8Options, LossScale, Policy, create_mode, mode_facts
+from policies import Fp8Options, LossScale, Policy, create_mode
 from probes import MpadviseError
 
 if TYPE_CHECKING:
@@ -52,11 +53,7 @@ class AccelerateSettings:
 
 def accelerate_settings(policy: Policy) -> AccelerateSettings:
     """What the Accelerator must be given to run ``policy``, from its mode's facts."""
-    facts = mode_facts(policy.mode)
-    if not AccelerateAdapter.expresses(facts):
-        raise MpadviseError(
-            f"Accelerate cannot apply mode {policy.mode}; it can apply {', '.join(AccelerateAdapter.modes())}"
-        )
+    facts = AccelerateAdapter.facts_for(policy)
     if facts.fp8_library == "transformer_engine":
         return AccelerateSettings("fp8", te_recipe=te_recipe_kwargs(policy.fp8 or Fp8Options()), tf32=facts.tf32)
     if facts.fp8_library == "torchao":
@@ -120,7 +117,9 @@ class AccelerateAdapter(FrameworkAdapter):
         if recorder is None:
             return
         steps = application.steps = Steps(recorder)
-        for name in ("prepare", "prepare_model", "prepare_optimizer", "backward"):
+        wrap_once(accelerate.Accelerator, "prepare", around(steps.before_prepare, steps.note_fp8))
+        wrap_once(accelerate.Accelerator, "backward", around(steps.before_backward))
+        for name in ("prepare_model", "prepare_optimizer"):
             wrap_once(accelerate.Accelerator, name, getattr(steps, f"wrap_{name}"))
         wrap_once(AcceleratedOptimizer, "step", steps.wrap_step)
         # Both import paths of set_seed find the wrapped one: the script imports after this runs.
@@ -170,16 +169,23 @@ class _Application(Application):
         if settings.te_recipe is not None:
             ours.append(utils.TERecipeKwargs(**settings.te_recipe))
         if settings.torchao_recipe is not None:
-            ours.append(self._torchao_handler(utils.AORecipeKwargs))
+            # The loop API's fp8-torchao config and layer filter. Accelerate's default config turns
+            # on FSDP's float8 all-gather, which wraps each swapped weight in a new Parameter: an
+            # optimizer built before prepare() keeps the old ones and the FP8 layers stop training
+            # (accelerate 1.15, torchao 0.18). The loop API's config reuses the Linear's Parameter.
+            import torch
+
+            device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            mode = self.fp8_mode = create_mode(self.policy, device)
+            ours.append(utils.AORecipeKwargs(config=mode.linear_config(),
+                                             module_filter_func=mode.module_filter))
         # Every FP8 recipe kind goes: another backend's recipe would pick the backend
         # (Accelerator.fp8_backend reads the generic FP8RecipeKwargs first where it exists), and
         # outside fp8 Accelerate refuses any of them. Accelerate 1.16 dropped FP8RecipeKwargs and
         # MSAMPRecipeKwargs; earlier versions have them.
-        recipe_kinds = {utils.AORecipeKwargs, utils.TERecipeKwargs} | {
-            kind
-            for name in ("FP8RecipeKwargs", "MSAMPRecipeKwargs")
-            if (kind := getattr(utils, name, None)) is not None
-        }
+        older = ("FP8RecipeKwargs", "MSAMPRecipeKwargs")
+        recipe_kinds = {utils.AORecipeKwargs, utils.TERecipeKwargs,
+                        *(getattr(utils, name) for name in older if hasattr(utils, name))}
         replaced_kinds = {type(h) for h in ours} | recipe_kinds
         kept, replaced = [], []
         for handler in given or ():
@@ -194,20 +200,6 @@ class _Application(Application):
         if replaced:
             self.note(f"Accelerator: the script's {', '.join(replaced)} replaced by the policy's")
         return kept + ours
-
-    def _torchao_handler(self, handler_cls: type) -> Any:
-        """``AORecipeKwargs`` with the loop API's fp8-torchao config and layer filter.
-
-        Accelerate's default config turns on FSDP's float8 all-gather, which wraps each swapped
-        weight in a new Parameter: an optimizer built before ``prepare()`` keeps the old ones and
-        the FP8 layers stop training (accelerate 1.15, torchao 0.18). The loop API's config
-        reuses the Linear's Parameter.
-        """
-        import torch
-
-        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.fp8_mode = create_mode(self.policy, device)
-        return handler_cls(config=self.fp8_mode.linear_config(), module_filter_func=self.fp8_mode.module_filter)
 
     def _built(self, accelerator: Any, asked: Any) -> None:
         """Check that the Accelerator runs the policy, and fill in what Accelerate leaves out."""

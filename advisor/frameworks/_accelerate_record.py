@@ -42,18 +42,12 @@ class Steps:
         self._first_step = True
         self._fp8_noted = False
 
-    def wrap_prepare(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
-            import torch
+    def before_prepare(self, accelerator: Any, *args: Any, **kwargs: Any) -> None:
+        import torch
 
-            for arg in args:
-                if isinstance(arg, torch.nn.Module) and id(arg) not in self._as_built:
-                    self._as_built[id(arg)] = as_built(arg)
-            result = original(accelerator, *args, **kwargs)
-            self._note_fp8()
-            return result
-
-        return prepare
+        for arg in args:
+            if isinstance(arg, torch.nn.Module) and id(arg) not in self._as_built:
+                self._as_built[id(arg)] = as_built(arg)
 
     def wrap_prepare_model(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def prepare_model(accelerator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -73,14 +67,10 @@ class Steps:
 
         return prepare_optimizer
 
-    def wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def backward(accelerator: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self.recorder.begun:
-                self._begin(accelerator)
-            self.step.add(loss, self._forward_batch)
-            return original(accelerator, loss, *args, **kwargs)
-
-        return backward
+    def before_backward(self, accelerator: Any, loss: Any, *args: Any, **kwargs: Any) -> None:
+        if not self.recorder.begun:
+            self._begin(accelerator)
+        self.step.add(loss, self._forward_batch)
 
     def wrap_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -125,8 +115,8 @@ class Steps:
         accum = int(accelerator.gradient_accumulation_steps or 1)
         self.recorder.begin(user_batch=None if size is None else size * accum, micro_batch=size, grad_accum_steps=accum)
 
-    def _note_fp8(self) -> None:
-        """Once Accelerate has swapped the FP8 layers: which ran in FP8 and which did not."""
+    def note_fp8(self, accelerator: Any) -> None:
+        """After ``prepare()`` swapped the FP8 layers: which run in FP8 and which do not."""
         mode = self.fp8_mode
         if mode is None or self._fp8_noted or not (mode.converted or mode.kept_high_precision):
             return

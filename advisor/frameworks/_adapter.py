@@ -1,10 +1,7 @@
 """The interface every framework adapter implements, what a framework can apply of a Policy
-(``FrameworkTraits``, pure), and what the adapters share to change a framework in place.
-
-Adapters translate a mode's facts (``policies.ModeFacts``), never its name, so a mode
-registered later is applied and searched through every framework that can express it. The
-search space, the trial child, ``mpadvise run`` and ``mpadvise export`` all read the traits, so a
-policy that wins a tune is one its framework can run, and its export is what the trial applied.
+(``FrameworkTraits``, pure: the search space, the trial child, ``mpadvise run`` and ``mpadvise
+export`` all read it, so a policy that wins a tune is one its framework can run, and its export
+is what the trial applied), and what the adapters share to change a framework in place.
 """
 
 from __future__ import annotations
@@ -18,11 +15,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from advisor._log import get_logger
 from policies import LossScale, ModeFacts, Policy, create_mode, mode_class, mode_classes, mode_facts
+from probes import MpadviseError
 
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
 
-# torch's names of the dtype families.
 TORCH_DTYPE: Mapping[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # Marks a function an adapter has wrapped, so that a second install wraps it no more.
 PATCHED = "__mpadvise_patched__"
@@ -106,6 +103,15 @@ class FrameworkAdapter:
         return facts.autocast is None or facts.autocast in cls.autocasts
 
     @classmethod
+    def facts_for(cls, policy: Policy) -> ModeFacts:
+        """``policy``'s mode facts; an MpadviseError where the framework cannot express the mode."""
+        facts = mode_facts(policy.mode)
+        if not cls.expresses(facts):
+            can = ", ".join(cls.modes())
+            raise MpadviseError(f"{cls.label} cannot apply mode {policy.mode}; it can apply {can}")
+        return facts
+
+    @classmethod
     def modes(cls) -> tuple[str, ...]:
         """The registered modes it can apply, in registration order (read on every call)."""
         return tuple(mode.name for mode in mode_classes() if cls.expresses(mode.facts()))
@@ -184,8 +190,7 @@ def wrap_once(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callab
 
 
 def around(before: Callable[..., Any], after: Callable[[Any], None] | None = None) -> Callable[..., Any]:
-    """For ``wrap_once``: a method that calls ``before`` with its arguments, then the original
-    method, then ``after`` with the object."""
+    """For ``wrap_once``: a method calling ``before(obj, *args)``, the original, ``after(obj)``."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:

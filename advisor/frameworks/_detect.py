@@ -31,13 +31,11 @@ class _Imports:
 
 def detect_framework(source: str | bytes) -> str | None:
     """The framework a script's source trains with, ``LOOP_API``, or ``None`` (pure)."""
-    imports = _read(source)
-    return None if imports is None else _decide([imports])
+    return _decide([_read(source)])
 
 
 def detect_script_framework(script: Path) -> str | None:
-    """As ``detect_framework``, also reading the modules beside the script that it imports (one
-    level deep). MpadviseError if unreadable."""
+    """As ``detect_framework``, also reading the modules beside the script that it imports."""
     try:
         source = script.read_bytes()
     except OSError as exc:
@@ -62,21 +60,16 @@ def _decide(imports: Iterable[_Imports | None]) -> str | None:
     return next((cls.name for cls in detection_order() if cls.name in found), None)
 
 
-def _meanings() -> dict[str, dict[str, str]]:
-    table: dict[str, dict[str, str]] = {}
-    for cls in detection_order():
-        for module, names in cls.detected_by.items():
-            for name in names:
-                table.setdefault(module, {}).setdefault(name, cls.name)
-    return table
-
-
 def _read(source: str | bytes) -> _Imports | None:
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return None
-    meanings = _meanings()
+    meanings: dict[str, dict[str, str]] = {}  # module -> imported name -> framework
+    for cls in detection_order():
+        for module, names in cls.detected_by.items():
+            for name in names:
+                meanings.setdefault(module, {}).setdefault(name, cls.name)
     imports = _Imports()
     aliases: dict[str, str] = {}  # local name of an imported module -> module
     for node in ast.walk(tree):

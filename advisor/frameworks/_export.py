@@ -6,7 +6,6 @@ and written by the format's own writer, or as Python from fixed lines whose ever
 ``repr``: text from outside (the config path, the policy file) never becomes code. What the
 policy leaves to the script (its batch, its clipping) stays the script's, with a note. A
 bounded difference is a named warning (``ExportWarning``); anything more is ``ExportRefused``.
-Each target family is an ``_export_<target>`` module.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import math
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any, ClassVar
 
 from advisor.frameworks._adapter import FrameworkTraits
@@ -27,7 +26,6 @@ from probes import MpadviseError, UsageError
 
 DEVICES = ("cuda", "cpu")
 
-# The format a file's extension asks ``--out`` for.
 FORMAT_OF_SUFFIX: Mapping[str, str] = {".py": "python", ".json": "json", ".yaml": "yaml", ".yml": "yaml"}
 
 
@@ -91,7 +89,6 @@ class _Job:
     title: str
     device: str
     source: str | None
-    traits: FrameworkTraits | None = None
     warnings: list[ExportWarning] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -108,20 +105,6 @@ class _Job:
 
     def warn(self, warning_id: str, message: str) -> None:
         self.warnings.append(ExportWarning(warning_id, message))
-
-    def header(self) -> list[str]:
-        """The first statement: a string literal (not a comment, so that ``repr`` keeps any
-        newline or quote of the source path inside it) naming the policy, its source and target."""
-        where = "CUDA" if self.cuda else "a CPU"
-        origin = f", from {self.source}" if self.source else ""
-        return [repr(f"mpadvise policy {self.policy.describe()}{origin}, for {self.title} on {where}.")]
-
-    def check_framework(self, policy: Policy | None = None) -> None:
-        if self.traits is None:
-            return
-        reason = self.traits.refusal(policy or self.policy, device=self.device)
-        if reason is not None:
-            raise self.refuse(reason)
 
     @functools.cached_property
     def split(self) -> _Split | None:
@@ -191,7 +174,12 @@ class _Job:
                         f"{owner} does not set it{per_step}.")
 
     def python(self, *blocks: list[str], data: Mapping[str, Any]) -> Export:
-        text = "\n".join(_code(self.header(), *blocks)) + "\n"
+        """The Python export: first a string literal (not a comment, so that ``repr`` keeps any
+        newline or quote of the source path inside it) naming the policy, its source and target."""
+        where = "CUDA" if self.cuda else "a CPU"
+        origin = f", from {self.source}" if self.source else ""
+        header = f"mpadvise policy {self.policy.describe()}{origin}, for {self.title} on {where}."
+        text = "\n".join(_code([repr(header)], *blocks)) + "\n"
         return Export(self.target, text, "python", data, tuple(self.warnings), tuple(self.notes))
 
 
@@ -237,8 +225,6 @@ def _py(value: Any) -> str:
 def _call(name: str, kwargs: Mapping[str, Any], *, indent: str = "", args: tuple[Any, ...] = ()) -> list[str]:
     """``name(arg, ..., key=value, ...)``, one argument a line; ``name`` and keys are the export's own."""
     items = [_py(a) for a in args] + [f"{k}={_py(v)}" for k, v in kwargs.items()]
-    if not items:
-        return [f"{indent}{name}()"]
     return [f"{indent}{name}(", *(f"{indent}    {item}," for item in items), f"{indent})"]
 
 
@@ -247,14 +233,22 @@ class Exporter:
 
     target: ClassVar[str]
     title: ClassVar[str]
+    script: Path | None = None  # the training script named to `mpadvise export`, if any
+    # The batch split and clipping stay the script's (the export says how to set them).
+    script_sets_batch: ClassVar[bool] = False
 
     def export(self, policy: Policy, *, traits: FrameworkTraits | None, device: str,
                source: str | None) -> Export:
-        """``policy`` as this target's settings on ``device``; ``traits`` ``None`` for the
-        export-only targets, which judge for themselves. UsageError for an unknown device."""
+        """``policy`` as this target's settings (``traits``: ``None`` for export-only targets)."""
         if device not in DEVICES:
             raise UsageError(f"unknown device {device!r} for an export; expected one of {', '.join(DEVICES)}")
-        return self.write(_Job(policy, self.target, self.title, device, source, traits))
+        job = _Job(policy, self.target, self.title, device, source)
+        if self.script_sets_batch:
+            policy = policy.with_(micro_batch_size=None, grad_accum_steps=None, grad_clip_norm=None)
+        reason = None if traits is None else traits.refusal(policy, device=device)
+        if reason is not None:
+            raise job.refuse(reason)
+        return self.write(job)
 
     def write(self, job: _Job) -> Export:
         raise NotImplementedError(f"{type(self).__qualname__} does not say what it writes; define write(job)")

@@ -16,20 +16,17 @@ from policies import Fp8Te, Fp8Torchao, LossScale
 class AccelerateExporter(Exporter):
     target = "accelerate"
     title = "Accelerate"
+    script_sets_batch = True
 
     def write(self, job: _Job) -> Export:
         policy, facts = job.policy, job.facts
-        # The batch split and clipping are the script's here: the export says how to set them.
-        job.check_framework(policy.with_(micro_batch_size=None, grad_accum_steps=None, grad_clip_norm=None))
         split = job.split
         job.reduce_dtype_warning()
-        if facts.fp8_library == "torchao" and not job.cuda:
+        if facts.fp8_library is not None and not job.cuda:
             raise job.refuse(
                 "on a CPU Accelerate runs FP8 under bf16 autocast, where mpadvise's CPU emulation runs the "
-                "other layers in fp32"
-            )
-        if facts.fp8_library == "transformer_engine" and not job.cuda:
-            raise job.refuse("Transformer Engine runs on CUDA only")
+                "other layers in fp32" if facts.fp8_library == "torchao"
+                else "Transformer Engine runs on CUDA only")
         settings = accelerate_settings(policy)  # what the traits passed, Accelerate can build
         config_file: dict[str, Any] = {
             "compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "num_processes": 1,
@@ -96,13 +93,13 @@ class _AccelerateCode:
     def __init__(self, job: _Job, settings: AccelerateSettings) -> None:
         self.stdlib: list[str] = []
         self.imports = ["from accelerate import Accelerator"]
-        self.utils: list[str] = []
         self.fp8_layers: list[list[str]] = []
         self.handlers: list[str] = []
         self.handler_data: list[dict[str, Any]] = []
         self._handlers(job, settings)
-        if self.utils:
-            self.imports.append(f"from accelerate.utils import {', '.join(self.utils)}")
+        if self.handler_data:
+            utils = ", ".join(handler["class"] for handler in self.handler_data)
+            self.imports.append(f"from accelerate.utils import {utils}")
         if settings.torchao_recipe is not None:
             self.imports.append("from torchao.float8 import Float8LinearConfig")
         self.switches = job.tf32_lines(settings.tf32)
@@ -116,7 +113,6 @@ class _AccelerateCode:
         for handler, kwargs in (("GradScalerKwargs", settings.grad_scaler),
                                 ("TERecipeKwargs", settings.te_recipe)):
             if kwargs is not None:
-                self.utils.append(handler)
                 self.handlers += _call(handler, kwargs, indent="    ")
                 self.handler_data.append({"class": handler, "kwargs": dict(kwargs)})
         if settings.te_recipe is not None:
@@ -137,7 +133,6 @@ class _AccelerateCode:
         rule = Fp8Torchao.recipe_rule(recipe)
         pad = rule.token_multiple > 1
         multiple = int(rule.dim_multiple)
-        self.utils.append("AORecipeKwargs")
         self.stdlib.append("import dataclasses")
         self.fp8_layers.append([
             "def fp8_layer_filter(module: torch.nn.Module, fqn: str) -> bool:",

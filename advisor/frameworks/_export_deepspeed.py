@@ -54,8 +54,7 @@ class DeepSpeedExporter(Exporter):
             # script's own max norm is the value to set.
             job.notes.append("add gradient_clipping, the max norm the script clips at (0.0 if it does not): "
                              "DeepSpeed clips at 1.0 by default, and the policy keeps the script's clipping")
-        config["fp16"] = {"enabled": False}
-        config["bf16"] = {"enabled": False}
+        config.update(fp16={"enabled": False}, bf16={"enabled": False})
         if facts.autocast is not None:
             # An empty lower_precision_safe_modules keeps every gradient's reduction in fp32, as
             # DDP does under autocast; DeepSpeed's default list would reduce Linear and Conv

@@ -28,25 +28,15 @@ _STATIC_SCALER = [
 ]
 
 
-def _scaler_code(ls: LossScale, device: str) -> list[str]:
-    """``scaler = ...``: a GradScaler carrying ``ls``, dynamic, static (``StaticGradScaler``) or off."""
-    if ls.kind == "static":
-        return [f"scaler = StaticGradScaler({_py(device)}, {_py(float(ls.init_scale))})"]
-    if ls.kind == "none":
-        return [f"scaler = torch.amp.GradScaler({_py(device)}, enabled=False)  # no loss scaling"]
-    return _call("scaler = torch.amp.GradScaler", scaler_kwargs(ls), args=(device,))
-
-
 class LightningExporter(Exporter):
     target = "lightning"
     title = "the Lightning Trainer"
     package = "lightning.pytorch"
     cls = "Trainer"
+    script_sets_batch = True
 
     def write(self, job: _Job) -> Export:
         policy = job.policy
-        # The batch split and clipping are the script's here: the export says how to set them.
-        job.check_framework(policy.with_(micro_batch_size=None, grad_accum_steps=None, grad_clip_norm=None))
         split = job.split
         job.reduce_dtype_warning()
         plan = lightning_precision(policy)
@@ -69,15 +59,20 @@ class LightningExporter(Exporter):
         """The precision argument (in ``kwargs``) and the blocks that build its plugin."""
         package = self.package
         if plan.plugin == "amp":
-            # What the Lightning adapter applies to fp16-mixed: MixedPrecision carrying the
-            # policy's GradScaler (the "16-mixed" string builds a default one, and on a CPU
-            # Lightning turns it into bf16-mixed).
-            ls = plan.loss_scale or LossScale()
+            # What the Lightning adapter applies to fp16-mixed (``LightningPrecision`` says why).
+            ls, device = plan.loss_scale or LossScale(), job.device
             imports.append(f"from {package}.plugins import MixedPrecision")
-            kwargs["plugins"] = _Code(f"[MixedPrecision({_py('16-mixed')}, {_py(job.device)}, scaler=scaler)]")
-            data["plugin"] = {"class": "MixedPrecision", "precision": "16-mixed", "device": job.device,
+            kwargs["plugins"] = _Code(f"[MixedPrecision('16-mixed', {_py(device)}, scaler=scaler)]")
+            data["plugin"] = {"class": "MixedPrecision", "precision": "16-mixed", "device": device,
                               "scaler": {"kind": ls.kind, **scaler_kwargs(ls)}}
-            return [list(_STATIC_SCALER) if ls.kind == "static" else [], _scaler_code(ls, job.device)]
+            if ls.kind == "static":
+                scaler = [f"scaler = StaticGradScaler({_py(device)}, {_py(float(ls.init_scale))})"]
+            elif ls.kind == "none":
+                scaler = [f"scaler = torch.amp.GradScaler({_py(device)}, enabled=False)"
+                          "  # no loss scaling"]
+            else:
+                scaler = _call("scaler = torch.amp.GradScaler", scaler_kwargs(ls), args=(device,))
+            return [_STATIC_SCALER if ls.kind == "static" else [], scaler]
         if plan.plugin == "transformer-engine":
             if not job.cuda:
                 raise job.refuse("Transformer Engine runs on CUDA only")

@@ -16,9 +16,8 @@ class TransformersExporter(Exporter):
 
     def write(self, job: _Job) -> Export:
         policy, facts = job.policy, job.facts
-        # The traits refuse fp16 without loss scaling (fp16=True always builds a GradScaler) and
+        # The traits refused fp16 without loss scaling (fp16=True always builds a GradScaler) and
         # fp16 autocast on a CPU (Accelerate turns neither autocast nor a GradScaler on there).
-        job.check_framework()
         if facts.tf32 and not job.cuda:
             raise job.refuse("TrainingArguments(tf32=True) needs an Ampere or newer GPU; on a CPU it raises")
         split = job.split

@@ -1,9 +1,7 @@
-"""Lightning's Trainer and Fabric: apply a Policy through their precision settings (every flavour
-installed: ``lightning`` and the standalone ``pytorch_lightning``/``lightning_fabric``), whatever
-precision the script passes. fp16 autocast is a ``MixedPrecision`` plugin carrying the policy's
-GradScaler (the string builds a default one, and on a CPU turns fp16 into bf16); Transformer
-Engine FP8 is ``TransformerEnginePrecision`` with fp32 weights (the string means bf16 weights).
-Steps are recorded by ``_lightning_record``. Lightning is imported inside ``install()`` only.
+"""Lightning's Trainer and Fabric (every flavour installed: ``lightning`` and the standalone
+``pytorch_lightning``/``lightning_fabric``): the policy's precision settings in place of whatever
+the script passes (``lightning_precision``); steps are recorded by ``_lightning_record``.
+Lightning is imported inside ``install()`` only.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from advisor.frameworks._adapter import (
     wrap_once,
 )
 from advisor.frameworks._lightning_record import FabricSteps, TrainerSteps, as_list, policy_scaler
-from policies import Fp8Options, LossScale, Policy, mode_facts
+from policies import Fp8Options, LossScale, Policy
 from probes import MpadviseError
 
 if TYPE_CHECKING:
@@ -41,9 +39,6 @@ _SEED_MODULES = ("lightning.fabric.utilities.seed", "lightning_fabric.utilities.
 _LIGHTNING_ROOTS = ("lightning", "pytorch_lightning", "lightning_fabric")
 # Lightning's seed bounds (numpy's uint32).
 _SEED_RANGE = 2**32
-# Strategies that build their own precision plugin from the string (FSDPPrecision,
-# DeepSpeedPrecision) and drop a scaler passed to them.
-_SHARDED = ("fsdp", "deepspeed")
 
 # Lightning's precision strings by (weights, autocast), where the string is exact.
 _PRECISION: Mapping[tuple[str, str | None], str] = {
@@ -55,8 +50,10 @@ _PRECISION: Mapping[tuple[str, str | None], str] = {
 @dataclass(frozen=True)
 class LightningPrecision:
     """How the Trainer and Fabric apply one Policy: Lightning's precision string, or a ``plugin``
-    (``"amp"``: ``MixedPrecision`` with the policy's GradScaler; ``"transformer-engine"``) where
-    the string is not exact, and the TF32 switch (``None``: left as it is)."""
+    where the string is not exact, and the TF32 switch (``None``: left as it is). fp16 autocast is
+    ``"amp"``: ``MixedPrecision`` carrying the policy's GradScaler (the string builds a default one,
+    and on a CPU turns fp16 into bf16); Transformer Engine FP8 is ``"transformer-engine"``:
+    ``TransformerEnginePrecision`` with fp32 weights (the string means bf16 weights)."""
 
     precision: str
     plugin: str | None = None
@@ -75,11 +72,7 @@ class LightningPrecision:
 
 def lightning_precision(policy: Policy) -> LightningPrecision:
     """What the Trainer and Fabric must be given to run ``policy``, from its mode's facts."""
-    facts = mode_facts(policy.mode)
-    if not LightningTrainer.expresses(facts):
-        raise MpadviseError(
-            f"Lightning cannot apply mode {policy.mode}; it can apply {', '.join(LightningTrainer.modes())}"
-        )
+    facts = LightningTrainer.facts_for(policy)
     if facts.fp8_library is not None:  # Transformer Engine: the plugin, with fp32 weights
         return LightningPrecision("transformer-engine", plugin="transformer-engine", tf32=facts.tf32)
     if facts.autocast == "fp16":
@@ -115,9 +108,10 @@ def shifted_seed(seed: int, shift: int) -> int:
 
 
 def is_sharded(strategy: Any) -> bool:
-    """Whether a strategy (a name or an instance) builds its own precision plugin (FSDP, DeepSpeed)."""
+    """Whether a strategy (a name or an instance) builds its own precision plugin from the string
+    (FSDPPrecision, DeepSpeedPrecision), dropping a scaler passed to it."""
     name = strategy if isinstance(strategy, str) else type(strategy).__name__
-    return any(kind in name.lower() for kind in _SHARDED)
+    return any(kind in name.lower() for kind in ("fsdp", "deepspeed"))
 
 
 class _LightningPrecisionPlugins(FrameworkAdapter):
@@ -207,8 +201,7 @@ def _installed(packages: Iterable[str]) -> list[str]:
 
 def _patch_init(cls: type, package: str, adjust: Callable[[str, dict[str, Any]], dict[str, Any]],
                 built: Callable[[Any], None]) -> None:
-    """Wrap ``cls.__init__`` in place: ``adjust`` rewrites the keyword arguments (for the Lightning
-    flavour ``package``), ``built`` sees the object made."""
+    """Wrap ``cls.__init__``: ``adjust(package, kwargs)`` rewrites its arguments; ``built(obj)``."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -230,31 +223,31 @@ class _Application(Application):
         self.trainer_steps = TrainerSteps(recorder) if recorder is not None else None
         self.fabric_steps = FabricSteps(recorder) if recorder is not None else None
 
-    def _device_kwargs(self, kwargs: dict[str, Any]) -> None:
-        if self.device is None:
-            return
-        import torch
+    def _kwargs(self, package: str, kwargs: dict[str, Any], *, who: str,
+                attr: str) -> dict[str, Any]:
+        """The script's arguments on the trial's device, with the policy's precision for theirs;
+        ``attr``: where a strategy instance holds a precision plugin of its own."""
+        kwargs = dict(kwargs)
+        if self.device is not None:
+            import torch
 
-        device = torch.device(self.device)
-        kwargs["accelerator"] = device.type
-        if device.index is not None:
-            kwargs["devices"] = [device.index]
-        elif device.type == "cpu" and not isinstance(kwargs.get("devices", "auto"), int):
-            kwargs["devices"] = "auto"  # a list of GPU indices means nothing on the CPU
-
-    def _precision_kwargs(self, package: str, kwargs: dict[str, Any], *, who: str, held_attr: str) -> None:
-        """Replace whatever precision the script passes with the policy's."""
+            device = torch.device(self.device)
+            kwargs["accelerator"] = device.type
+            if device.index is not None:
+                kwargs["devices"] = [device.index]
+            elif device.type == "cpu" and not isinstance(kwargs.get("devices", "auto"), int):
+                kwargs["devices"] = "auto"  # a list of GPU indices means nothing on the CPU
         plugins_module = importlib.import_module(f"{package}.plugins.precision")
         base, asked = plugins_module.Precision, kwargs.pop("precision", None)
         plugins = as_list(kwargs.get("plugins"))
         theirs = [type(p).__name__ for p in plugins if isinstance(p, base)]
         plugins = [p for p in plugins if not isinstance(p, base)]
         strategy = kwargs.get("strategy", "auto")
-        held = None if isinstance(strategy, str) else getattr(strategy, f"_{held_attr}", None)
+        held = None if isinstance(strategy, str) else getattr(strategy, f"_{attr}", None)
         if held is not None:
             # A strategy instance built with its own precision plugin: Lightning would take it
             # over the precision flag.
-            setattr(strategy, held_attr, None)
+            setattr(strategy, attr, None)
             theirs.append(type(held).__name__)
         plan = self.plan
         if plan.plugin is None or (plan.plugin == "amp" and is_sharded(strategy)):
@@ -287,11 +280,10 @@ class _Application(Application):
         kwargs["plugins"] = plugins or None
         was = asked if asked is not None else (", ".join(theirs) if theirs else None)
         self.note(f"{who}: {applied}" + (f" (the script asked for {was!r})" if was is not None else ""))
+        return kwargs
 
     def trainer_kwargs(self, package: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-        kwargs = dict(kwargs)
-        self._device_kwargs(kwargs)
-        self._precision_kwargs(package, kwargs, who="Lightning Trainer", held_attr="precision_plugin")
+        kwargs = self._kwargs(package, kwargs, who="Lightning Trainer", attr="precision_plugin")
         policy = self.policy
         if policy.grad_accum_steps is not None:
             kwargs["accumulate_grad_batches"] = policy.grad_accum_steps
@@ -303,9 +295,7 @@ class _Application(Application):
         return kwargs
 
     def fabric_kwargs(self, package: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-        kwargs = dict(kwargs)
-        self._device_kwargs(kwargs)
-        self._precision_kwargs(package, kwargs, who="Lightning Fabric", held_attr="precision")
+        kwargs = self._kwargs(package, kwargs, who="Lightning Fabric", attr="precision")
         if self.policy.grad_accum_steps not in (None, 1) or self.policy.grad_clip_norm is not None:
             get_logger().warning(
                 "Fabric leaves accumulation and clipping to the script (fabric.backward, "
@@ -324,8 +314,7 @@ def _amp_device(accelerator: Any) -> str:
         name = accelerator.lower()
     else:  # an Accelerator instance: CPUAccelerator, CUDAAccelerator, MPSAccelerator
         name = type(accelerator).__name__.removesuffix("Accelerator").lower()
-    mps = getattr(torch.backends, "mps", None)
-    mps_available = mps is not None and mps.is_available()
+    mps_available = torch.backends.mps.is_available()
     if name == "auto":
         name = "mps" if mps_available else "cuda" if torch.cuda.is_available() else "cpu"
     elif name == "gpu":

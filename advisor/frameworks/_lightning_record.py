@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from advisor.frameworks._adapter import StepLosses, batch_size_of, scaler_kwargs, wrap_once
+from advisor.frameworks._adapter import StepLosses, around, batch_size_of, scaler_kwargs, wrap_once
 from advisor.runtime import current_world_size
 from policies import LossScale
 
@@ -76,9 +76,7 @@ def policy_scaler(device: str, loss_scale: LossScale) -> Any:
 
 def take_step_scale(scaler: Any) -> tuple[float | None, bool]:
     """The loss scale and skip of the step that just ended, from a ``PolicyGradScaler``."""
-    if scaler is not None and isinstance(scaler, _scaler_class()):
-        return scaler.take()
-    return None, False
+    return scaler.take() if isinstance(scaler, _scaler_class()) else (None, False)
 
 
 class TrainerSteps:
@@ -116,33 +114,17 @@ class TrainerSteps:
         kwargs.update(dict.fromkeys(turned, False))
         if turned:
             self.recorder.note(f"Lightning Trainer: {', '.join(turned)} off in the trial (no effect on the numerics)")
-        callbacks.append(self.callback(callbacks_module.Callback))
-        kwargs["callbacks"] = callbacks
+        # A Callback of the script's Lightning flavour whose hooks are this object's methods.
+        hooks = ("on_train_start", "on_train_batch_start", "on_before_backward",
+                 "on_before_optimizer_step", "on_train_batch_end")
+        recorder = type("StepRecorder", (callbacks_module.Callback,),
+                        {name: staticmethod(getattr(self, name)) for name in hooks})
+        kwargs["callbacks"] = [*callbacks, recorder()]
 
-    def callback(self, base: type) -> Any:
-        steps = self
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.recorder.set_device(pl_module.device)
 
-        class StepRecorder(base):  # type: ignore[misc, valid-type]
-            """Records each optimizer step of the trial (mpadvise)."""
-
-            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-                steps.recorder.set_device(pl_module.device)
-
-            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-                steps.batch_start(trainer, pl_module, batch)
-
-            def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-                steps.before_backward(trainer, pl_module, loss)
-
-            def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-                steps.before_optimizer_step(trainer)
-
-            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-                steps.batch_end(trainer, pl_module, outputs)
-
-        return StepRecorder()
-
-    def batch_start(self, trainer: Any, module: Any, batch: Any) -> None:
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, *_: Any) -> None:
         size = batch_size_of(batch)
         if not self.recorder.begun:
             self.recorder.perturb(module)
@@ -157,7 +139,7 @@ class TrainerSteps:
         self._backward_loss = None
         self._batch_size = size
 
-    def before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
+    def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
         if module.automatic_optimization:
             return  # outputs["loss"] holds it, unscaled
         # manual_backward's loss arrives here already multiplied by the loss scale.
@@ -165,14 +147,14 @@ class TrainerSteps:
         scale = float(scaler.get_scale()) if scaler is not None else 1.0
         self._backward_loss = loss.detach().float() / scale
 
-    def before_optimizer_step(self, trainer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: Any, *_: Any) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         # A scaler the policy did not build (a sharded strategy's own): the scale before the
         # step, to tell a skip by the scale shrinking after it.
         if scaler is not None and not isinstance(scaler, _scaler_class()) and self._scale_before is None:
             self._scale_before = float(scaler.get_scale())
 
-    def batch_end(self, trainer: Any, module: Any, outputs: Any) -> None:
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *_: Any) -> None:
         if not self.recorder.begun:
             return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs if hasattr(outputs, "detach") else None
@@ -186,8 +168,7 @@ class TrainerSteps:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         scale, skipped = take_step_scale(scaler)
         if self._scale_before is not None:
-            after = float(scaler.get_scale())
-            scale, skipped = self._scale_before, after < self._scale_before
+            scale, skipped = self._scale_before, float(scaler.get_scale()) < self._scale_before
             self._scale_before = None
         self.step.record(self.recorder, scale, skipped)
 
@@ -206,27 +187,17 @@ class FabricSteps:
         self._first_step = True
 
     def patch(self, fabric_cls: type) -> None:
-        wrap_once(fabric_cls, "backward", self._backward)
-        wrap_once(fabric_cls, "setup", self._setup)
-        wrap_once(fabric_cls, "setup_module", self._setup)
+        wrap_once(fabric_cls, "backward", around(self._backward))
+        watch = around(lambda fabric, module, *args, **kwargs: self.watch(module))
+        wrap_once(fabric_cls, "setup", watch)
+        wrap_once(fabric_cls, "setup_module", watch)
 
-    def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def backward(fabric: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self.recorder.begun:
-                size = self._forward_batch
-                # The accumulation count is known at the first optimizer step (step_ended).
-                self.recorder.begin(user_batch=size, micro_batch=size, grad_accum_steps=None)
-            self.step.add(tensor, self._forward_batch)
-            return original(fabric, tensor, *args, **kwargs)
-
-        return backward
-
-    def _setup(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def setup(fabric: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
-            self.watch(module)
-            return original(fabric, module, *args, **kwargs)
-
-        return setup
+    def _backward(self, fabric: Any, tensor: Any, *args: Any, **kwargs: Any) -> None:
+        if not self.recorder.begun:
+            size = self._forward_batch
+            # The accumulation count is known at the first optimizer step.
+            self.recorder.begin(user_batch=size, micro_batch=size, grad_accum_steps=None)
+        self.step.add(tensor, self._forward_batch)
 
     def watch(self, module: Any) -> None:
         if id(module) in self._hooked or not hasattr(module, "register_forward_pre_hook"):

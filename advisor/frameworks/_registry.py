@@ -1,9 +1,6 @@
-"""Which frameworks and export targets exist: one ordered registry of adapter classes.
-
-Every list of frameworks reads it: ``FRAMEWORKS``, detection, the ``--framework`` check, the
-traits, the trial child's dispatch and ``mpadvise export --to``. Adding a framework is its
-adapter class and one ``register_framework`` line; adding an export target is one
-``_export_<target>.py`` module with its ``Exporter`` and one line here.
+"""Which frameworks and export targets exist: one ordered registry of adapter classes, which every
+list of frameworks reads. Adding a framework is its adapter class and one ``register_framework``
+line; adding an export target is one ``_export_<target>.py`` module and one line here.
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ _EXPORTERS: dict[str, type[Exporter]] = {}
 
 
 def register_framework(cls: AdapterT, *, exporter: type[Exporter] | None = None) -> AdapterT:
-    """Add a ``FrameworkAdapter`` subclass after those registered, with the ``Exporter`` that
-    writes its settings (``None``: no export); TypeError or ValueError naming what is wrong."""
+    """Add a ``FrameworkAdapter`` subclass, with the ``Exporter`` of its settings, if any."""
     if not (isinstance(cls, type) and issubclass(cls, FrameworkAdapter)):
         raise TypeError(f"register_framework: {cls!r} is not a FrameworkAdapter subclass; derive the "
                         "framework's class from advisor.frameworks.FrameworkAdapter")
@@ -93,8 +89,7 @@ def check_framework(name: str) -> str:
 
 
 def choose(name: str, choices: Iterable[str], *, what: str) -> str:
-    """The one of ``choices`` a user means by ``name``, in any case; else a UsageError (exit 2)
-    naming the closest choices and all of them."""
+    """The one of ``choices`` a user means by ``name``, in any case; else a UsageError."""
     names = tuple(choices)
     text = str(name).strip()
     by_lower = {choice.lower(): choice for choice in names}
@@ -142,13 +137,11 @@ def check_target(name: str | None) -> str:
 
 def export_policy(policy: Policy, target: str, *, device: str = "cuda", source: str | None = None,
                   script: Path | None = None) -> Export:
-    """``policy`` as ``target``'s own settings, judged by the framework's traits (none for the
-    export-only targets); ``script``: for a target that writes against it (``reads_script``)."""
+    """``policy`` as ``target``'s own settings, judged by its framework's traits (if it has one)."""
     target = check_target(target)
     framework = _FRAMEWORKS.get(target)
     exporter = _EXPORTERS[target]()
-    if getattr(exporter, "reads_script", False):
-        exporter.script = script  # type: ignore[attr-defined]
+    exporter.script = script
     return exporter.export(policy, traits=None if framework is None else framework.traits(), device=device, source=source)
 
 

@@ -1,13 +1,11 @@
-"""The plain-PyTorch adapter: a hand-written training loop that imports no framework and never
-calls ``load_policy()``, run with the candidate applied at torch's own seams (``_torch_hooks``).
-The script's own precision flag (``--dtype``, ``--amp``, ...) is named in the trial's notes with
-the value that says the candidate (``precision_flag``).
+"""The plain-PyTorch adapter: a hand-written loop that imports no framework and never calls
+``load_policy()``, run with the candidate applied at torch's own seams (``_torch_hooks``); the
+script's own precision flag (``--dtype``, ``--amp``...) is named in the notes (``precision_flag``).
 
 Under ``mpadvise run`` the same step boundaries feed the runtime guard (``RunGuard``), whichever
-framework drives the loop. The script's precision was set when it started and cannot be taken
-back in place, so a trip under ``fallback`` is a ``restart needed`` event: one line says so, and
-the event goes into the cache, where the next ``mpadvise run`` (and ``load_policy()``) applies
-the safer mode.
+framework drives the loop. The script's precision was set when it started, so a trip under
+``fallback`` is a ``restart needed`` event, kept in the cache, where the next ``mpadvise run``
+(and ``load_policy()``) applies the safer mode.
 """
 
 from __future__ import annotations
@@ -86,7 +84,47 @@ class PlainTorch(FrameworkAdapter):
 
     @classmethod
     def install(cls, policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-        _install(policy, recorder=recorder, device=device)
+        """Put the candidate's hooks in place at torch's seams, before the script runs."""
+        import torch
+        import torch.amp.grad_scaler
+        import torch.cpu.amp
+        import torch.cuda.amp
+        import torch.nn.parallel
+        from torch.nn.modules import module
+        from torch.optim import optimizer
+
+        run = _Run(policy, recorder)
+        hold_switches(policy, device)
+        steps, precision = run.steps, run.precision
+        scaler_class = candidate_scaler_class(torch.amp.GradScaler, policy=policy, steps=steps)
+        for owner in (torch.amp, torch.amp.grad_scaler, torch.cuda.amp, torch.cpu.amp):
+            owner.GradScaler = scaler_class
+        for name in ("torch.cuda.amp.grad_scaler", "torch.cpu.amp.grad_scaler"):
+            if name in sys.modules:
+                sys.modules[name].GradScaler = scaler_class
+        module.register_module_forward_pre_hook(precision.pre)
+        module.register_module_forward_hook(precision.post, always_call=True)
+        optimizer.register_optimizer_step_pre_hook(functools.partial(before_step, steps))
+        optimizer.register_optimizer_step_post_hook(steps.optimizer_post)
+        _wrap_optimizer_init(torch.optim.Optimizer, steps, precision)
+        # Pure modes: DDP's gradient buckets take the parameters' dtype: cast before it builds them.
+        wrap_once(torch.nn.parallel.DistributedDataParallel, "__init__",
+                  around(lambda ddp, module, *args, **kwargs: precision.cast_module(module)))
+        wrap_backward(torch.Tensor, steps)
+        _wrap_clipping(steps)
+        _announce(policy, recorder)
+        if recorder is None:
+            guard = run_guard(policy)
+            if guard is not None:
+                steps.watch = guard.step
+        else:
+            recorder.no_step_reason = run.no_backward
+            recorder.policy_applied()  # the hooks are the candidate: the script's bound starts here
+            shift_seed([torch, torch.random], "manual_seed", recorder)
+            atexit.register(run.at_exit)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not the main thread
+                signal.signal(signum, run.signalled)
 
 
 @dataclass(frozen=True)
@@ -137,7 +175,6 @@ class _Run:
         self.recorder = recorder
         self.steps = Steps(recorder, refuse=self.refuse, label=policy.mode)
         self.precision = ForwardPrecision(policy, self.steps)
-        self.timeout = None if recorder is None else recorder.spec.first_step_timeout
         self.stopped = False
 
     def refuse(self, reason: str) -> None:
@@ -151,13 +188,13 @@ class _Run:
 
     def no_backward(self) -> str:
         """The recorder's first-step watchdog expired: what the script reached."""
-        return seen_line(self.steps.seen, what=f"the script reached no backward within {self.timeout:g} s")
+        what = f"the script reached no backward within {self.recorder.spec.first_step_timeout:g} s"
+        return seen_line(self.steps.seen, what=what)
 
     def at_exit(self) -> None:
         """The script ended by itself before any backward: say so instead of a silent no-step."""
-        if self.recorder is None or self.steps.seen.backwards or self.stopped:
-            return
-        if self.recorder.writer.data.get("stage") not in (Stage.LOADED, None):
+        if (self.recorder is None or self.steps.seen.backwards or self.stopped
+                or self.recorder.writer.data.get("stage") not in (Stage.LOADED, None)):
             return
         line = seen_line(self.steps.seen, what="the script ended before any backward") + (
             "; a script that trains through advisor.load_policy() must import advisor")
@@ -174,51 +211,6 @@ class _Run:
         if signum == signal.SIGINT:
             raise KeyboardInterrupt  # the script's own handling of Ctrl-C runs
         raise SystemExit(128 + signum)
-
-
-def _install(policy: Policy, *, recorder: FrameworkRecorder | None, device: str | None) -> None:
-    """Put the candidate's hooks in place at torch's seams, before the script runs."""
-    import torch
-    import torch.amp.grad_scaler
-    import torch.cpu.amp
-    import torch.cuda.amp
-    import torch.nn.parallel
-    import torch.nn.utils
-    from torch.nn.modules import module
-    from torch.optim import optimizer
-
-    run = _Run(policy, recorder)
-    hold_switches(policy, device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    steps, precision = run.steps, run.precision
-    scaler_class = candidate_scaler_class(torch.amp.GradScaler, policy=policy, steps=steps)
-    for owner in (torch.amp, torch.amp.grad_scaler, torch.cuda.amp, torch.cpu.amp):
-        owner.GradScaler = scaler_class
-    for name in ("torch.cuda.amp.grad_scaler", "torch.cpu.amp.grad_scaler"):
-        if name in sys.modules:
-            sys.modules[name].GradScaler = scaler_class
-    module.register_module_forward_pre_hook(precision.pre)
-    module.register_module_forward_hook(precision.post, always_call=True)
-    optimizer.register_optimizer_step_pre_hook(functools.partial(before_step, steps))
-    optimizer.register_optimizer_step_post_hook(steps.optimizer_post)
-    _wrap_optimizer_init(torch.optim.Optimizer, steps, precision)
-    # Pure modes: DDP's gradient buckets follow the parameters' dtype, so cast before it builds them.
-    wrap_once(torch.nn.parallel.DistributedDataParallel, "__init__",
-              around(lambda ddp, module, *args, **kwargs: precision.cast_module(module)))
-    wrap_backward(torch.Tensor, steps)
-    _wrap_clipping(torch.nn.utils, steps)
-    _announce(policy, recorder)
-    if recorder is None:
-        guard = run_guard(policy)
-        if guard is not None:
-            steps.watch = guard.step
-    else:
-        recorder.no_step_reason = run.no_backward
-        recorder.policy_applied()  # the hooks are the candidate: from here the script has its bound
-        shift_seed([torch, torch.random], "manual_seed", recorder)
-        atexit.register(run.at_exit)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(ValueError):  # not the main thread
-            signal.signal(signum, run.signalled)
 
 
 def _announce(policy: Policy, recorder: FrameworkRecorder | None) -> None:
@@ -258,7 +250,8 @@ def _wrap_optimizer_init(cls: type, steps: Steps, precision: ForwardPrecision) -
     cls.__init__ = __init__
 
 
-def _wrap_clipping(utils: Any, steps: Steps) -> None:
+def _wrap_clipping(steps: Steps) -> None:
+    import torch.nn.utils
     import torch.nn.utils.clip_grad as clip_grad
 
     for name in ("clip_grad_norm_", "clip_grad_value_"):
@@ -269,17 +262,12 @@ def _wrap_clipping(utils: Any, steps: Steps) -> None:
             return _original(*args, **kwargs)
 
         functools.update_wrapper(clip, original)
-        setattr(utils, name, clip)
+        setattr(torch.nn.utils, name, clip)
         setattr(clip_grad, name, clip)
 
 
 class RunGuard:
-    """Watches a framework or plain script's optimizer steps; warns once and records the event.
-
-    Args:
-        policy: the policy the run applies.
-        setting: ``"warn"`` or ``"fallback"``.
-    """
+    """Watches a script's optimizer steps (``setting``: warn or fallback); warns once, records."""
 
     def __init__(self, policy: Policy, setting: str) -> None:
         self.policy = policy
@@ -290,13 +278,21 @@ class RunGuard:
     def step(self, loss: Any, scale: float | None, skipped: bool) -> None:
         """One optimizer step's facts: its loss (a tensor), the scale after it, a skip."""
         self.optimizer_steps += 1
-        if self.optimizer_steps == 1 and self.guard.trend_on:  # by now argv is the script's own
-            self.guard.reference = _reference()
+        if self.optimizer_steps == 1 and self.guard.trend_on:
+            # fp32's loss per optimizer step in the newest tune of this script with these
+            # arguments, or nothing (by now the script runs, and argv is its own).
+            from advisor.cache import cached_answers
+
+            args, script = tuple(sys.argv[1:]), Path(sys.argv[0]).resolve()
+            found = (answer.reference for answer in cached_answers(probes.profile_for(None), script)
+                     if answer.args in (None, args))
+            self.guard.reference = next(found, ())
             self.guard.trend.reference = list(self.guard.reference)
         if self.guard.tripped:
             return
-        value = float(loss)  # the loss value's one sync
-        tripped = self.guard.observe(self.optimizer_steps, loss=value, applied=not skipped, loss_scale=scale)
+        # float(loss): the loss value's one sync.
+        tripped = self.guard.observe(self.optimizer_steps, loss=float(loss), applied=not skipped,
+                                     loss_scale=scale)
         if tripped is not None:
             self._trip(*tripped)
 
@@ -313,18 +309,6 @@ class RunGuard:
         # The script's cache entry keeps it: by now the script runs, and argv[0] is the script.
         script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
         record_guard_event(event.to_dict(), profile=profile, workload_fp=None, script=script)
-
-
-def _reference() -> tuple[float, ...]:
-    """fp32's loss per optimizer step in the newest tune of this script with these arguments
-    (by now the script runs, and argv is its own), or nothing."""
-    from advisor.cache import cached_answers
-
-    args = tuple(sys.argv[1:])
-    for answer in cached_answers(probes.profile_for(None), Path(sys.argv[0]).resolve()):
-        if answer.args is None or answer.args == args:
-            return answer.reference
-    return ()
 
 
 def run_guard(policy: Policy) -> RunGuard | None:
@@ -346,12 +330,9 @@ def watch_run(policy: Policy) -> None:
     steps.watch = guard.step
     register_optimizer_step_post_hook(steps.optimizer_post)
     wrap_backward(torch.Tensor, steps)
-    _watch_scaler(torch.amp.GradScaler, steps)
-
-
-def _watch_scaler(cls: type, steps: Steps) -> None:
-    """Wrap ``GradScaler.scale`` and ``step`` in place (every subclass's ``super()`` reaches them):
-    the scaled loss maps back to its value, and the step ends with its scale and skip."""
+    # GradScaler's own scale and step, in place (every subclass's super() reaches them): the scaled
+    # loss maps back to its value, and the step ends with its scale and skip.
+    cls = torch.amp.GradScaler
     scale, step = cls.scale, cls.step
     cls.scale = lambda scaler, outputs: steps.scaled(scale(scaler, outputs), outputs)
     cls.step = lambda scaler, optimizer, *args, **kwargs: steps.scaler_step(

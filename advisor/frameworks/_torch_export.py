@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import difflib
 from pathlib import Path
-from typing import ClassVar
 
 from advisor.frameworks._export import Export, Exporter, ExportRefused, _Job
 
@@ -134,13 +133,8 @@ class TorchExporter(Exporter):
 
     target = "torch"
     title = "a plain PyTorch loop"
-    reads_script: ClassVar[bool] = True
-
-    def __init__(self) -> None:
-        self.script: Path | None = None
 
     def write(self, job: _Job) -> Export:
-        job.check_framework()
         data = {"mode": job.policy.mode, "script": None if self.script is None else str(self.script)}
         if self.script is None:
             job.notes.append("name the training script (mpadvise export train.py --to torch) for a diff against it")

@@ -257,9 +257,7 @@ class Steps:
         if self.seen.backwards == 1:
             self._first_backward()
         self.step.add(loss)
-        if self.scaling is not None and loss is tensor:
-            return self.scaling.scale(tensor)
-        return tensor
+        return self.scaling.scale(tensor) if self.scaling is not None and loss is tensor else tensor
 
     def after_backward(self) -> None:
         if not self.optimizers and self._model is not None:

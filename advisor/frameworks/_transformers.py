@@ -28,7 +28,6 @@ from advisor.frameworks._adapter import (
 from advisor.runtime import BatchSplit, batch_split, current_world_size
 from advisor.trial import EXIT_UNSUPPORTED, end_trial_process
 from policies import Policy, mode_facts
-from probes import MpadviseError
 
 if TYPE_CHECKING:
     from advisor.trial import FrameworkRecorder
@@ -93,12 +92,7 @@ class HuggingFaceTrainer(FrameworkAdapter):
 def transformers_precision(policy: Policy) -> dict[str, bool]:
     """The ``TrainingArguments`` precision fields (``fp16``, ``bf16``, ``tf32``) for ``policy`` (pure).
     A mode that leaves TF32 alone gets ``tf32=False``, the field's meaning of "not asked"."""
-    facts = mode_facts(policy.mode)
-    if not HuggingFaceTrainer.expresses(facts):
-        raise MpadviseError(
-            f"the Hugging Face Trainer cannot apply mode {policy.mode}: TrainingArguments express "
-            "fp16 or bf16 autocast over fp32 weights and the TF32 switch, not pure half weights or FP8"
-        )
+    facts = HuggingFaceTrainer.facts_for(policy)
     return {"fp16": facts.autocast == "fp16", "bf16": facts.autocast == "bf16", "tf32": facts.tf32 is True}
 
 
@@ -219,7 +213,9 @@ class TrainerHooks(Application):
         self.user_batch: int | None = None
         self.step = StepLosses()
         self._loss_scale: float | None = None  # what the GradScaler's scale is now, once read
-        self._first_forward = _FirstForward()
+        self._forward: tuple[bool, str, str] | None = None  # autocast in the first forward
+        self._forward_checked = False
+        self._forward_hooks: list[Any] = []
 
     def before_arguments(self, args: Any) -> None:
         """Set the policy's fields, before ``__post_init__`` derives ``mixed_precision``."""
@@ -274,7 +270,12 @@ class TrainerHooks(Application):
                 self._refuse(reason)
         self.note(f"the Trainer's Accelerator runs mixed_precision={accelerator.mixed_precision} on {trainer.args.device}")
         self.applied(trainer.args.device)  # the Trainer and its Accelerator run the candidate
-        trainer.add_callback(_step_callback(self.callback_base, self, trainer))
+        # A TrainerCallback of the script's transformers: its events feed this trainer's records.
+        trainer.add_callback(type("MpadviseSteps", (self.callback_base,), {
+            "on_train_begin": lambda callback, args, state, control, **kwargs: self.train_begin(
+                trainer, kwargs.get("optimizer")),
+            "on_step_end": lambda callback, args, state, control, **kwargs: self.step_end(trainer),
+        })())
         step = trainer.training_step  # the most derived one: a subclass's override included
         trainer.training_step = lambda *a, **kw: self.training_step(trainer, step, *a, **kw)
 
@@ -288,19 +289,19 @@ class TrainerHooks(Application):
         loss = step(*args, **kwargs)
         inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
         self.step.add(loss, batch_size_of(inputs))
-        if not self._first_forward.checked:
+        if not self._forward_checked:
             self._check_forward()
         return loss
 
-    def train_begin(self, trainer: Any, model: Any, optimizer: Any) -> None:
+    def train_begin(self, trainer: Any, optimizer: Any) -> None:
         if self.recorder is not None:
             self.recorder.perturb(trainer.model)
             self.recorder.watch_model(trainer.model)
             # user_batch is per device; the workload's global batch counts every process.
             every_process = None if self.user_batch is None else self.user_batch * current_world_size()
             self.recorder.workload(trainer.model, getattr(optimizer, "optimizer", optimizer), global_batch=every_process)
-        if not trainer.args.torch_compile and not self._first_forward.checked:
-            self._first_forward.watch(trainer.model, trainer.args.device.type)
+        if not trainer.args.torch_compile and not self._forward_checked:
+            self._watch_forward(trainer.model, trainer.args.device.type)
 
     def step_end(self, trainer: Any) -> None:
         """The optimizer stepped: the step's loss, the scale its backward ran with, and whether it was skipped."""
@@ -314,8 +315,25 @@ class TrainerHooks(Application):
         skipped = scaler_skipped(before, after) or bool(trainer.accelerator.optimizer_step_was_skipped)
         self.step.record(self.recorder, before, skipped, mean=False)
 
+    def _watch_forward(self, model: Any, device_type: str) -> None:
+        """Note the autocast state inside the first forward (a submodule runs inside Accelerate's
+        autocast wrapper of the model's forward; the model's own hooks run outside it)."""
+        import torch
+
+        def seen(module: Any, inputs: Any) -> None:
+            if self._forward is None:
+                dtype = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+                self._forward = (torch.is_autocast_enabled(device_type), dtype, device_type)
+
+        submodules = [module for name, module in model.named_modules() if name]
+        self._forward_hooks += [module.register_forward_pre_hook(seen) for module in submodules]
+
     def _check_forward(self) -> None:
-        seen = self._first_forward.take()
+        """The first training step is done: check what its forward ran under, once."""
+        self._forward_checked = True
+        for handle in self._forward_hooks:
+            handle.remove()
+        seen = self._forward
         if seen is None:
             return  # a model without submodules, or a compiled one: the Accelerator check stands alone
         enabled, dtype, device_type = seen
@@ -332,53 +350,6 @@ class TrainerHooks(Application):
             end_trial_process(EXIT_UNSUPPORTED)
         sys.stderr.write(f"error: {reason}\n")
         raise SystemExit(1)
-
-
-def _step_callback(base: type, hooks: TrainerHooks, trainer: Any) -> Any:
-    class MpadviseSteps(base):  # type: ignore[misc, valid-type]
-        """Feeds the trial recorder from the Trainer's events."""
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            hooks.train_begin(trainer, kwargs.get("model"), kwargs.get("optimizer"))
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            hooks.step_end(trainer)
-
-    return MpadviseSteps()
-
-
-class _FirstForward:
-    """The autocast state inside the first training forward: ``(enabled, dtype, device type)``."""
-
-    def __init__(self) -> None:
-        self.seen: tuple[bool, str, str] | None = None
-        self.checked = False
-        self._handles: list[Any] = []
-
-    def watch(self, model: Any, device_type: str) -> None:
-        """Note the autocast state inside the first forward (a submodule runs inside Accelerate's
-        autocast wrapper of the model's forward; the model's own hooks run outside it)."""
-        import torch
-
-        def seen(module: Any, inputs: Any) -> None:
-            if self.seen is None:
-                enabled = torch.is_autocast_enabled(device_type)
-                self.seen = (enabled, str(torch.get_autocast_dtype(device_type)).removeprefix("torch."), device_type)
-            self._unhook()
-
-        submodules = [module for name, module in model.named_modules() if name]
-        self._handles += [module.register_forward_pre_hook(seen) for module in submodules]
-
-    def take(self) -> tuple[bool, str, str] | None:
-        """What the first forward ran under (``None``: nothing was watched); checked from now on."""
-        self.checked = True
-        self._unhook()
-        return self.seen
-
-    def _unhook(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
 
 def _scale(trainer: Any) -> float | None:
