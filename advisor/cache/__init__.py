@@ -1,6 +1,5 @@
 """The per-GPU recommendation cache: the SQLite ``Store``, the record schema, and what a stored
-answer means for this machine and script. The exports are lazy (PEP 562), so that
-``load_policy()`` pays for sqlite-utils only when it really reads the cache."""
+answer means here. Lazy exports (PEP 562): ``load_policy()`` loads sqlite-utils only to read."""
 
 from __future__ import annotations
 

@@ -114,9 +114,8 @@ def guarded(method: _F) -> _F:
 
 
 def nothing_cached_yet(path: Path) -> bool:
-    """Whether the cache file at ``path`` does not exist yet but could be created there: readers
-    skip it without creating it. One that could not be created (below a regular file, in a
-    read-only directory) is opened anyway, so that the store warns once."""
+    """Whether the cache file does not exist yet but could be created (readers skip it); one that
+    could not be (in a read-only directory...) is opened anyway, so that the store warns once."""
     if path.exists():
         return False
     for ancestor in path.parents:

@@ -1,8 +1,6 @@
 """Tuned answers in the cache: record a tune's winner, find it again, tell when it no longer
-holds; and what the runtime guard saw in long runs. A lookup never raises for cache trouble: a
-missing, damaged, locked or read-only cache costs at most one warning and the run continues
-with the next source. The store is imported on first use, so that ``load_policy()`` pays for
-sqlite-utils only when a cache exists."""
+holds; and what the runtime guard saw in long runs. A lookup never raises for cache trouble
+(at most one warning); the store is imported only when a cache exists."""
 
 from __future__ import annotations
 
@@ -44,23 +42,19 @@ def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.Pa
                 utilisation: dict[str, Any] | None = None,
                 reference_losses: Sequence[float] | None = None) -> int | None:
     """Store a tune's winner for this hardware and workload, with its trials: its id, or ``None``
-    when no cache is usable (after one warning). The policy gets a complete ``[tuned_on]``
-    (hardware and versions from ``profile``; the workload facts and date on it kept); ``args``,
-    ``utilisation`` and ``reference_losses`` (fp32's loss per optimizer step, for the run's
-    guard) go in the summary when given."""
+    when no cache is usable. The policy gets a complete ``[tuned_on]``; ``args``, ``utilisation``
+    and ``reference_losses`` (fp32's loss per step, for the run's guard) go in the summary."""
     _trials("trials", list(trials))  # checked before any cache is opened: a wrong field is a bug
     script_path = str(Path(script).resolve())
     fingerprint = hardware_fingerprint(profile)
     earlier = policy.tuned_on or TunedOn()
-    tuned = TunedOn(
-        hardware_fingerprint=fingerprint, device=profile.name, torch=profile.torch_version or "",
-        libraries=tuple(sorted(profile.libraries)), date=earlier.date or datetime.date.today().isoformat(),
+    # The workload facts and the speed-up's interval and basis, as the tune measured them, kept.
+    tuned = replace(
+        earlier, hardware_fingerprint=fingerprint, device=profile.name,
+        torch=profile.torch_version or "", libraries=tuple(sorted(profile.libraries)),
+        date=earlier.date or datetime.date.today().isoformat(),
         speedup_vs_fp32=speedup_vs_fp32, goodput=goodput, workload_fingerprint=workload_fingerprint,
-        model_signature=earlier.model_signature, script=script_path, trials=len(trials),
-        cuda=profile.cuda_runtime or "", global_batch=earlier.global_batch, script_digest=earlier.script_digest,
-        # The speed-up's interval and basis, as the tune measured them (they go with its figure).
-        speedup_low=earlier.speedup_low, speedup_high=earlier.speedup_high, speedup_basis=earlier.speedup_basis,
-        speedup_threads=earlier.speedup_threads,
+        script=script_path, trials=len(trials), cuda=profile.cuda_runtime or "",
         args=earlier.args if args is None else tuple(str(arg) for arg in args),
     )
     summary = {"speedup_vs_fp32": speedup_vs_fp32, "goodput": goodput, "trial_count": len(trials),
@@ -92,9 +86,8 @@ def record_tune(*, profile: HardwareProfile, policy: Policy, script: str | os.Pa
 
 @dataclass(frozen=True)
 class TunedAnswer:
-    """A tune's answer for this script: the policy, a label for logs (``"cache entry #7 (tuned
-    2025-03-01)"``), the script's arguments at tuning time (``None`` if unknown; ``mpadvise run``
-    checks them before a framework builds the model), fp32's loss per step, for the run's guard."""
+    """A tune's answer for this script: the policy, a label for logs, the script's arguments at
+    tuning time (``None`` if unknown), and fp32's loss per step, for the run's guard."""
 
     policy: Policy
     label: str
@@ -103,10 +96,8 @@ class TunedAnswer:
 
 
 def cached_answers(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> list[TunedAnswer]:
-    """Every cached answer for this hardware and this very script file (one of the same name
-    elsewhere is another workload), newest first. An entry that cannot be read, or whose mode no
-    longer runs here, is skipped with one warning. Empty on a miss or any cache trouble."""
-    # Given a full path, the store matches the stored path exactly.
+    """Every cached answer for this hardware and this very script file, newest first; an entry
+    that cannot be read or run here is skipped with a warning. Empty on any cache trouble."""
     rows = _read(script, "cache lookup", "the cache", lambda store, path: store.find_recommendations(
         hardware_fp=hardware_fingerprint(profile), script=path))
     answers = (_answer(row, profile, database_path()) for row in rows)
@@ -115,9 +106,8 @@ def cached_answers(profile: HardwareProfile, script: str | os.PathLike[str] | No
 
 def _read(script: str | os.PathLike[str] | None, doing: str, without: str,
           query: Callable[[Store, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """What ``query`` finds for this very script file; empty when there is no script, nothing
-    is cached yet (opening would create files for a lookup that cannot hit: a plain training run
-    leaves none behind), or on any cache trouble, after one warning."""
+    """What ``query`` finds for this very script file; empty without a script, on any cache
+    trouble, or when nothing is cached yet (a plain training run leaves no files behind)."""
     path = database_path()
     if script is None or nothing_cached_yet(path):
         return []
@@ -137,9 +127,8 @@ def _read(script: str | os.PathLike[str] | None, doing: str, without: str,
 
 def record_guard_event(event: Mapping[str, Any], *, profile: HardwareProfile, workload_fp: str | None,
                        script: str | os.PathLike[str] | None) -> bool:
-    """Write the runtime guard's ``event`` (plain data: ``GuardEvent.to_dict()``) to the cache
-    entry of this hardware, workload and script; returns whether it was stored. A cache that
-    cannot be written costs one warning, never the run."""
+    """Store the runtime guard's ``event`` (``GuardEvent.to_dict()``) for this hardware, workload
+    and script; whether it was stored. A cache that cannot be written costs one warning."""
     from advisor.cache._store import open_store
 
     path = database_path()
@@ -166,7 +155,7 @@ def _answer(row: dict[str, Any], profile: HardwareProfile, path: Path) -> TunedA
     """The answer a cache row holds, or ``None`` (with a warning) when it cannot apply here."""
     label = f"cache entry #{row['id']} (tuned {str(row['created_at'])[:10]})"  # how logs name it
     try:
-        policy = policy_of(row)
+        policy = Policy.from_dict(row["policy"], source=f"cache entry #{row['id']}")
     except PolicyError as exc:
         get_logger().warning(f"{label} in {path} cannot be read ({exc}); ignoring it; "
                              "`mpadvise cache clear` removes it, `mpadvise tune` writes a new one")
@@ -192,15 +181,10 @@ def lookup(profile: HardwareProfile, script: str | os.PathLike[str] | None) -> t
     return (answers[0].policy, answers[0].label) if answers else None
 
 
-def policy_of(row: dict[str, Any]) -> Policy:
-    return Policy.from_dict(row["policy"], source=f"cache entry #{row['id']}")
-
-
 @dataclass(frozen=True)
 class EntryStatus:
     """Why a cache entry would not be applied on some hardware: ``mismatch`` when its policy
-    says what differs, else ``detail`` (an unreadable policy, another fingerprint, a mode that
-    cannot run there)."""
+    says what differs, else ``detail``."""
 
     detail: str
     mismatch: HardwareMismatch | None = None
@@ -217,7 +201,7 @@ class EntryStatus:
 def entry_status(row: dict[str, Any], profile: HardwareProfile) -> EntryStatus | None:
     """Why a cache entry would not be applied on ``profile``, or ``None`` when it would be."""
     try:
-        policy = policy_of(row)
+        policy = Policy.from_dict(row["policy"], source=f"cache entry #{row['id']}")
     except PolicyError as exc:
         return EntryStatus(f"unreadable policy ({exc})")
     mismatch = hardware_mismatch(policy, profile)

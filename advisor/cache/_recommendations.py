@@ -52,8 +52,6 @@ class ImportedIds:
 
 
 class Recommendations(StoreBase):
-    """The answers of tunes, keyed by (hardware fingerprint, workload fingerprint)."""
-
     @guarded
     def put_hardware(self, fingerprint: str, profile: dict[str, Any]) -> None:
         check_hardware_fp("fingerprint", fingerprint)
@@ -65,8 +63,7 @@ class Recommendations(StoreBase):
     def put_recommendation(self, *, hardware_fp: str, workload_fp: str, script: str | None, policy: dict[str, Any],
                            speedup_vs_fp32: float | None, goodput: float, versions: dict[str, Any],
                            summary: dict[str, Any], trials: Sequence[dict[str, Any]]) -> int:
-        """Store the answer for one (hardware, workload) key, replacing any earlier one, and
-        return its id. Raises MpadviseError naming a field of the wrong type or shape."""
+        """Store the answer for one (hardware, workload) key, replacing any earlier one; its id."""
         record = {**validated_record({
             "hardware_fp": hardware_fp, "workload_fp": workload_fp, "script": script, "policy": policy,
             "speedup_vs_fp32": speedup_vs_fp32, "goodput": goodput, "versions": versions,
@@ -77,9 +74,8 @@ class Recommendations(StoreBase):
 
     @guarded
     def clear(self, older_than: datetime.timedelta | None = None) -> int:
-        """Delete recommendations (all, or those created longer ago than ``older_than``) with their
-        trials, and the guard's events of the same age; hardware profiles and jobs are kept.
-        Returns how many recommendations went."""
+        """Delete recommendations (all, or those older than ``older_than``) with their trials, and
+        the guard's events of the same age; returns how many recommendations went."""
         with self._write() as db:
             where, params = "1", []
             if older_than is not None:
@@ -97,9 +93,8 @@ class Recommendations(StoreBase):
     @guarded
     def find_recommendations(self, *, hardware_fp: str | None = None, script: str | None = None,
                              workload_fp: str | None = None, with_trials: bool = False) -> list[Record]:
-        """Recommendations matching every given filter, newest first (``trials`` only
-        ``with_trials``). A ``script`` path matches the stored path exactly (the same name elsewhere
-        is another workload); a bare file name matches the stored paths with that base name."""
+        """Recommendations matching every given filter, newest first. A ``script`` path matches the
+        stored path exactly (elsewhere is another workload); a bare file name, its base name."""
         bare_name = script is not None and os.path.basename(script) == script
         clauses, params = [], []
         for clause, value in (("r.hardware_fp = ?", hardware_fp), ("r.workload_fp = ?", workload_fp),
@@ -126,8 +121,7 @@ class Recommendations(StoreBase):
 
     @guarded
     def export_records(self, path: Path | str, *, ids: Iterable[int] | None = None) -> int:
-        """Write recommendations (only ``ids`` when given) to a JSON file, replaced atomically;
-        returns how many. Raises MpadviseError for an unknown id or an unwritable file."""
+        """Write recommendations (only ``ids`` when given) to a JSON file whole; how many."""
         with self._read() as db:
             rows = select_recommendations(db, "1", []) if ids is None else []
             for recommendation_id in ids or ():
@@ -145,10 +139,9 @@ class Recommendations(StoreBase):
 
     @guarded
     def import_validated(self, records: Sequence[Record]) -> ImportedIds:
-        """Write records that ``read_export`` returned, in one transaction. A record replaces the
-        cached one for its key unless that is newer (re-importing an old file never undoes a fresh
-        local tune), with its hardware profile. It keeps its exported id where no other entry has
-        it, so that ``#3`` means the same entry on both machines; else it gets a new id."""
+        """Write records that ``read_export`` returned, in one transaction, each unless the cached
+        one for its key is newer (an old file never undoes a fresh tune). A record keeps its
+        exported id where it is free, so that ``#3`` means the same entry on both machines."""
         ids: list[tuple[int | None, int]] = []
         with self._write() as db:
             # Those whose id another entry holds go last, so that a new id given to one of them

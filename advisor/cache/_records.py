@@ -187,8 +187,7 @@ _EXPORTED_FIELDS = tuple(field.name for field in RECORD_FIELDS if field.origin !
 
 def validated_record(raw: Any, *, imported: bool = False) -> Record:
     """Check a recommendation against :data:`RECORD_FIELDS`; return it normalised, with ``mode``
-    from its policy. An ``imported`` one (from an export) brings its ``id``, ``created_at`` and
-    ``hardware``, and may bring a ``mode`` that agrees with its policy. Errors start with the field."""
+    from its policy. An ``imported`` one also brings its export fields. Errors name the field."""
     if not isinstance(raw, dict):
         raise MpadviseError(f"a record must be a JSON object, got {type(raw).__name__}")
     given = [field for field in RECORD_FIELDS if field.origin == "caller" or (imported and field.origin == "export")]
@@ -238,9 +237,8 @@ def export_document(rows: Iterable[Record]) -> dict[str, Any]:
 
 
 def read_export(source: Path, *, check: Callable[[Record], object] | None = None) -> list[Record]:
-    """The records of an export file, in file order, every one validated before any is returned.
-    ``check`` is called with each record for rules beyond its shape; raising ``MpadviseError``
-    or ``ValueError`` refuses the file. An error names the file, the record and the field."""
+    """The records of an export file, every one validated (and passed to ``check``, which may
+    raise MpadviseError or ValueError) before any is returned; errors name file, record, field."""
     try:
         text = source.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

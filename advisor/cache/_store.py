@@ -1,8 +1,7 @@
-"""The cache database, the one module that imports sqlite-utils: opening it, surviving damage,
-its job queue, and the :class:`Store`. Many processes share one file: WAL, ``synchronous=NORMAL``,
-every read-then-write in ``BEGIN IMMEDIATE`` (writers queue on the busy timeout instead of failing
-to upgrade a stale snapshot). A damaged, foreign or newer-schema file is moved aside (with its
--wal/-shm) and replaced. The directory is 0700, the files 0600: the daemon runs the job queue."""
+"""The cache database, the one module that imports sqlite-utils: the :class:`Store` and its job
+queue. Many processes share one file: WAL, and every read-then-write in ``BEGIN IMMEDIATE``
+(writers queue on the busy timeout instead of failing to upgrade a stale snapshot). A damaged,
+foreign or newer file is moved aside and replaced. 0700/0600: the daemon runs the job queue."""
 
 from __future__ import annotations
 
@@ -41,17 +40,14 @@ _JOB_JSON = ("args", "options", "progress", "result")
 
 
 class JobQueue(StoreBase):
-    """The daemon's tune jobs, kept in the cache database so that queued jobs survive a restart:
-    queued, claimed by a slot, running, finished; oldest first. A job is a plain dict of the
-    ``jobs`` table's columns, with its JSON fields decoded."""
+    """The daemon's tune jobs, oldest first, kept in the database so that they survive a restart;
+    a job is a dict of the ``jobs`` table's columns, its JSON fields decoded."""
 
     @guarded
     def enqueue_job(self, *, script: str, args: Sequence[str] = (), options: dict[str, Any] | None = None,
                     gpu: str | None = None) -> str:
         """Queue a tune job; returns its id. ``gpu`` pins it to a slot (kept as
         ``requested_gpu``; the ``gpu`` field names the slot that runs or ran it)."""
-        if not isinstance(script, str) or not script:
-            raise MpadviseError(f"job script must be a non-empty string, got {script!r}")
         if isinstance(args, str) or not all(isinstance(arg, str) for arg in args):
             raise MpadviseError(f"job args must be a list of strings, got {args!r}")
         job_id = uuid.uuid4().hex
@@ -68,10 +64,8 @@ class JobQueue(StoreBase):
 
     @guarded
     def list_jobs(self, *, states: Iterable[str] | None = None) -> list[Record]:
-        where, params = "1", []
-        if states is not None:
-            params = list(states)
-            where = f"state IN ({', '.join('?' * len(params))})"
+        params = [] if states is None else list(states)
+        where = "1" if states is None else f"state IN ({', '.join('?' * len(params))})"
         rows = self.db.query(f"SELECT * FROM jobs WHERE {where} ORDER BY created_at, rowid", params)
         return [_decode_job(row) for row in rows]
 
@@ -81,8 +75,7 @@ class JobQueue(StoreBase):
 
     @guarded
     def cancel_job(self, job_id: str) -> Record | None:
-        """Cancel a job: a queued one at once (``cancelled``), a running one by asking its runner
-        (``cancelling``); returns the job afterwards, or ``None`` if there is no such job."""
+        """Cancel a job: a queued one at once, a running one by asking its runner; the job after."""
         with self._write() as db:
             db.execute("UPDATE jobs SET state = 'cancelled', finished_at = ? WHERE id = ? AND state = 'queued'",
                        [utc_now(), job_id])
@@ -132,10 +125,9 @@ class JobQueue(StoreBase):
 
     @guarded
     def requeue_interrupted(self, *, max_retries: int = 1) -> list[Record]:
-        """At daemon start, put back the jobs that were running when the last daemon stopped: a
-        ``running`` job is queued again with ``attempts + 1`` while it has been retried fewer
-        than ``max_retries`` times, else ``interrupted`` (a job that kills the daemon cannot do
-        it forever); a ``cancelling`` one is ``cancelled``. Returns the jobs changed."""
+        """At daemon start, queue again a ``running`` job while retried fewer than ``max_retries``
+        times, else ``interrupted`` (a job that kills the daemon cannot do it forever); a
+        ``cancelling`` one is ``cancelled``. Returns the jobs changed."""
         with self._write() as db:
             ids = [row["id"] for row in db.query("SELECT id FROM jobs WHERE state IN ('running', 'cancelling')")]
             now = utc_now()
@@ -147,8 +139,7 @@ class JobQueue(StoreBase):
 
     @guarded
     def prune_finished_jobs(self, *, finished_before: str) -> list[str]:
-        """Delete the jobs that finished before ``finished_before`` (a :func:`utc_now` timestamp);
-        returns their ids (the daemon removes their files)."""
+        """Delete the jobs that finished before ``finished_before`` (:func:`utc_now`); their ids."""
         where = f"state IN ({', '.join('?' * len(FINISHED_JOB_STATES))}) AND finished_at < ?"
         params = [*FINISHED_JOB_STATES, finished_before]
         with self._write() as db:
@@ -163,8 +154,7 @@ def _get_job(db: sqlite_utils.Database, job_id: str) -> Record | None:
 
 
 def _decode_job(row: dict[str, Any]) -> Record:
-    """A ``jobs`` row as a job. One with a JSON column that is not JSON is shown failed, with the
-    reason (so that listing jobs never fails on one damaged row)."""
+    """A ``jobs`` row as a job; one with a damaged JSON column is shown failed, never raising."""
     job = dict(row)
     for column in _JOB_JSON:
         try:
@@ -176,9 +166,8 @@ def _decode_job(row: dict[str, Any]) -> Record:
 
 
 def open_store(path: Path | str | None = None) -> Store | None:
-    """Open the cache, or return ``None`` when it cannot be used, for callers that work without
-    one. The warning comes once per path and process: a daemon or a notebook that asks
-    repeatedly should not fill the log with the same line."""
+    """The cache, or ``None`` when it cannot be used, warning once per path and process (a daemon
+    or a notebook that asks repeatedly should not fill the log with the same line)."""
     try:
         return Store(path)
     except MpadviseError as exc:
@@ -203,9 +192,8 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
 
 
 class Store(Recommendations, JobQueue, contextlib.AbstractContextManager):
-    """The mpadvise cache database (default :func:`advisor._paths.database_path`): one SQLite
-    connection, shared safely by threads. MpadviseError when it cannot be created, opened or
-    written, or stays locked past the busy timeout (damaged files are replaced, not errors)."""
+    """The mpadvise cache database: one SQLite connection, shared safely by threads. MpadviseError
+    when it cannot be used or stays locked past the busy timeout (damage is replaced instead)."""
 
     def __init__(self, path: Path | str | None = None) -> None:
         self.path = Path(path) if path is not None else database_path()
@@ -293,9 +281,8 @@ class Store(Recommendations, JobQueue, contextlib.AbstractContextManager):
 
 
 def _connect_checked(path: Path) -> tuple[sqlite_utils.Database, tuple[int, int] | None]:
-    """Connect to ``path``, configure and verify, retrying while other processes hold locks:
-    the database and the identity (device, inode) of the file it opened. Raises ``_Unusable``
-    for a damaged, foreign or newer file, MpadviseError when it cannot be opened."""
+    """Connect to ``path``, configure and verify, retrying while other processes hold locks; the
+    database and the (device, inode) of its file. ``_Unusable`` for a damaged or foreign file."""
     started = time.monotonic()
     deadline = started + BUSY_TIMEOUT_S
     while True:

@@ -86,7 +86,6 @@ _TUNE_OPTION_TYPES: dict[str, Any] = {"modes": list[str] | None, "memory_limit":
 
 
 def _framework_help() -> str:
-    """``--framework``'s help, naming the frameworks registered when the command line is built."""
     from advisor.frameworks import FRAMEWORKS
 
     return f"How the script trains: {', '.join(FRAMEWORKS)}; default: read from its imports."
@@ -95,9 +94,8 @@ def _framework_help() -> str:
 def with_tune_options(
     taken: Callable[[OptionInfo], bool] = lambda option: True,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Expand a command's ``options: TuneOptions`` parameter into one option per field that
-    ``taken`` accepts, with the flags, help and default :class:`TuneOptions` gives it, so the
-    command line cannot drift from the API; the values reach the command as one TuneOptions."""
+    """Expand a command's ``options: TuneOptions`` into one option per field ``taken`` accepts, as
+    :class:`TuneOptions` declares it, so the command line cannot drift from the API."""
     chosen = [option for option in option_info() if taken(option)]
 
     def expand(command: Callable[..., Any]) -> Callable[..., Any]:

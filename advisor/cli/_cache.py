@@ -1,9 +1,6 @@
 """``mpadvise show``, ``mpadvise cache list|show|export|import|clear`` and ``mpadvise study
-status``: the cache and the tune studies, for people, and the tables they print.
-
-Reading commands treat a cache that cannot be opened as empty (one warning, exit 0); commands
-that change it, and ``export``, need it and fail with one line saying why.
-"""
+status``, and the tables they print. Reading commands treat a cache that cannot be opened as
+empty (one warning, exit 0); commands that change it, and ``export``, fail with one line."""
 
 from __future__ import annotations
 
@@ -97,8 +94,7 @@ def cache_import(
     json_output: JsonOption = False,
 ) -> None:
     """Add the recommendations of an exported file; refuses the whole file if any record is bad."""
-    # A file named that is not there is a bad value, refused first; otherwise the store comes
-    # first: an unusable cache is the error to report, whatever the file holds.
+    # A missing file is a bad value, refused first; then an unusable cache is the error to report.
     if not file.is_file():
         what = "is not a file" if file.exists() else "does not exist"
         raise UsageError(f"{file} {what}; expected a file written by `mpadvise cache export`")
@@ -169,8 +165,7 @@ def render_studies(report: dict[str, Any], console: Console) -> None:
     if not studies:
         console.print(f"no studies in {shown}", highlight=False)
         return
-    # Short count headers, named in full under the table, and prose columns that wrap at their
-    # spaces: the table fits 80 columns with every count and name whole.
+    # Short count headers (named under the table), prose wrapping at spaces: 80 columns.
     short = ("done", "run", "wait", "fail")
     table = Table(*(Column(column, justify="right", no_wrap=True) if column in short
                     else Column(column, overflow="fold", ratio=1, min_width=8)
@@ -202,8 +197,7 @@ def parse_duration(text: str) -> datetime.timedelta:
 
 def show_report(profiles: list[HardwareProfile], *, include_other: bool = False) -> dict[str, Any]:
     """What ``mpadvise show`` prints: this machine's entries (``profiles``, the training device
-    first), each judged valid or not here; ``cache`` is False when no cache could be opened, and
-    ``other_hardware`` counts the entries of other fingerprints (listed with ``include_other``)."""
+    first), each judged valid here or not; ``other_hardware`` counts the others."""
     local = {hardware_fingerprint(profile): profile for profile in profiles}
     report: dict[str, Any] = {"database": str(database_path()), "cache": False,
                               "hardware": [{"fingerprint": fp, "device": p.name} for fp, p in local.items()],
@@ -233,7 +227,6 @@ def show_report(profiles: list[HardwareProfile], *, include_other: bool = False)
 
 
 def cache_show_report(recommendation_id: int) -> dict[str, Any]:
-    """One recommendation with its trials, hardware profile and versions."""
     from advisor.cache import open_store
 
     get_logger()  # attaches the handler for the cache's warnings
@@ -253,13 +246,11 @@ def cache_show_report(recommendation_id: int) -> dict[str, Any]:
 
 
 def _machine_profiles() -> list[HardwareProfile]:
-    """This machine's devices, training device first (tests replace this)."""
-    return probes.detect()
+    return probes.detect()  # training device first; tests replace this
 
 
 def _read_rows(*, events: bool = False) -> list[dict[str, Any]] | None:
-    """Every recommendation (or, with ``events``, every guard event), newest first; ``None``
-    when no cache can be opened (one warning)."""
+    """Every recommendation (or guard event), newest first; ``None`` when no cache opens."""
     from advisor.cache import open_store
 
     get_logger()
@@ -274,7 +265,7 @@ def _read_rows(*, events: bool = False) -> list[dict[str, Any]] | None:
 
 
 def _writable_store() -> Store:
-    """The cache, for commands that need it: raises one clear line when it cannot be opened."""
+    """The cache, for commands that need it: one clear line when it cannot be opened."""
     from advisor.cache import Store
 
     get_logger()
@@ -304,8 +295,7 @@ def _check_imported_record(record: dict[str, Any]) -> None:
 
 
 def _table(title: str, columns: tuple[str, ...], *, legend: str | None = None) -> Table:
-    """A table whose short columns never wrap and whose prose columns wrap at their spaces
-    (folding only a word longer than the column); ``legend`` goes under it."""
+    """Short columns never wrap; prose columns wrap at their spaces; ``legend`` goes under it."""
     table = Table(title=title, title_justify="left", caption=legend, caption_justify="left")
     for column in columns:
         if column in ("id", "workload", SPEEDUP, "tuned", "device"):
@@ -329,13 +319,11 @@ def _tuned_on(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fewer_threads(row: dict[str, Any]) -> bool:
-    """Whether an entry's figure was measured on fewer threads than torch's own."""
     threads = _tuned_on(row).get("speedup_threads")
     return type(threads) is int and threads != 0
 
 
 def _legend(rows: list[dict[str, Any]]) -> str:
-    """What the figure column says, and what an args cell of ``-`` means when one shows."""
     legend = (f"{SPEEDUP}: the winner's speed-up over fp32 (paired re-measurement where there was "
               "one; its interval: mpadvise cache show ID)")
     if any(_fewer_threads(row) for row in rows):
@@ -345,9 +333,8 @@ def _legend(rows: list[dict[str, Any]]) -> str:
 
 
 def _figure_cell(row: dict[str, Any]) -> str:
-    figure = _speedup(row["speedup_vs_fp32"])
     fewer = row["speedup_vs_fp32"] is not None and _fewer_threads(row)
-    return figure + FEWER_THREADS_MARK if fewer else figure
+    return _speedup(row["speedup_vs_fp32"]) + (FEWER_THREADS_MARK if fewer else "")
 
 
 def _args_legend(rows: list[dict[str, Any]]) -> str:
@@ -358,26 +345,9 @@ def _args_legend(rows: list[dict[str, Any]]) -> str:
 
 def _script_cell(row: dict[str, Any]) -> str:
     """``"train.py --epochs 1"``; ``?`` for arguments an older tune did not record."""
-    name = row["script_name"]
-    if not name:
+    if not (name := row["script_name"]):
         return "-"
     return f"{name} ?" if row["args"] is None else shlex.join([name, *row["args"]])
-
-
-def _speedup_with_interval(record: dict[str, Any]) -> str:
-    """``"1.52x, the winner's speed-up over fp32 (interval 1.40x-1.65x; paired re-measurement,
-    4 pairs)"``: the figure with what the tune's ``[tuned_on]`` says of its interval and basis."""
-    if record["speedup_vs_fp32"] is None:
-        return "- (not measured)"
-    figure = f"{_speedup(record['speedup_vs_fp32'])}, the winner's speed-up over fp32"
-    tuned = _tuned_on(record)
-    low, high, basis = tuned.get("speedup_low"), tuned.get("speedup_high"), tuned.get("speedup_basis")
-    extra = []
-    if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low != high:  # fp32's own is 1-1
-        extra.append(f"interval {_speedup(low)}-{_speedup(high)}")
-    if isinstance(basis, str) and basis:
-        extra.append(basis)
-    return f"{figure} ({'; '.join(extra)})" if extra else figure
 
 
 def plural(count: int, singular: str, plural: str | None = None) -> str:
@@ -385,7 +355,6 @@ def plural(count: int, singular: str, plural: str | None = None) -> str:
 
 
 def _no_cache(report: dict[str, Any], console: Console) -> bool:
-    """Say so, and return True, when no cache could be opened."""
     if not report["cache"]:
         console.print(f"No cache: {report['database']} cannot be used (see the warning above).",
                       highlight=False)
@@ -393,8 +362,7 @@ def _no_cache(report: dict[str, Any], console: Console) -> bool:
 
 
 def render_show(report: dict[str, Any], console: Console) -> None:
-    """``mpadvise show``: this machine's entries, then (``--all``) the others and why they do not
-    apply here; a plain sentence when there is nothing to list."""
+    """This machine's entries, then (``--all``) the others and why they do not apply here."""
     devices = ", ".join(item["device"] for item in report["hardware"]) or "this machine"
     if _no_cache(report, console):
         return
@@ -413,10 +381,10 @@ def render_show(report: dict[str, Any], console: Console) -> None:
                           _figure_cell(row), row["tuned"], status)
         console.print(table)
     if other:
-        keys = _device_keys(other)
+        keys, devices_legend = _device_keys(other)
         table = _table("Other hardware or versions (not applied here)",
                        ("id", "device", SCRIPT, "mode", "tuned", "why not"),
-                       legend=_device_legend(keys) + _args_legend(other))
+                       legend=devices_legend + _args_legend(other))
         for row in other:
             table.add_row(str(row["id"]), keys[_device_of(row)], _script_cell(row), row["mode"], row["tuned"],
                           row["status"].removeprefix("other hardware: "))
@@ -434,17 +402,16 @@ def render_show(report: dict[str, Any], console: Console) -> None:
 
 
 def render_list(report: dict[str, Any], console: Console) -> None:
-    """Every cached recommendation as a table."""
     rows = report["recommendations"]
     if _no_cache(report, console):
         return
     if not rows:
         console.print(f"The cache {report['database']} holds no recommendations.", highlight=False)
         return
-    devices = _device_keys(rows)
+    devices, devices_legend = _device_keys(rows)
     table = _table(report["database"],
                    ("id", "device", SCRIPT, "workload", "mode", SPEEDUP, "tuned"),
-                   legend=_device_legend(devices) + "\n" + _legend(rows))
+                   legend=devices_legend + "\n" + _legend(rows))
     for row in rows:
         # Tables show a fingerprint's prefix, as git shows short hashes; --json and `cache show` the whole key.
         table.add_row(str(row["id"]), devices[_device_of(row)], _script_cell(row), row["workload_fp"][:8], row["mode"],
@@ -456,19 +423,15 @@ def _device_of(row: dict[str, Any]) -> str:
     return row["device"] or row["hardware_fp"]
 
 
-def _device_keys(rows: list[dict[str, Any]]) -> dict[str, str]:
-    """A short key per device (``d1``, ``d2``...) so a device column stays narrow; the legend
-    under the table names each device in full."""
-    names = list(dict.fromkeys(_device_of(row) for row in rows))
-    return {name: f"d{i}" for i, name in enumerate(names, 1)}
-
-
-def _device_legend(devices: dict[str, str]) -> str:
-    return "; ".join(f"{key}: {name}" for name, key in devices.items())
+def _device_keys(rows: list[dict[str, Any]]) -> tuple[dict[str, str], str]:
+    """A short key per device (``d1``, ``d2``...) so a device column stays narrow, and the
+    legend that names each device in full."""
+    names = dict.fromkeys(_device_of(row) for row in rows)
+    keys = {name: f"d{i}" for i, name in enumerate(names, 1)}
+    return keys, "; ".join(f"{key}: {name}" for name, key in keys.items())
 
 
 def render_record(record: dict[str, Any], console: Console) -> None:
-    """One recommendation: facts, then its trials."""
     summary = summary_row(record)
     args = summary["args"]
     versions = ", ".join(f"{name} {version or 'absent'}" for name, version in (record["versions"] or {}).items())
@@ -477,11 +440,22 @@ def render_record(record: dict[str, Any], console: Console) -> None:
     facts.add_column(overflow="fold")
     arguments = "- (not recorded)" if args is None else shlex.join(args) if args else "(none)"
     goodput = f"{record['goodput']:.1f} samples/s" if record["goodput"] else "-"
+    # "1.52x, the winner's speed-up over fp32 (interval 1.40x-1.65x; paired re-measurement)"
+    figure = f"{_speedup(record['speedup_vs_fp32'])}, the winner's speed-up over fp32"
+    tuned = _tuned_on(record)
+    low, high = tuned.get("speedup_low"), tuned.get("speedup_high")
+    extra = [basis] if isinstance(basis := tuned.get("speedup_basis"), str) and basis else []
+    if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low != high:
+        extra.insert(0, f"interval {_speedup(low)}-{_speedup(high)}")  # fp32's own is 1-1
+    if record["speedup_vs_fp32"] is None:
+        figure = "- (not measured)"
+    elif extra:
+        figure += f" ({'; '.join(extra)})"
     for fact in (("policy", summary["mode"]), ("script", record["script"] or "-"),
                  ("arguments", arguments), ("device", summary["device"] or "-"),
                  ("hardware fingerprint", record["hardware_fp"]),
                  ("workload fingerprint", record["workload_fp"]),
-                 (SPEEDUP, _speedup_with_interval(record)), ("goodput", goodput),
+                 (SPEEDUP, figure), ("goodput", goodput),
                  ("tuned", str(record["created_at"])), ("versions", versions or "-")):
         facts.add_row(*fact)
     console.print(facts)
@@ -499,7 +473,6 @@ def render_record(record: dict[str, Any], console: Console) -> None:
 
 
 def summary_row(row: dict[str, Any]) -> dict[str, Any]:
-    """One recommendation as list/show print it (no trials)."""
     try:
         described = Policy.from_dict(row["policy"]).describe()
     except PolicyError:

@@ -5,7 +5,6 @@ answers; FastAPI and uvicorn are imported only by ``run`` and ``start``."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from rich.table import Column, Table
 
 from advisor._secure import ensure_private_dir, ensure_private_file
 from advisor.cli._common import JsonOption, console, emit, err_console, handle_errors, print_json
+from advisor.daemon import DAEMON_LOGS_KEPT, MAX_DAEMON_LOG_BYTES
 from probes import MpadviseError, UsageError
 
 HostOption = Annotated[str, typer.Option("--host", help="Address to serve on; anything but loopback needs --allow-remote.")]
@@ -67,11 +67,11 @@ def start(
     # Refuse here, in the user's terminal, rather than in a log file they may not read.
     check_uds(uds)
     warning = None if uds is not None else check_bind(host, allow_remote=allow_remote)
-    directory = DaemonPaths.here().directory.absolute()
-    paths = DaemonPaths(directory)
+    paths = DaemonPaths(DaemonPaths.here().directory.absolute())
+    directory = paths.directory
     ensure_private_dir(directory)
     if daemon_running(paths):
-        where = _address(paths).get("url", "?")
+        where = paths.read_address().get("url", "?")
         raise MpadviseError(f"a daemon is already running for {directory} at {where}; "
                             "`mpadvise daemon stop` stops it, `mpadvise daemon status` shows it")
     roots = [arg for root in allowed_root or [] for arg in ("--allowed-root", str(root.absolute()))]
@@ -96,7 +96,7 @@ def start(
         if code is not None:
             raise MpadviseError(f"the daemon exited at start (code {code}): {_last_log_line(paths.log)} "
                                 f"(log: {paths.log})", exit_code=code if code == 2 else 1)
-        address = _address(paths)
+        address = paths.read_address()
         if address.get("pid") == process.pid:
             with contextlib.suppress(MpadviseError):
                 # A wildcard bind is reached through the loopback.
@@ -112,11 +112,11 @@ def start(
 
 
 def _render_started(info: dict[str, Any], console: Console) -> None:
-    console.print(f"mpadvise daemon started (pid {info['pid']}) on {info['url']}", highlight=False)
-    console.print(f"jobs run on: {', '.join(info.get('slots') or [])}; scripts allowed under: "
-                  f"{', '.join(info.get('roots') or [])}", highlight=False)
-    console.print(f"token: {info['token_file']}; log: {info['log']}; stop it with `mpadvise daemon stop`",
-                  highlight=False)
+    console.print(f"mpadvise daemon started (pid {info['pid']}) on {info['url']}\n"
+                  f"jobs run on: {', '.join(info.get('slots') or [])}; scripts allowed under: "
+                  f"{', '.join(info.get('roots') or [])}\n"
+                  f"token: {info['token_file']}; log: {info['log']}; "
+                  "stop it with `mpadvise daemon stop`", highlight=False)
 
 
 def stop(
@@ -126,8 +126,7 @@ def stop(
     """Stop the background daemon (SIGTERM); a running job is queued again at the next start."""
     from advisor.daemon import DaemonPaths, daemon_running
 
-    paths = DaemonPaths.here()
-    pid = None
+    paths, pid = DaemonPaths.here(), None
     if daemon_running(paths):
         try:
             pid = int(paths.pid.read_text().strip())
@@ -178,13 +177,10 @@ def check_uds(uds: Path | None) -> None:
                          "directory")
 
 
-def rotate_log(path: Path, *, max_bytes: int | None = None, keep: int | None = None) -> None:
+def rotate_log(path: Path, *, max_bytes: int = MAX_DAEMON_LOG_BYTES,
+               keep: int = DAEMON_LOGS_KEPT) -> None:
     """Move ``path`` to ``path.1`` (and ``.1`` to ``.2``...) once it is ``max_bytes`` or more:
     rotating at each start bounds what a long series of daemons leaves behind."""
-    from advisor.daemon import DAEMON_LOGS_KEPT, MAX_DAEMON_LOG_BYTES
-
-    max_bytes = MAX_DAEMON_LOG_BYTES if max_bytes is None else max_bytes
-    keep = DAEMON_LOGS_KEPT if keep is None else keep
     try:
         if path.stat().st_size < max_bytes:
             return
@@ -236,14 +232,6 @@ def _job_line(job: dict[str, Any]) -> str:
         return str(result["error"])
     progress = job.get("progress") or {}
     return str((progress.get("recent") or [None])[-1] or progress.get("message") or "")
-
-
-def _address(paths: Any) -> dict[str, Any]:
-    try:
-        data = json.loads(paths.address.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _last_log_line(path: Path) -> str:

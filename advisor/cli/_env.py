@@ -1,6 +1,5 @@
-"""The machine's commands: ``mpadvise env``, what a bug report needs about this machine in one
-block to paste, secrets masked (nothing here needs a GPU or NVML); and how ``mpadvise probe``
-shows ``advisor._hardware.probe_report`` as tables."""
+"""The machine's commands: ``mpadvise env``, a block to paste into a bug report (secrets
+masked), and ``mpadvise probe``'s tables of ``advisor._hardware.probe_report``."""
 
 from __future__ import annotations
 
@@ -76,7 +75,6 @@ def mask_secret(name: str, value: str) -> str:
 
 
 def env_report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Everything ``mpadvise env`` prints, as plain data (``--json`` prints it as is)."""
     import probes
     from advisor._paths import database_path
     from advisor._version import __version__
@@ -84,7 +82,6 @@ def env_report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 
     environ = os.environ if environ is None else environ
     cpu = probes.cpu_profile()
-    gpus = _gpus()
     try:
         capability = capability_summary(probes.primary_profile())
     except Exception as exc:  # noqa: BLE001 - a report for a bug report must not itself fail
@@ -97,7 +94,7 @@ def env_report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         "os": platform.platform(),
         "cpu": {"model": cpu.name, "cores": cpu.cores, "flags": list(cpu.cpu_flags),
                 "native_bf16": any(f in cpu.cpu_flags for f in ("amx_bf16", "avx512_bf16"))},
-        "gpus": gpus,
+        "gpus": _gpus(),
         "capability": capability,
         "cache": str(database_path()),
         "environment": {name: mask_secret(name, value) for name, value in sorted(environ.items())
@@ -139,8 +136,7 @@ def _torch() -> dict[str, Any] | None:
         import torch
     except ImportError:
         return None
-    cuda = torch.version.cuda
-    hip = getattr(torch.version, "hip", None)
+    cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
     if cuda:
         try:
             cudnn = torch.backends.cudnn.version()
@@ -223,8 +219,7 @@ def _bench_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="matmul micro-benchmark", title_justify="left")
     for col in ("dtype", "size", "TFLOP/s", "vs fp32", "of peak"):
         table.add_column(col, justify="right" if col != "dtype" else "left")
-    # A dtype is skipped for fp8 without torch._scaled_mm, an OOM at the default size, or a
-    # kernel this build lacks; its row has no figures, only the reason.
+    # A dtype skipped (fp8 without torch._scaled_mm, an OOM, a missing kernel) shows only why.
     if any(row.get("tflops") is None for row in rows):
         table.add_column("note")
     for row in rows:

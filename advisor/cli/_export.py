@@ -1,6 +1,5 @@
-"""``mpadvise export [CONFIG] --to TARGET``: a tuned policy as a framework's own settings (the
-export itself is ``frameworks.export_policy``); and ``mpadvise policy``: which policy
-``load_policy()`` would apply for a script, and why."""
+"""``mpadvise export [CONFIG] --to TARGET``: a tuned policy as a framework's own settings; and
+``mpadvise policy``: which policy ``load_policy()`` would apply for a script, and why."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import probes
 from advisor._load import resolve_policy
 from advisor._secure import write_file_atomic
 from advisor.cache import lookup
-from advisor.cli._common import bad_value, err_console, print_json
+from advisor.cli._common import bad_value, err_console
 from advisor.frameworks import check_target, export_policy, script_for
 from policies import Policy, load_config
 from probes import MpadviseError, UsageError, hardware_fingerprint
@@ -24,28 +23,29 @@ from probes import MpadviseError, UsageError, hardware_fingerprint
 
 def export_command(config: Path | None, *, target: str | None, out: Path | None, json_output: bool,
                    force: bool = False) -> None:
-    """Export the policy of ``config`` to ``target``; print it, or write it to ``out`` whole
-    (never through a planted name; an existing one only as ``out_refusal`` allows)."""
+    """Export the policy of ``config`` to ``target``; print it, or write it to ``out`` whole."""
     target = check_target(target)
-    refusal = None if out is None else out_refusal(out, config=config, force=force)
-    if refusal is not None:
+    if out is not None and (refusal := out_refusal(out, config=config, force=force)) is not None:
         raise UsageError(refusal)
     policy, source, device = resolve_for_export(config)
     export = export_policy(policy, target, device=device, source=source, script=script_for(config))
     if json_output:
         document = {"policy": policy.to_dict(), "source": source, "device": device, **export.to_dict()}
-        if out is None:
-            print_json(document)
-        else:
-            _write(out, json.dumps(document, indent=2, default=str) + "\n")
-        return
-    if out is None:
-        sys.stdout.write(export.text)
-        sys.stdout.flush()
+        text = json.dumps(document, indent=2, default=str) + "\n"
     else:
         # The file's extension names the format: Accelerate's config file for .yaml, code for .py.
-        export = export.for_file(out)
-        _write(out, export.text)
+        export = export if out is None else export.for_file(out)
+        text = export.text
+    if out is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        try:
+            write_file_atomic(out, text)
+        except OSError as exc:
+            raise MpadviseError(f"cannot write {out}: {exc.strerror or exc}") from None
+    if json_output:
+        return
     for warning in export.warnings:
         err_console.print(f"[yellow]warning[/] [bold]{escape(warning.id)}[/]: {escape(warning.message)}",
                           highlight=False, soft_wrap=True)
@@ -57,9 +57,8 @@ def export_command(config: Path | None, *, target: str | None, out: Path | None,
 
 
 def _cuda_elsewhere(policy: Policy, target: str) -> str | None:
-    """What a CUDA export means on this machine when it has no CUDA device, or ``None`` when it
-    has one: the settings are for a GPU, and here the framework would train on the CPU, or
-    could not apply the policy at all."""
+    """What a CUDA export means here without a CUDA device (the framework would train on the
+    CPU, or could not apply it), or ``None`` with one."""
     from advisor.frameworks import FRAMEWORKS, framework_class, refusal
 
     if probes.primary_profile().is_cuda:
@@ -77,8 +76,8 @@ def _cuda_elsewhere(policy: Policy, target: str) -> str | None:
 
 
 def resolve_for_export(config: Path | None) -> tuple[Policy, str, str]:
-    """The policy to export, where it came from, and the device it trains on (``cuda``/``cpu``):
-    a config file as it stands, whatever machine this is; a script's as ``mpadvise policy`` resolves it."""
+    """The policy to export, where it came from, and the device it trains on: a config file as it
+    stands; a script's as ``mpadvise policy`` resolves it."""
     if config is None:
         raise UsageError("mpadvise export needs a config file (.toml) or a training script (.py): "
                          "mpadvise export train.mpadvise.toml --to lightning")
@@ -144,16 +143,8 @@ def _earlier_export(path: Path) -> bool:
         return False
 
 
-def _write(path: Path, text: str) -> None:
-    try:
-        write_file_atomic(path, text)
-    except OSError as exc:
-        raise MpadviseError(f"cannot write {path}: {exc.strerror or exc}") from None
-
-
 def explain_policy(target: Path | None, *, device: str | None) -> dict[str, Any]:
-    """Resolve as ``load_policy()`` does for ``target``: a config file as ``load_policy(path)``
-    takes it, a script through ``MPADVISE_POLICY``, the config beside it, the cache, the default."""
+    """Resolve as ``load_policy()`` does for ``target``, a config file or a script."""
     profile = probes.profile_for(device)
     if target is not None and not target.exists():
         raise UsageError(f"{target} does not exist")

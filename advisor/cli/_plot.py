@@ -1,6 +1,5 @@
-"""``mpadvise trial --plot``: one panel per candidate against fp32 (the curves as the verdict
-smooths them, the limits it applied, NaNs, its reason), then the step times. matplotlib is
-imported only when a plot is asked for."""
+"""``mpadvise trial --plot``: one panel per candidate against fp32, as its verdict judged it,
+then the step times. matplotlib is imported only when a plot is asked for."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ _REFERENCE_COLOR, _BAD, _GOOD = "black", "tab:red", "tab:green"
 
 def plot_trials(path: str, reference: Evaluation, evaluations: list[Evaluation],
                 **figure: Any) -> None:
-    """Write ``trial_figure`` (``figure``: its keyword arguments) to ``path``, in the format its
-    extension names (PNG without one), whole and never through a planted link."""
+    """Write ``trial_figure`` to ``path`` in the format its extension names (PNG without one)."""
     fig = trial_figure(reference, evaluations, **figure)
     image = io.BytesIO()
     try:
@@ -52,7 +50,12 @@ def trial_figure(reference: Evaluation, evaluations: list[Evaluation], *, replic
     ``judged_against`` names, by label, a replicate other than ``replicate`` a verdict was given against."""
     figure_class = check_matplotlib()
     panels = evaluations or [reference]
-    reasons = [_wrapped(ev, (advice or {}).get(ev.label)) for ev in panels]
+    reasons = []  # under each panel: ``label (outcome): reason``, then its advice
+    for ev in panels:
+        note = (advice or {}).get(ev.label)
+        text = f"{ev.label} ({ev.outcome}): {ev.reason or 'the fp32 reference'}"
+        text += f". {note}" if note else ""
+        reasons.append(textwrap.wrap(text, _WRAP) or [text])
     heights = [_PANEL + _TICKS + len(lines) * _LINE + _GAP for lines in reasons]
     top = 0.6
     total = top + sum(heights) + _TIMES + 1.0
@@ -87,12 +90,6 @@ def check_matplotlib() -> Any:
     except ImportError:
         raise MpadviseError('--plot needs matplotlib; install it with: pip install "mpadvise[plot]"') from None
     return Figure
-
-
-def _wrapped(ev: Evaluation, advice: str | None) -> list[str]:
-    """The verdict's reason under a panel, wrapped: ``label (outcome): reason``, then ``advice``."""
-    text = f"{ev.label} ({ev.outcome}): {ev.reason or 'the fp32 reference'}" + (f". {advice}" if advice else "")
-    return textwrap.wrap(text, _WRAP) or [text]
 
 
 def _loss_panel(ax: Axes, ev: Evaluation, ref_curve: TrialCurve, is_reference: bool,
@@ -131,8 +128,7 @@ def _loss_panel(ax: Axes, ev: Evaluation, ref_curve: TrialCurve, is_reference: b
     if isinstance(steps_judged, int) and steps_judged != b.steps and not is_reference:
         ax.text(0.01, 0.03, f"judged over {steps_judged} steps against a longer fp32 run; drawn against this "
                 f"fp32 run's {len(ref_curve.losses)}", transform=ax.transAxes, fontsize=7.5, color="dimgray")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
+    ax.set(xlabel="optimizer step", ylabel="loss")
     ax.grid(alpha=0.25)
     ax.margins(y=0.08)
     ax.legend(fontsize=7.5, loc="best", framealpha=0.85)
@@ -215,7 +211,6 @@ def _measured(ev: Evaluation, b: Basis) -> str:
 
 
 def _time_panel(ax: Axes, reference: Evaluation, evaluations: list[Evaluation]) -> None:
-    """Median step time per trial with its interquartile range."""
     timed = [ev for ev in [reference, *evaluations] if ev.timing is not None]
     medians = [ev.timing.median * 1e3 for ev in timed]  # type: ignore[union-attr]
     lower = [(ev.timing.median - ev.timing.q1) * 1e3 for ev in timed]  # type: ignore[union-attr]

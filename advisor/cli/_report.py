@@ -1,6 +1,5 @@
-"""Progress bars, the trial table, and a tune's report: the answer at a glance (the winner with
-its one figure, a short table, where the config went and the next step; every line fits 80
-columns) or, with ``--verbose``, the whole of it (``_report_cells.render_details``)."""
+"""Progress bars, the trial table, and a tune's report: the answer at a glance (every line fits
+80 columns) or, with ``--verbose``, the whole of it (``_report_cells.render_details``)."""
 
 from __future__ import annotations
 
@@ -45,12 +44,8 @@ if TYPE_CHECKING:
 
 def render_tune(tune: dict[str, Any], console: Console, *, verbose: bool = False,
                 already_tuned: str | None = None) -> None:
-    """A tune's report from its JSON (``mpadvise tune --json``'s, local or a daemon job's);
-    ``already_tuned`` (when the answer was) ends it saying so, and how to tune again."""
-    if verbose:
-        render_details(tune, console)
-    else:
-        render_answer(tune, console)
+    """A tune's report from its JSON (local or a daemon job's); ``already_tuned`` ends it so."""
+    (render_details if verbose else render_answer)(tune, console)
     if already_tuned:
         console.print(f"already tuned {already_tuned}: mpadvise tune --fresh to tune again", highlight=False,
                       markup=False, soft_wrap=True)
@@ -82,7 +77,6 @@ def evaluation_table(reference: Evaluation, evaluations: list[Evaluation], *, ti
 
 
 def print_reasons(console: Console, evaluations: list[Evaluation]) -> None:
-    """The verdict reason of each candidate, one paragraph each, under the table."""
     for ev in evaluations:
         console.print(f"{styled(ev.outcome, ev.label)}: {ev.reason or 'ok'}", highlight=False)
         if ev.outcome not in ("ok", "unstable") and ev.result.stderr_tail:
@@ -93,8 +87,7 @@ def print_reasons(console: Console, evaluations: list[Evaluation]) -> None:
 
 
 def _progress(console: Console) -> Progress:
-    """A progress bar on stderr, so that stdout holds only the result; a console that already
-    writes elsewhere (a file, a test's recording) is kept."""
+    """A progress bar on stderr, so that stdout holds only the result (another file is kept)."""
     shown_on = Console(stderr=True) if console.file is sys.stdout else console
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                     MofNCompleteColumn(), TimeElapsedColumn(), console=shown_on)
@@ -103,8 +96,7 @@ def _progress(console: Console) -> Progress:
 @contextmanager
 def trial_progress(console: Console, total: int, *, enabled: bool = True,
                    then: Callable[[int, Evaluation], None] = lambda i, ev: None) -> Iterator[Any]:
-    """A progress bar over trials; yields ``(on_start, on_done)`` callbacks for the runners, and
-    ``on_done`` calls ``then`` after the bar's own line."""
+    """A progress bar over trials; yields ``(on_start, on_done)``; ``on_done`` calls ``then``."""
     if not enabled:
         yield (lambda i, label: None, then)
         return
@@ -126,12 +118,10 @@ def trial_progress(console: Console, total: int, *, enabled: bool = True,
 
 @contextmanager
 def tune_progress(console: Console, total: int) -> Iterator[Any]:
-    """A progress bar over a tune's ``total`` trials and then its rounds of re-measurement;
-    yields ``(on_start, on_done, on_round)`` for the tuner."""
+    """A progress bar over a tune's trials, then its re-measurement; yields its three callbacks."""
     with _progress(console) as bar:
         task = bar.add_task("starting", total=total)
-        started = 0
-        phase = ""
+        started, phase = 0, ""
 
         def on_start(label: str) -> None:
             nonlocal started
@@ -144,8 +134,7 @@ def tune_progress(console: Console, total: int) -> Iterator[Any]:
                               highlight=False)
 
         def on_round(number: int, most: int, runs: int) -> None:
-            # The search is over (what it left of its budget will not run): the bar now counts
-            # this round's runs.
+            # The search is over (the rest of its budget will not run): count this round's runs.
             nonlocal phase
             phase = f"re-measure round {number} of at most {most}"
             bar.update(task, total=bar.tasks[task].completed + runs, description=phase)
@@ -174,8 +163,7 @@ def short_label(label: str) -> str:
 
 
 def why_word(row: dict[str, Any]) -> str:
-    """One word for why a row lost: its outcome (``oom``), else the first telling phrase of an
-    unstable verdict's reason (``nan``, ``stalled``), else ``unstable``."""
+    """One word for why a row lost: its outcome (``oom``), else its reason's (``nan``...)."""
     outcome = str(row.get("outcome") or "ok")
     if row.get("stable") and not row.get("feasible", True):
         return "memory"
@@ -205,21 +193,6 @@ def _is_fp32(row: dict[str, Any]) -> bool:
         "micro_batch_size")
 
 
-def _winner_line(tune: dict[str, Any]) -> str:
-    """``winner: bf16 mb32, 1.42x fp32 goodput (95% interval 1.38x-1.46x, paired runs)``."""
-    label = short_label(str(tune.get("winner_label") or "?"))
-    speedup = tune.get("speedup") or {}
-    ratio = speedup.get("ratio") or tune.get("speedup_vs_fp32")
-    if not ratio:
-        return f"winner: {label}"
-    low, high = speedup.get("low"), speedup.get("high")
-    if low and high and speedup.get("pairs"):
-        how = f"{speedup.get('confidence', 0.95):.0%} interval {low:.2f}x-{high:.2f}x"
-    else:
-        how = speedup.get("basis") or "one run"
-    return f"winner: {label}, {ratio:.2f}x fp32 goodput ({how})"
-
-
 def _table(tune: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
     table = compact_table(None)
     table.add_column("", no_wrap=True)
@@ -245,8 +218,16 @@ def render_answer(tune: dict[str, Any], console: Console) -> None:
     rows = answer_rows(tune)
     if tune.get("winner") is None:
         line("no stable policy fits: every candidate was unstable, out of memory or failed", "bold red")
-    else:
-        line(_winner_line(tune), "bold green")
+    else:  # winner: bf16 mb32, 1.42x fp32 goodput (95% interval 1.38x-1.46x)
+        speedup = tune.get("speedup") or {}
+        ratio = speedup.get("ratio") or tune.get("speedup_vs_fp32")
+        low, high = speedup.get("low"), speedup.get("high")
+        if low and high and speedup.get("pairs"):
+            how = f"{speedup.get('confidence', 0.95):.0%} interval {low:.2f}x-{high:.2f}x"
+        else:
+            how = speedup.get("basis") or "one run"
+        figure = f", {ratio:.2f}x fp32 goodput ({how})" if ratio else ""
+        line(f"winner: {short_label(str(tune.get('winner_label') or '?'))}{figure}", "bold green")
     if rows:
         console.print(_table(tune, rows))
     # A note on the machine only where its noise made the answer less sure.

@@ -1,6 +1,5 @@
 """The cells and phrases every tune report is made of, short or whole, and the whole report
-(``mpadvise tune --verbose``): every candidate with its figures, the search, the spread, FLOPs
-and MFU, the cost, the study and how to continue it."""
+(``mpadvise tune --verbose``)."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def fmt_bytes(value: int | None) -> str:
 
 
 def compact_table(title: str | None, legend: str | None = None) -> Table:
-    """A table in the CLI's compact style: no outer frame, a rule under the headers, and
-    ``legend`` (what each short header means) as its caption, wrapped to the terminal."""
+    """No outer frame, a rule under the headers, ``legend`` (the short headers) as its caption."""
     return Table(title=title, title_justify="left", caption=legend, caption_justify="left", box=box.MINIMAL_HEAVY_HEAD,
                  show_edge=False, pad_edge=False)
 
@@ -57,8 +55,7 @@ def spread_text(half_spread: float | None) -> str:
 
 
 def spread_line(reference: dict[str, Any], replicate: dict[str, Any] | None) -> str:
-    """How far one rounding carried fp32 (its perturbed replicate, as JSON), and the limits that
-    set, in one line; empty without a replicate."""
+    """How far one rounding carried fp32 (its perturbed replicate), and the limits that set."""
     if not replicate:
         return ""
     if replicate.get("note"):
@@ -104,9 +101,8 @@ def is_reference_row(tune: dict[str, Any], row: dict[str, Any]) -> bool:
 
 
 def row_speedup(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
-    """The ×fp32 figure a tune table row shows: the winner's one figure; a re-measured
-    finalist's paired figure of this run; 1 for fp32 beside them; else the search run's ratio
-    (``None`` for a resumed result, never compared with this run's fp32)."""
+    """The ×fp32 figure a tune table row shows: the winner's one figure, a re-measured finalist's
+    paired figure, else the search run's ratio (``None`` for a resumed result)."""
     if row.get("winner"):
         return tune.get("speedup_vs_fp32")
     if shows_paired(tune, row):
@@ -116,8 +112,7 @@ def row_speedup(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
 
 def speedup_cell(tune: dict[str, Any], row: dict[str, Any], goodput: float | None,
                  mark: str = "") -> str:
-    """``1.42x ±3%``: the ×fp32 figure a row shows (``mark`` after it), with its spread; ``-``
-    where the row has no goodput or no figure."""
+    """``1.42x ±3%``: the ×fp32 figure a row shows (``mark`` after it) and its spread, or ``-``."""
     ratio = row_speedup(tune, row)
     if not (goodput and ratio):
         return "-"
@@ -171,8 +166,7 @@ def candidate_spread(tune: dict[str, Any], row: dict[str, Any]) -> float | None:
 
 def noisy_rows(tune: dict[str, Any], rows: list[dict[str, Any]],
                label: Callable[[str], str] = str) -> list[str]:
-    """``"bf16 ±30%"`` for each row whose speed-up rests on timings spread wider than
-    ±NOISY_SPREAD; ``label`` shortens its label."""
+    """``"bf16 ±30%"`` for each row whose timings spread wider than ±NOISY_SPREAD."""
     return [f"{label(str(row.get('label')))} {spread_text(spread)}" for row in rows
             if row.get("goodput") and (spread := candidate_spread(tune, row)) is not None
             and spread > NOISY_SPREAD]
@@ -197,13 +191,11 @@ def pasteable_path(path: str | os.PathLike[str]) -> str:
 
 
 def script_and_args(tune: dict[str, Any]) -> list[str]:
-    """The script (as :func:`pasteable_path` names it) and, after ``--``, its arguments."""
     args = [str(a) for a in tune.get("args") or []]
     return [pasteable_path(tune.get("script") or "train.py"), *(["--", *args] if args else [])]
 
 
 def run_command(tune: dict[str, Any]) -> str:
-    """``mpadvise run SCRIPT -- ARGS`` for the tuned script, shell-quoted."""
     return shlex.join(["mpadvise", "run", *script_and_args(tune)])
 
 
@@ -273,8 +265,7 @@ def render_details(tune: dict[str, Any], console: Console) -> None:
 
 def _tune_table(tune: dict[str, Any]) -> Table:
     """The candidates in two parts, so that no ratio is read as another kind: above the rule,
-    the winner and whoever ran beside fp32 in this run's re-measurement, by that figure (the
-    winner's is the tune's one speed-up, marked †); below it, the search's single runs."""
+    the winner (†) and whoever ran beside fp32 in this run's re-measurement; below, single runs."""
     resumed = tune.get("trials_resumed") or 0
     title = (f"{Path(tune.get('script') or '?').name} on {(tune.get('hardware') or {}).get('name', '?')}: "
              f"the fp32 reference and {tune.get('trials_run', 0)} trials"
@@ -299,8 +290,7 @@ def _tune_table(tune: dict[str, Any]) -> Table:
     if tune.get("speedup_vs_fp32"):
         speedup = describe_speedup(tune.get("speedup") or {})
         legend += f"\n† the winner's speed-up: {speedup}, the tune's one figure"
-    # Short headers, explained by the legend; numbers and verdicts never wrap, labels wrap at
-    # their spaces, so the table fits 80 columns with every figure whole.
+    # Numbers and verdicts never wrap, labels wrap at spaces: 80 columns, every figure whole.
     table = compact_table(title, legend)
     table.add_column("", no_wrap=True)
     table.add_column("candidate", overflow="fold", min_width=11, ratio=1)

@@ -1,11 +1,8 @@
 """``mpadvise run train.py -- ARGS``: run a script with its tuned policy applied, unchanged.
 
-A framework script (Lightning, the HF Trainer, Accelerate, or a plain PyTorch loop) runs under
-its adapter, which applies the policy through the framework's own settings or torch's own seams,
-as its trials did. A script that calls ``load_policy()`` applies its policy itself, so it runs
-as ``python train.py ARGS`` with ``--config`` named in ``MPADVISE_POLICY``. A framework script
-for which nothing was tuned runs with its own settings: mpadvise applies only what was
-measured, never its guess over the script's explicit precision.
+A framework script runs under its adapter, as its trials did; one that calls ``load_policy()``
+runs as ``python train.py ARGS`` (``--config`` in ``MPADVISE_POLICY``). A framework script for
+which nothing was tuned runs with its own settings: mpadvise applies only what was measured.
 """
 
 from __future__ import annotations
@@ -31,29 +28,16 @@ from advisor.cli._common import bad_value
 from advisor.frameworks import RUN_POLICY_ENV, RUN_SOURCE_ENV, check_expressible, plan_for, refusal
 from advisor.runtime import GUARD_ENV, fallback_words, guard_setting, safe_fallback, script_digest
 from advisor.tune import check_script
-from policies import Policy, load_config, safe_default
+from policies import Policy, load_config
 from probes import HardwareProfile, UsageError
-
-
-def resolve_for_run(script: Path, config: Path | None, profile: HardwareProfile, args: Sequence[str] = ()) -> Resolution:
-    """The policy ``mpadvise run`` applies, in ``load_policy()``'s order: ``--config``,
-    ``MPADVISE_POLICY``, the config beside the script, the cache, the safe default.
-
-    The workload check that ``setup()`` makes cannot run before a framework builds the model, so
-    a tune's answer applies only to the script it was tuned on: the same content, and the same
-    ``args`` where the tune recorded them. Without such an answer, ``safe_fallback`` applies,
-    with a warning that says what differs.
-    """
-    resolution = tuned_for_run(script, config, profile, args)
-    if resolution is None:
-        return Resolution(safe_default(profile), f"safe default for {profile.name}", PolicySource.SAFE_DEFAULT)
-    return resolution
 
 
 def tuned_for_run(script: Path, config: Path | None, profile: HardwareProfile,
                   args: Sequence[str] = ()) -> Resolution | None:
-    """``resolve_for_run``'s answer, or ``None`` when nothing at all was tuned for ``script`` (a
-    tuned policy that does not fit this run still resolves, to its fallback, with a warning)."""
+    """The policy ``mpadvise run`` applies, in ``load_policy()``'s order, or ``None`` when nothing
+    was tuned for ``script``. ``setup()``'s workload check cannot run before a framework builds
+    the model, so a tune's answer applies only to the same script content and recorded ``args``;
+    else ``safe_fallback``, with a warning."""
     resolution = resolve_policy(config, profile=profile, script=script, environ=os.environ, cached=cached_answers)
     if resolution.kind is PolicySource.SAFE_DEFAULT and resolution.mismatch is None:
         return None  # resolve_policy found nothing at all: its hardware default is a guess
@@ -84,22 +68,15 @@ def _differences(answer: TunedAnswer, digest: str | None, args: tuple[str, ...],
     if tuned is not None and tuned.script_digest not in (None, digest):
         differences.append(f"{script.name} was edited since it was tuned")
     if answer.args is not None and answer.args != args:
-        differences.append(
-            f"it was tuned with the arguments {shlex.join(answer.args) or '(none)'}, this run has {shlex.join(args) or '(none)'}"
-        )
+        tuned_args, run_args = shlex.join(answer.args) or "(none)", shlex.join(args) or "(none)"
+        differences.append(f"it was tuned with the arguments {tuned_args}, this run has {run_args}")
     return differences
 
 
 def run_command(script: Path, script_args: list[str], *, config: Path | None, framework: str | None,
                 device: str | None, json_output: bool = False, guard: str | None = None) -> int:
     """Run the script with its policy applied; returns the script's exit code. With
-    ``json_output``, one line of JSON (``_summary``) follows the script's own output on stdout.
-
-    Raises:
-        UsageError: a ``--config`` that is missing or does not load, a bad ``--guard``, an
-            unknown framework.
-        MpadviseError: a missing script, or a policy the framework cannot apply.
-    """
+    ``json_output``, one line of JSON follows the script's own output on stdout."""
     path = check_script(script)
     if config is not None:
         if not config.is_file():
@@ -113,7 +90,6 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
 
     def summary(framework: str | None, policy: Policy | None, source: str,
                 kind: PolicySource | None) -> dict[str, Any] | None:
-        """What ``run --json`` says besides the exit code and the wall time."""
         if not json_output:
             return None
         return {"script": str(path), "framework": framework,
@@ -132,13 +108,11 @@ def run_command(script: Path, script_args: list[str], *, config: Path | None, fr
         if device is not None:
             get_logger().warning("--device applies to framework scripts; a load_policy() script "
                                  "picks its own device")
-        if not named:
-            return _run([sys.executable, str(path), *script_args], env,
-                        summary(None, None, "load_policy() in the script", None))
         # A config file named here is the one the script applies.
-        kind = PolicySource.EXPLICIT if config else PolicySource.ENV
+        source = f"config file {named}" if named else "load_policy() in the script"
+        kind = None if not named else PolicySource.EXPLICIT if config else PolicySource.ENV
         return _run([sys.executable, str(path), *script_args], env,
-                    summary(None, loaded, f"config file {named}", kind))
+                    summary(None, loaded if named else None, source, kind))
     profile = probes.profile_for(device)
     resolution = tuned_for_run(path, config, profile, script_args)
     if resolution is None:
@@ -173,8 +147,8 @@ def _policy_file(policy: Policy, config: Path | None) -> Iterator[str]:
 
 
 def _run(argv: list[str], env: dict[str, str], summary: dict[str, Any] | None) -> int:
-    """Run the script, its output passing through; with ``summary``, print it after the script's
-    output as one line of JSON on stdout, with ``exit_code`` and ``wall_s`` added."""
+    """Run the script, its output passing through; then ``summary``, if any, as one line of JSON
+    with ``exit_code`` and ``wall_s``."""
     started = time.monotonic()
     sys.stdout.flush()
     proc = subprocess.Popen(argv, env=env)

@@ -1,6 +1,5 @@
-"""``mpadvise trial``: the fp32 reference against named candidates, side by side, with how far
-fp32 drifts after one rounding (its replicate), which the verdicts allow for; ``--stream`` keeps
-every verdict reached in a file, a JSON line per trial, for a run cut short."""
+"""``mpadvise trial``: the fp32 reference (and its perturbed replicate) against named candidates,
+side by side; ``--stream`` keeps every verdict in a file, a JSON line per trial."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from advisor.cli._plot import check_matplotlib, plot_trials
 from advisor.cli._report import evaluation_table, print_reasons, trial_progress
 from advisor.cli._report_cells import print_disturbances, spread_line
 from advisor.frameworks import check_plan_modes, plan_for
-from advisor.trial import TrialResult, WarmLauncher
+from advisor.trial import TrialResult
 from advisor.tune import (
     Comparison,
     DisturbanceWatch,
@@ -75,9 +74,7 @@ class TrialStream:
             raise UsageError(f"{self.given_by} {self.path}: {why}") from None
 
     def trial(self, index: int, evaluation: Evaluation, role: str | None = None) -> None:
-        """One finished trial; its role, unless given (``"pair"``: a run of ``--pairs``), is read
-        from its index and mode (the reference runs first, fp32's replicate next, and no
-        candidate is fp32)."""
+        """One finished trial; its role, unless given (``"pair"``), read from its index and mode."""
         role = role or ("reference" if index == 0 else "replicate" if evaluation.policy.mode == "fp32" else "candidate")
         self._append({"event": "trial", "index": index, "role": role, **evaluation.to_dict(),
                       **trial_breakdown(evaluation.result)})
@@ -111,72 +108,68 @@ def run_trial_command(script: Path, script_args: list[str], options: TuneOptions
     # The trials' warm server imports while this process imports torch and probes.
     with prestarted_launcher(path, script_args, plan_for(path, options.framework).launch,
                              nproc_per_node=options.nproc_per_node) as warm:
-        return _compare_here(path, script_args, options, warm, plot=plot, json_output=json_output, console=console,
-                             stream=stream, quiet=quiet, pairs=pairs)
+        profile = probes.profile_for(options.device)
+        plan = plan_for(path, options.framework, device=profile.device)
+        if options.modes:
+            modes = check_plan_modes(plan, check_modes(list(options.modes), profile))
+        else:  # every mode the hardware supports that the script's framework can apply
+            modes = [m for m in default_trial_modes(profile)
+                     if plan.limits is None or plan.limits.modes is None or m in plan.limits.modes]
+        candidates = [(Policy(mode=m), m) for m in modes if m != "fp32"]
+        # Every trial counts one warm-up step's FLOPs (so all run alike): the reference's count is
+        # the work each trial's step does, and its TFLOP/s is that over the trial's median step.
+        settings = TrialSettings.for_tune(options.with_(framework=plan.framework))
+        settings = dataclasses.replace(settings, count_flops=True)
+        # Like a tune's, every trial is run again when the machine disturbed or lost it.
+        watch = DisturbanceWatch(profile=profile)
+        launcher = ScriptRunner(path, script_args, settings, launch=plan.launch, warm=warm)
+        runner = SteadyRunner(launcher, watch)
+        if stream is None:  # the file MPADVISE_TRIAL_STREAM names, or none
+            named = os.environ.get(STREAM_ENV, "").strip()
+            stream = TrialStream(Path(named) if named else None, given_by=STREAM_ENV)
+        stream.check_writable()
+        bar = not quiet and (sys.stderr.isatty() or not json_output)
+        paired: list[PairedRuns] = []
+        try:
+            # The reference, its perturbed replicate, then each candidate.
+            first = len(candidates) + 2
+            with trial_progress(console, first, enabled=bar, then=stream.trial) as (start, done):
+                comparison = run_comparison(runner, candidates, on_start=start, on_done=done)
+            runs = pairs_runs(comparison, pairs)
+            if runs:  # none without a stable candidate to pair
+                def then(i: int, ev: Evaluation) -> None:  # each run streams as a trial of its own
+                    stream.trial(first + i, ev, role="pair")
 
-
-def _compare_here(path: Path, script_args: list[str], options: TuneOptions, warm: WarmLauncher, *,
-                  plot: Path | None, json_output: bool, console: Console, stream: TrialStream | None,
-                  quiet: bool, pairs: int) -> int:
-    profile = probes.profile_for(options.device)
-    plan = plan_for(path, options.framework, device=profile.device)
-    if options.modes:
-        modes = check_plan_modes(plan, check_modes(list(options.modes), profile))
-    else:  # every mode the hardware supports that the script's framework can apply
-        modes = [m for m in default_trial_modes(profile) if plan.limits is None or plan.limits.modes is None
-                 or m in plan.limits.modes]
-    candidates = [(Policy(mode=m), m) for m in modes if m != "fp32"]
-    # Every trial counts one warm-up step's FLOPs (so all run alike): the reference's count is the
-    # work each trial's step does, and its TFLOP/s is that over the trial's median step.
-    settings = dataclasses.replace(TrialSettings.for_tune(options.with_(framework=plan.framework)), count_flops=True)
-    # Like a tune's, every trial is run again when the machine disturbed or lost it.
-    watch = DisturbanceWatch(profile=profile)
-    runner = SteadyRunner(ScriptRunner(path, script_args, settings, launch=plan.launch, warm=warm), watch)
-    if stream is None:  # the file MPADVISE_TRIAL_STREAM names, or none
-        named = os.environ.get(STREAM_ENV, "").strip()
-        stream = TrialStream(Path(named) if named else None, given_by=STREAM_ENV)
-    stream.check_writable()
-    bar = not quiet and (sys.stderr.isatty() or not json_output)
-    paired: list[PairedRuns] = []
-    try:
-        # The reference, its perturbed replicate, then each candidate.
-        first = len(candidates) + 2
-        with trial_progress(console, first, enabled=bar, then=stream.trial) as (start, done):
-            comparison = run_comparison(runner, candidates, on_start=start, on_done=done)
-        runs = pairs_runs(comparison, pairs)
-        if runs:  # none without a stable candidate to pair
-            def then(i: int, ev: Evaluation) -> None:  # each run streams as a trial of its own
-                stream.trial(first + i, ev, role="pair")
-
-            with trial_progress(console, runs, enabled=bar, then=then) as (start, done):
-                paired = run_pairs(runner, comparison, pairs, on_start=start, on_done=done)
-    finally:
-        close = getattr(runner, "close", None)  # ends the runner's warm server; a stand-in may hold none
-        if close is not None:
-            close()
-    advice = _timeout_advice(comparison, settings)
-    if plot is not None:
-        replicate = None if comparison.replicate is None else comparison.replicate.curve
-        plot_trials(str(plot), comparison.reference, comparison.evaluations, replicate=replicate,
-                    advice=advice, judged_against=comparison.judged_against())
-    payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot,
-                       advice)
-    payload["pairs"] = {"rounds": pairs, "candidates": [p.to_dict() for p in paired]} if pairs else None
-    payload["disturbed"] = [event.to_dict() for event in watch.events]
-    stream.comparison(payload)
-    if json_output:
-        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
-    else:
-        _render(comparison, path, profile, settings, plot, advice, console)
-        if pairs:
-            _render_pairs(paired, pairs, console)
-        print_disturbances(console, payload["disturbed"])
-    stable = all(ev.stable for ev in comparison.evaluations) and not any(p.dropped for p in paired)
-    return EXIT_OK if stable else EXIT_UNSTABLE
+                with trial_progress(console, runs, enabled=bar, then=then) as (start, done):
+                    paired = run_pairs(runner, comparison, pairs, on_start=start, on_done=done)
+        finally:
+            # Ends the runner's warm server; a stand-in may hold none.
+            if (close := getattr(runner, "close", None)) is not None:
+                close()
+        advice = _timeout_advice(comparison, settings)
+        if plot is not None:
+            replicate = None if comparison.replicate is None else comparison.replicate.curve
+            plot_trials(str(plot), comparison.reference, comparison.evaluations,
+                        replicate=replicate, advice=advice,
+                        judged_against=comparison.judged_against())
+        payload = _payload(comparison, path, script_args, plan.framework, profile, settings, plot,
+                           advice)
+        payload["pairs"] = ({"rounds": pairs, "candidates": [p.to_dict() for p in paired]}
+                            if pairs else None)
+        payload["disturbed"] = [event.to_dict() for event in watch.events]
+        stream.comparison(payload)
+        if json_output:
+            sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+        else:
+            _render(comparison, path, profile, settings, plot, advice, console)
+            if pairs:
+                _render_pairs(paired, pairs, console)
+            print_disturbances(console, payload["disturbed"])
+        stable = all(ev.stable for ev in comparison.evaluations)
+        return EXIT_OK if stable and not any(p.dropped for p in paired) else EXIT_UNSTABLE
 
 
 def _render_pairs(paired: list[PairedRuns], rounds: int, console: Console) -> None:
-    """One line per paired candidate: its paired speed-up and interval, or why it left."""
     if not paired:
         console.print(f"--pairs {rounds}: no candidate was stable with a speed to pair", highlight=False)
         return
@@ -279,7 +272,7 @@ _PHASE_COLUMNS = (("startup", "start-up"), ("script_setup", "set-up"), ("to_firs
 
 
 def achieved_tflops(result: TrialResult, flops_per_step: float | None) -> float | None:
-    """``flops_per_step`` (the reference's, the same work in every trial) over the trial's median
+    """The reference's FLOPs per step (the same work in every trial) over the trial's median
     measured step, in TFLOP/s; ``None`` where either is unknown."""
     measured = [t for t in result.step_times[result.warmup_steps:] if t > 0]
     if not flops_per_step or not measured:

@@ -11,7 +11,6 @@ import shlex
 from contextlib import nullcontext
 from pathlib import Path
 
-import typer
 from rich.console import Console
 
 import probes
@@ -38,9 +37,8 @@ from probes import UsageError, hardware_fingerprint
 
 def run_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
                      console: Console, quiet: bool = False, dry_run: bool = False, verbose: bool = False) -> int:
-    """Run the tune here and report it: 0 when a stable policy was found, 3 when none was.
-    Ctrl-C ends it with exit 130 and the command that continues it; ``dry_run`` only shows the
-    search space and the plan."""
+    """Run the tune here and report it: 0 when a stable policy was found, 3 when none was;
+    ``dry_run`` only shows the search space and the plan."""
     given = options
     # The URL may come from the environment instead, to keep its password out of ps.
     options = options.with_(storage=resolve_storage(options.storage, os.environ))
@@ -69,8 +67,16 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
         try:
             progress = None if quiet else functools.partial(tune_progress, console)
             done = tune_script(request, profile=profile, warm=warm, progress=progress)
-        except KeyboardInterrupt:
-            raise _interrupted(options.storage, study_name, resume) from None
+        except KeyboardInterrupt:  # say what Ctrl-C kept, and how to continue
+            if options.storage is None:
+                raise fail(f"interrupted; study {study_name!r} was kept in memory, so nothing can "
+                           "be resumed: run the tune again to start over", 130) from None
+            finished = finished_trials(options.storage, study_name)
+            stop = fail(f"interrupted; {finished} finished trial{'' if finished == 1 else 's'} "
+                        f"kept in study {study_name!r} in {shown_url(options.storage)!r}", 130)
+            err_console.print(f"continue with: {resume}", highlight=False, markup=False,
+                              soft_wrap=True)
+            raise stop from None
     if json_output:
         print_json(done.to_dict())
     else:  # the continue line is this command as typed: the tune's JSON does not hold its options
@@ -80,7 +86,6 @@ def run_tune_command(script: Path, script_args: list[str], options: TuneOptions,
 
 
 def _render_plan(planned: dict, console: Console) -> None:
-    """``tune --dry-run``'s plan for a person: the search space, then what would run and where."""
     space, plan = planned["space"], planned["plan"]
     line = functools.partial(console.print, highlight=False, markup=False, soft_wrap=True)
     line(f"dry run: nothing runs, nothing is written ({planned['hardware']['name']})")
@@ -121,23 +126,9 @@ def resume_command(script: Path, script_args: list[str], options: TuneOptions, f
     return shlex.join(["mpadvise", "tune", str(script), *argv, *flags, *tail])
 
 
-def _interrupted(storage: str | None, study_name: str, resume: str) -> typer.Exit:
-    """Say what Ctrl-C kept and how to continue, and return the Exit (130) to raise."""
-    if storage is None:
-        return fail(f"interrupted; study {study_name!r} was kept in memory, so nothing can be resumed: run the "
-                    "tune again to start over", 130)
-    finished = finished_trials(storage, study_name)
-    trials = f"{finished} finished trial{'' if finished == 1 else 's'}"
-    exit_ = fail(f"interrupted; {trials} kept in study {study_name!r} in {shown_url(storage)!r}",
-                 130)
-    err_console.print(f"continue with: {resume}", highlight=False, markup=False, soft_wrap=True)
-    return exit_
-
-
 def submit_tune_command(script: Path, script_args: list[str], options: TuneOptions, *, json_output: bool,
                         console: Console, quiet: bool = False, verbose: bool = False) -> int:
-    """Queue the tune with the local daemon, follow its lines (not with ``quiet``), and report it
-    as a local tune; returns the tune's exit code."""
+    """Queue the tune with the local daemon, follow it, and report it as a local tune."""
     from advisor.daemon import DaemonClient, finished_tune, tune_job_body
 
     if options.storage is not None:

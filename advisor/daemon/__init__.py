@@ -1,12 +1,11 @@
 """``mpadvise daemon``: a local HTTP service for cached answers and queued tune jobs.
 
-A job API that runs scripts is remote code execution when reachable (Ray's unauthenticated job
-API became CVE-2023-48022), so: it binds the loopback (or a 0600 Unix socket) unless
-``allow_remote``; every request but ``GET /health`` needs the token in a 0600 file; a loopback
-client's ``Host`` must name the loopback (DNS rebinding); a job's paths must lie under an
-allowed root and its arguments go to ``exec`` as a list, never a shell; bodies, heads,
-connections and the time to send a request are bounded. The queue lives in the cache database,
-so jobs survive a restart. The exports are lazy (PEP 562): the client loads no web framework."""
+A job API that runs scripts is remote code execution when reachable (CVE-2023-48022, Ray), so:
+it binds the loopback (or a 0600 Unix socket) unless ``allow_remote``; every request but
+``GET /health`` needs the token in a 0600 file; a loopback client's ``Host`` must name the
+loopback (DNS rebinding); a job's paths must lie under an allowed root, its arguments go to
+``exec`` as a list; requests are bounded in size and time. Lazy exports: the client loads no
+web framework."""
 
 from __future__ import annotations
 

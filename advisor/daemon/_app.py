@@ -56,10 +56,8 @@ def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None
 
 
 class AnswerCache:
-    """Encoded ``GET /recommendations`` answers, valid until anyone commits to the database:
-    SQLite's ``PRAGMA data_version`` changes when another connection commits, and costs a few
-    microseconds against the query and the JSON work. ``store`` must be only read from (its own
-    writes would not change it). Past 256 distinct queries it starts afresh."""
+    """Encoded ``GET /recommendations`` answers, valid until another connection commits (SQLite's
+    ``PRAGMA data_version``, a few microseconds); ``store`` is only read from. At most 256."""
 
     def __init__(self, store: Store) -> None:
         self._store = store
@@ -87,11 +85,9 @@ class AnswerCache:
 class _Guard:
     """ASGI middleware (nothing measurable on a GET): the Host check, and the body size limit."""
 
-    def __init__(self, app: Any, *, max_body: int, check_host: bool, local_only: bool = True) -> None:
-        self.app = app
-        self.max_body = max_body
-        self.check_host = check_host
-        self.local_only = local_only
+    def __init__(self, app: Any, *, max_body: int, check_host: bool, local_only: bool) -> None:
+        self.app, self.max_body = app, max_body
+        self.check_host, self.local_only = check_host, local_only
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] != "http":
@@ -102,10 +98,13 @@ class _Guard:
         # The Host check applies to every client when serving loopback only, else to loopback
         # ones (a remote client names this machine however it reaches it).
         from_loopback = self.local_only or not client or not client[0] or loopback_address(str(client[0]))
-        if self.check_host and from_loopback and not _loopback_host_header(headers.get(b"host")):
-            await _send_error(send, 400, "the Host header must name the loopback (127.0.0.1, localhost or [::1]); "
-                                         "this daemon serves local clients only")
-            return
+        if self.check_host and from_loopback:
+            host = (headers.get(b"host") or b"").decode("ascii", errors="replace")  # no DNS look-up
+            host = host if host.endswith("]") else host.rsplit(":", 1)[0]
+            if not (host == "localhost" or loopback_address(host)):
+                await _send_error(send, 400, "the Host header must name the loopback (127.0.0.1, "
+                                  "localhost or [::1]); this daemon serves local clients only")
+                return
         if length is not None:
             try:
                 size = int(length)
@@ -146,13 +145,6 @@ async def _send_error(send: Callable[..., Any], status: int, detail: str) -> Non
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
-
-
-def _loopback_host_header(host: bytes | None) -> bool:
-    """Whether a Host header names the loopback: ``localhost`` or a literal address (no DNS)."""
-    name = (host or b"").decode("ascii", errors="replace")
-    name = name if name.endswith("]") else name.rsplit(":", 1)[0]
-    return name == "localhost" or loopback_address(name)
 
 
 _bearer = HTTPBearer(auto_error=False, description="The contents of daemon.token in the cache directory.")
@@ -198,15 +190,11 @@ def create_app(state: DaemonState) -> FastAPI:
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    _state(app).runner.start()
+    app.state.daemon.runner.start()
     try:
         yield
     finally:
-        _state(app).runner.stop()
-
-
-def _state(app: Any) -> DaemonState:
-    return app.state.daemon  # type: ignore[no-any-return]
+        app.state.daemon.runner.stop()
 
 
 # Errors: every body is {"detail": ...}
@@ -242,7 +230,7 @@ _CHANGE = [Depends(_bearer), Depends(_require_token)]  # _bearer: the token in t
 @_router.get("/health", response_model=models.Health, tags=["service"], responses=models.error_responses(400))
 async def health(request: Request) -> Response:
     """Whether the daemon answers, its slots, and how many jobs are in each state."""
-    state = _state(request.app)
+    state: DaemonState = request.app.state.daemon
     counts = dict.fromkeys(("queued", "running", "cancelling"), 0)
     for job in state.read_store.list_jobs(states=tuple(counts)):
         if job["state"] in counts:  # a damaged row reads as failed
@@ -257,7 +245,7 @@ async def health(request: Request) -> Response:
              responses=models.error_responses(400, 401, 403))
 async def hardware(request: Request) -> Response:
     """This machine's devices (as `mpadvise probe --json` reports them) and the job slots."""
-    state = _state(request.app)
+    state: DaemonState = request.app.state.daemon
     return _json({**state.report, "slots": state.runner.slot_info()})
 
 
@@ -278,7 +266,7 @@ async def recommendations(
     # Called here rather than as a dependency: the hottest path, and FastAPI's dependency
     # resolution costs a tenth of a request.
     await _require_token(request)
-    state = _state(request.app)
+    state: DaemonState = request.app.state.daemon
     key = (workload, script, hardware, trials, limit)
     body = state.answers.get(key)
     if body is None:
@@ -293,8 +281,23 @@ async def recommendations(
               responses=models.error_responses(400, 401, 403, 413, 422, 429, 503))
 def create_job(request: Request, job: models.JobRequest) -> Response:
     """Queue a tune job; it runs when a slot (and its GPU) is free."""
-    state = _state(request.app)
-    script, options = _checked_job(job, state)
+    state: DaemonState = request.app.state.daemon
+    # Checked against this daemon: paths (403/422, resolved as queued), modes and slot (422).
+    roots = state.config.roots()
+    script = _checked_path(job.script, roots, "script", want="file")
+    options = job.options.model_dump()
+    if job.cwd is not None:
+        options["cwd"] = str(_checked_path(job.cwd, roots, "cwd", want="dir"))
+    if job.options.out is not None:
+        options["out"] = str(_checked_path(job.options.out, roots, "options.out", want="new"))
+    unknown = sorted(set(job.options.modes) - state.mode_names)
+    if unknown:
+        raise _invalid(["body", "options", "modes"], f"unknown mode {', '.join(unknown)}; "
+                       f"expected some of {', '.join(sorted(state.mode_names))}")
+    names = [slot.name for slot in state.runner.slots]
+    if job.gpu is not None and job.gpu not in names:
+        raise _invalid(["body", "gpu"], f"gpu {job.gpu!r} is not a slot of this daemon; expected "
+                       f"one of {', '.join(names)} (or none for the first free one)")
     queued = state.store.count_queued_jobs()
     if queued >= MAX_QUEUED_JOBS:
         raise HTTPException(429, f"{queued} jobs are queued, the most this daemon keeps waiting is "
@@ -314,7 +317,7 @@ async def list_jobs(
     limit: Annotated[int, Query(ge=1, le=1000, description="At most this many, the newest.")] = 100,
 ) -> Response:
     """Jobs in queue order (oldest first); the newest ``limit`` of them."""
-    jobs = _state(request.app).read_store.list_jobs(states=state_filter)
+    jobs = request.app.state.daemon.read_store.list_jobs(states=state_filter)
     return _json({"count": len(jobs), "jobs": jobs[-limit:]})
 
 
@@ -322,7 +325,7 @@ async def list_jobs(
              responses=models.error_responses(400, 401, 403, 404, 422, 503))
 async def get_job(request: Request, job_id: Annotated[str, PathParam(max_length=64)]) -> Response:
     """One job: state, progress, result (the tune's JSON) and the tail of its log."""
-    job = _state(request.app).read_store.get_job(job_id)
+    job = request.app.state.daemon.read_store.get_job(job_id)
     if job is None:
         raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
     return _json(job)
@@ -333,7 +336,7 @@ async def get_job(request: Request, job_id: Annotated[str, PathParam(max_length=
                            202: {"model": models.Job, "description": "Cancelling: the running tune is being stopped"}})
 def cancel_job(request: Request, job_id: Annotated[str, PathParam(max_length=64)]) -> Response:
     """Cancel a job: a queued one at once (200), a running one by killing its tune (202)."""
-    state = _state(request.app)
+    state: DaemonState = request.app.state.daemon
     before = state.store.get_job(job_id)
     if before is not None and before["state"] in FINISHED_JOB_STATES:
         raise HTTPException(409, f"job {job_id} has already finished ({before['state']}); nothing to cancel")
@@ -342,27 +345,6 @@ def cancel_job(request: Request, job_id: Annotated[str, PathParam(max_length=64)
         raise HTTPException(404, f"no job {job_id!r}; GET /jobs lists them")
     state.runner.cancel(job_id)
     return _json(job, 202 if job["state"] == "cancelling" else 200)
-
-
-def _checked_job(job: models.JobRequest, state: DaemonState) -> tuple[Path, dict[str, Any]]:
-    """A job request checked against this daemon (paths 403/422, modes and slot 422): the
-    resolved script, and the options to queue (paths resolved, ``cwd`` added)."""
-    roots = state.config.roots()
-    script = _checked_path(job.script, roots, "script", want="file")
-    options = job.options.model_dump()
-    if job.cwd is not None:
-        options["cwd"] = str(_checked_path(job.cwd, roots, "cwd", want="dir"))
-    if job.options.out is not None:
-        options["out"] = str(_checked_path(job.options.out, roots, "options.out", want="new"))
-    unknown = sorted(set(job.options.modes) - state.mode_names)
-    if unknown:
-        raise _invalid(["body", "options", "modes"], f"unknown mode {', '.join(unknown)}; "
-                                 f"expected some of {', '.join(sorted(state.mode_names))}")
-    names = [slot.name for slot in state.runner.slots]
-    if job.gpu is not None and job.gpu not in names:
-        raise _invalid(["body", "gpu"], f"gpu {job.gpu!r} is not a slot of this daemon; expected one of "
-                                 f"{', '.join(names)} (or none for the first free one)")
-    return script, options
 
 
 def _invalid(loc: list[str], message: str) -> HTTPException:

@@ -1,6 +1,5 @@
-"""A small client for the local ``mpadvise daemon`` (``http.client``, no web framework): it finds
-the daemon through ``daemon.json`` in the cache directory (a TCP URL or a Unix socket) and reads
-the token from ``daemon.token`` beside it."""
+"""A small client for the local ``mpadvise daemon`` (``http.client``): it finds the daemon through
+``daemon.json`` in the cache directory and reads the token from ``daemon.token`` beside it."""
 
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ from probes import MpadviseError
 
 
 class DaemonPaths:
-    """The daemon's files in one cache directory."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -40,6 +38,13 @@ class DaemonPaths:
     @classmethod
     def here(cls) -> DaemonPaths:
         return cls(cache_dir())
+
+    def read_address(self) -> dict[str, Any]:
+        """What ``daemon.json`` says, or ``{}`` when it is missing or unreadable."""
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads(self.address.read_text())
+            return data if isinstance(data, dict) else {}
+        return {}
 
 
 def read_token(path: Path) -> str:
@@ -100,23 +105,15 @@ class DaemonClient:
 
     def __init__(self, *, url: str | None = None, uds: str | None = None, token: str | None = None,
                  timeout: float = 10.0) -> None:
-        if (url is None) == (uds is None):
-            raise ValueError("give exactly one of url and uds")
-        self.url = url
-        self.uds = uds
-        self.token = token
-        self.timeout = timeout
+        self.url, self.uds, self.token, self.timeout = url, uds, token, timeout
         self.roots: list[Path] = []  # where the daemon lets jobs run (from daemon.json)
 
     @classmethod
     def local(cls, *, need_token: bool = False) -> DaemonClient:
         """The daemon of this cache directory, as its ``daemon.json`` says; the token if asked."""
         paths = DaemonPaths.here()
-        try:
-            address = json.loads(paths.address.read_text())
-        except (OSError, ValueError):
-            address = None
-        if not isinstance(address, dict) or not (address.get("url") or address.get("uds")) or not daemon_running(paths):
+        address = paths.read_address()
+        if not (address.get("url") or address.get("uds")) or not daemon_running(paths):
             raise MpadviseError(f"no mpadvise daemon is running for {paths.directory}; start one with "
                                 "`mpadvise daemon start` (with the same MPADVISE_HOME)")
         if need_token:
@@ -127,8 +124,7 @@ class DaemonClient:
 
     @classmethod
     def for_address(cls, address: dict[str, Any], *, token: str | None = None) -> DaemonClient:
-        """A client of the daemon that wrote ``address`` (its ``daemon.json``), from this machine;
-        a wildcard bind (``0.0.0.0``, ``::``) is reached through that family's loopback."""
+        """A client, from this machine, of the daemon that wrote ``address`` (``daemon.json``)."""
         if address.get("uds"):
             return cls(uds=address["uds"], token=token)
         return cls(url=local_url(str(address["url"])), token=token)
@@ -215,9 +211,8 @@ class DaemonClient:
 
 
 def _check_token_destination(address: dict[str, Any], paths: DaemonPaths) -> None:
-    """Refuse to send the token where ``daemon.json`` says unless it is surely our daemon: that
-    file is only as trustworthy as its directory, so the token goes only to a loopback address
-    or to a Unix socket this user owns (the daemon creates it 0600)."""
+    """Send the token only where it surely reaches our daemon (``daemon.json`` is only as
+    trustworthy as its directory): a loopback address, or a Unix socket this user owns."""
     if address.get("uds"):
         with contextlib.suppress(OSError):
             status = os.lstat(address["uds"])
@@ -254,8 +249,7 @@ def tune_job_body(script: Path, script_args: Sequence[str], options: TuneOptions
 
 
 def finished_tune(job: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """A finished job's tune JSON and its exit code (0 found, 3 none stable); raises
-    MpadviseError naming the error line of a job that did not succeed."""
+    """A finished job's tune JSON and exit code; MpadviseError for a job that did not succeed."""
     result = job.get("result") or {}
     if job["state"] != "succeeded" or result.get("tune") is None:
         lines = (job.get("log_tail") or "").strip().splitlines()

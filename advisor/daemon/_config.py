@@ -31,10 +31,8 @@ logger = logging.getLogger("mpadvise.daemon")
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    """How the daemon listens and what it may run: ``port`` 0 lets the system pick (written to
-    ``daemon.json``); ``uds`` serves on a 0600 Unix socket instead of TCP; a job's paths must lie
-    under ``allowed_roots`` (empty: the home directory); finished jobs older than
-    ``job_retention_days`` are deleted with their files."""
+    """How the daemon listens and what it may run: ``port`` 0 lets the system pick; ``uds`` serves
+    on a 0600 Unix socket instead; a job's paths must lie under ``allowed_roots`` (else home)."""
 
     host: str = "127.0.0.1"
     port: int = 8757
@@ -65,9 +63,8 @@ def loopback_address(host: str) -> bool:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or a name) names only loopback addresses; a name counts
-    when every address it resolves to is one (so a doctored ``/etc/hosts`` cannot turn
-    ``localhost`` into a public bind)."""
+    """Whether ``host`` names only loopback addresses: every address a name resolves to (so a
+    doctored ``/etc/hosts`` cannot turn ``localhost`` into a public bind)."""
     bare = host.strip().strip("[]")
     if not bare:
         return False

@@ -1,7 +1,5 @@
-"""Tune jobs: the slots they run on (one per GPU, or one CPU slot) and the runner threads that
-claim, cancel and recover them; and one job: what it runs (its request, command line and
-environment, and whether its paths may run under the daemon's roots), its files and processes,
-running it on a slot, and pruning what old jobs left."""
+"""Tune jobs: the slots they run on (one per GPU, or the CPU), the runner threads that claim,
+cancel and recover them, one job's request, files and processes, and pruning old jobs."""
 
 from __future__ import annotations
 
@@ -53,8 +51,7 @@ def tune_argv(request: str | os.PathLike[str], result: str | os.PathLike[str], *
 
 def job_request(job: Mapping[str, Any], slot: str) -> tuple[TuneRequest, str]:
     """The tune a stored job asks for on ``slot`` (planned as ``mpadvise tune`` plans it), and the
-    directory it runs in (its own, else the script's). MpadviseError for stored options out of
-    bounds, an unreadable script, an unknown framework or mode, or an unusable storage setting."""
+    directory it runs in; MpadviseError for what ``mpadvise tune`` would refuse."""
     stored = dict(job.get("options") or {})
     cwd = stored.pop("cwd", None) or os.path.dirname(job["script"])  # kept beside the options
     # The slot, whatever the job said. A study's URL (with its password) comes from the daemon's
@@ -109,16 +106,6 @@ def outside_roots(job: Mapping[str, Any], roots: Sequence[Path]) -> str | None:
     return None
 
 
-def job_env(job_id: str, tmp: Path) -> dict[str, str]:
-    """The environment of a job's process: the daemon's, marked with the job (so that every
-    process of it can be found), waiting for an idle GPU before each trial (not only before the
-    tune starts), with ``tmp`` as its private temporary directory. The daemon's environment is
-    inherited on purpose: a secret set there (a study's ``MPADVISE_STORAGE`` URL, an API key)
-    reaches the job without appearing in its arguments, which every user can read in ``ps``."""
-    env = {name: value for name, value in os.environ.items() if name != "MPADVISE_POLICY"}
-    return {**env, JOB_ENV: job_id, "TMPDIR": str(tmp), "TMP": str(tmp), "TEMP": str(tmp), WAIT_IDLE_ENV: "1"}
-
-
 class LogTail:
     """The last ``max_lines`` lines of a job's stderr, with a count of every line seen."""
 
@@ -159,7 +146,6 @@ class JobFiles:
         self.tmp = directory / JOB_TMP / job_id
 
     def remove(self, *, log: bool = False) -> None:
-        """Remove the request, the result and the temporary directory; the log too with ``log``."""
         for path in (self.request, self.result, self.tmp, *((self.log,) if log else ())):
             remove_tree(path)
 
@@ -175,8 +161,8 @@ class Slot:
 
 
 def slots_for(profiles: Sequence[HardwareProfile]) -> list[Slot]:
-    gpus = [Slot(f"cuda:{p.index}", p.index, p.uuid) for p in profiles if p.is_cuda and p.index is not None]
-    return gpus or [Slot("cpu")]
+    return [Slot(f"cuda:{p.index}", p.index, p.uuid) for p in profiles
+            if p.is_cuda and p.index is not None] or [Slot("cpu")]
 
 
 def nvml_busy(slot: Slot) -> list[int]:
@@ -191,10 +177,9 @@ class SlotState:
 
 @dataclass
 class JobRunner:
-    """One worker thread per slot: claim the oldest job, wait for an idle GPU (``busy``: the PIDs
-    computing on it), run the tune. Finished jobs older than ``retention_s`` (if set) go at start
-    and every ``PRUNE_EVERY_S``. A claimed job's paths are checked against ``roots`` again
-    (``None``, in tests only, skips it): whoever can write the queue could have put it there."""
+    """One worker thread per slot: claim the oldest job, wait for an idle GPU, run the tune. A
+    claimed job's paths are checked against ``roots`` again (``None``: tests only): whoever can
+    write the queue could have put it there."""
 
     store: Store
     slots: Sequence[Slot]
@@ -254,8 +239,7 @@ class JobRunner:
                 for s in self.slots]
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the workers, killing running jobs; they stay ``running`` in the store, so the
-        next daemon queues them again (once)."""
+        """Stop the workers, killing running jobs (the next daemon queues them again, once)."""
         self.stopping.set()
         self.wake()
         deadline = time.monotonic() + timeout
@@ -319,6 +303,12 @@ class JobRun:
         with os.fdopen(open_private_new(files.request), "w", encoding="utf-8") as out:
             json.dump(request.to_dict(), out)
         tail = LogTail()
+        # The daemon's environment on purpose: a secret set there (MPADVISE_STORAGE, an API key)
+        # reaches the job without appearing in its arguments, which every user can read in `ps`.
+        # The mark finds every process of the job; each trial waits for an idle GPU.
+        env = {name: value for name, value in os.environ.items() if name != "MPADVISE_POLICY"}
+        env.update(dict.fromkeys(("TMPDIR", "TMP", "TEMP"), str(files.tmp)))
+        env.update({JOB_ENV: job_id, WAIT_IDLE_ENV: "1"})
         self.state.phase = "running"
         # The arguments can hold secrets (keys, tokens): the log names the job, not its command.
         logger.info("job %s started on %s: %s", job_id, self.slot.name, self.job["script"])
@@ -328,7 +318,7 @@ class JobRun:
             with open_job_log(files.log) as log:
                 process = subprocess.Popen(
                     tune_argv(files.request, files.result, python=runner.python), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=job_env(job_id, files.tmp),
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=env,
                     start_new_session=True,  # its own group: a cancel kills it without touching us
                 )
                 pump = threading.Thread(target=_pump_output, args=(process.stdout, tail, log), daemon=True)
@@ -368,7 +358,12 @@ class JobRun:
             self.store.finish_job(job_id, state="cancelled", log_tail=tail.text())
             logger.info("job %s cancelled", job_id)
             return
-        result = result_of(code, files.result, tail)
+        result: dict[str, Any] = {"exit_code": code, "error": tail.error_line()
+                                  or f"the tune exited with code {code} and wrote no result"}
+        with contextlib.suppress(OSError, ValueError):  # the tune's answer, if it gave one (0 or 3)
+            data = json.loads(files.result.read_text(encoding="utf-8", errors="replace"))
+            if code in (0, 3) and isinstance(data, dict):
+                result = {"exit_code": code, "tune": data}
         final = "succeeded" if result.get("tune") is not None else "failed"
         # The last lines first, so a follower that sees the job finished has seen them all.
         self.store.update_job(job_id, progress={**progress, "phase": "finished", "exit_code": code,
@@ -378,8 +373,6 @@ class JobRun:
         logger.info("job %s %s (exit code %s)", job_id, final, code)
 
     def _follow(self, process: subprocess.Popen[bytes], tail: LogTail) -> tuple[str, dict[str, Any]]:
-        """Follow a running tune until it exits, is cancelled or the daemon stops; the outcome and
-        the progress so far."""
         job_id, runner, slot = self.job_id, self.runner, self.slot
         progress: dict[str, Any] = {"phase": "running", "slot": slot.name, "pid": process.pid}
         foreign: set[int] = set()
@@ -418,8 +411,8 @@ class JobRun:
 
 
 def open_job_log(path: Path) -> Any:
-    """Open a job's log (appended to across attempts), never through a symlink: created new or,
-    when an earlier attempt left one, reopened only if it is a plain file of ours with one link."""
+    """Open a job's log for appending, never through a symlink: new, or an earlier attempt's
+    only if it is a plain private file of ours with one link."""
     try:
         return os.fdopen(open_private_new(path, os.O_WRONLY | os.O_APPEND), "ab")
     except FileExistsError:
@@ -440,23 +433,13 @@ def _pump_output(stream: Any, tail: LogTail, log: Any) -> None:
     stream.close()
 
 
-def result_of(code: int | None, result_path: Path, tail: LogTail) -> dict[str, Any]:
-    """The job result: the tune's result file when it answered (exit 0 or 3), else why it failed."""
-    with contextlib.suppress(OSError, ValueError):
-        data = json.loads(result_path.read_text(encoding="utf-8", errors="replace"))
-        if code in (0, 3) and isinstance(data, dict):
-            return {"exit_code": code, "tune": data}
-    return {"exit_code": code, "error": tail.error_line() or f"the tune exited with code {code} and wrote no result"}
-
-
 def remove_tree(path: Path) -> None:
-    """Remove ``path`` and what is in it, never following a symlink (a link is removed itself)."""
+    """Remove ``path`` and what is in it, never following a symlink (rmtree follows none inside)."""
     if path.is_symlink() or not path.is_dir():
         with contextlib.suppress(OSError):
             path.unlink()
-        return
-    # rmtree does not follow the links inside either (it works through descriptors on Linux).
-    shutil.rmtree(path, ignore_errors=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _job_logs(jobs_dir: Path) -> list[os.DirEntry[str]]:
@@ -490,8 +473,7 @@ def prune_jobs(store: Store, jobs_dir: Path, *, retention_s: float) -> list[str]
 
 
 def job_pids(job_id: str) -> list[int]:
-    """Live processes of one job: this user's whose environment carries its :data:`JOB_ENV` mark
-    (Linux's /proc; elsewhere nothing is found)."""
+    """This user's live processes whose environment has the job's :data:`JOB_ENV` mark (/proc)."""
     marker = f"{JOB_ENV}={job_id}".encode()
     found = []
     with contextlib.suppress(OSError):
@@ -504,9 +486,8 @@ def job_pids(job_id: str) -> list[int]:
 
 
 def kill_job(job_id: str, process: subprocess.Popen[bytes] | None = None) -> None:
-    """SIGKILL every process of a job: the tune (``process``, when this daemon started it), its
-    process group, and its trials, which run in sessions of their own (so that a trial timeout
-    can kill a script's children) and are found by their mark."""
+    """SIGKILL every process of a job: the tune's process group, and its trials, which run in
+    sessions of their own (so a trial timeout can kill a script's children), by their mark."""
     if process is not None and process.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
@@ -520,10 +501,9 @@ def kill_job(job_id: str, process: subprocess.Popen[bytes] | None = None) -> Non
         time.sleep(0.05)
 
 
-def recover_jobs(store: Store, *, max_retries: int = 1) -> list[dict[str, Any]]:
-    """At start: kill what is left of jobs the last daemon was running (a daemon killed with -9
-    leaves its tunes running, which would store an answer while the same job runs again), and
-    queue them again; returns the jobs changed."""
+def recover_jobs(store: Store) -> list[dict[str, Any]]:
+    """At start: kill what is left of jobs the last daemon was running (after kill -9 its tunes
+    run on, and would store an answer while the same job runs again); queue them again."""
     for job in store.list_jobs(states=("running", "cancelling")):
         kill_job(job["id"])
-    return store.requeue_interrupted(max_retries=max_retries)
+    return store.requeue_interrupted()

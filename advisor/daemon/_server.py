@@ -30,7 +30,7 @@ from advisor.daemon._app import AnswerCache, DaemonState, create_app
 from advisor.daemon._client import DaemonPaths, read_token
 from advisor.daemon._config import DaemonConfig, check_bind, logger, utc_now_seconds
 from advisor.daemon._jobs import JobRunner, recover_jobs, slots_for
-from probes import HardwareProfile, MpadviseError
+from probes import HardwareProfile, MpadviseError, write_file_atomic
 
 
 def ensure_token(path: Path) -> str:
@@ -41,8 +41,7 @@ def ensure_token(path: Path) -> str:
 
 
 def acquire_lock(path: Path) -> int:
-    """Hold the daemon's lock file (created 0600, ours, never through a symlink), so that one
-    daemon runs per cache directory; the descriptor stays open while the daemon runs."""
+    """Hold the lock (0600, ours, never through a symlink): one daemon per cache directory."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
@@ -59,16 +58,8 @@ def acquire_lock(path: Path) -> int:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Replace ``path`` atomically with ``text``, mode 0600, through a new temporary file created
-    exclusively and never through a symlink, so nothing planted under its name can redirect the
-    write; one left by a crashed process of the same pid is removed first (unlink removes a
-    link, not its target)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    with os.fdopen(open_private_new(tmp), "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+    """Replace ``path`` whole with ``text``, mode 0600, never through a planted name."""
+    write_file_atomic(path, text, mode=0o600)
 
 
 def _remove_if_ours(path: Path, pid: int) -> None:
@@ -227,9 +218,8 @@ _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 50
 
 
 def connection_limit(soft_descriptors: int) -> int:
-    """How many connections the daemon keeps open at once, given ``RLIMIT_NOFILE``'s soft limit:
-    at most :data:`MAX_CONNECTIONS`, and at most half of what remains once
-    :data:`RESERVED_DESCRIPTORS` are set aside for the database, the logs and the jobs."""
+    """Connections open at once for ``RLIMIT_NOFILE``'s soft limit: at most MAX_CONNECTIONS, and
+    half of what remains once RESERVED_DESCRIPTORS are set aside."""
     if soft_descriptors < 0:  # RLIM_INFINITY
         return MAX_CONNECTIONS
     return max(1, min(MAX_CONNECTIONS, (soft_descriptors - RESERVED_DESCRIPTORS) // 2, soft_descriptors // 4))

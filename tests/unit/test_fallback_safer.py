@@ -77,7 +77,7 @@ def test_mpadvise_run_falls_back_to_the_safer_mode(script: Path, monkeypatch: py
     policy = _tuned(script, "tf32")
     monkeypatch.setattr(_run, "cached_answers", lambda profile, script: (policy, "cache entry #1 (tuned 2026-12-01)"))
     script.write_text(script.read_text() + "# a comment\n")
-    assert _run.resolve_for_run(script, None, A100).policy == Policy(mode="tf32")
+    assert _run.tuned_for_run(script, None, A100).policy == Policy(mode="tf32")
 
 
 def test_the_fallback_is_a_mode_that_runs_here() -> None:

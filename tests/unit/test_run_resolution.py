@@ -34,7 +34,7 @@ def test_a_cached_answer_applies_while_the_script_is_unchanged(script, monkeypat
                                                        torch=profile.torch_version, script_digest=script_digest(script)))
     monkeypatch.setattr(_run, "cached_answers", _cached(tuned))
     monkeypatch.delenv("MPADVISE_POLICY", raising=False)
-    resolution = _run.resolve_for_run(script, None, profile)
+    resolution = _run.tuned_for_run(script, None, profile)
     assert resolution.policy.mode == "bf16-mixed" and resolution.source.startswith("cache entry #1")
     assert resolution.kind is PolicySource.CACHE
 
@@ -61,7 +61,7 @@ def test_an_edited_script_gets_the_safe_default_with_a_warning(script, monkeypat
     logger = get_logger()
     logger.addHandler(lines)
     try:
-        resolution = _run.resolve_for_run(script, None, profile)
+        resolution = _run.tuned_for_run(script, None, profile)
     finally:
         logger.removeHandler(lines)
     assert resolution.source.startswith("safe default") and resolution.kind is PolicySource.SAFE_DEFAULT
@@ -77,12 +77,12 @@ def test_the_config_file_a_tune_wrote_is_checked_like_the_cache(script, monkeypa
     tuned.save(script.with_name("train.mpadvise.toml"))
     monkeypatch.setattr(_run, "cached_answers", lambda profile, script: None)
     monkeypatch.delenv("MPADVISE_POLICY", raising=False)
-    assert _run.resolve_for_run(script, None, profile).policy.mode == "bf16-mixed"
+    assert _run.tuned_for_run(script, None, profile).policy.mode == "bf16-mixed"
     script.write_text("from transformers import Trainer  # edited\n")
-    assert _run.resolve_for_run(script, None, profile).source.startswith("safe default")
+    assert _run.tuned_for_run(script, None, profile).source.startswith("safe default")
     # A file written by hand (no workload fingerprint) is applied as written.
     Policy(mode="bf16-mixed").save(script.with_name("train.mpadvise.toml"))
-    assert _run.resolve_for_run(script, None, profile).policy.mode == "bf16-mixed"
+    assert _run.tuned_for_run(script, None, profile).policy.mode == "bf16-mixed"
 
 
 def test_an_older_entry_tuned_on_this_content_applies(script, monkeypatch):
@@ -98,10 +98,10 @@ def test_an_older_entry_tuned_on_this_content_applies(script, monkeypatch):
     answers = [TunedAnswer(second, "cache entry #2 (tuned 2026-12-02)"), TunedAnswer(first, "cache entry #1 (tuned 2026-12-01)")]
     monkeypatch.setattr(_run, "cached_answers", lambda profile, script: answers)
     monkeypatch.delenv("MPADVISE_POLICY", raising=False)
-    resolution = _run.resolve_for_run(script, None, profile)
+    resolution = _run.tuned_for_run(script, None, profile)
     assert resolution.policy.mode == "bf16-mixed" and resolution.source.startswith("cache entry #1")
     script.write_text("from transformers import Trainer  # edited again\n")
-    assert _run.resolve_for_run(script, None, profile).source.startswith("safe default")
+    assert _run.tuned_for_run(script, None, profile).source.startswith("safe default")
 
 
 def _record_with(script, profile, mode, args, workload):
@@ -114,12 +114,12 @@ def _record_with(script, profile, mode, args, workload):
 def test_a_cached_answer_applies_to_the_arguments_it_was_tuned_with(script, cache_home, monkeypatch):
     profile = probes.profile_for("cpu")
     _record_with(script, profile, "bf16-mixed", ["--width", "1024"], "1111111111111111")
-    same = _run.resolve_for_run(script, None, profile, ["--width", "1024"])
+    same = _run.tuned_for_run(script, None, profile, ["--width", "1024"])
     assert same.policy.mode == "bf16-mixed" and same.source.startswith("cache entry #1")
     lines = _Lines()
     get_logger().addHandler(lines)
     try:
-        other = _run.resolve_for_run(script, None, profile, ["--width", "64"])
+        other = _run.tuned_for_run(script, None, profile, ["--width", "64"])
     finally:
         get_logger().removeHandler(lines)
     assert other.source.startswith("safe default")
@@ -133,16 +133,16 @@ def test_the_config_file_a_tune_wrote_is_checked_against_its_arguments(script, c
     with Store() as store:
         (row,) = store.find_recommendations()
     Policy.from_dict(row["policy"]).save(script.with_name("train.mpadvise.toml"))
-    assert _run.resolve_for_run(script, None, profile, ["--width", "1024"]).source.startswith("config file")
-    assert _run.resolve_for_run(script, None, profile, ["--width", "64"]).source.startswith("safe default")
+    assert _run.tuned_for_run(script, None, profile, ["--width", "1024"]).source.startswith("config file")
+    assert _run.tuned_for_run(script, None, profile, ["--width", "64"]).source.startswith("safe default")
 
 
 def test_the_entry_tuned_with_these_arguments_applies(script, cache_home):
     profile = probes.profile_for("cpu")
     _record_with(script, profile, "bf16-mixed", ["--width", "1024"], "1111111111111111")
     _record_with(script, profile, "fp16-mixed", ["--width", "64"], "2222222222222222")
-    assert _run.resolve_for_run(script, None, profile, ["--width", "1024"]).policy.mode == "bf16-mixed"
-    assert _run.resolve_for_run(script, None, profile, ["--width", "64"]).policy.mode == "fp16-mixed"
+    assert _run.tuned_for_run(script, None, profile, ["--width", "1024"]).policy.mode == "bf16-mixed"
+    assert _run.tuned_for_run(script, None, profile, ["--width", "64"]).policy.mode == "fp16-mixed"
 
 
 def test_each_source_resolves_to_its_kind(script, tmp_path, monkeypatch):
