@@ -90,10 +90,8 @@ def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, 
         err.seek(0)
         tail = _tail(err.read())
     oom_after = oom_kill_count()
-    if rank_paths:
-        data = merge_rank_results([_read_json(path) for path in rank_paths], exits=_read_json(exits_path))
-    else:
-        data = _read_json(result_path)
+    data = (merge_rank_results([_read_json(path) for path in rank_paths], exits=_read_json(exits_path))
+            if rank_paths else _read_json(result_path))
     for path in (spec_file, exits_path, *stack_paths):
         path.unlink(missing_ok=True)
     return classify(
@@ -144,9 +142,7 @@ def memory_cgroup_dirs(cgroups: str, mountinfo: str) -> list[tuple[int, Path]]:
         elif len(parts) == 3 and "memory" in parts[1].split(","):
             paths[1] = parts[2]
     found = []
-    for version in (2, 1):
-        if version not in paths:
-            continue
+    for version in (v for v in (2, 1) if v in paths):
         for mount_root, mount_point in _cgroup_mounts(mountinfo, version):
             # A mount may show a subtree only (a container's view): its root is that subtree.
             relative = os.path.relpath(paths[version], mount_root)

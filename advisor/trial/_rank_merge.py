@@ -97,6 +97,8 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
         return values[:steps] + [None] * (steps - len(values))
 
     skipped = {r: [bool(v) for v in column("skipped", r)] for r in order}
+    losses, samples, times, underflow = [], [], [], []
+    notes = list(dict.fromkeys(n for r in order for n in present[r].get("notes") or []))
     for step in range(steps):
         skip = [r for r in order if skipped[r][step]]
         took = [r for r in order if not skipped[r][step]]
@@ -106,9 +108,6 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
                        "weights no longer match; the loss scaler must decide on every rank's gradients alike")
             return {**first, "stage": Stage.EXCEPTION, "ranks": len(ranks),
                     "exception": {"type": "MpadviseError", "message": message, "rank": skip[0]}}
-    losses, samples, times, underflow = [], [], [], []
-    notes = list(dict.fromkeys(n for r in order for n in present[r].get("notes") or []))
-    for step in range(steps):
         values = [float(column("losses", r)[step]) for r in order]
         counts = [column("samples", r)[step] for r in order]
         bad = [v for v in values if not math.isfinite(v)]

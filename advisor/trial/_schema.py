@@ -92,11 +92,10 @@ RESULT_FIELDS: tuple[ResultField, ...] = (
     ResultField("flops_per_step", "FLOPs of one optimizer step (all micro-batches, all ranks), or null"),
     ResultField("flops_basis", "how flops_per_step was found: counted, or 6 x parameters x tokens; else null"),
 )
-RESULT_FIELD_NAMES = frozenset(f.name for f in RESULT_FIELDS)
 
 
 def unknown_result_fields(data: Mapping[str, Any]) -> list[str]:
-    return sorted(str(key) for key in data if key not in RESULT_FIELD_NAMES)
+    return sorted(str(key) for key in set(data) - {f.name for f in RESULT_FIELDS})
 
 
 @dataclass(frozen=True)

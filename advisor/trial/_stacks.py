@@ -3,6 +3,7 @@ parent sends before the kill, and names the process that hung."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import re
@@ -27,21 +28,18 @@ def stack_dump_path(result_path: str | os.PathLike[str]) -> str:
 _STACK_FILE: Any = None  # held for the process's lifetime: faulthandler writes to it
 
 
-def register_stack_dump(result_path: str) -> bool:
-    """Have ``STACK_SIGNAL`` dump this process's stacks after a ``pid N`` line; whether it does."""
+def register_stack_dump(result_path: str) -> None:
+    """Have ``STACK_SIGNAL`` dump this process's stacks after a ``pid N`` line, where it can."""
     global _STACK_FILE
     sig = getattr(signal, STACK_SIGNAL, None)
     if _STACK_FILE is not None or sig is None:
-        return _STACK_FILE is not None
-    try:
+        return
+    with contextlib.suppress(OSError, ValueError, RuntimeError):
         stack_file = open(stack_dump_path(result_path), "w")  # noqa: SIM115 (open for the process's life)
         stack_file.write(f"{STACK_PID_PREFIX}{os.getpid()}\n")
         stack_file.flush()  # faulthandler writes to the descriptor, after the header
         faulthandler.register(sig, file=stack_file, all_threads=True, chain=False)
-    except (OSError, ValueError, RuntimeError):
-        return False
-    _STACK_FILE = stack_file
-    return True
+        _STACK_FILE = stack_file
 
 
 @dataclass(frozen=True)

@@ -140,10 +140,9 @@ class WarmServer:
         self._finalizer = weakref.finalize(self, _close_server, self.proc, parent)
 
     def _reply(self) -> dict[str, Any] | None:
-        try:
+        with contextlib.suppress(TimeoutError):
             return self.channel.receive(START_TIMEOUT)
-        except TimeoutError:
-            return None
+        return None
 
     def await_ready(self) -> str | None:
         """Wait for the server's word; why it cannot serve, or ``None``."""
@@ -229,9 +228,8 @@ class WarmLauncher:
     def prestart(self, command: Sequence[str], *, env: Mapping[str, str], nproc_per_node: int = 1) -> bool:
         """Start the server without waiting for its imports, which overlap the parent's own work
         before its first trial; whether one was started."""
-        if self._server is not None or self._broken is not None:
-            return False
-        if cold_reason(command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node) is not None:
+        if self._server is not None or self._broken is not None or cold_reason(
+                command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node) is not None:
             return False
         return self._spawn(env) is None
 
