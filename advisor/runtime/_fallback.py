@@ -56,11 +56,9 @@ def guard_fallback(policy: Policy, profile: HardwareProfile) -> Policy | None:
                 return cls.name
         return None
 
-    if facts.fp8_library is not None:
-        target = mixed("bf16") or safest.name
-    elif facts.weights != "fp32":
+    if facts.weights != "fp32":
         target = mixed(facts.weights) or safest.name
-    elif facts.autocast == "fp16":
+    elif facts.fp8_library is not None or facts.autocast == "fp16":
         target = mixed("bf16") or safest.name
     elif facts.autocast is not None:
         target = safest.name

@@ -85,7 +85,6 @@ class GuardEvent:
     detail: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for the cache and checkpoints."""
         return asdict(self)
 
     @classmethod
@@ -208,8 +207,7 @@ class Guard:
                 f"{len(self._stall)} looks in a row {self.limits.probe_every} steps apart")
 
     def record(self, event: GuardEvent) -> None:
-        """Keep ``event`` (it goes into ``state_dict``)."""
-        self.events.append(event)
+        self.events.append(event)  # it goes into state_dict
 
     def state_dict(self) -> dict[str, Any]:
         """The window and the events, for a checkpoint."""
@@ -317,7 +315,7 @@ class UpdateProbe:
 
     def __init__(self, every: int, sample: int = 1024) -> None:
         self.every, self.sample = every, sample
-        self._before: list[tuple[Any, Any]] | None = None
+        self._before: list[tuple[Any, Any, Any]] | None = None
 
     def before(self, step: int, params: Iterable[Any]) -> None:
         """Before optimizer step ``step``: keep a sample of each 16-bit parameter with a gradient,
@@ -327,10 +325,9 @@ class UpdateProbe:
         self._before = None
         if step % self.every:
             return
-        half = (torch.bfloat16, torch.float16)
         taken = []
         for p in params:
-            if p.grad is not None and p.dtype in half:
+            if p.grad is not None and p.dtype in (torch.bfloat16, torch.float16):
                 values = p.detach().reshape(-1)[:self.sample].clone()
                 taken.append((p, values, p.grad.detach().reshape(-1)[:self.sample] != 0))
         self._before = taken or None
