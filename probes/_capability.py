@@ -200,8 +200,7 @@ def fp8_recipe_unmet(library: str, recipe: str, *, compute_capability: tuple[int
 
     A ``None`` (or unreadable) ``cuda_runtime`` or ``library_version`` skips that check."""
     name = library_display or library
-    rules = _recipe_rules(library, recipe)
-    version = release(library_version)
+    rules, version = _recipe_rules(library, recipe), release(library_version)
     first = rules[0].min_library
     if version is not None and first is not None and version < first:
         return f"needs {name} {_dotted(first)} or newer (this is {library_version})"

@@ -244,9 +244,7 @@ class _NvmlSession:
         if parent is not None:
             # A MIG instance: the GPU-wide facts (clocks) only the parent answers; memory and
             # UUID are the instance's own.
-            whole_gpu = self.device_facts(parent)
-            whole_gpu.pop("memory_free", None)
-            whole_gpu.pop("uuid", None)
+            whole_gpu = {k: v for k, v in self.device_facts(parent).items() if k == "clocks_mhz"}
             return {**whole_gpu, **self.device_facts(handle), "mig_enabled": True}
         free = getattr(self.call("nvmlDeviceGetMemoryInfo", handle), "free", None)
         clock_sm = getattr(self.nvml, "NVML_CLOCK_SM", 1)
