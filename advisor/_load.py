@@ -92,12 +92,11 @@ def resolve_policy(source: Policy | str | os.PathLike[str] | None, *, profile: H
         if isinstance(source, Policy):
             return Resolution(_check_supported(source, profile, "the Policy passed to load_policy"),
                               "the Policy passed to load_policy()", PolicySource.EXPLICIT)
-        if isinstance(source, (str, os.PathLike)):
-            candidate = (load_config(source), f"config file {source}", PolicySource.EXPLICIT)
-        else:
+        if not isinstance(source, (str, os.PathLike)):
             raise MpadviseError(
                 f"load_policy(source): expected a config file path or an advisor.Policy, got {type(source).__name__}"
             )
+        candidate = (load_config(source), f"config file {source}", PolicySource.EXPLICIT)
     elif environ.get(POLICY_ENV):
         path = environ[POLICY_ENV]
         candidate = (load_config(path), f"{POLICY_ENV}={path}", PolicySource.ENV)
