@@ -234,8 +234,7 @@ def quartiles(values: Sequence[float]) -> tuple[float, float]:
 
 
 def above(low: float, high: float, margin: float) -> bool:
-    """Whether a window whose first quartile is ``low`` lies above one whose third quartile is
-    ``high`` by more than ``margin`` of its size."""
+    """Whether a first quartile ``low`` lies above a third quartile ``high`` by over ``margin``."""
     return low > high + margin * abs(high)
 
 
@@ -318,8 +317,7 @@ class UpdateProbe:
         self._before: list[tuple[Any, Any, Any]] | None = None
 
     def before(self, step: int, params: Iterable[Any]) -> None:
-        """Before optimizer step ``step``: keep a sample of each 16-bit parameter with a gradient,
-        and which of its elements have one."""
+        """Keep a sample of each 16-bit parameter with a gradient, and which elements have one."""
         import torch
 
         self._before = None

@@ -1,9 +1,7 @@
 """Workload fingerprints (docs/cache.md, "What a cached answer is keyed by"): SHA-256 over a
-canonical text, identical across processes and machines; torch is not imported here. They
-ignore parameter values, dtypes and devices (applying the policy converts them), buffers,
-``foreach``/``fused`` switches and the script's directory; an edited script misses the cache,
-the safe direction.
-"""
+canonical text, identical across processes and machines; torch is not imported here. They ignore
+parameter values, dtypes and devices (applying the policy converts them), buffers, ``foreach``/
+``fused`` switches and the script's directory; an edited script misses the cache, the safe way."""
 from __future__ import annotations
 
 import hashlib

@@ -4,6 +4,7 @@ told by the kernel's OOM kill count. It needs neither torch nor the policies."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -106,10 +107,9 @@ def _tail(raw: bytes, max_chars: int = 4000, max_lines: int = 30) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
+    with contextlib.suppress(OSError, ValueError):
         return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return None
 
 
 def oom_kill_count(pid: int | str = "self", *, proc: str | os.PathLike[str] = "/proc") -> int | None:
@@ -122,14 +122,11 @@ def oom_kill_count(pid: int | str = "self", *, proc: str | os.PathLike[str] = "/
         return None
     for version, directory in memory_cgroup_dirs(cgroups, mounts):
         name = "memory.events" if version == 2 else "memory.oom_control"
-        try:
-            text = (directory / name).read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill" and value.strip().isdigit():
-                return int(value)
+        with contextlib.suppress(OSError):
+            for line in (directory / name).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and value.strip().isdigit():
+                    return int(value)
     return None
 
 

@@ -1,5 +1,4 @@
-"""Where a timed-out trial hung: each trial process dumps its stacks on a signal, which the
-parent sends before the kill, and names the process that hung."""
+"""Where a timed-out trial hung: its processes dump their stacks on a signal before the kill."""
 
 from __future__ import annotations
 
@@ -114,17 +113,13 @@ def request_stack_dumps(paths: Sequence[Path], root: int, *, wait_s: float = STA
     below = set(live_descendants(process_table(), root)) if sig is not None else set()
     headers: dict[int, int] = {}
     for index, path in enumerate(paths):
-        try:
+        # Unreadable, or the process ended (ProcessLookupError) or is not ours: no dump.
+        with contextlib.suppress(OSError, UnicodeDecodeError):
             first = path.read_text().partition("\n")[0]
-        except (OSError, UnicodeDecodeError):
-            continue
-        pid = first[len(STACK_PID_PREFIX):]
-        if first.startswith(STACK_PID_PREFIX) and pid.isdigit() and int(pid) in below:
-            try:
+            pid = first[len(STACK_PID_PREFIX):]
+            if first.startswith(STACK_PID_PREFIX) and pid.isdigit() and int(pid) in below:
                 os.kill(int(pid), sig)  # type: ignore[arg-type]
-            except (ProcessLookupError, PermissionError):
-                continue
-            headers[index] = len(first) + 1
+                headers[index] = len(first) + 1
     deadline, sizes = time.monotonic() + wait_s, {}
     while headers:
         now = {index: paths[index].stat().st_size for index in headers}
@@ -136,9 +131,7 @@ def request_stack_dumps(paths: Sequence[Path], root: int, *, wait_s: float = STA
         time.sleep(0.05)
     dumps: list[str | None] = [None] * len(paths)
     for index, skip in headers.items():
-        try:
+        with contextlib.suppress(OSError):
             text = paths[index].read_text(errors="replace")[skip:]
-        except OSError:
-            continue
-        dumps[index] = text if text.strip() else None
+            dumps[index] = text if text.strip() else None
     return dumps

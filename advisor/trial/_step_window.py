@@ -183,7 +183,6 @@ class StepFlops:
 
             if not torch.is_grad_enabled():
                 return  # an evaluation forward, not the training step's
-            # The first positional tensor, else ``input_ids``, else the first keyword tensor.
             values = [*args, kwargs.get("input_ids"), *kwargs.values()]
             first = next((v for v in values if isinstance(v, torch.Tensor)), None)
             if first is None:
@@ -300,10 +299,9 @@ def end_trial_process(code: int) -> NoReturn:
 
 
 class StepWindow:
-    """The measured window of optimizer steps, timed on one DeviceClock, and the three ways a
-    trial child ends (the window is full; no step came in time; the script ended first). A
-    subclass sets ``clock``, ``notes``, ``workload_fingerprint``, ``model_signature``, ``fsdp``
-    and ``batch``."""
+    """The measured window of optimizer steps, timed on one DeviceClock, and the three ways a trial
+    child ends (the window is full; no step came in time; the script ended first). A subclass sets
+    ``clock``, ``notes``, ``workload_fingerprint``, ``model_signature``, ``fsdp`` and ``batch``."""
 
     clock: DeviceClock
     in_process = False
