@@ -1,5 +1,4 @@
-"""The Policy, a frozen, validated description of how to train, its dict and TOML forms, and
-its config file on disk."""
+"""The Policy (how to train: frozen, validated), its dict and TOML forms and its config file."""
 
 from __future__ import annotations
 

@@ -47,8 +47,7 @@ def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
     Raises:
         MpadviseError: ``compute_capability`` is not a pair of non-negative integers.
     """
-    cc = _validated(compute_capability)
-    major, minor = cc
+    major, minor = cc = _validated(compute_capability)
     if major < 7:  # Pascal and older: no tensor cores; bf16 exists only as emulation
         return ArchCapability("pre-Volta", cc, fp16_tensor_cores=False, tf32=False, bf16=False)
     if major == 7:  # 7.0 V100, 7.2 Xavier (both Volta); 7.5 Turing
