@@ -1,8 +1,7 @@
 """mpadvise: measure, pick and apply the fastest stable precision policy for PyTorch training.
 
 A training script needs ``load_policy()`` and the object it returns (README, "The Python API").
-Every name here loads on first use (PEP 562), so ``import advisor`` costs next to nothing.
-"""
+Every name here loads on first use (PEP 562), so ``import advisor`` costs next to nothing."""
 
 from __future__ import annotations
 

@@ -13,6 +13,4 @@ _SAFE_RUN_MODULE = ("import runpy, sys; del sys.path[0]; "
 def module_argv(module: str, *, version: tuple[int, int] = sys.version_info[:2]) -> list[str]:
     """The arguments after the interpreter (of ``version``) that run ``module`` without the working
     directory on ``sys.path``, where the user's own ``advisor`` or ``probes`` would shadow ours."""
-    if version >= (3, 11):
-        return ["-P", "-m", module]
-    return ["-c", _SAFE_RUN_MODULE, module]
+    return ["-P", "-m", module] if version >= (3, 11) else ["-c", _SAFE_RUN_MODULE, module]

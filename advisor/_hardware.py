@@ -1,5 +1,4 @@
-"""What this machine can do, as plain data: the report behind ``mpadvise probe`` and the
-daemon's ``GET /hardware``."""
+"""What this machine can do, as plain data: ``mpadvise probe``'s and ``GET /hardware``'s report."""
 
 from __future__ import annotations
 

@@ -85,19 +85,17 @@ def resolve_policy(source: Policy | str | os.PathLike[str] | None, *, profile: H
     A tune's answer (cached, or a config file beside the script with a workload fingerprint,
     as ``mpadvise tune`` writes it) is marked ``match_workload``, the script's other answers kept
     for ``setup()``, since the workload is not known yet. A config file the user names is checked
-    against the model's structure only: naming it is the decision to apply it to this run.
-    """
+    against the model's structure only: naming it is the decision to apply it to this run."""
     candidate: tuple[Policy, str, PolicySource] | None = None
     if source is not None:
         if isinstance(source, Policy):
             return Resolution(_check_supported(source, profile, "the Policy passed to load_policy"),
                               "the Policy passed to load_policy()", PolicySource.EXPLICIT)
-        if isinstance(source, (str, os.PathLike)):
-            candidate = (load_config(source), f"config file {source}", PolicySource.EXPLICIT)
-        else:
+        if not isinstance(source, (str, os.PathLike)):
             raise MpadviseError(
                 f"load_policy(source): expected a config file path or an advisor.Policy, got {type(source).__name__}"
             )
+        candidate = (load_config(source), f"config file {source}", PolicySource.EXPLICIT)
     elif environ.get(POLICY_ENV):
         path = environ[POLICY_ENV]
         candidate = (load_config(path), f"{POLICY_ENV}={path}", PolicySource.ENV)
@@ -173,7 +171,6 @@ def _other_hardware(policy: Policy, label: str, mismatch: HardwareMismatch, prof
 
 
 def _workload_of(policy: Policy) -> str | None:
-    """The workload a tune's answer was measured on (``None`` for a hand-written policy)."""
     return None if policy.tuned_on is None else policy.tuned_on.workload_fingerprint
 
 

@@ -17,9 +17,7 @@ def current_script() -> Path | None:
     """The script this process runs (``__main__.__file__``), or ``None`` in a REPL/notebook."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv and sys.argv[0] else None)
-    if not path or path == "-c":
-        return None
-    return Path(path).resolve()
+    return None if not path or path == "-c" else Path(path).resolve()
 
 
 def cache_dir() -> Path:

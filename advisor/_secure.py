@@ -29,9 +29,7 @@ def unsafe_reason(st: os.stat_result, *, uid: int, is_dir: bool) -> str | None:
         return f"owned by uid {st.st_uid}, not by uid {uid} who runs mpadvise"
     if st.st_mode & stat.S_IWOTH:
         return "writable by others"
-    if st.st_mode & stat.S_IWGRP:
-        return "writable by its group"
-    return None
+    return "writable by its group" if st.st_mode & stat.S_IWGRP else None
 
 
 def needs_tightening(st: os.stat_result) -> bool:

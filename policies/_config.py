@@ -1,5 +1,4 @@
-"""The Policy, a frozen, validated description of how to train, its dict and TOML forms, and
-its config file on disk."""
+"""The Policy (how to train: frozen, validated), its dict and TOML forms and its config file."""
 
 from __future__ import annotations
 
@@ -54,17 +53,13 @@ class Policy:
             object.__setattr__(self, "loss_scale", LossScale())
         check_policy(self)
 
-    @property
-    def uses_loss_scaling(self) -> bool:
-        return self.loss_scale is not None and self.loss_scale.kind != "none"
-
     def with_(self, **changes: Any) -> Policy:
         return replace(self, **changes)
 
     def describe(self) -> str:
         """One short line for people: ``fp16-mixed (dynamic loss scale 65536), micro-batch 32 x 2``."""
         parts = [self.mode]
-        if self.loss_scale is not None and self.uses_loss_scaling:
+        if self.loss_scale is not None and self.loss_scale.kind != "none":
             parts.append(f"({self.loss_scale.kind} loss scale {self.loss_scale.init_scale:g})")
         if self.fp8 is not None and self.fp8.recipe:
             parts.append(f"(recipe {self.fp8.recipe})")

@@ -4,6 +4,7 @@ check on resume."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -65,12 +66,10 @@ def retie(module: torch.nn.Module, ties: list[TiedParameter]) -> None:
     for tie in ties:
         held = []
         for path, attr in tie.holders:
-            try:
+            with contextlib.suppress(AttributeError):  # the conversion removed this holder
                 owner = module.get_submodule(path)
-            except AttributeError:
-                continue  # the conversion removed this holder
-            if isinstance(getattr(owner, attr, None), torch.nn.Parameter):
-                held.append((owner, attr, getattr(owner, attr)))
+                if isinstance(getattr(owner, attr, None), torch.nn.Parameter):
+                    held.append((owner, attr, getattr(owner, attr)))
         kept = next((p for _, _, p in held if p is not tie.parameter), tie.parameter)
         if kept.shape != tie.parameter.shape:
             raise MpadviseError(f"the conversion changed the shape of the tied parameter "

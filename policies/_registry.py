@@ -159,7 +159,6 @@ def default_reduce_dtype(mode: str) -> str:
 
 
 def fp8_recipes() -> tuple[str, ...]:
-    """Every FP8 recipe some registered mode accepts, each once, in registration order."""
     return tuple(dict.fromkeys(recipe for cls in _REGISTRY.values() for recipe in cls.fp8_recipes))
 
 

@@ -69,7 +69,7 @@ def capability_summary(profile: HardwareProfile) -> str:
         return f"{cap.label}: {', '.join(features)}"
     cores = f", {profile.cores} cores" if profile.cores else ""
     isa = [name for flag, name in FLAG_NAMES.items() if profile.has_flag(flag)]
-    bf16_speed, _native = cpu_speed(profile, "bf16")
+    bf16_speed = cpu_speed(profile, "bf16")[0]
     return f"CPU ({profile.name}{cores}): {', '.join(isa) or 'no AVX2'}; {bf16_speed}"
 
 

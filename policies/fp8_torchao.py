@@ -46,8 +46,7 @@ class Fp8Torchao(Fp8Mode):
         return torch.float8_e4m3fn
 
     def linear_config(self) -> Any:
-        float8 = import_torchao_float8()
-        config = float8.Float8LinearConfig.from_recipe_name(self.recipe_name)
+        config = import_torchao_float8().Float8LinearConfig.from_recipe_name(self.recipe_name)
         if self.rule.token_multiple > 1:
             # The weight gradient's matmul sums over the tokens, which torch._scaled_mm wants a
             # multiple of 16; zero rows add nothing to the sums (docs/capabilities.md).

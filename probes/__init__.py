@@ -42,8 +42,7 @@ def detect() -> list[HardwareProfile]:
 
 
 def primary_profile() -> HardwareProfile:
-    """The device training runs on: ``torch.cuda.current_device()`` when CUDA is usable, else
-    the CPU."""
+    """The device training runs on: CUDA's current device where it is usable, else the CPU."""
     import torch
 
     try:

@@ -141,8 +141,7 @@ def _skip_reason(torch: Any, profile: HardwareProfile, dtype: str) -> str | None
 
 def _operands(torch: Any, profile: HardwareProfile, dtype: str, size: int) -> Callable[[], Any]:
     device = profile.device
-    generator = torch.Generator(device=device)
-    generator.manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)
 
     def randn() -> Any:
         return torch.randn(size, size, generator=generator, device=device, dtype=torch.float32)

@@ -47,8 +47,7 @@ def capability_for(compute_capability: tuple[int, int]) -> ArchCapability:
     Raises:
         MpadviseError: ``compute_capability`` is not a pair of non-negative integers.
     """
-    cc = _validated(compute_capability)
-    major, minor = cc
+    major, minor = cc = _validated(compute_capability)
     if major < 7:  # Pascal and older: no tensor cores; bf16 exists only as emulation
         return ArchCapability("pre-Volta", cc, fp16_tensor_cores=False, tf32=False, bf16=False)
     if major == 7:  # 7.0 V100, 7.2 Xavier (both Volta); 7.5 Turing
@@ -200,8 +199,7 @@ def fp8_recipe_unmet(library: str, recipe: str, *, compute_capability: tuple[int
 
     A ``None`` (or unreadable) ``cuda_runtime`` or ``library_version`` skips that check."""
     name = library_display or library
-    rules = _recipe_rules(library, recipe)
-    version = release(library_version)
+    rules, version = _recipe_rules(library, recipe), release(library_version)
     first = rules[0].min_library
     if version is not None and first is not None and version < first:
         return f"needs {name} {_dotted(first)} or newer (this is {library_version})"

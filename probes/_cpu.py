@@ -33,19 +33,16 @@ def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...]]:
 
 def cpu_profile(cpuinfo_path: str | os.PathLike[str] = "/proc/cpuinfo", *,
                 meminfo_path: str | os.PathLike[str] = "/proc/meminfo") -> HardwareProfile:
-    """Probe the host CPU. Without ``/proc`` (macOS) the flags are empty, which the support
-    table reads as "no native bf16/fp16", the safe answer."""
-    try:
+    """Probe the host CPU; without ``/proc`` (macOS), no flags: "no native bf16/fp16"."""
+    text = ""
+    with contextlib.suppress(OSError):
         text = Path(cpuinfo_path).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        text = ""
     model, flags = parse_cpuinfo(text)
-    try:
+    torch_version: str | None = None
+    with contextlib.suppress(ImportError):
         import torch
 
-        torch_version: str | None = str(torch.__version__)
-    except ImportError:
-        torch_version = None
+        torch_version = str(torch.__version__)
     memory_total, memory_free = _memory(meminfo_path)
     name = model or platform.processor() or platform.machine() or "unknown CPU"
     return HardwareProfile(kind="cpu", name=name, memory_total=memory_total,
@@ -56,10 +53,9 @@ def cpu_profile(cpuinfo_path: str | os.PathLike[str] = "/proc/cpuinfo", *,
 def _usable_cores() -> int | None:
     # The affinity mask, not os.cpu_count(): under taskset, a cgroup cpuset or a batch
     # scheduler this process may use fewer cores than the machine has.
-    try:
+    with contextlib.suppress(AttributeError, OSError):
         return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count()
+    return os.cpu_count()
 
 
 def _memory(meminfo_path: str | os.PathLike[str]) -> tuple[int | None, int | None]:

@@ -67,14 +67,11 @@ def check_writable(path: str | os.PathLike[str], what: str) -> Path:
 
 def _create_temporary(directory: Path, name: str, mode: int) -> tuple[Path, int]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    for attempt in range(_TEMP_TRIES):
+    for _ in range(_TEMP_TRIES):
         tmp = directory / f".{name}.{secrets.token_hex(8)}.tmp"
-        try:
+        with contextlib.suppress(FileExistsError):
             return tmp, os.open(tmp, flags, mode)
-        except FileExistsError:
-            if attempt == _TEMP_TRIES - 1:
-                raise
-    raise AssertionError("unreachable")
+    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(directory))
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -93,12 +90,11 @@ def _user(uid: int) -> str:
 
 
 def _name(uid: int) -> str:
-    try:
+    with contextlib.suppress(ImportError, KeyError):
         import pwd
 
         return pwd.getpwuid(uid).pw_name
-    except (ImportError, KeyError):
-        return str(uid)
+    return str(uid)
 
 
 def read_trusted_text(path: str | os.PathLike[str], *, what: str = "config file") -> str:

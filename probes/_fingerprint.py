@@ -19,8 +19,6 @@ from probes._profile import HardwareProfile
 # Bumped when the recipe below changes, so that old cache keys miss instead of colliding.
 FINGERPRINT_VERSION = 2
 
-_GIB = 1024**3
-
 
 def major_minor(version: str | None) -> str | None:
     """``"2.5.1+cu124"`` -> ``"2.5"``; text that does not start with ``major.minor`` unchanged."""
@@ -38,7 +36,7 @@ def hardware_fingerprint(profile: HardwareProfile, *, version: int = FINGERPRINT
         "kind": profile.kind,
         "name": profile.name,
         "compute_capability": None if capability is None else list(capability),
-        "memory_gib": None if memory is None else round(memory / _GIB),
+        "memory_gib": None if memory is None else round(memory / 1024**3),
         "sm_count": profile.sm_count,
     }
     if version == 1:

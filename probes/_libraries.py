@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from importlib import metadata
 
 # Library name as recorded in a profile -> distribution names that provide it, first found
@@ -16,19 +17,14 @@ FP8_LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def fp8_library_versions() -> tuple[tuple[str, str | None], ...]:
-    """``(("torchao", "0.18.0"), ("transformer_engine", None))``, sorted as
-    ``HardwareProfile.from_dict`` sorts it.
-
-    From package metadata only: importing torchao takes seconds and prints warnings, and
-    importing transformer_engine initialises CUDA."""
+    """``(("torchao", "0.18.0"), ("transformer_engine", None))``, sorted, from package metadata
+    only: importing torchao takes seconds and prints warnings, transformer_engine starts CUDA."""
     return tuple(sorted((library, first_installed(names)) for library, names in FP8_LIBRARIES))
 
 
 def first_installed(distributions: tuple[str, ...]) -> str | None:
     for distribution in distributions:
-        try:
+        # A half-removed install can leave unreadable metadata: absent, not a failed probe.
+        with contextlib.suppress(metadata.PackageNotFoundError, OSError, ValueError):
             return metadata.version(distribution)
-        except (metadata.PackageNotFoundError, OSError, ValueError):
-            # A half-removed install can leave unreadable metadata: absent, not a failed probe.
-            continue
     return None

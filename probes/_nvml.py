@@ -41,10 +41,9 @@ def cuda_profiles(*, torch_cuda: Any = None, nvml: Any = None, cuda_runtime: str
     if not devices:
         return []
     libraries = fp8_library_versions()
-    try:
+    arch_list: tuple[str, ...] = ()  # a stand-in without get_arch_list, or a build that cannot tell
+    with contextlib.suppress(Exception):
         arch_list = tuple(str(arch) for arch in torch_cuda.get_arch_list())
-    except Exception:
-        arch_list = ()  # a stand-in without get_arch_list, or a build that cannot report it
     profiles = []
     with _nvml_session(nvml) as session:
         driver_version = _as_text(session.call("nvmlSystemGetDriverVersion")) if session else None
@@ -99,10 +98,9 @@ class OwnProcesses:
 
 def own_processes(proc: Path = _PROC) -> OwnProcesses:
     """This process's own tree as ``/proc`` shows it; this process alone where there is none."""
-    try:
+    pid = os.getpid()
+    with contextlib.suppress(OSError, ValueError):
         pid = int(os.readlink(proc / "self"))
-    except (OSError, ValueError):
-        pid = os.getpid()
     parents, tree = _parent_pids(proc), {pid}
     while children := {child for child, parent in parents.items() if parent in tree} - tree:
         tree |= children  # the descendants
@@ -110,43 +108,34 @@ def own_processes(proc: Path = _PROC) -> OwnProcesses:
     while current and current not in tree:  # the ancestors
         tree.add(current)
         current = parents.get(current)
-    try:
+    namespace = None  # not Linux, or no /proc: nothing says the PIDs differ
+    with contextlib.suppress(OSError):
         namespace = re.fullmatch(r"pid:\[(\d+)\]", os.readlink(proc / "self" / "ns" / "pid"))
-    except OSError:  # not Linux, or no /proc: nothing says the PIDs differ
-        namespace = None
     return OwnProcesses(pid=pid, tree=frozenset(tree),
                         gpu_users=sum(_holds_gpu(proc, member) for member in tree),
                         host_namespace=not namespace or int(namespace[1]) == _INIT_PID_NAMESPACE)
 
 
 def _parent_pids(proc: Path) -> dict[int, int]:
-    try:
-        names = os.listdir(proc)
-    except OSError:
-        return {}
     parents = {}
-    for name in filter(str.isdigit, names):
-        try:
-            stat = (proc / name / "stat").read_text()
-        except OSError:  # it ended meanwhile
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so read after the last ")".
-        fields = stat[stat.rfind(")") + 1 :].split()
-        if len(fields) > 1 and fields[1].isdigit():
-            parents[int(name)] = int(fields[1])
+    with contextlib.suppress(OSError):  # no /proc
+        for name in filter(str.isdigit, os.listdir(proc)):
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                stat = (proc / name / "stat").read_text()
+                # "pid (comm) state ppid ...": comm may hold ")", so read after the last ")".
+                fields = stat[stat.rfind(")") + 1 :].split()
+                if len(fields) > 1 and fields[1].isdigit():
+                    parents[int(name)] = int(fields[1])
     return parents
 
 
 def _holds_gpu(proc: Path, pid: int) -> bool:
     fds = proc / str(pid) / "fd"
-    try:
-        names = os.listdir(fds)
-    except OSError:  # another user's process, or it ended
-        return False
-    for name in names:
-        with contextlib.suppress(OSError):
-            if _GPU_DEVICE_FILE.fullmatch(os.readlink(fds / name)):
-                return True
+    with contextlib.suppress(OSError):  # another user's process, or it ended
+        for name in os.listdir(fds):
+            with contextlib.suppress(OSError):
+                if _GPU_DEVICE_FILE.fullmatch(os.readlink(fds / name)):
+                    return True
     return False
 
 
@@ -166,8 +155,7 @@ def _torch_devices(torch_cuda: Any) -> list[tuple[int, Any]]:
 
 def _normalise_uuid(value: object) -> str | None:
     # NVML prefixes "GPU-" (or "MIG-"); torch's cudaDeviceProp.uuid prints without it.
-    text = (_as_text(value) or "").strip().lower()
-    return text.removeprefix("gpu-").removeprefix("mig-") or None
+    return (_as_text(value) or "").strip().lower().removeprefix("gpu-").removeprefix("mig-") or None
 
 
 def _torch_uuid(props: Any) -> str | None:
@@ -191,13 +179,12 @@ class _NvmlSession:
         self.nvml = nvml
 
     def call(self, function: str, *args: Any) -> Any:
-        try:
+        # pynvml raises a different NVMLError subclass per return code (NotSupported on consumer
+        # cards, NoPermission in containers, GpuIsLost...), ctypes can raise OSError, and an old
+        # binding lacks the function: the fact is unknown.
+        with contextlib.suppress(Exception):
             return getattr(self.nvml, function)(*args)
-        except Exception:
-            # pynvml raises a different NVMLError subclass per return code (NotSupported
-            # on consumer cards, NoPermission in containers, GpuIsLost...), ctypes can raise
-            # OSError, and an old binding lacks the function: the fact is unknown.
-            return None
+        return None
 
     def gpus(self) -> list[Any]:
         count = int(self.call("nvmlDeviceGetCount") or 0)
@@ -244,9 +231,7 @@ class _NvmlSession:
         if parent is not None:
             # A MIG instance: the GPU-wide facts (clocks) only the parent answers; memory and
             # UUID are the instance's own.
-            whole_gpu = self.device_facts(parent)
-            whole_gpu.pop("memory_free", None)
-            whole_gpu.pop("uuid", None)
+            whole_gpu = {k: v for k, v in self.device_facts(parent).items() if k == "clocks_mhz"}
             return {**whole_gpu, **self.device_facts(handle), "mig_enabled": True}
         free = getattr(self.call("nvmlDeviceGetMemoryInfo", handle), "free", None)
         clock_sm = getattr(self.nvml, "NVML_CLOCK_SM", 1)

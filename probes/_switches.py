@@ -137,10 +137,9 @@ def _legacy_state(torch: Any, *, cuda: bool, own: dict[_Switch, str]) -> tuple[s
         if not cuda:
             return precision, None
         _put_back(torch, dict.fromkeys(_CUDNN_SWITCHES, "tf32"))
-        try:
+        with contextlib.suppress(RuntimeError):
             return precision, bool(torch.backends.cudnn.allow_tf32)
-        except RuntimeError:
-            return precision, False
+        return precision, False
     finally:
         _put_back(torch, own)
 
@@ -148,9 +147,8 @@ def _legacy_state(torch: Any, *, cuda: bool, own: dict[_Switch, str]) -> tuple[s
 def _already_set(torch: Any, switches: tuple[_Switch, ...], *, tf32: bool, cuda: bool) -> bool:
     # "none" in effect means no switch asks for reduced precision: IEEE fp32.
     wanted = {"tf32"} if tf32 else {"ieee", "none"}
-    try:
+    with contextlib.suppress(RuntimeError):
         return (all(_get(torch, switch) in wanted for switch in switches)
                 and torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
                 and (not cuda or torch.backends.cudnn.allow_tf32 == tf32))
-    except RuntimeError:
-        return False
+    return False

@@ -1,8 +1,5 @@
 """The runtime a training script meets: ``AppliedPolicy``, the fallback and the guard, batch
-splits, FSDP2's precision and the workload fingerprints.
-
-Arrows: runtime uses ``policies`` and ``probes`` only; ``trial``, ``tune`` and the loader build on it.
-"""
+splits, FSDP2's precision and workload fingerprints. It uses ``policies`` and ``probes`` only."""
 
 from __future__ import annotations
 

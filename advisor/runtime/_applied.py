@@ -44,8 +44,7 @@ class AppliedPolicy:
 
     As a context manager it sets the mode's process-wide switches (TF32) and restores them on
     exit. A tuned policy that does not fit the workload (``setup()``, ``micro_batch_size()``) is
-    replaced by another answer tuned on it, else by ``safe_fallback``, in one line naming why.
-    """
+    replaced by another answer tuned on it, else by ``safe_fallback``, in one line naming why."""
 
     def __init__(self, policy: Policy, *, profile: HardwareProfile, source: str,
                  device: str | torch.device | None = None, observer: StepObserver | None = None,
@@ -204,8 +203,7 @@ def move_to(value: Any, device: torch.device, convert: Callable[[torch.Tensor], 
 
 
 def train_step(applied: AppliedPolicy, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> bool:
-    """``AppliedPolicy.step``'s work. The loss is read back (one device sync) only where the
-    guard is on. False on accumulation micro-steps and skipped steps."""
+    """``step()``'s work; the loss is read back (a sync) only with the guard on."""
     import torch
 
     if not applied._fsdp_checked:

@@ -17,8 +17,7 @@ def safe_fallback(tuned: Policy, profile: HardwareProfile) -> Policy:
     A workload tuned to fp32 or tf32 is one whose 16-bit modes stalled or hit a loss floor:
     falling back to bf16-mixed because the script changed (even by a comment) would apply what
     it was tuned away from. Only the mode is kept, not what was measured on the old workload;
-    modes safer than a safe default leave the model as it is, so switching works until setup().
-    """
+    modes safer than a safe default leave the model as it is, so switching works until setup()."""
     default = safe_default(profile)
     support = supported_modes(profile).get(tuned.mode)
     if safety_rank(tuned.mode) < safety_rank(default.mode) and support is not None and support.supported:
@@ -56,11 +55,9 @@ def guard_fallback(policy: Policy, profile: HardwareProfile) -> Policy | None:
                 return cls.name
         return None
 
-    if facts.fp8_library is not None:
-        target = mixed("bf16") or safest.name
-    elif facts.weights != "fp32":
+    if facts.weights != "fp32":
         target = mixed(facts.weights) or safest.name
-    elif facts.autocast == "fp16":
+    elif facts.fp8_library is not None or facts.autocast == "fp16":
         target = mixed("bf16") or safest.name
     elif facts.autocast is not None:
         target = safest.name

@@ -85,7 +85,6 @@ class GuardEvent:
     detail: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for the cache and checkpoints."""
         return asdict(self)
 
     @classmethod
@@ -208,8 +207,7 @@ class Guard:
                 f"{len(self._stall)} looks in a row {self.limits.probe_every} steps apart")
 
     def record(self, event: GuardEvent) -> None:
-        """Keep ``event`` (it goes into ``state_dict``)."""
-        self.events.append(event)
+        self.events.append(event)  # it goes into state_dict
 
     def state_dict(self) -> dict[str, Any]:
         """The window and the events, for a checkpoint."""
@@ -236,8 +234,7 @@ def quartiles(values: Sequence[float]) -> tuple[float, float]:
 
 
 def above(low: float, high: float, margin: float) -> bool:
-    """Whether a window whose first quartile is ``low`` lies above one whose third quartile is
-    ``high`` by more than ``margin`` of its size."""
+    """Whether a first quartile ``low`` lies above a third quartile ``high`` by over ``margin``."""
     return low > high + margin * abs(high)
 
 
@@ -317,20 +314,18 @@ class UpdateProbe:
 
     def __init__(self, every: int, sample: int = 1024) -> None:
         self.every, self.sample = every, sample
-        self._before: list[tuple[Any, Any]] | None = None
+        self._before: list[tuple[Any, Any, Any]] | None = None
 
     def before(self, step: int, params: Iterable[Any]) -> None:
-        """Before optimizer step ``step``: keep a sample of each 16-bit parameter with a gradient,
-        and which of its elements have one."""
+        """Keep a sample of each 16-bit parameter with a gradient, and which elements have one."""
         import torch
 
         self._before = None
         if step % self.every:
             return
-        half = (torch.bfloat16, torch.float16)
         taken = []
         for p in params:
-            if p.grad is not None and p.dtype in half:
+            if p.grad is not None and p.dtype in (torch.bfloat16, torch.float16):
                 values = p.detach().reshape(-1)[:self.sample].clone()
                 taken.append((p, values, p.grad.detach().reshape(-1)[:self.sample] != 0))
         self._before = taken or None

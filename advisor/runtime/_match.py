@@ -80,8 +80,7 @@ def first_micro_batch(applied: AppliedPolicy, default: int) -> int:
             f"({split.describe()}); run `mpadvise tune` again"
         )
     elif split.note:
-        log = get_logger().warning if split.warning else get_logger().info
-        log(split.note)
+        (get_logger().warning if split.warning else get_logger().info)(split.note)
     return split.micro
 
 
@@ -186,8 +185,7 @@ def _script_args() -> tuple[str, ...]:
 
 
 def _with_args(mismatch: WorkloadMismatch | None, tuned: Sequence[str], here: Sequence[str]) -> WorkloadMismatch:
-    """``mismatch`` (``None``: nothing else changed) with the arguments' difference added, which
-    are then no longer a fact the tune did not record."""
+    """``mismatch`` (``None``: nothing else changed) with the arguments' difference recorded."""
     mismatch = WorkloadMismatch(()) if mismatch is None else mismatch
     args = Difference(SCRIPT_ARGS, shlex.join(tuned) or "(none)", shlex.join(here) or "(none)")
     unrecorded = tuple(name for name in mismatch.unrecorded if name != SCRIPT_ARGS)
@@ -196,5 +194,4 @@ def _with_args(mismatch: WorkloadMismatch | None, tuned: Sequence[str], here: Se
 
 
 def _args_now(mismatch: WorkloadMismatch) -> tuple[str, ...] | None:
-    """This run's arguments, when ``mismatch`` names them as changed since tuning."""
     return _script_args() if any(d.what == SCRIPT_ARGS for d in mismatch.differences) else None

@@ -1,5 +1,4 @@
-"""Switching an ``AppliedPolicy`` to another policy in place: the fallback when a tuned policy
-does not fit the workload, and the guard's reaction when it trips."""
+"""Switching an ``AppliedPolicy`` to another policy in place: a fallback, or the guard's move."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Workload fingerprints (docs/cache.md, "What a cached answer is keyed by"): SHA-256 over a
-canonical text, identical across processes and machines; torch is not imported here. They
-ignore parameter values, dtypes and devices (applying the policy converts them), buffers,
-``foreach``/``fused`` switches and the script's directory; an edited script misses the cache,
-the safe direction.
-"""
+canonical text, identical across processes and machines; torch is not imported here. They ignore
+parameter values, dtypes and devices (applying the policy converts them), buffers, ``foreach``/
+``fused`` switches and the script's directory; an edited script misses the cache, the safe way."""
 from __future__ import annotations
 
 import hashlib
@@ -64,8 +62,7 @@ class Workload:
     @classmethod
     def of(cls, model: Any, optimizer: Any | None, *, global_batch: int | None,
            script: str | os.PathLike[str] | None, args: Sequence[str] = (), world_size: int | None = None) -> Workload:
-        """Read the facts from a model, an optimizer and the script; ``global_batch`` is over all
-        processes."""
+        """The facts of a model, an optimizer and the script (``global_batch``: all processes')."""
         path = None if script is None else os.fspath(script)
         return cls(
             model=model_signature(model),
@@ -182,7 +179,8 @@ def workload_mismatch(tuned: TunedOn, here: Workload, *, model_only: bool = Fals
         (SCRIPT_CONTENT, recorded.script_digest, here.script_digest),
     ):
         if tuned_value != here_value:
-            differences.append(Difference(what, _text(tuned_value), _text(here_value)))
+            texts = (None if v is None else str(v) for v in (tuned_value, here_value))
+            differences.append(Difference(what, *texts))
     if recorded.fingerprint() == tuned.workload_fingerprint:
         unrecorded = ()  # the recorded differences explain the whole change
     return WorkloadMismatch(tuple(differences), unrecorded, here.describe_optimizer(), here.args, here.world_size)
@@ -231,21 +229,14 @@ def _recovered_world_size(recorded: Workload, per_process: int | None, fingerpri
     return None
 
 
-def _text(value: object) -> str | None:
-    return None if value is None else str(value)
-
-
 def _digest(lines: Iterable[str]) -> str:
     return hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()[:FINGERPRINT_LENGTH]
 
 
 def _optimizer_groups(optimizer: Any | None) -> tuple[tuple[tuple[str, str], ...], ...]:
-    groups = []
-    for group in getattr(optimizer, "param_groups", ()) if optimizer is not None else ():
-        settings = [("params", str(len(group.get("params", ()))))]
-        settings += [(key, _canonical(group[key])) for key in OPTIMIZER_HYPERPARAMETERS if key in group]
-        groups.append(tuple(settings))
-    return tuple(groups)
+    return tuple((("params", str(len(group.get("params", ())))),
+                  *((key, _canonical(group[key])) for key in OPTIMIZER_HYPERPARAMETERS if key in group))
+                 for group in getattr(optimizer, "param_groups", ()))
 
 
 def _canonical(value: Any) -> str:

@@ -1,8 +1,5 @@
-"""Trials: one run of a training script under one candidate policy, and what it reports.
-
-The parent side launches (``run_trial``), merges ranks and classifies the outcome; the child
-side (``_child``) applies the injected candidate and records its steps. Both share ``_schema``.
-"""
+"""Trials: one run of a training script under one candidate policy, and what it reports. The
+parent launches, merges ranks and classifies; the child (``_child``) applies and records."""
 
 from __future__ import annotations
 

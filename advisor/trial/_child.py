@@ -4,10 +4,7 @@ trial run in this process (``run_in_process``), and the two recorders of its ste
 ``TrialRecorder`` is fed by the loop API's ``step()``. Its own work inside a step runs between
 two time marks, cut out of the step's time: a trial times the user's step, not its measuring. It
 samples what fp16 may lose of the optimizer: the gradients' underflow and the smallest ``eps``.
-``FrameworkRecorder`` is fed by a framework's hooks: the adapter calls ``policy_applied()`` once
-the trainer is built with the candidate, ``begin()`` before the first batch, ``step()`` once per
-optimizer step and ``workload()`` once the model and optimizer exist.
-"""
+``FrameworkRecorder`` is fed by a framework adapter's hooks."""
 
 from __future__ import annotations
 
@@ -80,8 +77,7 @@ def underflow_counts(grads: list[torch.Tensor], *, scale: float,
     for a dead ReLU or an embedding row not in the batch; so a tensor's zeros count as flushed
     only where most of its nonzero values lie below 2^-14 (at fp16's edge), or where it has no
     nonzero value and no tensor shows values in fp16's normal range (the whole gradient
-    flushed). Both errors of this rule stay below the underflow limit's 5% where it matters.
-    """
+    flushed). Both errors of this rule stay below the underflow limit's 5% where it matters."""
     import torch
 
     total = sum(g.numel() for g in grads)
@@ -234,12 +230,7 @@ class FrameworkRecorder(StepWindow):
     def set_device(self, device: Any) -> None:
         """The device the framework trains on: CUDA events time its steps, else the host clock."""
         self.device = str(device)
-        if not self.device.startswith("cuda"):
-            self.clock = DeviceClock(None)
-            return
-        import torch
-
-        self.clock = DeviceClock(torch.device(self.device))
+        self.clock = DeviceClock(self.device if self.device.startswith("cuda") else None)
 
     def note(self, text: str) -> None:
         if text not in self.notes:

@@ -1,5 +1,4 @@
-"""The outcome of a finished trial, decided from the child's result file, its exit status, its
-stderr and (on a timeout) its stack dumps."""
+"""The outcome of a finished trial, from its result file, exit status, stderr and stack dumps."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ def classify(data: dict[str, Any] | None, *, exit_code: int | None, timed_out: b
     (a tune runs it again). ``oom_kills``: the OOM kills in the child's memory cgroup while it
     ran, or ``None`` where unknown; a child ended by SIGKILL while it rose is out of memory.
     A DataLoader worker killed by SIGKILL is out of memory too unless the count was read and
-    did not rise: nothing in a trial sends SIGKILL to a worker but the OOM killer.
-    """
+    did not rise: nothing in a trial sends SIGKILL to a worker but the OOM killer."""
     unknown = unknown_result_fields(data or {})
     result_file: dict[str, Any] = {} if unknown else dict(data or {})
     stage = result_file.get("stage")
@@ -110,7 +108,6 @@ _WORKER_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signa
 
 
 def _killed_worker(stderr_tail: str, exception: dict[str, Any]) -> str | None:
-    """The pid of a DataLoader worker that died by SIGKILL, from stderr or the exception."""
     found = (_WORKER_KILLED.search(text) for text in (stderr_tail, str(exception.get("message", ""))))
     return next((m.group(1) for m in found if m is not None), None)
 

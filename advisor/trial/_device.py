@@ -3,6 +3,7 @@ current, its memory capped (``TrialDevice``), and the peak RSS of one in-process
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -28,19 +29,17 @@ def reset_peak_rss() -> bool:
 
 
 def _high_water_mark() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
+    with contextlib.suppress(OSError, ValueError, IndexError, StopIteration), \
+            open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return None
 
 
 def _current_rss() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
+    with contextlib.suppress(OSError, ValueError, IndexError, AttributeError), \
+            open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return None
 
 
 def lifetime_peak_rss() -> int | None:

@@ -4,6 +4,7 @@ told by the kernel's OOM kill count. It needs neither torch nor the policies."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -90,10 +91,8 @@ def run_trial(script: str | os.PathLike[str], args: list[str], spec: TrialSpec, 
         err.seek(0)
         tail = _tail(err.read())
     oom_after = oom_kill_count()
-    if rank_paths:
-        data = merge_rank_results([_read_json(path) for path in rank_paths], exits=_read_json(exits_path))
-    else:
-        data = _read_json(result_path)
+    data = (merge_rank_results([_read_json(path) for path in rank_paths], exits=_read_json(exits_path))
+            if rank_paths else _read_json(result_path))
     for path in (spec_file, exits_path, *stack_paths):
         path.unlink(missing_ok=True)
     return classify(
@@ -108,10 +107,9 @@ def _tail(raw: bytes, max_chars: int = 4000, max_lines: int = 30) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
+    with contextlib.suppress(OSError, ValueError):
         return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return None
 
 
 def oom_kill_count(pid: int | str = "self", *, proc: str | os.PathLike[str] = "/proc") -> int | None:
@@ -124,14 +122,11 @@ def oom_kill_count(pid: int | str = "self", *, proc: str | os.PathLike[str] = "/
         return None
     for version, directory in memory_cgroup_dirs(cgroups, mounts):
         name = "memory.events" if version == 2 else "memory.oom_control"
-        try:
-            text = (directory / name).read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill" and value.strip().isdigit():
-                return int(value)
+        with contextlib.suppress(OSError):
+            for line in (directory / name).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and value.strip().isdigit():
+                    return int(value)
     return None
 
 
@@ -144,9 +139,7 @@ def memory_cgroup_dirs(cgroups: str, mountinfo: str) -> list[tuple[int, Path]]:
         elif len(parts) == 3 and "memory" in parts[1].split(","):
             paths[1] = parts[2]
     found = []
-    for version in (2, 1):
-        if version not in paths:
-            continue
+    for version in (v for v in (2, 1) if v in paths):
         for mount_root, mount_point in _cgroup_mounts(mountinfo, version):
             # A mount may show a subtree only (a container's view): its root is that subtree.
             relative = os.path.relpath(paths[version], mount_root)

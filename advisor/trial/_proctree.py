@@ -3,8 +3,7 @@
 A script's processes may sit in sessions of their own, or be orphaned (torchrun's workers), so
 on Linux a trial runs under this file as its launcher (``launcher_argv``), a child subreaper:
 every orphan of the trial is reparented to it, and the tree below it is the whole trial. The
-launcher runs as a plain file (``python -I -S _proctree.py COMMAND...``): standard library only.
-"""
+launcher runs as a plain file (``python -I -S _proctree.py COMMAND...``): standard library only."""
 
 from __future__ import annotations
 
@@ -57,19 +56,14 @@ def live_descendants(table: ProcessTable, root: int) -> list[int]:
 def process_table(proc: str | os.PathLike[str] = "/proc") -> dict[int, tuple[int, str]]:
     """Every process's parent and state, from ``/proc``; empty where there is none."""
     table = {}
-    try:
-        entries = [e for e in os.listdir(proc) if e.isdigit()]
-    except OSError:
-        return {}
-    for entry in entries:
-        try:
-            with open(os.path.join(proc, entry, "stat")) as f:
-                stat = f.read()
-            # The command name is in parentheses and may hold spaces or parentheses itself.
-            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-            table[int(entry)] = (int(ppid), state)
-        except (OSError, ValueError, IndexError):
-            continue  # ended meanwhile
+    with contextlib.suppress(OSError):  # no /proc
+        for entry in [e for e in os.listdir(proc) if e.isdigit()]:
+            with contextlib.suppress(OSError, ValueError, IndexError):  # ended meanwhile
+                with open(os.path.join(proc, entry, "stat")) as f:
+                    stat = f.read()
+                # The command name is in parentheses and may hold spaces or parentheses itself.
+                state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+                table[int(entry)] = (int(ppid), state)
     return table
 
 
@@ -87,8 +81,7 @@ def kill_tree(root: int, *, timeout: float = KILL_TIMEOUT, table: Callable[[], P
     The tree is frozen first (SIGSTOP, read again until no unstopped process is found): a
     stopped process neither forks nor exits between the reads. Then it is read and killed
     again until nothing below ``root`` runs: a kill is not instant, and a process that forked
-    before its stop took effect is caught by the next read.
-    """
+    before its stop took effect is caught by the next read."""
     deadline = clock() + timeout
     stopped: set[int] = set()
     while clock() < deadline:
@@ -118,12 +111,11 @@ def end_trial(pid: int) -> None:
 
 
 def _prctl(option: int, value: int) -> bool:
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    return False
 
 
 def end_with_parent(sig: int, *, parent: int | None = None) -> None:
@@ -141,22 +133,19 @@ def _exit_as(code: int) -> NoReturn:
     if code >= 0:
         os._exit(code)
     sig = -code
-    try:
+    with contextlib.suppress(ImportError, OSError, ValueError):  # SIGKILL has no handler to reset
         import resource
 
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the command dumped its own core, if any
         signal.signal(sig, signal.SIG_DFL)
-    except (ImportError, OSError, ValueError):
-        pass  # SIGKILL has no handler to reset
     os.kill(os.getpid(), sig)
     os._exit(128 + sig)  # a signal whose default action is not to terminate
 
 
 def supervise(start: Callable[[], int], *, parent: int | None = None) -> NoReturn:
-    """Be a trial's launcher: become a child subreaper, start the trial's command (``start``
-    returns its pid; ``OSError`` exits 127, as a shell does), reap orphans until it ends, kill
-    what is left below, and exit as it did. When ``parent`` dies, the trial's tree is killed too.
-    """
+    """Be a trial's launcher: a child subreaper that starts the command (``start`` returns its
+    pid; ``OSError`` exits 127, as a shell does), reaps orphans until it ends, kills what is left
+    below, and exits as it did. When ``parent`` dies, the trial's tree is killed too."""
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
     def end_on_signal(signum: int, frame: object) -> NoReturn:

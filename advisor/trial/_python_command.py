@@ -1,6 +1,5 @@
 """Running a trial's command as ``python [LAUNCH...] SCRIPT ARGS`` would, in this process: what
-the cold launch (``_run``) and the warm server's forked children (``_warm_server``) share.
-"""
+the cold launch (``_run``) and the warm server's forked children (``_warm_server``) share."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ THREADS_ENV = "MPADVISE_TRIAL_THREADS"  # torch's thread count in the trial (Tri
 
 @dataclass(frozen=True)
 class PythonCommand:
-    """What follows ``python`` on a trial's command line: ``-P`` (``safe_path``), then ``-m
-    MODULE`` (``module``) or a script (``target``), then ``args``."""
+    """What follows ``python`` on a trial's command line: ``[-P] (-m MODULE | SCRIPT) ARGS``."""
 
     target: str
     args: tuple[str, ...] = ()
@@ -111,8 +109,7 @@ def prepare_torch() -> None:
     import (``OMP_NUM_THREADS``) before its ``import torch``. The thread count: on a CPU that
     other processes keep partly busy, an operation split over more threads than there are free
     cores waits at every barrier for a thread the scheduler has put aside: on 2 cores beside one
-    busy process, examples/mlp.py's step went from 3.8 ms to 280 ms.
-    """
+    busy process, examples/mlp.py's step went from 3.8 ms to 280 ms."""
     threads = os.environ.get(THREADS_ENV, "")
 
     def then(torch: Any) -> None:

@@ -1,5 +1,4 @@
-"""One trial result from the result files of a multi-process trial's ranks: the rank that failed
-first blamed, or the finished ranks' steps merged."""
+"""One trial result from a multi-process trial's ranks: the first to fail blamed, else merged."""
 
 from __future__ import annotations
 
@@ -21,11 +20,8 @@ def merge_rank_results(ranks: Sequence[Mapping[str, Any] | None],
     failure of its own (not the healthy peer that lost its connection to it afterwards); else
     the earliest exception, an unsupported rank, one that never stepped, wrote nothing, or
     stopped while others finished. When none failed but not all finished, the result is a rank's
-    that had not applied the candidate, if any (``lost``), else rank 0's. When all finished:
-    per step the slowest rank's time, the samples-weighted mean loss (a non-finite loss on any
-    rank wins), the summed samples; skipped steps must agree; the largest peak memory; the rest
-    is rank 0's.
-    """
+    that had not applied the candidate, if any (``lost``), else rank 0's. When all finished,
+    their steps are merged (``_merge_finished``)."""
     present = {rank: dict(data) for rank, data in enumerate(ranks) if data}
     if not present:
         return None
@@ -97,6 +93,8 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
         return values[:steps] + [None] * (steps - len(values))
 
     skipped = {r: [bool(v) for v in column("skipped", r)] for r in order}
+    losses, samples, times, underflow = [], [], [], []
+    notes = list(dict.fromkeys(n for r in order for n in present[r].get("notes") or []))
     for step in range(steps):
         skip = [r for r in order if skipped[r][step]]
         took = [r for r in order if not skipped[r][step]]
@@ -106,9 +104,6 @@ def _merge_finished(ranks: Sequence[Mapping[str, Any] | None], present: dict[int
                        "weights no longer match; the loss scaler must decide on every rank's gradients alike")
             return {**first, "stage": Stage.EXCEPTION, "ranks": len(ranks),
                     "exception": {"type": "MpadviseError", "message": message, "rank": skip[0]}}
-    losses, samples, times, underflow = [], [], [], []
-    notes = list(dict.fromkeys(n for r in order for n in present[r].get("notes") or []))
-    for step in range(steps):
         values = [float(column("losses", r)[step]) for r in order]
         counts = [column("samples", r)[step] for r in order]
         bad = [v for v in values if not math.isfinite(v)]

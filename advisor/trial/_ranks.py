@@ -9,8 +9,7 @@ a 0700 directory (``STORE_ENV``), at which every rank points torch's ``env://`` 
 
 No restarts: when a rank fails the others are stopped, and how each rank ended is written to
 ``EXITS_ENV``'s file, from which the parent blames the rank that failed first. Run as a plain
-file (standard library only), as ``_proctree.py`` is.
-"""
+file (standard library only), as ``_proctree.py`` is."""
 
 from __future__ import annotations
 
@@ -114,10 +113,9 @@ def run_ranks(nproc: int, command: Sequence[str], *, exits: str | None) -> int:
         for rank, proc in procs.items():
             if proc.returncode is None and proc.poll() is not None:
                 status = proc.returncode
-                try:
+                name = f"signal {-status}"
+                with contextlib.suppress(ValueError):
                     name = None if status >= 0 else signal.Signals(-status).name
-                except ValueError:
-                    name = f"signal {-status}"
                 ended.append({"rank": rank, "pid": proc.pid, "status": status, "signal": name,
                               "at": time.time(), "stopped": stopping_since is not None})
                 if status != 0 and stopping_since is None:

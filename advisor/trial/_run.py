@@ -1,7 +1,6 @@
 """``python -P -m advisor.trial._run [LAUNCH...] SCRIPT [ARGS...]``: run a cold trial's command
-as python would, torch's import marked on the trial's timeline; ``... --warm-server FD
-[PRELOAD...]`` is the warm server. No module imports this one (no second copy in sys.modules).
-"""
+as python would, torch's import marked; ``... --warm-server FD [PRELOAD...]`` is the warm server.
+No module imports this one (no second copy in sys.modules)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The trial protocol's schema, shared by parent and child: ``TrialSpec``, ``Stage``, the result
-file's fields (``RESULT_FIELDS``), ``TrialResult``, and the child's environment and exit statuses.
-"""
+file's fields (``RESULT_FIELDS``), ``TrialResult``, the child's environment and exit statuses."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ DEFAULT_MEASURE_STEPS = 40
 
 @dataclass(frozen=True)
 class ResultField:
-    """One field of a trial's result file; ``kept``: the TrialResult field of the same name
-    carries it (otherwise ``classify`` only reads it)."""
+    """One field of a trial's result file; ``kept``: the TrialResult field of that name has it."""
 
     name: str
     meaning: str
@@ -92,11 +90,10 @@ RESULT_FIELDS: tuple[ResultField, ...] = (
     ResultField("flops_per_step", "FLOPs of one optimizer step (all micro-batches, all ranks), or null"),
     ResultField("flops_basis", "how flops_per_step was found: counted, or 6 x parameters x tokens; else null"),
 )
-RESULT_FIELD_NAMES = frozenset(f.name for f in RESULT_FIELDS)
 
 
 def unknown_result_fields(data: Mapping[str, Any]) -> list[str]:
-    return sorted(str(key) for key in data if key not in RESULT_FIELD_NAMES)
+    return sorted(str(key) for key in set(data) - {f.name for f in RESULT_FIELDS})
 
 
 @dataclass(frozen=True)
@@ -108,8 +105,7 @@ class TrialSpec:
     peak RSS on a CPU. ``first_step_timeout`` counts from the candidate's application, not
     counting torch.compile's compilation. ``framework`` is ``None`` for a script that calls
     ``load_policy()``. ``perturb`` is ``None`` for a candidate; for the fp32 replicate, the
-    format whose rounding perturbs the initial parameters once (``perturb_draw``: which draw).
-    """
+    format whose rounding perturbs the initial parameters once (``perturb_draw``: which draw)."""
 
     policy: dict[str, Any]
     result_path: str
@@ -146,8 +142,7 @@ class TrialResult:
 
     Per-step lists hold one entry per optimizer step from the first (warm-up included, so loss
     curves compare from step 0); the timing statistics drop the first ``warmup_steps``.
-    ``underflow`` is sampled on some steps only (``None`` on the others, and outside fp16).
-    """
+    ``underflow`` is sampled on some steps only (``None`` on the others, and outside fp16)."""
 
     outcome: str
     reason: str = ""

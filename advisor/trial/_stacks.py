@@ -1,8 +1,8 @@
-"""Where a timed-out trial hung: each trial process dumps its stacks on a signal, which the
-parent sends before the kill, and names the process that hung."""
+"""Where a timed-out trial hung: its processes dump their stacks on a signal before the kill."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import re
@@ -27,21 +27,18 @@ def stack_dump_path(result_path: str | os.PathLike[str]) -> str:
 _STACK_FILE: Any = None  # held for the process's lifetime: faulthandler writes to it
 
 
-def register_stack_dump(result_path: str) -> bool:
-    """Have ``STACK_SIGNAL`` dump this process's stacks after a ``pid N`` line; whether it does."""
+def register_stack_dump(result_path: str) -> None:
+    """Have ``STACK_SIGNAL`` dump this process's stacks after a ``pid N`` line, where it can."""
     global _STACK_FILE
     sig = getattr(signal, STACK_SIGNAL, None)
     if _STACK_FILE is not None or sig is None:
-        return _STACK_FILE is not None
-    try:
+        return
+    with contextlib.suppress(OSError, ValueError, RuntimeError):
         stack_file = open(stack_dump_path(result_path), "w")  # noqa: SIM115 (open for the process's life)
         stack_file.write(f"{STACK_PID_PREFIX}{os.getpid()}\n")
         stack_file.flush()  # faulthandler writes to the descriptor, after the header
         faulthandler.register(sig, file=stack_file, all_threads=True, chain=False)
-    except (OSError, ValueError, RuntimeError):
-        return False
-    _STACK_FILE = stack_file
-    return True
+        _STACK_FILE = stack_file
 
 
 @dataclass(frozen=True)
@@ -116,17 +113,13 @@ def request_stack_dumps(paths: Sequence[Path], root: int, *, wait_s: float = STA
     below = set(live_descendants(process_table(), root)) if sig is not None else set()
     headers: dict[int, int] = {}
     for index, path in enumerate(paths):
-        try:
+        # Unreadable, or the process ended (ProcessLookupError) or is not ours: no dump.
+        with contextlib.suppress(OSError, UnicodeDecodeError):
             first = path.read_text().partition("\n")[0]
-        except (OSError, UnicodeDecodeError):
-            continue
-        pid = first[len(STACK_PID_PREFIX):]
-        if first.startswith(STACK_PID_PREFIX) and pid.isdigit() and int(pid) in below:
-            try:
+            pid = first[len(STACK_PID_PREFIX):]
+            if first.startswith(STACK_PID_PREFIX) and pid.isdigit() and int(pid) in below:
                 os.kill(int(pid), sig)  # type: ignore[arg-type]
-            except (ProcessLookupError, PermissionError):
-                continue
-            headers[index] = len(first) + 1
+                headers[index] = len(first) + 1
     deadline, sizes = time.monotonic() + wait_s, {}
     while headers:
         now = {index: paths[index].stat().st_size for index in headers}
@@ -138,9 +131,7 @@ def request_stack_dumps(paths: Sequence[Path], root: int, *, wait_s: float = STA
         time.sleep(0.05)
     dumps: list[str | None] = [None] * len(paths)
     for index, skip in headers.items():
-        try:
+        with contextlib.suppress(OSError):
             text = paths[index].read_text(errors="replace")[skip:]
-        except OSError:
-            continue
-        dumps[index] = text if text.strip() else None
+            dumps[index] = text if text.strip() else None
     return dumps

@@ -1,8 +1,6 @@
 """What both trial recorders (``_child``) share: the measured window of optimizer steps, the
-result file (``ResultWriter``, ``result_payload``), the ways a trial child ends, its first-step
-watchdog (which does not count torch.compile's compiling), the FLOPs of one whole optimizer
-step (counted by torch's FlopCounterMode, or estimated for a model fed token ids where counting
-fails), the same seeds for every trial, and the fp32 replicate's one perturbation."""
+result file, the ways a trial child ends, its first-step watchdog (not counting torch.compile's
+compiling), the FLOPs of one optimizer step, the seeds and the fp32 replicate's perturbation."""
 
 from __future__ import annotations
 
@@ -110,14 +108,11 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed)
 
 
-_DRAW_STRIDE = 1_000_003
-
-
 def perturbation_seed(seed: int, draw: int) -> int:
     """The seed of a replicate's perturbation: the trial's for draw 0, another for each later."""
     if isinstance(draw, bool) or not isinstance(draw, int) or draw < 0:
         raise ValueError(f"perturb draw: {draw!r} is not allowed; expected a whole number >= 0")
-    return (seed + _DRAW_STRIDE * draw) % 2**63
+    return (seed + 1_000_003 * draw) % 2**63
 
 
 def perturb_parameters(model: Any, *, perturb: str, seed: int, draw: int = 0) -> None:
@@ -188,7 +183,6 @@ class StepFlops:
 
             if not torch.is_grad_enabled():
                 return  # an evaluation forward, not the training step's
-            # The first positional tensor, else ``input_ids``, else the first keyword tensor.
             values = [*args, kwargs.get("input_ids"), *kwargs.values()]
             first = next((v for v in values if isinstance(v, torch.Tensor)), None)
             if first is None:
@@ -305,10 +299,9 @@ def end_trial_process(code: int) -> NoReturn:
 
 
 class StepWindow:
-    """The measured window of optimizer steps, timed on one DeviceClock, and the three ways a
-    trial child ends (the window is full; no step came in time; the script ended first). A
-    subclass sets ``clock``, ``notes``, ``workload_fingerprint``, ``model_signature``, ``fsdp``
-    and ``batch``."""
+    """The measured window of optimizer steps, timed on one DeviceClock, and the three ways a trial
+    child ends (the window is full; no step came in time; the script ended first). A subclass sets
+    ``clock``, ``notes``, ``workload_fingerprint``, ``model_signature``, ``fsdp`` and ``batch``."""
 
     clock: DeviceClock
     in_process = False
@@ -376,8 +369,7 @@ class StepWindow:
         """The fp32 replicate's one perturbation of the initial parameters; whether it ran now."""
         if not self.spec.perturb or self._perturbed:
             return False
-        self._perturbed = True
-        spec = self.spec
+        self._perturbed, spec = True, self.spec
         perturb_parameters(model, perturb=spec.perturb, seed=spec.seed, draw=spec.perturb_draw)
         return True
 

@@ -1,8 +1,7 @@
 """A trial's timeline: when each part of its life began and ended, for the per-trial breakdown.
 
 Marks are ``time.time()``, so that the parent's (``launched``, ``exited``) and the child's read on
-one clock. Standard library only: the runner marks torch's import before the project loads.
-"""
+one clock. Standard library only: the runner marks torch's import before the project loads."""
 
 from __future__ import annotations
 
@@ -53,7 +52,6 @@ def _seconds(timeline: Mapping[str, float], begin: str, end: str) -> float | Non
 
 
 def breakdown(timeline: Mapping[str, float]) -> dict[str, float | None]:
-    """Seconds spent in each phase of ``PHASES``."""
     spans = {phase: _seconds(timeline, begin, end) for phase, begin, end in PHASES}
     return {phase: None if span is None else round(span, 6) for phase, span in spans.items()}
 

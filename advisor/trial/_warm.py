@@ -1,10 +1,8 @@
 """Warm trials, the parent's side: a server (``_warm_server``) imports torch and the project once
-and forks one launcher per trial, as the cold launch's ``_proctree.py`` launcher is, saving the
-seconds a fresh interpreter spends importing torch. ``WarmLauncher`` decides, trial by trial,
-whether it is forked or started cold (``cold_reason``). Parent and server speak JSON over a
-private ``SOCK_SEQPACKET`` socket pair, the trial's stdout and stderr passed as descriptors; when
-the parent's end closes, the server ends the trial it runs, and itself.
-"""
+and forks one launcher per trial, saving the seconds a fresh interpreter spends importing torch;
+``WarmLauncher`` decides per trial whether it is forked or started cold (``cold_reason``). They
+speak JSON over a private ``SOCK_SEQPACKET`` pair, the trial's stdio passed as descriptors; when
+the parent's end closes, the server ends the trial it runs, and itself."""
 
 from __future__ import annotations
 
@@ -49,7 +47,6 @@ def cold_reason(command: Sequence[str], *, environ: Mapping[str, str], nproc_per
 
 
 def environment_difference(server: Mapping[str, str], trial: Mapping[str, str]) -> list[str]:
-    """The variables, but per-trial ones, that differ between the two environments; sorted."""
     names = set(server) | set(trial)
     return sorted(n for n in names if not is_per_trial(n) and server.get(n) != trial.get(n))
 
@@ -140,10 +137,9 @@ class WarmServer:
         self._finalizer = weakref.finalize(self, _close_server, self.proc, parent)
 
     def _reply(self) -> dict[str, Any] | None:
-        try:
+        with contextlib.suppress(TimeoutError):
             return self.channel.receive(START_TIMEOUT)
-        except TimeoutError:
-            return None
+        return None
 
     def await_ready(self) -> str | None:
         """Wait for the server's word; why it cannot serve, or ``None``."""
@@ -227,11 +223,9 @@ class WarmLauncher:
         return None
 
     def prestart(self, command: Sequence[str], *, env: Mapping[str, str], nproc_per_node: int = 1) -> bool:
-        """Start the server without waiting for its imports, which overlap the parent's own work
-        before its first trial; whether one was started."""
-        if self._server is not None or self._broken is not None:
-            return False
-        if cold_reason(command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node) is not None:
+        """Start the server now, its imports overlapping the parent's work; whether one started."""
+        if self._server is not None or self._broken is not None or cold_reason(
+                command, environ={**os.environ, **env}, nproc_per_node=nproc_per_node) is not None:
             return False
         return self._spawn(env) is None
 

@@ -43,10 +43,9 @@ def server_refusal(threads: int, cuda_initialized: bool) -> str | None:
 
 
 def thread_count() -> int:
-    try:
+    with contextlib.suppress(OSError):
         return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
+    return threading.active_count()
 
 
 class Channel:
@@ -57,11 +56,10 @@ class Channel:
         self.fds: list[int] = []  # those that came with the last message
 
     def send(self, message: Mapping[str, Any], fds: Sequence[int] = ()) -> bool:
-        try:
+        with contextlib.suppress(OSError):
             socket.send_fds(self.sock, [json.dumps(message).encode()], list(fds))
             return True
-        except OSError:
-            return False
+        return False
 
     def receive(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The next message; ``None`` when the other end is gone; TimeoutError after ``timeout``."""
@@ -69,33 +67,29 @@ class Channel:
         ready, _, _ = select.select([self.sock], [], [], timeout)
         if not ready:
             raise TimeoutError
-        try:
+        with contextlib.suppress(OSError):
             data, fds, _, _ = socket.recv_fds(self.sock, PACKET, 4)
-        except OSError:
-            return None
-        self.fds = list(fds)
-        return json.loads(data) if data else None
+            self.fds = list(fds)
+            return json.loads(data) if data else None
+        return None
 
 
 def _preload(name: str) -> None:
     """Import ``name`` (``PACKAGE:FRAMEWORK``: its libraries); a failure is left to the trial."""
     package, _, framework = name.partition(":")
-    try:
+    with contextlib.suppress(Exception):  # a preload is an optimisation; the trial says what fails
         module = importlib.import_module(package)
         if framework:
             for library in module.framework_class(framework).detected_by:
                 with contextlib.suppress(Exception):
                     importlib.import_module(library)
-    except Exception:  # noqa: BLE001, S110 - a preload is an optimisation; the trial will say what fails
-        pass
 
 
 def _watch(sock: socket.socket, pid: int) -> int | None:
     """The launcher's exit status, left unreaped; ``None`` when the parent's end closed first."""
-    try:
-        pidfd: int | None = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        pidfd = None  # an older kernel: poll
+    pidfd: int | None = None  # an older kernel: poll
+    with contextlib.suppress(AttributeError, OSError):
+        pidfd = os.pidfd_open(pid)
     try:
         while True:
             watched = [sock] if pidfd is None else [sock, pidfd]
