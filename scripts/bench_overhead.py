@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from advisor import AppliedPolicy, Policy
-from advisor.tune._trials import FunctionRunner, TrialSettings
+from advisor.tune._run import FunctionRunner, TrialSettings
 from probes import cpu_profile, write_file_atomic
 
 HAND_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,

@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 from advisor.tune._engine import measure_matmul, tune_policy
+from advisor.tune._judge import evaluate
 from advisor.tune._options import TuneOptions
+from advisor.tune._run import ScriptRunner, TrialSettings
 from advisor.tune._space import Candidate
-from advisor.tune._trials import ScriptRunner, TrialSettings, evaluate
 from policies import Policy, supported_modes
 from probes import primary_profile, write_file_atomic
 

@@ -5,7 +5,7 @@ Usage: python scripts/plot_examples.py [OUT_DIR]   (default docs/plots)
 The trial results are constructed, not run: each loss curve is written here in the shape that
 the failure it shows takes in a real trial (the verdict zoo in tests/verdicts/ has the scripts
 that produce them), with the seeded noise of a batch-to-batch loss. Every verdict, limit and
-reason in the figures then comes from the real verdict code (``advisor.tune._trials.evaluate``,
+reason in the figures then comes from the real verdict code (``advisor.tune._judge.evaluate``,
 which calls ``_stability.judge``) and the figure from the real plot code
 (``advisor.cli._plot.plot_trials``), so rerunning this after a change to either shows the
 change. Step times are made up too (only the bottom panel shows them).
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from advisor.cli._plot import plot_trials
 from advisor.trial import TrialResult
-from advisor.tune._trials import evaluate
+from advisor.tune._judge import evaluate
 from policies import Policy
 
 

@@ -1,10 +1,9 @@
 """The answer stage: the winner (ties go to the safer policy), its one speed-up figure with its
 interval, and everything the report, the config file and the cache need.
 
-How far each candidate runs from what the hardware can do: the fp32 reference counts its FLOPs per
-optimizer step once, and every candidate runs the same arithmetic, so its TFLOP/s is that count
-over its median step time; its MFU is that over the probed matmul peak of the dtype its matmuls
-run in (measured here, not a datasheet figure)."""
+A candidate's TFLOP/s is the FLOPs per step the fp32 reference counted (every candidate runs the
+same arithmetic) over its median step time; its MFU is that over the matmul peak probed here for
+the dtype its matmuls run in, not a datasheet figure."""
 
 from __future__ import annotations
 
@@ -36,8 +35,8 @@ from probes import HardwareProfile, hardware_fingerprint
 
 @dataclass(frozen=True)
 class Speedup:
-    """The winner's goodput over fp32's: the one speed-up figure a tune reports, writes and caches.
-    ``low``/``high`` are ``None`` without an interval; ``basis`` says what it rests on, in words."""
+    """The winner's goodput over fp32's, the one speed-up figure a tune reports; ``low``/``high``
+    are ``None`` without an interval; ``basis`` says what it rests on, in words."""
 
     ratio: float
     low: float | None = None
@@ -57,15 +56,14 @@ class Speedup:
 
 
 def _bound(end: float) -> float:
-    """An interval's end to four decimals, or four significant digits below 0.001x (which four
-    decimals would make zero)."""
+    """An interval's end to four decimals, or four significant digits below 0.001x."""
     return round(end, 4) if end >= 1e-3 else float(f"{end:.4g}")
 
 
 @dataclass(frozen=True)
 class TuneCost:
-    """What a tune cost, in trial-equivalents: its wall time over one measured window (the fp32
-    reference's), so that start-up, warm-up and every rerun show as overhead."""
+    """What a tune cost in trial-equivalents: its wall time over the fp32 reference's measured
+    window, so that start-up, warm-up and every rerun show as overhead."""
 
     wall_s: float
     trials: int
@@ -95,8 +93,7 @@ def compute_dtype(mode: str) -> str:
 
 @dataclass(frozen=True)
 class Utilisation:
-    """One candidate's achieved throughput against the hardware's; ``peak_tflops`` and ``mfu`` are
-    ``None`` where the dtype's peak was not probed."""
+    """One candidate's achieved throughput (no ``mfu`` where its dtype's peak was not probed)."""
 
     tflops: float
     dtype: str
@@ -110,8 +107,7 @@ class Utilisation:
 def utilisation(flops_per_step: float | None, median_step_s: float | None, mode: str,
                 peaks: dict[str, float] | None) -> Utilisation | None:
     """A candidate's achieved TFLOP/s and MFU; ``None`` without a FLOP count or a step time. A
-    dtype the benchmark did not measure has no MFU; one it measured slower than fp32 is held to
-    fp32's rate (``dtype`` then says ``fp32``)."""
+    dtype measured slower than fp32 is held to fp32's rate (``dtype`` then says ``fp32``)."""
     if not flops_per_step or not median_step_s or flops_per_step <= 0 or median_step_s <= 0:
         return None
     tflops = flops_per_step / median_step_s / 1e12
@@ -168,7 +164,7 @@ class TuneResult:
 
     def decisive_gap(self) -> dict[str, Any] | None:
         """The re-measured gap the choice rests on: the leader's over the winner, or over the closest
-        safer finalist it beat; ``None`` when nothing was re-measured."""
+        safer finalist it beat."""
         rivals = [f for f in self.finalists if f.gap is not None]
         leader = next((f for f in self.finalists if f.gap is None), None)
         if not rivals or leader is None:
@@ -181,22 +177,19 @@ class TuneResult:
         gap = other.gap.to_dict() if other.gap else {}
         return {"between": [leader.candidate.label, other.candidate.label], **gap}
 
-    def ranking(self) -> list[tuple[Candidate, Measured]]:
-        """Measured candidates, stable and feasible first, by goodput."""
+    def ranking(self) -> list[tuple[Candidate, Measured]]:  # stable and feasible first, by goodput
         return sorted(self.search.measured.items(),
                       key=lambda item: (not (item[1].stable and item[1].feasible), -item[1].goodput))
 
     def paired_speedup(self, cand: Candidate) -> Speedup | None:
-        """A finalist's speed-up over fp32 from its rounds beside fp32 in this run; ``None`` for fp32
-        itself and a candidate never re-measured beside it."""
+        """A finalist's speed-up from its rounds beside fp32 in this run (``None`` for fp32)."""
         finalist = next((f for f in self.finalists if f.candidate == cand), None)
         if finalist is None or cand.mode == "fp32" and finalist.rounds == self.reference_rounds:
             return None
         gap = rounds_gap(finalist.rounds, self.reference_rounds)
         return Speedup.of_gap(gap) if gap.pairs else None
 
-    def resumed(self, cand: Candidate) -> bool:
-        """Whether a measured candidate's search figure was taken from the stored study."""
+    def resumed(self, cand: Candidate) -> bool:  # its search figure came from the stored study
         return cand in self.search.measured and cand not in self.evaluations
 
     def to_dict(self) -> dict[str, Any]:
@@ -247,11 +240,9 @@ def tune_rows(result: TuneResult) -> list[dict[str, Any]]:
         spread = ev and step_time_range(ev.result.step_times, warmup_of(ev.result))
         low, high = spread or (None, None)
         found = result.utilisation(cand)
-        basis = "search run"
-        if won and result.speedup:
-            basis = result.speedup.basis
-        elif resumed:
-            basis = "resumed: measured in an earlier run or by another worker"
+        resumed_basis = "resumed: measured in an earlier run or by another worker"
+        basis = (result.speedup.basis if won and result.speedup
+                 else resumed_basis if resumed else "search run")
         rows.append({
             "label": cand.label, "mode": cand.mode,
             "policy": cand.policy(result.space.user_batch).to_dict(),
@@ -277,13 +268,12 @@ def answer(confirmed: Confirmed, trials: Trials, planned: Plan, search: SearchOu
            reference: Evaluation, profile: HardwareProfile, timing: Timing, *,
            workload: dict[str, Any] | None, peaks: dict[str, float], time_budget: float | None,
            late: dict[str, str], wall_s: float) -> TuneResult:
-    """The winner among the confirmed finalists, its speed-up over fp32 and its tuned policy
-    (``workload`` adds facts for ``[tuned_on]``), with everything the report shows."""
+    """The winner among the confirmed finalists, its speed-up over fp32 and its tuned policy."""
     user_batch, stop, companion = trials.user_batch, confirmed.stop, confirmed.companion
-    winner, tie_note = pick_winner(confirmed.finalists, user_batch, stop=stop)
+    best, tie_note = pick_winner(confirmed.finalists, user_batch, stop=stop)
+    winner = None if best is None else best.candidate
     policy = speedup = None
-    if winner is not None:
-        best = next(f for f in confirmed.finalists if f.candidate == winner)
+    if best is not None:
         speedup = _speedup(best, companion, planned.ref_cand, reference.goodput or 0.0, stop=stop)
         if speedup is not None:  # trials counted with those a resumed study ran
             policy = _tuned_policy(winner, best, speedup, trials, profile, workload,
@@ -327,8 +317,7 @@ def _tuned_policy(winner: Candidate, best: Finalist, speedup: Speedup, trials: T
 
 def _speedup(best: Finalist, companion: Finalist | None, ref_cand: Candidate, reference_goodput: float, *,
              stop: str) -> Speedup | None:
-    """The winner's speed-up over fp32: 1 for fp32 itself; else the paired gap; else (nothing
-    re-measured) its search run over fp32's reference run."""
+    """The winner's speed-up: 1 for fp32; else the paired gap; else its search run over fp32's."""
     if best.candidate == ref_cand:
         return Speedup(1.0, 1.0, 1.0, 0, basis="the fp32 reference itself")
     gap = paired(best, companion) if companion is not None else None

@@ -13,10 +13,8 @@ def check_script(script: str | os.PathLike[str]) -> Path:
     """The script's resolved path, after checking that it exists and compiles (UsageError, exit 2,
     for a path that is not a file; MpadviseError, one line, for one that does not compile)."""
     path = Path(script)
-    if not path.exists():
-        raise UsageError(f"script {path} does not exist")
     if not path.is_file():
-        raise UsageError(f"script {path} is not a file")
+        raise UsageError(f"script {path} {'is not a file' if path.exists() else 'does not exist'}")
     try:
         source = path.read_bytes()
     except OSError as exc:

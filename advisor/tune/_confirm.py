@@ -28,10 +28,9 @@ STOP_OFF = "off"
 
 @dataclass
 class Finalist:
-    """A candidate re-measured side by side with the others before a winner is declared.
-    ``goodputs``: the search's run, then each re-measurement; ``rounds``: goodput per round,
-    ``None`` in a round it sat out; ``gap``: the leader's gap over it (``None`` for the leader).
-    A finalist not ``in_band`` (fp32 beside the best) takes a tie only on two pairs or more."""
+    """A candidate re-measured beside the others. ``goodputs``: the search's run, then each
+    re-measurement; ``rounds``: goodput per round (``None`` where it sat out); ``gap``: the
+    leader's over it. One not ``in_band`` (fp32 beside the best) ties only on two pairs or more."""
 
     candidate: Candidate
     goodputs: list[float]
@@ -45,8 +44,7 @@ class Finalist:
         return statistics.median(self.goodputs)
 
     @property
-    def remeasured_goodput(self) -> float:
-        """The median over its re-measurement rounds (the search's run when there are none)."""
+    def remeasured_goodput(self) -> float:  # the search's run when there are no rounds
         runs = [g for g in self.rounds if g is not None]
         return statistics.median(runs) if runs else self.goodput
 
@@ -72,11 +70,9 @@ def confirm(
     out_of_time: Callable[[], bool] = lambda: False,
     on_round: Callable[[int, int, int], None] | None = None,
 ) -> Confirmed:
-    """The finalists once re-measurement has settled their gaps, best first. A finalist that fails
-    its re-measurement is marked so in ``measured`` and dropped; its going can bring others within
-    the noise of the new best, so the field is drawn again (keeping every round run so far) until
-    a re-measurement drops none. ``on_round`` gets the round's number (from 1), the most rounds
-    and its runs."""
+    """The finalists once re-measurement has settled their gaps, best first. One that fails its
+    re-measurement is marked so in ``measured`` and dropped, which can bring others within the
+    noise of the new best: the field is drawn again (keeping the rounds run) until none drops."""
     history: dict[Candidate, Finalist] = {}
     ref = measured.get(ref_cand)
     companion = None
@@ -99,9 +95,6 @@ def confirm(
             return Confirmed(finalists, dropped, rounds, stop, companion)
         finalists, lost, rounds, stop = _rounds(trials, finalists, companion, rounds, user_batch, timing,
                                                 out_of_time=out_of_time, on_round=on_round)
-        if not lost and len(finalists) < 2:
-            for f in finalists:
-                f.gap = None
         for m in lost:
             measured[m.candidate] = m
         dropped += lost
@@ -115,7 +108,7 @@ def _rounds(
     on_round: Callable[[int, int, int], None] | None,
 ) -> tuple[list[Finalist], list[Measured], int, str]:
     """Re-run finalists in interleaved rounds until each gap to the leader is settled; returns
-    the finalists left, the failures dropped, the next round's number and why it stopped."""
+    those left, those dropped, the next round's number and why it stopped."""
     active = list(finalists)
     lost: list[Measured] = []
     round_ = first_round
@@ -124,8 +117,7 @@ def _rounds(
         running = _round_runners(active, companion, user_batch)
         if spent or out_of_time():
             # Past the budget only a would-be winner measured elsewhere (a shared study, an earlier
-            # run) runs on, beside fp32, until it holds its pairs: its ratio to this machine's fp32
-            # is no speed-up of this machine, and nothing measured elsewhere is cached without them.
+            # run) runs on, beside fp32, until it holds its pairs: nothing is cached without them.
             spent = True
             foreign = _measured_elsewhere(trials, active, companion, user_batch)
             running = [] if foreign is None else [foreign, companion]
@@ -153,17 +145,17 @@ def _rounds(
 
 def _measured_elsewhere(trials: Trials, active: list[Finalist], companion: Finalist,
                         user_batch: int | None) -> Finalist | None:
-    """The finalist that would win now when its figure is not this run's and it holds fewer than
-    ``LOCAL_PAIRS`` pairs beside fp32 here; else ``None``."""
+    """The finalist that would win now, when its figure is not this run's and it holds fewer than
+    ``LOCAL_PAIRS`` pairs beside fp32 here."""
     lead(active)
-    pick, _ = _pick_finalist(active, user_batch)
+    pick, _ = pick_winner(active, user_batch)
     if pick is None or pick is companion or pick.candidate in trials.evaluations:
         return None
     return pick if paired(pick, companion).pairs < LOCAL_PAIRS else None
 
 
 def _run_once(trials: Trials, finalist: Finalist, round_: int) -> Measured | None:
-    """Run a finalist once more for round ``round_``; returns what dropped it, or ``None``."""
+    """Run a finalist once more; returns what dropped it, or ``None``."""
     ev = trials.run_again(finalist.candidate, f"{finalist.candidate.label} (re-measure {round_ + 1})")
     if ev.stable:
         if ev.goodput:  # without sample counts there is nothing to compare; the round stays empty
@@ -177,8 +169,8 @@ def _run_once(trials: Trials, finalist: Finalist, round_: int) -> Measured | Non
 
 def _finalists(measured: dict[Candidate, Measured], evaluations: dict[Candidate, Evaluation],
                user_batch: int | None, history: dict[Candidate, Finalist]) -> list[Finalist]:
-    """The best stable, feasible candidate and every other within measured noise of it, best
-    first; ``history`` keeps finalists (and their rounds) across fields."""
+    """The best stable candidate and every other within measured noise of it, best first;
+    ``history`` keeps finalists (and their rounds) across fields."""
     stable = [m for m in measured.values() if m.stable and m.feasible and m.goodput > 0]
     if not stable:
         return []
@@ -222,12 +214,11 @@ def lead(finalists: list[Finalist]) -> Finalist | None:
 
 
 def paired(a: Finalist, b: Finalist) -> Gap:
-    """The gap of ``a`` over ``b`` over the rounds both ran."""
     return rounds_gap(a.rounds, b.rounds)
 
 
 def _finalist(m: Measured, ev: Evaluation | None) -> Finalist:
-    """A finalist from its search run (times per sample compare across micro-batches)."""
+    # Times per sample compare across micro-batches.
     if ev is None:
         return Finalist(m.candidate, [m.goodput], [])
     samples, times = samples_per_step(ev.result) or 1, ev.result.step_times[warmup_of(ev.result):]
@@ -235,15 +226,15 @@ def _finalist(m: Measured, ev: Evaluation | None) -> Finalist:
 
 
 def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int | None) -> list[Finalist]:
-    """Who runs in the next round: the leader and every finalist whose gap to it is not settled;
-    with them (or alone, while its speed-up is unresolved or rests on fewer than ``LOCAL_PAIRS``
-    pairs) the finalist that would win now, and fp32 beside it."""
+    """Who runs next: the leader and every finalist whose gap to it is not settled; with them (or
+    alone, while its speed-up is unresolved or under ``LOCAL_PAIRS`` pairs) the would-be winner,
+    and fp32 beside it."""
     leader = lead(active)
     if leader is None:
         return []
     rivals = [f for f in active if f.gap is not None and not _settled(leader, f, user_batch)]
     running = [leader, *rivals] if rivals else []
-    pick, _ = _pick_finalist(active, user_batch)
+    pick, _ = pick_winner(active, user_batch)
     if pick is not None and pick.candidate != companion.candidate:
         gap = paired(pick, companion)
         if running or not gap.resolved or gap.pairs < LOCAL_PAIRS:
@@ -252,7 +243,7 @@ def _round_runners(active: list[Finalist], companion: Finalist, user_batch: int 
 
 
 def _riskier(a: Finalist, b: Finalist, user_batch: int | None) -> int:
-    """1 when ``a`` is the riskier of the two, -1 when ``b`` is, 0 when they rank alike."""
+    """1 when ``a`` is the riskier, -1 when ``b`` is, 0 when they rank alike."""
     a_key, b_key = preference_key(a.candidate, user_batch), preference_key(b.candidate, user_batch)
     return (a_key > b_key) - (a_key < b_key)
 
@@ -281,15 +272,9 @@ def _leaning(finalists: list[Finalist], user_batch: int | None) -> bool:
 
 
 def pick_winner(finalists: list[Finalist], user_batch: int | None, *,
-                stop: str = STOP_OFF) -> tuple[Candidate | None, str]:
+                stop: str = STOP_OFF) -> tuple[Finalist | None, str]:
     """The fastest finalist, unless a safer one is within the measured noise (ties go to safety):
     by gap to the leader once re-measured, else by the step times of the search's runs."""
-    winner, note = _pick_finalist(finalists, user_batch, stop=stop)
-    return (None if winner is None else winner.candidate), note
-
-
-def _pick_finalist(finalists: list[Finalist], user_batch: int | None, *,
-                   stop: str = STOP_OFF) -> tuple[Finalist | None, str]:
     if not finalists:
         return None, ""
     if any(f.gap is not None for f in finalists):
@@ -311,10 +296,9 @@ def _pick_finalist(finalists: list[Finalist], user_batch: int | None, *,
 
 
 def _pick_by_gap(finalists: list[Finalist], user_batch: int | None, stop: str) -> tuple[Finalist, str]:
-    """The safest of the leader and the finalists whose gap to it is not resolved in its favour.
-    A finalist other than fp32 takes such a tie only when it is itself resolved faster than fp32
-    over two or more shared rounds: a tie with the leader hands it the leader's place, not the
-    leader's lead over fp32 (bf16-mixed once took a tie from bf16-true and was written at 0.99x)."""
+    """The safest of the leader and the finalists whose gap to it is not resolved in its favour;
+    one other than fp32 takes such a tie only when resolved faster than fp32 over two or more
+    rounds (bf16-mixed once took a tie from bf16-true and was written at 0.99x)."""
     leader = next(f for f in finalists if f.gap is None)
     fp32 = min((f for f in finalists if f.candidate.mode == "fp32"), default=None,
                key=lambda f: preference_key(f.candidate, user_batch))

@@ -12,6 +12,7 @@ from advisor.tune._confirm import LOCAL_PAIRS, confirm
 from advisor.tune._judge import Evaluation
 from advisor.tune._options import TuneOptions
 from advisor.tune._plan import measure_matmul, plan
+from advisor.tune._run import Runner
 from advisor.tune._search import run_search
 from advisor.tune._space import Measured, SpaceLimits
 from advisor.tune._stability import StabilityThresholds
@@ -23,7 +24,7 @@ from advisor.tune._steady import (
     timing_for,
 )
 from advisor.tune._study_status import check_study_workload, stored_replicate
-from advisor.tune._trials import Runner, Trials
+from advisor.tune._trials import Trials
 from policies import Policy
 from probes import HardwareProfile, hardware_fingerprint
 
@@ -41,13 +42,9 @@ def tune_policy(
     on_round: Callable[[int, int, int], None] | None = None, timing: Timing | None = None,
     late: Mapping[str, str] | None = None,
 ) -> TuneResult:
-    """Find the fastest stable policy for the workload ``runner`` runs (its window set; a
-    ``Perturbable`` one also runs fp32's replicate). ``late`` maps the modes a long run's guard
-    found unstable to their verdict: they are not run, and a stored study's runs of them lose.
-
-    Raises:
-        MpadviseError: the fp32 reference failed, so nothing can be judged.
-    """
+    """Find the fastest stable policy for the workload ``runner`` runs (MpadviseError when the
+    fp32 reference fails). ``late`` maps the modes a long run's guard found unstable to their
+    verdict: they are not run, and a stored study's runs of them lose."""
     options = options or TuneOptions()
     clock = clock or time.monotonic
     start = clock()
@@ -64,11 +61,9 @@ def tune_policy(
     # A stored study's verdicts hold for the workload its reference ran: one whose model,
     # optimizer or batch changed since (an environment variable, a config file) starts afresh.
     workload_facts = {"workload_fingerprint": fp32.workload_fingerprint, "model_signature": fp32.model_signature}
-    resume = check_study_workload(options.storage, study_name, workload_facts, resume=options.resume)
-    if resume != options.resume:
-        options = options.with_(resume=resume)
-    # fp32's replicate, kept with a stored study (which --resume reuses): its drift calibrates
-    # every verdict from here on.
+    options = options.with_(resume=check_study_workload(options.storage, study_name, workload_facts,
+                                                        resume=options.resume))
+    # fp32's replicate (a resumed study's, reused): its drift calibrates every verdict from here on.
     reference = trials.run_replicate(stored_replicate(options.storage, study_name) if options.resume else None)
     search_start = clock()
     search = run_search(

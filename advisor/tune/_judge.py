@@ -83,8 +83,7 @@ def evaluate(
     label: str, policy: Policy, result: TrialResult, reference: TrialResult | None, *,
     thresholds: StabilityThresholds | None = None, replicate: TrialCurve | None = None,
 ) -> Evaluation:
-    """Judge one result against the reference (itself: ``ok``), the limits widened to ``replicate``'s
-    spread."""
+    """Judge one result against the reference, the limits widened to ``replicate``'s spread."""
     thresholds = thresholds or StabilityThresholds()
     summed = None if reference is None else summed_loss_split(result, reference)
     if summed is not None:
@@ -110,9 +109,9 @@ def evaluate(
 
 
 def summed_loss_split(result: TrialResult, reference: TrialResult) -> str | None:
-    """Why a split candidate cannot keep the script's optimisation when its loss is summed over the
-    batch, or ``None``: ``step()`` divides each micro-batch's loss by the accumulation count, so a
-    summed loss's gradient shrinks by that count, which the first step shows against fp32's."""
+    """Why a split candidate cannot keep the script's optimisation, its loss summed over the batch:
+    ``step()`` divides each micro-batch's loss by the accumulation count, so a summed loss's
+    gradient shrinks by that count, which the first step shows against fp32's."""
     accum = result.grad_accum_steps or 1
     if accum < 2 or (reference.grad_accum_steps or 1) != 1 or not result.losses or not reference.losses:
         return None
@@ -127,8 +126,7 @@ def summed_loss_split(result: TrialResult, reference: TrialResult) -> str | None
             f"would shrink the gradient {accum}x; use reduction='mean' to let a tune split the batch")
 
 
-def warmup_of(result: TrialResult) -> int:
-    """The warm-up to drop, leaving at least one timed step for a short run."""
+def warmup_of(result: TrialResult) -> int:  # leaves a short run at least one timed step
     return min(result.warmup_steps, max(0, len(result.step_times) - 1))
 
 
@@ -144,7 +142,6 @@ class ReferenceTrialError(MpadviseError):
 
 
 def check_reference(result: TrialResult) -> None:
-    """Raise a one-line error when the fp32 reference cannot serve as the baseline."""
     if result.outcome != "ok":
         raise ReferenceTrialError(f"the fp32 reference trial failed ({result.outcome}): {result.reason}")
     bad = next((i for i, v in enumerate(result.losses) if not math.isfinite(v)), None)

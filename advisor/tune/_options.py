@@ -1,7 +1,5 @@
 """The tune options, declared once: ``mpadvise tune``'s flags, ``advisor.tune``'s keywords and a
-daemon job's ``options`` are one frozen dataclass whose fields carry their help and rules, so
-neither the CLI nor the daemon can name, default or describe an option differently.
-"""
+daemon job's ``options`` are one frozen dataclass whose fields carry their help and rules."""
 
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ RETIRED_OPTIONS = frozenset({"speedup_within"})
 
 @dataclass(frozen=True)
 class OptionInfo:
-    """One tune option as the command line and the daemon present it. ``job``: whether a daemon
-    job may set it; ``job_limit``: the most a job may ask (a number, a list's length); ``trial``:
-    whether ``mpadvise trial`` takes it too; ``check`` validates and normalises a value."""
+    """One tune option. ``job``: whether a daemon job may set it; ``job_limit``: the most a job may
+    ask (a number, a list's length); ``trial``: whether ``mpadvise trial`` takes it too."""
 
     name: str
     type: Any
@@ -118,8 +115,8 @@ def _option(default: Any, help: str, check: Callable[[OptionInfo, Any], Any], **
 
 @dataclass(frozen=True)
 class TuneOptions:
-    """Every option of a tune; the field order is that of ``mpadvise tune --help``. Invalid values
-    raise UsageError (exit 2) naming the flag, the value and what is allowed."""
+    """Every option of a tune, in ``mpadvise tune --help``'s order; an invalid value raises
+    UsageError naming the flag, the value and what is allowed."""
 
     trials: int = _option(20, "Trial budget of the search (the reference not counted).", _whole_number,
                           minimum=1, job_limit=10_000)

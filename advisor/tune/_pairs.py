@@ -1,7 +1,6 @@
-"""Interleaved pairs for ``mpadvise trial --pairs N``: fp32 and every stable candidate run again,
-``N`` rounds in alternating order, so that each speed-up rests on paired runs with an interval
-(one run's ratio scattered from 1.28x to 1.65x on a shared 2-core machine, where it was 1.45x).
-A candidate not stable in a round leaves the rounds, with the reason."""
+"""``mpadvise trial --pairs N``: fp32 and every stable candidate run again, ``N`` interleaved
+rounds, so that each speed-up rests on paired runs with an interval (one run's ratio scattered
+from 1.28x to 1.65x on a shared 2-core machine, where it was 1.45x)."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ PAIRS_MAX = 50
 
 @dataclass
 class PairedRuns:
-    """One candidate's runs beside fp32's, round by round (``None`` where a round did not pair);
-    ``dropped`` says why it left the rounds."""
+    """One candidate's runs beside fp32's by round; ``dropped`` says why it left the rounds."""
 
     label: str
     policy: Policy
@@ -46,9 +44,8 @@ def run_pairs(
     runner: Runner, comparison: Comparison, rounds: int, *, thresholds: StabilityThresholds | None = None,
     on_start: Callable[[int, str], None] | None = None, on_done: Callable[[int, Evaluation], None] | None = None,
 ) -> list[PairedRuns]:
-    """Run fp32 and each candidate the comparison found stable, ``rounds`` times, interleaved
-    (fp32 first in even rounds, last in odd ones), each judged as the comparison judged it.
-    ``on_start``/``on_done`` get each run's index from 0."""
+    """Run fp32 and each stable candidate of the comparison ``rounds`` times, interleaved (fp32
+    first in even rounds, last in odd ones), each judged as the comparison judged it."""
     reference = comparison.reference.result
     fp32 = Policy(mode="fp32")
     replicate = None if comparison.replicate is None else comparison.replicate.curve
@@ -93,6 +90,6 @@ def _pairable(comparison: Comparison) -> list[Evaluation]:
 
 
 def pairs_runs(comparison: Comparison, rounds: int) -> int:
-    """The most runs ``run_pairs`` makes (a progress bar's total); 0 when none is pairable."""
+    """The most runs ``run_pairs`` makes (a progress bar's total)."""
     pairable = len(_pairable(comparison))
     return rounds * (1 + pairable) if pairable else 0

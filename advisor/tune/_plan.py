@@ -1,5 +1,4 @@
-"""The plan stage: the search space, its priors and its bounds, once the fp32 reference has run
-(its batch and whether the script shards with FSDP2 shape the space)."""
+"""The plan stage: the search space, its priors and its bounds, once the fp32 reference has run."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ from probes import HardwareProfile
 
 @dataclass
 class Plan:
-    """What the tune will search, and in which order it looks first (``first``: enqueued before the
-    sampler explores). ``ratios`` are matmul rates per dtype over fp32's, ``peaks`` in TFLOP/s;
-    ``probed``: this plan measured them, and so probes again at the tune's end."""
+    """What the tune will search, and what first (``first``: enqueued before the sampler explores).
+    ``ratios``: matmul rates over fp32's; ``peaks`` in TFLOP/s; ``probed``: measured here."""
 
     space: SearchSpace
     ref_cand: Candidate
@@ -32,8 +30,7 @@ class Plan:
 
     def final_peaks(self, profile: HardwareProfile, reference: TrialResult) -> dict[str, float]:
         """Each dtype's higher figure of this plan's probe and one more at the tune's end: a
-        neighbour's burst only ever slows a matmul, and two probes minutes apart rarely both
-        meet one."""
+        neighbour's burst only slows a matmul, and two probes minutes apart rarely both meet one."""
         if not (self.probed and reference.flops_per_step):
             return self.peaks
         first, second = self.peaks, measure_matmul(profile)[1]
@@ -45,7 +42,7 @@ def plan(profile: HardwareProfile, options: TuneOptions, reference: TrialResult,
          limits: SpaceLimits | None = None, dtype_ratio: dict[str, float] | None = None,
          peak_tflops: dict[str, float] | None = None, late: Mapping[str, str] | None = None) -> Plan:
     """The tune's plan once its fp32 ``reference`` has run; ``dtype_ratio`` (with ``peak_tflops``)
-    is measured on the device when ``None``; ``late``'s modes (``late_unstable``) are not run."""
+    is measured when ``None``; ``late``'s modes are not run."""
     user_batch = reference.user_batch
     support = supported_modes(profile)
     modes = check_modes(list(options.modes), profile) if options.modes else None  # unknown or unsupported: one clear error
@@ -72,9 +69,8 @@ def plan(profile: HardwareProfile, options: TuneOptions, reference: TrialResult,
 
 
 def late_unstable(events: Iterable[Mapping[str, Any]]) -> dict[str, str]:
-    """The modes a long run found unstable after its trial's window, from the guard's events for
-    this hardware and script (newest first), each with its verdict: ``unstable late (step N)``.
-    fp32 is the reference, never one of them."""
+    """The modes other than fp32 a long run found unstable after its trial's window, from the
+    guard's events (newest first), each with its verdict."""
     late: dict[str, str] = {}
     for event in events:
         mode = str(event.get("policy") or "")

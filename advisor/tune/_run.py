@@ -1,6 +1,5 @@
-"""The run stage: launch trials through one runner interface, warm or cold. A runner turns a
-Policy into a TrialResult: ``ScriptRunner`` runs the user's script in a subprocess,
-``FunctionRunner`` a function in this process (``advisor.tune(train_fn)``)."""
+"""The run stage: a runner turns a Policy into a TrialResult. ``ScriptRunner`` runs the user's
+script in a subprocess, ``FunctionRunner`` a function in this process (``advisor.tune``)."""
 
 from __future__ import annotations
 
@@ -20,6 +19,8 @@ import probes
 from advisor._entry import module_argv
 from advisor._log import get_logger
 from advisor.trial import (
+    DEFAULT_MEASURE_STEPS,
+    DEFAULT_WARMUP_STEPS,
     RUN_MODULE,
     TrialResult,
     TrialSpec,
@@ -31,12 +32,7 @@ from advisor.trial import (
     run_trial,
     trial_environment,
 )
-from advisor.tune._options import (
-    DEFAULT_MEASURE_STEPS,
-    DEFAULT_WARMUP_STEPS,
-    TuneOptions,
-    check_rank_device,
-)
+from advisor.tune._options import TuneOptions, check_rank_device
 from policies import Policy
 from probes import HardwareProfile, MpadviseError
 
@@ -47,8 +43,8 @@ class Runner(Protocol):
 
 @runtime_checkable
 class Perturbable(Protocol):
-    """A runner that can run the same workload with its initial parameters perturbed once (the
-    replicate of fp32); one without this (a test's fake) gets no replicate."""
+    """A runner that can perturb the initial parameters once (fp32's replicate); one without this
+    (a test's fake) gets no replicate."""
 
     seed: int
 
@@ -94,9 +90,9 @@ class TrialSettings:
         return TrialSpec(policy=policy.to_dict(), result_path=result_path, label=label, **shared)
 
     def launch(self, python: str, launch: Sequence[str] = ()) -> tuple[str, ...]:
-        """What goes between the interpreter and the script: ``launch`` itself for one process; for
-        several, the trial's own rank launcher (no elastic agent, no restarts: a failure is the trial's
-        outcome), each rank running the command line a one-process trial runs."""
+        """What goes between the interpreter and the script: ``launch`` for one process; for
+        several, the trial's own rank launcher (no elastic agent, no restarts: a failure is the
+        trial's outcome), each rank running what a one-process trial runs."""
         if self.nproc_per_node == 1:
             return tuple(launch)
         return (*ranks_argv(self.nproc_per_node), python, *module_argv(RUN_MODULE), *launch)
@@ -124,12 +120,12 @@ def wait_until_idle(
     on_wait: Callable[[list[int]], None] | None = None, sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Block until NVML shows no other compute process on the profile's GPU (no-op on a CPU);
-    this process's own tree never counts as another's. MpadviseError when the GPU is still busy
-    after ``max_wait_s`` seconds."""
+    """Block until NVML shows no other compute process on the profile's GPU (no-op on a CPU; this
+    process's own tree never counts), at most ``max_wait_s`` seconds; ``on_wait`` (default: one
+    line logged) hears of each wait."""
     if profile is None or not profile.is_cuda:
         return
-    start = clock()
+    start, said = clock(), False
     while True:
         pids = probes.gpu_busy(profile.index or 0, uuid=profile.uuid)
         if not pids:
@@ -143,21 +139,23 @@ def wait_until_idle(
             )
         if on_wait is not None:
             on_wait(pids)
+        elif not said:
+            said = True
+            get_logger().info(f"waiting for {profile.name} to be idle (other processes: {pids})")
         sleep(min(poll_s, max_wait_s - waited))
 
 
 def prestarted_launcher(script: str | os.PathLike[str], args: Sequence[str], launch: Sequence[str] = (), *,
                         nproc_per_node: int = 1, python: str | None = None) -> WarmLauncher:
-    """A warm launcher for a script's trials, its server started now, so that it imports while the
-    caller does its own slow work (the probe, the matmul benchmark)."""
+    """A warm launcher for a script's trials, started now so that it imports while the caller does
+    its own slow work (the probe, the matmul benchmark)."""
     warm = WarmLauncher(python or sys.executable, preload=framework_preload(launch))
     warm.prestart([*launch, os.fspath(script), *args], env=trial_environment(), nproc_per_node=nproc_per_node)
     return warm
 
 
 class _Derives:
-    """The runners derived from one: the same workload with other settings, sharing the rest (a
-    script runner's warm server and trial numbers)."""
+    """Derived runners: the same workload with other settings, sharing the rest (a warm server)."""
 
     settings: TrialSettings
 
@@ -185,10 +183,9 @@ class _Derives:
 
 
 class ScriptRunner(_Derives):
-    """Run ``python script args`` once per candidate, each in its own process, forked from a warm
-    server (``advisor.trial.WarmLauncher``) shared with the runners derived from this one;
-    ``close()`` (or leaving a ``with`` block) ends it. With ``wait_idle_on`` (a CUDA profile),
-    each trial first waits until that GPU is idle."""
+    """Run ``python script args`` once per candidate, each in its own process forked from a warm
+    server shared with the derived runners (``close()`` ends it). With ``wait_idle_on`` (a CUDA
+    profile), each trial first waits until that GPU is idle."""
 
     def __init__(
         self, script: str | os.PathLike[str], args: list[str], settings: TrialSettings, *, python: str | None = None,
@@ -200,7 +197,6 @@ class ScriptRunner(_Derives):
         self.python = python or sys.executable
         self.wait_idle_on = wait_idle_on
         self.launch = tuple(launch)
-        # Started on the first trial that can be forked; shared with the runners derived from this.
         self.warm = warm if warm is not None else WarmLauncher(self.python, preload=framework_preload(self.launch))
         # Trials are numbered across this runner and those derived from it.
         self._numbers = itertools.count(1)
@@ -215,19 +211,10 @@ class ScriptRunner(_Derives):
         self.close()
 
     def __call__(self, policy: Policy, label: str) -> TrialResult:
-        if self.wait_idle_on is not None:
-            warned: list[bool] = []
-
-            def note(pids: list[int]) -> None:
-                if not warned:
-                    warned.append(True)
-                    get_logger().info(f"waiting for {self.wait_idle_on.name} to be idle (other processes: {pids})")
-
-            wait_until_idle(self.wait_idle_on, on_wait=note)
+        wait_until_idle(self.wait_idle_on)
         number = next(self._numbers)
-        # A directory per trial, removed as the trial ends. One kept for a runner's life was removed
-        # by the garbage collector, whenever a derived runner was dropped: a Ctrl-C arriving then
-        # was swallowed ("Exception ignored in: <finalize object>"), and the tune went on.
+        # A directory per trial: one kept for a runner's life was removed by the garbage collector,
+        # and a Ctrl-C arriving then was swallowed ("Exception ignored in: <finalize object>").
         with tempfile.TemporaryDirectory(prefix="mpadvise-trial-") as directory:
             spec = self.settings.spec(policy, os.path.join(directory, f"trial-{number}.json"), label)
             return run_trial(self.script, self.args, spec, timeout=self.settings.timeout, python=self.python,
@@ -235,8 +222,8 @@ class ScriptRunner(_Derives):
 
 
 class FunctionRunner(_Derives):
-    """Run ``train_fn(mp)`` in this process once per candidate; it must build its model and data
-    inside, so every candidate starts from the same seed."""
+    """Run ``train_fn(mp)`` in this process once per candidate (it builds its model and data inside,
+    so every candidate starts from the same seed)."""
 
     def __init__(self, train_fn: Callable[[Any], Any], settings: TrialSettings) -> None:
         if settings.nproc_per_node > 1:
@@ -259,7 +246,6 @@ class FunctionRunner(_Derives):
 
 
 def limit_memory(result: TrialResult, memory_limit: int | None) -> TrialResult:
-    """``result``, turned out of memory when its peak exceeds ``memory_limit`` bytes."""
     if memory_limit is not None and result.outcome == "ok" and result.peak_memory and result.peak_memory > memory_limit:
         return result.with_outcome(
             "oom", f"peak memory {result.peak_memory / 2**20:.0f} MiB exceeds the limit {memory_limit / 2**20:.0f} MiB")

@@ -1,8 +1,6 @@
 """The search over precision mode, loss scaling and micro-batch size: Optuna's ask and tell.
-
 Unstable and out-of-memory candidates are told as constraint violations, which TPE learns from,
-not as failures, which it ignores. Every call on the study goes through the worker's retries
-(``_storage_retry``); in a shared study a worker runs nothing another has run or is running.
+not as failures, which it ignores; in a shared study a worker runs nothing another has run or runs.
 """
 
 from __future__ import annotations
@@ -73,8 +71,8 @@ class SearchOutcome:
 
 
 def loss_scale_choices(limits: SpaceLimits) -> tuple[list[str], list[float], list[int]]:
-    """The loss scale kinds, initial scales and growth intervals the search offers. Where the
-    settings cannot be applied (the HF Trainer), GradScaler's defaults are the only choice."""
+    """The loss scale kinds, initial scales and growth intervals the search offers (GradScaler's
+    defaults alone where the settings cannot be applied, as in the HF Trainer)."""
     settings = limits.loss_scale_settings
     return ([k for k in ("dynamic", "static") if k in limits.loss_scale_kinds],
             list(FP16_INIT_SCALES) if settings else [65536.0], list(FP16_GROWTH_INTERVALS) if settings else [2000])
@@ -102,13 +100,9 @@ def run_search(
     replicate: dict[str, Any] | None = None, hardware: str | None = None,
     sleep: Callable[[float], None] = time.sleep, workload: Mapping[str, Any] | None = None,
 ) -> SearchOutcome:
-    """Search ``space`` for the fastest stable candidate.
-
-    ``evaluate`` runs one candidate; ``first`` are enqueued before the sampler takes over (only by
-    the worker that made a shared study); ``known`` are measured already (the reference);
-    ``replicate``, ``hardware`` and ``workload`` are recorded with the study. MpadviseError where
-    the storage cannot be opened or is lost, or the study holds other hardware, workload or space.
-    """
+    """Search ``space`` for the fastest stable candidate: ``first`` are enqueued before the
+    sampler takes over (only by the worker that made a shared study); ``known`` are measured
+    already (the reference); ``replicate``, ``hardware`` and ``workload`` go with the study."""
     start = clock()
     outcome = SearchOutcome(dict(known or {}))
     worker = Worker.of(options.storage, sleep)
@@ -212,8 +206,8 @@ class _Search:
                 duplicates = 0
 
     def propose(self, trial: Any) -> str:
-        """Claim the trial's candidate and run it (``"ran"``), or tell the trial without running it
-        when measured or pruned (``"told"``), or close it when another worker runs it (``"taken"``)."""
+        """Claim the trial's candidate and run it (``"ran"``), tell it unrun when measured or pruned
+        (``"told"``), or close it when another worker runs it (``"taken"``)."""
         worker, outcome = self.worker, self.outcome
         # Optuna writes each suggested parameter to the study; a retry keeps the ones that landed.
         candidate = worker.call(f"reading trial {trial.number}'s candidate", lambda: _suggest(trial, self.space))
@@ -233,9 +227,9 @@ class _Search:
         return "ran"
 
     def take_in(self, *, exclude: int | None = None) -> dict[Candidate, int]:
-        """Take in what the study's finished trials measured (the first result of a candidate counts)
-        and return the candidates other trials run now, with their numbers. A candidate whose trials
-        lost their workers more often than they are retried is given up as a crash."""
+        """Take in what the study's finished trials measured (a candidate's first result counts);
+        returns the candidates other trials run now, with their numbers. One whose trials lost their
+        workers more often than they are retried is given up as a crash."""
         outcome, heartbeat = self.outcome, self.worker.heartbeat
         trials = self.worker.call("reading the study", lambda: read_trials(self.study, exclude=exclude))
         for m in trials.pruned:
@@ -255,8 +249,8 @@ class _Search:
         return trials.running
 
     def tell_without_running(self, trial: Any, candidate: Candidate) -> None:
-        """Tell the sampler what is known of a proposal, without running it: a pruned one as
-        infeasible (stored marked pruned), this worker's reference as such, other results as copies."""
+        """Tell the sampler what is known of a proposal, unrun: a pruned one as infeasible, this
+        worker's reference as such, other results as copies."""
         known = self.outcome.measured.get(candidate)
         if known is not None:
             source = "reference" if candidate in self.reference else "known"
@@ -293,7 +287,7 @@ class _Search:
 
 
 def _wait(claimed: dict[Candidate, int], promising: list[Candidate], announced: set[int], worker: Worker) -> set[int]:
-    """Wait a while for the trials other workers run; say so once for each new set of them."""
+    """Wait a while for the trials other workers run, saying so once for each new set of them."""
     waiting = {c: claimed[c] for c in promising if c in claimed}
     numbers = set(waiting.values())
     if not numbers <= announced:
@@ -346,8 +340,8 @@ def _enqueue_first(study: Any, space: SearchSpace, first: list[Candidate]) -> No
 
 
 def _params(space: SearchSpace, candidate: Candidate) -> dict[str, object]:
-    """The Optuna parameters that select ``candidate``, the micro-batch always named (an enqueued
-    trial that leaves a parameter out has the sampler draw it)."""
+    """The Optuna parameters that select ``candidate``, the micro-batch always named (the sampler
+    draws a parameter an enqueued trial leaves out)."""
     params = candidate.params()
     if space.micro_batches and "micro_batch" not in params:
         params["micro_batch"] = space.user_batch

@@ -1,12 +1,8 @@
-"""One tune of a training script, end to end: the service behind ``mpadvise tune`` and the
-daemon's jobs (through :mod:`advisor.tune.job`): study, storage, trials, config file and cache.
-``advisor.tune(train_fn)`` runs the same tune on a function in this process, for notebooks and tests.
-``tune_plan`` (``mpadvise tune --dry-run``) runs the checks a tune runs before its first trial and
-describes the space and the plan; it starts no trial, makes no study or storage file, and writes
-no config file or cache entry.
-
-How the script's trials start is the frameworks package's decision, a layer above this one: the
-caller makes it (``advisor.frameworks.plan_for``) and passes it in as a :class:`ScriptLaunch`.
+"""One tune of a training script, end to end (``mpadvise tune`` and the daemon's jobs): study,
+storage, trials, config file and cache; ``advisor.tune(train_fn)`` tunes a function in this
+process. ``tune_plan`` (``--dry-run``) runs a tune's checks and describes its plan, and writes
+nothing. How trials start is the frameworks package's decision (a layer above): the caller
+passes it in as a :class:`ScriptLaunch`.
 """
 
 from __future__ import annotations
@@ -33,8 +29,17 @@ from advisor.runtime import script_digest
 from advisor.trial import WarmLauncher
 from advisor.tune._checks import check_modes, check_script
 from advisor.tune._engine import TuneResult, tune_policy
+from advisor.tune._judge import Evaluation
 from advisor.tune._options import TuneOptions
 from advisor.tune._plan import late_unstable
+from advisor.tune._run import (
+    WAIT_IDLE_ENV,
+    FunctionRunner,
+    Runner,
+    ScriptRunner,
+    TrialSettings,
+    prestarted_launcher,
+)
 from advisor.tune._search import loss_scale_choices
 from advisor.tune._space import SpaceLimits, micro_batch_choices, scales_loss, space_for
 from advisor.tune._stability import StabilityThresholds
@@ -49,15 +54,6 @@ from advisor.tune._study_status import (
     store_answer,
     stored_answer,
 )
-from advisor.tune._trials import (
-    WAIT_IDLE_ENV,
-    Evaluation,
-    FunctionRunner,
-    Runner,
-    ScriptRunner,
-    TrialSettings,
-    prestarted_launcher,
-)
 from policies import Policy, check_config_target, mode_dtypes, supported_modes
 from probes import HardwareProfile, MpadviseError, UsageError, hardware_fingerprint
 
@@ -69,15 +65,13 @@ TuneProgress = Callable[[int], AbstractContextManager[ProgressCallbacks]]
 
 
 def run_ratio_text(ev: Evaluation | None) -> str:
-    """A progress line's words for one run's goodput over the fp32 reference run's (the tune's
-    speed-up is decided later, from paired runs)."""
+    """A progress line's words for one run's goodput over fp32's run (not the tune's speed-up)."""
     return f", this run {ev.speedup:.2f}x the fp32 reference run" if ev is not None and ev.speedup else ""
 
 
 @dataclass(frozen=True)
 class ScriptLaunch:
-    """How the trials of one script start, as data (``advisor.frameworks.ScriptPlan``'s facts):
-    ``framework`` is ``None`` for the loop API, ``limits`` bounds the search space."""
+    """How a script's trials start: ``advisor.frameworks.ScriptPlan``'s facts."""
 
     framework: str | None = None
     detected: bool = False
@@ -127,8 +121,8 @@ class TuneRequest:
 
 @dataclass
 class ScriptTune:
-    """A finished tune of a script and where its answer went; ``result`` is ``None`` and ``stored``
-    set for an answer read back from its study."""
+    """A finished tune of a script and where its answer went (``stored``, not ``result``, for an
+    answer read back from its study)."""
 
     result: TuneResult | None
     request: TuneRequest
@@ -149,8 +143,7 @@ class ScriptTune:
         return EXIT_FOUND if found is not None else EXIT_NONE_STABLE
 
     def to_dict(self) -> dict[str, Any]:
-        """What ``mpadvise tune --json`` prints and a daemon job stores; for an answer read back, the
-        JSON its tune printed, unchanged."""
+        """What ``mpadvise tune --json`` prints and a daemon job stores."""
         if self.stored is not None:
             return json.loads(json.dumps(self.stored.payload))
         assert self.result is not None
@@ -165,9 +158,7 @@ class ScriptTune:
 def tune_script(request: TuneRequest, *, progress: TuneProgress | None = None,
                 profile: HardwareProfile | None = None, runner: Runner | None = None,
                 warm: WarmLauncher | None = None) -> ScriptTune:
-    """Tune a script end to end: check it, open the study, run the trials, write the config
-    file and cache the answer. ``warm`` (default: one started here, before the probe) is ended when
-    the tune ends."""
+    """Tune a script end to end; ``warm`` (default: one started here) is ended when it ends."""
     path = check_script(request.script)
     if runner is None and warm is None:
         # The server imports while this process probes the hardware and benchmarks its matmuls.
@@ -188,8 +179,7 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
     check_storage(storage)
     options, fingerprint, study_name = _checked(request, path, profile, storage)
     check_config_args(_config_out(options, path), path, request.args)
-    # A mode a long run's guard found unstable is not tuned again, and an answer kept before that
-    # run no longer holds.
+    # Modes a long run's guard found unstable are not tuned again; an answer kept before is stale.
     late = late_unstable(guard_events_for(profile, path))
     key = {**answer_key(options, profile), "late": sorted(late)} if late else answer_key(options, profile)
     if not (options.fresh or options.resume):
@@ -202,8 +192,7 @@ def _tune_script(request: TuneRequest, path: Path, progress: TuneProgress | None
                     Path(written).write_text(kept.config_text, encoding="utf-8")
             return ScriptTune(None, replace(request, script=path, options=options), profile, study_name,
                               Path(written) if written else None, kept.payload.get("cache_id"), stored=kept)
-        # A study of this machine with finished trials and no answer that still holds is continued,
-        # never deleted unasked (--fresh does).
+        # A study of this machine with finished trials and no answer that holds is continued.
         held = None if shared_storage(options.storage) else kept_study(options.storage, study_name)
         if held is not None and held.finished:
             get_logger().info(f"resuming study {study_name!r}: {held.trials} kept "
@@ -240,25 +229,21 @@ def tune(
     thresholds: StabilityThresholds | None = None, remeasure: bool = True, study_name: str = "mpadvise-in-process",
     **option_values: Any,
 ) -> TuneResult:
-    """Tune a training function in this process: the same trials, verdicts and search as
-    ``mpadvise tune``, without subprocesses.
+    """Tune a training function in this process, as ``mpadvise tune`` tunes a script.
 
-    ``train_fn(mp)`` receives the candidate's AppliedPolicy and trains as a script would; it must
-    build its model and data inside so every candidate starts from the same seed. Out-of-memory and
-    crashes are classified, not raised; a hard crash (segfault) takes the process with it. The
-    winner is cached under the file that defines ``train_fn``, so that its
-    ``advisor.load_policy()`` finds it; a notebook cell's is not cached.
+    ``train_fn(mp)`` receives the candidate's AppliedPolicy and builds its model and data inside,
+    so every candidate starts from the same seed. Out-of-memory and crashes are classified, not
+    raised (a segfault takes the process with it). The winner is cached under the file that defines
+    ``train_fn`` (not a notebook cell), so that its ``advisor.load_policy()`` finds it.
 
     Args:
         train_fn: the training function.
         options: the tune's options, as ``mpadvise tune`` takes them (:class:`TuneOptions`).
         thresholds: stability thresholds.
-        remeasure: re-measure close candidates, and the winner against fp32 for its speed-up;
-            without it the speed-up rests on single runs.
+        remeasure: re-measure close candidates, and the winner against fp32 for its speed-up.
         study_name: the Optuna study's name in ``storage``.
         **option_values: :class:`TuneOptions` fields by name, over ``options`` (``storage``
-            defaults to memory; with neither ``resume`` nor ``fresh``, a stored study that holds
-            finished trials is refused, as on the command line).
+            defaults to memory; a stored study with finished trials needs ``resume`` or ``fresh``).
 
     Returns:
         A TuneResult: ``.policy`` is the winner (``None`` when nothing was stable).
@@ -285,8 +270,7 @@ def tune(
 
 def keep_answer(result: TuneResult, options: TuneOptions, profile: HardwareProfile, script: Path,
                 args: Sequence[str], *, framework: str | None = None) -> tuple[Path | None, int | None]:
-    """Write the winner's config file and cache it (unless ``options.no_cache``); returns the file
-    and the cache entry, ``None`` for each without a winner."""
+    """Write the winner's config file and cache it; returns both, ``None`` without a winner."""
     if result.policy is None:
         return None, None
     policy = result.policy
@@ -299,8 +283,7 @@ def keep_answer(result: TuneResult, options: TuneOptions, profile: HardwareProfi
 
 
 def check_config_args(path: Path, script: Path, args: Sequence[str]) -> None:
-    """Refuse (UsageError), before any trial, a tune that would replace a config file tuned with
-    other arguments of the script (a file that does not record its arguments is replaced)."""
+    """Refuse, before any trial, to replace a config file tuned with other script arguments."""
     try:
         existing = Policy.from_toml(path.read_text(encoding="utf-8"), source=str(path))
     except (OSError, UnicodeDecodeError, MpadviseError):
@@ -321,8 +304,7 @@ def _command(script: Path, args: Sequence[str]) -> str:
 
 
 def check_judgeable_window(options: TuneOptions) -> None:
-    """Refuse, before any trial, a window (``--steps`` plus ``--warmup``) shorter than a verdict's
-    ``min_steps``: every candidate, fp32 too, would end ``too-short``."""
+    """Refuse, before any trial, a window shorter than a verdict's ``min_steps``."""
     need = StabilityThresholds().min_steps
     if options.steps + options.warmup < need:
         raise UsageError(
@@ -334,13 +316,10 @@ def check_judgeable_window(options: TuneOptions) -> None:
 
 def _checked(request: TuneRequest, path: Path, profile: HardwareProfile, storage: str | None
              ) -> tuple[TuneOptions, str, str]:
-    """The options as the tune takes them (modes checked on this hardware, the framework and the
-    storage set), once checked as before any trial; the hardware fingerprint and the study name."""
     options = request.options
     options = options.with_(framework=request.launch.framework, storage=storage,
                             modes=check_modes(list(options.modes), profile) if options.modes else [])
-    # The config file is written at the end: a path it cannot take is refused before any trial,
-    # as is a window too short for any verdict (every candidate, fp32 too, would be too-short).
+    # Refused before any trial: a config path the end cannot write, a window too short to judge.
     check_config_target(_config_out(options, path))
     check_judgeable_window(options)
     fingerprint = hardware_fingerprint(profile)
@@ -378,24 +357,17 @@ def default_storage() -> str | None:
 
 
 def study_name_for(script: Path, args: list[str], fingerprint: str, *, processes: int = 1) -> str:
-    return study_name_from(script.name, script_digest(script), args, fingerprint, processes=processes)
-
-
-def study_name_from(script_name: str, content_digest: str | None, args: list[str], fingerprint: str, *,
-                    processes: int = 1) -> str:
-    """The study's name: the script's stem, the hardware fingerprint, and a digest of the file
-    name, content, arguments and (above one) processes per trial, so that measurements that would
-    not compare never share a study."""
-    facts: list[object] = [script_name, content_digest, args, fingerprint]
+    """The script's stem, the hardware fingerprint, and a digest of everything else measurements
+    that compare share (file name, content, arguments, processes per trial above one)."""
+    facts: list[object] = [script.name, script_digest(script), args, fingerprint]
     if processes > 1:  # one process keeps the name it always had
         facts.append({"nproc_per_node": processes})
     digest = hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:12]
-    return f"{Path(script_name).stem}-{fingerprint}-{digest}"
+    return f"{script.stem}-{fingerprint}-{digest}"
 
 
 def calls_load_policy(script: Path) -> bool:
-    """Whether the script's source calls advisor's ``load_policy`` (under any name it is imported
-    as), so that the report does not ask for a line it already has."""
+    """Whether the script calls advisor's ``load_policy`` (under any name it is imported as)."""
     try:
         tree = ast.parse(script.read_bytes())
     except (OSError, SyntaxError, ValueError):
@@ -416,8 +388,7 @@ def calls_load_policy(script: Path) -> bool:
 
 def remember(result: TuneResult, profile: HardwareProfile, script: str | os.PathLike[str],
              args: Sequence[str] | None) -> int | None:
-    """Record a tune's winner in the cache, with its trials; returns the entry's id, ``None``
-    without a winner, a workload fingerprint, or a usable cache."""
+    """Record a tune's winner in the cache, with its trials; returns the entry's id or ``None``."""
     tuned_on = None if result.policy is None else result.policy.tuned_on
     if result.policy is None or tuned_on is None or not tuned_on.workload_fingerprint:
         return None
@@ -459,9 +430,8 @@ _SPLITTABLE_BATCH = 64
 
 
 def tune_plan(request: TuneRequest, profile: HardwareProfile) -> dict[str, Any]:
-    """The search space and the plan of a tune (JSON-ready), checked as the tune would check them:
-    MpadviseError for what a real tune would refuse before its first trial (a stored study it would
-    not delete unasked is reported in ``plan.study_action``, not raised)."""
+    """The search space and the plan of a tune (JSON-ready), checked as the tune would check them
+    (a stored study it would not delete unasked is reported in ``plan.study_action``)."""
     path = check_script(request.script)
     launch = request.launch
     storage = request.options.storage if request.options.storage is not None else default_storage_url()
@@ -475,15 +445,19 @@ def tune_plan(request: TuneRequest, profile: HardwareProfile) -> dict[str, Any]:
     limits = launch.limits
     space = space_for(support, _SPLITTABLE_BATCH, include_emulated=options.include_emulated,
                       scale_batch=options.scale_batch, modes=options.modes or None, limits=limits)
-    answered = None
-    if held is not None and not (options.fresh or options.resume):  # the answer the tune would print again
-        answered = stored_answer(storage, study_name, answer_key(options, profile))
+    # The answer the tune would print again.
+    answered = None if held is None or options.fresh or options.resume else stored_answer(
+        storage, study_name, answer_key(options, profile))
+    scaled = [mode for mode in space.modes if scales_loss(mode)]
+    kinds, inits, growths = loss_scale_choices(limits or SpaceLimits()) if scaled else ([], [], [])
     return {
         "dry_run": True, "script": str(path), "args": list(request.args),
         "hardware": {"name": profile.name, "fingerprint": fingerprint},
         "space": {
             "modes": list(space.modes), "excluded": _excluded(support, space.modes, options, launch),
-            "micro_batch": _micro_batch(options, launch), "loss_scale": _loss_scale(space.modes, limits),
+            "micro_batch": _micro_batch(options, launch),
+            "loss_scale": {"modes": scaled, "kinds": kinds, "init_scales": inits,
+                           "growth_intervals": growths},
             "candidates": len(space.grid()),
         },
         "plan": {
@@ -527,12 +501,6 @@ def _micro_batch(options: TuneOptions, launch: Any) -> str:
     if options.scale_batch:
         words += ", its double and quadruple (--scale-batch changes the global batch)"
     return f"{words}: for a batch of {_SPLITTABLE_BATCH}, {', '.join(map(str, sizes))}"
-
-
-def _loss_scale(modes: tuple[str, ...], limits: SpaceLimits | None) -> dict[str, Any]:
-    scaled = [mode for mode in modes if scales_loss(mode)]
-    kinds, inits, growths = loss_scale_choices(limits or SpaceLimits()) if scaled else ([], [], [])
-    return {"modes": scaled, "kinds": kinds, "init_scales": inits, "growth_intervals": growths}
 
 
 def _study_action(storage: str, held: KeptStudy | None, options: TuneOptions, answered: StoredAnswer | None) -> str:

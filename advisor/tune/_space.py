@@ -26,9 +26,8 @@ SLOW_DTYPE_RATIO = 0.5
 # How far a candidate of an unmeasured mode may beat what its matmul ratio alone predicts
 # (memory-bound work halves its bytes in 16-bit dtypes; kernels differ).
 PRIOR_SLACK = 1.25
-# The instabilities a micro-batch split of the same settings cannot cure: the same update to the
-# same low-precision weights is lost to rounding alike (stalled), and smaller per-micro-batch
-# gradients only underflow more. A split can cure fp16 overflow (fewer samples per backward).
+# The instabilities a micro-batch split of the same settings cannot cure: the same update is lost to
+# rounding alike (stalled), and smaller per-micro-batch gradients only underflow more.
 SPLIT_KEEPS: frozenset[str] = frozenset({"stalled", "underflow"})
 # The Optuna values of the FSDP2 gradient reduction dimension, one list for every mode (a
 # categorical parameter keeps its choices for the whole study).
@@ -37,8 +36,7 @@ REDUCE_CHOICES: tuple[str, ...] = ("fp32", "16-bit")
 
 @dataclass(frozen=True, order=True)
 class Candidate:
-    """One point of the search space: a precision mode and its settings (``micro_batch`` ``None``
-    keeps the script's batch; ``reduce_dtype`` is FSDP2's gradient reduction, ``None`` without it)."""
+    """A precision mode and its settings (``reduce_dtype``: FSDP2's gradient reduction)."""
 
     mode: str
     micro_batch: int | None = None
@@ -89,8 +87,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class SpaceLimits:
-    """What the script's way of training can apply, which bounds the search space: everything
-    for the loop API, what its framework expresses for a framework script (``why`` names it)."""
+    """What the script's way of training can apply (all for the loop API; what its framework
+    expresses for a framework script, ``why`` naming it), which bounds the search space."""
 
     modes: tuple[str, ...] | None = None
     micro_batch: bool = True
@@ -112,8 +110,8 @@ class SpaceLimits:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Which candidates a tune may try on this hardware for this script. ``fsdp``: the script shards
-    with FSDP2, so the gradient reduction dtype is a dimension of the 16-bit modes."""
+    """The candidates a tune may try. ``fsdp``: the script shards with FSDP2, so the gradient
+    reduction dtype is a dimension of the 16-bit modes."""
 
     modes: tuple[str, ...]
     micro_batches: tuple[int, ...]
@@ -122,22 +120,20 @@ class SearchSpace:
     limits: SpaceLimits = SpaceLimits()
     fsdp: bool = False
 
-    def reduce_options(self, mode: str) -> list[str]:
-        """The Optuna values of the reduction dtype for ``mode``; empty where it is no dimension."""
+    def reduce_options(self, mode: str) -> list[str]:  # empty where it is no dimension
         return list(REDUCE_CHOICES) if self.fsdp and len(reduce_dtype_choices(mode)) > 1 else []
 
     def reduce_dtype(self, mode: str, value: str) -> str:
         return "fp32" if value == REDUCE_CHOICES[0] else reduce_dtype_choices(mode)[-1]
 
     def normalise(self, candidate: Candidate) -> Candidate:
-        """Drop settings that do not apply, so equal policies compare equal (under FSDP2 the reduction
-        dtype is always named)."""
+        """Drop settings that do not apply, so that equal policies compare equal."""
         micro = candidate.micro_batch
         if micro == self.user_batch:
             micro = None  # the script's own batch
-        reduce = None
-        if self.reduce_options(candidate.mode):
-            reduce = candidate.reduce_dtype or default_reduce_dtype(candidate.mode)
+        # Under FSDP2 the reduction dtype is always named.
+        reduce = (candidate.reduce_dtype or default_reduce_dtype(candidate.mode)
+                  if self.reduce_options(candidate.mode) else None)
         if not scales_loss(candidate.mode):
             return Candidate(candidate.mode, micro, reduce_dtype=reduce)
         kind = candidate.loss_scale or "dynamic"
@@ -169,14 +165,10 @@ def scales_loss(mode: str) -> bool:
 
 
 def micro_batch_choices(user_batch: int | None, *, scale_batch: bool = False) -> tuple[int, ...]:
-    """The user's batch, its halves and quarters (accumulated back), and with ``scale_batch``
-    its double and quadruple."""
+    """The user's batch, its halves and quarters, and with ``scale_batch`` double and quadruple."""
     if not user_batch:
         return ()
-    choices = [user_batch]
-    for div in (2, 4):
-        if user_batch % div == 0 and user_batch // div >= 1:
-            choices.append(user_batch // div)
+    choices = [user_batch, *(user_batch // div for div in (2, 4) if user_batch % div == 0)]
     if scale_batch:
         choices += [user_batch * 2, user_batch * 4]
     return tuple(dict.fromkeys(choices))
@@ -187,8 +179,8 @@ def space_for(
     scale_batch: bool = False, modes: Iterable[str] | None = None, limits: SpaceLimits | None = None,
     fsdp: bool = False,
 ) -> SearchSpace:
-    """The space on this hardware: supported modes only (``support`` is
-    ``policies.supported_modes(profile)``); FP8 emulated on a CPU only with ``include_emulated``."""
+    """The space on this hardware: the modes ``support`` (``policies.supported_modes``) supports;
+    FP8 emulated on a CPU only with ``include_emulated``."""
     limits = limits or SpaceLimits()
     dtypes = mode_dtypes()
     chosen = [
@@ -225,20 +217,17 @@ def upper_bound(
     candidate: Candidate, measured: Mapping[Candidate, Measured], *, user_batch: int | None, reference_goodput: float,
     dtype_ratio: Mapping[str, float],
 ) -> float:
-    """The most goodput this untried candidate could plausibly reach (0 when it cannot run). In
-    order: a micro-batch split of settings unstable in a way no split cures stays unstable; a
-    micro-batch at or above one that ran out of memory cannot fit; a variant of a mode measured
-    stable at a micro-batch at least as large is no faster than that run; otherwise the dtype's
-    matmul ratio to fp32 bounds it, and a dtype under half fp32's rate cannot beat fp32."""
+    """The most goodput this untried candidate could plausibly reach (0 when it cannot run): a
+    split of settings unstable in a way no split cures stays unstable; a micro-batch at or above
+    one that ran out of memory cannot fit; a variant is no faster than a stable run of its mode at
+    a batch at least as large; else the dtype's matmul ratio to fp32 bounds it."""
     size = candidate.micro_batch or user_batch or 0
     same_mode = [m for m in measured.values() if m.candidate.mode == candidate.mode]
     for m in same_mode:
         # Another loss scale might cure any instability, and is still explored.
         if (m.feasible and not m.stable and m.verdict_kind in SPLIT_KEEPS
-                and dataclasses.replace(m.candidate, micro_batch=None) == dataclasses.replace(candidate, micro_batch=None)):
-            return 0.0
-    for m in same_mode:
-        if m.oom and size >= (m.candidate.micro_batch or user_batch or 0):
+                and dataclasses.replace(m.candidate, micro_batch=None) == dataclasses.replace(candidate, micro_batch=None)
+                or m.oom and size >= (m.candidate.micro_batch or user_batch or 0)):
             return 0.0
     # Only stable runs bound a variant: an unstable run's goodput is lowered by the steps it
     # skipped, which another loss scale may not skip, so it says nothing of the variant's speed.

@@ -1,7 +1,6 @@
-"""Loss curves: what a trial records (``TrialCurve``), the limits a verdict applies and the verdict
-itself, loss levels, and the limits that the fp32 reference's own run-to-run spread sets on a gap:
-a replicate (fp32 with its initial parameters perturbed by about one bf16 rounding) drifts as far
-as this workload amplifies a perturbation of precision's size; a candidate's gap is judged against
+"""Loss curves (``TrialCurve``), the thresholds and the verdict, loss levels, and the limits fp32's
+own spread sets on a gap: a replicate (fp32 perturbed by about one bf16 rounding) drifts as far as
+this workload amplifies a perturbation of precision's size, and a candidate's gap is judged against
 a multiple of that, never less than the fixed thresholds (docs/stability.md)."""
 
 from __future__ import annotations
@@ -18,10 +17,9 @@ VERDICT_KINDS: tuple[str, ...] = ("ok", "diverged", "stalled", "skips", "scale_c
 
 @dataclass(frozen=True)
 class TrialCurve:
-    """What one trial recorded per optimizer step, for one precision mode (``skipped``,
-    ``loss_scale`` and ``underflow`` empty when not recorded). ``underflow`` is the fraction of
-    sampled gradient values an fp16 backward flushes to zero (scaled magnitude below 2**-24);
-    ``optimizer_eps`` matters to the advice after a failure (pure fp16 rounds 1e-8 to 0)."""
+    """What one trial recorded per optimizer step (``skipped``, ``loss_scale`` and ``underflow``
+    empty when not recorded). ``underflow``: the fraction of sampled gradient values an fp16
+    backward flushes to zero; ``optimizer_eps`` shapes the advice (pure fp16 rounds 1e-8 to 0)."""
 
     mode: str
     losses: tuple[float, ...]
@@ -37,9 +35,9 @@ class TrialCurve:
         # Accept any sequence (lists from JSON), store tuples so the curve stays hashable.
         losses = tuple(_as_float("losses", i, v) for i, v in enumerate(self.losses))
         skipped = tuple(self.skipped)
-        for i, s in enumerate(skipped):
-            if not isinstance(s, bool):
-                raise ValueError(f"TrialCurve.skipped[{i}] must be a bool, got {s!r}")
+        bad = next((i for i, s in enumerate(skipped) if not isinstance(s, bool)), None)
+        if bad is not None:
+            raise ValueError(f"TrialCurve.skipped[{bad}] must be a bool, got {skipped[bad]!r}")
         scales = _optional_floats("loss_scale", self.loss_scale, ">= 0", lambda v: v >= 0.0)
         underflow = _optional_floats("underflow", self.underflow, "a fraction in [0, 1]",
                                      lambda v: 0.0 <= v <= 1.0)
@@ -63,13 +61,11 @@ class TrialCurve:
 
 @dataclass(frozen=True)
 class StabilityThresholds:
-    """The limits ``judge`` applies; each default is justified in docs/stability.md.
-    ``calibration_steps``: skips in the first steps are ignored (GradScaler starts at 2**16 and
-    halves on every overflow). ``max_final_gap`` is relative to fp32's final loss.
-    ``min_reference_drop``: when fp32 falls by less, progress is not judged, only the final gap.
-    ``spread_multiplier``: how many times a replicate's drift the progress shortfall and final
-    gap may reach (the fixed limits stay floors; 0 ignores the replicate), the final-gap limit
-    widening to at most ``max_spread_final_gap``."""
+    """The limits ``judge`` applies, each default justified in docs/stability.md.
+    ``calibration_steps``: skips in the first steps are ignored (GradScaler starts at 2**16).
+    ``min_reference_drop``: when fp32 falls by less, only the final gap is judged.
+    ``spread_multiplier``: how many times a replicate's drift the progress shortfall and final gap
+    may reach (the fixed limits stay floors; 0 ignores it), up to ``max_spread_final_gap``."""
 
     min_steps: int = 32
     calibration_steps: int = 16
@@ -105,14 +101,13 @@ class StabilityThresholds:
                              "the steps), got 0.0")
 
     def smoothing_window(self, steps: int) -> int:
-        """The smoothing window, in steps, for ``steps`` compared steps."""
         return min(max(self.min_smoothing_steps, round(steps * self.smoothing_fraction)), max(1, steps // 2))
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """The judgement of one candidate curve against the fp32 reference: ``kind`` is one of
-    ``VERDICT_KINDS``, ``reason`` is for the user, ``metrics`` the numbers behind it."""
+    """One candidate curve judged against fp32's: ``kind`` is one of ``VERDICT_KINDS``,
+    ``reason`` is for the user, ``metrics`` the numbers behind it."""
 
     stable: bool
     kind: str
@@ -175,8 +170,8 @@ SEEN_FALL = 2.0**-24
 
 
 def still_falling(losses: Sequence[float], window: int) -> float | None:
-    """The factor by which a positive loss fell over the last quarter of the steps (window
-    medians), when at least ``GEOMETRIC_FALL`` and still above ``SEEN_FALL`` of its start; else ``None``."""
+    """The factor by which a positive loss fell over the last quarter of the steps, when at least
+    ``GEOMETRIC_FALL`` and still above ``SEEN_FALL`` of its start."""
     finite = [v for v in losses if math.isfinite(v)]
     quarter = len(finite) // 4
     if quarter < 1 or len(finite) < 2 * window:
@@ -223,8 +218,7 @@ class Spread:
 
 def measure_spread(reference: Sequence[float], replicate: Sequence[float],
                    window: int) -> Spread | None:
-    """The spread between fp32 and its replicate over the compared steps; ``None`` when the
-    replicate is shorter or not finite (the fixed thresholds then apply alone)."""
+    """The spread between fp32 and its replicate, or ``None`` (the fixed limits apply alone)."""
     replicate = replicate[: len(reference)]
     if len(replicate) < len(reference) or not all(math.isfinite(v) for v in replicate):
         return None
@@ -237,8 +231,7 @@ def measure_spread(reference: Sequence[float], replicate: Sequence[float],
 
 @dataclass(frozen=True)
 class Limits:
-    """The progress and final-gap limits of one comparison: fixed floors, widened to the
-    spread, the final gap never past ``final_gap_cap``."""
+    """The progress and final-gap limits of one comparison: fixed floors, widened to the spread."""
 
     min_progress_ratio: float
     max_final_gap: float
@@ -248,9 +241,7 @@ class Limits:
     final_gap_cap: float = 1.0
 
     @property
-    def fell_within_spread(self) -> bool:
-        """fp32's loss fell no further than a gap may reach: whether a candidate kept pace
-        cannot be told."""
+    def fell_within_spread(self) -> bool:  # fp32 fell no further than a gap may reach
         spread = self.spread
         return spread is not None and 0 < self.reference_drop <= self.multiplier * spread.fall_gap
 
@@ -274,7 +265,6 @@ class Limits:
                 and self.multiplier * self.spread.final_spread(self.reference_drop) > self.final_gap_cap)
 
     def metrics(self) -> dict[str, float]:
-        """The spread and the limits it set, for a verdict's metrics; empty without one."""
         if self.spread is None:
             return {}
         out = {"replicate_end": self.spread.replicate_end,
@@ -304,14 +294,6 @@ class Limits:
             return (f"{text}, the most allowed: fp32 perturbed by one rounding ended {pct(measured)} apart, "
                     "so this workload's final loss is very sensitive")
         return f"{text}, set by fp32 perturbed by one rounding ending {pct(measured)} apart ({times})"
-
-    def flat_note(self, reference_curve: str) -> str:
-        """The clause saying fp32's fall is within its spread, so progress was not judged."""
-        if self.spread is None or not self.fell_within_spread:
-            return ""
-        return (f"{reference_curve} is a fall within {self.multiplier:g}x the "
-                f"{self.spread.fall_gap:.4g} by which fp32 perturbed by one rounding fell "
-                "differently, so progress cannot be compared and only the final loss is judged; ")
 
 
 def pct(fraction: float) -> str:

@@ -1,6 +1,5 @@
-"""Stability verdicts: is a candidate's loss curve as good as the fp32 reference's? The data
-types are in ``_spread``, the checks in ``_verdict_rules``; the defaults and their evidence in
-docs/stability.md."""
+"""Stability verdicts: is a candidate's loss curve as good as fp32's? The data types are in
+``_spread``, the checks in ``_verdict_rules``, the defaults' evidence in docs/stability.md."""
 
 from __future__ import annotations
 
@@ -8,11 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from advisor.tune import _spread
-from advisor.tune._spread import VERDICT_KINDS as VERDICT_KINDS
-from advisor.tune._spread import StabilityThresholds as StabilityThresholds
-from advisor.tune._spread import TrialCurve as TrialCurve
-from advisor.tune._spread import Verdict as Verdict
-from advisor.tune._spread import smooth as smooth  # re-exported: part of this module's surface
+from advisor.tune._spread import VERDICT_KINDS, StabilityThresholds, TrialCurve, Verdict, smooth
 from advisor.tune._verdict_rules import (
     STABILITY_CHECKS,
     TINY,
@@ -20,24 +15,17 @@ from advisor.tune._verdict_rules import (
     first_nonfinite,
     stable_verdict,
 )
-from policies import safety_order
-from policies import safety_rank as safety_rank  # re-exported: the search ranks ties with it
+from policies import safety_rank
 
-
-def __getattr__(name: str) -> tuple[str, ...]:
-    # SAFETY_ORDER (the modes from safest to least safe) is derived from the registered mode
-    # classes on every lookup, so a mode registered later is ranked too.
-    if name == "SAFETY_ORDER":
-        return safety_order()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["VERDICT_KINDS", "Basis", "StabilityThresholds", "TrialCurve", "Verdict", "basis",
+           "judge", "safety_rank", "smooth"]
 
 
 def judge(candidate: TrialCurve, reference: TrialCurve,
           thresholds: StabilityThresholds | None = None, *,
           replicate: TrialCurve | None = None) -> Verdict:
-    """Whether a candidate's curve is as stable as the fp32 reference's over their common length:
-    the first of ``STABILITY_CHECKS`` that fails gives the verdict. Non-finite losses on steps the
-    GradScaler skipped count as skips, not divergence. A ``replicate`` (fp32 with its initial
+    """Whether a candidate's curve is as stable as fp32's over their common length: the first of
+    ``STABILITY_CHECKS`` that fails gives the verdict. A ``replicate`` (fp32 with its initial
     parameters perturbed by one rounding) widens the progress and final-gap limits to
     ``spread_multiplier`` times its drift, never below the fixed ones."""
     thresholds = thresholds or StabilityThresholds()
@@ -51,8 +39,7 @@ def judge(candidate: TrialCurve, reference: TrialCurve,
 
 @dataclass(frozen=True)
 class Basis:
-    """What ``judge`` measures on the way to a verdict, for ``mpadvise trial --plot``: the
-    verdict's own levels (medians over ``window`` steps) and limits."""
+    """The levels (medians over ``window`` steps) and limits ``judge`` uses, for ``--plot``."""
 
     steps: int
     window: int
@@ -70,13 +57,11 @@ class Basis:
         return smooth(losses[: self.steps], self.window)
 
     @property
-    def progress_level(self) -> float:
-        """The smoothed end level the candidate had to reach to keep pace."""
+    def progress_level(self) -> float:  # the smoothed end level that keeps pace
         return self.candidate_start - self.progress_limit * (self.reference_start - self.reference_end)
 
     @property
-    def final_level(self) -> float:
-        """The highest smoothed final level within the final-gap limit (``final_gap`` is linear)."""
+    def final_level(self) -> float:  # the highest within the final-gap limit (final_gap is linear)
         r_end, r_drop = self.reference_end, self.reference_start - self.reference_end
         per_unit = _spread.final_gap(r_end + 1.0, r_end, r_drop)
         return r_end + self.final_gap_limit / per_unit

@@ -1,23 +1,22 @@
 """Timing noise, behind one seam: the ``Timing`` strategy a tune measures through.
 
-A neighbour's burst slows some of a trial's steps, and its goodput is then wrong by as much (one
-disturbed fp32 reference once made every candidate look 17x faster). Such a trial shows in its
-step times' spread (90th percentile over 10th); on a GPU, another process computing on it (NVML)
-disturbs it alike; a ``lost`` trial says nothing of its candidate. ``SteadyRunner`` runs each
-again, a bounded number of times."""
+A neighbour's burst slows some of a trial's steps, and its goodput is wrong by as much (one
+disturbed fp32 reference once made every candidate look 17x faster). It shows in the step times'
+spread (90th percentile over 10th), or on a GPU as another process computing on it (NVML).
+``SteadyRunner`` runs such a trial, or a ``lost`` one, again a bounded number of times."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import probes
 from advisor.trial import TrialResult
 from advisor.tune._judge import warmup_of
-from advisor.tune._timing import DEFAULT_MIN_MARGIN, Gap, paired_gap, step_spread
+from advisor.tune._timing import step_spread
 from policies import Policy
 from probes import HardwareProfile
 
@@ -56,8 +55,7 @@ a 5% gap there; a closer one is a tie, won by the safer mode."""
 
 
 def judge_spread(spread: float | None, usual: float | None) -> tuple[bool, float | None]:
-    """Whether a trial whose steps spread by ``spread`` was disturbed, and the limit it was held
-    to (``FIRST_SPREAD_LIMIT`` while there is no ``usual`` spread yet)."""
+    """Whether a trial whose steps spread by ``spread`` was disturbed, and the limit it met."""
     if spread is None:
         return False, None
     limit = FIRST_SPREAD_LIMIT if usual is None else max(SPREAD_FLOOR, SPREAD_FACTOR * usual)
@@ -114,7 +112,6 @@ class DisturbanceWatch:
         return probes.gpu_busy(self.profile.index or 0, uuid=self.profile.uuid)
 
     def check(self, result: TrialResult, label: str, attempt: int, others: list[int]) -> Disturbance | None:
-        """The disturbance a finished trial shows, or ``None`` when it is steady."""
         rerun = attempt <= MAX_RERUNS
         if result.outcome == "lost":
             return Disturbance(label, "lost", result.reason or "lost before the candidate was applied", attempt, rerun)
@@ -134,8 +131,7 @@ class DisturbanceWatch:
                            f"(limit {limit:.2f}x, {usual})", attempt, rerun, round(spread, 4), round(limit, 4))
 
     def keep(self, runs: list[tuple[TrialResult, Disturbance]]) -> TrialResult:
-        """The run to keep once every rerun was disturbed too: the least spread one (whose spread
-        joins the usual), else the last."""
+        """The run to keep once every rerun was disturbed too: the least spread, else the last."""
         read = [(event.spread, result) for result, event in runs if event.spread is not None]
         if not read:
             return runs[-1][0]
@@ -145,8 +141,8 @@ class DisturbanceWatch:
 
 
 class SteadyRunner:
-    """A runner that runs a trial again when the machine disturbed or lost it. Every other
-    attribute is the wrapped runner's (derived runners share the watch)."""
+    """A runner that runs a trial again when the machine disturbed or lost it; otherwise it is the
+    wrapped runner (derived runners share the watch)."""
 
     _DERIVING = ("perturbed", "with_measure_steps", "with_flop_count")
 
@@ -188,21 +184,13 @@ class SteadyRunner:
 
 @dataclass
 class CpuTiming:
-    """How a tune measures a trial's window, compares paired runs, and bounds re-measurement: close
-    finalists paired for up to ``max_rounds`` rounds (``leaning_rounds`` while a gap leans towards
-    the riskier finalist)."""
+    """How a tune watches its trials for disturbances and bounds re-measurement: close finalists
+    paired for up to ``max_rounds`` rounds (``leaning_rounds`` while a gap leans towards the
+    riskier finalist)."""
 
     watch: DisturbanceWatch = field(default_factory=DisturbanceWatch)
     max_rounds: int = REMEASURE_MAX_ROUNDS
     leaning_rounds: int = REMEASURE_LEANING_ROUNDS
-    min_margin: float = DEFAULT_MIN_MARGIN
-
-    def measure(self, runner: Callable[[Policy, str], TrialResult], policy: Policy,
-                label: str) -> TrialResult:
-        return SteadyRunner(runner, self.watch)(policy, label)
-
-    def compare(self, a: Sequence[float], b: Sequence[float]) -> Gap:
-        return paired_gap(a, b, min_margin=self.min_margin)
 
     def remeasure(self, rounds: int, *, leaning: bool) -> bool:
         return rounds < (self.leaning_rounds if leaning else self.max_rounds)

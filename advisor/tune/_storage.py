@@ -1,9 +1,6 @@
-"""The Optuna study storage: where its URL comes from, how it is shown, opening it, and riding
-out its outages (a worker's calls on it, retried with backoff).
-
-Optuna (and SQLAlchemy) is imported only by the storage modules: this one, ``_study`` and
-``_study_status``. A URL's password never reaches a message: ``shown_url``.
-"""
+"""The Optuna study storage: its URL (never shown with its password: ``shown_url``), opening
+it, and riding out its outages. Optuna and SQLAlchemy are imported only here, in ``_study`` and
+in ``_study_status``."""
 
 from __future__ import annotations
 
@@ -44,9 +41,8 @@ STORAGE_RETRY_S = 120
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """How a worker shows that its trial is alive: heartbeats every ``interval_s``; after
-    ``grace_s`` without one any worker fails the trial as stale, and a copy is queued up to
-    ``max_retry`` times before its candidate is given up as a crash."""
+    """Heartbeats every ``interval_s``; after ``grace_s`` without one any worker fails the trial as
+    stale, and a copy is queued up to ``max_retry`` times before its candidate counts as a crash."""
 
     interval_s: int = 30
     grace_s: int = 120
@@ -54,7 +50,6 @@ class Heartbeat:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Heartbeat:
-        """The settings from the environment; the grace defaults to four intervals."""
         interval = whole_env(environ, HEARTBEAT_ENV, cls.interval_s, minimum=1, unit="seconds")
         grace = whole_env(environ, GRACE_ENV, 4 * interval, minimum=1, unit="seconds")
         if grace <= interval:
@@ -90,9 +85,8 @@ def shared_storage(url: str | None) -> bool:
 
 
 def shown_url(url: str | None) -> str | None:
-    """``url`` with its password masked and any ``password`` query parameter dropped. A password
-    may hold ``/`` or an unescaped ``@``: everything between the user's ``:`` and the last ``@``
-    before the host is the password."""
+    """``url`` with its password masked and any ``password`` query parameter dropped (a password
+    may hold ``/`` or an unescaped ``@``: it runs from the user's ``:`` to the last ``@``)."""
     if url is None:
         return None
     scheme, sep, rest = url.partition("://")
@@ -116,9 +110,8 @@ def shown_url(url: str | None) -> str | None:
 
 def resolve_storage(given: str | None, environ: Mapping[str, str]) -> str | None:
     """The storage URL a tune uses: ``--storage``; else ``MPADVISE_STORAGE``; else the first line
-    of the file ``MPADVISE_STORAGE_FILE`` names (this user's, private, as an SSH key must be); else
-    ``None`` (the default storage). UsageError for both variables set, or a file that cannot be
-    read, is not private or is empty."""
+    of the file ``MPADVISE_STORAGE_FILE`` names (this user's and private, as an SSH key must be);
+    else ``None`` (the default storage)."""
     if given is not None:
         return given
     url = environ.get(STORAGE_ENV, "").strip()
@@ -165,8 +158,8 @@ def storage_error(url: str, exc: BaseException) -> str:
 
 
 def storage_failure(url: str, exc: BaseException) -> MpadviseError:
-    """A usage error (exit 2) where SQLAlchemy cannot read the URL itself; otherwise (an
-    unreachable server, a refused login, a missing driver) an error of this run (exit 1)."""
+    """A usage error (exit 2) where SQLAlchemy cannot read the URL itself; else an error of this
+    run (exit 1): an unreachable server, a refused login, a missing driver."""
     import sqlalchemy.engine
 
     error = MpadviseError
@@ -224,10 +217,10 @@ def unreachable(exc: BaseException) -> bool:
     if any(isinstance(inner, gone) or (isinstance(inner, sqlalchemy.exc.DBAPIError) and inner.connection_invalidated)
            for inner in error_chain(exc)):
         return True
-    if not isinstance(exc, optuna.exceptions.StorageInternalError):
-        return False
     # An Optuna storage error whose cause is lost with its message: the server's words say.
-    return any(word in str(exc).lower() for word in ("connection", "server closed", "terminating", "could not connect"))
+    said = str(exc).lower()
+    words = ("connection", "server closed", "terminating", "could not connect")
+    return isinstance(exc, optuna.exceptions.StorageInternalError) and any(w in said for w in words)
 
 
 _OPENED: dict[str, tuple[Any, Heartbeat]] = {}
@@ -235,8 +228,7 @@ _OPENED_LOCK = threading.Lock()
 
 
 def open_storage(url: str) -> tuple[Any, Heartbeat]:
-    """The Optuna RDB storage for ``url`` and its heartbeat settings, opened once per process and URL
-    (UsageError for a URL that is not one; MpadviseError in one line for any other failure)."""
+    """The Optuna RDB storage for ``url`` and its heartbeat settings, opened once per process."""
     import optuna
     import sqlalchemy.exc
 
@@ -264,9 +256,8 @@ def open_storage(url: str) -> tuple[Any, Heartbeat]:
                     )
                 break
             except Exception as exc:
-                # Workers that open a fresh database at the same moment race to create its tables and
-                # to stamp its schema version (or meet SQLite's lock); the loser finds them made when
-                # it looks again.
+                # Workers opening a fresh database at once race to create its tables and stamp its
+                # schema version (or meet SQLite's lock); the loser finds them made when it retries.
                 raced = any(isinstance(inner, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError))
                             or (isinstance(inner, sqlalchemy.exc.OperationalError)
                                 and any(words in str(inner) for words in ("already exists", "database is locked")))
@@ -298,23 +289,22 @@ def quiet() -> Iterator[None]:
 
 def storage_exists(storage: str) -> bool:
     """Whether the storage may hold studies already (reading an SQLite file must not make it)."""
-    return not storage.startswith("sqlite") or sqlite_file(storage) is not None
+    path = sqlite_path(storage)
+    return not storage.startswith("sqlite") or (path != ":memory:" and os.path.isfile(path))
 
 
-def sqlite_file(storage: str) -> str | None:
-    path = storage.partition(":///")[2].partition("?")[0]
-    return path if path and path != ":memory:" and os.path.isfile(path) else None
+def sqlite_path(storage: str) -> str:
+    return storage.partition(":///")[2].partition("?")[0]
 
 
 def storage_retry_s(environ: Mapping[str, str]) -> int:
-    """Seconds a running search retries an unreachable storage (0 for none)."""
     return whole_env(environ, STORAGE_RETRY_ENV, STORAGE_RETRY_S, minimum=0, unit="seconds")
 
 
 @dataclass
 class Worker:
-    """This process as one worker of the study (``host:pid``), and the retries of its calls on the
-    storage. ``untold``: results measured but not in the study yet (an outage), by trial number."""
+    """This process as one worker of the study (``host:pid``), retrying its calls on the storage.
+    ``untold``: results measured but not in the study yet (an outage), by trial number."""
 
     name: str
     backend: Any
@@ -332,8 +322,8 @@ class Worker:
                    storage_retry_s(os.environ))
 
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
-        """``fn()``, retried with backoff while the study storage is unreachable, for up to ``retry_s``
-        seconds (then StorageLost); ``what`` says the call in words."""
+        """``fn()``, retried with backoff for up to ``retry_s`` seconds while the storage is
+        unreachable (then StorageLost); ``what`` says the call in words."""
         deadline, delay = None, 0.5
         while True:
             try:
@@ -365,8 +355,8 @@ class StorageLost(Exception):
 
 
 def lost_message(storage: str | None, why: str, worker: Worker, runs: int | None, *, retried: int | None) -> str:
-    """The one line a tune ends with when its storage is lost: the server, why, and what was kept
-    (``runs``: the trials the search ran; ``None`` before the search began)."""
+    """The line a tune ends with when its storage is lost, saying what was kept (``runs``: ``None``
+    before the search began)."""
     after = f" (retried for {retried} s, {STORAGE_RETRY_ENV})" if retried is not None else ""
     if runs is None:
         kept = "nothing of this tune is in the study yet"
@@ -386,8 +376,7 @@ def _result_words(m: Measured) -> str:
 
 @contextlib.contextmanager
 def riding_out(storage: str) -> Iterator[Worker]:
-    """A worker for the study reads a tune makes outside its search, which ride out an outage as
-    the search's calls do (MpadviseError once the retries are spent)."""
+    """A worker for a tune's study reads outside its search (MpadviseError once its retries end)."""
     worker = Worker.of(storage, opened=False)
     try:
         yield worker

@@ -1,7 +1,6 @@
-"""A study in the Optuna storage: opening it, its records, and its trials asked and told.
-
-Workers sharing a study claim a trial's candidate before running it; a trial whose worker goes
-silent (no heartbeat) is failed after a grace period and queued again for a live worker.
+"""A study in the Optuna storage: opening it, its records, and its trials asked and told. Workers
+sharing a study claim a trial's candidate before running it; a trial whose worker goes silent (no
+heartbeat) is failed after a grace period and queued again for a live worker.
 """
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ TRIAL_ATTR_CLOSED = "mpadvise:closed"  # why a trial ended without a result (FAI
 
 
 def open_study(storage: str | None, study_name: str, *, resume: bool, seed: int, worker: str) -> tuple[Any, bool]:
-    """The study, and whether this call made it. A shared study is joined as it stands; elsewhere
-    a tune without ``resume`` starts afresh. The storage's own errors pass through to be retried."""
+    """The study, and whether this call made it: a shared one is joined as it stands; elsewhere a
+    tune without ``resume`` starts afresh. The storage's errors pass through, to be retried."""
     import optuna
 
     shared = shared_storage(storage)
@@ -64,8 +63,7 @@ def open_study(storage: str | None, study_name: str, *, resume: bool, seed: int,
 
 
 def stored_study(storage: str, study_name: str, worker: Worker) -> Any:
-    """The stored ``optuna.Study`` of that name, or ``None`` when there is none yet (MpadviseError
-    where the storage refuses; StorageLost where it stays unreachable through the retries)."""
+    """The stored ``optuna.Study`` of that name, or ``None`` when there is none yet."""
     import optuna
 
     backend, _ = open_storage(storage)
@@ -99,19 +97,15 @@ def check_hardware(study: Any, study_name: str, hardware: str | None, *, record:
 
 
 def workload_change(stored: Any, workload: Mapping[str, Any]) -> str | None:
-    """What differs between a study's stored workload and this one, in words, or ``None``."""
     if not isinstance(stored, dict):
         return None
     for key, what in (("model_signature", "the model changed: signature"),
                       ("workload_fingerprint", "the optimizer, global batch or script changed: workload fingerprint")):
         before, now = stored.get(key), workload.get(key)
         if before != now:
-            return f"{what} {_short(before)} then, {_short(now)} now"
+            before, now = (str(v)[:12] if v else "none" for v in (before, now))
+            return f"{what} {before} then, {now} now"
     return None
-
-
-def _short(fingerprint: Any) -> str:
-    return str(fingerprint)[:12] if fingerprint else "none"
 
 
 def shared_workload_error(study_name: str, changed: str) -> str:
@@ -121,7 +115,6 @@ def shared_workload_error(study_name: str, changed: str) -> str:
 
 
 def claim_workload(study: Any, study_name: str, workload: Mapping[str, Any] | None, *, shared: bool) -> None:
-    """Record the workload in the study, refusing a stored study of another one."""
     if workload is None:
         return
     changed = workload_change(study.user_attrs.get(STUDY_ATTR_WORKLOAD), workload)
@@ -133,7 +126,6 @@ def claim_workload(study: Any, study_name: str, workload: Mapping[str, Any] | No
 
 
 def claim_space(study: Any, space: SearchSpace, study_name: str, *, shared: bool) -> None:
-    """Record the space in the study, refusing a stored study made for another one."""
     # Everything that decides which candidates exist: a framework's limits and FSDP2's reduction
     # dimension too, so a script that changed framework or started sharding gets no stale space.
     limits = space.limits
@@ -156,8 +148,7 @@ def ask(study: Any) -> Any:
 
 @contextlib.contextmanager
 def beating(worker: Worker, trial: Any) -> Iterator[None]:
-    """Send the trial's heartbeats from a thread while the block runs (Optuna beats only for
-    ``Study.optimize``); nothing for a storage without them."""
+    """Send the trial's heartbeats while the block runs (Optuna beats only in ``optimize``)."""
     backend = worker.backend
     interval = None if backend is None else backend.get_heartbeat_interval()
     if interval is None:
@@ -194,8 +185,8 @@ def fail_stale(study: Any) -> None:
 
 @dataclass(frozen=True)
 class StudyTrials:
-    """What a study's trials say at one reading: finished results, pruned proposals, candidates
-    other trials run now and those whose trials were failed as stale (with the trials' numbers)."""
+    """A study's trials at one reading: finished results, pruned proposals, and the candidates of
+    trials running now or failed as stale (with the trials' numbers)."""
 
     measured: list[Measured]
     pruned: list[Measured]
@@ -204,7 +195,7 @@ class StudyTrials:
 
 
 def read_trials(study: Any, *, exclude: int | None = None) -> StudyTrials:
-    """``exclude``: this worker's own trial, which is no rival to itself."""
+    """``exclude``: this worker's own trial, no rival to itself."""
     import optuna
 
     state = optuna.trial.TrialState
@@ -231,14 +222,13 @@ def read_trials(study: Any, *, exclude: int | None = None) -> StudyTrials:
 
 
 def claim(trial: Any, candidate: Candidate, worker: str) -> None:
-    """Claim ``candidate`` in the trial (its number included, so that a retried copy's inherited
-    claim is told apart)."""
+    # The trial's number tells a retried copy's inherited claim apart.
     trial.set_user_attr(TRIAL_ATTR_CLAIM, {**candidate_to(candidate), "trial": trial.number, "worker": worker})
 
 
 def store_result(study: Any, trial: Any, measured: Measured, worker: Worker, what: str) -> bool:
-    """Tell the study what ``trial`` measured; ``True`` where the study had failed the trial as
-    stale meanwhile, so that the result was stored as a new finished trial of its own."""
+    """Tell the study what ``trial`` measured; ``True`` where it was stored as a new trial instead
+    (the study had failed the trial as stale meanwhile)."""
     import optuna
 
     try:
@@ -257,8 +247,7 @@ def store_result(study: Any, trial: Any, measured: Measured, worker: Worker, wha
     return True
 
 
-def refused(exc: BaseException) -> bool:
-    """Whether ``exc`` is the storage's refusal (not an outage, which the retries ride out)."""
+def refused(exc: BaseException) -> bool:  # the storage refused (an outage is ridden out instead)
     import optuna
     import sqlalchemy.exc
 
@@ -296,8 +285,8 @@ def _record(trial: Any, measured: Measured, source: str, worker: str) -> None:
 
 @contextlib.contextmanager
 def _finished_already(study: Any, trial: Any, state: Any) -> Iterator[None]:
-    """Let the finishing of a trial pass when the study holds it in ``state`` already (the retry
-    of a tell that landed); one another worker failed as stale still raises when it was to complete."""
+    """Let finishing a trial pass when the study holds it in ``state`` already (the retry of a tell
+    that landed); one failed as stale by another worker still raises when it was to complete."""
     import optuna
 
     try:

@@ -1,14 +1,13 @@
-"""What a stored study holds, read before a tune's search or by ``mpadvise study status``, and
-the answer a finished tune keeps with its study, so that running the same tune again prints it
-instead of measuring it again: served while mpadvise's and torch's versions and the options that
-shape the search still hold and the study holds no trial since.
+"""What a stored study holds (read before a tune's search, or by ``mpadvise study status``), and
+the answer a finished tune keeps with it: the same tune run again prints it while the versions
+and the options that shape the search still hold and the study holds no trial since.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ from advisor.tune._storage import (
     riding_out,
     shared_storage,
     shown_url,
-    sqlite_file,
+    sqlite_path,
     storage_exists,
     storage_failure,
     storage_url,
@@ -55,9 +54,8 @@ def check_storage(storage: str | None) -> None:
 
 def check_study(storage: str | None, study_name: str, *, hardware: str, resume: bool, fresh: bool = False,
                 spelling: tuple[str, str] = ("--resume", "--fresh")) -> None:
-    """Refuse, before any trial runs, to continue a stored study measured on other hardware
-    (MpadviseError), or to delete one that holds finished trials unless ``fresh`` says so
-    (UsageError; ``spelling`` names the two options as the caller takes them)."""
+    """Refuse, before any trial runs, to continue a stored study of other hardware, or to delete
+    one with finished trials unless ``fresh`` says so (``spelling`` names the two options)."""
     if storage is None:
         return
     if not (resume or shared_storage(storage)):
@@ -67,17 +65,20 @@ def check_study(storage: str | None, study_name: str, *, hardware: str, resume: 
             raise UsageError(f"{held.describe()}; it is kept: pass {keep} to continue it, or {drop} to delete it "
                              "and start afresh")
         return
+    _read_study(storage, study_name, "checking the study's hardware",
+                lambda study: check_hardware(study, study_name, hardware, record=False))
+
+
+def _read_study(storage: str, study_name: str, what: str, read: Callable[[Any], Any]) -> Any:
+    """``read(study)`` on the stored study, riding out an outage; ``None`` where there is none."""
     with riding_out(storage) as worker:
         study = stored_study(storage, study_name, worker)
-        if study is not None:  # none yet: this tune makes it
-            worker.call("checking the study's hardware",
-                        lambda: check_hardware(study, study_name, hardware, record=False))
+        return None if study is None else worker.call(what, lambda: read(study))
 
 
 @dataclass(frozen=True)
 class KeptStudy:
-    """What a stored study holds that a fresh start would delete: ``finished`` counts the trials
-    that measured a candidate; ``last`` is when the latest finished, to the minute."""
+    """What a fresh start would delete: ``finished`` measured trials, the latest at ``last``."""
 
     name: str
     storage: str
@@ -94,8 +95,7 @@ class KeptStudy:
 
 
 def kept_study(storage: str | None, study_name: str) -> KeptStudy | None:
-    """The stored study of that name, read without writing anything; ``None`` in memory, or
-    where there is no such study."""
+    """The stored study of that name, read without writing anything, or ``None``."""
     if storage is None or not storage_exists(storage):
         return None
     found = study_status(storage, study_name, missing_ok=True)
@@ -114,20 +114,18 @@ def finished_trials(storage: str | None, study_name: str) -> int:
 
 
 def check_study_workload(storage: str | None, study_name: str, workload: Mapping[str, Any], *, resume: bool) -> bool:
-    """``resume``, or ``False`` when a stored study of another workload (its fp32 reference's
-    fingerprint and model signature) must not be continued: a study of this machine that holds
-    finished trials (UsageError), or a shared one (MpadviseError), is refused; an empty one starts
-    afresh with a warning."""
+    """``resume``, or ``False`` when a stored study of another workload (fp32's fingerprint and
+    model signature) must not be continued: a shared one, or one of this machine with finished
+    trials, is refused; an empty one starts afresh with a warning."""
     shared = shared_storage(storage)
     if storage is None or not (resume or shared):
         return resume
-    with riding_out(storage) as worker:
-        study = stored_study(storage, study_name, worker)
-        if study is None:  # no such study yet: nothing to continue
-            return resume
-        stored = worker.call("reading the study's workload", lambda: study.user_attrs.get(STUDY_ATTR_WORKLOAD))
-        # A study without a workload fingerprint and without trials has no verdicts to doubt.
-        empty = stored is None and not worker.call("reading the study", lambda: study.get_trials(deepcopy=False))
+    found = _read_study(storage, study_name, "reading the study's workload", lambda study: (
+        study.user_attrs.get(STUDY_ATTR_WORKLOAD), not study.get_trials(deepcopy=False)))
+    if found is None:  # no such study yet: nothing to continue
+        return resume
+    # A study without a workload fingerprint and without trials has no verdicts to doubt.
+    stored, empty = found
     changed = workload_change(stored, workload)
     if shared and changed:
         raise MpadviseError(shared_workload_error(study_name, changed))
@@ -148,26 +146,22 @@ def stored_replicate(storage: str | None, study_name: str) -> dict[str, Any] | N
     """The fp32 replicate kept with a stored study, for ``--resume`` to reuse, or ``None``."""
     if storage is None:
         return None
-    with riding_out(storage) as worker:
-        study = stored_study(storage, study_name, worker)
-        stored = None if study is None else worker.call(
-            "reading fp32's replicate", lambda: study.user_attrs.get(STUDY_ATTR_REPLICATE))
+    stored = _read_study(storage, study_name, "reading fp32's replicate",
+                         lambda study: study.user_attrs.get(STUDY_ATTR_REPLICATE))
     return stored if isinstance(stored, dict) else None
 
 
 def study_status(storage: str, study_name: str | None = None, *, missing_ok: bool = False) -> list[dict[str, Any]]:
     """What a study storage holds, read without writing anything (no tables made, no trial failed
-    as stale): per study, by name, ``study``, ``hardware``, ``trials`` (counts by state), ``workers``,
-    ``best`` (``None`` before any stable result), ``measured`` and ``last_finished``. UsageError
-    for an SQLite file that is not there or a URL that is not one; MpadviseError for a storage that
-    cannot be read, or no study of that name (``missing_ok`` gives an empty list instead)."""
+    as stale): per study, by name, ``study``, ``hardware``, ``trials`` (counts by state),
+    ``workers``, ``best``, ``measured`` and ``last_finished``."""
     import optuna
     import sqlalchemy
 
     shown = shown_url(storage)
-    if storage.startswith("sqlite") and sqlite_file(storage) is None:
-        path = storage.partition(":///")[2].partition("?")[0]
-        raise UsageError(f"no study storage at {shown!r}: the file {path or '(none)'} does not exist; expected "
+    if not storage_exists(storage):
+        path = sqlite_path(storage) or "(none)"
+        raise UsageError(f"no study storage at {shown!r}: the file {path} does not exist; expected "
                          "the SQLite file a tune wrote (by default studies.db in the cache directory)")
     engine_kwargs = timeout_kwargs(storage)
     try:
@@ -238,8 +232,7 @@ def _study_summary(study: Any, trials: list[Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class StoredAnswer:
-    """A finished tune's answer as its study keeps it: its JSON, its config file (``None`` without
-    one) and when it finished (UTC, to the minute)."""
+    """A finished tune's answer as its study keeps it: its JSON, its config file and when (UTC)."""
 
     payload: dict[str, Any]
     config_text: str | None
@@ -253,32 +246,29 @@ def answer_key(options: TuneOptions, profile: HardwareProfile) -> dict[str, Any]
 
 def store_answer(storage: str | None, study_name: str, key: dict[str, Any], payload: dict[str, Any],
                  config_text: str | None) -> None:
-    """Keep a finished tune's answer with its study; nothing in memory or in a shared study (no one
-    worker owns the answer). A storage that fails here loses only the shortcut."""
+    """Keep a finished tune's answer with its study (not a shared one: no one worker owns it); a
+    storage that fails here loses only the shortcut."""
     if storage is None or shared_storage(storage):
         return
-    with contextlib.suppress(MpadviseError), riding_out(storage) as worker:
-        study = stored_study(storage, study_name, worker)
-        if study is None:
-            return
-        trials = worker.call("counting the study's trials", lambda: len(study.get_trials(deepcopy=False)))
-        at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-        stored = {"key": key, "json": payload, "config": config_text, "at": at, "trials": trials}
-        worker.call("keeping the answer", lambda: study.set_user_attr(STUDY_ATTR_ANSWER, stored))
+    at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+    def keep(study: Any) -> None:
+        trials = len(study.get_trials(deepcopy=False))
+        study.set_user_attr(STUDY_ATTR_ANSWER, {"key": key, "json": payload, "config": config_text,
+                                                "at": at, "trials": trials})
+
+    with contextlib.suppress(MpadviseError):
+        _read_study(storage, study_name, "keeping the answer", keep)
 
 
 def stored_answer(storage: str | None, study_name: str, key: dict[str, Any]) -> StoredAnswer | None:
     """The answer kept with the study, where it was tuned with ``key`` and no trial was added since."""
     if storage is None or shared_storage(storage) or not storage_exists(storage):
         return None
-    with riding_out(storage) as worker:
-        study = stored_study(storage, study_name, worker)
-        if study is None:
-            return None
-        kept = worker.call("reading the study's answer", lambda: study.user_attrs.get(STUDY_ATTR_ANSWER))
-        if not isinstance(kept, dict) or kept.get("key") != key or not isinstance(kept.get("json"), dict):
-            return None
-        trials = worker.call("counting the study's trials", lambda: len(study.get_trials(deepcopy=False)))
-    if trials != kept.get("trials"):
+    found = _read_study(storage, study_name, "reading the study's answer", lambda study: (
+        study.user_attrs.get(STUDY_ATTR_ANSWER), len(study.get_trials(deepcopy=False))))
+    kept, trials = found or (None, None)
+    if (not isinstance(kept, dict) or kept.get("key") != key
+            or not isinstance(kept.get("json"), dict) or trials != kept.get("trials")):
         return None
     return StoredAnswer(kept["json"], kept.get("config"), str(kept.get("at") or "?"))

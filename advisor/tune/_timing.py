@@ -1,6 +1,5 @@
-"""Step-time statistics: robust summaries, noise-aware comparisons, gaps and goodput. Medians
-and quartiles rather than means: step times on a shared machine have heavy tails (a neighbour's
-burst, a page fault, a GC pause)."""
+"""Step-time statistics: robust summaries, noise-aware comparisons, gaps and goodput (medians and
+quartiles: step times on a shared machine have heavy tails)."""
 
 from __future__ import annotations
 
@@ -49,8 +48,6 @@ class Comparison:
 
 
 def summarize(step_times: Sequence[float], warmup: int = DEFAULT_WARMUP) -> TimingSummary:
-    """Summarise step times after discarding the ``warmup`` leading steps (ValueError, naming the
-    problem, for a bad step time or warm-up, or none left)."""
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
     for i, v in enumerate(step_times):
@@ -73,9 +70,8 @@ def noise_band(a: TimingSummary, b: TimingSummary, *, min_margin: float = DEFAUL
 
 def compare(a: TimingSummary, b: TimingSummary, *, min_margin: float = DEFAULT_MIN_MARGIN) -> Comparison:
     """Whether ``a`` is faster than ``b``, slower, or a tie within the noise: half the larger
-    relative IQR, never less than ``min_margin`` (so a quiet device calls no winner on a lead too
-    small to matter). It does not shrink with the steps, as a standard error would: a neighbour's
-    job slows a run of consecutive steps, not single ones."""
+    relative IQR, never less than ``min_margin``. It does not shrink with the steps, as a standard
+    error would: a neighbour's job slows a run of consecutive steps, not single ones."""
     for name, summary in (("a", a), ("b", b)):
         if not summary.median > 0:
             raise ValueError(f"compare: {name}.median must be > 0 seconds to form a ratio, got {summary.median!r}")
@@ -87,9 +83,9 @@ def compare(a: TimingSummary, b: TimingSummary, *, min_margin: float = DEFAULT_M
 
 @dataclass(frozen=True)
 class Gap:
-    """How much faster ``a`` runs than ``b`` over paired runs, with a confidence interval (0 and
-    inf with fewer than two pairs). ``verdict``, of ``a``: faster/slower when the whole interval
-    lies beyond ``min_margin`` on one side, tie within it, unresolved when it straddles it."""
+    """How much faster ``a`` runs than ``b`` over paired runs, with a confidence interval (0 and inf
+    under two pairs). ``verdict``, of ``a``: faster/slower with the whole interval beyond
+    ``min_margin`` on one side, tie within it, unresolved across it."""
 
     ratio: float
     low: float
@@ -104,17 +100,14 @@ class Gap:
         return self.verdict != "unresolved"
 
     @property
-    def a_lead_ruled_out(self) -> bool:
-        """``a`` cannot be more than ``min_margin`` faster than ``b``."""
+    def a_lead_ruled_out(self) -> bool:  # a is at most min_margin faster than b
         return self.pairs >= 2 and self.high <= 1.0 + self.min_margin
 
     @property
-    def b_lead_ruled_out(self) -> bool:
-        """``b`` cannot be more than ``min_margin`` faster than ``a``."""
+    def b_lead_ruled_out(self) -> bool:  # b is at most min_margin faster than a
         return self.pairs >= 2 and self.low >= 1.0 / (1.0 + self.min_margin)
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; an unbounded end of the interval is ``None``."""
+    def to_dict(self) -> dict[str, Any]:  # an unbounded end of the interval is None
         data = asdict(self)
         for end in ("low", "high"):
             if not (math.isfinite(data[end]) and data[end] > 0):
@@ -124,11 +117,10 @@ class Gap:
 
 def paired_gap(a: Sequence[float], b: Sequence[float], *, confidence: float = DEFAULT_CONFIDENCE,
                min_margin: float = DEFAULT_MIN_MARGIN) -> Gap:
-    """The gap between two configurations from goodputs of paired runs (one run of each, back to
-    back, so a slow spell hits both alike), with its interval: the 20%-trimmed mean of the log
-    ratios with Yuen's interval, so one run a neighbour's burst slowed hides no real gap (up to
-    four pairs, the paired t interval). Runs, unlike steps, are independent: it narrows with runs.
-    ValueError for unequal lengths or a goodput that is not a positive finite number."""
+    """The gap between two configurations from goodputs of paired runs (back to back, so a slow
+    spell hits both alike): the 20%-trimmed mean of the log ratios with Yuen's interval, so one run
+    a neighbour's burst slowed hides no real gap (up to four pairs, the paired t interval). Runs,
+    unlike steps, are independent: it narrows with runs."""
     if len(a) != len(b):
         raise ValueError(f"paired_gap: a has {len(a)} runs but b has {len(b)}; give one goodput of each per pair")
     for name, values in (("a", a), ("b", b)):
@@ -173,8 +165,7 @@ def goodput(samples_per_step: int, step_times: Sequence[float], skipped: Sequenc
 
 
 def step_spread(step_times: Sequence[float], warmup: int) -> float | None:
-    """The 90th percentile of the measured step times over their 10th; ``None`` with fewer than
-    ``MIN_SPREAD_STEPS`` measured steps, or a zero 10th percentile."""
+    """The 90th percentile of the measured step times over their 10th, or ``None``."""
     if len(step_times) - warmup < MIN_SPREAD_STEPS:
         return None
     found = step_time_range(step_times, warmup)
@@ -182,8 +173,7 @@ def step_spread(step_times: Sequence[float], warmup: int) -> float | None:
 
 
 def step_time_range(step_times: Sequence[float], warmup: int) -> tuple[float, float] | None:
-    """The 10th and 90th percentiles of the measured step times: the spread a search row's
-    speed-up carries; ``None`` with fewer than two measured steps or a non-finite one."""
+    """The 10th and 90th percentiles of the measured step times (a row's spread), or ``None``."""
     measured = [float(t) for t in list(step_times)[warmup:]]
     if len(measured) < 2 or not all(math.isfinite(t) and t >= 0 for t in measured):
         return None

@@ -1,7 +1,6 @@
 """The tune's trial book: the yardsticks every verdict is judged against (the fp32 reference and
-its replicate, fp32 with its initial parameters perturbed once by about one bf16 rounding, whose
-drift widens the stability limits) and every candidate run and judged; also the runners and
-evaluations, re-exported under the names their callers import from here."""
+its replicate, fp32 with its initial parameters perturbed by about one bf16 rounding, whose drift
+widens the stability limits) and every candidate run and judged."""
 
 from __future__ import annotations
 
@@ -14,36 +13,12 @@ from typing import Any, NamedTuple
 
 from advisor._log import get_logger
 from advisor.trial import TrialResult, json_float
-from advisor.tune._judge import (
-    Evaluation,
-    ReferenceTrialError,
-    check_reference,
-    curve_of,
-    evaluate,
-    samples_per_step,
-)
-from advisor.tune._run import (
-    WAIT_IDLE_ENV,
-    Extendable,
-    FunctionRunner,
-    Perturbable,
-    Runner,
-    ScriptRunner,
-    TrialSettings,
-    limit_memory,
-    prestarted_launcher,
-    wait_until_idle,
-)
+from advisor.tune._judge import Evaluation, ReferenceTrialError, check_reference, curve_of, evaluate
+from advisor.tune._run import Extendable, Perturbable, Runner, limit_memory
 from advisor.tune._space import Candidate, Measured
 from advisor.tune._spread import still_falling
 from advisor.tune._stability import StabilityThresholds, TrialCurve, judge
 from policies import Policy
-
-__all__ = [
-    "WAIT_IDLE_ENV", "Comparison", "Evaluation", "Extendable", "FunctionRunner", "Perturbable", "Replicate", "Runner",
-    "ScriptRunner", "TrialSettings", "Trials", "Yardsticks", "curve_of", "evaluate", "prestarted_launcher",
-    "run_comparison", "run_reference", "run_replicate", "samples_per_step", "wait_until_idle",
-]
 
 # How many times the window asked for may grow while fp32's loss still falls geometrically.
 MAX_WINDOW_GROWTH = 8
@@ -57,10 +32,9 @@ REPLICATE_PERTURBATION = "bf16"
 
 @dataclass(frozen=True)
 class Replicate:
-    """fp32 run again with the same seed and data, each initial parameter multiplied once by
-    ``1 + u * 2^-8``; stored with the study, so ``--resume`` reuses it. ``identical``: its losses
-    are fp32's bit for bit (the script set the weights after ``setup()``), so it measured no
-    spread. ``draw`` is 1 for the second one a narrow stall asks for."""
+    """fp32 run again with each initial parameter multiplied once by ``1 + u * 2^-8``; kept with
+    the study for ``--resume``. ``identical``: its losses are fp32's bit for bit (the script set
+    the weights after ``setup()``). ``draw`` is 1 for the second one a narrow stall asks for."""
 
     seed: int
     losses: tuple[float, ...] = ()
@@ -91,8 +65,7 @@ class Replicate:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Replicate | None:
-        """Inverse of ``to_dict``; ``None`` for data without a usable replicate (one stored without
-        ``perturb`` ran under another seed)."""
+        """Inverse of ``to_dict``, or ``None`` (one without ``perturb`` ran under another seed)."""
         try:
             losses = tuple(float(v) for v in data["losses"])
             seed, wall = int(data["seed"]), float(data.get("wall_s") or 0.0)
@@ -135,8 +108,7 @@ def run_replicate(
     runner: Runner, reference: TrialResult, *, stored: Mapping[str, Any] | None = None,
     on_start: Callable[[str], None] | None = None, draw: int = 0,
 ) -> Replicate | None:
-    """fp32 again with its initial parameters perturbed, or the ``stored`` replicate of the same
-    seed, perturbation and steps; ``None`` for a runner that cannot perturb."""
+    """fp32 again, perturbed, or the ``stored`` replicate of the same seed, draw and steps."""
     if not isinstance(runner, Perturbable):
         return None
     kept = Replicate.from_dict(stored) if stored else None
@@ -162,12 +134,11 @@ def run_reference(
     runner: Runner, *, thresholds: StabilityThresholds | None = None, on_start: Callable[[str], None] | None = None,
     deadline: float | None = None, clock: Callable[[], float] = time.monotonic,
 ) -> Reference:
-    """Run fp32; while its loss still falls geometrically at the end of the window, run it again
-    with twice the window (a 16-bit mode's loss floor shows only once fp32 has fallen below it), up
-    to ``MAX_WINDOW_GROWTH`` times what was asked and while it fits before ``deadline``.
-    MpadviseError when the reference failed or is not finite (no verdict is possible)."""
-    if on_start:
-        on_start("fp32 (reference)")
+    """Run fp32; while its loss still falls geometrically at the end of the window, again with
+    twice the window (a 16-bit mode's loss floor shows only once fp32 has fallen below it), up to
+    ``MAX_WINDOW_GROWTH`` times what was asked and while it fits before ``deadline``."""
+    on_start = on_start or (lambda label: None)
+    on_start("fp32 (reference)")
     result = runner(Policy(mode="fp32"), "fp32")
     check_reference(result)
     if not isinstance(runner, Extendable):
@@ -194,17 +165,16 @@ def run_reference(
                 f"steps): every trial measures {longer} steps instead of {asked}, so the curves are compared "
                 "where they level off")
         get_logger().info(note)
-        if on_start:
-            on_start(f"fp32 (reference, {longer} steps)")
+        on_start(f"fp32 (reference, {longer} steps)")
         result = runner(Policy(mode="fp32"), "fp32")
         check_reference(result)
 
 
 class Yardsticks:
-    """fp32 and its replicate at every window length a comparison has used. A stable candidate
-    whose gap above fp32 grows (``bending_away``) runs again with twice the window, beside fp32 and
-    the replicate at that window (run once per length), until it levels off, fails or the window
-    cannot grow; a narrow stall is judged again against a second replicate."""
+    """fp32 and its replicate at every window length used. A stable candidate whose gap above fp32
+    grows (``bending_away``) runs again with twice the window, beside fp32 and the replicate at that
+    length, until it levels off, fails or the window cannot grow; a narrow stall is judged again
+    against a second replicate."""
 
     def __init__(self, runner: Runner, reference: TrialResult, replicate: Replicate | None, *,
                  thresholds: StabilityThresholds | None = None, asked: int | None = None,
@@ -213,7 +183,7 @@ class Yardsticks:
         self.runner = runner
         self.thresholds = thresholds or StabilityThresholds()
         self.asked = asked if asked is not None else getattr(runner, "measure_steps", None)
-        self.deadline, self.clock, self.on_start = deadline, clock, on_start
+        self.deadline, self.clock, self.on_start = deadline, clock, on_start or (lambda label: None)
         self.steps = getattr(runner, "measure_steps", None)
         self._at: dict[int | None, tuple[TrialResult, TrialCurve | None]] = {
             self.steps: (reference, None if replicate is None else replicate.curve)}
@@ -233,8 +203,7 @@ class Yardsticks:
             reference, curve = at
             longer = f"{label} ({steps} steps)"
             self.extended.append(label)
-            if self.on_start:
-                self.on_start(longer)
+            self.on_start(longer)
             ran = self.runner.with_measure_steps(steps)(policy, longer)  # type: ignore[attr-defined]
             ev = evaluate(label, policy, ran, reference, thresholds=self.thresholds, replicate=curve)
         return self.second_look(ev, steps)
@@ -243,8 +212,7 @@ class Yardsticks:
         return self._second.get(self.steps)
 
     def second_look(self, ev: Evaluation, steps: int | None = None) -> Evaluation:
-        """``ev`` judged again against a second replicate (run once per window) when it is a narrow
-        stall; stable if stable against either."""
+        """``ev`` judged again against a second replicate when it is a narrow stall."""
         steps = self.steps if steps is None else steps
         reference, curve = self._at.get(steps, (None, None))
         if reference is None or curve is None or not _narrow_stall(ev, reference, curve, self.thresholds):
@@ -267,12 +235,11 @@ class Yardsticks:
         return self.deadline is None or self.clock() + cost <= self.deadline
 
     def _yardstick(self, steps: int) -> tuple[TrialResult, TrialCurve | None] | None:
-        """fp32 and its replicate at ``steps``, run on first use; ``None`` when fp32 fails there."""
+        """fp32 and its replicate at ``steps``, run on first use (``None`` where fp32 fails)."""
         if steps not in self._at:
             runner = self.runner.with_measure_steps(steps)  # type: ignore[attr-defined]
             label = f"fp32 (reference, {steps} steps)"
-            if self.on_start:
-                self.on_start(label)
+            self.on_start(label)
             reference = runner(Policy(mode="fp32"), label)
             try:
                 check_reference(reference)
@@ -293,8 +260,7 @@ def _narrow_stall(ev: Evaluation, reference: TrialResult, replicate: TrialCurve,
 
 
 def _judged_twice(first: Evaluation, again: Evaluation, second: Replicate) -> Evaluation:
-    """The evaluation against the replicate whose spread allows the candidate, its reason saying
-    both were run."""
+    """The evaluation against the replicate that allows the candidate, saying both were run."""
     if first.verdict is None or again.verdict is None:
         return first
     if again.stable:
@@ -329,8 +295,7 @@ def run_comparison(
     runner: Runner, candidates: list[tuple[Policy, str]], *, thresholds: StabilityThresholds | None = None,
     on_start: Callable[[int, str], None] | None = None, on_done: Callable[[int, Evaluation], None] | None = None,
 ) -> Comparison:
-    """``mpadvise trial``'s comparison: fp32, its replicate, then each candidate judged against
-    them (MpadviseError when the reference failed or is not finite)."""
+    """``mpadvise trial``'s comparison: fp32, its replicate, then each candidate judged by them."""
     fp32 = Policy(mode="fp32")
     asked = runner.measure_steps if isinstance(runner, Extendable) else None
     ref_result, runner, window_note = run_reference(
@@ -390,7 +355,6 @@ class Trials:
         return None if self.replicate_curve is None else self.replicate.to_dict()
 
     def run_reference(self, *, deadline: float | None = None, clock: Callable[[], float] = time.monotonic) -> Evaluation:
-        """Run fp32, the baseline every candidate is judged against (MpadviseError if it fails)."""
         # While fp32's loss still falls geometrically at the window's end, the window grows and
         # every later trial (replicate, candidates, re-measurements) measures the longer one.
         self._asked, self._deadline, self._clock = getattr(self.runner, "measure_steps", None), deadline, clock
@@ -404,8 +368,7 @@ class Trials:
         return evaluate("fp32", Policy(mode="fp32"), result, result, thresholds=self.thresholds)
 
     def run_replicate(self, stored: dict[str, Any] | None) -> Evaluation:
-        """After ``run_reference``, run fp32 perturbed (or reuse the ``stored`` replicate); returns
-        the reference judged with its spread."""
+        """Run fp32 perturbed (or reuse the ``stored`` replicate); returns fp32 judged with it."""
         fp32, reference = Policy(mode="fp32"), self.reference
         assert reference is not None, "run_reference comes first"
         self.replicate = run_replicate(self.runner, reference, stored=stored, on_start=self.on_start)
@@ -440,7 +403,7 @@ class Trials:
         return m
 
     def run_again(self, cand: Candidate, label: str) -> Evaluation:
-        """Run a candidate once more (a round of re-measurement), not recorded as its search run."""
+        """Run a candidate once more (re-measurement), not recorded as its search run."""
         if self.on_start:
             self.on_start(label)
         policy = cand.policy(self.user_batch)

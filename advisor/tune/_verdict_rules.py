@@ -1,6 +1,6 @@
-"""The stability rules: the measurements a candidate curve shares with the fp32 reference's
-(``CurveComparison``), and named checks over them, run in order, first failure wins; the order
-puts a cause before its symptoms (docs/stability.md, "What is checked, in order")."""
+"""The stability rules: the measurements a candidate curve shares with fp32's
+(``CurveComparison``) and named checks over them, run in order, a cause before its symptoms; the
+first failure wins (docs/stability.md, "What is checked, in order")."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ class Levels:
 
 @dataclass
 class CurveComparison:
-    """A candidate curve against the reference. Each measurement is computed on first use and
-    recorded in ``metrics`` then, so a verdict carries exactly the numbers computed up to its check."""
+    """A candidate curve against the reference. Each measurement is recorded in ``metrics`` on
+    first use, so a verdict carries exactly the numbers computed up to its check."""
 
     candidate: TrialCurve
     reference: TrialCurve
@@ -62,8 +62,7 @@ class CurveComparison:
             return None
 
     @property
-    def name(self) -> str:
-        """The mode as named in reasons: the mode class's label, or the name as given."""
+    def name(self) -> str:  # the mode as reasons name it
         return self.candidate.mode if self.mode_class is None else self.mode_class.label()
 
     @property
@@ -75,8 +74,7 @@ class CurveComparison:
         return min(len(self.candidate), len(self.reference))
 
     def advice(self, kind: str) -> str:
-        """The mode class's advice after a failure ``kind`` (or ``"climbed"``); a mode that is not
-        registered gets the generic advice."""
+        """The mode class's advice after a failure ``kind`` (or ``"climbed"``)."""
         cls = self.mode_class or PrecisionMode
         return cls.advice(kind, optimizer_eps=self.candidate.optimizer_eps)
 
@@ -116,7 +114,6 @@ class CurveComparison:
 
     @cached_property
     def limits(self) -> _spread.Limits:
-        """The progress and final-gap limits: the fixed ones, widened to the replicate's spread."""
         t, replicate = self.t, self.replicate if self.t.spread_multiplier > 0 else None
         spread = None if replicate is None else _spread.measure_spread(
             self.reference.losses[: self.n], replicate.losses, self.window)
@@ -129,8 +126,8 @@ class CurveComparison:
     def reference_flat(self) -> bool:
         """fp32's loss did not fall, or fell within its own spread: no decrease to compare."""
         lv = self.levels
-        flat = lv.r_drop <= 0 or lv.ref_drop_rel < self.t.min_reference_drop
-        flat = flat or self.limits.fell_within_spread
+        flat = (lv.r_drop <= 0 or lv.ref_drop_rel < self.t.min_reference_drop
+                or self.limits.fell_within_spread)
         self.metrics["reference_flat"] = flat
         return flat
 
@@ -142,7 +139,6 @@ class CurveComparison:
 
 
 def first_nonfinite(losses: Sequence[float], skipped: Callable[[int], bool]) -> int | None:
-    """Index of the first non-finite loss on a step that was not skipped, or None."""
     return next((i for i, v in enumerate(losses) if not math.isfinite(v) and not skipped(i)), None)
 
 
@@ -249,8 +245,7 @@ def _climb(c: CurveComparison) -> Verdict | None:
 
 
 def _progress(c: CurveComparison) -> Verdict | None:
-    """The smoothed loss fell less than ``min_progress_ratio`` (or less than the spread
-    allows) as far as fp32's: a stall."""
+    """The smoothed loss fell less than ``min_progress_ratio`` (or the spread) as far as fp32's."""
     if c.reference_flat:
         return None
     lv = c.levels
@@ -266,8 +261,7 @@ def _progress(c: CurveComparison) -> Verdict | None:
 
 
 def _final_gap(c: CurveComparison) -> Verdict | None:
-    """The smoothed final loss more than ``max_final_gap`` (or than the spread allows) above
-    fp32's: the candidate lags, or stops at a loss floor."""
+    """The smoothed final loss above fp32's by more than ``max_final_gap`` (or the spread)."""
     gap = c.final_gap
     if gap <= c.limits.final_gap:
         return None
@@ -279,7 +273,6 @@ def _final_gap(c: CurveComparison) -> Verdict | None:
 
 
 def stable_verdict(c: CurveComparison) -> Verdict:
-    """Every check passed: the ``ok`` verdict, with the numbers that show it."""
     gap, s = c.final_gap, c.scaler
     final = (f"final loss {pct(abs(gap))} {'higher' if gap > 0 else 'lower'} than {c.ref_name}'s "
              f"({c.limits.describe('final', ' higher')})")
@@ -288,18 +281,17 @@ def stable_verdict(c: CurveComparison) -> Verdict:
     else:
         pace = (f"its loss fell {pct(c.metrics['progress_ratio'])} as far as {c.ref_name}'s "
                 f"({c.limits.describe('progress')}), {final}")
-    scaler_note = ""
-    if c.candidate.skipped:
-        steps = "step" if s.skips == 1 else "steps"
-        scaler_note = f", {s.skips} skipped {steps} after the first {s.calibration}"
+    steps = "step" if s.skips == 1 else "steps"
+    skipped = f", {s.skips} skipped {steps} after the first {s.calibration}"
+    scaler_note = skipped if c.candidate.skipped else ""
     reason = f"{c.name} is stable over {c.n} steps: {pace}{scaler_note}{_bending_note(c)}"
     return Verdict(True, "ok", reason, c.metrics)
 
 
 def _bending_note(c: CurveComparison) -> str:
-    """The clause for a stable candidate whose gap above fp32 grew by half again or more over
-    the second half of the window, to over a quarter of its limit (a stall's gap doubles from the
-    middle to the end; an offset does not): the window is too short to tell; else nothing."""
+    """The clause for a stable candidate whose gap above fp32 grew by half again or more over the
+    window's second half, to over a quarter of its limit (a stall's gap doubles from the middle to
+    the end; an offset does not): the window is too short to tell."""
     gap, half = c.final_gap, c.n // 2
     if gap <= 0.25 * c.limits.final_gap or half < 2 * c.window:
         return ""
@@ -322,17 +314,18 @@ STABILITY_CHECKS: tuple[Callable[[CurveComparison], Verdict | None], ...] = (
 )
 
 
-def _ref_curve(c: CurveComparison) -> str:
-    """``"fp32's 1.142 -> 0.7277"``."""
+def _ref_curve(c: CurveComparison) -> str:  # "fp32's 1.142 -> 0.7277"
     return f"{c.ref_name}'s {_fmt(c.levels.r_start)} -> {_fmt(c.levels.r_end)}"
 
 
-def _flat_note(c: CurveComparison) -> str:
-    """The clause saying that progress was not judged, or nothing."""
+def _flat_note(c: CurveComparison) -> str:  # the clause saying that progress was not judged
     if not c.reference_flat:
         return ""
-    if c.limits.fell_within_spread:
-        return c.limits.flat_note(_ref_curve(c))
+    limits = c.limits
+    if limits.fell_within_spread and limits.spread is not None:
+        return (f"{_ref_curve(c)} is a fall within {limits.multiplier:g}x the "
+                f"{limits.spread.fall_gap:.4g} by which fp32 perturbed by one rounding fell "
+                "differently, so progress cannot be compared and only the final loss is judged; ")
     return (f"{c.ref_name}'s loss did not fall ({_fmt(c.levels.r_start)} -> "
             f"{_fmt(c.levels.r_end)}), so progress cannot be compared and only the final loss is "
             "judged; ")

@@ -1,12 +1,8 @@
-"""``python -m advisor.tune.job REQUEST.json RESULT.json``: one tune of a script, in a process
-of its own (how the daemon runs a queued job), exactly as ``mpadvise tune`` runs it.
-
-``REQUEST.json`` holds ``TuneRequest.to_dict()``; the result (``ScriptTune.to_dict()``) is written
-to ``RESULT.json`` whole, and only when the tune answered. Progress goes to stderr, one line per
-trial, and an error as one ``error: ...`` line; stdout is left to the script's own prints.
-
-Exit codes: 0 a stable policy was found, 3 none was, 1 an error (2 a usage error), 130
-interrupted; the result file exists only after 0 or 3.
+"""``python -m advisor.tune.job REQUEST.json RESULT.json``: one tune of a script in a process of
+its own (a daemon job), exactly as ``mpadvise tune`` runs it. ``REQUEST.json`` holds
+``TuneRequest.to_dict()``; ``ScriptTune.to_dict()`` is written to ``RESULT.json`` whole, only
+when the tune answered (exit 0 or 3; 1 an error, 2 a usage error, 130 interrupted). Progress and
+an error (one ``error: ...`` line) go to stderr; stdout is left to the script's own prints.
 """
 
 from __future__ import annotations

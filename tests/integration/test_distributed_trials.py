@@ -12,8 +12,8 @@ import pytest
 
 from advisor.tune._engine import tune_policy
 from advisor.tune._options import TuneOptions
+from advisor.tune._run import ScriptRunner, TrialSettings
 from advisor.tune._space import SpaceLimits
-from advisor.tune._trials import ScriptRunner, TrialSettings
 from probes import profile_for
 
 ROOT = Path(__file__).resolve().parents[2]

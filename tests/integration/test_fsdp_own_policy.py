@@ -13,7 +13,7 @@ from torch import nn
 
 from advisor.runtime import Workload
 from advisor.runtime._workload import workload_mismatch
-from advisor.tune._trials import ScriptRunner, TrialSettings
+from advisor.tune._run import ScriptRunner, TrialSettings
 from policies import Policy, TunedOn
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp2_own_policy.py"

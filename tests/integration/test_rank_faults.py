@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_distributed_trials import alive, processes_running  # the process table, from /proc
 
-from advisor.tune._trials import ScriptRunner, TrialSettings
+from advisor.tune._run import ScriptRunner, TrialSettings
 from policies import Policy
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

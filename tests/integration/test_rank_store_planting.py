@@ -23,7 +23,7 @@ import pytest
 
 from advisor.trial import STORE_ENV
 from advisor.trial._proctree import live_descendants, process_table
-from advisor.tune._trials import ScriptRunner, TrialSettings
+from advisor.tune._run import ScriptRunner, TrialSettings
 from policies import Policy
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from advisor import AppliedPolicy
 from advisor.trial import UNDERFLOW_EVERY, _child
-from advisor.tune._trials import FunctionRunner, TrialSettings
+from advisor.tune._run import FunctionRunner, TrialSettings
 from policies import Policy
 
 WARMUP, MEASURE = 3, 30

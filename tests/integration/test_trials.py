@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from advisor.trial import TrialSpec, parse_memory, run_trial
-from advisor.tune._trials import ScriptRunner, TrialSettings, run_comparison
+from advisor.tune._run import ScriptRunner, TrialSettings
+from advisor.tune._trials import run_comparison
 from policies import Policy
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

@@ -21,7 +21,7 @@ from test_distributed_trials import alive  # whether a process runs, zombies not
 
 from advisor.frameworks import plan_for
 from advisor.trial import WARM_ENV, TrialSpec, WarmLauncher, run_trial
-from advisor.tune._trials import ScriptRunner, TrialSettings
+from advisor.tune._run import ScriptRunner, TrialSettings
 from policies import Policy
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="warm trials fork, on Linux")

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from advisor.trial import _device
-from advisor.tune._trials import FunctionRunner, TrialSettings
+from advisor.tune._run import FunctionRunner, TrialSettings
 from policies import Policy
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")

@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from advisor.tune._trials import FunctionRunner, TrialSettings, samples_per_step
+from advisor.tune._judge import samples_per_step
+from advisor.tune._run import FunctionRunner, TrialSettings
 from policies import Policy
 
 DATASET, BATCH = 4096, 64

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from advisor.trial import _child
-from advisor.tune._trials import FunctionRunner, TrialSettings
+from advisor.tune._run import FunctionRunner, TrialSettings
 from policies import Policy
 
 # GradScaler's initial scale, 2^16, stays put over a short clean trial (it grows after 2000 steps).

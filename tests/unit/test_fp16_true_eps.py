@@ -76,7 +76,7 @@ def test_the_divergence_verdict_blames_the_eps_the_trial_recorded():
 def test_a_trial_records_its_optimizers_eps_and_the_curve_carries_it():
     """The loop API's recorder writes the smallest unfused eps into the result; curve_of reads it."""
     from advisor.trial import TrialResult, optimizer_eps
-    from advisor.tune._trials import curve_of
+    from advisor.tune._judge import curve_of
 
     net = nn.Linear(4, 4)
     groups = [{"params": [net.weight], "eps": 1e-6}, {"params": [net.bias], "eps": 1e-8}]

@@ -13,7 +13,7 @@ from fakes import Net
 import advisor
 import probes
 from advisor.runtime import AppliedPolicy
-from advisor.tune._trials import FunctionRunner, TrialSettings
+from advisor.tune._run import FunctionRunner, TrialSettings
 from policies import Policy, TunedOn
 
 TRAIN, EVAL = 64, 256

@@ -11,7 +11,7 @@ from advisor.trial import TrialSpec, classify, merge_rank_results, rank_result_p
 from advisor.trial._launch import _tail
 from advisor.trial._proctree import descendants
 from advisor.tune._options import TuneOptions
-from advisor.tune._trials import TrialSettings
+from advisor.tune._run import TrialSettings
 from policies import Policy
 from probes import MpadviseError
 

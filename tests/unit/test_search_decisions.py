@@ -196,7 +196,7 @@ def test_a_tie_with_the_leader_does_not_go_to_a_finalist_no_faster_than_fp32():
     # bf16-true leads fp32 (resolved) and bf16-mixed (unresolved); bf16-mixed against fp32 is
     # 0.99x (0.88x to 1.12x). It once took the tie and was written as the winner at 0.99x.
     winner, note = pick_winner(_finalists(OBSERVED_ROUNDS), 128)
-    assert winner == Candidate("bf16-true")
+    assert winner.candidate == Candidate("bf16-true")
     assert "bf16-mixed is not resolved faster than fp32 (0.99x, 95% interval 0.88x to 1.12x, 8 paired runs)" in note
     assert note.endswith("bf16-true keeps the lead")
 
@@ -208,7 +208,8 @@ def test_a_safer_finalist_resolved_faster_than_fp32_still_takes_the_tie():
     finalists = _finalists(rounds)
     assert finalists[0].gap is None and finalists[2].gap.verdict == "unresolved"  # bf16-true leads, unresolved
     winner, note = pick_winner(finalists, 128)
-    assert winner == Candidate("bf16-mixed") and "the safer bf16-mixed wins the tie" in note
+    assert winner.candidate == Candidate("bf16-mixed")
+    assert "the safer bf16-mixed wins the tie" in note
 
 
 def test_with_one_pair_beside_fp32_a_tie_still_goes_to_the_safer_finalist():
@@ -218,4 +219,4 @@ def test_with_one_pair_beside_fp32_a_tie_still_goes_to_the_safer_finalist():
     finalists = _finalists(rounds)
     finalists[1].in_band = False  # fp32 ran beside them as evidence, far below in the search
     winner, _ = pick_winner(finalists, 128)
-    assert winner == Candidate("bf16-mixed")
+    assert winner.candidate == Candidate("bf16-mixed")

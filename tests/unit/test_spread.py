@@ -200,7 +200,7 @@ def spread_line_of(replicate: Replicate) -> str:
     from advisor.cli._report_cells import spread_line
 
     reference = _result(Policy(mode="fp32"), "fp32", list(replicate.losses))
-    from advisor.tune._trials import evaluate
+    from advisor.tune._judge import evaluate
 
     ev = evaluate("fp32", Policy(mode="fp32"), reference, reference, replicate=replicate.curve)
     return spread_line(ev.to_dict(), replicate.to_dict(losses=False))
@@ -364,7 +364,7 @@ def test_spread_line_says_what_the_replicate_measured_and_allowed() -> None:
 
 
 def test_a_split_of_a_loss_summed_over_the_batch_is_not_judged_against_fp32() -> None:
-    from advisor.tune._trials import evaluate
+    from advisor.tune._judge import evaluate
 
     losses = [64.0 - 0.1 * i for i in range(STEPS)]
     reference = _result(Policy(mode="fp32"), "fp32", losses)

@@ -9,7 +9,6 @@ import random
 import pytest
 
 from advisor.tune._stability import (
-    SAFETY_ORDER,
     VERDICT_KINDS,
     StabilityThresholds,
     TrialCurve,
@@ -18,6 +17,7 @@ from advisor.tune._stability import (
     safety_rank,
     smooth,
 )
+from policies import safety_order
 
 STEPS = 300
 
@@ -611,14 +611,14 @@ def test_smooth_is_a_trailing_median_ignoring_spikes_and_nan() -> None:
 
 
 def test_safety_order() -> None:
-    assert SAFETY_ORDER[0] == "fp32"
+    assert safety_order()[0] == "fp32"
     ranks = [safety_rank(m) for m in ("fp32", "tf32", "bf16-mixed", "fp16-mixed")]
     assert ranks == sorted(ranks)
     assert safety_rank("bf16-mixed") < safety_rank("bf16-true")  # mixed over pure
     assert safety_rank("bf16-mixed") < safety_rank("fp16-mixed")  # bf16 over fp16
     assert safety_rank("bf16-true") < safety_rank("fp16-true")
     assert safety_rank("fp8-torchao") < safety_rank("bf16-true")
-    assert max(safety_rank(m) for m in SAFETY_ORDER) == safety_rank("fp16-true")
+    assert max(safety_rank(m) for m in safety_order()) == safety_rank("fp16-true")
 
 
 def test_unknown_mode_has_no_rank() -> None:

@@ -9,7 +9,6 @@ import pytest
 from advisor.tune import study_name_for
 from advisor.tune._options import TuneOptions
 from advisor.tune._search import run_search
-from advisor.tune._service import study_name_from
 from advisor.tune._space import Candidate, Measured, SearchSpace
 from advisor.tune._storage import (
     GRACE_ENV,
@@ -52,14 +51,20 @@ def test_the_study_name_ignores_where_the_checkout_lies(tmp_path):
     assert study_name_for(one, ["--epochs", "1"], "ab" * 8) == study_name_for(two, ["--epochs", "1"], "ab" * 8)
 
 
-def test_the_study_name_changes_with_content_arguments_name_and_hardware():
-    base = study_name_from("train.py", "c0ffee", ["--lr", "3e-4"], "ab" * 8)
+def test_the_study_name_changes_with_content_arguments_name_and_hardware(tmp_path):
+    def script(name: str, content: str):
+        path = tmp_path / content / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"print({content!r})\n")
+        return path
+
+    base = study_name_for(script("train.py", "a"), ["--lr", "3e-4"], "ab" * 8)
     assert base.startswith(f"train-{'ab' * 8}-")
     others = {
-        study_name_from("train.py", "decade", ["--lr", "3e-4"], "ab" * 8),
-        study_name_from("train.py", "c0ffee", ["--lr", "1e-3"], "ab" * 8),
-        study_name_from("main.py", "c0ffee", ["--lr", "3e-4"], "ab" * 8),
-        study_name_from("train.py", "c0ffee", ["--lr", "3e-4"], "cd" * 8),
+        study_name_for(script("train.py", "b"), ["--lr", "3e-4"], "ab" * 8),
+        study_name_for(script("train.py", "a"), ["--lr", "1e-3"], "ab" * 8),
+        study_name_for(script("main.py", "a"), ["--lr", "3e-4"], "ab" * 8),
+        study_name_for(script("train.py", "a"), ["--lr", "3e-4"], "cd" * 8),
     }
     assert base not in others and len(others) == 4
 

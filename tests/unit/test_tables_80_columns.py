@@ -18,7 +18,7 @@ from advisor.cli._report import evaluation_table, print_reasons, render_tune
 from advisor.trial import TrialResult
 from advisor.tune import TuneOptions
 from advisor.tune._engine import tune_policy
-from advisor.tune._trials import evaluate
+from advisor.tune._judge import evaluate
 from policies import Policy
 from probes import HardwareProfile
 

@@ -15,8 +15,8 @@ import advisor.cli._trial as trial_cli
 from advisor._log import get_logger
 from advisor.cli._plot import plot_trials, trial_figure
 from advisor.trial import TrialResult
+from advisor.tune._judge import curve_of, evaluate
 from advisor.tune._stability import basis, smooth
-from advisor.tune._trials import curve_of, evaluate
 from policies import Policy
 from probes import MpadviseError
 

@@ -187,7 +187,7 @@ def test_a_busy_gpu_reruns_the_trial_and_says_which_processes():
 
 
 def test_a_steady_runner_keeps_the_protocols_of_the_runner_it_wraps():
-    from advisor.tune._trials import Extendable, Perturbable
+    from advisor.tune._run import Extendable, Perturbable
 
     class Plain:
         def __call__(self, policy, label):

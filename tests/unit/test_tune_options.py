@@ -13,7 +13,7 @@ import advisor
 from advisor.daemon._models import JobRequest, TuneOptionsModel
 from advisor.frameworks import plan_for
 from advisor.tune._options import TuneOptions, option_info
-from advisor.tune._trials import TrialSettings
+from advisor.tune._run import TrialSettings
 from probes import MpadviseError, UsageError
 
 # The daemon's documented job options (docs/daemon.md); stored jobs carry exactly these keys.

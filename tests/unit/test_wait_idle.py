@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from advisor.tune._trials import wait_until_idle
+from advisor.tune._run import wait_until_idle
 from probes import HardwareProfile, MpadviseError
 
 GPU = HardwareProfile(kind="cuda", name="NVIDIA H100 80GB HBM3", index=0, compute_capability=(9, 0), uuid="GPU-1")
