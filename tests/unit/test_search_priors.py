@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import shutil
 
 import pytest
 from rich.console import Console
@@ -88,16 +89,25 @@ def test_search_tries_a_split_of_a_diverged_mode():
 SPEEDS = {"fp32": 100, "tf32": 40, "bf16-mixed": 20, "fp16-mixed": 10, "bf16-true": 30, "fp16-true": 30}
 
 
-def _pruned_study(tmp_path):
-    storage = f"sqlite:///{tmp_path / 'study.db'}"
-    result = tune(ScaleSkipRunner(SPEEDS), storage=storage, study_name="p", remeasure=False, trials=30)
+@pytest.fixture(scope="module")
+def _pruned_once(tmp_path_factory):
+    """A stored study whose priors pruned proposals, tuned once for this module's tests."""
+    path = tmp_path_factory.mktemp("pruned") / "study.db"
+    result = tune(ScaleSkipRunner(SPEEDS), storage=f"sqlite:///{path}", study_name="p", remeasure=False, trials=30)
     assert result.search.pruned, "the priors pruned nothing: the test needs a pruned proposal"
-    return storage, result
+    return path, result
 
 
-def test_resume_keeps_pruned_candidates_unmeasured(tmp_path):
+def _pruned_study(tmp_path, pruned_once):
+    """A copy of that study for one test to resume, and the first tune's result."""
+    path, result = pruned_once
+    shutil.copy(path, tmp_path / "study.db")
+    return f"sqlite:///{tmp_path / 'study.db'}", result
+
+
+def test_resume_keeps_pruned_candidates_unmeasured(tmp_path, _pruned_once):
     # --resume --no-priors must run what the priors pruned, not take it for a measured failure.
-    storage, before = _pruned_study(tmp_path)
+    storage, before = _pruned_study(tmp_path, _pruned_once)
     second = ScaleSkipRunner(SPEEDS)
     after = tune(second, storage=storage, study_name="p", resume=True, no_priors=True, remeasure=False, trials=60)
     assert after.search.resumed == len(before.search.measured) - 1  # the reference is run again, not resumed
@@ -107,8 +117,8 @@ def test_resume_keeps_pruned_candidates_unmeasured(tmp_path):
         assert after.search.measured[cand].outcome == "ok"
 
 
-def test_resumed_pruned_candidates_say_pruned(tmp_path):
-    storage, before = _pruned_study(tmp_path)
+def test_resumed_pruned_candidates_say_pruned(tmp_path, _pruned_once):
+    storage, before = _pruned_study(tmp_path, _pruned_once)
     after = tune(ScaleSkipRunner(SPEEDS), storage=storage, study_name="p", resume=True, remeasure=False, trials=30)
     data = after.to_dict()
     assert {row["outcome"] for row in data["candidates"]} <= {"ok", "unstable"}
