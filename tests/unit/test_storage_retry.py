@@ -199,7 +199,7 @@ class _OutageAt:
         return {c.mode: m.goodput for c, m in outcome.measured.items()}, ran
 
 
-OUTAGE_PARTS = 4
+OUTAGE_PARTS = 8
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
