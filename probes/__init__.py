@@ -20,7 +20,12 @@ from probes._cpu import cpu_profile, parse_cpuinfo
 from probes._errors import MpadviseError, UnsupportedHere, UsageError
 from probes._files import check_writable, read_trusted_text, write_file_atomic
 from probes._fingerprint import hardware_fingerprint, major_minor
-from probes._libraries import first_installed, fp8_library_versions
+from probes._libraries import (
+    first_installed,
+    fp8_library_versions,
+    gpu_driver_present,
+    torch_release,
+)
 from probes._nvml import cuda_profiles, gpu_busy
 from probes._profile import HardwareProfile
 from probes._switches import matmul_switches
@@ -29,9 +34,9 @@ __all__ = [
     "FP8_RECIPE_RULES", "ArchCapability", "BenchRow", "Fp8RecipeRule", "HardwareProfile",
     "MpadviseError", "UnsupportedHere", "UsageError", "capability_for", "cpu_profile",
     "cuda_profiles", "detect", "first_installed", "fp8_library_versions", "fp8_recipe_rule",
-    "fp8_recipe_since", "fp8_recipe_unmet", "gpu_busy", "hardware_fingerprint", "major_minor",
+    "fp8_recipe_since", "fp8_recipe_unmet", "gpu_busy", "gpu_driver_present", "hardware_fingerprint", "major_minor",
     "matmul_benchmark", "matmul_switches", "parse_cpuinfo", "peak_tflops", "primary_profile",
-    "profile_for", "check_writable", "read_trusted_text", "release", "torch_build_covers",
+    "profile_for", "check_writable", "read_trusted_text", "release", "torch_build_covers", "torch_release",
     "write_file_atomic",
 ]
 
@@ -43,6 +48,8 @@ def detect() -> list[HardwareProfile]:
 
 def primary_profile() -> HardwareProfile:
     """The device training runs on: CUDA's current device where it is usable, else the CPU."""
+    if not gpu_driver_present():
+        return cpu_profile()
     import torch
 
     try:

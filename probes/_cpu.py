@@ -7,7 +7,7 @@ import os
 import platform
 from pathlib import Path
 
-from probes._libraries import fp8_library_versions
+from probes._libraries import fp8_library_versions, torch_release
 from probes._profile import HardwareProfile
 
 # The x86 flags that decide whether low precision is fast on a CPU: AVX2 is the baseline
@@ -38,16 +38,11 @@ def cpu_profile(cpuinfo_path: str | os.PathLike[str] = "/proc/cpuinfo", *,
     with contextlib.suppress(OSError):
         text = Path(cpuinfo_path).read_text(encoding="utf-8", errors="replace")
     model, flags = parse_cpuinfo(text)
-    torch_version: str | None = None
-    with contextlib.suppress(ImportError):
-        import torch
-
-        torch_version = str(torch.__version__)
     memory_total, memory_free = _memory(meminfo_path)
     name = model or platform.processor() or platform.machine() or "unknown CPU"
     return HardwareProfile(kind="cpu", name=name, memory_total=memory_total,
                            memory_free=memory_free, cores=_usable_cores(), cpu_flags=flags,
-                           torch_version=torch_version, libraries=fp8_library_versions())
+                           torch_version=torch_release(), libraries=fp8_library_versions())
 
 
 def _usable_cores() -> int | None:

@@ -1,8 +1,11 @@
-"""Installed versions of the FP8 libraries, read from package metadata without importing them."""
+"""Installed versions of torch and the FP8 libraries, read from package metadata without
+importing them; and whether a GPU driver is here at all, read from its device files."""
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
 from importlib import metadata
 
 # Library name as recorded in a profile -> distribution names that provide it, first found
@@ -28,3 +31,28 @@ def first_installed(distributions: tuple[str, ...]) -> str | None:
         with contextlib.suppress(metadata.PackageNotFoundError, OSError, ValueError):
             return metadata.version(distribution)
     return None
+
+
+def torch_release() -> str | None:
+    """torch's version as its package records it (the same string as ``torch.__version__``),
+    without the seconds ``import torch`` takes; ``torch.__version__`` only where torch runs from
+    a tree with no package metadata; ``None`` without torch."""
+    if (recorded := first_installed(("torch",))) is not None:
+        return recorded
+    with contextlib.suppress(ImportError):
+        import torch
+
+        return str(torch.__version__)
+    return None
+
+
+# What a GPU driver leaves on a host (or in a container given a GPU): NVIDIA's control device and
+# /proc entry, WSL2's GPU paravirtualisation device, ROCm's compute device (torch.cuda serves
+# HIP). Without any of them torch cannot see a CUDA device, and nothing needs to import it to say so.
+_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
+
+
+def gpu_driver_present(root: str = "/") -> bool:
+    """Whether a GPU driver's files are here; ``False`` means torch would find no CUDA device."""
+    here = [os.path.join(root, name.lstrip("/")) for name in _DRIVER_FILES]
+    return any(os.path.exists(path) for path in here) or bool(glob.glob(os.path.join(root, "dev", "nvidia[0-9]*")))

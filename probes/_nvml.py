@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from probes._libraries import fp8_library_versions
+from probes._libraries import fp8_library_versions, gpu_driver_present, torch_release
 from probes._profile import HardwareProfile
 
 _PROC = Path("/proc")
@@ -29,14 +29,16 @@ def cuda_profiles(*, torch_cuda: Any = None, nvml: Any = None, cuda_runtime: str
                   torch_version: str | None = None) -> list[HardwareProfile]:
     """One profile per visible CUDA device, in torch's order; ``[]`` without usable CUDA.
 
-    Tests pass fakes; without ``torch_cuda`` all three torch facts are read from torch."""
+    Tests pass fakes; without ``torch_cuda`` the torch facts are read from torch, which is not
+    imported where no GPU driver is (a CPU-only host answers at once)."""
     if torch_cuda is None:
+        if not gpu_driver_present():
+            return []
         try:
             import torch
         except ImportError:
             return []
-        torch_cuda, cuda_runtime = torch.cuda, torch.version.cuda
-        torch_version = str(torch.__version__)
+        torch_cuda, cuda_runtime, torch_version = torch.cuda, torch.version.cuda, torch_release()
     devices = _torch_devices(torch_cuda)
     if not devices:
         return []

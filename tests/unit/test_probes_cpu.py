@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from probes import HardwareProfile, cpu_profile, fp8_library_versions, parse_cpuinfo
+from probes import (
+    HardwareProfile,
+    cpu_profile,
+    fp8_library_versions,
+    gpu_driver_present,
+    parse_cpuinfo,
+    torch_release,
+)
 from probes._cpu import PRECISION_FLAGS
 
 SAMPLES = Path(__file__).parent / "data" / "cpuinfo"
@@ -115,3 +124,36 @@ def test_cpu_profile_without_any_processor_name(tmp_path, monkeypatch):
     monkeypatch.setattr("platform.machine", lambda: "aarch64")
     profile = cpu_profile(SAMPLES / "graviton3_arm64.txt", meminfo_path=tmp_path / "none")
     assert profile.name == "aarch64"
+
+
+@pytest.mark.parametrize(("files", "present"), [
+    ((), False),
+    (("dev/null",), False),
+    (("dev/nvidiactl",), True),
+    (("dev/nvidia0",), True),
+    (("proc/driver/nvidia/version",), True),
+    (("dev/dxg",), True),  # WSL2
+    (("dev/kfd",), True),  # ROCm: torch.cuda serves HIP
+])
+def test_a_gpu_driver_is_known_by_its_files(tmp_path, files, present):
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).touch()
+    assert gpu_driver_present(str(tmp_path)) is present
+
+
+def test_without_a_gpu_driver_the_probes_answer_without_importing_torch():
+    # A fresh interpreter, since this one has torch already; the driver check is made to say
+    # "none" so that the test means the same on a GPU host.
+    code = (
+        "import sys, probes, probes._nvml\n"
+        "probes.gpu_driver_present = probes._nvml.gpu_driver_present = lambda root='/': False\n"
+        "profiles = probes.detect(); primary = probes.primary_profile(); named = probes.profile_for(None)\n"
+        "assert [p.kind for p in profiles] == ['cpu'] and primary.kind == named.kind == 'cpu', profiles\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print(primary.torch_version)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == torch_release() == cpu_profile().torch_version
