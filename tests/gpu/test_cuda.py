@@ -37,6 +37,8 @@ def test_probe_reads_the_gpu():
     assert p.memory_total and p.memory_total > 2**30
     assert p.driver_version, "NVML should report the driver on a real GPU"
     assert len(probes.hardware_fingerprint(p)) == 16
+    # The driver's files are what lets the probes import torch at all; without them: CPU only.
+    assert probes.gpu_driver_present() and probes.primary_profile().kind == "cuda"
     modes = supported_modes(p)
     assert modes["fp32"].supported and modes["fp16-mixed"].supported
 
