@@ -177,25 +177,28 @@ def test_a_queued_job_outside_the_roots_is_failed_not_run(tmp_path):
 def test_job_files_are_never_opened_through_symlinks(tmp_path):
     home, root = tmp_path / "home", tmp_path / "root"
     copy_scripts(root, "tiny_ok.py")
-    victims = {"out": tmp_path / "victim-out", "log": tmp_path / "victim-log"}
+    # Each file the daemon writes for a job, planted as a link to a file it must not touch: the
+    # first job's request and result (removed, then written anew), the second job's log.
+    planted = {0: ("request.json", "result.json"), 1: ("log",)}
+    victims = {kind: tmp_path / f"victim-{kind}" for kinds in planted.values() for kind in kinds}
     for victim in victims.values():
         victim.write_text("precious\n")
     home.mkdir()
     jobs = home / "jobs"
     jobs.mkdir(mode=0o700)
     with Store(home / "mpadvise.db") as store:
-        ids = {kind: store.enqueue_job(script=str(root / "tiny_ok.py"), args=["40"], options=TINY_TUNE)
-               for kind in victims}
-    for kind, victim in victims.items():
-        (jobs / f"{ids[kind]}.{kind}").symlink_to(victim)
+        ids = [store.enqueue_job(script=str(root / "tiny_ok.py"), args=["40"], options=TINY_TUNE) for _ in planted]
+    for job, kinds in planted.items():
+        for kind in kinds:
+            (jobs / f"{ids[job]}.{kind}").symlink_to(victims[kind])
     daemon = Daemon(home, root).start()
     try:
-        for job_id in ids.values():
-            daemon.wait_job(job_id, timeout=300)
+        done = [daemon.wait_job(job_id, timeout=300) for job_id in ids]
     finally:
         daemon.stop()
     for victim in victims.values():
         assert victim.read_text() == "precious\n", victim
+    assert done[0]["state"] == "succeeded", done[0]
 
 
 def test_write_private_does_not_follow_a_planted_temporary_file(tmp_path):
