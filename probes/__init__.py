@@ -34,10 +34,10 @@ __all__ = [
     "FP8_RECIPE_RULES", "ArchCapability", "BenchRow", "Fp8RecipeRule", "HardwareProfile",
     "MpadviseError", "UnsupportedHere", "UsageError", "capability_for", "cpu_profile",
     "cuda_profiles", "detect", "first_installed", "fp8_library_versions", "fp8_recipe_rule",
-    "fp8_recipe_since", "fp8_recipe_unmet", "gpu_busy", "gpu_driver_present", "hardware_fingerprint", "major_minor",
-    "matmul_benchmark", "matmul_switches", "parse_cpuinfo", "peak_tflops", "primary_profile",
-    "profile_for", "check_writable", "read_trusted_text", "release", "torch_build_covers", "torch_release",
-    "write_file_atomic",
+    "fp8_recipe_since", "fp8_recipe_unmet", "gpu_busy", "gpu_driver_present", "hardware_fingerprint",
+    "major_minor", "matmul_benchmark", "matmul_switches", "parse_cpuinfo", "peak_tflops",
+    "primary_profile", "profile_for", "check_writable", "read_trusted_text", "release",
+    "torch_build_covers", "torch_release", "write_file_atomic",
 ]
 
 
