@@ -48,7 +48,8 @@ def detect() -> list[HardwareProfile]:
 
 def primary_profile() -> HardwareProfile:
     """The device training runs on: CUDA's current device where it is usable, else the CPU."""
-    if not gpu_driver_present():
+    profiles = cuda_profiles()  # [] at once where no GPU driver is: torch is not imported
+    if not profiles:
         return cpu_profile()
     import torch
 
@@ -56,7 +57,7 @@ def primary_profile() -> HardwareProfile:
         current = torch.cuda.current_device() if torch.cuda.is_available() else None
     except Exception:
         current = None  # a broken driver raises here instead of reporting False: train on the CPU
-    found = [profile for profile in cuda_profiles() if profile.index == current]
+    found = [profile for profile in profiles if profile.index == current]
     return found[0] if current is not None and found else cpu_profile()
 
 

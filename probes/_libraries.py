@@ -46,13 +46,13 @@ def torch_release() -> str | None:
     return None
 
 
-# What a GPU driver leaves on a host (or in a container given a GPU): NVIDIA's control device and
-# /proc entry, WSL2's GPU paravirtualisation device, ROCm's compute device (torch.cuda serves
-# HIP). Without any of them torch cannot see a CUDA device, and nothing needs to import it to say so.
-_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
+# What a GPU driver leaves on a host (or in a container given a GPU), as globs under the root:
+# NVIDIA's control and device files and /proc entry, WSL2's GPU paravirtualisation device,
+# ROCm's compute device (torch.cuda serves HIP). Without any of them torch cannot see a CUDA
+# device, and nothing needs to import it to say so.
+_DRIVER_FILES = ("dev/nvidiactl", "dev/nvidia[0-9]*", "proc/driver/nvidia", "dev/dxg", "dev/kfd")
 
 
 def gpu_driver_present(root: str = "/") -> bool:
     """Whether a GPU driver's files are here; ``False`` means torch would find no CUDA device."""
-    here = [os.path.join(root, name.lstrip("/")) for name in _DRIVER_FILES]
-    return any(os.path.exists(path) for path in here) or bool(glob.glob(os.path.join(root, "dev", "nvidia[0-9]*")))
+    return any(glob.glob(os.path.join(root, pattern)) for pattern in _DRIVER_FILES)

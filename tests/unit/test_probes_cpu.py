@@ -147,7 +147,7 @@ def test_without_a_gpu_driver_the_probes_answer_without_importing_torch():
     # "none" so that the test means the same on a GPU host.
     code = (
         "import sys, probes, probes._nvml\n"
-        "probes.gpu_driver_present = probes._nvml.gpu_driver_present = lambda root='/': False\n"
+        "probes._nvml.gpu_driver_present = lambda root='/': False\n"
         "profiles = probes.detect(); primary = probes.primary_profile(); named = probes.profile_for(None)\n"
         "assert [p.kind for p in profiles] == ['cpu'] and primary.kind == named.kind == 'cpu', profiles\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
