@@ -179,8 +179,8 @@ def test_job_files_are_never_opened_through_symlinks(tmp_path):
     copy_scripts(root, "tiny_ok.py")
     # Each file the daemon writes for a job, planted as a link to a file it must not touch: the
     # first job's request and result (removed, then written anew), the second job's log.
-    planted = {0: ("request.json", "result.json"), 1: ("log",)}
-    victims = {kind: tmp_path / f"victim-{kind}" for kinds in planted.values() for kind in kinds}
+    planted = [("request.json", "result.json"), ("log",)]
+    victims = {kind: tmp_path / f"victim-{kind}" for kinds in planted for kind in kinds}
     for victim in victims.values():
         victim.write_text("precious\n")
     home.mkdir()
@@ -188,9 +188,9 @@ def test_job_files_are_never_opened_through_symlinks(tmp_path):
     jobs.mkdir(mode=0o700)
     with Store(home / "mpadvise.db") as store:
         ids = [store.enqueue_job(script=str(root / "tiny_ok.py"), args=["40"], options=TINY_TUNE) for _ in planted]
-    for job, kinds in planted.items():
+    for job_id, kinds in zip(ids, planted):
         for kind in kinds:
-            (jobs / f"{ids[job]}.{kind}").symlink_to(victims[kind])
+            (jobs / f"{job_id}.{kind}").symlink_to(victims[kind])
     daemon = Daemon(home, root).start()
     try:
         done = [daemon.wait_job(job_id, timeout=300) for job_id in ids]
