@@ -202,7 +202,9 @@ class Fp8Mode(Fp8Support):
                 "bf16-mixed, or keep the sensitive layers (first, last, small ones) out of FP8")
 
     def swap_layers(self, module: torch.nn.Module) -> torch.nn.Module:
-        raise NotImplementedError
+        """The module with its eligible layers in FP8: each FP8 library's mode defines it."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not say how it swaps layers; "
+                                  "define swap_layers(module)")
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         import torch
